@@ -1,0 +1,5 @@
+import sys
+
+from longserve.cli import main
+
+sys.exit(main())

@@ -1,0 +1,174 @@
+"""Attention backend interface and the per-step metadata every backend reads.
+
+Token layout of one step (T new tokens, B requests, flattened, no padding):
+
+    request:          r0          r1     r2
+    new tokens:   [ q q q q | q | q q q ]        query_start_loc = [0, 4, 5, 8]
+    prefix_lens:      12        30    0          tokens already in the KV pool before this step
+    seq_lens:         16        31    3          prefix_lens + new tokens (the KV length attended to)
+
+Token i of request r sits at absolute position prefix_lens[r] + (i - query_start_loc[r]) and attends
+causally to KV positions [0, that position]. `slot_mapping[t]` = page_id * page_size + offset is where
+the new token t's K/V are written; `page_table[r, j]` is the page id holding positions
+[j*page_size, (j+1)*page_size) of request r (padded with 0 past the request's pages).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    page_size: int
+    query_start_loc: torch.Tensor  # [B+1] int32, device
+    seq_lens: torch.Tensor  # [B] int32, device
+    prefix_lens: torch.Tensor  # [B] int32, device
+    page_table: torch.Tensor  # [B, max_pages] int32, device
+    slot_mapping: torch.Tensor  # [T] int64, device
+    # host copies (python lists) so reference backends need no device->host sync
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+    prefix_lens_cpu: list[int]
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.shape[0])
+
+    @property
+    def max_query_len(self) -> int:
+        return max(self.query_lens_cpu, default=0)
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens_cpu, default=0)
+
+
+def build_metadata(
+    prefix_lens: list[int],
+    query_lens: list[int],
+    page_tables: list[list[int]],
+    page_size: int,
+    device: torch.device | str,
+) -> AttentionMetadata:
+    """Build one step's metadata from host lists (pure: no cache access, no device sync).
+
+    `page_tables[r]` lists the page ids of request r in position order and must cover its
+    `prefix_lens[r] + query_lens[r]` positions. Index math runs on the CPU; results are copied to `device`.
+    """
+    num_reqs = len(prefix_lens)
+    if not (len(query_lens) == len(page_tables) == num_reqs):
+        raise ValueError(
+            f"build_metadata: got {num_reqs} prefix_lens, {len(query_lens)} query_lens and "
+            f"{len(page_tables)} page_tables; they must have one entry per request"
+        )
+    seq_lens = [p + q for p, q in zip(prefix_lens, query_lens)]
+    for r, (seq_len, pages) in enumerate(zip(seq_lens, page_tables)):
+        if len(pages) * page_size < seq_len:
+            raise ValueError(
+                f"request {r} has seq_len {seq_len} but only {len(pages)} pages of {page_size} tokens"
+            )
+    max_pages = max((len(pages) for pages in page_tables), default=0)
+    page_table = torch.zeros((num_reqs, max_pages), dtype=torch.int64)  # [B, max_pages]
+    for r, pages in enumerate(page_tables):
+        page_table[r, : len(pages)] = torch.tensor(pages, dtype=torch.int64)
+
+    query_lens_t = torch.tensor(query_lens, dtype=torch.int64)  # [B]
+    query_start_loc = torch.zeros(num_reqs + 1, dtype=torch.int64)  # [B+1]
+    query_start_loc[1:] = torch.cumsum(query_lens_t, 0)
+    num_tokens = int(query_start_loc[-1])
+    req_idx = torch.repeat_interleave(torch.arange(num_reqs), query_lens_t)  # [T]
+    # absolute position of each new token: prefix_len + index within its request's query
+    positions = (
+        torch.tensor(prefix_lens, dtype=torch.int64)[req_idx]
+        + torch.arange(num_tokens, dtype=torch.int64)
+        - query_start_loc[:-1][req_idx]
+    )  # [T]
+    page_ids = page_table[req_idx, positions // page_size]  # [T]
+    slot_mapping = page_ids * page_size + positions % page_size  # [T]
+
+    return AttentionMetadata(
+        page_size=page_size,
+        query_start_loc=query_start_loc.to(device=device, dtype=torch.int32),  # [B+1]
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device),  # [B]
+        prefix_lens=torch.tensor(prefix_lens, dtype=torch.int32).to(device),  # [B]
+        page_table=page_table.to(device=device, dtype=torch.int32),  # [B, max_pages]
+        slot_mapping=slot_mapping.to(device),  # [T] int64
+        query_lens_cpu=list(query_lens),
+        seq_lens_cpu=seq_lens,
+        prefix_lens_cpu=list(prefix_lens),
+    )
+
+
+class KVCache:
+    """The paged K/V tensors, one pair per layer: [num_pages, page_size, num_kv_heads, head_dim]."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        shape = (num_pages, page_size, num_kv_heads, head_dim)
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def store(self, layer_id: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write new tokens' K/V ([T, Hkv, D]) into their slots."""
+        kc = self.k[layer_id].view(-1, *self.k[layer_id].shape[2:])  # [num_slots, Hkv, D]
+        vc = self.v[layer_id].view(-1, *self.v[layer_id].shape[2:])
+        kc.index_copy_(0, slot_mapping, k.to(kc.dtype))
+        vc.index_copy_(0, slot_mapping, v.to(vc.dtype))
+
+
+class AttentionBackend(ABC):
+    """Computes attention for one layer over the paged KV cache.
+
+    Contract of `forward`: q [T, Hq, D], k/v [T, Hkv, D] are the new tokens of the step laid out as in
+    the module docstring; the backend first stores k/v at `meta.slot_mapping` in `kv_cache`, then
+    returns [T, Hq, D] attention output where each new token attends causally over its request's
+    prefix (read from the pages) and the new tokens up to itself. Hq is a multiple of Hkv (GQA).
+    `sliding_window` (if not None) limits attention to the last `sliding_window` positions,
+    including the token itself, as in HF Mistral.
+    """
+
+    name: str = "base"
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        meta: AttentionMetadata,
+        kv_cache: KVCache,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor: ...
+
+
+@dataclass
+class ForwardContext:
+    """What a model's forward needs besides token ids and positions; passed explicitly, never global."""
+
+    meta: AttentionMetadata
+    kv_cache: KVCache
+    backend: AttentionBackend

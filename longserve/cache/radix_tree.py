@@ -1,0 +1,280 @@
+"""Radix tree from page-aligned token runs to KV page ids (SGLang's RadixAttention, page-granular).
+
+Invariants: every non-root node holds a key whose length is a positive multiple of page_size and one page
+id per page of key; children are keyed by their first page of tokens; the tree holds exactly one pool
+reference on each page stored in it and no page appears twice; lock_ref = own_locks + sum of the children's
+lock_ref, and a node with lock_ref > 0 is never evicted. A node object keeps its identity across splits
+(the split-off prefix is a new node), so callers may hold nodes returned by match/insert across calls.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from longserve.cache.page_pool import PagePool
+
+
+@dataclass(slots=True, eq=False)
+class TreeNode:
+    key: tuple[int, ...]
+    pages: list[int]
+    # repr=False: parent/children point at each other and would print the whole tree.
+    parent: TreeNode | None = field(default=None, repr=False)
+    children: dict[tuple[int, ...], TreeNode] = field(default_factory=dict, repr=False)
+    lock_ref: int = 0  # locks on this node or any descendant
+    own_locks: int = 0  # locks taken on exactly this node
+    last_access: int = 0  # logical clock stamp; a parent's stamp is >= each child's
+    detached: bool = False  # set once evicted, so a stale handle cannot be locked
+
+
+@dataclass(slots=True)
+class MatchResult:
+    pages: list[int]
+    num_tokens: int  # == len(pages) * page_size
+    node: TreeNode  # deepest matched node; the root when nothing matched
+
+
+@dataclass(slots=True)
+class InsertResult:
+    pages: list[int]  # the tree's page ids for the whole inserted run
+    num_existing_tokens: int  # leading tokens that were already cached (the tree kept its own pages)
+    node: TreeNode  # deepest node of the run; the root for an empty run
+
+
+class RadixTree:
+    """Prefix cache over a PagePool; all lengths are whole pages."""
+
+    def __init__(self, pool: PagePool, page_size: int) -> None:
+        if page_size <= 0:
+            raise ValueError(f"page_size must be positive, got {page_size}")
+        self.pool = pool
+        self.page_size = page_size
+        self._root = TreeNode(key=(), pages=[])
+        self._clock = 0
+        self._num_cached_pages = 0
+        self._num_evictable_pages = 0
+
+    # ---- queries -------------------------------------------------------------------------------
+
+    @property
+    def root(self) -> TreeNode:
+        return self._root
+
+    @property
+    def num_cached_pages(self) -> int:
+        return self._num_cached_pages
+
+    @property
+    def num_evictable_pages(self) -> int:
+        return self._num_evictable_pages
+
+    @property
+    def num_locked_pages(self) -> int:
+        return self._num_cached_pages - self._num_evictable_pages
+
+    def match_prefix(self, tokens: Sequence[int]) -> MatchResult:
+        """Longest cached prefix of tokens in whole pages; splits a node so the match ends on a node."""
+        ps = self.page_size
+        n = len(tokens) - len(tokens) % ps  # a trailing partial page never matches
+        toks = tuple(tokens[:n])
+        node, pages, _ = self._walk(toks, stop_at_split=True)
+        return MatchResult(pages=pages, num_tokens=len(pages) * ps, node=node)
+
+    # ---- mutation ------------------------------------------------------------------------------
+
+    def insert(self, tokens: Sequence[int], pages: Sequence[int]) -> InsertResult:
+        """Cache a whole-page run. The tree keeps its pages for the cached part and adopts (increfs once)
+        the caller's pages for the rest; the caller should switch to the returned ids and drop its own
+        duplicates for the first num_existing_tokens."""
+        ps = self.page_size
+        if len(tokens) % ps != 0:
+            raise ValueError(
+                f"insert needs whole pages: {len(tokens)} tokens is not a multiple of page_size={ps}"
+            )
+        if len(pages) != len(tokens) // ps:
+            raise ValueError(
+                f"insert of {len(tokens)} tokens needs {len(tokens) // ps} pages, got {len(pages)}"
+            )
+        toks = tuple(tokens)
+        node, out_pages, pos = self._walk(toks, stop_at_split=False)
+        num_existing = pos
+        if pos < len(toks):
+            new_pages = list(pages[pos // ps :])
+            # Incref before attaching: if a page is free (a caller bug) the pool raises and the tree is intact.
+            self.pool.incref(new_pages)
+            leaf = TreeNode(key=toks[pos:], pages=new_pages, parent=node, last_access=self._clock)
+            node.children[leaf.key[:ps]] = leaf
+            self._num_cached_pages += len(new_pages)
+            self._num_evictable_pages += len(new_pages)
+            out_pages.extend(new_pages)
+            node = leaf
+        return InsertResult(pages=out_pages, num_existing_tokens=num_existing, node=node)
+
+    def lock(self, node: TreeNode) -> None:
+        """Pin node and its ancestors against eviction. Locking the root is a no-op."""
+        self._check_attached(node)
+        if node is self._root:
+            return
+        node.own_locks += 1
+        cur: TreeNode | None = node
+        while cur is not None and cur is not self._root:
+            if cur.lock_ref == 0:
+                self._num_evictable_pages -= len(cur.pages)
+            cur.lock_ref += 1
+            cur = cur.parent
+
+    def unlock(self, node: TreeNode) -> None:
+        """Undo one lock(node). Unlocking the root is a no-op."""
+        self._check_attached(node)
+        if node is self._root:
+            return
+        if node.own_locks <= 0:
+            raise ValueError(f"unlock of a node that holds no lock of its own (key starts {node.key[:8]})")
+        node.own_locks -= 1
+        cur: TreeNode | None = node
+        while cur is not None and cur is not self._root:
+            assert cur.lock_ref > 0
+            cur.lock_ref -= 1
+            if cur.lock_ref == 0:
+                self._num_evictable_pages += len(cur.pages)
+            cur = cur.parent
+
+    def evict(self, num_pages: int) -> int:
+        """Remove unlocked leaves in LRU order until num_pages pages reached refcount 0 (pages a request
+        still holds leave the tree but do not count) or nothing is evictable. Returns pages freed."""
+        return self._evict(num_pages)
+
+    def reset(self) -> int:
+        """Evict every unlocked node (flush_cache); returns pages freed."""
+        return self._evict(None)
+
+    # ---- internals -----------------------------------------------------------------------------
+
+    def _walk(self, toks: tuple[int, ...], stop_at_split: bool) -> tuple[TreeNode, list[int], int]:
+        """Descend along toks (whole pages), splitting where the match ends inside a node; stamps the path.
+        Returns (deepest matched node, its path's pages, matched token count)."""
+        ps = self.page_size
+        self._clock += 1
+        node = self._root
+        node.last_access = self._clock
+        pages: list[int] = []
+        pos = 0
+        while pos < len(toks):
+            child = node.children.get(toks[pos : pos + ps])
+            if child is None:
+                break
+            m = self._match_len(child.key, toks, pos)
+            split = m < len(child.key)
+            if split:
+                child = self._split(child, m)
+            child.last_access = self._clock
+            pages.extend(child.pages)
+            pos += m
+            node = child
+            if split and stop_at_split:
+                break
+        return node, pages, pos
+
+    def _match_len(self, key: tuple[int, ...], toks: tuple[int, ...], start: int) -> int:
+        """Tokens of key matching toks[start:], in whole pages (>= one page: the child key matched)."""
+        ps = self.page_size
+        limit = min(len(key), len(toks) - start)
+        i = ps
+        while i < limit and key[i : i + ps] == toks[start + i : start + i + ps]:
+            i += ps
+        return i
+
+    def _split(self, node: TreeNode, at: int) -> TreeNode:
+        """Cut node after `at` tokens; returns the new prefix node. `node` keeps the suffix (and its
+        identity, locks and children), so handles held by callers stay valid."""
+        ps = self.page_size
+        assert 0 < at < len(node.key) and at % ps == 0
+        parent = node.parent
+        assert parent is not None
+        head = TreeNode(
+            key=node.key[:at],
+            pages=node.pages[: at // ps],
+            parent=parent,
+            # Every lock below head runs through node, so head inherits node's whole lock_ref.
+            lock_ref=node.lock_ref,
+            last_access=node.last_access,
+        )
+        parent.children[head.key[:ps]] = head
+        node.key = node.key[at:]
+        node.pages = node.pages[at // ps :]
+        node.parent = head
+        head.children[node.key[:ps]] = node
+        return head
+
+    def _evict(self, num_pages: int | None) -> int:
+        if num_pages is not None and num_pages <= 0:
+            return 0
+        # Page ids are unique in the tree, so (stamp, first page) is a total order: no node comparisons.
+        heap = [(n.last_access, n.pages[0], n) for n in self._nodes() if not n.children and n.lock_ref == 0]
+        heapq.heapify(heap)
+        freed = 0
+        while heap and (num_pages is None or freed < num_pages):
+            _, _, node = heapq.heappop(heap)
+            parent = node.parent
+            assert parent is not None
+            del parent.children[node.key[: self.page_size]]
+            node.parent = None
+            node.detached = True
+            self._num_cached_pages -= len(node.pages)
+            self._num_evictable_pages -= len(node.pages)
+            freed += len(self.pool.decref(node.pages))
+            if parent is not self._root and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(heap, (parent.last_access, parent.pages[0], parent))
+        return freed
+
+    def _nodes(self) -> Iterator[TreeNode]:
+        """All non-root nodes, depth first."""
+        stack = list(self._root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def _check_attached(self, node: TreeNode) -> None:
+        if node.detached:
+            raise ValueError("node was evicted; lock it right after match_prefix/insert returns it")
+
+    def check(self) -> None:
+        """Assert structural invariants with a full walk (tests and debug only)."""
+        ps = self.page_size
+        root = self._root
+        assert root.key == () and root.pages == [] and root.parent is None
+        assert root.lock_ref == 0 and root.own_locks == 0
+        seen: set[int] = set()
+        num_cached = num_evictable = 0
+        stack = [root]
+        while stack:
+            node = stack.pop()
+            child_locks = 0
+            for first, child in node.children.items():
+                assert child.parent is node, "child's parent pointer is stale"
+                assert not child.detached
+                assert len(child.key) > 0 and len(child.key) % ps == 0, f"key length {len(child.key)}"
+                assert len(child.pages) == len(child.key) // ps, "pages do not cover the key"
+                assert first == child.key[:ps], "child stored under the wrong first page"
+                assert child.last_access <= node.last_access or node is root, "child newer than parent"
+                for p in child.pages:
+                    assert p not in seen, f"page {p} appears twice in the tree"
+                    seen.add(p)
+                    assert self.pool.ref(p) >= 1, f"tree page {p} is free in the pool"
+                num_cached += len(child.pages)
+                if child.lock_ref == 0:
+                    num_evictable += len(child.pages)
+                child_locks += child.lock_ref
+                stack.append(child)
+            if node is not root:
+                assert node.own_locks >= 0
+                assert node.lock_ref == node.own_locks + child_locks, "lock_ref out of sync with locks"
+        assert num_cached == self._num_cached_pages, (
+            f"num_cached_pages {self._num_cached_pages} != {num_cached}"
+        )
+        assert num_evictable == self._num_evictable_pages, (
+            f"num_evictable_pages {self._num_evictable_pages} != {num_evictable}"
+        )

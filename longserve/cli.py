@@ -1,0 +1,107 @@
+"""The `longserve` command. `longserve generate` runs the offline engine on prompts from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", "--model-path", dest="model", required=True, help="Hugging Face checkpoint directory")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens")
+    p.add_argument("--mem-fraction-static", type=float, default=0.85)
+    p.add_argument("--chunked-prefill-size", type=int, default=8192, help="per-step token budget")
+    p.add_argument("--max-running-requests", type=int, default=256)
+    p.add_argument("--context-length", type=int, default=None)
+    p.add_argument("--disable-radix-cache", action="store_true", help="turn the prefix cache off")
+    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        dtype=args.dtype,
+        device=args.device,
+        load_format=args.load_format,
+        page_size=args.page_size,
+        max_total_tokens=args.max_total_tokens,
+        mem_fraction_static=args.mem_fraction_static,
+        chunked_prefill_size=args.chunked_prefill_size,
+        max_running_requests=args.max_running_requests,
+        context_length=args.context_length,
+        enable_prefix_caching=not args.disable_radix_cache,
+        attention_backend=args.attention_backend,
+        seed=args.seed,
+    )
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from longserve import LLM, SamplingParams
+
+    params = SamplingParams(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        stop=args.stop or [],
+        seed=args.sample_seed,
+    )
+    llm = LLM(args.model, **_engine_kwargs(args))
+    if args.chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
+    else:
+        outputs = llm.generate(args.prompt, params)
+    for prompt, out in zip(args.prompt, outputs):
+        if args.json:
+            print(json.dumps({
+                "prompt": prompt, "text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
+                "prompt_tokens": out.prompt_tokens, "cached_tokens": out.cached_tokens,
+                "ttft": out.ttft, "e2e_latency": out.e2e_latency,
+            }))
+        else:
+            print(f"--- {prompt!r} ({out.prompt_tokens} prompt tokens, ttft {out.ttft:.3f}s, {out.finish_reason})")
+            print(out.text)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from longserve import __version__
+
+    parser = argparse.ArgumentParser(prog="longserve", description="LLM serving engine for long prompts")
+    parser.add_argument("--version", action="version", version=f"longserve {__version__}")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate offline for prompts given on the command line")
+    _add_engine_args(gen)
+    gen.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for several)")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message (chat template)")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    gen.add_argument("--sample-seed", type=int, default=None, help="seed of the sampling")
+    gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    gen.set_defaults(func=_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""EngineConfig: every engine setting in one frozen dataclass. The CLI, LONGSERVE_* env vars and YAML
+files (later issues) resolve onto these same fields; validation lives here so every entry point shares it."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields, replace
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+DEVICES = ("auto", "cpu", "cuda")
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+ATTENTION_BACKENDS = ("auto", "torch")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    tokenizer: str | None = None  # defaults to the model directory
+    dtype: str = "auto"
+    device: str = "auto"
+    load_format: str = "auto"
+    seed: int = 0  # seed of dummy weights and of unseeded sampling
+
+    # KV pool
+    page_size: int = 16
+    max_total_tokens: int | None = None  # pool size in tokens; None: sized by mem_fraction_static
+    mem_fraction_static: float = 0.85  # share of device memory (CPU: of free RAM) for weights + KV pool
+    enable_prefix_caching: bool = True
+
+    # scheduling
+    chunked_prefill_size: int = 8192  # per-step token budget (vLLM: max_num_batched_tokens)
+    max_prefill_chunk: int | None = None  # per-request cap per step; None: the whole budget
+    max_running_requests: int = 256
+    context_length: int | None = None  # None: the model's max_position_embeddings
+
+    attention_backend: str = "auto"
+    tp_size: int = 1
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ValueError(msg)
+
+        need(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
+        need(self.device in DEVICES, f"device must be one of {', '.join(DEVICES)}; got {self.device!r}")
+        need(
+            self.load_format in LOAD_FORMATS,
+            f"load_format must be one of {', '.join(LOAD_FORMATS)}; got {self.load_format!r}",
+        )
+        need(
+            self.attention_backend in ATTENTION_BACKENDS,
+            f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}; got {self.attention_backend!r}",
+        )
+        need(
+            isinstance(self.page_size, int) and self.page_size >= 1,
+            f"page_size must be an integer >= 1; got {self.page_size!r}",
+        )
+        need(
+            self.chunked_prefill_size >= 1, f"chunked_prefill_size must be >= 1; got {self.chunked_prefill_size}"
+        )
+        need(
+            self.max_prefill_chunk is None or self.max_prefill_chunk >= 1,
+            f"max_prefill_chunk must be >= 1; got {self.max_prefill_chunk}",
+        )
+        need(
+            self.max_running_requests >= 1,
+            f"max_running_requests must be >= 1; got {self.max_running_requests}",
+        )
+        need(
+            self.max_total_tokens is None or self.max_total_tokens >= self.page_size,
+            f"max_total_tokens must hold at least one page ({self.page_size} tokens); got {self.max_total_tokens}",
+        )
+        need(
+            0 < self.mem_fraction_static <= 1,
+            f"mem_fraction_static must be in (0, 1]; got {self.mem_fraction_static}",
+        )
+        need(
+            self.context_length is None or self.context_length >= 1,
+            f"context_length must be >= 1; got {self.context_length}",
+        )
+        need(self.tp_size == 1, f"tp_size={self.tp_size}: tensor parallelism is not implemented yet; use 1")
+        if self.load_format != "dummy" and not os.path.isdir(self.model):
+            raise FileNotFoundError(
+                f"model directory {self.model!r} does not exist; pass a local Hugging Face checkpoint "
+                "directory (config.json, *.safetensors, tokenizer files), or load_format='dummy' with a "
+                "directory holding config.json"
+            )
+
+    @property
+    def tokenizer_path(self) -> str:
+        return self.tokenizer or self.model
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> EngineConfig:
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}; known: {', '.join(sorted(names))}")
+        return cls(**kwargs)
+
+    def with_changes(self, **changes) -> EngineConfig:
+        return replace(self, **changes)

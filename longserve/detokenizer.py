@@ -1,0 +1,63 @@
+"""Incremental detokenization and stop-string handling for one request.
+
+Text is decoded from a sliding window of tokens (`prefix_offset`..end) so each new token costs O(window),
+and a token that ends inside a multi-byte character (decodes to U+FFFD) is held until it completes.
+Streaming holds back the last (longest stop string - 1) characters so a stop string is never streamed
+and then taken back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class DetokState:
+    prefix_offset: int = 0
+    read_offset: int = 0
+    num_emitted_chars: int = 0  # characters of output_text already handed to the caller
+
+
+def _decode(tokenizer, ids: list[int], skip_special_tokens: bool) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+
+
+class IncrementalDetokenizer:
+    # context tokens before the new ones: enough for tokenizers that merge spaces across tokens
+    WINDOW = 6
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def start(self, prompt_ids: list[int]) -> DetokState:
+        # decode the first output tokens with the end of the prompt as context (leading-space handling)
+        offset = max(0, len(prompt_ids) - self.WINDOW)
+        n = len(prompt_ids)
+        return DetokState(prefix_offset=offset - n, read_offset=0)
+
+    def step(self, state: DetokState, prompt_ids: list[int], output_ids: list[int], skip_special: bool) -> str:
+        """Return the new text that the last output token(s) complete ('' while a character is split)."""
+        # offsets are relative to output_ids; negative values reach back into the prompt
+        def window(lo: int, hi: int) -> list[int]:
+            if lo >= 0:
+                return output_ids[lo:hi]
+            return prompt_ids[len(prompt_ids) + lo :] + output_ids[:hi]
+
+        prefix_text = _decode(self.tokenizer, window(state.prefix_offset, state.read_offset), skip_special)
+        full_text = _decode(self.tokenizer, window(state.prefix_offset, len(output_ids)), skip_special)
+        if full_text.endswith("\ufffd") or len(full_text) <= len(prefix_text):
+            return ""
+        new_text = full_text[len(prefix_text) :]
+        state.prefix_offset = state.read_offset
+        state.read_offset = len(output_ids)
+        return new_text
+
+
+def find_stop_string(text: str, stops: list[str], search_from: int) -> tuple[int, str] | None:
+    """Earliest occurrence of any stop string that ends after `search_from`; (index, stop) or None."""
+    best: tuple[int, str] | None = None
+    for stop in stops:
+        idx = text.find(stop, max(0, search_from - len(stop) + 1))
+        if idx >= 0 and (best is None or idx < best[0]):
+            best = (idx, stop)
+    return best

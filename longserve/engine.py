@@ -1,0 +1,314 @@
+"""Engine: tokenizer + scheduler + model runner. `add_request` / `abort` / `step()`; one thread drives it.
+
+Every accepted request ends with a finished RequestOutput: a result, an abort or an error.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+
+import torch
+
+from longserve.cache.manager import KVCacheManager
+from longserve.config import EngineConfig
+from longserve.detokenizer import IncrementalDetokenizer, find_stop_string
+from longserve.models import load_hf_config
+from longserve.outputs import CompletionOutput, RequestOutput, StepStats
+from longserve.request import FinishReason, Request
+from longserve.runner.model_runner import ModelRunner
+from longserve.sampling_params import SamplingParams
+from longserve.sched.scheduler import Scheduler, SchedulerConfig
+from longserve.tokenizer import load_generation_eos_ids, load_tokenizer
+
+logger = logging.getLogger("longserve.engine")
+
+
+class PromptTooLongError(ValueError):
+    pass
+
+
+class _Group:
+    """The n siblings of one user request (n == 1: a group of one)."""
+
+    __slots__ = ("request_id", "prompt", "members", "last_emitted")
+
+    def __init__(self, request_id: str, prompt: str | None, members: list[Request]) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.members = members
+        self.last_emitted: list[int] = [0] * len(members)  # tokens already reported per member
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        start = time.perf_counter()
+        self.hf_config = load_hf_config(config.model)
+        self.tokenizer = load_tokenizer(config.tokenizer_path, required=config.load_format != "dummy")
+        self.runner = ModelRunner(config, self.hf_config)
+        self.eos_token_ids = self._eos_ids()
+
+        model_max = getattr(self.hf_config, "max_position_embeddings", None) or 2048
+        pool_tokens = self.runner.num_pages * config.page_size
+        context_length = config.context_length or model_max
+        if config.context_length is not None and config.context_length > pool_tokens:
+            raise ValueError(
+                f"context_length={config.context_length:,} cannot fit: the KV pool holds only {pool_tokens:,} tokens; "
+                "lower context_length, or raise max_total_tokens / mem_fraction_static"
+            )
+        if context_length > pool_tokens:
+            logger.warning(
+                "the model allows %s tokens but the KV pool holds %s: the context length is capped at %s",
+                f"{context_length:,}", f"{pool_tokens:,}", f"{pool_tokens:,}",
+            )
+            context_length = pool_tokens
+        self.context_length = context_length
+
+        self.kv = KVCacheManager(self.runner.num_pages, config.page_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                token_budget=config.chunked_prefill_size,
+                max_running_requests=config.max_running_requests,
+                max_prefill_chunk=config.max_prefill_chunk,
+            ),
+            self.kv,
+        )
+        self.detokenizer = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
+        self.groups: dict[str, _Group] = {}
+        self._group_of: dict[str, _Group] = {}  # member request id -> group
+        self._ids = itertools.count()
+        self.last_step_stats = StepStats()
+        if config.seed is not None:
+            torch.manual_seed(config.seed)
+        logger.info("%s; context length %s; ready in %.1fs", self.runner.describe(), f"{context_length:,}",
+                    time.perf_counter() - start)
+
+    def _eos_ids(self) -> frozenset[int]:
+        ids: set[int] = set(load_generation_eos_ids(self.config.model))
+        cfg_eos = getattr(self.hf_config, "eos_token_id", None)
+        if not ids and cfg_eos is not None:
+            ids.update(cfg_eos if isinstance(cfg_eos, list) else [cfg_eos])
+        if not ids and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return frozenset(int(i) for i in ids)
+
+    # ---- requests -------------------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this engine has no tokenizer (load_format='dummy' without tokenizer files): pass token ids")
+        return self.tokenizer.encode(text)
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Queue a request; raises ValueError (nothing queued) for input that cannot be served."""
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if isinstance(prompt, str):
+            text, token_ids = prompt, self.encode(prompt)
+        else:
+            text, token_ids = None, list(prompt)
+            vocab = self.runner.model.vocab_size
+            bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
+        if not token_ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        if len(token_ids) >= self.context_length:
+            raise PromptTooLongError(
+                f"prompt has {len(token_ids):,} tokens; the context length is {self.context_length:,} "
+                "(the prompt plus at least one generated token must fit)"
+            )
+        group_id = request_id if params.n > 1 else None
+        members = []
+        for i in range(params.n):
+            member_params = params
+            if params.n > 1 and params.seed is not None:
+                member_params = params.clone(seed=params.seed + i)  # siblings must not repeat each other
+            members.append(
+                Request(
+                    request_id=request_id if params.n == 1 else f"{request_id}#{i}",
+                    prompt_token_ids=token_ids,
+                    sampling_params=member_params,
+                    eos_token_ids=self.eos_token_ids,
+                    group_id=group_id,
+                )
+            )
+        group = _Group(request_id, text, members)
+        self.groups[request_id] = group
+        for req in members:
+            if self.detokenizer is not None:
+                req.detok_state = self.detokenizer.start(req.prompt_token_ids)
+            self._group_of[req.request_id] = group
+            self.scheduler.add_request(req)
+        return request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Abort a request (all its n members); returns its final output, None if unknown or done."""
+        group = self.groups.get(request_id)
+        if group is None:
+            return None
+        for req in group.members:
+            self.scheduler.finish_request(req, FinishReason.ABORT)
+        return self._group_output(group)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.groups)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.groups)
+
+    # ---- the step -------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling step and forward pass; return outputs of requests that progressed."""
+        t0 = time.perf_counter()
+        sched_out = self.scheduler.schedule()
+        touched: dict[str, _Group] = {}
+        if sched_out.is_empty:
+            if self.scheduler.has_unfinished() and not self.scheduler.running:
+                # nothing runs and nothing can be admitted: the queue head cannot fit the pool
+                self._fail_unschedulable()
+                touched.update((g.request_id, g) for g in list(self.groups.values()) if self._done(g))
+        else:
+            runner_out = self.runner.execute(sched_out, self.eos_token_ids)
+            new_tokens = self.scheduler.update(sched_out, runner_out.sampled_token_ids)
+            now = time.perf_counter()
+            for i, (req, token) in enumerate(new_tokens):
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                if runner_out.logprobs is not None and req.sampling_params.logprobs is not None:
+                    req.logprobs.append(runner_out.logprobs[i])
+                    if runner_out.top_logprobs is not None:
+                        req.top_logprobs.append(runner_out.top_logprobs[i][: req.sampling_params.logprobs])
+                self._process_token(req, token)
+            for s in sched_out.scheduled:
+                g = self._group_of.get(s.request.request_id)
+                if g is not None:
+                    touched[g.request_id] = g
+        outputs = [self._group_output(g) for g in touched.values()]
+        num_prefill = sum(s.num_new_tokens for s in sched_out.scheduled if s.num_new_tokens > 1 or not s.samples)
+        self.last_step_stats = StepStats(
+            num_prefill_tokens=num_prefill,
+            num_decode_tokens=sched_out.num_batched_tokens - num_prefill,
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            num_preempted=len(sched_out.preempted),
+            kv_usage=self.kv.usage(),
+            step_time=time.perf_counter() - t0,
+        )
+        return outputs
+
+    def _fail_unschedulable(self) -> None:
+        req = self.scheduler.waiting[0]
+        req.error = (
+            f"request needs {self.kv.pages_needed(req, min(req.num_tokens, self.config.chunked_prefill_size))} "
+            f"pages but the KV pool has {self.kv.num_total_pages}"
+        )
+        self.scheduler.finish_request(req, FinishReason.ERROR)
+
+    def _process_token(self, req: Request, token: int) -> None:
+        params = req.sampling_params
+        if params.max_new_tokens == 0:  # prefill only (warms the prefix cache): drop the sample
+            req.output_token_ids.pop()
+            self.scheduler.finish_request(req, FinishReason.LENGTH)
+            return
+        if token in params.stop_token_ids:
+            req.stop_reason = token
+            self.scheduler.finish_request(req, FinishReason.STOP)
+            return
+        if token in req.eos_token_ids and not params.ignore_eos:
+            req.stop_reason = token
+            self.scheduler.finish_request(req, FinishReason.STOP)
+            return
+        if self.detokenizer is not None:
+            new_text = self.detokenizer.step(
+                req.detok_state, req.prompt_token_ids, req.output_token_ids, params.skip_special_tokens
+            )
+            if new_text:
+                old_len = len(req.output_text)
+                req.output_text += new_text
+                if params.stop:
+                    hit = find_stop_string(req.output_text, params.stop, old_len)
+                    if hit is not None:
+                        req.output_text = req.output_text[: hit[0]]
+                        req.stop_reason = hit[1]
+                        self.scheduler.finish_request(req, FinishReason.STOP)
+                        return
+        if (params.max_new_tokens is not None and req.num_output_tokens >= params.max_new_tokens) or (
+            req.num_tokens >= self.context_length
+        ):
+            self.scheduler.finish_request(req, FinishReason.LENGTH)
+
+    # ---- outputs --------------------------------------------------------------------------------
+    @staticmethod
+    def _done(group: _Group) -> bool:
+        return all(r.is_finished for r in group.members)
+
+    def _group_output(self, group: _Group) -> RequestOutput:
+        completions = []
+        for i, req in enumerate(group.members):
+            params = req.sampling_params
+            text = req.output_text
+            # while running, hold back text that might be the start of a stop string
+            visible = text
+            if not req.is_finished and params.stop:
+                visible = text[: max(len(text) - (max(len(s) for s in params.stop) - 1), 0)]
+            state = req.detok_state
+            emitted = state.num_emitted_chars if state is not None else 0
+            new_text = visible[emitted:] if len(visible) > emitted else ""
+            if state is not None:
+                state.num_emitted_chars = max(emitted, len(visible))
+            completions.append(
+                CompletionOutput(
+                    index=i,
+                    text=text,
+                    token_ids=list(req.output_token_ids),
+                    finish_reason=req.finish_reason.value if req.finish_reason else None,
+                    stop_reason=req.stop_reason,
+                    logprobs=list(req.logprobs) if params.logprobs is not None else None,
+                    top_logprobs=list(req.top_logprobs) if params.logprobs else None,
+                    new_text=new_text,
+                    new_token_ids=list(req.output_token_ids[group.last_emitted[i] :]),
+                )
+            )
+            group.last_emitted[i] = req.num_output_tokens
+        first = group.members[0]
+        finished = self._done(group)
+        out = RequestOutput(
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=first.prompt_token_ids,
+            outputs=completions,
+            finished=finished,
+            cached_tokens=max(first.num_cached_tokens, 0),
+            error="; ".join(r.error for r in group.members if r.error) or None,
+        )
+        if first.first_token_time is not None:
+            out.ttft = first.first_token_time - first.arrival_time
+        if first.first_scheduled_time is not None:
+            out.queue_time = first.first_scheduled_time - first.arrival_time
+            if first.first_token_time is not None:
+                out.prefill_time = first.first_token_time - first.first_scheduled_time
+        if finished:
+            end = max(r.finished_time or 0.0 for r in group.members)
+            out.e2e_latency = end - first.arrival_time
+            del self.groups[group.request_id]
+            for req in group.members:
+                self._group_of.pop(req.request_id, None)
+        return out
+
+    def flush_cache(self) -> int:
+        return self.kv.flush()
+
+    def check_integrity(self) -> None:
+        """Assert the page accounting is exact (tests call this after every scenario)."""
+        live = list(self.scheduler.running) + list(self.scheduler.waiting)
+        self.kv.check_integrity(live)

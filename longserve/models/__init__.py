@@ -1,0 +1,6 @@
+"""Model implementations (Llama, Mistral, Qwen2, Qwen3), their registry and the checkpoint loader."""
+
+from longserve.models.loader import load_hf_config, load_model, resolve_dtype
+from longserve.models.registry import get_model_class
+
+__all__ = ["get_model_class", "load_hf_config", "load_model", "resolve_dtype"]

@@ -1,0 +1,97 @@
+"""`CausalLM`: the decoder plus LM head, the runner-facing model API, and HF-name weight loading.
+
+Runner contract: `model(input_ids [T], positions [T], ctx) -> hidden [T, hidden_size]` over the flattened
+new tokens of every request; `compute_logits(hidden [N, hidden_size]) -> [N, vocab] float32`.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from longserve.attention.base import ForwardContext
+from longserve.models.decoder import ArchOptions, DecoderModel, compute_logits, get_head_dim
+from longserve.models.layers import STACKED_PARAMS, MergedLinear, default_weight_loader
+
+# checkpoint tensors that are derived, not learned
+_SKIPPED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+class CausalLM(nn.Module):
+    """Base of every supported architecture; subclasses only override `arch_options`."""
+
+    def __init__(self, hf_config: Any) -> None:
+        super().__init__()
+        self.config = hf_config
+        self.model = DecoderModel(hf_config, self.arch_options(hf_config))
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+        self.num_layers: int = hf_config.num_hidden_layers
+        self.num_heads: int = hf_config.num_attention_heads
+        self.num_kv_heads: int = getattr(hf_config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim: int = get_head_dim(hf_config)
+        self.hidden_size: int = hf_config.hidden_size
+        self.vocab_size: int = hf_config.vocab_size
+
+    @classmethod
+    def arch_options(cls, hf_config: Any) -> ArchOptions:
+        raise NotImplementedError
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return self.model(input_ids, positions, ctx)  # [T, hidden]
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return compute_logits(hidden, self.lm_head_weight)  # [N, V] float32
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the parameters; raise if a tensor is unknown or a parameter unloaded."""
+        params = dict(self.named_parameters())
+        required: dict[str, set[str | None]] = {name: {None} for name in params}
+        for mod_name, mod in self.named_modules():
+            if isinstance(mod, MergedLinear):
+                for pname, _ in mod.named_parameters(prefix=mod_name):
+                    required[pname] = set(mod.shard_sizes)
+        loaded: dict[str, set[str | None]] = defaultdict(set)
+
+        for name, tensor in weights:
+            if name.endswith(_SKIPPED_SUFFIXES) or (self.tie_word_embeddings and name == "lm_head.weight"):
+                continue
+            pname, shard_id = _map_name(name)
+            if pname not in params:
+                raise ValueError(
+                    f"checkpoint tensor {name!r} matches no parameter of {type(self).__name__}"
+                    f" (looked for {pname!r})"
+                )
+            param = params[pname]
+            loader = getattr(param, "weight_loader", None)
+            with torch.no_grad():
+                if loader is not None:
+                    loader(param, tensor, shard_id)
+                else:
+                    default_weight_loader(param, tensor)
+            if shard_id is None:
+                loaded[pname] |= required[pname]
+            else:
+                loaded[pname].add(shard_id)
+
+        missing = sorted(n for n, req in required.items() if not req <= loaded[n])
+        if missing:
+            shown = ", ".join(missing[:10]) + (f", ... ({len(missing)} in all)" if len(missing) > 10 else "")
+            raise ValueError(f"checkpoint is missing weights for parameters: {shown}")
+
+
+def _map_name(name: str) -> tuple[str, str | None]:
+    """HF tensor name -> (our parameter name, shard id within a fused parameter or None)."""
+    for fused, hf, shard_id in STACKED_PARAMS:
+        if f".{hf}." in name:
+            return name.replace(f".{hf}.", f".{fused}."), shard_id
+    return name, None

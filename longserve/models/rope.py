@@ -1,0 +1,132 @@
+"""Rotary position embedding with the HF rope types default, linear, llama3 and yarn.
+
+Numerics follow HF: inverse frequencies and cos/sin are computed in float32, then cast to the activation
+dtype; the rotation uses HF's rotate_half convention (the two halves of head_dim, not interleaved pairs).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def rope_parameters_from_config(hf_config: Any) -> dict[str, Any]:
+    """Normalize transformers 5 `rope_parameters` and older `rope_theta` + `rope_scaling` into one dict."""
+    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    params = dict(params)
+    if params and all(isinstance(v, dict) for v in params.values()):
+        raise ValueError("per-layer-type rope parameters are not supported")
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    if params.get("rope_theta") is None:
+        params["rope_theta"] = getattr(hf_config, "rope_theta", None) or 10000.0
+    if params["rope_type"] in ("llama3", "yarn") and params.get("original_max_position_embeddings") is None:
+        params["original_max_position_embeddings"] = getattr(
+            hf_config, "original_max_position_embeddings", None
+        ) or getattr(hf_config, "max_position_embeddings", None)
+    if params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0) or 1.0) != 1.0:
+        raise ValueError("partial_rotary_factor != 1.0 is not supported")
+    return params
+
+
+def _default_inv_freq(dim: int, base: float) -> torch.Tensor:
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))  # [D/2]
+
+
+def _llama3_inv_freq(dim: int, p: dict[str, Any]) -> torch.Tensor:
+    inv_freq = _default_inv_freq(dim, p["rope_theta"])  # [D/2]
+    factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
+    old_ctx = p["original_max_position_embeddings"]
+    low_freq_wavelen, high_freq_wavelen = old_ctx / low, old_ctx / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn_inv_freq(dim: int, p: dict[str, Any], max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+    base = p["rope_theta"]
+    orig = p["original_max_position_embeddings"]
+    factor = p.get("factor") or max_position_embeddings / orig
+
+    def get_mscale(scale: float, mscale: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    attention_factor = p.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = p.get("mscale"), p.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = float(get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim))
+        else:
+            attention_factor = get_mscale(factor)
+    beta_fast, beta_slow = p.get("beta_fast") or 32, p.get("beta_slow") or 1
+
+    def correction_dim(num_rotations: float) -> float:
+        return (dim * math.log(orig / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)  # [D/2]
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention_factor)
+
+
+def compute_inv_freq(
+    head_dim: int, params: dict[str, Any], max_position_embeddings: int
+) -> tuple[torch.Tensor, float]:
+    """Return (inv_freq [head_dim/2] float32, attention_scaling) for a normalized rope parameter dict."""
+    rope_type = params["rope_type"]
+    if rope_type == "default":
+        return _default_inv_freq(head_dim, params["rope_theta"]), 1.0
+    if rope_type == "linear":
+        return _default_inv_freq(head_dim, params["rope_theta"]) / params["factor"], 1.0
+    if rope_type == "llama3":
+        return _llama3_inv_freq(head_dim, params), 1.0
+    if rope_type == "yarn":
+        return _yarn_inv_freq(head_dim, params, max_position_embeddings)
+    raise ValueError(
+        f"rope_type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+    )
+
+
+class RotaryEmbedding(nn.Module):
+    """Computes cos/sin [T, head_dim] for absolute positions [T]; apply with `apply_rotary`."""
+
+    def __init__(self, head_dim: int, params: dict[str, Any], max_position_embeddings: int) -> None:
+        super().__init__()
+        inv_freq, self.attention_scaling = compute_inv_freq(head_dim, params, max_position_embeddings)
+        # float32 whatever the default dtype; derived from the config, never loaded from a checkpoint
+        self.register_buffer("inv_freq", inv_freq.to(torch.float32), persistent=False)
+
+    @classmethod
+    def from_config(cls, hf_config: Any, head_dim: int) -> RotaryEmbedding:
+        return cls(head_dim, rope_parameters_from_config(hf_config), hf_config.max_position_embeddings)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[:, None].float() * self.inv_freq.float()  # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
+        cos = emb.cos() * self.attention_scaling  # [T, D]
+        sin = emb.sin() * self.attention_scaling  # [T, D]
+        return cos.to(dtype), sin.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)  # [..., D/2] each
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D], cos/sin [T, D] -> rotated x [T, H, D]."""
+    return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]

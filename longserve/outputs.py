@@ -1,0 +1,103 @@
+"""Plain data passed between layers: scheduler -> runner -> engine -> caller."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from longserve.request import Request
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int  # tokens whose K/V this step computes, starting at request.num_computed_tokens
+    samples: bool  # this chunk reaches the request's last token: the step samples its next token
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)  # decodes first, then prefill chunks
+    preempted: list[Request] = field(default_factory=list)
+    num_cached_tokens_hit: int = 0  # prompt tokens served from the prefix cache by this step's admissions
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class RunnerOutput:
+    """One sampled token per scheduled request with `samples=True`, in scheduling order."""
+
+    sampled_token_ids: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None while running
+    stop_reason: int | str | None = None
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    # streaming deltas since the previous RequestOutput for this request
+    new_text: str = ""
+    new_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class RequestOutput:
+    """What the caller sees of one prompt. `outputs` has n entries; `.text` etc. read the first."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    cached_tokens: int = 0
+    # seconds; None until known
+    ttft: float | None = None
+    e2e_latency: float | None = None
+    queue_time: float | None = None
+    prefill_time: float | None = None
+    error: str | None = None
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(o.token_ids) for o in self.outputs)
+
+
+@dataclass
+class StepStats:
+    """Counters of one engine step, for logs and metrics."""
+
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    num_preempted: int = 0
+    kv_usage: float = 0.0
+    step_time: float = 0.0

@@ -1,0 +1,91 @@
+"""Request: one sequence's state as it moves through the engine.
+
+A request is `num_computed_tokens` chasing `num_tokens` (prompt + generated so far): each step the
+scheduler grants it `num_new_tokens`; when the computed count reaches `num_tokens` the step samples one
+more token. There is no prefill or decode phase, only how many tokens are left to compute.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from longserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # eos, stop token id or stop string
+    LENGTH = "length"  # max_new_tokens or context length
+    ABORT = "abort"  # aborted by the caller (client gone, timeout)
+    ERROR = "error"  # could not be served (e.g. a prompt larger than the KV pool)
+
+
+@dataclass(slots=True)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    arrival_time: float = field(default_factory=time.perf_counter)
+    # group of n > 1 siblings sharing one prompt: siblings wait for the first one's prompt pages
+    group_id: str | None = None
+
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prompt tokens served from the prefix cache at first admission; -1: not yet
+    page_ids: list[int] = field(default_factory=list)  # pages holding positions [0, num_computed_tokens)
+    cache_node: Any = None  # radix node this request holds locked (None: none)
+    num_tree_pages: int = 0  # leading pages of page_ids already inserted into the radix tree
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None  # the stop token id or string that ended it
+    error: str | None = None
+
+    # timings (time.perf_counter seconds)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    # incremental detokenization state (owned by the engine's detokenizer)
+    output_text: str = ""
+    detok_state: Any = None
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    generator: Any = None  # torch.Generator for seeded sampling
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_remaining_tokens(self) -> int:
+        """Tokens whose K/V still have to be computed before the next sample."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def token_at(self, pos: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[pos] if pos < n else self.output_token_ids[pos - n]
+
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids

@@ -1,0 +1,118 @@
+"""ModelRunner: owns the model weights, the KV pool tensors and the attention backend; runs one step."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from longserve.attention import ForwardContext, KVCache, get_attention_backend
+from longserve.config import EngineConfig
+from longserve.models import load_model, resolve_dtype
+from longserve.outputs import RunnerOutput, SchedulerOutput
+from longserve.platform import available_memory_bytes, resolve_device
+from longserve.request import Request
+from longserve.runner.inputs import prepare_inputs
+from longserve.runner.sampler import Sampler, SamplingInfo
+
+logger = logging.getLogger("longserve.runner")
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, hf_config) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, hf_config)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.model = load_model(
+            config.model, hf_config, self.dtype, self.device, load_format=config.load_format, seed=config.seed
+        )
+        self.page_size = config.page_size
+        self.num_pages = self._num_pages()
+        self.kv_cache = KVCache(
+            self.model.num_layers,
+            self.num_pages + 1,  # page 0 is a padding target, never handed out
+            self.page_size,
+            self.model.num_kv_heads,
+            self.model.head_dim,
+            self.dtype,
+            self.device,
+        )
+        self.backend = get_attention_backend(config.attention_backend, self.device)
+        self.sampler = Sampler()
+        self.num_tokens_computed = 0  # every token fed through the model (tests count cache hits by it)
+        self.num_forward_passes = 0
+
+    # ---- sizing ---------------------------------------------------------------------------------
+    def kv_bytes_per_token(self) -> int:
+        return KVCache.bytes_per_token(self.model.num_layers, self.model.num_kv_heads, self.model.head_dim, self.dtype)
+
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def _num_pages(self) -> int:
+        if self.config.max_total_tokens is not None:
+            return -(-self.config.max_total_tokens // self.page_size)
+        per_page = self.kv_bytes_per_token() * self.page_size
+        total, free = available_memory_bytes(self.device)
+        # weights are already resident: the fraction bounds weights + KV pool together
+        budget = total * self.config.mem_fraction_static - (total - free)
+        num_pages = int(budget // per_page)
+        if num_pages < 1:
+            raise RuntimeError(
+                f"no memory left for the KV pool: {total / 2**30:.1f} GiB total, {free / 2**30:.1f} GiB free after "
+                f"loading {self.weight_bytes() / 2**30:.2f} GiB of weights, mem_fraction_static="
+                f"{self.config.mem_fraction_static}; raise mem_fraction_static or use a smaller model"
+            )
+        if self.device.type == "cpu":
+            # host RAM is shared with everything else: never take more than a few GiB for the pool
+            num_pages = min(num_pages, int(4 * 2**30 // per_page))
+        return num_pages
+
+    # ---- one step -------------------------------------------------------------------------------
+    def execute(self, out: SchedulerOutput, eos_token_ids: frozenset[int]) -> RunnerOutput:
+        inputs = prepare_inputs(out, self.page_size, self.device)
+        ctx = ForwardContext(meta=inputs.meta, kv_cache=self.kv_cache, backend=self.backend)
+        with torch.inference_mode():
+            hidden = self.model(inputs.input_ids, inputs.positions, ctx)  # [T, H]
+            self.num_tokens_computed += inputs.num_tokens
+            self.num_forward_passes += 1
+            if inputs.logits_indices.numel() == 0:
+                return RunnerOutput(sampled_token_ids=[])
+            logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [N, V] fp32
+            infos = [self._sampling_info(s.request, eos_token_ids) for s in out.scheduled if s.samples]
+            result = self.sampler(logits, infos)
+        tokens = result.token_ids.tolist()
+        logprobs = result.logprobs.tolist() if result.logprobs is not None else None
+        top = None
+        if result.top_logprobs is not None:
+            values = result.top_logprobs.tolist()
+            ids = result.top_token_ids.tolist()
+            top = [list(zip(i, v)) for i, v in zip(ids, values)]
+        return RunnerOutput(sampled_token_ids=tokens, logprobs=logprobs, top_logprobs=top)
+
+    def _sampling_info(self, req: Request, eos_token_ids: frozenset[int]) -> SamplingInfo:
+        params = req.sampling_params
+        banned: list[int] = []
+        if req.num_output_tokens < params.min_new_tokens:
+            banned.extend(params.stop_token_ids)
+            if not params.ignore_eos:
+                banned.extend(eos_token_ids)
+        if params.seed is not None and req.generator is None:
+            req.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        return SamplingInfo(
+            params=params,
+            prompt_token_ids=req.prompt_token_ids,
+            output_token_ids=req.output_token_ids,
+            generator=req.generator,
+            banned_token_ids=banned,
+        )
+
+    def describe(self) -> str:
+        tokens = self.num_pages * self.page_size
+        return (
+            f"KV pool: {tokens:,} tokens ({self.num_pages:,} pages of {self.page_size}), "
+            f"{tokens * self.kv_bytes_per_token() / 2**30:.2f} GiB; weights {self.weight_bytes() / 2**30:.2f} GiB "
+            f"({self.dtype}, {self.device})"
+        )

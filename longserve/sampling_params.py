@@ -1,0 +1,122 @@
+"""SamplingParams: what a request asks of generation. Validated on construction so that bad input fails
+with an actionable message before it reaches the engine."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """Per-request generation settings; names follow SGLang (max_new_tokens) and vLLM (max_tokens alias)."""
+
+    max_new_tokens: int | None = 16
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 (or 0): no top-k
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    n: int = 1
+    skip_special_tokens: bool = True
+    logprobs: int | None = None  # number of top logprobs to return per token; None: none
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.stop is None:
+            self.stop = []
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        if not isinstance(self.stop, (list, tuple)):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if not isinstance(self.stop_token_ids, (list, tuple)):
+            raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
+        self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids)
+        # `type() is int`: False == 0 too, and a bool must fail validation rather than mean "no top-k".
+        if type(self.top_k) is int and self.top_k == 0:
+            self.top_k = -1
+        self.validate()
+
+    def validate(self) -> None:
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ValueError(msg)
+
+        def is_int(x) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        def is_num(x) -> bool:
+            # NaN/inf fail every range check below except the open-ended ones, so reject them here.
+            return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+        need(
+            self.max_new_tokens is None or (is_int(self.max_new_tokens) and self.max_new_tokens >= 0),
+            f"max_new_tokens must be an integer >= 0, got {self.max_new_tokens!r}",
+        )
+        need(
+            is_int(self.min_new_tokens) and self.min_new_tokens >= 0,
+            f"min_new_tokens must be an integer >= 0, got {self.min_new_tokens!r}",
+        )
+        if self.max_new_tokens is not None:
+            need(
+                self.min_new_tokens <= self.max_new_tokens,
+                f"min_new_tokens ({self.min_new_tokens}) must not exceed max_new_tokens ({self.max_new_tokens})",
+            )
+        need(
+            is_num(self.temperature) and self.temperature >= 0,
+            f"temperature must be a finite number >= 0, got {self.temperature!r}",
+        )
+        need(is_num(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
+        need(
+            is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1),
+            f"top_k must be -1 (disabled) or an integer >= 1, got {self.top_k!r}",
+        )
+        need(is_num(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}")
+        need(
+            is_num(self.repetition_penalty) and self.repetition_penalty > 0,
+            f"repetition_penalty must be a number > 0, got {self.repetition_penalty!r}",
+        )
+        need(
+            is_num(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+            f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}",
+        )
+        need(
+            is_num(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+            f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}",
+        )
+        need(self.seed is None or is_int(self.seed), f"seed must be an integer, got {self.seed!r}")
+        need(
+            all(isinstance(s, str) and s for s in self.stop),
+            f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}",
+        )
+        need(
+            all(is_int(t) and t >= 0 for t in self.stop_token_ids),
+            f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}",
+        )
+        need(is_int(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
+        need(
+            self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= 20),
+            f"logprobs must be an integer in [0, 20], got {self.logprobs!r}",
+        )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS or self.top_k == 1
+
+    def clone(self, **changes) -> SamplingParams:
+        values = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        values["stop"] = list(self.stop)
+        values["stop_token_ids"] = list(self.stop_token_ids)
+        values.update(changes)
+        return SamplingParams(**values)

@@ -1,0 +1,189 @@
+"""Scheduler: continuous batching under a per-step token budget (pure Python, no torch).
+
+Each step: running requests that decode (one token left) go first, then running prefill chunks, then
+waiting requests are admitted FCFS while budget, `max_running_requests` and pages allow. A long prompt
+spreads over several steps (`max_prefill_chunk` caps one request's share of a step). When pages run
+out, the most recently admitted request not yet scheduled this step is preempted by recompute: its
+pages are released (its computed full pages stay in the prefix cache) and it goes back to the front
+of the queue.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from longserve.cache.manager import KVCacheManager
+from longserve.outputs import ScheduledRequest, SchedulerOutput
+from longserve.request import FinishReason, Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    token_budget: int  # chunked_prefill_size / max_num_batched_tokens
+    max_running_requests: int
+    max_prefill_chunk: int | None = None
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        # the first member of each n > 1 group: its siblings wait until its prompt is computed
+        self.group_leaders: dict[str, Request] = {}
+        # counters (for stats and metrics)
+        self.num_preemptions = 0
+        self.num_prefix_query_tokens = 0
+        self.num_prefix_hit_tokens = 0
+
+    # ---- queue management -----------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        assert req.request_id not in self.requests, f"duplicate request id {req.request_id!r}"
+        self.requests[req.request_id] = req
+        if req.group_id is not None:
+            self.group_leaders.setdefault(req.group_id, req)
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def finish_request(self, req: Request, reason: FinishReason) -> None:
+        """Remove a request (finished, aborted or failed) and release its pages."""
+        if req.status == RequestStatus.FINISHED:
+            return
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        # an aborted or failed request may have uncomputed tail pages; cache only what was computed
+        self.kv.release(req, cache=True)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.finished_time = time.perf_counter()
+        del self.requests[req.request_id]
+        if req.group_id is not None and self.group_leaders.get(req.group_id) is req:
+            del self.group_leaders[req.group_id]
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.release(req, cache=True)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    # ---- one step -------------------------------------------------------------------------------
+    def _chunk(self, req: Request, budget: int) -> int:
+        n = min(req.num_remaining_tokens, budget)
+        if self.config.max_prefill_chunk is not None:
+            n = min(n, max(1, self.config.max_prefill_chunk))
+        return n
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.token_budget
+        scheduled_ids: set[str] = set()
+
+        # 1. running requests: decodes first (stable sort keeps admission order within each class)
+        for req in sorted(self.running, key=lambda r: r.num_remaining_tokens > 1):
+            if budget <= 0:
+                break
+            if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            n = self._chunk(req, budget)
+            while not self.kv.allocate(req, n):
+                victim = self._pick_victim(exclude=scheduled_ids)
+                if victim is None:
+                    n = 0
+                    break
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    n = 0
+                    break
+            if n == 0:
+                continue
+            out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens + n == req.num_tokens))
+            scheduled_ids.add(req.request_id)
+            budget -= n
+
+        # 2. admit waiting requests (not in a step that had to preempt: memory is short)
+        if not out.preempted:
+            for req in list(self.waiting):
+                if budget <= 0 or len(self.running) >= self.config.max_running_requests:
+                    break
+                if self._blocked_by_sibling(req):
+                    continue
+                n = self._admit(req, budget)
+                if n == 0:
+                    break  # no pages even for this one: keep FCFS order, retry next step
+                out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens + n == req.num_tokens))
+                budget -= n
+        return out
+
+    def _pick_victim(self, exclude: set[str]) -> Request | None:
+        """The most recently admitted running request not yet scheduled this step."""
+        for req in reversed(self.running):
+            if req.request_id not in exclude:
+                return req
+        return None
+
+    def _blocked_by_sibling(self, req: Request) -> bool:
+        if req.group_id is None:
+            return False
+        leader = self.group_leaders.get(req.group_id)
+        if leader is None or leader is req:
+            return False
+        return leader.num_computed_tokens < leader.num_prompt_tokens
+
+    def _admit(self, req: Request, budget: int) -> int:
+        """Attach cached pages, allocate the first chunk and move to running; 0 if pages ran short."""
+        first_admission = req.num_cached_tokens < 0
+        leader = self.group_leaders.get(req.group_id) if req.group_id is not None else None
+        if self.kv.tree is None and leader is not None and leader is not req and leader.page_ids:
+            hit = self.kv.fork_prefix(req, leader)
+        else:
+            hit = self.kv.match_prefix(req)
+        n = self._chunk(req, budget)
+        if not self.kv.allocate(req, n):
+            self.kv.release(req, cache=False)
+            req.num_computed_tokens = 0
+            return 0
+        self.waiting.remove(req)
+        self.running.append(req)
+        req.status = RequestStatus.RUNNING
+        if first_admission:
+            req.num_cached_tokens = hit
+            req.first_scheduled_time = time.perf_counter()
+            self.num_prefix_query_tokens += req.num_prompt_tokens
+            self.num_prefix_hit_tokens += hit
+        return n
+
+    def update(self, out: SchedulerOutput, sampled_token_ids: list[int]) -> list[tuple[Request, int]]:
+        """Advance computed counts after the forward pass; append sampled tokens. Returns the
+        (request, token) pairs that got a new token, in scheduling order."""
+        sampled = iter(sampled_token_ids)
+        new_tokens: list[tuple[Request, int]] = []
+        for s in out.scheduled:
+            req = s.request
+            req.num_computed_tokens += s.num_new_tokens
+            self.kv.cache_computed(req)
+            if s.samples:
+                token = next(sampled)
+                req.output_token_ids.append(token)
+                new_tokens.append((req, token))
+        assert next(sampled, None) is None, "runner returned more tokens than requests that sample"
+        return new_tokens

@@ -1,0 +1,227 @@
+"""End to end on CPU: the offline LLM API against HF transformers, and every scheduling path against
+the plain one (cache on/off, chunk sizes, preemption, batching) with exact greedy tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from longserve import LLM, SamplingParams
+from longserve.engine import PromptTooLongError
+from tests.checkpoints import make_tiny_checkpoint
+
+ARCHS = ["llama", "llama31", "mistral", "qwen2", "qwen3"]
+GREEDY32 = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("llama"), "llama")
+
+
+def prompts(n=4, shared=40, seed=0):
+    """Token-id prompts of mixed lengths; the first `shared` tokens are common to all."""
+    g = torch.Generator().manual_seed(seed)
+    head = torch.randint(10, 500, (shared,), generator=g).tolist()
+    return [head + torch.randint(10, 500, (5 + 13 * i,), generator=g).tolist() for i in range(n)]
+
+
+def llm(path, **kw):
+    kw.setdefault("dtype", "float32")
+    kw.setdefault("device", "cpu")
+    kw.setdefault("max_total_tokens", 4096)
+    return LLM(path, **kw)
+
+
+def hf_greedy(path, ids, n):
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    cfg = GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    out = model.generate(torch.tensor([ids]), generation_config=cfg)
+    return out[0, len(ids) :].tolist()
+
+
+def assert_clean(engine):
+    engine.check_integrity()
+    assert engine.scheduler.num_running == 0 and engine.scheduler.num_waiting == 0
+    engine.flush_cache()
+    assert engine.kv.num_free_pages == engine.kv.num_total_pages  # no page left held
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_equals_transformers(tmp_path, arch):
+    path = make_tiny_checkpoint(tmp_path, arch, tie_word_embeddings=arch == "qwen2")
+    ids = prompts(1, shared=24)[0]
+    expected = hf_greedy(path, ids, 32)
+    assert len(set(expected)) > 4, "degenerate reference output: the test would prove little"
+    engine_llm = llm(path, page_size=16, chunked_prefill_size=16)  # the prompt spans two chunks
+    out = engine_llm.generate(ids, GREEDY32)[0]
+    assert out.token_ids == expected
+    assert out.finish_reason == "length" and out.prompt_tokens == len(ids)
+    assert_clean(engine_llm.engine)
+
+
+def test_text_prompt_and_chat(ckpt):
+    m = llm(ckpt)
+    out = m.generate("The quick brown fox", GREEDY32)[0]
+    ids = m.tokenizer.encode("The quick brown fox")
+    assert out.prompt_token_ids == ids and out.token_ids == hf_greedy(ckpt, ids, 32)
+    assert out.text == m.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+    msgs = [{"role": "user", "content": "hello there"}]
+    chat = m.chat(msgs, GREEDY32)[0]
+    templ = m.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    assert m.tokenizer.decode(chat.prompt_token_ids) == templ
+    assert chat.token_ids == m.generate(chat.prompt_token_ids, GREEDY32)[0].token_ids
+
+
+def run_all(path, ps, **kw):
+    m = llm(path, **kw)
+    outs = m.generate(ps, GREEDY32)
+    assert_clean(m.engine)
+    return [o.token_ids for o in outs], m.engine
+
+
+@pytest.fixture(scope="module")
+def baseline(ckpt):
+    """Each prompt alone, unchunked, no prefix cache."""
+    ps = prompts()
+    alone = []
+    for p in ps:
+        toks, _ = run_all(ckpt, [p], enable_prefix_caching=False, chunked_prefill_size=4096)
+        alone.append(toks[0])
+    return ps, alone
+
+
+def test_batch_of_mixed_lengths_equals_each_alone(ckpt, baseline):
+    ps, alone = baseline
+    toks, _ = run_all(ckpt, ps, enable_prefix_caching=False, chunked_prefill_size=4096)
+    assert toks == alone
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64])
+def test_chunked_prefill_equals_unchunked(ckpt, baseline, chunk):
+    ps, alone = baseline
+    toks, engine = run_all(ckpt, ps, enable_prefix_caching=False, chunked_prefill_size=chunk)
+    assert toks == alone
+
+
+def test_prefix_cache_on_equals_off(ckpt, baseline):
+    ps, alone = baseline
+    m = llm(ckpt, enable_prefix_caching=True, page_size=4)
+    first = [o.token_ids for o in m.generate(ps, GREEDY32)]
+    again = m.generate(ps, GREEDY32)  # now every prompt is cached
+    assert first == alone and [o.token_ids for o in again] == alone
+    assert all(o.cached_tokens >= len(p) - 4 for o, p in zip(again, ps))
+    assert_clean(m.engine)
+
+
+def test_forced_preemption_equals_no_preemption(ckpt, baseline):
+    ps, alone = baseline
+    # 12 pages of 16 tokens cannot hold four requests of 45..84 + 32 tokens at once
+    for caching in (False, True):
+        toks, engine = run_all(ckpt, ps, enable_prefix_caching=caching, max_total_tokens=192, page_size=16)
+        assert engine.scheduler.num_preemptions > 0
+        assert toks == alone
+
+
+def test_cached_prefix_is_not_recomputed(ckpt):
+    m = llm(ckpt, page_size=16)
+    ps = prompts(1, shared=0)[0] + prompts(1, shared=0, seed=1)[0]
+    a = ps[:60]
+    b = ps[:48] + [7, 8, 9, 10, 11, 12, 13, 14, 15, 16]  # shares exactly 3 pages with a
+    one = SamplingParams(max_new_tokens=1, temperature=0)
+    out_a = m.generate(a, one)[0]
+    assert out_a.cached_tokens == 0
+    before = m.engine.runner.num_tokens_computed
+    out_b = m.generate(b, one)[0]
+    assert out_b.cached_tokens == 48
+    assert m.engine.runner.num_tokens_computed - before == len(b) - 48
+    assert out_b.token_ids == llm(ckpt, enable_prefix_caching=False).generate(b, one)[0].token_ids
+    assert_clean(m.engine)
+
+
+def test_seeded_sampling_is_reproducible(ckpt):
+    m = llm(ckpt)
+    p = prompts(1)[0]
+    sp = SamplingParams(max_new_tokens=24, temperature=1.0, top_p=0.9, seed=123, ignore_eos=True)
+    a = m.generate(p, sp)[0].token_ids
+    b = m.generate([p, prompts(2, seed=5)[1]], [sp, SamplingParams(max_new_tokens=5, temperature=1.0)])[0].token_ids
+    c = m.generate(p, sp.clone(seed=124))[0].token_ids
+    assert a == b, "the same seed gives the same tokens, whatever else is in the batch"
+    assert a != c
+
+
+def test_stop_strings_and_stop_ids(ckpt):
+    m = llm(ckpt)
+    p = "Once upon a time"
+    ref = m.generate(p, GREEDY32)[0]
+    assert len(ref.text) > 12
+    stop = ref.text[6:10]
+    idx = ref.text.find(stop)
+    out = m.generate(p, GREEDY32.clone(stop=[stop]))[0]
+    assert out.finish_reason == "stop" and out.text == ref.text[:idx] and stop not in out.text
+    assert out.outputs[0].stop_reason == stop
+    stop_id = ref.token_ids[5]
+    k = ref.token_ids.index(stop_id)
+    out = m.generate(p, GREEDY32.clone(stop_token_ids=[stop_id]))[0]
+    assert out.finish_reason == "stop" and out.token_ids == ref.token_ids[: k + 1]
+    assert out.outputs[0].stop_reason == stop_id
+    # min_new_tokens bans the stop id until it is reached
+    out = m.generate(p, GREEDY32.clone(stop_token_ids=[stop_id], min_new_tokens=k + 2))[0]
+    assert stop_id not in out.token_ids[: k + 2]
+
+
+def test_eos_ends_generation_unless_ignored(ckpt):
+    m = llm(ckpt)
+    p = prompts(1)[0]
+    ref = m.generate(p, GREEDY32)[0].token_ids
+    eos = ref[3]
+    m.engine.eos_token_ids = frozenset([eos])  # pretend that token is the eos
+    for r in list(m.engine.groups.values()):
+        assert r is None
+    out = m.generate(p, SamplingParams(max_new_tokens=32, temperature=0))[0]
+    assert out.finish_reason == "stop" and out.token_ids == ref[: ref.index(eos) + 1]
+    assert m.generate(p, GREEDY32)[0].token_ids == ref
+
+
+def test_n_siblings_share_the_prompt(ckpt):
+    m = llm(ckpt, page_size=8)
+    p = prompts(1, shared=0)[0] + list(range(20, 60))  # 45 tokens
+    before = m.engine.runner.num_tokens_computed
+    sp = SamplingParams(n=3, max_new_tokens=6, temperature=1.0, seed=7, ignore_eos=True)
+    out = m.generate(p, sp)[0]
+    assert len(out.outputs) == 3 and all(len(o.token_ids) == 6 for o in out.outputs)
+    assert len({tuple(o.token_ids) for o in out.outputs}) > 1
+    computed = m.engine.runner.num_tokens_computed - before
+    # the prompt once, then each sibling only its last partial page (45 = 5*8 + 5) and 6 decode steps
+    assert computed == len(p) + 2 * 5 + 3 * 5
+    assert_clean(m.engine)
+
+
+def test_abort_releases_pages(ckpt):
+    m = llm(ckpt, chunked_prefill_size=8)
+    engine = m.engine
+    rid = engine.add_request(prompts(1)[0], GREEDY32)
+    engine.step()
+    engine.step()
+    assert engine.kv.num_free_pages < engine.kv.num_total_pages
+    final = engine.abort(rid)
+    assert final.finished and final.finish_reason == "abort"
+    assert_clean(engine)
+
+
+def test_prompt_longer_than_context_is_refused(ckpt):
+    m = llm(ckpt, context_length=64)
+    with pytest.raises(PromptTooLongError, match=r"prompt has 80 tokens; the context length is 64"):
+        m.generate(list(range(1, 81)), GREEDY32)
+    out = m.generate(list(range(1, 41)), SamplingParams(max_new_tokens=100, temperature=0, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and out.prompt_tokens + len(out.token_ids) == 64
+    assert_clean(m.engine)
+
+
+def test_bfloat16_runs_and_matches_float32_mostly(ckpt):
+    m = llm(ckpt, dtype="bfloat16")
+    assert next(m.engine.runner.model.parameters()).dtype == torch.bfloat16
+    out = m.generate(prompts(1)[0], GREEDY32)[0]
+    assert len(out.token_ids) == 32

@@ -1,0 +1,251 @@
+"""TorchAttentionBackend and build_metadata vs. an independent dense attention over contiguous K/V."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from longserve.attention import (
+    AttentionMetadata,
+    KVCache,
+    TorchAttentionBackend,
+    build_metadata,
+    get_attention_backend,
+)
+
+PREFIX_LENS = [0, 1, 5, 17, 40]
+QUERY_LENS = [1, 3, 16]
+HEADS = [(4, 2), (4, 1), (2, 2)]  # (Hq, Hkv)
+
+
+def dense_attention(
+    q: torch.Tensor,  # [L, Hq, D] new tokens at positions prefix_len .. S-1
+    k: torch.Tensor,  # [S, Hkv, D] the whole sequence, contiguous
+    v: torch.Tensor,  # [S, Hkv, D]
+    prefix_len: int,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Plain softmax(QK^T * scale + mask) V in float64, kv head of q head h = h // (Hq // Hkv)."""
+    num_q, num_kv = q.shape[1], k.shape[1]
+    kv_head = torch.tensor([h // (num_q // num_kv) for h in range(num_q)])  # [Hq]
+    qd = q.double().transpose(0, 1)  # [Hq, L, D]
+    kd = k.double()[:, kv_head].transpose(0, 1)  # [Hq, S, D]
+    vd = v.double()[:, kv_head].transpose(0, 1)  # [Hq, S, D]
+    seq_len = k.shape[0]
+    allowed = torch.zeros(q.shape[0], seq_len, dtype=torch.bool)  # [L, S]
+    for i in range(q.shape[0]):
+        pos = prefix_len + i
+        lo = 0 if sliding_window is None else max(0, pos - sliding_window + 1)
+        allowed[i, lo : pos + 1] = True
+    scores = qd @ kd.transpose(1, 2) * scale  # [Hq, L, S]
+    scores = scores.masked_fill(~allowed, -math.inf)  # [Hq, L, S]
+    return (scores.softmax(-1) @ vd).transpose(0, 1)  # [L, Hq, D]
+
+
+class Case:
+    """A random ragged batch: contiguous per-request K/V/Q plus shuffled, non-contiguous page ids."""
+
+    def __init__(
+        self,
+        prefix_lens: list[int],
+        query_lens: list[int],
+        page_size: int,
+        num_q_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        seed: int,
+    ) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        rng = random.Random(seed)
+        self.prefix_lens, self.query_lens, self.page_size = prefix_lens, query_lens, page_size
+        seq_lens = [p + q for p, q in zip(prefix_lens, query_lens)]
+        pages_needed = [-(-s // page_size) for s in seq_lens]
+        num_pages = sum(pages_needed) + 7  # spare pages full of noise catch wrong-page reads
+        pool = list(range(num_pages))
+        rng.shuffle(pool)
+        self.page_tables: list[list[int]] = []
+        for n in pages_needed:
+            self.page_tables.append(pool[:n])
+            pool = pool[n:]
+
+        def randn(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape, generator=gen).to(dtype)
+
+        self.k = [randn(s, num_kv_heads, head_dim) for s in seq_lens]  # each [S, Hkv, D]
+        self.v = [randn(s, num_kv_heads, head_dim) for s in seq_lens]  # each [S, Hkv, D]
+        self.q = [randn(s, num_q_heads, head_dim) for s in seq_lens]  # each [S, Hq, D]
+        self.scale = head_dim**-0.5
+        self.cache = KVCache(2, num_pages, page_size, num_kv_heads, head_dim, dtype, "cpu")
+        for layer in range(2):
+            self.cache.k[layer].copy_(randn(num_pages, page_size, num_kv_heads, head_dim))
+            self.cache.v[layer].copy_(randn(num_pages, page_size, num_kv_heads, head_dim))
+
+    def write_prefix_directly(self, layer: int) -> None:
+        """Put each request's prefix K/V in its pages by hand (independent of store/slot_mapping)."""
+        for r, pages in enumerate(self.page_tables):
+            for pos in range(self.prefix_lens[r]):
+                page, off = pages[pos // self.page_size], pos % self.page_size
+                self.cache.k[layer][page, off] = self.k[r][pos]
+                self.cache.v[layer][page, off] = self.v[r][pos]
+
+    def new_tokens(self, lo: list[int], hi: list[int], reqs: list[int]) -> tuple[torch.Tensor, ...]:
+        """Flattened q/k/v of positions [lo[i], hi[i]) of requests reqs[i]."""
+        q = torch.cat([self.q[r][a:b] for r, a, b in zip(reqs, lo, hi)])  # [T, Hq, D]
+        k = torch.cat([self.k[r][a:b] for r, a, b in zip(reqs, lo, hi)])  # [T, Hkv, D]
+        v = torch.cat([self.v[r][a:b] for r, a, b in zip(reqs, lo, hi)])  # [T, Hkv, D]
+        return q, k, v
+
+    def expected(
+        self, lo: list[int], hi: list[int], sliding_window: int | None = None, reqs: list[int] | None = None
+    ) -> torch.Tensor:
+        reqs = list(range(len(lo))) if reqs is None else reqs
+        outs = [
+            dense_attention(self.q[r][a:b], self.k[r][:b], self.v[r][:b], a, self.scale, sliding_window)
+            for r, a, b in zip(reqs, lo, hi)
+        ]
+        return torch.cat(outs)  # [T, Hq, D] float64
+
+    def run(
+        self,
+        lo: list[int],
+        hi: list[int],
+        layer: int = 0,
+        sliding_window: int | None = None,
+        reqs: list[int] | None = None,
+    ) -> torch.Tensor:
+        """One step computing positions [lo[i], hi[i]) of requests reqs[i] (default: all, in order)."""
+        reqs = list(range(len(lo))) if reqs is None else reqs
+        page_tables = [self.page_tables[r] for r in reqs]
+        meta = build_metadata(lo, [b - a for a, b in zip(lo, hi)], page_tables, self.page_size, "cpu")
+        q, k, v = self.new_tokens(lo, hi, reqs)
+        out = TorchAttentionBackend().forward(q, k, v, layer, meta, self.cache, self.scale, sliding_window)
+        assert out.shape == q.shape and out.dtype == q.dtype
+        return out  # [T, Hq, D]
+
+
+def random_batch(seed: int, num_reqs: int = 5) -> tuple[list[int], list[int]]:
+    rng = random.Random(seed)
+    prefix_lens = [rng.choice(PREFIX_LENS) for _ in range(num_reqs)]
+    query_lens = [rng.choice(QUERY_LENS) for _ in range(num_reqs)]
+    return prefix_lens, query_lens
+
+
+def seq_ends(prefix_lens: list[int], query_lens: list[int]) -> list[int]:
+    return [p + q for p, q in zip(prefix_lens, query_lens)]
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_matches_dense_float32(page_size: int, heads: tuple[int, int], head_dim: int) -> None:
+    seed = page_size * 1000 + heads[0] * 100 + heads[1] * 10 + head_dim
+    prefix_lens, query_lens = random_batch(seed)
+    case = Case(prefix_lens, query_lens, page_size, *heads, head_dim, torch.float32, seed)
+    case.write_prefix_directly(layer=1)
+    hi = seq_ends(prefix_lens, query_lens)
+    out = case.run(prefix_lens, hi, layer=1)
+    torch.testing.assert_close(out.double(), case.expected(prefix_lens, hi), atol=1e-5, rtol=1e-5)
+    # the new tokens' K/V landed in their pages
+    for r, pages in enumerate(case.page_tables):
+        for pos in range(prefix_lens[r], hi[r]):
+            page, off = pages[pos // page_size], pos % page_size
+            assert torch.equal(case.cache.k[1][page, off], case.k[r][pos])
+            assert torch.equal(case.cache.v[1][page, off], case.v[r][pos])
+
+
+def test_all_lengths_in_one_batch() -> None:
+    prefix_lens = [p for p in PREFIX_LENS for _ in QUERY_LENS]
+    query_lens = [q for _ in PREFIX_LENS for q in QUERY_LENS]
+    case = Case(prefix_lens, query_lens, 4, 4, 2, 16, torch.float32, seed=7)
+    case.write_prefix_directly(layer=0)
+    hi = seq_ends(prefix_lens, query_lens)
+    out = case.run(prefix_lens, hi)
+    torch.testing.assert_close(out.double(), case.expected(prefix_lens, hi), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("heads", HEADS)
+def test_matches_dense_bfloat16(heads: tuple[int, int]) -> None:
+    prefix_lens, query_lens = random_batch(seed=3, num_reqs=6)
+    case = Case(prefix_lens, query_lens, 16, *heads, 64, torch.bfloat16, seed=3)
+    case.write_prefix_directly(layer=0)
+    hi = seq_ends(prefix_lens, query_lens)
+    out = case.run(prefix_lens, hi)
+    torch.testing.assert_close(out.double(), case.expected(prefix_lens, hi), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("sliding_window", [1, 4, 8])
+def test_sliding_window(sliding_window: int) -> None:
+    prefix_lens, query_lens = [0, 17, 40, 5], [16, 3, 16, 1]
+    case = Case(prefix_lens, query_lens, 4, 4, 2, 16, torch.float32, seed=11)
+    case.write_prefix_directly(layer=0)
+    hi = seq_ends(prefix_lens, query_lens)
+    out = case.run(prefix_lens, hi, sliding_window=sliding_window)
+    expected = case.expected(prefix_lens, hi, sliding_window)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+    # the window really changes the answer (so this test can tell a backend that ignores it)
+    assert not torch.allclose(expected, case.expected(prefix_lens, hi), atol=1e-3)
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize("sliding_window", [None, 6])
+def test_prefill_then_extend_equals_one_shot(page_size: int, sliding_window: int | None) -> None:
+    prefix_lens, query_lens = [1, 5, 17, 40, 0], [3, 16, 1, 16, 3]
+    hi = seq_ends(prefix_lens, query_lens)
+    zeros = [0] * len(prefix_lens)
+
+    # prefill: the prefixes are the new tokens of an earlier step (requests with no prefix sit it out)
+    staged = Case(prefix_lens, query_lens, page_size, 4, 1, 16, torch.float32, seed=5)
+    keep = [r for r, p in enumerate(prefix_lens) if p > 0]
+    prefix_kept = [prefix_lens[r] for r in keep]
+    prefill = staged.run([0] * len(keep), prefix_kept, sliding_window=sliding_window, reqs=keep)
+    expected_prefill = staged.expected([0] * len(keep), prefix_kept, sliding_window, reqs=keep)
+    torch.testing.assert_close(prefill.double(), expected_prefill, atol=1e-5, rtol=1e-5)
+    # extend: the new tokens read the prefix K/V the prefill step stored
+    extend = staged.run(prefix_lens, hi, sliding_window=sliding_window)
+    expected_extend = staged.expected(prefix_lens, hi, sliding_window)
+    torch.testing.assert_close(extend.double(), expected_extend, atol=1e-5, rtol=1e-5)
+
+    # one shot: the whole sequences in one step, in a fresh cache; its tail equals the extend step
+    one_shot = Case(prefix_lens, query_lens, page_size, 4, 1, 16, torch.float32, seed=5)
+    out = one_shot.run(zeros, hi, sliding_window=sliding_window)  # [sum(S), Hq, D]
+    starts = [0, *torch.tensor(hi).cumsum(0).tolist()]
+    tail = torch.cat([out[starts[r] + prefix_lens[r] : starts[r + 1]] for r in range(len(hi))])
+    torch.testing.assert_close(extend, tail, atol=1e-5, rtol=1e-5)
+
+
+def test_build_metadata_exact_values() -> None:
+    # r0: page_size 4, prefix 3, 3 new tokens at positions 3, 4, 5 on pages [7, 2] -> slots 31, 8, 9
+    # r1: no prefix, 2 new tokens on page [5] -> slots 20, 21; its page_table row is padded with 0
+    meta = build_metadata([3, 0], [3, 2], [[7, 2], [5]], 4, "cpu")
+    assert isinstance(meta, AttentionMetadata)
+    assert meta.page_size == 4
+    assert meta.slot_mapping.tolist() == [31, 8, 9, 20, 21]
+    assert meta.slot_mapping.dtype == torch.int64
+    assert meta.query_start_loc.tolist() == [0, 3, 5]
+    assert meta.seq_lens.tolist() == [6, 2]
+    assert meta.prefix_lens.tolist() == [3, 0]
+    assert meta.page_table.tolist() == [[7, 2], [5, 0]]
+    for t in (meta.query_start_loc, meta.seq_lens, meta.prefix_lens, meta.page_table):
+        assert t.dtype == torch.int32
+    assert (meta.query_lens_cpu, meta.seq_lens_cpu, meta.prefix_lens_cpu) == ([3, 2], [6, 2], [3, 0])
+    assert (meta.num_reqs, meta.num_tokens, meta.max_query_len, meta.max_seq_len) == (2, 5, 3, 6)
+
+
+def test_build_metadata_rejects_too_few_pages() -> None:
+    with pytest.raises(ValueError, match="pages"):
+        build_metadata([4], [1], [[3]], 4, "cpu")
+
+
+def test_registry() -> None:
+    cpu = torch.device("cpu")
+    assert isinstance(get_attention_backend("torch", cpu), TorchAttentionBackend)
+    assert isinstance(get_attention_backend("auto", cpu), TorchAttentionBackend)
+    assert get_attention_backend("torch", cpu).name == "torch"
+    with pytest.raises(ValueError, match="nope") as err:
+        get_attention_backend("nope", cpu)
+    assert "torch" in str(err.value) and "auto" in str(err.value)

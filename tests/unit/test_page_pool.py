@@ -1,0 +1,103 @@
+from __future__ import annotations
+
+import pytest
+
+from longserve.cache.page_pool import PagePool
+
+
+def test_fresh_pool_counts() -> None:
+    pool = PagePool(8)
+    assert (pool.num_total, pool.num_free, pool.num_used) == (8, 8, 0)
+    pool.check()
+
+
+def test_alloc_lowest_ids_and_reuse() -> None:
+    pool = PagePool(8)
+    assert pool.alloc(3) == [1, 2, 3]
+    pool.check()
+    assert [pool.ref(p) for p in (1, 2, 3, 4)] == [1, 1, 1, 0]
+    assert pool.decref([2]) == [2]
+    pool.check()
+    assert pool.alloc(2) == [2, 4]
+    pool.check()
+    assert (pool.num_free, pool.num_used) == (4, 4)
+    assert pool.alloc(0) == []
+
+
+def test_alloc_returns_ascending_after_scattered_frees() -> None:
+    pool = PagePool(8)
+    assert pool.alloc(8) == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert pool.decref([7, 3, 5]) == [7, 3, 5]
+    pool.check()
+    assert pool.alloc(2) == [3, 5]
+    assert pool.alloc(1) == [7]
+    assert pool.num_free == 0
+
+
+def test_exhausted_returns_none_without_side_effects() -> None:
+    pool = PagePool(4)
+    assert pool.alloc(3) == [1, 2, 3]
+    assert pool.alloc(2) is None
+    pool.check()
+    assert pool.num_free == 1
+    assert pool.ref(4) == 0
+    assert pool.alloc(1) == [4]
+    assert pool.alloc(1) is None
+    assert PagePool(0).alloc(1) is None
+    assert PagePool(0).alloc(0) == []
+
+
+def test_refcounts() -> None:
+    pool = PagePool(4)
+    pages = pool.alloc(2)
+    assert pages == [1, 2]
+    pool.incref([1, 1, 2])
+    pool.check()
+    assert (pool.ref(1), pool.ref(2)) == (3, 2)
+    assert pool.decref([1, 2]) == []
+    assert pool.decref([2, 1]) == [2]
+    assert pool.num_free == 3
+    pool.check()
+    assert pool.decref([1]) == [1]
+    assert pool.num_free == 4
+    pool.check()
+
+
+def test_double_free_raises_and_changes_nothing() -> None:
+    pool = PagePool(4)
+    pool.alloc(2)
+    assert pool.decref([2]) == [2]
+    with pytest.raises(ValueError, match="page 2"):
+        pool.decref([2])
+    # Atomic: page 1 must not be dropped when the batch also double-frees page 1.
+    with pytest.raises(ValueError, match="page 1"):
+        pool.decref([1, 1])
+    assert pool.ref(1) == 1
+    pool.check()
+
+
+def test_incref_of_free_page_raises_and_changes_nothing() -> None:
+    pool = PagePool(4)
+    pool.alloc(1)
+    with pytest.raises(ValueError, match="page 3"):
+        pool.incref([1, 3])
+    assert pool.ref(1) == 1
+    pool.check()
+
+
+@pytest.mark.parametrize("bad", [0, 5, -1])
+def test_out_of_range_ids_raise(bad: int) -> None:
+    pool = PagePool(4)
+    pool.alloc(4)
+    with pytest.raises(ValueError, match=str(bad)):
+        pool.ref(bad)
+    with pytest.raises(ValueError):
+        pool.incref([bad])
+    with pytest.raises(ValueError):
+        pool.decref([bad])
+    pool.check()
+
+
+def test_negative_alloc_raises() -> None:
+    with pytest.raises(ValueError):
+        PagePool(4).alloc(-1)

@@ -1,0 +1,167 @@
+"""Scheduler + KVCacheManager without tensors: exact chunks, order, page ids, preemption and release."""
+
+from __future__ import annotations
+
+from longserve.cache.manager import KVCacheManager
+from longserve.request import FinishReason, Request, RequestStatus
+from longserve.sampling_params import SamplingParams
+from longserve.sched.scheduler import Scheduler, SchedulerConfig
+
+
+def make(budget=16, pages=32, page_size=4, max_running=8, chunk=None, caching=True):
+    kv = KVCacheManager(pages, page_size, enable_prefix_caching=caching)
+    return Scheduler(SchedulerConfig(budget, max_running, chunk), kv)
+
+
+def req(rid, n, start=0, max_new=4, group=None):
+    return Request(rid, list(range(start, start + n)), SamplingParams(max_new_tokens=max_new), group_id=group)
+
+
+def run_step(s, token=7):
+    out = s.schedule()
+    num_samples = sum(x.samples for x in out.scheduled)
+    s.update(out, [token] * num_samples)
+    return out
+
+
+def plan(out):
+    return [(x.request.request_id, x.num_new_tokens, x.samples) for x in out.scheduled]
+
+
+def live(s):
+    return list(s.running) + list(s.waiting)
+
+
+def test_budget_splits_prompts_and_decodes_go_first():
+    s = make(budget=16)
+    for r in (req("a", 10), req("b", 20, 100), req("c", 5, 200)):
+        s.add_request(r)
+    assert plan(run_step(s)) == [("a", 10, True), ("b", 6, False)]
+    # a decodes first (1 token), b continues, c gets what is left
+    assert plan(run_step(s)) == [("a", 1, True), ("b", 14, True), ("c", 1, False)]
+    assert plan(run_step(s)) == [("a", 1, True), ("b", 1, True), ("c", 4, True)]
+    s.kv.check_integrity(live(s))
+
+
+def test_pages_follow_tokens_exactly():
+    s = make(budget=16, page_size=4)
+    a = req("a", 10)
+    s.add_request(a)
+    run_step(s)  # 10 tokens -> 3 pages, lowest ids first
+    assert a.page_ids == [1, 2, 3] and a.num_computed_tokens == 10 and a.output_token_ids == [7]
+    run_step(s)  # token 11 fits in page 3
+    assert a.page_ids == [1, 2, 3]
+    run_step(s)
+    run_step(s)  # 13th token needs page 4
+    assert a.page_ids == [1, 2, 3, 4]
+    s.kv.check_integrity(live(s))
+
+
+def test_max_running_and_per_request_chunk_cap():
+    s = make(budget=64, max_running=2, chunk=8)
+    for r in (req("a", 20), req("b", 20, 100), req("c", 3, 200)):
+        s.add_request(r)
+    assert plan(run_step(s)) == [("a", 8, False), ("b", 8, False)]
+    assert plan(run_step(s)) == [("a", 8, False), ("b", 8, False)]
+    assert s.num_waiting == 1
+
+
+def test_prefix_hit_is_page_aligned_and_leaves_one_token():
+    s = make(budget=64, page_size=4)
+    a = req("a", 14, max_new=1)  # 3 full pages + 2 tokens
+    s.add_request(a)
+    run_step(s)
+    s.finish_request(a, FinishReason.LENGTH)
+    b = Request("b", list(range(14)) + [99, 98], SamplingParams(max_new_tokens=1))
+    s.add_request(b)
+    out = s.schedule()
+    assert b.num_cached_tokens == 12 and plan(out) == [("b", 4, True)]
+    assert b.page_ids[:3] == [1, 2, 3]  # a's pages, served from the tree
+    # an identical prompt still computes its last token
+    s.update(out, [5])
+    c = req("c", 12, max_new=1)
+    s.add_request(c)
+    assert plan(s.schedule()) == [("b", 1, True), ("c", 4, True)] and c.num_cached_tokens == 8
+    s.kv.check_integrity(live(s))
+
+
+def test_no_cache_when_disabled():
+    s = make(caching=False)
+    a = req("a", 12, max_new=1)
+    s.add_request(a)
+    run_step(s)
+    s.finish_request(a, FinishReason.LENGTH)
+    assert s.kv.num_free_pages == 32
+    b = req("b", 12, max_new=1)
+    s.add_request(b)
+    assert plan(s.schedule()) == [("b", 12, True)] and b.num_cached_tokens == 0
+
+
+def test_preemption_takes_the_latest_request_and_it_still_finishes():
+    s = make(budget=64, pages=6, page_size=4, caching=False)
+    a, b = req("a", 10, max_new=8), req("b", 10, 100, max_new=8)
+    s.add_request(a)
+    s.add_request(b)
+    run_step(s)  # a: pages 1-3, b: pages 4-6 (pool full)
+    assert a.page_ids == [1, 2, 3] and b.page_ids == [4, 5, 6]
+    run_step(s)  # computes token 11 of each: still 3 pages
+    run_step(s)  # token 12: still 3 pages
+    out = run_step(s)  # a's token 13 needs a 4th page: b (admitted last) is preempted
+    assert [r.request_id for r in out.preempted] == ["b"]
+    assert b.status == RequestStatus.WAITING and b.num_computed_tokens == 0 and b.page_ids == []
+    assert a.page_ids == [1, 2, 3, 4] and s.num_preemptions == 1
+    assert b.output_token_ids == [7, 7, 7]  # generated tokens are kept and recomputed
+    s.kv.check_integrity(live(s))
+    while s.has_unfinished():
+        run_step(s)
+        for r in list(s.running):
+            if r.num_output_tokens >= 8:
+                s.finish_request(r, FinishReason.LENGTH)
+        s.kv.check_integrity(live(s))
+    assert a.num_output_tokens == 8 and b.num_output_tokens == 8
+    assert s.kv.num_free_pages == 6
+
+
+def test_preempted_request_reuses_its_cached_pages():
+    s = make(budget=64, pages=6, page_size=4)
+    a, b = req("a", 8, max_new=20), req("b", 8, 100, max_new=20)
+    s.add_request(a)
+    s.add_request(b)
+    for _ in range(5):  # each computes 12 tokens on 3 pages: the pool is full
+        run_step(s)
+    out = run_step(s)  # a needs a 4th page: b is preempted, b's newest page is evicted for a
+    assert [r.request_id for r in out.preempted] == ["b"]
+    assert a.page_ids == [1, 2, 5, 6]  # b had pages [3, 4, 6]
+    s.kv.check_integrity(live(s))
+    s.finish_request(a, FinishReason.ABORT)
+    out = s.schedule()  # b comes back: its first two pages are still cached
+    assert plan(out) == [("b", b.num_tokens - 8, True)] and b.page_ids[:2] == [3, 4]
+    s.kv.check_integrity(live(s))
+
+
+def test_siblings_wait_for_the_leader_prompt_then_share_it():
+    for caching in (True, False):
+        s = make(budget=64, page_size=4, caching=caching)
+        members = [req(f"g#{i}", 13, group="g") for i in range(3)]
+        for m in members:
+            s.add_request(m)
+        assert plan(run_step(s)) == [("g#0", 13, True)]
+        out = s.schedule()
+        assert plan(out) == [("g#0", 1, True), ("g#1", 1, True), ("g#2", 1, True)]
+        assert members[1].page_ids[:3] == members[0].page_ids[:3]
+        s.update(out, [1, 2, 3])
+        s.kv.check_integrity(live(s))
+
+
+def test_finish_and_abort_release_every_page():
+    s = make(budget=8, pages=16)
+    rs = [req(str(i), 9, i * 50) for i in range(4)]
+    for r in rs:
+        s.add_request(r)
+    run_step(s)
+    run_step(s)
+    for r in rs:
+        s.finish_request(r, FinishReason.ABORT)
+    s.kv.check_integrity([])
+    s.kv.flush()
+    assert s.kv.num_free_pages == 16 and not s.has_unfinished()
