@@ -9,7 +9,9 @@ import sys
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", "--model-path", dest="model", required=True, help="Hugging Face checkpoint directory")
+    p.add_argument(
+        "--model", "--model-path", dest="model", required=True, help="Hugging Face checkpoint directory"
+    )
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
@@ -59,13 +61,24 @@ def _generate(args: argparse.Namespace) -> int:
         outputs = llm.generate(args.prompt, params)
     for prompt, out in zip(args.prompt, outputs):
         if args.json:
-            print(json.dumps({
-                "prompt": prompt, "text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
-                "prompt_tokens": out.prompt_tokens, "cached_tokens": out.cached_tokens,
-                "ttft": out.ttft, "e2e_latency": out.e2e_latency,
-            }))
+            print(
+                json.dumps(
+                    {
+                        "prompt": prompt,
+                        "text": out.text,
+                        "token_ids": out.token_ids,
+                        "finish_reason": out.finish_reason,
+                        "prompt_tokens": out.prompt_tokens,
+                        "cached_tokens": out.cached_tokens,
+                        "ttft": out.ttft,
+                        "e2e_latency": out.e2e_latency,
+                    }
+                )
+            )
         else:
-            print(f"--- {prompt!r} ({out.prompt_tokens} prompt tokens, ttft {out.ttft:.3f}s, {out.finish_reason})")
+            print(
+                f"--- {prompt!r} ({out.prompt_tokens} prompt tokens, ttft {out.ttft:.3f}s, {out.finish_reason})"
+            )
             print(out.text)
     return 0
 
@@ -95,7 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError, RuntimeError) as e:

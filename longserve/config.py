@@ -56,7 +56,8 @@ class EngineConfig:
             f"page_size must be an integer >= 1; got {self.page_size!r}",
         )
         need(
-            self.chunked_prefill_size >= 1, f"chunked_prefill_size must be >= 1; got {self.chunked_prefill_size}"
+            self.chunked_prefill_size >= 1,
+            f"chunked_prefill_size must be >= 1; got {self.chunked_prefill_size}",
         )
         need(
             self.max_prefill_chunk is None or self.max_prefill_chunk >= 1,
@@ -95,7 +96,9 @@ class EngineConfig:
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - names)
         if unknown:
-            raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}; known: {', '.join(sorted(names))}")
+            raise TypeError(
+                f"unknown engine argument(s): {', '.join(unknown)}; known: {', '.join(sorted(names))}"
+            )
         return cls(**kwargs)
 
     def with_changes(self, **changes) -> EngineConfig:

@@ -35,8 +35,17 @@ class IncrementalDetokenizer:
         n = len(prompt_ids)
         return DetokState(prefix_offset=offset - n, read_offset=0)
 
-    def step(self, state: DetokState, prompt_ids: list[int], output_ids: list[int], skip_special: bool) -> str:
-        """Return the new text that the last output token(s) complete ('' while a character is split)."""
+    def step(
+        self,
+        state: DetokState,
+        prompt_ids: list[int],
+        output_ids: list[int],
+        skip_special: bool,
+        final: bool = False,
+    ) -> str:
+        """Return the new text that the last output token(s) complete ('' while a character is split).
+        With `final`, text held back for an incomplete character is released as it decodes."""
+
         # offsets are relative to output_ids; negative values reach back into the prompt
         def window(lo: int, hi: int) -> list[int]:
             if lo >= 0:
@@ -45,7 +54,7 @@ class IncrementalDetokenizer:
 
         prefix_text = _decode(self.tokenizer, window(state.prefix_offset, state.read_offset), skip_special)
         full_text = _decode(self.tokenizer, window(state.prefix_offset, len(output_ids)), skip_special)
-        if full_text.endswith("\ufffd") or len(full_text) <= len(prefix_text):
+        if (full_text.endswith("\ufffd") and not final) or len(full_text) <= len(prefix_text):
             return ""
         new_text = full_text[len(prefix_text) :]
         state.prefix_offset = state.read_offset

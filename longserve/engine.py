@@ -61,7 +61,9 @@ class Engine:
         if context_length > pool_tokens:
             logger.warning(
                 "the model allows %s tokens but the KV pool holds %s: the context length is capped at %s",
-                f"{context_length:,}", f"{pool_tokens:,}", f"{pool_tokens:,}",
+                f"{context_length:,}",
+                f"{pool_tokens:,}",
+                f"{pool_tokens:,}",
             )
             context_length = pool_tokens
         self.context_length = context_length
@@ -82,8 +84,12 @@ class Engine:
         self.last_step_stats = StepStats()
         if config.seed is not None:
             torch.manual_seed(config.seed)
-        logger.info("%s; context length %s; ready in %.1fs", self.runner.describe(), f"{context_length:,}",
-                    time.perf_counter() - start)
+        logger.info(
+            "%s; context length %s; ready in %.1fs",
+            self.runner.describe(),
+            f"{context_length:,}",
+            time.perf_counter() - start,
+        )
 
     def _eos_ids(self) -> frozenset[int]:
         ids: set[int] = set(load_generation_eos_ids(self.config.model))
@@ -97,7 +103,9 @@ class Engine:
     # ---- requests -------------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
-            raise ValueError("this engine has no tokenizer (load_format='dummy' without tokenizer files): pass token ids")
+            raise ValueError(
+                "this engine has no tokenizer (load_format='dummy' without tokenizer files): pass token ids"
+            )
         return self.tokenizer.encode(text)
 
     def add_request(
@@ -116,7 +124,9 @@ class Engine:
         else:
             text, token_ids = None, list(prompt)
             vocab = self.runner.model.vocab_size
-            bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+            bad = [
+                t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab
+            ]
             if bad:
                 raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
         if not token_ids:
@@ -194,7 +204,9 @@ class Engine:
                 if g is not None:
                     touched[g.request_id] = g
         outputs = [self._group_output(g) for g in touched.values()]
-        num_prefill = sum(s.num_new_tokens for s in sched_out.scheduled if s.num_new_tokens > 1 or not s.samples)
+        num_prefill = sum(
+            s.num_new_tokens for s in sched_out.scheduled if s.num_new_tokens > 1 or not s.samples
+        )
         self.last_step_stats = StepStats(
             num_prefill_tokens=num_prefill,
             num_decode_tokens=sched_out.num_batched_tokens - num_prefill,
@@ -220,32 +232,47 @@ class Engine:
             req.output_token_ids.pop()
             self.scheduler.finish_request(req, FinishReason.LENGTH)
             return
-        if token in params.stop_token_ids:
+        if token in params.stop_token_ids or (token in req.eos_token_ids and not params.ignore_eos):
             req.stop_reason = token
-            self.scheduler.finish_request(req, FinishReason.STOP)
+            self._finish(
+                req, FinishReason.STOP, text_upto=req.num_output_tokens - 1
+            )  # the stop token has no text
             return
-        if token in req.eos_token_ids and not params.ignore_eos:
-            req.stop_reason = token
-            self.scheduler.finish_request(req, FinishReason.STOP)
+        if self._detokenize(req, req.num_output_tokens, final=False):
             return
-        if self.detokenizer is not None:
-            new_text = self.detokenizer.step(
-                req.detok_state, req.prompt_token_ids, req.output_token_ids, params.skip_special_tokens
-            )
-            if new_text:
-                old_len = len(req.output_text)
-                req.output_text += new_text
-                if params.stop:
-                    hit = find_stop_string(req.output_text, params.stop, old_len)
-                    if hit is not None:
-                        req.output_text = req.output_text[: hit[0]]
-                        req.stop_reason = hit[1]
-                        self.scheduler.finish_request(req, FinishReason.STOP)
-                        return
         if (params.max_new_tokens is not None and req.num_output_tokens >= params.max_new_tokens) or (
             req.num_tokens >= self.context_length
         ):
-            self.scheduler.finish_request(req, FinishReason.LENGTH)
+            self._finish(req, FinishReason.LENGTH, text_upto=req.num_output_tokens)
+
+    def _detokenize(self, req: Request, upto: int, final: bool) -> bool:
+        """Append the text of output tokens [.., upto); True if a stop string ended the request."""
+        if self.detokenizer is None:
+            return False
+        params = req.sampling_params
+        new_text = self.detokenizer.step(
+            req.detok_state,
+            req.prompt_token_ids,
+            req.output_token_ids[:upto],
+            params.skip_special_tokens,
+            final,
+        )
+        if not new_text:
+            return False
+        old_len = len(req.output_text)
+        req.output_text += new_text
+        hit = find_stop_string(req.output_text, params.stop, old_len) if params.stop else None
+        if hit is None:
+            return False
+        req.output_text = req.output_text[: hit[0]]
+        req.stop_reason = hit[1]
+        self.scheduler.finish_request(req, FinishReason.STOP)
+        return True
+
+    def _finish(self, req: Request, reason: FinishReason, text_upto: int) -> None:
+        # release text held back for an incomplete character; a stop string found there still wins
+        if not self._detokenize(req, text_upto, final=True):
+            self.scheduler.finish_request(req, reason)
 
     # ---- outputs --------------------------------------------------------------------------------
     @staticmethod

@@ -21,7 +21,7 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     STOP = "stop"  # eos, stop token id or stop string
     LENGTH = "length"  # max_new_tokens or context length
     ABORT = "abort"  # aborted by the caller (client gone, timeout)

@@ -39,7 +39,9 @@ def load_generation_eos_ids(model_dir: str) -> list[int]:
     return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
 
 
-def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
+def apply_chat_template(
+    tokenizer, messages: list[dict], add_generation_prompt: bool = True, **kwargs
+) -> list[int]:
     """Token ids of a conversation rendered with the tokenizer's chat template."""
     if tokenizer is None:
         raise ValueError("chat needs a tokenizer with a chat template; this engine has no tokenizer")

@@ -1,7 +1,8 @@
 """Tiny random HF checkpoints (config, safetensors, tokenizer, generation config) for tests.
 
 `make_tiny_checkpoint` writes a directory that both transformers and longserve load. Weights use a large
-initializer_range so logits are peaky and greedy decoding is stable across implementations.
+initializer_range so logits are peaky and greedy decoding is stable across implementations; the special
+tokens' embedding/lm_head rows are shrunk so greedy decoding never picks them (no accidental EOS).
 """
 
 from __future__ import annotations
@@ -118,6 +119,10 @@ def make_tiny_checkpoint(
     config = _make_config(arch, tie_word_embeddings, num_layers)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        # special tokens get tiny logits, so a greedy random model never emits EOS (or BOS, ...) by chance
+        for emb in {id(e): e for e in (model.get_input_embeddings(), model.get_output_embeddings())}.values():
+            emb.weight[: len(SPECIAL_TOKENS)] *= 0.05
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path, max_shard_size="100KB" if sharded else "50GB")
 

@@ -1,5 +1,7 @@
 """Model implementations (Llama, Mistral, Qwen2, Qwen3), their registry and the checkpoint loader."""
 
+from __future__ import annotations
+
 from longserve.models.loader import load_hf_config, load_model, resolve_dtype
 from longserve.models.registry import get_model_class
 

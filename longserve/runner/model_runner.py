@@ -46,7 +46,9 @@ class ModelRunner:
 
     # ---- sizing ---------------------------------------------------------------------------------
     def kv_bytes_per_token(self) -> int:
-        return KVCache.bytes_per_token(self.model.num_layers, self.model.num_kv_heads, self.model.head_dim, self.dtype)
+        return KVCache.bytes_per_token(
+            self.model.num_layers, self.model.num_kv_heads, self.model.head_dim, self.dtype
+        )
 
     def weight_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())

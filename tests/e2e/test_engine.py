@@ -37,8 +37,12 @@ def hf_greedy(path, ids, n):
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
-    cfg = GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-    out = model.generate(torch.tensor([ids]), generation_config=cfg)
+    model.generation_config.eos_token_id = (
+        None  # like ignore_eos: exactly n tokens (None alone is merged away)
+    )
+    cfg = GenerationConfig(max_new_tokens=n, min_new_tokens=0, do_sample=False, pad_token_id=0)
+    x = torch.tensor([ids])
+    out = model.generate(x, attention_mask=torch.ones_like(x), generation_config=cfg)
     return out[0, len(ids) :].tolist()
 
 
@@ -127,9 +131,8 @@ def test_forced_preemption_equals_no_preemption(ckpt, baseline):
 
 def test_cached_prefix_is_not_recomputed(ckpt):
     m = llm(ckpt, page_size=16)
-    ps = prompts(1, shared=0)[0] + prompts(1, shared=0, seed=1)[0]
-    a = ps[:60]
-    b = ps[:48] + [7, 8, 9, 10, 11, 12, 13, 14, 15, 16]  # shares exactly 3 pages with a
+    a = prompts(1, shared=60)[0][:60]
+    b = a[:48] + [7, 8, 9, 10, 11, 12, 13, 14, 15, 16]  # shares exactly 3 pages with a
     one = SamplingParams(max_new_tokens=1, temperature=0)
     out_a = m.generate(a, one)[0]
     assert out_a.cached_tokens == 0
@@ -146,7 +149,9 @@ def test_seeded_sampling_is_reproducible(ckpt):
     p = prompts(1)[0]
     sp = SamplingParams(max_new_tokens=24, temperature=1.0, top_p=0.9, seed=123, ignore_eos=True)
     a = m.generate(p, sp)[0].token_ids
-    b = m.generate([p, prompts(2, seed=5)[1]], [sp, SamplingParams(max_new_tokens=5, temperature=1.0)])[0].token_ids
+    b = m.generate([p, prompts(2, seed=5)[1]], [sp, SamplingParams(max_new_tokens=5, temperature=1.0)])[
+        0
+    ].token_ids
     c = m.generate(p, sp.clone(seed=124))[0].token_ids
     assert a == b, "the same seed gives the same tokens, whatever else is in the batch"
     assert a != c
@@ -178,8 +183,6 @@ def test_eos_ends_generation_unless_ignored(ckpt):
     ref = m.generate(p, GREEDY32)[0].token_ids
     eos = ref[3]
     m.engine.eos_token_ids = frozenset([eos])  # pretend that token is the eos
-    for r in list(m.engine.groups.values()):
-        assert r is None
     out = m.generate(p, SamplingParams(max_new_tokens=32, temperature=0))[0]
     assert out.finish_reason == "stop" and out.token_ids == ref[: ref.index(eos) + 1]
     assert m.generate(p, GREEDY32)[0].token_ids == ref
@@ -187,7 +190,7 @@ def test_eos_ends_generation_unless_ignored(ckpt):
 
 def test_n_siblings_share_the_prompt(ckpt):
     m = llm(ckpt, page_size=8)
-    p = prompts(1, shared=0)[0] + list(range(20, 60))  # 45 tokens
+    p = prompts(1, shared=40)[0]  # 45 tokens
     before = m.engine.runner.num_tokens_computed
     sp = SamplingParams(n=3, max_new_tokens=6, temperature=1.0, seed=7, ignore_eos=True)
     out = m.generate(p, sp)[0]
@@ -215,7 +218,9 @@ def test_prompt_longer_than_context_is_refused(ckpt):
     m = llm(ckpt, context_length=64)
     with pytest.raises(PromptTooLongError, match=r"prompt has 80 tokens; the context length is 64"):
         m.generate(list(range(1, 81)), GREEDY32)
-    out = m.generate(list(range(1, 41)), SamplingParams(max_new_tokens=100, temperature=0, ignore_eos=True))[0]
+    out = m.generate(list(range(1, 41)), SamplingParams(max_new_tokens=100, temperature=0, ignore_eos=True))[
+        0
+    ]
     assert out.finish_reason == "length" and out.prompt_tokens + len(out.token_ids) == 64
     assert_clean(m.engine)
 

@@ -60,7 +60,9 @@ def make_meta(
 
 
 def new_cache(model: torch.nn.Module) -> KVCache:
-    return KVCache(model.num_layers, NUM_PAGES, PAGE_SIZE, model.num_kv_heads, model.head_dim, torch.float32, "cpu")
+    return KVCache(
+        model.num_layers, NUM_PAGES, PAGE_SIZE, model.num_kv_heads, model.head_dim, torch.float32, "cpu"
+    )
 
 
 def run_step(
@@ -156,6 +158,22 @@ def test_greedy_decode_matches_hf_and_is_stable(checkpoints: dict, arch: str) ->
     assert sorted(gaps)[len(gaps) // 2] > 1e-3, gaps
 
 
+def test_bfloat16_close_to_hf_float32(checkpoints: dict) -> None:
+    """bf16 weights and KV cache stay within bf16 noise of HF float32 (HF's own bf16 run differs by ~0.2)."""
+    from transformers import AutoModelForCausalLM
+
+    path = checkpoints[("llama31", False)]
+    ours = load_model(path, load_hf_config(path), torch.bfloat16, torch.device("cpu"))
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    ids = prompt(ours.vocab_size)
+    cache = KVCache(
+        ours.num_layers, NUM_PAGES, PAGE_SIZE, ours.num_kv_heads, ours.head_dim, torch.bfloat16, "cpu"
+    )
+    logits = run_step(ours, cache, [ids], [0], [PAGE_IDS])  # [40, V]
+    assert logits.dtype == torch.float32
+    assert float((logits - hf_logits(hf, ids)).abs().max()) < 0.5
+
+
 ROPE_CASES = {
     "default": {"rope_type": "default", "rope_theta": 10000.0},
     "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
@@ -225,5 +243,7 @@ def test_checkpoint_files(tmp_path: Path) -> None:
     gen = json.loads((tmp_path / "c" / "generation_config.json").read_text())
     assert (tok.bos_token_id, tok.eos_token_id) == (cfg["bos_token_id"], cfg["eos_token_id"]) == (0, 1)
     assert gen["eos_token_id"] == [1, 3] and len(tok) == cfg["vocab_size"] == 512
-    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert text == "<|begin_of_text|><|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"

@@ -1,0 +1,229 @@
+"""Split-K paged flash-decoding in Triton: one new token per request attends over its whole paged KV.
+
+Stage 1: each program (request, kv head, split) covers one contiguous key range for all q heads of that
+kv head (GQA rows padded to 16 for tl.dot) and writes a partial (normalised output, log2-sum-exp).
+Stage 2: per (request, q head), merges the splits. With one split, stage 1 writes the output directly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from longserve.kernels.extend_attention import check_cache, extend_attention_ref, interpreting
+
+MIN_KEYS_PER_SPLIT = 512  # below this a split's fixed cost outweighs the parallelism it buys
+MAX_SPLITS = 64
+PROGRAMS_PER_SM = 4  # enough resident programs per SM to keep loads in flight
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,  # [B, Hq, D]
+    k_cache_ptr,  # [num_pages, page_size, Hkv, D]
+    v_cache_ptr,
+    seq_lens_ptr,  # [B]
+    page_table_ptr,  # [B, max_pages]
+    mid_o_ptr,  # [B, Hq, NUM_SPLITS, D] fp32, or the output [B, Hq, D] when NUM_SPLITS == 1
+    mid_lse_ptr,  # [B, Hq, NUM_SPLITS] fp32 (unused when NUM_SPLITS == 1)
+    stride_qb,
+    stride_qh,
+    stride_slot,
+    stride_kvh,
+    stride_pt,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    qk_scale,  # softmax scale * log2(e)
+    window,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,  # GROUP padded to a power of two >= 16
+    PAGE_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq_len = tl.load(seq_lens_ptr + req)
+    lo = tl.maximum(seq_len - window, 0) if HAS_WINDOW else 0
+    split_len = tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    s_lo = lo + split * split_len
+    s_hi = tl.minimum(s_lo + split_len, seq_len)
+
+    offs_h = tl.arange(0, BLOCK_H)  # [BLOCK_H]
+    h_valid = offs_h < GROUP
+    heads = kv_head * GROUP + offs_h  # [BLOCK_H]
+    offs_d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
+    d_valid = offs_d < HEAD_DIM
+    q_offs = req.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptr + q_offs, mask=h_valid[:, None] & d_valid[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
+
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
+    k_head_ptr = k_cache_ptr + kv_head * stride_kvh
+    v_head_ptr = v_cache_ptr + kv_head * stride_kvh
+    pt_row_ptr = page_table_ptr + req.to(tl.int64) * stride_pt
+    for start in range(s_lo, s_hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        n_valid = offs_n < s_hi
+        page = tl.load(pt_row_ptr + offs_n // PAGE_SIZE, mask=n_valid, other=0)  # [BLOCK_N]
+        slot = page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE  # [BLOCK_N]
+        kv_offs = slot[:, None] * stride_slot + offs_d[None, :]  # [BLOCK_N, BLOCK_D]
+        kv_mask = n_valid[:, None] & d_valid[None, :]
+        k = tl.load(k_head_ptr + kv_offs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        v = tl.load(v_head_ptr + kv_offs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_H, BLOCK_N]
+        qk = tl.where(n_valid[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))  # [BLOCK_H]
+        p = tl.exp2(qk - m_new[:, None])  # [BLOCK_H, BLOCK_N]
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    out_mask = h_valid[:, None] & d_valid[None, :]
+    if NUM_SPLITS == 1:
+        out = acc / l_i[:, None]  # [BLOCK_H, BLOCK_D]
+        o_offs = req.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(mid_o_ptr + o_offs, out.to(mid_o_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        has_keys = l_i > 0.0
+        out = acc / tl.where(has_keys, l_i, 1.0)[:, None]  # [BLOCK_H, BLOCK_D]
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))  # [BLOCK_H]
+        row = req.to(tl.int64) * stride_ob + heads * stride_oh + split * stride_os  # [BLOCK_H]
+        tl.store(mid_o_ptr + row[:, None] + offs_d[None, :], out, mask=out_mask)
+        tl.store(mid_lse_ptr + (req * tl.num_programs(1) * GROUP + heads) * NUM_SPLITS + split, lse, mask=h_valid)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    mid_o_ptr,  # [B, Hq, NUM_SPLITS, D] fp32
+    mid_lse_ptr,  # [B, Hq, NUM_SPLITS] fp32
+    o_ptr,  # [B, Hq, D]
+    stride_ob,
+    stride_oh,
+    NUM_Q_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)  # [BLOCK_S]
+    offs_d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
+    s_valid = offs_s < NUM_SPLITS
+    d_valid = offs_d < HEAD_DIM
+    base = req.to(tl.int64) * NUM_Q_HEADS + head  # (request, head) row of the partials
+    lse = tl.load(mid_lse_ptr + base * NUM_SPLITS + offs_s, mask=s_valid, other=float("-inf"))  # [BLOCK_S]
+    part = tl.load(
+        mid_o_ptr + (base * NUM_SPLITS + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+        mask=s_valid[:, None] & d_valid[None, :],
+        other=0.0,
+    )  # [BLOCK_S, BLOCK_D]
+    m = tl.max(lse, 0)
+    w = tl.exp2(lse - m)  # [BLOCK_S]; empty splits weigh 0
+    out = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)  # [BLOCK_D]
+    o_offs = req.to(tl.int64) * stride_ob + head * stride_oh + offs_d
+    tl.store(o_ptr + o_offs, out.to(o_ptr.dtype.element_ty), mask=d_valid)
+
+
+def choose_num_splits(max_seq_len: int, num_reqs: int, num_kv_heads: int, num_sms: int = 132) -> int:
+    """Splits per (request, kv head) so a lone long request still fills the chip (host-side, no sync)."""
+    by_length = triton.cdiv(max(max_seq_len, 1), MIN_KEYS_PER_SPLIT)
+    by_occupancy = triton.cdiv(PROGRAMS_PER_SM * num_sms, max(num_reqs * num_kv_heads, 1))
+    return max(1, min(by_length, by_occupancy, MAX_SPLITS))
+
+
+def decode_config(head_dim: int, dtype: torch.dtype) -> dict[str, int]:
+    """Memory-bound: 64-key tiles, 4 warps, 3 stages of K/V in flight (Hopper, D=128: 48 KB smem)."""
+    if interpreting():
+        return {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+    if head_dim > 128 or dtype == torch.float32:
+        return {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+    return {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+
+
+def decode_attention(
+    q: torch.Tensor,  # [B, Hq, D]
+    k_cache: torch.Tensor,  # [num_pages, page_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_pages, page_size, Hkv, D]
+    seq_lens: torch.Tensor,  # [B] int32
+    page_table: torch.Tensor,  # [B, max_pages] int32
+    page_size: int,
+    scale: float,
+    sliding_window: int | None = None,
+    num_splits: int = 1,
+    out: torch.Tensor | None = None,
+    config: dict[str, int] | None = None,
+) -> torch.Tensor:
+    """Attention of each request's one new token (at position seq_len - 1) over its pages; o [B, Hq, D]."""
+    num_reqs, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    assert num_q_heads % num_kv_heads == 0 and k_cache.shape[1] == page_size and k_cache.shape[3] == head_dim
+    assert q.stride(2) == 1 and num_splits >= 1
+    check_cache(k_cache, v_cache)
+    group = num_q_heads // num_kv_heads
+    out = torch.empty_like(q) if out is None else out  # [B, Hq, D]
+    assert out.shape == q.shape and out.stride(2) == 1
+    if num_reqs == 0:
+        return out
+    cfg = decode_config(head_dim, q.dtype) if config is None else config
+    block_d = triton.next_power_of_2(head_dim)
+    if num_splits == 1:
+        mid_o, mid_lse = out, out  # stage 1 writes the output; mid_lse is never touched
+        strides = (out.stride(0), out.stride(1), 0)
+    else:
+        mid_o = torch.empty(num_reqs, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty(num_reqs, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
+        strides = (mid_o.stride(0), mid_o.stride(1), mid_o.stride(2))
+    _decode_split_kernel[(num_reqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, seq_lens, page_table, mid_o, mid_lse,
+        q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(2), page_table.stride(0), *strides,
+        scale * math.log2(math.e), sliding_window or 0,
+        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), PAGE_SIZE=page_size,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=cfg["BLOCK_N"], NUM_SPLITS=num_splits,
+        HAS_WINDOW=sliding_window is not None,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    if num_splits > 1:
+        _decode_merge_kernel[(num_reqs, num_q_heads)](
+            mid_o, mid_lse, out, out.stride(0), out.stride(1),
+            NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4 if head_dim >= 128 else 2,
+        )  # fmt: skip
+    return out
+
+
+def decode_attention_ref(
+    q: torch.Tensor,  # [B, Hq, D]
+    k_cache: torch.Tensor,  # [num_pages, page_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_pages, page_size, Hkv, D]
+    seq_lens: torch.Tensor,  # [B] int32
+    page_table: torch.Tensor,  # [B, max_pages] int32
+    page_size: int,
+    scale: float,
+    sliding_window: int | None = None,
+    num_splits: int = 1,
+    out: torch.Tensor | None = None,
+    config: dict[str, int] | None = None,
+) -> torch.Tensor:
+    """Same contract as `decode_attention`: the extend reference with one query per request."""
+    del num_splits, config
+    num_reqs = q.shape[0]
+    query_start_loc = torch.arange(num_reqs + 1, dtype=torch.int32, device=q.device)  # [B+1]
+    return extend_attention_ref(
+        q, k_cache, v_cache, query_start_loc, seq_lens - 1, seq_lens, page_table, page_size, 1, scale,
+        sliding_window, out,
+    )  # fmt: skip

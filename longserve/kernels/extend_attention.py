@@ -1,0 +1,274 @@
+"""Paged flash attention for a ragged batch of new tokens (prefill chunks, extends, decodes) in Triton.
+
+Each program owns BLOCK_M packed rows (token, q head of one kv head) of one request, so the q heads that
+share a kv head share its K/V loads; keys are gathered through the page table and only key blocks under
+the causal (and sliding-window) mask are visited. Needs the new tokens' K/V already stored in the cache.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from longserve.attention.torch_ref import attention_mask, gather_kv
+
+
+@triton.jit
+def _extend_blocks(
+    acc,
+    l_i,
+    m_i,
+    q,  # [BLOCK_M, BLOCK_D]
+    q_pos,  # [BLOCK_M] absolute position of each row's token
+    k_head_ptr,
+    v_head_ptr,
+    pt_row_ptr,  # this request's page_table row
+    stride_slot,
+    kv_lo,
+    kv_hi,
+    kv_end,  # keys >= kv_end are never read
+    qk_scale,
+    window,
+    offs_d,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    MASKED: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Online-softmax update over keys [kv_lo, kv_hi); MASKED applies causal/window/length masks."""
+    for start in range(kv_lo, kv_hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        if MASKED:
+            n_valid = offs_n < kv_end
+            page = tl.load(pt_row_ptr + offs_n // PAGE_SIZE, mask=n_valid, other=0)  # [BLOCK_N]
+        else:
+            page = tl.load(pt_row_ptr + offs_n // PAGE_SIZE)  # [BLOCK_N]
+        slot = page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE  # [BLOCK_N]
+        kv_offs = slot[:, None] * stride_slot + offs_d[None, :]  # [BLOCK_N, BLOCK_D]
+        if MASKED:
+            kv_mask = n_valid[:, None] & (offs_d[None, :] < HEAD_DIM)
+            k = tl.load(k_head_ptr + kv_offs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+            v = tl.load(v_head_ptr + kv_offs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        elif BLOCK_D != HEAD_DIM:
+            k = tl.load(k_head_ptr + kv_offs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+            v = tl.load(v_head_ptr + kv_offs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+        else:
+            k = tl.load(k_head_ptr + kv_offs)  # [BLOCK_N, BLOCK_D]
+            v = tl.load(v_head_ptr + kv_offs)  # [BLOCK_N, BLOCK_D]
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N] log2 units
+        if MASKED:
+            allowed = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]  # [BLOCK_M, BLOCK_N]
+            if HAS_WINDOW:
+                allowed = allowed & (offs_n[None, :] > q_pos[:, None] - window)
+            qk = tl.where(allowed, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))  # [BLOCK_M]
+        p = tl.exp2(qk - m_new[:, None])  # [BLOCK_M, BLOCK_N]
+        alpha = tl.exp2(m_i - m_new)  # [BLOCK_M]
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _extend_kernel(
+    q_ptr,  # [T, Hq, D]
+    k_cache_ptr,  # [num_pages, page_size, Hkv, D]
+    v_cache_ptr,
+    o_ptr,  # [T, Hq, D]
+    query_start_loc_ptr,  # [B+1]
+    prefix_lens_ptr,  # [B]
+    seq_lens_ptr,  # [B]
+    page_table_ptr,  # [B, max_pages]
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_slot,
+    stride_kvh,
+    stride_pt,
+    qk_scale,  # softmax scale * log2(e)
+    window,  # sliding window (unused unless HAS_WINDOW)
+    GROUP: tl.constexpr,  # Hq // Hkv
+    PAGE_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # heaviest (last, longest-causal) row blocks first so the tail of the grid is short work
+    block = tl.num_programs(0) - 1 - tl.program_id(0)
+    req = tl.program_id(1)
+    kv_head = tl.program_id(2)
+
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    num_rows = q_len * GROUP
+    row0 = block * BLOCK_M
+    if row0 >= num_rows:
+        return
+    prefix_len = tl.load(prefix_lens_ptr + req)
+    seq_len = tl.load(seq_lens_ptr + req)
+
+    # packed rows: row = token * GROUP + (q head within the kv head's group)
+    rows = row0 + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    row_valid = rows < num_rows
+    rows = tl.minimum(rows, num_rows - 1)  # padding rows repeat the last real row; never stored
+    tok = rows // GROUP  # [BLOCK_M]
+    head = kv_head * GROUP + rows % GROUP  # [BLOCK_M]
+    q_pos = prefix_len + tok  # [BLOCK_M]
+    offs_d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
+    d_valid = offs_d < HEAD_DIM
+
+    tok64 = (q_start + tok).to(tl.int64)
+    q_offs = tok64[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]  # [BLOCK_M, BLOCK_D]
+    q = tl.load(q_ptr + q_offs, mask=d_valid[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+
+    # key ranges (block-aligned from 0):  [lo, full_lo) masked | [full_lo, full_hi) unmasked | [full_hi, hi) masked
+    first_pos = prefix_len + row0 // GROUP
+    last_pos = prefix_len + (tl.minimum(row0 + BLOCK_M, num_rows) - 1) // GROUP
+    hi = last_pos + 1
+    full_hi = (first_pos + 1) // BLOCK_N * BLOCK_N
+    if HAS_WINDOW:
+        lo = tl.maximum(first_pos - window + 1, 0) // BLOCK_N * BLOCK_N
+        full_lo = tl.cdiv(tl.maximum(last_pos - window + 1, 0), BLOCK_N) * BLOCK_N
+        full_lo = tl.minimum(full_lo, full_hi)
+    else:
+        lo = 0
+        full_lo = 0
+
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite: a row may see no key in a block
+    k_head_ptr = k_cache_ptr + kv_head * stride_kvh
+    v_head_ptr = v_cache_ptr + kv_head * stride_kvh
+    pt_row_ptr = page_table_ptr + req.to(tl.int64) * stride_pt
+
+    if HAS_WINDOW:
+        acc, l_i, m_i = _extend_blocks(
+            acc, l_i, m_i, q, q_pos, k_head_ptr, v_head_ptr, pt_row_ptr, stride_slot, lo, full_lo,
+            seq_len, qk_scale, window, offs_d,
+            PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, True, HAS_WINDOW, DOT_PRECISION,
+        )  # fmt: skip
+    acc, l_i, m_i = _extend_blocks(
+        acc, l_i, m_i, q, q_pos, k_head_ptr, v_head_ptr, pt_row_ptr, stride_slot, full_lo, full_hi,
+        seq_len, qk_scale, window, offs_d,
+        PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, False, HAS_WINDOW, DOT_PRECISION,
+    )  # fmt: skip
+    acc, l_i, m_i = _extend_blocks(
+        acc, l_i, m_i, q, q_pos, k_head_ptr, v_head_ptr, pt_row_ptr, stride_slot, full_hi, hi,
+        seq_len, qk_scale, window, offs_d,
+        PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, True, HAS_WINDOW, DOT_PRECISION,
+    )  # fmt: skip
+
+    out = acc / l_i[:, None]  # [BLOCK_M, BLOCK_D]
+    o_offs = tok64[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+    tl.store(o_ptr + o_offs, out.to(o_ptr.dtype.element_ty), mask=row_valid[:, None] & d_valid[None, :])
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def extend_config(head_dim: int, dtype: torch.dtype) -> dict[str, int]:
+    """Tile shape and launch knobs. Hopper: 128x64 tiles, 8 warps, 3 stages for D=128 (~128 KB smem)."""
+    if interpreting():
+        return {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+    if head_dim <= 64:
+        return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+    if head_dim <= 128:
+        stages = 2 if dtype == torch.float32 else 3
+        return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": stages}
+    return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
+
+
+def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride()
+    assert k_cache.stride(3) == 1 and k_cache.stride(0) == k_cache.shape[1] * k_cache.stride(1), (
+        "the kernels need [num_pages, page_size, Hkv, D] caches with contiguous pages and rows"
+    )
+
+
+def extend_attention(
+    q: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [num_pages, page_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_pages, page_size, Hkv, D]
+    query_start_loc: torch.Tensor,  # [B+1] int32
+    prefix_lens: torch.Tensor,  # [B] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    page_table: torch.Tensor,  # [B, max_pages] int32
+    page_size: int,
+    max_query_len: int,
+    scale: float,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+    config: dict[str, int] | None = None,
+) -> torch.Tensor:
+    """Causal attention of the new tokens over their requests' paged K/V (stored already); o [T, Hq, D]."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    assert num_q_heads % num_kv_heads == 0 and k_cache.shape[1] == page_size and k_cache.shape[3] == head_dim
+    assert q.stride(2) == 1
+    check_cache(k_cache, v_cache)
+    group = num_q_heads // num_kv_heads
+    num_reqs = seq_lens.shape[0]
+    out = torch.empty_like(q) if out is None else out  # [T, Hq, D]
+    assert out.shape == q.shape and out.stride(2) == 1
+    if num_tokens == 0 or num_reqs == 0 or max_query_len == 0:
+        return out
+    cfg = extend_config(head_dim, q.dtype) if config is None else config
+    grid = (triton.cdiv(max_query_len * group, cfg["BLOCK_M"]), num_reqs, num_kv_heads)
+    _extend_kernel[grid](
+        q, k_cache, v_cache, out, query_start_loc, prefix_lens, seq_lens, page_table,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(1), k_cache.stride(2), page_table.stride(0),
+        scale * math.log2(math.e), sliding_window or 0,
+        GROUP=group, PAGE_SIZE=page_size, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], HAS_WINDOW=sliding_window is not None,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    return out
+
+
+def extend_attention_ref(
+    q: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [num_pages, page_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_pages, page_size, Hkv, D]
+    query_start_loc: torch.Tensor,  # [B+1] int32
+    prefix_lens: torch.Tensor,  # [B] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    page_table: torch.Tensor,  # [B, max_pages] int32
+    page_size: int,
+    max_query_len: int,
+    scale: float,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+    config: dict[str, int] | None = None,
+) -> torch.Tensor:
+    """Same contract as `extend_attention`, in float32 torch (syncs to read the lengths; tests only)."""
+    del page_size, max_query_len, config
+    group = q.shape[1] // k_cache.shape[2]
+    out = torch.empty_like(q) if out is None else out  # [T, Hq, D]
+    starts, prefixes, seqs = query_start_loc.tolist(), prefix_lens.tolist(), seq_lens.tolist()
+    for r, (prefix_len, seq_len) in enumerate(zip(prefixes, seqs)):
+        a, b = starts[r], starts[r + 1]
+        if a == b:
+            continue
+        k_r = gather_kv(k_cache, page_table[r], seq_len).float().repeat_interleave(group, 1)  # [S, Hq, D]
+        v_r = gather_kv(v_cache, page_table[r], seq_len).float().repeat_interleave(group, 1)  # [S, Hq, D]
+        mask = attention_mask(prefix_len, seq_len, sliding_window, q.device)  # [L, S]
+        o_r = torch.nn.functional.scaled_dot_product_attention(
+            q[a:b].float().transpose(0, 1), k_r.transpose(0, 1), v_r.transpose(0, 1), attn_mask=mask, scale=scale
+        )  # [Hq, L, D]
+        out[a:b] = o_r.transpose(0, 1).to(out.dtype)
+    return out
