@@ -181,6 +181,11 @@ class Engine:
         """Run one scheduling step and forward pass; return outputs of requests that progressed."""
         t0 = time.perf_counter()
         sched_out = self.scheduler.schedule()
+        # tokens of prompts (prefill) vs of generated text (decode), before the counts advance
+        num_prefill = sum(
+            min(s.num_new_tokens, max(0, s.request.num_prompt_tokens - s.request.num_computed_tokens))
+            for s in sched_out.scheduled
+        )
         touched: dict[str, _Group] = {}
         if sched_out.is_empty:
             if self.scheduler.has_unfinished() and not self.scheduler.running:

@@ -3,6 +3,8 @@ the plain one (cache on/off, chunk sizes, preemption, batching) with exact greed
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -10,6 +12,8 @@ from longserve import LLM, SamplingParams
 from longserve.engine import PromptTooLongError
 from tests.checkpoints import make_tiny_checkpoint
 
+# LONGSERVE_TEST_DEVICE=cuda runs the same checks on a GPU (the transformers reference stays on the CPU)
+DEVICE = os.environ.get("LONGSERVE_TEST_DEVICE", "cpu")
 ARCHS = ["llama", "llama31", "mistral", "qwen2", "qwen3"]
 GREEDY32 = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True)
 
@@ -28,7 +32,7 @@ def prompts(n=4, shared=40, seed=0):
 
 def llm(path, **kw):
     kw.setdefault("dtype", "float32")
-    kw.setdefault("device", "cpu")
+    kw.setdefault("device", DEVICE)
     kw.setdefault("max_total_tokens", 4096)
     return LLM(path, **kw)
 
