@@ -50,23 +50,7 @@ class Engine:
         self.runner = ModelRunner(config, self.hf_config)
         self.eos_token_ids = self._eos_ids()
 
-        model_max = getattr(self.hf_config, "max_position_embeddings", None) or 2048
-        pool_tokens = self.runner.num_pages * config.page_size
-        context_length = config.context_length or model_max
-        if config.context_length is not None and config.context_length > pool_tokens:
-            raise ValueError(
-                f"context_length={config.context_length:,} cannot fit: the KV pool holds only {pool_tokens:,} tokens; "
-                "lower context_length, or raise max_total_tokens / mem_fraction_static"
-            )
-        if context_length > pool_tokens:
-            logger.warning(
-                "the model allows %s tokens but the KV pool holds %s: the context length is capped at %s",
-                f"{context_length:,}",
-                f"{pool_tokens:,}",
-                f"{pool_tokens:,}",
-            )
-            context_length = pool_tokens
-        self.context_length = context_length
+        self.context_length = self.runner.context_length
 
         self.kv = KVCacheManager(self.runner.num_pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -85,9 +69,8 @@ class Engine:
         if config.seed is not None:
             torch.manual_seed(config.seed)
         logger.info(
-            "%s; context length %s; ready in %.1fs",
+            "%s; ready in %.1fs",
             self.runner.describe(),
-            f"{context_length:,}",
             time.perf_counter() - start,
         )
 

@@ -18,6 +18,34 @@ from longserve.runner.sampler import Sampler, SamplingInfo
 logger = logging.getLogger("longserve.runner")
 
 
+def resolve_context_length(config: EngineConfig, hf_config, pool_tokens: int) -> int:
+    """The longest prompt + output served: config.context_length, else the model's maximum, never more
+    than the KV pool holds. An explicit context_length the pool cannot hold is an error."""
+    model_max = getattr(hf_config, "max_position_embeddings", None) or 2048
+    if config.context_length is not None:
+        if config.context_length > pool_tokens:
+            raise ValueError(
+                f"context_length={config.context_length:,} cannot fit: the KV pool holds only {pool_tokens:,} "
+                "tokens; lower context_length, or raise max_total_tokens / mem_fraction_static"
+            )
+        if config.context_length > model_max:
+            logger.warning(
+                "context_length=%s exceeds the model's max_position_embeddings=%s; quality may suffer",
+                f"{config.context_length:,}",
+                f"{model_max:,}",
+            )
+        return config.context_length
+    if model_max > pool_tokens:
+        logger.warning(
+            "the model allows %s tokens but the KV pool holds %s: the context length is capped at %s",
+            f"{model_max:,}",
+            f"{pool_tokens:,}",
+            f"{pool_tokens:,}",
+        )
+        return pool_tokens
+    return model_max
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, hf_config) -> None:
         self.config = config
@@ -30,6 +58,8 @@ class ModelRunner:
         )
         self.page_size = config.page_size
         self.num_pages = self._num_pages()
+        # refuse an impossible context length before the large allocation
+        self.context_length = resolve_context_length(config, hf_config, self.num_pages * self.page_size)
         self.kv_cache = KVCache(
             self.model.num_layers,
             self.num_pages + 1,  # page 0 is a padding target, never handed out
@@ -115,6 +145,7 @@ class ModelRunner:
         tokens = self.num_pages * self.page_size
         return (
             f"KV pool: {tokens:,} tokens ({self.num_pages:,} pages of {self.page_size}), "
+            f"longest context {self.context_length:,}, {tokens / self.context_length:.1f} requests at full context, "
             f"{tokens * self.kv_bytes_per_token() / 2**30:.2f} GiB; weights {self.weight_bytes() / 2**30:.2f} GiB "
             f"({self.dtype}, {self.device})"
         )

@@ -234,3 +234,10 @@ def test_bfloat16_runs_and_matches_float32_mostly(ckpt):
     assert next(m.engine.runner.model.parameters()).dtype == torch.bfloat16
     out = m.generate(prompts(1)[0], GREEDY32)[0]
     assert len(out.token_ids) == 32
+
+
+def test_context_length_beyond_the_pool_is_refused(ckpt):
+    with pytest.raises(ValueError, match=r"context_length=1,000 cannot fit: the KV pool holds only 256 tokens"):
+        llm(ckpt, context_length=1000, max_total_tokens=256)
+    m = llm(ckpt, max_total_tokens=256)  # no explicit context length: capped to the pool
+    assert m.engine.context_length == 256
