@@ -83,6 +83,13 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_latency(args: argparse.Namespace) -> int:
+    from longserve.bench.latency import run_from_args
+
+    run_from_args(args)  # the recorded command line is sys.argv
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from longserve import __version__
 
@@ -102,6 +109,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sample-seed", type=int, default=None, help="seed of the sampling")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
     gen.set_defaults(func=_generate)
+
+    from longserve.bench.latency import add_latency_args
+
+    bench = sub.add_parser("bench", help="offline benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    latency = bench_sub.add_parser(
+        "latency", help="cold TTFT, cached-prefix TTFT and decode latency on random prompts (no server)"
+    )
+    add_latency_args(latency)
+    latency.set_defaults(func=_bench_latency)
     return parser
 
 

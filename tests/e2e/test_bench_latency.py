@@ -1,0 +1,101 @@
+"""`longserve bench latency` end to end on CPU with the built-in tiny config: records, JSON file, CLI, and
+the errors of malformed flags."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from longserve import cli
+from longserve.bench import run_latency
+
+FLAGS = [
+    "--config", "tiny", "--device", "cpu", "--dtype", "float32", "--repeat", "1", "--warmup", "0",
+]  # fmt: skip
+
+
+def test_latency_records_and_json(tmp_path, capsys):
+    out = tmp_path / "lat.json"
+    records = run_latency([
+        *FLAGS, "--prompt-lens", "64,128", "--prefix-hit", "96:8", "--decode-batch-sizes", "1,4",
+        "--decode-context-len", "32", "--compare-hf", "--output-json", str(out),
+    ])  # fmt: skip
+    saved = json.loads(out.read_text())
+    assert saved == json.loads(json.dumps(records))
+    by_case = {}
+    for rec in saved:
+        by_case.setdefault(rec["case"], []).append(rec)
+        assert rec["skipped"] is None
+        meta = rec["metadata"]
+        assert meta["dtype"] == "float32" and meta["model"] == "tiny" and meta["device"].startswith("cpu")
+        assert meta["torch"] and meta["date"] and "--prompt-lens 64,128" in meta["command"]
+    assert sorted(by_case) == ["cold", "decode", "prefix_hit"]
+
+    cold = by_case["cold"]
+    assert [r["prompt_len"] for r in cold] == [64, 128]
+    for r in cold:
+        assert r["ttft_s"] > 0 and r["wall_s"] >= r["ttft_s"] and r["tokens_per_s"] > 0
+        assert r["hf_wall_s"] > 0 and r["hf_ratio"] == pytest.approx(r["hf_wall_s"] / r["wall_s"])
+
+    (hit,) = by_case["prefix_hit"]
+    assert (hit["cached_len"], hit["new_len"], hit["prompt_len"]) == (96, 8, 104)
+    assert hit["cached_tokens"] == 96  # page-aligned (page_size 16)
+    assert hit["ttft_s"] > 0 and hit["cold_ttft_s"] > 0
+    assert hit["speedup"] == pytest.approx(hit["cold_ttft_s"] / hit["ttft_s"])
+
+    decode = by_case["decode"]
+    assert [(r["batch_size"], r["context_len"]) for r in decode] == [(1, 32), (4, 32)]
+    for r in decode:
+        assert r["itl_ms_median"] > 0 and r["itl_ms_mean"] > 0 and r["tokens_per_s"] > 0
+        assert r["num_mixed_steps"] == 0  # every timed step was a pure decode of the whole batch
+
+    table = capsys.readouterr().out
+    for name in ("cold-64", "cold-128", "prefix-96:8", "decode-b1-c32", "decode-b4-c32"):
+        assert name in table
+
+
+def test_cli_bench_latency(tmp_path):
+    out = tmp_path / "cli.json"
+    rc = cli.main(["bench", "latency", *FLAGS, "--prompt-lens", "32", "--output-json", str(out)])
+    assert rc == 0
+    (rec,) = json.loads(out.read_text())
+    assert rec["name"] == "cold-32" and rec["ttft_s"] > 0 and rec["hf_ratio"] is None
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--config", "tiny", "--prefix-hit", "32768"], "argument --prefix-hit: expected CACHED:NEW"),
+        (["--config", "no-such-model", "--prompt-lens", "64"], "unknown config 'no-such-model'"),
+        (["--config", "tiny", "--prompt-lens", "64,x"], "argument --prompt-lens"),
+    ],
+)
+def test_malformed_flags_exit_2(capsys, flags, message):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "latency", *flags])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_nothing_to_run_and_config_without_dummy(capsys):
+    assert cli.main(["bench", "latency", "--config", "tiny", "--device", "cpu"]) == 2
+    assert "nothing to run" in capsys.readouterr().err
+    assert (
+        cli.main(["bench", "latency", "--config", "tiny", "--load-format", "auto", "--prompt-lens", "8"]) == 2
+    )
+    assert "--load-format dummy" in capsys.readouterr().err
+
+
+def test_decode_case_too_big_for_the_pool_is_skipped():
+    records = run_latency([
+        *FLAGS, "--decode-batch-sizes", "1,16", "--decode-context-len", "64", "--decode-steps", "4",
+        "--max-total-tokens", "512",
+    ])  # fmt: skip
+    one, sixteen = records
+    assert one["skipped"] is None and one["itl_ms_median"] > 0
+    assert (
+        sixteen["skipped"].startswith("16 x 64-token contexts need")
+        and "the pool holds 512" in sixteen["skipped"]
+    )
+    assert sixteen.get("itl_ms_median") is None
