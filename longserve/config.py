@@ -9,7 +9,7 @@ from dataclasses import dataclass, fields, replace
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
-ATTENTION_BACKENDS = ("auto", "torch")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,8 @@ class EngineConfig:
     context_length: int | None = None  # None: the model's max_position_embeddings
 
     attention_backend: str = "auto"
+    enforce_eager: bool = False  # no CUDA graphs (SGLang: --disable-cuda-graph)
+    cuda_graph_max_bs: int = 128  # decode steps up to this batch size replay CUDA graphs
     tp_size: int = 1
 
     def __post_init__(self) -> None:
@@ -63,6 +65,7 @@ class EngineConfig:
             self.max_prefill_chunk is None or self.max_prefill_chunk >= 1,
             f"max_prefill_chunk must be >= 1; got {self.max_prefill_chunk}",
         )
+        need(self.cuda_graph_max_bs >= 1, f"cuda_graph_max_bs must be >= 1; got {self.cuda_graph_max_bs}")
         need(
             self.max_running_requests >= 1,
             f"max_running_requests must be >= 1; got {self.max_running_requests}",

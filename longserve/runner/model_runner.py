@@ -12,6 +12,7 @@ from longserve.models import load_model, resolve_dtype
 from longserve.outputs import RunnerOutput, SchedulerOutput
 from longserve.platform import available_memory_bytes, resolve_device
 from longserve.request import Request
+from longserve.runner.cuda_graph import DecodeGraphRunner
 from longserve.runner.inputs import prepare_inputs
 from longserve.runner.sampler import Sampler, SamplingInfo
 
@@ -70,9 +71,42 @@ class ModelRunner:
             self.device,
         )
         self.backend = get_attention_backend(config.attention_backend, self.device)
+        self.graph_runner = self._build_graph_runner()
         self.sampler = Sampler()
         self.num_tokens_computed = 0  # every token fed through the model (tests count cache hits by it)
         self.num_forward_passes = 0
+
+    def _build_graph_runner(self) -> DecodeGraphRunner | None:
+        if self.device.type != "cuda" or self.config.enforce_eager:
+            return None
+        if self.backend.name != "triton":
+            logger.info(
+                "CUDA graphs need the triton attention backend (have %s): decode runs eagerly",
+                self.backend.name,
+            )
+            return None
+        from longserve.attention.triton_backend import TritonAttentionBackend
+        from longserve.kernels.decode_attention import choose_num_splits
+
+        num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        kv_heads = self.model.num_kv_heads
+
+        def make_backend(bs: int) -> TritonAttentionBackend:
+            # a fixed split count per batch size (sized for the longest context) keeps the grid static
+            splits = choose_num_splits(self.context_length, bs, kv_heads, num_sms)
+            return TritonAttentionBackend(num_splits=splits)
+
+        graphs = DecodeGraphRunner(
+            self.model,
+            self.kv_cache,
+            make_backend,
+            max_bs=min(self.config.cuda_graph_max_bs, self.config.max_running_requests),
+            max_pages_per_req=-(-self.context_length // self.page_size),
+            page_size=self.page_size,
+            device=self.device,
+        )
+        graphs.capture()
+        return graphs
 
     # ---- sizing ---------------------------------------------------------------------------------
     def kv_bytes_per_token(self) -> int:
@@ -107,7 +141,10 @@ class ModelRunner:
         inputs = prepare_inputs(out, self.page_size, self.device)
         ctx = ForwardContext(meta=inputs.meta, kv_cache=self.kv_cache, backend=self.backend)
         with torch.inference_mode():
-            hidden = self.model(inputs.input_ids, inputs.positions, ctx)  # [T, H]
+            if self.graph_runner is not None and self.graph_runner.can_run(inputs.meta):
+                hidden = self.graph_runner.run(inputs.input_ids, inputs.positions, inputs.meta)  # [B, H]
+            else:
+                hidden = self.model(inputs.input_ids, inputs.positions, ctx)  # [T, H]
             self.num_tokens_computed += inputs.num_tokens
             self.num_forward_passes += 1
             if inputs.logits_indices.numel() == 0:
