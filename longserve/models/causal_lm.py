@@ -45,6 +45,10 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return self.model(input_ids, positions, ctx)  # [T, hidden]
 
+    def reserve_positions(self, num_positions: int) -> None:
+        """Serve positions up to `num_positions` (a context length past max_position_embeddings)."""
+        self.model.rotary_emb.reserve(num_positions)
+
     @property
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight

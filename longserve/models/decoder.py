@@ -16,7 +16,7 @@ from torch import nn
 
 from longserve.attention.base import ForwardContext
 from longserve.models.layers import MergedLinear, RMSNorm, silu_and_mul
-from longserve.models.rope import RotaryEmbedding, apply_rotary
+from longserve.models.rope import RotaryEmbedding, RotaryStep
 
 
 @dataclass(frozen=True)
@@ -61,9 +61,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
 
-    def forward(
-        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, rope: RotaryStep, ctx: ForwardContext) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))  # [T, Hq*D], [T, Hkv*D], [T, Hkv*D]
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
@@ -71,7 +69,7 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)  # [T, H*, D]
+        q, k = rope.apply(q, k)  # [T, H*, D]
         out = ctx.backend.forward(
             q,
             k,
@@ -110,10 +108,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
 
     def forward(
-        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, ctx)  # [T, hidden]
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))  # [T, hidden]
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: RotaryStep, ctx: ForwardContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sub-layer output, residual stream) in and out, vLLM style: each norm first adds the previous
+        sub-layer's output into the residual (residual=None: `hidden` is the embedding, nothing to add)."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden  # [T, hidden] each
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)  # [T, hidden] each
+        hidden = self.self_attn(hidden, rope, ctx)  # [T, hidden]
+        hidden, residual = self.post_attention_layernorm(hidden, residual)  # [T, hidden] each
+        return self.mlp(hidden), residual  # [T, hidden] each
 
 
 class DecoderModel(nn.Module):
@@ -128,10 +133,13 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
-        cos, sin = self.rotary_emb(positions, hidden.dtype)  # [T, D] each, shared by all layers
+        rope = self.rotary_emb.prepare(positions, hidden.dtype)  # shared by all layers
+        residual = None
         for layer in self.layers:
-            hidden = layer(hidden, cos, sin, ctx)  # [T, hidden]
-        return self.norm(hidden)  # [T, hidden]
+            hidden, residual = layer(hidden, residual, rope, ctx)  # [T, hidden] each
+        if residual is None:
+            return self.norm(hidden)  # [T, hidden]
+        return self.norm(hidden, residual)[0]  # [T, hidden]
 
 
 def compute_logits(hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:

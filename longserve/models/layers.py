@@ -3,9 +3,13 @@
 Fused linears hold several HF projections stacked along the output dim (q|k|v, gate|up). The one table
 `STACKED_PARAMS` says which HF tensor goes into which shard, so a tensor-parallel loader can later slice
 each shard per rank in `MergedLinear.weight_loader` without touching the models.
+The `*_ref` functions are the torch references of the Triton kernels in longserve/kernels (same
+signatures); layers run the kernel on CUDA tensors when triton imports (`use_triton`), else the reference.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -21,20 +25,65 @@ STACKED_PARAMS: tuple[tuple[str, str, str], ...] = (
 )
 
 
+@functools.cache
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """Whether the fused Triton kernels serve `x`: CUDA tensors when triton imports; never on the CPU."""
+    return x.is_cuda and triton_available()
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., H], weight [H] -> y [..., H]: normalized in float32, cast back, then scaled (HF's way)."""
+    in_dtype = x.dtype
+    h = x.to(torch.float32)  # [..., H]
+    variance = h.pow(2).mean(-1, keepdim=True)  # [..., 1]
+    h = h * torch.rsqrt(variance + eps)  # [..., H]
+    return weight * h.to(in_dtype)
+
+
+def fused_add_rms_norm_ref(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x [..., H], residual [..., H]) -> (rms_norm(x + residual) [..., H], x + residual [..., H]).
+
+    The sum is taken in float32 and stored in x's dtype (what torch does for a half-precision add), and
+    the norm reads that stored sum, so the output equals `norm(residual + x)` of the unfused layer.
+    """
+    new_residual = (x.float() + residual.float()).to(x.dtype)  # [..., H]
+    return rms_norm_ref(new_residual, weight, eps), new_residual
+
+
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32 and cast back, exactly like HF's LlamaRMSNorm."""
+    """RMSNorm computed in float32 and cast back, exactly like HF's LlamaRMSNorm.
+
+    `norm(x)` -> y; `norm(x, residual)` -> (y, new_residual) with new_residual = x + residual, y its norm
+    (vLLM style: the residual add of the previous sub-layer is fused into this norm).
+    """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        in_dtype = x.dtype
-        h = x.to(torch.float32)  # [..., H]
-        variance = h.pow(2).mean(-1, keepdim=True)  # [..., 1]
-        h = h * torch.rsqrt(variance + self.eps)  # [..., H]
-        return self.weight * h.to(in_dtype)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if use_triton(x):
+            from longserve.kernels.norm import fused_add_rms_norm, rms_norm  # imports triton
+
+            if residual is None:
+                return rms_norm(x, self.weight, self.eps)  # [..., H]
+            return fused_add_rms_norm(x, residual, self.weight, self.eps)  # ([..., H], [..., H])
+        if residual is None:
+            return rms_norm_ref(x, self.weight, self.eps)  # [..., H]
+        return fused_add_rms_norm_ref(x, residual, self.weight, self.eps)  # ([..., H], [..., H])
 
 
 class MergedLinear(nn.Module):
@@ -79,10 +128,19 @@ class MergedLinear(nn.Module):
         return y.split(list(self.shard_sizes.values()), dim=-1)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x = gate|up [T, 2I] -> silu(gate) * up [T, I]."""
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """x = gate|up [T, 2I] (gate first, as gate_up_proj stacks them) -> silu(gate) * up [T, I]."""
     gate, up = x.chunk(2, dim=-1)  # [T, I] each
     return F.silu(gate) * up
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x = gate|up [T, 2I] -> silu(gate) * up [T, I]; the Triton kernel on CUDA, else the reference."""
+    if use_triton(x):
+        from longserve.kernels.activation import silu_and_mul as silu_and_mul_triton  # imports triton
+
+        return silu_and_mul_triton(x)  # [T, I]
+    return silu_and_mul_ref(x)  # [T, I]
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:

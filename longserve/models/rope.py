@@ -2,15 +2,20 @@
 
 Numerics follow HF: inverse frequencies and cos/sin are computed in float32, then cast to the activation
 dtype; the rotation uses HF's rotate_half convention (the two halves of head_dim, not interleaved pairs).
+On the CPU each step computes cos/sin [T, D] from its positions (HF-exact); on CUDA with triton the fused
+kernel (longserve/kernels/rope.py) gathers rows of a float32 cos|sin cache [max_positions, D] instead.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+
+from longserve.models.layers import use_triton
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -109,6 +114,35 @@ class RotaryEmbedding(nn.Module):
         inv_freq, self.attention_scaling = compute_inv_freq(head_dim, params, max_position_embeddings)
         # float32 whatever the default dtype; derived from the config, never loaded from a checkpoint
         self.register_buffer("inv_freq", inv_freq.to(torch.float32), persistent=False)
+        self.head_dim = head_dim
+        self.max_positions = max_position_embeddings  # rows of the fused path's cache; see `reserve`
+        self._cos_sin_cache: torch.Tensor | None = None  # built on first fused use, not a buffer
+
+    def reserve(self, num_positions: int) -> None:
+        """Make the fused path's cache cover positions [0, num_positions). Call it with the context length
+        when that exceeds max_position_embeddings, before CUDA graph capture: the kernel does not
+        bound-check positions."""
+        if num_positions > self.max_positions:
+            self.max_positions = num_positions
+            self._cos_sin_cache = None
+
+    def cos_sin_cache(self) -> torch.Tensor:
+        """[max_positions, D] float32 on inv_freq's device: row p = cos(p * inv_freq) | sin(p * inv_freq),
+        both times attention_scaling. Built on first use (before CUDA graph capture, in warm-up)."""
+        cache = self._cos_sin_cache
+        if cache is None or cache.device != self.inv_freq.device:
+            pos = torch.arange(self.max_positions, dtype=torch.float32, device=self.inv_freq.device)  # [P]
+            freqs = pos[:, None] * self.inv_freq.float()  # [P, D/2]
+            cos, sin = freqs.cos() * self.attention_scaling, freqs.sin() * self.attention_scaling
+            cache = self._cos_sin_cache = torch.cat((cos, sin), dim=-1)  # [P, D]
+        return cache
+
+    def prepare(self, positions: torch.Tensor, dtype: torch.dtype) -> RotaryStep:
+        """The rotary inputs of one step, shared by every layer: fused kernel inputs on CUDA, else cos/sin."""
+        if use_triton(positions):
+            return RotaryStep(positions, cos_sin_cache=self.cos_sin_cache())
+        cos, sin = self(positions, dtype)  # [T, D] each
+        return RotaryStep(positions, cos=cos, sin=sin)
 
     @classmethod
     def from_config(cls, hf_config: Any, head_dim: int) -> RotaryEmbedding:
@@ -130,3 +164,40 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, H, D], cos/sin [T, D] -> rotated x [T, H, D]."""
     return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
+
+
+def rotary_embedding_ref(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q [T, Hq*D] or [T, Hq, D] and k [T, Hkv*D] or [T, Hkv, D] in place; returns (q, k).
+
+    positions [T] index cos_sin_cache [P, D] (cos | sin halves, float32); the rotation is HF's: cos/sin
+    cast to q's dtype, then `x * cos + rotate_half(x) * sin` in that dtype. Reference of the Triton kernel.
+    """
+    head_dim = cos_sin_cache.shape[-1]
+    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)  # [T, D/2] each
+    cos = torch.cat((cos, cos), dim=-1).to(q.dtype)  # [T, D]
+    sin = torch.cat((sin, sin), dim=-1).to(q.dtype)  # [T, D]
+    for x in (q, k):
+        x3 = x.view(x.shape[0], -1, head_dim)  # [T, H, D]
+        x3.copy_(apply_rotary(x3, cos, sin))
+    return q, k
+
+
+@dataclass(frozen=True)
+class RotaryStep:
+    """Rotary inputs of one step: cos/sin [T, D] (torch path) or cos_sin_cache [P, D] (Triton path)."""
+
+    positions: torch.Tensor  # [T]
+    cos: torch.Tensor | None = None  # [T, D] in the activation dtype
+    sin: torch.Tensor | None = None  # [T, D]
+    cos_sin_cache: torch.Tensor | None = None  # [P, D] float32
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k [T, Hkv, D] -> rotated (q, k); the fused path rotates in place."""
+        if self.cos_sin_cache is not None:
+            from longserve.kernels.rope import rotary_embedding  # imports triton
+
+            return rotary_embedding(self.positions, q, k, self.cos_sin_cache)
+        assert self.cos is not None and self.sin is not None
+        return apply_rotary(q, self.cos, self.sin), apply_rotary(k, self.cos, self.sin)

@@ -61,6 +61,7 @@ class ModelRunner:
         self.num_pages = self._num_pages()
         # refuse an impossible context length before the large allocation
         self.context_length = resolve_context_length(config, hf_config, self.num_pages * self.page_size)
+        self.model.reserve_positions(self.context_length)
         self.kv_cache = KVCache(
             self.model.num_layers,
             self.num_pages + 1,  # page 0 is a padding target, never handed out

@@ -1,0 +1,109 @@
+"""RMSNorm and fused residual-add + RMSNorm in Triton; references: `rms_norm_ref`, `fused_add_rms_norm_ref`.
+
+Each program normalizes BLOCK_R whole rows (BLOCK_H = next pow2 of H) in float32 and rounds exactly where
+HF does: the normalized row is cast to the input dtype before the weight multiply, and the residual sum is
+stored in the input dtype before it is normalized. Rows only need a unit stride along H.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from longserve.models.layers import fused_add_rms_norm_ref, rms_norm_ref
+
+__all__ = ["fused_add_rms_norm", "fused_add_rms_norm_ref", "rms_norm", "rms_norm_ref"]
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,
+    res_ptr,  # unused unless HAS_RESIDUAL
+    w_ptr,
+    y_ptr,
+    res_out_ptr,  # unused unless HAS_RESIDUAL
+    num_rows,
+    hidden,
+    stride_x,
+    stride_r,
+    stride_y,
+    stride_ro,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
+    cols = tl.arange(0, BLOCK_H)  # [BLOCK_H]
+    mask = (rows[:, None] < num_rows) & (cols[None, :] < hidden)  # [BLOCK_R, BLOCK_H]
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
+        s = (x.to(tl.float32) + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)  # sum stored in x dtype
+        tl.store(res_out_ptr + rows[:, None] * stride_ro + cols[None, :], s, mask=mask)
+        h = s.to(tl.float32)  # [BLOCK_R, BLOCK_H]
+    else:
+        h = x.to(tl.float32)  # [BLOCK_R, BLOCK_H]
+    variance = tl.sum(h * h, axis=1) / hidden  # [BLOCK_R]
+    rstd = tl.math.rsqrt(variance + eps)  # [BLOCK_R]
+    w = tl.load(w_ptr + cols, mask=cols < hidden, other=0.0).to(tl.float32)  # [BLOCK_H]
+    normed = (h * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)  # HF: cast back, then scale
+    y = normed * w[None, :]  # [BLOCK_R, BLOCK_H]
+    tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _launch_config(hidden: int) -> tuple[int, int, int]:
+    """(BLOCK_R, BLOCK_H, num_warps): ~2K+ elements per program; several rows when H is small (q/k norm)."""
+    block_h = triton.next_power_of_2(hidden)
+    block_r = max(1, 2048 // block_h)
+    elems = block_r * block_h
+    num_warps = 1 if elems <= 256 else 4 if elems <= 2048 else 8 if elems <= 8192 else 16
+    return block_r, block_h, num_warps
+
+
+def _as_rows(t: torch.Tensor, hidden: int) -> torch.Tensor:
+    """[..., H] -> [N, H] with unit stride along H (a view when possible, else a copy)."""
+    rows = t.reshape(-1, hidden)
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def _run(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    hidden = x.shape[-1]
+    assert weight.shape == (hidden,), f"weight {tuple(weight.shape)} does not match hidden size {hidden}"
+    x2 = _as_rows(x, hidden)  # [N, H]
+    num_rows = x2.shape[0]
+    y = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    y2 = y.view(-1, hidden)  # [N, H]
+    if residual is not None:
+        assert residual.shape == x.shape and residual.dtype == x.dtype, "x and residual must match"
+        r2 = _as_rows(residual, hidden)  # [N, H]
+        new_residual = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        ro2 = new_residual.view(-1, hidden)  # [N, H]
+    else:
+        r2, new_residual, ro2 = x2, None, x2  # placeholders, never read or written
+    if num_rows == 0:
+        return y, new_residual
+    block_r, block_h, num_warps = _launch_config(hidden)
+    _rms_norm_kernel[(triton.cdiv(num_rows, block_r),)](
+        x2, r2, weight, y2, ro2, num_rows, hidden,
+        x2.stride(0), r2.stride(0), y2.stride(0), ro2.stride(0), eps,
+        HAS_RESIDUAL=residual is not None, BLOCK_R=block_r, BLOCK_H=block_h, num_warps=num_warps,
+    )  # fmt: skip
+    return y, new_residual
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., H], weight [H] -> y [..., H] in promote(x.dtype, weight.dtype); same math as `rms_norm_ref`."""
+    return _run(x, None, weight, eps)[0]
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x [..., H], residual [..., H]) -> (rms_norm(x + residual), x + residual); out of place, one pass."""
+    y, new_residual = _run(x, residual, weight, eps)
+    assert new_residual is not None
+    return y, new_residual

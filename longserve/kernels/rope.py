@@ -1,0 +1,95 @@
+"""Rotary embedding of q and k in one Triton kernel, in place; reference: `rotary_embedding_ref`.
+
+HF rotate_half (neox) convention: the two halves of head_dim rotate together. One program per token reads
+its cos|sin row [D] from the float32 cache once, then rotates all Hq + Hkv heads, BLOCK_HEADS at a time,
+in float32. q/k only need a unit stride along D (views of the fused qkv output work as they are).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from longserve.models.rope import rotary_embedding_ref
+
+__all__ = ["rotary_embedding", "rotary_embedding_ref"]
+
+
+@triton.jit
+def _rotate_heads(
+    x_ptr,  # this token's first head
+    stride_h,
+    num_heads,
+    cos,  # [1, BLOCK_D2] float32
+    sin,  # [1, BLOCK_D2] float32
+    offs_d,  # [BLOCK_D2]
+    HALF_D: tl.constexpr,
+    BLOCK_HEADS: tl.constexpr,
+):
+    for h0 in range(0, num_heads, BLOCK_HEADS):
+        heads = h0 + tl.arange(0, BLOCK_HEADS)  # [BLOCK_HEADS]
+        mask = (heads[:, None] < num_heads) & (offs_d[None, :] < HALF_D)  # [BLOCK_HEADS, BLOCK_D2]
+        ptr1 = x_ptr + heads[:, None] * stride_h + offs_d[None, :]  # first half of each head
+        x1 = tl.load(ptr1, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_HEADS, BLOCK_D2]
+        x2 = tl.load(ptr1 + HALF_D, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_HEADS, BLOCK_D2]
+        out1 = x1 * cos - x2 * sin  # x * cos + rotate_half(x) * sin, rotate_half = (-x2, x1)
+        out2 = x2 * cos + x1 * sin
+        tl.store(ptr1, out1.to(x_ptr.dtype.element_ty), mask=mask)
+        tl.store(ptr1 + HALF_D, out2.to(x_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(
+    pos_ptr,
+    q_ptr,
+    k_ptr,
+    cache_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_cache,
+    num_q_heads,
+    num_kv_heads,
+    HALF_D: tl.constexpr,
+    BLOCK_D2: tl.constexpr,
+    BLOCK_HEADS: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + tok).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D2)  # [BLOCK_D2]
+    d_mask = offs_d < HALF_D
+    cos = tl.load(cache_ptr + pos * stride_cache + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+    sin = tl.load(cache_ptr + pos * stride_cache + HALF_D + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+    cos, sin = cos[None, :], sin[None, :]  # [1, BLOCK_D2]
+    _rotate_heads(q_ptr + tok * stride_qt, stride_qh, num_q_heads, cos, sin, offs_d, HALF_D, BLOCK_HEADS)
+    _rotate_heads(k_ptr + tok * stride_kt, stride_kh, num_kv_heads, cos, sin, offs_d, HALF_D, BLOCK_HEADS)
+
+
+def rotary_embedding(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q [T, Hq*D] or [T, Hq, D] and k [T, Hkv*D] or [T, Hkv, D] in place; returns (q, k).
+
+    positions [T] (int) index cos_sin_cache [P, D] (cos | sin halves, float32, see
+    `RotaryEmbedding.cos_sin_cache`); positions must be < P (not checked on the device).
+    """
+    head_dim = cos_sin_cache.shape[-1]
+    assert head_dim % 2 == 0 and cos_sin_cache.stride(-1) == 1
+    num_tokens = positions.shape[0]
+    q3 = q.view(num_tokens, -1, head_dim)  # [T, Hq, D]
+    k3 = k.view(num_tokens, -1, head_dim)  # [T, Hkv, D]
+    assert q3.stride(2) == 1 and k3.stride(2) == 1, "q and k need a unit stride along head_dim"
+    if num_tokens == 0:
+        return q, k
+    half = head_dim // 2
+    block_d2 = triton.next_power_of_2(half)
+    block_heads = max(1, min(triton.next_power_of_2(max(q3.shape[1], k3.shape[1])), 4096 // block_d2))
+    _rope_kernel[(num_tokens,)](
+        positions, q3, k3, cos_sin_cache,
+        q3.stride(0), q3.stride(1), k3.stride(0), k3.stride(1), cos_sin_cache.stride(0),
+        q3.shape[1], k3.shape[1],
+        HALF_D=half, BLOCK_D2=block_d2, BLOCK_HEADS=block_heads, num_warps=4,
+    )  # fmt: skip
+    return q, k

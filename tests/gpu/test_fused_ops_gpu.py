@@ -1,0 +1,95 @@
+"""Fused Triton ops on the GPU at Llama-3-8B prefill shapes (bf16) vs. their torch references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+T, H, INTER, HQ, HKV, D = 8192, 4096, 14336, 32, 8, 128
+TOL = {torch.bfloat16: 2e-2, torch.float16: 1e-2, torch.float32: 1e-5}  # the references round like HF
+DTYPES = [torch.bfloat16, torch.float16]
+
+
+def randn(*shape: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(*shape, device="cuda", dtype=dtype, generator=gen)
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    torch.testing.assert_close(actual.float(), expected.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rms_norm(dtype: torch.dtype) -> None:
+    from longserve.kernels.norm import rms_norm, rms_norm_ref
+
+    x, w = randn(T, H, dtype=dtype, seed=1), randn(H, dtype=dtype, seed=2)
+    assert_close(rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fused_add_rms_norm(dtype: torch.dtype) -> None:
+    from longserve.kernels.norm import fused_add_rms_norm, fused_add_rms_norm_ref
+
+    x, res, w = randn(T, H, dtype=dtype, seed=1), randn(T, H, dtype=dtype, seed=3), randn(H, dtype=dtype)
+    y, new_res = fused_add_rms_norm(x, res, w, 1e-5)
+    y_ref, new_res_ref = fused_add_rms_norm_ref(x, res, w, 1e-5)
+    assert torch.equal(new_res, new_res_ref)  # float32 sum rounded once to the input dtype
+    assert torch.equal(new_res, x + res)
+    assert_close(y, y_ref, dtype)
+
+
+def test_rms_norm_qk_heads() -> None:
+    """Qwen3's per-head norm: [T, Hq, D] rows of a fused qkv view, D=128."""
+    from longserve.kernels.norm import rms_norm, rms_norm_ref
+
+    qkv = randn(T, (HQ + 2 * HKV) * D, dtype=torch.bfloat16, seed=4)
+    q = qkv[:, : HQ * D].view(T, HQ, D)  # [T, Hq, D]
+    w = randn(D, dtype=torch.bfloat16, seed=5)
+    assert_close(rms_norm(q, w, 1e-6), rms_norm_ref(q, w, 1e-6), torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_silu_and_mul(dtype: torch.dtype) -> None:
+    from longserve.kernels.activation import silu_and_mul, silu_and_mul_ref
+
+    x = randn(T, 2 * INTER, dtype=dtype, seed=6)
+    assert_close(silu_and_mul(x), silu_and_mul_ref(x), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rotary_embedding(dtype: torch.dtype) -> None:
+    from longserve.kernels.rope import rotary_embedding, rotary_embedding_ref
+    from longserve.models.rope import RotaryEmbedding
+
+    params = {
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+    }  # fmt: skip
+    rope = RotaryEmbedding(D, params, 131072).cuda()
+    cache = rope.cos_sin_cache()  # [P, D]
+    positions = torch.randint(0, 131072, (T,), device="cuda")  # [T], long-context positions
+    qkv = randn(T, (HQ + 2 * HKV) * D, dtype=dtype, seed=7)
+    q, k, v = qkv.split([HQ * D, HKV * D, HKV * D], dim=-1)  # views, as Attention.forward passes them
+    q_ref, k_ref, v_before = q.clone(), k.clone(), v.clone()
+    rotary_embedding_ref(positions, q_ref, k_ref, cache)
+    rotary_embedding(positions, q, k, cache)
+    assert_close(q, q_ref, dtype)
+    assert_close(k, k_ref, dtype)
+    assert torch.equal(v, v_before)
+    # the cache rows equal the per-step cos/sin HF computes (float32)
+    cos, sin = rope(positions, torch.float32)  # [T, D]
+    torch.testing.assert_close(cache[positions], torch.cat((cos[:, : D // 2], sin[:, : D // 2]), -1))
+
+
+def test_bench_fused_ops_runs() -> None:
+    from longserve.kernels.bench_fused import bench_fused_ops
+
+    rows = bench_fused_ops(num_tokens=256)
+    assert [r["op"] for r in rows] == ["rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding"]
+    assert all(float(r["triton_gbps"]) > 0 for r in rows)

@@ -1,0 +1,148 @@
+"""Fused Triton ops (norm, residual-add norm, SiLU-and-mul, RoPE) under TRITON_INTERPRET=1 on the CPU vs.
+their torch references, plus a tiny model run with every fused path forced on vs. the reference path."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from longserve.kernels.activation import silu_and_mul, silu_and_mul_ref  # noqa: E402
+from longserve.kernels.norm import (  # noqa: E402
+    fused_add_rms_norm,
+    fused_add_rms_norm_ref,
+    rms_norm,
+    rms_norm_ref,
+)
+from longserve.kernels.rope import rotary_embedding, rotary_embedding_ref  # noqa: E402
+from longserve.models.rope import RotaryEmbedding, apply_rotary  # noqa: E402
+
+ATOL = 1e-5
+TOKENS = [1, 7]
+HIDDEN = [16, 48]  # 48: not a power of two
+HEAD_DIMS = [16, 32]
+
+
+def randn(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("num_tokens", TOKENS)
+@pytest.mark.parametrize("hidden", HIDDEN)
+def test_rms_norm(num_tokens: int, hidden: int) -> None:
+    x, w = randn(num_tokens, hidden, seed=1), randn(hidden, seed=2)
+    torch.testing.assert_close(rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6), atol=ATOL, rtol=ATOL)
+
+
+@pytest.mark.parametrize("num_tokens", TOKENS)
+@pytest.mark.parametrize("hidden", HIDDEN)
+def test_fused_add_rms_norm(num_tokens: int, hidden: int) -> None:
+    x, res, w = randn(num_tokens, hidden, seed=1), randn(num_tokens, hidden, seed=3), randn(hidden, seed=2)
+    x_before, res_before = x.clone(), res.clone()
+    y, new_res = fused_add_rms_norm(x, res, w, 1e-5)
+    y_ref, new_res_ref = fused_add_rms_norm_ref(x, res, w, 1e-5)
+    assert torch.equal(new_res, x_before + res_before)  # the residual stream is exact
+    assert torch.equal(new_res_ref, x_before + res_before)
+    torch.testing.assert_close(y, y_ref, atol=ATOL, rtol=ATOL)
+    torch.testing.assert_close(y, rms_norm_ref(x + res, w, 1e-5), atol=ATOL, rtol=ATOL)
+    assert torch.equal(x, x_before) and torch.equal(res, res_before)  # out of place
+
+
+def test_rms_norm_strided_3d_rows() -> None:
+    """Per-head q norm (Qwen3) on a view of the fused qkv output: [T, H, D] with a token stride > H*D."""
+    qkv = randn(7, 4 * 16 + 2 * 2 * 16, seed=6)
+    q = qkv[:, : 4 * 16].view(7, 4, 16)  # [T, 4, 16], non-contiguous
+    w = randn(16, seed=7)
+    torch.testing.assert_close(rms_norm(q, w, 1e-6), rms_norm_ref(q, w, 1e-6), atol=ATOL, rtol=ATOL)
+
+
+@pytest.mark.parametrize("num_tokens", TOKENS)
+@pytest.mark.parametrize("inter", HIDDEN)
+def test_silu_and_mul(num_tokens: int, inter: int) -> None:
+    x = randn(num_tokens, 2 * inter, seed=8) * 3
+    out = silu_and_mul(x)  # [T, I]
+    assert out.shape == (num_tokens, inter)
+    torch.testing.assert_close(out, silu_and_mul_ref(x), atol=ATOL, rtol=ATOL)
+    gate, up = x[:, :inter], x[:, inter:]  # gate first, as gate_up_proj stacks them
+    torch.testing.assert_close(out, torch.nn.functional.silu(gate) * up, atol=ATOL, rtol=ATOL)
+
+
+def make_rope(head_dim: int, max_pos: int = 64) -> RotaryEmbedding:
+    params = {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 16,
+    }
+    return RotaryEmbedding(head_dim, params, max_pos)  # yarn: attention_scaling != 1 is covered too
+
+
+@pytest.mark.parametrize("num_tokens", TOKENS)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("flat", [True, False], ids=["flat", "3d"])
+def test_rotary_embedding(num_tokens: int, head_dim: int, flat: bool) -> None:
+    rope = make_rope(head_dim)
+    cache = rope.cos_sin_cache()  # [64, D]
+    positions = torch.randint(0, 64, (num_tokens,), generator=torch.Generator().manual_seed(9))
+    num_q, num_kv = 4, 2
+    # q, k as views of one fused qkv output, like Attention.forward hands them over
+    qkv = randn(num_tokens, (num_q + 2 * num_kv) * head_dim, seed=10)
+    q, k, v = qkv.split([num_q * head_dim, num_kv * head_dim, num_kv * head_dim], dim=-1)
+    if not flat:
+        q, k = q.view(num_tokens, num_q, head_dim), k.view(num_tokens, num_kv, head_dim)
+    q_ref, k_ref = q.clone(), k.clone()
+    v_before = v.clone()
+    rotary_embedding_ref(positions, q_ref, k_ref, cache)
+    q_out, k_out = rotary_embedding(positions, q, k, cache)
+    assert q_out.data_ptr() == q.data_ptr() and k_out.data_ptr() == k.data_ptr()  # in place
+    torch.testing.assert_close(q, q_ref, atol=ATOL, rtol=ATOL)
+    torch.testing.assert_close(k, k_ref, atol=ATOL, rtol=ATOL)
+    assert torch.equal(v, v_before)
+
+    # the cached reference agrees with the per-step cos/sin path the CPU layers use (HF's computation)
+    cos, sin = rope(positions, torch.float32)  # [T, D]
+    q0 = randn(num_tokens, num_q, head_dim, seed=11)
+    torch.testing.assert_close(
+        rotary_embedding_ref(positions, q0.clone(), q0.clone()[:, :1], cache)[0],
+        apply_rotary(q0, cos, sin),
+        atol=ATOL,
+        rtol=ATOL,
+    )
+
+
+def test_model_with_fused_ops_matches_reference_path(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Force every fused path on (CPU tensors through the interpreter) in a tiny Qwen3 (q/k norm) and
+    compare its hidden states with the reference path's: wiring, residual flow and in-place RoPE."""
+    pytest.importorskip("transformers")
+    from longserve.attention.base import ForwardContext, KVCache
+    from longserve.attention.torch_ref import TorchAttentionBackend
+    from longserve.models import layers as layers_mod
+    from longserve.models import load_hf_config, load_model
+    from longserve.models import rope as rope_mod
+    from tests.checkpoints import make_tiny_checkpoint
+    from tests.model.test_models_vs_hf import NUM_PAGES, PAGE_IDS, PAGE_SIZE, make_meta
+
+    path = make_tiny_checkpoint(tmp_path / "qwen3", "qwen3", tie_word_embeddings=False, seed=7)
+    model = load_model(path, load_hf_config(path), torch.float32, torch.device("cpu"))
+    ids = randn(11, seed=12).abs().mul(100).long() % model.vocab_size  # [11]
+    ids[0] = 0
+
+    def run() -> torch.Tensor:
+        meta, positions = make_meta([0], [len(ids)], [PAGE_IDS])
+        cache = KVCache(
+            model.num_layers, NUM_PAGES, PAGE_SIZE, model.num_kv_heads, model.head_dim, torch.float32, "cpu"
+        )
+        ctx = ForwardContext(meta=meta, kv_cache=cache, backend=TorchAttentionBackend())
+        with torch.no_grad():
+            return model(ids, positions, ctx)  # [T, hidden]
+
+    ref = run()
+    monkeypatch.setattr(layers_mod, "use_triton", lambda x: True)
+    monkeypatch.setattr(rope_mod, "use_triton", lambda x: True)
+    fused = run()
+    torch.testing.assert_close(fused, ref, atol=1e-4, rtol=1e-4)
