@@ -229,7 +229,7 @@ def test_prompt_longer_than_context_is_refused(ckpt):
     assert_clean(m.engine)
 
 
-def test_bfloat16_runs_and_matches_float32_mostly(ckpt):
+def test_bfloat16_runs(ckpt):
     m = llm(ckpt, dtype="bfloat16")
     assert next(m.engine.runner.model.parameters()).dtype == torch.bfloat16
     out = m.generate(prompts(1)[0], GREEDY32)[0]
@@ -237,7 +237,9 @@ def test_bfloat16_runs_and_matches_float32_mostly(ckpt):
 
 
 def test_context_length_beyond_the_pool_is_refused(ckpt):
-    with pytest.raises(ValueError, match=r"context_length=1,000 cannot fit: the KV pool holds only 256 tokens"):
+    with pytest.raises(
+        ValueError, match=r"context_length=1,000 cannot fit: the KV pool holds only 256 tokens"
+    ):
         llm(ckpt, context_length=1000, max_total_tokens=256)
     m = llm(ckpt, max_total_tokens=256)  # no explicit context length: capped to the pool
     assert m.engine.context_length == 256

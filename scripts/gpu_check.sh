@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: GPU tests, the CPU e2e suite on CUDA, kernel microbenchmarks and the latency
+# benchmark of the Llama-3.1-8B shape against HF transformers. Logs and JSON go to $OUT; a short table last.
+#   usage: LONGSERVE_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu_check.sh [quick|tests|bench|all]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+MODE=${1:-all}
+OUT=${OUT:-/tmp/longserve-out}
+mkdir -p "$OUT"; export OUT
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} LONGSERVE_COMMIT=${LONGSERVE_COMMIT:-unknown}
+unset TRITON_INTERPRET
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+status=0
+
+if [[ $MODE == all || $MODE == tests || $MODE == quick ]]; then
+  # separate processes: the CPU kernel tests set TRITON_INTERPRET=1 at import
+  python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 || status=1
+  LONGSERVE_TEST_DEVICE=cuda python3 -m pytest -q tests/e2e/test_engine.py -p no:cacheprovider 2>&1 \
+    | tee "$OUT/e2e_cuda.log" | tail -25 || status=1
+fi
+
+if [[ $MODE == all || $MODE == bench ]]; then
+  python3 - <<'PY' 2>&1 | tee "$OUT/kernels.log"
+import json, os
+from longserve.kernels.bench_attention import bench_attention
+from longserve.kernels.bench_fused import bench_fused_ops
+rows = bench_attention() + bench_fused_ops()
+json.dump(rows, open(os.path.join(os.environ["OUT"], "kernels.json"), "w"), indent=1)
+for r in rows:
+    print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
+PY
+  common=(--config llama-3.1-8b --load-format dummy --dtype bfloat16 --warmup 1 --repeat 3)
+  python3 -m longserve.bench.latency "${common[@]}" --prompt-lens 8192,32768 --prefix-hit 32768:64 \
+    --decode-batch-sizes 1 --decode-context-len 32768 --compare-hf --output-json "$OUT/latency_8b.json" \
+    2>&1 | tee "$OUT/latency_8b.log" | tail -12
+  python3 -m longserve.bench.latency "${common[@]}" --decode-batch-sizes 64 --decode-context-len 4096 \
+    --output-json "$OUT/latency_8b_decode64.json" 2>&1 | tee "$OUT/latency_8b_decode64.log" | tail -6
+fi
+if [[ $MODE == long ]]; then
+  python3 -m longserve.bench.latency --config llama-3.1-8b --load-format dummy --dtype bfloat16 --warmup 0 \
+    --repeat 1 --prompt-lens 131072 --compare-hf --output-json "$OUT/latency_8b_128k.json" \
+    2>&1 | tee "$OUT/latency_8b_128k.log" | tail -6
+fi
+
+echo "=== summary ($MODE) ==="
+grep -hE "passed|failed|error" "$OUT"/gpu_tests.log "$OUT"/e2e_cuda.log 2>/dev/null | tail -4
+python3 - <<'PY'
+import glob, json, os
+for path in sorted(glob.glob(os.path.join(os.environ["OUT"], "latency_*.json"))):
+    for r in json.load(open(path)):
+        if r.get("skipped"):
+            print(f"{r['name']:<28} skipped: {r['skipped']}"); continue
+        if r["case"] == "decode":
+            print(f"{r['name']:<28} itl {r['itl_ms_median']:.2f} ms")
+        elif r["case"] == "prefix_hit":
+            print(f"{r['name']:<28} ttft {r['ttft_s']:.4f} s  speedup vs cold {r['speedup']:.0f}x")
+        else:
+            hf = f"  hf {r['hf_wall_s']:.3f} s  ratio {r['hf_ratio']:.2f}" if r.get("hf_wall_s") else ""
+            print(f"{r['name']:<28} ttft {r['ttft_s']:.3f} s  wall {r['wall_s']:.3f} s{hf}")
+PY
+exit $status
