@@ -3,6 +3,8 @@
 Each program owns BLOCK_M packed rows (token, q head of one kv head) of one request, so the q heads that
 share a kv head share its K/V loads; keys are gathered through the page table and only key blocks under
 the causal (and sliding-window) mask are visited. Needs the new tokens' K/V already stored in the cache.
+When the row blocks are too few to fill the chip (a short suffix over a long prefix), the key range is
+split over several programs whose fp32 partials a second kernel merges (split-K, as in decode).
 """
 
 from __future__ import annotations
@@ -15,6 +17,11 @@ import triton
 import triton.language as tl
 
 from longserve.attention.torch_ref import attention_mask, gather_kv
+
+MIN_KEYS_PER_EXTEND_SPLIT = 1024
+MAX_EXTEND_SPLITS = 32
+WAVES_PER_EXTEND = 4  # below this many waves of row-block programs, split the keys (tail effect <= 25%)
+MAX_PARTIAL_ROWS = 1 << 19  # bounds the fp32 partials: T * Hq * splits rows of D floats
 
 
 @triton.jit
@@ -82,7 +89,8 @@ def _extend_kernel(
     q_ptr,  # [T, Hq, D]
     k_cache_ptr,  # [num_pages, page_size, Hkv, D]
     v_cache_ptr,
-    o_ptr,  # [T, Hq, D]
+    o_ptr,  # [T, Hq, D], or partials [T, Hq, NUM_SPLITS, D] fp32 when NUM_SPLITS > 1
+    lse_ptr,  # [T, Hq, NUM_SPLITS] fp32 log2-sum-exp of each partial (unused when NUM_SPLITS == 1)
     query_start_loc_ptr,  # [B+1]
     prefix_lens_ptr,  # [B]
     seq_lens_ptr,  # [B]
@@ -91,6 +99,7 @@ def _extend_kernel(
     stride_qh,
     stride_ot,
     stride_oh,
+    stride_os,
     stride_slot,
     stride_kvh,
     stride_pt,
@@ -102,13 +111,16 @@ def _extend_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,  # key-range splits per row block (split-K when the grid is small)
     HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    # heaviest (last, longest-causal) row blocks first so the tail of the grid is short work
-    block = tl.num_programs(0) - 1 - tl.program_id(0)
+    # grid (Hkv, B, row blocks * splits), x fastest: the heaviest (last, longest-causal) row blocks of every
+    # head and request launch first, so the tail of the grid is short work
+    kv_head = tl.program_id(0)
     req = tl.program_id(1)
-    kv_head = tl.program_id(2)
+    block = tl.num_programs(2) // NUM_SPLITS - 1 - tl.program_id(2) // NUM_SPLITS
+    split = tl.program_id(2) % NUM_SPLITS
 
     q_start = tl.load(query_start_loc_ptr + req)
     q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
@@ -145,6 +157,14 @@ def _extend_kernel(
     else:
         lo = 0
         full_lo = 0
+    if NUM_SPLITS > 1:  # this program's share of [lo, hi), block-aligned; the three ranges clip to it
+        chunk = tl.cdiv(tl.cdiv(hi - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        s_lo = lo + split * chunk
+        s_hi = tl.minimum(s_lo + chunk, hi)
+        full_lo = tl.minimum(tl.maximum(full_lo, s_lo), s_hi)
+        full_hi = tl.minimum(tl.maximum(full_hi, s_lo), s_hi)
+        lo = tl.minimum(tl.maximum(lo, s_lo), s_hi)
+        hi = s_hi
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -170,9 +190,69 @@ def _extend_kernel(
         PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, True, HAS_WINDOW, DOT_PRECISION,
     )  # fmt: skip
 
-    out = acc / l_i[:, None]  # [BLOCK_M, BLOCK_D]
-    o_offs = tok64[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
-    tl.store(o_ptr + o_offs, out.to(o_ptr.dtype.element_ty), mask=row_valid[:, None] & d_valid[None, :])
+    out_mask = row_valid[:, None] & d_valid[None, :]
+    if NUM_SPLITS == 1:
+        out = acc / l_i[:, None]  # [BLOCK_M, BLOCK_D]
+        o_offs = tok64[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptr + o_offs, out.to(o_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        has_keys = l_i > 0.0  # a split may hold no key a row can see
+        l_safe = tl.where(has_keys, l_i, 1.0)
+        lse = tl.where(has_keys, m_i + tl.log2(l_safe), float("-inf"))  # [BLOCK_M]
+        row = tok64 * stride_ot + head * stride_oh + split * stride_os  # [BLOCK_M]
+        tl.store(o_ptr + row[:, None] + offs_d[None, :], acc / l_safe[:, None], mask=out_mask)
+        lse_offs = (tok64 * tl.num_programs(0) * GROUP + head) * NUM_SPLITS + split  # [BLOCK_M]
+        tl.store(lse_ptr + lse_offs, lse, mask=row_valid)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_ptr,  # [N, H, NUM_SPLITS, D] fp32 normalised partial outputs
+    lse_ptr,  # [N, H, NUM_SPLITS] fp32 log2-sum-exp per partial (-inf: empty)
+    o_ptr,  # [N, H, D]
+    stride_on,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    n = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)  # [BLOCK_S]
+    offs_d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
+    s_valid = offs_s < NUM_SPLITS
+    d_valid = offs_d < HEAD_DIM
+    base = n.to(tl.int64) * NUM_HEADS + head  # (row, head) of the partials
+    lse = tl.load(lse_ptr + base * NUM_SPLITS + offs_s, mask=s_valid, other=float("-inf"))  # [BLOCK_S]
+    part = tl.load(
+        part_ptr + (base * NUM_SPLITS + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+        mask=s_valid[:, None] & d_valid[None, :],
+        other=0.0,
+    )  # [BLOCK_S, BLOCK_D]
+    m = tl.max(lse, 0)
+    w = tl.exp2(lse - m)  # [BLOCK_S]; empty splits weigh 0
+    out = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)  # [BLOCK_D]
+    tl.store(
+        o_ptr + n.to(tl.int64) * stride_on + head * stride_oh + offs_d,
+        out.to(o_ptr.dtype.element_ty),
+        mask=d_valid,
+    )
+
+
+def merge_splits(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out[n, h] = the softmax-weighted merge of part[n, h, :] ([N, H, S, D] fp32) by lse [N, H, S]."""
+    num_rows, num_heads, num_splits, head_dim = part.shape
+    assert part.is_contiguous() and lse.is_contiguous() and out.stride(2) == 1
+    if num_rows > 0:
+        _merge_splits_kernel[(num_rows, num_heads)](
+            part, lse, out, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
+            num_warps=4 if head_dim >= 128 else 2,
+        )  # fmt: skip
+    return out
 
 
 def interpreting() -> bool:
@@ -180,15 +260,40 @@ def interpreting() -> bool:
 
 
 def extend_config(head_dim: int, dtype: torch.dtype) -> dict[str, int]:
-    """Tile shape and launch knobs. Hopper: 128x64 tiles, 8 warps, 3 stages for D=128 (~128 KB smem)."""
+    """Tile shape and launch knobs, checked against an sm_90 compile (Triton 3.9, no spills in 16-bit):
+    D=128: 128x64 tiles, 8 warps, 3 stages (wgmma, ~96 KB smem, ~190-230 regs, 1 program per SM).
+    float32 (a correctness path, not a serving dtype) uses exact fp32 dots and smaller tiles."""
     if interpreting():
         return {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+    if dtype == torch.float32:
+        return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
     if head_dim <= 64:
         return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
     if head_dim <= 128:
-        stages = 2 if dtype == torch.float32 else 3
-        return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": stages}
+        return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
     return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
+
+
+def choose_extend_splits(
+    query_lens: list[int],
+    seq_lens: list[int],
+    num_q_heads: int,
+    num_kv_heads: int,
+    block_m: int,
+    num_sms: int = 132,
+) -> int:
+    """Key-range splits for an extend launch (host lists, no sync): >1 only when the row blocks alone
+    make few waves (one program per SM is resident) and the keys are long, e.g. a short question over
+    a long cached document, where 16 programs would otherwise leave 116 of 132 SMs idle."""
+    group = num_q_heads // num_kv_heads
+    programs = num_kv_heads * sum(-(-q * group // block_m) for q in query_lens)
+    target = WAVES_PER_EXTEND * num_sms
+    if programs == 0 or programs >= target:
+        return 1
+    by_occupancy = -(-target // programs)
+    by_length = -(-max(seq_lens, default=1) // MIN_KEYS_PER_EXTEND_SPLIT)
+    by_memory = max(1, MAX_PARTIAL_ROWS // max(sum(query_lens) * num_q_heads, 1))
+    return max(1, min(by_occupancy, by_length, by_memory, MAX_EXTEND_SPLITS))
 
 
 def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -212,8 +317,13 @@ def extend_attention(
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
     config: dict[str, int] | None = None,
+    num_splits: int = 1,
 ) -> torch.Tensor:
-    """Causal attention of the new tokens over their requests' paged K/V (stored already); o [T, Hq, D]."""
+    """Causal attention of the new tokens over their requests' paged K/V (stored already); o [T, Hq, D].
+
+    num_splits > 1 splits each row block's key range over that many programs (see choose_extend_splits)
+    and merges their fp32 partials in a second kernel.
+    """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     assert num_q_heads % num_kv_heads == 0 and k_cache.shape[1] == page_size and k_cache.shape[3] == head_dim
@@ -226,17 +336,27 @@ def extend_attention(
     if num_tokens == 0 or num_reqs == 0 or max_query_len == 0:
         return out
     cfg = extend_config(head_dim, q.dtype) if config is None else config
-    grid = (triton.cdiv(max_query_len * group, cfg["BLOCK_M"]), num_reqs, num_kv_heads)
+    if num_splits > 1:
+        part = torch.empty(
+            num_tokens, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=q.device
+        )
+        lse = torch.empty(num_tokens, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
+        dst, strides = part, (part.stride(0), part.stride(1), part.stride(2))
+    else:
+        dst, lse, strides = out, out, (out.stride(0), out.stride(1), 0)
+    grid = (num_kv_heads, num_reqs, triton.cdiv(max_query_len * group, cfg["BLOCK_M"]) * num_splits)
     _extend_kernel[grid](
-        q, k_cache, v_cache, out, query_start_loc, prefix_lens, seq_lens, page_table,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        q, k_cache, v_cache, dst, lse, query_start_loc, prefix_lens, seq_lens, page_table,
+        q.stride(0), q.stride(1), *strides,
         k_cache.stride(1), k_cache.stride(2), page_table.stride(0),
         scale * math.log2(math.e), sliding_window or 0,
         GROUP=group, PAGE_SIZE=page_size, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], HAS_WINDOW=sliding_window is not None,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], NUM_SPLITS=num_splits,
+        HAS_WINDOW=sliding_window is not None, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
+    if num_splits > 1:
+        merge_splits(part, lse, out)
     return out
 
 
@@ -254,9 +374,10 @@ def extend_attention_ref(
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
     config: dict[str, int] | None = None,
+    num_splits: int = 1,
 ) -> torch.Tensor:
     """Same contract as `extend_attention`, in float32 torch (syncs to read the lengths; tests only)."""
-    del page_size, max_query_len, config
+    del page_size, max_query_len, config, num_splits
     group = q.shape[1] // k_cache.shape[2]
     out = torch.empty_like(q) if out is None else out  # [T, Hq, D]
     starts, prefixes, seqs = query_start_loc.tolist(), prefix_lens.tolist(), seq_lens.tolist()
@@ -268,7 +389,11 @@ def extend_attention_ref(
         v_r = gather_kv(v_cache, page_table[r], seq_len).float().repeat_interleave(group, 1)  # [S, Hq, D]
         mask = attention_mask(prefix_len, seq_len, sliding_window, q.device)  # [L, S]
         o_r = torch.nn.functional.scaled_dot_product_attention(
-            q[a:b].float().transpose(0, 1), k_r.transpose(0, 1), v_r.transpose(0, 1), attn_mask=mask, scale=scale
+            q[a:b].float().transpose(0, 1),
+            k_r.transpose(0, 1),
+            v_r.transpose(0, 1),
+            attn_mask=mask,
+            scale=scale,
         )  # [Hq, L, D]
         out[a:b] = o_r.transpose(0, 1).to(out.dtype)
     return out

@@ -1,0 +1,122 @@
+"""Triton attention backend: paged flash attention for mixed batches, split-K flash-decoding for decodes.
+
+Routing per step (host lists only, so no device sync): every request has one query -> decode kernel;
+every request is a cold prompt (no prefix) and cold_path is "sdpa" -> torch SDPA per request on the new
+q/k/v; otherwise the extend kernel over the whole ragged batch. Triton is imported on construction.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from longserve.attention.base import AttentionBackend, AttentionMetadata, KVCache
+
+COLD_PATHS = ("sdpa", "triton")
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Stores K/V with `KVCache.store`, then runs the Triton kernel that fits the step's shape.
+
+    cold_path: how a batch of only cold prompts runs ("sdpa" or "triton"; None = "sdpa" on CUDA, else
+    "triton"). num_splits / extend_splits: fixed key-range split counts of the decode / extend kernels
+    (e.g. for CUDA graphs); None picks them per step from the host-side lengths and the SM count.
+    """
+
+    name = "triton"
+
+    def __init__(
+        self,
+        cold_path: str | None = None,
+        num_splits: int | None = None,
+        extend_splits: int | None = None,
+        num_sms: int | None = None,
+    ) -> None:
+        if cold_path is not None and cold_path not in COLD_PATHS:
+            raise ValueError(f"cold_path must be one of {', '.join(COLD_PATHS)}, got {cold_path!r}")
+        from longserve.kernels import decode_attention, extend_attention  # imports triton
+
+        self._extend = extend_attention.extend_attention
+        self._extend_config = extend_attention.extend_config
+        self._choose_extend_splits = extend_attention.choose_extend_splits
+        self._decode = decode_attention.decode_attention
+        self._choose_num_splits = decode_attention.choose_num_splits
+        self.cold_path = cold_path
+        self.num_splits = num_splits
+        self.extend_splits = extend_splits
+        self._num_sms = num_sms
+
+    def num_sms(self, device: torch.device) -> int:
+        if self._num_sms is None:
+            cuda = device.type == "cuda"
+            self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 4
+        return self._num_sms
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        layer_id: int,
+        meta: AttentionMetadata,
+        kv_cache: KVCache,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        kv_cache.store(layer_id, meta.slot_mapping, k, v)
+        num_q_heads, num_kv_heads = q.shape[1], k.shape[1]
+        assert num_q_heads % num_kv_heads == 0, f"Hq={num_q_heads} is not a multiple of Hkv={num_kv_heads}"
+        k_cache, v_cache = kv_cache.k[layer_id], kv_cache.v[layer_id]  # [num_pages, page_size, Hkv, D]
+        if q.shape[0] == 0:
+            return torch.empty_like(q)
+
+        if all(n == 1 for n in meta.query_lens_cpu):
+            num_splits = self.num_splits or self._choose_num_splits(
+                meta.max_seq_len, meta.num_reqs, num_kv_heads, self.num_sms(q.device)
+            )
+            return self._decode(
+                q, k_cache, v_cache, meta.seq_lens, meta.page_table, meta.page_size, scale,
+                sliding_window, num_splits,
+            )  # fmt: skip
+
+        cold_path = self.cold_path or ("sdpa" if q.is_cuda else "triton")
+        window_matters = sliding_window is not None and sliding_window < meta.max_seq_len
+        if cold_path == "sdpa" and not window_matters and not any(meta.prefix_lens_cpu):
+            return cold_sdpa(q, k, v, meta.query_lens_cpu, scale)
+
+        config = self._extend_config(q.shape[2], q.dtype)
+        extend_splits = self.extend_splits or self._choose_extend_splits(
+            meta.query_lens_cpu, meta.seq_lens_cpu, num_q_heads, num_kv_heads, config["BLOCK_M"],
+            self.num_sms(q.device),
+        )  # fmt: skip
+        return self._extend(
+            q, k_cache, v_cache, meta.query_start_loc, meta.prefix_lens, meta.seq_lens, meta.page_table,
+            meta.page_size, meta.max_query_len, scale, sliding_window, config=config, num_splits=extend_splits,
+        )  # fmt: skip
+
+
+def cold_sdpa(
+    q: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    query_lens: list[int],
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of prompts with no cached prefix straight from the new q/k/v (one SDPA per request)."""
+    out = torch.empty_like(q)  # [T, Hq, D]
+    start = 0
+    for query_len in query_lens:
+        if query_len == 0:
+            continue
+        end = start + query_len
+        o_r = F.scaled_dot_product_attention(
+            q[start:end].transpose(0, 1).unsqueeze(0),  # [1, Hq, L, D]
+            k[start:end].transpose(0, 1).unsqueeze(0),  # [1, Hkv, L, D]
+            v[start:end].transpose(0, 1).unsqueeze(0),  # [1, Hkv, L, D]
+            is_causal=True,
+            scale=scale,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )  # [1, Hq, L, D]
+        out[start:end] = o_r[0].transpose(0, 1)  # [L, Hq, D]
+        start = end
+    return out

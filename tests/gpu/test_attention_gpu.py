@@ -1,0 +1,109 @@
+"""Triton attention on the GPU at serving shapes (bf16/fp16) vs. the torch reference in float32."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from longserve.attention import KVCache, TorchAttentionBackend, build_metadata
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
+TOL = 2e-2
+
+
+def run_step(
+    prefix_lens: list[int],
+    query_lens: list[int],
+    page_size: int,
+    dtype: torch.dtype,
+    sliding_window: int | None = None,
+    seed: int = 0,
+    **backend_kwargs: object,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(triton output in `dtype`, reference output in float32) for one step over scattered pages."""
+    from longserve.attention.triton_backend import TritonAttentionBackend
+
+    torch.manual_seed(seed)
+    seq_lens = [p + q for p, q in zip(prefix_lens, query_lens)]
+    pages_needed = [-(-s // page_size) for s in seq_lens]
+    num_pages = sum(pages_needed) + 5
+    pool = list(range(num_pages))
+    random.Random(seed).shuffle(pool)
+    page_tables = []
+    for n in pages_needed:
+        page_tables.append(pool[:n])
+        pool = pool[n:]
+    meta = build_metadata(prefix_lens, query_lens, page_tables, page_size, "cuda")
+    cache = KVCache(1, num_pages, page_size, NUM_KV_HEADS, HEAD_DIM, dtype, "cuda")
+    cache.k[0].normal_()
+    cache.v[0].normal_()
+    ref_cache = KVCache(1, 1, page_size, NUM_KV_HEADS, HEAD_DIM, torch.float32, "cuda")
+    ref_cache.k, ref_cache.v = [cache.k[0].float()], [cache.v[0].float()]
+    num_tokens = sum(query_lens)
+    q = torch.randn(num_tokens, NUM_Q_HEADS, HEAD_DIM, device="cuda").to(dtype)  # [T, Hq, D]
+    k = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, device="cuda").to(dtype)  # [T, Hkv, D]
+    v = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, device="cuda").to(dtype)  # [T, Hkv, D]
+    scale = HEAD_DIM**-0.5
+
+    backend = TritonAttentionBackend(**backend_kwargs)
+    out = backend.forward(q, k, v, 0, meta, cache, scale, sliding_window)  # [T, Hq, D]
+    expected = TorchAttentionBackend().forward(
+        q.float(), k.float(), v.float(), 0, meta, ref_cache, scale, sliding_window
+    )  # [T, Hq, D] float32
+    torch.cuda.synchronize()
+    assert out.dtype == dtype and out.shape == q.shape
+    assert torch.equal(cache.k[0].float(), ref_cache.k[0])  # the backend stored the new K/V
+    return out, expected
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_extend_ragged(dtype: torch.dtype, page_size: int) -> None:
+    prefix_lens = [0, 8192, 1000, 37, 4096]
+    query_lens = [2048, 512, 1, 1000, 1]
+    out, expected = run_step(prefix_lens, query_lens, page_size, dtype, cold_path="triton")
+    torch.testing.assert_close(out.float(), expected, atol=TOL, rtol=TOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("cold_path", ["sdpa", "triton"])
+def test_cold_prompts(dtype: torch.dtype, cold_path: str) -> None:
+    out, expected = run_step([0, 0], [2048, 700], 16, dtype, cold_path=cold_path)
+    torch.testing.assert_close(out.float(), expected, atol=TOL, rtol=TOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("page_size", [16, 64])
+@pytest.mark.parametrize("num_splits", [None, 1])
+def test_decode_long(dtype: torch.dtype, page_size: int, num_splits: int | None) -> None:
+    prefix_lens = [131071, 5000, 16, 0]
+    out, expected = run_step(prefix_lens, [1] * 4, page_size, dtype, num_splits=num_splits)
+    torch.testing.assert_close(out.float(), expected, atol=TOL, rtol=TOL)
+
+
+@pytest.mark.parametrize("num_query", [1, 300])
+def test_sliding_window(num_query: int) -> None:
+    out, expected = run_step([0, 9000, 3000], [num_query] * 3, 16, torch.bfloat16, sliding_window=4096)
+    torch.testing.assert_close(out.float(), expected, atol=TOL, rtol=TOL)
+
+
+def test_bench_attention_runs() -> None:
+    from longserve.kernels.bench_attention import BenchCase, bench_attention
+
+    cases = [BenchCase("cold_1k", 0, 1024), BenchCase("suffix", 4096, 64), BenchCase("decode_4k", 4095, 1)]
+    rows = bench_attention(cases, warmup=1, repeats=2)
+    assert [(r["case"], r["impl"]) for r in rows] == [
+        ("cold_1k", "triton"),
+        ("cold_1k", "sdpa"),
+        ("suffix", "triton"),
+        ("decode_4k", "triton"),
+    ]
+    assert all(r["ms"] > 0 and r["tflops"] > 0 for r in rows)
+    assert rows[-1]["gbps"] > 0

@@ -1,0 +1,201 @@
+"""Triton attention kernels (under TRITON_INTERPRET=1 on the CPU) vs. the torch reference backend."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
+
+import random  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from longserve.attention import (  # noqa: E402
+    AttentionMetadata,
+    KVCache,
+    TorchAttentionBackend,
+    build_metadata,
+    get_attention_backend,
+)
+from longserve.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from longserve.kernels.decode_attention import choose_num_splits, decode_attention  # noqa: E402
+from longserve.kernels.extend_attention import (  # noqa: E402
+    choose_extend_splits,
+    extend_attention,
+    extend_attention_ref,
+)
+
+HEADS = [(4, 2), (2, 2)]  # (Hq, Hkv)
+ATOL = 1e-4
+
+
+class Step:
+    """One random step: scattered pages holding noise, prefix K/V already in them, new q/k/v to store."""
+
+    def __init__(
+        self,
+        prefix_lens: list[int],
+        query_lens: list[int],
+        page_size: int,
+        heads: tuple[int, int],
+        head_dim: int,
+        seed: int,
+    ) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        rng = random.Random(seed)
+        num_q_heads, num_kv_heads = heads
+        seq_lens = [p + q for p, q in zip(prefix_lens, query_lens)]
+        pages_needed = [-(-s // page_size) for s in seq_lens]
+        num_pages = sum(pages_needed) + 3  # spare pages of noise catch wrong-page reads
+        pool = list(range(num_pages))
+        rng.shuffle(pool)
+        page_tables = []
+        for n in pages_needed:
+            page_tables.append(pool[:n])
+            pool = pool[n:]
+        self.meta: AttentionMetadata = build_metadata(prefix_lens, query_lens, page_tables, page_size, "cpu")
+        self.cache = KVCache(1, num_pages, page_size, num_kv_heads, head_dim, torch.float32, "cpu")
+        self.cache.k[0].copy_(torch.randn(self.cache.k[0].shape, generator=gen))
+        self.cache.v[0].copy_(torch.randn(self.cache.v[0].shape, generator=gen))
+        num_tokens = sum(query_lens)
+        self.q = torch.randn(num_tokens, num_q_heads, head_dim, generator=gen)  # [T, Hq, D]
+        self.k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)  # [T, Hkv, D]
+        self.v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)  # [T, Hkv, D]
+        self.scale = head_dim**-0.5
+
+    def clone_cache(self) -> KVCache:
+        cache = KVCache(1, 1, 1, 1, 1, torch.float32, "cpu")
+        cache.k, cache.v = [self.cache.k[0].clone()], [self.cache.v[0].clone()]
+        return cache
+
+    def run(self, backend: object, sliding_window: int | None = None) -> tuple[torch.Tensor, KVCache]:
+        cache = self.clone_cache()
+        out = backend.forward(self.q, self.k, self.v, 0, self.meta, cache, self.scale, sliding_window)
+        return out, cache  # [T, Hq, D]
+
+    def compare(self, backend: object, sliding_window: int | None = None) -> None:
+        out, cache = self.run(backend, sliding_window)
+        expected, ref_cache = self.run(TorchAttentionBackend(), sliding_window)
+        assert out.shape == expected.shape and out.dtype == expected.dtype
+        torch.testing.assert_close(out, expected, atol=ATOL, rtol=ATOL)
+        assert torch.equal(cache.k[0], ref_cache.k[0]) and torch.equal(cache.v[0], ref_cache.v[0])
+
+
+def random_lengths(seed: int, num_reqs: int, prefills: bool = True) -> tuple[list[int], list[int]]:
+    rng = random.Random(seed)
+    prefix_lens = [rng.choice([0, 3, 17]) for _ in range(num_reqs)]
+    query_lens = [rng.choice([1, 5, 16]) for _ in range(num_reqs)]
+    if prefills and max(query_lens) == 1:
+        query_lens[0] = 16  # keep the step off the decode path
+    return prefix_lens, query_lens
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("head_dim", [16, 32])
+def test_extend_backend_matches_torch(page_size: int, heads: tuple[int, int], head_dim: int) -> None:
+    seed = page_size * 100 + heads[0] * 10 + head_dim
+    step = Step(*random_lengths(seed, num_reqs=3), page_size, heads, head_dim, seed)
+    step.compare(TritonAttentionBackend(cold_path="triton"))
+
+
+def test_every_length_mix_in_one_batch() -> None:
+    # cold prompts, extends over a prefix and decode rows (query_len 1) all in one extend launch
+    prefix_lens, query_lens = [0, 3, 17, 17, 40], [16, 5, 1, 16, 5]
+    step = Step(prefix_lens, query_lens, 4, (4, 2), 16, seed=1)
+    step.compare(TritonAttentionBackend(cold_path="sdpa"))  # has prefixes, so sdpa is not taken
+
+
+@pytest.mark.parametrize("block_m,block_n,num_splits", [(32, 16, 1), (16, 32, 1), (64, 16, 1), (16, 16, 3)])
+def test_extend_tile_shapes_and_splits(block_m: int, block_n: int, num_splits: int) -> None:
+    # unmasked/masked key-range boundaries move with the tiles and the key splits; rows of a block span
+    # several tokens; with splits, some (row block, split) programs see no key at all
+    step = Step([0, 17, 40], [16, 5, 23], 4, (4, 2), 32, seed=block_m + block_n)
+    meta = step.meta
+    k_cache, v_cache = step.cache.k[0], step.cache.v[0]
+    step.cache.store(0, meta.slot_mapping, step.k, step.v)
+    for window in (None, 7, 20):
+        args = (
+            step.q, k_cache, v_cache, meta.query_start_loc, meta.prefix_lens, meta.seq_lens, meta.page_table,
+            meta.page_size, meta.max_query_len, step.scale, window,
+        )  # fmt: skip
+        config = {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": 4, "num_stages": 1}
+        out = extend_attention(*args, config=config, num_splits=num_splits)
+        torch.testing.assert_close(out, extend_attention_ref(*args), atol=ATOL, rtol=ATOL)
+
+
+@pytest.mark.parametrize("sliding_window", [1, 5, 20])
+def test_extend_sliding_window(sliding_window: int) -> None:
+    step = Step([0, 17, 40], [16, 5, 16], 4, (4, 2), 16, seed=sliding_window)
+    step.compare(TritonAttentionBackend(cold_path="triton"), sliding_window)
+    step.compare(TritonAttentionBackend(cold_path="triton", extend_splits=2), sliding_window)
+
+
+@pytest.mark.parametrize("heads", HEADS)
+def test_extend_split_keys(heads: tuple[int, int]) -> None:
+    # a short suffix over a longer prefix: the case split-K exists for
+    step = Step([40, 17, 3], [5, 1, 16], 1, heads, 32, seed=heads[0])
+    step.compare(TritonAttentionBackend(cold_path="triton", extend_splits=4))
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+def test_decode_backend_matches_torch(page_size: int, heads: tuple[int, int], num_splits: int | None) -> None:
+    seed = page_size * 10 + heads[1] + (num_splits or 0)
+    prefix_lens = [0, 3, 17][: 1 + seed % 3] + [40]
+    step = Step(prefix_lens, [1] * len(prefix_lens), page_size, heads, 32, seed)
+    step.compare(TritonAttentionBackend(num_splits=num_splits))
+
+
+@pytest.mark.parametrize("sliding_window", [1, 6, 30])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_sliding_window(sliding_window: int, num_splits: int) -> None:
+    step = Step([3, 17, 40], [1, 1, 1], 4, (4, 2), 16, seed=sliding_window)
+    step.compare(TritonAttentionBackend(num_splits=num_splits), sliding_window)
+
+
+def test_decode_more_splits_than_keys() -> None:
+    # most splits of the short requests are empty; the merge must weigh them 0
+    step = Step([0, 2, 40], [1, 1, 1], 16, (4, 2), 16, seed=3)
+    meta = step.meta
+    step.cache.store(0, meta.slot_mapping, step.k, step.v)
+    k_cache, v_cache = step.cache.k[0], step.cache.v[0]
+    out = decode_attention(
+        step.q, k_cache, v_cache, meta.seq_lens, meta.page_table, meta.page_size, step.scale, None, 8
+    )
+    expected = extend_attention_ref(
+        step.q, k_cache, v_cache, meta.query_start_loc, meta.prefix_lens, meta.seq_lens, meta.page_table,
+        meta.page_size, 1, step.scale,
+    )  # fmt: skip
+    torch.testing.assert_close(out, expected, atol=ATOL, rtol=ATOL)
+
+
+@pytest.mark.parametrize("heads", HEADS)
+def test_cold_sdpa_path(heads: tuple[int, int]) -> None:
+    step = Step([0, 0, 0], [16, 5, 1], 4, heads, 16, seed=heads[1])
+    step.compare(TritonAttentionBackend(cold_path="sdpa"))
+    step.compare(TritonAttentionBackend(cold_path="triton"))
+    step.compare(TritonAttentionBackend(cold_path="sdpa"), sliding_window=4)  # window -> triton kernel
+
+
+def test_choose_num_splits() -> None:
+    assert choose_num_splits(131072, 1, 8, 132) >= 32  # one long request spreads over the chip
+    assert choose_num_splits(128, 1, 8, 132) == 1  # short: no split
+    assert choose_num_splits(32768, 256, 8, 132) == 1  # a full batch fills the chip by itself
+    # extend: a 64-token question over a 32K document gets split; an 8K chunk fills the chip alone
+    assert choose_extend_splits([64], [32832], 32, 8, 128, 132) >= 8
+    assert choose_extend_splits([8192], [8192 + 122880], 32, 8, 128, 132) == 1
+    assert choose_extend_splits([64], [128], 32, 8, 128, 132) == 1
+
+
+def test_registry_and_errors() -> None:
+    cpu = torch.device("cpu")
+    backend = get_attention_backend("triton", cpu)
+    assert isinstance(backend, TritonAttentionBackend) and backend.name == "triton"
+    assert isinstance(get_attention_backend("auto", cpu), TorchAttentionBackend)
+    with pytest.raises(ValueError, match="cold_path"):
+        TritonAttentionBackend(cold_path="flash")
