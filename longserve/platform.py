@@ -10,11 +10,15 @@ import torch
 def resolve_device(name: str) -> torch.device:
     """'auto' picks CUDA when a GPU is visible, else the CPU; 'cuda' without a GPU is a clear error."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(
-            "device='cuda' was asked for but no CUDA GPU is visible; use device='cpu' or 'auto'"
-        )
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                "device='cuda' was asked for but no CUDA GPU is visible; use device='cpu' or 'auto'"
+            )
+        device = torch.device(name)
+        # an explicit index: torch.cuda.set_device and memory queries need one
+        return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
     return torch.device(name)
 
 
