@@ -199,3 +199,20 @@ def test_registry_and_errors() -> None:
     assert isinstance(get_attention_backend("auto", cpu), TorchAttentionBackend)
     with pytest.raises(ValueError, match="cold_path"):
         TritonAttentionBackend(cold_path="flash")
+
+
+@pytest.mark.parametrize("heads", HEADS)
+def test_prefix_split_sdpa_path(monkeypatch: pytest.MonkeyPatch, heads: tuple[int, int]) -> None:
+    """Chunks over a cached prefix as (prefix, no mask) + (new, causal) SDPA calls merged by log-sum-exp."""
+    import longserve.attention.triton_backend as tb
+
+    calls = []
+    real = tb.prefix_split_sdpa
+    monkeypatch.setattr(tb, "SPLIT_SDPA_MIN_QUERY", 5)
+    monkeypatch.setattr(tb, "prefix_split_sdpa", lambda *a: calls.append(1) or real(*a))
+    step = Step([0, 3, 17, 40], [5, 16, 7, 9], 4, heads, 32, seed=11)
+    step.compare(TritonAttentionBackend(cold_path="sdpa"))
+    assert calls == [1]
+    short = Step([3, 17], [4, 16], 4, heads, 32, seed=12)  # a chunk under the threshold: Triton kernel
+    short.compare(TritonAttentionBackend(cold_path="sdpa"))
+    assert calls == [1]
