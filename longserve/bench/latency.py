@@ -9,95 +9,21 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import gc
 import json
 import math
 import os
-import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
 
-_LLAMA31_8B: dict[str, Any] = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "vocab_size": 128256,
-    "max_position_embeddings": 131072,
-    "rms_norm_eps": 1e-5,
-    "hidden_act": "silu",
-    "rope_theta": 500000.0,
-    "rope_scaling": {
-        "rope_type": "llama3",
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-    },
-    "attention_bias": False,
-    "mlp_bias": False,
-    "tie_word_embeddings": False,
-    "bos_token_id": 128000,
-    "eos_token_id": [128001, 128008, 128009],
-    "initializer_range": 0.02,
-    "torch_dtype": "bfloat16",
-}
-_QWEN25_32B: dict[str, Any] = {
-    "architectures": ["Qwen2ForCausalLM"],  # Qwen2 always has q/k/v bias
-    "model_type": "qwen2",
-    "hidden_size": 5120,
-    "intermediate_size": 27648,
-    "num_hidden_layers": 64,
-    "num_attention_heads": 40,
-    "num_key_value_heads": 8,
-    "vocab_size": 152064,
-    "max_position_embeddings": 131072,
-    "rms_norm_eps": 1e-6,
-    "hidden_act": "silu",
-    "rope_theta": 1000000.0,
-    "use_sliding_window": False,
-    "sliding_window": None,
-    "tie_word_embeddings": False,
-    "bos_token_id": 151643,
-    "eos_token_id": 151645,
-    "initializer_range": 0.02,
-    "torch_dtype": "bfloat16",
-}
-_TINY: dict[str, Any] = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "vocab_size": 512,
-    "max_position_embeddings": 32768,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 10000.0,
-    "tie_word_embeddings": False,
-    "bos_token_id": 0,
-    "eos_token_id": 1,
-    "initializer_range": 0.2,
-    "torch_dtype": "float32",
-}
-BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
-    "llama-3.1-8b": _LLAMA31_8B,
-    "qwen2.5-32b": _QWEN25_32B,
-    "tiny": _TINY,
-}
+from longserve.bench.configs import BUILTIN_CONFIGS
+from longserve.bench.report import device_name, format_table, run_metadata
+
 _GIB = 2**30
 
 
@@ -526,7 +452,7 @@ def _run_engine(
         records.append(rec)
     runner = llm.engine.runner
     meta = dict(
-        device=_device_name(runner.device),
+        device=device_name(runner.device),
         dtype=str(runner.dtype).removeprefix("torch."),
         attention_backend=type(runner.backend).__name__,
         pool_tokens=runner.num_pages * runner.page_size,
@@ -587,103 +513,6 @@ def _free_memory() -> None:
         torch.cuda.empty_cache()
 
 
-# ---- reporting ----------------------------------------------------------------------------------
-def _device_name(device: Any) -> str:
-    import torch
-
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
-
-
-def _git_commit() -> tuple[str | None, bool | None]:
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=root,
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=root,
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
-        return commit or None, bool(dirty)
-    except (OSError, subprocess.SubprocessError):  # no git or no repository (e.g. a copied tree)
-        return os.environ.get("LONGSERVE_COMMIT"), None
-
-
-def _metadata(
-    args: argparse.Namespace, engine_meta: dict[str, Any], command: str, load_format: str
-) -> dict[str, Any]:
-    import torch
-    import transformers
-
-    from longserve import __version__
-
-    commit, dirty = _git_commit()
-    return dict(
-        engine_meta,
-        model=args.model or args.config,
-        load_format=load_format,
-        page_size=args.page_size,
-        chunked_prefill_size=args.chunked_prefill_size,
-        seed=args.seed,
-        torch=torch.__version__,
-        cuda=torch.version.cuda,
-        transformers=transformers.__version__,
-        longserve=__version__,
-        python=platform.python_version(),
-        commit=commit,
-        dirty=dirty,
-        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        command=command,
-    )
-
-
-def _fmt(x: float | None, spec: str) -> str:
-    return "-" if x is None else format(x, spec)
-
-
-def format_table(records: list[dict[str, Any]]) -> str:
-    """A compact fixed-width table of the records (one line per case)."""
-    head = ("case", "tokens", "TTFT s", "ITL ms", "tokens/s", "HF s", "HF/ls", "peak GiB", "notes")
-    rows = [head]
-    for r in records:
-        tokens = f"{r['num_requests']}x{r['prompt_len']}" if r["num_requests"] > 1 else str(r["prompt_len"])
-        note = r["skipped"] and f"skipped: {r['skipped']}"
-        if r["case"] == "prefix_hit" and not r["skipped"]:
-            note = f"{r['cached_tokens']} cached; {r['speedup']:.1f}x vs cold {r['cold_ttft_s']:.4f}s"
-        rows.append(
-            (
-                r["name"],
-                tokens,
-                _fmt(r.get("ttft_s"), ".4f"),
-                _fmt(r.get("itl_ms_median"), ".2f"),
-                _fmt(r.get("tokens_per_s"), ",.0f"),
-                _fmt(r.get("hf_wall_s"), ".4f"),
-                _fmt(r.get("hf_ratio"), ".2f"),
-                _fmt(r.get("peak_mem_gib"), ".2f"),
-                note or "",
-            )
-        )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(head) - 1)]
-    lines = [
-        "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
-        + "  "
-        + row[-1]
-        for row in rows
-    ]
-    return "\n".join(line.rstrip() for line in lines)
-
-
 def run_from_args(args: argparse.Namespace, command: str | None = None) -> list[dict[str, Any]]:
     """Run every case of parsed arguments; print the table, write --output-json, return the records."""
     if not (args.prompt_lens or args.prefix_hit or args.decode_batch_sizes):
@@ -708,7 +537,7 @@ def run_from_args(args: argparse.Namespace, command: str | None = None) -> list[
         _free_memory()  # the engine is gone: HF gets the whole device
         if args.compare_hf and args.prompt_lens:
             _run_hf(args, model_dir, engine_meta, records)
-    meta = _metadata(args, engine_meta, command, load_format)
+    meta = run_metadata(args, engine_meta, command, load_format)
     for rec in records:
         rec["metadata"] = meta
     print(f"# {meta['model']} on {meta['device']}, {meta['dtype']}, commit {meta['commit']}, {meta['date']}")

@@ -1,0 +1,106 @@
+"""Benchmark reporting: run metadata (device, versions, commit, command) and the fixed-width table."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import subprocess
+from typing import Any
+
+
+def device_name(device: Any) -> str:
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+def git_commit() -> tuple[str | None, bool | None]:
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+        return commit or None, bool(dirty)
+    except (OSError, subprocess.SubprocessError):  # no git or no repository (e.g. a copied tree)
+        return os.environ.get("LONGSERVE_COMMIT"), None
+
+
+def run_metadata(
+    args: argparse.Namespace, engine_meta: dict[str, Any], command: str, load_format: str
+) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    from longserve import __version__
+
+    commit, dirty = git_commit()
+    return dict(
+        engine_meta,
+        model=args.model or args.config,
+        load_format=load_format,
+        page_size=args.page_size,
+        chunked_prefill_size=args.chunked_prefill_size,
+        seed=args.seed,
+        torch=torch.__version__,
+        cuda=torch.version.cuda,
+        transformers=transformers.__version__,
+        longserve=__version__,
+        python=platform.python_version(),
+        commit=commit,
+        dirty=dirty,
+        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        command=command,
+    )
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def format_table(records: list[dict[str, Any]]) -> str:
+    """A compact fixed-width table of the records (one line per case)."""
+    head = ("case", "tokens", "TTFT s", "ITL ms", "tokens/s", "HF s", "HF/ls", "peak GiB", "notes")
+    rows = [head]
+    for r in records:
+        tokens = f"{r['num_requests']}x{r['prompt_len']}" if r["num_requests"] > 1 else str(r["prompt_len"])
+        note = r["skipped"] and f"skipped: {r['skipped']}"
+        if r["case"] == "prefix_hit" and not r["skipped"]:
+            note = f"{r['cached_tokens']} cached; {r['speedup']:.1f}x vs cold {r['cold_ttft_s']:.4f}s"
+        rows.append(
+            (
+                r["name"],
+                tokens,
+                _fmt(r.get("ttft_s"), ".4f"),
+                _fmt(r.get("itl_ms_median"), ".2f"),
+                _fmt(r.get("tokens_per_s"), ",.0f"),
+                _fmt(r.get("hf_wall_s"), ".4f"),
+                _fmt(r.get("hf_ratio"), ".2f"),
+                _fmt(r.get("peak_mem_gib"), ".2f"),
+                note or "",
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head) - 1)]
+    lines = [
+        "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+        + "  "
+        + row[-1]
+        for row in rows
+    ]
+    return "\n".join(line.rstrip() for line in lines)
