@@ -243,3 +243,12 @@ def test_context_length_beyond_the_pool_is_refused(ckpt):
         llm(ckpt, context_length=1000, max_total_tokens=256)
     m = llm(ckpt, max_total_tokens=256)  # no explicit context length: capped to the pool
     assert m.engine.context_length == 256
+
+
+def test_pool_sized_by_memory_fraction(ckpt):
+    m = llm(ckpt, max_total_tokens=None, mem_fraction_static=0.9)
+    runner = m.engine.runner
+    assert runner.num_pages >= 1 and runner.kv_cache.k[0].shape[0] == runner.num_pages + 1
+    assert m.generate(prompts(1)[0], GREEDY32)[0].finish_reason == "length"
+    with pytest.raises(RuntimeError, match="no memory left for the KV pool.*raise mem_fraction_static"):
+        llm(ckpt, max_total_tokens=None, mem_fraction_static=0.0001)
