@@ -1,4 +1,5 @@
-"""The `longserve` command. `longserve generate` runs the offline engine on prompts from the command line."""
+"""The `longserve` command: `serve` runs the HTTP server (SGLang and vLLM flag spellings), `generate` the
+offline engine on prompts from the command line, `bench` the offline benchmarks."""
 
 from __future__ import annotations
 
@@ -90,6 +91,12 @@ def _bench_latency(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from longserve.server.launch import run_from_args
+
+    return run_from_args(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from longserve import __version__
 
@@ -97,6 +104,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"longserve {__version__}")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     sub = parser.add_subparsers(dest="command", required=True)
+    from longserve.server.args import add_server_args
+
+    serve = sub.add_parser(
+        "serve",
+        help="serve a model over HTTP (OpenAI API, SGLang /generate)",
+        description="Serve a model over HTTP: OpenAI API (/v1/...), SGLang's /generate, admin endpoints. "
+        "Takes SGLang's and vLLM's flag spellings.",
+    )
+    add_server_args(serve)
+    serve.set_defaults(func=_serve)
     gen = sub.add_parser("generate", help="generate offline for prompts given on the command line")
     _add_engine_args(gen)
     gen.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for several)")

@@ -1,5 +1,6 @@
 """EngineConfig: every engine setting in one frozen dataclass. The CLI, LONGSERVE_* env vars and YAML
-files (later issues) resolve onto these same fields; validation lives here so every entry point shares it."""
+files resolve onto these same fields (longserve/server/args.py); validation lives here so every entry point
+shares it. ServerConfig holds the HTTP side of `longserve serve`."""
 
 from __future__ import annotations
 
@@ -106,3 +107,32 @@ class EngineConfig:
 
     def with_changes(self, **changes) -> EngineConfig:
         return replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """HTTP-side settings of `longserve serve`; the engine's live in EngineConfig."""
+
+    host: str = "127.0.0.1"  # loopback unless told otherwise
+    port: int = 30000  # SGLang's default port
+    api_key: str | None = None  # when set, every endpoint but /health needs `Authorization: Bearer KEY`
+    served_model_name: tuple[str, ...] = ()  # names clients may ask for; empty: the model path
+    max_queued_requests: int = 1024  # requests waiting for admission; more are answered 503
+    request_timeout: float | None = None  # seconds from arrival to the last token; None: no limit
+    log_requests: bool = False  # one log line per finished request
+    log_level: str = "info"
+    tokenizer_workers: int = 2  # threads that tokenize and render chat templates off the event loop
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be an integer in [0, 65535]; got {self.port!r}")
+        if self.max_queued_requests < 1:
+            raise ValueError(f"max_queued_requests must be >= 1; got {self.max_queued_requests}")
+        if self.request_timeout is not None and not self.request_timeout > 0:
+            raise ValueError(f"request_timeout must be > 0 seconds; got {self.request_timeout}")
+        if self.tokenizer_workers < 1:
+            raise ValueError(f"tokenizer_workers must be >= 1; got {self.tokenizer_workers}")
+        if self.log_level not in ("debug", "info", "warning", "error"):
+            raise ValueError(f"log_level must be debug, info, warning or error; got {self.log_level!r}")
+        if self.api_key == "":
+            raise ValueError("api_key must not be empty; leave it unset to serve without a key")

@@ -1,0 +1,157 @@
+"""The FastAPI app: API-key check, error handlers, the generation routes, and the admin endpoints
+(/health, /model_info, /server_info, /flush_cache, /tokenize, /detokenize)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hmac
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from longserve import __version__
+from longserve.engine import Engine
+from longserve.server import routes_generate, routes_openai
+from longserve.server.errors import APIError, install_error_handlers
+from longserve.server.protocol import DetokenizeRequest, TokenizeRequest, parse_body
+from longserve.server.state import ServerState, get_state
+
+OPEN_PATHS = frozenset({"/health"})
+
+
+class APIKeyMiddleware:
+    """Every path but /health needs `Authorization: Bearer KEY` (or `x-api-key: KEY`); plain ASGI, so
+    streaming responses and disconnect detection pass through untouched."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self.api_key = api_key.encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        auth = headers.get(b"authorization", b"")
+        key = auth[7:].strip() if auth[:7].lower() == b"bearer " else headers.get(b"x-api-key", b"")
+        if not key:
+            error = APIError(
+                401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key"
+            )
+        elif not hmac.compare_digest(key, self.api_key):
+            error = APIError(401, "invalid API key", code="invalid_api_key")
+        else:
+            return await self.app(scope, receive, send)
+        await error.response()(scope, receive, send)
+
+
+def _kv_stats(engine: Engine) -> dict[str, Any]:
+    """Page accounting, read on the engine thread so the numbers agree with each other."""
+    kv = engine.kv
+    total, reclaimable = kv.num_total_pages, kv.num_reclaimable_pages
+    return {
+        "page_size": kv.page_size,
+        "kv_total_pages": total,
+        "kv_free_pages": kv.num_free_pages,
+        "kv_cached_pages": kv.tree.num_cached_pages if kv.tree is not None else 0,
+        # held by requests in flight; pages only the prefix cache holds are reclaimable
+        "kv_used_pages": total - reclaimable,
+        "kv_usage": kv.usage(),
+        "max_total_num_tokens": total * kv.page_size,
+        "num_running_requests": engine.scheduler.num_running,
+        "num_waiting_requests": engine.scheduler.num_waiting,
+        "num_unfinished_requests": engine.num_requests,
+    }
+
+
+def create_app(state: ServerState) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        state.engine.start(asyncio.get_running_loop())
+        yield
+        state.engine.stop()
+        state.tokenizers.shutdown()
+
+    app = FastAPI(title="longserve", version=__version__, lifespan=lifespan)
+    app.state.longserve = state
+    install_error_handlers(app)
+    if state.server_config.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=state.server_config.api_key)
+    app.include_router(routes_generate.router)
+    app.include_router(routes_openai.router)
+
+    @app.get("/health")
+    async def health(request: Request):
+        if not get_state(request).engine.is_alive:
+            return APIError(503, "the engine is not running; see the server log").response()
+        return {"status": "ok"}
+
+    @app.get("/model_info")
+    @app.get("/get_model_info", include_in_schema=False)
+    async def model_info(request: Request):
+        state = get_state(request)
+        hf = state.engine.engine.hf_config
+        return {
+            "model_path": state.engine_config.model,
+            "tokenizer_path": state.engine_config.tokenizer_path,
+            "served_model_name": state.model_name,
+            "is_generation": True,
+            "architectures": list(getattr(hf, "architectures", None) or []),
+            "vocab_size": getattr(hf, "vocab_size", None),
+            "context_length": state.context_length,
+        }
+
+    @app.get("/server_info")
+    @app.get("/get_server_info", include_in_schema=False)
+    async def server_info(request: Request):
+        state = get_state(request)
+        server = dataclasses.asdict(state.server_config)
+        server["api_key"] = "***" if server["api_key"] else None
+        kv = await state.engine.call(_kv_stats)  # first: the counters below then include every command before
+        return {
+            "version": __version__,
+            "uptime": time.time() - state.started,
+            "engine_config": dataclasses.asdict(state.engine_config),
+            "server_config": server,
+            "context_length": state.context_length,
+            "num_steps": state.engine.num_steps,
+            "num_step_errors": state.engine.num_step_errors,
+            "num_aborted_requests": state.engine.num_aborted,
+            **kv,
+        }
+
+    @app.post("/flush_cache")
+    async def flush_cache(request: Request):
+        flushed = await get_state(request).engine.call(lambda engine: engine.flush_cache())
+        return {"message": "cache flushed", "flushed_pages": flushed}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        state = get_state(request)
+        req = await parse_body(request, TokenizeRequest)
+        state.check_model(req.model)
+        given = [x for x in (req.prompt, req.text, req.messages) if x is not None]
+        if len(given) != 1:
+            raise APIError(400, "give exactly one of 'prompt', 'text' and 'messages'", param="prompt")
+        if req.messages is not None:
+            ids = await state.tokenizers.chat([m.as_dict() for m in req.messages])
+        else:
+            ids = await state.tokenizers.encode(given[0], req.add_special_tokens)  # type: ignore[arg-type]
+        return {"tokens": ids, "count": len(ids), "max_model_len": state.context_length}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        state = get_state(request)
+        req = await parse_body(request, DetokenizeRequest)
+        state.check_model(req.model)
+        vocab = len(state.tokenizers.tokenizer)
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"tokens: token ids must be in [0, {vocab}); got {bad[:5]}", param="tokens")
+        text = await state.tokenizers.decode(req.tokens, req.skip_special_tokens)
+        return JSONResponse({"prompt": text, "text": text})
+
+    return app

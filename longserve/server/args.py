@@ -1,0 +1,295 @@
+"""Flags of `longserve serve`: SGLang and vLLM spellings, LONGSERVE_* env vars and a YAML file, resolved in
+one place onto EngineConfig + ServerConfig. Precedence: flag > env > file > default.
+
+Every spelling of an option has an env var (LONGSERVE_ + the flag in upper case, `-` -> `_`, e.g.
+LONGSERVE_MODEL_PATH, LONGSERVE_MAX_MODEL_LEN) and a YAML key (the flag without dashes, `-` or `_`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import MISSING, dataclass, fields
+from typing import Any
+
+from longserve.config import DEVICES, LOAD_FORMATS, EngineConfig, ServerConfig
+
+logger = logging.getLogger("longserve.server")
+
+# other engines' attention backends -> ours (triton on CUDA, torch elsewhere)
+_BACKEND_ALIASES = {
+    "auto": "auto",
+    "torch": "torch",
+    "torch_native": "torch",
+    "sdpa": "torch",
+    "triton": "triton",
+    "flashinfer": "triton",
+    "fa3": "triton",
+    "fa4": "triton",
+    "flash_attn": "triton",
+    "flash-attn": "triton",
+    "flashattn": "triton",
+    "flash_attention": "triton",
+}
+_DTYPE_ALIASES = {
+    "half": "float16",
+    "fp16": "float16",
+    "bf16": "bfloat16",
+    "float": "float32",
+    "fp32": "float32",
+}
+_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off", ""}
+
+
+def _dtype(value: str) -> str:
+    value = _DTYPE_ALIASES.get(value.lower(), value.lower())
+    if value not in ("auto", "float32", "float16", "bfloat16"):
+        raise ValueError("expected auto, float32 (float), float16 (half) or bfloat16")
+    return value
+
+
+@dataclass(frozen=True)
+class Option:
+    flags: tuple[str, ...]  # longserve/SGLang spelling first, then vLLM's and others'
+    target: str  # "engine.<EngineConfig field>" or "server.<ServerConfig field>"
+    help: str
+    type: Callable[[str], Any] | None = str  # None: a switch that stores `const`
+    const: Any = True
+    choices: tuple[str, ...] | None = None
+    nargs: str | None = None
+
+    @property
+    def env_names(self) -> list[str]:
+        return ["LONGSERVE_" + f.lstrip("-").upper().replace("-", "_") for f in self.flags]
+
+    @property
+    def keys(self) -> set[str]:
+        return {f.lstrip("-").replace("-", "_") for f in self.flags}
+
+
+E, S = "engine.", "server."
+OPTIONS: tuple[Option, ...] = (
+    Option(("--model-path", "--model"), E + "model", "Hugging Face checkpoint directory"),
+    Option(
+        ("--tokenizer-path", "--tokenizer"), E + "tokenizer", "tokenizer directory (default: the model's)"
+    ),
+    Option(("--host",), S + "host", "address to bind; 0.0.0.0 listens on every interface"),
+    Option(("--port",), S + "port", "TCP port", int),
+    Option(("--served-model-name",), S + "served_model_name", "model name(s) clients send", nargs="+"),
+    Option(("--api-key",), S + "api_key", "require `Authorization: Bearer KEY` (all but /health)"),
+    Option(("--device",), E + "device", "where the model runs", choices=DEVICES),
+    Option(("--dtype",), E + "dtype", "weights/activations: auto, float32, float16 (half), bfloat16", _dtype),
+    Option(("--load-format",), E + "load_format", "dummy: random weights", choices=LOAD_FORMATS),
+    Option(("--seed", "--random-seed"), E + "seed", "seed of dummy weights and unseeded sampling", int),
+    Option(
+        ("--tp-size", "--tensor-parallel-size", "--tp"), E + "tp_size", "tensor parallel size (1 only)", int
+    ),
+    Option(
+        ("--mem-fraction-static", "--gpu-memory-utilization"),
+        E + "mem_fraction_static",
+        "share of device memory for weights + KV pool (CPU: of RAM, pool capped at 4 GiB)",
+        float,
+    ),
+    Option(
+        ("--max-total-tokens",),
+        E + "max_total_tokens",
+        "KV pool size in tokens (overrides the fraction)",
+        int,
+    ),
+    Option(("--page-size", "--block-size"), E + "page_size", "tokens per KV page", int),
+    Option(("--context-length", "--max-model-len"), E + "context_length", "longest prompt + output", int),
+    Option(
+        ("--chunked-prefill-size", "--max-num-batched-tokens"),
+        E + "chunked_prefill_size",
+        "token budget of one engine step (long prompts are prefilled in chunks of it)",
+        int,
+    ),
+    Option(("--max-prefill-chunk",), E + "max_prefill_chunk", "cap on one request's share of a step", int),
+    Option(
+        ("--max-running-requests", "--max-num-seqs"), E + "max_running_requests", "concurrent requests", int
+    ),
+    Option(
+        ("--enable-prefix-caching",), E + "enable_prefix_caching", "radix prefix cache on (default)", None
+    ),
+    Option(
+        ("--disable-radix-cache", "--no-enable-prefix-caching"),
+        E + "enable_prefix_caching",
+        "radix prefix cache off",
+        None,
+        const=False,
+    ),
+    Option(
+        ("--attention-backend",),
+        E + "attention_backend",
+        "auto, torch, triton; flashinfer/fa3/flash_attn map to triton, torch_native/sdpa to torch",
+        str.lower,
+    ),
+    Option(
+        ("--disable-cuda-graph", "--enforce-eager"), E + "enforce_eager", "no CUDA graphs for decode", None
+    ),
+    Option(
+        ("--cuda-graph-max-bs",), E + "cuda_graph_max_bs", "largest decode batch replayed as a graph", int
+    ),
+    Option(("--max-queued-requests",), S + "max_queued_requests", "waiting requests before 503s", int),
+    Option(("--request-timeout",), S + "request_timeout", "seconds a request may take, then aborted", float),
+    Option(("--log-requests",), S + "log_requests", "log one line per finished request", None),
+    Option(("--log-level",), S + "log_level", "logging level", choices=("debug", "info", "warning", "error")),
+    Option(
+        ("--tokenizer-workers",), S + "tokenizer_workers", "threads that tokenize off the event loop", int
+    ),
+)
+_BY_KEY = {key: opt for opt in OPTIONS for key in opt.keys}
+
+
+def _default(target: str) -> Any:
+    section, name = target.split(".")
+    cls = EngineConfig if section == "engine" else ServerConfig
+    f = next(f for f in fields(cls) if f.name == name)
+    return None if f.default is MISSING else f.default
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    """Every option, defaults suppressed so that only flags actually given reach the namespace."""
+    parser.add_argument("--config", metavar="FILE.yaml", help="YAML file of options (keys: flag names)")
+    group = parser.add_argument_group(
+        "engine and server options (flag > LONGSERVE_* env > --config > default)"
+    )
+    for opt in OPTIONS:
+        default = _default(opt.target)
+        shown = "" if opt.type is None else f"; default: {default}"
+        help_text = f"{opt.help} [env {opt.env_names[0]}{shown}]"
+        if opt.type is None:
+            group.add_argument(
+                *opt.flags,
+                dest=opt.target,
+                action="store_const",
+                const=opt.const,
+                default=argparse.SUPPRESS,
+                help=help_text,
+            )
+        else:
+            group.add_argument(
+                *opt.flags,
+                dest=opt.target,
+                type=opt.type,
+                choices=opt.choices,
+                nargs=opt.nargs,
+                metavar=None if opt.choices else opt.target.split(".")[1].upper(),
+                default=argparse.SUPPRESS,
+                help=help_text,
+            )
+
+
+def build_parser(prog: str = "longserve serve") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Serve a model over HTTP: OpenAI API (/v1/...), SGLang's /generate, admin endpoints.",
+    )
+    add_server_args(parser)
+    return parser
+
+
+def _convert(opt: Option, value: Any, source: str) -> Any:
+    """A value from the environment (str) or YAML (any) to the option's type."""
+    try:
+        if opt.type is None:
+            flag = value if isinstance(value, bool) else str(value).strip().lower()
+            if flag not in (True, False) and flag not in _TRUE | _FALSE:
+                raise ValueError("expected true/false")
+            on = flag is True or flag in _TRUE
+            return opt.const if on else not opt.const
+        if opt.nargs:
+            items = value if isinstance(value, list) else str(value).replace(",", " ").split()
+            return [opt.type(str(v)) for v in items]
+        converted = opt.type(value if isinstance(value, str) else str(value))
+        if opt.choices and converted not in opt.choices:
+            raise ValueError(f"expected one of {', '.join(opt.choices)}")
+        return converted
+    except ValueError as e:
+        raise ValueError(f"{source}={value!r}: {e}") from None
+
+
+def _from_env(environ: Mapping[str, str]) -> dict[str, Any]:
+    values: dict[str, tuple[str, Any]] = {}
+    for opt in OPTIONS:
+        for name in opt.env_names:
+            if name in environ:
+                value = _convert(opt, environ[name], name)
+                prev = values.get(opt.target)
+                if prev is not None and prev[1] != value:
+                    raise ValueError(f"{prev[0]} and {name} disagree; set only one")
+                values[opt.target] = (name, value)
+    return {target: value for target, (_, value) in values.items()}
+
+
+def _from_file(path: str) -> dict[str, Any]:
+    import yaml
+
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except OSError as e:
+        raise ValueError(f"--config {path}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"--config {path} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {path} must hold a mapping of option: value")
+    values: dict[str, Any] = {}
+    for key, value in data.items():
+        opt = _BY_KEY.get(str(key).replace("-", "_"))
+        if opt is None:
+            known = ", ".join(sorted(k.replace("_", "-") for k in _BY_KEY))
+            raise ValueError(f"--config {path}: unknown option {key!r}; known: {known}")
+        values[opt.target] = _convert(opt, value, f"{path}: {key}")
+    return values
+
+
+def map_attention_backend(name: str, device: str) -> str:
+    """Our backend for another engine's name; triton needs CUDA, so on the CPU everything is torch."""
+    ours = _BACKEND_ALIASES.get(name)
+    if ours is None:
+        raise ValueError(f"unknown attention backend {name!r}; known: {', '.join(sorted(_BACKEND_ALIASES))}")
+    if ours == "triton" and device != "cuda":
+        import torch
+
+        if device == "cpu" or not torch.cuda.is_available():
+            ours = "torch"
+    if ours != name:
+        logger.info("attention backend %r: longserve uses its %r backend", name, ours)
+    return ours
+
+
+def resolve(
+    args: argparse.Namespace, environ: Mapping[str, str] | None = None
+) -> tuple[EngineConfig, ServerConfig]:
+    """Flags (given ones only) over LONGSERVE_* env over the --config file over the dataclass defaults."""
+    environ = os.environ if environ is None else environ
+    given = {k: v for k, v in vars(args).items() if k.startswith((E, S))}
+    config_file = getattr(args, "config", None) or environ.get("LONGSERVE_CONFIG")
+    merged = {**(_from_file(config_file) if config_file else {}), **_from_env(environ), **given}
+    engine_kw = {k.removeprefix(E): v for k, v in merged.items() if k.startswith(E)}
+    server_kw = {k.removeprefix(S): v for k, v in merged.items() if k.startswith(S)}
+    if not engine_kw.get("model"):
+        raise ValueError(
+            "no model given: pass --model-path DIR (or --model, LONGSERVE_MODEL_PATH, a --config key)"
+        )
+    tp = engine_kw.get("tp_size", 1)
+    if tp != 1:
+        raise ValueError(
+            f"--tp-size/--tensor-parallel-size {tp}: tensor parallelism is not implemented yet; "
+            "serve on one device (--tp-size 1)"
+        )
+    if "attention_backend" in engine_kw:
+        engine_kw["attention_backend"] = map_attention_backend(
+            engine_kw["attention_backend"], engine_kw.get("device", "auto")
+        )
+    if "served_model_name" in server_kw:
+        server_kw["served_model_name"] = tuple(server_kw["served_model_name"])
+    return EngineConfig(**engine_kw), ServerConfig(**server_kw)
+
+
+def parse(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None):
+    """argv -> (EngineConfig, ServerConfig); argparse exits on a malformed flag, ValueError on bad values."""
+    return resolve(build_parser().parse_args(argv), environ)

@@ -1,0 +1,115 @@
+"""Errors as OpenAI's error object, {"error": {"message", "type", "param", "code"}}, on every endpoint.
+
+Bad input raises APIError(400, ...) anywhere in a handler; the handlers installed here turn it, FastAPI's
+own validation and routing errors, and anything unexpected (500, logged) into that shape.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger("longserve.server")
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    503: "server_overloaded",
+    504: "timeout_error",
+}
+
+
+class APIError(Exception):
+    """An error answered to the client; `status` 4xx for its input, 5xx for ours."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str | None = None,
+        param: str | None = None,
+        code: str | int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type or _TYPES.get(status, "internal_error" if status >= 500 else "invalid_request_error")
+        self.param = param
+        self.code = code if code is not None else status
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+    def sse(self) -> str:
+        """The error as one server-sent event (a stream that already answered 200 ends with it)."""
+        return f"data: {json.dumps(self.body(), ensure_ascii=False)}\n\n"
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+# union members pydantic appends to an error's location (prompt.list[int].3) say nothing to a client
+def _is_member_tag(part: Any) -> bool:
+    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool", "none"))
+
+
+def validation_error(exc: ValidationError | RequestValidationError) -> APIError:
+    """The first problem of a pydantic error, as '<field>: <what is wrong> (got <value>)'."""
+    errors = exc.errors()
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+    loc = [p for p in first.get("loc", ()) if p != "body" and not _is_member_tag(p)]
+    param = ".".join(str(p) for p in loc) or None
+    if first.get("type") == "json_invalid":
+        return APIError(
+            400, f"malformed JSON in the request body: {first['msg'].removeprefix('Invalid JSON: ')}"
+        )
+    if first.get("type") == "missing":
+        return APIError(400, f"missing required field {param!r}", param=param)
+    if first.get("type") == "extra_forbidden":
+        return APIError(400, f"unknown field {param!r}", param=param)
+    msg = first.get("msg", "invalid value")
+    if first.get("type") == "model_type" and not loc:
+        return APIError(400, "the request body must be a JSON object")
+    got = f" (got {_describe(first['input'])})" if "input" in first and first["type"] != "model_type" else ""
+    more = f"; {len(errors) - 1} more problem(s)" if len(errors) > 1 else ""
+    return APIError(400, f"{param or 'body'}: {msg}{got}{more}", param=param)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            message = f"no route {request.method} {request.url.path}; see /docs for the endpoints"
+        elif exc.status_code == 405:
+            message = f"method {request.method} is not allowed on {request.url.path}"
+        else:
+            message = str(exc.detail)
+        return APIError(exc.status_code, message).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s %s", request.method, request.url.path)
+        return APIError(500, f"internal server error: {type(exc).__name__}: {exc}").response()

@@ -1,0 +1,213 @@
+"""Request schemas (pydantic, strict: a string is never an integer) of the OpenAI routes and SGLang's
+/generate, the strict body parser, and the mapping of each onto the engine's SamplingParams."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from longserve.sampling_params import SamplingParams
+from longserve.server.errors import APIError, validation_error
+
+MAX_BODY_BYTES = 64 * 2**20
+MAX_N = 128  # completions per prompt: n siblings are n engine requests
+T = TypeVar("T", bound=BaseModel)
+
+
+class _Schema(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Schema):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _OpenAISampling(_Schema):
+    """Fields shared by /v1/completions and /v1/chat/completions (plus vLLM's sampling extras)."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM / SGLang extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        if self.logit_bias:
+            raise APIError(400, "logit_bias is not supported", param="logit_bias")
+        kw: dict[str, Any] = dict(
+            max_new_tokens=max_tokens,
+            n=self.n,
+            stop=self.stop or [],
+            stop_token_ids=self.stop_token_ids or [],
+            seed=self.seed,
+            ignore_eos=self.ignore_eos,
+            skip_special_tokens=self.skip_special_tokens,
+            logprobs=logprobs,
+        )
+        optional = dict(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            min_new_tokens=self.min_tokens,
+        )
+        kw.update({k: v for k, v in optional.items() if v is not None})
+        return make_sampling_params(kw, openai_names=True)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_OpenAISampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16  # OpenAI's default for completions
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class TextPart(_Schema):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Schema):
+    model_config = ConfigDict(strict=True, extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        out: dict[str, Any] = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+class ChatCompletionRequest(_OpenAISampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class GenerateSampling(_Schema):
+    """SGLang's sampling_params; unknown keys are refused (a typo must not be silently ignored)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    max_new_tokens: int | None = 128  # SGLang's default
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    n: int = 1
+    skip_special_tokens: bool = True
+    seed: int | None = None
+    sampling_seed: int | None = None  # SGLang's spelling
+
+    def to_params(self, logprobs: int | None) -> SamplingParams:
+        kw = self.model_dump(exclude={"sampling_seed"})
+        kw["stop"] = kw["stop"] or []
+        kw["stop_token_ids"] = kw["stop_token_ids"] or []
+        kw["seed"] = self.seed if self.seed is not None else self.sampling_seed
+        kw["logprobs"] = logprobs
+        return make_sampling_params(kw)
+
+
+class GenerateRequest(_Schema):
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: GenerateSampling | None = None
+    stream: bool = False
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    rid: str | list[str] | None = None
+
+
+class TokenizeRequest(_Schema):
+    model: str | None = None
+    prompt: str | None = None
+    text: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(_Schema):
+    model: str | None = None
+    tokens: list[int]
+    skip_special_tokens: bool = False
+
+
+_OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+
+
+def make_sampling_params(kw: dict[str, Any], openai_names: bool = False) -> SamplingParams:
+    """SamplingParams(**kw); its validation error becomes a 400 naming the field as the client spelled it."""
+    n = kw.get("n", 1)
+    if isinstance(n, int) and n > MAX_N:
+        raise APIError(400, f"n must be at most {MAX_N}, got {n}", param="n")
+    try:
+        return SamplingParams(**kw)
+    except ValueError as e:
+        message = str(e)
+        field = message.split(" ", 1)[0]
+        if openai_names:
+            for ours, theirs in _OPENAI_NAMES.items():
+                message = message.replace(ours, theirs)
+            field = _OPENAI_NAMES.get(field, field)
+        raise APIError(400, message, param=field if field.isidentifier() else None) from None
+
+
+async def parse_body(request: Request, schema: type[T]) -> T:
+    """The request body as `schema`: invalid UTF-8, malformed JSON and wrong types are each a clear 400."""
+    raw = await request.body()
+    if len(raw) > MAX_BODY_BYTES:
+        raise APIError(413, f"request body is {len(raw):,} bytes; the limit is {MAX_BODY_BYTES:,}")
+    if not raw.strip():
+        raise APIError(400, "the request body is empty: send a JSON object")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise APIError(400, f"the request body is not valid UTF-8 (bad byte at offset {e.start})") from None
+    try:
+        return schema.model_validate_json(text)
+    except ValidationError as e:
+        raise validation_error(e) from None

@@ -1,0 +1,216 @@
+"""OpenAI-compatible POST /v1/completions and /v1/chat/completions (streaming, n, stop, seed, logprobs,
+usage with prompt_tokens_details.cached_tokens) and GET /v1/models."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from longserve.outputs import CompletionOutput, RequestOutput
+from longserve.server.errors import APIError
+from longserve.server.protocol import ChatCompletionRequest, CompletionRequest, parse_body
+from longserve.server.state import SSE_HEADERS, ServerState, abort_on_disconnect, get_state, sse, sse_stream
+
+router = APIRouter()
+
+
+def usage(outs: list[RequestOutput]) -> dict[str, Any]:
+    prompt = sum(o.prompt_tokens for o in outs)
+    completion = sum(o.completion_tokens for o in outs)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(o.cached_tokens for o in outs)},
+    }
+
+
+async def _logprobs(state: ServerState, c: CompletionOutput, start: int, chat: bool) -> dict[str, Any] | None:
+    """Logprobs of tokens [start, ...) of a completion, in the chat or the completions shape."""
+    if c.logprobs is None:
+        return None
+    ids = c.token_ids[start:]
+    lps = c.logprobs[start:]
+    tops = (c.top_logprobs or [])[start:]
+    top_ids = sorted({t for top in tops for t, _ in top})
+    strings = await state.tokenizers.token_strings(ids + top_ids)
+    text_of = dict(zip(ids + top_ids, strings))
+    if chat:
+
+        def entry(t: int, lp: float) -> dict[str, Any]:
+            return {"token": text_of[t], "logprob": lp, "bytes": list(text_of[t].encode("utf-8"))}
+
+        content = []
+        for i, (t, lp) in enumerate(zip(ids, lps)):
+            item = entry(t, lp)
+            item["top_logprobs"] = [entry(tt, tlp) for tt, tlp in tops[i]] if i < len(tops) else []
+            content.append(item)
+        return {"content": content}
+    offsets, pos = [], len(c.text) - sum(len(text_of[t]) for t in ids) if start else 0
+    for t in ids:
+        offsets.append(max(pos, 0))
+        pos += len(text_of[t])
+    return {
+        "tokens": [text_of[t] for t in ids],
+        "token_logprobs": lps,
+        "top_logprobs": [{text_of[t]: lp for t, lp in top} for top in tops] if tops else None,
+        "text_offset": offsets,
+    }
+
+
+async def _run(
+    request: Request,
+    state: ServerState,
+    prompts: list[list[int]],
+    req: CompletionRequest | ChatCompletionRequest,
+    params,
+    chat: bool,
+):
+    for p in prompts:
+        state.check_lengths(len(p), params.max_new_tokens)
+    rids = await state.add_all(prompts, params, [None] * len(prompts))
+    deadline = state.deadline()
+    response_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    base = {
+        "id": response_id,
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": req.model or state.model_name,
+    }
+    route = "/v1/chat/completions" if chat else "/v1/completions"
+
+    if req.stream:
+
+        async def events() -> AsyncIterator[str]:
+            finals: list[RequestOutput] = []
+            for p_idx, rid in enumerate(rids):
+                started, done = [False] * params.n, [False] * params.n
+                async for out in state.engine.stream(rid, deadline):
+                    for c in out.outputs:
+                        index = p_idx * params.n + c.index
+                        if chat and not started[c.index]:
+                            started[c.index] = True
+                            first = {"index": index, "delta": {"role": "assistant", "content": ""}}
+                            yield sse(
+                                {**base, "choices": [{**first, "logprobs": None, "finish_reason": None}]}
+                            )
+                        if done[c.index] or not (c.new_text or c.new_token_ids or c.finish_reason):
+                            continue
+                        done[c.index] = c.finish_reason is not None
+                        start = len(c.token_ids) - len(c.new_token_ids)
+                        choice: dict[str, Any] = {"index": index}
+                        if chat:
+                            choice["delta"] = {"content": c.new_text} if c.new_text else {}
+                        else:
+                            choice["text"] = c.new_text
+                        choice["logprobs"] = (
+                            await _logprobs(state, c, start, chat) if c.new_token_ids else None
+                        )
+                        choice["finish_reason"] = c.finish_reason
+                        yield sse({**base, "choices": [choice]})
+                    if out.finished:
+                        finals.append(out)
+            state.log_request(route, finals)
+            if req.include_usage:
+                yield sse({**base, "choices": [], "usage": usage(finals)})
+
+        def close() -> None:
+            for rid in rids:
+                state.engine.release(rid)
+
+        return StreamingResponse(
+            sse_stream(events(), close), media_type="text/event-stream", headers=SSE_HEADERS
+        )
+
+    try:
+        async with abort_on_disconnect(request, state.engine, rids):
+            outs = [await state.collect(rid, deadline) for rid in rids]
+    finally:
+        for rid in rids:
+            state.engine.release(rid)
+    state.log_request(route, outs)
+    choices = []
+    for p_idx, out in enumerate(outs):
+        for c in out.outputs:
+            choice: dict[str, Any] = {"index": p_idx * params.n + c.index}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": c.text}
+            else:
+                choice["text"] = c.text
+            choice["logprobs"] = await _logprobs(state, c, 0, chat)
+            choice["finish_reason"] = c.finish_reason
+            if c.stop_reason is not None:
+                choice["stop_reason"] = c.stop_reason
+            choices.append(choice)
+    body = {**base, "object": "chat.completion" if chat else "text_completion", "choices": choices}
+    return JSONResponse({**body, "usage": usage(outs)})
+
+
+@router.post("/v1/completions")
+async def completions(request: Request):
+    state = get_state(request)
+    req = await parse_body(request, CompletionRequest)
+    state.check_model(req.model)
+    if req.echo:
+        raise APIError(400, "echo is not supported", param="echo")
+    if req.suffix:
+        raise APIError(400, "suffix is not supported", param="suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise APIError(400, "best_of is not supported (only best_of == n)", param="best_of")
+    params = req.sampling_params(req.max_tokens, req.logprobs)
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        prompts = [await state.tokenizers.encode(prompt)]
+    elif not prompt:
+        raise APIError(400, "prompt is an empty list: give a string, strings, or token ids", param="prompt")
+    elif isinstance(prompt[0], str):
+        prompts = [await state.tokenizers.encode(p) for p in prompt]  # type: ignore[arg-type]
+    elif isinstance(prompt[0], int):
+        prompts = [list(prompt)]  # type: ignore[arg-type]
+    else:
+        prompts = [list(p) for p in prompt]  # type: ignore[union-attr]
+    if any(not p for p in prompts):
+        raise APIError(400, "a prompt is empty: give at least one token", param="prompt")
+    return await _run(request, state, prompts, req, params, chat=False)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request):
+    state = get_state(request)
+    req = await parse_body(request, ChatCompletionRequest)
+    state.check_model(req.model)
+    if req.tools:
+        raise APIError(400, "tools (function calling) are not supported", param="tools")
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise APIError(400, "response_format other than text is not supported", param="response_format")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+    messages = [m.as_dict() for m in req.messages]
+    prompt = await state.tokenizers.chat(
+        messages, req.add_generation_prompt, **(req.chat_template_kwargs or {})
+    )
+    return await _run(request, state, [prompt], req, params, chat=True)
+
+
+@router.get("/v1/models")
+async def models(request: Request):
+    state = get_state(request)
+    data = [
+        {
+            "id": name,
+            "object": "model",
+            "created": int(state.started),
+            "owned_by": "longserve",
+            "root": state.engine_config.model,
+            "max_model_len": state.context_length,
+        }
+        for name in state.model_names
+    ]
+    return {"object": "list", "data": data}

@@ -1,0 +1,162 @@
+"""ServerState: what every route shares (configs, the AsyncEngine, the tokenizer pool) and the checks and
+helpers common to the generation routes (model names, lengths, deadlines, client disconnects, SSE)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+
+from longserve.config import EngineConfig, ServerConfig
+from longserve.outputs import RequestOutput
+from longserve.server.async_engine import AsyncEngine
+from longserve.server.errors import APIError
+from longserve.server.tokenize import TokenizerPool
+
+logger = logging.getLogger("longserve.server")
+
+
+@dataclass
+class ServerState:
+    engine_config: EngineConfig
+    server_config: ServerConfig
+    engine: AsyncEngine
+    tokenizers: TokenizerPool
+    started: float = field(default_factory=time.time)
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        return self.server_config.served_model_name or (self.engine_config.model,)
+
+    @property
+    def model_name(self) -> str:
+        return self.model_names[0]
+
+    @property
+    def context_length(self) -> int:
+        return self.engine.context_length
+
+    def check_model(self, name: str | None) -> None:
+        """A request may leave `model` out; a name this server does not serve is a 404."""
+        if name is not None and name not in self.model_names:
+            raise APIError(
+                404,
+                f"the model {name!r} does not exist; this server serves {', '.join(map(repr, self.model_names))}",
+                param="model",
+                code="model_not_found",
+            )
+
+    def check_lengths(self, num_prompt_tokens: int, max_new_tokens: int | None) -> None:
+        """Refuse, with both numbers, a prompt (plus the tokens asked for) longer than the context."""
+        ctx = self.context_length
+        if num_prompt_tokens >= ctx:
+            raise APIError(
+                400,
+                f"the prompt has {num_prompt_tokens:,} tokens; the context length is {ctx:,} "
+                "(the prompt plus at least one generated token must fit)",
+                param="prompt",
+                code="context_length_exceeded",
+            )
+        if max_new_tokens is not None and num_prompt_tokens + max_new_tokens > ctx:
+            raise APIError(
+                400,
+                f"the prompt has {num_prompt_tokens:,} tokens and {max_new_tokens:,} more were asked for: "
+                f"{num_prompt_tokens + max_new_tokens:,} tokens; the context length is {ctx:,}. "
+                "Lower max_tokens or shorten the prompt",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+
+    def deadline(self) -> float | None:
+        timeout = self.server_config.request_timeout
+        return None if timeout is None else time.monotonic() + timeout
+
+    async def add_all(self, prompts: list[list[int]], params, ids: list[str | None]) -> list[str]:
+        """Queue every prompt or none: on a refusal the ones already queued are aborted."""
+        added: list[str] = []
+        try:
+            for prompt_ids, rid in zip(prompts, ids):
+                added.append(await self.engine.add(prompt_ids, params, rid))
+        except BaseException:
+            for rid in added:
+                self.engine.release(rid)
+            raise
+        return added
+
+    async def collect(self, request_id: str, deadline: float | None) -> RequestOutput:
+        """The final output of a request (its streamed outputs are dropped)."""
+        last = None
+        async for out in self.engine.stream(request_id, deadline):
+            last = out
+        assert last is not None and last.finished
+        return last
+
+    def log_request(self, route: str, outs: Iterable[RequestOutput]) -> None:
+        if not self.server_config.log_requests:
+            return
+        for out in outs:
+            logger.info(
+                "%s %s: %d prompt (%d cached) + %d completion tokens, %s, ttft %.3fs, e2e %.3fs",
+                route,
+                out.request_id,
+                out.prompt_tokens,
+                out.cached_tokens,
+                out.completion_tokens,
+                out.finish_reason,
+                out.ttft or 0.0,
+                out.e2e_latency or 0.0,
+            )
+
+
+def get_state(request: Request) -> ServerState:
+    return request.app.state.longserve
+
+
+@contextlib.asynccontextmanager
+async def abort_on_disconnect(request: Request, engine: AsyncEngine, request_ids: list[str]):
+    """While the body runs, a client that hangs up aborts its requests (their pages return to the pool)."""
+
+    async def watch() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                logger.info("client disconnected: aborting %s", ", ".join(request_ids))
+                for rid in request_ids:
+                    engine.abort(rid)  # the waiting handler gets the final (aborted) output and returns
+                return
+
+    task = asyncio.create_task(watch())
+    try:
+        yield
+    finally:
+        task.cancel()
+
+
+def sse(data: Any) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+async def sse_stream(events: AsyncIterator[str], on_close) -> AsyncIterator[str]:
+    """Events, then [DONE]; an APIError mid-stream becomes an error event. on_close() runs however it ends."""
+    try:
+        async for event in events:
+            yield event
+    except APIError as e:
+        yield e.sse()
+    except Exception as e:
+        logger.exception("stream failed")
+        yield APIError(500, f"internal server error: {type(e).__name__}: {e}").sse()
+    finally:
+        on_close()
+    yield SSE_DONE

@@ -1,0 +1,158 @@
+"""The AsyncEngine bridge in-process: a failing step fails its requests and the loop keeps serving, a full
+queue answers 503, a deadline aborts with 504, and every page comes back."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from longserve.config import EngineConfig
+from longserve.engine import Engine
+from longserve.sampling_params import SamplingParams
+
+pytest.importorskip("fastapi")
+from longserve.server.async_engine import AsyncEngine  # noqa: E402 - needs the server extra
+from longserve.server.errors import APIError  # noqa: E402
+
+LONG = SamplingParams(max_new_tokens=400, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    return Engine(EngineConfig(tiny_model, device="cpu", dtype="float32", max_total_tokens=2048))
+
+
+def assert_clean(engine: Engine) -> None:
+    assert not engine.has_unfinished()
+    engine.check_integrity()
+    engine.flush_cache()
+    assert engine.kv.num_free_pages == engine.kv.num_total_pages
+
+
+async def run(ae: AsyncEngine, ids, params, deadline=None):
+    rid = await ae.add(ids, params)
+    outs = [out async for out in ae.stream(rid, deadline)]
+    return outs[-1]
+
+
+def with_engine(engine: Engine, body, **kw) -> None:
+    async def main():
+        ae = AsyncEngine(engine, **kw)
+        ae.start(asyncio.get_running_loop())
+        try:
+            await body(ae)
+        finally:
+            ae.stop()
+
+    asyncio.run(main())
+    assert_clean(engine)
+
+
+def test_step_failure_fails_requests_and_keeps_serving(engine, monkeypatch):
+    real = engine.runner.execute
+    calls = {"n": 0}
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected fault")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "execute", flaky)
+
+    async def body(ae: AsyncEngine):
+        results = await asyncio.gather(
+            run(ae, [5, 6, 7, 8], LONG), run(ae, [9, 10, 11], LONG), return_exceptions=True
+        )
+        assert all(isinstance(r, APIError) and r.status == 500 for r in results), results
+        assert "injected fault" in results[0].message and ae.num_step_errors == 1 and ae.is_alive
+        out = await run(ae, [5, 6, 7, 8], SamplingParams(max_new_tokens=5, temperature=0))
+        assert out.finished and len(out.token_ids) == 5
+
+    with_engine(engine, body)
+
+
+def test_full_queue_answers_503(engine):
+    async def body(ae: AsyncEngine):
+        gate = threading.Event()
+        blocked = asyncio.ensure_future(ae.call(lambda _: gate.wait(10)))  # the engine thread waits
+        await asyncio.sleep(0.05)
+        first = asyncio.ensure_future(run(ae, [5, 6, 7], SamplingParams(max_new_tokens=3)))
+        await asyncio.sleep(0.05)
+        with pytest.raises(APIError) as err:
+            await run(ae, [5, 6, 7], SamplingParams(max_new_tokens=3))
+        assert err.value.status == 503 and "max-queued-requests" in err.value.message
+        gate.set()
+        await blocked
+        assert (await first).finished
+
+    with_engine(engine, body, max_queued_requests=1)
+
+
+def test_deadline_aborts_with_504(engine):
+    async def body(ae: AsyncEngine):
+        loop = asyncio.get_running_loop()
+        with pytest.raises(APIError) as err:
+            await run(ae, [5, 6, 7], LONG, deadline=time.monotonic() + 0.05)
+        assert err.value.status == 504 and "timed out" in err.value.message
+        for _ in range(100):  # the abort reaches the engine thread
+            if await ae.call(lambda e: not e.has_unfinished()):
+                break
+            await asyncio.sleep(0.01)
+        assert ae.num_aborted == 1 and loop.is_running()
+
+    with_engine(engine, body)
+
+
+def test_refused_input_is_400_and_leaves_nothing(engine):
+    async def body(ae: AsyncEngine):
+        for ids, words in (([5] * 600, "context length"), ([99999], "token ids")):
+            with pytest.raises(APIError) as err:
+                await run(ae, ids, SamplingParams(max_new_tokens=2))
+            assert err.value.status == 400 and words in err.value.message
+
+    with_engine(engine, body)
+
+
+def test_request_timeout_over_http(engine, tiny_model):
+    """--request-timeout through the app: a 504 error object, or an error event in a stream."""
+    import httpx
+
+    from longserve.config import ServerConfig
+    from longserve.server.app import create_app
+    from longserve.server.state import ServerState
+    from longserve.server.tokenize import TokenizerPool
+
+    body = {
+        "input_ids": [5, 6, 7],
+        "sampling_params": {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True},
+    }
+
+    async def main():
+        state = ServerState(
+            engine.config,
+            ServerConfig(request_timeout=0.05),
+            AsyncEngine(engine),
+            TokenizerPool(tiny_model, 1),
+        )
+        state.engine.start(asyncio.get_running_loop())
+        transport = httpx.ASGITransport(app=create_app(state))
+        try:
+            async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+                r = await client.post("/generate", json=body)
+                assert r.status_code == 504 and "timed out" in r.json()["error"]["message"]
+                r = await client.post("/generate", json={**body, "stream": True})
+                assert r.status_code == 200 and "timed out" in r.text and r.text.endswith("data: [DONE]\n\n")
+                for _ in range(100):
+                    if await state.engine.call(lambda e: not e.has_unfinished()):
+                        break
+                    await asyncio.sleep(0.01)
+        finally:
+            state.engine.stop()
+            state.tokenizers.shutdown()
+
+    asyncio.run(main())
+    assert_clean(engine)
