@@ -9,43 +9,9 @@ import logging
 import sys
 
 
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model", "--model-path", dest="model", required=True, help="Hugging Face checkpoint directory"
-    )
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens")
-    p.add_argument("--mem-fraction-static", type=float, default=0.85)
-    p.add_argument("--chunked-prefill-size", type=int, default=8192, help="per-step token budget")
-    p.add_argument("--max-running-requests", type=int, default=256)
-    p.add_argument("--context-length", type=int, default=None)
-    p.add_argument("--disable-radix-cache", action="store_true", help="turn the prefix cache off")
-    p.add_argument("--attention-backend", default="auto")
-    p.add_argument("--seed", type=int, default=0)
-
-
-def _engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(
-        dtype=args.dtype,
-        device=args.device,
-        load_format=args.load_format,
-        page_size=args.page_size,
-        max_total_tokens=args.max_total_tokens,
-        mem_fraction_static=args.mem_fraction_static,
-        chunked_prefill_size=args.chunked_prefill_size,
-        max_running_requests=args.max_running_requests,
-        context_length=args.context_length,
-        enable_prefix_caching=not args.disable_radix_cache,
-        attention_backend=args.attention_backend,
-        seed=args.seed,
-    )
-
-
 def _generate(args: argparse.Namespace) -> int:
     from longserve import LLM, SamplingParams
+    from longserve.server.args import resolve
 
     params = SamplingParams(
         max_new_tokens=args.max_new_tokens,
@@ -55,7 +21,8 @@ def _generate(args: argparse.Namespace) -> int:
         stop=args.stop or [],
         seed=args.sample_seed,
     )
-    llm = LLM(args.model, **_engine_kwargs(args))
+    engine_config, _ = resolve(args)  # the same flags, env vars and YAML keys as `longserve serve`
+    llm = LLM.from_config(engine_config)
     if args.chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
     else:
@@ -115,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_args(serve)
     serve.set_defaults(func=_serve)
     gen = sub.add_parser("generate", help="generate offline for prompts given on the command line")
-    _add_engine_args(gen)
+    add_server_args(gen, sections=("engine.",))
     gen.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for several)")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message (chat template)")
     gen.add_argument("--max-new-tokens", type=int, default=64)

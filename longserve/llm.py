@@ -19,6 +19,13 @@ class LLM:
         self.config = EngineConfig.from_kwargs(model=model, **kwargs)
         self.engine = Engine(self.config)
 
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        llm = cls.__new__(cls)
+        llm.config = config
+        llm.engine = Engine(config)
+        return llm
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer

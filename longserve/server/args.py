@@ -150,13 +150,16 @@ def _default(target: str) -> Any:
     return None if f.default is MISSING else f.default
 
 
-def add_server_args(parser: argparse.ArgumentParser) -> None:
-    """Every option, defaults suppressed so that only flags actually given reach the namespace."""
+def add_server_args(parser: argparse.ArgumentParser, sections: tuple[str, ...] = (E, S)) -> None:
+    """Every option of `sections` (engine., server.), defaults suppressed so that only flags actually
+    given reach the namespace."""
     parser.add_argument("--config", metavar="FILE.yaml", help="YAML file of options (keys: flag names)")
     group = parser.add_argument_group(
         "engine and server options (flag > LONGSERVE_* env > --config > default)"
     )
     for opt in OPTIONS:
+        if not opt.target.startswith(sections):
+            continue
         default = _default(opt.target)
         shown = "" if opt.type is None else f"; default: {default}"
         help_text = f"{opt.help} [env {opt.env_names[0]}{shown}]"
