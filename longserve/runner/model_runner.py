@@ -50,6 +50,7 @@ def resolve_context_length(config: EngineConfig, hf_config, pool_tokens: int) ->
 class ModelRunner:
     def __init__(self, config: EngineConfig, hf_config) -> None:
         self.config = config
+        self.hf_config = hf_config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, hf_config)
         if self.device.type == "cuda":
@@ -133,8 +134,13 @@ class ModelRunner:
                 f"{self.config.mem_fraction_static}; raise mem_fraction_static or use a smaller model"
             )
         if self.device.type == "cpu":
-            # host RAM is shared with everything else: never take more than a few GiB for the pool
-            num_pages = min(num_pages, int(4 * 2**30 // per_page))
+            # host RAM is shared with everything else: at most 4 GiB, and no more than every running
+            # request at full context could use
+            context = (
+                self.config.context_length or getattr(self.hf_config, "max_position_embeddings", 0) or 2048
+            )
+            useful = -(-self.config.max_running_requests * context // self.page_size)
+            num_pages = min(num_pages, int(4 * 2**30 // per_page), useful)
         return num_pages
 
     # ---- one step -------------------------------------------------------------------------------

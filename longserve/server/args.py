@@ -275,8 +275,11 @@ def resolve(
     engine_kw = {k.removeprefix(E): v for k, v in merged.items() if k.startswith(E)}
     server_kw = {k.removeprefix(S): v for k, v in merged.items() if k.startswith(S)}
     if not engine_kw.get("model"):
-        raise ValueError(
-            "no model given: pass --model-path DIR (or --model, LONGSERVE_MODEL_PATH, a --config key)"
+        from longserve.assets import default_model_path
+
+        engine_kw["model"] = default_model_path()
+        logger.info(
+            "no model given (--model-path DIR): serving the small built-in demo model %s", engine_kw["model"]
         )
     tp = engine_kw.get("tp_size", 1)
     if tp != 1:

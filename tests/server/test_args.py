@@ -79,8 +79,9 @@ def test_precedence_flag_env_file_default(m, tmp_path):
 def test_refusals(m, tmp_path):
     with pytest.raises(ValueError, match="tensor parallelism is not implemented"):
         parse(["--model-path", m, "--tp-size", "4"], environ={})
-    with pytest.raises(ValueError, match="no model"):
-        parse([], environ={})
+    from longserve.assets import default_model_path
+
+    assert parse([], environ={})[0].model == default_model_path()  # no model: the embedded default
     with pytest.raises(ValueError, match="unknown attention backend"):
         parse(["--model-path", m, "--attention-backend", "magic"], environ={})
     with pytest.raises(ValueError, match="LONGSERVE_PORT"):

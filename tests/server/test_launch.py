@@ -84,3 +84,48 @@ def test_vllm_line_with_api_key(seed_servers, tiny_model):
     assert r.usage.completion_tokens <= 16 and r.choices[0].message.content is not None
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=url + "/v1", api_key="nope", max_retries=0).models.list()
+
+
+def test_no_model_serves_the_embedded_default(tmp_path):
+    """`longserve serve` alone serves the built-in demo model: plausible words, not noise."""
+    import re
+
+    from longserve.assets import default_model_path
+
+    port = free_port()
+    server = ServerProcess(["--device", "cpu", "--port", str(port)], port, str(tmp_path / "default.log"))
+    try:
+        server.wait_ready()
+        info = httpx.get(server.url + "/model_info").json()
+        assert info["model_path"] == default_model_path()
+        body = {"text": "Return the", "sampling_params": {"max_new_tokens": 24, "temperature": 0}}
+        out = httpx.post(server.url + "/generate", json=body, timeout=60).json()
+        words = re.findall(r"[A-Za-z]+", out["text"])
+        assert len(words) >= 8
+        assert (
+            sum(
+                w.lower()
+                in {
+                    "the",
+                    "a",
+                    "of",
+                    "is",
+                    "to",
+                    "and",
+                    "file",
+                    "list",
+                    "name",
+                    "return",
+                    "value",
+                    "number",
+                    "line",
+                    "current",
+                    "object",
+                    "string",
+                }
+                for w in words
+            )
+            >= 3
+        )
+    finally:
+        server.stop()
