@@ -21,7 +21,7 @@ def main() -> None:
     for case in CASES:
         best = None
         for block_m, block_n, warps, stages, splits in itertools.product(
-            (64, 128), (64, 128), (4, 8), (2, 3), (16, 32, 64, 128)
+            (64, 128), (64,), (4, 8), (3,), (8, 16, 32, 64, 128)
         ):
             config = {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
             try:
