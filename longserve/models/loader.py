@@ -143,7 +143,9 @@ def iterate_safetensors(files: list[str], device: torch.device) -> Iterator[tupl
     with tqdm(
         total=total, desc="Loading weights", unit="tensor", file=sys.stderr, disable=not sys.stderr.isatty()
     ) as bar:
-        for path in files:
+        for i, path in enumerate(files):
+            if bar.disable:  # no terminal (a log file): one line per shard instead of the bar
+                logger.info("Loading weights: shard %d/%d %s", i + 1, len(files), os.path.basename(path))
             with safe_open(path, framework="pt", device=open_device) as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                     tensor = f.get_tensor(name)
