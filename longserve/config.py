@@ -119,8 +119,10 @@ class ServerConfig:
     served_model_name: tuple[str, ...] = ()  # names clients may ask for; empty: the model path
     max_queued_requests: int = 1024  # requests waiting for admission; more are answered 503
     request_timeout: float | None = None  # seconds from arrival to the last token; None: no limit
-    log_requests: bool = False  # one log line per finished request
+    log_requests: bool = False  # one log line per finished request (counts and timings, never the prompt)
     log_level: str = "info"
+    enable_metrics: bool = True  # GET /metrics in Prometheus text format
+    log_stats_interval: float = 10.0  # seconds between engine stats log lines; 0: none
     tokenizer_workers: int = 2  # threads that tokenize and render chat templates off the event loop
 
     def __post_init__(self) -> None:
@@ -130,6 +132,10 @@ class ServerConfig:
             raise ValueError(f"max_queued_requests must be >= 1; got {self.max_queued_requests}")
         if self.request_timeout is not None and not self.request_timeout > 0:
             raise ValueError(f"request_timeout must be > 0 seconds; got {self.request_timeout}")
+        if not self.log_stats_interval >= 0:
+            raise ValueError(
+                f"log_stats_interval must be >= 0 seconds (0: off); got {self.log_stats_interval}"
+            )
         if self.tokenizer_workers < 1:
             raise ValueError(f"tokenizer_workers must be >= 1; got {self.tokenizer_workers}")
         if self.log_level not in ("debug", "info", "warning", "error"):

@@ -192,9 +192,6 @@ class Engine:
                 if g is not None:
                     touched[g.request_id] = g
         outputs = [self._group_output(g) for g in touched.values()]
-        num_prefill = sum(
-            s.num_new_tokens for s in sched_out.scheduled if s.num_new_tokens > 1 or not s.samples
-        )
         self.last_step_stats = StepStats(
             num_prefill_tokens=num_prefill,
             num_decode_tokens=sched_out.num_batched_tokens - num_prefill,

@@ -1,5 +1,5 @@
-"""The FastAPI app: API-key check, error handlers, the generation routes, and the admin endpoints
-(/health, /model_info, /server_info, /flush_cache, /tokenize, /detokenize)."""
+"""The FastAPI app: API-key check, error handlers, the generation routes, the admin endpoints
+(/health, /model_info, /server_info, /flush_cache, /tokenize, /detokenize) and Prometheus /metrics."""
 
 from __future__ import annotations
 
@@ -11,16 +11,19 @@ import time
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from longserve import __version__
 from longserve.engine import Engine
 from longserve.server import routes_generate, routes_openai
 from longserve.server.errors import APIError, install_error_handlers
+from longserve.server.metrics import ServerMetrics
 from longserve.server.protocol import DetokenizeRequest, TokenizeRequest, parse_body
-from longserve.server.state import ServerState, get_state
+from longserve.server.state import QUEUED_SCOPE_KEY, ServerState, get_state
 
 OPEN_PATHS = frozenset({"/health"})
+GENERATION_PATHS = frozenset({"/generate", "/v1/completions", "/v1/chat/completions"})
 
 
 class APIKeyMiddleware:
@@ -48,6 +51,28 @@ class APIKeyMiddleware:
         await error.response()(scope, receive, send)
 
 
+class RejectedRequestsMiddleware:
+    """Counts generation calls answered 4xx or 503 before their requests reached the engine as
+    finished_reason="rejected" (the engine accounts for the rest); plain ASGI, it reads the status line."""
+
+    def __init__(self, app, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.rejected = metrics.finished["rejected"]
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] not in GENERATION_PATHS:
+            return await self.app(scope, receive, send)
+
+        async def send_counting(message) -> None:
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                if (400 <= status < 500 or status == 503) and not scope.get(QUEUED_SCOPE_KEY):
+                    self.rejected.inc()
+            await send(message)
+
+        await self.app(scope, receive, send_counting)
+
+
 def _kv_stats(engine: Engine) -> dict[str, Any]:
     """Page accounting, read on the engine thread so the numbers agree with each other."""
     kv = engine.kv
@@ -67,7 +92,17 @@ def _kv_stats(engine: Engine) -> dict[str, Any]:
     }
 
 
+def _uses_cuda(state: ServerState) -> bool:
+    device = getattr(getattr(state.engine.engine, "runner", None), "device", None)
+    return getattr(device, "type", None) == "cuda"
+
+
 def create_app(state: ServerState) -> FastAPI:
+    config = state.server_config
+    if config.enable_metrics and state.metrics is None:
+        state.metrics = ServerMetrics(state.model_name, state.context_length, gpu=_uses_cuda(state))
+    state.engine.configure_stats(state.metrics, config.log_stats_interval)
+
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
         state.engine.start(asyncio.get_running_loop())
@@ -78,6 +113,8 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="longserve", version=__version__, lifespan=lifespan)
     app.state.longserve = state
     install_error_handlers(app)
+    if state.metrics is not None:  # inside the API-key check: unauthenticated calls are not counted
+        app.add_middleware(RejectedRequestsMiddleware, metrics=state.metrics)
     if state.server_config.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=state.server_config.api_key)
     app.include_router(routes_generate.router)
@@ -122,6 +159,13 @@ def create_app(state: ServerState) -> FastAPI:
             "num_aborted_requests": state.engine.num_aborted,
             **kv,
         }
+
+    if state.metrics is not None:
+        metrics = state.metrics
+
+        @app.get("/metrics", include_in_schema=False)
+        def prometheus_metrics() -> Response:  # sync: NVML reads run in the thread pool
+            return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/flush_cache")
     async def flush_cache(request: Request):

@@ -134,7 +134,20 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(("--max-queued-requests",), S + "max_queued_requests", "waiting requests before 503s", int),
     Option(("--request-timeout",), S + "request_timeout", "seconds a request may take, then aborted", float),
-    Option(("--log-requests",), S + "log_requests", "log one line per finished request", None),
+    Option(
+        ("--log-requests",),
+        S + "log_requests",
+        "log one line per finished request (token counts and timings; never the prompt)",
+        None,
+    ),
+    Option(
+        ("--log-stats-interval",),
+        S + "log_stats_interval",
+        "seconds between engine stats log lines (tokens/s, queue, KV usage, hit rate); 0: off",
+        float,
+    ),
+    Option(("--enable-metrics",), S + "enable_metrics", "Prometheus metrics at GET /metrics (default)", None),
+    Option(("--disable-metrics",), S + "enable_metrics", "no /metrics endpoint", None, const=False),
     Option(("--log-level",), S + "log_level", "logging level", choices=("debug", "info", "warning", "error")),
     Option(
         ("--tokenizer-workers",), S + "tokenizer_workers", "threads that tokenize off the event loop", int

@@ -4,6 +4,7 @@ Only the engine thread touches the Engine. Coroutines post commands (add, abort,
 between steps and pushes each step's outputs to per-request asyncio queues with one
 loop.call_soon_threadsafe per step. An exception in a step fails the requests it affected (all those in
 flight) with an error and the loop keeps serving; every accepted request ends with a result or an error.
+Metrics and the stats log line are updated on the engine thread after each iteration (StatsTracker).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from longserve.engine import Engine, PromptTooLongError
 from longserve.outputs import RequestOutput
 from longserve.sampling_params import SamplingParams
 from longserve.server.errors import APIError
+from longserve.server.metrics import ServerMetrics, StatsTracker
 
 logger = logging.getLogger("longserve.server")
 
@@ -44,8 +46,15 @@ class AsyncEngine:
         self.num_step_errors = 0
         self.num_aborted = 0  # requests aborted while in flight (client gone, timeout)
         self.healthy = True
+        self.stats = StatsTracker(None, 0.0)  # engine thread only; see configure_stats
+        self._timed_out: set[str] = set()  # aborted by their deadline (engine thread)
 
     # ---- lifecycle ------------------------------------------------------------------------------
+    def configure_stats(self, metrics: ServerMetrics | None, log_stats_interval: float) -> None:
+        """Metrics to update and the stats log interval (0: off). create_app calls it, usually before
+        start(); later, the engine thread simply picks up the new tracker at its next iteration."""
+        self.stats = StatsTracker(metrics, log_stats_interval)
+
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._thread = threading.Thread(target=self._run, name="longserve-engine", daemon=True)
@@ -74,8 +83,9 @@ class AsyncEngine:
         self._post("call", fn, fut)
         return await asyncio.wrap_future(fut)
 
-    def abort(self, request_id: str) -> None:
-        self._post("abort", request_id)
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        """Abort a request; `reason` ("abort" or "timeout") is the metrics' finished_reason."""
+        self._post("abort", request_id, reason)
 
     async def add(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
         """Queue a request; returns its id once the engine accepted it. Iterate `stream(id)` next (or
@@ -109,12 +119,14 @@ class AsyncEngine:
         APIError: 504 past `deadline` (a time.monotonic() value), 500 when a step failed."""
         queue = self._queues[request_id]
         finished = False
+        reason = "abort"
         try:
             while True:
                 timeout = None if deadline is None else deadline - time.monotonic()
                 try:
                     out, status = await asyncio.wait_for(queue.get(), timeout)
                 except TimeoutError:
+                    reason = "timeout"
                     raise APIError(
                         504, "request timed out (--request-timeout) and was aborted", code="timeout"
                     ) from None
@@ -126,13 +138,13 @@ class AsyncEngine:
                     return
         finally:
             if not finished:
-                self.release(request_id)
+                self.release(request_id, reason)
             self._queues.pop(request_id, None)
 
-    def release(self, request_id: str) -> None:
+    def release(self, request_id: str, reason: str = "abort") -> None:
         """Forget a request and abort it in the engine (a no-op once it finished)."""
         self._queues.pop(request_id, None)
-        self.abort(request_id)
+        self.abort(request_id, reason)
 
     # ---- the engine thread ----------------------------------------------------------------------
     def _deliver(self, items: list[tuple[RequestOutput, int | None]]) -> None:
@@ -146,7 +158,8 @@ class AsyncEngine:
         while True:
             with self._cv:
                 while not self._commands and not self._stopping and not engine.has_unfinished():
-                    self._cv.wait()
+                    self._cv.wait(self.stats.idle_wait())
+                    self.stats.maybe_log(engine)  # the last line of a busy spell, once it is due
                 if self._stopping:
                     break
                 commands = list(self._commands)
@@ -157,10 +170,12 @@ class AsyncEngine:
                     self._handle(command, items)
                 except Exception:  # an abort that failed: the next step's failure handling cleans up
                     logger.exception("engine command %s failed", command[0])
+            stepped = False
             if engine.has_unfinished():
                 try:
                     items.extend((out, 400 if out.error else None) for out in engine.step())
                     self.num_steps += 1
+                    stepped = True
                 except Exception as e:  # the loop must survive any step failure
                     logger.exception(
                         "engine step failed; failing the %d requests in flight", engine.num_requests
@@ -168,8 +183,18 @@ class AsyncEngine:
                     self.num_step_errors += 1
                     items.extend(self._fail_all(f"engine step failed: {type(e).__name__}: {e}", 500))
             self.num_waiting = engine.scheduler.num_waiting
+            self._observe(stepped, items)
             self._send(items)
         self._send(self._fail_all("the server is shutting down", 503))
+
+    def _observe(self, stepped: bool, items: list[tuple[RequestOutput, int | None]]) -> None:
+        try:
+            self.stats.update(self.engine, stepped, items, self._timed_out)
+            self.stats.maybe_log(self.engine)
+        except Exception:  # metrics must never take the engine down
+            logger.exception("updating metrics failed")
+        if self._timed_out:
+            self._timed_out.difference_update(out.request_id for out, _ in items if out.finished)
 
     def _send(self, items: list[tuple[RequestOutput, int | None]]) -> None:
         if items and self._loop is not None:
@@ -195,9 +220,12 @@ class AsyncEngine:
             else:
                 fut.set_result(request_id)
         elif kind == "abort":
-            out = self.engine.abort(command[1])
+            _, request_id, reason = command
+            out = self.engine.abort(request_id)
             if out is not None:
                 self.num_aborted += 1
+                if reason == "timeout":
+                    self._timed_out.add(request_id)
                 items.append((out, None))
         elif kind == "call":
             _, fn, fut = command

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from longserve.outputs import CompletionOutput, RequestOutput
 from longserve.server.errors import APIError
+from longserve.server.metrics import timings
 from longserve.server.protocol import GenerateRequest, GenerateSampling, parse_body
 from longserve.server.state import SSE_HEADERS, ServerState, abort_on_disconnect, get_state, sse, sse_stream
 
@@ -31,12 +32,8 @@ def _result(out: RequestOutput, c: CompletionOutput, want_logprobs: bool) -> dic
     meta: dict[str, Any] = {
         "id": out.request_id,
         "finish_reason": finish_reason(c),
-        "prompt_tokens": out.prompt_tokens,
         "completion_tokens": len(c.token_ids),
-        "cached_tokens": out.cached_tokens,
-        "e2e_latency": out.e2e_latency,
-        "ttft": out.ttft,
-        "queue_time": out.queue_time,
+        **timings(out),  # prompt/cached tokens and seconds: ttft, queue, prefill, decode, e2e
     }
     if want_logprobs and c.logprobs is not None:
         meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(c.logprobs, c.token_ids)]
@@ -83,7 +80,7 @@ async def generate(request: Request):
     for p in prompts:
         state.check_lengths(len(p), params.max_new_tokens)
     batched = isinstance(req.text, list) or bool(req.input_ids and isinstance(req.input_ids[0], list))
-    rids = await state.add_all(prompts, params, _request_ids(req, len(prompts), batched))
+    rids = await state.add_all(request, prompts, params, _request_ids(req, len(prompts), batched))
     deadline = state.deadline()
     single = not batched and params.n == 1
 

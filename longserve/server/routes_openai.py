@@ -1,5 +1,7 @@
 """OpenAI-compatible POST /v1/completions and /v1/chat/completions (streaming, n, stop, seed, logprobs,
-usage with prompt_tokens_details.cached_tokens) and GET /v1/models."""
+usage with prompt_tokens_details.cached_tokens) and GET /v1/models. Each finished choice also carries the
+request's own `meta_info` (ttft, queue_time, prefill_time, decode_time, e2e_latency, cached_tokens), an
+extension clients that do not know it ignore."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from longserve.outputs import CompletionOutput, RequestOutput
 from longserve.server.errors import APIError
+from longserve.server.metrics import timings
 from longserve.server.protocol import ChatCompletionRequest, CompletionRequest, parse_body
 from longserve.server.state import SSE_HEADERS, ServerState, abort_on_disconnect, get_state, sse, sse_stream
 
@@ -73,7 +76,7 @@ async def _run(
 ):
     for p in prompts:
         state.check_lengths(len(p), params.max_new_tokens)
-    rids = await state.add_all(prompts, params, [None] * len(prompts))
+    rids = await state.add_all(request, prompts, params, [None] * len(prompts))
     deadline = state.deadline()
     response_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     base = {
@@ -112,6 +115,8 @@ async def _run(
                             await _logprobs(state, c, start, chat) if c.new_token_ids else None
                         )
                         choice["finish_reason"] = c.finish_reason
+                        if c.finish_reason is not None:
+                            choice["meta_info"] = timings(out)
                         yield sse({**base, "choices": [choice]})
                     if out.finished:
                         finals.append(out)
@@ -146,6 +151,7 @@ async def _run(
             choice["finish_reason"] = c.finish_reason
             if c.stop_reason is not None:
                 choice["stop_reason"] = c.stop_reason
+            choice["meta_info"] = timings(out)
             choices.append(choice)
     body = {**base, "object": "chat.completion" if chat else "text_completion", "choices": choices}
     return JSONResponse({**body, "usage": usage(outs)})

@@ -18,9 +18,11 @@ from longserve.config import EngineConfig, ServerConfig
 from longserve.outputs import RequestOutput
 from longserve.server.async_engine import AsyncEngine
 from longserve.server.errors import APIError
+from longserve.server.metrics import ServerMetrics
 from longserve.server.tokenize import TokenizerPool
 
 logger = logging.getLogger("longserve.server")
+QUEUED_SCOPE_KEY = "longserve.queued"  # set on the ASGI scope once a call's requests reached the engine
 
 
 @dataclass
@@ -30,6 +32,7 @@ class ServerState:
     engine: AsyncEngine
     tokenizers: TokenizerPool
     started: float = field(default_factory=time.time)
+    metrics: ServerMetrics | None = None  # set by create_app when server_config.enable_metrics
 
     @property
     def model_names(self) -> tuple[str, ...]:
@@ -78,8 +81,11 @@ class ServerState:
         timeout = self.server_config.request_timeout
         return None if timeout is None else time.monotonic() + timeout
 
-    async def add_all(self, prompts: list[list[int]], params, ids: list[str | None]) -> list[str]:
-        """Queue every prompt or none: on a refusal the ones already queued are aborted."""
+    async def add_all(
+        self, request: Request, prompts: list[list[int]], params, ids: list[str | None]
+    ) -> list[str]:
+        """Queue every prompt or none: on a refusal the ones already queued are aborted. Once all are
+        queued, the engine accounts for how they end (metrics: the HTTP call is no longer "rejected")."""
         added: list[str] = []
         try:
             for prompt_ids, rid in zip(prompts, ids):
@@ -88,6 +94,7 @@ class ServerState:
             for rid in added:
                 self.engine.release(rid)
             raise
+        request.scope[QUEUED_SCOPE_KEY] = True
         return added
 
     async def collect(self, request_id: str, deadline: float | None) -> RequestOutput:
