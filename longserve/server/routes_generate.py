@@ -7,13 +7,13 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from longserve.outputs import CompletionOutput, RequestOutput
 from longserve.server.errors import APIError
 from longserve.server.metrics import timings
 from longserve.server.protocol import GenerateRequest, GenerateSampling, parse_body
-from longserve.server.state import SSE_HEADERS, ServerState, abort_on_disconnect, get_state, sse, sse_stream
+from longserve.server.state import ServerState, get_state, sse
 
 router = APIRouter()
 
@@ -100,20 +100,9 @@ async def generate(request: Request):
                     if out.finished:
                         state.log_request("/generate", [out])
 
-        def close() -> None:
-            for rid in rids:
-                state.engine.release(rid)
+        return state.stream_response(events(), rids)
 
-        return StreamingResponse(
-            sse_stream(events(), close), media_type="text/event-stream", headers=SSE_HEADERS
-        )
-
-    try:
-        async with abort_on_disconnect(request, state.engine, rids):
-            outs = [await state.collect(rid, deadline) for rid in rids]
-    finally:
-        for rid in rids:
-            state.engine.release(rid)
+    outs = await state.collect_all(request, rids, deadline)
     state.log_request("/generate", outs)
     results = [_result(out, c, req.return_logprob) for out in outs for c in out.outputs]
     return JSONResponse(results[0] if single else results)

@@ -11,13 +11,13 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from longserve.outputs import CompletionOutput, RequestOutput
 from longserve.server.errors import APIError
 from longserve.server.metrics import timings
 from longserve.server.protocol import ChatCompletionRequest, CompletionRequest, parse_body
-from longserve.server.state import SSE_HEADERS, ServerState, abort_on_disconnect, get_state, sse, sse_stream
+from longserve.server.state import ServerState, get_state, sse
 
 router = APIRouter()
 
@@ -124,20 +124,9 @@ async def _run(
             if req.include_usage:
                 yield sse({**base, "choices": [], "usage": usage(finals)})
 
-        def close() -> None:
-            for rid in rids:
-                state.engine.release(rid)
+        return state.stream_response(events(), rids)
 
-        return StreamingResponse(
-            sse_stream(events(), close), media_type="text/event-stream", headers=SSE_HEADERS
-        )
-
-    try:
-        async with abort_on_disconnect(request, state.engine, rids):
-            outs = [await state.collect(rid, deadline) for rid in rids]
-    finally:
-        for rid in rids:
-            state.engine.release(rid)
+    outs = await state.collect_all(request, rids, deadline)
     state.log_request(route, outs)
     choices = []
     for p_idx, out in enumerate(outs):

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
+from fastapi.responses import StreamingResponse
 
 from longserve.config import EngineConfig, ServerConfig
 from longserve.outputs import RequestOutput
@@ -104,6 +105,28 @@ class ServerState:
             last = out
         assert last is not None and last.finished
         return last
+
+    async def collect_all(
+        self, request: Request, rids: list[str], deadline: float | None
+    ) -> list[RequestOutput]:
+        """Final outputs of queued requests; a client that hangs up aborts them; released however it ends."""
+        try:
+            async with abort_on_disconnect(request, self.engine, rids):
+                return [await self.collect(rid, deadline) for rid in rids]
+        finally:
+            for rid in rids:
+                self.engine.release(rid)
+
+    def stream_response(self, events: AsyncIterator[str], rids: list[str]) -> StreamingResponse:
+        """`events` as server-sent events; the requests are released however the stream ends."""
+
+        def close() -> None:
+            for rid in rids:
+                self.engine.release(rid)
+
+        return StreamingResponse(
+            sse_stream(events, close), media_type="text/event-stream", headers=SSE_HEADERS
+        )
 
     def log_request(self, route: str, outs: Iterable[RequestOutput]) -> None:
         if not self.server_config.log_requests:
