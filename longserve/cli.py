@@ -1,5 +1,5 @@
 """The `longserve` command: `serve` runs the HTTP server (SGLang and vLLM flag spellings), `generate` the
-offline engine on prompts from the command line, `bench` the offline benchmarks."""
+offline engine on prompts from the command line, `bench` the offline and serving benchmarks."""
 
 from __future__ import annotations
 
@@ -58,6 +58,19 @@ def _bench_latency(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_serve(args: argparse.Namespace) -> int:
+    from longserve.bench.serve import run_from_args
+
+    record = run_from_args(args)
+    return 0 if record["summary"]["completed"] else 1  # every request failed: say so in the exit code
+
+
+def _bench_compare(args: argparse.Namespace) -> int:
+    from longserve.bench.compare import run_from_args
+
+    return run_from_args(args)
+
+
 def _serve(args: argparse.Namespace) -> int:
     from longserve.server.launch import run_from_args
 
@@ -96,13 +109,26 @@ def build_parser() -> argparse.ArgumentParser:
 
     from longserve.bench.latency import add_latency_args
 
-    bench = sub.add_parser("bench", help="offline benchmarks")
+    bench = sub.add_parser("bench", help="offline and serving benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     latency = bench_sub.add_parser(
         "latency", help="cold TTFT, cached-prefix TTFT and decode latency on random prompts (no server)"
     )
     add_latency_args(latency)
     latency.set_defaults(func=_bench_latency)
+    from longserve.bench.compare import add_compare_args
+    from longserve.bench.serve import add_serve_args
+
+    bench_serve = bench_sub.add_parser(
+        "serve", help="online benchmark of a running server (longserve, SGLang, vLLM, OpenAI API)"
+    )
+    add_serve_args(bench_serve)
+    bench_serve.set_defaults(func=_bench_serve)
+    compare = bench_sub.add_parser(
+        "compare", help="one workload against several servers in turn: Markdown, JSON and PNG report"
+    )
+    add_compare_args(compare)
+    compare.set_defaults(func=_bench_compare)
     return parser
 
 

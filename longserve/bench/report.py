@@ -104,3 +104,10 @@ def format_table(records: list[dict[str, Any]]) -> str:
         for row in rows
     ]
     return "\n".join(line.rstrip() for line in lines)
+
+
+def markdown_table(header: list[str], rows: list[list[str]], numeric: bool = True) -> str:
+    """A GitHub Markdown table; the first column left-aligned, the others right-aligned when numeric."""
+    align = [":--"] + ["--:" if numeric else ":--"] * (len(header) - 1)
+    lines = [header, align, *rows]
+    return "\n".join("| " + " | ".join(str(c).replace("|", "\\|") for c in line) + " |" for line in lines)
