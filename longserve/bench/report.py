@@ -19,24 +19,18 @@ def device_name(device: Any) -> str:
 
 
 def git_commit() -> tuple[str | None, bool | None]:
+    """(short commit, tree dirty) of the checkout this package runs from; LONGSERVE_COMMIT without git."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+    def git(*args: str) -> str:
+        done = subprocess.run(
+            ["git", *args], cwd=root, capture_output=True, text=True, timeout=10, check=True
+        )
+        return done.stdout.strip()
+
     try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=root,
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=root,
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
+        commit = git("rev-parse", "--short", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
         return commit or None, bool(dirty)
     except (OSError, subprocess.SubprocessError):  # no git or no repository (e.g. a copied tree)
         return os.environ.get("LONGSERVE_COMMIT"), None
