@@ -70,3 +70,49 @@ def find_stop_string(text: str, stops: list[str], search_from: int) -> tuple[int
         if idx >= 0 and (best is None or idx < best[0]):
             best = (idx, stop)
     return best
+
+
+class TextAssembler:
+    """The text of one completion, built token by token: incremental decoding, stop strings (the text is
+    cut before the first one), and the streaming hold-back of a possible stop-string prefix. The engine
+    uses one per request offline; the server keeps them on its event loop, off the engine's step loop."""
+
+    def __init__(
+        self, detokenizer: IncrementalDetokenizer, prompt_ids: list[int], stops: list[str], skip_special: bool
+    ) -> None:
+        self.detokenizer = detokenizer
+        self.prompt_ids = prompt_ids
+        self.stops = stops
+        self.skip_special = skip_special
+        self.state = detokenizer.start(prompt_ids)
+        self.text = ""
+        self.stop_hit: str | None = None  # the stop string that ended the text
+        self.num_tokens_at_stop = 0  # output tokens decoded when it was found
+        self._holdback = max((len(s) for s in stops), default=1) - 1
+
+    def add(self, output_ids: list[int], final: bool = False) -> str | None:
+        """Decode the output tokens so far (those that have text); returns the stop string if one now
+        ends the text. With `final`, bytes held for an incomplete character are released."""
+        if self.stop_hit is not None:
+            return None
+        new_text = self.detokenizer.step(self.state, self.prompt_ids, output_ids, self.skip_special, final)
+        if not new_text:
+            return None
+        old_len = len(self.text)
+        self.text += new_text
+        hit = find_stop_string(self.text, self.stops, old_len) if self.stops else None
+        if hit is None:
+            return None
+        self.text = self.text[: hit[0]]
+        self.stop_hit = hit[1]
+        self.num_tokens_at_stop = len(output_ids)
+        return hit[1]
+
+    def delta(self, finished: bool) -> str:
+        """Text not yet handed out; while running, the tail that could start a stop string is held back."""
+        visible = self.text
+        if not finished and self.stop_hit is None and self._holdback:
+            visible = self.text[: max(len(self.text) - self._holdback, 0)]
+        new_text = visible[self.state.num_emitted_chars :]
+        self.state.num_emitted_chars = max(self.state.num_emitted_chars, len(visible))
+        return new_text

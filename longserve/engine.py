@@ -13,7 +13,7 @@ import torch
 
 from longserve.cache.manager import KVCacheManager
 from longserve.config import EngineConfig
-from longserve.detokenizer import IncrementalDetokenizer, find_stop_string
+from longserve.detokenizer import IncrementalDetokenizer, TextAssembler
 from longserve.models import load_hf_config
 from longserve.outputs import CompletionOutput, RequestOutput, StepStats
 from longserve.request import FinishReason, Request
@@ -42,8 +42,12 @@ class _Group:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, detokenize: bool = True) -> None:
+        """detokenize=False: outputs carry token ids only (empty text) and stop strings are not checked;
+        the caller assembles text with detokenizer.TextAssembler and ends a request at a stop string
+        with `stop_at_string` (the server does this on its event loop, off the step loop)."""
         self.config = config
+        self.detokenize = detokenize
         start = time.perf_counter()
         self.hf_config = load_hf_config(config.model)
         self.tokenizer = load_tokenizer(config.tokenizer_path, required=config.load_format != "dummy")
@@ -137,8 +141,11 @@ class Engine:
         group = _Group(request_id, text, members)
         self.groups[request_id] = group
         for req in members:
-            if self.detokenizer is not None:
-                req.detok_state = self.detokenizer.start(req.prompt_token_ids)
+            if self.detokenizer is not None and self.detokenize:
+                p = req.sampling_params
+                req.text = TextAssembler(
+                    self.detokenizer, req.prompt_token_ids, p.stop, p.skip_special_tokens
+                )
             self._group_of[req.request_id] = group
             self.scheduler.add_request(req)
         return request_id
@@ -150,6 +157,17 @@ class Engine:
             return None
         for req in group.members:
             self.scheduler.finish_request(req, FinishReason.ABORT)
+        return self._group_output(group)
+
+    def stop_at_string(self, request_id: str, index: int, stop: str) -> RequestOutput | None:
+        """End completion `index` of a request because the caller found stop string `stop` in its text
+        (finish reason "stop"); returns the request's output, None if unknown or already done."""
+        group = self.groups.get(request_id)
+        if group is None or group.members[index].is_finished:
+            return None
+        req = group.members[index]
+        req.stop_reason = stop
+        self.scheduler.finish_request(req, FinishReason.STOP)
         return self._group_output(group)
 
     def has_unfinished(self) -> bool:
@@ -232,25 +250,12 @@ class Engine:
 
     def _detokenize(self, req: Request, upto: int, final: bool) -> bool:
         """Append the text of output tokens [.., upto); True if a stop string ended the request."""
-        if self.detokenizer is None:
+        if req.text is None:
             return False
-        params = req.sampling_params
-        new_text = self.detokenizer.step(
-            req.detok_state,
-            req.prompt_token_ids,
-            req.output_token_ids[:upto],
-            params.skip_special_tokens,
-            final,
-        )
-        if not new_text:
+        stop = req.text.add(req.output_token_ids[:upto], final)
+        if stop is None:
             return False
-        old_len = len(req.output_text)
-        req.output_text += new_text
-        hit = find_stop_string(req.output_text, params.stop, old_len) if params.stop else None
-        if hit is None:
-            return False
-        req.output_text = req.output_text[: hit[0]]
-        req.stop_reason = hit[1]
+        req.stop_reason = stop
         self.scheduler.finish_request(req, FinishReason.STOP)
         return True
 
@@ -268,16 +273,8 @@ class Engine:
         completions = []
         for i, req in enumerate(group.members):
             params = req.sampling_params
-            text = req.output_text
-            # while running, hold back text that might be the start of a stop string
-            visible = text
-            if not req.is_finished and params.stop:
-                visible = text[: max(len(text) - (max(len(s) for s in params.stop) - 1), 0)]
-            state = req.detok_state
-            emitted = state.num_emitted_chars if state is not None else 0
-            new_text = visible[emitted:] if len(visible) > emitted else ""
-            if state is not None:
-                state.num_emitted_chars = max(emitted, len(visible))
+            text = req.text.text if req.text is not None else ""
+            new_text = req.text.delta(req.is_finished) if req.text is not None else ""
             completions.append(
                 CompletionOutput(
                     index=i,

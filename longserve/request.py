@@ -55,9 +55,7 @@ class Request:
     first_token_time: float | None = None
     finished_time: float | None = None
 
-    # incremental detokenization state (owned by the engine's detokenizer)
-    output_text: str = ""
-    detok_state: Any = None
+    text: Any = None  # detokenizer.TextAssembler when the engine detokenizes (None: token ids only)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     generator: Any = None  # torch.Generator for seeded sampling

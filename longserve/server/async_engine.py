@@ -20,8 +20,9 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from longserve.detokenizer import IncrementalDetokenizer, TextAssembler
 from longserve.engine import Engine, PromptTooLongError
-from longserve.outputs import RequestOutput
+from longserve.outputs import CompletionOutput, RequestOutput
 from longserve.sampling_params import SamplingParams
 from longserve.server.errors import APIError
 from longserve.server.metrics import ServerMetrics, StatsTracker
@@ -46,6 +47,14 @@ class AsyncEngine:
         self.num_step_errors = 0
         self.num_aborted = 0  # requests aborted while in flight (client gone, timeout)
         self.healthy = True
+        # Text is assembled here, on the event loop, when the engine leaves it out (detokenize=False):
+        # decoding and stop strings never hold up the step loop.
+        self._detokenizer = (
+            IncrementalDetokenizer(engine.tokenizer)
+            if not engine.detokenize and engine.tokenizer is not None
+            else None
+        )
+        self._texts: dict[str, list[TextAssembler]] = {}  # event loop only
         self.stats = StatsTracker(None, 0.0)  # engine thread only; see configure_stats
         self._timed_out: set[str] = set()  # aborted by their deadline (engine thread)
 
@@ -102,6 +111,11 @@ class AsyncEngine:
         if request_id in self._queues:
             raise APIError(400, f"request id {request_id!r} is already in use", param="rid")
         self._queues[request_id] = asyncio.Queue()
+        if self._detokenizer is not None:
+            self._texts[request_id] = [
+                TextAssembler(self._detokenizer, prompt_ids, params.stop, params.skip_special_tokens)
+                for _ in range(params.n)
+            ]
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._pending_adds += 1
         self._post("add", request_id, prompt_ids, params, fut)
@@ -144,14 +158,44 @@ class AsyncEngine:
     def release(self, request_id: str, reason: str = "abort") -> None:
         """Forget a request and abort it in the engine (a no-op once it finished)."""
         self._queues.pop(request_id, None)
+        self._texts.pop(request_id, None)
         self.abort(request_id, reason)
 
     # ---- the engine thread ----------------------------------------------------------------------
     def _deliver(self, items: list[tuple[RequestOutput, int | None]]) -> None:
         for out, status in items:
+            texts = self._texts.get(out.request_id)
+            if texts is not None:
+                for c in out.outputs:
+                    self._assemble(out.request_id, c, texts[c.index])
+                if out.finished:
+                    del self._texts[out.request_id]
             queue = self._queues.get(out.request_id)
             if queue is not None:
                 queue.put_nowait((out, status))
+
+    def _assemble(self, request_id: str, c: CompletionOutput, text: TextAssembler) -> None:
+        """Fill a completion's text and streaming delta; a stop string found here ends it in the engine
+        (tokens the engine generated after it are dropped)."""
+        if text.stop_hit is None:
+            ids = (
+                c.token_ids[:-1] if isinstance(c.stop_reason, int) else c.token_ids
+            )  # a stop token has no text
+            stop = text.add(ids, final=c.finish_reason is not None)
+            if stop is not None and c.finish_reason is None:
+                self._post("stop", request_id, c.index, stop)
+        if text.stop_hit is not None:
+            n, first_new = text.num_tokens_at_stop, len(c.token_ids) - len(c.new_token_ids)
+            c.token_ids = c.token_ids[:n]
+            c.new_token_ids = c.token_ids[first_new:]
+            if c.logprobs is not None:
+                c.logprobs = c.logprobs[:n]
+            if c.top_logprobs is not None:
+                c.top_logprobs = c.top_logprobs[:n]
+            if c.finish_reason is not None:
+                c.finish_reason, c.stop_reason = "stop", text.stop_hit
+        c.text = text.text
+        c.new_text = text.delta(c.finish_reason is not None)
 
     def _run(self) -> None:
         engine = self.engine
@@ -226,6 +270,11 @@ class AsyncEngine:
                 self.num_aborted += 1
                 if reason == "timeout":
                     self._timed_out.add(request_id)
+                items.append((out, None))
+        elif kind == "stop":
+            _, request_id, index, stop = command
+            out = self.engine.stop_at_string(request_id, index, stop)
+            if out is not None:
                 items.append((out, None))
         elif kind == "call":
             _, fn, fut = command

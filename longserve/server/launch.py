@@ -20,7 +20,7 @@ def build_server(engine_config: EngineConfig, server_config: ServerConfig):
     from longserve.server.state import ServerState
     from longserve.server.tokenize import TokenizerPool
 
-    engine = Engine(engine_config)
+    engine = Engine(engine_config, detokenize=False)  # the AsyncEngine assembles text on the event loop
     if engine.tokenizer is None:
         raise ValueError(f"the server needs a tokenizer; none found in {engine_config.tokenizer_path!r}")
     state = ServerState(

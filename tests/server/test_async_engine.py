@@ -156,3 +156,50 @@ def test_request_timeout_over_http(engine, tiny_model):
 
     asyncio.run(main())
     assert_clean(engine)
+
+
+def test_text_is_assembled_off_the_step_loop(tiny_model):
+    """With detokenize=False the engine thread only handles token ids; the bridge builds the text on the
+    event loop, ends a request at a stop string, and matches the offline engine exactly."""
+    offline = Engine(EngineConfig(tiny_model, device="cpu", dtype="float32", max_total_tokens=2048))
+    served = Engine(
+        EngineConfig(tiny_model, device="cpu", dtype="float32", max_total_tokens=2048), detokenize=False
+    )
+    ids = offline.encode("Once upon a time")
+    greedy = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
+    full = _run_offline(offline, ids, greedy)
+    stop = full.text[5:9]
+    stopped = _run_offline(offline, ids, greedy.clone(stop=[stop]))
+    assert stopped.finish_reason == "stop" and stopped.text == full.text[: full.text.index(stop)]
+
+    steps = []
+    real_step = served.step
+
+    def step():
+        outs = real_step()
+        steps.extend(c.text for out in outs for c in out.outputs)  # what the engine thread produced
+        return outs
+
+    served.step = step
+
+    async def body(ae: AsyncEngine):
+        out = await run(ae, ids, greedy)
+        assert out.text == full.text and out.token_ids == full.token_ids
+        rid = await ae.add(ids, greedy.clone(stop=[stop]))
+        outs = [o async for o in ae.stream(rid)]
+        final = outs[-1].outputs[0]
+        assert final.finish_reason == "stop" and final.stop_reason == stop
+        assert final.text == stopped.text and final.token_ids == stopped.token_ids
+        assert "".join(o.outputs[0].new_text for o in outs) == stopped.text  # streamed deltas add up
+        assert all(stop not in o.outputs[0].new_text for o in outs)
+
+    with_engine(served, body)
+    assert steps and all(t == "" for t in steps)  # no decoding on the engine thread
+
+
+def _run_offline(engine: Engine, ids, params):
+    rid = engine.add_request(ids, params)
+    while True:
+        for out in engine.step():
+            if out.request_id == rid and out.finished:
+                return out

@@ -1,0 +1,51 @@
+"""TextAssembler: incremental text equals a full decode, stop strings cut the text, streaming holds back a
+possible stop-string prefix and never hands out text it later takes back."""
+
+from __future__ import annotations
+
+import pytest
+
+from longserve.detokenizer import IncrementalDetokenizer, TextAssembler
+from tests.checkpoints import make_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(make_tiny_checkpoint(tmp_path_factory.mktemp("tok"), "llama"))
+
+
+def feed(tok, text_in: str, stops: list[str]):
+    prompt = tok.encode("A prompt:")
+    ids = tok.encode(text_in, add_special_tokens=False)
+    asm = TextAssembler(IncrementalDetokenizer(tok), prompt, stops, skip_special=True)
+    deltas = []
+    for n in range(1, len(ids) + 1):
+        asm.add(ids[:n], final=n == len(ids))
+        deltas.append(asm.delta(finished=asm.stop_hit is not None or n == len(ids)))
+        if asm.stop_hit is not None:
+            break
+    return asm, deltas, ids
+
+
+def test_incremental_text_equals_full_decode(tok):
+    text = "The quick brown fox jumps over the lazy dog. Ünïcödé wörks tóo ✓"
+    asm, deltas, ids = feed(tok, text, [])
+    assert asm.text == tok.decode(ids, skip_special_tokens=True) and "".join(deltas) == asm.text
+    assert asm.stop_hit is None
+
+
+def test_stop_string_cuts_text_and_is_never_streamed(tok):
+    asm, deltas, ids = feed(tok, "alpha beta gamma STOP delta epsilon", ["STOP", "never"])
+    assert asm.stop_hit == "STOP" and asm.text == "alpha beta gamma "
+    assert "".join(deltas) == asm.text and not any("S" in d for d in deltas)
+    assert asm.num_tokens_at_stop < len(ids)
+
+
+def test_holdback_keeps_a_possible_prefix(tok):
+    ids = tok.encode("one two thr", add_special_tokens=False)
+    asm = TextAssembler(IncrementalDetokenizer(tok), [], ["three"], skip_special=True)
+    asm.add(ids)
+    assert asm.delta(finished=False) == asm.text[: len(asm.text) - 4]
+    assert asm.delta(finished=True) == asm.text[len(asm.text) - 4 :]  # released once finished
