@@ -53,9 +53,7 @@ class Engine:
         self.tokenizer = load_tokenizer(config.tokenizer_path, required=config.load_format != "dummy")
         self.runner = ModelRunner(config, self.hf_config)
         self.eos_token_ids = self._eos_ids()
-
         self.context_length = self.runner.context_length
-
         self.kv = KVCacheManager(self.runner.num_pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -65,7 +63,9 @@ class Engine:
             ),
             self.kv,
         )
-        self.detokenizer = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
+        self.detokenizer = (
+            IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None and detokenize else None
+        )
         self.groups: dict[str, _Group] = {}
         self._group_of: dict[str, _Group] = {}  # member request id -> group
         self._ids = itertools.count()
@@ -141,7 +141,7 @@ class Engine:
         group = _Group(request_id, text, members)
         self.groups[request_id] = group
         for req in members:
-            if self.detokenizer is not None and self.detokenize:
+            if self.detokenizer is not None:
                 p = req.sampling_params
                 req.text = TextAssembler(
                     self.detokenizer, req.prompt_token_ids, p.stop, p.skip_special_tokens
