@@ -37,7 +37,10 @@ class EngineConfig:
     attention_backend: str = "auto"
     enforce_eager: bool = False  # no CUDA graphs (SGLang: --disable-cuda-graph)
     cuda_graph_max_bs: int = 128  # decode steps up to this batch size replay CUDA graphs
-    tp_size: int = 1
+    tp_size: int = 1  # tensor-parallel ranks (one process each; must divide the attention heads)
+    nnodes: int = 1  # nodes the tp ranks span (tp_size / nnodes ranks per node)
+    node_rank: int = 0  # this node's index; node 0 runs the engine
+    dist_init_addr: str | None = None  # HOST:PORT of node 0's rendezvous; None: 127.0.0.1 and a free port
 
     def __post_init__(self) -> None:
         def need(ok: bool, msg: str) -> None:
@@ -83,7 +86,30 @@ class EngineConfig:
             self.context_length is None or self.context_length >= 1,
             f"context_length must be >= 1; got {self.context_length}",
         )
-        need(self.tp_size == 1, f"tp_size={self.tp_size}: tensor parallelism is not implemented yet; use 1")
+        need(
+            isinstance(self.tp_size, int) and self.tp_size >= 1,
+            f"tp_size must be an integer >= 1; got {self.tp_size!r}",
+        )
+        need(
+            isinstance(self.nnodes, int) and self.nnodes >= 1,
+            f"nnodes must be an integer >= 1; got {self.nnodes!r}",
+        )
+        need(
+            isinstance(self.node_rank, int) and 0 <= self.node_rank < self.nnodes,
+            f"node_rank must be in [0, nnodes={self.nnodes}); got {self.node_rank!r}",
+        )
+        need(
+            self.tp_size % self.nnodes == 0,
+            f"tp_size={self.tp_size} must be a multiple of nnodes={self.nnodes} (the same number of ranks per node)",
+        )
+        need(
+            self.nnodes == 1 or bool(self.dist_init_addr),
+            f"nnodes={self.nnodes} needs dist_init_addr (HOST:PORT of node 0, reachable from every node)",
+        )
+        need(
+            self.dist_init_addr is None or self.dist_init_addr.rpartition(":")[2].isdigit(),
+            f"dist_init_addr must be HOST:PORT; got {self.dist_init_addr!r}",
+        )
         if self.load_format != "dummy" and not os.path.isdir(self.model):
             raise FileNotFoundError(
                 f"model directory {self.model!r} does not exist; pass a local Hugging Face checkpoint "

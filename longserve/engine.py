@@ -321,3 +321,7 @@ class Engine:
         """Assert the page accounting is exact (tests call this after every scenario)."""
         live = list(self.scheduler.running) + list(self.scheduler.waiting)
         self.kv.check_integrity(live)
+
+    def close(self) -> None:
+        """Release the runner: stops tensor-parallel worker processes (a no-op at tp=1). Idempotent."""
+        self.runner.shutdown()

@@ -16,6 +16,8 @@ Prompt = str | list[int]
 
 class LLM:
     def __init__(self, model: str, **kwargs) -> None:
+        if "tensor_parallel_size" in kwargs:  # vLLM's spelling
+            kwargs["tp_size"] = kwargs.pop("tensor_parallel_size")
         self.config = EngineConfig.from_kwargs(model=model, **kwargs)
         self.engine = Engine(self.config)
 
@@ -93,3 +95,13 @@ class LLM:
         if bar is not None:
             bar.close()
         return [done[rid] for rid in ids]
+
+    def close(self) -> None:
+        """Shut the engine down (stops tensor-parallel workers); the LLM is unusable afterwards."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

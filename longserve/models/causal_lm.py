@@ -1,7 +1,8 @@
 """`CausalLM`: the decoder plus LM head, the runner-facing model API, and HF-name weight loading.
 
 Runner contract: `model(input_ids [T], positions [T], ctx) -> hidden [T, hidden_size]` over the flattened
-new tokens of every request; `compute_logits(hidden [N, hidden_size]) -> [N, vocab] float32`.
+new tokens of every request; `compute_logits(hidden [N, hidden_size]) -> [N, vocab] float32`. Under tensor
+parallelism every rank runs both (they hold collectives); `num_heads`/`num_kv_heads` are the rank's own.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ import torch
 from torch import nn
 
 from longserve.attention.base import ForwardContext
-from longserve.models.decoder import ArchOptions, DecoderModel, compute_logits, get_head_dim
-from longserve.models.layers import STACKED_PARAMS, MergedLinear, default_weight_loader
+from longserve.distributed import get_tp_rank, get_tp_size
+from longserve.models.decoder import ArchOptions, DecoderModel, compute_logits, get_head_dim, head_layout
+from longserve.models.layers import STACKED_PARAMS, MergedLinear, ParallelLMHead, default_weight_loader
 
 # checkpoint tensors that are derived, not learned
 _SKIPPED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
@@ -30,10 +32,17 @@ class CausalLM(nn.Module):
         self.model = DecoderModel(hf_config, self.arch_options(hf_config))
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+            self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size)
         self.num_layers: int = hf_config.num_hidden_layers
-        self.num_heads: int = hf_config.num_attention_heads
-        self.num_kv_heads: int = getattr(hf_config, "num_key_value_heads", None) or self.num_heads
+        total_heads = hf_config.num_attention_heads
+        layout = head_layout(
+            total_heads,
+            getattr(hf_config, "num_key_value_heads", None) or total_heads,
+            get_tp_size(),
+            get_tp_rank(),
+        )
+        self.num_heads: int = layout.num_q  # this rank's heads (all of them at tp=1)
+        self.num_kv_heads: int = layout.num_kv
         self.head_dim: int = get_head_dim(hf_config)
         self.hidden_size: int = hf_config.hidden_size
         self.vocab_size: int = hf_config.vocab_size
@@ -54,7 +63,7 @@ class CausalLM(nn.Module):
         return self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return compute_logits(hidden, self.lm_head_weight)  # [N, V] float32
+        return compute_logits(hidden, self.lm_head_weight, self.vocab_size)  # [N, V] float32
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the parameters; raise if a tensor is unknown or a parameter unloaded."""

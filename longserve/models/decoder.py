@@ -3,6 +3,8 @@
 Per-architecture differences (biases, per-head q/k RMSNorm, sliding windows) are `ArchOptions` flags read
 from the HF config by each architecture's `arch_options`; parameter names mirror HF's (with q/k/v and
 gate/up fused, see layers.STACKED_PARAMS) so `load_weights` maps checkpoint names directly.
+Under tensor parallelism each rank holds num_heads/tp query heads and its kv heads (`head_layout`), a
+1/tp slice of the MLP's intermediate dim, and a vocab slice of the embedding; norms and RoPE replicate.
 """
 
 from __future__ import annotations
@@ -11,11 +13,19 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from longserve.attention.base import ForwardContext
-from longserve.models.layers import MergedLinear, RMSNorm, silu_and_mul
+from longserve.distributed import get_tp_rank, get_tp_size
+from longserve.models.layers import (
+    MergedLinear,
+    RMSNorm,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    parallel_logits,
+    silu_and_mul,
+    tp_shard_range,
+)
 from longserve.models.rope import RotaryEmbedding, RotaryStep
 
 
@@ -29,6 +39,48 @@ class ArchOptions:
 
 def get_head_dim(hf_config: Any) -> int:
     return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+
+
+@dataclass(frozen=True)
+class HeadLayout:
+    """One rank's attention heads: q heads [q_start, q_start + num_q), kv heads [kv_start, kv_start + num_kv)."""
+
+    q_start: int
+    num_q: int
+    kv_start: int
+    num_kv: int
+
+
+def head_layout(num_heads: int, num_kv_heads: int, tp_size: int, tp_rank: int) -> HeadLayout:
+    """Split the heads over tp ranks. When tp exceeds the kv heads, each kv head is replicated on
+    tp / num_kv_heads consecutive ranks (the ranks whose q heads use it), so every rank holds one.
+
+        4 q heads, 2 kv heads, tp=4:   rank   0    1    2    3
+                                       q      0    1    2    3
+                                       kv     0    0    1    1
+    """
+    if num_heads % tp_size:
+        raise ValueError(
+            f"tp_size={tp_size} does not divide the model's {num_heads} attention heads; "
+            f"choose a tp size that divides {num_heads}"
+        )
+    if num_kv_heads % tp_size and tp_size % num_kv_heads:
+        raise ValueError(
+            f"tp_size={tp_size} and the model's {num_kv_heads} kv heads: one must divide the other "
+            "(kv heads are split across ranks, or replicated when tp exceeds them)"
+        )
+    num_q = num_heads // tp_size
+    if tp_size <= num_kv_heads:
+        num_kv = num_kv_heads // tp_size
+        return HeadLayout(tp_rank * num_q, num_q, tp_rank * num_kv, num_kv)
+    return HeadLayout(tp_rank * num_q, num_q, tp_rank // (tp_size // num_kv_heads), 1)
+
+
+def validate_tp_size(hf_config: Any, tp_size: int) -> None:
+    """Raise a clear ValueError when the model cannot be split `tp_size` ways."""
+    num_heads = hf_config.num_attention_heads
+    head_layout(num_heads, getattr(hf_config, "num_key_value_heads", None) or num_heads, tp_size, 0)
+    tp_shard_range(hf_config.intermediate_size, tp_size, 0, "intermediate_size")
 
 
 def layer_sliding_window(hf_config: Any, layer_id: int) -> int | None:
@@ -46,16 +98,22 @@ class Attention(nn.Module):
     def __init__(self, hf_config: Any, opts: ArchOptions, layer_id: int) -> None:
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads = hf_config.num_attention_heads
-        self.num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = get_head_dim(hf_config)
+        total_heads = hf_config.num_attention_heads
+        total_kv_heads = getattr(hf_config, "num_key_value_heads", None) or total_heads
+        layout = head_layout(total_heads, total_kv_heads, get_tp_size(), get_tp_rank())
+        self.num_heads, self.num_kv_heads = layout.num_q, layout.num_kv  # this rank's heads
+        self.head_dim = d = get_head_dim(hf_config)
         self.scale = self.head_dim**-0.5
         self.sliding_window = layer_sliding_window(hf_config, layer_id)
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
         self.qkv_proj = MergedLinear(
-            hf_config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=opts.qkv_bias
+            hf_config.hidden_size,
+            {"q": q_size, "k": kv_size, "v": kv_size},
+            bias=opts.qkv_bias,
+            shard_starts={"q": layout.q_start * d, "k": layout.kv_start * d, "v": layout.kv_start * d},
+            full_shard_sizes={"q": total_heads * d, "k": total_kv_heads * d, "v": total_kv_heads * d},
         )
-        self.o_proj = nn.Linear(q_size, hf_config.hidden_size, bias=opts.o_bias)
+        self.o_proj = RowParallelLinear(total_heads * d, hf_config.hidden_size, bias=opts.o_bias)
         self.qk_norm = opts.qk_norm
         if opts.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
@@ -86,11 +144,16 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, hf_config: Any, opts: ArchOptions) -> None:
         super().__init__()
-        inter = hf_config.intermediate_size
+        full = hf_config.intermediate_size
+        start, inter = tp_shard_range(full, get_tp_size(), get_tp_rank(), "intermediate_size")
         self.gate_up_proj = MergedLinear(
-            hf_config.hidden_size, {"gate": inter, "up": inter}, bias=opts.mlp_bias
+            hf_config.hidden_size,
+            {"gate": inter, "up": inter},
+            bias=opts.mlp_bias,
+            shard_starts={"gate": start, "up": start},
+            full_shard_sizes={"gate": full, "up": full},
         )
-        self.down_proj = nn.Linear(inter, hf_config.hidden_size, bias=opts.mlp_bias)
+        self.down_proj = RowParallelLinear(full, hf_config.hidden_size, bias=opts.mlp_bias)
         act = getattr(hf_config, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"hidden_act {act!r} is not supported; supported: silu")
@@ -124,7 +187,7 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, hf_config: Any, opts: ArchOptions) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(hf_config, opts, i) for i in range(hf_config.num_hidden_layers)
         )
@@ -142,5 +205,6 @@ class DecoderModel(nn.Module):
         return self.norm(hidden, residual)[0]  # [T, hidden]
 
 
-def compute_logits(hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
-    return F.linear(hidden, lm_head_weight).float()  # [N, V]
+def compute_logits(hidden: torch.Tensor, lm_head_weight: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """hidden [N, H] -> logits [N, V] float32; under tp each rank's vocab slice, all-gathered."""
+    return parallel_logits(hidden, lm_head_weight, vocab_size)  # [N, V]

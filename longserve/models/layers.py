@@ -1,8 +1,11 @@
-"""Building blocks shared by the decoder models: RMSNorm, fused (stacked) linears, SiLU-and-mul.
+"""Building blocks shared by the decoder models: RMSNorm, fused (stacked) linears, SiLU-and-mul, and
+the tensor-parallel linears/embeddings.
 
 Fused linears hold several HF projections stacked along the output dim (q|k|v, gate|up). The one table
-`STACKED_PARAMS` says which HF tensor goes into which shard, so a tensor-parallel loader can later slice
-each shard per rank in `MergedLinear.weight_loader` without touching the models.
+`STACKED_PARAMS` says which HF tensor goes into which shard; under tensor parallelism each rank holds a
+row range of every shard (column parallel) and `MergedLinear.weight_loader` slices it from the full
+checkpoint tensor. `RowParallelLinear` splits the input dim and all-reduces; the vocab-parallel
+embedding/LM head split the vocab. At tp=1 every layer computes exactly what the plain torch op does.
 The `*_ref` functions are the torch references of the Triton kernels in longserve/kernels (same
 signatures); layers run the kernel on CUDA tensors when triton imports (`use_triton`), else the reference.
 """
@@ -14,6 +17,8 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from longserve.distributed import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
 
 # (fused param module name, HF module name, shard id) -- the single source of the fused-weight mapping.
 STACKED_PARAMS: tuple[tuple[str, str, str], ...] = (
@@ -89,14 +94,27 @@ class RMSNorm(nn.Module):
 class MergedLinear(nn.Module):
     """A linear layer whose output is several named shards stacked in order (e.g. q|k|v).
 
-    `weight_loader(param, loaded, shard_id)` copies one HF tensor into its slice of the fused parameter.
-    `shard_id=None` loads the whole fused tensor (a checkpoint already saved fused).
+    `shard_sizes` are this rank's rows of each shard; `shard_starts` (default 0) the first of those rows
+    in the full checkpoint tensor of the shard, whose full size is `full_shard_sizes` (default: local).
+    `weight_loader(param, loaded, shard_id)` copies this rank's rows of one HF tensor into its slice of
+    the fused parameter; `shard_id=None` loads a whole fused tensor (a checkpoint already saved fused).
+
+        full q (checkpoint)   [ r0 rows | r1 rows ]     rank 1 holds q[start:start+size] | k[..] | v[..]
     """
 
-    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        shard_sizes: dict[str, int],
+        bias: bool,
+        shard_starts: dict[str, int] | None = None,
+        full_shard_sizes: dict[str, int] | None = None,
+    ) -> None:
         super().__init__()
         self.in_features = in_features
         self.shard_sizes = dict(shard_sizes)
+        self.shard_starts = dict(shard_starts or dict.fromkeys(shard_sizes, 0))
+        self.full_shard_sizes = dict(full_shard_sizes or shard_sizes)
         self.shard_offsets: dict[str, int] = {}
         offset = 0
         for name, size in self.shard_sizes.items():
@@ -108,11 +126,28 @@ class MergedLinear(nn.Module):
         for p in self.parameters():
             p.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
+    def _rank_rows(self, loaded: torch.Tensor, shard_id: str) -> torch.Tensor:
+        """This rank's rows of a full shard tensor (the tensor itself when it is not split)."""
+        full, size = self.full_shard_sizes[shard_id], self.shard_sizes[shard_id]
+        if full == size or loaded.shape[0] != full:
+            return loaded
+        return loaded.narrow(0, self.shard_starts[shard_id], size)
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None) -> None:
         if shard_id is None:
+            if self.full_shard_sizes != self.shard_sizes and loaded.shape[0] == sum(
+                self.full_shard_sizes.values()
+            ):  # a fused checkpoint tensor under tp: slice each shard's rows out of it
+                full_offset = 0
+                for name in self.shard_sizes:
+                    full = loaded.narrow(0, full_offset, self.full_shard_sizes[name])
+                    self.weight_loader(param, full, name)
+                    full_offset += self.full_shard_sizes[name]
+                return
             target = param.data
         else:
             target = param.data.narrow(0, self.shard_offsets[shard_id], self.shard_sizes[shard_id])
+            loaded = self._rank_rows(loaded, shard_id)
         if target.shape != loaded.shape:
             raise ValueError(
                 f"shape mismatch for shard {shard_id!r}: checkpoint {tuple(loaded.shape)}, "
@@ -126,6 +161,91 @@ class MergedLinear(nn.Module):
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Split a fused output [T, out_features] back into its shards, in order."""
         return y.split(list(self.shard_sizes.values()), dim=-1)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b with the input dim split over the tp ranks: each rank multiplies its slice of x
+    [T, in/tp] by its columns of W, the partial sums are all-reduced, and the bias is added once after.
+    Same parameter names and (at tp=1) shapes and numerics as nn.Linear."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__()
+        self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
+        if in_features % self.tp_size:
+            raise ValueError(f"in_features={in_features} is not divisible by tp_size={self.tp_size}")
+        self.in_features = in_features // self.tp_size  # this rank's share
+        self.out_features = out_features
+        self.weight = nn.Parameter(torch.empty(out_features, self.in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:
+        if self.tp_size > 1 and loaded.shape[1] == self.in_features * self.tp_size:
+            loaded = loaded.narrow(1, self.tp_rank * self.in_features, self.in_features)
+        default_weight_loader(param, loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.linear(x, self.weight, self.bias)  # [T, out]
+        y = tp_all_reduce(F.linear(x, self.weight))  # [T, out] partial sums -> full
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding with the vocab split over the tp ranks: rank r holds rows [r*Vp, (r+1)*Vp), Vp =
+    ceil(V / tp) (rows past V are zero padding). A token outside the rank's range looks up zero, and the
+    all-reduce sums the one real row. The same weight serves a tied LM head (`ParallelLMHead` layout)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
+        self.num_embeddings = num_embeddings
+        self.rows_per_rank = -(-num_embeddings // self.tp_size)
+        self.vocab_start = self.tp_rank * self.rows_per_rank
+        self.weight = nn.Parameter(torch.empty(self.rows_per_rank, embedding_dim))
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:
+        if self.tp_size == 1:
+            default_weight_loader(param, loaded)
+            return
+        if loaded.shape[0] != self.num_embeddings or loaded.shape[1:] != param.shape[1:]:
+            raise ValueError(
+                f"shape mismatch: checkpoint {tuple(loaded.shape)}, model expects "
+                f"({self.num_embeddings}, {param.shape[1]})"
+            )
+        rows = max(0, min(self.rows_per_rank, self.num_embeddings - self.vocab_start))
+        param.data.zero_()
+        param.data[:rows].copy_(loaded.narrow(0, self.vocab_start, rows))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)  # [T, H]
+        local = input_ids - self.vocab_start  # [T]
+        outside = (local < 0) | (local >= self.rows_per_rank)  # [T]
+        hidden = F.embedding(local.masked_fill(outside, 0), self.weight)  # [T, H]
+        hidden = hidden.masked_fill(outside.unsqueeze(-1), 0)
+        return tp_all_reduce(hidden)  # [T, H]
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """The LM head's weight [V, H], vocab-split like `VocabParallelEmbedding`; see `parallel_logits`."""
+
+
+def parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """hidden [N, H] @ this rank's vocab rows [Vp, H]^T, all-gathered -> [N, V] float32 on every rank."""
+    logits = F.linear(hidden, weight).float()  # [N, Vp]
+    if get_tp_size() == 1:
+        return logits  # [N, V]
+    return tp_all_gather(logits, dim=-1)[:, :vocab_size]  # [N, V]
+
+
+def tp_shard_range(total: int, tp_size: int, tp_rank: int, what: str) -> tuple[int, int]:
+    """(start, size) of this rank's equal share of `total` items; raise when tp_size does not divide it."""
+    if total % tp_size:
+        raise ValueError(f"{what}={total} is not divisible by tp_size={tp_size}")
+    size = total // tp_size
+    return tp_rank * size, size
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:

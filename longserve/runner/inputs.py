@@ -1,4 +1,8 @@
-"""Turn a SchedulerOutput into the flat tensors one forward pass needs."""
+"""Turn a SchedulerOutput into the flat tensors one forward pass needs.
+
+Two stages: `build_step` reads the Request objects (rank 0 only) into a small picklable `StepInputs` of
+plain lists, which tensor-parallel workers receive; `to_model_inputs` makes the tensors on any rank.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,18 @@ from longserve.outputs import SchedulerOutput
 
 
 @dataclass
+class StepInputs:
+    """One step's plain data, identical on every tp rank (page ids are global: one allocator, on rank 0)."""
+
+    input_ids: list[int]  # [T]
+    positions: list[int]  # [T]
+    prefix_lens: list[int]  # [B]
+    query_lens: list[int]  # [B]
+    page_tables: list[list[int]]  # [B][pages]
+    logits_indices: list[int]  # [N] rows that sample (last token of each sampling request)
+
+
+@dataclass
 class ModelInputs:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
@@ -19,33 +35,35 @@ class ModelInputs:
     num_tokens: int
 
 
-def prepare_inputs(out: SchedulerOutput, page_size: int, device: torch.device) -> ModelInputs:
-    input_ids: list[int] = []
-    positions: list[int] = []
-    prefix_lens: list[int] = []
-    query_lens: list[int] = []
-    page_tables: list[list[int]] = []
-    logits_indices: list[int] = []
+def build_step(out: SchedulerOutput) -> StepInputs:
+    step = StepInputs([], [], [], [], [], [])
     for s in out.scheduled:
         req = s.request
         start = req.num_computed_tokens
         end = start + s.num_new_tokens
-        num_prompt = req.num_prompt_tokens
-        if end <= num_prompt:
-            input_ids.extend(req.prompt_token_ids[start:end])
+        if end <= req.num_prompt_tokens:
+            step.input_ids.extend(req.prompt_token_ids[start:end])
         else:
-            input_ids.extend(req.token_at(p) for p in range(start, end))
-        positions.extend(range(start, end))
-        prefix_lens.append(start)
-        query_lens.append(s.num_new_tokens)
-        page_tables.append(req.page_ids)
+            step.input_ids.extend(req.token_at(p) for p in range(start, end))
+        step.positions.extend(range(start, end))
+        step.prefix_lens.append(start)
+        step.query_lens.append(s.num_new_tokens)
+        step.page_tables.append(list(req.page_ids))
         if s.samples:
-            logits_indices.append(len(input_ids) - 1)
-    meta = build_metadata(prefix_lens, query_lens, page_tables, page_size, device)
+            step.logits_indices.append(len(step.input_ids) - 1)
+    return step
+
+
+def to_model_inputs(step: StepInputs, page_size: int, device: torch.device) -> ModelInputs:
+    meta = build_metadata(step.prefix_lens, step.query_lens, step.page_tables, page_size, device)
     return ModelInputs(
-        input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
-        positions=torch.tensor(positions, dtype=torch.long, device=device),
+        input_ids=torch.tensor(step.input_ids, dtype=torch.long, device=device),
+        positions=torch.tensor(step.positions, dtype=torch.long, device=device),
         meta=meta,
-        logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=device),
-        num_tokens=len(input_ids),
+        logits_indices=torch.tensor(step.logits_indices, dtype=torch.long, device=device),
+        num_tokens=len(step.input_ids),
     )
+
+
+def prepare_inputs(out: SchedulerOutput, page_size: int, device: torch.device) -> ModelInputs:
+    return to_model_inputs(build_step(out), page_size, device)

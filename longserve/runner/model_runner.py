@@ -1,19 +1,28 @@
-"""ModelRunner: owns the model weights, the KV pool tensors and the attention backend; runs one step."""
+"""ModelRunner: owns the model weights, the KV pool tensors and the attention backend; runs one step.
+
+Under tensor parallelism (config.tp_size > 1) there is one ModelRunner per rank, each with its shard of
+the weights and of the KV heads. Rank 0's (built by the engine) first spawns the workers (runner/worker.py);
+its `execute` broadcasts the step's plain inputs, every rank runs `forward_step`, rank 0 samples.
+"""
 
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
+import torch.distributed as dist
 
 from longserve.attention import ForwardContext, KVCache, get_attention_backend
 from longserve.config import EngineConfig
+from longserve.distributed import broadcast_object, get_tp_group
 from longserve.models import load_model, resolve_dtype
+from longserve.models.decoder import validate_tp_size
 from longserve.outputs import RunnerOutput, SchedulerOutput
 from longserve.platform import available_memory_bytes, resolve_device
 from longserve.request import Request
 from longserve.runner.cuda_graph import DecodeGraphRunner
-from longserve.runner.inputs import prepare_inputs
+from longserve.runner.inputs import StepInputs, build_step, to_model_inputs
 from longserve.runner.sampler import Sampler, SamplingInfo
 
 logger = logging.getLogger("longserve.runner")
@@ -51,7 +60,24 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, hf_config) -> None:
         self.config = config
         self.hf_config = hf_config
+        self.workers = None  # rank 0 of a tp run: its worker processes (runner/worker.py TPWorkers)
+        if config.tp_size > 1 and get_tp_group() is None:  # the engine's rank: start the other ranks
+            validate_tp_size(hf_config, config.tp_size)
+            from longserve.runner.worker import TPWorkers
+
+            self.workers = TPWorkers.start(config)
+            self._finalizer = weakref.finalize(self, self.workers.shutdown)
+        try:
+            self._init(config, hf_config)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _init(self, config: EngineConfig, hf_config) -> None:
+        self.tp = get_tp_group()
         self.device = resolve_device(config.device)
+        if self.tp is not None and self.device.type == "cuda":
+            self.device = torch.device("cuda", self.tp.local_rank)
         self.dtype = resolve_dtype(config.dtype, hf_config)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -141,22 +167,29 @@ class ModelRunner:
             )
             useful = -(-self.config.max_running_requests * context // self.page_size)
             num_pages = min(num_pages, int(4 * 2**30 // per_page), useful)
+        if self.tp is not None:  # page ids are global: every rank's pool has the smallest rank's size
+            t = torch.tensor([num_pages], dtype=torch.long)
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.tp.cpu_group)
+            num_pages = int(t.item())
         return num_pages
 
     # ---- one step -------------------------------------------------------------------------------
     def execute(self, out: SchedulerOutput, eos_token_ids: frozenset[int]) -> RunnerOutput:
-        inputs = prepare_inputs(out, self.page_size, self.device)
-        ctx = ForwardContext(meta=inputs.meta, kv_cache=self.kv_cache, backend=self.backend)
+        """Rank 0: run the scheduled step (on every rank under tp) and sample."""
+        step = build_step(out)
+        if self.workers is None:
+            logits = self.forward_step(step)  # [N, V] fp32 or None
+        else:
+            self.workers.check()
+            try:
+                broadcast_object(step)
+                logits = self.forward_step(step)
+            except RuntimeError as e:  # a peer died mid-collective: gloo/NCCL report a closed connection
+                logger.error("tensor-parallel step failed (a rank died?): %s", e)
+                raise RuntimeError(f"tensor-parallel step failed; a rank may have died: {e}") from e
+        if logits is None:
+            return RunnerOutput(sampled_token_ids=[])
         with torch.inference_mode():
-            if self.graph_runner is not None and self.graph_runner.can_run(inputs.meta):
-                hidden = self.graph_runner.run(inputs.input_ids, inputs.positions, inputs.meta)  # [B, H]
-            else:
-                hidden = self.model(inputs.input_ids, inputs.positions, ctx)  # [T, H]
-            self.num_tokens_computed += inputs.num_tokens
-            self.num_forward_passes += 1
-            if inputs.logits_indices.numel() == 0:
-                return RunnerOutput(sampled_token_ids=[])
-            logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [N, V] fp32
             infos = [self._sampling_info(s.request, eos_token_ids) for s in out.scheduled if s.samples]
             result = self.sampler(logits, infos)
         tokens = result.token_ids.tolist()
@@ -167,6 +200,28 @@ class ModelRunner:
             ids = result.top_token_ids.tolist()
             top = [list(zip(i, v)) for i, v in zip(ids, values)]
         return RunnerOutput(sampled_token_ids=tokens, logprobs=logprobs, top_logprobs=top)
+
+    def forward_step(self, step: StepInputs) -> torch.Tensor | None:
+        """Every rank: the forward pass of one step; the sampling rows' logits [N, V] fp32 (None if N=0)."""
+        inputs = to_model_inputs(step, self.page_size, self.device)
+        ctx = ForwardContext(meta=inputs.meta, kv_cache=self.kv_cache, backend=self.backend)
+        with torch.inference_mode():
+            if self.graph_runner is not None and self.graph_runner.can_run(inputs.meta):
+                hidden = self.graph_runner.run(inputs.input_ids, inputs.positions, inputs.meta)  # [B, H]
+            else:
+                hidden = self.model(inputs.input_ids, inputs.positions, ctx)  # [T, H]
+            self.num_tokens_computed += inputs.num_tokens
+            self.num_forward_passes += 1
+            if inputs.logits_indices.numel() == 0:
+                return None
+            return self.model.compute_logits(hidden[inputs.logits_indices])  # [N, V] fp32
+
+    def shutdown(self) -> None:
+        """Stop the tp workers (rank 0) and leave the process group; a no-op at tp=1. Idempotent."""
+        if self.workers is not None:
+            workers, self.workers = self.workers, None
+            self._finalizer.detach()
+            workers.shutdown()
 
     def _sampling_info(self, req: Request, eos_token_ids: frozenset[int]) -> SamplingInfo:
         params = req.sampling_params
@@ -191,5 +246,5 @@ class ModelRunner:
             f"KV pool: {tokens:,} tokens ({self.num_pages:,} pages of {self.page_size}), "
             f"longest context {self.context_length:,}, {tokens / self.context_length:.1f} requests at full context, "
             f"{tokens * self.kv_bytes_per_token() / 2**30:.2f} GiB; weights {self.weight_bytes() / 2**30:.2f} GiB "
-            f"({self.dtype}, {self.device})"
+            f"({self.dtype}, {self.device})" + (f"; per rank of tp={self.tp.world_size}" if self.tp else "")
         )

@@ -84,8 +84,14 @@ OPTIONS: tuple[Option, ...] = (
     Option(("--load-format",), E + "load_format", "dummy: random weights", choices=LOAD_FORMATS),
     Option(("--seed", "--random-seed"), E + "seed", "seed of dummy weights and unseeded sampling", int),
     Option(
-        ("--tp-size", "--tensor-parallel-size", "--tp"), E + "tp_size", "tensor parallel size (1 only)", int
+        ("--tp-size", "--tensor-parallel-size", "--tp"),
+        E + "tp_size",
+        "tensor-parallel ranks, one process each (must divide the attention heads)",
+        int,
     ),
+    Option(("--nnodes",), E + "nnodes", "nodes the tensor-parallel ranks span", int),
+    Option(("--node-rank",), E + "node_rank", "this node's index (node 0 serves HTTP)", int),
+    Option(("--dist-init-addr",), E + "dist_init_addr", "HOST:PORT of node 0's rendezvous (multi-node)"),
     Option(
         ("--mem-fraction-static", "--gpu-memory-utilization"),
         E + "mem_fraction_static",
@@ -294,12 +300,8 @@ def resolve(
         logger.info(
             "no model given (--model-path DIR): serving the small built-in demo model %s", engine_kw["model"]
         )
-    tp = engine_kw.get("tp_size", 1)
-    if tp != 1:
-        raise ValueError(
-            f"--tp-size/--tensor-parallel-size {tp}: tensor parallelism is not implemented yet; "
-            "serve on one device (--tp-size 1)"
-        )
+    if engine_kw.get("tp_size", 1) != 1:
+        _check_tp_size(engine_kw["model"], engine_kw["tp_size"])
     if "attention_backend" in engine_kw:
         engine_kw["attention_backend"] = map_attention_backend(
             engine_kw["attention_backend"], engine_kw.get("device", "auto")
@@ -307,6 +309,16 @@ def resolve(
     if "served_model_name" in server_kw:
         server_kw["served_model_name"] = tuple(server_kw["served_model_name"])
     return EngineConfig(**engine_kw), ServerConfig(**server_kw)
+
+
+def _check_tp_size(model: str, tp_size: int) -> None:
+    """Refuse a tp size the model's heads cannot split before anything starts (needs config.json)."""
+    if not isinstance(tp_size, int) or tp_size < 1 or not os.path.isfile(os.path.join(model, "config.json")):
+        return  # EngineConfig reports these
+    from longserve.models import load_hf_config
+    from longserve.models.decoder import validate_tp_size
+
+    validate_tp_size(load_hf_config(model), tp_size)
 
 
 def parse(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None):

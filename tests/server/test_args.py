@@ -1,5 +1,5 @@
 """The flag resolver: SGLang and vLLM spellings onto one config, precedence flag > env > file > default,
-attention backend names of other engines, clear refusals (tp > 1, unknown keys, bad values), --help."""
+attention backend names of other engines, clear refusals (a tp size the heads cannot split, unknown keys, bad values), --help."""
 
 from __future__ import annotations
 
@@ -77,8 +77,15 @@ def test_precedence_flag_env_file_default(m, tmp_path):
 
 
 def test_refusals(m, tmp_path):
-    with pytest.raises(ValueError, match="tensor parallelism is not implemented"):
-        parse(["--model-path", m, "--tp-size", "4"], environ={})
+    with pytest.raises(ValueError, match="tp_size=3 does not divide the model's 4 attention heads"):
+        parse(["--model-path", m, "--tp-size", "3"], environ={})
+    eng, _ = parse(
+        ["--model-path", m, "--tp", "2", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "h:5000"],
+        environ={},
+    )
+    assert (eng.tp_size, eng.nnodes, eng.node_rank, eng.dist_init_addr) == (2, 2, 1, "h:5000")
+    with pytest.raises(ValueError, match="needs dist_init_addr"):
+        parse(["--model-path", m, "--tp-size", "2", "--nnodes", "2"], environ={})
     from longserve.assets import default_model_path
 
     assert parse([], environ={})[0].model == default_model_path()  # no model: the embedded default
@@ -113,9 +120,9 @@ def test_cli_serve_help_and_tp_refusal(m):
     )
     assert out.returncode == 0 and "--tensor-parallel-size" in out.stdout and "--max-model-len" in out.stdout
     out = subprocess.run(
-        [sys.executable, "-m", "longserve", "serve", "--model-path", m, "--tp-size", "4"],
+        [sys.executable, "-m", "longserve", "serve", "--model-path", m, "--tp-size", "3"],
         cwd=REPO,
         capture_output=True,
         text=True,
     )
-    assert out.returncode == 2 and "tensor parallelism" in out.stderr
+    assert out.returncode == 2 and "tp_size=3 does not divide" in out.stderr

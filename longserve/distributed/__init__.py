@@ -1,0 +1,27 @@
+"""Tensor-parallel process group setup and collectives; every collective is the identity at tp=1."""
+
+from __future__ import annotations
+
+from longserve.distributed.parallel_state import (
+    TPGroup,
+    broadcast_object,
+    destroy_tp_group,
+    get_tp_group,
+    get_tp_rank,
+    get_tp_size,
+    init_tp_group,
+    tp_all_gather,
+    tp_all_reduce,
+)
+
+__all__ = [
+    "TPGroup",
+    "broadcast_object",
+    "destroy_tp_group",
+    "get_tp_group",
+    "get_tp_rank",
+    "get_tp_size",
+    "init_tp_group",
+    "tp_all_gather",
+    "tp_all_reduce",
+]

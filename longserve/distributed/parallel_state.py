@@ -1,0 +1,115 @@
+"""The tensor-parallel group (one of the two globals DESIGN.md allows) and its collectives.
+
+A process joins with `init_tp_group`; until then (and at tp=1) `get_tp_size()` is 1 and every collective
+returns its input untouched, so the single-device path runs no torch.distributed code at all.
+Two groups: `device_group` (NCCL on CUDA, gloo on CPU) for activations, and `cpu_group` (gloo, a very long
+timeout, since workers wait in it while the server is idle) for the per-step Python objects.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger("longserve.distributed")
+
+# a rank blocked this long in a model collective means a peer is gone: fail instead of hanging
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)
+IDLE_TIMEOUT = datetime.timedelta(days=365)  # workers wait for the next step in the cpu group
+
+
+@dataclass
+class TPGroup:
+    rank: int
+    world_size: int
+    local_rank: int
+    device_group: Any  # dist.ProcessGroup
+    cpu_group: Any  # dist.ProcessGroup (gloo)
+
+
+_TP: TPGroup | None = None
+
+
+def init_tp_group(
+    init_method: str,
+    rank: int,
+    world_size: int,
+    local_rank: int,
+    backend: str,
+    timeout: datetime.timedelta = COLLECTIVE_TIMEOUT,
+) -> TPGroup:
+    """Join the world (`init_method` e.g. tcp://127.0.0.1:PORT) and make the tp group global."""
+    global _TP
+    if _TP is not None or dist.is_initialized():
+        raise RuntimeError(
+            "a tensor-parallel process group already exists in this process: close the previous engine "
+            "(LLM.close() / Engine.close()) before starting another with tp_size > 1"
+        )
+    dist.init_process_group(
+        backend=backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout
+    )
+    cpu_group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+    _TP = TPGroup(rank, world_size, local_rank, dist.group.WORLD, cpu_group)
+    return _TP
+
+
+def destroy_tp_group() -> None:
+    global _TP
+    _TP = None
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def get_tp_group() -> TPGroup | None:
+    return _TP
+
+
+def get_tp_size() -> int:
+    return 1 if _TP is None else _TP.world_size
+
+
+def get_tp_rank() -> int:
+    return 0 if _TP is None else _TP.rank
+
+
+def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum `x` over the tp ranks in place (identity at tp=1)."""
+    if _TP is None or _TP.world_size == 1:
+        return x
+    dist.all_reduce(x, group=_TP.device_group)
+    return x
+
+
+def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Concatenate every rank's `x` along `dim`, in rank order (identity at tp=1)."""
+    if _TP is None or _TP.world_size == 1:
+        return x
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(_TP.world_size)]
+    dist.all_gather(parts, x, group=_TP.device_group)
+    return torch.cat(parts, dim=dim)
+
+
+def broadcast_object(obj: Any = None, src: int = 0) -> Any:
+    """Send a picklable object from rank `src` to every rank over the gloo cpu group; returns it."""
+    assert _TP is not None
+    group = _TP.cpu_group
+    if _TP.rank == src:
+        payload = torch.frombuffer(
+            bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8
+        )
+        size = torch.tensor([payload.numel()], dtype=torch.long)
+        dist.broadcast(size, src=src, group=group)
+        dist.broadcast(payload, src=src, group=group)
+        return obj
+    size = torch.empty(1, dtype=torch.long)
+    dist.broadcast(size, src=src, group=group)
+    payload = torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.broadcast(payload, src=src, group=group)
+    return pickle.loads(payload.numpy().tobytes())

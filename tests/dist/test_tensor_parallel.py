@@ -1,0 +1,110 @@
+"""Tensor parallelism on the CPU (gloo): TP=2 (and TP=4, kv heads replicated) greedy tokens equal TP=1 for
+every architecture through the public LLM API, with a chunked prompt and a prefix-cache hit; clear
+refusals of tp sizes the heads cannot split; a dead worker fails the engine instead of hanging."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from longserve import LLM, SamplingParams
+from longserve.distributed import get_tp_group
+from longserve.models.decoder import head_layout
+from tests.checkpoints import ARCHS, make_tiny_checkpoint
+
+GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def prompts(shared: int = 40) -> list[list[int]]:
+    """Three prompts with a common head (page-aligned prefix hits), the longest spanning several chunks."""
+    g = torch.Generator().manual_seed(0)
+    head = torch.randint(10, 500, (shared,), generator=g).tolist()
+    return [head + torch.randint(10, 500, (n,), generator=g).tolist() for n in (5, 18, 31)]
+
+
+def run(path: str, **kw) -> tuple[list[list[int]], list[int], int]:
+    """(tokens of the batch, tokens of a follow-up that hits the prefix cache, tokens it computed)."""
+    ps = prompts()
+    with LLM(
+        path,
+        dtype="float32",
+        device="cpu",
+        max_total_tokens=2048,
+        page_size=16,
+        chunked_prefill_size=16,
+        **kw,
+    ) as m:
+        batch = [o.token_ids for o in m.generate(ps[:2], GREEDY)]
+        before = m.engine.runner.num_tokens_computed
+        hit = m.generate(ps[2], GREEDY)[0].token_ids
+        computed = m.engine.runner.num_tokens_computed - before
+        m.engine.check_integrity()
+    assert get_tp_group() is None and not dist.is_initialized()  # closed: the group is gone
+    return batch, hit, computed
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tp2_greedy_equals_tp1(tmp_path, arch):
+    path = make_tiny_checkpoint(tmp_path, arch, tie_word_embeddings=arch == "qwen2")
+    expected = run(path)
+    got = run(path, tensor_parallel_size=2)
+    assert got[:2] == expected[:2]
+    assert len(set(expected[1])) > 3, "degenerate output: the test would prove little"
+    num_prompt = len(prompts()[2])
+    assert got[2] == expected[2] < num_prompt + GREEDY.max_new_tokens  # the shared pages were not recomputed
+
+
+def test_tp4_replicates_kv_heads(tmp_path):
+    path = make_tiny_checkpoint(tmp_path, "llama")  # 4 heads, 2 kv heads: each kv head on two ranks
+    assert run(path, tp_size=4)[:2] == run(path)[:2]
+
+
+def test_head_layout():
+    assert [head_layout(4, 2, 4, r).kv_start for r in range(4)] == [0, 0, 1, 1]
+    assert [(h.q_start, h.num_q, h.kv_start, h.num_kv) for h in (head_layout(8, 4, 2, 1),)] == [(4, 4, 2, 2)]
+    with pytest.raises(ValueError, match="one must divide the other"):
+        head_layout(12, 4, 6, 0)
+
+
+@pytest.mark.parametrize("tp", [3, 8])
+def test_bad_tp_size_is_refused(tmp_path, tp):
+    path = make_tiny_checkpoint(tmp_path, "llama")
+    with pytest.raises(ValueError, match=f"tp_size={tp} does not divide the model's 4 attention heads"):
+        LLM(path, device="cpu", tp_size=tp)
+    assert get_tp_group() is None and not dist.is_initialized()
+    with pytest.raises(ValueError, match="tp_size must be an integer >= 1"):
+        LLM(path, device="cpu", tp_size=0)
+
+
+def test_dead_worker_fails_the_engine_and_close_stops_workers(tmp_path, caplog):
+    path = make_tiny_checkpoint(tmp_path, "llama")
+    m = LLM(path, dtype="float32", device="cpu", max_total_tokens=1024, tp_size=2)
+    workers = m.engine.runner.workers
+    assert m.generate([5, 6, 7], GREEDY)[0].token_ids  # healthy
+    (proc,) = workers.procs
+    with caplog.at_level(logging.ERROR, logger="longserve.runner.worker"):
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(10)
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"tensor-parallel rank 1 \(pid \d+\) exited with code -9"):
+            m.generate([5, 6, 7], GREEDY)
+        assert time.monotonic() - start < 5
+    assert "tensor-parallel rank 1" in caplog.text
+    m.close()
+    m.close()  # idempotent
+    assert get_tp_group() is None and not dist.is_initialized()
+
+
+def test_close_terminates_workers(tmp_path):
+    path = make_tiny_checkpoint(tmp_path, "qwen3")
+    m = LLM(path, dtype="float32", device="cpu", max_total_tokens=1024, tp_size=2)
+    procs = list(m.engine.runner.workers.procs)
+    assert all(p.is_alive() for p in procs)
+    m.close()
+    assert all(p.exitcode == 0 for p in procs)  # a clean exit on the shutdown message, not a kill
