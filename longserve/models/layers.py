@@ -5,7 +5,9 @@ Fused linears hold several HF projections stacked along the output dim (q|k|v, g
 `STACKED_PARAMS` says which HF tensor goes into which shard; under tensor parallelism each rank holds a
 row range of every shard (column parallel) and `MergedLinear.weight_loader` slices it from the full
 checkpoint tensor. `RowParallelLinear` splits the input dim and all-reduces; the vocab-parallel
-embedding/LM head split the vocab. At tp=1 every layer computes exactly what the plain torch op does.
+embedding/LM head split the vocab. Weight loaders take a torch.Tensor or a lazy checkpoint tensor
+(`LazyTensor`): they narrow it to the rank's part and read (`as_tensor`) only that part right before the
+copy, so a rank reads only what it needs. At tp=1 every layer computes exactly what the plain torch op does.
 The `*_ref` functions are the torch references of the Triton kernels in longserve/kernels (same
 signatures); layers run the kernel on CUDA tensors when triton imports (`use_triton`), else the reference.
 """
@@ -13,6 +15,7 @@ signatures); layers run the kernel on CUDA tensors when triton imports (`use_tri
 from __future__ import annotations
 
 import functools
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +31,25 @@ STACKED_PARAMS: tuple[tuple[str, str, str], ...] = (
     ("gate_up_proj", "gate_proj", "gate"),
     ("gate_up_proj", "up_proj", "up"),
 )
+
+
+class LazyTensor(Protocol):
+    """A checkpoint tensor not read yet (loader.CheckpointSlice): `.shape` and `.narrow()` select a region
+    without reading; `materialize()` reads only that region. Weight loaders accept it or a torch.Tensor."""
+
+    shape: torch.Size
+
+    def narrow(self, dim: int, start: int, length: int) -> LazyTensor: ...
+
+    def materialize(self) -> torch.Tensor: ...
+
+
+TensorLike = torch.Tensor | LazyTensor
+
+
+def as_tensor(x: TensorLike) -> torch.Tensor:
+    """`x` itself when it is a torch.Tensor, else its (narrowed) region read from the checkpoint."""
+    return x if isinstance(x, torch.Tensor) else x.materialize()
 
 
 @functools.cache
@@ -126,14 +148,14 @@ class MergedLinear(nn.Module):
         for p in self.parameters():
             p.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
-    def _rank_rows(self, loaded: torch.Tensor, shard_id: str) -> torch.Tensor:
+    def _rank_rows(self, loaded: TensorLike, shard_id: str) -> TensorLike:
         """This rank's rows of a full shard tensor (the tensor itself when it is not split)."""
         full, size = self.full_shard_sizes[shard_id], self.shard_sizes[shard_id]
         if full == size or loaded.shape[0] != full:
             return loaded
         return loaded.narrow(0, self.shard_starts[shard_id], size)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: TensorLike, shard_id: str | None) -> None:
         if shard_id is None:
             if self.full_shard_sizes != self.shard_sizes and loaded.shape[0] == sum(
                 self.full_shard_sizes.values()
@@ -153,7 +175,7 @@ class MergedLinear(nn.Module):
                 f"shape mismatch for shard {shard_id!r}: checkpoint {tuple(loaded.shape)}, "
                 f"model expects {tuple(target.shape)}"
             )
-        target.copy_(loaded)
+        target.copy_(as_tensor(loaded))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)  # [T, out_features]
@@ -179,7 +201,7 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: TensorLike, shard_id: str | None = None) -> None:
         if self.tp_size > 1 and loaded.shape[1] == self.in_features * self.tp_size:
             loaded = loaded.narrow(1, self.tp_rank * self.in_features, self.in_features)
         default_weight_loader(param, loaded)
@@ -205,7 +227,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.rows_per_rank, embedding_dim))
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: TensorLike, shard_id: str | None = None) -> None:
         if self.tp_size == 1:
             default_weight_loader(param, loaded)
             return
@@ -216,7 +238,8 @@ class VocabParallelEmbedding(nn.Module):
             )
         rows = max(0, min(self.rows_per_rank, self.num_embeddings - self.vocab_start))
         param.data.zero_()
-        param.data[:rows].copy_(loaded.narrow(0, self.vocab_start, rows))
+        if rows:  # a last rank may hold only padding (start past the vocab: nothing to read)
+            param.data[:rows].copy_(as_tensor(loaded.narrow(0, self.vocab_start, rows)))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
@@ -263,7 +286,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return silu_and_mul_ref(x)  # [T, I]
 
 
-def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+def default_weight_loader(param: nn.Parameter, loaded: TensorLike) -> None:
     if param.shape != loaded.shape:
         raise ValueError(f"shape mismatch: checkpoint {tuple(loaded.shape)}, model {tuple(param.shape)}")
-    param.data.copy_(loaded)
+    param.data.copy_(as_tensor(loaded))

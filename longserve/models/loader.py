@@ -1,7 +1,9 @@
 """Checkpoint loading: HF config, dtype resolution, and building a model with safetensors or dummy weights.
 
 The model is constructed directly on the target device and dtype (no CPU staging copy), then filled tensor
-by tensor from the safetensors files, so peak memory is about one model plus one tensor.
+by tensor from the safetensors files, so peak memory is about one model plus one tensor. Checkpoint tensors
+are handed to the weight loaders lazily (`CheckpointSlice`): a tensor-parallel rank narrows each to its own
+rows/columns and reads only those bytes from the file.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import os
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -82,11 +85,14 @@ def load_model(
     device: torch.device,
     load_format: str = "auto",
     seed: int = 0,
+    stats: LoadStats | None = None,
 ) -> nn.Module:
     """Build the model for `hf_config.architectures` on `device` in `dtype` and fill its weights.
 
     load_format 'auto'/'safetensors' reads the checkpoint in `model_dir`; 'dummy' draws random weights
     (normal, std=initializer_range; norms = 1) from a generator seeded with `seed`, reading no files.
+    Under tensor parallelism each rank reads only its own slices of the checkpoint tensors; `stats`
+    (optional) receives how many bytes were read.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(
@@ -100,7 +106,7 @@ def load_model(
     if load_format == "dummy":
         init_dummy_weights(model, std=getattr(hf_config, "initializer_range", 0.02), seed=seed)
     else:
-        model.load_weights(iterate_safetensors(files, device))
+        model.load_weights(iterate_safetensors(files, device, stats))
     model.eval()
     model.requires_grad_(False)
     return model
@@ -129,35 +135,156 @@ def safetensors_files(model_dir: str) -> list[str]:
     return files
 
 
-def iterate_safetensors(files: list[str], device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) one at a time; tensors are opened on `device` when it is a GPU."""
+_ST_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    **{
+        name: getattr(torch, attr)
+        for name, attr in (("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"))
+        if hasattr(torch, attr)
+    },
+}
+
+
+@dataclass
+class LoadStats:
+    """What a load read: `bytes_read` counts only the regions materialized (a tp rank's slices), while
+    `bytes_total` is the size of every tensor in the checkpoint files."""
+
+    num_tensors: int = 0
+    num_files: int = 0
+    bytes_read: int = 0
+    bytes_total: int = 0
+    seconds: float = 0.0
+
+
+class CheckpointSlice:
+    """A checkpoint tensor not read yet: `.shape`/`.dtype` come from the file header, `.narrow()` returns
+    another lazy view (composable over dims, like torch's), and `materialize()` reads only the selected
+    region from the file onto `device`, adding its bytes to `stats.bytes_read`.
+
+    Valid only while its safetensors file is open, i.e. while `iterate_safetensors` has not moved on to
+    the next item: consume (materialize) it before advancing the iterator.
+    """
+
+    def __init__(
+        self,
+        safe_slice: Any,
+        device: torch.device,
+        stats: LoadStats,
+        region: tuple[tuple[int, int], ...] | None = None,
+    ) -> None:
+        self._slice = safe_slice
+        self._full_shape = tuple(int(n) for n in safe_slice.get_shape())
+        self._region = region if region is not None else tuple((0, n) for n in self._full_shape)
+        self.shape = torch.Size(length for _, length in self._region)
+        self.dtype: torch.dtype | None = _ST_DTYPES.get(safe_slice.get_dtype())
+        self.device = device
+        self.stats = stats
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def size(self, dim: int | None = None) -> torch.Size | int:
+        return self.shape if dim is None else self.shape[dim]
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def narrow(self, dim: int, start: int, length: int) -> CheckpointSlice:
+        """The lazy view of rows [start, start + length) along `dim` (of this view); nothing is read."""
+        ndim = len(self.shape)
+        if not -ndim <= dim < ndim:
+            raise IndexError(
+                f"narrow: dim {dim} out of range for a {ndim}-d tensor of shape {tuple(self.shape)}"
+            )
+        dim %= ndim
+        size = self.shape[dim]
+        if start < 0:
+            start += size
+        if start < 0 or length < 0 or start + length > size:
+            raise IndexError(f"narrow: start ({start}) + length ({length}) exceeds dimension size ({size})")
+        region = list(self._region)
+        base = region[dim][0]
+        region[dim] = (base + start, length)
+        return CheckpointSlice(self._slice, self.device, self.stats, tuple(region))
+
+    def materialize(self) -> torch.Tensor:
+        """Read the selected region (and only it) from the file, as a tensor on `self.device`."""
+        if not self._region:
+            tensor = self._slice[...]  # a 0-d tensor
+        else:
+            tensor = self._slice[tuple(slice(start, start + length) for start, length in self._region)]
+        if tensor.shape != self.shape:  # never expected: a guard against a slicing misread
+            raise RuntimeError(
+                f"read {tuple(tensor.shape)} from the checkpoint, expected {tuple(self.shape)}"
+            )
+        self.stats.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor.to(self.device)
+
+    to_tensor = materialize
+
+    def __repr__(self) -> str:
+        return (
+            f"CheckpointSlice(shape={tuple(self.shape)}, dtype={self.dtype}, "
+            f"region={self._region}, full_shape={self._full_shape})"
+        )
+
+
+def iterate_safetensors(
+    files: list[str], device: torch.device, stats: LoadStats | None = None
+) -> Iterator[tuple[str, CheckpointSlice]]:
+    """Yield (name, lazy tensor) one at a time; the consumer narrows each to what it needs and materializes
+    only that (a tp rank reads its slices, not whole tensors). `stats` (optional) receives the byte counts."""
     from safetensors import safe_open
     from tqdm.auto import tqdm
 
-    open_device = str(device) if device.type == "cuda" else "cpu"
-    total = 0
+    stats = stats if stats is not None else LoadStats()
     for path in files:
         with safe_open(path, framework="pt", device="cpu") as f:
-            total += len(list(f.keys()))
-    start, num_bytes = time.perf_counter(), 0
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                sl = f.get_slice(name)
+                dtype = _ST_DTYPES.get(sl.get_dtype())
+                itemsize = dtype.itemsize if dtype is not None else 0
+                stats.bytes_total += torch.Size(sl.get_shape()).numel() * itemsize
+                stats.num_tensors += 1
+    stats.num_files = len(files)
+    start = time.perf_counter()
     with tqdm(
-        total=total, desc="Loading weights", unit="tensor", file=sys.stderr, disable=not sys.stderr.isatty()
+        total=stats.num_tensors,
+        desc="Loading weights",
+        unit="tensor",
+        file=sys.stderr,
+        disable=not sys.stderr.isatty(),
     ) as bar:
         for i, path in enumerate(files):
             if bar.disable:  # no terminal (a log file): one line per shard instead of the bar
                 logger.info("Loading weights: shard %d/%d %s", i + 1, len(files), os.path.basename(path))
-            with safe_open(path, framework="pt", device=open_device) as f:
+            # read on the CPU (only the selected bytes), then moved to `device` by materialize()
+            with safe_open(path, framework="pt", device="cpu") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    tensor = f.get_tensor(name)
-                    num_bytes += tensor.numel() * tensor.element_size()
-                    yield name, tensor
+                    yield name, CheckpointSlice(f.get_slice(name), device, stats)
                     bar.update(1)
+    stats.seconds = time.perf_counter() - start
     logger.info(
-        "Loaded %d tensors (%.2f GB) from %d file(s) in %.2f s",
-        total,
-        num_bytes / 1e9,
+        "Loaded %d tensors (%.2f GB read of %.2f GB) from %d file(s) in %.2f s",
+        stats.num_tensors,
+        stats.bytes_read / 1e9,
+        stats.bytes_total / 1e9,
         len(files),
-        time.perf_counter() - start,
+        stats.seconds,
     )
 
 
