@@ -137,6 +137,21 @@ def add_latency_args(p: argparse.ArgumentParser) -> None:
         help="KV pool size in tokens (default: what the cases need, x1.1, within memory)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts")
+    p.add_argument(
+        "--tp-size",
+        "--tensor-parallel-size",
+        dest="tp_size",
+        type=_int_at_least(1),
+        default=1,
+        help="tensor-parallel ranks (one GPU each)",
+    )
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="one extra run of each cold / prefix-hit case under torch.profiler: time per category "
+        "(GEMM, attention, collectives, ...) in the JSON and the log",
+    )
 
 
 # ---- planning -----------------------------------------------------------------------------------
@@ -160,15 +175,17 @@ def _dtype_bytes(args: argparse.Namespace, cfg: dict[str, Any]) -> int:
     return 4 if "32" in name or name == "float" else 2
 
 
-def _estimate_bytes(cfg: dict[str, Any], itemsize: int) -> tuple[int, int]:
-    """(weight bytes, KV bytes per token) of a decoder from its config.json, for pool sizing."""
+def _estimate_bytes(cfg: dict[str, Any], itemsize: int, tp: int = 1) -> tuple[int, int]:
+    """(weight bytes, KV bytes per token) per device of a decoder from its config.json, for pool sizing;
+    under tensor parallelism a rank holds 1/tp of the weights and of the kv heads (at least one)."""
     h, n_layers = cfg["hidden_size"], cfg["num_hidden_layers"]
     n_q = cfg["num_attention_heads"]
     n_kv = cfg.get("num_key_value_heads") or n_q
     hd = cfg.get("head_dim") or h // n_q
     per_layer = h * hd * (2 * n_q + 2 * n_kv) + 3 * h * cfg["intermediate_size"]
     embed = cfg["vocab_size"] * h * (1 if cfg.get("tie_word_embeddings") else 2)
-    return (embed + n_layers * per_layer) * itemsize, n_layers * n_kv * hd * 2 * itemsize
+    kv_heads = max(1, n_kv // tp)
+    return (embed + n_layers * per_layer) * itemsize // tp, n_layers * kv_heads * hd * 2 * itemsize
 
 
 def _round_up(n: int, k: int) -> int:
@@ -197,7 +214,7 @@ def _plan(args: argparse.Namespace, cfg: dict[str, Any]) -> tuple[int, int, dict
     else:
         from longserve.platform import available_memory_bytes, resolve_device
 
-        weights, kv_per_token = _estimate_bytes(cfg, _dtype_bytes(args, cfg))
+        weights, kv_per_token = _estimate_bytes(cfg, _dtype_bytes(args, cfg), args.tp_size)
         total, free = available_memory_bytes(resolve_device(args.device))
         budget = total * args.mem_fraction_static - (total - free) - weights
         limit = max(int(budget // kv_per_token) // ps * ps, ps)
@@ -381,12 +398,39 @@ class _EngineBench:
             num_mixed_steps=mixed,
         )
 
-    def run_case(self, record: dict[str, Any], fn: Callable[[], dict[str, Any]]) -> None:
+    def run_case(
+        self,
+        record: dict[str, Any],
+        fn: Callable[[], dict[str, Any]],
+        profiled: Callable[[], Callable[[], Any]] | None = None,
+    ) -> None:
+        """Run `fn`'s warm-up and timed runs; with --profile, `profiled()` sets up one more run (untimed)
+        and returns the call to profile."""
         _log(f"{record['name']}: running ({self.args.warmup} warm-up + {self.args.repeat} timed)")
         self.timer.reset_peak()
         record.update(fn())
         record["peak_mem_gib"] = self.timer.peak_gib()
         self.engine.check_integrity()
+        if self.args.profile and profiled is not None:
+            from longserve.bench.profile import format_profile, profile_call
+
+            _, record["profile"] = profile_call(profiled(), self.timer.device.type)
+            _log(format_profile(record["name"], record["profile"]))
+            self.engine.check_integrity()
+
+    def profiled_cold(self, n: int) -> Callable[[], Any]:
+        """One more cold run of n tokens (the prompt drawn before the profiler starts)."""
+        self.engine.flush_cache()
+        prompt = self.prompt(n)
+        return lambda: self.generate(prompt)
+
+    def profiled_hit(self, cached: int, new: int) -> Callable[[], Any]:
+        """A cold prefix + A run outside the profiler; the profiled call is the prefix + B hit."""
+        self.engine.flush_cache()
+        prefix, tail_a, tail_b = self.prompt(cached), self.prompt(new), self.prompt(new)
+        tail_b[0] = (tail_a[0] + 1) % self.vocab
+        self.generate(prefix + tail_a)
+        return lambda: self.generate(prefix + tail_b)
 
 
 def _record(
@@ -427,18 +471,33 @@ def _run_engine(
         context_length=context_length,
         attention_backend=args.attention_backend,
         max_running_requests=max([256, *args.decode_batch_sizes]),
+        tp_size=args.tp_size,
+        enforce_eager=args.enforce_eager,
     )
+    try:
+        return _bench_engine(llm, args, skipped)
+    finally:
+        llm.close()  # stops tensor-parallel workers: their GPUs are free for what runs next
+
+
+def _bench_engine(
+    llm: Any, args: argparse.Namespace, skipped: dict[int, str]
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     bench = _EngineBench(llm, args)
     records = []
     for n in args.prompt_lens:
         rec = _record("cold", f"cold-{n}", n, 1, args)
         rec.update(hf_wall_s=None, hf_wall_s_runs=None, hf_ratio=None, hf_peak_mem_gib=None)
-        bench.run_case(rec, lambda n=n: bench.cold(n))
+        bench.run_case(rec, lambda n=n: bench.cold(n), lambda n=n: bench.profiled_cold(n))
         records.append(rec)
     for cached, new in args.prefix_hit:
         rec = _record("prefix_hit", f"prefix-{cached}:{new}", cached + new, 1, args)
         rec.update(cached_len=cached, new_len=new)
-        bench.run_case(rec, lambda c=cached, m=new: bench.prefix_hit(c, m))
+        bench.run_case(
+            rec,
+            lambda c=cached, m=new: bench.prefix_hit(c, m),
+            lambda c=cached, m=new: bench.profiled_hit(c, m),
+        )
         records.append(rec)
     c = args.decode_context_len
     for b in args.decode_batch_sizes:
@@ -457,6 +516,8 @@ def _run_engine(
         attention_backend=type(runner.backend).__name__,
         pool_tokens=runner.num_pages * runner.page_size,
         context_length=llm.engine.context_length,
+        tp_size=args.tp_size,
+        cuda_graphs=runner.graph_runner is not None,
     )
     return records, meta
 

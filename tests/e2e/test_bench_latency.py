@@ -99,3 +99,33 @@ def test_decode_case_too_big_for_the_pool_is_skipped():
         and "the pool holds 512" in sixteen["skipped"]
     )
     assert sixteen.get("itl_ms_median") is None
+
+
+def test_profile_under_tensor_parallelism():
+    """--profile --tp-size 2 (gloo): the time is split into categories that exist in the step (GEMM and the
+    collectives of tensor parallelism among them) and never exceeds the wall time; the workers stop."""
+    import torch.distributed as dist
+
+    records = run_latency(
+        [*FLAGS, "--prompt-lens", "128", "--prefix-hit", "96:8", "--profile", "--tp-size", "2"]
+    )
+    for rec in records:
+        prof = rec["profile"]
+        cats = prof["by_category_ms"]
+        assert cats["gemm"] > 0 and cats["collectives"] > 0, cats
+        assert sum(cats.values()) == pytest.approx(prof["busy_ms"]) and prof["busy_ms"] <= prof["wall_ms"]
+        assert {o["name"] for o in prof["top_ops"]} & {"aten::mm", "aten::addmm"}
+        assert rec["metadata"]["tp_size"] == 2
+    assert not dist.is_initialized()
+
+
+def test_categorize_kernel_names():
+    from longserve.bench.profile import categorize
+
+    assert categorize("ncclDevKernel_AllReduce_Sum_bf16_RING_LL") == "collectives"
+    assert categorize("nvjet_hsh_256x128_64x4_2x1_v_bz_coopA_TNT") == "gemm"
+    assert categorize("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64") == "gemm"
+    assert categorize("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16") == "attention"
+    assert categorize("_extend_kernel") == "attention"
+    assert categorize("_rms_norm_kernel") == "norm/rope/act"
+    assert categorize("void at::native::elementwise_kernel<128, 2>") == "other"

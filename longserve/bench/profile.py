@@ -1,0 +1,105 @@
+"""Where a step's time goes: run a function under torch.profiler and sum device (or, on CPU, leaf-op) time
+per category — GEMM, attention, collectives (all-reduce, all-gather), norm/RoPE/activation, KV store, other — against the wall time.
+`bench latency --profile` records this per case; the collectives share is the tensor-parallel cost.
+
+The categories are matched on kernel names (CUDA: cuBLAS `nvjet`/`sm90_xmma`/`cutlass`, cuDNN attention,
+our Triton kernels, NCCL) or aten op names (CPU); anything unmatched is "other", never dropped.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+# first match wins: order matters ("nccl" before anything a collective kernel name might also contain)
+CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("collectives", ("nccl", "all_reduce", "allreduce", "all_gather", "allgather", "c10d")),
+    (
+        "attention",
+        ("cudnn", "flash", "fmha", "attn", "attention", "sdpa", "_extend", "_decode_split", "_merge_splits"),
+    ),
+    (
+        "gemm",
+        ("gemm", "nvjet", "xmma", "cutlass", "cublas", "aten::mm", "aten::addmm", "aten::bmm", "matmul"),
+    ),
+    ("norm/rope/act", ("rms_norm", "_rms", "rope", "rotat", "silu", "layer_norm")),
+    ("kv store", ("index_put", "scatter", "store_kv", "kv_store", "index_copy")),
+    ("sampling", ("argmax", "softmax", "sort", "topk", "multinomial", "exponential")),
+)
+
+
+def categorize(name: str) -> str:
+    low = name.lower()
+    for category, needles in CATEGORIES:
+        if any(n in low for n in needles):
+            return category
+    return "other"
+
+
+def _event_time_us(evt: Any, device: bool) -> float:
+    if device:
+        for attr in ("self_device_time_total", "self_cuda_time_total"):
+            value = getattr(evt, attr, None)
+            if value:
+                return float(value)
+        return 0.0
+    return float(getattr(evt, "self_cpu_time_total", 0.0) or 0.0)
+
+
+def profile_call(fn: Callable[[], Any], device_type: str, top: int = 12) -> tuple[Any, dict[str, Any]]:
+    """Run `fn` once under the profiler; (its result, {wall_ms, busy_ms, by_category_ms, shares, top_ops}).
+
+    On CUDA the sums are kernel time on the device (busy_ms < wall_ms means the GPU idled: launch gaps or
+    host work); on CPU they are self times of leaf aten ops."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device_type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        result = fn()
+        if cuda:
+            torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - t0) * 1e3
+    by_cat: dict[str, float] = {}
+    ops: list[tuple[float, str, int]] = []
+    for evt in prof.key_averages():
+        if cuda:
+            is_kernel = str(getattr(evt, "device_type", "")).endswith("CUDA")
+            if not is_kernel:
+                continue
+        elif not evt.key.startswith(("aten::", "c10d::", "gloo:")) or evt.key in _CPU_WRAPPERS:
+            continue
+        us = _event_time_us(evt, cuda)
+        if us <= 0:
+            continue
+        cat = categorize(evt.key)
+        by_cat[cat] = by_cat.get(cat, 0.0) + us / 1e3
+        ops.append((us / 1e3, evt.key, int(evt.count)))
+    busy_ms = sum(by_cat.values())
+    ops.sort(reverse=True)
+    summary = dict(
+        wall_ms=wall_ms,
+        busy_ms=busy_ms,
+        by_category_ms=dict(sorted(by_cat.items(), key=lambda kv: -kv[1])),
+        share_of_wall={k: v / wall_ms for k, v in by_cat.items()},
+        top_ops=[dict(name=n[:120], ms=ms, calls=c) for ms, n, c in ops[:top]],
+    )
+    return result, summary
+
+
+# aten ops whose self time is only dispatch around a child op (counted in the child)
+_CPU_WRAPPERS = frozenset({"aten::linear", "aten::matmul", "aten::scaled_dot_product_attention"})
+
+
+def format_profile(name: str, summary: dict[str, Any]) -> str:
+    """One line per category: 'cold-8192: wall 214.0 ms, device busy 205.1 ms | gemm 150.2 (70%) ...'."""
+    parts = [
+        f"{k} {v:.1f} ({100 * summary['share_of_wall'][k]:.0f}%)"
+        for k, v in summary["by_category_ms"].items()
+    ]
+    return f"{name}: wall {summary['wall_ms']:.1f} ms, busy {summary['busy_ms']:.1f} ms | " + ", ".join(parts)
