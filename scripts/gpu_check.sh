@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: GPU tests, the CPU e2e suite on CUDA, kernel microbenchmarks and the latency
 # benchmark of the Llama-3.1-8B shape against HF transformers. Logs and JSON go to $OUT; a short table last.
-#   usage: LONGSERVE_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu_check.sh [quick|tests|bench|all|long|tp|tp-bench|profile]
+#   usage: LONGSERVE_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu_check.sh [quick|tests|bench|all|long|tp|tp32|profile]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MODE=${1:-all}
@@ -43,20 +43,20 @@ if [[ $MODE == long ]]; then
     2>&1 | tee "$OUT/latency_8b_128k.log" | tail -6
 fi
 
-if [[ $MODE == tp || $MODE == tp-bench ]]; then  # needs two GPUs (nvidia-h200-x2)
-  if [[ $MODE == tp ]]; then
-    python3 -m pytest -q -m gpu tests/gpu/test_tensor_parallel_gpu.py -p no:cacheprovider 2>&1 \
-      | tee "$OUT/gpu_tp_tests.log" | tail -8 || status=1
-  fi
-  tp=(--load-format dummy --dtype bfloat16 --tp-size 2 --profile)
-  python3 -m longserve.bench.latency --config llama-3.1-8b "${tp[@]}" --warmup 1 --repeat 3 \
-    --prompt-lens 8192,32768 --output-json "$OUT/latency_tp2_8b.json" 2>&1 | tee "$OUT/latency_tp2_8b.log" | tail -6
-  python3 -m longserve.bench.latency --config qwen2.5-32b "${tp[@]}" --warmup 1 --repeat 2 \
-    --prompt-lens 8192,32768 --prefix-hit 32768:64 --decode-batch-sizes 1,32 --decode-context-len 32768 \
+if [[ $MODE == tp ]]; then  # needs two GPUs (nvidia-h200-x2): TP tests, the 8B shape at TP=2
+  python3 -m pytest -q -m gpu tests/gpu/test_tensor_parallel_gpu.py -p no:cacheprovider -o faulthandler_timeout=150 -x 2>&1 \
+    | tee "$OUT/gpu_tp_tests.log" | tail -8 || status=1
+  python3 -m longserve.bench.latency --config llama-3.1-8b --load-format dummy --dtype bfloat16 --tp-size 2 \
+    --profile --warmup 1 --repeat 3 --prompt-lens 8192,32768 --output-json "$OUT/latency_tp2_8b.json" 2>&1 \
+    | tee "$OUT/latency_tp2_8b.log" | tail -6
+fi
+if [[ $MODE == tp32 ]]; then  # two GPUs: the Qwen2.5-32B shape at TP=2
+  tp=(--config qwen2.5-32b --load-format dummy --dtype bfloat16 --tp-size 2)
+  python3 -m longserve.bench.latency "${tp[@]}" --profile --warmup 1 --repeat 2 --prompt-lens 8192,32768 \
+    --prefix-hit 32768:64 --decode-batch-sizes 1,32 --decode-context-len 8192 \
     --output-json "$OUT/latency_tp2_32b.json" 2>&1 | tee "$OUT/latency_tp2_32b.log" | tail -8
-  python3 -m longserve.bench.latency --config qwen2.5-32b --load-format dummy --dtype bfloat16 --tp-size 2 \
-    --warmup 0 --repeat 1 --prompt-lens 131072 --output-json "$OUT/latency_tp2_32b_128k.json" 2>&1 \
-    | tee "$OUT/latency_tp2_32b_128k.log" | tail -4
+  python3 -m longserve.bench.latency "${tp[@]}" --warmup 0 --repeat 1 --prompt-lens 131072 \
+    --output-json "$OUT/latency_tp2_32b_128k.json" 2>&1 | tee "$OUT/latency_tp2_32b_128k.log" | tail -4
 fi
 if [[ $MODE == profile ]]; then  # one GPU: where the time of the 8B shape's cold and prefix-hit cases goes
   python3 scripts/sweep_decode.py 2>&1 | tee "$OUT/sweep_decode.log" | grep -v failed | tail -4

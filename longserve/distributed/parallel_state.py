@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import logging
 import pickle
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,11 +60,26 @@ def init_tp_group(
     return _TP
 
 
-def destroy_tp_group() -> None:
+def destroy_tp_group(timeout: float = 30.0) -> None:
+    """Leave the group. NCCL's clean shutdown is collective (every rank finalizes its communicator), so
+    ranks call this together; when a peer is gone it could wait forever, so it runs on a helper thread
+    and is given up after `timeout` seconds (the process then just exits without a clean NCCL shutdown)."""
     global _TP
     _TP = None
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    if not dist.is_initialized():
+        return
+    done = threading.Event()
+
+    def destroy() -> None:
+        try:
+            dist.destroy_process_group()
+        except Exception as e:  # a peer already gone: nothing left to shut down cleanly
+            logger.warning("leaving the tensor-parallel group: %s", e)
+        done.set()
+
+    threading.Thread(target=destroy, name="tp-destroy", daemon=True).start()
+    if not done.wait(timeout):
+        logger.warning("the tensor-parallel group did not shut down within %.0f s; leaving it as is", timeout)
 
 
 def get_tp_group() -> TPGroup | None:

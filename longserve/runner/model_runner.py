@@ -7,6 +7,7 @@ its `execute` broadcasts the step's plain inputs, every rank runs `forward_step`
 
 from __future__ import annotations
 
+import gc
 import logging
 import weakref
 
@@ -221,7 +222,15 @@ class ModelRunner:
         if self.workers is not None:
             workers, self.workers = self.workers, None
             self._finalizer.detach()
+            self.release_graphs()  # captured NCCL kernels must not outlive the communicator
             workers.shutdown()
+
+    def release_graphs(self) -> None:
+        """Drop the decode CUDA graphs (and their memory pool) before the process group goes."""
+        if getattr(self, "graph_runner", None) is not None:
+            self.graph_runner = None
+            gc.collect()
+            torch.cuda.synchronize(self.device)
 
     def _sampling_info(self, req: Request, eos_token_ids: frozenset[int]) -> SamplingInfo:
         params = req.sampling_params

@@ -3,8 +3,10 @@
 Rank 0 runs the scheduler and a ModelRunner shard; every other rank runs `worker_main`: join the group,
 build its ModelRunner shard, then loop — receive a step's `StepInputs` over the gloo cpu group, run the
 forward pass (which holds the collectives), repeat; `None` means shut down. `TPWorkers` (rank 0's side)
-spawns this node's workers, watches them (a rank that dies is logged at once and fails the next step),
-and stops them on shutdown. Other nodes of a multi-node run start with `run_node` (see README).
+spawns this node's workers, watches them (a rank that dies is logged at once, fails the next step and
+calls `on_failure`: the server shuts itself down), and stops them on shutdown. A worker watches its
+parent in turn and exits when the parent is gone (a killed server leaves no worker behind). Other nodes of
+a multi-node run start with `run_node` (see README).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import signal
 import socket
 import threading
 import time
@@ -38,34 +41,97 @@ def _backend(config: EngineConfig) -> str:
 
 
 def _check_devices(config: EngineConfig) -> None:
+    """Refuse more ranks per node than visible GPUs; TPWorkers.start calls it before spawning anything."""
     per_node = config.tp_size // config.nnodes
-    if resolve_device(config.device).type == "cuda" and per_node > torch.cuda.device_count():
+    if resolve_device(config.device).type != "cuda":
+        return
+    visible = torch.cuda.device_count()
+    if per_node > visible:
         raise ValueError(
             f"tp_size={config.tp_size} over {config.nnodes} node(s) needs {per_node} GPUs on this node, "
-            f"but {torch.cuda.device_count()} are visible; lower --tp-size or set CUDA_VISIBLE_DEVICES"
+            f"but {visible} {'is' if visible == 1 else 'are'} visible; lower --tp-size or set "
+            "CUDA_VISIBLE_DEVICES"
         )
 
 
-def worker_main(config: EngineConfig, rank: int, local_rank: int, init_method: str, backend: str) -> None:
-    """A worker rank's whole life: join, load its shard, execute steps until told to stop."""
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"{code} (killed by {signal.Signals(-code).name})"
+        except ValueError:
+            pass
+    return str(code)
+
+
+_orphan_exit = threading.Lock()
+
+
+def _parent_gone(parent: Any, timeout: float = 0.0) -> bool:
+    """Whether the process that spawned this worker has exited (waits up to `timeout` for it)."""
+    from multiprocessing.connection import wait
+
+    # the sentinel turns readable when the parent's end of the pipe closes, i.e. when it exited
+    return bool(wait([parent.sentinel], timeout=timeout)) or os.getppid() != parent.pid
+
+
+def _exit_orphan(rank: int, parent: Any) -> None:
+    """One log line, then exit at once: nothing is left to serve, and the group cannot be left cleanly."""
+    _orphan_exit.acquire()  # the watcher and a failed collective may both get here: one line, one exit
+    logger.critical("tensor-parallel rank %d: its parent process (pid %s) is gone; exiting", rank, parent.pid)
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    os._exit(3)
+
+
+def _watch_parent(rank: int, parent: Any, poll: float = 1.0) -> None:
+    """Exit this worker when the process that spawned it (rank 0, or a node's first rank) is gone: the
+    worker would otherwise wait for its next step forever."""
+
+    def watch() -> None:
+        while not _parent_gone(parent, poll):
+            pass
+        _exit_orphan(rank, parent)
+
+    threading.Thread(target=watch, name="tp-parent-watch", daemon=True).start()
+
+
+def worker_main(
+    config: EngineConfig, rank: int, local_rank: int, init_method: str, backend: str, joining: Any = None
+) -> None:
+    """A worker rank's whole life: join, load its shard, execute steps until told to stop. `joining` (an
+    mp.Event) is set right before the rendezvous, so rank 0 can tell a worker that died while starting
+    (an import error, a script without a __main__ guard) from one that is on its way."""
     from longserve.models import load_hf_config
     from longserve.runner.model_runner import ModelRunner
 
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [tp rank {rank}] %(levelname)s %(message)s")
+    # rank 0 decides when the group stops: Ctrl+C in a terminal reaches the whole process group, and a
+    # worker that died of it would be reported as a failure while the server shuts down cleanly
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = mp.parent_process()  # None when called in-process (not spawned by TPWorkers)
+    if parent is not None:
+        _watch_parent(rank, parent)
     if backend == "gloo":  # the ranks share the host's cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // (config.tp_size // config.nnodes)))
     if backend == "nccl":  # bind the rank's GPU before NCCL creates its communicator
         torch.cuda.set_device(local_rank)
+    if joining is not None:
+        joining.set()
     init_tp_group(init_method, rank, config.tp_size, local_rank, backend)
+    runner = None
     try:
         runner = ModelRunner(config, load_hf_config(config.model))
         while (step := broadcast_object(None)) is not None:
             runner.forward_step(step)
     except Exception:
+        if parent is not None and _parent_gone(parent, timeout=0.5):  # a collective failed: rank 0 died
+            _exit_orphan(rank, parent)
         logger.exception("tensor-parallel rank %d failed", rank)
+        destroy_tp_group(timeout=5.0)
         raise
-    finally:
-        destroy_tp_group()
+    if runner is not None:
+        runner.release_graphs()
+    destroy_tp_group()  # together with rank 0, which leaves the group as soon as it sent the stop
 
 
 class TPWorkers:
@@ -75,7 +141,10 @@ class TPWorkers:
         self.procs = procs
         self.ranks = ranks
         self.failure: str | None = None
-        self.on_failure: Callable[[str], None] | None = None  # e.g. the server stops itself
+        # called once, on the watchdog thread, with the failure message when a worker dies (even if set
+        # after the death); the server sets it to shut itself down
+        self.on_failure: Callable[[str], None] | None = None
+        self._lock = threading.Lock()
         self._closing = threading.Event()
         self._watchdog = threading.Thread(target=self._watch, name="tp-watchdog", daemon=True)
         self._watchdog.start()
@@ -92,58 +161,97 @@ class TPWorkers:
             init_method = f"tcp://127.0.0.1:{_free_port()}"
         first = config.node_rank * per_node
         ctx = mp.get_context("spawn")
-        procs, ranks = [], []
+        procs, ranks, joining = [], [], []
         for local_rank in range(1, per_node):
             rank = first + local_rank
+            event = ctx.Event()
             p = ctx.Process(
                 target=worker_main,
-                args=(config, rank, local_rank, init_method, backend),
+                args=(config, rank, local_rank, init_method, backend, event),
                 name=f"longserve-tp{rank}",
                 daemon=True,
             )
             p.start()
             procs.append(p)
             ranks.append(rank)
+            joining.append(event)
         workers = cls(procs, ranks)
         try:
+            workers._wait_joining(joining)
             init_tp_group(init_method, first, config.tp_size, 0, backend)
         except BaseException:
             workers.shutdown(graceful=False)
             raise
-        logger.info("tensor parallelism: %d ranks (%s), %d on this node", config.tp_size, backend, per_node)
+        logger.info(
+            "tensor parallelism: %d ranks (%s), %d on this node; worker pids: %s",
+            config.tp_size,
+            backend,
+            per_node,
+            ", ".join(f"rank {r} pid {p.pid}" for r, p in zip(ranks, procs)) or "none",
+        )
         return workers
+
+    def _wait_joining(self, joining: list[Any], timeout: float = 600.0) -> None:
+        """Wait until every worker is about to join the rendezvous; raise at once if one died first
+        (rank 0 would otherwise wait in the rendezvous for a rank that never comes)."""
+        deadline = time.monotonic() + timeout
+        while not all(e.is_set() for e in joining):
+            for p, rank in zip(self.procs, self.ranks):
+                if p.exitcode is not None:
+                    raise RuntimeError(
+                        f"tensor-parallel rank {rank} (pid {p.pid}) exited with code "
+                        f"{_describe_exit(p.exitcode)} while starting (its error is logged above). Workers "
+                        "are started with multiprocessing's spawn: a script that creates an LLM with "
+                        "tp_size > 1 must do it under `if __name__ == '__main__':`"
+                    )
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"tensor-parallel workers did not start within {timeout:.0f} s")
+            time.sleep(0.05)
+
+    def _record(self) -> str | None:
+        """The failure, recorded (and logged) once, by whichever thread notices a dead worker first."""
+        with self._lock:
+            if self.failure is None and not self._closing.is_set():
+                for p, rank in zip(self.procs, self.ranks):
+                    if p.exitcode is not None:
+                        self.failure = (
+                            f"tensor-parallel rank {rank} (pid {p.pid}) exited with code "
+                            f"{_describe_exit(p.exitcode)}; the engine cannot run steps without it and "
+                            "must be restarted"
+                        )
+                        logger.error(self.failure)
+                        break
+            return self.failure
 
     def _watch(self) -> None:
         while not self._closing.wait(0.2):
-            for p, rank in zip(self.procs, self.ranks):
-                if p.exitcode is not None and self.failure is None:
-                    self.failure = (
-                        f"tensor-parallel rank {rank} (pid {p.pid}) exited with code {p.exitcode}; "
-                        "the engine cannot run steps without it and must be restarted"
-                    )
-                    logger.error(self.failure)
-                    if self.on_failure is not None:
-                        self.on_failure(self.failure)
-            if self.failure is not None:
+            failure = self._record()
+            if failure is not None and self.on_failure is not None:
+                try:
+                    self.on_failure(failure)
+                except Exception:
+                    logger.exception("tensor-parallel on_failure callback failed")
                 return
 
     def check(self) -> None:
         """Raise if a worker has died (called before every step, so no step waits on a dead rank)."""
-        for p, rank in zip(self.procs, self.ranks):
-            if p.exitcode is not None and self.failure is None:
-                self.failure = f"tensor-parallel rank {rank} (pid {p.pid}) exited with code {p.exitcode}"
-                logger.error(self.failure)
-        if self.failure is not None:
-            raise RuntimeError(self.failure)
+        failure = self._record()
+        if failure is not None:
+            raise RuntimeError(failure)
 
     def shutdown(self, graceful: bool = True, timeout: float = 10.0) -> None:
         """Tell the workers to stop (graceful), wait for them, kill stragglers, leave the group."""
+        self._record()  # a worker already dead gets no shutdown message (nor a hang on sending it)
         self._closing.set()
-        if graceful and self.failure is None and get_tp_rank() == 0:  # rank 0 alone sends steps
+        clean = graceful and self.failure is None
+        if clean and get_tp_rank() == 0:  # rank 0 alone sends steps
             try:
                 broadcast_object(None)
             except Exception as e:  # a rank already gone: fall through to terminate
                 logger.warning("tensor-parallel shutdown message failed: %s", e)
+                clean = False
+        # leave the group while the workers do the same (NCCL's shutdown is collective), then reap them
+        destroy_tp_group(timeout=timeout if clean else 2.0)
         deadline = time.monotonic() + timeout
         for p in self.procs:
             p.join(max(0.0, deadline - time.monotonic()))
@@ -154,7 +262,6 @@ class TPWorkers:
             if p.is_alive():
                 p.kill()
                 p.join(2.0)
-        destroy_tp_group()
 
 
 def run_node(config: EngineConfig) -> None:

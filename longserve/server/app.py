@@ -107,7 +107,7 @@ def create_app(state: ServerState) -> FastAPI:
     async def lifespan(_: FastAPI):
         state.engine.start(asyncio.get_running_loop())
         yield
-        state.engine.stop()
+        state.engine.close()  # stops the step thread, then the engine's tensor-parallel workers
         state.tokenizers.shutdown()
 
     app = FastAPI(title="longserve", version=__version__, lifespan=lifespan)

@@ -76,6 +76,35 @@ class AsyncEngine:
         if self._thread is not None:
             self._thread.join(timeout)
 
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the engine thread, then release the engine (tensor-parallel workers exit). Idempotent.
+
+        A step that does not end within `timeout` (a collective waiting on a rank) is not raced with
+        the workers' shutdown message: the workers are killed instead, which ends the step with an error."""
+        self.stop(timeout)
+        if self._thread is not None and self._thread.is_alive():
+            workers = getattr(getattr(self.engine, "runner", None), "workers", None)
+            logger.error(
+                "the engine thread did not stop within %.0fs (a step is stuck)%s",
+                timeout,
+                "; killing the tensor-parallel workers" if workers is not None else "",
+            )
+            if workers is None:
+                return
+            for proc in workers.procs:
+                proc.kill()
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                logger.error("the engine thread is still stuck; leaving the engine as it is")
+                return
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
+
+    def fail(self) -> None:
+        """Take no more requests (/health answers 503): the engine cannot serve anymore."""
+        self.healthy = False
+
     @property
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.healthy

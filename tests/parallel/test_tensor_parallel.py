@@ -18,6 +18,7 @@ from longserve.distributed import get_tp_group
 from longserve.models.decoder import head_layout
 from tests.checkpoints import ARCHS, make_tiny_checkpoint
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
 
 
@@ -108,3 +109,29 @@ def test_close_terminates_workers(tmp_path):
     assert all(p.is_alive() for p in procs)
     m.close()
     assert all(p.exitcode == 0 for p in procs)  # a clean exit on the shutdown message, not a kill
+
+
+def test_worker_dying_at_start_fails_fast_with_the_reason(tmp_path):
+    """A script that builds a TP engine at top level (no __main__ guard) kills its spawned worker while
+    it imports the script: rank 0 must not wait in the rendezvous but fail at once, saying why."""
+    import subprocess
+    import sys
+
+    path = make_tiny_checkpoint(tmp_path, "llama")
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "from longserve import LLM\n"
+        f"LLM({str(path)!r}, device='cpu', dtype='float32', max_total_tokens=1024, tp_size=2)\n"
+    )
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])},
+    )
+    assert proc.returncode != 0
+    assert "exited with code 1 while starting" in proc.stderr
+    assert "if __name__ == '__main__':" in proc.stderr
+    assert time.monotonic() - start < 60
