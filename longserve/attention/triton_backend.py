@@ -7,10 +7,14 @@ q/k/v; otherwise the extend kernel over the whole ragged batch. Triton is import
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 
 from longserve.attention.base import AttentionBackend, AttentionMetadata, KVCache
+
+logger = logging.getLogger("longserve.attention")
 
 COLD_PATHS = ("sdpa", "triton")
 SPLIT_SDPA_MIN_QUERY = 1024  # shorter chunks over a prefix go to the Triton kernel
@@ -137,14 +141,32 @@ def cold_sdpa(
     return out
 
 
+_CUDNN_GQA: bool | None = None  # whether cuDNN took K/V with fewer heads than Q (None: not tried yet)
+
+
 def attention_with_lse(
-    q: torch.Tensor,  # [1, H, L, D]
-    k: torch.Tensor,  # [1, H, S, D] (GQA already expanded)
-    v: torch.Tensor,  # [1, H, S, D]
+    q: torch.Tensor,  # [1, Hq, L, D]
+    k: torch.Tensor,  # [1, Hkv, S, D]
+    v: torch.Tensor,  # [1, Hkv, S, D]
     causal: bool,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """SDPA that also returns the natural-log log-sum-exp of each query row: (o [1,H,L,D], lse [1,H,L])."""
+    """SDPA that also returns the natural-log log-sum-exp of each query row: (o [1,Hq,L,D], lse [1,Hq,L]).
+    GQA: cuDNN reads the kv heads as they are when it accepts them (no 4x copy); else they are expanded."""
+    global _CUDNN_GQA
+    group = q.shape[1] // k.shape[1]
+    if q.is_cuda and group > 1 and _CUDNN_GQA is not False:
+        try:
+            out = torch.ops.aten._scaled_dot_product_cudnn_attention(
+                q, k, v, None, True, 0.0, causal, False, scale=scale
+            )
+            _CUDNN_GQA = True
+            return out[0], out[1].reshape(q.shape[:3]).float()
+        except RuntimeError as e:  # this torch/cuDNN wants equal head counts: expand from now on
+            logger.info("cuDNN attention does not take GQA K/V directly (%s); expanding kv heads", e)
+            _CUDNN_GQA = False
+    if group > 1:
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # [1, Hq, S, D]
     if q.is_cuda:
         out = torch.ops.aten._scaled_dot_product_cudnn_attention(
             q, k, v, None, True, 0.0, causal, False, scale=scale
@@ -164,31 +186,29 @@ def prefix_split_sdpa(
     scale: float,
 ) -> torch.Tensor:
     """Per request: (new x cached prefix, no mask) and (new x new, causal) as two SDPA calls, merged by
-    their log-sum-exps. Exact up to rounding; runs at the library kernel's rate on long chunks."""
+    their log-sum-exps in one pass (`merge_two`). Exact up to rounding; runs at the library kernel's rate
+    on long chunks."""
+    from longserve.kernels.merge_attention import merge_two, merge_two_ref
+
+    merge = merge_two if q.is_cuda else merge_two_ref
     out = torch.empty_like(q)  # [T, Hq, D]
-    group = q.shape[1] // k.shape[1]
     page_size = meta.page_size
     start = 0
     for r, (prefix_len, query_len) in enumerate(zip(meta.prefix_lens_cpu, meta.query_lens_cpu)):
         end = start + query_len
         q_r = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, Hq, L, D]
 
-        def heads(x: torch.Tensor) -> torch.Tensor:  # [S, Hkv, D] -> [1, Hq, S, D]
-            return x.transpose(0, 1).repeat_interleave(group, 0).unsqueeze(0)
+        def heads(x: torch.Tensor) -> torch.Tensor:  # [S, Hkv, D] -> [1, Hkv, S, D] (a view)
+            return x.transpose(0, 1).unsqueeze(0)
 
         o_new, lse_new = attention_with_lse(q_r, heads(k[start:end]), heads(v[start:end]), True, scale)
         if prefix_len == 0:
-            o = o_new
+            out[start:end] = o_new[0].transpose(0, 1)  # [L, Hq, D]
         else:
             pages = meta.page_table[r, : -(-prefix_len // page_size)].long()  # [P]
             k_pre = k_cache[pages].flatten(0, 1)[:prefix_len]  # [S, Hkv, D]
             v_pre = v_cache[pages].flatten(0, 1)[:prefix_len]
             o_pre, lse_pre = attention_with_lse(q_r, heads(k_pre), heads(v_pre), False, scale)
-            m = torch.maximum(lse_pre, lse_new)  # [1, Hq, L]
-            w_pre, w_new = torch.exp(lse_pre - m), torch.exp(lse_new - m)
-            o = (o_pre.float() * w_pre[..., None] + o_new.float() * w_new[..., None]) / (w_pre + w_new)[
-                ..., None
-            ]
-        out[start:end] = o[0].transpose(0, 1).to(q.dtype)  # [L, Hq, D]
+            merge(o_pre[0], lse_pre[0], o_new[0], lse_new[0], out[start:end])
         start = end
     return out

@@ -19,7 +19,9 @@ def device_name(device: Any) -> str:
 
 
 def git_commit() -> tuple[str | None, bool | None]:
-    """(short commit, tree dirty) of the checkout this package runs from; LONGSERVE_COMMIT without git."""
+    """(short commit, tree dirty) of the checkout this package runs from; LONGSERVE_COMMIT wins when set."""
+    if os.environ.get("LONGSERVE_COMMIT"):  # set explicitly (a copied tree may carry a stale .git)
+        return os.environ["LONGSERVE_COMMIT"], None
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
     def git(*args: str) -> str:

@@ -216,3 +216,32 @@ def test_prefix_split_sdpa_path(monkeypatch: pytest.MonkeyPatch, heads: tuple[in
     short = Step([3, 17], [4, 16], 4, heads, 32, seed=12)  # a chunk under the threshold: Triton kernel
     short.compare(TritonAttentionBackend(cold_path="sdpa"))
     assert calls == [1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_merge_two_matches_reference_and_full_attention(dtype: torch.dtype) -> None:
+    """The one-pass merge of two partials equals the torch merge, and merging attention over two disjoint
+    key halves equals attention over all keys; partials laid out [L, H, D] (as cuDNN returns them) work."""
+    from longserve.kernels.merge_attention import merge_two, merge_two_ref
+
+    torch.manual_seed(3)
+    h, n, d, s = 3, 37, 24, 50
+    q, k, v = torch.randn(h, n, d), torch.randn(h, s, d), torch.randn(h, s, d)
+
+    def part(lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = q @ k[:, lo:hi].transpose(1, 2) / d**0.5  # [H, L, S']
+        lse = torch.logsumexp(logits, -1)  # [H, L]
+        o = torch.softmax(logits, -1) @ v[:, lo:hi]  # [H, L, D]
+        o_strided = o.transpose(0, 1).contiguous().transpose(0, 1)  # [H, L, D] view of [L, H, D] memory
+        return o_strided.to(dtype), lse
+
+    (o_a, lse_a), (o_b, lse_b) = part(0, 20), part(20, s)
+    lse_b[1, 5] = float("-inf")  # a row that saw no key in the second half: weight 0, not NaN
+    o_b[1, 5] = 0
+    got = merge_two(o_a, lse_a, o_b, lse_b, torch.empty(n, h, d, dtype=dtype))
+    ref = merge_two_ref(o_a, lse_a, o_b, lse_b, torch.empty(n, h, d, dtype=dtype))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, ref, atol=tol, rtol=tol)
+    full = torch.softmax(q @ k.transpose(1, 2) / d**0.5, -1) @ v  # [H, L, D]
+    full[1, 5] = part(0, 20)[0][1, 5].float()  # that row: the first half alone
+    torch.testing.assert_close(got.float(), full.transpose(0, 1), atol=tol, rtol=tol)
