@@ -52,25 +52,26 @@ def profile_call(fn: Callable[[], Any], device_type: str, top: int = 12) -> tupl
 
     On CUDA the sums are kernel time on the device (busy_ms < wall_ms means the GPU idled: launch gaps or
     host work); on CPU they are self times of leaf aten ops."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
+    import torch.profiler
+    from torch.profiler import ProfilerActivity
 
     cuda = device_type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     if cuda:
-        torch.cuda.synchronize()
-    with profile(activities=activities) as prof:
+        _sync()
+    with torch.profiler.profile(activities=activities) as prof:
         t0 = time.perf_counter()
         result = fn()
         if cuda:
-            torch.cuda.synchronize()
+            _sync()
         wall_ms = (time.perf_counter() - t0) * 1e3
     by_cat: dict[str, float] = {}
     ops: list[tuple[float, str, int]] = []
     for evt in prof.key_averages():
         if cuda:
             is_kernel = str(getattr(evt, "device_type", "")).endswith("CUDA")
-            if not is_kernel:
+            # user annotations on the GPU timeline (e.g. "nccl:all_reduce") span kernels counted already
+            if not is_kernel or getattr(evt, "is_user_annotation", False) or evt.key.startswith("nccl:"):
                 continue
         elif not evt.key.startswith(("aten::", "c10d::", "gloo:")) or evt.key in _CPU_WRAPPERS:
             continue
@@ -90,6 +91,12 @@ def profile_call(fn: Callable[[], Any], device_type: str, top: int = 12) -> tupl
         top_ops=[dict(name=n[:120], ms=ms, calls=c) for ms, n, c in ops[:top]],
     )
     return result, summary
+
+
+def _sync() -> None:
+    import torch
+
+    torch.cuda.synchronize()
 
 
 # aten ops whose self time is only dispatch around a child op (counted in the child)

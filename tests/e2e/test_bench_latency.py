@@ -129,3 +129,41 @@ def test_categorize_kernel_names():
     assert categorize("_extend_kernel") == "attention"
     assert categorize("_rms_norm_kernel") == "norm/rope/act"
     assert categorize("void at::native::elementwise_kernel<128, 2>") == "other"
+
+
+def test_gpu_annotations_are_not_counted_twice(monkeypatch):
+    """NCCL's record_function annotation ("nccl:all_reduce") shows on the GPU timeline with its kernel's
+    time: only the kernel counts (seen on an H200: collectives had doubled)."""
+    from types import SimpleNamespace
+
+    import torch.profiler
+
+    from longserve.bench import profile as prof_mod
+
+    events = [
+        SimpleNamespace(key="ncclDevKernel_AllReduce_Sum_bf16_RING_LL", device_type="DeviceType.CUDA",
+                        self_device_time_total=300.0, count=2),
+        SimpleNamespace(key="nccl:all_reduce", device_type="DeviceType.CUDA", self_device_time_total=300.0,
+                        count=2, is_user_annotation=True),
+        SimpleNamespace(key="nvjet_sm90_tst_256x128", device_type="DeviceType.CUDA",
+                        self_device_time_total=700.0, count=4),
+        SimpleNamespace(key="aten::mm", device_type="DeviceType.CPU", self_device_time_total=0.0, count=4),
+    ]  # fmt: skip
+
+    class FakeProfile:
+        def __init__(self, **_):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def key_averages(self):
+            return events
+
+    monkeypatch.setattr(torch.profiler, "profile", FakeProfile)
+    monkeypatch.setattr(prof_mod, "_sync", lambda: None)
+    _, summary = prof_mod.profile_call(lambda: None, "cuda")
+    assert summary["by_category_ms"] == {"gemm": 0.7, "collectives": 0.3}
