@@ -185,9 +185,14 @@ class ModelRunner:
             try:
                 broadcast_object(step)
                 logits = self.forward_step(step)
-            except RuntimeError as e:  # a peer died mid-collective: gloo/NCCL report a closed connection
-                logger.error("tensor-parallel step failed (a rank died?): %s", e)
-                raise RuntimeError(f"tensor-parallel step failed; a rank may have died: {e}") from e
+            except Exception as e:
+                # a peer died mid-collective (gloo/NCCL report a closed connection), or this rank failed
+                # while the others went on: the ranks are out of step for good, so the engine is done
+                message = self.workers.dead_worker(wait=1.0) or (  # a local worker's death says it best
+                    f"tensor-parallel step failed; a rank may have died: {type(e).__name__}: {e}"
+                )
+                self.workers.fail(message)
+                raise RuntimeError(message) from e
         if logits is None:
             return RunnerOutput(sampled_token_ids=[])
         with torch.inference_mode():

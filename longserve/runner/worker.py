@@ -233,6 +233,24 @@ class TPWorkers:
                     logger.exception("tensor-parallel on_failure callback failed")
                 return
 
+    def dead_worker(self, wait: float = 0.0) -> str | None:
+        """The failure message if one of this node's workers has exited, waiting up to `wait` seconds for
+        the exit to show (a collective can break a moment before the process is reaped)."""
+        deadline = time.monotonic() + wait
+        while True:
+            failure = self._record()
+            if failure is not None or time.monotonic() >= deadline:
+                return failure
+            time.sleep(0.02)
+
+    def fail(self, message: str) -> None:
+        """Record a failure seen by rank 0 itself (a collective that broke: e.g. a rank on another node
+        died); the watchdog then calls `on_failure`, as for a local worker's death."""
+        with self._lock:
+            if self.failure is None:
+                self.failure = message
+                logger.error(message)
+
     def check(self) -> None:
         """Raise if a worker has died (called before every step, so no step waits on a dead rank)."""
         failure = self._record()
