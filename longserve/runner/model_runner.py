@@ -104,6 +104,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self.num_tokens_computed = 0  # every token fed through the model (tests count cache hits by it)
         self.num_forward_passes = 0
+        if self.tp is not None:  # every rank has its weights, pool and graphs: only now is the engine ready
+            dist.barrier(group=self.tp.cpu_group)
 
     def _build_graph_runner(self) -> DecodeGraphRunner | None:
         if self.device.type != "cuda" or self.config.enforce_eager:
