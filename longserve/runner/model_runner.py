@@ -22,7 +22,7 @@ from longserve.models.decoder import validate_tp_size
 from longserve.outputs import RunnerOutput, SchedulerOutput
 from longserve.platform import available_memory_bytes, resolve_device
 from longserve.request import Request
-from longserve.runner.cuda_graph import DecodeGraphRunner
+from longserve.runner.cuda_graph import DecodeGraphRunner, ExtendGraphRunner
 from longserve.runner.inputs import StepInputs, build_step, to_model_inputs
 from longserve.runner.sampler import Sampler, SamplingInfo
 
@@ -101,6 +101,7 @@ class ModelRunner:
         )
         self.backend = get_attention_backend(config.attention_backend, self.device)
         self.graph_runner = self._build_graph_runner()
+        self.extend_graphs = self._build_extend_graphs()
         self.sampler = Sampler()
         self.num_tokens_computed = 0  # every token fed through the model (tests count cache hits by it)
         self.num_forward_passes = 0
@@ -136,6 +137,42 @@ class ModelRunner:
         )
         graphs.capture()
         return graphs
+
+    def _build_extend_graphs(self) -> ExtendGraphRunner | None:
+        """Graphs for a lone short prefill chunk (see ExtendGraphRunner); after decode's, sharing its pool."""
+        max_tokens = min(self.config.cuda_graph_max_prefill_tokens, self.config.chunked_prefill_size)
+        if self.graph_runner is None or max_tokens < 2:
+            return None
+        graphs = ExtendGraphRunner(
+            self.model,
+            self.kv_cache,
+            self._fixed_extend_backend,
+            max_tokens=max_tokens,
+            max_pages_per_req=-(-self.context_length // self.page_size),
+            page_size=self.page_size,
+            device=self.device,
+        )
+        graphs.capture(pool=self.graph_runner.pool)
+        return graphs
+
+    def _fixed_extend_backend(self, num_tokens: int):
+        """A triton backend whose extend launch for one request of `num_tokens` new tokens has a fixed grid:
+        the key-split count the backend would pick for the longest context."""
+        from longserve.attention.triton_backend import SHORT_CHUNK_ROWS, TritonAttentionBackend
+        from longserve.kernels.extend_attention import choose_extend_splits, extend_config
+
+        heads, kv_heads = self.model.num_heads, self.model.num_kv_heads
+        block_m = extend_config(self.model.head_dim, self.dtype)["BLOCK_M"]
+        tuned = self.device.type == "cuda" and self.dtype != torch.float32  # as the backend decides
+        if tuned and num_tokens * (heads // kv_heads) <= SHORT_CHUNK_ROWS:
+            block_m = 64
+        num_sms = (
+            torch.cuda.get_device_properties(self.device).multi_processor_count
+            if self.device.type == "cuda"
+            else 4
+        )
+        splits = choose_extend_splits([num_tokens], [self.context_length], heads, kv_heads, block_m, num_sms)
+        return TritonAttentionBackend(cold_path="triton", extend_splits=splits)
 
     # ---- sizing ---------------------------------------------------------------------------------
     def kv_bytes_per_token(self) -> int:
@@ -214,6 +251,8 @@ class ModelRunner:
         with torch.inference_mode():
             if self.graph_runner is not None and self.graph_runner.can_run(inputs.meta):
                 hidden = self.graph_runner.run(inputs.input_ids, inputs.positions, inputs.meta)  # [B, H]
+            elif self.extend_graphs is not None and self.extend_graphs.can_run(inputs.meta):
+                hidden = self.extend_graphs.run(inputs.input_ids, inputs.positions, inputs.meta)  # [T, H]
             else:
                 hidden = self.model(inputs.input_ids, inputs.positions, ctx)  # [T, H]
             self.num_tokens_computed += inputs.num_tokens
@@ -233,7 +272,7 @@ class ModelRunner:
     def release_graphs(self) -> None:
         """Drop the decode CUDA graphs (and their memory pool) before the process group goes."""
         if getattr(self, "graph_runner", None) is not None:
-            self.graph_runner = None
+            self.graph_runner = self.extend_graphs = None
             gc.collect()
             torch.cuda.synchronize(self.device)
 

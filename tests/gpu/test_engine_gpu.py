@@ -92,3 +92,16 @@ def test_prefix_split_sdpa_matches_reference_bf16(prefix_lens, query_lens):
     ref = TorchAttentionBackend().forward(q.float(), k.float(), v.float(), 0, meta, ref_cache, d**-0.5)
     err = ((out.float() - ref).norm() / ref.norm()).item()
     assert err < 1e-2, err
+
+
+def test_prefill_graphs_equal_eager(ckpt):
+    """Short chunks replayed from prefill CUDA graphs (a prefix-cache hit's suffix, chunks of a prompt
+    chunked at 48 tokens, the last chunk padded to its bucket) give the tokens of an eager engine."""
+    ps = prompts()
+    eager, _ = run(ckpt, ps + ps, attention_backend="triton", enforce_eager=True, chunked_prefill_size=48)
+    graphs, llm = run(ckpt, ps + ps, attention_backend="triton", chunked_prefill_size=48)
+    runner = llm.engine.runner.extend_graphs
+    assert runner is not None and runner.num_runs > 0
+    assert graphs == eager
+    off, llm_off = run(ckpt, ps, attention_backend="triton", cuda_graph_max_prefill_tokens=0)
+    assert llm_off.engine.runner.extend_graphs is None and off == eager[: len(ps)]
