@@ -38,6 +38,7 @@ class EngineConfig:
     enforce_eager: bool = False  # no CUDA graphs (SGLang: --disable-cuda-graph)
     cuda_graph_max_bs: int = 128  # decode steps up to this batch size replay CUDA graphs
     cuda_graph_max_prefill_tokens: int = 256  # a lone chunk of up to this many tokens replays a graph; 0: off
+    tp_overlap_min_tokens: int = 4096  # tp > 1: steps of this many tokens run as 2 overlapped halves; 0: off
     tp_size: int = 1  # tensor-parallel ranks (one process each; must divide the attention heads)
     nnodes: int = 1  # nodes the tp ranks span (tp_size / nnodes ranks per node)
     node_rank: int = 0  # this node's index; node 0 runs the engine
@@ -74,6 +75,10 @@ class EngineConfig:
         need(
             self.cuda_graph_max_prefill_tokens >= 0,
             f"cuda_graph_max_prefill_tokens must be >= 0; got {self.cuda_graph_max_prefill_tokens}",
+        )
+        need(
+            self.tp_overlap_min_tokens >= 0,
+            f"tp_overlap_min_tokens must be >= 0; got {self.tp_overlap_min_tokens}",
         )
         need(
             self.max_running_requests >= 1,

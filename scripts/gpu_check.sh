@@ -49,6 +49,9 @@ if [[ $MODE == tp ]]; then  # needs two GPUs (nvidia-h200-x2): TP tests, the 8B 
   python3 -m longserve.bench.latency --config llama-3.1-8b --load-format dummy --dtype bfloat16 --tp-size 2 \
     --profile --warmup 1 --repeat 3 --prompt-lens 8192,32768 --output-json "$OUT/latency_tp2_8b.json" 2>&1 \
     | tee "$OUT/latency_tp2_8b.log" | tail -6
+  python3 -m longserve.bench.latency --config llama-3.1-8b --load-format dummy --dtype bfloat16 --tp-size 2 \
+    --tp-overlap-min-tokens 0 --warmup 1 --repeat 3 --prompt-lens 32768 \
+    --output-json "$OUT/latency_tp2_8b_no_overlap.json" 2>&1 | tee "$OUT/latency_tp2_8b_no_overlap.log" | tail -4
 fi
 if [[ $MODE == tp32 ]]; then  # two GPUs: the Qwen2.5-32B shape at TP=2
   tp=(--config qwen2.5-32b --load-format dummy --dtype bfloat16 --tp-size 2)

@@ -147,6 +147,12 @@ def add_latency_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
     p.add_argument(
+        "--tp-overlap-min-tokens",
+        type=_int_at_least(0),
+        default=4096,
+        help="tp > 1: steps of this many tokens run as two halves with overlapped all-reduces (0: off)",
+    )
+    p.add_argument(
         "--profile",
         action="store_true",
         help="one extra run of each cold / prefix-hit case under torch.profiler: time per category "
@@ -473,6 +479,7 @@ def _run_engine(
         max_running_requests=max([256, *args.decode_batch_sizes]),
         tp_size=args.tp_size,
         enforce_eager=args.enforce_eager,
+        tp_overlap_min_tokens=args.tp_overlap_min_tokens,
     )
     try:
         return _bench_engine(llm, args, skipped)

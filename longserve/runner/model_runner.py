@@ -23,7 +23,7 @@ from longserve.outputs import RunnerOutput, SchedulerOutput
 from longserve.platform import available_memory_bytes, resolve_device
 from longserve.request import Request
 from longserve.runner.cuda_graph import DecodeGraphRunner, ExtendGraphRunner
-from longserve.runner.inputs import StepInputs, build_step, to_model_inputs
+from longserve.runner.inputs import StepInputs, build_step, split_step, to_model_inputs
 from longserve.runner.sampler import Sampler, SamplingInfo
 
 logger = logging.getLogger("longserve.runner")
@@ -105,6 +105,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.num_tokens_computed = 0  # every token fed through the model (tests count cache hits by it)
         self.num_forward_passes = 0
+        self.num_overlapped_passes = 0  # tp steps run as two overlapped halves
 
     def _build_graph_runner(self) -> DecodeGraphRunner | None:
         if self.device.type != "cuda" or self.config.enforce_eager:
@@ -246,6 +247,9 @@ class ModelRunner:
 
     def forward_step(self, step: StepInputs) -> torch.Tensor | None:
         """Every rank: the forward pass of one step; the sampling rows' logits [N, V] fp32 (None if N=0)."""
+        min_tokens = self.config.tp_overlap_min_tokens
+        if self.tp is not None and min_tokens and len(step.input_ids) >= max(min_tokens, 2):
+            return self._forward_overlapped(step)
         inputs = to_model_inputs(step, self.page_size, self.device)
         ctx = ForwardContext(meta=inputs.meta, kv_cache=self.kv_cache, backend=self.backend)
         with torch.inference_mode():
@@ -260,6 +264,31 @@ class ModelRunner:
             if inputs.logits_indices.numel() == 0:
                 return None
             return self.model.compute_logits(hidden[inputs.logits_indices])  # [N, V] fp32
+
+    def _forward_overlapped(self, step: StepInputs) -> torch.Tensor | None:
+        """A long step under tensor parallelism as two halves whose all-reduces hide behind each other's
+        compute (DecoderModel.forward_overlapped); the same logits as one pass, up to rounding."""
+        halves = [
+            to_model_inputs(half, self.page_size, self.device)
+            for half in split_step(step, len(step.input_ids) // 2)
+        ]
+        with torch.inference_mode():
+            batches = [
+                (
+                    h.input_ids,
+                    h.positions,
+                    ForwardContext(meta=h.meta, kv_cache=self.kv_cache, backend=self.backend),
+                )
+                for h in halves
+            ]
+            hidden = torch.cat(self.model.forward_overlapped(batches))  # [T, H]
+            self.num_tokens_computed += hidden.shape[0]
+            self.num_forward_passes += 1
+            self.num_overlapped_passes += 1
+            if not step.logits_indices:
+                return None
+            rows = torch.tensor(step.logits_indices, dtype=torch.long, device=self.device)
+            return self.model.compute_logits(hidden[rows])  # [N, V] fp32
 
     def shutdown(self) -> None:
         """Stop the tp workers (rank 0) and leave the process group; a no-op at tp=1. Idempotent."""
