@@ -142,6 +142,9 @@ OPTIONS: tuple[Option, ...] = (
         ("--cuda-graph-max-prefill-tokens",),
         E + "cuda_graph_max_prefill_tokens",
         "a lone prefill chunk up to this many tokens replays a graph (0: off)",
+        int,
+    ),
+    Option(
         ("--tp-overlap-min-tokens",),
         E + "tp_overlap_min_tokens",
         "tp > 1: a step of this many tokens runs as two halves whose all-reduces overlap (0: off)",
