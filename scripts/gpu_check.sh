@@ -68,6 +68,18 @@ if [[ $MODE == profile ]]; then  # one GPU: where the time of the 8B shape's col
     --profile --output-json "$OUT/latency_8b_profile.json" 2>&1 | tee "$OUT/latency_8b_profile.log" | tail -8
 fi
 
+if [[ $MODE == wip ]]; then  # one GPU: the gpu-wip branch (prefill CUDA graphs) checked and measured
+  python3 -m pytest -q -m gpu tests/gpu/test_engine_gpu.py tests/gpu/test_attention_gpu.py -p no:cacheprovider \
+    -o faulthandler_timeout=150 2>&1 | tee "$OUT/gpu_tests.log" | tail -6 || status=1
+  lat=(--config llama-3.1-8b --load-format dummy --dtype bfloat16 --warmup 1 --repeat 3)
+  python3 -m longserve.bench.latency "${lat[@]}" --prefix-hit 32768:64,32768:256 --prompt-lens 32768 --profile \
+    --output-json "$OUT/latency_8b_prefill_graphs.json" 2>&1 | tee "$OUT/latency_8b_prefill_graphs.log" | tail -5
+  python3 -m longserve.bench.latency "${lat[@]}" --prefix-hit 32768:64,32768:256 --prompt-lens 32768 \
+    --cuda-graph-max-prefill-tokens 0 --output-json "$OUT/latency_8b_no_prefill_graphs.json" 2>&1 \
+    | tee "$OUT/latency_8b_no_prefill_graphs.log" | tail -5
+  python3 scripts/sweep_decode.py 2>&1 | tee "$OUT/sweep_decode.log" | grep -v failed | tail -4
+fi
+
 echo "=== summary ($MODE) ==="
 grep -h "default .* best" "$OUT"/sweep_decode.log 2>/dev/null
 grep -h "wall .* ms, busy" "$OUT"/latency_*.log 2>/dev/null | sed 's/^\[bench latency [0-9:]*\] //'

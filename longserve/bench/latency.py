@@ -147,6 +147,12 @@ def add_latency_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
     p.add_argument(
+        "--cuda-graph-max-prefill-tokens",
+        type=_int_at_least(0),
+        default=256,
+        help="a lone chunk of up to this many tokens replays a CUDA graph (0: off)",
+    )
+    p.add_argument(
         "--tp-overlap-min-tokens",
         type=_int_at_least(0),
         default=4096,
@@ -480,6 +486,7 @@ def _run_engine(
         tp_size=args.tp_size,
         enforce_eager=args.enforce_eager,
         tp_overlap_min_tokens=args.tp_overlap_min_tokens,
+        cuda_graph_max_prefill_tokens=args.cuda_graph_max_prefill_tokens,
     )
     try:
         return _bench_engine(llm, args, skipped)
