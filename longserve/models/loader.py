@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 import time
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from longserve.models.layers import RMSNorm
+from longserve.models.layers import MergedLinear, RMSNorm, RowParallelLinear, VocabParallelEmbedding
 from longserve.models.registry import get_model_class
 
 logger = logging.getLogger("longserve.models.loader")
@@ -290,12 +291,37 @@ def iterate_safetensors(
 
 @torch.no_grad()
 def init_dummy_weights(model: nn.Module, std: float, seed: int) -> None:
-    """Random weights, deterministic per seed and device: normal(0, std) everywhere, RMSNorm weights = 1."""
-    norm_params = {id(p) for m in model.modules() if isinstance(m, RMSNorm) for p in m.parameters()}
-    params = list(model.named_parameters())
-    generator = torch.Generator(device=params[0][1].device if params else "cpu").manual_seed(seed)
-    for _, param in params:
-        if id(param) in norm_params:
+    """Random weights: normal(0, std), RMSNorm weights = 1; deterministic per seed, device and parameter
+    name, and the same model whatever the tensor-parallel size: a sharded parameter draws its whole
+    (unsharded) tensor and keeps its rank's part through the checkpoint loaders, as if read from a file."""
+    owners = {id(p): m for m in model.modules() for p in m.parameters(recurse=False)}
+    for name, param in model.named_parameters():
+        owner = owners[id(param)]
+        if isinstance(owner, RMSNorm):
             param.fill_(1.0)
-        else:
+            continue
+        generator = torch.Generator(device=param.device).manual_seed(
+            (seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63
+        )
+        full = _unsharded_shape(owner, param)
+        if full == tuple(param.shape):
             param.normal_(0.0, std, generator=generator)
+            continue
+        tensor = torch.empty(full, dtype=param.dtype, device=param.device).normal_(
+            0.0, std, generator=generator
+        )
+        if isinstance(owner, MergedLinear):
+            owner.weight_loader(param, tensor, None)
+        else:
+            param.weight_loader(param, tensor)  # type: ignore[attr-defined]
+
+
+def _unsharded_shape(owner: nn.Module, param: nn.Parameter) -> tuple[int, ...]:
+    """The shape of `param` in a tensor-parallel size 1 model (its checkpoint tensor)."""
+    if isinstance(owner, MergedLinear):
+        return (sum(owner.full_shard_sizes.values()), *param.shape[1:])
+    if isinstance(owner, RowParallelLinear) and param is owner.weight:
+        return (owner.out_features, owner.in_features * owner.tp_size)
+    if isinstance(owner, VocabParallelEmbedding):
+        return (owner.num_embeddings, param.shape[1])
+    return tuple(param.shape)

@@ -106,6 +106,8 @@ class ModelRunner:
         self.num_tokens_computed = 0  # every token fed through the model (tests count cache hits by it)
         self.num_forward_passes = 0
         self.num_overlapped_passes = 0  # tp steps run as two overlapped halves
+        if self.tp is not None:  # every rank has its weights, pool and graphs: only now is the engine ready
+            dist.barrier(group=self.tp.cpu_group)
 
     def _build_graph_runner(self) -> DecodeGraphRunner | None:
         if self.device.type != "cuda" or self.config.enforce_eager:

@@ -94,6 +94,15 @@ def test_split_step():
     assert (a.query_lens, b.prefix_lens, b.query_lens) == ([3], [3], [4])
 
 
+def test_dummy_weights_do_not_depend_on_tp(tmp_path):
+    """--load-format dummy draws each parameter's whole tensor: TP=2 is the same model as TP=1 (so
+    benchmarks at tp > 1 run the model a tp=1 run does), and different seeds give different models."""
+    path = make_tiny_checkpoint(tmp_path, "qwen2", tie_word_embeddings=True)
+    expected = run(path, load_format="dummy")
+    assert run(path, load_format="dummy", tp_size=2)[:2] == expected[:2]
+    assert run(path, load_format="dummy", seed=1)[:2] != expected[:2]
+
+
 def test_tp4_replicates_kv_heads(tmp_path):
     path = make_tiny_checkpoint(tmp_path, "llama")  # 4 heads, 2 kv heads: each kv head on two ranks
     assert run(path, tp_size=4)[:2] == run(path)[:2]

@@ -95,6 +95,10 @@ def tp_servers(tiny_model, tmp_path_factory):
 def test_tp2_greedy_generate_equals_offline_tp1(tp_servers, tiny_model):
     server = tp_servers["healthy"]
     worker_pid(server)
+    lines = server.log().splitlines()
+    worker_loaded = next(i for i, x in enumerate(lines) if "[tp rank 1]" in x and "Loaded" in x)
+    ready = next(i for i, x in enumerate(lines) if "KV pool:" in x)
+    assert worker_loaded < ready, "the engine reported ready before its worker had its weights"
     body = {
         "input_ids": PROMPTS,
         "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True},
