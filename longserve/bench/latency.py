@@ -306,6 +306,12 @@ class _EngineBench:
 
         return torch.randint(0, self.vocab, (n,), generator=self.gen).tolist()
 
+    def hit_prompts(self, cached: int, new: int) -> tuple[list[int], list[int]]:
+        """prefix + A and prefix + B with B[0] != A[0]: the second reuses exactly the page-aligned prefix."""
+        prefix, tail_a, tail_b = self.prompt(cached), self.prompt(new), self.prompt(new)
+        tail_b[0] = (tail_a[0] + 1) % self.vocab
+        return prefix + tail_a, prefix + tail_b
+
     def generate(self, prompt: list[int]) -> tuple[Any, float]:
         out, wall = self.timer.time(lambda: self.llm.generate(prompt, self.one, use_tqdm=False)[0])
         if out.error or out.ttft is None:
@@ -335,10 +341,9 @@ class _EngineBench:
         ttfts, walls, cold_ttfts, cold_walls, hits = [], [], [], [], []
         for i in self.runs:
             self.engine.flush_cache()
-            prefix, tail_a, tail_b = self.prompt(cached), self.prompt(new), self.prompt(new)
-            tail_b[0] = (tail_a[0] + 1) % self.vocab
-            cold_out, cold_wall = self.generate(prefix + tail_a)
-            out, wall = self.generate(prefix + tail_b)
+            first, second = self.hit_prompts(cached, new)
+            cold_out, cold_wall = self.generate(first)
+            out, wall = self.generate(second)
             if i >= self.args.warmup:
                 ttfts.append(out.ttft)
                 walls.append(wall)
@@ -439,10 +444,9 @@ class _EngineBench:
     def profiled_hit(self, cached: int, new: int) -> Callable[[], Any]:
         """A cold prefix + A run outside the profiler; the profiled call is the prefix + B hit."""
         self.engine.flush_cache()
-        prefix, tail_a, tail_b = self.prompt(cached), self.prompt(new), self.prompt(new)
-        tail_b[0] = (tail_a[0] + 1) % self.vocab
-        self.generate(prefix + tail_a)
-        return lambda: self.generate(prefix + tail_b)
+        first, second = self.hit_prompts(cached, new)
+        self.generate(first)
+        return lambda: self.generate(second)
 
 
 def _record(

@@ -29,6 +29,19 @@ def _median(xs: list[float]) -> float:
     return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2
 
 
+def _style(ax: Any) -> None:
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def _save(plt: Any, fig: Any, path: str) -> str:
+    """Write the figure to `path` (PNG) and free it; returns the path."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _clusters(points: list[tuple[float, float]]) -> list[list[tuple[float, float]]]:
     """Sorted (x, y) points split where x grows by more than 10% (re-tokenized text varies a little)."""
     out: list[list[tuple[float, float]]] = []
@@ -59,12 +72,8 @@ def ttft_vs_prompt_len(runs: list[dict[str, Any]], sweep: bool, path: str) -> st
     ax.set_xlabel("prompt tokens")
     ax.set_ylabel("TTFT (ms)")
     ax.set_title("Time to first token vs prompt length")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    _style(ax)
+    return _save(plt, fig, path)
 
 
 def ttft_cdf(runs: list[dict[str, Any]], sweep: bool, path: str) -> str:
@@ -80,12 +89,8 @@ def ttft_cdf(runs: list[dict[str, Any]], sweep: bool, path: str) -> str:
     ax.set_ylabel("fraction of requests")
     ax.set_title("TTFT CDF")
     ax.set_ylim(0, 1.02)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    _style(ax)
+    return _save(plt, fig, path)
 
 
 def throughput_vs_concurrency(runs: list[dict[str, Any]], path: str) -> str:
@@ -105,14 +110,10 @@ def throughput_vs_concurrency(runs: list[dict[str, Any]], path: str) -> str:
         ax.minorticks_off()
         ax.set_xlabel("max concurrency")
         ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        _style(ax)
     left.set_title("Throughput vs concurrency")
     right.set_title("TTFT vs concurrency")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def write_plots(runs: list[dict[str, Any]], sweep: bool, folder: str) -> list[str]:

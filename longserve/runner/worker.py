@@ -63,6 +63,10 @@ def _describe_exit(code: int) -> str:
     return str(code)
 
 
+def _exit_message(proc: Any, rank: int) -> str:
+    return f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {_describe_exit(proc.exitcode)}"
+
+
 _orphan_exit = threading.Lock()
 
 
@@ -199,8 +203,7 @@ class TPWorkers:
             for p, rank in zip(self.procs, self.ranks):
                 if p.exitcode is not None:
                     raise RuntimeError(
-                        f"tensor-parallel rank {rank} (pid {p.pid}) exited with code "
-                        f"{_describe_exit(p.exitcode)} while starting (its error is logged above). Workers "
+                        f"{_exit_message(p, rank)} while starting (its error is logged above). Workers "
                         "are started with multiprocessing's spawn: a script that creates an LLM with "
                         "tp_size > 1 must do it under `if __name__ == '__main__':`"
                     )
@@ -215,8 +218,7 @@ class TPWorkers:
                 for p, rank in zip(self.procs, self.ranks):
                     if p.exitcode is not None:
                         self.failure = (
-                            f"tensor-parallel rank {rank} (pid {p.pid}) exited with code "
-                            f"{_describe_exit(p.exitcode)}; the engine cannot run steps without it and "
+                            f"{_exit_message(p, rank)}; the engine cannot run steps without it and "
                             "must be restarted"
                         )
                         logger.error(self.failure)
