@@ -169,11 +169,7 @@ class ModelRunner:
         tuned = self.device.type == "cuda" and self.dtype != torch.float32  # as the backend decides
         if tuned and num_tokens * (heads // kv_heads) <= SHORT_CHUNK_ROWS:
             block_m = 64
-        num_sms = (
-            torch.cuda.get_device_properties(self.device).multi_processor_count
-            if self.device.type == "cuda"
-            else 4
-        )
+        num_sms = self.backend.num_sms(self.device)  # the triton backend (prefill graphs need it)
         splits = choose_extend_splits([num_tokens], [self.context_length], heads, kv_heads, block_m, num_sms)
         return TritonAttentionBackend(cold_path="triton", extend_splits=splits)
 
