@@ -161,7 +161,7 @@ def add_latency_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--profile",
         action="store_true",
-        help="one extra run of each cold / prefix-hit case under torch.profiler: time per category "
+        help="one extra run of each case under torch.profiler (decode: --decode-steps steps): time per category "
         "(GEMM, attention, collectives, ...) in the JSON and the log",
     )
 
@@ -300,6 +300,7 @@ class _EngineBench:
         self.gen = torch.Generator().manual_seed(args.seed)
         self.one = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
         self.runs = range(args.warmup + args.repeat)
+        self.decode_prompts: dict[tuple[int, int], list[list[int]]] = {}  # (batch, context) -> prompts
 
     def prompt(self, n: int) -> list[int]:
         import torch
@@ -379,19 +380,10 @@ class _EngineBench:
         params = SamplingParams(
             max_new_tokens=_decode_new_tokens(self.args, batch), temperature=0.0, ignore_eos=True
         )
+        self.decode_prompts[(batch, context)] = prompts
         run_means, steps_ms, mixed = [], [], 0
         for i in self.runs:
-            ids = [self.engine.add_request(p, params) for p in prompts]
-            started: set[str] = set()
-            while len(started) < batch:
-                for out in self.engine.step():
-                    if out.finished:
-                        raise RuntimeError(
-                            f"decode request {out.request_id} finished before the timed steps ({out.error or 'length'}): "
-                            "its prompt fell out of the prefix cache; raise --max-total-tokens"
-                        )
-                    if out.token_ids:
-                        started.add(out.request_id)
+            ids = self.start_decodes(prompts, params)
             times = []
             for _ in range(self.args.decode_steps):
                 _, dt = self.timer.time(self.engine.step)
@@ -414,6 +406,41 @@ class _EngineBench:
             prefill_s=prefill_s,
             num_mixed_steps=mixed,
         )
+
+    def start_decodes(self, prompts: list[list[int]], params: Any) -> list[str]:
+        """Add the (prefix-cached) prompts and step until every request has its first token; their ids."""
+        ids = [self.engine.add_request(p, params) for p in prompts]
+        started: set[str] = set()
+        while len(started) < len(ids):
+            for out in self.engine.step():
+                if out.finished:
+                    raise RuntimeError(
+                        f"decode request {out.request_id} finished before the timed steps ({out.error or 'length'}): "
+                        "its prompt fell out of the prefix cache; raise --max-total-tokens"
+                    )
+                if out.token_ids:
+                    started.add(out.request_id)
+        return ids
+
+    def profiled_decode(self, batch: int, context: int) -> Callable[[], Any]:
+        """The timed case's prompts started again outside the profiler; the profiled call is decode_steps
+        pure decode steps (then the requests are aborted)."""
+        from longserve.sampling_params import SamplingParams
+
+        params = SamplingParams(
+            max_new_tokens=_decode_new_tokens(self.args, batch), temperature=0.0, ignore_eos=True
+        )
+        ids = self.start_decodes(self.decode_prompts[(batch, context)], params)
+
+        def steps() -> None:
+            try:
+                for _ in range(self.args.decode_steps):
+                    self.engine.step()
+            finally:
+                for rid in ids:
+                    self.engine.abort(rid)
+
+        return steps
 
     def run_case(
         self,
@@ -525,7 +552,7 @@ def _bench_engine(
             rec["skipped"] = skipped[b]
             _log(f"{rec['name']}: skipped: {skipped[b]}")
         else:
-            bench.run_case(rec, lambda b=b: bench.decode(b, c))
+            bench.run_case(rec, lambda b=b: bench.decode(b, c), lambda b=b: bench.profiled_decode(b, c))
         records.append(rec)
     runner = llm.engine.runner
     meta = dict(

@@ -102,14 +102,16 @@ def test_decode_case_too_big_for_the_pool_is_skipped():
 
 
 def test_profile_under_tensor_parallelism():
-    """--profile --tp-size 2 (gloo): the time is split into categories that exist in the step (GEMM and the
-    collectives of tensor parallelism among them) and never exceeds the wall time; the workers stop."""
+    """--profile --tp-size 2 (gloo): the time of every case (cold, prefix hit, decode steps) is split into
+    categories that exist in the step (GEMM and the collectives of tensor parallelism among them) and never exceeds the wall time; the workers stop."""
     import torch.distributed as dist
 
     records = run_latency(
-        [*FLAGS, "--prompt-lens", "128", "--prefix-hit", "96:8", "--profile", "--tp-size", "2"]
-    )
-    for rec in records:
+        [*FLAGS, "--prompt-lens", "128", "--prefix-hit", "96:8", "--profile", "--tp-size", "2",
+         "--decode-batch-sizes", "2", "--decode-context-len", "64"]
+    )  # fmt: skip
+    assert [r["case"] for r in records] == ["cold", "prefix_hit", "decode"]
+    for rec in records:  # decode too: its profiled call is --decode-steps steps
         prof = rec["profile"]
         cats = prof["by_category_ms"]
         assert cats["gemm"] > 0 and cats["collectives"] > 0, cats
