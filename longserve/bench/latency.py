@@ -164,6 +164,12 @@ def add_latency_args(p: argparse.ArgumentParser) -> None:
         help="one extra run of each case under torch.profiler (decode: --decode-steps steps): time per category "
         "(GEMM, attention, collectives, ...) in the JSON and the log",
     )
+    p.add_argument(
+        "--host-profile",
+        action="store_true",
+        help="one extra run of each case under cProfile: the host functions with the most self time "
+        "(in the JSON and the log); for host-bound cases such as a prefix hit or a decode step",
+    )
 
 
 # ---- planning -----------------------------------------------------------------------------------
@@ -448,8 +454,8 @@ class _EngineBench:
         fn: Callable[[], dict[str, Any]],
         profiled: Callable[[], Callable[[], Any]] | None = None,
     ) -> None:
-        """Run `fn`'s warm-up and timed runs; with --profile, `profiled()` sets up one more run (untimed)
-        and returns the call to profile."""
+        """Run `fn`'s warm-up and timed runs; with --profile / --host-profile, `profiled()` sets up one more
+        run (untimed) and returns the call to profile."""
         _log(f"{record['name']}: running ({self.args.warmup} warm-up + {self.args.repeat} timed)")
         self.timer.reset_peak()
         record.update(fn())
@@ -460,6 +466,12 @@ class _EngineBench:
 
             _, record["profile"] = profile_call(profiled(), self.timer.device.type)
             _log(format_profile(record["name"], record["profile"]))
+            self.engine.check_integrity()
+        if self.args.host_profile and profiled is not None:
+            from longserve.bench.profile import format_host_profile, host_profile_call
+
+            _, record["host_profile"] = host_profile_call(profiled())
+            _log(format_host_profile(record["name"], record["host_profile"]))
             self.engine.check_integrity()
 
     def profiled_cold(self, n: int) -> Callable[[], Any]:

@@ -121,6 +121,27 @@ def test_profile_under_tensor_parallelism():
     assert not dist.is_initialized()
 
 
+def test_host_profile_names_the_engine_functions():
+    """--host-profile: each case's extra run under cProfile lists the host functions by self time (each
+    one's cumulative time within the run's wall time); a function the call ran is named."""
+    from longserve.bench.profile import host_profile_call
+
+    records = run_latency(
+        [*FLAGS, "--prompt-lens", "64", "--decode-batch-sizes", "2", "--decode-context-len", "32",
+         "--host-profile"]
+    )  # fmt: skip
+    for rec in records:
+        prof = rec["host_profile"]
+        rows = prof["top_functions"]
+        assert rows and [r["self_ms"] for r in rows] == sorted((r["self_ms"] for r in rows), reverse=True)
+        assert all(0 <= r["self_ms"] <= r["cum_ms"] <= prof["wall_ms"] * 1.05 + 1 for r in rows), rows
+        assert "profile" not in rec  # --profile was not asked for
+    total, summary = host_profile_call(lambda: sum(range(10)), top=50)
+    assert total == 45 and any(
+        r["function"] == "<built-in method builtins.sum>" for r in summary["top_functions"]
+    )
+
+
 def test_categorize_kernel_names():
     from longserve.bench.profile import categorize
 
