@@ -95,7 +95,7 @@ fi
 
 if [[ $MODE == host ]]; then  # one GPU: where the host's time goes in a prefix hit and in decode steps
   base=(--config llama-3.1-8b --load-format dummy --dtype bfloat16 --warmup 1 --repeat 3 --host-profile)
-  python3 -m longserve.bench.latency "${base[@]}" --prefix-hit 32768:64 --decode-batch-sizes 1 \
+  python3 -m longserve.bench.latency "${base[@]}" --prefix-hit 32768:64,32768:256 --decode-batch-sizes 1 \
     --decode-context-len 32768 --output-json "$OUT/latency_8b_host.json" 2>&1 | tee "$OUT/latency_8b_host.log" \
     | grep -v "^\[bench" | tail -40
   python3 -m longserve.bench.latency "${base[@]}" --decode-batch-sizes 64 --decode-context-len 4096 \

@@ -181,7 +181,12 @@ class RadixTree:
         """Tokens of key matching toks[start:], in whole pages (>= one page: the child key matched)."""
         ps = self.page_size
         limit = min(len(key), len(toks) - start)
+        # C-level compares of 64-page blocks first, then page by page inside the block that differs
+        # (a 32K-token key: ~32 slice compares instead of 2,048)
+        block = 64 * ps
         i = ps
+        while i + block <= limit and key[i : i + block] == toks[start + i : start + i + block]:
+            i += block
         while i < limit and key[i : i + ps] == toks[start + i : start + i + ps]:
             i += ps
         return i

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from longserve.attention.base import AttentionMetadata, build_metadata
+from longserve.attention.base import AttentionMetadata, build_step_tensors
 from longserve.outputs import SchedulerOutput
 
 
@@ -78,12 +78,15 @@ def split_step(step: StepInputs, at: int) -> tuple[StepInputs, StepInputs]:
 
 
 def to_model_inputs(step: StepInputs, page_size: int, device: torch.device) -> ModelInputs:
-    meta = build_metadata(step.prefix_lens, step.query_lens, step.page_tables, page_size, device)
+    meta, (input_ids, positions, logits_indices) = build_step_tensors(
+        step.prefix_lens, step.query_lens, step.page_tables, page_size, device,
+        extra=(step.input_ids, step.positions, step.logits_indices),
+    )  # fmt: skip
     return ModelInputs(
-        input_ids=torch.tensor(step.input_ids, dtype=torch.long, device=device),
-        positions=torch.tensor(step.positions, dtype=torch.long, device=device),
+        input_ids=input_ids,
+        positions=positions,
         meta=meta,
-        logits_indices=torch.tensor(step.logits_indices, dtype=torch.long, device=device),
+        logits_indices=logits_indices,
         num_tokens=len(step.input_ids),
     )
 

@@ -390,3 +390,19 @@ def test_random_request_lifecycles(ops: list[tuple[str, object]], page_size: int
     assert pool.num_free == pool.num_total
     pool.check()
     tree.check()
+
+
+@pytest.mark.parametrize("diff_page", [1, 63, 64, 65, 128, 200, 299])
+def test_long_key_match_stops_at_the_first_differing_page(diff_page: int) -> None:
+    # keys longer than the 64-page blocks compared at once: the match still ends exactly at the page
+    # that differs, whether it falls inside a block, on a block boundary or in the page-by-page tail
+    ps = 2
+    pool, tree = make(num_pages=700, page_size=ps)
+    tokens = list(range(300 * ps))
+    first = cache(pool, tree, tokens)
+    other = list(tokens)
+    other[diff_page * ps + 1] = -1  # second token of that page
+    m = tree.match_prefix(other)
+    assert m.num_tokens == diff_page * ps and m.pages == first[:diff_page]
+    assert tree.match_prefix(tokens).pages == first  # the split keeps the whole run reachable
+    tree.check()
