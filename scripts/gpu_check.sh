@@ -68,29 +68,18 @@ if [[ $MODE == profile ]]; then  # one GPU: where the time of the 8B shape's col
     --profile --output-json "$OUT/latency_8b_profile.json" 2>&1 | tee "$OUT/latency_8b_profile.log" | tail -8
 fi
 
-if [[ $MODE == wip ]]; then  # one GPU: prefill CUDA graphs, the short-suffix extend kernel and decode, measured
+if [[ $MODE == wip ]]; then  # one GPU: tests, short-suffix extend sweep, the 8B shape's cases against HF
   python3 -m pytest -q -m gpu tests/gpu/test_engine_gpu.py tests/gpu/test_attention_gpu.py -p no:cacheprovider \
     -o faulthandler_timeout=150 2>&1 | tee "$OUT/gpu_tests.log" | tail -6 || status=1
-  python3 - <<'PY' 2>&1 | tee "$OUT/suffix_kernels.log"
-from longserve.kernels.bench_attention import BenchCase, bench_attention
-for new in (64, 256):
-    case = BenchCase(f"suffix_{new}_over_32k", 32768, new)
-    cfg = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}  # the backend's short-chunk tiles
-    for splits in (None, 8, 16, 32, 64):
-        r = bench_attention([case], extend_config=cfg, extend_splits=splits)[0]
-        kv_gbps = 32768 * 8 * 128 * 2 * 2 / r["ms"] / 1e6  # unique K/V bytes per ms
-        print(f"{case.name} splits={r['num_splits']} {r['ms'] * 1e3:.1f} us ({kv_gbps:.0f} GB/s of K/V)", flush=True)
-PY
+  python3 scripts/sweep_short_extend.py 2>&1 | tee "$OUT/sweep_short_extend.log" | grep -v failed | tail -3
   base=(--config llama-3.1-8b --load-format dummy --dtype bfloat16 --warmup 1 --repeat 3)
-  lat=("${base[@]}" --profile)
-  python3 -m longserve.bench.latency "${lat[@]}" --prefix-hit 32768:64,32768:256 --prompt-lens 32768 \
-    --decode-batch-sizes 1 --decode-context-len 32768 --output-json "$OUT/latency_8b_wip.json" 2>&1 \
-    | tee "$OUT/latency_8b_wip.log" | tail -6
-  python3 -m longserve.bench.latency "${lat[@]}" --decode-batch-sizes 64 --decode-context-len 4096 \
+  python3 -m longserve.bench.latency "${base[@]}" --prompt-lens 8192,32768 --prefix-hit 32768:64,32768:256 \
+    --decode-batch-sizes 1 --decode-context-len 32768 --compare-hf --profile --output-json "$OUT/latency_8b.json" \
+    2>&1 | tee "$OUT/latency_8b.log" | tail -8
+  python3 -m longserve.bench.latency "${base[@]}" --decode-batch-sizes 64 --decode-context-len 4096 --profile \
     --output-json "$OUT/latency_8b_decode64.json" 2>&1 | tee "$OUT/latency_8b_decode64.log" | tail -3
   python3 -m longserve.bench.latency "${base[@]}" --prefix-hit 32768:64 --cuda-graph-max-prefill-tokens 0 \
     --output-json "$OUT/latency_8b_no_prefill_graphs.json" 2>&1 | tee "$OUT/latency_8b_no_prefill_graphs.log" | tail -3
-  python3 scripts/sweep_decode.py 2>&1 | tee "$OUT/sweep_decode.log" | grep -v failed | tail -4
 fi
 
 if [[ $MODE == host ]]; then  # one GPU: where the host's time goes in a prefix hit and in decode steps
@@ -103,7 +92,7 @@ if [[ $MODE == host ]]; then  # one GPU: where the host's time goes in a prefix 
 fi
 
 echo "=== summary ($MODE) ==="
-grep -h "default .* best" "$OUT"/sweep_decode.log 2>/dev/null
+grep -h "default .* best" "$OUT"/sweep_*.log 2>/dev/null
 grep -h "wall .* ms, busy" "$OUT"/latency_*.log 2>/dev/null | sed 's/^\[bench latency [0-9:]*\] //'
 
 grep -hE "passed|failed|error" "$OUT"/gpu_tests.log "$OUT"/e2e_cuda.log "$OUT"/gpu_tp_tests.log 2>/dev/null | tail -6
