@@ -82,6 +82,14 @@ if [[ $MODE == wip ]]; then  # one GPU: tests, short-suffix extend sweep, the 8B
     --output-json "$OUT/latency_8b_no_prefill_graphs.json" 2>&1 | tee "$OUT/latency_8b_no_prefill_graphs.log" | tail -3
 fi
 
+if [[ $MODE == hit ]]; then  # one GPU: the prefix-hit cases alone (more runs), then cold 128K against HF
+  base=(--config llama-3.1-8b --load-format dummy --dtype bfloat16)
+  python3 -m longserve.bench.latency "${base[@]}" --warmup 1 --repeat 5 --prefix-hit 32768:64,32768:256 \
+    --output-json "$OUT/latency_8b_hit.json" 2>&1 | tee "$OUT/latency_8b_hit.log" | tail -4
+  python3 -m longserve.bench.latency "${base[@]}" --warmup 0 --repeat 1 --prompt-lens 131072 --compare-hf \
+    --output-json "$OUT/latency_8b_128k.json" 2>&1 | tee "$OUT/latency_8b_128k.log" | tail -3
+fi
+
 if [[ $MODE == host ]]; then  # one GPU: where the host's time goes in a prefix hit and in decode steps
   base=(--config llama-3.1-8b --load-format dummy --dtype bfloat16 --warmup 1 --repeat 3 --host-profile)
   python3 -m longserve.bench.latency "${base[@]}" --prefix-hit 32768:64,32768:256 --decode-batch-sizes 1 \
