@@ -38,7 +38,8 @@ class EngineConfig:
     enforce_eager: bool = False  # no CUDA graphs (SGLang: --disable-cuda-graph)
     cuda_graph_max_bs: int = 128  # decode steps up to this batch size replay CUDA graphs
     cuda_graph_max_prefill_tokens: int = 256  # a lone chunk of up to this many tokens replays a graph; 0: off
-    tp_overlap_min_tokens: int = 4096  # tp > 1: steps of this many tokens run as 2 overlapped halves; 0: off
+    # tp > 1: steps of this many tokens run as 2 overlapped halves; 0 (default until measured on 2 GPUs): off
+    tp_overlap_min_tokens: int = 0
     tp_size: int = 1  # tensor-parallel ranks (one process each; must divide the attention heads)
     nnodes: int = 1  # nodes the tp ranks span (tp_size / nnodes ranks per node)
     node_rank: int = 0  # this node's index; node 0 runs the engine

@@ -47,7 +47,8 @@ if [[ $MODE == tp ]]; then  # needs two GPUs (nvidia-h200-x2): TP tests, the 8B 
   python3 -m pytest -q -m gpu tests/gpu/test_tensor_parallel_gpu.py -p no:cacheprovider -o faulthandler_timeout=150 -x 2>&1 \
     | tee "$OUT/gpu_tp_tests.log" | tail -8 || status=1
   python3 -m longserve.bench.latency --config llama-3.1-8b --load-format dummy --dtype bfloat16 --tp-size 2 \
-    --profile --warmup 1 --repeat 3 --prompt-lens 8192,32768 --output-json "$OUT/latency_tp2_8b.json" 2>&1 \
+    --tp-overlap-min-tokens 4096 --profile --warmup 1 --repeat 3 --prompt-lens 8192,32768 \
+    --output-json "$OUT/latency_tp2_8b.json" 2>&1 \
     | tee "$OUT/latency_tp2_8b.log" | tail -6
   python3 -m longserve.bench.latency --config llama-3.1-8b --load-format dummy --dtype bfloat16 --tp-size 2 \
     --tp-overlap-min-tokens 0 --warmup 1 --repeat 3 --prompt-lens 32768 \

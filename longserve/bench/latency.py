@@ -155,8 +155,9 @@ def add_latency_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tp-overlap-min-tokens",
         type=_int_at_least(0),
-        default=4096,
-        help="tp > 1: steps of this many tokens run as two halves with overlapped all-reduces (0: off)",
+        default=0,
+        help="tp > 1: steps of this many tokens run as two halves with overlapped all-reduces (0, the "
+        "default: off; e.g. 4096)",
     )
     p.add_argument(
         "--profile",
