@@ -37,6 +37,9 @@ class EngineConfig:
     attention_backend: str = "auto"
     enforce_eager: bool = False  # no CUDA graphs (SGLang: --disable-cuda-graph)
     cuda_graph_max_bs: int = 128  # decode steps up to this batch size replay CUDA graphs
+    cuda_graph_max_prefill_tokens: int = 256  # a lone chunk of up to this many tokens replays a graph; 0: off
+    # tp > 1: steps of this many tokens run as 2 overlapped halves; 0 (default until measured on 2 GPUs): off
+    tp_overlap_min_tokens: int = 0
     tp_size: int = 1  # tensor-parallel ranks (one process each; must divide the attention heads)
     nnodes: int = 1  # nodes the tp ranks span (tp_size / nnodes ranks per node)
     node_rank: int = 0  # this node's index; node 0 runs the engine
@@ -70,6 +73,14 @@ class EngineConfig:
             f"max_prefill_chunk must be >= 1; got {self.max_prefill_chunk}",
         )
         need(self.cuda_graph_max_bs >= 1, f"cuda_graph_max_bs must be >= 1; got {self.cuda_graph_max_bs}")
+        need(
+            self.cuda_graph_max_prefill_tokens >= 0,
+            f"cuda_graph_max_prefill_tokens must be >= 0; got {self.cuda_graph_max_prefill_tokens}",
+        )
+        need(
+            self.tp_overlap_min_tokens >= 0,
+            f"tp_overlap_min_tokens must be >= 0; got {self.tp_overlap_min_tokens}",
+        )
         need(
             self.max_running_requests >= 1,
             f"max_running_requests must be >= 1; got {self.max_running_requests}",

@@ -40,8 +40,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for each prompt (a string or a list of token ids); one output per prompt, in order."""
         if isinstance(prompts, str) or (
-            isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
-        ):
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):  # one prompt of token ids (add_request checks every id)
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):

@@ -47,8 +47,12 @@ if [[ $MODE == tp ]]; then  # needs two GPUs (nvidia-h200-x2): TP tests, the 8B 
   python3 -m pytest -q -m gpu tests/gpu/test_tensor_parallel_gpu.py -p no:cacheprovider -o faulthandler_timeout=150 -x 2>&1 \
     | tee "$OUT/gpu_tp_tests.log" | tail -8 || status=1
   python3 -m longserve.bench.latency --config llama-3.1-8b --load-format dummy --dtype bfloat16 --tp-size 2 \
-    --profile --warmup 1 --repeat 3 --prompt-lens 8192,32768 --output-json "$OUT/latency_tp2_8b.json" 2>&1 \
+    --tp-overlap-min-tokens 4096 --profile --warmup 1 --repeat 3 --prompt-lens 8192,32768 \
+    --output-json "$OUT/latency_tp2_8b.json" 2>&1 \
     | tee "$OUT/latency_tp2_8b.log" | tail -6
+  python3 -m longserve.bench.latency --config llama-3.1-8b --load-format dummy --dtype bfloat16 --tp-size 2 \
+    --tp-overlap-min-tokens 0 --warmup 1 --repeat 3 --prompt-lens 32768 \
+    --output-json "$OUT/latency_tp2_8b_no_overlap.json" 2>&1 | tee "$OUT/latency_tp2_8b_no_overlap.log" | tail -4
 fi
 if [[ $MODE == tp32 ]]; then  # two GPUs: the Qwen2.5-32B shape at TP=2
   tp=(--config qwen2.5-32b --load-format dummy --dtype bfloat16 --tp-size 2)
@@ -65,8 +69,39 @@ if [[ $MODE == profile ]]; then  # one GPU: where the time of the 8B shape's col
     --profile --output-json "$OUT/latency_8b_profile.json" 2>&1 | tee "$OUT/latency_8b_profile.log" | tail -8
 fi
 
+if [[ $MODE == wip ]]; then  # one GPU: tests, short-suffix extend sweep, the 8B shape's cases against HF
+  python3 -m pytest -q -m gpu tests/gpu/test_engine_gpu.py tests/gpu/test_attention_gpu.py -p no:cacheprovider \
+    -o faulthandler_timeout=150 2>&1 | tee "$OUT/gpu_tests.log" | tail -6 || status=1
+  python3 scripts/sweep_short_extend.py 2>&1 | tee "$OUT/sweep_short_extend.log" | grep -v failed | tail -3
+  base=(--config llama-3.1-8b --load-format dummy --dtype bfloat16 --warmup 1 --repeat 3)
+  python3 -m longserve.bench.latency "${base[@]}" --prompt-lens 8192,32768 --prefix-hit 32768:64,32768:256 \
+    --decode-batch-sizes 1 --decode-context-len 32768 --compare-hf --profile --output-json "$OUT/latency_8b.json" \
+    2>&1 | tee "$OUT/latency_8b.log" | tail -8
+  python3 -m longserve.bench.latency "${base[@]}" --decode-batch-sizes 64 --decode-context-len 4096 --profile \
+    --output-json "$OUT/latency_8b_decode64.json" 2>&1 | tee "$OUT/latency_8b_decode64.log" | tail -3
+  python3 -m longserve.bench.latency "${base[@]}" --prefix-hit 32768:64 --cuda-graph-max-prefill-tokens 0 \
+    --output-json "$OUT/latency_8b_no_prefill_graphs.json" 2>&1 | tee "$OUT/latency_8b_no_prefill_graphs.log" | tail -3
+fi
+
+if [[ $MODE == hit ]]; then  # one GPU: the prefix-hit cases alone (more runs), then cold 128K against HF
+  base=(--config llama-3.1-8b --load-format dummy --dtype bfloat16)
+  python3 -m longserve.bench.latency "${base[@]}" --warmup 1 --repeat 5 --prefix-hit 32768:64,32768:256 \
+    --output-json "$OUT/latency_8b_hit.json" 2>&1 | tee "$OUT/latency_8b_hit.log" | tail -4
+  python3 -m longserve.bench.latency "${base[@]}" --warmup 0 --repeat 1 --prompt-lens 131072 --compare-hf \
+    --output-json "$OUT/latency_8b_128k.json" 2>&1 | tee "$OUT/latency_8b_128k.log" | tail -3
+fi
+
+if [[ $MODE == host ]]; then  # one GPU: where the host's time goes in a prefix hit and in decode steps
+  base=(--config llama-3.1-8b --load-format dummy --dtype bfloat16 --warmup 1 --repeat 3 --host-profile)
+  python3 -m longserve.bench.latency "${base[@]}" --prefix-hit 32768:64,32768:256 --decode-batch-sizes 1 \
+    --decode-context-len 32768 --output-json "$OUT/latency_8b_host.json" 2>&1 | tee "$OUT/latency_8b_host.log" \
+    | grep -v "^\[bench" | tail -40
+  python3 -m longserve.bench.latency "${base[@]}" --decode-batch-sizes 64 --decode-context-len 4096 \
+    --output-json "$OUT/latency_8b_host64.json" 2>&1 | tee "$OUT/latency_8b_host64.log" | grep -v "^\[bench" | tail -20
+fi
+
 echo "=== summary ($MODE) ==="
-grep -h "default .* best" "$OUT"/sweep_decode.log 2>/dev/null
+grep -h "default .* best" "$OUT"/sweep_*.log 2>/dev/null
 grep -h "wall .* ms, busy" "$OUT"/latency_*.log 2>/dev/null | sed 's/^\[bench latency [0-9:]*\] //'
 
 grep -hE "passed|failed|error" "$OUT"/gpu_tests.log "$OUT"/e2e_cuda.log "$OUT"/gpu_tp_tests.log 2>/dev/null | tail -6

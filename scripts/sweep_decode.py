@@ -21,7 +21,7 @@ CASES = (
 def main() -> None:
     rows = []
     for case, split_choices in CASES:
-        default = bench_attention([case], warmup=3, repeats=10)[0]
+        default = {**bench_attention([case], warmup=3, repeats=10)[0], "cfg": None}
         best = default
         # stage 1: tile/warps/stages at the default split count; stage 2: split counts at the best tile
         tiles = list(itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4)))

@@ -16,8 +16,10 @@ the new token t's K/V are written; `page_table[r, j]` is the page id holding pos
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -63,6 +65,21 @@ def build_metadata(
     `page_tables[r]` lists the page ids of request r in position order and must cover its
     `prefix_lens[r] + query_lens[r]` positions. Index math runs on the CPU; results are copied to `device`.
     """
+    return build_step_tensors(prefix_lens, query_lens, page_tables, page_size, device)[0]
+
+
+def build_step_tensors(
+    prefix_lens: list[int],
+    query_lens: list[int],
+    page_tables: list[list[int]],
+    page_size: int,
+    device: torch.device | str,
+    extra: Sequence[Sequence[int]] = (),
+) -> tuple[AttentionMetadata, list[torch.Tensor]]:
+    """build_metadata, plus each `extra` list (e.g. input ids) as an int64 tensor on `device`.
+
+    The index math runs in numpy and everything reaches the device in two copies (one int32 buffer, one
+    int64 buffer) rather than one per tensor: a decode step's host time is on the critical path."""
     num_reqs = len(prefix_lens)
     if not (len(query_lens) == len(page_tables) == num_reqs):
         raise ValueError(
@@ -76,35 +93,50 @@ def build_metadata(
                 f"request {r} has seq_len {seq_len} but only {len(pages)} pages of {page_size} tokens"
             )
     max_pages = max((len(pages) for pages in page_tables), default=0)
-    page_table = torch.zeros((num_reqs, max_pages), dtype=torch.int64)  # [B, max_pages]
+    page_table = np.zeros((num_reqs, max_pages), dtype=np.int64)  # [B, max_pages]
     for r, pages in enumerate(page_tables):
-        page_table[r, : len(pages)] = torch.tensor(pages, dtype=torch.int64)
+        page_table[r, : len(pages)] = pages
 
-    query_lens_t = torch.tensor(query_lens, dtype=torch.int64)  # [B]
-    query_start_loc = torch.zeros(num_reqs + 1, dtype=torch.int64)  # [B+1]
-    query_start_loc[1:] = torch.cumsum(query_lens_t, 0)
+    query_lens_np = np.asarray(query_lens, dtype=np.int64).reshape(num_reqs)  # [B]
+    prefix_np = np.asarray(prefix_lens, dtype=np.int64).reshape(num_reqs)  # [B]
+    query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)  # [B+1]
+    np.cumsum(query_lens_np, out=query_start_loc[1:])
     num_tokens = int(query_start_loc[-1])
-    req_idx = torch.repeat_interleave(torch.arange(num_reqs), query_lens_t)  # [T]
-    # absolute position of each new token: prefix_len + index within its request's query
-    positions = (
-        torch.tensor(prefix_lens, dtype=torch.int64)[req_idx]
-        + torch.arange(num_tokens, dtype=torch.int64)
-        - query_start_loc[:-1][req_idx]
-    )  # [T]
-    page_ids = page_table[req_idx, positions // page_size]  # [T]
-    slot_mapping = page_ids * page_size + positions % page_size  # [T]
+    if num_tokens == num_reqs and all(n == 1 for n in query_lens):  # decode: one token per request
+        req_idx = np.arange(num_reqs)
+        positions = prefix_np
+    else:
+        req_idx = np.repeat(np.arange(num_reqs), query_lens_np)  # [T]
+        # absolute position of each new token: prefix_len + index within its request's query
+        positions = prefix_np[req_idx] + np.arange(num_tokens) - query_start_loc[:-1][req_idx]  # [T]
+    slot_mapping = page_table[req_idx, positions // page_size] * page_size + positions % page_size  # [T]
 
-    return AttentionMetadata(
+    ints = [query_start_loc, np.asarray(seq_lens, dtype=np.int64), prefix_np, page_table.reshape(-1)]
+    longs = [slot_mapping, *(np.asarray(x, dtype=np.int64).reshape(-1) for x in extra)]
+    ints_dev = _to_device(np.concatenate(ints).astype(np.int32), device)
+    longs_dev = _to_device(np.concatenate(longs), device)
+    i32 = _split(ints_dev, [num_reqs + 1, num_reqs, num_reqs, num_reqs * max_pages])
+    i64 = _split(longs_dev, [num_tokens, *(len(x) for x in extra)])
+    meta = AttentionMetadata(
         page_size=page_size,
-        query_start_loc=query_start_loc.to(device=device, dtype=torch.int32),  # [B+1]
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device),  # [B]
-        prefix_lens=torch.tensor(prefix_lens, dtype=torch.int32).to(device),  # [B]
-        page_table=page_table.to(device=device, dtype=torch.int32),  # [B, max_pages]
-        slot_mapping=slot_mapping.to(device),  # [T] int64
+        query_start_loc=i32[0],  # [B+1]
+        seq_lens=i32[1],  # [B]
+        prefix_lens=i32[2],  # [B]
+        page_table=i32[3].view(num_reqs, max_pages),  # [B, max_pages]
+        slot_mapping=i64[0],  # [T] int64
         query_lens_cpu=list(query_lens),
         seq_lens_cpu=seq_lens,
         prefix_lens_cpu=list(prefix_lens),
     )
+    return meta, i64[1:]
+
+
+def _to_device(a: np.ndarray, device: torch.device | str) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+
+
+def _split(t: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    return list(torch.split(t, sizes)) if sizes else []
 
 
 class KVCache:

@@ -147,10 +147,29 @@ def add_latency_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
     p.add_argument(
+        "--cuda-graph-max-prefill-tokens",
+        type=_int_at_least(0),
+        default=256,
+        help="a lone chunk of up to this many tokens replays a CUDA graph (0: off)",
+    )
+    p.add_argument(
+        "--tp-overlap-min-tokens",
+        type=_int_at_least(0),
+        default=0,
+        help="tp > 1: steps of this many tokens run as two halves with overlapped all-reduces (0, the "
+        "default: off; e.g. 4096)",
+    )
+    p.add_argument(
         "--profile",
         action="store_true",
-        help="one extra run of each cold / prefix-hit case under torch.profiler: time per category "
+        help="one extra run of each case under torch.profiler (decode: --decode-steps steps): time per category "
         "(GEMM, attention, collectives, ...) in the JSON and the log",
+    )
+    p.add_argument(
+        "--host-profile",
+        action="store_true",
+        help="one extra run of each case under cProfile: the host functions with the most self time "
+        "(in the JSON and the log); for host-bound cases such as a prefix hit or a decode step",
     )
 
 
@@ -288,6 +307,7 @@ class _EngineBench:
         self.gen = torch.Generator().manual_seed(args.seed)
         self.one = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
         self.runs = range(args.warmup + args.repeat)
+        self.decode_prompts: dict[tuple[int, int], list[list[int]]] = {}  # (batch, context) -> prompts
 
     def prompt(self, n: int) -> list[int]:
         import torch
@@ -367,19 +387,10 @@ class _EngineBench:
         params = SamplingParams(
             max_new_tokens=_decode_new_tokens(self.args, batch), temperature=0.0, ignore_eos=True
         )
+        self.decode_prompts[(batch, context)] = prompts
         run_means, steps_ms, mixed = [], [], 0
         for i in self.runs:
-            ids = [self.engine.add_request(p, params) for p in prompts]
-            started: set[str] = set()
-            while len(started) < batch:
-                for out in self.engine.step():
-                    if out.finished:
-                        raise RuntimeError(
-                            f"decode request {out.request_id} finished before the timed steps ({out.error or 'length'}): "
-                            "its prompt fell out of the prefix cache; raise --max-total-tokens"
-                        )
-                    if out.token_ids:
-                        started.add(out.request_id)
+            ids = self.start_decodes(prompts, params)
             times = []
             for _ in range(self.args.decode_steps):
                 _, dt = self.timer.time(self.engine.step)
@@ -403,14 +414,49 @@ class _EngineBench:
             num_mixed_steps=mixed,
         )
 
+    def start_decodes(self, prompts: list[list[int]], params: Any) -> list[str]:
+        """Add the (prefix-cached) prompts and step until every request has its first token; their ids."""
+        ids = [self.engine.add_request(p, params) for p in prompts]
+        started: set[str] = set()
+        while len(started) < len(ids):
+            for out in self.engine.step():
+                if out.finished:
+                    raise RuntimeError(
+                        f"decode request {out.request_id} finished before the timed steps ({out.error or 'length'}): "
+                        "its prompt fell out of the prefix cache; raise --max-total-tokens"
+                    )
+                if out.token_ids:
+                    started.add(out.request_id)
+        return ids
+
+    def profiled_decode(self, batch: int, context: int) -> Callable[[], Any]:
+        """The timed case's prompts started again outside the profiler; the profiled call is decode_steps
+        pure decode steps (then the requests are aborted)."""
+        from longserve.sampling_params import SamplingParams
+
+        params = SamplingParams(
+            max_new_tokens=_decode_new_tokens(self.args, batch), temperature=0.0, ignore_eos=True
+        )
+        ids = self.start_decodes(self.decode_prompts[(batch, context)], params)
+
+        def steps() -> None:
+            try:
+                for _ in range(self.args.decode_steps):
+                    self.engine.step()
+            finally:
+                for rid in ids:
+                    self.engine.abort(rid)
+
+        return steps
+
     def run_case(
         self,
         record: dict[str, Any],
         fn: Callable[[], dict[str, Any]],
         profiled: Callable[[], Callable[[], Any]] | None = None,
     ) -> None:
-        """Run `fn`'s warm-up and timed runs; with --profile, `profiled()` sets up one more run (untimed)
-        and returns the call to profile."""
+        """Run `fn`'s warm-up and timed runs; with --profile / --host-profile, `profiled()` sets up one more
+        run (untimed) and returns the call to profile."""
         _log(f"{record['name']}: running ({self.args.warmup} warm-up + {self.args.repeat} timed)")
         self.timer.reset_peak()
         record.update(fn())
@@ -421,6 +467,12 @@ class _EngineBench:
 
             _, record["profile"] = profile_call(profiled(), self.timer.device.type)
             _log(format_profile(record["name"], record["profile"]))
+            self.engine.check_integrity()
+        if self.args.host_profile and profiled is not None:
+            from longserve.bench.profile import format_host_profile, host_profile_call
+
+            _, record["host_profile"] = host_profile_call(profiled())
+            _log(format_host_profile(record["name"], record["host_profile"]))
             self.engine.check_integrity()
 
     def profiled_cold(self, n: int) -> Callable[[], Any]:
@@ -477,6 +529,8 @@ def _run_engine(
         max_running_requests=max([256, *args.decode_batch_sizes]),
         tp_size=args.tp_size,
         enforce_eager=args.enforce_eager,
+        tp_overlap_min_tokens=args.tp_overlap_min_tokens,
+        cuda_graph_max_prefill_tokens=args.cuda_graph_max_prefill_tokens,
     )
     try:
         return _bench_engine(llm, args, skipped)
@@ -511,7 +565,7 @@ def _bench_engine(
             rec["skipped"] = skipped[b]
             _log(f"{rec['name']}: skipped: {skipped[b]}")
         else:
-            bench.run_case(rec, lambda b=b: bench.decode(b, c))
+            bench.run_case(rec, lambda b=b: bench.decode(b, c), lambda b=b: bench.profiled_decode(b, c))
         records.append(rec)
     runner = llm.engine.runner
     meta = dict(

@@ -1,6 +1,8 @@
 """Where a step's time goes: run a function under torch.profiler and sum device (or, on CPU, leaf-op) time
 per category — GEMM, attention, collectives (all-reduce, all-gather), norm/RoPE/activation, KV store, other — against the wall time.
 `bench latency --profile` records this per case; the collectives share is the tensor-parallel cost.
+`bench latency --host-profile` runs the case once more under cProfile: the Python functions the host spends
+its time in (what keeps a GPU idle between kernels when a step is host-bound).
 
 The categories are matched on kernel names (CUDA: cuBLAS `nvjet`/`sm90_xmma`/`cutlass`, cuDNN attention,
 our Triton kernels, NCCL) or aten op names (CPU); anything unmatched is "other", never dropped.
@@ -110,3 +112,49 @@ def format_profile(name: str, summary: dict[str, Any]) -> str:
         for k, v in summary["by_category_ms"].items()
     ]
     return f"{name}: wall {summary['wall_ms']:.1f} ms, busy {summary['busy_ms']:.1f} ms | " + ", ".join(parts)
+
+
+def host_profile_call(fn: Callable[[], Any], top: int = 15) -> tuple[Any, dict[str, Any]]:
+    """Run `fn` once under cProfile (after a device sync); (its result, {wall_ms, top_functions}) with the
+    functions that spent the most time themselves (self ms, cumulative ms, calls), longserve's and torch's."""
+    import cProfile
+    import pstats
+
+    _maybe_sync()
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    try:
+        result = fn()
+        _maybe_sync()
+    finally:
+        prof.disable()
+    wall_ms = (time.perf_counter() - t0) * 1e3
+    stats = pstats.Stats(prof).stats  # {(file, line, func): (prim calls, calls, self s, cum s, callers)}
+    rows = []
+    for (path, line, func), (_, calls, self_s, cum_s, _) in stats.items():
+        where = func if path == "~" else f"{_short_path(path)}:{line}({func})"
+        rows.append(dict(function=where, self_ms=self_s * 1e3, cum_ms=cum_s * 1e3, calls=calls))
+    rows.sort(key=lambda r: -r["self_ms"])
+    return result, dict(wall_ms=wall_ms, top_functions=rows[:top])
+
+
+def format_host_profile(name: str, summary: dict[str, Any]) -> str:
+    lines = [f"{name}: host profile, wall {summary['wall_ms']:.1f} ms (self ms / cumulative ms / calls)"]
+    for r in summary["top_functions"]:
+        lines.append(f"  {r['self_ms']:8.2f} {r['cum_ms']:8.2f} {r['calls']:7d}  {r['function']}")
+    return "\n".join(lines)
+
+
+def _short_path(path: str) -> str:
+    for marker in ("/longserve/", "/torch/", "/triton/", "/transformers/"):
+        if marker in path:
+            return marker.strip("/") + "/" + path.split(marker, 1)[1]
+    return path.rsplit("/", 1)[-1]
+
+
+def _maybe_sync() -> None:
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()

@@ -99,9 +99,12 @@ class KVCacheManager:
         num_full = min(req.num_computed_tokens // self.page_size, len(req.page_ids))
         if num_full <= req.num_tree_pages:
             return
-        tokens = req.all_token_ids()[: num_full * self.page_size]
-        result = self.tree.insert(tokens, req.page_ids[:num_full])
-        for i, tree_page in enumerate(result.pages):
+        # continue below the node the request holds (its first num_tree_pages pages): a prefix hit of 32K
+        # tokens inserts its few new pages without walking the 2,048 it matched
+        done = req.num_tree_pages if req.cache_node is not None else 0
+        tokens = req.all_token_ids()[done * self.page_size : num_full * self.page_size]
+        result = self.tree.insert(tokens, req.page_ids[done:num_full], start=req.cache_node)
+        for i, tree_page in enumerate(result.pages, start=done):
             mine = req.page_ids[i]
             if mine != tree_page:  # computed twice (e.g. by a concurrent request): use the tree's copy
                 self.pool.incref([tree_page])

@@ -12,6 +12,7 @@ from longserve.distributed.parallel_state import (
     init_tp_group,
     tp_all_gather,
     tp_all_reduce,
+    tp_all_reduce_async,
 )
 
 __all__ = [
@@ -24,4 +25,5 @@ __all__ = [
     "init_tp_group",
     "tp_all_gather",
     "tp_all_reduce",
+    "tp_all_reduce_async",
 ]

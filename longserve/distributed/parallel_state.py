@@ -102,6 +102,15 @@ def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def tp_all_reduce_async(x: torch.Tensor) -> Any:
+    """Start summing `x` over the tp ranks in place; returns the work to `.wait()` on (None at tp=1). On
+    NCCL the wait only orders the current stream after the collective: the host runs on, so the caller
+    can launch other work (the other micro-batch) while the sum is in flight."""
+    if _TP is None or _TP.world_size == 1:
+        return None
+    return dist.all_reduce(x, group=_TP.device_group, async_op=True)
+
+
 def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Concatenate every rank's `x` along `dim`, in rank order (identity at tp=1)."""
     if _TP is None or _TP.world_size == 1:

@@ -20,7 +20,10 @@ from longserve.attention.torch_ref import attention_mask, gather_kv
 
 MIN_KEYS_PER_EXTEND_SPLIT = 1024
 MAX_EXTEND_SPLITS = 32
-WAVES_PER_EXTEND = 4  # below this many waves of row-block programs, split the keys (tail effect <= 25%)
+# below this many waves of row-block programs, split the keys (tail effect <= 12.5%); 8 rather than 4 measured
+# on an H200 (scripts/sweep_short_extend.py): 64 new over 32K 0.227 -> 0.190 ms (17 -> 32 splits), 256 new
+# over 32K 0.534 -> ~0.49 ms (5 -> 9 splits)
+WAVES_PER_EXTEND = 8
 MAX_PARTIAL_ROWS = 1 << 19  # bounds the fp32 partials: T * Hq * splits rows of D floats
 
 
@@ -115,12 +118,22 @@ def _extend_kernel(
     HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    # grid (Hkv, B, row blocks * splits), x fastest: the heaviest (last, longest-causal) row blocks of every
-    # head and request launch first, so the tail of the grid is short work
-    kv_head = tl.program_id(0)
     req = tl.program_id(1)
-    block = tl.num_programs(2) // NUM_SPLITS - 1 - tl.program_id(2) // NUM_SPLITS
-    split = tl.program_id(2) % NUM_SPLITS
+    if NUM_SPLITS == 1:
+        # grid (Hkv, B, row blocks), x fastest: the heaviest (last, longest-causal) row blocks of every head
+        # and request launch first, so the tail of the grid is short work
+        kv_head = tl.program_id(0)
+        num_kv_heads = tl.num_programs(0)
+        block = tl.num_programs(2) - 1 - tl.program_id(2)
+        split = 0
+    else:
+        # grid (row blocks, B, Hkv * splits), x fastest: the row blocks that share one kv head's key range
+        # run side by side, so its K/V comes from DRAM once and from L2 for the others (a short suffix
+        # over a long prefix is bound by those reads: 4 row blocks launched a wave apart read it 4 times)
+        block = tl.num_programs(0) - 1 - tl.program_id(0)
+        kv_head = tl.program_id(2) // NUM_SPLITS
+        num_kv_heads = tl.num_programs(2) // NUM_SPLITS
+        split = tl.program_id(2) % NUM_SPLITS
 
     q_start = tl.load(query_start_loc_ptr + req)
     q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
@@ -201,7 +214,7 @@ def _extend_kernel(
         lse = tl.where(has_keys, m_i + tl.log2(l_safe), float("-inf"))  # [BLOCK_M]
         row = tok64 * stride_ot + head * stride_oh + split * stride_os  # [BLOCK_M]
         tl.store(o_ptr + row[:, None] + offs_d[None, :], acc / l_safe[:, None], mask=out_mask)
-        lse_offs = (tok64 * tl.num_programs(0) * GROUP + head) * NUM_SPLITS + split  # [BLOCK_M]
+        lse_offs = (tok64 * num_kv_heads * GROUP + head) * NUM_SPLITS + split  # [BLOCK_M]
         tl.store(lse_ptr + lse_offs, lse, mask=row_valid)
 
 
@@ -344,7 +357,11 @@ def extend_attention(
         dst, strides = part, (part.stride(0), part.stride(1), part.stride(2))
     else:
         dst, lse, strides = out, out, (out.stride(0), out.stride(1), 0)
-    grid = (num_kv_heads, num_reqs, triton.cdiv(max_query_len * group, cfg["BLOCK_M"]) * num_splits)
+    row_blocks = triton.cdiv(max_query_len * group, cfg["BLOCK_M"])
+    if num_splits > 1:
+        grid = (row_blocks, num_reqs, num_kv_heads * num_splits)  # see the kernel: row blocks side by side
+    else:
+        grid = (num_kv_heads, num_reqs, row_blocks)
     _extend_kernel[grid](
         q, k_cache, v_cache, dst, lse, query_start_loc, prefix_lens, seq_lens, page_table,
         q.stride(0), q.stride(1), *strides,

@@ -54,6 +54,12 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return self.model(input_ids, positions, ctx)  # [T, hidden]
 
+    def forward_overlapped(
+        self, batches: list[tuple[torch.Tensor, torch.Tensor, ForwardContext]]
+    ) -> list[torch.Tensor]:
+        """Micro-batches of one step with their all-reduces overlapped (DecoderModel.forward_overlapped)."""
+        return self.model.forward_overlapped(batches)  # [T_i, hidden] each
+
     def reserve_positions(self, num_positions: int) -> None:
         """Serve positions up to `num_positions` (a context length past max_position_embeddings)."""
         self.model.rotary_emb.reserve(num_positions)

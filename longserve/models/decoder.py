@@ -9,6 +9,7 @@ Under tensor parallelism each rank holds num_heads/tp query heads and its kv hea
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 
 from longserve.attention.base import ForwardContext
-from longserve.distributed import get_tp_rank, get_tp_size
+from longserve.distributed import get_tp_rank, get_tp_size, tp_all_reduce_async
 from longserve.models.layers import (
     MergedLinear,
     RMSNorm,
@@ -120,6 +121,10 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
 
     def forward(self, hidden: torch.Tensor, rope: RotaryStep, ctx: ForwardContext) -> torch.Tensor:
+        return self.o_proj(self.attend(hidden, rope, ctx))  # [T, hidden]
+
+    def attend(self, hidden: torch.Tensor, rope: RotaryStep, ctx: ForwardContext) -> torch.Tensor:
+        """Everything before o_proj: the attention output [T, Hq*D] of this rank's heads."""
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))  # [T, Hq*D], [T, Hkv*D], [T, Hkv*D]
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
@@ -138,7 +143,7 @@ class Attention(nn.Module):
             scale=self.scale,
             sliding_window=self.sliding_window,
         )  # [T, Hq, D]
-        return self.o_proj(out.reshape(num_tokens, -1))  # [T, hidden]
+        return out.reshape(num_tokens, -1)  # [T, Hq*D]
 
 
 class MLP(nn.Module):
@@ -161,6 +166,9 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # [T, hidden]
 
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj.partial(silu_and_mul(self.gate_up_proj(x)))  # [T, hidden], not reduced
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, hf_config: Any, opts: ArchOptions, layer_id: int) -> None:
@@ -175,13 +183,29 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(sub-layer output, residual stream) in and out, vLLM style: each norm first adds the previous
         sub-layer's output into the residual (residual=None: `hidden` is the embedding, nothing to add)."""
-        if residual is None:
-            hidden, residual = self.input_layernorm(hidden), hidden  # [T, hidden] each
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)  # [T, hidden] each
+        hidden, residual = self._input_norm(hidden, residual)
         hidden = self.self_attn(hidden, rope, ctx)  # [T, hidden]
         hidden, residual = self.post_attention_layernorm(hidden, residual)  # [T, hidden] each
         return self.mlp(hidden), residual  # [T, hidden] each
+
+    def _input_norm(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self.input_layernorm(hidden), hidden  # [T, hidden] each
+        return self.input_layernorm(hidden, residual)  # [T, hidden] each
+
+    def steps(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: RotaryStep, ctx: ForwardContext
+    ) -> Generator[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """`forward` as a generator for micro-batch overlap: it yields each row-parallel partial sum
+        (o_proj's, down_proj's) and resumes with the same tensor summed over the ranks."""
+        hidden, residual = self._input_norm(hidden, residual)
+        hidden = yield self.self_attn.o_proj.partial(self.self_attn.attend(hidden, rope, ctx))
+        hidden = self.self_attn.o_proj.finish(hidden)  # [T, hidden]
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        hidden = yield self.mlp.partial(hidden)
+        return self.mlp.down_proj.finish(hidden), residual  # [T, hidden] each
 
 
 class DecoderModel(nn.Module):
@@ -202,6 +226,51 @@ class DecoderModel(nn.Module):
             hidden, residual = layer(hidden, residual, rope, ctx)  # [T, hidden] each
         if residual is None:
             return self.norm(hidden)  # [T, hidden]
+        return self.norm(hidden, residual)[0]  # [T, hidden]
+
+    def forward_overlapped(
+        self, batches: list[tuple[torch.Tensor, torch.Tensor, ForwardContext]]
+    ) -> list[torch.Tensor]:
+        """Micro-batches of one step, layer by layer in turn, so that the all-reduce of one runs while
+        the other computes (tensor parallelism): per layer, batch 0's attention, then batch 1's (which
+        may attend to batch 0's keys of this layer: they are stored by then), then their MLPs.
+
+            GPU:   A.attn | B.attn   | A.mlp    | B.mlp    | A.attn ...
+            NCCL:         | A.reduce | B.reduce | A.reduce | B.reduce ...
+        """
+        gens = [self._steps(ids, pos, ctx) for ids, pos, ctx in batches]
+        pending: list[tuple[torch.Tensor, Any] | None] = [None] * len(gens)
+        results: list[torch.Tensor | None] = [None] * len(gens)
+
+        def advance(i: int, reduced: torch.Tensor | None) -> None:
+            try:
+                partial = next(gens[i]) if reduced is None else gens[i].send(reduced)
+            except StopIteration as stop:
+                results[i], pending[i] = stop.value, None
+                return
+            pending[i] = (partial, tp_all_reduce_async(partial))
+
+        for i in range(len(gens)):
+            advance(i, None)
+        while any(p is not None for p in pending):
+            for i, p in enumerate(pending):
+                if p is not None:
+                    partial, work = p
+                    if work is not None:
+                        work.wait()
+                    advance(i, partial)
+        return results  # type: ignore[return-value]
+
+    def _steps(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> Generator[torch.Tensor, torch.Tensor, torch.Tensor]:
+        hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        rope = self.rotary_emb.prepare(positions, hidden.dtype)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = yield from layer.steps(hidden, residual, rope, ctx)
+        if residual is None:
+            return self.norm(hidden)
         return self.norm(hidden, residual)[0]  # [T, hidden]
 
 

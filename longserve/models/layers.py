@@ -209,7 +209,14 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return F.linear(x, self.weight, self.bias)  # [T, out]
-        y = tp_all_reduce(F.linear(x, self.weight))  # [T, out] partial sums -> full
+        return self.finish(tp_all_reduce(self.partial(x)))  # [T, out] partial sums -> full
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sum [T, out] (at tp=1 the whole product), before the all-reduce and bias."""
+        return F.linear(x, self.weight)
+
+    def finish(self, y: torch.Tensor) -> torch.Tensor:
+        """The all-reduced partial sums plus the bias (added once, after the reduction)."""
         return y if self.bias is None else y + self.bias
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from longserve.attention.base import AttentionMetadata, build_metadata
+from longserve.attention.base import AttentionMetadata, build_step_tensors
 from longserve.outputs import SchedulerOutput
 
 
@@ -54,13 +54,39 @@ def build_step(out: SchedulerOutput) -> StepInputs:
     return step
 
 
+def split_step(step: StepInputs, at: int) -> tuple[StepInputs, StepInputs]:
+    """The first `at` tokens of a step and the rest, as two steps run one after the other within each
+    layer: a request cut in two continues in the second with the first part as more prefix. Neither part
+    samples (the caller keeps the whole step's logits_indices)."""
+    first, second = StepInputs([], [], [], [], [], []), StepInputs([], [], [], [], [], [])
+    first.input_ids, second.input_ids = step.input_ids[:at], step.input_ids[at:]
+    first.positions, second.positions = step.positions[:at], step.positions[at:]
+    start = 0
+    for prefix_len, query_len, pages in zip(step.prefix_lens, step.query_lens, step.page_tables):
+        end = start + query_len
+        cut = min(max(at - start, 0), query_len)  # this request's tokens in the first part
+        if cut:
+            first.prefix_lens.append(prefix_len)
+            first.query_lens.append(cut)
+            first.page_tables.append(pages)
+        if query_len - cut:
+            second.prefix_lens.append(prefix_len + cut)
+            second.query_lens.append(query_len - cut)
+            second.page_tables.append(pages)
+        start = end
+    return first, second
+
+
 def to_model_inputs(step: StepInputs, page_size: int, device: torch.device) -> ModelInputs:
-    meta = build_metadata(step.prefix_lens, step.query_lens, step.page_tables, page_size, device)
+    meta, (input_ids, positions, logits_indices) = build_step_tensors(
+        step.prefix_lens, step.query_lens, step.page_tables, page_size, device,
+        extra=(step.input_ids, step.positions, step.logits_indices),
+    )  # fmt: skip
     return ModelInputs(
-        input_ids=torch.tensor(step.input_ids, dtype=torch.long, device=device),
-        positions=torch.tensor(step.positions, dtype=torch.long, device=device),
+        input_ids=input_ids,
+        positions=positions,
         meta=meta,
-        logits_indices=torch.tensor(step.logits_indices, dtype=torch.long, device=device),
+        logits_indices=logits_indices,
         num_tokens=len(step.input_ids),
     )
 

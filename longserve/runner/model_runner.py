@@ -22,8 +22,8 @@ from longserve.models.decoder import validate_tp_size
 from longserve.outputs import RunnerOutput, SchedulerOutput
 from longserve.platform import available_memory_bytes, resolve_device
 from longserve.request import Request
-from longserve.runner.cuda_graph import DecodeGraphRunner
-from longserve.runner.inputs import StepInputs, build_step, to_model_inputs
+from longserve.runner.cuda_graph import DecodeGraphRunner, ExtendGraphRunner
+from longserve.runner.inputs import StepInputs, build_step, split_step, to_model_inputs
 from longserve.runner.sampler import Sampler, SamplingInfo
 
 logger = logging.getLogger("longserve.runner")
@@ -101,9 +101,11 @@ class ModelRunner:
         )
         self.backend = get_attention_backend(config.attention_backend, self.device)
         self.graph_runner = self._build_graph_runner()
+        self.extend_graphs = self._build_extend_graphs()
         self.sampler = Sampler()
         self.num_tokens_computed = 0  # every token fed through the model (tests count cache hits by it)
         self.num_forward_passes = 0
+        self.num_overlapped_passes = 0  # tp steps run as two overlapped halves
         if self.tp is not None:  # every rank has its weights, pool and graphs: only now is the engine ready
             dist.barrier(group=self.tp.cpu_group)
 
@@ -138,6 +140,38 @@ class ModelRunner:
         )
         graphs.capture()
         return graphs
+
+    def _build_extend_graphs(self) -> ExtendGraphRunner | None:
+        """Graphs for a lone short prefill chunk (see ExtendGraphRunner); after decode's, sharing its pool."""
+        max_tokens = min(self.config.cuda_graph_max_prefill_tokens, self.config.chunked_prefill_size)
+        if self.graph_runner is None or max_tokens < 2:
+            return None
+        graphs = ExtendGraphRunner(
+            self.model,
+            self.kv_cache,
+            self._fixed_extend_backend,
+            max_tokens=max_tokens,
+            max_pages_per_req=-(-self.context_length // self.page_size),
+            page_size=self.page_size,
+            device=self.device,
+        )
+        graphs.capture(pool=self.graph_runner.pool)
+        return graphs
+
+    def _fixed_extend_backend(self, num_tokens: int):
+        """A triton backend whose extend launch for one request of `num_tokens` new tokens has a fixed grid:
+        the key-split count the backend would pick for the longest context."""
+        from longserve.attention.triton_backend import SHORT_CHUNK_ROWS, TritonAttentionBackend
+        from longserve.kernels.extend_attention import choose_extend_splits, extend_config
+
+        heads, kv_heads = self.model.num_heads, self.model.num_kv_heads
+        block_m = extend_config(self.model.head_dim, self.dtype)["BLOCK_M"]
+        tuned = self.device.type == "cuda" and self.dtype != torch.float32  # as the backend decides
+        if tuned and num_tokens * (heads // kv_heads) <= SHORT_CHUNK_ROWS:
+            block_m = 64
+        num_sms = self.backend.num_sms(self.device)  # the triton backend (prefill graphs need it)
+        splits = choose_extend_splits([num_tokens], [self.context_length], heads, kv_heads, block_m, num_sms)
+        return TritonAttentionBackend(cold_path="triton", extend_splits=splits)
 
     # ---- sizing ---------------------------------------------------------------------------------
     def kv_bytes_per_token(self) -> int:
@@ -211,11 +245,16 @@ class ModelRunner:
 
     def forward_step(self, step: StepInputs) -> torch.Tensor | None:
         """Every rank: the forward pass of one step; the sampling rows' logits [N, V] fp32 (None if N=0)."""
+        min_tokens = self.config.tp_overlap_min_tokens
+        if self.tp is not None and min_tokens and len(step.input_ids) >= max(min_tokens, 2):
+            return self._forward_overlapped(step)
         inputs = to_model_inputs(step, self.page_size, self.device)
         ctx = ForwardContext(meta=inputs.meta, kv_cache=self.kv_cache, backend=self.backend)
         with torch.inference_mode():
             if self.graph_runner is not None and self.graph_runner.can_run(inputs.meta):
                 hidden = self.graph_runner.run(inputs.input_ids, inputs.positions, inputs.meta)  # [B, H]
+            elif self.extend_graphs is not None and self.extend_graphs.can_run(inputs.meta):
+                hidden = self.extend_graphs.run(inputs.input_ids, inputs.positions, inputs.meta)  # [T, H]
             else:
                 hidden = self.model(inputs.input_ids, inputs.positions, ctx)  # [T, H]
             self.num_tokens_computed += inputs.num_tokens
@@ -223,6 +262,31 @@ class ModelRunner:
             if inputs.logits_indices.numel() == 0:
                 return None
             return self.model.compute_logits(hidden[inputs.logits_indices])  # [N, V] fp32
+
+    def _forward_overlapped(self, step: StepInputs) -> torch.Tensor | None:
+        """A long step under tensor parallelism as two halves whose all-reduces hide behind each other's
+        compute (DecoderModel.forward_overlapped); the same logits as one pass, up to rounding."""
+        halves = [
+            to_model_inputs(half, self.page_size, self.device)
+            for half in split_step(step, len(step.input_ids) // 2)
+        ]
+        with torch.inference_mode():
+            batches = [
+                (
+                    h.input_ids,
+                    h.positions,
+                    ForwardContext(meta=h.meta, kv_cache=self.kv_cache, backend=self.backend),
+                )
+                for h in halves
+            ]
+            hidden = torch.cat(self.model.forward_overlapped(batches))  # [T, H]
+            self.num_tokens_computed += hidden.shape[0]
+            self.num_forward_passes += 1
+            self.num_overlapped_passes += 1
+            if not step.logits_indices:
+                return None
+            rows = torch.tensor(step.logits_indices, dtype=torch.long, device=self.device)
+            return self.model.compute_logits(hidden[rows])  # [N, V] fp32
 
     def shutdown(self) -> None:
         """Stop the tp workers (rank 0) and leave the process group; a no-op at tp=1. Idempotent."""
@@ -235,7 +299,7 @@ class ModelRunner:
     def release_graphs(self) -> None:
         """Drop the decode CUDA graphs (and their memory pool) before the process group goes."""
         if getattr(self, "graph_runner", None) is not None:
-            self.graph_runner = None
+            self.graph_runner = self.extend_graphs = None
             gc.collect()
             torch.cuda.synchronize(self.device)
 

@@ -180,7 +180,10 @@ class Scheduler:
         for s in out.scheduled:
             req = s.request
             req.num_computed_tokens += s.num_new_tokens
-            self.kv.cache_computed(req)
+            if req.num_computed_tokens <= req.num_prompt_tokens:
+                # prompt pages are shared as soon as they are computed; generated ones when the request
+                # ends (release), not every page a decode fills: a re-insert walks the whole sequence
+                self.kv.cache_computed(req)
             if s.samples:
                 token = next(sampled)
                 req.output_token_ids.append(token)

@@ -138,6 +138,18 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         ("--cuda-graph-max-bs",), E + "cuda_graph_max_bs", "largest decode batch replayed as a graph", int
     ),
+    Option(
+        ("--cuda-graph-max-prefill-tokens",),
+        E + "cuda_graph_max_prefill_tokens",
+        "a lone prefill chunk up to this many tokens replays a graph (0: off)",
+        int,
+    ),
+    Option(
+        ("--tp-overlap-min-tokens",),
+        E + "tp_overlap_min_tokens",
+        "tp > 1: a step of this many tokens runs as two halves whose all-reduces overlap (0: off)",
+        int,
+    ),
     Option(("--max-queued-requests",), S + "max_queued_requests", "waiting requests before 503s", int),
     Option(("--request-timeout",), S + "request_timeout", "seconds a request may take, then aborted", float),
     Option(

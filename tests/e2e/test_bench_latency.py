@@ -102,14 +102,16 @@ def test_decode_case_too_big_for_the_pool_is_skipped():
 
 
 def test_profile_under_tensor_parallelism():
-    """--profile --tp-size 2 (gloo): the time is split into categories that exist in the step (GEMM and the
-    collectives of tensor parallelism among them) and never exceeds the wall time; the workers stop."""
+    """--profile --tp-size 2 (gloo): the time of every case (cold, prefix hit, decode steps) is split into
+    categories that exist in the step (GEMM and the collectives of tensor parallelism among them) and never exceeds the wall time; the workers stop."""
     import torch.distributed as dist
 
     records = run_latency(
-        [*FLAGS, "--prompt-lens", "128", "--prefix-hit", "96:8", "--profile", "--tp-size", "2"]
-    )
-    for rec in records:
+        [*FLAGS, "--prompt-lens", "128", "--prefix-hit", "96:8", "--profile", "--tp-size", "2",
+         "--decode-batch-sizes", "2", "--decode-context-len", "64"]
+    )  # fmt: skip
+    assert [r["case"] for r in records] == ["cold", "prefix_hit", "decode"]
+    for rec in records:  # decode too: its profiled call is --decode-steps steps
         prof = rec["profile"]
         cats = prof["by_category_ms"]
         assert cats["gemm"] > 0 and cats["collectives"] > 0, cats
@@ -117,6 +119,27 @@ def test_profile_under_tensor_parallelism():
         assert {o["name"] for o in prof["top_ops"]} & {"aten::mm", "aten::addmm"}
         assert rec["metadata"]["tp_size"] == 2
     assert not dist.is_initialized()
+
+
+def test_host_profile_names_the_engine_functions():
+    """--host-profile: each case's extra run under cProfile lists the host functions by self time (each
+    one's cumulative time within the run's wall time); a function the call ran is named."""
+    from longserve.bench.profile import host_profile_call
+
+    records = run_latency(
+        [*FLAGS, "--prompt-lens", "64", "--decode-batch-sizes", "2", "--decode-context-len", "32",
+         "--host-profile"]
+    )  # fmt: skip
+    for rec in records:
+        prof = rec["host_profile"]
+        rows = prof["top_functions"]
+        assert rows and [r["self_ms"] for r in rows] == sorted((r["self_ms"] for r in rows), reverse=True)
+        assert all(0 <= r["self_ms"] <= r["cum_ms"] <= prof["wall_ms"] * 1.05 + 1 for r in rows), rows
+        assert "profile" not in rec  # --profile was not asked for
+    total, summary = host_profile_call(lambda: sum(range(10)), top=50)
+    assert total == 45 and any(
+        r["function"] == "<built-in method builtins.sum>" for r in summary["top_functions"]
+    )
 
 
 def test_categorize_kernel_names():

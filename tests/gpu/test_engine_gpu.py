@@ -28,9 +28,10 @@ def ckpt(tmp_path_factory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp("gpu"), "qwen3", num_layers=3)
 
 
-def run(path, ps, **kw):
+def run(path, ps, sequential=False, **kw):
+    """Greedy tokens of each prompt (one generate call, or one per prompt when sequential) and the LLM."""
     llm = LLM(path, dtype=kw.pop("dtype", "float32"), device="cuda", max_total_tokens=8192, **kw)
-    outs = llm.generate(ps, GREEDY)
+    outs = [llm.generate(p, GREEDY)[0] for p in ps] if sequential else llm.generate(ps, GREEDY)
     llm.engine.check_integrity()
     return [o.token_ids for o in outs], llm
 
@@ -92,3 +93,18 @@ def test_prefix_split_sdpa_matches_reference_bf16(prefix_lens, query_lens):
     ref = TorchAttentionBackend().forward(q.float(), k.float(), v.float(), 0, meta, ref_cache, d**-0.5)
     err = ((out.float() - ref).norm() / ref.norm()).item()
     assert err < 1e-2, err
+
+
+def test_prefill_graphs_equal_eager(ckpt):
+    """Short chunks replayed from prefill CUDA graphs (a prefix-cache hit's suffix, chunks of a prompt
+    chunked at 48 tokens, the last chunk padded to its bucket) give the tokens of an eager engine."""
+    ps = prompts()
+    # one request at a time: only a lone request's chunk replays a prefill graph
+    kw = dict(attention_backend="triton", chunked_prefill_size=48, sequential=True)
+    eager, _ = run(ckpt, ps + ps, enforce_eager=True, **kw)
+    graphs, llm = run(ckpt, ps + ps, **kw)
+    runner = llm.engine.runner.extend_graphs
+    assert runner is not None and runner.num_runs >= len(ps)
+    assert graphs == eager
+    off, llm_off = run(ckpt, ps, cuda_graph_max_prefill_tokens=0, **kw)
+    assert llm_off.engine.runner.extend_graphs is None and off == eager[: len(ps)]

@@ -50,6 +50,14 @@ def test_tp2_equals_tp1_on_gpus(tmp_path, arch):
     assert len(set(ref[1])) > 3
 
 
+def test_tp2_overlapped_halves_equal_tp1(tmp_path):
+    """Steps of >= 8 tokens as two halves with overlapped NCCL all-reduces give TP=1's tokens."""
+    path = make_tiny_checkpoint(tmp_path, "qwen3", num_layers=3)
+    ref = run(path, attention_backend="triton")
+    got = run(path, attention_backend="triton", tp_size=2, tp_overlap_min_tokens=8)
+    assert got[:3] == ref[:3]
+
+
 def test_tp2_cuda_graphs_equal_eager(tmp_path):
     path = make_tiny_checkpoint(tmp_path, "llama", num_layers=3)
     eager = run(path, attention_backend="triton", tp_size=2, enforce_eager=True)

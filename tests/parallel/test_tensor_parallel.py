@@ -61,6 +61,39 @@ def test_tp2_greedy_equals_tp1(tmp_path, arch):
     assert got[2] == expected[2] < num_prompt + GREEDY.max_new_tokens  # the shared pages were not recomputed
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_overlapped_halves_equal_tp1(tmp_path, arch):
+    """Steps split in two halves whose all-reduces overlap (a request cut mid-chunk continues in the
+    second half over the first as prefix) give TP=1's tokens."""
+    path = make_tiny_checkpoint(tmp_path, arch, tie_word_embeddings=arch == "qwen2")
+    expected = run(path)
+    ps = prompts()
+    with LLM(path, dtype="float32", device="cpu", max_total_tokens=2048, chunked_prefill_size=16,
+             tp_size=2, tp_overlap_min_tokens=6) as m:  # fmt: skip
+        got = [o.token_ids for o in m.generate(ps[:2], GREEDY)]
+        assert m.engine.runner.num_overlapped_passes > 0
+        m.engine.check_integrity()
+    assert got == expected[0]
+
+
+def test_split_step():
+    from longserve.runner.inputs import StepInputs, split_step
+
+    step = StepInputs(
+        input_ids=[1, 2, 3, 4, 5, 6, 7], positions=[10, 11, 12, 3, 4, 5, 6], prefix_lens=[10, 3],
+        query_lens=[3, 4], page_tables=[[7, 8], [9]], logits_indices=[2, 6],
+    )  # fmt: skip
+    a, b = split_step(step, 5)
+    assert (a.input_ids, a.positions, a.prefix_lens, a.query_lens, a.page_tables) == (
+        [1, 2, 3, 4, 5], [10, 11, 12, 3, 4], [10, 3], [3, 2], [[7, 8], [9]]
+    )  # fmt: skip
+    assert (b.input_ids, b.positions, b.prefix_lens, b.query_lens, b.page_tables) == (
+        [6, 7], [5, 6], [5], [2], [[9]]
+    )  # fmt: skip
+    a, b = split_step(step, 3)  # at a request boundary
+    assert (a.query_lens, b.prefix_lens, b.query_lens) == ([3], [3], [4])
+
+
 def test_dummy_weights_do_not_depend_on_tp(tmp_path):
     """--load-format dummy draws each parameter's whole tensor: TP=2 is the same model as TP=1 (so
     benchmarks at tp > 1 run the model a tp=1 run does), and different seeds give different models."""

@@ -390,3 +390,46 @@ def test_random_request_lifecycles(ops: list[tuple[str, object]], page_size: int
     assert pool.num_free == pool.num_total
     pool.check()
     tree.check()
+
+
+@pytest.mark.parametrize("diff_page", [1, 63, 64, 65, 128, 200, 299])
+def test_long_key_match_stops_at_the_first_differing_page(diff_page: int) -> None:
+    # keys longer than the 64-page blocks compared at once: the match still ends exactly at the page
+    # that differs, whether it falls inside a block, on a block boundary or in the page-by-page tail
+    ps = 2
+    pool, tree = make(num_pages=700, page_size=ps)
+    tokens = list(range(300 * ps))
+    first = cache(pool, tree, tokens)
+    other = list(tokens)
+    other[diff_page * ps + 1] = -1  # second token of that page
+    m = tree.match_prefix(other)
+    assert m.num_tokens == diff_page * ps and m.pages == first[:diff_page]
+    assert tree.match_prefix(tokens).pages == first  # the split keeps the whole run reachable
+    tree.check()
+
+
+def test_insert_below_a_held_node_continues_its_path() -> None:
+    # a request holding the node of its cached prefix inserts only what follows it: the same tree as a
+    # plain insert of the whole run, the new pages adopted, the held node's ancestors stamped newer than
+    # a sibling branch (so LRU eviction takes the sibling first)
+    pool, tree = make(num_pages=32)
+    prefix, other = [1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9]
+    cache(pool, tree, prefix)
+    cache(pool, tree, other)  # splits prefix's node after its first page
+    held = tree.match_prefix(prefix + [0]).node
+    tree.lock(held)
+    more = pool.alloc(2)
+    res = tree.insert([10, 11, 12, 13], more, start=held)
+    assert res.pages == more and res.num_existing_tokens == 0 and res.node.parent is held
+    assert tree.match_prefix(prefix + [10, 11, 12, 13, 0]).pages == path_pages(res.node)
+    dup = pool.alloc(2)
+    again = tree.insert([10, 11, 12, 13], dup, start=held)  # already there: the tree's pages
+    assert again.pages == more and again.num_existing_tokens == 4 and again.node is res.node
+    pool.decref(dup + more)  # the caller drops its duplicates and its own hold on the adopted pages
+    tree.unlock(held)
+    tree.check()
+    tree.evict(1)  # the LRU leaf is other's branch, not the one just extended
+    assert tree.match_prefix(other).num_tokens == 4  # the shared first page only
+    assert tree.match_prefix(prefix + [10, 11, 12, 13]).num_tokens == 12
+    tree.check()
+    pool.check()

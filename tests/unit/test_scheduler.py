@@ -165,3 +165,22 @@ def test_finish_and_abort_release_every_page():
     s.kv.check_integrity([])
     s.kv.flush()
     assert s.kv.num_free_pages == 16 and not s.has_unfinished()
+
+
+def test_generated_pages_enter_the_cache_when_the_request_ends():
+    # prompt pages are shared as soon as computed; pages that decoding fills wait for the release (a
+    # re-insert per filled page would walk the whole sequence), then a follow-up turn reuses them
+    s = make(budget=64, pages=16, page_size=4)
+    a = req("a", 8, max_new=9)
+    s.add_request(a)
+    run_step(s)  # the prompt: 2 full pages cached
+    assert s.kv.tree.num_cached_pages == 2
+    for _ in range(8):
+        run_step(s)  # 8 decode steps fill pages 3 and 4
+    assert a.num_computed_tokens == 16 and s.kv.tree.num_cached_pages == 2
+    s.finish_request(a, FinishReason.LENGTH)  # released: its 16 computed tokens fill 4 pages
+    assert s.kv.tree.num_cached_pages == 4
+    follow = Request("b", a.all_token_ids() + [1, 2], SamplingParams(max_new_tokens=1))
+    s.add_request(follow)
+    assert plan(s.schedule()) == [("b", follow.num_tokens - 16, True)]
+    s.kv.check_integrity(live(s))
