@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: GPU tests, the CPU e2e suite on CUDA, kernel microbenchmarks and the latency
 # benchmark of the Llama-3.1-8B shape against HF transformers. Logs and JSON go to $OUT; a short table last.
-#   usage: LONGSERVE_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu_check.sh [quick|tests|bench|all|long|tp|tp32|profile]
+#   usage: LONGSERVE_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu_check.sh [quick|tests|bench|all|long|tp|tp32|profile|latency|hit|host]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MODE=${1:-all}
@@ -69,7 +69,7 @@ if [[ $MODE == profile ]]; then  # one GPU: where the time of the 8B shape's col
     --profile --output-json "$OUT/latency_8b_profile.json" 2>&1 | tee "$OUT/latency_8b_profile.log" | tail -8
 fi
 
-if [[ $MODE == wip ]]; then  # one GPU: tests, short-suffix extend sweep, the 8B shape's cases against HF
+if [[ $MODE == latency ]]; then  # one GPU: tests, short-suffix extend sweep, the 8B shape's cases against HF
   python3 -m pytest -q -m gpu tests/gpu/test_engine_gpu.py tests/gpu/test_attention_gpu.py -p no:cacheprovider \
     -o faulthandler_timeout=150 2>&1 | tee "$OUT/gpu_tests.log" | tail -6 || status=1
   python3 scripts/sweep_short_extend.py 2>&1 | tee "$OUT/sweep_short_extend.log" | grep -v failed | tail -3
