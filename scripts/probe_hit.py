@@ -1,0 +1,91 @@
+"""GPU probe: where the wall time of a prefix hit (32K cached + 64 new, Llama-3.1-8B shape, dummy weights) goes
+on the host and on the device, segment by segment, without a profiler's overhead. Each segment's host time
+is wall time inside it (no syncs added); `gpu` is CUDA-event time from the forward's start to the sampled
+tokens; `wait` is how long reading them back blocked. Run on the GPU machine: python3 scripts/probe_hit.py
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+
+import torch
+
+from longserve.bench import latency
+from longserve.runner import model_runner
+
+SEGMENTS: dict[str, list[float]] = defaultdict(list)
+CACHED = int(os.environ.get("PROBE_CACHED", "32768"))  # a smaller prefix for a CPU dry run
+
+
+def timed(name, fn):
+    def wrapper(*a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            SEGMENTS[name].append((time.perf_counter() - t0) * 1e3)
+
+    return wrapper
+
+
+def probe(llm, args, skipped):
+    eng, runner = llm.engine, llm.engine.runner
+    eng.scheduler.schedule = timed("schedule", eng.scheduler.schedule)
+    eng.scheduler.update = timed("update (cache insert)", eng.scheduler.update)
+    eng._process_token = timed("process token", eng._process_token)
+    model_runner.build_step = timed("build_step", model_runner.build_step)
+    model_runner.to_model_inputs = timed("to_model_inputs", model_runner.to_model_inputs)
+    if runner.extend_graphs is not None:
+        runner.extend_graphs.run = timed("graph replay (launch)", runner.extend_graphs.run)
+    runner.model.compute_logits = timed("logits (launch)", runner.model.compute_logits)
+    events = []
+    forward = runner.forward_step
+
+    cuda = runner.device.type == "cuda"
+
+    def forward_step(step):
+        if not cuda:
+            return forward(step)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = forward(step)
+        end.record()
+        events.append((start, end))
+        return out
+
+    runner.forward_step = timed("forward_step (host)", forward_step)
+    runner.sampler = timed("sampler (launch)", runner.sampler)
+    runner.execute = timed("runner.execute (all)", runner.execute)
+    bench = latency._EngineBench(llm, args)
+    ttfts, walls = [], []
+    kept: dict[str, list[float]] = defaultdict(list)
+    for i in range(8):
+        eng.flush_cache()
+        first, second = bench.hit_prompts(CACHED, 64)
+        bench.generate(first)
+        SEGMENTS.clear()
+        events.clear()
+        out, wall = bench.generate(second)
+        if i >= 2:
+            ttfts.append(out.ttft * 1e3)
+            walls.append(wall * 1e3)
+            if events:
+                SEGMENTS["gpu forward (events)"].append(events[-1][0].elapsed_time(events[-1][1]))
+            for k, v in SEGMENTS.items():
+                kept[k].append(sum(v))
+    print(
+        f"ttft {statistics.median(ttfts):.2f} ms, generate wall {statistics.median(walls):.2f} ms (median of 6)"
+    )
+    for k, v in kept.items():
+        print(f"  {k:<28} {statistics.median(v):7.3f} ms", flush=True)
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    latency._bench_engine = probe
+    extra = sys.argv[1:] or ["--config", "llama-3.1-8b", "--dtype", "bfloat16"]
+    latency.run_latency(["--load-format", "dummy", "--prefix-hit", f"{CACHED}:64", *extra])
