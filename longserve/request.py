@@ -85,5 +85,14 @@ class Request:
         n = len(self.prompt_token_ids)
         return self.prompt_token_ids[pos] if pos < n else self.output_token_ids[pos - n]
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """all_token_ids()[start:end] without building the whole list."""
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
+
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids

@@ -51,8 +51,9 @@ class KVCacheManager:
         assert not req.page_ids and req.num_computed_tokens == 0 and req.cache_node is None
         if self.tree is None:
             return 0
-        tokens = req.all_token_ids()
-        match = self.tree.match_prefix(tokens[:-1])
+        # no copy of a fresh request's (possibly 100K-token) prompt: the tree reads up to the limit
+        tokens = req.prompt_token_ids if not req.output_token_ids else req.all_token_ids()
+        match = self.tree.match_prefix(tokens, limit=len(tokens) - 1)
         if match.num_tokens:
             self.pool.incref(match.pages)
             req.page_ids = list(match.pages)
@@ -102,7 +103,7 @@ class KVCacheManager:
         # continue below the node the request holds (its first num_tree_pages pages): a prefix hit of 32K
         # tokens inserts its few new pages without walking the 2,048 it matched
         done = req.num_tree_pages if req.cache_node is not None else 0
-        tokens = req.all_token_ids()[done * self.page_size : num_full * self.page_size]
+        tokens = req.token_slice(done * self.page_size, num_full * self.page_size)
         result = self.tree.insert(tokens, req.page_ids[done:num_full], start=req.cache_node)
         for i, tree_page in enumerate(result.pages, start=done):
             mine = req.page_ids[i]

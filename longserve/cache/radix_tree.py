@@ -74,10 +74,11 @@ class RadixTree:
     def num_locked_pages(self) -> int:
         return self._num_cached_pages - self._num_evictable_pages
 
-    def match_prefix(self, tokens: Sequence[int]) -> MatchResult:
-        """Longest cached prefix of tokens in whole pages; splits a node so the match ends on a node."""
+    def match_prefix(self, tokens: Sequence[int], limit: int | None = None) -> MatchResult:
+        """Longest cached prefix of tokens[:limit] in whole pages; splits a node so the match ends on a node."""
         ps = self.page_size
-        n = len(tokens) - len(tokens) % ps  # a trailing partial page never matches
+        n = len(tokens) if limit is None else max(0, min(limit, len(tokens)))
+        n -= n % ps  # a trailing partial page never matches
         toks = tuple(tokens[:n])
         node, pages, _ = self._walk(toks, stop_at_split=True)
         return MatchResult(pages=pages, num_tokens=len(pages) * ps, node=node)

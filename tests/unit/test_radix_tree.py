@@ -433,3 +433,16 @@ def test_insert_below_a_held_node_continues_its_path() -> None:
     assert tree.match_prefix(prefix + [10, 11, 12, 13]).num_tokens == 12
     tree.check()
     pool.check()
+
+
+@pytest.mark.parametrize("limit", [0, 3, 4, 7, 8, 11, 12, 100])
+def test_match_prefix_limit_equals_matching_the_cut_tokens(limit: int) -> None:
+    pool, tree = make(num_pages=16, page_size=4)
+    tokens = list(range(1, 13))
+    cache(pool, tree, tokens)
+    got = tree.match_prefix(tokens, limit=limit)
+    want = tree.match_prefix(tokens[:limit])
+    assert (
+        (got.pages, got.num_tokens) == (want.pages, want.num_tokens) == (want.pages, min(limit, 12) // 4 * 4)
+    )
+    tree.check()

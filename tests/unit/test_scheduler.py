@@ -184,3 +184,11 @@ def test_generated_pages_enter_the_cache_when_the_request_ends():
     s.add_request(follow)
     assert plan(s.schedule()) == [("b", follow.num_tokens - 16, True)]
     s.kv.check_integrity(live(s))
+
+
+def test_token_slice_equals_slicing_all_tokens():
+    r = req("r", 7)
+    r.output_token_ids.extend([100, 101, 102])
+    for a in range(11):
+        for b in range(a, 11):
+            assert r.token_slice(a, b) == r.all_token_ids()[a:b], (a, b)
