@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -19,6 +20,30 @@ from longserve.attention.base import AttentionMetadata, ForwardContext, KVCache
 logger = logging.getLogger("longserve.runner.cuda_graph")
 
 _BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+
+
+def capture_graphs(
+    sizes: list[int],
+    forward: Callable[[int], torch.Tensor],
+    pool: object,
+    graphs: dict[int, torch.cuda.CUDAGraph],
+    outputs: dict[int, torch.Tensor],
+) -> None:
+    """Capture forward(n) for each size into graphs[n] (its output tensor into outputs[n]) on a side stream,
+    largest first so that later graphs reuse its pool blocks; two eager runs per size before its capture
+    compile the kernels and settle the allocations outside the graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for n in sorted(sizes, reverse=True):
+            for _ in range(2):
+                forward(n)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                outputs[n] = forward(n)
+            graphs[n] = graph
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
 
 
 def graph_batch_sizes(max_bs: int) -> list[int]:
@@ -79,18 +104,7 @@ class DecodeGraphRunner:
     def capture(self) -> None:
         start = time.perf_counter()
         self.pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for bs in reversed(self.batch_sizes):  # largest first: later graphs reuse its pool blocks
-                for _ in range(2):  # compile kernels and settle allocations outside the graph
-                    self._forward(bs)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                    self.outputs[bs] = self._forward(bs)
-                self.graphs[bs] = graph
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
+        capture_graphs(self.batch_sizes, self._forward, self.pool, self.graphs, self.outputs)
         logger.info(
             "captured %d decode CUDA graphs (batch sizes %s) in %.1fs",
             len(self.graphs),
@@ -201,21 +215,10 @@ class ExtendGraphRunner:
     def capture(self, pool=None) -> None:
         start = time.perf_counter()
         self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
         self.seq_lens.fill_(1)  # warm-up and capture attend over page 0 only
         self.prefix_lens.zero_()
         self.page_table.zero_()
-        with torch.cuda.stream(stream):
-            for t in reversed(self.buckets):
-                for _ in range(2):
-                    self._forward(t)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                    self.outputs[t] = self._forward(t)
-                self.graphs[t] = graph
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
+        capture_graphs(self.buckets, self._forward, self.pool, self.graphs, self.outputs)
         logger.info(
             "captured %d prefill CUDA graphs (chunks of up to %s tokens) in %.1fs",
             len(self.graphs),
