@@ -8,6 +8,7 @@ and then taken back.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -18,8 +19,16 @@ class DetokState:
     num_emitted_chars: int = 0  # characters of output_text already handed to the caller
 
 
-def _decode(tokenizer, ids: list[int], skip_special_tokens: bool) -> str:
-    return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+def make_decoder(tokenizer) -> Callable[[list[int], bool], str]:
+    """decode(ids, skip_special_tokens) without clean-up of tokenization spaces. A fast Hugging Face
+    tokenizer's Rust backend is called directly: its Python `decode` wrapper converts and re-checks the ids
+    on every call, ~20 us each, twice per request per step (~1 ms a step at batch 64)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and callable(getattr(backend, "decode", None)):
+        return lambda ids, skip: backend.decode(ids, skip_special_tokens=skip)
+    return lambda ids, skip: tokenizer.decode(
+        ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False
+    )
 
 
 class IncrementalDetokenizer:
@@ -28,6 +37,7 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
+        self._decode = make_decoder(tokenizer)
 
     def start(self, prompt_ids: list[int]) -> DetokState:
         # decode the first output tokens with the end of the prompt as context (leading-space handling)
@@ -52,8 +62,8 @@ class IncrementalDetokenizer:
                 return output_ids[lo:hi]
             return prompt_ids[len(prompt_ids) + lo :] + output_ids[:hi]
 
-        prefix_text = _decode(self.tokenizer, window(state.prefix_offset, state.read_offset), skip_special)
-        full_text = _decode(self.tokenizer, window(state.prefix_offset, len(output_ids)), skip_special)
+        prefix_text = self._decode(window(state.prefix_offset, state.read_offset), skip_special)
+        full_text = self._decode(window(state.prefix_offset, len(output_ids)), skip_special)
         if (full_text.endswith("\ufffd") and not final) or len(full_text) <= len(prefix_text):
             return ""
         new_text = full_text[len(prefix_text) :]

@@ -49,3 +49,22 @@ def test_holdback_keeps_a_possible_prefix(tok):
     asm.add(ids)
     assert asm.delta(finished=False) == asm.text[: len(asm.text) - 4]
     assert asm.delta(finished=True) == asm.text[len(asm.text) - 4 :]  # released once finished
+
+
+def test_fast_decoder_equals_the_tokenizers_decode(tok):
+    # the Rust backend called directly gives the text transformers' decode gives, special tokens kept or
+    # skipped, on random ids (byte pieces, spaces, specials) as well as on encoded text
+    import random
+
+    from longserve.detokenizer import make_decoder
+
+    fast = make_decoder(tok)
+    assert tok.backend_tokenizer is not None
+    rng = random.Random(0)
+    cases = [tok.encode("Hello  world, \u00e9t\u00e9 \u4f60\u597d!")] + [
+        [rng.randrange(len(tok)) for _ in range(rng.randrange(1, 12))] for _ in range(200)
+    ]
+    for ids in cases:
+        for skip in (True, False):
+            want = tok.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+            assert fast(ids, skip) == want, (ids, skip)
