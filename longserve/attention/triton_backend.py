@@ -52,6 +52,30 @@ class TritonAttentionBackend(AttentionBackend):
         self.extend_splits = extend_splits
         self._num_sms = num_sms
 
+    def extend_launch(
+        self,
+        query_lens: list[int],
+        seq_lens: list[int],
+        num_q_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> tuple[dict[str, int], int]:
+        """Tiles and key-split count of an extend launch for these requests (host lists, no sync)."""
+        config = self._extend_config(head_dim, dtype)
+        tuned = device.type == "cuda" and dtype != torch.float32
+        if tuned and max(query_lens, default=0) * (num_q_heads // num_kv_heads) <= SHORT_CHUNK_ROWS:
+            config = {**config, "BLOCK_M": 64, "num_warps": 4}
+        splits = self.extend_splits or self._choose_extend_splits(
+            query_lens, seq_lens, num_q_heads, num_kv_heads, config["BLOCK_M"], self.num_sms(device)
+        )
+        if tuned and splits > 1:
+            # key-split launches are short per program: 4 warps beat 8 (scripts/sweep_short_extend.py on
+            # an H200: 64 new over 32K 0.255 -> 0.192 ms with 64-row tiles; 512 new 1.03 -> 0.83 ms)
+            config = {**config, "num_warps": 4}
+        return config, splits
+
     def num_sms(self, device: torch.device) -> int:
         if self._num_sms is None:
             cuda = device.type == "cuda"
@@ -96,18 +120,9 @@ class TritonAttentionBackend(AttentionBackend):
             if (half or not q.is_cuda) and all(n >= SPLIT_SDPA_MIN_QUERY for n in meta.query_lens_cpu):
                 return prefix_split_sdpa(q, k, v, k_cache, v_cache, meta, scale)
 
-        config = self._extend_config(q.shape[2], q.dtype)
-        tuned = q.is_cuda and q.dtype != torch.float32
-        if tuned and meta.max_query_len * (num_q_heads // num_kv_heads) <= SHORT_CHUNK_ROWS:
-            config = {**config, "BLOCK_M": 64, "num_warps": 4}
-        extend_splits = self.extend_splits or self._choose_extend_splits(
-            meta.query_lens_cpu, meta.seq_lens_cpu, num_q_heads, num_kv_heads, config["BLOCK_M"],
-            self.num_sms(q.device),
-        )  # fmt: skip
-        if tuned and extend_splits > 1:
-            # key-split launches are short per program: 4 warps beat 8 (scripts/sweep_short_extend.py on
-            # an H200: 64 new over 32K 0.255 -> 0.192 ms with 64-row tiles; 512 new 1.03 -> 0.83 ms)
-            config = {**config, "num_warps": 4}
+        config, extend_splits = self.extend_launch(
+            meta.query_lens_cpu, meta.seq_lens_cpu, num_q_heads, num_kv_heads, q.shape[2], q.dtype, q.device
+        )
         return self._extend(
             q, k_cache, v_cache, meta.query_start_loc, meta.prefix_lens, meta.seq_lens, meta.page_table,
             meta.page_size, meta.max_query_len, scale, sliding_window, config=config, num_splits=extend_splits,

@@ -161,16 +161,12 @@ class ModelRunner:
     def _fixed_extend_backend(self, num_tokens: int):
         """A triton backend whose extend launch for one request of `num_tokens` new tokens has a fixed grid:
         the key-split count the backend would pick for the longest context."""
-        from longserve.attention.triton_backend import SHORT_CHUNK_ROWS, TritonAttentionBackend
-        from longserve.kernels.extend_attention import choose_extend_splits, extend_config
+        from longserve.attention.triton_backend import TritonAttentionBackend
 
-        heads, kv_heads = self.model.num_heads, self.model.num_kv_heads
-        block_m = extend_config(self.model.head_dim, self.dtype)["BLOCK_M"]
-        tuned = self.device.type == "cuda" and self.dtype != torch.float32  # as the backend decides
-        if tuned and num_tokens * (heads // kv_heads) <= SHORT_CHUNK_ROWS:
-            block_m = 64
-        num_sms = self.backend.num_sms(self.device)  # the triton backend (prefill graphs need it)
-        splits = choose_extend_splits([num_tokens], [self.context_length], heads, kv_heads, block_m, num_sms)
+        _, splits = self.backend.extend_launch(  # the triton backend (prefill graphs need it)
+            [num_tokens], [self.context_length], self.model.num_heads, self.model.num_kv_heads,
+            self.model.head_dim, self.dtype, self.device,
+        )  # fmt: skip
         return TritonAttentionBackend(cold_path="triton", extend_splits=splits)
 
     # ---- sizing ---------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from longserve.kernels.extend_attention import (  # noqa: E402
     choose_extend_splits,
     extend_attention,
     extend_attention_ref,
+    extend_config,
 )
 
 HEADS = [(4, 2), (2, 2)]  # (Hq, Hkv)
@@ -190,6 +191,30 @@ def test_choose_num_splits() -> None:
     assert choose_extend_splits([64], [32832], 32, 8, 128, 132) >= 8
     assert choose_extend_splits([8192], [8192 + 122880], 32, 8, 128, 132) == 1
     assert choose_extend_splits([64], [128], 32, 8, 128, 132) == 1
+
+
+def test_extend_launch_tiles_and_splits() -> None:
+    # what the backend launches (and the prefill graphs fix their grid to): on a 16-bit GPU run, 64-row
+    # tiles for a short chunk, keys split with 4 warps; a long chunk keeps the default tiles, unsplit;
+    # float32 (or CPU) keeps the default tiles whatever the length
+    backend = TritonAttentionBackend(num_sms=132)
+    cuda, cpu, bf16 = torch.device("cuda"), torch.device("cpu"), torch.bfloat16
+    default = extend_config(128, bf16)
+    cfg, splits = backend.extend_launch([64], [32832], 32, 8, 128, bf16, cuda)
+    assert (cfg["BLOCK_M"], cfg["num_warps"]) == (64, 4)
+    assert splits == choose_extend_splits([64], [32832], 32, 8, 64, 132) > 1
+    cfg, splits = backend.extend_launch([8192], [131072], 32, 8, 128, bf16, cuda)
+    assert (cfg, splits) == (default, 1)
+    cfg, splits = backend.extend_launch([64], [32832], 32, 8, 128, torch.float32, cpu)
+    assert cfg == extend_config(128, torch.float32) and splits == choose_extend_splits(
+        [64], [32832], 32, 8, cfg["BLOCK_M"], 132
+    )
+    assert (
+        TritonAttentionBackend(num_sms=132, extend_splits=3).extend_launch(
+            [64], [32832], 32, 8, 128, bf16, cuda
+        )[1]
+        == 3
+    )  # a fixed split count wins
 
 
 def test_registry_and_errors() -> None:
