@@ -28,10 +28,13 @@ def capture_graphs(
     pool: object,
     graphs: dict[int, torch.cuda.CUDAGraph],
     outputs: dict[int, torch.Tensor],
+    what: str,
 ) -> None:
     """Capture forward(n) for each size into graphs[n] (its output tensor into outputs[n]) on a side stream,
     largest first so that later graphs reuse its pool blocks; two eager runs per size before its capture
-    compile the kernels and settle the allocations outside the graph."""
+    compile the kernels and settle the allocations outside the graph. Logs 'captured N <what>' with the
+    sizes filled into `what`'s %s, and the time taken."""
+    start = time.perf_counter()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -44,6 +47,8 @@ def capture_graphs(
             graphs[n] = graph
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
+    sizes_text = ",".join(map(str, sorted(sizes)))
+    logger.info("captured %d %s in %.1fs", len(graphs), what % sizes_text, time.perf_counter() - start)
 
 
 def graph_batch_sizes(max_bs: int) -> list[int]:
@@ -102,14 +107,14 @@ class DecodeGraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        start = time.perf_counter()
         self.pool = torch.cuda.graph_pool_handle()
-        capture_graphs(self.batch_sizes, self._forward, self.pool, self.graphs, self.outputs)
-        logger.info(
-            "captured %d decode CUDA graphs (batch sizes %s) in %.1fs",
-            len(self.graphs),
-            ",".join(map(str, self.batch_sizes)),
-            time.perf_counter() - start,
+        capture_graphs(
+            self.batch_sizes,
+            self._forward,
+            self.pool,
+            self.graphs,
+            self.outputs,
+            "decode CUDA graphs (batch sizes %s)",
         )
 
     def can_run(self, meta: AttentionMetadata) -> bool:
@@ -213,18 +218,14 @@ class ExtendGraphRunner:
 
     @torch.inference_mode()
     def capture(self, pool=None) -> None:
-        start = time.perf_counter()
         self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         self.seq_lens.fill_(1)  # warm-up and capture attend over page 0 only
         self.prefix_lens.zero_()
         self.page_table.zero_()
-        capture_graphs(self.buckets, self._forward, self.pool, self.graphs, self.outputs)
-        logger.info(
-            "captured %d prefill CUDA graphs (chunks of up to %s tokens) in %.1fs",
-            len(self.graphs),
-            ",".join(map(str, self.buckets)),
-            time.perf_counter() - start,
-        )
+        capture_graphs(
+            self.buckets, self._forward, self.pool, self.graphs, self.outputs,
+            "prefill CUDA graphs (chunks of up to %s tokens)",
+        )  # fmt: skip
 
     def can_run(self, meta: AttentionMetadata) -> bool:
         if not (self.graphs or self.eager) or meta.num_reqs != 1:
