@@ -164,7 +164,7 @@ class ExtendGraphRunner:
     request's last position, writing their K/V into page 0 (reserved). The request's seq_len stays its real
     prefix + n, so real tokens attend exactly as in an eager step and padding rows (never sampled) see only
     real keys. The extend kernel runs with a fixed key-split count per bucket, sized for the longest
-    context. `capture=False` keeps the same static-buffer forward without graphs (tests on the CPU).
+    context. `eager = True` runs the same static-buffer forward without graphs (tests on the CPU).
     """
 
     def __init__(
