@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: GPU tests, the CPU e2e suite on CUDA, kernel microbenchmarks and the latency
 # benchmark of the Llama-3.1-8B shape against HF transformers. Logs and JSON go to $OUT; a short table last.
-#   usage: LONGSERVE_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu_check.sh [quick|tests|bench|all|long|tp|tp32|profile|latency|hit|host]
+#   usage: LONGSERVE_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu_check.sh [quick|tests|bench|all|long|tp|tp32|profile|latency|hit|host|launch]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MODE=${1:-all}
@@ -98,6 +98,17 @@ if [[ $MODE == host ]]; then  # one GPU: where the host's time goes in a prefix 
     | grep -v "^\[bench" | tail -40
   python3 -m longserve.bench.latency "${base[@]}" --decode-batch-sizes 64 --decode-context-len 4096 \
     --output-json "$OUT/latency_8b_host64.json" 2>&1 | tee "$OUT/latency_8b_host64.log" | grep -v "^\[bench" | tail -20
+fi
+
+if [[ $MODE == launch ]]; then  # one GPU: host launch cost, Triton's launch against FastKernel, eager steps
+  python3 -m pytest -q -m gpu tests/gpu/test_fused_ops_gpu.py tests/gpu/test_engine_gpu.py -p no:cacheprovider \
+    -o faulthandler_timeout=150 2>&1 | tee "$OUT/gpu_tests.log" | tail -4 || status=1
+  python3 scripts/probe_launch.py 2>&1 | tee "$OUT/probe_launch.log"
+  base=(--config llama-3.1-8b --load-format dummy --dtype bfloat16 --warmup 1 --repeat 3 --cuda-graph-max-prefill-tokens 0)
+  for fast in 0 1; do
+    LONGSERVE_TRITON_FAST_LAUNCH=$fast python3 -m longserve.bench.latency "${base[@]}" --prefix-hit 32768:64,32768:512 \
+      --output-json "$OUT/latency_8b_eager_fast$fast.json" 2>&1 | tee "$OUT/latency_8b_eager_fast$fast.log" | tail -3
+  done
 fi
 
 echo "=== summary ($MODE) ==="

@@ -6,6 +6,7 @@ tokens; `wait` is how long reading them back blocked. Run on the GPU machine: py
 
 from __future__ import annotations
 
+import gc
 import os
 import statistics
 import sys
@@ -15,10 +16,22 @@ from collections import defaultdict
 import torch
 
 from longserve.bench import latency
+from longserve.kernels.launch import FastKernel
 from longserve.runner import model_runner
 
 SEGMENTS: dict[str, list[float]] = defaultdict(list)
 CACHED = int(os.environ.get("PROBE_CACHED", "32768"))  # a smaller prefix for a CPU dry run
+NEW = int(os.environ.get("PROBE_NEW", "64"))  # new tokens after the cached prefix
+GC = os.environ.get("PROBE_GC", "on")  # on | freeze (gc.freeze() once the engine is built) | off
+_gc_start: list[float] = []
+
+
+def _gc_pause(phase: str, info: dict) -> None:
+    """gc callback: each collection's pause, by generation, into SEGMENTS."""
+    if phase == "start":
+        _gc_start[:] = [time.perf_counter()]
+    elif _gc_start:
+        SEGMENTS[f"gc gen{info['generation']} pauses"].append((time.perf_counter() - _gc_start[0]) * 1e3)
 
 
 def timed(name, fn):
@@ -61,11 +74,17 @@ def probe(llm, args, skipped):
     runner.sampler = timed("sampler (launch)", runner.sampler)
     runner.execute = timed("runner.execute (all)", runner.execute)
     bench = latency._EngineBench(llm, args)
+    gc.callbacks.append(_gc_pause)
+    if GC == "freeze":
+        gc.collect()
+        gc.freeze()
+    elif GC == "off":
+        gc.disable()
     ttfts, walls = [], []
     kept: dict[str, list[float]] = defaultdict(list)
     for i in range(8):
         eng.flush_cache()
-        first, second = bench.hit_prompts(CACHED, 64)
+        first, second = bench.hit_prompts(CACHED, NEW)
         bench.generate(first)
         SEGMENTS.clear()
         events.clear()
@@ -78,14 +97,21 @@ def probe(llm, args, skipped):
             for k, v in SEGMENTS.items():
                 kept[k].append(sum(v))
     print(
+        f"PROBE_GC={GC} PROBE_NEW={NEW} fast launch={FastKernel.enabled}; ttft runs "
+        + " ".join(f"{t:.1f}" for t in ttfts)
+    )
+    print(
         f"ttft {statistics.median(ttfts):.2f} ms, generate wall {statistics.median(walls):.2f} ms (median of 6)"
     )
     for k, v in kept.items():
-        print(f"  {k:<28} {statistics.median(v):7.3f} ms", flush=True)
+        if k.startswith("gc"):  # not every run collects: the pauses of each run that did
+            print(f"  {k:<28} in {len(v)} of {len(ttfts)} runs: " + " ".join(f"{x:.2f}" for x in v) + " ms")
+        else:
+            print(f"  {k:<28} {statistics.median(v):7.3f} ms", flush=True)
     sys.exit(0)
 
 
 if __name__ == "__main__":
     latency._bench_engine = probe
     extra = sys.argv[1:] or ["--config", "llama-3.1-8b", "--dtype", "bfloat16"]
-    latency.run_latency(["--load-format", "dummy", "--prefix-hit", f"{CACHED}:64", *extra])
+    latency.run_latency(["--load-format", "dummy", "--prefix-hit", f"{CACHED}:{NEW}", *extra])

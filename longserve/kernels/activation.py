@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from longserve.kernels.launch import fast_launch
 from longserve.models.layers import silu_and_mul_ref
 
 __all__ = ["silu_and_mul", "silu_and_mul_ref"]
@@ -17,6 +18,7 @@ __all__ = ["silu_and_mul", "silu_and_mul_ref"]
 BLOCK = 1024
 
 
+@fast_launch
 @triton.jit
 def _silu_and_mul_kernel(
     x_ptr,

@@ -14,12 +14,14 @@ import triton
 import triton.language as tl
 
 from longserve.kernels.extend_attention import check_cache, extend_attention_ref, interpreting, merge_splits
+from longserve.kernels.launch import fast_launch
 
 MIN_KEYS_PER_SPLIT = 512  # below this a split's fixed cost outweighs the parallelism it buys
 MAX_SPLITS = 64
 PROGRAMS_PER_SM = 4  # enough resident programs per SM to keep loads in flight
 
 
+@fast_launch
 @triton.jit
 def _decode_split_kernel(
     q_ptr,  # [B, Hq, D]

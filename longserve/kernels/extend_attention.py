@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from longserve.attention.torch_ref import attention_mask, gather_kv
+from longserve.kernels.launch import fast_launch
 
 MIN_KEYS_PER_EXTEND_SPLIT = 1024
 MAX_EXTEND_SPLITS = 32
@@ -87,6 +88,7 @@ def _extend_blocks(
     return acc, l_i, m_i
 
 
+@fast_launch
 @triton.jit
 def _extend_kernel(
     q_ptr,  # [T, Hq, D]
@@ -218,6 +220,7 @@ def _extend_kernel(
         tl.store(lse_ptr + lse_offs, lse, mask=row_valid)
 
 
+@fast_launch
 @triton.jit
 def _merge_splits_kernel(
     part_ptr,  # [N, H, NUM_SPLITS, D] fp32 normalised partial outputs

@@ -13,7 +13,10 @@ import torch
 import triton
 import triton.language as tl
 
+from longserve.kernels.launch import fast_launch
 
+
+@fast_launch
 @triton.jit
 def _merge_two_kernel(
     o_a_ptr,

@@ -11,11 +11,13 @@ import torch
 import triton
 import triton.language as tl
 
+from longserve.kernels.launch import fast_launch
 from longserve.models.layers import fused_add_rms_norm_ref, rms_norm_ref
 
 __all__ = ["fused_add_rms_norm", "fused_add_rms_norm_ref", "rms_norm", "rms_norm_ref"]
 
 
+@fast_launch
 @triton.jit
 def _rms_norm_kernel(
     x_ptr,

@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from longserve.kernels.launch import fast_launch
 from longserve.models.rope import rotary_embedding_ref
 
 __all__ = ["rotary_embedding", "rotary_embedding_ref"]
@@ -39,6 +40,7 @@ def _rotate_heads(
         tl.store(ptr1 + HALF_D, out2.to(x_ptr.dtype.element_ty), mask=mask)
 
 
+@fast_launch
 @triton.jit
 def _rope_kernel(
     pos_ptr,

@@ -93,3 +93,35 @@ def test_bench_fused_ops_runs() -> None:
     rows = bench_fused_ops(num_tokens=256)
     assert [r["op"] for r in rows] == ["rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding"]
     assert all(float(r["triton_gbps"]) > 0 for r in rows)
+
+
+def test_fast_launch_equals_triton_launch() -> None:
+    """Kernels re-launched directly (FastKernel) give the same bits as Triton's own launch, over shapes and
+    views that Triton specializes differently (1 row, 16, 17, a pointer off 16-byte alignment)."""
+    from longserve.kernels import norm, rope
+    from longserve.kernels.launch import FastKernel
+
+    assert isinstance(norm._rms_norm_kernel, FastKernel) and isinstance(rope._rope_kernel, FastKernel)
+    w = randn(H, dtype=torch.bfloat16, seed=2)
+    cache = randn(4096, D, dtype=torch.float32, seed=6)
+    before = norm._rms_norm_kernel.fast_launches
+    for rows in (1, 16, 17, 64, 1, 17, 16):
+        flat = randn(2 * (rows + 1) * H, dtype=torch.bfloat16, seed=rows)
+        x = flat[: rows * H].view(rows, H)
+        res = flat[rows * H + 1 : 2 * rows * H + 1].view(rows, H)  # 2 bytes past 16-byte alignment
+        qk = randn(rows, (HQ + HKV) * D, dtype=torch.bfloat16, seed=rows + 1)
+        pos = torch.randint(0, 4096, (rows,), device="cuda")
+        outs = []
+        for enabled in (True, True, False):  # compile (or reuse), reuse, through Triton
+            FastKernel.enabled = enabled
+            try:
+                q, k = qk[:, : HQ * D].clone(), qk[:, HQ * D :].clone()
+                rope.rotary_embedding(pos, q, k, cache)
+                outs.append((*norm.fused_add_rms_norm(x, res, w, 1e-5), norm.rms_norm(x, w, 1e-5), q, k))
+            finally:
+                FastKernel.enabled = True
+        for fast in outs[:2]:
+            for a, b in zip(fast, outs[2]):
+                assert torch.equal(a, b), rows
+        assert_close(outs[0][0], norm.fused_add_rms_norm_ref(x, res, w, 1e-5)[0], torch.bfloat16)
+    assert norm._rms_norm_kernel.fast_launches >= before + 2 * 7

@@ -1,0 +1,156 @@
+"""Re-launch compiled Triton kernels without Triton's per-call dispatch.
+
+`kernel[grid](*args, **meta)` on a `@triton.jit` function re-binds every argument, specializes it in C,
+hashes the specialization with the options, reads knobs, checks globals and builds launch metadata for
+(empty) launch hooks on every call: 25-70 us of host time per launch on the H200 machine
+(`scripts/probe_launch.py`), against the ~5 us of the launcher itself. An eager decoder layer launches six
+of them; a short step (a 64-token suffix over a cached prefix, a decode batch past the CUDA graphs) is
+bound by that host time, not by the GPU.
+
+`fast_launch(fn)` wraps a `@triton.jit` function so that `kernel[grid](...)` keys each call on what Triton
+specializes on (per tensor: dtype and 16-byte alignment; per int: whether it is 1, divisible by 16, and
+its width; the constexprs and launch options by value), launches the first call of a key through Triton
+(compiling it), keeps the compiled kernel, and afterwards calls its launcher directly. The key is at least
+as fine as Triton's, so a kept kernel is never run with arguments it was not compiled for. Anything the
+key does not know (an argument of another type, a missing keyword, launch hooks installed by a profiler
+such as proton, the interpreter) goes through Triton as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+
+__all__ = ["FastKernel", "fast_launch"]
+
+logger = logging.getLogger(__name__)
+
+_I32 = (-(2**31), 2**31)
+_I64 = (-(2**63), 2**63)
+_SLOW = object()  # an argument the key cannot describe: launch through Triton
+
+
+def _arg_key(a: Any) -> Any:
+    """What Triton specializes a runtime argument on (or _SLOW)."""
+    if isinstance(a, torch.Tensor):
+        return (a.dtype, a.data_ptr() & 15 == 0)
+    if a is None or isinstance(a, bool):
+        return a  # bools and None become constants of the compiled kernel: keyed by value
+    if isinstance(a, int):
+        width = 32 if _I32[0] <= a < _I32[1] else 64 if _I64[0] <= a < _I64[1] else 65
+        return (a == 1, a & 15 == 0, width)
+    if isinstance(a, float):
+        return float
+    return _SLOW
+
+
+try:  # triton >= 3.4: launch hooks are chains, empty unless a profiler installs one
+    from triton import knobs as _knobs
+except ImportError:  # pragma: no cover - older triton: always through Triton
+    _knobs = None
+
+
+def _hooks_installed() -> bool:
+    """Whether a launch hook (proton and similar profilers) wants the launch metadata."""
+    if _knobs is None:
+        return True
+    hook = _knobs.runtime.launch_enter_hook
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+class FastKernel:
+    """A `@triton.jit` function whose compiled variants are launched directly (see the module docstring).
+
+    Use it as the function itself: `kernel[grid](*runtime_args, CONST=..., num_warps=...)`: the runtime
+    arguments by position, the constexprs and launch options by keyword, as every kernel here does.
+    Another calling style is launched through Triton every time. LONGSERVE_TRITON_FAST_LAUNCH=0 (or
+    `FastKernel.enabled = False`) sends every launch through Triton."""
+
+    enabled = os.environ.get("LONGSERVE_TRITON_FAST_LAUNCH", "1") != "0"
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+        names = [p.name for p in fn.params]
+        runtime = [p.name for p in fn.params if not p.is_constexpr]
+        # the runtime parameters must all come first for the positional/keyword split above
+        self.num_runtime = len(runtime) if names[: len(runtime)] == runtime else -1
+        self.constexpr_names = names[len(runtime) :] if self.num_runtime >= 0 else []
+        self._compiled: dict[tuple, Any] = {}
+        self.enabled_here = True  # off for good if this triton's launcher rejects a direct launch
+        self.fast_launches = 0  # tests and probes read these
+        self.slow_launches = 0
+
+    def __getitem__(self, grid: tuple[int, ...]):
+        def launch(*args: Any, **kwargs: Any) -> None:
+            self.launch(grid, args, kwargs)
+
+        return launch
+
+    def launch(self, grid: tuple[int, ...], args: tuple, kwargs: dict[str, Any]) -> None:
+        key = self._key(args, kwargs) if self.enabled and self.enabled_here else None
+        kernel = self._compiled.get(key) if key is not None else None
+        if kernel is None or _hooks_installed():
+            self.slow_launches += 1
+            compiled = self.fn[grid](*args, **kwargs)
+            if key is not None and compiled is not None and hasattr(compiled, "packed_metadata"):
+                self._compiled[key] = compiled
+            return
+        bound = [*args, *(kwargs[n] for n in self.constexpr_names)]  # Triton's parameter order
+        stream = self._raw_stream(key[0])
+        grid_1 = grid[1] if len(grid) > 1 else 1
+        grid_2 = grid[2] if len(grid) > 2 else 1
+        try:
+            kernel.run(
+                grid[0],
+                grid_1,
+                grid_2,
+                stream,
+                kernel.function,
+                kernel.packed_metadata,
+                None,
+                None,
+                None,
+                *bound,
+            )
+        except TypeError:  # a triton whose launcher takes other arguments: it rejects them before launching
+            if self.fast_launches:
+                raise
+            logger.warning("direct launch of %s failed; launching through Triton from now on", self.fn)
+            self.enabled_here = False
+            self.slow_launches += 1
+            self.fn[grid](*args, **kwargs)
+            return
+        self.fast_launches += 1
+
+    def _key(self, args: tuple, kwargs: dict[str, Any]) -> tuple | None:
+        if len(args) != self.num_runtime or any(n not in kwargs for n in self.constexpr_names):
+            return None  # a runtime argument by keyword, a defaulted constexpr: Triton binds them
+        keys = tuple(map(_arg_key, args))
+        if _SLOW in keys:
+            return None
+        meta = tuple(kwargs.items())  # constexprs and options by value (same call site: same order)
+        try:
+            hash(meta)
+        except TypeError:
+            return None
+        return (self._current_device(), keys, meta)
+
+    @staticmethod
+    def _current_device() -> int:
+        return torch.cuda.current_device()
+
+    @staticmethod
+    def _raw_stream(device: int) -> int:
+        return torch._C._cuda_getCurrentRawStream(device)  # what Triton launches on
+
+
+def fast_launch(fn: Any) -> Any:
+    """Wrap a `@triton.jit` function in a FastKernel; the interpreter's functions are returned as they are."""
+    try:
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        return fn
+    return FastKernel(fn) if isinstance(fn, JITFunction) else fn
