@@ -161,6 +161,9 @@ class ServerConfig:
     enable_metrics: bool = True  # GET /metrics in Prometheus text format
     log_stats_interval: float = 10.0  # seconds between engine stats log lines; 0: none
     tokenizer_workers: int = 2  # threads that tokenize and render chat templates off the event loop
+    # long prompts kept with their token ids, so that a conversation's next turn tokenizes only its new text
+    # (longserve.tokenizer_cache); 0: off
+    tokenizer_prefix_cache_size: int = 64
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -175,6 +178,10 @@ class ServerConfig:
             )
         if self.tokenizer_workers < 1:
             raise ValueError(f"tokenizer_workers must be >= 1; got {self.tokenizer_workers}")
+        if self.tokenizer_prefix_cache_size < 0:
+            raise ValueError(
+                f"tokenizer_prefix_cache_size must be >= 0 (0: off); got {self.tokenizer_prefix_cache_size}"
+            )
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise ValueError(f"log_level must be debug, info, warning or error; got {self.log_level!r}")
         if self.api_key == "":

@@ -39,10 +39,7 @@ def load_generation_eos_ids(model_dir: str) -> list[int]:
     return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
 
 
-def apply_chat_template(
-    tokenizer, messages: list[dict], add_generation_prompt: bool = True, **kwargs
-) -> list[int]:
-    """Token ids of a conversation rendered with the tokenizer's chat template."""
+def _check_chat(tokenizer, messages: list[dict]) -> None:
     if tokenizer is None:
         raise ValueError("chat needs a tokenizer with a chat template; this engine has no tokenizer")
     if not getattr(tokenizer, "chat_template", None):
@@ -52,6 +49,26 @@ def apply_chat_template(
     for m in messages:
         if not isinstance(m, dict) or "role" not in m:
             raise ValueError(f"each message needs a 'role' and 'content'; got {m!r}")
+
+
+def render_chat_template(
+    tokenizer, messages: list[dict], add_generation_prompt: bool = True, **kwargs
+) -> str:
+    """A conversation rendered with the tokenizer's chat template, as text: `apply_chat_template`'s ids are
+    this text's tokens without added specials (transformers tokenizes it with add_special_tokens=False)."""
+    _check_chat(tokenizer, messages)
+    text = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs
+    )
+    assert isinstance(text, str), type(text)
+    return text
+
+
+def apply_chat_template(
+    tokenizer, messages: list[dict], add_generation_prompt: bool = True, **kwargs
+) -> list[int]:
+    """Token ids of a conversation rendered with the tokenizer's chat template."""
+    _check_chat(tokenizer, messages)
     ids = tokenizer.apply_chat_template(
         messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False, **kwargs
     )

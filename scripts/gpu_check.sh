@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: GPU tests, the CPU e2e suite on CUDA, kernel microbenchmarks and the latency
 # benchmark of the Llama-3.1-8B shape against HF transformers. Logs and JSON go to $OUT; a short table last.
-#   usage: LONGSERVE_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu_check.sh [quick|tests|bench|all|long|tp|tp32|profile|latency|hit|host|launch]
+#   usage: LONGSERVE_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu_check.sh [quick|tests|bench|all|long|tp|tp2|tp32|profile|latency|hit|host|launch]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MODE=${1:-all}
@@ -61,6 +61,19 @@ if [[ $MODE == tp32 ]]; then  # two GPUs: the Qwen2.5-32B shape at TP=2
     --output-json "$OUT/latency_tp2_32b.json" 2>&1 | tee "$OUT/latency_tp2_32b.log" | tail -8
   python3 -m longserve.bench.latency "${tp[@]}" --warmup 0 --repeat 1 --prompt-lens 131072 \
     --output-json "$OUT/latency_tp2_32b_128k.json" 2>&1 | tee "$OUT/latency_tp2_32b_128k.log" | tail -4
+fi
+if [[ $MODE == tp2 ]]; then  # two GPUs, one call: TP tests, then overlap off against on at 32K for both shapes
+  python3 -m pytest -q -m gpu tests/gpu/test_tensor_parallel_gpu.py -p no:cacheprovider -o faulthandler_timeout=150 2>&1 \
+    | tee "$OUT/gpu_tp_tests.log" | tail -8 || status=1
+  for shape in llama-3.1-8b qwen2.5-32b; do
+    for overlap in 0 4096; do
+      prof=(); [[ $overlap == 4096 ]] && prof=(--profile)
+      python3 -m longserve.bench.latency --config $shape --load-format dummy --dtype bfloat16 --tp-size 2 \
+        --tp-overlap-min-tokens $overlap "${prof[@]}" --warmup 1 --repeat 2 --prompt-lens 32768 \
+        --output-json "$OUT/latency_tp2_${shape}_overlap$overlap.json" 2>&1 \
+        | tee "$OUT/latency_tp2_${shape}_overlap$overlap.log" | tail -3
+    done
+  done
 fi
 if [[ $MODE == profile ]]; then  # one GPU: where the time of the 8B shape's cold and prefix-hit cases goes
   python3 scripts/sweep_decode.py 2>&1 | tee "$OUT/sweep_decode.log" | grep -v failed | tail -4

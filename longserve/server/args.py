@@ -170,6 +170,12 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         ("--tokenizer-workers",), S + "tokenizer_workers", "threads that tokenize off the event loop", int
     ),
+    Option(
+        ("--tokenizer-prefix-cache-size",),
+        S + "tokenizer_prefix_cache_size",
+        "long prompts kept with their token ids: a conversation's next turn tokenizes only its new text; 0: off",
+        int,
+    ),
 )
 _BY_KEY = {key: opt for opt in OPTIONS for key in opt.keys}
 

@@ -29,7 +29,11 @@ def build_server(engine_config: EngineConfig, server_config: ServerConfig):
             engine_config=engine_config,
             server_config=server_config,
             engine=AsyncEngine(engine, server_config.max_queued_requests),
-            tokenizers=TokenizerPool(engine_config.tokenizer_path, server_config.tokenizer_workers),
+            tokenizers=TokenizerPool(
+                engine_config.tokenizer_path,
+                server_config.tokenizer_workers,
+                server_config.tokenizer_prefix_cache_size,
+            ),
         )
         return create_app(state)
     except BaseException:

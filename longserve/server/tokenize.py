@@ -1,27 +1,60 @@
 """TokenizerPool: tokenization, chat templates and detokenization in worker threads, off the event loop.
 
 Each worker thread loads its own tokenizer: HF fast tokenizers are not safe to share across threads, and the
-engine thread keeps the engine's instance for incremental detokenization.
+engine thread keeps the engine's instance for incremental detokenization. Long prompts and rendered chats go
+through a shared PrefixTokenCache: a turn that re-sends a conversation tokenizes only what is new.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from longserve.server.errors import APIError
-from longserve.tokenizer import apply_chat_template, load_tokenizer
+from longserve.tokenizer import apply_chat_template, load_tokenizer, render_chat_template
+from longserve.tokenizer_cache import PrefixTokenCache
+
+logger = logging.getLogger("longserve.server")
+
+_PROBE_TEXT = "Hello world! It's 12345 tokens,  and\n\n  more: 漢字 🙂 <|im_start|> é."
 
 
 class TokenizerPool:
-    def __init__(self, path: str, num_workers: int = 2) -> None:
+    def __init__(self, path: str, num_workers: int = 2, prefix_cache_size: int = 64) -> None:
         self.path = path
         self._local = threading.local()
         self._executor = ThreadPoolExecutor(num_workers, thread_name_prefix="longserve-tokenizer")
         self.tokenizer = load_tokenizer(path)  # checks the files now, and serves cheap attribute reads
+        self.prefix_cache, self._chat_cached = self._make_prefix_cache(prefix_cache_size)
+
+    def _make_prefix_cache(self, size: int) -> tuple[PrefixTokenCache | None, bool]:
+        """The prefix token cache, if this tokenizer's ids are its Rust backend's (checked on a probe text,
+        and on a probe chat for the chat path); size 0 turns it off."""
+        tok = self.tokenizer
+        backend = getattr(tok, "backend_tokenizer", None)
+        if size <= 0 or backend is None:
+            return None, False
+        for flag in (True, False):
+            if (
+                list(tok.encode(_PROBE_TEXT, add_special_tokens=flag))
+                != backend.encode(_PROBE_TEXT, add_special_tokens=flag).ids
+            ):
+                logger.info("prefix token cache off: this tokenizer's ids are not its backend's")
+                return None, False
+        cache = PrefixTokenCache(backend, max_entries=size)
+        chat = [{"role": "user", "content": _PROBE_TEXT}]
+        try:
+            chat_cached = (
+                apply_chat_template(tok, chat)
+                == backend.encode(render_chat_template(tok, chat), add_special_tokens=False).ids
+            )
+        except Exception:  # no chat template, or one that wants other messages: chats are tokenized whole
+            chat_cached = False
+        return cache, chat_cached
 
     def _tokenizer(self):
         tok = getattr(self._local, "tokenizer", None)
@@ -36,6 +69,8 @@ class TokenizerPool:
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         def work(tok, text: str) -> list[int]:
+            if self.prefix_cache is not None:
+                return self.prefix_cache.encode(text, add_special_tokens, backend=tok.backend_tokenizer)
             return list(tok.encode(text, add_special_tokens=add_special_tokens))
 
         try:
@@ -47,6 +82,9 @@ class TokenizerPool:
         self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any
     ) -> list[int]:
         def work(tok) -> list[int]:
+            if self.prefix_cache is not None and self._chat_cached:
+                text = render_chat_template(tok, messages, add_generation_prompt, **kwargs)
+                return self.prefix_cache.encode(text, add_special_tokens=False, backend=tok.backend_tokenizer)
             return apply_chat_template(tok, messages, add_generation_prompt, **kwargs)
 
         try:
