@@ -1,10 +1,11 @@
 """Time the server's tokenization of a conversation's next turn, with and without the prefix token cache.
 
 A chat of `--history` tokens (the embedded default model's tokenizer, or --tokenizer DIR) gets a new user
-message of ~`--new` tokens each turn; each turn goes through the server's TokenizerPool (chat template, then
-tokens), as /v1/chat/completions does, once with --tokenizer-prefix-cache-size 64 and once with 0. Prints
-the median time per turn of each and their ratio; the ids are checked equal. Tokenization runs on the CPU,
-before the engine sees the prompt: its time is part of every request's time to first token.
+message of ~`--new` tokens each turn; each turn is tokenized as the server's TokenizerPool.chat does for
+/v1/chat/completions (chat template, then tokens), with the prefix token cache (--tokenizer-prefix-cache-size
+64) and without it (0). Prints the median time per turn of each and their ratio; the ids are checked equal.
+Tokenization runs on the CPU, before the engine sees the prompt: its time is part of every request's time to
+first token. Needs no server packages (the GPU machine has no fastapi).
 
     python3 scripts/bench_tokenize.py [--history 8192,32768,131072] [--new 64] [--turns 8]
 """
@@ -12,7 +13,6 @@ before the engine sees the prompt: its time is part of every request's time to f
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import random
 import statistics
@@ -20,8 +20,8 @@ import sys
 import time
 
 from longserve.assets import default_model_path
-from longserve.server.tokenize import TokenizerPool
-from longserve.tokenizer import load_tokenizer
+from longserve.tokenizer import apply_chat_template, load_tokenizer, render_chat_template
+from longserve.tokenizer_cache import PrefixTokenCache
 
 _PROSE = (
     "the of and to in is that for it as was with be by on not he this are or his from at which but have an they "
@@ -43,24 +43,20 @@ def run(tokenizer_dir: str, history: int, new: int, turns: int, cache_size: int)
     tok = load_tokenizer(tokenizer_dir)
     rng = random.Random(history)
     messages = [{"role": "user", "content": text_of(rng, tok, history)}]
-    pool = TokenizerPool(tokenizer_dir, 1, prefix_cache_size=cache_size)
+    cache = PrefixTokenCache(tok.backend_tokenizer, max_entries=cache_size) if cache_size else None
     times, ids = [], []
-
-    async def turn() -> list[int]:
-        return await pool.chat(messages)
-
-    try:
-        for _ in range(turns + 1):  # the first turn fills the cache: not timed
-            t0 = time.perf_counter()
-            out = asyncio.run(turn())
-            times.append(time.perf_counter() - t0)
-            ids.append(out)
-            messages += [
-                {"role": "assistant", "content": text_of(rng, tok, 32)},
-                {"role": "user", "content": text_of(rng, tok, new)},
-            ]
-    finally:
-        pool.shutdown()
+    for _ in range(turns + 1):  # the first turn fills the cache: not timed
+        t0 = time.perf_counter()
+        if cache is not None:  # TokenizerPool.chat with the cache
+            out = cache.encode(render_chat_template(tok, messages), add_special_tokens=False)
+        else:  # and without
+            out = apply_chat_template(tok, messages)
+        times.append(time.perf_counter() - t0)
+        ids.append(out)
+        messages += [
+            {"role": "assistant", "content": text_of(rng, tok, 32)},
+            {"role": "user", "content": text_of(rng, tok, new)},
+        ]
     return times[1:], ids
 
 

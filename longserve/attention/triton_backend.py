@@ -17,7 +17,23 @@ from longserve.attention.base import AttentionBackend, AttentionMetadata, KVCach
 logger = logging.getLogger("longserve.attention")
 
 COLD_PATHS = ("sdpa", "triton")
-SPLIT_SDPA_MIN_QUERY = 1024  # shorter chunks over a prefix go to the Triton kernel
+# Which chunks over a cached prefix run as two cuDNN calls merged (prefix_split_sdpa) rather than in the Triton
+# extend kernel. Measured per layer on an H200, Llama-3.1-8B heads (scripts/probe_split_threshold.py, ms
+# Triton / cuDNN): 256 new over 32K 0.67 / 0.81; 512 over 8K 0.42 / 0.51, over 32K 1.14 / 0.72; 1024 over 8K
+# 0.64 / 0.41. So: 1024+ new tokens always; 512+ over a prefix of 12K+ (the crossover, interpolated).
+SPLIT_SDPA_MIN_QUERY = 1024
+SPLIT_SDPA_MIN_QUERY_LONG_PREFIX = 512
+SPLIT_SDPA_LONG_PREFIX = 12288
+
+
+def use_split_sdpa(query_len: int, prefix_len: int) -> bool:
+    """Whether a chunk of `query_len` new tokens over `prefix_len` cached ones runs faster on the split
+    cuDNN path than in the Triton extend kernel (measurements above)."""
+    if query_len >= SPLIT_SDPA_MIN_QUERY:
+        return True
+    return query_len >= SPLIT_SDPA_MIN_QUERY_LONG_PREFIX and prefix_len >= SPLIT_SDPA_LONG_PREFIX
+
+
 SHORT_CHUNK_ROWS = 256  # query rows per kv head (new tokens x group) up to which 64-row tiles win
 
 
@@ -117,7 +133,9 @@ class TritonAttentionBackend(AttentionBackend):
             # long chunks over a cached prefix: two cuDNN calls merged beat the Triton kernel (measured:
             # ~530 vs ~315 TFLOP/s for 8K over 24K..120K; a 64-token suffix is faster in Triton)
             half = q.dtype in (torch.float16, torch.bfloat16)  # cuDNN's kernels: 16-bit only
-            if (half or not q.is_cuda) and all(n >= SPLIT_SDPA_MIN_QUERY for n in meta.query_lens_cpu):
+            if (half or not q.is_cuda) and all(
+                map(use_split_sdpa, meta.query_lens_cpu, meta.prefix_lens_cpu)
+            ):
                 return prefix_split_sdpa(q, k, v, k_cache, v_cache, meta, scale)
 
         config, extend_splits = self.extend_launch(

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from longserve.attention.base import build_metadata
-from longserve.attention.triton_backend import cold_sdpa
+from longserve.attention.triton_backend import cold_sdpa, prefix_split_sdpa
 from longserve.kernels.decode_attention import choose_num_splits, decode_attention
 from longserve.kernels.extend_attention import choose_extend_splits, extend_attention, extend_config
 
@@ -67,7 +67,7 @@ def bench_attention(
     extend_splits: int | None = None,
     device: str = "cuda",
 ) -> list[dict[str, object]]:
-    """Time triton (and SDPA for cold prompts) per case; rows: case, impl, ms, tflops, gbps, shapes."""
+    """Time triton (and SDPA for cold prompts, the split cuDNN path over a prefix) per case; rows: case, impl, ms, tflops, gbps, shapes."""
     assert torch.cuda.is_available(), "bench_attention needs a CUDA GPU"
     shapes = {"num_q_heads": num_q_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
     knobs = {
@@ -144,10 +144,12 @@ def _bench_case(
         )  # fmt: skip
 
     impls: dict[str, Callable[[], object]] = {"triton": triton_extend}
+    k_new = torch.randn(num_tokens, num_kv_heads, head_dim, dtype=dtype, device=device)  # [T, Hkv, D]
+    v_new = torch.randn(num_tokens, num_kv_heads, head_dim, dtype=dtype, device=device)  # [T, Hkv, D]
     if case.prefix_len == 0:
-        k_new = torch.randn(num_tokens, num_kv_heads, head_dim, dtype=dtype, device=device)  # [T, Hkv, D]
-        v_new = torch.randn(num_tokens, num_kv_heads, head_dim, dtype=dtype, device=device)  # [T, Hkv, D]
         impls["sdpa"] = lambda: cold_sdpa(q, k_new, v_new, query_lens, scale)
+    elif dtype in (torch.float16, torch.bfloat16):  # the backend's cuDNN path for long chunks over a prefix
+        impls["split_sdpa"] = lambda: prefix_split_sdpa(q, k_new, v_new, k_cache, v_cache, meta, scale)
     # causal area: each new token sees the prefix plus the new tokens up to itself
     visible = case.query_len * case.prefix_len + case.query_len * (case.query_len + 1) // 2
     flops = 4 * case.num_reqs * num_q_heads * head_dim * visible

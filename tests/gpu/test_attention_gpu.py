@@ -103,6 +103,7 @@ def test_bench_attention_runs() -> None:
         ("cold_1k", "triton"),
         ("cold_1k", "sdpa"),
         ("suffix", "triton"),
+        ("suffix", "split_sdpa"),
         ("decode_4k", "triton"),
     ]
     assert all(r["ms"] > 0 and r["tflops"] > 0 for r in rows)

@@ -243,6 +243,15 @@ def test_prefix_split_sdpa_path(monkeypatch: pytest.MonkeyPatch, heads: tuple[in
     assert calls == [1]
 
 
+def test_split_sdpa_rule_follows_the_measured_crossovers() -> None:
+    """The H200 measurements behind the rule: Triton wins 256 new over 32K and 512 over 8K; the split cuDNN
+    path wins 512 over 32K and 1024+ over any prefix."""
+    from longserve.attention.triton_backend import use_split_sdpa
+
+    assert not use_split_sdpa(256, 32768) and not use_split_sdpa(512, 8192) and not use_split_sdpa(64, 131072)
+    assert use_split_sdpa(512, 32768) and use_split_sdpa(1024, 8192) and use_split_sdpa(2048, 1)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_merge_two_matches_reference_and_full_attention(dtype: torch.dtype) -> None:
     """The one-pass merge of two partials equals the torch merge, and merging attention over two disjoint
