@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: GPU tests, the CPU e2e suite on CUDA, kernel microbenchmarks and the latency
 # benchmark of the Llama-3.1-8B shape against HF transformers. Logs and JSON go to $OUT; a short table last.
-#   usage: LONGSERVE_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu_check.sh [quick|tests|bench|all|long|tp|tp2|tp32|profile|latency|hit|host|launch]
+#   usage: LONGSERVE_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu_check.sh [quick|tests|bench|all|long|tp|tp2|tp32|profile|latency|hit|host|launch|turns]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MODE=${1:-all}
@@ -122,6 +122,21 @@ if [[ $MODE == launch ]]; then  # one GPU: host launch cost, Triton's launch aga
     LONGSERVE_TRITON_FAST_LAUNCH=$fast python3 -m longserve.bench.latency "${base[@]}" --prefix-hit 32768:64,32768:512 \
       --output-json "$OUT/latency_8b_eager_fast$fast.json" 2>&1 | tee "$OUT/latency_8b_eager_fast$fast.log" | tail -3
   done
+fi
+
+if [[ $MODE == turns ]]; then  # one GPU: a conversation's next turn (tokenizer prefix cache; medium suffix hits)
+  python3 scripts/bench_tokenize.py --history 8192,32768,131072 --turns 6 --output-json "$OUT/bench_tokenize.json" \
+    2>&1 | grep -v "Token indices" | tee "$OUT/bench_tokenize.log"
+  python3 -m pytest -q -m gpu tests/gpu/test_engine_gpu.py tests/gpu/test_attention_gpu.py -p no:cacheprovider \
+    -o faulthandler_timeout=150 2>&1 | tee "$OUT/gpu_tests.log" | tail -4 || status=1
+  hits=(--config llama-3.1-8b --load-format dummy --dtype bfloat16 --warmup 1 --repeat 3
+        --prefix-hit 32768:256,32768:512,32768:768,8192:512)
+  # the split rule before f1d6925 (cuDNN from 1024 new tokens only), then now, in one call
+  python3 -c "import sys, longserve.attention.triton_backend as t; t.SPLIT_SDPA_MIN_QUERY_LONG_PREFIX = 1024
+from longserve.bench.latency import main; sys.exit(main(sys.argv[1:]))" "${hits[@]}" \
+    --output-json "$OUT/latency_8b_hits_old_rule.json" 2>&1 | tee "$OUT/latency_8b_hits_old_rule.log" | tail -6
+  python3 -m longserve.bench.latency "${hits[@]}" --output-json "$OUT/latency_8b_hits.json" 2>&1 \
+    | tee "$OUT/latency_8b_hits.log" | tail -6
 fi
 
 echo "=== summary ($MODE) ==="
