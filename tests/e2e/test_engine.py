@@ -229,6 +229,21 @@ def test_prompt_longer_than_context_is_refused(ckpt):
     assert_clean(m.engine)
 
 
+def test_bad_token_ids_are_refused_and_nothing_is_queued(ckpt):
+    import numpy as np
+
+    m = llm(ckpt)
+    vocab = m.engine.runner.model.vocab_size
+    for bad, shown in (([5, 2.5], "2.5"), ([5, "a"], "'a'"), ([5, None], "None"), ([-1, 5], "-1"),
+                       ([5, vocab], str(vocab)), ([5, 2**70], str(2**70))):  # fmt: skip
+        with pytest.raises(ValueError, match=rf"integers in \[0, {vocab}\); got \[{shown}\]"):
+            m.engine.add_request(bad, GREEDY32)
+        assert not m.engine.has_unfinished()
+    ok = [8, np.int64(7), True, vocab - 1]  # numpy ints and bools are ints
+    assert m.generate(ok, SamplingParams(max_new_tokens=2))[0].prompt_tokens == 4
+    assert_clean(m.engine)
+
+
 def test_bfloat16_runs(ckpt):
     m = llm(ckpt, dtype="bfloat16")
     assert next(m.engine.runner.model.parameters()).dtype == torch.bfloat16
