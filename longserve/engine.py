@@ -115,8 +115,12 @@ class Engine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        arrival_time: float | None = None,
     ) -> str:
-        """Queue a request; raises ValueError (nothing queued) for input that cannot be served."""
+        """Queue a request; raises ValueError (nothing queued) for input that cannot be served.
+        arrival_time (a time.perf_counter() value, default now) starts its timings (ttft, queue_time): the
+        server passes when the HTTP request came, so that tokenizing and waiting for this thread count."""
+        arrival_time = time.perf_counter() if arrival_time is None else arrival_time
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.groups:
@@ -146,6 +150,7 @@ class Engine:
                     sampling_params=member_params,
                     eos_token_ids=self.eos_token_ids,
                     group_id=group_id,
+                    arrival_time=arrival_time,
                 )
             )
         group = _Group(request_id, text, members)

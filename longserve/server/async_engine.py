@@ -125,9 +125,18 @@ class AsyncEngine:
         """Abort a request; `reason` ("abort" or "timeout") is the metrics' finished_reason."""
         self._post("abort", request_id, reason)
 
-    async def add(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+    async def add(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+    ) -> str:
         """Queue a request; returns its id once the engine accepted it. Iterate `stream(id)` next (or
-        `release(id)`). APIError: 400 for input the engine refuses, 503 when the queue is full."""
+        `release(id)`). APIError: 400 for input the engine refuses, 503 when the queue is full.
+        arrival_time (time.perf_counter()): when the server got it; None: now."""
+        if arrival_time is None:
+            arrival_time = time.perf_counter()
         if not self.is_alive:
             raise APIError(503, "the engine is not running; see the server log")
         if self._pending_adds + self.num_waiting >= self.max_queued_requests:
@@ -147,7 +156,7 @@ class AsyncEngine:
             ]
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._pending_adds += 1
-        self._post("add", request_id, prompt_ids, params, fut)
+        self._post("add", request_id, prompt_ids, params, fut, arrival_time)
         try:
             await asyncio.wrap_future(fut)
         except BaseException:
@@ -278,11 +287,11 @@ class AsyncEngine:
     def _handle(self, command: tuple[Any, ...], items: list) -> None:
         kind = command[0]
         if kind == "add":
-            _, request_id, prompt_ids, params, fut = command
+            _, request_id, prompt_ids, params, fut, arrival_time = command
             if not fut.set_running_or_notify_cancel():  # the caller gave up before we got to it
                 return
             try:
-                self.engine.add_request(prompt_ids, params, request_id)
+                self.engine.add_request(prompt_ids, params, request_id, arrival_time=arrival_time)
             except PromptTooLongError as e:
                 fut.set_exception(APIError(400, str(e), param="prompt", code="context_length_exceeded"))
             except ValueError as e:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any, Literal, TypeVar
 
 from fastapi import Request
@@ -10,6 +11,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from longserve.sampling_params import SamplingParams
 from longserve.server.errors import APIError, validation_error
+
+# ASGI scope key: time.perf_counter() when the server started on the request (engine timings count from it)
+ARRIVAL_SCOPE_KEY = "longserve.arrival"
 
 MAX_BODY_BYTES = 64 * 2**20
 MAX_N = 128  # completions per prompt: n siblings are n engine requests
@@ -197,7 +201,9 @@ def make_sampling_params(kw: dict[str, Any], openai_names: bool = False) -> Samp
 
 
 async def parse_body(request: Request, schema: type[T]) -> T:
-    """The request body as `schema`: invalid UTF-8, malformed JSON and wrong types are each a clear 400."""
+    """The request body as `schema`: invalid UTF-8, malformed JSON and wrong types are each a clear 400.
+    Stamps the request's arrival (ARRIVAL_SCOPE_KEY): its timings (TTFT, queue time) count from here."""
+    request.scope.setdefault(ARRIVAL_SCOPE_KEY, time.perf_counter())
     raw = await request.body()
     if len(raw) > MAX_BODY_BYTES:
         raise APIError(413, f"request body is {len(raw):,} bytes; the limit is {MAX_BODY_BYTES:,}")

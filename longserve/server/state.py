@@ -20,6 +20,7 @@ from longserve.outputs import RequestOutput
 from longserve.server.async_engine import AsyncEngine
 from longserve.server.errors import APIError
 from longserve.server.metrics import ServerMetrics
+from longserve.server.protocol import ARRIVAL_SCOPE_KEY
 from longserve.server.tokenize import TokenizerPool
 
 logger = logging.getLogger("longserve.server")
@@ -89,8 +90,9 @@ class ServerState:
         queued, the engine accounts for how they end (metrics: the HTTP call is no longer "rejected")."""
         added: list[str] = []
         try:
+            arrival = request.scope.get(ARRIVAL_SCOPE_KEY)  # tokenizing and waiting for the engine count
             for prompt_ids, rid in zip(prompts, ids):
-                added.append(await self.engine.add(prompt_ids, params, rid))
+                added.append(await self.engine.add(prompt_ids, params, rid, arrival_time=arrival))
         except BaseException:
             for rid in added:
                 self.engine.release(rid)

@@ -117,6 +117,49 @@ def test_refused_input_is_400_and_leaves_nothing(engine):
     with_engine(engine, body)
 
 
+def test_timings_count_from_the_http_arrival(engine, tiny_model):
+    """meta_info's ttft and queue_time (and so the metrics) start when the server got the request, not when
+    the engine thread did: a tokenizer that takes 0.3 s shows in both, as it does in the client's TTFT."""
+    import httpx
+
+    from longserve.config import ServerConfig
+    from longserve.server.app import create_app
+    from longserve.server.state import ServerState
+    from longserve.server.tokenize import TokenizerPool
+
+    async def main():
+        pool = TokenizerPool(tiny_model, 1)
+        slow_encode = pool.encode
+
+        async def encode(*a, **kw):
+            await asyncio.sleep(0.3)
+            return await slow_encode(*a, **kw)
+
+        pool.encode = encode
+        state = ServerState(engine.config, ServerConfig(), AsyncEngine(engine), pool)
+        state.engine.start(asyncio.get_running_loop())
+        transport = httpx.ASGITransport(app=create_app(state))
+        try:
+            async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as client:
+                t0 = time.perf_counter()
+                r = await client.post(
+                    "/generate", json={"text": "Hello", "sampling_params": {"max_new_tokens": 2}}
+                )
+                wall = time.perf_counter() - t0
+                meta = r.json()["meta_info"]
+                assert 0.3 <= meta["queue_time"] <= meta["ttft"] <= meta["e2e_latency"] <= wall
+                r = await client.post(
+                    "/generate", json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}}
+                )
+                assert r.json()["meta_info"]["ttft"] < 0.3  # ids need no tokenizing
+        finally:
+            state.engine.stop()
+            state.tokenizers.shutdown()
+
+    asyncio.run(main())
+    assert_clean(engine)
+
+
 def test_request_timeout_over_http(engine, tiny_model):
     """--request-timeout through the app: a 504 error object, or an error event in a stream."""
     import httpx
