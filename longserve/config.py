@@ -13,6 +13,9 @@ LOAD_FORMATS = ("auto", "safetensors", "dummy")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
+SCHEDULE_POLICIES = ("short-first", "fcfs")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str
@@ -32,6 +35,9 @@ class EngineConfig:
     chunked_prefill_size: int = 8192  # per-step token budget (vLLM: max_num_batched_tokens)
     max_prefill_chunk: int | None = None  # per-request cap per step; None: the whole budget
     max_running_requests: int = 256
+    # "short-first": a waiting request with at most chunked_prefill_size // 8 tokens to compute (after its
+    # cached prefix) is served before the rest of a long prompt's prefill (sched/scheduler.py); "fcfs": never
+    schedule_policy: str = "short-first"
     context_length: int | None = None  # None: the model's max_position_embeddings
 
     attention_backend: str = "auto"
@@ -84,6 +90,10 @@ class EngineConfig:
         need(
             self.max_running_requests >= 1,
             f"max_running_requests must be >= 1; got {self.max_running_requests}",
+        )
+        need(
+            self.schedule_policy in SCHEDULE_POLICIES,
+            f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}; got {self.schedule_policy!r}",
         )
         need(
             self.max_total_tokens is None or self.max_total_tokens >= self.page_size,

@@ -75,6 +75,9 @@ class Engine:
                 token_budget=config.chunked_prefill_size,
                 max_running_requests=config.max_running_requests,
                 max_prefill_chunk=config.max_prefill_chunk,
+                short_prefill_tokens=(
+                    max(1, config.chunked_prefill_size // 8) if config.schedule_policy == "short-first" else 0
+                ),
             ),
             self.kv,
         )

@@ -63,6 +63,13 @@ class KVCacheManager:
             req.cache_node = match.node
         return match.num_tokens
 
+    def peek_prefix_len(self, req: Request) -> int:
+        """Tokens `match_prefix` would attach to this (unattached) request now; changes nothing."""
+        if self.tree is None:
+            return 0
+        tokens = req.prompt_token_ids if not req.output_token_ids else req.all_token_ids()
+        return self.tree.peek_prefix_len(tokens, limit=len(tokens) - 1)
+
     def fork_prefix(self, req: Request, src: Request) -> int:
         """Share `src`'s full prompt pages with a sibling that has the same prompt (n > 1 without the
         prefix cache). Leaves at least one token to compute. Returns the number of tokens shared."""

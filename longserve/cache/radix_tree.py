@@ -83,6 +83,24 @@ class RadixTree:
         node, pages, _ = self._walk(toks, stop_at_split=True)
         return MatchResult(pages=pages, num_tokens=len(pages) * ps, node=node)
 
+    def peek_prefix_len(self, tokens: Sequence[int], limit: int | None = None) -> int:
+        """Tokens match_prefix would match, without touching the tree (no split, no LRU stamp)."""
+        ps = self.page_size
+        n = len(tokens) if limit is None else max(0, min(limit, len(tokens)))
+        n -= n % ps
+        toks = tuple(tokens[:n])
+        node, pos = self._root, 0
+        while pos < n:
+            child = node.children.get(toks[pos : pos + ps])
+            if child is None:
+                break
+            m = self._match_len(child.key, toks, pos)
+            pos += m
+            if m < len(child.key):
+                break
+            node = child
+        return pos
+
     # ---- mutation ------------------------------------------------------------------------------
 
     def insert(

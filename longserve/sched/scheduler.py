@@ -6,10 +6,18 @@ spreads over several steps (`max_prefill_chunk` caps one request's share of a st
 out, the most recently admitted request not yet scheduled this step is preempted by recompute: its
 pages are released (its computed full pages stay in the prefix cache) and it goes back to the front
 of the queue.
+
+Short prefills first (`short_prefill_tokens` > 0, the engine's "short-first" policy): while a long prompt
+is being prefilled chunk by chunk, a waiting request with at most that many tokens left to compute once its
+cached prefix is attached (a conversation's next turn, a short question) would wait for every remaining
+chunk (a 128K prompt: seconds). Such requests are admitted in a step of their own, with the decodes, and the
+long prefill resumes the next step; it is never put off two steps in a row, so under a stream of short
+requests it still gets every other step.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -24,6 +32,8 @@ class SchedulerConfig:
     token_budget: int  # chunked_prefill_size / max_num_batched_tokens
     max_running_requests: int
     max_prefill_chunk: int | None = None
+    short_prefill_tokens: int = 0  # waiting requests with this few tokens to compute go before a long prefill
+    short_lookahead: int = 4  # waiting requests looked at for that (each: a read-only prefix-cache walk)
 
 
 class Scheduler:
@@ -39,6 +49,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_prefix_query_tokens = 0
         self.num_prefix_hit_tokens = 0
+        self.num_deferred_prefill_steps = 0  # steps that served short requests before a long prefill
+        self._deferred = False  # the last step put the long prefills off
 
     # ---- queue management -----------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -96,6 +108,9 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.token_budget
         scheduled_ids: set[str] = set()
+        shorts = self._shorts_first()  # non-empty: this step serves them and puts the long prefills off
+        self._deferred = bool(shorts)
+        self.num_deferred_prefill_steps += self._deferred
 
         # 1. running requests: decodes first (stable sort keeps admission order within each class)
         for req in sorted(self.running, key=lambda r: r.num_remaining_tokens > 1):
@@ -103,6 +118,8 @@ class Scheduler:
                 break
             if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
+            if shorts and req.num_remaining_tokens > 1:
+                continue  # a prefill chunk: next step
             n = self._chunk(req, budget)
             while not self.kv.allocate(req, n):
                 victim = self._pick_victim(exclude=scheduled_ids)
@@ -122,17 +139,36 @@ class Scheduler:
 
         # 2. admit waiting requests (not in a step that had to preempt: memory is short)
         if not out.preempted:
-            for req in list(self.waiting):
+            for req in shorts or list(self.waiting):
                 if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                     break
                 if self._blocked_by_sibling(req):
                     continue
-                n = self._admit(req, budget)
+                # a short one's chunk stays short even if eviction took part of its prefix since the peek
+                n = self._admit(req, min(budget, self.config.short_prefill_tokens) if shorts else budget)
                 if n == 0:
                     break  # no pages even for this one: keep FCFS order, retry next step
                 out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens + n == req.num_tokens))
                 budget -= n
         return out
+
+    def _shorts_first(self) -> list[Request]:
+        """Waiting requests (of the first few) with at most short_prefill_tokens left to compute, when a
+        running request is mid-prefill and the last step did not already put it off; else []."""
+        limit = self.config.short_prefill_tokens
+        if not limit or self._deferred or not self.waiting:
+            return []
+        if len(self.running) >= self.config.max_running_requests:
+            return []
+        if not any(r.num_remaining_tokens > 1 for r in self.running):
+            return []
+        shorts = []
+        for req in itertools.islice(self.waiting, self.config.short_lookahead):
+            if self._blocked_by_sibling(req):
+                continue
+            if req.num_tokens - self.kv.peek_prefix_len(req) <= limit:
+                shorts.append(req)
+        return shorts
 
     def _pick_victim(self, exclude: set[str]) -> Request | None:
         """The most recently admitted running request not yet scheduled this step."""

@@ -117,6 +117,13 @@ OPTIONS: tuple[Option, ...] = (
         ("--max-running-requests", "--max-num-seqs"), E + "max_running_requests", "concurrent requests", int
     ),
     Option(
+        ("--schedule-policy", "--scheduling-policy"),
+        E + "schedule_policy",
+        "short-first (default: a request with little left to compute goes before the rest of a long prefill) "
+        "or fcfs",
+        choices=("short-first", "fcfs"),
+    ),
+    Option(
         ("--enable-prefix-caching",), E + "enable_prefix_caching", "radix prefix cache on (default)", None
     ),
     Option(

@@ -206,6 +206,34 @@ def test_n_siblings_share_the_prompt(ckpt):
     assert_clean(m.engine)
 
 
+def test_short_first_answers_a_short_request_during_a_long_prefill(ckpt):
+    """A short prompt that arrives while a long one is prefilled in 64-token chunks gets its first token in
+    the next step with the short-first policy (after every chunk with fcfs); both policies give the same
+    greedy tokens, and the long prompt loses one step."""
+    long_prompt = torch.randint(10, 500, (400,), generator=torch.Generator().manual_seed(5)).tolist()
+    short_prompt = [11, 12, 13, 14, 15, 16, 17]  # 7 tokens <= 64 // 8
+    sp = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)
+    first_token_step, tokens = {}, {}
+    for policy in ("fcfs", "short-first"):
+        engine = llm(ckpt, chunked_prefill_size=64, schedule_policy=policy).engine
+        long_id = engine.add_request(long_prompt, sp)
+        engine.step()
+        short_id = engine.add_request(short_prompt, sp)
+        steps, firsts, outs = 1, {}, {}
+        while engine.has_unfinished():
+            steps += 1
+            for out in engine.step():
+                if out.outputs[0].token_ids:
+                    firsts.setdefault(out.request_id, steps)
+                outs[out.request_id] = out.outputs[0].token_ids
+        first_token_step[policy] = (firsts[short_id], firsts[long_id])
+        tokens[policy] = (outs[short_id], outs[long_id])
+        assert_clean(engine)
+    assert first_token_step["fcfs"] == (7, 7)  # 400 tokens = 7 chunks of 64 (the short one rides along)
+    assert first_token_step["short-first"] == (2, 8)
+    assert tokens["fcfs"] == tokens["short-first"]
+
+
 def test_abort_releases_pages(ckpt):
     m = llm(ckpt, chunked_prefill_size=8)
     engine = m.engine

@@ -192,3 +192,72 @@ def test_token_slice_equals_slicing_all_tokens():
     for a in range(11):
         for b in range(a, 11):
             assert r.token_slice(a, b) == r.all_token_ids()[a:b], (a, b)
+
+
+def make_short_first(budget=16, pages=64, page_size=4, short=4, max_running=8):
+    kv = KVCacheManager(pages, page_size, enable_prefix_caching=True)
+    return Scheduler(SchedulerConfig(budget, max_running, None, short_prefill_tokens=short), kv)
+
+
+def test_fcfs_makes_a_short_request_wait_for_the_whole_long_prefill():
+    s = make(budget=16, pages=64)
+    s.add_request(req("long", 60, 100))
+    assert plan(run_step(s)) == [("long", 16, False)]
+    s.add_request(req("short", 3))
+    assert plan(run_step(s)) == [("long", 16, False)]
+    assert plan(run_step(s)) == [("long", 16, False)]
+    assert plan(run_step(s)) == [("long", 12, True), ("short", 3, True)]  # its first token: step 4
+
+
+def test_short_first_serves_a_short_request_in_the_next_step():
+    s = make_short_first(budget=16, short=4)
+    s.add_request(req("long", 60, 100))
+    assert plan(run_step(s)) == [("long", 16, False)]
+    s.add_request(req("short", 3))
+    assert plan(run_step(s)) == [("short", 3, True)]  # the long prefill waits one step
+    assert s.num_deferred_prefill_steps == 1
+    assert plan(run_step(s)) == [("short", 1, True), ("long", 15, False)]
+    assert plan(run_step(s)) == [("short", 1, True), ("long", 15, False)]
+    assert plan(run_step(s)) == [("short", 1, True), ("long", 14, True)]
+    s.kv.check_integrity(live(s))
+
+
+def test_short_first_counts_the_cached_prefix_and_never_defers_twice_in_a_row():
+    s = make_short_first(budget=16, short=4, page_size=4)
+    warm = req("warm", 16, 500, max_new=1)
+    s.add_request(warm)
+    run_step(s)
+    s.finish_request(warm, FinishReason.LENGTH)  # its 4 pages stay cached
+    s.add_request(req("long", 60, 100))
+    assert plan(run_step(s)) == [("long", 16, False)]
+    # 18 tokens, 16 of them cached: 2 to compute (a conversation's next turn) -> short
+    s.add_request(Request("turn", list(range(500, 516)) + [1, 2], SamplingParams(max_new_tokens=2)))
+    s.add_request(req("cold", 12, 300))  # 12 to compute: not short
+    s.add_request(req("tiny", 2, 900))
+    assert plan(run_step(s)) == [("turn", 2, True), ("tiny", 2, True)]
+    assert s.requests["turn"].num_cached_tokens == 16
+    s.add_request(req("tiny2", 2, 950))
+    # the last step put "long" off: this one runs it even though tiny2 is short
+    assert plan(run_step(s)) == [("turn", 1, True), ("tiny", 1, True), ("long", 14, False)]
+    assert plan(run_step(s)) == [("turn", 1, True), ("tiny", 1, True), ("tiny2", 2, True)]  # off again, once
+    s.kv.check_integrity(live(s))
+
+
+def test_peek_matches_match_prefix_and_leaves_the_tree_as_it_was():
+    s = make(budget=64, page_size=4)
+    a = req("a", 30, max_new=1)
+    s.add_request(a)
+    run_step(s)
+    s.finish_request(a, FinishReason.LENGTH)
+    tree = s.kv.tree
+    b = Request("b", list(range(22)) + [99] * 8, SamplingParams(max_new_tokens=1))  # diverges mid-node
+
+    def state():
+        return sorted((n.last_access, len(n.key), tuple(n.pages)) for n in tree._nodes())
+
+    before = state()
+    assert s.kv.peek_prefix_len(b) == 20
+    assert state() == before  # no split, no LRU stamp
+    s.add_request(b)
+    run_step(s)
+    assert b.num_cached_tokens == 20
