@@ -45,7 +45,8 @@ def probe(llm, args, skipped):
                     firsts[out.request_id] = time.perf_counter()
         results.setdefault(policy, []).append((firsts[turn_id] - t_turn, firsts[cold_id] - t_cold))
     print(
-        f"32K cached + 64 new, arriving during a cold {COLD:,}-token prefill (median of {REPEAT}, 1 warm-up):"
+        f"{CACHED:,} cached + 64 new, arriving during a cold {COLD:,}-token prefill in chunks of "
+        f"{eng.config.chunked_prefill_size:,} (median of {REPEAT}, after 1 warm-up):"
     )
     for policy, runs in results.items():
         turn = statistics.median(r[0] for r in runs[1:])
