@@ -58,4 +58,6 @@ def probe(llm, args, skipped):
 if __name__ == "__main__":
     latency._bench_engine = probe
     extra = sys.argv[1:] or ["--config", "llama-3.1-8b", "--dtype", "bfloat16"]
-    latency.run_latency(["--load-format", "dummy", "--prompt-lens", str(COLD + CACHED + 72), *extra])
+    # the pool is sized for the longest --prompt-lens: room for the cached conversation, the cold prompt and
+    # the turn, so that no policy evicts the conversation (fcfs would then recompute it)
+    latency.run_latency(["--load-format", "dummy", "--prompt-lens", str(COLD + 2 * CACHED + 256), *extra])
