@@ -101,6 +101,8 @@ def create_app(state: ServerState) -> FastAPI:
     config = state.server_config
     if config.enable_metrics and state.metrics is None:
         state.metrics = ServerMetrics(state.model_name, state.context_length, gpu=_uses_cuda(state))
+        if state.tokenizers.prefix_cache is not None:
+            state.metrics.watch_tokenizer_cache(state.tokenizers.prefix_cache)
     state.engine.configure_stats(state.metrics, config.log_stats_interval)
 
     @contextlib.asynccontextmanager

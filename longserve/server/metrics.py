@@ -26,7 +26,7 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 if TYPE_CHECKING:
     from longserve.engine import Engine
@@ -117,6 +117,25 @@ class NvmlCollector:
         yield from (used, total, util)
 
 
+class TokenizerCacheCollector:
+    """The prefix token cache's counters, read at scrape time (the cache counts on the tokenizer threads)."""
+
+    def __init__(self, cache: Any, model_name: str) -> None:
+        self.cache, self.model_name = cache, model_name
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        for name, doc, value in (
+            ("tokenizer_prefix_cache_hits", "Long prompts tokenized by re-using a cached prompt's tokens",
+             self.cache.hits),
+            ("tokenizer_prefix_cache_misses", "Long prompts tokenized whole (then kept)", self.cache.misses),
+            ("tokenizer_prefix_cache_reused_tokens", "Prompt tokens taken from the cache, not tokenized",
+             self.cache.reused_tokens),
+        ):  # fmt: skip
+            family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family
+
+
 class ServerMetrics:
     """The Prometheus collectors of one app, with `model_name` already bound."""
 
@@ -174,6 +193,10 @@ class ServerMetrics:
         )
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens served from the prefix cache")
         self.preemptions = counter("num_preemptions", "Requests preempted (recomputed later)")
+        self.short_first_steps = counter(
+            "short_first_steps",
+            "Steps that served short requests while a long prefill waited (--schedule-policy short-first)",
+        )
         finished = Counter(
             PREFIX + "request_finished",
             "Requests by how they ended: stop, length, abort (client gone), timeout (--request-timeout), "
@@ -195,6 +218,10 @@ class ServerMetrics:
         self.nvml = NvmlCollector.create(model_name) if gpu else None
         if self.nvml is not None:
             reg.register(self.nvml)
+
+    def watch_tokenizer_cache(self, cache: Any) -> None:
+        """Export a PrefixTokenCache's counters (once; the server's tokenizer pool has one cache)."""
+        self.registry.register(TokenizerCacheCollector(cache, self.model_name))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -262,7 +289,7 @@ class StatsTracker:
         self.metrics = metrics
         self.log_interval = log_interval
         self.hit_rate_window = hit_rate_window
-        self._seen = (0, 0, 0)  # scheduler counters already accounted: queries, hits, preemptions
+        self._seen = (0, 0, 0, 0)  # scheduler counters already accounted: queries, hits, preemptions, short
         self._window: deque[tuple[float, int, int]] = deque()  # (time, queried, hit) per iteration
         self._window_q = self._window_h = 0
         self._last_token: dict[str, dict[int, float]] = {}  # request -> completion index -> last token time
@@ -289,8 +316,13 @@ class StatsTracker:
             self._active = True
             if m is not None:
                 m.prefill_tokens_computed.inc(st.num_prefill_tokens)
-        counts = (sched.num_prefix_query_tokens, sched.num_prefix_hit_tokens, sched.num_preemptions)
-        dq, dh, dp = (new - old for new, old in zip(counts, self._seen))
+        counts = (
+            sched.num_prefix_query_tokens,
+            sched.num_prefix_hit_tokens,
+            sched.num_preemptions,
+            sched.num_deferred_prefill_steps,
+        )
+        dq, dh, dp, ds = (new - old for new, old in zip(counts, self._seen))
         self._seen = counts
         log["queries"] += dq
         log["hits"] += dh
@@ -310,6 +342,8 @@ class StatsTracker:
                 m.hit_rate.set(self._window_h / self._window_q)
             if dp:
                 m.preemptions.inc(dp)
+            if ds:
+                m.short_first_steps.inc(ds)
             m.num_running.set(sched.num_running)
             m.num_waiting.set(sched.num_waiting)
             m.kv_usage.set(engine.last_step_stats.kv_usage if stepped else engine.kv.usage())

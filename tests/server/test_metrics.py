@@ -40,6 +40,10 @@ COUNTERS = (
     "prefix_cache_hits",
     "num_preemptions",
     "request_finished",
+    "short_first_steps",
+    "tokenizer_prefix_cache_hits",
+    "tokenizer_prefix_cache_misses",
+    "tokenizer_prefix_cache_reused_tokens",
 )
 GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_hit_rate")
 
@@ -158,6 +162,22 @@ def test_shared_prefix_and_token_counters_move_exactly(mclient):
     assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == 3 * PAGE
     meta = r["choices"][0]["meta_info"]
     assert meta["cached_tokens"] == 3 * PAGE and meta["prefill_time"] >= 0 and meta["ttft"] > 0
+
+
+def test_tokenizer_prefix_cache_counters(mclient):
+    """A conversation's second turn re-uses the first turn's tokens: one more hit, its tokens counted."""
+    rng = random.Random(9)
+    words = ["the", "a", "cat", "sat", "on", "mat", "12345", ",", ".", "!", "hello", "world"]
+    first = " ".join(rng.choice(words) for _ in range(900))  # long enough for the cache (>= 2048 chars)
+    second = first + " and then " + " ".join(rng.choice(words) for _ in range(40))
+    before = scrape(mclient)
+    for prompt in (first, second):
+        r = mclient.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1})
+        assert r.status_code == 200, r.text
+    after = scrape(mclient)
+    assert delta(before, after, "tokenizer_prefix_cache_misses_total") == 1
+    assert delta(before, after, "tokenizer_prefix_cache_hits_total") == 1
+    assert delta(before, after, "tokenizer_prefix_cache_reused_tokens_total") > 100
 
 
 def test_abort_timeout_and_rejections_counted_by_reason(mclient, mserver):
