@@ -23,6 +23,7 @@ from longserve.runner.model_runner import ModelRunner
 from longserve.sampling_params import SamplingParams
 from longserve.sched.scheduler import Scheduler, SchedulerConfig
 from longserve.tokenizer import load_generation_eos_ids, load_tokenizer
+from longserve.tokenizer_cache import PromptTokenizer
 
 logger = logging.getLogger("longserve.engine")
 
@@ -84,6 +85,9 @@ class Engine:
         self.detokenizer = (
             IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None and detokenize else None
         )
+        # string prompts and chats: a prompt that starts with a recent long one (a batch of questions over
+        # one document, a conversation's next turn) tokenizes only what follows (longserve/tokenizer_cache.py)
+        self.prompts = PromptTokenizer(self.tokenizer) if self.tokenizer is not None else None
         self.groups: dict[str, _Group] = {}
         self._group_of: dict[str, _Group] = {}  # member request id -> group
         self._ids = itertools.count()
@@ -111,7 +115,8 @@ class Engine:
             raise ValueError(
                 "this engine has no tokenizer (load_format='dummy' without tokenizer files): pass token ids"
             )
-        return self.tokenizer.encode(text)
+        assert self.prompts is not None
+        return self.prompts.encode(text)
 
     def add_request(
         self,

@@ -70,8 +70,11 @@ class LLM:
     ) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to one conversation or a list of them, then generate."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        chat = self.engine.prompts.chat if self.engine.prompts is not None else None
         prompts = [
-            apply_chat_template(self.engine.tokenizer, conv, add_generation_prompt, **template_kwargs)
+            chat(conv, add_generation_prompt, **template_kwargs)
+            if chat is not None
+            else apply_chat_template(self.engine.tokenizer, conv, add_generation_prompt, **template_kwargs)
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

@@ -22,6 +22,7 @@ conversations for byte-level BPE, Metaspace and normalizing tokenizers.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -29,7 +30,9 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["PrefixTokenCache", "common_prefix_len"]
+__all__ = ["PrefixTokenCache", "PromptTokenizer", "common_prefix_len"]
+
+logger = logging.getLogger("longserve.tokenizer")
 
 _PROBE = "Hello world, 12345 tokens!\n  ok"
 
@@ -256,3 +259,56 @@ class PrefixTokenCache:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+_PROBE_TEXT = "Hello world! It's 12345 tokens,  and\n\n  more: 漢字 🙂 <|im_start|> é."
+
+
+class PromptTokenizer:
+    """Prompt and chat tokenization of a fast HF tokenizer through a PrefixTokenCache, with the ids
+    transformers gives (`tokenizer.encode`, `apply_chat_template`). The cache is used only where that holds
+    on probe inputs: the tokenizer's ids are its Rust backend's, and (for chats) `apply_chat_template`'s ids
+    are its rendered text's without added specials. `size` 0 (or a slow tokenizer): no cache.
+
+    Methods take `tokenizer=` to tokenize with another instance of the same tokenizer (one per thread)."""
+
+    def __init__(self, tokenizer: Any, size: int = 64) -> None:
+        self.tokenizer = tokenizer
+        self.cache: PrefixTokenCache | None = None
+        self.chat_cached = False
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if size <= 0 or backend is None:
+            return
+        for flag in (True, False):
+            if (
+                list(tokenizer.encode(_PROBE_TEXT, add_special_tokens=flag))
+                != backend.encode(_PROBE_TEXT, add_special_tokens=flag).ids
+            ):
+                logger.info("prefix token cache off: this tokenizer's ids are not its backend's")
+                return
+        self.cache = PrefixTokenCache(backend, max_entries=size)
+        from longserve.tokenizer import apply_chat_template, render_chat_template
+
+        chat = [{"role": "user", "content": _PROBE_TEXT}]
+        try:
+            rendered = backend.encode(render_chat_template(tokenizer, chat), add_special_tokens=False).ids
+            self.chat_cached = apply_chat_template(tokenizer, chat) == rendered
+        except Exception:  # no chat template, or one that wants other messages: chats are tokenized whole
+            self.chat_cached = False
+
+    def encode(self, text: str, add_special_tokens: bool = True, tokenizer: Any = None) -> list[int]:
+        tok = tokenizer or self.tokenizer
+        if self.cache is None:
+            return list(tok.encode(text, add_special_tokens=add_special_tokens))
+        return self.cache.encode(text, add_special_tokens, backend=tok.backend_tokenizer)
+
+    def chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, tokenizer: Any = None, **kwargs: Any
+    ) -> list[int]:
+        from longserve.tokenizer import apply_chat_template, render_chat_template
+
+        tok = tokenizer or self.tokenizer
+        if self.cache is None or not self.chat_cached:
+            return apply_chat_template(tok, messages, add_generation_prompt, **kwargs)
+        text = render_chat_template(tok, messages, add_generation_prompt, **kwargs)
+        return self.cache.encode(text, add_special_tokens=False, backend=tok.backend_tokenizer)

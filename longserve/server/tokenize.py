@@ -8,19 +8,14 @@ through a shared PrefixTokenCache: a turn that re-sends a conversation tokenizes
 from __future__ import annotations
 
 import asyncio
-import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from longserve.server.errors import APIError
-from longserve.tokenizer import apply_chat_template, load_tokenizer, render_chat_template
-from longserve.tokenizer_cache import PrefixTokenCache
-
-logger = logging.getLogger("longserve.server")
-
-_PROBE_TEXT = "Hello world! It's 12345 tokens,  and\n\n  more: 漢字 🙂 <|im_start|> é."
+from longserve.tokenizer import load_tokenizer
+from longserve.tokenizer_cache import PrefixTokenCache, PromptTokenizer
 
 
 class TokenizerPool:
@@ -29,32 +24,11 @@ class TokenizerPool:
         self._local = threading.local()
         self._executor = ThreadPoolExecutor(num_workers, thread_name_prefix="longserve-tokenizer")
         self.tokenizer = load_tokenizer(path)  # checks the files now, and serves cheap attribute reads
-        self.prefix_cache, self._chat_cached = self._make_prefix_cache(prefix_cache_size)
+        self.prompts = PromptTokenizer(self.tokenizer, prefix_cache_size)  # the shared prefix token cache
 
-    def _make_prefix_cache(self, size: int) -> tuple[PrefixTokenCache | None, bool]:
-        """The prefix token cache, if this tokenizer's ids are its Rust backend's (checked on a probe text,
-        and on a probe chat for the chat path); size 0 turns it off."""
-        tok = self.tokenizer
-        backend = getattr(tok, "backend_tokenizer", None)
-        if size <= 0 or backend is None:
-            return None, False
-        for flag in (True, False):
-            if (
-                list(tok.encode(_PROBE_TEXT, add_special_tokens=flag))
-                != backend.encode(_PROBE_TEXT, add_special_tokens=flag).ids
-            ):
-                logger.info("prefix token cache off: this tokenizer's ids are not its backend's")
-                return None, False
-        cache = PrefixTokenCache(backend, max_entries=size)
-        chat = [{"role": "user", "content": _PROBE_TEXT}]
-        try:
-            chat_cached = (
-                apply_chat_template(tok, chat)
-                == backend.encode(render_chat_template(tok, chat), add_special_tokens=False).ids
-            )
-        except Exception:  # no chat template, or one that wants other messages: chats are tokenized whole
-            chat_cached = False
-        return cache, chat_cached
+    @property
+    def prefix_cache(self) -> PrefixTokenCache | None:
+        return self.prompts.cache
 
     def _tokenizer(self):
         tok = getattr(self._local, "tokenizer", None)
@@ -69,9 +43,7 @@ class TokenizerPool:
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         def work(tok, text: str) -> list[int]:
-            if self.prefix_cache is not None:
-                return self.prefix_cache.encode(text, add_special_tokens, backend=tok.backend_tokenizer)
-            return list(tok.encode(text, add_special_tokens=add_special_tokens))
+            return self.prompts.encode(text, add_special_tokens, tokenizer=tok)
 
         try:
             return await self.run(work, text)
@@ -82,10 +54,7 @@ class TokenizerPool:
         self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any
     ) -> list[int]:
         def work(tok) -> list[int]:
-            if self.prefix_cache is not None and self._chat_cached:
-                text = render_chat_template(tok, messages, add_generation_prompt, **kwargs)
-                return self.prefix_cache.encode(text, add_special_tokens=False, backend=tok.backend_tokenizer)
-            return apply_chat_template(tok, messages, add_generation_prompt, **kwargs)
+            return self.prompts.chat(messages, add_generation_prompt, tokenizer=tok, **kwargs)
 
         try:
             return await self.run(work)

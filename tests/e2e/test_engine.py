@@ -234,6 +234,32 @@ def test_short_first_answers_a_short_request_during_a_long_prefill(ckpt):
     assert tokens["fcfs"] == tokens["short-first"]
 
 
+def test_string_prompts_over_one_document_reuse_its_tokens(ckpt):
+    """A batch of questions over one long document and a chat's next turn: the engine's prompt ids are
+    transformers' (encode, apply_chat_template) while each prompt after the first re-uses cached tokens."""
+    from longserve.tokenizer import apply_chat_template
+
+    m = llm(ckpt, context_length=8192, max_total_tokens=32768)  # past the tiny model's 512 positions
+    tok = m.engine.tokenizer
+    g = torch.Generator().manual_seed(3)
+    words = ["the", "cat", "sat", "on", "a", "mat", "1234", ",", ".", "\n", "hello", "world"]
+    doc = " ".join(words[i] for i in torch.randint(0, len(words), (1200,), generator=g).tolist())
+    questions = [f" Question {i}: what did the cat do {i * 37}?" for i in range(5)]
+    outs = m.generate([doc + q for q in questions], SamplingParams(max_new_tokens=1))
+    for out, q in zip(outs, questions):
+        assert out.prompt_token_ids == list(tok.encode(doc + q))
+    cache = m.engine.prompts.cache
+    assert cache.misses == 1 and cache.hits == len(questions) - 1
+    chat = [{"role": "user", "content": doc}]
+    first = m.chat(chat, SamplingParams(max_new_tokens=1))[0]
+    chat += [{"role": "assistant", "content": "sure"}, {"role": "user", "content": "and then?"}]
+    second = m.chat(chat, SamplingParams(max_new_tokens=1))[0]
+    assert first.prompt_token_ids == apply_chat_template(tok, chat[:1])
+    assert second.prompt_token_ids == apply_chat_template(tok, chat)
+    assert cache.hits == len(questions)  # the second turn re-used the first
+    assert_clean(m.engine)
+
+
 def test_abort_releases_pages(ckpt):
     m = llm(ckpt, chunked_prefill_size=8)
     engine = m.engine

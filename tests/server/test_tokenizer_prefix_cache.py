@@ -37,7 +37,7 @@ def _conversation(rng: random.Random, turns: int) -> list[list[dict]]:
 def test_growing_chat_and_prompts_tokenize_exactly_and_reuse_the_previous_turn(tiny_model) -> None:
     tok = load_tokenizer(tiny_model)
     pool = TokenizerPool(tiny_model, 2)
-    assert pool.prefix_cache is not None and pool._chat_cached
+    assert pool.prefix_cache is not None and pool.prompts.chat_cached
     rng = random.Random(0)
 
     async def run() -> None:
