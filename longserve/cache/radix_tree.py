@@ -79,8 +79,7 @@ class RadixTree:
         ps = self.page_size
         n = len(tokens) if limit is None else max(0, min(limit, len(tokens)))
         n -= n % ps  # a trailing partial page never matches
-        toks = tuple(tokens[:n])
-        node, pages, _ = self._walk(toks, stop_at_split=True)
+        node, pages, _ = self._walk(tokens, stop_at_split=True, end=n)  # no copy of the whole prompt
         return MatchResult(pages=pages, num_tokens=len(pages) * ps, node=node)
 
     def peek_prefix_len(self, tokens: Sequence[int], limit: int | None = None) -> int:
@@ -88,13 +87,12 @@ class RadixTree:
         ps = self.page_size
         n = len(tokens) if limit is None else max(0, min(limit, len(tokens)))
         n -= n % ps
-        toks = tuple(tokens[:n])
         node, pos = self._root, 0
         while pos < n:
-            child = node.children.get(toks[pos : pos + ps])
+            child = node.children.get(tuple(tokens[pos : pos + ps]))
             if child is None:
                 break
-            m = self._match_len(child.key, toks, pos)
+            m = self._match_len(child.key, tokens, pos, n)
             pos += m
             if m < len(child.key):
                 break
@@ -180,12 +178,17 @@ class RadixTree:
     # ---- internals -----------------------------------------------------------------------------
 
     def _walk(
-        self, toks: tuple[int, ...], stop_at_split: bool, start: TreeNode | None = None
+        self,
+        toks: Sequence[int],
+        stop_at_split: bool,
+        start: TreeNode | None = None,
+        end: int | None = None,
     ) -> tuple[TreeNode, list[int], int]:
-        """Descend along toks (whole pages) from `start` (default: the root), splitting where the match ends
-        inside a node; stamps the path, and start's ancestors. Returns (deepest matched node, the pages
-        matched below start, matched token count)."""
+        """Descend along toks[:end] (whole pages) from `start` (default: the root), splitting where the match
+        ends inside a node; stamps the path, and start's ancestors. Returns (deepest matched node, the pages
+        matched below start, matched token count). toks may be a list: only the pages compared are copied."""
         ps = self.page_size
+        end = len(toks) if end is None else end
         self._clock += 1
         node = self._root if start is None else start
         up: TreeNode | None = node
@@ -194,11 +197,11 @@ class RadixTree:
             up = up.parent
         pages: list[int] = []
         pos = 0
-        while pos < len(toks):
-            child = node.children.get(toks[pos : pos + ps])
+        while pos < end:
+            child = node.children.get(tuple(toks[pos : pos + ps]))
             if child is None:
                 break
-            m = self._match_len(child.key, toks, pos)
+            m = self._match_len(child.key, toks, pos, end)
             split = m < len(child.key)
             if split:
                 child = self._split(child, m)
@@ -210,17 +213,17 @@ class RadixTree:
                 break
         return node, pages, pos
 
-    def _match_len(self, key: tuple[int, ...], toks: tuple[int, ...], start: int) -> int:
-        """Tokens of key matching toks[start:], in whole pages (>= one page: the child key matched)."""
+    def _match_len(self, key: tuple[int, ...], toks: Sequence[int], start: int, end: int) -> int:
+        """Tokens of key matching toks[start:end], in whole pages (>= one page: the child key matched)."""
         ps = self.page_size
-        limit = min(len(key), len(toks) - start)
+        limit = min(len(key), end - start)
         # C-level compares of 64-page blocks first, then page by page inside the block that differs
-        # (a 32K-token key: ~32 slice compares instead of 2,048)
+        # (a 32K-token key: ~32 slice compares instead of 2,048); tuple() of a tuple slice copies nothing
         block = 64 * ps
         i = ps
-        while i + block <= limit and key[i : i + block] == toks[start + i : start + i + block]:
+        while i + block <= limit and key[i : i + block] == tuple(toks[start + i : start + i + block]):
             i += block
-        while i < limit and key[i : i + ps] == toks[start + i : start + i + ps]:
+        while i < limit and key[i : i + ps] == tuple(toks[start + i : start + i + ps]):
             i += ps
         return i
 
