@@ -10,9 +10,10 @@ of the queue.
 Short prefills first (`short_prefill_tokens` > 0, the engine's "short-first" policy): while a long prompt
 is being prefilled chunk by chunk, a waiting request with at most that many tokens left to compute once its
 cached prefix is attached (a conversation's next turn, a short question) would wait for every remaining
-chunk (a 128K prompt: seconds). Such requests are admitted in a step of their own, with the decodes, and the
-long prefill resumes the next step; it is never put off two steps in a row, so under a stream of short
-requests it still gets every other step.
+chunk (a 128K prompt: seconds); arriving just after a long one, it would share that one's first, full step.
+Such requests are admitted in a step of their own, with the decodes, and the long prefill (running, or
+waiting ahead of them) goes on the next step; it is never put off two steps in a row, so under a stream of
+short requests it still gets every other step.
 """
 
 from __future__ import annotations
@@ -153,22 +154,24 @@ class Scheduler:
         return out
 
     def _shorts_first(self) -> list[Request]:
-        """Waiting requests (of the first few) with at most short_prefill_tokens left to compute, when a
-        running request is mid-prefill and the last step did not already put it off; else []."""
+        """Waiting requests (of the first few) with at most short_prefill_tokens left to compute, when there
+        is long prefill work besides them (a running request mid-prefill, or a long one waiting among the
+        first few) and the last step did not already put it off; else []."""
         limit = self.config.short_prefill_tokens
         if not limit or self._deferred or not self.waiting:
             return []
         if len(self.running) >= self.config.max_running_requests:
             return []
-        if not any(r.num_remaining_tokens > 1 for r in self.running):
-            return []
+        long_work = any(r.num_remaining_tokens > 1 for r in self.running)
         shorts = []
         for req in itertools.islice(self.waiting, self.config.short_lookahead):
             if self._blocked_by_sibling(req):
                 continue
             if req.num_tokens - self.kv.peek_prefix_len(req) <= limit:
                 shorts.append(req)
-        return shorts
+            else:
+                long_work = True
+        return shorts if long_work else []
 
     def _pick_victim(self, exclude: set[str]) -> Request | None:
         """The most recently admitted running request not yet scheduled this step."""

@@ -43,10 +43,25 @@ _DTYPE_ALIASES = {
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off", ""}
 
 
+class _BadValue(argparse.ArgumentTypeError, ValueError):
+    """A flag value refused with a message: argparse shows it (ArgumentTypeError), env/YAML parsing too."""
+
+
+def _schedule_policy(value: str) -> str:
+    """Ours, or SGLang's lpm (longest prefix match first: cache hits go first), which short-first serves."""
+    value = value.lower()
+    value = {"lpm": "short-first"}.get(value, value)
+    if value not in ("short-first", "fcfs"):
+        raise _BadValue(
+            f"{value!r}: expected short-first, fcfs, or lpm (SGLang's name; means short-first here)"
+        )
+    return value
+
+
 def _dtype(value: str) -> str:
     value = _DTYPE_ALIASES.get(value.lower(), value.lower())
     if value not in ("auto", "float32", "float16", "bfloat16"):
-        raise ValueError("expected auto, float32 (float), float16 (half) or bfloat16")
+        raise _BadValue(f"{value!r}: expected auto, float32 (float), float16 (half) or bfloat16")
     return value
 
 
@@ -119,9 +134,9 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         ("--schedule-policy", "--scheduling-policy"),
         E + "schedule_policy",
-        "short-first (default: a request with little left to compute goes before the rest of a long prefill) "
-        "or fcfs",
-        choices=("short-first", "fcfs"),
+        "short-first (default: a request with little left to compute goes before the rest of a long prefill; "
+        "SGLang's lpm means it too) or fcfs",
+        _schedule_policy,
     ),
     Option(
         ("--enable-prefix-caching",), E + "enable_prefix_caching", "radix prefix cache on (default)", None

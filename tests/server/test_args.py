@@ -106,6 +106,26 @@ def test_refusals(m, tmp_path):
         parse(["--model-path", str(tmp_path / "nope")], environ={})
 
 
+def test_schedule_policy_spellings(m):
+    for flags, policy in (
+        ([], "short-first"),
+        (["--schedule-policy", "fcfs"], "fcfs"),
+        (["--scheduling-policy", "fcfs"], "fcfs"),  # vLLM's spelling
+        (["--schedule-policy", "lpm"], "short-first"),  # SGLang's longest-prefix-match
+    ):
+        assert parse(["--model-path", m, *flags], environ={})[0].schedule_policy == policy, flags
+    assert (
+        parse(["--model-path", m], environ={"LONGSERVE_SCHEDULE_POLICY": "fcfs"})[0].schedule_policy == "fcfs"
+    )
+    with pytest.raises(ValueError, match="'dfs-weight': expected short-first, fcfs, or lpm"):
+        parse(["--model-path", m], environ={"LONGSERVE_SCHEDULE_POLICY": "dfs-weight"})
+    r = subprocess.run(
+        [sys.executable, "-m", "longserve", "serve", "--schedule-policy", "random"],
+        capture_output=True, text=True, cwd=REPO, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 2 and "'random': expected short-first, fcfs, or lpm" in r.stderr
+
+
 def test_help_documents_every_flag():
     text = build_parser().format_help()
     for opt in OPTIONS:

@@ -261,3 +261,20 @@ def test_peek_matches_match_prefix_and_leaves_the_tree_as_it_was():
     s.add_request(b)
     run_step(s)
     assert b.num_cached_tokens == 20
+
+
+def test_short_first_lets_a_short_request_pass_a_long_one_that_arrived_just_before():
+    s = make_short_first(budget=16, short=4)
+    s.add_request(req("long", 60, 100))
+    s.add_request(req("short", 3))
+    assert plan(run_step(s)) == [("short", 3, True)]  # not behind long's first 16-token chunk
+    assert plan(run_step(s)) == [("short", 1, True), ("long", 15, False)]
+    fcfs = make(budget=16, pages=64)
+    fcfs.add_request(req("long", 60, 100))
+    fcfs.add_request(req("short", 3))
+    assert plan(run_step(fcfs)) == [("long", 16, False)]
+    only_short = make_short_first(budget=16, short=4)  # nothing long to pass: plain FCFS admission
+    only_short.add_request(req("a", 3))
+    only_short.add_request(req("b", 2, 50))
+    assert plan(run_step(only_short)) == [("a", 3, True), ("b", 2, True)]
+    assert only_short.num_deferred_prefill_steps == 0
