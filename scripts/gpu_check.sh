@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: GPU tests, the CPU e2e suite on CUDA, kernel microbenchmarks and the latency
 # benchmark of the Llama-3.1-8B shape against HF transformers. Logs and JSON go to $OUT; a short table last.
+# The device tool's copy of the tree carries a stale .git: give the commit as a literal computed here, e.g.
+# run(command="LONGSERVE_COMMIT=abc1234 bash scripts/gpu_check.sh latency"), not $(git rev-parse) over there.
 #   usage: LONGSERVE_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu_check.sh [quick|tests|bench|all|long|tp|tp2|tp32|profile|latency|hit|host|launch|turns]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -69,7 +71,7 @@ if [[ $MODE == tp2 ]]; then  # two GPUs, one call: TP tests, then overlap off ag
     for overlap in 0 4096; do
       prof=(); [[ $overlap == 4096 ]] && prof=(--profile)
       python3 -m longserve.bench.latency --config $shape --load-format dummy --dtype bfloat16 --tp-size 2 \
-        --tp-overlap-min-tokens $overlap "${prof[@]}" --warmup 1 --repeat 2 --prompt-lens 32768 \
+        --tp-overlap-min-tokens $overlap ${prof[@]+"${prof[@]}"} --warmup 1 --repeat 2 --prompt-lens 32768 \
         --output-json "$OUT/latency_tp2_${shape}_overlap$overlap.json" 2>&1 \
         | tee "$OUT/latency_tp2_${shape}_overlap$overlap.log" | tail -3
     done
