@@ -257,6 +257,15 @@ class PrefixTokenCache:
                 if not bucket:
                     del self._buckets[bucket_key]
 
+    def clear(self) -> int:
+        """Forget every kept text; returns how many there were."""
+        with self._lock:
+            n = len(self._entries)
+            self._entries.clear()
+            self._buckets.clear()
+            self._chars = 0
+        return n
+
     def __len__(self) -> int:
         return len(self._entries)
 
@@ -296,19 +305,26 @@ class PromptTokenizer:
         except Exception:  # no chat template, or one that wants other messages: chats are tokenized whole
             self.chat_cached = False
 
-    def encode(self, text: str, add_special_tokens: bool = True, tokenizer: Any = None) -> list[int]:
+    def encode(
+        self, text: str, add_special_tokens: bool = True, tokenizer: Any = None, use_cache: bool = True
+    ) -> list[int]:
         tok = tokenizer or self.tokenizer
-        if self.cache is None:
+        if self.cache is None or not use_cache:
             return list(tok.encode(text, add_special_tokens=add_special_tokens))
         return self.cache.encode(text, add_special_tokens, backend=tok.backend_tokenizer)
 
     def chat(
-        self, messages: list[dict], add_generation_prompt: bool = True, tokenizer: Any = None, **kwargs: Any
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tokenizer: Any = None,
+        use_cache: bool = True,
+        **kwargs: Any,
     ) -> list[int]:
         from longserve.tokenizer import apply_chat_template, render_chat_template
 
         tok = tokenizer or self.tokenizer
-        if self.cache is None or not self.chat_cached:
+        if self.cache is None or not self.chat_cached or not use_cache:
             return apply_chat_template(tok, messages, add_generation_prompt, **kwargs)
         text = render_chat_template(tok, messages, add_generation_prompt, **kwargs)
         return self.cache.encode(text, add_special_tokens=False, backend=tok.backend_tokenizer)

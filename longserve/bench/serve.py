@@ -49,8 +49,19 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--shared-prefix-question-len", type=int, default=64, help="shared-prefix: question tokens"
     )
+    p.add_argument("--multi-turn-conversations", type=int, default=4, help="multi-turn: conversations")
+    p.add_argument("--multi-turn-turns", type=int, default=8, help="multi-turn: turns per conversation")
+    p.add_argument(
+        "--multi-turn-first-len",
+        type=int,
+        default=8192,
+        help="multi-turn: tokens of a conversation's opening",
+    )
+    p.add_argument("--multi-turn-turn-len", type=int, default=256, help="multi-turn: new tokens per turn")
     p.add_argument("--dataset-path", help='jsonl: file of {"prompt": str, "output_len": int} lines')
-    p.add_argument("--output-len", type=int, default=16, help="output tokens of long-doc/shared-prefix/jsonl")
+    p.add_argument(
+        "--output-len", type=int, default=16, help="output tokens of long-doc/shared-prefix/multi-turn/jsonl"
+    )
     p.add_argument(
         "--request-rate", type=float, default=float("inf"), help="Poisson rate/s (inf: all at once)"
     )
@@ -73,7 +84,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def _validate(args: argparse.Namespace) -> None:
-    for name in ("num_prompts", "random_input_len", "random_output_len", "output_len", "shared_prefix_docs"):
+    for name in (
+        "num_prompts", "random_input_len", "random_output_len", "output_len", "shared_prefix_docs",
+        "multi_turn_conversations", "multi_turn_turns", "multi_turn_first_len", "multi_turn_turn_len",
+    ):  # fmt: skip
         if getattr(args, name) < (0 if name == "num_prompts" and args.dataset == "jsonl" else 1):
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
     if not 0.0 <= args.random_range_ratio <= 1.0:
@@ -111,21 +125,27 @@ async def _drive(
     connector = aiohttp.TCPConnector(limit=0)  # the semaphore bounds concurrency, not the pool
 
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        finished = [asyncio.Event() for _ in requests]
 
-        async def one(req: BenchRequest) -> RequestResult:
-            async with limit:
-                out = await send(
-                    session, server.base_url, args.backend, args.endpoint, req, model, t0, server.headers
-                )
+        async def one(i: int, req: BenchRequest) -> RequestResult:
+            try:
+                if req.after is not None:  # a conversation's next turn: once the previous one is answered
+                    await finished[req.after].wait()
+                async with limit:
+                    out = await send(
+                        session, server.base_url, args.backend, args.endpoint, req, model, t0, server.headers
+                    )
+            finally:
+                finished[i].set()
             bar.update(1)
             return out
 
         t0 = time.perf_counter()
         tasks = []
-        for req, delay in zip(requests, delays):
+        for i, (req, delay) in enumerate(zip(requests, delays)):
             if delay:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(req)))
+            tasks.append(asyncio.create_task(one(i, req)))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - t0
     bar.close()

@@ -10,7 +10,7 @@ import random
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-DATASETS = ("random", "long-doc", "shared-prefix", "jsonl")
+DATASETS = ("random", "long-doc", "shared-prefix", "multi-turn", "jsonl")
 
 _CORPUS = """
 The history of the river town begins with a mill, a bridge and a market square where farmers sold grain,
@@ -62,13 +62,16 @@ class RemoteTokenizer:
 @dataclass(slots=True)
 class BenchRequest:
     """One request of a workload. `prompt_len` counts the tokens the server should see for `text` (with its
-    special tokens) or `input_ids`; `group` names a shared document (shared-prefix) or is None."""
+    special tokens) or `input_ids`; `group` names a shared document (shared-prefix) or conversation
+    (multi-turn), or is None; `after` is the index of the request that must finish before this one is sent
+    (a conversation's previous turn), or None."""
 
     prompt_len: int
     output_len: int
     input_ids: list[int] | None = None
     text: str | None = None
     group: int | None = None
+    after: int | None = None
 
 
 class PromptBuilder:
@@ -141,6 +144,41 @@ def shared_prefix_workload(
     return out
 
 
+def multi_turn_workload(b: PromptBuilder, args: argparse.Namespace, rng: random.Random) -> list[BenchRequest]:
+    """C conversations x T turns (agents, chat): a conversation opens with --multi-turn-first-len tokens;
+    each later turn re-sends everything so far, a canned --output-len-token reply to the last turn, and
+    --multi-turn-turn-len new tokens, once the previous turn has finished (`after`). Turn-major order, so the
+    conversations interleave. Text prompts extend the previous turn's text exactly (pieces decoded apart)."""
+    convs, turns = args.multi_turn_conversations, args.multi_turn_turns
+    history_ids: list[list[int]] = []
+    history_text: list[str] = []
+    for _ in range(convs):
+        opening = b.ids(rng, args.multi_turn_first_len)
+        history_ids.append(opening)
+        history_text.append(b.tokenizer.decode(opening) if b.as_text else "")
+    out: list[BenchRequest] = []
+    index_of: dict[int, int] = {}  # conversation -> its last turn's index in `out`
+    for turn in range(turns):
+        for c in range(convs):
+            if turn:
+                new = b.ids(rng, args.output_len) + b.ids(rng, args.multi_turn_turn_len)  # reply + question
+                history_ids[c] = history_ids[c] + new
+                if b.as_text:
+                    history_text[c] += b.tokenizer.decode(new)
+            after = index_of.get(c)
+            if b.as_text:
+                text = history_text[c]
+                req = BenchRequest(
+                    len(b.tokenizer.encode(text)), args.output_len, text=text, group=c, after=after
+                )
+            else:
+                ids = history_ids[c]
+                req = BenchRequest(len(ids), args.output_len, input_ids=list(ids), group=c, after=after)
+            index_of[c] = len(out)
+            out.append(req)
+    return out
+
+
 def jsonl_workload(b: PromptBuilder, args: argparse.Namespace, rng: random.Random) -> list[BenchRequest]:
     """One {"prompt": str, "output_len": int} per line; the first --num-prompts lines (all when 0)."""
     if not args.dataset_path:
@@ -170,6 +208,7 @@ _BUILDERS = {
     "random": random_workload,
     "long-doc": long_doc_workload,
     "shared-prefix": shared_prefix_workload,
+    "multi-turn": multi_turn_workload,
     "jsonl": jsonl_workload,
 }
 

@@ -41,9 +41,12 @@ class TokenizerPool:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, lambda: fn(self._tokenizer(), *args))
 
-    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    async def encode(self, text: str, add_special_tokens: bool = True, use_cache: bool = True) -> list[int]:
+        """use_cache=False (/tokenize): tokenized whole and not kept, so that counting a benchmark's prompts
+        beforehand does not make their tokenizing free when they are sent."""
+
         def work(tok, text: str) -> list[int]:
-            return self.prompts.encode(text, add_special_tokens, tokenizer=tok)
+            return self.prompts.encode(text, add_special_tokens, tokenizer=tok, use_cache=use_cache)
 
         try:
             return await self.run(work, text)
@@ -51,10 +54,10 @@ class TokenizerPool:
             raise APIError(400, f"could not tokenize the prompt: {e}", param="prompt") from None
 
     async def chat(
-        self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any
+        self, messages: list[dict], add_generation_prompt: bool = True, use_cache: bool = True, **kwargs: Any
     ) -> list[int]:
         def work(tok) -> list[int]:
-            return self.prompts.chat(messages, add_generation_prompt, tokenizer=tok, **kwargs)
+            return self.prompts.chat(messages, add_generation_prompt, tok, use_cache, **kwargs)
 
         try:
             return await self.run(work)

@@ -106,6 +106,28 @@ def test_shared_prefix_hits_the_cache_more_than_random(server):
         assert rates[0] < rates[1]
 
 
+def test_multi_turn_conversations_resend_their_history_in_order(server, tiny_model):
+    flags = ["--dataset", "multi-turn", "--multi-turn-conversations", "2", "--multi-turn-turns", "3",
+             "--multi-turn-first-len", "200", "--multi-turn-turn-len", "20", "--output-len", "4"]  # fmt: skip
+    args = parse_args(["--base-url", server.url, *QUIET, *flags, "--backend", "vllm"])
+    reqs = build_workload(args, PromptBuilder(LocalTokenizer(tiny_model), as_text=True))
+    assert [(r.group, r.after) for r in reqs] == [(0, None), (1, None), (0, 0), (1, 1), (0, 2), (1, 3)]
+    for r in reqs:  # each turn's text is its previous turn's text plus a reply and a new question
+        if r.after is not None:
+            assert r.text.startswith(reqs[r.after].text) and r.prompt_len > reqs[r.after].prompt_len
+    record = bench(server, *flags, "--backend", "vllm", "--flush-cache", "--max-concurrency", "2")
+    check_counts(record, 6)
+    done = record["requests"]
+    assert [r["group"] for r in done] == [0, 1, 0, 1, 0, 1]
+    # a turn is sent once its previous turn has finished; from the second turn on, its history is cached
+    for i in range(2, 6):
+        assert done[i]["start"] >= done[i - 2]["start"] + done[i - 2]["latency"] - 1e-3
+        # all but the last page or two of the previous turn's prompt (its last tokens may merge anew)
+        assert done[i]["cached_tokens"] >= done[i - 2]["prompt_tokens"] - 32
+    ids = bench(server, *flags, "--flush-cache")  # token ids over /generate: the same shape
+    check_counts(ids, 6)
+
+
 def test_long_doc_text_prompts_over_completions(server):
     record = bench(
         server, "--backend", "vllm", "--dataset", "long-doc", "--long-doc-lens", "128,512",

@@ -178,6 +178,15 @@ def test_tokenizer_prefix_cache_counters(mclient):
     assert delta(before, after, "tokenizer_prefix_cache_misses_total") == 1
     assert delta(before, after, "tokenizer_prefix_cache_hits_total") == 1
     assert delta(before, after, "tokenizer_prefix_cache_reused_tokens_total") > 100
+    # /tokenize neither uses nor fills it (a benchmark counting its prompts first must not warm it) ...
+    third = second + " more"
+    assert mclient.post("/tokenize", json={"prompt": third}).status_code == 200
+    # ... and a flush empties it: the next turn is tokenized whole again (a miss, not a hit)
+    assert mclient.post("/flush_cache").status_code == 200
+    assert mclient.post("/v1/completions", json={"prompt": third, "max_tokens": 1}).status_code == 200
+    last = scrape(mclient)
+    assert delta(after, last, "tokenizer_prefix_cache_misses_total") == 1
+    assert delta(after, last, "tokenizer_prefix_cache_hits_total") == 0
 
 
 def test_abort_timeout_and_rejections_counted_by_reason(mclient, mserver):
