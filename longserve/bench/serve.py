@@ -33,7 +33,10 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     """The workload and arrival flags (shared with `bench compare`, whose YAML uses the same names)."""
     p.add_argument("--dataset", "--dataset-name", default="random", choices=DATASETS, help="workload")
     p.add_argument(
-        "--num-prompts", type=int, default=100, help="requests (shared-prefix ignores it: docs x questions)"
+        "--num-prompts",
+        type=int,
+        default=100,
+        help="requests (shared-prefix and multi-turn ignore it: docs x questions, conversations x turns)",
     )
     p.add_argument("--random-input-len", type=int, default=1024, help="random: longest prompt")
     p.add_argument("--random-output-len", type=int, default=128, help="random: longest output")
