@@ -6,6 +6,7 @@ Every accepted request ends with a finished RequestOutput: a result, an abort or
 from __future__ import annotations
 
 import array
+import functools
 import itertools
 import logging
 import time
@@ -85,9 +86,6 @@ class Engine:
         self.detokenizer = (
             IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None and detokenize else None
         )
-        # string prompts and chats: a prompt that starts with a recent long one (a batch of questions over
-        # one document, a conversation's next turn) tokenizes only what follows (longserve/tokenizer_cache.py)
-        self.prompts = PromptTokenizer(self.tokenizer) if self.tokenizer is not None else None
         self.groups: dict[str, _Group] = {}
         self._group_of: dict[str, _Group] = {}  # member request id -> group
         self._ids = itertools.count()
@@ -99,6 +97,13 @@ class Engine:
             self.runner.describe(),
             time.perf_counter() - start,
         )
+
+    @functools.cached_property
+    def prompts(self) -> PromptTokenizer | None:
+        """String prompts and chats: a prompt that starts with a recent long one (a batch of questions over
+        one document, a conversation's next turn) tokenizes only what follows (longserve/tokenizer_cache.py).
+        Built on first use: a server's engine gets token ids and never needs it."""
+        return PromptTokenizer(self.tokenizer) if self.tokenizer is not None else None
 
     def _eos_ids(self) -> frozenset[int]:
         ids: set[int] = set(load_generation_eos_ids(self.config.model))

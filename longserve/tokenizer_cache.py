@@ -30,11 +30,13 @@ from typing import Any
 
 import numpy as np
 
+from longserve.tokenizer import apply_chat_template, render_chat_template
+
 __all__ = ["PrefixTokenCache", "PromptTokenizer", "common_prefix_len"]
 
 logger = logging.getLogger("longserve.tokenizer")
 
-_PROBE = "Hello world, 12345 tokens!\n  ok"
+_PROBE = "Hello world! It's 12345 tokens,  and\n\n  more: 漢字 🙂 <|im_start|> é."  # digits, spaces, specials
 
 
 def common_prefix_len(a: str, b: str) -> int:
@@ -270,9 +272,6 @@ class PrefixTokenCache:
         return len(self._entries)
 
 
-_PROBE_TEXT = "Hello world! It's 12345 tokens,  and\n\n  more: 漢字 🙂 <|im_start|> é."
-
-
 class PromptTokenizer:
     """Prompt and chat tokenization of a fast HF tokenizer through a PrefixTokenCache, with the ids
     transformers gives (`tokenizer.encode`, `apply_chat_template`). The cache is used only where that holds
@@ -290,15 +289,13 @@ class PromptTokenizer:
             return
         for flag in (True, False):
             if (
-                list(tokenizer.encode(_PROBE_TEXT, add_special_tokens=flag))
-                != backend.encode(_PROBE_TEXT, add_special_tokens=flag).ids
+                list(tokenizer.encode(_PROBE, add_special_tokens=flag))
+                != backend.encode(_PROBE, add_special_tokens=flag).ids
             ):
                 logger.info("prefix token cache off: this tokenizer's ids are not its backend's")
                 return
         self.cache = PrefixTokenCache(backend, max_entries=size)
-        from longserve.tokenizer import apply_chat_template, render_chat_template
-
-        chat = [{"role": "user", "content": _PROBE_TEXT}]
+        chat = [{"role": "user", "content": _PROBE}]
         try:
             rendered = backend.encode(render_chat_template(tokenizer, chat), add_special_tokens=False).ids
             self.chat_cached = apply_chat_template(tokenizer, chat) == rendered
@@ -321,8 +318,6 @@ class PromptTokenizer:
         use_cache: bool = True,
         **kwargs: Any,
     ) -> list[int]:
-        from longserve.tokenizer import apply_chat_template, render_chat_template
-
         tok = tokenizer or self.tokenizer
         if self.cache is None or not self.chat_cached or not use_cache:
             return apply_chat_template(tok, messages, add_generation_prompt, **kwargs)

@@ -20,8 +20,8 @@ import sys
 import time
 
 from longserve.assets import default_model_path
-from longserve.tokenizer import apply_chat_template, load_tokenizer, render_chat_template
-from longserve.tokenizer_cache import PrefixTokenCache
+from longserve.tokenizer import load_tokenizer
+from longserve.tokenizer_cache import PromptTokenizer
 
 _PROSE = (
     "the of and to in is that for it as was with be by on not he this are or his from at which but have an they "
@@ -43,14 +43,11 @@ def run(tokenizer_dir: str, history: int, new: int, turns: int, cache_size: int)
     tok = load_tokenizer(tokenizer_dir)
     rng = random.Random(history)
     messages = [{"role": "user", "content": text_of(rng, tok, history)}]
-    cache = PrefixTokenCache(tok.backend_tokenizer, max_entries=cache_size) if cache_size else None
+    prompts = PromptTokenizer(tok, cache_size)  # what TokenizerPool.chat calls (size 0: no cache)
     times, ids = [], []
     for _ in range(turns + 1):  # the first turn fills the cache: not timed
         t0 = time.perf_counter()
-        if cache is not None:  # TokenizerPool.chat with the cache
-            out = cache.encode(render_chat_template(tok, messages), add_special_tokens=False)
-        else:  # and without
-            out = apply_chat_template(tok, messages)
+        out = prompts.chat(messages)
         times.append(time.perf_counter() - t0)
         ids.append(out)
         messages += [
