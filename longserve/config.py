@@ -166,6 +166,7 @@ class ServerConfig:
     served_model_name: tuple[str, ...] = ()  # names clients may ask for; empty: the model path
     max_queued_requests: int = 1024  # requests waiting for admission; more are answered 503
     request_timeout: float | None = None  # seconds from arrival to the last token; None: no limit
+    shutdown_timeout: float = 30.0  # on SIGTERM/SIGINT, seconds the requests in flight get to finish
     log_requests: bool = False  # one log line per finished request (counts and timings, never the prompt)
     log_level: str = "info"
     enable_metrics: bool = True  # GET /metrics in Prometheus text format
@@ -182,6 +183,8 @@ class ServerConfig:
             raise ValueError(f"max_queued_requests must be >= 1; got {self.max_queued_requests}")
         if self.request_timeout is not None and not self.request_timeout > 0:
             raise ValueError(f"request_timeout must be > 0 seconds; got {self.request_timeout}")
+        if not self.shutdown_timeout >= 0:
+            raise ValueError(f"shutdown_timeout must be >= 0 seconds; got {self.shutdown_timeout}")
         if not self.log_stats_interval >= 0:
             raise ValueError(
                 f"log_stats_interval must be >= 0 seconds (0: off); got {self.log_stats_interval}"

@@ -21,7 +21,7 @@ from longserve.models import load_hf_config
 from longserve.outputs import CompletionOutput, RequestOutput, StepStats
 from longserve.request import FinishReason, Request
 from longserve.runner.model_runner import ModelRunner
-from longserve.sampling_params import SamplingParams
+from longserve.sampling_params import SamplingParams, wrap_seed
 from longserve.sched.scheduler import Scheduler, SchedulerConfig
 from longserve.tokenizer import load_generation_eos_ids, load_tokenizer
 from longserve.tokenizer_cache import PromptTokenizer
@@ -90,6 +90,7 @@ class Engine:
         self._group_of: dict[str, _Group] = {}  # member request id -> group
         self._ids = itertools.count()
         self.last_step_stats = StepStats()
+        self.broken = False  # an abort failed: page accounting can no longer be trusted (see abort_all)
         if config.seed is not None:
             torch.manual_seed(config.seed)
         logger.info(
@@ -144,7 +145,10 @@ class Engine:
             text, token_ids = None, list(prompt)
             check_token_ids(token_ids, self.runner.model.vocab_size)
         if not token_ids:
-            raise ValueError("the prompt is empty: give at least one token")
+            raise ValueError("the prompt is empty: give at least one character or token")
+        vocab = self.runner.model.vocab_size
+        if any(t >= vocab for t in params.stop_token_ids):  # a ban on them would index past the logits
+            raise ValueError(f"stop_token_ids must be in [0, {vocab}); got {params.stop_token_ids[:5]}")
         if len(token_ids) >= self.context_length:
             raise PromptTooLongError(
                 f"prompt has {len(token_ids):,} tokens; the context length is {self.context_length:,} "
@@ -155,7 +159,7 @@ class Engine:
         for i in range(params.n):
             member_params = params
             if params.n > 1 and params.seed is not None:
-                member_params = params.clone(seed=params.seed + i)  # siblings must not repeat each other
+                member_params = params.clone(seed=wrap_seed(params.seed + i))  # siblings must differ
             members.append(
                 Request(
                     request_id=request_id if params.n == 1 else f"{request_id}#{i}",
@@ -198,6 +202,25 @@ class Engine:
         self.scheduler.finish_request(req, FinishReason.STOP)
         return self._group_output(group)
 
+    def abort_all(self, error: str | None = None) -> list[RequestOutput]:
+        """Abort every request in flight; each final output carries `error`. A request whose abort raises
+        is dropped as it is and the engine is marked `broken` (its page accounting cannot be trusted)."""
+        outs = []
+        for request_id in list(self.groups):
+            try:
+                out = self.abort(request_id)
+            except Exception:
+                logger.exception("abort of %s failed; the engine is broken", request_id)
+                self.broken = True
+                group = self.groups.pop(request_id)
+                for req in group.members:
+                    self._group_of.pop(req.request_id, None)
+                out = RequestOutput(request_id, group.prompt, [], [], finished=True)
+            if out is not None:
+                out.error = error
+                outs.append(out)
+        return outs
+
     def has_unfinished(self) -> bool:
         return bool(self.groups)
 
@@ -226,13 +249,15 @@ class Engine:
             new_tokens = self.scheduler.update(sched_out, runner_out.sampled_token_ids)
             now = time.perf_counter()
             for i, (req, token) in enumerate(new_tokens):
-                if req.first_token_time is None:
-                    req.first_token_time = now
-                if runner_out.logprobs is not None and req.sampling_params.logprobs is not None:
-                    req.logprobs.append(runner_out.logprobs[i])
-                    if runner_out.top_logprobs is not None:
-                        req.top_logprobs.append(runner_out.top_logprobs[i][: req.sampling_params.logprobs])
-                self._process_token(req, token)
+                failure = runner_out.failed.get(req.request_id)
+                if failure is None:
+                    try:
+                        self._accept_token(req, i, token, runner_out, now)
+                        continue
+                    except Exception as e:  # this request's own output handling: the others go on
+                        failure = self._log_failure(req, e)
+                req.output_token_ids.pop()  # the placeholder, or a token it could not take
+                self._fail(req, failure, internal=True)
             for s in sched_out.scheduled:
                 g = self._group_of.get(s.request.request_id)
                 if g is not None:
@@ -249,13 +274,30 @@ class Engine:
         )
         return outputs
 
+    def _accept_token(self, req: Request, i: int, token: int, runner_out, now: float) -> None:
+        if req.first_token_time is None:
+            req.first_token_time = now
+        if runner_out.logprobs is not None and req.sampling_params.logprobs is not None:
+            req.logprobs.append(runner_out.logprobs[i])
+            if runner_out.top_logprobs is not None:
+                req.top_logprobs.append(runner_out.top_logprobs[i][: req.sampling_params.logprobs])
+        self._process_token(req, token)
+
+    @staticmethod
+    def _log_failure(req: Request, exc: Exception) -> str:
+        logger.error("request %s failed while taking its token", req.request_id, exc_info=exc)
+        return f"internal error while taking the token of request {req.request_id}; the server log has the details"
+
+    def _fail(self, req: Request, message: str, internal: bool = False) -> None:
+        """End a request with an error (`internal`: ours, not its input's); its siblings go on."""
+        req.error = message
+        req.error_internal = internal
+        self.scheduler.finish_request(req, FinishReason.ERROR)
+
     def _fail_unschedulable(self) -> None:
         req = self.scheduler.waiting[0]
-        req.error = (
-            f"request needs {self.kv.pages_needed(req, min(req.num_tokens, self.config.chunked_prefill_size))} "
-            f"pages but the KV pool has {self.kv.num_total_pages}"
-        )
-        self.scheduler.finish_request(req, FinishReason.ERROR)
+        needed = self.kv.pages_needed(req, min(req.num_tokens, self.config.chunked_prefill_size))
+        self._fail(req, f"request needs {needed} pages but the KV pool has {self.kv.num_total_pages}")
 
     def _process_token(self, req: Request, token: int) -> None:
         params = req.sampling_params
@@ -327,6 +369,7 @@ class Engine:
             finished=finished,
             cached_tokens=max(first.num_cached_tokens, 0),
             error="; ".join(r.error for r in group.members if r.error) or None,
+            error_internal=any(r.error_internal for r in group.members),
         )
         if first.first_token_time is not None:
             out.ttft = first.first_token_time - first.arrival_time

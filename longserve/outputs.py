@@ -36,6 +36,8 @@ class RunnerOutput:
     sampled_token_ids: list[int]
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # request id -> error message: requests whose own sampling failed (their token is a placeholder)
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -68,6 +70,7 @@ class RequestOutput:
     queue_time: float | None = None
     prefill_time: float | None = None
     error: str | None = None
+    error_internal: bool = False  # the error is ours (HTTP 500), not the request's input (400)
 
     @property
     def text(self) -> str:

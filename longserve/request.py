@@ -49,6 +49,7 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id or string that ended it
     error: str | None = None
+    error_internal: bool = False  # the error is ours (a failure in the engine), not the request's input
 
     # timings (time.perf_counter seconds)
     first_scheduled_time: float | None = None

@@ -7,6 +7,12 @@ import math
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # seeds are signed 64-bit, as OpenAI's API documents them
+
+
+def wrap_seed(seed: int) -> int:
+    """`seed` reduced into the signed 64-bit range (seed + i of the i-th of n siblings may pass its end)."""
+    return (seed - INT64_MIN) % 2**64 + INT64_MIN
 
 
 @dataclass(slots=True)
@@ -95,7 +101,10 @@ class SamplingParams:
             is_num(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
             f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}",
         )
-        need(self.seed is None or is_int(self.seed), f"seed must be an integer, got {self.seed!r}")
+        need(
+            self.seed is None or (is_int(self.seed) and INT64_MIN <= self.seed <= INT64_MAX),
+            f"seed must be a signed 64-bit integer (in [-2**63, 2**63 - 1]), got {self.seed!r}",
+        )
         need(
             all(isinstance(s, str) and s for s in self.stop),
             f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}",

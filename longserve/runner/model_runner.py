@@ -25,8 +25,16 @@ from longserve.request import Request
 from longserve.runner.cuda_graph import DecodeGraphRunner, ExtendGraphRunner
 from longserve.runner.inputs import StepInputs, build_step, split_step, to_model_inputs
 from longserve.runner.sampler import Sampler, SamplingInfo
+from longserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("longserve.runner")
+_PLACEHOLDER = SamplingParams(temperature=0.0)  # the row of a request whose sampling setup failed
+
+
+def _failure(stage: str, request_id: str, exc: Exception) -> str:
+    """Log a request's own failure with its traceback; the message its caller gets (no internals in it)."""
+    logger.error("request %s failed while %s", request_id, stage, exc_info=exc)
+    return f"internal error while {stage} request {request_id}; the server log has the details"
 
 
 def resolve_context_length(config: EngineConfig, hf_config, pool_tokens: int) -> int:
@@ -228,16 +236,51 @@ class ModelRunner:
         if logits is None:
             return RunnerOutput(sampled_token_ids=[])
         with torch.inference_mode():
-            infos = [self._sampling_info(s.request, eos_token_ids) for s in out.scheduled if s.samples]
-            result = self.sampler(logits, infos)
-        tokens = result.token_ids.tolist()
-        logprobs = result.logprobs.tolist() if result.logprobs is not None else None
-        top = None
-        if result.top_logprobs is not None:
-            values = result.top_logprobs.tolist()
-            ids = result.top_token_ids.tolist()
-            top = [list(zip(i, v)) for i, v in zip(ids, values)]
-        return RunnerOutput(sampled_token_ids=tokens, logprobs=logprobs, top_logprobs=top)
+            return self._sample(logits, [s.request for s in out.scheduled if s.samples], eos_token_ids)
+
+    def _sample(
+        self, logits: torch.Tensor, reqs: list[Request], eos_token_ids: frozenset[int]
+    ) -> RunnerOutput:
+        """One token per row of logits [N, V]. A request whose own setup or sampling raises is isolated:
+        it gets a placeholder token and an entry in `failed` (the engine ends it with an error), and the
+        others are sampled as usual; the batch is re-sampled row by row only when the batched call raised."""
+        failed: dict[str, str] = {}
+        infos = []
+        for req in reqs:
+            try:
+                infos.append(self._sampling_info(req, eos_token_ids))
+            except Exception as e:
+                failed[req.request_id] = _failure("preparing its sampling", req.request_id, e)
+                infos.append(SamplingInfo(_PLACEHOLDER, (), (), None))
+        try:
+            results = [self.sampler(logits, infos)]
+            rows = [slice(None)]
+        except Exception:
+            results, rows = [], []
+            for i, (req, info) in enumerate(zip(reqs, infos)):
+                try:
+                    results.append(self.sampler(logits[i : i + 1], [info]))
+                    rows.append(slice(i, i + 1))
+                except Exception as e:
+                    failed[req.request_id] = _failure("sampling", req.request_id, e)
+        tokens = [0] * len(reqs)  # placeholders stay for the failed rows
+        want_logprobs = any(r.logprobs is not None for r in results)
+        logprobs: list[float] | None = [0.0] * len(reqs) if want_logprobs else None
+        top: list[list[tuple[int, float]]] | None = [[] for _ in reqs] if want_logprobs else None
+        for result, row in zip(results, rows):
+            index = range(len(reqs))[row]
+            for i, t in zip(index, result.token_ids.tolist()):
+                tokens[i] = t
+            if result.logprobs is not None and logprobs is not None and top is not None:
+                for i, lp in zip(index, result.logprobs.tolist()):
+                    logprobs[i] = lp
+                if result.top_logprobs is not None:
+                    values, ids = result.top_logprobs.tolist(), result.top_token_ids.tolist()
+                    for i, tv, ti in zip(index, values, ids):
+                        top[i] = list(zip(ti, tv))
+        if top is not None and not any(top):
+            top = None
+        return RunnerOutput(sampled_token_ids=tokens, logprobs=logprobs, top_logprobs=top, failed=failed)
 
     def forward_step(self, step: StepInputs) -> torch.Tensor | None:
         """Every rank: the forward pass of one step; the sampling rows' logits [N, V] fp32 (None if N=0)."""

@@ -16,7 +16,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from longserve import __version__
 from longserve.engine import Engine
-from longserve.server import routes_generate, routes_openai
+from longserve.server import openapi, routes_generate, routes_openai
+from longserve.server.async_engine import SHUTTING_DOWN
 from longserve.server.errors import APIError, install_error_handlers
 from longserve.server.metrics import ServerMetrics
 from longserve.server.protocol import DetokenizeRequest, TokenizeRequest, parse_body
@@ -77,6 +78,11 @@ def _kv_stats(engine: Engine) -> dict[str, Any]:
     """Page accounting, read on the engine thread so the numbers agree with each other."""
     kv = engine.kv
     total, reclaimable = kv.num_total_pages, kv.num_reclaimable_pages
+    try:  # every page's refcount against its holders: a full pass, ~1 ms per 2,048 pages
+        engine.check_integrity()
+        integrity = "ok"
+    except Exception as e:  # AssertionError from the checks, ValueError from the pool's own
+        integrity = f"{type(e).__name__}: {e}"
     return {
         "page_size": kv.page_size,
         "kv_total_pages": total,
@@ -89,6 +95,7 @@ def _kv_stats(engine: Engine) -> dict[str, Any]:
         "num_running_requests": engine.scheduler.num_running,
         "num_waiting_requests": engine.scheduler.num_waiting,
         "num_unfinished_requests": engine.num_requests,
+        "kv_integrity": integrity,  # "ok", or what check_integrity() found wrong
     }
 
 
@@ -115,6 +122,7 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="longserve", version=__version__, lifespan=lifespan)
     app.state.longserve = state
     install_error_handlers(app)
+    openapi.install(app)
     if state.metrics is not None:  # inside the API-key check: unauthenticated calls are not counted
         app.add_middleware(RejectedRequestsMiddleware, metrics=state.metrics)
     if state.server_config.api_key:
@@ -122,9 +130,12 @@ def create_app(state: ServerState) -> FastAPI:
     app.include_router(routes_generate.router)
     app.include_router(routes_openai.router)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health(request: Request):
-        if not get_state(request).engine.is_alive:
+        engine = get_state(request).engine
+        if engine.draining:  # a load balancer stops sending requests here
+            return APIError(503, SHUTTING_DOWN, code="shutting_down").response()
+        if not engine.is_alive:
             return APIError(503, "the engine is not running; see the server log").response()
         return {"status": "ok"}
 
@@ -177,7 +188,7 @@ def create_app(state: ServerState) -> FastAPI:
             state.tokenizers.prefix_cache.clear()
         return {"message": "cache flushed", "flushed_pages": flushed}
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=openapi.body(TokenizeRequest))
     async def tokenize(request: Request):
         state = get_state(request)
         req = await parse_body(request, TokenizeRequest)
@@ -186,12 +197,13 @@ def create_app(state: ServerState) -> FastAPI:
         if len(given) != 1:
             raise APIError(400, "give exactly one of 'prompt', 'text' and 'messages'", param="prompt")
         if req.messages is not None:
-            ids = await state.tokenizers.chat([m.as_dict() for m in req.messages], use_cache=False)
+            messages = [m.as_dict(i) for i, m in enumerate(req.messages)]
+            ids = await state.tokenizers.chat(messages, use_cache=False)
         else:
             ids = await state.tokenizers.encode(given[0], req.add_special_tokens, use_cache=False)  # type: ignore[arg-type]
         return {"tokens": ids, "count": len(ids), "max_model_len": state.context_length}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=openapi.body(DetokenizeRequest))
     async def detokenize(request: Request):
         state = get_state(request)
         req = await parse_body(request, DetokenizeRequest)

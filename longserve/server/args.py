@@ -175,6 +175,12 @@ OPTIONS: tuple[Option, ...] = (
     Option(("--max-queued-requests",), S + "max_queued_requests", "waiting requests before 503s", int),
     Option(("--request-timeout",), S + "request_timeout", "seconds a request may take, then aborted", float),
     Option(
+        ("--shutdown-timeout",),
+        S + "shutdown_timeout",
+        "on SIGTERM/SIGINT: seconds the requests in flight get to finish before they are ended with an error",
+        float,
+    ),
+    Option(
         ("--log-requests",),
         S + "log_requests",
         "log one line per finished request (token counts and timings; never the prompt)",

@@ -1,9 +1,11 @@
 """AsyncEngine: the engine's step loop in its own thread, bridged to asyncio.
 
-Only the engine thread touches the Engine. Coroutines post commands (add, abort, call) to it; it runs them
-between steps and pushes each step's outputs to per-request asyncio queues with one
-loop.call_soon_threadsafe per step. An exception in a step fails the requests it affected (all those in
-flight) with an error and the loop keeps serving; every accepted request ends with a result or an error.
+Only the engine thread touches the Engine. Coroutines post typed commands (Add, Abort, Stop, Call, AbortAll)
+to it; it runs them between steps and pushes each step's outputs to per-request asyncio queues with one
+loop.call_soon_threadsafe per step. A request whose own handling raises (its sampling, its text) ends with
+an error alone; an exception in the step itself fails the requests in flight and the loop keeps serving;
+every accepted request ends with a result or an error. Admission counts the requests that wait for a
+running slot; `drain` stops admission and lets the requests in flight finish before a shutdown.
 Metrics and the stats log line are updated on the engine thread after each iteration (StatsTracker).
 """
 
@@ -18,16 +20,57 @@ import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from longserve.detokenizer import IncrementalDetokenizer, TextAssembler
 from longserve.engine import Engine, PromptTooLongError
 from longserve.outputs import CompletionOutput, RequestOutput
 from longserve.sampling_params import SamplingParams
-from longserve.server.errors import APIError
+from longserve.server.errors import APIError, internal_error
 from longserve.server.metrics import ServerMetrics, StatsTracker
 
 logger = logging.getLogger("longserve.server")
+SHUTTING_DOWN = "the server is shutting down and takes no new requests"
+_CODES = {503: "shutting_down"}
+
+
+# ---- commands to the engine thread -----------------------------------------------------------------
+@dataclass(slots=True)
+class Add:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    future: concurrent.futures.Future
+    arrival_time: float
+
+
+@dataclass(slots=True)
+class Abort:
+    request_id: str
+    reason: str  # the metrics' finished_reason: "abort" or "timeout"
+
+
+@dataclass(slots=True)
+class Stop:
+    request_id: str
+    index: int  # which of its n completions
+    stop: str  # the stop string found in its text
+
+
+@dataclass(slots=True)
+class Call:
+    fn: Callable[[Engine], Any]
+    future: concurrent.futures.Future
+
+
+@dataclass(slots=True)
+class AbortAll:
+    message: str  # what each request's caller is told
+    status: int
+
+
+Command = Add | Abort | Stop | Call | AbortAll
 
 
 class AsyncEngine:
@@ -35,13 +78,18 @@ class AsyncEngine:
         self.engine = engine
         self.max_queued_requests = max_queued_requests
         self.context_length = engine.context_length
+        # read-only after construction: admission compares the requests in flight against it
+        self.max_running_requests = engine.scheduler.config.max_running_requests
         self._cv = threading.Condition()
-        self._commands: deque[tuple[Any, ...]] = deque()
+        self._commands: deque[Command] = deque()
         self._queues: dict[str, asyncio.Queue] = {}  # touched on the event loop only
+        # requests posted to the engine and not yet reported finished -> their member count (event loop only)
+        self._inflight: dict[str, int] = {}
+        self._num_inflight = 0  # sum of _inflight's values
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
-        self._pending_adds = 0  # adds posted, not yet run (event loop side)
+        self.draining = False  # set by drain(): no new requests
         self.num_waiting = 0  # engine's waiting requests after the last step (engine thread writes)
         self.num_steps = 0
         self.num_step_errors = 0
@@ -101,6 +149,11 @@ class AsyncEngine:
         if close is not None:
             close()
 
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop the outputs go to (None before start)."""
+        return self._loop
+
     def fail(self) -> None:
         """Take no more requests (/health answers 503): the engine cannot serve anymore."""
         self.healthy = False
@@ -110,7 +163,7 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive() and self.healthy
 
     # ---- API for coroutines ---------------------------------------------------------------------
-    def _post(self, *command: Any) -> None:
+    def _post(self, command: Command) -> None:
         with self._cv:
             self._commands.append(command)
             self._cv.notify()
@@ -118,12 +171,23 @@ class AsyncEngine:
     async def call(self, fn: Callable[[Engine], Any]) -> Any:
         """Run fn(engine) on the engine thread between steps (exact stats, cache flushes)."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._post("call", fn, fut)
+        self._post(Call(fn, fut))
         return await asyncio.wrap_future(fut)
 
     def abort(self, request_id: str, reason: str = "abort") -> None:
         """Abort a request; `reason` ("abort" or "timeout") is the metrics' finished_reason."""
-        self._post("abort", request_id, reason)
+        self._post(Abort(request_id, reason))
+
+    @property
+    def num_queued(self) -> int:
+        """Requests (counting each of n completions) that wait for a running slot, or, when the KV pool is
+        what holds them back, for pages (the engine's waiting queue after the last step)."""
+        return max(self._num_inflight - self.max_running_requests, self.num_waiting, 0)
+
+    @property
+    def num_inflight(self) -> int:
+        """Requests accepted and not yet finished (event loop side)."""
+        return len(self._inflight)
 
     async def add(
         self,
@@ -133,20 +197,22 @@ class AsyncEngine:
         arrival_time: float | None = None,
     ) -> str:
         """Queue a request; returns its id once the engine accepted it. Iterate `stream(id)` next (or
-        `release(id)`). APIError: 400 for input the engine refuses, 503 when the queue is full.
-        arrival_time (time.perf_counter()): when the server got it; None: now."""
+        `release(id)`). APIError: 400 for input the engine refuses, 503 when the queue is full or the server
+        is shutting down. arrival_time (time.perf_counter()): when the server got it; None: now."""
         if arrival_time is None:
             arrival_time = time.perf_counter()
+        if self.draining:
+            raise APIError(503, SHUTTING_DOWN, code="shutting_down")
         if not self.is_alive:
             raise APIError(503, "the engine is not running; see the server log")
-        if self._pending_adds + self.num_waiting >= self.max_queued_requests:
+        if self.num_queued >= self.max_queued_requests:
             raise APIError(
                 503,
-                f"server busy: {self.max_queued_requests} requests already wait (--max-queued-requests); "
-                "retry later",
+                f"server busy: {self.max_queued_requests} requests already wait for a running slot "
+                "(--max-queued-requests); retry later",
             )
         request_id = request_id or uuid.uuid4().hex
-        if request_id in self._queues:
+        if request_id in self._queues or request_id in self._inflight:
             raise APIError(400, f"request id {request_id!r} is already in use", param="rid")
         self._queues[request_id] = asyncio.Queue()
         if self._detokenizer is not None:
@@ -155,16 +221,41 @@ class AsyncEngine:
                 for _ in range(params.n)
             ]
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._pending_adds += 1
-        self._post("add", request_id, prompt_ids, params, fut, arrival_time)
+        self._inflight[request_id] = params.n
+        self._num_inflight += params.n
+        self._post(Add(request_id, prompt_ids, params, fut, arrival_time))
         try:
             await asyncio.wrap_future(fut)
         except BaseException:
-            self.release(request_id)  # cancelled, or refused: the abort is then a no-op
+            self._forget(request_id)  # refused, or cancelled before the engine took it: never in flight
+            self.release(request_id)  # cancelled after it did: the abort ends it
             raise
-        finally:
-            self._pending_adds -= 1
         return request_id
+
+    def _forget(self, request_id: str) -> None:
+        self._num_inflight -= self._inflight.pop(request_id, 0)
+
+    async def drain(self, timeout: float) -> int:
+        """Take no new requests (503, /health too), wait up to `timeout` seconds for those in flight to
+        finish, then end the rest with a 503 error (an error event in a stream). Returns how many were
+        ended so; their pages go back to the pool."""
+        self.draining = True
+        end = time.monotonic() + timeout
+        while self._inflight and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+        left = len(self._inflight)
+        if left:
+            self._post(
+                AbortAll(
+                    f"the server is shutting down: the request did not finish within the {timeout:g} s "
+                    "it was given (--shutdown-timeout)",
+                    503,
+                )
+            )
+            end = time.monotonic() + 10  # the engine thread ends them after its current step
+            while self._inflight and time.monotonic() < end:
+                await asyncio.sleep(0.02)
+        return left
 
     async def stream(self, request_id: str, deadline: float | None = None) -> AsyncIterator[RequestOutput]:
         """Outputs of an added request until it finishes; aborts it if the caller stops early.
@@ -184,7 +275,7 @@ class AsyncEngine:
                     ) from None
                 finished = out.finished
                 if status is not None:
-                    raise APIError(status, out.error or "engine error")
+                    raise APIError(status, out.error or "engine error", code=_CODES.get(status))
                 yield out
                 if finished:
                     return
@@ -202,12 +293,20 @@ class AsyncEngine:
     # ---- the engine thread ----------------------------------------------------------------------
     def _deliver(self, items: list[tuple[RequestOutput, int | None]]) -> None:
         for out, status in items:
+            if out.finished:
+                self._forget(out.request_id)
             texts = self._texts.get(out.request_id)
-            if texts is not None:
-                for c in out.outputs:
-                    self._assemble(out.request_id, c, texts[c.index])
-                if out.finished:
-                    del self._texts[out.request_id]
+            try:
+                if texts is not None:
+                    for c in out.outputs:
+                        self._assemble(out.request_id, c, texts[c.index])
+            except Exception:  # this request's text: it alone ends with an error
+                error = internal_error(f"assembling the text of request {out.request_id}", out.request_id)
+                out.error, status = error.message, error.status
+                if not out.finished:
+                    self.abort(out.request_id)
+            if out.finished or status is not None:
+                self._texts.pop(out.request_id, None)
             queue = self._queues.get(out.request_id)
             if queue is not None:
                 queue.put_nowait((out, status))
@@ -221,7 +320,7 @@ class AsyncEngine:
             )  # a stop token has no text
             stop = text.add(ids, final=c.finish_reason is not None)
             if stop is not None and c.finish_reason is None:
-                self._post("stop", request_id, c.index, stop)
+                self._post(Stop(request_id, c.index, stop))
         if text.stop_hit is not None:
             n, first_new = text.num_tokens_at_stop, len(c.token_ids) - len(c.new_token_ids)
             c.token_ids = c.token_ids[:n]
@@ -251,23 +350,40 @@ class AsyncEngine:
                 try:
                     self._handle(command, items)
                 except Exception:  # an abort that failed: the next step's failure handling cleans up
-                    logger.exception("engine command %s failed", command[0])
+                    logger.exception("engine command %s failed", type(command).__name__)
             stepped = False
             if engine.has_unfinished():
                 try:
-                    items.extend((out, 400 if out.error else None) for out in engine.step())
+                    outs = engine.step()
+                    items.extend((out, _status(out)) for out in outs)
                     self.num_steps += 1
                     stepped = True
-                except Exception as e:  # the loop must survive any step failure
-                    logger.exception(
-                        "engine step failed; failing the %d requests in flight", engine.num_requests
+                except Exception:  # the loop must survive any step failure
+                    error = internal_error(
+                        f"running an engine step; failing the {engine.num_requests} requests in flight"
                     )
                     self.num_step_errors += 1
-                    items.extend(self._fail_all(f"engine step failed: {type(e).__name__}: {e}", 500))
+                    items.extend(self._fail_all(error.message, 500))
             self.num_waiting = engine.scheduler.num_waiting
             self._observe(stepped, items)
             self._send(items)
-        self._send(self._fail_all("the server is shutting down", 503))
+        self._send(self._fail_all(SHUTTING_DOWN, 503))
+        self._check_pages()
+
+    def _check_pages(self) -> None:
+        """At exit: every page a request held is back (the prefix cache may keep its own)."""
+        try:
+            self.engine.check_integrity()
+        except Exception:
+            logger.exception("KV page accounting is broken at shutdown")
+            return
+        kv = self.engine.kv
+        logger.info(
+            "engine stopped: every KV page is back in the pool (%d of %d free, %d cached for reuse)",
+            kv.num_free_pages,
+            kv.num_total_pages,
+            kv.num_reclaimable_pages - kv.num_free_pages,
+        )
 
     def _observe(self, stepped: bool, items: list[tuple[RequestOutput, int | None]]) -> None:
         try:
@@ -284,57 +400,52 @@ class AsyncEngine:
             with contextlib.suppress(RuntimeError):
                 self._loop.call_soon_threadsafe(self._deliver, items)
 
-    def _handle(self, command: tuple[Any, ...], items: list) -> None:
-        kind = command[0]
-        if kind == "add":
-            _, request_id, prompt_ids, params, fut, arrival_time = command
-            if not fut.set_running_or_notify_cancel():  # the caller gave up before we got to it
-                return
-            try:
-                self.engine.add_request(prompt_ids, params, request_id, arrival_time=arrival_time)
-            except PromptTooLongError as e:
-                fut.set_exception(APIError(400, str(e), param="prompt", code="context_length_exceeded"))
-            except ValueError as e:
-                fut.set_exception(APIError(400, str(e)))
-            except Exception as e:
-                logger.exception("add_request failed")
-                fut.set_exception(APIError(500, f"could not queue the request: {e}"))
-            else:
-                fut.set_result(request_id)
-        elif kind == "abort":
-            _, request_id, reason = command
-            out = self.engine.abort(request_id)
-            if out is not None:
-                self.num_aborted += 1
-                if reason == "timeout":
-                    self._timed_out.add(request_id)
-                items.append((out, None))
-        elif kind == "stop":
-            _, request_id, index, stop = command
-            out = self.engine.stop_at_string(request_id, index, stop)
-            if out is not None:
-                items.append((out, None))
-        elif kind == "call":
-            _, fn, fut = command
-            if not fut.set_running_or_notify_cancel():
-                return
-            try:
-                fut.set_result(fn(self.engine))
-            except Exception as e:
-                fut.set_exception(e)
+    def _handle(self, command: Command, items: list) -> None:
+        match command:
+            case Add(request_id, prompt_ids, params, fut, arrival_time):
+                if not fut.set_running_or_notify_cancel():  # the caller gave up before we got to it
+                    return
+                try:
+                    self.engine.add_request(prompt_ids, params, request_id, arrival_time=arrival_time)
+                except PromptTooLongError as e:
+                    fut.set_exception(APIError(400, str(e), param="prompt", code="context_length_exceeded"))
+                except ValueError as e:
+                    fut.set_exception(APIError(400, str(e)))
+                except Exception:
+                    fut.set_exception(internal_error(f"queueing request {request_id}", request_id))
+                else:
+                    fut.set_result(request_id)
+            case Abort(request_id, reason):
+                out = self.engine.abort(request_id)
+                if out is not None:
+                    self.num_aborted += 1
+                    if reason == "timeout":
+                        self._timed_out.add(request_id)
+                    items.append((out, None))
+            case Stop(request_id, index, stop):
+                out = self.engine.stop_at_string(request_id, index, stop)
+                if out is not None:
+                    items.append((out, None))
+            case Call(fn, fut):
+                if not fut.set_running_or_notify_cancel():
+                    return
+                try:
+                    fut.set_result(fn(self.engine))
+                except Exception as e:
+                    fut.set_exception(e)
+            case AbortAll(message, status):
+                items.extend(self._fail_all(message, status))
 
     def _fail_all(self, message: str, status: int) -> list[tuple[RequestOutput, int | None]]:
         """Abort every request in flight; each one's caller gets `message` with HTTP `status`."""
-        items = []
-        for request_id in list(self.engine.groups):
-            try:
-                out = self.engine.abort(request_id)
-            except Exception:  # the engine's state is broken: stop taking requests
-                logger.exception("abort of %s failed; the engine is unhealthy", request_id)
-                self.healthy = False
-                out = RequestOutput(request_id, None, [], [], finished=True)
-                self.engine.groups.pop(request_id, None)
-            if out is not None:
-                out.error = message
-                items.append((out, status))
-        return items
+        outs = self.engine.abort_all(message)
+        if self.engine.broken:  # an abort failed: the engine's state cannot be trusted any more
+            self.healthy = False
+        return [(out, status) for out in outs]
+
+
+def _status(out: RequestOutput) -> int | None:
+    """The HTTP status of a request that ended with an error: ours (500) or its input's (400)."""
+    if not out.error:
+        return None
+    return 500 if out.error_internal else 400

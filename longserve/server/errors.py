@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import json
 import logging
+import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -27,6 +28,18 @@ _TYPES = {
     503: "server_overloaded",
     504: "timeout_error",
 }
+
+
+class ClientGone(Exception):
+    """The client hung up before its request was read whole: nobody is left to answer."""
+
+
+def internal_error(what: str, request_id: str | None = None) -> APIError:
+    """A 500 for a failure of ours while doing `what`: the traceback (of the exception being handled) goes to
+    the log under an id that the body names, never into the body (it may hold internals)."""
+    error_id = request_id or f"err-{uuid.uuid4().hex[:12]}"
+    logger.error("internal error [%s] while %s", error_id, what, exc_info=True)
+    return APIError(500, f"internal server error [{error_id}]; the server log has the details")
 
 
 class APIError(Exception):
@@ -95,6 +108,11 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
         return exc.response()
 
+    @app.exception_handler(ClientGone)
+    async def _client_gone(request: Request, _: ClientGone) -> Response:
+        logger.debug("client disconnected while sending its request to %s", request.url.path)
+        return Response(status_code=400)  # never read: the connection is gone
+
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         return validation_error(exc).response()
@@ -111,5 +129,4 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error on %s %s", request.method, request.url.path)
-        return APIError(500, f"internal server error: {type(exc).__name__}: {exc}").response()
+        return internal_error(f"handling {request.method} {request.url.path}").response()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 import sys
 import threading
 from collections.abc import Sequence
@@ -19,7 +20,7 @@ def build_server(engine_config: EngineConfig, server_config: ServerConfig):
     from longserve.server.app import create_app
     from longserve.server.async_engine import AsyncEngine
     from longserve.server.state import ServerState
-    from longserve.server.tokenize import TokenizerPool
+    from longserve.server.tokenize import MAX_CHARS_PER_TOKEN, TokenizerPool
 
     engine = Engine(engine_config, detokenize=False)  # the AsyncEngine assembles text on the event loop
     try:
@@ -33,6 +34,7 @@ def build_server(engine_config: EngineConfig, server_config: ServerConfig):
                 engine_config.tokenizer_path,
                 server_config.tokenizer_workers,
                 server_config.tokenizer_prefix_cache_size,
+                max_chars=MAX_CHARS_PER_TOKEN * engine.context_length,
             ),
         )
         return create_app(state)
@@ -41,35 +43,63 @@ def build_server(engine_config: EngineConfig, server_config: ServerConfig):
         raise
 
 
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the model loads: a port already in use fails at once, with the
+    port and the flag to change it, instead of after minutes of loading."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: restarts reuse TIME_WAIT
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        shown = f"[{host}]" if ":" in host else host
+        raise OSError(
+            f"cannot listen on {shown}:{port}: {e.strerror or e}; is another server running there? "
+            "Choose another port with --port (or another address with --host)"
+        ) from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
 def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
-    """Serve until SIGINT/SIGTERM (exit code 0) or until a tensor-parallel rank dies (1). The engine is
-    closed on every way out, so no worker process outlives the server."""
+    """Serve until SIGINT/SIGTERM (drained, exit code 0) or until a tensor-parallel rank dies (1). The
+    engine is closed on every way out, so no worker process outlives the server."""
     import uvicorn
 
-    app = build_server(engine_config, server_config)
-    async_engine = app.state.longserve.engine
+    from longserve.server import logsafe
+    from longserve.server.shutdown import DrainingServer
+
     host, port = server_config.host, server_config.port
+    sock = bind_socket(host, port)
+    try:
+        app = build_server(engine_config, server_config)
+    except BaseException:
+        sock.close()
+        raise
+    async_engine = app.state.longserve.engine
     shown = f"[{host}]" if ":" in host else host
     logger.info(
         "serving %s on http://%s:%d (OpenAI API under /v1, SGLang /generate)",
         engine_config.model,
         shown,
-        port,
+        sock.getsockname()[1],
     )
     config = uvicorn.Config(
         app,
-        host=host,
-        port=port,
         log_level=server_config.log_level,
         access_log=server_config.log_requests,
-        timeout_graceful_shutdown=5,
+        timeout_graceful_shutdown=5,  # after the drain: only responses still being written are left
     )
-    server = uvicorn.Server(config)
+    server = DrainingServer(config, async_engine, server_config.shutdown_timeout)
+    logsafe.install()  # uvicorn.Config set up its loggers' handlers: now every handler escapes client strings
     failures = _stop_on_rank_failure(server, async_engine)
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
         async_engine.close()  # usually done already at the app's lifespan end; idempotent
+        sock.close()
     if failures:
         logger.error("exiting with status 1: a tensor-parallel rank died (logged above)")
         return 1
@@ -119,7 +149,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return run_from_args(args)
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
+    except (ValueError, OSError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

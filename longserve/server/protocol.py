@@ -8,9 +8,10 @@ from typing import Any, Literal, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.requests import ClientDisconnect
 
 from longserve.sampling_params import SamplingParams
-from longserve.server.errors import APIError, validation_error
+from longserve.server.errors import APIError, ClientGone, validation_error
 
 # ASGI scope key: time.perf_counter() when the server started on the request (engine timings count from it)
 ARRIVAL_SCOPE_KEY = "longserve.arrival"
@@ -60,7 +61,7 @@ class _OpenAISampling(_Schema):
         kw: dict[str, Any] = dict(
             max_new_tokens=max_tokens,
             n=self.n,
-            stop=self.stop or [],
+            stop=self.stop if self.stop is not None else [],  # "" is refused as [""] is
             stop_token_ids=self.stop_token_ids or [],
             seed=self.seed,
             ignore_eos=self.ignore_eos,
@@ -105,8 +106,15 @@ class ChatMessage(_Schema):
     content: str | list[TextPart] | None = None
     name: str | None = None
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self, index: int = 0) -> dict[str, Any]:
+        """The message as the chat template sees it; `index` (its place in `messages`) names it in errors."""
         content = self.content
+        if content is None and self.role != "assistant":  # as OpenAI's API: only an assistant may omit it
+            raise APIError(
+                400,
+                f"messages[{index}]: a '{self.role}' message needs 'content'",
+                param=f"messages.{index}.content",
+            )
         if isinstance(content, list):
             content = "".join(part.text for part in content)
         out: dict[str, Any] = {"role": self.role, "content": content or ""}
@@ -149,7 +157,7 @@ class GenerateSampling(_Schema):
 
     def to_params(self, logprobs: int | None) -> SamplingParams:
         kw = self.model_dump(exclude={"sampling_seed"})
-        kw["stop"] = kw["stop"] or []
+        kw["stop"] = kw["stop"] if kw["stop"] is not None else []  # "" is refused as [""] is
         kw["stop_token_ids"] = kw["stop_token_ids"] or []
         kw["seed"] = self.seed if self.seed is not None else self.sampling_seed
         kw["logprobs"] = logprobs
@@ -204,7 +212,10 @@ async def parse_body(request: Request, schema: type[T]) -> T:
     """The request body as `schema`: invalid UTF-8, malformed JSON and wrong types are each a clear 400.
     Stamps the request's arrival (ARRIVAL_SCOPE_KEY): its timings (TTFT, queue time) count from here."""
     request.scope.setdefault(ARRIVAL_SCOPE_KEY, time.perf_counter())
-    raw = await request.body()
+    try:
+        raw = await request.body()
+    except ClientDisconnect:
+        raise ClientGone from None
     if len(raw) > MAX_BODY_BYTES:
         raise APIError(413, f"request body is {len(raw):,} bytes; the limit is {MAX_BODY_BYTES:,}")
     if not raw.strip():

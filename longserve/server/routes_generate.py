@@ -10,6 +10,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from longserve.outputs import CompletionOutput, RequestOutput
+from longserve.server import openapi
 from longserve.server.errors import APIError
 from longserve.server.metrics import timings
 from longserve.server.protocol import GenerateRequest, GenerateSampling, parse_body
@@ -42,21 +43,12 @@ def _result(out: RequestOutput, c: CompletionOutput, want_logprobs: bool) -> dic
     return {"text": c.text, "output_ids": list(c.token_ids), "meta_info": meta}
 
 
-async def _prompts(state: ServerState, req: GenerateRequest) -> list[list[int]]:
+async def _prompts(state: ServerState, req: GenerateRequest, deadline: float | None) -> list[list[int]]:
     if (req.text is None) == (req.input_ids is None):
         raise APIError(400, "give exactly one of 'text' and 'input_ids'", param="text")
     if req.text is not None:
-        texts = [req.text] if isinstance(req.text, str) else req.text
-        if not texts:
-            raise APIError(400, "'text' is an empty list: give at least one prompt", param="text")
-        prompts = [await state.tokenizers.encode(t) for t in texts]
-    else:
-        ids = req.input_ids or []
-        prompts = [ids] if not ids or isinstance(ids[0], int) else ids  # type: ignore[list-item]
-    for p in prompts:
-        if not p:
-            raise APIError(400, "a prompt is empty: give at least one token", param="text")
-    return prompts  # type: ignore[return-value]
+        return await state.encode_prompts(req.text, "text", deadline)
+    return await state.encode_prompts(req.input_ids, "input_ids", deadline)  # type: ignore[arg-type]
 
 
 def _request_ids(req: GenerateRequest, num_prompts: int, batched: bool) -> list[str | None]:
@@ -68,7 +60,7 @@ def _request_ids(req: GenerateRequest, num_prompts: int, batched: bool) -> list[
     return list(rids)
 
 
-@router.post("/generate")
+@router.post("/generate", openapi_extra=openapi.body(GenerateRequest))
 async def generate(request: Request):
     state = get_state(request)
     req = await parse_body(request, GenerateRequest)
@@ -76,12 +68,12 @@ async def generate(request: Request):
     if not 0 <= req.top_logprobs_num <= 20:
         raise APIError(400, "top_logprobs_num must be in [0, 20]", param="top_logprobs_num")
     params = sampling.to_params(req.top_logprobs_num if req.return_logprob else None)
-    prompts = await _prompts(state, req)
+    deadline = state.deadline(request)
+    prompts = await _prompts(state, req, deadline)
     for p in prompts:
         state.check_lengths(len(p), params.max_new_tokens)
     batched = isinstance(req.text, list) or bool(req.input_ids and isinstance(req.input_ids[0], list))
     rids = await state.add_all(request, prompts, params, _request_ids(req, len(prompts), batched))
-    deadline = state.deadline()
     single = not batched and params.n == 1
 
     if req.stream:

@@ -14,6 +14,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from longserve.outputs import CompletionOutput, RequestOutput
+from longserve.server import openapi
 from longserve.server.errors import APIError
 from longserve.server.metrics import timings
 from longserve.server.protocol import ChatCompletionRequest, CompletionRequest, parse_body
@@ -73,11 +74,11 @@ async def _run(
     req: CompletionRequest | ChatCompletionRequest,
     params,
     chat: bool,
+    deadline: float | None,
 ):
     for p in prompts:
         state.check_lengths(len(p), params.max_new_tokens)
     rids = await state.add_all(request, prompts, params, [None] * len(prompts))
-    deadline = state.deadline()
     response_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     base = {
         "id": response_id,
@@ -146,7 +147,7 @@ async def _run(
     return JSONResponse({**body, "usage": usage(outs)})
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", openapi_extra=openapi.body(CompletionRequest))
 async def completions(request: Request):
     state = get_state(request)
     req = await parse_body(request, CompletionRequest)
@@ -158,23 +159,12 @@ async def completions(request: Request):
     if req.best_of is not None and req.best_of != req.n:
         raise APIError(400, "best_of is not supported (only best_of == n)", param="best_of")
     params = req.sampling_params(req.max_tokens, req.logprobs)
-    prompt = req.prompt
-    if isinstance(prompt, str):
-        prompts = [await state.tokenizers.encode(prompt)]
-    elif not prompt:
-        raise APIError(400, "prompt is an empty list: give a string, strings, or token ids", param="prompt")
-    elif isinstance(prompt[0], str):
-        prompts = [await state.tokenizers.encode(p) for p in prompt]  # type: ignore[arg-type]
-    elif isinstance(prompt[0], int):
-        prompts = [list(prompt)]  # type: ignore[arg-type]
-    else:
-        prompts = [list(p) for p in prompt]  # type: ignore[union-attr]
-    if any(not p for p in prompts):
-        raise APIError(400, "a prompt is empty: give at least one token", param="prompt")
-    return await _run(request, state, prompts, req, params, chat=False)
+    deadline = state.deadline(request)
+    prompts = await state.encode_prompts(req.prompt, "prompt", deadline)
+    return await _run(request, state, prompts, req, params, chat=False, deadline=deadline)
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", openapi_extra=openapi.body(ChatCompletionRequest))
 async def chat_completions(request: Request):
     state = get_state(request)
     req = await parse_body(request, ChatCompletionRequest)
@@ -187,11 +177,12 @@ async def chat_completions(request: Request):
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
-    messages = [m.as_dict() for m in req.messages]
+    messages = [m.as_dict(i) for i, m in enumerate(req.messages)]
+    deadline = state.deadline(request)
     prompt = await state.tokenizers.chat(
-        messages, req.add_generation_prompt, **(req.chat_template_kwargs or {})
+        messages, req.add_generation_prompt, deadline=deadline, template_variables=req.chat_template_kwargs
     )
-    return await _run(request, state, [prompt], req, params, chat=True)
+    return await _run(request, state, [prompt], req, params, chat=True, deadline=deadline)
 
 
 @router.get("/v1/models")

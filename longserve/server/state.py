@@ -18,13 +18,14 @@ from fastapi.responses import StreamingResponse
 from longserve.config import EngineConfig, ServerConfig
 from longserve.outputs import RequestOutput
 from longserve.server.async_engine import AsyncEngine
-from longserve.server.errors import APIError
+from longserve.server.errors import APIError, internal_error
 from longserve.server.metrics import ServerMetrics
 from longserve.server.protocol import ARRIVAL_SCOPE_KEY
 from longserve.server.tokenize import TokenizerPool
 
 logger = logging.getLogger("longserve.server")
 QUEUED_SCOPE_KEY = "longserve.queued"  # set on the ASGI scope once a call's requests reached the engine
+EMPTY_PROMPT = "the prompt is empty: give at least one character or token"
 
 
 @dataclass
@@ -79,9 +80,33 @@ class ServerState:
                 code="context_length_exceeded",
             )
 
-    def deadline(self) -> float | None:
+    def deadline(self, request: Request) -> float | None:
+        """The time.monotonic() by which the request must end: --request-timeout counts from its arrival,
+        so tokenizing and waiting for the engine are inside it."""
         timeout = self.server_config.request_timeout
-        return None if timeout is None else time.monotonic() + timeout
+        if timeout is None:
+            return None
+        arrival = request.scope.get(ARRIVAL_SCOPE_KEY)
+        elapsed = time.perf_counter() - arrival if arrival is not None else 0.0
+        return time.monotonic() + timeout - elapsed
+
+    async def encode_prompts(
+        self, prompts: str | list, param: str, deadline: float | None
+    ) -> list[list[int]]:
+        """A prompt or a batch (strings or token ids) as token id lists. An empty prompt (an empty string,
+        an empty id list, an empty batch) is refused alike on every route, as vLLM refuses it."""
+        if isinstance(prompts, str) or not prompts or isinstance(prompts[0], int):
+            prompts = [prompts]  # [] too: one empty prompt (ids) or an empty batch say the same
+        out = []
+        for p in prompts:
+            if not p:
+                raise APIError(400, EMPTY_PROMPT, param=param)
+            out.append(
+                await self.tokenizers.encode(p, deadline=deadline, param=param)
+                if isinstance(p, str)
+                else list(p)
+            )
+        return out
 
     async def add_all(
         self, request: Request, prompts: list[list[int]], params, ids: list[str | None]
@@ -186,9 +211,8 @@ async def sse_stream(events: AsyncIterator[str], on_close) -> AsyncIterator[str]
             yield event
     except APIError as e:
         yield e.sse()
-    except Exception as e:
-        logger.exception("stream failed")
-        yield APIError(500, f"internal server error: {type(e).__name__}: {e}").sse()
+    except Exception:
+        yield internal_error("streaming a response").sse()
     finally:
         on_close()
     yield SSE_DONE

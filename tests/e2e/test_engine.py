@@ -321,3 +321,59 @@ def test_pool_sized_by_memory_fraction(ckpt):
     assert m.generate(prompts(1)[0], GREEDY32)[0].finish_reason == "length"
     with pytest.raises(RuntimeError, match="no memory left for the KV pool.*raise mem_fraction_static"):
         llm(ckpt, max_total_tokens=None, mem_fraction_static=0.0001)
+
+
+def _run_all(engine, requests):
+    """Add (rid, prompt, params) requests together and step until all end; rid -> final output."""
+    for rid, ids, params in requests:
+        engine.add_request(ids, params, rid)
+    finals = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    return finals
+
+
+@pytest.mark.parametrize("stage", ["setup", "sampling"])
+def test_a_request_whose_own_sampling_fails_ends_alone(ckpt, monkeypatch, stage):
+    """One request's own failure (its sampling setup, or its row of a batched sampling call) ends that
+    request with an internal error; the others in the same steps produce exactly their plain tokens."""
+    m = llm(ckpt)
+    engine = m.engine
+    batch = prompts(4)
+    plain = _run_all(engine, [(f"r{i}", ids, GREEDY32) for i, ids in enumerate(batch)])
+    seeded = SamplingParams(max_new_tokens=32, temperature=0.8, seed=7, ignore_eos=True)
+    plain_seeded = _run_all(engine, [("s", batch[0], seeded)])["s"]
+
+    poison = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True, top_k=3)
+    runner = engine.runner
+    if stage == "setup":
+        real_info = runner._sampling_info
+
+        def info(req, eos):
+            if req.request_id == "bad":
+                raise RuntimeError("poisoned setup")
+            return real_info(req, eos)
+
+        monkeypatch.setattr(runner, "_sampling_info", info)
+    else:
+        real_sampler = runner.sampler
+
+        def sampler(logits, infos):  # any batch holding the poisoned row raises, as a bad bound would
+            if any(i.params.top_k == 3 for i in infos):
+                raise RuntimeError("poisoned row")
+            return real_sampler(logits, infos)
+
+        monkeypatch.setattr(runner, "sampler", sampler)
+    requests = [(f"r{i}", ids, GREEDY32) for i, ids in enumerate(batch)]
+    requests += [("bad", batch[1], poison), ("s", batch[0], seeded)]
+    finals = _run_all(engine, requests)
+    bad = finals["bad"]
+    assert bad.finish_reason == "error" and bad.error_internal and "request bad" in bad.error
+    assert bad.token_ids == []
+    for i in range(len(batch)):
+        assert finals[f"r{i}"].error is None and finals[f"r{i}"].token_ids == plain[f"r{i}"].token_ids
+    # a seeded request sampled beside the failure draws exactly what it draws alone
+    assert finals["s"].token_ids == plain_seeded.token_ids
+    assert_clean(engine)

@@ -51,7 +51,7 @@ def with_engine(engine: Engine, body, **kw) -> None:
     assert_clean(engine)
 
 
-def test_step_failure_fails_requests_and_keeps_serving(engine, monkeypatch):
+def test_step_failure_fails_requests_and_keeps_serving(engine, monkeypatch, caplog):
     real = engine.runner.execute
     calls = {"n": 0}
 
@@ -68,28 +68,89 @@ def test_step_failure_fails_requests_and_keeps_serving(engine, monkeypatch):
             run(ae, [5, 6, 7, 8], LONG), run(ae, [9, 10, 11], LONG), return_exceptions=True
         )
         assert all(isinstance(r, APIError) and r.status == 500 for r in results), results
-        assert "injected fault" in results[0].message and ae.num_step_errors == 1 and ae.is_alive
+        assert ae.num_step_errors == 1 and ae.is_alive
+        # the body names an error id; the exception's text goes only to the log, under that id
+        error_id = results[0].message.split("[")[1].split("]")[0]
+        assert "injected fault" not in results[0].message and "server log" in results[0].message
+        assert any(error_id in r.getMessage() and "injected fault" in r.exc_text for r in caplog.records)
         out = await run(ae, [5, 6, 7, 8], SamplingParams(max_new_tokens=5, temperature=0))
         assert out.finished and len(out.token_ids) == 5
 
     with_engine(engine, body)
 
 
-def test_full_queue_answers_503(engine):
+def test_queue_limit_counts_requests_waiting_for_a_running_slot(tiny_model):
+    """--max-queued-requests bounds the requests beyond the running slots: with 2 slots and a limit of 1,
+    the engine takes 3 (two run, one waits) while its thread is busy, and the 4th gets a 503."""
+    small = Engine(
+        EngineConfig(tiny_model, device="cpu", dtype="float32", max_total_tokens=2048, max_running_requests=2)
+    )
+
     async def body(ae: AsyncEngine):
         gate = threading.Event()
         blocked = asyncio.ensure_future(ae.call(lambda _: gate.wait(10)))  # the engine thread waits
         await asyncio.sleep(0.05)
-        first = asyncio.ensure_future(run(ae, [5, 6, 7], SamplingParams(max_new_tokens=3)))
+        params = SamplingParams(max_new_tokens=3)
+        accepted = [asyncio.ensure_future(run(ae, [5, 6, 7], params)) for _ in range(3)]
         await asyncio.sleep(0.05)
+        assert ae.num_queued == 1
         with pytest.raises(APIError) as err:
-            await run(ae, [5, 6, 7], SamplingParams(max_new_tokens=3))
+            await run(ae, [5, 6, 7], params)
         assert err.value.status == 503 and "max-queued-requests" in err.value.message
         gate.set()
         await blocked
-        assert (await first).finished
+        assert all(out.finished for out in await asyncio.gather(*accepted))
+        assert ae.num_queued == 0 and ae.num_inflight == 0
 
-    with_engine(engine, body, max_queued_requests=1)
+    with_engine(small, body, max_queued_requests=1)
+
+
+def test_a_burst_within_the_running_slots_is_all_admitted(engine):
+    """200 requests at once with a queue limit of 64 and 256 running slots: none is refused."""
+
+    async def body(ae: AsyncEngine):
+        gate = threading.Event()
+        blocked = asyncio.ensure_future(ae.call(lambda _: gate.wait(10)))
+        await asyncio.sleep(0.05)
+        params = SamplingParams(max_new_tokens=2, temperature=0)
+        burst = [asyncio.ensure_future(run(ae, [5 + i % 50, 6, 7], params)) for i in range(200)]
+        await asyncio.sleep(0.1)
+        gate.set()
+        await blocked
+        outs = await asyncio.gather(*burst, return_exceptions=True)
+        assert all(not isinstance(o, BaseException) and o.finished for o in outs), outs[:3]
+
+    with_engine(engine, body, max_queued_requests=64)
+
+
+def test_drain_lets_requests_finish_then_ends_the_rest(engine, monkeypatch):
+    """drain(): new requests get 503 at once; a short request in flight finishes; a long one is ended
+    with a 503 after the timeout; every page comes back."""
+    real_step = engine.step
+
+    def slow_step():  # >= 20 ms a step: the long request needs >= 10 s, the short one >= 0.16 s
+        time.sleep(0.02)
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", slow_step)
+
+    async def body(ae: AsyncEngine):
+        short = asyncio.ensure_future(run(ae, [5, 6, 7], SamplingParams(max_new_tokens=8, temperature=0)))
+        long = asyncio.ensure_future(run(ae, [9, 10, 11], LONG.clone(max_new_tokens=500)))
+        await asyncio.sleep(0.05)
+        drained = asyncio.ensure_future(ae.drain(timeout=3.0))
+        await asyncio.sleep(0.01)
+        with pytest.raises(APIError) as err:
+            await run(ae, [5, 6, 7], SamplingParams(max_new_tokens=2))
+        assert err.value.status == 503 and "shutting down" in err.value.message
+        assert len((await short).token_ids) == 8
+        assert await drained == 1
+        with pytest.raises(APIError) as err:
+            await long
+        assert err.value.status == 503 and "--shutdown-timeout" in err.value.message
+        assert ae.num_inflight == 0
+
+    with_engine(engine, body)
 
 
 def test_deadline_aborts_with_504(engine):
@@ -246,3 +307,38 @@ def _run_offline(engine: Engine, ids, params):
         for out in engine.step():
             if out.request_id == rid and out.finished:
                 return out
+
+
+def test_request_timeout_covers_tokenizing(engine, tiny_model):
+    """--request-timeout counts from the HTTP arrival: a prompt whose tokenizing outlasts it is a 504."""
+    import httpx
+
+    from longserve.config import ServerConfig
+    from longserve.server.app import create_app
+    from longserve.server.state import ServerState
+    from longserve.server.tokenize import TokenizerPool
+
+    async def main():
+        pool = TokenizerPool(tiny_model, 1)
+        real_encode = pool.prompts.encode
+
+        def slow_encode(*a, **kw):  # in the tokenizer thread
+            time.sleep(2.0)
+            return real_encode(*a, **kw)
+
+        pool.prompts.encode = slow_encode
+        state = ServerState(engine.config, ServerConfig(request_timeout=0.2), AsyncEngine(engine), pool)
+        state.engine.start(asyncio.get_running_loop())
+        transport = httpx.ASGITransport(app=create_app(state))
+        try:
+            async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as client:
+                t0 = time.perf_counter()
+                r = await client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2})
+                assert r.status_code == 504 and "tokenized" in r.json()["error"]["message"]
+                assert time.perf_counter() - t0 < 1.5  # answered at the deadline, not after the tokenizer
+        finally:
+            state.engine.stop()
+            state.tokenizers.shutdown()
+
+    asyncio.run(main())
+    assert_clean(engine)

@@ -1,4 +1,4 @@
-"""GET /metrics against a real server process (page size 4, a 1 s --request-timeout): counters move by
+"""GET /metrics against a real server process (page size 4, a 5 s --request-timeout): counters move by
 exactly what scripted requests imply (a shared 3-page prefix, tokens sent and generated, an aborted and a
 timed-out request, rejections), histogram counts equal finished requests, the exposition parses with
 prometheus_client's parser, responses carry their own timings, and the stats log line appears without
@@ -21,7 +21,7 @@ httpx = pytest.importorskip("httpx")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 PAGE = 4
-TIMEOUT = 1.0
+TIMEOUT = 5.0  # generous: on a busy 2-core machine a short request must never reach it
 SECRET = "ZebraQuokkaMarmalade"  # a prompt marker that must never reach the log
 LONG = {"max_new_tokens": CONTEXT - 400, "temperature": 0, "ignore_eos": True}
 
