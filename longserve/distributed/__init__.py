@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from longserve.distributed.parallel_state import (
+    RankFailure,
     TPGroup,
     broadcast_object,
     destroy_tp_group,
@@ -16,6 +17,7 @@ from longserve.distributed.parallel_state import (
 )
 
 __all__ = [
+    "RankFailure",
     "TPGroup",
     "broadcast_object",
     "destroy_tp_group",

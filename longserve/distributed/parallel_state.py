@@ -60,6 +60,10 @@ def init_tp_group(
     return _TP
 
 
+class RankFailure(RuntimeError):
+    """A tensor-parallel rank died or a collective broke: the ranks are out of step for good."""
+
+
 def destroy_tp_group(timeout: float = 30.0) -> None:
     """Leave the group. NCCL's clean shutdown is collective (every rank finalizes its communicator), so
     ranks call this together; when a peer is gone it could wait forever, so it runs on a helper thread

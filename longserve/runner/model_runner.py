@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from longserve.attention import ForwardContext, KVCache, get_attention_backend
 from longserve.config import EngineConfig
-from longserve.distributed import broadcast_object, get_tp_group
+from longserve.distributed import RankFailure, broadcast_object, get_tp_group
 from longserve.models import load_model, resolve_dtype
 from longserve.models.decoder import validate_tp_size
 from longserve.outputs import RunnerOutput, SchedulerOutput
@@ -232,7 +232,7 @@ class ModelRunner:
                     f"tensor-parallel step failed; a rank may have died: {type(e).__name__}: {e}"
                 )
                 self.workers.fail(message)
-                raise RuntimeError(message) from e
+                raise RankFailure(message) from e
         if logits is None:
             return RunnerOutput(sampled_token_ids=[])
         with torch.inference_mode():

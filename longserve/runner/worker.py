@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from longserve.config import EngineConfig
-from longserve.distributed import broadcast_object, destroy_tp_group, get_tp_rank, init_tp_group
+from longserve.distributed import RankFailure, broadcast_object, destroy_tp_group, get_tp_rank, init_tp_group
 from longserve.platform import resolve_device
 
 logger = logging.getLogger("longserve.runner.worker")
@@ -257,7 +257,7 @@ class TPWorkers:
         """Raise if a worker has died (called before every step, so no step waits on a dead rank)."""
         failure = self._record()
         if failure is not None:
-            raise RuntimeError(failure)
+            raise RankFailure(failure)
 
     def shutdown(self, graceful: bool = True, timeout: float = 10.0) -> None:
         """Tell the workers to stop (graceful), wait for them, kill stragglers, leave the group."""

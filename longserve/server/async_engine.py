@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from longserve.detokenizer import IncrementalDetokenizer, TextAssembler
+from longserve.distributed import RankFailure
 from longserve.engine import Engine, PromptTooLongError
 from longserve.outputs import CompletionOutput, RequestOutput
 from longserve.sampling_params import SamplingParams
@@ -358,10 +359,14 @@ class AsyncEngine:
                     items.extend((out, _status(out)) for out in outs)
                     self.num_steps += 1
                     stepped = True
-                except Exception:  # the loop must survive any step failure
+                except Exception as e:  # the loop must survive any step failure
                     error = internal_error(
                         f"running an engine step; failing the {engine.num_requests} requests in flight"
                     )
+                    if isinstance(
+                        e, RankFailure
+                    ):  # no bug of ours: say what happened, the details go to the log
+                        error.message += "; a tensor-parallel rank failed and the server is shutting down"
                     self.num_step_errors += 1
                     items.extend(self._fail_all(error.message, 500))
             self.num_waiting = engine.scheduler.num_waiting

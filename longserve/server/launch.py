@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import socket
 import sys
 import threading
 from collections.abc import Sequence
+from typing import NoReturn
 
 from longserve.config import EngineConfig, ServerConfig
 
@@ -132,12 +134,20 @@ def _stop_on_rank_failure(server, async_engine) -> list[str]:
     return failures
 
 
-def run_from_args(args: argparse.Namespace) -> int:
+def run_from_args(args: argparse.Namespace) -> NoReturn:
     from longserve.server.args import resolve
 
     engine_config, server_config = resolve(args)
     logging.getLogger().setLevel(server_config.log_level.upper())
-    return serve(engine_config, server_config)
+    code = serve(engine_config, server_config)
+    # The server is down and its engine closed (tensor-parallel workers reaped, every request ended). Skip
+    # the interpreter's teardown: native threads can still run then (gloo's, after the process group was
+    # left; the tokenizers' pool), and a two-rank server once exited -6 (abort) there after a clean drain on a
+    # busy machine. The exit status must be the server's own.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
