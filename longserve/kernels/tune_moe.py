@@ -1,0 +1,185 @@
+"""Tune the fused MoE kernel's block sizes on this GPU and write them into `moe_configs/` (CUDA only).
+
+`python -m longserve.kernels.tune_moe --num-experts 128 --top-k 8 --hidden 2048 --intermediate 768
+--dtype bfloat16 --batch-sizes 1,2,4,...,8192`: per batch size and BLOCK_M, the gate+up and the down GEMM
+are timed separately over their candidates (CUDA events around a replayed graph of --iters calls,
+median of --repeats) and each candidate's output is checked against the torch reference once; the fastest
+pair under the fastest BLOCK_M is written. Compiling dominates the run (each new candidate compiles once,
+then serves every batch size with its BLOCK_M): give fewer --batch-sizes for a short session.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from longserve.kernels.moe_config import smem_per_stage
+
+# the search spaces; "quick" fits a device session (tens of compiles per BLOCK_M and GEMM), "full" is
+# vLLM's breadth (hundreds: hours of compiling)
+SPACES = {
+    "quick": {"BLOCK_N": [32, 64, 128, 256], "BLOCK_K": [64, 128], "GROUP_M": [1, 16], "num_warps": [4, 8], "num_stages": [3, 4]},
+    "full": {
+        "BLOCK_N": [32, 64, 128, 256], "BLOCK_K": [64, 128, 256], "GROUP_M": [1, 16, 32, 64],
+        "num_warps": [4, 8], "num_stages": [2, 3, 4, 5],
+    },
+}  # fmt: skip
+BLOCK_MS = [16, 32, 64, 128]
+MAX_ACC_PER_THREAD = 128  # fp32 accumulator registers per thread beyond which tiles spill
+MIN_ACC_PER_THREAD_8_WARPS = 32  # a tile this small leaves 8 warps idle: 4 only
+REL_TOL = 1e-2  # a candidate whose output is further from the reference is a kernel bug: stop
+
+
+def candidates(
+    space: dict, block_m: int, fused_gate_up: bool, elem: int, smem: int, num_blocks: int
+) -> list[dict]:
+    """Configs worth timing: they fit shared memory and registers, 8 warps only for big tiles, GROUP_M > 1
+    only when there are enough row blocks (`num_blocks`, an estimate) to group."""
+    out = []
+    for bn, bk, gm, warps, stages in itertools.product(*space.values()):
+        cfg = {"BLOCK_M": block_m, "BLOCK_N": bn, "BLOCK_K": bk}
+        acc_per_thread = (2 if fused_gate_up else 1) * block_m * bn / (32 * warps)
+        if smem_per_stage(cfg, elem, fused_gate_up) * stages > smem or acc_per_thread > MAX_ACC_PER_THREAD:
+            continue
+        if (warps == 8 and acc_per_thread < MIN_ACC_PER_THREAD_8_WARPS) or (gm > 1 and num_blocks < 2 * gm):
+            continue
+        out.append({"BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": gm, "num_warps": warps, "num_stages": stages})
+    return out
+
+
+def block_ms(num_tokens: int, top_k: int, num_experts: int) -> list[int]:
+    """BLOCK_M worth trying: above twice the average rows per expert only pads, far below it wastes
+    tensor-core throughput once experts hold hundreds of rows (16 always stays for tiny batches)."""
+    rows = num_tokens * top_k / num_experts
+    keep = [bm for bm in BLOCK_MS if bm <= max(16, 2 * rows) and (bm >= 64 or 8 * bm >= rows)]
+    return keep or [BLOCK_MS[-1]]
+
+
+def tune(args: argparse.Namespace, device: str = "cuda") -> dict[str, dict]:
+    """num_tokens bucket -> best config (a CPU device under TRITON_INTERPRET=1 only smoke-tests this)."""
+    from tqdm import tqdm
+
+    from longserve.kernels.bench_fused import time_ms
+    from longserve.kernels.bench_moe import graph_ms
+    from longserve.kernels.fused_moe import fused_moe, fused_moe_ref, moe_align_block_size, moe_gemm
+    from longserve.kernels.moe_config import max_smem
+    from longserve.kernels.moe_reference import route_topk
+
+    dtype = getattr(torch, args.dtype)
+    num_experts, top_k, hidden = args.num_experts, args.top_k, args.hidden
+    inter = args.intermediate // args.tp_size
+    dev = torch.device(device)
+    timer = graph_ms if dev.type == "cuda" else time_ms  # graphs: device time, not launch time
+    gen = torch.Generator(device=dev).manual_seed(args.seed)
+    w13 = (torch.randn(num_experts, 2 * inter, hidden, device=dev, generator=gen) * hidden**-0.5).to(dtype)
+    w2 = (torch.randn(num_experts, hidden, inter, device=dev, generator=gen) * inter**-0.5).to(dtype)
+    smem = max_smem()
+    elem = w13.element_size()
+    best: dict[str, dict] = {}
+    for num_tokens in args.batch_sizes:
+        x = torch.randn(num_tokens, hidden, device=dev, generator=gen).to(dtype)  # [T, H]
+        logits = torch.randn(num_tokens, num_experts, device=dev, generator=gen)  # [T, E]
+        weights, ids = route_topk(logits, top_k, True)  # [T, k] each
+        weights = weights if args.fp32_routing_weights else weights.to(dtype)  # Mixtral / Qwen-MoE
+        ref = fused_moe_ref(x, w13, w2, weights, ids).float()  # [T, H]
+        inter_buf = torch.empty(num_tokens * top_k, inter, device=dev, dtype=dtype)  # [T*k, I]
+        pair_out = torch.empty(num_tokens * top_k, hidden, device=dev, dtype=weights.dtype)  # [T*k, H]
+        flat_w = weights.reshape(-1)  # [T*k]
+        results = []
+        for bm in block_ms(num_tokens, top_k, num_experts):
+            align = moe_align_block_size(ids, num_experts, bm)
+            chosen: dict = {}
+            for gemm in ("up", "down"):
+                fused = gemm == "up"
+                a, b, c, div = (x, w13, inter_buf, top_k) if fused else (inter_buf, w2, pair_out, 1)
+                timed = []
+                num_blocks = num_tokens * top_k // bm + min(num_experts, num_tokens * top_k)
+                cands = candidates(SPACES[args.space], bm, fused, elem, smem, num_blocks)
+                for cand in tqdm(cands, desc=f"T={num_tokens} BLOCK_M={bm} {gemm}", leave=False):
+                    cfg = {"BLOCK_M": bm, **cand}
+                    run = partial(moe_gemm, a, b, c, flat_w, *align, div, cfg, fused, not fused)
+                    try:
+                        run()
+                    except Exception as exc:  # e.g. out of shared memory on this GPU: not a candidate
+                        tqdm.write(f"skip {gemm} {cfg}: {type(exc).__name__}: {exc}"[:200])
+                        continue
+                    # once per candidate: the whole MoE with it (the other GEMM: the best so far) vs the reference
+                    full = cfg if fused else {"BLOCK_M": bm, **chosen["up"], "down": cand}
+                    got = fused_moe(x, w13, w2, weights, ids, config=full).float()  # [T, H]
+                    rel = ((got - ref).norm() / ref.norm()).item()
+                    if not rel < REL_TOL:
+                        raise RuntimeError(
+                            f"T={num_tokens} {gemm} {cfg}: relative error {rel:.2e} vs the reference"
+                        )
+                    timed.append((timer(run, warmup=2, iters=args.iters, repeats=args.repeats), cand))
+                if not timed:
+                    break
+                ms, chosen[gemm] = min(timed, key=lambda t: t[0])
+                chosen[gemm + "_ms"] = ms
+                if fused:  # the down GEMM reads this GEMM's output: leave the best one's in the buffer
+                    moe_gemm(
+                        x, w13, inter_buf, flat_w, *align, top_k, {"BLOCK_M": bm, **chosen["up"]}, True, False
+                    )
+            if "down" in chosen:
+                results.append((chosen["up_ms"] + chosen["down_ms"], bm, chosen))
+        if not results:
+            raise RuntimeError(f"T={num_tokens}: no candidate compiled on this GPU")
+        total, bm, chosen = min(results, key=lambda r: r[0])
+        best[str(num_tokens)] = {"BLOCK_M": bm, **chosen["up"], "down": chosen["down"]}
+        print(f"T={num_tokens}: {total * 1000:.1f} us  {best[str(num_tokens)]}", flush=True)
+    return best
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--num-experts", type=int, required=True)
+    p.add_argument("--top-k", type=int, required=True)
+    p.add_argument("--hidden", type=int, required=True)
+    p.add_argument("--intermediate", type=int, required=True, help="expert intermediate size (before TP)")
+    p.add_argument("--tp-size", type=int, default=1, help="tune the per-rank shard: intermediate / tp")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    default_sizes = "1,2,4,8,16,24,32,48,64,96,128,256,512,1024,1536,2048,3072,4096,8192"
+    p.add_argument("--batch-sizes", default=default_sizes, type=lambda s: [int(v) for v in s.split(",")])
+    p.add_argument("--space", default="quick", choices=list(SPACES))
+    p.add_argument(
+        "--fp32-routing-weights",
+        action="store_true",
+        help="weights kept in fp32 (Mixtral); default: rounded (Qwen)",
+    )
+    p.add_argument("--iters", type=int, default=10, help="calls per timed repeat")
+    p.add_argument("--repeats", type=int, default=5, help="repeats; the median is kept")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output-dir", default=None, help="default: the package's moe_configs/")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("tune_moe times the Triton kernel on a CUDA GPU, and none is visible here")
+    from longserve.kernels.moe_config import CONFIG_DIR, config_file_name, current_device_name, load_table
+
+    if args.intermediate % args.tp_size:
+        raise SystemExit(f"--intermediate {args.intermediate} is not divisible by --tp-size {args.tp_size}")
+    best = tune(args)
+    name = config_file_name(
+        args.num_experts, args.intermediate // args.tp_size, current_device_name(), getattr(torch, args.dtype)
+    )
+    path = Path(args.output_dir or CONFIG_DIR) / name
+    merged = {**{str(k): v for k, v in (load_table(str(path)) or {}).items()}, **best}  # keep other buckets
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows = [
+        f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in sorted(merged.items(), key=lambda kv: int(kv[0]))
+    ]
+    path.write_text("{\n" + ",\n".join(rows) + "\n}\n")  # one bucket a line: readable diffs
+    load_table.cache_clear()
+    print(f"wrote {path} ({len(best)} buckets tuned, {len(merged)} in the file)")
+
+
+if __name__ == "__main__":
+    main()
