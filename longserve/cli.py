@@ -13,13 +13,13 @@ def _generate(args: argparse.Namespace) -> int:
     from longserve import LLM, SamplingParams
     from longserve.server.args import resolve
 
+    given = {k: getattr(args, k) for k in ("top_p", "top_k") if getattr(args, k) is not None}
     params = SamplingParams(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
         stop=args.stop or [],
         seed=args.sample_seed,
+        **given,  # the others: SamplingParams' own defaults
     )
     engine_config, _ = resolve(args)  # the same flags, env vars and YAML keys as `longserve serve`
     llm = LLM.from_config(engine_config)
@@ -94,14 +94,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_server_args(serve)
     serve.set_defaults(func=_serve)
-    gen = sub.add_parser("generate", help="generate offline for prompts given on the command line")
+    gen = sub.add_parser(
+        "generate",
+        help="generate offline for prompts given on the command line",
+        description="Generate offline for prompts given on the command line; the engine options, env vars "
+        "and YAML keys are those of `longserve serve`.",
+    )
     add_server_args(gen, sections=("engine.",))
     gen.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for several)")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message (chat template)")
-    gen.add_argument("--max-new-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument(
+        "--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (default: 64)"
+    )
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 (the default here): greedy")
+    gen.add_argument("--top-p", type=float, help="nucleus sampling (default: off)")
+    gen.add_argument("--top-k", type=int, help="sample among the k likeliest tokens (default: off)")
     gen.add_argument("--stop", action="append", help="a stop string (repeatable)")
     gen.add_argument("--sample-seed", type=int, default=None, help="seed of the sampling")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
@@ -141,7 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ValueError, OSError, RuntimeError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        from longserve.server.args import cli_message
+
+        print(f"error: {cli_message(e)}", file=sys.stderr)  # settings named as this command's flags
         return 2
 
 

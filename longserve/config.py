@@ -1,19 +1,40 @@
 """EngineConfig: every engine setting in one frozen dataclass. The CLI, LONGSERVE_* env vars and YAML
 files resolve onto these same fields (longserve/server/args.py); validation lives here so every entry point
-shares it. ServerConfig holds the HTTP side of `longserve serve`."""
+shares it, and a refusal names the fields it is about (ConfigError.settings) so a CLI can say its flags.
+ServerConfig holds the HTTP side of `longserve serve`."""
 
 from __future__ import annotations
 
+import logging
 import os
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
+
+from longserve.platform import normalize_attention_backend, resolve_attention_backend
+
+logger = logging.getLogger("longserve.config")
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
-
-
 SCHEDULE_POLICIES = ("short-first", "fcfs")
+
+
+class SettingsError(Exception):
+    """A refusal whose message names settings as Python keywords (`load_format='dummy'`, `context_length`):
+    `settings` lists those field names, so that a command line can say its flags instead
+    (server/args.cli_message)."""
+
+    def __init__(self, message: str, *settings: str) -> None:
+        super().__init__(message)
+        self.settings = settings
+
+
+class ConfigError(SettingsError, ValueError):
+    """A setting's value is refused."""
+
+
+class ConfigPathError(SettingsError, FileNotFoundError):
+    """A directory a setting names does not exist or lacks the files it needs."""
 
 
 @dataclass(frozen=True)
@@ -35,11 +56,14 @@ class EngineConfig:
     chunked_prefill_size: int = 8192  # per-step token budget (vLLM: max_num_batched_tokens)
     max_prefill_chunk: int | None = None  # per-request cap per step; None: the whole budget
     max_running_requests: int = 256
-    # "short-first": a waiting request with at most chunked_prefill_size // 8 tokens to compute (after its
-    # cached prefix) is served before the rest of a long prompt's prefill (sched/scheduler.py); "fcfs": never
+    # "short-first": a waiting request with at most 1/8 of chunked_prefill_size to compute (after its cached
+    # prefix) is served before the rest of a long prompt's prefill (SchedulerConfig.from_engine_config);
+    # "fcfs": never
     schedule_policy: str = "short-first"
     context_length: int | None = None  # None: the model's max_position_embeddings
 
+    # a name of platform.ATTENTION_BACKEND_CHOICES, stored canonical ("auto", "torch", "triton"); with an
+    # explicit device, the backend that runs there (platform.resolve_attention_backend)
     attention_backend: str = "auto"
     enforce_eager: bool = False  # no CUDA graphs (SGLang: --disable-cuda-graph)
     cuda_graph_max_bs: int = 128  # decode steps up to this batch size replay CUDA graphs
@@ -52,91 +76,131 @@ class EngineConfig:
     dist_init_addr: str | None = None  # HOST:PORT of node 0's rendezvous; None: 127.0.0.1 and a free port
 
     def __post_init__(self) -> None:
-        def need(ok: bool, msg: str) -> None:
+        def need(ok: bool, msg: str, *settings: str) -> None:
             if not ok:
-                raise ValueError(msg)
+                raise ConfigError(msg, *settings)
 
-        need(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
-        need(self.device in DEVICES, f"device must be one of {', '.join(DEVICES)}; got {self.device!r}")
+        need(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}", "dtype")
+        need(
+            self.device in DEVICES,
+            f"device must be one of {', '.join(DEVICES)}; got {self.device!r}",
+            "device",
+        )
         need(
             self.load_format in LOAD_FORMATS,
             f"load_format must be one of {', '.join(LOAD_FORMATS)}; got {self.load_format!r}",
+            "load_format",
         )
-        need(
-            self.attention_backend in ATTENTION_BACKENDS,
-            f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}; got {self.attention_backend!r}",
-        )
+        self._normalize_attention_backend()
         need(
             isinstance(self.page_size, int) and self.page_size >= 1,
             f"page_size must be an integer >= 1; got {self.page_size!r}",
+            "page_size",
         )
         need(
             self.chunked_prefill_size >= 1,
             f"chunked_prefill_size must be >= 1; got {self.chunked_prefill_size}",
+            "chunked_prefill_size",
         )
         need(
             self.max_prefill_chunk is None or self.max_prefill_chunk >= 1,
             f"max_prefill_chunk must be >= 1; got {self.max_prefill_chunk}",
+            "max_prefill_chunk",
         )
-        need(self.cuda_graph_max_bs >= 1, f"cuda_graph_max_bs must be >= 1; got {self.cuda_graph_max_bs}")
+        need(
+            self.cuda_graph_max_bs >= 1,
+            f"cuda_graph_max_bs must be >= 1; got {self.cuda_graph_max_bs}",
+            "cuda_graph_max_bs",
+        )
         need(
             self.cuda_graph_max_prefill_tokens >= 0,
             f"cuda_graph_max_prefill_tokens must be >= 0; got {self.cuda_graph_max_prefill_tokens}",
+            "cuda_graph_max_prefill_tokens",
         )
         need(
             self.tp_overlap_min_tokens >= 0,
             f"tp_overlap_min_tokens must be >= 0; got {self.tp_overlap_min_tokens}",
+            "tp_overlap_min_tokens",
         )
         need(
             self.max_running_requests >= 1,
             f"max_running_requests must be >= 1; got {self.max_running_requests}",
+            "max_running_requests",
         )
         need(
             self.schedule_policy in SCHEDULE_POLICIES,
             f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}; got {self.schedule_policy!r}",
+            "schedule_policy",
         )
         need(
             self.max_total_tokens is None or self.max_total_tokens >= self.page_size,
             f"max_total_tokens must hold at least one page ({self.page_size} tokens); got {self.max_total_tokens}",
+            "max_total_tokens",
         )
         need(
             0 < self.mem_fraction_static <= 1,
             f"mem_fraction_static must be in (0, 1]; got {self.mem_fraction_static}",
+            "mem_fraction_static",
         )
         need(
             self.context_length is None or self.context_length >= 1,
             f"context_length must be >= 1; got {self.context_length}",
+            "context_length",
         )
         need(
             isinstance(self.tp_size, int) and self.tp_size >= 1,
             f"tp_size must be an integer >= 1; got {self.tp_size!r}",
+            "tp_size",
         )
         need(
             isinstance(self.nnodes, int) and self.nnodes >= 1,
             f"nnodes must be an integer >= 1; got {self.nnodes!r}",
+            "nnodes",
         )
         need(
             isinstance(self.node_rank, int) and 0 <= self.node_rank < self.nnodes,
             f"node_rank must be in [0, nnodes={self.nnodes}); got {self.node_rank!r}",
+            "node_rank",
+            "nnodes",
         )
         need(
             self.tp_size % self.nnodes == 0,
             f"tp_size={self.tp_size} must be a multiple of nnodes={self.nnodes} (the same number of ranks per node)",
+            "tp_size",
+            "nnodes",
         )
         need(
             self.nnodes == 1 or bool(self.dist_init_addr),
             f"nnodes={self.nnodes} needs dist_init_addr (HOST:PORT of node 0, reachable from every node)",
+            "nnodes",
+            "dist_init_addr",
         )
         need(
             self.dist_init_addr is None or self.dist_init_addr.rpartition(":")[2].isdigit(),
             f"dist_init_addr must be HOST:PORT; got {self.dist_init_addr!r}",
+            "dist_init_addr",
         )
         if self.load_format != "dummy" and not os.path.isdir(self.model):
-            raise FileNotFoundError(
+            raise ConfigPathError(
                 f"model directory {self.model!r} does not exist; pass a local Hugging Face checkpoint "
                 "directory (config.json, *.safetensors, tokenizer files), or load_format='dummy' with a "
-                "directory holding config.json"
+                "directory holding config.json",
+                "load_format",
             )
+
+    def _normalize_attention_backend(self) -> None:
+        """Store the canonical name (platform's registry: SGLang's and vLLM's spellings are accepted); with an
+        explicit device, the backend that runs there (on the CPU: torch)."""
+        given = self.attention_backend
+        try:
+            backend = normalize_attention_backend(given)
+        except ValueError as e:
+            raise ConfigError(str(e), "attention_backend") from None
+        if self.device != "auto":
+            backend = resolve_attention_backend(backend, self.device)
+        if given.lower() not in ("auto", backend):
+            logger.info("attention backend %r: longserve uses its %r backend", given, backend)
+        object.__setattr__(self, "attention_backend", backend)
 
     @property
     def tokenizer_path(self) -> str:
@@ -151,9 +215,6 @@ class EngineConfig:
                 f"unknown engine argument(s): {', '.join(unknown)}; known: {', '.join(sorted(names))}"
             )
         return cls(**kwargs)
-
-    def with_changes(self, **changes) -> EngineConfig:
-        return replace(self, **changes)
 
 
 @dataclass(frozen=True)
@@ -173,29 +234,54 @@ class ServerConfig:
     log_stats_interval: float = 10.0  # seconds between engine stats log lines; 0: none
     tokenizer_workers: int = 2  # threads that tokenize and render chat templates off the event loop
     # long prompts kept with their token ids, so that a conversation's next turn tokenizes only its new text
-    # (longserve.tokenizer_cache); 0: off
+    # (longserve.tokenization.prefix_token_cache); 0: off
     tokenizer_prefix_cache_size: int = 64
 
     def __post_init__(self) -> None:
-        if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be an integer in [0, 65535]; got {self.port!r}")
-        if self.max_queued_requests < 1:
-            raise ValueError(f"max_queued_requests must be >= 1; got {self.max_queued_requests}")
-        if self.request_timeout is not None and not self.request_timeout > 0:
-            raise ValueError(f"request_timeout must be > 0 seconds; got {self.request_timeout}")
-        if not self.shutdown_timeout >= 0:
-            raise ValueError(f"shutdown_timeout must be >= 0 seconds; got {self.shutdown_timeout}")
-        if not self.log_stats_interval >= 0:
-            raise ValueError(
-                f"log_stats_interval must be >= 0 seconds (0: off); got {self.log_stats_interval}"
-            )
-        if self.tokenizer_workers < 1:
-            raise ValueError(f"tokenizer_workers must be >= 1; got {self.tokenizer_workers}")
-        if self.tokenizer_prefix_cache_size < 0:
-            raise ValueError(
-                f"tokenizer_prefix_cache_size must be >= 0 (0: off); got {self.tokenizer_prefix_cache_size}"
-            )
-        if self.log_level not in ("debug", "info", "warning", "error"):
-            raise ValueError(f"log_level must be debug, info, warning or error; got {self.log_level!r}")
-        if self.api_key == "":
-            raise ValueError("api_key must not be empty; leave it unset to serve without a key")
+        def need(ok: bool, msg: str, setting: str) -> None:
+            if not ok:
+                raise ConfigError(msg, setting)
+
+        need(
+            isinstance(self.port, int) and 0 <= self.port <= 65535,
+            f"port must be an integer in [0, 65535]; got {self.port!r}",
+            "port",
+        )
+        need(
+            self.max_queued_requests >= 1,
+            f"max_queued_requests must be >= 1; got {self.max_queued_requests}",
+            "max_queued_requests",
+        )
+        need(
+            self.request_timeout is None or self.request_timeout > 0,
+            f"request_timeout must be > 0 seconds; got {self.request_timeout}",
+            "request_timeout",
+        )
+        need(
+            self.shutdown_timeout >= 0,
+            f"shutdown_timeout must be >= 0 seconds; got {self.shutdown_timeout}",
+            "shutdown_timeout",
+        )
+        need(
+            self.log_stats_interval >= 0,
+            f"log_stats_interval must be >= 0 seconds (0: off); got {self.log_stats_interval}",
+            "log_stats_interval",
+        )
+        need(
+            self.tokenizer_workers >= 1,
+            f"tokenizer_workers must be >= 1; got {self.tokenizer_workers}",
+            "tokenizer_workers",
+        )
+        need(
+            self.tokenizer_prefix_cache_size >= 0,
+            f"tokenizer_prefix_cache_size must be >= 0 (0: off); got {self.tokenizer_prefix_cache_size}",
+            "tokenizer_prefix_cache_size",
+        )
+        need(
+            self.log_level in ("debug", "info", "warning", "error"),
+            f"log_level must be debug, info, warning or error; got {self.log_level!r}",
+            "log_level",
+        )
+        need(
+            self.api_key != "", "api_key must not be empty; leave it unset to serve without a key", "api_key"
+        )

@@ -1,6 +1,8 @@
 """Engine: tokenizer + scheduler + model runner. `add_request` / `abort` / `step()`; one thread drives it.
 
-Every accepted request ends with a finished RequestOutput: a result, an abort or an error.
+Every accepted request ends with a finished RequestOutput: a result, an abort or an error. Callers read its
+state through `stats()` (an EngineStats snapshot) and act through `abort_all`, `flush_cache` and
+`check_integrity`, never through the scheduler or the KV cache.
 """
 
 from __future__ import annotations
@@ -15,16 +17,16 @@ import numpy as np
 import torch
 
 from longserve.cache.manager import KVCacheManager
-from longserve.config import EngineConfig
-from longserve.detokenizer import IncrementalDetokenizer, TextAssembler
+from longserve.config import ConfigError, EngineConfig
 from longserve.models import load_hf_config
-from longserve.outputs import CompletionOutput, RequestOutput, StepStats
+from longserve.outputs import CompletionOutput, EngineStats, RequestOutput, StepStats
 from longserve.request import FinishReason, Request
 from longserve.runner.model_runner import ModelRunner
 from longserve.sampling_params import SamplingParams, wrap_seed
 from longserve.sched.scheduler import Scheduler, SchedulerConfig
-from longserve.tokenizer import load_generation_eos_ids, load_tokenizer
-from longserve.tokenizer_cache import PromptTokenizer
+from longserve.tokenization.detokenizer import IncrementalDetokenizer, TextAssembler
+from longserve.tokenization.prefix_token_cache import PromptTokenizer
+from longserve.tokenization.tokenizer import load_generation_eos_ids, load_tokenizer
 
 logger = logging.getLogger("longserve.engine")
 
@@ -61,8 +63,8 @@ def check_token_ids(token_ids: list, vocab: int) -> None:
 class Engine:
     def __init__(self, config: EngineConfig, detokenize: bool = True) -> None:
         """detokenize=False: outputs carry token ids only (empty text) and stop strings are not checked;
-        the caller assembles text with detokenizer.TextAssembler and ends a request at a stop string
-        with `stop_at_string` (the server does this on its event loop, off the step loop)."""
+        the caller assembles text with tokenization.detokenizer.TextAssembler and ends a request at a stop
+        string with `stop_at_string` (the server does this on its event loop, off the step loop)."""
         self.config = config
         self.detokenize = detokenize
         start = time.perf_counter()
@@ -72,17 +74,7 @@ class Engine:
         self.eos_token_ids = self._eos_ids()
         self.context_length = self.runner.context_length
         self.kv = KVCacheManager(self.runner.num_pages, config.page_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                token_budget=config.chunked_prefill_size,
-                max_running_requests=config.max_running_requests,
-                max_prefill_chunk=config.max_prefill_chunk,
-                short_prefill_tokens=(
-                    max(1, config.chunked_prefill_size // 8) if config.schedule_policy == "short-first" else 0
-                ),
-            ),
-            self.kv,
-        )
+        self.scheduler = Scheduler(SchedulerConfig.from_engine_config(config), self.kv)
         self.detokenizer = (
             IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None and detokenize else None
         )
@@ -102,8 +94,9 @@ class Engine:
     @functools.cached_property
     def prompts(self) -> PromptTokenizer | None:
         """String prompts and chats: a prompt that starts with a recent long one (a batch of questions over
-        one document, a conversation's next turn) tokenizes only what follows (longserve/tokenizer_cache.py).
-        Built on first use: a server's engine gets token ids and never needs it."""
+        one document, a conversation's next turn) tokenizes only what follows
+        (tokenization/prefix_token_cache.py). Built on first use: a server's engine gets token ids and never
+        needs it."""
         return PromptTokenizer(self.tokenizer) if self.tokenizer is not None else None
 
     def _eos_ids(self) -> frozenset[int]:
@@ -118,8 +111,9 @@ class Engine:
     # ---- requests -------------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
-            raise ValueError(
-                "this engine has no tokenizer (load_format='dummy' without tokenizer files): pass token ids"
+            raise ConfigError(
+                "this engine has no tokenizer (load_format='dummy' without tokenizer files): pass token ids",
+                "load_format",
             )
         assert self.prompts is not None
         return self.prompts.encode(text)
@@ -385,7 +379,28 @@ class Engine:
                 self._group_of.pop(req.request_id, None)
         return out
 
+    def stats(self) -> EngineStats:
+        """A snapshot of queues, KV pages and counters (O(1)); call it on the thread that drives the engine."""
+        sched, kv = self.scheduler, self.kv
+        total, reclaimable = kv.num_total_pages, kv.num_reclaimable_pages
+        return EngineStats(
+            num_running=sched.num_running,
+            num_waiting=sched.num_waiting,
+            num_unfinished_requests=len(self.groups),
+            page_size=kv.page_size,
+            num_total_pages=total,
+            num_free_pages=kv.num_free_pages,
+            num_cached_pages=kv.num_cached_pages,
+            num_used_pages=total - reclaimable,
+            kv_usage=kv.usage(),
+            num_prefix_query_tokens=sched.num_prefix_query_tokens,
+            num_prefix_hit_tokens=sched.num_prefix_hit_tokens,
+            num_preemptions=sched.num_preemptions,
+            num_short_first_steps=sched.num_deferred_prefill_steps,
+        )
+
     def flush_cache(self) -> int:
+        """Evict every cached page no request holds; returns pages freed."""
         return self.kv.flush()
 
     def check_integrity(self) -> None:

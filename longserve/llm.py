@@ -9,7 +9,7 @@ from longserve.config import EngineConfig
 from longserve.engine import Engine
 from longserve.outputs import RequestOutput
 from longserve.sampling_params import SamplingParams
-from longserve.tokenizer import apply_chat_template
+from longserve.tokenization.tokenizer import apply_chat_template
 
 Prompt = str | list[int]
 

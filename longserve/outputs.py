@@ -1,4 +1,5 @@
-"""Plain data passed between layers: scheduler -> runner -> engine -> caller."""
+"""Plain data passed between layers: scheduler -> runner -> engine -> caller, and the engine's snapshot
+(EngineStats) that the server and its metrics read."""
 
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)  # decodes first, then prefill chunks
     preempted: list[Request] = field(default_factory=list)
-    num_cached_tokens_hit: int = 0  # prompt tokens served from the prefix cache by this step's admissions
 
     @property
     def num_batched_tokens(self) -> int:
@@ -104,3 +104,33 @@ class StepStats:
     num_preempted: int = 0
     kv_usage: float = 0.0
     step_time: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """The engine's state at one moment, read on the thread that drives it (Engine.stats()); the server's
+    /server_info, /metrics and stats log read this rather than the scheduler or the KV cache."""
+
+    num_running: int  # requests (n > 1: each completion) scheduled for steps
+    num_waiting: int  # requests queued for admission, preempted ones included
+    num_unfinished_requests: int  # user requests not yet finished (n > 1 counts once)
+    page_size: int  # tokens per KV page
+    num_total_pages: int
+    num_free_pages: int  # on the free list now
+    num_cached_pages: int  # held by the prefix cache (some may be in use by requests too)
+    num_used_pages: int  # held by requests in flight; pages only the prefix cache holds count as reclaimable
+    kv_usage: float  # num_used_pages / num_total_pages
+    # since the engine started
+    num_prefix_query_tokens: int  # prompt tokens of admitted requests, looked up in the prefix cache
+    num_prefix_hit_tokens: int  # of those, tokens found there
+    num_preemptions: int
+    num_short_first_steps: int  # steps that served short requests before a long prefill (short-first)
+
+    @property
+    def max_total_num_tokens(self) -> int:
+        return self.num_total_pages * self.page_size
+
+    @property
+    def num_reclaimable_cached_pages(self) -> int:
+        """Cached pages no request holds: eviction would free them."""
+        return self.num_total_pages - self.num_used_pages - self.num_free_pages

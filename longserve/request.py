@@ -43,8 +43,8 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prompt tokens served from the prefix cache at first admission; -1: not yet
     page_ids: list[int] = field(default_factory=list)  # pages holding positions [0, num_computed_tokens)
-    cache_node: Any = None  # radix node this request holds locked (None: none)
-    num_tree_pages: int = 0  # leading pages of page_ids already inserted into the radix tree
+    cache_node: Any = None  # prefix-cache node this request holds locked (None: none)
+    num_tree_pages: int = 0  # leading pages of page_ids already offered to the prefix cache
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id or string that ended it

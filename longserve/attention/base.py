@@ -170,6 +170,19 @@ class KVCache:
         vc.index_copy_(0, slot_mapping, v.to(vc.dtype))
 
 
+@dataclass(frozen=True)
+class GraphShape:
+    """What the attention of a captured CUDA graph is sized for: the longest sequence any replay attends
+    over (the context length) and the layers' heads (this rank's), head size, dtype and device."""
+
+    max_seq_len: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+
+
 class AttentionBackend(ABC):
     """Computes attention for one layer over the paged KV cache.
 
@@ -179,9 +192,17 @@ class AttentionBackend(ABC):
     prefix (read from the pages) and the new tokens up to itself. Hq is a multiple of Hkv (GQA).
     `sliding_window` (if not None) limits attention to the last `sliding_window` positions,
     including the token itself, as in HF Mistral.
+
+    CUDA graphs (runner/cuda_graph.py), for a backend with `supports_cuda_graphs`: each captured shape
+    (a decode batch size, a prefill chunk bucket) gets the backend `prepare_for_capture` /
+    `prepare_for_extend_capture` returns, whose launches have a grid fixed for any lengths up to the
+    shape's `max_seq_len`. Before each replay the graph runner refreshes the graph's static metadata
+    tensors with the step's values (padding rows and tokens aimed at page 0) and calls that backend's
+    `prepare_for_replay`.
     """
 
     name: str = "base"
+    supports_cuda_graphs: bool = False
 
     @abstractmethod
     def forward(
@@ -195,6 +216,20 @@ class AttentionBackend(ABC):
         scale: float,
         sliding_window: int | None = None,
     ) -> torch.Tensor: ...
+
+    def prepare_for_capture(self, batch_size: int, shape: GraphShape) -> AttentionBackend:
+        """The backend a decode graph of `batch_size` requests (one new token each) captures with."""
+        raise NotImplementedError(f"the {self.name} attention backend cannot be captured in CUDA graphs")
+
+    def prepare_for_extend_capture(self, num_tokens: int, shape: GraphShape) -> AttentionBackend:
+        """The backend a graph of one request computing `num_tokens` new tokens (a prefill chunk padded
+        to this bucket) over any cached prefix captures with."""
+        raise NotImplementedError(f"the {self.name} attention backend cannot be captured in CUDA graphs")
+
+    def prepare_for_replay(self, meta: AttentionMetadata) -> None:  # noqa: B027 (optional hook)
+        """Called on a captured backend with the step's own metadata (real lengths, host lists) before its
+        graph replays: where a backend refreshes state its kernels read besides the metadata tensors (a
+        planner's work lists). The Triton kernels read only the metadata tensors: nothing to do."""
 
 
 @dataclass

@@ -2,25 +2,24 @@
 
 Routing per step (host lists only, so no device sync): every request has one query -> decode kernel;
 every request is a cold prompt (no prefix) and cold_path is "sdpa" -> torch SDPA per request on the new
-q/k/v; otherwise the extend kernel over the whole ragged batch. Triton is imported on construction.
+q/k/v; long chunks over a cached prefix -> the split cuDNN path (attention/sdpa.py); otherwise the extend
+kernel over the whole ragged batch. Triton is imported on construction. For CUDA graphs, each captured
+shape gets its own instance whose key-split counts are fixed (sized for the longest context), so the
+grid of every replay is the one captured.
 """
 
 from __future__ import annotations
 
-import logging
-
 import torch
-import torch.nn.functional as F
 
-from longserve.attention.base import AttentionBackend, AttentionMetadata, KVCache
-
-logger = logging.getLogger("longserve.attention")
+from longserve.attention.base import AttentionBackend, AttentionMetadata, GraphShape, KVCache
+from longserve.attention.sdpa import cold_sdpa, prefix_split_sdpa
 
 COLD_PATHS = ("sdpa", "triton")
 # Which chunks over a cached prefix run as two cuDNN calls merged (prefix_split_sdpa) rather than in the Triton
-# extend kernel. Measured per layer on an H200, Llama-3.1-8B heads (scripts/probe_split_threshold.py, ms
-# Triton / cuDNN): 256 new over 32K 0.67 / 0.81; 512 over 8K 0.42 / 0.51, over 32K 1.14 / 0.72; 1024 over 8K
-# 0.64 / 0.41. So: 1024+ new tokens always; 512+ over a prefix of 12K+ (the crossover, interpolated).
+# extend kernel. Measured per layer on an H200, Llama-3.1-8B heads (scripts/probes/probe_split_threshold.py,
+# ms Triton / cuDNN): 256 new over 32K 0.67 / 0.81; 512 over 8K 0.42 / 0.51, over 32K 1.14 / 0.72; 1024 over
+# 8K 0.64 / 0.41. So: 1024+ new tokens always; 512+ over a prefix of 12K+ (the crossover, interpolated).
 SPLIT_SDPA_MIN_QUERY = 1024
 SPLIT_SDPA_MIN_QUERY_LONG_PREFIX = 512
 SPLIT_SDPA_LONG_PREFIX = 12288
@@ -46,6 +45,7 @@ class TritonAttentionBackend(AttentionBackend):
     """
 
     name = "triton"
+    supports_cuda_graphs = True
 
     def __init__(
         self,
@@ -87,10 +87,28 @@ class TritonAttentionBackend(AttentionBackend):
             query_lens, seq_lens, num_q_heads, num_kv_heads, config["BLOCK_M"], self.num_sms(device)
         )
         if tuned and splits > 1:
-            # key-split launches are short per program: 4 warps beat 8 (scripts/sweep_short_extend.py on
-            # an H200: 64 new over 32K 0.255 -> 0.192 ms with 64-row tiles; 512 new 1.03 -> 0.83 ms)
+            # key-split launches are short per program: 4 warps beat 8 (scripts/probes/sweep_short_extend.py
+            # on an H200: 64 new over 32K 0.255 -> 0.192 ms with 64-row tiles; 512 new 1.03 -> 0.83 ms)
             config = {**config, "num_warps": 4}
         return config, splits
+
+    # ---- CUDA graphs ---------------------------------------------------------------------------
+    def prepare_for_capture(self, batch_size: int, shape: GraphShape) -> TritonAttentionBackend:
+        """A fixed decode split count for this batch size, sized for the longest context: the grid stays
+        static whatever the lengths of a replay."""
+        splits = self._choose_num_splits(
+            shape.max_seq_len, batch_size, shape.num_kv_heads, self.num_sms(shape.device)
+        )
+        return TritonAttentionBackend(num_splits=splits)
+
+    def prepare_for_extend_capture(self, num_tokens: int, shape: GraphShape) -> TritonAttentionBackend:
+        """The extend kernel for one request of `num_tokens` new tokens, always (a graph cannot switch to
+        the cuDNN paths), with the key-split count this backend would pick over the longest context."""
+        _, splits = self.extend_launch(
+            [num_tokens], [shape.max_seq_len], shape.num_q_heads, shape.num_kv_heads, shape.head_dim,
+            shape.dtype, shape.device,
+        )  # fmt: skip
+        return TritonAttentionBackend(cold_path="triton", extend_splits=splits)
 
     def num_sms(self, device: torch.device) -> int:
         if self._num_sms is None:
@@ -145,103 +163,3 @@ class TritonAttentionBackend(AttentionBackend):
             q, k_cache, v_cache, meta.query_start_loc, meta.prefix_lens, meta.seq_lens, meta.page_table,
             meta.page_size, meta.max_query_len, scale, sliding_window, config=config, num_splits=extend_splits,
         )  # fmt: skip
-
-
-def cold_sdpa(
-    q: torch.Tensor,  # [T, Hq, D]
-    k: torch.Tensor,  # [T, Hkv, D]
-    v: torch.Tensor,  # [T, Hkv, D]
-    query_lens: list[int],
-    scale: float,
-) -> torch.Tensor:
-    """Causal attention of prompts with no cached prefix straight from the new q/k/v (one SDPA per request)."""
-    out = torch.empty_like(q)  # [T, Hq, D]
-    start = 0
-    for query_len in query_lens:
-        if query_len == 0:
-            continue
-        end = start + query_len
-        o_r = F.scaled_dot_product_attention(
-            q[start:end].transpose(0, 1).unsqueeze(0),  # [1, Hq, L, D]
-            k[start:end].transpose(0, 1).unsqueeze(0),  # [1, Hkv, L, D]
-            v[start:end].transpose(0, 1).unsqueeze(0),  # [1, Hkv, L, D]
-            is_causal=True,
-            scale=scale,
-            enable_gqa=q.shape[1] != k.shape[1],
-        )  # [1, Hq, L, D]
-        out[start:end] = o_r[0].transpose(0, 1)  # [L, Hq, D]
-        start = end
-    return out
-
-
-_CUDNN_GQA: bool | None = None  # whether cuDNN took K/V with fewer heads than Q (None: not tried yet)
-
-
-def attention_with_lse(
-    q: torch.Tensor,  # [1, Hq, L, D]
-    k: torch.Tensor,  # [1, Hkv, S, D]
-    v: torch.Tensor,  # [1, Hkv, S, D]
-    causal: bool,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """SDPA that also returns the natural-log log-sum-exp of each query row: (o [1,Hq,L,D], lse [1,Hq,L]).
-    GQA: cuDNN reads the kv heads as they are when it accepts them (no 4x copy); else they are expanded."""
-    global _CUDNN_GQA
-    group = q.shape[1] // k.shape[1]
-    if q.is_cuda and group > 1 and _CUDNN_GQA is not False:
-        try:
-            out = torch.ops.aten._scaled_dot_product_cudnn_attention(
-                q, k, v, None, True, 0.0, causal, False, scale=scale
-            )
-            _CUDNN_GQA = True
-            return out[0], out[1].reshape(q.shape[:3]).float()
-        except RuntimeError as e:  # this torch/cuDNN wants equal head counts: expand from now on
-            logger.info("cuDNN attention does not take GQA K/V directly (%s); expanding kv heads", e)
-            _CUDNN_GQA = False
-    if group > 1:
-        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # [1, Hq, S, D]
-    if q.is_cuda:
-        out = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            q, k, v, None, True, 0.0, causal, False, scale=scale
-        )
-    else:
-        out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-    return out[0], out[1].reshape(q.shape[:3]).float()
-
-
-def prefix_split_sdpa(
-    q: torch.Tensor,  # [T, Hq, D]
-    k: torch.Tensor,  # [T, Hkv, D] new tokens
-    v: torch.Tensor,  # [T, Hkv, D]
-    k_cache: torch.Tensor,  # [num_pages, page_size, Hkv, D]
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-) -> torch.Tensor:
-    """Per request: (new x cached prefix, no mask) and (new x new, causal) as two SDPA calls, merged by
-    their log-sum-exps in one pass (`merge_two`). Exact up to rounding; runs at the library kernel's rate
-    on long chunks."""
-    from longserve.kernels.merge_attention import merge_two, merge_two_ref
-
-    merge = merge_two if q.is_cuda else merge_two_ref
-    out = torch.empty_like(q)  # [T, Hq, D]
-    page_size = meta.page_size
-    start = 0
-    for r, (prefix_len, query_len) in enumerate(zip(meta.prefix_lens_cpu, meta.query_lens_cpu)):
-        end = start + query_len
-        q_r = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, Hq, L, D]
-
-        def heads(x: torch.Tensor) -> torch.Tensor:  # [S, Hkv, D] -> [1, Hkv, S, D] (a view)
-            return x.transpose(0, 1).unsqueeze(0)
-
-        o_new, lse_new = attention_with_lse(q_r, heads(k[start:end]), heads(v[start:end]), True, scale)
-        if prefix_len == 0:
-            out[start:end] = o_new[0].transpose(0, 1)  # [L, Hq, D]
-        else:
-            pages = meta.page_table[r, : -(-prefix_len // page_size)].long()  # [P]
-            k_pre = k_cache[pages].flatten(0, 1)[:prefix_len]  # [S, Hkv, D]
-            v_pre = v_cache[pages].flatten(0, 1)[:prefix_len]
-            o_pre, lse_pre = attention_with_lse(q_r, heads(k_pre), heads(v_pre), False, scale)
-            merge(o_pre[0], lse_pre[0], o_new[0], lse_new[0], out[start:end])
-        start = end
-    return out

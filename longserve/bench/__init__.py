@@ -1,4 +1,6 @@
-"""Benchmarks: `latency` (offline TTFT, cached-prefix TTFT, decode inter-token latency)."""
+"""Benchmarks: `latency` (offline TTFT, cached-prefix TTFT, decode inter-token latency; its cases in
+latency_cases, pool sizing in latency_plan, HF comparison in hf_compare), `serve` and `compare` (online,
+against running servers), `kernels` (GPU microbenchmarks of the kernels); `report` formats the records."""
 
 from __future__ import annotations
 

@@ -1,13 +1,17 @@
-"""Benchmark reporting: run metadata (device, versions, commit, command) and the fixed-width table."""
+"""Benchmark reporting: run metadata (device, versions, commit, command), the fixed-width table printed
+after a run, and the JSON file of records."""
 
 from __future__ import annotations
 
-import argparse
 import datetime
+import json
 import os
 import platform
 import subprocess
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from longserve.config import EngineConfig
 
 
 def device_name(device: Any) -> str:
@@ -39,8 +43,10 @@ def git_commit() -> tuple[str | None, bool | None]:
 
 
 def run_metadata(
-    args: argparse.Namespace, engine_meta: dict[str, Any], command: str, load_format: str
+    model: str, config: EngineConfig, engine_meta: dict[str, Any], command: str
 ) -> dict[str, Any]:
+    """What a record needs to be reproduced: the model (a directory or a built-in shape), the engine
+    settings that shape the figures, versions, commit, date and the command line."""
     import torch
     import transformers
 
@@ -49,11 +55,11 @@ def run_metadata(
     commit, dirty = git_commit()
     return dict(
         engine_meta,
-        model=args.model or args.config,
-        load_format=load_format,
-        page_size=args.page_size,
-        chunked_prefill_size=args.chunked_prefill_size,
-        seed=args.seed,
+        model=model,
+        load_format=config.load_format,
+        page_size=config.page_size,
+        chunked_prefill_size=config.chunked_prefill_size,
+        seed=config.seed,
         torch=torch.__version__,
         cuda=torch.version.cuda,
         transformers=transformers.__version__,
@@ -64,6 +70,17 @@ def run_metadata(
         date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         command=command,
     )
+
+
+def report(records: list[dict[str, Any]], meta: dict[str, Any], output_json: str | None) -> None:
+    """Attach `meta` to every record, print the heading and the table (stdout), write the JSON file."""
+    for rec in records:
+        rec["metadata"] = meta
+    print(f"# {meta['model']} on {meta['device']}, {meta['dtype']}, commit {meta['commit']}, {meta['date']}")
+    print(format_table(records), flush=True)
+    if output_json:
+        with open(output_json, "w") as f:
+            json.dump(records, f, indent=2)
 
 
 def _fmt(x: float | None, spec: str) -> str:

@@ -35,7 +35,7 @@ class LocalTokenizer:
     """A Hugging Face tokenizer from a local directory (--tokenizer)."""
 
     def __init__(self, path: str) -> None:
-        from longserve.tokenizer import load_tokenizer
+        from longserve.tokenization.tokenizer import load_tokenizer
 
         self.tok = load_tokenizer(path)
 

@@ -1,7 +1,8 @@
-"""Reference-counted page ids for the paged KV cache.
+"""Reference-counted page ids for the paged KV cache, and the page size (tokens per page) on the cache side.
 
 Invariants: ids handed out are 1..num_pages (page 0 is a padding target for kernels and is never
 allocated); a page is on the free heap exactly when its refcount is 0; alloc returns the lowest free ids.
+`page_size` is stored here only: the radix tree and the KVCacheManager read it from their pool.
 """
 
 from __future__ import annotations
@@ -14,12 +15,15 @@ from collections.abc import Iterable
 class PagePool:
     """Owns page ids and their refcounts; holders (requests, the radix tree) each keep one reference."""
 
-    __slots__ = ("_num_total", "_ref", "_free")
+    __slots__ = ("_num_total", "_page_size", "_ref", "_free")
 
-    def __init__(self, num_pages: int) -> None:
+    def __init__(self, num_pages: int, page_size: int) -> None:
         if num_pages < 0:
             raise ValueError(f"num_pages must be >= 0, got {num_pages}")
+        if page_size <= 0:
+            raise ValueError(f"page_size must be positive, got {page_size}")
         self._num_total = num_pages
+        self._page_size = page_size
         # Index 0 is the reserved padding page; it stays at refcount 0 and is never on the heap.
         self._ref: list[int] = [0] * (num_pages + 1)
         # A sorted list is already a valid min-heap.
@@ -28,6 +32,11 @@ class PagePool:
     @property
     def num_total(self) -> int:
         return self._num_total
+
+    @property
+    def page_size(self) -> int:
+        """Tokens per page."""
+        return self._page_size
 
     @property
     def num_free(self) -> int:
@@ -112,4 +121,4 @@ class PagePool:
             raise ValueError(f"page id {page} out of range 1..{self._num_total}")
 
     def __repr__(self) -> str:
-        return f"PagePool(total={self._num_total}, free={self.num_free})"
+        return f"PagePool(total={self._num_total}, free={self.num_free}, page_size={self._page_size})"

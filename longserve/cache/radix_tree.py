@@ -5,6 +5,7 @@ id per page of key; children are keyed by their first page of tokens; the tree h
 reference on each page stored in it and no page appears twice; lock_ref = own_locks + sum of the children's
 lock_ref, and a node with lock_ref > 0 is never evicted. A node object keeps its identity across splits
 (the split-off prefix is a new node), so callers may hold nodes returned by match/insert across calls.
+The page size is the pool's (PagePool.page_size).
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from longserve.cache.page_pool import PagePool
+from longserve.cache.prefix_cache import InsertResult, MatchResult, PrefixCache
+
+__all__ = ["InsertResult", "MatchResult", "RadixTree", "TreeNode"]
 
 
 @dataclass(slots=True, eq=False)
@@ -29,34 +33,22 @@ class TreeNode:
     detached: bool = False  # set once evicted, so a stale handle cannot be locked
 
 
-@dataclass(slots=True)
-class MatchResult:
-    pages: list[int]
-    num_tokens: int  # == len(pages) * page_size
-    node: TreeNode  # deepest matched node; the root when nothing matched
+class RadixTree(PrefixCache):
+    """Prefix cache over a PagePool; all lengths are whole pages of the pool's page size. Its node handles
+    (in MatchResult/InsertResult) are TreeNodes."""
 
-
-@dataclass(slots=True)
-class InsertResult:
-    pages: list[int]  # the tree's page ids for the whole inserted run
-    num_existing_tokens: int  # leading tokens that were already cached (the tree kept its own pages)
-    node: TreeNode  # deepest node of the run; the root for an empty run
-
-
-class RadixTree:
-    """Prefix cache over a PagePool; all lengths are whole pages."""
-
-    def __init__(self, pool: PagePool, page_size: int) -> None:
-        if page_size <= 0:
-            raise ValueError(f"page_size must be positive, got {page_size}")
+    def __init__(self, pool: PagePool) -> None:
         self.pool = pool
-        self.page_size = page_size
         self._root = TreeNode(key=(), pages=[])
         self._clock = 0
         self._num_cached_pages = 0
         self._num_evictable_pages = 0
 
     # ---- queries -------------------------------------------------------------------------------
+
+    @property
+    def page_size(self) -> int:
+        return self.pool.page_size
 
     @property
     def root(self) -> TreeNode:
@@ -255,12 +247,13 @@ class RadixTree:
         # Page ids are unique in the tree, so (stamp, first page) is a total order: no node comparisons.
         heap = [(n.last_access, n.pages[0], n) for n in self._nodes() if not n.children and n.lock_ref == 0]
         heapq.heapify(heap)
+        ps = self.page_size
         freed = 0
         while heap and (num_pages is None or freed < num_pages):
             _, _, node = heapq.heappop(heap)
             parent = node.parent
             assert parent is not None
-            del parent.children[node.key[: self.page_size]]
+            del parent.children[node.key[:ps]]
             node.parent = None
             node.detached = True
             self._num_cached_pages -= len(node.pages)
@@ -269,6 +262,10 @@ class RadixTree:
             if parent is not self._root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, parent.pages[0], parent))
         return freed
+
+    def pages(self) -> Iterator[int]:
+        for node in self._nodes():
+            yield from node.pages
 
     def _nodes(self) -> Iterator[TreeNode]:
         """All non-root nodes, depth first."""

@@ -1,7 +1,8 @@
-"""Triton kernels, each beside a torch reference with the same signature; submodules import triton.
+"""Triton kernels, each beside a torch reference with the same signature; the kernel modules import triton.
 
-Nothing here imports triton: import the submodule you need (e.g. `from longserve.kernels.extend_attention
-import extend_attention`), so the core package stays importable on machines without it.
+The references live in `*_reference.py` modules (norm, activation, rope, attention, moe) that import
+without triton: layers run them on the CPU and tests check the kernels against them. Nothing here imports
+triton, and nothing under kernels/ imports the layers above it (models, attention backends, runner).
 Attention: extend_attention (paged flash attention, split-K when the grid is small), decode_attention
-(split-K flash-decoding), bench_attention (GPU timing helper).
+(split-K flash-decoding), merge_attention; their GPU microbenchmarks are in longserve.bench.kernels.
 """

@@ -10,8 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from longserve.kernels.activation_reference import silu_and_mul_ref
 from longserve.kernels.launch import fast_launch
-from longserve.models.layers import silu_and_mul_ref
 
 __all__ = ["silu_and_mul", "silu_and_mul_ref"]
 

@@ -3,6 +3,7 @@
 Stage 1: each program (request, kv head, split) covers one contiguous key range for all q heads of that
 kv head (GQA rows padded to 16 for tl.dot) and writes a partial (normalised output, log2-sum-exp).
 Stage 2: per (request, q head), merges the splits. With one split, stage 1 writes the output directly.
+Reference: `decode_attention_ref` (kernels/attention_reference.py).
 """
 
 from __future__ import annotations
@@ -13,8 +14,11 @@ import torch
 import triton
 import triton.language as tl
 
-from longserve.kernels.extend_attention import check_cache, extend_attention_ref, interpreting, merge_splits
+from longserve.kernels.attention_reference import decode_attention_ref
+from longserve.kernels.extend_attention import check_cache, interpreting, merge_splits
 from longserve.kernels.launch import fast_launch
+
+__all__ = ["choose_num_splits", "decode_attention", "decode_attention_ref", "decode_config"]
 
 MIN_KEYS_PER_SPLIT = 512  # below this a split's fixed cost outweighs the parallelism it buys
 MAX_SPLITS = 64
@@ -173,26 +177,3 @@ def decode_attention(
     if num_splits > 1:
         merge_splits(mid_o, mid_lse, out)
     return out
-
-
-def decode_attention_ref(
-    q: torch.Tensor,  # [B, Hq, D]
-    k_cache: torch.Tensor,  # [num_pages, page_size, Hkv, D]
-    v_cache: torch.Tensor,  # [num_pages, page_size, Hkv, D]
-    seq_lens: torch.Tensor,  # [B] int32
-    page_table: torch.Tensor,  # [B, max_pages] int32
-    page_size: int,
-    scale: float,
-    sliding_window: int | None = None,
-    num_splits: int = 1,
-    out: torch.Tensor | None = None,
-    config: dict[str, int] | None = None,
-) -> torch.Tensor:
-    """Same contract as `decode_attention`: the extend reference with one query per request."""
-    del num_splits, config
-    num_reqs = q.shape[0]
-    query_start_loc = torch.arange(num_reqs + 1, dtype=torch.int32, device=q.device)  # [B+1]
-    return extend_attention_ref(
-        q, k_cache, v_cache, query_start_loc, seq_lens - 1, seq_lens, page_table, page_size, 1, scale,
-        sliding_window, out,
-    )  # fmt: skip

@@ -5,6 +5,7 @@ share a kv head share its K/V loads; keys are gathered through the page table an
 the causal (and sliding-window) mask are visited. Needs the new tokens' K/V already stored in the cache.
 When the row blocks are too few to fill the chip (a short suffix over a long prefix), the key range is
 split over several programs whose fp32 partials a second kernel merges (split-K, as in decode).
+Reference: `extend_attention_ref` (kernels/attention_reference.py).
 """
 
 from __future__ import annotations
@@ -16,14 +17,24 @@ import torch
 import triton
 import triton.language as tl
 
-from longserve.attention.torch_ref import attention_mask, gather_kv
+from longserve.kernels.attention_reference import extend_attention_ref
 from longserve.kernels.launch import fast_launch
+
+__all__ = [
+    "check_cache",
+    "choose_extend_splits",
+    "extend_attention",
+    "extend_attention_ref",
+    "extend_config",
+    "interpreting",
+    "merge_splits",
+]
 
 MIN_KEYS_PER_EXTEND_SPLIT = 1024
 MAX_EXTEND_SPLITS = 32
 # below this many waves of row-block programs, split the keys (tail effect <= 12.5%); 8 rather than 4 measured
-# on an H200 (scripts/sweep_short_extend.py): 64 new over 32K 0.227 -> 0.190 ms (17 -> 32 splits), 256 new
-# over 32K 0.534 -> ~0.49 ms (5 -> 9 splits)
+# on an H200 (scripts/probes/sweep_short_extend.py): 64 new over 32K 0.227 -> 0.190 ms (17 -> 32 splits), 256
+# new over 32K 0.534 -> ~0.49 ms (5 -> 9 splits)
 WAVES_PER_EXTEND = 8
 MAX_PARTIAL_ROWS = 1 << 19  # bounds the fp32 partials: T * Hq * splits rows of D floats
 
@@ -377,43 +388,4 @@ def extend_attention(
     )  # fmt: skip
     if num_splits > 1:
         merge_splits(part, lse, out)
-    return out
-
-
-def extend_attention_ref(
-    q: torch.Tensor,  # [T, Hq, D]
-    k_cache: torch.Tensor,  # [num_pages, page_size, Hkv, D]
-    v_cache: torch.Tensor,  # [num_pages, page_size, Hkv, D]
-    query_start_loc: torch.Tensor,  # [B+1] int32
-    prefix_lens: torch.Tensor,  # [B] int32
-    seq_lens: torch.Tensor,  # [B] int32
-    page_table: torch.Tensor,  # [B, max_pages] int32
-    page_size: int,
-    max_query_len: int,
-    scale: float,
-    sliding_window: int | None = None,
-    out: torch.Tensor | None = None,
-    config: dict[str, int] | None = None,
-    num_splits: int = 1,
-) -> torch.Tensor:
-    """Same contract as `extend_attention`, in float32 torch (syncs to read the lengths; tests only)."""
-    del page_size, max_query_len, config, num_splits
-    group = q.shape[1] // k_cache.shape[2]
-    out = torch.empty_like(q) if out is None else out  # [T, Hq, D]
-    starts, prefixes, seqs = query_start_loc.tolist(), prefix_lens.tolist(), seq_lens.tolist()
-    for r, (prefix_len, seq_len) in enumerate(zip(prefixes, seqs)):
-        a, b = starts[r], starts[r + 1]
-        if a == b:
-            continue
-        k_r = gather_kv(k_cache, page_table[r], seq_len).float().repeat_interleave(group, 1)  # [S, Hq, D]
-        v_r = gather_kv(v_cache, page_table[r], seq_len).float().repeat_interleave(group, 1)  # [S, Hq, D]
-        mask = attention_mask(prefix_len, seq_len, sliding_window, q.device)  # [L, S]
-        o_r = torch.nn.functional.scaled_dot_product_attention(
-            q[a:b].float().transpose(0, 1),
-            k_r.transpose(0, 1),
-            v_r.transpose(0, 1),
-            attn_mask=mask,
-            scale=scale,
-        )  # [Hq, L, D]
-        out[a:b] = o_r.transpose(0, 1).to(out.dtype)
     return out

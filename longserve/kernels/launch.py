@@ -3,8 +3,8 @@
 `kernel[grid](*args, **meta)` on a `@triton.jit` function re-binds every argument, specializes it in C,
 hashes the specialization with the options, reads knobs, checks globals and builds launch metadata for
 (empty) launch hooks on every call: 25-70 us of host time per launch on the H200 machine
-(`scripts/probe_launch.py`), against the ~5 us of the launcher itself. An eager decoder layer launches six
-of them; a short step (a 64-token suffix over a cached prefix, a decode batch past the CUDA graphs) is
+(`scripts/probes/probe_launch.py`), against the ~5 us of the launcher itself. An eager decoder layer launches
+six of them; a short step (a 64-token suffix over a cached prefix, a decode batch past the CUDA graphs) is
 bound by that host time, not by the GPU.
 
 `fast_launch(fn)` wraps a `@triton.jit` function so that `kernel[grid](...)` keys each call on what Triton

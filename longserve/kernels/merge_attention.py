@@ -13,7 +13,10 @@ import torch
 import triton
 import triton.language as tl
 
+from longserve.kernels.attention_reference import merge_two_ref
 from longserve.kernels.launch import fast_launch
+
+__all__ = ["merge_two", "merge_two_ref"]
 
 
 @fast_launch
@@ -77,17 +80,4 @@ def merge_two(
         out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_L=block_l, num_warps=4,
     )  # fmt: skip
-    return out
-
-
-def merge_two_ref(
-    o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor, out: torch.Tensor
-) -> torch.Tensor:
-    """Same contract as `merge_two`, in torch ops (fp32 math)."""
-    m = torch.maximum(lse_a, lse_b)  # [H, L]
-    m = torch.where(torch.isinf(m) & (m < 0), torch.zeros_like(m), m)
-    w_a, w_b = torch.exp(lse_a - m), torch.exp(lse_b - m)
-    denom = torch.where(w_a + w_b > 0, w_a + w_b, torch.ones_like(w_a))
-    merged = o_a.float() * (w_a / denom)[..., None] + o_b.float() * (w_b / denom)[..., None]  # [H, L, D]
-    out.copy_(merged.transpose(0, 1))
     return out

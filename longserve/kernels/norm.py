@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from longserve.kernels.launch import fast_launch
-from longserve.models.layers import fused_add_rms_norm_ref, rms_norm_ref
+from longserve.kernels.norm_reference import fused_add_rms_norm_ref, rms_norm_ref
 
 __all__ = ["fused_add_rms_norm", "fused_add_rms_norm_ref", "rms_norm", "rms_norm_ref"]
 

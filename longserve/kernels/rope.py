@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from longserve.kernels.launch import fast_launch
-from longserve.models.rope import rotary_embedding_ref
+from longserve.kernels.rope_reference import rotary_embedding_ref
 
 __all__ = ["rotary_embedding", "rotary_embedding_ref"]
 

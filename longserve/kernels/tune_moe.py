@@ -64,11 +64,11 @@ def tune(args: argparse.Namespace, device: str = "cuda") -> dict[str, dict]:
     """num_tokens bucket -> best config (a CPU device under TRITON_INTERPRET=1 only smoke-tests this)."""
     from tqdm import tqdm
 
-    from longserve.kernels.bench_fused import time_ms
-    from longserve.kernels.bench_moe import graph_ms
     from longserve.kernels.fused_moe import fused_moe, fused_moe_ref, moe_align_block_size, moe_gemm
     from longserve.kernels.moe_config import max_smem
     from longserve.kernels.moe_reference import route_topk
+    from longserve.platform import cuda_graph_time_ms as graph_ms
+    from longserve.platform import cuda_time_ms as time_ms
 
     dtype = getattr(torch, args.dtype)
     num_experts, top_k, hidden = args.num_experts, args.top_k, args.hidden

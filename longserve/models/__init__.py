@@ -1,4 +1,5 @@
-"""Model implementations (Llama, Mistral, Qwen2, Qwen3), their registry and the checkpoint loader."""
+"""Model implementations (Llama, Mistral, Qwen2, Qwen3), their registry, the checkpoint loader, and the
+layers' weight-format methods (linear_method.py, moe.py: chosen from the checkpoint's quantization_config)."""
 
 from __future__ import annotations
 

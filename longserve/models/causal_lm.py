@@ -16,8 +16,14 @@ from torch import nn
 
 from longserve.attention.base import ForwardContext
 from longserve.distributed import get_tp_rank, get_tp_size
-from longserve.models.decoder import ArchOptions, DecoderModel, compute_logits, get_head_dim, head_layout
-from longserve.models.layers import STACKED_PARAMS, MergedLinear, ParallelLMHead, default_weight_loader
+from longserve.models.decoder import ArchOptions, DecoderModel, get_head_dim, head_layout
+from longserve.models.layers import (
+    STACKED_PARAMS,
+    MergedLinear,
+    ParallelLMHead,
+    default_weight_loader,
+    parallel_logits,
+)
 
 # checkpoint tensors that are derived, not learned
 _SKIPPED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
@@ -69,7 +75,8 @@ class CausalLM(nn.Module):
         return self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return compute_logits(hidden, self.lm_head_weight, self.vocab_size)  # [N, V] float32
+        """hidden [N, H] -> logits [N, V] float32; under tp each rank's vocab slice, all-gathered."""
+        return parallel_logits(hidden, self.lm_head_weight, self.vocab_size)  # [N, V] float32
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the parameters; raise if a tensor is unknown or a parameter unloaded."""

@@ -5,6 +5,7 @@ from the HF config by each architecture's `arch_options`; parameter names mirror
 gate/up fused, see layers.STACKED_PARAMS) so `load_weights` maps checkpoint names directly.
 Under tensor parallelism each rank holds num_heads/tp query heads and its kv heads (`head_layout`), a
 1/tp slice of the MLP's intermediate dim, and a vocab slice of the embedding; norms and RoPE replicate.
+Every projection uses the linear method of the checkpoint's weight format (`get_linear_method`).
 """
 
 from __future__ import annotations
@@ -23,10 +24,10 @@ from longserve.models.layers import (
     RMSNorm,
     RowParallelLinear,
     VocabParallelEmbedding,
-    parallel_logits,
     silu_and_mul,
     tp_shard_range,
 )
+from longserve.models.linear_method import LinearMethod, get_linear_method
 from longserve.models.rope import RotaryEmbedding, RotaryStep
 
 
@@ -96,7 +97,7 @@ def layer_sliding_window(hf_config: Any, layer_id: int) -> int | None:
 
 
 class Attention(nn.Module):
-    def __init__(self, hf_config: Any, opts: ArchOptions, layer_id: int) -> None:
+    def __init__(self, hf_config: Any, opts: ArchOptions, layer_id: int, linear: LinearMethod) -> None:
         super().__init__()
         self.layer_id = layer_id
         total_heads = hf_config.num_attention_heads
@@ -113,8 +114,11 @@ class Attention(nn.Module):
             bias=opts.qkv_bias,
             shard_starts={"q": layout.q_start * d, "k": layout.kv_start * d, "v": layout.kv_start * d},
             full_shard_sizes={"q": total_heads * d, "k": total_kv_heads * d, "v": total_kv_heads * d},
+            quant_method=linear,
         )
-        self.o_proj = RowParallelLinear(total_heads * d, hf_config.hidden_size, bias=opts.o_bias)
+        self.o_proj = RowParallelLinear(
+            total_heads * d, hf_config.hidden_size, bias=opts.o_bias, quant_method=linear
+        )
         self.qk_norm = opts.qk_norm
         if opts.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
@@ -147,7 +151,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, hf_config: Any, opts: ArchOptions) -> None:
+    def __init__(self, hf_config: Any, opts: ArchOptions, linear: LinearMethod) -> None:
         super().__init__()
         full = hf_config.intermediate_size
         start, inter = tp_shard_range(full, get_tp_size(), get_tp_rank(), "intermediate_size")
@@ -157,8 +161,11 @@ class MLP(nn.Module):
             bias=opts.mlp_bias,
             shard_starts={"gate": start, "up": start},
             full_shard_sizes={"gate": full, "up": full},
+            quant_method=linear,
         )
-        self.down_proj = RowParallelLinear(full, hf_config.hidden_size, bias=opts.mlp_bias)
+        self.down_proj = RowParallelLinear(
+            full, hf_config.hidden_size, bias=opts.mlp_bias, quant_method=linear
+        )
         act = getattr(hf_config, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"hidden_act {act!r} is not supported; supported: silu")
@@ -171,10 +178,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, hf_config: Any, opts: ArchOptions, layer_id: int) -> None:
+    def __init__(self, hf_config: Any, opts: ArchOptions, layer_id: int, linear: LinearMethod) -> None:
         super().__init__()
-        self.self_attn = Attention(hf_config, opts, layer_id)
-        self.mlp = MLP(hf_config, opts)
+        self.self_attn = Attention(hf_config, opts, layer_id, linear)
+        self.mlp = MLP(hf_config, opts, linear)
         self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
 
@@ -211,9 +218,10 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, hf_config: Any, opts: ArchOptions) -> None:
         super().__init__()
+        linear = get_linear_method(hf_config)  # the checkpoint's weight format, shared by every projection
         self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(hf_config, opts, i) for i in range(hf_config.num_hidden_layers)
+            DecoderLayer(hf_config, opts, i, linear) for i in range(hf_config.num_hidden_layers)
         )
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding.from_config(hf_config, get_head_dim(hf_config))
@@ -272,8 +280,3 @@ class DecoderModel(nn.Module):
         if residual is None:
             return self.norm(hidden)
         return self.norm(hidden, residual)[0]  # [T, hidden]
-
-
-def compute_logits(hidden: torch.Tensor, lm_head_weight: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """hidden [N, H] -> logits [N, V] float32; under tp each rank's vocab slice, all-gathered."""
-    return parallel_logits(hidden, lm_head_weight, vocab_size)  # [N, V]

@@ -8,8 +8,10 @@ checkpoint tensor. `RowParallelLinear` splits the input dim and all-reduces; the
 embedding/LM head split the vocab. Weight loaders take a torch.Tensor or a lazy checkpoint tensor
 (`LazyTensor`): they narrow it to the rank's part and read (`as_tensor`) only that part right before the
 copy, so a rank reads only what it needs. At tp=1 every layer computes exactly what the plain torch op does.
-The `*_ref` functions are the torch references of the Triton kernels in longserve/kernels (same
-signatures); layers run the kernel on CUDA tensors when triton imports (`use_triton`), else the reference.
+A linear layer's weight format and product are its `quant_method`'s (linear_method.py), chosen from the
+checkpoint's quantization_config; plain weights multiply with F.linear.
+Norm and activation run the Triton kernels (longserve/kernels) on CUDA tensors when triton imports
+(`use_triton`), else their torch references (kernels/*_reference.py, same signatures).
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from longserve.distributed import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
+from longserve.kernels.activation_reference import silu_and_mul_ref
+from longserve.kernels.norm_reference import fused_add_rms_norm_ref, rms_norm_ref
+from longserve.models.linear_method import LinearMethod, UnquantizedLinearMethod
 
 # (fused param module name, HF module name, shard id) -- the single source of the fused-weight mapping.
 STACKED_PARAMS: tuple[tuple[str, str, str], ...] = (
@@ -66,27 +71,6 @@ def use_triton(x: torch.Tensor) -> bool:
     return x.is_cuda and triton_available()
 
 
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [..., H], weight [H] -> y [..., H]: normalized in float32, cast back, then scaled (HF's way)."""
-    in_dtype = x.dtype
-    h = x.to(torch.float32)  # [..., H]
-    variance = h.pow(2).mean(-1, keepdim=True)  # [..., 1]
-    h = h * torch.rsqrt(variance + eps)  # [..., H]
-    return weight * h.to(in_dtype)
-
-
-def fused_add_rms_norm_ref(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x [..., H], residual [..., H]) -> (rms_norm(x + residual) [..., H], x + residual [..., H]).
-
-    The sum is taken in float32 and stored in x's dtype (what torch does for a half-precision add), and
-    the norm reads that stored sum, so the output equals `norm(residual + x)` of the unfused layer.
-    """
-    new_residual = (x.float() + residual.float()).to(x.dtype)  # [..., H]
-    return rms_norm_ref(new_residual, weight, eps), new_residual
-
-
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32 and cast back, exactly like HF's LlamaRMSNorm.
 
@@ -114,7 +98,8 @@ class RMSNorm(nn.Module):
 
 
 class MergedLinear(nn.Module):
-    """A linear layer whose output is several named shards stacked in order (e.g. q|k|v).
+    """A linear layer whose output is several named shards stacked in order (e.g. q|k|v); its weight's format
+    and product are its `quant_method`'s (models/linear_method.py; plain weights by default).
 
     `shard_sizes` are this rank's rows of each shard; `shard_starts` (default 0) the first of those rows
     in the full checkpoint tensor of the shard, whose full size is `full_shard_sizes` (default: local).
@@ -131,8 +116,10 @@ class MergedLinear(nn.Module):
         bias: bool,
         shard_starts: dict[str, int] | None = None,
         full_shard_sizes: dict[str, int] | None = None,
+        quant_method: LinearMethod | None = None,
     ) -> None:
         super().__init__()
+        self.quant_method = quant_method or UnquantizedLinearMethod()
         self.in_features = in_features
         self.shard_sizes = dict(shard_sizes)
         self.shard_starts = dict(shard_starts or dict.fromkeys(shard_sizes, 0))
@@ -143,10 +130,10 @@ class MergedLinear(nn.Module):
             self.shard_offsets[name] = offset
             offset += size
         self.out_features = offset
-        self.weight = nn.Parameter(torch.empty(self.out_features, in_features))
+        self.quant_method.create_weights(self, in_features, self.out_features, self.weight_loader)
         self.bias = nn.Parameter(torch.empty(self.out_features)) if bias else None
-        for p in self.parameters():
-            p.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        if self.bias is not None:
+            self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
     def _rank_rows(self, loaded: TensorLike, shard_id: str) -> TensorLike:
         """This rank's rows of a full shard tensor (the tensor itself when it is not split)."""
@@ -178,7 +165,7 @@ class MergedLinear(nn.Module):
         target.copy_(as_tensor(loaded))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)  # [T, out_features]
+        return self.quant_method.apply(self, x, self.bias)  # [T, out_features]
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Split a fused output [T, out_features] back into its shards, in order."""
@@ -190,16 +177,18 @@ class RowParallelLinear(nn.Module):
     [T, in/tp] by its columns of W, the partial sums are all-reduced, and the bias is added once after.
     Same parameter names and (at tp=1) shapes and numerics as nn.Linear."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, quant_method: LinearMethod | None = None
+    ) -> None:
         super().__init__()
+        self.quant_method = quant_method or UnquantizedLinearMethod()
         self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
         if in_features % self.tp_size:
             raise ValueError(f"in_features={in_features} is not divisible by tp_size={self.tp_size}")
         self.in_features = in_features // self.tp_size  # this rank's share
         self.out_features = out_features
-        self.weight = nn.Parameter(torch.empty(out_features, self.in_features))
+        self.quant_method.create_weights(self, self.in_features, out_features, self.weight_loader)
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
     def weight_loader(self, param: nn.Parameter, loaded: TensorLike, shard_id: str | None = None) -> None:
         if self.tp_size > 1 and loaded.shape[1] == self.in_features * self.tp_size:
@@ -208,12 +197,12 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)  # [T, out]
+            return self.quant_method.apply(self, x, self.bias)  # [T, out]
         return self.finish(tp_all_reduce(self.partial(x)))  # [T, out] partial sums -> full
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum [T, out] (at tp=1 the whole product), before the all-reduce and bias."""
-        return F.linear(x, self.weight)
+        return self.quant_method.apply(self, x, None)
 
     def finish(self, y: torch.Tensor) -> torch.Tensor:
         """The all-reduced partial sums plus the bias (added once, after the reduction)."""
@@ -276,12 +265,6 @@ def tp_shard_range(total: int, tp_size: int, tp_rank: int, what: str) -> tuple[i
         raise ValueError(f"{what}={total} is not divisible by tp_size={tp_size}")
     size = total // tp_size
     return tp_rank * size, size
-
-
-def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
-    """x = gate|up [T, 2I] (gate first, as gate_up_proj stacks them) -> silu(gate) * up [T, I]."""
-    gate, up = x.chunk(2, dim=-1)  # [T, I] each
-    return F.silu(gate) * up
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,8 @@ import torch
 from torch import nn
 
 from longserve.models.layers import MergedLinear, RMSNorm, RowParallelLinear, VocabParallelEmbedding
+from longserve.models.moe import FusedMoE
+from longserve.models.quantization import process_weights_after_loading
 from longserve.models.registry import get_model_class
 
 logger = logging.getLogger("longserve.models.loader")
@@ -108,6 +110,7 @@ def load_model(
         init_dummy_weights(model, std=getattr(hf_config, "initializer_range", 0.02), seed=seed)
     else:
         model.load_weights(iterate_safetensors(files, device, stats))
+    process_weights_after_loading(model)
     model.eval()
     model.requires_grad_(False)
     return model
@@ -324,4 +327,6 @@ def _unsharded_shape(owner: nn.Module, param: nn.Parameter) -> tuple[int, ...]:
         return (owner.out_features, owner.in_features * owner.tp_size)
     if isinstance(owner, VocabParallelEmbedding):
         return (owner.num_embeddings, param.shape[1])
+    if isinstance(owner, FusedMoE):
+        return owner.full_shape(param)
     return tuple(param.shape)

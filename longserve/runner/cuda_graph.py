@@ -1,10 +1,11 @@
-"""CUDA graphs for decode steps: one graph per bucketed batch size, replayed over static input buffers.
+"""CUDA graphs for decode steps and lone short prefill chunks, replayed over static input buffers.
 
 A decode step (every scheduled request computes exactly one token) of n requests replays the graph of
 the smallest bucket >= n. Rows n..bucket are padding: token 0 at position 0, writing its K/V into page 0
-(reserved, never handed out) and attending over one key there. The attention backend must launch a
-fixed grid for a given batch size (the Triton decode kernel with a fixed split count does); the torch
-reference backend loops on the host and cannot be captured.
+(reserved, never handed out) and attending over one key there. Each bucket captures with the backend the
+attention backend's `prepare_for_capture` returns (a fixed launch grid for that size), and that backend's
+`prepare_for_replay` runs before each replay; backends without `supports_cuda_graphs` are never captured.
+The page size is the KV cache's.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from longserve.attention.base import AttentionMetadata, ForwardContext, KVCache
+from longserve.attention.base import AttentionBackend, AttentionMetadata, ForwardContext, GraphShape, KVCache
 
 logger = logging.getLogger("longserve.runner.cuda_graph")
 
@@ -59,19 +60,21 @@ def graph_batch_sizes(max_bs: int) -> list[int]:
 
 
 class DecodeGraphRunner:
+    """Decode graphs of batch sizes up to `max_bs` (bucketed), for sequences up to `shape.max_seq_len`.
+    `eager = True` runs the same static-buffer forward without graphs (tests on the CPU)."""
+
     def __init__(
         self,
         model: torch.nn.Module,
         kv_cache: KVCache,
-        make_backend,  # (batch_size) -> AttentionBackend with a fixed launch grid for that size
+        backend: AttentionBackend,
+        shape: GraphShape,
         max_bs: int,
-        max_pages_per_req: int,
-        page_size: int,
-        device: torch.device,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
-        self.page_size = page_size
+        device = shape.device
+        max_pages_per_req = -(-shape.max_seq_len // kv_cache.page_size)
         self.batch_sizes = graph_batch_sizes(max_bs)
         self.max_bs = self.batch_sizes[-1]
         n = self.max_bs
@@ -85,12 +88,13 @@ class DecodeGraphRunner:
         self.page_table = torch.zeros(n, max_pages_per_req, **i32)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        self.backends = {bs: make_backend(bs) for bs in self.batch_sizes}
+        self.backends = {bs: backend.prepare_for_capture(bs, shape) for bs in self.batch_sizes}
         self.pool = None
+        self.eager = False  # True: run() executes the static-buffer forward instead of replaying
 
     def _context(self, bs: int) -> ForwardContext:
         meta = AttentionMetadata(
-            page_size=self.page_size,
+            page_size=self.kv_cache.page_size,
             query_start_loc=self.query_start_loc[: bs + 1],
             seq_lens=self.seq_lens[:bs],
             prefix_lens=self.prefix_lens[:bs],
@@ -119,7 +123,7 @@ class DecodeGraphRunner:
 
     def can_run(self, meta: AttentionMetadata) -> bool:
         return (
-            bool(self.graphs)
+            bool(self.graphs or self.eager)
             and 0 < meta.num_reqs <= self.max_bs
             and meta.num_tokens == meta.num_reqs
             and meta.page_table.shape[1] <= self.page_table.shape[1]
@@ -140,6 +144,10 @@ class DecodeGraphRunner:
             self.slot_mapping[n:bs].zero_()
             self.seq_lens[n:bs].fill_(1)
             self.page_table[n:bs, 0].zero_()
+        self.backends[bs].prepare_for_replay(meta)
+        if self.eager:
+            with torch.inference_mode():
+                return self._forward(bs)[:n]
         self.graphs[bs].replay()
         return self.outputs[bs][:n]
 
@@ -163,23 +171,23 @@ class ExtendGraphRunner:
     The chunk of n tokens replays the graph of the smallest bucket T >= n: tokens n..T are padding at the
     request's last position, writing their K/V into page 0 (reserved). The request's seq_len stays its real
     prefix + n, so real tokens attend exactly as in an eager step and padding rows (never sampled) see only
-    real keys. The extend kernel runs with a fixed key-split count per bucket, sized for the longest
-    context. `eager = True` runs the same static-buffer forward without graphs (tests on the CPU).
+    real keys. Each bucket captures with the backend `prepare_for_extend_capture` plans (Triton: its extend
+    kernel with a fixed key-split count, sized for the longest context `shape.max_seq_len`).
+    `eager = True` runs the same static-buffer forward without graphs (tests on the CPU).
     """
 
     def __init__(
         self,
         model: torch.nn.Module,
         kv_cache: KVCache,
-        make_backend,  # (bucket tokens) -> AttentionBackend with a fixed launch grid for that size
+        backend: AttentionBackend,
+        shape: GraphShape,
         max_tokens: int,
-        max_pages_per_req: int,
-        page_size: int,
-        device: torch.device,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
-        self.page_size = page_size
+        device = shape.device
+        max_pages_per_req = -(-shape.max_seq_len // kv_cache.page_size)
         self.buckets = graph_token_buckets(max_tokens)
         self.max_tokens = self.buckets[-1] if self.buckets else 0
         n = self.max_tokens
@@ -191,8 +199,8 @@ class ExtendGraphRunner:
         self.prefix_lens = torch.zeros(1, **i32)
         self.query_start_locs = {t: torch.tensor([0, t], **i32) for t in self.buckets}
         self.page_table = torch.zeros(1, max_pages_per_req, **i32)
-        self.max_positions = max_pages_per_req * page_size
-        self.backends = {t: make_backend(t) for t in self.buckets}
+        self.max_positions = max_pages_per_req * kv_cache.page_size
+        self.backends = {t: backend.prepare_for_extend_capture(t, shape) for t in self.buckets}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
@@ -201,7 +209,7 @@ class ExtendGraphRunner:
 
     def _context(self, t: int) -> ForwardContext:
         meta = AttentionMetadata(
-            page_size=self.page_size,
+            page_size=self.kv_cache.page_size,
             query_start_loc=self.query_start_locs[t],
             seq_lens=self.seq_lens,
             prefix_lens=self.prefix_lens,
@@ -257,6 +265,7 @@ class ExtendGraphRunner:
         self.prefix_lens.copy_(meta.prefix_lens)
         self.page_table[:, :pages].copy_(meta.page_table)
         self.page_table[:, pages:].zero_()
+        self.backends[t].prepare_for_replay(meta)
         if self.eager:
             with torch.inference_mode():
                 return self._forward(t)[:n]

@@ -89,7 +89,3 @@ def to_model_inputs(step: StepInputs, page_size: int, device: torch.device) -> M
         logits_indices=logits_indices,
         num_tokens=len(step.input_ids),
     )
-
-
-def prepare_inputs(out: SchedulerOutput, page_size: int, device: torch.device) -> ModelInputs:
-    return to_model_inputs(build_step(out), page_size, device)

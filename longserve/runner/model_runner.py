@@ -1,7 +1,7 @@
 """ModelRunner: owns the model weights, the KV pool tensors and the attention backend; runs one step.
 
 Under tensor parallelism (config.tp_size > 1) there is one ModelRunner per rank, each with its shard of
-the weights and of the KV heads. Rank 0's (built by the engine) first spawns the workers (runner/worker.py);
+the weights and of the KV heads. Rank 0's (built by the engine) first spawns the workers (runner/tp_workers.py);
 its `execute` broadcasts the step's plain inputs, every rank runs `forward_step`, rank 0 samples.
 """
 
@@ -14,9 +14,10 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from longserve.attention import ForwardContext, KVCache, get_attention_backend
+from longserve.attention import ForwardContext, GraphShape, KVCache, get_attention_backend
 from longserve.config import EngineConfig
 from longserve.distributed import RankFailure, broadcast_object, get_tp_group
+from longserve.memory import bound_kernel_caches
 from longserve.models import load_model, resolve_dtype
 from longserve.models.decoder import validate_tp_size
 from longserve.outputs import RunnerOutput, SchedulerOutput
@@ -67,12 +68,13 @@ def resolve_context_length(config: EngineConfig, hf_config, pool_tokens: int) ->
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, hf_config) -> None:
+        bound_kernel_caches()  # before this process's first bf16 matmul and before the workers start
         self.config = config
         self.hf_config = hf_config
-        self.workers = None  # rank 0 of a tp run: its worker processes (runner/worker.py TPWorkers)
+        self.workers = None  # rank 0 of a tp run: its worker processes (runner/tp_workers.py)
         if config.tp_size > 1 and get_tp_group() is None:  # the engine's rank: start the other ranks
             validate_tp_size(hf_config, config.tp_size)
-            from longserve.runner.worker import TPWorkers
+            from longserve.runner.tp_workers import TPWorkers
 
             self.workers = TPWorkers.start(config)
             self._finalizer = weakref.finalize(self, self.workers.shutdown)
@@ -93,15 +95,14 @@ class ModelRunner:
         self.model = load_model(
             config.model, hf_config, self.dtype, self.device, load_format=config.load_format, seed=config.seed
         )
-        self.page_size = config.page_size
         self.num_pages = self._num_pages()
         # refuse an impossible context length before the large allocation
-        self.context_length = resolve_context_length(config, hf_config, self.num_pages * self.page_size)
+        self.context_length = resolve_context_length(config, hf_config, self.num_pages * config.page_size)
         self.model.reserve_positions(self.context_length)
         self.kv_cache = KVCache(
             self.model.num_layers,
             self.num_pages + 1,  # page 0 is a padding target, never handed out
-            self.page_size,
+            config.page_size,
             self.model.num_kv_heads,
             self.model.head_dim,
             self.dtype,
@@ -117,34 +118,36 @@ class ModelRunner:
         if self.tp is not None:  # every rank has its weights, pool and graphs: only now is the engine ready
             dist.barrier(group=self.tp.cpu_group)
 
+    @property
+    def page_size(self) -> int:
+        """Tokens per KV page: the KV cache's (set once from config.page_size)."""
+        return self.kv_cache.page_size
+
+    def _graph_shape(self) -> GraphShape:
+        return GraphShape(
+            max_seq_len=self.context_length,
+            num_q_heads=self.model.num_heads,
+            num_kv_heads=self.model.num_kv_heads,
+            head_dim=self.model.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
+
     def _build_graph_runner(self) -> DecodeGraphRunner | None:
         if self.device.type != "cuda" or self.config.enforce_eager:
             return None
-        if self.backend.name != "triton":
+        if not self.backend.supports_cuda_graphs:
             logger.info(
-                "CUDA graphs need the triton attention backend (have %s): decode runs eagerly",
+                "the %s attention backend cannot be captured in CUDA graphs: decode runs eagerly",
                 self.backend.name,
             )
             return None
-        from longserve.attention.triton_backend import TritonAttentionBackend
-        from longserve.kernels.decode_attention import choose_num_splits
-
-        num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        kv_heads = self.model.num_kv_heads
-
-        def make_backend(bs: int) -> TritonAttentionBackend:
-            # a fixed split count per batch size (sized for the longest context) keeps the grid static
-            splits = choose_num_splits(self.context_length, bs, kv_heads, num_sms)
-            return TritonAttentionBackend(num_splits=splits)
-
         graphs = DecodeGraphRunner(
             self.model,
             self.kv_cache,
-            make_backend,
+            self.backend,
+            self._graph_shape(),
             max_bs=min(self.config.cuda_graph_max_bs, self.config.max_running_requests),
-            max_pages_per_req=-(-self.context_length // self.page_size),
-            page_size=self.page_size,
-            device=self.device,
         )
         graphs.capture()
         return graphs
@@ -155,27 +158,10 @@ class ModelRunner:
         if self.graph_runner is None or max_tokens < 2:
             return None
         graphs = ExtendGraphRunner(
-            self.model,
-            self.kv_cache,
-            self._fixed_extend_backend,
-            max_tokens=max_tokens,
-            max_pages_per_req=-(-self.context_length // self.page_size),
-            page_size=self.page_size,
-            device=self.device,
+            self.model, self.kv_cache, self.backend, self._graph_shape(), max_tokens=max_tokens
         )
         graphs.capture(pool=self.graph_runner.pool)
         return graphs
-
-    def _fixed_extend_backend(self, num_tokens: int):
-        """A triton backend whose extend launch for one request of `num_tokens` new tokens has a fixed grid:
-        the key-split count the backend would pick for the longest context."""
-        from longserve.attention.triton_backend import TritonAttentionBackend
-
-        _, splits = self.backend.extend_launch(  # the triton backend (prefill graphs need it)
-            [num_tokens], [self.context_length], self.model.num_heads, self.model.num_kv_heads,
-            self.model.head_dim, self.dtype, self.device,
-        )  # fmt: skip
-        return TritonAttentionBackend(cold_path="triton", extend_splits=splits)
 
     # ---- sizing ---------------------------------------------------------------------------------
     def kv_bytes_per_token(self) -> int:
@@ -188,8 +174,8 @@ class ModelRunner:
 
     def _num_pages(self) -> int:
         if self.config.max_total_tokens is not None:
-            return -(-self.config.max_total_tokens // self.page_size)
-        per_page = self.kv_bytes_per_token() * self.page_size
+            return -(-self.config.max_total_tokens // self.config.page_size)
+        per_page = self.kv_bytes_per_token() * self.config.page_size
         total, free = available_memory_bytes(self.device)
         # weights are already resident: the fraction bounds weights + KV pool together
         budget = total * self.config.mem_fraction_static - (total - free)
@@ -206,7 +192,7 @@ class ModelRunner:
             context = (
                 self.config.context_length or getattr(self.hf_config, "max_position_embeddings", 0) or 2048
             )
-            useful = -(-self.config.max_running_requests * context // self.page_size)
+            useful = -(-self.config.max_running_requests * context // self.config.page_size)
             num_pages = min(num_pages, int(4 * 2**30 // per_page), useful)
         if self.tp is not None:  # page ids are global: every rank's pool has the smallest rank's size
             t = torch.tensor([num_pages], dtype=torch.long)
@@ -287,7 +273,7 @@ class ModelRunner:
         min_tokens = self.config.tp_overlap_min_tokens
         if self.tp is not None and min_tokens and len(step.input_ids) >= max(min_tokens, 2):
             return self._forward_overlapped(step)
-        inputs = to_model_inputs(step, self.page_size, self.device)
+        inputs = to_model_inputs(step, self.kv_cache.page_size, self.device)
         ctx = ForwardContext(meta=inputs.meta, kv_cache=self.kv_cache, backend=self.backend)
         with torch.inference_mode():
             if self.graph_runner is not None and self.graph_runner.can_run(inputs.meta):
@@ -306,7 +292,7 @@ class ModelRunner:
         """A long step under tensor parallelism as two halves whose all-reduces hide behind each other's
         compute (DecoderModel.forward_overlapped); the same logits as one pass, up to rounding."""
         halves = [
-            to_model_inputs(half, self.page_size, self.device)
+            to_model_inputs(half, self.kv_cache.page_size, self.device)
             for half in split_step(step, len(step.input_ids) // 2)
         ]
         with torch.inference_mode():

@@ -22,10 +22,18 @@ import itertools
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from longserve.cache.manager import KVCacheManager
 from longserve.outputs import ScheduledRequest, SchedulerOutput
 from longserve.request import FinishReason, Request, RequestStatus
+
+if TYPE_CHECKING:
+    from longserve.config import EngineConfig
+
+
+# "short-first": a short request has at most 1/SHORT_PREFILL_DIVISOR of the step budget left to compute
+SHORT_PREFILL_DIVISOR = 8
 
 
 @dataclass(frozen=True)
@@ -35,6 +43,17 @@ class SchedulerConfig:
     max_prefill_chunk: int | None = None
     short_prefill_tokens: int = 0  # waiting requests with this few tokens to compute go before a long prefill
     short_lookahead: int = 4  # waiting requests looked at for that (each: a read-only prefix-cache walk)
+
+    @classmethod
+    def from_engine_config(cls, config: EngineConfig) -> SchedulerConfig:
+        """The scheduler's settings, all derived here from the engine's (the one place that does)."""
+        short = config.schedule_policy == "short-first"
+        return cls(
+            token_budget=config.chunked_prefill_size,
+            max_running_requests=config.max_running_requests,
+            max_prefill_chunk=config.max_prefill_chunk,
+            short_prefill_tokens=max(1, config.chunked_prefill_size // SHORT_PREFILL_DIVISOR) if short else 0,
+        )
 
 
 class Scheduler:
@@ -192,7 +211,7 @@ class Scheduler:
         """Attach cached pages, allocate the first chunk and move to running; 0 if pages ran short."""
         first_admission = req.num_cached_tokens < 0
         leader = self.group_leaders.get(req.group_id) if req.group_id is not None else None
-        if self.kv.tree is None and leader is not None and leader is not req and leader.page_ids:
+        if self.kv.siblings_fork and leader is not None and leader is not req and leader.page_ids:
             hit = self.kv.fork_prefix(req, leader)
         else:
             hit = self.kv.match_prefix(req)

@@ -1,5 +1,7 @@
-"""Flags of `longserve serve`: SGLang and vLLM spellings, LONGSERVE_* env vars and a YAML file, resolved in
-one place onto EngineConfig + ServerConfig. Precedence: flag > env > file > default.
+"""The one option table (OPTIONS) of every command: `serve`'s flags in SGLang and vLLM spellings, LONGSERVE_*
+env vars and a YAML file, resolved in one place onto EngineConfig + ServerConfig (flag > env > file >
+default); `generate` takes the engine part, `bench latency` a subset (add_engine_args), spelled and
+defaulted alike.
 
 Every spelling of an option has an env var (LONGSERVE_ + the flag in upper case, `-` -> `_`, e.g.
 LONGSERVE_MODEL_PATH, LONGSERVE_MAX_MODEL_LEN) and a YAML key (the flag without dashes, `-` or `_`).
@@ -10,29 +12,16 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-from collections.abc import Callable, Mapping, Sequence
+import re
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
-from longserve.config import DEVICES, LOAD_FORMATS, EngineConfig, ServerConfig
+from longserve.config import DEVICES, DTYPES, LOAD_FORMATS, EngineConfig, ServerConfig
+from longserve.platform import attention_backend_help
 
 logger = logging.getLogger("longserve.server")
 
-# other engines' attention backends -> ours (triton on CUDA, torch elsewhere)
-_BACKEND_ALIASES = {
-    "auto": "auto",
-    "torch": "torch",
-    "torch_native": "torch",
-    "sdpa": "torch",
-    "triton": "triton",
-    "flashinfer": "triton",
-    "fa3": "triton",
-    "fa4": "triton",
-    "flash_attn": "triton",
-    "flash-attn": "triton",
-    "flashattn": "triton",
-    "flash_attention": "triton",
-}
 _DTYPE_ALIASES = {
     "half": "float16",
     "fp16": "float16",
@@ -60,7 +49,7 @@ def _schedule_policy(value: str) -> str:
 
 def _dtype(value: str) -> str:
     value = _DTYPE_ALIASES.get(value.lower(), value.lower())
-    if value not in ("auto", "float32", "float16", "bfloat16"):
+    if value not in DTYPES:
         raise _BadValue(f"{value!r}: expected auto, float32 (float), float16 (half) or bfloat16")
     return value
 
@@ -74,6 +63,7 @@ class Option:
     const: Any = True
     choices: tuple[str, ...] | None = None
     nargs: str | None = None
+    default_help: str | None = None  # what the default means, where the dataclass default (None) says nothing
 
     @property
     def env_names(self) -> list[str]:
@@ -86,125 +76,74 @@ class Option:
 
 E, S = "engine.", "server."
 OPTIONS: tuple[Option, ...] = (
-    Option(("--model-path", "--model"), E + "model", "Hugging Face checkpoint directory"),
-    Option(
-        ("--tokenizer-path", "--tokenizer"), E + "tokenizer", "tokenizer directory (default: the model's)"
-    ),
+    Option(("--model-path", "--model"), E + "model", "Hugging Face checkpoint directory",
+           default_help="the small built-in demo model"),
+    Option(("--tokenizer-path", "--tokenizer"), E + "tokenizer", "tokenizer directory",
+           default_help="the model's"),
     Option(("--host",), S + "host", "address to bind; 0.0.0.0 listens on every interface"),
     Option(("--port",), S + "port", "TCP port", int),
-    Option(("--served-model-name",), S + "served_model_name", "model name(s) clients send", nargs="+"),
-    Option(("--api-key",), S + "api_key", "require `Authorization: Bearer KEY` (all but /health)"),
+    Option(("--served-model-name",), S + "served_model_name", "model name(s) clients send", nargs="+",
+           default_help="the model path"),
+    Option(("--api-key",), S + "api_key", "require `Authorization: Bearer KEY` (all but /health)",
+           default_help="no key"),
     Option(("--device",), E + "device", "where the model runs", choices=DEVICES),
     Option(("--dtype",), E + "dtype", "weights/activations: auto, float32, float16 (half), bfloat16", _dtype),
     Option(("--load-format",), E + "load_format", "dummy: random weights", choices=LOAD_FORMATS),
     Option(("--seed", "--random-seed"), E + "seed", "seed of dummy weights and unseeded sampling", int),
-    Option(
-        ("--tp-size", "--tensor-parallel-size", "--tp"),
-        E + "tp_size",
-        "tensor-parallel ranks, one process each (must divide the attention heads)",
-        int,
-    ),
+    Option(("--tp-size", "--tensor-parallel-size", "--tp"), E + "tp_size",
+           "tensor-parallel ranks, one process each (must divide the attention heads)", int),
     Option(("--nnodes",), E + "nnodes", "nodes the tensor-parallel ranks span", int),
     Option(("--node-rank",), E + "node_rank", "this node's index (node 0 serves HTTP)", int),
-    Option(("--dist-init-addr",), E + "dist_init_addr", "HOST:PORT of node 0's rendezvous (multi-node)"),
-    Option(
-        ("--mem-fraction-static", "--gpu-memory-utilization"),
-        E + "mem_fraction_static",
-        "share of device memory for weights + KV pool (CPU: of RAM, pool capped at 4 GiB)",
-        float,
-    ),
-    Option(
-        ("--max-total-tokens",),
-        E + "max_total_tokens",
-        "KV pool size in tokens (overrides the fraction)",
-        int,
-    ),
+    Option(("--dist-init-addr",), E + "dist_init_addr", "HOST:PORT of node 0's rendezvous (multi-node)",
+           default_help="127.0.0.1 and a free port (one node)"),
+    Option(("--mem-fraction-static", "--gpu-memory-utilization"), E + "mem_fraction_static",
+           "share of device memory for weights + KV pool (CPU: of RAM, pool capped at 4 GiB)", float),
+    Option(("--max-total-tokens",), E + "max_total_tokens", "KV pool size in tokens (overrides the fraction)",
+           int, default_help="sized by --mem-fraction-static"),
     Option(("--page-size", "--block-size"), E + "page_size", "tokens per KV page", int),
-    Option(("--context-length", "--max-model-len"), E + "context_length", "longest prompt + output", int),
-    Option(
-        ("--chunked-prefill-size", "--max-num-batched-tokens"),
-        E + "chunked_prefill_size",
-        "token budget of one engine step (long prompts are prefilled in chunks of it)",
-        int,
-    ),
-    Option(("--max-prefill-chunk",), E + "max_prefill_chunk", "cap on one request's share of a step", int),
-    Option(
-        ("--max-running-requests", "--max-num-seqs"), E + "max_running_requests", "concurrent requests", int
-    ),
-    Option(
-        ("--schedule-policy", "--scheduling-policy"),
-        E + "schedule_policy",
-        "short-first (default: a request with little left to compute goes before the rest of a long prefill; "
-        "SGLang's lpm means it too) or fcfs",
-        _schedule_policy,
-    ),
-    Option(
-        ("--enable-prefix-caching",), E + "enable_prefix_caching", "radix prefix cache on (default)", None
-    ),
-    Option(
-        ("--disable-radix-cache", "--no-enable-prefix-caching"),
-        E + "enable_prefix_caching",
-        "radix prefix cache off",
-        None,
-        const=False,
-    ),
-    Option(
-        ("--attention-backend",),
-        E + "attention_backend",
-        "auto, torch, triton; flashinfer/fa3/flash_attn map to triton, torch_native/sdpa to torch",
-        str.lower,
-    ),
-    Option(
-        ("--disable-cuda-graph", "--enforce-eager"), E + "enforce_eager", "no CUDA graphs for decode", None
-    ),
-    Option(
-        ("--cuda-graph-max-bs",), E + "cuda_graph_max_bs", "largest decode batch replayed as a graph", int
-    ),
-    Option(
-        ("--cuda-graph-max-prefill-tokens",),
-        E + "cuda_graph_max_prefill_tokens",
-        "a lone prefill chunk up to this many tokens replays a graph (0: off)",
-        int,
-    ),
-    Option(
-        ("--tp-overlap-min-tokens",),
-        E + "tp_overlap_min_tokens",
-        "tp > 1: a step of this many tokens runs as two halves whose all-reduces overlap (0: off)",
-        int,
-    ),
+    Option(("--context-length", "--max-model-len"), E + "context_length", "longest prompt + output", int,
+           default_help="the model's max_position_embeddings, within the KV pool"),
+    Option(("--chunked-prefill-size", "--max-num-batched-tokens"), E + "chunked_prefill_size",
+           "token budget of one engine step (long prompts are prefilled in chunks of it)", int),
+    Option(("--max-prefill-chunk",), E + "max_prefill_chunk", "cap on one request's share of a step", int,
+           default_help="the whole step budget"),
+    Option(("--max-running-requests", "--max-num-seqs"), E + "max_running_requests", "concurrent requests",
+           int),
+    Option(("--schedule-policy", "--scheduling-policy"), E + "schedule_policy",
+           "short-first (default: a request with little left to compute goes before the rest of a long "
+           "prefill; SGLang's lpm means it too) or fcfs", _schedule_policy),
+    Option(("--enable-prefix-caching",), E + "enable_prefix_caching", "radix prefix cache on (default)",
+           None),
+    Option(("--disable-radix-cache", "--no-enable-prefix-caching"), E + "enable_prefix_caching",
+           "radix prefix cache off", None, const=False),
+    Option(("--attention-backend",), E + "attention_backend", attention_backend_help()),
+    Option(("--disable-cuda-graph", "--enforce-eager"), E + "enforce_eager", "no CUDA graphs for decode",
+           None),
+    Option(("--cuda-graph-max-bs",), E + "cuda_graph_max_bs", "largest decode batch replayed as a graph",
+           int),
+    Option(("--cuda-graph-max-prefill-tokens",), E + "cuda_graph_max_prefill_tokens",
+           "a lone prefill chunk up to this many tokens replays a graph (0: off)", int),
+    Option(("--tp-overlap-min-tokens",), E + "tp_overlap_min_tokens",
+           "tp > 1: a step of this many tokens runs as two halves whose all-reduces overlap (0: off)", int),
     Option(("--max-queued-requests",), S + "max_queued_requests", "waiting requests before 503s", int),
-    Option(("--request-timeout",), S + "request_timeout", "seconds a request may take, then aborted", float),
-    Option(
-        ("--shutdown-timeout",),
-        S + "shutdown_timeout",
-        "on SIGTERM/SIGINT: seconds the requests in flight get to finish before they are ended with an error",
-        float,
-    ),
-    Option(
-        ("--log-requests",),
-        S + "log_requests",
-        "log one line per finished request (token counts and timings; never the prompt)",
-        None,
-    ),
-    Option(
-        ("--log-stats-interval",),
-        S + "log_stats_interval",
-        "seconds between engine stats log lines (tokens/s, queue, KV usage, hit rate); 0: off",
-        float,
-    ),
+    Option(("--request-timeout",), S + "request_timeout", "seconds a request may take, then aborted", float,
+           default_help="no limit"),
+    Option(("--shutdown-timeout",), S + "shutdown_timeout",
+           "on SIGTERM/SIGINT: seconds the requests in flight get to finish before they are ended with an "
+           "error", float),
+    Option(("--log-requests",), S + "log_requests",
+           "log one line per finished request (token counts and timings; never the prompt)", None),
+    Option(("--log-stats-interval",), S + "log_stats_interval",
+           "seconds between engine stats log lines (tokens/s, queue, KV usage, hit rate); 0: off", float),
     Option(("--enable-metrics",), S + "enable_metrics", "Prometheus metrics at GET /metrics (default)", None),
     Option(("--disable-metrics",), S + "enable_metrics", "no /metrics endpoint", None, const=False),
     Option(("--log-level",), S + "log_level", "logging level", choices=("debug", "info", "warning", "error")),
-    Option(
-        ("--tokenizer-workers",), S + "tokenizer_workers", "threads that tokenize off the event loop", int
-    ),
-    Option(
-        ("--tokenizer-prefix-cache-size",),
-        S + "tokenizer_prefix_cache_size",
-        "long prompts kept with their token ids: a conversation's next turn tokenizes only its new text; 0: off",
-        int,
-    ),
-)
+    Option(("--tokenizer-workers",), S + "tokenizer_workers", "threads that tokenize off the event loop",
+           int),
+    Option(("--tokenizer-prefix-cache-size",), S + "tokenizer_prefix_cache_size",
+           "long prompts kept with their token ids: a conversation's next turn tokenizes only its new text; "
+           "0: off", int),
+)  # fmt: skip
 _BY_KEY = {key: opt for opt in OPTIONS for key in opt.keys}
 
 
@@ -215,39 +154,105 @@ def _default(target: str) -> Any:
     return None if f.default is MISSING else f.default
 
 
+def _add_option(container: Any, opt: Option, env: bool = True, default_help: str | None = None) -> None:
+    """One option's flags; the default is suppressed so that only flags actually given reach the namespace.
+    The help names the default the dataclass gives (or what a None default means), and the env var."""
+    default = _default(opt.target)
+    default_help = opt.default_help if default_help is None else default_help  # "": none shown
+    shown = [f"env {opt.env_names[0]}"] if env else []
+    if default_help is not None:
+        if default_help:
+            shown.append(f"default: {default_help}")
+    elif opt.type is not None and default is not None:
+        shown.append(f"default: {default}")
+    help_text = opt.help + (f" [{'; '.join(shown)}]" if shown else "")
+    if opt.type is None:
+        container.add_argument(
+            *opt.flags,
+            dest=opt.target,
+            action="store_const",
+            const=opt.const,
+            default=argparse.SUPPRESS,
+            help=help_text,
+        )
+    else:
+        container.add_argument(
+            *opt.flags,
+            dest=opt.target,
+            type=opt.type,
+            choices=opt.choices,
+            nargs=opt.nargs,
+            metavar=None if opt.choices else opt.target.split(".")[1].upper(),
+            default=argparse.SUPPRESS,
+            help=help_text,
+        )
+
+
 def add_server_args(parser: argparse.ArgumentParser, sections: tuple[str, ...] = (E, S)) -> None:
-    """Every option of `sections` (engine., server.), defaults suppressed so that only flags actually
-    given reach the namespace."""
+    """Every option of `sections` (engine., server.) and --config FILE.yaml; read them with `resolve`."""
     parser.add_argument("--config", metavar="FILE.yaml", help="YAML file of options (keys: flag names)")
     group = parser.add_argument_group(
         "engine and server options (flag > LONGSERVE_* env > --config > default)"
     )
     for opt in OPTIONS:
-        if not opt.target.startswith(sections):
+        if opt.target.startswith(sections):
+            _add_option(group, opt)
+
+
+def add_engine_args(
+    container: Any,
+    only: Collection[str] | None = None,
+    exclude: Collection[str] = (),
+    default_help: Mapping[str, str] | None = None,
+) -> None:
+    """The engine options of EngineConfig fields `only` (default: all) but `exclude`, with `serve`'s
+    spellings, help and defaults, for any command (`container`: a parser, group or mutually exclusive group).
+    No env vars or YAML: read the flags given with `engine_config_from_args`. `default_help`: field -> what
+    its default means in that command."""
+    for opt in OPTIONS:
+        name = opt.target.removeprefix(E)
+        if opt.target.startswith(E) and (only is None or name in only) and name not in exclude:
+            _add_option(container, opt, env=False, default_help=(default_help or {}).get(name))
+
+
+def given_engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """EngineConfig field -> value of the engine flags given on the command line."""
+    return {k.removeprefix(E): v for k, v in vars(args).items() if k.startswith(E)}
+
+
+def engine_config_from_args(args: argparse.Namespace, **fields: Any) -> EngineConfig:
+    """EngineConfig from the engine flags given (over the dataclass defaults) and `fields`, which the command
+    decides itself and which win (e.g. `bench latency`'s model directory and KV pool size)."""
+    kw = {**given_engine_options(args), **fields}
+    if kw.get("tp_size", 1) != 1:
+        _check_tp_size(kw["model"], kw["tp_size"])
+    return EngineConfig(**kw)
+
+
+# field name -> its flag in messages: the first spelling of the first option that sets it
+_FLAG_OF = {}
+for _opt in OPTIONS:
+    _FLAG_OF.setdefault(_opt.target.split(".")[1], _opt.flags[0])
+_VALUE = r"""'([^']*)'|"([^"]*)"|(\d[\d,._]*\d|\d|[^\s,;)\]]+)"""
+
+
+def cli_message(exc: BaseException) -> str:
+    """An error's message as a command line says it: the settings it names (config.SettingsError.settings)
+    become flags, `load_format='dummy'` -> `--load-format dummy`, `tokenizer=DIR` -> `--tokenizer-path DIR`,
+    `context_length` -> `--context-length`."""
+    text = str(exc)
+    for name in getattr(exc, "settings", ()):
+        flag = _FLAG_OF.get(name)
+        if flag is None:
             continue
-        default = _default(opt.target)
-        shown = "" if opt.type is None else f"; default: {default}"
-        help_text = f"{opt.help} [env {opt.env_names[0]}{shown}]"
-        if opt.type is None:
-            group.add_argument(
-                *opt.flags,
-                dest=opt.target,
-                action="store_const",
-                const=opt.const,
-                default=argparse.SUPPRESS,
-                help=help_text,
-            )
-        else:
-            group.add_argument(
-                *opt.flags,
-                dest=opt.target,
-                type=opt.type,
-                choices=opt.choices,
-                nargs=opt.nargs,
-                metavar=None if opt.choices else opt.target.split(".")[1].upper(),
-                default=argparse.SUPPRESS,
-                help=help_text,
-            )
+        text = re.sub(
+            rf"(?<![\w.-]){name}=(?:{_VALUE})",
+            lambda m, f=flag: f"{f} {next(g for g in m.groups() if g is not None)}",
+            text,
+        )
+        if "_" in name:  # a bare one-word name ("tokenizer", "device") reads as prose: left as it is
+            text = re.sub(rf"(?<![\w.-]){name}(?![\w=-])", flag, text)
+    return text
 
 
 def build_parser(prog: str = "longserve serve") -> argparse.ArgumentParser:
@@ -314,21 +319,6 @@ def _from_file(path: str) -> dict[str, Any]:
     return values
 
 
-def map_attention_backend(name: str, device: str) -> str:
-    """Our backend for another engine's name; triton needs CUDA, so on the CPU everything is torch."""
-    ours = _BACKEND_ALIASES.get(name)
-    if ours is None:
-        raise ValueError(f"unknown attention backend {name!r}; known: {', '.join(sorted(_BACKEND_ALIASES))}")
-    if ours == "triton" and device != "cuda":
-        import torch
-
-        if device == "cpu" or not torch.cuda.is_available():
-            ours = "torch"
-    if ours != name:
-        logger.info("attention backend %r: longserve uses its %r backend", name, ours)
-    return ours
-
-
 def resolve(
     args: argparse.Namespace, environ: Mapping[str, str] | None = None
 ) -> tuple[EngineConfig, ServerConfig]:
@@ -348,10 +338,6 @@ def resolve(
         )
     if engine_kw.get("tp_size", 1) != 1:
         _check_tp_size(engine_kw["model"], engine_kw["tp_size"])
-    if "attention_backend" in engine_kw:
-        engine_kw["attention_backend"] = map_attention_backend(
-            engine_kw["attention_backend"], engine_kw.get("device", "auto")
-        )
     if "served_model_name" in server_kw:
         server_kw["served_model_name"] = tuple(server_kw["served_model_name"])
     return EngineConfig(**engine_kw), ServerConfig(**server_kw)

@@ -23,13 +23,13 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from longserve.detokenizer import IncrementalDetokenizer, TextAssembler
 from longserve.distributed import RankFailure
 from longserve.engine import Engine, PromptTooLongError
-from longserve.outputs import CompletionOutput, RequestOutput
+from longserve.outputs import CompletionOutput, EngineStats, RequestOutput, StepStats
 from longserve.sampling_params import SamplingParams
 from longserve.server.errors import APIError, internal_error
 from longserve.server.metrics import ServerMetrics, StatsTracker
+from longserve.tokenization.detokenizer import IncrementalDetokenizer, TextAssembler
 
 logger = logging.getLogger("longserve.server")
 SHUTTING_DOWN = "the server is shutting down and takes no new requests"
@@ -80,7 +80,7 @@ class AsyncEngine:
         self.max_queued_requests = max_queued_requests
         self.context_length = engine.context_length
         # read-only after construction: admission compares the requests in flight against it
-        self.max_running_requests = engine.scheduler.config.max_running_requests
+        self.max_running_requests = engine.config.max_running_requests
         self._cv = threading.Condition()
         self._commands: deque[Command] = deque()
         self._queues: dict[str, asyncio.Queue] = {}  # touched on the event loop only
@@ -369,8 +369,9 @@ class AsyncEngine:
                         error.message += "; a tensor-parallel rank failed and the server is shutting down"
                     self.num_step_errors += 1
                     items.extend(self._fail_all(error.message, 500))
-            self.num_waiting = engine.scheduler.num_waiting
-            self._observe(stepped, items)
+            stats = engine.stats()
+            self.num_waiting = stats.num_waiting
+            self._observe(stats, engine.last_step_stats if stepped else None, items)
             self._send(items)
         self._send(self._fail_all(SHUTTING_DOWN, 503))
         self._check_pages()
@@ -382,17 +383,19 @@ class AsyncEngine:
         except Exception:
             logger.exception("KV page accounting is broken at shutdown")
             return
-        kv = self.engine.kv
+        stats = self.engine.stats()
         logger.info(
             "engine stopped: every KV page is back in the pool (%d of %d free, %d cached for reuse)",
-            kv.num_free_pages,
-            kv.num_total_pages,
-            kv.num_reclaimable_pages - kv.num_free_pages,
+            stats.num_free_pages,
+            stats.num_total_pages,
+            stats.num_reclaimable_cached_pages,
         )
 
-    def _observe(self, stepped: bool, items: list[tuple[RequestOutput, int | None]]) -> None:
+    def _observe(
+        self, stats: EngineStats, step: StepStats | None, items: list[tuple[RequestOutput, int | None]]
+    ) -> None:
         try:
-            self.stats.update(self.engine, stepped, items, self._timed_out)
+            self.stats.update(stats, step, items, self._timed_out)
             self.stats.maybe_log(self.engine)
         except Exception:  # metrics must never take the engine down
             logger.exception("updating metrics failed")

@@ -1,7 +1,8 @@
 """Errors as OpenAI's error object, {"error": {"message", "type", "param", "code"}}, on every endpoint.
 
-Bad input raises APIError(400, ...) anywhere in a handler; the handlers installed here turn it, FastAPI's
-own validation and routing errors, and anything unexpected (500, logged) into that shape.
+Bad input raises APIError(400, ...) anywhere in a handler; the handlers installed here turn it, the tokenizer
+pool's TokenizationError (its status, param and code), FastAPI's own validation and routing errors, and
+anything unexpected (500, logged) into that shape.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from longserve.tokenization.pool import TokenizationError
 
 logger = logging.getLogger("longserve.server")
 
@@ -71,6 +74,11 @@ class APIError(Exception):
         return f"data: {json.dumps(self.body(), ensure_ascii=False)}\n\n"
 
 
+def as_api_error(exc: TokenizationError) -> APIError:
+    """A refusal of the tokenizer pool as the error answered to the client."""
+    return APIError(exc.status, exc.message, param=exc.param, code=exc.code)
+
+
 def _describe(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
@@ -107,6 +115,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
         return exc.response()
+
+    @app.exception_handler(TokenizationError)
+    async def _tokenization_error(_: Request, exc: TokenizationError) -> JSONResponse:
+        return as_api_error(exc).response()
 
     @app.exception_handler(ClientGone)
     async def _client_gone(request: Request, _: ClientGone) -> Response:

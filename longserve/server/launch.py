@@ -22,7 +22,7 @@ def build_server(engine_config: EngineConfig, server_config: ServerConfig):
     from longserve.server.app import create_app
     from longserve.server.async_engine import AsyncEngine
     from longserve.server.state import ServerState
-    from longserve.server.tokenize import MAX_CHARS_PER_TOKEN, TokenizerPool
+    from longserve.tokenization.pool import MAX_CHARS_PER_TOKEN, TokenizerPool
 
     engine = Engine(engine_config, detokenize=False)  # the AsyncEngine assembles text on the event loop
     try:
@@ -160,7 +160,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return run_from_args(args)
     except (ValueError, OSError, RuntimeError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        from longserve.server.args import cli_message
+
+        print(f"error: {cli_message(e)}", file=sys.stderr)  # settings named as this command's flags
         return 2
 
 

@@ -30,7 +30,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 if TYPE_CHECKING:
     from longserve.engine import Engine
-    from longserve.outputs import RequestOutput
+    from longserve.outputs import EngineStats, RequestOutput, StepStats
 
 logger = logging.getLogger("longserve.stats")
 
@@ -289,7 +289,7 @@ class StatsTracker:
         self.metrics = metrics
         self.log_interval = log_interval
         self.hit_rate_window = hit_rate_window
-        self._seen = (0, 0, 0, 0)  # scheduler counters already accounted: queries, hits, preemptions, short
+        self._seen = (0, 0, 0, 0)  # engine counters already accounted: queries, hits, preemptions, short
         self._window: deque[tuple[float, int, int]] = deque()  # (time, queried, hit) per iteration
         self._window_q = self._window_h = 0
         self._last_token: dict[str, dict[int, float]] = {}  # request -> completion index -> last token time
@@ -301,26 +301,25 @@ class StatsTracker:
     # ---- per loop iteration ---------------------------------------------------------------------
     def update(
         self,
-        engine: Engine,
-        stepped: bool,
+        stats: EngineStats,
+        step: StepStats | None,
         items: list[tuple[RequestOutput, int | None]],
         timed_out: set[str],
     ) -> None:
+        """`stats`: the engine's snapshot after this iteration; `step`: its step's counters (None: no step)."""
         now = time.perf_counter()
         m, log = self.metrics, self._log
-        sched = engine.scheduler
-        if stepped:
-            st = engine.last_step_stats
-            log["prefill"] += st.num_prefill_tokens
-            log["decode"] += st.num_decode_tokens
+        if step is not None:
+            log["prefill"] += step.num_prefill_tokens
+            log["decode"] += step.num_decode_tokens
             self._active = True
             if m is not None:
-                m.prefill_tokens_computed.inc(st.num_prefill_tokens)
+                m.prefill_tokens_computed.inc(step.num_prefill_tokens)
         counts = (
-            sched.num_prefix_query_tokens,
-            sched.num_prefix_hit_tokens,
-            sched.num_preemptions,
-            sched.num_deferred_prefill_steps,
+            stats.num_prefix_query_tokens,
+            stats.num_prefix_hit_tokens,
+            stats.num_preemptions,
+            stats.num_short_first_steps,
         )
         dq, dh, dp, ds = (new - old for new, old in zip(counts, self._seen))
         self._seen = counts
@@ -344,9 +343,9 @@ class StatsTracker:
                 m.preemptions.inc(dp)
             if ds:
                 m.short_first_steps.inc(ds)
-            m.num_running.set(sched.num_running)
-            m.num_waiting.set(sched.num_waiting)
-            m.kv_usage.set(engine.last_step_stats.kv_usage if stepped else engine.kv.usage())
+            m.num_running.set(stats.num_running)
+            m.num_waiting.set(stats.num_waiting)
+            m.kv_usage.set(stats.kv_usage)
         for out, status in items:
             self._on_output(out, status, now, out.request_id in timed_out)
 
@@ -394,15 +393,16 @@ class StatsTracker:
             return
         log = self._log
         if self._active:
+            stats = engine.stats()
             hit_rate = f"{100.0 * log['hits'] / log['queries']:.1f}%" if log["queries"] else "-"
             logger.info(
                 "engine: prefill %.1f tok/s, decode %.1f tok/s, %d running, %d queued, KV usage %.1f%%, "
                 "prefix cache hit rate %s, %d finished, %d preempted",
                 log["prefill"] / elapsed,
                 log["decode"] / elapsed,
-                engine.scheduler.num_running,
-                engine.scheduler.num_waiting,
-                100.0 * engine.kv.usage(),
+                stats.num_running,
+                stats.num_waiting,
+                100.0 * stats.kv_usage,
                 hit_rate,
                 log["finished"],
                 log["preemptions"],

@@ -18,10 +18,10 @@ from fastapi.responses import StreamingResponse
 from longserve.config import EngineConfig, ServerConfig
 from longserve.outputs import RequestOutput
 from longserve.server.async_engine import AsyncEngine
-from longserve.server.errors import APIError, internal_error
+from longserve.server.errors import APIError, as_api_error, internal_error
 from longserve.server.metrics import ServerMetrics
 from longserve.server.protocol import ARRIVAL_SCOPE_KEY
-from longserve.server.tokenize import TokenizerPool
+from longserve.tokenization.pool import TokenizationError, TokenizerPool
 
 logger = logging.getLogger("longserve.server")
 QUEUED_SCOPE_KEY = "longserve.queued"  # set on the ASGI scope once a call's requests reached the engine
@@ -211,6 +211,8 @@ async def sse_stream(events: AsyncIterator[str], on_close) -> AsyncIterator[str]
             yield event
     except APIError as e:
         yield e.sse()
+    except TokenizationError as e:
+        yield as_api_error(e).sse()
     except Exception:
         yield internal_error("streaming a response").sse()
     finally:

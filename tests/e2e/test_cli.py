@@ -7,7 +7,7 @@ import json
 import pytest
 
 from longserve import LLM, SamplingParams, cli
-from tests.checkpoints import make_tiny_checkpoint
+from longserve.testing.checkpoints import make_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")

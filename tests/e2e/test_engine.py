@@ -10,7 +10,7 @@ import torch
 
 from longserve import LLM, SamplingParams
 from longserve.engine import PromptTooLongError
-from tests.checkpoints import make_tiny_checkpoint
+from longserve.testing.checkpoints import make_tiny_checkpoint
 
 # LONGSERVE_TEST_DEVICE=cuda runs the same checks on a GPU (the transformers reference stays on the CPU)
 DEVICE = os.environ.get("LONGSERVE_TEST_DEVICE", "cpu")
@@ -206,6 +206,20 @@ def test_n_siblings_share_the_prompt(ckpt):
     assert_clean(m.engine)
 
 
+def test_n_siblings_fork_the_prompt_without_the_prefix_cache(ckpt):
+    """With prefix caching off, the siblings take the leader's full prompt pages by fork: the same work."""
+    m = llm(ckpt, page_size=8, enable_prefix_caching=False)
+    assert m.engine.kv.siblings_fork
+    p = prompts(1, shared=40)[0]  # 45 tokens
+    before = m.engine.runner.num_tokens_computed
+    sp = SamplingParams(n=3, max_new_tokens=6, temperature=1.0, seed=7, ignore_eos=True)
+    out = m.generate(p, sp)[0]
+    assert len(out.outputs) == 3 and all(len(o.token_ids) == 6 for o in out.outputs)
+    assert m.engine.runner.num_tokens_computed - before == len(p) + 2 * 5 + 3 * 5
+    assert m.engine.stats().num_cached_pages == 0
+    assert_clean(m.engine)
+
+
 def test_short_first_answers_a_short_request_during_a_long_prefill(ckpt):
     """A short prompt that arrives while a long one is prefilled in 64-token chunks gets its first token in
     the next step with the short-first policy (after every chunk with fcfs); both policies give the same
@@ -237,7 +251,7 @@ def test_short_first_answers_a_short_request_during_a_long_prefill(ckpt):
 def test_string_prompts_over_one_document_reuse_its_tokens(ckpt):
     """A batch of questions over one long document and a chat's next turn: the engine's prompt ids are
     transformers' (encode, apply_chat_template) while each prompt after the first re-uses cached tokens."""
-    from longserve.tokenizer import apply_chat_template
+    from longserve.tokenization.tokenizer import apply_chat_template
 
     m = llm(ckpt, context_length=8192, max_total_tokens=32768)  # past the tiny model's 512 positions
     tok = m.engine.tokenizer
@@ -270,6 +284,55 @@ def test_abort_releases_pages(ckpt):
     final = engine.abort(rid)
     assert final.finished and final.finish_reason == "abort"
     assert_clean(engine)
+
+
+def test_stats_is_a_snapshot_of_queues_pages_and_prefix_hits(ckpt):
+    """Engine.stats(): what the server's /server_info and metrics read, agreeing with the engine's parts."""
+    engine = llm(ckpt, page_size=16, chunked_prefill_size=16).engine
+    idle = engine.stats()
+    assert (idle.num_running, idle.num_waiting, idle.num_unfinished_requests) == (0, 0, 0)
+    assert idle.page_size == 16 and idle.num_free_pages == idle.num_total_pages > 0
+    assert (idle.num_used_pages, idle.num_cached_pages, idle.kv_usage) == (0, 0, 0.0)
+    assert idle.max_total_num_tokens == 16 * idle.num_total_pages
+    a = prompts(1, shared=60)[0][:60]
+    engine.add_request(a, SamplingParams(max_new_tokens=2, temperature=0), request_id="a")
+    engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=2, temperature=0), request_id="b")
+    engine.step()  # a's first 16-token chunk fills the budget: b waits
+    busy = engine.stats()
+    assert (busy.num_running, busy.num_waiting, busy.num_unfinished_requests) == (1, 1, 2)
+    assert busy.num_used_pages == 1 == busy.num_cached_pages  # the computed page is cached and still held
+    assert busy.kv_usage == 1 / busy.num_total_pages and busy.num_prefix_query_tokens == 60
+    with pytest.raises(AttributeError):
+        busy.num_running = 0  # frozen: a snapshot, not a view
+    while engine.has_unfinished():
+        engine.step()
+    engine.add_request(a[:48] + [7, 8, 9], SamplingParams(max_new_tokens=1, temperature=0), request_id="c")
+    while engine.has_unfinished():
+        engine.step()
+    done = engine.stats()
+    assert done.num_prefix_query_tokens == 60 + 3 + 51 and done.num_prefix_hit_tokens == 48
+    assert (done.num_running, done.num_waiting, done.num_unfinished_requests) == (0, 0, 0)
+    assert done.num_used_pages == 0 and done.num_cached_pages == done.num_reclaimable_cached_pages > 0
+    assert done.num_cached_pages == done.num_total_pages - done.num_free_pages
+    assert done.num_cached_pages == engine.flush_cache() and engine.stats().num_cached_pages == 0
+    assert_clean(engine)
+
+
+def test_text_without_a_tokenizer_is_refused_naming_load_format(ckpt, tmp_path):
+    """Dummy weights over a directory with only config.json serve token ids; a text prompt is refused with
+    the setting named (`load_format='dummy'` in Python, `--load-format dummy` on a command line)."""
+    import shutil
+
+    from longserve.config import ConfigError
+    from longserve.server.args import cli_message
+
+    shutil.copy(os.path.join(ckpt, "config.json"), tmp_path / "config.json")
+    m = llm(str(tmp_path), load_format="dummy")
+    assert len(m.generate([5, 6, 7], SamplingParams(max_new_tokens=2))[0].token_ids) == 2
+    with pytest.raises(ConfigError, match=r"\(load_format='dummy' without tokenizer files\)") as exc:
+        m.generate("Hello", SamplingParams(max_new_tokens=2))
+    assert "(--load-format dummy without tokenizer files)" in cli_message(exc.value)
+    assert_clean(m.engine)
 
 
 def test_prompt_longer_than_context_is_refused(ckpt):

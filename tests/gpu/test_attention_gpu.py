@@ -95,7 +95,7 @@ def test_sliding_window(num_query: int) -> None:
 
 
 def test_bench_attention_runs() -> None:
-    from longserve.kernels.bench_attention import BenchCase, bench_attention
+    from longserve.bench.kernels.attention import BenchCase, bench_attention
 
     cases = [BenchCase("cold_1k", 0, 1024), BenchCase("suffix", 4096, 64), BenchCase("decode_4k", 4095, 1)]
     rows = bench_attention(cases, warmup=1, repeats=2)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from longserve import LLM, SamplingParams
-from tests.checkpoints import make_tiny_checkpoint
+from longserve.testing.checkpoints import make_tiny_checkpoint
 
 pytestmark = [
     pytest.mark.gpu,

@@ -88,7 +88,7 @@ def test_rotary_embedding(dtype: torch.dtype) -> None:
 
 
 def test_bench_fused_ops_runs() -> None:
-    from longserve.kernels.bench_fused import bench_fused_ops
+    from longserve.bench.kernels.fused_ops import bench_fused_ops
 
     rows = bench_fused_ops(num_tokens=256)
     assert [r["op"] for r in rows] == ["rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding"]

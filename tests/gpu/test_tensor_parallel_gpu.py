@@ -9,7 +9,7 @@ import torch
 
 from longserve import LLM, SamplingParams
 from longserve.distributed import get_tp_group
-from tests.checkpoints import ARCHS, make_tiny_checkpoint
+from longserve.testing.checkpoints import ARCHS, make_tiny_checkpoint
 
 pytestmark = [
     pytest.mark.gpu,

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from longserve.models import get_model_class, load_hf_config, load_model, resolve_dtype
-from tests.checkpoints import make_tiny_checkpoint
+from longserve.testing.checkpoints import make_tiny_checkpoint
 
 CPU = torch.device("cpu")
 SUPPORTED = "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"

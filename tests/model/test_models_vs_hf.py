@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from longserve.attention.base import AttentionMetadata, ForwardContext, KVCache
-from longserve.attention.torch_ref import TorchAttentionBackend
+from longserve.attention.torch_backend import TorchAttentionBackend
 from longserve.models import load_hf_config, load_model
 from longserve.models.rope import compute_inv_freq, rope_parameters_from_config
-from tests.checkpoints import make_tiny_checkpoint
+from longserve.testing.checkpoints import make_tiny_checkpoint
 
 PAGE_SIZE = 4
 PAGE_IDS = [5, 2, 9, 0, 7, 11, 3, 8, 1, 6, 13, 4, 10, 12, 15, 14, 17, 16, 19, 18]

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from longserve import LLM, SamplingParams
 from longserve.distributed import get_tp_group
 from longserve.models.decoder import head_layout
-from tests.checkpoints import ARCHS, make_tiny_checkpoint
+from longserve.testing.checkpoints import ARCHS, make_tiny_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
@@ -131,7 +131,7 @@ def test_dead_worker_fails_the_engine_and_close_stops_workers(tmp_path, caplog):
     workers = m.engine.runner.workers
     assert m.generate([5, 6, 7], GREEDY)[0].token_ids  # healthy
     (proc,) = workers.procs
-    with caplog.at_level(logging.ERROR, logger="longserve.runner.worker"):
+    with caplog.at_level(logging.ERROR, logger="longserve.runner.tp_workers"):
         os.kill(proc.pid, signal.SIGKILL)
         proc.join(10)
         start = time.monotonic()

@@ -12,7 +12,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import pytest
 
-from tests.checkpoints import make_tiny_checkpoint
+from longserve.testing.checkpoints import make_tiny_checkpoint
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONTEXT = 8192  # beyond the tiny model's 512 positions: long enough to disconnect mid-generation

@@ -1,6 +1,6 @@
 """The real server process with a tiny model: the official openai client (chat, completions, streaming,
-n=2, stop, logprobs, cached-token usage), SGLang's /generate with the seed article's body (streamed and
-not, greedy equal to the offline LLM), the admin endpoints, and a disconnect mid-stream freeing pages."""
+n=2, stop, logprobs, cached-token usage), SGLang's /generate with a body in SGLang's request shape (streamed
+and not, greedy equal to the offline LLM), the admin endpoints, and a disconnect mid-stream freeing pages."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from tests.server.conftest import CONTEXT
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
-SEED_BODY = {
+SGLANG_BODY = {
     "text": "請用三句話說明什麼是 Prefill 階段。",
     "sampling_params": {"max_new_tokens": 256, "temperature": 0.7},
 }
@@ -134,8 +134,8 @@ def test_models_endpoint(oai, model):
     assert [m.id for m in oai.models.list().data] == [model]
 
 
-def test_generate_seed_body(client):
-    r = client.post("/generate", json=SEED_BODY)
+def test_generate_sglang_body(client):
+    r = client.post("/generate", json=SGLANG_BODY)
     assert r.status_code == 200, r.text
     body = r.json()
     assert isinstance(body["text"], str) and body["output_ids"]
@@ -146,8 +146,8 @@ def test_generate_seed_body(client):
         assert key in meta
 
 
-def test_generate_seed_body_streamed(client):
-    with client.stream("POST", "/generate", json={**SEED_BODY, "stream": True}) as r:
+def test_generate_sglang_body_streamed(client):
+    with client.stream("POST", "/generate", json={**SGLANG_BODY, "stream": True}) as r:
         assert r.status_code == 200
         events = sse_events(r.iter_lines())
     assert events[-1] == "[DONE]" and len(events) > 2
@@ -156,9 +156,9 @@ def test_generate_seed_body_streamed(client):
     assert all(e["text"].startswith(events[0]["text"]) for e in events[1:-1])  # cumulative text
 
 
-def test_generate_seed_client_verbatim(server):
+def test_generate_from_a_plain_requests_client(server):
     requests = pytest.importorskip("requests")
-    resp = requests.post(f"{server.url}/generate", json=SEED_BODY)
+    resp = requests.post(f"{server.url}/generate", json=SGLANG_BODY)
     print(resp.json())
     assert resp.status_code == 200 and "text" in resp.json()
 

@@ -186,7 +186,7 @@ def test_timings_count_from_the_http_arrival(engine, tiny_model):
     from longserve.config import ServerConfig
     from longserve.server.app import create_app
     from longserve.server.state import ServerState
-    from longserve.server.tokenize import TokenizerPool
+    from longserve.tokenization.pool import TokenizerPool
 
     async def main():
         pool = TokenizerPool(tiny_model, 1)
@@ -228,7 +228,7 @@ def test_request_timeout_over_http(engine, tiny_model):
     from longserve.config import ServerConfig
     from longserve.server.app import create_app
     from longserve.server.state import ServerState
-    from longserve.server.tokenize import TokenizerPool
+    from longserve.tokenization.pool import TokenizerPool
 
     body = {
         "input_ids": [5, 6, 7],
@@ -316,7 +316,7 @@ def test_request_timeout_covers_tokenizing(engine, tiny_model):
     from longserve.config import ServerConfig
     from longserve.server.app import create_app
     from longserve.server.state import ServerState
-    from longserve.server.tokenize import TokenizerPool
+    from longserve.tokenization.pool import TokenizerPool
 
     async def main():
         pool = TokenizerPool(tiny_model, 1)

@@ -22,7 +22,8 @@ httpx = pytest.importorskip("httpx")
 
 CHAT = "/v1/chat/completions"
 SHORT = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
-LONG = {"max_new_tokens": 8000, "temperature": 0, "ignore_eos": True}  # minutes on the CPU: never done in time
+# minutes on the CPU: never done in time
+LONG = {"max_new_tokens": 8000, "temperature": 0, "ignore_eos": True}
 LOOP_TEMPLATE = "{% for a in range(100000) %}{% for b in range(100000) %}{{ a }}{% endfor %}{% endfor %}"
 
 

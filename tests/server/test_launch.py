@@ -1,6 +1,6 @@
-"""The seed article's two launch lines (SGLang and vLLM spellings, issue 4's versions with --tp-size 1) start
-real servers with `--device cpu` and the tiny model; the API key is enforced (set here through
-LONGSERVE_API_KEY, so the vLLM line itself stays unchanged).
+"""Two launch lines, in SGLang's and vLLM's spellings (SGLang's with --tp-size 1), start real servers with
+`--device cpu` and the tiny model; the API key is enforced (set here through LONGSERVE_API_KEY, so the vLLM
+line itself stays unchanged).
 
 Each line's fixed port is swapped for a free one, and LONGSERVE_MAX_TOTAL_TOKENS keeps the CPU KV pool at
 the 131,072-token context instead of a fraction of the machine's RAM (env vars rank below flags, so the
@@ -35,8 +35,8 @@ def _args(line: str, model: str, port: int) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def seed_servers(tiny_model, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("seed-launch")
+def launched(tiny_model, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("launch-lines")
     p1, p2 = free_port(), free_port()
     sglang = ServerProcess(_args(SGLANG_LINE, tiny_model, p1), p1, str(logs / "sglang.log"), POOL)
     vllm = ServerProcess(
@@ -49,8 +49,8 @@ def seed_servers(tiny_model, tmp_path_factory):
         vllm.stop()
 
 
-def test_sglang_line_serves_generate(seed_servers):
-    sglang, _ = seed_servers
+def test_sglang_line_serves_generate(launched):
+    sglang, _ = launched
     info = httpx.get(sglang.url + "/server_info").json()
     assert info["context_length"] == 131072 and info["engine_config"]["chunked_prefill_size"] == 8192
     assert (
@@ -65,8 +65,8 @@ def test_sglang_line_serves_generate(seed_servers):
     assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] >= 1
 
 
-def test_vllm_line_with_api_key(seed_servers, tiny_model):
-    _, vllm = seed_servers
+def test_vllm_line_with_api_key(launched, tiny_model):
+    _, vllm = launched
     url = vllm.url
     assert httpx.get(url + "/health").status_code == 200  # open without a key
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
@@ -129,3 +129,21 @@ def test_no_model_serves_the_embedded_default(tmp_path):
         )
     finally:
         server.stop()
+
+
+def test_launch_server_errors_name_the_flags(tiny_model, tmp_path, capsys):
+    """`python -m longserve.launch_server` says a refused setting as its flag, as `longserve serve` does: a
+    checkpoint without tokenizer files points at --tokenizer-path, not the Python keyword."""
+    import shutil
+
+    from longserve.server.launch import main
+
+    model = tmp_path / "no-tokenizer"
+    model.mkdir()
+    for name in ("config.json", "model.safetensors", "generation_config.json"):
+        shutil.copy(f"{tiny_model}/{name}", model / name)
+    argv = ["--model-path", str(model), "--device", "cpu", "--port", str(free_port())]
+    assert main([*argv, "--max-total-tokens", "1024"]) == 2
+    err = capsys.readouterr().err
+    assert f"error: no tokenizer in {str(model)!r}" in err
+    assert "(pass --tokenizer-path DIR to load it from elsewhere)" in err and "tokenizer=DIR" not in err

@@ -274,7 +274,7 @@ def _app(engine, tiny_model, **server_kw):
     from longserve.server.app import create_app
     from longserve.server.async_engine import AsyncEngine
     from longserve.server.state import ServerState
-    from longserve.server.tokenize import TokenizerPool
+    from longserve.tokenization.pool import TokenizerPool
 
     state = ServerState(
         engine.config, ServerConfig(**server_kw), AsyncEngine(engine), TokenizerPool(tiny_model, 1)

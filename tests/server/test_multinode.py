@@ -1,8 +1,8 @@
 """Multi-node tensor parallelism through torch.distributed's TCP rendezvous, on one machine: "node 0" is a
 `longserve serve --tp-size 2 --nnodes 2 --node-rank 0 --dist-init-addr` server and "node 1" a separate
-`python -m longserve.runner.worker ... --node-rank 1` process (gloo). Greedy /generate equals the offline
+`python -m longserve.worker ... --node-rank 1` process (gloo). Greedy /generate equals the offline
 TP=1 engine; stopping node 0 stops node 1 cleanly; a dead node 1 takes node 0 down with a clear line.
-Also the seed article's SGLang launch line with `--tp-size 4` (issue 8's command, on the CPU)."""
+Also an SGLang launch command line with `--tp-size 4`, on the CPU."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def start_pair(model: str, logs, name: str) -> tuple[ServerProcess, subprocess.P
     )
     log1 = open(logs / f"{name}1.log", "w")  # noqa: SIM115 - closed by the caller
     node1 = subprocess.Popen(
-        [sys.executable, "-m", "longserve.runner.worker", *common, "--node-rank", "1"],
+        [sys.executable, "-m", "longserve.worker", *common, "--node-rank", "1"],
         cwd=REPO,
         env={**os.environ, "PYTHONPATH": REPO},
         stdout=log1,
@@ -90,9 +90,10 @@ def test_dead_node_takes_node0_down(tiny_model, tmp_path):
         log1.close()
 
 
-def test_seed_sglang_line_at_tp4(tiny_model, tmp_path):
-    """Issue 8's command line (the seed's SGLang launch with --tp-size 4) answers /generate on the CPU:
-    4 ranks, the tiny model's 2 kv heads replicated, greedy output equal to TP=1."""
+def test_sglang_launch_line_at_tp4(tiny_model, tmp_path):
+    """SGLang's launch flags with --tp-size 4 (--mem-fraction-static, --context-length 131072,
+    --chunked-prefill-size, --enable-prefix-caching) answer /generate on the CPU: 4 ranks, the tiny model's
+    2 kv heads replicated, greedy output equal to TP=1."""
     port = free_port()
     line = (
         f"--model-path {tiny_model} --host 127.0.0.1 --port {port} --tp-size 4 --mem-fraction-static 0.8 "
@@ -111,3 +112,18 @@ def test_seed_sglang_line_at_tp4(tiny_model, tmp_path):
         assert "tensor parallelism: 4 ranks (gloo), 4 on this node" in server.log()
     finally:
         server.stop()
+
+
+def test_worker_refuses_node_0_with_one_line(tiny_model):
+    """Node 0 runs the engine (`longserve serve`): the worker program says so and exits 2, no traceback."""
+    out = subprocess.run(
+        [sys.executable, "-m", "longserve.worker", "--model-path", tiny_model, "--node-rank", "0"],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": REPO},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2, out.stderr
+    assert "error: run_node is for --node-rank >= 1; node 0 runs the engine" in out.stderr
+    assert "Traceback" not in out.stderr

@@ -10,8 +10,8 @@ import random
 import pytest
 
 from longserve.server.args import parse
-from longserve.server.tokenize import TokenizerPool
-from longserve.tokenizer import apply_chat_template, load_tokenizer
+from longserve.tokenization.pool import TokenizerPool
+from longserve.tokenization.tokenizer import apply_chat_template, load_tokenizer
 
 _SAMPLE = "the cat sat on a mat it's 1234567 tokens , . ! ? \n\n   é 漢字 🙂 <|im_start|> hello world"
 WORDS = _SAMPLE.split(" ")  # with empty strings and a whitespace run

@@ -179,7 +179,7 @@ def test_bad_tp_size_is_refused_at_start(tiny_model):
 
 def test_more_ranks_than_gpus_are_refused_before_spawning(tiny_model, monkeypatch):
     """--device cuda with tp above the visible GPUs: refused with both counts, no process started."""
-    import longserve.runner.worker as worker
+    import longserve.runner.tp_workers as tp_workers
     from longserve.config import EngineConfig
     from longserve.models import load_hf_config
     from longserve.runner.model_runner import ModelRunner
@@ -189,12 +189,12 @@ def test_more_ranks_than_gpus_are_refused_before_spawning(tiny_model, monkeypatc
         def get_context(*args, **kwargs):
             raise AssertionError("a worker process was about to be spawned")
 
-    monkeypatch.setattr(worker, "resolve_device", lambda name: torch.device("cuda", 0))
+    monkeypatch.setattr(tp_workers, "resolve_device", lambda name: torch.device("cuda", 0))
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(worker, "mp", NoSpawn)
+    monkeypatch.setattr(tp_workers, "mp", NoSpawn)
     config = EngineConfig(tiny_model, device="cuda", tp_size=2)
     with pytest.raises(ValueError, match=r"tp_size=2 .* needs 2 GPUs on this node, but 1 is visible"):
         ModelRunner(config, load_hf_config(tiny_model))
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     with pytest.raises(AssertionError, match="about to be spawned"):  # enough GPUs: it gets that far
-        worker.TPWorkers.start(EngineConfig(tiny_model, device="cuda", tp_size=4))
+        tp_workers.TPWorkers.start(EngineConfig(tiny_model, device="cuda", tp_size=4))

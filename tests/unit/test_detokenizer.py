@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from longserve.detokenizer import IncrementalDetokenizer, TextAssembler
-from tests.checkpoints import make_tiny_checkpoint
+from longserve.testing.checkpoints import make_tiny_checkpoint
+from longserve.tokenization.detokenizer import IncrementalDetokenizer, TextAssembler
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +56,7 @@ def test_fast_decoder_equals_the_tokenizers_decode(tok):
     # skipped, on random ids (byte pieces, spaces, specials) as well as on encoded text
     import random
 
-    from longserve.detokenizer import make_decoder
+    from longserve.tokenization.detokenizer import make_decoder
 
     fast = make_decoder(tok)
     assert tok.backend_tokenizer is not None

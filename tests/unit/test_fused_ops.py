@@ -20,7 +20,8 @@ from longserve.kernels.norm import (  # noqa: E402
     rms_norm_ref,
 )
 from longserve.kernels.rope import rotary_embedding, rotary_embedding_ref  # noqa: E402
-from longserve.models.rope import RotaryEmbedding, apply_rotary  # noqa: E402
+from longserve.kernels.rope_reference import apply_rotary  # noqa: E402
+from longserve.models.rope import RotaryEmbedding  # noqa: E402
 
 ATOL = 1e-5
 TOKENS = [1, 7]
@@ -120,11 +121,11 @@ def test_model_with_fused_ops_matches_reference_path(tmp_path, monkeypatch: pyte
     compare its hidden states with the reference path's: wiring, residual flow and in-place RoPE."""
     pytest.importorskip("transformers")
     from longserve.attention.base import ForwardContext, KVCache
-    from longserve.attention.torch_ref import TorchAttentionBackend
+    from longserve.attention.torch_backend import TorchAttentionBackend
     from longserve.models import layers as layers_mod
     from longserve.models import load_hf_config, load_model
     from longserve.models import rope as rope_mod
-    from tests.checkpoints import make_tiny_checkpoint
+    from longserve.testing.checkpoints import make_tiny_checkpoint
     from tests.model.test_models_vs_hf import NUM_PAGES, PAGE_IDS, PAGE_SIZE, make_meta
 
     path = make_tiny_checkpoint(tmp_path / "qwen3", "qwen3", tie_word_embeddings=False, seed=7)

@@ -4,15 +4,17 @@ import pytest
 
 from longserve.cache.page_pool import PagePool
 
+PS = 16  # tokens per page: the pool only stores it
+
 
 def test_fresh_pool_counts() -> None:
-    pool = PagePool(8)
+    pool = PagePool(8, PS)
     assert (pool.num_total, pool.num_free, pool.num_used) == (8, 8, 0)
     pool.check()
 
 
 def test_alloc_lowest_ids_and_reuse() -> None:
-    pool = PagePool(8)
+    pool = PagePool(8, PS)
     assert pool.alloc(3) == [1, 2, 3]
     pool.check()
     assert [pool.ref(p) for p in (1, 2, 3, 4)] == [1, 1, 1, 0]
@@ -25,7 +27,7 @@ def test_alloc_lowest_ids_and_reuse() -> None:
 
 
 def test_alloc_returns_ascending_after_scattered_frees() -> None:
-    pool = PagePool(8)
+    pool = PagePool(8, PS)
     assert pool.alloc(8) == [1, 2, 3, 4, 5, 6, 7, 8]
     assert pool.decref([7, 3, 5]) == [7, 3, 5]
     pool.check()
@@ -35,7 +37,7 @@ def test_alloc_returns_ascending_after_scattered_frees() -> None:
 
 
 def test_exhausted_returns_none_without_side_effects() -> None:
-    pool = PagePool(4)
+    pool = PagePool(4, PS)
     assert pool.alloc(3) == [1, 2, 3]
     assert pool.alloc(2) is None
     pool.check()
@@ -43,12 +45,12 @@ def test_exhausted_returns_none_without_side_effects() -> None:
     assert pool.ref(4) == 0
     assert pool.alloc(1) == [4]
     assert pool.alloc(1) is None
-    assert PagePool(0).alloc(1) is None
-    assert PagePool(0).alloc(0) == []
+    assert PagePool(0, PS).alloc(1) is None
+    assert PagePool(0, PS).alloc(0) == []
 
 
 def test_refcounts() -> None:
-    pool = PagePool(4)
+    pool = PagePool(4, PS)
     pages = pool.alloc(2)
     assert pages == [1, 2]
     pool.incref([1, 1, 2])
@@ -64,7 +66,7 @@ def test_refcounts() -> None:
 
 
 def test_double_free_raises_and_changes_nothing() -> None:
-    pool = PagePool(4)
+    pool = PagePool(4, PS)
     pool.alloc(2)
     assert pool.decref([2]) == [2]
     with pytest.raises(ValueError, match="page 2"):
@@ -77,7 +79,7 @@ def test_double_free_raises_and_changes_nothing() -> None:
 
 
 def test_incref_of_free_page_raises_and_changes_nothing() -> None:
-    pool = PagePool(4)
+    pool = PagePool(4, PS)
     pool.alloc(1)
     with pytest.raises(ValueError, match="page 3"):
         pool.incref([1, 3])
@@ -87,7 +89,7 @@ def test_incref_of_free_page_raises_and_changes_nothing() -> None:
 
 @pytest.mark.parametrize("bad", [0, 5, -1])
 def test_out_of_range_ids_raise(bad: int) -> None:
-    pool = PagePool(4)
+    pool = PagePool(4, PS)
     pool.alloc(4)
     with pytest.raises(ValueError, match=str(bad)):
         pool.ref(bad)
@@ -100,4 +102,18 @@ def test_out_of_range_ids_raise(bad: int) -> None:
 
 def test_negative_alloc_raises() -> None:
     with pytest.raises(ValueError):
-        PagePool(4).alloc(-1)
+        PagePool(4, PS).alloc(-1)
+
+
+def test_the_pool_is_the_one_home_of_the_page_size() -> None:
+    """The radix tree and the manager read the pool's page size; a page size below 1 is refused."""
+    from longserve.cache.manager import KVCacheManager
+    from longserve.cache.radix_tree import RadixTree
+
+    pool = PagePool(4, 8)
+    assert pool.page_size == RadixTree(pool).page_size == 8
+    kv = KVCacheManager(4, 8)
+    assert kv.page_size == kv.pool.page_size == 8
+    for bad in (0, -16):
+        with pytest.raises(ValueError, match="page_size must be positive"):
+            PagePool(4, bad)

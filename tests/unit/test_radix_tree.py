@@ -13,8 +13,8 @@ PS = 2
 
 
 def make(num_pages: int = 16, page_size: int = PS) -> tuple[PagePool, RadixTree]:
-    pool = PagePool(num_pages)
-    return pool, RadixTree(pool, page_size)
+    pool = PagePool(num_pages, page_size)
+    return pool, RadixTree(pool)
 
 
 def cache(pool: PagePool, tree: RadixTree, tokens: list[int]) -> list[int]:
@@ -322,8 +322,8 @@ op_st = st.one_of(
 @settings(max_examples=200, deadline=None)
 @given(ops=st.lists(op_st, max_size=40), page_size=st.sampled_from([2, 4]))
 def test_random_request_lifecycles(ops: list[tuple[str, object]], page_size: int) -> None:
-    pool = PagePool(12)
-    tree = RadixTree(pool, page_size)
+    pool = PagePool(12, page_size)
+    tree = RadixTree(pool)
     reqs: list[SimRequest] = []
 
     for op, arg in ops:
@@ -446,3 +446,30 @@ def test_match_prefix_limit_equals_matching_the_cut_tokens(limit: int) -> None:
         (got.pages, got.num_tokens) == (want.pages, want.num_tokens) == (want.pages, min(limit, 12) // 4 * 4)
     )
     tree.check()
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_the_manager_runs_the_same_calls_with_or_without_a_prefix_cache(caching: bool) -> None:
+    # "no prefix cache" is a sibling object: the same calls, but a match finds nothing, a finished request's
+    # pages all go back to the pool, flush frees nothing, and siblings of an n > 1 request fork instead
+    from longserve.cache.manager import KVCacheManager
+    from longserve.request import Request
+    from longserve.sampling_params import SamplingParams
+
+    kv = KVCacheManager(8, 2, enable_prefix_caching=caching)
+    assert kv.siblings_fork is not caching
+    a = Request("a", [1, 2, 3, 4, 5], SamplingParams(max_new_tokens=1))
+    assert kv.match_prefix(a) == 0 and kv.allocate(a, 5) and a.page_ids == [1, 2, 3]
+    a.num_computed_tokens = 5
+    kv.cache_computed(a)
+    assert a.page_ids == [1, 2, 3] and kv.num_cached_pages == (2 if caching else 0)
+    kv.check_integrity([a])
+    kv.release(a)
+    assert kv.num_free_pages == (6 if caching else 8) and kv.num_reclaimable_pages == 8
+    b = Request("b", [1, 2, 3, 4, 9], SamplingParams(max_new_tokens=1))
+    hit = 4 if caching else 0
+    assert kv.peek_prefix_len(b) == hit and kv.match_prefix(b) == hit and len(b.page_ids) == hit // 2
+    kv.check_integrity([b])
+    kv.release(b, cache=False)
+    assert kv.flush() == (2 if caching else 0) and kv.num_free_pages == 8
+    kv.check_integrity([])

@@ -174,12 +174,12 @@ def test_generated_pages_enter_the_cache_when_the_request_ends():
     a = req("a", 8, max_new=9)
     s.add_request(a)
     run_step(s)  # the prompt: 2 full pages cached
-    assert s.kv.tree.num_cached_pages == 2
+    assert s.kv.prefix_cache.num_cached_pages == 2
     for _ in range(8):
         run_step(s)  # 8 decode steps fill pages 3 and 4
-    assert a.num_computed_tokens == 16 and s.kv.tree.num_cached_pages == 2
+    assert a.num_computed_tokens == 16 and s.kv.prefix_cache.num_cached_pages == 2
     s.finish_request(a, FinishReason.LENGTH)  # released: its 16 computed tokens fill 4 pages
-    assert s.kv.tree.num_cached_pages == 4
+    assert s.kv.prefix_cache.num_cached_pages == 4
     follow = Request("b", a.all_token_ids() + [1, 2], SamplingParams(max_new_tokens=1))
     s.add_request(follow)
     assert plan(s.schedule()) == [("b", follow.num_tokens - 16, True)]
@@ -249,7 +249,7 @@ def test_peek_matches_match_prefix_and_leaves_the_tree_as_it_was():
     s.add_request(a)
     run_step(s)
     s.finish_request(a, FinishReason.LENGTH)
-    tree = s.kv.tree
+    tree = s.kv.prefix_cache
     b = Request("b", list(range(22)) + [99] * 8, SamplingParams(max_new_tokens=1))  # diverges mid-node
 
     def state():
@@ -278,3 +278,26 @@ def test_short_first_lets_a_short_request_pass_a_long_one_that_arrived_just_befo
     only_short.add_request(req("b", 2, 50))
     assert plan(run_step(only_short)) == [("a", 3, True), ("b", 2, True)]
     assert only_short.num_deferred_prefill_steps == 0
+
+
+def test_scheduler_config_from_engine_config_sets_the_short_first_threshold():
+    """The engine's settings become the scheduler's in one place: the step budget, the caps, and under
+    short-first a threshold of 1/8 of the budget (a request with that many tokens to compute passes a long
+    prefill; one more token and it waits); fcfs never lets one pass."""
+    from longserve.config import EngineConfig
+
+    def derived(**kw) -> SchedulerConfig:
+        return SchedulerConfig.from_engine_config(EngineConfig(model="unused", load_format="dummy", **kw))
+
+    caps = derived(chunked_prefill_size=48, max_running_requests=8, max_prefill_chunk=24)
+    assert (caps.token_budget, caps.max_running_requests, caps.max_prefill_chunk) == (48, 8, 24)
+    cfg = derived(chunked_prefill_size=32)
+    assert cfg.short_prefill_tokens == 32 // 8
+    for n, passes in ((cfg.short_prefill_tokens, True), (cfg.short_prefill_tokens + 1, False)):
+        s = Scheduler(cfg, KVCacheManager(64, 4, enable_prefix_caching=True))
+        s.add_request(req("long", 100, 100))
+        s.add_request(req("next", n))
+        first = [x.request.request_id for x in s.schedule().scheduled]
+        assert first == (["next"] if passes else ["long"]), (n, first)
+    assert derived(schedule_policy="fcfs").short_prefill_tokens == 0
+    assert derived(chunked_prefill_size=4).short_prefill_tokens == 1  # never 0 under short-first

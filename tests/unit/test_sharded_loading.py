@@ -17,7 +17,7 @@ from longserve.distributed import TPGroup, parallel_state
 from longserve.models import load_hf_config
 from longserve.models.layers import MergedLinear, RowParallelLinear, default_weight_loader
 from longserve.models.loader import CheckpointSlice, LoadStats, iterate_safetensors, load_model
-from tests.checkpoints import ARCHS, make_tiny_checkpoint
+from longserve.testing.checkpoints import ARCHS, make_tiny_checkpoint
 
 CPU = torch.device("cpu")
 ODD_VOCAB = 509  # not divisible by 2 or 4: the last rank's vocab slice ends in zero padding

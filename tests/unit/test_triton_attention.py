@@ -14,20 +14,24 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 
 from longserve.attention import (  # noqa: E402
+    ATTENTION_BACKEND_CLASSES,
     AttentionMetadata,
+    GraphShape,
     KVCache,
     TorchAttentionBackend,
+    attention_backend_class,
     build_metadata,
     get_attention_backend,
 )
 from longserve.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-from longserve.kernels.decode_attention import choose_num_splits, decode_attention  # noqa: E402
+from longserve.kernels.decode_attention import choose_num_splits, decode_attention, decode_attention_ref  # noqa: E402
 from longserve.kernels.extend_attention import (  # noqa: E402
     choose_extend_splits,
     extend_attention,
     extend_attention_ref,
     extend_config,
 )
+from longserve.platform import ATTENTION_BACKENDS  # noqa: E402
 
 HEADS = [(4, 2), (2, 2)]  # (Hq, Hkv)
 ATOL = 1e-4
@@ -175,6 +179,41 @@ def test_decode_more_splits_than_keys() -> None:
     torch.testing.assert_close(out, expected, atol=ATOL, rtol=ATOL)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("sliding_window", [None, 6])
+def test_decode_kernel_matches_its_reference(num_splits: int, sliding_window: int | None) -> None:
+    """decode_attention against decode_attention_ref (same signature), which matches the torch backend."""
+    step = Step([0, 5, 17, 40], [1, 1, 1, 1], 4, (4, 2), 16, seed=20 + num_splits)
+    meta = step.meta
+    backend_out, cache = step.run(TorchAttentionBackend(), sliding_window)  # stores the new K/V
+    args = (
+        step.q, cache.k[0], cache.v[0], meta.seq_lens, meta.page_table, meta.page_size, step.scale,
+        sliding_window, num_splits,
+    )  # fmt: skip
+    expected = decode_attention_ref(*args)
+    torch.testing.assert_close(expected, backend_out, atol=ATOL, rtol=ATOL)
+    torch.testing.assert_close(decode_attention(*args), expected, atol=ATOL, rtol=ATOL)
+
+
+def test_graph_capture_hooks_fix_the_launch() -> None:
+    """What decode and prefill graphs capture with: a split count fixed per batch size (decode) and the
+    extend kernel with the split count planned for the longest context (prefill), never the cuDNN paths."""
+    backend = TritonAttentionBackend(num_sms=132)
+    cuda, bf16 = torch.device("cuda"), torch.bfloat16
+    shape = GraphShape(32768, 32, 8, 128, bf16, cuda)
+    assert backend.supports_cuda_graphs and not TorchAttentionBackend.supports_cuda_graphs
+    splits = {bs: backend.prepare_for_capture(bs, shape).num_splits for bs in (1, 8, 128)}
+    assert splits == {bs: choose_num_splits(32768, bs, 8, 132) for bs in (1, 8, 128)}
+    assert splits[1] > splits[128]  # a lone request spreads its keys; a full batch fills the chip alone
+    for tokens in (16, 64, 256):
+        planned = backend.prepare_for_extend_capture(tokens, shape)
+        assert isinstance(planned, TritonAttentionBackend) and planned.cold_path == "triton"
+        assert planned.extend_splits == backend.extend_launch([tokens], [32768], 32, 8, 128, bf16, cuda)[1]
+    assert backend.prepare_for_extend_capture(16, shape).extend_splits > 1
+    with pytest.raises(NotImplementedError, match="torch"):
+        TorchAttentionBackend().prepare_for_capture(1, shape)
+
+
 @pytest.mark.parametrize("heads", HEADS)
 def test_cold_sdpa_path(heads: tuple[int, int]) -> None:
     step = Step([0, 0, 0], [16, 5, 1], 4, heads, 16, seed=heads[1])
@@ -218,10 +257,16 @@ def test_extend_launch_tiles_and_splits() -> None:
 
 
 def test_registry_and_errors() -> None:
-    cpu = torch.device("cpu")
-    backend = get_attention_backend("triton", cpu)
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")  # no GPU needed: nothing touches the device
+    backend = get_attention_backend("triton", cuda)
     assert isinstance(backend, TritonAttentionBackend) and backend.name == "triton"
     assert isinstance(get_attention_backend("auto", cpu), TorchAttentionBackend)
+    # one rule for every entry point: the Triton kernels need CUDA, so on the CPU every name is torch
+    assert isinstance(get_attention_backend("triton", cpu), TorchAttentionBackend)
+    assert isinstance(get_attention_backend("flashinfer", cuda), TritonAttentionBackend)
+    assert isinstance(get_attention_backend("auto", cuda), TritonAttentionBackend)
+    assert attention_backend_class("fa3") is TritonAttentionBackend
+    assert set(ATTENTION_BACKEND_CLASSES) == set(ATTENTION_BACKENDS)  # a class for every canonical name
     with pytest.raises(ValueError, match="cold_path"):
         TritonAttentionBackend(cold_path="flash")
 

@@ -1,0 +1,58 @@
+"""The torch attention backend: the CPU default and the oracle the GPU backends are tested against.
+
+One SDPA call per request, in float32, with an explicit boolean mask (causal + optional sliding window).
+Reads only the host-side `*_cpu` lists for loop bounds, so it never syncs the device; its host loop cannot
+be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from longserve.attention.base import AttentionBackend, AttentionMetadata, KVCache
+from longserve.kernels.attention_reference import attention_mask, gather_kv
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Reference backend: gathers each request's pages, then one masked SDPA call per request."""
+
+    name = "torch"
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        layer_id: int,
+        meta: AttentionMetadata,
+        kv_cache: KVCache,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        kv_cache.store(layer_id, meta.slot_mapping, k, v)
+        num_q_heads, num_kv_heads = q.shape[1], k.shape[1]
+        assert num_q_heads % num_kv_heads == 0, f"Hq={num_q_heads} is not a multiple of Hkv={num_kv_heads}"
+        group = num_q_heads // num_kv_heads
+        k_cache, v_cache = kv_cache.k[layer_id], kv_cache.v[layer_id]  # [num_pages, page_size, Hkv, D]
+
+        out = torch.empty_like(q)  # [T, Hq, D]
+        start = 0
+        for r, (query_len, prefix_len, seq_len) in enumerate(
+            zip(meta.query_lens_cpu, meta.prefix_lens_cpu, meta.seq_lens_cpu)
+        ):
+            if query_len == 0:
+                continue
+            assert prefix_len + query_len == seq_len
+            page_ids = meta.page_table[r]  # [max_pages]
+            k_r = gather_kv(k_cache, page_ids, seq_len).float()  # [S, Hkv, D]
+            v_r = gather_kv(v_cache, page_ids, seq_len).float()  # [S, Hkv, D]
+            k_r = k_r.repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, S, D]
+            v_r = v_r.repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, S, D]
+            q_r = q[start : start + query_len].float().transpose(0, 1)  # [Hq, L, D]
+            mask = attention_mask(prefix_len, seq_len, sliding_window, q.device)  # [L, S]
+            o_r = F.scaled_dot_product_attention(q_r, k_r, v_r, attn_mask=mask, scale=scale)  # [Hq, L, D]
+            out[start : start + query_len] = o_r.transpose(0, 1).to(q.dtype)  # [L, Hq, D]
+            start += query_len
+        assert start == q.shape[0], f"query_lens sum to {start} but q has {q.shape[0]} tokens"
+        return out

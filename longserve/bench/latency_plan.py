@@ -1,0 +1,106 @@
+"""Sizing of `bench latency`'s engine before it is built: the context length the cases need and a KV pool
+that holds the largest case that fits in memory (the rest of memory is the activations' headroom); decode
+cases that cannot fit are skipped with the reason."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from typing import Any
+
+from longserve.bench.configs import BUILTIN_CONFIGS
+from longserve.config import EngineConfig
+
+_GIB = 2**30
+
+
+def read_model_config(model: str | None, shape: str | None) -> dict[str, Any]:
+    """config.json of the checkpoint directory `model`, else of `shape` (a built-in name or a file)."""
+    if model:
+        path = os.path.join(model, "config.json")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"--model-path {model!r}: {path} not found")
+    elif shape in BUILTIN_CONFIGS:
+        return dict(BUILTIN_CONFIGS[shape])
+    else:
+        path = shape
+    with open(path) as f:
+        return json.load(f)
+
+
+def _dtype_bytes(config: EngineConfig, cfg: dict[str, Any]) -> int:
+    name = (
+        config.dtype
+        if config.dtype != "auto"
+        else str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
+    )
+    return 4 if "32" in name or name == "float" else 2
+
+
+def estimate_bytes(cfg: dict[str, Any], itemsize: int, tp: int = 1) -> tuple[int, int]:
+    """(weight bytes, KV bytes per token) per device of a decoder from its config.json, for pool sizing;
+    under tensor parallelism a rank holds 1/tp of the weights and of the kv heads (at least one)."""
+    h, n_layers = cfg["hidden_size"], cfg["num_hidden_layers"]
+    n_q = cfg["num_attention_heads"]
+    n_kv = cfg.get("num_key_value_heads") or n_q
+    hd = cfg.get("head_dim") or h // n_q
+    per_layer = h * hd * (2 * n_q + 2 * n_kv) + 3 * h * cfg["intermediate_size"]
+    embed = cfg["vocab_size"] * h * (1 if cfg.get("tie_word_embeddings") else 2)
+    kv_heads = max(1, n_kv // tp)
+    return (embed + n_layers * per_layer) * itemsize // tp, n_layers * kv_heads * hd * 2 * itemsize
+
+
+def _round_up(n: int, k: int) -> int:
+    return -(-n // k) * k
+
+
+def decode_new_tokens(decode_steps: int, batch: int, config: EngineConfig) -> int:
+    """max_new_tokens of a decode case's requests: settling steps (each request recomputes at most one page)
+    + the timed steps + a margin."""
+    return decode_steps + math.ceil(batch * config.page_size / config.chunked_prefill_size) + 4
+
+
+def plan(
+    args: argparse.Namespace, config: EngineConfig, cfg: dict[str, Any]
+) -> tuple[int, int, dict[int, str]]:
+    """(context_length, max_total_tokens, {decode batch size: why it is skipped}) for the cases of `args` on
+    the engine `config` (its max_total_tokens, when given, is the pool)."""
+    ps = config.page_size
+    singles = [n + 1 for n in args.prompt_lens] + [c + m + 1 for c, m in args.prefix_hit]
+    decode_need = {}
+    for b in args.decode_batch_sizes:
+        per_req = args.decode_context_len + decode_new_tokens(args.decode_steps, b, config) + 1
+        singles.append(per_req)
+        decode_need[b] = b * (_round_up(per_req, ps) + ps)
+    context_length = _round_up(max(singles), ps)
+    single_need = context_length + ps
+    if config.max_total_tokens is not None:
+        pool = limit = config.max_total_tokens
+        holds = f"the pool holds {pool:,} (--max-total-tokens)"
+    else:
+        from longserve.platform import available_memory_bytes, resolve_device
+
+        weights, kv_per_token = estimate_bytes(cfg, _dtype_bytes(config, cfg), config.tp_size)
+        total, free = available_memory_bytes(resolve_device(config.device))
+        budget = total * config.mem_fraction_static - (total - free) - weights
+        limit = max(int(budget // kv_per_token) // ps * ps, ps)
+        # size the pool for the largest case that fits: the memory left over is the activations' headroom
+        fitting = [n for n in (single_need, *decode_need.values()) if n <= limit]
+        pool = min(_round_up(int(max(fitting or [single_need]) * 1.1), ps), limit)
+        holds = (
+            f"memory allows a pool of {limit:,} after ~{weights / _GIB:.1f} GiB of weights "
+            f"(--mem-fraction-static {config.mem_fraction_static})"
+        )
+    if single_need > limit:
+        raise ValueError(
+            f"the longest request needs {single_need:,} KV tokens; {holds}: "
+            "shorten the cases or raise --max-total-tokens / --mem-fraction-static"
+        )
+    skipped = {
+        b: f"{b} x {args.decode_context_len:,}-token contexts need {need:,} KV tokens; {holds}"
+        for b, need in decode_need.items()
+        if need > limit
+    }
+    return context_length, pool, skipped

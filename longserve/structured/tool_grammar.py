@@ -1,0 +1,124 @@
+"""Grammars that make `tool_choice: "required"` or a named function a guarantee: the output is one or more
+calls in the tool-call parser's own syntax, each call's arguments valid against its tool's JSON schema.
+
+Built as xgrammar structural tags (tags with a separator, no free text), so what the grammar allows is
+exactly what the matching parser in `tool_parsers.py` reads back as calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from longserve.structured.spec import GrammarSpec
+from longserve.structured.tool_calls import TOOL_NAME
+from longserve.structured.tool_parsers import (
+    HermesToolParser,
+    Llama3JsonToolParser,
+    MistralToolParser,
+    ToolCallParser,
+    get_tool_call_parser,
+)
+
+
+def forced_tool_choice(tool_choice: Any) -> str | None:
+    """The function name a tool_choice forces, "" for "required", None when calls stay optional."""
+    if tool_choice in (None, "auto", "none"):
+        return None
+    if tool_choice == "required":
+        return ""
+    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
+        name = (tool_choice.get("function") or {}).get("name")
+        if isinstance(name, str) and name:
+            return name
+    raise ValueError(
+        f'tool_choice must be "none", "auto", "required" or {{"type": "function", "function": {{"name": ...}}}}; '
+        f"got {tool_choice!r}"
+    )
+
+
+def tool_call_grammar(
+    parser: str | type[ToolCallParser],
+    tools: Sequence[dict],
+    tool_choice: Any,
+    *,
+    parallel_tool_calls: bool = True,
+    chat_template: str | None = None,
+) -> GrammarSpec | None:
+    """The GrammarSpec that forces `tool_choice` in `parser`'s syntax; None if it forces nothing.
+
+    `tools` are OpenAI tool objects ({"type": "function", "function": {name, parameters}}); a tool without
+    parameters takes any object. A named function forces exactly one call of it; "required" one call or
+    more (one if not `parallel_tool_calls`). `chat_template` picks Mistral's newer `name[ARGS]` syntax
+    when the template writes it.
+    """
+    forced = forced_tool_choice(tool_choice)
+    if forced is None:
+        return None
+    schemas = _tool_schemas(tools)
+    if forced:
+        if forced not in schemas:
+            raise ValueError(f"tool_choice names {forced!r}, which is not among the request's tools")
+        schemas = {forced: schemas[forced]}
+    elif not schemas:
+        raise ValueError('tool_choice "required" needs at least one tool')
+    cls = get_tool_call_parser(parser) if isinstance(parser, str) else parser
+    one = bool(forced) or not parallel_tool_calls
+
+    def tag(begin: str, schema: dict | bool, end: str) -> dict:
+        return {
+            "type": "tag",
+            "begin": begin,
+            "content": {"type": "json_schema", "json_schema": schema},
+            "end": end,
+        }
+
+    def calls(tags: list[dict], separator: str) -> dict:
+        return {
+            "type": "tags_with_separator",
+            "tags": tags,
+            "separator": separator,
+            "at_least_one": True,
+            "stop_after_first": one,
+        }
+
+    if issubclass(cls, HermesToolParser):
+        fmt = calls(
+            [
+                tag(f'{cls.OPEN}\n{{"name": "{n}", "arguments": ', s, f"}}\n{cls.CLOSE}")
+                for n, s in schemas.items()
+            ],
+            "\n",
+        )
+    elif issubclass(cls, Llama3JsonToolParser):
+        fmt = calls([tag(f'{{"name": "{n}", "parameters": ', s, "}") for n, s in schemas.items()], "; ")
+    elif issubclass(cls, MistralToolParser):
+        if chat_template and cls.ARGS in chat_template:
+            fmt = calls([tag(f"{cls.BOT}{n}{cls.ARGS}", s, "") for n, s in schemas.items()], "")
+        else:
+            listed = calls([tag(f'{{"name": "{n}", "arguments": ', s, "}") for n, s in schemas.items()], ", ")
+            fmt = {
+                "type": "sequence",
+                "elements": [
+                    {"type": "const_string", "value": f"{cls.BOT}["},
+                    listed,
+                    {"type": "const_string", "value": "]"},
+                ],
+            }
+    else:
+        raise ValueError(f"no forcing grammar for the {cls.name!r} tool-call syntax")
+    return GrammarSpec.structural_tag(fmt)
+
+
+def _tool_schemas(tools: Sequence[dict]) -> dict[str, dict | bool]:
+    schemas: dict[str, dict | bool] = {}
+    for tool in tools or ():
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or tool.get("type", "function") != "function":
+            raise ValueError(f"each tool must be {{'type': 'function', 'function': {{...}}}}; got {tool!r}")
+        name = function.get("name")
+        if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+            raise ValueError(f"a tool's function name must match [A-Za-z0-9_.:-]+; got {name!r}")
+        params = function.get("parameters")
+        schemas[name] = params if isinstance(params, (dict, bool)) else {"type": "object"}
+    return schemas

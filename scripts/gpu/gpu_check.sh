@@ -1,0 +1,164 @@
+#!/usr/bin/env bash
+# On a GPU machine, one command per MODE: GPU tests, the CPU e2e suite on CUDA, kernel microbenchmarks, the
+# probes and the latency benchmark of the Llama-3.1-8B shape against HF transformers. Logs and JSON go to
+# $OUT; a short table last. LONGSERVE_COMMIT is the commit the JSON metadata names: compute it where the tree
+# is a git checkout (a copied tree's .git may be stale) and pass it as a literal, e.g.
+#   LONGSERVE_COMMIT=abc1234 bash scripts/gpu/gpu_check.sh latency
+#   usage: LONGSERVE_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu/gpu_check.sh [quick|tests|bench|all|long|tp|tp2|tp32|profile|latency|hit|host|launch|turns]
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+MODE=${1:-all}
+OUT=${OUT:-/tmp/longserve-out}
+mkdir -p "$OUT"; export OUT
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} LONGSERVE_COMMIT=${LONGSERVE_COMMIT:-unknown}
+unset TRITON_INTERPRET
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+status=0
+
+if [[ $MODE == all || $MODE == tests || $MODE == quick ]]; then
+  # separate processes: the CPU kernel tests set TRITON_INTERPRET=1 at import
+  python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 || status=1
+  LONGSERVE_TEST_DEVICE=cuda python3 -m pytest -q tests/e2e/test_engine.py -p no:cacheprovider 2>&1 \
+    | tee "$OUT/e2e_cuda.log" | tail -25 || status=1
+fi
+
+if [[ $MODE == all || $MODE == bench ]]; then
+  python3 - <<'PY' 2>&1 | tee "$OUT/kernels.log"
+import json, os
+from longserve.bench.kernels.attention import bench_attention
+from longserve.bench.kernels.fused_ops import bench_fused_ops
+rows = bench_attention() + bench_fused_ops()
+json.dump(rows, open(os.path.join(os.environ["OUT"], "kernels.json"), "w"), indent=1)
+for r in rows:
+    print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
+PY
+  common=(--config llama-3.1-8b --load-format dummy --dtype bfloat16 --warmup 1 --repeat 3)
+  python3 -m longserve.bench.latency "${common[@]}" --prompt-lens 8192,32768 --prefix-hit 32768:64 \
+    --decode-batch-sizes 1 --decode-context-len 32768 --compare-hf --output-json "$OUT/latency_8b.json" \
+    2>&1 | tee "$OUT/latency_8b.log" | tail -12
+  python3 -m longserve.bench.latency "${common[@]}" --decode-batch-sizes 64 --decode-context-len 4096 \
+    --output-json "$OUT/latency_8b_decode64.json" 2>&1 | tee "$OUT/latency_8b_decode64.log" | tail -6
+fi
+if [[ $MODE == long ]]; then
+  python3 -m longserve.bench.latency --config llama-3.1-8b --load-format dummy --dtype bfloat16 --warmup 0 \
+    --repeat 1 --prompt-lens 131072 --compare-hf --output-json "$OUT/latency_8b_128k.json" \
+    2>&1 | tee "$OUT/latency_8b_128k.log" | tail -6
+fi
+
+if [[ $MODE == tp ]]; then  # needs two GPUs: TP tests, the 8B shape at TP=2
+  python3 -m pytest -q -m gpu tests/gpu/test_tensor_parallel_gpu.py -p no:cacheprovider -o faulthandler_timeout=150 -x 2>&1 \
+    | tee "$OUT/gpu_tp_tests.log" | tail -8 || status=1
+  python3 -m longserve.bench.latency --config llama-3.1-8b --load-format dummy --dtype bfloat16 --tp-size 2 \
+    --tp-overlap-min-tokens 4096 --profile --warmup 1 --repeat 3 --prompt-lens 8192,32768 \
+    --output-json "$OUT/latency_tp2_8b.json" 2>&1 \
+    | tee "$OUT/latency_tp2_8b.log" | tail -6
+  python3 -m longserve.bench.latency --config llama-3.1-8b --load-format dummy --dtype bfloat16 --tp-size 2 \
+    --tp-overlap-min-tokens 0 --warmup 1 --repeat 3 --prompt-lens 32768 \
+    --output-json "$OUT/latency_tp2_8b_no_overlap.json" 2>&1 | tee "$OUT/latency_tp2_8b_no_overlap.log" | tail -4
+fi
+if [[ $MODE == tp32 ]]; then  # two GPUs: the Qwen2.5-32B shape at TP=2
+  tp=(--config qwen2.5-32b --load-format dummy --dtype bfloat16 --tp-size 2)
+  python3 -m longserve.bench.latency "${tp[@]}" --profile --warmup 1 --repeat 2 --prompt-lens 8192,32768 \
+    --prefix-hit 32768:64 --decode-batch-sizes 1,32 --decode-context-len 8192 \
+    --output-json "$OUT/latency_tp2_32b.json" 2>&1 | tee "$OUT/latency_tp2_32b.log" | tail -8
+  python3 -m longserve.bench.latency "${tp[@]}" --warmup 0 --repeat 1 --prompt-lens 131072 \
+    --output-json "$OUT/latency_tp2_32b_128k.json" 2>&1 | tee "$OUT/latency_tp2_32b_128k.log" | tail -4
+fi
+if [[ $MODE == tp2 ]]; then  # two GPUs: TP tests, then overlap off against on at 32K for both shapes
+  python3 -m pytest -q -m gpu tests/gpu/test_tensor_parallel_gpu.py -p no:cacheprovider -o faulthandler_timeout=150 2>&1 \
+    | tee "$OUT/gpu_tp_tests.log" | tail -8 || status=1
+  for shape in llama-3.1-8b qwen2.5-32b; do
+    for overlap in 0 4096; do
+      prof=(); [[ $overlap == 4096 ]] && prof=(--profile)
+      python3 -m longserve.bench.latency --config $shape --load-format dummy --dtype bfloat16 --tp-size 2 \
+        --tp-overlap-min-tokens $overlap ${prof[@]+"${prof[@]}"} --warmup 1 --repeat 2 --prompt-lens 32768 \
+        --output-json "$OUT/latency_tp2_${shape}_overlap$overlap.json" 2>&1 \
+        | tee "$OUT/latency_tp2_${shape}_overlap$overlap.log" | tail -3
+    done
+  done
+fi
+if [[ $MODE == profile ]]; then  # one GPU: where the time of the 8B shape's cold and prefix-hit cases goes
+  python3 scripts/probes/sweep_decode.py 2>&1 | tee "$OUT/sweep_decode.log" | grep -v failed | tail -4
+  python3 -m longserve.bench.latency --config llama-3.1-8b --load-format dummy --dtype bfloat16 --warmup 1 \
+    --repeat 3 --prompt-lens 8192,32768 --prefix-hit 32768:64 --decode-batch-sizes 1 --decode-context-len 32768 \
+    --profile --output-json "$OUT/latency_8b_profile.json" 2>&1 | tee "$OUT/latency_8b_profile.log" | tail -8
+fi
+
+if [[ $MODE == latency ]]; then  # one GPU: tests, short-suffix extend sweep, the 8B shape's cases against HF
+  python3 -m pytest -q -m gpu tests/gpu/test_engine_gpu.py tests/gpu/test_attention_gpu.py -p no:cacheprovider \
+    -o faulthandler_timeout=150 2>&1 | tee "$OUT/gpu_tests.log" | tail -6 || status=1
+  python3 scripts/probes/sweep_short_extend.py 2>&1 | tee "$OUT/sweep_short_extend.log" | grep -v failed | tail -3
+  base=(--config llama-3.1-8b --load-format dummy --dtype bfloat16 --warmup 1 --repeat 3)
+  python3 -m longserve.bench.latency "${base[@]}" --prompt-lens 8192,32768 --prefix-hit 32768:64,32768:256 \
+    --decode-batch-sizes 1 --decode-context-len 32768 --compare-hf --profile --output-json "$OUT/latency_8b.json" \
+    2>&1 | tee "$OUT/latency_8b.log" | tail -8
+  python3 -m longserve.bench.latency "${base[@]}" --decode-batch-sizes 64 --decode-context-len 4096 --profile \
+    --output-json "$OUT/latency_8b_decode64.json" 2>&1 | tee "$OUT/latency_8b_decode64.log" | tail -3
+  python3 -m longserve.bench.latency "${base[@]}" --prefix-hit 32768:64 --cuda-graph-max-prefill-tokens 0 \
+    --output-json "$OUT/latency_8b_no_prefill_graphs.json" 2>&1 | tee "$OUT/latency_8b_no_prefill_graphs.log" | tail -3
+fi
+
+if [[ $MODE == hit ]]; then  # one GPU: the prefix-hit cases alone (more runs), then cold 128K against HF
+  base=(--config llama-3.1-8b --load-format dummy --dtype bfloat16)
+  python3 -m longserve.bench.latency "${base[@]}" --warmup 1 --repeat 5 --prefix-hit 32768:64,32768:256 \
+    --output-json "$OUT/latency_8b_hit.json" 2>&1 | tee "$OUT/latency_8b_hit.log" | tail -4
+  python3 -m longserve.bench.latency "${base[@]}" --warmup 0 --repeat 1 --prompt-lens 131072 --compare-hf \
+    --output-json "$OUT/latency_8b_128k.json" 2>&1 | tee "$OUT/latency_8b_128k.log" | tail -3
+fi
+
+if [[ $MODE == host ]]; then  # one GPU: where the host's time goes in a prefix hit and in decode steps
+  base=(--config llama-3.1-8b --load-format dummy --dtype bfloat16 --warmup 1 --repeat 3 --host-profile)
+  python3 -m longserve.bench.latency "${base[@]}" --prefix-hit 32768:64,32768:256 --decode-batch-sizes 1 \
+    --decode-context-len 32768 --output-json "$OUT/latency_8b_host.json" 2>&1 | tee "$OUT/latency_8b_host.log" \
+    | grep -v "^\[bench" | tail -40
+  python3 -m longserve.bench.latency "${base[@]}" --decode-batch-sizes 64 --decode-context-len 4096 \
+    --output-json "$OUT/latency_8b_host64.json" 2>&1 | tee "$OUT/latency_8b_host64.log" | grep -v "^\[bench" | tail -20
+fi
+
+if [[ $MODE == launch ]]; then  # one GPU: host launch cost, Triton's launch against FastKernel, eager steps
+  python3 -m pytest -q -m gpu tests/gpu/test_fused_ops_gpu.py tests/gpu/test_engine_gpu.py -p no:cacheprovider \
+    -o faulthandler_timeout=150 2>&1 | tee "$OUT/gpu_tests.log" | tail -4 || status=1
+  python3 scripts/probes/probe_launch.py 2>&1 | tee "$OUT/probe_launch.log"
+  base=(--config llama-3.1-8b --load-format dummy --dtype bfloat16 --warmup 1 --repeat 3 --cuda-graph-max-prefill-tokens 0)
+  for fast in 0 1; do
+    LONGSERVE_TRITON_FAST_LAUNCH=$fast python3 -m longserve.bench.latency "${base[@]}" --prefix-hit 32768:64,32768:512 \
+      --output-json "$OUT/latency_8b_eager_fast$fast.json" 2>&1 | tee "$OUT/latency_8b_eager_fast$fast.log" | tail -3
+  done
+fi
+
+if [[ $MODE == turns ]]; then  # one GPU: a conversation's next turn (tokenizer prefix cache; medium suffix hits)
+  python3 scripts/dev/bench_tokenize.py --history 8192,32768,131072 --turns 6 --output-json "$OUT/bench_tokenize.json" \
+    2>&1 | grep -v "Token indices" | tee "$OUT/bench_tokenize.log"
+  python3 -m pytest -q -m gpu tests/gpu/test_engine_gpu.py tests/gpu/test_attention_gpu.py -p no:cacheprovider \
+    -o faulthandler_timeout=150 2>&1 | tee "$OUT/gpu_tests.log" | tail -4 || status=1
+  hits=(--config llama-3.1-8b --load-format dummy --dtype bfloat16 --warmup 1 --repeat 3
+        --prefix-hit 32768:256,32768:512,32768:768,8192:512)
+  # the split rule before f1d6925 (cuDNN from 1024 new tokens only), then the current one, on the same machine
+  python3 -c "import sys, longserve.attention.triton_backend as t; t.SPLIT_SDPA_MIN_QUERY_LONG_PREFIX = 1024
+from longserve.bench.latency import main; sys.exit(main(sys.argv[1:]))" "${hits[@]}" \
+    --output-json "$OUT/latency_8b_hits_old_rule.json" 2>&1 | tee "$OUT/latency_8b_hits_old_rule.log" | tail -6
+  python3 -m longserve.bench.latency "${hits[@]}" --output-json "$OUT/latency_8b_hits.json" 2>&1 \
+    | tee "$OUT/latency_8b_hits.log" | tail -6
+fi
+
+echo "=== summary ($MODE) ==="
+grep -h "default .* best" "$OUT"/sweep_*.log 2>/dev/null
+grep -h "wall .* ms, busy" "$OUT"/latency_*.log 2>/dev/null | sed 's/^\[bench latency [0-9:]*\] //'
+
+grep -hE "passed|failed|error" "$OUT"/gpu_tests.log "$OUT"/e2e_cuda.log "$OUT"/gpu_tp_tests.log 2>/dev/null | tail -6
+python3 - <<'PY'
+import glob, json, os
+for path in sorted(glob.glob(os.path.join(os.environ["OUT"], "latency_*.json"))):
+    for r in json.load(open(path)):
+        if r.get("skipped"):
+            print(f"{r['name']:<28} skipped: {r['skipped']}"); continue
+        if r["case"] == "decode":
+            print(f"{r['name']:<28} itl {r['itl_ms_median']:.2f} ms")
+        elif r["case"] == "prefix_hit":
+            print(f"{r['name']:<28} ttft {r['ttft_s']:.4f} s  speedup vs cold {r['speedup']:.0f}x")
+        else:
+            hf = f"  hf {r['hf_wall_s']:.3f} s  ratio {r['hf_ratio']:.2f}" if r.get("hf_wall_s") else ""
+            print(f"{r['name']:<28} ttft {r['ttft_s']:.3f} s  wall {r['wall_s']:.3f} s{hf}")
+PY
+exit $status

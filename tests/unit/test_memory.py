@@ -1,0 +1,66 @@
+"""bound_kernel_caches: oneDNN's per-shape kernels no longer grow a process's RSS with every new matmul shape
+(the server's RSS leak under steady traffic), and a capacity the user set wins."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from longserve.memory import KERNEL_CACHE_VARIABLES, bound_kernel_caches
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# bf16 linears with 300 row counts, as an engine's steps have with new token counts; prints the RSS growth in
+# MiB. float32 work first, as a server does before its first bf16 matmul: the capacities are read lazily.
+PROBE = """
+import sys, torch
+torch.set_num_threads(1)
+torch.randn(8, 8) @ torch.randn(8, 8)
+if sys.argv[1] == "bounded":
+    from longserve.memory import bound_kernel_caches
+    bound_kernel_caches()
+def rss_mib():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+w = torch.randn(512, 256, dtype=torch.bfloat16)
+x = torch.randn(400, 256, dtype=torch.bfloat16)
+torch.nn.functional.linear(x[:1], w)
+base = rss_mib()
+for m in range(2, 302):
+    torch.nn.functional.linear(x[:m], w)
+print(rss_mib() - base)
+"""
+
+
+def rss_growth(mode: str) -> float:
+    env = {k: v for k, v in os.environ.items() if k not in KERNEL_CACHE_VARIABLES}
+    env["PYTHONPATH"] = REPO
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE, mode], env=env, capture_output=True, text=True, timeout=300, check=True
+    )
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_bounded_kernel_caches_stop_the_growth() -> None:
+    unbounded = rss_growth("default")
+    if unbounded < 60:  # ~0.65 MiB a shape where oneDNN compiles them (190 MiB on the CI machine's AVX-512)
+        pytest.skip(f"this CPU does not run bf16 matmuls through oneDNN's JIT kernels (+{unbounded:.0f} MiB)")
+    bounded = rss_growth("bounded")
+    # 64 kernels of ~0.65-1.4 MiB at most, against ~300 without the bound (CI machine: +59 against +191 MiB)
+    assert bounded < 100, (bounded, unbounded)
+    assert bounded < unbounded / 2, (bounded, unbounded)
+
+
+def test_a_capacity_set_by_the_user_wins(monkeypatch) -> None:
+    for name in KERNEL_CACHE_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "512")
+    bound_kernel_caches(32)
+    assert os.environ["LRU_CACHE_CAPACITY"] == "512"
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "32"
+    with pytest.raises(ValueError, match="at least 1"):
+        bound_kernel_caches(0)  # ideep crashes on a capacity of 0
