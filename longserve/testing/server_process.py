@@ -1,0 +1,128 @@
+"""A real server process for tests and dev scripts: `python -m longserve.launch_server` on a loopback port with its
+log in a file, and what /proc says of a process (RSS, CPU time, per-mapping RSS)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Mapping, Sequence
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (bound and released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def read_rss(pid: int) -> dict[str, int]:
+    """VmRSS, RssAnon, RssFile of a process, in KiB (/proc/PID/status)."""
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "RssAnon", "RssFile", "VmHWM"):
+                out[key] = int(value.split()[0])
+    return out
+
+
+def read_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process and its threads so far (/proc/PID/stat)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def read_smaps(pid: int) -> dict[str, int]:
+    """Rss (KiB) of each mapping of a process, keyed by 'start name' (/proc/PID/smaps; [heap] grows at its end)."""
+    rss: dict[str, int] = {}
+    key = ""
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            head = line.split(None, 5)
+            if "-" in head[0] and not head[0].endswith(":"):
+                name = head[5].strip() if len(head) > 5 else "[anon]"
+                key = f"{head[0].split('-')[0]} {name}"
+            elif head[0] == "Rss:":
+                rss[key] = int(head[1])
+    return rss
+
+
+def smaps_growth(before: dict[str, int], after: dict[str, int], top: int = 8) -> list[str]:
+    """The mappings whose Rss grew most between two read_smaps() (new mappings count in full)."""
+    growth = sorted(((after[k] - before.get(k, 0), k) for k in after), reverse=True)
+    lines = [f"{g / 1024:9.1f} MiB  {k}" for g, k in growth[:top] if g > 0]
+    by_name: Counter[str] = Counter()
+    for k in set(before) | set(after):
+        by_name[k.split(" ", 1)[1]] += after.get(k, 0) - before.get(k, 0)
+    lines += [f"{g / 1024:9.1f} MiB  all {name}" for name, g in by_name.most_common(4) if g > 0]
+    return lines
+
+
+class ServerProcess:
+    """`python -m longserve.launch_server ARGS` (ARGS name the port), its output in `log_path`; PYTHONPATH has
+    the repository first, so the checkout is what runs."""
+
+    def __init__(
+        self, args: Sequence[str], port: int, log_path: str, env: Mapping[str, str] | None = None
+    ) -> None:
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = log_path
+        path = REPO + os.pathsep + os.environ.get("PYTHONPATH", "")
+        full_env = {**os.environ, "PYTHONPATH": path, **(env or {})}
+        self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "longserve.launch_server", *args],
+            cwd=REPO,
+            env=full_env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def log_tail(self, n: int = 30) -> str:
+        return "".join(self.log().splitlines(keepends=True)[-n:])
+
+    def wait_ready(self, timeout: float = 120.0) -> ServerProcess:
+        """Until GET /health answers 200; raises with the log if the process exits or time runs out."""
+        import httpx
+
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"server not healthy after {timeout}s:\n{self.log()}")
+
+    def stop(self, timeout: float = 20.0) -> int | None:
+        """SIGTERM (the server drains), then SIGKILL after `timeout` seconds; the exit status."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if not self._log.closed:
+            self._log.close()
+        return self.proc.returncode
