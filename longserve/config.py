@@ -5,6 +5,7 @@ ServerConfig holds the HTTP side of `longserve serve`."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from dataclasses import dataclass, fields
@@ -17,6 +18,12 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 SCHEDULE_POLICIES = ("short-first", "fcfs")
+RUNNERS = ("auto", "generate", "pooling")  # vLLM's --runner (models/pooler.py)
+CONVERTS = ("auto", "none", "embed", "classify")  # vLLM's --convert
+METRICS_NAMES = ("longserve", "vllm", "sglang")  # whose names /metrics serves (server/metrics_names.py)
+# weight formats (models/quant/config.py); vLLM's kernel-named spellings select the same formats
+QUANTIZATIONS = ("awq", "compressed-tensors", "fp8", "gptq")
+QUANTIZATION_ALIASES = {"gptq_marlin": "gptq", "awq_marlin": "awq", "compressed_tensors": "compressed-tensors"}
 
 
 class SettingsError(Exception):
@@ -71,9 +78,26 @@ class EngineConfig:
     # tp > 1: steps of this many tokens run as 2 overlapped halves; 0 (default until measured on 2 GPUs): off
     tp_overlap_min_tokens: int = 0
     tp_size: int = 1  # tensor-parallel ranks (one process each; must divide the attention heads)
+    # MoE models: the tp ranks form ep_size groups, each holding 1/ep_size of the experts whole (SGLang's
+    # --ep-size; must divide tp_size); enable_expert_parallel (vLLM's flag) means ep_size = tp_size
+    ep_size: int = 1
+    enable_expert_parallel: bool = False
     nnodes: int = 1  # nodes the tp ranks span (tp_size / nnodes ranks per node)
     node_rank: int = 0  # this node's index; node 0 runs the engine
     dist_init_addr: str | None = None  # HOST:PORT of node 0's rendezvous; None: 127.0.0.1 and a free port
+    # each run of whitespace between the JSON tokens of a constrained output (structured outputs, forced tool
+    # calls) has at most this many characters: small models otherwise may pad whitespace until max_tokens.
+    # 0: none (compact JSON); None: any amount, as vLLM and SGLang allow by default
+    structured_outputs_max_whitespace: int | None = 16
+    # pooling models (embeddings, rerankers; models/pooler.py): "auto" pools when the checkpoint says so (a
+    # sentence-transformers or *ForSequenceClassification checkpoint), "pooling" always (SGLang's
+    # --is-embedding); convert: what a pooling model yields ("auto": from the checkpoint, "embed", "classify")
+    runner: str = "auto"
+    convert: str = "auto"
+    hf_overrides: dict | None = None  # set on the model's HF config (vLLM's --hf-overrides; JSON text too)
+    # vLLM's --quantization: the checkpoint's weight format (checked against config.json's
+    # quantization_config); "fp8" on a float checkpoint quantizes it while loading. None: config.json's
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         def need(ok: bool, msg: str, *settings: str) -> None:
@@ -152,6 +176,7 @@ class EngineConfig:
             f"tp_size must be an integer >= 1; got {self.tp_size!r}",
             "tp_size",
         )
+        self._normalize_expert_parallel(need)
         need(
             isinstance(self.nnodes, int) and self.nnodes >= 1,
             f"nnodes must be an integer >= 1; got {self.nnodes!r}",
@@ -180,6 +205,36 @@ class EngineConfig:
             f"dist_init_addr must be HOST:PORT; got {self.dist_init_addr!r}",
             "dist_init_addr",
         )
+        need(
+            self.structured_outputs_max_whitespace is None
+            or (
+                isinstance(self.structured_outputs_max_whitespace, int)
+                and self.structured_outputs_max_whitespace >= 0
+            ),
+            "structured_outputs_max_whitespace must be an integer >= 0 or None (no bound); got "
+            f"{self.structured_outputs_max_whitespace!r}",
+            "structured_outputs_max_whitespace",
+        )
+        need(
+            self.runner in RUNNERS,
+            f"runner must be one of {', '.join(RUNNERS)}; got {self.runner!r}",
+            "runner",
+        )
+        need(
+            self.convert in CONVERTS,
+            f"convert must be one of {', '.join(CONVERTS)}; got {self.convert!r}",
+            "convert",
+        )
+        self._parse_hf_overrides()
+        if self.quantization is not None:
+            name = QUANTIZATION_ALIASES.get(self.quantization.lower(), self.quantization.lower())
+            need(
+                name in QUANTIZATIONS,
+                f"quantization must be one of {', '.join(QUANTIZATIONS)} (vLLM's gptq_marlin and awq_marlin "
+                f"mean gptq and awq); got {self.quantization!r}",
+                "quantization",
+            )
+            object.__setattr__(self, "quantization", name)
         if self.load_format != "dummy" and not os.path.isdir(self.model):
             raise ConfigPathError(
                 f"model directory {self.model!r} does not exist; pass a local Hugging Face checkpoint "
@@ -187,6 +242,30 @@ class EngineConfig:
                 "directory holding config.json",
                 "load_format",
             )
+
+    def _normalize_expert_parallel(self, need) -> None:
+        """enable_expert_parallel means ep_size = tp_size (stored so); ep_size must divide tp_size."""
+        need(
+            isinstance(self.ep_size, int) and self.ep_size >= 1,
+            f"ep_size must be an integer >= 1; got {self.ep_size!r}",
+            "ep_size",
+        )
+        if self.enable_expert_parallel:
+            need(
+                self.ep_size in (1, self.tp_size),
+                f"enable_expert_parallel places the experts over all tp_size={self.tp_size} ranks; "
+                f"ep_size={self.ep_size} disagrees (give one of the two)",
+                "enable_expert_parallel",
+                "ep_size",
+            )
+            object.__setattr__(self, "ep_size", self.tp_size)
+        need(
+            self.tp_size % self.ep_size == 0,
+            f"ep_size={self.ep_size} must divide tp_size={self.tp_size} (the expert-parallel ranks are the "
+            "tensor-parallel ones)",
+            "ep_size",
+            "tp_size",
+        )
 
     def _normalize_attention_backend(self) -> None:
         """Store the canonical name (platform's registry: SGLang's and vLLM's spellings are accepted); with an
@@ -201,6 +280,21 @@ class EngineConfig:
         if given.lower() not in ("auto", backend):
             logger.info("attention backend %r: longserve uses its %r backend", given, backend)
         object.__setattr__(self, "attention_backend", backend)
+
+    def _parse_hf_overrides(self) -> None:
+        value = self.hf_overrides
+        if isinstance(value, str):
+            try:
+                value = json.loads(value) if value.strip() else None
+            except ValueError as e:
+                raise ConfigError(
+                    f"hf_overrides must be a JSON object; got {self.hf_overrides!r} ({e})", "hf_overrides"
+                ) from None
+        if value is not None and not isinstance(value, dict):
+            raise ConfigError(
+                f"hf_overrides must be a JSON object; got {self.hf_overrides!r}", "hf_overrides"
+            )
+        object.__setattr__(self, "hf_overrides", value)
 
     @property
     def tokenizer_path(self) -> str:
@@ -236,6 +330,13 @@ class ServerConfig:
     # long prompts kept with their token ids, so that a conversation's next turn tokenizes only its new text
     # (longserve.tokenization.prefix_token_cache); 0: off
     tokenizer_prefix_cache_size: int = 64
+    strict_model_name: bool = False  # 404 for a `model` not served (vLLM); else any name is served (SGLang)
+    metrics_names: str = "longserve"  # /metrics series under longserve's, vLLM's or SGLang's names
+    # tool calls: the syntax the model writes them in (structured.tool_parsers: vLLM's and SGLang's names);
+    # tool_choice "auto" also needs enable_auto_tool_choice, as in vLLM
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+    reasoning_parser: str | None = None  # <think> sections -> reasoning_content (structured.reasoning)
 
     def __post_init__(self) -> None:
         def need(ok: bool, msg: str, setting: str) -> None:
@@ -284,4 +385,27 @@ class ServerConfig:
         )
         need(
             self.api_key != "", "api_key must not be empty; leave it unset to serve without a key", "api_key"
+        )
+        need(
+            self.metrics_names in METRICS_NAMES,
+            f"metrics_names must be one of {', '.join(METRICS_NAMES)}; got {self.metrics_names!r}",
+            "metrics_names",
+        )
+        from longserve.structured.reasoning import REASONING_PARSERS
+        from longserve.structured.tool_parsers import TOOL_CALL_PARSERS
+
+        need(
+            self.tool_call_parser is None or self.tool_call_parser in TOOL_CALL_PARSERS,
+            f"tool_call_parser must be one of {', '.join(sorted(TOOL_CALL_PARSERS))}; got {self.tool_call_parser!r}",
+            "tool_call_parser",
+        )
+        need(
+            not self.enable_auto_tool_choice or self.tool_call_parser is not None,
+            "enable_auto_tool_choice needs tool_call_parser: the syntax of the model's tool calls",
+            "enable_auto_tool_choice",
+        )
+        need(
+            self.reasoning_parser is None or self.reasoning_parser in REASONING_PARSERS,
+            f"reasoning_parser must be one of {', '.join(sorted(REASONING_PARSERS))}; got {self.reasoning_parser!r}",
+            "reasoning_parser",
         )

@@ -11,7 +11,9 @@ import array
 import functools
 import itertools
 import logging
+import threading
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -20,10 +22,15 @@ from longserve.cache.manager import KVCacheManager
 from longserve.config import ConfigError, EngineConfig
 from longserve.models import load_hf_config
 from longserve.outputs import CompletionOutput, EngineStats, RequestOutput, StepStats
+from longserve.pooling_params import PoolingParams
 from longserve.request import FinishReason, Request
+from longserve.runner import prompt_logprobs
 from longserve.runner.model_runner import ModelRunner
-from longserve.sampling_params import SamplingParams, wrap_seed
+from longserve.runner.pooling import bind_tokenizer, check_pooling
+from longserve.sampling_params import SamplingParams
 from longserve.sched.scheduler import Scheduler, SchedulerConfig
+from longserve.siblings import candidate_params, chosen_members, cumulative_logprob
+from longserve.structured.grammar import GrammarCompiler, GrammarMatcher
 from longserve.tokenization.detokenizer import IncrementalDetokenizer, TextAssembler
 from longserve.tokenization.prefix_token_cache import PromptTokenizer
 from longserve.tokenization.tokenizer import load_generation_eos_ids, load_tokenizer
@@ -38,13 +45,27 @@ class PromptTooLongError(ValueError):
 class _Group:
     """The n siblings of one user request (n == 1: a group of one)."""
 
-    __slots__ = ("request_id", "prompt", "members", "last_emitted")
+    __slots__ = ("request_id", "prompt", "members", "last_emitted", "n", "show_logprobs")
 
-    def __init__(self, request_id: str, prompt: str | None, members: list[Request]) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        members: list[Request],
+        params: SamplingParams | None = None,
+    ) -> None:
         self.request_id = request_id
         self.prompt = prompt
-        self.members = members
+        self.members = members  # best_of > n: best_of candidates (siblings.py)
         self.last_emitted: list[int] = [0] * len(members)  # tokens already reported per member
+        params = params or members[0].sampling_params  # the caller's (a candidate's may differ)
+        self.n = params.n  # completions returned
+        self.show_logprobs = params.logprobs is not None  # best_of turns them on for ranking only
+
+    @property
+    def ranked(self) -> bool:
+        """best_of > n: the completions are chosen when every candidate has finished."""
+        return len(self.members) > self.n
 
 
 def check_token_ids(token_ids: list, vocab: int) -> None:
@@ -71,6 +92,7 @@ class Engine:
         self.hf_config = load_hf_config(config.model)
         self.tokenizer = load_tokenizer(config.tokenizer_path, required=config.load_format != "dummy")
         self.runner = ModelRunner(config, self.hf_config)
+        bind_tokenizer(self.runner, self.tokenizer)  # a reranker's yes/no token ids
         self.eos_token_ids = self._eos_ids()
         self.context_length = self.runner.context_length
         self.kv = KVCacheManager(self.runner.num_pages, config.page_size, config.enable_prefix_caching)
@@ -83,6 +105,8 @@ class Engine:
         self._ids = itertools.count()
         self.last_step_stats = StepStats()
         self.broken = False  # an abort failed: page accounting can no longer be trusted (see abort_all)
+        self._grammar_compiler: GrammarCompiler | None = None
+        self._grammar_lock = threading.Lock()
         if config.seed is not None:
             torch.manual_seed(config.seed)
         logger.info(
@@ -92,12 +116,34 @@ class Engine:
         )
 
     @functools.cached_property
+    def _candidate_detokenizer(self) -> IncrementalDetokenizer | None:
+        """Text of best_of candidates when the caller assembles text itself (detokenize=False)."""
+        return IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
+
+    @functools.cached_property
     def prompts(self) -> PromptTokenizer | None:
         """String prompts and chats: a prompt that starts with a recent long one (a batch of questions over
         one document, a conversation's next turn) tokenizes only what follows
         (tokenization/prefix_token_cache.py). Built on first use: a server's engine gets token ids and never
         needs it."""
         return PromptTokenizer(self.tokenizer) if self.tokenizer is not None else None
+
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The compiler of output grammars (structured outputs, forced tool calls), built on first use: the
+        model's vocab (lm_head rows) and all of its eos ids. Thread-safe, unlike the rest of the engine: the
+        server compiles on its own threads and hands `add_request` the compiled grammar."""
+        with self._grammar_lock:
+            if self._grammar_compiler is None:
+                if self.tokenizer is None:
+                    raise ValueError("structured outputs need a tokenizer; this engine has none")
+                self._grammar_compiler = GrammarCompiler(
+                    self.tokenizer,
+                    vocab_size=self.runner.model.vocab_size,
+                    stop_token_ids=sorted(self.eos_token_ids),
+                    max_whitespace=self.config.structured_outputs_max_whitespace,
+                )
+            return self._grammar_compiler
 
     def _eos_ids(self) -> frozenset[int]:
         ids: set[int] = set(load_generation_eos_ids(self.config.model))
@@ -121,15 +167,19 @@ class Engine:
     def add_request(
         self,
         prompt: str | list[int],
-        params: SamplingParams | None = None,
+        params: SamplingParams | PoolingParams | None = None,
         request_id: str | None = None,
         arrival_time: float | None = None,
+        grammar: Any = None,
     ) -> str:
         """Queue a request; raises ValueError (nothing queued) for input that cannot be served.
         arrival_time (a time.perf_counter() value, default now) starts its timings (ttft, queue_time): the
-        server passes when the HTTP request came, so that tokenizing and waiting for this thread count."""
+        server passes when the HTTP request came, so that tokenizing and waiting for this thread count.
+        grammar: the output's compiled grammar (`grammar_compiler.compile(spec)`, done off this thread by the
+        server); None compiles params.structured_outputs here, if it is set."""
         arrival_time = time.perf_counter() if arrival_time is None else arrival_time
         params = params or SamplingParams()
+        pooling, params = check_pooling(self.runner, params)  # a pooling request: a prefill, no sample
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -143,34 +193,47 @@ class Engine:
         vocab = self.runner.model.vocab_size
         if any(t >= vocab for t in params.stop_token_ids):  # a ban on them would index past the logits
             raise ValueError(f"stop_token_ids must be in [0, {vocab}); got {params.stop_token_ids[:5]}")
-        if len(token_ids) >= self.context_length:
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ValueError(
+                f"logit_bias token ids must be in [0, {vocab}); got {sorted(params.logit_bias)[-5:]}"
+            )
+        if len(token_ids) >= self.context_length + (pooling is not None):  # pooling: nothing generated
             raise PromptTooLongError(
                 f"prompt has {len(token_ids):,} tokens; the context length is {self.context_length:,} "
                 "(the prompt plus at least one generated token must fit)"
             )
-        group_id = request_id if params.n > 1 else None
+        if grammar is None and params.structured_outputs is not None:
+            grammar = self.grammar_compiler.compile(params.structured_outputs)  # ValueError: a bad spec
+        all_params = candidate_params(params)  # n siblings, or best_of candidates
+        group_id = (
+            request_id if len(all_params) > 1 else (pooling.prefix_group if pooling is not None else None)
+        )
         members = []
-        for i in range(params.n):
-            member_params = params
-            if params.n > 1 and params.seed is not None:
-                member_params = params.clone(seed=wrap_seed(params.seed + i))  # siblings must differ
+        for i, member_params in enumerate(all_params):
             members.append(
                 Request(
-                    request_id=request_id if params.n == 1 else f"{request_id}#{i}",
+                    request_id=request_id if len(all_params) == 1 else f"{request_id}#{i}",
                     prompt_token_ids=token_ids,
                     sampling_params=member_params,
                     eos_token_ids=self.eos_token_ids,
                     group_id=group_id,
                     arrival_time=arrival_time,
+                    pooling_params=pooling,
+                    grammar=GrammarMatcher(grammar) if grammar is not None else None,  # one per sibling
                 )
             )
-        group = _Group(request_id, text, members)
+        if params.prompt_logprobs is not None:
+            prompt_logprobs.start_entries(members[0])  # ValueError: logprob_start_len outside the prompt
+        group = _Group(request_id, text, members, params)
         self.groups[request_id] = group
+        # best_of candidates end at their stop strings here even when the caller assembles the text: they
+        # report nothing until chosen, and a candidate's rank must not count tokens past its stop
+        detokenizer = self.detokenizer or (self._candidate_detokenizer if group.ranked else None)
         for req in members:
-            if self.detokenizer is not None:
+            if detokenizer is not None:
                 p = req.sampling_params
                 req.text = TextAssembler(
-                    self.detokenizer, req.prompt_token_ids, p.stop, p.skip_special_tokens
+                    detokenizer, req.prompt_token_ids, p.stop, p.skip_special_tokens, keep_stop=p.no_stop_trim
                 )
             self._group_of[req.request_id] = group
             self.scheduler.add_request(req)
@@ -240,6 +303,8 @@ class Engine:
                 touched.update((g.request_id, g) for g in list(self.groups.values()) if self._done(g))
         else:
             runner_out = self.runner.execute(sched_out, self.eos_token_ids)
+            for request_id, result in (runner_out.prompt_logprobs or {}).items():
+                prompt_logprobs.record(self.scheduler.requests[request_id], result)
             new_tokens = self.scheduler.update(sched_out, runner_out.sampled_token_ids)
             now = time.perf_counter()
             for i, (req, token) in enumerate(new_tokens):
@@ -256,7 +321,8 @@ class Engine:
                 g = self._group_of.get(s.request.request_id)
                 if g is not None:
                     touched[g.request_id] = g
-        outputs = [self._group_output(g) for g in touched.values()]
+        # best_of candidates report once all have ended and the best are known
+        outputs = [self._group_output(g) for g in touched.values() if not g.ranked or self._done(g)]
         self.last_step_stats = StepStats(
             num_prefill_tokens=num_prefill,
             num_decode_tokens=sched_out.num_batched_tokens - num_prefill,
@@ -271,6 +337,8 @@ class Engine:
     def _accept_token(self, req: Request, i: int, token: int, runner_out, now: float) -> None:
         if req.first_token_time is None:
             req.first_token_time = now
+        if runner_out.pooled is not None:
+            req.pooled = runner_out.pooled[i]
         if runner_out.logprobs is not None and req.sampling_params.logprobs is not None:
             req.logprobs.append(runner_out.logprobs[i])
             if runner_out.top_logprobs is not None:
@@ -297,13 +365,20 @@ class Engine:
         params = req.sampling_params
         if params.max_new_tokens == 0:  # prefill only (warms the prefix cache): drop the sample
             req.output_token_ids.pop()
+            req.logprobs.clear()  # and its logprobs (the prompt's, if asked, are kept)
+            req.top_logprobs.clear()
             self.scheduler.finish_request(req, FinishReason.LENGTH)
             return
-        if token in params.stop_token_ids or (token in req.eos_token_ids and not params.ignore_eos):
+        # a complete output ends at the stop token its grammar allowed, ignore_eos or not
+        grammar_done = req.grammar is not None and self._advance_grammar(req, token)
+        if (
+            grammar_done
+            or token in params.stop_token_ids
+            or (token in req.eos_token_ids and not params.ignore_eos)
+        ):
             req.stop_reason = token
-            self._finish(
-                req, FinishReason.STOP, text_upto=req.num_output_tokens - 1
-            )  # the stop token has no text
+            # the stop token has no text, unless no_stop_trim keeps it (a special one decodes to nothing)
+            self._finish(req, FinishReason.STOP, text_upto=req.num_output_tokens - (not params.no_stop_trim))
             return
         if self._detokenize(req, req.num_output_tokens, final=False):
             return
@@ -311,6 +386,16 @@ class Engine:
             req.num_tokens >= self.context_length
         ):
             self._finish(req, FinishReason.LENGTH, text_upto=req.num_output_tokens)
+
+    @staticmethod
+    def _advance_grammar(req: Request, token: int) -> bool:
+        """Feed the sampled token to the request's matcher; True once it has terminated. A token its own mask
+        did not allow is a bug: the request ends with an error (step() isolates it)."""
+        if not req.grammar.accept_token(token):
+            raise RuntimeError(
+                f"the grammar of request {req.request_id} refused token {token} sampled under its mask"
+            )
+        return req.grammar.is_terminated
 
     def _detokenize(self, req: Request, upto: int, final: bool) -> bool:
         """Append the text of output tokens [.., upto); True if a stop string ended the request."""
@@ -334,27 +419,32 @@ class Engine:
         return all(r.is_finished for r in group.members)
 
     def _group_output(self, group: _Group) -> RequestOutput:
+        finished = self._done(group)
         completions = []
-        for i, req in enumerate(group.members):
+        # best_of: the n best candidates, once all have ended (before that, none)
+        shown = chosen_members(group.members, group.n) if finished or not group.ranked else []
+        for index, i in enumerate(shown):
+            req = group.members[i]
             params = req.sampling_params
+            logprobs = params.logprobs if group.show_logprobs else None
             text = req.text.text if req.text is not None else ""
             new_text = req.text.delta(req.is_finished) if req.text is not None else ""
             completions.append(
                 CompletionOutput(
-                    index=i,
+                    index=index,
                     text=text,
                     token_ids=list(req.output_token_ids),
                     finish_reason=req.finish_reason.value if req.finish_reason else None,
                     stop_reason=req.stop_reason,
-                    logprobs=list(req.logprobs) if params.logprobs is not None else None,
-                    top_logprobs=list(req.top_logprobs) if params.logprobs else None,
+                    logprobs=list(req.logprobs) if logprobs is not None else None,
+                    top_logprobs=list(req.top_logprobs) if logprobs else None,
+                    cumulative_logprob=cumulative_logprob(req) if params.logprobs is not None else None,
                     new_text=new_text,
                     new_token_ids=list(req.output_token_ids[group.last_emitted[i] :]),
                 )
             )
             group.last_emitted[i] = req.num_output_tokens
         first = group.members[0]
-        finished = self._done(group)
         out = RequestOutput(
             request_id=group.request_id,
             prompt=group.prompt,
@@ -364,7 +454,14 @@ class Engine:
             cached_tokens=max(first.num_cached_tokens, 0),
             error="; ".join(r.error for r in group.members if r.error) or None,
             error_internal=any(r.error_internal for r in group.members),
+            pooled=first.pooled,
         )
+        if first.sampling_params.prompt_logprobs is not None and prompt_logprobs.is_complete(first):
+            # the request's own lists: complete, so no later step appends to them
+            out.prompt_logprobs = first.prompt_logprobs
+            out.prompt_top_logprobs = first.prompt_top_logprobs
+            out.prompt_logprob_ranks = first.prompt_logprob_ranks
+            out.prompt_logprob_start = first.prompt_logprob_start
         if first.first_token_time is not None:
             out.ttft = first.first_token_time - first.arrival_time
         if first.first_scheduled_time is not None:

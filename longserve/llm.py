@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
+import uuid
 from collections.abc import Sequence
 
 from longserve.config import EngineConfig
 from longserve.engine import Engine
 from longserve.outputs import RequestOutput
+from longserve.pooling import (
+    EmbeddingOutput,
+    PoolingRequestOutput,
+    ScoringOutput,
+    cosine,
+    encode_pair,
+    pair_up,
+    shared_prefix_len,
+)
+from longserve.pooling_params import PoolingParams
 from longserve.sampling_params import SamplingParams
 from longserve.tokenization.tokenizer import apply_chat_template
 
@@ -78,6 +90,76 @@ class LLM:
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """An embedding model's embedding of each prompt (`.outputs.embedding`: normalized, its first
+        `pooling_params.dimensions` components on a Matryoshka model), in order."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        outs = self._pool(list(prompts), pooling_params or PoolingParams(), use_tqdm)
+        return [
+            PoolingRequestOutput(o.request_id, o.prompt_token_ids, EmbeddingOutput(o.pooled), o.cached_tokens)
+            for o in outs
+        ]
+
+    def score(
+        self,
+        text_1: str | Sequence[str],
+        text_2: str | Sequence[str],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """Relevance of each (text_1, text_2) pair (one text_1 with each text_2, or pairwise), vLLM's
+        `LLM.score`: a reranker's sigmoid of its yes/no logit difference over the pair's prompt
+        (pooling.encode_pair), an embedding model's cosine similarity of the two embeddings."""
+        first = [text_1] if isinstance(text_1, str) else list(text_1)
+        second = [text_2] if isinstance(text_2, str) else list(text_2)
+        pairs = pair_up(first, second)
+        params = pooling_params or PoolingParams()
+        spec = self.engine.runner.pooler
+        if spec is not None and spec.task == "embed":
+            texts = list(dict.fromkeys(t for pair in pairs for t in pair))
+            emb = {t: o.pooled for t, o in zip(texts, self._pool(texts, params, use_tqdm))}
+            return [
+                PoolingRequestOutput(f"score-{i}", [], ScoringOutput(cosine(emb[a], emb[b])))
+                for i, (a, b) in enumerate(pairs)
+            ]
+        if self.engine.tokenizer is None:
+            raise ValueError("score() needs the model's tokenizer to build its prompts")
+        prompts = [encode_pair(self.engine.tokenizer, a, b) for a, b in pairs]
+        # the documents wait for the first one's prompt pages, then find the query's in the prefix cache
+        share = self.config.enable_prefix_caching and len(prompts) > 1
+        if share and shared_prefix_len(prompts) >= self.config.page_size:
+            params = dataclasses.replace(params, prefix_group=f"score-{uuid.uuid4().hex}")
+        outs = self._pool(prompts, params, use_tqdm)
+        return [
+            PoolingRequestOutput(o.request_id, o.prompt_token_ids, ScoringOutput(o.pooled), o.cached_tokens)
+            for o in outs
+        ]
+
+    def _pool(
+        self, prompts: list[Prompt], params: PoolingParams, use_tqdm: bool | None
+    ) -> list[RequestOutput]:
+        ids: list[str] = []
+        try:
+            for prompt in prompts:
+                ids.append(self.engine.add_request(prompt, params))
+        except Exception:
+            for rid in ids:
+                self.engine.abort(rid)
+            raise
+        outs = self._run(ids, use_tqdm)
+        failed = next((o for o in outs if o.error or o.pooled is None), None)
+        if failed is not None:
+            raise RuntimeError(f"request {failed.request_id} failed: {failed.error or 'no pooled output'}")
+        return outs
 
     def _run(self, ids: list[str], use_tqdm: bool | None) -> list[RequestOutput]:
         if use_tqdm is None:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from longserve.request import Request
 
@@ -38,6 +39,10 @@ class RunnerOutput:
     top_logprobs: list[list[tuple[int, float]]] | None = None
     # request id -> error message: requests whose own sampling failed (their token is a placeholder)
     failed: dict[str, str] = field(default_factory=dict)
+    # a pooling model's step: each request's embedding (floats) or score (one float), in the same order
+    pooled: list[list[float] | float | None] | None = None
+    # request id -> runner.prompt_logprobs.PromptLogprobs: this step's rows of the prompt logprobs it asked for
+    prompt_logprobs: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)
@@ -49,6 +54,7 @@ class CompletionOutput:
     stop_reason: int | str | None = None
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    cumulative_logprob: float | None = None  # sum of `logprobs` (known when logprobs or best_of were asked)
     # streaming deltas since the previous RequestOutput for this request
     new_text: str = ""
     new_token_ids: list[int] = field(default_factory=list)
@@ -71,6 +77,13 @@ class RequestOutput:
     prefill_time: float | None = None
     error: str | None = None
     error_internal: bool = False  # the error is ours (HTTP 500), not the request's input (400)
+    pooled: list[float] | float | None = None  # a pooling request's embedding or score, once finished
+    # prompt logprobs (SamplingParams.prompt_logprobs), once the whole prompt is computed: entry j is prompt
+    # position prompt_logprob_start + j; the first entry (and its top and rank) is None, as in vLLM
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None  # the top prompt_logprobs
+    prompt_logprob_ranks: list[int | None] | None = None  # 1 + tokens more likely than the prompt's own
+    prompt_logprob_start: int = 0
 
     @property
     def text(self) -> str:

@@ -60,6 +60,19 @@ class Request:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     generator: Any = None  # torch.Generator for seeded sampling
+    # prompt logprobs (sampling_params.prompt_logprobs), filled chunk by chunk: entry j is prompt position
+    # prompt_logprob_start + j (the first is None); see runner/prompt_logprobs.py
+    prompt_logprob_start: int = 0
+    prompt_logprobs: list[float | None] = field(default_factory=list)
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
+    prompt_logprob_ranks: list[int | None] = field(default_factory=list)
+    # a pooling request (pooling_params.PoolingParams): its prompt's last position yields `pooled` (an
+    # embedding or a score) instead of a sampled token
+    pooling_params: Any = None
+    pooled: Any = None
+    # structured.grammar.GrammarMatcher of a constrained output (its own per request, n > 1 siblings too):
+    # it has accepted every output token, so a request recomputed after preemption re-feeds nothing
+    grammar: Any = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -72,6 +85,21 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def next_prompt_logprob_row(self) -> int:
+        """The position whose logits give the next missing prompt logprob (token p's come from row p - 1);
+        num_prompt_tokens - 1 once all are in (that row samples the first output token)."""
+        return self.prompt_logprob_start + max(len(self.prompt_logprobs) - 1, 0)
+
+    @property
+    def max_prefix_len(self) -> int:
+        """Leading tokens the prefix cache may supply: all but the last (its logits sample), and, while prompt
+        logprobs are missing, none of the positions whose logits still have to be computed."""
+        limit = self.num_tokens - 1
+        if self.sampling_params.prompt_logprobs is not None:
+            limit = min(limit, self.next_prompt_logprob_row)
+        return limit
 
     @property
     def num_remaining_tokens(self) -> int:

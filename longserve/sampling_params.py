@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
+
+from longserve.structured.spec import GrammarSpec
 
 _GREEDY_EPS = 1e-5
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # seeds are signed 64-bit, as OpenAI's API documents them
@@ -35,6 +38,19 @@ class SamplingParams:
     n: int = 1
     skip_special_tokens: bool = True
     logprobs: int | None = None  # number of top logprobs to return per token; None: none
+    # logprobs of the prompt's tokens (vLLM's prompt_logprobs): per prompt position from logprob_start_len on,
+    # the token's logprob and the top `prompt_logprobs`; the first entry is None (nothing predicts it)
+    prompt_logprobs: int | None = None
+    logprob_start_len: int = 0  # SGLang's: the first prompt position with an entry; negative: from the end
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100] (OpenAI)
+    best_of: int | None = None  # generate best_of completions, return the n of highest cumulative logprob
+    no_stop_trim: bool = False  # keep the matched stop string (or stop token's text) in the text
+    # accepted as vLLM and SGLang do: the fast (Rust) tokenizers decode special tokens with no spaces added
+    spaces_between_special_tokens: bool = True
+    custom_params: dict[str, Any] | None = None  # SGLang's, carried along: no logits processor reads it
+    # the output's grammar: a GrammarSpec, or vLLM's StructuredOutputsParams fields as a dict ({"json":
+    # schema}, {"regex": ...}, {"choice": [...]}, {"grammar": ...}, {"json_object": True}, ...); None: free
+    structured_outputs: GrammarSpec | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -52,6 +68,10 @@ class SamplingParams:
         # `type() is int`: False == 0 too, and a bool must fail validation rather than mean "no top-k".
         if type(self.top_k) is int and self.top_k == 0:
             self.top_k = -1
+        if isinstance(self.structured_outputs, dict):
+            from longserve.structured.request_formats import structured_outputs_spec
+
+            self.structured_outputs = structured_outputs_spec(self.structured_outputs)
         self.validate()
 
     def validate(self) -> None:
@@ -118,6 +138,12 @@ class SamplingParams:
             self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= 20),
             f"logprobs must be an integer in [0, 20], got {self.logprobs!r}",
         )
+        _validate_logprob_extras(self, need, is_int, is_num)
+        need(
+            self.structured_outputs is None or isinstance(self.structured_outputs, GrammarSpec),
+            "structured_outputs must be a GrammarSpec or a dict of vLLM's StructuredOutputsParams fields, "
+            f"got {type(self.structured_outputs).__name__}",
+        )
 
     @property
     def greedy(self) -> bool:
@@ -127,5 +153,32 @@ class SamplingParams:
         values = {name: getattr(self, name) for name in self.__dataclass_fields__}
         values["stop"] = list(self.stop)
         values["stop_token_ids"] = list(self.stop_token_ids)
+        if self.logit_bias is not None:
+            values["logit_bias"] = dict(self.logit_bias)
         values.update(changes)
         return SamplingParams(**values)
+
+
+def _validate_logprob_extras(p: SamplingParams, need, is_int, is_num) -> None:
+    """prompt logprobs, logit_bias, best_of and SGLang's text options (validate's helper)."""
+    need(
+        p.prompt_logprobs is None or (is_int(p.prompt_logprobs) and 0 <= p.prompt_logprobs <= 20),
+        f"prompt_logprobs must be an integer in [0, 20], got {p.prompt_logprobs!r}",
+    )
+    need(is_int(p.logprob_start_len), f"logprob_start_len must be an integer, got {p.logprob_start_len!r}")
+    if p.logit_bias is not None:
+        need(isinstance(p.logit_bias, dict), f"logit_bias must map token ids to numbers: {p.logit_bias!r}")
+        bad = [t for t in p.logit_bias if not (is_int(t) and t >= 0)]
+        need(not bad, f"logit_bias keys must be token ids (integers >= 0), got {bad[:5]!r}")
+        bad = {t: b for t, b in p.logit_bias.items() if not (is_num(b) and -100 <= b <= 100)}
+        need(not bad, f"logit_bias values must be numbers in [-100, 100], got {bad!r}")
+    need(
+        p.best_of is None or (is_int(p.best_of) and is_int(p.n) and p.best_of >= p.n),
+        f"best_of must be an integer >= n ({p.n!r}), got {p.best_of!r}",
+    )
+    for name in ("no_stop_trim", "spaces_between_special_tokens"):
+        need(isinstance(getattr(p, name), bool), f"{name} must be a boolean, got {getattr(p, name)!r}")
+    need(
+        p.custom_params is None or isinstance(p.custom_params, dict),
+        f"custom_params must be an object, got {p.custom_params!r}",
+    )

@@ -16,6 +16,7 @@ from longserve.attention.registry import (
     get_attention_backend,
 )
 from longserve.attention.torch_backend import TorchAttentionBackend
+from longserve.attention.torch_sdpa_backend import TorchSDPABackend
 
 __all__ = [
     "ATTENTION_BACKEND_CLASSES",
@@ -25,6 +26,7 @@ __all__ = [
     "GraphShape",
     "KVCache",
     "TorchAttentionBackend",
+    "TorchSDPABackend",
     "attention_backend_class",
     "build_metadata",
     "get_attention_backend",

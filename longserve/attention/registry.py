@@ -15,7 +15,8 @@ from longserve.platform import normalize_attention_backend, resolve_attention_ba
 
 # canonical name (platform.ATTENTION_BACKENDS) -> (module, class)
 ATTENTION_BACKEND_CLASSES: dict[str, tuple[str, str]] = {
-    "torch": ("longserve.attention.torch_backend", "TorchAttentionBackend"),
+    # fused SDPA kernels on the CPU; on CUDA its base class, the masked float32 reference (the tests' oracle)
+    "torch": ("longserve.attention.torch_sdpa_backend", "TorchSDPABackend"),
     "triton": ("longserve.attention.triton_backend", "TritonAttentionBackend"),
 }
 

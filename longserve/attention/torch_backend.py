@@ -1,8 +1,9 @@
-"""The torch attention backend: the CPU default and the oracle the GPU backends are tested against.
+"""The reference torch attention backend: the oracle the other backends are tested against.
 
 One SDPA call per request, in float32, with an explicit boolean mask (causal + optional sliding window).
 Reads only the host-side `*_cpu` lists for loop bounds, so it never syncs the device; its host loop cannot
-be captured in a CUDA graph.
+be captured in a CUDA graph. The explicit mask sends CPU SDPA to its math path (the [Hq, L, S] scores are
+materialized): what runs under the name "torch" is its fused-kernel subclass, torch_sdpa_backend.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from longserve.kernels.attention_reference import attention_mask, gather_kv
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """Reference backend: gathers each request's pages, then one masked SDPA call per request."""
+    """Reference backend (the oracle): gathers each request's pages, then one masked float32 SDPA call per
+    request. Named "torch" as the base of TorchSDPABackend, which the registry gives for that name."""
 
     name = "torch"
 

@@ -1,7 +1,8 @@
 """`longserve bench latency`, its command line: offline cold TTFT per prompt length, TTFT with a cached prefix
 and decode inter-token latency per batch size, on one engine in one process, optionally against HF
 transformers. The cases and their timing are in latency_cases, pool sizing in latency_plan, the HF
-comparison in hf_compare, the table and JSON in report.
+comparison in hf_compare, each case's floor (the bytes and FLOPs it must move) in roofline, the table and
+JSON in report.
 
 `longserve bench latency --config llama-3.1-8b --prompt-lens 8192,32768 --output-json out.json`
 Imports torch only when run, so the CLI's --help stays cheap.
@@ -23,8 +24,9 @@ from typing import TYPE_CHECKING, Any
 from longserve.bench.configs import BUILTIN_CONFIGS
 from longserve.bench.hf_compare import run_hf
 from longserve.bench.latency_cases import Measure, bench_engine, free_memory, log
-from longserve.bench.latency_plan import plan, read_model_config
+from longserve.bench.latency_plan import dtype_bytes, plan, read_model_config
 from longserve.bench.report import report, run_metadata
+from longserve.bench.roofline import H200_PEAK_GBPS, H200_PEAK_TFLOPS, attach_floors
 
 if TYPE_CHECKING:
     from longserve.config import EngineConfig
@@ -137,6 +139,18 @@ def add_latency_args(p: argparse.ArgumentParser) -> None:
         "(GEMM, attention, collectives, ...) in the JSON and the log",
     )
     p.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=H200_PEAK_TFLOPS,
+        help="the GPU's measured GEMM ceiling, TFLOP/s, for each case's floor (default: the H200's bf16)",
+    )
+    p.add_argument(
+        "--peak-gbps",
+        type=float,
+        default=H200_PEAK_GBPS,
+        help="the GPU's measured memory bandwidth, GB/s, for each case's floor (default: the H200's)",
+    )
+    p.add_argument(
         "--host-profile",
         action="store_true",
         help="one extra run of each case under cProfile: the host functions with the most self time "
@@ -190,6 +204,18 @@ def run_from_args(
         free_memory()  # the engine is gone: HF gets the whole device
         if args.compare_hf and args.prompt_lens:
             run_hf(config, args.warmup, args.repeat, engine_meta, records)
+    # what each case must move at least (weights of the experts touched, KV, GEMM and attention FLOPs)
+    floors = attach_floors(
+        records,
+        cfg,
+        dtype_bytes(config, cfg),
+        config.chunked_prefill_size,
+        config.tp_size,
+        getattr(args, "peak_tflops", H200_PEAK_TFLOPS),
+        getattr(args, "peak_gbps", H200_PEAK_GBPS),
+    )
+    for line in floors:
+        log(line)
     meta = run_metadata(given.get("model") or args.config, config, engine_meta, command)
     report(records, meta, args.output_json)
     if args.output_json:

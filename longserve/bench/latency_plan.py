@@ -30,7 +30,7 @@ def read_model_config(model: str | None, shape: str | None) -> dict[str, Any]:
         return json.load(f)
 
 
-def _dtype_bytes(config: EngineConfig, cfg: dict[str, Any]) -> int:
+def dtype_bytes(config: EngineConfig, cfg: dict[str, Any]) -> int:
     name = (
         config.dtype
         if config.dtype != "auto"
@@ -40,16 +40,14 @@ def _dtype_bytes(config: EngineConfig, cfg: dict[str, Any]) -> int:
 
 
 def estimate_bytes(cfg: dict[str, Any], itemsize: int, tp: int = 1) -> tuple[int, int]:
-    """(weight bytes, KV bytes per token) per device of a decoder from its config.json, for pool sizing;
-    under tensor parallelism a rank holds 1/tp of the weights and of the kv heads (at least one)."""
-    h, n_layers = cfg["hidden_size"], cfg["num_hidden_layers"]
-    n_q = cfg["num_attention_heads"]
-    n_kv = cfg.get("num_key_value_heads") or n_q
-    hd = cfg.get("head_dim") or h // n_q
-    per_layer = h * hd * (2 * n_q + 2 * n_kv) + 3 * h * cfg["intermediate_size"]
-    embed = cfg["vocab_size"] * h * (1 if cfg.get("tie_word_embeddings") else 2)
-    kv_heads = max(1, n_kv // tp)
-    return (embed + n_layers * per_layer) * itemsize // tp, n_layers * kv_heads * hd * 2 * itemsize
+    """(weight bytes, KV bytes per token) per device of a decoder from its config.json, for pool sizing:
+    every expert of an MoE model counts (roofline.model_costs); under tensor or expert parallelism a rank
+    holds 1/tp of the weights and of the kv heads (at least one)."""
+    from longserve.bench.roofline import model_costs
+
+    costs = model_costs(cfg, itemsize)
+    kv_heads = max(1, costs.num_kv_heads // tp)
+    return costs.weight_bytes // tp, costs.num_layers * kv_heads * costs.head_dim * 2 * itemsize
 
 
 def _round_up(n: int, k: int) -> int:
@@ -82,7 +80,7 @@ def plan(
     else:
         from longserve.platform import available_memory_bytes, resolve_device
 
-        weights, kv_per_token = estimate_bytes(cfg, _dtype_bytes(config, cfg), config.tp_size)
+        weights, kv_per_token = estimate_bytes(cfg, dtype_bytes(config, cfg), config.tp_size)
         total, free = available_memory_bytes(resolve_device(config.device))
         budget = total * config.mem_fraction_static - (total - free) - weights
         limit = max(int(budget // kv_per_token) // ps * ps, ps)

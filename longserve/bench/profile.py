@@ -1,11 +1,14 @@
 """Where a step's time goes: run a function under torch.profiler and sum device (or, on CPU, leaf-op) time
-per category — GEMM, attention, collectives (all-reduce, all-gather), norm/RoPE/activation, KV store, other — against the wall time.
+per category — MoE experts, GEMM, attention, collectives (all-reduce, all-gather), norm/RoPE/activation, KV
+store, other — against the wall time.
 `bench latency --profile` records this per case; the collectives share is the tensor-parallel cost.
 `bench latency --host-profile` runs the case once more under cProfile: the Python functions the host spends
 its time in (what keeps a GPU idle between kernels when a step is host-bound).
 
 The categories are matched on kernel names (CUDA: cuBLAS `nvjet`/`sm90_xmma`/`cutlass`, cuDNN attention,
-our Triton kernels, NCCL) or aten op names (CPU); anything unmatched is "other", never dropped.
+our Triton kernels, NCCL) or aten op names (CPU); anything unmatched is "other", never dropped. "moe" is the
+fused MoE kernel (`_moe_gemm_kernel`) on CUDA; on the CPU, every op run inside the experts' profiler range
+(models/moe.PROFILE_RANGE: routing and the torch reference's expert matmuls).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Any
 # first match wins: order matters ("nccl" before anything a collective kernel name might also contain)
 CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("collectives", ("nccl", "all_reduce", "allreduce", "all_gather", "allgather", "c10d")),
+    ("moe", ("_moe_gemm", "fused_moe", "moe_align")),  # before gemm: "_moe_gemm_kernel" names both
     (
         "attention",
         ("cudnn", "flash", "fmha", "attn", "attention", "sdpa", "_extend", "_decode_split", "_merge_splits"),
@@ -69,20 +73,10 @@ def profile_call(fn: Callable[[], Any], device_type: str, top: int = 12) -> tupl
         wall_ms = (time.perf_counter() - t0) * 1e3
     by_cat: dict[str, float] = {}
     ops: list[tuple[float, str, int]] = []
-    for evt in prof.key_averages():
-        if cuda:
-            is_kernel = str(getattr(evt, "device_type", "")).endswith("CUDA")
-            # user annotations on the GPU timeline (e.g. "nccl:all_reduce") span kernels counted already
-            if not is_kernel or getattr(evt, "is_user_annotation", False) or evt.key.startswith("nccl:"):
-                continue
-        elif not evt.key.startswith(("aten::", "c10d::", "gloo:")) or evt.key in _CPU_WRAPPERS:
-            continue
-        us = _event_time_us(evt, cuda)
-        if us <= 0:
-            continue
-        cat = categorize(evt.key)
+    timed = _device_kernels(prof) if cuda else _cpu_leaf_ops(prof)
+    for key, cat, us, count in timed:
         by_cat[cat] = by_cat.get(cat, 0.0) + us / 1e3
-        ops.append((us / 1e3, evt.key, int(evt.count)))
+        ops.append((us / 1e3, key, count))
     busy_ms = sum(by_cat.values())
     ops.sort(reverse=True)
     summary = dict(
@@ -93,6 +87,74 @@ def profile_call(fn: Callable[[], Any], device_type: str, top: int = 12) -> tupl
         top_ops=[dict(name=n[:120], ms=ms, calls=c) for ms, n, c in ops[:top]],
     )
     return result, summary
+
+
+def _device_kernels(prof: Any) -> list[tuple[str, str, float, int]]:
+    """(kernel name, category, device us, calls) of every kernel, by name; the time a kernel spent launched
+    from inside the MoE profiler range (routing, alignment: torch kernels in eager steps) counts as "moe"."""
+    in_moe = _moe_range_kernel_us(prof)
+    out = []
+    for evt in prof.key_averages():
+        is_kernel = str(getattr(evt, "device_type", "")).endswith("CUDA")
+        # user annotations on the GPU timeline (e.g. "nccl:all_reduce") span kernels counted already
+        if not is_kernel or getattr(evt, "is_user_annotation", False) or evt.key.startswith("nccl:"):
+            continue
+        us = _event_time_us(evt, True)
+        if us <= 0:
+            continue
+        moe_us = min(in_moe.get(evt.key, 0.0), us)
+        if moe_us > 0:
+            out.append((evt.key, "moe", moe_us, int(evt.count)))
+        if us - moe_us > 0:
+            out.append((evt.key, categorize(evt.key), us - moe_us, int(evt.count)))
+    return out
+
+
+def _moe_range_kernel_us(prof: Any) -> dict[str, float]:
+    """Device us per kernel name of the kernels launched by an op inside the MoE profiler range (the
+    profiler links each kernel to the op that launched it). A replayed CUDA graph's kernels have no launching
+    op: they keep their name's category (the fused MoE kernel is "moe" by name)."""
+    from longserve.models.moe import PROFILE_RANGE
+
+    out: dict[str, float] = {}
+    for evt in prof.events() if hasattr(prof, "events") else ():
+        kernels = getattr(evt, "kernels", None)
+        if not kernels:
+            continue
+        node = evt
+        while node is not None and node.name != PROFILE_RANGE:
+            node = node.cpu_parent
+        if node is None:
+            continue
+        for kernel in kernels:
+            out[kernel.name] = out.get(kernel.name, 0.0) + float(kernel.duration)
+    return out
+
+
+def _cpu_leaf_ops(prof: Any) -> list[tuple[str, str, float, int]]:
+    """(op name, category, self us, calls) of the leaf aten/collective ops, by op and category: an op run
+    inside the MoE profiler range counts as "moe" (the reference experts' matmuls are aten::mm)."""
+    from longserve.models.moe import PROFILE_RANGE
+
+    sums: dict[tuple[str, str], list[float]] = {}
+    for evt in prof.events():
+        key = evt.name
+        if not key.startswith(("aten::", "c10d::", "gloo:")) or key in _CPU_WRAPPERS:
+            continue
+        us = float(getattr(evt, "self_cpu_time_total", 0.0) or 0.0)
+        if us <= 0:
+            continue
+        cat = categorize(key)
+        parent = evt.cpu_parent
+        while parent is not None and cat != "collectives":
+            if parent.name == PROFILE_RANGE:
+                cat = "moe"
+                break
+            parent = parent.cpu_parent
+        acc = sums.setdefault((key, cat), [0.0, 0])
+        acc[0] += us
+        acc[1] += 1
+    return [(key, cat, us, int(n)) for (key, cat), (us, n) in sums.items()]
 
 
 def _sync() -> None:

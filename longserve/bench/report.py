@@ -89,9 +89,15 @@ def _fmt(x: float | None, spec: str) -> str:
 
 def format_table(records: list[dict[str, Any]]) -> str:
     """A compact fixed-width table of the records (one line per case)."""
-    head = ("case", "tokens", "TTFT s", "ITL ms", "tokens/s", "HF s", "HF/ls", "peak GiB", "notes")
+    head = (
+        "case", "tokens", "TTFT s", "ITL ms", "tokens/s", "HF s", "HF/ls", "floor", "x floor", "peak GiB", "notes",
+    )  # fmt: skip
     rows = [head]
     for r in records:
+        floor = r.get("floor") or {}
+        decode = r["case"] == "decode"  # its floor is one step's, in ms like its ITL; the others' in s
+        floor_s = floor.get("seconds")
+        floor_text = _fmt(None if floor_s is None else floor_s * (1e3 if decode else 1), ".4g")
         tokens = f"{r['num_requests']}x{r['prompt_len']}" if r["num_requests"] > 1 else str(r["prompt_len"])
         note = r["skipped"] and f"skipped: {r['skipped']}"
         if r["case"] == "prefix_hit" and not r["skipped"]:
@@ -105,6 +111,8 @@ def format_table(records: list[dict[str, Any]]) -> str:
                 _fmt(r.get("tokens_per_s"), ",.0f"),
                 _fmt(r.get("hf_wall_s"), ".4f"),
                 _fmt(r.get("hf_ratio"), ".2f"),
+                floor_text + (" ms" if decode and floor_s is not None else ""),
+                _fmt(floor.get("ratio"), ".2f"),
                 _fmt(r.get("peak_mem_gib"), ".2f"),
                 note or "",
             )

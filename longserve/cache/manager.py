@@ -62,11 +62,12 @@ class KVCacheManager:
     # ---- admission ------------------------------------------------------------------------------
     def match_prefix(self, req: Request) -> int:
         """Attach the longest cached page-aligned prefix of the request's tokens, leaving at least one
-        token to compute (the one whose logits we sample). Returns the number of tokens attached."""
+        token to compute (the one whose logits we sample), and, for prompt logprobs, every position whose
+        logits are asked for (Request.max_prefix_len). Returns the number of tokens attached."""
         assert not req.page_ids and req.num_computed_tokens == 0 and req.cache_node is None
         # no copy of a fresh request's (possibly 100K-token) prompt: the tree reads up to the limit
         tokens = req.prompt_token_ids if not req.output_token_ids else req.all_token_ids()
-        match = self.prefix_cache.match_prefix(tokens, limit=len(tokens) - 1)
+        match = self.prefix_cache.match_prefix(tokens, limit=req.max_prefix_len)
         if match.num_tokens:
             self.pool.incref(match.pages)
             req.page_ids = list(match.pages)
@@ -79,13 +80,13 @@ class KVCacheManager:
     def peek_prefix_len(self, req: Request) -> int:
         """Tokens `match_prefix` would attach to this (unattached) request now; changes nothing."""
         tokens = req.prompt_token_ids if not req.output_token_ids else req.all_token_ids()
-        return self.prefix_cache.peek_prefix_len(tokens, limit=len(tokens) - 1)
+        return self.prefix_cache.peek_prefix_len(tokens, limit=req.max_prefix_len)
 
     def fork_prefix(self, req: Request, src: Request) -> int:
         """Share `src`'s full prompt pages with a sibling that has the same prompt (n > 1 without the
         prefix cache). Leaves at least one token to compute. Returns the number of tokens shared."""
         assert not req.page_ids and req.num_computed_tokens == 0
-        usable = min(src.num_computed_tokens, req.num_tokens - 1, len(src.prompt_token_ids))
+        usable = min(src.num_computed_tokens, req.max_prefix_len, len(src.prompt_token_ids))
         num_pages = min(usable // self.page_size, len(src.page_ids))
         if num_pages == 0:
             return 0

@@ -1,4 +1,5 @@
-"""Tensor-parallel process group setup and collectives; every collective is the identity at tp=1."""
+"""Tensor-parallel process group setup and collectives; every collective is the identity at tp=1. Expert
+parallelism uses the same ranks and collectives (its size is an attribute of the group)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,12 @@ from longserve.distributed.parallel_state import (
     TPGroup,
     broadcast_object,
     destroy_tp_group,
+    get_ep_size,
     get_tp_group,
     get_tp_rank,
     get_tp_size,
     init_tp_group,
+    set_ep_size,
     tp_all_gather,
     tp_all_reduce,
     tp_all_reduce_async,
@@ -21,10 +24,12 @@ __all__ = [
     "TPGroup",
     "broadcast_object",
     "destroy_tp_group",
+    "get_ep_size",
     "get_tp_group",
     "get_tp_rank",
     "get_tp_size",
     "init_tp_group",
+    "set_ep_size",
     "tp_all_gather",
     "tp_all_reduce",
     "tp_all_reduce_async",

@@ -32,6 +32,9 @@ class TPGroup:
     local_rank: int
     device_group: Any  # dist.ProcessGroup
     cpu_group: Any  # dist.ProcessGroup (gloo)
+    # expert parallelism: the ranks form ep_size groups of world_size / ep_size; a group holds 1/ep_size of
+    # the experts whole (models/moe_layout.py). Set once per process before the model is built.
+    ep_size: int = 1
 
 
 _TP: TPGroup | None = None
@@ -96,6 +99,22 @@ def get_tp_size() -> int:
 
 def get_tp_rank() -> int:
     return 0 if _TP is None else _TP.rank
+
+
+def set_ep_size(ep_size: int) -> None:
+    """Place whole experts on `ep_size` groups of this process's tp ranks (the engine's ep_size setting)."""
+    if _TP is None:
+        if ep_size != 1:
+            raise ValueError(f"ep_size={ep_size} needs tensor-parallel ranks (tp_size > 1)")
+        return
+    if ep_size < 1 or _TP.world_size % ep_size:
+        raise ValueError(f"ep_size={ep_size} must divide tp_size={_TP.world_size}")
+    _TP.ep_size = ep_size
+
+
+def get_ep_size() -> int:
+    """Expert-parallel groups among the tp ranks (1: every rank holds a slice of every expert)."""
+    return 1 if _TP is None else _TP.ep_size
 
 
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:

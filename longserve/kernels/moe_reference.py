@@ -1,5 +1,6 @@
 """Mixture-of-experts in pure torch (no triton): top-k routing and the reference expert computation whose
-signature and rounding the Triton `fused_moe` shares; also the quantization descriptor of that signature.
+signature and rounding the Triton `fused_moe` shares; also the quantization descriptor of that signature
+(int4/int8 group-wise and fp8 block experts).
 """
 
 from __future__ import annotations
@@ -9,23 +10,50 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from longserve.kernels.quant_reference import (
+    dequantize_fp8_block,
+    dequantize_wna16,
+    per_token_group_quant_fp8_ref,
+)
+
 __all__ = ["MoEQuant", "check_moe_args", "fused_moe_ref", "route_topk"]
 
 
 @dataclass(frozen=True)
 class MoEQuant:
-    """Per-expert weight quantization, reserved for quantized experts (next issue): NOT implemented yet.
+    """The experts' weight quantization (`w13`, `w2` then hold the quantized values):
 
-    `weight_dtype` "int4" (two 4-bit values per uint8 along K, so w13 is [E, 2I, H/2]) or "fp8_e4m3"
-    (w13 [E, 2I, H]); scales per output row and group of `group_size` K elements (0: one per row):
-    w13_scale [E, 2I, H/group], w2_scale [E, H, I/group]; optional zero points of the same shapes (int4)."""
+    "int4" / "int8": w13 uint8 [E, 2I, H * bits / 8], w2 [E, H, I * bits / 8], packed along K as
+    kernels/quant_reference.py lays dense weights out; scales [E, N, G] (G = K / group_size; group_size 0:
+    one group of all K), zero points uint8 [E, N, G] or None (2^(bits-1)), act-order g_idx [E, K] or None.
+    Activations stay in the hidden dtype (W4A16 / W8A16).
+
+    "fp8_e4m3": w13 e4m3 [E, 2I, H], w2 [E, H, I]; float32 scales [E, ceil(N / block_n), ceil(K / group)]
+    (DeepSeek/Qwen3's 128x128 blocks; block_n 1 and group_size 0: per output channel). Activations are
+    quantized to e4m3 at run time per token-group of group_size (0: per token), as the dense FP8 layers do.
+    With blocks, block_n must divide I (the gate/up boundary of w13) and this rank's I."""
 
     weight_dtype: str
     group_size: int
-    w13_scale: torch.Tensor  # [E, 2I, H/group] float
-    w2_scale: torch.Tensor  # [E, H, I/group] float
-    w13_zero: torch.Tensor | None = None  # [E, 2I, H/group]
-    w2_zero: torch.Tensor | None = None  # [E, H, I/group]
+    w13_scale: torch.Tensor
+    w2_scale: torch.Tensor
+    w13_zero: torch.Tensor | None = None
+    w2_zero: torch.Tensor | None = None
+    w13_g_idx: torch.Tensor | None = None
+    w2_g_idx: torch.Tensor | None = None
+    block_n: int = 1
+
+    @property
+    def bits(self) -> int:
+        return {"int4": 4, "int8": 8, "fp8_e4m3": 8}[self.weight_dtype]
+
+    @property
+    def is_int(self) -> bool:
+        return self.weight_dtype in ("int4", "int8")
+
+    def group(self, k: int) -> int:
+        """K elements per scale group (activation group for fp8) of a projection over K."""
+        return self.group_size if self.group_size > 0 else k
 
 
 def route_topk(
@@ -65,25 +93,70 @@ def check_moe_args(
     quant: MoEQuant | None,
 ) -> None:
     """Shape checks shared by the reference and the kernel (shapes only: no host sync)."""
-    if quant is not None:
-        raise NotImplementedError(
-            f"quantized experts ({quant.weight_dtype}, group {quant.group_size}) are not implemented yet: "
-            "only unquantized float weights (w13 and w2 in the hidden states' dtype)"
-        )
     assert hidden.dim() == 2 and w13.dim() == 3 and w2.dim() == 3, (
         "hidden [T, H], w13 [E, 2I, H], w2 [E, H, I]"
     )
     num_experts, two_inter, hidden_size = w13.shape
+    if quant is not None and quant.weight_dtype not in ("int4", "int8", "fp8_e4m3"):
+        raise ValueError(f"quantized experts {quant.weight_dtype!r}: supported int4, int8, fp8_e4m3")
+    if quant is not None and quant.is_int:  # K packed: bits / 8 bytes per element
+        assert w13.dtype == w2.dtype == torch.uint8, f"packed experts are uint8, got {w13.dtype}, {w2.dtype}"
+        hidden_size = hidden_size * 8 // quant.bits
+        inter = w2.shape[2] * 8 // quant.bits
+        assert w2.shape[:2] == (num_experts, hidden.shape[1]) and two_inter == 2 * inter, (
+            f"w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)} ({quant.weight_dtype})"
+        )
+        assert quant.w13_scale.shape[:2] == w13.shape[:2] and quant.w2_scale.shape[:2] == w2.shape[:2]
+    else:
+        assert w2.shape == (num_experts, hidden_size, two_inter // 2), (
+            f"w2 {tuple(w2.shape)}, w13 {tuple(w13.shape)}"
+        )
+        if quant is None:
+            assert w13.dtype == w2.dtype == hidden.dtype, f"dtypes {hidden.dtype}, {w13.dtype}, {w2.dtype}"
+        else:
+            assert w13.dtype == w2.dtype == torch.float8_e4m3fn, f"fp8 experts, got {w13.dtype}"
     assert hidden.shape[1] == hidden_size and two_inter % 2 == 0, (
         f"w13 {tuple(w13.shape)} vs {tuple(hidden.shape)}"
     )
-    assert w2.shape == (num_experts, hidden_size, two_inter // 2), (
-        f"w2 {tuple(w2.shape)}, w13 {tuple(w13.shape)}"
-    )
-    assert w13.dtype == w2.dtype == hidden.dtype, f"dtypes {hidden.dtype}, {w13.dtype}, {w2.dtype}"
     assert topk_ids.shape == topk_weights.shape and topk_ids.dim() == 2, "topk_ids and topk_weights [T, k]"
     assert topk_ids.shape[0] == hidden.shape[0], f"{topk_ids.shape[0]} routed tokens for {hidden.shape[0]}"
     assert topk_weights.is_floating_point() and not topk_ids.is_floating_point()
+
+
+def _expert_weights(quant: MoEQuant | None, w13, w2, expert: int, dtype: torch.dtype):
+    """Expert `expert`'s (w13 [2I, H], w2 [H, I]): the weights themselves, or dequantized (int: rounded to
+    the hidden dtype as the dense W4A16 layers do; fp8: float32, for the float32 product with the quantized
+    activations)."""
+    if quant is None:
+        return w13[expert], w2[expert]
+    if quant.is_int:
+
+        def deq(w, s, z, g):
+            k = w.shape[-1] * 8 // quant.bits
+            return dequantize_wna16(
+                w[expert], s[expert], None if z is None else z[expert], None if g is None else g[expert],
+                quant.bits, quant.group(k),
+            ).to(dtype)  # fmt: skip
+
+        return deq(w13, quant.w13_scale, quant.w13_zero, quant.w13_g_idx), deq(
+            w2, quant.w2_scale, quant.w2_zero, quant.w2_g_idx
+        )
+
+    def deq8(w, s):
+        return dequantize_fp8_block(w[expert], s[expert], (quant.block_n, quant.group(w.shape[-1])))
+
+    return deq8(w13, quant.w13_scale), deq8(w2, quant.w2_scale)
+
+
+def _project(x: torch.Tensor, w: torch.Tensor, quant: MoEQuant | None) -> torch.Tensor:
+    """x [n, K] @ w^T in x's dtype; fp8 experts: x quantized per token-group first, the product in fp32."""
+    if quant is None or quant.is_int:
+        return F.linear(x, w)
+    k = x.shape[1]
+    group = quant.group(k)
+    xq, xs = per_token_group_quant_fp8_ref(x, group)
+    xd = xq.float() * xs.repeat_interleave(group, dim=1)[:, :k]
+    return (xd @ w.T).to(x.dtype)
 
 
 def fused_moe_ref(
@@ -95,6 +168,7 @@ def fused_moe_ref(
     out: torch.Tensor | None = None,
     quant: MoEQuant | None = None,
     config: dict | None = None,
+    expert_map: torch.Tensor | None = None,  # [E_global] int32: global expert id -> row of w13/w2, or -1
 ) -> torch.Tensor:
     """sum_k w_k * down_e(silu(gate_e x) * up_e x) per token: [T, H] in the hidden dtype.
 
@@ -103,7 +177,12 @@ def fused_moe_ref(
     `grouped_mm` experts: both projections and silu(gate) * up round to the dtype, the routing weight
     multiplies in the promoted dtype of (hidden, topk_weights) (bf16 for Qwen-MoE, which rounds its weights;
     fp32 for Mixtral), and the k products are summed in fp32 and rounded once. Loops over the experts hit,
-    with host syncs: a reference, not for CUDA graphs. `config` is the kernel's and ignored here."""
+    with host syncs: a reference, not for CUDA graphs. `config` is the kernel's and ignored here. `quant`:
+    quantized experts (MoEQuant), dequantized per expert hit.
+
+    Expert parallelism: with `expert_map`, w13/w2 hold only this rank's experts and `topk_ids` are global
+    ids; pairs routed to an expert mapped to -1 (another rank's) add nothing, so summing every rank's
+    result gives the whole (what one all-reduce does)."""
     del config
     check_moe_args(hidden, w13, w2, topk_weights, topk_ids, quant)
     num_tokens, top_k = topk_ids.shape
@@ -111,11 +190,14 @@ def fused_moe_ref(
     weighted = torch.zeros(
         num_tokens, top_k, hidden.shape[1], dtype=prod_dtype, device=hidden.device
     )  # [T, k, H]
-    ids = topk_ids.long()  # [T, k]
+    ids = topk_ids.long() if expert_map is None else expert_map.long()[topk_ids.long()]  # [T, k]
     for expert in torch.unique(ids).tolist():  # ascending; the only experts with work
+        if expert < 0:  # another rank's expert
+            continue
         tok, pos = torch.where(ids == expert)  # [n] each: the (token, k) pairs routed here
-        gate, up = F.linear(hidden[tok], w13[expert]).chunk(2, dim=-1)  # [n, I] each
-        down = F.linear(F.silu(gate) * up, w2[expert])  # [n, H]
+        e13, e2 = _expert_weights(quant, w13, w2, expert, hidden.dtype)
+        gate, up = _project(hidden[tok], e13, quant).chunk(2, dim=-1)  # [n, I] each
+        down = _project(F.silu(gate) * up, e2, quant)  # [n, H]
         weighted[tok, pos] = down * topk_weights[tok, pos, None].to(prod_dtype)  # [n, H]
     acc_dtype = torch.promote_types(prod_dtype, torch.float32)  # 16-bit products sum in fp32, as HF's .sum
     result = weighted.sum(dim=1, dtype=acc_dtype).to(hidden.dtype)  # [T, H]

@@ -1,5 +1,6 @@
-"""Model implementations (Llama, Mistral, Qwen2, Qwen3), their registry, the checkpoint loader, and the
-layers' weight-format methods (linear_method.py, moe.py: chosen from the checkpoint's quantization_config)."""
+"""Model implementations (Llama, Mistral, Qwen2, Qwen3; the mixtures of experts Qwen2-MoE, Qwen3-MoE and
+Mixtral), their registry, the checkpoint loader, and the layers' weight-format methods (linear_method.py,
+moe.py: chosen from the checkpoint's quantization_config)."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from torch import nn
 
 from longserve.attention.base import ForwardContext
 from longserve.distributed import get_tp_rank, get_tp_size
-from longserve.models.decoder import ArchOptions, DecoderModel, get_head_dim, head_layout
+from longserve.models.decoder import ArchOptions, DecoderModel, MakeMLP, dense_mlp, get_head_dim, head_layout
 from longserve.models.layers import (
     STACKED_PARAMS,
     MergedLinear,
@@ -30,12 +30,15 @@ _SKIPPED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb
 
 
 class CausalLM(nn.Module):
-    """Base of every supported architecture; subclasses only override `arch_options`."""
+    """Base of every supported architecture; subclasses override `arch_options`, and MoE models `make_mlp`
+    (their layers' MLPs) and `map_weight_name` (their expert tensors' names)."""
+
+    make_mlp: MakeMLP = staticmethod(dense_mlp)
 
     def __init__(self, hf_config: Any) -> None:
         super().__init__()
         self.config = hf_config
-        self.model = DecoderModel(hf_config, self.arch_options(hf_config))
+        self.model = DecoderModel(hf_config, self.arch_options(hf_config), self.make_mlp)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size)
@@ -86,12 +89,15 @@ class CausalLM(nn.Module):
             if isinstance(mod, MergedLinear):
                 for pname, _ in mod.named_parameters(prefix=mod_name):
                     required[pname] = set(mod.shard_sizes)
+            elif hasattr(mod, "required_shards"):  # stacked experts: each expert's tensors, or one stack
+                for pname, param in mod.named_parameters(prefix=mod_name, recurse=False):
+                    required[pname] = mod.required_shards(param)
         loaded: dict[str, set[str | None]] = defaultdict(set)
 
         for name, tensor in weights:
             if name.endswith(_SKIPPED_SUFFIXES) or (self.tie_word_embeddings and name == "lm_head.weight"):
                 continue
-            pname, shard_id = _map_name(name)
+            pname, shard_id = self.map_weight_name(name)
             if pname not in params:
                 raise ValueError(
                     f"checkpoint tensor {name!r} matches no parameter of {type(self).__name__}"
@@ -113,6 +119,10 @@ class CausalLM(nn.Module):
         if missing:
             shown = ", ".join(missing[:10]) + (f", ... ({len(missing)} in all)" if len(missing) > 10 else "")
             raise ValueError(f"checkpoint is missing weights for parameters: {shown}")
+
+    def map_weight_name(self, name: str) -> tuple[str, str | None]:
+        """HF tensor name -> (our parameter name, shard id within a fused parameter or None)."""
+        return _map_name(name)
 
 
 def _map_name(name: str) -> tuple[str, str | None]:

@@ -1,4 +1,5 @@
-"""The shared Llama-style decoder (Llama, Mistral, Qwen2, Qwen3) on flattened tokens of a whole step.
+"""The shared Llama-style decoder (Llama, Mistral, Qwen2, Qwen3, and with MoE blocks Qwen2/3-MoE and Mixtral)
+on flattened tokens of a whole step.
 
 Per-architecture differences (biases, per-head q/k RMSNorm, sliding windows) are `ArchOptions` flags read
 from the HF config by each architecture's `arch_options`; parameter names mirror HF's (with q/k/v and
@@ -10,7 +11,7 @@ Every projection uses the linear method of the checkpoint's weight format (`get_
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +29,7 @@ from longserve.models.layers import (
     tp_shard_range,
 )
 from longserve.models.linear_method import LinearMethod, get_linear_method
+from longserve.models.moe_layout import moe_spec, validate_moe_parallel
 from longserve.models.rope import RotaryEmbedding, RotaryStep
 
 
@@ -78,11 +80,16 @@ def head_layout(num_heads: int, num_kv_heads: int, tp_size: int, tp_rank: int) -
     return HeadLayout(tp_rank * num_q, num_q, tp_rank // (tp_size // num_kv_heads), 1)
 
 
-def validate_tp_size(hf_config: Any, tp_size: int) -> None:
-    """Raise a clear ValueError when the model cannot be split `tp_size` ways."""
+def validate_tp_size(hf_config: Any, tp_size: int, ep_size: int = 1) -> None:
+    """Raise a clear ValueError when the model cannot be split `tp_size` ways (MoE models: with `ep_size`
+    expert-parallel groups, see moe_layout.py)."""
     num_heads = hf_config.num_attention_heads
     head_layout(num_heads, getattr(hf_config, "num_key_value_heads", None) or num_heads, tp_size, 0)
-    tp_shard_range(hf_config.intermediate_size, tp_size, 0, "intermediate_size")
+    spec = moe_spec(hf_config)
+    if spec is None:
+        tp_shard_range(hf_config.intermediate_size, tp_size, 0, "intermediate_size")
+    else:
+        validate_moe_parallel(spec, tp_size, ep_size)
 
 
 def layer_sliding_window(hf_config: Any, layer_id: int) -> int | None:
@@ -151,9 +158,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, hf_config: Any, opts: ArchOptions, linear: LinearMethod) -> None:
+    """SiLU-gated MLP of `intermediate_size` (default: the config's), split over the tp ranks."""
+
+    def __init__(
+        self, hf_config: Any, opts: ArchOptions, linear: LinearMethod, intermediate_size: int | None = None
+    ) -> None:
         super().__init__()
-        full = hf_config.intermediate_size
+        full = intermediate_size or hf_config.intermediate_size
         start, inter = tp_shard_range(full, get_tp_size(), get_tp_rank(), "intermediate_size")
         self.gate_up_proj = MergedLinear(
             hf_config.hidden_size,
@@ -176,12 +187,32 @@ class MLP(nn.Module):
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj.partial(silu_and_mul(self.gate_up_proj(x)))  # [T, hidden], not reduced
 
+    def finish(self, y: torch.Tensor) -> torch.Tensor:
+        """The all-reduced `partial` -> the output (the bias added once)."""
+        return self.down_proj.finish(y)
+
+
+# builds layer `layer_id`'s MLP: the dense MLP, or an MoE block (models/moe_block.py); it has `forward`,
+# and for micro-batch overlap `partial` (before its one all-reduce) and `finish` (after it)
+MakeMLP = Callable[[Any, ArchOptions, int, LinearMethod], nn.Module]
+
+
+def dense_mlp(hf_config: Any, opts: ArchOptions, layer_id: int, linear: LinearMethod) -> nn.Module:
+    return MLP(hf_config, opts, linear)
+
 
 class DecoderLayer(nn.Module):
-    def __init__(self, hf_config: Any, opts: ArchOptions, layer_id: int, linear: LinearMethod) -> None:
+    def __init__(
+        self,
+        hf_config: Any,
+        opts: ArchOptions,
+        layer_id: int,
+        linear: LinearMethod,
+        make_mlp: MakeMLP = dense_mlp,
+    ) -> None:
         super().__init__()
         self.self_attn = Attention(hf_config, opts, layer_id, linear)
-        self.mlp = MLP(hf_config, opts, linear)
+        self.mlp = make_mlp(hf_config, opts, layer_id, linear)
         self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
 
@@ -212,16 +243,16 @@ class DecoderLayer(nn.Module):
         hidden = self.self_attn.o_proj.finish(hidden)  # [T, hidden]
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         hidden = yield self.mlp.partial(hidden)
-        return self.mlp.down_proj.finish(hidden), residual  # [T, hidden] each
+        return self.mlp.finish(hidden), residual  # [T, hidden] each
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, hf_config: Any, opts: ArchOptions) -> None:
+    def __init__(self, hf_config: Any, opts: ArchOptions, make_mlp: MakeMLP = dense_mlp) -> None:
         super().__init__()
         linear = get_linear_method(hf_config)  # the checkpoint's weight format, shared by every projection
         self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(hf_config, opts, i, linear) for i in range(hf_config.num_hidden_layers)
+            DecoderLayer(hf_config, opts, i, linear, make_mlp) for i in range(hf_config.num_hidden_layers)
         )
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding.from_config(hf_config, get_head_dim(hf_config))

@@ -27,6 +27,7 @@ from longserve.distributed import get_tp_rank, get_tp_size, tp_all_gather, tp_al
 from longserve.kernels.activation_reference import silu_and_mul_ref
 from longserve.kernels.norm_reference import fused_add_rms_norm_ref, rms_norm_ref
 from longserve.models.linear_method import LinearMethod, UnquantizedLinearMethod
+from longserve.models.quant.layout import check_dtype, entries, layout_of, packed_region, tensor_name
 
 # (fused param module name, HF module name, shard id) -- the single source of the fused-weight mapping.
 STACKED_PARAMS: tuple[tuple[str, str, str], ...] = (
@@ -135,34 +136,74 @@ class MergedLinear(nn.Module):
         if self.bias is not None:
             self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
-    def _rank_rows(self, loaded: TensorLike, shard_id: str) -> TensorLike:
-        """This rank's rows of a full shard tensor (the tensor itself when it is not split)."""
-        full, size = self.full_shard_sizes[shard_id], self.shard_sizes[shard_id]
-        if full == size or loaded.shape[0] != full:
-            return loaded
-        return loaded.narrow(0, self.shard_starts[shard_id], size)
-
     def weight_loader(self, param: nn.Parameter, loaded: TensorLike, shard_id: str | None) -> None:
+        """Copy one checkpoint tensor (a shard's, or with shard_id None a whole fused one) into `param`,
+        along the dims its `layout` names (models/quant/layout.py: plain [out, in] by default)."""
+        check_dtype(param, loaded)
+        layout = layout_of(param)
         if shard_id is None:
-            if self.full_shard_sizes != self.shard_sizes and loaded.shape[0] == sum(
-                self.full_shard_sizes.values()
-            ):  # a fused checkpoint tensor under tp: slice each shard's rows out of it
-                full_offset = 0
-                for name in self.shard_sizes:
-                    full = loaded.narrow(0, full_offset, self.full_shard_sizes[name])
-                    self.weight_loader(param, full, name)
-                    full_offset += self.full_shard_sizes[name]
-                return
-            target = param.data
-        else:
-            target = param.data.narrow(0, self.shard_offsets[shard_id], self.shard_sizes[shard_id])
-            loaded = self._rank_rows(loaded, shard_id)
+            self._load_fused(param, loaded)
+            return
+        if layout.per_shard:  # one entry per shard (a per-tensor scale, compressed-tensors' weight_shape)
+            target = param.data[list(self.shard_sizes).index(shard_id)]
+            if loaded.numel() != target.numel():
+                raise ValueError(
+                    f"{tensor_name(loaded)}: expected {target.numel()} value(s) for shard {shard_id!r}; got "
+                    f"shape {tuple(loaded.shape)}"
+                )
+            target.copy_(as_tensor(loaded).reshape(target.shape))
+            return
+        d = layout.out_dim
+        if d is None or d >= param.dim():  # no output dim (act-order g_idx): every shard holds the same
+            self._load_shared(param, loaded, shard_id)
+            return
+        pack, full, size = layout.out_pack, self.full_shard_sizes[shard_id], self.shard_sizes[shard_id]
+        what = f"{tensor_name(loaded)} (shard {shard_id!r})"
+        first, count = packed_region(self.shard_offsets[shard_id], size, pack, self.out_features, what)
+        if full != size and loaded.shape[d] == entries(full, pack):  # the whole shard: this rank's rows
+            start, length = packed_region(self.shard_starts[shard_id], size, pack, full, what)
+            loaded = loaded.narrow(d, start, length)
+        target = param.data.narrow(d, first, count)
         if target.shape != loaded.shape:
             raise ValueError(
                 f"shape mismatch for shard {shard_id!r}: checkpoint {tuple(loaded.shape)}, "
                 f"model expects {tuple(target.shape)}"
             )
         target.copy_(as_tensor(loaded))
+
+    def _load_fused(self, param: nn.Parameter, loaded: TensorLike) -> None:
+        """A checkpoint tensor already holding every shard (saved fused): under tp, each shard's rows."""
+        d = layout_of(param).out_dim or 0
+        if self.full_shard_sizes != self.shard_sizes and loaded.shape[d] == sum(
+            self.full_shard_sizes.values()
+        ):
+            full_offset = 0
+            for name in self.shard_sizes:
+                self.weight_loader(param, loaded.narrow(d, full_offset, self.full_shard_sizes[name]), name)
+                full_offset += self.full_shard_sizes[name]
+            return
+        if param.shape != loaded.shape:
+            raise ValueError(
+                f"shape mismatch for shard None: checkpoint {tuple(loaded.shape)}, "
+                f"model expects {tuple(param.shape)}"
+            )
+        param.data.copy_(as_tensor(loaded))
+
+    def _load_shared(self, param: nn.Parameter, loaded: TensorLike, shard_id: str) -> None:
+        """A tensor every shard supplies alike (the shards share their input, hence GPTQ's act order):
+        the first is kept, the others must equal it."""
+        tensor = as_tensor(loaded)
+        seen: set[str] = param.__dict__.setdefault("shards_loaded", set())
+        if param.shape != tensor.shape:
+            raise ValueError(f"shape mismatch for shard {shard_id!r}: checkpoint {tuple(tensor.shape)}, "
+                             f"model expects {tuple(param.shape)}")  # fmt: skip
+        if seen and not torch.equal(param.data, tensor.to(param.dtype)):
+            raise ValueError(
+                f"{tensor_name(loaded)} differs between the fused shards {', '.join(self.shard_sizes)}: they "
+                "read the same input, so longserve needs them equal (as vLLM assumes)"
+            )
+        param.data.copy_(tensor)
+        seen.add(shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.quant_method.apply(self, x, self.bias)  # [T, out_features]
@@ -191,8 +232,21 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def weight_loader(self, param: nn.Parameter, loaded: TensorLike, shard_id: str | None = None) -> None:
-        if self.tp_size > 1 and loaded.shape[1] == self.in_features * self.tp_size:
-            loaded = loaded.narrow(1, self.tp_rank * self.in_features, self.in_features)
+        """This rank's input columns of a checkpoint tensor, along the dim its `layout` names (plain: 1); a
+        tensor without an input dim (a per-channel scale, act-order scales) is whole on every rank."""
+        check_dtype(param, loaded)
+        layout = layout_of(param)
+        d, full = layout.in_dim, self.in_features * self.tp_size
+        if (
+            self.tp_size > 1
+            and d is not None
+            and d < loaded.dim()
+            and loaded.shape[d] == entries(full, layout.in_pack)
+        ):
+            start, length = packed_region(
+                self.tp_rank * self.in_features, self.in_features, layout.in_pack, full, tensor_name(loaded)
+            )
+            loaded = loaded.narrow(d, start, length)
         default_weight_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -224,6 +278,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
     def weight_loader(self, param: nn.Parameter, loaded: TensorLike, shard_id: str | None = None) -> None:
+        check_dtype(param, loaded)
         if self.tp_size == 1:
             default_weight_loader(param, loaded)
             return
@@ -277,6 +332,10 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def default_weight_loader(param: nn.Parameter, loaded: TensorLike) -> None:
-    if param.shape != loaded.shape:
+    """Copy a whole tensor (a one-value tensor into a one-value parameter whatever their shapes: per-tensor
+    scales are saved as [] or [1]); refuses a dtype that does not fit (layout.check_dtype)."""
+    check_dtype(param, loaded)
+    reshape = param.numel() == loaded.numel() and (param.numel() == 1 or layout_of(param).per_shard)
+    if param.shape != loaded.shape and not reshape:
         raise ValueError(f"shape mismatch: checkpoint {tuple(loaded.shape)}, model {tuple(param.shape)}")
-    param.data.copy_(as_tensor(loaded))
+    param.data.copy_(as_tensor(loaded).reshape(param.shape))

@@ -1,7 +1,8 @@
 """Linear-layer methods: how a linear layer (models/layers.py) holds its weight and multiplies by it.
 
 The layer owns the shapes and the tensor-parallel slicing (its weight_loader); the method owns the
-parameters' format and the product. "unquantized" is a plain [out, in] weight and `F.linear`.
+parameters' format and the product. "unquantized" is a plain [out, in] weight and `F.linear`; the quantized
+formats' methods live in models/quant/ and are given to each layer by name once the model is built.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from longserve.models.quantization import UNQUANTIZED, QuantizeMethod, method_for
+from longserve.models.quantization import UNQUANTIZED, QuantizeMethod, method_for, quantization_method
 
 
 class LinearMethod(QuantizeMethod):
@@ -48,9 +49,34 @@ class UnquantizedLinearMethod(LinearMethod):
         return F.linear(x, layer.weight, bias)
 
 
+class PendingLinearMethod(LinearMethod):
+    """A quantized checkpoint's layer before it knows its method: formats decide per module (GPTQ's
+    `dynamic` rules, compressed-tensors' `ignore` list, ...), by the module's checkpoint name, which a layer
+    learns only once the model is built. It records the layer's shape and registers nothing;
+    models/quant/bind.py then gives the layer its method (and its parameters) before any weight is read."""
+
+    name = "pending"
+
+    def create_weights(
+        self, layer: nn.Module, in_features: int, out_features: int, weight_loader: Callable[..., None]
+    ) -> None:
+        layer.pending_weights = (in_features, out_features, weight_loader)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        raise RuntimeError(
+            f"{type(layer).__name__} has no weight format yet: a quantized model is built by "
+            "longserve.models.load_model, which gives every layer its method (models/quant/bind.py)"
+        )
+
+
+# whole-model methods (every layer alike); quantized formats are per module (PendingLinearMethod)
 LINEAR_METHODS: dict[str, type[LinearMethod]] = {UNQUANTIZED: UnquantizedLinearMethod}
 
 
 def get_linear_method(hf_config: Any) -> LinearMethod:
-    """The linear method of the checkpoint's weight format (refused, naming the supported ones, if unknown)."""
-    return method_for(LINEAR_METHODS, hf_config, "linear layers")
+    """The linear method of the checkpoint's weight format: a whole-model method of LINEAR_METHODS, or for a
+    quantized format a PendingLinearMethod (the format, already checked by models/quant/config.py before
+    the model is built, then picks each layer's)."""
+    if quantization_method(hf_config) in LINEAR_METHODS:
+        return method_for(LINEAR_METHODS, hf_config, "linear layers")
+    return PendingLinearMethod()

@@ -24,8 +24,13 @@ import torch
 from torch import nn
 
 from longserve.models.layers import MergedLinear, RMSNorm, RowParallelLinear, VocabParallelEmbedding
+from longserve.models.linear_method import LINEAR_METHODS
 from longserve.models.moe import FusedMoE
-from longserve.models.quantization import process_weights_after_loading
+from longserve.models.pooler import PoolerSpec, pooling_model_class
+from longserve.models.quant.bind import bind_quant_methods
+from longserve.models.quant.config import parse_quant_format
+from longserve.models.quant.dummy import fill_dummy, is_quantized_param
+from longserve.models.quantization import process_weights_after_loading, quantization_method
 from longserve.models.registry import get_model_class
 
 logger = logging.getLogger("longserve.models.loader")
@@ -89,8 +94,10 @@ def load_model(
     load_format: str = "auto",
     seed: int = 0,
     stats: LoadStats | None = None,
+    pooler: PoolerSpec | None = None,
 ) -> nn.Module:
-    """Build the model for `hf_config.architectures` on `device` in `dtype` and fill its weights.
+    """Build the model for `hf_config.architectures` on `device` in `dtype` and fill its weights; with
+    `pooler`, as that pooling model (models/pooler.py: an embedding model or a reranker).
 
     load_format 'auto'/'safetensors' reads the checkpoint in `model_dir`; 'dummy' draws random weights
     (normal, std=initializer_range; norms = 1) from a generator seeded with `seed`, reading no files.
@@ -101,19 +108,47 @@ def load_model(
         raise ValueError(
             f"load_format {load_format!r} is not supported; supported: {', '.join(LOAD_FORMATS)}"
         )
-    model_cls = get_model_class(getattr(hf_config, "architectures", None))
+    if pooler is not None:
+        model_cls = pooling_model_class(pooler)
+    else:
+        model_cls = get_model_class(getattr(hf_config, "architectures", None))
     device = torch.device(device)
+    # the weight format, checked in full before anything is read (models/quant/config.py)
+    quant = None if quantization_method(hf_config) in LINEAR_METHODS else parse_quant_format(hf_config)
     files = [] if load_format == "dummy" else safetensors_files(model_dir)
     with _default_dtype(dtype), torch.device(device):
         model = model_cls(hf_config)
+        # each quantized layer's method, by its checkpoint name (and the companions the files hold)
+        methods = bind_quant_methods(model, quant, tensors=tensor_names(files) if quant and files else None)
+    if methods:
+        logger.info(
+            "quantized (%s) layers: %s",
+            quant.name,
+            ", ".join(f"{n} x{c}" for n, c in sorted(methods.items())),
+        )
     if load_format == "dummy":
         init_dummy_weights(model, std=getattr(hf_config, "initializer_range", 0.02), seed=seed)
     else:
-        model.load_weights(iterate_safetensors(files, device, stats))
+        weights = iterate_safetensors(files, device, stats)
+        model.load_weights(_without_absent_biases(model, weights) if quant is not None else weights)
     process_weights_after_loading(model)
+    if quant is not None and device.type == "cuda":
+        torch.cuda.empty_cache()  # the checkpoint layouts' tensors, repacked: free for the KV pool's sizing
     model.eval()
     model.requires_grad_(False)
     return model
+
+
+def _without_absent_biases(model: nn.Module, weights: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    """Quantized checkpoints (AutoGPTQ's among them) may save a zero bias for every projection, also for
+    layers that have none: such a bias is skipped (as vLLM does); a nonzero one is an error."""
+    params = dict(model.named_parameters())
+    for name, tensor in weights:
+        if name.endswith(".bias") and model.map_weight_name(name)[0] not in params:
+            if bool(tensor.materialize().any()):
+                raise ValueError(f"checkpoint tensor {name!r} is a nonzero bias of a layer that has none")
+            continue
+        yield name, tensor
 
 
 def safetensors_files(model_dir: str) -> list[str]:
@@ -158,6 +193,17 @@ _ST_DTYPES: dict[str, torch.dtype] = {
 }
 
 
+def tensor_names(files: list[str]) -> set[str]:
+    """Every tensor name of the checkpoint files (their headers only)."""
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            names.update(f.keys())
+    return names
+
+
 @dataclass
 class LoadStats:
     """What a load read: `bytes_read` counts only the regions materialized (a tp rank's slices), while
@@ -185,7 +231,9 @@ class CheckpointSlice:
         device: torch.device,
         stats: LoadStats,
         region: tuple[tuple[int, int], ...] | None = None,
+        name: str | None = None,
     ) -> None:
+        self.name = name  # the checkpoint's tensor name, for loaders' messages
         self._slice = safe_slice
         self._full_shape = tuple(int(n) for n in safe_slice.get_shape())
         self._region = region if region is not None else tuple((0, n) for n in self._full_shape)
@@ -223,7 +271,7 @@ class CheckpointSlice:
         region = list(self._region)
         base = region[dim][0]
         region[dim] = (base + start, length)
-        return CheckpointSlice(self._slice, self.device, self.stats, tuple(region))
+        return CheckpointSlice(self._slice, self.device, self.stats, tuple(region), self.name)
 
     def materialize(self) -> torch.Tensor:
         """Read the selected region (and only it) from the file, as a tensor on `self.device`."""
@@ -279,7 +327,7 @@ def iterate_safetensors(
             # read on the CPU (only the selected bytes), then moved to `device` by materialize()
             with safe_open(path, framework="pt", device="cpu") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    yield name, CheckpointSlice(f.get_slice(name), device, stats)
+                    yield name, CheckpointSlice(f.get_slice(name), device, stats, name=name)
                     bar.update(1)
     stats.seconds = time.perf_counter() - start
     logger.info(
@@ -296,7 +344,8 @@ def iterate_safetensors(
 def init_dummy_weights(model: nn.Module, std: float, seed: int) -> None:
     """Random weights: normal(0, std), RMSNorm weights = 1; deterministic per seed, device and parameter
     name, and the same model whatever the tensor-parallel size: a sharded parameter draws its whole
-    (unsharded) tensor and keeps its rank's part through the checkpoint loaders, as if read from a file."""
+    (unsharded) tensor and keeps its rank's part through the checkpoint loaders, as if read from a file.
+    Quantized parameters are drawn in their format (models/quant/dummy.py)."""
     owners = {id(p): m for m in model.modules() for p in m.parameters(recurse=False)}
     for name, param in model.named_parameters():
         owner = owners[id(param)]
@@ -306,6 +355,9 @@ def init_dummy_weights(model: nn.Module, std: float, seed: int) -> None:
         generator = torch.Generator(device=param.device).manual_seed(
             (seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63
         )
+        if is_quantized_param(param):  # packed integers, fp8 values, scales: in the checkpoint's format
+            fill_dummy(owner, param, std, generator)
+            continue
         full = _unsharded_shape(owner, param)
         if full == tuple(param.shape):
             param.normal_(0.0, std, generator=generator)

@@ -1,8 +1,10 @@
 """How a checkpoint's weights are stored (config.json `quantization_config`), and the method base class that
 linear layers and MoE experts delegate to: the seam where quantized kernels plug in.
 
-A layer kind keeps a registry name -> method class (linear_method.LINEAR_METHODS, moe.MOE_METHODS); every
-layer of a model gets the method its checkpoint names, "unquantized" without a quantization_config.
+A layer kind keeps a registry name -> method class of whole-model methods (linear_method.LINEAR_METHODS,
+moe.MOE_METHODS: "unquantized" without a quantization_config). The quantized formats (models/quant/: gptq,
+awq, compressed-tensors, fp8) decide per module, by its checkpoint name: their layers are built with a
+pending method and given theirs once the model is built, before any weight is read (models/quant/bind.py).
 """
 
 from __future__ import annotations

@@ -11,6 +11,9 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("longserve.models.llama", "MistralForCausalLM"),
     "Qwen2ForCausalLM": ("longserve.models.qwen", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("longserve.models.qwen", "Qwen3ForCausalLM"),
+    "Qwen2MoeForCausalLM": ("longserve.models.moe_models", "Qwen2MoeForCausalLM"),
+    "Qwen3MoeForCausalLM": ("longserve.models.moe_models", "Qwen3MoeForCausalLM"),
+    "MixtralForCausalLM": ("longserve.models.moe_models", "MixtralForCausalLM"),
 }
 
 

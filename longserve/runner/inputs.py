@@ -12,6 +12,7 @@ import torch
 
 from longserve.attention.base import AttentionMetadata, build_step_tensors
 from longserve.outputs import SchedulerOutput
+from longserve.runner.prompt_logprobs import PromptLogprobRows
 
 
 @dataclass
@@ -24,6 +25,7 @@ class StepInputs:
     query_lens: list[int]  # [B]
     page_tables: list[list[int]]  # [B][pages]
     logits_indices: list[int]  # [N] rows that sample (last token of each sampling request)
+    prompt_logprobs: PromptLogprobRows | None = None  # rows whose prompt logprobs are asked for
 
 
 @dataclass
@@ -41,6 +43,9 @@ def build_step(out: SchedulerOutput) -> StepInputs:
         req = s.request
         start = req.num_computed_tokens
         end = start + s.num_new_tokens
+        if req.sampling_params.prompt_logprobs is not None and start < req.num_prompt_tokens - 1:
+            step.prompt_logprobs = step.prompt_logprobs or PromptLogprobRows()
+            step.prompt_logprobs.add(req, start, end, first_row=len(step.input_ids))
         if end <= req.num_prompt_tokens:
             step.input_ids.extend(req.prompt_token_ids[start:end])
         else:

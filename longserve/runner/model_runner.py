@@ -7,24 +7,32 @@ its `execute` broadcasts the step's plain inputs, every rank runs `forward_step`
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import weakref
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from longserve.attention import ForwardContext, GraphShape, KVCache, get_attention_backend
 from longserve.config import EngineConfig
-from longserve.distributed import RankFailure, broadcast_object, get_tp_group
+from longserve.distributed import RankFailure, broadcast_object, get_tp_group, set_ep_size
 from longserve.memory import bound_kernel_caches
 from longserve.models import load_model, resolve_dtype
 from longserve.models.decoder import validate_tp_size
+from longserve.models.moe import expert_weight_summary
+from longserve.models.pooler import apply_hf_overrides, resolve_pooler
+from longserve.models.quant.config import apply_quantization
 from longserve.outputs import RunnerOutput, SchedulerOutput
 from longserve.platform import available_memory_bytes, resolve_device
 from longserve.request import Request
+from longserve.runner import prompt_logprobs
 from longserve.runner.cuda_graph import DecodeGraphRunner, ExtendGraphRunner
+from longserve.runner.grammar_mask import GrammarMasker, TokenMask
 from longserve.runner.inputs import StepInputs, build_step, split_step, to_model_inputs
+from longserve.runner.pooling import pooled_output
 from longserve.runner.sampler import Sampler, SamplingInfo
 from longserve.sampling_params import SamplingParams
 
@@ -70,10 +78,12 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, hf_config) -> None:
         bound_kernel_caches()  # before this process's first bf16 matmul and before the workers start
         self.config = config
-        self.hf_config = hf_config
+        self.hf_config = apply_hf_overrides(hf_config, config.hf_overrides)  # in place: the engine's too
+        # --quantization against config.json's quantization_config, checked before any process or read
+        apply_quantization(self.hf_config, config.quantization, config.load_format)
         self.workers = None  # rank 0 of a tp run: its worker processes (runner/tp_workers.py)
         if config.tp_size > 1 and get_tp_group() is None:  # the engine's rank: start the other ranks
-            validate_tp_size(hf_config, config.tp_size)
+            validate_tp_size(hf_config, config.tp_size, config.ep_size)
             from longserve.runner.tp_workers import TPWorkers
 
             self.workers = TPWorkers.start(config)
@@ -86,14 +96,23 @@ class ModelRunner:
 
     def _init(self, config: EngineConfig, hf_config) -> None:
         self.tp = get_tp_group()
+        set_ep_size(config.ep_size if self.tp is not None else 1)  # before the model is built: its experts
         self.device = resolve_device(config.device)
         if self.tp is not None and self.device.type == "cuda":
             self.device = torch.device("cuda", self.tp.local_rank)
         self.dtype = resolve_dtype(config.dtype, hf_config)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        # an embedding model or a reranker (models/pooler.py): it pools its prompts' last positions
+        self.pooler = resolve_pooler(config.runner, config.convert, hf_config, config.model)
         self.model = load_model(
-            config.model, hf_config, self.dtype, self.device, load_format=config.load_format, seed=config.seed
+            config.model,
+            hf_config,
+            self.dtype,
+            self.device,
+            load_format=config.load_format,
+            seed=config.seed,
+            pooler=self.pooler,
         )
         self.num_pages = self._num_pages()
         # refuse an impossible context length before the large allocation
@@ -112,6 +131,8 @@ class ModelRunner:
         self.graph_runner = self._build_graph_runner()
         self.extend_graphs = self._build_extend_graphs()
         self.sampler = Sampler()
+        self.last_prompt_logprobs: dict | None = None  # the last step's by request id (prompt_logprobs.py)
+        self.grammar_masker = GrammarMasker(config.max_running_requests, self.model.vocab_size, self.device)
         self.num_tokens_computed = 0  # every token fed through the model (tests count cache hits by it)
         self.num_forward_passes = 0
         self.num_overlapped_passes = 0  # tp steps run as two overlapped halves
@@ -219,18 +240,36 @@ class ModelRunner:
                 )
                 self.workers.fail(message)
                 raise RankFailure(message) from e
-        if logits is None:
-            return RunnerOutput(sampled_token_ids=[])
+        prompt_lps, self.last_prompt_logprobs = self.last_prompt_logprobs, None
+        if logits is None:  # a mid-prompt chunk samples nothing but may owe prompt logprobs
+            return RunnerOutput(sampled_token_ids=[], prompt_logprobs=prompt_lps)
+        reqs = [s.request for s in out.scheduled if s.samples]
+        if self.pooler is not None:  # the rows are pooled values (embeddings, scores), not logits
+            return pooled_output(self.pooler, logits, reqs)
+        # on the host while the device runs the forward pass (nothing above waited for it)
+        token_mask, mask_failures = self.grammar_masker.prepare(reqs)
+        failed = {
+            reqs[i].request_id: _failure("filling its grammar mask for", reqs[i].request_id, e)
+            for i, e in mask_failures.items()
+        }
         with torch.inference_mode():
-            return self._sample(logits, [s.request for s in out.scheduled if s.samples], eos_token_ids)
+            result = self._sample(logits, reqs, eos_token_ids, token_mask, failed)
+        result.prompt_logprobs = prompt_lps
+        return result
 
     def _sample(
-        self, logits: torch.Tensor, reqs: list[Request], eos_token_ids: frozenset[int]
+        self,
+        logits: torch.Tensor,
+        reqs: list[Request],
+        eos_token_ids: frozenset[int],
+        token_mask: TokenMask | None = None,
+        failed: dict[str, str] | None = None,
     ) -> RunnerOutput:
         """One token per row of logits [N, V]. A request whose own setup or sampling raises is isolated:
         it gets a placeholder token and an entry in `failed` (the engine ends it with an error), and the
-        others are sampled as usual; the batch is re-sampled row by row only when the batched call raised."""
-        failed: dict[str, str] = {}
+        others are sampled as usual; the batch is re-sampled row by row only when the batched call raised.
+        `token_mask`: the grammar rows' mask; `failed`: requests that already failed (their grammar's mask)."""
+        failed = dict(failed or {})
         infos = []
         for req in reqs:
             try:
@@ -239,13 +278,14 @@ class ModelRunner:
                 failed[req.request_id] = _failure("preparing its sampling", req.request_id, e)
                 infos.append(SamplingInfo(_PLACEHOLDER, (), (), None))
         try:
-            results = [self.sampler(logits, infos)]
+            results = [self.sampler(logits, infos, token_mask=token_mask)]
             rows = [slice(None)]
         except Exception:
             results, rows = [], []
             for i, (req, info) in enumerate(zip(reqs, infos)):
                 try:
-                    results.append(self.sampler(logits[i : i + 1], [info]))
+                    row_mask = token_mask.row(i) if token_mask is not None else None
+                    results.append(self.sampler(logits[i : i + 1], [info], token_mask=row_mask))
                     rows.append(slice(i, i + 1))
                 except Exception as e:
                     failed[req.request_id] = _failure("sampling", req.request_id, e)
@@ -284,9 +324,14 @@ class ModelRunner:
                 hidden = self.model(inputs.input_ids, inputs.positions, ctx)  # [T, H]
             self.num_tokens_computed += inputs.num_tokens
             self.num_forward_passes += 1
+            self.last_prompt_logprobs = prompt_logprobs.compute(self.model, hidden, step.prompt_logprobs)
             if inputs.logits_indices.numel() == 0:
                 return None
-            return self.model.compute_logits(hidden[inputs.logits_indices])  # [N, V] fp32
+            return self._head(hidden[inputs.logits_indices])  # [N, V] fp32 (pooling: [N, D])
+
+    def _head(self, rows: torch.Tensor) -> torch.Tensor:
+        """The last positions' hidden states [N, H] -> logits [N, V], or a pooling model's values."""
+        return self.model.pool(rows) if self.pooler is not None else self.model.compute_logits(rows)
 
     def _forward_overlapped(self, step: StepInputs) -> torch.Tensor | None:
         """A long step under tensor parallelism as two halves whose all-reduces hide behind each other's
@@ -308,10 +353,11 @@ class ModelRunner:
             self.num_tokens_computed += hidden.shape[0]
             self.num_forward_passes += 1
             self.num_overlapped_passes += 1
+            self.last_prompt_logprobs = prompt_logprobs.compute(self.model, hidden, step.prompt_logprobs)
             if not step.logits_indices:
                 return None
             rows = torch.tensor(step.logits_indices, dtype=torch.long, device=self.device)
-            return self.model.compute_logits(hidden[rows])  # [N, V] fp32
+            return self._head(hidden[rows])  # [N, V] fp32 (pooling: [N, D])
 
     def shutdown(self) -> None:
         """Stop the tp workers (rank 0) and leave the process group; a no-op at tp=1. Idempotent."""
@@ -331,7 +377,9 @@ class ModelRunner:
     def _sampling_info(self, req: Request, eos_token_ids: frozenset[int]) -> SamplingInfo:
         params = req.sampling_params
         banned: list[int] = []
-        if req.num_output_tokens < params.min_new_tokens:
+        # a complete grammar may allow nothing but its stop tokens: the grammar wins over min_new_tokens
+        grammar_done = req.grammar is not None and req.grammar.is_completed
+        if req.num_output_tokens < params.min_new_tokens and not grammar_done:
             banned.extend(params.stop_token_ids)
             if not params.ignore_eos:
                 banned.extend(eos_token_ids)
@@ -345,11 +393,41 @@ class ModelRunner:
             banned_token_ids=banned,
         )
 
-    def describe(self) -> str:
+    @functools.cached_property
+    def memory_plan(self) -> dict[str, Any]:
+        """This rank's weights (the experts' share apart) and KV pool, and what they fit: the start-up log
+        line and /server_info's "memory". Fixed once the runner is built."""
         tokens = self.num_pages * self.page_size
+        return dict(
+            weight_bytes=self.weight_bytes(),
+            **expert_weight_summary(self.model),
+            kv_pool_tokens=tokens,
+            kv_pool_pages=self.num_pages,
+            kv_bytes_per_token=self.kv_bytes_per_token(),
+            kv_pool_bytes=tokens * self.kv_bytes_per_token(),
+            context_length=self.context_length,
+            requests_at_full_context=tokens / self.context_length,
+            dtype=str(self.dtype).removeprefix("torch."),
+            device=str(self.device),
+            tp_size=self.tp.world_size if self.tp else 1,
+            ep_size=self.tp.ep_size if self.tp else 1,
+        )
+
+    def describe(self) -> str:
+        m = self.memory_plan
+        experts = ""
+        if m["moe_layers"]:
+            here = "" if m["local_experts"] == m["num_experts"] else f", {m['local_experts']} on this rank"
+            experts = (
+                f" (experts {m['expert_weight_bytes'] / 2**30:.2f} GiB: {m['moe_layers']} MoE layers of "
+                f"{m['num_experts']} experts{here})"
+            )
+        parallel = f"; per rank of tp={m['tp_size']}" if self.tp else ""
+        if self.tp and m["ep_size"] > 1:
+            parallel += f", ep={m['ep_size']}"
         return (
-            f"KV pool: {tokens:,} tokens ({self.num_pages:,} pages of {self.page_size}), "
-            f"longest context {self.context_length:,}, {tokens / self.context_length:.1f} requests at full context, "
-            f"{tokens * self.kv_bytes_per_token() / 2**30:.2f} GiB; weights {self.weight_bytes() / 2**30:.2f} GiB "
-            f"({self.dtype}, {self.device})" + (f"; per rank of tp={self.tp.world_size}" if self.tp else "")
+            f"KV pool: {m['kv_pool_tokens']:,} tokens ({self.num_pages:,} pages of {self.page_size}), "
+            f"longest context {self.context_length:,}, {m['requests_at_full_context']:.1f} requests at full "
+            f"context, {m['kv_pool_bytes'] / 2**30:.2f} GiB; weights {m['weight_bytes'] / 2**30:.2f} GiB"
+            f"{experts} ({self.dtype}, {self.device}){parallel}"
         )

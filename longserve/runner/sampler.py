@@ -10,6 +10,7 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -76,6 +77,24 @@ def apply_bans(logits: torch.Tensor, infos: Sequence[SamplingInfo]) -> torch.Ten
         torch.tensor(cols, dtype=torch.int64, device=logits.device),
     )
     return logits.index_put(index, torch.tensor(-math.inf, device=logits.device))  # [N, V]
+
+
+def apply_logit_bias(logits: torch.Tensor, infos: Sequence[SamplingInfo]) -> torch.Tensor:
+    """OpenAI's logit_bias: each row's biases added to its logits (one index_put for the batch; ids were
+    checked against the vocab when the request came in). Out of place, like the bans."""
+    biased = [(i, info.params.logit_bias) for i, info in enumerate(infos) if info.params.logit_bias]
+    if not biased:
+        return logits
+    rows = [i for i, bias in biased for _ in bias]
+    cols = [t for _, bias in biased for t in bias]
+    values = [b for _, bias in biased for b in bias.values()]
+    device = logits.device
+    index = (
+        torch.tensor(rows, dtype=torch.int64, device=device),
+        torch.tensor(cols, dtype=torch.int64, device=device),
+    )
+    bias = torch.tensor(values, dtype=logits.dtype, device=device)  # [B]
+    return logits.index_put(index, bias, accumulate=True)  # [N, V]
 
 
 def apply_penalties(logits: torch.Tensor, infos: Sequence[SamplingInfo]) -> torch.Tensor:
@@ -178,16 +197,24 @@ def _exponential_noise(
 class Sampler:
     """Picks one token per row of logits [N, V] according to each row's SamplingParams."""
 
-    def __call__(self, logits: torch.Tensor, infos: list[SamplingInfo]) -> SamplerOutput:
+    def __call__(
+        self, logits: torch.Tensor, infos: list[SamplingInfo], token_mask: Any = None
+    ) -> SamplerOutput:
+        """`token_mask`: runner.grammar_mask.TokenMask of the rows whose grammar restricts the next token."""
         assert logits.dim() == 2 and logits.shape[0] == len(infos), (tuple(logits.shape), len(infos))
         num_reqs, vocab_size = logits.shape
         device = logits.device
+        given = logits
         logits = logits.float()  # [N, V]; a no-op for float32, and every step below is out of place
         params = [info.params for info in infos]
 
         asked = [p.logprobs for p in params if p.logprobs is not None]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if asked else None  # [N, V]
 
+        if token_mask is not None:  # the grammar's disallowed tokens -> -inf (logprobs stay the model's own)
+            logits = token_mask.apply(logits.clone() if logits is given else logits)  # [N, V], in place
+
+        logits = apply_logit_bias(logits, infos)  # [N, V]
         logits = apply_bans(logits, infos)  # [N, V]
         logits = apply_penalties(logits, infos)  # [N, V]
 

@@ -16,19 +16,22 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from longserve import __version__
 from longserve.engine import Engine
-from longserve.server import openapi, routes_generate, routes_openai
+from longserve.server import openapi, routes_admin, routes_generate, routes_openai, routes_pooling
 from longserve.server.async_engine import SHUTTING_DOWN
 from longserve.server.errors import APIError, install_error_handlers
 from longserve.server.metrics import ServerMetrics
 from longserve.server.protocol import DetokenizeRequest, TokenizeRequest, parse_body
 from longserve.server.state import QUEUED_SCOPE_KEY, ServerState, get_state
 
-OPEN_PATHS = frozenset({"/health"})
-GENERATION_PATHS = frozenset({"/generate", "/v1/completions", "/v1/chat/completions"})
+OPEN_PATHS = frozenset({"/health", "/ping"})  # liveness probes (/ping: SageMaker's) need no key
+GENERATION_PATHS = frozenset(
+    {"/generate", "/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/rerank", "/rerank"}
+    | {"/v2/rerank", "/v1/score", "/score"}
+)
 
 
 class APIKeyMiddleware:
-    """Every path but /health needs `Authorization: Bearer KEY` (or `x-api-key: KEY`); plain ASGI, so
+    """Every path but /health and /ping needs `Authorization: Bearer KEY` (or `x-api-key: KEY`); plain ASGI, so
     streaming responses and disconnect detection pass through untouched."""
 
     def __init__(self, app, api_key: str) -> None:
@@ -111,7 +114,9 @@ def _uses_cuda(state: ServerState) -> bool:
 def create_app(state: ServerState) -> FastAPI:
     config = state.server_config
     if config.enable_metrics and state.metrics is None:
-        state.metrics = ServerMetrics(state.model_name, state.context_length, gpu=_uses_cuda(state))
+        state.metrics = ServerMetrics(
+            state.model_name, state.context_length, gpu=_uses_cuda(state), names=config.metrics_names
+        )
         if state.tokenizers.prefix_cache is not None:
             state.metrics.watch_tokenizer_cache(state.tokenizers.prefix_cache)
     state.engine.configure_stats(state.metrics, config.log_stats_interval)
@@ -133,6 +138,8 @@ def create_app(state: ServerState) -> FastAPI:
         app.add_middleware(APIKeyMiddleware, api_key=state.server_config.api_key)
     app.include_router(routes_generate.router)
     app.include_router(routes_openai.router)
+    app.include_router(routes_pooling.router)
+    app.include_router(routes_admin.router)
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health(request: Request):
@@ -152,7 +159,7 @@ def create_app(state: ServerState) -> FastAPI:
             "model_path": state.engine_config.model,
             "tokenizer_path": state.engine_config.tokenizer_path,
             "served_model_name": state.model_name,
-            "is_generation": True,
+            "is_generation": state.engine.engine.runner.pooler is None,  # False: an embedding model/reranker
             "architectures": list(getattr(hf, "architectures", None) or []),
             "vocab_size": getattr(hf, "vocab_size", None),
             "context_length": state.context_length,
@@ -176,6 +183,8 @@ def create_app(state: ServerState) -> FastAPI:
             "num_steps": state.engine.num_steps,
             "num_step_errors": state.engine.num_step_errors,
             "num_aborted_requests": state.engine.num_aborted,
+            # weights (experts apart) and KV pool of one rank, and what fits: fixed at start-up
+            "memory": state.engine.engine.runner.memory_plan,
             **kv,
         }
 
@@ -186,7 +195,7 @@ def create_app(state: ServerState) -> FastAPI:
         def prometheus_metrics() -> Response:  # sync: NVML reads run in the thread pool
             return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/flush_cache")
+    @app.api_route("/flush_cache", methods=["GET", "POST"])  # SGLang takes both
     async def flush_cache(request: Request):
         state = get_state(request)
         flushed = await state.engine.call(lambda engine: engine.flush_cache())

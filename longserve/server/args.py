@@ -17,7 +17,16 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
-from longserve.config import DEVICES, DTYPES, LOAD_FORMATS, EngineConfig, ServerConfig
+from longserve.config import (
+    CONVERTS,
+    DEVICES,
+    DTYPES,
+    LOAD_FORMATS,
+    METRICS_NAMES,
+    RUNNERS,
+    EngineConfig,
+    ServerConfig,
+)
 from longserve.platform import attention_backend_help
 
 logger = logging.getLogger("longserve.server")
@@ -47,10 +56,38 @@ def _schedule_policy(value: str) -> str:
     return value
 
 
+def _whitespace_limit(value: str) -> int | None:
+    """An integer >= 0, or none/unlimited (no bound)."""
+    if value.strip().lower() in ("none", "unlimited"):
+        return None
+    try:
+        limit = int(value)
+    except ValueError:
+        limit = -1
+    if limit < 0:
+        raise _BadValue(f"{value!r}: expected an integer >= 0 (0: compact JSON) or none (no bound)")
+    return limit
+
+
+def _registry_names(module: str, registry: str) -> tuple[str, ...]:
+    import importlib
+
+    return tuple(sorted(getattr(importlib.import_module(module), registry)))
+
+
 def _dtype(value: str) -> str:
     value = _DTYPE_ALIASES.get(value.lower(), value.lower())
     if value not in DTYPES:
         raise _BadValue(f"{value!r}: expected auto, float32 (float), float16 (half) or bfloat16")
+    return value
+
+
+def _convert_task(value: str) -> str:
+    """--convert's values, or vLLM's older --task ones (generate: not a pooling model)."""
+    value = value.lower()
+    value = {"embedding": "embed", "score": "classify", "generate": "none"}.get(value, value)
+    if value not in CONVERTS:
+        raise _BadValue(f"{value!r}: expected auto, embed, classify (score) or generate")
     return value
 
 
@@ -92,6 +129,11 @@ OPTIONS: tuple[Option, ...] = (
     Option(("--seed", "--random-seed"), E + "seed", "seed of dummy weights and unseeded sampling", int),
     Option(("--tp-size", "--tensor-parallel-size", "--tp"), E + "tp_size",
            "tensor-parallel ranks, one process each (must divide the attention heads)", int),
+    Option(("--ep-size", "--expert-parallel-size", "--ep"), E + "ep_size",
+           "MoE models: expert-parallel groups among the tensor-parallel ranks, each holding 1/N of the "
+           "experts whole (must divide --tp-size)", int),
+    Option(("--enable-expert-parallel",), E + "enable_expert_parallel",
+           "MoE models: place whole experts on the tensor-parallel ranks (--ep-size = --tp-size)", None),
     Option(("--nnodes",), E + "nnodes", "nodes the tensor-parallel ranks span", int),
     Option(("--node-rank",), E + "node_rank", "this node's index (node 0 serves HTTP)", int),
     Option(("--dist-init-addr",), E + "dist_init_addr", "HOST:PORT of node 0's rendezvous (multi-node)",
@@ -143,6 +185,49 @@ OPTIONS: tuple[Option, ...] = (
     Option(("--tokenizer-prefix-cache-size",), S + "tokenizer_prefix_cache_size",
            "long prompts kept with their token ids: a conversation's next turn tokenizes only its new text; "
            "0: off", int),
+    Option(("--runner",), E + "runner",
+           "generate, or pooling (embeddings, rerank scores); auto: pooling when the checkpoint is an "
+           "embedding model (sentence-transformers files) or a *ForSequenceClassification reranker",
+           choices=RUNNERS),
+    Option(("--is-embedding",), E + "runner", "serve a pooling model (SGLang's flag; --runner pooling)", None,
+           const="pooling"),
+    Option(("--convert", "--task"), E + "convert",
+           "what a pooling model yields: embed, classify (rerank/score); auto: from the checkpoint. vLLM's "
+           "--task embed|embedding|classify|score|generate means the same", _convert_task),
+    Option(("--hf-overrides", "--hf_overrides"), E + "hf_overrides",
+           "JSON object set on the model's HF config, e.g. Qwen3-Reranker's '{\"architectures\": "
+           "[\"Qwen3ForSequenceClassification\"], \"classifier_from_token\": [\"no\", \"yes\"]}'",
+           default_help="none"),
+    Option(("--quantization",), E + "quantization",
+           "the checkpoint's weight format, vLLM's names: gptq, awq, compressed-tensors, fp8 (checked against "
+           "config.json's quantization_config); fp8 on a float checkpoint quantizes it per channel while "
+           "loading; with --load-format dummy, random weights in that format",
+           default_help="config.json's quantization_config"),
+    Option(("--strict-model-name",), S + "strict_model_name",
+           "answer 404 to a `model` this server does not serve (vLLM); by default any name is served, as "
+           "SGLang does (\"default\" always is)", None),
+    Option(("--metrics-names",), S + "metrics_names",
+           "the Prometheus series' names: longserve (longserve:*), vllm (vllm:*, for vLLM's Grafana "
+           "dashboards) or sglang (sglang:*)", choices=METRICS_NAMES),
+    Option(("--tool-call-parser",), S + "tool_call_parser",
+           "the syntax of the model's tool calls (vLLM's and SGLang's names): hermes/qwen/qwen25 "
+           "(<tool_call>), llama3_json/llama3, mistral; read into message.tool_calls, and the syntax "
+           "tool_choice required/named is forced in",
+           choices=_registry_names("longserve.structured.tool_parsers", "TOOL_CALL_PARSERS"),
+           default_help="none: tool_choice required/named use vLLM's JSON list of calls"),
+    Option(("--enable-auto-tool-choice",), S + "enable_auto_tool_choice",
+           "allow tool_choice auto (the default when a request has tools): the model decides whether to "
+           "call a tool (needs --tool-call-parser)", None),
+    Option(("--reasoning-parser",), S + "reasoning_parser",
+           "split the model's <think> section into reasoning_content; constrained output starts after it",
+           choices=_registry_names("longserve.structured.reasoning", "REASONING_PARSERS"),
+           default_help="none"),
+    Option(("--structured-outputs-max-whitespace",), E + "structured_outputs_max_whitespace",
+           "most whitespace characters between JSON tokens of a constrained output (0: compact JSON; none: "
+           "any amount)", _whitespace_limit),
+    Option(("--constrained-json-disable-any-whitespace",), E + "structured_outputs_max_whitespace",
+           "compact JSON in constrained outputs (SGLang's flag; --structured-outputs-max-whitespace 0)", None,
+           const=0),
 )  # fmt: skip
 _BY_KEY = {key: opt for opt in OPTIONS for key in opt.keys}
 
@@ -224,9 +309,11 @@ def engine_config_from_args(args: argparse.Namespace, **fields: Any) -> EngineCo
     """EngineConfig from the engine flags given (over the dataclass defaults) and `fields`, which the command
     decides itself and which win (e.g. `bench latency`'s model directory and KV pool size)."""
     kw = {**given_engine_options(args), **fields}
-    if kw.get("tp_size", 1) != 1:
-        _check_tp_size(kw["model"], kw["tp_size"])
-    return EngineConfig(**kw)
+    config = EngineConfig(**kw)
+    if config.tp_size != 1:
+        _check_tp_size(config.model, config.tp_size, config.ep_size)
+    _check_quantization(config)
+    return config
 
 
 # field name -> its flag in messages: the first spelling of the first option that sets it
@@ -336,21 +423,41 @@ def resolve(
         logger.info(
             "no model given (--model-path DIR): serving the small built-in demo model %s", engine_kw["model"]
         )
-    if engine_kw.get("tp_size", 1) != 1:
-        _check_tp_size(engine_kw["model"], engine_kw["tp_size"])
     if "served_model_name" in server_kw:
         server_kw["served_model_name"] = tuple(server_kw["served_model_name"])
-    return EngineConfig(**engine_kw), ServerConfig(**server_kw)
+    engine = EngineConfig(**engine_kw)
+    if engine.tp_size != 1:
+        _check_tp_size(engine.model, engine.tp_size, engine.ep_size)
+    _check_quantization(engine)
+    return engine, ServerConfig(**server_kw)
 
 
-def _check_tp_size(model: str, tp_size: int) -> None:
-    """Refuse a tp size the model's heads cannot split before anything starts (needs config.json)."""
-    if not isinstance(tp_size, int) or tp_size < 1 or not os.path.isfile(os.path.join(model, "config.json")):
-        return  # EngineConfig reports these
+def _check_tp_size(model: str, tp_size: int, ep_size: int = 1) -> None:
+    """Refuse a tp (and ep) size the model cannot split before anything starts (needs config.json)."""
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        return  # EngineConfig reports it
     from longserve.models import load_hf_config
     from longserve.models.decoder import validate_tp_size
 
-    validate_tp_size(load_hf_config(model), tp_size)
+    validate_tp_size(load_hf_config(model), tp_size, ep_size)
+
+
+def _check_quantization(engine: EngineConfig) -> None:
+    """Refuse a weight format longserve cannot load (config.json's quantization_config against
+    --quantization) before anything starts (needs config.json)."""
+    path = os.path.join(engine.model, "config.json")
+    if not os.path.isfile(path):
+        return  # EngineConfig reports it
+    with open(path) as f:
+        declared = "quantization_config" in f.read()
+    if not (declared or engine.quantization or engine.hf_overrides):
+        return  # a float checkpoint, nothing forced: nothing to check (and no transformers import)
+    from longserve.models import load_hf_config
+    from longserve.models.pooler import apply_hf_overrides
+    from longserve.models.quant.config import apply_quantization
+
+    hf_config = apply_hf_overrides(load_hf_config(engine.model), engine.hf_overrides)
+    apply_quantization(hf_config, engine.quantization, engine.load_format)
 
 
 def parse(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None):

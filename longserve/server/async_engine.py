@@ -26,9 +26,11 @@ from typing import Any
 from longserve.distributed import RankFailure
 from longserve.engine import Engine, PromptTooLongError
 from longserve.outputs import CompletionOutput, EngineStats, RequestOutput, StepStats
+from longserve.pooling_params import PoolingParams
 from longserve.sampling_params import SamplingParams
 from longserve.server.errors import APIError, internal_error
 from longserve.server.metrics import ServerMetrics, StatsTracker
+from longserve.siblings import num_candidates
 from longserve.tokenization.detokenizer import IncrementalDetokenizer, TextAssembler
 
 logger = logging.getLogger("longserve.server")
@@ -44,6 +46,7 @@ class Add:
     params: SamplingParams
     future: concurrent.futures.Future
     arrival_time: float
+    grammar: Any = None  # the output's compiled grammar (compiled off this thread)
 
 
 @dataclass(slots=True)
@@ -185,6 +188,10 @@ class AsyncEngine:
         what holds them back, for pages (the engine's waiting queue after the last step)."""
         return max(self._num_inflight - self.max_running_requests, self.num_waiting, 0)
 
+    def inflight_ids(self) -> list[str]:
+        """Ids of the requests accepted and not yet finished (event loop side)."""
+        return list(self._inflight)
+
     @property
     def num_inflight(self) -> int:
         """Requests accepted and not yet finished (event loop side)."""
@@ -193,9 +200,10 @@ class AsyncEngine:
     async def add(
         self,
         prompt_ids: list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         request_id: str | None = None,
         arrival_time: float | None = None,
+        grammar: Any = None,
     ) -> str:
         """Queue a request; returns its id once the engine accepted it. Iterate `stream(id)` next (or
         `release(id)`). APIError: 400 for input the engine refuses, 503 when the queue is full or the server
@@ -216,15 +224,23 @@ class AsyncEngine:
         if request_id in self._queues or request_id in self._inflight:
             raise APIError(400, f"request id {request_id!r} is already in use", param="rid")
         self._queues[request_id] = asyncio.Queue()
-        if self._detokenizer is not None:
+        if self._detokenizer is not None and isinstance(params, SamplingParams):  # pooling: no text
             self._texts[request_id] = [
-                TextAssembler(self._detokenizer, prompt_ids, params.stop, params.skip_special_tokens)
+                TextAssembler(
+                    self._detokenizer,
+                    prompt_ids,
+                    params.stop,
+                    params.skip_special_tokens,
+                    keep_stop=params.no_stop_trim,
+                )
                 for _ in range(params.n)
             ]
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._inflight[request_id] = params.n
-        self._num_inflight += params.n
-        self._post(Add(request_id, prompt_ids, params, fut, arrival_time))
+        # best_of > n runs best_of engine requests; a pooling request is one
+        members = num_candidates(params) if isinstance(params, SamplingParams) else 1
+        self._inflight[request_id] = members
+        self._num_inflight += members
+        self._post(Add(request_id, prompt_ids, params, fut, arrival_time, grammar))
         try:
             await asyncio.wrap_future(fut)
         except BaseException:
@@ -316,9 +332,8 @@ class AsyncEngine:
         """Fill a completion's text and streaming delta; a stop string found here ends it in the engine
         (tokens the engine generated after it are dropped)."""
         if text.stop_hit is None:
-            ids = (
-                c.token_ids[:-1] if isinstance(c.stop_reason, int) else c.token_ids
-            )  # a stop token has no text
+            # a stop token has no text, unless no_stop_trim keeps it
+            ids = c.token_ids[:-1] if isinstance(c.stop_reason, int) and not text.keep_stop else c.token_ids
             stop = text.add(ids, final=c.finish_reason is not None)
             if stop is not None and c.finish_reason is None:
                 self._post(Stop(request_id, c.index, stop))
@@ -410,11 +425,12 @@ class AsyncEngine:
 
     def _handle(self, command: Command, items: list) -> None:
         match command:
-            case Add(request_id, prompt_ids, params, fut, arrival_time):
+            case Add(request_id, prompt_ids, params, fut, arrival_time, grammar):
                 if not fut.set_running_or_notify_cancel():  # the caller gave up before we got to it
                     return
                 try:
-                    self.engine.add_request(prompt_ids, params, request_id, arrival_time=arrival_time)
+                    kw = {"grammar": grammar} if grammar is not None else {}
+                    self.engine.add_request(prompt_ids, params, request_id, arrival_time=arrival_time, **kw)
                 except PromptTooLongError as e:
                     fut.set_exception(APIError(400, str(e), param="prompt", code="context_length_exceeded"))
                 except ValueError as e:

@@ -33,6 +33,39 @@ _TYPES = {
 }
 
 
+# OpenAI's and vLLM's request fields that longserve refuses, and why (a request naming one is a 400)
+UNSUPPORTED_FIELDS = {
+    "audio": "audio output is not supported (this server generates text)",
+    "modalities": "only text output is supported",
+    "prediction": "predicted outputs are not supported",
+    "web_search_options": "web search is not supported",
+    "functions": "the legacy function-calling fields are not supported: use tools",
+    "function_call": "the legacy function-calling fields are not supported: use tool_choice",
+    "reasoning_effort": "not supported; a thinking model's switch is a chat template variable "
+    "(chat_template_kwargs, e.g. enable_thinking)",
+    "verbosity": "not supported",
+    "continuous_usage_stats": "usage in every streamed chunk is not supported; include_usage sends it once, "
+    "at the end",
+    "use_beam_search": "beam search is not supported",
+    "length_penalty": "beam search is not supported",
+    "allowed_token_ids": "not supported; logit_bias can ban or favour tokens",
+    "bad_words": "not supported; logit_bias can ban tokens",
+    "truncate_prompt_tokens": "prompts are never truncated: a prompt over the context length is a 400",
+    "continue_final_message": "not supported",
+    "add_special_tokens": "not supported on this route",
+    "documents": "not supported (RAG documents in the chat template)",
+    "chat_template": "a request cannot bring its own chat template; the model's is used",
+    "mm_processor_kwargs": "multimodal inputs are not supported",
+    "priority": "priority scheduling is not supported",
+    "logits_processors": "custom logits processors are not supported",
+    "return_tokens_as_token_ids": "not supported",
+    "return_token_ids": "not supported",
+    "cache_salt": "not supported",
+    "kv_transfer_params": "disaggregated serving is not supported",
+    "vllm_xargs": "not supported",
+}
+
+
 class ClientGone(Exception):
     """The client hung up before its request was read whole: nobody is left to answer."""
 
@@ -102,7 +135,10 @@ def validation_error(exc: ValidationError | RequestValidationError) -> APIError:
     if first.get("type") == "missing":
         return APIError(400, f"missing required field {param!r}", param=param)
     if first.get("type") == "extra_forbidden":
-        return APIError(400, f"unknown field {param!r}", param=param)
+        why = UNSUPPORTED_FIELDS.get(str(loc[-1]) if loc else "")
+        if why is not None:
+            return APIError(400, f"unsupported field {param!r}: {why}", param=param)
+        return APIError(400, f"unknown field {param!r}; /docs lists the fields of every route", param=param)
     msg = first.get("msg", "invalid value")
     if first.get("type") == "model_type" and not loc:
         return APIError(400, "the request body must be a JSON object")

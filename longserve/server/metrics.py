@@ -28,6 +28,8 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from longserve.server.metrics_names import renamed_registry
+
 if TYPE_CHECKING:
     from longserve.engine import Engine
     from longserve.outputs import EngineStats, RequestOutput, StepStats
@@ -38,6 +40,7 @@ PREFIX = "longserve:"
 # why a request left: the engine's reasons, plus the server's own
 FINISHED_REASONS = ("stop", "length", "abort", "timeout", "error", "rejected")
 HIT_RATE_WINDOW_S = 60.0
+THROUGHPUT_WINDOW_S = 10.0
 
 # seconds; long prompts make TTFT and prefill reach minutes, so the buckets go far
 TTFT_BUCKETS = (
@@ -139,7 +142,11 @@ class TokenizerCacheCollector:
 class ServerMetrics:
     """The Prometheus collectors of one app, with `model_name` already bound."""
 
-    def __init__(self, model_name: str, max_model_len: int = 131072, gpu: bool = True) -> None:
+    def __init__(
+        self, model_name: str, max_model_len: int = 131072, gpu: bool = True, names: str = "longserve"
+    ) -> None:
+        """names: whose names /metrics serves the series under (metrics_names.py): longserve's, vLLM's
+        (vllm:*) or SGLang's (sglang:*), so that their Grafana dashboards work unchanged."""
         disable_created_metrics()  # process-wide; the `_created` series only add noise (vLLM does the same)
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
@@ -182,6 +189,11 @@ class ServerMetrics:
         self.request_generation_tokens = histogram(
             "request_generation_tokens", "Generated tokens per request", tokens
         )
+        self.request_max_generation_tokens = histogram(
+            "request_max_num_generation_tokens",
+            "Most tokens any one completion of a request generated",
+            tokens,
+        )
 
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests whose prefill completed")
         self.generation_tokens = counter("generation_tokens", "Generated tokens")
@@ -208,6 +220,10 @@ class ServerMetrics:
 
         self.num_running = gauge("num_requests_running", "Requests in the running batch")
         self.num_waiting = gauge("num_requests_waiting", "Requests waiting for admission")
+        self.num_used_tokens = gauge("num_used_tokens", "KV pool tokens held by requests in flight")
+        self.gen_throughput = gauge(
+            "gen_throughput", f"Generated tokens per second over the last {THROUGHPUT_WINDOW_S:.0f} s"
+        )
         self.kv_usage = gauge(
             "kv_cache_usage_perc", "KV pool share held by requests in flight; 1 means 100 percent"
         )
@@ -218,19 +234,21 @@ class ServerMetrics:
         self.nvml = NvmlCollector.create(model_name) if gpu else None
         if self.nvml is not None:
             reg.register(self.nvml)
+        self._exposed = renamed_registry(reg, names, model_name)  # what render() writes
 
     def watch_tokenizer_cache(self, cache: Any) -> None:
         """Export a PrefixTokenCache's counters (once; the server's tokenizer pool has one cache)."""
         self.registry.register(TokenizerCacheCollector(cache, self.model_name))
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self._exposed)
 
     def observe_finished(self, out: RequestOutput, reason: str) -> None:
         """Request-level histograms and the finish counter, once per request (engine thread)."""
         self.finished.get(reason, self.finished["error"]).inc()
         self.request_prompt_tokens.observe(out.prompt_tokens)
         self.request_generation_tokens.observe(out.completion_tokens)
+        self.request_max_generation_tokens.observe(max((len(c.token_ids) for c in out.outputs), default=0))
         if out.e2e_latency is not None:
             self.e2e.observe(out.e2e_latency)
         if out.queue_time is not None:
@@ -293,6 +311,9 @@ class StatsTracker:
         self._window: deque[tuple[float, int, int]] = deque()  # (time, queried, hit) per iteration
         self._window_q = self._window_h = 0
         self._last_token: dict[str, dict[int, float]] = {}  # request -> completion index -> last token time
+        self._generated: deque[tuple[float, int]] = deque()  # (time, tokens generated) per iteration
+        self._generated_total = 0  # in _generated
+        self._started = time.perf_counter()
         # since the last log line
         self._log_start = time.perf_counter()
         self._log = dict.fromkeys(("prefill", "decode", "queries", "hits", "preemptions", "finished"), 0)
@@ -346,8 +367,22 @@ class StatsTracker:
             m.num_running.set(stats.num_running)
             m.num_waiting.set(stats.num_waiting)
             m.kv_usage.set(stats.kv_usage)
+            m.num_used_tokens.set(stats.num_used_pages * stats.page_size)
+        self._update_throughput(now, items)
         for out, status in items:
             self._on_output(out, status, now, out.request_id in timed_out)
+
+    def _update_throughput(self, now: float, items: list[tuple[RequestOutput, int | None]]) -> None:
+        """gen_throughput: tokens generated over the last THROUGHPUT_WINDOW_S seconds (SGLang's gauge)."""
+        generated = sum(len(c.new_token_ids) for out, _ in items for c in out.outputs)
+        if generated:
+            self._generated.append((now, generated))
+            self._generated_total += generated
+        while self._generated and now - self._generated[0][0] > THROUGHPUT_WINDOW_S:
+            self._generated_total -= self._generated.popleft()[1]
+        if self.metrics is not None:
+            span = min(THROUGHPUT_WINDOW_S, max(now - self._started, 1e-3))
+            self.metrics.gen_throughput.set(self._generated_total / span)
 
     def _on_output(self, out: RequestOutput, status: int | None, now: float, timed_out: bool) -> None:
         m = self.metrics

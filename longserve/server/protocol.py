@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import ClientDisconnect
 
 from longserve.sampling_params import SamplingParams
+from longserve.server.chat_tools import template_tool_calls
 from longserve.server.errors import APIError, ClientGone, validation_error
 
 # ASGI scope key: time.perf_counter() when the server started on the request (engine timings count from it)
@@ -26,13 +27,17 @@ class _Schema(BaseModel):
 
 
 class StreamOptions(_Schema):
+    model_config = ConfigDict(strict=True, extra="forbid")
     include_usage: bool = False
-    continuous_usage_stats: bool = False
+    include_obfuscation: bool = True  # a no-op: OpenAI's padding against side channels; none is sent here
 
 
 class _OpenAISampling(_Schema):
-    """Fields shared by /v1/completions and /v1/chat/completions (plus vLLM's sampling extras)."""
+    """Fields shared by /v1/completions and /v1/chat/completions (plus vLLM's sampling extras). A field not
+    declared here is a 400 naming it (errors.UNSUPPORTED_FIELDS says why for OpenAI's and vLLM's): none is
+    silently ignored."""
 
+    model_config = ConfigDict(strict=True, extra="forbid")
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
@@ -45,7 +50,15 @@ class _OpenAISampling(_Schema):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    # accepted and without effect, as they are on vLLM: ids for OpenAI's abuse monitoring, OpenAI's stored
+    # completions (nothing is stored here), its processing tier (there is one) and its cache-routing hint
+    # (the prefix cache matches by content)
     user: str | None = None
+    safety_identifier: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
     # vLLM / SGLang extras
     top_k: int | None = None
     min_p: float | None = None
@@ -54,10 +67,24 @@ class _OpenAISampling(_Schema):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None  # vLLM's: the prompt's logprobs, in the response's prompt_logprobs
+    include_stop_str_in_output: bool = False  # vLLM's name for SGLang's no_stop_trim
+    spaces_between_special_tokens: bool = True
+    # output constraints (server/grammars.py reads them; at most one per request): vLLM's and SGLang's
+    response_format: dict[str, Any] | None = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+    json_schema: Any = None
+    regex: Any = None
+    ebnf: Any = None
+    structural_tag: Any = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        if self.logit_bias:
-            raise APIError(400, "logit_bias is not supported", param="logit_bias")
         kw: dict[str, Any] = dict(
             max_new_tokens=max_tokens,
             n=self.n,
@@ -67,6 +94,7 @@ class _OpenAISampling(_Schema):
             ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens,
             logprobs=logprobs,
+            **self.logprob_fields(logprobs),
         )
         optional = dict(
             temperature=self.temperature,
@@ -81,6 +109,15 @@ class _OpenAISampling(_Schema):
         kw.update({k: v for k, v in optional.items() if v is not None})
         return make_sampling_params(kw, openai_names=True)
 
+    def logprob_fields(self, logprobs: int | None) -> dict[str, Any]:
+        """Prompt logprobs, logit_bias and the stop-string option, as SamplingParams fields."""
+        return dict(
+            prompt_logprobs=self.prompt_logprobs,
+            logit_bias=parse_logit_bias(self.logit_bias),
+            no_stop_trim=self.include_stop_str_in_output,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+        )
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -94,6 +131,13 @@ class CompletionRequest(_OpenAISampling):
     suffix: str | None = None
     best_of: int | None = None
 
+    def logprob_fields(self, logprobs: int | None) -> dict[str, Any]:
+        fields = super().logprob_fields(logprobs)
+        if self.echo and fields["prompt_logprobs"] is None:
+            fields["prompt_logprobs"] = logprobs  # echo with logprobs: the prompt's too (vLLM)
+        fields["best_of"] = self.best_of
+        return fields
+
 
 class TextPart(_Schema):
     type: Literal["text"]
@@ -105,6 +149,9 @@ class ChatMessage(_Schema):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls (OpenAI's shape)
+    tool_call_id: str | None = None  # a tool result's call
+    reasoning_content: str | None = None  # an assistant's reasoning, for templates that show it (Qwen3)
 
     def as_dict(self, index: int = 0) -> dict[str, Any]:
         """The message as the chat template sees it; `index` (its place in `messages`) names it in errors."""
@@ -120,6 +167,12 @@ class ChatMessage(_Schema):
         out: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             out["name"] = self.name
+        if self.tool_calls is not None and self.role == "assistant":
+            out["tool_calls"] = template_tool_calls(self.tool_calls, f"messages.{index}.tool_calls")
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:
+            out["reasoning_content"] = self.reasoning_content
         return out
 
 
@@ -129,7 +182,8 @@ class ChatCompletionRequest(_OpenAISampling):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # default: "auto" with tools, as OpenAI's
+    parallel_tool_calls: bool | None = None  # None: true
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -154,13 +208,34 @@ class GenerateSampling(_Schema):
     skip_special_tokens: bool = True
     seed: int | None = None
     sampling_seed: int | None = None  # SGLang's spelling
+    no_stop_trim: bool = False  # keep the matched stop string in the text
+    spaces_between_special_tokens: bool = True
+    logit_bias: dict[str, float] | None = None
+    stream_interval: int | None = None  # stream every N tokens (routes_generate.py)
+    custom_params: dict[str, Any] | None = None  # carried along: longserve has no custom logit processors
+    # output constraints (JSON text, a regex, EBNF, a structural tag as JSON text): server/grammars.py
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
 
-    def to_params(self, logprobs: int | None) -> SamplingParams:
-        kw = self.model_dump(exclude={"sampling_seed"})
+    def to_params(
+        self, logprobs: int | None, prompt_logprobs: int | None = None, logprob_start_len: int = 0
+    ) -> SamplingParams:
+        kw = self.model_dump(
+            exclude={"sampling_seed", "json_schema", "regex", "ebnf", "structural_tag", "stream_interval"}
+        )
         kw["stop"] = kw["stop"] if kw["stop"] is not None else []  # "" is refused as [""] is
         kw["stop_token_ids"] = kw["stop_token_ids"] or []
         kw["seed"] = self.seed if self.seed is not None else self.sampling_seed
         kw["logprobs"] = logprobs
+        kw["prompt_logprobs"] = prompt_logprobs
+        kw["logprob_start_len"] = logprob_start_len
+        kw["logit_bias"] = parse_logit_bias(self.logit_bias, "sampling_params.logit_bias")
+        if self.stream_interval is not None and self.stream_interval < 1:
+            raise APIError(
+                400, "stream_interval must be an integer >= 1", param="sampling_params.stream_interval"
+            )
         return make_sampling_params(kw)
 
 
@@ -171,6 +246,11 @@ class GenerateRequest(_Schema):
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    # with return_logprob: the prompt's logprobs from this position on (-1: its last token only, SGLang's
+    # default; the first entry's logprob is null), and each token's text in the tuples
+    logprob_start_len: int = -1
+    return_text_in_logprobs: bool = False
+    custom_logit_processor: str | None = None  # refused: longserve runs no client code
     rid: str | list[str] | None = None
 
 
@@ -189,6 +269,22 @@ class DetokenizeRequest(_Schema):
 
 
 _OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+
+
+def parse_logit_bias(bias: dict[str, float] | None, param: str = "logit_bias") -> dict[int, float] | None:
+    """OpenAI's logit_bias (token ids as JSON object keys) with integer keys; a key that is not a token id
+    is a 400 naming it (the values' range and the ids' vocab are checked with the other sampling fields)."""
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        token = key.strip()
+        if not token.isascii() or not token.isdigit():
+            raise APIError(
+                400, f"{param} keys must be token ids (integers as strings), got {key!r}", param=param
+            )
+        out[int(token)] = value
+    return out
 
 
 def make_sampling_params(kw: dict[str, Any], openai_names: bool = False) -> SamplingParams:

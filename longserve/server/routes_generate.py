@@ -12,6 +12,8 @@ from fastapi.responses import JSONResponse
 from longserve.outputs import CompletionOutput, RequestOutput
 from longserve.server import openapi
 from longserve.server.errors import APIError
+from longserve.server.grammars import constraint_fields
+from longserve.server.logprobs import sglang_logprob_meta
 from longserve.server.metrics import timings
 from longserve.server.protocol import GenerateRequest, GenerateSampling, parse_body
 from longserve.server.state import ServerState, get_state, sse
@@ -29,17 +31,19 @@ def finish_reason(c: CompletionOutput) -> dict[str, Any] | None:
     return {"type": c.finish_reason, "message": "the request was aborted"}
 
 
-def _result(out: RequestOutput, c: CompletionOutput, want_logprobs: bool) -> dict[str, Any]:
+async def _result(
+    state: ServerState, out: RequestOutput, c: CompletionOutput, req: GenerateRequest
+) -> dict[str, Any]:
     meta: dict[str, Any] = {
         "id": out.request_id,
         "finish_reason": finish_reason(c),
         "completion_tokens": len(c.token_ids),
         **timings(out),  # prompt/cached tokens and seconds: ttft, queue, prefill, decode, e2e
     }
-    if want_logprobs and c.logprobs is not None:
-        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(c.logprobs, c.token_ids)]
-        if c.top_logprobs:
-            meta["output_top_logprobs"] = [[[lp, t, None] for t, lp in top] for top in c.top_logprobs]
+    if req.return_logprob:  # input_/output_token_logprobs, input_/output_top_logprobs
+        meta.update(
+            await sglang_logprob_meta(state, out, c, req.top_logprobs_num, req.return_text_in_logprobs)
+        )
     return {"text": c.text, "output_ids": list(c.token_ids), "meta_info": meta}
 
 
@@ -67,25 +71,39 @@ async def generate(request: Request):
     sampling = req.sampling_params or GenerateSampling()
     if not 0 <= req.top_logprobs_num <= 20:
         raise APIError(400, "top_logprobs_num must be in [0, 20]", param="top_logprobs_num")
-    params = sampling.to_params(req.top_logprobs_num if req.return_logprob else None)
+    if req.custom_logit_processor is not None:
+        raise APIError(
+            400,
+            "custom_logit_processor is not supported: longserve runs no client code",
+            param="custom_logit_processor",
+        )
+    # return_logprob: the output's logprobs and the prompt's from logprob_start_len, with top_n each
+    top_n = req.top_logprobs_num if req.return_logprob else None
+    params = sampling.to_params(top_n, prompt_logprobs=top_n, logprob_start_len=req.logprob_start_len)
     deadline = state.deadline(request)
+    # SGLang's json_schema, regex, ebnf, structural_tag
+    grammar = await state.grammars.compile_fields(constraint_fields(sampling), deadline)
     prompts = await _prompts(state, req, deadline)
     for p in prompts:
         state.check_lengths(len(p), params.max_new_tokens)
     batched = isinstance(req.text, list) or bool(req.input_ids and isinstance(req.input_ids[0], list))
-    rids = await state.add_all(request, prompts, params, _request_ids(req, len(prompts), batched))
+    rids = await state.add_all(request, prompts, params, _request_ids(req, len(prompts), batched), grammar)
     single = not batched and params.n == 1
 
     if req.stream:
 
         async def events():
+            interval = sampling.stream_interval or 1  # an event every `interval` tokens, and the last
             for rid in rids:  # a batch streams its prompts one after the other
                 done = [False] * params.n
+                sent = [0] * params.n  # tokens when the last event went out
                 async for out in state.engine.stream(rid, deadline):
                     for c in out.outputs:
-                        if not done[c.index] and (c.new_token_ids or c.new_text or c.finish_reason):
+                        due = len(c.token_ids) - sent[c.index] >= interval or c.finish_reason is not None
+                        if not done[c.index] and due and (c.new_token_ids or c.new_text or c.finish_reason):
                             done[c.index] = c.finish_reason is not None
-                            chunk = _result(out, c, req.return_logprob)
+                            sent[c.index] = len(c.token_ids)
+                            chunk = await _result(state, out, c, req)
                             if not single:
                                 chunk["index"] = rids.index(rid) * params.n + c.index
                             yield sse(chunk)
@@ -96,5 +114,5 @@ async def generate(request: Request):
 
     outs = await state.collect_all(request, rids, deadline)
     state.log_request("/generate", outs)
-    results = [_result(out, c, req.return_logprob) for out in outs for c in out.outputs]
+    results = [await _result(state, out, c, req) for out in outs for c in out.outputs]
     return JSONResponse(results[0] if single else results)

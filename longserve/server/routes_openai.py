@@ -15,9 +15,19 @@ from fastapi.responses import JSONResponse
 
 from longserve.outputs import CompletionOutput, RequestOutput
 from longserve.server import openapi
+from longserve.server.chat_request import prepare_chat
+from longserve.server.chat_tools import ChatOutput, ChatTools
 from longserve.server.errors import APIError
+from longserve.server.grammars import constraint_fields
+from longserve.server.logprobs import (
+    check_best_of,
+    check_prompt_logprobs_stream,
+    echo_texts,
+    vllm_prompt_logprobs,
+    with_echo,
+)
 from longserve.server.metrics import timings
-from longserve.server.protocol import ChatCompletionRequest, CompletionRequest, parse_body
+from longserve.server.protocol import MAX_N, ChatCompletionRequest, CompletionRequest, parse_body
 from longserve.server.state import ServerState, get_state, sse
 
 router = APIRouter()
@@ -75,10 +85,16 @@ async def _run(
     params,
     chat: bool,
     deadline: float | None,
+    grammar: Any = None,
+    output: ChatOutput | None = None,
+    echo: list[str] | None = None,
 ):
+    """`grammar`: the compiled output constraint; `output`: how a chat reply reads (tool calls, reasoning)."""
     for p in prompts:
-        state.check_lengths(len(p), params.max_new_tokens)
-    rids = await state.add_all(request, prompts, params, [None] * len(prompts))
+        state.check_lengths(len(p), params.max_new_tokens, "messages" if chat else "prompt")
+    if chat and output is None:
+        output = ChatOutput(ChatTools(None, [], "none", None, None, True))  # plain content
+    rids = await state.add_all(request, prompts, params, [None] * len(prompts), grammar=grammar)
     response_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     base = {
         "id": response_id,
@@ -94,6 +110,7 @@ async def _run(
             finals: list[RequestOutput] = []
             for p_idx, rid in enumerate(rids):
                 started, done = [False] * params.n, [False] * params.n
+                replies = [output.stream() for _ in range(params.n)] if output is not None else []
                 async for out in state.engine.stream(rid, deadline):
                     for c in out.outputs:
                         index = p_idx * params.n + c.index
@@ -109,13 +126,22 @@ async def _run(
                         start = len(c.token_ids) - len(c.new_token_ids)
                         choice: dict[str, Any] = {"index": index}
                         if chat:
-                            choice["delta"] = {"content": c.new_text} if c.new_text else {}
+                            choice["delta"] = replies[c.index].delta(c.new_text, c.finish_reason is not None)
                         else:
                             choice["text"] = c.new_text
                         choice["logprobs"] = (
                             await _logprobs(state, c, start, chat) if c.new_token_ids else None
                         )
+                        if echo is not None and not started[c.index]:  # the prompt goes first
+                            started[c.index] = True
+                            await with_echo(
+                                state, choice, out, echo[p_idx], c.logprobs is not None, stream=True
+                            )
                         choice["finish_reason"] = c.finish_reason
+                        if chat and replies[c.index].called and c.finish_reason == "stop":
+                            choice["finish_reason"] = "tool_calls"
+                        if chat and not (choice["delta"] or choice["logprobs"] or c.finish_reason):
+                            continue  # text a parser holds back (markup of a tool call): nothing yet
                         if c.finish_reason is not None:
                             choice["meta_info"] = timings(out)
                         yield sse({**base, "choices": [choice]})
@@ -133,17 +159,24 @@ async def _run(
     for p_idx, out in enumerate(outs):
         for c in out.outputs:
             choice: dict[str, Any] = {"index": p_idx * params.n + c.index}
+            called = False
             if chat:
-                choice["message"] = {"role": "assistant", "content": c.text}
+                choice["message"], called = output.message(c.text)
             else:
                 choice["text"] = c.text
             choice["logprobs"] = await _logprobs(state, c, 0, chat)
-            choice["finish_reason"] = c.finish_reason
+            if not chat:  # echo, vLLM's prompt_logprobs
+                await with_echo(state, choice, out, echo[p_idx] if echo else None, c.logprobs is not None)
+            choice["finish_reason"] = (
+                "tool_calls" if called and c.finish_reason == "stop" else c.finish_reason
+            )
             if c.stop_reason is not None:
                 choice["stop_reason"] = c.stop_reason
             choice["meta_info"] = timings(out)
             choices.append(choice)
     body = {**base, "object": "chat.completion" if chat else "text_completion", "choices": choices}
+    if chat and outs[0].prompt_logprobs is not None:  # vLLM's, beside the choices
+        body["prompt_logprobs"] = await vllm_prompt_logprobs(state, outs[0])
     return JSONResponse({**body, "usage": usage(outs)})
 
 
@@ -152,16 +185,18 @@ async def completions(request: Request):
     state = get_state(request)
     req = await parse_body(request, CompletionRequest)
     state.check_model(req.model)
-    if req.echo:
-        raise APIError(400, "echo is not supported", param="echo")
     if req.suffix:
         raise APIError(400, "suffix is not supported", param="suffix")
-    if req.best_of is not None and req.best_of != req.n:
-        raise APIError(400, "best_of is not supported (only best_of == n)", param="best_of")
+    check_best_of(req.best_of, req.n, req.stream, MAX_N)
+    check_prompt_logprobs_stream(req.prompt_logprobs, req.stream)
     params = req.sampling_params(req.max_tokens, req.logprobs)
     deadline = state.deadline(request)
+    grammar = await state.grammars.compile_fields(constraint_fields(req), deadline)
     prompts = await state.encode_prompts(req.prompt, "prompt", deadline)
-    return await _run(request, state, prompts, req, params, chat=False, deadline=deadline)
+    echo = await echo_texts(state, req.prompt, prompts) if req.echo else None
+    return await _run(
+        request, state, prompts, req, params, chat=False, deadline=deadline, grammar=grammar, echo=echo
+    )
 
 
 @router.post("/v1/chat/completions", openapi_extra=openapi.body(ChatCompletionRequest))
@@ -169,20 +204,18 @@ async def chat_completions(request: Request):
     state = get_state(request)
     req = await parse_body(request, ChatCompletionRequest)
     state.check_model(req.model)
-    if req.tools:
-        raise APIError(400, "tools (function calling) are not supported", param="tools")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise APIError(400, "response_format other than text is not supported", param="response_format")
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    check_prompt_logprobs_stream(req.prompt_logprobs, req.stream)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
     messages = [m.as_dict(i) for i, m in enumerate(req.messages)]
     deadline = state.deadline(request)
-    prompt = await state.tokenizers.chat(
-        messages, req.add_generation_prompt, deadline=deadline, template_variables=req.chat_template_kwargs
+    # tools, tool_choice, the output constraint and the reasoning section: chat_request.py
+    chat = await prepare_chat(state, req, params, messages, deadline)
+    return await _run(
+        request, state, [chat.prompt], req, chat.params, True, deadline, chat.grammar, chat.output
     )
-    return await _run(request, state, [prompt], req, params, chat=True, deadline=deadline)
 
 
 @router.get("/v1/models")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
@@ -19,6 +20,7 @@ from longserve.config import EngineConfig, ServerConfig
 from longserve.outputs import RequestOutput
 from longserve.server.async_engine import AsyncEngine
 from longserve.server.errors import APIError, as_api_error, internal_error
+from longserve.server.grammars import GrammarService
 from longserve.server.metrics import ServerMetrics
 from longserve.server.protocol import ARRIVAL_SCOPE_KEY
 from longserve.tokenization.pool import TokenizationError, TokenizerPool
@@ -26,6 +28,8 @@ from longserve.tokenization.pool import TokenizationError, TokenizerPool
 logger = logging.getLogger("longserve.server")
 QUEUED_SCOPE_KEY = "longserve.queued"  # set on the ASGI scope once a call's requests reached the engine
 EMPTY_PROMPT = "the prompt is empty: give at least one character or token"
+CONTEXT_CODE = "context_length_exceeded"
+DEFAULT_MODEL = "default"  # the model name any client may send (SGLang's and vLLM's examples use it)
 
 
 @dataclass
@@ -36,6 +40,11 @@ class ServerState:
     tokenizers: TokenizerPool
     started: float = field(default_factory=time.time)
     metrics: ServerMetrics | None = None  # set by create_app when server_config.enable_metrics
+
+    @functools.cached_property
+    def grammars(self) -> GrammarService:
+        """Compiles requests' output constraints off the event loop (made on first use)."""
+        return GrammarService(self.engine.engine)
 
     @property
     def model_names(self) -> tuple[str, ...]:
@@ -50,8 +59,11 @@ class ServerState:
         return self.engine.context_length
 
     def check_model(self, name: str | None) -> None:
-        """A request may leave `model` out; a name this server does not serve is a 404."""
-        if name is not None and name not in self.model_names:
+        """A request may leave `model` out or say "default"; any other name is served too, as SGLang does
+        (one model is served), unless --strict-model-name asks for vLLM's 404 on a name not served."""
+        if name is None or name == DEFAULT_MODEL or name in self.model_names:
+            return
+        if self.server_config.strict_model_name:
             raise APIError(
                 404,
                 f"the model {name!r} does not exist; this server serves {', '.join(map(repr, self.model_names))}",
@@ -59,26 +71,12 @@ class ServerState:
                 code="model_not_found",
             )
 
-    def check_lengths(self, num_prompt_tokens: int, max_new_tokens: int | None) -> None:
-        """Refuse, with both numbers, a prompt (plus the tokens asked for) longer than the context."""
-        ctx = self.context_length
-        if num_prompt_tokens >= ctx:
-            raise APIError(
-                400,
-                f"the prompt has {num_prompt_tokens:,} tokens; the context length is {ctx:,} "
-                "(the prompt plus at least one generated token must fit)",
-                param="prompt",
-                code="context_length_exceeded",
-            )
-        if max_new_tokens is not None and num_prompt_tokens + max_new_tokens > ctx:
-            raise APIError(
-                400,
-                f"the prompt has {num_prompt_tokens:,} tokens and {max_new_tokens:,} more were asked for: "
-                f"{num_prompt_tokens + max_new_tokens:,} tokens; the context length is {ctx:,}. "
-                "Lower max_tokens or shorten the prompt",
-                param="max_tokens",
-                code="context_length_exceeded",
-            )
+    def check_lengths(self, num_prompt_tokens: int, max_new_tokens: int | None, what: str = "prompt") -> None:
+        """Refuse a prompt (plus the tokens asked for; at least one) longer than the context, in OpenAI's
+        words (context_length_error), which LiteLLM and LangChain map to their context-window errors."""
+        completion = max(max_new_tokens or 0, 1)  # at least one token is generated
+        if num_prompt_tokens + completion > self.context_length:
+            raise context_length_error(self.context_length, num_prompt_tokens, completion, what)
 
     def deadline(self, request: Request) -> float | None:
         """The time.monotonic() by which the request must end: --request-timeout counts from its arrival,
@@ -109,15 +107,17 @@ class ServerState:
         return out
 
     async def add_all(
-        self, request: Request, prompts: list[list[int]], params, ids: list[str | None]
+        self, request: Request, prompts: list[list[int]], params, ids: list[str | None], grammar: Any = None
     ) -> list[str]:
         """Queue every prompt or none: on a refusal the ones already queued are aborted. Once all are
-        queued, the engine accounts for how they end (metrics: the HTTP call is no longer "rejected")."""
+        queued, the engine accounts for how they end (metrics: the HTTP call is no longer "rejected").
+        grammar: the compiled output constraint of every prompt (GrammarService.compile)."""
         added: list[str] = []
         try:
             arrival = request.scope.get(ARRIVAL_SCOPE_KEY)  # tokenizing and waiting for the engine count
+            kw = {"grammar": grammar} if grammar is not None else {}
             for prompt_ids, rid in zip(prompts, ids):
-                added.append(await self.engine.add(prompt_ids, params, rid, arrival_time=arrival))
+                added.append(await self.engine.add(prompt_ids, params, rid, arrival_time=arrival, **kw))
         except BaseException:
             for rid in added:
                 self.engine.release(rid)
@@ -170,6 +170,34 @@ class ServerState:
                 out.ttft or 0.0,
                 out.e2e_latency or 0.0,
             )
+
+
+def context_length_error(context: int, prompt: int, completion: int | None, what: str = "prompt") -> APIError:
+    """A 400 worded as OpenAI's API words it (and vLLM copies), type invalid_request_error and code
+    context_length_exceeded: LiteLLM raises ContextWindowExceededError on "This model's maximum context
+    length is", LangChain's ChatOpenAI its ContextOverflowError on the code (which the message also ends
+    with). `what`: "messages" (chat), "prompt" (completions, /generate) or "input" (embeddings and scores:
+    `completion` None)."""
+    if completion is None:
+        message = (
+            f"This model's maximum context length is {context} tokens. However, you requested {prompt} tokens "
+            f"in the input. Please reduce the length of the input."
+        )
+    elif what == "messages":
+        message = (
+            f"This model's maximum context length is {context} tokens. However, you requested "
+            f"{prompt + completion} tokens ({prompt} in the messages, {completion} in the completion). "
+            "Please reduce the length of the messages or completion."
+        )
+    else:  # the legacy completions endpoint's wording
+        message = (
+            f"This model's maximum context length is {context} tokens, however you requested "
+            f"{prompt + completion} tokens ({prompt} in your prompt; {completion} for the completion). "
+            "Please reduce your prompt; or completion length."
+        )
+    # the openai client's exception text carries the message alone (not the body's code), and LangChain's
+    # ChatOpenAI looks for the code in that text: the code ends the message too
+    return APIError(400, f"{message} ({CONTEXT_CODE})", param=what, code=CONTEXT_CODE)
 
 
 def get_state(request: Request) -> ServerState:

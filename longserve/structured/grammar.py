@@ -57,6 +57,19 @@ def _fix_json_strings(ebnf: str) -> str:
     return ebnf.replace(_BOUNDED_STRING_CHAR, r"([^\0-\x1f\"\\" + _NO_SURROGATES + escape + ")")
 
 
+_JSON_WHITESPACE = r"[ \n\r\t]*"  # how xgrammar prints the whitespace allowed between JSON tokens
+
+
+def _bound_whitespace(ebnf: str, limit: int | None) -> str:
+    """At most `limit` whitespace characters between JSON tokens (0: none), in JSON schemas and in the
+    JSON inside structural tags alike (xgrammar's own max_whitespace_cnt covers schemas only and must be
+    positive). A small model tends to loop on whitespace where any amount is allowed; a bound makes every
+    schema whose values are bounded a finite language, so its output ends."""
+    if limit is None:
+        return ebnf
+    return ebnf.replace(_JSON_WHITESPACE, f"[ \\n\\r\\t]{{0, {limit}}}" if limit else '""')
+
+
 def _tokenizer_info(tokenizer: Any, vocab_size: int | None, stop_token_ids: Sequence[int] | None) -> Any:
     """xgrammar's view of the vocabulary, with the stop tokens' text blanked. xgrammar treats a token whose
     text it can decode as text even if it is a stop token, so `<|im_end|>` could be taken as 10 characters of
@@ -94,17 +107,22 @@ class GrammarCompiler:
         max_entries: int = 256,
         max_threads: int = 4,
         any_whitespace: bool = True,
+        max_whitespace: int | None = None,
     ) -> None:
         """`vocab_size`: the model's (lm_head rows), which may exceed the tokenizer's; ids past the
         tokenizer's are never allowed. `stop_token_ids`: what ends a complete output (all of the model's eos
         ids, e.g. Llama 3.1's three); default the tokenizer's eos. `any_whitespace=False` makes JSON compact,
-        which keeps small models from padding whitespace forever."""
+        which keeps small models from padding whitespace forever; `max_whitespace` bounds each run of
+        whitespace between JSON tokens instead (0: none at all; None: no bound, as xgrammar does)."""
+        if max_whitespace is not None and (not isinstance(max_whitespace, int) or max_whitespace < 0):
+            raise ValueError(f"max_whitespace must be an integer >= 0 or None; got {max_whitespace!r}")
         import xgrammar as xgr
 
         info = _tokenizer_info(tokenizer, vocab_size, stop_token_ids)
         self.vocab_size = info.vocab_size
         self.stop_token_ids = tuple(info.stop_token_ids)
         self.any_whitespace = any_whitespace
+        self.max_whitespace = max_whitespace
         # xgrammar's own cache is off: this class owns caching, so memory has one bound (max_entries).
         self._xgr = xgr.GrammarCompiler(info, max_threads=max_threads, cache_enabled=False)
         self._max_entries = max_entries
@@ -154,7 +172,7 @@ class GrammarCompiler:
                 else:
                     grammar = xgr.Grammar.from_json_schema(spec.text, any_whitespace=self.any_whitespace)
                 ebnf = str(grammar)
-                fixed = _fix_json_strings(ebnf)
+                fixed = _bound_whitespace(_fix_json_strings(ebnf), self.max_whitespace)
                 return c.compile_grammar(fixed if fixed != ebnf else grammar)
             if spec.kind == "regex":
                 return c.compile_regex(spec.text)
@@ -227,10 +245,22 @@ class TokenBitmask:
         )
         self._rows_host = torch.empty(max_rows, dtype=torch.int32, pin_memory=pin)
         self.vocab_size = vocab_size
+        self._batch: tuple[int, Any] | None = None  # (threads, xgrammar BatchGrammarMatcher) of fill_batch
 
     def fill(self, matchers: Mapping[int, GrammarMatcher]) -> list[int]:
         """Fill row r for each {r: matcher}; returns the rows that need masking (sorted)."""
         return sorted(row for row, m in matchers.items() if m.fill_bitmask(self.host, row))
+
+    def fill_batch(self, matchers: Mapping[int, GrammarMatcher], max_threads: int) -> list[int]:
+        """`fill` on up to `max_threads` threads (xgrammar's batch matcher), for large batches; returns every
+        row given (a row that allows every token is all ones: masking it changes nothing)."""
+        import xgrammar as xgr
+
+        if self._batch is None or self._batch[0] != max_threads:
+            self._batch = (max_threads, xgr.BatchGrammarMatcher(max_threads=max_threads))
+        rows = sorted(matchers)
+        self._batch[1].batch_fill_next_token_bitmask([matchers[r]._m for r in rows], self.host, rows)
+        return rows
 
     def to_device(self, num_rows: int) -> torch.Tensor:
         """The first `num_rows` rows on the device, by one non-blocking copy."""

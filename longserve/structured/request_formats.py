@@ -62,6 +62,15 @@ def _from_response_format(rf: Any) -> GrammarSpec | None:
     raise ValueError(f"type must be text, json_object, json_schema or structural_tag; got {kind!r}")
 
 
+def structured_outputs_spec(so: Any) -> GrammarSpec | None:
+    """The GrammarSpec of vLLM's StructuredOutputsParams fields (a dict: json, regex, choice, grammar,
+    json_object, structural_tag), as `SamplingParams(structured_outputs=...)` takes them offline."""
+    try:
+        return _from_structured_outputs(so)
+    except ValueError as e:
+        raise ValueError(f"structured_outputs: {e}") from None
+
+
 def _from_structured_outputs(so: Any) -> GrammarSpec | None:
     if not isinstance(so, Mapping):
         raise ValueError(f"must be an object; got {so!r}")

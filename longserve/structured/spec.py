@@ -102,7 +102,7 @@ class GrammarSpec:
             "content": {"type": "any_text", "excludes": [end]},
             "end": end,
         }
-        gap = {"type": "regex", "pattern": r"[ \t\r\n]*"}
+        gap = {"type": "regex", "pattern": r"[ \n\r\t]*"}  # as xgrammar writes JSON's: bounded alike
         prefix: dict[str, Any] = {"type": "sequence", "elements": [section, gap]}
         if start is not None:
             prefix = {"type": "optional", "content": prefix}

@@ -110,6 +110,11 @@ def tool_call_grammar(
     return GrammarSpec.structural_tag(fmt)
 
 
+def tool_schemas(tools: Sequence[dict]) -> dict[str, dict | bool]:
+    """Each tool's name -> its parameters' JSON schema; ValueError for a tool not shaped as OpenAI's."""
+    return _tool_schemas(tools)
+
+
 def _tool_schemas(tools: Sequence[dict]) -> dict[str, dict | bool]:
     schemas: dict[str, dict | bool] = {}
     for tool in tools or ():

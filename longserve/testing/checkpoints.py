@@ -3,6 +3,8 @@
 `make_tiny_checkpoint` writes a directory that both transformers and longserve load. Weights use a large
 initializer_range so logits are peaky and greedy decoding is stable across implementations; the special
 tokens' embedding/lm_head rows are shrunk so greedy decoding never picks them (no accidental EOS).
+With `tokenizer=` it writes that tokenizer instead (e.g. one carrying a real model's chat template, with its
+tool-call markup as added tokens) and sizes the model's vocab to it, padded as real lm_heads are.
 """
 
 from __future__ import annotations
@@ -19,6 +21,11 @@ BOS, EOS, IM_START, IM_END = "<|begin_of_text|>", "<|end_of_text|>", "<|im_start
 SPECIAL_TOKENS = [BOS, EOS, IM_START, IM_END]  # ids 0, 1, 2, 3
 BOS_ID, EOS_ID, IM_START_ID, IM_END_ID = 0, 1, 2, 3
 ARCHS = ("llama", "llama31", "mistral", "qwen2", "qwen3")
+# mixtures of experts, with shapes unlike the real ones: expert intermediate sizes that are not multiples of
+# 64, 8 experts top-3 with a dense layer between sparse ones (Qwen3-MoE), a shared expert and sparse every
+# other layer (Qwen2-MoE), 6 experts top-2 with a sliding window (Mixtral)
+MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral")
+EXPERT_LAYOUTS = ("per_expert", "stacked")
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
@@ -100,7 +107,41 @@ def _make_config(arch: str, tie: bool, num_layers: int) -> Any:
         return transformers.Qwen2Config(**common)
     if arch == "qwen3":
         return transformers.Qwen3Config(**common, head_dim=32)
-    raise ValueError(f"unknown tiny arch {arch!r}; choose one of {', '.join(ARCHS)}")
+    if arch == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(
+            **{**common, "intermediate_size": 96}, head_dim=32, num_experts=8, num_experts_per_tok=3,
+            moe_intermediate_size=40, norm_topk_prob=True, mlp_only_layers=[1],
+        )  # fmt: skip
+    if arch == "qwen2_moe":
+        return transformers.Qwen2MoeConfig(
+            **{**common, "intermediate_size": 96}, num_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=36, shared_expert_intermediate_size=80, decoder_sparse_step=2,
+        )  # fmt: skip
+    if arch == "mixtral":
+        return transformers.MixtralConfig(
+            **{**common, "intermediate_size": 40}, head_dim=16, num_local_experts=6, num_experts_per_tok=2,
+            sliding_window=8,
+        )  # fmt: skip
+    raise ValueError(f"unknown tiny arch {arch!r}; choose one of {', '.join(ARCHS + MOE_ARCHS)}")
+
+
+# layers of the MoE archs by default: a dense layer between two sparse ones (Qwen3-MoE), two sparse layers
+# at decoder_sparse_step 2 (Qwen2-MoE)
+_MOE_LAYERS = {"qwen3_moe": 3, "qwen2_moe": 4, "mixtral": 2}
+
+
+def _save_stacked(model: Any, path: str | os.PathLike) -> None:
+    """The weights as transformers 5 holds them in memory (experts as stacked 3D tensors `experts.gate_up_proj`
+    [E, 2I, H] and `experts.down_proj` [E, H, I]), where save_pretrained writes one 2D tensor per expert."""
+    from safetensors.torch import save_file
+
+    state = model.state_dict()
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    tensors = {k: v.detach().contiguous().clone() for k, v in state.items()}
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    model.config.architectures = [type(model).__name__]  # save_pretrained would set it
+    model.config.save_pretrained(path)
 
 
 def make_tiny_checkpoint(
@@ -110,29 +151,68 @@ def make_tiny_checkpoint(
     tie_word_embeddings: bool = False,
     sharded: bool = False,
     seed: int = 0,
-    num_layers: int = 2,
+    num_layers: int | None = None,
+    expert_layout: str = "per_expert",
+    tokenizer: Any = None,
+    eos_tokens: list[str] | None = None,
 ) -> str:
-    """Write a tiny random checkpoint of `arch` into `path` and return str(path)."""
+    """Write a tiny random checkpoint of `arch` (ARCHS or MOE_ARCHS) into `path` and return str(path).
+
+    expert_layout (MoE archs): "per_expert", what transformers 5's save_pretrained writes (one 2D tensor per
+    expert and projection, Mixtral's `block_sparse_moe.experts.{e}.w1/w2/w3`), or "stacked", the 3D tensors
+    transformers 5 holds in memory (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`).
+
+    tokenizer: a transformers tokenizer to write instead of the built-in one (its chat template too); the
+    model's vocab is its length rounded up to a multiple of 64, and the rows of its added tokens and of the
+    padding are shrunk as the special tokens' are. eos_tokens: generation_config's eos tokens (the first
+    is config.json's eos_token_id); default the tokenizer's eos token."""
     import transformers
     from tokenizers import Tokenizer
 
+    if expert_layout not in EXPERT_LAYOUTS:
+        raise ValueError(f"expert_layout {expert_layout!r}: choose one of {', '.join(EXPERT_LAYOUTS)}")
+    if num_layers is None:
+        num_layers = _MOE_LAYERS.get(arch, 2)
     config = _make_config(arch, tie_word_embeddings, num_layers)
+    shrunk: Any = slice(0, len(SPECIAL_TOKENS))
+    eos: int | list[int] = [EOS_ID, IM_END_ID] if arch == "llama31" else EOS_ID
+    if tokenizer is not None:
+        shrunk, eos = _fit_config_to_tokenizer(config, tokenizer, eos_tokens)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         # special tokens get tiny logits, so a greedy random model never emits EOS (or BOS, ...) by chance
         for emb in {id(e): e for e in (model.get_input_embeddings(), model.get_output_embeddings())}.values():
-            emb.weight[: len(SPECIAL_TOKENS)] *= 0.05
+            emb.weight[shrunk] *= 0.05
     os.makedirs(path, exist_ok=True)
-    model.save_pretrained(path, max_shard_size="100KB" if sharded else "50GB")
+    if expert_layout == "stacked":
+        _save_stacked(model, path)
+    else:
+        model.save_pretrained(path, max_shard_size="100KB" if sharded else "50GB")
 
-    tokenizer = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer.from_str(_tokenizer_json()), bos_token=BOS, eos_token=EOS
-    )
-    tokenizer.chat_template = CHAT_TEMPLATE
+    if tokenizer is None:
+        tokenizer = transformers.PreTrainedTokenizerFast(
+            tokenizer_object=Tokenizer.from_str(_tokenizer_json()), bos_token=BOS, eos_token=EOS
+        )
+        tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(path)
 
-    eos: int | list[int] = [EOS_ID, IM_END_ID] if arch == "llama31" else EOS_ID
     with open(os.path.join(path, "generation_config.json"), "w") as f:
-        json.dump({"bos_token_id": BOS_ID, "eos_token_id": eos, "do_sample": False}, f, indent=2)
+        json.dump({"bos_token_id": config.bos_token_id, "eos_token_id": eos, "do_sample": False}, f, indent=2)
     return str(path)
+
+
+def _fit_config_to_tokenizer(
+    config: Any, tokenizer: Any, eos_tokens: list[str] | None
+) -> tuple[list[int], Any]:
+    """Set `config`'s vocab size and bos/eos ids from a tokenizer of one's own; returns the rows to shrink
+    (added tokens and padding) and generation_config's eos_token_id."""
+    vocab = -(-len(tokenizer) // 64) * 64
+    eos_ids = [tokenizer.convert_tokens_to_ids(t) for t in eos_tokens or [tokenizer.eos_token]]
+    if any(i is None or i == tokenizer.unk_token_id for i in eos_ids):
+        raise ValueError(f"eos_tokens {eos_tokens!r} are not all tokens of the tokenizer")
+    config.vocab_size = vocab
+    config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, eos_ids[0]
+    config.max_position_embeddings = 4096  # a real template's system prompt and tool list run past 512
+    shrunk = sorted(tokenizer.added_tokens_decoder) + list(range(len(tokenizer), vocab))
+    return shrunk, eos_ids if len(eos_ids) > 1 else eos_ids[0]

@@ -88,12 +88,20 @@ class TextAssembler:
     uses one per request offline; the server keeps them on its event loop, off the engine's step loop."""
 
     def __init__(
-        self, detokenizer: IncrementalDetokenizer, prompt_ids: list[int], stops: list[str], skip_special: bool
+        self,
+        detokenizer: IncrementalDetokenizer,
+        prompt_ids: list[int],
+        stops: list[str],
+        skip_special: bool,
+        keep_stop: bool = False,
     ) -> None:
         self.detokenizer = detokenizer
         self.prompt_ids = prompt_ids
         self.stops = stops
         self.skip_special = skip_special
+        # SGLang's no_stop_trim (vLLM's include_stop_str_in_output): the text ends after the stop string, and
+        # a stop token's own text is kept (the callers decode it too)
+        self.keep_stop = keep_stop
         self.state = detokenizer.start(prompt_ids)
         self.text = ""
         self.stop_hit: str | None = None  # the stop string that ended the text
@@ -113,7 +121,7 @@ class TextAssembler:
         hit = find_stop_string(self.text, self.stops, old_len) if self.stops else None
         if hit is None:
             return None
-        self.text = self.text[: hit[0]]
+        self.text = self.text[: hit[0] + (len(hit[1]) if self.keep_stop else 0)]
         self.stop_hit = hit[1]
         self.num_tokens_at_stop = len(output_ids)
         return hit[1]

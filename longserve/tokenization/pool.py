@@ -15,6 +15,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from longserve.pooling import encode_pair
 from longserve.tokenization.prefix_token_cache import PrefixTokenCache, PromptTokenizer
 from longserve.tokenization.tokenizer import check_template_variables, load_tokenizer
 
@@ -63,9 +64,13 @@ class TokenizerPool:
 
     def check_size(self, num_chars: int, param: str) -> None:
         if self.max_chars is not None and num_chars > self.max_chars:
+            # OpenAI's opening words and its code in the text too, as clients map context errors by them
+            # (server/state.context_length_error)
             raise TokenizationError(
-                f"the {param} has {num_chars:,} characters; at most {self.max_chars:,} are tokenized for one "
-                "request (more than the context length could hold): shorten it",
+                f"This model's maximum context length is {self.max_chars // MAX_CHARS_PER_TOKEN} tokens. "
+                f"However, the {param} has {num_chars:,} characters; at most {self.max_chars:,} are tokenized "
+                "for one request (more than the context length could hold): shorten it "
+                "(context_length_exceeded)",
                 param=param,
                 code="context_length_exceeded",
             )
@@ -106,6 +111,18 @@ class TokenizerPool:
         except Exception as e:  # a lone surrogate and the like: the client's text, not our bug
             raise TokenizationError(f"could not tokenize the {param}: {e}", param=param) from None
 
+    async def encode_pair(
+        self, first: str, second: str, deadline: float | None = None, param: str = "documents"
+    ) -> list[int]:
+        """A (query, document) pair as one reranker prompt: the tokenizer's text pair (pooling.encode_pair)."""
+        self.check_size(len(first) + len(second), param)
+        try:
+            return await self.run(lambda tok: encode_pair(tok, first, second), deadline=deadline)
+        except TokenizationError:
+            raise
+        except Exception as e:
+            raise TokenizationError(f"could not tokenize the {param}: {e}", param=param) from None
+
     async def chat(
         self,
         messages: list[dict],
@@ -113,15 +130,20 @@ class TokenizerPool:
         use_cache: bool = True,
         deadline: float | None = None,
         template_variables: dict[str, Any] | None = None,
+        tools: list[dict] | None = None,
     ) -> list[int]:
         """Token ids of a conversation through the model's own chat template; `template_variables`
-        (chat_template_kwargs) may set only the template's variables (tokenizer.check_template_variables)."""
+        (chat_template_kwargs) may set only the template's variables (tokenizer.check_template_variables).
+        `tools`: OpenAI tool objects, for the template's tool section."""
         variables = template_variables or {}
         try:
             check_template_variables(variables)
         except ValueError as e:
             raise TokenizationError(str(e), param="chat_template_kwargs") from None
-        self.check_size(sum(len(m.get("content") or "") for m in messages), "messages")
+        size = sum(len(m.get("content") or "") + len(str(m.get("tool_calls") or "")) for m in messages)
+        self.check_size(size + (len(str(tools)) if tools else 0), "messages")
+        if tools:
+            variables = {**variables, "tools": tools}
 
         def work(tok) -> list[int]:
             return self.prompts.chat(messages, add_generation_prompt, tok, use_cache, **variables)

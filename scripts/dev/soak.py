@@ -62,7 +62,10 @@ from longserve.testing.soak_traffic import Stats, Traffic, Unexpected, wait_heal
 # (past the demo model's 2,048 positions, which only costs quality) and a 4 s request timeout: the "timeout"
 # kinds ask for ~8,000 tokens, at least 8 s at 1 ms a token, and are always cut; the other requests (at most
 # ~60 new tokens, 0.2 s unloaded) keep a 20x margin on a loaded machine.
+# --strict-model-name: an unknown `model` is a 404 (vLLM's answer; by default any name is served, as SGLang
+# does), so the bad-input kinds keep exercising that refusal.
 DEFAULT_SERVER_ARGS = ["--max-total-tokens", "32768", "--context-length", "8192", "--request-timeout", "4"]
+DEFAULT_SERVER_ARGS += ["--strict-model-name"]
 
 # ---- the run ----------------------------------------------------------------------------------------
 

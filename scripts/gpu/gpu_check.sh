@@ -4,7 +4,14 @@
 # $OUT; a short table last. LONGSERVE_COMMIT is the commit the JSON metadata names: compute it where the tree
 # is a git checkout (a copied tree's .git may be stale) and pass it as a literal, e.g.
 #   LONGSERVE_COMMIT=abc1234 bash scripts/gpu/gpu_check.sh latency
-#   usage: LONGSERVE_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu/gpu_check.sh [quick|tests|bench|all|long|tp|tp2|tp32|profile|latency|hit|host|launch|turns]
+#   usage: LONGSERVE_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu/gpu_check.sh [quick|tests|bench|all|long|tp|tp2|tp32|profile|latency|hit|host|launch|turns|moe|moe-tests|moe-bench|moe-long|moe-tp|quant|quant-tests|quant-bench]
+# moe (one GPU, issue 17) = moe-tests (the MoE kernel and engine GPU tests, the kernel's TFLOP/s and GB/s) +
+# moe-bench (the Qwen3-30B-A3B shape's cases against HF, profiled, with their floors); moe-long: 128K cold
+# against HF and the Mixtral-8x7B shape; moe-tp (two GPUs): the TP=2 / expert-parallel tests and the A3B shape
+# at TP=2 and EP=2. Each prints the floor of every case and the measured/floor ratio.
+# quant (one GPU, issue 18) = quant-tests (the quantized kernels' and engines' GPU tests, per-M timings of the
+# int4 paths and of cuBLAS vs Triton block FP8) + quant-bench (the 8B and A3B shapes in bf16, FP8 blocks and
+# GPTQ int4 g128: cold TTFT 8K/32K, decode ITL b1@32K and b64@4K, weight GiB and KV tokens, ratios to bf16).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 MODE=${1:-all}
@@ -142,7 +149,95 @@ from longserve.bench.latency import main; sys.exit(main(sys.argv[1:]))" "${hits[
     | tee "$OUT/latency_8b_hits.log" | tail -6
 fi
 
+if [[ $MODE == moe || $MODE == moe-tests ]]; then  # one GPU: MoE kernel + engine tests, the kernel's roofline
+  python3 -m pytest -q -m gpu tests/gpu/test_fused_moe_gpu.py tests/gpu/test_moe_engine_gpu.py -p no:cacheprovider \
+    -o faulthandler_timeout=300 2>&1 | tee "$OUT/gpu_tests.log" | tail -8 || status=1
+  python3 -m longserve.bench.kernels.moe --tokens 1,8,64,512,8192 --output-json "$OUT/kernels_moe.json" 2>&1 \
+    | tee "$OUT/kernels_moe.log" | tail -14
+fi
+if [[ $MODE == moe || $MODE == moe-bench ]]; then  # one GPU: the Qwen3-30B-A3B shape's cases against HF
+  a3b=(--config qwen3-30b-a3b --load-format dummy --dtype bfloat16 --warmup 1 --repeat 3)
+  python3 -m longserve.bench.latency "${a3b[@]}" --prompt-lens 8192,32768 --prefix-hit 32768:64 \
+    --decode-batch-sizes 1 --decode-context-len 32768 --compare-hf --profile \
+    --output-json "$OUT/latency_moe_a3b.json" 2>&1 | tee "$OUT/latency_moe_a3b.log" | tail -12
+  python3 -m longserve.bench.latency "${a3b[@]}" --decode-batch-sizes 64 --decode-context-len 4096 --profile \
+    --output-json "$OUT/latency_moe_a3b_decode64.json" 2>&1 | tee "$OUT/latency_moe_a3b_decode64.log" | tail -5
+fi
+if [[ $MODE == moe-long ]]; then  # one GPU: the A3B shape's 128K cold prompt against HF, then Mixtral-8x7B
+  python3 -m longserve.bench.latency --config qwen3-30b-a3b --load-format dummy --dtype bfloat16 --warmup 0 \
+    --repeat 1 --prompt-lens 131072 --compare-hf --profile --output-json "$OUT/latency_moe_a3b_128k.json" 2>&1 \
+    | tee "$OUT/latency_moe_a3b_128k.log" | tail -5
+  python3 -m longserve.bench.latency --config mixtral-8x7b --load-format dummy --dtype bfloat16 --warmup 1 \
+    --repeat 2 --prompt-lens 8192,32768 --decode-batch-sizes 1,64 --decode-context-len 4096 --compare-hf --profile \
+    --output-json "$OUT/latency_moe_mixtral.json" 2>&1 | tee "$OUT/latency_moe_mixtral.log" | tail -10
+fi
+if [[ $MODE == moe-tp ]]; then  # two GPUs: MoE TP / EP tests, the A3B shape at TP=2 and at EP=2
+  python3 -m pytest -q -m gpu tests/gpu/test_moe_engine_gpu.py -k two_gpus -p no:cacheprovider \
+    -o faulthandler_timeout=300 2>&1 | tee "$OUT/gpu_tp_tests.log" | tail -6 || status=1
+  for par in "--tp-size 2" "--tp-size 2 --enable-expert-parallel"; do
+    tag=$(echo "$par" | tr -d ' -')
+    python3 -m longserve.bench.latency --config qwen3-30b-a3b --load-format dummy --dtype bfloat16 $par \
+      --warmup 1 --repeat 3 --prompt-lens 8192,32768 --decode-batch-sizes 1,64 --decode-context-len 4096 --profile \
+      --output-json "$OUT/latency_moe_a3b_$tag.json" 2>&1 | tee "$OUT/latency_moe_a3b_$tag.log" | tail -8
+  done
+fi
+
+if [[ $MODE == quant || $MODE == quant-tests ]]; then  # one GPU (issue 18): quantized kernels and engines
+  python3 -m pytest -q -m gpu tests/gpu/test_quant_kernels_gpu.py tests/gpu/test_quant_engine_gpu.py \
+    -p no:cacheprovider -o faulthandler_timeout=300 2>&1 | tee "$OUT/gpu_quant_tests.log" | tail -8 || status=1
+  # per M: fused int4 vs dequantize+cuBLAS (quant_gemm.WNA16_DEQUANT_MIN_TOKENS), cuBLAS vs Triton block FP8
+  python3 scripts/gpu/bench_quant_kernels.py --output-json "$OUT/kernels_quant.json" 2>&1 \
+    | tee "$OUT/kernels_quant.log" | grep -E "crossover|beats" || status=1
+fi
+if [[ $MODE == quant || $MODE == quant-bench ]]; then  # one GPU: the 8B and A3B shapes in bf16, FP8, INT4
+  # FP8 (block): the official FP8 checkpoints' quantization_config on dummy weights; INT4: GPTQ g128 sym
+  fp8='{"quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}}'
+  for shape in llama-3.1-8b qwen3-30b-a3b; do
+    for variant in bf16 fp8 int4; do
+      q=(); [[ $variant == fp8 ]] && q=(--hf-overrides "$fp8"); [[ $variant == int4 ]] && q=(--quantization gptq)
+      base=(--config $shape --load-format dummy --dtype bfloat16 --warmup 1 --repeat 3 ${q[@]+"${q[@]}"})
+      python3 -m longserve.bench.latency "${base[@]}" --prompt-lens 8192,32768 --decode-batch-sizes 1 \
+        --decode-context-len 32768 --output-json "$OUT/latency_quant_${shape}_${variant}.json" 2>&1 \
+        | tee "$OUT/latency_quant_${shape}_${variant}.log" | tail -5
+      python3 -m longserve.bench.latency "${base[@]}" --decode-batch-sizes 64 --decode-context-len 4096 \
+        --output-json "$OUT/latency_quant_${shape}_${variant}_b64.json" 2>&1 \
+        | tee "$OUT/latency_quant_${shape}_${variant}_b64.log" | tail -3
+      python3 scripts/gpu/quant_memory.py --config $shape --variant $variant \
+        --output-json "$OUT/memory_quant_${shape}_${variant}.json" 2>&1 | tail -1
+    done
+  done
+  python3 - <<'PY'
+import glob, json, os
+out = os.environ["OUT"]
+def rec(shape, variant, name, suffix=""):
+    path = os.path.join(out, f"latency_quant_{shape}_{variant}{suffix}.json")
+    if not os.path.exists(path):
+        return None
+    return next((r for r in json.load(open(path)) if r["name"] == name and not r.get("skipped")), None)
+targets = {("int4", "decode-b1-c32768"): 0.6, ("fp8", "decode-b1-c32768"): 0.7, ("fp8", "cold-32768"): 0.85,
+           ("int4", "cold-32768"): 1.1}
+for shape in ("llama-3.1-8b", "qwen3-30b-a3b"):
+    print(f"--- {shape}: variant, cold 8K / 32K TTFT s, decode b1@32K / b64@4K ITL ms, weights GiB, KV tokens that fit")
+    base = {}
+    for variant in ("bf16", "fp8", "int4"):
+        cells = []
+        for name, suffix, key in (("cold-8192", "", "ttft_s"), ("cold-32768", "", "ttft_s"),
+                                  ("decode-b1-c32768", "", "itl_ms_median"), ("decode-b64-c4096", "_b64", "itl_ms_median")):
+            r = rec(shape, variant, name, suffix)
+            value = r[key] if r else None
+            if variant == "bf16":
+                base[name] = value
+            ratio = f" ({value / base[name]:.2f}x" + (f", target <= {targets[(variant, name)]}" if (variant, name) in targets else "") + ")" if value and base.get(name) and variant != "bf16" else ""
+            cells.append("-" if value is None else f"{value:.4g}{ratio}")
+        mem = os.path.join(out, f"memory_quant_{shape}_{variant}.json")
+        m = json.load(open(mem)) if os.path.exists(mem) else {}
+        cells.append(f"{m.get('weight_gib', float('nan')):.2f} GiB, {m.get('kv_pool_tokens', 0):,} tokens")
+        print(f"{variant:<5} " + " | ".join(cells))
+PY
+fi
+
 echo "=== summary ($MODE) ==="
+grep -h "floor .* the floor" "$OUT"/latency_moe_*.log 2>/dev/null | sed 's/^\[bench latency [0-9:]*\] //'
 grep -h "default .* best" "$OUT"/sweep_*.log 2>/dev/null
 grep -h "wall .* ms, busy" "$OUT"/latency_*.log 2>/dev/null | sed 's/^\[bench latency [0-9:]*\] //'
 

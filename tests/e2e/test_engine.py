@@ -423,10 +423,10 @@ def test_a_request_whose_own_sampling_fails_ends_alone(ckpt, monkeypatch, stage)
     else:
         real_sampler = runner.sampler
 
-        def sampler(logits, infos):  # any batch holding the poisoned row raises, as a bad bound would
+        def sampler(logits, infos, **kw):  # any batch holding the poisoned row raises, as a bad bound would
             if any(i.params.top_k == 3 for i in infos):
                 raise RuntimeError("poisoned row")
-            return real_sampler(logits, infos)
+            return real_sampler(logits, infos, **kw)
 
         monkeypatch.setattr(runner, "sampler", sampler)
     requests = [(f"r{i}", ids, GREEDY32) for i, ids in enumerate(batch)]

@@ -15,7 +15,10 @@ from longserve.models import get_model_class, load_hf_config, load_model, resolv
 from longserve.testing.checkpoints import make_tiny_checkpoint
 
 CPU = torch.device("cpu")
-SUPPORTED = "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"
+SUPPORTED = (
+    "LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, Qwen2MoeForCausalLM, "
+    "Qwen3ForCausalLM, Qwen3MoeForCausalLM"
+)
 
 
 def _load(path: str, **kwargs: object) -> torch.nn.Module:

@@ -61,6 +61,7 @@ def mserver(tiny_model, tmp_path_factory):
         str(PAGE),
     ]
     args += ["--request-timeout", str(TIMEOUT), "--log-stats-interval", "0.2", "--log-requests"]
+    args += ["--strict-model-name"]  # an unknown model name is refused (404) and counted as rejected
     proc = ServerProcess(args, port, str(tmp_path_factory.mktemp("logs") / "metrics-server.log"))
     try:
         yield proc.wait_ready()

@@ -1,4 +1,6 @@
-"""TorchAttentionBackend and build_metadata vs. an independent dense attention over contiguous K/V."""
+"""The torch backends and build_metadata vs. an independent dense attention over contiguous K/V: the reference
+(TorchAttentionBackend, the oracle), and the fused-SDPA backend the registry runs as "torch" (each test runs
+both), which is also compared with the reference on larger ragged batches."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from longserve.attention import (
     AttentionMetadata,
     KVCache,
     TorchAttentionBackend,
+    TorchSDPABackend,
     build_metadata,
     get_attention_backend,
 )
@@ -19,6 +22,12 @@ from longserve.attention import (
 PREFIX_LENS = [0, 1, 5, 17, 40]
 QUERY_LENS = [1, 3, 16]
 HEADS = [(4, 2), (4, 1), (2, 2)]  # (Hq, Hkv)
+BACKENDS = [TorchAttentionBackend, TorchSDPABackend]
+
+
+@pytest.fixture(params=BACKENDS, ids=["reference", "sdpa"])
+def backend_cls(request: pytest.FixtureRequest) -> type[TorchAttentionBackend]:
+    return request.param
 
 
 def dense_attention(
@@ -59,7 +68,9 @@ class Case:
         head_dim: int,
         dtype: torch.dtype,
         seed: int,
+        backend_cls: type[TorchAttentionBackend] = TorchAttentionBackend,
     ) -> None:
+        self.backend = backend_cls()
         gen = torch.Generator().manual_seed(seed)
         rng = random.Random(seed)
         self.prefix_lens, self.query_lens, self.page_size = prefix_lens, query_lens, page_size
@@ -123,7 +134,7 @@ class Case:
         page_tables = [self.page_tables[r] for r in reqs]
         meta = build_metadata(lo, [b - a for a, b in zip(lo, hi)], page_tables, self.page_size, "cpu")
         q, k, v = self.new_tokens(lo, hi, reqs)
-        out = TorchAttentionBackend().forward(q, k, v, layer, meta, self.cache, self.scale, sliding_window)
+        out = self.backend.forward(q, k, v, layer, meta, self.cache, self.scale, sliding_window)
         assert out.shape == q.shape and out.dtype == q.dtype
         return out  # [T, Hq, D]
 
@@ -142,10 +153,12 @@ def seq_ends(prefix_lens: list[int], query_lens: list[int]) -> list[int]:
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 @pytest.mark.parametrize("heads", HEADS)
 @pytest.mark.parametrize("head_dim", [16, 64])
-def test_matches_dense_float32(page_size: int, heads: tuple[int, int], head_dim: int) -> None:
+def test_matches_dense_float32(
+    page_size: int, heads: tuple[int, int], head_dim: int, backend_cls: type[TorchAttentionBackend]
+) -> None:
     seed = page_size * 1000 + heads[0] * 100 + heads[1] * 10 + head_dim
     prefix_lens, query_lens = random_batch(seed)
-    case = Case(prefix_lens, query_lens, page_size, *heads, head_dim, torch.float32, seed)
+    case = Case(prefix_lens, query_lens, page_size, *heads, head_dim, torch.float32, seed, backend_cls)
     case.write_prefix_directly(layer=1)
     hi = seq_ends(prefix_lens, query_lens)
     out = case.run(prefix_lens, hi, layer=1)
@@ -158,10 +171,10 @@ def test_matches_dense_float32(page_size: int, heads: tuple[int, int], head_dim:
             assert torch.equal(case.cache.v[1][page, off], case.v[r][pos])
 
 
-def test_all_lengths_in_one_batch() -> None:
+def test_all_lengths_in_one_batch(backend_cls: type[TorchAttentionBackend]) -> None:
     prefix_lens = [p for p in PREFIX_LENS for _ in QUERY_LENS]
     query_lens = [q for _ in PREFIX_LENS for q in QUERY_LENS]
-    case = Case(prefix_lens, query_lens, 4, 4, 2, 16, torch.float32, seed=7)
+    case = Case(prefix_lens, query_lens, 4, 4, 2, 16, torch.float32, 7, backend_cls)
     case.write_prefix_directly(layer=0)
     hi = seq_ends(prefix_lens, query_lens)
     out = case.run(prefix_lens, hi)
@@ -169,9 +182,9 @@ def test_all_lengths_in_one_batch() -> None:
 
 
 @pytest.mark.parametrize("heads", HEADS)
-def test_matches_dense_bfloat16(heads: tuple[int, int]) -> None:
+def test_matches_dense_bfloat16(heads: tuple[int, int], backend_cls: type[TorchAttentionBackend]) -> None:
     prefix_lens, query_lens = random_batch(seed=3, num_reqs=6)
-    case = Case(prefix_lens, query_lens, 16, *heads, 64, torch.bfloat16, seed=3)
+    case = Case(prefix_lens, query_lens, 16, *heads, 64, torch.bfloat16, 3, backend_cls)
     case.write_prefix_directly(layer=0)
     hi = seq_ends(prefix_lens, query_lens)
     out = case.run(prefix_lens, hi)
@@ -179,9 +192,9 @@ def test_matches_dense_bfloat16(heads: tuple[int, int]) -> None:
 
 
 @pytest.mark.parametrize("sliding_window", [1, 4, 8])
-def test_sliding_window(sliding_window: int) -> None:
+def test_sliding_window(sliding_window: int, backend_cls: type[TorchAttentionBackend]) -> None:
     prefix_lens, query_lens = [0, 17, 40, 5], [16, 3, 16, 1]
-    case = Case(prefix_lens, query_lens, 4, 4, 2, 16, torch.float32, seed=11)
+    case = Case(prefix_lens, query_lens, 4, 4, 2, 16, torch.float32, 11, backend_cls)
     case.write_prefix_directly(layer=0)
     hi = seq_ends(prefix_lens, query_lens)
     out = case.run(prefix_lens, hi, sliding_window=sliding_window)
@@ -193,13 +206,15 @@ def test_sliding_window(sliding_window: int) -> None:
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 @pytest.mark.parametrize("sliding_window", [None, 6])
-def test_prefill_then_extend_equals_one_shot(page_size: int, sliding_window: int | None) -> None:
+def test_prefill_then_extend_equals_one_shot(
+    page_size: int, sliding_window: int | None, backend_cls: type[TorchAttentionBackend]
+) -> None:
     prefix_lens, query_lens = [1, 5, 17, 40, 0], [3, 16, 1, 16, 3]
     hi = seq_ends(prefix_lens, query_lens)
     zeros = [0] * len(prefix_lens)
 
     # prefill: the prefixes are the new tokens of an earlier step (requests with no prefix sit it out)
-    staged = Case(prefix_lens, query_lens, page_size, 4, 1, 16, torch.float32, seed=5)
+    staged = Case(prefix_lens, query_lens, page_size, 4, 1, 16, torch.float32, 5, backend_cls)
     keep = [r for r, p in enumerate(prefix_lens) if p > 0]
     prefix_kept = [prefix_lens[r] for r in keep]
     prefill = staged.run([0] * len(keep), prefix_kept, sliding_window=sliding_window, reqs=keep)
@@ -211,11 +226,68 @@ def test_prefill_then_extend_equals_one_shot(page_size: int, sliding_window: int
     torch.testing.assert_close(extend.double(), expected_extend, atol=1e-5, rtol=1e-5)
 
     # one shot: the whole sequences in one step, in a fresh cache; its tail equals the extend step
-    one_shot = Case(prefix_lens, query_lens, page_size, 4, 1, 16, torch.float32, seed=5)
+    one_shot = Case(prefix_lens, query_lens, page_size, 4, 1, 16, torch.float32, 5, backend_cls)
     out = one_shot.run(zeros, hi, sliding_window=sliding_window)  # [sum(S), Hq, D]
     starts = [0, *torch.tensor(hi).cumsum(0).tolist()]
     tail = torch.cat([out[starts[r] + prefix_lens[r] : starts[r + 1]] for r in range(len(hi))])
     torch.testing.assert_close(extend, tail, atol=1e-5, rtol=1e-5)
+
+
+# chunks longer than the CPU flash kernel's blocks, over prefixes that end mid-page: cold chunks, chunks
+# over a prefix, decodes at long and short contexts and a one-token cold prompt, all in one step
+LONG_BATCH = ([0, 530, 1100, 3, 0, 257], [700, 300, 1, 1, 1, 64])
+
+
+@pytest.mark.parametrize(
+    "page_size, heads, dtype, sliding_window",
+    [
+        (1, (4, 2), torch.float32, None),
+        (16, (4, 1), torch.float32, 100),
+        (16, (4, 2), torch.bfloat16, None),
+        (1, (4, 1), torch.bfloat16, 100),
+    ],
+)
+def test_sdpa_backend_matches_reference_on_long_ragged_batch(
+    page_size: int,
+    heads: tuple[int, int],
+    dtype: torch.dtype,
+    sliding_window: int | None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from longserve.attention import torch_sdpa_backend
+
+    # windowed requests run in blocks of max(window, this) queries: several blocks per chunk here
+    monkeypatch.setattr(torch_sdpa_backend, "_WINDOW_QUERY_BLOCK", 64)
+    prefix_lens, query_lens = LONG_BATCH
+    hi = seq_ends(prefix_lens, query_lens)
+    cases = [Case(prefix_lens, query_lens, page_size, *heads, 32, dtype, 13, cls) for cls in BACKENDS]
+    outs = []
+    for case in cases:
+        case.write_prefix_directly(layer=0)
+        outs.append(case.run(prefix_lens, hi, sliding_window=sliding_window))
+    reference, sdpa = outs
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(sdpa.float(), reference.float(), atol=tol, rtol=tol)
+    # both stored the new tokens' K/V alike
+    assert torch.equal(cases[0].cache.k[0], cases[1].cache.k[0])
+    assert torch.equal(cases[0].cache.v[0], cases[1].cache.v[0])
+
+
+@pytest.mark.parametrize("sliding_window", [None, 100])
+def test_sdpa_backend_uses_the_fused_kernel(sliding_window: int | None) -> None:
+    """No explicit boolean mask: CPU SDPA's math path would materialize the [Hq, L, S] scores (the reason
+    this backend exists); every step kind reaches the flash kernel."""
+    from torch.profiler import profile
+
+    prefix_lens, query_lens = LONG_BATCH
+    case = Case(prefix_lens, query_lens, 16, 4, 2, 32, torch.float32, 17, TorchSDPABackend)
+    with profile() as prof:
+        case.run(prefix_lens, seq_ends(prefix_lens, query_lens), sliding_window=sliding_window)
+    ops = [e.name for e in prof.events()]
+    assert "aten::_scaled_dot_product_attention_math" not in ops
+    # one call per request, two for each chunk over a prefix (2 of them) unless the window reaches it
+    expected_calls = 8 if sliding_window is None else 6
+    assert ops.count("aten::_scaled_dot_product_flash_attention_for_cpu") == expected_calls
 
 
 def test_build_metadata_exact_values() -> None:
@@ -242,10 +314,15 @@ def test_build_metadata_rejects_too_few_pages() -> None:
 
 
 def test_registry() -> None:
+    from longserve.platform import ATTENTION_BACKEND_CHOICES
+
     cpu = torch.device("cpu")
     assert isinstance(get_attention_backend("torch", cpu), TorchAttentionBackend)
     assert isinstance(get_attention_backend("auto", cpu), TorchAttentionBackend)
     assert get_attention_backend("torch", cpu).name == "torch"
+    # on the CPU every spelling runs the fused-SDPA backend, never the masked reference
+    for spelling in ATTENTION_BACKEND_CHOICES:
+        assert type(get_attention_backend(spelling, cpu)) is TorchSDPABackend, spelling
     with pytest.raises(ValueError, match="nope") as err:
         get_attention_backend("nope", cpu)
     assert "torch" in str(err.value) and "auto" in str(err.value)

@@ -1,0 +1,302 @@
+"""FP8 (e4m3) and INT8 W8A8 linear layers on the GPU; references: kernels/quant_reference.py (same signatures
+and arithmetic).
+
+- `per_token_group_quant`: a Triton kernel that quantizes activations at run time, per token-group (128 for
+  the DeepSeek/Qwen3 FP8 block recipe) or per token (group = K), to e4m3 or int8, writing float32 scales.
+- `fp8_block_linear`: block-scaled FP8 (weight_scale_inv per 128x128 block, activations per 1x128 group).
+  Two ways: torch's `F.scaled_mm` with cuBLAS's BlockWise1x128 / BlockWise128x128 recipes (Hopper, 128x128
+  blocks only), or the Triton block GEMM below (any block). FP8_BLOCK_USE_SCALED_MM picks the former where
+  it applies and where a load-time check agrees with the Triton kernel; the GPU session times both
+  (tests/gpu/test_quant_kernels_gpu.py) and sets it to the faster.
+- `fp8_scaled_linear`: per-channel (or per-tensor, expanded to channels) weight scales and per-token (or
+  static per-tensor) activation scales through `torch._scaled_mm` (rowwise scaling) for bf16, the Triton
+  block GEMM with one block per row for other dtypes.
+- `int8_scaled_linear`: INT8 through `torch._int_mm` (int32 accumulation) and a float epilogue.
+
+No host syncs: every size is a Python int of the shapes (CUDA graphs capture these).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+import triton
+import triton.language as tl
+
+from longserve.kernels.extend_attention import interpreting
+from longserve.kernels.quant_reference import (
+    FP8_DTYPE,
+    FP8_MAX,
+    INT8_QDIV,
+    fp8_block_gemm_ref,
+    per_token_group_quant_fp8_ref,
+    per_token_quant_int8_ref,
+    scaled_gemm_ref,
+)
+from longserve.kernels.quant_tiles import e4m3_rounded, rounded
+
+__all__ = [
+    "FP8_BLOCK_USE_SCALED_MM",
+    "fp8_block_gemm",
+    "fp8_block_gemm_ref",
+    "fp8_block_linear",
+    "fp8_scaled_linear",
+    "int8_scaled_linear",
+    "per_token_group_quant",
+    "per_token_group_quant_fp8_ref",
+    "per_token_quant_int8_ref",
+    "scaled_gemm_ref",
+]
+
+logger = logging.getLogger("longserve.kernels.quant_fp8")
+
+# cuBLAS block-scaled FP8 where it applies (Hopper, 128x128 blocks), checked at load time against the Triton
+# block GEMM (check_block_scaled_mm); False: always Triton. The GPU session times both (test_quant_kernels_gpu)
+FP8_BLOCK_USE_SCALED_MM = True
+
+
+@triton.jit
+def _group_quant_kernel(
+    x_ptr, q_ptr, s_ptr, static_ptr, K, group_size, stride_xm, stride_qm, stride_sm, stride_sg,
+    QMAX: tl.constexpr, OUT_INT8: tl.constexpr, STATIC: tl.constexpr, BLOCK: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """One program per (token, group): scale = amax / QMAX (or the static one), q = x / scale, clamped and
+    rounded to e4m3 or int8 (nearest, ties to even)."""
+    row, grp = tl.program_id(0), tl.program_id(1)
+    offs = grp * group_size + tl.arange(0, BLOCK)
+    mask = (offs < K) & (tl.arange(0, BLOCK) < group_size)
+    x = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
+    if STATIC:
+        scale = tl.load(static_ptr).to(tl.float32)
+    else:
+        scale = tl.maximum(tl.max(tl.abs(x)), 1e-10) / QMAX
+    y = x / scale
+    if OUT_INT8:  # round half to even (torch.round), clamp to [-128, 127]
+        r = tl.floor(y + 0.5)
+        r = tl.where((r - y == 0.5) & ((r.to(tl.int32) & 1) == 1), r - 1.0, r)
+        y = tl.minimum(tl.maximum(r, -128.0), 127.0)
+    else:
+        y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
+        if INTERPRET:
+            y = e4m3_rounded(y)
+    tl.store(q_ptr + row * stride_qm + offs, y.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row * stride_sm + grp * stride_sg, scale)
+
+
+def per_token_group_quant(
+    x: torch.Tensor,  # [M, K]
+    group_size: int,  # <= 0: per token (one group of K)
+    dtype: torch.dtype = FP8_DTYPE,
+    static_scale: torch.Tensor | None = None,  # [1] float32: a per-tensor scale instead of computed ones
+    column_major_scales: bool = False,  # scales stored [G, M] (returned transposed): cuBLAS block recipes
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(quantized [M, K] in `dtype` (e4m3 or int8), float32 scales [M, G]): equals
+    per_token_group_quant_fp8_ref / per_token_quant_int8_ref."""
+    m, k = x.shape
+    group = group_size if group_size > 0 else k
+    groups = triton.cdiv(k, group) if static_scale is None else 1
+    x = x if x.stride(1) == 1 else x.contiguous()
+    q = torch.empty(m, k, dtype=dtype, device=x.device)
+    if column_major_scales:
+        scales = torch.empty(groups, m, dtype=torch.float32, device=x.device).t()
+    else:
+        scales = torch.empty(m, groups, dtype=torch.float32, device=x.device)
+    if m == 0:
+        return q, scales
+    out_int8 = dtype == torch.int8
+    launch_groups = triton.cdiv(k, group)
+    if static_scale is not None:  # every group of a row shares the one scale: write it once
+        scales_arg, stride_sg = scales, 0
+    else:
+        scales_arg, stride_sg = scales, scales.stride(1)
+    _group_quant_kernel[(m, launch_groups)](
+        x, q, scales_arg, static_scale if static_scale is not None else x, k, group,
+        x.stride(0), q.stride(0), scales_arg.stride(0), stride_sg,
+        QMAX=INT8_QDIV if out_int8 else FP8_MAX, OUT_INT8=out_int8, STATIC=static_scale is not None,
+        BLOCK=triton.next_power_of_2(group), INTERPRET=interpreting(),
+    )  # fmt: skip
+    return q, scales
+
+
+@triton.jit
+def _fp8_block_gemm_kernel(
+    a_ptr, a_s_ptr, b_ptr, b_s_ptr, c_ptr, bias_ptr, M, N, K,
+    stride_am, stride_asm, stride_bn, stride_bsn, stride_cm,
+    GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, INTERPRET_BF16: tl.constexpr,
+):  # fmt: skip
+    """c [M, N] = sum over K blocks of (a_blk . b_blk^T) * a_scale[m, kb] * b_scale[n // GROUP_N, kb]
+    (BLOCK_K divides GROUP_K: one scale per tile along K)."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask, n_mask = offs_m < M, offs_n < N
+    rows_m = tl.where(m_mask, offs_m, 0)
+    rows_n = tl.where(n_mask, offs_n, 0)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        a = tl.load(a_ptr + rows_m[:, None] * stride_am + offs_k[None, :], mask=k_mask[None, :], other=0.0)
+        b = tl.load(b_ptr + rows_n[None, :] * stride_bn + offs_k[:, None], mask=k_mask[:, None], other=0.0)
+        a_s = tl.load(a_s_ptr + rows_m * stride_asm + k0 // GROUP_K)  # [BLOCK_M]
+        b_s = tl.load(b_s_ptr + (rows_n // GROUP_N) * stride_bsn + k0 // GROUP_K)  # [BLOCK_N]
+        if UPCAST_DOT:  # the interpreter has no fp8 dot: e4m3 values are exact in fp32
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rows_n).to(tl.float32)[None, :]
+    c_ty = c_ptr.dtype.element_ty
+    c = rounded(acc, c_ty, INTERPRET_BF16)
+    tl.store(
+        c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :],
+        c.to(c_ty),
+        mask=m_mask[:, None] & n_mask[None, :],
+    )
+
+
+def fp8_block_gemm(
+    xq: torch.Tensor,  # [M, K] e4m3
+    x_scale: torch.Tensor,  # [M, K / bk] float32
+    w: torch.Tensor,  # [N, K] e4m3
+    w_scale: torch.Tensor,  # [ceil(N / bn), ceil(K / bk)] float32
+    block: tuple[int, int],
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The Triton block-scaled FP8 GEMM: [M, N] in out_dtype."""
+    m, k = xq.shape
+    n = w.shape[0]
+    out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
+    if m == 0:
+        return out
+    block_k = 128  # a power of two dividing the scale block's k (one scale per tile), at least 16 for tl.dot
+    while block[1] % block_k and block_k > 16:
+        block_k //= 2
+    assert block[1] % block_k == 0, f"the scale block's k ({block[1]}) must be a multiple of 16"
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    block_n = 64 if m <= 64 else 128
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    _fp8_block_gemm_kernel[grid](
+        xq, x_scale, w, w_scale, out, bias if bias is not None else out, m, n, k,
+        xq.stride(0), x_scale.stride(0), w.stride(0), w_scale.stride(0), out.stride(0),
+        GROUP_N=block[0], GROUP_K=block[1], HAS_BIAS=bias is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST_DOT=interpreting(),
+        INTERPRET_BF16=interpreting() and out_dtype == torch.bfloat16,
+        num_warps=4, num_stages=3,
+    )  # fmt: skip
+    return out
+
+
+@functools.cache
+def _scaled_mm_blockwise_ok(device_index: int) -> bool:
+    """cuBLAS block-scaled FP8 (torch's F.scaled_mm BlockWise recipes) needs Hopper (sm90) exactly."""
+    if not hasattr(torch.nn.functional, "scaled_mm"):
+        return False
+    return torch.cuda.get_device_capability(device_index) == (9, 0)
+
+
+_BLOCK_SCALED_MM_CHECKED: dict[int, bool] = {}
+
+
+def check_block_scaled_mm(w: torch.Tensor, w_scale: torch.Tensor) -> bool:
+    """Whether cuBLAS's block-scaled FP8 (F.scaled_mm) computes what the Triton block GEMM does on this GPU, for
+    a weight of 128x128 blocks: tried once per device at load time (eager, before any CUDA graph), on a small
+    input; on an error or a mismatch the Triton kernel serves every block-FP8 layer (logged)."""
+    device = w.device.index or 0
+    if device in _BLOCK_SCALED_MM_CHECKED:
+        return _BLOCK_SCALED_MM_CHECKED[device]
+    if w.shape[0] % 128 or w.shape[1] % 128:
+        return False  # this weight never takes the cuBLAS path: check with the next one
+    ok = False
+    if FP8_BLOCK_USE_SCALED_MM and _scaled_mm_blockwise_ok(device):
+        x = torch.randn(32, w.shape[1], device=w.device, dtype=torch.bfloat16)
+        try:
+            got = fp8_block_linear(x, w, w_scale, (128, 128), use_scaled_mm=True).float()
+            want = fp8_block_linear(x, w, w_scale, (128, 128), use_scaled_mm=False).float()
+            ok = bool(((got - want).norm() / want.norm().clamp(min=1e-12)) < 1e-2)
+        except (RuntimeError, ValueError, TypeError) as e:
+            logger.warning(
+                "block-scaled FP8 through F.scaled_mm failed (%s): the Triton block GEMM serves", e
+            )
+        if not ok:
+            logger.warning("block-scaled FP8 through F.scaled_mm disagrees with the reference: Triton serves")
+    _BLOCK_SCALED_MM_CHECKED[device] = ok
+    return ok
+
+
+def fp8_block_linear(
+    x: torch.Tensor,  # [M, K]
+    w: torch.Tensor,  # [N, K] e4m3
+    w_scale: torch.Tensor,  # [ceil(N / bn), ceil(K / bk)] float32
+    block: tuple[int, int],
+    bias: torch.Tensor | None = None,
+    use_scaled_mm: bool | None = None,
+) -> torch.Tensor:
+    """Block FP8 linear: x quantized per token-group of bk (Triton), then the block-scaled GEMM; equals
+    fp8_block_gemm_ref."""
+    m, k = x.shape
+    n = w.shape[0]
+    if use_scaled_mm is None:  # what the load-time check found (check_block_scaled_mm)
+        use_scaled_mm = _BLOCK_SCALED_MM_CHECKED.get(x.device.index or 0, False) if x.is_cuda else False
+    use = use_scaled_mm and x.is_cuda and tuple(block) == (128, 128) and k % 128 == 0 and n % 128 == 0
+    if use:
+        F = torch.nn.functional
+        xq, xs = per_token_group_quant(x, block[1], column_major_scales=True)
+        out = F.scaled_mm(
+            xq, w.t(), xs, F.ScalingType.BlockWise1x128, w_scale.t(), F.ScalingType.BlockWise128x128,
+            output_dtype=x.dtype,
+        )  # fmt: skip
+        return out if bias is None else out + bias
+    xq, xs = per_token_group_quant(x, block[1])
+    return fp8_block_gemm(xq, xs, w, w_scale, block, x.dtype, bias)
+
+
+def fp8_scaled_linear(
+    x: torch.Tensor,  # [M, K]
+    w: torch.Tensor,  # [N, K] e4m3
+    w_scale: torch.Tensor,  # [N] float32 per output channel
+    input_scale: torch.Tensor | None = None,  # [1] static per-tensor activation scale; None: per token
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per-channel FP8 W8A8: bf16 through torch._scaled_mm (rowwise scales, cuBLAS), other dtypes through the
+    Triton block GEMM with one block per row and all of K; equals scaled_gemm_ref of the quantized
+    activations."""
+    xq, xs = per_token_group_quant(x, 0, FP8_DTYPE, static_scale=input_scale)
+    if not x.is_cuda:  # the interpreter (tests): the reference product of the same quantized values
+        return scaled_gemm_ref(xq, xs, w, w_scale, x.dtype, bias)
+    if x.dtype == torch.bfloat16:
+        out = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=w_scale.view(1, -1), out_dtype=torch.bfloat16)
+        return out if bias is None else out + bias
+    return fp8_block_gemm(xq, xs, w, w_scale.view(-1, 1), (1, x.shape[1]), x.dtype, bias)
+
+
+_INT_MM_MIN_M = 17  # torch._int_mm needs more than 16 rows
+
+
+def int8_scaled_linear(
+    x: torch.Tensor,  # [M, K]
+    w: torch.Tensor,  # [N, K] int8
+    w_scale: torch.Tensor,  # [N] float32
+    input_scale: torch.Tensor | None = None,  # [1]: static per-tensor; None: per token
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """INT8 W8A8: x quantized per token (Triton), torch._int_mm (int32 accumulation), scaled in float32."""
+    xq, xs = per_token_group_quant(x, 0, torch.int8, static_scale=input_scale)
+    if xs.shape[1] != 1:
+        xs = xs[:, :1]
+    if not x.is_cuda:
+        return scaled_gemm_ref(xq, xs, w, w_scale, x.dtype, bias)
+    m = x.shape[0]
+    if m < _INT_MM_MIN_M:  # pad the rows (static shapes: no sync), dropped after
+        xq = torch.nn.functional.pad(xq, (0, 0, 0, _INT_MM_MIN_M - m))
+    acc = torch._int_mm(xq, w.t())[:m]  # [M, N] int32
+    out = acc.float() * xs * w_scale.view(1, -1)
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)

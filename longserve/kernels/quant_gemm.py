@@ -1,0 +1,242 @@
+"""W4A16 / W8A16 GEMM in Triton with the dequantization fused: y = x @ dequantize(w)^T, for integer weights
+in the layout of `quant_reference` (uint8 [N, K * bits / 8] packed along K, scales [N, G], optional uint8
+zero points [N, G], optional act-order g_idx [K]); reference: `wna16_gemm_ref` (same signature and rounding:
+the weight dequantized in float32, rounded to x's dtype, products accumulated in float32).
+
+Two paths, chosen by the number of tokens M:
+
+- fused (`_wna16_gemm_kernel`): each program loads a tile of packed weights, unpacks and scales it in
+  registers and feeds the tensor cores at the activations' dtype. At decode batch sizes the GEMM is bound by
+  reading the weights (4 bits instead of 16: up to 4x less); N / BLOCK_N programs are too few to fill the GPU
+  when M is small, so K is split over SPLIT_K programs whose float32 partial sums are added in a fixed order
+  (deterministic, no atomics).
+- dequantize then cuBLAS (`_wna16_dequant_kernel` + torch.matmul): for many tokens the GEMM is bound by the
+  tensor cores, and writing the [N, K] weight once is amortized over M rows.
+
+WNA16_DEQUANT_MIN_TOKENS is the crossover between them. It is a placeholder (256) until the GPU session
+measures it (tests/gpu/test_quant_kernels_gpu.py prints both paths' times per M; scripts/gpu/gpu_check.sh
+quant): set it to the measured M where dequantize-then-cuBLAS starts to win.
+
+No host syncs (CUDA graphs capture both paths): every size is a Python int of the shapes.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from longserve.kernels.extend_attention import interpreting
+from longserve.kernels.quant_reference import dequantize_wna16, wna16_gemm_ref
+from longserve.kernels.quant_tiles import int_weight_tile, rounded
+
+__all__ = ["WNA16_DEQUANT_MIN_TOKENS", "wna16_dequantize", "wna16_gemm", "wna16_gemm_ref"]
+
+WNA16_DEQUANT_MIN_TOKENS = 256  # crossover fused -> dequantize + cuBLAS; to be measured on the GPU
+
+
+@triton.jit
+def _wna16_gemm_kernel(
+    x_ptr,  # [M, K]
+    w_ptr,  # [N, K * BITS / 8] uint8
+    s_ptr,  # [N, G]
+    z_ptr,  # [N, G] uint8 (HAS_ZP)
+    g_ptr,  # [K] int32 (HAS_GIDX)
+    out_ptr,  # [SPLIT_K, M, N] float32 partial sums, or [M, N] in x's dtype when SPLIT_K == 1
+    M, N, K, group_size, k_per_split,
+    stride_xm, stride_wn, stride_sn, stride_zn, stride_om, stride_os,
+    BITS: tl.constexpr, HAS_ZP: tl.constexpr, HAS_GIDX: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    INTERPRET_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask, n_mask = offs_m < M, offs_n < N
+    x_ty = x_ptr.dtype.element_ty
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    k_begin = pid_k * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, K)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < k_end
+        a = tl.load(
+            x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+            mask=m_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )
+        w = int_weight_tile(
+            w_ptr, s_ptr, z_ptr, g_ptr, offs_n, offs_k, k0, n_mask, k_mask,
+            stride_wn, stride_sn, stride_zn, group_size, BITS, HAS_ZP, HAS_GIDX,
+        )  # fmt: skip
+        if INTERPRET_BF16:  # the interpreter's bf16 dot and casts are wrong: round by hand, dot in fp32
+            b = rounded(w, x_ty, INTERPRET_BF16)
+            a = a.to(tl.float32)
+        else:
+            b = w.to(x_ty)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+    out_ty = out_ptr.dtype.element_ty
+    out_ptrs = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
+    res = acc if SPLIT_K > 1 else rounded(acc, out_ty, INTERPRET_BF16)
+    tl.store(out_ptrs, res.to(out_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _wna16_dequant_kernel(
+    w_ptr, s_ptr, z_ptr, g_ptr, out_ptr, N, K, group_size,
+    stride_wn, stride_sn, stride_zn, stride_on,
+    BITS: tl.constexpr, HAS_ZP: tl.constexpr, HAS_GIDX: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET_BF16: tl.constexpr,
+):  # fmt: skip
+    """out [N, K] = the dequantized weight in out's dtype (one tile per program)."""
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = pid_k * BLOCK_K
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    n_mask, k_mask = offs_n < N, offs_k < K
+    w = int_weight_tile(
+        w_ptr,
+        s_ptr,
+        z_ptr,
+        g_ptr,
+        offs_n,
+        offs_k,
+        k0,
+        n_mask,
+        k_mask,
+        stride_wn,
+        stride_sn,
+        stride_zn,
+        group_size,
+        BITS,
+        HAS_ZP,
+        HAS_GIDX,
+    )  # fmt: skip  [BLOCK_K, BLOCK_N]
+    out_ty = out_ptr.dtype.element_ty
+    ptrs = out_ptr + offs_n[None, :] * stride_on + offs_k[:, None]
+    tl.store(ptrs, rounded(w, out_ty, INTERPRET_BF16).to(out_ty), mask=k_mask[:, None] & n_mask[None, :])
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _block_k(group_size: int, k: int, has_gidx: bool) -> int:
+    """A K tile within one group: BLOCK_K divides group_size (any tile when every row reads its own group or
+    one group spans K); >= 16 for tl.dot."""
+    if has_gidx or group_size >= k:
+        return 64
+    for bk in (128, 64, 32, 16):
+        if group_size % bk == 0:
+            return bk
+    raise ValueError(f"group_size {group_size} is not a multiple of 16")
+
+
+def wna16_config(
+    m: int, n: int, k: int, group_size: int, has_gidx: bool, device: torch.device
+) -> dict[str, int]:
+    """Tile sizes and split-K for an [M, K] x [K, N] product (defaults, no tuned table yet)."""
+    block_k = min(_block_k(group_size, k, has_gidx), 64 if m <= 16 else 128)
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    block_n = 64 if m <= 64 else 128
+    split_k = 1
+    if m <= 64 and device.type == "cuda":  # too few output tiles to fill the SMs: split the reduction
+        tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+        want = triton.cdiv(2 * _num_sms(device.index or 0), tiles)
+        split_k = max(1, min(want, k // (4 * block_k), 16))
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k,
+            "num_warps": 4, "num_stages": 3}  # fmt: skip
+
+
+def _check(x, qweight, scales, zeros, g_idx, bits, group_size) -> tuple[int, int, int, int]:
+    """(M, N, K, group): group_size <= 0 means one group of all K (per channel)."""
+    m, k = x.shape
+    n = qweight.shape[0]
+    assert qweight.dtype == torch.uint8 and qweight.shape[1] * 8 == k * bits, (
+        f"qweight {tuple(qweight.shape)} {qweight.dtype} for K={k}, {bits} bits"
+    )
+    assert scales.shape[0] == n and (zeros is None or zeros.shape == scales.shape)
+    group = group_size if group_size > 0 else k
+    assert g_idx is not None or scales.shape[1] == -(-k // group), (
+        f"scales {tuple(scales.shape)}, group {group}"
+    )
+    return m, n, k, group
+
+
+def wna16_gemm(
+    x: torch.Tensor,  # [M, K]
+    qweight: torch.Tensor,  # [N, K * bits / 8] uint8
+    scales: torch.Tensor,  # [N, G]
+    zeros: torch.Tensor | None,  # [N, G] uint8
+    g_idx: torch.Tensor | None,  # [K] int32
+    bits: int,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+    config: dict[str, int] | None = None,
+    path: str | None = None,  # "fused" / "dequant": force a path (tests, the crossover benchmark)
+) -> torch.Tensor:
+    """[M, N] in x's dtype; same contract as `wna16_gemm_ref`."""
+    m, n, k, group = _check(x, qweight, scales, zeros, g_idx, bits, group_size)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    path = path or ("dequant" if m >= WNA16_DEQUANT_MIN_TOKENS else "fused")
+    if path == "dequant":
+        return torch.nn.functional.linear(
+            x, wna16_dequantize(qweight, scales, zeros, g_idx, bits, group, x.dtype), bias
+        )
+    cfg = config or wna16_config(m, n, k, group, g_idx is not None, x.device)
+    split = cfg["SPLIT_K"]
+    k_per_split = triton.cdiv(triton.cdiv(k, split), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
+    split = triton.cdiv(k, k_per_split)
+    interpret_bf16 = interpreting() and x.dtype == torch.bfloat16
+    if split > 1:
+        out = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    else:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]), split)
+    z = zeros if zeros is not None else qweight
+    g = g_idx if g_idx is not None else qweight
+    _wna16_gemm_kernel[grid](
+        x, qweight, scales, z, g, out, m, n, k, group, k_per_split,
+        x.stride(0), qweight.stride(0), scales.stride(0), z.stride(0), out.stride(-2),
+        out.stride(0) if split > 1 else 0,
+        BITS=bits, HAS_ZP=zeros is not None, HAS_GIDX=g_idx is not None,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SPLIT_K=split,
+        INTERPRET_BF16=interpret_bf16,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 or interpret_bf16 else "tf32",
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    if split > 1:
+        out = out.sum(dim=0).to(x.dtype)  # fixed order over the splits: deterministic
+    return out if bias is None else out + bias
+
+
+def wna16_dequantize(
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    g_idx: torch.Tensor | None,
+    bits: int,
+    group_size: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """The whole weight [N, K] in `dtype` (the large-M path; equals dequantize_wna16(...).to(dtype))."""
+    n = qweight.shape[0]
+    k = qweight.shape[1] * 8 // bits
+    if not qweight.is_cuda and not interpreting():
+        return dequantize_wna16(qweight, scales, zeros, g_idx, bits, group_size).to(dtype)
+    out = torch.empty(n, k, dtype=dtype, device=qweight.device)
+    group_size = group_size if group_size > 0 else k
+    block_k = _block_k(group_size, k, g_idx is not None)
+    block_n = 64
+    z = zeros if zeros is not None else qweight
+    g = g_idx if g_idx is not None else qweight
+    _wna16_dequant_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
+        qweight, scales, z, g, out, n, k, group_size,
+        qweight.stride(0), scales.stride(0), z.stride(0), out.stride(0),
+        BITS=bits, HAS_ZP=zeros is not None, HAS_GIDX=g_idx is not None, BLOCK_N=block_n, BLOCK_K=block_k,
+        INTERPRET_BF16=interpreting() and dtype == torch.bfloat16,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,72 @@
+"""Triton helpers shared by the dense quantized GEMMs (quant_gemm.py, quant_fp8.py) and the fused MoE kernel:
+rounding that the interpreter gets right, and the dequantization of a tile of packed integer weights (the
+layout of quant_reference.py)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def rounded(x, ty: tl.constexpr, INTERPRET_BF16: tl.constexpr):
+    """fp32 x rounded to dtype ty (to nearest even), returned in fp32."""
+    if ty == tl.float32:
+        return x
+    elif INTERPRET_BF16:  # the interpreter truncates fp32 -> bf16: round the bits by hand
+        bits = x.to(tl.uint32, bitcast=True)
+        return ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    else:
+        return x.to(ty).to(tl.float32)
+
+
+@triton.jit
+def int_weight_tile(
+    w_ptr, s_ptr, z_ptr, g_ptr, offs_n, offs_k, k_start, n_mask, k_mask,
+    stride_wn, stride_sn, stride_zn, group_size,
+    BITS: tl.constexpr, HAS_ZP: tl.constexpr, HAS_GIDX: tl.constexpr,
+):  # fmt: skip
+    """The float32 weights [BLOCK_K, BLOCK_N] of output rows offs_n and input columns offs_k:
+    (q - zero) * scale of their groups. Without g_idx the tile lies in one group (k_start's: BLOCK_K divides
+    group_size), so one scale per column is loaded; with it every input column reads its own group."""
+    PACK: tl.constexpr = 8 // BITS
+    mask = k_mask[:, None] & n_mask[None, :]
+    byte = tl.load(w_ptr + offs_n[None, :] * stride_wn + (offs_k // PACK)[:, None], mask=mask, other=0)
+    if BITS == 4:
+        q = (byte.to(tl.int32) >> ((offs_k % 2) * 4)[:, None]) & 0xF
+    else:
+        q = byte.to(tl.int32)
+    if HAS_GIDX:
+        g = tl.load(g_ptr + offs_k, mask=k_mask, other=0)  # [BLOCK_K]
+        s = tl.load(s_ptr + offs_n[None, :] * stride_sn + g[:, None], mask=mask, other=0.0).to(tl.float32)
+        if HAS_ZP:
+            z = tl.load(z_ptr + offs_n[None, :] * stride_zn + g[:, None], mask=mask, other=0).to(tl.float32)
+        else:
+            z = 2.0 ** (BITS - 1)
+    else:
+        g = k_start // group_size
+        s = tl.load(s_ptr + offs_n * stride_sn + g, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        if HAS_ZP:
+            z = tl.load(z_ptr + offs_n * stride_zn + g, mask=n_mask, other=0).to(tl.float32)[None, :]
+        else:
+            z = 2.0 ** (BITS - 1)
+    return (q.to(tl.float32) - z) * s
+
+
+@triton.jit
+def e4m3_rounded(y):
+    """fp32 y (|y| <= 448) rounded to the nearest e4m3 value (ties to even), in fp32: the interpreter's own
+    fp32 -> e4m3 cast mis-rounds when the mantissa carries into the exponent (126.8 -> 64)."""
+    bits = y.to(tl.uint32, bitcast=True)
+    sign = bits & 0x80000000
+    mag = bits & 0x7FFFFFFF
+    # normal e4m3 (|y| >= 2^-6): keep 3 of fp32's 23 mantissa bits, round to nearest even
+    normal = ((mag + 0x7FFFF + ((mag >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
+    # subnormal e4m3: multiples of 2^-9
+    r = tl.abs(y) * 512.0
+    f = tl.floor(r)
+    d = r - f
+    up = (d > 0.5) | ((d == 0.5) & ((f.to(tl.int32) & 1) == 1))
+    sub = tl.where(up, f + 1.0, f) / 512.0
+    out = tl.where(tl.abs(y) >= 0.015625, normal, sub)
+    return (out.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)

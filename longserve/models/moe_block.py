@@ -1,0 +1,120 @@
+"""The sparse MLP of an MoE layer: router, experts (FusedMoE) and Qwen2-MoE's gated shared expert, with one
+all-reduce under tensor or expert parallelism; and the mapping of checkpoint expert names onto it.
+
+    x ─ router (replicated [E, H]) ─ top-k ─ experts (this rank's) ─┐
+      └ shared expert (tp-sliced MLP) * sigmoid(shared_expert_gate x) ┴ + ─ all-reduce ─ out
+
+Rounding follows transformers 5 at tp=1: router logits in the model dtype, softmax in fp32 (moe_reference),
+the shared expert's output times the sigmoid of its gate in the model dtype, added to the experts' sum.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from longserve.distributed import tp_all_reduce
+from longserve.models.decoder import MLP, ArchOptions, dense_mlp
+from longserve.models.layers import default_weight_loader
+from longserve.models.linear_method import LinearMethod
+from longserve.models.moe import FusedMoE, get_moe_method
+from longserve.models.moe_layout import MoESpec, moe_spec
+
+
+class ReplicatedLinear(nn.Module):
+    """y = x W^T with the whole weight [out, in] on every rank (the router, the shared expert's gate): small,
+    and every rank needs all of its outputs. Plain weights whatever the checkpoint's format, as vLLM's
+    routers."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: str | None = None) -> None:
+        default_weight_loader(param, loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)  # [T, out]
+
+
+class SparseMoeBlock(nn.Module):
+    """Router + experts (+ Qwen2-MoE's shared expert); parameter names as transformers 5's
+    (`gate.weight`, `experts.*`, `shared_expert.*`, `shared_expert_gate.weight`)."""
+
+    def __init__(self, hf_config: Any, spec: MoESpec, opts: ArchOptions, linear: LinearMethod) -> None:
+        super().__init__()
+        act = getattr(hf_config, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported; supported: silu")
+        hidden = hf_config.hidden_size
+        self.gate = ReplicatedLinear(hidden, spec.num_experts)
+        self.experts = FusedMoE(
+            spec.num_experts,
+            spec.top_k,
+            hidden,
+            spec.intermediate_size,
+            renormalize=spec.renormalize,
+            round_routing_weights=spec.round_routing_weights,
+            quant_method=get_moe_method(hf_config),
+        )
+        self.shared_expert: MLP | None = None
+        if spec.shared_intermediate_size:
+            self.shared_expert = MLP(hf_config, opts, linear, spec.shared_intermediate_size)
+            self.shared_expert_gate = ReplicatedLinear(hidden, 1)
+        self.tp_size = self.experts.tp_size
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the block's output [T, H], before the all-reduce (the whole at tp=1)."""
+        out = self.experts.partial(x, self.gate(x))  # [T, H]
+        if self.shared_expert is not None:
+            shared = self.shared_expert.partial(x)  # [T, H] this rank's slice's sum, no bias
+            # the gate scales every rank's partial sum alike: sigmoid(g) * sum_r s_r = sum_r sigmoid(g) * s_r
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return out
+
+    def finish(self, y: torch.Tensor) -> torch.Tensor:
+        return y  # no bias: the all-reduced sum is the output
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.partial(x)
+        return out if self.tp_size == 1 else tp_all_reduce(out)  # [T, H]
+
+
+def make_moe_mlp(hf_config: Any, opts: ArchOptions, layer_id: int, linear: LinearMethod) -> nn.Module:
+    """Layer `layer_id`'s MLP: sparse where the config says (decoder_sparse_step, mlp_only_layers), else
+    the dense MLP of intermediate_size."""
+    spec = moe_spec(hf_config)
+    if spec is None or not spec.is_sparse(layer_id):
+        return dense_mlp(hf_config, opts, layer_id, linear)
+    return SparseMoeBlock(hf_config, spec, opts, linear)
+
+
+# checkpoint expert names: per expert (Qwen: gate/up/down_proj; Mixtral: w1 = gate, w3 = up, w2 = down) or
+# stacked (transformers 5: experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I])
+_PER_EXPERT = re.compile(
+    r"^(?P<prefix>.*\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)\.(?P<suffix>\w+)$"
+)
+_STACKED = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
+_KIND = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+
+
+def map_expert_name(name: str) -> tuple[str, str | None] | None:
+    """A checkpoint expert tensor's name (after `block_sparse_moe.` -> `mlp.`) -> (our parameter name,
+    shard id), or None if it is not an expert tensor. `experts.3.gate_proj.weight` -> `experts.w13`, "gate:3";
+    a quantized one's other tensors keep their suffix: `experts.3.down_proj.qzeros` -> `experts.w2_qzeros`."""
+    m = _PER_EXPERT.match(name)
+    if m is not None:
+        kind = _KIND[m["proj"]]
+        proj = "w2" if kind == "down" else "w13"
+        # a quantized expert's tensors (qweight, scales, weight_scale_inv, ...) are `w13_qweight` etc.
+        suffix = "" if m["suffix"] == "weight" else "_" + m["suffix"]
+        return f"{m['prefix']}.{proj}{suffix}", f"{kind}:{int(m['e'])}"
+    m = _STACKED.match(name)
+    if m is not None:
+        return f"{m['prefix']}.{'w13' if m['proj'] == 'gate_up_proj' else 'w2'}", None
+    return None

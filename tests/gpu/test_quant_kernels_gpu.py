@@ -1,0 +1,211 @@
+"""Quantized kernels on the GPU at the Llama-3.1-8B and Qwen3-30B-A3B shapes (bf16 activations) against their
+torch references: the W4A16/W8A16 GEMM on both paths (fused with split-K, dequantize + cuBLAS), block FP8
+through cuBLAS (F.scaled_mm) and through Triton, per-channel FP8 through torch._scaled_mm, INT8 through
+torch._int_mm, the fused MoE kernel's int4 and fp8 experts; none waits on a host sync, and CUDA graphs
+replay them with new inputs. Timings for the crossovers: scripts/gpu/bench_quant_kernels.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+# Llama-3.1-8B's projections (N, K): qkv, o, gate|up, down
+DENSE = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+TOKENS = [1, 16, 64, 300, 2048]
+NORM_TOL = 1e-2
+
+
+def assert_close_rel(out: torch.Tensor, ref: torch.Tensor, tol: float = NORM_TOL) -> None:
+    out, ref = out.float(), ref.float()
+    rel = ((out - ref).norm() / ref.norm()).item()
+    assert rel < tol, f"relative error {rel:.2e}"
+
+
+def int_weight(n: int, k: int, bits: int = 4, group: int = 128, zp: bool = False, act_order: bool = False):
+    from longserve.kernels.quant_reference import pack_int_k
+
+    g = torch.Generator(device="cuda").manual_seed(n + k)
+    q = torch.randint(0, 2**bits, (n, k), device="cuda", generator=g)
+    groups = k // group
+    # scales giving weights of std ~ 1/sqrt(K), as a trained layer's
+    scales = torch.full((n, groups), (k**-0.5) / (2 ** (bits - 1) / 1.7), device="cuda", dtype=torch.float16)
+    zeros = torch.randint(0, 2**bits, (n, groups), device="cuda", generator=g).to(torch.uint8) if zp else None
+    g_idx = (torch.randperm(k, device="cuda", generator=g) // group).int() if act_order else None
+    return pack_int_k(q, bits), scales, zeros, g_idx
+
+
+@pytest.mark.parametrize("shape", list(DENSE))
+@pytest.mark.parametrize("m", TOKENS)
+def test_wna16_gemm_matches_reference_on_both_paths(shape: str, m: int) -> None:
+    from longserve.kernels.quant_gemm import wna16_gemm, wna16_gemm_ref
+
+    n, k = DENSE[shape]
+    w = int_weight(n, k)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    ref = wna16_gemm_ref(x, *w, 4, 128)
+    for path in ("fused", "dequant"):
+        assert_close_rel(wna16_gemm(x, *w, 4, 128, path=path), ref)
+    assert torch.equal(wna16_gemm(x, *w, 4, 128), wna16_gemm(x, *w, 4, 128))  # deterministic split-K
+
+
+@pytest.mark.parametrize(("bits", "zp", "act_order"), [(8, False, False), (4, True, True), (8, True, True)])
+def test_wna16_variants(bits: int, zp: bool, act_order: bool) -> None:
+    from longserve.kernels.quant_gemm import wna16_gemm, wna16_gemm_ref
+
+    w = int_weight(4096, 4096, bits, 128, zp, act_order)
+    for m in (1, 64, 512):
+        x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+        assert_close_rel(wna16_gemm(x, *w, bits, 128), wna16_gemm_ref(x, *w, bits, 128))
+
+
+def fp8_block_weight(n: int, k: int):
+    g = torch.Generator(device="cuda").manual_seed(n * 3 + k)
+    w = torch.randn(n, k, device="cuda", generator=g).to(torch.float8_e4m3fn)
+    scale = torch.rand(n // 128, k // 128, device="cuda", generator=g) * (2 * k**-0.5) + 1e-3
+    return w, scale
+
+
+@pytest.mark.parametrize("shape", ["qkv", "down"])
+@pytest.mark.parametrize("m", [1, 64, 2048])
+def test_fp8_block_both_ways(shape: str, m: int) -> None:
+    from longserve.kernels.quant_fp8 import _scaled_mm_blockwise_ok, fp8_block_gemm_ref, fp8_block_linear
+
+    n, k = DENSE[shape]
+    w, scale = fp8_block_weight(n, k)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    ref = fp8_block_gemm_ref(x, w, scale, (128, 128))
+    assert_close_rel(fp8_block_linear(x, w, scale, (128, 128), use_scaled_mm=False), ref)
+    if _scaled_mm_blockwise_ok(0):  # cuBLAS block-scaled FP8 (Hopper)
+        assert_close_rel(fp8_block_linear(x, w, scale, (128, 128), use_scaled_mm=True), ref)
+
+
+@pytest.mark.parametrize("m", [1, 17, 512])
+def test_fp8_per_channel_and_int8(m: int) -> None:
+    from longserve.kernels.quant_fp8 import fp8_scaled_linear, int8_scaled_linear, per_token_group_quant
+    from longserve.kernels.quant_reference import per_token_quant_int8_ref, scaled_gemm_ref
+
+    n, k = DENSE["o"]
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w8 = torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn)
+    ws = torch.full((n,), k**-0.5, device="cuda")
+    xq, xs = per_token_group_quant(x, 0)
+    assert_close_rel(fp8_scaled_linear(x, w8, ws), scaled_gemm_ref(xq, xs, w8, ws, torch.bfloat16))
+    assert_close_rel(
+        fp8_scaled_linear(x.float(), w8, ws),
+        scaled_gemm_ref(*per_token_group_quant(x.float(), 0), w8, ws, torch.float32),
+    )
+    wi = torch.randint(-127, 128, (n, k), device="cuda", dtype=torch.int8)
+    wsi = torch.full((n,), (k**-0.5) / 73.6, device="cuda")
+    xq, xs = per_token_quant_int8_ref(x)
+    assert_close_rel(int8_scaled_linear(x, wi, wsi), scaled_gemm_ref(xq, xs, wi, wsi, torch.bfloat16))
+
+
+def no_sync(fn) -> None:
+    fn()  # compile first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_no_host_syncs() -> None:
+    from longserve.kernels.quant_fp8 import fp8_block_linear, fp8_scaled_linear, int8_scaled_linear
+    from longserve.kernels.quant_gemm import wna16_gemm
+
+    n, k = DENSE["o"]
+    w = int_weight(n, k, 4, 128, True, True)
+    w8, scale = fp8_block_weight(n, k)
+    wi = torch.randint(-127, 128, (n, k), device="cuda", dtype=torch.int8)
+    ws = torch.full((n,), 1e-3, device="cuda")
+    for m in (1, 16, 512):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        no_sync(lambda x=x: wna16_gemm(x, *w, 4, 128))
+        no_sync(lambda x=x: fp8_block_linear(x, w8, scale, (128, 128), use_scaled_mm=False))
+        no_sync(lambda x=x: fp8_scaled_linear(x, w8, ws))
+        no_sync(lambda x=x: int8_scaled_linear(x, wi, ws))
+
+
+def capture(step):
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # compiles off the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
+
+
+@pytest.mark.parametrize("m", [1, 8])
+def test_cuda_graph_replay(m: int) -> None:
+    """A decode-sized product captured once replays correctly for new activations (split-K included)."""
+    from longserve.kernels.quant_fp8 import fp8_block_gemm_ref, fp8_block_linear
+    from longserve.kernels.quant_gemm import wna16_gemm, wna16_gemm_ref
+
+    n, k = DENSE["down"]
+    w = int_weight(n, k)
+    w8, scale = fp8_block_weight(n, k)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    outs: dict[str, torch.Tensor] = {}
+
+    def step() -> None:
+        outs["int4"] = wna16_gemm(x, *w, 4, 128)
+        outs["fp8"] = fp8_block_linear(x, w8, scale, (128, 128))
+
+    graph = capture(step)
+    for seed in range(3):
+        x.copy_(
+            torch.randn(x.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed))
+        )
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close_rel(outs["int4"], wna16_gemm_ref(x, *w, 4, 128))
+        assert_close_rel(outs["fp8"], fp8_block_gemm_ref(x, w8, scale, (128, 128)))
+
+
+# Qwen3-30B-A3B's experts: 128 of intermediate 768 over hidden 2048, top-8
+A3B = (128, 8, 2048, 768)
+
+
+def a3b_experts(kind: str):
+    from longserve.kernels.moe_reference import MoEQuant
+
+    e, _, h, i = A3B
+    if kind == "int4":  # one random expert repeated: the routing does not matter to the arithmetic
+        q13, s13, _, _ = int_weight(2 * i, h)
+        q2, s2, _, _ = int_weight(h, i)
+
+        def rep(t: torch.Tensor) -> torch.Tensor:
+            return t.unsqueeze(0).expand(e, *t.shape).contiguous()
+
+        return rep(q13), rep(q2), MoEQuant("int4", 128, rep(s13), rep(s2))
+    g = torch.Generator(device="cuda").manual_seed(1)
+    w13 = torch.randn(e, 2 * i, h, device="cuda", generator=g).to(torch.float8_e4m3fn)
+    w2 = torch.randn(e, h, i, device="cuda", generator=g).to(torch.float8_e4m3fn)
+    s13 = torch.rand(e, 2 * i // 128, h // 128, device="cuda", generator=g) * 2 * h**-0.5 + 1e-3
+    s2 = torch.rand(e, h // 128, i // 128, device="cuda", generator=g) * 2 * i**-0.5 + 1e-3
+    return w13, w2, MoEQuant("fp8_e4m3", 128, s13, s2, block_n=128)
+
+
+@pytest.mark.parametrize("kind", ["int4", "fp8"])
+@pytest.mark.parametrize("num_tokens", [1, 64, 2048])
+def test_fused_moe_quantized_experts(kind: str, num_tokens: int) -> None:
+    from longserve.kernels.fused_moe import fused_moe, fused_moe_ref, route_topk
+
+    w13, w2, quant = a3b_experts(kind)
+    e, k, h, _ = A3B
+    x = torch.randn(num_tokens, h, device="cuda", dtype=torch.bfloat16)
+    weights, ids = route_topk(torch.randn(num_tokens, e, device="cuda"), k, True)
+    weights = weights.bfloat16()
+    out = fused_moe(x, w13, w2, weights, ids, quant=quant)
+    assert_close_rel(out, fused_moe_ref(x, w13, w2, weights, ids, quant=quant))
+    assert torch.equal(fused_moe(x, w13, w2, weights, ids, quant=quant), out)
+    no_sync(lambda: fused_moe(x, w13, w2, weights, ids, quant=quant))

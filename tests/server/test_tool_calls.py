@@ -1,0 +1,342 @@
+"""Tool calling and reasoning through real servers of tiny random-weight models that carry real chat
+templates (Qwen2.5 with `--tool-call-parser hermes --enable-auto-tool-choice`, Llama 3.1 with
+`--tool-call-parser llama3_json` and no auto choice, a DeepSeek-R1 distill with `--reasoning-parser
+deepseek_r1`), driven by the real clients: the openai client's tool loop (call, tool result, final answer;
+streamed and not), LangChain's bind_tools / with_structured_output, LiteLLM. `tool_choice` "required" or
+named is forced by the grammar, so random weights always yield calls that parse and validate."""
+
+from __future__ import annotations
+
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import jsonschema
+import pytest
+
+from longserve.testing.server_process import ServerProcess, free_port
+from tests.fixtures.tool_checkpoints import make_tool_checkpoint
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["city"],
+}
+ADD = {
+    "type": "object",
+    "properties": {
+        "a": {"type": "integer", "minimum": 0, "maximum": 99},
+        "b": {"type": "integer", "minimum": 0, "maximum": 99},
+    },
+    "required": ["a", "b"],
+}
+SCHEMAS = {"get_weather": WEATHER, "add": ADD}
+TOOLS = [
+    {"type": "function", "function": {"name": n, "description": f"{n} tool", "parameters": s}}
+    for n, s in SCHEMAS.items()
+]
+USER = [{"role": "user", "content": "What is the weather in Paris?"}]
+FORCED_TEXT = 'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+CHAT = "/v1/chat/completions"
+
+SERVERS = {  # name -> (checkpoint style, flags)
+    "qwen25": ("qwen25", ["--tool-call-parser", "hermes", "--enable-auto-tool-choice"]),
+    "llama31": ("llama31", ["--tool-call-parser", "llama3_json"]),
+    "r1": (
+        "deepseek_r1",
+        ["--reasoning-parser", "deepseek_r1", "--tool-call-parser", "qwen25", "--enable-auto-tool-choice"],
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    """The three servers, started side by side (their startups overlap)."""
+    procs = {}
+    try:
+        for name, (style, flags) in SERVERS.items():
+            path = make_tool_checkpoint(tmp_path_factory.mktemp(style), style)
+            port = free_port()
+            args = ["--model-path", path, "--device", "cpu", "--port", str(port), "--dtype", "float32"]
+            args += ["--max-total-tokens", "16384", "--served-model-name", name, *flags]
+            procs[name] = ServerProcess(args, port, str(tmp_path_factory.mktemp("logs") / f"{name}.log"))
+        with ThreadPoolExecutor(len(procs)) as pool:
+            list(pool.map(lambda p: p.wait_ready(), procs.values()))
+        yield {name: p.url for name, p in procs.items()}
+        for url in (p.url for p in procs.values()):  # every page back after all the tests
+            info = httpx.get(url + "/server_info", params={"check_integrity": "1"}).json()
+            assert info["kv_integrity"] == "ok" and info["num_unfinished_requests"] == 0
+    finally:
+        for p in procs.values():
+            p.stop()
+
+
+@pytest.fixture(scope="module")
+def qwen(servers):
+    return openai.OpenAI(base_url=servers["qwen25"] + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def check_calls(calls, names=None) -> None:
+    """Each call names a tool and its arguments validate against that tool's schema; ids are unique."""
+    assert calls
+    for call in calls:
+        assert call["type"] == "function" and call["id"].startswith("call_")
+        jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS[call["function"]["name"]])
+    assert len({c["id"] for c in calls}) == len(calls)
+    if names is not None:
+        assert [c["function"]["name"] for c in calls] == names
+
+
+def accumulate(chunks) -> tuple[str, list[dict], str | None, str]:
+    """What a client rebuilds from a chat stream: content, tool calls, finish reason, reasoning."""
+    content, reasoning, calls, finish = "", "", {}, None
+    for chunk in chunks:
+        for choice in chunk.choices:
+            d = choice.delta
+            content += d.content or ""
+            reasoning += getattr(d, "reasoning_content", None) or ""
+            for tc in d.tool_calls or []:
+                call = calls.setdefault(
+                    tc.index, {"id": tc.id, "type": "function", "function": {"name": "", "arguments": ""}}
+                )
+                assert tc.index == len(calls) - 1 or tc.id is None  # a new call starts with its id
+                call["function"]["name"] += tc.function.name or ""
+                call["function"]["arguments"] += tc.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return content, [calls[i] for i in sorted(calls)], finish, reasoning
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_openai_tool_loop(qwen, servers, stream):
+    """Call (forced), tool result, final answer (auto: the model may answer or call again)."""
+    messages = list(USER)
+    kw = dict(model="qwen25", tools=TOOLS, max_tokens=300, temperature=1.0, seed=11)
+    if stream:
+        content, calls, finish, _ = accumulate(
+            qwen.chat.completions.create(messages=messages, tool_choice="required", stream=True, **kw)
+        )
+    else:
+        message = qwen.chat.completions.create(messages=messages, tool_choice="required", **kw).choices[0]
+        finish, content = message.finish_reason, message.message.content
+        calls = [c.model_dump() for c in message.message.tool_calls]
+    assert finish == "tool_calls" and not content
+    check_calls(calls)
+    messages.append({"role": "assistant", "content": None, "tool_calls": calls})
+    for call in calls:
+        messages.append({"role": "tool", "tool_call_id": call["id"], "content": json.dumps({"temp_c": 21})})
+    final = qwen.chat.completions.create(
+        messages=messages, max_tokens=20, **{k: v for k, v in kw.items() if k != "max_tokens"}
+    )
+    assert final.choices[0].finish_reason in ("stop", "length") and final.choices[0].message.content
+    assert final.usage.prompt_tokens > 150  # the conversation with the tools, the call and the result
+    # the template got the call's arguments as an object and the result under <tool_response>
+    ids = httpx.post(servers["qwen25"] + "/tokenize", json={"messages": messages}).json()["tokens"]
+    text = httpx.post(servers["qwen25"] + "/detokenize", json={"tokens": ids}).json()["text"]
+    args = json.loads(calls[0]["function"]["arguments"])
+    written = json.dumps(args, ensure_ascii=False)  # as the template's tojson writes a dict
+    assert (
+        f'<tool_call>\n{{"name": "{calls[0]["function"]["name"]}", "arguments": {written}}}\n</tool_call>'
+        in text
+    )
+    assert '<tool_response>\n{"temp_c": 21}\n</tool_response>' in text
+
+
+def test_required_always_yields_calls_that_parse(qwen):
+    """Random weights, temperature 1, many samples: every one is exactly one valid call (no parallel calls)."""
+    r = qwen.chat.completions.create(
+        model="qwen25", messages=USER, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+        max_tokens=400, temperature=1.0, seed=5, n=6,
+    )  # fmt: skip
+    for choice in r.choices:
+        assert choice.finish_reason == "tool_calls", choice
+        assert choice.message.content is None
+        check_calls([c.model_dump() for c in choice.message.tool_calls])
+        assert len(choice.message.tool_calls) == 1
+
+
+def test_named_tool_choice(qwen):
+    for stream in (False, True):
+        kw = dict(model="qwen25", messages=USER, tools=TOOLS, max_tokens=300, temperature=1.0, seed=2)
+        choice = {"type": "function", "function": {"name": "add"}}
+        if stream:
+            _, calls, finish, _ = accumulate(
+                qwen.chat.completions.create(tool_choice=choice, stream=True, **kw)
+            )
+        else:
+            r = qwen.chat.completions.create(tool_choice=choice, **kw).choices[0]
+            calls, finish = [c.model_dump() for c in r.message.tool_calls], r.finish_reason
+        assert finish == "tool_calls"
+        check_calls(calls, ["add"])
+
+
+def test_auto_reads_the_calls_the_model_writes(qwen):
+    """tool_choice auto: the hermes parser reads calls out of whatever the model wrote (here a guided choice
+    makes the random model write one after some text); "none" leaves the text as it is."""
+    kw = dict(
+        model="qwen25",
+        messages=USER,
+        tools=TOOLS,
+        max_tokens=100,
+        extra_body={"guided_choice": [FORCED_TEXT]},
+    )
+    r = qwen.chat.completions.create(**kw).choices[0]
+    assert r.finish_reason == "tool_calls" and r.message.content == "Sure."
+    check_calls([c.model_dump() for c in r.message.tool_calls], ["get_weather"])
+    assert json.loads(r.message.tool_calls[0].function.arguments) == {"city": "Paris"}
+    content, calls, finish, _ = accumulate(qwen.chat.completions.create(stream=True, **kw))
+    assert (content, finish) == ("Sure.", "tool_calls")
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Paris"})
+    ]
+    r = qwen.chat.completions.create(tool_choice="none", **kw).choices[0]
+    assert r.message.content == FORCED_TEXT and not r.message.tool_calls and r.finish_reason == "stop"
+
+
+@pytest.mark.parametrize(
+    "body,status,named",
+    [
+        ({"tool_choice": "required"}, 400, "tool_choice needs tools"),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            400,
+            "not among",
+        ),
+        ({"tools": TOOLS, "tool_choice": "always"}, 400, "tool_choice must be"),
+        ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, 400, "tools"),
+        ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "a"}, 400, "guided_regex"),
+        (
+            {
+                "messages": USER
+                + [
+                    {
+                        "role": "assistant",
+                        "tool_calls": [
+                            {"id": "x", "type": "function", "function": {"name": "add", "arguments": "{oops"}}
+                        ],
+                    }
+                ]
+            },
+            400,
+            "messages.1.tool_calls",
+        ),
+    ],
+)
+def test_bad_tool_requests(servers, body, status, named):
+    r = httpx.post(servers["qwen25"] + CHAT, json={"messages": USER, **body})
+    assert r.status_code == status, r.text
+    assert named in r.json()["error"]["message"] + str(r.json()["error"]["param"])
+
+
+def test_auto_needs_the_flag_as_in_vllm(servers):
+    """The Llama server has a parser but no --enable-auto-tool-choice: tools with tool_choice auto (the
+    default with tools) are refused with vLLM's words; required works, in Llama 3's JSON syntax."""
+    url = servers["llama31"]
+    for body in ({"tools": TOOLS}, {"tools": TOOLS, "tool_choice": "auto"}):
+        r = httpx.post(url + CHAT, json={"messages": USER, **body})
+        assert r.status_code == 400 and "--enable-auto-tool-choice" in r.json()["error"]["message"]
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    kw = dict(
+        model="llama31", tools=TOOLS, max_tokens=300, temperature=1.0, seed=4, parallel_tool_calls=False
+    )
+    r = client.chat.completions.create(messages=USER, tool_choice="required", **kw).choices[0]
+    assert r.finish_reason == "tool_calls"
+    calls = [c.model_dump() for c in r.message.tool_calls]
+    check_calls(calls)
+    # the result goes back through Llama 3.1's template (ipython turn); tool_choice none: a plain answer
+    messages = [*USER, {"role": "assistant", "content": None, "tool_calls": calls}]
+    messages.append({"role": "tool", "tool_call_id": calls[0]["id"], "content": '{"temp_c": 21}'})
+    final = client.chat.completions.create(messages=messages, tool_choice="none", **{**kw, "max_tokens": 10})
+    assert final.choices[0].message.content and not final.choices[0].message.tool_calls
+
+
+def test_reasoning_then_constrained_output(servers):
+    """DeepSeek-R1's template opens <think> in the prompt: the output's reasoning (ended early by a logit
+    bias on </think>) becomes reasoning_content, and the JSON schema holds for what follows it, streamed
+    the same as whole."""
+    url = servers["r1"]
+    from transformers import AutoTokenizer
+
+    end = AutoTokenizer.from_pretrained(
+        httpx.get(url + "/model_info").json()["model_path"]
+    ).convert_tokens_to_ids("</think>")
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    kw = dict(
+        model="r1", messages=USER, max_tokens=400, temperature=1.0, seed=0, logit_bias={str(end): 3},
+        response_format={"type": "json_schema", "json_schema": {"name": "ok", "schema": schema}},
+    )  # fmt: skip
+    r = client.chat.completions.create(**kw).choices[0]
+    reasoning = r.message.model_extra["reasoning_content"]
+    assert r.finish_reason == "stop" and reasoning and "</think>" not in reasoning + r.message.content
+    jsonschema.validate(json.loads(r.message.content), schema)
+    content, _, finish, streamed_reasoning = accumulate(client.chat.completions.create(stream=True, **kw))
+    assert (content, streamed_reasoning, finish) == (r.message.content, reasoning, "stop")
+    # a forced call after the reasoning section
+    r = client.chat.completions.create(
+        **{**kw, "response_format": None}, tools=TOOLS, tool_choice="required"
+    ).choices[0]
+    assert r.finish_reason == "tool_calls" and r.message.model_extra["reasoning_content"]
+    check_calls([c.model_dump() for c in r.message.tool_calls])
+
+
+def test_langchain_bind_tools_and_structured_output(servers):
+    langchain_openai = pytest.importorskip("langchain_openai")
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from pydantic import BaseModel, Field
+
+    class GetWeather(BaseModel):
+        """Get the weather of a city."""
+
+        city: str = Field(max_length=10)
+
+    llm = langchain_openai.ChatOpenAI(
+        model="qwen25",
+        base_url=servers["qwen25"] + "/v1",
+        api_key="unused",
+        max_tokens=300,
+        temperature=1.0,
+        seed=3,
+        max_retries=0,
+    )
+    messages = [HumanMessage("What is the weather in Paris?")]
+    ai = llm.bind_tools([GetWeather], tool_choice="any").invoke(messages)
+    assert ai.tool_calls and ai.tool_calls[0]["name"] == "GetWeather"
+    assert len(ai.tool_calls[0]["args"]["city"]) <= 10
+    messages += [ai, ToolMessage('{"temp_c": 21}', tool_call_id=ai.tool_calls[0]["id"])]
+    final = llm.bind_tools([GetWeather]).invoke(messages)  # auto: the server has --enable-auto-tool-choice
+    assert isinstance(final.content, str)
+
+    class Answer(BaseModel):
+        """An answer."""
+
+        ok: bool
+        n: int = Field(ge=0, le=9)
+
+    for method in ("json_schema", "function_calling"):
+        got = llm.with_structured_output(Answer, method=method).invoke("Answer me.")
+        assert isinstance(got, Answer) and 0 <= got.n <= 9, method
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # litellm's own pydantic models warn on import
+def test_litellm_tool_calls(servers):
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no download of the cost map
+    litellm = pytest.importorskip("litellm")
+    kw = dict(
+        model="openai/qwen25", api_base=servers["qwen25"] + "/v1", api_key="unused", messages=USER, tools=TOOLS,
+        tool_choice="required", max_tokens=300, temperature=1.0, seed=9,
+    )  # fmt: skip
+    r = litellm.completion(**kw)
+    assert r.choices[0].finish_reason == "tool_calls"
+    check_calls([c.model_dump() for c in r.choices[0].message.tool_calls])
+    chunks = list(litellm.completion(stream=True, **kw))
+    rebuilt = litellm.stream_chunk_builder(chunks).choices[0].message.tool_calls
+    check_calls([c.model_dump() for c in rebuilt])

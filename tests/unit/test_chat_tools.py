@@ -1,0 +1,129 @@
+"""The server's reading of chat replies: tools and tool_choice checked as vLLM checks them, Mistral's
+9-character call ids for its templates, forced calls without a parser in vLLM's JSON form (whole and
+streamed alike), parallel_tool_calls false keeping one call, reasoning split before the calls."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from longserve.config import ServerConfig
+from longserve.server.chat_tools import ChatOutput, ChatTools, template_tool_calls
+from longserve.server.errors import APIError
+from longserve.structured.reasoning import DeepSeekR1ReasoningParser
+from tests.fixtures.tool_tokenizer import make_tokenizer, read_template
+
+TOOLS = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n in ("f", "g")]
+HERMES = ServerConfig(tool_call_parser="hermes", enable_auto_tool_choice=True)
+TWO_CALLS = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>'
+
+
+def request(**kw):
+    return SimpleNamespace(**{"tools": TOOLS, "tool_choice": None, "parallel_tool_calls": None, **kw})
+
+
+def streamed(output: ChatOutput, text: str, step: int = 3) -> tuple[str, list[dict], str]:
+    s = output.stream()
+    pieces = [text[i : i + step] for i in range(0, len(text), step)]
+    deltas = [s.delta(p, final=False) for p in pieces[:-1]] + [s.delta(pieces[-1], final=True)]
+    calls: dict[int, dict] = {}
+    for d in deltas:
+        for tc in d.get("tool_calls", []):
+            call = calls.setdefault(tc["index"], {"name": "", "arguments": ""})
+            call["name"] += tc["function"].get("name") or ""
+            call["arguments"] += tc["function"]["arguments"]
+    content = "".join(d.get("content", "") for d in deltas)
+    return content, [calls[i] for i in sorted(calls)], "".join(d.get("reasoning_content", "") for d in deltas)
+
+
+def test_auto_and_parallel_false():
+    for parallel, names in ((None, ["f", "g"]), (False, ["f"])):
+        output = ChatOutput(ChatTools.from_request(request(parallel_tool_calls=parallel), HERMES))
+        message, called = output.message("Hi." + TWO_CALLS)
+        assert called and message["content"] == "Hi."
+        assert [c["function"]["name"] for c in message["tool_calls"]] == names
+        content, calls, _ = streamed(output, "Hi." + TWO_CALLS)
+        assert content == "Hi." and [c["name"] for c in calls] == names
+
+
+def test_forced_calls_without_a_parser_are_vllms_json():
+    required = ChatTools.from_request(request(tool_choice="required"), ServerConfig())
+    assert json.loads(required.grammar(None).text)["type"] == "array"
+    text = '[{"name": "g", "parameters": {"x": [1, 2]}}, {"name": "f", "parameters": {}}]'
+    message, called = ChatOutput(required).message(text)
+    assert called and message["content"] is None
+    assert [
+        (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]
+    ] == [
+        ("g", {"x": [1, 2]}),
+        ("f", {}),
+    ]
+    content, calls, _ = streamed(ChatOutput(required), text)
+    assert content == "" and [(c["name"], json.loads(c["arguments"])) for c in calls] == [
+        ("g", {"x": [1, 2]}),
+        ("f", {}),
+    ]
+    named = ChatTools.from_request(
+        request(tool_choice={"type": "function", "function": {"name": "g"}}), ServerConfig()
+    )
+    message, _ = ChatOutput(named).message(' {"x": 1}')
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] == [
+        ("g", '{"x": 1}')
+    ]
+    cut, called = ChatOutput(named).message('{"x": ')  # cut short by max_tokens: the text, no call
+    assert not called and cut["content"] == '{"x": '
+
+
+def test_reasoning_is_split_before_the_calls():
+    output = ChatOutput(ChatTools.from_request(request(), HERMES), DeepSeekR1ReasoningParser, True)
+    text = "Let me think.\n</think>\n\n" + TWO_CALLS
+    message, called = output.message(text)
+    assert called and message["reasoning_content"] == "Let me think." and message["content"] is None
+    content, calls, reasoning = streamed(output, text, step=2)
+    assert (content, reasoning, [c["name"] for c in calls]) == ("", "Let me think.", ["f", "g"])
+
+
+@pytest.mark.parametrize(
+    "kw,config,match",
+    [
+        ({}, ServerConfig(tool_call_parser="hermes"), "--enable-auto-tool-choice"),
+        ({"tool_choice": "auto"}, ServerConfig(), "--enable-auto-tool-choice"),
+        ({"tools": None, "tool_choice": "required"}, HERMES, "needs tools"),
+        ({"tool_choice": {"type": "function", "function": {"name": "h"}}}, HERMES, "not among"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "a b"}}]},
+            HERMES,
+            "tools: a tool's function name",
+        ),
+    ],
+)
+def test_refusals(kw, config, match):
+    with pytest.raises(APIError, match=match):
+        ChatTools.from_request(request(**kw), config)
+
+
+def test_mistral_templates_get_9_character_ids():
+    tok = make_tokenizer("mistral_small32", eos="</s>")
+    call = {
+        "id": "call_0123456789abcdef01234567",
+        "type": "function",
+        "function": {"name": "f", "arguments": '{"a": 1}'},
+    }
+    messages = [
+        {"role": "user", "content": "hi"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": template_tool_calls([call], "messages.1.tool_calls"),
+        },
+        {"role": "tool", "tool_call_id": call["id"], "content": "42"},
+    ]
+    tools = ChatTools.from_request(request(), HERMES)
+    fixed = tools.template_messages(messages, read_template("mistral_small32"))
+    text = tok.apply_chat_template(fixed, tools=TOOLS, tokenize=False)
+    new_id = fixed[1]["tool_calls"][0]["id"]
+    assert new_id == "f01234567" == fixed[2]["tool_call_id"]  # the last 9 alphanumerics of the OpenAI id
+    assert f"[CALL_ID]{new_id}[ARGS]" in text and f"[TOOL_RESULTS]{new_id}" in text
+    assert fixed[1]["tool_calls"][0]["function"]["arguments"] == {"a": 1}  # a dict, as templates write it

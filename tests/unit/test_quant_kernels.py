@@ -1,0 +1,226 @@
+"""The quantized kernels (Triton, under TRITON_INTERPRET=1 on the CPU) against their torch references at tiny
+shapes: the W4A16/W8A16 GEMM (fused with split-K, and dequantize-then-matmul), the per-token-group FP8 and
+per-token INT8 activation quantization, the block FP8 GEMM, the fused MoE kernel's int4/int8 (group-wise,
+zero points, act order) and fp8 (block, per channel) experts; and the references against plain float math."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from longserve.kernels.fused_moe import fused_moe  # noqa: E402
+from longserve.kernels.moe_reference import MoEQuant, fused_moe_ref, route_topk  # noqa: E402
+from longserve.kernels.quant_fp8 import fp8_block_linear, per_token_group_quant  # noqa: E402
+from longserve.kernels.quant_gemm import wna16_dequantize, wna16_gemm  # noqa: E402
+from longserve.kernels.quant_reference import (  # noqa: E402
+    FP8_DTYPE,
+    dequantize_fp8_block,
+    dequantize_wna16,
+    fp8_block_gemm_ref,
+    pack_int_k,
+    per_token_group_quant_fp8_ref,
+    per_token_quant_int8_ref,
+    unpack_int_k,
+    wna16_gemm_ref,
+)
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def int_weights(n: int, k: int, bits: int, group: int, zp: bool, act_order: bool, seed: int):
+    g = gen(seed)
+    groups = k // group if group > 0 else 1
+    qweight = pack_int_k(torch.randint(0, 2**bits, (n, k), generator=g), bits)
+    scales = (torch.rand(n, groups, generator=g) * 0.02 + 0.001).half()
+    zeros = torch.randint(0, 2**bits, (n, groups), generator=g).to(torch.uint8) if zp else None
+    g_idx = (torch.randperm(k, generator=g) // (group if group > 0 else k)).int() if act_order else None
+    return qweight, scales, zeros, g_idx
+
+
+def test_int_packing_round_trips() -> None:
+    values = torch.randint(0, 16, (5, 12), generator=gen(0))
+    assert torch.equal(unpack_int_k(pack_int_k(values, 4), 4), values.to(torch.int16))
+    assert pack_int_k(values, 4)[0, 0] == values[0, 0] | (values[0, 1] << 4)  # low nibble first
+
+
+@pytest.mark.parametrize(
+    ("bits", "group", "zp", "act_order", "split_k"),
+    [(4, 32, False, False, 1), (4, 64, True, False, 2), (4, -1, True, False, 3), (8, 32, True, True, 2),
+     (4, 32, True, True, 1), (8, 128, False, False, 1)],
+)  # fmt: skip
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_wna16_gemm_equals_reference(bits, group, zp, act_order, split_k, dtype) -> None:
+    m, n, k = 5, 48, 256
+    qweight, scales, zeros, g_idx = int_weights(n, k, bits, group, zp, act_order, seed=bits + split_k)
+    x = torch.randn(m, k, generator=gen(1)).to(dtype)
+    bias = torch.randn(n, generator=gen(2)).to(dtype)
+    ref = wna16_gemm_ref(x, qweight, scales, zeros, g_idx, bits, group, bias)
+    cfg = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": split_k, "num_warps": 4, "num_stages": 1}
+    out = wna16_gemm(x, qweight, scales, zeros, g_idx, bits, group, bias, config=cfg)
+    assert out.dtype == dtype and out.shape == (m, n)
+    torch.testing.assert_close(out, ref, atol=TOL[dtype], rtol=TOL[dtype])
+    # the large-M path: the weight dequantized by the kernel equals the reference's, bit for bit
+    weight = wna16_dequantize(qweight, scales, zeros, g_idx, bits, group, dtype)
+    assert torch.equal(weight, dequantize_wna16(qweight, scales, zeros, g_idx, bits, group).to(dtype))
+    torch.testing.assert_close(
+        wna16_gemm(x, qweight, scales, zeros, g_idx, bits, group, bias, path="dequant"), ref, atol=TOL[dtype],
+        rtol=TOL[dtype],
+    )  # fmt: skip
+
+
+def test_wna16_reference_is_the_formula() -> None:
+    """w[n, k] = (q - z) * s of k's group; symmetric weights use z = 2^(bits-1)."""
+    qweight, scales, zeros, _ = int_weights(4, 64, 4, 32, True, False, seed=3)
+    q = unpack_int_k(qweight, 4).float()
+    w = dequantize_wna16(qweight, scales, zeros, None, 4, 32)
+    assert torch.equal(w[2, 40], (q[2, 40] - zeros[2, 1].float()) * scales[2, 1].float())
+    sym = dequantize_wna16(qweight, scales, None, None, 4, 32)
+    assert torch.equal(sym[1, 3], (q[1, 3] - 8) * scales[1, 0].float())
+
+
+def test_fp8_activation_quantization_rounds_like_torch() -> None:
+    """Every e4m3 value's neighbourhood (normal and subnormal) rounds as torch's cast does."""
+    g = gen(4)
+    x = torch.cat([torch.randn(6, 128, generator=g) * 10 ** torch.randint(-3, 2, (6, 1), generator=g)])
+    x[0, :8] = torch.tensor([0.0, 1e-30, -0.0, 448.0, -448.0, 447.9, 1e-3, -2e-3])
+    for dtype in (torch.float32, torch.bfloat16):
+        for group in (32, 128, 0):
+            q, s = per_token_group_quant(x.to(dtype), group)
+            q_ref, s_ref = per_token_group_quant_fp8_ref(x.to(dtype), group if group > 0 else 128)
+            assert torch.equal(s, s_ref)
+            assert torch.equal(q.float(), q_ref.float())
+
+
+def test_int8_activation_quantization() -> None:
+    x = torch.randn(7, 96, generator=gen(5))
+    x[1, 5] = 127.5 / 127.5 * x[1].abs().max()  # a value exactly at the top of the range
+    q, s = per_token_group_quant(x, 0, torch.int8)
+    q_ref, s_ref = per_token_quant_int8_ref(x)
+    assert torch.equal(q, q_ref) and torch.equal(s, s_ref)
+    assert int(q.max()) <= 127 and int(q.min()) >= -128
+    static = torch.tensor([0.02])
+    q, s = per_token_group_quant(x, 0, torch.int8, static_scale=static)
+    assert torch.equal(q, per_token_quant_int8_ref(x, static)[0]) and torch.all(s == 0.02)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block", [(32, 32), (16, 64)])
+def test_fp8_block_gemm_equals_reference(dtype, block) -> None:
+    m, n, k = 9, 80, 128  # N not a multiple of the block: a partial last block row
+    g = gen(6)
+    w = torch.randn(n, k, generator=g).to(FP8_DTYPE)
+    w_scale = torch.rand(-(-n // block[0]), k // block[1], generator=g) * 0.02 + 0.005
+    x = torch.randn(m, k, generator=g).to(dtype)
+    bias = torch.randn(n, generator=g).to(dtype)
+    ref = fp8_block_gemm_ref(x, w, w_scale, block, bias)
+    out = fp8_block_linear(x, w, w_scale, block, bias)
+    torch.testing.assert_close(out, ref, atol=TOL[dtype], rtol=TOL[dtype])
+    # the reference is the float product of the dequantized activations and weights
+    xq, xs = per_token_group_quant_fp8_ref(x, block[1])
+    plain = (xq.float() * xs.repeat_interleave(block[1], 1)) @ dequantize_fp8_block(w, w_scale, block).T
+    torch.testing.assert_close(ref.float(), (plain + bias.float()).to(dtype).float(), atol=0, rtol=0)
+
+
+def moe_case(kind: str, seed: int, e: int = 4, h: int = 64, i: int = 32):
+    g = gen(seed)
+    if kind.startswith("int"):
+        bits, group = (4, 32) if kind.startswith("int4") else (8, 32)
+        zp, act_order = "zp" in kind, "act" in kind
+        w13, s13, z13, g13 = zip(*(int_weights(2 * i, h, bits, group, zp, False, seed + x) for x in range(e)))
+        w2, s2, z2, g2 = zip(*(int_weights(h, i, bits, group, zp, False, seed + 10 + x) for x in range(e)))
+        stack = lambda t: None if t[0] is None else torch.stack(t)  # noqa: E731
+        gi13 = (
+            torch.stack([(torch.randperm(h, generator=g) // group).int() for _ in range(e)])
+            if act_order
+            else None
+        )
+        gi2 = (
+            torch.stack([(torch.randperm(i, generator=g) // group).int() for _ in range(e)])
+            if act_order
+            else None
+        )
+        quant = MoEQuant(f"int{bits}", group, stack(s13), stack(s2), stack(z13), stack(z2), gi13, gi2)
+        return stack(w13), stack(w2), quant
+    w13 = torch.randn(e, 2 * i, h, generator=g).to(FP8_DTYPE)
+    w2 = torch.randn(e, h, i, generator=g).to(FP8_DTYPE)
+    if kind == "fp8-block":
+        bn = bk = 16
+        s13 = torch.rand(e, 2 * i // bn, h // bk, generator=g) * 0.05 + 0.01
+        s2 = torch.rand(e, h // bn, i // bk, generator=g) * 0.05 + 0.01
+        return w13, w2, MoEQuant("fp8_e4m3", bk, s13, s2, block_n=bn)
+    s13, s2 = (
+        torch.rand(e, 2 * i, 1, generator=g) * 0.05 + 0.01,
+        torch.rand(e, h, 1, generator=g) * 0.05 + 0.01,
+    )
+    return w13, w2, MoEQuant("fp8_e4m3", 0, s13, s2, block_n=1)
+
+
+@pytest.mark.parametrize("kind", ["int4", "int4-zp-act", "int8-zp", "fp8-block", "fp8-channel"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_moe_quantized_experts_equal_reference(kind: str, dtype) -> None:
+    w13, w2, quant = moe_case(kind, seed=7)
+    x = torch.randn(11, 64, generator=gen(8)).to(dtype)
+    weights, ids = route_topk(torch.randn(11, 4, generator=gen(9)), 2, True)
+    ref = fused_moe_ref(x, w13, w2, weights.to(dtype), ids, quant=quant)
+    out = fused_moe(x, w13, w2, weights.to(dtype), ids, quant=quant)
+    torch.testing.assert_close(out, ref, atol=TOL[dtype] * 10, rtol=TOL[dtype])
+
+
+def test_fused_moe_quantized_expert_parallel_parts_sum_to_the_whole() -> None:
+    """Expert parallelism with int4 experts: each rank's experts (expert_map) give its share of the sum."""
+    w13, w2, quant = moe_case("int4-zp-act", seed=10)
+    x = torch.randn(9, 64, generator=gen(11))
+    weights, ids = route_topk(torch.randn(9, 4, generator=gen(12)), 2, True)
+    whole = fused_moe_ref(x, w13, w2, weights, ids, quant=quant)
+    parts = []
+    for rank in range(2):
+        local = slice(2 * rank, 2 * rank + 2)
+        emap = torch.full((4,), -1, dtype=torch.int32)
+        emap[local] = torch.arange(2, dtype=torch.int32)
+        sub = lambda t, local=local: None if t is None else t[local]  # noqa: E731
+        q = MoEQuant(quant.weight_dtype, quant.group_size, sub(quant.w13_scale), sub(quant.w2_scale),
+                     sub(quant.w13_zero), sub(quant.w2_zero), sub(quant.w13_g_idx), sub(quant.w2_g_idx))  # fmt: skip
+        parts.append(fused_moe(x, w13[local], w2[local], weights, ids, quant=q, expert_map=emap))
+    torch.testing.assert_close(parts[0] + parts[1], whole, atol=1e-5, rtol=1e-5)
+
+
+def test_quantized_moe_reference_is_the_dequantized_float_moe() -> None:
+    """Integer experts compute exactly the float experts of their dequantized weights."""
+    w13, w2, quant = moe_case("int4-zp-act", seed=13)
+    x = torch.randn(6, 64, generator=gen(14))
+    weights, ids = route_topk(torch.randn(6, 4, generator=gen(15)), 2, True)
+    d13 = torch.stack([dequantize_wna16(w13[e], quant.w13_scale[e], quant.w13_zero[e], quant.w13_g_idx[e], 4, 32)
+                       for e in range(4)])  # fmt: skip
+    d2 = torch.stack([dequantize_wna16(w2[e], quant.w2_scale[e], quant.w2_zero[e], quant.w2_g_idx[e], 4, 32)
+                      for e in range(4)])  # fmt: skip
+    assert torch.equal(
+        fused_moe_ref(x, w13, w2, weights, ids, quant=quant), fused_moe_ref(x, d13, d2, weights, ids)
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_per_channel_fp8_through_the_block_gemm(dtype) -> None:
+    """Per-channel FP8 (one block per weight row and all of K, activations per token): the Triton block GEMM
+    that serves non-bf16 activations equals the reference's scaled product."""
+    from longserve.kernels.quant_fp8 import fp8_block_gemm
+    from longserve.kernels.quant_reference import scaled_gemm_ref
+
+    g = gen(16)
+    x = torch.randn(6, 96, generator=g).to(dtype)
+    w = torch.randn(40, 96, generator=g).to(FP8_DTYPE)
+    w_scale = torch.rand(40, generator=g) * 0.02 + 0.005
+    xq, xs = per_token_group_quant(x, 0)
+    out = fp8_block_gemm(xq, xs, w, w_scale.view(-1, 1), (1, 96), dtype)
+    torch.testing.assert_close(
+        out, scaled_gemm_ref(xq, xs, w, w_scale, dtype), atol=TOL[dtype], rtol=TOL[dtype]
+    )

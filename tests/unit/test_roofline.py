@@ -1,0 +1,129 @@
+"""The floors `bench latency` prints: parameter counts of the built-in shapes against their published sizes
+(Qwen3-30B-A3B: 30.5B total, 3.3B activated; Mixtral-8x7B: 46.7B, 12.9B), the keys a causal (windowed)
+prefill attends against a brute-force count, the experts a step touches, and the bound of each kind of case."""
+
+from __future__ import annotations
+
+import pytest
+
+from longserve.bench.configs import BUILTIN_CONFIGS
+from longserve.bench.latency_plan import estimate_bytes
+from longserve.bench.roofline import _keys_attended, case_floor, model_costs, prefill_steps, step_cost
+
+
+@pytest.mark.parametrize(
+    ("shape", "total_b", "active_b"),
+    [("qwen3-30b-a3b", 30.5, 3.3), ("mixtral-8x7b", 46.7, 12.9), ("llama-3.1-8b", 8.03, 8.03)],
+)
+def test_parameter_counts_match_the_published_sizes(shape: str, total_b: float, active_b: float) -> None:
+    cfg = BUILTIN_CONFIGS[shape]
+    costs = model_costs(cfg, itemsize=2)
+    assert costs.weight_bytes / 2 / 1e9 == pytest.approx(total_b, rel=0.01)
+    active = costs.active_params_per_token + costs.embed_params  # published counts include both embeddings
+    assert active / 1e9 == pytest.approx(active_b, rel=0.03)
+    weights, kv_per_token = estimate_bytes(cfg, 2, tp=2)  # the pool plan counts every expert
+    assert weights == costs.weight_bytes // 2
+    assert kv_per_token == cfg["num_hidden_layers"] * max(1, cfg["num_key_value_heads"] // 2) * 128 * 2 * 2
+
+
+@pytest.mark.parametrize("window", [None, 1, 5, 16])
+@pytest.mark.parametrize(("prefix", "new"), [(0, 1), (0, 20), (7, 13), (30, 4)])
+def test_keys_attended(prefix: int, new: int, window: int | None) -> None:
+    brute = sum(min(pos + 1, window or pos + 1) for pos in range(prefix, prefix + new))
+    assert _keys_attended(prefix, new, window) == brute
+
+
+def test_a_step_reads_only_the_experts_it_touches() -> None:
+    costs = model_costs(BUILTIN_CONFIGS["qwen3-30b-a3b"], itemsize=2)
+    one = step_cost(costs, [(0, 1)], sampled=1)
+    expert_bytes = costs.expert_params * costs.itemsize
+    head = costs.vocab * costs.hidden * costs.itemsize
+    # one token: the dense weights, the LM head and 8 experts per layer, plus its own K/V written
+    assert one.bytes == pytest.approx(
+        costs.dense_params * 2 + head + 48 * 8 * expert_bytes + costs.kv_bytes_per_token
+    )
+    chunk = step_cost(costs, [(0, 8192)], sampled=0)  # every expert, no LM head
+    assert chunk.bytes == pytest.approx(
+        costs.weight_bytes - costs.embed_params * 2 + 8192 * costs.kv_bytes_per_token
+    )
+    assert chunk.flops > 8192 * 2 * costs.active_params_per_token
+
+
+def test_case_floors_and_their_bounds() -> None:
+    costs = model_costs(BUILTIN_CONFIGS["qwen3-30b-a3b"], itemsize=2)
+    cold = case_floor({"case": "cold", "prompt_len": 32768, "ttft_s": 2.0}, costs, chunk=8192)
+    assert cold["bound"] == "compute" and cold["steps"] == 4
+    assert cold["ratio"] == pytest.approx(2.0 / cold["seconds"])
+    assert [p for p, _, _ in prefill_steps(0, 32768, 8192)] == [0, 8192, 16384, 24576]
+    decode1 = case_floor(
+        {"case": "decode", "batch_size": 1, "context_len": 32768, "itl_ms_median": 4.0}, costs, chunk=8192
+    )
+    assert decode1["bound"] == "memory" and decode1["ratio"] == pytest.approx(4e-3 / decode1["seconds"])
+    decode64 = case_floor({"case": "decode", "batch_size": 64, "context_len": 4096}, costs, chunk=8192)
+    assert decode64["seconds"] > decode1["seconds"] and decode64["ratio"] is None
+    hit = case_floor(
+        {"case": "prefix_hit", "prompt_len": 32768 + 64, "cached_tokens": 32768, "ttft_s": 0.01}, costs, 8192
+    )
+    assert hit["steps"] == 1 and hit["seconds"] < cold["seconds"] / 50
+    two_gpus = case_floor({"case": "cold", "prompt_len": 32768}, costs, chunk=8192, gpus=2)
+    assert two_gpus["seconds"] == pytest.approx(cold["seconds"] / 2)
+    assert case_floor({"case": "decode", "skipped": "too big"}, costs, 8192) is None
+
+
+def test_moe_kernels_have_their_own_profile_category() -> None:
+    from longserve.bench.profile import categorize
+
+    assert categorize("_moe_gemm_kernel") == "moe"
+    assert categorize("nvjet_hsh_256x128_64x4_2x1_v_bz_coopA_TNT") == "gemm"
+
+
+def test_kernels_launched_inside_the_moe_range_count_as_moe(monkeypatch) -> None:
+    """On CUDA the fused kernel is "moe" by name, and the torch kernels launched from inside the experts'
+    profiler range (routing's topk, alignment's sort) are too, for the time they ran there; the same kernels
+    launched elsewhere keep their own category."""
+    from types import SimpleNamespace
+
+    import torch.profiler
+
+    from longserve.bench import profile as prof_mod
+    from longserve.models.moe import PROFILE_RANGE
+
+    moe_range = SimpleNamespace(name=PROFILE_RANGE, cpu_parent=None, kernels=[])
+    topk_in_moe = SimpleNamespace(
+        name="aten::topk", cpu_parent=moe_range, kernels=[SimpleNamespace(name="gatherTopK", duration=30.0)]
+    )
+    topk_sampling = SimpleNamespace(
+        name="aten::topk", cpu_parent=None, kernels=[SimpleNamespace(name="gatherTopK", duration=10.0)]
+    )
+    kernels = [
+        SimpleNamespace(
+            key="_moe_gemm_kernel", device_type="DeviceType.CUDA", self_device_time_total=500.0, count=2
+        ),
+        SimpleNamespace(
+            key="gatherTopK", device_type="DeviceType.CUDA", self_device_time_total=40.0, count=2
+        ),
+        SimpleNamespace(
+            key="nvjet_tst_128x64", device_type="DeviceType.CUDA", self_device_time_total=200.0, count=3
+        ),
+    ]
+
+    class FakeProfile:
+        def __init__(self, **_):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def key_averages(self):
+            return kernels
+
+        def events(self):
+            return [moe_range, topk_in_moe, topk_sampling]
+
+    monkeypatch.setattr(torch.profiler, "profile", FakeProfile)
+    monkeypatch.setattr(prof_mod, "_sync", lambda: None)
+    _, summary = prof_mod.profile_call(lambda: None, "cuda")
+    assert summary["by_category_ms"] == pytest.approx({"moe": 0.53, "gemm": 0.2, "sampling": 0.01})
