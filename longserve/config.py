@@ -23,7 +23,11 @@ CONVERTS = ("auto", "none", "embed", "classify")  # vLLM's --convert
 METRICS_NAMES = ("longserve", "vllm", "sglang")  # whose names /metrics serves (server/metrics_names.py)
 # weight formats (models/quant/config.py); vLLM's kernel-named spellings select the same formats
 QUANTIZATIONS = ("awq", "compressed-tensors", "fp8", "gptq")
-QUANTIZATION_ALIASES = {"gptq_marlin": "gptq", "awq_marlin": "awq", "compressed_tensors": "compressed-tensors"}
+QUANTIZATION_ALIASES = {
+    "gptq_marlin": "gptq",
+    "awq_marlin": "awq",
+    "compressed_tensors": "compressed-tensors",
+}
 
 
 class SettingsError(Exception):

@@ -53,7 +53,9 @@ def test_the_format_comes_from_quantization_config() -> None:
 
 def test_an_unknown_format_is_refused_naming_the_supported_ones() -> None:
     cfg = tiny_config({"quant_method": "hqq", "bits": 4})
-    with pytest.raises(ValueError, match=r"'hqq' is not supported; supported: awq, compressed-tensors, fp8, gptq"):
+    with pytest.raises(
+        ValueError, match=r"'hqq' is not supported; supported: awq, compressed-tensors, fp8, gptq"
+    ):
         load_model("unused", cfg, torch.float32, CPU, load_format="dummy")
 
 
