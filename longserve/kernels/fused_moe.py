@@ -74,22 +74,26 @@ def _b_tile(
     """One expert's weight tile [BLOCK_K, BLOCK_N] of output rows N_ROW_OFFSET + offs_bn (pointers already at
     the expert) and, for fp8, its block scale per column [BLOCK_N] (else a dummy 1)."""
     rows = offs_bn + N_ROW_OFFSET
+    # one return at the end: compiled Triton (3.6) keeps generating the statements after a return taken in a
+    # constexpr branch and then refuses the function for returning two types (the interpreter does not mind)
     if WEIGHT_QUANT == 1:  # packed integers: dequantized here, in float32
         true_n = offs_bn >= 0
         w = int_weight_tile(
             b_ptr, bs_ptr, bz_ptr, bg_ptr, rows, offs_k, k0, true_n, k_valid,
             stride_bn, stride_bsn, stride_bzn, QUANT_GROUP, BITS, HAS_ZP, HAS_GIDX,
         )  # fmt: skip
-        return w, 1.0
-    ptrs = b_ptr + rows[None, :] * stride_bn + offs_k[:, None]
-    if EVEN_K:
-        w = tl.load(ptrs)
+        scale = 1.0
     else:
-        w = tl.load(ptrs, mask=k_valid[:, None], other=0.0)
-    if WEIGHT_QUANT == 2:  # e4m3 with one scale per (block of rows, block of K)
-        scale = tl.load(bs_ptr + (rows // BLOCK_N_SCALE) * stride_bsn + k0 // QUANT_GROUP)
-        return w, scale
-    return w, 1.0
+        ptrs = b_ptr + rows[None, :] * stride_bn + offs_k[:, None]
+        if EVEN_K:
+            w = tl.load(ptrs)
+        else:
+            w = tl.load(ptrs, mask=k_valid[:, None], other=0.0)
+        if WEIGHT_QUANT == 2:  # e4m3 with one scale per (block of rows, block of K)
+            scale = tl.load(bs_ptr + (rows // BLOCK_N_SCALE) * stride_bsn + k0 // QUANT_GROUP)
+        else:
+            scale = 1.0
+    return w, scale
 
 
 @fast_launch

@@ -215,19 +215,22 @@ def check_block_scaled_mm(w: torch.Tensor, w_scale: torch.Tensor) -> bool:
         return False  # this weight never takes the cuBLAS path: check with the next one
     ok = False
     if FP8_BLOCK_USE_SCALED_MM and _scaled_mm_blockwise_ok(device):
-        x = torch.randn(32, w.shape[1], device=w.device, dtype=torch.bfloat16)
         try:
-            got = fp8_block_linear(x, w, w_scale, (128, 128), use_scaled_mm=True).float()
-            want = fp8_block_linear(x, w, w_scale, (128, 128), use_scaled_mm=False).float()
-            ok = bool(((got - want).norm() / want.norm().clamp(min=1e-12)) < 1e-2)
+            ok = True
+            for m in (1, 32):  # a decode step and a chunk: both must work before every step relies on it
+                x = torch.randn(m, w.shape[1], device=w.device, dtype=torch.bfloat16)
+                got = fp8_block_linear(x, w, w_scale, (128, 128), use_scaled_mm=True).float()
+                want = fp8_block_linear(x, w, w_scale, (128, 128), use_scaled_mm=False).float()
+                ok = ok and bool(((got - want).norm() / want.norm().clamp(min=1e-12)) < 1e-2)
         except (RuntimeError, ValueError, TypeError) as e:
+            ok = None
             logger.warning(
                 "block-scaled FP8 through F.scaled_mm failed (%s): the Triton block GEMM serves", e
             )
-        if not ok:
+        if ok is False:
             logger.warning("block-scaled FP8 through F.scaled_mm disagrees with the reference: Triton serves")
-    _BLOCK_SCALED_MM_CHECKED[device] = ok
-    return ok
+    _BLOCK_SCALED_MM_CHECKED[device] = bool(ok)
+    return bool(ok)
 
 
 def fp8_block_linear(
@@ -247,11 +250,16 @@ def fp8_block_linear(
     use = use_scaled_mm and x.is_cuda and tuple(block) == (128, 128) and k % 128 == 0 and n % 128 == 0
     if use:
         F = torch.nn.functional
-        xq, xs = per_token_group_quant(x, block[1], column_major_scales=True)
+        # cuBLAS refuses block scaling for M = 1 (CUBLAS_STATUS_NOT_SUPPORTED on an H200, cu130; M = 64 and
+        # 2048 work): rows padded to a multiple of 16, which costs one copy of x only when M is not
+        pad = -m % 16
+        xp = torch.nn.functional.pad(x, (0, 0, 0, pad)) if pad else x
+        xq, xs = per_token_group_quant(xp, block[1], column_major_scales=True)
         out = F.scaled_mm(
             xq, w.t(), xs, F.ScalingType.BlockWise1x128, w_scale.t(), F.ScalingType.BlockWise128x128,
             output_dtype=x.dtype,
         )  # fmt: skip
+        out = out[:m] if pad else out
         return out if bias is None else out + bias
     xq, xs = per_token_group_quant(x, block[1])
     return fp8_block_gemm(xq, xs, w, w_scale, block, x.dtype, bias)

@@ -188,7 +188,10 @@ class ExtendGraphRunner:
         self.kv_cache = kv_cache
         device = shape.device
         max_pages_per_req = -(-shape.max_seq_len // kv_cache.page_size)
-        self.buckets = graph_token_buckets(max_tokens)
+        self.max_positions = max_pages_per_req * kv_cache.page_size
+        # a bucket longer than the page table would make the capture's padding rows read past it (an illegal
+        # address on an H200 with a 192-token pool and 512-token buckets); can_run() never picks one anyway
+        self.buckets = graph_token_buckets(min(max_tokens, self.max_positions))
         self.max_tokens = self.buckets[-1] if self.buckets else 0
         n = self.max_tokens
         i32 = dict(dtype=torch.int32, device=device)
@@ -199,7 +202,6 @@ class ExtendGraphRunner:
         self.prefix_lens = torch.zeros(1, **i32)
         self.query_start_locs = {t: torch.tensor([0, t], **i32) for t in self.buckets}
         self.page_table = torch.zeros(1, max_pages_per_req, **i32)
-        self.max_positions = max_pages_per_req * kv_cache.page_size
         self.backends = {t: backend.prepare_for_extend_capture(t, shape) for t in self.buckets}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}

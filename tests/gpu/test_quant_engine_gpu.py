@@ -43,7 +43,7 @@ def run(path, dtype="float32", **kw):
         outs = llm.generate(prompts(), GREEDY)
         llm.engine.check_integrity()
         graphs = llm.engine.runner.graph_runner is not None
-    return [o.token_ids for o in outs], [o.logprobs for o in outs], graphs
+    return [o.token_ids for o in outs], [o.outputs[0].logprobs for o in outs], graphs
 
 
 def reference_path(monkeypatch):

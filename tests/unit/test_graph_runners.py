@@ -94,6 +94,18 @@ def test_can_run_limits(model_and_dir):
     assert not runner.can_run(build_metadata([0, 0], [4, 4], [[1], [2]], PAGE, "cpu"))  # two requests
 
 
+def test_buckets_never_exceed_the_page_table(model_and_dir):
+    """A pool smaller than the largest bucket (192 tokens, buckets up to 512): capturing a 512-token bucket
+    would make its padding rows read page-table entries past the table's end (an illegal address on a GPU)."""
+    model, _ = model_and_dir
+    cache = KVCache(model.num_layers, 13, PAGE, model.num_kv_heads, model.head_dim, torch.float32, "cpu")
+    runner = ExtendGraphRunner(
+        model, cache, TritonAttentionBackend(cold_path="triton"), graph_shape(model, 192), max_tokens=512
+    )
+    assert runner.buckets == [16, 32, 64, 128, 192] and runner.max_tokens == 192
+    assert runner.buckets[-1] <= runner.page_table.shape[1] * PAGE
+
+
 def test_decode_static_forward_equals_plain_step(model_and_dir):
     """Three requests decode through the bucket of 4 (one padding row at page 0) with the split count the
     backend fixed for that bucket; the backend's replay hook sees the step's own metadata."""
