@@ -55,7 +55,8 @@ class TorchSDPABackend(TorchAttentionBackend):
             k, v = kv_cache.as_stored(layer_id, k, v)
             read = functools.partial(_read_fp8, kv_cache, layer_id, q.dtype)
         else:
-            k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)  # what the pages hold, so every path reads the same
+            # what the pages hold, so every path reads the same
+            k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
             read = None
 
         out = torch.empty_like(q)  # [T, Hq, D]
@@ -96,7 +97,9 @@ def _attend(
     elif prefix_len == 0:  # a cold chunk: the kernel's own causal mask on the new tokens, no page read
         out.copy_(_sdpa(q, k, v, scale, is_causal=True))
     elif q.shape[0] == 1:  # a decode sees every key: no mask
-        out.copy_(_sdpa(q, *read(gather_kv(k_cache, pages, seq_len), gather_kv(v_cache, pages, seq_len)), scale))
+        out.copy_(
+            _sdpa(q, *read(gather_kv(k_cache, pages, seq_len), gather_kv(v_cache, pages, seq_len)), scale)
+        )
     else:  # a chunk over a cached prefix: is_causal would align query 0 with key 0, so two calls
         k_pre, v_pre = read(gather_kv(k_cache, pages, prefix_len), gather_kv(v_cache, pages, prefix_len))
         o_pre, lse_pre = _sdpa_lse(q, k_pre, v_pre, scale, causal=False)

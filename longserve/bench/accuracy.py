@@ -65,7 +65,9 @@ def load_prompts(path: str | None) -> list[str]:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{n}: not a JSON object: {e}") from e
-            text = next((row[k] for k in ("prompt", "question", "text") if isinstance(row, dict) and k in row), None)
+            text = next(
+                (row[k] for k in ("prompt", "question", "text") if isinstance(row, dict) and k in row), None
+            )
             if not isinstance(text, str) or not text:
                 raise ValueError(f'{path}:{n}: expected an object with a "prompt" string')
             prompts.append(text)
@@ -91,7 +93,9 @@ def _progress(msg: str) -> None:
     print(f"[bench accuracy] {msg}", file=sys.stderr, flush=True)
 
 
-def compare(model: Side, reference: Side, prompts: list[str], text: str, max_new_tokens: int, top_k: int) -> dict:
+def compare(
+    model: Side, reference: Side, prompts: list[str], text: str, max_new_tokens: int, top_k: int
+) -> dict:
     """Run both sides (reference first) and return the report's data."""
     t0 = time.perf_counter()
     sides = {}
@@ -100,7 +104,9 @@ def compare(model: Side, reference: Side, prompts: list[str], text: str, max_new
             _progress(f"{name}: {side.describe()}")
             ids = [side.encode(p) for p in prompts]
             text_ids = side.encode(text)
-            if name == "model" and (ids != sides["reference"]["ids"] or text_ids != sides["reference"]["text_ids"]):
+            if name == "model" and (
+                ids != sides["reference"]["ids"] or text_ids != sides["reference"]["text_ids"]
+            ):
                 raise ValueError(
                     "the two sides tokenize the prompts differently: bench accuracy compares next-token "
                     "distributions token by token and needs the same tokenizer on both"
@@ -189,10 +195,14 @@ def add_accuracy_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", help="a running server of the model (instead of --model)")
     p.add_argument("--reference-base-url", help="a running server of the reference (instead of --reference)")
     p.add_argument("--served-model-name", default=None, help="the `model` field sent to the servers")
-    p.add_argument("--prompts", default=None, help="JSONL of {\"prompt\": ...}; default: built-in business questions")
+    p.add_argument(
+        "--prompts", default=None, help='JSONL of {"prompt": ...}; default: built-in business questions'
+    )
     p.add_argument("--text", default=None, help="a text file for perplexity; default: a built-in paragraph")
     p.add_argument("--max-new-tokens", type=int, default=48, help="greedy answer length")
-    p.add_argument("--top-k", type=int, default=MAX_TOP_K, help=f"logprobs per position for the KL (<= {MAX_TOP_K})")
+    p.add_argument(
+        "--top-k", type=int, default=MAX_TOP_K, help=f"logprobs per position for the KL (<= {MAX_TOP_K})"
+    )
     p.add_argument("--output-dir", default="accuracy-report", help="where accuracy.json and accuracy.md go")
     off = p.add_argument_group("offline engine options (both sides unless --reference-* says otherwise)")
     off.add_argument("--dtype", default="auto")

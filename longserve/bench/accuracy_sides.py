@@ -77,7 +77,9 @@ class OfflineSide(Side):
     def greedy(self, ids: list[int], max_new_tokens: int) -> list[int]:
         from longserve import SamplingParams
 
-        out = self.llm.generate([ids], SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0), use_tqdm=False)
+        out = self.llm.generate(
+            [ids], SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0), use_tqdm=False
+        )
         return list(out[0].token_ids)
 
     def score(self, ids: list[int], top_k: int) -> Scored:
@@ -85,9 +87,7 @@ class OfflineSide(Side):
 
         sp = SamplingParams(max_new_tokens=1, temperature=0.0, prompt_logprobs=top_k)
         out = self.llm.generate([ids], sp, use_tqdm=False)[0]
-        return [
-            (out.prompt_logprobs[j], dict(out.prompt_top_logprobs[j])) for j in range(1, len(ids))
-        ]
+        return [(out.prompt_logprobs[j], dict(out.prompt_top_logprobs[j])) for j in range(1, len(ids))]
 
 
 class ServerSide(Side):
@@ -131,6 +131,10 @@ class ServerSide(Side):
         for j in range(1, len(ids)):
             entry = entries[j]
             own = entry[str(ids[j])]["logprob"]
-            top = {int(t): v["logprob"] for t, v in entry.items() if v.get("rank") is not None and v["rank"] <= top_k}
+            top = {
+                int(t): v["logprob"]
+                for t, v in entry.items()
+                if v.get("rank") is not None and v["rank"] <= top_k
+            }
             scored.append((own, top or {ids[j]: own}))
         return scored

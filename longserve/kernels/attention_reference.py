@@ -61,8 +61,9 @@ def extend_attention_ref(
         a, b = starts[r], starts[r + 1]
         if a == b:
             continue
-        k_r = (gather_kv(k_cache, page_table[r], seq_len).float() * k_scale).repeat_interleave(group, 1)  # [S, Hq, D]
-        v_r = (gather_kv(v_cache, page_table[r], seq_len).float() * v_scale).repeat_interleave(group, 1)  # [S, Hq, D]
+        k_r = gather_kv(k_cache, page_table[r], seq_len).float() * k_scale  # [S, Hkv, D]
+        v_r = gather_kv(v_cache, page_table[r], seq_len).float() * v_scale
+        k_r, v_r = k_r.repeat_interleave(group, 1), v_r.repeat_interleave(group, 1)  # [S, Hq, D]
         mask = attention_mask(prefix_len, seq_len, sliding_window, q.device)  # [L, S]
         o_r = F.scaled_dot_product_attention(
             q[a:b].float().transpose(0, 1),

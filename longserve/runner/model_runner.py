@@ -198,7 +198,9 @@ class ModelRunner:
         self.kv_cache.set_scales(*layer_kv_scales(found, self.model.num_layers))
         logger.info(
             "fp8 (e4m3) KV cache with %s",
-            "the checkpoint's per-layer scales" if found else "scales 1.0 (the checkpoint has no k_scale/v_scale)",
+            "the checkpoint's per-layer scales"
+            if found
+            else "scales 1.0 (the checkpoint has no k_scale/v_scale)",
         )
 
     # ---- sizing ---------------------------------------------------------------------------------

@@ -51,7 +51,9 @@ def test_triton_fp8_graphs_chunks_prefix_hits_equal_reference_fp8(ckpt):
     assert llm.engine.runner.graph_runner is not None and llm.engine.runner.kv_cache.k[0].dtype == FP8
     assert eager == ref
     assert graphs == ref
-    cached, _ = run(ckpt, ps + ps, kv_cache_dtype="fp8", attention_backend="triton")  # second half: prefix hits
+    cached, _ = run(
+        ckpt, ps + ps, kv_cache_dtype="fp8", attention_backend="triton"
+    )  # second half: prefix hits
     assert cached == ref + ref
 
 

@@ -48,7 +48,9 @@ def test_store_quantizes_with_the_layer_scales_and_saturates():
         kc = cache.k[layer].view(-1, 2, 8)[slots]
         assert kc.dtype == FP8_KV_DTYPE and not torch.isnan(kc.float()).any()
         ks = cache.k_scales[layer]
-        assert torch.equal(kc.view(torch.uint8), (k / ks).clamp(-FP8_MAX, FP8_MAX).to(FP8_KV_DTYPE).view(torch.uint8))
+        assert torch.equal(
+            kc.view(torch.uint8), (k / ks).clamp(-FP8_MAX, FP8_MAX).to(FP8_KV_DTYPE).view(torch.uint8)
+        )
         back, _ = cache.dequantize(layer, kc, kc, torch.float32)
         normal = (k / ks).abs() >= E4M3_MIN_NORMAL
         err = ((back - k).abs() / k.abs())[normal & ((k / ks).abs() <= FP8_MAX)]
@@ -62,7 +64,9 @@ def test_as_stored_is_what_the_pages_read_back():
     k, v = torch.randn(3, 1, 4), torch.randn(3, 1, 4)
     cache.store(0, torch.tensor([1, 2, 3]), k, v)
     k_rt, v_rt = cache.as_stored(0, k, v)
-    k_pg, v_pg = cache.dequantize(0, cache.k[0].view(-1, 1, 4)[1:4], cache.v[0].view(-1, 1, 4)[1:4], torch.float32)
+    k_pg, v_pg = cache.dequantize(
+        0, cache.k[0].view(-1, 1, 4)[1:4], cache.v[0].view(-1, 1, 4)[1:4], torch.float32
+    )
     assert torch.equal(k_rt, k_pg) and torch.equal(v_rt, v_pg)
 
 
@@ -125,10 +129,16 @@ MIXED = ([0, 3, 17, 17, 40], [16, 5, 1, 16, 5])
 def test_triton_extend_backend_reads_fp8_pages_as_the_references(window):
     step = Fp8Step(*MIXED, seed=1)
     expected, ref_cache = step.run(TorchAttentionBackend(), window=window)
-    for backend in (TritonAttentionBackend(cold_path="triton"), TritonAttentionBackend(cold_path="triton", extend_splits=3), TorchSDPABackend()):
+    for backend in (
+        TritonAttentionBackend(cold_path="triton"),
+        TritonAttentionBackend(cold_path="triton", extend_splits=3),
+        TorchSDPABackend(),
+    ):
         out, cache = step.run(backend, window=window)
         torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
-        assert torch.equal(cache.k[0].view(torch.uint8), ref_cache.k[0].view(torch.uint8))  # the same bytes stored
+        assert torch.equal(
+            cache.k[0].view(torch.uint8), ref_cache.k[0].view(torch.uint8)
+        )  # the same bytes stored
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])
@@ -138,7 +148,17 @@ def test_decode_kernel_on_fp8_pages_equals_its_reference(num_splits, window):
     cache = step.cache()
     m = step.meta
     cache.store(0, m.slot_mapping, step.k, step.v)
-    args = (step.q, cache.k[0], cache.v[0], m.seq_lens, m.page_table, m.page_size, step.scale, window, num_splits)
+    args = (
+        step.q,
+        cache.k[0],
+        cache.v[0],
+        m.seq_lens,
+        m.page_table,
+        m.page_size,
+        step.scale,
+        window,
+        num_splits,
+    )
     out = decode_attention(*args, k_scale=K_SCALE, v_scale=V_SCALE)
     ref = decode_attention_ref(*args, k_scale=K_SCALE, v_scale=V_SCALE)
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
@@ -195,9 +215,13 @@ def test_fp8_error_against_exact_kv_is_within_e4m3_precision():
         for i in range(q_len):
             q = step.q[row + i]  # [Hq, D]
             seen = p + i + 1
-            ds = step.scale * (q.abs()[:, None, :] * dk[:seen].transpose(0, 1).repeat_interleave(group, 0)).sum(-1)
+            ds = step.scale * (
+                q.abs()[:, None, :] * dk[:seen].transpose(0, 1).repeat_interleave(group, 0)
+            ).sum(-1)
             vmax = v[:seen].abs().amax(dim=(0, 2)).repeat_interleave(group)  # [Hq]
-            bound = vmax * (torch.exp(2 * ds.amax(-1)) - 1) + dv[:seen].amax(dim=(0, 2)).repeat_interleave(group)
+            bound = vmax * (torch.exp(2 * ds.amax(-1)) - 1) + dv[:seen].amax(dim=(0, 2)).repeat_interleave(
+                group
+            )
             err = (out_fp8[row + i] - exact[row + i]).abs().amax(-1)  # [Hq]
             assert (err <= bound).all(), (r, i, err, bound)
         row += q_len
