@@ -71,6 +71,13 @@ def _bench_compare(args: argparse.Namespace) -> int:
     return run_from_args(args)
 
 
+def _bench_accuracy(args: argparse.Namespace) -> int:
+    from longserve.bench.accuracy import run_from_args
+
+    run_from_args(args)
+    return 0
+
+
 def _serve(args: argparse.Namespace) -> int:
     from longserve.server.launch import run_from_args
 
@@ -136,6 +143,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_compare_args(compare)
     compare.set_defaults(func=_bench_compare)
+    from longserve.bench.accuracy import add_accuracy_args
+
+    accuracy = bench_sub.add_parser(
+        "accuracy",
+        help="a quantized model (or fp8 KV cache) against its original: agreement, KL, perplexity, answers",
+    )
+    add_accuracy_args(accuracy)
+    accuracy.set_defaults(func=_bench_accuracy)
     return parser
 
 

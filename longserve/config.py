@@ -28,6 +28,10 @@ QUANTIZATION_ALIASES = {
     "awq_marlin": "awq",
     "compressed_tensors": "compressed-tensors",
 }
+# the KV cache's storage (attention/kv_quant.py): "auto" the model's dtype, "fp8_e4m3" e4m3 with per-layer scales;
+# vLLM's "fp8" and SGLang's "fp8_e4m3" are the same format
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3"}
 
 
 class SettingsError(Exception):
@@ -102,6 +106,9 @@ class EngineConfig:
     # vLLM's --quantization: the checkpoint's weight format (checked against config.json's
     # quantization_config); "fp8" on a float checkpoint quantizes it while loading. None: config.json's
     quantization: str | None = None
+    # the KV cache's storage: "auto" (the model's dtype) or "fp8_e4m3" (vLLM's "fp8" means it too): half the
+    # bytes per token, so the pool holds twice the tokens of a 16-bit one (attention/kv_quant.py)
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         def need(ok: bool, msg: str, *settings: str) -> None:
@@ -239,6 +246,7 @@ class EngineConfig:
                 "quantization",
             )
             object.__setattr__(self, "quantization", name)
+        self._normalize_kv_cache_dtype(need)
         if self.load_format != "dummy" and not os.path.isdir(self.model):
             raise ConfigPathError(
                 f"model directory {self.model!r} does not exist; pass a local Hugging Face checkpoint "
@@ -270,6 +278,19 @@ class EngineConfig:
             "ep_size",
             "tp_size",
         )
+
+    def _normalize_kv_cache_dtype(self, need) -> None:
+        """Store "auto" or "fp8_e4m3"; e5m2, fp4 and int8 caches (vLLM's and SGLang's other values) are refused."""
+        given = self.kv_cache_dtype
+        name = given.strip().lower() if isinstance(given, str) else given
+        name = KV_CACHE_DTYPE_ALIASES.get(name, name)
+        need(
+            name in KV_CACHE_DTYPES,
+            f"kv_cache_dtype must be auto (the model's dtype), fp8 or fp8_e4m3 (the same: e4m3 with per-layer "
+            f"scales); got {given!r}",
+            "kv_cache_dtype",
+        )
+        object.__setattr__(self, "kv_cache_dtype", name)
 
     def _normalize_attention_backend(self) -> None:
         """Store the canonical name (platform's registry: SGLang's and vLLM's spellings are accepted); with an

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from longserve.attention.kv_quant import dequantize_kv, is_fp8, quantize_kv
+
 
 @dataclass
 class AttentionMetadata:
@@ -140,7 +142,12 @@ def _split(t: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
 
 
 class KVCache:
-    """The paged K/V tensors, one pair per layer: [num_pages, page_size, num_kv_heads, head_dim]."""
+    """The paged K/V tensors, one pair per layer: [num_pages, page_size, num_kv_heads, head_dim].
+
+    `dtype` is what the pages hold: the model's dtype, or float8_e4m3fn for an fp8 cache, whose values are
+    x / scale with one float scale per layer for K and one for V (`k_scales`, `v_scales`; 1.0 unless the
+    checkpoint has calibrated ones: attention/kv_quant.py). Backends read pages through `dequantize` (or,
+    in the Triton kernels, widen e4m3 in registers and apply the scales as scalars)."""
 
     def __init__(
         self,
@@ -155,19 +162,53 @@ class KVCache:
         shape = (num_pages, page_size, num_kv_heads, head_dim)
         self.num_pages = num_pages
         self.page_size = page_size
+        self.dtype = dtype
+        self.is_fp8 = is_fp8(dtype)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k_scales = [1.0] * num_layers
+        self.v_scales = [1.0] * num_layers
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """Bytes one token's K and V take in every layer; `dtype` is the storage dtype (1 byte for fp8: the
+        per-layer scales are negligible)."""
         return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
+    def set_scales(self, k_scales: Sequence[float], v_scales: Sequence[float]) -> None:
+        """The fp8 cache's per-layer scales (before any token is stored: pages keep the scale they were written with)."""
+        assert len(k_scales) == len(v_scales) == len(self.k)
+        self.k_scales, self.v_scales = [float(s) for s in k_scales], [float(s) for s in v_scales]
+
     def store(self, layer_id: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write new tokens' K/V ([T, Hkv, D]) into their slots."""
+        """Write new tokens' K/V ([T, Hkv, D]) into their slots (quantized for an fp8 cache)."""
         kc = self.k[layer_id].view(-1, *self.k[layer_id].shape[2:])  # [num_slots, Hkv, D]
         vc = self.v[layer_id].view(-1, *self.v[layer_id].shape[2:])
+        if self.is_fp8:  # as bytes: index_copy_ has no float8 kernel on the CPU
+            k, v = quantize_kv(k, self.k_scales[layer_id]), quantize_kv(v, self.v_scales[layer_id])
+            kc.view(torch.uint8).index_copy_(0, slot_mapping, k.view(torch.uint8))
+            vc.view(torch.uint8).index_copy_(0, slot_mapping, v.view(torch.uint8))
+            return
         kc.index_copy_(0, slot_mapping, k.to(kc.dtype))
         vc.index_copy_(0, slot_mapping, v.to(vc.dtype))
+
+    def dequantize(self, layer_id: int, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype):
+        """Gathered pages (or any slice of them) of K and V as `dtype` values: the scales applied for fp8."""
+        if not self.is_fp8:
+            return k.to(dtype), v.to(dtype)
+        return (
+            dequantize_kv(k, self.k_scales[layer_id], dtype),
+            dequantize_kv(v, self.v_scales[layer_id], dtype),
+        )
+
+    def as_stored(self, layer_id: int, k: torch.Tensor, v: torch.Tensor):
+        """New tokens' K/V as the pages hold them, in their own dtype: an fp8 cache rounds them through
+        e4m3, so paths that attend over the new tokens directly (a cold prompt's SDPA) see what a later
+        chunk, a prefix hit or a recomputation reads from the pages."""
+        if not self.is_fp8:
+            return k, v
+        ks, vs = self.k_scales[layer_id], self.v_scales[layer_id]
+        return dequantize_kv(quantize_kv(k, ks), ks, k.dtype), dequantize_kv(quantize_kv(v, vs), vs, v.dtype)
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ log-sum-exps. No Triton needed on the CPU (the merge's torch reference runs ther
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -87,10 +88,12 @@ def prefix_split_sdpa(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    dequantize: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> torch.Tensor:
     """Per request: (new x cached prefix, no mask) and (new x new, causal) as two SDPA calls, merged by
     their log-sum-exps in one pass (`merge_two`). Exact up to rounding; runs at the library kernel's rate
-    on long chunks."""
+    on long chunks. `dequantize`: an fp8 cache's gathered prefix -> q's dtype (cuDNN reads no e4m3 pages);
+    k/v are then the new tokens as the pages hold them (KVCache.as_stored)."""
     if q.is_cuda:
         from longserve.kernels.merge_attention import merge_two as merge  # imports triton
     else:
@@ -113,6 +116,8 @@ def prefix_split_sdpa(
             pages = meta.page_table[r, : -(-prefix_len // page_size)].long()  # [P]
             k_pre = k_cache[pages].flatten(0, 1)[:prefix_len]  # [S, Hkv, D]
             v_pre = v_cache[pages].flatten(0, 1)[:prefix_len]
+            if dequantize is not None:
+                k_pre, v_pre = dequantize(k_pre, v_pre)
             o_pre, lse_pre = attention_with_lse(q_r, heads(k_pre), heads(v_pre), False, scale)
             merge(o_pre[0], lse_pre[0], o_new[0], lse_new[0], out[start:end])
         start = end

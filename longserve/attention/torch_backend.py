@@ -47,8 +47,12 @@ class TorchAttentionBackend(AttentionBackend):
                 continue
             assert prefix_len + query_len == seq_len
             page_ids = meta.page_table[r]  # [max_pages]
-            k_r = gather_kv(k_cache, page_ids, seq_len).float()  # [S, Hkv, D]
-            v_r = gather_kv(v_cache, page_ids, seq_len).float()  # [S, Hkv, D]
+            k_r, v_r = kv_cache.dequantize(
+                layer_id,
+                gather_kv(k_cache, page_ids, seq_len),
+                gather_kv(v_cache, page_ids, seq_len),
+                torch.float32,
+            )  # [S, Hkv, D] each (an fp8 cache's scales applied)
             k_r = k_r.repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, S, D]
             v_r = v_r.repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, S, D]
             q_r = q[start : start + query_len].float().transpose(0, 1)  # [Hq, L, D]

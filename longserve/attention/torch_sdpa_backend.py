@@ -18,6 +18,8 @@ exact float32 answers.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -49,7 +51,13 @@ class TorchSDPABackend(TorchAttentionBackend):
         num_q_heads, num_kv_heads = q.shape[1], k.shape[1]
         assert num_q_heads % num_kv_heads == 0, f"Hq={num_q_heads} is not a multiple of Hkv={num_kv_heads}"
         k_cache, v_cache = kv_cache.k[layer_id], kv_cache.v[layer_id]  # [num_pages, page_size, Hkv, D]
-        k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)  # what the pages hold, so every path reads the same
+        if kv_cache.is_fp8:  # rounded through e4m3 as the pages hold them; the pages read dequantized
+            k, v = kv_cache.as_stored(layer_id, k, v)
+            read = functools.partial(_read_fp8, kv_cache, layer_id, q.dtype)
+        else:
+            # what the pages hold, so every path reads the same
+            k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
+            read = None
 
         out = torch.empty_like(q)  # [T, Hq, D]
         start = 0
@@ -62,7 +70,7 @@ class TorchSDPABackend(TorchAttentionBackend):
             end = start + query_len
             _attend(
                 q[start:end], k[start:end], v[start:end], k_cache, v_cache, meta.page_table[r], prefix_len,
-                scale, sliding_window, out[start:end],
+                scale, sliding_window, out[start:end], read,
             )  # fmt: skip
             start = end
         assert start == q.shape[0], f"query_lens sum to {start} but q has {q.shape[0]} tokens"
@@ -80,19 +88,28 @@ def _attend(
     scale: float,
     sliding_window: int | None,
     out: torch.Tensor,  # [L, Hq, D]
+    read=None,  # an fp8 cache: (gathered k, v) -> dequantized (k, v) in q's dtype
 ) -> None:
     seq_len = prefix_len + q.shape[0]
+    read = read or (lambda k_, v_: (k_, v_))
     if sliding_window is not None and sliding_window < seq_len:
-        _windowed(q, k_cache, v_cache, pages, prefix_len, sliding_window, scale, out)
+        _windowed(q, k_cache, v_cache, pages, prefix_len, sliding_window, scale, out, read)
     elif prefix_len == 0:  # a cold chunk: the kernel's own causal mask on the new tokens, no page read
         out.copy_(_sdpa(q, k, v, scale, is_causal=True))
     elif q.shape[0] == 1:  # a decode sees every key: no mask
-        out.copy_(_sdpa(q, gather_kv(k_cache, pages, seq_len), gather_kv(v_cache, pages, seq_len), scale))
+        out.copy_(
+            _sdpa(q, *read(gather_kv(k_cache, pages, seq_len), gather_kv(v_cache, pages, seq_len)), scale)
+        )
     else:  # a chunk over a cached prefix: is_causal would align query 0 with key 0, so two calls
-        k_pre, v_pre = gather_kv(k_cache, pages, prefix_len), gather_kv(v_cache, pages, prefix_len)
+        k_pre, v_pre = read(gather_kv(k_cache, pages, prefix_len), gather_kv(v_cache, pages, prefix_len))
         o_pre, lse_pre = _sdpa_lse(q, k_pre, v_pre, scale, causal=False)
         o_new, lse_new = _sdpa_lse(q, k, v, scale, causal=True)
         _merge(o_pre, lse_pre, o_new, lse_new, out)
+
+
+def _read_fp8(kv_cache: KVCache, layer_id: int, dtype: torch.dtype, k: torch.Tensor, v: torch.Tensor):
+    """Gathered e4m3 pages as `dtype` values (the flash kernel takes no fp8)."""
+    return kv_cache.dequantize(layer_id, k, v, dtype)
 
 
 def _heads(x: torch.Tensor) -> torch.Tensor:
@@ -165,6 +182,7 @@ def _windowed(
     sliding_window: int,
     scale: float,
     out: torch.Tensor,  # [L, Hq, D]
+    read,
 ) -> None:
     """Sliding-window attention of one request: per block of queries, the keys the window reaches with an
     additive float mask (the flash kernel takes it; a boolean one would go to the math path)."""
@@ -173,8 +191,7 @@ def _windowed(
         b = min(a + block, q.shape[0])
         first, last = prefix_len + a, prefix_len + b  # absolute positions [first, last)
         lo = max(0, first - sliding_window + 1)  # keys before the window of the block's first query
-        k_blk = _gather_range(k_cache, pages, lo, last)  # [last - lo, Hkv, D]
-        v_blk = _gather_range(v_cache, pages, lo, last)
+        k_blk, v_blk = read(_gather_range(k_cache, pages, lo, last), _gather_range(v_cache, pages, lo, last))
         q_pos = torch.arange(first, last, device=q.device)[:, None]  # [l, 1]
         k_pos = torch.arange(lo, last, device=q.device)[None, :]  # [1, s]
         allowed = (k_pos <= q_pos) & (k_pos > q_pos - sliding_window)  # [l, s]

@@ -140,12 +140,15 @@ class TritonAttentionBackend(AttentionBackend):
             )
             return self._decode(
                 q, k_cache, v_cache, meta.seq_lens, meta.page_table, meta.page_size, scale,
-                sliding_window, num_splits,
+                sliding_window, num_splits, k_scale=kv_cache.k_scales[layer_id], v_scale=kv_cache.v_scales[layer_id],
             )  # fmt: skip
 
         cold_path = self.cold_path or ("sdpa" if q.is_cuda else "triton")
         window_matters = sliding_window is not None and sliding_window < meta.max_seq_len
         if cold_path == "sdpa" and not window_matters:
+            fp8 = kv_cache.is_fp8
+            if fp8:  # the library kernels read no e4m3: the new tokens as stored, the prefix dequantized
+                k, v = kv_cache.as_stored(layer_id, k, v)
             if not any(meta.prefix_lens_cpu):
                 return cold_sdpa(q, k, v, meta.query_lens_cpu, scale)
             # long chunks over a cached prefix: two cuDNN calls merged beat the Triton kernel (measured:
@@ -154,7 +157,8 @@ class TritonAttentionBackend(AttentionBackend):
             if (half or not q.is_cuda) and all(
                 map(use_split_sdpa, meta.query_lens_cpu, meta.prefix_lens_cpu)
             ):
-                return prefix_split_sdpa(q, k, v, k_cache, v_cache, meta, scale)
+                dequantize = (lambda a, b: kv_cache.dequantize(layer_id, a, b, q.dtype)) if fp8 else None
+                return prefix_split_sdpa(q, k, v, k_cache, v_cache, meta, scale, dequantize)
 
         config, extend_splits = self.extend_launch(
             meta.query_lens_cpu, meta.seq_lens_cpu, num_q_heads, num_kv_heads, q.shape[2], q.dtype, q.device
@@ -162,4 +166,5 @@ class TritonAttentionBackend(AttentionBackend):
         return self._extend(
             q, k_cache, v_cache, meta.query_start_loc, meta.prefix_lens, meta.seq_lens, meta.page_table,
             meta.page_size, meta.max_query_len, scale, sliding_window, config=config, num_splits=extend_splits,
+            k_scale=kv_cache.k_scales[layer_id], v_scale=kv_cache.v_scales[layer_id],
         )  # fmt: skip

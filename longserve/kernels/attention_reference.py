@@ -48,8 +48,11 @@ def extend_attention_ref(
     out: torch.Tensor | None = None,
     config: dict[str, int] | None = None,
     num_splits: int = 1,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Same contract as `extend_attention`, in float32 torch (syncs to read the lengths; tests only)."""
+    """Same contract as `extend_attention`, in float32 torch (syncs to read the lengths; tests only); an
+    fp8 cache's values are dequantized (x * scale) in float32 before the attention."""
     del page_size, max_query_len, config, num_splits
     group = q.shape[1] // k_cache.shape[2]
     out = torch.empty_like(q) if out is None else out  # [T, Hq, D]
@@ -58,8 +61,9 @@ def extend_attention_ref(
         a, b = starts[r], starts[r + 1]
         if a == b:
             continue
-        k_r = gather_kv(k_cache, page_table[r], seq_len).float().repeat_interleave(group, 1)  # [S, Hq, D]
-        v_r = gather_kv(v_cache, page_table[r], seq_len).float().repeat_interleave(group, 1)  # [S, Hq, D]
+        k_r = gather_kv(k_cache, page_table[r], seq_len).float() * k_scale  # [S, Hkv, D]
+        v_r = gather_kv(v_cache, page_table[r], seq_len).float() * v_scale
+        k_r, v_r = k_r.repeat_interleave(group, 1), v_r.repeat_interleave(group, 1)  # [S, Hq, D]
         mask = attention_mask(prefix_len, seq_len, sliding_window, q.device)  # [L, S]
         o_r = F.scaled_dot_product_attention(
             q[a:b].float().transpose(0, 1),
@@ -84,6 +88,8 @@ def decode_attention_ref(
     num_splits: int = 1,
     out: torch.Tensor | None = None,
     config: dict[str, int] | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Same contract as `decode_attention`: the extend reference with one query per request."""
     del num_splits, config
@@ -91,7 +97,7 @@ def decode_attention_ref(
     query_start_loc = torch.arange(num_reqs + 1, dtype=torch.int32, device=q.device)  # [B+1]
     return extend_attention_ref(
         q, k_cache, v_cache, query_start_loc, seq_lens - 1, seq_lens, page_table, page_size, 1, scale,
-        sliding_window, out,
+        sliding_window, out, k_scale=k_scale, v_scale=v_scale,
     )  # fmt: skip
 
 

@@ -43,7 +43,8 @@ def _decode_split_kernel(
     stride_ob,
     stride_oh,
     stride_os,
-    qk_scale,  # softmax scale * log2(e)
+    qk_scale,  # softmax scale * log2(e) * K's fp8 scale (1.0 for a 16-bit cache)
+    v_scale,  # V's fp8 scale (1.0 for a 16-bit cache): the output is linear in V
     window,
     GROUP: tl.constexpr,
     BLOCK_H: tl.constexpr,  # GROUP padded to a power of two >= 16
@@ -91,6 +92,8 @@ def _decode_split_kernel(
         kv_mask = n_valid[:, None] & d_valid[None, :]
         k = tl.load(k_head_ptr + kv_offs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         v = tl.load(v_head_ptr + kv_offs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        k = k.to(q.dtype)  # an fp8 cache: e4m3 widened in registers (its scale is folded into qk_scale)
+        v = v.to(q.dtype)  # (V's scale multiplies the output)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_H, BLOCK_N]
         qk = tl.where(n_valid[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))  # [BLOCK_H]
@@ -102,12 +105,12 @@ def _decode_split_kernel(
 
     out_mask = h_valid[:, None] & d_valid[None, :]
     if NUM_SPLITS == 1:
-        out = acc / l_i[:, None]  # [BLOCK_H, BLOCK_D]
+        out = acc * (v_scale / l_i)[:, None]  # [BLOCK_H, BLOCK_D]
         o_offs = req.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(mid_o_ptr + o_offs, out.to(mid_o_ptr.dtype.element_ty), mask=out_mask)
     else:
         has_keys = l_i > 0.0
-        out = acc / tl.where(has_keys, l_i, 1.0)[:, None]  # [BLOCK_H, BLOCK_D]
+        out = acc * (v_scale / tl.where(has_keys, l_i, 1.0))[:, None]  # [BLOCK_H, BLOCK_D]
         lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))  # [BLOCK_H]
         row = req.to(tl.int64) * stride_ob + heads * stride_oh + split * stride_os  # [BLOCK_H]
         tl.store(mid_o_ptr + row[:, None] + offs_d[None, :], out, mask=out_mask)
@@ -143,8 +146,11 @@ def decode_attention(
     num_splits: int = 1,
     out: torch.Tensor | None = None,
     config: dict[str, int] | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Attention of each request's one new token (at position seq_len - 1) over its pages; o [B, Hq, D]."""
+    """Attention of each request's one new token (at position seq_len - 1) over its pages; o [B, Hq, D].
+    The caches may hold float8_e4m3fn values x / scale (an fp8 KV cache): k_scale / v_scale are their scales."""
     num_reqs, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     assert num_q_heads % num_kv_heads == 0 and k_cache.shape[1] == page_size and k_cache.shape[3] == head_dim
@@ -167,7 +173,7 @@ def decode_attention(
     _decode_split_kernel[(num_reqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, seq_lens, page_table, mid_o, mid_lse,
         q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(2), page_table.stride(0), *strides,
-        scale * math.log2(math.e), sliding_window or 0,
+        scale * math.log2(math.e) * k_scale, v_scale, sliding_window or 0,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), PAGE_SIZE=page_size,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=cfg["BLOCK_N"], NUM_SPLITS=num_splits,
         HAS_WINDOW=sliding_window is not None,

@@ -84,6 +84,8 @@ def _extend_blocks(
         else:
             k = tl.load(k_head_ptr + kv_offs)  # [BLOCK_N, BLOCK_D]
             v = tl.load(v_head_ptr + kv_offs)  # [BLOCK_N, BLOCK_D]
+        k = k.to(q.dtype)  # an fp8 cache: e4m3 widened in registers (its scale is folded into qk_scale)
+        v = v.to(q.dtype)  # (V's scale multiplies the output)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N] log2 units
         if MASKED:
             allowed = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]  # [BLOCK_M, BLOCK_N]
@@ -119,7 +121,8 @@ def _extend_kernel(
     stride_slot,
     stride_kvh,
     stride_pt,
-    qk_scale,  # softmax scale * log2(e)
+    qk_scale,  # softmax scale * log2(e) * K's fp8 scale (1.0 for a 16-bit cache)
+    v_scale,  # V's fp8 scale (1.0 for a 16-bit cache): the output is linear in V
     window,  # sliding window (unused unless HAS_WINDOW)
     GROUP: tl.constexpr,  # Hq // Hkv
     PAGE_SIZE: tl.constexpr,
@@ -218,7 +221,7 @@ def _extend_kernel(
 
     out_mask = row_valid[:, None] & d_valid[None, :]
     if NUM_SPLITS == 1:
-        out = acc / l_i[:, None]  # [BLOCK_M, BLOCK_D]
+        out = acc * (v_scale / l_i)[:, None]  # [BLOCK_M, BLOCK_D]
         o_offs = tok64[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptr + o_offs, out.to(o_ptr.dtype.element_ty), mask=out_mask)
     else:
@@ -226,7 +229,7 @@ def _extend_kernel(
         l_safe = tl.where(has_keys, l_i, 1.0)
         lse = tl.where(has_keys, m_i + tl.log2(l_safe), float("-inf"))  # [BLOCK_M]
         row = tok64 * stride_ot + head * stride_oh + split * stride_os  # [BLOCK_M]
-        tl.store(o_ptr + row[:, None] + offs_d[None, :], acc / l_safe[:, None], mask=out_mask)
+        tl.store(o_ptr + row[:, None] + offs_d[None, :], acc * (v_scale / l_safe)[:, None], mask=out_mask)
         lse_offs = (tok64 * num_kv_heads * GROUP + head) * NUM_SPLITS + split  # [BLOCK_M]
         tl.store(lse_ptr + lse_offs, lse, mask=row_valid)
 
@@ -345,11 +348,14 @@ def extend_attention(
     out: torch.Tensor | None = None,
     config: dict[str, int] | None = None,
     num_splits: int = 1,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of the new tokens over their requests' paged K/V (stored already); o [T, Hq, D].
 
     num_splits > 1 splits each row block's key range over that many programs (see choose_extend_splits)
-    and merges their fp32 partials in a second kernel.
+    and merges their fp32 partials in a second kernel. The caches may hold float8_e4m3fn values x / scale
+    (an fp8 KV cache, attention/kv_quant.py): k_scale / v_scale are their per-tensor scales.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -380,7 +386,7 @@ def extend_attention(
         q, k_cache, v_cache, dst, lse, query_start_loc, prefix_lens, seq_lens, page_table,
         q.stride(0), q.stride(1), *strides,
         k_cache.stride(1), k_cache.stride(2), page_table.stride(0),
-        scale * math.log2(math.e), sliding_window or 0,
+        scale * math.log2(math.e) * k_scale, v_scale, sliding_window or 0,
         GROUP=group, PAGE_SIZE=page_size, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], NUM_SPLITS=num_splits,
         HAS_WINDOW=sliding_window is not None, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from longserve.attention.base import ForwardContext
+from longserve.attention.kv_quant import kv_scale_name, read_kv_scale
 from longserve.distributed import get_tp_rank, get_tp_size
 from longserve.models.decoder import ArchOptions, DecoderModel, MakeMLP, dense_mlp, get_head_dim, head_layout
 from longserve.models.layers import (
@@ -55,6 +56,8 @@ class CausalLM(nn.Module):
         self.head_dim: int = get_head_dim(hf_config)
         self.hidden_size: int = hf_config.hidden_size
         self.vocab_size: int = hf_config.vocab_size
+        # the checkpoint's calibrated fp8 KV scales by (layer, "k" | "v" | "kv"), if any (attention/kv_quant.py)
+        self.kv_scales: dict[tuple[int, str], float] = {}
 
     @classmethod
     def arch_options(cls, hf_config: Any) -> ArchOptions:
@@ -96,6 +99,10 @@ class CausalLM(nn.Module):
 
         for name, tensor in weights:
             if name.endswith(_SKIPPED_SUFFIXES) or (self.tie_word_embeddings and name == "lm_head.weight"):
+                continue
+            kv_scale = kv_scale_name(name)  # a calibrated fp8 KV scale: the KV cache's, not a parameter
+            if kv_scale is not None:
+                self.kv_scales[kv_scale] = read_kv_scale(tensor, name)
                 continue
             pname, shard_id = self.map_weight_name(name)
             if pname not in params:

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from longserve.attention import ForwardContext, GraphShape, KVCache, get_attention_backend
+from longserve.attention.kv_quant import kv_storage_dtype, layer_kv_scales
 from longserve.config import EngineConfig
 from longserve.distributed import RankFailure, broadcast_object, get_tp_group, set_ep_size
 from longserve.memory import bound_kernel_caches
@@ -114,6 +115,8 @@ class ModelRunner:
             seed=config.seed,
             pooler=self.pooler,
         )
+        # what the KV pages hold: the model's dtype, or e4m3 for --kv-cache-dtype fp8 (half the bytes)
+        self.kv_dtype = kv_storage_dtype(config.kv_cache_dtype, self.dtype)
         self.num_pages = self._num_pages()
         # refuse an impossible context length before the large allocation
         self.context_length = resolve_context_length(config, hf_config, self.num_pages * config.page_size)
@@ -124,9 +127,10 @@ class ModelRunner:
             config.page_size,
             self.model.num_kv_heads,
             self.model.head_dim,
-            self.dtype,
+            self.kv_dtype,
             self.device,
         )
+        self._set_kv_scales()
         self.backend = get_attention_backend(config.attention_backend, self.device)
         self.graph_runner = self._build_graph_runner()
         self.extend_graphs = self._build_extend_graphs()
@@ -184,10 +188,25 @@ class ModelRunner:
         graphs.capture(pool=self.graph_runner.pool)
         return graphs
 
+    def _set_kv_scales(self) -> None:
+        """An fp8 cache's per-layer scales: the checkpoint's calibrated ones, else 1.0 (attention/kv_quant.py)."""
+        found = getattr(self.model, "kv_scales", {})
+        if not self.kv_cache.is_fp8:
+            if found:
+                logger.info("the checkpoint's fp8 KV scales are unused: the KV cache is %s", self.kv_dtype)
+            return
+        self.kv_cache.set_scales(*layer_kv_scales(found, self.model.num_layers))
+        logger.info(
+            "fp8 (e4m3) KV cache with %s",
+            "the checkpoint's per-layer scales"
+            if found
+            else "scales 1.0 (the checkpoint has no k_scale/v_scale)",
+        )
+
     # ---- sizing ---------------------------------------------------------------------------------
     def kv_bytes_per_token(self) -> int:
         return KVCache.bytes_per_token(
-            self.model.num_layers, self.model.num_kv_heads, self.model.head_dim, self.dtype
+            self.model.num_layers, self.model.num_kv_heads, self.model.head_dim, self.kv_dtype
         )
 
     def weight_bytes(self) -> int:
@@ -408,6 +427,7 @@ class ModelRunner:
             context_length=self.context_length,
             requests_at_full_context=tokens / self.context_length,
             dtype=str(self.dtype).removeprefix("torch."),
+            kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
             device=str(self.device),
             tp_size=self.tp.world_size if self.tp else 1,
             ep_size=self.tp.ep_size if self.tp else 1,
@@ -429,5 +449,5 @@ class ModelRunner:
             f"KV pool: {m['kv_pool_tokens']:,} tokens ({self.num_pages:,} pages of {self.page_size}), "
             f"longest context {self.context_length:,}, {m['requests_at_full_context']:.1f} requests at full "
             f"context, {m['kv_pool_bytes'] / 2**30:.2f} GiB; weights {m['weight_bytes'] / 2**30:.2f} GiB"
-            f"{experts} ({self.dtype}, {self.device}){parallel}"
+            f"{experts} ({self.dtype}, KV {self.kv_dtype}, {self.device}){parallel}"
         )

@@ -21,6 +21,8 @@ from longserve.config import (
     CONVERTS,
     DEVICES,
     DTYPES,
+    KV_CACHE_DTYPE_ALIASES,
+    KV_CACHE_DTYPES,
     LOAD_FORMATS,
     METRICS_NAMES,
     RUNNERS,
@@ -79,6 +81,16 @@ def _dtype(value: str) -> str:
     value = _DTYPE_ALIASES.get(value.lower(), value.lower())
     if value not in DTYPES:
         raise _BadValue(f"{value!r}: expected auto, float32 (float), float16 (half) or bfloat16")
+    return value
+
+
+def _kv_cache_dtype(value: str) -> str:
+    """vLLM's and SGLang's --kv-cache-dtype spellings of the formats longserve stores."""
+    value = value.strip().lower()
+    if value not in KV_CACHE_DTYPES and value not in KV_CACHE_DTYPE_ALIASES:
+        raise _BadValue(
+            f"{value!r}: expected auto, fp8 or fp8_e4m3 (fp8_e5m2, fp4 and int8 caches are not supported)"
+        )
     return value
 
 
@@ -203,6 +215,10 @@ OPTIONS: tuple[Option, ...] = (
            "config.json's quantization_config); fp8 on a float checkpoint quantizes it per channel while "
            "loading; with --load-format dummy, random weights in that format",
            default_help="config.json's quantization_config"),
+    Option(("--kv-cache-dtype",), E + "kv_cache_dtype",
+           "the KV cache's storage: auto (the model's dtype), fp8 or fp8_e4m3 (e4m3 with per-layer scales, "
+           "from the checkpoint's k_scale/v_scale or 1.0): twice the tokens in the same memory",
+           _kv_cache_dtype),
     Option(("--strict-model-name",), S + "strict_model_name",
            "answer 404 to a `model` this server does not serve (vLLM); by default any name is served, as "
            "SGLang does (\"default\" always is)", None),

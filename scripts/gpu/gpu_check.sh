@@ -4,7 +4,7 @@
 # $OUT; a short table last. LONGSERVE_COMMIT is the commit the JSON metadata names: compute it where the tree
 # is a git checkout (a copied tree's .git may be stale) and pass it as a literal, e.g.
 #   LONGSERVE_COMMIT=abc1234 bash scripts/gpu/gpu_check.sh latency
-#   usage: LONGSERVE_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu/gpu_check.sh [quick|tests|bench|all|long|tp|tp2|tp32|profile|latency|hit|host|launch|turns|moe|moe-tests|moe-bench|moe-long|moe-tp|quant|quant-tests|quant-bench]
+#   usage: LONGSERVE_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu/gpu_check.sh [quick|tests|bench|all|long|tp|tp2|tp32|profile|latency|hit|host|launch|turns|moe|moe-tests|moe-bench|moe-long|moe-tp|quant|quant-tests|quant-bench|kvfp8]
 # moe (one GPU, issue 17) = moe-tests (the MoE kernel and engine GPU tests, the kernel's TFLOP/s and GB/s) +
 # moe-bench (the Qwen3-30B-A3B shape's cases against HF, profiled, with their floors); moe-long: 128K cold
 # against HF and the Mixtral-8x7B shape; moe-tp (two GPUs): the TP=2 / expert-parallel tests and the A3B shape
@@ -12,6 +12,9 @@
 # quant (one GPU, issue 18) = quant-tests (the quantized kernels' and engines' GPU tests, per-M timings of the
 # int4 paths and of cuBLAS vs Triton block FP8) + quant-bench (the 8B and A3B shapes in bf16, FP8 blocks and
 # GPTQ int4 g128: cold TTFT 8K/32K, decode ITL b1@32K and b64@4K, weight GiB and KV tokens, ratios to bf16).
+# kvfp8 (one GPU, issue 18): the fp8 KV cache's GPU tests (Triton kernels on e4m3 pages, engine with graphs,
+# chunks and prefix hits against the reference, fp8 vs auto), the attention GPU tests again, and the 8B shape
+# with --kv-cache-dtype fp8 against auto: KV tokens that fit and decode at batch 64 (4K contexts), plus b1@32K.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 MODE=${1:-all}
@@ -180,6 +183,42 @@ if [[ $MODE == moe-tp ]]; then  # two GPUs: MoE TP / EP tests, the A3B shape at 
       --warmup 1 --repeat 3 --prompt-lens 8192,32768 --decode-batch-sizes 1,64 --decode-context-len 4096 --profile \
       --output-json "$OUT/latency_moe_a3b_$tag.json" 2>&1 | tee "$OUT/latency_moe_a3b_$tag.log" | tail -8
   done
+fi
+
+if [[ $MODE == kvfp8 ]]; then  # one GPU (issue 18): fp8 KV cache; target: 2x KV tokens, b64 decode <= 1.05x auto
+  python3 -m pytest -q -m gpu tests/gpu/test_kv_fp8_gpu.py tests/gpu/test_attention_gpu.py tests/gpu/test_engine_gpu.py \
+    -p no:cacheprovider -o faulthandler_timeout=300 2>&1 | tee "$OUT/gpu_kvfp8_tests.log" | tail -8 || status=1
+  for kv in auto fp8; do
+    base=(--config llama-3.1-8b --load-format dummy --dtype bfloat16 --warmup 1 --repeat 3 --kv-cache-dtype $kv)
+    python3 -m longserve.bench.latency "${base[@]}" --decode-batch-sizes 64 --decode-context-len 4096 \
+      --output-json "$OUT/latency_kvfp8_8b_${kv}_b64.json" 2>&1 | tee "$OUT/latency_kvfp8_8b_${kv}_b64.log" | tail -3
+    python3 -m longserve.bench.latency "${base[@]}" --prompt-lens 32768 --decode-batch-sizes 1 \
+      --decode-context-len 32768 --output-json "$OUT/latency_kvfp8_8b_${kv}.json" 2>&1 \
+      | tee "$OUT/latency_kvfp8_8b_${kv}.log" | tail -3
+    python3 scripts/gpu/quant_memory.py --config llama-3.1-8b --variant bf16 --kv-cache-dtype $kv \
+      --output-json "$OUT/memory_kvfp8_8b_${kv}.json" 2>&1 | tail -1
+  done
+  python3 - <<'PY'
+import json, os
+out = os.environ["OUT"]
+def load(name):
+    path = os.path.join(out, name)
+    return json.load(open(path)) if os.path.exists(path) else None
+def decode_ms(records):
+    # bench latency's --output-json: a list of records; the decode case's median inter-token latency
+    for r in records:
+        if isinstance(r, dict) and r.get("itl_ms_median") is not None:
+            return r["itl_ms_median"]
+    return None
+auto, fp8 = load("latency_kvfp8_8b_auto_b64.json"), load("latency_kvfp8_8b_fp8_b64.json")
+ma, mf = load("memory_kvfp8_8b_auto.json"), load("memory_kvfp8_8b_fp8.json")
+if ma and mf:
+    ta, tf = ma.get("kv_pool_tokens"), mf.get("kv_pool_tokens")
+    print(f"KV tokens: auto {ta} fp8 {tf} ratio {tf / ta if ta and tf else float('nan'):.3f} (target 2.0)")
+if auto and fp8:
+    a, f = decode_ms(auto), decode_ms(fp8)
+    print(f"decode b64@4K ITL ms: auto {a} fp8 {f}" + (f" ratio {f / a:.3f} (target <= 1.05)" if a and f else ""))
+PY
 fi
 
 if [[ $MODE == quant || $MODE == quant-tests ]]; then  # one GPU (issue 18): quantized kernels and engines
