@@ -4,11 +4,12 @@
 # $OUT; a short table last. LONGSERVE_COMMIT is the commit the JSON metadata names: compute it where the tree
 # is a git checkout (a copied tree's .git may be stale) and pass it as a literal, e.g.
 #   LONGSERVE_COMMIT=abc1234 bash scripts/gpu/gpu_check.sh latency
-#   usage: LONGSERVE_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu/gpu_check.sh [quick|tests|bench|all|long|tp|tp2|tp32|profile|latency|hit|host|launch|turns|moe|moe-tests|moe-bench|moe-long|moe-tp|quant|quant-tests|quant-bench|kvfp8]
+#   usage: LONGSERVE_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu/gpu_check.sh [quick|tests|bench|all|long|tp|tp2|tp32|profile|latency|hit|host|launch|turns|moe|moe-tests|moe-bench|moe-long|moe-tp|quant|quant-tests|quant-bench|kvfp8|vllm]
 # moe (one GPU, issue 17) = moe-tests (the MoE kernel and engine GPU tests, the kernel's TFLOP/s and GB/s) +
 # moe-bench (the Qwen3-30B-A3B shape's cases against HF, profiled, with their floors); moe-long: 128K cold
 # against HF and the Mixtral-8x7B shape; moe-tp (two GPUs): the TP=2 / expert-parallel tests and the A3B shape
 # at TP=2 and EP=2. Each prints the floor of every case and the measured/floor ratio.
+# (tests, quant, kvfp8, structured: carry the wheels of scripts/gpu/fetch_test_wheels.sh and install them first)
 # quant (one GPU, issue 18) = quant-tests (the quantized kernels' and engines' GPU tests, per-M timings of the
 # int4 paths and of cuBLAS vs Triton block FP8) + quant-bench (the 8B and A3B shapes in bf16, FP8 blocks and
 # GPTQ int4 g128: cold TTFT 8K/32K, decode ITL b1@32K and b64@4K, weight GiB and KV tokens, ratios to bf16).
@@ -150,6 +151,23 @@ from longserve.bench.latency import main; sys.exit(main(sys.argv[1:]))" "${hits[
     --output-json "$OUT/latency_8b_hits_old_rule.json" 2>&1 | tee "$OUT/latency_8b_hits_old_rule.log" | tail -6
   python3 -m longserve.bench.latency "${hits[@]}" --output-json "$OUT/latency_8b_hits.json" 2>&1 \
     | tee "$OUT/latency_8b_hits.log" | tail -6
+fi
+
+if [[ $MODE == vllm ]]; then  # one GPU (issue 19): the 8B shape, longserve then vLLM 0.24 in the same call
+  # needs ../shared/anchors/* copied into .anchor/ (git-ignored) and carried: see that folder's README
+  mkdir -p /tmp/site && python3 -c "import sys,tarfile; tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/tmp/site', filter='tar')" \
+    < .anchor/vllm-0.24.0-h200-site.tar.xz || status=1
+  base=(--config llama-3.1-8b --load-format dummy --dtype bfloat16 --warmup 1)
+  python3 -m longserve.bench.latency "${base[@]}" --repeat 2 --prompt-lens 8192,32768,131072 --prefix-hit 32768:64 \
+    --decode-batch-sizes 1 --decode-context-len 32768 --output-json "$OUT/latency_8b_vs_vllm.json" 2>&1 \
+    | tee "$OUT/latency_8b_vs_vllm.log" | tail -8
+  python3 -m longserve.bench.latency "${base[@]}" --repeat 3 --decode-batch-sizes 64 --decode-context-len 4096 \
+    --output-json "$OUT/latency_8b_vs_vllm_b64.json" 2>&1 | tee "$OUT/latency_8b_vs_vllm_b64.log" | tail -3
+  export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
+    VLLM_CACHE_ROOT=/tmp/vllm_cache VLLM_ENABLE_V1_MULTIPROCESSING=0
+  PYTHONPATH=/tmp/site python3 .anchor/bench_vllm.py --configs default 2>&1 | tee "$OUT/vllm_prefill.log" \
+    | grep '"kind": "result"' | cut -c1-160
+  PYTHONPATH=/tmp/site python3 .anchor/vllm_decode.py 2>&1 | tee "$OUT/vllm_decode.log" | grep decode_itl
 fi
 
 if [[ $MODE == moe || $MODE == moe-tests ]]; then  # one GPU: MoE kernel + engine tests, the kernel's roofline
