@@ -122,7 +122,7 @@ def default_moe_config(
 
 
 def get_moe_config(
-    E: int,  # noqa: N803 - the issue's names: E experts, N intermediate, K hidden
+    E: int,  # noqa: N803 - the usual MoE names: E experts, N intermediate, K hidden
     N: int,  # noqa: N803
     K: int,  # noqa: N803
     top_k: int,

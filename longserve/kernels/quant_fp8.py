@@ -5,9 +5,9 @@ and arithmetic).
   the DeepSeek/Qwen3 FP8 block recipe) or per token (group = K), to e4m3 or int8, writing float32 scales.
 - `fp8_block_linear`: block-scaled FP8 (weight_scale_inv per 128x128 block, activations per 1x128 group).
   Two ways: torch's `F.scaled_mm` with cuBLAS's BlockWise1x128 / BlockWise128x128 recipes (Hopper, 128x128
-  blocks only), or the Triton block GEMM below (any block). FP8_BLOCK_USE_SCALED_MM picks the former where
-  it applies and where a load-time check agrees with the Triton kernel; the GPU session times both
-  (tests/gpu/test_quant_kernels_gpu.py) and sets it to the faster.
+  blocks only), or the Triton block GEMM below (any block). FP8_BLOCK_USE_SCALED_MM allows the former where
+  it applies and a load-time check agrees with the Triton kernel, from FP8_BLOCK_SCALED_MM_MIN_TOKENS rows on
+  (below them the Triton kernel is faster: scripts/gpu/bench_quant_kernels.py times both).
 - `fp8_scaled_linear`: per-channel (or per-tensor, expanded to channels) weight scales and per-token (or
   static per-tensor) activation scales through `torch._scaled_mm` (rowwise scaling) for bf16, the Triton
   block GEMM with one block per row for other dtypes.
@@ -53,8 +53,13 @@ __all__ = [
 logger = logging.getLogger("longserve.kernels.quant_fp8")
 
 # cuBLAS block-scaled FP8 where it applies (Hopper, 128x128 blocks), checked at load time against the Triton
-# block GEMM (check_block_scaled_mm); False: always Triton. The GPU session times both (test_quant_kernels_gpu)
+# block GEMM (check_block_scaled_mm); False: always Triton.
 FP8_BLOCK_USE_SCALED_MM = True
+# ... and only from this many rows: measured on an H200 (2026-12-01, 55ae18c, bench_quant_kernels.py), the
+# Triton block GEMM wins below it (Llama-3.1-8B gate_up at M=1: 0.073 ms against cuBLAS's 0.115; at M=128: 0.079
+# against 0.100; down at M=1: 0.113 against 0.157) and cuBLAS from it on (gate_up at M=256: 0.094 against 0.119,
+# M=8192: 1.85 against 3.04 ms; down from M=512)
+FP8_BLOCK_SCALED_MM_MIN_TOKENS = 256
 
 
 @triton.jit
@@ -245,8 +250,9 @@ def fp8_block_linear(
     fp8_block_gemm_ref."""
     m, k = x.shape
     n = w.shape[0]
-    if use_scaled_mm is None:  # what the load-time check found (check_block_scaled_mm)
-        use_scaled_mm = _BLOCK_SCALED_MM_CHECKED.get(x.device.index or 0, False) if x.is_cuda else False
+    if use_scaled_mm is None:  # what the load-time check found (check_block_scaled_mm), for large M only
+        checked = _BLOCK_SCALED_MM_CHECKED.get(x.device.index or 0, False) if x.is_cuda else False
+        use_scaled_mm = checked and m >= FP8_BLOCK_SCALED_MM_MIN_TOKENS
     use = use_scaled_mm and x.is_cuda and tuple(block) == (128, 128) and k % 128 == 0 and n % 128 == 0
     if use:
         F = torch.nn.functional

@@ -5,7 +5,7 @@
 are timed separately over their candidates (CUDA events around a replayed graph of --iters calls,
 median of --repeats) and each candidate's output is checked against the torch reference once; the fastest
 pair under the fastest BLOCK_M is written. Compiling dominates the run (each new candidate compiles once,
-then serves every batch size with its BLOCK_M): give fewer --batch-sizes for a short session.
+then serves every batch size with its BLOCK_M): give fewer --batch-sizes for a shorter run.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 
 from longserve.kernels.moe_config import smem_per_stage
 
-# the search spaces; "quick" fits a device session (tens of compiles per BLOCK_M and GEMM), "full" is
+# the search spaces; "quick" takes minutes on an H200 (tens of compiles per BLOCK_M and GEMM), "full" is
 # vLLM's breadth (hundreds: hours of compiling)
 SPACES = {
     "quick": {"BLOCK_N": [32, 64, 128, 256], "BLOCK_K": [64, 128], "GROUP_M": [1, 16], "num_warps": [4, 8], "num_stages": [3, 4]},

@@ -1,5 +1,5 @@
 """What structured output costs decode: the same batch of requests decoded with and without a JSON-schema
-grammar (issue 16's target: at most 5% of decode throughput at batch 64).
+grammar (the target: at most 5% of decode throughput at batch 64).
 
 Both runs decode `--output-len` tokens per request at batch `--batch-size` (ignore_eos; the schema needs
 `minItems` objects, so no grammar completes early), with random weights of a built-in shape. Only steps that

@@ -5,15 +5,15 @@
 # is a git checkout (a copied tree's .git may be stale) and pass it as a literal, e.g.
 #   LONGSERVE_COMMIT=abc1234 bash scripts/gpu/gpu_check.sh latency
 #   usage: LONGSERVE_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu/gpu_check.sh [quick|tests|bench|all|long|tp|tp2|tp32|profile|latency|hit|host|launch|turns|moe|moe-tests|moe-bench|moe-long|moe-tp|quant|quant-tests|quant-bench|kvfp8|vllm]
-# moe (one GPU, issue 17) = moe-tests (the MoE kernel and engine GPU tests, the kernel's TFLOP/s and GB/s) +
+# moe (one GPU) = moe-tests (the MoE kernel and engine GPU tests, the kernel's TFLOP/s and GB/s) +
 # moe-bench (the Qwen3-30B-A3B shape's cases against HF, profiled, with their floors); moe-long: 128K cold
 # against HF and the Mixtral-8x7B shape; moe-tp (two GPUs): the TP=2 / expert-parallel tests and the A3B shape
 # at TP=2 and EP=2. Each prints the floor of every case and the measured/floor ratio.
 # (tests, quant, kvfp8, structured: carry the wheels of scripts/gpu/fetch_test_wheels.sh and install them first)
-# quant (one GPU, issue 18) = quant-tests (the quantized kernels' and engines' GPU tests, per-M timings of the
+# quant (one GPU) = quant-tests (the quantized kernels' and engines' GPU tests, per-M timings of the
 # int4 paths and of cuBLAS vs Triton block FP8) + quant-bench (the 8B and A3B shapes in bf16, FP8 blocks and
 # GPTQ int4 g128: cold TTFT 8K/32K, decode ITL b1@32K and b64@4K, weight GiB and KV tokens, ratios to bf16).
-# kvfp8 (one GPU, issue 18): the fp8 KV cache's GPU tests (Triton kernels on e4m3 pages, engine with graphs,
+# kvfp8 (one GPU): the fp8 KV cache's GPU tests (Triton kernels on e4m3 pages, engine with graphs,
 # chunks and prefix hits against the reference, fp8 vs auto), the attention GPU tests again, and the 8B shape
 # with --kv-cache-dtype fp8 against auto: KV tokens that fit and decode at batch 64 (4K contexts), plus b1@32K.
 set -uo pipefail
@@ -153,7 +153,7 @@ from longserve.bench.latency import main; sys.exit(main(sys.argv[1:]))" "${hits[
     | tee "$OUT/latency_8b_hits.log" | tail -6
 fi
 
-if [[ $MODE == vllm ]]; then  # one GPU (issue 19): the 8B shape, longserve then vLLM 0.24 in the same call
+if [[ $MODE == vllm ]]; then  # one GPU: the 8B shape, longserve then vLLM 0.24 in the same call
   # needs ../shared/anchors/* copied into .anchor/ (git-ignored) and carried: see that folder's README
   mkdir -p /tmp/site && python3 -c "import sys,tarfile; tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/tmp/site', filter='tar')" \
     < .anchor/vllm-0.24.0-h200-site.tar.xz || status=1
@@ -203,7 +203,7 @@ if [[ $MODE == moe-tp ]]; then  # two GPUs: MoE TP / EP tests, the A3B shape at 
   done
 fi
 
-if [[ $MODE == kvfp8 ]]; then  # one GPU (issue 18): fp8 KV cache; target: 2x KV tokens, b64 decode <= 1.05x auto
+if [[ $MODE == kvfp8 ]]; then  # one GPU: fp8 KV cache; target: 2x KV tokens, b64 decode <= 1.05x auto
   python3 -m pytest -q -m gpu tests/gpu/test_kv_fp8_gpu.py tests/gpu/test_attention_gpu.py tests/gpu/test_engine_gpu.py \
     -p no:cacheprovider -o faulthandler_timeout=300 2>&1 | tee "$OUT/gpu_kvfp8_tests.log" | tail -8 || status=1
   for kv in auto fp8; do
@@ -239,7 +239,7 @@ if auto and fp8:
 PY
 fi
 
-if [[ $MODE == quant || $MODE == quant-tests ]]; then  # one GPU (issue 18): quantized kernels and engines
+if [[ $MODE == quant || $MODE == quant-tests ]]; then  # one GPU: quantized kernels and engines
   python3 -m pytest -q -m gpu tests/gpu/test_quant_kernels_gpu.py tests/gpu/test_quant_engine_gpu.py \
     -p no:cacheprovider -o faulthandler_timeout=300 2>&1 | tee "$OUT/gpu_quant_tests.log" | tail -8 || status=1
   # per M: fused int4 vs dequantize+cuBLAS (quant_gemm.WNA16_DEQUANT_MIN_TOKENS), cuBLAS vs Triton block FP8

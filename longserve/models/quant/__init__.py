@@ -1,4 +1,4 @@
-"""Quantized weight formats (issue 18): read from config.json's `quantization_config` (or `--quantization`),
+"""Quantized weight formats: read from config.json's `quantization_config` (or `--quantization`),
 each a LinearMethod and an MoEMethod.
 
     layout.py   where a parameter's checkpoint tensor keeps its output and input features (TP slicing)
