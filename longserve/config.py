@@ -5,10 +5,11 @@ ServerConfig holds the HTTP side of `longserve serve`."""
 
 from __future__ import annotations
 
+import codecs
 import json
 import logging
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from longserve.platform import normalize_attention_backend, resolve_attention_backend
 
@@ -50,6 +51,33 @@ class ConfigError(SettingsError, ValueError):
 
 class ConfigPathError(SettingsError, FileNotFoundError):
     """A directory a setting names does not exist or lacks the files it needs."""
+
+
+def load_chat_template(value: str) -> str:
+    """--chat-template's value as vLLM reads it: a file's contents when it names a readable file, else the
+    Jinja text itself when it looks like a template (has `{`, `}` or a line break; an escaped `\\n` typed
+    in a shell becomes a line break), else ConfigError (a path that cannot be read)."""
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(
+            f"chat_template must be a file path or a Jinja template; got {value!r}", "chat_template"
+        )
+    try:
+        with open(value, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, ValueError) as e:  # ValueError: a NUL byte (not a path)
+        if not any(c in value for c in "{}\n"):
+            reason = getattr(e, "strerror", None) or str(e)
+            raise ConfigPathError(
+                f"chat_template={value!r} looks like a file path, but it cannot be read ({reason}); give a "
+                "template file or the Jinja template text",
+                "chat_template",
+            ) from None
+        text = value
+        if "\n" not in text and "\\n" in text and text.isascii():
+            text = codecs.decode(text, "unicode_escape")
+    if not text.strip():
+        raise ConfigError(f"chat_template {value!r} is empty", "chat_template")
+    return text
 
 
 @dataclass(frozen=True)
@@ -109,6 +137,16 @@ class EngineConfig:
     # the KV cache's storage: "auto" (the model's dtype) or "fp8_e4m3" (vLLM's "fp8" means it too): half the
     # bytes per token, so the pool holds twice the tokens of a 16-bit one (attention/kv_quant.py)
     kv_cache_dtype: str = "auto"
+    # a chat template used instead of the tokenizer's (vLLM's and SGLang's --chat-template): a file path or
+    # the Jinja text itself, as given (chat_template_text: the template). Trusted (the operator's);
+    # transformers renders it in its sandbox as it does the tokenizer's own. A request never brings one.
+    chat_template: str | None = None
+    # accepted for vLLM's and SGLang's launch lines, without effect: longserve runs only its own model code
+    # (no checkpoint's Python), and recomputes a preempted request instead of swapping its KV to the CPU
+    # (vLLM's swap_space, GiB); both are logged at start-up (Engine)
+    trust_remote_code: bool = False
+    swap_space: float | None = None
+    dp_size: int = 1  # data-parallel replicas (SGLang's --dp-size, vLLM's --data-parallel-size): only 1
 
     def __post_init__(self) -> None:
         def need(ok: bool, msg: str, *settings: str) -> None:
@@ -247,6 +285,7 @@ class EngineConfig:
             )
             object.__setattr__(self, "quantization", name)
         self._normalize_kv_cache_dtype(need)
+        self._check_compat_settings(need)
         if self.load_format != "dummy" and not os.path.isdir(self.model):
             raise ConfigPathError(
                 f"model directory {self.model!r} does not exist; pass a local Hugging Face checkpoint "
@@ -278,6 +317,34 @@ class EngineConfig:
             "ep_size",
             "tp_size",
         )
+
+    def _check_compat_settings(self, need) -> None:
+        """dp_size 1 only; swap_space a size or None; chat_template a readable file or a template."""
+        need(
+            isinstance(self.dp_size, int) and not isinstance(self.dp_size, bool) and self.dp_size >= 1,
+            f"dp_size must be an integer >= 1; got {self.dp_size!r}",
+            "dp_size",
+        )
+        need(
+            self.dp_size == 1,
+            f"dp_size={self.dp_size}: data parallelism is not supported; run {self.dp_size} servers (one "
+            "per GPU or tensor-parallel group) behind a load balancer",
+            "dp_size",
+        )
+        need(
+            self.swap_space is None
+            or (isinstance(self.swap_space, (int, float)) and not isinstance(self.swap_space, bool)
+                and self.swap_space >= 0),
+            f"swap_space must be a number of GiB >= 0; got {self.swap_space!r}",
+            "swap_space",
+        )  # fmt: skip
+        need(
+            isinstance(self.trust_remote_code, bool),
+            f"trust_remote_code must be a boolean; got {self.trust_remote_code!r}",
+            "trust_remote_code",
+        )
+        if self.chat_template is not None:  # a path that cannot be read fails now, not at the first chat
+            load_chat_template(self.chat_template)
 
     def _normalize_kv_cache_dtype(self, need) -> None:
         """Store "auto" or "fp8_e4m3"; e5m2, fp4 and int8 caches (vLLM's and SGLang's other values) are refused."""
@@ -322,18 +389,13 @@ class EngineConfig:
         object.__setattr__(self, "hf_overrides", value)
 
     @property
+    def chat_template_text(self) -> str | None:
+        """The template of chat_template (a file's contents, or the text given), None when not set."""
+        return None if self.chat_template is None else load_chat_template(self.chat_template)
+
+    @property
     def tokenizer_path(self) -> str:
         return self.tokenizer or self.model
-
-    @classmethod
-    def from_kwargs(cls, **kwargs) -> EngineConfig:
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(kwargs) - names)
-        if unknown:
-            raise TypeError(
-                f"unknown engine argument(s): {', '.join(unknown)}; known: {', '.join(sorted(names))}"
-            )
-        return cls(**kwargs)
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ import torch
 from longserve.cache.manager import KVCacheManager
 from longserve.config import ConfigError, EngineConfig
 from longserve.models import load_hf_config
+from longserve.models.moe_layout import moe_spec
 from longserve.outputs import CompletionOutput, EngineStats, RequestOutput, StepStats
 from longserve.pooling_params import PoolingParams
 from longserve.request import FinishReason, Request
@@ -81,6 +82,29 @@ def check_token_ids(token_ids: list, vocab: int) -> None:
         raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
 
 
+def log_ignored_settings(config: EngineConfig, hf_config: Any) -> None:
+    """One start-up line for each setting accepted from a vLLM/SGLang launch line that has no effect here."""
+    if config.trust_remote_code:
+        logger.info(
+            "trust_remote_code (--trust-remote-code) has no effect: longserve runs only its own model code, "
+            "never a checkpoint's Python"
+        )
+    if config.swap_space is not None:
+        logger.info(
+            "swap_space=%s GiB (--swap-space) has no effect: longserve recomputes a preempted request's KV "
+            "instead of swapping it to the CPU",
+            config.swap_space,
+        )
+    if (config.enable_expert_parallel or config.ep_size > 1) and moe_spec(hf_config) is None:
+        logger.warning(
+            "expert parallelism (--enable-expert-parallel / --ep-size %d) has no effect: %s is not a mixture "
+            "of experts; its MLPs are split by tensor parallelism (--tp-size %d)",
+            config.ep_size,
+            ", ".join(getattr(hf_config, "architectures", None) or ["the model"]),
+            config.tp_size,
+        )
+
+
 class Engine:
     def __init__(self, config: EngineConfig, detokenize: bool = True) -> None:
         """detokenize=False: outputs carry token ids only (empty text) and stop strings are not checked;
@@ -90,7 +114,12 @@ class Engine:
         self.detokenize = detokenize
         start = time.perf_counter()
         self.hf_config = load_hf_config(config.model)
-        self.tokenizer = load_tokenizer(config.tokenizer_path, required=config.load_format != "dummy")
+        log_ignored_settings(config, self.hf_config)
+        self.tokenizer = load_tokenizer(
+            config.tokenizer_path,
+            required=config.load_format != "dummy",
+            chat_template=config.chat_template_text,
+        )
         self.runner = ModelRunner(config, self.hf_config)
         bind_tokenizer(self.runner, self.tokenizer)  # a reranker's yes/no token ids
         self.eos_token_ids = self._eos_ids()

@@ -28,9 +28,11 @@ Prompt = str | list[int]
 
 class LLM:
     def __init__(self, model: str, **kwargs) -> None:
-        if "tensor_parallel_size" in kwargs:  # vLLM's spelling
-            kwargs["tp_size"] = kwargs.pop("tensor_parallel_size")
-        self.config = EngineConfig.from_kwargs(model=model, **kwargs)
+        """`kwargs`: EngineConfig's fields, or any spelling of them that `longserve serve` takes as a flag
+        (vLLM's max_model_len, gpu_memory_utilization, tensor_parallel_size, ...; server/args.engine_keywords)."""
+        from longserve.server.args import engine_keywords
+
+        self.config = EngineConfig(**engine_keywords({"model": model, **kwargs}))
         self.engine = Engine(self.config)
 
     @classmethod

@@ -3,6 +3,8 @@ with an actionable message before it reaches the engine."""
 
 from __future__ import annotations
 
+import difflib
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,7 +22,10 @@ def wrap_seed(seed: int) -> int:
 
 @dataclass(slots=True)
 class SamplingParams:
-    """Per-request generation settings; names follow SGLang (max_new_tokens) and vLLM (max_tokens alias)."""
+    """Per-request generation settings; names follow SGLang (max_new_tokens). The constructor also takes
+    vLLM's and SGLang's other spellings of the same settings (ALIASES: max_tokens, min_tokens,
+    include_stop_str_in_output, extra_args, sampling_seed), stored under one field each and readable under
+    vLLM's name too (`params.max_tokens`); both spellings with different values is a TypeError."""
 
     max_new_tokens: int | None = 16
     min_new_tokens: int = 0
@@ -145,6 +150,17 @@ class SamplingParams:
             f"got {type(self.structured_outputs).__name__}",
         )
 
+    # vLLM's names of the fields, for code written against vLLM's SamplingParams
+    max_tokens = property(
+        lambda self: self.max_new_tokens, lambda self, v: setattr(self, "max_new_tokens", v)
+    )
+    min_tokens = property(
+        lambda self: self.min_new_tokens, lambda self, v: setattr(self, "min_new_tokens", v)
+    )
+    include_stop_str_in_output = property(
+        lambda self: self.no_stop_trim, lambda self, v: setattr(self, "no_stop_trim", v)
+    )
+
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS or self.top_k == 1
@@ -157,6 +173,63 @@ class SamplingParams:
             values["logit_bias"] = dict(self.logit_bias)
         values.update(changes)
         return SamplingParams(**values)
+
+
+# other engines' keyword -> the field that holds the setting here (one field per setting). vLLM's
+# stop_token_ids, skip_special_tokens, spaces_between_special_tokens, n, best_of, logprobs, prompt_logprobs,
+# logit_bias, seed, ignore_eos, the penalties and structured_outputs are spelled as ours already.
+ALIASES = {
+    "max_tokens": "max_new_tokens",  # vLLM
+    "min_tokens": "min_new_tokens",  # vLLM
+    "include_stop_str_in_output": "no_stop_trim",  # vLLM
+    "extra_args": "custom_params",  # vLLM: carried along for custom samplers (none reads it here)
+    "sampling_seed": "seed",  # SGLang's /generate spelling
+}
+# vLLM's SamplingParams fields with no equivalent here: an explanation instead of a bare "unexpected keyword"
+_UNSUPPORTED = {
+    "logits_processors": "custom logits processors are not supported",
+    "allowed_token_ids": "not supported; logit_bias can ban or favour tokens",
+    "bad_words": "not supported; logit_bias can ban tokens",
+    "truncate_prompt_tokens": "prompts are never truncated",
+    "detokenize": "outputs are always detokenized",
+    "guided_decoding": "use structured_outputs (vLLM's newer name): a dict such as {'json': schema}",
+    "use_beam_search": "beam search is not supported",
+}
+
+
+def _canonical_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Constructor keywords with every alias under its field's name; an unknown keyword is a TypeError naming
+    the closest known one."""
+    names = SamplingParams.__dataclass_fields__
+    out: dict[str, Any] = {}
+    given: dict[str, str] = {}  # field -> the keyword that set it
+    for key, value in kwargs.items():
+        name = ALIASES.get(key, key)
+        if name not in names:
+            why = _UNSUPPORTED.get(key)
+            if why is None:
+                close = difflib.get_close_matches(key, [*names, *ALIASES], n=1)
+                why = f"did you mean {close[0]!r}?" if close else "see SamplingParams' fields"
+            raise TypeError(f"SamplingParams got an unexpected keyword argument {key!r}: {why}")
+        if name in out and out[name] != value:
+            raise TypeError(
+                f"SamplingParams got {given[name]}={out[name]!r} and {key}={value!r}: two spellings of one "
+                "setting with different values; give one"
+            )
+        out[name] = value
+        given[name] = key
+    return out
+
+
+def _accept_aliases(init):
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs) -> None:
+        init(self, *args, **_canonical_kwargs(kwargs))
+
+    return __init__
+
+
+SamplingParams.__init__ = _accept_aliases(SamplingParams.__init__)  # type: ignore[method-assign]
 
 
 def _validate_logprob_extras(p: SamplingParams, need, is_int, is_num) -> None:

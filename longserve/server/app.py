@@ -213,7 +213,7 @@ def create_app(state: ServerState) -> FastAPI:
             raise APIError(400, "give exactly one of 'prompt', 'text' and 'messages'", param="prompt")
         if req.messages is not None:
             messages = [m.as_dict(i) for i, m in enumerate(req.messages)]
-            ids = await state.tokenizers.chat(messages, use_cache=False)
+            ids = await state.tokenizers.chat(messages, req.add_generation_prompt, use_cache=False)
         else:
             ids = await state.tokenizers.encode(given[0], req.add_special_tokens, use_cache=False)  # type: ignore[arg-type]
         return {"tokens": ids, "count": len(ids), "max_model_len": state.context_length}

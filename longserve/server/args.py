@@ -10,6 +10,7 @@ LONGSERVE_MODEL_PATH, LONGSERVE_MAX_MODEL_LEN) and a YAML key (the flag without 
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import os
 import re
@@ -26,6 +27,7 @@ from longserve.config import (
     LOAD_FORMATS,
     METRICS_NAMES,
     RUNNERS,
+    ConfigError,
     EngineConfig,
     ServerConfig,
 )
@@ -129,6 +131,12 @@ OPTIONS: tuple[Option, ...] = (
            default_help="the small built-in demo model"),
     Option(("--tokenizer-path", "--tokenizer"), E + "tokenizer", "tokenizer directory",
            default_help="the model's"),
+    Option(("--chat-template",), E + "chat_template",
+           "chat template for chat requests instead of the tokenizer's: a file, or the Jinja text itself "
+           "(the server's own, trusted; a request cannot bring one)", default_help="the tokenizer's"),
+    Option(("--trust-remote-code",), E + "trust_remote_code",
+           "accepted for vLLM/SGLang launch lines; no effect: longserve runs only its own model code, never "
+           "a checkpoint's Python (said in the start-up log)", None),
     Option(("--host",), S + "host", "address to bind; 0.0.0.0 listens on every interface"),
     Option(("--port",), S + "port", "TCP port", int),
     Option(("--served-model-name",), S + "served_model_name", "model name(s) clients send", nargs="+",
@@ -146,12 +154,18 @@ OPTIONS: tuple[Option, ...] = (
            "experts whole (must divide --tp-size)", int),
     Option(("--enable-expert-parallel",), E + "enable_expert_parallel",
            "MoE models: place whole experts on the tensor-parallel ranks (--ep-size = --tp-size)", None),
+    Option(("--dp-size", "--data-parallel-size"), E + "dp_size",
+           "data-parallel replicas: only 1 (data parallelism is not supported: run several servers behind a "
+           "load balancer)", int),
     Option(("--nnodes",), E + "nnodes", "nodes the tensor-parallel ranks span", int),
     Option(("--node-rank",), E + "node_rank", "this node's index (node 0 serves HTTP)", int),
     Option(("--dist-init-addr",), E + "dist_init_addr", "HOST:PORT of node 0's rendezvous (multi-node)",
            default_help="127.0.0.1 and a free port (one node)"),
     Option(("--mem-fraction-static", "--gpu-memory-utilization"), E + "mem_fraction_static",
            "share of device memory for weights + KV pool (CPU: of RAM, pool capped at 4 GiB)", float),
+    Option(("--swap-space",), E + "swap_space",
+           "vLLM's CPU swap space (GiB): accepted, no effect; a preempted request is recomputed instead (said "
+           "in the start-up log)", float, default_help="none"),
     Option(("--max-total-tokens",), E + "max_total_tokens", "KV pool size in tokens (overrides the fraction)",
            int, default_help="sized by --mem-fraction-static"),
     Option(("--page-size", "--block-size"), E + "page_size", "tokens per KV page", int),
@@ -290,7 +304,15 @@ def _add_option(container: Any, opt: Option, env: bool = True, default_help: str
 
 
 def add_server_args(parser: argparse.ArgumentParser, sections: tuple[str, ...] = (E, S)) -> None:
-    """Every option of `sections` (engine., server.) and --config FILE.yaml; read them with `resolve`."""
+    """Every option of `sections` (engine., server.), --config FILE.yaml and the model as an optional
+    positional argument (`vllm serve MODEL`'s place); read them with `resolve`."""
+    parser.add_argument(
+        "model_tag",
+        nargs="?",
+        metavar="MODEL",
+        default=argparse.SUPPRESS,
+        help="the model directory, as vLLM's `vllm serve MODEL` places it: the same as --model-path MODEL",
+    )
     parser.add_argument("--config", metavar="FILE.yaml", help="YAML file of options (keys: flag names)")
     group = parser.add_argument_group(
         "engine and server options (flag > LONGSERVE_* env > --config > default)"
@@ -330,6 +352,57 @@ def engine_config_from_args(args: argparse.Namespace, **fields: Any) -> EngineCo
         _check_tp_size(config.model, config.tp_size, config.ep_size)
     _check_quantization(config)
     return config
+
+
+_ENGINE_FIELDS = {f.name for f in fields(EngineConfig)}
+_BUILTIN_TYPES = (str, int, float)
+
+
+def engine_keywords(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """Python keywords (`LLM(model, **kwargs)`) -> EngineConfig fields, from this one table: a field's name,
+    or any spelling of an engine option with `_` for `-` (vLLM's max_model_len, gpu_memory_utilization,
+    tensor_parallel_size, block_size, enforce_eager, max_num_seqs, ...; SGLang's disable_radix_cache, ...).
+    A string value is read as its flag reads it (dtype="half", schedule_policy="lpm"); a switch takes a bool
+    (disable_radix_cache=True: enable_prefix_caching=False). Two spellings that disagree, a server option or
+    an unknown keyword is a TypeError naming the closest keyword known."""
+    out: dict[str, Any] = {}
+    given: dict[str, str] = {}  # field -> the keyword that set it
+    for key, value in kwargs.items():
+        opt = _BY_KEY.get(key)
+        if key in _ENGINE_FIELDS:
+            field = key
+        elif opt is not None and opt.target.startswith(E):
+            field = opt.target.removeprefix(E)
+        elif opt is not None:
+            raise TypeError(
+                f"{key!r} is a server setting ({opt.flags[0]} of `longserve serve`), not an engine one"
+            )
+        else:
+            known = sorted(_ENGINE_FIELDS | {k for k, o in _BY_KEY.items() if o.target.startswith(E)})
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else f"known: {', '.join(known)}"
+            raise TypeError(f"unknown engine argument {key!r}: {hint}")
+        if opt is not None and opt.target == E + field:
+            if opt.type is None:  # a switch: True sets what the flag sets
+                if isinstance(value, bool) and isinstance(opt.const, bool):
+                    value = value if opt.const else not value
+                elif value is True:
+                    value = opt.const
+                elif value is False:
+                    continue  # the switch not given: the default
+            elif isinstance(value, str) and opt.type not in _BUILTIN_TYPES:
+                try:
+                    value = opt.type(value)
+                except ValueError as e:
+                    raise ConfigError(f"{key}={e}", field) from None  # e: "'half': expected ..."
+        if field in out and out[field] != value:
+            raise TypeError(
+                f"{given[field]}={kwargs[given[field]]!r} and {key}={kwargs[key]!r} set the same setting "
+                f"({field}) differently; give one"
+            )
+        out[field] = value
+        given[field] = key
+    return out
 
 
 # field name -> its flag in messages: the first spelling of the first option that sets it
@@ -428,6 +501,15 @@ def resolve(
     """Flags (given ones only) over LONGSERVE_* env over the --config file over the dataclass defaults."""
     environ = os.environ if environ is None else environ
     given = {k: v for k, v in vars(args).items() if k.startswith((E, S))}
+    positional = getattr(args, "model_tag", None)
+    if positional is not None:
+        flag = given.get(E + "model")
+        if flag is not None and os.path.normpath(flag) != os.path.normpath(positional):
+            raise ValueError(
+                f"the model is given twice, as MODEL ({positional!r}) and as --model-path/--model ({flag!r}); "
+                "give it once"
+            )
+        given[E + "model"] = positional
     config_file = getattr(args, "config", None) or environ.get("LONGSERVE_CONFIG")
     merged = {**(_from_file(config_file) if config_file else {}), **_from_env(environ), **given}
     engine_kw = {k.removeprefix(E): v for k, v in merged.items() if k.startswith(E)}

@@ -36,7 +36,7 @@ _TYPES = {
 # OpenAI's and vLLM's request fields that longserve refuses, and why (a request naming one is a 400)
 UNSUPPORTED_FIELDS = {
     "audio": "audio output is not supported (this server generates text)",
-    "modalities": "only text output is supported",
+    "modalities": "only text is supported (no image, audio or video input or output)",
     "prediction": "predicted outputs are not supported",
     "web_search_options": "web search is not supported",
     "functions": "the legacy function-calling fields are not supported: use tools",
@@ -63,7 +63,36 @@ UNSUPPORTED_FIELDS = {
     "cache_salt": "not supported",
     "kv_transfer_params": "disaggregated serving is not supported",
     "vllm_xargs": "not supported",
-}
+    "return_token_strs": "not supported; /detokenize decodes token ids",
+    # SGLang's /generate fields (protocol.SGLANG_UNSUPPORTED_FIELDS), refused when not at their default
+    **dict.fromkeys(
+        ("image_data", "video_data", "audio_data", "mm_hashes", "mm_content_hashes", "use_audio_in_video",
+         "video_config", "max_dynamic_patch", "min_dynamic_patch", "image_max_dynamic_patch",
+         "video_max_dynamic_patch", "images_config", "need_wait_for_mm_inputs", "num_items_assigned",
+         "encoder_urls"),
+        "multimodal inputs are not supported",
+    ),
+    "input_embeds": "prompt embeddings are not supported: give text or input_ids",
+    "positional_embed_overrides": "embedding overrides are not supported",
+    "token_ids_logprob": "not supported; top_logprobs_num returns the likeliest tokens' logprobs",
+    **dict.fromkeys(
+        ("return_sampling_mask", "return_flat_raw_top_logprobs", "return_flat_raw_top_logprobs_b64",
+         "return_hidden_states", "return_routed_experts", "routed_experts_start_len", "return_indexer_topk",
+         "return_entropy", "return_prompt_token_ids", "return_bytes", "multi_item_delimiter_indices"),
+        "not supported",
+    ),
+    "session_params": "sessions are not supported; send the conversation so far (its prefix is cached)",
+    "lora_path": "LoRA adapters are not supported",
+    "lora_id": "LoRA adapters are not supported",
+    **dict.fromkeys(
+        ("bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_pair_key", "decode_tp_size"),
+        "disaggregated serving is not supported",
+    ),
+    "background": "background requests are not supported",
+    "require_reasoning": "not supported; a thinking model's switch is a chat template variable",
+    "max_thinking_tokens": "thinking budgets are not supported",
+    "extra_key": "not supported (the prefix cache matches by content)",
+}  # fmt: skip
 
 
 class ClientGone(Exception):
@@ -138,6 +167,16 @@ def validation_error(exc: ValidationError | RequestValidationError) -> APIError:
         why = UNSUPPORTED_FIELDS.get(str(loc[-1]) if loc else "")
         if why is not None:
             return APIError(400, f"unsupported field {param!r}: {why}", param=param)
+        extra = [
+            ".".join(str(p) for p in e.get("loc", ()) if p != "body" and not _is_member_tag(p))
+            for e in errors
+            if e.get("type") == "extra_forbidden"
+        ]
+        if len(extra) > 1:  # every unknown field named at once, not one per attempt
+            names = ", ".join(repr(name) for name in extra)
+            return APIError(
+                400, f"unknown fields {names}; /docs lists the fields of every route", param=param
+            )
         return APIError(400, f"unknown field {param!r}; /docs lists the fields of every route", param=param)
     msg = first.get("msg", "invalid value")
     if first.get("type") == "model_type" and not loc:

@@ -37,6 +37,7 @@ def build_server(engine_config: EngineConfig, server_config: ServerConfig):
                 server_config.tokenizer_workers,
                 server_config.tokenizer_prefix_cache_size,
                 max_chars=MAX_CHARS_PER_TOKEN * engine.context_length,
+                chat_template=engine_config.chat_template_text,
             ),
         )
         return create_app(state)

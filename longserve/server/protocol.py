@@ -3,16 +3,19 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Literal, TypeVar
 
 from fastapi import Request
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from starlette.requests import ClientDisconnect
 
 from longserve.sampling_params import SamplingParams
 from longserve.server.chat_tools import template_tool_calls
 from longserve.server.errors import APIError, ClientGone, validation_error
+
+logger = logging.getLogger("longserve.server")
 
 # ASGI scope key: time.perf_counter() when the server started on the request (engine timings count from it)
 ARRIVAL_SCOPE_KEY = "longserve.arrival"
@@ -239,7 +242,41 @@ class GenerateSampling(_Schema):
         return make_sampling_params(kw)
 
 
+# SGLang's GenerateReqInput (sglang/srt/managers/io_struct.py) declares more fields than longserve implements.
+# SGLang reads its body as a dataclass, so it ignores a field it does not declare (a typo) without a word;
+# longserve answers a 400 naming it instead, as on the OpenAI routes. Of SGLang's own fields: routing,
+# tracing and logging hints are accepted and ignored (a debug log line names them) ...
+SGLANG_IGNORED_FIELDS = frozenset({
+    "session_id", "log_metrics", "routed_dp_rank", "data_parallel_rank", "disagg_prefill_dp_rank",
+    "kv_router_hint", "routing_key", "conversation_id", "no_logs", "custom_labels", "external_trace_header",
+    "received_time", "http_worker_ipc",
+})  # fmt: skip
+# ... and those that would change what is computed or returned are accepted at their default only (null,
+# false, empty: a client that sends every field), else a 400 that says why (errors.UNSUPPORTED_FIELDS)
+SGLANG_UNSUPPORTED_FIELDS = frozenset({
+    "input_embeds", "image_data", "video_data", "audio_data", "mm_hashes", "mm_content_hashes",
+    "use_audio_in_video", "video_config", "modalities", "max_dynamic_patch", "min_dynamic_patch",
+    "image_max_dynamic_patch", "video_max_dynamic_patch", "images_config", "need_wait_for_mm_inputs",
+    "num_items_assigned", "encoder_urls", "positional_embed_overrides", "token_ids_logprob",
+    "return_sampling_mask", "return_flat_raw_top_logprobs", "return_flat_raw_top_logprobs_b64",
+    "return_hidden_states", "return_routed_experts", "routed_experts_start_len", "return_indexer_topk",
+    "return_entropy", "return_prompt_token_ids", "return_bytes", "session_params", "lora_path", "lora_id",
+    "bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_pair_key", "decode_tp_size",
+    "background", "require_reasoning", "max_thinking_tokens", "priority", "extra_key", "cache_salt",
+    "multi_item_delimiter_indices",
+})  # fmt: skip
+_SGLANG_DEFAULTS = {"routed_experts_start_len": 0}  # the unsupported fields' defaults that are not null/false
+
+
+def _at_default(name: str, value: Any) -> bool:
+    return value is None or value is False or value in ([], {}, "") or value == _SGLANG_DEFAULTS.get(name)
+
+
 class GenerateRequest(_Schema):
+    """SGLang's /generate body; a field not declared here is a 400 naming it, but for SGLang's own fields
+    (SGLANG_IGNORED_FIELDS, SGLANG_UNSUPPORTED_FIELDS at their defaults), which are accepted and ignored."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
     sampling_params: GenerateSampling | None = None
@@ -253,16 +290,46 @@ class GenerateRequest(_Schema):
     custom_logit_processor: str | None = None  # refused: longserve runs no client code
     rid: str | list[str] | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _sglang_fields(cls, data: Any) -> Any:
+        """Drop SGLang's fields that longserve accepts and ignores (logged at debug level), and the nulls
+        SGLang's clients send for the fields declared here (its `Runtime.generate` sends
+        top_logprobs_num: null): they mean the default, as they do on SGLang."""
+        if not isinstance(data, dict):
+            return data
+        ignored = [
+            k
+            for k, v in data.items()
+            if k in SGLANG_IGNORED_FIELDS or (k in SGLANG_UNSUPPORTED_FIELDS and _at_default(k, v))
+        ]
+        nulls = [k for k, v in data.items() if v is None and k in _NULL_MEANS_DEFAULT]
+        if ignored:
+            logger.debug("/generate: ignoring SGLang field(s) %s", ", ".join(sorted(ignored)))
+        if ignored or nulls:
+            data = {k: v for k, v in data.items() if k not in ignored and k not in nulls}
+        return data
+
+
+_NULL_MEANS_DEFAULT = frozenset(
+    ("return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs", "stream")
+)
+
 
 class TokenizeRequest(_Schema):
+    """vLLM's /tokenize body (a prompt, or messages through the chat template); an undeclared field is a 400."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
     model: str | None = None
     prompt: str | None = None
     text: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
+    add_generation_prompt: bool = True  # with messages, as on vLLM
 
 
 class DetokenizeRequest(_Schema):
+    model_config = ConfigDict(strict=True, extra="forbid")
     model: str | None = None
     tokens: list[int]
     skip_special_tokens: bool = False

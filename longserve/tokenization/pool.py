@@ -41,15 +41,24 @@ class TokenizationError(Exception):
 
 class TokenizerPool:
     def __init__(
-        self, path: str, num_workers: int = 2, prefix_cache_size: int = 64, max_chars: int | None = None
+        self,
+        path: str,
+        num_workers: int = 2,
+        prefix_cache_size: int = 64,
+        max_chars: int | None = None,
+        chat_template: str | None = None,
     ) -> None:
         """max_chars: the longest text (a prompt, or a chat's messages together) tokenized for one request;
-        longer ones are refused by their size, before any tokenizing (None: no limit)."""
+        longer ones are refused by their size, before any tokenizing (None: no limit). chat_template: the
+        server's template text (--chat-template), used instead of the tokenizer's."""
         self.path = path
+        self.chat_template = chat_template
         self.max_chars = max_chars
         self._local = threading.local()
         self._executor = ThreadPoolExecutor(num_workers, thread_name_prefix="longserve-tokenizer")
-        self.tokenizer = load_tokenizer(path)  # checks the files now, and serves cheap attribute reads
+        self.tokenizer = load_tokenizer(
+            path, chat_template=chat_template
+        )  # checks the files now, and serves cheap attribute reads
         self.prompts = PromptTokenizer(self.tokenizer, prefix_cache_size)  # the shared prefix token cache
 
     @property
@@ -59,7 +68,7 @@ class TokenizerPool:
     def _tokenizer(self):
         tok = getattr(self._local, "tokenizer", None)
         if tok is None:
-            tok = self._local.tokenizer = load_tokenizer(self.path)
+            tok = self._local.tokenizer = load_tokenizer(self.path, chat_template=self.chat_template)
         return tok
 
     def check_size(self, num_chars: int, param: str) -> None:

@@ -16,9 +16,10 @@ logger = logging.getLogger("longserve.tokenization")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
-def load_tokenizer(path: str, required: bool = True):
+def load_tokenizer(path: str, required: bool = True, chat_template: str | None = None):
     """A transformers fast tokenizer from a local directory. With required=False a directory with no
-    tokenizer files gives None (token-id prompts only); else ConfigPathError names the `tokenizer` setting."""
+    tokenizer files gives None (token-id prompts only); else ConfigPathError names the `tokenizer` setting.
+    `chat_template` (the text of --chat-template) replaces the tokenizer's own for every chat it renders."""
     if not any(os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_FILES):
         if not required:
             logger.warning("no tokenizer files in %s: only token-id prompts can be served", path)
@@ -30,7 +31,10 @@ def load_tokenizer(path: str, required: bool = True):
         )
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    return tokenizer
 
 
 def load_generation_eos_ids(model_dir: str) -> list[int]:

@@ -83,6 +83,21 @@ def test_text_prompt_and_chat(ckpt):
     assert chat.token_ids == m.generate(chat.prompt_token_ids, GREEDY32)[0].token_ids
 
 
+def test_chat_template_replaces_the_tokenizers(ckpt, tmp_path):
+    """chat_template (--chat-template; a file or the Jinja text) renders every chat instead of the
+    tokenizer's template; vLLM's keyword spellings (max_model_len, max_tokens) read as ours."""
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant]"
+    path = tmp_path / "chat.jinja"
+    path.write_text(template)
+    msgs = [{"role": "user", "content": "hello there"}]
+    for given in (str(path), template):
+        m = llm(ckpt, chat_template=given, max_model_len=256)
+        out = m.chat(msgs, SamplingParams(max_tokens=2, temperature=0.0))[0]
+        assert m.tokenizer.decode(out.prompt_token_ids) == "[user] hello there\n[assistant]"
+        assert len(out.token_ids) == 2 and m.engine.context_length == 256
+        m.close()
+
+
 def run_all(path, ps, **kw):
     m = llm(path, **kw)
     outs = m.generate(ps, GREEDY32)

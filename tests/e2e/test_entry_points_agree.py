@@ -142,3 +142,51 @@ def test_help_says_what_a_missing_model_means():
     text = " ".join(build_parser().format_help().split())
     assert "default: the small built-in demo model" in text
     assert "default: None" not in text
+
+
+def test_llm_takes_every_engine_spelling_of_the_option_table(model_dir, no_engine):
+    """LLM(...) takes vLLM's and SGLang's keyword spellings of every engine option `longserve serve` takes
+    as a flag (server/args.py's one table), and builds the EngineConfig those flags build."""
+    vllm = llm.LLM(
+        model_dir, max_model_len=256, gpu_memory_utilization=0.5, max_num_batched_tokens=64, max_num_seqs=3,
+        block_size=32, enforce_eager=True, enable_prefix_caching=False, seed=7, trust_remote_code=True,
+        tokenizer=model_dir, tensor_parallel_size=1, swap_space=4, dtype="half", load_format="dummy",
+        device="cpu", scheduling_policy="fcfs", kv_cache_dtype="fp8",
+    ).config  # fmt: skip
+    argv = (
+        f"--model {model_dir} --max-model-len 256 --gpu-memory-utilization 0.5 --max-num-batched-tokens 64 "
+        f"--max-num-seqs 3 --block-size 32 --enforce-eager --no-enable-prefix-caching --seed 7 "
+        f"--trust-remote-code --tokenizer {model_dir} --tensor-parallel-size 1 --swap-space 4 --dtype half "
+        "--load-format dummy --device cpu --scheduling-policy fcfs --kv-cache-dtype fp8"
+    )
+    assert vllm == parse(argv.split(), environ={})[0]
+    assert (vllm.context_length, vllm.page_size, vllm.dtype, vllm.enable_prefix_caching) == (
+        256, 32, "float16", False
+    )  # fmt: skip
+    sglang = llm.LLM(
+        model_dir, context_length=256, mem_fraction_static=0.5, disable_radix_cache=True,
+        disable_cuda_graph=True, random_seed=7, load_format="dummy", schedule_policy="lpm",
+    ).config  # fmt: skip
+    assert (sglang.context_length, sglang.enable_prefix_caching, sglang.enforce_eager, sglang.seed) == (
+        256, False, True, 7
+    )  # fmt: skip
+    assert sglang.schedule_policy == "short-first"  # lpm, as the flag reads it
+
+
+def test_llm_refuses_unknown_disagreeing_and_server_keywords(model_dir, no_engine):
+    with pytest.raises(
+        TypeError, match="unknown engine argument 'max_modle_len': did you mean 'max_model_len'"
+    ):
+        llm.LLM(model_dir, max_modle_len=256)
+    with pytest.raises(TypeError, match=r"max_model_len=256 and context_length=512 set the same setting"):
+        llm.LLM(model_dir, load_format="dummy", max_model_len=256, context_length=512)
+    assert (
+        llm.LLM(model_dir, load_format="dummy", max_model_len=256, context_length=256).config.context_length
+        == 256
+    )
+    with pytest.raises(TypeError, match="'port' is a server setting"):
+        llm.LLM(model_dir, port=8000)
+    with pytest.raises(ConfigError, match="data parallelism is not supported"):
+        llm.LLM(model_dir, load_format="dummy", data_parallel_size=2)
+    with pytest.raises(ConfigError, match="dtype='fp9': expected auto"):
+        llm.LLM(model_dir, load_format="dummy", dtype="fp9")

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from longserve import __version__
+from longserve.testing.checkpoints import CHAT_TEMPLATE
 from tests.server.conftest import ServerProcess, free_port
 
 pytest.importorskip("fastapi")
@@ -29,14 +30,24 @@ MSGS = [{"role": "user", "content": "Hello there"}]
 TOO_LONG = "The library opened at nine. " * 200  # ~1,200 tokens: over the 512-token context
 
 
+# the tiny model's template with a marker: --chat-template replaces the tokenizer's
+SERVED_TEMPLATE = CHAT_TEMPLATE.replace("{{ bos_token }}", "{{ bos_token }}[served]")
+
+
 @pytest.fixture(scope="module")
 def compat_server(tiny_model, tmp_path_factory):
-    """Lenient model names (the default), vLLM's metric names."""
+    """Launched as a vLLM user would: the model positional (`vllm serve MODEL`), --trust-remote-code,
+    --swap-space, --data-parallel-size 1 and --chat-template FILE; lenient model names (the default),
+    vLLM's metric names."""
+    logs = tmp_path_factory.mktemp("logs")
+    template = logs / "served.jinja"
+    template.write_text(SERVED_TEMPLATE)
     port = free_port()
-    args = ["--model-path", tiny_model, "--device", "cpu", "--dtype", "float32", "--port", str(port)]
+    args = [tiny_model, "--device", "cpu", "--dtype", "float32", "--port", str(port)]
     args += ["--served-model-name", NAME, "--context-length", str(CONTEXT), "--max-total-tokens", "8192"]
-    args += ["--metrics-names", "vllm"]
-    proc = ServerProcess(args, port, str(tmp_path_factory.mktemp("logs") / "compat.log")).wait_ready()
+    args += ["--metrics-names", "vllm", "--trust-remote-code", "--swap-space", "4"]
+    args += ["--data-parallel-size", "1", "--chat-template", str(template)]
+    proc = ServerProcess(args, port, str(logs / "compat.log")).wait_ready()
     yield proc
     proc.stop()
 
@@ -208,6 +219,82 @@ def test_harmless_fields_are_accepted(oai):
     )  # fmt: skip
     plain = oai.chat.completions.create(model=NAME, messages=MSGS, max_tokens=3, temperature=0)
     assert r.choices[0].message.content == plain.choices[0].message.content  # no effect on the output
+
+
+# ---- vLLM's launch line, SGLang's /generate fields ----------------------------------------------------
+def test_vllm_launch_line_is_served(compat_server, c):
+    """The fixture's vLLM-style flags started the server: the no-op ones are said once in its log, and the
+    --chat-template file renders chats (the tokenizer's own template has no marker)."""
+    log = compat_server.log()
+    assert log.count("trust_remote_code (--trust-remote-code) has no effect") == 1
+    assert "swap_space=4.0 GiB (--swap-space) has no effect" in log
+    for add_generation_prompt in (True, False):
+        r = c.post("/tokenize", json={"messages": MSGS, "add_generation_prompt": add_generation_prompt})
+        text = c.post("/detokenize", json={"tokens": r.json()["tokens"]}).json()["text"]
+        assert "[served]<|im_start|>user\nHello there<|im_end|>" in text
+        assert text.endswith("<|im_start|>assistant\n") == add_generation_prompt
+    r = c.post("/v1/chat/completions", json={"messages": MSGS, "max_tokens": 2, "temperature": 0})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(
+        c.post("/tokenize", json={"messages": MSGS}).json()["tokens"]
+    )
+
+
+GENERATE = {"text": "The library", "sampling_params": {"max_new_tokens": 3, "temperature": 0}}
+
+
+@pytest.mark.parametrize(
+    "extra,field,message",
+    [
+        (
+            {"max_new_tokens": 3},
+            "max_new_tokens",
+            "unknown field 'max_new_tokens'",
+        ),  # belongs in sampling_params
+        ({"modle": "x", "tempreature": 0}, "modle", "unknown fields 'modle', 'tempreature'"),
+        ({"image_data": "cat.png"}, "image_data", "multimodal inputs are not supported"),
+        ({"lora_path": "adapter"}, "lora_path", "LoRA adapters are not supported"),
+        ({"return_hidden_states": True}, "return_hidden_states", "unsupported field"),
+        ({"session_params": {"id": "s"}}, "session_params", "sessions are not supported"),
+    ],
+)
+def test_generate_refuses_unknown_and_unsupported_fields(c, extra, field, message):
+    """SGLang ignores a field its GenerateReqInput does not declare; longserve names it, as on /v1."""
+    r = c.post("/generate", json={**GENERATE, **extra})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert message in err["message"] and err["param"] == field
+
+
+def test_generate_accepts_sglangs_own_fields(c):
+    """SGLang's routing/logging hints, and its other fields at their defaults (what a client that sends
+    every field sends; SGLang's Runtime.generate sends top_logprobs_num and lora_path as null)."""
+    plain = c.post("/generate", json=GENERATE).json()
+    hints = {"session_id": "s1", "log_metrics": False, "routed_dp_rank": 0, "custom_labels": {"team": "a"},
+             "no_logs": True, "routing_key": "k"}  # fmt: skip
+    defaults = {"image_data": None, "lora_path": None, "return_hidden_states": False, "top_logprobs_num": None,
+                "logprob_start_len": None, "return_logprob": None, "routed_experts_start_len": 0,
+                "token_ids_logprob": []}  # fmt: skip
+    for extra in (hints, defaults):
+        r = c.post("/generate", json={**GENERATE, **extra})
+        assert r.status_code == 200, r.text
+        assert r.json()["output_ids"] == plain["output_ids"]
+
+
+@pytest.mark.parametrize(
+    "path,body,message",
+    [
+        ("/tokenize", {"prompt": "hi", "bogus": 1}, "unknown field 'bogus'"),
+        (
+            "/tokenize",
+            {"messages": MSGS, "chat_template": "{{ messages }}"},
+            "cannot bring its own chat template",
+        ),
+        ("/detokenize", {"tokens": [5], "skip_special": True}, "unknown field 'skip_special'"),
+    ],
+)
+def test_tokenize_routes_refuse_unknown_fields(c, path, body, message):
+    r = c.post(path, json=body)
+    assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
 
 
 # ---- vLLM's Grafana dashboards -----------------------------------------------------------------------

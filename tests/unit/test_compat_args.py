@@ -48,3 +48,85 @@ def test_server_compat_flags():
     assert (server.strict_model_name, server.metrics_names) == (True, "sglang")
     with pytest.raises(SystemExit):
         parse(["--metrics-names", "prometheus"], environ={})
+
+
+def test_model_as_vllm_places_it(tmp_path):
+    """`vllm serve MODEL`: the model may come positionally; with --model-path/--model too, they must agree."""
+    from longserve.assets import default_model_path
+    from longserve.cli import build_parser as cli_parser
+    from longserve.server.args import resolve
+
+    m = default_model_path()
+    assert parse([m], environ={})[0].model == m
+    assert parse([m, "--model", m, "--port", "8000"], environ={})[0].model == m
+    args = cli_parser().parse_args(["serve", m, "--max-model-len", "256"])  # `longserve serve MODEL`
+    assert resolve(args, environ={})[0].model == m
+    args = cli_parser().parse_args(["generate", m, "--prompt", "hi"])
+    assert resolve(args, environ={})[0].model == m
+    with pytest.raises(ValueError, match="the model is given twice"):
+        parse([m, "--model-path", str(tmp_path)], environ={})
+    with pytest.raises(SystemExit):  # one model only
+        parse([m, m], environ={})
+
+
+def test_accepted_no_op_flags_and_data_parallel_refusal():
+    engine, _ = parse([], environ={})
+    assert (engine.trust_remote_code, engine.swap_space, engine.dp_size) == (False, None, 1)
+    engine, _ = parse(["--trust-remote-code", "--swap-space", "4", "--dp-size", "1"], environ={})
+    assert (engine.trust_remote_code, engine.swap_space, engine.dp_size) == (True, 4.0, 1)
+    assert parse(["--data-parallel-size", "1"], environ={})[0].dp_size == 1
+    engine, _ = parse([], environ={"LONGSERVE_TRUST_REMOTE_CODE": "true"})
+    assert engine.trust_remote_code
+    for flag in ("--dp-size", "--data-parallel-size"):
+        with pytest.raises(ValueError) as e:
+            parse([flag, "2"], environ={})
+        message = cli_message(e.value)
+        assert (
+            message.startswith("--dp-size 2: data parallelism is not supported")
+            and "load balancer" in message
+        )
+    with pytest.raises(ValueError, match="swap_space must be a number of GiB >= 0"):
+        parse(["--swap-space", "-1"], environ={})
+
+
+def test_chat_template_from_a_file_or_the_text(tmp_path):
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    path = tmp_path / "t.jinja"
+    path.write_text(template)
+    engine, _ = parse(["--chat-template", str(path)], environ={})
+    assert engine.chat_template == str(path) and engine.chat_template_text == template
+    assert parse(["--chat-template", template], environ={})[0].chat_template_text == template
+    # typed in a shell on one line, with \n escapes: read as vLLM reads it
+    assert parse(["--chat-template", "{{ 'a' }}\\n{{ 'b' }}"], environ={})[0].chat_template_text == (
+        "{{ 'a' }}\n{{ 'b' }}"
+    )
+    assert parse([], environ={})[0].chat_template_text is None
+    with pytest.raises(FileNotFoundError) as e:  # a path that cannot be read fails before anything loads
+        parse(["--chat-template", str(tmp_path / "missing.jinja")], environ={})
+    assert cli_message(e.value).startswith(
+        f"--chat-template {tmp_path / 'missing.jinja'} looks like a file path"
+    )
+
+
+def test_expert_parallel_on_a_dense_model_warns(caplog):
+    """vLLM ignores --enable-expert-parallel on a dense model; longserve too, and says so at start-up."""
+    from longserve.assets import default_model_path
+    from longserve.engine import log_ignored_settings
+    from longserve.models import load_hf_config
+
+    dense = load_hf_config(default_model_path())
+    for argv in (
+        ["--enable-expert-parallel"],
+        ["--ep-size", "1", "--trust-remote-code", "--swap-space", "2"],
+    ):
+        caplog.clear()
+        with caplog.at_level("INFO", logger="longserve.engine"):
+            log_ignored_settings(parse(argv, environ={})[0], dense)
+        warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+        if argv[0] == "--enable-expert-parallel":
+            assert len(warnings) == 1 and "is not a mixture of experts" in warnings[0].getMessage()
+        else:
+            assert not warnings
+            text = caplog.text
+            assert "trust_remote_code (--trust-remote-code) has no effect" in text
+            assert "swap_space=2.0 GiB (--swap-space) has no effect" in text and "recomputes" in text

@@ -70,3 +70,45 @@ def test_clone_copies_lists_and_revalidates() -> None:
     assert params.stop == ["x"] and copy.temperature == 0.5 and params.temperature == 1.0
     with pytest.raises(ValueError, match="top_p"):
         params.clone(top_p=2.0)
+
+
+def test_vllm_and_sglang_keyword_spellings() -> None:
+    """vLLM's names (max_tokens, min_tokens, include_stop_str_in_output, extra_args) and SGLang's
+    sampling_seed set our fields; the ones vLLM spells as we do are accepted as they are."""
+    p = SamplingParams(
+        max_tokens=7,
+        min_tokens=2,
+        include_stop_str_in_output=True,
+        extra_args={"k": 1},
+        sampling_seed=5,
+        stop_token_ids=[3],
+        skip_special_tokens=False,
+        spaces_between_special_tokens=False,
+        prompt_logprobs=1,
+    )
+    assert (p.max_new_tokens, p.min_new_tokens, p.no_stop_trim, p.custom_params, p.seed) == (
+        7, 2, True, {"k": 1}, 5
+    )  # fmt: skip
+    assert (p.stop_token_ids, p.skip_special_tokens, p.spaces_between_special_tokens) == ([3], False, False)
+    assert (p.max_tokens, p.min_tokens, p.include_stop_str_in_output) == (7, 2, True)  # read as vLLM does
+    p.max_tokens = 9
+    assert p.max_new_tokens == 9 and p.clone().max_tokens == 9
+    assert SamplingParams(max_tokens=4, max_new_tokens=4).max_new_tokens == 4  # both, agreeing: fine
+    with pytest.raises(ValueError, match="min_new_tokens"):
+        SamplingParams(max_tokens=1, min_tokens=2)  # validated as one field
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_tokens": 4, "max_new_tokens": 5}, "max_tokens=4 and max_new_tokens=5: two spellings"),
+        ({"min_new_tokens": 1, "min_tokens": 2}, "min_new_tokens=1 and min_tokens=2"),
+        ({"max_token": 3}, "'max_token': did you mean 'max_tokens'"),
+        ({"temprature": 1.0}, "'temprature': did you mean 'temperature'"),
+        ({"bad_words": ["x"]}, "'bad_words': not supported"),
+        ({"logits_processors": []}, "custom logits processors are not supported"),
+    ],
+)
+def test_conflicting_or_unknown_keywords_are_type_errors(kwargs: dict, message: str) -> None:
+    with pytest.raises(TypeError, match=message):
+        SamplingParams(**kwargs)
