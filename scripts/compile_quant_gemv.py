@@ -44,7 +44,7 @@ def compile_gemv(x="bf16", bits=4, zp=False, gidx=False, per_col=False, bias=Fal
             "g_ptr": "*i32" if gidx else "*fp16", "b_ptr": f"*{x}" if bias else "*fp16",
             "out_ptr": "*fp32" if split > 1 else f"*{x}"}  # fmt: skip
     consts = dict(BITS=bits, HAS_ZP=zp, HAS_GIDX=gidx, SCALE_PER_COL=per_col or gidx, HAS_BIAS=bias and split == 1,
-                  EVEN_K=even_k, USE_DOT=dot, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
+                  EVEN_K=even_k, USE_DOT=dot, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PARTIAL=split > 1,
                   INTERPRET=False, INTERPRET_BF16=False)  # fmt: skip
     sig = {a: ptrs.get(a, "constexpr" if a in consts else "i32") for a in names}
     div16 = [*ptrs, "K", "N", "stride_xm", "stride_wn", "stride_om", "stride_os"]
@@ -54,17 +54,17 @@ def compile_gemv(x="bf16", bits=4, zp=False, gidx=False, per_col=False, bias=Fal
                           options={"num_warps": num_warps, "num_stages": num_stages})  # fmt: skip
 
 
-def compile_reduce(x="bf16", split=4, bias=True):
+def compile_reduce(x="bf16", bias=True):
     """The split-K reduction kernel for sm90."""
     import triton
     from triton.backends.compiler import GPUTarget
 
     from longserve.kernels.quant_gemv import _splitk_reduce_kernel as fn
 
-    sig = {"part_ptr": "*fp32", "b_ptr": f"*{x}", "out_ptr": f"*{x}", "N": "i32", "stride_ps": "i32",
-           "stride_pm": "i32", "stride_om": "i32", "SPLIT_K": "constexpr", "HAS_BIAS": "constexpr",
+    sig = {"part_ptr": "*fp32", "b_ptr": f"*{x}", "out_ptr": f"*{x}", "N": "i32", "num_splits": "i32",
+           "stride_ps": "i32", "stride_pm": "i32", "stride_om": "i32", "HAS_BIAS": "constexpr",
            "BLOCK": "constexpr", "INTERPRET_BF16": "constexpr"}  # fmt: skip
-    consts = {"SPLIT_K": split, "HAS_BIAS": bias, "BLOCK": 1024, "INTERPRET_BF16": False}
+    consts = {"HAS_BIAS": bias, "BLOCK": 1024, "INTERPRET_BF16": False}
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 

@@ -67,13 +67,13 @@ def _wna16_gemv_kernel(
     s_ptr,  # [N, G]
     z_ptr,  # [N, G] uint8 (HAS_ZP)
     g_ptr,  # [K] int32 (HAS_GIDX)
-    b_ptr,  # [N] bias (HAS_BIAS and SPLIT_K == 1)
-    out_ptr,  # [M, N] in x's dtype (SPLIT_K == 1), else [SPLIT_K, M, N] float32 partial sums
+    b_ptr,  # [N] bias (HAS_BIAS, not PARTIAL)
+    out_ptr,  # [M, N] in x's dtype, or (PARTIAL: split K) [splits, M, N] float32 partial sums
     M, N, K, group_size, tiles_per_split, num_tiles,
     stride_xm, stride_wn, stride_sn, stride_zn, stride_om, stride_os,
     BITS: tl.constexpr, HAS_ZP: tl.constexpr, HAS_GIDX: tl.constexpr, SCALE_PER_COL: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, USE_DOT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr,
     INTERPRET: tl.constexpr, INTERPRET_BF16: tl.constexpr,
 ):  # fmt: skip
     PACK: tl.constexpr = 8 // BITS  # values per byte
@@ -180,7 +180,7 @@ def _wna16_gemv_kernel(
         out_off = offs_m[None, :] * stride_om + offs_n[:, None]
         out_mask = m_mask[None, :] & n_mask[:, None]
         n_bcast = offs_n[:, None]
-    if SPLIT_K == 1:
+    if not PARTIAL:
         if HAS_BIAS:
             acc += tl.load(b_ptr + n_bcast, mask=n_bcast < N, other=0.0).to(tl.float32)
         out_ty = out_ptr.dtype.element_ty
@@ -191,15 +191,15 @@ def _wna16_gemv_kernel(
 
 @triton.jit
 def _splitk_reduce_kernel(
-    part_ptr, b_ptr, out_ptr, N, stride_ps, stride_pm, stride_om,
-    SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, INTERPRET_BF16: tl.constexpr,
+    part_ptr, b_ptr, out_ptr, N, num_splits, stride_ps, stride_pm, stride_om,
+    HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, INTERPRET_BF16: tl.constexpr,
 ):  # fmt: skip
     """out[m, n] = sum over the splits in order (+ bias), rounded once to out's dtype."""
     m, pid = tl.program_id(0), tl.program_id(1)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
     acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for s in tl.static_range(SPLIT_K):
+    for s in range(0, num_splits):  # in order: deterministic
         acc += tl.load(part_ptr + s * stride_ps + m * stride_pm + offs, mask=mask, other=0.0)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -316,7 +316,7 @@ def wna16_gemv(
         out.stride(0) if split > 1 else 0,
         BITS=bits, HAS_ZP=zeros is not None, HAS_GIDX=g_idx is not None, SCALE_PER_COL=per_col,
         HAS_BIAS=bias is not None and split == 1, EVEN_K=k % block_k == 0, USE_DOT=bool(cfg["USE_DOT"]),
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, SPLIT_K=split,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, PARTIAL=split > 1,
         INTERPRET=interp, INTERPRET_BF16=interpret_bf16,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
@@ -325,7 +325,7 @@ def wna16_gemv(
     res = torch.empty(m, n, dtype=x.dtype, device=x.device)
     block = 1024 if n >= 1024 else triton.next_power_of_2(n)
     _splitk_reduce_kernel[(m, triton.cdiv(n, block))](
-        out, b, res, n, out.stride(0), out.stride(1), res.stride(0),
-        SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK=block, INTERPRET_BF16=interpret_bf16,
+        out, b, res, n, split, out.stride(0), out.stride(1), res.stride(0),
+        HAS_BIAS=bias is not None, BLOCK=block, INTERPRET_BF16=interpret_bf16,
     )  # fmt: skip
     return res
