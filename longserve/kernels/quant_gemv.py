@@ -30,7 +30,16 @@ bit-equal for bf16/fp16; equal up to summation order for float32). The per-eleme
 fp32 on the FMA path and rounds it to x's dtype on the tl.dot path (as the reference does).
 
 Compiles for sm90 on a machine without a GPU (triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))
-reaches cubin): see tests/unit/test_quant_gemv.py::test_gemv_compiles_for_sm90.
+reaches cubin; scripts/compile_quant_gemv.py, run by tests/unit/test_quant_gemv.py). What the SASS of the decode
+case (M = 1, int4 g128, BLOCK_N 64, BLOCK_K 128, 4 warps) shows, Triton 3.9: 69 registers, no spills, two
+LDG.E.128 of packed weights per thread per tile, the activation row through shared memory (one layout
+conversion per tile), and ~6.5 instructions per weight value (~2.5 integer ones unpacking, ~3 float ones: the
+2^23 subtraction, the product, the tree sum). At 128 instructions / clock / SM that bounds the gate_up product at
+~24 us against the 14 us memory floor: not yet measured. If the GPU shows it issue-bound, the next steps are
+PTX unpacking (prmt/lop3 via tl.inline_asm_elementwise, as Marlin does: ~1 instruction per value) and fp16x2
+arithmetic. Not measured either: the act-order path (scale and zero point gathered per value from L1) and the
+cost of the second launch of split-K (a single-launch alternative: the last program of a row block adds the
+partials, ordered by a counter that it resets).
 """
 
 from __future__ import annotations
