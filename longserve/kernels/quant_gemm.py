@@ -13,6 +13,9 @@ Two paths, chosen by the number of tokens M:
 - dequantize then cuBLAS (`_wna16_dequant_kernel` + torch.matmul): for many tokens the GEMM is bound by the
   tensor cores, and writing the [N, K] weight once is amortized over M rows.
 
+- GEMV (`quant_gemv.wna16_gemv`, decode sizes M <= WNA16_GEMV_MAX_TOKENS): split-K over ~8 programs per SM,
+  16-byte loads of the packed rows, scales applied once per tile; built for the memory floor at M = 1..16.
+
 WNA16_DEQUANT_MIN_TOKENS is the crossover between them. It is a placeholder (256) until the GPU session
 measures it (tests/gpu/test_quant_kernels_gpu.py prints both paths' times per M; scripts/gpu/gpu_check.sh
 quant): set it to the measured M where dequantize-then-cuBLAS starts to win.
@@ -29,12 +32,25 @@ import triton
 import triton.language as tl
 
 from longserve.kernels.extend_attention import interpreting
+from longserve.kernels.quant_gemv import wna16_gemv, wna16_gemv_supported
 from longserve.kernels.quant_reference import dequantize_wna16, wna16_gemm_ref
 from longserve.kernels.quant_tiles import int_weight_tile, rounded
 
-__all__ = ["WNA16_DEQUANT_MIN_TOKENS", "wna16_dequantize", "wna16_gemm", "wna16_gemm_ref"]
+__all__ = [
+    "WNA16_DEQUANT_MIN_TOKENS",
+    "WNA16_GEMV_MAX_TOKENS",
+    "wna16_dequantize",
+    "wna16_gemm",
+    "wna16_gemm_ref",
+]
 
 WNA16_DEQUANT_MIN_TOKENS = 256  # crossover fused -> dequantize + cuBLAS; to be measured on the GPU
+# The decode GEMV serves M <= WNA16_GEMV_MAX_TOKENS. 0 = off: it awaits the GPU measurement. Run
+#   python3 scripts/gpu/bench_quant_kernels.py --output-json /tmp/kernels_quant.json
+# (or scripts/gpu/gpu_check.sh quant-bench) and set it to the M its "gemv beats" lines print for every shape
+# (the smallest over the shapes; expected ~16). The engine-level CPU tests run with it on
+# (tests/model/test_quantized_models.py::test_wna16_models_through_the_gemv_kernel).
+WNA16_GEMV_MAX_TOKENS = 0
 
 
 @triton.jit
@@ -176,12 +192,19 @@ def wna16_gemm(
     group_size: int,
     bias: torch.Tensor | None = None,
     config: dict[str, int] | None = None,
-    path: str | None = None,  # "fused" / "dequant": force a path (tests, the crossover benchmark)
+    path: str | None = None,  # "gemv" / "fused" / "dequant": force a path (tests, the crossover benchmark)
 ) -> torch.Tensor:
     """[M, N] in x's dtype; same contract as `wna16_gemm_ref`."""
     m, n, k, group = _check(x, qweight, scales, zeros, g_idx, bits, group_size)
     x = x if x.stride(1) == 1 else x.contiguous()
-    path = path or ("dequant" if m >= WNA16_DEQUANT_MIN_TOKENS else "fused")
+    gemv_config = config if path == "gemv" else None  # a config given with path=None is the fused kernel's
+    if path is None:
+        if m <= WNA16_GEMV_MAX_TOKENS and wna16_gemv_supported(m, k, bits):
+            path = "gemv"
+        else:
+            path = "dequant" if m >= WNA16_DEQUANT_MIN_TOKENS else "fused"
+    if path == "gemv":
+        return wna16_gemv(x, qweight, scales, zeros, g_idx, bits, group_size, bias, config=gemv_config)
     if path == "dequant":
         return torch.nn.functional.linear(
             x, wna16_dequantize(qweight, scales, zeros, g_idx, bits, group, x.dtype), bias

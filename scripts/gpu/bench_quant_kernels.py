@@ -3,14 +3,22 @@ the constants the CPU session could not measure:
 
 - quant_gemm.WNA16_DEQUANT_MIN_TOKENS: the M from which dequantize-then-cuBLAS beats the fused W4A16 kernel
   (printed as "crossover"); both paths are timed at every M.
+- quant_gemm.WNA16_GEMV_MAX_TOKENS: the M up to which the decode GEMV (kernels/quant_gemv.py) beats both
+  (printed as "gemv beats ... up to M="; set the switch to the smallest over the shapes). Its column carries its
+  achieved bandwidth (GB/s of the packed weights, scales, activations and output) and the % of 4.2 TB/s (the
+  H200's measured copy bandwidth: the floor), as does the fused kernel's.
+- quant_gemv.WNA16_GEMV_FMA_MAX_TOKENS and the GEMV's tiles: --sweep-gemv times candidate configs per shape and M
+  and prints the best ("gemv best").
 - quant_fp8.FP8_BLOCK_USE_SCALED_MM: whether cuBLAS's block-scaled FP8 (F.scaled_mm) beats the Triton block GEMM.
 
     python scripts/gpu/bench_quant_kernels.py --output-json /tmp/kernels_quant.json
+    python scripts/gpu/bench_quant_kernels.py --tokens 1,2,4,8,16 --sweep-gemv --output-json /tmp/gemv_sweep.json
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 
 import torch
@@ -22,11 +30,22 @@ from longserve.kernels.quant_fp8 import (
     int8_scaled_linear,
 )
 from longserve.kernels.quant_gemm import wna16_gemm
+from longserve.kernels.quant_gemv import wna16_gemv_config, wna16_gemv_supported
 from longserve.kernels.quant_reference import pack_int_k
 from longserve.platform import cuda_time_ms
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 8192]
+HBM_GBPS = 4200.0  # H200: the copy bandwidth a memory-bound kernel can reach (of 4.8 TB/s peak)
+
+
+def int4_bytes(m: int, n: int, k: int) -> int:
+    """Bytes an int4 g128 product must move: packed weights, fp16 scales, bf16 activations and output."""
+    return n * k // 2 + n * (k // 128) * 2 + m * k * 2 + m * n * 2
+
+
+def gbps(nbytes: int, ms: float) -> float:
+    return nbytes / (ms * 1e-3) / 1e9
 
 
 def time_one(x: torch.Tensor, t: dict[str, torch.Tensor], blockwise: bool) -> dict[str, float]:
@@ -39,12 +58,21 @@ def time_one(x: torch.Tensor, t: dict[str, torch.Tensor], blockwise: bool) -> di
         "int4_dequant_ms": cuda_time_ms(
             lambda: wna16_gemm(x, t["q"], t["scales"], None, None, 4, 128, path="dequant")
         ),
+        "int4_gemv_ms": (
+            cuda_time_ms(lambda: wna16_gemm(x, t["q"], t["scales"], None, None, 4, 128, path="gemv"))
+            if wna16_gemv_supported(x.shape[0], x.shape[1], 4)
+            else float("nan")
+        ),
         "fp8_block_triton_ms": cuda_time_ms(
             lambda: fp8_block_linear(x, t["fp8"], t["fp8_scale"], (128, 128), use_scaled_mm=False)
         ),
         "fp8_channel_ms": cuda_time_ms(lambda: fp8_scaled_linear(x, t["fp8"], t["channel_scale"])),
         "int8_ms": cuda_time_ms(lambda: int8_scaled_linear(x, t["int8"], t["channel_scale"])),
     }
+    nbytes = int4_bytes(x.shape[0], t["q"].shape[0], x.shape[1])
+    for path in ("gemv", "fused"):
+        row[f"int4_{path}_gbps"] = gbps(nbytes, row[f"int4_{path}_ms"])
+        row[f"int4_{path}_pct_hbm"] = 100.0 * row[f"int4_{path}_gbps"] / HBM_GBPS
     if blockwise:
         row["fp8_block_cublas_ms"] = cuda_time_ms(
             lambda: fp8_block_linear(x, t["fp8"], t["fp8_scale"], (128, 128), use_scaled_mm=True)
@@ -52,10 +80,49 @@ def time_one(x: torch.Tensor, t: dict[str, torch.Tensor], blockwise: bool) -> di
     return row
 
 
+def sweep_gemv(name: str, x: torch.Tensor, t: dict[str, torch.Tensor]) -> dict:
+    """Time candidate GEMV configs for one shape and M; the fastest, with the default's time."""
+    m, k = x.shape
+    n = t["q"].shape[0]
+    default = wna16_gemv_config(m, n, k, 128, 4, False, x.dtype, x.device)
+    n_blocks = lambda bn: -(-n // bn)  # noqa: E731
+    results = []
+    dots = (0, 1) if m >= 2 else (0,)
+    for bn, bk, warps, dot in itertools.product((32, 64, 128), (64, 128), (4, 8), dots):
+        bm = max(16, triton_pow2(m)) if dot else triton_pow2(m)
+        for split in sorted({1, max(1, default["SPLIT_K"] // 2), default["SPLIT_K"], default["SPLIT_K"] * 2,
+                             max(1, -(-8 * 132 // n_blocks(bn)))}):  # fmt: skip
+            cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "USE_DOT": dot,
+                   "SCALE_PER_COL": 0, "num_warps": warps, "num_stages": 2}  # fmt: skip
+            try:
+                ms = cuda_time_ms(lambda cfg=cfg: wna16_gemm(x, t["q"], t["scales"], None, None, 4, 128,
+                                                             config=cfg, path="gemv"))  # fmt: skip
+            except Exception as e:  # noqa: BLE001  (a config the compiler or the GPU refuses)
+                print(f"gemv config {cfg} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                continue
+            results.append((ms, cfg))
+    results.sort(key=lambda r: r[0])
+    best_ms, best = results[0]
+    default_ms = cuda_time_ms(lambda: wna16_gemm(x, t["q"], t["scales"], None, None, 4, 128, path="gemv"))
+    nbytes = int4_bytes(m, n, k)
+    row = {"shape": name, "m": m, "gemv_best_ms": best_ms, "gemv_best_pct_hbm": 100 * gbps(nbytes, best_ms) / HBM_GBPS,
+           "gemv_default_ms": default_ms, "best": best, "default": default,
+           "top5": [{"ms": ms, **cfg} for ms, cfg in results[:5]]}  # fmt: skip
+    print(f"{name} M={m}: gemv best {best_ms:.4f} ms ({row['gemv_best_pct_hbm']:.0f}% of {HBM_GBPS / 1000} TB/s) "
+          f"with {best}; default {default_ms:.4f} ms with {default}", flush=True)  # fmt: skip
+    return row
+
+
+def triton_pow2(v: int) -> int:
+    return 1 << (v - 1).bit_length()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     p.add_argument("--output-json", default=None)
+    p.add_argument("--sweep-gemv", action="store_true", help="time candidate GEMV configs (M <= 16)")
+    p.add_argument("--sweep-shapes", default="gate_up,down", help="shapes the sweep covers")
     args = p.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
     rows = []
@@ -71,17 +138,28 @@ def main() -> None:
             "channel_scale": torch.ones(n, device="cuda"),
             "int8": torch.randint(-127, 128, (n, k), device="cuda", dtype=torch.int8),
         }
-        crossover = None
+        crossover, gemv_up_to, gemv_losing = None, 0, False
         for m in tokens:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             row = {"shape": name, "n": n, "k": k, "m": m, **time_one(x, weights, blockwise)}
             if crossover is None and row["int4_dequant_ms"] < row["int4_fused_ms"]:
                 crossover = m
+            others = min(row["int4_fused_ms"], row["int4_dequant_ms"])
+            if not gemv_losing and row["int4_gemv_ms"] < others:  # nan (not supported) compares False
+                gemv_up_to = m
+            else:
+                gemv_losing = True
+            # the best int4 path over bf16 cuBLAS (the issue's target at decode: <= 0.6); a nan gemv is skipped
+            row["int4_best_vs_bf16"] = min(others, row["int4_gemv_ms"]) / row["bf16_ms"]
             rows.append(row)
             print(" ".join(f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}"
                            for key, value in row.items()), flush=True)  # fmt: skip
+            if args.sweep_gemv and m <= 16 and name in args.sweep_shapes.split(","):
+                rows.append(sweep_gemv(name, x, weights))
         print(f"{name}: dequantize+cuBLAS beats the fused int4 kernel from M={crossover}", flush=True)
-        rows.append({"shape": name, "crossover_m": crossover})
+        print(f"{name}: the int4 gemv beats the fused kernel and dequantize+cuBLAS up to M={gemv_up_to} "
+              f"(quant_gemm.WNA16_GEMV_MAX_TOKENS; 0: never)", flush=True)  # fmt: skip
+        rows.append({"shape": name, "crossover_m": crossover, "gemv_max_tokens": gemv_up_to})
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -1,6 +1,6 @@
 """Quantized kernels on the GPU at the Llama-3.1-8B and Qwen3-30B-A3B shapes (bf16 activations) against their
-torch references: the W4A16/W8A16 GEMM on both paths (fused with split-K, dequantize + cuBLAS), block FP8
-through cuBLAS (F.scaled_mm) and through Triton, per-channel FP8 through torch._scaled_mm, INT8 through
+torch references: the W4A16/W8A16 GEMM on its three paths (the decode GEMV, fused with split-K, dequantize +
+cuBLAS), block FP8 through cuBLAS (F.scaled_mm) and through Triton, per-channel FP8 through torch._scaled_mm, INT8 through
 torch._int_mm, the fused MoE kernel's int4 and fp8 experts; none waits on a host sync, and CUDA graphs
 replay them with new inputs. Timings for the crossovers: scripts/gpu/bench_quant_kernels.py."""
 
@@ -61,6 +61,76 @@ def test_wna16_variants(bits: int, zp: bool, act_order: bool) -> None:
     for m in (1, 64, 512):
         x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
         assert_close_rel(wna16_gemm(x, *w, bits, 128), wna16_gemm_ref(x, *w, bits, 128))
+
+
+GEMV_TOKENS = [1, 2, 3, 4, 8, 16]
+
+
+@pytest.mark.parametrize("shape", list(DENSE))
+@pytest.mark.parametrize("m", GEMV_TOKENS)
+def test_wna16_gemv_matches_reference(shape: str, m: int) -> None:
+    """The decode GEMV (kernels/quant_gemv.py: split-K, FMA path to M=4, tl.dot above) at the 8B shapes."""
+    from longserve.kernels.quant_gemm import wna16_gemm, wna16_gemm_ref
+
+    n, k = DENSE[shape]
+    w = int_weight(n, k)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    out = wna16_gemm(x, *w, 4, 128, path="gemv")
+    assert out.shape == (m, n) and out.dtype == torch.bfloat16
+    assert_close_rel(out, wna16_gemm_ref(x, *w, 4, 128))
+    assert torch.equal(wna16_gemm(x, *w, 4, 128, path="gemv"), out)  # deterministic split-K
+
+
+@pytest.mark.parametrize(
+    ("bits", "group", "zp", "act_order"),
+    [(8, 128, False, False), (4, 128, True, False), (4, 32, True, False), (4, -1, False, False),
+     (4, 128, True, True), (8, 128, True, True)],
+)  # fmt: skip
+def test_wna16_gemv_variants(bits: int, group: int, zp: bool, act_order: bool) -> None:
+    from longserve.kernels.quant_gemm import wna16_gemm, wna16_gemm_ref
+    from longserve.kernels.quant_reference import pack_int_k
+
+    n, k = 4096, 4096
+    if group > 0:
+        w = int_weight(n, k, bits, group, zp, act_order)
+    else:  # per channel: one group of all K
+        g = torch.Generator(device="cuda").manual_seed(5)
+        q = pack_int_k(torch.randint(0, 2**bits, (n, k), device="cuda", generator=g), bits)
+        w = (q, torch.full((n, 1), (k**-0.5) / (2 ** (bits - 1) / 1.7), device="cuda", dtype=torch.float16), None,
+             None)  # fmt: skip
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    for m in (1, 3, 16):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        ref = wna16_gemm_ref(x, *w, bits, group, bias)
+        assert_close_rel(wna16_gemm(x, *w, bits, group, bias, path="gemv"), ref)
+    x = torch.randn(2, k, device="cuda", dtype=torch.float16)  # fp16 activations (fp16 scales' checkpoints)
+    assert_close_rel(wna16_gemm(x, *w, bits, group, path="gemv"), wna16_gemm_ref(x, *w, bits, group))
+
+
+@pytest.mark.parametrize("m", [1, 8])
+def test_wna16_gemv_no_sync_and_cuda_graph(m: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the switch on, the default path of a decode product is the GEMV: no host sync, and a captured
+    graph (GEMV + split-K reduction) replays correctly for new activations."""
+    from longserve.kernels import quant_gemm
+
+    monkeypatch.setattr(quant_gemm, "WNA16_GEMV_MAX_TOKENS", 16)
+    n, k = DENSE["down"]
+    w = int_weight(n, k)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    no_sync(lambda: quant_gemm.wna16_gemm(x, *w, 4, 128))
+    outs: dict[str, torch.Tensor] = {}
+
+    def step() -> None:
+        outs["int4"] = quant_gemm.wna16_gemm(x, *w, 4, 128)
+
+    graph = capture(step)
+    for seed in range(3):
+        x.copy_(
+            torch.randn(x.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed))
+        )
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close_rel(outs["int4"], quant_gemm.wna16_gemm_ref(x, *w, 4, 128))
 
 
 def fp8_block_weight(n: int, k: int):

@@ -320,3 +320,32 @@ def test_online_fp8_quantizes_a_float_checkpoint(root) -> None:
     torch.testing.assert_close(
         run_step(ours, new_cache(ours), [ids], [0], [PAGE_IDS]), ref, atol=2e-3, rtol=2e-3
     )
+
+
+# one case per path of the GEMV: int4 g128 symmetric (a scale per tile), act order with zero points (per-element
+# scales), int8 with a bias, compressed-tensors' asymmetric g32. All 12 integer-weight cases of CASES (MoE ones'
+# dense layers included) passed this way at the commit that added it (5.5 min on the 2-core machine).
+GEMV_CASES = ["gptq-int4-g128-sym", "gptq-int4-g32-actorder-asym", "gptq-int8-g64-bias", "ct-w4a16-asym-g32"]
+
+
+@pytest.mark.parametrize("case", GEMV_CASES)
+def test_wna16_models_through_the_gemv_kernel(root, case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The integer-weight cases above with their linear layers on the Triton path (interpreted here) and the
+    decode GEMV switched on for every size they compute (quant_gemm.WNA16_GEMV_MAX_TOKENS; off by default until
+    measured on a GPU): the same logits and greedy tokens, every product through kernels/quant_gemv.py."""
+    pytest.importorskip("triton")
+    from longserve.kernels import quant_gemm
+    from longserve.models.quant import wna16
+
+    calls: list[int] = []
+    real = quant_gemm.wna16_gemv
+
+    def counted(x, *args, **kwargs):
+        calls.append(x.shape[0])
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(wna16, "use_triton", lambda x: True)  # as for CUDA tensors with triton
+    monkeypatch.setattr(quant_gemm, "WNA16_GEMV_MAX_TOKENS", 64)  # the prefill's 24 tokens too
+    monkeypatch.setattr(quant_gemm, "wna16_gemv", counted)
+    test_logits_and_greedy_tokens_match_transformers(root, case)
+    assert 24 in calls and 1 in calls, sorted(set(calls))  # the prefill and the decode steps

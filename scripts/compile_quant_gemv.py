@@ -1,0 +1,108 @@
+"""Compile the decode GEMV kernel (longserve/kernels/quant_gemv.py) for sm90 with Triton's real compiler, on any
+machine (no GPU needed: triton ships its nvidia backend and ptxas), and report per variant the registers, spills
+and whether the packed weights are loaded with 16-byte vectors. Catches constructs that the interpreter accepts
+and the compiler refuses (tests/unit/test_quant_gemv.py runs it).
+
+    python3 scripts/compile_quant_gemv.py            # the default variants, one JSON line each
+    python3 scripts/compile_quant_gemv.py '{"bm": 4, "zp": true}'   # one variant (keys: compile_gemv's)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+os.environ["TRITON_INTERPRET"] = "0"  # the real compiler, before triton is imported
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
+VARIANTS = [
+    {},  # M = 1, int4 g128 symmetric, split-K: the decode case
+    {"bm": 4, "zp": True, "split": 1, "bias": True},
+    {"bits": 8, "bm": 2, "bn": 32},
+    {"gidx": True, "zp": True, "bk": 64, "bn": 32},
+    {"dot": True, "bm": 16},
+    {"dot": True, "bm": 16, "gidx": True, "zp": True, "bk": 64, "bn": 32, "x": "fp16"},
+    {"dot": True, "bm": 64, "bits": 8, "split": 1, "bias": True},
+    {"even_k": False, "per_col": True, "bk": 64, "bn": 32, "split": 1, "x": "fp32"},
+    {"reduce": True},  # the split-K reduction
+]
+
+
+def compile_gemv(x="bf16", bits=4, zp=False, gidx=False, per_col=False, bias=False, even_k=True, dot=False,
+                 bm=1, bn=64, bk=128, split=4, num_warps=4, num_stages=2):  # fmt: skip
+    """TTIR -> TTGIR -> LLVM -> PTX -> cubin for sm90, with the runtime's specializations (pointers and
+    multiples of 16: tt.divisibility=16)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from longserve.kernels.quant_gemv import _wna16_gemv_kernel as fn
+
+    names = fn.arg_names
+    ptrs = {"x_ptr": f"*{x}", "w_ptr": "*u8", "s_ptr": "*fp16", "z_ptr": "*u8" if zp else "*fp16",
+            "g_ptr": "*i32" if gidx else "*fp16", "b_ptr": f"*{x}" if bias else "*fp16",
+            "out_ptr": "*fp32" if split > 1 else f"*{x}"}  # fmt: skip
+    consts = dict(BITS=bits, HAS_ZP=zp, HAS_GIDX=gidx, SCALE_PER_COL=per_col or gidx, HAS_BIAS=bias and split == 1,
+                  EVEN_K=even_k, USE_DOT=dot, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PARTIAL=split > 1,
+                  INTERPRET=False, INTERPRET_BF16=False)  # fmt: skip
+    sig = {a: ptrs.get(a, "constexpr" if a in consts else "i32") for a in names}
+    div16 = [*ptrs, "K", "N", "stride_xm", "stride_wn", "stride_om", "stride_os"]
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in div16}
+    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})  # fmt: skip
+
+
+def compile_reduce(x="bf16", bias=True):
+    """The split-K reduction kernel for sm90."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from longserve.kernels.quant_gemv import _splitk_reduce_kernel as fn
+
+    sig = {"part_ptr": "*fp32", "b_ptr": f"*{x}", "out_ptr": f"*{x}", "N": "i32", "num_splits": "i32",
+           "stride_ps": "i32", "stride_pm": "i32", "stride_om": "i32", "HAS_BIAS": "constexpr",
+           "BLOCK": "constexpr", "INTERPRET_BF16": "constexpr"}  # fmt: skip
+    consts = {"HAS_BIAS": bias, "BLOCK": 1024, "INTERPRET_BF16": False}
+    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+
+
+def report(variant: dict) -> dict:
+    c = compile_reduce() if variant.get("reduce") else compile_gemv(**variant)
+    ptx = c.asm["ptx"]
+    out = {
+        "variant": variant,
+        "stages": list(c.asm),
+        "ld_v4": "ld.global.v4.b32" in ptx or "cp.async.cg" in ptx,
+    }
+    try:  # registers and spills from the cubin (cuobjdump ships with triton)
+        import subprocess
+        import tempfile
+
+        import triton
+
+        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(c.asm["cubin"])
+            f.flush()
+            res = subprocess.run(
+                [tool, "-res-usage", f.name], capture_output=True, text=True, check=True
+            ).stdout
+        m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", res)
+        if m:
+            out.update(regs=int(m[1]), stack=int(m[2]), shared=int(m[3]), local=int(m[4]))
+    except Exception as e:  # noqa: BLE001
+        out["res_usage"] = f"unavailable: {e}"
+    return out
+
+
+def main() -> None:
+    variants = [json.loads(a) for a in sys.argv[1:]] or VARIANTS
+    for v in variants:
+        print(json.dumps(report(v)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
