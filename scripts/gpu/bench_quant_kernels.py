@@ -1,5 +1,5 @@
 """Time the quantized GEMMs at the Llama-3.1-8B projections against bf16 cuBLAS, per number of tokens M, to set
-the constants the CPU session could not measure:
+the constants that only a GPU can measure:
 
 - quant_gemm.WNA16_DEQUANT_MIN_TOKENS: the M from which dequantize-then-cuBLAS beats the fused W4A16 kernel
   (printed as "crossover"); both paths are timed at every M.
