@@ -170,15 +170,17 @@ def markdown_report(report: dict[str, Any]) -> str:
         rows.append([name, m["backend"], m["endpoint"], m["base_url"], model, extra])
     table = markdown_table(["endpoint", "backend", "API", "URL", "model", "server"], rows, numeric=False)
     lines += [table, "", "## Results", ""]
-    header = ["endpoint", "conc.", "ok/failed", "TTFT mean", "TTFT p50", "TTFT p90", "TTFT p99", "ITL p50",
-              "TPOT mean", "E2E mean", "req/s", "out tok/s", "cache hit", "cache hit /metrics"]  # fmt: skip
+    header = ["endpoint", "conc.", "ok/failed", "TTFT mean", "TTFT p50", "TTFT p95", "TTFT p99", "ITL mean",
+              "ITL p50", "ITL p95", "TPOT mean", "E2E mean", "req/s", "out tok/s", "cache hit",
+              "cache hit /metrics"]  # fmt: skip
     rows = []
     for run in runs:
         s, sm = run["summary"], run["server_metrics"] or {}
         rows.append([
             run["name"], str(run["max_concurrency"] or "-"), f"{s['completed']}/{s['failed']}",
-            _ms(s["ttft"]["mean"]), _ms(s["ttft"]["median"]), _ms(s["ttft"]["p90"]), _ms(s["ttft"]["p99"]),
-            _ms(s["itl"]["median"]), _ms(s["tpot"]["mean"]), _ms(s["e2e"]["mean"]),
+            _ms(s["ttft"]["mean"]), _ms(s["ttft"]["median"]), _ms(s["ttft"]["p95"]), _ms(s["ttft"]["p99"]),
+            _ms(s["itl"]["mean"]), _ms(s["itl"]["median"]), _ms(s["itl"]["p95"]), _ms(s["tpot"]["mean"]),
+            _ms(s["e2e"]["mean"]),
             f"{s['request_throughput']:.2f}", f"{s['output_throughput']:.1f}",
             _pct(s["cache_hit_rate"]), _pct(sm.get("prefix_cache_hit_rate")),
         ])  # fmt: skip

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Through HTTP, as users see it: `longserve serve` and vLLM 0.24's OpenAI server on one H200, the same model
+# shape (Llama-3.1-8B, dummy weights, the word-level tokenizer ../shared/anchors/bench_vllm.py writes), the same
+# flags where they overlap (--max-num-batched-tokens 8192, prefix caching on), text prompts over
+# /v1/completions for both (both tokenize). Both servers stay up (longserve with 40% of the GPU's memory, vLLM
+# with 45%) and `longserve bench compare` drives one at a time with each workload of benchmarks/configs/
+# vllm_http_*.yaml: RAG over 16K documents (Poisson), multi-turn conversations opening with 16K tokens, random
+# 2K-in/128-out at a fixed rate, long documents of 8K/32K/64K. Reports (report.md, results.json, PNGs) under
+# $OUT/http/<workload>/, tarred into $OUT/http_reports.tgz.
+# Needs ../shared/anchors/* copied into .anchor/ (git-ignored; see that folder's README) and carried:
+#   LONGSERVE_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu/compare_vllm_http.sh [rag,multiturn,random,longdoc]
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/longserve-out}; mkdir -p "$OUT/http"
+WORKLOADS=${1:-rag,multiturn,random,longdoc}
+export PYTHONUNBUFFERED=1 LONGSERVE_COMMIT=${LONGSERVE_COMMIT:-unknown}
+unset TRITON_INTERPRET
+MODEL=/tmp/llama31_8b_dummy
+mkdir -p /tmp/site && python3 -c "import sys,tarfile; tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/tmp/site', filter='tar')" \
+  < .anchor/vllm-0.24.0-h200-site.tar.xz || exit 1
+export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
+  VLLM_CACHE_ROOT=/tmp/vllm_cache VLLM_SERVER_DEV_MODE=1
+PYTHONPATH=/tmp/site python3 .anchor/bench_vllm.py --configs "" --model-dir $MODEL > "$OUT/http/model_dir.log" 2>&1 || exit 1
+# the server packages (fastapi, uvicorn, pydantic) come from the same folder: it satisfies longserve's [server]
+export PYTHONPATH=$PWD:/tmp/site
+
+wait_up() {  # url pid name: poll /health until 200, or give up when the process died or after 300 s
+  for _ in $(seq 300); do
+    curl -sf "$1/health" > /dev/null && { echo "[compare] $3 up"; return 0; }
+    kill -0 "$2" 2>/dev/null || { echo "[compare] $3 died: see its log"; return 1; }
+    sleep 1
+  done
+  echo "[compare] $3 not up after 300 s"; return 1
+}
+python3 -m longserve serve --model $MODEL --load-format dummy --dtype bfloat16 --max-num-batched-tokens 8192 \
+  --mem-fraction-static 0.40 --host 127.0.0.1 --port 30000 > "$OUT/http/longserve_server.log" 2>&1 &
+LS=$!
+wait_up http://127.0.0.1:30000 $LS longserve || { tail -20 "$OUT/http/longserve_server.log"; kill $LS; exit 1; }
+python3 -m vllm.entrypoints.openai.api_server --model $MODEL --load-format dummy --dtype bfloat16 \
+  --max-model-len 131072 --enable-prefix-caching --max-num-batched-tokens 8192 --gpu-memory-utilization 0.45 \
+  --host 127.0.0.1 --port 8000 > "$OUT/http/vllm_server.log" 2>&1 &
+VL=$!
+wait_up http://127.0.0.1:8000 $VL vllm || { tail -20 "$OUT/http/vllm_server.log"; kill $LS $VL; exit 1; }
+
+status=0
+for w in ${WORKLOADS//,/ }; do
+  echo "[compare] $w"
+  python3 -m longserve bench compare --config benchmarks/configs/vllm_http_$w.yaml --output-dir "$OUT/http/$w" \
+    --disable-tqdm > "$OUT/http/$w.log" 2>&1 || { status=1; tail -5 "$OUT/http/$w.log"; }
+  [[ -f "$OUT/http/$w/report.md" ]] && sed -n '1,40p' "$OUT/http/$w/report.md"
+done
+kill -TERM $LS $VL 2>/dev/null; wait $LS $VL 2>/dev/null
+tar czf "$OUT/http_reports.tgz" -C "$OUT" http
+exit $status
