@@ -4,7 +4,7 @@
 # $OUT; a short table last. LONGSERVE_COMMIT is the commit the JSON metadata names: compute it where the tree
 # is a git checkout (a copied tree's .git may be stale) and pass it as a literal, e.g.
 #   LONGSERVE_COMMIT=abc1234 bash scripts/gpu/gpu_check.sh latency
-#   usage: LONGSERVE_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu/gpu_check.sh [quick|tests|bench|all|long|tp|tp2|tp32|profile|latency|hit|host|launch|turns|moe|moe-tests|moe-bench|moe-long|moe-tp|quant|quant-tests|quant-bench|kvfp8|vllm]
+#   usage: LONGSERVE_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu/gpu_check.sh [quick|tests|bench|all|long|tp|tp2|tp32|profile|latency|hit|host|launch|turns|moe|moe-tests|moe-bench|moe-long|moe-tp|quant|quant-tests|quant-bench|kvfp8|vllm|structured]
 # moe (one GPU) = moe-tests (the MoE kernel and engine GPU tests, the kernel's TFLOP/s and GB/s) +
 # moe-bench (the Qwen3-30B-A3B shape's cases against HF, profiled, with their floors); moe-long: 128K cold
 # against HF and the Mixtral-8x7B shape; moe-tp (two GPUs): the TP=2 / expert-parallel tests and the A3B shape
@@ -151,6 +151,13 @@ from longserve.bench.latency import main; sys.exit(main(sys.argv[1:]))" "${hits[
     --output-json "$OUT/latency_8b_hits_old_rule.json" 2>&1 | tee "$OUT/latency_8b_hits_old_rule.log" | tail -6
   python3 -m longserve.bench.latency "${hits[@]}" --output-json "$OUT/latency_8b_hits.json" 2>&1 \
     | tee "$OUT/latency_8b_hits.log" | tail -6
+fi
+
+if [[ $MODE == structured ]]; then  # one GPU: the grammar mask on the device, and what it costs decode at batch 64
+  python3 -m pytest -q -m gpu tests/gpu/test_structured_gpu.py -p no:cacheprovider -o faulthandler_timeout=300 2>&1 \
+    | tee "$OUT/gpu_structured_tests.log" | tail -4 || status=1
+  python3 scripts/gpu/bench_structured.py --config llama-3.1-8b --batch-size 64 --output-len 256 \
+    --output-json "$OUT/structured_8b_b64.json" 2>&1 | tee "$OUT/structured_8b_b64.log" | tail -8
 fi
 
 if [[ $MODE == vllm ]]; then  # one GPU: the 8B shape, longserve then vLLM 0.24 in the same call
