@@ -15,9 +15,9 @@ import triton.language as tl
 
 from longserve.kernels.extend_attention import interpreting
 from longserve.kernels.launch import fast_launch
-from longserve.kernels.moe_config import get_moe_config
 from longserve.kernels.moe_align import MAX_PAIRS as MAX_ALIGN_PAIRS
 from longserve.kernels.moe_align import moe_align
+from longserve.kernels.moe_config import get_moe_config
 from longserve.kernels.moe_reference import (
     MoEQuant,
     check_moe_args,

@@ -189,3 +189,26 @@ def test_compiles_for_sm90() -> None:
     for r in reports:
         assert "cubin" in r["stages"] and r["bar_sync"], r
         assert r.get("local", 0) == 0 and r.get("stack", 0) == 0, r  # no spills
+
+
+def test_bench_times_both_alignments(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`python3 -m longserve.bench.kernels.moe --align both` (the measurement that sets the switch): one row
+    per alignment, checked against the reference, the switch restored afterwards (CPU smoke: timer faked)."""
+    from longserve.bench.kernels import moe as bench
+
+    timed = []
+    monkeypatch.setattr(bench, "cuda_time_ms", lambda fn, **kw: timed.append(fn()) or 1.0)
+    monkeypatch.setitem(bench.SHAPES, "tiny", bench.MoEShape(8, 2, 32, 24, True))
+    rows = bench.bench_moe(
+        ["tiny"], (1, 5), torch.float32, warmup=0, iters=1, repeats=1, compare_torch=False, device="cpu",
+        align_modes=bench.ALIGN_MODES,
+    )  # fmt: skip
+    assert [(r["tokens"], r["align"]) for r in rows] == [
+        (1, "torch"),
+        (1, "triton"),
+        (5, "torch"),
+        (5, "triton"),
+    ]
+    assert all(r["rel_err"] < 1e-5 and r["align_ms"] == 1.0 for r in rows)
+    assert fused_moe_mod.MOE_TRITON_ALIGN_MAX_PAIRS == 0
+    assert "align_ms" in bench.format_rows(rows)
