@@ -1,4 +1,5 @@
-"""Compile the one-launch MoE alignment kernel (longserve/kernels/moe_align.py) for sm90 with Triton's real
+"""Compile the one-launch MoE alignment kernel (longserve/kernels/moe_align.py) and the router's top-k kernel
+(kernels/moe_routing.py, variants with "routing": true) for sm90 with Triton's real
 compiler, on any machine (no GPU needed: triton ships its nvidia backend and ptxas), and report per variant
 the registers, spills and shared memory. Catches constructs that the interpreter accepts and the compiler
 refuses (tests/unit/test_moe_align.py runs it). The same approach as scripts/compile_quant_gemv.py, with the
@@ -32,6 +33,8 @@ VARIANTS = [
     {"pairs": 4096, "block_m": 64},
     {"pairs": 4096, "block_m": 64, "emap": True},
     {"pairs": 8192, "block_m": 128, "experts": 256},
+    {"routing": True},  # the router's top-k (kernels/moe_routing.py): Qwen3-30B-A3B's 128 experts, top-8
+    {"routing": True, "experts": 8, "top_k": 2, "logits": "fp32", "out": "fp32", "sigmoid": True},
 ]
 
 
@@ -79,10 +82,28 @@ def compile_align(pairs=8, block_m=16, emap=False, ids="i32", experts=128):
     return compile_sm90(fn, sig, consts, attrs, num_warps=cfg["num_warps"]), cfg
 
 
+def compile_routing(experts=128, top_k=8, logits="bf16", out="bf16", sigmoid=False, renormalize=True):
+    """The router's top-k kernel as `route_topk_fused` launches it."""
+    import triton
+
+    from longserve.kernels.moe_routing import _route_topk_kernel
+
+    fn = _route_topk_kernel.fn
+    block_e = triton.next_power_of_2(experts)
+    consts = dict(K=top_k, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k), SOFTMAX=not sigmoid,
+                  RENORMALIZE=renormalize)  # fmt: skip
+    ptrs = {"logits_ptr": f"*{logits}", "weights_ptr": f"*{out}", "ids_ptr": "*i32"}
+    sig = {a: ptrs.get(a, "constexpr" if a in consts else "i32") for a in fn.arg_names}
+    num_warps = 1 if block_e <= 256 else 4
+    attrs = {a: [["tt.divisibility", 16]] for a in ptrs}
+    return compile_sm90(fn, sig, consts, attrs, num_warps=num_warps), {"num_warps": num_warps}
+
+
 def report(variant: dict) -> dict:
     import triton
 
-    c, cfg = compile_align(**variant)
+    args = {k: v for k, v in variant.items() if k != "routing"}
+    c, cfg = compile_routing(**args) if variant.get("routing") else compile_align(**args)
     out = {"variant": variant, "triton": triton.__version__, "launch": cfg, "stages": list(c.asm)}
     ptx = c.asm["ptx"]
     out["bar_sync"] = "bar.sync" in ptx or "barrier.sync" in ptx

@@ -179,3 +179,36 @@ def test_fused_moe_with_the_triton_alignment(
         assert torch.equal(out, fused_moe(x, w13, w2, weights, ids))  # the torch alignment, eagerly
         monkeypatch.setattr(mod, "MOE_TRITON_ALIGN_MAX_PAIRS", 8192)
         assert_close_rel(out, fused_moe_ref(x, w13, w2, weights, ids))
+
+
+@pytest.mark.parametrize("num_tokens", [1, 64, 512])
+def test_fused_routing_matches_route_topk(experts, num_tokens: int) -> None:
+    """The one-launch router top-k (kernels/moe_routing.py) on the GPU: the experts torch.topk picks (as a set
+    per token: the order of exactly tied scores is open), weights equal to fp32 rounding, bf16 weights within
+    one ulp; inside a CUDA graph too."""
+    from longserve.kernels.moe_reference import route_topk
+    from longserve.kernels.moe_routing import route_topk_fused
+
+    _, w13, _, top_k, round_weights = experts
+    gen = torch.Generator(device="cuda").manual_seed(num_tokens)
+    logits = torch.randn(num_tokens, w13.shape[0], device="cuda", generator=gen).bfloat16()  # [T, E]
+    dtype = torch.bfloat16 if round_weights else torch.float32
+
+    def check(got_w, got_ids):
+        ref_w, ref_ids = route_topk(logits, top_k, True)
+        assert torch.equal(got_ids.sort(1).values, ref_ids.sort(1).values)
+        scores = logits.float()
+        assert torch.equal(scores.gather(1, got_ids.long()), scores.gather(1, ref_ids.long()))
+        ref_w = ref_w.to(dtype)
+        torch.testing.assert_close(
+            got_w.float(), ref_w.float(), atol=1e-6, rtol=2**-7 if round_weights else 1e-6
+        )
+
+    check(*route_topk_fused(logits, top_k, True, weights_dtype=dtype))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = route_topk_fused(logits, top_k, True, weights_dtype=dtype)
+    logits.copy_(torch.randn(logits.shape, device="cuda", generator=gen))
+    graph.replay()
+    torch.cuda.synchronize()
+    check(*outs)

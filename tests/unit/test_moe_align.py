@@ -2,8 +2,9 @@
 reference `moe_align_ref`: the same three tensors element for element for T in 1..64, k in 1..8, E from 4 to
 128, BLOCK_M 16 and 64, idle experts, every pair on one expert, expert-parallel maps with other ranks'
 experts (-1), int64 ids; the fused MoE's output unchanged with the switch on (also with a map, and through
-the MoE layer of tiny Qwen3-MoE / Qwen2-MoE / Mixtral checkpoints against transformers); the kernel compiled
-for sm90 by Triton's real compiler (scripts/compile_moe_align.py)."""
+the MoE layer of tiny Qwen3-MoE / Qwen2-MoE / Mixtral checkpoints against transformers); the one-launch
+router top-k (kernels/moe_routing.py) against `route_topk`; both kernels compiled for sm90 by Triton's real
+compiler (scripts/compile_moe_align.py)."""
 
 from __future__ import annotations
 
@@ -151,14 +152,18 @@ def test_moe_models_match_transformers_with_the_triton_alignment(tmp_path, monke
     alignment switched on: a full and a chunked prefill give transformers' logits (Qwen3-MoE's and Mixtral's
     renormalized routing, Qwen2-MoE's unnormalized one and its shared expert)."""
     pytest.importorskip("transformers")
+    from longserve.kernels import moe_routing
     from longserve.models import moe as moe_mod
     from longserve.testing.checkpoints import make_tiny_checkpoint
     from tests.model.test_models_vs_hf import PAGE_IDS, hf_logits, load_both, new_cache, prompt, run_step
 
-    calls = []
+    calls, routed = [], []
     real = fused_moe_mod.moe_align
     monkeypatch.setattr(fused_moe_mod, "moe_align", lambda *a: calls.append(1) or real(*a))
     monkeypatch.setattr(fused_moe_mod, "MOE_TRITON_ALIGN_MAX_PAIRS", 4096)
+    real_route = moe_routing.route_topk_fused
+    monkeypatch.setattr(moe_routing, "route_topk_fused", lambda *a: routed.append(1) or real_route(*a))
+    monkeypatch.setattr(moe_mod, "MOE_TRITON_ROUTING_MAX_TOKENS", 64)  # the one-launch router top-k too
     monkeypatch.setattr(moe_mod, "use_triton", lambda t: True)  # as for CUDA tensors with triton
     ours, hf = load_both(make_tiny_checkpoint(tmp_path / arch, arch, seed=7))
     ids = prompt(ours.vocab_size)
@@ -169,14 +174,76 @@ def test_moe_models_match_transformers_with_the_triton_alignment(tmp_path, monke
     first = run_step(ours, cache, [ids[:17]], [0], [PAGE_IDS])
     second = run_step(ours, cache, [ids[17:]], [17], [PAGE_IDS])
     torch.testing.assert_close(torch.cat([first, second]), ref, atol=1e-4, rtol=1e-4)
-    assert calls, "the Triton alignment did not run"
+    assert calls and routed, "the Triton alignment or routing did not run"
+
+
+# (T, E, k, renormalize, scoring, logits dtype): Qwen3-30B-A3B (128, top-8, renormalized), Mixtral (8, top-2),
+# Qwen2-MoE's unnormalized top-4 of 60, sigmoid scores, k = E, E not a power of two
+ROUTING = [
+    (1, 128, 8, True, "softmax", torch.bfloat16), (9, 8, 2, True, "softmax", torch.float32),
+    (13, 60, 4, False, "softmax", torch.bfloat16), (5, 6, 3, False, "sigmoid", torch.float32),
+    (7, 5, 5, True, "softmax", torch.float32), (64, 16, 1, False, "softmax", torch.float16),
+    (3, 100, 6, True, "sigmoid", torch.bfloat16),
+]  # fmt: skip
+
+
+def assert_same_experts(got: torch.Tensor, ref: torch.Tensor, logits: torch.Tensor, top_k: int) -> None:
+    """The same ids in the same order, but where scores tie (equal logits: torch.topk leaves their order
+    open; the kernel takes the lower index first): then the same set, in the same order of scores."""
+    scores = logits.float()
+    assert torch.equal(scores.gather(1, got.long()), scores.gather(1, ref.long()))
+    top = scores.topk(min(top_k + 1, scores.shape[1])).values  # [T, k (+1)]
+    tied_at_k = (top[:, top_k - 1] == top[:, top_k]) if top.shape[1] > top_k else torch.zeros(len(top)).bool()
+    for row in range(len(got)):
+        if not tied_at_k[row]:
+            assert torch.equal(got[row].sort().values, ref[row].sort().values), row
+
+
+@pytest.mark.parametrize(("num_tokens", "num_experts", "top_k", "renorm", "scoring", "dtype"), ROUTING)
+def test_fused_routing_equals_route_topk(num_tokens, num_experts, top_k, renorm, scoring, dtype) -> None:
+    """The same experts in the same order (up to ties); weights equal to fp32 rounding, and after rounding to
+    the logits' dtype (Qwen-MoE) at most one ulp apart."""
+    from longserve.kernels.moe_routing import route_topk_fused
+
+    logits = (torch.randn(num_tokens, num_experts, generator=torch.Generator().manual_seed(top_k)) * 2).to(
+        dtype
+    )
+    weights, ids = route_topk(logits, top_k, renorm, scoring)  # [T, k] fp32, int32
+    got_w, got_ids = route_topk_fused(logits, top_k, renorm, scoring)
+    assert (
+        got_ids.dtype == torch.int32 and got_w.dtype == torch.float32 and got_w.shape == (num_tokens, top_k)
+    )
+    assert_same_experts(got_ids, ids, logits, top_k)
+    torch.testing.assert_close(got_w, weights, atol=1e-6, rtol=1e-6)  # tied experts: equal weights
+    rounded, _ = route_topk_fused(logits, top_k, renorm, scoring, weights_dtype=dtype)
+    assert rounded.dtype == dtype
+    torch.testing.assert_close(rounded.float(), weights.to(dtype).float(), atol=0, rtol=2**-7)
+    ulps = (rounded.float() - weights.to(dtype).float()).abs() / weights.to(dtype).float().abs().clamp_min(
+        1e-30
+    )
+    assert ulps.max() <= 2**-7
+
+
+def test_fused_routing_strided_logits_and_no_tokens() -> None:
+    from longserve.kernels.moe_routing import route_topk_fused
+
+    logits = torch.randn(6, 16, generator=torch.Generator().manual_seed(3))[:, ::2]  # [6, 8] strided
+    weights, ids = route_topk(logits, 2, True)
+    got_w, got_ids = route_topk_fused(logits, 2, True)
+    assert_same_experts(got_ids, ids, logits, 2)
+    torch.testing.assert_close(got_w, weights, atol=1e-6, rtol=1e-6)
+    w0, i0 = route_topk_fused(logits[:0], 2, True)
+    assert w0.shape == i0.shape == (0, 2)
+    with pytest.raises(ValueError, match="scoring"):
+        route_topk_fused(logits, 2, False, scoring="relu")
 
 
 def test_compiles_for_sm90() -> None:
-    """Triton's real compiler (not the interpreter) takes the kernel: decode size, a map, int64 ids."""
+    """Triton's real compiler (not the interpreter) takes the kernels: the alignment at decode size, with a
+    map, with int64 ids (the CTA barrier is there); the router's top-k."""
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT))
     variants = ['{"pairs": 8, "block_m": 16}', '{"pairs": 2, "block_m": 16, "emap": true}',
-                '{"pairs": 64, "block_m": 64, "ids": "i64", "emap": true}']  # fmt: skip
+                '{"pairs": 64, "block_m": 64, "ids": "i64", "emap": true}', '{"routing": true}']  # fmt: skip
     res = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "compile_moe_align.py"), *variants],
         capture_output=True, text=True, env=env, timeout=600,
@@ -185,9 +252,9 @@ def test_compiles_for_sm90() -> None:
         pytest.skip("triton's ptxas is not available here")
     assert res.returncode == 0, res.stderr[-3000:]
     reports = [json.loads(line) for line in res.stdout.splitlines()]
-    assert len(reports) == 3
+    assert len(reports) == 4
     for r in reports:
-        assert "cubin" in r["stages"] and r["bar_sync"], r
+        assert "cubin" in r["stages"] and (r["bar_sync"] or r["variant"].get("routing")), r
         assert r.get("local", 0) == 0 and r.get("stack", 0) == 0, r  # no spills
 
 
