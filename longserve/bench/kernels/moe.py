@@ -8,7 +8,8 @@ eagerly and as a replayed CUDA graph (what decode steps run; the eager time of a
 `--align both` times each case twice, with the torch alignment (`moe_align_ref`, ~15 launches) and with the
 one-launch Triton one (kernels/moe_align.py), and the alignment alone (`align_ms`, also a CUDA graph): the
 measurement that sets kernels/fused_moe.py's MOE_TRITON_ALIGN_MAX_PAIRS (the largest T*k where the
-"triton" rows' ms beat the "torch" ones').
+"triton" rows' ms beat the "torch" ones'). `route_ms` times the router's top-k the same two ways (route_topk,
+kernels/moe_routing.py): it sets models/moe.py's MOE_TRITON_ROUTING_MAX_TOKENS.
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ def bench_moe(
     align_modes: tuple[str, ...] = ("torch",),
 ) -> list[dict[str, object]]:
     """One dict per (shape, T, alignment): tokens, align, experts_touched, gflop, mbytes, ms (graph replay),
-    eager_ms, align_ms (the alignment alone, graph replay), tflops, tflops_pct, gbps, gbps_pct, torch_ms,
+    eager_ms, align_ms (the alignment alone, graph replay), route_ms (the router's top-k alone, torch or
+    the Triton kernel as `align` says), tflops, tflops_pct, gbps, gbps_pct, torch_ms,
     speedup, rel_err. `align_modes`: "torch" and/or "triton" (the MoE alignment's path). `device` other than
     cuda: smoke tests."""
     from longserve.kernels.fused_moe import align_routed_pairs, fused_moe, fused_moe_ref, get_moe_config
@@ -104,6 +106,7 @@ def bench_moe(
                 ref_call = partial(fused_moe_ref, x, w13, w2, weights, ids)
                 ref_ms = cuda_time_ms(ref_call, warmup=1, iters=max(1, iters // 4), repeats=3)
             block_m = get_moe_config(e, inter, h, k, dtype, t)["BLOCK_M"]
+            router_logits = logits.to(dtype)  # [T, E] what a model's router linear gives
             for mode in align_modes:
                 if mode == "triton" and t * k > MAX_ALIGN_PAIRS:
                     continue  # past what the kernel takes: the torch row is the only one
@@ -114,16 +117,35 @@ def bench_moe(
                         raise RuntimeError(f"{name} T={t} ({mode} alignment): relative error {rel:.2e}")
                     call = partial(fused_moe, x, w13, w2, weights, ids, out=out)
                     align_call = partial(align_routed_pairs, ids, e, block_m)
+                    route_call = partial(
+                        _route, mode, router_logits, k, dtype if shape.round_weights else None
+                    )
                     eager = cuda_time_ms(call, warmup=warmup, iters=iters, repeats=repeats)
                     if dev.type == "cuda":
                         replay = cuda_graph_time_ms(call, warmup=warmup, iters=iters, repeats=repeats)
                         align_ms = cuda_graph_time_ms(align_call, warmup=warmup, iters=iters, repeats=repeats)
+                        route_ms = cuda_graph_time_ms(route_call, warmup=warmup, iters=iters, repeats=repeats)
                     else:
                         replay = eager
                         align_ms = cuda_time_ms(align_call, warmup=warmup, iters=iters, repeats=repeats)
-                rows.append(_row(name, t, mode, touched, flops, nbytes, replay, eager, align_ms, ref_ms, rel,
-                                 peak_tflops, peak_gbps))  # fmt: skip
+                        route_ms = cuda_time_ms(route_call, warmup=warmup, iters=iters, repeats=repeats)
+                row = _row(name, t, mode, touched, flops, nbytes, replay, eager, align_ms, ref_ms, rel,
+                           peak_tflops, peak_gbps)  # fmt: skip
+                rows.append({**row, "route_ms": route_ms})
     return rows
+
+
+def _route(mode: str, logits: torch.Tensor, top_k: int, round_to: torch.dtype | None):
+    """The router's top-k as models/moe.py runs it: route_topk (+ the weights' rounding), or with "triton" the
+    one-launch kernel of kernels/moe_routing.py (its switch: MOE_TRITON_ROUTING_MAX_TOKENS)."""
+    from longserve.kernels.moe_reference import route_topk
+
+    if mode == "triton":
+        from longserve.kernels.moe_routing import route_topk_fused
+
+        return route_topk_fused(logits, top_k, True, "softmax", round_to or torch.float32)
+    weights, ids = route_topk(logits, top_k, True)
+    return (weights.to(round_to) if round_to else weights), ids
 
 
 def _row(name, t, mode, touched, flops, nbytes, replay, eager, align_ms, ref_ms, rel, peak_tflops, peak_gbps):
@@ -156,6 +178,7 @@ def format_rows(rows: list[dict[str, object]]) -> str:
         "ms",
         "eager_ms",
         "align_ms",
+        "route_ms",
         "tflops",
         "tflops_pct",
         "gbps",
