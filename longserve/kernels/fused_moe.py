@@ -1,5 +1,7 @@
-"""Fused mixture-of-experts in Triton: block alignment of the routed tokens, two grouped GEMMs (gate+up with
-SiLU-and-mul in the epilogue, down with the routing weights), the sum over k; reference: `fused_moe_ref`.
+"""Fused mixture-of-experts in Triton: block alignment of the routed tokens (`align_routed_pairs`: the
+one-launch kernel of kernels/moe_align.py up to MOE_TRITON_ALIGN_MAX_PAIRS pairs, the torch ops of
+`moe_align_ref` beyond), two grouped GEMMs (gate+up with SiLU-and-mul in the epilogue, down with the routing
+weights), the sum over k; reference: `fused_moe_ref`.
 
 No host syncs anywhere (CUDA-graph safe): buffers are sized by their upper bound and programs past the real
 padded length, read from a device tensor, exit at once.
@@ -13,14 +15,26 @@ import triton.language as tl
 
 from longserve.kernels.extend_attention import interpreting
 from longserve.kernels.launch import fast_launch
+from longserve.kernels.moe_align import MAX_PAIRS as MAX_ALIGN_PAIRS
+from longserve.kernels.moe_align import moe_align
 from longserve.kernels.moe_config import get_moe_config
-from longserve.kernels.moe_reference import MoEQuant, check_moe_args, fused_moe_ref, route_topk
+from longserve.kernels.moe_reference import (
+    MoEQuant,
+    check_moe_args,
+    fused_moe_ref,
+    moe_align_block_size,
+    moe_align_ref,
+    padded_size_bound,
+    route_topk,
+)
 from longserve.kernels.quant_fp8 import per_token_group_quant
 from longserve.kernels.quant_tiles import int_weight_tile
 from longserve.kernels.quant_tiles import rounded as _rounded
 
 __all__ = [
+    "MOE_TRITON_ALIGN_MAX_PAIRS",
     "MoEQuant",
+    "align_routed_pairs",
     "fused_moe",
     "fused_moe_ref",
     "moe_align_block_size",
@@ -29,39 +43,28 @@ __all__ = [
 ]
 
 
-def padded_size_bound(num_pairs: int, num_experts: int, block_m: int) -> int:
-    """Most sorted rows alignment can produce: each non-empty expert (at most min(E, pairs) of them) pads
-    its rows up to a multiple of BLOCK_M, adding at most BLOCK_M - 1; rounded up to whole blocks."""
-    bound = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
-    return triton.cdiv(bound, block_m) * block_m
+# The alignment of at most this many (token, k) pairs runs as the one-launch Triton kernel of
+# kernels/moe_align.py instead of the chain of ~15 torch ops of `moe_align_ref` (both give the same
+# tensors). 0 = off: not measured yet (no GPU in the session that wrote it). Set it from
+# `python3 -m longserve.bench.kernels.moe --tokens 1,8,64,512 --align both` on the H200 (benchmarks/RESULTS.md,
+# the MoE section): the largest T*k at which the "triton" rows beat the "torch" ones, at most
+# moe_align.MAX_PAIRS (8192).
+MOE_TRITON_ALIGN_MAX_PAIRS = 0
 
 
-def moe_align_block_size(
+def align_routed_pairs(
     topk_ids: torch.Tensor,  # [T, k] int
-    num_experts: int,
+    num_experts: int,  # rows of w13/w2 (this rank's experts)
     block_m: int,
+    expert_map: torch.Tensor | None = None,  # [E_global] int32: global expert id -> local row, or -1
+    triton_max_pairs: int | None = None,  # default: MOE_TRITON_ALIGN_MAX_PAIRS (read at call time)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Group the T*k (token, k) pairs by expert in blocks of `block_m` rows, on the device, no host sync.
-
-    Returns sorted_token_ids [S] int32 (flat pair index token*k + j, pairs of one expert in token order,
-    each expert's run padded to a multiple of block_m with the out-of-range id T*k; S =
-    `padded_size_bound`), expert_ids [S / block_m] int32 (one expert per block; blocks past the real
-    padded length get E and are never read) and num_tokens_post_padded [1] int32 (the real padded length)."""
-    flat = topk_ids.reshape(-1).to(torch.int64)  # [P]
-    num_pairs, dev = flat.numel(), flat.device
-    size = padded_size_bound(num_pairs, num_experts, block_m)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev)  # [E]
-    counts.scatter_add_(0, flat, torch.ones_like(flat))  # integer adds: exact and deterministic
-    padded = (counts + block_m - 1) // block_m * block_m  # [E]
-    padded_end = torch.cumsum(padded, 0)  # [E]
-    sorted_experts, order = torch.sort(flat, stable=True)  # [P] each: token order kept within an expert
-    rank = torch.arange(num_pairs, device=dev) - (torch.cumsum(counts, 0) - counts)[sorted_experts]  # [P]
-    dest = (padded_end - padded)[sorted_experts] + rank  # [P] row of each pair in the padded layout
-    sorted_token_ids = torch.full((size,), num_pairs, dtype=torch.int32, device=dev)  # [S]
-    sorted_token_ids.scatter_(0, dest, order.to(torch.int32))
-    block_starts = torch.arange(0, size, block_m, device=dev)  # [S / block_m]
-    expert_ids = torch.searchsorted(padded_end, block_starts, right=True).to(torch.int32)  # [S / block_m]
-    return sorted_token_ids, expert_ids, padded_end[-1:].to(torch.int32)
+    """(sorted_token_ids [S], expert_ids [S / block_m], num_tokens_post_padded [1]) as `moe_align_ref`
+    defines them: the Triton kernel for up to `triton_max_pairs` pairs, the torch ops beyond."""
+    limit = MOE_TRITON_ALIGN_MAX_PAIRS if triton_max_pairs is None else triton_max_pairs
+    if 0 < topk_ids.numel() <= min(limit, MAX_ALIGN_PAIRS):
+        return moe_align(topk_ids, num_experts, block_m, expert_map)
+    return moe_align_ref(topk_ids, num_experts, block_m, expert_map)
 
 
 @triton.jit
@@ -332,16 +335,7 @@ def fused_moe(
     if not weights.is_contiguous():
         weights = weights.contiguous()
     block_m = cfg["BLOCK_M"]
-    if expert_map is None:
-        sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, num_experts, block_m)
-    else:
-        local = expert_map[topk_ids.long()]  # [T, k] rows of w13/w2, -1 for other ranks' experts
-        remote = local < 0
-        # the remote pairs become expert E: sorted last, their padded run is cut off the real length
-        ids = torch.where(remote, num_experts, local)  # [T, k]
-        sorted_ids, expert_ids, num_post = moe_align_block_size(ids, num_experts + 1, block_m)
-        remote_padded = (remote.sum(dtype=torch.int32) + block_m - 1) // block_m * block_m  # [] device
-        num_post = num_post - remote_padded  # [1] int32
+    sorted_ids, expert_ids, num_post = align_routed_pairs(topk_ids, num_experts, block_m, expert_map)
     num_pairs = num_tokens * top_k
     # expert parallel: the remote pairs' rows are never written; zeros keep them out of the sum over k (and
     # keep uninitialized memory out of the padding rows the down GEMM reads and discards)

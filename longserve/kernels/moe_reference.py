@@ -1,6 +1,8 @@
-"""Mixture-of-experts in pure torch (no triton): top-k routing and the reference expert computation whose
-signature and rounding the Triton `fused_moe` shares; also the quantization descriptor of that signature
-(int4/int8 group-wise and fp8 block experts).
+"""Mixture-of-experts in pure torch (no triton): top-k routing, the block alignment of the routed pairs that
+the grouped GEMMs read (`moe_align_block_size`, `moe_align_ref`: the reference of the Triton alignment in
+kernels/moe_align.py), and the reference expert computation whose signature and rounding the Triton
+`fused_moe` shares; also the quantization descriptor of that signature (int4/int8 group-wise and fp8 block
+experts).
 """
 
 from __future__ import annotations
@@ -16,7 +18,15 @@ from longserve.kernels.quant_reference import (
     per_token_group_quant_fp8_ref,
 )
 
-__all__ = ["MoEQuant", "check_moe_args", "fused_moe_ref", "route_topk"]
+__all__ = [
+    "MoEQuant",
+    "check_moe_args",
+    "fused_moe_ref",
+    "moe_align_block_size",
+    "moe_align_ref",
+    "padded_size_bound",
+    "route_topk",
+]
 
 
 @dataclass(frozen=True)
@@ -82,6 +92,64 @@ def route_topk(
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)  # [T, k]
     return weights, ids.to(torch.int32)
+
+
+def padded_size_bound(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Most sorted rows alignment can produce: each non-empty expert (at most min(E, pairs) of them) pads
+    its rows up to a multiple of BLOCK_M, adding at most BLOCK_M - 1; rounded up to whole blocks."""
+    bound = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
+    return -(-bound // block_m) * block_m
+
+
+def moe_align_block_size(
+    topk_ids: torch.Tensor,  # [T, k] int
+    num_experts: int,
+    block_m: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group the T*k (token, k) pairs by expert in blocks of `block_m` rows, on the device, no host sync.
+
+    Returns sorted_token_ids [S] int32 (flat pair index token*k + j, pairs of one expert in token order,
+    each expert's run padded to a multiple of block_m with the out-of-range id T*k; S =
+    `padded_size_bound`), expert_ids [S / block_m] int32 (one expert per block; blocks past the real
+    padded length get E and are never read) and num_tokens_post_padded [1] int32 (the real padded length).
+    About 15 small launches (the Triton `moe_align` of kernels/moe_align.py does it in one)."""
+    flat = topk_ids.reshape(-1).to(torch.int64)  # [P]
+    num_pairs, dev = flat.numel(), flat.device
+    size = padded_size_bound(num_pairs, num_experts, block_m)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev)  # [E]
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # integer adds: exact and deterministic
+    padded = (counts + block_m - 1) // block_m * block_m  # [E]
+    padded_end = torch.cumsum(padded, 0)  # [E]
+    sorted_experts, order = torch.sort(flat, stable=True)  # [P] each: token order kept within an expert
+    rank = torch.arange(num_pairs, device=dev) - (torch.cumsum(counts, 0) - counts)[sorted_experts]  # [P]
+    dest = (padded_end - padded)[sorted_experts] + rank  # [P] row of each pair in the padded layout
+    sorted_token_ids = torch.full((size,), num_pairs, dtype=torch.int32, device=dev)  # [S]
+    sorted_token_ids.scatter_(0, dest, order.to(torch.int32))
+    block_starts = torch.arange(0, size, block_m, device=dev)  # [S / block_m]
+    expert_ids = torch.searchsorted(padded_end, block_starts, right=True).to(torch.int32)  # [S / block_m]
+    return sorted_token_ids, expert_ids, padded_end[-1:].to(torch.int32)
+
+
+def moe_align_ref(
+    topk_ids: torch.Tensor,  # [T, k] int expert ids (global ones with expert_map)
+    num_experts: int,  # experts this rank holds (rows of w13/w2)
+    block_m: int,
+    expert_map: torch.Tensor | None = None,  # [E_global] int32: global id -> local row, or -1
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What the grouped GEMMs read: (sorted_token_ids [S], expert_ids [S / block_m], num_tokens_post_padded
+    [1]), all int32, as `moe_align_block_size` lays them out. With `expert_map` (expert parallelism) the
+    pairs routed to another rank's expert (-1) are aligned as one extra expert E after the real ones (S is
+    then the bound for E + 1 experts, blocks past the end get E + 1), and the real padded length stops
+    before their blocks, so the GEMMs never compute them (no host sync: the length is a device value)."""
+    if expert_map is None:
+        return moe_align_block_size(topk_ids, num_experts, block_m)
+    local = expert_map[topk_ids.long()]  # [T, k] rows of w13/w2, -1 for other ranks' experts
+    remote = local < 0
+    # the remote pairs become expert E: sorted last, their padded run is cut off the real length
+    ids = torch.where(remote, num_experts, local)  # [T, k]
+    sorted_ids, expert_ids, num_post = moe_align_block_size(ids, num_experts + 1, block_m)
+    remote_padded = (remote.sum(dtype=torch.int32) + block_m - 1) // block_m * block_m  # [] device
+    return sorted_ids, expert_ids, num_post - remote_padded  # [1] int32
 
 
 def check_moe_args(

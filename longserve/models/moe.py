@@ -47,6 +47,11 @@ EXPERT_SHARDS = ("gate", "up", "down")  # per-expert checkpoint tensors: shard i
 # the profiler range around routing + experts: `bench latency --profile` files the ops inside it (on the CPU,
 # the reference's matmuls) under its own "moe" category (bench/profile.py); entered only while profiling
 PROFILE_RANGE = "longserve::moe"
+# Routing of at most this many tokens on CUDA runs as the one-launch Triton top-k (kernels/moe_routing.py)
+# instead of route_topk's 5-7 torch launches: same ids (but for ties), weights equal to fp32 rounding. 0 = off:
+# not measured yet (no GPU in the session that wrote it); the GPU session times a decode step with it
+# (`longserve bench latency`, the profile's "sampling" category holds the torch top-k) and turns it on.
+MOE_TRITON_ROUTING_MAX_TOKENS = 0
 
 
 class MoEMethod(QuantizeMethod):
@@ -271,6 +276,11 @@ class FusedMoE(nn.Module):
 
     def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Router logits [T, E] -> (routing weights [T, k], expert ids [T, k] int32)."""
+        if 0 < router_logits.shape[0] <= MOE_TRITON_ROUTING_MAX_TOKENS and use_triton(router_logits):
+            from longserve.kernels.moe_routing import route_topk_fused  # imports triton
+
+            dtype = router_logits.dtype if self.round_routing_weights else torch.float32
+            return route_topk_fused(router_logits, self.top_k, self.renormalize, self.scoring, dtype)
         weights, ids = route_topk(router_logits, self.top_k, self.renormalize, self.scoring)
         if self.round_routing_weights:
             weights = weights.to(router_logits.dtype)

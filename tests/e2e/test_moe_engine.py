@@ -104,3 +104,21 @@ def test_memory_plan_counts_the_experts(moe_ckpt):
         plan["kv_pool_tokens"] == 1024 and plan["requests_at_full_context"] == 1024 / plan["context_length"]
     )
     assert f"MoE layers of {plan['num_experts']} experts" in runner.describe()
+
+
+def test_triton_alignment_batch_equals_each_alone(moe_ckpt, baseline, monkeypatch):
+    """The MoE layers on their Triton path (fused_moe, as on CUDA; interpreted here) with the one-launch Triton
+    alignment switched on (kernels/fused_moe.py's MOE_TRITON_ALIGN_MAX_PAIRS): a batch of the four prompts,
+    chunked, gives each prompt's tokens run alone on the torch reference."""
+    pytest.importorskip("triton")
+    from longserve.kernels import fused_moe as fused_moe_mod
+    from longserve.models import moe as moe_mod
+
+    calls = []
+    real = fused_moe_mod.moe_align
+    monkeypatch.setattr(fused_moe_mod, "moe_align", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(fused_moe_mod, "MOE_TRITON_ALIGN_MAX_PAIRS", 4096)
+    monkeypatch.setattr(moe_mod, "use_triton", lambda t: True)  # as for CUDA tensors with triton
+    ps, alone = baseline
+    assert run_all(moe_ckpt, ps, enable_prefix_caching=False, chunked_prefill_size=64)[0] == alone
+    assert calls, "the Triton alignment did not run"

@@ -1,5 +1,6 @@
 """Fused MoE on the GPU at real shapes (Qwen3-30B-A3B, Mixtral-8x7B; bf16) vs. the torch reference, free of
-host syncs, deterministic, and under CUDA-graph capture/replay with routing that changes between replays."""
+host syncs, deterministic, and under CUDA-graph capture/replay with routing that changes between replays; the
+one-launch Triton alignment (kernels/moe_align.py) against the torch one, alone and in the MoE layer."""
 
 from __future__ import annotations
 
@@ -102,3 +103,112 @@ def test_cuda_graph_replay(experts, num_tokens: int) -> None:
         graph.replay()
         torch.cuda.synchronize()
         assert_close_rel(out, fused_moe_ref(x, w13, w2, *route_topk(logits, top_k, True)))
+
+
+@pytest.mark.parametrize("num_tokens", [1, 7, 64, 512])
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_triton_alignment_equals_torch(experts, num_tokens: int, block_m: int) -> None:
+    """The one-launch Triton alignment (kernels/moe_align.py) gives the torch ops' tensors on the GPU, with
+    and without an expert-parallel map, eagerly and replayed from a CUDA graph with other routing."""
+    from longserve.kernels.moe_align import moe_align
+    from longserve.kernels.moe_reference import moe_align_ref
+
+    _, w13, _, top_k, _ = experts
+    num_experts = w13.shape[0]
+    emap = torch.full((num_experts,), -1, dtype=torch.int32, device="cuda")  # rank 1 of 2
+    half = num_experts // 2
+    emap[half:] = torch.arange(num_experts - half, dtype=torch.int32, device="cuda")
+    for expert_map, local in ((None, num_experts), (emap, num_experts - half)):
+        for seed in range(3):
+            _, ids = route(num_tokens, num_experts, top_k, False, seed=seed)
+            got, ref = (
+                moe_align(ids, local, block_m, expert_map),
+                moe_align_ref(ids, local, block_m, expert_map),
+            )
+            for a, b in zip(got, ref, strict=True):
+                assert torch.equal(a, b)
+        ids = ids.clone()  # static input of the graph
+        moe_align(ids, local, block_m, expert_map)  # compiled off the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = moe_align(ids, local, block_m, expert_map)
+        for seed in range(10, 13):
+            ids.copy_(route(num_tokens, num_experts, top_k, False, seed=seed)[1])
+            graph.replay()
+            for a, b in zip(outs, moe_align_ref(ids, local, block_m, expert_map), strict=True):
+                assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 8, 64, 512])
+def test_fused_moe_with_the_triton_alignment(
+    experts, monkeypatch: pytest.MonkeyPatch, num_tokens: int
+) -> None:
+    """MOE_TRITON_ALIGN_MAX_PAIRS on: the MoE layer's output equals the torch alignment's bit for bit, eagerly
+    and inside a CUDA graph replayed with new hidden states and routing."""
+    from longserve.kernels import fused_moe as mod
+    from longserve.kernels.fused_moe import fused_moe, fused_moe_ref, route_topk
+
+    _, w13, w2, top_k, _ = experts
+    hidden, num_experts = w13.shape[2], w13.shape[0]
+    x = torch.randn(num_tokens, hidden, device="cuda", dtype=torch.bfloat16)  # [T, H] static input
+    logits = torch.randn(num_tokens, num_experts, device="cuda")  # [T, E] static input
+    out = torch.empty_like(x)  # [T, H] static output
+    off = fused_moe(x, w13, w2, *route_topk(logits, top_k, True))
+    monkeypatch.setattr(mod, "MOE_TRITON_ALIGN_MAX_PAIRS", 8192)
+    assert torch.equal(fused_moe(x, w13, w2, *route_topk(logits, top_k, True)), off)
+
+    def step() -> None:
+        fused_moe(x, w13, w2, *route_topk(logits, top_k, True), out=out)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for seed in range(3):
+        gen = torch.Generator(device="cuda").manual_seed(200 + seed)
+        x.copy_(torch.randn(x.shape, device="cuda", generator=gen))
+        logits.copy_(torch.randn(logits.shape, device="cuda", generator=gen) * 3)
+        graph.replay()
+        torch.cuda.synchronize()
+        weights, ids = route_topk(logits, top_k, True)
+        monkeypatch.setattr(mod, "MOE_TRITON_ALIGN_MAX_PAIRS", 0)
+        assert torch.equal(out, fused_moe(x, w13, w2, weights, ids))  # the torch alignment, eagerly
+        monkeypatch.setattr(mod, "MOE_TRITON_ALIGN_MAX_PAIRS", 8192)
+        assert_close_rel(out, fused_moe_ref(x, w13, w2, weights, ids))
+
+
+@pytest.mark.parametrize("num_tokens", [1, 64, 512])
+def test_fused_routing_matches_route_topk(experts, num_tokens: int) -> None:
+    """The one-launch router top-k (kernels/moe_routing.py) on the GPU: the experts torch.topk picks (as a set
+    per token: the order of exactly tied scores is open), weights equal to fp32 rounding, bf16 weights within
+    one ulp; inside a CUDA graph too."""
+    from longserve.kernels.moe_reference import route_topk
+    from longserve.kernels.moe_routing import route_topk_fused
+
+    _, w13, _, top_k, round_weights = experts
+    gen = torch.Generator(device="cuda").manual_seed(num_tokens)
+    logits = torch.randn(num_tokens, w13.shape[0], device="cuda", generator=gen).bfloat16()  # [T, E]
+    dtype = torch.bfloat16 if round_weights else torch.float32
+
+    def check(got_w, got_ids):
+        ref_w, ref_ids = route_topk(logits, top_k, True)
+        assert torch.equal(got_ids.sort(1).values, ref_ids.sort(1).values)
+        scores = logits.float()
+        assert torch.equal(scores.gather(1, got_ids.long()), scores.gather(1, ref_ids.long()))
+        ref_w = ref_w.to(dtype)
+        torch.testing.assert_close(
+            got_w.float(), ref_w.float(), atol=1e-6, rtol=2**-7 if round_weights else 1e-6
+        )
+
+    check(*route_topk_fused(logits, top_k, True, weights_dtype=dtype))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = route_topk_fused(logits, top_k, True, weights_dtype=dtype)
+    logits.copy_(torch.randn(logits.shape, device="cuda", generator=gen))
+    graph.replay()
+    torch.cuda.synchronize()
+    check(*outs)

@@ -4,12 +4,19 @@ chip's ceilings, beside the torch reference; `bench_moe()` returns one dict per 
 FLOPs are the useful ones, 2*T*k*(H*2I + I*H); bytes are the distinct experts' weights (each read once)
 plus the hidden states in and out. Each case is checked against the reference first; the kernel is timed
 eagerly and as a replayed CUDA graph (what decode steps run; the eager time of a small batch is host time).
+
+`--align both` times each case twice, with the torch alignment (`moe_align_ref`, ~15 launches) and with the
+one-launch Triton one (kernels/moe_align.py), and the alignment alone (`align_ms`, also a CUDA graph): the
+measurement that sets kernels/fused_moe.py's MOE_TRITON_ALIGN_MAX_PAIRS (the largest T*k where the
+"triton" rows' ms beat the "torch" ones'). `route_ms` times the router's top-k the same two ways (route_topk,
+kernels/moe_routing.py): it sets models/moe.py's MOE_TRITON_ROUTING_MAX_TOKENS.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 
@@ -32,6 +39,24 @@ SHAPES = {
     "mixtral-8x7b": MoEShape(8, 2, 4096, 14336, False),
 }
 MAX_REL_ERR = 1e-2
+ALIGN_MODES = ("torch", "triton")
+
+
+@contextmanager
+def alignment(mode: str):
+    """kernels/fused_moe.py's alignment switch set for `mode` ("torch": off; "triton": every size the
+    kernel takes) while the block runs (captured CUDA graphs keep the path they were captured with)."""
+    from longserve.kernels import fused_moe as mod
+    from longserve.kernels.moe_align import MAX_PAIRS
+
+    if mode not in ALIGN_MODES:
+        raise ValueError(f"alignment {mode!r}: one of {ALIGN_MODES}")
+    saved = mod.MOE_TRITON_ALIGN_MAX_PAIRS
+    mod.MOE_TRITON_ALIGN_MAX_PAIRS = MAX_PAIRS if mode == "triton" else 0
+    try:
+        yield
+    finally:
+        mod.MOE_TRITON_ALIGN_MAX_PAIRS = saved
 
 
 def bench_moe(
@@ -45,10 +70,16 @@ def bench_moe(
     repeats: int = 5,
     compare_torch: bool = True,
     device: str = "cuda",
+    align_modes: tuple[str, ...] = ("torch",),
 ) -> list[dict[str, object]]:
-    """One dict per (shape, T): tokens, experts_touched, gflop, mbytes, ms (graph replay), eager_ms,
-    tflops, tflops_pct, gbps, gbps_pct, torch_ms, speedup, rel_err. `device` other than cuda: smoke tests."""
-    from longserve.kernels.fused_moe import fused_moe, fused_moe_ref, route_topk
+    """One dict per (shape, T, alignment): tokens, align, experts_touched, gflop, mbytes, ms (graph replay),
+    eager_ms, align_ms (the alignment alone, graph replay), route_ms (the router's top-k alone, torch or
+    the Triton kernel as `align` says), tflops, tflops_pct, gbps, gbps_pct, torch_ms,
+    speedup, rel_err. `align_modes`: "torch" and/or "triton" (the MoE alignment's path). `device` other than
+    cuda: smoke tests."""
+    from longserve.kernels.fused_moe import align_routed_pairs, fused_moe, fused_moe_ref, get_moe_config
+    from longserve.kernels.moe_align import MAX_PAIRS as MAX_ALIGN_PAIRS
+    from longserve.kernels.moe_reference import route_topk
 
     dev = torch.device(device)
     assert dev.type != "cuda" or torch.cuda.is_available(), "bench_moe needs a CUDA GPU"
@@ -67,52 +98,87 @@ def bench_moe(
             weights = weights.to(dtype) if shape.round_weights else weights
             out = torch.empty_like(x)  # [T, H]
             ref = fused_moe_ref(x, w13, w2, weights, ids)  # [T, H]
-            got = fused_moe(x, w13, w2, weights, ids, out=out)
-            rel = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
-            if not rel < MAX_REL_ERR:
-                raise RuntimeError(f"{name} T={t}: relative error {rel:.2e} against the reference")
             touched = torch.unique(ids).numel()  # host sync: fine here, outside the timed calls
             flops = 2 * t * k * (h * 2 * inter + inter * h)
             nbytes = touched * 3 * h * inter * elem + 2 * t * h * elem
-            call = partial(fused_moe, x, w13, w2, weights, ids, out=out)
-            eager = cuda_time_ms(call, warmup=warmup, iters=iters, repeats=repeats)
-            replay = (
-                cuda_graph_time_ms(call, warmup=warmup, iters=iters, repeats=repeats)
-                if dev.type == "cuda"
-                else eager
-            )
             ref_ms = float("nan")
             if compare_torch:
                 ref_call = partial(fused_moe_ref, x, w13, w2, weights, ids)
                 ref_ms = cuda_time_ms(ref_call, warmup=1, iters=max(1, iters // 4), repeats=3)
-            rows.append(
-                {
-                    "shape": name,
-                    "tokens": t,
-                    "experts_touched": touched,
-                    "gflop": flops / 1e9,
-                    "mbytes": nbytes / 1e6,
-                    "ms": replay,
-                    "eager_ms": eager,
-                    "tflops": flops / replay / 1e9,
-                    "tflops_pct": 100 * flops / replay / 1e9 / peak_tflops,
-                    "gbps": nbytes / replay / 1e6,
-                    "gbps_pct": 100 * nbytes / replay / 1e6 / peak_gbps,
-                    "torch_ms": ref_ms,
-                    "speedup": ref_ms / replay,
-                    "rel_err": rel,
-                }
-            )
+            block_m = get_moe_config(e, inter, h, k, dtype, t)["BLOCK_M"]
+            router_logits = logits.to(dtype)  # [T, E] what a model's router linear gives
+            for mode in align_modes:
+                if mode == "triton" and t * k > MAX_ALIGN_PAIRS:
+                    continue  # past what the kernel takes: the torch row is the only one
+                with alignment(mode):
+                    got = fused_moe(x, w13, w2, weights, ids, out=out)
+                    rel = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+                    if not rel < MAX_REL_ERR:
+                        raise RuntimeError(f"{name} T={t} ({mode} alignment): relative error {rel:.2e}")
+                    call = partial(fused_moe, x, w13, w2, weights, ids, out=out)
+                    align_call = partial(align_routed_pairs, ids, e, block_m)
+                    route_call = partial(
+                        _route, mode, router_logits, k, dtype if shape.round_weights else None
+                    )
+                    eager = cuda_time_ms(call, warmup=warmup, iters=iters, repeats=repeats)
+                    if dev.type == "cuda":
+                        replay = cuda_graph_time_ms(call, warmup=warmup, iters=iters, repeats=repeats)
+                        align_ms = cuda_graph_time_ms(align_call, warmup=warmup, iters=iters, repeats=repeats)
+                        route_ms = cuda_graph_time_ms(route_call, warmup=warmup, iters=iters, repeats=repeats)
+                    else:
+                        replay = eager
+                        align_ms = cuda_time_ms(align_call, warmup=warmup, iters=iters, repeats=repeats)
+                        route_ms = cuda_time_ms(route_call, warmup=warmup, iters=iters, repeats=repeats)
+                row = _row(name, t, mode, touched, flops, nbytes, replay, eager, align_ms, ref_ms, rel,
+                           peak_tflops, peak_gbps)  # fmt: skip
+                rows.append({**row, "route_ms": route_ms})
     return rows
+
+
+def _route(mode: str, logits: torch.Tensor, top_k: int, round_to: torch.dtype | None):
+    """The router's top-k as models/moe.py runs it: route_topk (+ the weights' rounding), or with "triton" the
+    one-launch kernel of kernels/moe_routing.py (its switch: MOE_TRITON_ROUTING_MAX_TOKENS)."""
+    from longserve.kernels.moe_reference import route_topk
+
+    if mode == "triton":
+        from longserve.kernels.moe_routing import route_topk_fused
+
+        return route_topk_fused(logits, top_k, True, "softmax", round_to or torch.float32)
+    weights, ids = route_topk(logits, top_k, True)
+    return (weights.to(round_to) if round_to else weights), ids
+
+
+def _row(name, t, mode, touched, flops, nbytes, replay, eager, align_ms, ref_ms, rel, peak_tflops, peak_gbps):
+    return {
+        "shape": name,
+        "tokens": t,
+        "align": mode,
+        "experts_touched": touched,
+        "gflop": flops / 1e9,
+        "mbytes": nbytes / 1e6,
+        "ms": replay,
+        "eager_ms": eager,
+        "align_ms": align_ms,
+        "tflops": flops / replay / 1e9,
+        "tflops_pct": 100 * flops / replay / 1e9 / peak_tflops,
+        "gbps": nbytes / replay / 1e6,
+        "gbps_pct": 100 * nbytes / replay / 1e6 / peak_gbps,
+        "torch_ms": ref_ms,
+        "speedup": ref_ms / replay,
+        "rel_err": rel,
+    }
 
 
 def format_rows(rows: list[dict[str, object]]) -> str:
     cols = [
         "shape",
         "tokens",
+        "align",
         "experts_touched",
         "ms",
         "eager_ms",
+        "align_ms",
+        "route_ms",
         "tflops",
         "tflops_pct",
         "gbps",
@@ -135,6 +201,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--no-torch", action="store_true", help="skip timing the torch reference")
+    p.add_argument(
+        "--align",
+        default="torch",
+        choices=["torch", "triton", "both"],
+        help="the MoE alignment's path: the torch ops, the one-launch Triton kernel, or each in turn "
+        "(sets kernels/fused_moe.py's MOE_TRITON_ALIGN_MAX_PAIRS)",
+    )
     p.add_argument("--output-json", default=None)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -148,6 +221,7 @@ def main(argv: list[str] | None = None) -> None:
         iters=args.iters,
         repeats=args.repeats,
         compare_torch=not args.no_torch,
+        align_modes=ALIGN_MODES if args.align == "both" else (args.align,),
     )
     print(torch.cuda.get_device_name(), f"ceilings: {args.peak_tflops} TFLOP/s, {args.peak_gbps} GB/s")
     print(format_rows(rows))

@@ -1,0 +1,124 @@
+"""Compile the one-launch MoE alignment kernel (longserve/kernels/moe_align.py) and the router's top-k kernel
+(kernels/moe_routing.py, variants with "routing": true) for sm90 with Triton's real
+compiler, on any machine (no GPU needed: triton ships its nvidia backend and ptxas), and report per variant
+the registers, spills and shared memory. Catches constructs that the interpreter accepts and the compiler
+refuses (tests/unit/test_moe_align.py runs it). The same approach as scripts/compile_quant_gemv.py, with the
+compile and report steps taking any @triton.jit function (`compile_sm90`, `resource_usage`).
+
+    python3 scripts/compile_moe_align.py                       # the default variants, one JSON line each
+    python3 scripts/compile_moe_align.py '{"pairs": 4096, "block_m": 64, "emap": true}'   # one variant
+
+To check another Triton (the GPU machine's 3.6.0): install it aside (pip install --no-deps --target DIR
+triton==3.6.0) and run with PYTHONPATH=DIR:. ; the JSON names the version used.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+os.environ["TRITON_INTERPRET"] = "0"  # the real compiler, before triton is imported
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
+# (T*k pairs, BLOCK_M, expert map, ids dtype): decode of Qwen3-30B-A3B (8 pairs) and Mixtral (2), a batch of
+# 64 decodes, the 4096-pair cap the bench measures up to, the largest size the kernel takes
+VARIANTS = [
+    {"pairs": 8, "block_m": 16},
+    {"pairs": 2, "block_m": 16, "emap": True},
+    {"pairs": 512, "block_m": 16, "ids": "i64"},
+    {"pairs": 4096, "block_m": 64},
+    {"pairs": 4096, "block_m": 64, "emap": True},
+    {"pairs": 8192, "block_m": 128, "experts": 256},
+    {"routing": True},  # the router's top-k (kernels/moe_routing.py): Qwen3-30B-A3B's 128 experts, top-8
+    {"routing": True, "experts": 8, "top_k": 2, "logits": "fp32", "out": "fp32", "sigmoid": True},
+]
+
+
+def compile_sm90(fn, signature: dict, constexprs: dict, attrs: dict | None = None, **options):
+    """TTIR -> TTGIR -> LLVM -> PTX -> cubin of `fn` (a @triton.jit function, or a wrapper holding one in
+    `.fn`) for sm90; `signature` maps every argument name to a Triton type ("*i32", "i32", "constexpr"),
+    `attrs` maps argument names to specializations (e.g. [["tt.divisibility", 16]])."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    while not hasattr(fn, "arg_names"):  # a launch wrapper (kernels/launch.py's FastKernel) around the kernel
+        fn = fn.fn
+    names = fn.arg_names
+    spec = {(names.index(a),): v for a, v in (attrs or {}).items()}
+    src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=spec)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def resource_usage(cubin: bytes) -> dict:
+    """Registers, stack, shared and local memory of a cubin (cuobjdump ships with triton)."""
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        res = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", res)
+    return dict(regs=int(m[1]), stack=int(m[2]), shared=int(m[3]), local=int(m[4])) if m else {}
+
+
+def compile_align(pairs=8, block_m=16, emap=False, ids="i32", experts=128):
+    """The alignment kernel as `moe_align` launches it for `pairs` pairs."""
+    from longserve.kernels.moe_align import _moe_align_kernel, align_launch_config
+    from longserve.kernels.moe_reference import padded_size_bound
+
+    fn = _moe_align_kernel.fn  # the @triton.jit function inside fast_launch's wrapper
+    rows = padded_size_bound(pairs, experts + emap, block_m)
+    cfg = align_launch_config(pairs, rows)
+    consts = dict(HAS_MAP=emap, BLOCK_P=cfg["BLOCK_P"], BLOCK_M=block_m, FILL=cfg["FILL"])
+    ptrs = {"topk_ids_ptr": f"*{ids}", "expert_map_ptr": "*i32" if emap else f"*{ids}",
+            "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32", "num_post_ptr": "*i32"}  # fmt: skip
+    sig = {a: ptrs.get(a, "constexpr" if a in consts else "i32") for a in fn.arg_names}
+    attrs = {a: [["tt.divisibility", 16]] for a in ptrs}
+    return compile_sm90(fn, sig, consts, attrs, num_warps=cfg["num_warps"]), cfg
+
+
+def compile_routing(experts=128, top_k=8, logits="bf16", out="bf16", sigmoid=False, renormalize=True):
+    """The router's top-k kernel as `route_topk_fused` launches it."""
+    import triton
+
+    from longserve.kernels.moe_routing import _route_topk_kernel
+
+    fn = _route_topk_kernel.fn
+    block_e = triton.next_power_of_2(experts)
+    consts = dict(K=top_k, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k), SOFTMAX=not sigmoid,
+                  RENORMALIZE=renormalize)  # fmt: skip
+    ptrs = {"logits_ptr": f"*{logits}", "weights_ptr": f"*{out}", "ids_ptr": "*i32"}
+    sig = {a: ptrs.get(a, "constexpr" if a in consts else "i32") for a in fn.arg_names}
+    num_warps = 1 if block_e <= 256 else 4
+    attrs = {a: [["tt.divisibility", 16]] for a in ptrs}
+    return compile_sm90(fn, sig, consts, attrs, num_warps=num_warps), {"num_warps": num_warps}
+
+
+def report(variant: dict) -> dict:
+    import triton
+
+    args = {k: v for k, v in variant.items() if k != "routing"}
+    c, cfg = compile_routing(**args) if variant.get("routing") else compile_align(**args)
+    out = {"variant": variant, "triton": triton.__version__, "launch": cfg, "stages": list(c.asm)}
+    ptx = c.asm["ptx"]
+    out["bar_sync"] = "bar.sync" in ptx or "barrier.sync" in ptx
+    try:
+        out.update(resource_usage(c.asm["cubin"]))
+    except Exception as e:  # noqa: BLE001
+        out["res_usage"] = f"unavailable: {e}"
+    return out
+
+
+def main() -> None:
+    variants = [json.loads(a) for a in sys.argv[1:]] or VARIANTS
+    for v in variants:
+        print(json.dumps(report(v)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
