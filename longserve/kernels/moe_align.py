@@ -43,7 +43,7 @@ from longserve.kernels.moe_reference import padded_size_bound
 __all__ = ["MAX_PAIRS", "align_launch_config", "moe_align"]
 
 # < 2^15 for the scan's 16-bit count; sm90 (Triton 3.9, 16 warps): 74 registers and no spill at 4096 pairs,
-# 128 and a 32-byte spill at 8192 (scripts/compile_moe_align.py)
+# 128 and a 32-byte spill at 8192 (scripts/dev/compile_moe_align.py)
 MAX_PAIRS = 1 << 13
 FILL_MAX = 4096  # rows per store in the padding loops
 

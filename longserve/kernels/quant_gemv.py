@@ -30,7 +30,7 @@ bit-equal for bf16/fp16; equal up to summation order for float32). The per-eleme
 fp32 on the FMA path and rounds it to x's dtype on the tl.dot path (as the reference does).
 
 Compiles for sm90 on a machine without a GPU (triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))
-reaches cubin; scripts/compile_quant_gemv.py, run by tests/unit/test_quant_gemv.py; every variant there also
+reaches cubin; scripts/dev/compile_quant_gemv.py, run by tests/unit/test_quant_gemv.py; every variant there also
 compiles with Triton 3.6.0, checked once by hand with it installed aside). What the SASS of the decode
 case (M = 1, int4 g128, BLOCK_N 64, BLOCK_K 128, 4 warps) shows, Triton 3.9: 69 registers, no spills, two
 LDG.E.128 of packed weights per thread per tile, the activation row through shared memory (one layout

@@ -322,10 +322,11 @@ def test_online_fp8_quantizes_a_float_checkpoint(root) -> None:
     )
 
 
-# one case per path of the GEMV: int4 g128 symmetric (a scale per tile), act order with zero points (per-element
-# scales), int8 with a bias, compressed-tensors' asymmetric g32. All 12 integer-weight cases of CASES (MoE ones'
-# dense layers included) passed this way at the commit that added it (5.5 min on the 2-core machine).
-GEMV_CASES = ["gptq-int4-g128-sym", "gptq-int4-g32-actorder-asym", "gptq-int8-g64-bias", "ct-w4a16-asym-g32"]
+# end to end, the GEMV's tile-scale path in int4 and in int8 with a bias (the act-order and asymmetric paths are
+# checked op by op in tests/unit/test_quant_gemv.py: here they cost 40 s of CI under the interpreter). All 12
+# integer-weight cases of CASES (MoE ones' dense layers included) passed this way at the commit that added it
+# (5.5 min on the 2-core machine).
+GEMV_CASES = ["gptq-int4-g128-sym", "gptq-int8-g64-bias"]
 
 
 @pytest.mark.parametrize("case", GEMV_CASES)

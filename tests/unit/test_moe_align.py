@@ -4,7 +4,7 @@ reference `moe_align_ref`: the same three tensors element for element for T in 1
 experts (-1), int64 ids; the fused MoE's output unchanged with the switch on (also with a map, and through
 the MoE layer of tiny Qwen3-MoE / Qwen2-MoE / Mixtral checkpoints against transformers); the one-launch
 router top-k (kernels/moe_routing.py) against `route_topk`; both kernels compiled for sm90 by Triton's real
-compiler (scripts/compile_moe_align.py)."""
+compiler (scripts/dev/compile_moe_align.py)."""
 
 from __future__ import annotations
 
@@ -245,7 +245,7 @@ def test_compiles_for_sm90() -> None:
     variants = ['{"pairs": 8, "block_m": 16}', '{"pairs": 2, "block_m": 16, "emap": true}',
                 '{"pairs": 64, "block_m": 64, "ids": "i64", "emap": true}', '{"routing": true}']  # fmt: skip
     res = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "compile_moe_align.py"), *variants],
+        [sys.executable, str(ROOT / "scripts" / "dev" / "compile_moe_align.py"), *variants],
         capture_output=True, text=True, env=env, timeout=600,
     )  # fmt: skip
     if res.returncode != 0 and "ptxas" in res.stderr and "not found" in res.stderr:

@@ -197,7 +197,7 @@ def test_gemv_compiles_for_sm90() -> None:
 
     root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(root))
-    proc = subprocess.run([sys.executable, str(root / "scripts" / "compile_quant_gemv.py")], capture_output=True,
+    proc = subprocess.run([sys.executable, str(root / "scripts" / "dev" / "compile_quant_gemv.py")], capture_output=True,
                           text=True, env=env, timeout=600)  # fmt: skip
     if proc.returncode != 0 and "ptxas" in proc.stderr:  # no usable ptxas here: the MLIR stages ran
         pytest.skip(f"ptxas unavailable: {proc.stderr[-500:]}")
