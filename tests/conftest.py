@@ -11,3 +11,54 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+# The sm90 compile check (longserve/testing/kernel_compile.py): in CI (CI=true) or with
+# LONGSERVE_COMPILE_KERNELS=1, every Triton kernel variant the interpreted tests launched (those covering every
+# constexpr switch: ~90, ~40 s) is compiled for sm90 with the real compiler at the end of the session, and a
+# variant that does not compile fails the run: the interpreter accepts programs the compiler refuses.
+# LONGSERVE_RECORD_KERNELS=FILE appends the recorded variants to FILE instead.
+_COMPILE_CHECK = (
+    os.environ.get("LONGSERVE_COMPILE_KERNELS", "1" if os.environ.get("CI") == "true" else "0") == "1"
+)
+_RECORD_FILE = os.environ.get("LONGSERVE_RECORD_KERNELS")
+
+
+def pytest_configure(config) -> None:
+    if (_COMPILE_CHECK or _RECORD_FILE) and os.environ.get("TRITON_INTERPRET") == "1":
+        from longserve.testing.kernel_compile import record_launches
+
+        record_launches()
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    if os.environ.get("TRITON_INTERPRET") != "1" or not (_COMPILE_CHECK or _RECORD_FILE):
+        return
+    from longserve.testing.kernel_compile import dump_records
+
+    if _RECORD_FILE:
+        dump_records(_RECORD_FILE)
+    if not _COMPILE_CHECK or exitstatus != 0:
+        return
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
+        path = f.name
+    if dump_records(path) == 0:
+        return
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    cmd = [sys.executable, "-m", "longserve.testing.kernel_compile", path]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    failed = [line for line in lines if '"ok": false' in line]
+    print(
+        f"\nsm90 compile check: {len(lines) - len(failed)} of {len(lines)} recorded kernel variants compiled"
+    )
+    for line in failed:
+        print("  FAILED " + line)
+    if done.returncode != 0:
+        if not failed:
+            print(done.stderr[-3000:])
+        session.exitstatus = 1

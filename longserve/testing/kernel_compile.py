@@ -1,0 +1,179 @@
+"""Compile for sm90, on a machine without a GPU, every Triton kernel variant the CPU tests launch.
+
+Triton's interpreter (TRITON_INTERPRET=1, how CI runs our kernels) runs a kernel as Python: it accepts
+programs that the real compiler refuses. On an H200 (2026-12-01) a MoE kernel helper returning two types from
+constexpr branches passed every interpreted test and failed to compile on the GPU. The compiler needs no GPU
+(triton ships its nvidia backend and ptxas), only the argument types and constexpr values of each launch,
+which the interpreter sees: `record_launches()` notes them (one record per kernel, constexpr values and
+argument types), and `compile_record()` builds that variant for sm90 down to cubin in a process where
+TRITON_INTERPRET is off. tests/conftest.py records while the suite runs (LONGSERVE_RECORD_KERNELS=FILE) and
+tests/unit/test_kernels_compile.py checks the kernels of a representative run.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+from typing import Any
+
+_RECORDS: dict[str, dict[str, Any]] = {}
+# torch dtype name -> Triton's pointer element type
+_TYPES = {
+    "float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64", "int64": "i64",
+    "int32": "i32", "int16": "i16", "int8": "i8", "uint8": "u8", "bool": "i1", "float8_e4m3fn": "fp8e4nv",
+    "float8_e5m2": "fp8e5",
+}  # fmt: skip
+_LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
+
+
+def _is_constexpr(param: inspect.Parameter) -> bool:
+    ann = param.annotation
+    return ann is not inspect.Parameter.empty and "constexpr" in (ann if isinstance(ann, str) else repr(ann))
+
+
+def _encode(value: Any) -> Any:
+    """A constexpr value as JSON: numbers, bools, None, strings; Triton dtypes by name."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    name = getattr(value, "name", None)  # tl.dtype
+    if isinstance(name, str):
+        return {"tl_dtype": name}
+    raise TypeError(f"constexpr value {value!r} cannot be recorded")
+
+
+def _arg_type(value: Any) -> str:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return "*" + _TYPES[str(value.dtype).removeprefix("torch.")]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -(2**31) <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"argument {value!r} of type {type(value).__name__} cannot be typed")
+
+
+def launch_record(fn: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """The record of one interpreted launch of @triton.jit function `fn` (the Python function)."""
+    params = list(inspect.signature(fn).parameters.values())
+    bound = dict(zip([p.name for p in params], args))
+    bound.update({k: v for k, v in kwargs.items() if k not in _LAUNCH_OPTIONS})
+    signature, constexprs = {}, {}
+    for p in params:
+        value = bound.get(p.name, p.default)
+        if _is_constexpr(p) or value is None:
+            signature[p.name] = "constexpr"
+            constexprs[p.name] = _encode(None if value is inspect.Parameter.empty else value)
+        else:
+            signature[p.name] = _arg_type(value)
+    options = {k: kwargs[k] for k in _LAUNCH_OPTIONS if k in kwargs}
+    return {"module": fn.__module__, "name": fn.__name__, "signature": signature, "constexprs": constexprs,
+            "options": options}  # fmt: skip
+
+
+def record_launches() -> None:
+    """From now on, note every interpreted launch's variant (deduplicated) in this process."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if getattr(InterpretedFunction.run, "_longserve_recording", False):
+        return
+    run = InterpretedFunction.run
+
+    def recording_run(self, *args, grid, warmup, **kwargs):
+        try:
+            rec = launch_record(self.fn, args, kwargs)
+            _RECORDS.setdefault(json.dumps(rec, sort_keys=True), rec)
+        except (TypeError, KeyError):  # an argument we cannot type: the launch itself is not ours to judge
+            pass
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    recording_run._longserve_recording = True
+    InterpretedFunction.run = recording_run
+
+
+def dump_records(path: str) -> int:
+    """Append this process's records to `path` (JSON lines; several processes may write one file)."""
+    with open(path, "a") as f:
+        for rec in _RECORDS.values():
+            f.write(json.dumps(rec, sort_keys=True) + "\n")
+    return len(_RECORDS)
+
+
+def _features(rec: dict[str, Any]) -> set[tuple[str, str]]:
+    """What makes a variant's code differ: its constexpr switches (tile sizes aside: they change shapes, rarely
+    which code is generated) and its pointers' element types."""
+    feats = {
+        (k, json.dumps(v)) for k, v in rec["constexprs"].items() if not k.startswith(("BLOCK", "GROUP_M"))
+    }
+    return feats | {("*" + k, v) for k, v in rec["signature"].items() if v.startswith("*")}
+
+
+def load_records(path: str, cover: bool = True) -> list[dict[str, Any]]:
+    """The distinct records of `path`; with `cover`, per kernel only the variants needed to cover every
+    constexpr switch value and pointer type seen (greedy, richest first): about 90 of 250 for the unit tests."""
+    seen: dict[str, dict[str, Any]] = {}
+    with open(path) as f:
+        for line in f:
+            rec = json.loads(line)
+            seen.setdefault(json.dumps(rec, sort_keys=True), rec)
+    if not cover:
+        return list(seen.values())
+    by_kernel: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for key in sorted(seen):
+        rec = seen[key]
+        by_kernel.setdefault((rec["module"], rec["name"]), []).append(rec)
+    out = []
+    for recs in by_kernel.values():
+        covered: set[tuple[str, str]] = set()
+        for rec in sorted(recs, key=lambda r: -len(_features(r))):  # stable: ties keep the sorted order
+            if _features(rec) - covered:
+                out.append(rec)
+                covered |= _features(rec)
+    return out
+
+
+def compile_record(rec: dict[str, Any]) -> dict[str, Any]:
+    """Compile one recorded variant for sm90 (TRITON_INTERPRET must be off in this process)."""
+    import importlib
+
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+
+    assert os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), "compile with the interpreter off"
+    fn = getattr(importlib.import_module(rec["module"]), rec["name"])
+    while not hasattr(fn, "arg_names"):  # kernels/launch.py's FastKernel around the JITFunction
+        fn = fn.fn
+    constexprs = {
+        k: tl.dtype(v["tl_dtype"]) if isinstance(v, dict) else v for k, v in rec["constexprs"].items()
+    }
+    src = triton.compiler.ASTSource(fn=fn, signature=rec["signature"], constexprs=constexprs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=rec["options"])
+    return {"kernel": rec["name"], "stages": list(compiled.asm)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python -m longserve.testing.kernel_compile RECORDS.jsonl [--all]: compile the recorded variants (those
+    covering every switch, or all), one JSON line each; exit status 1 if any fails."""
+    import sys
+
+    argv = sys.argv[1:] if argv is None else argv
+    os.environ["TRITON_INTERPRET"] = "0"
+    records = load_records(argv[0], cover="--all" not in argv[1:])
+    failed = 0
+    for rec in records:
+        try:
+            line = {"ok": True, **compile_record(rec)}
+        except Exception as e:  # noqa: BLE001 - every failure is reported with its variant
+            failed += 1
+            line = {"ok": False, "kernel": rec["name"], "module": rec["module"], "constexprs": rec["constexprs"],
+                    "signature": rec["signature"], "error": f"{type(e).__name__}: {e}"[-2000:]}  # fmt: skip
+        print(json.dumps(line), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,89 @@
+"""The sm90 compile check (longserve/testing/kernel_compile.py): an interpreted launch is recorded with its
+argument types and constexpr values, and the real compiler, with no GPU, builds the good kernel and refuses the
+one the interpreter runs happily (a helper returning two types from constexpr branches, as the MoE kernel's
+did before it failed on an H200)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
+
+from longserve.testing import kernel_compile  # noqa: E402
+
+
+@triton.jit
+def _pick(x, MODE: tl.constexpr):
+    if MODE == 1:
+        return x * 2.0, 1.0
+    return x.to(tl.int32), 1.0  # a second return of another type: the compiler refuses, the interpreter not
+
+
+@triton.jit
+def _good_kernel(x_ptr, out_ptr, n, scale, BLOCK: tl.constexpr, OUT_TY: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
+    tl.store(out_ptr + offs, (x * scale).to(OUT_TY), mask=offs < n)
+
+
+@triton.jit
+def _bad_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, MODE: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
+    y, s = _pick(x, MODE)
+    tl.store(out_ptr + offs, y * s, mask=offs < n)
+
+
+def _nvidia_backend() -> bool:
+    try:
+        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="records interpreted launches")
+def test_launch_record_names_types_and_constexprs():
+    kernel_compile.record_launches()
+    x = torch.arange(10, dtype=torch.float32)
+    out = torch.empty(10, dtype=torch.bfloat16)
+    _good_kernel[(1,)](x, out, 10, 0.5, BLOCK=16, OUT_TY=tl.bfloat16, num_warps=2)
+    torch.testing.assert_close(out.float(), x * 0.5)
+    rec = kernel_compile.launch_record(_good_kernel.fn, (x, out, 10, 0.5), {"BLOCK": 16, "OUT_TY": tl.bfloat16,
+                                                                            "num_warps": 2})  # fmt: skip
+    assert rec["signature"] == {"x_ptr": "*fp32", "out_ptr": "*bf16", "n": "i32", "scale": "fp32",
+                                "BLOCK": "constexpr", "OUT_TY": "constexpr"}  # fmt: skip
+    assert rec["constexprs"] == {"BLOCK": 16, "OUT_TY": {"tl_dtype": "bf16"}}
+    assert rec["options"] == {"num_warps": 2} and rec["name"] == "_good_kernel"
+    assert any(r == rec for r in kernel_compile._RECORDS.values())  # the launch itself was recorded
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="records interpreted launches")
+@pytest.mark.skipif(not _nvidia_backend(), reason="triton's nvidia backend is not installed")
+def test_the_compiler_refuses_what_the_interpreter_ran(tmp_path):
+    kernel_compile.record_launches()
+    x = torch.arange(8, dtype=torch.float32)
+    out = torch.empty(8, dtype=torch.float32)
+    _bad_kernel[(1,)](x, out, 8, BLOCK=8, MODE=1)  # the interpreter runs it
+    torch.testing.assert_close(out, x * 2)
+    _good_kernel[(1,)](x, out, 8, 2.0, BLOCK=8, OUT_TY=tl.float32)
+    path = tmp_path / "records.jsonl"
+    mine = [r for r in kernel_compile._RECORDS.values() if r["module"] == __name__]
+    path.write_text("".join(json.dumps(r) + "\n" for r in mine))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    # this module is imported by its own name, as pytest did
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join([root, here])}
+    done = subprocess.run([sys.executable, "-m", "longserve.testing.kernel_compile", str(path)], env=env,
+                          capture_output=True, text=True, timeout=300, cwd=root)  # fmt: skip
+    results = {json.loads(line)["kernel"]: json.loads(line) for line in done.stdout.splitlines()}
+    assert results["_good_kernel"]["ok"] and results["_good_kernel"]["stages"][-1] == "cubin", results
+    assert not results["_bad_kernel"]["ok"], results["_bad_kernel"]
+    assert done.returncode == 1
