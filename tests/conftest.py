@@ -43,18 +43,21 @@ def pytest_sessionfinish(session, exitstatus) -> None:
     import subprocess
     import sys
     import tempfile
+    import time
 
     with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
         path = f.name
     if dump_records(path) == 0:
         return
     env = {**os.environ, "TRITON_INTERPRET": "0"}
-    cmd = [sys.executable, "-m", "longserve.testing.kernel_compile", path]
+    cmd = [sys.executable, "-m", "longserve.testing.kernel_compile", path, "--package", "longserve."]
+    start = time.perf_counter()
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     failed = [line for line in lines if '"ok": false' in line]
     print(
-        f"\nsm90 compile check: {len(lines) - len(failed)} of {len(lines)} recorded kernel variants compiled"
+        f"\nsm90 compile check: {len(lines) - len(failed)} of {len(lines)} recorded kernel variants compiled "
+        f"({time.perf_counter() - start:.0f} s)"
     )
     for line in failed:
         print("  FAILED " + line)

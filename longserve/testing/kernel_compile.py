@@ -111,14 +111,16 @@ def _features(rec: dict[str, Any]) -> set[tuple[str, str]]:
     return feats | {("*" + k, v) for k, v in rec["signature"].items() if v.startswith("*")}
 
 
-def load_records(path: str, cover: bool = True) -> list[dict[str, Any]]:
-    """The distinct records of `path`; with `cover`, per kernel only the variants needed to cover every
-    constexpr switch value and pointer type seen (greedy, richest first): about 90 of 250 for the unit tests."""
+def load_records(path: str, cover: bool = True, package: str = "") -> list[dict[str, Any]]:
+    """The distinct records of `path` of kernels in modules under `package` ("longserve.": ours, not a test's
+    own); with `cover`, per kernel only the variants needed to cover every constexpr switch value and pointer
+    type seen (greedy, richest first): about 90 of 250 for the unit tests."""
     seen: dict[str, dict[str, Any]] = {}
     with open(path) as f:
         for line in f:
             rec = json.loads(line)
-            seen.setdefault(json.dumps(rec, sort_keys=True), rec)
+            if rec["module"].startswith(package):
+                seen.setdefault(json.dumps(rec, sort_keys=True), rec)
     if not cover:
         return list(seen.values())
     by_kernel: dict[tuple[str, str], list[dict[str, Any]]] = {}
@@ -156,13 +158,15 @@ def compile_record(rec: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """python -m longserve.testing.kernel_compile RECORDS.jsonl [--all]: compile the recorded variants (those
-    covering every switch, or all), one JSON line each; exit status 1 if any fails."""
+    """python -m longserve.testing.kernel_compile RECORDS.jsonl [--all] [--package PREFIX]: compile the recorded
+    variants (those covering every switch, or all; of modules under PREFIX), one JSON line each; exit status 1
+    if any fails."""
     import sys
 
     argv = sys.argv[1:] if argv is None else argv
     os.environ["TRITON_INTERPRET"] = "0"
-    records = load_records(argv[0], cover="--all" not in argv[1:])
+    package = argv[argv.index("--package") + 1] if "--package" in argv else ""
+    records = load_records(argv[0], cover="--all" not in argv[1:], package=package)
     failed = 0
     for rec in records:
         try:
