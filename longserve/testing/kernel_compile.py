@@ -137,6 +137,38 @@ def load_records(path: str, cover: bool = True, package: str = "") -> list[dict[
     return out
 
 
+def compile_sm90(fn: Any, signature: dict, constexprs: dict, attrs: dict | None = None, **options: Any):
+    """TTIR -> TTGIR -> LLVM -> PTX -> cubin of `fn` (a @triton.jit function, or a wrapper holding one in
+    `.fn`) for sm90; `signature` maps every argument name to a Triton type ("*i32", "i32", "constexpr"),
+    `attrs` maps argument names to specializations (e.g. [["tt.divisibility", 16]])."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    while not hasattr(fn, "arg_names"):  # a launch wrapper (kernels/launch.py's FastKernel) around the kernel
+        fn = fn.fn
+    names = fn.arg_names
+    spec = {(names.index(a),): v for a, v in (attrs or {}).items()}
+    src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=spec)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def resource_usage(cubin: bytes) -> dict[str, int]:
+    """Registers, stack, shared and local (spill) memory of a cubin (cuobjdump ships with triton)."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        res = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", res)
+    return dict(regs=int(m[1]), stack=int(m[2]), shared=int(m[3]), local=int(m[4])) if m else {}
+
+
 def compile_record(rec: dict[str, Any]) -> dict[str, Any]:
     """Compile one recorded variant for sm90 (TRITON_INTERPRET must be off in this process)."""
     import importlib

@@ -2,11 +2,10 @@
 (kernels/moe_routing.py, variants with "routing": true) for sm90 with Triton's real
 compiler, on any machine (no GPU needed: triton ships its nvidia backend and ptxas), and report per variant
 the registers, spills and shared memory. Catches constructs that the interpreter accepts and the compiler
-refuses (tests/unit/test_moe_align.py runs it). The same approach as scripts/compile_quant_gemv.py, with the
-compile and report steps taking any @triton.jit function (`compile_sm90`, `resource_usage`).
+refuses (tests/unit/test_moe_align.py runs it). The compile and report steps are longserve/testing/kernel_compile.py's.
 
-    python3 scripts/compile_moe_align.py                       # the default variants, one JSON line each
-    python3 scripts/compile_moe_align.py '{"pairs": 4096, "block_m": 64, "emap": true}'   # one variant
+    python3 scripts/dev/compile_moe_align.py                       # the default variants, one JSON line each
+    python3 scripts/dev/compile_moe_align.py '{"pairs": 4096, "block_m": 64, "emap": true}'   # one variant
 
 To check another Triton (the GPU machine's 3.6.0): install it aside (pip install --no-deps --target DIR
 triton==3.6.0) and run with PYTHONPATH=DIR:. ; the JSON names the version used.
@@ -16,13 +15,12 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import subprocess
 import sys
-import tempfile
 
 os.environ["TRITON_INTERPRET"] = "0"  # the real compiler, before triton is imported
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
+from longserve.testing.kernel_compile import compile_sm90, resource_usage  # noqa: E402
 
 # (T*k pairs, BLOCK_M, expert map, ids dtype): decode of Qwen3-30B-A3B (8 pairs) and Mixtral (2), a batch of
 # 64 decodes, the 4096-pair cap the bench measures up to, the largest size the kernel takes
@@ -36,34 +34,6 @@ VARIANTS = [
     {"routing": True},  # the router's top-k (kernels/moe_routing.py): Qwen3-30B-A3B's 128 experts, top-8
     {"routing": True, "experts": 8, "top_k": 2, "logits": "fp32", "out": "fp32", "sigmoid": True},
 ]
-
-
-def compile_sm90(fn, signature: dict, constexprs: dict, attrs: dict | None = None, **options):
-    """TTIR -> TTGIR -> LLVM -> PTX -> cubin of `fn` (a @triton.jit function, or a wrapper holding one in
-    `.fn`) for sm90; `signature` maps every argument name to a Triton type ("*i32", "i32", "constexpr"),
-    `attrs` maps argument names to specializations (e.g. [["tt.divisibility", 16]])."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-
-    while not hasattr(fn, "arg_names"):  # a launch wrapper (kernels/launch.py's FastKernel) around the kernel
-        fn = fn.fn
-    names = fn.arg_names
-    spec = {(names.index(a),): v for a, v in (attrs or {}).items()}
-    src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=spec)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-
-
-def resource_usage(cubin: bytes) -> dict:
-    """Registers, stack, shared and local memory of a cubin (cuobjdump ships with triton)."""
-    import triton
-
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        res = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", res)
-    return dict(regs=int(m[1]), stack=int(m[2]), shared=int(m[3]), local=int(m[4])) if m else {}
 
 
 def compile_align(pairs=8, block_m=16, emap=False, ids="i32", experts=128):

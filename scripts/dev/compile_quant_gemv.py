@@ -3,19 +3,20 @@ machine (no GPU needed: triton ships its nvidia backend and ptxas), and report p
 and whether the packed weights are loaded with 16-byte vectors. Catches constructs that the interpreter accepts
 and the compiler refuses (tests/unit/test_quant_gemv.py runs it).
 
-    python3 scripts/compile_quant_gemv.py            # the default variants, one JSON line each
-    python3 scripts/compile_quant_gemv.py '{"bm": 4, "zp": true}'   # one variant (keys: compile_gemv's)
+    python3 scripts/dev/compile_quant_gemv.py            # the default variants, one JSON line each
+    python3 scripts/dev/compile_quant_gemv.py '{"bm": 4, "zp": true}'   # one variant (keys: compile_gemv's)
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 
 os.environ["TRITON_INTERPRET"] = "0"  # the real compiler, before triton is imported
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
+from longserve.testing.kernel_compile import resource_usage  # noqa: E402
 
 VARIANTS = [
     {},  # M = 1, int4 g128 symmetric, split-K: the decode case
@@ -77,22 +78,8 @@ def report(variant: dict) -> dict:
         "stages": list(c.asm),
         "ld_v4": "ld.global.v4.b32" in ptx or "cp.async.cg" in ptx,
     }
-    try:  # registers and spills from the cubin (cuobjdump ships with triton)
-        import subprocess
-        import tempfile
-
-        import triton
-
-        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(c.asm["cubin"])
-            f.flush()
-            res = subprocess.run(
-                [tool, "-res-usage", f.name], capture_output=True, text=True, check=True
-            ).stdout
-        m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", res)
-        if m:
-            out.update(regs=int(m[1]), stack=int(m[2]), shared=int(m[3]), local=int(m[4]))
+    try:  # registers and spills from the cubin
+        out.update(resource_usage(c.asm["cubin"]))
     except Exception as e:  # noqa: BLE001
         out["res_usage"] = f"unavailable: {e}"
     return out
