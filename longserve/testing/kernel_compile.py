@@ -56,6 +56,19 @@ def _arg_type(value: Any) -> str:
     raise TypeError(f"argument {value!r} of type {type(value).__name__} cannot be typed")
 
 
+def sm90_compiler_missing() -> str | None:
+    """Why this triton cannot compile for sm90 here (no nvidia backend, no ptxas), or None when it can."""
+    try:
+        import triton
+        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
+    except ImportError as e:
+        return f"triton's nvidia backend is not installed ({e})"
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    if not os.path.exists(ptxas) and not os.environ.get("TRITON_PTXAS_PATH"):
+        return f"no ptxas at {ptxas}"
+    return None
+
+
 def launch_record(fn: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
     """The record of one interpreted launch of @triton.jit function `fn` (the Python function)."""
     params = list(inspect.signature(fn).parameters.values())
