@@ -258,6 +258,22 @@ class AttentionBackend(ABC):
         sliding_window: int | None = None,
     ) -> torch.Tensor: ...
 
+    @staticmethod
+    def store_and_pages(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        meta: AttentionMetadata,
+        kv_cache: KVCache,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first step of every `forward`: store the new tokens' K/V at `meta.slot_mapping`, check GQA
+        (Hq a multiple of Hkv), and return the layer's pages (k, v: [num_pages, page_size, Hkv, D])."""
+        kv_cache.store(layer_id, meta.slot_mapping, k, v)
+        num_q_heads, num_kv_heads = q.shape[1], k.shape[1]
+        assert num_q_heads % num_kv_heads == 0, f"Hq={num_q_heads} is not a multiple of Hkv={num_kv_heads}"
+        return kv_cache.k[layer_id], kv_cache.v[layer_id]
+
     def prepare_for_capture(self, batch_size: int, shape: GraphShape) -> AttentionBackend:
         """The backend a decode graph of `batch_size` requests (one new token each) captures with."""
         raise NotImplementedError(f"the {self.name} attention backend cannot be captured in CUDA graphs")

@@ -32,11 +32,8 @@ class TorchAttentionBackend(AttentionBackend):
         scale: float,
         sliding_window: int | None = None,
     ) -> torch.Tensor:
-        kv_cache.store(layer_id, meta.slot_mapping, k, v)
-        num_q_heads, num_kv_heads = q.shape[1], k.shape[1]
-        assert num_q_heads % num_kv_heads == 0, f"Hq={num_q_heads} is not a multiple of Hkv={num_kv_heads}"
-        group = num_q_heads // num_kv_heads
-        k_cache, v_cache = kv_cache.k[layer_id], kv_cache.v[layer_id]  # [num_pages, page_size, Hkv, D]
+        k_cache, v_cache = self.store_and_pages(q, k, v, layer_id, meta, kv_cache)
+        group = q.shape[1] // k.shape[1]
 
         out = torch.empty_like(q)  # [T, Hq, D]
         start = 0

@@ -47,10 +47,7 @@ class TorchSDPABackend(TorchAttentionBackend):
     ) -> torch.Tensor:
         if q.device.type != "cpu":
             return super().forward(q, k, v, layer_id, meta, kv_cache, scale, sliding_window)
-        kv_cache.store(layer_id, meta.slot_mapping, k, v)
-        num_q_heads, num_kv_heads = q.shape[1], k.shape[1]
-        assert num_q_heads % num_kv_heads == 0, f"Hq={num_q_heads} is not a multiple of Hkv={num_kv_heads}"
-        k_cache, v_cache = kv_cache.k[layer_id], kv_cache.v[layer_id]  # [num_pages, page_size, Hkv, D]
+        k_cache, v_cache = self.store_and_pages(q, k, v, layer_id, meta, kv_cache)
         if kv_cache.is_fp8:  # rounded through e4m3 as the pages hold them; the pages read dequantized
             k, v = kv_cache.as_stored(layer_id, k, v)
             read = functools.partial(_read_fp8, kv_cache, layer_id, q.dtype)

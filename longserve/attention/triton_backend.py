@@ -127,10 +127,8 @@ class TritonAttentionBackend(AttentionBackend):
         scale: float,
         sliding_window: int | None = None,
     ) -> torch.Tensor:
-        kv_cache.store(layer_id, meta.slot_mapping, k, v)
+        k_cache, v_cache = self.store_and_pages(q, k, v, layer_id, meta, kv_cache)
         num_q_heads, num_kv_heads = q.shape[1], k.shape[1]
-        assert num_q_heads % num_kv_heads == 0, f"Hq={num_q_heads} is not a multiple of Hkv={num_kv_heads}"
-        k_cache, v_cache = kv_cache.k[layer_id], kv_cache.v[layer_id]  # [num_pages, page_size, Hkv, D]
         if q.shape[0] == 0:
             return torch.empty_like(q)
 
