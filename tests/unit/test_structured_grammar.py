@@ -25,6 +25,7 @@ from longserve.structured.grammar import (
 from longserve.structured.request_formats import grammar_spec_from_request
 from longserve.structured.spec import GrammarSpec
 from longserve.structured.tool_grammar import tool_call_grammar
+from tests.fixtures.finite_schemas import SCALARS, arrays, objects
 from tests.fixtures.grammar_sampling import RandomSampler
 from tests.fixtures.tool_tokenizer import make_tokenizer
 
@@ -48,8 +49,7 @@ def sample(tok, compiler):
 
 
 # ---- random JSON schemas
-names = st.sampled_from(["a", "name", "city", "x_1", "ключ", "two words", 'q"uote'])
-scalars = st.one_of(st.integers(-50, 50), st.sampled_from(["red", 'say "hi"', "back\\slash", "ü", ""]))
+# property names, enum/const values, objects and arrays: the engine tests' (tests/fixtures/finite_schemas.py)
 
 
 @st.composite
@@ -76,33 +76,17 @@ leaves = st.one_of(
     st.sampled_from([{"type": "boolean"}, {"type": "null"}, {"type": "number"}]),
     string_schemas(),
     integer_schemas(),
-    st.lists(scalars, min_size=1, max_size=4, unique=True).map(lambda v: {"enum": v}),
-    scalars.map(lambda v: {"const": v}),
+    st.lists(SCALARS, min_size=1, max_size=4, unique=True).map(lambda v: {"enum": v}),
+    SCALARS.map(lambda v: {"const": v}),
 )
-
-
-@st.composite
-def objects(draw, children):
-    props = draw(st.dictionaries(names, children, min_size=1, max_size=3))
-    required = draw(st.lists(st.sampled_from(sorted(props)), unique=True))
-    return {"type": "object", "properties": props, "required": required, "additionalProperties": False}
-
-
-@st.composite
-def arrays(draw, children):
-    lo = draw(st.integers(0, 2))
-    return {
-        "type": "array",
-        "items": draw(children),
-        "minItems": lo,
-        "maxItems": lo + draw(st.integers(0, 3)),
-    }
 
 
 json_schemas = st.recursive(
     leaves,
     lambda kids: st.one_of(
-        objects(kids), arrays(kids), st.lists(kids, min_size=2, max_size=2).map(lambda a: {"anyOf": a})
+        objects(kids),
+        arrays(kids, max_extra=3),
+        st.lists(kids, min_size=2, max_size=2).map(lambda a: {"anyOf": a}),
     ),
     max_leaves=6,
 )
