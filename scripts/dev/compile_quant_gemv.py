@@ -16,7 +16,7 @@ import sys
 os.environ["TRITON_INTERPRET"] = "0"  # the real compiler, before triton is imported
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
-from longserve.testing.kernel_compile import resource_usage  # noqa: E402
+from longserve.testing.kernel_compile import compile_sm90, resource_usage  # noqa: E402
 
 VARIANTS = [
     {},  # M = 1, int4 g128 symmetric, split-K: the decode case
@@ -35,9 +35,6 @@ def compile_gemv(x="bf16", bits=4, zp=False, gidx=False, per_col=False, bias=Fal
                  bm=1, bn=64, bk=128, split=4, num_warps=4, num_stages=2):  # fmt: skip
     """TTIR -> TTGIR -> LLVM -> PTX -> cubin for sm90, with the runtime's specializations (pointers and
     multiples of 16: tt.divisibility=16)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-
     from longserve.kernels.quant_gemv import _wna16_gemv_kernel as fn
 
     names = fn.arg_names
@@ -49,25 +46,19 @@ def compile_gemv(x="bf16", bits=4, zp=False, gidx=False, per_col=False, bias=Fal
                   INTERPRET=False, INTERPRET_BF16=False)  # fmt: skip
     sig = {a: ptrs.get(a, "constexpr" if a in consts else "i32") for a in names}
     div16 = [*ptrs, "K", "N", "stride_xm", "stride_wn", "stride_om", "stride_os"]
-    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in div16}
-    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps, "num_stages": num_stages})  # fmt: skip
+    attrs = {a: [["tt.divisibility", 16]] for a in div16}
+    return compile_sm90(fn, sig, consts, attrs, num_warps=num_warps, num_stages=num_stages)
 
 
 def compile_reduce(x="bf16", bias=True):
     """The split-K reduction kernel for sm90."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-
     from longserve.kernels.quant_gemv import _splitk_reduce_kernel as fn
 
     sig = {"part_ptr": "*fp32", "b_ptr": f"*{x}", "out_ptr": f"*{x}", "N": "i32", "num_splits": "i32",
            "stride_ps": "i32", "stride_pm": "i32", "stride_om": "i32", "HAS_BIAS": "constexpr",
            "BLOCK": "constexpr", "INTERPRET_BF16": "constexpr"}  # fmt: skip
     consts = {"HAS_BIAS": bias, "BLOCK": 1024, "INTERPRET_BF16": False}
-    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    return compile_sm90(fn, sig, consts, num_warps=4)
 
 
 def report(variant: dict) -> dict:
