@@ -110,11 +110,12 @@ def test_edge_layouts() -> None:
 
 def test_the_switch_picks_the_path(monkeypatch: pytest.MonkeyPatch) -> None:
     """MOE_TRITON_ALIGN_MAX_PAIRS (0: off) decides, read at call time; past it (or past MAX_PAIRS) torch."""
+    assert fused_moe_mod.MOE_TRITON_ALIGN_MAX_PAIRS == MAX_PAIRS  # on up to the kernel's limit (H200-measured)
     calls = []
     real = fused_moe_mod.moe_align
     monkeypatch.setattr(fused_moe_mod, "moe_align", lambda *a: calls.append(a[0].numel()) or real(*a))
     ids = random_ids(6, 2, 8, seed=9)
-    assert fused_moe_mod.MOE_TRITON_ALIGN_MAX_PAIRS == 0  # off until the GPU bench sets it
+    monkeypatch.setattr(fused_moe_mod, "MOE_TRITON_ALIGN_MAX_PAIRS", 0)
     assert_same(align_routed_pairs(ids, 8, 16), moe_align_ref(ids, 8, 16))
     assert calls == []
     monkeypatch.setattr(fused_moe_mod, "MOE_TRITON_ALIGN_MAX_PAIRS", 12)
@@ -264,6 +265,7 @@ def test_bench_times_both_alignments(monkeypatch: pytest.MonkeyPatch) -> None:
     from longserve.bench.kernels import moe as bench
 
     timed = []
+    monkeypatch.setattr(fused_moe_mod, "MOE_TRITON_ALIGN_MAX_PAIRS", 5)
     monkeypatch.setattr(bench, "cuda_time_ms", lambda fn, **kw: timed.append(fn()) or 1.0)
     monkeypatch.setitem(bench.SHAPES, "tiny", bench.MoEShape(8, 2, 32, 24, True))
     rows = bench.bench_moe(
@@ -277,5 +279,5 @@ def test_bench_times_both_alignments(monkeypatch: pytest.MonkeyPatch) -> None:
         (5, "triton"),
     ]
     assert all(r["rel_err"] < 1e-5 and r["align_ms"] == r["route_ms"] == 1.0 for r in rows)
-    assert fused_moe_mod.MOE_TRITON_ALIGN_MAX_PAIRS == 0
+    assert fused_moe_mod.MOE_TRITON_ALIGN_MAX_PAIRS == 5
     assert "align_ms" in bench.format_rows(rows)
