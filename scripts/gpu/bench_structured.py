@@ -100,6 +100,10 @@ def model_dir(args: argparse.Namespace, out_dir: str) -> str:
     return out_dir
 
 
+def log(msg: str) -> None:
+    print(f"[bench structured] {msg}", file=sys.stderr, flush=True)
+
+
 def decode_run(llm: LLM, args: argparse.Namespace, constrained: bool) -> dict:
     """Decode throughput over the steps that decode every request (tok/s), and the grammar's host time."""
     engine = llm.engine
@@ -170,6 +174,7 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=2, help="runs of each kind (the best counts)")
     p.add_argument("--output-json")
     args = p.parse_args()
+    t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="longserve-structured-") as d:
         path = model_dir(args, d)
         total = args.batch_size * (args.prompt_len + args.output_len) + 4096
@@ -177,12 +182,20 @@ def main() -> None:
             path, load_format="dummy", dtype=args.dtype, device=args.device, max_total_tokens=total,
             max_running_requests=args.batch_size, context_length=args.prompt_len + args.output_len + 16,
         )  # fmt: skip
+        log(f"engine up ({time.perf_counter() - t0:.0f} s)")
         try:
             t = time.perf_counter()
             llm.engine.grammar_compiler.compile(GrammarSpec.json_schema(SCHEMA))
             compile_s = time.perf_counter() - t
+            log(f"schema compiled in {compile_s:.1f} s")
             decode_run(llm, argparse.Namespace(**{**vars(args), "output_len": 8}), True)  # warm up both paths
-            runs = [decode_run(llm, args, c) for _ in range(args.repeat) for c in (False, True)]
+            log(f"warmed up ({time.perf_counter() - t0:.0f} s)")
+            runs = []
+            for i in range(args.repeat):
+                for c in (False, True):
+                    runs.append(decode_run(llm, args, c))
+                    log(f"run {i + 1}/{args.repeat} {'structured' if c else 'plain'}: "
+                        f"{runs[-1]['step_ms']:.2f} ms/step ({time.perf_counter() - t0:.0f} s)")  # fmt: skip
         finally:
             llm.close()
         vocab = len(llm.engine.tokenizer)
