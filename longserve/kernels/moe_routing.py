@@ -6,9 +6,9 @@ One program per token: its E logits in fp32, softmax (max, exp, sum) or sigmoid,
 (the lowest index among equal scores) that each take one expert out; the k weights renormalized by their sum
 when asked, written in the caller's dtype (float32 for Mixtral, the logits' dtype for Qwen2/Qwen3-MoE, which
 round them). The ids equal torch.topk's whenever no two scores tie at the k-th place; the weights equal the
-reference's to fp32 rounding (exp and the sums round differently from torch's), so the switch that uses it
-(models/moe.py, MOE_TRITON_ROUTING_MAX_TOKENS) stays off until a GPU run measured it and checked a model's
-greedy output with it.
+reference's to fp32 rounding (exp and the sums round differently from torch's). The switch that uses it
+(models/moe.py, MOE_TRITON_ROUTING_MAX_TOKENS) is set from an H200 measurement, and the MoE engine GPU test
+(tests/gpu/test_moe_engine_gpu.py) checks a model's greedy output with it against the torch reference.
 """
 
 from __future__ import annotations

@@ -48,10 +48,13 @@ EXPERT_SHARDS = ("gate", "up", "down")  # per-expert checkpoint tensors: shard i
 # the reference's matmuls) under its own "moe" category (bench/profile.py); entered only while profiling
 PROFILE_RANGE = "longserve::moe"
 # Routing of at most this many tokens on CUDA runs as the one-launch Triton top-k (kernels/moe_routing.py)
-# instead of route_topk's 5-7 torch launches: same ids (but for ties), weights equal to fp32 rounding. 0 = off:
-# not measured yet (no GPU in the session that wrote it); the GPU session times a decode step with it
-# (`longserve bench latency`, the profile's "sampling" category holds the torch top-k) and turns it on.
-MOE_TRITON_ROUTING_MAX_TOKENS = 0
+# instead of route_topk's 5-7 torch launches: same ids (but for ties), weights equal to fp32 rounding. Measured
+# on an H200 (2026-12-02, a4e6031): the router alone 0.0026-0.0029 ms against 0.017-0.026 ms at 1-512 tokens
+# (`python3 -m longserve.bench.kernels.moe`, route_ms, CUDA-graph replay); the Qwen3-30B-A3B shape's decode
+# 6.23 -> 5.14 ms/step at batch 1 and 27.48 -> 26.53 ms at batch 64 (4K contexts; `scripts/probes/
+# with_constants.py longserve.models.moe.MOE_TRITON_ROUTING_MAX_TOKENS=64 -- longserve.bench.latency ...`).
+# Past 512 tokens (unmeasured; prefill chunks, where routing is small next to the GEMMs) the torch ops.
+MOE_TRITON_ROUTING_MAX_TOKENS = 512
 
 
 class MoEMethod(QuantizeMethod):
