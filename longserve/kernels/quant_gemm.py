@@ -46,7 +46,10 @@ __all__ = [
 # crossover fused -> dequantize + cuBLAS. Measured on an H200 (2026-12-01, 55ae18c, bench_quant_kernels.py, GPTQ
 # int4 g128 on the Llama-3.1-8B shapes): dequantize + cuBLAS is faster at every M from 1 (gate_up at M=1:
 # 0.174 against 0.186 ms; down: 0.090 against 0.137; at M=32: 0.177 against 0.99). So by default the fused
-# kernel serves no size; it stays as the tested baseline the decode GEMV and a retuned fused kernel must beat
+# kernel serves no size; it stays as the tested baseline the decode GEMV and a retuned fused kernel must beat.
+# Caveat (2026-12-02): those timings were of eager calls, and at small M they measured launch time (~0.1 ms for
+# any int4 path, whatever its bytes); the script now times CUDA-graph replays, as decode runs, and this
+# crossover and the GEMV switch below wait for that rerun.
 WNA16_DEQUANT_MIN_TOKENS = 1
 # The decode GEMV serves M <= WNA16_GEMV_MAX_TOKENS. 0 = off: it awaits the GPU measurement. Run
 #   python3 scripts/gpu/bench_quant_kernels.py --output-json /tmp/kernels_quant.json
