@@ -4,11 +4,13 @@
 # $OUT; a short table last. LONGSERVE_COMMIT is the commit the JSON metadata names: compute it where the tree
 # is a git checkout (a copied tree's .git may be stale) and pass it as a literal, e.g.
 #   LONGSERVE_COMMIT=abc1234 bash scripts/gpu/gpu_check.sh latency
-#   usage: LONGSERVE_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu/gpu_check.sh [quick|tests|bench|all|long|tp|tp2|tp32|profile|latency|hit|host|launch|turns|moe|moe-tests|moe-bench|moe-long|moe-tp|quant|quant-tests|quant-bench|kvfp8|vllm|structured]
+#   usage: LONGSERVE_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu/gpu_check.sh [quick|tests|bench|all|long|tp|tp2|tp32|profile|latency|hit|host|launch|turns|moe|moe-tests|moe-bench|moe-long|moe-tp|quant|quant-tests|quant-bench|kvfp8|vllm|structured|switches]
 # moe (one GPU) = moe-tests (the MoE kernel and engine GPU tests, the kernel's TFLOP/s and GB/s) +
 # moe-bench (the Qwen3-30B-A3B shape's cases against HF, profiled, with their floors); moe-long: 128K cold
 # against HF and the Mixtral-8x7B shape; moe-tp (two GPUs): the TP=2 / expert-parallel tests and the A3B shape
 # at TP=2 and EP=2. Each prints the floor of every case and the measured/floor ratio.
+# switches (one GPU): the int4 paths per M timed as CUDA graphs and the 8B int4 decode through each of them; the
+# MoE engine GPU tests with the router and alignment kernels on.
 # (tests, quant, kvfp8, structured: carry the wheels of scripts/gpu/fetch_test_wheels.sh and install them first)
 # quant (one GPU) = quant-tests (the quantized kernels' and engines' GPU tests, per-M timings of the
 # int4 paths and of cuBLAS vs Triton block FP8) + quant-bench (the 8B and A3B shapes in bf16, FP8 blocks and
@@ -305,6 +307,25 @@ for shape in ("llama-3.1-8b", "qwen3-30b-a3b"):
         cells.append(f"{m.get('weight_gib', float('nan')):.2f} GiB, {m.get('kv_pool_tokens', 0):,} tokens")
         print(f"{variant:<5} " + " | ".join(cells))
 PY
+fi
+
+if [[ $MODE == switches ]]; then  # one GPU, ~6 min: the evidence for the switches still unmeasured or unverified
+  # the int4 paths per M as CUDA-graph replays (decode's timing): WNA16_DEQUANT_MIN_TOKENS, WNA16_GEMV_MAX_TOKENS
+  timeout 150 python3 scripts/gpu/bench_quant_kernels.py --tokens 1,2,4,8,16,32,64,256 \
+    --output-json "$OUT/kernels_quant_graphs.json" 2>&1 | tee "$OUT/kernels_quant_graphs.log" | grep -E "crossover|beats"
+  # the 8B int4 decode through each path: dequantize+cuBLAS (today), the fused kernel, the GEMV
+  for path in dequant fused gemv; do
+    c=(); [[ $path == fused ]] && c=(longserve.kernels.quant_gemm.WNA16_DEQUANT_MIN_TOKENS=65)
+    [[ $path == gemv ]] && c=(longserve.kernels.quant_gemm.WNA16_GEMV_MAX_TOKENS=16)
+    timeout 100 python3 scripts/probes/with_constants.py ${c[@]+"${c[@]}"} -- longserve.bench.latency \
+      --config llama-3.1-8b --load-format dummy --dtype bfloat16 --quantization gptq --warmup 1 --repeat 3 \
+      --decode-batch-sizes 1,64 --decode-context-len 4096 --output-json "$OUT/latency_int4_$path.json" 2>&1 \
+      | tee "$OUT/latency_int4_$path.log" | grep -E "^decode" || status=1
+  done
+  # the MoE engine's greedy check with the router and alignment kernels on; the expert-parallel no-sync test
+  timeout 200 python3 -m pytest -v -m gpu tests/gpu/test_moe_engine_gpu.py -p no:cacheprovider \
+    -o faulthandler_timeout=150 --tb=short -rfE 2>&1 | tee "$OUT/gpu_moe_engine.log" \
+    | grep -E "PASSED|FAILED|SKIPPED|^E  |Timeout" || status=1
 fi
 
 echo "=== summary ($MODE) ==="
