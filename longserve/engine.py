@@ -418,13 +418,10 @@ class Engine:
 
     @staticmethod
     def _advance_grammar(req: Request, token: int) -> bool:
-        """Feed the sampled token to the request's matcher; True once it has terminated. A token its own mask
-        did not allow is a bug: the request ends with an error (step() isolates it)."""
-        if not req.grammar.accept_token(token):
-            raise RuntimeError(
-                f"the grammar of request {req.request_id} refused token {token} sampled under its mask"
-            )
-        return req.grammar.is_terminated
+        """Give the sampled token to the request's matcher; True once it has terminated. The matcher applies
+        it when next used (the next step's mask fill, while the forward pass runs); a token its own mask did
+        not allow is a bug that ends the request with an error there."""
+        return req.grammar.defer_accept(token)
 
     def _detokenize(self, req: Request, upto: int, final: bool) -> bool:
         """Append the text of output tokens [.., upto); True if a stop string ended the request."""

@@ -3,8 +3,9 @@ grammar (the target: at most 5% of decode throughput at batch 64).
 
 Both runs decode `--output-len` tokens per request at batch `--batch-size` (ignore_eos; the schema needs
 `minItems` objects, so no grammar completes early), with random weights of a built-in shape. Only steps that
-decode every request count (prefill steps are left out); the grammar's host time (mask fills, token
-accepts) is measured too. xgrammar needs a tokenizer of the model's vocab: `--tokenizer DIR` (the real
+decode every request count (prefill steps are left out); the grammar's host time is measured too: the mask
+fills (which also apply the tokens sampled the step before: the engine defers them to the fill, while the
+forward pass runs) and the engine's per-token calls after sampling ("accept"). xgrammar needs a tokenizer of the model's vocab: `--tokenizer DIR` (the real
 model's, e.g. a Llama-3.1 checkout's), else one is trained here on Python's own sources (byte-level BPE,
 as many tokens as that text yields, the rest of the vocab padding that no grammar allows).
 

@@ -12,7 +12,7 @@ from longserve.runner import grammar_mask
 from longserve.runner.grammar_mask import GrammarMasker
 from longserve.runner.sampler import Sampler, SamplingInfo
 from longserve.sampling_params import SamplingParams
-from longserve.structured.grammar import GrammarCompiler, GrammarMatcher
+from longserve.structured.grammar import GrammarCompiler, GrammarMatcher, TokenBitmask, apply_token_bitmask
 from longserve.structured.spec import GrammarSpec
 from tests.fixtures.tool_tokenizer import make_tokenizer
 
@@ -93,3 +93,58 @@ def test_the_sampler_masks_after_the_raw_logprobs(compiler):
         else:
             assert t == int(free.token_ids[i])  # untouched rows sample as without a mask
     assert torch.equal(out.top_logprobs, free.top_logprobs)
+
+
+def allowed_ids(matcher, vocab: int) -> list[int]:
+    logits = torch.zeros(1, vocab)
+    bitmask = TokenBitmask(1, vocab)
+    bitmask.fill({0: matcher})
+    apply_token_bitmask(logits, bitmask.host, [0])
+    return torch.isfinite(logits[0]).nonzero().flatten().tolist()
+
+
+def test_a_deferred_token_is_applied_before_every_read(compiler):
+    """defer_accept (the engine's, after sampling) leaves the matcher where accept_token would: the next fill,
+    is_completed and fork see the token; a stop token after a complete match terminates at once, as accepting
+    it does, and defer_accept says so."""
+    compiled = compiler.compile(GrammarSpec.regex("[0-9]{2}"))
+    now, later = GrammarMatcher(compiled), GrammarMatcher(compiled)
+    digit = next(t for t in allowed_ids(now, compiler.vocab_size) if t not in now._stops)
+    for _ in range(2):
+        assert now.accept_token(digit)
+        assert later.defer_accept(digit) is False and later._pending == digit
+        assert allowed_ids(later, compiler.vocab_size) == allowed_ids(now, compiler.vocab_size)
+        assert later._pending is None
+    assert later.is_completed and now.is_completed and not later.is_terminated
+    stop = next(iter(later._stops))
+    twin = later.fork()
+    assert later.defer_accept(stop) is True and later.is_terminated
+    assert twin.accept_token(stop) and twin.is_terminated
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_refused_deferred_token_fails_its_request_alone(compiler, monkeypatch, threads):
+    """A token a grammar refuses (a bug: sampled without its mask) surfaces at the next fill, for that row
+    only; the batch's other deferred tokens are applied and their rows filled."""
+    monkeypatch.setattr(grammar_mask, "FILL_THREADS", threads)
+    n = grammar_mask.BATCH_FILL_MIN_ROWS + 2
+    reqs = batch(compiler, n, set(range(n)))
+    expected = []
+    for i, req in enumerate(reqs):
+        twin = req.grammar.fork()
+        token = allowed_ids(twin, compiler.vocab_size)[0]
+        if i != 4:
+            req.grammar.defer_accept(token)
+            twin.accept_token(token)
+        expected.append(twin)
+    refused = next(t for t in range(compiler.vocab_size) if not reqs[4].grammar.fork().accept_token(t))
+    reqs[4].grammar.defer_accept(refused)
+    mask, failed = GrammarMasker(n, compiler.vocab_size, torch.device("cpu")).prepare(reqs)
+    assert list(failed) == [4] and "refused token" in str(failed[4])
+    assert set(mask.rows) == set(range(n)) - {4}
+    for i in mask.rows:
+        logits = torch.zeros(1, compiler.vocab_size)
+        mask.row(i).apply(logits)
+        assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == allowed_ids(
+            expected[i], compiler.vocab_size
+        )
