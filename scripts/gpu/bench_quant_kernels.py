@@ -132,7 +132,9 @@ def main() -> None:
     p.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     p.add_argument("--output-json", default=None)
     p.add_argument("--sweep-gemv", action="store_true", help="time candidate GEMV configs at --sweep-tokens")
-    p.add_argument("--sweep-tokens", default="1,4,16", help="the M values the sweep covers (each compiles ~90)")
+    p.add_argument(
+        "--sweep-tokens", default="1,4,16", help="the M values the sweep covers (each compiles ~90)"
+    )
     p.add_argument("--sweep-shapes", default="gate_up,down", help="shapes the sweep covers")
     args = p.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
@@ -165,7 +167,11 @@ def main() -> None:
             rows.append(row)
             print(" ".join(f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}"
                            for key, value in row.items()), flush=True)  # fmt: skip
-            if args.sweep_gemv and str(m) in args.sweep_tokens.split(",") and name in args.sweep_shapes.split(","):
+            if (
+                args.sweep_gemv
+                and str(m) in args.sweep_tokens.split(",")
+                and name in args.sweep_shapes.split(",")
+            ):
                 rows.append(sweep_gemv(name, x, weights))
         print(f"{name}: dequantize+cuBLAS beats the fused int4 kernel from M={crossover}", flush=True)
         print(f"{name}: the int4 gemv beats the fused kernel and dequantize+cuBLAS up to M={gemv_up_to} "

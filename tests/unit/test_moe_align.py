@@ -110,7 +110,9 @@ def test_edge_layouts() -> None:
 
 def test_the_switch_picks_the_path(monkeypatch: pytest.MonkeyPatch) -> None:
     """MOE_TRITON_ALIGN_MAX_PAIRS (0: off) decides, read at call time; past it (or past MAX_PAIRS) torch."""
-    assert fused_moe_mod.MOE_TRITON_ALIGN_MAX_PAIRS == MAX_PAIRS  # on up to the kernel's limit (H200-measured)
+    assert (
+        fused_moe_mod.MOE_TRITON_ALIGN_MAX_PAIRS == MAX_PAIRS
+    )  # on up to the kernel's limit (H200-measured)
     calls = []
     real = fused_moe_mod.moe_align
     monkeypatch.setattr(fused_moe_mod, "moe_align", lambda *a: calls.append(a[0].numel()) or real(*a))
