@@ -298,10 +298,11 @@ class Engine:
         t0 = time.perf_counter()
         sched_out = self.scheduler.schedule()
         # tokens of prompts (prefill) vs of generated text (decode), before the counts advance
-        num_prefill = sum(
-            min(s.num_new_tokens, max(0, s.request.num_prompt_tokens - s.request.num_computed_tokens))
-            for s in sched_out.scheduled
-        )
+        num_prefill = 0
+        for s in sched_out.scheduled:
+            left = len(s.request.prompt_token_ids) - s.request.num_computed_tokens
+            if left > 0:
+                num_prefill += min(s.num_new_tokens, left)
         touched: dict[str, Group] = {}
         if sched_out.is_empty:
             if self.scheduler.has_unfinished() and not self.scheduler.running:
@@ -324,8 +325,9 @@ class Engine:
                         failure = self._log_failure(req, e)
                 req.output_token_ids.pop()  # the placeholder, or a token it could not take
                 self._fail(req, failure, internal=True)
+            group_of = self._group_of
             for s in sched_out.scheduled:
-                g = self._group_of.get(s.request.request_id)
+                g = group_of.get(s.request.request_id)
                 if g is not None:
                     touched[g.request_id] = g
         # best_of candidates report once all have ended and the best are known
@@ -438,7 +440,12 @@ class Engine:
             req = members[i]
             completions.append(completion_output(req, index, group.last_emitted[i], group.show_logprobs))
             group.last_emitted[i] = len(req.output_token_ids)
-        first = group.members[0]
+        first = members[0]
+        if len(members) == 1:
+            error, error_internal = first.error or None, bool(first.error_internal)
+        else:
+            error = "; ".join(r.error for r in members if r.error) or None
+            error_internal = any(r.error_internal for r in members)
         out = RequestOutput(
             request_id=group.request_id,
             prompt=group.prompt,
@@ -446,8 +453,8 @@ class Engine:
             outputs=completions,
             finished=finished,
             cached_tokens=max(first.num_cached_tokens, 0),
-            error="; ".join(r.error for r in group.members if r.error) or None,
-            error_internal=any(r.error_internal for r in group.members),
+            error=error,
+            error_internal=error_internal,
             pooled=first.pooled,
         )
         if first.sampling_params.prompt_logprobs is not None and prompt_logprobs.is_complete(first):
