@@ -5,8 +5,8 @@ LLM.generate reads only the last; a stream reads the new tokens and the new text
 nothing. So a report copies nothing: its completions' token ids, logprobs and text are read on demand
 from a CompletionSource, as of the step that made them (the request's lists only grow: a count taken at
 the step still names the same entries later). On the CI CPU (scripts/dev/host_time.py, batch 64 x 4K
-contexts) building the reports took 1.2 ms of a 2.8 ms decode step, most of it copying each request's
-whole output every step.
+contexts, cProfile) building the reports took 1.2 ms of a 2.8 ms decode step, copying each request's whole
+output every step; 0.5 ms now.
 """
 
 from __future__ import annotations

@@ -71,8 +71,9 @@ class CompletionOutput:
     """One completion of a RequestOutput: fields as a dataclass's, read and written alike. The engine makes
     one per completion per step, and most are never read whole (LLM.generate reads only the last; a stream
     reads the new tokens and text), so the lists and texts may be LAZY: made on first read by `source`
-    (engine_outputs.CompletionSource) as of the step that made the output. Copying every request's whole
-    output list every step was ~0.6 ms of a 2.8 ms decode step at batch 64 (scripts/dev/host_time.py)."""
+    (engine_outputs.CompletionSource) as of the step that made the output. Building them eagerly (copies of
+    every request's whole output each step) was 1.2 ms cumulative under cProfile of a 2.8 ms decode step at
+    batch 64, 0.5 ms lazily (scripts/dev/host_time.py, CI CPU)."""
 
     __slots__ = (
         "index", "finish_reason", "stop_reason", "_text", "_token_ids", "_logprobs", "_top_logprobs",

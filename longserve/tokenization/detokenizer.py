@@ -148,9 +148,9 @@ class DeferredText:
     """A TextAssembler fed only when its text is read: the engine records each `add` (how many output
     tokens, final or not) and the same calls run, in the same order, on the first read of a text that
     needs them, so the text is the one an eager assembler makes. Only for completions without stop
-    strings: then nothing the engine decides depends on the text (host_time.py, b64 x 4K on the CI CPU:
-    incremental decoding was ~0.5 ms of a 2.8 ms decode step, for text LLM.generate reads once at the end
-    and a benchmark never reads). `output_ids` is the request's own list: it only grows, so a recorded
+    strings: then nothing the engine decides depends on the text (scripts/dev/host_time.py, batch 64 x 4K
+    on the CI CPU: incremental decoding was 1.0 ms cumulative under cProfile of a 2.8 ms decode step, for
+    text that LLM.generate reads once at the end and a benchmark never reads). `output_ids` is the request's own list: it only grows, so a recorded
     count still names the same tokens later."""
 
     __slots__ = ("assembler", "output_ids", "ends", "final_at", "applied", "lengths", "emitted")
