@@ -13,6 +13,7 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -20,9 +21,10 @@ import torch
 
 from longserve.cache.manager import KVCacheManager
 from longserve.config import ConfigError, EngineConfig
+from longserve.engine_outputs import Group, completion_output
 from longserve.models import load_hf_config
 from longserve.models.moe_layout import moe_spec
-from longserve.outputs import CompletionOutput, EngineStats, RequestOutput, StepStats
+from longserve.outputs import EngineStats, RequestOutput, StepStats
 from longserve.pooling_params import PoolingParams
 from longserve.request import FinishReason, Request
 from longserve.runner import prompt_logprobs
@@ -30,9 +32,9 @@ from longserve.runner.model_runner import ModelRunner
 from longserve.runner.pooling import bind_tokenizer, check_pooling
 from longserve.sampling_params import SamplingParams
 from longserve.sched.scheduler import Scheduler, SchedulerConfig
-from longserve.siblings import candidate_params, chosen_members, cumulative_logprob
+from longserve.siblings import candidate_params, chosen_members
 from longserve.structured.grammar import GrammarCompiler, GrammarMatcher
-from longserve.tokenization.detokenizer import IncrementalDetokenizer, TextAssembler
+from longserve.tokenization.detokenizer import DeferredText, IncrementalDetokenizer, TextAssembler
 from longserve.tokenization.prefix_token_cache import PromptTokenizer
 from longserve.tokenization.tokenizer import load_generation_eos_ids, load_tokenizer
 
@@ -41,32 +43,6 @@ logger = logging.getLogger("longserve.engine")
 
 class PromptTooLongError(ValueError):
     pass
-
-
-class _Group:
-    """The n siblings of one user request (n == 1: a group of one)."""
-
-    __slots__ = ("request_id", "prompt", "members", "last_emitted", "n", "show_logprobs")
-
-    def __init__(
-        self,
-        request_id: str,
-        prompt: str | None,
-        members: list[Request],
-        params: SamplingParams | None = None,
-    ) -> None:
-        self.request_id = request_id
-        self.prompt = prompt
-        self.members = members  # best_of > n: best_of candidates (siblings.py)
-        self.last_emitted: list[int] = [0] * len(members)  # tokens already reported per member
-        params = params or members[0].sampling_params  # the caller's (a candidate's may differ)
-        self.n = params.n  # completions returned
-        self.show_logprobs = params.logprobs is not None  # best_of turns them on for ranking only
-
-    @property
-    def ranked(self) -> bool:
-        """best_of > n: the completions are chosen when every candidate has finished."""
-        return len(self.members) > self.n
 
 
 def check_token_ids(token_ids: list, vocab: int) -> None:
@@ -129,8 +105,8 @@ class Engine:
         self.detokenizer = (
             IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None and detokenize else None
         )
-        self.groups: dict[str, _Group] = {}
-        self._group_of: dict[str, _Group] = {}  # member request id -> group
+        self.groups: dict[str, Group] = {}
+        self._group_of: dict[str, Group] = {}  # member request id -> group
         self._ids = itertools.count()
         self.last_step_stats = StepStats()
         self.broken = False  # an abort failed: page accounting can no longer be trusted (see abort_all)
@@ -253,7 +229,7 @@ class Engine:
             )
         if params.prompt_logprobs is not None:
             prompt_logprobs.start_entries(members[0])  # ValueError: logprob_start_len outside the prompt
-        group = _Group(request_id, text, members, params)
+        group = Group(request_id, text, members, params)
         self.groups[request_id] = group
         # best_of candidates end at their stop strings here even when the caller assembles the text: they
         # report nothing until chosen, and a candidate's rank must not count tokens past its stop
@@ -261,9 +237,11 @@ class Engine:
         for req in members:
             if detokenizer is not None:
                 p = req.sampling_params
-                req.text = TextAssembler(
+                text = TextAssembler(
                     detokenizer, req.prompt_token_ids, p.stop, p.skip_special_tokens, keep_stop=p.no_stop_trim
                 )
+                # without stop strings nothing here depends on the text: decode it when it is read
+                req.text = text if p.stop else DeferredText(text, req.output_token_ids)
             self._group_of[req.request_id] = group
             self.scheduler.add_request(req)
         return request_id
@@ -320,16 +298,17 @@ class Engine:
         t0 = time.perf_counter()
         sched_out = self.scheduler.schedule()
         # tokens of prompts (prefill) vs of generated text (decode), before the counts advance
-        num_prefill = sum(
-            min(s.num_new_tokens, max(0, s.request.num_prompt_tokens - s.request.num_computed_tokens))
-            for s in sched_out.scheduled
-        )
-        touched: dict[str, _Group] = {}
+        num_prefill = 0
+        for s in sched_out.scheduled:
+            left = len(s.request.prompt_token_ids) - s.request.num_computed_tokens
+            if left > 0:
+                num_prefill += min(s.num_new_tokens, left)
+        touched: dict[str, Group] = {}
         if sched_out.is_empty:
             if self.scheduler.has_unfinished() and not self.scheduler.running:
                 # nothing runs and nothing can be admitted: the queue head cannot fit the pool
                 self._fail_unschedulable()
-                touched.update((g.request_id, g) for g in list(self.groups.values()) if self._done(g))
+                touched.update((g.request_id, g) for g in list(self.groups.values()) if g.done)
         else:
             runner_out = self.runner.execute(sched_out, self.eos_token_ids)
             for request_id, result in (runner_out.prompt_logprobs or {}).items():
@@ -346,12 +325,13 @@ class Engine:
                         failure = self._log_failure(req, e)
                 req.output_token_ids.pop()  # the placeholder, or a token it could not take
                 self._fail(req, failure, internal=True)
+            group_of = self._group_of
             for s in sched_out.scheduled:
-                g = self._group_of.get(s.request.request_id)
+                g = group_of.get(s.request.request_id)
                 if g is not None:
                     touched[g.request_id] = g
         # best_of candidates report once all have ended and the best are known
-        outputs = [self._group_output(g) for g in touched.values() if not g.ranked or self._done(g)]
+        outputs = [self._group_output(g) for g in touched.values() if not g.ranked or g.done]
         self.last_step_stats = StepStats(
             num_prefill_tokens=num_prefill,
             num_decode_tokens=sched_out.num_batched_tokens - num_prefill,
@@ -425,9 +405,13 @@ class Engine:
 
     def _detokenize(self, req: Request, upto: int, final: bool) -> bool:
         """Append the text of output tokens [.., upto); True if a stop string ended the request."""
-        if req.text is None:
+        text = req.text
+        if text is None:
             return False
-        stop = req.text.add(req.output_token_ids[:upto], final)
+        if type(text) is DeferredText:
+            text.add(upto, final)
+            return False
+        stop = text.add(req.output_token_ids, final, upto)
         if stop is None:
             return False
         req.stop_reason = stop
@@ -440,37 +424,25 @@ class Engine:
             self.scheduler.finish_request(req, reason)
 
     # ---- outputs --------------------------------------------------------------------------------
-    @staticmethod
-    def _done(group: _Group) -> bool:
-        return all(r.is_finished for r in group.members)
-
-    def _group_output(self, group: _Group) -> RequestOutput:
-        finished = self._done(group)
-        completions = []
+    def _group_output(self, group: Group) -> RequestOutput:
+        finished = group.done
+        members = group.members
         # best_of: the n best candidates, once all have ended (before that, none)
-        shown = chosen_members(group.members, group.n) if finished or not group.ranked else []
+        if not group.ranked:
+            shown: Sequence[int] = range(len(members))
+        else:
+            shown = chosen_members(members, group.n) if finished else []
+        completions = []
         for index, i in enumerate(shown):
-            req = group.members[i]
-            params = req.sampling_params
-            logprobs = params.logprobs if group.show_logprobs else None
-            text = req.text.text if req.text is not None else ""
-            new_text = req.text.delta(req.is_finished) if req.text is not None else ""
-            completions.append(
-                CompletionOutput(
-                    index=index,
-                    text=text,
-                    token_ids=list(req.output_token_ids),
-                    finish_reason=req.finish_reason.value if req.finish_reason else None,
-                    stop_reason=req.stop_reason,
-                    logprobs=list(req.logprobs) if logprobs is not None else None,
-                    top_logprobs=list(req.top_logprobs) if logprobs else None,
-                    cumulative_logprob=cumulative_logprob(req) if params.logprobs is not None else None,
-                    new_text=new_text,
-                    new_token_ids=list(req.output_token_ids[group.last_emitted[i] :]),
-                )
-            )
-            group.last_emitted[i] = req.num_output_tokens
-        first = group.members[0]
+            req = members[i]
+            completions.append(completion_output(req, index, group.last_emitted[i], group.show_logprobs))
+            group.last_emitted[i] = len(req.output_token_ids)
+        first = members[0]
+        if len(members) == 1:
+            error, error_internal = first.error or None, bool(first.error_internal)
+        else:
+            error = "; ".join(r.error for r in members if r.error) or None
+            error_internal = any(r.error_internal for r in members)
         out = RequestOutput(
             request_id=group.request_id,
             prompt=group.prompt,
@@ -478,8 +450,8 @@ class Engine:
             outputs=completions,
             finished=finished,
             cached_tokens=max(first.num_cached_tokens, 0),
-            error="; ".join(r.error for r in group.members if r.error) or None,
-            error_internal=any(r.error_internal for r in group.members),
+            error=error,
+            error_internal=error_internal,
             pooled=first.pooled,
         )
         if first.sampling_params.prompt_logprobs is not None and prompt_logprobs.is_complete(first):

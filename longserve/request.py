@@ -73,6 +73,8 @@ class Request:
     # structured.grammar.GrammarMatcher of a constrained output (its own per request, n > 1 siblings too):
     # it has accepted every output token, so a request recomputed after preemption re-feeds nothing
     grammar: Any = None
+    # runner.inputs.PageRow: page_ids as an int64 array, kept in step with them by the runner
+    page_row: Any = field(default=None, compare=False, repr=False)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -73,7 +73,7 @@ def build_metadata(
 def build_step_tensors(
     prefix_lens: list[int],
     query_lens: list[int],
-    page_tables: list[list[int]],
+    page_tables: Sequence[Sequence[int]],  # lists, or int64 arrays (runner.inputs.page_row)
     page_size: int,
     device: torch.device | str,
     extra: Sequence[Sequence[int]] = (),
@@ -88,23 +88,25 @@ def build_step_tensors(
             f"build_metadata: got {num_reqs} prefix_lens, {len(query_lens)} query_lens and "
             f"{len(page_tables)} page_tables; they must have one entry per request"
         )
-    seq_lens = [p + q for p, q in zip(prefix_lens, query_lens)]
-    for r, (seq_len, pages) in enumerate(zip(seq_lens, page_tables)):
-        if len(pages) * page_size < seq_len:
-            raise ValueError(
-                f"request {r} has seq_len {seq_len} but only {len(pages)} pages of {page_size} tokens"
-            )
-    max_pages = max((len(pages) for pages in page_tables), default=0)
-    page_table = np.zeros((num_reqs, max_pages), dtype=np.int64)  # [B, max_pages]
-    for r, pages in enumerate(page_tables):
-        page_table[r, : len(pages)] = pages
-
     query_lens_np = np.asarray(query_lens, dtype=np.int64).reshape(num_reqs)  # [B]
     prefix_np = np.asarray(prefix_lens, dtype=np.int64).reshape(num_reqs)  # [B]
+    seq_lens_np = prefix_np + query_lens_np  # [B]
+    num_pages = np.fromiter(map(len, page_tables), dtype=np.int64, count=num_reqs)  # [B]
+    short = np.flatnonzero(num_pages * page_size < seq_lens_np)
+    if len(short):
+        r = int(short[0])
+        raise ValueError(
+            f"request {r} has seq_len {seq_lens_np[r]} but only {num_pages[r]} pages of {page_size} tokens"
+        )
+    max_pages = int(num_pages.max()) if num_reqs else 0
+    page_table = np.zeros((num_reqs, max_pages), dtype=np.int64)  # [B, max_pages]
+    for r, pages in enumerate(page_tables):  # build_step's rows are int64 arrays: a copy each, no conversion
+        page_table[r, : len(pages)] = pages
+
     query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)  # [B+1]
     np.cumsum(query_lens_np, out=query_start_loc[1:])
     num_tokens = int(query_start_loc[-1])
-    if num_tokens == num_reqs and all(n == 1 for n in query_lens):  # decode: one token per request
+    if num_tokens == num_reqs and (num_reqs == 0 or query_lens_np.max() == 1):  # decode: one token each
         req_idx = np.arange(num_reqs)
         positions = prefix_np
     else:
@@ -113,7 +115,7 @@ def build_step_tensors(
         positions = prefix_np[req_idx] + np.arange(num_tokens) - query_start_loc[:-1][req_idx]  # [T]
     slot_mapping = page_table[req_idx, positions // page_size] * page_size + positions % page_size  # [T]
 
-    ints = [query_start_loc, np.asarray(seq_lens, dtype=np.int64), prefix_np, page_table.reshape(-1)]
+    ints = [query_start_loc, seq_lens_np, prefix_np, page_table.reshape(-1)]
     longs = [slot_mapping, *(np.asarray(x, dtype=np.int64).reshape(-1) for x in extra)]
     ints_dev = _to_device(np.concatenate(ints).astype(np.int32), device)
     longs_dev = _to_device(np.concatenate(longs), device)
@@ -127,7 +129,7 @@ def build_step_tensors(
         page_table=i32[3].view(num_reqs, max_pages),  # [B, max_pages]
         slot_mapping=i64[0],  # [T] int64
         query_lens_cpu=list(query_lens),
-        seq_lens_cpu=seq_lens,
+        seq_lens_cpu=seq_lens_np.tolist(),
         prefix_lens_cpu=list(prefix_lens),
     )
     return meta, i64[1:]

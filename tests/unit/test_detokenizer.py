@@ -68,3 +68,27 @@ def test_fast_decoder_equals_the_tokenizers_decode(tok):
         for skip in (True, False):
             want = tok.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
             assert fast(ids, skip) == want, (ids, skip)
+
+
+def test_deferred_text_equals_the_eager_assembler(tok):
+    # DeferredText replays the recorded adds on first read: its text and its deltas, read at any time (late,
+    # out of order), are an eager TextAssembler's at the same point, byte-split characters included
+    from longserve.tokenization.detokenizer import DeferredText
+
+    prompt = tok.encode("A prompt:")
+    ids = tok.encode("Ünïcödé wörks tóo ✓ and so does ascii text", add_special_tokens=False)
+    eager = TextAssembler(IncrementalDetokenizer(tok), prompt, [], skip_special=True)
+    deferred = DeferredText(TextAssembler(IncrementalDetokenizer(tok), prompt, [], skip_special=True), [])
+    texts, deltas, spans = [], [], []
+    for n in range(1, len(ids) + 1):
+        deferred.output_ids.append(ids[n - 1])  # the request's list grows as the engine appends
+        final = n == len(ids)
+        eager.add(ids, final, end=n)
+        deferred.add(n, final)
+        texts.append(eager.text)
+        deltas.append(eager.delta(finished=final))
+        spans.append(deferred.mark())
+    assert eager.text == tok.decode(ids, skip_special_tokens=True)
+    for i in reversed(range(len(ids))):  # last first: earlier texts come from the recorded lengths
+        assert deferred.text_at(spans[i][1]) == texts[i] and deferred.delta_of(spans[i]) == deltas[i]
+    assert deferred.text == eager.text
