@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from longserve.kernels import quant_fp8
 from longserve.kernels.extend_attention import interpreting
 from longserve.kernels.launch import fast_launch
 from longserve.kernels.moe_align import MAX_PAIRS as MAX_ALIGN_PAIRS
@@ -145,6 +146,7 @@ def _moe_gemm_kernel(
     INTERPRET_BF16: tl.constexpr,  # the interpreter's bf16 dot and rounding are wrong: fp32 dot, RNE by hand
     UPCAST_DOT: tl.constexpr,  # the interpreter has no fp8 dot: both operands in fp32 (exact)
     DOT_PRECISION: tl.constexpr,
+    MAX_IMPRECISE_ACC: tl.constexpr,  # WEIGHT_QUANT 2: the fp8 dots' (quant_fp8.FP8_DOT_MAX_IMPRECISE_ACC)
 ):
     pid = tl.program_id(0)
     # L2 reuse: GROUP_M consecutive row blocks (mostly one expert) sweep the N tiles together
@@ -200,7 +202,7 @@ def _moe_gemm_kernel(
             b = b.to(tl.float32)
         if WEIGHT_QUANT == 2:  # a block's product (fp8 tensor cores), scaled by the token's and the block's
             a_s = tl.load(a_scale_ptr + a_rows * stride_asm + k0 // QUANT_GROUP)  # [BLOCK_M]
-            acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+            acc += tl.dot(a, b, max_num_imprecise_acc=MAX_IMPRECISE_ACC) * a_s[:, None] * b_s[None, :]
         else:
             acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         if SILU_AND_MUL:  # the same a tile feeds the up half: x is read once for both
@@ -214,7 +216,9 @@ def _moe_gemm_kernel(
             if INTERPRET_BF16 or UPCAST_DOT:
                 b_up = b_up.to(tl.float32)
             if WEIGHT_QUANT == 2:
-                acc_up += tl.dot(a, b_up) * a_s[:, None] * b_up_s[None, :]
+                acc_up += (
+                    tl.dot(a, b_up, max_num_imprecise_acc=MAX_IMPRECISE_ACC) * a_s[:, None] * b_up_s[None, :]
+                )
             else:
                 acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
@@ -288,6 +292,7 @@ def moe_gemm(
         HAS_GIDX=has_gidx, BLOCK_N_SCALE=block_n, ACT_KIND=_ACT_KIND[act_dtype] if act_dtype else 0,
         INTERPRET_BF16=interpret_bf16, UPCAST_DOT=interpreting() and weight_quant == 2,
         DOT_PRECISION="ieee" if fp32 or interpret_bf16 or interpreting() else "tf32",
+        MAX_IMPRECISE_ACC=quant_fp8.FP8_DOT_MAX_IMPRECISE_ACC if weight_quant == 2 else None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
 

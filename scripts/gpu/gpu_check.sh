@@ -322,6 +322,12 @@ if [[ $MODE == switches ]]; then  # one GPU, ~6 min: the evidence for the switch
       --decode-batch-sizes 1,64 --decode-context-len 4096 --output-json "$OUT/latency_int4_$path.json" 2>&1 \
       | tee "$OUT/latency_int4_$path.log" | grep -E "^decode" || status=1
   done
+  # the fp8-activation engine test's drift: Triton's default fp8 accumulation on sm90, then full fp32 accumulation
+  for acc in None 0; do
+    timeout 150 python3 scripts/probes/with_constants.py longserve.kernels.quant_fp8.FP8_DOT_MAX_IMPRECISE_ACC=$acc \
+      -- pytest -q -m gpu tests/gpu/test_quant_engine_gpu.py -k "fp8 or ct-int8" -p no:cacheprovider --tb=line \
+      2>&1 | tee "$OUT/gpu_quant_fp8_acc_$acc.log" | grep -E "passed|failed|^E  |^/.*Error"
+  done
   # the MoE engine's greedy check with the router and alignment kernels on; the expert-parallel no-sync test
   timeout 200 python3 -m pytest -v -m gpu tests/gpu/test_moe_engine_gpu.py -p no:cacheprovider \
     -o faulthandler_timeout=150 --tb=short -rfE 2>&1 | tee "$OUT/gpu_moe_engine.log" \

@@ -176,6 +176,37 @@ def test_fused_moe_quantized_experts_equal_reference(kind: str, dtype) -> None:
     torch.testing.assert_close(out, ref, atol=TOL[dtype] * 10, rtol=TOL[dtype])
 
 
+def test_fp8_dots_with_full_precision_accumulation(monkeypatch: pytest.MonkeyPatch) -> None:
+    """quant_fp8.FP8_DOT_MAX_IMPRECISE_ACC (the probe of the fp8 accumulation on sm90) reaches both fp8
+    kernels, read at call time, and leaves their results equal to the references (and the variants it makes
+    are compiled for sm90 by the CI's compile check)."""
+    from longserve.kernels import quant_fp8
+
+    monkeypatch.setattr(quant_fp8, "FP8_DOT_MAX_IMPRECISE_ACC", 0)
+    seen = []
+    real = quant_fp8._fp8_block_gemm_kernel.run
+    monkeypatch.setattr(
+        quant_fp8._fp8_block_gemm_kernel,
+        "run",
+        lambda *a, **k: seen.append(k["MAX_IMPRECISE_ACC"]) or real(*a, **k),
+    )
+    g = gen(21)
+    w = torch.randn(48, 64, generator=g).to(FP8_DTYPE)
+    w_scale = torch.rand(3, 2, generator=g) * 0.02 + 0.005
+    x = torch.randn(5, 64, generator=g)
+    ref = fp8_block_gemm_ref(x, w, w_scale, (16, 32))
+    torch.testing.assert_close(
+        fp8_block_linear(x, w, w_scale, (16, 32)), ref, atol=TOL[torch.float32], rtol=0
+    )
+    assert seen == [0]
+    w13, w2, quant = moe_case("fp8-block", seed=22)
+    x = torch.randn(7, 64, generator=gen(23))
+    weights, ids = route_topk(torch.randn(7, 4, generator=gen(24)), 2, True)
+    ref = fused_moe_ref(x, w13, w2, weights, ids, quant=quant)
+    out = fused_moe(x, w13, w2, weights, ids, quant=quant)
+    torch.testing.assert_close(out, ref, atol=TOL[torch.float32] * 10, rtol=TOL[torch.float32])
+
+
 def test_fused_moe_quantized_expert_parallel_parts_sum_to_the_whole() -> None:
     """Expert parallelism with int4 experts: each rank's experts (expert_map) give its share of the sum."""
     w13, w2, quant = moe_case("int4-zp-act", seed=10)
