@@ -7,8 +7,9 @@ its time in (what keeps a GPU idle between kernels when a step is host-bound).
 
 The categories are matched on kernel names (CUDA: cuBLAS `nvjet`/`sm90_xmma`/`cutlass`, cuDNN attention,
 our Triton kernels, NCCL) or aten op names (CPU); anything unmatched is "other", never dropped. "moe" is the
-fused MoE kernel (`_moe_gemm_kernel`) on CUDA; on the CPU, every op run inside the experts' profiler range
-(models/moe.PROFILE_RANGE: routing and the torch reference's expert matmuls).
+fused MoE kernel (`_moe_gemm_kernel`), its alignment and its router top-k on CUDA; on the CPU, every op run
+inside the experts' profiler range (models/moe.PROFILE_RANGE: routing and the torch reference's expert
+matmuls).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from typing import Any
 # first match wins: order matters ("nccl" before anything a collective kernel name might also contain)
 CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("collectives", ("nccl", "all_reduce", "allreduce", "all_gather", "allgather", "c10d")),
-    ("moe", ("_moe_gemm", "fused_moe", "moe_align")),  # before gemm: "_moe_gemm_kernel" names both
+    # before gemm ("_moe_gemm_kernel" names both) and sampling (the router's "_route_topk_kernel" says topk)
+    ("moe", ("_moe_gemm", "fused_moe", "moe_align", "_route_topk")),
     (
         "attention",
         ("cudnn", "flash", "fmha", "attn", "attention", "sdpa", "_extend", "_decode_split", "_merge_splits"),

@@ -74,6 +74,7 @@ def test_moe_kernels_have_their_own_profile_category() -> None:
     from longserve.bench.profile import categorize
 
     assert categorize("_moe_gemm_kernel") == "moe"
+    assert categorize("_route_topk_kernel") == categorize("_moe_align_kernel") == "moe"  # not "sampling"
     assert categorize("nvjet_hsh_256x128_64x4_2x1_v_bz_coopA_TNT") == "gemm"
 
 
