@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from longserve.bench.configs import BUILTIN_CONFIGS
 from longserve.bench.hf_compare import run_hf
 from longserve.bench.latency_cases import Measure, bench_engine, free_memory, log
-from longserve.bench.latency_plan import dtype_bytes, plan, read_model_config
+from longserve.bench.latency_plan import decode_cases, dtype_bytes, plan, read_model_config
 from longserve.bench.report import report, run_metadata
 from longserve.bench.roofline import H200_PEAK_GBPS, H200_PEAK_TFLOPS, attach_floors
 
@@ -40,6 +40,24 @@ def _count(text: str) -> int:
     if value < 1:
         raise ValueError(text)
     return value
+
+
+def _decode_cases(text: str) -> list[int | tuple[int, int]]:
+    """Decode cases: a batch size B (contexts of --decode-context-len) or B@C (contexts of C tokens)."""
+    try:
+        cases: list[int | tuple[int, int]] = []
+        for part in (p.strip() for p in text.split(",")):
+            if part:
+                b, sep, c = part.partition("@")
+                cases.append((_count(b), _count(c)) if sep else _count(b))
+    except ValueError:
+        cases = []
+    if not cases:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated batch sizes, each optionally @ its context length (e.g. 1,64 or "
+            f"1@32k,64@4k), got {text!r}"
+        )
+    return cases
 
 
 def _counts(text: str) -> list[int]:
@@ -119,9 +137,18 @@ def add_latency_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--prefix-hit", type=_prefix_pairs, default=[], help="cached-prefix cases CACHED:NEW, e.g. 32768:64"
     )
-    p.add_argument("--decode-batch-sizes", type=_counts, default=[], help="decode latency cases, e.g. 1,64")
     p.add_argument(
-        "--decode-context-len", type=_count, default=32768, help="context tokens per decode request"
+        "--decode-batch-sizes",
+        type=_decode_cases,
+        default=[],
+        help="decode latency cases: batch sizes, each optionally @ its own context length, e.g. 1,64 or "
+        "1@32k,64@4k (one engine for all: one model load)",
+    )
+    p.add_argument(
+        "--decode-context-len",
+        type=_count,
+        default=32768,
+        help="context tokens per decode request (B without @C)",
     )
     p.add_argument("--decode-steps", type=_count, default=32, help="timed decode steps per decode run")
     p.add_argument("--warmup", type=_int_at_least(0), default=1, help="untimed warm-up runs per case")
@@ -198,7 +225,7 @@ def run_from_args(
             config,
             max_total_tokens=pool,
             context_length=context_length,
-            max_running_requests=max([config.max_running_requests, *args.decode_batch_sizes]),
+            max_running_requests=max([config.max_running_requests, *(b for b, _ in decode_cases(args))]),
         )
         records, engine_meta = _run_engine(config, args, skipped, measure or bench_engine)
         free_memory()  # the engine is gone: HF gets the whole device

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from longserve.bench.latency_plan import decode_new_tokens
+from longserve.bench.latency_plan import decode_cases, decode_new_tokens
 from longserve.bench.report import device_name
 
 _GIB = 2**30
@@ -299,15 +299,16 @@ def bench_engine(
             lambda c=cached, m=new: bench.profiled_hit(c, m),
         )
         records.append(rec)
-    c = args.decode_context_len
-    for b in args.decode_batch_sizes:
+    for b, c in decode_cases(args):
         rec = _record("decode", f"decode-b{b}-c{c}", c, b, args)
         rec.update(batch_size=b, context_len=c, decode_steps=args.decode_steps)
-        if b in skipped:
-            rec["skipped"] = skipped[b]
-            log(f"{rec['name']}: skipped: {skipped[b]}")
+        if (b, c) in skipped:
+            rec["skipped"] = skipped[b, c]
+            log(f"{rec['name']}: skipped: {skipped[b, c]}")
         else:
-            bench.run_case(rec, lambda b=b: bench.decode(b, c), lambda b=b: bench.profiled_decode(b, c))
+            bench.run_case(
+                rec, lambda b=b, c=c: bench.decode(b, c), lambda b=b, c=c: bench.profiled_decode(b, c)
+            )
         records.append(rec)
     runner = llm.engine.runner
     meta = dict(

@@ -60,18 +60,23 @@ def decode_new_tokens(decode_steps: int, batch: int, config: EngineConfig) -> in
     return decode_steps + math.ceil(batch * config.page_size / config.chunked_prefill_size) + 4
 
 
+def decode_cases(args: argparse.Namespace) -> list[tuple[int, int]]:
+    """(batch size, context tokens per request) of each decode case, in the order given."""
+    return [c if isinstance(c, tuple) else (c, args.decode_context_len) for c in args.decode_batch_sizes]
+
+
 def plan(
     args: argparse.Namespace, config: EngineConfig, cfg: dict[str, Any]
 ) -> tuple[int, int, dict[int, str]]:
-    """(context_length, max_total_tokens, {decode batch size: why it is skipped}) for the cases of `args` on
+    """(context_length, max_total_tokens, {(decode batch size, context): why it is skipped}) for the cases of `args` on
     the engine `config` (its max_total_tokens, when given, is the pool)."""
     ps = config.page_size
     singles = [n + 1 for n in args.prompt_lens] + [c + m + 1 for c, m in args.prefix_hit]
     decode_need = {}
-    for b in args.decode_batch_sizes:
-        per_req = args.decode_context_len + decode_new_tokens(args.decode_steps, b, config) + 1
+    for b, c in decode_cases(args):
+        per_req = c + decode_new_tokens(args.decode_steps, b, config) + 1
         singles.append(per_req)
-        decode_need[b] = b * (_round_up(per_req, ps) + ps)
+        decode_need[b, c] = b * (_round_up(per_req, ps) + ps)
     context_length = _round_up(max(singles), ps)
     single_need = context_length + ps
     if config.max_total_tokens is not None:
@@ -97,8 +102,8 @@ def plan(
             "shorten the cases or raise --max-total-tokens / --mem-fraction-static"
         )
     skipped = {
-        b: f"{b} x {args.decode_context_len:,}-token contexts need {need:,} KV tokens; {holds}"
-        for b, need in decode_need.items()
+        (b, c): f"{b} x {c:,}-token contexts need {need:,} KV tokens; {holds}"
+        for (b, c), need in decode_need.items()
         if need > limit
     }
     return context_length, pool, skipped

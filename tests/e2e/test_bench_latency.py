@@ -69,6 +69,7 @@ def test_cli_bench_latency(tmp_path):
         (["--config", "tiny", "--prefix-hit", "32768"], "argument --prefix-hit: expected CACHED:NEW"),
         (["--config", "no-such-model", "--prompt-lens", "64"], "unknown config 'no-such-model'"),
         (["--config", "tiny", "--prompt-lens", "64,x"], "argument --prompt-lens"),
+        (["--config", "tiny", "--decode-batch-sizes", "1@"], "argument --decode-batch-sizes"),
     ],
 )
 def test_malformed_flags_exit_2(capsys, flags, message):
@@ -99,6 +100,22 @@ def test_decode_case_too_big_for_the_pool_is_skipped():
         and "the pool holds 512" in sixteen["skipped"]
     )
     assert sixteen.get("itl_ms_median") is None
+
+
+def test_decode_cases_each_with_its_own_context():
+    """B@C gives a decode case its own context length (one engine, one model load, for b1@32K and b64@4K);
+    a plain B takes --decode-context-len; a case too big for the pool is skipped alone."""
+    records = run_latency([
+        *FLAGS, "--decode-batch-sizes", "1@200,2,16@96", "--decode-context-len", "64", "--decode-steps", "4",
+        "--max-total-tokens", "768",
+    ])  # fmt: skip
+    assert [(r["name"], r["batch_size"], r["context_len"]) for r in records] == [
+        ("decode-b1-c200", 1, 200), ("decode-b2-c64", 2, 64), ("decode-b16-c96", 16, 96),
+    ]  # fmt: skip
+    assert (
+        records[0]["skipped"] is None and records[0]["itl_ms_median"] > 0 and records[1]["itl_ms_median"] > 0
+    )
+    assert records[2]["skipped"].startswith("16 x 96-token contexts need")
 
 
 def test_profile_under_tensor_parallelism():
