@@ -18,7 +18,8 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import MISSING, fields
 from typing import Any
 
-from longserve.config import ConfigError, EngineConfig, ServerConfig
+from longserve.config import ConfigError, EngineConfig
+from longserve.server.config import ServerConfig
 from longserve.server.options import _BY_KEY, _FALSE, _TRUE, OPTIONS, E, Option, S
 
 logger = logging.getLogger("longserve.server")

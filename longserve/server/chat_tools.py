@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from longserve.config import ServerConfig
+from longserve.server.config import ServerConfig
 from longserve.server.errors import APIError
 from longserve.structured.reasoning import ReasoningParser, grammar_after_reasoning
 from longserve.structured.spec import GrammarSpec

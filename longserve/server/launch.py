@@ -11,7 +11,8 @@ import threading
 from collections.abc import Sequence
 from typing import NoReturn
 
-from longserve.config import EngineConfig, ServerConfig
+from longserve.config import EngineConfig
+from longserve.server.config import ServerConfig
 
 logger = logging.getLogger("longserve.server")
 

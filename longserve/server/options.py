@@ -16,10 +16,10 @@ from longserve.config import (
     KV_CACHE_DTYPE_ALIASES,
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
-    METRICS_NAMES,
     RUNNERS,
 )
 from longserve.platform import attention_backend_help
+from longserve.server.config import METRICS_NAMES
 
 _DTYPE_ALIASES = {
     "half": "float16",

@@ -16,9 +16,10 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from longserve.config import EngineConfig, ServerConfig
+from longserve.config import EngineConfig
 from longserve.outputs import RequestOutput
 from longserve.server.async_engine import AsyncEngine
+from longserve.server.config import ServerConfig
 from longserve.server.errors import APIError, as_api_error, internal_error
 from longserve.server.grammars import GrammarService
 from longserve.server.metrics import ServerMetrics

@@ -183,8 +183,8 @@ def test_timings_count_from_the_http_arrival(engine, tiny_model):
     the engine thread did: a tokenizer that takes 0.3 s shows in both, as it does in the client's TTFT."""
     import httpx
 
-    from longserve.config import ServerConfig
     from longserve.server.app import create_app
+    from longserve.server.config import ServerConfig
     from longserve.server.state import ServerState
     from longserve.tokenization.pool import TokenizerPool
 
@@ -225,8 +225,8 @@ def test_request_timeout_over_http(engine, tiny_model):
     """--request-timeout through the app: a 504 error object, or an error event in a stream."""
     import httpx
 
-    from longserve.config import ServerConfig
     from longserve.server.app import create_app
+    from longserve.server.config import ServerConfig
     from longserve.server.state import ServerState
     from longserve.tokenization.pool import TokenizerPool
 
@@ -313,8 +313,8 @@ def test_request_timeout_covers_tokenizing(engine, tiny_model):
     """--request-timeout counts from the HTTP arrival: a prompt whose tokenizing outlasts it is a 504."""
     import httpx
 
-    from longserve.config import ServerConfig
     from longserve.server.app import create_app
+    from longserve.server.config import ServerConfig
     from longserve.server.state import ServerState
     from longserve.tokenization.pool import TokenizerPool
 

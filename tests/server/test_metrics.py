@@ -271,9 +271,9 @@ def _get(app, path: str):
 
 
 def _app(engine, tiny_model, **server_kw):
-    from longserve.config import ServerConfig
     from longserve.server.app import create_app
     from longserve.server.async_engine import AsyncEngine
+    from longserve.server.config import ServerConfig
     from longserve.server.state import ServerState
     from longserve.tokenization.pool import TokenizerPool
 

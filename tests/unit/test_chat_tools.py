@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from longserve.config import ServerConfig
 from longserve.server.chat_tools import ChatOutput, ChatTools, template_tool_calls
+from longserve.server.config import ServerConfig
 from longserve.server.errors import APIError
 from longserve.structured.reasoning import DeepSeekR1ReasoningParser
 from tests.fixtures.tool_tokenizer import make_tokenizer, read_template
