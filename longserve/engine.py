@@ -13,7 +13,6 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -21,7 +20,7 @@ import torch
 
 from longserve.cache.manager import KVCacheManager
 from longserve.config import ConfigError, EngineConfig
-from longserve.engine_outputs import Group, completion_output
+from longserve.engine_outputs import Group, request_output
 from longserve.models import load_hf_config
 from longserve.models.moe_layout import moe_spec
 from longserve.outputs import EngineStats, RequestOutput, StepStats
@@ -32,7 +31,7 @@ from longserve.runner.model_runner import ModelRunner
 from longserve.runner.pooling import bind_tokenizer, check_pooling
 from longserve.sampling_params import SamplingParams
 from longserve.sched.scheduler import Scheduler, SchedulerConfig
-from longserve.siblings import candidate_params, chosen_members
+from longserve.siblings import candidate_params
 from longserve.structured.grammar import GrammarCompiler, GrammarMatcher
 from longserve.tokenization.detokenizer import DeferredText, IncrementalDetokenizer, TextAssembler
 from longserve.tokenization.prefix_token_cache import PromptTokenizer
@@ -425,50 +424,8 @@ class Engine:
 
     # ---- outputs --------------------------------------------------------------------------------
     def _group_output(self, group: Group) -> RequestOutput:
-        finished = group.done
-        members = group.members
-        # best_of: the n best candidates, once all have ended (before that, none)
-        if not group.ranked:
-            shown: Sequence[int] = range(len(members))
-        else:
-            shown = chosen_members(members, group.n) if finished else []
-        completions = []
-        for index, i in enumerate(shown):
-            req = members[i]
-            completions.append(completion_output(req, index, group.last_emitted[i], group.show_logprobs))
-            group.last_emitted[i] = len(req.output_token_ids)
-        first = members[0]
-        if len(members) == 1:
-            error, error_internal = first.error or None, bool(first.error_internal)
-        else:
-            error = "; ".join(r.error for r in members if r.error) or None
-            error_internal = any(r.error_internal for r in members)
-        out = RequestOutput(
-            request_id=group.request_id,
-            prompt=group.prompt,
-            prompt_token_ids=first.prompt_token_ids,
-            outputs=completions,
-            finished=finished,
-            cached_tokens=max(first.num_cached_tokens, 0),
-            error=error,
-            error_internal=error_internal,
-            pooled=first.pooled,
-        )
-        if first.sampling_params.prompt_logprobs is not None and prompt_logprobs.is_complete(first):
-            # the request's own lists: complete, so no later step appends to them
-            out.prompt_logprobs = first.prompt_logprobs
-            out.prompt_top_logprobs = first.prompt_top_logprobs
-            out.prompt_logprob_ranks = first.prompt_logprob_ranks
-            out.prompt_logprob_start = first.prompt_logprob_start
-        if first.first_token_time is not None:
-            out.ttft = first.first_token_time - first.arrival_time
-        if first.first_scheduled_time is not None:
-            out.queue_time = first.first_scheduled_time - first.arrival_time
-            if first.first_token_time is not None:
-                out.prefill_time = first.first_token_time - first.first_scheduled_time
-        if finished:
-            end = max(r.finished_time or 0.0 for r in group.members)
-            out.e2e_latency = end - first.arrival_time
+        out = request_output(group)
+        if out.finished:
             del self.groups[group.request_id]
             for req in group.members:
                 self._group_of.pop(req.request_id, None)

@@ -11,9 +11,13 @@ output every step; 0.5 ms now.
 
 from __future__ import annotations
 
-from longserve.outputs import LAZY, CompletionOutput
+from collections.abc import Sequence
+
+from longserve.outputs import LAZY, CompletionOutput, RequestOutput
 from longserve.request import Request
+from longserve.runner import prompt_logprobs
 from longserve.sampling_params import SamplingParams
+from longserve.siblings import chosen_members
 from longserve.tokenization.detokenizer import DeferredText
 
 
@@ -111,3 +115,53 @@ def completion_output(req: Request, index: int, first_new: int, show_logprobs: b
         new_token_ids=LAZY,
         source=source,
     )
+
+
+def request_output(group: Group) -> RequestOutput:
+    """This step's report on `group`: each shown member's completion (best_of: the n best, once all have
+    ended), errors, prompt logprobs once complete, and the timings; records what each member has reported."""
+    finished = group.done
+    members = group.members
+    # best_of: the n best candidates, once all have ended (before that, none)
+    if not group.ranked:
+        shown: Sequence[int] = range(len(members))
+    else:
+        shown = chosen_members(members, group.n) if finished else []
+    completions = []
+    for index, i in enumerate(shown):
+        req = members[i]
+        completions.append(completion_output(req, index, group.last_emitted[i], group.show_logprobs))
+        group.last_emitted[i] = len(req.output_token_ids)
+    first = members[0]
+    if len(members) == 1:
+        error, error_internal = first.error or None, bool(first.error_internal)
+    else:
+        error = "; ".join(r.error for r in members if r.error) or None
+        error_internal = any(r.error_internal for r in members)
+    out = RequestOutput(
+        request_id=group.request_id,
+        prompt=group.prompt,
+        prompt_token_ids=first.prompt_token_ids,
+        outputs=completions,
+        finished=finished,
+        cached_tokens=max(first.num_cached_tokens, 0),
+        error=error,
+        error_internal=error_internal,
+        pooled=first.pooled,
+    )
+    if first.sampling_params.prompt_logprobs is not None and prompt_logprobs.is_complete(first):
+        # the request's own lists: complete, so no later step appends to them
+        out.prompt_logprobs = first.prompt_logprobs
+        out.prompt_top_logprobs = first.prompt_top_logprobs
+        out.prompt_logprob_ranks = first.prompt_logprob_ranks
+        out.prompt_logprob_start = first.prompt_logprob_start
+    if first.first_token_time is not None:
+        out.ttft = first.first_token_time - first.arrival_time
+    if first.first_scheduled_time is not None:
+        out.queue_time = first.first_scheduled_time - first.arrival_time
+        if first.first_token_time is not None:
+            out.prefill_time = first.first_token_time - first.first_scheduled_time
+    if finished:
+        end = max(r.finished_time or 0.0 for r in members)
+        out.e2e_latency = end - first.arrival_time
+    return out
