@@ -180,7 +180,7 @@ if [[ $MODE == vllm ]]; then  # one GPU: the 8B shape, longserve then vLLM 0.24 
     --output-json "$OUT/latency_8b_vs_vllm.json" 2>&1 | tee "$OUT/latency_8b_vs_vllm.log" | tail -12
   export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
     VLLM_CACHE_ROOT=/tmp/vllm_cache VLLM_ENABLE_V1_MULTIPROCESSING=0
-  PYTHONPATH=/tmp/site python3 .anchor/bench_vllm.py --configs default 2>&1 | tee "$OUT/vllm_prefill.log" \
+  PYTHONPATH=/tmp/site python3 .anchor/bench_vllm.py --configs default --lengths 8192,32768,65536,131072 2>&1 | tee "$OUT/vllm_prefill.log" \
     | grep '"kind": "result"' | cut -c1-160
   PYTHONPATH=/tmp/site python3 .anchor/vllm_decode.py 2>&1 | tee "$OUT/vllm_decode.log" | grep decode_itl
 fi
