@@ -71,7 +71,8 @@ class Request:
     pooling_params: Any = None
     pooled: Any = None
     # structured.grammar.GrammarMatcher of a constrained output (its own per request, n > 1 siblings too):
-    # it has accepted every output token, so a request recomputed after preemption re-feeds nothing
+    # it has taken every output token (the last one perhaps deferred: applied at its next use, see
+    # GrammarMatcher.defer_accept), so a request recomputed after preemption re-feeds nothing
     grammar: Any = None
     # runner.inputs.PageRow: page_ids as an int64 array, kept in step with them by the runner
     page_row: Any = field(default=None, compare=False, repr=False)
