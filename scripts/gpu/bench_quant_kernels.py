@@ -48,7 +48,7 @@ def gbps(nbytes: int, ms: float) -> float:
     return nbytes / (ms * 1e-3) / 1e9
 
 
-def cuda_time_ms(fn) -> float:
+def graph_ms(fn) -> float:
     """Device ms per call, from a CUDA graph of 20 calls: decode steps replay graphs, and timing eager calls
     measured host launch time instead (at M <= 32 every int4 path read ~0.1 ms; run at d7b54d5, 2026-12-02)."""
     try:
@@ -61,30 +61,30 @@ def cuda_time_ms(fn) -> float:
 def time_one(x: torch.Tensor, t: dict[str, torch.Tensor], blockwise: bool) -> dict[str, float]:
     """Milliseconds of each way to compute x @ W^T for one M."""
     row = {
-        "bf16_ms": cuda_time_ms(lambda: torch.nn.functional.linear(x, t["bf16"])),
-        "int4_fused_ms": cuda_time_ms(
+        "bf16_ms": graph_ms(lambda: torch.nn.functional.linear(x, t["bf16"])),
+        "int4_fused_ms": graph_ms(
             lambda: wna16_gemm(x, t["q"], t["scales"], None, None, 4, 128, path="fused")
         ),
-        "int4_dequant_ms": cuda_time_ms(
+        "int4_dequant_ms": graph_ms(
             lambda: wna16_gemm(x, t["q"], t["scales"], None, None, 4, 128, path="dequant")
         ),
         "int4_gemv_ms": (
-            cuda_time_ms(lambda: wna16_gemm(x, t["q"], t["scales"], None, None, 4, 128, path="gemv"))
+            graph_ms(lambda: wna16_gemm(x, t["q"], t["scales"], None, None, 4, 128, path="gemv"))
             if wna16_gemv_supported(x.shape[0], x.shape[1], 4)
             else float("nan")
         ),
-        "fp8_block_triton_ms": cuda_time_ms(
+        "fp8_block_triton_ms": graph_ms(
             lambda: fp8_block_linear(x, t["fp8"], t["fp8_scale"], (128, 128), use_scaled_mm=False)
         ),
-        "fp8_channel_ms": cuda_time_ms(lambda: fp8_scaled_linear(x, t["fp8"], t["channel_scale"])),
-        "int8_ms": cuda_time_ms(lambda: int8_scaled_linear(x, t["int8"], t["channel_scale"])),
+        "fp8_channel_ms": graph_ms(lambda: fp8_scaled_linear(x, t["fp8"], t["channel_scale"])),
+        "int8_ms": graph_ms(lambda: int8_scaled_linear(x, t["int8"], t["channel_scale"])),
     }
     nbytes = int4_bytes(x.shape[0], t["q"].shape[0], x.shape[1])
     for path in ("gemv", "fused"):
         row[f"int4_{path}_gbps"] = gbps(nbytes, row[f"int4_{path}_ms"])
         row[f"int4_{path}_pct_hbm"] = 100.0 * row[f"int4_{path}_gbps"] / HBM_GBPS
     if blockwise:
-        row["fp8_block_cublas_ms"] = cuda_time_ms(
+        row["fp8_block_cublas_ms"] = graph_ms(
             lambda: fp8_block_linear(x, t["fp8"], t["fp8_scale"], (128, 128), use_scaled_mm=True)
         )
     return row
@@ -105,7 +105,7 @@ def sweep_gemv(name: str, x: torch.Tensor, t: dict[str, torch.Tensor]) -> dict:
             cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "USE_DOT": dot,
                    "SCALE_PER_COL": 0, "num_warps": warps, "num_stages": 2}  # fmt: skip
             try:
-                ms = cuda_time_ms(lambda cfg=cfg: wna16_gemm(x, t["q"], t["scales"], None, None, 4, 128,
+                ms = graph_ms(lambda cfg=cfg: wna16_gemm(x, t["q"], t["scales"], None, None, 4, 128,
                                                              config=cfg, path="gemv"))  # fmt: skip
             except Exception as e:  # noqa: BLE001  (a config the compiler or the GPU refuses)
                 print(f"gemv config {cfg} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
@@ -113,7 +113,7 @@ def sweep_gemv(name: str, x: torch.Tensor, t: dict[str, torch.Tensor]) -> dict:
             results.append((ms, cfg))
     results.sort(key=lambda r: r[0])
     best_ms, best = results[0]
-    default_ms = cuda_time_ms(lambda: wna16_gemm(x, t["q"], t["scales"], None, None, 4, 128, path="gemv"))
+    default_ms = graph_ms(lambda: wna16_gemm(x, t["q"], t["scales"], None, None, 4, 128, path="gemv"))
     nbytes = int4_bytes(m, n, k)
     row = {"shape": name, "m": m, "gemv_best_ms": best_ms, "gemv_best_pct_hbm": 100 * gbps(nbytes, best_ms) / HBM_GBPS,
            "gemv_default_ms": default_ms, "best": best, "default": default,
