@@ -109,6 +109,13 @@ def prompt(vocab_size: int, n: int = 40, seed: int = 0) -> torch.Tensor:
     return ids
 
 
+def two_chunks(model, ids: list[int], split: int = 17) -> torch.Tensor:
+    """The logits of `ids` prefilled as two chunks (the second over the first's cached K/V), [len(ids), V]."""
+    cache = new_cache(model)
+    first = run_step(model, cache, [ids[:split]], [0], [PAGE_IDS])
+    return torch.cat([first, run_step(model, cache, [ids[split:]], [split], [PAGE_IDS])])
+
+
 @pytest.mark.parametrize("arch,tie", CASES, ids=[f"{a}-{'tied' if t else 'untied'}" for a, t in CASES])
 def test_prefill_and_chunked_match_hf(checkpoints: dict, arch: str, tie: bool) -> None:
     ours, hf = load_both(checkpoints[(arch, tie)])
@@ -119,11 +126,7 @@ def test_prefill_and_chunked_match_hf(checkpoints: dict, arch: str, tie: bool) -
     full = run_step(ours, new_cache(ours), [ids], [0], [PAGE_IDS])
     torch.testing.assert_close(full, ref, atol=1e-4, rtol=1e-4)
 
-    cache = new_cache(ours)
-    first = run_step(ours, cache, [ids[:17]], [0], [PAGE_IDS])
-    second = run_step(ours, cache, [ids[17:]], [17], [PAGE_IDS])
-    torch.testing.assert_close(first, ref[:17], atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(second, ref[17:], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(two_chunks(ours, ids), ref, atol=1e-4, rtol=1e-4)
 
 
 def test_mixed_step_two_requests(checkpoints: dict) -> None:

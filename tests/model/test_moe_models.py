@@ -20,7 +20,15 @@ from longserve.models.moe import FusedMoE, expert_weight_summary
 from longserve.models.moe_block import SparseMoeBlock
 from longserve.models.moe_layout import expected_distinct_experts, expert_placement, moe_spec
 from longserve.testing.checkpoints import MOE_ARCHS, make_tiny_checkpoint
-from tests.model.test_models_vs_hf import PAGE_IDS, hf_logits, load_both, new_cache, prompt, run_step
+from tests.model.test_models_vs_hf import (
+    PAGE_IDS,
+    hf_logits,
+    load_both,
+    new_cache,
+    prompt,
+    run_step,
+    two_chunks,
+)
 
 CPU = torch.device("cpu")
 
@@ -70,10 +78,7 @@ def test_prefill_and_chunked_match_hf_in_both_layouts(checkpoints: dict, arch: s
     for (name, a), (_, b) in zip(ours.named_parameters(), stacked.named_parameters()):
         assert torch.equal(a, b), name
 
-    cache = new_cache(ours)
-    first = run_step(ours, cache, [ids[:17]], [0], [PAGE_IDS])
-    second = run_step(ours, cache, [ids[17:]], [17], [PAGE_IDS])
-    torch.testing.assert_close(torch.cat([first, second]), ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(two_chunks(ours, ids), ref, atol=1e-4, rtol=1e-4)
 
 
 def test_sparse_and_dense_layers_follow_the_config(checkpoints: dict) -> None:

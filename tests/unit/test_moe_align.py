@@ -158,7 +158,15 @@ def test_moe_models_match_transformers_with_the_triton_alignment(tmp_path, monke
     from longserve.kernels import moe_routing
     from longserve.models import moe as moe_mod
     from longserve.testing.checkpoints import make_tiny_checkpoint
-    from tests.model.test_models_vs_hf import PAGE_IDS, hf_logits, load_both, new_cache, prompt, run_step
+    from tests.model.test_models_vs_hf import (
+        PAGE_IDS,
+        hf_logits,
+        load_both,
+        new_cache,
+        prompt,
+        run_step,
+        two_chunks,
+    )
 
     calls, routed = [], []
     real = fused_moe_mod.moe_align
@@ -173,10 +181,7 @@ def test_moe_models_match_transformers_with_the_triton_alignment(tmp_path, monke
     ref = hf_logits(hf, ids)  # [40, V]
     full = run_step(ours, new_cache(ours), [ids], [0], [PAGE_IDS])
     torch.testing.assert_close(full, ref, atol=1e-4, rtol=1e-4)
-    cache = new_cache(ours)
-    first = run_step(ours, cache, [ids[:17]], [0], [PAGE_IDS])
-    second = run_step(ours, cache, [ids[17:]], [17], [PAGE_IDS])
-    torch.testing.assert_close(torch.cat([first, second]), ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(two_chunks(ours, ids), ref, atol=1e-4, rtol=1e-4)
     assert calls and routed, "the Triton alignment or routing did not run"
 
 
