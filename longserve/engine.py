@@ -13,7 +13,7 @@ import itertools
 import logging
 import threading
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -23,12 +23,13 @@ from longserve.config import ConfigError, EngineConfig
 from longserve.engine_outputs import Group, request_output
 from longserve.models import load_hf_config
 from longserve.models.moe_layout import moe_spec
-from longserve.outputs import EngineStats, RequestOutput, StepStats
+from longserve.outputs import EngineStats, RequestOutput, SchedulerOutput, StepStats
 from longserve.pooling_params import PoolingParams
 from longserve.request import FinishReason, Request
 from longserve.runner import prompt_logprobs
 from longserve.runner.model_runner import ModelRunner
 from longserve.runner.pooling import bind_tokenizer, check_pooling
+from longserve.runner.sampled import SampledStep
 from longserve.sampling_params import SamplingParams
 from longserve.sched.scheduler import Scheduler, SchedulerConfig
 from longserve.siblings import candidate_params
@@ -80,6 +81,22 @@ def log_ignored_settings(config: EngineConfig, hf_config: Any) -> None:
         )
 
 
+class Launched(NamedTuple):
+    """A step whose forward pass and sampling are queued on the device; its tokens not read yet."""
+
+    sched_out: SchedulerOutput
+    sampled: SampledStep
+
+
+def resolve_overlap(setting: bool | None, runner: ModelRunner) -> bool:
+    """The overlapped schedule (EngineConfig.overlap_schedule): None means on a GPU; never under tensor
+    parallelism (the other ranks would need the pending tokens) or for pooling models (nothing to decode)."""
+    possible = runner.workers is None and runner.pooler is None
+    if setting and not possible:
+        logger.info("overlap_schedule has no effect under tensor parallelism or for pooling models")
+    return possible and (setting if setting is not None else runner.device.type == "cuda")
+
+
 class Engine:
     def __init__(self, config: EngineConfig, detokenize: bool = True) -> None:
         """detokenize=False: outputs carry token ids only (empty text) and stop strings are not checked;
@@ -100,7 +117,9 @@ class Engine:
         self.eos_token_ids = self._eos_ids()
         self.context_length = self.runner.context_length
         self.kv = KVCacheManager(self.runner.num_pages, config.page_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(SchedulerConfig.from_engine_config(config), self.kv)
+        self.scheduler = Scheduler(SchedulerConfig.from_engine_config(config, self.context_length), self.kv)
+        self.overlap = resolve_overlap(config.overlap_schedule, self.runner)
+        self._in_flight: Launched | None = None  # overlapped: the step left running by the last call
         self.detokenizer = (
             IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None and detokenize else None
         )
@@ -293,8 +312,18 @@ class Engine:
 
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduling step and forward pass; return outputs of requests that progressed."""
+        """Plan and launch one step; return the outputs of requests that progressed.
+
+        Overlapped (`overlap`), the step launched here is left running, and the one the call before
+        launched is read and processed while its forward pass runs; its sampling is queued after that, so
+        that grammars and penalties see every token up to the new one. The host's part of a step
+        (scheduling, inputs, outputs, grammar masks) hides behind the device's; the outputs returned are the
+        earlier step's. A request that stops in step N has one wasted row in step N+1 (its token is dropped;
+        its pages are freed at once: the device runs the steps in order), unless N's token was sure to be its
+        last (max_tokens, context length)."""
         t0 = time.perf_counter()
+        touched: dict[str, Group] = {}
+        prev, self._in_flight = self._in_flight, None
         sched_out = self.scheduler.schedule()
         # tokens of prompts (prefill) vs of generated text (decode), before the counts advance
         num_prefill = 0
@@ -302,33 +331,26 @@ class Engine:
             left = len(s.request.prompt_token_ids) - s.request.num_computed_tokens
             if left > 0:
                 num_prefill += min(s.num_new_tokens, left)
-        touched: dict[str, Group] = {}
-        if sched_out.is_empty:
-            if self.scheduler.has_unfinished() and not self.scheduler.running:
-                # nothing runs and nothing can be admitted: the queue head cannot fit the pool
-                self._fail_unschedulable()
-                touched.update((g.request_id, g) for g in list(self.groups.values()) if g.done)
-        else:
-            runner_out = self.runner.execute(sched_out, self.eos_token_ids)
-            for request_id, result in (runner_out.prompt_logprobs or {}).items():
-                prompt_logprobs.record(self.scheduler.requests[request_id], result)
-            new_tokens = self.scheduler.update(sched_out, runner_out.sampled_token_ids)
-            now = time.perf_counter()
-            for i, (req, token) in enumerate(new_tokens):
-                failure = runner_out.failed.get(req.request_id)
-                if failure is None:
-                    try:
-                        self._accept_token(req, i, token, runner_out, now)
-                        continue
-                    except Exception as e:  # this request's own output handling: the others go on
-                        failure = self._log_failure(req, e)
-                req.output_token_ids.pop()  # the placeholder, or a token it could not take
-                self._fail(req, failure, internal=True)
-            group_of = self._group_of
-            for s in sched_out.scheduled:
-                g = group_of.get(s.request.request_id)
-                if g is not None:
-                    touched[g.request_id] = g
+        launched = None
+        if not sched_out.is_empty:
+            logits = self.runner.forward(sched_out, prev.sampled if prev is not None else None)
+            if prev is not None:
+                self._complete(prev, touched)
+                prev = None
+            sampled = self.runner.sample(sched_out, logits, self.eos_token_ids)
+            self.scheduler.advance(sched_out)
+            launched = Launched(sched_out, sampled)
+        elif self.scheduler.has_unfinished() and not self.scheduler.running:
+            # nothing runs and nothing can be admitted: the queue head cannot fit the pool
+            self._fail_unschedulable()
+            touched.update((g.request_id, g) for g in list(self.groups.values()) if g.done)
+        if prev is not None:
+            self._complete(prev, touched)
+        if launched is not None:
+            if self.overlap:
+                self._in_flight = launched
+            else:
+                self._complete(launched, touched)
         # best_of candidates report once all have ended and the best are known
         outputs = [self._group_output(g) for g in touched.values() if not g.ranked or g.done]
         self.last_step_stats = StepStats(
@@ -341,6 +363,32 @@ class Engine:
             step_time=time.perf_counter() - t0,
         )
         return outputs
+
+    def _complete(self, launched: Launched, touched: dict[str, Group]) -> None:
+        """Read a launched step's tokens (waiting for it) and hand them to their requests."""
+        sched_out = launched.sched_out
+        runner_out = launched.sampled.result()
+        requests = self.scheduler.requests
+        for request_id, result in (runner_out.prompt_logprobs or {}).items():
+            if request_id in requests:  # not ended meanwhile
+                prompt_logprobs.record(requests[request_id], result)
+        new_tokens = self.scheduler.commit(sched_out, runner_out.sampled_token_ids)
+        now = time.perf_counter()
+        for i, req, token in new_tokens:
+            failure = runner_out.failed.get(req.request_id)
+            if failure is None:
+                try:
+                    self._accept_token(req, i, token, runner_out, now)
+                    continue
+                except Exception as e:  # this request's own output handling: the others go on
+                    failure = self._log_failure(req, e)
+            req.output_token_ids.pop()  # the placeholder, or a token it could not take
+            self._fail(req, failure, internal=True)
+        group_of = self._group_of
+        for s in sched_out.scheduled:
+            g = group_of.get(s.request.request_id)
+            if g is not None:
+                touched[g.request_id] = g
 
     def _accept_token(self, req: Request, i: int, token: int, runner_out, now: float) -> None:
         if req.first_token_time is None:
@@ -391,7 +439,7 @@ class Engine:
         if self._detokenize(req, req.num_output_tokens, final=False):
             return
         if (params.max_new_tokens is not None and req.num_output_tokens >= params.max_new_tokens) or (
-            req.num_tokens >= self.context_length
+            req.num_prompt_tokens + req.num_output_tokens >= self.context_length  # a pending one apart
         ):
             self._finish(req, FinishReason.LENGTH, text_upto=req.num_output_tokens)
 

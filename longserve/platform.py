@@ -85,6 +85,19 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def host_to_device(data: object, dtype: torch.dtype | None, device: torch.device | str) -> torch.Tensor:
+    """torch.tensor(data, dtype=dtype, device=device) that does not wait for the device: torch.tensor to a
+    GPU copies from pageable memory, which drains the stream first (torch's memcpy_and_sync), so a step
+    queued behind a running one (the overlapped schedule) would wait for it. Through pinned memory the copy
+    is queued like a kernel (the pinned block is reused only once the copy is done)."""
+    import torch
+
+    host = torch.tensor(data, dtype=dtype)
+    if _device_type(device) != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def available_memory_bytes(device: torch.device) -> tuple[int, int]:
     """(total, free) bytes of the memory that holds the KV pool on `device`."""
     if device.type == "cuda":

@@ -3,6 +3,10 @@
 A request is `num_computed_tokens` chasing `num_tokens` (prompt + generated so far): each step the
 scheduler grants it `num_new_tokens`; when the computed count reaches `num_tokens` the step samples one
 more token. There is no prefill or decode phase, only how many tokens are left to compute.
+
+Under the overlapped schedule (Engine.step) the token a launched step samples is *pending* until that
+step's ids reach the host: it counts in `num_tokens` (the scheduler plans the next step with it), it is not
+in `output_token_ids` yet (what callers read), and the next step reads it on the device.
 """
 
 from __future__ import annotations
@@ -74,6 +78,13 @@ class Request:
     # it has taken every output token (the last one perhaps deferred: applied at its next use, see
     # GrammarMatcher.defer_accept), so a request recomputed after preemption re-feeds nothing
     grammar: Any = None
+    # overlapped schedule: 1 while the token a launched step sampled for this request is on its way to the
+    # host (it sits at position num_computed_tokens); pending_row: its row among that step's sampled ids;
+    # pending_final: that token ends the request whatever it is (max_new_tokens, context length), so no
+    # step is planned past it
+    num_pending: int = 0
+    pending_row: int = 0
+    pending_final: bool = False
     # runner.inputs.PageRow: page_ids as an int64 array, kept in step with them by the runner
     page_row: Any = field(default=None, compare=False, repr=False)
 
@@ -87,7 +98,8 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        """Prompt + output tokens, a pending one included."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
 
     @property
     def next_prompt_logprob_row(self) -> int:

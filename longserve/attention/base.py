@@ -136,7 +136,13 @@ def build_step_tensors(
 
 
 def _to_device(a: np.ndarray, device: torch.device | str) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+    """A host array on `device`. To a GPU through pinned memory and a non-blocking copy: a pageable copy
+    waits for the stream to drain (torch's memcpy_and_sync), so the overlapped schedule could not queue a
+    step while the one before it runs."""
+    host = torch.from_numpy(np.ascontiguousarray(a))
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _split(t: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:

@@ -62,7 +62,8 @@ class GrammarMasker:
     def prepare(self, reqs: Sequence[Request]) -> tuple[TokenMask | None, dict[int, Exception]]:
         """The mask for sampling rows `reqs` (row i: reqs[i]) and the rows whose matcher raised (each such
         request is ended alone with an error; its row is left unmasked). (None, {}) when no row has a grammar."""
-        matchers = [(i, r.grammar) for i, r in enumerate(reqs) if r.grammar is not None]
+        # a request that ended while its row was in flight (overlapped schedule) needs no mask
+        matchers = [(i, r.grammar) for i, r in enumerate(reqs) if r.grammar is not None and not r.is_finished]
         if not matchers:
             return None, {}
         bitmask = self._buffers(len(reqs))

@@ -6,7 +6,7 @@ plain lists, which tensor-parallel workers receive; `to_model_inputs` makes the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -28,6 +28,10 @@ class StepInputs:
     page_tables: list[np.ndarray] | list[list[int]]  # [B][pages]: build_step's are int64 arrays
     logits_indices: list[int]  # [N] rows that sample (last token of each sampling request)
     prompt_logprobs: PromptLogprobRows | None = None  # rows whose prompt logprobs are asked for
+    # inputs whose token is still pending (the overlapped schedule): input_ids[pending_dst[j]] (a 0 here)
+    # is the previous step's sampled id of row pending_src[j], gathered on the device
+    pending_dst: list[int] = field(default_factory=list)
+    pending_src: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -91,7 +95,12 @@ def build_step(out: SchedulerOutput) -> StepInputs:
             step.prompt_logprobs = step.prompt_logprobs or PromptLogprobRows()
             step.prompt_logprobs.add(req, start, end, first_row=len(input_ids))
         if n == 1:  # a decode
-            input_ids.append(req.token_at(start))
+            if start < num_prompt + len(req.output_token_ids):
+                input_ids.append(req.token_at(start))
+            else:  # its token is the previous step's, not read yet: taken on the device
+                step.pending_dst.append(len(input_ids))
+                step.pending_src.append(req.pending_row)
+                input_ids.append(0)
             positions.append(start)
         else:
             input_ids.extend(req.token_slice(start, end))
@@ -127,11 +136,18 @@ def split_step(step: StepInputs, at: int) -> tuple[StepInputs, StepInputs]:
     return first, second
 
 
-def to_model_inputs(step: StepInputs, page_size: int, device: torch.device) -> ModelInputs:
-    meta, (input_ids, positions, logits_indices) = build_step_tensors(
+def to_model_inputs(
+    step: StepInputs, page_size: int, device: torch.device, prev_tokens: torch.Tensor | None = None
+) -> ModelInputs:
+    """The step's tensors on `device`; its pending inputs gathered from prev_tokens (the previous step's
+    sampled ids, still on the device) without waiting for them."""
+    meta, (input_ids, positions, logits_indices, dst, src) = build_step_tensors(
         step.prefix_lens, step.query_lens, step.page_tables, page_size, device,
-        extra=(step.input_ids, step.positions, step.logits_indices),
+        extra=(step.input_ids, step.positions, step.logits_indices, step.pending_dst, step.pending_src),
     )  # fmt: skip
+    if step.pending_dst:
+        assert prev_tokens is not None, "a step with pending inputs needs the previous step's sampled ids"
+        input_ids[dst] = prev_tokens[src]
     return ModelInputs(
         input_ids=input_ids,
         positions=positions,

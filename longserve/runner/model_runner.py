@@ -34,6 +34,7 @@ from longserve.runner.cuda_graph import DecodeGraphRunner, ExtendGraphRunner
 from longserve.runner.grammar_mask import GrammarMasker, TokenMask
 from longserve.runner.inputs import StepInputs, build_step, split_step, to_model_inputs
 from longserve.runner.pooling import pooled_output
+from longserve.runner.sampled import SampledStep, StepLogits
 from longserve.runner.sampler import Sampler, SamplingInfo
 from longserve.sampling_params import SamplingParams
 
@@ -242,11 +243,19 @@ class ModelRunner:
 
     # ---- one step -------------------------------------------------------------------------------
     def execute(self, out: SchedulerOutput, eos_token_ids: frozenset[int]) -> RunnerOutput:
-        """Rank 0: run the scheduled step (on every rank under tp) and sample."""
+        """Rank 0: run the scheduled step (on every rank under tp) and sample; wait for its tokens."""
+        return self.sample(out, self.forward(out), eos_token_ids).result()
+
+    def forward(self, out: SchedulerOutput, prev: SampledStep | None = None) -> StepLogits:
+        """Rank 0: queue the scheduled step's forward pass (on every rank under tp) without waiting for the
+        device. `prev`: the step launched before this one, whose ids have not been read: this step's decodes
+        of tokens still pending (Request.num_pending) take their input from prev.token_ids on the device."""
         step = build_step(out)
+        prev_tokens = prev.token_ids if prev is not None else None
         if self.workers is None:
-            logits = self.forward_step(step)  # [N, V] fp32 or None
+            logits = self.forward_step(step, prev_tokens)  # [N, V] fp32 or None
         else:
+            assert not step.pending_dst, "the overlapped schedule runs on one rank only"
             self.workers.check()
             try:
                 broadcast_object(step)
@@ -260,11 +269,19 @@ class ModelRunner:
                 self.workers.fail(message)
                 raise RankFailure(message) from e
         prompt_lps, self.last_prompt_logprobs = self.last_prompt_logprobs, None
-        if logits is None:  # a mid-prompt chunk samples nothing but may owe prompt logprobs
-            return RunnerOutput(sampled_token_ids=[], prompt_logprobs=prompt_lps)
+        return StepLogits(logits, prompt_lps)
+
+    def sample(self, out: SchedulerOutput, fwd: StepLogits, eos_token_ids: frozenset[int]) -> SampledStep:
+        """Rank 0: queue the sampling of a forwarded step, without waiting for the device. Under the
+        overlapped schedule the engine calls it once the step before has been read: the grammars and
+        penalties see every token up to this one. A request that ended meanwhile keeps its row (its token
+        is dropped) but no grammar mask."""
+        if fwd.logits is None:  # a mid-prompt chunk samples nothing but may owe prompt logprobs
+            return SampledStep(prompt_logprobs=fwd.prompt_logprobs)
         reqs = [s.request for s in out.scheduled if s.samples]
         if self.pooler is not None:  # the rows are pooled values (embeddings, scores), not logits
-            return pooled_output(self.pooler, logits, reqs)
+            done = pooled_output(self.pooler, fwd.logits, reqs)
+            return SampledStep(done=done, prompt_logprobs=fwd.prompt_logprobs)
         # on the host while the device runs the forward pass (nothing above waited for it)
         token_mask, mask_failures = self.grammar_masker.prepare(reqs)
         failed = {
@@ -272,9 +289,9 @@ class ModelRunner:
             for i, e in mask_failures.items()
         }
         with torch.inference_mode():
-            result = self._sample(logits, reqs, eos_token_ids, token_mask, failed)
-        result.prompt_logprobs = prompt_lps
-        return result
+            sampled = self._sample(fwd.logits, reqs, eos_token_ids, token_mask, failed)
+        sampled.prompt_logprobs = fwd.prompt_logprobs
+        return sampled
 
     def _sample(
         self,
@@ -283,7 +300,7 @@ class ModelRunner:
         eos_token_ids: frozenset[int],
         token_mask: TokenMask | None = None,
         failed: dict[str, str] | None = None,
-    ) -> RunnerOutput:
+    ) -> SampledStep:
         """One token per row of logits [N, V]. A request whose own setup or sampling raises is isolated:
         it gets a placeholder token and an entry in `failed` (the engine ends it with an error), and the
         others are sampled as usual; the batch is re-sampled row by row only when the batched call raised.
@@ -297,42 +314,54 @@ class ModelRunner:
                 failed[req.request_id] = _failure("preparing its sampling", req.request_id, e)
                 infos.append(SamplingInfo(_PLACEHOLDER, (), (), None))
         try:
-            results = [self.sampler(logits, infos, token_mask=token_mask)]
-            rows = [slice(None)]
+            result = self.sampler(logits, infos, token_mask=token_mask)
         except Exception:
-            results, rows = [], []
-            for i, (req, info) in enumerate(zip(reqs, infos)):
-                try:
-                    row_mask = token_mask.row(i) if token_mask is not None else None
-                    results.append(self.sampler(logits[i : i + 1], [info], token_mask=row_mask))
-                    rows.append(slice(i, i + 1))
-                except Exception as e:
-                    failed[req.request_id] = _failure("sampling", req.request_id, e)
-        tokens = [0] * len(reqs)  # placeholders stay for the failed rows
-        want_logprobs = any(r.logprobs is not None for r in results)
-        logprobs: list[float] | None = [0.0] * len(reqs) if want_logprobs else None
-        top: list[list[tuple[int, float]]] | None = [[] for _ in reqs] if want_logprobs else None
-        for result, row in zip(results, rows):
-            index = range(len(reqs))[row]
-            for i, t in zip(index, result.token_ids.tolist()):
-                tokens[i] = t
-            if result.logprobs is not None and logprobs is not None and top is not None:
-                for i, lp in zip(index, result.logprobs.tolist()):
-                    logprobs[i] = lp
-                if result.top_logprobs is not None:
-                    values, ids = result.top_logprobs.tolist(), result.top_token_ids.tolist()
-                    for i, tv, ti in zip(index, values, ids):
-                        top[i] = list(zip(ti, tv))
-        if top is not None and not any(top):
-            top = None
-        return RunnerOutput(sampled_token_ids=tokens, logprobs=logprobs, top_logprobs=top, failed=failed)
+            return self._sample_rows(logits, reqs, infos, token_mask, failed)
+        return SampledStep(
+            result.token_ids, result.logprobs, result.top_logprobs, result.top_token_ids, failed=failed
+        )
 
-    def forward_step(self, step: StepInputs) -> torch.Tensor | None:
-        """Every rank: the forward pass of one step; the sampling rows' logits [N, V] fp32 (None if N=0)."""
+    def _sample_rows(
+        self,
+        logits: torch.Tensor,
+        reqs: list[Request],
+        infos: list[SamplingInfo],
+        token_mask: TokenMask | None,
+        failed: dict[str, str],
+    ) -> SampledStep:
+        """The batched sampler raised: each row alone, so that only the rows that fail again fail (rare, so
+        this waits for each row's result)."""
+        tokens = [0] * len(reqs)  # placeholders stay for the failed rows
+        logprobs: list[float] | None = None
+        top: list[list[tuple[int, float]]] = [[] for _ in reqs]
+        for i, (req, info) in enumerate(zip(reqs, infos)):
+            try:
+                row_mask = token_mask.row(i) if token_mask is not None else None
+                result = self.sampler(logits[i : i + 1], [info], token_mask=row_mask)
+            except Exception as e:
+                failed[req.request_id] = _failure("sampling", req.request_id, e)
+                continue
+            tokens[i] = int(result.token_ids.item())
+            if result.logprobs is not None:
+                logprobs = logprobs or [0.0] * len(reqs)
+                logprobs[i] = float(result.logprobs.item())
+                if result.top_logprobs is not None:
+                    top[i] = list(zip(result.top_token_ids[0].tolist(), result.top_logprobs[0].tolist()))
+        done = RunnerOutput(
+            sampled_token_ids=tokens,
+            logprobs=logprobs,
+            top_logprobs=top if any(top) else None,
+            failed=failed,
+        )
+        return SampledStep(torch.tensor(tokens, dtype=torch.int64, device=logits.device), done=done)
+
+    def forward_step(self, step: StepInputs, prev_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Every rank: the forward pass of one step; the sampling rows' logits [N, V] fp32 (None if N=0).
+        prev_tokens: the previous step's sampled ids on the device, for the inputs still pending there."""
         min_tokens = self.config.tp_overlap_min_tokens
         if self.tp is not None and min_tokens and len(step.input_ids) >= max(min_tokens, 2):
             return self._forward_overlapped(step)
-        inputs = to_model_inputs(step, self.kv_cache.page_size, self.device)
+        inputs = to_model_inputs(step, self.kv_cache.page_size, self.device, prev_tokens)
         ctx = ForwardContext(meta=inputs.meta, kv_cache=self.kv_cache, backend=self.backend)
         with torch.inference_mode():
             if self.graph_runner is not None and self.graph_runner.can_run(inputs.meta):

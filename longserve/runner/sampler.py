@@ -1,7 +1,8 @@
 """Batched token sampling: bans, penalties, greedy/temperature/top-k/top-p/min-p, seeded rows, logprobs.
 
 Runs on the logits' device with no host syncs: every branch is decided from the Python-side SamplingParams,
-never from tensor values, and the only host->device traffic is small index/parameter tensors.
+never from tensor values, and the only host->device traffic is small index/parameter tensors, queued from
+pinned memory (platform.host_to_device) so that sampling a step never waits for the one before it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 import torch
 
+from longserve.platform import host_to_device
 from longserve.sampling_params import SamplingParams
 
 
@@ -49,7 +51,7 @@ def _token_counts(
     counts = torch.zeros(len(token_lists), vocab_size, dtype=torch.float32, device=device)  # [N, V]
     if total == 0:
         return counts
-    flat_ids = torch.tensor(
+    flat_ids = host_to_device(
         list(itertools.chain.from_iterable(itertools.chain.from_iterable(token_lists))),
         dtype=torch.int64,
         device=device,
@@ -57,7 +59,7 @@ def _token_counts(
     # output_size keeps repeat_interleave from syncing to learn the result length on GPU.
     rows = torch.repeat_interleave(
         torch.arange(len(token_lists), device=device),
-        torch.tensor(lengths, dtype=torch.int64, device=device),
+        host_to_device(lengths, dtype=torch.int64, device=device),
         output_size=total,
     )  # [T]
     counts.view(-1).scatter_add_(
@@ -73,10 +75,10 @@ def apply_bans(logits: torch.Tensor, infos: Sequence[SamplingInfo]) -> torch.Ten
         return logits
     cols = [t for info in infos for t in info.banned_token_ids]
     index = (
-        torch.tensor(rows, dtype=torch.int64, device=logits.device),
-        torch.tensor(cols, dtype=torch.int64, device=logits.device),
+        host_to_device(rows, dtype=torch.int64, device=logits.device),
+        host_to_device(cols, dtype=torch.int64, device=logits.device),
     )
-    return logits.index_put(index, torch.tensor(-math.inf, device=logits.device))  # [N, V]
+    return logits.index_put(index, torch.full((), -math.inf, device=logits.device))  # [N, V]
 
 
 def apply_logit_bias(logits: torch.Tensor, infos: Sequence[SamplingInfo]) -> torch.Tensor:
@@ -90,10 +92,10 @@ def apply_logit_bias(logits: torch.Tensor, infos: Sequence[SamplingInfo]) -> tor
     values = [b for _, bias in biased for b in bias.values()]
     device = logits.device
     index = (
-        torch.tensor(rows, dtype=torch.int64, device=device),
-        torch.tensor(cols, dtype=torch.int64, device=device),
+        host_to_device(rows, dtype=torch.int64, device=device),
+        host_to_device(cols, dtype=torch.int64, device=device),
     )
-    bias = torch.tensor(values, dtype=logits.dtype, device=device)  # [B]
+    bias = host_to_device(values, dtype=logits.dtype, device=device)  # [B]
     return logits.index_put(index, bias, accumulate=True)  # [N, V]
 
 
@@ -120,7 +122,7 @@ def apply_penalties(logits: torch.Tensor, infos: Sequence[SamplingInfo]) -> torc
             )
             > 0
         )  # [N, V] bool
-        rep = torch.tensor(reps, dtype=logits.dtype, device=device)[:, None]  # [N, 1]
+        rep = host_to_device(reps, dtype=logits.dtype, device=device)[:, None]  # [N, 1]
         # HF semantics: dividing a negative logit would *raise* it, so negatives are multiplied instead.
         penalized = torch.where(logits > 0, logits / rep, logits * rep)  # [N, V]
         logits = torch.where(seen, penalized, logits)  # [N, V]
@@ -136,8 +138,8 @@ def apply_penalties(logits: torch.Tensor, infos: Sequence[SamplingInfo]) -> torc
             vocab_size,
             device,
         )  # [N, V]
-        freq = torch.tensor(freqs, dtype=logits.dtype, device=device)[:, None]  # [N, 1]
-        presence = torch.tensor(presences, dtype=logits.dtype, device=device)[:, None]  # [N, 1]
+        freq = host_to_device(freqs, dtype=logits.dtype, device=device)[:, None]  # [N, 1]
+        presence = host_to_device(presences, dtype=logits.dtype, device=device)[:, None]  # [N, 1]
         logits = logits - freq * counts - presence * (counts > 0).to(logits.dtype)  # [N, V]
     return logits
 
@@ -156,7 +158,7 @@ def apply_truncation(
     if use_top_k or use_top_p:
         sorted_logits, order = logits.sort(dim=-1, descending=True)  # [S, V], [S, V]
         if use_top_k:
-            ks = torch.tensor(
+            ks = host_to_device(
                 [k if 0 < k < vocab_size else vocab_size for k in top_ks], dtype=torch.int64, device=device
             )  # [S]
             positions = torch.arange(vocab_size, device=device)  # [V]
@@ -166,7 +168,7 @@ def apply_truncation(
             # Mass strictly before each token: a token is needed while that mass is still < top_p, which keeps
             # the smallest prefix whose cumulative prob reaches top_p (and always the first token, mass 0).
             mass_before = probs.cumsum(dim=-1) - probs  # [S, V]
-            ps = torch.tensor(list(top_ps), dtype=probs.dtype, device=device)  # [S]
+            ps = host_to_device(list(top_ps), dtype=probs.dtype, device=device)  # [S]
             drop = mass_before >= ps[:, None]  # [S, V]
             drop[:, 0] = False  # guard against rounding in the cumsum
             sorted_logits = sorted_logits.masked_fill(drop, -math.inf)  # [S, V]
@@ -174,7 +176,7 @@ def apply_truncation(
     if any(m > 0.0 for m in min_ps):
         # prob < min_p * max_prob  <=>  logit - max_logit < log(min_p): no softmax needed, and the test is
         # invariant to the renormalization after top-k/top-p. log(0) = -inf keeps every token of such rows.
-        log_min_p = torch.tensor(list(min_ps), dtype=logits.dtype, device=device).log()  # [S]
+        log_min_p = host_to_device(list(min_ps), dtype=logits.dtype, device=device).log()  # [S]
         max_logit = logits.max(dim=-1, keepdim=True).values  # [S, 1]
         logits = logits.masked_fill(logits - max_logit < log_min_p[:, None], -math.inf)  # [S, V]
     return logits
@@ -224,7 +226,7 @@ class Sampler:
         else:
             token_ids = logits.argmax(dim=-1)  # [N]
             if sample_rows:
-                rows = torch.tensor(sample_rows, dtype=torch.int64, device=device)  # [S]
+                rows = host_to_device(sample_rows, dtype=torch.int64, device=device)  # [S]
                 token_ids[rows] = self._sample(logits[rows], [infos[i] for i in sample_rows])  # [S]
 
         logprobs = top_logprobs = top_token_ids = None
@@ -241,7 +243,7 @@ class Sampler:
         params = [info.params for info in infos]
         temperatures = [p.temperature for p in params]
         if any(t != 1.0 for t in temperatures):
-            temps = torch.tensor(temperatures, dtype=logits.dtype, device=logits.device)  # [S]
+            temps = host_to_device(temperatures, dtype=logits.dtype, device=logits.device)  # [S]
             logits = logits / temps[:, None]  # [S, V]
         logits = apply_truncation(
             logits, [p.top_k for p in params], [p.top_p for p in params], [p.min_p for p in params]

@@ -43,16 +43,19 @@ class SchedulerConfig:
     max_prefill_chunk: int | None = None
     short_prefill_tokens: int = 0  # waiting requests with this few tokens to compute go before a long prefill
     short_lookahead: int = 4  # waiting requests looked at for that (each: a read-only prefix-cache walk)
+    context_length: int | None = None  # a request ends when it has this many tokens (the runner's limit)
 
     @classmethod
-    def from_engine_config(cls, config: EngineConfig) -> SchedulerConfig:
-        """The scheduler's settings, all derived here from the engine's (the one place that does)."""
+    def from_engine_config(cls, config: EngineConfig, context_length: int | None = None) -> SchedulerConfig:
+        """The scheduler's settings, all derived here from the engine's (the one place that does);
+        context_length: the runner's, resolved against the KV pool."""
         short = config.schedule_policy == "short-first"
         return cls(
             token_budget=config.chunked_prefill_size,
             max_running_requests=config.max_running_requests,
             max_prefill_chunk=config.max_prefill_chunk,
             short_prefill_tokens=max(1, config.chunked_prefill_size // SHORT_PREFILL_DIVISOR) if short else 0,
+            context_length=context_length,
         )
 
 
@@ -138,7 +141,14 @@ class Scheduler:
         page_size = self.kv.page_size
         decodes, prefills = [], []
         for req in self.running:
-            left = len(req.prompt_token_ids) + len(req.output_token_ids) - req.num_computed_tokens
+            if req.pending_final:  # the token in flight ends it: nothing to plan past it
+                continue
+            left = (
+                len(req.prompt_token_ids)
+                + len(req.output_token_ids)
+                + req.num_pending
+                - req.num_computed_tokens
+            )
             (decodes if left <= 1 else prefills).append(req)
         for req in itertools.chain(decodes, prefills):
             if budget <= 0:
@@ -146,7 +156,9 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
             computed = req.num_computed_tokens
-            if computed + 1 == len(req.prompt_token_ids) + len(req.output_token_ids):  # a decode
+            if (
+                computed + 1 == len(req.prompt_token_ids) + len(req.output_token_ids) + req.num_pending
+            ):  # a decode
                 if computed < len(req.page_ids) * page_size:  # its last page has room
                     out.scheduled.append(ScheduledRequest(req, 1, True))
                     scheduled_ids.add(req.request_id)
@@ -244,21 +256,51 @@ class Scheduler:
             self.num_prefix_hit_tokens += hit
         return n
 
-    def update(self, out: SchedulerOutput, sampled_token_ids: list[int]) -> list[tuple[Request, int]]:
-        """Advance computed counts after the forward pass; append sampled tokens. Returns the
-        (request, token) pairs that got a new token, in scheduling order."""
-        sampled = iter(sampled_token_ids)
-        new_tokens: list[tuple[Request, int]] = []
+    def advance(self, out: SchedulerOutput) -> None:
+        """Once the step is launched: computed counts move on, and the token each sampling row will get is
+        pending (Request.num_pending) until `commit` hands it over. The overlapped schedule plans the next
+        step between the two; otherwise `update` does both at once."""
+        row = 0
+        limit = self.config.context_length
         for s in out.scheduled:
             req = s.request
+            if req.status is RequestStatus.FINISHED:  # ended while the step before ran (overlapped)
+                row += s.samples
+                continue
             req.num_computed_tokens += s.num_new_tokens
             if req.num_computed_tokens <= req.num_prompt_tokens:
-                # prompt pages are shared as soon as they are computed; generated ones when the request
-                # ends (release), not every page a decode fills: a re-insert walks the whole sequence
+                # prompt pages are shared as soon as they are computed (a later step reads them after this
+                # one's writes: one stream); generated ones when the request ends (release), not every page
+                # a decode fills: a re-insert walks the whole sequence
                 self.kv.cache_computed(req)
             if s.samples:
-                token = next(sampled)
-                req.output_token_ids.append(token)
-                new_tokens.append((req, token))
-        assert next(sampled, None) is None, "runner returned more tokens than requests that sample"
+                req.num_pending += 1
+                req.pending_row = row
+                row += 1
+                outputs = len(req.output_token_ids) + req.num_pending
+                max_new = req.sampling_params.max_new_tokens
+                req.pending_final = (max_new is not None and outputs >= max_new) or (
+                    limit is not None and req.num_tokens >= limit
+                )
+
+    def commit(self, out: SchedulerOutput, sampled_token_ids: list[int]) -> list[tuple[int, Request, int]]:
+        """Append the sampled tokens of an advanced step; returns (row, request, token) for each request that
+        took one, in scheduling order. A request that ended (stop, abort) while the step ran drops its
+        token; one preempted meanwhile keeps it (it recomputes it with the rest)."""
+        rows = [s.request for s in out.scheduled if s.samples]
+        assert len(rows) == len(sampled_token_ids), "runner returned a token count unlike the sampling rows'"
+        new_tokens: list[tuple[int, Request, int]] = []
+        for i, (req, token) in enumerate(zip(rows, sampled_token_ids)):
+            if req.status is RequestStatus.FINISHED:
+                continue
+            req.num_pending -= 1
+            if not req.num_pending:
+                req.pending_final = False
+            req.output_token_ids.append(token)
+            new_tokens.append((i, req, token))
         return new_tokens
+
+    def update(self, out: SchedulerOutput, sampled_token_ids: list[int]) -> list[tuple[int, Request, int]]:
+        """`advance` and `commit` at once: a step run to its end before the next is planned."""
+        self.advance(out)
+        return self.commit(out, sampled_token_ids)

@@ -1,0 +1,262 @@
+"""The overlapped schedule (EngineConfig.overlap_schedule) against the plain one: step N+1 is planned and
+launched before step N's tokens are read, its decodes taking their input ids from N's sampled ids on the
+device. On the CPU nothing runs concurrently, but every path of the mechanism does (pending tokens, the
+device gather, wasted rows of requests that stop, preemption and aborts with a step in flight), so the
+outputs must equal the plain schedule's token for token, and the pages must all come back."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import pytest
+import torch
+
+from longserve import LLM, SamplingParams
+from longserve.testing.checkpoints import make_tiny_checkpoint
+
+DEVICE = os.environ.get("LONGSERVE_TEST_DEVICE", "cpu")
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("llama"), "llama")
+
+
+def prompts(n, seed=0, shared=24):
+    g = torch.Generator().manual_seed(seed)
+    head = torch.randint(10, 500, (shared,), generator=g).tolist()
+    return [head + torch.randint(10, 500, (3 + 11 * i,), generator=g).tolist() for i in range(n)]
+
+
+def make(ckpt, overlap, **kw):
+    kw.setdefault("max_total_tokens", 4096)
+    return LLM(ckpt, dtype="float32", device=DEVICE, overlap_schedule=overlap, **kw)
+
+
+class Probe:
+    """Counts, on an engine's runner, the inputs taken from a previous step's ids on the device."""
+
+    def __init__(self, engine):
+        self.gathered = 0
+        self.steps_left_running = 0
+        forward = engine.runner.forward_step
+
+        def forward_step(step, prev_tokens=None):
+            self.gathered += len(step.pending_dst)
+            return forward(step, prev_tokens)
+
+        engine.runner.forward_step = forward_step
+
+
+def drive(engine, ids_list, params_list, probe=None, between=None):
+    """Add the requests, step until all end; {request id: final RequestOutput}. `between(step_index)` runs
+    between steps (aborts, new requests)."""
+    for i, (ids, p) in enumerate(zip(ids_list, params_list)):
+        engine.add_request(ids, p, request_id=f"r{i}")
+    final, steps = {}, 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+        if probe is not None and engine._in_flight is not None:
+            probe.steps_left_running += 1
+        steps += 1
+        if between is not None:
+            between(steps)
+        assert steps < 2000
+    return final
+
+
+def summary(final):
+    return {
+        rid: (o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].stop_reason, o.error)
+        for rid, o in sorted(final.items())
+    }
+
+
+def assert_clean(engine):
+    engine.check_integrity()
+    assert engine.scheduler.num_running == 0 and engine.scheduler.num_waiting == 0
+    engine.flush_cache()
+    assert engine.kv.num_free_pages == engine.kv.num_total_pages
+
+
+def mixed_params(eos_like):
+    """Greedy and seeded sampling, lengths that end by max_tokens, a stop token that greedy decoding hits,
+    min_tokens, logprobs."""
+    return [
+        SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_new_tokens=9, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True, logprobs=3),
+        SamplingParams(max_new_tokens=30, temperature=0.0, stop_token_ids=[eos_like]),
+        SamplingParams(max_new_tokens=1, temperature=0.0),
+        SamplingParams(
+            max_new_tokens=16, temperature=1.0, top_k=20, seed=3, min_new_tokens=5, ignore_eos=True
+        ),
+        SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0),
+    ]
+
+
+def a_token_greedy_emits(ckpt, ids):
+    """A token the plain engine's greedy output of `ids` reaches after a few steps: as a stop token it
+    ends that request early, mid-batch (the wasted row of the overlapped schedule)."""
+    out = make(ckpt, False).generate(ids, SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True))
+    return out[0].token_ids[6]
+
+
+def test_overlap_equals_plain_schedule(ckpt):
+    ids = prompts(6)
+    stop = a_token_greedy_emits(ckpt, ids[2])
+    results = {}
+    for overlap in (False, True):
+        m = make(ckpt, overlap, page_size=16, chunked_prefill_size=64)
+        probe = Probe(m.engine)
+        final = drive(m.engine, ids, mixed_params(stop), probe)
+        results[overlap] = summary(final)
+        if overlap:
+            assert m.engine.overlap
+            assert probe.gathered > 20 and probe.steps_left_running > 10  # it did overlap
+            logprobs = [(o.outputs[0].logprobs, o.outputs[0].top_logprobs) for _, o in sorted(final.items())]
+        else:
+            assert probe.gathered == 0 and probe.steps_left_running == 0
+            plain_logprobs = [
+                (o.outputs[0].logprobs, o.outputs[0].top_logprobs) for _, o in sorted(final.items())
+            ]
+        assert_clean(m.engine)
+    assert results[True] == results[False]
+    assert results[True]["r2"][1] == "stop" and len(results[True]["r2"][0]) == 7  # stopped mid-batch
+    # equal up to rounding: a wasted row changes the batch, and with it the matmuls' reduction order
+    for (lps, tops), (plain_lps, plain_tops) in zip(logprobs, plain_logprobs):
+        assert (lps is None) == (plain_lps is None) and (tops is None) == (plain_tops is None)
+        if lps is not None:
+            assert lps == pytest.approx(plain_lps, abs=1e-4)
+        for row, plain_row in zip(tops or [], plain_tops or []):
+            assert [t for t, _ in row] == [t for t, _ in plain_row]
+            assert [v for _, v in row] == pytest.approx([v for _, v in plain_row], abs=1e-4)
+
+
+def test_no_wasted_rows_when_the_last_token_is_known(ckpt):
+    """Requests that end by max_tokens are never planned past their last token: the overlapped engine
+    computes exactly the plain engine's tokens (a stop token costs one row, checked above)."""
+    ids = prompts(4, seed=1)
+    params = [SamplingParams(max_new_tokens=5 + 4 * i, temperature=0.0, ignore_eos=True) for i in range(4)]
+    computed = {}
+    for overlap in (False, True):
+        m = make(ckpt, overlap, enable_prefix_caching=False)
+        outs = m.generate(ids, params)
+        computed[overlap] = (m.engine.runner.num_tokens_computed, [o.token_ids for o in outs])
+        assert_clean(m.engine)
+    assert computed[True] == computed[False]
+
+
+def test_preemption_and_chunks_with_a_step_in_flight(ckpt):
+    """A pool too small for every request: requests are preempted while their token is pending, and
+    recompute it; chunked prefill and the prefix cache run alongside. Same tokens as the plain schedule."""
+    ids = prompts(5, seed=2, shared=40)
+    params = [SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)] * 5
+    results = {}
+    for overlap in (False, True):
+        m = make(ckpt, overlap, page_size=16, max_total_tokens=16 * 14, chunked_prefill_size=32)
+        final = drive(m.engine, ids, params)
+        results[overlap] = summary(final)
+        assert m.engine.scheduler.num_preemptions > 0
+        assert_clean(m.engine)
+    assert results[True] == results[False]
+
+
+def test_abort_and_arrivals_between_overlapped_steps(ckpt):
+    """Aborting a request whose token is in flight drops that token and frees its pages at once; a request
+    arriving mid-run joins; the others' tokens are unchanged."""
+    ids = prompts(4, seed=3)
+    params = [SamplingParams(max_new_tokens=18, temperature=0.0, ignore_eos=True)] * 3
+    late = ids[3]
+
+    aborted = {}
+
+    def events(engine, overlap):
+        def between(step):
+            if step == 4:
+                out = engine.abort("r1")
+                assert out is not None and out.finished and out.outputs[0].finish_reason == "abort"
+                aborted[overlap] = out.outputs[0].token_ids
+                engine.check_integrity()
+            if step == 6:
+                engine.add_request(late, params[0], request_id="late")
+
+        return between
+
+    results = {}
+    for overlap in (False, True):
+        m = make(ckpt, overlap)
+        final = drive(m.engine, ids[:3], params, between=events(m.engine, overlap))
+        results[overlap] = summary(final)
+        assert_clean(m.engine)
+    assert results[True] == results[False] and len(results[True]["late"][0]) == 18
+    # the overlapped engine reports a step later, so the abort finds fewer tokens read; the same ones
+    assert 1 <= len(aborted[True]) <= len(aborted[False]) < 18
+    assert aborted[True] == aborted[False][: len(aborted[True])]
+
+
+def test_penalties_and_grammars_see_every_token(ckpt, tmp_path):
+    """Penalties count the output so far and a grammar's mask needs the last token accepted: the
+    overlapped engine samples step N+1 only after step N is read (its forward pass queued first), so they
+    see the same tokens as in the plain schedule; the grammars' outputs hold."""
+    from tests.fixtures.tool_checkpoints import make_tool_checkpoint
+
+    ids = prompts(3, seed=4)
+    params = [
+        SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True, repetition_penalty=1.3),
+        SamplingParams(max_new_tokens=24, temperature=0.7, seed=5, ignore_eos=True, frequency_penalty=0.5),
+    ]
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}},
+              "required": ["n", "ok"]}  # fmt: skip
+    tool_ckpt = make_tool_checkpoint(tmp_path / "qwen25", "qwen25")
+    constrained = [
+        SamplingParams(max_new_tokens=300, temperature=1.0, seed=9, structured_outputs={"json": schema}),
+        SamplingParams(
+            max_new_tokens=40, temperature=0.0, structured_outputs={"regex": r"[a-z]{2,5}-[0-9]{3}"}
+        ),
+        SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True),
+    ]
+    results, texts = {}, {}
+    for overlap in (False, True):
+        m = make(ckpt, overlap)
+        probe = Probe(m.engine)
+        results[overlap] = summary(drive(m.engine, ids, params, probe))
+        assert (probe.steps_left_running > 5) == overlap
+        assert_clean(m.engine)
+        g = LLM(tool_ckpt, dtype="float32", device=DEVICE, max_total_tokens=4096, overlap_schedule=overlap,
+                structured_outputs_max_whitespace=2)  # fmt: skip
+        outs = g.generate(["The weather in Paris is", "Code:", "Hello"], constrained)
+        texts[overlap] = [(o.text, o.token_ids, o.finish_reason) for o in outs]
+        assert_clean(g.engine)
+    assert results[True] == results[False]
+    assert texts[True] == texts[False]
+    obj = json.loads(texts[True][0][0])
+    assert set(obj) == {"n", "ok"} and texts[True][0][2] == "stop"
+    assert re.fullmatch(r"[a-z]{2,5}-[0-9]{3}", texts[True][1][0])
+
+
+def test_stop_strings_and_siblings(ckpt):
+    """Text stop strings (found after the token is read, so the next row is wasted) and n > 1 siblings
+    sharing a prompt, through LLM.generate."""
+    m0 = make(ckpt, False)
+    text = m0.generate(
+        "The quick brown fox", SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+    )
+    stop = text[0].text[len(text[0].text) // 2 :][:3]
+    assert stop.strip(), "the tiny model's text has no usable stop string"
+    params = [
+        SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True, stop=[stop]),
+        SamplingParams(max_new_tokens=8, temperature=0.9, seed=11, n=3, ignore_eos=True),
+    ]
+    outs = {}
+    for overlap in (False, True):
+        m = make(ckpt, overlap)
+        res = m.generate(["The quick brown fox", "Once upon a time"], params)
+        outs[overlap] = [[(c.text, c.token_ids, c.finish_reason) for c in r.outputs] for r in res]
+        assert_clean(m.engine)
+    assert outs[True] == outs[False]
+    assert outs[True][0][0][2] == "stop"
