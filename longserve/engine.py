@@ -347,7 +347,7 @@ class Engine:
         if prev is not None:
             self._complete(prev, touched)
         if launched is not None:
-            if self.overlap:
+            if self.overlap and self._more_to_come(sched_out):
                 self._in_flight = launched
             else:
                 self._complete(launched, touched)
@@ -363,6 +363,13 @@ class Engine:
             step_time=time.perf_counter() - t0,
         )
         return outputs
+
+    def _more_to_come(self, sched_out: SchedulerOutput) -> bool:
+        """Whether a step may follow this one: else it is read at once, so that a lone request's last token
+        (a max_tokens=1 request, a prefix hit's answer) does not wait for another call."""
+        if self.scheduler.waiting:
+            return True
+        return any(not (s.samples and s.request.pending_final) for s in sched_out.scheduled)
 
     def _complete(self, launched: Launched, touched: dict[str, Group]) -> None:
         """Read a launched step's tokens (waiting for it) and hand them to their requests."""
