@@ -183,6 +183,9 @@ if [[ $MODE == vllm ]]; then  # one GPU: the 8B shape, longserve then vLLM 0.24 
   PYTHONPATH=/tmp/site python3 .anchor/bench_vllm.py --configs default --lengths 8192,32768,65536,131072 2>&1 | tee "$OUT/vllm_prefill.log" \
     | grep '"kind": "result"' | cut -c1-160
   PYTHONPATH=/tmp/site python3 .anchor/vllm_decode.py 2>&1 | tee "$OUT/vllm_decode.log" | grep decode_itl
+  # the cases the anchors lack: 32K cached + 1024 new, decode b16@8K (and b1@32K, b64@4K again)
+  PYTHONPATH=/tmp/site python3 scripts/gpu/vllm_extra_cases.py 2>&1 | tee "$OUT/vllm_extra.log" \
+    | grep '"engine"' | cut -c1-200
 fi
 
 if [[ $MODE == moe || $MODE == moe-tests ]]; then  # one GPU: MoE kernel + engine tests, the kernel's roofline

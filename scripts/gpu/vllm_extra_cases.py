@@ -1,0 +1,57 @@
+"""vLLM's side of the cases issue 19 adds to the anchor scripts (../shared/anchors: bench_vllm.py, vllm_decode.py):
+a 32K cached prefix + 1024 (and + 64) new tokens, and decode at batch 16 with 8K contexts. Offline `LLM`, dummy
+Llama-3.1-8B shape (the model folder bench_vllm.py writes), the anchors' engine settings and measures:
+prefix hit = wall of a 1-token generate whose first 32768 tokens are cached (best of 3 fresh suffixes);
+decode ITL = (wall(K+1 tokens) - wall(1 token)) / K over prompts already in the prefix cache.
+
+    PYTHONPATH=/tmp/site python3 scripts/gpu/vllm_extra_cases.py   # after bench_vllm.py wrote the model
+"""
+
+import json
+import os
+import random
+import sys
+import time
+
+sys.path.insert(0, os.environ.get("VLLM_SITE", "/tmp/site"))
+for key, value in (("VLLM_USE_FLASHINFER_SAMPLER", "0"), ("VLLM_ENABLE_V1_MULTIPROCESSING", "0"),
+                   ("HF_HUB_OFFLINE", "1"), ("VLLM_NO_USAGE_STATS", "1")):  # fmt: skip
+    os.environ.setdefault(key, value)
+
+from vllm import LLM, SamplingParams  # noqa: E402
+
+llm = LLM(model="/tmp/llama31_8b_dummy", load_format="dummy", dtype="bfloat16", max_model_len=131072,
+          enable_prefix_caching=True, gpu_memory_utilization=0.85, seed=0,
+          attention_config={"backend": "FLASH_ATTN", "flash_attn_version": 3})  # fmt: skip
+rng = random.Random(1)
+
+
+def ids(n):
+    return [rng.randrange(1000, 120000) for _ in range(n)]
+
+
+def wall(prompts, k):
+    sp = SamplingParams(max_tokens=k, min_tokens=k, ignore_eos=True, temperature=0)
+    t = time.perf_counter()
+    llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    return time.perf_counter() - t
+
+
+wall([ids(256)], 8)  # warm up
+prefix = ids(32768)
+wall([prefix + ids(16)], 1)  # the prefix into the cache
+for new in (64, 1024):
+    runs = [wall([prefix + ids(new)], 1) for _ in range(3)]
+    print(json.dumps({"engine": "vllm-0.24.0", "case": "prefix_hit", "cached": 32768, "new": new,
+                      "wall_s": round(min(runs), 5), "runs_s": [round(r, 5) for r in runs]}), flush=True)  # fmt: skip
+cold = wall([ids(32768)], 1)
+print(
+    json.dumps({"engine": "vllm-0.24.0", "case": "cold_control", "tokens": 32768, "wall_s": round(cold, 4)})
+)
+for bs, ctx, k in [(16, 8192, 128), (1, 32768, 256), (64, 4096, 128)]:
+    ps = [ids(ctx) for _ in range(bs)]
+    wall(ps, 1)  # prefill into the cache
+    w1 = min(wall(ps, 1) for _ in range(2))
+    wk = wall(ps, k + 1)
+    print(json.dumps({"engine": "vllm-0.24.0", "case": "decode_itl", "batch": bs, "context": ctx,
+                      "itl_ms": round((wk - w1) / k * 1e3, 3), "w1_s": round(w1, 4), "wk_s": round(wk, 3)}), flush=True)  # fmt: skip
