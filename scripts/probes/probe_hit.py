@@ -18,7 +18,7 @@ import torch
 from longserve.bench import latency
 from longserve.bench.latency_cases import EngineBench
 from longserve.kernels.launch import FastKernel
-from longserve.runner import model_runner
+from longserve.runner import model_runner, sampled
 
 SEGMENTS: dict[str, list[float]] = defaultdict(list)
 CACHED = int(os.environ.get("PROBE_CACHED", "32768"))  # a smaller prefix for a CPU dry run
@@ -49,7 +49,8 @@ def timed(name, fn):
 def probe(llm, args, skipped):
     eng, runner = llm.engine, llm.engine.runner
     eng.scheduler.schedule = timed("schedule", eng.scheduler.schedule)
-    eng.scheduler.update = timed("update (cache insert)", eng.scheduler.update)
+    eng.scheduler.advance = timed("advance (cache insert)", eng.scheduler.advance)
+    eng.scheduler.commit = timed("commit", eng.scheduler.commit)
     eng._process_token = timed("process token", eng._process_token)
     model_runner.build_step = timed("build_step", model_runner.build_step)
     model_runner.to_model_inputs = timed("to_model_inputs", model_runner.to_model_inputs)
@@ -61,19 +62,21 @@ def probe(llm, args, skipped):
 
     cuda = runner.device.type == "cuda"
 
-    def forward_step(step):
+    def forward_step(step, prev_tokens=None):
         if not cuda:
-            return forward(step)
+            return forward(step, prev_tokens)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        out = forward(step)
+        out = forward(step, prev_tokens)
         end.record()
         events.append((start, end))
         return out
 
     runner.forward_step = timed("forward_step (host)", forward_step)
     runner.sampler = timed("sampler (launch)", runner.sampler)
-    runner.execute = timed("runner.execute (all)", runner.execute)
+    runner.forward = timed("runner.forward (all)", runner.forward)
+    runner.sample = timed("runner.sample (all)", runner.sample)
+    sampled.SampledStep.result = timed("read tokens (wait)", sampled.SampledStep.result)
     bench = EngineBench(llm, args)
     gc.callbacks.append(_gc_pause)
     if GC == "freeze":

@@ -1,5 +1,5 @@
 """GPU sweep: key tile, warps, pipeline stages and split count of the Triton decode kernel at the latency
-benchmark's decode shapes (1 x 32K, 64 x 4K; 1 x 128K for reference). Prints the default and the fastest
+benchmark's decode shapes (1 x 32K, 64 x 4K, 16 x 8K; 1 x 128K for reference). Prints the default and the fastest
 settings per case with GB/s. On a CUDA GPU: python3 scripts/probes/sweep_decode.py
 """
 
@@ -14,6 +14,7 @@ from longserve.bench.kernels.attention import BenchCase, bench_attention
 CASES = (
     (BenchCase("decode_1x32k", 32767, 1), (32, 64, 128, 256)),
     (BenchCase("decode_64x4k", 4095, 1, num_reqs=64), (1, 2, 4)),
+    (BenchCase("decode_16x8k", 8191, 1, num_reqs=16), (2, 3, 4, 5, 6, 8, 12, 16)),
     (BenchCase("decode_1x128k", 131071, 1), (64, 128, 256)),
 )
 
