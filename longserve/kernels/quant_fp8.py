@@ -61,14 +61,12 @@ FP8_BLOCK_USE_SCALED_MM = True
 # M=8192: 1.85 against 3.04 ms; down from M=512)
 FP8_BLOCK_SCALED_MM_MIN_TOKENS = 256
 # Passed as `max_num_imprecise_acc` to the fp8 tensor-core dots of the Triton block GEMM and the fused MoE
-# kernel. None: Triton's default, which on sm90 lets the whole dot (one BLOCK_K of at most 128; our kernels add
-# each block's product into a float32 accumulator, as DeepSeek-V3's recipe promotes every 128) accumulate at the
-# tensor cores' reduced precision; 0: full fp32 accumulation, slower. A probe, not a measured choice: the
-# fp8-activation engine GPU test drifts from the torch reference (RESULTS.md, 2026-12-02), and
-#   python3 scripts/probes/with_constants.py longserve.kernels.quant_fp8.FP8_DOT_MAX_IMPRECISE_ACC=0 -- \
-#       pytest -q -m gpu tests/gpu/test_quant_engine_gpu.py -k fp8
-# tells whether this accumulation is the cause.
-FP8_DOT_MAX_IMPRECISE_ACC: int | None = None
+# kernel. None would be Triton's default, which on sm90 lets a whole dot (one BLOCK_K of at most 128) accumulate
+# at the tensor cores' reduced precision; 0: full fp32 accumulation. Measured on an H200 (2026-12-02, 73be6a4,
+# tests/gpu/test_quant_engine_gpu.py -k "fp8 or ct-int8" under scripts/probes/with_constants.py): with None the
+# three fp8-activation formats' first-step logprobs drift 0.16-0.23 from the torch reference (bound 0.1) and
+# the tests fail; with 0 all pass. The speed cost is not measured yet.
+FP8_DOT_MAX_IMPRECISE_ACC: int | None = 0
 
 
 @triton.jit
