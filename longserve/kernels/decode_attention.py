@@ -125,19 +125,25 @@ def choose_num_splits(max_seq_len: int, num_reqs: int, num_kv_heads: int, num_sm
     return max(1, min(by_length, by_occupancy, MAX_SPLITS))
 
 
-# the tile of 16-bit caches at head_dim <= 128. scripts/probes/sweep_decode.py on an H200 (2026-12-02, 73be6a4,
-# kernel alone; runs vary by up to 20%): 2 warps against 4 at 64 keys and 3 stages, 16 x 8K 175 against 252 us
-# a layer, 64 x 4K 312 against 325-354, 1 x 32K 83 against 83-90, 1 x 128K 222 against 217-219
-DECODE_BLOCK_N, DECODE_NUM_WARPS, DECODE_NUM_STAGES = 64, 2, 3
+# the tile of 16-bit caches at head_dim <= 128: 64 keys, 3 stages, and 2 warps for a launch of at most
+# DECODE_FEW_PROGRAMS programs (requests x kv heads x splits), else 4. In the engine on an H200 (2026-12-02,
+# c1e17c0, Llama-3.1-8B shape, bench latency ITL, 2 warps against 4): 16 x 8K (640 programs) 8.89 against
+# 10.04 ms a step, 1 x 32K (512) 5.92 against 5.92, 64 x 4K (1,024) 13.80 against 13.25. Between 640 and 1,024
+# programs the threshold is a guess. (scripts/probes/sweep_decode.py, the kernel alone, agrees at 16 x 8K:
+# 175 against 252 us a layer.)
+DECODE_BLOCK_N, DECODE_NUM_STAGES = 64, 3
+DECODE_FEW_PROGRAMS = 768
 
 
-def decode_config(head_dim: int, dtype: torch.dtype) -> dict[str, int]:
-    """Memory-bound: 64-key tiles (sm_90 compile: ~39 KB smem, ~100-125 regs, no spills)."""
+def decode_config(head_dim: int, dtype: torch.dtype, num_programs: int = 0) -> dict[str, int]:
+    """Memory-bound: 64-key tiles (sm_90 compile: ~39 KB smem, ~100-125 regs, no spills); num_programs: the
+    launch's grid size, which picks the warps."""
     if interpreting():
         return {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
     if head_dim > 128 or dtype == torch.float32:
         return {"BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
-    return {"BLOCK_N": DECODE_BLOCK_N, "num_warps": DECODE_NUM_WARPS, "num_stages": DECODE_NUM_STAGES}
+    warps = 2 if num_programs <= DECODE_FEW_PROGRAMS else 4
+    return {"BLOCK_N": DECODE_BLOCK_N, "num_warps": warps, "num_stages": DECODE_NUM_STAGES}
 
 
 def decode_attention(
@@ -167,7 +173,8 @@ def decode_attention(
     assert out.shape == q.shape and out.stride(2) == 1
     if num_reqs == 0:
         return out
-    cfg = decode_config(head_dim, q.dtype) if config is None else config
+    programs = num_reqs * num_kv_heads * num_splits
+    cfg = decode_config(head_dim, q.dtype, programs) if config is None else config
     block_d = triton.next_power_of_2(head_dim)
     if num_splits == 1:
         mid_o, mid_lse = out, out  # stage 1 writes the output; mid_lse is never touched
