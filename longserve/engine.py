@@ -7,7 +7,6 @@ state through `stats()` (an EngineStats snapshot) and act through `abort_all`, `
 
 from __future__ import annotations
 
-import array
 import functools
 import itertools
 import logging
@@ -15,14 +14,18 @@ import threading
 import time
 from typing import Any, NamedTuple
 
-import numpy as np
 import torch
 
 from longserve.cache.manager import KVCacheManager
 from longserve.config import ConfigError, EngineConfig
+from longserve.engine_checks import (
+    check_limits,
+    check_token_ids,
+    log_ignored_settings,
+    resolve_overlap,
+)
 from longserve.engine_outputs import Group, request_output
 from longserve.models import load_hf_config
-from longserve.models.moe_layout import moe_spec
 from longserve.outputs import EngineStats, RequestOutput, SchedulerOutput, StepStats
 from longserve.pooling_params import PoolingParams
 from longserve.request import FinishReason, Request
@@ -41,60 +44,11 @@ from longserve.tokenization.tokenizer import load_generation_eos_ids, load_token
 logger = logging.getLogger("longserve.engine")
 
 
-class PromptTooLongError(ValueError):
-    pass
-
-
-def check_token_ids(token_ids: list, vocab: int) -> None:
-    """Raise ValueError unless every id is an integer in [0, vocab). C-level passes: an int64 array (floats,
-    strings and None refuse to convert), then numpy's min/max: ~0.5 ms for 32K ids on the CI CPU, against
-    ~1.4 ms for Python's type/min/max passes. Bools are ints here, as in Python (and in the HTTP schema)."""
-    try:
-        ids = np.frombuffer(array.array("q", token_ids), dtype=np.int64)
-    except (TypeError, OverflowError):
-        ids = None
-    if ids is None or (len(ids) and (ids.min() < 0 or ids.max() >= vocab)):
-        bad = [t for t in token_ids if not isinstance(t, (int, np.integer)) or not 0 <= t < vocab]
-        raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
-
-
-def log_ignored_settings(config: EngineConfig, hf_config: Any) -> None:
-    """One start-up line for each setting accepted from a vLLM/SGLang launch line that has no effect here."""
-    if config.trust_remote_code:
-        logger.info(
-            "trust_remote_code (--trust-remote-code) has no effect: longserve runs only its own model code, "
-            "never a checkpoint's Python"
-        )
-    if config.swap_space is not None:
-        logger.info(
-            "swap_space=%s GiB (--swap-space) has no effect: longserve recomputes a preempted request's KV "
-            "instead of swapping it to the CPU",
-            config.swap_space,
-        )
-    if (config.enable_expert_parallel or config.ep_size > 1) and moe_spec(hf_config) is None:
-        logger.warning(
-            "expert parallelism (--enable-expert-parallel / --ep-size %d) has no effect: %s is not a mixture "
-            "of experts; its MLPs are split by tensor parallelism (--tp-size %d)",
-            config.ep_size,
-            ", ".join(getattr(hf_config, "architectures", None) or ["the model"]),
-            config.tp_size,
-        )
-
-
 class Launched(NamedTuple):
     """A step whose forward pass and sampling are queued on the device; its tokens not read yet."""
 
     sched_out: SchedulerOutput
     sampled: SampledStep
-
-
-def resolve_overlap(setting: bool | None, runner: ModelRunner) -> bool:
-    """The overlapped schedule (EngineConfig.overlap_schedule): None means on a GPU; never under tensor
-    parallelism (the other ranks would need the pending tokens) or for pooling models (nothing to decode)."""
-    possible = runner.workers is None and runner.pooler is None
-    if setting and not possible:
-        logger.info("overlap_schedule has no effect under tensor parallelism or for pooling models")
-    return possible and (setting if setting is not None else runner.device.type == "cuda")
 
 
 class Engine:
@@ -211,20 +165,9 @@ class Engine:
         else:
             text, token_ids = None, list(prompt)
             check_token_ids(token_ids, self.runner.model.vocab_size)
-        if not token_ids:
-            raise ValueError("the prompt is empty: give at least one character or token")
-        vocab = self.runner.model.vocab_size
-        if any(t >= vocab for t in params.stop_token_ids):  # a ban on them would index past the logits
-            raise ValueError(f"stop_token_ids must be in [0, {vocab}); got {params.stop_token_ids[:5]}")
-        if params.logit_bias and max(params.logit_bias) >= vocab:
-            raise ValueError(
-                f"logit_bias token ids must be in [0, {vocab}); got {sorted(params.logit_bias)[-5:]}"
-            )
-        if len(token_ids) >= self.context_length + (pooling is not None):  # pooling: nothing generated
-            raise PromptTooLongError(
-                f"prompt has {len(token_ids):,} tokens; the context length is {self.context_length:,} "
-                "(the prompt plus at least one generated token must fit)"
-            )
+        check_limits(
+            token_ids, params, self.runner.model.vocab_size, self.context_length, pooling is not None
+        )
         if grammar is None and params.structured_outputs is not None:
             grammar = self.grammar_compiler.compile(params.structured_outputs)  # ValueError: a bad spec
         all_params = candidate_params(params)  # n siblings, or best_of candidates

@@ -28,24 +28,14 @@ from longserve.models.pooler import apply_hf_overrides, resolve_pooler
 from longserve.models.quant.config import apply_quantization
 from longserve.outputs import RunnerOutput, SchedulerOutput
 from longserve.platform import available_memory_bytes, resolve_device
-from longserve.request import Request
 from longserve.runner import prompt_logprobs
 from longserve.runner.cuda_graph import DecodeGraphRunner, ExtendGraphRunner
-from longserve.runner.grammar_mask import GrammarMasker, TokenMask
 from longserve.runner.inputs import StepInputs, build_step, split_step, to_model_inputs
 from longserve.runner.pooling import pooled_output
+from longserve.runner.sample_step import StepSampler
 from longserve.runner.sampled import SampledStep, StepLogits
-from longserve.runner.sampler import Sampler, SamplingInfo
-from longserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("longserve.runner")
-_PLACEHOLDER = SamplingParams(temperature=0.0)  # the row of a request whose sampling setup failed
-
-
-def _failure(stage: str, request_id: str, exc: Exception) -> str:
-    """Log a request's own failure with its traceback; the message its caller gets (no internals in it)."""
-    logger.error("request %s failed while %s", request_id, stage, exc_info=exc)
-    return f"internal error while {stage} request {request_id}; the server log has the details"
 
 
 def resolve_context_length(config: EngineConfig, hf_config, pool_tokens: int) -> int:
@@ -135,9 +125,8 @@ class ModelRunner:
         self.backend = get_attention_backend(config.attention_backend, self.device)
         self.graph_runner = self._build_graph_runner()
         self.extend_graphs = self._build_extend_graphs()
-        self.sampler = Sampler()
         self.last_prompt_logprobs: dict | None = None  # the last step's by request id (prompt_logprobs.py)
-        self.grammar_masker = GrammarMasker(config.max_running_requests, self.model.vocab_size, self.device)
+        self.step_sampler = StepSampler(self.device, config.max_running_requests, self.model.vocab_size)
         self.num_tokens_computed = 0  # every token fed through the model (tests count cache hits by it)
         self.num_forward_passes = 0
         self.num_overlapped_passes = 0  # tp steps run as two overlapped halves
@@ -274,86 +263,16 @@ class ModelRunner:
     def sample(self, out: SchedulerOutput, fwd: StepLogits, eos_token_ids: frozenset[int]) -> SampledStep:
         """Rank 0: queue the sampling of a forwarded step, without waiting for the device. Under the
         overlapped schedule the engine calls it once the step before has been read: the grammars and
-        penalties see every token up to this one. A request that ended meanwhile keeps its row (its token
-        is dropped) but no grammar mask."""
+        penalties see every token up to this one."""
         if fwd.logits is None:  # a mid-prompt chunk samples nothing but may owe prompt logprobs
             return SampledStep(prompt_logprobs=fwd.prompt_logprobs)
         reqs = [s.request for s in out.scheduled if s.samples]
         if self.pooler is not None:  # the rows are pooled values (embeddings, scores), not logits
             done = pooled_output(self.pooler, fwd.logits, reqs)
             return SampledStep(done=done, prompt_logprobs=fwd.prompt_logprobs)
-        # on the host while the device runs the forward pass (nothing above waited for it)
-        token_mask, mask_failures = self.grammar_masker.prepare(reqs)
-        failed = {
-            reqs[i].request_id: _failure("filling its grammar mask for", reqs[i].request_id, e)
-            for i, e in mask_failures.items()
-        }
-        with torch.inference_mode():
-            sampled = self._sample(fwd.logits, reqs, eos_token_ids, token_mask, failed)
+        sampled = self.step_sampler(fwd.logits, reqs, eos_token_ids)
         sampled.prompt_logprobs = fwd.prompt_logprobs
         return sampled
-
-    def _sample(
-        self,
-        logits: torch.Tensor,
-        reqs: list[Request],
-        eos_token_ids: frozenset[int],
-        token_mask: TokenMask | None = None,
-        failed: dict[str, str] | None = None,
-    ) -> SampledStep:
-        """One token per row of logits [N, V]. A request whose own setup or sampling raises is isolated:
-        it gets a placeholder token and an entry in `failed` (the engine ends it with an error), and the
-        others are sampled as usual; the batch is re-sampled row by row only when the batched call raised.
-        `token_mask`: the grammar rows' mask; `failed`: requests that already failed (their grammar's mask)."""
-        failed = dict(failed or {})
-        infos = []
-        for req in reqs:
-            try:
-                infos.append(self._sampling_info(req, eos_token_ids))
-            except Exception as e:
-                failed[req.request_id] = _failure("preparing its sampling", req.request_id, e)
-                infos.append(SamplingInfo(_PLACEHOLDER, (), (), None))
-        try:
-            result = self.sampler(logits, infos, token_mask=token_mask)
-        except Exception:
-            return self._sample_rows(logits, reqs, infos, token_mask, failed)
-        return SampledStep(
-            result.token_ids, result.logprobs, result.top_logprobs, result.top_token_ids, failed=failed
-        )
-
-    def _sample_rows(
-        self,
-        logits: torch.Tensor,
-        reqs: list[Request],
-        infos: list[SamplingInfo],
-        token_mask: TokenMask | None,
-        failed: dict[str, str],
-    ) -> SampledStep:
-        """The batched sampler raised: each row alone, so that only the rows that fail again fail (rare, so
-        this waits for each row's result)."""
-        tokens = [0] * len(reqs)  # placeholders stay for the failed rows
-        logprobs: list[float] | None = None
-        top: list[list[tuple[int, float]]] = [[] for _ in reqs]
-        for i, (req, info) in enumerate(zip(reqs, infos)):
-            try:
-                row_mask = token_mask.row(i) if token_mask is not None else None
-                result = self.sampler(logits[i : i + 1], [info], token_mask=row_mask)
-            except Exception as e:
-                failed[req.request_id] = _failure("sampling", req.request_id, e)
-                continue
-            tokens[i] = int(result.token_ids.item())
-            if result.logprobs is not None:
-                logprobs = logprobs or [0.0] * len(reqs)
-                logprobs[i] = float(result.logprobs.item())
-                if result.top_logprobs is not None:
-                    top[i] = list(zip(result.top_token_ids[0].tolist(), result.top_logprobs[0].tolist()))
-        done = RunnerOutput(
-            sampled_token_ids=tokens,
-            logprobs=logprobs,
-            top_logprobs=top if any(top) else None,
-            failed=failed,
-        )
-        return SampledStep(torch.tensor(tokens, dtype=torch.int64, device=logits.device), done=done)
 
     def forward_step(self, step: StepInputs, prev_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
         """Every rank: the forward pass of one step; the sampling rows' logits [N, V] fp32 (None if N=0).
@@ -421,25 +340,6 @@ class ModelRunner:
             self.graph_runner = self.extend_graphs = None
             gc.collect()
             torch.cuda.synchronize(self.device)
-
-    def _sampling_info(self, req: Request, eos_token_ids: frozenset[int]) -> SamplingInfo:
-        params = req.sampling_params
-        banned: list[int] = []
-        # a complete grammar may allow nothing but its stop tokens: the grammar wins over min_new_tokens
-        grammar_done = req.grammar is not None and req.grammar.is_completed
-        if req.num_output_tokens < params.min_new_tokens and not grammar_done:
-            banned.extend(params.stop_token_ids)
-            if not params.ignore_eos:
-                banned.extend(eos_token_ids)
-        if params.seed is not None and req.generator is None:
-            req.generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        return SamplingInfo(
-            params=params,
-            prompt_token_ids=req.prompt_token_ids,
-            output_token_ids=req.output_token_ids,
-            generator=req.generator,
-            banned_token_ids=banned,
-        )
 
     @functools.cached_property
     def memory_plan(self) -> dict[str, Any]:

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from longserve.distributed import RankFailure
-from longserve.engine import Engine, PromptTooLongError
+from longserve.engine import Engine
+from longserve.engine_checks import PromptTooLongError
 from longserve.outputs import CompletionOutput, EngineStats, RequestOutput, StepStats
 from longserve.pooling_params import PoolingParams
 from longserve.sampling_params import SamplingParams

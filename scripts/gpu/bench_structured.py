@@ -108,7 +108,7 @@ def log(msg: str) -> None:
 def decode_run(llm: LLM, args: argparse.Namespace, constrained: bool) -> dict:
     """Decode throughput over the steps that decode every request (tok/s), and the grammar's host time."""
     engine = llm.engine
-    masker = engine.runner.grammar_masker
+    masker = engine.runner.step_sampler.grammar_masker
     host = {"fill_s": 0.0, "accept_s": 0.0}
     prepare, advance = masker.prepare, engine._advance_grammar
 

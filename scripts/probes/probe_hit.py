@@ -73,7 +73,7 @@ def probe(llm, args, skipped):
         return out
 
     runner.forward_step = timed("forward_step (host)", forward_step)
-    runner.sampler = timed("sampler (launch)", runner.sampler)
+    runner.step_sampler.sampler = timed("sampler (launch)", runner.step_sampler.sampler)
     runner.forward = timed("runner.forward (all)", runner.forward)
     runner.sample = timed("runner.sample (all)", runner.sample)
     sampled.SampledStep.result = timed("read tokens (wait)", sampled.SampledStep.result)

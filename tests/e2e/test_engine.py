@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from longserve import LLM, SamplingParams
-from longserve.engine import PromptTooLongError
+from longserve.engine_checks import PromptTooLongError
 from longserve.testing.checkpoints import make_tiny_checkpoint
 
 # LONGSERVE_TEST_DEVICE=cuda runs the same checks on a GPU (the transformers reference stays on the CPU)
@@ -428,23 +428,23 @@ def test_a_request_whose_own_sampling_fails_ends_alone(ckpt, monkeypatch, stage)
     poison = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True, top_k=3)
     runner = engine.runner
     if stage == "setup":
-        real_info = runner._sampling_info
+        real_info = runner.step_sampler.sampling_info
 
         def info(req, eos):
             if req.request_id == "bad":
                 raise RuntimeError("poisoned setup")
             return real_info(req, eos)
 
-        monkeypatch.setattr(runner, "_sampling_info", info)
+        monkeypatch.setattr(runner.step_sampler, "sampling_info", info)
     else:
-        real_sampler = runner.sampler
+        real_sampler = runner.step_sampler.sampler
 
         def sampler(logits, infos, **kw):  # any batch holding the poisoned row raises, as a bad bound would
             if any(i.params.top_k == 3 for i in infos):
                 raise RuntimeError("poisoned row")
             return real_sampler(logits, infos, **kw)
 
-        monkeypatch.setattr(runner, "sampler", sampler)
+        monkeypatch.setattr(runner.step_sampler, "sampler", sampler)
     requests = [(f"r{i}", ids, GREEDY32) for i, ids in enumerate(batch)]
     requests += [("bad", batch[1], poison), ("s", batch[0], seeded)]
     finals = _run_all(engine, requests)

@@ -63,12 +63,14 @@ def test_mask_fill_copy_apply_and_sample_never_sync(llm, num_rows):
     vocab = runner.model.vocab_size
     logits = torch.randn(num_rows, vocab, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     infos = [SamplingInfo(r.sampling_params, r.prompt_token_ids, r.output_token_ids, None) for r in reqs]
-    runner.grammar_masker.prepare(reqs)  # first use allocates the buffers (an allocation is not the point)
+    runner.step_sampler.grammar_masker.prepare(
+        reqs
+    )  # first use allocates the buffers (an allocation is not the point)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        mask, failed = runner.grammar_masker.prepare(reqs)
-        out = runner.sampler(logits, infos, token_mask=mask)
+        mask, failed = runner.step_sampler.grammar_masker.prepare(reqs)
+        out = runner.step_sampler.sampler(logits, infos, token_mask=mask)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert not failed and set(mask.rows) == constrained  # every JSON state restricts the next token

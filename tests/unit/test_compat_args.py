@@ -111,7 +111,7 @@ def test_chat_template_from_a_file_or_the_text(tmp_path):
 def test_expert_parallel_on_a_dense_model_warns(caplog):
     """vLLM ignores --enable-expert-parallel on a dense model; longserve too, and says so at start-up."""
     from longserve.assets import default_model_path
-    from longserve.engine import log_ignored_settings
+    from longserve.engine_checks import log_ignored_settings
     from longserve.models import load_hf_config
 
     dense = load_hf_config(default_model_path())
