@@ -2,7 +2,7 @@
 
 Under tensor parallelism (config.tp_size > 1) there is one ModelRunner per rank, each with its shard of
 the weights and of the KV heads. Rank 0's (built by the engine) first spawns the workers (runner/tp_workers.py);
-its `execute` broadcasts the step's plain inputs, every rank runs `forward_step`, rank 0 samples.
+its `forward` broadcasts the step's plain inputs, every rank runs `forward_step`, rank 0 samples (`sample`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from longserve.models.decoder import validate_tp_size
 from longserve.models.moe import expert_weight_summary
 from longserve.models.pooler import apply_hf_overrides, resolve_pooler
 from longserve.models.quant.config import apply_quantization
-from longserve.outputs import RunnerOutput, SchedulerOutput
+from longserve.outputs import SchedulerOutput
 from longserve.platform import available_memory_bytes, resolve_device
 from longserve.runner import prompt_logprobs
 from longserve.runner.cuda_graph import DecodeGraphRunner, ExtendGraphRunner
@@ -231,10 +231,6 @@ class ModelRunner:
         return num_pages
 
     # ---- one step -------------------------------------------------------------------------------
-    def execute(self, out: SchedulerOutput, eos_token_ids: frozenset[int]) -> RunnerOutput:
-        """Rank 0: run the scheduled step (on every rank under tp) and sample; wait for its tokens."""
-        return self.sample(out, self.forward(out), eos_token_ids).result()
-
     def forward(self, out: SchedulerOutput, prev: SampledStep | None = None) -> StepLogits:
         """Rank 0: queue the scheduled step's forward pass (on every rank under tp) without waiting for the
         device. `prev`: the step launched before this one, whose ids have not been read: this step's decodes

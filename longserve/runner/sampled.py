@@ -5,7 +5,7 @@ the engine.
 it returns has waited for nothing on the device. Its ids stay on the device (`token_ids`), where the next
 step, launched before this one's ids are read (the overlapped schedule, Engine.step), gathers the
 inputs of its decodes from them; the copies to pinned host memory are queued right behind the sampler and
-`result()` waits for them only. `ModelRunner.execute` is `sample(forward(...)).result()`.
+`result()` waits for them only.
 """
 
 from __future__ import annotations

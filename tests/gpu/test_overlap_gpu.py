@@ -61,6 +61,28 @@ def test_a_step_is_queued_behind_the_running_one(ckpt, kind, graphs):
     engine.check_integrity()
 
 
+def test_a_prefill_chunk_is_queued_behind_the_running_one(ckpt):
+    """A long prompt's chunks: the host prepares and launches chunk k+1 while chunk k runs (what the
+    overlap buys a cold long prompt), which holds only if the extend path never syncs either."""
+    llm = LLM(ckpt, dtype="bfloat16", device="cuda", max_total_tokens=16384, overlap_schedule=True,
+              chunked_prefill_size=512, context_length=8192)  # fmt: skip
+    engine = llm.engine
+    g = torch.Generator().manual_seed(2)
+    engine.add_request(
+        torch.randint(10, 500, (4000,), generator=g).tolist(), SamplingParams(max_new_tokens=2)
+    )
+    engine.step()
+    engine.step()
+    assert engine._in_flight is not None and engine.last_step_stats.num_prefill_tokens == 512
+    torch.cuda._sleep(2_000_000_000)
+    engine.step()  # the third chunk, queued behind the spin
+    assert not torch.cuda.current_stream().query(), "a prefill chunk's launch waited for the device"
+    torch.cuda.synchronize()
+    while engine.has_unfinished():
+        engine.step()
+    engine.check_integrity()
+
+
 def test_overlapped_tokens_equal_plain_ones_on_the_gpu(ckpt):
     """Greedy and seeded sampling rows, requests ending at a stop token mid-batch and by length."""
     ps = prompts(8, seed=1)

@@ -52,7 +52,7 @@ def with_engine(engine: Engine, body, **kw) -> None:
 
 
 def test_step_failure_fails_requests_and_keeps_serving(engine, monkeypatch, caplog):
-    real = engine.runner.execute
+    real = engine.runner.forward
     calls = {"n": 0}
 
     def flaky(*args, **kwargs):
@@ -61,7 +61,7 @@ def test_step_failure_fails_requests_and_keeps_serving(engine, monkeypatch, capl
             raise RuntimeError("injected fault")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(engine.runner, "execute", flaky)
+    monkeypatch.setattr(engine.runner, "forward", flaky)
 
     async def body(ae: AsyncEngine):
         results = await asyncio.gather(
