@@ -113,7 +113,8 @@ class StepSampler:
         params = req.sampling_params
         banned: list[int] = []
         # a complete grammar may allow nothing but its stop tokens: the grammar wins over min_new_tokens
-        grammar_done = req.grammar is not None and req.grammar.is_completed
+        # (a request that ended while its row was in flight: its matcher is left alone)
+        grammar_done = req.grammar is not None and (req.is_finished or req.grammar.is_completed)
         if req.num_output_tokens < params.min_new_tokens and not grammar_done:
             banned.extend(params.stop_token_ids)
             if not params.ignore_eos:
