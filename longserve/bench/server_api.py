@@ -65,17 +65,23 @@ class Server:
                 continue
         return None
 
-    def flush_cache(self, backend: str) -> bool:
+    def flush_cache(self, backend: str) -> str:
         """Empty the server's prefix cache: POST /flush_cache (longserve, SGLang) or /reset_prefix_cache
-        (vLLM, which serves it only with VLLM_SERVER_DEV_MODE=1); False when neither answers 2xx."""
+        (vLLM, which serves it only with VLLM_SERVER_DEV_MODE=1), vLLM's first for backend vllm. The path that
+        answered 2xx; ServerError naming every answer when neither did."""
         paths = ["/flush_cache", "/reset_prefix_cache"]
         if backend == "vllm":
             paths.reverse()
+        answers = []
         for path in paths:
-            status, _ = self._open(path, {})
+            status, raw = self._open(path, {})
             if status < 300:
-                return True
-        return False
+                return path
+            answers.append(f"POST {path}: HTTP {status} {raw.decode(errors='replace')[:120].strip()}")
+        raise ServerError(
+            f"could not flush the prefix cache of {self.base_url} ({'; '.join(answers)}); a vLLM server "
+            "serves POST /reset_prefix_cache only when started with VLLM_SERVER_DEV_MODE=1"
+        )
 
     def server_info(self) -> dict[str, Any]:
         """A few facts about the server for the report (model, chunk size, page size, version)."""
@@ -85,6 +91,8 @@ class Server:
         out = {k: engine[k] for k in keys if isinstance(engine, dict) and k in engine}
         if "version" in info:
             out["version"] = info["version"]
+        elif isinstance(version := self.try_json("/version"), dict) and "version" in version:
+            out["version"] = version["version"]  # vLLM's /server_info (dev mode) has no version
         models = self.try_json("/v1/models") or {}
         data = models.get("data") if isinstance(models, dict) else None
         if data and isinstance(data[0], dict):
