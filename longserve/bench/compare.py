@@ -141,7 +141,7 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 
 
-_SERVER_FACTS = ("chunked_prefill_size", "page_size", "dtype", "version")
+_SERVER_FACTS = ("chunked_prefill_size", "page_size", "dtype", "max_model_len", "version")
 
 
 def markdown_report(report: dict[str, Any]) -> str:

@@ -85,18 +85,25 @@ class Server:
 
     def server_info(self) -> dict[str, Any]:
         """A few facts about the server for the report (model, chunk size, page size, version)."""
-        info = self.try_json("/server_info", "/get_server_info") or {}
+        models = self.try_json("/v1/models") or {}
+        data = models.get("data") if isinstance(models, dict) else None
+        card = data[0] if data and isinstance(data[0], dict) else {}
+        # vLLM's /server_info (dev mode only) dumps its config as text and runs collect_env: slow, and none
+        # of the keys below; its model card says owned_by "vllm"
+        info = (
+            {} if card.get("owned_by") == "vllm" else self.try_json("/server_info", "/get_server_info") or {}
+        )
         engine = info.get("engine_config") or info
         keys = ("model", "model_path", "chunked_prefill_size", "page_size", "max_total_tokens", "dtype")
         out = {k: engine[k] for k in keys if isinstance(engine, dict) and k in engine}
         if "version" in info:
             out["version"] = info["version"]
         elif isinstance(version := self.try_json("/version"), dict) and "version" in version:
-            out["version"] = version["version"]  # vLLM's /server_info (dev mode) has no version
-        models = self.try_json("/v1/models") or {}
-        data = models.get("data") if isinstance(models, dict) else None
-        if data and isinstance(data[0], dict):
-            out["served_model"] = data[0].get("id")
+            out["version"] = version["version"]
+        if card:
+            out["served_model"] = card.get("id")
+            if card.get("max_model_len"):
+                out["max_model_len"] = card["max_model_len"]
         return out
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:

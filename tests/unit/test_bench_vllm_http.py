@@ -56,7 +56,11 @@ class _Handler(BaseHTTPRequestHandler):
         if self.path == "/health":
             self._json(200, {})
         elif self.path == "/v1/models":
-            self._json(200, {"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+            card = {"id": MODEL, "object": "model", "owned_by": "vllm", "max_model_len": 131072}
+            self._json(200, {"object": "list", "data": [card]})
+        elif self.path == "/server_info":  # dev mode: a slow dump (collect_env) the benchmark should skip
+            self.server.calls.append("GET /server_info")
+            self._json(200, {"vllm_config": "..."})
         elif self.path == "/version":
             self._json(200, {"version": "0.24.0"})
         else:
@@ -165,7 +169,8 @@ def test_vllm_dev_mode_flush_and_served_model_name(fake_vllm, word_tokenizer):
     assert fake_vllm.calls == ["completion", "POST /reset_prefix_cache"] + ["completion"] * 3
     meta = record["metadata"]
     assert (meta["cache_flushed"], meta["cache_flush_error"]) == ("/reset_prefix_cache", None)
-    assert meta["model"] == MODEL and meta["server_info"]["version"] == "0.24.0"
+    assert meta["model"] == MODEL
+    assert meta["server_info"] == {"version": "0.24.0", "served_model": MODEL, "max_model_len": 131072}
     assert all(r["prompt_tokens"] == r["prompt_len"] for r in record["requests"])
 
 
