@@ -50,7 +50,7 @@ echo "[compare] both up after ${SECONDS}s"
 for ep in longserve=30000 vllm=8000; do  # not measured; the compare runs flush the cache it leaves
   python3 -m longserve bench serve --base-url "http://127.0.0.1:${ep#*=}" --backend vllm --dataset shared-prefix \
     --shared-prefix-docs 1 --shared-prefix-doc-len 20000 --shared-prefix-questions 8 --output-len 32 \
-    --max-concurrency 4 --warmup-requests 0 --tokenizer $MODEL --disable-tqdm > "$OUT/http/warmup_${ep%=*}.log" 2>&1 \
+    --max-concurrency 4 --warmup-requests 0 --seed 99 --tokenizer $MODEL --disable-tqdm > "$OUT/http/warmup_${ep%=*}.log" 2>&1 \
     || { echo "[compare] warm-up of ${ep%=*} failed:"; tail -5 "$OUT/http/warmup_${ep%=*}.log"; }
 done
 
