@@ -141,7 +141,7 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 
 
-_SERVER_FACTS = ("chunked_prefill_size", "page_size", "dtype", "version")
+_SERVER_FACTS = ("chunked_prefill_size", "page_size", "dtype", "max_model_len", "version")
 
 
 def markdown_report(report: dict[str, Any]) -> str:
@@ -154,7 +154,7 @@ def markdown_report(report: dict[str, Any]) -> str:
         "",
         f"Workload: `{w['dataset']}`, {runs[0]['metadata']['num_prompts'] if runs else 0} requests, seed "
         f"{w['seed']}, request rate {w['request_rate']}, max concurrency {meta['max_concurrency']}, "
-        f"cache flushed before each run: {'yes' if w['flush_cache'] else 'no'}.",
+        f"cache flushed before each run: {_flushed(w, runs)}.",
         "",
         "## Endpoints",
         "",
@@ -167,8 +167,10 @@ def markdown_report(report: dict[str, Any]) -> str:
         info = m["server_info"]
         extra = ", ".join(f"{k} {info[k]}" for k in _SERVER_FACTS if k in info)
         model = str(m["model"] or info.get("model", "-"))
-        rows.append([name, m["backend"], m["endpoint"], m["base_url"], model, extra])
-    table = markdown_table(["endpoint", "backend", "API", "URL", "model", "server"], rows, numeric=False)
+        flush = m.get("cache_flushed") or ("FAILED" if m.get("cache_flush_error") else "-")
+        rows.append([name, m["backend"], m["endpoint"], m["base_url"], model, extra, flush])
+    header = ["endpoint", "backend", "API", "URL", "model", "server", "cache flush"]
+    table = markdown_table(header, rows, numeric=False)
     lines += [table, "", "## Results", ""]
     header = ["endpoint", "conc.", "ok/failed", "TTFT mean", "TTFT p50", "TTFT p95", "TTFT p99", "ITL mean",
               "ITL p50", "ITL p95", "TPOT mean", "E2E mean", "req/s", "out tok/s", "cache hit",
@@ -185,11 +187,51 @@ def markdown_report(report: dict[str, Any]) -> str:
             _pct(s["cache_hit_rate"]), _pct(sm.get("prefix_cache_hit_rate")),
         ])  # fmt: skip
     lines += [markdown_table(header, rows), "", "Latencies in ms, measured on the client (streaming)."]
-    errors = [(run["name"], e) for run in runs for e in run["summary"]["errors"]]
+    lines += _ttft_by_length(runs)
+    errors = [
+        (run["name"], f"the cache was NOT flushed before this run: {run['metadata']['cache_flush_error']}")
+        for run in runs
+        if run["metadata"].get("cache_flush_error")
+    ]
+    errors += [(run["name"], e) for run in runs for e in run["summary"]["errors"]]
     if errors:
         lines += ["", "## Errors", ""] + [f"- {name}: {e}" for name, e in errors]
     lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in meta["plots"]]
     return "\n".join(lines) + "\n"
+
+
+def _flushed(workload: dict[str, Any], runs: list[dict[str, Any]]) -> str:
+    if not workload["flush_cache"]:
+        return "no"
+    failed = sorted({run["name"] for run in runs if run["metadata"].get("cache_flush_error")})
+    return f"asked, but **FAILED** for {', '.join(failed)} (see Errors)" if failed else "yes"
+
+
+def _ttft_by_length(runs: list[dict[str, Any]]) -> list[str]:
+    """Median TTFT per prompt length (client-planned, grouped within 10%) when a run mixes a few lengths
+    (long-doc): a mean over 8K and 64K prompts says little. Empty for other workloads."""
+    if not runs or runs[0]["metadata"]["dataset"] != "long-doc":
+        return []
+    lengths = sorted({r["prompt_len"] for run in runs for r in run["requests"]})
+    groups: list[list[int]] = []
+    for n in lengths:
+        if groups and n <= 1.1 * groups[-1][0]:
+            groups[-1].append(n)
+        else:
+            groups.append([n])
+    header = ["endpoint", "conc."] + [
+        f"TTFT p50 @{g[0]}-{g[-1]}" if len(g) > 1 else f"TTFT p50 @{g[0]}" for g in groups
+    ]
+    rows = []
+    for run in runs:
+        row = [run["name"], str(run["max_concurrency"] or "-")]
+        for g in groups:
+            ttfts = sorted(
+                r["ttft"] for r in run["requests"] if r["success"] and g[0] <= r["prompt_len"] <= g[-1]
+            )
+            row.append(_ms((ttfts[(len(ttfts) - 1) // 2] + ttfts[len(ttfts) // 2]) / 2 if ttfts else None))
+        rows.append(row)
+    return ["", "### TTFT by prompt length (tokens)", "", markdown_table(header, rows)]
 
 
 def run_from_args(args: argparse.Namespace) -> int:
@@ -199,4 +241,10 @@ def run_from_args(args: argparse.Namespace) -> int:
     print(markdown_report(report))
     plots = ", ".join(report["metadata"]["plots"])
     print(f"report written to {output_dir}/ (report.md, results.json, {plots})")
-    return 0 if all(run["summary"]["completed"] for run in report["runs"]) else 1
+    flush_failed = [run["name"] for run in report["runs"] if run["metadata"].get("cache_flush_error")]
+    if flush_failed:
+        print(
+            f"error: the prefix cache was not flushed before the runs of {', '.join(flush_failed)}",
+            file=sys.stderr,
+        )
+    return 0 if all(run["summary"]["completed"] for run in report["runs"]) and not flush_failed else 1

@@ -65,30 +65,45 @@ class Server:
                 continue
         return None
 
-    def flush_cache(self, backend: str) -> bool:
+    def flush_cache(self, backend: str) -> str:
         """Empty the server's prefix cache: POST /flush_cache (longserve, SGLang) or /reset_prefix_cache
-        (vLLM, which serves it only with VLLM_SERVER_DEV_MODE=1); False when neither answers 2xx."""
+        (vLLM, which serves it only with VLLM_SERVER_DEV_MODE=1), vLLM's first for backend vllm. The path that
+        answered 2xx; ServerError naming every answer when neither did."""
         paths = ["/flush_cache", "/reset_prefix_cache"]
         if backend == "vllm":
             paths.reverse()
+        answers = []
         for path in paths:
-            status, _ = self._open(path, {})
+            status, raw = self._open(path, {})
             if status < 300:
-                return True
-        return False
+                return path
+            answers.append(f"POST {path}: HTTP {status} {raw.decode(errors='replace')[:120].strip()}")
+        raise ServerError(
+            f"could not flush the prefix cache of {self.base_url} ({'; '.join(answers)}); a vLLM server "
+            "serves POST /reset_prefix_cache only when started with VLLM_SERVER_DEV_MODE=1"
+        )
 
     def server_info(self) -> dict[str, Any]:
         """A few facts about the server for the report (model, chunk size, page size, version)."""
-        info = self.try_json("/server_info", "/get_server_info") or {}
+        models = self.try_json("/v1/models") or {}
+        data = models.get("data") if isinstance(models, dict) else None
+        card = data[0] if data and isinstance(data[0], dict) else {}
+        # vLLM's /server_info (dev mode only) dumps its config as text and runs collect_env: slow, and none
+        # of the keys below; its model card says owned_by "vllm"
+        info = (
+            {} if card.get("owned_by") == "vllm" else self.try_json("/server_info", "/get_server_info") or {}
+        )
         engine = info.get("engine_config") or info
         keys = ("model", "model_path", "chunked_prefill_size", "page_size", "max_total_tokens", "dtype")
         out = {k: engine[k] for k in keys if isinstance(engine, dict) and k in engine}
         if "version" in info:
             out["version"] = info["version"]
-        models = self.try_json("/v1/models") or {}
-        data = models.get("data") if isinstance(models, dict) else None
-        if data and isinstance(data[0], dict):
-            out["served_model"] = data[0].get("id")
+        elif isinstance(version := self.try_json("/version"), dict) and "version" in version:
+            out["version"] = version["version"]
+        if card:
+            out["served_model"] = card.get("id")
+            if card.get("max_model_len"):
+                out["max_model_len"] = card["max_model_len"]
         return out
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -25,6 +25,26 @@ sail across lakes and seas, and write letters home about food, weather, stranger
 """
 
 
+_VOCAB_SCAN = 2048  # ids tried when the built-in text gives too few (see _word_ids)
+_VOCAB_POOL = 512
+
+
+def _word_ids(tokenizer: Tokenizer) -> list[int]:
+    """Up to _VOCAB_POOL ids among the first _VOCAB_SCAN whose piece is one alphanumeric word that encodes back
+    to that id alone (special tokens such as <s> and </s> are not alphanumeric, so they are left out)."""
+    out: list[int] = []
+    for i in range(_VOCAB_SCAN):
+        try:
+            piece = tokenizer.decode([i]).strip()
+        except (ValueError, IndexError, KeyError, OverflowError):
+            continue
+        if piece.isalnum() and tokenizer.encode(piece, add_special_tokens=False) == [i]:
+            out.append(i)
+            if len(out) == _VOCAB_POOL:
+                break
+    return out
+
+
 class Tokenizer(Protocol):
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
@@ -81,8 +101,14 @@ class PromptBuilder:
         self.tokenizer = tokenizer
         self.as_text = as_text
         pool = sorted(set(tokenizer.encode(_CORPUS, add_special_tokens=False)))
+        from_text = len(pool)
+        if from_text < 8:  # a vocabulary without English words (the word-level `w123` test tokenizers)
+            pool = _word_ids(tokenizer)
         if len(pool) < 8:
-            raise ValueError(f"the tokenizer gave only {len(pool)} distinct ids for the built-in text")
+            raise ValueError(
+                f"the tokenizer gave only {from_text} distinct ids for the built-in text, and only "
+                f"{len(pool)} of its first {_VOCAB_SCAN} ids decode to a word that encodes back to itself"
+            )
         self.pool = pool
 
     def ids(self, rng: random.Random, n: int) -> list[int]:
@@ -164,7 +190,7 @@ def multi_turn_workload(b: PromptBuilder, args: argparse.Namespace, rng: random.
                 new = b.ids(rng, args.output_len) + b.ids(rng, args.multi_turn_turn_len)  # reply + question
                 history_ids[c] = history_ids[c] + new
                 if b.as_text:
-                    history_text[c] += b.tokenizer.decode(new)
+                    history_text[c] = _join(history_text[c], b.tokenizer.decode(new))
             after = index_of.get(c)
             if b.as_text:
                 text = history_text[c]
@@ -177,6 +203,14 @@ def multi_turn_workload(b: PromptBuilder, args: argparse.Namespace, rng: random.
             index_of[c] = len(out)
             out.append(req)
     return out
+
+
+def _join(text: str, piece: str) -> str:
+    """text + piece, with a space between when neither side has one (a word-level tokenizer's decode has no
+    leading space: "w5" + "w6 w7" would read as the one unknown word "w5w6")."""
+    if text and piece and not text[-1].isspace() and not piece[0].isspace():
+        return text + " " + piece
+    return text + piece
 
 
 def jsonl_workload(b: PromptBuilder, args: argparse.Namespace, rng: random.Random) -> list[BenchRequest]:

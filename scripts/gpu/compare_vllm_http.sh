@@ -5,8 +5,13 @@
 # /v1/completions for both (both tokenize). Both servers stay up (longserve with 40% of the GPU's memory, vLLM
 # with 45%) and `longserve bench compare` drives one at a time with each workload of benchmarks/configs/
 # vllm_http_*.yaml: RAG over 16K documents (Poisson), multi-turn conversations opening with 16K tokens, random
-# 2K-in/128-out at a fixed rate, long documents of 8K/32K/64K. Reports (report.md, results.json, PNGs) under
-# $OUT/http/<workload>/, tarred into $OUT/http_reports.tgz.
+# 2K-in/128-out at a fixed rate, three long documents each of 8K/32K/64K. Before them, each server is warmed up
+# once with a 20K-token shared document (chunked prefill, prefix hits, batched decode: Triton's JIT and the like
+# happen there, not in the first measured requests). vLLM runs with VLLM_SERVER_DEV_MODE=1 (its POST
+# /reset_prefix_cache, which `flush_cache: true` needs; a flush that fails makes `bench compare` exit 1 and is
+# named in the report) and --enable-prompt-tokens-details (cached_tokens in its usage: the report's client-side
+# cache hit column). Reports (report.md, results.json, PNGs) under $OUT/http/<workload>/, tarred into
+# $OUT/http_reports.tgz.
 # Needs ../shared/anchors/* copied into .anchor/ (git-ignored; see that folder's README) and carried:
 #   LONGSERVE_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu/compare_vllm_http.sh [rag,multiturn,random,longdoc]
 set -uo pipefail
@@ -38,17 +43,25 @@ LS=$!
 wait_up http://127.0.0.1:30000 $LS longserve || { tail -20 "$OUT/http/longserve_server.log"; kill $LS; exit 1; }
 python3 -m vllm.entrypoints.openai.api_server --model $MODEL --load-format dummy --dtype bfloat16 \
   --max-model-len 131072 --enable-prefix-caching --max-num-batched-tokens 8192 --gpu-memory-utilization 0.45 \
-  --host 127.0.0.1 --port 8000 > "$OUT/http/vllm_server.log" 2>&1 &
+  --enable-prompt-tokens-details --host 127.0.0.1 --port 8000 > "$OUT/http/vllm_server.log" 2>&1 &
 VL=$!
 wait_up http://127.0.0.1:8000 $VL vllm || { tail -20 "$OUT/http/vllm_server.log"; kill $LS $VL; exit 1; }
+echo "[compare] both up after ${SECONDS}s"
+for ep in longserve=30000 vllm=8000; do  # not measured; the compare runs flush the cache it leaves
+  python3 -m longserve bench serve --base-url "http://127.0.0.1:${ep#*=}" --backend vllm --dataset shared-prefix \
+    --shared-prefix-docs 1 --shared-prefix-doc-len 20000 --shared-prefix-questions 8 --output-len 32 \
+    --max-concurrency 4 --warmup-requests 0 --seed 99 --tokenizer $MODEL --disable-tqdm > "$OUT/http/warmup_${ep%=*}.log" 2>&1 \
+    || { echo "[compare] warm-up of ${ep%=*} failed:"; tail -5 "$OUT/http/warmup_${ep%=*}.log"; }
+done
 
 status=0
 for w in ${WORKLOADS//,/ }; do
-  echo "[compare] $w"
+  echo "[compare] $w at ${SECONDS}s"
   python3 -m longserve bench compare --config benchmarks/configs/vllm_http_$w.yaml --output-dir "$OUT/http/$w" \
     --disable-tqdm > "$OUT/http/$w.log" 2>&1 || { status=1; tail -5 "$OUT/http/$w.log"; }
   [[ -f "$OUT/http/$w/report.md" ]] && sed -n '1,40p' "$OUT/http/$w/report.md"
 done
+echo "[compare] done at ${SECONDS}s"
 kill -TERM $LS $VL 2>/dev/null; wait $LS $VL 2>/dev/null
 tar czf "$OUT/http_reports.tgz" -C "$OUT" http
 exit $status

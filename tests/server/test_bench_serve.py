@@ -77,8 +77,9 @@ def test_random_generate_counts_match_server_log(server, tmp_path):
     check_counts(record, 6)
     meta = record["metadata"]
     assert (meta["backend"], meta["endpoint"], meta["dataset"], meta["cache_flushed"]) == (
-        "longserve", "generate", "random", True,
+        "longserve", "generate", "random", "/flush_cache",
     )  # fmt: skip
+    assert meta["cache_flush_error"] is None
     assert meta["server_info"]["chunked_prefill_size"] == 8192 and meta["command"].startswith("longserve")
     logged = [m.groups() for m in _LOGGED.finditer(server.log()[log_start:])]
     assert [g[0] for g in logged] == ["/generate"] * 6  # the server saw each request once
