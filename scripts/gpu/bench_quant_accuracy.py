@@ -86,12 +86,16 @@ def main(argv: list[str] | None = None) -> int:
         if rc != 0:
             rows.append({"variant": name, "error": f"bench accuracy exited {rc}"})
             continue
-        r = json.load(open(os.path.join(out, "accuracy.json")))
+        with open(os.path.join(out, "accuracy.json")) as f:
+            r = json.load(f)
         rows.append({"variant": name, "top1_agreement": r["top1_agreement"], "mean_kl": r["mean_kl"],
                      "ppl_model": r["perplexity"]["model"], "ppl_reference": r["perplexity"]["reference"],
                      "same_answers": r["same_answers"], "num_prompts": r["num_prompts"]})  # fmt: skip
-    json.dump(rows, open(os.path.join(args.output_dir, "quant_accuracy.json"), "w"), indent=1)
-    print(f"| variant ({args.arch}, {args.dtype}, {args.device}) | top-1 agreement | mean KL | ppl / original | same answers |")
+    with open(os.path.join(args.output_dir, "quant_accuracy.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    print(
+        f"| variant ({args.arch}, {args.dtype}, {args.device}) | top-1 agreement | mean KL | ppl / original | same answers |"
+    )
     print("|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
