@@ -111,7 +111,8 @@ class EngineConfig:
     cuda_graph_max_bs: int = 128  # decode steps up to this batch size replay CUDA graphs
     cuda_graph_max_prefill_tokens: int = 256  # a lone chunk of up to this many tokens replays a graph; 0: off
     # plan and launch step N+1 before step N's tokens are read, so the host's work hides behind the device's
-    # (SGLang's overlap schedule, vLLM's async scheduling); None: on a GPU, off on the CPU (nothing to hide)
+    # (SGLang's overlap schedule, vLLM's async scheduling); None: on a GPU at one rank, off on the CPU
+    # (nothing to hide) and under tensor parallelism (works there, not yet measured on GPUs)
     overlap_schedule: bool | None = None
     # tp > 1: steps of this many tokens run as 2 overlapped halves; 0 (default until measured on 2 GPUs): off
     tp_overlap_min_tokens: int = 0

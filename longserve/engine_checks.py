@@ -81,9 +81,13 @@ def check_limits(
 
 
 def resolve_overlap(setting: bool | None, runner: ModelRunner) -> bool:
-    """The overlapped schedule (EngineConfig.overlap_schedule): None means on a GPU; never under tensor
-    parallelism (the other ranks would need the pending tokens) or for pooling models (nothing to decode)."""
-    possible = runner.workers is None and runner.pooler is None
-    if setting and not possible:
-        logger.info("overlap_schedule has no effect under tensor parallelism or for pooling models")
-    return possible and (setting if setting is not None else runner.device.type == "cuda")
+    """The overlapped schedule (EngineConfig.overlap_schedule). None: on a GPU at one rank. Under tensor
+    parallelism only when asked for (rank 0 sends its sampled ids to the other ranks on the device; tested
+    on gloo, not yet measured on GPUs); never for pooling models (nothing to decode)."""
+    if runner.pooler is not None:
+        if setting:
+            logger.info("overlap_schedule has no effect for pooling models: they decode nothing")
+        return False
+    if setting is not None:
+        return setting
+    return runner.workers is None and runner.device.type == "cuda"

@@ -17,6 +17,7 @@ from longserve.distributed.parallel_state import (
     tp_all_gather,
     tp_all_reduce,
     tp_all_reduce_async,
+    tp_broadcast,
 )
 
 __all__ = [
@@ -33,4 +34,5 @@ __all__ = [
     "tp_all_gather",
     "tp_all_reduce",
     "tp_all_reduce_async",
+    "tp_broadcast",
 ]

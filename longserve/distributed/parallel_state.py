@@ -134,6 +134,15 @@ def tp_all_reduce_async(x: torch.Tensor) -> Any:
     return dist.all_reduce(x, group=_TP.device_group, async_op=True)
 
 
+def tp_broadcast(x: torch.Tensor, src: int = 0) -> torch.Tensor:
+    """Rank `src`'s `x` on every rank, in place (identity at tp=1); on NCCL queued on the stream like a kernel
+    (the overlapped schedule sends rank 0's sampled ids to the ranks that take them as inputs)."""
+    if _TP is None or _TP.world_size == 1:
+        return x
+    dist.broadcast(x, src=src, group=_TP.device_group)
+    return x
+
+
 def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Concatenate every rank's `x` along `dim`, in rank order (identity at tp=1)."""
     if _TP is None or _TP.world_size == 1:

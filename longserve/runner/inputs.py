@@ -32,6 +32,7 @@ class StepInputs:
     # is the previous step's sampled id of row pending_src[j], gathered on the device
     pending_dst: list[int] = field(default_factory=list)
     pending_src: list[int] = field(default_factory=list)
+    num_prev_rows: int = 0  # the previous step's sampled ids (what ranks other than 0 receive them into)
 
 
 @dataclass

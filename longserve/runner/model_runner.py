@@ -19,7 +19,7 @@ import torch.distributed as dist
 from longserve.attention import ForwardContext, GraphShape, KVCache, get_attention_backend
 from longserve.attention.kv_quant import kv_storage_dtype, layer_kv_scales
 from longserve.config import EngineConfig
-from longserve.distributed import RankFailure, broadcast_object, get_tp_group, set_ep_size
+from longserve.distributed import RankFailure, broadcast_object, get_tp_group, set_ep_size, tp_broadcast
 from longserve.memory import bound_kernel_caches
 from longserve.models import load_model, resolve_dtype
 from longserve.models.decoder import validate_tp_size
@@ -237,14 +237,16 @@ class ModelRunner:
         of tokens still pending (Request.num_pending) take their input from prev.token_ids on the device."""
         step = build_step(out)
         prev_tokens = prev.token_ids if prev is not None else None
+        if step.pending_dst:
+            assert prev_tokens is not None, "a step with pending inputs needs the previous step's sampled ids"
+            step.num_prev_rows = prev_tokens.shape[0]
         if self.workers is None:
             logits = self.forward_step(step, prev_tokens)  # [N, V] fp32 or None
         else:
-            assert not step.pending_dst, "the overlapped schedule runs on one rank only"
             self.workers.check()
             try:
                 broadcast_object(step)
-                logits = self.forward_step(step)
+                logits = self.forward_step(step, prev_tokens)
             except Exception as e:
                 # a peer died mid-collective (gloo/NCCL report a closed connection), or this rank failed
                 # while the others went on: the ranks are out of step for good, so the engine is done
@@ -273,8 +275,17 @@ class ModelRunner:
     def forward_step(self, step: StepInputs, prev_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
         """Every rank: the forward pass of one step; the sampling rows' logits [N, V] fp32 (None if N=0).
         prev_tokens: the previous step's sampled ids on the device, for the inputs still pending there."""
+        if step.pending_dst and self.tp is not None:  # rank 0 sampled them: every rank takes them as inputs
+            if prev_tokens is None:
+                prev_tokens = torch.empty(step.num_prev_rows, dtype=torch.int64, device=self.device)
+            tp_broadcast(prev_tokens)
         min_tokens = self.config.tp_overlap_min_tokens
-        if self.tp is not None and min_tokens and len(step.input_ids) >= max(min_tokens, 2):
+        if (
+            self.tp is not None
+            and min_tokens
+            and len(step.input_ids) >= max(min_tokens, 2)
+            and not step.pending_dst
+        ):
             return self._forward_overlapped(step)
         inputs = to_model_inputs(step, self.kv_cache.page_size, self.device, prev_tokens)
         ctx = ForwardContext(meta=inputs.meta, kv_cache=self.kv_cache, backend=self.backend)

@@ -174,7 +174,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(("--disable-cuda-graph", "--enforce-eager"), E + "enforce_eager", "no CUDA graphs for decode",
            None),
     Option(("--enable-overlap-schedule", "--async-scheduling"), E + "overlap_schedule",
-           "plan each step while the one before it runs (default: on a GPU)", None),
+           "plan each step while the one before it runs (default: on a GPU at one rank)", None),
     Option(("--disable-overlap-schedule", "--no-async-scheduling"), E + "overlap_schedule",
            "read each step's tokens before planning the next", None, const=False),
     Option(("--cuda-graph-max-bs",), E + "cuda_graph_max_bs", "largest decode batch replayed as a graph",

@@ -76,6 +76,39 @@ def test_overlapped_halves_equal_tp1(tmp_path, arch):
     assert got == expected[0]
 
 
+def test_overlapped_schedule_under_tp_equals_tp1(tmp_path):
+    """The overlapped schedule at TP=2: rank 0 sends each step's pending ids to the other rank on the
+    device group; greedy and seeded tokens, a stop token mid-batch and a prefix hit equal TP=1's plain
+    run, and the steps did overlap."""
+    path = make_tiny_checkpoint(tmp_path, "qwen3")
+    ps = prompts()
+    params = [GREEDY, SamplingParams(max_new_tokens=9, temperature=0.8, seed=4, ignore_eos=True)]
+    with LLM(path, dtype="float32", device="cpu", max_total_tokens=2048, chunked_prefill_size=16) as m:
+        expected = [o.token_ids for o in m.generate(ps[:2], params)]
+        stop = expected[0][5]
+        stopped = m.generate(ps[2], SamplingParams(max_new_tokens=12, temperature=0.0, stop_token_ids=[stop]))
+    with LLM(path, dtype="float32", device="cpu", max_total_tokens=2048, chunked_prefill_size=16,
+             tp_size=2, overlap_schedule=True) as m:  # fmt: skip
+        assert m.engine.overlap
+        gathered = []
+        forward = m.engine.runner.forward
+
+        def counting(out, prev=None):
+            result = forward(out, prev)
+            gathered.append(prev is not None)
+            return result
+
+        m.engine.runner.forward = counting
+        got = [o.token_ids for o in m.generate(ps[:2], params)]
+        got_stopped = m.generate(
+            ps[2], SamplingParams(max_new_tokens=12, temperature=0.0, stop_token_ids=[stop])
+        )
+        assert sum(gathered) > 10  # steps launched before the one before was read
+        m.engine.check_integrity()
+    assert got == expected
+    assert got_stopped[0].token_ids == stopped[0].token_ids and got_stopped[0].finish_reason == "stop"
+
+
 def test_split_step():
     from longserve.runner.inputs import StepInputs, split_step
 
