@@ -188,10 +188,14 @@ class KVCache:
         assert len(k_scales) == len(v_scales) == len(self.k)
         self.k_scales, self.v_scales = [float(s) for s in k_scales], [float(s) for s in v_scales]
 
+    def slots(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's K and V pages as [num_slots, Hkv, D] views (slot = page * page_size + offset)."""
+        k, v = self.k[layer_id], self.v[layer_id]
+        return k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])
+
     def store(self, layer_id: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write new tokens' K/V ([T, Hkv, D]) into their slots (quantized for an fp8 cache)."""
-        kc = self.k[layer_id].view(-1, *self.k[layer_id].shape[2:])  # [num_slots, Hkv, D]
-        vc = self.v[layer_id].view(-1, *self.v[layer_id].shape[2:])
+        kc, vc = self.slots(layer_id)  # [num_slots, Hkv, D]
         if self.is_fp8:  # as bytes: index_copy_ has no float8 kernel on the CPU
             k, v = quantize_kv(k, self.k_scales[layer_id]), quantize_kv(v, self.v_scales[layer_id])
             kc.view(torch.uint8).index_copy_(0, slot_mapping, k.view(torch.uint8))
@@ -264,6 +268,7 @@ class AttentionBackend(ABC):
         kv_cache: KVCache,
         scale: float,
         sliding_window: int | None = None,
+        kv_stored: bool = False,
     ) -> torch.Tensor: ...
 
     @staticmethod
@@ -274,10 +279,13 @@ class AttentionBackend(ABC):
         layer_id: int,
         meta: AttentionMetadata,
         kv_cache: KVCache,
+        kv_stored: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first step of every `forward`: store the new tokens' K/V at `meta.slot_mapping`, check GQA
-        (Hq a multiple of Hkv), and return the layer's pages (k, v: [num_pages, page_size, Hkv, D])."""
-        kv_cache.store(layer_id, meta.slot_mapping, k, v)
+        """The first step of every `forward`: store the new tokens' K/V at `meta.slot_mapping` (unless the
+        caller's rotary kernel already did, `kv_stored`), check GQA (Hq a multiple of Hkv), and return the
+        layer's pages (k, v: [num_pages, page_size, Hkv, D])."""
+        if not kv_stored:
+            kv_cache.store(layer_id, meta.slot_mapping, k, v)
         num_q_heads, num_kv_heads = q.shape[1], k.shape[1]
         assert num_q_heads % num_kv_heads == 0, f"Hq={num_q_heads} is not a multiple of Hkv={num_kv_heads}"
         return kv_cache.k[layer_id], kv_cache.v[layer_id]

@@ -31,8 +31,9 @@ class TorchAttentionBackend(AttentionBackend):
         kv_cache: KVCache,
         scale: float,
         sliding_window: int | None = None,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
-        k_cache, v_cache = self.store_and_pages(q, k, v, layer_id, meta, kv_cache)
+        k_cache, v_cache = self.store_and_pages(q, k, v, layer_id, meta, kv_cache, kv_stored)
         group = q.shape[1] // k.shape[1]
 
         out = torch.empty_like(q)  # [T, Hq, D]

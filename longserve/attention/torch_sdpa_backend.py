@@ -44,10 +44,11 @@ class TorchSDPABackend(TorchAttentionBackend):
         kv_cache: KVCache,
         scale: float,
         sliding_window: int | None = None,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
         if q.device.type != "cpu":
-            return super().forward(q, k, v, layer_id, meta, kv_cache, scale, sliding_window)
-        k_cache, v_cache = self.store_and_pages(q, k, v, layer_id, meta, kv_cache)
+            return super().forward(q, k, v, layer_id, meta, kv_cache, scale, sliding_window, kv_stored)
+        k_cache, v_cache = self.store_and_pages(q, k, v, layer_id, meta, kv_cache, kv_stored)
         if kv_cache.is_fp8:  # rounded through e4m3 as the pages hold them; the pages read dequantized
             k, v = kv_cache.as_stored(layer_id, k, v)
             read = functools.partial(_read_fp8, kv_cache, layer_id, q.dtype)

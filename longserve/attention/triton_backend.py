@@ -126,8 +126,9 @@ class TritonAttentionBackend(AttentionBackend):
         kv_cache: KVCache,
         scale: float,
         sliding_window: int | None = None,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
-        k_cache, v_cache = self.store_and_pages(q, k, v, layer_id, meta, kv_cache)
+        k_cache, v_cache = self.store_and_pages(q, k, v, layer_id, meta, kv_cache, kv_stored)
         num_q_heads, num_kv_heads = q.shape[1], k.shape[1]
         if q.shape[0] == 0:
             return torch.empty_like(q)

@@ -1,4 +1,6 @@
-"""Rotary embedding of q and k in one Triton kernel, in place; reference: `rotary_embedding_ref`.
+"""Rotary embedding of q and k in one Triton kernel, in place; reference: `rotary_embedding_ref`. Optionally
+the same launch stores the rotated keys and the values into their KV-cache slots (reference: the rotation,
+then `KVCache.store`'s index_copy).
 
 HF rotate_half (neox) convention: the two halves of head_dim rotate together. One program per token reads
 its cos|sin row [D] from the float32 cache once, then rotates all Hq + Hkv heads, BLOCK_HEADS at a time,
@@ -25,8 +27,11 @@ def _rotate_heads(
     cos,  # [1, BLOCK_D2] float32
     sin,  # [1, BLOCK_D2] float32
     offs_d,  # [BLOCK_D2]
+    dst_ptr,  # with HAS_DST: where the rotated heads also go (this token's KV-cache slot)
+    dst_stride_h,
     HALF_D: tl.constexpr,
     BLOCK_HEADS: tl.constexpr,
+    HAS_DST: tl.constexpr,
 ):
     for h0 in range(0, num_heads, BLOCK_HEADS):
         heads = h0 + tl.arange(0, BLOCK_HEADS)  # [BLOCK_HEADS]
@@ -38,6 +43,10 @@ def _rotate_heads(
         out2 = x2 * cos + x1 * sin
         tl.store(ptr1, out1.to(x_ptr.dtype.element_ty), mask=mask)
         tl.store(ptr1 + HALF_D, out2.to(x_ptr.dtype.element_ty), mask=mask)
+        if HAS_DST:  # the value stored above, as the pages hold it
+            dst1 = dst_ptr + heads[:, None] * dst_stride_h + offs_d[None, :]
+            tl.store(dst1, out1.to(x_ptr.dtype.element_ty).to(dst_ptr.dtype.element_ty), mask=mask)
+            tl.store(dst1 + HALF_D, out2.to(x_ptr.dtype.element_ty).to(dst_ptr.dtype.element_ty), mask=mask)
 
 
 @fast_launch
@@ -47,16 +56,25 @@ def _rope_kernel(
     q_ptr,
     k_ptr,
     cache_ptr,
+    v_ptr,  # STORE_KV: the new tokens' values, and where rotated keys and values go
+    slot_ptr,
+    kc_ptr,
+    vc_ptr,
     stride_qt,
     stride_qh,
     stride_kt,
     stride_kh,
     stride_cache,
+    stride_vt,
+    stride_vh,
+    stride_slot,  # the caches' slot and head strides ([num_slots, Hkv, D] views)
+    stride_head,
     num_q_heads,
     num_kv_heads,
     HALF_D: tl.constexpr,
     BLOCK_D2: tl.constexpr,
     BLOCK_HEADS: tl.constexpr,
+    STORE_KV: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + tok).to(tl.int64)
@@ -65,17 +83,38 @@ def _rope_kernel(
     cos = tl.load(cache_ptr + pos * stride_cache + offs_d, mask=d_mask, other=0.0).to(tl.float32)
     sin = tl.load(cache_ptr + pos * stride_cache + HALF_D + offs_d, mask=d_mask, other=0.0).to(tl.float32)
     cos, sin = cos[None, :], sin[None, :]  # [1, BLOCK_D2]
-    _rotate_heads(q_ptr + tok * stride_qt, stride_qh, num_q_heads, cos, sin, offs_d, HALF_D, BLOCK_HEADS)
-    _rotate_heads(k_ptr + tok * stride_kt, stride_kh, num_kv_heads, cos, sin, offs_d, HALF_D, BLOCK_HEADS)
+    _rotate_heads(q_ptr + tok * stride_qt, stride_qh, num_q_heads, cos, sin, offs_d, q_ptr, 0, HALF_D,
+                  BLOCK_HEADS, False)  # fmt: skip
+    if STORE_KV:
+        slot = tl.load(slot_ptr + tok).to(tl.int64)
+        _rotate_heads(k_ptr + tok * stride_kt, stride_kh, num_kv_heads, cos, sin, offs_d,
+                      kc_ptr + slot * stride_slot, stride_head, HALF_D, BLOCK_HEADS, True)  # fmt: skip
+        for h0 in range(0, num_kv_heads, BLOCK_HEADS):  # the values, copied as they are (two halves)
+            heads = h0 + tl.arange(0, BLOCK_HEADS)  # [BLOCK_HEADS]
+            mask = (heads[:, None] < num_kv_heads) & d_mask[None, :]  # [BLOCK_HEADS, BLOCK_D2]
+            src = v_ptr + tok * stride_vt + heads[:, None] * stride_vh + offs_d[None, :]
+            dst = vc_ptr + slot * stride_slot + heads[:, None] * stride_head + offs_d[None, :]
+            tl.store(dst, tl.load(src, mask=mask).to(vc_ptr.dtype.element_ty), mask=mask)
+            tl.store(dst + HALF_D, tl.load(src + HALF_D, mask=mask).to(vc_ptr.dtype.element_ty), mask=mask)
+    else:
+        _rotate_heads(k_ptr + tok * stride_kt, stride_kh, num_kv_heads, cos, sin, offs_d, k_ptr, 0, HALF_D,
+                      BLOCK_HEADS, False)  # fmt: skip
 
 
 def rotary_embedding(
-    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q [T, Hq*D] or [T, Hq, D] and k [T, Hkv*D] or [T, Hkv, D] in place; returns (q, k).
 
     positions [T] (int) index cos_sin_cache [P, D] (cos | sin halves, float32, see
     `RotaryEmbedding.cos_sin_cache`); positions must be < P (not checked on the device).
+    store = (v [T, Hkv, D], slot_mapping [T], k_cache, v_cache [num_slots, Hkv, D] views of the pages): the
+    same launch also writes the rotated keys and the values into their slots (what KVCache.store does for
+    a 16-bit cache, without its two index_copy launches a layer).
     """
     head_dim = cos_sin_cache.shape[-1]
     assert head_dim % 2 == 0 and cos_sin_cache.stride(-1) == 1
@@ -88,10 +127,27 @@ def rotary_embedding(
     half = head_dim // 2
     block_d2 = triton.next_power_of_2(half)
     block_heads = max(1, min(triton.next_power_of_2(max(q3.shape[1], k3.shape[1])), 4096 // block_d2))
+    if store is not None:
+        v, slots, k_cache, v_cache = store
+        v3 = v.view(num_tokens, -1, head_dim)  # [T, Hkv, D]
+        assert v3.stride(2) == 1 and k_cache.stride(2) == 1 and k_cache.stride() == v_cache.stride()
+        assert k_cache.shape[1:] == k3.shape[1:] and slots.shape == (num_tokens,)
+        extra = (
+            v3,
+            slots,
+            k_cache,
+            v_cache,
+            v3.stride(0),
+            v3.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+        )
+    else:
+        extra = (q3, positions, q3, q3, 0, 0, 0, 0)  # unused
     _rope_kernel[(num_tokens,)](
-        positions, q3, k3, cos_sin_cache,
-        q3.stride(0), q3.stride(1), k3.stride(0), k3.stride(1), cos_sin_cache.stride(0),
+        positions, q3, k3, cos_sin_cache, *extra[:4],
+        q3.stride(0), q3.stride(1), k3.stride(0), k3.stride(1), cos_sin_cache.stride(0), *extra[4:],
         q3.shape[1], k3.shape[1],
-        HALF_D=half, BLOCK_D2=block_d2, BLOCK_HEADS=block_heads, num_warps=4,
+        HALF_D=half, BLOCK_D2=block_d2, BLOCK_HEADS=block_heads, STORE_KV=store is not None, num_warps=4,
     )  # fmt: skip
     return q, k

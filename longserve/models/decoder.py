@@ -143,7 +143,8 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope.apply(q, k)  # [T, H*, D]
+        # [T, H*, D]; the fused rotary kernel may store the layer's new K/V into the cache as well
+        q, k, stored = rope.apply_and_store(q, k, v, ctx.kv_cache, self.layer_id, ctx.meta.slot_mapping)
         out = ctx.backend.forward(
             q,
             k,
@@ -153,6 +154,7 @@ class Attention(nn.Module):
             ctx.kv_cache,
             scale=self.scale,
             sliding_window=self.sliding_window,
+            kv_stored=stored,
         )  # [T, Hq, D]
         return out.reshape(num_tokens, -1)  # [T, Hq*D]
 

@@ -19,6 +19,11 @@ from longserve.kernels.rope_reference import apply_rotary
 from longserve.models.layers import use_triton
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# the rotary kernel also stores each layer's new K/V into a 16-bit cache (kernels/rope.py), instead of the
+# attention backend's two index_copy launches. From the H200 profile of decode b1 at 32K (2026-12-02,
+# 73be6a4): the index_copy pair took 0.145 ms of a 5.81 ms step, plus the gaps between launches. Not yet
+# measured with the fusion on: `with_constants.py longserve.models.rope.FUSE_KV_STORE=False` is the A/B.
+FUSE_KV_STORE = True
 
 
 def rope_parameters_from_config(hf_config: Any) -> dict[str, Any]:
@@ -165,6 +170,29 @@ class RotaryStep:
     cos: torch.Tensor | None = None  # [T, D] in the activation dtype
     sin: torch.Tensor | None = None  # [T, D]
     cos_sin_cache: torch.Tensor | None = None  # [P, D] float32
+
+    def apply_and_store(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: Any,
+        layer_id: int,
+        slots: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """`apply`, and on the fused path with a 16-bit cache the rotated keys and the values stored into
+        their slots in the same launch; returns (q, k, whether K/V are stored). An fp8 cache (quantized on
+        store) and the torch path leave the store to the attention backend."""
+        if FUSE_KV_STORE and self.cos_sin_cache is not None and not kv_cache.is_fp8:
+            from longserve.kernels.rope import rotary_embedding  # imports triton
+
+            k_slots, v_slots = kv_cache.slots(layer_id)
+            q, k = rotary_embedding(
+                self.positions, q, k, self.cos_sin_cache, store=(v, slots, k_slots, v_slots)
+            )
+            return q, k, True
+        q, k = self.apply(q, k)
+        return q, k, False
 
     def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, Hq, D], k [T, Hkv, D] -> rotated (q, k); the fused path rotates in place."""

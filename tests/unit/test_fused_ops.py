@@ -116,6 +116,38 @@ def test_rotary_embedding(num_tokens: int, head_dim: int, flat: bool) -> None:
     )
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_embedding_stores_keys_and_values(dtype) -> None:
+    """The same launch writes the rotated keys and the values into their KV-cache slots: equal to the
+    rotation followed by KVCache.store's index_copy; slots out of order, other slots untouched, q/k/v as
+    views of one fused qkv output."""
+    from longserve.attention.base import KVCache
+
+    head_dim, num_q, num_kv, num_tokens, page_size = 32, 4, 2, 5, 4
+    rope = make_rope(head_dim)
+    cache = rope.cos_sin_cache()
+    positions = torch.randint(0, 64, (num_tokens,), generator=torch.Generator().manual_seed(3))
+    qkv = randn(num_tokens, (num_q + 2 * num_kv) * head_dim, seed=4).to(dtype)
+    q, k, v = qkv.split([num_q * head_dim, num_kv * head_dim, num_kv * head_dim], dim=-1)
+    q, k, v = (x.view(num_tokens, -1, head_dim) for x in (q, k, v))
+    slots = torch.tensor([13, 2, 7, 30, 21])
+    fused, ref = (KVCache(1, 9, page_size, num_kv, head_dim, dtype, "cpu") for _ in range(2))
+    for c in (fused, ref):
+        c.k[0].copy_(randn(*c.k[0].shape, seed=5).to(dtype))
+        c.v[0].copy_(randn(*c.v[0].shape, seed=6).to(dtype))
+    q_ref, k_ref = q.clone(), k.clone()
+    rotary_embedding_ref(positions, q_ref, k_ref, cache)
+    ref.store(0, slots, k_ref, v)
+    k_slots, v_slots = fused.slots(0)
+    rotary_embedding(positions, q, k, cache, store=(v, slots, k_slots, v_slots))
+    tol = ATOL if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(q, q_ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(k, k_ref, atol=tol, rtol=tol)
+    assert torch.equal(fused.k[0].view(-1, num_kv, head_dim)[slots], k)  # the cache holds the k returned
+    torch.testing.assert_close(fused.k[0], ref.k[0], atol=tol, rtol=tol)
+    assert torch.equal(fused.v[0], ref.v[0])  # values copied exactly, every other slot untouched
+
+
 def test_model_with_fused_ops_matches_reference_path(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Force every fused path on (CPU tensors through the interpreter) in a tiny Qwen3 (q/k norm) and
     compare its hidden states with the reference path's: wiring, residual flow and in-place RoPE."""
