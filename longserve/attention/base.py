@@ -37,6 +37,22 @@ class AttentionMetadata:
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
     prefix_lens_cpu: list[int]
+    # the requests' page ids on the host (build_step_tensors' input, kept by reference: no copy), for paths
+    # that decide on the host how to read the pages; empty where the metadata was built without them
+    page_rows_cpu: Sequence[Sequence[int]] = ()
+
+    def contiguous_pages(self, r: int, num_pages: int) -> int | None:
+        """The first page id when request r's first `num_pages` pages are consecutive ids (a lone prompt's
+        usually are: the pool hands out the lowest free ids first), else None."""
+        if r >= len(self.page_rows_cpu) or num_pages == 0:
+            return None
+        rows = np.asarray(self.page_rows_cpu[r][:num_pages])
+        first = int(rows[0])
+        if int(rows[-1]) - first != num_pages - 1 or not np.array_equal(
+            rows, np.arange(first, first + num_pages)
+        ):
+            return None
+        return first
 
     @property
     def num_reqs(self) -> int:
@@ -131,6 +147,7 @@ def build_step_tensors(
         query_lens_cpu=list(query_lens),
         seq_lens_cpu=seq_lens_np.tolist(),
         prefix_lens_cpu=list(prefix_lens),
+        page_rows_cpu=page_tables,
     )
     return meta, i64[1:]
 

@@ -113,9 +113,15 @@ def prefix_split_sdpa(
         if prefix_len == 0:
             out[start:end] = o_new[0].transpose(0, 1)  # [L, Hq, D]
         else:
-            pages = meta.page_table[r, : -(-prefix_len // page_size)].long()  # [P]
-            k_pre = k_cache[pages].flatten(0, 1)[:prefix_len]  # [S, Hkv, D]
-            v_pre = v_cache[pages].flatten(0, 1)[:prefix_len]
+            num_pages = -(-prefix_len // page_size)
+            first = meta.contiguous_pages(r, num_pages)
+            if first is not None:  # consecutive pages: a view, where a gather would copy the whole prefix
+                k_pre = k_cache[first : first + num_pages].flatten(0, 1)[:prefix_len]  # [S, Hkv, D]
+                v_pre = v_cache[first : first + num_pages].flatten(0, 1)[:prefix_len]
+            else:
+                pages = meta.page_table[r, :num_pages].long()  # [P]
+                k_pre = k_cache[pages].flatten(0, 1)[:prefix_len]  # [S, Hkv, D]
+                v_pre = v_cache[pages].flatten(0, 1)[:prefix_len]
             if dequantize is not None:
                 k_pre, v_pre = dequantize(k_pre, v_pre)
             o_pre, lse_pre = attention_with_lse(q_r, heads(k_pre), heads(v_pre), False, scale)

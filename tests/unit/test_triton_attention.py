@@ -48,6 +48,7 @@ class Step:
         heads: tuple[int, int],
         head_dim: int,
         seed: int,
+        contiguous: bool = False,
     ) -> None:
         gen = torch.Generator().manual_seed(seed)
         rng = random.Random(seed)
@@ -56,7 +57,12 @@ class Step:
         pages_needed = [-(-s // page_size) for s in seq_lens]
         num_pages = sum(pages_needed) + 3  # spare pages of noise catch wrong-page reads
         pool = list(range(num_pages))
-        rng.shuffle(pool)
+        if (
+            contiguous
+        ):  # each request's pages consecutive ids (after a noise page), as a lone prompt gets them
+            pool = pool[1:] + pool[:1]
+        else:
+            rng.shuffle(pool)
         page_tables = []
         for n in pages_needed:
             page_tables.append(pool[:n])
@@ -272,15 +278,22 @@ def test_registry_and_errors() -> None:
 
 
 @pytest.mark.parametrize("heads", HEADS)
-def test_prefix_split_sdpa_path(monkeypatch: pytest.MonkeyPatch, heads: tuple[int, int]) -> None:
-    """Chunks over a cached prefix as (prefix, no mask) + (new, causal) SDPA calls merged by log-sum-exp."""
+@pytest.mark.parametrize("contiguous", [False, True], ids=["scattered", "consecutive"])
+def test_prefix_split_sdpa_path(
+    monkeypatch: pytest.MonkeyPatch, heads: tuple[int, int], contiguous: bool
+) -> None:
+    """Chunks over a cached prefix as (prefix, no mask) + (new, causal) SDPA calls merged by log-sum-exp; a
+    prefix on consecutive pages is read as a view of them, scattered ones gathered."""
     import longserve.attention.triton_backend as tb
 
     calls = []
     real = tb.prefix_split_sdpa
     monkeypatch.setattr(tb, "SPLIT_SDPA_MIN_QUERY", 5)
     monkeypatch.setattr(tb, "prefix_split_sdpa", lambda *a: calls.append(1) or real(*a))
-    step = Step([0, 3, 17, 40], [5, 16, 7, 9], 4, heads, 32, seed=11)
+    step = Step([0, 3, 17, 40], [5, 16, 7, 9], 4, heads, 32, seed=11, contiguous=contiguous)
+    views = [step.meta.contiguous_pages(r, -(-p // 4)) for r, p in enumerate([0, 3, 17, 40])]
+    # (a one-page prefix is trivially consecutive; the longer ones of the shuffled pool are not)
+    assert views[0] is None and (views[2:] == [8, 14] if contiguous else views[2:] == [None, None])
     step.compare(TritonAttentionBackend(cold_path="sdpa"))
     assert calls == [1]
     short = Step([3, 17], [4, 16], 4, heads, 32, seed=12)  # a chunk under the threshold: Triton kernel
