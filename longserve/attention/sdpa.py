@@ -18,6 +18,12 @@ from longserve.attention.base import AttentionMetadata
 logger = logging.getLogger("longserve.attention")
 
 
+# a prefix on consecutive pages is read in place (a view) rather than gathered: at 128K in chunks of 8K the
+# gathers copy ~1M prefix tokens x 32 layers x 4 KB twice over (read + write), ~70 ms estimated at 3.6 TB/s;
+# not yet measured (`with_constants.py longserve.attention.sdpa.PREFIX_PAGES_AS_VIEW=False` is the A/B)
+PREFIX_PAGES_AS_VIEW = True
+
+
 def cold_sdpa(
     q: torch.Tensor,  # [T, Hq, D]
     k: torch.Tensor,  # [T, Hkv, D]
@@ -114,7 +120,7 @@ def prefix_split_sdpa(
             out[start:end] = o_new[0].transpose(0, 1)  # [L, Hq, D]
         else:
             num_pages = -(-prefix_len // page_size)
-            first = meta.contiguous_pages(r, num_pages)
+            first = meta.contiguous_pages(r, num_pages) if PREFIX_PAGES_AS_VIEW else None
             if first is not None:  # consecutive pages: a view, where a gather would copy the whole prefix
                 k_pre = k_cache[first : first + num_pages].flatten(0, 1)[:prefix_len]  # [S, Hkv, D]
                 v_pre = v_cache[first : first + num_pages].flatten(0, 1)[:prefix_len]
