@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -40,19 +40,23 @@ class AttentionMetadata:
     # the requests' page ids on the host (build_step_tensors' input, kept by reference: no copy), for paths
     # that decide on the host how to read the pages; empty where the metadata was built without them
     page_rows_cpu: Sequence[Sequence[int]] = ()
+    _contiguous: dict[tuple[int, int], int | None] = field(default_factory=dict, repr=False)
 
     def contiguous_pages(self, r: int, num_pages: int) -> int | None:
         """The first page id when request r's first `num_pages` pages are consecutive ids (a lone prompt's
-        usually are: the pool hands out the lowest free ids first), else None."""
-        if r >= len(self.page_rows_cpu) or num_pages == 0:
-            return None
-        rows = np.asarray(self.page_rows_cpu[r][:num_pages])
-        first = int(rows[0])
-        if int(rows[-1]) - first != num_pages - 1 or not np.array_equal(
-            rows, np.arange(first, first + num_pages)
-        ):
-            return None
-        return first
+        usually are: the pool hands out the lowest free ids first), else None. Every layer asks: the answer
+        is kept for the step."""
+        key = (r, num_pages)
+        if key not in self._contiguous:
+            first = None
+            if r < len(self.page_rows_cpu) and num_pages > 0:
+                rows = np.asarray(self.page_rows_cpu[r][:num_pages])
+                start = int(rows[0])
+                span = np.arange(start, start + num_pages)
+                if int(rows[-1]) - start == num_pages - 1 and np.array_equal(rows, span):
+                    first = start
+            self._contiguous[key] = first
+        return self._contiguous[key]
 
     @property
     def num_reqs(self) -> int:
