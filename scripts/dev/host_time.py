@@ -26,8 +26,8 @@ def stub_forward(llm: LLM) -> None:
     runner = llm.engine.runner
     vocab = runner.model.vocab_size
 
-    def forward_step(step):
-        to_model_inputs(step, runner.page_size, runner.device)
+    def forward_step(step, prev_tokens=None):
+        to_model_inputs(step, runner.page_size, runner.device, prev_tokens)
         n = len(step.logits_indices)
         return torch.zeros(n, vocab) if n else None
 
