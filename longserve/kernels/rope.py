@@ -1,6 +1,7 @@
 """Rotary embedding of q and k in one Triton kernel, in place; reference: `rotary_embedding_ref`. Optionally
 the same launch stores the rotated keys and the values into their KV-cache slots (reference: the rotation,
-then `KVCache.store`'s index_copy).
+then `KVCache.store`'s index_copy), and normalizes each head first (Qwen3's q/k RMSNorm; reference:
+`rms_norm` of kernels/norm.py, then the rotation).
 
 HF rotate_half (neox) convention: the two halves of head_dim rotate together. One program per token reads
 its cos|sin row [D] from the float32 cache once, then rotates all Hq + Hkv heads, BLOCK_HEADS at a time,
@@ -29,9 +30,12 @@ def _rotate_heads(
     offs_d,  # [BLOCK_D2]
     dst_ptr,  # with HAS_DST: where the rotated heads also go (this token's KV-cache slot)
     dst_stride_h,
+    w_ptr,  # with HAS_NORM: the per-head RMSNorm weight [2 * HALF_D] applied before the rotation
+    eps,
     HALF_D: tl.constexpr,
     BLOCK_HEADS: tl.constexpr,
     HAS_DST: tl.constexpr,
+    HAS_NORM: tl.constexpr,
 ):
     for h0 in range(0, num_heads, BLOCK_HEADS):
         heads = h0 + tl.arange(0, BLOCK_HEADS)  # [BLOCK_HEADS]
@@ -39,6 +43,13 @@ def _rotate_heads(
         ptr1 = x_ptr + heads[:, None] * stride_h + offs_d[None, :]  # first half of each head
         x1 = tl.load(ptr1, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_HEADS, BLOCK_D2]
         x2 = tl.load(ptr1 + HALF_D, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_HEADS, BLOCK_D2]
+        if HAS_NORM:  # Qwen3's q/k norm, as kernels/norm.py computes it: fp32, cast back, then the weight
+            dt = x_ptr.dtype.element_ty
+            rstd = tl.math.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF_D) + eps)
+            w1 = tl.load(w_ptr + offs_d, mask=offs_d < HALF_D, other=0.0).to(tl.float32)[None, :]
+            w2 = tl.load(w_ptr + HALF_D + offs_d, mask=offs_d < HALF_D, other=0.0).to(tl.float32)[None, :]
+            x1 = ((x1 * rstd[:, None]).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32)
+            x2 = ((x2 * rstd[:, None]).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32)
         out1 = x1 * cos - x2 * sin  # x * cos + rotate_half(x) * sin, rotate_half = (-x2, x1)
         out2 = x2 * cos + x1 * sin
         tl.store(ptr1, out1.to(x_ptr.dtype.element_ty), mask=mask)
@@ -69,12 +80,16 @@ def _rope_kernel(
     stride_vh,
     stride_slot,  # the caches' slot and head strides ([num_slots, Hkv, D] views)
     stride_head,
+    qw_ptr,  # HAS_NORM: the q and k norms' weights [D]
+    kw_ptr,
+    eps,
     num_q_heads,
     num_kv_heads,
     HALF_D: tl.constexpr,
     BLOCK_D2: tl.constexpr,
     BLOCK_HEADS: tl.constexpr,
     STORE_KV: tl.constexpr,
+    HAS_NORM: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + tok).to(tl.int64)
@@ -83,12 +98,13 @@ def _rope_kernel(
     cos = tl.load(cache_ptr + pos * stride_cache + offs_d, mask=d_mask, other=0.0).to(tl.float32)
     sin = tl.load(cache_ptr + pos * stride_cache + HALF_D + offs_d, mask=d_mask, other=0.0).to(tl.float32)
     cos, sin = cos[None, :], sin[None, :]  # [1, BLOCK_D2]
-    _rotate_heads(q_ptr + tok * stride_qt, stride_qh, num_q_heads, cos, sin, offs_d, q_ptr, 0, HALF_D,
-                  BLOCK_HEADS, False)  # fmt: skip
+    _rotate_heads(q_ptr + tok * stride_qt, stride_qh, num_q_heads, cos, sin, offs_d, q_ptr, 0, qw_ptr, eps,
+                  HALF_D, BLOCK_HEADS, False, HAS_NORM)  # fmt: skip
     if STORE_KV:
         slot = tl.load(slot_ptr + tok).to(tl.int64)
         _rotate_heads(k_ptr + tok * stride_kt, stride_kh, num_kv_heads, cos, sin, offs_d,
-                      kc_ptr + slot * stride_slot, stride_head, HALF_D, BLOCK_HEADS, True)  # fmt: skip
+                      kc_ptr + slot * stride_slot, stride_head, kw_ptr, eps, HALF_D, BLOCK_HEADS, True,
+                      HAS_NORM)  # fmt: skip
         for h0 in range(0, num_kv_heads, BLOCK_HEADS):  # the values, copied as they are (two halves)
             heads = h0 + tl.arange(0, BLOCK_HEADS)  # [BLOCK_HEADS]
             mask = (heads[:, None] < num_kv_heads) & d_mask[None, :]  # [BLOCK_HEADS, BLOCK_D2]
@@ -97,8 +113,8 @@ def _rope_kernel(
             tl.store(dst, tl.load(src, mask=mask).to(vc_ptr.dtype.element_ty), mask=mask)
             tl.store(dst + HALF_D, tl.load(src + HALF_D, mask=mask).to(vc_ptr.dtype.element_ty), mask=mask)
     else:
-        _rotate_heads(k_ptr + tok * stride_kt, stride_kh, num_kv_heads, cos, sin, offs_d, k_ptr, 0, HALF_D,
-                      BLOCK_HEADS, False)  # fmt: skip
+        _rotate_heads(k_ptr + tok * stride_kt, stride_kh, num_kv_heads, cos, sin, offs_d, k_ptr, 0, kw_ptr, eps,
+                      HALF_D, BLOCK_HEADS, False, HAS_NORM)  # fmt: skip
 
 
 def rotary_embedding(
@@ -107,6 +123,7 @@ def rotary_embedding(
     k: torch.Tensor,
     cos_sin_cache: torch.Tensor,
     store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q [T, Hq*D] or [T, Hq, D] and k [T, Hkv*D] or [T, Hkv, D] in place; returns (q, k).
 
@@ -115,6 +132,9 @@ def rotary_embedding(
     store = (v [T, Hkv, D], slot_mapping [T], k_cache, v_cache [num_slots, Hkv, D] views of the pages): the
     same launch also writes the rotated keys and the values into their slots (what KVCache.store does for
     a 16-bit cache, without its two index_copy launches a layer).
+    qk_norm = (q weight [D], k weight [D], eps): each head is RMS-normalized first (Qwen3's q_norm / k_norm,
+    computed as kernels/norm.py does), so the norms need no launches of their own; the weights must have
+    q's dtype (the norm's output dtype is then q's, as the rotation writes in place).
     """
     head_dim = cos_sin_cache.shape[-1]
     assert head_dim % 2 == 0 and cos_sin_cache.stride(-1) == 1
@@ -144,10 +164,17 @@ def rotary_embedding(
         )
     else:
         extra = (q3, positions, q3, q3, 0, 0, 0, 0)  # unused
+    if qk_norm is not None:
+        q_weight, k_weight, eps = qk_norm
+        assert q_weight.shape == k_weight.shape == (head_dim,) and q_weight.dtype == k_weight.dtype == q.dtype
+        norm_args = (q_weight, k_weight, float(eps))
+    else:
+        norm_args = (q3, q3, 0.0)  # unused
     _rope_kernel[(num_tokens,)](
         positions, q3, k3, cos_sin_cache, *extra[:4],
         q3.stride(0), q3.stride(1), k3.stride(0), k3.stride(1), cos_sin_cache.stride(0), *extra[4:],
-        q3.shape[1], k3.shape[1],
-        HALF_D=half, BLOCK_D2=block_d2, BLOCK_HEADS=block_heads, STORE_KV=store is not None, num_warps=4,
+        *norm_args, q3.shape[1], k3.shape[1],
+        HALF_D=half, BLOCK_D2=block_d2, BLOCK_HEADS=block_heads, STORE_KV=store is not None,
+        HAS_NORM=qk_norm is not None, num_warps=4,
     )  # fmt: skip
     return q, k

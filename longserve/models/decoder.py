@@ -141,10 +141,11 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        # [T, H*, D]; the fused rotary kernel may store the layer's new K/V into the cache as well
-        q, k, stored = rope.apply_and_store(q, k, v, ctx.kv_cache, self.layer_id, ctx.meta.slot_mapping)
+        # [T, H*, D]; the fused rotary kernel may also apply the q/k norms and store the new K/V in the cache
+        norms = (self.q_norm, self.k_norm) if self.qk_norm else None
+        q, k, stored = rope.apply_and_store(
+            q, k, v, ctx.kv_cache, self.layer_id, ctx.meta.slot_mapping, norms
+        )
         out = ctx.backend.forward(
             q,
             k,

@@ -24,6 +24,10 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # 73be6a4): the index_copy pair took 0.145 ms of a 5.81 ms step, plus the gaps between launches. Not yet
 # measured with the fusion on: `with_constants.py longserve.models.rope.FUSE_KV_STORE=False` is the A/B.
 FUSE_KV_STORE = True
+# the rotary kernel also applies Qwen3's per-head q/k RMSNorm (two launches a layer fewer: at batch 1 the
+# Qwen3-30B-A3B shape's decode is bound by launches, 5.14 ms against a 1.54 ms floor, RESULTS.md 2026-12-02);
+# not yet measured (`gpu_check.sh fusions-a3b`)
+FUSE_QK_NORM = True
 
 
 def rope_parameters_from_config(hf_config: Any) -> dict[str, Any]:
@@ -179,20 +183,37 @@ class RotaryStep:
         kv_cache: Any,
         layer_id: int,
         slots: torch.Tensor,
+        qk_norm: tuple[Any, Any] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        """`apply`, and on the fused path with a 16-bit cache the rotated keys and the values stored into
-        their slots in the same launch; returns (q, k, whether K/V are stored). An fp8 cache (quantized on
-        store) and the torch path leave the store to the attention backend."""
-        if FUSE_KV_STORE and self.cos_sin_cache is not None and not kv_cache.is_fp8:
-            from longserve.kernels.rope import rotary_embedding  # imports triton
+        """`apply`, after the heads' RMSNorm (`qk_norm`: Qwen3's q_norm and k_norm modules) if given. On the
+        fused path one launch does it all: the norms (weights in q's dtype), the rotation, and, with a
+        16-bit cache, the store of the rotated keys and the values into their slots. Returns (q, k,
+        whether K/V are stored); an fp8 cache (quantized on store) and the torch path leave the store to
+        the attention backend."""
+        if self.cos_sin_cache is None:
+            if qk_norm is not None:
+                q, k = qk_norm[0](q), qk_norm[1](k)
+            q, k = self.apply(q, k)
+            return q, k, False
+        from longserve.kernels.rope import rotary_embedding  # imports triton
 
+        norm_args = None
+        if qk_norm is not None:
+            q_norm, k_norm = qk_norm
+            if (
+                FUSE_QK_NORM
+                and q_norm.weight.dtype == k_norm.weight.dtype == q.dtype
+                and q_norm.eps == k_norm.eps
+            ):
+                norm_args = (q_norm.weight, k_norm.weight, q_norm.eps)
+            else:
+                q, k = q_norm(q), k_norm(k)
+        store = None
+        if FUSE_KV_STORE and not kv_cache.is_fp8:
             k_slots, v_slots = kv_cache.slots(layer_id)
-            q, k = rotary_embedding(
-                self.positions, q, k, self.cos_sin_cache, store=(v, slots, k_slots, v_slots)
-            )
-            return q, k, True
-        q, k = self.apply(q, k)
-        return q, k, False
+            store = (v, slots, k_slots, v_slots)
+        q, k = rotary_embedding(self.positions, q, k, self.cos_sin_cache, store=store, qk_norm=norm_args)
+        return q, k, store is not None
 
     def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, Hq, D], k [T, Hkv, D] -> rotated (q, k); the fused path rotates in place."""

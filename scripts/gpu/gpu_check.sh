@@ -4,14 +4,15 @@
 # $OUT; a short table last. LONGSERVE_COMMIT is the commit the JSON metadata names: compute it where the tree
 # is a git checkout (a copied tree's .git may be stale) and pass it as a literal, e.g.
 #   LONGSERVE_COMMIT=abc1234 bash scripts/gpu/gpu_check.sh latency
-#   usage: LONGSERVE_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu/gpu_check.sh [quick|tests|bench|all|long|tp|tp2|tp32|profile|latency|hit|host|launch|turns|moe|moe-tests|moe-bench|moe-long|moe-tp|quant|quant-tests|quant-bench|kvfp8|vllm|structured|switches|chunks|fusions]
+#   usage: LONGSERVE_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu/gpu_check.sh [quick|tests|bench|all|long|tp|tp2|tp32|profile|latency|hit|host|launch|turns|moe|moe-tests|moe-bench|moe-long|moe-tp|quant|quant-tests|quant-bench|kvfp8|vllm|structured|switches|chunks|fusions|fusions-a3b]
 # moe (one GPU) = moe-tests (the MoE kernel and engine GPU tests, the kernel's TFLOP/s and GB/s) +
 # moe-bench (the Qwen3-30B-A3B shape's cases against HF, profiled, with their floors); moe-long: 128K cold
 # against HF and the Mixtral-8x7B shape; moe-tp (two GPUs): the TP=2 / expert-parallel tests and the A3B shape
 # at TP=2 and EP=2. Each prints the floor of every case and the measured/floor ratio.
 # switches (one GPU): the int4 paths per M timed as CUDA graphs and the 8B int4 decode through each of them; the
 # cost of fp32 accumulation in the fp8 GEMMs. chunks (one GPU): a lone cold prompt in chunks of 8K, 16K, 32K;
-# fusions (one GPU): the prefix-as-view and fused K/V-store switches off, each against both on.
+# fusions (one GPU): the prefix-as-view and fused K/V-store switches off, each against both on; fusions-a3b:
+# the A3B shape's decode with the q/k norms or the K/V store out of the rotary kernel, against both in.
 # (tests, quant, kvfp8, structured: carry the wheels of scripts/gpu/fetch_test_wheels.sh and install them first)
 # quant (one GPU) = quant-tests (the quantized kernels' and engines' GPU tests, per-M timings of the
 # int4 paths and of cuBLAS vs Triton block FP8) + quant-bench (the 8B and A3B shapes in bf16, FP8 blocks and
@@ -209,6 +210,15 @@ if [[ $MODE == fusions ]]; then  # one GPU: the prefix read in place against gat
   python3 -m longserve.bench.latency --config llama-3.1-8b --load-format dummy --dtype bfloat16 --warmup 1 \
     --repeat 2 --prompt-lens 32768,131072 --decode-batch-sizes 1@32768,64@4096 \
     --output-json "$OUT/latency_8b_switches_on.json" 2>&1 | tee "$OUT/latency_8b_switches_on.log" | grep -E "^(cold|decode)"
+fi
+if [[ $MODE == fusions-a3b ]]; then  # one GPU: the Qwen3-30B-A3B shape's decode (q/k norm, launch-bound at
+  # batch 1) with the q/k norms and the K/V store fused into the rotary kernel, each off against both on
+  for c in longserve.models.rope.FUSE_QK_NORM=False longserve.models.rope.FUSE_KV_STORE=False \
+           longserve.models.rope.FUSE_KV_STORE=True; do
+    python3 scripts/probes/with_constants.py $c -- longserve.bench.latency --config qwen3-30b-a3b --load-format dummy \
+      --dtype bfloat16 --warmup 1 --repeat 3 --decode-batch-sizes 1@4096,64@4096 \
+      --output-json "$OUT/latency_a3b_${c##*.}.json" 2>&1 | tee "$OUT/latency_a3b_${c##*.}.log" | grep -E "^decode"
+  done
 fi
 
 if [[ $MODE == moe || $MODE == moe-tests ]]; then  # one GPU: MoE kernel + engine tests, the kernel's roofline

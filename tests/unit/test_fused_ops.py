@@ -148,6 +148,39 @@ def test_rotary_embedding_stores_keys_and_values(dtype) -> None:
     assert torch.equal(fused.v[0], ref.v[0])  # values copied exactly, every other slot untouched
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("store", [False, True], ids=["no-store", "store"])
+def test_rotary_embedding_applies_the_qk_norms(dtype, store) -> None:
+    """Qwen3's per-head q/k RMSNorm in the rotary launch: equal to the norm kernel's output rotated (and
+    stored), with different q and k weights."""
+    from longserve.attention.base import KVCache
+    from longserve.kernels.norm import rms_norm
+
+    head_dim, num_q, num_kv, num_tokens = 32, 4, 2, 6
+    rope = make_rope(head_dim)
+    cache = rope.cos_sin_cache()
+    positions = torch.randint(0, 64, (num_tokens,), generator=torch.Generator().manual_seed(8))
+    qkv = (3 * randn(num_tokens, (num_q + 2 * num_kv) * head_dim, seed=9)).to(dtype)
+    sizes = [num_q * head_dim, num_kv * head_dim, num_kv * head_dim]
+    q, k, v = (x.view(num_tokens, -1, head_dim) for x in qkv.split(sizes, dim=-1))
+    qw = (1 + 0.5 * randn(head_dim, seed=21)).to(dtype)
+    kw = (1 + 0.5 * randn(head_dim, seed=22)).to(dtype)
+    q_ref, k_ref = rms_norm(q, qw, 1e-6), rms_norm(k, kw, 1e-6)  # the norm kernel, then the rotation
+    rotary_embedding(positions, q_ref, k_ref, cache)
+    q_unnormed = rotary_embedding(positions, q.clone(), k.clone(), cache)[0]
+    assert not torch.allclose(q_unnormed.float(), q_ref.float(), atol=0.1)  # the norm matters here
+    slots = torch.tensor([5, 0, 9, 3, 12, 7])
+    fused = KVCache(1, 4, 4, num_kv, head_dim, dtype, "cpu")
+    k_slots, v_slots = fused.slots(0)
+    rotary_embedding(positions, q, k, cache, store=(v, slots, k_slots, v_slots) if store else None,
+                     qk_norm=(qw, kw, 1e-6))  # fmt: skip
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # the variance sums in another order
+    torch.testing.assert_close(q, q_ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(k, k_ref, atol=tol, rtol=tol)
+    if store:
+        assert torch.equal(k_slots[slots], k) and torch.equal(v_slots[slots], v)
+
+
 def test_model_with_fused_ops_matches_reference_path(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Force every fused path on (CPU tensors through the interpreter) in a tiny Qwen3 (q/k norm) and
     compare its hidden states with the reference path's: wiring, residual flow and in-place RoPE."""
