@@ -15,6 +15,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+from collections.abc import Callable
 from typing import Any
 
 _RECORDS: dict[str, dict[str, Any]] = {}
@@ -180,6 +181,27 @@ def resource_usage(cubin: bytes) -> dict[str, int]:
         res = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
     m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", res)
     return dict(regs=int(m[1]), stack=int(m[2]), shared=int(m[3]), local=int(m[4])) if m else {}
+
+
+def compiled_report(compiled: Any, variant: dict, **extra: Any) -> dict[str, Any]:
+    """One JSON line of a scripts/dev/compile_*.py probe: the variant, the stages reached, `extra` facts
+    read from the PTX, and the cubin's registers and spills (when cuobjdump runs here)."""
+    import triton
+
+    out = {"variant": variant, "triton": triton.__version__, "stages": list(compiled.asm), **extra}
+    try:
+        out.update(resource_usage(compiled.asm["cubin"]))
+    except Exception as e:  # noqa: BLE001
+        out["res_usage"] = f"unavailable: {e}"
+    return out
+
+
+def report_variants(report: Callable[[dict], dict], default: list[dict]) -> None:
+    """A probe's main: each variant given as a JSON argument (or the probe's defaults), one line each."""
+    import sys
+
+    for variant in [json.loads(a) for a in sys.argv[1:]] or default:
+        print(json.dumps(report(variant)), flush=True)
 
 
 def compile_record(rec: dict[str, Any]) -> dict[str, Any]:

@@ -13,14 +13,12 @@ triton==3.6.0) and run with PYTHONPATH=DIR:. ; the JSON names the version used.
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 
 os.environ["TRITON_INTERPRET"] = "0"  # the real compiler, before triton is imported
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
-from longserve.testing.kernel_compile import compile_sm90, resource_usage  # noqa: E402
+from longserve.testing.kernel_compile import compile_sm90, compiled_report, report_variants  # noqa: E402
 
 # (T*k pairs, BLOCK_M, expert map, ids dtype): decode of Qwen3-30B-A3B (8 pairs) and Mixtral (2), a batch of
 # 64 decodes, the 4096-pair cap the bench measures up to, the largest size the kernel takes
@@ -70,25 +68,11 @@ def compile_routing(experts=128, top_k=8, logits="bf16", out="bf16", sigmoid=Fal
 
 
 def report(variant: dict) -> dict:
-    import triton
-
     args = {k: v for k, v in variant.items() if k != "routing"}
     c, cfg = compile_routing(**args) if variant.get("routing") else compile_align(**args)
-    out = {"variant": variant, "triton": triton.__version__, "launch": cfg, "stages": list(c.asm)}
     ptx = c.asm["ptx"]
-    out["bar_sync"] = "bar.sync" in ptx or "barrier.sync" in ptx
-    try:
-        out.update(resource_usage(c.asm["cubin"]))
-    except Exception as e:  # noqa: BLE001
-        out["res_usage"] = f"unavailable: {e}"
-    return out
-
-
-def main() -> None:
-    variants = [json.loads(a) for a in sys.argv[1:]] or VARIANTS
-    for v in variants:
-        print(json.dumps(report(v)), flush=True)
+    return compiled_report(c, variant, launch=cfg, bar_sync="bar.sync" in ptx or "barrier.sync" in ptx)
 
 
 if __name__ == "__main__":
-    main()
+    report_variants(report, VARIANTS)

@@ -9,14 +9,12 @@ and the compiler refuses (tests/unit/test_quant_gemv.py runs it).
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 
 os.environ["TRITON_INTERPRET"] = "0"  # the real compiler, before triton is imported
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
-from longserve.testing.kernel_compile import compile_sm90, resource_usage  # noqa: E402
+from longserve.testing.kernel_compile import compile_sm90, compiled_report, report_variants  # noqa: E402
 
 VARIANTS = [
     {},  # M = 1, int4 g128 symmetric, split-K: the decode case
@@ -64,23 +62,8 @@ def compile_reduce(x="bf16", bias=True):
 def report(variant: dict) -> dict:
     c = compile_reduce() if variant.get("reduce") else compile_gemv(**variant)
     ptx = c.asm["ptx"]
-    out = {
-        "variant": variant,
-        "stages": list(c.asm),
-        "ld_v4": "ld.global.v4.b32" in ptx or "cp.async.cg" in ptx,
-    }
-    try:  # registers and spills from the cubin
-        out.update(resource_usage(c.asm["cubin"]))
-    except Exception as e:  # noqa: BLE001
-        out["res_usage"] = f"unavailable: {e}"
-    return out
-
-
-def main() -> None:
-    variants = [json.loads(a) for a in sys.argv[1:]] or VARIANTS
-    for v in variants:
-        print(json.dumps(report(v)), flush=True)
+    return compiled_report(c, variant, ld_v4="ld.global.v4.b32" in ptx or "cp.async.cg" in ptx)
 
 
 if __name__ == "__main__":
-    main()
+    report_variants(report, VARIANTS)
