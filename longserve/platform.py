@@ -85,17 +85,21 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def to_device_async(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor on `device` without waiting for the device: to a GPU through pinned memory and a
+    non-blocking copy, queued like a kernel (a pageable copy drains the stream first, torch's
+    memcpy_and_sync, so a step queued behind a running one, the overlapped schedule, would wait for it; the
+    pinned block is reused only once the copy is done)."""
+    if _device_type(device) != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def host_to_device(data: object, dtype: torch.dtype | None, device: torch.device | str) -> torch.Tensor:
-    """torch.tensor(data, dtype=dtype, device=device) that does not wait for the device: torch.tensor to a
-    GPU copies from pageable memory, which drains the stream first (torch's memcpy_and_sync), so a step
-    queued behind a running one (the overlapped schedule) would wait for it. Through pinned memory the copy
-    is queued like a kernel (the pinned block is reused only once the copy is done)."""
+    """torch.tensor(data, dtype=dtype, device=device) that does not wait for the device (to_device_async)."""
     import torch
 
-    host = torch.tensor(data, dtype=dtype)
-    if _device_type(device) != "cuda":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
+    return to_device_async(torch.tensor(data, dtype=dtype), device)
 
 
 def available_memory_bytes(device: torch.device) -> tuple[int, int]:

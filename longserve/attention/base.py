@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from longserve.attention.kv_quant import dequantize_kv, is_fp8, quantize_kv
+from longserve.platform import to_device_async
 
 
 @dataclass
@@ -157,13 +158,8 @@ def build_step_tensors(
 
 
 def _to_device(a: np.ndarray, device: torch.device | str) -> torch.Tensor:
-    """A host array on `device`. To a GPU through pinned memory and a non-blocking copy: a pageable copy
-    waits for the stream to drain (torch's memcpy_and_sync), so the overlapped schedule could not queue a
-    step while the one before it runs."""
-    host = torch.from_numpy(np.ascontiguousarray(a))
-    if torch.device(device).type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+    """A host array on `device`, queued without waiting for the stream (platform.to_device_async)."""
+    return to_device_async(torch.from_numpy(np.ascontiguousarray(a)), device)
 
 
 def _split(t: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:

@@ -179,6 +179,16 @@ def gptq_pack(
     return torch.from_numpy(qweight.astype(np.int32)), torch.from_numpy(qzeros.astype(np.int32))
 
 
+def write_float(
+    path: str | os.PathLike, arch: str = "qwen3", *, seed: int = 0, num_layers: int | None = None
+) -> str:
+    """The float checkpoint the format writers quantize for the same arch and seed (their original)."""
+    path = str(path)
+    model = tiny_float_model(path, arch, seed, num_layers)
+    _save_model_config(model, path)
+    return _save(path, float_weights(model), None)
+
+
 def write_gptq(
     path: str | os.PathLike,
     arch: str = "qwen3",

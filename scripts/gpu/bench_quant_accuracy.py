@@ -36,15 +36,6 @@ def log(msg: str) -> None:
     print(f"[quant accuracy {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def write_original(path: str, arch: str, seed: int) -> str:
-    """The float checkpoint every variant was quantized from (the writers' model for this seed)."""
-    from longserve.testing import quant_checkpoints as qc
-
-    model = qc.tiny_float_model(path, arch, seed)
-    qc._save_model_config(model, path)
-    return qc._save(path, qc.float_weights(model), None)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda")
@@ -68,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     fp8_block = (128, 128) if (max(1, heads // 4) * head_dim) % 128 == 0 else (32, 32)
     VARIANTS["fp8-block"] = ("write_fp8_block", {"block": fp8_block})
     os.makedirs(args.output_dir, exist_ok=True)
-    original = write_original(os.path.join(args.output_dir, "original"), args.arch, args.seed)
+    original = qc.write_float(os.path.join(args.output_dir, "original"), args.arch, seed=args.seed)
     common = ["--dtype", args.dtype, "--device", args.device, "--max-total-tokens", "8192",
               "--max-new-tokens", args.max_new_tokens]  # fmt: skip
     runs: list[tuple[str, list[str]]] = []

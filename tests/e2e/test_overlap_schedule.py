@@ -7,7 +7,6 @@ outputs must equal the plain schedule's token for token, and the pages must all 
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections import Counter
 
@@ -16,8 +15,7 @@ import torch
 
 from longserve import LLM, SamplingParams
 from longserve.testing.checkpoints import make_tiny_checkpoint
-
-DEVICE = os.environ.get("LONGSERVE_TEST_DEVICE", "cpu")
+from tests.e2e.test_engine import DEVICE, assert_clean
 
 
 @pytest.fixture(scope="module")
@@ -75,13 +73,6 @@ def summary(final):
         rid: (o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].stop_reason, o.error)
         for rid, o in sorted(final.items())
     }
-
-
-def assert_clean(engine):
-    engine.check_integrity()
-    assert engine.scheduler.num_running == 0 and engine.scheduler.num_waiting == 0
-    engine.flush_cache()
-    assert engine.kv.num_free_pages == engine.kv.num_total_pages
 
 
 def mixed_params(eos_like):

@@ -13,6 +13,7 @@ import torch
 from longserve import LLM, SamplingParams
 from longserve.attention import KVCache, build_metadata
 from longserve.testing.checkpoints import make_tiny_checkpoint
+from tests.gpu.test_engine_gpu import prompts
 
 pytestmark = [
     pytest.mark.gpu,
@@ -21,12 +22,6 @@ pytestmark = [
 
 GREEDY = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True)
 FP8 = torch.float8_e4m3fn
-
-
-def prompts(n=6, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    head = torch.randint(10, 500, (40,), generator=g).tolist()
-    return [head + torch.randint(10, 500, (3 + 17 * i,), generator=g).tolist() for i in range(n)]
 
 
 @pytest.fixture(scope="module")

@@ -8,17 +8,12 @@ import torch
 
 from longserve import LLM, SamplingParams
 from longserve.testing.checkpoints import make_tiny_checkpoint
+from tests.gpu.test_engine_gpu import prompts
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
-
-
-def prompts(n, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    head = torch.randint(10, 500, (40,), generator=g).tolist()
-    return [head + torch.randint(10, 500, (3 + 17 * i,), generator=g).tolist() for i in range(n)]
 
 
 @pytest.fixture(scope="module")
