@@ -458,6 +458,11 @@ class Engine:
         live = list(self.scheduler.running) + list(self.scheduler.waiting)
         self.kv.check_integrity(live)
 
+    def warm_up(self) -> None:
+        """Build what attention would otherwise build mid-step (cuDNN plans, kept per thread): call it on
+        the thread that will step. LLM does; the server's engine thread does before its first step."""
+        self.runner.warm_up_attention()
+
     def close(self) -> None:
         """Release the runner: stops tensor-parallel worker processes (a no-op at tp=1). Idempotent."""
         self.runner.shutdown()

@@ -34,12 +34,14 @@ class LLM:
 
         self.config = EngineConfig(**engine_keywords({"model": model, **kwargs}))
         self.engine = Engine(self.config)
+        self.engine.warm_up()  # on this thread, which generate() steps on
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLM:
         llm = cls.__new__(cls)
         llm.config = config
         llm.engine = Engine(config)
+        llm.engine.warm_up()
         return llm
 
     @property

@@ -50,6 +50,7 @@ def worker_main(
     runner = None
     try:
         runner = ModelRunner(config, load_hf_config(config.model))
+        runner.warm_up_attention()  # this thread runs the steps
         while (step := broadcast_object(None)) is not None:
             runner.forward_step(step)
     except Exception:
@@ -72,6 +73,7 @@ def run_node(config: EngineConfig) -> None:
     from longserve.runner.model_runner import ModelRunner
 
     runner = ModelRunner(config, load_hf_config(config.model))  # starts local workers, joins the group
+    runner.warm_up_attention()
     try:
         while (step := broadcast_object(None)) is not None:
             runner.forward_step(step)

@@ -316,6 +316,12 @@ class AttentionBackend(ABC):
         to this bucket) over any cached prefix captures with."""
         raise NotImplementedError(f"the {self.name} attention backend cannot be captured in CUDA graphs")
 
+    def warm_up(self, shape: GraphShape, chunk_size: int, kv_cache: KVCache) -> None:  # noqa: B027 (optional hook)
+        """Build, on the calling thread, what the backend would otherwise build in the middle of a step
+        (kernel variants, library plans per shape), for prefill chunks of up to `chunk_size` tokens over
+        contexts of up to `shape.max_seq_len`; it may write the reserved page 0 of `kv_cache`. Called on the
+        thread that will run the steps, before the first one."""
+
     def prepare_for_replay(self, meta: AttentionMetadata) -> None:  # noqa: B027 (optional hook)
         """Called on a captured backend with the step's own metadata (real lengths, host lists) before its
         graph replays: where a backend refreshes state its kernels read besides the metadata tensors (a

@@ -8,11 +8,12 @@ log-sum-exps. No Triton needed on the CPU (the merge's torch reference runs ther
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
+from longserve.attention import sdpa_shapes as shapes
 from longserve.attention.base import AttentionMetadata
 
 logger = logging.getLogger("longserve.attention")
@@ -24,6 +25,24 @@ logger = logging.getLogger("longserve.attention")
 PREFIX_PAGES_AS_VIEW = True
 
 
+def _heads(x: torch.Tensor) -> torch.Tensor:
+    """[S, H, D] -> [1, H, S, D] over a contiguous [S, H, D]: the one layout the start-up plans are built for
+    (torch keys cuDNN plans on strides too, sdpa_shapes.py)."""
+    return x.contiguous().transpose(0, 1).unsqueeze(0)
+
+
+def _rows(x: torch.Tensor, rows: int, front: torch.Tensor | None = None) -> torch.Tensor:
+    """[S, H, D] -> [rows, H, D]: `front` (or nothing), then x, then zeros; x itself when it fits exactly."""
+    n_front = 0 if front is None else front.shape[0]
+    if n_front == 0 and x.shape[0] == rows:
+        return x
+    out = x.new_zeros(rows, *x.shape[1:])
+    if front is not None:
+        out[:n_front] = front
+    out[n_front : n_front + x.shape[0]] = x
+    return out
+
+
 def cold_sdpa(
     q: torch.Tensor,  # [T, Hq, D]
     k: torch.Tensor,  # [T, Hkv, D]
@@ -31,22 +50,20 @@ def cold_sdpa(
     query_lens: list[int],
     scale: float,
 ) -> torch.Tensor:
-    """Causal attention of prompts with no cached prefix straight from the new q/k/v (one SDPA per request)."""
+    """Causal attention of prompts with no cached prefix straight from the new q/k/v, one library call per
+    request, each padded up to a multiple of Q_GRANULE rows (exact: causal rows never see the padding)."""
     out = torch.empty_like(q)  # [T, Hq, D]
     start = 0
     for query_len in query_lens:
         if query_len == 0:
             continue
         end = start + query_len
-        o_r = F.scaled_dot_product_attention(
-            q[start:end].transpose(0, 1).unsqueeze(0),  # [1, Hq, L, D]
-            k[start:end].transpose(0, 1).unsqueeze(0),  # [1, Hkv, L, D]
-            v[start:end].transpose(0, 1).unsqueeze(0),  # [1, Hkv, L, D]
-            is_causal=True,
-            scale=scale,
-            enable_gqa=q.shape[1] != k.shape[1],
-        )  # [1, Hq, L, D]
-        out[start:end] = o_r[0].transpose(0, 1)  # [L, Hq, D]
+        rows = shapes.pad_rows(query_len)
+        o_r, _ = attention_with_lse(
+            _heads(_rows(q[start:end], rows)), _heads(_rows(k[start:end], rows)),
+            _heads(_rows(v[start:end], rows)), True, scale,
+        )  # fmt: skip
+        out[start:end] = o_r[0, :, :query_len].transpose(0, 1)  # [L, Hq, D]
         start = end
     return out
 
@@ -98,8 +115,10 @@ def prefix_split_sdpa(
 ) -> torch.Tensor:
     """Per request: (new x cached prefix, no mask) and (new x new, causal) as two SDPA calls, merged by
     their log-sum-exps in one pass (`merge_two`). Exact up to rounding; runs at the library kernel's rate
-    on long chunks. `dequantize`: an fp8 cache's gathered prefix -> q's dtype (cuDNN reads no e4m3 pages);
-    k/v are then the new tokens as the pages hold them (KVCache.as_stored)."""
+    on long chunks. The shapes are those of `sdpa_shapes.split_shape`: the prefix read up to a multiple of
+    PREFIX_GRANULE keys, its tail in front of the new tokens in the causal part (behind zero query rows that
+    are dropped), the new tokens padded. `dequantize`: an fp8 cache's gathered prefix -> q's dtype (cuDNN
+    reads no e4m3 pages); k/v are then the new tokens as the pages hold them (KVCache.as_stored)."""
     if q.is_cuda:
         from longserve.kernels.merge_attention import merge_two as merge  # imports triton
     else:
@@ -110,15 +129,9 @@ def prefix_split_sdpa(
     start = 0
     for r, (prefix_len, query_len) in enumerate(zip(meta.prefix_lens_cpu, meta.query_lens_cpu)):
         end = start + query_len
-        q_r = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, Hq, L, D]
-
-        def heads(x: torch.Tensor) -> torch.Tensor:  # [S, Hkv, D] -> [1, Hkv, S, D] (a view)
-            return x.transpose(0, 1).unsqueeze(0)
-
-        o_new, lse_new = attention_with_lse(q_r, heads(k[start:end]), heads(v[start:end]), True, scale)
-        if prefix_len == 0:
-            out[start:end] = o_new[0].transpose(0, 1)  # [L, Hq, D]
-        else:
+        shape = shapes.split_shape(prefix_len, query_len)
+        k_pre = v_pre = None
+        if prefix_len:
             num_pages = -(-prefix_len // page_size)
             first = meta.contiguous_pages(r, num_pages) if PREFIX_PAGES_AS_VIEW else None
             if first is not None:  # consecutive pages: a view, where a gather would copy the whole prefix
@@ -130,7 +143,51 @@ def prefix_split_sdpa(
                 v_pre = v_cache[pages].flatten(0, 1)[:prefix_len]
             if dequantize is not None:
                 k_pre, v_pre = dequantize(k_pre, v_pre)
-            o_pre, lse_pre = attention_with_lse(q_r, heads(k_pre), heads(v_pre), False, scale)
-            merge(o_pre[0], lse_pre[0], o_new[0], lse_new[0], out[start:end])
+        # causal part: [tail keys, new tokens, padding]; the tail's query rows are zeros, dropped
+        tail = slice(shape.prefix_keys, prefix_len)
+        q_c = _rows(
+            q[start:end], shape.causal_rows, q.new_zeros(shape.tail, *q.shape[1:]) if shape.tail else None
+        )
+        k_c = _rows(k[start:end], shape.causal_rows, k_pre[tail] if shape.tail else None)
+        v_c = _rows(v[start:end], shape.causal_rows, v_pre[tail] if shape.tail else None)
+        o_new, lse_new = attention_with_lse(_heads(q_c), _heads(k_c), _heads(v_c), True, scale)
+        rows = slice(shape.tail, shape.tail + query_len)
+        if not shape.prefix_keys:
+            out[start:end] = o_new[0, :, rows].transpose(0, 1)  # [L, Hq, D]
+        else:
+            q_p = _heads(_rows(q[start:end], shape.query_rows))
+            keys = slice(0, shape.prefix_keys)
+            o_pre, lse_pre = attention_with_lse(q_p, _heads(k_pre[keys]), _heads(v_pre[keys]), False, scale)
+            merge(
+                o_pre[0, :, :query_len], lse_pre[0, :, :query_len], o_new[0, :, rows], lse_new[0, :, rows],
+                out[start:end],
+            )  # fmt: skip
         start = end
     return out
+
+
+def warm_up_plans(model: shapes.ModelShape, device: torch.device, chunk_size: int, max_seq_len: int) -> None:
+    """Build (run once) every shape of `sdpa_shapes.warm_up_shapes` on this thread and mark it ready."""
+    if device.type != "cuda" or model.dtype not in (torch.float16, torch.bfloat16):
+        return
+    todo = [
+        s for s in shapes.warm_up_shapes(chunk_size, max_seq_len) if not shapes.PLANS.ready(model, *s, device)
+    ]
+    if not todo:
+        return
+    start = time.perf_counter()
+    max_q = max(q for q, _, _ in todo)
+    max_kv = max(kv for _, kv, _ in todo)
+    q = torch.zeros(max_q, model.num_q_heads, model.head_dim, dtype=model.dtype, device=device)
+    kv = torch.zeros(max_kv, model.num_kv_heads, model.head_dim, dtype=model.dtype, device=device)
+    scale = model.head_dim**-0.5
+    for i, (q_rows, kv_rows, causal) in enumerate(todo):  # the layout of sdpa.py's calls: _heads
+        attention_with_lse(_heads(q[:q_rows]), _heads(kv[:kv_rows]), _heads(kv[:kv_rows]), causal, scale)
+        shapes.PLANS.mark(model, q_rows, kv_rows, causal)
+        if (i + 1) % 8 == 0:
+            logger.info("cuDNN attention plans: %d of %d built", i + 1, len(todo))
+    torch.cuda.synchronize(device)
+    logger.info(
+        "built %d cuDNN attention plans (new tokens up to %d, prefixes up to %d) in %.1fs",
+        len(todo), max_q, max_kv, time.perf_counter() - start,
+    )  # fmt: skip

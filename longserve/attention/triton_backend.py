@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from longserve.attention.base import AttentionBackend, AttentionMetadata, GraphShape, KVCache
-from longserve.attention.sdpa import cold_sdpa, prefix_split_sdpa
+from longserve.attention.base import AttentionBackend, AttentionMetadata, GraphShape, KVCache, build_metadata
+from longserve.attention.sdpa import cold_sdpa, prefix_split_sdpa, warm_up_plans
+from longserve.attention.sdpa_shapes import PLANS, ModelShape
 
 COLD_PATHS = ("sdpa", "triton")
 # Which chunks over a cached prefix run as two cuDNN calls merged (prefix_split_sdpa) rather than in the Triton
@@ -92,6 +93,33 @@ class TritonAttentionBackend(AttentionBackend):
             config = {**config, "num_warps": 4}
         return config, splits
 
+    def warm_up(self, shape: GraphShape, chunk_size: int, kv_cache: KVCache) -> None:
+        """The cuDNN plans of sdpa_shapes.py, then one forward pass per variant of the extend kernel a
+        serving mix reaches (short/long row tiles, keys split or not, the merge's tiles) and of the cuDNN
+        paths, over the reserved page 0 (as graph capture does). Compiled mid-step, each variant stalled the
+        step for seconds, and a first launch waited for the device."""
+        if self.cold_path in (None, "sdpa"):
+            model = ModelShape(shape.num_q_heads, shape.num_kv_heads, shape.head_dim, shape.dtype)
+            warm_up_plans(model, shape.device, chunk_size, shape.max_seq_len)
+        cases = [([16, 0], [1, 16]), ([16, 0], [1, 512]), ([4096], [16]), ([4096], [512]), ([16384], [16])]
+        cases += [([32768], [16]), ([0], [chunk_size]), ([chunk_size], [chunk_size])]
+        page_size = kv_cache.page_size
+        for prefix_lens, query_lens in cases:
+            if max(map(sum, zip(prefix_lens, query_lens))) > shape.max_seq_len:
+                continue
+            tables = [[0] * -(-(p + n) // page_size) for p, n in zip(prefix_lens, query_lens)]
+            meta = build_metadata(prefix_lens, query_lens, tables, page_size, shape.device)
+            num_tokens = sum(query_lens)
+            q = torch.zeros(
+                num_tokens, shape.num_q_heads, shape.head_dim, dtype=shape.dtype, device=shape.device
+            )
+            kv = torch.zeros(
+                num_tokens, shape.num_kv_heads, shape.head_dim, dtype=shape.dtype, device=shape.device
+            )
+            self.forward(q, kv, kv, 0, meta, kv_cache, shape.head_dim**-0.5)
+        if shape.device.type == "cuda":
+            torch.cuda.synchronize(shape.device)
+
     # ---- CUDA graphs ---------------------------------------------------------------------------
     def prepare_for_capture(self, batch_size: int, shape: GraphShape) -> TritonAttentionBackend:
         """A fixed decode split count for this batch size, sized for the longest context: the grid stays
@@ -148,13 +176,18 @@ class TritonAttentionBackend(AttentionBackend):
             fp8 = kv_cache.is_fp8
             if fp8:  # the library kernels read no e4m3: the new tokens as stored, the prefix dequantized
                 k, v = kv_cache.as_stored(layer_id, k, v)
+            # only at shapes built at start-up (sdpa_shapes.py): a cuDNN plan built mid-step stalls every
+            # request in it for a few hundred ms; the Triton kernel below compiles once for all lengths
+            model = ModelShape(num_q_heads, num_kv_heads, q.shape[2], q.dtype)
             if not any(meta.prefix_lens_cpu):
-                return cold_sdpa(q, k, v, meta.query_lens_cpu, scale)
+                if PLANS.cold_ready(model, meta.query_lens_cpu, q.device):
+                    return cold_sdpa(q, k, v, meta.query_lens_cpu, scale)
             # long chunks over a cached prefix: two cuDNN calls merged beat the Triton kernel (measured:
             # ~530 vs ~315 TFLOP/s for 8K over 24K..120K; a 64-token suffix is faster in Triton)
-            half = q.dtype in (torch.float16, torch.bfloat16)  # cuDNN's kernels: 16-bit only
-            if (half or not q.is_cuda) and all(
-                map(use_split_sdpa, meta.query_lens_cpu, meta.prefix_lens_cpu)
+            elif (
+                (q.dtype in (torch.float16, torch.bfloat16) or not q.is_cuda)  # cuDNN's kernels: 16-bit only
+                and all(map(use_split_sdpa, meta.query_lens_cpu, meta.prefix_lens_cpu))
+                and PLANS.split_ready(model, meta.prefix_lens_cpu, meta.query_lens_cpu, q.device)
             ):
                 dequantize = (lambda a, b: kv_cache.dequantize(layer_id, a, b, q.dtype)) if fp8 else None
                 return prefix_split_sdpa(q, k, v, k_cache, v_cache, meta, scale, dequantize)

@@ -33,8 +33,8 @@ def _decode_split_kernel(
     v_cache_ptr,
     seq_lens_ptr,  # [B]
     page_table_ptr,  # [B, max_pages]
-    mid_o_ptr,  # [B, Hq, NUM_SPLITS, D] fp32, or the output [B, Hq, D] when NUM_SPLITS == 1
-    mid_lse_ptr,  # [B, Hq, NUM_SPLITS] fp32 (unused when NUM_SPLITS == 1)
+    mid_o_ptr,  # [B, Hq, splits, D] fp32, or the output [B, Hq, D] when not SPLIT
+    mid_lse_ptr,  # [B, Hq, splits] fp32 (unused when not SPLIT)
     stride_qb,
     stride_qh,
     stride_slot,
@@ -52,20 +52,21 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    SPLIT: tl.constexpr,  # more than one split (grid dim 2): partials, merged by a second kernel
     HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    num_splits = tl.num_programs(2)  # not a constexpr: one compiled kernel serves every split count
 
     seq_len = tl.load(seq_lens_ptr + req)
     if HAS_WINDOW:
         lo = tl.maximum(seq_len - window, 0)
     else:
         lo = 0
-    split_len = tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    split_len = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
     s_lo = lo + split * split_len
     s_hi = tl.minimum(s_lo + split_len, seq_len)
 
@@ -104,7 +105,7 @@ def _decode_split_kernel(
         m_i = m_new
 
     out_mask = h_valid[:, None] & d_valid[None, :]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         out = acc * (v_scale / l_i)[:, None]  # [BLOCK_H, BLOCK_D]
         o_offs = req.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(mid_o_ptr + o_offs, out.to(mid_o_ptr.dtype.element_ty), mask=out_mask)
@@ -114,7 +115,7 @@ def _decode_split_kernel(
         lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))  # [BLOCK_H]
         row = req.to(tl.int64) * stride_ob + heads * stride_oh + split * stride_os  # [BLOCK_H]
         tl.store(mid_o_ptr + row[:, None] + offs_d[None, :], out, mask=out_mask)
-        lse_offs = (req.to(tl.int64) * tl.num_programs(1) * GROUP + heads) * NUM_SPLITS + split  # [BLOCK_H]
+        lse_offs = (req.to(tl.int64) * tl.num_programs(1) * GROUP + heads) * num_splits + split  # [BLOCK_H]
         tl.store(mid_lse_ptr + lse_offs, lse, mask=h_valid)
 
 
@@ -188,7 +189,7 @@ def decode_attention(
         q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(2), page_table.stride(0), *strides,
         scale * math.log2(math.e) * k_scale, v_scale, sliding_window or 0,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), PAGE_SIZE=page_size,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=cfg["BLOCK_N"], NUM_SPLITS=num_splits,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=cfg["BLOCK_N"], SPLIT=num_splits > 1,
         HAS_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],

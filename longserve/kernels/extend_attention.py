@@ -101,14 +101,17 @@ def _extend_blocks(
     return acc, l_i, m_i
 
 
+# the split count is a runtime argument, not specialized on: a constexpr compiled one kernel per count at
+# serve time (choose_extend_splits picks 1..32 from each batch), seconds each, every running request stalled
+# behind them (HTTP compare on an H200, 2026-12-02: 1-2.8 s stalls in the RAG and random workloads)
 @fast_launch
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _extend_kernel(
     q_ptr,  # [T, Hq, D]
     k_cache_ptr,  # [num_pages, page_size, Hkv, D]
     v_cache_ptr,
-    o_ptr,  # [T, Hq, D], or partials [T, Hq, NUM_SPLITS, D] fp32 when NUM_SPLITS > 1
-    lse_ptr,  # [T, Hq, NUM_SPLITS] fp32 log2-sum-exp of each partial (unused when NUM_SPLITS == 1)
+    o_ptr,  # [T, Hq, D], or partials [T, Hq, num_splits, D] fp32 when SPLIT
+    lse_ptr,  # [T, Hq, num_splits] fp32 log2-sum-exp of each partial (unused unless SPLIT)
     query_start_loc_ptr,  # [B+1]
     prefix_lens_ptr,  # [B]
     seq_lens_ptr,  # [B]
@@ -124,18 +127,19 @@ def _extend_kernel(
     qk_scale,  # softmax scale * log2(e) * K's fp8 scale (1.0 for a 16-bit cache)
     v_scale,  # V's fp8 scale (1.0 for a 16-bit cache): the output is linear in V
     window,  # sliding window (unused unless HAS_WINDOW)
+    num_splits,  # key-range splits per row block (split-K when the grid is small; 1 unless SPLIT)
     GROUP: tl.constexpr,  # Hq // Hkv
     PAGE_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,  # key-range splits per row block (split-K when the grid is small)
+    SPLIT: tl.constexpr,  # num_splits > 1: fp32 partials, merged by _merge_splits_kernel
     HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     req = tl.program_id(1)
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         # grid (Hkv, B, row blocks), x fastest: the heaviest (last, longest-causal) row blocks of every head
         # and request launch first, so the tail of the grid is short work
         kv_head = tl.program_id(0)
@@ -147,9 +151,9 @@ def _extend_kernel(
         # run side by side, so its K/V comes from DRAM once and from L2 for the others (a short suffix
         # over a long prefix is bound by those reads: 4 row blocks launched a wave apart read it 4 times)
         block = tl.num_programs(0) - 1 - tl.program_id(0)
-        kv_head = tl.program_id(2) // NUM_SPLITS
-        num_kv_heads = tl.num_programs(2) // NUM_SPLITS
-        split = tl.program_id(2) % NUM_SPLITS
+        kv_head = tl.program_id(2) // num_splits
+        num_kv_heads = tl.num_programs(2) // num_splits
+        split = tl.program_id(2) % num_splits
 
     q_start = tl.load(query_start_loc_ptr + req)
     q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
@@ -186,8 +190,8 @@ def _extend_kernel(
     else:
         lo = 0
         full_lo = 0
-    if NUM_SPLITS > 1:  # this program's share of [lo, hi), block-aligned; the three ranges clip to it
-        chunk = tl.cdiv(tl.cdiv(hi - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    if SPLIT:  # this program's share of [lo, hi), block-aligned; the three ranges clip to it
+        chunk = tl.cdiv(tl.cdiv(hi - lo, num_splits), BLOCK_N) * BLOCK_N
         s_lo = lo + split * chunk
         s_hi = tl.minimum(s_lo + chunk, hi)
         full_lo = tl.minimum(tl.maximum(full_lo, s_lo), s_hi)
@@ -220,7 +224,7 @@ def _extend_kernel(
     )  # fmt: skip
 
     out_mask = row_valid[:, None] & d_valid[None, :]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         out = acc * (v_scale / l_i)[:, None]  # [BLOCK_M, BLOCK_D]
         o_offs = tok64[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptr + o_offs, out.to(o_ptr.dtype.element_ty), mask=out_mask)
@@ -230,34 +234,34 @@ def _extend_kernel(
         lse = tl.where(has_keys, m_i + tl.log2(l_safe), float("-inf"))  # [BLOCK_M]
         row = tok64 * stride_ot + head * stride_oh + split * stride_os  # [BLOCK_M]
         tl.store(o_ptr + row[:, None] + offs_d[None, :], acc * (v_scale / l_safe)[:, None], mask=out_mask)
-        lse_offs = (tok64 * num_kv_heads * GROUP + head) * NUM_SPLITS + split  # [BLOCK_M]
+        lse_offs = (tok64 * num_kv_heads * GROUP + head) * num_splits + split  # [BLOCK_M]
         tl.store(lse_ptr + lse_offs, lse, mask=row_valid)
 
 
 @fast_launch
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(
-    part_ptr,  # [N, H, NUM_SPLITS, D] fp32 normalised partial outputs
-    lse_ptr,  # [N, H, NUM_SPLITS] fp32 log2-sum-exp per partial (-inf: empty)
+    part_ptr,  # [N, H, num_splits, D] fp32 normalised partial outputs
+    lse_ptr,  # [N, H, num_splits] fp32 log2-sum-exp per partial (-inf: empty)
     o_ptr,  # [N, H, D]
     stride_on,
     stride_oh,
+    num_splits,  # runtime (see _extend_kernel); BLOCK_S, its power of two, is what compiles
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
     n = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)  # [BLOCK_S]
     offs_d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
-    s_valid = offs_s < NUM_SPLITS
+    s_valid = offs_s < num_splits
     d_valid = offs_d < HEAD_DIM
     base = n.to(tl.int64) * NUM_HEADS + head  # (row, head) of the partials
-    lse = tl.load(lse_ptr + base * NUM_SPLITS + offs_s, mask=s_valid, other=float("-inf"))  # [BLOCK_S]
+    lse = tl.load(lse_ptr + base * num_splits + offs_s, mask=s_valid, other=float("-inf"))  # [BLOCK_S]
     part = tl.load(
-        part_ptr + (base * NUM_SPLITS + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+        part_ptr + (base * num_splits + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
         mask=s_valid[:, None] & d_valid[None, :],
         other=0.0,
     )  # [BLOCK_S, BLOCK_D]
@@ -277,9 +281,9 @@ def merge_splits(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> to
     assert part.is_contiguous() and lse.is_contiguous() and out.stride(2) == 1
     if num_rows > 0:
         _merge_splits_kernel[(num_rows, num_heads)](
-            part, lse, out, out.stride(0), out.stride(1),
+            part, lse, out, out.stride(0), out.stride(1), num_splits,
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
+            BLOCK_S=max(8, triton.next_power_of_2(num_splits)),  # 4 tiny variants for 1..64 splits
             num_warps=4 if head_dim >= 128 else 2,
         )  # fmt: skip
     return out
@@ -386,9 +390,9 @@ def extend_attention(
         q, k_cache, v_cache, dst, lse, query_start_loc, prefix_lens, seq_lens, page_table,
         q.stride(0), q.stride(1), *strides,
         k_cache.stride(1), k_cache.stride(2), page_table.stride(0),
-        scale * math.log2(math.e) * k_scale, v_scale, sliding_window or 0,
+        scale * math.log2(math.e) * k_scale, v_scale, sliding_window or 0, num_splits,
         GROUP=group, PAGE_SIZE=page_size, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], NUM_SPLITS=num_splits,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], SPLIT=num_splits > 1,
         HAS_WINDOW=sliding_window is not None, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip

@@ -148,6 +148,12 @@ class ModelRunner:
             device=self.device,
         )
 
+    def warm_up_attention(self) -> None:
+        """The attention backend's per-thread warm-up (cuDNN plans), on the thread that runs the steps."""
+        if self.device.type == "cuda":
+            with torch.inference_mode():
+                self.backend.warm_up(self._graph_shape(), self.config.chunked_prefill_size, self.kv_cache)
+
     def _build_graph_runner(self) -> DecodeGraphRunner | None:
         if self.device.type != "cuda" or self.config.enforce_eager:
             return None

@@ -353,6 +353,12 @@ class AsyncEngine:
 
     def _run(self) -> None:
         engine = self.engine
+        warm_up = getattr(engine, "warm_up", None)  # per-thread attention plans: before the first step
+        if warm_up is not None:
+            try:
+                warm_up()
+            except Exception:  # only slower: the shapes not built run in the Triton kernel
+                logger.exception("attention warm-up failed; prefill attention runs in the Triton kernel")
         while True:
             with self._cv:
                 while not self._commands and not self._stopping and not engine.has_unfinished():

@@ -108,3 +108,67 @@ def test_bench_attention_runs() -> None:
     ]
     assert all(r["ms"] > 0 and r["tflops"] > 0 for r in rows)
     assert rows[-1]["gbps"] > 0
+
+
+def test_library_paths_run_only_at_built_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before the warm-up a cold batch and a long chunk over a prefix run in the Triton kernel; after it,
+    at padded shapes, in cuDNN, equal to the reference, and a first call of a built shape does not wait
+    for a plan build. Prints what one build costs (the reason for all this)."""
+    import time
+
+    import longserve.attention.triton_backend as tb
+    from longserve.attention import sdpa_shapes as shapes
+    from longserve.attention.sdpa import warm_up_plans
+
+    calls: list[str] = []
+    for name in ("cold_sdpa", "prefix_split_sdpa"):
+        real = getattr(tb, name)
+        monkeypatch.setattr(tb, name, lambda *a, _r=real, _n=name: calls.append(_n) or _r(*a))
+    model = shapes.ModelShape(NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, torch.bfloat16)
+    cases = [([0, 0], [2000, 1500]), ([4096, 6000], [2048, 1800])]  # cold; chunks over prefix (a tail)
+    monkeypatch.setattr(shapes, "PLANS", shapes.PlanRegistry())
+    monkeypatch.setattr(tb, "PLANS", shapes.PLANS)
+    for prefix_lens, query_lens in cases:
+        out, expected = run_step(prefix_lens, query_lens, 16, torch.bfloat16)
+        torch.testing.assert_close(out.float(), expected, atol=TOL, rtol=TOL)
+    assert calls == []  # nothing built yet: Triton
+    start = time.perf_counter()
+    warm_up_plans(model, torch.device("cuda"), 2048, 8192)
+    print(f"warm-up: {len(shapes.warm_up_shapes(2048, 8192))} plans in {time.perf_counter() - start:.2f}s")
+    for prefix_lens, query_lens in cases:
+        start = time.perf_counter()
+        out, expected = run_step(prefix_lens, query_lens, 16, torch.bfloat16)
+        took = time.perf_counter() - start
+        torch.testing.assert_close(out.float(), expected, atol=TOL, rtol=TOL)
+        assert took < 1.0, f"{prefix_lens}/{query_lens}: {took:.2f}s"  # (a build would add ~0.3 s a shape)
+    assert calls == ["cold_sdpa", "prefix_split_sdpa"]
+    q = torch.zeros(3000, 16, HEAD_DIM, dtype=torch.bfloat16, device="cuda")  # a shape nobody built
+    from longserve.attention.sdpa import _heads, attention_with_lse
+
+    for label in ("first call (builds)", "second call"):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        attention_with_lse(_heads(q), _heads(q[:, :4]), _heads(q[:, :4]), True, 0.1)
+        torch.cuda.synchronize()
+        print(f"cuDNN plan of a new shape, {label}: {time.perf_counter() - start:.3f}s")
+
+
+def test_split_counts_share_one_compiled_kernel() -> None:
+    """The extend and decode kernels take their split count at run time: a serving mix of counts compiles
+    one kernel, not one per count (each a second or more of a stalled step)."""
+    from longserve.kernels import decode_attention as dec
+    from longserve.kernels import extend_attention as ext
+
+    def variants(kernel) -> int:
+        return sum(len(caches[0]) for caches in kernel.fn.device_caches.values())
+
+    run_step([8192], [64], 16, torch.bfloat16, num_splits=1)  # decode needs query 1: compile both kinds
+    run_step([8192], [1], 16, torch.bfloat16, num_splits=2)
+    before = (variants(ext._extend_kernel), variants(dec._decode_split_kernel))
+    for splits in (2, 3, 5, 7, 16, 32):
+        out, expected = run_step([8192], [64], 16, torch.bfloat16, extend_splits=splits)
+        torch.testing.assert_close(out.float(), expected, atol=TOL, rtol=TOL)
+        out, expected = run_step([8192, 300], [1, 1], 16, torch.bfloat16, num_splits=splits)
+        torch.testing.assert_close(out.float(), expected, atol=TOL, rtol=TOL)
+    after = (variants(ext._extend_kernel), variants(dec._decode_split_kernel))
+    assert after[0] - before[0] <= 1 and after[1] == before[1], (before, after)

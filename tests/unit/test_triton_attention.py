@@ -301,6 +301,87 @@ def test_prefix_split_sdpa_path(
     assert calls == [1]
 
 
+@pytest.mark.parametrize("heads", HEADS)
+def test_library_paths_at_padded_shapes(monkeypatch: pytest.MonkeyPatch, heads: tuple[int, int]) -> None:
+    """The cuDNN paths run at grid shapes (sdpa_shapes.py): new tokens padded with zero rows, a prefix read up
+    to a multiple of PREFIX_GRANULE keys and its tail put in front of the new tokens in the causal part.
+    Exact: equal to the reference for tails of 0..granule-1 keys, prefixes shorter than a granule, new
+    tokens of every remainder."""
+    import longserve.attention.sdpa_shapes as shapes
+    import longserve.attention.triton_backend as tb
+
+    monkeypatch.setattr(shapes, "Q_GRANULE", 8)
+    monkeypatch.setattr(shapes, "PREFIX_GRANULE", 16)
+    monkeypatch.setattr(tb, "SPLIT_SDPA_MIN_QUERY", 1)
+    assert shapes.split_shape(40, 9) == shapes.SplitShape(
+        prefix_keys=32, tail=8, query_rows=16, causal_rows=24
+    )
+    assert shapes.split_shape(3, 16) == shapes.SplitShape(
+        prefix_keys=0, tail=3, query_rows=16, causal_rows=24
+    )
+    calls = []
+    real = tb.prefix_split_sdpa
+    monkeypatch.setattr(tb, "prefix_split_sdpa", lambda *a: calls.append(1) or real(*a))
+    for contiguous in (False, True):
+        step = Step(
+            [0, 3, 16, 17, 40, 70], [5, 16, 7, 9, 8, 13], 4, heads, 32, seed=21, contiguous=contiguous
+        )
+        step.compare(TritonAttentionBackend(cold_path="sdpa"))
+    assert calls == [1, 1]
+    Step([0, 0, 0], [16, 5, 13], 4, heads, 16, seed=22).compare(TritonAttentionBackend(cold_path="sdpa"))
+
+
+def test_plan_registry_is_per_thread_and_covers_a_long_prompts_chunks() -> None:
+    """On CUDA a shape is ready only once built on the calling thread (torch keeps cuDNN plans per thread);
+    the start-up set covers every chunk of a lone long prompt; the CPU builds nothing, so all is ready."""
+    import threading
+
+    from longserve.attention import sdpa_shapes as shapes
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    model = shapes.ModelShape(32, 8, 128, torch.bfloat16)
+    registry = shapes.PlanRegistry()
+    assert registry.cold_ready(model, [100, 3000], cpu) and registry.split_ready(model, [5000], [700], cpu)
+    assert not registry.cold_ready(model, [3000], cuda)
+    registry.mark(model, 3072, 3072, True)
+    assert registry.cold_ready(model, [3000, 2049, 0], cuda)  # all pad to 3072
+    assert not registry.cold_ready(model, [3000, 100], cuda)  # a short prompt: not worth cuDNN
+    assert not registry.cold_ready(shapes.ModelShape(32, 8, 128, torch.float16), [3000], cuda)
+    other: list[bool] = []
+    thread = threading.Thread(target=lambda: other.append(registry.cold_ready(model, [3000], cuda)))
+    thread.start()
+    thread.join()
+    assert other == [False]
+
+    chunk, longest = 8192, 131072
+    built = set(shapes.warm_up_shapes(chunk, longest))
+    assert len(built) == 10 + 15  # causal 1K..10K, and 8K new tokens over 8K..120K of prefix
+    for prompt in (131072, 131071, 65536, 32768 + 1000, 20000, 8192 * 3 + 1):
+        for done in range(0, prompt, chunk):
+            s = shapes.split_shape(done, min(chunk, prompt - done))
+            full_chunk = prompt - done >= chunk - shapes.Q_GRANULE + 1
+            assert ((s.causal_rows, s.causal_rows, True) in built) or not full_chunk
+            if s.prefix_keys and full_chunk:
+                assert (s.query_rows, s.prefix_keys, False) in built, (prompt, done)
+
+
+def test_warm_up_writes_only_the_reserved_page() -> None:
+    """The backend's warm-up runs its forward passes over page 0 (reserved, never handed out): every other
+    page of the pool keeps its bytes, on every layer."""
+    backend = TritonAttentionBackend()
+    cache = KVCache(2, 9, 4, 2, 16, torch.float32, "cpu")
+    for t in (*cache.k, *cache.v):
+        t.normal_()
+    before = [t.clone() for t in (*cache.k, *cache.v)]
+    shape = GraphShape(max_seq_len=600, num_q_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32,
+                       device=torch.device("cpu"))  # fmt: skip
+    backend.warm_up(shape, 64, cache)
+    after = [*cache.k, *cache.v]
+    assert not torch.equal(after[0][0], before[0][0])  # layer 0's page 0 was the target
+    for b, a in zip(before, after):
+        assert torch.equal(b[1:], a[1:])
+
+
 def test_split_sdpa_rule_follows_the_measured_crossovers() -> None:
     """The H200 measurements behind the rule: Triton wins 256 new over 32K and 512 over 8K; the split cuDNN
     path wins 512 over 32K and 1024+ over any prefix."""

@@ -1,0 +1,122 @@
+"""The shapes the cuDNN attention calls run at: few, padded to a grid, and built before they are needed.
+
+cuDNN runs fixed-shape execution plans. torch builds one per shape (query length, key length, heads, ...)
+the first time it meets it, and keeps it in a per-thread cache (aten/src/ATen/native/cudnn/MHA.cpp). A
+build takes a few hundred milliseconds (~0.4 s reported in sglang#4650, ~0.26 s a shape in flashinfer#2545),
+during which the whole step, and every request in it, waits. Called with each prompt's own lengths, a
+server meets a new shape with nearly every prompt: through HTTP on an H200 (2026-12-02, `3672e1d`, with the
+split-count recompiles of the Triton kernels) the RAG and random workloads stalled 0.15-2.8 s at a time
+and their TTFT P50 was 30x vLLM's, while one request at a time matched it.
+
+So a cuDNN call here only runs a shape of a small set, built at start-up (`warm_up`, on the thread that
+runs the steps: `sdpa.warm_up_plans`), and every other batch goes to the Triton extend kernel, which compiles once:
+- new tokens: padded up to a multiple of Q_GRANULE. Exact: under the causal mask a real row never sees the
+  padding after it, and padded rows are dropped; across a cached prefix (no mask) extra rows only add
+  rows.
+- a cached prefix: cuDNN reads its first multiple of PREFIX_GRANULE keys; the rest ("tail", fewer than
+  PREFIX_GRANULE keys) joins the causal part, in front of the new tokens, with zero query rows that are
+  dropped. Exact too: a new token sees all of the tail and the new tokens up to itself.
+- built at start-up: the causal shapes up to one chunk plus a tail, and the prefix shapes of a lone long
+  prompt's chunks (chunk x 1, 2, ... chunks of prefix). A long prompt's chunks never wait; a prefix hit
+  with an unbuilt shape runs in Triton (~315 against ~530 TFLOP/s of attention, measured on 8K chunks).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+
+Q_GRANULE = 1024  # new tokens are padded up to a multiple: at most 1023 dropped rows
+PREFIX_GRANULE = 2048  # cuDNN reads the prefix up to a multiple; the tail (< this) joins the causal part
+MIN_COLD_QUERY = 512  # a cold prompt shorter than this runs in Triton (its attention is a sliver of the step)
+
+
+def pad_rows(n: int) -> int:
+    return -(-n // Q_GRANULE) * Q_GRANULE
+
+
+@dataclass(frozen=True)
+class SplitShape:
+    """One request of the split path: cuDNN reads `prefix_keys` of its cached prefix with its new tokens
+    padded to `query_rows`; the causal part holds the `tail` keys, the new tokens and padding
+    (`causal_rows` in all)."""
+
+    prefix_keys: int
+    tail: int
+    query_rows: int
+    causal_rows: int
+
+
+def split_shape(prefix_len: int, query_len: int) -> SplitShape:
+    prefix_keys = prefix_len // PREFIX_GRANULE * PREFIX_GRANULE
+    tail = prefix_len - prefix_keys
+    return SplitShape(prefix_keys, tail, pad_rows(query_len), pad_rows(tail + query_len))
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+
+class PlanRegistry:
+    """The cuDNN shapes built on each thread (torch's plan cache is per thread, so is this record).
+
+    On the CPU every shape is ready: the CPU kernels build nothing. On CUDA a shape is ready once `warm_up`
+    built it on the calling thread."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def _built(self) -> set[tuple]:
+        built = getattr(self._local, "built", None)
+        if built is None:
+            built = self._local.built = set()
+        return built
+
+    def ready(self, model: ModelShape, q_rows: int, kv_rows: int, causal: bool, device: torch.device) -> bool:
+        return device.type != "cuda" or (model, q_rows, kv_rows, causal) in self._built()
+
+    def cold_ready(self, model: ModelShape, query_lens: list[int], device: torch.device) -> bool:
+        """Whether every prompt of a cold batch runs at a built shape (on CUDA: and is long enough to bother)."""
+        if device.type != "cuda":
+            return True
+        return all(
+            n >= MIN_COLD_QUERY and self.ready(model, pad_rows(n), pad_rows(n), True, device)
+            for n in query_lens
+            if n
+        )
+
+    def split_ready(
+        self, model: ModelShape, prefix_lens: list[int], query_lens: list[int], device: torch.device
+    ) -> bool:
+        for prefix_len, query_len in zip(prefix_lens, query_lens):
+            s = split_shape(prefix_len, query_len)
+            if not self.ready(model, s.causal_rows, s.causal_rows, True, device):
+                return False
+            if s.prefix_keys and not self.ready(model, s.query_rows, s.prefix_keys, False, device):
+                return False
+        return True
+
+    def mark(self, model: ModelShape, q_rows: int, kv_rows: int, causal: bool) -> None:
+        self._built().add((model, q_rows, kv_rows, causal))
+
+
+PLANS = PlanRegistry()
+
+
+def warm_up_shapes(chunk_size: int, max_seq_len: int) -> list[tuple[int, int, bool]]:
+    """(query rows, key rows, causal) to build: causal up to a chunk plus a tail, and a lone long prompt's
+    chunks over 1, 2, ... chunks of prefix."""
+    shapes = [
+        (n, n, True) for n in range(Q_GRANULE, pad_rows(chunk_size + PREFIX_GRANULE - 1) + 1, Q_GRANULE)
+    ]
+    for prefix_len in range(chunk_size, max_seq_len, chunk_size):
+        s = split_shape(prefix_len, chunk_size)
+        if s.prefix_keys:
+            shapes.append((s.query_rows, s.prefix_keys, False))
+    return list(dict.fromkeys(shapes))
