@@ -461,7 +461,7 @@ class Engine:
     def warm_up(self) -> None:
         """Build what attention would otherwise build mid-step (cuDNN plans, kept per thread): call it on
         the thread that will step. LLM does; the server's engine thread does before its first step."""
-        self.runner.warm_up_attention()
+        self.runner.warm_up()
 
     def close(self) -> None:
         """Release the runner: stops tensor-parallel worker processes (a no-op at tp=1). Idempotent."""

@@ -24,6 +24,16 @@ from longserve.runner.tp_workers import exit_orphan, parent_gone, watch_parent
 logger = logging.getLogger("longserve.worker")
 
 
+def run_message(runner: Any, message: Any) -> None:
+    """One message from rank 0 on the step channel: a step's inputs, or a warm-up (runner/warm_up.py)."""
+    from longserve.runner.warm_up import WarmUp
+
+    if isinstance(message, WarmUp):
+        runner.warm_up(message.counts)
+    else:
+        runner.forward_step(message)
+
+
 def worker_main(
     config: EngineConfig, rank: int, local_rank: int, init_method: str, backend: str, joining: Any = None
 ) -> None:
@@ -50,9 +60,8 @@ def worker_main(
     runner = None
     try:
         runner = ModelRunner(config, load_hf_config(config.model))
-        runner.warm_up_attention()  # this thread runs the steps
         while (step := broadcast_object(None)) is not None:
-            runner.forward_step(step)
+            run_message(runner, step)
     except Exception:
         if parent is not None and parent_gone(parent, timeout=0.5):  # a collective failed: rank 0 died
             exit_orphan(rank, parent)
@@ -73,10 +82,9 @@ def run_node(config: EngineConfig) -> None:
     from longserve.runner.model_runner import ModelRunner
 
     runner = ModelRunner(config, load_hf_config(config.model))  # starts local workers, joins the group
-    runner.warm_up_attention()
     try:
         while (step := broadcast_object(None)) is not None:
-            runner.forward_step(step)
+            run_message(runner, step)
     finally:
         runner.shutdown()
 

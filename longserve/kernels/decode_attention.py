@@ -26,7 +26,7 @@ PROGRAMS_PER_SM = 4  # enough resident programs per SM to keep loads in flight
 
 
 @fast_launch
-@triton.jit
+@triton.jit(do_not_specialize=["stride_pt"])  # the batch's longest page table: not a variant per width class
 def _decode_split_kernel(
     q_ptr,  # [B, Hq, D]
     k_cache_ptr,  # [num_pages, page_size, Hkv, D]

@@ -103,9 +103,10 @@ def _extend_blocks(
 
 # the split count is a runtime argument, not specialized on: a constexpr compiled one kernel per count at
 # serve time (choose_extend_splits picks 1..32 from each batch), seconds each, every running request stalled
-# behind them (HTTP compare on an H200, 2026-12-02: 1-2.8 s stalls in the RAG and random workloads)
+# behind them (HTTP compare on an H200, 2026-12-02: 1-2.8 s stalls in the RAG and random workloads); nor is
+# the page table's row stride (the batch's longest table: 1, a multiple of 16 or neither)
 @fast_launch
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit(do_not_specialize=["num_splits", "stride_pt"])
 def _extend_kernel(
     q_ptr,  # [T, Hq, D]
     k_cache_ptr,  # [num_pages, page_size, Hkv, D]

@@ -20,7 +20,9 @@ __all__ = ["merge_two", "merge_two_ref"]
 
 
 @fast_launch
-@triton.jit
+# not specialized on: the row count (any query length) and the LSE pointers (the causal part's rows start after
+# a tail of any length): each value class would compile its own variant mid-step (sdpa_shapes.py)
+@triton.jit(do_not_specialize=["num_rows", "lse_a_ptr", "lse_b_ptr"])
 def _merge_two_kernel(
     o_a_ptr,
     lse_a_ptr,

@@ -34,6 +34,7 @@ from longserve.runner.inputs import StepInputs, build_step, split_step, to_model
 from longserve.runner.pooling import pooled_output
 from longserve.runner.sample_step import StepSampler
 from longserve.runner.sampled import SampledStep, StepLogits
+from longserve.runner.warm_up import WarmUp, warm_up
 
 logger = logging.getLogger("longserve.runner")
 
@@ -148,11 +149,16 @@ class ModelRunner:
             device=self.device,
         )
 
-    def warm_up_attention(self) -> None:
-        """The attention backend's per-thread warm-up (cuDNN plans), on the thread that runs the steps."""
-        if self.device.type == "cuda":
-            with torch.inference_mode():
-                self.backend.warm_up(self._graph_shape(), self.config.chunked_prefill_size, self.kv_cache)
+    def warm_up(self, counts: list[int] | None = None) -> None:
+        """This rank's warm-up (runner/warm_up.py), on the thread that runs the steps; on a GPU, or elsewhere
+        when `counts` are given. Rank 0 of a tp run first sends it to the other ranks (their forward passes
+        meet in the same collectives)."""
+        if self.workers is not None:
+            self.workers.check()
+            broadcast_object(WarmUp(counts))
+        if self.device.type == "cuda" or counts is not None:
+            warm_up(self.model, self.backend, self.kv_cache, self._graph_shape(), self.config.chunked_prefill_size,
+                    counts)  # fmt: skip
 
     def _build_graph_runner(self) -> DecodeGraphRunner | None:
         if self.device.type != "cuda" or self.config.enforce_eager:

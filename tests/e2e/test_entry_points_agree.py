@@ -41,7 +41,7 @@ def no_engine(monkeypatch):
 
     def fake_engine(config: EngineConfig) -> SimpleNamespace:
         built.append(config)
-        return SimpleNamespace(config=config, close=lambda: None)
+        return SimpleNamespace(config=config, close=lambda: None, warm_up=lambda: None)
 
     monkeypatch.setattr(llm, "Engine", fake_engine)
     monkeypatch.setattr(latency, "free_memory", lambda: None)  # nothing to collect: no engine was built

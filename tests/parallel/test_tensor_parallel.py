@@ -210,3 +210,24 @@ def test_worker_dying_at_start_fails_fast_with_the_reason(tmp_path):
     assert "exited with code 1 while starting" in proc.stderr
     assert "if __name__ == '__main__':" in proc.stderr
     assert time.monotonic() - start < 60
+
+
+def test_warm_up_runs_on_every_rank_and_changes_nothing(tmp_path):
+    """The start-up warm-up (runner/warm_up.py) as a GPU server runs it: rank 0 sends the other rank a
+    WarmUp on the step channel and both run the same forward passes (their all-reduces pair up, or this
+    hangs); it writes no page but the reserved page 0, and the tokens after it equal TP=1's."""
+    path = make_tiny_checkpoint(tmp_path, "qwen3")
+    expected = run(path)
+    with LLM(path, dtype="float32", device="cpu", max_total_tokens=2048, page_size=16, chunked_prefill_size=16,
+             tp_size=2) as m:  # fmt: skip
+        runner = m.engine.runner
+        for t in (*runner.kv_cache.k, *runner.kv_cache.v):
+            t[1:].normal_()
+        before = [t[1:].clone() for t in (*runner.kv_cache.k, *runner.kv_cache.v)]
+        computed = runner.num_tokens_computed
+        runner.warm_up(counts=[7, 33])
+        assert runner.num_tokens_computed == computed  # not steps: no step counted
+        assert all(torch.equal(b, t[1:]) for b, t in zip(before, (*runner.kv_cache.k, *runner.kv_cache.v)))
+        got = [o.token_ids for o in m.generate(prompts()[:2], GREEDY)]
+        m.engine.check_integrity()
+    assert got == expected[0]

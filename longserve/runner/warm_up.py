@@ -1,0 +1,75 @@
+"""Before the first step, on the thread that will run the steps: what a step would otherwise build or compile
+in its middle, while every request in it waits.
+
+Through HTTP on an H200 (2026-12-02, `3672e1d`), random 2K-token prompts at 8 a second had a TTFT P50 of
+1.6 s against vLLM's 55 ms: the steps stalled 0.15-3.3 s at a time while Triton compiled kernel variants
+(one per key-split count, per pointer alignment of the step's packed tensors, per tile of a token-count
+bucket) and cuDNN built an execution plan per new prompt length. The counts and alignments no longer make
+variants (kernels/extend_attention.py, attention/base.py: _packed); what remains is built here:
+- the attention backend's own warm-up (cuDNN plans of the padded shapes, the extend kernel's variants);
+- one eager forward pass of the whole model per power-of-two token count from WARM_UP_MIN_TOKENS to a
+  chunk: the kernels whose tiles or configs follow the token count (MoE alignment and grouped GEMM,
+  quantized GEMMs) compile here. Smaller counts ran when the CUDA graphs were captured.
+Every pass is one cold "prompt" of zeros whose K/V go to page 0, reserved for padding (as graph capture
+does). Under tensor parallelism rank 0 sends the other ranks a `WarmUp` on the step channel and every rank
+runs the same passes, so their collectives pair up.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from longserve.attention import AttentionBackend, ForwardContext, GraphShape, KVCache
+from longserve.attention.base import build_step_tensors
+
+logger = logging.getLogger(__name__)
+
+# below this many tokens, the prefill graphs' capture (chunks of up to 256 tokens) ran the kernels already
+WARM_UP_MIN_TOKENS = 512
+
+
+@dataclass(frozen=True)
+class WarmUp:
+    """Rank 0 to the other ranks, in place of a step: run `ModelRunner.warm_up(counts)` now."""
+
+    counts: list[int] | None = None
+
+
+def warm_up_counts(chunk_size: int) -> list[int]:
+    """512, 1024, ... below a chunk, then the chunk itself (none when a chunk is under 512 tokens)."""
+    counts, n = [], WARM_UP_MIN_TOKENS
+    while n < chunk_size:
+        counts.append(n)
+        n *= 2
+    return counts + [chunk_size] if chunk_size >= WARM_UP_MIN_TOKENS else counts
+
+
+@torch.inference_mode()
+def warm_up(
+    model: torch.nn.Module,
+    backend: AttentionBackend,
+    kv_cache: KVCache,
+    shape: GraphShape,
+    chunk_size: int,
+    counts: list[int] | None = None,
+) -> None:
+    """The backend's warm-up, then a forward pass of `model` per token count (default `warm_up_counts`)."""
+    start = time.perf_counter()
+    backend.warm_up(shape, chunk_size, kv_cache)
+    counts = warm_up_counts(chunk_size) if counts is None else counts
+    page_size = kv_cache.page_size
+    for n in counts:
+        meta, (input_ids, positions) = build_step_tensors(
+            [0], [n], [[0] * -(-n // page_size)], page_size, shape.device, extra=([0] * n, range(n))
+        )
+        model(input_ids, positions, ForwardContext(meta=meta, kv_cache=kv_cache, backend=backend))
+    if shape.device.type == "cuda":
+        torch.cuda.synchronize(shape.device)
+    logger.info(
+        "warm-up: attention paths, and the model at %s tokens, in %.1fs",
+        ",".join(map(str, counts)) or "no extra", time.perf_counter() - start,
+    )  # fmt: skip
