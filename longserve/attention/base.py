@@ -42,6 +42,27 @@ class AttentionMetadata:
     # that decide on the host how to read the pages; empty where the metadata was built without them
     page_rows_cpu: Sequence[Sequence[int]] = ()
     _contiguous: dict[tuple[int, int], int | None] = field(default_factory=dict, repr=False)
+    _subsets: dict[tuple[int, ...], tuple[AttentionMetadata, torch.Tensor] | None] = field(
+        default_factory=dict, repr=False
+    )
+
+    def subset(self, requests: tuple[int, ...]) -> tuple[AttentionMetadata, torch.Tensor] | None:
+        """The metadata of some of the step's requests as a batch of their own, and the device index of their
+        new tokens' rows in the step ([T'] int64): one host-to-device copy, kept for the step (every layer
+        asks). None when the metadata was built without the host page rows."""
+        if requests not in self._subsets:
+            sub = None
+            if len(self.page_rows_cpu) == self.num_reqs:
+                starts = np.cumsum([0, *self.query_lens_cpu])
+                rows = np.concatenate([np.arange(starts[r], starts[r + 1]) for r in requests])
+                meta, (index,) = build_step_tensors(
+                    [self.prefix_lens_cpu[r] for r in requests], [self.query_lens_cpu[r] for r in requests],
+                    [self.page_rows_cpu[r] for r in requests], self.page_size, self.slot_mapping.device,
+                    extra=(rows,),
+                )  # fmt: skip
+                sub = (meta, index)
+            self._subsets[requests] = sub
+        return self._subsets[requests]
 
     def contiguous_pages(self, r: int, num_pages: int) -> int | None:
         """The first page id when request r's first `num_pages` pages are consecutive ids (a lone prompt's

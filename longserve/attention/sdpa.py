@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -112,8 +112,11 @@ def prefix_split_sdpa(
     meta: AttentionMetadata,
     scale: float,
     dequantize: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
+    requests: Sequence[int] | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Per request: (new x cached prefix, no mask) and (new x new, causal) as two SDPA calls, merged by
+    """Per request (of `requests`, default all; their rows of `out` written, the others left as they are):
+    (new x cached prefix, no mask) and (new x new, causal) as two SDPA calls, merged by
     their log-sum-exps in one pass (`merge_two`). Exact up to rounding; runs at the library kernel's rate
     on long chunks. The shapes are those of `sdpa_shapes.split_shape`: the prefix read up to a multiple of
     PREFIX_GRANULE keys, its tail in front of the new tokens in the causal part (behind zero query rows that
@@ -124,11 +127,14 @@ def prefix_split_sdpa(
     else:
         from longserve.kernels.attention_reference import merge_two_ref as merge
 
-    out = torch.empty_like(q)  # [T, Hq, D]
+    out = torch.empty_like(q) if out is None else out  # [T, Hq, D]
     page_size = meta.page_size
-    start = 0
-    for r, (prefix_len, query_len) in enumerate(zip(meta.prefix_lens_cpu, meta.query_lens_cpu)):
-        end = start + query_len
+    starts = [0]
+    for n in meta.query_lens_cpu:
+        starts.append(starts[-1] + n)
+    for r in range(meta.num_reqs) if requests is None else requests:
+        prefix_len, query_len = meta.prefix_lens_cpu[r], meta.query_lens_cpu[r]
+        start, end = starts[r], starts[r + 1]
         shape = shapes.split_shape(prefix_len, query_len)
         k_pre = v_pre = None
         if prefix_len:
@@ -162,7 +168,6 @@ def prefix_split_sdpa(
                 o_pre[0, :, :query_len], lse_pre[0, :, :query_len], o_new[0, :, rows], lse_new[0, :, rows],
                 out[start:end],
             )  # fmt: skip
-        start = end
     return out
 
 

@@ -1,9 +1,9 @@
 """Triton attention backend: paged flash attention for mixed batches, split-K flash-decoding for decodes.
 
 Routing per step (host lists only, so no device sync): every request has one query -> decode kernel;
-every request is a cold prompt (no prefix) and cold_path is "sdpa" -> torch SDPA per request on the new
-q/k/v; long chunks over a cached prefix -> the split cuDNN path (attention/sdpa.py); otherwise the extend
-kernel over the whole ragged batch. Triton is imported on construction. For CUDA graphs, each captured
+otherwise, with cold_path "sdpa", per request: cold prompts and long chunks over a cached prefix at a shape
+built at start-up -> the library (cuDNN) calls of attention/sdpa.py, the rest (decodes, short chunks) -> the
+extend kernel over them as one ragged sub-batch; with cold_path "triton", the extend kernel over the whole batch. Triton is imported on construction. For CUDA graphs, each captured
 shape gets its own instance whose key-split counts are fixed (sized for the longest context), so the
 grid of every replay is the one captured.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from longserve.attention.base import AttentionBackend, AttentionMetadata, GraphShape, KVCache, build_metadata
-from longserve.attention.sdpa import cold_sdpa, prefix_split_sdpa, warm_up_plans
+from longserve.attention.sdpa import prefix_split_sdpa, warm_up_plans
 from longserve.attention.sdpa_shapes import PLANS, ModelShape
 
 COLD_PATHS = ("sdpa", "triton")
@@ -157,7 +157,7 @@ class TritonAttentionBackend(AttentionBackend):
         kv_stored: bool = False,
     ) -> torch.Tensor:
         k_cache, v_cache = self.store_and_pages(q, k, v, layer_id, meta, kv_cache, kv_stored)
-        num_q_heads, num_kv_heads = q.shape[1], k.shape[1]
+        num_kv_heads = k.shape[1]
         if q.shape[0] == 0:
             return torch.empty_like(q)
 
@@ -172,28 +172,81 @@ class TritonAttentionBackend(AttentionBackend):
 
         cold_path = self.cold_path or ("sdpa" if q.is_cuda else "triton")
         window_matters = sliding_window is not None and sliding_window < meta.max_seq_len
-        if cold_path == "sdpa" and not window_matters:
-            fp8 = kv_cache.is_fp8
-            if fp8:  # the library kernels read no e4m3: the new tokens as stored, the prefix dequantized
-                k, v = kv_cache.as_stored(layer_id, k, v)
-            # only at shapes built at start-up (sdpa_shapes.py): a cuDNN plan built mid-step stalls every
-            # request in it for a few hundred ms; the Triton kernel below compiles once for all lengths
-            model = ModelShape(num_q_heads, num_kv_heads, q.shape[2], q.dtype)
-            if not any(meta.prefix_lens_cpu):
-                if PLANS.cold_ready(model, meta.query_lens_cpu, q.device):
-                    return cold_sdpa(q, k, v, meta.query_lens_cpu, scale)
-            # long chunks over a cached prefix: two cuDNN calls merged beat the Triton kernel (measured:
-            # ~530 vs ~315 TFLOP/s for 8K over 24K..120K; a 64-token suffix is faster in Triton)
-            elif (
-                (q.dtype in (torch.float16, torch.bfloat16) or not q.is_cuda)  # cuDNN's kernels: 16-bit only
-                and all(map(use_split_sdpa, meta.query_lens_cpu, meta.prefix_lens_cpu))
-                and PLANS.split_ready(model, meta.prefix_lens_cpu, meta.query_lens_cpu, q.device)
-            ):
-                dequantize = (lambda a, b: kv_cache.dequantize(layer_id, a, b, q.dtype)) if fp8 else None
-                return prefix_split_sdpa(q, k, v, k_cache, v_cache, meta, scale, dequantize)
+        library = (
+            self.library_requests(q, num_kv_heads, meta) if cold_path == "sdpa" and not window_matters else ()
+        )
+        if not library:
+            return self._triton(q, k_cache, v_cache, meta, layer_id, kv_cache, scale, sliding_window)
+        # per request: the library's (cuDNN's) cold prompts and long chunks, the Triton kernel's the rest (the
+        # decodes and short chunks batched with them): one long chunk no longer sends its whole step to Triton
+        out = torch.empty_like(q)
+        chosen = set(library)
+        rest = tuple(r for r in range(meta.num_reqs) if r not in chosen and meta.query_lens_cpu[r])
+        if rest:
+            sub = meta.subset(rest)
+            if sub is None:  # metadata built without the host page rows: the whole batch in Triton
+                return self._triton(q, k_cache, v_cache, meta, layer_id, kv_cache, scale, sliding_window)
+            sub_meta, rows = sub
+            part = self._triton(
+                q.index_select(0, rows), k_cache, v_cache, sub_meta, layer_id, kv_cache, scale, None
+            )
+            out.index_copy_(0, rows, part)
+        dequantize = None
+        if (
+            kv_cache.is_fp8
+        ):  # the library kernels read no e4m3: the new tokens as stored, the prefix dequantized
+            k, v = kv_cache.as_stored(layer_id, k, v)
 
+            def dequantize(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                return kv_cache.dequantize(layer_id, a, b, q.dtype)
+
+        return prefix_split_sdpa(
+            q, k, v, k_cache, v_cache, meta, scale, dequantize, requests=library, out=out
+        )
+
+    def library_requests(
+        self, q: torch.Tensor, num_kv_heads: int, meta: AttentionMetadata
+    ) -> tuple[int, ...]:
+        """The requests whose attention runs in the library calls (attention/sdpa.py): cold prompts and long
+        chunks over a cached prefix, 16-bit, at a shape built at start-up (sdpa_shapes.py: a cuDNN plan built
+        mid-step stalls every request in it for a few hundred ms; the Triton kernel compiles once for all
+        lengths). Long chunks over a prefix: two cuDNN calls merged beat the Triton kernel (measured: ~530 vs
+        ~315 TFLOP/s for 8K over 24K..120K; a 64-token suffix is faster in Triton, `use_split_sdpa`)."""
+        model = ModelShape(q.shape[1], num_kv_heads, q.shape[2], q.dtype)
+        half = q.dtype in (torch.float16, torch.bfloat16) or not q.is_cuda  # cuDNN's kernels: 16-bit only
+        chosen = []
+        for r, (prefix_len, query_len) in enumerate(zip(meta.prefix_lens_cpu, meta.query_lens_cpu)):
+            if not query_len:
+                continue
+            if prefix_len == 0:
+                ok = PLANS.cold_ready(model, [query_len], q.device)
+            else:
+                ok = half and use_split_sdpa(query_len, prefix_len)
+                ok = ok and PLANS.split_ready(model, [prefix_len], [query_len], q.device)
+            if ok:
+                chosen.append(r)
+        return tuple(chosen)
+
+    def _triton(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        layer_id: int,
+        kv_cache: KVCache,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        """The extend kernel over the batch of `meta` (its K/V already in the pages)."""
         config, extend_splits = self.extend_launch(
-            meta.query_lens_cpu, meta.seq_lens_cpu, num_q_heads, num_kv_heads, q.shape[2], q.dtype, q.device
+            meta.query_lens_cpu,
+            meta.seq_lens_cpu,
+            q.shape[1],
+            k_cache.shape[2],
+            q.shape[2],
+            q.dtype,
+            q.device,
         )
         return self._extend(
             q, k_cache, v_cache, meta.query_start_loc, meta.prefix_lens, meta.seq_lens, meta.page_table,

@@ -153,7 +153,7 @@ class ModelRunner:
         """This rank's warm-up (runner/warm_up.py), on the thread that runs the steps; on a GPU, or elsewhere
         when `counts` are given. Rank 0 of a tp run first sends it to the other ranks (their forward passes
         meet in the same collectives)."""
-        if self.workers is not None:
+        if self.workers is not None and self.tp.rank == 0:  # (a node's first rank has workers, sends nothing)
             self.workers.check()
             broadcast_object(WarmUp(counts))
         if self.device.type == "cuda" or counts is not None:

@@ -120,12 +120,14 @@ def test_library_paths_run_only_at_built_shapes(monkeypatch: pytest.MonkeyPatch)
     from longserve.attention import sdpa_shapes as shapes
     from longserve.attention.sdpa import warm_up_plans
 
-    calls: list[str] = []
-    for name in ("cold_sdpa", "prefix_split_sdpa"):
-        real = getattr(tb, name)
-        monkeypatch.setattr(tb, name, lambda *a, _r=real, _n=name: calls.append(_n) or _r(*a))
+    calls: list[tuple[int, ...]] = []
+    real = tb.prefix_split_sdpa
+    monkeypatch.setattr(
+        tb, "prefix_split_sdpa", lambda *a, **kw: calls.append(kw["requests"]) or real(*a, **kw)
+    )
     model = shapes.ModelShape(NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, torch.bfloat16)
-    cases = [([0, 0], [2000, 1500]), ([4096, 6000], [2048, 1800])]  # cold; chunks over prefix (a tail)
+    # cold; chunks over a prefix (one with a tail); a chunk with a decode and a short chunk beside it
+    cases = [([0, 0], [2000, 1500]), ([4096, 6000], [2048, 1800]), ([100, 4096, 300], [1, 2048, 40])]
     monkeypatch.setattr(shapes, "PLANS", shapes.PlanRegistry())
     monkeypatch.setattr(tb, "PLANS", shapes.PLANS)
     for prefix_lens, query_lens in cases:
@@ -141,7 +143,7 @@ def test_library_paths_run_only_at_built_shapes(monkeypatch: pytest.MonkeyPatch)
         took = time.perf_counter() - start
         torch.testing.assert_close(out.float(), expected, atol=TOL, rtol=TOL)
         assert took < 1.0, f"{prefix_lens}/{query_lens}: {took:.2f}s"  # (a build would add ~0.3 s a shape)
-    assert calls == ["cold_sdpa", "prefix_split_sdpa"]
+    assert calls == [(0, 1), (0, 1), (1,)]  # the decode and the short chunk ran in Triton beside it
     q = torch.zeros(3000, 16, HEAD_DIM, dtype=torch.bfloat16, device="cuda")  # a shape nobody built
     from longserve.attention.sdpa import _heads, attention_with_lse
 

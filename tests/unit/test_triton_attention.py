@@ -289,16 +289,23 @@ def test_prefix_split_sdpa_path(
     calls = []
     real = tb.prefix_split_sdpa
     monkeypatch.setattr(tb, "SPLIT_SDPA_MIN_QUERY", 5)
-    monkeypatch.setattr(tb, "prefix_split_sdpa", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(
+        tb, "prefix_split_sdpa", lambda *a, **kw: calls.append(kw["requests"]) or real(*a, **kw)
+    )
     step = Step([0, 3, 17, 40], [5, 16, 7, 9], 4, heads, 32, seed=11, contiguous=contiguous)
     views = [step.meta.contiguous_pages(r, -(-p // 4)) for r, p in enumerate([0, 3, 17, 40])]
     # (a one-page prefix is trivially consecutive; the longer ones of the shuffled pool are not)
     assert views[0] is None and (views[2:] == [8, 14] if contiguous else views[2:] == [None, None])
     step.compare(TritonAttentionBackend(cold_path="sdpa"))
-    assert calls == [1]
-    short = Step([3, 17], [4, 16], 4, heads, 32, seed=12)  # a chunk under the threshold: Triton kernel
+    assert calls == [(0, 1, 2, 3)]
+    # per request: a chunk under the threshold (and a decode) in the Triton kernel, the long chunk in the
+    # library call, in one step
+    mixed = Step([3, 17, 9], [4, 16, 1], 4, heads, 32, seed=12, contiguous=contiguous)
+    mixed.compare(TritonAttentionBackend(cold_path="sdpa"))
+    assert calls == [(0, 1, 2, 3), (1,)] and mixed.meta.subset((0, 2)) is not None
+    short = Step([3, 17], [4, 1], 4, heads, 32, seed=13)  # nothing long: all in the Triton kernel
     short.compare(TritonAttentionBackend(cold_path="sdpa"))
-    assert calls == [1]
+    assert len(calls) == 2
 
 
 @pytest.mark.parametrize("heads", HEADS)
@@ -321,7 +328,7 @@ def test_library_paths_at_padded_shapes(monkeypatch: pytest.MonkeyPatch, heads: 
     )
     calls = []
     real = tb.prefix_split_sdpa
-    monkeypatch.setattr(tb, "prefix_split_sdpa", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(tb, "prefix_split_sdpa", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     for contiguous in (False, True):
         step = Step(
             [0, 3, 16, 17, 40, 70], [5, 16, 7, 9, 8, 13], 4, heads, 32, seed=21, contiguous=contiguous
