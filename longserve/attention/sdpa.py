@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -26,21 +26,35 @@ PREFIX_PAGES_AS_VIEW = True
 
 
 def _heads(x: torch.Tensor) -> torch.Tensor:
-    """[S, H, D] -> [1, H, S, D] over a contiguous [S, H, D]: the one layout the start-up plans are built for
-    (torch keys cuDNN plans on strides too, sdpa_shapes.py)."""
-    return x.contiguous().transpose(0, 1).unsqueeze(0)
+    """[S, H, D] -> [1, H, S, D], a view."""
+    return x.transpose(0, 1).unsqueeze(0)
 
 
-def _rows(x: torch.Tensor, rows: int, front: torch.Tensor | None = None) -> torch.Tensor:
-    """[S, H, D] -> [rows, H, D]: `front` (or nothing), then x, then zeros; x itself when it fits exactly."""
-    n_front = 0 if front is None else front.shape[0]
-    if n_front == 0 and x.shape[0] == rows:
-        return x
-    out = x.new_zeros(rows, *x.shape[1:])
+def fused_rows(
+    q: torch.Tensor,  # [L, Hq, D]
+    k: torch.Tensor,  # [L, Hkv, D]
+    v: torch.Tensor,
+    rows: int,
+    front: tuple[torch.Tensor, torch.Tensor] | None = None,  # [F, Hkv, D] keys and values before the new ones
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v as the library calls take them: `rows` rows (F zero query rows with the `front` keys, then
+    the new tokens, then zeros) of one [rows, (Hq + 2 Hkv) D] buffer, the layout of the models' fused qkv
+    projection that q/k/v are views of. torch keys cuDNN plans on strides too: one layout, padded or not,
+    is what lets the plans built at start-up (`warm_up_plans`) serve every call. Views that already have it
+    and need no padding are returned as they are (no copy)."""
+    num_front = 0 if front is None else front[0].shape[0]
+    hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
+    width = (hq + 2 * hkv) * d
+    fused = all(t.stride() == (width, d, 1) for t in (q, k, v))
+    if fused and num_front == 0 and q.shape[0] == rows:
+        return q, k, v
+    buf = q.new_zeros(rows, width)
+    qb, kb, vb = (t.view(rows, -1, d) for t in buf.split([hq * d, hkv * d, hkv * d], dim=1))
     if front is not None:
-        out[:n_front] = front
-    out[n_front : n_front + x.shape[0]] = x
-    return out
+        kb[:num_front], vb[:num_front] = front
+    new = slice(num_front, num_front + q.shape[0])
+    qb[new], kb[new], vb[new] = q, k, v
+    return qb, kb, vb
 
 
 def cold_sdpa(
@@ -58,11 +72,8 @@ def cold_sdpa(
         if query_len == 0:
             continue
         end = start + query_len
-        rows = shapes.pad_rows(query_len)
-        o_r, _ = attention_with_lse(
-            _heads(_rows(q[start:end], rows)), _heads(_rows(k[start:end], rows)),
-            _heads(_rows(v[start:end], rows)), True, scale,
-        )  # fmt: skip
+        q_r, k_r, v_r = fused_rows(q[start:end], k[start:end], v[start:end], shapes.pad_rows(query_len))
+        o_r, _ = attention_with_lse(_heads(q_r), _heads(k_r), _heads(v_r), True, scale)
         out[start:end] = o_r[0, :, :query_len].transpose(0, 1)  # [L, Hq, D]
         start = end
     return out
@@ -151,17 +162,18 @@ def prefix_split_sdpa(
                 k_pre, v_pre = dequantize(k_pre, v_pre)
         # causal part: [tail keys, new tokens, padding]; the tail's query rows are zeros, dropped
         tail = slice(shape.prefix_keys, prefix_len)
-        q_c = _rows(
-            q[start:end], shape.causal_rows, q.new_zeros(shape.tail, *q.shape[1:]) if shape.tail else None
-        )
-        k_c = _rows(k[start:end], shape.causal_rows, k_pre[tail] if shape.tail else None)
-        v_c = _rows(v[start:end], shape.causal_rows, v_pre[tail] if shape.tail else None)
+        front = (k_pre[tail], v_pre[tail]) if shape.tail else None
+        q_c, k_c, v_c = fused_rows(q[start:end], k[start:end], v[start:end], shape.causal_rows, front)
         o_new, lse_new = attention_with_lse(_heads(q_c), _heads(k_c), _heads(v_c), True, scale)
         rows = slice(shape.tail, shape.tail + query_len)
         if not shape.prefix_keys:
             out[start:end] = o_new[0, :, rows].transpose(0, 1)  # [L, Hq, D]
         else:
-            q_p = _heads(_rows(q[start:end], shape.query_rows))
+            # the new tokens and their padding, in the fused layout: rows of q_c where they fit (no copy)
+            if shape.tail + shape.query_rows <= shape.causal_rows:
+                q_p = _heads(q_c[shape.tail : shape.tail + shape.query_rows])
+            else:
+                q_p = _heads(fused_rows(q[start:end], k[start:end], v[start:end], shape.query_rows)[0])
             keys = slice(0, shape.prefix_keys)
             o_pre, lse_pre = attention_with_lse(q_p, _heads(k_pre[keys]), _heads(v_pre[keys]), False, scale)
             merge(
@@ -169,6 +181,27 @@ def prefix_split_sdpa(
                 out[start:end],
             )  # fmt: skip
     return out
+
+
+def plan_calls(
+    model: shapes.ModelShape, device: torch.device, todo: list[tuple[int, int, bool]]
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]]:
+    """(q, k, v, causal) of one library call per shape (query rows, key rows, causal), laid out as the calls
+    of `prefix_split_sdpa` lay them out: new tokens in the fused qkv layout (`fused_rows`), a prefix as the
+    pages hold it."""
+    if not todo:
+        return
+    max_q = max(q for q, _, _ in todo)
+    max_kv = max(kv for _, kv, _ in todo)
+    hq, hkv, d = model.num_q_heads, model.num_kv_heads, model.head_dim
+    new = (torch.zeros(1, h, d, dtype=model.dtype, device=device) for h in (hq, hkv, hkv))
+    q, k, v = fused_rows(*new, max_q)  # a causal shape has as many keys as query rows
+    pre = torch.zeros(max_kv, hkv, d, dtype=model.dtype, device=device)
+    for q_rows, kv_rows, causal in todo:
+        if causal:
+            yield _heads(q[:q_rows]), _heads(k[:kv_rows]), _heads(v[:kv_rows]), True
+        else:
+            yield _heads(q[:q_rows]), _heads(pre[:kv_rows]), _heads(pre[:kv_rows]), False
 
 
 def warm_up_plans(model: shapes.ModelShape, device: torch.device, chunk_size: int, max_seq_len: int) -> None:
@@ -181,18 +214,13 @@ def warm_up_plans(model: shapes.ModelShape, device: torch.device, chunk_size: in
     if not todo:
         return
     start = time.perf_counter()
-    max_q = max(q for q, _, _ in todo)
-    max_kv = max(kv for _, kv, _ in todo)
-    q = torch.zeros(max_q, model.num_q_heads, model.head_dim, dtype=model.dtype, device=device)
-    kv = torch.zeros(max_kv, model.num_kv_heads, model.head_dim, dtype=model.dtype, device=device)
-    scale = model.head_dim**-0.5
-    for i, (q_rows, kv_rows, causal) in enumerate(todo):  # the layout of sdpa.py's calls: _heads
-        attention_with_lse(_heads(q[:q_rows]), _heads(kv[:kv_rows]), _heads(kv[:kv_rows]), causal, scale)
-        shapes.PLANS.mark(model, q_rows, kv_rows, causal)
+    for i, (shape, (q, k, v, causal)) in enumerate(zip(todo, plan_calls(model, device, todo))):
+        attention_with_lse(q, k, v, causal, model.head_dim**-0.5)
+        shapes.PLANS.mark(model, *shape)
         if (i + 1) % 8 == 0:
             logger.info("cuDNN attention plans: %d of %d built", i + 1, len(todo))
     torch.cuda.synchronize(device)
     logger.info(
         "built %d cuDNN attention plans (new tokens up to %d, prefixes up to %d) in %.1fs",
-        len(todo), max_q, max_kv, time.perf_counter() - start,
+        len(todo), max(q for q, _, _ in todo), max(kv for _, kv, _ in todo), time.perf_counter() - start,
     )  # fmt: skip

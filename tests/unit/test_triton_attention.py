@@ -425,3 +425,115 @@ def test_merge_two_matches_reference_and_full_attention(dtype: torch.dtype) -> N
     full = torch.softmax(q @ k.transpose(1, 2) / d**0.5, -1) @ v  # [H, L, D]
     full[1, 5] = part(0, 20)[0][1, 5].float()  # that row: the first half alone
     torch.testing.assert_close(got.float(), full.transpose(0, 1), atol=tol, rtol=tol)
+
+
+def test_a_serving_mix_of_batches_keys_few_kernel_variants(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What Triton would compile for a stream of mixed steps (1-9 requests, decodes beside chunks, contexts
+    long enough for key splits): each launch's specialization key (constexprs, pointer alignment, the class
+    of each int: 1, a multiple of 16, other), less the arguments a kernel declares unspecialized, takes at
+    most two values a kernel: split or not. Keyed on the split count, or on alignments that followed the
+    batch size, a server compiled a variant mid-step, a second or more each, every running request stalled
+    (RESULTS.md, 2026-12-02, third session)."""
+    from collections import defaultdict
+
+    import longserve.kernels.decode_attention as dec
+    import longserve.kernels.extend_attention as ext
+
+    keys: dict[str, set] = defaultdict(set)
+
+    def record(module: object, name: str) -> None:
+        kernel = getattr(module, name)
+        unspecialized = set(kernel.kwargs.get("do_not_specialize") or ())
+
+        def key_of(args: tuple, kwargs: dict) -> tuple:
+            spec = []
+            for arg_name, a in zip(kernel.arg_names, args):
+                if arg_name in unspecialized:
+                    continue
+                if isinstance(a, torch.Tensor):
+                    spec.append((a.dtype, a.data_ptr() % 16 == 0))
+                elif isinstance(a, int) and not isinstance(a, bool):
+                    spec.append((a == 1, a % 16 == 0))
+            return tuple(spec), tuple(sorted(kwargs.items()))
+
+        class Recorder:
+            def __getitem__(self, grid: tuple) -> object:
+                def launch(*args: object, **kwargs: object) -> object:
+                    keys[name].add(key_of(args, kwargs))
+                    return kernel[grid](*args, **kwargs)
+
+                return launch
+
+        monkeypatch.setattr(module, name, Recorder())
+
+    record(ext, "_extend_kernel")
+    record(ext, "_merge_splits_kernel")
+    record(dec, "_decode_split_kernel")
+    backend = TritonAttentionBackend(cold_path="triton", num_sms=4)
+    rng = random.Random(5)
+    splits_seen = set()
+    for i in range(16):
+        num_reqs = rng.randint(1, 9)
+        decode_only = i % 3 == 0
+        prefix_lens = [rng.choice([0, rng.randint(1, 300), rng.randint(900, 1600)]) for _ in range(num_reqs)]
+        query_lens = [1 if decode_only or rng.random() < 0.5 else rng.randint(2, 24) for _ in range(num_reqs)]
+        if decode_only:
+            prefix_lens = [max(p, 1) for p in prefix_lens]
+        step = Step(prefix_lens, query_lens, 16, (4, 2), 16, seed=i)
+        seq_lens = [p + n for p, n in zip(prefix_lens, query_lens)]
+        if decode_only:
+            splits_seen.add(choose_num_splits(max(seq_lens), num_reqs, 2, 4) > 1)
+        else:
+            splits_seen.add(choose_extend_splits(query_lens, seq_lens, 4, 2, 16, 4) > 1)
+        step.run(backend)
+    assert splits_seen == {False, True}  # the mix covered both kinds of launch
+    assert len(keys["_extend_kernel"]) <= 2 and len(keys["_decode_split_kernel"]) <= 2, dict(keys)
+    assert len(keys["_merge_splits_kernel"]) <= 1, keys["_merge_splits_kernel"]
+
+
+def test_start_up_plans_have_the_layouts_of_the_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch keys a cuDNN plan on sizes and strides: the calls a long prompt's chunks make (q/k/v views of a
+    model's fused qkv projection, padded or not, a prefix from the pages) must have exactly the sizes and
+    strides of the start-up calls (`plan_calls`), or every plan built at start-up is built again mid-step.
+    And fused_rows returns views already in that layout as they are, pads into it, and lays out others."""
+    import longserve.attention.sdpa as sdpa
+    import longserve.attention.sdpa_shapes as shapes
+    import longserve.attention.triton_backend as tb
+
+    monkeypatch.setattr(shapes, "Q_GRANULE", 8)
+    monkeypatch.setattr(shapes, "PREFIX_GRANULE", 16)
+    monkeypatch.setattr(tb, "SPLIT_SDPA_MIN_QUERY", 8)
+    hq, hkv, d, chunk, longest = 4, 2, 16, 16, 80
+
+    def key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> tuple:
+        return tuple((t.shape, t.stride()) for t in (q, k, v)) + (causal,)
+
+    model = shapes.ModelShape(hq, hkv, d, torch.float32)
+    todo = shapes.warm_up_shapes(chunk, longest)
+    built = {key(*call) for call in sdpa.plan_calls(model, torch.device("cpu"), todo)}
+    assert len(built) == len(todo)
+    made: list[tuple] = []
+    real = sdpa.attention_with_lse
+    monkeypatch.setattr(
+        sdpa, "attention_with_lse", lambda q, k, v, c, s: made.append(key(q, k, v, c)) or real(q, k, v, c, s)
+    )
+    for prompt in (longest, longest - 3, 3 * chunk + 2):  # chunk-aligned, a padded last chunk, a short one
+        for done in range(0, prompt, chunk):
+            n = min(chunk, prompt - done)
+            step = Step([done], [n], 4, (hq, hkv), d, seed=done)
+            qkv = torch.randn(n, (hq + 2 * hkv) * d)  # what a model's projection gives the backend: views
+            q, k, v = (t.view(n, -1, d) for t in qkv.split([hq * d, hkv * d, hkv * d], dim=1))
+            step.q, step.k, step.v = q, k, v
+            made.clear()
+            step.compare(TritonAttentionBackend(cold_path="sdpa"))
+            if n > chunk - shapes.Q_GRANULE:  # a full chunk (its padding within a granule): at built shapes
+                assert made and set(made) <= built, (prompt, done, set(made) - built)
+
+    qkv = torch.randn(5, (hq + 2 * hkv) * d)
+    q, k, v = (t.view(5, -1, d) for t in qkv.split([hq * d, hkv * d, hkv * d], dim=1))
+    assert all(a is b for a, b in zip(sdpa.fused_rows(q, k, v, 5), (q, k, v)))  # no copy
+    front = (torch.randn(3, hkv, d), torch.randn(3, hkv, d))
+    pq, pk, pv = sdpa.fused_rows(q.clone(), k.clone(), v.clone(), 16, front)  # not views: laid out anew
+    assert all(t.stride() == q.stride() and t.shape[0] == 16 for t in (pq, pk, pv))
+    assert torch.equal(pq[3:8], q) and not pq[:3].any() and not pq[8:].any()
+    assert torch.equal(pk[:3], front[0]) and torch.equal(pk[3:8], k) and torch.equal(pv[:3], front[1])
