@@ -459,8 +459,9 @@ class Engine:
         self.kv.check_integrity(live)
 
     def warm_up(self) -> None:
-        """Build what attention would otherwise build mid-step (cuDNN plans, kept per thread): call it on
-        the thread that will step. LLM does; the server's engine thread does before its first step."""
+        """Build and compile what a step would otherwise build mid-step (runner/warm_up.py; cuDNN plans are
+        kept per thread): call it on the thread that will step. LLM does; the server's engine thread does
+        before its first step."""
         self.runner.warm_up()
 
     def close(self) -> None:

@@ -1,15 +1,16 @@
 """The shapes the cuDNN attention calls run at: few, padded to a grid, and built before they are needed.
 
-cuDNN runs fixed-shape execution plans. torch builds one per shape (query length, key length, heads, ...)
+cuDNN runs fixed-shape execution plans. torch builds one per shape (query and key lengths, heads, strides)
 the first time it meets it, and keeps it in a per-thread cache (aten/src/ATen/native/cudnn/MHA.cpp). A
-build takes a few hundred milliseconds (~0.4 s reported in sglang#4650, ~0.26 s a shape in flashinfer#2545),
-during which the whole step, and every request in it, waits. Called with each prompt's own lengths, a
-server meets a new shape with nearly every prompt: through HTTP on an H200 (2026-12-02, `3672e1d`, with the
-split-count recompiles of the Triton kernels) the RAG and random workloads stalled 0.15-2.8 s at a time
-and their TTFT P50 was 30x vLLM's, while one request at a time matched it.
+build took ~50 ms at start-up on an H200 (25 plans in 1.3 s, 2026-12-02, `59cbde2`) and 0.9 s for the first
+call of a new head count; ~0.4 s is reported in sglang#4650, ~0.26 s a shape in flashinfer#2545. Meanwhile
+the whole step, and every request in it, waits. Called with each prompt's own lengths, a server meets a new
+shape with nearly every prompt: through HTTP (`3672e1d`, with the Triton kernels' recompiles) the RAG and
+random workloads stalled 0.15-2.8 s at a time, while one request at a time matched vLLM.
 
-So a cuDNN call here only runs a shape of a small set, built at start-up (`warm_up`, on the thread that
-runs the steps: `sdpa.warm_up_plans`), and every other batch goes to the Triton extend kernel, which compiles once:
+So a cuDNN call here only runs a shape of a small set, built at start-up on the thread that runs the steps
+(`sdpa.warm_up_plans`, in the layout the calls use: `sdpa.fused_rows`), and every other request goes to the
+Triton extend kernel, which compiles once:
 - new tokens: padded up to a multiple of Q_GRANULE. Exact: under the causal mask a real row never sees the
   padding after it, and padded rows are dropped; across a cached prefix (no mask) extra rows only add
   rows.

@@ -3,7 +3,8 @@
 Routing per step (host lists only, so no device sync): every request has one query -> decode kernel;
 otherwise, with cold_path "sdpa", per request: cold prompts and long chunks over a cached prefix at a shape
 built at start-up -> the library (cuDNN) calls of attention/sdpa.py, the rest (decodes, short chunks) -> the
-extend kernel over them as one ragged sub-batch; with cold_path "triton", the extend kernel over the whole batch. Triton is imported on construction. For CUDA graphs, each captured
+extend kernel over them as one ragged sub-batch; with cold_path "triton", the extend kernel over the whole
+batch. Triton is imported on construction. For CUDA graphs, each captured
 shape gets its own instance whose key-split counts are fixed (sized for the longest context), so the
 grid of every replay is the one captured.
 """
@@ -192,9 +193,7 @@ class TritonAttentionBackend(AttentionBackend):
             )
             out.index_copy_(0, rows, part)
         dequantize = None
-        if (
-            kv_cache.is_fp8
-        ):  # the library kernels read no e4m3: the new tokens as stored, the prefix dequantized
+        if kv_cache.is_fp8:  # the library reads no e4m3: the new tokens as stored, the prefix dequantized
             k, v = kv_cache.as_stored(layer_id, k, v)
 
             def dequantize(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

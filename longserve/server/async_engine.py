@@ -353,12 +353,12 @@ class AsyncEngine:
 
     def _run(self) -> None:
         engine = self.engine
-        warm_up = getattr(engine, "warm_up", None)  # per-thread attention plans: before the first step
+        warm_up = getattr(engine, "warm_up", None)  # runner/warm_up.py, on this thread: before the first step
         if warm_up is not None:
             try:
                 warm_up()
-            except Exception:  # only slower: the shapes not built run in the Triton kernel
-                logger.exception("attention warm-up failed; prefill attention runs in the Triton kernel")
+            except Exception:  # only slower: unbuilt shapes run in the Triton kernel, variants compile late
+                logger.exception("the warm-up failed; the first steps may stall while kernels compile")
         while True:
             with self._cv:
                 while not self._commands and not self._stopping and not engine.has_unfinished():
