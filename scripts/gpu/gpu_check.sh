@@ -32,17 +32,31 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 status=0
 
 if [[ $MODE == all || $MODE == tests || $MODE == quick ]]; then
-  # separate processes: the CPU kernel tests set TRITON_INTERPRET=1 at import. One file at a time, so that a
-  # call cut short by its time limit still reports every file that finished (the whole directory took over
-  # 280 s on an H200 with cold Triton caches, 2026-12-02); faulthandler prints where a stuck test waits
-  for f in tests/gpu/test_*.py; do
-    [[ $f == *tensor_parallel* ]] && continue
-    echo "== $f"
-    python3 -m pytest -q -m gpu "$f" -p no:cacheprovider -o faulthandler_timeout=300 --tb=short -rfE 2>&1 \
-      | tee -a "$OUT/gpu_tests.log" | grep -E "passed|failed|^FAILED|^ERROR" || status=1
+  # four processes at once (Triton's JIT is CPU-bound: the whole directory one file at a time took over 280 s
+  # with cold caches, three groups at once 152 s, 2026-12-02): kernels, two engine groups, the CPU e2e suite
+  # on CUDA; each group's log kept, so a call cut short still reports what finished; faulthandler prints
+  # where a stuck test waits
+  gpu_group() {  # name, files...
+    python3 -m pytest -q -m gpu "${@:2}" -p no:cacheprovider -o faulthandler_timeout=300 --tb=short -rfE \
+      > "$OUT/gpu_tests_$1.log" 2>&1
+  }
+  gpu_group kernels tests/gpu/test_attention_gpu.py tests/gpu/test_fused_ops_gpu.py tests/gpu/test_fused_moe_gpu.py \
+    tests/gpu/test_quant_kernels_gpu.py & p1=$!
+  gpu_group engine tests/gpu/test_engine_gpu.py tests/gpu/test_overlap_gpu.py tests/gpu/test_kv_fp8_gpu.py \
+    tests/gpu/test_structured_gpu.py & p2=$!
+  # the MoE and quantized engines, and any file no group names (a new one is not skipped silently)
+  rest=(); for f in tests/gpu/test_*.py; do
+    [[ $f =~ test_(attention|fused_ops|fused_moe|quant_kernels|engine|overlap|kv_fp8|structured|tensor_parallel)_gpu ]] \
+      && continue
+    rest+=("$f")
   done
-  LONGSERVE_TEST_DEVICE=cuda python3 -m pytest -q tests/e2e/test_engine.py -p no:cacheprovider 2>&1 \
-    | tee "$OUT/e2e_cuda.log" | tail -25 || status=1
+  gpu_group moe_quant_rest "${rest[@]}" & p3=$!
+  LONGSERVE_TEST_DEVICE=cuda python3 -m pytest -q tests/e2e/test_engine.py -p no:cacheprovider \
+    > "$OUT/e2e_cuda.log" 2>&1 & p4=$!
+  for p in $p1 $p2 $p3 $p4; do wait $p || status=1; done
+  for f in "$OUT"/gpu_tests_*.log "$OUT/e2e_cuda.log"; do
+    echo "== $f"; grep -E "passed|failed|^FAILED|^ERROR" "$f" | tail -12
+  done
 fi
 
 if [[ $MODE == all || $MODE == bench ]]; then
