@@ -342,3 +342,29 @@ def test_request_timeout_covers_tokenizing(engine, tiny_model):
 
     asyncio.run(main())
     assert_clean(engine)
+
+
+def test_the_warm_up_runs_on_the_stepping_thread_before_the_first_step(engine, monkeypatch, caplog):
+    """cuDNN keeps its plans per thread: the server's warm-up must run on the engine thread, which runs the
+    steps, and before the first of them; a warm-up that fails is logged and the engine serves anyway."""
+    seen: list[tuple[str, str]] = []
+    real_step = engine.step
+    monkeypatch.setattr(engine, "warm_up", lambda: seen.append(("warm_up", threading.current_thread().name)))
+    monkeypatch.setattr(
+        engine, "step", lambda: seen.append(("step", threading.current_thread().name)) or real_step()
+    )
+
+    async def body(ae: AsyncEngine):
+        out = await run(ae, [5, 6, 7], SamplingParams(max_new_tokens=3, temperature=0))
+        assert out.finished and len(out.token_ids) == 3
+
+    with_engine(engine, body)
+    assert seen[0] == ("warm_up", "longserve-engine") and ("step", "longserve-engine") in seen[1:]
+    assert [kind for kind, _ in seen].count("warm_up") == 1
+
+    def failing() -> None:
+        raise RuntimeError("no plans today")
+
+    monkeypatch.setattr(engine, "warm_up", failing)
+    with_engine(engine, body)
+    assert any("warm-up failed" in r.getMessage() and r.exc_text for r in caplog.records)
