@@ -39,13 +39,16 @@ class WarmUp:
     counts: list[int] | None = None
 
 
-def warm_up_counts(chunk_size: int) -> list[int]:
-    """512, 1024, ... below a chunk, then the chunk itself (none when a chunk is under 512 tokens)."""
+def warm_up_counts(chunk_size: int, context_length: int) -> list[int]:
+    """512, 1024, ... below a chunk, then the chunk itself; none past the context length (the rotary kernel's
+    cos/sin cache covers the context and the kernel does not bound-check positions: models/rope.py), none
+    when that leaves less than 512 tokens."""
+    largest = min(chunk_size, context_length)
     counts, n = [], WARM_UP_MIN_TOKENS
-    while n < chunk_size:
+    while n < largest:
         counts.append(n)
         n *= 2
-    return counts + [chunk_size] if chunk_size >= WARM_UP_MIN_TOKENS else counts
+    return counts + [largest] if largest >= WARM_UP_MIN_TOKENS else counts
 
 
 @torch.inference_mode()
@@ -60,7 +63,7 @@ def warm_up(
     """The backend's warm-up, then a forward pass of `model` per token count (default `warm_up_counts`)."""
     start = time.perf_counter()
     backend.warm_up(shape, chunk_size, kv_cache)
-    counts = warm_up_counts(chunk_size) if counts is None else counts
+    counts = warm_up_counts(chunk_size, shape.max_seq_len) if counts is None else counts
     page_size = kv_cache.page_size
     for n in counts:
         meta, (input_ids, positions) = build_step_tensors(

@@ -456,3 +456,33 @@ def test_a_request_whose_own_sampling_fails_ends_alone(ckpt, monkeypatch, stage)
     # a seeded request sampled beside the failure draws exactly what it draws alone
     assert finals["s"].token_ids == plain_seeded.token_ids
     assert_clean(engine)
+
+
+def test_warm_up_passes_stay_within_the_context_and_change_no_output(ckpt):
+    """The start-up warm-up (runner/warm_up.py) as a GPU engine runs it, here on this device: forward passes
+    at 512, 1024, ... tokens up to a chunk, but never past the context length (the GPU's rotary kernel does
+    not bound-check positions: its cos/sin cache covers the context, models/rope.py `reserve`); no page but
+    the reserved page 0 is written, and generation afterwards equals a fresh engine's."""
+    from longserve.runner.warm_up import warm_up, warm_up_counts
+
+    assert warm_up_counts(8192, 131072) == [512, 1024, 2048, 4096, 8192]
+    assert warm_up_counts(8192, 600) == [512, 600] and warm_up_counts(6000, 7000) == [
+        512,
+        1024,
+        2048,
+        4096,
+        6000,
+    ]
+    assert warm_up_counts(8192, 300) == [] and warm_up_counts(256, 4096) == []
+    ps = prompts()
+    with llm(ckpt, context_length=600, chunked_prefill_size=8192) as m:
+        expected = [o.token_ids for o in m.generate(ps, GREEDY32)]
+    with llm(ckpt, context_length=600, chunked_prefill_size=8192) as m:
+        runner = m.engine.runner
+        pages = [t[1:].clone() for t in (*runner.kv_cache.k, *runner.kv_cache.v)]
+        warm_up(
+            runner.model, runner.backend, runner.kv_cache, runner._graph_shape(), 8192
+        )  # counts: 512, 600
+        assert all(torch.equal(p, t[1:]) for p, t in zip(pages, (*runner.kv_cache.k, *runner.kv_cache.v)))
+        assert [o.token_ids for o in m.generate(ps, GREEDY32)] == expected
+        m.engine.check_integrity()
