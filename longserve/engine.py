@@ -25,6 +25,7 @@ from longserve.engine_checks import (
     resolve_overlap,
 )
 from longserve.engine_outputs import Group, request_output
+from longserve.engine_tokens import TokenHandler
 from longserve.models import load_hf_config
 from longserve.outputs import EngineStats, RequestOutput, SchedulerOutput, StepStats
 from longserve.pooling_params import PoolingParams
@@ -72,6 +73,7 @@ class Engine:
         self.context_length = self.runner.context_length
         self.kv = KVCacheManager(self.runner.num_pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig.from_engine_config(config, self.context_length), self.kv)
+        self.tokens = TokenHandler(self.scheduler, self.context_length)  # what each sampled token does
         self.overlap = resolve_overlap(config.overlap_schedule, self.runner)
         self._in_flight: Launched | None = None  # overlapped: the step left running by the last call
         self.detokenizer = (
@@ -328,97 +330,22 @@ class Engine:
             failure = runner_out.failed.get(req.request_id)
             if failure is None:
                 try:
-                    self._accept_token(req, i, token, runner_out, now)
+                    self.tokens.accept(req, i, token, runner_out, now)
                     continue
                 except Exception as e:  # this request's own output handling: the others go on
-                    failure = self._log_failure(req, e)
+                    failure = self.tokens.log_failure(req, e)
             req.output_token_ids.pop()  # the placeholder, or a token it could not take
-            self._fail(req, failure, internal=True)
+            self.tokens.fail(req, failure, internal=True)
         group_of = self._group_of
         for s in sched_out.scheduled:
             g = group_of.get(s.request.request_id)
             if g is not None:
                 touched[g.request_id] = g
 
-    def _accept_token(self, req: Request, i: int, token: int, runner_out, now: float) -> None:
-        if req.first_token_time is None:
-            req.first_token_time = now
-        if runner_out.pooled is not None:
-            req.pooled = runner_out.pooled[i]
-        if runner_out.logprobs is not None and req.sampling_params.logprobs is not None:
-            req.logprobs.append(runner_out.logprobs[i])
-            if runner_out.top_logprobs is not None:
-                req.top_logprobs.append(runner_out.top_logprobs[i][: req.sampling_params.logprobs])
-        self._process_token(req, token)
-
-    @staticmethod
-    def _log_failure(req: Request, exc: Exception) -> str:
-        logger.error("request %s failed while taking its token", req.request_id, exc_info=exc)
-        return f"internal error while taking the token of request {req.request_id}; the server log has the details"
-
-    def _fail(self, req: Request, message: str, internal: bool = False) -> None:
-        """End a request with an error (`internal`: ours, not its input's); its siblings go on."""
-        req.error = message
-        req.error_internal = internal
-        self.scheduler.finish_request(req, FinishReason.ERROR)
-
     def _fail_unschedulable(self) -> None:
         req = self.scheduler.waiting[0]
         needed = self.kv.pages_needed(req, min(req.num_tokens, self.config.chunked_prefill_size))
-        self._fail(req, f"request needs {needed} pages but the KV pool has {self.kv.num_total_pages}")
-
-    def _process_token(self, req: Request, token: int) -> None:
-        params = req.sampling_params
-        if params.max_new_tokens == 0:  # prefill only (warms the prefix cache): drop the sample
-            req.output_token_ids.pop()
-            req.logprobs.clear()  # and its logprobs (the prompt's, if asked, are kept)
-            req.top_logprobs.clear()
-            self.scheduler.finish_request(req, FinishReason.LENGTH)
-            return
-        # a complete output ends at the stop token its grammar allowed, ignore_eos or not
-        grammar_done = req.grammar is not None and self._advance_grammar(req, token)
-        if (
-            grammar_done
-            or token in params.stop_token_ids
-            or (token in req.eos_token_ids and not params.ignore_eos)
-        ):
-            req.stop_reason = token
-            # the stop token has no text, unless no_stop_trim keeps it (a special one decodes to nothing)
-            self._finish(req, FinishReason.STOP, text_upto=req.num_output_tokens - (not params.no_stop_trim))
-            return
-        if self._detokenize(req, req.num_output_tokens, final=False):
-            return
-        if (params.max_new_tokens is not None and req.num_output_tokens >= params.max_new_tokens) or (
-            req.num_prompt_tokens + req.num_output_tokens >= self.context_length  # a pending one apart
-        ):
-            self._finish(req, FinishReason.LENGTH, text_upto=req.num_output_tokens)
-
-    @staticmethod
-    def _advance_grammar(req: Request, token: int) -> bool:
-        """Give the sampled token to the request's matcher; True once it has terminated. The matcher applies
-        it when next used (the next step's mask fill, while the forward pass runs); a token its own mask did
-        not allow is a bug that ends the request with an error there."""
-        return req.grammar.defer_accept(token)
-
-    def _detokenize(self, req: Request, upto: int, final: bool) -> bool:
-        """Append the text of output tokens [.., upto); True if a stop string ended the request."""
-        text = req.text
-        if text is None:
-            return False
-        if type(text) is DeferredText:
-            text.add(upto, final)
-            return False
-        stop = text.add(req.output_token_ids, final, upto)
-        if stop is None:
-            return False
-        req.stop_reason = stop
-        self.scheduler.finish_request(req, FinishReason.STOP)
-        return True
-
-    def _finish(self, req: Request, reason: FinishReason, text_upto: int) -> None:
-        # release text held back for an incomplete character; a stop string found there still wins
-        if not self._detokenize(req, text_upto, final=True):
-            self.scheduler.finish_request(req, reason)
+        self.tokens.fail(req, f"request needs {needed} pages but the KV pool has {self.kv.num_total_pages}")
 
     # ---- outputs --------------------------------------------------------------------------------
     def _group_output(self, group: Group) -> RequestOutput:

@@ -110,7 +110,7 @@ def decode_run(llm: LLM, args: argparse.Namespace, constrained: bool) -> dict:
     engine = llm.engine
     masker = engine.runner.step_sampler.grammar_masker
     host = {"fill_s": 0.0, "accept_s": 0.0}
-    prepare, advance = masker.prepare, engine._advance_grammar
+    prepare, advance = masker.prepare, engine.tokens.advance_grammar
 
     def timed_prepare(reqs):
         t = time.perf_counter()
@@ -126,7 +126,7 @@ def decode_run(llm: LLM, args: argparse.Namespace, constrained: bool) -> dict:
         finally:
             host["accept_s"] += time.perf_counter() - t
 
-    masker.prepare, engine._advance_grammar = timed_prepare, timed_advance
+    masker.prepare, engine.tokens.advance_grammar = timed_prepare, timed_advance
     spec = GrammarSpec.json_schema(SCHEMA) if constrained else None
     g = torch.Generator().manual_seed(0)
     vocab = min(len(engine.tokenizer), engine.runner.model.vocab_size)
@@ -150,7 +150,7 @@ def decode_run(llm: LLM, args: argparse.Namespace, constrained: bool) -> dict:
             decode_s += dt
             decode_tokens += stats.num_decode_tokens
             steps += 1
-    masker.prepare, engine._advance_grammar = prepare, advance
+    masker.prepare, engine.tokens.advance_grammar = prepare, advance
     engine.check_integrity()
     return {
         "constrained": constrained,

@@ -51,7 +51,7 @@ def probe(llm, args, skipped):
     eng.scheduler.schedule = timed("schedule", eng.scheduler.schedule)
     eng.scheduler.advance = timed("advance (cache insert)", eng.scheduler.advance)
     eng.scheduler.commit = timed("commit", eng.scheduler.commit)
-    eng._process_token = timed("process token", eng._process_token)
+    eng.tokens.process = timed("process token", eng.tokens.process)
     model_runner.build_step = timed("build_step", model_runner.build_step)
     model_runner.to_model_inputs = timed("to_model_inputs", model_runner.to_model_inputs)
     if runner.extend_graphs is not None:
