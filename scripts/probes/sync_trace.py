@@ -39,6 +39,8 @@ def main() -> None:
     seen: dict[str, int] = {}
 
     def show(message, category, filename, lineno, file=None, line=None):  # noqa: ANN001
+        if "prototype feature" in str(message):  # torch's notice that the debug mode itself is experimental
+            return
         stack = "".join(traceback.format_stack(limit=14)[:-2])
         key = stack[-400:]
         seen[key] = seen.get(key, 0) + 1
