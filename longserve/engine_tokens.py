@@ -9,6 +9,7 @@ import logging
 from typing import Any
 
 from longserve.request import FinishReason, Request
+from longserve.runner.sample_step import request_failure
 from longserve.sched.scheduler import Scheduler
 from longserve.tokenization.detokenizer import DeferredText
 
@@ -34,8 +35,7 @@ class TokenHandler:
 
     @staticmethod
     def log_failure(req: Request, exc: Exception) -> str:
-        logger.error("request %s failed while taking its token", req.request_id, exc_info=exc)
-        return f"internal error while taking the token of request {req.request_id}; the server log has the details"
+        return request_failure("taking the token of", req.request_id, exc)
 
     def fail(self, req: Request, message: str, internal: bool = False) -> None:
         """End a request with an error (`internal`: ours, not its input's); its siblings go on."""

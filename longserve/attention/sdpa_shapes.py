@@ -82,26 +82,20 @@ class PlanRegistry:
     def ready(self, model: ModelShape, q_rows: int, kv_rows: int, causal: bool, device: torch.device) -> bool:
         return device.type != "cuda" or (model, q_rows, kv_rows, causal) in self._built()
 
-    def cold_ready(self, model: ModelShape, query_lens: list[int], device: torch.device) -> bool:
-        """Whether every prompt of a cold batch runs at a built shape (on CUDA: and is long enough to bother)."""
+    def cold_ready(self, model: ModelShape, query_len: int, device: torch.device) -> bool:
+        """Whether a cold prompt runs at a built shape (on CUDA: and is long enough to bother)."""
         if device.type != "cuda":
             return True
-        return all(
-            n >= MIN_COLD_QUERY and self.ready(model, pad_rows(n), pad_rows(n), True, device)
-            for n in query_lens
-            if n
+        return query_len >= MIN_COLD_QUERY and self.ready(
+            model, pad_rows(query_len), pad_rows(query_len), True, device
         )
 
-    def split_ready(
-        self, model: ModelShape, prefix_lens: list[int], query_lens: list[int], device: torch.device
-    ) -> bool:
-        for prefix_len, query_len in zip(prefix_lens, query_lens):
-            s = split_shape(prefix_len, query_len)
-            if not self.ready(model, s.causal_rows, s.causal_rows, True, device):
-                return False
-            if s.prefix_keys and not self.ready(model, s.query_rows, s.prefix_keys, False, device):
-                return False
-        return True
+    def split_ready(self, model: ModelShape, prefix_len: int, query_len: int, device: torch.device) -> bool:
+        """Whether a chunk over a cached prefix runs at built shapes (its causal part and its prefix part)."""
+        s = split_shape(prefix_len, query_len)
+        if not self.ready(model, s.causal_rows, s.causal_rows, True, device):
+            return False
+        return not s.prefix_keys or self.ready(model, s.query_rows, s.prefix_keys, False, device)
 
     def mark(self, model: ModelShape, q_rows: int, kv_rows: int, causal: bool) -> None:
         self._built().add((model, q_rows, kv_rows, causal))

@@ -96,14 +96,14 @@ class TritonAttentionBackend(AttentionBackend):
 
     def warm_up(self, shape: GraphShape, chunk_size: int, kv_cache: KVCache) -> None:
         """The cuDNN plans of sdpa_shapes.py, then one forward pass per variant of the extend kernel a
-        serving mix reaches (short/long row tiles, keys split or not, the merge's tiles) and of the cuDNN
-        paths, over the reserved page 0 (as graph capture does). Compiled mid-step, each variant stalled the
+        serving mix reaches (short/long row tiles, keys split or not, the merge's tiles) and of the split
+        cuDNN path's merge, over the reserved page 0 (as graph capture does). Compiled mid-step, each variant stalled the
         step for seconds, and a first launch waited for the device."""
         if self.cold_path in (None, "sdpa"):
             model = ModelShape(shape.num_q_heads, shape.num_kv_heads, shape.head_dim, shape.dtype)
             warm_up_plans(model, shape.device, chunk_size, shape.max_seq_len)
         cases = [([16, 0], [1, 16]), ([16, 0], [1, 512]), ([4096], [16]), ([4096], [512]), ([16384], [16])]
-        cases += [([32768], [16]), ([0], [chunk_size]), ([chunk_size], [chunk_size])]
+        cases += [([32768], [16]), ([chunk_size], [chunk_size])]  # the last: the split path's merge kernel
         page_size = kv_cache.page_size
         for prefix_lens, query_lens in cases:
             if max(map(sum, zip(prefix_lens, query_lens))) > shape.max_seq_len:
@@ -218,10 +218,10 @@ class TritonAttentionBackend(AttentionBackend):
             if not query_len:
                 continue
             if prefix_len == 0:
-                ok = PLANS.cold_ready(model, [query_len], q.device)
+                ok = PLANS.cold_ready(model, query_len, q.device)
             else:
                 ok = half and use_split_sdpa(query_len, prefix_len)
-                ok = ok and PLANS.split_ready(model, [prefix_len], [query_len], q.device)
+                ok = ok and PLANS.split_ready(model, prefix_len, query_len, q.device)
             if ok:
                 chosen.append(r)
         return tuple(chosen)

@@ -20,13 +20,12 @@ from longserve.models.layers import use_triton
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # the rotary kernel also stores each layer's new K/V into a 16-bit cache (kernels/rope.py), instead of the
-# attention backend's two index_copy launches. From the H200 profile of decode b1 at 32K (2026-12-02,
-# 73be6a4): the index_copy pair took 0.145 ms of a 5.81 ms step, plus the gaps between launches. Not yet
-# measured with the fusion on: `with_constants.py longserve.models.rope.FUSE_KV_STORE=False` is the A/B.
+# attention backend's two index_copy launches (in the H200 profile of decode b1 at 32K, 2026-12-02, 73be6a4,
+# the pair took 0.145 ms of a 5.81 ms step, plus the gaps between launches); and it applies Qwen3's per-head
+# q/k RMSNorm (two launches a layer fewer). Both on against both off, Qwen3-30B-A3B shape on an H200
+# (2026-12-02, 3672e1d, RESULTS.md): decode b1@4K 4.45 -> 4.15 ms, b1@32K 5.30 -> 5.01 ms, b64@4K 25.43 ->
+# 24.80 ms. Each alone is not measured (`gpu_check.sh fusions`, `fusions-a3b` are the A/Bs).
 FUSE_KV_STORE = True
-# the rotary kernel also applies Qwen3's per-head q/k RMSNorm (two launches a layer fewer: at batch 1 the
-# Qwen3-30B-A3B shape's decode is bound by launches, 5.14 ms against a 1.54 ms floor, RESULTS.md 2026-12-02);
-# not yet measured (`gpu_check.sh fusions-a3b`)
 FUSE_QK_NORM = True
 
 

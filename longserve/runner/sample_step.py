@@ -18,10 +18,12 @@ logger = logging.getLogger("longserve.runner")
 _PLACEHOLDER = SamplingParams(temperature=0.0)  # the row of a request whose sampling setup failed
 
 
-def _failure(stage: str, request_id: str, exc: Exception) -> str:
-    """Log a request's own failure with its traceback; the message its caller gets (no internals in it)."""
-    logger.error("request %s failed while %s", request_id, stage, exc_info=exc)
-    return f"internal error while {stage} request {request_id}; the server log has the details"
+def request_failure(stage: str, request_id: str, exc: Exception) -> str:
+    """Log a request's own failure with its traceback; the message its caller gets (no internals in it).
+    `stage` reads before "request <id>": "sampling", "taking the token of"."""
+    message = f"internal error while {stage} request {request_id}"
+    logger.error(message, exc_info=exc)
+    return f"{message}; the server log has the details"
 
 
 class StepSampler:
@@ -41,7 +43,7 @@ class StepSampler:
         # on the host while the device runs the forward pass (nothing before this waited for it)
         token_mask, mask_failures = self.grammar_masker.prepare(reqs)
         failed = {
-            reqs[i].request_id: _failure("filling its grammar mask for", reqs[i].request_id, e)
+            reqs[i].request_id: request_failure("filling its grammar mask for", reqs[i].request_id, e)
             for i, e in mask_failures.items()
         }
         with torch.inference_mode():
@@ -65,7 +67,7 @@ class StepSampler:
             try:
                 infos.append(self.sampling_info(req, eos_token_ids))
             except Exception as e:
-                failed[req.request_id] = _failure("preparing its sampling", req.request_id, e)
+                failed[req.request_id] = request_failure("preparing its sampling", req.request_id, e)
                 infos.append(SamplingInfo(_PLACEHOLDER, (), (), None))
         try:
             result = self.sampler(logits, infos, token_mask=token_mask)
@@ -93,7 +95,7 @@ class StepSampler:
                 row_mask = token_mask.row(i) if token_mask is not None else None
                 result = self.sampler(logits[i : i + 1], [info], token_mask=row_mask)
             except Exception as e:
-                failed[req.request_id] = _failure("sampling", req.request_id, e)
+                failed[req.request_id] = request_failure("sampling", req.request_id, e)
                 continue
             tokens[i] = int(result.token_ids.item())
             if result.logprobs is not None:

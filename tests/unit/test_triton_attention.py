@@ -348,14 +348,17 @@ def test_plan_registry_is_per_thread_and_covers_a_long_prompts_chunks() -> None:
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     model = shapes.ModelShape(32, 8, 128, torch.bfloat16)
     registry = shapes.PlanRegistry()
-    assert registry.cold_ready(model, [100, 3000], cpu) and registry.split_ready(model, [5000], [700], cpu)
-    assert not registry.cold_ready(model, [3000], cuda)
+    assert registry.cold_ready(model, 100, cpu) and registry.cold_ready(model, 3000, cpu)
+    assert registry.split_ready(model, 5000, 700, cpu)
+    assert not registry.cold_ready(model, 3000, cuda)
     registry.mark(model, 3072, 3072, True)
-    assert registry.cold_ready(model, [3000, 2049, 0], cuda)  # all pad to 3072
-    assert not registry.cold_ready(model, [3000, 100], cuda)  # a short prompt: not worth cuDNN
-    assert not registry.cold_ready(shapes.ModelShape(32, 8, 128, torch.float16), [3000], cuda)
+    assert registry.cold_ready(model, 3000, cuda) and registry.cold_ready(
+        model, 2049, cuda
+    )  # both pad to 3072
+    assert not registry.cold_ready(model, 100, cuda)  # a short prompt: not worth cuDNN
+    assert not registry.cold_ready(shapes.ModelShape(32, 8, 128, torch.float16), 3000, cuda)
     other: list[bool] = []
-    thread = threading.Thread(target=lambda: other.append(registry.cold_ready(model, [3000], cuda)))
+    thread = threading.Thread(target=lambda: other.append(registry.cold_ready(model, 3000, cuda)))
     thread.start()
     thread.join()
     assert other == [False]
