@@ -118,14 +118,13 @@ def test_library_paths_run_only_at_built_shapes(monkeypatch: pytest.MonkeyPatch)
 
     import longserve.attention.triton_backend as tb
     from longserve.attention import sdpa_shapes as shapes
-    from longserve.attention.sdpa import warm_up_plans
+    from longserve.attention.base import GraphShape
 
     calls: list[tuple[int, ...]] = []
     real = tb.prefix_split_sdpa
     monkeypatch.setattr(
         tb, "prefix_split_sdpa", lambda *a, **kw: calls.append(kw["requests"]) or real(*a, **kw)
     )
-    model = shapes.ModelShape(NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, torch.bfloat16)
     # cold; chunks over a prefix (one with a tail); a chunk with a decode and a short chunk beside it
     cases = [([0, 0], [2000, 1500]), ([4096, 6000], [2048, 1800]), ([100, 4096, 300], [1, 2048, 40])]
     monkeypatch.setattr(shapes, "PLANS", shapes.PlanRegistry())
@@ -134,8 +133,13 @@ def test_library_paths_run_only_at_built_shapes(monkeypatch: pytest.MonkeyPatch)
         out, expected = run_step(prefix_lens, query_lens, 16, torch.bfloat16)
         torch.testing.assert_close(out.float(), expected, atol=TOL, rtol=TOL)
     assert calls == []  # nothing built yet: Triton
+    # the serving warm-up (runner/warm_up.py calls it): the plans, and the extend-kernel variants the Triton
+    # part of a mixed step reaches (its decode and short chunk alone compile a short-tile variant: 1.4 s on
+    # an H200, 2026-12-02, when this test warmed up the plans only)
     start = time.perf_counter()
-    warm_up_plans(model, torch.device("cuda"), 2048, 8192)
+    cache = KVCache(1, 8192 // 16 + 1, 16, NUM_KV_HEADS, HEAD_DIM, torch.bfloat16, "cuda")
+    graph_shape = GraphShape(8192, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, torch.bfloat16, torch.device("cuda"))
+    tb.TritonAttentionBackend().warm_up(graph_shape, 2048, cache)
     print(f"warm-up: {len(shapes.warm_up_shapes(2048, 8192))} plans in {time.perf_counter() - start:.2f}s")
     for prefix_lens, query_lens in cases:
         start = time.perf_counter()
