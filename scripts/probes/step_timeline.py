@@ -9,6 +9,7 @@ On a CUDA GPU: python3 scripts/probes/step_timeline.py (PROBE_SCALE=0.05 and --c
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -17,6 +18,7 @@ from longserve.bench import latency
 from longserve.bench.latency_cases import EngineBench
 
 SCALE = float(os.environ.get("PROBE_SCALE", "1"))
+PROFILE = os.environ.get("PROBE_PROFILE", "1") == "1"  # torch.profiler around the measured mixed step
 RUNNING, LEN_A, LEN_B = int(1500 * SCALE), int(1232 * SCALE), int(1683 * SCALE)
 
 
@@ -95,7 +97,8 @@ def probe(llm, args, skipped):  # noqa: ANN001, ANN201
     bench = EngineBench(llm, args)
     timeline = Timeline(eng)
     params = SamplingParams(max_new_tokens=64, temperature=0, ignore_eos=True)
-    for overlap in (True, False, True, False):  # the first pair warms up
+    results: list[bool] = []
+    for overlap in (True, False, True, False, True):  # the first pair warms up; the last is profiled
         eng.overlap = overlap
         for _ in range(4):
             eng.add_request(bench.prompt(RUNNING), params)
@@ -106,7 +109,12 @@ def probe(llm, args, skipped):  # noqa: ANN001, ANN201
         first: dict[str, float] = {}
         b = None
         for i in range(8):
-            for out in timeline.step():
+            profile = PROFILE and i == 0 and len(results) == 4  # a run of its own: the timelines stay clean
+            with host_profile(profile) as prof:
+                outs = timeline.step()
+            if profile:
+                print_host_waits(prof)
+            for out in outs:
                 if out.outputs[0].token_ids and out.request_id not in first:
                     first[out.request_id] = timeline.now()
             if i == 0:
@@ -125,7 +133,35 @@ def probe(llm, args, skipped):  # noqa: ANN001, ANN201
             print(f"  {name}: first token handed out at {first.get(rid, float('nan')):.1f} ms")
         while eng.has_unfinished():
             eng.step()
+        results.append(overlap)
     sys.exit(0)
+
+
+@contextlib.contextmanager
+def host_profile(on: bool):  # noqa: ANN201
+    """torch.profiler around one step (CPU ops and CUDA runtime calls, with Python stacks), or nothing."""
+    if not on:
+        yield None
+        return
+    import torch
+
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts, with_stack=True, record_shapes=False) as prof:
+        yield prof
+
+
+def print_host_waits(prof) -> None:  # noqa: ANN001
+    """The host calls of the profiled step that took longest (a wait for the device shows as a long
+    cudaStreamSynchronize / cudaMemcpy / cudaEventSynchronize / cudaHostAlloc...), with their stacks."""
+    events = [e for e in prof.events() if e.device_type.name == "CPU" and ".py(" not in e.name]
+    events = [e for e in events if e.self_cpu_time_total > 300]  # > 0.3 ms of its own (not Python frames)
+    events.sort(key=lambda e: -e.self_cpu_time_total)
+    print("\nlongest host calls of the first overlapped step (self ms, total ms, name, stack):")
+    for e in events[:12]:
+        stack = " <- ".join(f.split("/")[-1] for f in (e.stack or [])[:8])
+        print(
+            f"  {e.self_cpu_time_total / 1e3:7.2f} {e.cpu_time_total / 1e3:7.2f}  {e.name[:60]}  {stack[:400]}"
+        )
 
 
 if __name__ == "__main__":

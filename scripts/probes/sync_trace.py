@@ -27,12 +27,21 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=512)
     p.add_argument("--prompt-len", type=int, default=4000)
     p.add_argument("--steps", type=int, default=6, help="steps traced after the first two")
+    p.add_argument(
+        "--decoding", type=int, default=0, help="short requests decoding beside the prompt (mixed steps)"
+    )
     args = p.parse_args()
     ckpt = make_tiny_checkpoint(tempfile.mkdtemp(), "qwen3", num_layers=3)
     llm = LLM(ckpt, dtype="bfloat16", device="cuda", max_total_tokens=16384, overlap_schedule=True,
               chunked_prefill_size=args.chunk, context_length=8192)  # fmt: skip
     engine = llm.engine
-    ids = torch.randint(10, 500, (args.prompt_len,), generator=torch.Generator().manual_seed(2)).tolist()
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(args.decoding):  # decoding before the prompt arrives: its chunks share steps with them
+        engine.add_request(
+            torch.randint(10, 500, (64,), generator=gen).tolist(), SamplingParams(max_new_tokens=32)
+        )
+        engine.step()
+    ids = torch.randint(10, 500, (args.prompt_len,), generator=gen).tolist()
     engine.add_request(ids, SamplingParams(max_new_tokens=4))
     engine.step()
     engine.step()
