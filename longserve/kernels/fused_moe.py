@@ -330,7 +330,10 @@ def fused_moe(
     assert out.shape == hidden.shape and out.dtype == hidden.dtype
     if num_tokens == 0:
         return out
-    cfg = config or get_moe_config(num_experts, two_inter // 2, hidden_size, top_k, hidden.dtype, num_tokens)
+    cfg = config or get_moe_config(
+        num_experts, two_inter // 2, hidden_size, top_k, hidden.dtype, num_tokens,
+        weights=quant.weight_dtype if quant is not None else None,
+    )  # fmt: skip
     down_cfg = {**cfg, **cfg.get("down", {}), "BLOCK_M": cfg["BLOCK_M"]}  # one alignment serves both
     if quant is not None:  # a K tile must lie in one scale group (int) / activation group (fp8)
         cfg = _fit_block_k(cfg, quant, hidden_size, quant.w13_g_idx is not None)

@@ -22,9 +22,14 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def config_file_name(num_experts: int, inter: int, device_name: str, dtype: torch.dtype) -> str:
-    """vLLM's naming: N is the expert intermediate size I per rank (w2 is [E, H, N])."""
-    return f"E={num_experts},N={inter},device_name={device_name.replace(' ', '_')},dtype={dtype_name(dtype)}.json"
+def config_file_name(
+    num_experts: int, inter: int, device_name: str, dtype: torch.dtype, weights: str | None = None
+) -> str:
+    """vLLM's naming: N is the expert intermediate size I per rank (w2 is [E, H, N]); dtype names the
+    quantized experts' format (MoEQuant.weight_dtype: int4, int8, fp8_e4m3) where they are, else the
+    activations' dtype: tiles tuned for bf16 experts are not the quantized kernels' best."""
+    kind = weights or dtype_name(dtype)
+    return f"E={num_experts},N={inter},device_name={device_name.replace(' ', '_')},dtype={kind}.json"
 
 
 @lru_cache(maxsize=8)
@@ -130,16 +135,19 @@ def get_moe_config(
     num_tokens: int,
     device_name: str | None = None,
     config_dir: str | Path | None = None,
+    weights: str | None = None,
 ) -> dict:
     """Launch config for T = num_tokens: the bucket nearest to T (ties: the smaller) of the table for
     (E, N, device, dtype) in `config_dir` (default: the package's moe_configs/), else `default_moe_config`.
+    A table answers only within a factor of 2 of its buckets: one tuned at decode sizes (tune_moe with a
+    few --batch-sizes) must not hand its 16-row tiles to an 8K-token prefill chunk.
 
     Entries: {"BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"} for the gate+up GEMM,
     with an optional "down": {...} overriding all but BLOCK_M for the down GEMM. Host-only, cached."""
     if config_dir is None and os.environ.get("TRITON_INTERPRET", "0") == "1":
         return default_moe_config(E, N, K, top_k, dtype, num_tokens)
-    name = config_file_name(E, N, device_name or current_device_name(), dtype)
+    name = config_file_name(E, N, device_name or current_device_name(), dtype, weights)
     table = load_table(str(Path(config_dir or CONFIG_DIR) / name))
-    if not table:
+    if not table or not min(table) / 2 <= num_tokens <= 2 * max(table):
         return default_moe_config(E, N, K, top_k, dtype, num_tokens)
     return table[min(table, key=lambda bucket: (abs(bucket - num_tokens), bucket))]

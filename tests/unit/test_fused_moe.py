@@ -227,11 +227,20 @@ def test_get_moe_config_table_and_default(tmp_path, monkeypatch: pytest.MonkeyPa
     assert name == "E=128,N=768,device_name=NVIDIA_H200,dtype=bfloat16.json"
     (tmp_path / name).write_text(json.dumps(table))
     args = (128, 768, 2048, 8, torch.bfloat16)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the GPU's defaults (the interpreter's tiles are all small)
     pick = {t: get_moe_config(*args, t, "NVIDIA_H200", tmp_path)["BLOCK_M"] for t in (1, 20, 40, 3000, 9000)}
     assert pick == {1: 16, 20: 16, 40: 32, 3000: 128, 9000: 128}  # nearest bucket
     assert get_moe_config(*args, 3000, "NVIDIA_H200", tmp_path)["down"] == {"BLOCK_N": 64}
+    # a table tuned at decode sizes only: within 2x of its buckets it answers, a prefill chunk gets the default
+    (tmp_path / name).write_text(json.dumps({str(t): entry for t in (1, 2, 4, 8, 16, 32, 64)}))
+    load_table.cache_clear()
+    assert get_moe_config(*args, 128, "NVIDIA_H200", tmp_path) == entry
+    assert get_moe_config(*args, 8192, "NVIDIA_H200", tmp_path) == default_moe_config(*args, 8192)
+    assert default_moe_config(*args, 8192)["BLOCK_M"] == 128
+    # quantized experts look for a table of their own format, not the bf16 one
+    assert config_file_name(128, 768, "NVIDIA H200", torch.bfloat16, "int4").endswith("dtype=int4.json")
+    assert get_moe_config(*args, 8, "NVIDIA_H200", tmp_path, weights="int4") == default_moe_config(*args, 8)
     # no table for this GPU or shape: the default, small blocks for decode, large for a prefill chunk
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert get_moe_config(*args, 1, "NVIDIA_B200", tmp_path) == default_moe_config(*args, 1)
     decode, prefill = default_moe_config(*args, 1), default_moe_config(*args, 8192)
     assert (
