@@ -151,17 +151,21 @@ def host_profile(on: bool):  # noqa: ANN201
 
 
 def print_host_waits(prof) -> None:  # noqa: ANN001
-    """The host calls of the profiled step that took longest (a wait for the device shows as a long
-    cudaStreamSynchronize / cudaMemcpy / cudaEventSynchronize / cudaHostAlloc...), with their stacks."""
-    events = [e for e in prof.events() if e.device_type.name == "CPU" and ".py(" not in e.name]
-    events = [e for e in events if e.self_cpu_time_total > 300]  # > 0.3 ms of its own (not Python frames)
-    events.sort(key=lambda e: -e.self_cpu_time_total)
-    print("\nlongest host calls of the first overlapped step (self ms, total ms, name, stack):")
-    for e in events[:12]:
-        stack = " <- ".join(f.split("/")[-1] for f in (e.stack or [])[:8])
-        print(
-            f"  {e.self_cpu_time_total / 1e3:7.2f} {e.cpu_time_total / 1e3:7.2f}  {e.name[:60]}  {stack[:400]}"
-        )
+    """Where the profiled step's host time went: the ops and CUDA runtime calls by their own time (a wait
+    for the device shows as a long cudaStreamSynchronize / cudaMemcpy...), then the Python functions by
+    their own time (interpreter overhead: a step whose launch is slower than its kernels)."""
+    print("\nthe first overlapped step's host time, ops and runtime calls by self time:")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=22, max_name_column_width=60))
+    frames: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type.name == "CPU" and ".py(" in e.name:
+            acc = frames.setdefault(e.name.split("/")[-1][:90], [0.0, 0.0, 0])
+            acc[0] += e.self_cpu_time_total / 1e3
+            acc[1] += e.cpu_time_total / 1e3
+            acc[2] += 1
+    print("Python functions by self ms (self, total, calls):")
+    for name, (own, total, calls) in sorted(frames.items(), key=lambda kv: -kv[1][0])[:30]:
+        print(f"  {own:7.2f} {total:8.2f} {calls:5d}  {name}")
 
 
 if __name__ == "__main__":
