@@ -12,6 +12,7 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -256,7 +257,7 @@ class Engine:
         return len(self.groups)
 
     # ---- the step -------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, on_outputs: Callable[[list[RequestOutput]], None] | None = None) -> list[RequestOutput]:
         """Plan and launch one step; return the outputs of requests that progressed.
 
         Overlapped (`overlap`), the step launched here is left running, and the one the call before
@@ -265,7 +266,11 @@ class Engine:
         (scheduling, inputs, outputs, grammar masks) hides behind the device's; the outputs returned are the
         earlier step's. A request that stops in step N has one wasted row in step N+1 (its token is dropped;
         its pages are freed at once: the device runs the steps in order), unless N's token was sure to be its
-        last (max_tokens, context length)."""
+        last (max_tokens, context length).
+
+        `on_outputs` (the server's): when the new step computes prompt tokens, its launch (eager, no CUDA
+        graph) takes the host about as long as the device takes to run it, and the earlier step's tokens
+        would wait for all of it: then they are read before the launch and handed to `on_outputs` at once."""
         t0 = time.perf_counter()
         touched: dict[str, Group] = {}
         prev, self._in_flight = self._in_flight, None
@@ -278,7 +283,16 @@ class Engine:
                 num_prefill += min(s.num_new_tokens, left)
         launched = None
         if not sched_out.is_empty:
-            logits = self.runner.forward(sched_out, prev.sampled if prev is not None else None)
+            prev_sampled = prev.sampled if prev is not None else None
+            inputs = self.runner.prepare(sched_out, prev_sampled)
+            if prev is not None and on_outputs is not None and num_prefill and prev.sched_out.samples:
+                # a 1.2K-token step of an 8B model on an H200: 31 ms to launch, 31 ms to run; its first token
+                # reached clients 30 ms after the device had it (scripts/probes/step_timeline.py, 2026-12-02)
+                self._complete(prev, touched)
+                prev = None
+                on_outputs(self._outputs(touched))
+                touched.clear()
+            logits = self.runner.launch(inputs, prev_sampled)
             if prev is not None:
                 self._complete(prev, touched)
                 prev = None
@@ -296,8 +310,7 @@ class Engine:
                 self._in_flight = launched
             else:
                 self._complete(launched, touched)
-        # best_of candidates report once all have ended and the best are known
-        outputs = [self._group_output(g) for g in touched.values() if not g.ranked or g.done]
+        outputs = self._outputs(touched)
         self.last_step_stats = StepStats(
             num_prefill_tokens=num_prefill,
             num_decode_tokens=sched_out.num_batched_tokens - num_prefill,
@@ -308,6 +321,10 @@ class Engine:
             step_time=time.perf_counter() - t0,
         )
         return outputs
+
+    def _outputs(self, touched: dict[str, Group]) -> list[RequestOutput]:
+        # best_of candidates report once all have ended and the best are known
+        return [self._group_output(g) for g in touched.values() if not g.ranked or g.done]
 
     def _more_to_come(self, sched_out: SchedulerOutput) -> bool:
         """Whether a step may follow this one: else it is read at once, so that a lone request's last token

@@ -29,6 +29,11 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.scheduled
 
+    @property
+    def samples(self) -> bool:
+        """Whether the step samples a token (a mid-prompt chunk does not)."""
+        return any(s.samples for s in self.scheduled)
+
 
 @dataclass
 class RunnerOutput:

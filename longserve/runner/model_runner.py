@@ -247,11 +247,23 @@ class ModelRunner:
         """Rank 0: queue the scheduled step's forward pass (on every rank under tp) without waiting for the
         device. `prev`: the step launched before this one, whose ids have not been read: this step's decodes
         of tokens still pending (Request.num_pending) take their input from prev.token_ids on the device."""
+        return self.launch(self.prepare(out, prev), prev)
+
+    def prepare(self, out: SchedulerOutput, prev: SampledStep | None = None) -> StepInputs:
+        """Rank 0, host only: the scheduled step as plain data, read from its requests now. What happens to
+        them before `launch` (the step before read, a request ended and its pages released) leaves it as is."""
         step = build_step(out)
-        prev_tokens = prev.token_ids if prev is not None else None
         if step.pending_dst:
-            assert prev_tokens is not None, "a step with pending inputs needs the previous step's sampled ids"
-            step.num_prev_rows = prev_tokens.shape[0]
+            assert prev is not None and prev.token_ids is not None, (
+                "pending inputs need the previous step's ids"
+            )
+            step.num_prev_rows = prev.token_ids.shape[0]
+        return step
+
+    def launch(self, step: StepInputs, prev: SampledStep | None = None) -> StepLogits:
+        """Rank 0: queue a prepared step's forward pass (every rank under tp), its pending inputs taken from
+        prev.token_ids on the device."""
+        prev_tokens = prev.token_ids if prev is not None else None
         if self.workers is None:
             logits = self.forward_step(step, prev_tokens)  # [N, V] fp32 or None
         else:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -375,9 +376,10 @@ class AsyncEngine:
                 except Exception:  # an abort that failed: the next step's failure handling cleans up
                     logger.exception("engine command %s failed", type(command).__name__)
             stepped = False
+            early: list[tuple[RequestOutput, int | None]] = []  # sent before the step's launch
             if engine.has_unfinished():
                 try:
-                    outs = engine.step()
+                    outs = engine.step(on_outputs=functools.partial(self._send_early, early))
                     items.extend((out, _status(out)) for out in outs)
                     self.num_steps += 1
                     stepped = True
@@ -393,7 +395,7 @@ class AsyncEngine:
                     items.extend(self._fail_all(error.message, 500))
             stats = engine.stats()
             self.num_waiting = stats.num_waiting
-            self._observe(stats, engine.last_step_stats if stepped else None, items)
+            self._observe(stats, engine.last_step_stats if stepped else None, early + items)
             self._send(items)
         self._send(self._fail_all(SHUTTING_DOWN, 503))
         self._check_pages()
@@ -423,6 +425,12 @@ class AsyncEngine:
             logger.exception("updating metrics failed")
         if self._timed_out:
             self._timed_out.difference_update(out.request_id for out, _ in items if out.finished)
+
+    def _send_early(self, sent: list[tuple[RequestOutput, int | None]], outs: list[RequestOutput]) -> None:
+        """Engine.step's on_outputs: the earlier step's outputs, to their clients before a slow launch."""
+        items = [(out, _status(out)) for out in outs]
+        sent.extend(items)
+        self._send(items)
 
     def _send(self, items: list[tuple[RequestOutput, int | None]]) -> None:
         if items and self._loop is not None:

@@ -74,7 +74,8 @@ def probe(llm, args, skipped):
 
     runner.forward_step = timed("forward_step (host)", forward_step)
     runner.step_sampler.sampler = timed("sampler (launch)", runner.step_sampler.sampler)
-    runner.forward = timed("runner.forward (all)", runner.forward)
+    runner.prepare = timed("runner.prepare (inputs)", runner.prepare)
+    runner.launch = timed("runner.launch (all)", runner.launch)
     runner.sample = timed("runner.sample (all)", runner.sample)
     sampled.SampledStep.result = timed("read tokens (wait)", sampled.SampledStep.result)
     bench = EngineBench(llm, args)

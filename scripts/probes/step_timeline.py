@@ -1,9 +1,13 @@
 """GPU probe: when does a prompt's first token leave the engine, against when the device finished its
 prefill? Four requests decode; a prompt A arrives, and a prompt B one step later (the HTTP random workload's
 pattern: 2026-12-02, a prefill's first token reached clients one whole step late when the next step held
-another prefill). Per Engine.step call, the host's phases (schedule, forward queued, the earlier step read,
-sampling queued) and the device's span of the step's forward (CUDA events), in ms from A's arrival; then
-A's and B's first token: device done vs handed out. Overlapped schedule on, then off.
+another prefill: that step's eager launch took the host as long as the device took to run it, 31 ms for
+1.2K tokens of an 8B model, and the engine read the earlier step only after it). Per Engine.step call, the
+host's phases (launch, the earlier step read, sampling queued) and the device's span of the step's forward
+(CUDA events), in ms from A's arrival; then when A's and B's first tokens were handed out. Three modes: the
+overlapped schedule, the plain one, and the overlapped one with on_outputs (the server's: tokens in flight
+handed out before a prefill step's launch). PROBE_PROFILE=1: one more run, its mixed step under
+torch.profiler (host time by op and by Python function).
 On a CUDA GPU: python3 scripts/probes/step_timeline.py (PROBE_SCALE=0.05 and --config tiny: a CPU dry run).
 """
 
@@ -18,12 +22,12 @@ from longserve.bench import latency
 from longserve.bench.latency_cases import EngineBench
 
 SCALE = float(os.environ.get("PROBE_SCALE", "1"))
-PROFILE = os.environ.get("PROBE_PROFILE", "1") == "1"  # torch.profiler around the measured mixed step
+PROFILE = os.environ.get("PROBE_PROFILE", "0") == "1"  # one more run: torch.profiler around its mixed step
 RUNNING, LEN_A, LEN_B = int(1500 * SCALE), int(1232 * SCALE), int(1683 * SCALE)
 
 
 class Timeline:
-    """Wraps the engine's runner.forward, runner.sample and _complete with host clocks and device events."""
+    """Wraps the engine's runner.launch, runner.sample and _complete with host clocks and device events."""
 
     def __init__(self, eng) -> None:  # noqa: ANN001
         import torch
@@ -32,20 +36,20 @@ class Timeline:
         self.rows: list[dict] = []
         self.t0 = time.perf_counter()
         self.base = None
-        forward, sample, complete = eng.runner.forward, eng.runner.sample, eng._complete
+        launch, sample, complete = eng.runner.launch, eng.runner.sample, eng._complete
 
-        def timed_forward(out, prev=None):  # noqa: ANN001, ANN202
+        def timed_launch(step, prev=None):  # noqa: ANN001, ANN202
             row = self.row()
             row["forward_in"] = self.now()
             if self.cuda:
                 row["ev0"] = torch.cuda.Event(enable_timing=True)
                 row["ev0"].record()
-            result = forward(out, prev)
+            result = launch(step, prev)
             if self.cuda:
                 row["ev1"] = torch.cuda.Event(enable_timing=True)
                 row["ev1"].record()
             row["forward_out"] = self.now()
-            row["tokens"] = out.num_batched_tokens
+            row["tokens"] = len(step.input_ids)
             return result
 
         def timed_sample(*a, **kw):  # noqa: ANN002, ANN003, ANN202
@@ -59,7 +63,7 @@ class Timeline:
             complete(launched, touched)
             row["complete_out"] = self.now()
 
-        eng.runner.forward, eng.runner.sample, eng._complete = timed_forward, timed_sample, timed_complete
+        eng.runner.launch, eng.runner.sample, eng._complete = timed_launch, timed_sample, timed_complete
 
     def row(self) -> dict:
         """The record of the Timeline.step call running now (a scratch one outside them)."""
@@ -77,11 +81,17 @@ class Timeline:
             self.base = torch.cuda.Event(enable_timing=True)
             self.base.record()
 
-    def step(self) -> list:
+    def step(self, first: dict[str, float], hand_out_first: bool) -> None:
+        """One Engine.step; `first`: request id -> when its first token was handed out (ms)."""
+
+        def seen(outs: list) -> None:
+            for out in outs:
+                if out.outputs[0].token_ids and out.request_id not in first:
+                    first[out.request_id] = self.now()
+
         self.rows.append({"call": self.now()})
-        outs = self.eng.step()
+        seen(self.eng.step(on_outputs=seen if hand_out_first else None))
         self.rows[-1]["end"] = self.now()
-        return outs
 
     def device_span(self, row: dict) -> tuple[float, float]:
         if not self.cuda or "ev1" not in row:
@@ -97,8 +107,13 @@ def probe(llm, args, skipped):  # noqa: ANN001, ANN201
     bench = EngineBench(llm, args)
     timeline = Timeline(eng)
     params = SamplingParams(max_new_tokens=64, temperature=0, ignore_eos=True)
-    results: list[bool] = []
-    for overlap in (True, False, True, False, True):  # the first pair warms up; the last is profiled
+    modes = [
+        ("overlapped", True, False),
+        ("plain", False, False),
+        ("overlapped, handed out first", True, True),
+    ]
+    runs = modes * 2 + ([modes[0]] if PROFILE else [])  # the first three warm up; the profiled one is extra
+    for n_run, (label, overlap, hand_out_first) in enumerate(runs):
         eng.overlap = overlap
         for _ in range(4):
             eng.add_request(bench.prompt(RUNNING), params)
@@ -109,23 +124,23 @@ def probe(llm, args, skipped):  # noqa: ANN001, ANN201
         first: dict[str, float] = {}
         b = None
         for i in range(8):
-            profile = PROFILE and i == 0 and len(results) == 4  # a run of its own: the timelines stay clean
+            profile = i == 0 and n_run == 6  # a run of its own: the timelines stay clean
             with host_profile(profile) as prof:
-                outs = timeline.step()
+                timeline.step(first, hand_out_first)
             if profile:
                 print_host_waits(prof)
-            for out in outs:
-                if out.outputs[0].token_ids and out.request_id not in first:
-                    first[out.request_id] = timeline.now()
             if i == 0:
                 b = eng.add_request(bench.prompt(LEN_B), params)
-                timeline.rows[-1]["added B"] = timeline.now()
-        print(f"\noverlap={overlap}: 4 decoding, A ({LEN_A}) at 0, B ({LEN_B}) after the first step (ms):")
-        print("call  tokens  forward queued  earlier read  sampling queued  returned  device span")
+        if n_run < len(modes):
+            while eng.has_unfinished():
+                eng.step()
+            continue
+        print(f"\n{label}: 4 decoding, A ({LEN_A}) at 0, B ({LEN_B}) after the first step (ms):")
+        print("call  tokens  launch         earlier read  sampling queued  returned  device span")
         for n, row in enumerate(timeline.rows):
             d0, d1 = timeline.device_span(row)
             print(
-                f"{n:>4}  {row.get('tokens', 0):>6}  {row.get('forward_in', float('nan')):7.1f}"
+                f"{n:>4}  {row.get('tokens', 0):>6}  {row.get('forward_in', float('nan')):6.1f}"
                 f"-{row.get('forward_out', float('nan')):<7.1f} {row.get('complete_out', float('nan')):11.1f}"
                 f"  {row.get('sample_out', float('nan')):15.1f}  {row['end']:8.1f}  {d0:7.1f}-{d1:.1f}"
             )
@@ -133,7 +148,6 @@ def probe(llm, args, skipped):  # noqa: ANN001, ANN201
             print(f"  {name}: first token handed out at {first.get(rid, float('nan')):.1f} ms")
         while eng.has_unfinished():
             eng.step()
-        results.append(overlap)
     sys.exit(0)
 
 

@@ -254,6 +254,38 @@ def test_stop_strings_and_siblings(ckpt):
     assert outs[True][0][0][2] == "stop"
 
 
+def test_tokens_in_flight_are_handed_out_before_a_prefill_launch(ckpt):
+    """With on_outputs (the server's), a step that computes prompt tokens first reads the step in flight and
+    hands its tokens out, then launches (an eager launch takes as long as the device's run of it); the
+    tokens equal the plain schedule's and the pages all come back."""
+    first, second = prompts(2, seed=5, shared=0)  # no shared head: b computes its whole prompt
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    plain = make(ckpt, False).generate([first, second], params)
+    m = make(ckpt, True)
+    engine, events = m.engine, []
+    launch = engine.runner.launch
+    engine.runner.launch = lambda step, prev=None: (
+        events.append(("launch", len(step.input_ids))) or launch(step, prev)
+    )
+
+    def on_outputs(outs):
+        events.append(("out", [(o.request_id, len(o.outputs[0].token_ids)) for o in outs]))
+
+    engine.add_request(first, params, request_id="a")
+    engine.step(on_outputs=on_outputs)  # a's prompt
+    engine.step(on_outputs=on_outputs)  # a's first decode, in flight; a's first token read
+    engine.add_request(second, params, request_id="b")
+    events.clear()
+    assert engine.step(on_outputs=on_outputs) == []  # what it read went out before the launch
+    assert events == [("out", [("a", 2)]), ("launch", 1 + len(second))]
+    final = {}
+    while engine.has_unfinished():
+        for out in engine.step(on_outputs=on_outputs):
+            final[out.request_id] = out
+    assert [final[r].outputs[0].token_ids for r in ("a", "b")] == [o.token_ids for o in plain]
+    assert_clean(engine)
+
+
 @pytest.mark.parametrize("scenario", range(4))
 def test_random_traffic_overlapped_equals_plain(ckpt, scenario):
     """Random traffic on a pool small enough to preempt: arrivals between steps, aborts, stop tokens the
@@ -283,9 +315,11 @@ def test_random_traffic_overlapped_equals_plain(ckpt, scenario):
         )
         plan.append((draw(12), f"q{i}", prompt, params, 2 + draw(20) if draw(3) == 0 else None))
 
-    def run(overlap):
+    def run(overlap, hand_out_first=False):
         m = make(ckpt, overlap, page_size=16, max_total_tokens=16 * 16, chunked_prefill_size=48)
         engine, final, step = m.engine, {}, 0
+        early: list = []  # outputs handed out before a prefill step's launch (the server's on_outputs)
+        kw = {"on_outputs": early.extend} if hand_out_first else {}
         while step < 400:
             for arrival, rid, prompt, params, _ in plan:
                 if arrival == step:
@@ -293,9 +327,12 @@ def test_random_traffic_overlapped_equals_plain(ckpt, scenario):
             for _, rid, _, _, abort_at in plan:
                 if abort_at == step and rid in engine.groups:
                     final[rid] = ("aborted", engine.abort(rid))
-            for out in engine.step():
+            outs = engine.step(**kw)
+            handed_out[hand_out_first] += len(early)
+            for out in [*early, *outs]:
                 if out.finished:
                     final[out.request_id] = ("done", out)
+            early.clear()
             engine.check_integrity()
             step += 1
             if step > 12 and not engine.has_unfinished():
@@ -309,16 +346,22 @@ def test_random_traffic_overlapped_equals_plain(ckpt, scenario):
             for rid, (kind, out) in final.items()
         }
 
-    stats = []
-    plain, overlapped = run(False), run(True)
+    stats, handed_out = [], Counter()
+    plain, overlapped, first = run(False), run(True), run(True, hand_out_first=True)
     # (preemptions, aborts, stops) of each run: the traffic reached the paths it is meant to
-    assert all(sum(counts) >= 3 for counts in stats), stats
-    assert set(plain) == set(overlapped) == {rid for _, rid, _, _, _ in plan}
-    for rid in plain:
-        (kind_p, outs_p), (kind_o, outs_o) = plain[rid], overlapped[rid]
-        if kind_p == kind_o == "done":
-            assert outs_o == outs_p, rid
-        else:  # aborted in one run (the overlapped one reads a step later) or both: prefixes of each other
-            for (toks_p, _), (toks_o, _) in zip(outs_p, outs_o):
-                short, long = sorted((toks_p, toks_o), key=len)
-                assert long[: len(short)] == short, rid
+    assert all(sum(counts) >= 3 for counts in stats) and handed_out[True] > 0, (stats, handed_out)
+    assert set(plain) == set(overlapped) == set(first) == {rid for _, rid, _, _, _ in plan}
+    for rid, (kind_p, outs_p) in plain.items():
+        for kind_o, outs_o in (overlapped[rid], first[rid]):
+            assert_same(rid, kind_p, outs_p, kind_o, outs_o)
+
+
+def assert_same(rid, kind_p, outs_p, kind_o, outs_o):
+    """A request's outputs in two runs: equal, or (aborted in one run, the overlapped one reads a step
+    later; or in both) prefixes of each other."""
+    if kind_p == kind_o == "done":
+        assert outs_o == outs_p, rid
+        return
+    for (toks_p, _), (toks_o, _) in zip(outs_p, outs_o):
+        short, long = sorted((toks_p, toks_o), key=len)
+        assert long[: len(short)] == short, rid

@@ -91,14 +91,14 @@ def test_overlapped_schedule_under_tp_equals_tp1(tmp_path):
              tp_size=2, overlap_schedule=True) as m:  # fmt: skip
         assert m.engine.overlap
         gathered = []
-        forward = m.engine.runner.forward
+        launch = m.engine.runner.launch
 
-        def counting(out, prev=None):
-            result = forward(out, prev)
+        def counting(step, prev=None):
+            result = launch(step, prev)
             gathered.append(prev is not None)
             return result
 
-        m.engine.runner.forward = counting
+        m.engine.runner.launch = counting
         got = [o.token_ids for o in m.generate(ps[:2], params)]
         got_stopped = m.generate(
             ps[2], SamplingParams(max_new_tokens=12, temperature=0.0, stop_token_ids=[stop])

@@ -52,7 +52,7 @@ def with_engine(engine: Engine, body, **kw) -> None:
 
 
 def test_step_failure_fails_requests_and_keeps_serving(engine, monkeypatch, caplog):
-    real = engine.runner.forward
+    real = engine.runner.launch
     calls = {"n": 0}
 
     def flaky(*args, **kwargs):
@@ -61,7 +61,7 @@ def test_step_failure_fails_requests_and_keeps_serving(engine, monkeypatch, capl
             raise RuntimeError("injected fault")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(engine.runner, "forward", flaky)
+    monkeypatch.setattr(engine.runner, "launch", flaky)
 
     async def body(ae: AsyncEngine):
         results = await asyncio.gather(
@@ -128,9 +128,9 @@ def test_drain_lets_requests_finish_then_ends_the_rest(engine, monkeypatch):
     with a 503 after the timeout; every page comes back."""
     real_step = engine.step
 
-    def slow_step():  # >= 20 ms a step: the long request needs >= 10 s, the short one >= 0.16 s
+    def slow_step(**kw):  # >= 20 ms a step: the long request needs >= 10 s, the short one >= 0.16 s
         time.sleep(0.02)
-        return real_step()
+        return real_step(**kw)
 
     monkeypatch.setattr(engine, "step", slow_step)
 
@@ -279,8 +279,8 @@ def test_text_is_assembled_off_the_step_loop(tiny_model):
     steps = []
     real_step = served.step
 
-    def step():
-        outs = real_step()
+    def step(**kw):
+        outs = real_step(**kw)
         steps.extend(c.text for out in outs for c in out.outputs)  # what the engine thread produced
         return outs
 
@@ -351,7 +351,7 @@ def test_the_warm_up_runs_on_the_stepping_thread_before_the_first_step(engine, m
     real_step = engine.step
     monkeypatch.setattr(engine, "warm_up", lambda: seen.append(("warm_up", threading.current_thread().name)))
     monkeypatch.setattr(
-        engine, "step", lambda: seen.append(("step", threading.current_thread().name)) or real_step()
+        engine, "step", lambda **kw: seen.append(("step", threading.current_thread().name)) or real_step(**kw)
     )
 
     async def body(ae: AsyncEngine):
