@@ -110,6 +110,9 @@ class EngineConfig:
     enforce_eager: bool = False  # no CUDA graphs (SGLang: --disable-cuda-graph)
     cuda_graph_max_bs: int = 128  # decode steps up to this batch size replay CUDA graphs
     cuda_graph_max_prefill_tokens: int = 256  # a lone chunk of up to this many tokens replays a graph; 0: off
+    # steps of up to this many tokens (any mix of requests) replay each layer's dense parts as CUDA graphs,
+    # the attention eager between them (runner/piecewise_graph.py); 0 (default until measured on a GPU): off
+    piecewise_cuda_graph_max_tokens: int = 0
     # plan and launch step N+1 before step N's tokens are read, so the host's work hides behind the device's
     # (SGLang's overlap schedule, vLLM's async scheduling); None: on a GPU at one rank, off on the CPU
     # (nothing to hide) and under tensor parallelism (works there, not yet measured on GPUs)
@@ -192,6 +195,11 @@ class EngineConfig:
             self.cuda_graph_max_prefill_tokens >= 0,
             f"cuda_graph_max_prefill_tokens must be >= 0; got {self.cuda_graph_max_prefill_tokens}",
             "cuda_graph_max_prefill_tokens",
+        )
+        need(
+            self.piecewise_cuda_graph_max_tokens >= 0,
+            f"piecewise_cuda_graph_max_tokens must be >= 0; got {self.piecewise_cuda_graph_max_tokens}",
+            "piecewise_cuda_graph_max_tokens",
         )
         need(
             self.tp_overlap_min_tokens >= 0,

@@ -8,7 +8,7 @@ parallelism every rank runs both (they hold collectives); `num_heads`/`num_kv_he
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Generator, Iterable
 from typing import Any
 
 import torch
@@ -17,7 +17,15 @@ from torch import nn
 from longserve.attention.base import ForwardContext
 from longserve.attention.kv_quant import kv_scale_name, read_kv_scale
 from longserve.distributed import get_tp_rank, get_tp_size
-from longserve.models.decoder import ArchOptions, DecoderModel, MakeMLP, dense_mlp, get_head_dim, head_layout
+from longserve.models.decoder import (
+    ArchOptions,
+    AttentionCall,
+    DecoderModel,
+    MakeMLP,
+    dense_mlp,
+    get_head_dim,
+    head_layout,
+)
 from longserve.models.layers import (
     STACKED_PARAMS,
     MergedLinear,
@@ -65,6 +73,12 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return self.model(input_ids, positions, ctx)  # [T, hidden]
+
+    def pieces(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> Generator[AttentionCall, torch.Tensor, torch.Tensor]:
+        """`forward` with each layer's attention left to the caller (DecoderModel.pieces)."""
+        return self.model.pieces(input_ids, positions, ctx)
 
     def forward_overlapped(
         self, batches: list[tuple[torch.Tensor, torch.Tensor, ForwardContext]]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -136,6 +136,10 @@ class Attention(nn.Module):
 
     def attend(self, hidden: torch.Tensor, rope: RotaryStep, ctx: ForwardContext) -> torch.Tensor:
         """Everything before o_proj: the attention output [T, Hq*D] of this rank's heads."""
+        return self.project(hidden, rope, ctx).run(ctx)
+
+    def project(self, hidden: torch.Tensor, rope: RotaryStep, ctx: ForwardContext) -> AttentionCall:
+        """The projections and rotary embedding before the attention proper (the new K/V may be stored)."""
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))  # [T, Hq*D], [T, Hkv*D], [T, Hkv*D]
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
@@ -146,18 +150,33 @@ class Attention(nn.Module):
         q, k, stored = rope.apply_and_store(
             q, k, v, ctx.kv_cache, self.layer_id, ctx.meta.slot_mapping, norms
         )
+        return AttentionCall(self, q, k, v, stored)
+
+
+class AttentionCall(NamedTuple):
+    """One layer's attention proper over q [T, Hq, D], k/v [T, Hkv, D] (`stored`: the new K/V are in the
+    cache already): what the piecewise CUDA graphs (runner/piecewise_graph.py) run eagerly between them."""
+
+    attn: Attention
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    stored: bool
+
+    def run(self, ctx: ForwardContext) -> torch.Tensor:
+        """The backend's attention over ctx's step: [T, Hq*D]."""
         out = ctx.backend.forward(
-            q,
-            k,
-            v,
-            self.layer_id,
+            self.q,
+            self.k,
+            self.v,
+            self.attn.layer_id,
             ctx.meta,
             ctx.kv_cache,
-            scale=self.scale,
-            sliding_window=self.sliding_window,
-            kv_stored=stored,
+            scale=self.attn.scale,
+            sliding_window=self.attn.sliding_window,
+            kv_stored=self.stored,
         )  # [T, Hq, D]
-        return out.reshape(num_tokens, -1)  # [T, Hq*D]
+        return out.reshape(self.q.shape[0], -1)  # [T, Hq*D]
 
 
 class MLP(nn.Module):
@@ -236,6 +255,16 @@ class DecoderLayer(nn.Module):
             return self.input_layernorm(hidden), hidden  # [T, hidden] each
         return self.input_layernorm(hidden, residual)  # [T, hidden] each
 
+    def pieces(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: RotaryStep, ctx: ForwardContext
+    ) -> Generator[AttentionCall, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """`forward` with the attention proper left to the caller: yields the layer's AttentionCall and
+        resumes with its output [T, Hq*D]."""
+        hidden, residual = self._input_norm(hidden, residual)
+        out = yield self.self_attn.project(hidden, rope, ctx)
+        hidden, residual = self.post_attention_layernorm(self.self_attn.o_proj(out), residual)
+        return self.mlp(hidden), residual  # [T, hidden] each
+
     def steps(
         self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: RotaryStep, ctx: ForwardContext
     ) -> Generator[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
@@ -302,6 +331,20 @@ class DecoderModel(nn.Module):
                         work.wait()
                     advance(i, partial)
         return results  # type: ignore[return-value]
+
+    def pieces(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> Generator[AttentionCall, torch.Tensor, torch.Tensor]:
+        """`forward` with each layer's attention proper left to the caller (DecoderLayer.pieces): the code
+        between two yields is what one piecewise CUDA graph holds. Returns the final hidden [T, hidden]."""
+        hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        rope = self.rotary_emb.prepare(positions, hidden.dtype)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = yield from layer.pieces(hidden, residual, rope, ctx)
+        if residual is None:
+            return self.norm(hidden)
+        return self.norm(hidden, residual)[0]  # [T, hidden]
 
     def _steps(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext

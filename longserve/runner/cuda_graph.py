@@ -1,4 +1,5 @@
-"""CUDA graphs for decode steps and lone short prefill chunks, replayed over static input buffers.
+"""CUDA graphs for decode steps and lone short prefill chunks, replayed over static input buffers (and
+`build_graphs`, which also builds the piecewise graphs of runner/piecewise_graph.py).
 
 A decode step (every scheduled request computes exactly one token) of n requests replays the graph of
 the smallest bucket >= n. Rows n..bucket are padding: token 0 at position 0, writing its K/V into page 0
@@ -17,6 +18,8 @@ from collections.abc import Callable
 import torch
 
 from longserve.attention.base import AttentionBackend, AttentionMetadata, ForwardContext, GraphShape, KVCache
+from longserve.config import EngineConfig
+from longserve.runner.piecewise_graph import PiecewiseGraphRunner
 
 logger = logging.getLogger("longserve.runner.cuda_graph")
 
@@ -273,3 +276,36 @@ class ExtendGraphRunner:
                 return self._forward(t)[:n]
         self.graphs[t].replay()
         return self.outputs[t][:n]
+
+
+def build_graphs(
+    model: torch.nn.Module,
+    kv_cache: KVCache,
+    backend: AttentionBackend,
+    shape: GraphShape,
+    config: EngineConfig,
+) -> tuple[DecodeGraphRunner | None, ExtendGraphRunner | None, PiecewiseGraphRunner | None]:
+    """The step graphs the config asks for, captured on a GPU (None where off): decode batches up to
+    cuda_graph_max_bs, a lone chunk up to cuda_graph_max_prefill_tokens, then the pieces of any step up to
+    piecewise_cuda_graph_max_tokens; the later two in the decode graphs' pool (replays never overlap)."""
+    if shape.device.type != "cuda" or config.enforce_eager:
+        return None, None, None
+    if not backend.supports_cuda_graphs:
+        logger.info(
+            "the %s attention backend cannot be captured in CUDA graphs: decode runs eagerly", backend.name
+        )
+        return None, None, None
+    max_bs = min(config.cuda_graph_max_bs, config.max_running_requests)
+    decode = DecodeGraphRunner(model, kv_cache, backend, shape, max_bs=max_bs)
+    decode.capture()
+    extend = None
+    max_tokens = min(config.cuda_graph_max_prefill_tokens, config.chunked_prefill_size)
+    if max_tokens >= 2:
+        extend = ExtendGraphRunner(model, kv_cache, backend, shape, max_tokens=max_tokens)
+        extend.capture(pool=decode.pool)
+    max_tokens = min(config.piecewise_cuda_graph_max_tokens, config.chunked_prefill_size)
+    pieces = None
+    if max_tokens >= 2:
+        pieces = PiecewiseGraphRunner(model, kv_cache, shape, max_tokens)
+        pieces.capture(pool=decode.pool)
+    return decode, extend, pieces

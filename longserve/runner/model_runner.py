@@ -29,7 +29,7 @@ from longserve.models.quant.config import apply_quantization
 from longserve.outputs import SchedulerOutput
 from longserve.platform import available_memory_bytes, resolve_device
 from longserve.runner import prompt_logprobs
-from longserve.runner.cuda_graph import DecodeGraphRunner, ExtendGraphRunner
+from longserve.runner.cuda_graph import build_graphs
 from longserve.runner.inputs import StepInputs, build_step, split_step, to_model_inputs
 from longserve.runner.pooling import pooled_output
 from longserve.runner.sample_step import StepSampler
@@ -124,8 +124,9 @@ class ModelRunner:
         )
         self._set_kv_scales()
         self.backend = get_attention_backend(config.attention_backend, self.device)
-        self.graph_runner = self._build_graph_runner()
-        self.extend_graphs = self._build_extend_graphs()
+        self.graph_runner, self.extend_graphs, self.piecewise_graphs = build_graphs(
+            self.model, self.kv_cache, self.backend, self._graph_shape(), config
+        )
         self.last_prompt_logprobs: dict | None = None  # the last step's by request id (prompt_logprobs.py)
         self.step_sampler = StepSampler(self.device, config.max_running_requests, self.model.vocab_size)
         self.num_tokens_computed = 0  # every token fed through the model (tests count cache hits by it)
@@ -159,36 +160,6 @@ class ModelRunner:
         if self.device.type == "cuda" or counts is not None:
             warm_up(self.model, self.backend, self.kv_cache, self._graph_shape(), self.config.chunked_prefill_size,
                     counts)  # fmt: skip
-
-    def _build_graph_runner(self) -> DecodeGraphRunner | None:
-        if self.device.type != "cuda" or self.config.enforce_eager:
-            return None
-        if not self.backend.supports_cuda_graphs:
-            logger.info(
-                "the %s attention backend cannot be captured in CUDA graphs: decode runs eagerly",
-                self.backend.name,
-            )
-            return None
-        graphs = DecodeGraphRunner(
-            self.model,
-            self.kv_cache,
-            self.backend,
-            self._graph_shape(),
-            max_bs=min(self.config.cuda_graph_max_bs, self.config.max_running_requests),
-        )
-        graphs.capture()
-        return graphs
-
-    def _build_extend_graphs(self) -> ExtendGraphRunner | None:
-        """Graphs for a lone short prefill chunk (see ExtendGraphRunner); after decode's, sharing its pool."""
-        max_tokens = min(self.config.cuda_graph_max_prefill_tokens, self.config.chunked_prefill_size)
-        if self.graph_runner is None or max_tokens < 2:
-            return None
-        graphs = ExtendGraphRunner(
-            self.model, self.kv_cache, self.backend, self._graph_shape(), max_tokens=max_tokens
-        )
-        graphs.capture(pool=self.graph_runner.pool)
-        return graphs
 
     def _set_kv_scales(self) -> None:
         """An fp8 cache's per-layer scales: the checkpoint's calibrated ones, else 1.0 (attention/kv_quant.py)."""
@@ -318,6 +289,8 @@ class ModelRunner:
                 hidden = self.graph_runner.run(inputs.input_ids, inputs.positions, inputs.meta)  # [B, H]
             elif self.extend_graphs is not None and self.extend_graphs.can_run(inputs.meta):
                 hidden = self.extend_graphs.run(inputs.input_ids, inputs.positions, inputs.meta)  # [T, H]
+            elif self.piecewise_graphs is not None and self.piecewise_graphs.can_run(inputs.meta):
+                hidden = self.piecewise_graphs.run(inputs.input_ids, inputs.positions, ctx)  # [T, H]
             else:
                 hidden = self.model(inputs.input_ids, inputs.positions, ctx)  # [T, H]
             self.num_tokens_computed += inputs.num_tokens
@@ -368,7 +341,7 @@ class ModelRunner:
     def release_graphs(self) -> None:
         """Drop the decode CUDA graphs (and their memory pool) before the process group goes."""
         if getattr(self, "graph_runner", None) is not None:
-            self.graph_runner = self.extend_graphs = None
+            self.graph_runner = self.extend_graphs = self.piecewise_graphs = None
             gc.collect()
             torch.cuda.synchronize(self.device)
 

@@ -1,0 +1,169 @@
+"""Piecewise CUDA graphs: a step of any mix of requests (prefill chunks beside decodes) replays the dense
+parts of every layer as CUDA graphs and runs only the attention proper eagerly between them (vLLM's
+piecewise graphs; SGLang's --piecewise-cuda-graph-max-tokens).
+
+Why: an eager step's launch takes the host ~1 ms a layer for the Llama-3.1-8B shape (about 30 torch ops and
+Triton launches each): 31 ms for a 1.2K-token step whose device time is 31 ms, and as long for a step of a
+few hundred tokens whose device time is a few ms (scripts/probes/step_timeline.py on an H200, 2026-12-02).
+Short prompts, a conversation's next turn beside decodes, and RAG questions over a cached document are
+such steps. Replayed, a layer costs the host one graph launch and the attention call.
+
+A step of n tokens replays the graphs of the smallest bucket T >= n. The pieces are the code between two
+attention calls (`CausalLM.pieces`): piece 0 embeds and projects layer 0's q/k/v, piece i finishes layer
+i - 1 (o_proj, norm, MLP) and projects layer i's, the last one finishes the last layer and the final norm.
+Each piece leaves q/k/v in one static fused buffer (the models' qkv layout, which the cuDNN plans are built
+for) and the next reads the attention's output from one static buffer: one layer's attention runs between
+two replays in stream order, so one buffer serves all layers. Rows n..T are padding: token 0 at position 0,
+its K/V stored (when the rotary kernel stores) into page 0 (reserved); attention runs over the n real rows
+only. `eager = True` runs the same static-buffer pieces without graphs (tests on the CPU).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Generator
+
+import torch
+
+from longserve.attention.base import AttentionMetadata, ForwardContext, GraphShape, KVCache
+from longserve.models.decoder import AttentionCall
+
+logger = logging.getLogger("longserve.runner.piecewise_graph")
+
+PIECEWISE_BUCKETS = (64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
+
+
+def piecewise_buckets(max_tokens: int) -> list[int]:
+    sizes = [t for t in PIECEWISE_BUCKETS if t <= max_tokens]
+    if max_tokens > 1 and (not sizes or sizes[-1] != max_tokens):
+        sizes.append(max_tokens)
+    return sizes
+
+
+class PiecewiseGraphRunner:
+    """Graphs of every piece at each bucket up to `max_tokens` (see the module's docstring)."""
+
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, shape: GraphShape, max_tokens: int) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.buckets = piecewise_buckets(max_tokens)
+        self.max_tokens = n = self.buckets[-1] if self.buckets else 0
+        device, d = shape.device, shape.head_dim
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.slot_mapping = torch.zeros(n, dtype=torch.long, device=device)
+        hq, hkv = shape.num_q_heads, shape.num_kv_heads
+        # q, k, v as views of one [n, (Hq + 2 Hkv) D] buffer: the fused layout of the models' projection
+        self.qkv = torch.zeros(n, (hq + 2 * hkv) * d, dtype=shape.dtype, device=device)
+        q, k, v = self.qkv.split([hq * d, hkv * d, hkv * d], dim=1)
+        self.q, self.k, self.v = q.view(n, hq, d), k.view(n, hkv, d), v.view(n, hkv, d)
+        self.attn_out = torch.zeros(n, hq * d, dtype=shape.dtype, device=device)  # [n, Hq*D]
+        self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        self.layers: dict[
+            int, list[AttentionCall]
+        ] = {}  # per bucket: each layer's call over the static views
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.pool = None
+        self.eager = False  # True: run() executes the static-buffer pieces instead of replaying
+        self.num_runs = 0
+
+    def _context(self, t: int) -> ForwardContext:
+        """What the pieces read of a step: the slots the rotary kernel stores the new K/V into."""
+        meta = AttentionMetadata(
+            page_size=self.kv_cache.page_size,
+            query_start_loc=torch.zeros(2, dtype=torch.int32, device=self.slot_mapping.device),
+            seq_lens=torch.ones(1, dtype=torch.int32, device=self.slot_mapping.device),
+            prefix_lens=torch.zeros(1, dtype=torch.int32, device=self.slot_mapping.device),
+            page_table=torch.zeros(1, 1, dtype=torch.int32, device=self.slot_mapping.device),
+            slot_mapping=self.slot_mapping[:t],
+            query_lens_cpu=[t],
+            seq_lens_cpu=[t],
+            prefix_lens_cpu=[0],
+        )
+        return ForwardContext(meta=meta, kv_cache=self.kv_cache, backend=None)  # type: ignore[arg-type]
+
+    def _keep(self, call: AttentionCall, t: int) -> AttentionCall:
+        """Copy a piece's q/k/v into the static views; the call over them (its first t rows)."""
+        self.q[:t].copy_(call.q)
+        self.k[:t].copy_(call.k)
+        self.v[:t].copy_(call.v)
+        return call._replace(q=self.q[:t], k=self.k[:t], v=self.v[:t])
+
+    def _pieces(self, t: int) -> Generator[AttentionCall, torch.Tensor, torch.Tensor]:
+        return self.model.pieces(self.input_ids[:t], self.positions[:t], self._context(t))
+
+    @torch.inference_mode()
+    def capture(self, pool: object = None) -> None:
+        """Every bucket's pieces, largest first, in one pool: two eager passes first (kernels compile and
+        allocations settle outside the graphs), then one graph per piece; the attention between them is not
+        captured (its output buffer is the next piece's input, whatever it holds)."""
+        start = time.perf_counter()
+        self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for t in sorted(self.buckets, reverse=True):
+                for _ in range(2):
+                    self._drive(t, None)
+                graphs, calls, pieces = [], [], self._pieces(t)
+                while True:
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                        try:
+                            call = pieces.send(self.attn_out[:t]) if calls else next(pieces)
+                            calls.append(self._keep(call, t))
+                        except StopIteration as stop:
+                            self.outputs[t] = stop.value  # [t, hidden]
+                    graphs.append(graph)
+                    if t in self.outputs:
+                        break
+                self.graphs[t], self.layers[t] = graphs, calls
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        logger.info(
+            "captured piecewise CUDA graphs for steps of up to %d tokens (%s; %d pieces each) in %.1fs",
+            self.max_tokens, ",".join(map(str, self.buckets)), len(self.graphs[self.max_tokens]),
+            time.perf_counter() - start,
+        )  # fmt: skip
+
+    def _drive(self, t: int, ctx: ForwardContext | None) -> torch.Tensor:
+        """The pieces of bucket t eagerly over the static buffers; each attention over ctx's real rows (None:
+        none, the buffer's contents go on, as in capture)."""
+        pieces = self._pieces(t)
+        call = next(pieces)
+        while True:
+            call = self._keep(call, t)
+            if ctx is not None:
+                n = ctx.meta.num_tokens
+                real = call._replace(q=call.q[:n], k=call.k[:n], v=call.v[:n])
+                self.attn_out[:n].copy_(real.run(ctx))
+            try:
+                call = pieces.send(self.attn_out[:t])
+            except StopIteration as stop:
+                return stop.value
+
+    def can_run(self, meta: AttentionMetadata) -> bool:
+        return bool(self.graphs or self.eager) and 1 < meta.num_tokens <= self.max_tokens
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """The step of ctx (its inputs on the device) through the bucket's pieces; hidden [n, H]."""
+        n = ctx.meta.num_tokens
+        t = next(b for b in self.buckets if b >= n)
+        self.num_runs += 1
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.slot_mapping[:n].copy_(ctx.meta.slot_mapping)
+        if t > n:  # padding rows: token 0 at position 0, K/V into page 0; an earlier step's slots must go
+            self.input_ids[n:t].zero_()
+            self.positions[n:t].zero_()
+            self.slot_mapping[n:t].zero_()
+        if self.eager:
+            with torch.inference_mode():
+                return self._drive(t, ctx)[:n]
+        graphs = self.graphs[t]
+        graphs[0].replay()
+        for call, graph in zip(self.layers[t], graphs[1:]):
+            self.attn_out[:n].copy_(call._replace(q=call.q[:n], k=call.k[:n], v=call.v[:n]).run(ctx))
+            graph.replay()
+        return self.outputs[t][:n]

@@ -1,0 +1,166 @@
+"""Piecewise CUDA graphs (runner/piecewise_graph.py), their static-buffer pieces run eagerly on the CPU with
+the Triton kernels interpreted: `CausalLM.pieces` driven with the attention in between equals `forward`; a
+mixed step (a cold chunk, a chunk over a cached prefix, decodes) padded to its bucket gives the plain step's
+hidden states and K/V, its padding writes only into page 0 whatever an earlier step left in the buffers; an
+engine serving through the pieces gives the plain engine's tokens and gets every page back."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from longserve import LLM, SamplingParams  # noqa: E402
+from longserve.attention import ForwardContext, GraphShape, KVCache, build_metadata  # noqa: E402
+from longserve.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from longserve.models import load_hf_config, load_model  # noqa: E402
+from longserve.runner.piecewise_graph import PiecewiseGraphRunner, piecewise_buckets  # noqa: E402
+from longserve.testing.checkpoints import make_tiny_checkpoint  # noqa: E402
+
+PAGE = 16
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("pw"), "qwen3", num_layers=2)
+
+
+@pytest.fixture(scope="module")
+def model_and_hf(ckpt):
+    hf = load_hf_config(ckpt)
+    return load_model(ckpt, hf, torch.float32, torch.device("cpu")), hf
+
+
+def shape_of(model, max_seq_len: int) -> GraphShape:
+    return GraphShape(
+        max_seq_len, model.num_heads, model.num_kv_heads, model.head_dim, torch.float32, torch.device("cpu")
+    )
+
+
+def test_buckets():
+    assert piecewise_buckets(512) == [64, 128, 256, 384, 512]
+    assert piecewise_buckets(100) == [64, 100]
+    assert piecewise_buckets(8192)[-3:] == [4096, 6144, 8192]
+    assert piecewise_buckets(1) == []
+
+
+def step_inputs(hf, prefix_lens, query_lens, seed):
+    """Page tables on scattered pages (never 0 or 1), the ids of every position, and the step's metadata."""
+    g = torch.Generator().manual_seed(seed)
+    free = (torch.randperm(60, generator=g) + 2).tolist()
+    tables = []
+    for p, q in zip(prefix_lens, query_lens):
+        n = -(-(p + q) // PAGE)
+        tables.append(free[:n])
+        free = free[n:]
+    ids = [torch.randint(5, hf.vocab_size, (p + q,), generator=g) for p, q in zip(prefix_lens, query_lens)]
+    return tables, ids, free
+
+
+def test_pieces_equal_forward(model_and_hf):
+    model, hf = model_and_hf
+    tables, ids, _ = step_inputs(hf, [0, 0], [9, 30], seed=1)
+    meta = build_metadata([0, 0], [9, 30], tables, PAGE, "cpu")
+    positions = torch.cat([torch.arange(9), torch.arange(30)])
+    flat = torch.cat(ids)
+    outs = []
+    for use_pieces in (False, True):
+        cache = KVCache(model.num_layers, 64, PAGE, model.num_kv_heads, model.head_dim, torch.float32, "cpu")
+        ctx = ForwardContext(meta, cache, TritonAttentionBackend(cold_path="triton"))
+        with torch.inference_mode():
+            if not use_pieces:
+                outs.append(model(flat, positions, ctx))
+                continue
+            pieces, calls = model.pieces(flat, positions, ctx), 0
+            call = next(pieces)
+            while True:
+                calls += 1
+                try:
+                    call = pieces.send(call.run(ctx))
+                except StopIteration as stop:
+                    outs.append(stop.value)
+                    break
+    assert calls == model.num_layers
+    torch.testing.assert_close(outs[1], outs[0], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("fused_store", [True, False])
+@pytest.mark.parametrize("query_lens", [[40, 23, 1, 1], [64, 1], [7, 1, 1]])
+def test_padded_pieces_equal_a_plain_step(model_and_hf, query_lens, fused_store, monkeypatch):
+    """A mixed step through its bucket's static pieces (eager) equals the plain step: hidden states, the K/V
+    of its real tokens; padding rows write only into page 0, though the buffers hold an earlier step's
+    slots (pages of another request) past this step's rows. fused_store: the rotary kernel (as on a GPU,
+    interpreted here) stores the new K/V inside the pieces, padding rows included."""
+    import longserve.models.rope as rope
+
+    monkeypatch.setattr(rope, "use_triton", lambda x: fused_store)
+    model, hf = model_and_hf
+    prefix_lens = [0, 37, 70, 5][: len(query_lens)]
+    tables, ids, free = step_inputs(hf, prefix_lens, query_lens, seed=sum(query_lens))
+    backend = TritonAttentionBackend(cold_path="triton")
+    cache = KVCache(model.num_layers, 64, PAGE, model.num_kv_heads, model.head_dim, torch.float32, "cpu")
+    with torch.inference_mode():
+        cached = [(p, t, x) for p, t, x in zip(prefix_lens, tables, ids) if p]
+        if cached:  # the prefixes' K/V into their pages
+            meta = build_metadata([0] * len(cached), [p for p, _, _ in cached], [t for _, t, _ in cached],
+                                  PAGE, "cpu")  # fmt: skip
+            positions = torch.cat([torch.arange(p) for p, _, _ in cached])
+            model(torch.cat([x[:p] for p, _, x in cached]), positions, ForwardContext(meta, cache, backend))
+        meta = build_metadata(prefix_lens, query_lens, tables, PAGE, "cpu")
+        new_ids = torch.cat([x[p:] for p, x in zip(prefix_lens, ids)])
+        positions = torch.cat([torch.arange(p, p + q) for p, q in zip(prefix_lens, query_lens)])
+        before = cache.k[0].clone()
+        plain = model(new_ids, positions, ForwardContext(meta, cache, backend))  # [n, H]
+        k_plain, v_plain = cache.k[0].clone(), cache.v[0].clone()
+        cache.k[0].copy_(before)  # as before the plain step
+        runner = PiecewiseGraphRunner(model, cache, shape_of(model, 12 * PAGE), max_tokens=128)
+        runner.eager = True
+        other = free[0]  # a page nobody in this step owns: an earlier, longer step's slots pointed there
+        runner.slot_mapping.fill_(other * PAGE + 3)
+        cache.k[0][0].zero_()
+        assert runner.can_run(meta)
+        got = runner.run(new_ids, positions, ForwardContext(meta, cache, backend))
+    torch.testing.assert_close(got, plain, atol=1e-4, rtol=1e-4)
+    real = sorted({p for t in tables for p in t})
+    torch.testing.assert_close(cache.k[0][real], k_plain[real], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cache.v[0][real], v_plain[real], atol=1e-5, rtol=1e-5)
+    assert torch.equal(cache.k[0][other], before[other])  # the stale slots were not written
+    if fused_store and next(b for b in runner.buckets if b >= sum(query_lens)) > sum(query_lens):
+        assert cache.k[0][0].abs().sum() > 0  # the padding rows' K/V went to page 0
+
+
+def test_can_run(model_and_hf):
+    model, _ = model_and_hf
+    cache = KVCache(model.num_layers, 8, PAGE, model.num_kv_heads, model.head_dim, torch.float32, "cpu")
+    runner = PiecewiseGraphRunner(model, cache, shape_of(model, 4 * PAGE), max_tokens=100)
+    assert not runner.can_run(build_metadata([0], [20], [[1, 2]], PAGE, "cpu"))  # nothing captured
+    runner.eager = True
+    assert runner.can_run(build_metadata([0, 16], [20, 1], [[1, 2], [3, 4]], PAGE, "cpu"))
+    assert not runner.can_run(build_metadata([0], [101], [[1] * 7], PAGE, "cpu"))  # over the largest bucket
+    assert not runner.can_run(build_metadata([16], [1], [[1, 2]], PAGE, "cpu"))  # one token
+
+
+def test_engine_through_pieces_equals_plain(ckpt):
+    """Mixed traffic (prompts chunked beside decodes, a shared prefix cached) through an engine whose
+    non-decode steps run the static pieces: the plain engine's tokens, every page back."""
+    g = torch.Generator().manual_seed(4)
+    head = torch.randint(10, 500, (40,), generator=g).tolist()
+    prompts = [head + torch.randint(10, 500, (5 + 23 * i,), generator=g).tolist() for i in range(5)]
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    kw = dict(dtype="float32", device="cpu", max_total_tokens=2048, chunked_prefill_size=64)
+    plain = [o.token_ids for o in LLM(ckpt, **kw).generate(prompts, params)]
+    llm = LLM(ckpt, **kw)
+    runner = llm.engine.runner
+    pieces = PiecewiseGraphRunner(
+        runner.model, runner.kv_cache, runner._graph_shape(), max_tokens=kw["chunked_prefill_size"]
+    )
+    pieces.eager = True
+    runner.piecewise_graphs = pieces
+    got = [o.token_ids for o in llm.generate(prompts, params)]
+    assert got == plain and pieces.num_runs > 3
+    llm.engine.check_integrity()
