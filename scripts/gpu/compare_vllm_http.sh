@@ -37,8 +37,9 @@ wait_up() {  # url pid name: poll /health until 200, or give up when the process
   done
   echo "[compare] $3 not up after 300 s"; return 1
 }
+# LONGSERVE_EXTRA_ARGS: more `longserve serve` flags (an A/B of an option, e.g. --piecewise-cuda-graph-max-tokens 4096)
 python3 -m longserve serve --model $MODEL --load-format dummy --dtype bfloat16 --max-num-batched-tokens 8192 \
-  --mem-fraction-static 0.40 --host 127.0.0.1 --port 30000 > "$OUT/http/longserve_server.log" 2>&1 &
+  --mem-fraction-static 0.40 --host 127.0.0.1 --port 30000 ${LONGSERVE_EXTRA_ARGS:-} > "$OUT/http/longserve_server.log" 2>&1 &
 LS=$!
 wait_up http://127.0.0.1:30000 $LS longserve || { tail -20 "$OUT/http/longserve_server.log"; kill $LS; exit 1; }
 python3 -m vllm.entrypoints.openai.api_server --model $MODEL --load-format dummy --dtype bfloat16 \
