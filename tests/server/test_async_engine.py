@@ -368,3 +368,46 @@ def test_the_warm_up_runs_on_the_stepping_thread_before_the_first_step(engine, m
     monkeypatch.setattr(engine, "warm_up", failing)
     with_engine(engine, body)
     assert any("warm-up failed" in r.getMessage() and r.exc_text for r in caplog.records)
+
+
+def test_overlapped_engine_hands_tokens_out_before_a_prefill(tiny_model):
+    """The server's loop over an overlapped engine: requests arriving while others decode stream the plain
+    engine's tokens, the tokens in flight went out before a prefill step's launch (on_outputs), and every
+    page comes back."""
+    params = SamplingParams(max_new_tokens=64, temperature=0, ignore_eos=True)
+    prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13], list(range(20, 60))]
+    results = {}
+    for overlap in (False, True):
+        engine = Engine(EngineConfig(tiny_model, device="cpu", dtype="float32", max_total_tokens=2048,
+                                     overlap_schedule=overlap))  # fmt: skip
+        handed_out = []
+        real_step = engine.step
+
+        def step(on_outputs=None, real_step=real_step, handed_out=handed_out):
+            def counted(outs):
+                handed_out.extend(outs)
+                on_outputs(outs)
+
+            return real_step(on_outputs=counted if on_outputs is not None else None)
+
+        engine.step = step
+
+        async def body(ae: AsyncEngine):
+            tasks = []
+            for ids in prompts:  # each arrives while the ones before it decode
+                tasks.append(asyncio.ensure_future(run(ae, ids, params)))
+                await asyncio.sleep(0.01)
+            return [out.token_ids for out in await asyncio.gather(*tasks)]
+
+        async def main(engine=engine, overlap=overlap):
+            ae = AsyncEngine(engine)
+            ae.start(asyncio.get_running_loop())
+            try:
+                results[overlap] = await body(ae)
+            finally:
+                ae.stop()
+
+        asyncio.run(main())
+        assert_clean(engine)
+        assert bool(handed_out) == overlap, len(handed_out)
+    assert results[True] == results[False] and all(len(t) == 64 for t in results[True])
