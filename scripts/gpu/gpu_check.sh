@@ -4,13 +4,15 @@
 # $OUT; a short table last. LONGSERVE_COMMIT is the commit the JSON metadata names: compute it where the tree
 # is a git checkout (a copied tree's .git may be stale) and pass it as a literal, e.g.
 #   LONGSERVE_COMMIT=abc1234 bash scripts/gpu/gpu_check.sh latency
-#   usage: LONGSERVE_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu/gpu_check.sh [quick|tests|bench|all|long|tp|tp2|tp32|profile|latency|hit|host|launch|turns|moe|moe-tests|moe-bench|moe-long|moe-tp|quant|quant-tests|quant-bench|kvfp8|vllm|structured|switches|chunks|fusions|fusions-a3b]
+#   usage: LONGSERVE_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu/gpu_check.sh [quick|tests|bench|all|long|tp|tp2|tp32|profile|latency|hit|host|launch|turns|moe|moe-tests|moe-bench|moe-long|moe-tp|quant|quant-tests|quant-bench|kvfp8|vllm|structured|switches|chunks|fusions|fusions-a3b|piecewise]
 # moe (one GPU) = moe-tests (the MoE kernel and engine GPU tests, the kernel's TFLOP/s and GB/s) +
 # moe-bench (the Qwen3-30B-A3B shape's cases against HF, profiled, with their floors); moe-long: 128K cold
 # against HF and the Mixtral-8x7B shape; moe-tp (two GPUs): the TP=2 / expert-parallel tests and the A3B shape
 # at TP=2 and EP=2. Each prints the floor of every case and the measured/floor ratio.
 # switches (one GPU): the int4 paths per M timed as CUDA graphs and the 8B int4 decode through each of them; the
 # cost of fp32 accumulation in the fp8 GEMMs. chunks (one GPU): a lone cold prompt in chunks of 8K, 16K, 32K;
+# piecewise (one GPU): the piecewise graphs' GPU test, then step_timeline.py and cold 512-4096 / a 32K + 512 hit
+# with --piecewise-cuda-graph-max-tokens 0 and 4096.
 # fusions (one GPU): the prefix-as-view and fused K/V-store switches off, each against both on; fusions-a3b:
 # the A3B shape's decode with the q/k norms or the K/V store out of the rotary kernel, against both in.
 # (tests, quant, kvfp8, structured: carry the wheels of scripts/gpu/fetch_test_wheels.sh and install them first)
@@ -356,6 +358,20 @@ for shape in ("llama-3.1-8b", "qwen3-30b-a3b"):
         cells.append(f"{m.get('weight_gib', float('nan')):.2f} GiB, {m.get('kv_pool_tokens', 0):,} tokens")
         print(f"{variant:<5} " + " | ".join(cells))
 PY
+fi
+
+if [[ $MODE == piecewise ]]; then  # one GPU, ~5 min: piecewise CUDA graphs (off by default) against eager steps
+  python3 -m pytest -q -m gpu tests/gpu/test_engine_gpu.py -k piecewise -p no:cacheprovider --tb=short -rfE 2>&1 \
+    | tee "$OUT/gpu_tests.log" | tail -4 || status=1
+  for pw in 0 4096; do  # mixed steps (step_timeline: A's first token) and lone short prompts, off and on
+    timeout 150 python3 scripts/probes/step_timeline.py --config llama-3.1-8b --dtype bfloat16 \
+      --piecewise-cuda-graph-max-tokens $pw 2>&1 | grep -vE "^\[bench|INFO|WARNING" > "$OUT/step_timeline_pw$pw.log"
+    grep -A13 "^overlapped, handed" "$OUT/step_timeline_pw$pw.log"
+    timeout 150 python3 -m longserve.bench.latency --config llama-3.1-8b --load-format dummy --dtype bfloat16 \
+      --warmup 1 --repeat 3 --prompt-lens 512,1024,2048,4096 --prefix-hit 32768:512 \
+      --piecewise-cuda-graph-max-tokens $pw --output-json "$OUT/latency_8b_pw$pw.json" 2>&1 \
+      | tee "$OUT/latency_8b_pw$pw.log" | grep -E "^(cold|hit)"
+  done
 fi
 
 if [[ $MODE == switches ]]; then  # one GPU, ~6 min: the evidence for the switches still unmeasured or unverified
