@@ -98,7 +98,7 @@ class PiecewiseGraphRunner:
         """Every bucket's pieces, largest first, in one pool: two eager passes first (kernels compile and
         allocations settle outside the graphs), then one graph per piece; the attention between them is not
         captured (its output buffer is the next piece's input, whatever it holds)."""
-        start = time.perf_counter()
+        start, reserved = time.perf_counter(), torch.cuda.memory_reserved()
         self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -121,10 +121,12 @@ class PiecewiseGraphRunner:
                 self.graphs[t], self.layers[t] = graphs, calls
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
+        # the pool is outside the KV pool's budget (--mem-fraction-static leaves the room): say what it took
         logger.info(
-            "captured piecewise CUDA graphs for steps of up to %d tokens (%s; %d pieces each) in %.1fs",
+            "captured piecewise CUDA graphs for steps of up to %d tokens (%s; %d pieces each) in %.1fs, "
+            "%.2f GiB more reserved",
             self.max_tokens, ",".join(map(str, self.buckets)), len(self.graphs[self.max_tokens]),
-            time.perf_counter() - start,
+            time.perf_counter() - start, (torch.cuda.memory_reserved() - reserved) / 2**30,
         )  # fmt: skip
 
     def _drive(self, t: int, ctx: ForwardContext | None) -> torch.Tensor:
