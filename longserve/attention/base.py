@@ -16,7 +16,7 @@ the new token t's K/V are written; `page_table[r, j]` is the page id holding pos
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -45,6 +45,13 @@ class AttentionMetadata:
     _subsets: dict[tuple[int, ...], tuple[AttentionMetadata, torch.Tensor] | None] = field(
         default_factory=dict, repr=False
     )
+    _routes: dict[tuple, tuple[int, ...]] = field(default_factory=dict, repr=False)
+
+    def route(self, key: tuple, decide: Callable[[], tuple[int, ...]]) -> tuple[int, ...]:
+        """decide() once per step and key (a backend's routing of the step's requests): every layer asks."""
+        if key not in self._routes:
+            self._routes[key] = decide()
+        return self._routes[key]
 
     def subset(self, requests: tuple[int, ...]) -> tuple[AttentionMetadata, torch.Tensor] | None:
         """The metadata of some of the step's requests as a batch of their own, and the device index of their

@@ -210,18 +210,25 @@ class TritonAttentionBackend(AttentionBackend):
         chunks over a cached prefix, 16-bit, at a shape built at start-up (sdpa_shapes.py: a cuDNN plan built
         mid-step stalls every request in it for a few hundred ms; the Triton kernel compiles once for all
         lengths). Long chunks over a prefix: two cuDNN calls merged beat the Triton kernel (measured: ~530 vs
-        ~315 TFLOP/s for 8K over 24K..120K; a 64-token suffix is faster in Triton, `use_split_sdpa`)."""
+        ~315 TFLOP/s for 8K over 24K..120K; a 64-token suffix is faster in Triton, `use_split_sdpa`).
+        Decided once per step (every layer asks the same: part of an eager layer's host time)."""
         model = ModelShape(q.shape[1], num_kv_heads, q.shape[2], q.dtype)
-        half = q.dtype in (torch.float16, torch.bfloat16) or not q.is_cuda  # cuDNN's kernels: 16-bit only
+        return meta.route((model, q.device), lambda: self._library_requests(model, q.device, meta))
+
+    def _library_requests(
+        self, model: ModelShape, device: torch.device, meta: AttentionMetadata
+    ) -> tuple[int, ...]:
+        # cuDNN's kernels: 16-bit only
+        half = model.dtype in (torch.float16, torch.bfloat16) or device.type != "cuda"
         chosen = []
         for r, (prefix_len, query_len) in enumerate(zip(meta.prefix_lens_cpu, meta.query_lens_cpu)):
             if not query_len:
                 continue
             if prefix_len == 0:
-                ok = PLANS.cold_ready(model, query_len, q.device)
+                ok = PLANS.cold_ready(model, query_len, device)
             else:
                 ok = half and use_split_sdpa(query_len, prefix_len)
-                ok = ok and PLANS.split_ready(model, prefix_len, query_len, q.device)
+                ok = ok and PLANS.split_ready(model, prefix_len, query_len, device)
             if ok:
                 chosen.append(r)
         return tuple(chosen)

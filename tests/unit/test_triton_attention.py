@@ -338,6 +338,31 @@ def test_library_paths_at_padded_shapes(monkeypatch: pytest.MonkeyPatch, heads: 
     Step([0, 0, 0], [16, 5, 13], 4, heads, 16, seed=22).compare(TritonAttentionBackend(cold_path="sdpa"))
 
 
+def test_routing_is_decided_once_per_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every layer asks which requests go to the library calls; the registry is consulted once per step."""
+    import longserve.attention.triton_backend as tb
+    from longserve.attention import sdpa_shapes as shapes
+
+    asked: list[int] = []
+
+    class Counting(shapes.PlanRegistry):
+        def cold_ready(self, model, query_len, device):  # noqa: ANN001, ANN202
+            asked.append(query_len)
+            return super().cold_ready(model, query_len, device)
+
+    monkeypatch.setattr(tb, "PLANS", Counting())
+    meta = build_metadata([0, 0, 30], [700, 9, 1], [[1] * 44, [2], [3, 4]], 16, "cpu")
+    backend = TritonAttentionBackend(cold_path="sdpa")
+    q = torch.zeros(710, 8, 16)
+    first = backend.library_requests(q, 2, meta)
+    assert first == (0, 1) and asked == [700, 9]  # on the CPU every cold prompt goes to torch's SDPA
+    for _ in range(3):
+        assert backend.library_requests(q, 2, meta) == first
+    assert asked == [700, 9]
+    fresh = build_metadata([0, 0, 30], [700, 9, 1], [[1] * 44, [2], [3, 4]], 16, "cpu")
+    assert backend.library_requests(q, 2, fresh) == first and len(asked) == 4  # a new step decides anew
+
+
 def test_plan_registry_is_per_thread_and_covers_a_long_prompts_chunks() -> None:
     """On CUDA a shape is ready only once built on the calling thread (torch keeps cuDNN plans per thread);
     the start-up set covers every chunk of a lone long prompt; the CPU builds nothing, so all is ready."""
