@@ -18,12 +18,15 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
 from longserve.attention.kv_quant import dequantize_kv, is_fp8, quantize_kv
 from longserve.platform import to_device_async
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -45,13 +48,14 @@ class AttentionMetadata:
     _subsets: dict[tuple[int, ...], tuple[AttentionMetadata, torch.Tensor] | None] = field(
         default_factory=dict, repr=False
     )
-    _routes: dict[tuple, tuple[int, ...]] = field(default_factory=dict, repr=False)
+    _per_step: dict[tuple, Any] = field(default_factory=dict, repr=False)
 
-    def route(self, key: tuple, decide: Callable[[], tuple[int, ...]]) -> tuple[int, ...]:
-        """decide() once per step and key (a backend's routing of the step's requests): every layer asks."""
-        if key not in self._routes:
-            self._routes[key] = decide()
-        return self._routes[key]
+    def per_step(self, key: tuple, decide: Callable[[], T]) -> T:
+        """decide() once per step and key, for the host-side decisions every layer would repeat (a backend's
+        routing of the requests, its launch tiles): part of an eager layer's host time."""
+        if key not in self._per_step:
+            self._per_step[key] = decide()
+        return self._per_step[key]
 
     def subset(self, requests: tuple[int, ...]) -> tuple[AttentionMetadata, torch.Tensor] | None:
         """The metadata of some of the step's requests as a batch of their own, and the device index of their

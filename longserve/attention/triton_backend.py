@@ -213,7 +213,9 @@ class TritonAttentionBackend(AttentionBackend):
         ~315 TFLOP/s for 8K over 24K..120K; a 64-token suffix is faster in Triton, `use_split_sdpa`).
         Decided once per step (every layer asks the same: part of an eager layer's host time)."""
         model = ModelShape(q.shape[1], num_kv_heads, q.shape[2], q.dtype)
-        return meta.route((model, q.device), lambda: self._library_requests(model, q.device, meta))
+        return meta.per_step(
+            ("library", self, model, q.device), lambda: self._library_requests(model, q.device, meta)
+        )
 
     def _library_requests(
         self, model: ModelShape, device: torch.device, meta: AttentionMetadata
@@ -245,14 +247,10 @@ class TritonAttentionBackend(AttentionBackend):
         sliding_window: int | None,
     ) -> torch.Tensor:
         """The extend kernel over the batch of `meta` (its K/V already in the pages)."""
-        config, extend_splits = self.extend_launch(
-            meta.query_lens_cpu,
-            meta.seq_lens_cpu,
-            q.shape[1],
-            k_cache.shape[2],
-            q.shape[2],
-            q.dtype,
-            q.device,
+        shape = (q.shape[1], k_cache.shape[2], q.shape[2], q.dtype, q.device)
+        config, extend_splits = meta.per_step(
+            ("extend", self, *shape),
+            lambda: self.extend_launch(meta.query_lens_cpu, meta.seq_lens_cpu, *shape),
         )
         return self._extend(
             q, k_cache, v_cache, meta.query_start_loc, meta.prefix_lens, meta.seq_lens, meta.page_table,
