@@ -138,7 +138,7 @@ class PiecewiseGraphRunner:
             call = self._keep(call, t)
             if ctx is not None:
                 n = ctx.meta.num_tokens
-                real = call._replace(q=call.q[:n], k=call.k[:n], v=call.v[:n])
+                real = AttentionCall(call.attn, self.q[:n], self.k[:n], self.v[:n], call.stored)
                 self.attn_out[:n].copy_(real.run(ctx))
             try:
                 call = pieces.send(self.attn_out[:t])
@@ -164,8 +164,9 @@ class PiecewiseGraphRunner:
             with torch.inference_mode():
                 return self._drive(t, ctx)[:n]
         graphs = self.graphs[t]
+        q, k, v, out = self.q[:n], self.k[:n], self.v[:n], self.attn_out[:n]  # every layer's, in turn
         graphs[0].replay()
         for call, graph in zip(self.layers[t], graphs[1:]):
-            self.attn_out[:n].copy_(call._replace(q=call.q[:n], k=call.k[:n], v=call.v[:n]).run(ctx))
+            out.copy_(AttentionCall(call.attn, q, k, v, call.stored).run(ctx))
             graph.replay()
         return self.outputs[t][:n]
