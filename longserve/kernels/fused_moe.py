@@ -52,6 +52,12 @@ __all__ = [
 # 0.084 ms; Mixtral at 512 tokens 0.010 against 0.078 ms. So it serves up to its own limit (moe_align.MAX_PAIRS).
 MOE_TRITON_ALIGN_MAX_PAIRS = MAX_ALIGN_PAIRS
 
+# A step of at most this many tokens, with experts neither quantized nor split over ranks, runs as
+# kernels/moe_gemv.py's two launches (no alignment, the sum over k inside the down projection) instead of
+# four. 0 (off) until measured on a GPU: at batch 1 the A3B shape's MoE layer spends ~10 us of its ~36 us on
+# the two launches this drops (2026-12-02 profile, benchmarks/RESULTS.md).
+MOE_GEMV_MAX_TOKENS = 0
+
 
 def align_routed_pairs(
     topk_ids: torch.Tensor,  # [T, k] int
@@ -330,6 +336,10 @@ def fused_moe(
     assert out.shape == hidden.shape and out.dtype == hidden.dtype
     if num_tokens == 0:
         return out
+    if num_tokens <= MOE_GEMV_MAX_TOKENS and quant is None and expert_map is None and config is None:
+        from longserve.kernels.moe_gemv import moe_gemv
+
+        return moe_gemv(hidden, w13, w2, topk_weights, topk_ids, out)
     cfg = config or get_moe_config(
         num_experts, two_inter // 2, hidden_size, top_k, hidden.dtype, num_tokens,
         weights=quant.weight_dtype if quant is not None else None,

@@ -4,13 +4,15 @@
 # $OUT; a short table last. LONGSERVE_COMMIT is the commit the JSON metadata names: compute it where the tree
 # is a git checkout (a copied tree's .git may be stale) and pass it as a literal, e.g.
 #   LONGSERVE_COMMIT=abc1234 bash scripts/gpu/gpu_check.sh latency
-#   usage: LONGSERVE_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu/gpu_check.sh [quick|tests|bench|all|long|tp|tp2|tp32|profile|latency|hit|host|launch|turns|moe|moe-tests|moe-bench|moe-long|moe-tp|quant|quant-tests|quant-bench|kvfp8|vllm|structured|switches|chunks|fusions|fusions-a3b|piecewise]
+#   usage: LONGSERVE_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu/gpu_check.sh [quick|tests|bench|all|long|tp|tp2|tp32|profile|latency|hit|host|launch|turns|moe|moe-tests|moe-bench|moe-long|moe-tp|quant|quant-tests|quant-bench|kvfp8|vllm|structured|switches|chunks|fusions|fusions-a3b|piecewise|moe-gemv]
 # moe (one GPU) = moe-tests (the MoE kernel and engine GPU tests, the kernel's TFLOP/s and GB/s) +
 # moe-bench (the Qwen3-30B-A3B shape's cases against HF, profiled, with their floors); moe-long: 128K cold
 # against HF and the Mixtral-8x7B shape; moe-tp (two GPUs): the TP=2 / expert-parallel tests and the A3B shape
 # at TP=2 and EP=2. Each prints the floor of every case and the measured/floor ratio.
 # switches (one GPU): the int4 paths per M timed as CUDA graphs and the 8B int4 decode through each of them; the
 # cost of fp32 accumulation in the fp8 GEMMs. chunks (one GPU): a lone cold prompt in chunks of 8K, 16K, 32K;
+# moe-gemv (one GPU): the small-batch MoE kernels' GPU test (their time beside fused_moe's), then the A3B decode
+# with MOE_GEMV_MAX_TOKENS 0 and 16.
 # piecewise (one GPU): the piecewise graphs' GPU test, then step_timeline.py and cold 512-4096 / a 32K + 512 hit
 # with --piecewise-cuda-graph-max-tokens 0 and 4096.
 # fusions (one GPU): the prefix-as-view and fused K/V-store switches off, each against both on; fusions-a3b:
@@ -371,6 +373,18 @@ if [[ $MODE == piecewise ]]; then  # one GPU, ~5 min: piecewise CUDA graphs (off
       --warmup 1 --repeat 3 --prompt-lens 512,1024,2048,4096 --prefix-hit 32768:512 \
       --piecewise-cuda-graph-max-tokens $pw --output-json "$OUT/latency_8b_pw$pw.json" 2>&1 \
       | tee "$OUT/latency_8b_pw$pw.log" | grep -E "^(cold|hit)"
+  done
+fi
+
+if [[ $MODE == moe-gemv ]]; then  # one GPU, ~4 min: the small-batch MoE kernels against the grouped GEMMs
+  python3 -m pytest -q -m gpu tests/gpu/test_fused_moe_gpu.py -k small_batch -s -p no:cacheprovider --tb=short \
+    -rfE 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "moe_gemv|passed|failed" || status=1
+  a3b=(--config qwen3-30b-a3b --load-format dummy --dtype bfloat16 --warmup 1 --repeat 3
+       --decode-batch-sizes 1@32768,1@4096,8@4096)
+  for limit in 0 16; do
+    timeout 150 python3 scripts/probes/with_constants.py longserve.kernels.fused_moe.MOE_GEMV_MAX_TOKENS=$limit \
+      -- longserve.bench.latency "${a3b[@]}" --output-json "$OUT/latency_a3b_gemv$limit.json" 2>&1 \
+      | tee "$OUT/latency_a3b_gemv$limit.log" | grep -E "^decode"
   done
 fi
 

@@ -77,6 +77,40 @@ def test_kernel_matches_reference(case: str, dtype: torch.dtype) -> None:
         assert (out - ref).float().norm() <= 2e-3 * ref.float().norm() + 1e-6  # rounding-level overall
 
 
+@pytest.mark.parametrize("case", ["one_token", "k1", "e8_top3_no_renorm", "ragged_empty_expert"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_small_batch_kernels_match_reference(case: str, dtype: torch.dtype, monkeypatch) -> None:
+    """moe_gemv (two launches: gate+up per pair, down with the sum over k per token) equals the reference,
+    with Mixtral's fp32 and Qwen-MoE's rounded routing weights, through fused_moe under its token limit;
+    blocks narrower than H and I (masked tails: I = 24/40, 16-wide tiles)."""
+    import longserve.kernels.fused_moe as fm
+    from longserve.kernels.moe_gemv import moe_gemv
+
+    num_tokens, num_experts, top_k, hidden, inter, renorm, load = CASES[case]
+    w13, w2 = make_experts(num_experts, hidden, inter, dtype)
+    x = torch.randn(num_tokens, hidden, generator=gen(2)).to(dtype)  # [T, H]
+    weights, ids = route_topk(make_logits(num_tokens, num_experts, load), top_k, renorm)
+    for w in {weights, weights.to(dtype)}:
+        ref = fused_moe_ref(x, w13, w2, w, ids)  # [T, H]
+        out = moe_gemv(x, w13, w2, w, ids, torch.empty_like(x), block_n=16, block_k=16)
+        torch.testing.assert_close(out, ref, atol=TOL[dtype], rtol=TOL[dtype])
+        assert (out - ref).float().norm() <= 2e-3 * ref.float().norm() + 1e-6
+    calls = []
+    monkeypatch.setattr(fm, "MOE_GEMV_MAX_TOKENS", num_tokens)
+    real = moe_gemv
+    monkeypatch.setattr(
+        "longserve.kernels.moe_gemv.moe_gemv", lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    )
+    expected = fused_moe_ref(x, w13, w2, weights, ids)
+    torch.testing.assert_close(
+        fused_moe(x, w13, w2, weights, ids), expected, atol=TOL[dtype], rtol=TOL[dtype]
+    )
+    assert calls == [1]
+    monkeypatch.setattr(fm, "MOE_GEMV_MAX_TOKENS", num_tokens - 1)
+    fused_moe(x, w13, w2, weights, ids)
+    assert calls == [1]  # over the limit: the grouped GEMMs
+
+
 def test_kernel_with_table_config_and_out() -> None:
     """An explicit config (32-row blocks, grouped order, a different down tile) and a caller's out buffer."""
     w13, w2 = make_experts(6, 48, 40, torch.float32)
