@@ -25,7 +25,7 @@ from longserve.engine_checks import (
     log_ignored_settings,
     resolve_overlap,
 )
-from longserve.engine_outputs import Group, request_output
+from longserve.engine_outputs import Group, engine_stats, request_output
 from longserve.engine_tokens import TokenHandler
 from longserve.models import load_hf_config
 from longserve.outputs import EngineStats, RequestOutput, SchedulerOutput, StepStats
@@ -375,23 +375,7 @@ class Engine:
 
     def stats(self) -> EngineStats:
         """A snapshot of queues, KV pages and counters (O(1)); call it on the thread that drives the engine."""
-        sched, kv = self.scheduler, self.kv
-        total, reclaimable = kv.num_total_pages, kv.num_reclaimable_pages
-        return EngineStats(
-            num_running=sched.num_running,
-            num_waiting=sched.num_waiting,
-            num_unfinished_requests=len(self.groups),
-            page_size=kv.page_size,
-            num_total_pages=total,
-            num_free_pages=kv.num_free_pages,
-            num_cached_pages=kv.num_cached_pages,
-            num_used_pages=total - reclaimable,
-            kv_usage=kv.usage(),
-            num_prefix_query_tokens=sched.num_prefix_query_tokens,
-            num_prefix_hit_tokens=sched.num_prefix_hit_tokens,
-            num_preemptions=sched.num_preemptions,
-            num_short_first_steps=sched.num_deferred_prefill_steps,
-        )
+        return engine_stats(self.scheduler, self.kv, len(self.groups))
 
     def flush_cache(self) -> int:
         """Evict every cached page no request holds; returns pages freed."""

@@ -1,4 +1,4 @@
-"""The RequestOutputs the engine returns each step, and the n siblings they report on.
+"""The RequestOutputs the engine returns each step, the n siblings they report on, and its stats snapshot.
 
 Every step the engine reports on every request that progressed, but callers read little of each report:
 LLM.generate reads only the last; a stream reads the new tokens and the new text; a benchmark reads
@@ -12,13 +12,18 @@ output every step; 0.5 ms now.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from longserve.outputs import LAZY, CompletionOutput, RequestOutput
+from longserve.outputs import LAZY, CompletionOutput, EngineStats, RequestOutput
 from longserve.request import Request
 from longserve.runner import prompt_logprobs
 from longserve.sampling_params import SamplingParams
 from longserve.siblings import chosen_members
 from longserve.tokenization.detokenizer import DeferredText
+
+if TYPE_CHECKING:
+    from longserve.cache.manager import KVCacheManager
+    from longserve.sched.scheduler import Scheduler
 
 
 class Group:
@@ -165,3 +170,23 @@ def request_output(group: Group) -> RequestOutput:
         end = max(r.finished_time or 0.0 for r in members)
         out.e2e_latency = end - first.arrival_time
     return out
+
+
+def engine_stats(sched: Scheduler, kv: KVCacheManager, num_unfinished: int) -> EngineStats:
+    """Engine.stats: the scheduler's queues and counters and the KV pool's pages, in O(1)."""
+    total, reclaimable = kv.num_total_pages, kv.num_reclaimable_pages
+    return EngineStats(
+        num_running=sched.num_running,
+        num_waiting=sched.num_waiting,
+        num_unfinished_requests=num_unfinished,
+        page_size=kv.page_size,
+        num_total_pages=total,
+        num_free_pages=kv.num_free_pages,
+        num_cached_pages=kv.num_cached_pages,
+        num_used_pages=total - reclaimable,
+        kv_usage=kv.usage(),
+        num_prefix_query_tokens=sched.num_prefix_query_tokens,
+        num_prefix_hit_tokens=sched.num_prefix_hit_tokens,
+        num_preemptions=sched.num_preemptions,
+        num_short_first_steps=sched.num_deferred_prefill_steps,
+    )
