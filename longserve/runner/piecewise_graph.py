@@ -59,10 +59,9 @@ class PiecewiseGraphRunner:
         q, k, v = self.qkv.split([hq * d, hkv * d, hkv * d], dim=1)
         self.q, self.k, self.v = q.view(n, hq, d), k.view(n, hkv, d), v.view(n, hkv, d)
         self.attn_out = torch.zeros(n, hq * d, dtype=shape.dtype, device=device)  # [n, Hq*D]
+        # per bucket: each piece's graph, and each layer's attention call over the static views
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
-        self.layers: dict[
-            int, list[AttentionCall]
-        ] = {}  # per bucket: each layer's call over the static views
+        self.layers: dict[int, list[AttentionCall]] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
         self.eager = False  # True: run() executes the static-buffer pieces instead of replaying
