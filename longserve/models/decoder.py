@@ -337,23 +337,23 @@ class DecoderModel(nn.Module):
     ) -> Generator[AttentionCall, torch.Tensor, torch.Tensor]:
         """`forward` with each layer's attention proper left to the caller (DecoderLayer.pieces): the code
         between two yields is what one piecewise CUDA graph holds. Returns the final hidden [T, hidden]."""
-        hidden = self.embed_tokens(input_ids)  # [T, hidden]
-        rope = self.rotary_emb.prepare(positions, hidden.dtype)
-        residual = None
-        for layer in self.layers:
-            hidden, residual = yield from layer.pieces(hidden, residual, rope, ctx)
-        if residual is None:
-            return self.norm(hidden)
-        return self.norm(hidden, residual)[0]  # [T, hidden]
+        return self._layer_by_layer(input_ids, positions, ctx, DecoderLayer.pieces)
 
     def _steps(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
     ) -> Generator[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self._layer_by_layer(input_ids, positions, ctx, DecoderLayer.steps)
+
+    def _layer_by_layer(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext, per_layer: Callable
+    ) -> Generator[Any, torch.Tensor, torch.Tensor]:
+        """`forward` through a generator of each layer (DecoderLayer.pieces or .steps), whose yields pass
+        through to the caller. Returns the final hidden [T, hidden]."""
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
         rope = self.rotary_emb.prepare(positions, hidden.dtype)
         residual = None
         for layer in self.layers:
-            hidden, residual = yield from layer.steps(hidden, residual, rope, ctx)
+            hidden, residual = yield from per_layer(layer, hidden, residual, rope, ctx)
         if residual is None:
             return self.norm(hidden)
         return self.norm(hidden, residual)[0]  # [T, hidden]

@@ -16,11 +16,12 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 
 from longserve import LLM, SamplingParams  # noqa: E402
-from longserve.attention import ForwardContext, GraphShape, KVCache, build_metadata  # noqa: E402
+from longserve.attention import ForwardContext, KVCache, build_metadata  # noqa: E402
 from longserve.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from longserve.models import load_hf_config, load_model  # noqa: E402
 from longserve.runner.piecewise_graph import PiecewiseGraphRunner, piecewise_buckets  # noqa: E402
 from longserve.testing.checkpoints import make_tiny_checkpoint  # noqa: E402
+from tests.unit.test_graph_runners import graph_shape  # noqa: E402
 
 PAGE = 16
 
@@ -34,12 +35,6 @@ def ckpt(tmp_path_factory):
 def model_and_hf(ckpt):
     hf = load_hf_config(ckpt)
     return load_model(ckpt, hf, torch.float32, torch.device("cpu")), hf
-
-
-def shape_of(model, max_seq_len: int) -> GraphShape:
-    return GraphShape(
-        max_seq_len, model.num_heads, model.num_kv_heads, model.head_dim, torch.float32, torch.device("cpu")
-    )
 
 
 def test_buckets():
@@ -118,7 +113,7 @@ def test_padded_pieces_equal_a_plain_step(model_and_hf, query_lens, fused_store,
         plain = model(new_ids, positions, ForwardContext(meta, cache, backend))  # [n, H]
         k_plain, v_plain = cache.k[0].clone(), cache.v[0].clone()
         cache.k[0].copy_(before)  # as before the plain step
-        runner = PiecewiseGraphRunner(model, cache, shape_of(model, 12 * PAGE), max_tokens=128)
+        runner = PiecewiseGraphRunner(model, cache, graph_shape(model, 12 * PAGE), max_tokens=128)
         runner.eager = True
         other = free[0]  # a page nobody in this step owns: an earlier, longer step's slots pointed there
         runner.slot_mapping.fill_(other * PAGE + 3)
@@ -137,7 +132,7 @@ def test_padded_pieces_equal_a_plain_step(model_and_hf, query_lens, fused_store,
 def test_can_run(model_and_hf):
     model, _ = model_and_hf
     cache = KVCache(model.num_layers, 8, PAGE, model.num_kv_heads, model.head_dim, torch.float32, "cpu")
-    runner = PiecewiseGraphRunner(model, cache, shape_of(model, 4 * PAGE), max_tokens=100)
+    runner = PiecewiseGraphRunner(model, cache, graph_shape(model, 4 * PAGE), max_tokens=100)
     assert not runner.can_run(build_metadata([0], [20], [[1, 2]], PAGE, "cpu"))  # nothing captured
     runner.eager = True
     assert runner.can_run(build_metadata([0, 16], [20, 1], [[1, 2], [3, 4]], PAGE, "cpu"))
