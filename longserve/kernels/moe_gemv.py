@@ -130,10 +130,11 @@ def moe_gemv(
     topk_weights: torch.Tensor,  # [T, k]
     topk_ids: torch.Tensor,  # [T, k] int32
     out: torch.Tensor,  # [T, H]
-    block_n: int = 64,
-    block_k: int = 128,
+    up: tuple[int, int, int] = (64, 128, 4),
+    down: tuple[int, int, int] = (64, 128, 4),
 ) -> torch.Tensor:
-    """`fused_moe` without quantization or expert parallelism, in two launches (module docstring)."""
+    """`fused_moe` without quantization or expert parallelism, in two launches (module docstring). `up`,
+    `down`: each kernel's (BLOCK_N, BLOCK_K, num_warps)."""
     num_tokens, top_k = topk_ids.shape
     hidden_size, inter_size = hidden.shape[1], w2.shape[2]
     assert w13.shape[1] == 2 * inter_size and w13.stride(2) == 1 and w2.stride(2) == 1
@@ -143,14 +144,14 @@ def moe_gemv(
     weights = topk_weights.reshape(-1).contiguous()
     inter = torch.empty(num_tokens * top_k, inter_size, dtype=hidden.dtype, device=hidden.device)
     interpret_bf16 = interpreting() and hidden.dtype == torch.bfloat16
-    _gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter_size, block_n))](
+    _gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter_size, up[0]))](
         x, w13, ids, inter, hidden_size, inter_size, x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0),
-        TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, INTERPRET_BF16=interpret_bf16,
+        TOP_K=top_k, BLOCK_N=up[0], BLOCK_K=up[1], INTERPRET_BF16=interpret_bf16, num_warps=up[2],
     )  # fmt: skip
-    _down_sum_kernel[(num_tokens, triton.cdiv(hidden_size, block_n))](
+    _down_sum_kernel[(num_tokens, triton.cdiv(hidden_size, down[0]))](
         inter, w2, ids, weights, out, hidden_size, inter_size, inter.stride(0), w2.stride(0), w2.stride(1),
-        out.stride(0), TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k,
+        out.stride(0), TOP_K=top_k, BLOCK_N=down[0], BLOCK_K=down[1],
         PROD_FP32=torch.promote_types(hidden.dtype, topk_weights.dtype) == torch.float32,
-        INTERPRET_BF16=interpret_bf16,
+        INTERPRET_BF16=interpret_bf16, num_warps=down[2],
     )  # fmt: skip
     return out
