@@ -54,8 +54,8 @@ MOE_TRITON_ALIGN_MAX_PAIRS = MAX_ALIGN_PAIRS
 
 # A step of at most this many tokens, with experts neither quantized nor split over ranks, runs as
 # kernels/moe_gemv.py's two launches (no alignment, the sum over k inside the down projection) instead of
-# four. 0 (off) until measured on a GPU: at batch 1 the A3B shape's MoE layer spends ~10 us of its ~36 us on
-# the two launches this drops (2026-12-02 profile, benchmarks/RESULTS.md).
+# four. 0 (off): measured on an H200 (scripts/probes/moe_gemv_sweep.py, 2026-12-02, RESULTS.md fifth session)
+# the A3B expert block took 36.6 us at one token against 34.0 here, and 4-8% less at 2-8 tokens.
 MOE_GEMV_MAX_TOKENS = 0
 
 

@@ -14,7 +14,9 @@ the bf16 sum 4.8 us; 0.58 ms of a 4.31 ms step is gaps between kernels). Here:
 Rounding as `fused_moe_ref` and `fused_moe`: each projection to the dtype, silu and the product, the down
 projection, its product with the routing weight in the promoted dtype, the sum over k in fp32 rounded once.
 Weights are re-read per pair, so past a few tokens (experts shared between them) `fused_moe`'s grouped GEMMs
-read less: `MOE_GEMV_MAX_TOKENS` (kernels/fused_moe.py) picks.
+read less: `MOE_GEMV_MAX_TOKENS` (kernels/fused_moe.py) picks. Measured on an H200 (2026-12-02, RESULTS.md
+fifth session) they lose at one token and win 4-8% of the MoE block at 2-8: off until a kernel reads the
+experts nearer the bandwidth (75.5 MB at 2.1 TB/s at one token).
 """
 
 from __future__ import annotations
@@ -130,11 +132,13 @@ def moe_gemv(
     topk_weights: torch.Tensor,  # [T, k]
     topk_ids: torch.Tensor,  # [T, k] int32
     out: torch.Tensor,  # [T, H]
-    up: tuple[int, int, int] = (64, 128, 4),
-    down: tuple[int, int, int] = (64, 128, 4),
+    up: tuple[int, int, int] = (16, 128, 8),
+    down: tuple[int, int, int] = (8, 128, 8),
 ) -> torch.Tensor:
     """`fused_moe` without quantization or expert parallelism, in two launches (module docstring). `up`,
-    `down`: each kernel's (BLOCK_N, BLOCK_K, num_warps)."""
+    `down`: each kernel's (BLOCK_N, BLOCK_K, num_warps); the defaults were the fastest at 1-2 tokens on the
+    A3B expert shape (scripts/probes/moe_gemv_sweep.py, H200, 2026-12-02: 36.6 us at one token against
+    fused_moe's 34.0; blocks of 64 rows left most SMs idle, 10.1 ms a decode step against 3.98)."""
     num_tokens, top_k = topk_ids.shape
     hidden_size, inter_size = hidden.shape[1], w2.shape[2]
     assert w13.shape[1] == 2 * inter_size and w13.stride(2) == 1 and w2.stride(2) == 1

@@ -92,7 +92,7 @@ def test_small_batch_kernels_match_reference(case: str, dtype: torch.dtype, monk
     weights, ids = route_topk(make_logits(num_tokens, num_experts, load), top_k, renorm)
     for w in {weights, weights.to(dtype)}:
         ref = fused_moe_ref(x, w13, w2, w, ids)  # [T, H]
-        out = moe_gemv(x, w13, w2, w, ids, torch.empty_like(x), block_n=16, block_k=16)
+        out = moe_gemv(x, w13, w2, w, ids, torch.empty_like(x), up=(16, 16, 4), down=(16, 16, 4))
         torch.testing.assert_close(out, ref, atol=TOL[dtype], rtol=TOL[dtype])
         assert (out - ref).float().norm() <= 2e-3 * ref.float().norm() + 1e-6
     calls = []
