@@ -416,6 +416,9 @@ class _ReversingBackend:
         enc = self.tok.encode(text, add_special_tokens=add_special_tokens)
         return SimpleNamespace(ids=enc.ids[::-1]) if add_special_tokens else enc
 
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = True):
+        return [self.encode(t, add_special_tokens) for t in texts]
+
 
 def test_a_post_processor_that_is_not_specials_at_the_ends_is_never_cached(toks) -> None:
     backend = _ReversingBackend(toks["bytelevel_llama3"])
@@ -642,3 +645,34 @@ def test_threads_share_the_cache(toks, kind) -> None:
     assert not errors, errors
     assert cache.hits > 0 and len(cache) <= 16
     assert cache._chars == sum(len(e.text) for e in cache._entries.values())
+
+
+def test_tokenizing_a_long_prompt_lets_other_threads_run(toks) -> None:
+    """The cache tokenizes with the GIL released (`encode_unlocked`): while a worker thread tokenizes a long
+    prompt, another thread (the server's engine thread, launching a step) keeps running. Through
+    `Tokenizer.encode` it would stand still for the whole encode."""
+    import time
+
+    backend = toks["bytelevel_llama3"]
+    rng = random.Random(5)
+    text = gen_text(rng, 4000, specials=False)
+    while True:
+        start = time.perf_counter()
+        want = backend.encode(text, add_special_tokens=True).ids
+        whole_s = time.perf_counter() - start
+        if whole_s >= 0.4:
+            break
+        text += text  # long enough that a stall of the whole encode stands out from scheduling noise
+    cache = PrefixTokenCache(backend)
+    got: list[list[int]] = []
+    worker = threading.Thread(target=lambda: got.append(cache.encode(text, True)))
+    stamps = [time.perf_counter()]
+    worker.start()
+    while worker.is_alive():
+        stamps.append(time.perf_counter())
+    worker.join()
+    assert got == [want]
+    longest = max(b - a for a, b in zip(stamps, stamps[1:]))
+    assert longest < whole_s / 3, (
+        f"this thread stood still {longest * 1e3:.0f} ms of a {whole_s * 1e3:.0f} ms encode"
+    )
