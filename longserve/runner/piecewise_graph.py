@@ -31,12 +31,23 @@ from longserve.models.decoder import AttentionCall
 
 logger = logging.getLogger("longserve.runner.piecewise_graph")
 
-PIECEWISE_BUCKETS = (64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
+# A step of n tokens runs as the next bucket: its GEMMs pay for the padding. Buckets an eighth of a power of
+# two apart (64 at least) pad by at most 12.5%: with buckets a half apart (1024, 1536, ...), a mixed step of
+# 1,236 tokens ran as 1,536 and took the device 40 ms, 24% more than it needed (the 8B shape on an H200,
+# scripts/probes/step_timeline.py, 2026-12-02); lone prompts at the bucket sizes themselves ran 1-4% slower
+# than eager steps (the static buffers' copies).
+PIECEWISE_MIN_BUCKET = 64
+PIECEWISE_BUCKET_STEPS = 8  # buckets per doubling
 
 
 def piecewise_buckets(max_tokens: int) -> list[int]:
-    sizes = [t for t in PIECEWISE_BUCKETS if t <= max_tokens]
-    if max_tokens > 1 and (not sizes or sizes[-1] != max_tokens):
+    """64, 128, ..., 512 (steps of 64), 576, ..., 1024 (64), 1152, ..., 2048 (128), ... up to max_tokens, and
+    max_tokens itself."""
+    sizes, size = [], PIECEWISE_MIN_BUCKET
+    while size < max_tokens:
+        sizes.append(size)
+        size += max(PIECEWISE_MIN_BUCKET, (1 << (size.bit_length() - 1)) // PIECEWISE_BUCKET_STEPS)
+    if max_tokens > 1:
         sizes.append(max_tokens)
     return sizes
 
@@ -62,7 +73,9 @@ class PiecewiseGraphRunner:
         # per bucket: each piece's graph, and each layer's attention call over the static views
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.layers: dict[int, list[AttentionCall]] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        # the last piece's output (the final norm's, [n, hidden]): one buffer for every bucket, so that no
+        # bucket's output holds memory of the pool (32 buckets up to 4096 tokens: 0.4 GiB at hidden 4096)
+        self.hidden: torch.Tensor | None = None  # [n, hidden], made at capture from the first eager pass
         self.pool = None
         self.eager = False  # True: run() executes the static-buffer pieces instead of replaying
         self.num_runs = 0
@@ -104,19 +117,20 @@ class PiecewiseGraphRunner:
         with torch.cuda.stream(stream):
             for t in sorted(self.buckets, reverse=True):
                 for _ in range(2):
-                    self._drive(t, None)
-                graphs, calls, pieces = [], [], self._pieces(t)
-                while True:
+                    out = self._drive(t, None)
+                if self.hidden is None:  # the largest bucket comes first
+                    self.hidden = out.new_zeros(self.max_tokens, out.shape[1])
+                graphs, calls, pieces, done = [], [], self._pieces(t), False
+                while not done:
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=self.pool, stream=stream):
                         try:
                             call = pieces.send(self.attn_out[:t]) if calls else next(pieces)
                             calls.append(self._keep(call, t))
                         except StopIteration as stop:
-                            self.outputs[t] = stop.value  # [t, hidden]
+                            self.hidden[:t].copy_(stop.value)  # [t, hidden]
+                            done = True
                     graphs.append(graph)
-                    if t in self.outputs:
-                        break
                 self.graphs[t], self.layers[t] = graphs, calls
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
@@ -168,4 +182,4 @@ class PiecewiseGraphRunner:
         for call, graph in zip(self.layers[t], graphs[1:]):
             out.copy_(AttentionCall(call.attn, q, k, v, call.stored).run(ctx))
             graph.replay()
-        return self.outputs[t][:n]
+        return self.hidden[:n]

@@ -38,10 +38,15 @@ def model_and_hf(ckpt):
 
 
 def test_buckets():
-    assert piecewise_buckets(512) == [64, 128, 256, 384, 512]
+    assert piecewise_buckets(512) == [64, 128, 192, 256, 320, 384, 448, 512]
     assert piecewise_buckets(100) == [64, 100]
-    assert piecewise_buckets(8192)[-3:] == [4096, 6144, 8192]
+    assert piecewise_buckets(1300)[-6:] == [896, 960, 1024, 1152, 1280, 1300]
+    assert piecewise_buckets(8192)[-3:] == [7168, 7680, 8192]
     assert piecewise_buckets(1) == []
+    # padding of at most an eighth past 512 tokens
+    buckets = piecewise_buckets(8192)
+    for n in range(513, 8193, 7):
+        assert next(b for b in buckets if b >= n) <= n * 1.125
 
 
 def step_inputs(hf, prefix_lens, query_lens, seed):
