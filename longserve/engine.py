@@ -84,6 +84,7 @@ class Engine:
         self._group_of: dict[str, Group] = {}  # member request id -> group
         self._ids = itertools.count()
         self.last_step_stats = StepStats()
+        self._wait_time = 0.0  # this step's time in _complete waiting for the device
         self.broken = False  # an abort failed: page accounting can no longer be trusted (see abort_all)
         self._grammar_compiler: GrammarCompiler | None = None
         self._grammar_lock = threading.Lock()
@@ -272,6 +273,7 @@ class Engine:
         graph) takes the host about as long as the device takes to run it, and the earlier step's tokens
         would wait for all of it: then they are read before the launch and handed to `on_outputs` at once."""
         t0 = time.perf_counter()
+        self._wait_time = 0.0
         touched: dict[str, Group] = {}
         prev, self._in_flight = self._in_flight, None
         sched_out = self.scheduler.schedule()
@@ -319,6 +321,7 @@ class Engine:
             num_preempted=len(sched_out.preempted),
             kv_usage=self.kv.usage(),
             step_time=time.perf_counter() - t0,
+            wait_time=self._wait_time,
         )
         return outputs
 
@@ -336,7 +339,9 @@ class Engine:
     def _complete(self, launched: Launched, touched: dict[str, Group]) -> None:
         """Read a launched step's tokens (waiting for it) and hand them to their requests."""
         sched_out = launched.sched_out
+        start = time.perf_counter()
         runner_out = launched.sampled.result()
+        self._wait_time += time.perf_counter() - start
         requests = self.scheduler.requests
         for request_id, result in (runner_out.prompt_logprobs or {}).items():
             if request_id in requests:  # not ended meanwhile

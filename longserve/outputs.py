@@ -189,7 +189,8 @@ class StepStats:
     num_waiting: int = 0
     num_preempted: int = 0
     kv_usage: float = 0.0
-    step_time: float = 0.0
+    step_time: float = 0.0  # the step() call's wall time, s
+    wait_time: float = 0.0  # of which waiting for the device (reading a launched step's tokens), s
 
 
 @dataclass(frozen=True, slots=True)

@@ -119,7 +119,7 @@ def create_app(state: ServerState) -> FastAPI:
         )
         if state.tokenizers.prefix_cache is not None:
             state.metrics.watch_tokenizer_cache(state.tokenizers.prefix_cache)
-    state.engine.configure_stats(state.metrics, config.log_stats_interval)
+    state.engine.configure_stats(state.metrics, config.log_stats_interval, config.step_log)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):

@@ -32,6 +32,7 @@ from longserve.pooling_params import PoolingParams
 from longserve.sampling_params import SamplingParams
 from longserve.server.errors import APIError, internal_error
 from longserve.server.metrics import ServerMetrics, StatsTracker
+from longserve.server.step_log import StepLog
 from longserve.siblings import num_candidates
 from longserve.tokenization.detokenizer import IncrementalDetokenizer, TextAssembler
 
@@ -110,13 +111,18 @@ class AsyncEngine:
         )
         self._texts: dict[str, list[TextAssembler]] = {}  # event loop only
         self.stats = StatsTracker(None, 0.0)  # engine thread only; see configure_stats
+        self.step_log: StepLog | None = None  # engine thread only; see configure_stats
         self._timed_out: set[str] = set()  # aborted by their deadline (engine thread)
 
     # ---- lifecycle ------------------------------------------------------------------------------
-    def configure_stats(self, metrics: ServerMetrics | None, log_stats_interval: float) -> None:
-        """Metrics to update and the stats log interval (0: off). create_app calls it, usually before
-        start(); later, the engine thread simply picks up the new tracker at its next iteration."""
+    def configure_stats(
+        self, metrics: ServerMetrics | None, log_stats_interval: float, step_log: str | None = None
+    ) -> None:
+        """Metrics to update, the stats log interval (0: off) and the step log's path (server/step_log.py;
+        None: off). create_app calls it before start()."""
         self.stats = StatsTracker(metrics, log_stats_interval)
+        if step_log is not None:
+            self.step_log = StepLog(step_log)
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -361,6 +367,7 @@ class AsyncEngine:
             except Exception:  # only slower: unbuilt shapes run in the Triton kernel, variants compile late
                 logger.exception("the warm-up failed; the first steps may stall while kernels compile")
         while True:
+            idle_start = time.perf_counter()
             with self._cv:
                 while not self._commands and not self._stopping and not engine.has_unfinished():
                     self._cv.wait(self.stats.idle_wait())
@@ -369,12 +376,14 @@ class AsyncEngine:
                     break
                 commands = list(self._commands)
                 self._commands.clear()
+            start = time.perf_counter()
             items: list[tuple[RequestOutput, int | None]] = []
             for command in commands:
                 try:
                     self._handle(command, items)
                 except Exception:  # an abort that failed: the next step's failure handling cleans up
                     logger.exception("engine command %s failed", type(command).__name__)
+            commands_done = time.perf_counter()
             stepped = False
             early: list[tuple[RequestOutput, int | None]] = []  # sent before the step's launch
             if engine.has_unfinished():
@@ -393,11 +402,20 @@ class AsyncEngine:
                         error.message += "; a tensor-parallel rank failed and the server is shutting down"
                     self.num_step_errors += 1
                     items.extend(self._fail_all(error.message, 500))
+            step_done = time.perf_counter()
             stats = engine.stats()
             self.num_waiting = stats.num_waiting
             self._observe(stats, engine.last_step_stats if stepped else None, early + items)
             self._send(items)
+            if self.step_log is not None:
+                self.step_log.record(
+                    start, start - idle_start, len(commands), commands_done - start,
+                    engine.last_step_stats if stepped else None, len(early), len(items),
+                    time.perf_counter() - step_done,
+                )  # fmt: skip
         self._send(self._fail_all(SHUTTING_DOWN, 503))
+        if self.step_log is not None:
+            self.step_log.close()
         self._check_pages()
 
     def _check_pages(self) -> None:

@@ -25,6 +25,7 @@ class ServerConfig:
     log_level: str = "info"
     enable_metrics: bool = True  # GET /metrics in Prometheus text format
     log_stats_interval: float = 10.0  # seconds between engine stats log lines; 0: none
+    step_log: str | None = None  # a JSON line per engine loop iteration to this file (server/step_log.py)
     tokenizer_workers: int = 2  # threads that tokenize and render chat templates off the event loop
     # long prompts kept with their token ids, so that a conversation's next turn tokenizes only its new text
     # (longserve.tokenization.prefix_token_cache); 0: off

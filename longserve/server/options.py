@@ -196,6 +196,10 @@ OPTIONS: tuple[Option, ...] = (
            "log one line per finished request (token counts and timings; never the prompt)", None),
     Option(("--log-stats-interval",), S + "log_stats_interval",
            "seconds between engine stats log lines (tokens/s, queue, KV usage, hit rate); 0: off", float),
+    Option(("--step-log",), S + "step_log",
+           "append one JSON line per engine loop iteration to this file: its step's tokens, host time and "
+           "time waiting for the device, idle time, commands, hand-out (where a workload's time goes)", str,
+           default_help="off"),
     Option(("--enable-metrics",), S + "enable_metrics", "Prometheus metrics at GET /metrics (default)", None),
     Option(("--disable-metrics",), S + "enable_metrics", "no /metrics endpoint", None, const=False),
     Option(("--log-level",), S + "log_level", "logging level", choices=("debug", "info", "warning", "error")),

@@ -411,3 +411,38 @@ def test_overlapped_engine_hands_tokens_out_before_a_prefill(tiny_model):
         assert_clean(engine)
         assert bool(handed_out) == overlap, len(handed_out)
     assert results[True] == results[False] and all(len(t) == 64 for t in results[True])
+
+
+def test_step_log_accounts_for_every_step_and_token(engine, tmp_path):
+    """--step-log (server/step_log.py): one line per loop iteration; the steps' prompt and generated tokens
+    add up to what the requests computed, and the time waiting for the device is part of each step's."""
+    import json
+
+    path = tmp_path / "steps.jsonl"
+    engine.flush_cache()
+    prompts = [list(range(3 + i, 3 + i + n)) for i, n in enumerate((300, 41, 7))]
+    params = SamplingParams(max_new_tokens=9, temperature=0, ignore_eos=True)
+
+    async def main():
+        ae = AsyncEngine(engine)
+        ae.configure_stats(None, 0.0, str(path))
+        ae.start(asyncio.get_running_loop())
+        try:
+            outs = await asyncio.gather(*(run(ae, p, params) for p in prompts))
+        finally:
+            ae.stop()
+        return ae, outs
+
+    ae, outs = asyncio.run(main())
+    assert_clean(engine)
+    assert all(len(o.token_ids) == 9 for o in outs)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    steps = [line for line in lines if "step_ms" in line]
+    assert len(steps) == ae.num_steps > 0
+    assert sum(s["prefill"] for s in steps) == sum(map(len, prompts))
+    assert sum(s["decode"] for s in steps) == len(prompts) * (9 - 1)  # each first token comes with its prompt
+    assert all(0 <= s["wait_ms"] <= s["step_ms"] for s in steps)
+    assert sum(line["commands"] for line in lines) == len(prompts)  # the three adds
+    assert sum(line["outputs"] + line["early"] for line in lines) >= len(prompts) * 9
+    times = [line["t"] for line in lines]
+    assert times == sorted(times)
