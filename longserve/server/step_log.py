@@ -8,7 +8,9 @@ which reading a launched step's tokens, i.e. waiting for the device), `prefill` 
 computed), `running`/`waiting` (requests after it), `early` (outputs handed out before a prefill launch),
 `outputs`, and `send_ms` (metrics and hand-out to the event loop). A step whose `step_ms` is much more than
 its `wait_ms` is bound by the host; a long `idle_ms` while requests wait elsewhere (tokenizing) shows too.
-Lines are buffered and flushed every second and at exit.
+The first line, `{"opened_unix": ...}`, is the wall-clock time of t = 0 (to line the log up with a client's
+timings). Lines are buffered and flushed every second and at exit. `scripts/probes/step_log_summary.py` sums a
+log up per workload.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class StepLog:
         self._file: TextIO | None = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
         self._t0 = time.perf_counter()
         self._flushed = self._t0
+        self._file.write(json.dumps({"opened_unix": time.time()}) + "\n")
         logger.info("step log: one line per engine loop iteration in %s", path)
 
     def record(

@@ -10,8 +10,9 @@
 # happen there, not in the first measured requests). vLLM runs with VLLM_SERVER_DEV_MODE=1 (its POST
 # /reset_prefix_cache, which `flush_cache: true` needs; a flush that fails makes `bench compare` exit 1 and is
 # named in the report) and --enable-prompt-tokens-details (cached_tokens in its usage: the report's client-side
-# cache hit column). Reports (report.md, results.json, PNGs) under $OUT/http/<workload>/, tarred into
-# $OUT/http_reports.tgz.
+# cache hit column). longserve writes --step-log to $OUT/http/longserve_steps.jsonl, summed per workload at the
+# end (scripts/probes/step_log_summary.py). Reports (report.md, results.json, PNGs) under $OUT/http/<workload>/,
+# tarred into $OUT/http_reports.tgz.
 # Needs ../shared/anchors/* copied into .anchor/ (git-ignored; see that folder's README) and carried:
 #   LONGSERVE_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu/compare_vllm_http.sh [rag,multiturn,random,longdoc]
 set -uo pipefail
@@ -39,7 +40,8 @@ wait_up() {  # url pid name: poll /health until 200, or give up when the process
 }
 # LONGSERVE_EXTRA_ARGS: more `longserve serve` flags (an A/B of an option, e.g. --piecewise-cuda-graph-max-tokens 4096)
 python3 -m longserve serve --model $MODEL --load-format dummy --dtype bfloat16 --max-num-batched-tokens 8192 \
-  --mem-fraction-static 0.40 --host 127.0.0.1 --port 30000 ${LONGSERVE_EXTRA_ARGS:-} > "$OUT/http/longserve_server.log" 2>&1 &
+  --mem-fraction-static 0.40 --host 127.0.0.1 --port 30000 --step-log "$OUT/http/longserve_steps.jsonl" \
+  ${LONGSERVE_EXTRA_ARGS:-} > "$OUT/http/longserve_server.log" 2>&1 &
 LS=$!
 wait_up http://127.0.0.1:30000 $LS longserve || { tail -20 "$OUT/http/longserve_server.log"; kill $LS; exit 1; }
 python3 -m vllm.entrypoints.openai.api_server --model $MODEL --load-format dummy --dtype bfloat16 \
@@ -58,11 +60,14 @@ done
 status=0
 for w in ${WORKLOADS//,/ }; do
   echo "[compare] $w at ${SECONDS}s"
+  echo "$w $(date +%s.%N)" >> "$OUT/http/workload_marks.txt"  # the step log's parts (step_log_summary.py)
   python3 -m longserve bench compare --config benchmarks/configs/vllm_http_$w.yaml --output-dir "$OUT/http/$w" \
     --disable-tqdm > "$OUT/http/$w.log" 2>&1 || { status=1; tail -5 "$OUT/http/$w.log"; }
   [[ -f "$OUT/http/$w/report.md" ]] && sed -n '1,40p' "$OUT/http/$w/report.md"
 done
 echo "[compare] done at ${SECONDS}s"
 kill -TERM $LS $VL 2>/dev/null; wait $LS $VL 2>/dev/null
+python3 scripts/probes/step_log_summary.py "$OUT/http/longserve_steps.jsonl" "$OUT/http/workload_marks.txt" \
+  | tee "$OUT/http/longserve_steps_summary.txt"
 tar czf "$OUT/http_reports.tgz" -C "$OUT" http
 exit $status

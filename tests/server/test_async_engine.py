@@ -436,7 +436,8 @@ def test_step_log_accounts_for_every_step_and_token(engine, tmp_path):
     ae, outs = asyncio.run(main())
     assert_clean(engine)
     assert all(len(o.token_ids) == 9 for o in outs)
-    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    head, *lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert abs(head["opened_unix"] - time.time()) < 600
     steps = [line for line in lines if "step_ms" in line]
     assert len(steps) == ae.num_steps > 0
     assert sum(s["prefill"] for s in steps) == sum(map(len, prompts))
