@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from longserve.kernels.extend_attention import interpreting
+from longserve.kernels.fp8_gemv import fp8_block_gemv, fp8_block_gemv_supported
 from longserve.kernels.quant_reference import (
     FP8_DTYPE,
     FP8_MAX,
@@ -67,6 +68,11 @@ FP8_BLOCK_SCALED_MM_MIN_TOKENS = 256
 # three fp8-activation formats' first-step logprobs drift 0.16-0.23 from the torch reference (bound 0.1) and
 # the tests fail; with 0 all pass. The speed cost is not measured yet.
 FP8_DOT_MAX_IMPRECISE_ACC: int | None = 0
+# Block FP8 of at most this many rows runs as kernels/fp8_gemv.py's GEMV (the activations' quantization inside
+# it, the weights read on the CUDA cores, split K) instead of the quantization launch + the 16-row tensor-core
+# GEMM, which read the 8B gate_up weights at ~1.6 TB/s at M=1 (2026-12-01). 0 (off) until measured on a GPU:
+# scripts/gpu/bench_quant_kernels.py prints both per M ("fp8 gemv" rows; gpu_check.sh switches).
+FP8_GEMV_MAX_TOKENS = 0
 
 
 @triton.jit
@@ -254,9 +260,11 @@ def fp8_block_linear(
     use_scaled_mm: bool | None = None,
 ) -> torch.Tensor:
     """Block FP8 linear: x quantized per token-group of bk (Triton), then the block-scaled GEMM; equals
-    fp8_block_gemm_ref."""
+    fp8_block_gemm_ref. Up to FP8_GEMV_MAX_TOKENS rows: both in one GEMV (kernels/fp8_gemv.py)."""
     m, k = x.shape
     n = w.shape[0]
+    if m <= FP8_GEMV_MAX_TOKENS and fp8_block_gemv_supported(m, block):
+        return fp8_block_gemv(x, w, w_scale, block, bias)
     if use_scaled_mm is None:  # what the load-time check found (check_block_scaled_mm), for large M only
         checked = _BLOCK_SCALED_MM_CHECKED.get(x.device.index or 0, False) if x.is_cuda else False
         use_scaled_mm = checked and m >= FP8_BLOCK_SCALED_MM_MIN_TOKENS

@@ -222,8 +222,29 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _pow2_at_most(n: int) -> int:
+def pow2_at_most(n: int) -> int:
     return 1 << (max(n, 1).bit_length() - 1)
+
+
+def splits_for(device: torch.device, n_blocks: int, num_tiles: int) -> int:
+    """SPLIT_K of a GEMV over n_blocks row blocks and num_tiles K tiles: ~8 programs per SM, each with at
+    least 2 tiles, at most 32 splits (N = 4096 in blocks of 64: 16 splits on an H200); 1 off the GPU."""
+    if device.type != "cuda":
+        return 1
+    return max(1, min(triton.cdiv(8 * _num_sms(device.index or 0), n_blocks), num_tiles // 2, 32))
+
+
+def splitk_reduce(partials: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """[splits, M, N] float32 partial sums -> [M, N] in dtype: summed in split order (+ bias), rounded once."""
+    num_splits, m, n = partials.shape
+    res = torch.empty(m, n, dtype=dtype, device=partials.device)
+    block = 1024 if n >= 1024 else triton.next_power_of_2(n)
+    _splitk_reduce_kernel[(m, triton.cdiv(n, block))](
+        partials, bias if bias is not None else partials, res, n, num_splits, partials.stride(0),
+        partials.stride(1), res.stride(0), HAS_BIAS=bias is not None, BLOCK=block,
+        INTERPRET_BF16=interpreting() and dtype == torch.bfloat16,
+    )  # fmt: skip
+    return res
 
 
 def _tile_k(group_size: int, k: int, target: int) -> int:
@@ -266,13 +287,9 @@ def wna16_gemv_config(
     else:
         block_k = _tile_k(group, k, 128)
         budget = 8192 if use_dot or block_m <= 4 else 4096  # values of a tile
-        block_n = max(16, min(128, _pow2_at_most(budget // block_k)))
+        block_n = max(16, min(128, pow2_at_most(budget // block_k)))
     block_n = min(block_n, max(16, triton.next_power_of_2(n)))
-    num_tiles = triton.cdiv(k, block_k)
-    split_k = 1
-    if device.type == "cuda":  # ~8 programs per SM, each with at least 2 tiles
-        n_blocks = triton.cdiv(n, block_n)
-        split_k = max(1, min(triton.cdiv(8 * _num_sms(device.index or 0), n_blocks), num_tiles // 2, 32))
+    split_k = splits_for(device, triton.cdiv(n, block_n), triton.cdiv(k, block_k))
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k,
             "USE_DOT": int(use_dot), "SCALE_PER_COL": int(per_col), "num_warps": 4, "num_stages": 2}  # fmt: skip
 
@@ -330,12 +347,4 @@ def wna16_gemv(
         INTERPRET=interp, INTERPRET_BF16=interpret_bf16,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
-    if split == 1:
-        return out
-    res = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    block = 1024 if n >= 1024 else triton.next_power_of_2(n)
-    _splitk_reduce_kernel[(m, triton.cdiv(n, block))](
-        out, b, res, n, split, out.stride(0), out.stride(1), res.stride(0),
-        HAS_BIAS=bias is not None, BLOCK=block, INTERPRET_BF16=interpret_bf16,
-    )  # fmt: skip
-    return res
+    return out if split == 1 else splitk_reduce(out, bias, x.dtype)

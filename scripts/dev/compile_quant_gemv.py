@@ -1,4 +1,4 @@
-"""Compile the decode GEMV kernel (longserve/kernels/quant_gemv.py) for sm90 with Triton's real compiler, on any
+"""Compile the decode GEMV kernels (longserve/kernels/quant_gemv.py, and fp8_gemv.py: variants with "fp8") for sm90 with Triton's real compiler, on any
 machine (no GPU needed: triton ships its nvidia backend and ptxas), and report per variant the registers, spills
 and whether the packed weights are loaded with 16-byte vectors. Catches constructs that the interpreter accepts
 and the compiler refuses (tests/unit/test_quant_gemv.py runs it).
@@ -26,6 +26,9 @@ VARIANTS = [
     {"dot": True, "bm": 64, "bits": 8, "split": 1, "bias": True},
     {"even_k": False, "per_col": True, "bk": 64, "bn": 32, "split": 1, "x": "fp32"},
     {"reduce": True},  # the split-K reduction
+    {"fp8": True},  # block FP8, M = 1, split-K: the decode case
+    {"fp8": True, "bm": 8, "bn": 32, "split": 1, "bias": True, "even_k": False},
+    {"fp8": True, "bm": 16, "bn": 16, "x": "fp32"},
 ]
 
 
@@ -59,8 +62,26 @@ def compile_reduce(x="bf16", bias=True):
     return compile_sm90(fn, sig, consts, num_warps=4)
 
 
+def compile_fp8_gemv(fp8=True, x="bf16", bias=False, even_k=True, bm=1, bn=64, bk=128, split=4, num_warps=4,
+                     num_stages=2):  # fmt: skip
+    """The block-FP8 GEMV for sm90, specialized as at run time."""
+    from longserve.kernels.fp8_gemv import _fp8_block_gemv_kernel as fn
+
+    ptrs = {"x_ptr": f"*{x}", "w_ptr": "*u8", "s_ptr": "*fp32", "b_ptr": f"*{x}" if bias else "*fp32",
+            "out_ptr": "*fp32" if split > 1 else f"*{x}"}  # fmt: skip
+    consts = dict(HAS_BIAS=bias and split == 1, EVEN_K=even_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                  PARTIAL=split > 1, INTERPRET=False, INTERPRET_BF16=False)  # fmt: skip
+    sig = {a: ptrs.get(a, "constexpr" if a in consts else "i32") for a in fn.arg_names}
+    div16 = [*ptrs, "K", "N", "block_n", "stride_xm", "stride_wn", "stride_om", "stride_os"]
+    attrs = {a: [["tt.divisibility", 16]] for a in div16}
+    return compile_sm90(fn, sig, consts, attrs, num_warps=num_warps, num_stages=num_stages)
+
+
 def report(variant: dict) -> dict:
-    c = compile_reduce() if variant.get("reduce") else compile_gemv(**variant)
+    if variant.get("fp8"):
+        c = compile_fp8_gemv(**variant)
+    else:
+        c = compile_reduce() if variant.get("reduce") else compile_gemv(**variant)
     ptx = c.asm["ptx"]
     return compiled_report(c, variant, ld_v4="ld.global.v4.b32" in ptx or "cp.async.cg" in ptx)
 

@@ -10,6 +10,8 @@ the constants that only a GPU can measure:
 - quant_gemv.WNA16_GEMV_FMA_MAX_TOKENS and the GEMV's tiles: --sweep-gemv times candidate configs per shape and M
   and prints the best ("gemv best").
 - quant_fp8.FP8_BLOCK_USE_SCALED_MM: whether cuBLAS's block-scaled FP8 (F.scaled_mm) beats the Triton block GEMM.
+- quant_fp8.FP8_GEMV_MAX_TOKENS: the M up to which the block-FP8 decode GEMV (kernels/fp8_gemv.py) beats the
+  Triton block GEMM with its quantization launch (printed as "fp8 gemv beats ... up to M="), with its GB/s.
 
     python scripts/gpu/bench_quant_kernels.py --output-json /tmp/kernels_quant.json
     python scripts/gpu/bench_quant_kernels.py --tokens 1,2,4,8,16 --sweep-gemv --output-json /tmp/gemv_sweep.json
@@ -23,6 +25,7 @@ import json
 
 import torch
 
+from longserve.kernels.fp8_gemv import fp8_block_gemv, fp8_block_gemv_supported
 from longserve.kernels.quant_fp8 import (
     _scaled_mm_blockwise_ok,
     fp8_block_linear,
@@ -76,6 +79,11 @@ def time_one(x: torch.Tensor, t: dict[str, torch.Tensor], blockwise: bool) -> di
         "fp8_block_triton_ms": graph_ms(
             lambda: fp8_block_linear(x, t["fp8"], t["fp8_scale"], (128, 128), use_scaled_mm=False)
         ),
+        "fp8_block_gemv_ms": (
+            graph_ms(lambda: fp8_block_gemv(x, t["fp8"], t["fp8_scale"], (128, 128)))
+            if fp8_block_gemv_supported(x.shape[0], (128, 128))
+            else float("nan")
+        ),
         "fp8_channel_ms": graph_ms(lambda: fp8_scaled_linear(x, t["fp8"], t["channel_scale"])),
         "int8_ms": graph_ms(lambda: int8_scaled_linear(x, t["int8"], t["channel_scale"])),
     }
@@ -83,6 +91,10 @@ def time_one(x: torch.Tensor, t: dict[str, torch.Tensor], blockwise: bool) -> di
     for path in ("gemv", "fused"):
         row[f"int4_{path}_gbps"] = gbps(nbytes, row[f"int4_{path}_ms"])
         row[f"int4_{path}_pct_hbm"] = 100.0 * row[f"int4_{path}_gbps"] / HBM_GBPS
+    m, n, k = x.shape[0], t["fp8"].shape[0], x.shape[1]
+    row["fp8_block_gemv_gbps"] = gbps(
+        n * k + n * (k // 128) * 4 // 128 + m * k * 2 + m * n * 2, row["fp8_block_gemv_ms"]
+    )
     if blockwise:
         row["fp8_block_cublas_ms"] = graph_ms(
             lambda: fp8_block_linear(x, t["fp8"], t["fp8_scale"], (128, 128), use_scaled_mm=True)
@@ -152,6 +164,7 @@ def main() -> None:
             "int8": torch.randint(-127, 128, (n, k), device="cuda", dtype=torch.int8),
         }
         crossover, gemv_up_to, gemv_losing = None, 0, False
+        fp8_up_to, fp8_losing = 0, False
         for m in tokens:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             row = {"shape": name, "n": n, "k": k, "m": m, **time_one(x, weights, blockwise)}
@@ -162,6 +175,10 @@ def main() -> None:
                 gemv_up_to = m
             else:
                 gemv_losing = True
+            if not fp8_losing and row["fp8_block_gemv_ms"] < row["fp8_block_triton_ms"]:
+                fp8_up_to = m
+            else:
+                fp8_losing = True
             # the best int4 path over bf16 cuBLAS (the target at decode: <= 0.6); a nan gemv is skipped
             row["int4_best_vs_bf16"] = min(others, row["int4_gemv_ms"]) / row["bf16_ms"]
             rows.append(row)
@@ -176,7 +193,10 @@ def main() -> None:
         print(f"{name}: dequantize+cuBLAS beats the fused int4 kernel from M={crossover}", flush=True)
         print(f"{name}: the int4 gemv beats the fused kernel and dequantize+cuBLAS up to M={gemv_up_to} "
               f"(quant_gemm.WNA16_GEMV_MAX_TOKENS; 0: never)", flush=True)  # fmt: skip
-        rows.append({"shape": name, "crossover_m": crossover, "gemv_max_tokens": gemv_up_to})
+        print(f"{name}: the fp8 gemv beats the Triton block GEMM up to M={fp8_up_to} "
+              f"(quant_fp8.FP8_GEMV_MAX_TOKENS; 0: never)", flush=True)  # fmt: skip
+        rows.append({"shape": name, "crossover_m": crossover, "gemv_max_tokens": gemv_up_to,
+                     "fp8_gemv_max_tokens": fp8_up_to})  # fmt: skip
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(rows, f, indent=1)

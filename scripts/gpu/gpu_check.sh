@@ -4,7 +4,7 @@
 # $OUT; a short table last. LONGSERVE_COMMIT is the commit the JSON metadata names: compute it where the tree
 # is a git checkout (a copied tree's .git may be stale) and pass it as a literal, e.g.
 #   LONGSERVE_COMMIT=abc1234 bash scripts/gpu/gpu_check.sh latency
-#   usage: LONGSERVE_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu/gpu_check.sh [quick|tests|bench|all|long|tp|tp2|tp32|profile|latency|hit|host|launch|turns|moe|moe-tests|moe-bench|moe-long|moe-tp|quant|quant-tests|quant-bench|kvfp8|vllm|structured|switches|chunks|fusions|fusions-a3b|piecewise|moe-gemv]
+#   usage: LONGSERVE_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu/gpu_check.sh [quick|tests|bench|all|long|tp|tp2|tp32|profile|latency|hit|host|launch|turns|moe|moe-tests|moe-bench|moe-long|moe-tp|quant|quant-tests|quant-bench|kvfp8|vllm|structured|switches|chunks|fusions|fusions-a3b|piecewise|moe-gemv|quant-decode]
 # moe (one GPU) = moe-tests (the MoE kernel and engine GPU tests, the kernel's TFLOP/s and GB/s) +
 # moe-bench (the Qwen3-30B-A3B shape's cases against HF, profiled, with their floors); moe-long: 128K cold
 # against HF and the Mixtral-8x7B shape; moe-tp (two GPUs): the TP=2 / expert-parallel tests and the A3B shape
@@ -13,6 +13,9 @@
 # cost of fp32 accumulation in the fp8 GEMMs. chunks (one GPU): a lone cold prompt in chunks of 8K, 16K, 32K;
 # moe-gemv (one GPU): the small-batch MoE kernels' GPU test (their time beside fused_moe's), then the A3B decode
 # with MOE_GEMV_MAX_TOKENS 0 and 16.
+# quant-decode (one GPU, ~7 min): the decode GEMVs of issue 18, off until measured: the per-M kernel times
+# (int4 GEMV, block-FP8 GEMV against their GEMMs, as CUDA graphs), then the 8B shape's int4 and FP8 decode with each
+# GEMV off and on (WNA16_GEMV_MAX_TOKENS, FP8_GEMV_MAX_TOKENS 0 against 16).
 # piecewise (one GPU): the piecewise graphs' GPU test, then step_timeline.py and cold 512-4096 / a 32K + 512 hit
 # with --piecewise-cuda-graph-max-tokens 0 and 4096.
 # fusions (one GPU): the prefix-as-view and fused K/V-store switches off, each against both on; fusions-a3b:
@@ -376,6 +379,21 @@ if [[ $MODE == piecewise ]]; then  # one GPU, ~5 min: piecewise CUDA graphs (off
   done
 fi
 
+if [[ $MODE == quant-decode ]]; then  # one GPU, ~7 min: the int4 and FP8 decode GEMVs against their GEMMs
+  timeout 120 python3 scripts/gpu/bench_quant_kernels.py --tokens 1,2,4,8,16,32 \
+    --output-json "$OUT/kernels_quant_decode.json" 2>&1 | tee "$OUT/kernels_quant_decode.log" | grep -E "crossover|beats"
+  fp8='{"quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}}'
+  for limit in 0 16; do
+    timeout 100 python3 scripts/probes/with_constants.py longserve.kernels.quant_gemm.WNA16_GEMV_MAX_TOKENS=$limit \
+      -- longserve.bench.latency --config llama-3.1-8b --load-format dummy --dtype bfloat16 --quantization gptq \
+      --warmup 1 --repeat 3 --decode-batch-sizes 1@32768,64@4096 --output-json "$OUT/latency_int4_gemv$limit.json" \
+      2>&1 | tee "$OUT/latency_int4_gemv$limit.log" | grep -E "^decode" || status=1
+    timeout 100 python3 scripts/probes/with_constants.py longserve.kernels.quant_fp8.FP8_GEMV_MAX_TOKENS=$limit \
+      -- longserve.bench.latency --config llama-3.1-8b --load-format dummy --dtype bfloat16 --hf-overrides "$fp8" \
+      --warmup 1 --repeat 3 --decode-batch-sizes 1@32768,64@4096 --output-json "$OUT/latency_fp8_gemv$limit.json" \
+      2>&1 | tee "$OUT/latency_fp8_gemv$limit.log" | grep -E "^decode" || status=1
+  done
+fi
 if [[ $MODE == moe-gemv ]]; then  # one GPU, ~4 min: the small-batch MoE kernels against the grouped GEMMs
   python3 -m pytest -q -m gpu tests/gpu/test_fused_moe_gpu.py -k small_batch -s -p no:cacheprovider --tb=short \
     -rfE 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "moe_gemv|passed|failed" || status=1

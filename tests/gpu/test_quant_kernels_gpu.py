@@ -154,6 +154,39 @@ def test_fp8_block_both_ways(shape: str, m: int) -> None:
         assert_close_rel(fp8_block_linear(x, w, scale, (128, 128), use_scaled_mm=True), ref)
 
 
+@pytest.mark.parametrize("shape", list(DENSE))
+@pytest.mark.parametrize("m", [1, 4, 16])
+def test_fp8_block_gemv_matches_reference(shape: str, m: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The block-FP8 decode GEMV (kernels/fp8_gemv.py: the activations quantized inside it, split-K) at the 8B
+    shapes: the reference to fp32 rounding (the hardware e4m3 conversion rounds as torch's), deterministic, and
+    through fp8_block_linear with the switch on, with no host sync and replayed from a CUDA graph."""
+    from longserve.kernels import quant_fp8
+    from longserve.kernels.fp8_gemv import fp8_block_gemv
+    from longserve.kernels.quant_fp8 import fp8_block_gemm_ref
+
+    n, k = DENSE[shape]
+    w, scale = fp8_block_weight(n, k)
+    x = torch.randn(m, k, device="cuda", dtype=torch.float32)
+    torch.testing.assert_close(
+        fp8_block_gemv(x, w, scale, (128, 128)),
+        fp8_block_gemm_ref(x, w, scale, (128, 128)),
+        atol=1e-4,
+        rtol=1e-4,
+    )
+    x = x.bfloat16()
+    out = fp8_block_gemv(x, w, scale, (128, 128))
+    assert_close_rel(out, fp8_block_gemm_ref(x, w, scale, (128, 128)), tol=1e-3)
+    assert torch.equal(fp8_block_gemv(x, w, scale, (128, 128)), out)
+    monkeypatch.setattr(quant_fp8, "FP8_GEMV_MAX_TOKENS", 16)
+    no_sync(lambda: quant_fp8.fp8_block_linear(x, w, scale, (128, 128)))
+    outs: dict[str, torch.Tensor] = {}
+    graph = capture(lambda: outs.update(y=quant_fp8.fp8_block_linear(x, w, scale, (128, 128))))
+    x.copy_(torch.randn(x.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(m)))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close_rel(outs["y"], fp8_block_gemm_ref(x, w, scale, (128, 128)), tol=1e-3)
+
+
 @pytest.mark.parametrize("m", [1, 17, 512])
 def test_fp8_per_channel_and_int8(m: int) -> None:
     from longserve.kernels.quant_fp8 import fp8_scaled_linear, int8_scaled_linear, per_token_group_quant

@@ -186,7 +186,7 @@ def _nvidia_compiler_available() -> bool:
 @pytest.mark.skipif(not _nvidia_compiler_available(), reason="triton's nvidia backend is not installed")
 def test_gemv_compiles_for_sm90() -> None:
     """Every kind of variant (FMA and tl.dot paths, 4/8 bits, zero points, act order, bias, ragged K, the
-    split-K reduction) through Triton's real compiler for sm90 down to cubin (in a subprocess: the interpreter
+    split-K reduction; the block-FP8 GEMV's) through Triton's real compiler for sm90 down to cubin (in a subprocess: the interpreter
     is on here), without spills; the decode case loads the packed weights with 16-byte vectors. Constructs the
     interpreter accepts and the compiler refuses (several returns of different types in a helper, Python
     control flow on tensors, non-constexpr aranges) fail here."""
@@ -203,8 +203,10 @@ def test_gemv_compiles_for_sm90() -> None:
         pytest.skip(f"ptxas unavailable: {proc.stderr[-500:]}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     reports = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(reports) >= 8
+    assert len(reports) >= 12
     for r in reports:
         assert "cubin" in r["stages"], r
         assert r.get("local", 0) == 0 and r.get("stack", 0) == 0, r  # no spills
     assert reports[0]["variant"] == {} and reports[0]["ld_v4"]
+    fp8 = [r for r in reports if r["variant"].get("fp8")]  # kernels/fp8_gemv.py: e4m3 bytes as 16-byte vectors
+    assert len(fp8) >= 3 and all(r["ld_v4"] for r in fp8), fp8

@@ -1,0 +1,160 @@
+"""Block-FP8 W8A8 GEMV for decode batch sizes (M up to FP8_GEMV_MAX_BLOCK_M): `fp8_block_gemm_ref`'s product
+(activations quantized to e4m3 per token-group of the block's bk columns, times the e4m3 weights with their
+128x128 block scales) in one launch, the activations' quantization done inside it, plus a split-K reduction.
+
+Why: at M=1 the block-FP8 linear is two launches, `per_token_group_quant` then the Triton block GEMM on the
+tensor cores in 16-row tiles, and read the Llama-3.1-8B gate_up weights (117 MB of e4m3) in 73 us on an H200,
+~1.6 TB/s (2026-12-01, benchmarks/RESULTS.md): the 8B FP8 decode at batch 1 (32K) took 0.96x of bf16's time,
+against issue 18's target of 0.7x. Read at the bandwidth, the weights would take ~28 us.
+
+Design (quant_gemv.py's, for e4m3 bytes):
+- The grid is (N / BLOCK_N, SPLIT_K); a program owns BLOCK_N rows and a run of K tiles of BLOCK_K = bk
+  columns (one activation group, one weight scale block along K). The weight tile [BLOCK_N, BLOCK_K] is bytes
+  contiguous along K (16-byte vector loads), converted e4m3 -> fp32 in registers.
+- Each activation row's tile is quantized where it is used: amax over the group, scale = amax / 448, the row
+  divided, clamped and rounded to e4m3 (the hardware conversion; `e4m3_rounded` under the interpreter), as
+  `per_token_group_quant` does. Every program repeats this for its tiles: M x K values, a few KB.
+- Products on the CUDA cores: the e4m3 x e4m3 products are exact in fp32 and summed in fp32 along the tile;
+  the tile's sum is scaled by the row's activation scale and each weight row's block scale. SPLIT_K > 1
+  writes fp32 partial sums, added in a fixed order by quant_gemv's reduction (deterministic, no atomics).
+- Rounding against the reference: the same e4m3 values on both sides; the reference scales before its fp32
+  product, this kernel after each tile's sum, so the two agree to fp32 rounding and summation order.
+
+No host syncs: CUDA graphs capture both launches. `FP8_GEMV_MAX_TOKENS` (kernels/quant_fp8.py) routes
+`fp8_block_linear` here.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from longserve.kernels.extend_attention import interpreting
+from longserve.kernels.quant_gemv import pow2_at_most, splitk_reduce, splits_for
+from longserve.kernels.quant_reference import FP8_MAX
+from longserve.kernels.quant_tiles import e4m3_rounded, rounded
+
+__all__ = ["FP8_GEMV_MAX_BLOCK_M", "fp8_block_gemv", "fp8_block_gemv_config", "fp8_block_gemv_supported"]
+
+FP8_GEMV_MAX_BLOCK_M = 16  # the most activation rows: each one is a pass over the weight tile in registers
+_E4M3_MAX = tl.constexpr(FP8_MAX)  # 448.0, as a constant the compiler may read
+
+
+@triton.jit
+def _fp8_block_gemv_kernel(
+    x_ptr,  # [M, K] 16- or 32-bit
+    w_ptr,  # [N, K] e4m3, read as uint8
+    s_ptr,  # [ceil(N / bn), ceil(K / bk)] float32 weight block scales
+    b_ptr,  # [N] bias (HAS_BIAS, not PARTIAL)
+    out_ptr,  # [M, N] in x's dtype, or (PARTIAL) [splits, M, N] float32 partial sums
+    M, N, K, block_n, tiles_per_split, num_tiles,
+    stride_xm, stride_wn, stride_sn, stride_om, stride_os,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr,
+    INTERPRET: tl.constexpr, INTERPRET_BF16: tl.constexpr,
+):  # fmt: skip
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    w_rows = w_ptr + offs_n[:, None] * stride_wn  # [BLOCK_N, 1]
+    s_rows = s_ptr + (offs_n // block_n) * stride_sn  # [BLOCK_N]: each row's block of scales
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # rows along dim 0, as the K reduction leaves them
+    t_begin = pid_k * tiles_per_split
+    t_end = tl.minimum(t_begin + tiles_per_split, num_tiles)
+    for t in range(t_begin, t_end):
+        cols = t * BLOCK_K + offs_k  # [BLOCK_K]
+        k_ok = cols < K
+        if EVEN_K:
+            wb = tl.load(w_rows + cols[None, :], mask=n_mask[:, None], other=0)
+        else:
+            wb = tl.load(w_rows + cols[None, :], mask=n_mask[:, None] & k_ok[None, :], other=0)
+        w = wb.to(tl.float8e4nv, bitcast=True).to(tl.float32)  # [BLOCK_N, BLOCK_K], exact
+        w_scale = tl.load(s_rows + t, mask=n_mask, other=0.0)  # [BLOCK_N]
+        for mi in tl.static_range(BLOCK_M):
+            xm = tl.load(x_ptr + mi * stride_xm + cols, mask=k_ok & ((cols * 0 + mi) < M), other=0.0).to(
+                tl.float32
+            )  # [BLOCK_K]: one token's group
+            x_scale = tl.maximum(tl.max(tl.abs(xm)), 1e-10) / _E4M3_MAX  # as per_token_group_quant
+            xq = tl.minimum(tl.maximum(xm / x_scale, -_E4M3_MAX), _E4M3_MAX)
+            if INTERPRET:  # the interpreter's fp32 -> e4m3 cast mis-rounds (quant_tiles.e4m3_rounded)
+                xq = e4m3_rounded(xq)
+            else:
+                xq = xq.to(tl.float8e4nv).to(tl.float32)
+            part = tl.sum(w * xq[None, :], axis=1) * (w_scale * x_scale)  # [BLOCK_N]
+            if BLOCK_M == 1:
+                acc += part[:, None]
+            else:
+                acc += tl.where(offs_m[None, :] == mi, part[:, None], 0.0)
+    out_off = offs_m[None, :] * stride_om + offs_n[:, None]
+    out_mask = (offs_m < M)[None, :] & n_mask[:, None]
+    if not PARTIAL:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n[:, None], mask=n_mask[:, None], other=0.0).to(tl.float32)
+        out_ty = out_ptr.dtype.element_ty
+        tl.store(out_ptr + out_off, rounded(acc, out_ty, INTERPRET_BF16).to(out_ty), mask=out_mask)
+    else:
+        tl.store(out_ptr + pid_k * stride_os + out_off, acc, mask=out_mask)
+
+
+def fp8_block_gemv_supported(m: int, block: tuple[int, int]) -> bool:
+    """Whether the GEMV takes this product: up to FP8_GEMV_MAX_BLOCK_M rows, a power-of-two bk of at least 16
+    (one tile per activation group)."""
+    bk = block[1]
+    return 1 <= m <= FP8_GEMV_MAX_BLOCK_M and bk >= 16 and bk & (bk - 1) == 0
+
+
+def fp8_block_gemv_config(
+    m: int, n: int, k: int, block: tuple[int, int], device: torch.device
+) -> dict[str, int]:
+    """Defaults (no tuned table: scripts/gpu/bench_quant_kernels.py times them): tiles of one activation group
+    (BLOCK_K = bk); BLOCK_N so that a tile holds ~8K weights (64 bytes a thread at 4 warps: four 16-byte loads),
+    fewer from 4 rows on (the products of every row live beside the tile); SPLIT_K for ~8 programs per SM."""
+    block_k = block[1]
+    block_m = triton.next_power_of_2(m)
+    budget = 8192 if block_m <= 4 else 4096
+    block_n = max(16, min(128, pow2_at_most(budget // block_k), triton.next_power_of_2(n)))
+    num_tiles = triton.cdiv(k, block_k)
+    split_k = splits_for(device, triton.cdiv(n, block_n), num_tiles)
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k, "num_warps": 4,
+            "num_stages": 2}  # fmt: skip
+
+
+def fp8_block_gemv(
+    x: torch.Tensor,  # [M, K]
+    w: torch.Tensor,  # [N, K] e4m3
+    w_scale: torch.Tensor,  # [ceil(N / bn), ceil(K / bk)] float32
+    block: tuple[int, int],
+    bias: torch.Tensor | None = None,
+    config: dict[str, int] | None = None,
+) -> torch.Tensor:
+    """[M, N] in x's dtype: `fp8_block_gemm_ref(x, w, w_scale, block, bias)` (module docstring: rounding)."""
+    m, k = x.shape
+    n = w.shape[0]
+    assert fp8_block_gemv_supported(m, block), f"FP8 GEMV of M={m}, block {block}"
+    assert w.shape[1] == k and w_scale.shape == (triton.cdiv(n, block[0]), triton.cdiv(k, block[1])), (
+        f"w {tuple(w.shape)}, scales {tuple(w_scale.shape)} for K={k}, block {block}"
+    )
+    x = x if x.stride(1) == 1 else x.contiguous()
+    w = w if w.stride(1) == 1 else w.contiguous()
+    w_scale = w_scale.float()
+    cfg = dict(fp8_block_gemv_config(m, n, k, block, x.device), **(config or {}))
+    assert cfg["BLOCK_K"] == block[1] and cfg["BLOCK_M"] >= m, cfg
+    num_tiles = triton.cdiv(k, cfg["BLOCK_K"])
+    tiles_per_split = triton.cdiv(num_tiles, max(1, min(cfg["SPLIT_K"], num_tiles)))
+    split = triton.cdiv(num_tiles, tiles_per_split)  # no empty split
+    interp = interpreting()
+    interpret_bf16 = interp and x.dtype == torch.bfloat16
+    shape = (split, m, n) if split > 1 else (m, n)
+    out = torch.empty(shape, dtype=torch.float32 if split > 1 else x.dtype, device=x.device)
+    _fp8_block_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), split)](
+        x, w.view(torch.uint8), w_scale, bias if bias is not None else w_scale, out, m, n, k, block[0],
+        tiles_per_split, num_tiles, x.stride(0), w.stride(0), w_scale.stride(0), out.stride(-2),
+        out.stride(0) if split > 1 else 0,
+        HAS_BIAS=bias is not None and split == 1, EVEN_K=k % cfg["BLOCK_K"] == 0, BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], PARTIAL=split > 1, INTERPRET=interp,
+        INTERPRET_BF16=interpret_bf16, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    return out if split == 1 else splitk_reduce(out, bias, x.dtype)
