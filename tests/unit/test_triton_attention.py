@@ -390,14 +390,18 @@ def test_plan_registry_is_per_thread_and_covers_a_long_prompts_chunks() -> None:
 
     chunk, longest = 8192, 131072
     built = set(shapes.warm_up_shapes(chunk, longest))
-    assert len(built) == 10 + 15  # causal 1K..10K, and 8K new tokens over 8K..120K of prefix
-    for prompt in (131072, 131071, 65536, 32768 + 1000, 20000, 8192 * 3 + 1):
-        for done in range(0, prompt, chunk):
-            s = shapes.split_shape(done, min(chunk, prompt - done))
-            full_chunk = prompt - done >= chunk - shapes.Q_GRANULE + 1
-            assert ((s.causal_rows, s.causal_rows, True) in built) or not full_chunk
-            if s.prefix_keys and full_chunk:
-                assert (s.query_rows, s.prefix_keys, False) in built, (prompt, done)
+    assert len(built) == 10 + 60  # causal 1K..10K, and 8K new tokens over 2K..120K of prefix, every 2K
+    # chunks of `chunk - decodes` tokens: the decodes beside a long prompt take their tokens from the budget,
+    # so after its first chunk the prefix is no multiple of the chunk (nor of the prefix granule)
+    for decodes in (0, 1, 7, 300):
+        step = chunk - decodes
+        for prompt in (131072 - decodes * 16, 131071, 65536, 32768 + 1000, 20000, 8192 * 3 + 1):
+            for done in range(0, prompt, step):
+                s = shapes.split_shape(done, min(step, prompt - done))
+                full_chunk = prompt - done >= chunk - shapes.Q_GRANULE + 1
+                assert ((s.causal_rows, s.causal_rows, True) in built) or not full_chunk
+                if s.prefix_keys and full_chunk:
+                    assert (s.query_rows, s.prefix_keys, False) in built, (prompt, done, decodes)
 
 
 def test_warm_up_writes_only_the_reserved_page() -> None:
