@@ -208,5 +208,7 @@ def test_gemv_compiles_for_sm90() -> None:
         assert "cubin" in r["stages"], r
         assert r.get("local", 0) == 0 and r.get("stack", 0) == 0, r  # no spills
     assert reports[0]["variant"] == {} and reports[0]["ld_v4"]
-    fp8 = [r for r in reports if r["variant"].get("fp8")]  # kernels/fp8_gemv.py: e4m3 bytes as 16-byte vectors
+    fp8 = [
+        r for r in reports if r["variant"].get("fp8")
+    ]  # kernels/fp8_gemv.py: e4m3 bytes as 16-byte vectors
     assert len(fp8) >= 3 and all(r["ld_v4"] for r in fp8), fp8
