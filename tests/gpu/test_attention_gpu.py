@@ -160,6 +160,43 @@ def test_library_paths_run_only_at_built_shapes(monkeypatch: pytest.MonkeyPatch)
         print(f"cuDNN plan of a new shape, {label}: {time.perf_counter() - start:.3f}s")
 
 
+def test_a_chunk_over_an_unaligned_prefix_runs_at_built_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decodes beside a long prompt take their tokens from the budget, so its second chunk follows chunk - d
+    tokens of prefix. The warm-up builds a full chunk over every PREFIX_GRANULE of prefix (before `3a86049`
+    only over multiples of the chunk, and such chunks ran in Triton): the chunk, with a decode beside it,
+    runs in cuDNN at built shapes, without a build."""
+    import time
+
+    from longserve.attention import sdpa_shapes as shapes
+    from longserve.attention import triton_backend as tb
+    from longserve.attention.base import GraphShape
+
+    calls: list[tuple[int, ...]] = []
+    real = tb.prefix_split_sdpa
+    monkeypatch.setattr(
+        tb, "prefix_split_sdpa", lambda *a, **kw: calls.append(kw["requests"]) or real(*a, **kw)
+    )
+    monkeypatch.setattr(shapes, "PLANS", shapes.PlanRegistry())
+    monkeypatch.setattr(tb, "PLANS", shapes.PLANS)
+    chunk, longest = 4096, 12288
+    cache = KVCache(1, longest // 16 + 1, 16, NUM_KV_HEADS, HEAD_DIM, torch.bfloat16, "cuda")
+    graph_shape = GraphShape(
+        longest, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, torch.bfloat16, torch.device("cuda")
+    )
+    tb.TritonAttentionBackend().warm_up(graph_shape, chunk, cache)
+    calls.clear()
+    for prefix_lens, query_lens in (
+        ([chunk - 1, 300], [chunk - 1, 1]),
+        ([2 * chunk - 2, 500], [chunk - 1, 1]),
+    ):
+        start = time.perf_counter()
+        out, expected = run_step(prefix_lens, query_lens, 16, torch.bfloat16)
+        took = time.perf_counter() - start
+        torch.testing.assert_close(out.float(), expected, atol=TOL, rtol=TOL)
+        assert took < 1.0, f"{prefix_lens}/{query_lens}: {took:.2f}s"  # (a build would add ~0.3 s a shape)
+    assert calls == [(0,), (0,)]  # the chunks in cuDNN, the decodes beside them in Triton
+
+
 def test_split_counts_share_one_compiled_kernel() -> None:
     """The extend and decode kernels take their split count at run time: a serving mix of counts compiles
     one kernel, not one per count (each a second or more of a stalled step)."""
