@@ -329,6 +329,20 @@ def test_online_fp8_quantizes_a_float_checkpoint(root) -> None:
 GEMV_CASES = ["gptq-int4-g128-sym", "gptq-int8-g64-bias"]
 
 
+def count_rows(monkeypatch: pytest.MonkeyPatch, module, name: str) -> list[int]:
+    """Wrap module.name (a GEMV, called with the activations first): the list of the row counts it was called
+    with."""
+    calls: list[int] = []
+    real = getattr(module, name)
+
+    def counted(x, *args, **kwargs):
+        calls.append(x.shape[0])
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
 @pytest.mark.parametrize("case", GEMV_CASES)
 def test_wna16_models_through_the_gemv_kernel(root, case: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The integer-weight cases above with their linear layers on the Triton path (interpreted here) and the
@@ -338,16 +352,9 @@ def test_wna16_models_through_the_gemv_kernel(root, case: str, monkeypatch: pyte
     from longserve.kernels import quant_gemm
     from longserve.models.quant import wna16
 
-    calls: list[int] = []
-    real = quant_gemm.wna16_gemv
-
-    def counted(x, *args, **kwargs):
-        calls.append(x.shape[0])
-        return real(x, *args, **kwargs)
-
     monkeypatch.setattr(wna16, "use_triton", lambda x: True)  # as for CUDA tensors with triton
     monkeypatch.setattr(quant_gemm, "WNA16_GEMV_MAX_TOKENS", 64)  # the prefill's 24 tokens too
-    monkeypatch.setattr(quant_gemm, "wna16_gemv", counted)
+    calls = count_rows(monkeypatch, quant_gemm, "wna16_gemv")
     test_logits_and_greedy_tokens_match_transformers(root, case)
     assert 24 in calls and 1 in calls, sorted(set(calls))  # the prefill and the decode steps
 
@@ -362,15 +369,8 @@ def test_block_fp8_models_through_the_gemv_kernel(root, case: str, monkeypatch: 
     from longserve.kernels import quant_fp8
     from longserve.models.quant import fp8
 
-    calls: list[int] = []
-    real = quant_fp8.fp8_block_gemv
-
-    def counted(x, *args, **kwargs):
-        calls.append(x.shape[0])
-        return real(x, *args, **kwargs)
-
     monkeypatch.setattr(fp8, "use_triton", lambda x: True)  # as for CUDA tensors with triton
     monkeypatch.setattr(quant_fp8, "FP8_GEMV_MAX_TOKENS", 16)
-    monkeypatch.setattr(quant_fp8, "fp8_block_gemv", counted)
+    calls = count_rows(monkeypatch, quant_fp8, "fp8_block_gemv")
     test_logits_and_greedy_tokens_match_transformers(root, case)
     assert 1 in calls and 24 not in calls, sorted(set(calls))  # the decode steps; the prefill's 24 rows not
