@@ -365,7 +365,7 @@ for shape in ("llama-3.1-8b", "qwen3-30b-a3b"):
 PY
 fi
 
-if [[ $MODE == piecewise ]]; then  # one GPU, ~5 min: piecewise CUDA graphs (off by default) against eager steps
+if [[ $MODE == piecewise ]]; then  # one GPU, ~6 min: piecewise CUDA graphs (off by default) against eager steps
   python3 -m pytest -q -m gpu tests/gpu/test_engine_gpu.py -k piecewise -p no:cacheprovider --tb=short -rfE 2>&1 \
     | tee "$OUT/gpu_tests.log" | tail -4 || status=1
   for pw in 0 4096; do  # mixed steps (step_timeline: A's first token) and lone short prompts, off and on
@@ -373,12 +373,17 @@ if [[ $MODE == piecewise ]]; then  # one GPU, ~5 min: piecewise CUDA graphs (off
       --piecewise-cuda-graph-max-tokens $pw 2>&1 | grep -vE "^\[bench|INFO|WARNING" > "$OUT/step_timeline_pw$pw.log"
     grep -A13 "^overlapped, handed" "$OUT/step_timeline_pw$pw.log"
     timeout 150 python3 -m longserve.bench.latency --config llama-3.1-8b --load-format dummy --dtype bfloat16 \
-      --warmup 1 --repeat 3 --prompt-lens 512,1024,2048,4096 --prefix-hit 32768:512 \
+      --warmup 1 --repeat 3 --prompt-lens 512,1024,1236,2048,2500,4096 --prefix-hit 32768:512 \
       --piecewise-cuda-graph-max-tokens $pw --output-json "$OUT/latency_8b_pw$pw.json" 2>&1 \
-      | tee "$OUT/latency_8b_pw$pw.log" | grep -E "^(cold|hit)"
+      | tee "$OUT/latency_8b_pw$pw.log" | grep -E "^(cold|prefix)"
   done
+  # a mixed step's short cold prompt in the Triton kernel with the decodes (one launch a layer) instead of
+  # cuDNN beside a Triton sub-batch (padding copies, index_select/index_copy): host time against device time
+  timeout 150 python3 scripts/probes/with_constants.py longserve.attention.sdpa_shapes.MIN_COLD_QUERY=4096 -- \
+    scripts.probes.step_timeline --config llama-3.1-8b --dtype bfloat16 --piecewise-cuda-graph-max-tokens 4096 2>&1 \
+    | grep -vE "^\[bench|INFO|WARNING" > "$OUT/step_timeline_pw4096_triton_cold.log"
+  grep -A13 "^overlapped, handed" "$OUT/step_timeline_pw4096_triton_cold.log"
 fi
-
 if [[ $MODE == quant-decode ]]; then  # one GPU, ~7 min: the int4 and FP8 decode GEMVs against their GEMMs
   timeout 120 python3 scripts/gpu/bench_quant_kernels.py --tokens 1,2,4,8,16,32 \
     --output-json "$OUT/kernels_quant_decode.json" 2>&1 | tee "$OUT/kernels_quant_decode.log" | grep -E "crossover|beats"
