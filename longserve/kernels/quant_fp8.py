@@ -71,7 +71,7 @@ FP8_DOT_MAX_IMPRECISE_ACC: int | None = 0
 # Block FP8 of at most this many rows runs as kernels/fp8_gemv.py's GEMV (the activations' quantization inside
 # it, the weights read on the CUDA cores, split K) instead of the quantization launch + the 16-row tensor-core
 # GEMM, which read the 8B gate_up weights at ~1.6 TB/s at M=1 (2026-12-01). 0 (off) until measured on a GPU:
-# scripts/gpu/bench_quant_kernels.py prints both per M ("fp8 gemv" rows; gpu_check.sh switches).
+# scripts/gpu/bench_quant_kernels.py prints both per M (the "fp8 gemv" line; gpu_check.sh quant-decode).
 FP8_GEMV_MAX_TOKENS = 0
 
 

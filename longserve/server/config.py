@@ -3,6 +3,7 @@ resolved from the same option table (server/options.py) and refused with the sam
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from longserve.config import ConfigError
@@ -47,6 +48,11 @@ class ServerConfig:
             isinstance(self.port, int) and 0 <= self.port <= 65535,
             f"port must be an integer in [0, 65535]; got {self.port!r}",
             "port",
+        )
+        need(
+            self.step_log is None or os.path.isdir(os.path.dirname(os.path.abspath(self.step_log))),
+            f"step_log: the folder of {self.step_log!r} does not exist",
+            "step_log",
         )
         need(
             self.max_queued_requests >= 1,

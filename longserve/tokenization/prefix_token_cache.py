@@ -41,10 +41,11 @@ def encode_unlocked(backend: Any, text: str, add_special_tokens: bool) -> Any:
     """`backend.encode(text)` (a `tokenizers.Tokenizer`'s Encoding) with the GIL released while it runs.
 
     `Tokenizer.encode` holds the GIL for the whole call; `encode_batch` releases it (the same Encoding: ids
-    and offsets, checked in tests/unit/test_prefix_token_cache.py). A 16K-word prompt takes 15-20 ms on a
-    2-core CI machine, and the server's engine thread, whose step launches are Python, stood still meanwhile:
-    eight such prompts arriving at once held the engine's first step up by as many encodes (the HTTP
-    multi-turn workload's openings, 2026-12-02). transformers' fast tokenizers go through `encode_batch` too."""
+    and offsets). A 16K-word prompt takes 15-20 ms on a 2-core CI machine, and through `encode` every other
+    thread stands still meanwhile (tests/unit/test_prefix_token_cache.py measures it): the server's engine
+    thread, whose step launches are Python, would wait for every long prompt being tokenized, as when the HTTP
+    multi-turn workload sends eight 16K openings at once. transformers' fast tokenizers call `encode_batch`
+    too."""
     return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
 
 

@@ -104,6 +104,12 @@ def test_refusals(m, tmp_path):
         parse(["--config", str(bad)], environ={})
     with pytest.raises(FileNotFoundError, match="does not exist"):
         parse(["--model-path", str(tmp_path / "nope")], environ={})
+    with pytest.raises(
+        ValueError, match="step_log: the folder of .* does not exist"
+    ):  # before the model loads
+        parse(["--model-path", m, "--step-log", str(tmp_path / "nope" / "steps.jsonl")], environ={})
+    _, server = parse(["--model-path", m], environ={"LONGSERVE_STEP_LOG": str(tmp_path / "steps.jsonl")})
+    assert server.step_log == str(tmp_path / "steps.jsonl")
 
 
 def test_schedule_policy_spellings(m):
