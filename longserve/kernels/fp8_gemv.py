@@ -1,6 +1,9 @@
-"""Block-FP8 W8A8 GEMV for decode batch sizes (M up to FP8_GEMV_MAX_BLOCK_M): `fp8_block_gemm_ref`'s product
-(activations quantized to e4m3 per token-group of the block's bk columns, times the e4m3 weights with their
-128x128 block scales) in one launch, the activations' quantization done inside it, plus a split-K reduction.
+"""FP8 W8A8 GEMVs for decode batch sizes (M up to FP8_GEMV_MAX_BLOCK_M), plus a split-K reduction:
+- `fp8_block_gemv`: `fp8_block_gemm_ref`'s product (activations quantized to e4m3 per token-group of the
+  block's bk columns, times the e4m3 weights with their 128x128 block scales) in one launch, the activations'
+  quantization done inside it;
+- `fp8_channel_gemv`: `scaled_gemm_ref`'s (activations already quantized per token or per tensor, weights
+  scaled per output channel: compressed-tensors FP8 and `--quantization fp8`), instead of torch._scaled_mm.
 
 Why: at M=1 the block-FP8 linear is two launches, `per_token_group_quant` then the Triton block GEMM on the
 tensor cores in 16-row tiles, and read the Llama-3.1-8B gate_up weights (117 MB of e4m3) in 73 us on an H200,
@@ -20,8 +23,11 @@ Design (quant_gemv.py's, for e4m3 bytes):
 - Rounding against the reference: the same e4m3 values on both sides; the reference scales before its fp32
   product, this kernel after each tile's sum, so the two agree to fp32 rounding and summation order.
 
+Per channel, the activations come quantized (`per_token_group_quant`: their scale spans all of K, which a
+program does not see) and both scales multiply each program's sums once.
+
 No host syncs: CUDA graphs capture both launches. `FP8_GEMV_MAX_TOKENS` (kernels/quant_fp8.py) routes
-`fp8_block_linear` here.
+`fp8_block_linear` and `fp8_scaled_linear` here.
 """
 
 from __future__ import annotations
@@ -35,22 +41,29 @@ from longserve.kernels.quant_gemv import pow2_at_most, splitk_reduce, splits_for
 from longserve.kernels.quant_reference import FP8_MAX
 from longserve.kernels.quant_tiles import e4m3_rounded, rounded
 
-__all__ = ["FP8_GEMV_MAX_BLOCK_M", "fp8_block_gemv", "fp8_block_gemv_config", "fp8_block_gemv_supported"]
+__all__ = [
+    "FP8_GEMV_MAX_BLOCK_M",
+    "fp8_block_gemv",
+    "fp8_block_gemv_supported",
+    "fp8_channel_gemv",
+    "fp8_gemv_config",
+]
 
 FP8_GEMV_MAX_BLOCK_M = 16  # the most activation rows: each one is a pass over the weight tile in registers
 _E4M3_MAX = tl.constexpr(FP8_MAX)  # 448.0, as a constant the compiler may read
 
 
 @triton.jit
-def _fp8_block_gemv_kernel(
-    x_ptr,  # [M, K] 16- or 32-bit
+def _fp8_gemv_kernel(
+    x_ptr,  # [M, K] 16- or 32-bit; PER_CHANNEL: e4m3, read as uint8
+    xs_ptr,  # PER_CHANNEL: [M] float32 activation scales (per token, or one per tensor repeated)
     w_ptr,  # [N, K] e4m3, read as uint8
-    s_ptr,  # [ceil(N / bn), ceil(K / bk)] float32 weight block scales
+    s_ptr,  # float32 weight scales: [ceil(N / bn), ceil(K / bk)] blocks, or (PER_CHANNEL) [N]
     b_ptr,  # [N] bias (HAS_BIAS, not PARTIAL)
-    out_ptr,  # [M, N] in x's dtype, or (PARTIAL) [splits, M, N] float32 partial sums
+    out_ptr,  # [M, N] in the output dtype, or (PARTIAL) [splits, M, N] float32 partial sums
     M, N, K, block_n, tiles_per_split, num_tiles,
-    stride_xm, stride_wn, stride_sn, stride_om, stride_os,
-    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    stride_xm, stride_xsm, stride_wn, stride_sn, stride_om, stride_os,
+    PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr,
     INTERPRET: tl.constexpr, INTERPRET_BF16: tl.constexpr,
 ):  # fmt: skip
@@ -60,7 +73,9 @@ def _fp8_block_gemv_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
     w_rows = w_ptr + offs_n[:, None] * stride_wn  # [BLOCK_N, 1]
-    s_rows = s_ptr + (offs_n // block_n) * stride_sn  # [BLOCK_N]: each row's block of scales
+    s_rows = (
+        s_ptr + (offs_n // block_n) * stride_sn
+    )  # [BLOCK_N]: each row's block of scales (block_n 1: its own)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # rows along dim 0, as the K reduction leaves them
     t_begin = pid_k * tiles_per_split
     t_end = tl.minimum(t_begin + tiles_per_split, num_tiles)
@@ -72,22 +87,30 @@ def _fp8_block_gemv_kernel(
         else:
             wb = tl.load(w_rows + cols[None, :], mask=n_mask[:, None] & k_ok[None, :], other=0)
         w = wb.to(tl.float8e4nv, bitcast=True).to(tl.float32)  # [BLOCK_N, BLOCK_K], exact
-        w_scale = tl.load(s_rows + t, mask=n_mask, other=0.0)  # [BLOCK_N]
+        if not PER_CHANNEL:
+            w_scale = tl.load(s_rows + t, mask=n_mask, other=0.0)  # [BLOCK_N]
         for mi in tl.static_range(BLOCK_M):
-            xm = tl.load(x_ptr + mi * stride_xm + cols, mask=k_ok & ((cols * 0 + mi) < M), other=0.0).to(
-                tl.float32
-            )  # [BLOCK_K]: one token's group
-            x_scale = tl.maximum(tl.max(tl.abs(xm)), 1e-10) / _E4M3_MAX  # as per_token_group_quant
-            xq = tl.minimum(tl.maximum(xm / x_scale, -_E4M3_MAX), _E4M3_MAX)
-            if INTERPRET:  # the interpreter's fp32 -> e4m3 cast mis-rounds (quant_tiles.e4m3_rounded)
-                xq = e4m3_rounded(xq)
+            x_ok = k_ok & ((cols * 0 + mi) < M)
+            if PER_CHANNEL:  # quantized already: the scales multiply the sums after the loop
+                xq = tl.load(x_ptr + mi * stride_xm + cols, mask=x_ok, other=0)
+                xq = xq.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+                part = tl.sum(w * xq[None, :], axis=1)  # [BLOCK_N]
             else:
-                xq = xq.to(tl.float8e4nv).to(tl.float32)
-            part = tl.sum(w * xq[None, :], axis=1) * (w_scale * x_scale)  # [BLOCK_N]
+                xm = tl.load(x_ptr + mi * stride_xm + cols, mask=x_ok, other=0.0).to(tl.float32)  # a group
+                x_scale = tl.maximum(tl.max(tl.abs(xm)), 1e-10) / _E4M3_MAX  # as per_token_group_quant
+                xq = tl.minimum(tl.maximum(xm / x_scale, -_E4M3_MAX), _E4M3_MAX)
+                if INTERPRET:  # the interpreter's fp32 -> e4m3 cast mis-rounds (quant_tiles.e4m3_rounded)
+                    xq = e4m3_rounded(xq)
+                else:
+                    xq = xq.to(tl.float8e4nv).to(tl.float32)
+                part = tl.sum(w * xq[None, :], axis=1) * (w_scale * x_scale)  # [BLOCK_N]
             if BLOCK_M == 1:
                 acc += part[:, None]
             else:
                 acc += tl.where(offs_m[None, :] == mi, part[:, None], 0.0)
+    if PER_CHANNEL:  # sum_k xq w * x_scale * w_scale, as scaled_gemm_ref
+        x_scales = tl.load(xs_ptr + offs_m * stride_xsm, mask=offs_m < M, other=0.0)  # [BLOCK_M]
+        acc = acc * x_scales[None, :] * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
     out_off = offs_m[None, :] * stride_om + offs_n[:, None]
     out_mask = (offs_m < M)[None, :] & n_mask[:, None]
     if not PARTIAL:
@@ -106,13 +129,11 @@ def fp8_block_gemv_supported(m: int, block: tuple[int, int]) -> bool:
     return 1 <= m <= FP8_GEMV_MAX_BLOCK_M and bk >= 16 and bk & (bk - 1) == 0
 
 
-def fp8_block_gemv_config(
-    m: int, n: int, k: int, block: tuple[int, int], device: torch.device
-) -> dict[str, int]:
-    """Defaults (no tuned table: scripts/gpu/bench_quant_kernels.py times them): tiles of one activation group
-    (BLOCK_K = bk); BLOCK_N so that a tile holds ~8K weights (64 bytes a thread at 4 warps: four 16-byte loads),
-    fewer from 4 rows on (the products of every row live beside the tile); SPLIT_K for ~8 programs per SM."""
-    block_k = block[1]
+def fp8_gemv_config(m: int, n: int, k: int, block_k: int, device: torch.device) -> dict[str, int]:
+    """Defaults (no tuned table: scripts/gpu/bench_quant_kernels.py times them): tiles of block_k columns (one
+    activation group for block FP8); BLOCK_N so that a tile holds ~8K weights (64 bytes a thread at 4 warps:
+    four 16-byte loads), fewer from 4 rows on (the products of every row live beside the tile); SPLIT_K for
+    ~8 programs per SM."""
     block_m = triton.next_power_of_2(m)
     budget = 8192 if block_m <= 4 else 4096
     block_n = max(16, min(128, pow2_at_most(budget // block_k), triton.next_power_of_2(n)))
@@ -120,6 +141,40 @@ def fp8_block_gemv_config(
     split_k = splits_for(device, triton.cdiv(n, block_n), num_tiles)
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k, "num_warps": 4,
             "num_stages": 2}  # fmt: skip
+
+
+def _launch(
+    x: torch.Tensor,  # [M, K]: 16/32-bit, or e4m3 (x_scales given)
+    x_scales: torch.Tensor | None,  # [M] float32 (per channel)
+    w: torch.Tensor,  # [N, K] e4m3
+    w_scale: torch.Tensor,  # float32 blocks [ceil(N / bn), ceil(K / bk)], or [N, 1] per channel
+    block_n: int,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    cfg: dict[str, int],
+) -> torch.Tensor:
+    m, k = x.shape
+    n = w.shape[0]
+    x = x if x.stride(1) == 1 else x.contiguous()
+    w = w if w.stride(1) == 1 else w.contiguous()
+    num_tiles = triton.cdiv(k, cfg["BLOCK_K"])
+    tiles_per_split = triton.cdiv(num_tiles, max(1, min(cfg["SPLIT_K"], num_tiles)))
+    split = triton.cdiv(num_tiles, tiles_per_split)  # no empty split
+    interp = interpreting()
+    interpret_bf16 = interp and out_dtype == torch.bfloat16
+    shape = (split, m, n) if split > 1 else (m, n)
+    out = torch.empty(shape, dtype=torch.float32 if split > 1 else out_dtype, device=x.device)
+    per_channel = x_scales is not None
+    xs = x_scales if per_channel else w_scale
+    _fp8_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), split)](
+        x.view(torch.uint8) if per_channel else x, xs, w.view(torch.uint8), w_scale,
+        bias if bias is not None else w_scale, out, m, n, k, block_n, tiles_per_split, num_tiles,
+        x.stride(0), xs.stride(0), w.stride(0), w_scale.stride(0), out.stride(-2), out.stride(0) if split > 1 else 0,
+        PER_CHANNEL=per_channel, HAS_BIAS=bias is not None and split == 1, EVEN_K=k % cfg["BLOCK_K"] == 0,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], PARTIAL=split > 1,
+        INTERPRET=interp, INTERPRET_BF16=interpret_bf16, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    return out if split == 1 else splitk_reduce(out, bias, out_dtype)
 
 
 def fp8_block_gemv(
@@ -137,24 +192,27 @@ def fp8_block_gemv(
     assert w.shape[1] == k and w_scale.shape == (triton.cdiv(n, block[0]), triton.cdiv(k, block[1])), (
         f"w {tuple(w.shape)}, scales {tuple(w_scale.shape)} for K={k}, block {block}"
     )
-    x = x if x.stride(1) == 1 else x.contiguous()
-    w = w if w.stride(1) == 1 else w.contiguous()
-    w_scale = w_scale.float()
-    cfg = dict(fp8_block_gemv_config(m, n, k, block, x.device), **(config or {}))
+    cfg = dict(fp8_gemv_config(m, n, k, block[1], x.device), **(config or {}))
     assert cfg["BLOCK_K"] == block[1] and cfg["BLOCK_M"] >= m, cfg
-    num_tiles = triton.cdiv(k, cfg["BLOCK_K"])
-    tiles_per_split = triton.cdiv(num_tiles, max(1, min(cfg["SPLIT_K"], num_tiles)))
-    split = triton.cdiv(num_tiles, tiles_per_split)  # no empty split
-    interp = interpreting()
-    interpret_bf16 = interp and x.dtype == torch.bfloat16
-    shape = (split, m, n) if split > 1 else (m, n)
-    out = torch.empty(shape, dtype=torch.float32 if split > 1 else x.dtype, device=x.device)
-    _fp8_block_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), split)](
-        x, w.view(torch.uint8), w_scale, bias if bias is not None else w_scale, out, m, n, k, block[0],
-        tiles_per_split, num_tiles, x.stride(0), w.stride(0), w_scale.stride(0), out.stride(-2),
-        out.stride(0) if split > 1 else 0,
-        HAS_BIAS=bias is not None and split == 1, EVEN_K=k % cfg["BLOCK_K"] == 0, BLOCK_M=cfg["BLOCK_M"],
-        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], PARTIAL=split > 1, INTERPRET=interp,
-        INTERPRET_BF16=interpret_bf16, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )  # fmt: skip
-    return out if split == 1 else splitk_reduce(out, bias, x.dtype)
+    return _launch(x, None, w, w_scale.float(), block[0], bias, x.dtype, cfg)
+
+
+def fp8_channel_gemv(
+    xq: torch.Tensor,  # [M, K] e4m3
+    x_scale: torch.Tensor,  # [M, 1] float32 (per token, or a per-tensor scale expanded)
+    w: torch.Tensor,  # [N, K] e4m3
+    w_scale: torch.Tensor,  # [N] float32 per output channel
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None = None,
+    config: dict[str, int] | None = None,
+) -> torch.Tensor:
+    """[M, N] in out_dtype: `scaled_gemm_ref(xq, x_scale, w, w_scale, out_dtype, bias)` to fp32 summation."""
+    m, k = xq.shape
+    n = w.shape[0]
+    assert (
+        1 <= m <= FP8_GEMV_MAX_BLOCK_M and w.shape[1] == k and x_scale.numel() == m and w_scale.numel() == n
+    )
+    cfg = dict(fp8_gemv_config(m, n, k, 128, xq.device), **(config or {}))
+    assert cfg["BLOCK_M"] >= m, cfg
+    scales = w_scale.float().reshape(n, 1)  # one scale per row: "blocks" of one row
+    return _launch(xq, x_scale.float().reshape(m), w, scales, 1, bias, out_dtype, cfg)

@@ -26,7 +26,12 @@ import triton
 import triton.language as tl
 
 from longserve.kernels.extend_attention import interpreting
-from longserve.kernels.fp8_gemv import fp8_block_gemv, fp8_block_gemv_supported
+from longserve.kernels.fp8_gemv import (
+    FP8_GEMV_MAX_BLOCK_M,
+    fp8_block_gemv,
+    fp8_block_gemv_supported,
+    fp8_channel_gemv,
+)
 from longserve.kernels.quant_reference import (
     FP8_DTYPE,
     FP8_MAX,
@@ -68,9 +73,10 @@ FP8_BLOCK_SCALED_MM_MIN_TOKENS = 256
 # three fp8-activation formats' first-step logprobs drift 0.16-0.23 from the torch reference (bound 0.1) and
 # the tests fail; with 0 all pass. The speed cost is not measured yet.
 FP8_DOT_MAX_IMPRECISE_ACC: int | None = 0
-# Block FP8 of at most this many rows runs as kernels/fp8_gemv.py's GEMV (the activations' quantization inside
-# it, the weights read on the CUDA cores, split K) instead of the quantization launch + the 16-row tensor-core
-# GEMM, which read the 8B gate_up weights at ~1.6 TB/s at M=1 (2026-12-01). 0 (off) until measured on a GPU:
+# FP8 of at most this many rows runs as kernels/fp8_gemv.py's GEMVs (the weights read on the CUDA cores, split
+# K; block FP8 with the activations' quantization inside) instead of the 16-row tensor-core GEMM (block FP8;
+# read the 8B gate_up weights at ~1.6 TB/s at M=1, 2026-12-01) or torch._scaled_mm (per channel: 0.071 ms for
+# gate_up at M=1 against bf16's 0.059, same call). 0 (off) until measured on a GPU:
 # scripts/gpu/bench_quant_kernels.py prints both per M (the "fp8 gemv" line; gpu_check.sh quant-decode).
 FP8_GEMV_MAX_TOKENS = 0
 
@@ -294,9 +300,11 @@ def fp8_scaled_linear(
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-channel FP8 W8A8: bf16 through torch._scaled_mm (rowwise scales, cuBLAS), other dtypes through the
-    Triton block GEMM with one block per row and all of K; equals scaled_gemm_ref of the quantized
-    activations."""
+    Triton block GEMM with one block per row and all of K, up to FP8_GEMV_MAX_TOKENS rows the GEMV
+    (kernels/fp8_gemv.py); equals scaled_gemm_ref of the quantized activations."""
     xq, xs = per_token_group_quant(x, 0, FP8_DTYPE, static_scale=input_scale)
+    if x.shape[0] <= min(FP8_GEMV_MAX_TOKENS, FP8_GEMV_MAX_BLOCK_M):
+        return fp8_channel_gemv(xq, xs, w, w_scale, x.dtype, bias)
     if not x.is_cuda:  # the interpreter (tests): the reference product of the same quantized values
         return scaled_gemm_ref(xq, xs, w, w_scale, x.dtype, bias)
     if x.dtype == torch.bfloat16:

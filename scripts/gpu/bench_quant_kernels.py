@@ -10,8 +10,9 @@ the constants that only a GPU can measure:
 - quant_gemv.WNA16_GEMV_FMA_MAX_TOKENS and the GEMV's tiles: --sweep-gemv times candidate configs per shape and M
   and prints the best ("gemv best").
 - quant_fp8.FP8_BLOCK_USE_SCALED_MM: whether cuBLAS's block-scaled FP8 (F.scaled_mm) beats the Triton block GEMM.
-- quant_fp8.FP8_GEMV_MAX_TOKENS: the M up to which the block-FP8 decode GEMV (kernels/fp8_gemv.py) beats the
-  Triton block GEMM with its quantization launch (printed as "fp8 gemv beats ... up to M="), with its GB/s.
+- quant_fp8.FP8_GEMV_MAX_TOKENS: the M up to which the FP8 decode GEMVs (kernels/fp8_gemv.py) beat the Triton
+  block GEMM with its quantization launch (block) and torch._scaled_mm (per channel), printed as "fp8 gemv
+  beats ... up to M="; the block GEMV's GB/s too.
 
     python scripts/gpu/bench_quant_kernels.py --output-json /tmp/kernels_quant.json
     python scripts/gpu/bench_quant_kernels.py --tokens 1,2,4,8,16 --sweep-gemv --output-json /tmp/gemv_sweep.json
@@ -25,12 +26,18 @@ import json
 
 import torch
 
-from longserve.kernels.fp8_gemv import fp8_block_gemv, fp8_block_gemv_supported
+from longserve.kernels.fp8_gemv import (
+    FP8_GEMV_MAX_BLOCK_M,
+    fp8_block_gemv,
+    fp8_block_gemv_supported,
+    fp8_channel_gemv,
+)
 from longserve.kernels.quant_fp8 import (
     _scaled_mm_blockwise_ok,
     fp8_block_linear,
     fp8_scaled_linear,
     int8_scaled_linear,
+    per_token_group_quant,
 )
 from longserve.kernels.quant_gemm import wna16_gemm
 from longserve.kernels.quant_gemv import wna16_gemv_config, wna16_gemv_supported
@@ -85,6 +92,13 @@ def time_one(x: torch.Tensor, t: dict[str, torch.Tensor], blockwise: bool) -> di
             else float("nan")
         ),
         "fp8_channel_ms": graph_ms(lambda: fp8_scaled_linear(x, t["fp8"], t["channel_scale"])),
+        "fp8_channel_gemv_ms": (
+            graph_ms(
+                lambda: fp8_channel_gemv(*per_token_group_quant(x, 0), t["fp8"], t["channel_scale"], x.dtype)
+            )
+            if x.shape[0] <= FP8_GEMV_MAX_BLOCK_M
+            else float("nan")
+        ),
         "int8_ms": graph_ms(lambda: int8_scaled_linear(x, t["int8"], t["channel_scale"])),
     }
     nbytes = int4_bytes(x.shape[0], t["q"].shape[0], x.shape[1])
@@ -165,6 +179,7 @@ def main() -> None:
         }
         crossover, gemv_up_to, gemv_losing = None, 0, False
         fp8_up_to, fp8_losing = 0, False
+        channel_up_to, channel_losing = 0, False
         for m in tokens:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             row = {"shape": name, "n": n, "k": k, "m": m, **time_one(x, weights, blockwise)}
@@ -179,6 +194,10 @@ def main() -> None:
                 fp8_up_to = m
             else:
                 fp8_losing = True
+            if not channel_losing and row["fp8_channel_gemv_ms"] < row["fp8_channel_ms"]:
+                channel_up_to = m
+            else:
+                channel_losing = True
             # the best int4 path over bf16 cuBLAS (the issue's target at decode: <= 0.6); a nan gemv is skipped
             row["int4_best_vs_bf16"] = min(others, row["int4_gemv_ms"]) / row["bf16_ms"]
             rows.append(row)
@@ -193,10 +212,11 @@ def main() -> None:
         print(f"{name}: dequantize+cuBLAS beats the fused int4 kernel from M={crossover}", flush=True)
         print(f"{name}: the int4 gemv beats the fused kernel and dequantize+cuBLAS up to M={gemv_up_to} "
               f"(quant_gemm.WNA16_GEMV_MAX_TOKENS; 0: never)", flush=True)  # fmt: skip
-        print(f"{name}: the fp8 gemv beats the Triton block GEMM up to M={fp8_up_to} "
-              f"(quant_fp8.FP8_GEMV_MAX_TOKENS; 0: never)", flush=True)  # fmt: skip
+        print(f"{name}: the fp8 gemv beats the Triton block GEMM up to M={fp8_up_to}, the per-channel fp8 gemv "
+              f"beats torch._scaled_mm up to M={channel_up_to} (quant_fp8.FP8_GEMV_MAX_TOKENS: the smaller; 0: "
+              "never)", flush=True)  # fmt: skip
         rows.append({"shape": name, "crossover_m": crossover, "gemv_max_tokens": gemv_up_to,
-                     "fp8_gemv_max_tokens": fp8_up_to})  # fmt: skip
+                     "fp8_gemv_max_tokens": fp8_up_to, "fp8_channel_gemv_max_tokens": channel_up_to})  # fmt: skip
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -13,9 +13,10 @@
 # cost of fp32 accumulation in the fp8 GEMMs. chunks (one GPU): a lone cold prompt in chunks of 8K, 16K, 32K;
 # moe-gemv (one GPU): the small-batch MoE kernels' GPU test (their time beside fused_moe's), then the A3B decode
 # with MOE_GEMV_MAX_TOKENS 0 and 16.
-# quant-decode (one GPU, ~7 min): the decode GEMVs of issue 18, off until measured: the per-M kernel times
-# (int4 GEMV, block-FP8 GEMV against their GEMMs, as CUDA graphs), then the 8B shape's int4 and FP8 decode with each
-# GEMV off and on (WNA16_GEMV_MAX_TOKENS, FP8_GEMV_MAX_TOKENS 0 against 16).
+# quant-decode (one GPU, ~8 min): the decode GEMVs of issue 18, off until measured: the per-M kernel times
+# (int4 GEMV, block and per-channel FP8 GEMVs against their GEMMs, as CUDA graphs), then the 8B shape's int4,
+# block-FP8 and per-channel FP8 decode with each GEMV off and on (WNA16_GEMV_MAX_TOKENS, FP8_GEMV_MAX_TOKENS 0
+# against 16).
 # piecewise (one GPU): the piecewise graphs' GPU test, then step_timeline.py and cold 512-4096 / a 32K + 512 hit
 # with --piecewise-cuda-graph-max-tokens 0 and 4096.
 # fusions (one GPU): the prefix-as-view and fused K/V-store switches off, each against both on; fusions-a3b:
@@ -384,19 +385,24 @@ if [[ $MODE == piecewise ]]; then  # one GPU, ~6 min: piecewise CUDA graphs (off
     | grep -vE "^\[bench|INFO|WARNING" > "$OUT/step_timeline_pw4096_triton_cold.log"
   grep -A13 "^overlapped, handed" "$OUT/step_timeline_pw4096_triton_cold.log"
 fi
-if [[ $MODE == quant-decode ]]; then  # one GPU, ~7 min: the int4 and FP8 decode GEMVs against their GEMMs
-  timeout 120 python3 scripts/gpu/bench_quant_kernels.py --tokens 1,2,4,8,16,32 \
+if [[ $MODE == quant-decode ]]; then  # one GPU, ~8 min: the int4 and FP8 decode GEMVs against their GEMMs
+  timeout 100 python3 scripts/gpu/bench_quant_kernels.py --tokens 1,2,4,8,16 \
     --output-json "$OUT/kernels_quant_decode.json" 2>&1 | tee "$OUT/kernels_quant_decode.log" | grep -E "crossover|beats"
   fp8='{"quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}}'
   for limit in 0 16; do
-    timeout 100 python3 scripts/probes/with_constants.py longserve.kernels.quant_gemm.WNA16_GEMV_MAX_TOKENS=$limit \
+    timeout 80 python3 scripts/probes/with_constants.py longserve.kernels.quant_gemm.WNA16_GEMV_MAX_TOKENS=$limit \
       -- longserve.bench.latency --config llama-3.1-8b --load-format dummy --dtype bfloat16 --quantization gptq \
       --warmup 1 --repeat 3 --decode-batch-sizes 1@32768,64@4096 --output-json "$OUT/latency_int4_gemv$limit.json" \
       2>&1 | tee "$OUT/latency_int4_gemv$limit.log" | grep -E "^decode" || status=1
-    timeout 100 python3 scripts/probes/with_constants.py longserve.kernels.quant_fp8.FP8_GEMV_MAX_TOKENS=$limit \
+    timeout 80 python3 scripts/probes/with_constants.py longserve.kernels.quant_fp8.FP8_GEMV_MAX_TOKENS=$limit \
       -- longserve.bench.latency --config llama-3.1-8b --load-format dummy --dtype bfloat16 --hf-overrides "$fp8" \
       --warmup 1 --repeat 3 --decode-batch-sizes 1@32768,64@4096 --output-json "$OUT/latency_fp8_gemv$limit.json" \
       2>&1 | tee "$OUT/latency_fp8_gemv$limit.log" | grep -E "^decode" || status=1
+    # per-channel FP8 (--quantization fp8: the bf16 weights quantized at load, as vLLM does), batch 1
+    timeout 70 python3 scripts/probes/with_constants.py longserve.kernels.quant_fp8.FP8_GEMV_MAX_TOKENS=$limit \
+      -- longserve.bench.latency --config llama-3.1-8b --load-format dummy --dtype bfloat16 --quantization fp8 \
+      --warmup 1 --repeat 3 --decode-batch-sizes 1@32768 --output-json "$OUT/latency_fp8ch_gemv$limit.json" \
+      2>&1 | tee "$OUT/latency_fp8ch_gemv$limit.log" | grep -E "^decode" || status=1
   done
 fi
 if [[ $MODE == moe-gemv ]]; then  # one GPU, ~4 min: the small-batch MoE kernels against the grouped GEMMs

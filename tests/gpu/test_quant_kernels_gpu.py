@@ -187,6 +187,31 @@ def test_fp8_block_gemv_matches_reference(shape: str, m: int, monkeypatch: pytes
     assert_close_rel(outs["y"], fp8_block_gemm_ref(x, w, scale, (128, 128)), tol=1e-3)
 
 
+@pytest.mark.parametrize("shape", ["qkv", "down"])
+@pytest.mark.parametrize("m", [1, 4, 16])
+def test_fp8_channel_gemv_matches_reference(shape: str, m: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The per-channel FP8 decode GEMV (kernels/fp8_gemv.py) at the 8B shapes: the reference to fp32 rounding,
+    and through fp8_scaled_linear with the switch on (per token and a static per-tensor scale)."""
+    from longserve.kernels import quant_fp8
+    from longserve.kernels.fp8_gemv import fp8_channel_gemv
+    from longserve.kernels.quant_reference import per_token_group_quant_fp8_ref, scaled_gemm_ref
+
+    n, k = DENSE[shape]
+    w, _ = fp8_block_weight(n, k)
+    w_scale = torch.rand(n, device="cuda") * (2 * k**-0.5) + 1e-3
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    for static in (None, torch.tensor([0.01], device="cuda")):
+        xq, xs = per_token_group_quant_fp8_ref(x, k, static)
+        ref = scaled_gemm_ref(xq, xs, w, w_scale, torch.float32)
+        torch.testing.assert_close(
+            fp8_channel_gemv(xq, xs, w, w_scale, torch.float32), ref, atol=1e-4, rtol=1e-4
+        )
+    monkeypatch.setattr(quant_fp8, "FP8_GEMV_MAX_TOKENS", 16)
+    xq, xs = per_token_group_quant_fp8_ref(x, k)
+    out = quant_fp8.fp8_scaled_linear(x, w, w_scale)
+    assert_close_rel(out, scaled_gemm_ref(xq, xs, w, w_scale, torch.bfloat16), tol=1e-3)
+
+
 @pytest.mark.parametrize("m", [1, 17, 512])
 def test_fp8_per_channel_and_int8(m: int) -> None:
     from longserve.kernels.quant_fp8 import fp8_scaled_linear, int8_scaled_linear, per_token_group_quant

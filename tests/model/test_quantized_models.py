@@ -359,18 +359,22 @@ def test_wna16_models_through_the_gemv_kernel(root, case: str, monkeypatch: pyte
     assert 24 in calls and 1 in calls, sorted(set(calls))  # the prefill and the decode steps
 
 
-@pytest.mark.parametrize("case", ["fp8-block-64"])  # ct-fp8-block passed too (15 s more of CI)
-def test_block_fp8_models_through_the_gemv_kernel(root, case: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The block-FP8 cases with their linear layers on the Triton path (interpreted here) and the decode GEMV
-    (kernels/fp8_gemv.py: the activations quantized inside it) switched on (quant_fp8.FP8_GEMV_MAX_TOKENS; off
-    by default until measured on a GPU): the same logits and greedy tokens as transformers, the decode steps'
-    products through the GEMV."""
+@pytest.mark.parametrize(
+    ("case", "gemv"), [("fp8-block-64", "fp8_block_gemv"), ("ct-fp8-dynamic", "fp8_channel_gemv")]
+)  # ct-fp8-block passed too (15 s more of CI)
+def test_fp8_models_through_the_gemv_kernels(
+    root, case: str, gemv: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """FP8 cases, block-scaled and per channel, with their linear layers on the Triton path (interpreted here)
+    and the decode GEMVs (kernels/fp8_gemv.py) switched on (quant_fp8.FP8_GEMV_MAX_TOKENS; off by default until
+    measured on a GPU): the same logits and greedy tokens as transformers, the decode steps' products through
+    the GEMV."""
     pytest.importorskip("triton")
     from longserve.kernels import quant_fp8
     from longserve.models.quant import fp8
 
     monkeypatch.setattr(fp8, "use_triton", lambda x: True)  # as for CUDA tensors with triton
     monkeypatch.setattr(quant_fp8, "FP8_GEMV_MAX_TOKENS", 16)
-    calls = count_rows(monkeypatch, quant_fp8, "fp8_block_gemv")
+    calls = count_rows(monkeypatch, quant_fp8, gemv)
     test_logits_and_greedy_tokens_match_transformers(root, case)
     assert 1 in calls and 24 not in calls, sorted(set(calls))  # the decode steps; the prefill's 24 rows not

@@ -1,7 +1,8 @@
-"""The decode-size block-FP8 GEMV (kernels/fp8_gemv.py) under TRITON_INTERPRET=1 against its torch reference
-(quant_reference.fp8_block_gemm_ref: activations quantized per token-group, block-scaled e4m3 weights) at small
-shapes: M = 1, 3, 8, 16, float32 and bf16 activations, blocks of 32/64/128, split-K with its fixed-order
-reduction, bias, N and K not multiples of the tiles; its selection behind quant_fp8.FP8_GEMV_MAX_TOKENS. Its
+"""The decode-size FP8 GEMVs (kernels/fp8_gemv.py) under TRITON_INTERPRET=1 against their torch references:
+block FP8 (quant_reference.fp8_block_gemm_ref: activations quantized per token-group inside the kernel,
+block-scaled e4m3 weights) at M = 1, 3, 8, 16, float32 and bf16 activations, blocks of 32/64/128, split-K with
+its fixed-order reduction, bias, N and K not multiples of the tiles; per-channel FP8 (scaled_gemm_ref:
+activations quantized per token or per tensor); their selection behind quant_fp8.FP8_GEMV_MAX_TOKENS. Their
 compilation for sm90 runs in tests/unit/test_quant_gemv.py (scripts/dev/compile_quant_gemv.py)."""
 
 from __future__ import annotations
@@ -16,8 +17,13 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 
 from longserve.kernels import fp8_gemv, quant_fp8, quant_gemv  # noqa: E402
-from longserve.kernels.fp8_gemv import fp8_block_gemv, fp8_block_gemv_config  # noqa: E402
-from longserve.kernels.quant_reference import FP8_DTYPE, fp8_block_gemm_ref  # noqa: E402
+from longserve.kernels.fp8_gemv import fp8_block_gemv, fp8_channel_gemv, fp8_gemv_config  # noqa: E402
+from longserve.kernels.quant_reference import (  # noqa: E402
+    FP8_DTYPE,
+    fp8_block_gemm_ref,
+    per_token_group_quant_fp8_ref,
+    scaled_gemm_ref,
+)
 
 
 def weights(n: int, k: int, block: tuple[int, int], seed: int):
@@ -52,6 +58,27 @@ def test_gemv_equals_reference(m, n, k, block, split_k, bias, dtype) -> None:
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["per-token", "per-tensor"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "m,n,k,split_k,bias", [(1, 96, 256, 1, False), (5, 70, 200, 3, True), (16, 40, 384, 2, True)]
+)
+def test_channel_gemv_equals_reference(m, n, k, split_k, bias, dtype, static) -> None:
+    """Per-channel FP8 (compressed-tensors FP8, --quantization fp8): the activations quantized per token (or
+    with a static per-tensor scale) outside, the products and both scales inside."""
+    g = torch.Generator().manual_seed(m * 7 + k)
+    w = (torch.randn(n, k, generator=g) * 40).clamp(-448, 448).to(FP8_DTYPE)
+    w_scale = torch.rand(n, generator=g) * 0.002 + 0.0005
+    x = (torch.randn(m, k, generator=g) * 3).to(dtype)
+    xq, xs = per_token_group_quant_fp8_ref(x, k, torch.tensor([0.02]) if static else None)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    ref = scaled_gemm_ref(xq, xs, w, w_scale, dtype, b)
+    out = fp8_channel_gemv(xq, xs, w, w_scale, dtype, b, config={"SPLIT_K": split_k, "BLOCK_N": 16})
+    assert out.dtype == dtype and out.shape == (m, n)
+    tol = 2e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
 def test_split_k_is_deterministic_and_equal_to_one_split() -> None:
     w, scales = weights(64, 512, (32, 64), seed=3)
     x = torch.randn(2, 512, generator=torch.Generator().manual_seed(4))
@@ -68,7 +95,7 @@ def test_config_fills_the_gpu_at_decode_shapes(monkeypatch: pytest.MonkeyPatch) 
     cuda = torch.device("cuda", 0)
     for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)):
         for m in (1, 4, 16):
-            cfg = fp8_block_gemv_config(m, n, k, (128, 128), cuda)
+            cfg = fp8_gemv_config(m, n, k, 128, cuda)
             assert -(-n // cfg["BLOCK_N"]) * cfg["SPLIT_K"] >= 4 * 132, (n, k, m, cfg)
             assert cfg["BLOCK_K"] == 128 and cfg["BLOCK_M"] >= m
 
@@ -88,4 +115,24 @@ def test_the_switch_routes_decode_sizes_to_the_gemv(monkeypatch: pytest.MonkeyPa
         x = torch.randn(m, 128, generator=torch.Generator().manual_seed(m))
         out = quant_fp8.fp8_block_linear(x, w, scales, (16, 32))
         torch.testing.assert_close(out, fp8_block_gemm_ref(x, w, scales, (16, 32)), atol=2e-5, rtol=2e-5)
+    assert calls == [1, 4]
+
+
+def test_the_switch_routes_per_channel_decode_sizes_to_the_gemv(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    real = fp8_gemv.fp8_channel_gemv
+    monkeypatch.setattr(
+        quant_fp8, "fp8_channel_gemv", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw)
+    )
+    g = torch.Generator().manual_seed(9)
+    w = (torch.randn(32, 128, generator=g) * 40).to(FP8_DTYPE)
+    w_scale = torch.rand(32, generator=g) * 0.002 + 0.0005
+    quant_fp8.fp8_scaled_linear(torch.randn(2, 128), w, w_scale)
+    assert calls == []  # off by default
+    monkeypatch.setattr(quant_fp8, "FP8_GEMV_MAX_TOKENS", 4)
+    for m in (1, 4, 5):
+        x = torch.randn(m, 128, generator=torch.Generator().manual_seed(m))
+        out = quant_fp8.fp8_scaled_linear(x, w, w_scale)
+        xq, xs = per_token_group_quant_fp8_ref(x, 128)
+        torch.testing.assert_close(out, scaled_gemm_ref(xq, xs, w, w_scale, x.dtype), atol=2e-5, rtol=2e-5)
     assert calls == [1, 4]
