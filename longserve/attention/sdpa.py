@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -125,6 +125,7 @@ def prefix_split_sdpa(
     dequantize: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
     requests: Sequence[int] | None = None,
     out: torch.Tensor | None = None,
+    query_rows: Mapping[int, int] | None = None,
 ) -> torch.Tensor:
     """Per request (of `requests`, default all; their rows of `out` written, the others left as they are):
     (new x cached prefix, no mask) and (new x new, causal) as two SDPA calls, merged by
@@ -132,7 +133,8 @@ def prefix_split_sdpa(
     on long chunks. The shapes are those of `sdpa_shapes.split_shape`: the prefix read up to a multiple of
     PREFIX_GRANULE keys, its tail in front of the new tokens in the causal part (behind zero query rows that
     are dropped), the new tokens padded. `dequantize`: an fp8 cache's gathered prefix -> q's dtype (cuDNN
-    reads no e4m3 pages); k/v are then the new tokens as the pages hold them (KVCache.as_stored)."""
+    reads no e4m3 pages); k/v are then the new tokens as the pages hold them (KVCache.as_stored).
+    `query_rows`: a request's prefix-part rows when padded past its own (PlanRegistry.split_rows)."""
     if q.is_cuda:
         from longserve.kernels.merge_attention import merge_two as merge  # imports triton
     else:
@@ -146,7 +148,7 @@ def prefix_split_sdpa(
     for r in range(meta.num_reqs) if requests is None else requests:
         prefix_len, query_len = meta.prefix_lens_cpu[r], meta.query_lens_cpu[r]
         start, end = starts[r], starts[r + 1]
-        shape = shapes.split_shape(prefix_len, query_len)
+        shape = shapes.split_shape(prefix_len, query_len, (query_rows or {}).get(r))
         k_pre = v_pre = None
         if prefix_len:
             num_pages = -(-prefix_len // page_size)

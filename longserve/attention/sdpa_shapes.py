@@ -22,8 +22,9 @@ Triton extend kernel, which compiles once:
   their tokens from the budget, so a long prompt's chunks beside d decodes are chunk - d long and its prefix
   is unaligned after the first; with only the aligned shapes built, every later chunk ran in Triton (the HTTP
   multi-turn workload's 16K openings: the second 8K chunk 350 ms against the first's 224, 2026-12-02). A full
-  chunk never waits; a prefix hit with an unbuilt shape (short suffixes, a prompt's last partial chunk) runs
-  in Triton (~315 against ~530 TFLOP/s of attention, measured on 8K chunks).
+  chunk never waits. A shorter chunk over a prefix (a long prompt's last) pads its new tokens further, up to the
+  built rows (the chunk's), when it fills at least PAD_QUERY_MIN_FILL of them; else, and for prefix hits with
+  short suffixes, it runs in Triton (~315 against ~530 TFLOP/s of attention, measured on 8K chunks).
 """
 
 from __future__ import annotations
@@ -36,6 +37,10 @@ import torch
 Q_GRANULE = 1024  # new tokens are padded up to a multiple: at most 1023 dropped rows
 PREFIX_GRANULE = 2048  # cuDNN reads the prefix up to a multiple; the tail (< this) joins the causal part
 MIN_COLD_QUERY = 512  # a cold prompt shorter than this runs in Triton (its attention is a sliver of the step)
+# a chunk over a prefix whose padded rows have no plan runs at a built row count it fills at least this much of:
+# cuDNN on the padded rows (~530 TFLOP/s) beats Triton on the real ones (~315) down to 315 / 530 = 0.59 full.
+# Not yet measured as such: a prompt of 8K x n + 4K..8K tokens ran its last chunk in Triton before.
+PAD_QUERY_MIN_FILL = 0.6
 
 
 def pad_rows(n: int) -> int:
@@ -54,10 +59,13 @@ class SplitShape:
     causal_rows: int
 
 
-def split_shape(prefix_len: int, query_len: int) -> SplitShape:
+def split_shape(prefix_len: int, query_len: int, query_rows: int | None = None) -> SplitShape:
+    """query_rows: the prefix part's rows, when padded past pad_rows(query_len) (PlanRegistry.split_rows)."""
     prefix_keys = prefix_len // PREFIX_GRANULE * PREFIX_GRANULE
     tail = prefix_len - prefix_keys
-    return SplitShape(prefix_keys, tail, pad_rows(query_len), pad_rows(tail + query_len))
+    rows = pad_rows(query_len) if query_rows is None else query_rows
+    assert rows >= query_len, (rows, query_len)
+    return SplitShape(prefix_keys, tail, rows, pad_rows(tail + query_len))
 
 
 @dataclass(frozen=True)
@@ -94,12 +102,27 @@ class PlanRegistry:
             model, pad_rows(query_len), pad_rows(query_len), True, device
         )
 
-    def split_ready(self, model: ModelShape, prefix_len: int, query_len: int, device: torch.device) -> bool:
-        """Whether a chunk over a cached prefix runs at built shapes (its causal part and its prefix part)."""
+    def split_rows(
+        self, model: ModelShape, prefix_len: int, query_len: int, device: torch.device
+    ) -> int | None:
+        """The prefix part's query rows for a chunk over a cached prefix at built shapes: its new tokens padded
+        to a multiple of Q_GRANULE, or further to a built row count they fill at least PAD_QUERY_MIN_FILL of;
+        None when its causal part or its prefix part has no built shape (it runs in Triton)."""
         s = split_shape(prefix_len, query_len)
         if not self.ready(model, s.causal_rows, s.causal_rows, True, device):
-            return False
-        return not s.prefix_keys or self.ready(model, s.query_rows, s.prefix_keys, False, device)
+            return None
+        if not s.prefix_keys or self.ready(model, s.query_rows, s.prefix_keys, False, device):
+            return s.query_rows
+        rows = s.query_rows + Q_GRANULE
+        while query_len >= PAD_QUERY_MIN_FILL * rows:
+            if self.ready(model, rows, s.prefix_keys, False, device):
+                return rows
+            rows += Q_GRANULE
+        return None
+
+    def split_ready(self, model: ModelShape, prefix_len: int, query_len: int, device: torch.device) -> bool:
+        """Whether a chunk over a cached prefix runs at built shapes (its causal part and its prefix part)."""
+        return self.split_rows(model, prefix_len, query_len, device) is not None
 
     def mark(self, model: ModelShape, q_rows: int, kv_rows: int, causal: bool) -> None:
         self._built().add((model, q_rows, kv_rows, causal))

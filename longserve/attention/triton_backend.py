@@ -173,9 +173,9 @@ class TritonAttentionBackend(AttentionBackend):
 
         cold_path = self.cold_path or ("sdpa" if q.is_cuda else "triton")
         window_matters = sliding_window is not None and sliding_window < meta.max_seq_len
-        library = (
-            self.library_requests(q, num_kv_heads, meta) if cold_path == "sdpa" and not window_matters else ()
-        )
+        library, query_rows = ((), {})
+        if cold_path == "sdpa" and not window_matters:
+            library, query_rows = self._library_plan(q, num_kv_heads, meta)
         if not library:
             return self._triton(q, k_cache, v_cache, meta, layer_id, kv_cache, scale, sliding_window)
         # per request: the library's (cuDNN's) cold prompts and long chunks, the Triton kernel's the rest (the
@@ -200,8 +200,9 @@ class TritonAttentionBackend(AttentionBackend):
                 return kv_cache.dequantize(layer_id, a, b, q.dtype)
 
         return prefix_split_sdpa(
-            q, k, v, k_cache, v_cache, meta, scale, dequantize, requests=library, out=out
-        )
+            q, k, v, k_cache, v_cache, meta, scale, dequantize, requests=library, out=out,
+            query_rows=query_rows,
+        )  # fmt: skip
 
     def library_requests(
         self, q: torch.Tensor, num_kv_heads: int, meta: AttentionMetadata
@@ -212,28 +213,34 @@ class TritonAttentionBackend(AttentionBackend):
         lengths). Long chunks over a prefix: two cuDNN calls merged beat the Triton kernel (measured: ~530 vs
         ~315 TFLOP/s for 8K over 24K..120K; a 64-token suffix is faster in Triton, `use_split_sdpa`).
         Decided once per step (every layer asks the same: part of an eager layer's host time)."""
+        return self._library_plan(q, num_kv_heads, meta)[0]
+
+    def _library_plan(
+        self, q: torch.Tensor, num_kv_heads: int, meta: AttentionMetadata
+    ) -> tuple[tuple[int, ...], dict[int, int]]:
+        """(library_requests, each chunk-over-a-prefix's query rows: sdpa_shapes.PlanRegistry.split_rows)."""
         model = ModelShape(q.shape[1], num_kv_heads, q.shape[2], q.dtype)
         return meta.per_step(
-            ("library", self, model, q.device), lambda: self._library_requests(model, q.device, meta)
+            ("library", self, model, q.device), lambda: self._plan_library(model, q.device, meta)
         )
 
-    def _library_requests(
+    def _plan_library(
         self, model: ModelShape, device: torch.device, meta: AttentionMetadata
-    ) -> tuple[int, ...]:
+    ) -> tuple[tuple[int, ...], dict[int, int]]:
         # cuDNN's kernels: 16-bit only
         half = model.dtype in (torch.float16, torch.bfloat16) or device.type != "cuda"
-        chosen = []
+        chosen, rows = [], {}
         for r, (prefix_len, query_len) in enumerate(zip(meta.prefix_lens_cpu, meta.query_lens_cpu)):
             if not query_len:
                 continue
             if prefix_len == 0:
-                ok = PLANS.cold_ready(model, query_len, device)
-            else:
-                ok = half and use_split_sdpa(query_len, prefix_len)
-                ok = ok and PLANS.split_ready(model, prefix_len, query_len, device)
-            if ok:
-                chosen.append(r)
-        return tuple(chosen)
+                if PLANS.cold_ready(model, query_len, device):
+                    chosen.append(r)
+            elif half and use_split_sdpa(query_len, prefix_len):
+                rows[r] = PLANS.split_rows(model, prefix_len, query_len, device)
+                if rows[r] is not None:
+                    chosen.append(r)
+        return tuple(chosen), {r: n for r, n in rows.items() if n is not None}
 
     def _triton(
         self,

@@ -164,7 +164,7 @@ def test_a_chunk_over_an_unaligned_prefix_runs_at_built_shapes(monkeypatch: pyte
     """Decodes beside a long prompt take their tokens from the budget, so its second chunk follows chunk - d
     tokens of prefix. The warm-up builds a full chunk over every PREFIX_GRANULE of prefix (before `3a86049`
     only over multiples of the chunk, and such chunks ran in Triton): the chunk, with a decode beside it,
-    runs in cuDNN at built shapes, without a build."""
+    runs in cuDNN at built shapes, without a build; so does a shorter last chunk, padded to the chunk's rows."""
     import time
 
     from longserve.attention import sdpa_shapes as shapes
@@ -188,13 +188,17 @@ def test_a_chunk_over_an_unaligned_prefix_runs_at_built_shapes(monkeypatch: pyte
     for prefix_lens, query_lens in (
         ([chunk - 1, 300], [chunk - 1, 1]),
         ([2 * chunk - 2, 500], [chunk - 1, 1]),
+        (
+            [2 * chunk - 2, 500],
+            [3000, 1],
+        ),  # a last chunk: its rows padded to the chunk's (PAD_QUERY_MIN_FILL)
     ):
         start = time.perf_counter()
         out, expected = run_step(prefix_lens, query_lens, 16, torch.bfloat16)
         took = time.perf_counter() - start
         torch.testing.assert_close(out.float(), expected, atol=TOL, rtol=TOL)
         assert took < 1.0, f"{prefix_lens}/{query_lens}: {took:.2f}s"  # (a build would add ~0.3 s a shape)
-    assert calls == [(0,), (0,)]  # the chunks in cuDNN, the decodes beside them in Triton
+    assert calls == [(0,), (0,), (0,)]  # the chunks in cuDNN, the decodes beside them in Triton
 
 
 def test_split_counts_share_one_compiled_kernel() -> None:

@@ -336,6 +336,19 @@ def test_library_paths_at_padded_shapes(monkeypatch: pytest.MonkeyPatch, heads: 
         step.compare(TritonAttentionBackend(cold_path="sdpa"))
     assert calls == [1, 1]
     Step([0, 0, 0], [16, 5, 13], 4, heads, 16, seed=22).compare(TritonAttentionBackend(cold_path="sdpa"))
+    # a chunk padded past its own rows, up to a built row count (a long prompt's last chunk): still exact
+    rows_asked: list[int] = []
+
+    def padded_further(self, model, prefix_len, query_len, device):  # noqa: ANN001, ANN202
+        rows_asked.append(query_len)
+        return shapes.pad_rows(query_len) + 2 * shapes.Q_GRANULE
+
+    monkeypatch.setattr(shapes.PlanRegistry, "split_rows", padded_further)
+    calls.clear()
+    Step([3, 16, 40, 70], [16, 7, 8, 13], 4, heads, 32, seed=23).compare(
+        TritonAttentionBackend(cold_path="sdpa")
+    )
+    assert rows_asked == [16, 7, 8, 13] and calls == [1]
 
 
 def test_routing_is_decided_once_per_step(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -388,6 +401,15 @@ def test_plan_registry_is_per_thread_and_covers_a_long_prompts_chunks() -> None:
     thread.join()
     assert other == [False]
 
+    # a chunk whose padded rows have no plan pads up to a built row count it fills at least 0.6 of
+    for q_rows, kv_rows, causal in shapes.warm_up_shapes(8192, 65536):
+        registry.mark(model, q_rows, kv_rows, causal)
+    assert registry.split_rows(model, 20000, 8100, cuda) == 8192  # a full chunk (prefix keys 18432)
+    assert (
+        registry.split_rows(model, 20000, 6000, cuda) == 8192
+    )  # 6144 and 7168 not built; 6000 >= 0.6 x 8192
+    assert registry.split_rows(model, 20000, 4000, cuda) is None  # 4000 < 0.6 x 8192: Triton
+    assert registry.split_rows(model, 1000, 6000, cuda) == 6144  # a prefix under a granule: causal part only
     chunk, longest = 8192, 131072
     built = set(shapes.warm_up_shapes(chunk, longest))
     assert len(built) == 10 + 60  # causal 1K..10K, and 8K new tokens over 2K..120K of prefix, every 2K
