@@ -28,6 +28,7 @@ from longserve.kernels.moe_reference import (
     padded_size_bound,
     route_topk,
 )
+from longserve.kernels.moe_sum import moe_sum
 from longserve.kernels.quant_fp8 import per_token_group_quant
 from longserve.kernels.quant_tiles import int_weight_tile
 from longserve.kernels.quant_tiles import rounded as _rounded
@@ -57,6 +58,9 @@ MOE_TRITON_ALIGN_MAX_PAIRS = MAX_ALIGN_PAIRS
 # four. 0 (off): measured on an H200 (scripts/probes/moe_gemv_sweep.py, 2026-12-02, RESULTS.md fifth session)
 # the A3B expert block took 36.6 us at one token against 34.0 here, and 4-8% less at 2-8 tokens.
 MOE_GEMV_MAX_TOKENS = 0
+# A step of at most this many tokens sums its pairs' 16-bit outputs over k with kernels/moe_sum.py instead of
+# torch.sum (4.8 us a layer at batch 1 in the A3B decode, 2026-12-02 profile). 0 (off) until measured.
+MOE_SUM_TRITON_MAX_TOKENS = 0
 
 
 def align_routed_pairs(
@@ -371,7 +375,9 @@ def fused_moe(
         moe_gemm(hidden, w13, inter, *routing, top_k, cfg, True, False, quant, "w13")
         moe_gemm(inter, w2, pair_out, *routing, 1, down_cfg, False, True, quant, "w2")
     per_token = pair_out.view(num_tokens, top_k, hidden_size)  # [T, k, H]
-    if prod_dtype == out.dtype:
+    if prod_dtype == out.dtype and num_tokens <= MOE_SUM_TRITON_MAX_TOKENS:
+        moe_sum(per_token, out)  # the same sum in one small launch
+    elif prod_dtype == out.dtype:
         torch.sum(per_token, dim=1, out=out)  # 16-bit inputs accumulate in fp32, rounded once (as HF)
     else:
         out.copy_(per_token.sum(dim=1))  # fp32 products (Mixtral): sum in fp32, round once

@@ -11,8 +11,8 @@
 # at TP=2 and EP=2. Each prints the floor of every case and the measured/floor ratio.
 # switches (one GPU): the int4 paths per M timed as CUDA graphs and the 8B int4 decode through each of them; the
 # cost of fp32 accumulation in the fp8 GEMMs. chunks (one GPU): a lone cold prompt in chunks of 8K, 16K, 32K;
-# moe-gemv (one GPU): the small-batch MoE kernels' GPU test (their time beside fused_moe's), then the A3B decode
-# with MOE_GEMV_MAX_TOKENS 0 and 16.
+# moe-gemv (one GPU): the small-batch MoE kernels' and the k-sum kernel's GPU tests (their times beside
+# fused_moe's and torch.sum's), then the A3B decode as it is and with MOE_SUM_TRITON_MAX_TOKENS 64.
 # quant-decode (one GPU, ~8 min): the decode GEMVs of issue 18, off until measured: the per-M kernel times
 # (int4 GEMV, block and per-channel FP8 GEMVs against their GEMMs, as CUDA graphs), then the 8B shape's int4,
 # block-FP8 and per-channel FP8 decode with each GEMV off and on (WNA16_GEMV_MAX_TOKENS, FP8_GEMV_MAX_TOKENS 0
@@ -405,15 +405,15 @@ if [[ $MODE == quant-decode ]]; then  # one GPU, ~8 min: the int4 and FP8 decode
       2>&1 | tee "$OUT/latency_fp8ch_gemv$limit.log" | grep -E "^decode" || status=1
   done
 fi
-if [[ $MODE == moe-gemv ]]; then  # one GPU, ~4 min: the small-batch MoE kernels against the grouped GEMMs
-  python3 -m pytest -q -m gpu tests/gpu/test_fused_moe_gpu.py -k small_batch -s -p no:cacheprovider --tb=short \
-    -rfE 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "moe_gemv|passed|failed" || status=1
+if [[ $MODE == moe-gemv ]]; then  # one GPU, ~4 min: the small-batch MoE kernels and the k-sum kernel
+  python3 -m pytest -q -m gpu tests/gpu/test_fused_moe_gpu.py -k "small_batch or sum_over_k" -s -p no:cacheprovider \
+    --tb=short -rfE 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "moe_gemv|sum over k|passed|failed" || status=1
   a3b=(--config qwen3-30b-a3b --load-format dummy --dtype bfloat16 --warmup 1 --repeat 3
        --decode-batch-sizes 1@32768,1@4096,8@4096)
-  for limit in 0 16; do
-    timeout 150 python3 scripts/probes/with_constants.py longserve.kernels.fused_moe.MOE_GEMV_MAX_TOKENS=$limit \
-      -- longserve.bench.latency "${a3b[@]}" --output-json "$OUT/latency_a3b_gemv$limit.json" 2>&1 \
-      | tee "$OUT/latency_a3b_gemv$limit.log" | grep -E "^decode"
+  for switch in MOE_GEMV_MAX_TOKENS=0 MOE_SUM_TRITON_MAX_TOKENS=64; do
+    timeout 150 python3 scripts/probes/with_constants.py longserve.kernels.fused_moe.$switch \
+      -- longserve.bench.latency "${a3b[@]}" --output-json "$OUT/latency_a3b_${switch%%=*}.json" 2>&1 \
+      | tee "$OUT/latency_a3b_${switch%%=*}.log" | grep -E "^decode"
   done
 fi
 

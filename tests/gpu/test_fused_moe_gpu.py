@@ -235,3 +235,20 @@ def test_small_batch_kernels_match_reference(experts, num_tokens: int) -> None:
         lambda: fused_moe(x, w13, w2, weights, ids, out=buf), warmup=2, iters=20, repeats=5
     )
     print(f"\n{name} T={num_tokens}: moe_gemv {gemv * 1e3:.1f} us, fused_moe {gemm * 1e3:.1f} us")
+
+
+@pytest.mark.parametrize("num_tokens", [1, 8, 64])
+def test_sum_over_k_kernel(num_tokens: int) -> None:
+    """kernels/moe_sum.py at the A3B shape (k = 8, H = 2048): torch.sum's result to one bf16 ulp, and its time
+    beside torch.sum's (the evidence for fused_moe.MOE_SUM_TRITON_MAX_TOKENS, 0 until measured)."""
+    from longserve.kernels.moe_sum import moe_sum
+    from longserve.platform import cuda_graph_time_ms
+
+    x = torch.randn(num_tokens, 8, 2048, device="cuda").bfloat16()
+    want = torch.empty(num_tokens, 2048, device="cuda", dtype=torch.bfloat16)
+    torch.sum(x, dim=1, out=want)
+    got = moe_sum(x, torch.empty_like(want))
+    torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=2**-7)
+    ours = cuda_graph_time_ms(lambda: moe_sum(x, got), warmup=2, iters=20, repeats=5)
+    torch_ms = cuda_graph_time_ms(lambda: torch.sum(x, dim=1, out=want), warmup=2, iters=20, repeats=5)
+    print(f"\nsum over k, T={num_tokens}: moe_sum {ours * 1e3:.1f} us, torch.sum {torch_ms * 1e3:.1f} us")

@@ -111,6 +111,36 @@ def test_small_batch_kernels_match_reference(case: str, dtype: torch.dtype, monk
     assert calls == [1]  # over the limit: the grouped GEMMs
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_sum_over_k_kernel_equals_torch_sum(dtype: torch.dtype, monkeypatch) -> None:
+    """kernels/moe_sum.py: [T, k, H] summed over k in fp32, rounded once, as torch.sum with out= (H not a
+    power of two: a masked tail; a strided view of the pairs); fused_moe takes it under its token limit with the
+    same result as torch.sum."""
+    import longserve.kernels.fused_moe as fm
+    from longserve.kernels.moe_sum import moe_sum
+
+    g = gen(7)
+    for tokens, k, hidden in ((1, 8, 200), (3, 2, 64), (5, 3, 1030)):
+        x = torch.randn(tokens, k, hidden + 6, generator=g).to(dtype)[:, :, 3 : 3 + hidden]
+        want = torch.empty(tokens, hidden, dtype=dtype)
+        torch.sum(x, dim=1, out=want)
+        got = moe_sum(x, torch.empty(tokens, hidden, dtype=dtype))
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+        else:  # both round the fp32 sum once: at most one ulp apart where the sums' order differs
+            torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=2**-7)
+    num_tokens, num_experts, top_k, hidden, inter, renorm, load = CASES["one_token"]
+    w13, w2 = make_experts(num_experts, hidden, inter, torch.bfloat16)
+    x = torch.randn(num_tokens, hidden, generator=gen(3)).bfloat16()
+    weights, ids = route_topk(make_logits(num_tokens, num_experts, load), top_k, renorm)
+    plain = fused_moe(x, w13, w2, weights.bfloat16(), ids)
+    calls = []
+    monkeypatch.setattr(fm, "moe_sum", lambda *a: calls.append(1) or moe_sum(*a))
+    monkeypatch.setattr(fm, "MOE_SUM_TRITON_MAX_TOKENS", num_tokens)
+    torch.testing.assert_close(fused_moe(x, w13, w2, weights.bfloat16(), ids), plain, atol=0, rtol=2**-7)
+    assert calls == [1]
+
+
 def test_kernel_with_table_config_and_out() -> None:
     """An explicit config (32-row blocks, grouped order, a different down tile) and a caller's out buffer."""
     w13, w2 = make_experts(6, 48, 40, torch.float32)

@@ -1,0 +1,58 @@
+"""The sum over the k experts of each token's weighted down projections, [T, k, H] -> [T, H]: fp32 accumulation
+in expert order, rounded once to the output's dtype (as `torch.sum(x, dim=1, out=out)` of 16-bit x gives, up to
+its summation order). Reference: that torch.sum.
+
+Why a kernel of its own: in the A3B decode at batch 1 torch's reduction took 4.8 us a layer for 8 x 2048
+values (48 launches, 0.23 ms of a 3.98 ms step, 2026-12-02 profile, benchmarks/RESULTS.md), a fixed cost of its
+launch configuration rather than of the 32 KB it reads. `fused_moe.MOE_SUM_TRITON_MAX_TOKENS` routes steps of
+a few tokens here (off until measured on a GPU).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from longserve.kernels.extend_attention import interpreting
+from longserve.kernels.launch import fast_launch
+from longserve.kernels.quant_tiles import rounded
+
+__all__ = ["moe_sum"]
+
+
+@fast_launch
+@triton.jit
+def _moe_sum_kernel(
+    x_ptr,  # [T, k, H]
+    out_ptr,  # [T, H]
+    hidden_size,
+    stride_xt,
+    stride_xk,
+    stride_ot,
+    TOP_K: tl.constexpr,
+    BLOCK: tl.constexpr,
+    INTERPRET_BF16: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < hidden_size
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):  # in order: deterministic
+        acc += tl.load(x_ptr + token * stride_xt + j * stride_xk + offs, mask=mask, other=0.0).to(tl.float32)
+    out_ty = out_ptr.dtype.element_ty
+    tl.store(out_ptr + token * stride_ot + offs, rounded(acc, out_ty, INTERPRET_BF16).to(out_ty), mask=mask)
+
+
+def moe_sum(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out [T, H] = x [T, k, H] summed over k in fp32, rounded once to out's dtype."""
+    num_tokens, top_k, hidden = x.shape
+    assert out.shape == (num_tokens, hidden) and x.stride(2) == 1 and out.stride(1) == 1
+    if num_tokens == 0:
+        return out
+    block = min(1024, triton.next_power_of_2(hidden))
+    _moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block))](
+        x, out, hidden, x.stride(0), x.stride(1), out.stride(0), TOP_K=top_k, BLOCK=block,
+        INTERPRET_BF16=interpreting() and out.dtype == torch.bfloat16,
+    )  # fmt: skip
+    return out
