@@ -385,6 +385,7 @@ if [[ $MODE == piecewise ]]; then  # one GPU, ~6 min: piecewise CUDA graphs (off
     | grep -vE "^\[bench|INFO|WARNING" > "$OUT/step_timeline_pw4096_triton_cold.log"
   grep -A13 "^overlapped, handed" "$OUT/step_timeline_pw4096_triton_cold.log"
 fi
+
 if [[ $MODE == quant-decode ]]; then  # one GPU, ~8 min: the int4 and FP8 decode GEMVs against their GEMMs
   timeout 100 python3 scripts/gpu/bench_quant_kernels.py --tokens 1,2,4,8,16 \
     --output-json "$OUT/kernels_quant_decode.json" 2>&1 | tee "$OUT/kernels_quant_decode.log" | grep -E "crossover|beats"
@@ -405,6 +406,7 @@ if [[ $MODE == quant-decode ]]; then  # one GPU, ~8 min: the int4 and FP8 decode
       2>&1 | tee "$OUT/latency_fp8ch_gemv$limit.log" | grep -E "^decode" || status=1
   done
 fi
+
 if [[ $MODE == moe-gemv ]]; then  # one GPU, ~4 min: the small-batch MoE kernels and the k-sum kernel
   python3 -m pytest -q -m gpu tests/gpu/test_fused_moe_gpu.py -k "small_batch or sum_over_k" -s -p no:cacheprovider \
     --tb=short -rfE 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "moe_gemv|sum over k|passed|failed" || status=1
