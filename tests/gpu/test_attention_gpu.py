@@ -188,10 +188,8 @@ def test_a_chunk_over_an_unaligned_prefix_runs_at_built_shapes(monkeypatch: pyte
     for prefix_lens, query_lens in (
         ([chunk - 1, 300], [chunk - 1, 1]),
         ([2 * chunk - 2, 500], [chunk - 1, 1]),
-        (
-            [2 * chunk - 2, 500],
-            [3000, 1],
-        ),  # a last chunk: its rows padded to the chunk's (PAD_QUERY_MIN_FILL)
+        # a last chunk: its rows padded to the chunk's (PAD_QUERY_MIN_FILL)
+        ([2 * chunk - 2, 500], [3000, 1]),
     ):
         start = time.perf_counter()
         out, expected = run_step(prefix_lens, query_lens, 16, torch.bfloat16)
