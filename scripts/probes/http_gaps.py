@@ -2,8 +2,8 @@
 request's start, TTFT and every gap between its streamed tokens. Per endpoint: the fastest, median and P95
 TTFT (with the prompt lengths of the slowest), and the gaps between tokens longer than a decode step (the steps
 that also computed prompts, as the decoding requests saw them): how many, and their deciles (percentiles by
-nearest rank: they may differ from the report's by a request). With --first N,
-the gaps of the N earliest requests one by one (a multi-turn opening's chunk steps, for example).
+nearest rank: they may differ from the report's by a request). With --first N, the gaps of the N earliest
+requests one by one (a multi-turn opening's chunk steps, for example).
 
     python3 scripts/probes/http_gaps.py benchmarks/results/2026-12-02_f876099_http_piecewise0/random/results.json
 """
