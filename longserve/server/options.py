@@ -197,7 +197,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(("--log-stats-interval",), S + "log_stats_interval",
            "seconds between engine stats log lines (tokens/s, queue, KV usage, hit rate); 0: off", float),
     Option(("--step-log",), S + "step_log",
-           "append one JSON line per engine loop iteration to this file: its step's tokens, host time and "
+           "write one JSON line per engine loop iteration to this file: its step's tokens, host time and "
            "time waiting for the device, idle time, commands, hand-out (where a workload's time goes)", str,
            default_help="off"),
     Option(("--enable-metrics",), S + "enable_metrics", "Prometheus metrics at GET /metrics (default)", None),

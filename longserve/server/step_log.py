@@ -9,8 +9,8 @@ computed), `running`/`waiting` (requests after it), `early` (outputs handed out 
 `outputs`, and `send_ms` (metrics and hand-out to the event loop). A step whose `step_ms` is much more than
 its `wait_ms` is bound by the host; a long `idle_ms` while requests wait elsewhere (tokenizing) shows too.
 The first line, `{"opened_unix": ...}`, is the wall-clock time of t = 0 (to line the log up with a client's
-timings). Lines are buffered and flushed every second and at exit. `scripts/probes/step_log_summary.py` sums a
-log up per workload.
+timings). The file is written anew at each start; lines are buffered and flushed every second and at exit.
+`scripts/probes/step_log_summary.py` sums a log up per workload.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class StepLog:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._file: TextIO | None = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        self._file: TextIO | None = open(path, "w", encoding="utf-8")  # noqa: SIM115 - closed in close()
         self._t0 = time.perf_counter()
         self._flushed = self._t0
         self._file.write(json.dumps({"opened_unix": time.time()}) + "\n")
