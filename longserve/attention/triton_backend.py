@@ -237,10 +237,11 @@ class TritonAttentionBackend(AttentionBackend):
                 if PLANS.cold_ready(model, query_len, device):
                     chosen.append(r)
             elif half and use_split_sdpa(query_len, prefix_len):
-                rows[r] = PLANS.split_rows(model, prefix_len, query_len, device)
-                if rows[r] is not None:
+                n = PLANS.split_rows(model, prefix_len, query_len, device)
+                if n is not None:
                     chosen.append(r)
-        return tuple(chosen), {r: n for r, n in rows.items() if n is not None}
+                    rows[r] = n
+        return tuple(chosen), rows
 
     def _triton(
         self,
