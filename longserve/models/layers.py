@@ -25,7 +25,6 @@ from torch import nn
 
 from longserve.distributed import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
 from longserve.kernels.activation_reference import silu_and_mul_ref
-from longserve.kernels.dense_gemv import dense_linear
 from longserve.kernels.norm_reference import fused_add_rms_norm_ref, rms_norm_ref
 from longserve.models.linear_method import LinearMethod, UnquantizedLinearMethod
 from longserve.models.quant.layout import check_dtype, entries, layout_of, packed_region, tensor_name
@@ -309,7 +308,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
 def parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """hidden [N, H] @ this rank's vocab rows [Vp, H]^T, all-gathered -> [N, V] float32 on every rank."""
-    logits = dense_linear(hidden, weight).float()  # [N, Vp]
+    logits = F.linear(hidden, weight).float()  # [N, Vp]
     if get_tp_size() == 1:
         return logits  # [N, V]
     return tp_all_gather(logits, dim=-1)[:, :vocab_size]  # [N, V]

@@ -12,9 +12,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from longserve.kernels.dense_gemv import dense_linear
 from longserve.models.quantization import UNQUANTIZED, QuantizeMethod, method_for, quantization_method
 
 
@@ -46,7 +46,7 @@ class UnquantizedLinearMethod(LinearMethod):
         layer.register_parameter("weight", weight)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return dense_linear(x, layer.weight, bias)  # F.linear, or at decode sizes on the GPU a GEMV
+        return F.linear(x, layer.weight, bias)
 
 
 class PendingLinearMethod(LinearMethod):

@@ -14,10 +14,10 @@ import re
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from longserve.distributed import tp_all_reduce
-from longserve.kernels.dense_gemv import dense_linear
 from longserve.models.decoder import MLP, ArchOptions, dense_mlp
 from longserve.models.layers import default_weight_loader
 from longserve.models.linear_method import LinearMethod
@@ -39,7 +39,7 @@ class ReplicatedLinear(nn.Module):
         default_weight_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return dense_linear(x, self.weight)  # [T, out]
+        return F.linear(x, self.weight)  # [T, out]
 
 
 class SparseMoeBlock(nn.Module):

@@ -1,5 +1,4 @@
-"""Compile the decode GEMV kernels (longserve/kernels/quant_gemv.py, fp8_gemv.py: variants with "fp8", and
-dense_gemv.py: variants with "dense") for sm90 with Triton's real compiler, on any
+"""Compile the decode GEMV kernels (longserve/kernels/quant_gemv.py, and fp8_gemv.py: variants with "fp8") for sm90 with Triton's real compiler, on any
 machine (no GPU needed: triton ships its nvidia backend and ptxas), and report per variant the registers, spills
 and whether the packed weights are loaded with 16-byte vectors. Catches constructs that the interpreter accepts
 and the compiler refuses (tests/unit/test_quant_gemv.py runs it).
@@ -32,8 +31,6 @@ VARIANTS = [
     {"fp8": True, "bm": 16, "bn": 16, "x": "fp32"},
     {"fp8": True, "channel": True},  # per-channel FP8, M = 1, split-K
     {"fp8": True, "channel": True, "bm": 4, "split": 1, "bias": True, "even_k": False},
-    {"dense": True},  # bf16, M = 1, 4 rows x 256 columns: the A3B o projection's default
-    {"dense": True, "bm": 8, "bn": 16, "split": 2, "bias": True, "even_k": False, "x": "fp16"},
 ]
 
 
@@ -82,29 +79,8 @@ def compile_fp8_gemv(fp8=True, channel=False, x="bf16", bias=False, even_k=True,
     return compile_sm90(fn, sig, consts, attrs, num_warps=num_warps, num_stages=num_stages)
 
 
-def compile_dense_gemv(dense=True, x="bf16", bias=False, even_k=True, bm=1, bn=4, bk=256, split=1, num_warps=4,
-                       num_stages=3):  # fmt: skip
-    """The 16-bit GEMV (kernels/dense_gemv.py) for sm90, specialized as at run time."""
-    from longserve.kernels.dense_gemv import _dense_gemv_kernel as fn
-
-    ptrs = {
-        "x_ptr": f"*{x}",
-        "w_ptr": f"*{x}",
-        "b_ptr": f"*{x}",
-        "out_ptr": "*fp32" if split > 1 else f"*{x}",
-    }
-    consts = dict(HAS_BIAS=bias and split == 1, EVEN_K=even_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                  PARTIAL=split > 1, INTERPRET_BF16=False)  # fmt: skip
-    sig = {a: ptrs.get(a, "constexpr" if a in consts else "i32") for a in fn.arg_names}
-    div16 = [*ptrs, "K", "N", "stride_xm", "stride_wn", "stride_om", "stride_os"]
-    attrs = {a: [["tt.divisibility", 16]] for a in div16}
-    return compile_sm90(fn, sig, consts, attrs, num_warps=num_warps, num_stages=num_stages)
-
-
 def report(variant: dict) -> dict:
-    if variant.get("dense"):
-        c = compile_dense_gemv(**variant)
-    elif variant.get("fp8"):
+    if variant.get("fp8"):
         c = compile_fp8_gemv(**variant)
     else:
         c = compile_reduce() if variant.get("reduce") else compile_gemv(**variant)

@@ -4,7 +4,7 @@
 # $OUT; a short table last. LONGSERVE_COMMIT is the commit the JSON metadata names: compute it where the tree
 # is a git checkout (a copied tree's .git may be stale) and pass it as a literal, e.g.
 #   LONGSERVE_COMMIT=abc1234 bash scripts/gpu/gpu_check.sh latency
-#   usage: LONGSERVE_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu/gpu_check.sh [quick|tests|bench|all|long|tp|tp2|tp32|profile|latency|hit|host|launch|turns|moe|moe-tests|moe-bench|moe-long|moe-tp|quant|quant-tests|quant-bench|kvfp8|vllm|structured|switches|chunks|fusions|fusions-a3b|piecewise|moe-gemv|quant-decode|dense-gemv]
+#   usage: LONGSERVE_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu/gpu_check.sh [quick|tests|bench|all|long|tp|tp2|tp32|profile|latency|hit|host|launch|turns|moe|moe-tests|moe-bench|moe-long|moe-tp|quant|quant-tests|quant-bench|kvfp8|vllm|structured|switches|chunks|fusions|fusions-a3b|piecewise|moe-gemv|quant-decode]
 # moe (one GPU) = moe-tests (the MoE kernel and engine GPU tests, the kernel's TFLOP/s and GB/s) +
 # moe-bench (the Qwen3-30B-A3B shape's cases against HF, profiled, with their floors); moe-long: 128K cold
 # against HF and the Mixtral-8x7B shape; moe-tp (two GPUs): the TP=2 / expert-parallel tests and the A3B shape
@@ -17,9 +17,6 @@
 # (int4 GEMV, block and per-channel FP8 GEMVs against their GEMMs, as CUDA graphs), then the 8B shape's int4,
 # block-FP8 and per-channel FP8 decode with each GEMV off and on (WNA16_GEMV_MAX_TOKENS, FP8_GEMV_MAX_TOKENS 0
 # against 16).
-# dense-gemv (one GPU, ~6 min): the 16-bit decode GEMV's GPU tests, its times against cuBLAS per shape and M
-# (with a tile sweep at M=1), then the A3B decode as it is, with DENSE_GEMV_MAX_TOKENS 8, and with it plus
-# MOE_SUM_TRITON_MAX_TOKENS 64.
 # piecewise (one GPU): the piecewise graphs' GPU test, then step_timeline.py and cold 512-4096 / a 32K + 512 hit
 # with --piecewise-cuda-graph-max-tokens 0 and 4096.
 # fusions (one GPU): the prefix-as-view and fused K/V-store switches off, each against both on; fusions-a3b:
@@ -419,22 +416,6 @@ if [[ $MODE == moe-gemv ]]; then  # one GPU, ~4 min: the small-batch MoE kernels
     timeout 150 python3 scripts/probes/with_constants.py longserve.kernels.fused_moe.$switch \
       -- longserve.bench.latency "${a3b[@]}" --output-json "$OUT/latency_a3b_${switch%%=*}.json" 2>&1 \
       | tee "$OUT/latency_a3b_${switch%%=*}.log" | grep -E "^decode"
-  done
-fi
-
-if [[ $MODE == dense-gemv ]]; then  # one GPU, ~6 min: the 16-bit decode GEMV, then the A3B decode with it
-  python3 -m pytest -q -m gpu tests/gpu/test_dense_gemv_gpu.py -p no:cacheprovider --tb=short -rfE 2>&1 \
-    | tee "$OUT/gpu_tests.log" | tail -3 || status=1
-  timeout 150 python3 scripts/gpu/bench_dense_gemv.py --sweep --output-json "$OUT/kernels_dense_gemv.json" 2>&1 \
-    | tee "$OUT/kernels_dense_gemv.log" | grep -E "cuBLAS|best" || status=1
-  a3b=(--config qwen3-30b-a3b --load-format dummy --dtype bfloat16 --warmup 1 --repeat 3
-       --decode-batch-sizes 1@32768,1@4096,8@4096)
-  dense=longserve.kernels.dense_gemv.DENSE_GEMV_MAX_TOKENS=8
-  for tag in base dense dense_ksum; do
-    c=(); [[ $tag == dense* ]] && c=($dense)
-    [[ $tag == dense_ksum ]] && c+=(longserve.kernels.fused_moe.MOE_SUM_TRITON_MAX_TOKENS=64)
-    timeout 120 python3 scripts/probes/with_constants.py ${c[@]+"${c[@]}"} -- longserve.bench.latency "${a3b[@]}" \
-      --output-json "$OUT/latency_a3b_$tag.json" 2>&1 | tee "$OUT/latency_a3b_$tag.log" | grep -E "^decode"
   done
 fi
 
