@@ -59,8 +59,11 @@ MOE_TRITON_ALIGN_MAX_PAIRS = MAX_ALIGN_PAIRS
 # the A3B expert block took 36.6 us at one token against 34.0 here, and 4-8% less at 2-8 tokens.
 MOE_GEMV_MAX_TOKENS = 0
 # A step of at most this many tokens sums its pairs' 16-bit outputs over k with kernels/moe_sum.py instead of
-# torch.sum (4.8 us a layer at batch 1 in the A3B decode, 2026-12-02 profile). 0 (off) until measured.
-MOE_SUM_TRITON_MAX_TOKENS = 0
+# torch.sum (4.8 us a layer at batch 1 in the A3B decode, 2026-12-02 profile). Measured on an H200 (95cf20e,
+# `gpu_check.sh dense-gemv`, RESULTS.md sixth session; both runs with the 16-bit GEMV since reverted): the A3B
+# decode at batch 1 3.88 ms with it against 4.03 (4K), 4.71 against 4.87 (32K); at batch 8 11.06 against 11.16.
+# Against that call's plain run (neither): 3.99 and 4.80 ms.
+MOE_SUM_TRITON_MAX_TOKENS = 64
 
 
 def align_routed_pairs(

@@ -76,9 +76,11 @@ FP8_DOT_MAX_IMPRECISE_ACC: int | None = 0
 # FP8 of at most this many rows runs as kernels/fp8_gemv.py's GEMVs (the weights read on the CUDA cores, split
 # K; block FP8 with the activations' quantization inside) instead of the 16-row tensor-core GEMM (block FP8;
 # read the 8B gate_up weights at ~1.6 TB/s at M=1, 2026-12-01) or torch._scaled_mm (per channel: 0.071 ms for
-# gate_up at M=1 against bf16's 0.059, same call). 0 (off) until measured on a GPU:
-# scripts/gpu/bench_quant_kernels.py prints both per M (the "fp8 gemv" line; gpu_check.sh quant-decode).
-FP8_GEMV_MAX_TOKENS = 0
+# gate_up at M=1 against bf16's 0.059, same call). Measured on an H200 as CUDA-graph replays (2026-12-02,
+# 95cf20e, `gpu_check.sh quant-decode`, RESULTS.md sixth session): the GEMVs win at M=1 at every 8B projection
+# (block gate_up 39.3 us against the Triton GEMM's 55.5 and cuBLAS's 42.1) but the block GEMV loses gate_up from
+# M=2 (59.6 against 52.7): 1. The 8B decode at batch 1 (32K): block FP8 6.76 -> 4.87 ms, per channel 6.00 -> 4.76.
+FP8_GEMV_MAX_TOKENS = 1
 
 
 @triton.jit

@@ -240,7 +240,7 @@ def test_small_batch_kernels_match_reference(experts, num_tokens: int) -> None:
 @pytest.mark.parametrize("num_tokens", [1, 8, 64])
 def test_sum_over_k_kernel(num_tokens: int) -> None:
     """kernels/moe_sum.py at the A3B shape (k = 8, H = 2048): torch.sum's result to one bf16 ulp, and its time
-    beside torch.sum's (the evidence for fused_moe.MOE_SUM_TRITON_MAX_TOKENS, 0 until measured)."""
+    beside torch.sum's (the evidence for fused_moe.MOE_SUM_TRITON_MAX_TOKENS)."""
     from longserve.kernels.moe_sum import moe_sum
     from longserve.platform import cuda_graph_time_ms
 

@@ -346,8 +346,8 @@ def count_rows(monkeypatch: pytest.MonkeyPatch, module, name: str) -> list[int]:
 @pytest.mark.parametrize("case", GEMV_CASES)
 def test_wna16_models_through_the_gemv_kernel(root, case: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The integer-weight cases above with their linear layers on the Triton path (interpreted here) and the
-    decode GEMV switched on for every size they compute (quant_gemm.WNA16_GEMV_MAX_TOKENS; off by default until
-    measured on a GPU): the same logits and greedy tokens, every product through kernels/quant_gemv.py."""
+    decode GEMV switched on for every size they compute (quant_gemm.WNA16_GEMV_MAX_TOKENS: 16 by default, here
+    64 for the prefill's 24 rows too): the same logits and greedy tokens, every product through kernels/quant_gemv.py."""
     pytest.importorskip("triton")
     from longserve.kernels import quant_gemm
     from longserve.models.quant import wna16
@@ -366,8 +366,8 @@ def test_fp8_models_through_the_gemv_kernels(
     root, case: str, gemv: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """FP8 cases, block-scaled and per channel, with their linear layers on the Triton path (interpreted here)
-    and the decode GEMVs (kernels/fp8_gemv.py) switched on (quant_fp8.FP8_GEMV_MAX_TOKENS; off by default until
-    measured on a GPU): the same logits and greedy tokens as transformers, the decode steps' products through
+    and the decode GEMVs (kernels/fp8_gemv.py) at up to 16 rows (quant_fp8.FP8_GEMV_MAX_TOKENS: 1 by
+    default): the same logits and greedy tokens as transformers, the decode steps' products through
     the GEMV."""
     pytest.importorskip("triton")
     from longserve.kernels import quant_fp8

@@ -107,9 +107,6 @@ def test_the_switch_routes_decode_sizes_to_the_gemv(monkeypatch: pytest.MonkeyPa
         quant_fp8, "fp8_block_gemv", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw)
     )
     w, scales = weights(32, 128, (16, 32), seed=5)
-    for m in (1, 5):
-        quant_fp8.fp8_block_linear(torch.randn(m, 128), w, scales, (16, 32))
-    assert calls == []  # off by default
     monkeypatch.setattr(quant_fp8, "FP8_GEMV_MAX_TOKENS", 4)
     for m in (1, 4, 5):
         x = torch.randn(m, 128, generator=torch.Generator().manual_seed(m))
@@ -127,8 +124,6 @@ def test_the_switch_routes_per_channel_decode_sizes_to_the_gemv(monkeypatch: pyt
     g = torch.Generator().manual_seed(9)
     w = (torch.randn(32, 128, generator=g) * 40).to(FP8_DTYPE)
     w_scale = torch.rand(32, generator=g) * 0.002 + 0.0005
-    quant_fp8.fp8_scaled_linear(torch.randn(2, 128), w, w_scale)
-    assert calls == []  # off by default
     monkeypatch.setattr(quant_fp8, "FP8_GEMV_MAX_TOKENS", 4)
     for m in (1, 4, 5):
         x = torch.randn(m, 128, generator=torch.Generator().manual_seed(m))

@@ -24,11 +24,12 @@ def run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_the_target_runs_with_the_constant_set(tmp_path):
+    # 7: not the default (16), so that only the script's setting can print it
     done = run(
-        tmp_path, "longserve.kernels.quant_gemm.WNA16_GEMV_MAX_TOKENS=16", "--", "show_switch", "--x", "1"
+        tmp_path, "longserve.kernels.quant_gemm.WNA16_GEMV_MAX_TOKENS=7", "--", "show_switch", "--x", "1"
     )
     assert done.returncode == 0, done.stderr
-    assert "switch 16 argv ['--x', '1']" in done.stdout
+    assert "switch 7 argv ['--x', '1']" in done.stdout
 
 
 def test_an_unknown_constant_is_refused(tmp_path):
