@@ -62,8 +62,8 @@ MOE_GEMV_MAX_TOKENS = 0
 # torch.sum (4.8 us a layer at batch 1 in the A3B decode, 2026-12-02 profile). Measured on an H200 (95cf20e,
 # `gpu_check.sh dense-gemv`, RESULTS.md sixth session; both runs with the 16-bit GEMV since reverted): the A3B
 # decode at batch 1 3.88 ms with it against 4.03 (4K), 4.71 against 4.87 (32K); at batch 8 11.06 against 11.16.
-# Against that call's plain run (neither): 3.99 and 4.80 ms.
-MOE_SUM_TRITON_MAX_TOKENS = 64
+# Against that call's plain run (neither): 3.99 and 4.80 ms. 8: the largest batch measured.
+MOE_SUM_TRITON_MAX_TOKENS = 8
 
 
 def align_routed_pairs(
