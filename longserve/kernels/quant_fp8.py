@@ -61,11 +61,12 @@ logger = logging.getLogger("longserve.kernels.quant_fp8")
 # cuBLAS block-scaled FP8 where it applies (Hopper, 128x128 blocks), checked at load time against the Triton
 # block GEMM (check_block_scaled_mm); False: always Triton.
 FP8_BLOCK_USE_SCALED_MM = True
-# ... and only from this many rows: measured on an H200 (2026-12-01, 55ae18c, bench_quant_kernels.py), the
-# Triton block GEMM wins below it (Llama-3.1-8B gate_up at M=1: 0.073 ms against cuBLAS's 0.115; at M=128: 0.079
-# against 0.100; down at M=1: 0.113 against 0.157) and cuBLAS from it on (gate_up at M=256: 0.094 against 0.119,
-# M=8192: 1.85 against 3.04 ms; down from M=512)
-FP8_BLOCK_SCALED_MM_MIN_TOKENS = 256
+# ... and only from this many rows. Timed as CUDA-graph replays on an H200 (2026-12-02, 95cf20e,
+# bench_quant_kernels.py --tokens 1,2,4,8,16; RESULTS.md sixth session), cuBLAS takes the four Llama-3.1-8B
+# projections in 105.6 us at M=2 against the Triton block GEMM's 143.5, and 94.4 against 121.8 at M=16 (down,
+# K=14336: 25.9 against 58.5); M=1 goes to the GEMV (FP8_GEMV_MAX_TOKENS). The earlier 256 came from eager
+# timings (2026-12-01, 55ae18c), which at small M measured launch time; cuBLAS wins from M=256 on either way.
+FP8_BLOCK_SCALED_MM_MIN_TOKENS = 2
 # Passed as `max_num_imprecise_acc` to the fp8 tensor-core dots of the Triton block GEMM and the fused MoE
 # kernel. None would be Triton's default, which on sm90 lets a whole dot (one BLOCK_K of at most 128) accumulate
 # at the tensor cores' reduced precision; 0: full fp32 accumulation. Measured on an H200 (2026-12-02, 73be6a4,

@@ -53,9 +53,11 @@ __all__ = [
 WNA16_DEQUANT_MIN_TOKENS = 1
 # The decode GEMV serves M <= WNA16_GEMV_MAX_TOKENS. Measured on an H200 (2026-12-02, 95cf20e, `gpu_check.sh
 # quant-decode`: CUDA-graph replays, RESULTS.md sixth session) it beats the fused kernel and dequantize+cuBLAS at
-# every Llama-3.1-8B projection up to M=16 (gate_up at M=1: 42.2 us against 166 us), and the 8B int4 decode at
-# batch 1 (32K) took 5.01 ms with it against 12.14 ms without.
-WNA16_GEMV_MAX_TOKENS = 16
+# every Llama-3.1-8B projection up to M=16, the largest M timed (gate_up at M=1: 42.2 us against 166 us; at M=16
+# 54.4 against 166), and the 8B int4 decode at batch 1 (32K) took 5.01 ms with it against 12.14 ms without. Up
+# to its largest tile (64 rows, the tl.dot path) on the same trend: at M=16 dequantize+cuBLAS still reads the
+# dequantized weights three times over.
+WNA16_GEMV_MAX_TOKENS = 64
 
 
 @triton.jit

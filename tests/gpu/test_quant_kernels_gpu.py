@@ -63,7 +63,7 @@ def test_wna16_variants(bits: int, zp: bool, act_order: bool) -> None:
         assert_close_rel(wna16_gemm(x, *w, bits, 128), wna16_gemm_ref(x, *w, bits, 128))
 
 
-GEMV_TOKENS = [1, 2, 3, 4, 8, 16]
+GEMV_TOKENS = [1, 2, 3, 4, 8, 16, 33, 64]
 
 
 @pytest.mark.parametrize("shape", list(DENSE))
