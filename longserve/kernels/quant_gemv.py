@@ -52,6 +52,7 @@ import triton
 import triton.language as tl
 
 from longserve.kernels.extend_attention import interpreting
+from longserve.kernels.int4_gemv import int4_fast_supported, int4_gemv_kernel
 from longserve.kernels.quant_reference import wna16_gemm_ref
 from longserve.kernels.quant_tiles import rounded
 
@@ -63,6 +64,10 @@ __all__ = [
     "wna16_gemm_ref",
 ]
 
+# One-row products of 4-bit weights in whole-tile groups take kernels/int4_gemv.py's word-wise unpacking (its
+# docstring: ~3 instructions a value instead of ~6.5). Not yet measured on a GPU (the bench's int4 GEMV column
+# at M=1 with it on and off: `with_constants.py longserve.kernels.quant_gemv.INT4_FAST_PATH=False`).
+INT4_FAST_PATH = True
 # M up to which the CUDA-core FMA path serves 16-bit activations; above it tl.dot (BLOCK_M >= 16). A placeholder
 # until the GPU session measures both (scripts/gpu/bench_quant_kernels.py --sweep-gemv prints them per M).
 WNA16_GEMV_FMA_MAX_TOKENS = 4
@@ -279,6 +284,7 @@ def wna16_gemv_config(
     path (act order) 32 x 64 (its scale and zero point gathers: more would spill, as compiled for sm90).
     SPLIT_K for ~8 programs per SM (N = 4096: 64 row blocks x 16 splits)."""
     group = group_size if group_size > 0 else k
+    sms = _num_sms(device.index or 0) if device.type == "cuda" else 1
     use_dot = dtype != torch.float32 and m > WNA16_GEMV_FMA_MAX_TOKENS
     block_m = max(16, triton.next_power_of_2(m)) if use_dot else triton.next_power_of_2(m)
     per_col = has_gidx or _tile_k(group, k, 16) == 0
@@ -288,6 +294,14 @@ def wna16_gemv_config(
         block_k = _tile_k(group, k, 128)
         budget = 8192 if use_dot or block_m <= 4 else 4096  # values of a tile
         block_n = max(16, min(128, pow2_at_most(budget // block_k)))
+    if INT4_FAST_PATH and int4_fast_supported(m, bits, k, per_col, use_dot, block_k):
+        # up to 256 rows: a thread then holds 8 rows of its 4 words, so the activations it loads, widens and sums
+        # serve 8 rows (sm90 SASS of the loop, Triton 3.6: 4.4 instructions a weight against 6.1 at 64 rows; 118
+        # registers, 4 programs an SM); fewer where the grid would not reach 2 programs an SM (32 KB of weights
+        # in flight each: enough for the bandwidth)
+        block_n = 256
+        while block_n > 64 and triton.cdiv(n, block_n) * min(32, triton.cdiv(k, block_k) // 2) < 2 * sms:
+            block_n //= 2
     block_n = min(block_n, max(16, triton.next_power_of_2(n)))
     split_k = splits_for(device, triton.cdiv(n, block_n), triton.cdiv(k, block_k))
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k,
@@ -337,6 +351,17 @@ def wna16_gemv(
     z = zeros if zeros is not None else scales
     g = g_idx if g_idx is not None else scales
     b = bias if bias is not None else scales
+    words_ok = qweight.stride(0) % 4 == 0 and qweight.data_ptr() % 16 == 0  # rows of whole 32-bit words
+    fast = int4_fast_supported(m, bits, k, per_col, bool(cfg["USE_DOT"]), block_k)
+    if INT4_FAST_PATH and words_ok and fast:
+        int4_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), split)](
+            x, qweight.view(torch.int32), scales, z, b, out, n, group, tiles_per_split, num_tiles,
+            qweight.stride(0) // 4, scales.stride(0), z.stride(0), out.stride(0) if split > 1 else 0,
+            HAS_ZP=zeros is not None, HAS_BIAS=bias is not None and split == 1, BLOCK_N=cfg["BLOCK_N"],
+            BLOCK_K=block_k, PARTIAL=split > 1, INTERPRET_BF16=interpret_bf16,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )  # fmt: skip
+        return out if split == 1 else splitk_reduce(out, bias, x.dtype)
     _wna16_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), split)](
         x, qweight, scales, z, g, b, out, m, n, k, group, tiles_per_split, num_tiles,
         x.stride(0), qweight.stride(0), scales.stride(0), z.stride(0), out.stride(-2),

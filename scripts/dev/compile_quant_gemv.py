@@ -1,4 +1,5 @@
-"""Compile the decode GEMV kernels (longserve/kernels/quant_gemv.py, and fp8_gemv.py: variants with "fp8") for sm90 with Triton's real compiler, on any
+"""Compile the decode GEMV kernels (longserve/kernels/quant_gemv.py, int4_gemv.py: variants with "int4", and
+fp8_gemv.py: variants with "fp8") for sm90 with Triton's real compiler, on any
 machine (no GPU needed: triton ships its nvidia backend and ptxas), and report per variant the registers, spills
 and whether the packed weights are loaded with 16-byte vectors. Catches constructs that the interpreter accepts
 and the compiler refuses (tests/unit/test_quant_gemv.py runs it).
@@ -31,6 +32,8 @@ VARIANTS = [
     {"fp8": True, "bm": 16, "bn": 16, "x": "fp32"},
     {"fp8": True, "channel": True},  # per-channel FP8, M = 1, split-K
     {"fp8": True, "channel": True, "bm": 4, "split": 1, "bias": True, "even_k": False},
+    {"int4": True, "bn": 256},  # the one-row fast path, g128 symmetric, split-K: the decode case
+    {"int4": True, "zp": True, "split": 1, "bias": True, "x": "fp16"},
 ]
 
 
@@ -79,8 +82,25 @@ def compile_fp8_gemv(fp8=True, channel=False, x="bf16", bias=False, even_k=True,
     return compile_sm90(fn, sig, consts, attrs, num_warps=num_warps, num_stages=num_stages)
 
 
+def compile_int4_gemv(int4=True, x="bf16", zp=False, bias=False, bn=64, bk=128, split=4, num_warps=4,
+                      num_stages=2):  # fmt: skip
+    """The one-row int4 GEMV (kernels/int4_gemv.py) for sm90, specialized as at run time."""
+    from longserve.kernels.int4_gemv import int4_gemv_kernel as fn
+
+    ptrs = {"x_ptr": f"*{x}", "w_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8" if zp else "*fp16",
+            "b_ptr": f"*{x}" if bias else "*fp16", "out_ptr": "*fp32" if split > 1 else f"*{x}"}  # fmt: skip
+    consts = dict(HAS_ZP=zp, HAS_BIAS=bias and split == 1, BLOCK_N=bn, BLOCK_K=bk, PARTIAL=split > 1,
+                  INTERPRET_BF16=False)  # fmt: skip
+    sig = {a: ptrs.get(a, "constexpr" if a in consts else "i32") for a in fn.arg_names}
+    div16 = [*ptrs, "N", "stride_wn", "stride_os"]
+    attrs = {a: [["tt.divisibility", 16]] for a in div16}
+    return compile_sm90(fn, sig, consts, attrs, num_warps=num_warps, num_stages=num_stages)
+
+
 def report(variant: dict) -> dict:
-    if variant.get("fp8"):
+    if variant.get("int4"):
+        c = compile_int4_gemv(**variant)
+    elif variant.get("fp8"):
         c = compile_fp8_gemv(**variant)
     else:
         c = compile_reduce() if variant.get("reduce") else compile_gemv(**variant)

@@ -115,6 +115,34 @@ def test_both_product_paths_and_the_per_element_path(use_dot: int) -> None:
         check(out, x, qweight, scales, zeros, None, bits, group, None, bool(use_dot and per_col))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("group", "zp", "split_k", "bias"), [(128, False, 1, True), (32, True, 3, False), (-1, True, 2, True)]
+)
+def test_the_int4_fast_path_equals_the_general_kernel_and_the_reference(
+    group, zp, split_k, bias, dtype, monkeypatch
+) -> None:
+    """One row of 4-bit weights (kernels/int4_gemv.py: words unpacked in place, the zero point out of the inner
+    loop) against the reference and against the general kernel (INT4_FAST_PATH off); it is the path taken."""
+    from longserve.kernels import int4_gemv
+
+    n, k = 40, 256
+    qweight, scales, zeros, _ = int_weights(n, k, 4, group, zp, False, seed=group + split_k)
+    x = torch.randn(1, k, generator=gen(12)).to(dtype)
+    b = torch.randn(n, generator=gen(13)).to(dtype) if bias else None
+    cfg = {"SPLIT_K": split_k, "BLOCK_N": 16, "BLOCK_K": 32}
+    calls = []
+    real = int4_gemv.int4_fast_supported
+    monkeypatch.setattr(quant_gemv, "int4_fast_supported", lambda *a: calls.append(real(*a)) or real(*a))
+    fast = wna16_gemv(x, qweight, scales, zeros, None, 4, group, b, config=cfg)
+    assert calls and all(calls)  # the config and the launch both take the fast path
+    check(fast, x, qweight, scales, zeros, None, 4, group, b, False)
+    monkeypatch.setattr(quant_gemv, "INT4_FAST_PATH", False)
+    general = wna16_gemv(x, qweight, scales, zeros, None, 4, group, b, config=cfg)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(fast.float(), general.float(), atol=tol, rtol=tol)
+
+
 def test_k_not_a_multiple_of_the_tile_and_fp32_exactness() -> None:
     """K = 96 with a per-channel group: tiles of 32 and 16 over ragged splits, and the per-element path's tile of
     64 past the end of K (masked); float32 activations equal the float64 product of the dequantized weights to
@@ -145,14 +173,15 @@ def test_split_k_is_deterministic_and_has_no_empty_split() -> None:
 
 
 def test_config_fills_the_gpu_at_decode_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On an H200 (132 SMs) the default grid has ~8 programs per SM or more at the Llama-3.1-8B shapes."""
+    """On an H200 (132 SMs) the default grid has ~4 programs per SM or more at the Llama-3.1-8B shapes (at one
+    row, kernels/int4_gemv.py's larger row blocks: 2 or more)."""
     monkeypatch.setattr(quant_gemv, "_num_sms", lambda index: 132)
     cuda = torch.device("cuda", 0)
     for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)):
         for m in (1, 4, 16):
             cfg = wna16_gemv_config(m, n, k, 128, 4, False, torch.bfloat16, cuda)
             programs = -(-n // cfg["BLOCK_N"]) * cfg["SPLIT_K"]
-            assert programs >= 4 * 132, (n, k, m, cfg)
+            assert programs >= (2 if m == 1 else 4) * 132, (n, k, m, cfg)
             assert 128 % cfg["BLOCK_K"] == 0 and cfg["BLOCK_M"] >= m
             assert cfg["USE_DOT"] == int(m > quant_gemv.WNA16_GEMV_FMA_MAX_TOKENS)
 
@@ -209,3 +238,5 @@ def test_gemv_compiles_for_sm90() -> None:
         r for r in reports if r["variant"].get("fp8")
     ]  # kernels/fp8_gemv.py: e4m3 bytes as 16-byte vectors
     assert len(fp8) >= 5 and all(r["ld_v4"] for r in fp8), fp8
+    int4 = [r for r in reports if r["variant"].get("int4")]  # kernels/int4_gemv.py: words as 16-byte vectors
+    assert len(int4) >= 2 and all(r["ld_v4"] for r in int4), int4

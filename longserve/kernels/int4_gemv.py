@@ -1,0 +1,99 @@
+"""The int4 decode GEMV's fast path: y = x @ dequantize(w)^T for 4-bit weights in the layout of `quant_reference`
+with groups that hold whole tiles (no act order), at one token (decode at batch 1) on the CUDA cores. Same
+contract as `quant_reference.wna16_gemm_ref`; `quant_gemv.wna16_gemv` routes here when it applies
+(`int4_fast_supported`), else its general kernel serves.
+
+Why: measured on an H200 (2026-12-02, 95cf20e, benchmarks/RESULTS.md sixth session) the general kernel read the
+Llama-3.1-8B gate_up weights (58.7 MB packed) in 42.2 us at M=1, 34% of 4.2 TB/s: issue-bound, at ~6.5
+instructions per weight (its docstring): the nibbles unpacked byte by byte, joined and reshaped back into K
+order (register shuffles), then 2^23 + q made a float and q - z subtracted before the product. Here:
+
+- Weights are read as 32-bit words, 8 values each (element 8j + i of the row in bits 4i..4i+3 of word j:
+  little-endian bytes, low nibble first). For i in 0..3, `((word >> 4i) & 0x000F000F) | 0x43004300` holds two
+  bf16 values, 128 + q[8j + i] (low half) and 128 + q[8j + i + 4] (high half); a bf16 widens to fp32 by its bits
+  alone, so the high half is `t & 0xFFFF0000` and the low one `t << 16`, bitcast. Two integer operations per
+  value (the shift, the and-or: one LOP3; the widening), no conversion instruction, no reordering: each of the
+  eight values of a word meets activation column 8j + i, loaded as its own strided vector.
+- The zero point comes out of the inner loop: sum_k (q_k - z) x_k = sum_k (128 + q_k) x_k - (128 + z) sum_k x_k,
+  so a value costs one FMA, and the tile's sum of x (the same for every row) one subtraction per row and tile.
+  The scale multiplies the tile's sum, as in the general kernel (a tile lies within one group).
+- Products accumulate element-wise in a [BLOCK_N, BLOCK_W] fp32 tile and reduce across threads once per tile.
+- One activation row: rows beyond the first would each need their own product tile or a second unpacking
+  (Triton keeps no lists of tiles), and the general kernel serves them.
+
+Rounding: the exact integers (128 + q, 128 + z) times the activations, summed in fp32; the cancellation of the
+128 * sum(x) terms costs ~5 bits of fp32's 24 (|128 + q| <= 143 against |q - z| ~ 4 on average): ~2e-6
+relative, far below one bf16 ulp. Split-K and its reduction are quant_gemv's.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from longserve.kernels.quant_tiles import rounded
+
+__all__ = ["int4_fast_supported"]
+
+_BF16_128 = tl.constexpr(0x43004300)  # two bf16 128.0: OR-ed with a nibble in each half, 128 + q
+_LOW_NIBBLES = tl.constexpr(0x000F000F)
+_HIGH_HALF = tl.constexpr(-65536)  # 0xFFFF0000 as int32
+
+
+def int4_fast_supported(m: int, bits: int, k: int, per_col: bool, use_dot: bool, block_k: int) -> bool:
+    """Whether the fast path takes a product the general kernel would run with this config: one row (decode at
+    batch 1: the unpacked tile serves one activation row, so nothing is kept across rows), 4 bits, groups of
+    whole tiles, the FMA path, K a multiple of the tile (no masks along K; whole words)."""
+    return m == 1 and bits == 4 and not per_col and not use_dot and block_k % 8 == 0 and k % block_k == 0
+
+
+@triton.jit
+def int4_gemv_kernel(
+    x_ptr,  # [1, K]
+    w_ptr,  # [N, K / 8] int32: the packed uint8 [N, K / 2] as words
+    s_ptr,  # [N, G]
+    z_ptr,  # [N, G] uint8 (HAS_ZP)
+    b_ptr,  # [N] bias (HAS_BIAS, not PARTIAL)
+    out_ptr,  # [1, N] in x's dtype, or (PARTIAL) [splits, 1, N] float32 partial sums
+    N, group_size, tiles_per_split, num_tiles, stride_wn, stride_sn, stride_zn, stride_os,
+    HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PARTIAL: tl.constexpr, INTERPRET_BF16: tl.constexpr,
+):  # fmt: skip
+    BLOCK_W: tl.constexpr = BLOCK_K // 8  # words of a tile row
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_w = tl.arange(0, BLOCK_W)
+    n_mask = offs_n < N
+    w_rows = w_ptr + offs_n[:, None] * stride_wn  # [BLOCK_N, 1]
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    t_begin = pid_k * tiles_per_split
+    t_end = tl.minimum(t_begin + tiles_per_split, num_tiles)
+    for t in range(t_begin, t_end):
+        words = tl.load(w_rows + (t * BLOCK_W + offs_w)[None, :], mask=n_mask[:, None], other=0)
+        grp = t * BLOCK_K // group_size
+        s_row = tl.load(s_ptr + offs_n * stride_sn + grp, mask=n_mask, other=0.0).to(tl.float32)  # [BLOCK_N]
+        if HAS_ZP:
+            z = tl.load(z_ptr + offs_n * stride_zn + grp, mask=n_mask, other=0).to(tl.float32) + 128.0
+        else:
+            z = tl.full([BLOCK_N], 136.0, tl.float32)  # 128 + 2^(4 - 1)
+        x_cols = x_ptr + t * BLOCK_K + offs_w * 8  # [BLOCK_W]: column 8j of the tile
+        prod = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
+        x_sum = tl.zeros([BLOCK_W], dtype=tl.float32)
+        for i in tl.static_range(4):  # the value pairs (8j + i, 8j + i + 4) of every word
+            pair = ((words >> (4 * i)) & _LOW_NIBBLES) | _BF16_128
+            lo = (pair << 16).to(tl.float32, bitcast=True)  # 128 + q[8j + i]
+            hi = (pair & _HIGH_HALF).to(tl.float32, bitcast=True)  # 128 + q[8j + i + 4]
+            x_lo = tl.load(x_cols + i).to(tl.float32)
+            x_hi = tl.load(x_cols + i + 4).to(tl.float32)
+            # two FMAs (written as one sum, the second product compiled to a multiply and an add)
+            prod += lo * x_lo[None, :]
+            prod += hi * x_hi[None, :]
+            x_sum += x_lo + x_hi
+        acc += (tl.sum(prod, axis=1) - z * tl.sum(x_sum, axis=0)) * s_row
+    if not PARTIAL:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        out_ty = out_ptr.dtype.element_ty
+        tl.store(out_ptr + offs_n, rounded(acc, out_ty, INTERPRET_BF16).to(out_ty), mask=n_mask)
+    else:
+        tl.store(out_ptr + pid_k * stride_os + offs_n, acc, mask=n_mask)
