@@ -240,6 +240,7 @@ def run_from_args(
         config.tp_size,
         getattr(args, "peak_tflops", H200_PEAK_TFLOPS),
         getattr(args, "peak_gbps", H200_PEAK_GBPS),
+        measured_bytes(engine_meta, config.tp_size),
     )
     for line in floors:
         log(line)
@@ -248,6 +249,14 @@ def run_from_args(
     if args.output_json:
         log(f"wrote {len(records)} records to {args.output_json}")
     return records
+
+
+def measured_bytes(engine_meta: dict[str, Any], tp_size: int) -> tuple[float, float] | None:
+    """(weight bytes, KV bytes per token) of the engine that ran, all ranks together (a rank's times tp_size:
+    replicated routers and norms counted tp_size times, a rounding at these sizes); None when not recorded."""
+    if "weight_bytes" not in engine_meta:
+        return None
+    return engine_meta["weight_bytes"] * tp_size, engine_meta["kv_bytes_per_token"] * tp_size
 
 
 def _run_engine(

@@ -325,5 +325,7 @@ def bench_engine(
         context_length=llm.engine.context_length,
         tp_size=llm.config.tp_size,
         cuda_graphs=runner.graph_runner is not None,
+        weight_bytes=runner.memory_plan["weight_bytes"],  # this rank's, quantized formats' scales included
+        kv_bytes_per_token=runner.memory_plan["kv_bytes_per_token"],
     )
     return records, meta

@@ -15,6 +15,7 @@ counts for the rows that are sampled.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,10 +41,14 @@ class ModelCosts:
     top_k: int
     embed_params: int  # embedding + LM head (once when tied)
     windows: tuple[int | None, ...]  # each layer's sliding window (None: full attention)
+    # bytes a decoder-layer weight and a K/V value take where they differ from itemsize (quantized weights with
+    # their scales, an fp8 KV cache): with_measured_bytes; the embeddings and the LM head stay at itemsize
+    layer_itemsize: float | None = None
+    kv_itemsize: float | None = None
 
     @property
-    def kv_bytes_per_token_layer(self) -> int:
-        return 2 * self.num_kv_heads * self.head_dim * self.itemsize
+    def kv_bytes_per_token_layer(self) -> float:
+        return 2 * self.num_kv_heads * self.head_dim * (self.kv_itemsize or self.itemsize)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -117,6 +122,20 @@ def model_costs(cfg: dict[str, Any], itemsize: int) -> ModelCosts:
     )
 
 
+def with_measured_bytes(costs: ModelCosts, weight_bytes: float, kv_bytes_per_token: float) -> ModelCosts:
+    """`costs` with the bytes a loaded engine holds (its memory plan, all ranks together): the decoder layers'
+    weights per parameter (int4 with its scales ~0.52, FP8 ~1) and the K/V per value (an fp8 cache: 1), so that a
+    quantized model's floor counts the bytes it reads."""
+    layer_params = costs.dense_params + costs.moe_layers * costs.num_experts * costs.expert_params
+    layer_bytes = weight_bytes - costs.embed_params * costs.itemsize
+    kv_values = costs.num_layers * 2 * costs.num_kv_heads * costs.head_dim
+    return dataclasses.replace(
+        costs,
+        layer_itemsize=layer_bytes / layer_params if layer_params and layer_bytes > 0 else None,
+        kv_itemsize=kv_bytes_per_token / kv_values if kv_values else None,
+    )
+
+
 def _keys_attended(prefix: int, new: int, window: int | None) -> int:
     """Sum over the new tokens at positions [prefix, prefix + new) of the keys each attends to (causal,
     within `window`): sum of min(x, window) for x in [prefix + 1, prefix + new]."""
@@ -152,7 +171,9 @@ def step_cost(costs: ModelCosts, requests: list[tuple[int, int]], sampled: int) 
             flops += 4.0 * costs.num_q_heads * costs.head_dim * _keys_attended(prefix, new, window)
             read = prefix if window is None else min(prefix, window)
             kv += (read + new) * costs.kv_bytes_per_token_layer  # the prefix's K/V read, the new ones written
-    return StepCost(flops=flops, bytes=weights * costs.itemsize + kv)
+    head = costs.vocab * costs.hidden * (1 if sampled else 0)
+    layer_bytes = (weights - head) * (costs.layer_itemsize or costs.itemsize)
+    return StepCost(flops=flops, bytes=layer_bytes + head * costs.itemsize + kv)
 
 
 def prefill_steps(prefix: int, new: int, chunk: int) -> list[tuple[int, int, bool]]:
@@ -215,9 +236,13 @@ def attach_floors(
     gpus: int,
     peak_tflops: float,
     peak_gbps: float,
+    measured_bytes: tuple[float, float] | None = None,
 ) -> list[str]:
-    """Set each record's "floor" (case_floor); one log line per case that ran."""
+    """Set each record's "floor" (case_floor); one log line per case that ran. measured_bytes: (weight bytes,
+    KV bytes per token) of the engine that ran, all ranks together (with_measured_bytes)."""
     costs = model_costs(cfg, itemsize)
+    if measured_bytes is not None:
+        costs = with_measured_bytes(costs, *measured_bytes)
     lines = []
     for rec in records:
         floor = case_floor(rec, costs, chunk, gpus, peak_tflops, peak_gbps)

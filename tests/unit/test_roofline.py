@@ -8,7 +8,14 @@ import pytest
 
 from longserve.bench.configs import BUILTIN_CONFIGS
 from longserve.bench.latency_plan import estimate_bytes
-from longserve.bench.roofline import _keys_attended, case_floor, model_costs, prefill_steps, step_cost
+from longserve.bench.roofline import (
+    _keys_attended,
+    case_floor,
+    model_costs,
+    prefill_steps,
+    step_cost,
+    with_measured_bytes,
+)
 
 
 @pytest.mark.parametrize(
@@ -128,3 +135,22 @@ def test_kernels_launched_inside_the_moe_range_count_as_moe(monkeypatch) -> None
     monkeypatch.setattr(prof_mod, "_sync", lambda: None)
     _, summary = prof_mod.profile_call(lambda: None, "cuda")
     assert summary["by_category_ms"] == pytest.approx({"moe": 0.53, "gemm": 0.2, "sampling": 0.01})
+
+
+def test_a_quantized_engine_floor_counts_the_bytes_it_holds() -> None:
+    """with_measured_bytes: the loaded engine's weight bytes (int4: ~0.52 a layer weight with its scales) and KV
+    bytes per token (fp8: 1 a value) replace the bf16 ones in a decode step; the embeddings and the LM head stay
+    bf16. bf16's own bytes leave the floor unchanged."""
+    costs = model_costs(BUILTIN_CONFIGS["llama-3.1-8b"], itemsize=2)
+    layer_params = costs.dense_params
+    head = costs.vocab * costs.hidden
+    same = with_measured_bytes(costs, costs.weight_bytes, costs.kv_bytes_per_token)
+    assert step_cost(same, [(32768, 1)], 1).bytes == pytest.approx(step_cost(costs, [(32768, 1)], 1).bytes)
+    int4_fp8kv = with_measured_bytes(
+        costs, costs.embed_params * 2 + layer_params * 0.52, costs.kv_bytes_per_token / 2
+    )
+    assert int4_fp8kv.layer_itemsize == pytest.approx(0.52) and int4_fp8kv.kv_itemsize == pytest.approx(1.0)
+    got = step_cost(int4_fp8kv, [(32768, 1)], sampled=1).bytes
+    assert got == pytest.approx(layer_params * 0.52 + head * 2 + 32769 * costs.kv_bytes_per_token / 2)
+    record = {"case": "decode", "batch_size": 1, "context_len": 32768, "itl_ms_median": 5.0}
+    assert case_floor(record, int4_fp8kv, 8192)["seconds"] < case_floor(record, costs, 8192)["seconds"] / 1.7
