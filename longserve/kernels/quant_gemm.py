@@ -54,10 +54,11 @@ WNA16_DEQUANT_MIN_TOKENS = 1
 # The decode GEMV serves M <= WNA16_GEMV_MAX_TOKENS. Measured on an H200 (2026-12-02, 95cf20e, `gpu_check.sh
 # quant-decode`: CUDA-graph replays, RESULTS.md sixth session) it beats the fused kernel and dequantize+cuBLAS at
 # every Llama-3.1-8B projection up to M=16, the largest M timed (gate_up at M=1: 42.2 us against 166 us; at M=16
-# 54.4 against 166), and the 8B int4 decode at batch 1 (32K) took 5.01 ms with it against 12.14 ms without. Up
-# to its largest tile (64 rows, the tl.dot path) on the same trend: at M=16 dequantize+cuBLAS still reads the
-# dequantized weights three times over.
-WNA16_GEMV_MAX_TOKENS = 64
+# 54.4 against 166), and the 8B int4 decode at batch 1 (32K) took 5.01 ms with it against 12.14 ms without.
+# Beyond 16 rows (batch-64 decode: 19.17 ms, every weight dequantized each step) the GEMV's 64-row tl.dot tile
+# would likely win too, but it is neither timed nor GPU-tested there yet (tests/gpu/test_quant_kernels_gpu.py
+# now covers 33 and 64 rows: run it, then bench_quant_kernels.py --tokens 16,32,64).
+WNA16_GEMV_MAX_TOKENS = 16
 
 
 @triton.jit

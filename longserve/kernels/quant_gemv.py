@@ -64,10 +64,12 @@ __all__ = [
     "wna16_gemm_ref",
 ]
 
-# One-row products of 4-bit weights in whole-tile groups take kernels/int4_gemv.py's word-wise unpacking (its
-# docstring: ~3 instructions a value instead of ~6.5). Not yet measured on a GPU (the bench's int4 GEMV column
-# at M=1 with it on and off: `with_constants.py longserve.kernels.quant_gemv.INT4_FAST_PATH=False`).
-INT4_FAST_PATH = True
+# One-row products of 4-bit weights in whole-tile groups take kernels/int4_gemv.py's word-wise unpacking (sm90
+# SASS: 4.4 instructions a weight against 6.1). Off until run on a GPU: its GPU test (tests/gpu/
+# test_quant_kernels_gpu.py, the GEMV at one row with it on) and the bench's int4 GEMV column at M=1 with it on
+# and off (`with_constants.py longserve.kernels.quant_gemv.INT4_FAST_PATH=True -- scripts.gpu.bench_quant_kernels
+# --tokens 1`; gpu_check.sh int4-fast).
+INT4_FAST_PATH = False
 # M up to which the CUDA-core FMA path serves 16-bit activations; above it tl.dot (BLOCK_M >= 16). A placeholder
 # until the GPU session measures both (scripts/gpu/bench_quant_kernels.py --sweep-gemv prints them per M).
 WNA16_GEMV_FMA_MAX_TOKENS = 4

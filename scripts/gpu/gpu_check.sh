@@ -17,6 +17,8 @@
 # (int4 GEMV, block and per-channel FP8 GEMVs against their GEMMs, as CUDA graphs), then the 8B shape's int4,
 # block-FP8 and per-channel FP8 decode with each GEMV off and on (WNA16_GEMV_MAX_TOKENS, FP8_GEMV_MAX_TOKENS 0
 # against 16).
+# int4-fast (one GPU, ~4 min): the one-row int4 GEMV (kernels/int4_gemv.py, off until this runs): its GPU tests,
+# the int4 GEMV's time at M=1 with it off and on, the 8B int4 decode at batch 1 (32K) with it off and on.
 # piecewise (one GPU): the piecewise graphs' GPU test, then step_timeline.py and cold 512-4096 / a 32K + 512 hit
 # with --piecewise-cuda-graph-max-tokens 0 and 4096.
 # fusions (one GPU): the prefix-as-view and fused K/V-store switches off, each against both on; fusions-a3b:
@@ -404,6 +406,20 @@ if [[ $MODE == quant-decode ]]; then  # one GPU, ~8 min: the int4 and FP8 decode
       -- longserve.bench.latency --config llama-3.1-8b --load-format dummy --dtype bfloat16 --quantization fp8 \
       --warmup 1 --repeat 3 --decode-batch-sizes 1@32768 --output-json "$OUT/latency_fp8ch_gemv$limit.json" \
       2>&1 | tee "$OUT/latency_fp8ch_gemv$limit.log" | grep -E "^decode" || status=1
+  done
+fi
+
+if [[ $MODE == int4-fast ]]; then  # one GPU, ~4 min: the one-row int4 GEMV (quant_gemv.INT4_FAST_PATH, off)
+  python3 -m pytest -q -m gpu tests/gpu/test_quant_kernels_gpu.py -k "int4_fast or gemv_matches" -p no:cacheprovider \
+    --tb=short -rfE 2>&1 | tee "$OUT/gpu_tests.log" | tail -3 || status=1
+  for fast in False True; do  # the int4 GEMV column at M=1, then the 8B int4 decode at batch 1
+    timeout 90 python3 scripts/probes/with_constants.py longserve.kernels.quant_gemv.INT4_FAST_PATH=$fast -- \
+      scripts.gpu.bench_quant_kernels --tokens 1 --output-json "$OUT/kernels_int4_fast$fast.json" 2>&1 \
+      | tee "$OUT/kernels_int4_fast$fast.log" | grep -E "^shape=" | sed -E 's/ (bf16|int4_fused|int4_dequant|fp8|int8)[a-z_0-9]*=[^ ]*//g'
+    timeout 90 python3 scripts/probes/with_constants.py longserve.kernels.quant_gemv.INT4_FAST_PATH=$fast -- \
+      longserve.bench.latency --config llama-3.1-8b --load-format dummy --dtype bfloat16 --quantization gptq \
+      --warmup 1 --repeat 3 --decode-batch-sizes 1@32768 --output-json "$OUT/latency_int4_fast$fast.json" 2>&1 \
+      | tee "$OUT/latency_int4_fast$fast.log" | grep -E "^decode" || status=1
   done
 fi
 

@@ -81,6 +81,31 @@ def test_wna16_gemv_matches_reference(shape: str, m: int) -> None:
     assert torch.equal(wna16_gemm(x, *w, 4, 128, path="gemv"), out)  # deterministic split-K
 
 
+@pytest.mark.parametrize("shape", list(DENSE))
+@pytest.mark.parametrize("zp", [False, True])
+def test_int4_fast_path_matches_reference(shape: str, zp: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one-row int4 GEMV (kernels/int4_gemv.py, quant_gemv.INT4_FAST_PATH) at the 8B shapes: the reference's
+    product, deterministic, equal to the general kernel's to fp32 summation, and replayed by a CUDA graph."""
+    from longserve.kernels import quant_gemv
+    from longserve.kernels.quant_gemm import wna16_gemm, wna16_gemm_ref
+
+    n, k = DENSE[shape]
+    w = int_weight(n, k, zp=zp)
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    general = wna16_gemm(x, *w, 4, 128, path="gemv")
+    monkeypatch.setattr(quant_gemv, "INT4_FAST_PATH", True)
+    out = wna16_gemm(x, *w, 4, 128, path="gemv")
+    assert_close_rel(out, wna16_gemm_ref(x, *w, 4, 128))
+    assert_close_rel(out, general, tol=2e-3)
+    assert torch.equal(wna16_gemm(x, *w, 4, 128, path="gemv"), out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = wna16_gemm(x, *w, 4, 128, path="gemv")
+    x.copy_(torch.randn(1, k, device="cuda", dtype=torch.bfloat16))
+    graph.replay()
+    assert_close_rel(replayed, wna16_gemm_ref(x, *w, 4, 128))
+
+
 @pytest.mark.parametrize(
     ("bits", "group", "zp", "act_order"),
     [(8, 128, False, False), (4, 128, True, False), (4, 32, True, False), (4, -1, False, False),

@@ -126,6 +126,7 @@ def test_the_int4_fast_path_equals_the_general_kernel_and_the_reference(
     loop) against the reference and against the general kernel (INT4_FAST_PATH off); it is the path taken."""
     from longserve.kernels import int4_gemv
 
+    monkeypatch.setattr(quant_gemv, "INT4_FAST_PATH", True)
     n, k = 40, 256
     qweight, scales, zeros, _ = int_weights(n, k, 4, group, zp, False, seed=group + split_k)
     x = torch.randn(1, k, generator=gen(12)).to(dtype)
