@@ -27,7 +27,7 @@ from longserve.models.moe import expert_weight_summary
 from longserve.models.pooler import apply_hf_overrides, resolve_pooler
 from longserve.models.quant.config import apply_quantization
 from longserve.outputs import SchedulerOutput
-from longserve.platform import available_memory_bytes, resolve_device
+from longserve.platform import available_memory_bytes, host_to_device, resolve_device
 from longserve.runner import prompt_logprobs
 from longserve.runner.cuda_graph import build_graphs
 from longserve.runner.inputs import StepInputs, build_step, split_step, to_model_inputs
@@ -327,7 +327,7 @@ class ModelRunner:
             self.last_prompt_logprobs = prompt_logprobs.compute(self.model, hidden, step.prompt_logprobs)
             if not step.logits_indices:
                 return None
-            rows = torch.tensor(step.logits_indices, dtype=torch.long, device=self.device)
+            rows = host_to_device(step.logits_indices, dtype=torch.long, device=self.device)  # no stream sync
             return self._head(hidden[rows])  # [N, V] fp32 (pooling: [N, D])
 
     def shutdown(self) -> None:
