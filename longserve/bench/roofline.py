@@ -51,7 +51,7 @@ class ModelCosts:
         return 2 * self.num_kv_heads * self.head_dim * (self.kv_itemsize or self.itemsize)
 
     @property
-    def kv_bytes_per_token(self) -> int:
+    def kv_bytes_per_token(self) -> float:
         return self.num_layers * self.kv_bytes_per_token_layer
 
     @property

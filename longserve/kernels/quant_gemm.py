@@ -47,9 +47,8 @@ __all__ = [
 # int4 g128 on the Llama-3.1-8B shapes): dequantize + cuBLAS is faster at every M from 1 (gate_up at M=1:
 # 0.174 against 0.186 ms; down: 0.090 against 0.137; at M=32: 0.177 against 0.99). So by default the fused
 # kernel serves no size; it stays as the tested baseline the decode GEMV and a retuned fused kernel must beat.
-# Caveat (2026-12-02): those timings were of eager calls, and at small M they measured launch time (~0.1 ms for
-# any int4 path, whatever its bytes); the script now times CUDA-graph replays, as decode runs, and this
-# crossover and the GEMV switch below wait for that rerun.
+# Those timings were of eager calls (at small M, launch time); as CUDA-graph replays (2026-12-02, 95cf20e, M=1-16)
+# dequantize + cuBLAS still wins at every M and shape (gate_up at M=1: 166 against 178 us), behind the GEMV.
 WNA16_DEQUANT_MIN_TOKENS = 1
 # The decode GEMV serves M <= WNA16_GEMV_MAX_TOKENS. Measured on an H200 (2026-12-02, 95cf20e, `gpu_check.sh
 # quant-decode`: CUDA-graph replays, RESULTS.md sixth session) it beats the fused kernel and dequantize+cuBLAS at
