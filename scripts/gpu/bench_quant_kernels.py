@@ -8,7 +8,7 @@ the constants that only a GPU can measure:
   achieved bandwidth (GB/s of the packed weights, scales, activations and output) and the % of 4.2 TB/s (the
   H200's measured copy bandwidth: the floor), as does the fused kernel's.
 - quant_gemv.WNA16_GEMV_FMA_MAX_TOKENS and the GEMV's tiles: --sweep-gemv times candidate configs per shape and M
-  and prints the best ("gemv best").
+  and prints the best ("gemv best"), and the block-FP8 GEMV's ("fp8 gemv best").
 - quant_fp8.FP8_BLOCK_USE_SCALED_MM: whether cuBLAS's block-scaled FP8 (F.scaled_mm) beats the Triton block GEMM.
 - quant_fp8.FP8_GEMV_MAX_TOKENS: the M up to which the FP8 decode GEMVs (kernels/fp8_gemv.py) beat the Triton
   block GEMM with its quantization launch (block) and torch._scaled_mm (per channel), printed as "fp8 gemv
@@ -149,6 +149,30 @@ def sweep_gemv(name: str, x: torch.Tensor, t: dict[str, torch.Tensor]) -> dict:
     return row
 
 
+def sweep_fp8_gemv(name: str, x: torch.Tensor, t: dict[str, torch.Tensor]) -> dict:
+    """Time candidate block-FP8 GEMV tiles (kernels/fp8_gemv.py) for one shape and M; the fastest, with the
+    default's time. At M=1 its loop issues 5.2 sm90 instructions a weight at 64 rows, 4.3 at 128, 3.9 at 256
+    (SASS, Triton 3.6): whether that or the grid's size matters is what this measures."""
+    m, k = x.shape
+    n = t["fp8"].shape[0]
+    results = []
+    for bn, warps in itertools.product((64, 128, 256), (4, 8)):
+        for split in (1, 2, 4, 8, 16):
+            cfg = {"BLOCK_N": bn, "SPLIT_K": split, "num_warps": warps}
+            ms = graph_ms(lambda cfg=cfg: fp8_block_gemv(x, t["fp8"], t["fp8_scale"], (128, 128), config=cfg))
+            if ms == ms:  # not nan
+                results.append((ms, cfg))
+    results.sort(key=lambda r: r[0])
+    best_ms, best = results[0]
+    default_ms = graph_ms(lambda: fp8_block_gemv(x, t["fp8"], t["fp8_scale"], (128, 128)))
+    nbytes = n * k + m * k * 2 + m * n * 2
+    pct = 100 * gbps(nbytes, best_ms) / HBM_GBPS
+    print(f"{name} M={m}: fp8 gemv best {best_ms:.4f} ms ({pct:.0f}% of {HBM_GBPS / 1000} TB/s) with {best}; "
+          f"default {default_ms:.4f} ms", flush=True)  # fmt: skip
+    return {"shape": name, "m": m, "fp8_gemv_best_ms": best_ms, "fp8_gemv_default_ms": default_ms, "best": best,
+            "top5": [{"ms": ms, **cfg} for ms, cfg in results[:5]]}  # fmt: skip
+
+
 def triton_pow2(v: int) -> int:
     return 1 << (v - 1).bit_length()
 
@@ -209,6 +233,8 @@ def main() -> None:
                 and name in args.sweep_shapes.split(",")
             ):
                 rows.append(sweep_gemv(name, x, weights))
+                if fp8_block_gemv_supported(m, (128, 128)):
+                    rows.append(sweep_fp8_gemv(name, x, weights))
         print(f"{name}: dequantize+cuBLAS beats the fused int4 kernel from M={crossover}", flush=True)
         print(f"{name}: the int4 gemv beats the fused kernel and dequantize+cuBLAS up to M={gemv_up_to} "
               f"(quant_gemm.WNA16_GEMV_MAX_TOKENS; 0: never)", flush=True)  # fmt: skip
