@@ -120,10 +120,6 @@ class PlanRegistry:
             rows += Q_GRANULE
         return None
 
-    def split_ready(self, model: ModelShape, prefix_len: int, query_len: int, device: torch.device) -> bool:
-        """Whether a chunk over a cached prefix runs at built shapes (its causal part and its prefix part)."""
-        return self.split_rows(model, prefix_len, query_len, device) is not None
-
     def mark(self, model: ModelShape, q_rows: int, kv_rows: int, causal: bool) -> None:
         self._built().add((model, q_rows, kv_rows, causal))
 

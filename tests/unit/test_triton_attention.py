@@ -387,7 +387,7 @@ def test_plan_registry_is_per_thread_and_covers_a_long_prompts_chunks() -> None:
     model = shapes.ModelShape(32, 8, 128, torch.bfloat16)
     registry = shapes.PlanRegistry()
     assert registry.cold_ready(model, 100, cpu) and registry.cold_ready(model, 3000, cpu)
-    assert registry.split_ready(model, 5000, 700, cpu)
+    assert registry.split_rows(model, 5000, 700, cpu) is not None
     assert not registry.cold_ready(model, 3000, cuda)
     registry.mark(model, 3072, 3072, True)
     assert registry.cold_ready(model, 3000, cuda) and registry.cold_ready(
