@@ -37,9 +37,9 @@ import triton
 import triton.language as tl
 
 from longserve.kernels.extend_attention import interpreting
-from longserve.kernels.quant_gemv import pow2_at_most, splitk_reduce, splits_for
+from longserve.kernels.quant_gemv import pow2_at_most, split_k_output, splitk_reduce, splits_for
 from longserve.kernels.quant_reference import FP8_MAX
-from longserve.kernels.quant_tiles import e4m3_rounded, rounded
+from longserve.kernels.quant_tiles import e4m3_rounded, store_gemv_out
 
 __all__ = [
     "FP8_GEMV_MAX_BLOCK_M",
@@ -113,13 +113,8 @@ def _fp8_gemv_kernel(
         acc = acc * x_scales[None, :] * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
     out_off = offs_m[None, :] * stride_om + offs_n[:, None]
     out_mask = (offs_m < M)[None, :] & n_mask[:, None]
-    if not PARTIAL:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + offs_n[:, None], mask=n_mask[:, None], other=0.0).to(tl.float32)
-        out_ty = out_ptr.dtype.element_ty
-        tl.store(out_ptr + out_off, rounded(acc, out_ty, INTERPRET_BF16).to(out_ty), mask=out_mask)
-    else:
-        tl.store(out_ptr + pid_k * stride_os + out_off, acc, mask=out_mask)
+    store_gemv_out(out_ptr, acc, out_off, out_mask, b_ptr, offs_n[:, None], n_mask[:, None], pid_k, stride_os,
+                   HAS_BIAS, PARTIAL, INTERPRET_BF16)  # fmt: skip
 
 
 def fp8_block_gemv_supported(m: int, block: tuple[int, int]) -> bool:
@@ -158,12 +153,9 @@ def _launch(
     x = x if x.stride(1) == 1 else x.contiguous()
     w = w if w.stride(1) == 1 else w.contiguous()
     num_tiles = triton.cdiv(k, cfg["BLOCK_K"])
-    tiles_per_split = triton.cdiv(num_tiles, max(1, min(cfg["SPLIT_K"], num_tiles)))
-    split = triton.cdiv(num_tiles, tiles_per_split)  # no empty split
+    tiles_per_split, split, out = split_k_output(num_tiles, cfg["SPLIT_K"], m, n, out_dtype, x.device)
     interp = interpreting()
     interpret_bf16 = interp and out_dtype == torch.bfloat16
-    shape = (split, m, n) if split > 1 else (m, n)
-    out = torch.empty(shape, dtype=torch.float32 if split > 1 else out_dtype, device=x.device)
     per_channel = x_scales is not None
     xs = x_scales if per_channel else w_scale
     _fp8_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), split)](

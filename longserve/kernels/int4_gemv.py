@@ -31,7 +31,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from longserve.kernels.quant_tiles import rounded
+from longserve.kernels.quant_tiles import store_gemv_out
 
 __all__ = ["int4_fast_supported"]
 
@@ -90,10 +90,5 @@ def int4_gemv_kernel(
             prod += hi * x_hi[None, :]
             x_sum += x_lo + x_hi
         acc += (tl.sum(prod, axis=1) - z * tl.sum(x_sum, axis=0)) * s_row
-    if not PARTIAL:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        out_ty = out_ptr.dtype.element_ty
-        tl.store(out_ptr + offs_n, rounded(acc, out_ty, INTERPRET_BF16).to(out_ty), mask=n_mask)
-    else:
-        tl.store(out_ptr + pid_k * stride_os + offs_n, acc, mask=n_mask)
+    store_gemv_out(out_ptr, acc, offs_n, n_mask, b_ptr, offs_n, n_mask, pid_k, stride_os, HAS_BIAS, PARTIAL,
+                   INTERPRET_BF16)  # fmt: skip

@@ -54,7 +54,7 @@ import triton.language as tl
 from longserve.kernels.extend_attention import interpreting
 from longserve.kernels.int4_gemv import int4_fast_supported, int4_gemv_kernel
 from longserve.kernels.quant_reference import wna16_gemm_ref
-from longserve.kernels.quant_tiles import rounded
+from longserve.kernels.quant_tiles import rounded, store_gemv_out
 
 __all__ = [
     "WNA16_GEMV_FMA_MAX_TOKENS",
@@ -197,13 +197,8 @@ def _wna16_gemv_kernel(
         out_off = offs_m[None, :] * stride_om + offs_n[:, None]
         out_mask = m_mask[None, :] & n_mask[:, None]
         n_bcast = offs_n[:, None]
-    if not PARTIAL:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + n_bcast, mask=n_bcast < N, other=0.0).to(tl.float32)
-        out_ty = out_ptr.dtype.element_ty
-        tl.store(out_ptr + out_off, rounded(acc, out_ty, INTERPRET_BF16).to(out_ty), mask=out_mask)
-    else:
-        tl.store(out_ptr + pid_k * stride_os + out_off, acc, mask=out_mask)
+    store_gemv_out(out_ptr, acc, out_off, out_mask, b_ptr, n_bcast, n_bcast < N, pid_k, stride_os,
+                   HAS_BIAS, PARTIAL, INTERPRET_BF16)  # fmt: skip
 
 
 @triton.jit
@@ -239,6 +234,19 @@ def splits_for(device: torch.device, n_blocks: int, num_tiles: int) -> int:
     if device.type != "cuda":
         return 1
     return max(1, min(triton.cdiv(8 * _num_sms(device.index or 0), n_blocks), num_tiles // 2, 32))
+
+
+def split_k_output(
+    num_tiles: int, split_k: int, m: int, n: int, dtype: torch.dtype, device: torch.device
+) -> tuple[int, int, torch.Tensor]:
+    """(tiles per split, splits, output) of a split-K GEMV over num_tiles K tiles asking for split_k splits: no
+    split left empty; the output [M, N] in dtype, or with several splits their fp32 partials [splits, M, N]
+    (store_gemv_out writes them, splitk_reduce adds them)."""
+    tiles_per_split = triton.cdiv(num_tiles, max(1, min(split_k, num_tiles)))
+    splits = triton.cdiv(num_tiles, tiles_per_split)
+    if splits > 1:
+        return tiles_per_split, splits, torch.empty(splits, m, n, dtype=torch.float32, device=device)
+    return tiles_per_split, splits, torch.empty(m, n, dtype=dtype, device=device)
 
 
 def splitk_reduce(partials: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
@@ -342,14 +350,9 @@ def wna16_gemv(
     assert per_col or group % block_k == 0, f"BLOCK_K {block_k} must divide the group {group}"
     assert cfg["BLOCK_M"] >= m and (not cfg["USE_DOT"] or cfg["BLOCK_M"] >= 16)
     num_tiles = triton.cdiv(k, block_k)
-    tiles_per_split = triton.cdiv(num_tiles, max(1, min(cfg["SPLIT_K"], num_tiles)))
-    split = triton.cdiv(num_tiles, tiles_per_split)  # no empty split
+    tiles_per_split, split, out = split_k_output(num_tiles, cfg["SPLIT_K"], m, n, x.dtype, x.device)
     interp = interpreting()
     interpret_bf16 = interp and x.dtype == torch.bfloat16
-    if split > 1:
-        out = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-    else:
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     z = zeros if zeros is not None else scales
     g = g_idx if g_idx is not None else scales
     b = bias if bias is not None else scales

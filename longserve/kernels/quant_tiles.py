@@ -1,6 +1,6 @@
-"""Triton helpers shared by the dense quantized GEMMs (quant_gemm.py, quant_fp8.py) and the fused MoE kernel:
-rounding that the interpreter gets right, and the dequantization of a tile of packed integer weights (the
-layout of quant_reference.py)."""
+"""Triton helpers shared by the dense quantized GEMMs (quant_gemm.py, quant_fp8.py), their decode GEMVs and the
+fused MoE kernel: rounding that the interpreter gets right, the GEMVs' split-K store, and the dequantization of a
+tile of packed integer weights (the layout of quant_reference.py)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,23 @@ def rounded(x, ty: tl.constexpr, INTERPRET_BF16: tl.constexpr):
         return ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
     else:
         return x.to(ty).to(tl.float32)
+
+
+@triton.jit
+def store_gemv_out(
+    out_ptr, acc, out_off, out_mask, b_ptr, b_off, b_mask, pid_k, stride_os,
+    HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, INTERPRET_BF16: tl.constexpr,
+):  # fmt: skip
+    """A split-K GEMV program's fp32 sums `acc` stored: with one split (+ bias), rounded once to out's dtype at
+    `out_off`; with several, as this split's fp32 partials (plane pid_k of [splits, M, N]) for
+    quant_gemv.splitk_reduce. Shared by the decode GEMVs (quant_gemv.py, int4_gemv.py, fp8_gemv.py)."""
+    if not PARTIAL:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + b_off, mask=b_mask, other=0.0).to(tl.float32)
+        out_ty = out_ptr.dtype.element_ty
+        tl.store(out_ptr + out_off, rounded(acc, out_ty, INTERPRET_BF16).to(out_ty), mask=out_mask)
+    else:
+        tl.store(out_ptr + pid_k * stride_os + out_off, acc, mask=out_mask)
 
 
 @triton.jit
