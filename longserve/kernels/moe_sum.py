@@ -5,7 +5,7 @@ its summation order). Reference: that torch.sum.
 Why a kernel of its own: in the A3B decode at batch 1 torch's reduction took 4.8 us a layer for 8 x 2048
 values (48 launches, 0.23 ms of a 3.98 ms step, 2026-12-02 profile, benchmarks/RESULTS.md), a fixed cost of its
 launch configuration rather than of the 32 KB it reads. `fused_moe.MOE_SUM_TRITON_MAX_TOKENS` routes steps of
-a few tokens here (off until measured on a GPU).
+a few tokens here (up to 8 since it measured faster on an H200, RESULTS.md sixth session).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@
 # cost of fp32 accumulation in the fp8 GEMMs. chunks (one GPU): a lone cold prompt in chunks of 8K, 16K, 32K;
 # moe-gemv (one GPU): the small-batch MoE kernels' and the k-sum kernel's GPU tests (their times beside
 # fused_moe's and torch.sum's), then the A3B decode as it is and with MOE_SUM_TRITON_MAX_TOKENS 64.
-# quant-decode (one GPU, ~8 min): the decode GEMVs of issue 18, off until measured: the per-M kernel times
+# quant-decode (one GPU, ~8 min): the decode GEMVs of issue 18: the per-M kernel times
 # (int4 GEMV, block and per-channel FP8 GEMVs against their GEMMs, as CUDA graphs), then the 8B shape's int4,
 # block-FP8 and per-channel FP8 decode with each GEMV off and on (WNA16_GEMV_MAX_TOKENS, FP8_GEMV_MAX_TOKENS 0
 # against 16).

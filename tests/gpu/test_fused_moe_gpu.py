@@ -218,7 +218,7 @@ def test_fused_routing_matches_route_topk(experts, num_tokens: int) -> None:
 def test_small_batch_kernels_match_reference(experts, num_tokens: int) -> None:
     """kernels/moe_gemv.py (gate+up per pair, down with the sum over k per token) at real shapes: equal to
     the reference, deterministic, and its time beside fused_moe's printed (the evidence for
-    MOE_GEMV_MAX_TOKENS, 0 until measured)."""
+    MOE_GEMV_MAX_TOKENS, 0 since measured slower at one token)."""
     from longserve.kernels.fused_moe import fused_moe, fused_moe_ref
     from longserve.kernels.moe_gemv import moe_gemv
     from longserve.platform import cuda_graph_time_ms
