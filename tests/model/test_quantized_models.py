@@ -326,7 +326,8 @@ def test_online_fp8_quantizes_a_float_checkpoint(root) -> None:
 # checked op by op in tests/unit/test_quant_gemv.py: here they cost 40 s of CI under the interpreter). All 12
 # integer-weight cases of CASES (MoE ones' dense layers included) passed this way at the commit that added it
 # (5.5 min on the 2-core machine).
-GEMV_CASES = ["gptq-int4-g128-sym", "gptq-int8-g64-bias"]
+# (case, the one-row int4 GEMV of kernels/int4_gemv.py on: quant_gemv.INT4_FAST_PATH, off by default)
+GEMV_CASES = [("gptq-int4-g128-sym", False), ("gptq-int4-g128-sym", True), ("gptq-int8-g64-bias", False)]
 
 
 def count_rows(monkeypatch: pytest.MonkeyPatch, module, name: str) -> list[int]:
@@ -343,20 +344,34 @@ def count_rows(monkeypatch: pytest.MonkeyPatch, module, name: str) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("case", GEMV_CASES)
-def test_wna16_models_through_the_gemv_kernel(root, case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("case", "int4_fast"), GEMV_CASES)
+def test_wna16_models_through_the_gemv_kernel(
+    root, case: str, int4_fast: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The integer-weight cases above with their linear layers on the Triton path (interpreted here) and the
     decode GEMV switched on for every size they compute (quant_gemm.WNA16_GEMV_MAX_TOKENS: 16 by default, here
-    64 for the prefill's 24 rows too): the same logits and greedy tokens, every product through kernels/quant_gemv.py."""
+    64 for the prefill's 24 rows too): the same logits and greedy tokens, every product through kernels/quant_gemv.py;
+    with int4_fast, the decode steps' one-row products through kernels/int4_gemv.py."""
     pytest.importorskip("triton")
-    from longserve.kernels import quant_gemm
+    from longserve.kernels import quant_gemm, quant_gemv
     from longserve.models.quant import wna16
 
     monkeypatch.setattr(wna16, "use_triton", lambda x: True)  # as for CUDA tensors with triton
     monkeypatch.setattr(quant_gemm, "WNA16_GEMV_MAX_TOKENS", 64)  # the prefill's 24 tokens too
+    monkeypatch.setattr(quant_gemv, "INT4_FAST_PATH", int4_fast)
+    launches: list[tuple] = []
+    kernel = quant_gemv.int4_gemv_kernel
+
+    class Counted:  # the fast kernel's launches (kernel[grid](...)), passed on
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(quant_gemv, "int4_gemv_kernel", Counted())
     calls = count_rows(monkeypatch, quant_gemm, "wna16_gemv")
     test_logits_and_greedy_tokens_match_transformers(root, case)
     assert 24 in calls and 1 in calls, sorted(set(calls))  # the prefill and the decode steps
+    assert bool(launches) == int4_fast, len(launches)
 
 
 @pytest.mark.parametrize(
