@@ -18,8 +18,10 @@ order (register shuffles), then 2^23 + q made a float and q - z subtracted befor
   so a value costs one FMA, and the tile's sum of x (the same for every row) one subtraction per row and tile.
   The scale multiplies the tile's sum, as in the general kernel (a tile lies within one group).
 - Products accumulate element-wise in a [BLOCK_N, BLOCK_W] fp32 tile and reduce across threads once per tile.
-- One activation row: rows beyond the first would each need their own product tile or a second unpacking
-  (Triton keeps no lists of tiles), and the general kernel serves them.
+- One activation row a program: rows beyond the first would each need their own product tile or a second
+  unpacking (Triton keeps no lists of tiles), and the general kernel serves them. Routed (MoE decode,
+  kernels/moe_wna16.py), grid axis 2 runs over (token, expert) pairs, each program the pair's token row times
+  its expert's weights: the experts are stacked [E, N, K / 8] and each pair's are read once.
 
 Rounding: the exact integers (128 + q, 128 + z) times the activations, summed in fp32; the cancellation of the
 128 * sum(x) terms costs ~5 bits of fp32's 24 (|128 + q| <= 143 against |q - z| ~ 4 on average): ~2e-6
@@ -49,18 +51,27 @@ def int4_fast_supported(m: int, bits: int, k: int, per_col: bool, use_dot: bool,
 
 @triton.jit
 def int4_gemv_kernel(
-    x_ptr,  # [1, K]
-    w_ptr,  # [N, K / 8] int32: the packed uint8 [N, K / 2] as words
-    s_ptr,  # [N, G]
-    z_ptr,  # [N, G] uint8 (HAS_ZP)
+    x_ptr,  # [rows, K]: one row per program along axis 2 (ROUTED: a pair's token row, pair // X_ROW_DIV)
+    w_ptr,  # [N, K / 8] int32: the packed uint8 [N, K / 2] as words (ROUTED: [E, N, K / 8], the pair's expert)
+    s_ptr,  # [N, G] (ROUTED: [E, N, G])
+    z_ptr,  # [N, G] uint8 (HAS_ZP; ROUTED: [E, N, G])
     b_ptr,  # [N] bias (HAS_BIAS, not PARTIAL)
-    out_ptr,  # [1, N] in x's dtype, or (PARTIAL) [splits, 1, N] float32 partial sums
+    ids_ptr,  # ROUTED: [P] int32, each output row's expert
+    out_ptr,  # [P, N] in x's dtype, or (PARTIAL) [splits, P, N] float32 partial sums
     N, group_size, tiles_per_split, num_tiles, stride_wn, stride_sn, stride_zn, stride_os,
+    stride_xm, stride_om, stride_we, stride_se, stride_ze,
     HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PARTIAL: tl.constexpr, INTERPRET_BF16: tl.constexpr,
+    PARTIAL: tl.constexpr, INTERPRET_BF16: tl.constexpr, ROUTED: tl.constexpr, X_ROW_DIV: tl.constexpr,
 ):  # fmt: skip
     BLOCK_W: tl.constexpr = BLOCK_K // 8  # words of a tile row
-    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    pid_n, pid_k, row = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    if ROUTED:  # MoE decode (moe_wna16.py): output row `row` is a (token, k) pair, its expert's weights
+        expert = tl.load(ids_ptr + row).to(tl.int64)
+        w_ptr += expert * stride_we
+        s_ptr += expert * stride_se
+        z_ptr += expert * stride_ze
+    x_ptr += (row // X_ROW_DIV) * stride_xm
+    out_ptr += row * stride_om
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_w = tl.arange(0, BLOCK_W)
     n_mask = offs_n < N

@@ -26,12 +26,16 @@ __all__ = ["moe_sum"]
 def _moe_sum_kernel(
     x_ptr,  # [T, k, H]
     out_ptr,  # [T, H]
+    w_ptr,  # HAS_WEIGHTS: [T, k] routing weights, each row's multiplier
     hidden_size,
     stride_xt,
     stride_xk,
     stride_ot,
+    stride_wt,
     TOP_K: tl.constexpr,
     BLOCK: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
+    ROUND_PRODUCT: tl.constexpr,  # the products rounded to x's dtype (16-bit weights) before the sum
     INTERPRET_BF16: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
@@ -39,20 +43,32 @@ def _moe_sum_kernel(
     mask = offs < hidden_size
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for j in tl.static_range(TOP_K):  # in order: deterministic
-        acc += tl.load(x_ptr + token * stride_xt + j * stride_xk + offs, mask=mask, other=0.0).to(tl.float32)
+        v = tl.load(x_ptr + token * stride_xt + j * stride_xk + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_WEIGHTS:
+            v = v * tl.load(w_ptr + token * stride_wt + j).to(tl.float32)
+            if ROUND_PRODUCT:
+                v = rounded(v, x_ptr.dtype.element_ty, INTERPRET_BF16)
+        acc += v
     out_ty = out_ptr.dtype.element_ty
     tl.store(out_ptr + token * stride_ot + offs, rounded(acc, out_ty, INTERPRET_BF16).to(out_ty), mask=mask)
 
 
-def moe_sum(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """out [T, H] = x [T, k, H] summed over k in fp32, rounded once to out's dtype."""
+def moe_sum(x: torch.Tensor, out: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """out [T, H] = x [T, k, H] summed over k in fp32, rounded once to out's dtype. With `weights` [T, k] each
+    row x[t, j] is first multiplied by weights[t, j] in their promoted dtype (fused_moe_ref's weighted rows)."""
     num_tokens, top_k, hidden = x.shape
-    assert out.shape == (num_tokens, hidden) and x.stride(2) == 1 and out.stride(1) == 1
+    assert (
+        out.shape == (num_tokens, hidden) and x.stride(2) == 1 and out.stride(1) == 1 and x.dtype == out.dtype
+    )
+    assert weights is None or (weights.shape == (num_tokens, top_k) and weights.stride(1) == 1)
     if num_tokens == 0:
         return out
+    round_product = weights is not None and torch.promote_types(x.dtype, weights.dtype) == x.dtype
     block = min(1024, triton.next_power_of_2(hidden))
     _moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block))](
-        x, out, hidden, x.stride(0), x.stride(1), out.stride(0), TOP_K=top_k, BLOCK=block,
+        x, out, weights if weights is not None else x, hidden, x.stride(0), x.stride(1), out.stride(0),
+        weights.stride(0) if weights is not None else 0, TOP_K=top_k, BLOCK=block,
+        HAS_WEIGHTS=weights is not None, ROUND_PRODUCT=round_product and x.dtype != torch.float32,
         INTERPRET_BF16=interpreting() and out.dtype == torch.bfloat16,
     )  # fmt: skip
     return out

@@ -54,10 +54,10 @@ WNA16_DEQUANT_MIN_TOKENS = 1
 # quant-decode`: CUDA-graph replays, RESULTS.md sixth session) it beats the fused kernel and dequantize+cuBLAS at
 # every Llama-3.1-8B projection up to M=16, the largest M timed (gate_up at M=1: 42.2 us against 166 us; at M=16
 # 54.4 against 166), and the 8B int4 decode at batch 1 (32K) took 5.01 ms with it against 12.14 ms without.
-# Beyond 16 rows (batch-64 decode: 19.17 ms, every weight dequantized each step) the GEMV's 64-row tl.dot tile
-# would likely win too, but it is neither timed nor GPU-tested there yet (tests/gpu/test_quant_kernels_gpu.py
-# now covers 33 and 64 rows: run it, then bench_quant_kernels.py --tokens 16,32,64).
-WNA16_GEMV_MAX_TOKENS = 16
+# Beyond 16 rows (2026-12-02, 35fd681, `bench_quant_kernels.py --tokens 1,16,32,64`, RESULTS.md seventh session;
+# its GPU test at 33 and 64 rows passes) the GEMV's tl.dot tile still wins over the four 8B projections: at M=32
+# 137 against 310 us, at M=64 234 against 314 (o alone loses there, 23.7 against 21.9 us).
+WNA16_GEMV_MAX_TOKENS = 64
 
 
 @triton.jit

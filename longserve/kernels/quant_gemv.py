@@ -65,11 +65,11 @@ __all__ = [
 ]
 
 # One-row products of 4-bit weights in whole-tile groups take kernels/int4_gemv.py's word-wise unpacking (sm90
-# SASS: 4.4 instructions a weight against 6.1). Off until run on a GPU: its GPU test (tests/gpu/
-# test_quant_kernels_gpu.py, the GEMV at one row with it on) and the bench's int4 GEMV column at M=1 with it on
-# and off (`with_constants.py longserve.kernels.quant_gemv.INT4_FAST_PATH=True -- scripts.gpu.bench_quant_kernels
-# --tokens 1`; gpu_check.sh int4-fast).
-INT4_FAST_PATH = False
+# SASS: 4.4 instructions a weight against 6.1). Measured on an H200 (2026-12-02, 35fd681, `gpu_check.sh
+# int4-fast`, RESULTS.md seventh session): its GPU tests pass; at M=1 (CUDA-graph replays) the 8B projections
+# take qkv 11.2 / o 9.8 / gate_up 34.7 / down 21.1 us against 12.5 / 11.0 / 41.8 / 23.8 with the general kernel
+# (gate_up at 42% of 4.2 TB/s), and the 8B int4 decode at batch 1 (32K) 4.79 ms against 5.01.
+INT4_FAST_PATH = True
 # M up to which the CUDA-core FMA path serves 16-bit activations; above it tl.dot (BLOCK_M >= 16). A placeholder
 # until the GPU session measures both (scripts/gpu/bench_quant_kernels.py --sweep-gemv prints them per M).
 WNA16_GEMV_FMA_MAX_TOKENS = 4
@@ -359,12 +359,12 @@ def wna16_gemv(
     words_ok = qweight.stride(0) % 4 == 0 and qweight.data_ptr() % 16 == 0  # rows of whole 32-bit words
     fast = int4_fast_supported(m, bits, k, per_col, bool(cfg["USE_DOT"]), block_k)
     if INT4_FAST_PATH and words_ok and fast:
-        int4_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), split)](
-            x, qweight.view(torch.int32), scales, z, b, out, n, group, tiles_per_split, num_tiles,
+        int4_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), split, 1)](
+            x, qweight.view(torch.int32), scales, z, b, scales, out, n, group, tiles_per_split, num_tiles,
             qweight.stride(0) // 4, scales.stride(0), z.stride(0), out.stride(0) if split > 1 else 0,
-            HAS_ZP=zeros is not None, HAS_BIAS=bias is not None and split == 1, BLOCK_N=cfg["BLOCK_N"],
-            BLOCK_K=block_k, PARTIAL=split > 1, INTERPRET_BF16=interpret_bf16,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            0, 0, 0, 0, 0, HAS_ZP=zeros is not None, HAS_BIAS=bias is not None and split == 1,
+            BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, PARTIAL=split > 1, INTERPRET_BF16=interpret_bf16,
+            ROUTED=False, X_ROW_DIV=1, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )  # fmt: skip
         return out if split == 1 else splitk_reduce(out, bias, x.dtype)
     _wna16_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), split)](

@@ -34,6 +34,8 @@ VARIANTS = [
     {"fp8": True, "channel": True, "bm": 4, "split": 1, "bias": True, "even_k": False},
     {"int4": True, "bn": 256},  # the one-row fast path, g128 symmetric, split-K: the decode case
     {"int4": True, "zp": True, "split": 1, "bias": True, "x": "fp16"},
+    {"int4": True, "routed": True, "x_row_div": 8, "split": 1},  # MoE decode, gate+up over (token, k) pairs
+    {"int4": True, "routed": True, "zp": True},  # MoE down, split-K
 ]
 
 
@@ -82,17 +84,19 @@ def compile_fp8_gemv(fp8=True, channel=False, x="bf16", bias=False, even_k=True,
     return compile_sm90(fn, sig, consts, attrs, num_warps=num_warps, num_stages=num_stages)
 
 
-def compile_int4_gemv(int4=True, x="bf16", zp=False, bias=False, bn=64, bk=128, split=4, num_warps=4,
-                      num_stages=2):  # fmt: skip
-    """The one-row int4 GEMV (kernels/int4_gemv.py) for sm90, specialized as at run time."""
+def compile_int4_gemv(int4=True, x="bf16", zp=False, bias=False, bn=64, bk=128, split=4, routed=False, x_row_div=1,
+                      num_warps=4, num_stages=2):  # fmt: skip
+    """The one-row int4 GEMV (kernels/int4_gemv.py) for sm90, specialized as at run time; `routed`: over MoE
+    (token, expert) pairs (kernels/moe_wna16.py)."""
     from longserve.kernels.int4_gemv import int4_gemv_kernel as fn
 
     ptrs = {"x_ptr": f"*{x}", "w_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8" if zp else "*fp16",
-            "b_ptr": f"*{x}" if bias else "*fp16", "out_ptr": "*fp32" if split > 1 else f"*{x}"}  # fmt: skip
+            "b_ptr": f"*{x}" if bias else "*fp16", "ids_ptr": "*i32",
+            "out_ptr": "*fp32" if split > 1 else f"*{x}"}  # fmt: skip
     consts = dict(HAS_ZP=zp, HAS_BIAS=bias and split == 1, BLOCK_N=bn, BLOCK_K=bk, PARTIAL=split > 1,
-                  INTERPRET_BF16=False)  # fmt: skip
+                  INTERPRET_BF16=False, ROUTED=routed, X_ROW_DIV=x_row_div)  # fmt: skip
     sig = {a: ptrs.get(a, "constexpr" if a in consts else "i32") for a in fn.arg_names}
-    div16 = [*ptrs, "N", "stride_wn", "stride_os"]
+    div16 = [*ptrs, "N", "stride_wn", "stride_os", "stride_xm", "stride_om", "stride_we", "stride_se"]
     attrs = {a: [["tt.divisibility", 16]] for a in div16}
     return compile_sm90(fn, sig, consts, attrs, num_warps=num_warps, num_stages=num_stages)
 

@@ -326,7 +326,7 @@ def test_online_fp8_quantizes_a_float_checkpoint(root) -> None:
 # checked op by op in tests/unit/test_quant_gemv.py: here they cost 40 s of CI under the interpreter). All 12
 # integer-weight cases of CASES (MoE ones' dense layers included) passed this way at the commit that added it
 # (5.5 min on the 2-core machine).
-# (case, the one-row int4 GEMV of kernels/int4_gemv.py on: quant_gemv.INT4_FAST_PATH, off by default)
+# (case, the one-row int4 GEMV of kernels/int4_gemv.py on: quant_gemv.INT4_FAST_PATH, on by default)
 GEMV_CASES = [("gptq-int4-g128-sym", False), ("gptq-int4-g128-sym", True), ("gptq-int8-g64-bias", False)]
 
 
@@ -349,8 +349,8 @@ def test_wna16_models_through_the_gemv_kernel(
     root, case: str, int4_fast: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The integer-weight cases above with their linear layers on the Triton path (interpreted here) and the
-    decode GEMV switched on for every size they compute (quant_gemm.WNA16_GEMV_MAX_TOKENS: 16 by default, here
-    64 for the prefill's 24 rows too): the same logits and greedy tokens, every product through kernels/quant_gemv.py;
+    decode GEMV switched on for every size they compute (quant_gemm.WNA16_GEMV_MAX_TOKENS: 64 by default, set here
+    in case it changes: the prefill's 24 rows too): the same logits and greedy tokens, every product through kernels/quant_gemv.py;
     with int4_fast, the decode steps' one-row products through kernels/int4_gemv.py."""
     pytest.importorskip("triton")
     from longserve.kernels import quant_gemm, quant_gemv

@@ -1,0 +1,175 @@
+"""kernels/moe_wna16.py under TRITON_INTERPRET=1: integer experts at decode sizes through the routed int4 GEMV
+and at prefill sizes through the dequantized experts, against `fused_moe_ref` (shapes unlike the real ones:
+6 experts top-3, intermediate 48, an expert with no tokens, one token, k = 1, split-K); which path a step
+takes; the weighted sum over k (moe_sum with routing weights) against the reference's rounding."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from longserve.kernels import fused_moe as fm  # noqa: E402
+from longserve.kernels import moe_wna16  # noqa: E402
+from longserve.kernels.moe_reference import MoEQuant, fused_moe_ref, route_topk  # noqa: E402
+from longserve.kernels.moe_sum import moe_sum  # noqa: E402
+from longserve.kernels.quant_reference import pack_int_k  # noqa: E402
+
+E, H, I = 6, 64, 48  # noqa: E741
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def int4_experts(group: int, zp: bool, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, MoEQuant]:
+    """Six distinct int4 experts (packed as quant_reference lays them out), scales giving weights of std ~
+    1/sqrt(K)."""
+    g = gen(seed)
+
+    def proj(n: int, k: int):
+        q = pack_int_k(torch.randint(0, 16, (E, n, k), generator=g).view(E * n, k), 4).view(E, n, k // 2)
+        groups = k // group if group > 0 else 1  # 0: one group of all K
+        s = (torch.rand(E, n, groups, generator=g) + 0.5) * (k**-0.5 / 4)
+        z = torch.randint(0, 16, (E, n, groups), generator=g).to(torch.uint8) if zp else None
+        return q, s.half(), z
+
+    w13, s13, z13 = proj(2 * I, H)
+    w2, s2, z2 = proj(H, I)
+    return w13, w2, MoEQuant("int4", group, s13, s2, z13, z2)
+
+
+def routing(num_tokens: int, top_k: int, seed: int, skip_expert: bool = True):
+    logits = torch.randn(num_tokens, E, generator=gen(seed))
+    if skip_expert:
+        logits[:, 5] = -1e4  # expert 5 gets no token
+    return route_topk(logits, top_k, True)
+
+
+def assert_close_as(out: torch.Tensor, ref: torch.Tensor, truth: torch.Tensor) -> None:
+    """fp32: the reference to summation order (and the int4 GEMV's 128 + q offsets: ~5 bits of 24); bf16: no
+    further from the fp32 result (`truth`) than twice the reference's own bf16 rounding is (each rounds the
+    projections, silu and products to bf16, from weights rounded differently)."""
+    if out.dtype == torch.float32:
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    else:
+        err = lambda a: ((a.float() - truth).norm() / truth.norm()).item()  # noqa: E731
+        assert err(out) < 2 * err(ref) + 1e-3, (err(out), err(ref))
+
+
+def taken(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The paths fused_moe takes for integer experts, recorded."""
+    paths: list[str] = []
+    real = fm.moe_wna16_path
+
+    def recorded(*args, **kwargs):
+        paths.append(real(*args, **kwargs))
+        return paths[-1]
+
+    monkeypatch.setattr(fm, "moe_wna16_path", recorded)
+    return paths
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "top_k", "group", "zp", "dtype", "split"),
+    [(1, 3, 16, False, torch.bfloat16, 1), (5, 3, 16, True, torch.bfloat16, 2), (4, 1, 16, False, torch.float32, 1),
+     (3, 2, 0, True, torch.float32, 3)],
+)  # fmt: skip
+def test_decode_sizes_take_the_routed_gemv(num_tokens, top_k, group, zp, dtype, split, monkeypatch) -> None:
+    """At decode sizes 4-bit experts go through the routed GEMV (split-K forced on: the CPU has no SMs to fill)
+    and give the reference's result: bf16 to its rounding of each dequantized weight, fp32 to summation order;
+    routing weights in the dtype (Qwen-MoE) and in fp32 (Mixtral)."""
+    paths = taken(monkeypatch)
+    monkeypatch.setattr(moe_wna16, "splits_for", lambda device, n_blocks, num_tiles: min(split, num_tiles))
+    w13, w2, quant = int4_experts(group, zp)
+    x = torch.randn(num_tokens, H, generator=gen(3)).to(dtype)
+    weights, ids = routing(num_tokens, top_k, seed=4)
+    for w in (weights.to(dtype), weights):  # the hidden dtype, then fp32
+        ref = fused_moe_ref(x, w13, w2, w, ids, quant=quant)
+        out = fm.fused_moe(x, w13, w2, w, ids, quant=quant)
+        assert_close_as(out, ref, fused_moe_ref(x.float(), w13, w2, w.float(), ids, quant=quant))
+    assert paths == ["gemv", "gemv"]
+
+
+def test_the_gemv_reads_each_pairs_own_expert() -> None:
+    """Swapping two experts' weights changes exactly the tokens routed to them (the expert index per pair)."""
+    w13, w2, quant = int4_experts(16, True, seed=5)
+    x = torch.randn(4, H, generator=gen(6))
+    ids = torch.tensor([[0], [1], [2], [0]], dtype=torch.int32)
+    weights = torch.ones(4, 1)
+    out = moe_wna16.moe_wna16_gemv(x, w13, w2, weights, ids, quant, torch.empty(4, H))
+    perm = torch.tensor([1, 0, 2, 3, 4, 5])
+    swapped = MoEQuant("int4", 16, quant.w13_scale[perm], quant.w2_scale[perm], quant.w13_zero[perm],
+                       quant.w2_zero[perm])  # fmt: skip
+    out2 = moe_wna16.moe_wna16_gemv(x, w13[perm], w2[perm], weights, ids, swapped, torch.empty(4, H))
+    assert torch.equal(out[2], out2[2])  # expert 2 stays
+    for t, other in ((0, 1), (1, 0), (3, 1)):
+        torch.testing.assert_close(out2[t], fused_moe_ref(x[t : t + 1], w13, w2, weights[:1], ids[other : other + 1],
+                                                          quant=quant)[0], atol=1e-4, rtol=1e-4)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_sizes_take_the_dequantized_experts(dtype, monkeypatch) -> None:
+    """From MOE_WNA16_DEQUANT_MIN_TOKENS tokens the experts are dequantized whole and the 16-bit kernel runs:
+    the reference's result (it dequantizes the same way), zero points and an expert with no tokens included."""
+    paths = taken(monkeypatch)
+    monkeypatch.setattr(moe_wna16, "MOE_WNA16_DEQUANT_MIN_TOKENS", 9)
+    w13, w2, quant = int4_experts(16, True, seed=7)
+    x = torch.randn(9, H, generator=gen(8)).to(dtype)
+    weights, ids = routing(9, 3, seed=9)
+    ref = fused_moe_ref(x, w13, w2, weights.to(dtype), ids, quant=quant)
+    out = fm.fused_moe(x, w13, w2, weights.to(dtype), ids, quant=quant)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)  # the same dequantized weights
+    assert paths == ["dequant"]
+
+
+def test_dequantized_experts_equal_the_reference_dequantization() -> None:
+    from longserve.kernels.quant_reference import dequantize_wna16
+
+    w13, w2, quant = int4_experts(16, True, seed=11)
+    got = moe_wna16.dequantize_experts(quant, w2, "w2", torch.bfloat16)
+    want = torch.stack(
+        [dequantize_wna16(w2[e], quant.w2_scale[e], quant.w2_zero[e], None, 4, 16) for e in range(E)]
+    )
+    assert got.shape == (E, H, I) and torch.equal(got, want.bfloat16())
+
+
+def test_which_path() -> None:
+    """The routed GEMV takes 4-bit experts in groups of whole tiles up to its limit; act order, 8 bits, experts
+    split over ranks and K without a tile fall back to fused_moe's int path; prefill sizes dequantize unless act
+    order or expert parallelism."""
+    _, _, quant = int4_experts(16, False)
+    path = moe_wna16.moe_wna16_path
+    lo, hi = moe_wna16.MOE_WNA16_GEMV_MAX_TOKENS, moe_wna16.MOE_WNA16_DEQUANT_MIN_TOKENS
+    assert path(quant, 1, H, I, False) == path(quant, lo, H, I, False) == "gemv"
+    assert path(quant, hi, H, I, False) == "dequant"
+    assert path(quant, 1, H, I, True) == path(quant, hi, H, I, True) == "fused"
+    int8 = MoEQuant("int8", 16, quant.w13_scale, quant.w2_scale)
+    assert path(int8, 1, H, I, False) == "fused" and path(int8, hi, H, I, False) == "dequant"
+    act = MoEQuant(
+        "int4", 16, quant.w13_scale, quant.w2_scale, w13_g_idx=torch.zeros(E, H, dtype=torch.int32)
+    )
+    assert path(act, 1, H, I, False) == path(act, hi, H, I, False) == "fused"
+    assert (
+        path(MoEQuant("int4", 24, quant.w13_scale, quant.w2_scale), 1, 72, I, False) == "fused"
+    )  # no tile of 24
+    assert path(MoEQuant("fp8_e4m3", 16, quant.w13_scale, quant.w2_scale), 1, H, I, False) == "fused"
+
+
+@pytest.mark.parametrize(
+    ("dtype", "wdtype"), [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)]
+)
+def test_weighted_sum_over_k_rounds_as_the_reference(dtype, wdtype) -> None:
+    """moe_sum with routing weights: each row times its weight in their promoted dtype (rounded to bf16 when
+    both are bf16), then the fp32 sum rounded once: fused_moe_ref's `weighted.sum(dim=1, dtype=fp32)`."""
+    x = torch.randn(3, 4, 40, generator=gen(12)).to(dtype)
+    w = torch.rand(3, 4, generator=gen(13)).to(wdtype)
+    prod = x.to(torch.promote_types(dtype, wdtype)) * w[..., None]
+    want = prod.sum(dim=1, dtype=torch.float32).to(dtype)
+    got = moe_sum(x, torch.empty(3, 40, dtype=dtype), w)
+    assert torch.equal(got, want)
