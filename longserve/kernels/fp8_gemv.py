@@ -97,11 +97,8 @@ def _fp8_gemv_kernel(
                 part = tl.sum(w * xq[None, :], axis=1)  # [BLOCK_N]
             else:
                 xm = tl.load(x_ptr + mi * stride_xm + cols, mask=x_ok, other=0.0).to(tl.float32)  # a group
-                # IEEE divisions (div_rn), as torch's: Triton's `/` is the approximate one on NVIDIA (2 ulp),
-                # which put one activation in e4m3 a step off the reference's (2026-12-02, H200: the down
-                # shape at M=4 off by 2.7e-3 in 15% of outputs); the scale as per_token_group_quant's
-                x_scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(xm)), 1e-10), _E4M3_MAX)
-                xq = tl.minimum(tl.maximum(tl.math.div_rn(xm, x_scale), -_E4M3_MAX), _E4M3_MAX)
+                x_scale = tl.maximum(tl.max(tl.abs(xm)), 1e-10) / _E4M3_MAX  # as per_token_group_quant
+                xq = tl.minimum(tl.maximum(xm / x_scale, -_E4M3_MAX), _E4M3_MAX)
                 if INTERPRET:  # the interpreter's fp32 -> e4m3 cast mis-rounds (quant_tiles.e4m3_rounded)
                     xq = e4m3_rounded(xq)
                 else:

@@ -99,8 +99,8 @@ def _group_quant_kernel(
     if STATIC:
         scale = tl.load(static_ptr).to(tl.float32)
     else:
-        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x)), 1e-10), QMAX)
-    y = tl.math.div_rn(x, scale)  # IEEE, as torch's (`/` is approximate on NVIDIA: fp8_gemv.py)
+        scale = tl.maximum(tl.max(tl.abs(x)), 1e-10) / QMAX
+    y = x / scale
     if OUT_INT8:  # round half to even (torch.round), clamp to [-128, 127]
         r = tl.floor(y + 0.5)
         r = tl.where((r - y == 0.5) & ((r.to(tl.int32) & 1) == 1), r - 1.0, r)
