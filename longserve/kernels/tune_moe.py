@@ -1,7 +1,9 @@
 """Tune the fused MoE kernel's block sizes on this GPU and write them into `moe_configs/` (CUDA only).
 
 `python -m longserve.kernels.tune_moe --num-experts 128 --top-k 8 --hidden 2048 --intermediate 768
---dtype bfloat16 --batch-sizes 1,2,4,...,8192`: per batch size and BLOCK_M, the gate+up and the down GEMM
+--dtype bfloat16 --batch-sizes 1,2,4,...,8192` (`--weights fp8_e4m3`: experts in e4m3 with 128x128 block scales,
+as the official FP8 checkpoints, activations quantized per token-group of 128 as fused_moe does; their own
+table, `dtype=fp8_e4m3`): per batch size and BLOCK_M, the gate+up and the down GEMM
 are timed separately over their candidates (CUDA events around a replayed graph of --iters calls,
 median of --repeats) and each candidate's output is checked against the torch reference once; the fastest
 pair under the fastest BLOCK_M is written. Compiling dominates the run (each new candidate compiles once,
@@ -13,6 +15,8 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import statistics
+import time
 from functools import partial
 from pathlib import Path
 
@@ -24,6 +28,9 @@ from longserve.kernels.moe_config import smem_per_stage
 # vLLM's breadth (hundreds: hours of compiling)
 SPACES = {
     "quick": {"BLOCK_N": [32, 64, 128, 256], "BLOCK_K": [64, 128], "GROUP_M": [1, 16], "num_warps": [4, 8], "num_stages": [3, 4]},
+    # fp8 block experts at prefill sizes: around vLLM's tuned H200 table for them (E=128, N=768: BLOCK_K 128,
+    # GROUP_M 16, 4 warps, 4 stages; its BLOCK_N of 128 weight rows is our fused gate+up's 64 columns)
+    "fp8-prefill": {"BLOCK_N": [64, 128], "BLOCK_K": [128], "GROUP_M": [16], "num_warps": [4, 8], "num_stages": [3, 4]},
     "full": {
         "BLOCK_N": [32, 64, 128, 256], "BLOCK_K": [64, 128, 256], "GROUP_M": [1, 16, 32, 64],
         "num_warps": [4, 8], "num_stages": [2, 3, 4, 5],
@@ -60,33 +67,53 @@ def block_ms(num_tokens: int, top_k: int, num_experts: int) -> list[int]:
     return keep or [BLOCK_MS[-1]]
 
 
+def wall_ms(fn, warmup: int, iters: int, repeats: int) -> float:
+    """Median host milliseconds per call (the CPU smoke test's timer: no CUDA events there)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        times.append((time.perf_counter() - start) * 1e3 / iters)
+    return statistics.median(times)
+
+
 def tune(args: argparse.Namespace, device: str = "cuda") -> dict[str, dict]:
     """num_tokens bucket -> best config (a CPU device under TRITON_INTERPRET=1 only smoke-tests this)."""
     from tqdm import tqdm
 
     from longserve.kernels.fused_moe import fused_moe, fused_moe_ref, moe_align_block_size, moe_gemm
     from longserve.kernels.moe_config import max_smem
-    from longserve.kernels.moe_reference import route_topk
+    from longserve.kernels.moe_reference import MoEQuant, route_topk
+    from longserve.kernels.quant_fp8 import per_token_group_quant
     from longserve.platform import cuda_graph_time_ms as graph_ms
-    from longserve.platform import cuda_time_ms as time_ms
 
     dtype = getattr(torch, args.dtype)
     num_experts, top_k, hidden = args.num_experts, args.top_k, args.hidden
     inter = args.intermediate // args.tp_size
     dev = torch.device(device)
-    timer = graph_ms if dev.type == "cuda" else time_ms  # graphs: device time, not launch time
+    timer = graph_ms if dev.type == "cuda" else wall_ms  # graphs: device time, not launch time
     gen = torch.Generator(device=dev).manual_seed(args.seed)
     w13 = (torch.randn(num_experts, 2 * inter, hidden, device=dev, generator=gen) * hidden**-0.5).to(dtype)
     w2 = (torch.randn(num_experts, hidden, inter, device=dev, generator=gen) * inter**-0.5).to(dtype)
+    quant = None
+    if args.weights == "fp8_e4m3":  # e4m3 experts, 128x128 blocks, the scales making the same weight scale
+        block = args.fp8_block
+        w13, w2 = (torch.randn(w.shape, device=dev, generator=gen).to(torch.float8_e4m3fn) for w in (w13, w2))
+        s13 = torch.full((num_experts, 2 * inter // block, hidden // block), hidden**-0.5, device=dev)
+        s2 = torch.full((num_experts, hidden // block, inter // block), inter**-0.5, device=dev)
+        quant = MoEQuant("fp8_e4m3", block, s13, s2, block_n=block)
     smem = max_smem()
-    elem = w13.element_size()
+    elem = w13.element_size()  # bytes of a weight (and, fp8, of an activation) in shared memory
     best: dict[str, dict] = {}
     for num_tokens in args.batch_sizes:
         x = torch.randn(num_tokens, hidden, device=dev, generator=gen).to(dtype)  # [T, H]
         logits = torch.randn(num_tokens, num_experts, device=dev, generator=gen)  # [T, E]
         weights, ids = route_topk(logits, top_k, True)  # [T, k] each
         weights = weights if args.fp32_routing_weights else weights.to(dtype)  # Mixtral / Qwen-MoE
-        ref = fused_moe_ref(x, w13, w2, weights, ids).float()  # [T, H]
+        ref = fused_moe_ref(x, w13, w2, weights, ids, quant=quant).float()  # [T, H]
         inter_buf = torch.empty(num_tokens * top_k, inter, device=dev, dtype=dtype)  # [T*k, I]
         pair_out = torch.empty(num_tokens * top_k, hidden, device=dev, dtype=weights.dtype)  # [T*k, H]
         flat_w = weights.reshape(-1)  # [T*k]
@@ -97,12 +124,20 @@ def tune(args: argparse.Namespace, device: str = "cuda") -> dict[str, dict]:
             for gemm in ("up", "down"):
                 fused = gemm == "up"
                 a, b, c, div = (x, w13, inter_buf, top_k) if fused else (inter_buf, w2, pair_out, 1)
+                proj = "w13" if fused else "w2"
+                # fp8 experts read activations quantized per token-group (fused_moe's own first step)
+                act: tuple = ()
+                if quant is not None:
+                    a, a_scale = per_token_group_quant(a, quant.group_size)
+                    act = (quant, proj, a_scale, dtype)
                 timed = []
                 num_blocks = num_tokens * top_k // bm + min(num_experts, num_tokens * top_k)
                 cands = candidates(SPACES[args.space], bm, fused, elem, smem, num_blocks)
+                if quant is not None:  # a K tile within one activation group (fused_moe's _fit_block_k)
+                    cands = [c for c in cands if quant.group_size % c["BLOCK_K"] == 0]
                 for cand in tqdm(cands, desc=f"T={num_tokens} BLOCK_M={bm} {gemm}", leave=False):
                     cfg = {"BLOCK_M": bm, **cand}
-                    run = partial(moe_gemm, a, b, c, flat_w, *align, div, cfg, fused, not fused)
+                    run = partial(moe_gemm, a, b, c, flat_w, *align, div, cfg, fused, not fused, *act)
                     try:
                         run()
                     except Exception as exc:  # e.g. out of shared memory on this GPU: not a candidate
@@ -110,7 +145,7 @@ def tune(args: argparse.Namespace, device: str = "cuda") -> dict[str, dict]:
                         continue
                     # once per candidate: the whole MoE with it (the other GEMM: the best so far) vs the reference
                     full = cfg if fused else {"BLOCK_M": bm, **chosen["up"], "down": cand}
-                    got = fused_moe(x, w13, w2, weights, ids, config=full).float()  # [T, H]
+                    got = fused_moe(x, w13, w2, weights, ids, quant=quant, config=full).float()  # [T, H]
                     rel = ((got - ref).norm() / ref.norm()).item()
                     if not rel < REL_TOL:
                         raise RuntimeError(
@@ -122,9 +157,8 @@ def tune(args: argparse.Namespace, device: str = "cuda") -> dict[str, dict]:
                 ms, chosen[gemm] = min(timed, key=lambda t: t[0])
                 chosen[gemm + "_ms"] = ms
                 if fused:  # the down GEMM reads this GEMM's output: leave the best one's in the buffer
-                    moe_gemm(
-                        x, w13, inter_buf, flat_w, *align, top_k, {"BLOCK_M": bm, **chosen["up"]}, True, False
-                    )
+                    best_up = {"BLOCK_M": bm, **chosen["up"]}
+                    moe_gemm(a, w13, inter_buf, flat_w, *align, top_k, best_up, True, False, *act)
             if "down" in chosen:
                 results.append((chosen["up_ms"] + chosen["down_ms"], bm, chosen))
         if not results:
@@ -143,6 +177,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--intermediate", type=int, required=True, help="expert intermediate size (before TP)")
     p.add_argument("--tp-size", type=int, default=1, help="tune the per-rank shard: intermediate / tp")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    p.add_argument(
+        "--weights", default=None, choices=["fp8_e4m3"], help="quantized experts (default: --dtype)"
+    )
+    p.add_argument("--fp8-block", type=int, default=128, help="--weights fp8_e4m3: the scale blocks' side")
     default_sizes = "1,2,4,8,16,24,32,48,64,96,128,256,512,1024,1536,2048,3072,4096,8192"
     p.add_argument("--batch-sizes", default=default_sizes, type=lambda s: [int(v) for v in s.split(",")])
     p.add_argument("--space", default="quick", choices=list(SPACES))
@@ -168,7 +206,11 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"--intermediate {args.intermediate} is not divisible by --tp-size {args.tp_size}")
     best = tune(args)
     name = config_file_name(
-        args.num_experts, args.intermediate // args.tp_size, current_device_name(), getattr(torch, args.dtype)
+        args.num_experts,
+        args.intermediate // args.tp_size,
+        current_device_name(),
+        getattr(torch, args.dtype),
+        args.weights,
     )
     path = Path(args.output_dir or CONFIG_DIR) / name
     merged = {**{str(k): v for k, v in (load_table(str(path)) or {}).items()}, **best}  # keep other buckets
