@@ -31,6 +31,8 @@ SPACES = {
     # fp8 block experts at prefill sizes: around vLLM's tuned H200 table for them (E=128, N=768: BLOCK_K 128,
     # GROUP_M 16, 4 warps, 4 stages; its BLOCK_N of 128 weight rows is our fused gate+up's 64 columns)
     "fp8-prefill": {"BLOCK_N": [64, 128], "BLOCK_K": [128], "GROUP_M": [16], "num_warps": [4, 8], "num_stages": [3, 4]},
+    # 16-bit experts at prefill sizes: the same neighbourhood with both K steps
+    "prefill": {"BLOCK_N": [64, 128], "BLOCK_K": [64, 128], "GROUP_M": [16], "num_warps": [4, 8], "num_stages": [3, 4]},
     "full": {
         "BLOCK_N": [32, 64, 128, 256], "BLOCK_K": [64, 128, 256], "GROUP_M": [1, 16, 32, 64],
         "num_warps": [4, 8], "num_stages": [2, 3, 4, 5],
