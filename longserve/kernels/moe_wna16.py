@@ -45,8 +45,11 @@ __all__ = [
 ]
 
 # Steps of at most this many tokens take the routed GEMV, of at least MOE_WNA16_DEQUANT_MIN_TOKENS the
-# dequantized experts. Not yet measured against fused_moe's int path between them (the batch-64 decode is the
-# case: 512 pairs re-read their experts' 1.2 GB a layer through the GEMV, against dequantizing all of them).
+# dequantized experts. Measured on an H200 (2026-12-02, c9a2ca1, tests/gpu/test_quant_kernels_gpu.py
+# test_int4_experts_paths, RESULTS.md seventh session), one A3B MoE layer as CUDA graphs, us (GEMV / dequantized /
+# fused int path): 1 token 19.5 / 562 / 261; 8: 89.7 / 700 / 6,084; 64: 485 / 820 / 2,980; 512: 3,631 / 999 /
+# 1,636. The batch-64 decode took 31.79 ms through the GEMV against 40.91 through the dequantized experts. The
+# crossover (~110 tokens by the slopes) is not timed: 64 is the largest size measured on the GEMV's side.
 MOE_WNA16_GEMV_MAX_TOKENS = 64
 MOE_WNA16_DEQUANT_MIN_TOKENS = 65
 
