@@ -1,7 +1,13 @@
 """Rotary embedding of q and k in one Triton kernel, in place; reference: `rotary_embedding_ref`. Optionally
 the same launch stores the rotated keys and the values into their KV-cache slots (reference: the rotation,
-then `KVCache.store`'s index_copy), and normalizes each head first (Qwen3's q/k RMSNorm; reference:
+then `KVCache.store`'s index_copy; for an fp8 cache its quantization too: x / scale saturated to +-448,
+rounded to e4m3, attention/kv_quant.py), and normalizes each head first (Qwen3's q/k RMSNorm; reference:
 `rms_norm` of kernels/norm.py, then the rotation).
+
+The fp8 store is fused for the launches it saves: unfused, an fp8 cache's store is ~8 small launches a layer
+(the division, the clamp and the cast of K and of V, two index_copy): the A3B decode at batch 1 (32K) took 5.87
+ms with an fp8 cache against 4.66 with bf16 (2026-12-02, 35fd681, RESULTS.md seventh session), though it
+reads half the KV bytes.
 
 HF rotate_half (neox) convention: the two halves of head_dim rotate together. One program per token reads
 its cos|sin row [D] from the float32 cache once, then rotates all Hq + Hkv heads, BLOCK_HEADS at a time,
@@ -14,7 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
+from longserve.kernels.extend_attention import interpreting
 from longserve.kernels.launch import fast_launch
+from longserve.kernels.quant_tiles import e4m3_rounded
 from longserve.kernels.rope_reference import rotary_embedding_ref
 
 __all__ = ["rotary_embedding", "rotary_embedding_ref"]
@@ -30,12 +38,15 @@ def _rotate_heads(
     offs_d,  # [BLOCK_D2]
     dst_ptr,  # with HAS_DST: where the rotated heads also go (this token's KV-cache slot)
     dst_stride_h,
+    dst_scale,  # FP8_DST: the cache's scale (stored = x / scale)
     w_ptr,  # with HAS_NORM: the per-head RMSNorm weight [2 * HALF_D] applied before the rotation
     eps,
     HALF_D: tl.constexpr,
     BLOCK_HEADS: tl.constexpr,
     HAS_DST: tl.constexpr,
     HAS_NORM: tl.constexpr,
+    FP8_DST: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     for h0 in range(0, num_heads, BLOCK_HEADS):
         heads = h0 + tl.arange(0, BLOCK_HEADS)  # [BLOCK_HEADS]
@@ -56,8 +67,24 @@ def _rotate_heads(
         tl.store(ptr1 + HALF_D, out2.to(x_ptr.dtype.element_ty), mask=mask)
         if HAS_DST:  # the value stored above, as the pages hold it
             dst1 = dst_ptr + heads[:, None] * dst_stride_h + offs_d[None, :]
-            tl.store(dst1, out1.to(x_ptr.dtype.element_ty).to(dst_ptr.dtype.element_ty), mask=mask)
-            tl.store(dst1 + HALF_D, out2.to(x_ptr.dtype.element_ty).to(dst_ptr.dtype.element_ty), mask=mask)
+            tl.store(dst1, _as_stored(out1.to(x_ptr.dtype.element_ty), dst_ptr, dst_scale, FP8_DST, INTERPRET),
+                     mask=mask)  # fmt: skip
+            tl.store(dst1 + HALF_D,
+                     _as_stored(out2.to(x_ptr.dtype.element_ty), dst_ptr, dst_scale, FP8_DST, INTERPRET),
+                     mask=mask)  # fmt: skip
+
+
+@triton.jit
+def _as_stored(x, dst_ptr, scale, FP8_DST: tl.constexpr, INTERPRET: tl.constexpr):
+    """x in the cache's dtype: a plain cast, or (FP8_DST) kv_quant.quantize_kv's x / scale saturated to
+    e4m3's +-448 and rounded to nearest even (by hand under the interpreter, whose cast mis-rounds)."""
+    if FP8_DST:
+        y = tl.minimum(tl.maximum(x.to(tl.float32) / scale, -448.0), 448.0)
+        if INTERPRET:
+            y = e4m3_rounded(y)
+        return y.to(dst_ptr.dtype.element_ty)
+    else:
+        return x.to(dst_ptr.dtype.element_ty)
 
 
 @fast_launch
@@ -85,11 +112,15 @@ def _rope_kernel(
     eps,
     num_q_heads,
     num_kv_heads,
+    k_scale,  # FP8_KV: the fp8 cache's K and V scales
+    v_scale,
     HALF_D: tl.constexpr,
     BLOCK_D2: tl.constexpr,
     BLOCK_HEADS: tl.constexpr,
     STORE_KV: tl.constexpr,
     HAS_NORM: tl.constexpr,
+    FP8_KV: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + tok).to(tl.int64)
@@ -98,23 +129,24 @@ def _rope_kernel(
     cos = tl.load(cache_ptr + pos * stride_cache + offs_d, mask=d_mask, other=0.0).to(tl.float32)
     sin = tl.load(cache_ptr + pos * stride_cache + HALF_D + offs_d, mask=d_mask, other=0.0).to(tl.float32)
     cos, sin = cos[None, :], sin[None, :]  # [1, BLOCK_D2]
-    _rotate_heads(q_ptr + tok * stride_qt, stride_qh, num_q_heads, cos, sin, offs_d, q_ptr, 0, qw_ptr, eps,
-                  HALF_D, BLOCK_HEADS, False, HAS_NORM)  # fmt: skip
+    _rotate_heads(q_ptr + tok * stride_qt, stride_qh, num_q_heads, cos, sin, offs_d, q_ptr, 0, 1.0, qw_ptr, eps,
+                  HALF_D, BLOCK_HEADS, False, HAS_NORM, False, INTERPRET)  # fmt: skip
     if STORE_KV:
         slot = tl.load(slot_ptr + tok).to(tl.int64)
         _rotate_heads(k_ptr + tok * stride_kt, stride_kh, num_kv_heads, cos, sin, offs_d,
-                      kc_ptr + slot * stride_slot, stride_head, kw_ptr, eps, HALF_D, BLOCK_HEADS, True,
-                      HAS_NORM)  # fmt: skip
+                      kc_ptr + slot * stride_slot, stride_head, k_scale, kw_ptr, eps, HALF_D, BLOCK_HEADS, True,
+                      HAS_NORM, FP8_KV, INTERPRET)  # fmt: skip
         for h0 in range(0, num_kv_heads, BLOCK_HEADS):  # the values, copied as they are (two halves)
             heads = h0 + tl.arange(0, BLOCK_HEADS)  # [BLOCK_HEADS]
             mask = (heads[:, None] < num_kv_heads) & d_mask[None, :]  # [BLOCK_HEADS, BLOCK_D2]
             src = v_ptr + tok * stride_vt + heads[:, None] * stride_vh + offs_d[None, :]
             dst = vc_ptr + slot * stride_slot + heads[:, None] * stride_head + offs_d[None, :]
-            tl.store(dst, tl.load(src, mask=mask).to(vc_ptr.dtype.element_ty), mask=mask)
-            tl.store(dst + HALF_D, tl.load(src + HALF_D, mask=mask).to(vc_ptr.dtype.element_ty), mask=mask)
+            tl.store(dst, _as_stored(tl.load(src, mask=mask), vc_ptr, v_scale, FP8_KV, INTERPRET), mask=mask)
+            tl.store(dst + HALF_D, _as_stored(tl.load(src + HALF_D, mask=mask), vc_ptr, v_scale, FP8_KV, INTERPRET),
+                     mask=mask)  # fmt: skip
     else:
-        _rotate_heads(k_ptr + tok * stride_kt, stride_kh, num_kv_heads, cos, sin, offs_d, k_ptr, 0, kw_ptr, eps,
-                      HALF_D, BLOCK_HEADS, False, HAS_NORM)  # fmt: skip
+        _rotate_heads(k_ptr + tok * stride_kt, stride_kh, num_kv_heads, cos, sin, offs_d, k_ptr, 0, 1.0, kw_ptr, eps,
+                      HALF_D, BLOCK_HEADS, False, HAS_NORM, False, INTERPRET)  # fmt: skip
 
 
 def rotary_embedding(
@@ -122,16 +154,17 @@ def rotary_embedding(
     q: torch.Tensor,
     k: torch.Tensor,
     cos_sin_cache: torch.Tensor,
-    store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    store: tuple | None = None,
     qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q [T, Hq*D] or [T, Hq, D] and k [T, Hkv*D] or [T, Hkv, D] in place; returns (q, k).
 
     positions [T] (int) index cos_sin_cache [P, D] (cos | sin halves, float32, see
     `RotaryEmbedding.cos_sin_cache`); positions must be < P (not checked on the device).
-    store = (v [T, Hkv, D], slot_mapping [T], k_cache, v_cache [num_slots, Hkv, D] views of the pages): the
-    same launch also writes the rotated keys and the values into their slots (what KVCache.store does for
-    a 16-bit cache, without its two index_copy launches a layer).
+    store = (v [T, Hkv, D], slot_mapping [T], k_cache, v_cache [num_slots, Hkv, D] views of the pages[, k_scale,
+    v_scale]): the same launch also writes the rotated keys and the values into their slots (what KVCache.store
+    does, without its launches: two index_copy a layer for a 16-bit cache, ~8 for fp8); float8_e4m3fn caches
+    are written quantized with the scales (default 1.0).
     qk_norm = (q weight [D], k weight [D], eps): each head is RMS-normalized first (Qwen3's q_norm / k_norm,
     computed as kernels/norm.py does), so the norms need no launches of their own; the weights must have
     q's dtype (the norm's output dtype is then q's, as the rotation writes in place).
@@ -147,8 +180,12 @@ def rotary_embedding(
     half = head_dim // 2
     block_d2 = triton.next_power_of_2(half)
     block_heads = max(1, min(triton.next_power_of_2(max(q3.shape[1], k3.shape[1])), 4096 // block_d2))
+    fp8_kv, kv_scales = False, (1.0, 1.0)
     if store is not None:
-        v, slots, k_cache, v_cache = store
+        v, slots, k_cache, v_cache = store[:4]
+        fp8_kv = k_cache.dtype == torch.float8_e4m3fn
+        assert v_cache.dtype == k_cache.dtype
+        kv_scales = tuple(float(x) for x in store[4:6]) or kv_scales
         v3 = v.view(num_tokens, -1, head_dim)  # [T, Hkv, D]
         assert v3.stride(2) == 1 and k_cache.stride(2) == 1 and k_cache.stride() == v_cache.stride()
         assert k_cache.shape[1:] == k3.shape[1:] and slots.shape == (num_tokens,)
@@ -173,8 +210,8 @@ def rotary_embedding(
     _rope_kernel[(num_tokens,)](
         positions, q3, k3, cos_sin_cache, *extra[:4],
         q3.stride(0), q3.stride(1), k3.stride(0), k3.stride(1), cos_sin_cache.stride(0), *extra[4:],
-        *norm_args, q3.shape[1], k3.shape[1],
+        *norm_args, q3.shape[1], k3.shape[1], *kv_scales,
         HALF_D=half, BLOCK_D2=block_d2, BLOCK_HEADS=block_heads, STORE_KV=store is not None,
-        HAS_NORM=qk_norm is not None, num_warps=4,
+        HAS_NORM=qk_norm is not None, FP8_KV=fp8_kv, INTERPRET=interpreting(), num_warps=4,
     )  # fmt: skip
     return q, k

@@ -185,10 +185,9 @@ class RotaryStep:
         qk_norm: tuple[Any, Any] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """`apply`, after the heads' RMSNorm (`qk_norm`: Qwen3's q_norm and k_norm modules) if given. On the
-        fused path one launch does it all: the norms (weights in q's dtype), the rotation, and, with a
-        16-bit cache, the store of the rotated keys and the values into their slots. Returns (q, k,
-        whether K/V are stored); an fp8 cache (quantized on store) and the torch path leave the store to
-        the attention backend."""
+        fused path one launch does it all: the norms (weights in q's dtype), the rotation, and the store of
+        the rotated keys and the values into their slots (quantized for an fp8 cache). Returns (q, k,
+        whether K/V are stored); the torch path leaves the store to the attention backend."""
         if self.cos_sin_cache is None:
             if qk_norm is not None:
                 q, k = qk_norm[0](q), qk_norm[1](k)
@@ -208,9 +207,9 @@ class RotaryStep:
             else:
                 q, k = q_norm(q), k_norm(k)
         store = None
-        if FUSE_KV_STORE and not kv_cache.is_fp8:
+        if FUSE_KV_STORE:  # an fp8 cache quantized in the same launch, with the layer's scales
             k_slots, v_slots = kv_cache.slots(layer_id)
-            store = (v, slots, k_slots, v_slots)
+            store = (v, slots, k_slots, v_slots, kv_cache.k_scales[layer_id], kv_cache.v_scales[layer_id])
         q, k = rotary_embedding(self.positions, q, k, self.cos_sin_cache, store=store, qk_norm=norm_args)
         return q, k, store is not None
 

@@ -148,6 +148,36 @@ def test_rotary_embedding_stores_keys_and_values(dtype) -> None:
     assert torch.equal(fused.v[0], ref.v[0])  # values copied exactly, every other slot untouched
 
 
+@pytest.mark.parametrize("scales", [(1.0, 1.0), (0.37, 2.5)], ids=["unit-scales", "calibrated-scales"])
+def test_rotary_embedding_stores_into_an_fp8_cache(scales) -> None:
+    """An fp8 (e4m3) cache written by the rotary launch holds exactly what KVCache.store writes (the rotated
+    bf16 keys and the values divided by the layer's scale, saturated at +-448, rounded to nearest even),
+    with values past 448 and the pages' other slots untouched."""
+    from longserve.attention.base import KVCache
+
+    head_dim, num_q, num_kv, num_tokens, page_size = 32, 4, 2, 5, 4
+    rope = make_rope(head_dim)
+    cache = rope.cos_sin_cache()
+    positions = torch.randint(0, 64, (num_tokens,), generator=torch.Generator().manual_seed(13))
+    qkv = (40 * randn(num_tokens, (num_q + 2 * num_kv) * head_dim, seed=14)).bfloat16()
+    q, k, v = (x.view(num_tokens, -1, head_dim) for x in qkv.split([num_q * head_dim, num_kv * head_dim,
+                                                                    num_kv * head_dim], dim=-1))  # fmt: skip
+    v[0, 0, 0], v[1, 1, 5], k[2, 0, 3], k[3, 1, 20] = 3000.0, -1500.0, 2000.0, -900.0  # past 448 * scale
+    slots = torch.tensor([13, 2, 7, 30, 21])
+    fused, ref = (KVCache(1, 9, page_size, num_kv, head_dim, torch.float8_e4m3fn, "cpu") for _ in range(2))
+    for c in (fused, ref):
+        c.set_scales([scales[0]], [scales[1]])
+        c.k[0].copy_(randn(*c.k[0].shape, seed=15).to(torch.float8_e4m3fn))
+    q_ref, k_ref = q.clone(), k.clone()
+    rotary_embedding_ref(positions, q_ref, k_ref, cache)
+    k_slots, v_slots = fused.slots(0)
+    rotary_embedding(positions, q, k, cache, store=(v, slots, k_slots, v_slots, *scales))
+    ref.store(0, slots, k, v)  # the keys the launch rotated, quantized the reference's way
+    torch.testing.assert_close(k, k_ref, atol=0.5, rtol=2e-2)
+    assert torch.equal(fused.k[0].view(torch.uint8), ref.k[0].view(torch.uint8))
+    assert torch.equal(fused.v[0].view(torch.uint8), ref.v[0].view(torch.uint8))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("store", [False, True], ids=["no-store", "store"])
 def test_rotary_embedding_applies_the_qk_norms(dtype, store) -> None:
@@ -181,9 +211,13 @@ def test_rotary_embedding_applies_the_qk_norms(dtype, store) -> None:
         assert torch.equal(k_slots[slots], k) and torch.equal(v_slots[slots], v)
 
 
-def test_model_with_fused_ops_matches_reference_path(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float8_e4m3fn], ids=["fp32-kv", "fp8-kv"])
+def test_model_with_fused_ops_matches_reference_path(
+    tmp_path, monkeypatch: pytest.MonkeyPatch, kv_dtype
+) -> None:
     """Force every fused path on (CPU tensors through the interpreter) in a tiny Qwen3 (q/k norm) and
-    compare its hidden states with the reference path's: wiring, residual flow and in-place RoPE."""
+    compare its hidden states with the reference path's: wiring, residual flow and in-place RoPE; with an
+    fp8 cache, the rotary launch's quantized store against KVCache.store's."""
     pytest.importorskip("transformers")
     from longserve.attention.base import ForwardContext, KVCache
     from longserve.attention.torch_backend import TorchAttentionBackend
@@ -201,7 +235,7 @@ def test_model_with_fused_ops_matches_reference_path(tmp_path, monkeypatch: pyte
     def run() -> torch.Tensor:
         meta, positions = make_meta([0], [len(ids)], [PAGE_IDS])
         cache = KVCache(
-            model.num_layers, NUM_PAGES, PAGE_SIZE, model.num_kv_heads, model.head_dim, torch.float32, "cpu"
+            model.num_layers, NUM_PAGES, PAGE_SIZE, model.num_kv_heads, model.head_dim, kv_dtype, "cpu"
         )
         ctx = ForwardContext(meta=meta, kv_cache=cache, backend=TorchAttentionBackend())
         with torch.no_grad():
