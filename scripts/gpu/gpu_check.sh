@@ -4,7 +4,7 @@
 # $OUT; a short table last. LONGSERVE_COMMIT is the commit the JSON metadata names: compute it where the tree
 # is a git checkout (a copied tree's .git may be stale) and pass it as a literal, e.g.
 #   LONGSERVE_COMMIT=abc1234 bash scripts/gpu/gpu_check.sh latency
-#   usage: LONGSERVE_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu/gpu_check.sh [quick|tests|bench|all|long|tp|tp2|tp32|profile|latency|hit|host|launch|turns|moe|moe-tests|moe-bench|moe-long|moe-tp|quant|quant-tests|quant-bench|kvfp8|vllm|structured|switches|chunks|fusions|fusions-a3b|piecewise|moe-gemv|quant-decode]
+#   usage: LONGSERVE_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu/gpu_check.sh [quick|tests|bench|all|long|tp|tp2|tp32|profile|latency|hit|host|launch|turns|moe|moe-tests|moe-bench|moe-long|moe-tp|quant|quant-tests|quant-bench|kvfp8|vllm|structured|switches|chunks|fusions|fusions-a3b|piecewise|moe-gemv|quant-decode|int4-fast|fp8-acc]
 # moe (one GPU) = moe-tests (the MoE kernel and engine GPU tests, the kernel's TFLOP/s and GB/s) +
 # moe-bench (the Qwen3-30B-A3B shape's cases against HF, profiled, with their floors); moe-long: 128K cold
 # against HF and the Mixtral-8x7B shape; moe-tp (two GPUs): the TP=2 / expert-parallel tests and the A3B shape
@@ -19,6 +19,8 @@
 # against 16).
 # int4-fast (one GPU, ~4 min): the one-row int4 GEMV (kernels/int4_gemv.py, off until this runs): its GPU tests,
 # the int4 GEMV's time at M=1 with it off and on, the 8B int4 decode at batch 1 (32K) with it off and on.
+# fp8-acc (one GPU, ~6 min): the A3B FP8 cold TTFT with the fp8 dots' fp32 promotion after every wgmma (0, the
+# default), every other (64) or never within a tile (None), and the fp8 engine tests under 64 and None.
 # piecewise (one GPU): the piecewise graphs' GPU test, then step_timeline.py and cold 512-4096 / a 32K + 512 hit
 # with --piecewise-cuda-graph-max-tokens 0 and 4096.
 # fusions (one GPU): the prefix-as-view and fused K/V-store switches off, each against both on; fusions-a3b:
@@ -420,6 +422,23 @@ if [[ $MODE == int4-fast ]]; then  # one GPU, ~4 min: the one-row int4 GEMV (qua
       longserve.bench.latency --config llama-3.1-8b --load-format dummy --dtype bfloat16 --quantization gptq \
       --warmup 1 --repeat 3 --decode-batch-sizes 1@32768 --output-json "$OUT/latency_int4_fast$fast.json" 2>&1 \
       | tee "$OUT/latency_int4_fast$fast.log" | grep -E "^decode" || status=1
+  done
+fi
+
+if [[ $MODE == fp8-acc ]]; then  # one GPU, ~6 min: what full-fp32 accumulation costs the fp8 MoE prefill
+  # FP8_DOT_MAX_IMPRECISE_ACC 0 promotes the fp8 dots' partial sums after every wgmma (K = 32), which waits for
+  # each; 64 every other; None (Triton's default) never within a dot (one BLOCK_K = 128 tile). The A3B FP8
+  # cold TTFT (1.21x bf16's with the tuned tiles, RESULTS.md seventh session) and the fp8 engine tests per value
+  fp8='{"quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}}'
+  for acc in 0 64 None; do
+    timeout 150 python3 scripts/probes/with_constants.py longserve.kernels.quant_fp8.FP8_DOT_MAX_IMPRECISE_ACC=$acc \
+      -- longserve.bench.latency --config qwen3-30b-a3b --load-format dummy --dtype bfloat16 --hf-overrides "$fp8" \
+      --warmup 1 --repeat 3 --prompt-lens 8192,32768 --output-json "$OUT/latency_a3b_fp8_acc_$acc.json" 2>&1 \
+      | tee "$OUT/latency_a3b_fp8_acc_$acc.log" | grep -E "^cold"
+    [[ $acc == 0 ]] && continue
+    timeout 150 python3 scripts/probes/with_constants.py longserve.kernels.quant_fp8.FP8_DOT_MAX_IMPRECISE_ACC=$acc \
+      -- pytest -q -m gpu tests/gpu/test_quant_engine_gpu.py -k "fp8 or ct-int8" -p no:cacheprovider 2>&1 \
+      | tail -3
   done
 fi
 
