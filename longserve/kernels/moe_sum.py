@@ -24,10 +24,12 @@ __all__ = ["moe_sum"]
 @fast_launch
 @triton.jit
 def _moe_sum_kernel(
-    x_ptr,  # [T, k, H]
+    x_ptr,  # [S, T, k, H]: S = 1, or split-K partial sums (fp32) of each row
     out_ptr,  # [T, H]
     w_ptr,  # HAS_WEIGHTS: [T, k] routing weights, each row's multiplier
     hidden_size,
+    num_splits,
+    stride_xs,
     stride_xt,
     stride_xk,
     stride_ot,
@@ -35,40 +37,49 @@ def _moe_sum_kernel(
     TOP_K: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr,
-    ROUND_PRODUCT: tl.constexpr,  # the products rounded to x's dtype (16-bit weights) before the sum
+    ROUND_PRODUCT: tl.constexpr,  # the products rounded to the rows' dtype (16-bit weights) before the sum
+    PARTIALS: tl.constexpr,  # x holds fp32 partial sums: each row rounded to out's dtype once summed
     INTERPRET_BF16: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < hidden_size
+    out_ty = out_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for j in tl.static_range(TOP_K):  # in order: deterministic
-        v = tl.load(x_ptr + token * stride_xt + j * stride_xk + offs, mask=mask, other=0.0).to(tl.float32)
+        row = x_ptr + token * stride_xt + j * stride_xk + offs
+        v = tl.load(row, mask=mask, other=0.0).to(tl.float32)
+        for s in range(1, num_splits):  # partials: in split order, then the row rounded as a projection
+            v += tl.load(row + s * stride_xs, mask=mask, other=0.0)
+        if PARTIALS:
+            v = rounded(v, out_ty, INTERPRET_BF16)
         if HAS_WEIGHTS:
             v = v * tl.load(w_ptr + token * stride_wt + j).to(tl.float32)
             if ROUND_PRODUCT:
-                v = rounded(v, x_ptr.dtype.element_ty, INTERPRET_BF16)
+                v = rounded(v, out_ty, INTERPRET_BF16)
         acc += v
-    out_ty = out_ptr.dtype.element_ty
     tl.store(out_ptr + token * stride_ot + offs, rounded(acc, out_ty, INTERPRET_BF16).to(out_ty), mask=mask)
 
 
 def moe_sum(x: torch.Tensor, out: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
     """out [T, H] = x [T, k, H] summed over k in fp32, rounded once to out's dtype. With `weights` [T, k] each
-    row x[t, j] is first multiplied by weights[t, j] in their promoted dtype (fused_moe_ref's weighted rows)."""
-    num_tokens, top_k, hidden = x.shape
-    assert (
-        out.shape == (num_tokens, hidden) and x.stride(2) == 1 and out.stride(1) == 1 and x.dtype == out.dtype
-    )
+    row x[t, j] is first multiplied by weights[t, j] in their promoted dtype (fused_moe_ref's weighted rows).
+    x may also be [S, T, k, H] float32 split-K partial sums of the rows: each row is their sum in split order,
+    rounded to out's dtype (what quant_gemv.splitk_reduce would have written), in the same launch."""
+    partials = x.dim() == 4
+    x4 = x if partials else x.unsqueeze(0)  # [S, T, k, H]
+    num_splits, num_tokens, top_k, hidden = x4.shape
+    assert out.shape == (num_tokens, hidden) and x4.stride(3) == 1 and out.stride(1) == 1
+    assert x.dtype == (torch.float32 if partials else out.dtype), f"rows {x.dtype}, out {out.dtype}"
     assert weights is None or (weights.shape == (num_tokens, top_k) and weights.stride(1) == 1)
     if num_tokens == 0:
         return out
-    round_product = weights is not None and torch.promote_types(x.dtype, weights.dtype) == x.dtype
+    round_product = weights is not None and torch.promote_types(out.dtype, weights.dtype) == out.dtype
     block = min(1024, triton.next_power_of_2(hidden))
     _moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block))](
-        x, out, weights if weights is not None else x, hidden, x.stride(0), x.stride(1), out.stride(0),
-        weights.stride(0) if weights is not None else 0, TOP_K=top_k, BLOCK=block,
-        HAS_WEIGHTS=weights is not None, ROUND_PRODUCT=round_product and x.dtype != torch.float32,
-        INTERPRET_BF16=interpreting() and out.dtype == torch.bfloat16,
+        x4, out, weights if weights is not None else x4, hidden, num_splits, x4.stride(0), x4.stride(1),
+        x4.stride(2), out.stride(0), weights.stride(0) if weights is not None else 0, TOP_K=top_k, BLOCK=block,
+        HAS_WEIGHTS=weights is not None, ROUND_PRODUCT=round_product and out.dtype != torch.float32,
+        PARTIALS=partials, INTERPRET_BF16=interpreting() and out.dtype == torch.bfloat16,
     )  # fmt: skip
     return out

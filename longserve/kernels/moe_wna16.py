@@ -6,9 +6,11 @@ step at batch 1 (32K context; bf16 4.66) and 4.94 s for a cold 32K prompt (bf16 
 
 - Decode (at most MOE_WNA16_GEMV_MAX_TOKENS tokens, 4-bit groups of whole tiles): kernels/int4_gemv.py's
   one-row GEMV routed over the (token, k) pairs, grid axis 2: gate+up [T*k, 2I] (each pair's token row times its
-  expert's w13), silu(gate) * up (activation.py), down [T*k, H] (each pair's row times its expert's w2), then
-  moe_sum adds the k rows times their routing weights. Each pair reads its expert's packed weights once: at
-  batch 1 the bytes of the 8 experts touched, a quarter of bf16's.
+  expert's w13), silu(gate) * up, down [T*k, H] (each pair's row times its expert's w2), then moe_sum adds the
+  k rows times their routing weights. Four launches: the split-K partials of each GEMV are added by the launch
+  after it (silu * up; moe_sum), not by reductions of their own (six launches at `c9a2ca1`, where one token
+  took 19.5 us a layer, the 8 experts' 18.9 MB at ~1 TB/s: launch-bound). Each pair reads its expert's packed
+  weights once: at batch 1 the bytes of the 8 experts touched, a quarter of bf16's.
 - Prefill (at least MOE_WNA16_DEQUANT_MIN_TOKENS tokens): every expert dequantized to the activations' dtype
   (quant_gemm.wna16_dequantize, one launch a projection), then the 16-bit fused_moe, whose grouped GEMMs run at
   the tensor cores' bf16 rate. The dequantization is paid once a layer rather than once per block of pairs:
@@ -27,14 +29,16 @@ from __future__ import annotations
 
 import torch
 import triton
+import triton.language as tl
 
-from longserve.kernels.activation import silu_and_mul
 from longserve.kernels.extend_attention import interpreting
 from longserve.kernels.int4_gemv import int4_gemv_kernel
+from longserve.kernels.launch import fast_launch
 from longserve.kernels.moe_reference import MoEQuant
 from longserve.kernels.moe_sum import moe_sum
 from longserve.kernels.quant_gemm import wna16_dequantize
-from longserve.kernels.quant_gemv import _num_sms, _tile_k, split_k_output, splitk_reduce, splits_for
+from longserve.kernels.quant_gemv import _num_sms, _tile_k, split_k_output, splits_for
+from longserve.kernels.quant_tiles import rounded
 
 __all__ = [
     "MOE_WNA16_DEQUANT_MIN_TOKENS",
@@ -95,6 +99,37 @@ def dequantize_experts(quant: MoEQuant, w: torch.Tensor, proj: str, dtype: torch
     return flat.view(num_experts, n, k)
 
 
+@fast_launch
+@triton.jit
+def _silu_mul_kernel(
+    x_ptr,  # [S, P, 2I]: gate|up rows, S split-K partial sums (fp32), or S = 1 rows in out's dtype
+    out_ptr,  # [P, I]
+    inter,
+    num_splits,
+    stride_xs,
+    stride_xp,
+    stride_op,
+    BLOCK: tl.constexpr,
+    INTERPRET_BF16: tl.constexpr,
+):
+    """silu(gate) * up of each pair, rounded as activation.silu_and_mul (silu to the dtype, the product
+    again; by hand under the interpreter), after summing the partials in split order and rounding the
+    projections to the dtype (quant_gemv.splitk_reduce's result): one launch for both."""
+    pair = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inter
+    ty = out_ptr.dtype.element_ty
+    row = x_ptr + pair * stride_xp + cols
+    gate = tl.zeros([BLOCK], dtype=tl.float32)
+    up = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in range(0, num_splits):  # in order: deterministic
+        gate += tl.load(row + s * stride_xs, mask=mask, other=0.0).to(tl.float32)
+        up += tl.load(row + s * stride_xs + inter, mask=mask, other=0.0).to(tl.float32)
+    gate, up = rounded(gate, ty, INTERPRET_BF16), rounded(up, ty, INTERPRET_BF16)
+    act = rounded(gate / (1.0 + tl.exp(-gate)), ty, INTERPRET_BF16)
+    tl.store(out_ptr + pair * stride_op + cols, rounded(act * up, ty, INTERPRET_BF16).to(ty), mask=mask)
+
+
 def _routed_gemv(
     x: torch.Tensor,  # [rows, K]
     w: torch.Tensor,  # [E, N, K / 2] uint8
@@ -105,7 +140,8 @@ def _routed_gemv(
     group: int,
     block_k: int,
 ) -> torch.Tensor:
-    """[P, N] in x's dtype: row p = x[p // x_row_div] @ dequantize(w[ids[p]])^T."""
+    """Row p = x[p // x_row_div] @ dequantize(w[ids[p]])^T: [P, N] in x's dtype, or with split-K its fp32
+    partial sums [S, P, N] (the consumers add them: _silu_mul_kernel, moe_sum)."""
     num_rows, (_, n, packed) = ids.shape[0], w.shape
     k = packed * 2
     w = w if w.is_contiguous() else w.contiguous()
@@ -129,7 +165,7 @@ def _routed_gemv(
         INTERPRET_BF16=interpreting() and x.dtype == torch.bfloat16, ROUTED=True, X_ROW_DIV=x_row_div,
         num_warps=4, num_stages=2,
     )  # fmt: skip
-    return out if split == 1 else splitk_reduce(out, None, x.dtype)
+    return out
 
 
 def moe_wna16_gemv(
@@ -141,8 +177,8 @@ def moe_wna16_gemv(
     quant: MoEQuant,
     out: torch.Tensor,  # [T, H]
 ) -> torch.Tensor:
-    """`fused_moe_ref`'s result for 4-bit experts (the module docstring: rounding) in five launches, no host
-    sync: gate+up, silu * up, down (each a split-K reduction beside it when split), the weighted k-sum."""
+    """`fused_moe_ref`'s result for 4-bit experts (the module docstring: rounding) in four launches, no host
+    sync: gate+up, silu * up (adding gate+up's split-K partials), down, the weighted k-sum (adding down's)."""
     num_tokens, top_k = topk_ids.shape
     hidden_size, inter = hidden.shape[1], w13.shape[1] // 2
     hidden = hidden if hidden.stride(1) == 1 else hidden.contiguous()
@@ -151,8 +187,15 @@ def moe_wna16_gemv(
         hidden, w13, quant.w13_scale, quant.w13_zero, ids, top_k, quant.group(hidden_size),
         _gemv_tile_k(quant, hidden_size),
     )  # fmt: skip
-    act = silu_and_mul(gate_up)  # [T*k, I]
+    gate_up = gate_up if gate_up.dim() == 3 else gate_up.unsqueeze(0)  # [S, T*k, 2I]
+    act = torch.empty(num_tokens * top_k, inter, dtype=hidden.dtype, device=hidden.device)  # [T*k, I]
+    block = min(1024, triton.next_power_of_2(inter))
+    _silu_mul_kernel[(num_tokens * top_k, triton.cdiv(inter, block))](
+        gate_up, act, inter, gate_up.shape[0], gate_up.stride(0), gate_up.stride(1), act.stride(0), BLOCK=block,
+        INTERPRET_BF16=interpreting() and hidden.dtype == torch.bfloat16,
+    )  # fmt: skip
     down = _routed_gemv(
         act, w2, quant.w2_scale, quant.w2_zero, ids, 1, quant.group(inter), _gemv_tile_k(quant, inter)
-    )  # [T*k, H]
-    return moe_sum(down.view(num_tokens, top_k, hidden_size), out, topk_weights.contiguous())
+    )  # [T*k, H], or its partials [S, T*k, H]
+    rows = down.view(*down.shape[:-2], num_tokens, top_k, hidden_size)  # [(S,) T, k, H]
+    return moe_sum(rows, out, topk_weights.contiguous())

@@ -341,6 +341,14 @@ def test_shipped_tables_parse() -> None:
 
     for path in sorted(CONFIG_DIR.glob("*.json")):
         assert path.name.startswith("E=") and ",N=" in path.name and ",device_name=" in path.name
-        assert path.name.rsplit("dtype=", 1)[1].removesuffix(".json") in ("bfloat16", "float16", "float32")
+        kinds = (
+            "bfloat16",
+            "float16",
+            "float32",
+            "int4",
+            "int8",
+            "fp8_e4m3",
+        )  # quantized experts: their format
+        assert path.name.rsplit("dtype=", 1)[1].removesuffix(".json") in kinds
         table = load_table(str(path))
         assert table and all(set(KEYS) <= set(cfg) for cfg in table.values())

@@ -173,3 +173,16 @@ def test_weighted_sum_over_k_rounds_as_the_reference(dtype, wdtype) -> None:
     want = prod.sum(dim=1, dtype=torch.float32).to(dtype)
     got = moe_sum(x, torch.empty(3, 40, dtype=dtype), w)
     assert torch.equal(got, want)
+
+
+def test_weighted_sum_over_k_adds_split_k_partials_first() -> None:
+    """moe_sum of [S, T, k, H] fp32 partials: each row their sum in split order rounded to the dtype (what
+    quant_gemv.splitk_reduce writes), then weighted and summed as for ready rows: the same result, one launch."""
+    from longserve.kernels.quant_gemv import splitk_reduce
+
+    parts = torch.randn(3, 2 * 4, 40, generator=gen(14))  # [S, T*k, H]
+    w = torch.rand(2, 4, generator=gen(15)).bfloat16()
+    rows = splitk_reduce(parts, None, torch.bfloat16).view(2, 4, 40)
+    want = moe_sum(rows, torch.empty(2, 40, dtype=torch.bfloat16), w)
+    got = moe_sum(parts.view(3, 2, 4, 40), torch.empty(2, 40, dtype=torch.bfloat16), w)
+    assert torch.equal(got, want)
