@@ -328,15 +328,18 @@ if [[ $MODE == quant || $MODE == quant-bench ]]; then  # one GPU: the 8B and A3B
   fp8='{"quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}}'
   # QUANT_SHAPES: the shapes in order (default both), QUANT_MEMORY_SHAPES those whose memory is measured too;
   # each case one process (timeouts: a stuck case loses only itself)
+  # QUANT_VARIANTS: which of bf16, fp8, int4 and kvfp8 (bf16 weights, --kv-cache-dtype fp8) run (default the first three)
   for shape in ${QUANT_SHAPES:-llama-3.1-8b qwen3-30b-a3b}; do
-    for variant in bf16 fp8 int4; do
+    for variant in ${QUANT_VARIANTS:-bf16 fp8 int4}; do
       q=(); [[ $variant == fp8 ]] && q=(--hf-overrides "$fp8"); [[ $variant == int4 ]] && q=(--quantization gptq)
+      [[ $variant == kvfp8 ]] && q=(--kv-cache-dtype fp8)
       base=(--config $shape --load-format dummy --dtype bfloat16 --warmup 1 --repeat 3 ${q[@]+"${q[@]}"})
       timeout 180 python3 -m longserve.bench.latency "${base[@]}" --prompt-lens 8192,32768 \
         --decode-batch-sizes 1@32768,64@4096 --output-json "$OUT/latency_quant_${shape}_${variant}.json" 2>&1 \
         | tee "$OUT/latency_quant_${shape}_${variant}.log" | grep -E "^(cold|decode)"
       [[ " ${QUANT_MEMORY_SHAPES:-llama-3.1-8b qwen3-30b-a3b} " == *" $shape "* ]] || continue
-      timeout 90 python3 scripts/gpu/quant_memory.py --config $shape --variant $variant \
+      m=(--variant $variant); [[ $variant == kvfp8 ]] && m=(--variant bf16 --kv-cache-dtype fp8)
+      timeout 90 python3 scripts/gpu/quant_memory.py --config $shape "${m[@]}" \
         --output-json "$OUT/memory_quant_${shape}_${variant}.json" 2>&1 | tail -1
     done
   done
@@ -349,11 +352,11 @@ def rec(shape, variant, name, suffix=""):
         return None
     return next((r for r in json.load(open(path)) if r["name"] == name and not r.get("skipped")), None)
 targets = {("int4", "decode-b1-c32768"): 0.6, ("fp8", "decode-b1-c32768"): 0.7, ("fp8", "cold-32768"): 0.85,
-           ("int4", "cold-32768"): 1.1}
+           ("int4", "cold-32768"): 1.1, ("kvfp8", "decode-b64-c4096"): 1.05}
 for shape in ("llama-3.1-8b", "qwen3-30b-a3b"):
     print(f"--- {shape}: variant, cold 8K / 32K TTFT s, decode b1@32K / b64@4K ITL ms, weights GiB, KV tokens that fit")
     base = {}
-    for variant in ("bf16", "fp8", "int4"):
+    for variant in ("bf16", "fp8", "int4", "kvfp8"):
         cells = []
         for name, suffix, key in (("cold-8192", "", "ttft_s"), ("cold-32768", "", "ttft_s"),
                                   ("decode-b1-c32768", "", "itl_ms_median"), ("decode-b64-c4096", "", "itl_ms_median")):
@@ -365,6 +368,8 @@ for shape in ("llama-3.1-8b", "qwen3-30b-a3b"):
             cells.append("-" if value is None else f"{value:.4g}{ratio}")
         mem = os.path.join(out, f"memory_quant_{shape}_{variant}.json")
         m = json.load(open(mem)) if os.path.exists(mem) else {}
+        if all(c == "-" for c in cells) and not m:
+            continue  # a variant not run (QUANT_VARIANTS)
         cells.append(f"{m.get('weight_gib', float('nan')):.2f} GiB, {m.get('kv_pool_tokens', 0):,} tokens")
         print(f"{variant:<5} " + " | ".join(cells))
 PY
