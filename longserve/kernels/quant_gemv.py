@@ -1,4 +1,4 @@
-"""W4A16 / W8A16 GEMV and skinny GEMM for decode batch sizes (M from 1 to ~16): y = x @ dequantize(w)^T
+"""W4A16 / W8A16 GEMV and skinny GEMM for decode batch sizes (M from 1 to 64): y = x @ dequantize(w)^T
 (+ bias) for integer weights in the layout of `quant_reference` (uint8 [N, K * bits / 8] packed along K,
 scales [N, G], optional uint8 zero points [N, G], optional act-order g_idx [K]). Its reference is
 `quant_reference.wna16_gemm_ref`; `quant_gemm.wna16_gemm` routes here when M <= WNA16_GEMV_MAX_TOKENS.
