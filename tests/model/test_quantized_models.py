@@ -393,3 +393,22 @@ def test_fp8_models_through_the_gemv_kernels(
     calls = count_rows(monkeypatch, quant_fp8, gemv)
     test_logits_and_greedy_tokens_match_transformers(root, case)
     assert 1 in calls and 24 not in calls, sorted(set(calls))  # the decode steps; the prefill's 24 rows not
+
+
+def test_int4_moe_model_through_the_routed_gemv_and_the_dequantized_experts(
+    root, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The GPTQ int4 MoE case with its experts on the Triton path (interpreted here): the prefill's 24 tokens
+    through the dequantized experts (MOE_WNA16_DEQUANT_MIN_TOKENS lowered to 24), the decode steps through
+    the routed int4 GEMV (kernels/moe_wna16.py): the same logits and greedy tokens as transformers."""
+    pytest.importorskip("triton")
+    from longserve.kernels import fused_moe, moe_wna16
+    from longserve.models.quant import wna16
+
+    monkeypatch.setattr(wna16, "use_triton", lambda x: True)  # as for CUDA tensors with triton
+    monkeypatch.setattr(moe_wna16, "MOE_WNA16_DEQUANT_MIN_TOKENS", 24)
+    paths: list[str] = []
+    real = fused_moe.moe_wna16_path
+    monkeypatch.setattr(fused_moe, "moe_wna16_path", lambda *a: paths.append(real(*a)) or paths[-1])
+    test_logits_and_greedy_tokens_match_transformers(root, "gptq-int4-moe-dynamic")
+    assert {"gemv", "dequant"} <= set(paths), sorted(set(paths))
