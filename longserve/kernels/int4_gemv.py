@@ -30,12 +30,13 @@ relative, far below one bf16 ulp. Split-K and its reduction are quant_gemv's.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
 from longserve.kernels.quant_tiles import store_gemv_out
 
-__all__ = ["int4_fast_supported"]
+__all__ = ["int4_dot_supported", "int4_fast_supported"]
 
 _BF16_128 = tl.constexpr(0x43004300)  # two bf16 128.0: OR-ed with a nibble in each half, 128 + q
 _LOW_NIBBLES = tl.constexpr(0x000F000F)
@@ -47,6 +48,19 @@ def int4_fast_supported(m: int, bits: int, k: int, per_col: bool, use_dot: bool,
     batch 1: the unpacked tile serves one activation row, so nothing is kept across rows), 4 bits, groups of
     whole tiles, the FMA path, K a multiple of the tile (no masks along K; whole words)."""
     return m == 1 and bits == 4 and not per_col and not use_dot and block_k % 8 == 0 and k % block_k == 0
+
+
+def int4_dot_supported(m: int, bits: int, k: int, per_col: bool, dtype: torch.dtype, block_k: int) -> bool:
+    """Whether `int4_gemv_dot_kernel` takes a product: 2 to 64 rows of 16-bit activations, 4 bits, groups of
+    whole 128-value tiles (a tile's 16 words a row give tl.dot its minimum K of 16 per value position)."""
+    return (
+        2 <= m <= 64
+        and bits == 4
+        and not per_col
+        and dtype != torch.float32
+        and block_k == 128
+        and k % 128 == 0
+    )
 
 
 @triton.jit
@@ -103,3 +117,63 @@ def int4_gemv_kernel(
         acc += (tl.sum(prod, axis=1) - z * tl.sum(x_sum, axis=0)) * s_row
     store_gemv_out(out_ptr, acc, offs_n, n_mask, b_ptr, offs_n, n_mask, pid_k, stride_os, HAS_BIAS, PARTIAL,
                    INTERPRET_BF16)  # fmt: skip
+
+
+@triton.jit
+def int4_gemv_dot_kernel(
+    x_ptr,  # [M, K] 16-bit
+    w_ptr,  # [N, K / 8] int32: the packed uint8 [N, K / 2] as words
+    s_ptr,  # [N, G]
+    z_ptr,  # [N, G] uint8 (HAS_ZP)
+    b_ptr,  # [N] bias (HAS_BIAS, not PARTIAL)
+    out_ptr,  # [M, N] in x's dtype, or (PARTIAL) [splits, M, N] float32 partial sums
+    M, N, group_size, tiles_per_split, num_tiles, stride_xm, stride_wn, stride_sn, stride_zn, stride_om, stride_os,
+    HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr, INTERPRET_BF16: tl.constexpr, DOT_FP32: tl.constexpr,
+):  # fmt: skip
+    """The word-wise unpacking above with the products on the tensor cores, for 2 to 64 rows (the general
+    kernel unpacks byte by byte there): value position i of every word (columns 8j + i of the tile) is one
+    [BLOCK_N, BLOCK_K / 8] operand of 128 + q in the activations' dtype (exact: 128..143), and tl.dot takes it
+    against the activations' columns 8j + i: 8 dots of K = 16 a tile. The zero point and the scale as in the
+    one-row kernel. DOT_FP32: both operands in fp32 (the interpreter's 16-bit dot is not exact)."""
+    BLOCK_W: tl.constexpr = BLOCK_K // 8  # words of a tile row
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_w = tl.arange(0, BLOCK_W)
+    m_mask, n_mask = offs_m < M, offs_n < N
+    w_rows = w_ptr + offs_n[:, None] * stride_wn  # [BLOCK_N, 1]
+    x_rows = x_ptr + offs_m[:, None] * stride_xm  # [BLOCK_M, 1]
+    ty = x_ptr.dtype.element_ty
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    t_begin = pid_k * tiles_per_split
+    t_end = tl.minimum(t_begin + tiles_per_split, num_tiles)
+    for t in range(t_begin, t_end):
+        words = tl.load(w_rows + (t * BLOCK_W + offs_w)[None, :], mask=n_mask[:, None], other=0)
+        grp = t * BLOCK_K // group_size
+        s_row = tl.load(s_ptr + offs_n * stride_sn + grp, mask=n_mask, other=0.0).to(tl.float32)  # [BLOCK_N]
+        if HAS_ZP:
+            z = tl.load(z_ptr + offs_n * stride_zn + grp, mask=n_mask, other=0).to(tl.float32) + 128.0
+        else:
+            z = tl.full([BLOCK_N], 136.0, tl.float32)  # 128 + 2^(4 - 1)
+        x_cols = x_rows + t * BLOCK_K + offs_w[None, :] * 8  # [BLOCK_M, BLOCK_W]: column 8j of the tile
+        prod = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        x_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for i in tl.static_range(4):  # the value pairs (8j + i, 8j + i + 4) of every word
+            pair = ((words >> (4 * i)) & _LOW_NIBBLES) | _BF16_128
+            lo = (pair << 16).to(tl.float32, bitcast=True)  # [BLOCK_N, BLOCK_W]: 128 + q[8j + i]
+            hi = (pair & _HIGH_HALF).to(tl.float32, bitcast=True)  # 128 + q[8j + i + 4]
+            x_lo = tl.load(x_cols + i, mask=m_mask[:, None], other=0.0)  # [BLOCK_M, BLOCK_W]
+            x_hi = tl.load(x_cols + i + 4, mask=m_mask[:, None], other=0.0)
+            if DOT_FP32:
+                prod += tl.dot(x_lo.to(tl.float32), tl.trans(lo), input_precision="ieee")
+                prod += tl.dot(x_hi.to(tl.float32), tl.trans(hi), input_precision="ieee")
+            else:
+                prod += tl.dot(x_lo, tl.trans(lo.to(ty)))
+                prod += tl.dot(x_hi, tl.trans(hi.to(ty)))
+            x_sum += tl.sum(x_lo.to(tl.float32), axis=1) + tl.sum(x_hi.to(tl.float32), axis=1)
+        acc += (prod - x_sum[:, None] * z[None, :]) * s_row[None, :]
+    out_off = offs_m[:, None] * stride_om + offs_n[None, :]
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    store_gemv_out(out_ptr, acc, out_off, out_mask, b_ptr, offs_n[None, :], n_mask[None, :], pid_k, stride_os,
+                   HAS_BIAS, PARTIAL, INTERPRET_BF16)  # fmt: skip
