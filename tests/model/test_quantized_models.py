@@ -349,9 +349,10 @@ def test_wna16_models_through_the_gemv_kernel(
     root, case: str, int4_fast: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The integer-weight cases above with their linear layers on the Triton path (interpreted here) and the
-    decode GEMV switched on for every size they compute (quant_gemm.WNA16_GEMV_MAX_TOKENS: 64 by default, set here
-    in case it changes: the prefill's 24 rows too): the same logits and greedy tokens, every product through kernels/quant_gemv.py;
-    with int4_fast, the decode steps' one-row products through kernels/int4_gemv.py."""
+    decode GEMV switched on for every size they compute (quant_gemm.WNA16_GEMV_MAX_TOKENS: 64 by default, set
+    here in case it changes: the prefill's 24 rows too): the same logits and greedy tokens, every product
+    through kernels/quant_gemv.py; with int4_fast, the decode steps' one-row products through
+    kernels/int4_gemv.py."""
     pytest.importorskip("triton")
     from longserve.kernels import quant_gemm, quant_gemv
     from longserve.models.quant import wna16

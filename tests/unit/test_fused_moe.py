@@ -341,14 +341,8 @@ def test_shipped_tables_parse() -> None:
 
     for path in sorted(CONFIG_DIR.glob("*.json")):
         assert path.name.startswith("E=") and ",N=" in path.name and ",device_name=" in path.name
-        kinds = (
-            "bfloat16",
-            "float16",
-            "float32",
-            "int4",
-            "int8",
-            "fp8_e4m3",
-        )  # quantized experts: their format
+        # the activations' dtype, or the quantized experts' format
+        kinds = ("bfloat16", "float16", "float32", "int4", "int8", "fp8_e4m3")
         assert path.name.rsplit("dtype=", 1)[1].removesuffix(".json") in kinds
         table = load_table(str(path))
         assert table and all(set(KEYS) <= set(cfg) for cfg in table.values())
