@@ -29,7 +29,13 @@ from longserve.kernels.moe_reference import (
     route_topk,
 )
 from longserve.kernels.moe_sum import moe_sum
-from longserve.kernels.moe_wna16 import dequantize_experts, moe_wna16_gemv, moe_wna16_path
+from longserve.kernels.moe_wna16 import (
+    GROUPED_BLOCK_M,
+    dequantize_experts,
+    moe_wna16_gemv,
+    moe_wna16_grouped,
+    moe_wna16_path,
+)
 from longserve.kernels.quant_fp8 import per_token_group_quant
 from longserve.kernels.quant_tiles import int_weight_tile
 from longserve.kernels.quant_tiles import rounded as _rounded
@@ -329,8 +335,8 @@ def fused_moe(
     writes each pair's weighted output into [T*k, H] (in the promoted dtype of hidden and the weights, as
     HF multiplies), then a fixed-order sum over k in fp32 (deterministic, no atomics). `config`: a
     `get_moe_config` entry (BLOCK_M, ..., an optional "down" override). `quant` (MoEQuant): integer experts
-    take kernels/moe_wna16.py's routed GEMV at decode sizes and are dequantized whole for prefill steps (no
-    `config` given), otherwise are dequantized tile by tile inside the GEMMs; fp8 experts read activations
+    take kernels/moe_wna16.py's routed GEMV (or its grouped kernel) at decode sizes and are dequantized whole
+    for prefill steps (no `config` given), otherwise are dequantized tile by tile inside the GEMMs; fp8 experts read activations
     quantized per token-group first (kernels/quant_fp8.py), and scale each block's product by both scales.
 
     `expert_map` (expert parallelism): pairs routed to another rank's expert (-1) are aligned as one extra
@@ -346,9 +352,14 @@ def fused_moe(
     if num_tokens == 0:
         return out
     if quant is not None and quant.is_int and config is None:  # the ends of the token range: moe_wna16.py
-        path = moe_wna16_path(quant, num_tokens, hidden.shape[1], w13.shape[1] // 2, expert_map is not None)
+        path = moe_wna16_path(
+            quant, num_tokens, hidden.shape[1], w13.shape[1] // 2, expert_map is not None, hidden.dtype
+        )
         if path == "gemv":
             return moe_wna16_gemv(hidden, w13, w2, topk_weights, topk_ids, quant, out)
+        if path == "grouped":
+            align = align_routed_pairs(topk_ids, w13.shape[0], GROUPED_BLOCK_M)
+            return moe_wna16_grouped(hidden, w13, w2, topk_weights, quant, align, out)
         if path == "dequant":  # then the 16-bit kernels below
             w13, w2 = (
                 dequantize_experts(quant, w, proj, hidden.dtype) for w, proj in ((w13, "w13"), (w2, "w2"))

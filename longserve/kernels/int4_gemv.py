@@ -120,6 +120,44 @@ def int4_gemv_kernel(
 
 
 @triton.jit
+def int4_dot_tile(words, x_cols, m_mask, DOT_FP32: tl.constexpr):
+    """One K tile of the word-wise unpacking on the tensor cores: words [BLOCK_N, BLOCK_K / 8] int32 of the
+    weights' rows, x_cols [BLOCK_M, BLOCK_K / 8] pointers to column 8j of the tile in each activation row ->
+    (sum_k (128 + q) x [BLOCK_M, BLOCK_N], sum_k x [BLOCK_M]) in fp32. Value position i of every word
+    (columns 8j + i) is one operand of 128 + q in the activations' dtype (exact: 128..143) against the
+    activations' columns 8j + i: 8 dots of K = BLOCK_K / 8. DOT_FP32: both operands in fp32 (the interpreter's
+    16-bit dot is not exact)."""
+    ty = x_cols.dtype.element_ty
+    prod = tl.zeros([x_cols.shape[0], words.shape[0]], dtype=tl.float32)
+    x_sum = tl.zeros([x_cols.shape[0]], dtype=tl.float32)
+    for i in tl.static_range(4):  # the value pairs (8j + i, 8j + i + 4) of every word
+        pair = ((words >> (4 * i)) & _LOW_NIBBLES) | _BF16_128
+        lo = (pair << 16).to(tl.float32, bitcast=True)  # [BLOCK_N, BLOCK_W]: 128 + q[8j + i]
+        hi = (pair & _HIGH_HALF).to(tl.float32, bitcast=True)  # 128 + q[8j + i + 4]
+        x_lo = tl.load(x_cols + i, mask=m_mask[:, None], other=0.0)  # [BLOCK_M, BLOCK_W]
+        x_hi = tl.load(x_cols + i + 4, mask=m_mask[:, None], other=0.0)
+        if DOT_FP32:
+            prod += tl.dot(x_lo.to(tl.float32), tl.trans(lo), input_precision="ieee")
+            prod += tl.dot(x_hi.to(tl.float32), tl.trans(hi), input_precision="ieee")
+        else:
+            prod += tl.dot(x_lo, tl.trans(lo.to(ty)))
+            prod += tl.dot(x_hi, tl.trans(hi.to(ty)))
+        x_sum += tl.sum(x_lo.to(tl.float32), axis=1) + tl.sum(x_hi.to(tl.float32), axis=1)
+    return prod, x_sum
+
+
+@triton.jit
+def int4_tile_scales(s_ptr, z_ptr, offs_n, n_mask, stride_sn, stride_zn, grp, HAS_ZP: tl.constexpr):
+    """The tile's scale and 128 + zero point per weight row [BLOCK_N] (fp32; without zero points 128 + 8)."""
+    s_row = tl.load(s_ptr + offs_n * stride_sn + grp, mask=n_mask, other=0.0).to(tl.float32)
+    if HAS_ZP:
+        z = tl.load(z_ptr + offs_n * stride_zn + grp, mask=n_mask, other=0).to(tl.float32) + 128.0
+    else:
+        z = tl.full(s_row.shape, 136.0, tl.float32)  # 128 + 2^(4 - 1)
+    return s_row, z
+
+
+@triton.jit
 def int4_gemv_dot_kernel(
     x_ptr,  # [M, K] 16-bit
     w_ptr,  # [N, K / 8] int32: the packed uint8 [N, K / 2] as words
@@ -131,11 +169,8 @@ def int4_gemv_dot_kernel(
     HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr, INTERPRET_BF16: tl.constexpr, DOT_FP32: tl.constexpr,
 ):  # fmt: skip
-    """The word-wise unpacking above with the products on the tensor cores, for 2 to 64 rows (the general
-    kernel unpacks byte by byte there): value position i of every word (columns 8j + i of the tile) is one
-    [BLOCK_N, BLOCK_K / 8] operand of 128 + q in the activations' dtype (exact: 128..143), and tl.dot takes it
-    against the activations' columns 8j + i: 8 dots of K = 16 a tile. The zero point and the scale as in the
-    one-row kernel. DOT_FP32: both operands in fp32 (the interpreter's 16-bit dot is not exact)."""
+    """The word-wise unpacking above with the products on the tensor cores (int4_dot_tile), for 2 to 64 rows
+    (the general kernel unpacks byte by byte there). The zero point and the scale as in the one-row kernel."""
     BLOCK_W: tl.constexpr = BLOCK_K // 8  # words of a tile row
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -144,34 +179,14 @@ def int4_gemv_dot_kernel(
     m_mask, n_mask = offs_m < M, offs_n < N
     w_rows = w_ptr + offs_n[:, None] * stride_wn  # [BLOCK_N, 1]
     x_rows = x_ptr + offs_m[:, None] * stride_xm  # [BLOCK_M, 1]
-    ty = x_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     t_begin = pid_k * tiles_per_split
     t_end = tl.minimum(t_begin + tiles_per_split, num_tiles)
     for t in range(t_begin, t_end):
         words = tl.load(w_rows + (t * BLOCK_W + offs_w)[None, :], mask=n_mask[:, None], other=0)
-        grp = t * BLOCK_K // group_size
-        s_row = tl.load(s_ptr + offs_n * stride_sn + grp, mask=n_mask, other=0.0).to(tl.float32)  # [BLOCK_N]
-        if HAS_ZP:
-            z = tl.load(z_ptr + offs_n * stride_zn + grp, mask=n_mask, other=0).to(tl.float32) + 128.0
-        else:
-            z = tl.full([BLOCK_N], 136.0, tl.float32)  # 128 + 2^(4 - 1)
-        x_cols = x_rows + t * BLOCK_K + offs_w[None, :] * 8  # [BLOCK_M, BLOCK_W]: column 8j of the tile
-        prod = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        x_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for i in tl.static_range(4):  # the value pairs (8j + i, 8j + i + 4) of every word
-            pair = ((words >> (4 * i)) & _LOW_NIBBLES) | _BF16_128
-            lo = (pair << 16).to(tl.float32, bitcast=True)  # [BLOCK_N, BLOCK_W]: 128 + q[8j + i]
-            hi = (pair & _HIGH_HALF).to(tl.float32, bitcast=True)  # 128 + q[8j + i + 4]
-            x_lo = tl.load(x_cols + i, mask=m_mask[:, None], other=0.0)  # [BLOCK_M, BLOCK_W]
-            x_hi = tl.load(x_cols + i + 4, mask=m_mask[:, None], other=0.0)
-            if DOT_FP32:
-                prod += tl.dot(x_lo.to(tl.float32), tl.trans(lo), input_precision="ieee")
-                prod += tl.dot(x_hi.to(tl.float32), tl.trans(hi), input_precision="ieee")
-            else:
-                prod += tl.dot(x_lo, tl.trans(lo.to(ty)))
-                prod += tl.dot(x_hi, tl.trans(hi.to(ty)))
-            x_sum += tl.sum(x_lo.to(tl.float32), axis=1) + tl.sum(x_hi.to(tl.float32), axis=1)
+        s_row, z = int4_tile_scales(s_ptr, z_ptr, offs_n, n_mask, stride_sn, stride_zn, t * BLOCK_K // group_size,
+                                    HAS_ZP)  # fmt: skip
+        prod, x_sum = int4_dot_tile(words, x_rows + t * BLOCK_K + offs_w[None, :] * 8, m_mask, DOT_FP32)
         acc += (prod - x_sum[:, None] * z[None, :]) * s_row[None, :]
     out_off = offs_m[:, None] * stride_om + offs_n[None, :]
     out_mask = m_mask[:, None] & n_mask[None, :]

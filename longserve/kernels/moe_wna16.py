@@ -17,6 +17,10 @@ step at batch 1 (32K context; bf16 4.66) and 4.94 s for a cold 32K prompt (bf16 
   at the A3B shape 0.3 GB read and 1.2 GB written a layer (~0.4 ms at 4.2 TB/s) against a 16-bit MoE layer's
   ~2 ms at 8K tokens. The transient [E, 2I, H] + [E, H, I] (1.2 GB at the A3B shape) comes out of the memory
   --mem-fraction-static leaves to activations, as the dense layers' dequantized weights do (quant_gemm).
+- Grouped (MOE_WNA16_GROUPED_MIN_TOKENS, off until measured): from a few tokens, the pairs aligned per expert
+  in blocks of GROUPED_BLOCK_M (fused_moe's alignment), each block's rows times its expert's weights with
+  int4_gemv's word-wise unpacking on the tensor cores (int4_dot_tile): each expert's weights read once per
+  block instead of once per pair.
 - Otherwise (in between, act order, or experts split over ranks) fused_moe's int path serves.
 
 Rounding: the dequantize path equals `fused_moe_ref` as the 16-bit fused_moe does (the weights rounded to the
@@ -32,7 +36,7 @@ import triton
 import triton.language as tl
 
 from longserve.kernels.extend_attention import interpreting
-from longserve.kernels.int4_gemv import int4_gemv_kernel
+from longserve.kernels.int4_gemv import int4_dot_tile, int4_gemv_kernel, int4_tile_scales
 from longserve.kernels.launch import fast_launch
 from longserve.kernels.moe_reference import MoEQuant
 from longserve.kernels.moe_sum import moe_sum
@@ -41,10 +45,13 @@ from longserve.kernels.quant_gemv import _num_sms, _tile_k, split_k_output, spli
 from longserve.kernels.quant_tiles import rounded
 
 __all__ = [
+    "GROUPED_BLOCK_M",
     "MOE_WNA16_DEQUANT_MIN_TOKENS",
     "MOE_WNA16_GEMV_MAX_TOKENS",
+    "MOE_WNA16_GROUPED_MIN_TOKENS",
     "dequantize_experts",
     "moe_wna16_gemv",
+    "moe_wna16_grouped",
     "moe_wna16_path",
 ]
 
@@ -56,6 +63,13 @@ __all__ = [
 # crossover (~110 tokens by the slopes) is not timed: 64 is the largest size measured on the GEMV's side.
 MOE_WNA16_GEMV_MAX_TOKENS = 64
 MOE_WNA16_DEQUANT_MIN_TOKENS = 65
+# Steps of at least this many tokens below the dequantized experts take the grouped kernel instead of the GEMV
+# (None: never): each block of up to GROUPED_BLOCK_M pairs routed to one expert reads that expert's weights
+# once (int4_gemv.int4_dot_tile on the tensor cores), where the GEMV reads them once per pair (at batch 64 the
+# A3B shape's 512 pairs re-read ~1.2 GB a layer, about 4x the experts' 0.3 GB). Off until a GPU times it
+# (tests/gpu/test_quant_kernels_gpu.py test_int4_experts_paths prints it beside the other paths).
+MOE_WNA16_GROUPED_MIN_TOKENS: int | None = None
+GROUPED_BLOCK_M = 16
 
 
 def _gemv_tile_k(quant: MoEQuant, k: int) -> int:
@@ -71,14 +85,24 @@ def moe_wna16_path(
     hidden_size: int,
     inter: int,
     distributed: bool,  # experts split over ranks (an expert map): remote pairs carry no local expert
+    dtype: torch.dtype,  # the activations'
 ) -> str:
-    """Which path serves integer experts for a step of num_tokens: "gemv", "dequant" or "fused"."""
+    """Which path serves integer experts for a step of num_tokens: "gemv", "grouped", "dequant" or "fused"."""
     if not quant.is_int or distributed or quant.w13_g_idx is not None or quant.w2_g_idx is not None:
         return "fused"
     if num_tokens >= MOE_WNA16_DEQUANT_MIN_TOKENS:
         return "dequant"
+    grouped_from = MOE_WNA16_GROUPED_MIN_TOKENS
+    grouped_ok = dtype != torch.float32 and grouped_supported(quant, hidden_size, inter)  # 16-bit dots
+    if grouped_from is not None and num_tokens >= grouped_from and grouped_ok:
+        return "grouped"
     gemv_ok = quant.bits == 4 and _gemv_tile_k(quant, hidden_size) and _gemv_tile_k(quant, inter)
     return "gemv" if gemv_ok and num_tokens <= MOE_WNA16_GEMV_MAX_TOKENS else "fused"
+
+
+def grouped_supported(quant: MoEQuant, hidden_size: int, inter: int) -> bool:
+    """The grouped kernel's tiles: 4 bits in groups of whole 128-value tiles along both projections' K."""
+    return quant.bits == 4 and all(_gemv_tile_k(quant, k) == 128 for k in (hidden_size, inter))
 
 
 def dequantize_experts(quant: MoEQuant, w: torch.Tensor, proj: str, dtype: torch.dtype) -> torch.Tensor:
@@ -168,6 +192,115 @@ def _routed_gemv(
     return out
 
 
+@fast_launch
+@triton.jit
+def _grouped_int4_kernel(
+    x_ptr,  # [rows, K] 16-bit
+    w_ptr,  # [E, N, K / 8] int32
+    s_ptr,  # [E, N, G]
+    z_ptr,  # [E, N, G] uint8 (HAS_ZP)
+    sorted_ptr,  # [S] int32 pair ids, each expert's padded to BLOCK_M (ids >= num_valid: padding)
+    expert_ids_ptr,  # [S / BLOCK_M] int32
+    num_post_ptr,  # [1] int32: the padded length the grid's bound covers
+    out_ptr,  # [P, N] in x's dtype
+    N, group_size, num_tiles, num_valid, stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_ze,
+    stride_zn, stride_om,
+    X_ROW_DIV: tl.constexpr, HAS_ZP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr, INTERPRET_BF16: tl.constexpr,
+):  # fmt: skip
+    """Rows of a block of pairs routed to one expert times that expert's weights: int4_gemv_dot_kernel's tile
+    loop over the pairs' token rows (x row pair // X_ROW_DIV), each row rounded once to the dtype."""
+    BLOCK_W: tl.constexpr = BLOCK_K // 8
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(num_post_ptr):
+        return  # past the real padded length: the grid is sized by the bound, not by the routing
+    pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BLOCK_M]
+    valid = pair < num_valid
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_w = tl.arange(0, BLOCK_W)
+    n_mask = offs_n < N
+    x_rows = x_ptr + tl.where(valid, pair // X_ROW_DIV, 0).to(tl.int64)[:, None] * stride_xm  # [BLOCK_M, 1]
+    w_rows = w_ptr + expert * stride_we + offs_n[:, None] * stride_wn  # [BLOCK_N, 1]
+    s_exp, z_exp = s_ptr + expert * stride_se, z_ptr + expert * stride_ze
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for t in range(0, num_tiles):
+        words = tl.load(w_rows + (t * BLOCK_W + offs_w)[None, :], mask=n_mask[:, None], other=0)
+        s_row, z = int4_tile_scales(s_exp, z_exp, offs_n, n_mask, stride_sn, stride_zn, t * BLOCK_K // group_size,
+                                    HAS_ZP)  # fmt: skip
+        prod, x_sum = int4_dot_tile(words, x_rows + t * BLOCK_K + offs_w[None, :] * 8, valid, DOT_FP32)
+        acc += (prod - x_sum[:, None] * z[None, :]) * s_row[None, :]
+    ty = out_ptr.dtype.element_ty
+    out = out_ptr + pair.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(out, rounded(acc, ty, INTERPRET_BF16).to(ty), mask=valid[:, None] & n_mask[None, :])
+
+
+def _grouped_gemm(
+    x: torch.Tensor,  # [rows, K] 16-bit
+    w: torch.Tensor,  # [E, N, K / 2] uint8
+    scale: torch.Tensor,  # [E, N, G]
+    zero: torch.Tensor | None,  # [E, N, G] uint8
+    align: tuple[torch.Tensor, torch.Tensor, torch.Tensor],  # align_routed_pairs(ids, E, GROUPED_BLOCK_M)
+    num_pairs: int,
+    x_row_div: int,
+    group: int,
+) -> torch.Tensor:
+    """[P, N] in x's dtype: row p = x[p // x_row_div] @ dequantize(w[expert of p])^T, grouped by expert."""
+    sorted_ids, expert_ids, num_post = align
+    _, n, packed = w.shape
+    w = w if w.is_contiguous() else w.contiguous()
+    assert x.stride(1) == 1 and w.data_ptr() % 16 == 0 and packed % 4 == 0, "rows of whole 32-bit words"
+    out = torch.empty(num_pairs, n, dtype=x.dtype, device=x.device)
+    block_n = 64
+    z = zero if zero is not None else scale
+    interp = interpreting()
+    _grouped_int4_kernel[(triton.cdiv(sorted_ids.numel(), GROUPED_BLOCK_M), triton.cdiv(n, block_n))](
+        x, w.view(torch.int32), scale, z, sorted_ids, expert_ids, num_post, out, n, group, packed * 2 // 128,
+        num_pairs, x.stride(0), w.stride(0) // 4, packed // 4, scale.stride(0), scale.stride(1), z.stride(0),
+        z.stride(1), out.stride(0), X_ROW_DIV=x_row_div, HAS_ZP=zero is not None, BLOCK_M=GROUPED_BLOCK_M,
+        BLOCK_N=block_n, BLOCK_K=128, DOT_FP32=interp, INTERPRET_BF16=interp and x.dtype == torch.bfloat16,
+        num_warps=4, num_stages=2,
+    )  # fmt: skip
+    return out
+
+
+def moe_wna16_grouped(
+    hidden: torch.Tensor,  # [T, H] 16-bit
+    w13: torch.Tensor,  # [E, 2I, H / 2] uint8
+    w2: torch.Tensor,  # [E, H, I / 2] uint8
+    topk_weights: torch.Tensor,  # [T, k]
+    quant: MoEQuant,
+    align: tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor
+    ],  # align_routed_pairs(topk_ids, E, GROUPED_BLOCK_M)
+    out: torch.Tensor,  # [T, H]
+) -> torch.Tensor:
+    """`fused_moe_ref`'s result for 4-bit experts with the pairs grouped by expert (after the alignment): gate+up,
+    silu * up, down, the weighted k-sum; rounding as the GEMV's (the module docstring)."""
+    num_tokens, top_k = topk_weights.shape
+    hidden_size, inter = hidden.shape[1], w13.shape[1] // 2
+    hidden = hidden if hidden.stride(1) == 1 else hidden.contiguous()
+    num_pairs = num_tokens * top_k
+    gate_up = _grouped_gemm(hidden, w13, quant.w13_scale, quant.w13_zero, align, num_pairs, top_k,
+                            quant.group(hidden_size))  # fmt: skip
+    act = _silu_mul(gate_up.unsqueeze(0), inter, hidden.dtype)
+    down = _grouped_gemm(act, w2, quant.w2_scale, quant.w2_zero, align, num_pairs, 1, quant.group(inter))
+    return moe_sum(down.view(num_tokens, top_k, hidden_size), out, topk_weights.contiguous())
+
+
+def _silu_mul(gate_up: torch.Tensor, inter: int, dtype: torch.dtype) -> torch.Tensor:
+    """silu(gate) * up [P, I] in `dtype` of gate|up rows [S, P, 2I] (S split-K partials in fp32, or S = 1
+    rows in the dtype): one launch of _silu_mul_kernel."""
+    num_pairs = gate_up.shape[1]
+    act = torch.empty(num_pairs, inter, dtype=dtype, device=gate_up.device)  # [P, I]
+    block = min(1024, triton.next_power_of_2(inter))
+    _silu_mul_kernel[(num_pairs, triton.cdiv(inter, block))](
+        gate_up, act, inter, gate_up.shape[0], gate_up.stride(0), gate_up.stride(1), act.stride(0), BLOCK=block,
+        INTERPRET_BF16=interpreting() and dtype == torch.bfloat16,
+    )  # fmt: skip
+    return act
+
+
 def moe_wna16_gemv(
     hidden: torch.Tensor,  # [T, H]
     w13: torch.Tensor,  # [E, 2I, H / 2] uint8
@@ -187,13 +320,7 @@ def moe_wna16_gemv(
         hidden, w13, quant.w13_scale, quant.w13_zero, ids, top_k, quant.group(hidden_size),
         _gemv_tile_k(quant, hidden_size),
     )  # fmt: skip
-    gate_up = gate_up if gate_up.dim() == 3 else gate_up.unsqueeze(0)  # [S, T*k, 2I]
-    act = torch.empty(num_tokens * top_k, inter, dtype=hidden.dtype, device=hidden.device)  # [T*k, I]
-    block = min(1024, triton.next_power_of_2(inter))
-    _silu_mul_kernel[(num_tokens * top_k, triton.cdiv(inter, block))](
-        gate_up, act, inter, gate_up.shape[0], gate_up.stride(0), gate_up.stride(1), act.stride(0), BLOCK=block,
-        INTERPRET_BF16=interpreting() and hidden.dtype == torch.bfloat16,
-    )  # fmt: skip
+    act = _silu_mul(gate_up if gate_up.dim() == 3 else gate_up.unsqueeze(0), inter, hidden.dtype)  # [T*k, I]
     down = _routed_gemv(
         act, w2, quant.w2_scale, quant.w2_zero, ids, 1, quant.group(inter), _gemv_tile_k(quant, inter)
     )  # [T*k, H], or its partials [S, T*k, H]

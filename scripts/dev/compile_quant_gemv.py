@@ -38,6 +38,8 @@ VARIANTS = [
     {"int4": True, "routed": True, "zp": True},  # MoE down, split-K
     {"int4_dot": True},  # 2-16 rows, tl.dot on the word-wise unpacking, split-K
     {"int4_dot": True, "bm": 64, "zp": True, "split": 1, "bias": True, "x": "fp16", "num_warps": 8},
+    {"moe_grouped": True},  # the grouped int4 MoE kernel, gate+up over the pairs' token rows
+    {"moe_grouped": True, "zp": True, "x_row_div": 1},  # its down projection
 ]
 
 
@@ -119,8 +121,27 @@ def compile_int4_dot(int4_dot=True, x="bf16", zp=False, bias=False, bm=16, bn=64
     return compile_sm90(fn, sig, consts, attrs, num_warps=num_warps, num_stages=num_stages)
 
 
+def compile_moe_grouped(moe_grouped=True, x="bf16", zp=False, bm=16, bn=64, x_row_div=8, num_warps=4,
+                        num_stages=2):  # fmt: skip
+    """kernels/moe_wna16.py's grouped int4 MoE kernel for sm90, with 16-bit dots as on the GPU."""
+    from longserve.kernels.moe_wna16 import _grouped_int4_kernel
+
+    fn = _grouped_int4_kernel.fn  # the @triton.jit function inside fast_launch's wrapper
+
+    ptrs = {"x_ptr": f"*{x}", "w_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8" if zp else "*fp16",
+            "sorted_ptr": "*i32", "expert_ids_ptr": "*i32", "num_post_ptr": "*i32", "out_ptr": f"*{x}"}  # fmt: skip
+    consts = dict(X_ROW_DIV=x_row_div, HAS_ZP=zp, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, DOT_FP32=False,
+                  INTERPRET_BF16=False)  # fmt: skip
+    sig = {a: ptrs.get(a, "constexpr" if a in consts else "i32") for a in fn.arg_names}
+    div16 = [*ptrs, "N", "stride_xm", "stride_wn", "stride_om", "stride_we"]
+    attrs = {a: [["tt.divisibility", 16]] for a in div16}
+    return compile_sm90(fn, sig, consts, attrs, num_warps=num_warps, num_stages=num_stages)
+
+
 def report(variant: dict) -> dict:
-    if variant.get("int4_dot"):
+    if variant.get("moe_grouped"):
+        c = compile_moe_grouped(**variant)
+    elif variant.get("int4_dot"):
         c = compile_int4_dot(**variant)
     elif variant.get("int4"):
         c = compile_int4_gemv(**variant)

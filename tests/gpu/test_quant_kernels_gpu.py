@@ -419,7 +419,8 @@ def test_int4_experts_paths(num_tokens: int, monkeypatch: pytest.MonkeyPatch) ->
     """kernels/moe_wna16.py at the A3B shape: the path the step takes by default (the routed GEMV at decode
     sizes, the dequantized experts at prefill sizes) against the reference (bf16: within 1% of its norm), no
     host sync, replayed from a CUDA graph with new inputs; then each path's time as a CUDA graph beside
-    fused_moe's int path (the evidence for MOE_WNA16_GEMV_MAX_TOKENS and MOE_WNA16_DEQUANT_MIN_TOKENS)."""
+    fused_moe's int path, each path's result checked too (the evidence for MOE_WNA16_GEMV_MAX_TOKENS,
+    MOE_WNA16_DEQUANT_MIN_TOKENS and MOE_WNA16_GROUPED_MIN_TOKENS)."""
     from longserve.kernels import fused_moe as fm
     from longserve.kernels.fused_moe import fused_moe, fused_moe_ref, route_topk
     from longserve.kernels.moe_wna16 import moe_wna16_path
@@ -430,7 +431,7 @@ def test_int4_experts_paths(num_tokens: int, monkeypatch: pytest.MonkeyPatch) ->
     x = torch.randn(num_tokens, h, device="cuda", dtype=torch.bfloat16)
     weights, ids = route_topk(torch.randn(num_tokens, e, device="cuda"), k, True)
     weights = weights.bfloat16()
-    default = moe_wna16_path(quant, num_tokens, h, i, False)
+    default = moe_wna16_path(quant, num_tokens, h, i, False, torch.bfloat16)
     assert default == ("gemv" if num_tokens <= 64 else "dequant")
     out = fused_moe(x, w13, w2, weights, ids, quant=quant)
     assert_close_rel(out, fused_moe_ref(x, w13, w2, weights, ids, quant=quant))
@@ -442,7 +443,8 @@ def test_int4_experts_paths(num_tokens: int, monkeypatch: pytest.MonkeyPatch) ->
     torch.cuda.synchronize()
     assert_close_rel(outs["y"], fused_moe_ref(x, w13, w2, weights, ids, quant=quant))
     times = {}
-    for path in ("gemv", "dequant", "fused"):
+    # grouped: off by default (MOE_WNA16_GROUPED_MIN_TOKENS)
+    for path in ("gemv", "grouped", "dequant", "fused"):
         monkeypatch.setattr(fm, "moe_wna16_path", lambda *args, path=path: path)
         assert_close_rel(fused_moe(x, w13, w2, weights, ids, quant=quant), outs["y"])
         times[path] = cuda_graph_time_ms(lambda: fused_moe(x, w13, w2, weights, ids, quant=quant), 2, 10, 3)

@@ -21,13 +21,16 @@ from longserve.kernels.moe_sum import moe_sum  # noqa: E402
 from longserve.kernels.quant_reference import pack_int_k  # noqa: E402
 
 E, H, I = 6, 64, 48  # noqa: E741
+BF16 = torch.bfloat16
 
 
 def gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def int4_experts(group: int, zp: bool, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, MoEQuant]:
+def int4_experts(
+    group: int, zp: bool, seed: int = 0, hidden: int = H, inter: int = I
+) -> tuple[torch.Tensor, torch.Tensor, MoEQuant]:
     """Six distinct int4 experts (packed as quant_reference lays them out), scales giving weights of std ~
     1/sqrt(K)."""
     g = gen(seed)
@@ -39,8 +42,8 @@ def int4_experts(group: int, zp: bool, seed: int = 0) -> tuple[torch.Tensor, tor
         z = torch.randint(0, 16, (E, n, groups), generator=g).to(torch.uint8) if zp else None
         return q, s.half(), z
 
-    w13, s13, z13 = proj(2 * I, H)
-    w2, s2, z2 = proj(H, I)
+    w13, s13, z13 = proj(2 * inter, hidden)
+    w2, s2, z2 = proj(hidden, inter)
     return w13, w2, MoEQuant("int4", group, s13, s2, z13, z2)
 
 
@@ -96,6 +99,27 @@ def test_decode_sizes_take_the_routed_gemv(num_tokens, top_k, group, zp, dtype, 
     assert paths == ["gemv", "gemv"]
 
 
+@pytest.mark.parametrize(("num_tokens", "top_k", "group", "zp"), [(5, 3, 128, True), (9, 2, 0, False)])
+def test_the_grouped_kernel_with_its_switch_on(num_tokens, top_k, group, zp, monkeypatch) -> None:
+    """MOE_WNA16_GROUPED_MIN_TOKENS on: 4-bit experts in 128-value groups go through the grouped kernel (each
+    block of pairs of one expert reads its weights once; int4_dot_tile) and give the reference's result; an
+    expert with no tokens, zero points on and off; fp32 activations and groups of 64 keep the GEMV."""
+    paths = taken(monkeypatch)
+    monkeypatch.setattr(moe_wna16, "MOE_WNA16_GROUPED_MIN_TOKENS", 2)
+    hidden, inter = 256, 128
+    w13, w2, quant = int4_experts(group, zp, seed=16, hidden=hidden, inter=inter)
+    x = torch.randn(num_tokens, hidden, generator=gen(17)).bfloat16()
+    weights, ids = routing(num_tokens, top_k, seed=18)
+    for w in (weights.bfloat16(), weights):  # Qwen-MoE's bf16 routing weights, Mixtral's fp32
+        ref = fused_moe_ref(x, w13, w2, w, ids, quant=quant)
+        out = fm.fused_moe(x, w13, w2, w, ids, quant=quant)
+        assert_close_as(out, ref, fused_moe_ref(x.float(), w13, w2, w.float(), ids, quant=quant))
+    assert paths == ["grouped", "grouped"]
+    assert moe_wna16.moe_wna16_path(quant, num_tokens, hidden, inter, False, torch.float32) == "gemv"
+    _, _, q64 = int4_experts(64, zp, seed=16, hidden=hidden, inter=inter)
+    assert moe_wna16.moe_wna16_path(q64, num_tokens, hidden, inter, False, torch.bfloat16) == "gemv"
+
+
 def test_the_gemv_reads_each_pairs_own_expert() -> None:
     """Swapping two experts' weights changes exactly the tokens routed to them (the expert index per pair)."""
     w13, w2, quant = int4_experts(16, True, seed=5)
@@ -146,19 +170,19 @@ def test_which_path() -> None:
     _, _, quant = int4_experts(16, False)
     path = moe_wna16.moe_wna16_path
     lo, hi = moe_wna16.MOE_WNA16_GEMV_MAX_TOKENS, moe_wna16.MOE_WNA16_DEQUANT_MIN_TOKENS
-    assert path(quant, 1, H, I, False) == path(quant, lo, H, I, False) == "gemv"
-    assert path(quant, hi, H, I, False) == "dequant"
-    assert path(quant, 1, H, I, True) == path(quant, hi, H, I, True) == "fused"
+    assert path(quant, 1, H, I, False, BF16) == path(quant, lo, H, I, False, BF16) == "gemv"
+    assert path(quant, hi, H, I, False, BF16) == "dequant"
+    assert path(quant, 1, H, I, True, BF16) == path(quant, hi, H, I, True, BF16) == "fused"
     int8 = MoEQuant("int8", 16, quant.w13_scale, quant.w2_scale)
-    assert path(int8, 1, H, I, False) == "fused" and path(int8, hi, H, I, False) == "dequant"
+    assert path(int8, 1, H, I, False, BF16) == "fused" and path(int8, hi, H, I, False, BF16) == "dequant"
     act = MoEQuant(
         "int4", 16, quant.w13_scale, quant.w2_scale, w13_g_idx=torch.zeros(E, H, dtype=torch.int32)
     )
-    assert path(act, 1, H, I, False) == path(act, hi, H, I, False) == "fused"
+    assert path(act, 1, H, I, False, BF16) == path(act, hi, H, I, False, BF16) == "fused"
     assert (
-        path(MoEQuant("int4", 24, quant.w13_scale, quant.w2_scale), 1, 72, I, False) == "fused"
+        path(MoEQuant("int4", 24, quant.w13_scale, quant.w2_scale), 1, 72, I, False, BF16) == "fused"
     )  # no tile of 24
-    assert path(MoEQuant("fp8_e4m3", 16, quant.w13_scale, quant.w2_scale), 1, H, I, False) == "fused"
+    assert path(MoEQuant("fp8_e4m3", 16, quant.w13_scale, quant.w2_scale), 1, H, I, False, BF16) == "fused"
 
 
 @pytest.mark.parametrize(
