@@ -70,6 +70,9 @@ MOE_WNA16_DEQUANT_MIN_TOKENS = 65
 # (tests/gpu/test_quant_kernels_gpu.py test_int4_experts_paths prints it beside the other paths).
 MOE_WNA16_GROUPED_MIN_TOKENS: int | None = None
 GROUPED_BLOCK_M = 16
+# the pairs aligned per expert in blocks of GROUPED_BLOCK_M (fused_moe.align_routed_pairs): sorted pair ids,
+# each block's expert, the padded length
+Alignment = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def _gemv_tile_k(quant: MoEQuant, k: int) -> int:
@@ -208,8 +211,9 @@ def _grouped_int4_kernel(
     X_ROW_DIV: tl.constexpr, HAS_ZP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr, INTERPRET_BF16: tl.constexpr,
 ):  # fmt: skip
-    """Rows of a block of pairs routed to one expert times that expert's weights: int4_gemv_dot_kernel's tile
-    loop over the pairs' token rows (x row pair // X_ROW_DIV), each row rounded once to the dtype."""
+    """Rows of a block of pairs routed to one expert times that expert's weights, tile by tile as
+    int4_gemv_dot_kernel (int4_dot_tile) over the pairs' token rows (x row pair // X_ROW_DIV), each row rounded
+    once to the dtype."""
     BLOCK_W: tl.constexpr = BLOCK_K // 8
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_post_ptr):
@@ -240,7 +244,7 @@ def _grouped_gemm(
     w: torch.Tensor,  # [E, N, K / 2] uint8
     scale: torch.Tensor,  # [E, N, G]
     zero: torch.Tensor | None,  # [E, N, G] uint8
-    align: tuple[torch.Tensor, torch.Tensor, torch.Tensor],  # align_routed_pairs(ids, E, GROUPED_BLOCK_M)
+    align: Alignment,
     num_pairs: int,
     x_row_div: int,
     group: int,
@@ -270,9 +274,7 @@ def moe_wna16_grouped(
     w2: torch.Tensor,  # [E, H, I / 2] uint8
     topk_weights: torch.Tensor,  # [T, k]
     quant: MoEQuant,
-    align: tuple[
-        torch.Tensor, torch.Tensor, torch.Tensor
-    ],  # align_routed_pairs(topk_ids, E, GROUPED_BLOCK_M)
+    align: Alignment,
     out: torch.Tensor,  # [T, H]
 ) -> torch.Tensor:
     """`fused_moe_ref`'s result for 4-bit experts with the pairs grouped by expert (after the alignment): gate+up,
