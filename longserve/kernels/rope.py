@@ -136,7 +136,7 @@ def _rope_kernel(
         _rotate_heads(k_ptr + tok * stride_kt, stride_kh, num_kv_heads, cos, sin, offs_d,
                       kc_ptr + slot * stride_slot, stride_head, k_scale, kw_ptr, eps, HALF_D, BLOCK_HEADS, True,
                       HAS_NORM, FP8_KV, INTERPRET)  # fmt: skip
-        for h0 in range(0, num_kv_heads, BLOCK_HEADS):  # the values, copied as they are (two halves)
+        for h0 in range(0, num_kv_heads, BLOCK_HEADS):  # the values as they are (two halves; fp8: quantized)
             heads = h0 + tl.arange(0, BLOCK_HEADS)  # [BLOCK_HEADS]
             mask = (heads[:, None] < num_kv_heads) & d_mask[None, :]  # [BLOCK_HEADS, BLOCK_D2]
             src = v_ptr + tok * stride_vt + heads[:, None] * stride_vh + offs_d[None, :]
