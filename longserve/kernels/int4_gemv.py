@@ -36,7 +36,7 @@ import triton.language as tl
 
 from longserve.kernels.quant_tiles import store_gemv_out
 
-__all__ = ["int4_dot_supported", "int4_fast_supported"]
+__all__ = ["int4_dot_supported", "int4_fast_block_n", "int4_fast_supported"]
 
 _BF16_128 = tl.constexpr(0x43004300)  # two bf16 128.0: OR-ed with a nibble in each half, 128 + q
 _LOW_NIBBLES = tl.constexpr(0x000F000F)
@@ -50,6 +50,18 @@ def int4_fast_supported(m: int, bits: int, k: int, per_col: bool, use_dot: bool,
     return m == 1 and bits == 4 and not per_col and not use_dot and block_k % 8 == 0 and k % block_k == 0
 
 
+def int4_fast_block_n(n: int, num_tiles: int, rows: int, sms: int) -> int:
+    """int4_gemv_kernel's weight rows per program for `rows` output rows of N over num_tiles K tiles: up to 256
+    (a thread then holds 8 rows of its 4 words, so the activations it loads, widens and sums serve 8 rows; sm90
+    SASS of the loop, Triton 3.6: 4.4 instructions a weight against 6.1 at 64 rows; 118 registers, 4 programs an
+    SM), fewer where the grid would not reach 2 programs an SM (32 KB of weights in flight each: enough for the
+    bandwidth)."""
+    block_n = 256
+    while block_n > 64 and triton.cdiv(n, block_n) * rows * min(32, num_tiles // 2) < 2 * sms:
+        block_n //= 2
+    return block_n
+
+
 def int4_dot_supported(m: int, bits: int, k: int, per_col: bool, dtype: torch.dtype, block_k: int) -> bool:
     """Whether `int4_gemv_dot_kernel` takes a product: 2 to 64 rows of 16-bit activations, 4 bits, groups of
     whole 128-value tiles (a tile's 16 words a row give tl.dot its minimum K of 16 per value position)."""
@@ -61,6 +73,17 @@ def int4_dot_supported(m: int, bits: int, k: int, per_col: bool, dtype: torch.dt
         and block_k == 128
         and k % 128 == 0
     )
+
+
+@triton.jit
+def int4_tile_scales(s_ptr, z_ptr, offs_n, n_mask, stride_sn, stride_zn, grp, HAS_ZP: tl.constexpr):
+    """The tile's scale and 128 + zero point per weight row [BLOCK_N] (fp32; without zero points 128 + 8)."""
+    s_row = tl.load(s_ptr + offs_n * stride_sn + grp, mask=n_mask, other=0.0).to(tl.float32)
+    if HAS_ZP:
+        z = tl.load(z_ptr + offs_n * stride_zn + grp, mask=n_mask, other=0).to(tl.float32) + 128.0
+    else:
+        z = tl.full(s_row.shape, 136.0, tl.float32)  # 128 + 2^(4 - 1)
+    return s_row, z
 
 
 @triton.jit
@@ -95,12 +118,8 @@ def int4_gemv_kernel(
     t_end = tl.minimum(t_begin + tiles_per_split, num_tiles)
     for t in range(t_begin, t_end):
         words = tl.load(w_rows + (t * BLOCK_W + offs_w)[None, :], mask=n_mask[:, None], other=0)
-        grp = t * BLOCK_K // group_size
-        s_row = tl.load(s_ptr + offs_n * stride_sn + grp, mask=n_mask, other=0.0).to(tl.float32)  # [BLOCK_N]
-        if HAS_ZP:
-            z = tl.load(z_ptr + offs_n * stride_zn + grp, mask=n_mask, other=0).to(tl.float32) + 128.0
-        else:
-            z = tl.full([BLOCK_N], 136.0, tl.float32)  # 128 + 2^(4 - 1)
+        s_row, z = int4_tile_scales(s_ptr, z_ptr, offs_n, n_mask, stride_sn, stride_zn, t * BLOCK_K // group_size,
+                                    HAS_ZP)  # fmt: skip
         x_cols = x_ptr + t * BLOCK_K + offs_w * 8  # [BLOCK_W]: column 8j of the tile
         prod = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
         x_sum = tl.zeros([BLOCK_W], dtype=tl.float32)
@@ -144,17 +163,6 @@ def int4_dot_tile(words, x_cols, m_mask, DOT_FP32: tl.constexpr):
             prod += tl.dot(x_hi, tl.trans(hi.to(ty)))
         x_sum += tl.sum(x_lo.to(tl.float32), axis=1) + tl.sum(x_hi.to(tl.float32), axis=1)
     return prod, x_sum
-
-
-@triton.jit
-def int4_tile_scales(s_ptr, z_ptr, offs_n, n_mask, stride_sn, stride_zn, grp, HAS_ZP: tl.constexpr):
-    """The tile's scale and 128 + zero point per weight row [BLOCK_N] (fp32; without zero points 128 + 8)."""
-    s_row = tl.load(s_ptr + offs_n * stride_sn + grp, mask=n_mask, other=0.0).to(tl.float32)
-    if HAS_ZP:
-        z = tl.load(z_ptr + offs_n * stride_zn + grp, mask=n_mask, other=0).to(tl.float32) + 128.0
-    else:
-        z = tl.full(s_row.shape, 136.0, tl.float32)  # 128 + 2^(4 - 1)
-    return s_row, z
 
 
 @triton.jit

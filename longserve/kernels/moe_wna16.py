@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from longserve.kernels.extend_attention import interpreting
-from longserve.kernels.int4_gemv import int4_dot_tile, int4_gemv_kernel, int4_tile_scales
+from longserve.kernels.int4_gemv import int4_dot_tile, int4_fast_block_n, int4_gemv_kernel, int4_tile_scales
 from longserve.kernels.launch import fast_launch
 from longserve.kernels.moe_reference import MoEQuant
 from longserve.kernels.moe_sum import moe_sum
@@ -173,13 +173,9 @@ def _routed_gemv(
     k = packed * 2
     w = w if w.is_contiguous() else w.contiguous()
     assert x.stride(1) == 1 and w.data_ptr() % 16 == 0 and packed % 4 == 0, "rows of whole 32-bit words"
-    # int4_gemv's rows per program (wna16_gemv_config's fast path), counting every pair's row blocks
     sms = _num_sms(x.device.index or 0) if x.device.type == "cuda" else 1
     num_tiles = k // block_k
-    block_n = 256
-    while block_n > 64 and triton.cdiv(n, block_n) * num_rows * min(32, num_tiles // 2) < 2 * sms:
-        block_n //= 2
-    block_n = min(block_n, max(16, triton.next_power_of_2(n)))
+    block_n = min(int4_fast_block_n(n, num_tiles, num_rows, sms), max(16, triton.next_power_of_2(n)))
     n_blocks = triton.cdiv(n, block_n)
     split = splits_for(x.device, n_blocks * num_rows, num_tiles)
     tiles_per_split, split, out = split_k_output(num_tiles, split, num_rows, n, x.dtype, x.device)

@@ -54,6 +54,7 @@ import triton.language as tl
 from longserve.kernels.extend_attention import interpreting
 from longserve.kernels.int4_gemv import (
     int4_dot_supported,
+    int4_fast_block_n,
     int4_fast_supported,
     int4_gemv_dot_kernel,
     int4_gemv_kernel,
@@ -304,31 +305,22 @@ def wna16_gemv_config(
     path (act order) 32 x 64 (its scale and zero point gathers: more would spill, as compiled for sm90).
     SPLIT_K for ~8 programs per SM (N = 4096: 64 row blocks x 16 splits)."""
     group = group_size if group_size > 0 else k
-    sms = _num_sms(device.index or 0) if device.type == "cuda" else 1
-    use_dot = dtype != torch.float32 and m > WNA16_GEMV_FMA_MAX_TOKENS
-    block_m = max(16, triton.next_power_of_2(m)) if use_dot else triton.next_power_of_2(m)
     per_col = has_gidx or _tile_k(group, k, 16) == 0
+    block_k = 64 if per_col else _tile_k(group, k, 128)
+    int4_dot = INT4_DOT_PATH and int4_dot_supported(m, bits, k, per_col, dtype, block_k)
+    use_dot = int4_dot or (dtype != torch.float32 and m > WNA16_GEMV_FMA_MAX_TOKENS)
+    block_m = max(16, triton.next_power_of_2(m)) if use_dot else triton.next_power_of_2(m)
     if per_col:
-        block_k, block_n = 64, 32
+        block_n = 32
     else:
-        block_k = _tile_k(group, k, 128)
         budget = 8192 if use_dot or block_m <= 4 else 4096  # values of a tile
         block_n = max(16, min(128, pow2_at_most(budget // block_k)))
-    num_warps = 4
-    if INT4_DOT_PATH and int4_dot_supported(m, bits, k, per_col, dtype, block_k):
-        use_dot, block_m = True, max(16, triton.next_power_of_2(m))  # the tile as the general dot path's
-        block_n = max(16, min(128, pow2_at_most(8192 // block_k)))
-        # two [BLOCK_M, BLOCK_N] fp32 tiles (the tile's products, the sum): 4 warps spill from 64 x 64 (sm90
-        # compile, Triton 3.9: 255 registers and a stack), 8 take them in 128
-        num_warps = 8 if block_m >= 32 else 4
+    # the int4 dot kernel holds two [BLOCK_M, BLOCK_N] fp32 tiles (the tile's products, the sum): 4 warps spill
+    # from 64 x 64 (sm90 compile, Triton 3.9: 255 registers and a stack), 8 take them in 128
+    num_warps = 8 if int4_dot and block_m >= 32 else 4
     if INT4_FAST_PATH and int4_fast_supported(m, bits, k, per_col, use_dot, block_k):
-        # up to 256 rows: a thread then holds 8 rows of its 4 words, so the activations it loads, widens and sums
-        # serve 8 rows (sm90 SASS of the loop, Triton 3.6: 4.4 instructions a weight against 6.1 at 64 rows; 118
-        # registers, 4 programs an SM); fewer where the grid would not reach 2 programs an SM (32 KB of weights
-        # in flight each: enough for the bandwidth)
-        block_n = 256
-        while block_n > 64 and triton.cdiv(n, block_n) * min(32, triton.cdiv(k, block_k) // 2) < 2 * sms:
-            block_n //= 2
+        sms = _num_sms(device.index or 0) if device.type == "cuda" else 1
+        block_n = int4_fast_block_n(n, triton.cdiv(k, block_k), 1, sms)
     block_n = min(block_n, max(16, triton.next_power_of_2(n)))
     split_k = splits_for(device, triton.cdiv(n, block_n), triton.cdiv(k, block_k))
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k,
