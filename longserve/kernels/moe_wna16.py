@@ -4,7 +4,7 @@ dequantize them in fp32 once per BLOCK_M block of (token, expert) pairs: measure
 35fd681, RESULTS.md seventh session) the Qwen3-30B-A3B shape with GPTQ int4 g128 experts took 33.2 ms a decode
 step at batch 1 (32K context; bf16 4.66) and 4.94 s for a cold 32K prompt (bf16 1.10).
 
-- Decode (at most MOE_WNA16_GEMV_MAX_TOKENS tokens, 4-bit groups of whole tiles): kernels/int4_gemv.py's
+- Decode (below MOE_WNA16_GROUPED_MIN_TOKENS tokens, 4-bit groups of whole tiles): kernels/int4_gemv.py's
   one-row GEMV routed over the (token, k) pairs, grid axis 2: gate+up [T*k, 2I] (each pair's token row times its
   expert's w13), silu(gate) * up, down [T*k, H] (each pair's row times its expert's w2), then moe_sum adds the
   k rows times their routing weights. Four launches: the split-K partials of each GEMV are added by the launch
@@ -17,10 +17,10 @@ step at batch 1 (32K context; bf16 4.66) and 4.94 s for a cold 32K prompt (bf16 
   at the A3B shape 0.3 GB read and 1.2 GB written a layer (~0.4 ms at 4.2 TB/s) against a 16-bit MoE layer's
   ~2 ms at 8K tokens. The transient [E, 2I, H] + [E, H, I] (1.2 GB at the A3B shape) comes out of the memory
   --mem-fraction-static leaves to activations, as the dense layers' dequantized weights do (quant_gemm).
-- Grouped (MOE_WNA16_GROUPED_MIN_TOKENS, off until measured): from a few tokens, the pairs aligned per expert
+- Grouped (from MOE_WNA16_GROUPED_MIN_TOKENS, 16, below the dequantized experts): the pairs aligned per expert
   in blocks of GROUPED_BLOCK_M (fused_moe's alignment), each block's rows times its expert's weights with
   int4_gemv's word-wise unpacking on the tensor cores (int4_dot_tile): each expert's weights read once per
-  block instead of once per pair.
+  block instead of once per pair (A3B int4 decode at batch 64: 31.81 -> 20.58 ms a step).
 - Otherwise (in between, act order, or experts split over ranks) fused_moe's int path serves.
 
 Rounding: the dequantize path equals `fused_moe_ref` as the 16-bit fused_moe does (the weights rounded to the
@@ -55,20 +55,20 @@ __all__ = [
     "moe_wna16_path",
 ]
 
-# Steps of at most this many tokens take the routed GEMV, of at least MOE_WNA16_DEQUANT_MIN_TOKENS the
-# dequantized experts. Measured on an H200 (2026-12-02, c9a2ca1, tests/gpu/test_quant_kernels_gpu.py
-# test_int4_experts_paths, RESULTS.md seventh session), one A3B MoE layer as CUDA graphs, us (GEMV / dequantized /
-# fused int path): 1 token 19.5 / 562 / 261; 8: 89.7 / 700 / 6,084; 64: 485 / 820 / 2,980; 512: 3,631 / 999 /
-# 1,636. The batch-64 decode took 31.79 ms through the GEMV against 40.91 through the dequantized experts. The
-# crossover (~110 tokens by the slopes) is not timed: 64 is the largest size measured on the GEMV's side.
+# Which path a step of T tokens takes (moe_wna16_path): the routed GEMV below MOE_WNA16_GROUPED_MIN_TOKENS,
+# the grouped kernel from there below MOE_WNA16_DEQUANT_MIN_TOKENS, the dequantized experts from there.
+# Measured on an H200, one A3B MoE layer as CUDA graphs (tests/gpu/test_quant_kernels_gpu.py
+# test_int4_experts_paths; 2026-12-02, c2dd2fd, RESULTS.md eighth session), us, GEMV / grouped / dequantized /
+# fused int path: 1 token 19.6 / 46.4 / 562 / 267; 8: 88.4 / 181 / 697 / 5,705; 64: 481 / 385 / 813 / 2,937;
+# 512: 3,618 / 1,398 / 1,001 / 1,637. In the engine (A3B int4 decode, ms a step, GEMV or dequantized ->
+# grouped): batch 8 7.07 -> 7.28, 16 10.32 -> 8.97, 32 18.10 -> 14.86, 64 31.81 -> 20.58, 128 (dequantized)
+# 42.78 -> 28.89, 256 (dequantized) 59.32 -> 55.36. The grouped kernel reads each expert once per block of
+# GROUPED_BLOCK_M pairs routed to it (int4_gemv.int4_dot_tile on the tensor cores), where the GEMV reads it
+# once per pair (at batch 64 the A3B shape's 512 pairs re-read ~1.2 GB a layer, 4x the experts' 0.3 GB).
+# 257: the first size not timed in the engine (the layer at 512 tokens favours the dequantized experts).
 MOE_WNA16_GEMV_MAX_TOKENS = 64
-MOE_WNA16_DEQUANT_MIN_TOKENS = 65
-# Steps of at least this many tokens below the dequantized experts take the grouped kernel instead of the GEMV
-# (None: never): each block of up to GROUPED_BLOCK_M pairs routed to one expert reads that expert's weights
-# once (int4_gemv.int4_dot_tile on the tensor cores), where the GEMV reads them once per pair (at batch 64 the
-# A3B shape's 512 pairs re-read ~1.2 GB a layer, about 4x the experts' 0.3 GB). Off until a GPU times it
-# (tests/gpu/test_quant_kernels_gpu.py test_int4_experts_paths prints it beside the other paths).
-MOE_WNA16_GROUPED_MIN_TOKENS: int | None = None
+MOE_WNA16_GROUPED_MIN_TOKENS: int | None = 16  # None: the GEMV up to MOE_WNA16_GEMV_MAX_TOKENS
+MOE_WNA16_DEQUANT_MIN_TOKENS = 257
 GROUPED_BLOCK_M = 16
 # the pairs aligned per expert in blocks of GROUPED_BLOCK_M (fused_moe.align_routed_pairs): sorted pair ids,
 # each block's expert, the padded length
@@ -99,8 +99,10 @@ def moe_wna16_path(
     grouped_ok = dtype != torch.float32 and grouped_supported(quant, hidden_size, inter)  # 16-bit dots
     if grouped_from is not None and num_tokens >= grouped_from and grouped_ok:
         return "grouped"
+    if num_tokens > MOE_WNA16_GEMV_MAX_TOKENS:  # past the GEMV without the grouped kernel (8 bits, other groups)
+        return "dequant"
     gemv_ok = quant.bits == 4 and _gemv_tile_k(quant, hidden_size) and _gemv_tile_k(quant, inter)
-    return "gemv" if gemv_ok and num_tokens <= MOE_WNA16_GEMV_MAX_TOKENS else "fused"
+    return "gemv" if gemv_ok else "fused"
 
 
 def grouped_supported(quant: MoEQuant, hidden_size: int, inter: int) -> bool:

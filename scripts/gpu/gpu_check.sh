@@ -469,8 +469,8 @@ if [[ $MODE == fp8-acc ]]; then  # one GPU, ~6 min: what full-fp32 accumulation 
       | tee "$OUT/latency_a3b_fp8_acc_$acc.log" | grep -E "^cold"
     [[ $acc == 0 ]] && continue
     timeout 150 python3 scripts/probes/with_constants.py longserve.kernels.quant_fp8.FP8_DOT_MAX_IMPRECISE_ACC=$acc \
-      -- pytest -q -m gpu tests/gpu/test_quant_engine_gpu.py -k "fp8 or ct-int8" -p no:cacheprovider 2>&1 \
-      | tail -3
+      -- pytest -q -m gpu tests/gpu/test_quant_engine_gpu.py -k "fp8 or ct-int8" -p no:cacheprovider --tb=short \
+      -rfE 2>&1 | tee "$OUT/gpu_tests_fp8_acc_$acc.log" | grep -E "^(FAILED|E  )|passed|failed" | tail -24
   done
 fi
 

@@ -416,8 +416,8 @@ def a3b_int4_experts(zp: bool):
 
 @pytest.mark.parametrize("num_tokens", [1, 8, 64, 512])
 def test_int4_experts_paths(num_tokens: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """kernels/moe_wna16.py at the A3B shape: the path the step takes by default (the routed GEMV at decode
-    sizes, the dequantized experts at prefill sizes) against the reference (bf16: within 1% of its norm), no
+    """kernels/moe_wna16.py at the A3B shape: the path the step takes by default (the routed GEMV at small
+    decode sizes, the grouped kernel at larger ones, the dequantized experts at prefill sizes) against the reference (bf16: within 1% of its norm), no
     host sync, replayed from a CUDA graph with new inputs; then each path's time as a CUDA graph beside
     fused_moe's int path, each path's result checked too (the evidence for MOE_WNA16_GEMV_MAX_TOKENS,
     MOE_WNA16_DEQUANT_MIN_TOKENS and MOE_WNA16_GROUPED_MIN_TOKENS)."""
@@ -432,7 +432,7 @@ def test_int4_experts_paths(num_tokens: int, monkeypatch: pytest.MonkeyPatch) ->
     weights, ids = route_topk(torch.randn(num_tokens, e, device="cuda"), k, True)
     weights = weights.bfloat16()
     default = moe_wna16_path(quant, num_tokens, h, i, False, torch.bfloat16)
-    assert default == ("gemv" if num_tokens <= 64 else "dequant")
+    assert default == {1: "gemv", 8: "gemv", 64: "grouped", 512: "dequant"}[num_tokens]
     out = fused_moe(x, w13, w2, weights, ids, quant=quant)
     assert_close_rel(out, fused_moe_ref(x, w13, w2, weights, ids, quant=quant))
     no_sync(lambda: fused_moe(x, w13, w2, weights, ids, quant=quant))
@@ -443,7 +443,6 @@ def test_int4_experts_paths(num_tokens: int, monkeypatch: pytest.MonkeyPatch) ->
     torch.cuda.synchronize()
     assert_close_rel(outs["y"], fused_moe_ref(x, w13, w2, weights, ids, quant=quant))
     times = {}
-    # grouped: off by default (MOE_WNA16_GROUPED_MIN_TOKENS)
     for path in ("gemv", "grouped", "dequant", "fused"):
         monkeypatch.setattr(fm, "moe_wna16_path", lambda *args, path=path: path)
         assert_close_rel(fused_moe(x, w13, w2, weights, ids, quant=quant), outs["y"])

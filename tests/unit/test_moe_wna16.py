@@ -164,14 +164,23 @@ def test_dequantized_experts_equal_the_reference_dequantization() -> None:
 
 
 def test_which_path() -> None:
-    """The routed GEMV takes 4-bit experts in groups of whole tiles up to its limit; act order, 8 bits, experts
-    split over ranks and K without a tile fall back to fused_moe's int path; prefill sizes dequantize unless act
-    order or expert parallelism."""
+    """The routed GEMV takes 4-bit experts in groups of whole tiles up to its limit, the grouped kernel (groups
+    of 128, 16-bit activations) from its own; act order, 8 bits, experts split over ranks and K without a tile
+    fall back to fused_moe's int path; past the GEMV without the grouped kernel, and at prefill sizes, the
+    experts are dequantized unless act order or expert parallelism."""
     _, _, quant = int4_experts(16, False)
     path = moe_wna16.moe_wna16_path
     lo, hi = moe_wna16.MOE_WNA16_GEMV_MAX_TOKENS, moe_wna16.MOE_WNA16_DEQUANT_MIN_TOKENS
-    assert path(quant, 1, H, I, False, BF16) == path(quant, lo, H, I, False, BF16) == "gemv"
-    assert path(quant, hi, H, I, False, BF16) == "dequant"
+    assert path(quant, 1, H, I, False, BF16) == path(quant, lo, H, I, False, BF16) == "gemv"  # groups of 16
+    assert path(quant, lo + 1, H, I, False, BF16) == path(quant, hi, H, I, False, BF16) == "dequant"
+    hidden, inter = 256, 128
+    _, _, g128 = int4_experts(128, False, hidden=hidden, inter=inter)
+    mid = moe_wna16.MOE_WNA16_GROUPED_MIN_TOKENS
+    assert mid is not None and 1 < mid <= lo < hi
+    assert path(g128, mid - 1, hidden, inter, False, BF16) == "gemv"
+    assert path(g128, mid, hidden, inter, False, BF16) == path(g128, hi - 1, hidden, inter, False, BF16) == "grouped"
+    assert path(g128, hi, hidden, inter, False, BF16) == "dequant"
+    assert path(g128, mid, hidden, inter, False, torch.float32) == "gemv"  # the grouped kernel's dots are 16-bit
     assert path(quant, 1, H, I, True, BF16) == path(quant, hi, H, I, True, BF16) == "fused"
     int8 = MoEQuant("int8", 16, quant.w13_scale, quant.w2_scale)
     assert path(int8, 1, H, I, False, BF16) == "fused" and path(int8, hi, H, I, False, BF16) == "dequant"
