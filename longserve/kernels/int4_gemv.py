@@ -30,13 +30,18 @@ relative, far below one bf16 ulp. Split-K and its reduction are quant_gemv's.
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
 from longserve.kernels.quant_tiles import store_gemv_out
 
-__all__ = ["int4_dot_supported", "int4_fast_block_n", "int4_fast_supported"]
+__all__ = [
+    "int4_dot_tile",
+    "int4_fast_block_n",
+    "int4_fast_supported",
+    "int4_gemv_kernel",
+    "int4_tile_scales",
+]
 
 _BF16_128 = tl.constexpr(0x43004300)  # two bf16 128.0: OR-ed with a nibble in each half, 128 + q
 _LOW_NIBBLES = tl.constexpr(0x000F000F)
@@ -60,19 +65,6 @@ def int4_fast_block_n(n: int, num_tiles: int, rows: int, sms: int) -> int:
     while block_n > 64 and triton.cdiv(n, block_n) * rows * min(32, num_tiles // 2) < 2 * sms:
         block_n //= 2
     return block_n
-
-
-def int4_dot_supported(m: int, bits: int, k: int, per_col: bool, dtype: torch.dtype, block_k: int) -> bool:
-    """Whether `int4_gemv_dot_kernel` takes a product: 2 to 64 rows of 16-bit activations, 4 bits, groups of
-    whole 128-value tiles (a tile's 16 words a row give tl.dot its minimum K of 16 per value position)."""
-    return (
-        2 <= m <= 64
-        and bits == 4
-        and not per_col
-        and dtype != torch.float32
-        and block_k == 128
-        and k % 128 == 0
-    )
 
 
 @triton.jit
@@ -140,7 +132,9 @@ def int4_gemv_kernel(
 
 @triton.jit
 def int4_dot_tile(words, x_cols, m_mask, DOT_FP32: tl.constexpr):
-    """One K tile of the word-wise unpacking on the tensor cores: words [BLOCK_N, BLOCK_K / 8] int32 of the
+    """One K tile of the word-wise unpacking on the tensor cores (kernels/moe_wna16.py's grouped kernel, where a
+    block of pairs shares its expert's tile; as a dense GEMV at 2-64 rows it lost to the general kernel at every
+    M, RESULTS.md eighth session): words [BLOCK_N, BLOCK_K / 8] int32 of the
     weights' rows, x_cols [BLOCK_M, BLOCK_K / 8] pointers to column 8j of the tile in each activation row ->
     (sum_k (128 + q) x [BLOCK_M, BLOCK_N], sum_k x [BLOCK_M]) in fp32. Value position i of every word
     (columns 8j + i) is one operand of 128 + q in the activations' dtype (exact: 128..143) against the
@@ -163,40 +157,3 @@ def int4_dot_tile(words, x_cols, m_mask, DOT_FP32: tl.constexpr):
             prod += tl.dot(x_hi, tl.trans(hi.to(ty)))
         x_sum += tl.sum(x_lo.to(tl.float32), axis=1) + tl.sum(x_hi.to(tl.float32), axis=1)
     return prod, x_sum
-
-
-@triton.jit
-def int4_gemv_dot_kernel(
-    x_ptr,  # [M, K] 16-bit
-    w_ptr,  # [N, K / 8] int32: the packed uint8 [N, K / 2] as words
-    s_ptr,  # [N, G]
-    z_ptr,  # [N, G] uint8 (HAS_ZP)
-    b_ptr,  # [N] bias (HAS_BIAS, not PARTIAL)
-    out_ptr,  # [M, N] in x's dtype, or (PARTIAL) [splits, M, N] float32 partial sums
-    M, N, group_size, tiles_per_split, num_tiles, stride_xm, stride_wn, stride_sn, stride_zn, stride_om, stride_os,
-    HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr, INTERPRET_BF16: tl.constexpr, DOT_FP32: tl.constexpr,
-):  # fmt: skip
-    """The word-wise unpacking above with the products on the tensor cores (int4_dot_tile), for 2 to 64 rows
-    (the general kernel unpacks byte by byte there). The zero point and the scale as in the one-row kernel."""
-    BLOCK_W: tl.constexpr = BLOCK_K // 8  # words of a tile row
-    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_w = tl.arange(0, BLOCK_W)
-    m_mask, n_mask = offs_m < M, offs_n < N
-    w_rows = w_ptr + offs_n[:, None] * stride_wn  # [BLOCK_N, 1]
-    x_rows = x_ptr + offs_m[:, None] * stride_xm  # [BLOCK_M, 1]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    t_begin = pid_k * tiles_per_split
-    t_end = tl.minimum(t_begin + tiles_per_split, num_tiles)
-    for t in range(t_begin, t_end):
-        words = tl.load(w_rows + (t * BLOCK_W + offs_w)[None, :], mask=n_mask[:, None], other=0)
-        s_row, z = int4_tile_scales(s_ptr, z_ptr, offs_n, n_mask, stride_sn, stride_zn, t * BLOCK_K // group_size,
-                                    HAS_ZP)  # fmt: skip
-        prod, x_sum = int4_dot_tile(words, x_rows + t * BLOCK_K + offs_w[None, :] * 8, m_mask, DOT_FP32)
-        acc += (prod - x_sum[:, None] * z[None, :]) * s_row[None, :]
-    out_off = offs_m[:, None] * stride_om + offs_n[None, :]
-    out_mask = m_mask[:, None] & n_mask[None, :]
-    store_gemv_out(out_ptr, acc, out_off, out_mask, b_ptr, offs_n[None, :], n_mask[None, :], pid_k, stride_os,
-                   HAS_BIAS, PARTIAL, INTERPRET_BF16)  # fmt: skip

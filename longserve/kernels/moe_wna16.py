@@ -99,7 +99,8 @@ def moe_wna16_path(
     grouped_ok = dtype != torch.float32 and grouped_supported(quant, hidden_size, inter)  # 16-bit dots
     if grouped_from is not None and num_tokens >= grouped_from and grouped_ok:
         return "grouped"
-    if num_tokens > MOE_WNA16_GEMV_MAX_TOKENS:  # past the GEMV without the grouped kernel (8 bits, other groups)
+    # past the GEMV's sizes without the grouped kernel (8 bits, other groups): the dequantized experts
+    if num_tokens > MOE_WNA16_GEMV_MAX_TOKENS:
         return "dequant"
     gemv_ok = quant.bits == 4 and _gemv_tile_k(quant, hidden_size) and _gemv_tile_k(quant, inter)
     return "gemv" if gemv_ok else "fused"

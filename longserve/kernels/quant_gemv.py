@@ -52,13 +52,7 @@ import triton
 import triton.language as tl
 
 from longserve.kernels.extend_attention import interpreting
-from longserve.kernels.int4_gemv import (
-    int4_dot_supported,
-    int4_fast_block_n,
-    int4_fast_supported,
-    int4_gemv_dot_kernel,
-    int4_gemv_kernel,
-)
+from longserve.kernels.int4_gemv import int4_fast_block_n, int4_fast_supported, int4_gemv_kernel
 from longserve.kernels.quant_reference import wna16_gemm_ref
 from longserve.kernels.quant_tiles import rounded, store_gemv_out
 
@@ -76,11 +70,11 @@ __all__ = [
 # take qkv 11.2 / o 9.8 / gate_up 34.7 / down 21.1 us against 12.5 / 11.0 / 41.8 / 23.8 with the general kernel
 # (gate_up at 42% of 4.2 TB/s), and the 8B int4 decode at batch 1 (32K) 4.79 ms against 5.01.
 INT4_FAST_PATH = True
-# 2 to 64 rows of 4-bit weights in groups of whole 128-value tiles take kernels/int4_gemv.py's word-wise unpacking
-# with the products on the tensor cores (int4_gemv_dot_kernel) instead of the general kernel's byte-wise one
-# (at M=16 the general kernel took 53.8 us for the 8B gate_up against the one-row kernel's 34.7 at M=1,
-# 2026-12-02, 35fd681). Off until a GPU runs its test and times it (`gpu_check.sh int4-dot`).
-INT4_DOT_PATH = False
+# 2 to 64 rows: the general kernel below. The one-row kernel's word-wise unpacking with the products on the
+# tensor cores (tl.dot) was slower at every M there (an H200, 2026-12-02, c2dd2fd, RESULTS.md eighth session:
+# the 8B gate_up at M=16 172.1 us against 56.9, the int4 decode at batch 64 66.84 ms against 16.78) and was
+# removed; kernels/moe_wna16.py's grouped kernel keeps that unpacking (int4_gemv.int4_dot_tile), where reading
+# each expert once per block of pairs, not once per pair, outweighs it.
 # M up to which the CUDA-core FMA path serves 16-bit activations; above it tl.dot (BLOCK_M >= 16). A placeholder
 # until the GPU session measures both (scripts/gpu/bench_quant_kernels.py --sweep-gemv prints them per M).
 WNA16_GEMV_FMA_MAX_TOKENS = 4
@@ -307,24 +301,20 @@ def wna16_gemv_config(
     group = group_size if group_size > 0 else k
     per_col = has_gidx or _tile_k(group, k, 16) == 0
     block_k = 64 if per_col else _tile_k(group, k, 128)
-    int4_dot = INT4_DOT_PATH and int4_dot_supported(m, bits, k, per_col, dtype, block_k)
-    use_dot = int4_dot or (dtype != torch.float32 and m > WNA16_GEMV_FMA_MAX_TOKENS)
+    use_dot = dtype != torch.float32 and m > WNA16_GEMV_FMA_MAX_TOKENS
     block_m = max(16, triton.next_power_of_2(m)) if use_dot else triton.next_power_of_2(m)
     if per_col:
         block_n = 32
     else:
         budget = 8192 if use_dot or block_m <= 4 else 4096  # values of a tile
         block_n = max(16, min(128, pow2_at_most(budget // block_k)))
-    # the int4 dot kernel holds two [BLOCK_M, BLOCK_N] fp32 tiles (the tile's products, the sum): 4 warps spill
-    # from 64 x 64 (sm90 compile, Triton 3.9: 255 registers and a stack), 8 take them in 128
-    num_warps = 8 if int4_dot and block_m >= 32 else 4
     if INT4_FAST_PATH and int4_fast_supported(m, bits, k, per_col, use_dot, block_k):
         sms = _num_sms(device.index or 0) if device.type == "cuda" else 1
         block_n = int4_fast_block_n(n, triton.cdiv(k, block_k), 1, sms)
     block_n = min(block_n, max(16, triton.next_power_of_2(n)))
     split_k = splits_for(device, triton.cdiv(n, block_n), triton.cdiv(k, block_k))
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k,
-            "USE_DOT": int(use_dot), "SCALE_PER_COL": int(per_col), "num_warps": num_warps, "num_stages": 2}  # fmt: skip
+            "USE_DOT": int(use_dot), "SCALE_PER_COL": int(per_col), "num_warps": 4, "num_stages": 2}  # fmt: skip
 
 
 def wna16_gemv(
@@ -374,15 +364,6 @@ def wna16_gemv(
             0, 0, 0, 0, 0, HAS_ZP=zeros is not None, HAS_BIAS=bias is not None and split == 1,
             BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, PARTIAL=split > 1, INTERPRET_BF16=interpret_bf16,
             ROUTED=False, X_ROW_DIV=1, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        )  # fmt: skip
-        return out if split == 1 else splitk_reduce(out, bias, x.dtype)
-    if INT4_DOT_PATH and words_ok and int4_dot_supported(m, bits, k, per_col, x.dtype, block_k):
-        int4_gemv_dot_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), split)](
-            x, qweight.view(torch.int32), scales, z, b, out, m, n, group, tiles_per_split, num_tiles, x.stride(0),
-            qweight.stride(0) // 4, scales.stride(0), z.stride(0), out.stride(-2), out.stride(0) if split > 1 else 0,
-            HAS_ZP=zeros is not None, HAS_BIAS=bias is not None and split == 1, BLOCK_M=cfg["BLOCK_M"],
-            BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, PARTIAL=split > 1, INTERPRET_BF16=interpret_bf16,
-            DOT_FP32=interp, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )  # fmt: skip
         return out if split == 1 else splitk_reduce(out, bias, x.dtype)
     _wna16_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), split)](

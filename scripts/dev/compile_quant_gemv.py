@@ -1,5 +1,5 @@
-"""Compile the decode GEMV kernels (longserve/kernels/quant_gemv.py, int4_gemv.py: variants with "int4" or "int4_dot", and
-fp8_gemv.py: variants with "fp8") for sm90 with Triton's real compiler, on any
+"""Compile the decode GEMV kernels (longserve/kernels/quant_gemv.py, int4_gemv.py: variants with "int4", moe_wna16.py's grouped kernel:
+"moe_grouped", and fp8_gemv.py: variants with "fp8") for sm90 with Triton's real compiler, on any
 machine (no GPU needed: triton ships its nvidia backend and ptxas), and report per variant the registers, spills
 and whether the packed weights are loaded with 16-byte vectors. Catches constructs that the interpreter accepts
 and the compiler refuses (tests/unit/test_quant_gemv.py runs it).
@@ -36,8 +36,6 @@ VARIANTS = [
     {"int4": True, "zp": True, "split": 1, "bias": True, "x": "fp16"},
     {"int4": True, "routed": True, "x_row_div": 8, "split": 1},  # MoE decode, gate+up over (token, k) pairs
     {"int4": True, "routed": True, "zp": True},  # MoE down, split-K
-    {"int4_dot": True},  # 2-16 rows, tl.dot on the word-wise unpacking, split-K
-    {"int4_dot": True, "bm": 64, "zp": True, "split": 1, "bias": True, "x": "fp16", "num_warps": 8},
     {"moe_grouped": True},  # the grouped int4 MoE kernel, gate+up over the pairs' token rows
     {"moe_grouped": True, "zp": True, "x_row_div": 1},  # its down projection
 ]
@@ -105,22 +103,6 @@ def compile_int4_gemv(int4=True, x="bf16", zp=False, bias=False, bn=64, bk=128, 
     return compile_sm90(fn, sig, consts, attrs, num_warps=num_warps, num_stages=num_stages)
 
 
-def compile_int4_dot(int4_dot=True, x="bf16", zp=False, bias=False, bm=16, bn=64, bk=128, split=4, num_warps=4,
-                     num_stages=2):  # fmt: skip
-    """The int4 GEMV with word-wise unpacking and tl.dot (kernels/int4_gemv.py, 2 to 64 rows) for sm90, with
-    16-bit dots as on the GPU (the interpreted tests run its fp32-dot variant)."""
-    from longserve.kernels.int4_gemv import int4_gemv_dot_kernel as fn
-
-    ptrs = {"x_ptr": f"*{x}", "w_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8" if zp else "*fp16",
-            "b_ptr": f"*{x}" if bias else "*fp16", "out_ptr": "*fp32" if split > 1 else f"*{x}"}  # fmt: skip
-    consts = dict(HAS_ZP=zp, HAS_BIAS=bias and split == 1, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PARTIAL=split > 1,
-                  INTERPRET_BF16=False, DOT_FP32=False)  # fmt: skip
-    sig = {a: ptrs.get(a, "constexpr" if a in consts else "i32") for a in fn.arg_names}
-    div16 = [*ptrs, "N", "stride_xm", "stride_wn", "stride_om", "stride_os"]
-    attrs = {a: [["tt.divisibility", 16]] for a in div16}
-    return compile_sm90(fn, sig, consts, attrs, num_warps=num_warps, num_stages=num_stages)
-
-
 def compile_moe_grouped(moe_grouped=True, x="bf16", zp=False, bm=16, bn=64, x_row_div=8, num_warps=4,
                         num_stages=2):  # fmt: skip
     """kernels/moe_wna16.py's grouped int4 MoE kernel for sm90, with 16-bit dots as on the GPU."""
@@ -141,8 +123,6 @@ def compile_moe_grouped(moe_grouped=True, x="bf16", zp=False, bm=16, bn=64, x_ro
 def report(variant: dict) -> dict:
     if variant.get("moe_grouped"):
         c = compile_moe_grouped(**variant)
-    elif variant.get("int4_dot"):
-        c = compile_int4_dot(**variant)
     elif variant.get("int4"):
         c = compile_int4_gemv(**variant)
     elif variant.get("fp8"):

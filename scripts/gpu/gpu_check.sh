@@ -4,7 +4,7 @@
 # $OUT; a short table last. LONGSERVE_COMMIT is the commit the JSON metadata names: compute it where the tree
 # is a git checkout (a copied tree's .git may be stale) and pass it as a literal, e.g.
 #   LONGSERVE_COMMIT=abc1234 bash scripts/gpu/gpu_check.sh latency
-#   usage: LONGSERVE_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu/gpu_check.sh [quick|tests|bench|all|long|tp|tp2|tp32|profile|latency|hit|host|launch|turns|moe|moe-tests|moe-bench|moe-long|moe-tp|quant|quant-tests|quant-bench|kvfp8|vllm|structured|switches|chunks|fusions|fusions-a3b|piecewise|moe-gemv|quant-decode|int4-fast|int4-dot|moe-grouped|fp8-acc]
+#   usage: LONGSERVE_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu/gpu_check.sh [quick|tests|bench|all|long|tp|tp2|tp32|profile|latency|hit|host|launch|turns|moe|moe-tests|moe-bench|moe-long|moe-tp|quant|quant-tests|quant-bench|kvfp8|vllm|structured|switches|chunks|fusions|fusions-a3b|piecewise|moe-gemv|quant-decode|int4-fast|moe-grouped|fp8-acc]
 # moe (one GPU) = moe-tests (the MoE kernel and engine GPU tests, the kernel's TFLOP/s and GB/s) +
 # moe-bench (the Qwen3-30B-A3B shape's cases against HF, profiled, with their floors); moe-long: 128K cold
 # against HF and the Mixtral-8x7B shape; moe-tp (two GPUs): the TP=2 / expert-parallel tests and the A3B shape
@@ -19,10 +19,8 @@
 # against 16).
 # int4-fast (one GPU, ~4 min): the one-row int4 GEMV (kernels/int4_gemv.py, off until this runs): its GPU tests,
 # the int4 GEMV's time at M=1 with it off and on, the 8B int4 decode at batch 1 (32K) with it off and on.
-# int4-dot (one GPU, ~5 min): the int4 GEMV with word-wise unpacking and tl.dot at 2-64 rows (INT4_DOT_PATH, off):
-# its GPU tests with its time beside the general kernel's, then the 8B int4 decode at batch 16 and 64 off and on.
 # moe-grouped (one GPU, ~5 min): the int4 experts' paths per token count (the grouped kernel's time among them),
-# then the A3B int4 decode at batch 8 and 64 through the routed GEMV and through the grouped kernel.
+# then the A3B int4 decode at batch 8 and 64 through the routed GEMV (grouped off) and through the grouped kernel.
 # fp8-acc (one GPU, ~6 min): the A3B FP8 cold TTFT with the fp8 dots' fp32 promotion after every wgmma (0, the
 # default), every other (64) or never within a tile (None), and the fp8 engine tests under 64 and None.
 # piecewise (one GPU): the piecewise graphs' GPU test, then step_timeline.py and cold 512-4096 / a 32K + 512 hit
@@ -434,18 +432,7 @@ if [[ $MODE == int4-fast ]]; then  # one GPU, ~4 min: the one-row int4 GEMV (qua
   done
 fi
 
-if [[ $MODE == int4-dot ]]; then  # one GPU, ~5 min: the int4 GEMV's tl.dot path (quant_gemv.INT4_DOT_PATH, off)
-  python3 -m pytest -q -m gpu tests/gpu/test_quant_kernels_gpu.py -k "int4_dot" -s -p no:cacheprovider --tb=short \
-    -rfE 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "int4 dot path|passed|failed" || status=1
-  for dot in False True; do  # the 8B int4 decode at batch 16 and 64 (4K) through each
-    timeout 100 python3 scripts/probes/with_constants.py longserve.kernels.quant_gemv.INT4_DOT_PATH=$dot -- \
-      longserve.bench.latency --config llama-3.1-8b --load-format dummy --dtype bfloat16 --quantization gptq \
-      --warmup 1 --repeat 3 --decode-batch-sizes 16@4096,64@4096 --output-json "$OUT/latency_int4_dot$dot.json" \
-      2>&1 | tee "$OUT/latency_int4_dot$dot.log" | grep -E "^decode" || status=1
-  done
-fi
-
-if [[ $MODE == moe-grouped ]]; then  # one GPU, ~5 min: the grouped int4 MoE kernel (moe_wna16, off by default)
+if [[ $MODE == moe-grouped ]]; then  # one GPU, ~5 min: the grouped int4 MoE kernel (moe_wna16, from 16 tokens)
   python3 -m pytest -q -m gpu tests/gpu/test_quant_kernels_gpu.py -k "int4_experts" -s -p no:cacheprovider \
     --tb=short -rfE 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "int4 experts|passed|failed" || status=1
   for grouped in None 2; do  # the A3B int4 decode at batch 8 and 64 (4K) through the GEMV, then grouped

@@ -107,36 +107,6 @@ def test_int4_fast_path_matches_reference(shape: str, zp: bool, monkeypatch: pyt
     assert_close_rel(replayed, wna16_gemm_ref(x, *w, 4, 128))
 
 
-@pytest.mark.parametrize("shape", list(DENSE))
-@pytest.mark.parametrize("m", [2, 16, 64])
-def test_int4_dot_path_matches_reference(shape: str, m: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The int4 GEMV with word-wise unpacking and tl.dot (quant_gemv.INT4_DOT_PATH, off by default) at the 8B
-    shapes: the reference's product, equal to the general kernel's to fp32 summation, deterministic, replayed
-    by a CUDA graph; its time beside the general kernel's as CUDA graphs (the evidence for the switch)."""
-    from longserve.kernels import quant_gemv
-    from longserve.kernels.quant_gemm import wna16_gemm, wna16_gemm_ref
-    from longserve.platform import cuda_graph_time_ms
-
-    n, k = DENSE[shape]
-    w = int_weight(n, k, zp=m == 16)
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    general = wna16_gemm(x, *w, 4, 128, path="gemv")
-    general_ms = cuda_graph_time_ms(lambda: wna16_gemm(x, *w, 4, 128, path="gemv"), 2, 20, 5)
-    monkeypatch.setattr(quant_gemv, "INT4_DOT_PATH", True)
-    out = wna16_gemm(x, *w, 4, 128, path="gemv")
-    assert_close_rel(out, wna16_gemm_ref(x, *w, 4, 128))
-    assert_close_rel(out, general, tol=2e-3)
-    assert torch.equal(wna16_gemm(x, *w, 4, 128, path="gemv"), out)
-    dot_ms = cuda_graph_time_ms(lambda: wna16_gemm(x, *w, 4, 128, path="gemv"), 2, 20, 5)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        replayed = wna16_gemm(x, *w, 4, 128, path="gemv")
-    x.copy_(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
-    graph.replay()
-    assert_close_rel(replayed, wna16_gemm_ref(x, *w, 4, 128))
-    print(f"\nint4 dot path {shape} M={m}: {dot_ms * 1e3:.1f} us, general kernel {general_ms * 1e3:.1f} us")
-
-
 @pytest.mark.parametrize(
     ("bits", "group", "zp", "act_order"),
     [(8, 128, False, False), (4, 128, True, False), (4, 32, True, False), (4, -1, False, False),

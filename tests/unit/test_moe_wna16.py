@@ -178,9 +178,11 @@ def test_which_path() -> None:
     mid = moe_wna16.MOE_WNA16_GROUPED_MIN_TOKENS
     assert mid is not None and 1 < mid <= lo < hi
     assert path(g128, mid - 1, hidden, inter, False, BF16) == "gemv"
-    assert path(g128, mid, hidden, inter, False, BF16) == path(g128, hi - 1, hidden, inter, False, BF16) == "grouped"
+    grouped = path(g128, mid, hidden, inter, False, BF16), path(g128, hi - 1, hidden, inter, False, BF16)
+    assert grouped == ("grouped", "grouped")
     assert path(g128, hi, hidden, inter, False, BF16) == "dequant"
-    assert path(g128, mid, hidden, inter, False, torch.float32) == "gemv"  # the grouped kernel's dots are 16-bit
+    # the grouped kernel's dots are 16-bit
+    assert path(g128, mid, hidden, inter, False, torch.float32) == "gemv"
     assert path(quant, 1, H, I, True, BF16) == path(quant, hi, H, I, True, BF16) == "fused"
     int8 = MoEQuant("int8", 16, quant.w13_scale, quant.w2_scale)
     assert path(int8, 1, H, I, False, BF16) == "fused" and path(int8, hi, H, I, False, BF16) == "dequant"

@@ -144,44 +144,6 @@ def test_the_int4_fast_path_equals_the_general_kernel_and_the_reference(
     torch.testing.assert_close(fast.float(), general.float(), atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize(
-    ("m", "group", "zp", "split_k", "bias", "dtype"),
-    [(2, 128, False, 1, True, torch.bfloat16), (5, 128, True, 3, False, torch.bfloat16),
-     (16, -1, True, 2, True, torch.float16), (33, 256, False, 2, False, torch.bfloat16)],
-)  # fmt: skip
-def test_the_int4_dot_path_equals_the_general_kernel_and_the_reference(
-    m, group, zp, split_k, bias, dtype, monkeypatch
-) -> None:
-    """2 to 64 rows of 4-bit weights through kernels/int4_gemv.py's word-wise unpacking with tl.dot
-    (INT4_DOT_PATH) against the reference (one ulp of the exact product) and against the general kernel; the
-    launch is the dot kernel's, and it is not taken for groups of fewer than 128 values or for fp32."""
-    from longserve.kernels import int4_gemv
-
-    monkeypatch.setattr(quant_gemv, "INT4_DOT_PATH", True)
-    n, k = 40, 512
-    qweight, scales, zeros, _ = int_weights(n, k, 4, group, zp, False, seed=m + split_k)
-    x = torch.randn(m, k, generator=gen(14)).to(dtype)
-    b = torch.randn(n, generator=gen(15)).to(dtype) if bias else None
-    cfg = {"SPLIT_K": split_k, "BLOCK_N": 16}
-    launches = []
-    kernel = quant_gemv.int4_gemv_dot_kernel
-
-    class Counted:  # the dot kernel's launches, passed on
-        def __getitem__(self, grid):
-            launches.append(grid)
-            return kernel[grid]
-
-    monkeypatch.setattr(quant_gemv, "int4_gemv_dot_kernel", Counted())
-    dot = wna16_gemv(x, qweight, scales, zeros, None, 4, group, b, config=cfg)
-    assert len(launches) == 1
-    check(dot, x, qweight, scales, zeros, None, 4, group, b, False)
-    monkeypatch.setattr(quant_gemv, "INT4_DOT_PATH", False)
-    general = wna16_gemv(x, qweight, scales, zeros, None, 4, group, b, config=cfg)
-    torch.testing.assert_close(dot.float(), general.float(), atol=1e-2, rtol=1e-2)
-    assert not int4_gemv.int4_dot_supported(m, 4, k, False, dtype, 64)  # groups of 64: the general kernel
-    assert not int4_gemv.int4_dot_supported(m, 4, k, False, torch.float32, 128)
-
-
 def test_k_not_a_multiple_of_the_tile_and_fp32_exactness() -> None:
     """K = 96 with a per-channel group: tiles of 32 and 16 over ragged splits, and the per-element path's tile of
     64 past the end of K (masked); float32 activations equal the float64 product of the dequantized weights to
