@@ -21,8 +21,9 @@
 # the int4 GEMV's time at M=1 with it off and on, the 8B int4 decode at batch 1 (32K) with it off and on.
 # moe-grouped (one GPU, ~5 min): the int4 experts' paths per token count (the grouped kernel's time among them),
 # then the A3B int4 decode at batch 8 and 64 through the routed GEMV (grouped off) and through the grouped kernel.
-# fp8-acc (one GPU, ~6 min): the A3B FP8 cold TTFT with the fp8 dots' fp32 promotion after every wgmma (0, the
-# default), every other (64) or never within a tile (None), and the fp8 engine tests under 64 and None.
+# fp8-acc (one GPU, ~8 min): the 8B and A3B FP8 cold TTFT with the fp8 dots' fp32 promotion after every wgmma (0,
+# the default), every other (64) or never within a tile (None), and the fp8 kernel and engine tests under 64 and
+# None.
 # piecewise (one GPU): the piecewise graphs' GPU test, then step_timeline.py and cold 512-4096 / a 32K + 512 hit
 # with --piecewise-cuda-graph-max-tokens 0 and 4096.
 # fusions (one GPU): the prefix-as-view and fused K/V-store switches off, each against both on; fusions-a3b:
@@ -444,20 +445,25 @@ if [[ $MODE == moe-grouped ]]; then  # one GPU, ~5 min: the grouped int4 MoE ker
   done
 fi
 
-if [[ $MODE == fp8-acc ]]; then  # one GPU, ~6 min: what full-fp32 accumulation costs the fp8 MoE prefill
+if [[ $MODE == fp8-acc ]]; then  # one GPU, ~8 min: what full-fp32 accumulation costs the fp8 prefill
   # FP8_DOT_MAX_IMPRECISE_ACC 0 promotes the fp8 dots' partial sums after every wgmma (K = 32), which waits for
-  # each; 64 every other; None (Triton's default) never within a dot (one BLOCK_K = 128 tile). The A3B FP8
-  # cold TTFT (1.21x bf16's with the tuned tiles, RESULTS.md seventh session) and the fp8 engine tests per value
+  # each; 64 every other; None (Triton's default, vLLM's Triton block-FP8 kernel's) never within a dot (one
+  # BLOCK_K = 128 tile). Per value: the 8B and A3B FP8 cold TTFT (A3B 0.212 / 0.181 / 0.173 s at 8K, RESULTS.md
+  # eighth session), the block GEMM against its fp32 reference at the 8B shapes (the error at a real K), and
+  # the fp8 engine tests (their tiny models' blocks of 32-64 make 64 and None the same there)
   fp8='{"quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}}'
   for acc in 0 64 None; do
-    timeout 150 python3 scripts/probes/with_constants.py longserve.kernels.quant_fp8.FP8_DOT_MAX_IMPRECISE_ACC=$acc \
-      -- longserve.bench.latency --config qwen3-30b-a3b --load-format dummy --dtype bfloat16 --hf-overrides "$fp8" \
-      --warmup 1 --repeat 3 --prompt-lens 8192,32768 --output-json "$OUT/latency_a3b_fp8_acc_$acc.json" 2>&1 \
-      | tee "$OUT/latency_a3b_fp8_acc_$acc.log" | grep -E "^cold"
+    for shape in llama-3.1-8b qwen3-30b-a3b; do
+      timeout 150 python3 scripts/probes/with_constants.py longserve.kernels.quant_fp8.FP8_DOT_MAX_IMPRECISE_ACC=$acc \
+        -- longserve.bench.latency --config $shape --load-format dummy --dtype bfloat16 --hf-overrides "$fp8" \
+        --warmup 1 --repeat 3 --prompt-lens 8192,32768 --output-json "$OUT/latency_${shape}_fp8_acc_$acc.json" 2>&1 \
+        | tee "$OUT/latency_${shape}_fp8_acc_$acc.log" | grep -E "^cold"
+    done
     [[ $acc == 0 ]] && continue
     timeout 150 python3 scripts/probes/with_constants.py longserve.kernels.quant_fp8.FP8_DOT_MAX_IMPRECISE_ACC=$acc \
-      -- pytest -q -m gpu tests/gpu/test_quant_engine_gpu.py -k "fp8 or ct-int8" -p no:cacheprovider --tb=short \
-      -rfE 2>&1 | tee "$OUT/gpu_tests_fp8_acc_$acc.log" | grep -E "^(FAILED|E  )|passed|failed" | tail -24
+      -- pytest -q -m gpu tests/gpu/test_quant_engine_gpu.py tests/gpu/test_quant_kernels_gpu.py \
+      -k "(fp8 or ct-int8) and not gemv" -p no:cacheprovider --tb=short -rfE 2>&1 \
+      | tee "$OUT/gpu_tests_fp8_acc_$acc.log" | grep -E "^(FAILED|E  )|passed|failed" | tail -24
   done
 fi
 
