@@ -24,8 +24,8 @@
 # fp8-acc (one GPU, ~8 min): the 8B and A3B FP8 cold TTFT with the fp8 dots' fp32 promotion after every wgmma (0,
 # the default), every other (64) or never within a tile (None), and the fp8 kernel and engine tests under 64 and
 # None.
-# piecewise (one GPU): the piecewise graphs' GPU test, then step_timeline.py and cold 512-4096 / a 32K + 512 hit
-# with --piecewise-cuda-graph-max-tokens 0 and 4096.
+# piecewise (one GPU): the piecewise graphs' GPU test, then step_timeline.py, cold 512-4096 and 32K, and 32K +
+# 64 / 512 / 1024 hits (issue 19's >= 100x: 95.6x eager) with --piecewise-cuda-graph-max-tokens 0 and 4096.
 # fusions (one GPU): the prefix-as-view and fused K/V-store switches off, each against both on; fusions-a3b:
 # the A3B shape's decode with the q/k norms or the K/V store out of the rotary kernel, against both in.
 # (tests, quant, kvfp8, structured: carry the wheels of scripts/gpu/fetch_test_wheels.sh and install them first)
@@ -386,7 +386,7 @@ if [[ $MODE == piecewise ]]; then  # one GPU, ~6 min: piecewise CUDA graphs (off
       --piecewise-cuda-graph-max-tokens $pw 2>&1 | grep -vE "^\[bench|INFO|WARNING" > "$OUT/step_timeline_pw$pw.log"
     grep -A13 "^overlapped, handed" "$OUT/step_timeline_pw$pw.log"
     timeout 150 python3 -m longserve.bench.latency --config llama-3.1-8b --load-format dummy --dtype bfloat16 \
-      --warmup 1 --repeat 3 --prompt-lens 512,1024,1236,2048,2500,4096 --prefix-hit 32768:512 \
+      --warmup 1 --repeat 3 --prompt-lens 512,1024,1236,2048,2500,4096,32768 --prefix-hit 32768:64,32768:512,32768:1024 \
       --piecewise-cuda-graph-max-tokens $pw --output-json "$OUT/latency_8b_pw$pw.json" 2>&1 \
       | tee "$OUT/latency_8b_pw$pw.log" | grep -E "^(cold|prefix)"
   done
