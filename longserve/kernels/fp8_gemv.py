@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from longserve.kernels.extend_attention import interpreting
+from longserve.kernels.gemv_tables import tuned_gemv_config
 from longserve.kernels.quant_gemv import pow2_at_most, split_k_output, splitk_reduce, splits_for
 from longserve.kernels.quant_reference import FP8_MAX
 from longserve.kernels.quant_tiles import e4m3_rounded, store_gemv_out
@@ -124,18 +125,21 @@ def fp8_block_gemv_supported(m: int, block: tuple[int, int]) -> bool:
     return 1 <= m <= FP8_GEMV_MAX_BLOCK_M and bk >= 16 and bk & (bk - 1) == 0
 
 
-def fp8_gemv_config(m: int, n: int, k: int, block_k: int, device: torch.device) -> dict[str, int]:
-    """Defaults (no tuned table: scripts/gpu/bench_quant_kernels.py times them): tiles of block_k columns (one
-    activation group for block FP8); BLOCK_N so that a tile holds ~8K weights (64 bytes a thread at 4 warps:
-    four 16-byte loads), fewer from 4 rows on (the products of every row live beside the tile); SPLIT_K for
-    ~8 programs per SM."""
+def fp8_gemv_config(
+    m: int, n: int, k: int, block_k: int, device: torch.device, kernel: str
+) -> dict[str, int]:
+    """The tiles of gemv_tables' entry for (kernel, N, K, M) on this GPU where one was timed, else defaults:
+    tiles of block_k columns (one activation group for block FP8); BLOCK_N so that a tile holds ~8K weights (64
+    bytes a thread at 4 warps: four 16-byte loads), fewer from 4 rows on (the products of every row live beside
+    the tile); SPLIT_K for ~8 programs per SM."""
     block_m = triton.next_power_of_2(m)
     budget = 8192 if block_m <= 4 else 4096
     block_n = max(16, min(128, pow2_at_most(budget // block_k), triton.next_power_of_2(n)))
     num_tiles = triton.cdiv(k, block_k)
     split_k = splits_for(device, triton.cdiv(n, block_n), num_tiles)
-    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k, "num_warps": 4,
-            "num_stages": 2}  # fmt: skip
+    cfg = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k, "num_warps": 4,
+           "num_stages": 2}  # fmt: skip
+    return {**cfg, **(tuned_gemv_config(kernel, n, k, m, device) or {})}
 
 
 def _launch(
@@ -184,7 +188,8 @@ def fp8_block_gemv(
     assert w.shape[1] == k and w_scale.shape == (triton.cdiv(n, block[0]), triton.cdiv(k, block[1])), (
         f"w {tuple(w.shape)}, scales {tuple(w_scale.shape)} for K={k}, block {block}"
     )
-    cfg = dict(fp8_gemv_config(m, n, k, block[1], x.device), **(config or {}))
+    kernel = f"fp8_block_gemv_bk{block[1]}"  # gemv_tables' name: the tiles depend on the activation group
+    cfg = dict(fp8_gemv_config(m, n, k, block[1], x.device, kernel), **(config or {}))
     assert cfg["BLOCK_K"] == block[1] and cfg["BLOCK_M"] >= m, cfg
     return _launch(x, None, w, w_scale.float(), block[0], bias, x.dtype, cfg)
 
@@ -204,7 +209,7 @@ def fp8_channel_gemv(
     assert (
         1 <= m <= FP8_GEMV_MAX_BLOCK_M and w.shape[1] == k and x_scale.numel() == m and w_scale.numel() == n
     )
-    cfg = dict(fp8_gemv_config(m, n, k, 128, xq.device), **(config or {}))
+    cfg = dict(fp8_gemv_config(m, n, k, 128, xq.device, "fp8_channel_gemv"), **(config or {}))
     assert cfg["BLOCK_M"] >= m, cfg
     scales = w_scale.float().reshape(n, 1)  # one scale per row: "blocks" of one row
     return _launch(xq, x_scale.float().reshape(m), w, scales, 1, bias, out_dtype, cfg)

@@ -52,6 +52,7 @@ import triton
 import triton.language as tl
 
 from longserve.kernels.extend_attention import interpreting
+from longserve.kernels.gemv_tables import tuned_gemv_config
 from longserve.kernels.int4_gemv import int4_fast_block_n, int4_fast_supported, int4_gemv_kernel
 from longserve.kernels.quant_reference import wna16_gemm_ref
 from longserve.kernels.quant_tiles import rounded, store_gemv_out
@@ -292,7 +293,8 @@ def wna16_gemv_config(
     dtype: torch.dtype,
     device: torch.device,
 ) -> dict[str, int]:
-    """Defaults (no tuned table yet: scripts/gpu/bench_quant_kernels.py --sweep-gemv measures candidates).
+    """Defaults (scripts/gpu/bench_quant_kernels.py --sweep-gemv measures candidates), and for the one-row int4
+    kernel the tiles of gemv_tables' entry for (N, K, M) on this GPU where one was timed.
     The tile lies in one group: BLOCK_K up to 128 values for 4 bits (64 bytes of a row), 128 for 8 bits, dividing
     the group; BLOCK_N so that a tile holds ~8K values (64 per thread at 4 warps: two 16-byte loads for 4 bits),
     fewer for the FMA path at M > 4 (its registers: the tile plus BLOCK_M accumulators per row); the per-element
@@ -308,13 +310,17 @@ def wna16_gemv_config(
     else:
         budget = 8192 if use_dot or block_m <= 4 else 4096  # values of a tile
         block_n = max(16, min(128, pow2_at_most(budget // block_k)))
-    if INT4_FAST_PATH and int4_fast_supported(m, bits, k, per_col, use_dot, block_k):
+    fast = INT4_FAST_PATH and int4_fast_supported(m, bits, k, per_col, use_dot, block_k)
+    if fast:
         sms = _num_sms(device.index or 0) if device.type == "cuda" else 1
         block_n = int4_fast_block_n(n, triton.cdiv(k, block_k), 1, sms)
     block_n = min(block_n, max(16, triton.next_power_of_2(n)))
     split_k = splits_for(device, triton.cdiv(n, block_n), triton.cdiv(k, block_k))
-    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k,
-            "USE_DOT": int(use_dot), "SCALE_PER_COL": int(per_col), "num_warps": 4, "num_stages": 2}  # fmt: skip
+    cfg = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k,
+           "USE_DOT": int(use_dot), "SCALE_PER_COL": int(per_col), "num_warps": 4, "num_stages": 2}  # fmt: skip
+    # the one-row kernel's tiles as timed on this GPU (kernels/gemv_tables.py), where they were
+    tuned = tuned_gemv_config(f"int4_fast_gemv_bk{block_k}", n, k, m, device) if fast else None
+    return {**cfg, **(tuned or {})}
 
 
 def wna16_gemv(

@@ -4,7 +4,7 @@
 # $OUT; a short table last. LONGSERVE_COMMIT is the commit the JSON metadata names: compute it where the tree
 # is a git checkout (a copied tree's .git may be stale) and pass it as a literal, e.g.
 #   LONGSERVE_COMMIT=abc1234 bash scripts/gpu/gpu_check.sh latency
-#   usage: LONGSERVE_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu/gpu_check.sh [quick|tests|bench|all|long|tp|tp2|tp32|profile|latency|hit|host|launch|turns|moe|moe-tests|moe-bench|moe-long|moe-tp|quant|quant-tests|quant-bench|kvfp8|vllm|structured|switches|chunks|fusions|fusions-a3b|piecewise|moe-gemv|quant-decode|int4-fast|moe-grouped|fp8-acc]
+#   usage: LONGSERVE_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu/gpu_check.sh [quick|tests|bench|all|long|tp|tp2|tp32|profile|latency|hit|host|launch|turns|moe|moe-tests|moe-bench|moe-long|moe-tp|quant|quant-tests|quant-bench|kvfp8|vllm|structured|switches|chunks|fusions|fusions-a3b|piecewise|moe-gemv|quant-decode|int4-fast|moe-grouped|fp8-acc|gemv-tune]
 # moe (one GPU) = moe-tests (the MoE kernel and engine GPU tests, the kernel's TFLOP/s and GB/s) +
 # moe-bench (the Qwen3-30B-A3B shape's cases against HF, profiled, with their floors); moe-long: 128K cold
 # against HF and the Mixtral-8x7B shape; moe-tp (two GPUs): the TP=2 / expert-parallel tests and the A3B shape
@@ -19,6 +19,8 @@
 # against 16).
 # int4-fast (one GPU, ~4 min): the one-row int4 GEMV (kernels/int4_gemv.py, off until this runs): its GPU tests,
 # the int4 GEMV's time at M=1 with it off and on, the 8B int4 decode at batch 1 (32K) with it off and on.
+# gemv-tune (one GPU, ~6 min): the 8B FP8 and int4 decode at batch 1, python -m longserve.kernels.tune_gemv (the
+# decode GEMVs' tile tables for the 8B and A3B projections), the same decode again with the tables.
 # moe-grouped (one GPU, ~5 min): the int4 experts' paths per token count (the grouped kernel's time among them),
 # then the A3B int4 decode at batch 8 and 64 through the routed GEMV (grouped off) and through the grouped kernel.
 # fp8-acc (one GPU, ~8 min): the 8B and A3B FP8 cold TTFT with the fp8 dots' fp32 promotion after every wgmma (0,
@@ -431,6 +433,25 @@ if [[ $MODE == int4-fast ]]; then  # one GPU, ~4 min: the one-row int4 GEMV (qua
       --warmup 1 --repeat 3 --decode-batch-sizes 1@32768 --output-json "$OUT/latency_int4_fast$fast.json" 2>&1 \
       | tee "$OUT/latency_int4_fast$fast.log" | grep -E "^decode" || status=1
   done
+fi
+
+if [[ $MODE == gemv-tune ]]; then  # one GPU, ~6 min: the decode GEMVs' tile tables (kernels/gemv_tables.py)
+  # the 8B decode at batch 1 (32K) in FP8 blocks and GPTQ int4 with the default tiles, then tune_gemv writes
+  # the tables into the package (tarred into $OUT: their names hold '=' and ','), then the same runs with them
+  fp8='{"quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}}'
+  gemv_decode() {  # tag
+    for v in fp8 int4; do
+      q=(--quantization gptq); [[ $v == fp8 ]] && q=(--hf-overrides "$fp8")
+      timeout 100 python3 -m longserve.bench.latency --config llama-3.1-8b --load-format dummy --dtype bfloat16 \
+        "${q[@]}" --warmup 1 --repeat 3 --decode-batch-sizes 1@32768 --output-json "$OUT/latency_8b_${v}_$1.json" \
+        2>&1 | tee "$OUT/latency_8b_${v}_$1.log" | grep -E "^decode" | sed "s/^/$v $1: /"
+    done
+  }
+  gemv_decode default
+  timeout 300 python3 -m longserve.kernels.tune_gemv --shapes llama-3.1-8b,qwen3-30b-a3b 2>&1 \
+    | tee "$OUT/tune_gemv.log" | grep -E "^(llama|qwen)|wrote" || status=1
+  tar czf "$OUT/gemv_configs.tgz" longserve/kernels/gemv_configs 2>/dev/null
+  gemv_decode tuned
 fi
 
 if [[ $MODE == moe-grouped ]]; then  # one GPU, ~5 min: the grouped int4 MoE kernel (moe_wna16, from 16 tokens)

@@ -95,7 +95,7 @@ def test_config_fills_the_gpu_at_decode_shapes(monkeypatch: pytest.MonkeyPatch) 
     cuda = torch.device("cuda", 0)
     for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)):
         for m in (1, 4, 16):
-            cfg = fp8_gemv_config(m, n, k, 128, cuda)
+            cfg = fp8_gemv_config(m, n, k, 128, cuda, "fp8_block_gemv_bk128")
             assert -(-n // cfg["BLOCK_N"]) * cfg["SPLIT_K"] >= 4 * 132, (n, k, m, cfg)
             assert cfg["BLOCK_K"] == 128 and cfg["BLOCK_M"] >= m
 

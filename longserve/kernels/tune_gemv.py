@@ -1,0 +1,162 @@
+"""Tune the decode GEMVs' tiles on this GPU and write them into `gemv_configs/` (kernels/gemv_tables.py; CUDA only).
+
+`python -m longserve.kernels.tune_gemv --shapes llama-3.1-8b,qwen3-30b-a3b --kernels int4,fp8_block,fp8_channel`:
+for each projection of the shapes (N x K) and each kernel, at M = 1 (--tokens), the candidates (BLOCK_N x
+SPLIT_K x num_warps) are timed as CUDA graphs (median of --repeats), each one's output checked against the
+default tiles' once; the fastest is written only where it beats the default by --min-gain (a tie keeps the
+defaults: no entry). The kernels are the one-row int4 GEMV (GPTQ g128, kernels/int4_gemv.py via quant_gemv), the
+block-FP8 GEMV (128x128 blocks) and the per-channel FP8 GEMV (kernels/fp8_gemv.py). Compiling dominates:
+each (BLOCK_N, num_warps, split or not) compiles once per kernel and serves every shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+__all__ = ["PROJECTIONS", "SPACE", "candidates", "main", "tune_kernel"]
+
+# the decode GEMVs' (N, K) of each built-in shape: its fused qkv, o, gate_up and down (dense MLP only)
+PROJECTIONS = {
+    "llama-3.1-8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)},
+    "qwen3-30b-a3b": {"qkv": (5120, 2048), "o": (2048, 4096)},
+}
+SPACE = {"BLOCK_N": [32, 64, 128, 256], "SPLIT_K": [1, 2, 3, 4, 6, 8, 12, 16, 24, 32], "num_warps": [4, 8]}
+REL_TOL = 1e-2  # a candidate further than this from the default tiles' output is a kernel bug: stop
+
+
+def candidates(kernel: str, n: int, k: int, space: dict | None = None) -> list[dict[str, int]]:
+    """Tiles worth timing: splits of at least two K tiles of 128, BLOCK_N within N, the int4 kernel's 32-row
+    tiles left out (a thread's 4 words serve fewer rows than its activations cost)."""
+    space = space or SPACE
+    out = []
+    for bn, split, warps in itertools.product(space["BLOCK_N"], space["SPLIT_K"], space["num_warps"]):
+        if split > 1 and k // 128 < 2 * split or bn > max(16, n) or (kernel == "int4" and bn < 64 <= n):
+            continue
+        out.append({"BLOCK_N": bn, "SPLIT_K": split, "num_warps": warps})
+    return out
+
+
+def products(kernel: str, n: int, k: int, m: int, device: torch.device, gen: torch.Generator):
+    """(table name, run(config) -> output) for one kernel at one shape, on random weights of that format."""
+    from longserve.kernels.fp8_gemv import fp8_block_gemv, fp8_channel_gemv
+    from longserve.kernels.quant_fp8 import per_token_group_quant
+    from longserve.kernels.quant_gemv import wna16_gemv
+    from longserve.kernels.quant_reference import pack_int_k
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    x = torch.randn(m, k, device=device, generator=gen).to(dtype)
+    if kernel == "int4":
+        q = pack_int_k(torch.randint(0, 16, (n, k), device=device, generator=gen), 4)
+        scales = (torch.rand(n, k // 128, device=device, generator=gen) * 0.02 + 0.001).half()
+        return "int4_fast_gemv_bk128", lambda cfg: wna16_gemv(x, q, scales, None, None, 4, 128, config=cfg)
+    w = torch.randn(n, k, device=device, generator=gen).to(torch.float8_e4m3fn)
+    if kernel == "fp8_block":
+        scale = torch.rand(-(-n // 128), k // 128, device=device, generator=gen) * k**-0.5 + 1e-3
+        return "fp8_block_gemv_bk128", lambda cfg: fp8_block_gemv(x, w, scale, (128, 128), config=cfg)
+    assert kernel == "fp8_channel", kernel
+    xq, x_scale = per_token_group_quant(x, 0)
+    scale = torch.rand(n, device=device, generator=gen) * k**-0.5 + 1e-3
+    return "fp8_channel_gemv", lambda cfg: fp8_channel_gemv(xq, x_scale, w, scale, dtype, config=cfg)
+
+
+def tune_kernel(
+    run: Callable[[dict | None], torch.Tensor], cands: list[dict], timer: Callable, iters: int, repeats: int
+) -> tuple[float, float, dict]:
+    """(default ms, the fastest candidate's ms, its tiles) of one product; every candidate checked against the
+    default tiles' output."""
+    ref = run(None).float()
+    default_ms = timer(lambda: run(None), warmup=2, iters=iters, repeats=repeats)
+    best_ms, best = float("inf"), {}
+    for cfg in cands:
+        try:
+            got = run(cfg).float()
+        except Exception as exc:  # noqa: BLE001  (a tile this GPU's compiler refuses is not a candidate)
+            print(f"  skip {cfg}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+            continue
+        rel = ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+        if not rel < REL_TOL:
+            raise RuntimeError(f"{cfg}: relative error {rel:.2e} against the default tiles' output")
+        ms = timer(lambda cfg=cfg: run(cfg), warmup=2, iters=iters, repeats=repeats)
+        if ms < best_ms:
+            best_ms, best = ms, cfg
+    return default_ms, best_ms, best
+
+
+def tune(args: argparse.Namespace, device: str = "cuda") -> dict[str, dict[str, dict]]:
+    """table name -> {"N,K,M": tiles} for the products whose fastest candidate beats the default tiles by
+    args.min_gain."""
+    from tqdm import tqdm
+
+    from longserve.kernels.tune_moe import wall_ms
+    from longserve.platform import cuda_graph_time_ms
+
+    dev = torch.device(device)
+    timer = cuda_graph_time_ms if dev.type == "cuda" else wall_ms  # graphs: device time, not launch time
+    gen = torch.Generator(device=dev).manual_seed(args.seed)
+    tables: dict[str, dict[str, dict]] = {}
+    jobs = [(shape, proj, nk) for shape in args.shapes for proj, nk in args.projections[shape].items()]
+    for (shape, proj, (n, k)), kernel, m in tqdm(
+        list(itertools.product(jobs, args.kernels, args.tokens)), desc="gemv tiles"
+    ):
+        name, run = products(kernel, n, k, m, dev, gen)
+        cands = candidates(kernel, n, k, args.space)
+        default_ms, best_ms, best = tune_kernel(run, cands, timer, args.iters, args.repeats)
+        keep = best and best_ms < (1 - args.min_gain) * default_ms
+        tqdm.write(f"{shape} {proj} {kernel} N={n} K={k} M={m}: default {default_ms * 1e3:.1f} us, best "
+                   f"{best_ms * 1e3:.1f} us {best}{'' if keep else ' - not written'}")  # fmt: skip
+        if keep:
+            tables.setdefault(name, {})[f"{n},{k},{m}"] = best
+    return tables
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", default="llama-3.1-8b,qwen3-30b-a3b", help=f"of {sorted(PROJECTIONS)}")
+    p.add_argument("--kernels", default="int4,fp8_block,fp8_channel")
+    p.add_argument("--tokens", default="1", help="the M values (the one-row int4 kernel takes M = 1 only)")
+    p.add_argument("--min-gain", type=float, default=0.03, help="write an entry only if this much faster")
+    p.add_argument("--iters", type=int, default=20, help="calls per timed repeat")
+    p.add_argument("--repeats", type=int, default=5, help="repeats; the median is kept")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output-dir", default=None, help="default: the package's gemv_configs/")
+    args = p.parse_args(argv)
+    args.shapes = args.shapes.split(",")
+    unknown = [s for s in args.shapes if s not in PROJECTIONS]
+    if unknown:
+        p.error(f"--shapes {unknown}: known {sorted(PROJECTIONS)}")
+    args.kernels = args.kernels.split(",")
+    if not set(args.kernels) <= {"int4", "fp8_block", "fp8_channel"}:
+        p.error(f"--kernels {args.kernels}: of int4, fp8_block, fp8_channel")
+    args.tokens = [int(t) for t in args.tokens.split(",")]
+    if "int4" in args.kernels and args.tokens != [1]:
+        p.error("the one-row int4 kernel takes M = 1 only: --tokens 1")
+    args.projections, args.space = PROJECTIONS, SPACE
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("tune_gemv times the Triton kernels on a CUDA GPU, and none is visible here")
+    from longserve.kernels.gemv_tables import TABLE_DIR, gemv_table_name, load_gemv_table
+    from longserve.kernels.moe_config import current_device_name
+
+    for kernel, entries in tune(args).items():
+        path = Path(args.output_dir or TABLE_DIR) / gemv_table_name(kernel, current_device_name())
+        old = {",".join(map(str, key)): cfg for key, cfg in load_gemv_table(str(path)).items()}
+        merged = {**old, **entries}  # keep the shapes not tuned this time
+        path.parent.mkdir(parents=True, exist_ok=True)
+        rows = [f"  {json.dumps(key)}: {json.dumps(cfg)}" for key, cfg in sorted(merged.items())]
+        path.write_text("{\n" + ",\n".join(rows) + "\n}\n")
+        load_gemv_table.cache_clear()
+        print(f"wrote {path} ({len(entries)} entries tuned, {len(merged)} in the file)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""kernels/gemv_tables.py: the decode GEMVs' tuned tiles per (kernel, N, K, M) and GPU are read from JSON, a bad
+file is refused with its entry named, the config functions take an entry's tiles only for its exact product
+(and only on a CUDA device outside the interpreter); kernels/tune_gemv.py's loop, interpreted at tiny shapes,
+returns checked tiles and writes nothing that is not faster than the default."""
+
+from __future__ import annotations
+
+import json
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from longserve.kernels import fp8_gemv, gemv_tables, quant_gemv, tune_gemv  # noqa: E402
+
+CUDA = torch.device("cuda", 0)  # a device object only: nothing runs on it
+
+
+@pytest.fixture
+def table_dir(tmp_path, monkeypatch: pytest.MonkeyPatch):
+    """Tables under tmp_path for the device name this machine reports ("cpu" without CUDA), read as on a GPU."""
+    monkeypatch.setattr(gemv_tables, "TABLE_DIR", tmp_path)
+    monkeypatch.setattr(quant_gemv, "_num_sms", lambda index: 132)  # an H200's, without asking CUDA
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the tables are read outside the interpreter only
+    gemv_tables.load_gemv_table.cache_clear()
+    yield tmp_path
+    gemv_tables.load_gemv_table.cache_clear()
+
+
+def write(table_dir, kernel: str, entries: dict) -> None:
+    name = gemv_tables.gemv_table_name(kernel, gemv_tables.current_device_name(0))
+    (table_dir / name).write_text(json.dumps(entries))
+    gemv_tables.load_gemv_table.cache_clear()  # files are read once a process; this one changed
+
+
+def test_an_entry_sets_the_tiles_of_its_product_only(table_dir) -> None:
+    tiles = {"BLOCK_N": 64, "SPLIT_K": 2, "num_warps": 8}
+    default = fp8_gemv.fp8_gemv_config(1, 28672, 4096, 128, CUDA, "fp8_block_gemv_bk128")
+    assert (default["BLOCK_N"], default["SPLIT_K"], default["num_warps"]) == (64, 3, 4)
+    write(table_dir, "fp8_block_gemv_bk128", {"28672,4096,1": tiles})
+    got = fp8_gemv.fp8_gemv_config(1, 28672, 4096, 128, CUDA, "fp8_block_gemv_bk128")
+    assert got == {**default, **tiles}
+    # another M, another N, another kernel, a CPU device: the defaults
+    assert fp8_gemv.fp8_gemv_config(2, 28672, 4096, 128, CUDA, "fp8_block_gemv_bk128")["SPLIT_K"] != 2
+    assert fp8_gemv.fp8_gemv_config(1, 4096, 4096, 128, CUDA, "fp8_block_gemv_bk128")["num_warps"] == 4
+    assert fp8_gemv.fp8_gemv_config(1, 28672, 4096, 128, CUDA, "fp8_channel_gemv")["num_warps"] == 4
+    assert (
+        fp8_gemv.fp8_gemv_config(1, 28672, 4096, 128, torch.device("cpu"), "fp8_block_gemv_bk128")[
+            "num_warps"
+        ]
+        == 4
+    )
+
+
+def test_the_one_row_int4_kernel_reads_its_table(table_dir) -> None:
+    """The entry applies where the one-row kernel runs (M = 1, groups of 128), not to the general kernel."""
+    write(table_dir, "int4_fast_gemv_bk128", {"4096,14336,1": {"BLOCK_N": 128, "SPLIT_K": 6, "num_warps": 4}})
+    cfg = quant_gemv.wna16_gemv_config(1, 4096, 14336, 128, 4, False, torch.bfloat16, CUDA)
+    assert (cfg["BLOCK_N"], cfg["SPLIT_K"]) == (128, 6)
+    general = quant_gemv.wna16_gemv_config(1, 4096, 14336, 128, 4, True, torch.bfloat16, CUDA)  # act order
+    assert general["SPLIT_K"] != 6 or general["BLOCK_N"] != 128
+
+
+@pytest.mark.parametrize(
+    "entries",
+    [{"1,2": {"BLOCK_N": 64, "SPLIT_K": 1, "num_warps": 4}}, {"1,2,1": {"BLOCK_N": 64, "SPLIT_K": 1}},
+     {"1,2,1": {"BLOCK_N": 64, "SPLIT_K": 0, "num_warps": 4}}],
+)  # fmt: skip
+def test_a_bad_table_is_refused_with_its_entry(table_dir, entries) -> None:
+    write(table_dir, "fp8_channel_gemv", entries)
+    with pytest.raises(ValueError, match="bad entry"):
+        fp8_gemv.fp8_gemv_config(1, 1, 2, 128, CUDA, "fp8_channel_gemv")
+
+
+@pytest.mark.parametrize("kernel", ["int4", "fp8_block", "fp8_channel"])
+def test_the_tuner_checks_each_candidate_and_keeps_only_gains(
+    kernel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Interpreted at N=48, K=512: every candidate's output against the default's, the best returned; with a
+    gain threshold no candidate can meet, nothing is written."""
+    tiny = {"BLOCK_N": [16, 64], "SPLIT_K": [1, 2], "num_warps": [4]}
+    args = tune_gemv.parse_args(
+        ["--shapes", "llama-3.1-8b", "--kernels", kernel, "--iters", "1", "--repeats", "1"]
+    )
+    args.projections, args.space = {"llama-3.1-8b": {"small": (48, 512)}}, tiny
+    assert tune_gemv.candidates(kernel, 48, 512, tiny)
+    args.min_gain = 0.99  # a 100x gain: none
+    assert tune_gemv.tune(args, device="cpu") == {}
+    calls = []
+    real = tune_gemv.tune_kernel
+    monkeypatch.setattr(tune_gemv, "tune_kernel", lambda *a: calls.append(a[1]) or real(*a))
+    args.min_gain = -100.0  # any candidate (the interpreter times noise): the fastest one is written
+    tables = tune_gemv.tune(args, device="cpu")
+    ((name, entries),) = tables.items()
+    assert name.startswith({"int4": "int4_fast_gemv", "fp8_block": "fp8_block_gemv", "fp8_channel": "fp8_channel"}[
+        kernel
+    ])  # fmt: skip
+    assert list(entries) == ["48,512,1"] and entries["48,512,1"] in calls[0]
+
+
+def test_a_broken_candidate_stops_the_tuner() -> None:
+    """A candidate whose output leaves the default's is a kernel bug, not a slow tile."""
+    outs = {None: torch.ones(4), "bad": torch.zeros(4)}
+    with pytest.raises(RuntimeError, match="relative error"):
+        tune_gemv.tune_kernel(
+            lambda cfg: outs[cfg and "bad"], [{"BLOCK_N": 1}], lambda fn, **kw: (fn(), 1.0)[1], 1, 1
+        )
