@@ -17,8 +17,9 @@
 # (int4 GEMV, block and per-channel FP8 GEMVs against their GEMMs, as CUDA graphs), then the 8B shape's int4,
 # block-FP8 and per-channel FP8 decode with each GEMV off and on (WNA16_GEMV_MAX_TOKENS, FP8_GEMV_MAX_TOKENS 0
 # against 16).
-# int4-fast (one GPU, ~4 min): the one-row int4 GEMV (kernels/int4_gemv.py, off until this runs): its GPU tests,
-# the int4 GEMV's time at M=1 with it off and on, the 8B int4 decode at batch 1 (32K) with it off and on.
+# int4-fast (one GPU, ~5 min): the one-row int4 GEMV's prefetch (INT4_GEMV_PREFETCH, off until this runs): the
+# GPU tests with its time beside the plain loop's per 8B projection, then the 8B and A3B int4 decode at batch 1
+# (32K) with it off and on.
 # gemv-tune (one GPU, ~6 min): the 8B FP8 and int4 decode at batch 1, python -m longserve.kernels.tune_gemv (the
 # decode GEMVs' tile tables for the 8B and A3B projections), the same decode again with the tables.
 # moe-grouped (one GPU, ~5 min): the int4 experts' paths per token count (the grouped kernel's time among them),
@@ -421,17 +422,18 @@ if [[ $MODE == quant-decode ]]; then  # one GPU, ~8 min: the int4 and FP8 decode
   done
 fi
 
-if [[ $MODE == int4-fast ]]; then  # one GPU, ~4 min: the one-row int4 GEMV (quant_gemv.INT4_FAST_PATH, off)
-  python3 -m pytest -q -m gpu tests/gpu/test_quant_kernels_gpu.py -k "int4_fast or gemv_matches" -p no:cacheprovider \
-    --tb=short -rfE 2>&1 | tee "$OUT/gpu_tests.log" | tail -3 || status=1
-  for fast in False True; do  # the int4 GEMV column at M=1, then the 8B int4 decode at batch 1
-    timeout 90 python3 scripts/probes/with_constants.py longserve.kernels.quant_gemv.INT4_FAST_PATH=$fast -- \
-      scripts.gpu.bench_quant_kernels --tokens 1 --output-json "$OUT/kernels_int4_fast$fast.json" 2>&1 \
-      | tee "$OUT/kernels_int4_fast$fast.log" | grep -E "^shape=" | sed -E 's/ (bf16|int4_fused|int4_dequant|fp8|int8)[a-z_0-9]*=[^ ]*//g'
-    timeout 90 python3 scripts/probes/with_constants.py longserve.kernels.quant_gemv.INT4_FAST_PATH=$fast -- \
-      longserve.bench.latency --config llama-3.1-8b --load-format dummy --dtype bfloat16 --quantization gptq \
-      --warmup 1 --repeat 3 --decode-batch-sizes 1@32768 --output-json "$OUT/latency_int4_fast$fast.json" 2>&1 \
-      | tee "$OUT/latency_int4_fast$fast.log" | grep -E "^decode" || status=1
+if [[ $MODE == int4-fast ]]; then  # one GPU, ~4 min: the one-row int4 GEMV's prefetch (int4_gemv.INT4_GEMV_PREFETCH)
+  python3 -m pytest -q -m gpu tests/gpu/test_quant_kernels_gpu.py -k "int4_fast or gemv_matches" -s -p no:cacheprovider \
+    --tb=short -rfE 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "one-row|passed|failed" || status=1
+  python3 -m pytest -q -m gpu tests/gpu/test_quant_kernels_gpu.py -k "int4_experts" -p no:cacheprovider \
+    --tb=short -rfE 2>&1 | tail -2  # the routed GEMV (MoE decode) shares the loop
+  for pf in False True; do  # the 8B and A3B int4 decode at batch 1 (32K) with the plain loop and with the prefetch
+    for shape in llama-3.1-8b qwen3-30b-a3b; do
+      timeout 120 python3 scripts/probes/with_constants.py longserve.kernels.int4_gemv.INT4_GEMV_PREFETCH=$pf -- \
+        longserve.bench.latency --config $shape --load-format dummy --dtype bfloat16 --quantization gptq \
+        --warmup 1 --repeat 3 --decode-batch-sizes 1@32768 --output-json "$OUT/latency_${shape}_int4_prefetch$pf.json" \
+        2>&1 | tee "$OUT/latency_${shape}_int4_prefetch$pf.log" | grep -E "^decode" | sed "s/^/$shape prefetch=$pf: /"
+    done
   done
 fi
 

@@ -85,9 +85,11 @@ def test_wna16_gemv_matches_reference(shape: str, m: int) -> None:
 @pytest.mark.parametrize("zp", [False, True])
 def test_int4_fast_path_matches_reference(shape: str, zp: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """The one-row int4 GEMV (kernels/int4_gemv.py, quant_gemv.INT4_FAST_PATH) at the 8B shapes: the reference's
-    product, deterministic, equal to the general kernel's to fp32 summation, and replayed by a CUDA graph."""
-    from longserve.kernels import quant_gemv
+    product, deterministic, equal to the general kernel's to fp32 summation, and replayed by a CUDA graph; with
+    int4_gemv.INT4_GEMV_PREFETCH the same bits, its time beside the plain loop's (the evidence for the switch)."""
+    from longserve.kernels import int4_gemv, quant_gemv
     from longserve.kernels.quant_gemm import wna16_gemm, wna16_gemm_ref
+    from longserve.platform import cuda_graph_time_ms
 
     n, k = DENSE[shape]
     w = int_weight(n, k, zp=zp)
@@ -99,6 +101,12 @@ def test_int4_fast_path_matches_reference(shape: str, zp: bool, monkeypatch: pyt
     assert_close_rel(out, wna16_gemm_ref(x, *w, 4, 128))
     assert_close_rel(out, general, tol=2e-3)
     assert torch.equal(wna16_gemm(x, *w, 4, 128, path="gemv"), out)
+    times = {}
+    for prefetch in (False, True):
+        monkeypatch.setattr(int4_gemv, "INT4_GEMV_PREFETCH", prefetch)
+        assert torch.equal(wna16_gemm(x, *w, 4, 128, path="gemv"), out)
+        times[prefetch] = cuda_graph_time_ms(lambda: wna16_gemm(x, *w, 4, 128, path="gemv"), 2, 20, 5)
+    print(f"\nint4 one-row {shape} zp={zp}: {times[False] * 1e3:.1f} us, prefetch {times[True] * 1e3:.1f} us")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         replayed = wna16_gemm(x, *w, 4, 128, path="gemv")

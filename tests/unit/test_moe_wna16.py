@@ -15,7 +15,7 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 
 from longserve.kernels import fused_moe as fm  # noqa: E402
-from longserve.kernels import moe_wna16  # noqa: E402
+from longserve.kernels import int4_gemv, moe_wna16  # noqa: E402
 from longserve.kernels.moe_reference import MoEQuant, fused_moe_ref, route_topk  # noqa: E402
 from longserve.kernels.moe_sum import moe_sum  # noqa: E402
 from longserve.kernels.quant_reference import pack_int_k  # noqa: E402
@@ -97,6 +97,8 @@ def test_decode_sizes_take_the_routed_gemv(num_tokens, top_k, group, zp, dtype, 
         out = fm.fused_moe(x, w13, w2, w, ids, quant=quant)
         assert_close_as(out, ref, fused_moe_ref(x.float(), w13, w2, w.float(), ids, quant=quant))
     assert paths == ["gemv", "gemv"]
+    monkeypatch.setattr(int4_gemv, "INT4_GEMV_PREFETCH", True)  # the next tile's loads first: the same sums
+    assert torch.equal(fm.fused_moe(x, w13, w2, weights, ids, quant=quant), out)
 
 
 @pytest.mark.parametrize(("num_tokens", "top_k", "group", "zp"), [(5, 3, 128, True), (9, 2, 0, False)])
