@@ -48,7 +48,7 @@ __all__ = [
 # loading and then waiting for them: Triton does not pipeline loads that feed no tl.dot (the sm90 PTX has no
 # cp.async at any num_stages), so each program had one tile in flight only while it waited. The one-row kernel
 # read the 8B gate_up weights at 42% of 4.2 TB/s (RESULTS.md seventh session). Off until a GPU times it
-# (gpu_check.sh int4-fast).
+# (gpu_check.sh prefetch).
 INT4_GEMV_PREFETCH = False
 _BF16_128 = tl.constexpr(0x43004300)  # two bf16 128.0: OR-ed with a nibble in each half, 128 + q
 _LOW_NIBBLES = tl.constexpr(0x000F000F)

@@ -197,9 +197,10 @@ def test_fp8_block_gemv_matches_reference(shape: str, m: int, monkeypatch: pytes
     from a CUDA graph. One row may differ: Triton's fp32 division is the approximate one (2 ulp), so an
     activation at an e4m3 rounding boundary can land one step off torch's (2026-12-02, c1 of the seventh
     session: one row of the down shape at M=4, 2.7e-3 off in 2,518 of its 4,096 outputs)."""
-    from longserve.kernels import quant_fp8
+    from longserve.kernels import fp8_gemv, quant_fp8
     from longserve.kernels.fp8_gemv import fp8_block_gemv
     from longserve.kernels.quant_fp8 import fp8_block_gemm_ref
+    from longserve.platform import cuda_graph_time_ms
 
     n, k = DENSE[shape]
     w, scale = fp8_block_weight(n, k)
@@ -212,6 +213,13 @@ def test_fp8_block_gemv_matches_reference(shape: str, m: int, monkeypatch: pytes
     out = fp8_block_gemv(x, w, scale, (128, 128))
     assert_close_rel(out, fp8_block_gemm_ref(x, w, scale, (128, 128)), tol=1e-3)
     assert torch.equal(fp8_block_gemv(x, w, scale, (128, 128)), out)
+    times = {}
+    for prefetch in (False, True):  # fp8_gemv.FP8_GEMV_PREFETCH: the same bits; its time beside the plain loop's
+        monkeypatch.setattr(fp8_gemv, "FP8_GEMV_PREFETCH", prefetch)
+        assert torch.equal(fp8_block_gemv(x, w, scale, (128, 128)), out)
+        times[prefetch] = cuda_graph_time_ms(lambda: fp8_block_gemv(x, w, scale, (128, 128)), 2, 20, 5)
+    print(f"\nfp8 block gemv {shape} M={m}: {times[False] * 1e3:.1f} us, prefetch {times[True] * 1e3:.1f} us")
+    monkeypatch.setattr(fp8_gemv, "FP8_GEMV_PREFETCH", False)
     monkeypatch.setattr(quant_fp8, "FP8_GEMV_MAX_TOKENS", 16)
     no_sync(lambda: quant_fp8.fp8_block_linear(x, w, scale, (128, 128)))
     outs: dict[str, torch.Tensor] = {}
