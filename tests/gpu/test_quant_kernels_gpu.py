@@ -213,8 +213,8 @@ def test_fp8_block_gemv_matches_reference(shape: str, m: int, monkeypatch: pytes
     out = fp8_block_gemv(x, w, scale, (128, 128))
     assert_close_rel(out, fp8_block_gemm_ref(x, w, scale, (128, 128)), tol=1e-3)
     assert torch.equal(fp8_block_gemv(x, w, scale, (128, 128)), out)
-    times = {}
-    for prefetch in (False, True):  # fp8_gemv.FP8_GEMV_PREFETCH: the same bits; its time beside the plain loop's
+    times = {}  # fp8_gemv.FP8_GEMV_PREFETCH: the same bits; its time beside the plain loop's
+    for prefetch in (False, True):
         monkeypatch.setattr(fp8_gemv, "FP8_GEMV_PREFETCH", prefetch)
         assert torch.equal(fp8_block_gemv(x, w, scale, (128, 128)), out)
         times[prefetch] = cuda_graph_time_ms(lambda: fp8_block_gemv(x, w, scale, (128, 128)), 2, 20, 5)
