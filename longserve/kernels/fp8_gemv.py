@@ -52,9 +52,9 @@ __all__ = [
 
 FP8_GEMV_MAX_BLOCK_M = 16  # the most activation rows: each one is a pass over the weight tile in registers
 # Each K iteration loads the next tile's bytes and scales before the current tile's math, as
-# int4_gemv.INT4_GEMV_PREFETCH (Triton pipelines no load that feeds no tl.dot). Off until a GPU times it
-# (gpu_check.sh prefetch): at M=1 the block GEMV read the 8B down weights at 60% of 4.2 TB/s (RESULTS.md
-# seventh session).
+# int4_gemv.INT4_GEMV_PREFETCH (Triton pipelines no load that feeds no tl.dot): the configs' PREFETCH where no
+# gemv_tables entry sets it. Off until a GPU times it (gpu_check.sh prefetch): at M=1 the block GEMV read the 8B
+# down weights at 60% of 4.2 TB/s (RESULTS.md seventh session).
 FP8_GEMV_PREFETCH = False
 _E4M3_MAX = tl.constexpr(FP8_MAX)  # 448.0, as a constant the compiler may read
 
@@ -88,7 +88,7 @@ def _fp8_gemv_kernel(
     stride_xm, stride_xsm, stride_wn, stride_sn, stride_om, stride_os,
     PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr,
-    INTERPRET: tl.constexpr, INTERPRET_BF16: tl.constexpr, PREFETCH: tl.constexpr,  # FP8_GEMV_PREFETCH
+    INTERPRET: tl.constexpr, INTERPRET_BF16: tl.constexpr, PREFETCH: tl.constexpr,  # the config's
 ):  # fmt: skip
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -167,7 +167,7 @@ def fp8_gemv_config(
     num_tiles = triton.cdiv(k, block_k)
     split_k = splits_for(device, triton.cdiv(n, block_n), num_tiles)
     cfg = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k, "num_warps": 4,
-           "num_stages": 2}  # fmt: skip
+           "num_stages": 2, "PREFETCH": int(FP8_GEMV_PREFETCH)}  # fmt: skip
     return {**cfg, **(tuned_gemv_config(kernel, n, k, m, device) or {})}
 
 
@@ -197,7 +197,7 @@ def _launch(
         x.stride(0), xs.stride(0), w.stride(0), w_scale.stride(0), out.stride(-2), out.stride(0) if split > 1 else 0,
         PER_CHANNEL=per_channel, HAS_BIAS=bias is not None and split == 1, EVEN_K=k % cfg["BLOCK_K"] == 0,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], PARTIAL=split > 1,
-        INTERPRET=interp, INTERPRET_BF16=interpret_bf16, PREFETCH=FP8_GEMV_PREFETCH, num_warps=cfg["num_warps"],
+        INTERPRET=interp, INTERPRET_BF16=interpret_bf16, PREFETCH=bool(cfg["PREFETCH"]), num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )  # fmt: skip
     return out if split == 1 else splitk_reduce(out, bias, out_dtype)
