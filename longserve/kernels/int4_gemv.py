@@ -36,10 +36,12 @@ import triton.language as tl
 from longserve.kernels.quant_tiles import store_gemv_out
 
 __all__ = [
+    "INT4_GEMV_PREFETCH",
     "int4_dot_tile",
     "int4_fast_block_n",
     "int4_fast_supported",
     "int4_gemv_kernel",
+    "int4_tile_load",
     "int4_tile_scales",
 ]
 
@@ -86,7 +88,7 @@ def int4_tile_scales(s_ptr, z_ptr, offs_n, n_mask, stride_sn, stride_zn, grp, HA
 
 
 @triton.jit
-def _int4_tile_load(w_rows, s_ptr, z_ptr, offs_n, offs_w, valid, stride_sn, stride_zn, group_size, t,
+def int4_tile_load(w_rows, s_ptr, z_ptr, offs_n, offs_w, valid, stride_sn, stride_zn, group_size, t,
                     BLOCK_K: tl.constexpr, HAS_ZP: tl.constexpr):  # fmt: skip
     """Tile t's packed words [BLOCK_N, BLOCK_K / 8] and its scales and 128 + zero points [BLOCK_N], rows where
     `valid` (a prefetch past the last tile loads nothing)."""
@@ -132,14 +134,14 @@ def int4_gemv_kernel(
         PREFETCH
     ):  # the first tile's words and scales; each iteration then loads the next tile's before its math
         t_n = tl.zeros([BLOCK_N], dtype=tl.int32)  # tile numbers as [BLOCK_N] (the interpreter's int1 & int1)
-        words, s_row, z = _int4_tile_load(w_rows, s_ptr, z_ptr, offs_n, offs_w, n_mask & (t_n + t_begin < t_end),
+        words, s_row, z = int4_tile_load(w_rows, s_ptr, z_ptr, offs_n, offs_w, n_mask & (t_n + t_begin < t_end),
                                           stride_sn, stride_zn, group_size, t_begin, BLOCK_K, HAS_ZP)  # fmt: skip
     for t in range(t_begin, t_end):
         if PREFETCH:
-            nxt = _int4_tile_load(w_rows, s_ptr, z_ptr, offs_n, offs_w, n_mask & (t_n + t + 1 < t_end), stride_sn,
+            nxt = int4_tile_load(w_rows, s_ptr, z_ptr, offs_n, offs_w, n_mask & (t_n + t + 1 < t_end), stride_sn,
                                   stride_zn, group_size, t + 1, BLOCK_K, HAS_ZP)  # fmt: skip
         else:
-            words, s_row, z = _int4_tile_load(w_rows, s_ptr, z_ptr, offs_n, offs_w, n_mask, stride_sn, stride_zn,
+            words, s_row, z = int4_tile_load(w_rows, s_ptr, z_ptr, offs_n, offs_w, n_mask, stride_sn, stride_zn,
                                               group_size, t, BLOCK_K, HAS_ZP)  # fmt: skip
         x_cols = x_ptr + t * BLOCK_K + offs_w * 8  # [BLOCK_W]: column 8j of the tile
         prod = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)

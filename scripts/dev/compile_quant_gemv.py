@@ -43,6 +43,11 @@ VARIANTS = [
     {"int4": True, "routed": True, "zp": True, "prefetch": True},
     {"moe_grouped": True},  # the grouped int4 MoE kernel, gate+up over the pairs' token rows
     {"moe_grouped": True, "zp": True, "x_row_div": 1},  # its down projection
+    {
+        "moe_grouped": True,
+        "zp": True,
+        "prefetch": True,
+    },  # the next tile's loads before the current tile's math
 ]
 
 
@@ -108,8 +113,8 @@ def compile_int4_gemv(int4=True, x="bf16", zp=False, bias=False, bn=64, bk=128, 
     return compile_sm90(fn, sig, consts, attrs, num_warps=num_warps, num_stages=num_stages)
 
 
-def compile_moe_grouped(moe_grouped=True, x="bf16", zp=False, bm=16, bn=64, x_row_div=8, num_warps=4,
-                        num_stages=2):  # fmt: skip
+def compile_moe_grouped(moe_grouped=True, x="bf16", zp=False, bm=16, bn=64, x_row_div=8, prefetch=False,
+                        num_warps=4, num_stages=2):  # fmt: skip
     """kernels/moe_wna16.py's grouped int4 MoE kernel for sm90, with 16-bit dots as on the GPU."""
     from longserve.kernels.moe_wna16 import _grouped_int4_kernel
 
@@ -118,7 +123,7 @@ def compile_moe_grouped(moe_grouped=True, x="bf16", zp=False, bm=16, bn=64, x_ro
     ptrs = {"x_ptr": f"*{x}", "w_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8" if zp else "*fp16",
             "sorted_ptr": "*i32", "expert_ids_ptr": "*i32", "num_post_ptr": "*i32", "out_ptr": f"*{x}"}  # fmt: skip
     consts = dict(X_ROW_DIV=x_row_div, HAS_ZP=zp, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, DOT_FP32=False,
-                  INTERPRET_BF16=False)  # fmt: skip
+                  INTERPRET_BF16=False, PREFETCH=prefetch)  # fmt: skip
     sig = {a: ptrs.get(a, "constexpr" if a in consts else "i32") for a in fn.arg_names}
     div16 = [*ptrs, "N", "stride_xm", "stride_wn", "stride_om", "stride_we"]
     attrs = {a: [["tt.divisibility", 16]] for a in div16}

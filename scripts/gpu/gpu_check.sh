@@ -17,9 +17,10 @@
 # (int4 GEMV, block and per-channel FP8 GEMVs against their GEMMs, as CUDA graphs), then the 8B shape's int4,
 # block-FP8 and per-channel FP8 decode with each GEMV off and on (WNA16_GEMV_MAX_TOKENS, FP8_GEMV_MAX_TOKENS 0
 # against 16).
-# prefetch (one GPU, ~6 min): the int4 and FP8 GEMVs' next-tile prefetch (INT4_GEMV_PREFETCH, FP8_GEMV_PREFETCH,
-# off until this runs): the GPU tests with their times beside the plain loops' per 8B projection, then the 8B
-# and A3B int4 and the 8B FP8 decode at batch 1 (32K) with both off and both on.
+# prefetch (one GPU, ~7 min): the int4 and FP8 kernels' next-tile prefetch (INT4_GEMV_PREFETCH: the one-row GEMV,
+# the routed and grouped MoE kernels; FP8_GEMV_PREFETCH; off until this runs): the GPU tests with their times
+# beside the plain loops' per 8B projection, then per setting the int4 experts' paths per token count and the
+# 8B and A3B int4 and 8B FP8 decode at batch 1 (32K; A3B also batch 64).
 # gemv-tune (one GPU, ~6 min): the 8B FP8 and int4 decode at batch 1, python -m longserve.kernels.tune_gemv (the
 # decode GEMVs' tile tables for the 8B and A3B projections), the same decode again with the tables.
 # moe-grouped (one GPU, ~5 min): the int4 experts' paths per token count (the grouped kernel's time among them),
@@ -422,20 +423,21 @@ if [[ $MODE == quant-decode ]]; then  # one GPU, ~8 min: the int4 and FP8 decode
   done
 fi
 
-if [[ $MODE == prefetch ]]; then  # one GPU, ~6 min: the GEMVs' next-tile prefetch (INT4_GEMV_PREFETCH, FP8_GEMV_PREFETCH)
+if [[ $MODE == prefetch ]]; then  # one GPU, ~7 min: the int4 and FP8 kernels' next-tile prefetch (INT4_GEMV_PREFETCH, FP8_GEMV_PREFETCH)
   python3 -m pytest -q -m gpu tests/gpu/test_quant_kernels_gpu.py -k "int4_fast or fp8_block_gemv" -s \
     -p no:cacheprovider --tb=short -rfE 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "one-row|fp8 block gemv|passed|failed" \
     || status=1
-  python3 -m pytest -q -m gpu tests/gpu/test_quant_kernels_gpu.py -k "int4_experts" -p no:cacheprovider \
-    --tb=short -rfE 2>&1 | tail -2  # the routed GEMV (MoE decode) shares the int4 loop
   fp8='{"quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}}'
-  for pf in False True; do  # decode at batch 1 (32K) with the plain loops and with the prefetch
-    for run in "llama-3.1-8b int4" "qwen3-30b-a3b int4" "llama-3.1-8b fp8"; do
-      read -r shape v <<< "$run"
+  for pf in False True; do  # the int4 experts' paths (routed GEMV, grouped kernel), then decode, plain and prefetched
+    timeout 120 python3 scripts/probes/with_constants.py longserve.kernels.int4_gemv.INT4_GEMV_PREFETCH=$pf -- \
+      pytest -q -m gpu tests/gpu/test_quant_kernels_gpu.py -k "int4_experts" -s -p no:cacheprovider --tb=short 2>&1 \
+      | grep -E "int4 experts|passed|failed" | sed "s/^/prefetch=$pf: /"
+    for run in "llama-3.1-8b int4 1@32768" "qwen3-30b-a3b int4 1@32768,64@4096" "llama-3.1-8b fp8 1@32768"; do
+      read -r shape v sizes <<< "$run"
       q=(--quantization gptq); [[ $v == fp8 ]] && q=(--hf-overrides "$fp8")
       timeout 120 python3 scripts/probes/with_constants.py longserve.kernels.int4_gemv.INT4_GEMV_PREFETCH=$pf \
         longserve.kernels.fp8_gemv.FP8_GEMV_PREFETCH=$pf -- longserve.bench.latency --config $shape \
-        --load-format dummy --dtype bfloat16 "${q[@]}" --warmup 1 --repeat 3 --decode-batch-sizes 1@32768 \
+        --load-format dummy --dtype bfloat16 "${q[@]}" --warmup 1 --repeat 3 --decode-batch-sizes $sizes \
         --output-json "$OUT/latency_${shape}_${v}_prefetch$pf.json" 2>&1 | tee "$OUT/latency_${shape}_${v}_prefetch$pf.log" \
         | grep -E "^decode" | sed "s/^/$shape $v prefetch=$pf: /"
     done

@@ -117,6 +117,8 @@ def test_the_grouped_kernel_with_its_switch_on(num_tokens, top_k, group, zp, mon
         out = fm.fused_moe(x, w13, w2, w, ids, quant=quant)
         assert_close_as(out, ref, fused_moe_ref(x.float(), w13, w2, w.float(), ids, quant=quant))
     assert paths == ["grouped", "grouped"]
+    monkeypatch.setattr(int4_gemv, "INT4_GEMV_PREFETCH", True)  # the next tile's loads first: the same sums
+    assert torch.equal(fm.fused_moe(x, w13, w2, weights, ids, quant=quant), out)
     assert moe_wna16.moe_wna16_path(quant, num_tokens, hidden, inter, False, torch.float32) == "gemv"
     _, _, q64 = int4_experts(64, zp, seed=16, hidden=hidden, inter=inter)
     assert moe_wna16.moe_wna16_path(q64, num_tokens, hidden, inter, False, torch.bfloat16) == "gemv"
