@@ -41,6 +41,14 @@ MIN_COLD_QUERY = 512  # a cold prompt shorter than this runs in Triton (its atte
 # cuDNN on the padded rows (~530 TFLOP/s) beats Triton on the real ones (~315) down to 315 / 530 = 0.59 full.
 # Not yet measured as such: a prompt of 8K x n + 4K..8K tokens ran its last chunk in Triton before.
 PAD_QUERY_MIN_FILL = 0.6
+# Row counts below a full chunk whose plans over every multiple of PREFIX_GRANULE are built too: a prefix hit
+# with 1-4K new tokens (a conversation's next turn, an agent's tool output over its history) runs in cuDNN
+# instead of Triton (a chunk over a prefix pads to the next of these it fills PAD_QUERY_MIN_FILL of). Measured
+# on an H200 (Llama-3.1-8B shape, RESULTS.md eighth session): 32K cached + 1024 new took 57.2 ms at `3672e1d`,
+# when cuDNN built any shape at its first call (the serving stalls), and 70.5 ms at `c2dd2fd` in Triton. Each
+# row count costs a plan per 2K of the longest prefix (~50 ms each: 64 plans, ~3 s of start-up for 128K
+# contexts). Empty (off) until a GPU times the hits and the start-up with them (gpu_check.sh short-plans).
+SHORT_QUERY_ROWS: tuple[int, ...] = ()
 
 
 def pad_rows(n: int) -> int:
@@ -128,13 +136,16 @@ PLANS = PlanRegistry()
 
 
 def warm_up_shapes(chunk_size: int, max_seq_len: int) -> list[tuple[int, int, bool]]:
-    """(query rows, key rows, causal) to build: causal up to a chunk plus a tail, and a full chunk over every
+    """(query rows, key rows, causal) to build: causal up to a chunk plus a tail, a full chunk over every
     multiple of PREFIX_GRANULE of prefix that leaves room for it (the 8B shape at 131072 tokens, chunks of 8192:
-    10 + 60 shapes, ~50 ms each on an H200)."""
+    10 + 60 shapes, ~50 ms each on an H200), and each of SHORT_QUERY_ROWS over every multiple below the
+    context."""
     shapes = [
         (n, n, True) for n in range(Q_GRANULE, pad_rows(chunk_size + PREFIX_GRANULE - 1) + 1, Q_GRANULE)
     ]
     rows = pad_rows(chunk_size)
     last = max_seq_len - (chunk_size - Q_GRANULE + 1)  # the longest prefix a full chunk can follow
     shapes += [(rows, keys, False) for keys in range(PREFIX_GRANULE, last + 1, PREFIX_GRANULE)]
+    for short in (r for r in SHORT_QUERY_ROWS if r < rows):  # hits with short suffixes, over any prefix
+        shapes += [(short, keys, False) for keys in range(PREFIX_GRANULE, max_seq_len, PREFIX_GRANULE)]
     return list(dict.fromkeys(shapes))

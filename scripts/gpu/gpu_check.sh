@@ -4,7 +4,7 @@
 # $OUT; a short table last. LONGSERVE_COMMIT is the commit the JSON metadata names: compute it where the tree
 # is a git checkout (a copied tree's .git may be stale) and pass it as a literal, e.g.
 #   LONGSERVE_COMMIT=abc1234 bash scripts/gpu/gpu_check.sh latency
-#   usage: LONGSERVE_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu/gpu_check.sh [quick|tests|bench|all|long|tp|tp2|tp32|profile|latency|hit|host|launch|turns|moe|moe-tests|moe-bench|moe-long|moe-tp|quant|quant-tests|quant-bench|kvfp8|vllm|structured|switches|chunks|fusions|fusions-a3b|piecewise|moe-gemv|quant-decode|prefetch|moe-grouped|fp8-acc|gemv-tune]
+#   usage: LONGSERVE_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu/gpu_check.sh [quick|tests|bench|all|long|tp|tp2|tp32|profile|latency|hit|host|launch|turns|moe|moe-tests|moe-bench|moe-long|moe-tp|quant|quant-tests|quant-bench|kvfp8|vllm|structured|switches|chunks|fusions|fusions-a3b|piecewise|moe-gemv|quant-decode|prefetch|moe-grouped|fp8-acc|gemv-tune|short-plans]
 # moe (one GPU) = moe-tests (the MoE kernel and engine GPU tests, the kernel's TFLOP/s and GB/s) +
 # moe-bench (the Qwen3-30B-A3B shape's cases against HF, profiled, with their floors); moe-long: 128K cold
 # against HF and the Mixtral-8x7B shape; moe-tp (two GPUs): the TP=2 / expert-parallel tests and the A3B shape
@@ -21,6 +21,8 @@
 # the routed and grouped MoE kernels; FP8_GEMV_PREFETCH; off until this runs): the GPU tests with their times
 # beside the plain loops' per 8B projection, then per setting the int4 experts' paths per token count and the
 # 8B and A3B int4 and 8B FP8 decode at batch 1 (32K; A3B also batch 64).
+# short-plans (one GPU, ~4 min): prefix hits of 64 / 1K / 2K / 4K new tokens over 32K (and 1K over 64K), and the
+# start-up's cuDNN plan builds, without and with plans for 1-4K new tokens over any prefix (SHORT_QUERY_ROWS).
 # gemv-tune (one GPU, ~6 min): the 8B FP8 and int4 decode at batch 1, python -m longserve.kernels.tune_gemv (the
 # decode GEMVs' tile tables for the 8B and A3B projections), the same decode again with the tables.
 # moe-grouped (one GPU, ~5 min): the int4 experts' paths per token count (the grouped kernel's time among them),
@@ -461,6 +463,19 @@ if [[ $MODE == gemv-tune ]]; then  # one GPU, ~6 min: the decode GEMVs' tile tab
     | tee "$OUT/tune_gemv.log" | grep -E "^(llama|qwen)|wrote" || status=1
   tar czf "$OUT/gemv_configs.tgz" longserve/kernels/gemv_configs 2>/dev/null
   gemv_decode tuned
+fi
+
+if [[ $MODE == short-plans ]]; then  # one GPU, ~4 min: cuDNN plans for 1-4K new tokens over any prefix
+  # (sdpa_shapes.SHORT_QUERY_ROWS, off): prefix hits with 64 / 1K / 2K / 4K new tokens and the start-up's plan
+  # builds, without and with them (the 8B shape; hits over 32K and 64K)
+  for rows in "()" "(1024, 2048, 4096)"; do
+    tag=$([[ $rows == "()" ]] && echo off || echo on)
+    timeout 240 python3 scripts/probes/with_constants.py "longserve.attention.sdpa_shapes.SHORT_QUERY_ROWS=$rows" -- \
+      longserve.bench.latency --config llama-3.1-8b --load-format dummy --dtype bfloat16 --warmup 1 --repeat 3 \
+      --prompt-lens 32768 --prefix-hit 32768:64,32768:1024,32768:2048,32768:4096,65536:1024 \
+      --output-json "$OUT/latency_8b_short_plans_$tag.json" 2>&1 | tee "$OUT/latency_8b_short_plans_$tag.log" \
+      | grep -E "^(cold|prefix)|built [0-9]+ cuDNN" | sed "s/^/$tag: /"
+  done
 fi
 
 if [[ $MODE == moe-grouped ]]; then  # one GPU, ~5 min: the grouped int4 MoE kernel (moe_wna16, from 16 tokens)

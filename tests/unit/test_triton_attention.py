@@ -410,6 +410,7 @@ def test_plan_registry_is_per_thread_and_covers_a_long_prompts_chunks() -> None:
     )  # 6144 and 7168 not built; 6000 >= 0.6 x 8192
     assert registry.split_rows(model, 20000, 4000, cuda) is None  # 4000 < 0.6 x 8192: Triton
     assert registry.split_rows(model, 1000, 6000, cuda) == 6144  # a prefix under a granule: causal part only
+    assert registry.split_rows(model, 32768, 1024, cuda) is None  # a hit with 1K new tokens: no plan, Triton
     chunk, longest = 8192, 131072
     built = set(shapes.warm_up_shapes(chunk, longest))
     assert len(built) == 10 + 60  # causal 1K..10K, and 8K new tokens over 2K..120K of prefix, every 2K
@@ -424,6 +425,28 @@ def test_plan_registry_is_per_thread_and_covers_a_long_prompts_chunks() -> None:
                 assert ((s.causal_rows, s.causal_rows, True) in built) or not full_chunk
                 if s.prefix_keys and full_chunk:
                     assert (s.query_rows, s.prefix_keys, False) in built, (prompt, done, decodes)
+
+
+def test_short_query_plans_serve_hits_with_short_suffixes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SHORT_QUERY_ROWS: each row count's plans over every 2K of prefix below the context; a hit's new tokens pad
+    to the next built row count they fill 0.6 of, else (and below SPLIT_SDPA's minimum) Triton."""
+    from longserve.attention import sdpa_shapes as shapes
+    from longserve.attention.triton_backend import use_split_sdpa
+
+    monkeypatch.setattr(shapes, "SHORT_QUERY_ROWS", (1024, 2048, 4096, 8192))
+    built = shapes.warm_up_shapes(8192, 65536)
+    assert len(built) == len(set(built)) == 10 + 28 + 3 * 31  # 8192 rows are the full chunk's already
+    assert (1024, 63488, False) in built and (4096, 65536, False) not in built  # prefixes below the context
+    cuda = torch.device("cuda")
+    model = shapes.ModelShape(32, 8, 128, torch.bfloat16)
+    registry = shapes.PlanRegistry()
+    for shape in built:
+        registry.mark(model, *shape)
+    assert registry.split_rows(model, 32768, 1024, cuda) == 1024
+    assert registry.split_rows(model, 32768, 1500, cuda) == 2048
+    assert registry.split_rows(model, 40000, 3000, cuda) == 4096  # 3072 not built; 3000 >= 0.6 x 4096
+    assert registry.split_rows(model, 32768, 2100, cuda) is None  # 3072 not built, 2100 < 0.6 x 4096: Triton
+    assert not use_split_sdpa(64, 32768)  # a short suffix stays in Triton whatever is built
 
 
 def test_warm_up_writes_only_the_reserved_page() -> None:
