@@ -102,9 +102,8 @@ def _fp8_gemv_kernel(
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # rows along dim 0, as the K reduction leaves them
     t_begin = pid_k * tiles_per_split
     t_end = tl.minimum(t_begin + tiles_per_split, num_tiles)
-    if (
-        PREFETCH
-    ):  # the first tile's bytes and scales; each iteration then loads the next tile's before its math
+    # PREFETCH: the first tile's bytes and scales here; each iteration then loads the next tile's before its math
+    if PREFETCH:
         t_n = tl.zeros([BLOCK_N], dtype=tl.int32)  # tile numbers as [BLOCK_N] (the interpreter's int1 & int1)
         wb, w_scale = _fp8_tile_load(w_rows, s_rows, offs_k, n_mask & (t_n + t_begin < t_end), t_begin, K,
                                      BLOCK_K, EVEN_K, PER_CHANNEL)  # fmt: skip

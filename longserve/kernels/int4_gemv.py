@@ -130,9 +130,8 @@ def int4_gemv_kernel(
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     t_begin = pid_k * tiles_per_split
     t_end = tl.minimum(t_begin + tiles_per_split, num_tiles)
-    if (
-        PREFETCH
-    ):  # the first tile's words and scales; each iteration then loads the next tile's before its math
+    # PREFETCH: the first tile's words and scales here; each iteration then loads the next tile's before its math
+    if PREFETCH:
         t_n = tl.zeros([BLOCK_N], dtype=tl.int32)  # tile numbers as [BLOCK_N] (the interpreter's int1 & int1)
         words, s_row, z = int4_tile_load(w_rows, s_ptr, z_ptr, offs_n, offs_w, n_mask & (t_n + t_begin < t_end),
                                           stride_sn, stride_zn, group_size, t_begin, BLOCK_K, HAS_ZP)  # fmt: skip
