@@ -29,6 +29,16 @@ WRITERS = {
     "gptq-moe": lambda p: qc.write_gptq(p, "qwen3_moe", bits=4, group_size=32, seed=8),
     "fp8-moe": lambda p: qc.write_fp8_block(p, "qwen3_moe", block=(32, 32), seed=9),
 }
+
+
+def write_gptq_moe_g128(path):
+    """GPTQ int4 experts in groups of 128 (experts 128 wide): what kernels/moe_wna16.py's grouped kernel takes."""
+    from unittest import mock
+
+    with mock.patch.dict(qc.MOE_DIMS, {"moe_intermediate_size": 128}):
+        return qc.write_gptq(path, "qwen3_moe", bits=4, group_size=128, seed=10)
+
+
 # activations quantized at run time: a last-bit difference between the kernel's and the reference's GEMM (fp32
 # summation order) flips the rounding of a later layer's activation to its next fp8/int8 value, and the tiny
 # random models' near-uniform logits turn that into a different token within a few steps (seen on an H200:
@@ -95,10 +105,21 @@ def test_kernels_give_the_reference_tokens(tmp_path, monkeypatch, case):
         assert tokens == expected
 
 
-@pytest.mark.parametrize("case", ["gptq-actorder", "fp8-block", "gptq-moe"])
+@pytest.mark.parametrize("case", ["gptq-actorder", "fp8-block", "gptq-moe", "gptq-moe-g128"])
 def test_bf16_first_token_logprobs_close_to_the_reference(tmp_path, monkeypatch, case):
-    path = WRITERS[case](tmp_path / case)
+    """gptq-moe-g128: the four prompts' prefill (274 tokens in one step; MOE_WNA16_DEQUANT_MIN_TOKENS raised so
+    that it is not dequantized) through the grouped int4 MoE kernel, the decode steps (4 tokens) through the
+    routed GEMV."""
+    from longserve.kernels import fused_moe, moe_wna16
+
+    path = (write_gptq_moe_g128 if case == "gptq-moe-g128" else WRITERS[case])(tmp_path / case)
+    monkeypatch.setattr(moe_wna16, "MOE_WNA16_DEQUANT_MIN_TOKENS", 1 << 20)
+    paths: list[str] = []
+    real = fused_moe.moe_wna16_path
+    monkeypatch.setattr(fused_moe, "moe_wna16_path", lambda *a: paths.append(real(*a)) or paths[-1])
     tokens, logprobs, _ = run(path, dtype="bfloat16")
+    if case == "gptq-moe-g128":
+        assert {"grouped", "gemv"} <= set(paths), sorted(set(paths))
     reference_path(monkeypatch)
     expected, expected_logprobs, _ = run(path, dtype="bfloat16", enforce_eager=True)
     for t, lp, te, lpe in zip(tokens, logprobs, expected, expected_logprobs):
