@@ -1,7 +1,6 @@
 """Tuned tiles of the decode GEMVs per GPU: JSON tables in `gemv_configs/`, one per (kernel, device), that
-`scripts/gpu/bench_quant_kernels.py --write-tables` writes from timings on that GPU, read by the GEMVs' config
-functions (fp8_gemv.fp8_gemv_config; quant_gemv.wna16_gemv_config for the one-row int4 kernel). Where no table
-or entry fits, those functions keep their untuned defaults.
+`python -m longserve.kernels.tune_gemv` writes from timings on that GPU, read by the GEMVs' config (fp8_gemv.fp8_gemv_config; quant_gemv.wna16_gemv_config for the one-row int4 kernel). Where no table or entry
+fits, those functions keep their untuned defaults.
 
 Why: the defaults size SPLIT_K for ~8 programs an SM, and what is best differs by kernel and shape. Measured on
 an H200 (2026-12-02, 35fd681, `bench_quant_kernels.py --sweep-gemv --sweep-tokens 1`, RESULTS.md seventh
@@ -36,9 +35,8 @@ __all__ = [
 
 TABLE_DIR = Path(__file__).parent / "gemv_configs"
 TABLE_KEYS = ("BLOCK_N", "SPLIT_K", "num_warps")
-OPTIONAL_KEYS = (
-    "PREFETCH",
-)  # 0 / 1: the next tile's loads before the current tile's math (absent: the switch)
+# PREFETCH 0 / 1: the next tile's loads before the current tile's math (absent: the kernel's switch)
+OPTIONAL_KEYS = ("PREFETCH",)
 
 
 def gemv_table_name(kernel: str, device_name: str) -> str:

@@ -112,7 +112,7 @@ def int4_gemv_kernel(
     stride_xm, stride_om, stride_we, stride_se, stride_ze,
     HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PARTIAL: tl.constexpr, INTERPRET_BF16: tl.constexpr, ROUTED: tl.constexpr, X_ROW_DIV: tl.constexpr,
-    PREFETCH: tl.constexpr,  # INT4_GEMV_PREFETCH
+    PREFETCH: tl.constexpr,  # the config's (INT4_GEMV_PREFETCH unless a gemv_tables entry sets it)
 ):  # fmt: skip
     BLOCK_W: tl.constexpr = BLOCK_K // 8  # words of a tile row
     pid_n, pid_k, row = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
@@ -166,12 +166,11 @@ def int4_gemv_kernel(
 def int4_dot_tile(words, x_cols, m_mask, DOT_FP32: tl.constexpr):
     """One K tile of the word-wise unpacking on the tensor cores (kernels/moe_wna16.py's grouped kernel, where a
     block of pairs shares its expert's tile; as a dense GEMV at 2-64 rows it lost to the general kernel at every
-    M, RESULTS.md eighth session): words [BLOCK_N, BLOCK_K / 8] int32 of the
-    weights' rows, x_cols [BLOCK_M, BLOCK_K / 8] pointers to column 8j of the tile in each activation row ->
-    (sum_k (128 + q) x [BLOCK_M, BLOCK_N], sum_k x [BLOCK_M]) in fp32. Value position i of every word
-    (columns 8j + i) is one operand of 128 + q in the activations' dtype (exact: 128..143) against the
-    activations' columns 8j + i: 8 dots of K = BLOCK_K / 8. DOT_FP32: both operands in fp32 (the interpreter's
-    16-bit dot is not exact)."""
+    M, RESULTS.md eighth session): words [BLOCK_N, BLOCK_K / 8] int32 of the weights' rows, x_cols [BLOCK_M,
+    BLOCK_K / 8] pointers to column 8j of the tile in each activation row -> (sum_k (128 + q) x [BLOCK_M,
+    BLOCK_N], sum_k x [BLOCK_M]) in fp32. Value position i of every word (columns 8j + i) is one operand of
+    128 + q in the activations' dtype (exact: 128..143) against the activations' columns 8j + i: 8 dots of K =
+    BLOCK_K / 8. DOT_FP32: both operands in fp32 (the interpreter's 16-bit dot is not exact)."""
     ty = x_cols.dtype.element_ty
     prod = tl.zeros([x_cols.shape[0], words.shape[0]], dtype=tl.float32)
     x_sum = tl.zeros([x_cols.shape[0]], dtype=tl.float32)
