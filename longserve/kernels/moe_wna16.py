@@ -4,24 +4,28 @@ dequantize them in fp32 once per BLOCK_M block of (token, expert) pairs: measure
 35fd681, RESULTS.md seventh session) the Qwen3-30B-A3B shape with GPTQ int4 g128 experts took 33.2 ms a decode
 step at batch 1 (32K context; bf16 4.66) and 4.94 s for a cold 32K prompt (bf16 1.10).
 
-- Decode (below MOE_WNA16_GROUPED_MIN_TOKENS tokens, 4-bit groups of whole tiles): kernels/int4_gemv.py's
+- Decode (4-bit groups of whole tiles; below MOE_WNA16_GROUPED_MIN_TOKENS tokens, or up to
+  MOE_WNA16_GEMV_MAX_TOKENS where the grouped kernel does not apply): kernels/int4_gemv.py's
   one-row GEMV routed over the (token, k) pairs, grid axis 2: gate+up [T*k, 2I] (each pair's token row times its
   expert's w13), silu(gate) * up, down [T*k, H] (each pair's row times its expert's w2), then moe_sum adds the
   k rows times their routing weights. Four launches: the split-K partials of each GEMV are added by the launch
   after it (silu * up; moe_sum), not by reductions of their own (six launches at `c9a2ca1`, where one token
   took 19.5 us a layer, the 8 experts' 18.9 MB at ~1 TB/s: launch-bound). Each pair reads its expert's packed
   weights once: at batch 1 the bytes of the 8 experts touched, a quarter of bf16's.
-- Prefill (at least MOE_WNA16_DEQUANT_MIN_TOKENS tokens): every expert dequantized to the activations' dtype
+- Prefill (at least MOE_WNA16_DEQUANT_MIN_TOKENS tokens; past MOE_WNA16_GEMV_MAX_TOKENS where the grouped
+  kernel does not apply, e.g. 8 bits): every expert dequantized to the activations' dtype
   (quant_gemm.wna16_dequantize, one launch a projection), then the 16-bit fused_moe, whose grouped GEMMs run at
   the tensor cores' bf16 rate. The dequantization is paid once a layer rather than once per block of pairs:
   at the A3B shape 0.3 GB read and 1.2 GB written a layer (~0.4 ms at 4.2 TB/s) against a 16-bit MoE layer's
   ~2 ms at 8K tokens. The transient [E, 2I, H] + [E, H, I] (1.2 GB at the A3B shape) comes out of the memory
   --mem-fraction-static leaves to activations, as the dense layers' dequantized weights do (quant_gemm).
-- Grouped (from MOE_WNA16_GROUPED_MIN_TOKENS, 16, below the dequantized experts): the pairs aligned per expert
+- Grouped (4 bits in groups of 128, 16-bit activations; from MOE_WNA16_GROUPED_MIN_TOKENS, 16, below the
+  dequantized experts): the pairs aligned per expert
   in blocks of GROUPED_BLOCK_M (fused_moe's alignment), each block's rows times its expert's weights with
   int4_gemv's word-wise unpacking on the tensor cores (int4_dot_tile): each expert's weights read once per
   block instead of once per pair (A3B int4 decode at batch 64: 31.81 -> 20.58 ms a step).
-- Otherwise (in between, act order, or experts split over ranks) fused_moe's int path serves.
+- Otherwise (act order, experts split over ranks, or decode sizes with no GEMV tile: 8 bits, groups the tile
+  does not fit) fused_moe's int path serves.
 
 Rounding: the dequantize path equals `fused_moe_ref` as the 16-bit fused_moe does (the weights rounded to the
 dtype, as the reference rounds them). The GEMV keeps (q - z) * s in fp32 instead of rounding each weight to

@@ -68,9 +68,9 @@ __all__ = [
 
 # One-row products of 4-bit weights in whole-tile groups take kernels/int4_gemv.py's word-wise unpacking (sm90
 # SASS: 4.4 instructions a weight against 6.1). Measured on an H200 (2026-12-02, 35fd681, that commit's
-# `gpu_check.sh int4-fast`, RESULTS.md seventh session): its GPU tests pass; at M=1 (CUDA-graph replays) the 8B projections
-# take qkv 11.2 / o 9.8 / gate_up 34.7 / down 21.1 us against 12.5 / 11.0 / 41.8 / 23.8 with the general kernel
-# (gate_up at 42% of 4.2 TB/s), and the 8B int4 decode at batch 1 (32K) 4.79 ms against 5.01.
+# `gpu_check.sh int4-fast`, RESULTS.md seventh session): its GPU tests pass; at M=1 (CUDA-graph replays) the 8B
+# projections take qkv 11.2 / o 9.8 / gate_up 34.7 / down 21.1 us against 12.5 / 11.0 / 41.8 / 23.8 with the
+# general kernel (gate_up at 42% of 4.2 TB/s), and the 8B int4 decode at batch 1 (32K) 4.79 ms against 5.01.
 INT4_FAST_PATH = True
 # 2 to 64 rows: the general kernel below. The one-row kernel's word-wise unpacking with the products on the
 # tensor cores (tl.dot) was slower at every M there (an H200, 2026-12-02, c2dd2fd, RESULTS.md eighth session:

@@ -2,11 +2,12 @@
 
 `python -m longserve.kernels.tune_gemv --shapes llama-3.1-8b,qwen3-30b-a3b --kernels int4,fp8_block,fp8_channel`:
 for each projection of the shapes (N x K) and each kernel, at M = 1 (--tokens), the candidates (BLOCK_N x
-SPLIT_K x num_warps x PREFETCH: the next tile's loads first or not) are timed as CUDA graphs (median of --repeats), each one's output checked against the
-default tiles' once; the fastest is written only where it beats the default by --min-gain (a tie keeps the
-defaults: no entry). The kernels are the one-row int4 GEMV (GPTQ g128, kernels/int4_gemv.py via quant_gemv), the
-block-FP8 GEMV (128x128 blocks) and the per-channel FP8 GEMV (kernels/fp8_gemv.py). Compiling dominates:
-each (BLOCK_N, num_warps, split or not) compiles once per kernel and serves every shape.
+SPLIT_K x num_warps x PREFETCH: the next tile's loads first or not) are timed as CUDA graphs (median of
+--repeats), each one's output checked against the default tiles' once; the fastest is written only where it
+beats the default by --min-gain (a tie keeps the defaults: no entry). The kernels are the one-row int4 GEMV
+(GPTQ g128, kernels/int4_gemv.py via quant_gemv), the block-FP8 GEMV (128x128 blocks) and the per-channel FP8
+GEMV (kernels/fp8_gemv.py). Compiling dominates: each (BLOCK_N, num_warps, prefetch, split or not) compiles
+once per kernel and serves every shape.
 """
 
 from __future__ import annotations
