@@ -1,5 +1,6 @@
 """Tuned tiles of the decode GEMVs per GPU: JSON tables in `gemv_configs/`, one per (kernel, device), that
-`python -m longserve.kernels.tune_gemv` writes from timings on that GPU, read by the GEMVs' config (fp8_gemv.fp8_gemv_config; quant_gemv.wna16_gemv_config for the one-row int4 kernel). Where no table or entry
+`python -m longserve.kernels.tune_gemv` writes from timings on that GPU, read by the GEMVs' config functions
+(fp8_gemv.fp8_gemv_config; quant_gemv.wna16_gemv_config for the one-row int4 kernel). Where no table or entry
 fits, those functions keep their untuned defaults.
 
 Why: the defaults size SPLIT_K for ~8 programs an SM, and what is best differs by kernel and shape. Measured on
