@@ -1,6 +1,6 @@
-"""Fused mixture-of-experts in Triton: block alignment of the routed tokens (`align_routed_pairs`: the
-one-launch kernel of kernels/moe_align.py up to MOE_TRITON_ALIGN_MAX_PAIRS pairs, the torch ops of
-`moe_align_ref` beyond), two grouped GEMMs (gate+up with SiLU-and-mul in the epilogue, down with the routing
+"""Fused mixture-of-experts in Triton: block alignment of the routed tokens (moe_align.align_routed_pairs: the
+one-launch kernel up to moe_align.MOE_TRITON_ALIGN_MAX_PAIRS pairs, the torch ops of `moe_align_ref` beyond),
+two grouped GEMMs (gate+up with SiLU-and-mul in the epilogue, down with the routing
 weights), the sum over k; reference: `fused_moe_ref`.
 
 No host syncs anywhere (CUDA-graph safe): buffers are sized by their upper bound and programs past the real
@@ -16,15 +16,13 @@ import triton.language as tl
 from longserve.kernels import quant_fp8
 from longserve.kernels.extend_attention import interpreting
 from longserve.kernels.launch import fast_launch
-from longserve.kernels.moe_align import MAX_PAIRS as MAX_ALIGN_PAIRS
-from longserve.kernels.moe_align import moe_align
+from longserve.kernels.moe_align import align_routed_pairs
 from longserve.kernels.moe_config import get_moe_config
 from longserve.kernels.moe_reference import (
     MoEQuant,
     check_moe_args,
     fused_moe_ref,
     moe_align_block_size,
-    moe_align_ref,
     padded_size_bound,
     route_topk,
 )
@@ -41,9 +39,7 @@ from longserve.kernels.quant_tiles import int_weight_tile
 from longserve.kernels.quant_tiles import rounded as _rounded
 
 __all__ = [
-    "MOE_TRITON_ALIGN_MAX_PAIRS",
     "MoEQuant",
-    "align_routed_pairs",
     "fused_moe",
     "fused_moe_ref",
     "moe_align_block_size",
@@ -51,14 +47,6 @@ __all__ = [
     "route_topk",
 ]
 
-
-# The alignment of at most this many (token, k) pairs runs as the one-launch Triton kernel of
-# kernels/moe_align.py instead of the chain of ~15 torch ops of `moe_align_ref` (both give the same tensors).
-# Measured on an H200 (2026-12-02, d7b54d5, `python3 -m longserve.bench.kernels.moe --tokens 1,8,64,512
-# --align both --no-torch`, CUDA-graph replay): the Triton alignment wins at every size, e.g. Qwen3-30B-A3B at
-# 1 token 0.0019 against 0.044 ms (the whole MoE block 0.036 against 0.085 ms), at 512 tokens 0.047 against
-# 0.084 ms; Mixtral at 512 tokens 0.010 against 0.078 ms. So it serves up to its own limit (moe_align.MAX_PAIRS).
-MOE_TRITON_ALIGN_MAX_PAIRS = MAX_ALIGN_PAIRS
 
 # A step of at most this many tokens, with experts neither quantized nor split over ranks, runs as
 # kernels/moe_gemv.py's two launches (no alignment, the sum over k inside the down projection) instead of
@@ -71,21 +59,6 @@ MOE_GEMV_MAX_TOKENS = 0
 # decode at batch 1 3.88 ms with it against 4.03 (4K), 4.71 against 4.87 (32K); at batch 8 11.06 against 11.16.
 # Against that call's plain run (neither): 3.99 and 4.80 ms. 8: the largest batch measured.
 MOE_SUM_TRITON_MAX_TOKENS = 8
-
-
-def align_routed_pairs(
-    topk_ids: torch.Tensor,  # [T, k] int
-    num_experts: int,  # rows of w13/w2 (this rank's experts)
-    block_m: int,
-    expert_map: torch.Tensor | None = None,  # [E_global] int32: global expert id -> local row, or -1
-    triton_max_pairs: int | None = None,  # default: MOE_TRITON_ALIGN_MAX_PAIRS (read at call time)
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(sorted_token_ids [S], expert_ids [S / block_m], num_tokens_post_padded [1]) as `moe_align_ref`
-    defines them: the Triton kernel for up to `triton_max_pairs` pairs, the torch ops beyond."""
-    limit = MOE_TRITON_ALIGN_MAX_PAIRS if triton_max_pairs is None else triton_max_pairs
-    if 0 < topk_ids.numel() <= min(limit, MAX_ALIGN_PAIRS):
-        return moe_align(topk_ids, num_experts, block_m, expert_map)
-    return moe_align_ref(topk_ids, num_experts, block_m, expert_map)
 
 
 @triton.jit

@@ -75,7 +75,7 @@ MOE_WNA16_GEMV_MAX_TOKENS = 64
 MOE_WNA16_GROUPED_MIN_TOKENS: int | None = 16  # None: the GEMV up to MOE_WNA16_GEMV_MAX_TOKENS
 MOE_WNA16_DEQUANT_MIN_TOKENS = 257
 GROUPED_BLOCK_M = 16
-# the pairs aligned per expert in blocks of GROUPED_BLOCK_M (fused_moe.align_routed_pairs): sorted pair ids,
+# the pairs aligned per expert in blocks of GROUPED_BLOCK_M (moe_align.align_routed_pairs): sorted pair ids,
 # each block's expert, the padded length
 Alignment = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 

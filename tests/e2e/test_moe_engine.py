@@ -108,16 +108,16 @@ def test_memory_plan_counts_the_experts(moe_ckpt):
 
 def test_triton_alignment_batch_equals_each_alone(moe_ckpt, baseline, monkeypatch):
     """The MoE layers on their Triton path (fused_moe, as on CUDA; interpreted here) with the one-launch Triton
-    alignment switched on (kernels/fused_moe.py's MOE_TRITON_ALIGN_MAX_PAIRS): a batch of the four prompts,
+    alignment switched on (kernels/moe_align.py's MOE_TRITON_ALIGN_MAX_PAIRS): a batch of the four prompts,
     chunked, gives each prompt's tokens run alone on the torch reference."""
     pytest.importorskip("triton")
-    from longserve.kernels import fused_moe as fused_moe_mod
+    from longserve.kernels import moe_align as align_mod
     from longserve.models import moe as moe_mod
 
     calls = []
-    real = fused_moe_mod.moe_align
-    monkeypatch.setattr(fused_moe_mod, "moe_align", lambda *a: calls.append(1) or real(*a))
-    monkeypatch.setattr(fused_moe_mod, "MOE_TRITON_ALIGN_MAX_PAIRS", 4096)
+    real = align_mod.moe_align
+    monkeypatch.setattr(align_mod, "moe_align", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(align_mod, "MOE_TRITON_ALIGN_MAX_PAIRS", 4096)
     monkeypatch.setattr(moe_mod, "use_triton", lambda t: True)  # as for CUDA tensors with triton
     ps, alone = baseline
     assert run_all(moe_ckpt, ps, enable_prefix_caching=False, chunked_prefill_size=64)[0] == alone

@@ -145,7 +145,7 @@ def test_fused_moe_with_the_triton_alignment(
 ) -> None:
     """MOE_TRITON_ALIGN_MAX_PAIRS on: the MoE layer's output equals the torch alignment's bit for bit, eagerly
     and inside a CUDA graph replayed with new hidden states and routing."""
-    from longserve.kernels import fused_moe as mod
+    from longserve.kernels import moe_align as mod
     from longserve.kernels.fused_moe import fused_moe, fused_moe_ref, route_topk
 
     _, w13, w2, top_k, _ = experts

@@ -22,9 +22,9 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from longserve.kernels import fused_moe as fused_moe_mod  # noqa: E402
-from longserve.kernels.fused_moe import align_routed_pairs, fused_moe  # noqa: E402
-from longserve.kernels.moe_align import MAX_PAIRS, moe_align  # noqa: E402
+from longserve.kernels import moe_align as align_mod  # noqa: E402
+from longserve.kernels.fused_moe import fused_moe  # noqa: E402
+from longserve.kernels.moe_align import MAX_PAIRS, align_routed_pairs, moe_align  # noqa: E402
 from longserve.kernels.moe_reference import fused_moe_ref, moe_align_ref, route_topk  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -110,17 +110,15 @@ def test_edge_layouts() -> None:
 
 def test_the_switch_picks_the_path(monkeypatch: pytest.MonkeyPatch) -> None:
     """MOE_TRITON_ALIGN_MAX_PAIRS (0: off) decides, read at call time; past it (or past MAX_PAIRS) torch."""
-    assert (
-        fused_moe_mod.MOE_TRITON_ALIGN_MAX_PAIRS == MAX_PAIRS
-    )  # on up to the kernel's limit (H200-measured)
+    assert align_mod.MOE_TRITON_ALIGN_MAX_PAIRS == MAX_PAIRS  # on up to the kernel's limit (H200-measured)
     calls = []
-    real = fused_moe_mod.moe_align
-    monkeypatch.setattr(fused_moe_mod, "moe_align", lambda *a: calls.append(a[0].numel()) or real(*a))
+    real = align_mod.moe_align
+    monkeypatch.setattr(align_mod, "moe_align", lambda *a: calls.append(a[0].numel()) or real(*a))
     ids = random_ids(6, 2, 8, seed=9)
-    monkeypatch.setattr(fused_moe_mod, "MOE_TRITON_ALIGN_MAX_PAIRS", 0)
+    monkeypatch.setattr(align_mod, "MOE_TRITON_ALIGN_MAX_PAIRS", 0)
     assert_same(align_routed_pairs(ids, 8, 16), moe_align_ref(ids, 8, 16))
     assert calls == []
-    monkeypatch.setattr(fused_moe_mod, "MOE_TRITON_ALIGN_MAX_PAIRS", 12)
+    monkeypatch.setattr(align_mod, "MOE_TRITON_ALIGN_MAX_PAIRS", 12)
     assert_same(align_routed_pairs(ids, 8, 16), moe_align_ref(ids, 8, 16))
     assert calls == [12]
     align_routed_pairs(random_ids(7, 2, 8, seed=9), 8, 16)  # 14 pairs: past the switch
@@ -142,7 +140,7 @@ def test_fused_moe_output_is_unchanged(monkeypatch: pytest.MonkeyPatch, expert_p
     emap = ep_map(e, 2, 1) if expert_parallel else None
     w13, w2 = (w13[4:].contiguous(), w2[4:].contiguous()) if expert_parallel else (w13, w2)
     off = fused_moe(x, w13, w2, weights, ids, config=cfg, expert_map=emap)
-    monkeypatch.setattr(fused_moe_mod, "MOE_TRITON_ALIGN_MAX_PAIRS", 4096)
+    monkeypatch.setattr(align_mod, "MOE_TRITON_ALIGN_MAX_PAIRS", 4096)
     on = fused_moe(x, w13, w2, weights, ids, config=cfg, expert_map=emap)
     assert torch.equal(on, off)
     ref = fused_moe_ref(x, w13, w2, weights, ids, expert_map=emap)
@@ -169,9 +167,9 @@ def test_moe_models_match_transformers_with_the_triton_alignment(tmp_path, monke
     )
 
     calls, routed = [], []
-    real = fused_moe_mod.moe_align
-    monkeypatch.setattr(fused_moe_mod, "moe_align", lambda *a: calls.append(1) or real(*a))
-    monkeypatch.setattr(fused_moe_mod, "MOE_TRITON_ALIGN_MAX_PAIRS", 4096)
+    real = align_mod.moe_align
+    monkeypatch.setattr(align_mod, "moe_align", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(align_mod, "MOE_TRITON_ALIGN_MAX_PAIRS", 4096)
     real_route = moe_routing.route_topk_fused
     monkeypatch.setattr(moe_routing, "route_topk_fused", lambda *a: routed.append(1) or real_route(*a))
     monkeypatch.setattr(moe_mod, "MOE_TRITON_ROUTING_MAX_TOKENS", 64)  # the one-launch router top-k too
@@ -272,7 +270,7 @@ def test_bench_times_both_alignments(monkeypatch: pytest.MonkeyPatch) -> None:
     from longserve.bench.kernels import moe as bench
 
     timed = []
-    monkeypatch.setattr(fused_moe_mod, "MOE_TRITON_ALIGN_MAX_PAIRS", 5)
+    monkeypatch.setattr(align_mod, "MOE_TRITON_ALIGN_MAX_PAIRS", 5)
     monkeypatch.setattr(bench, "cuda_time_ms", lambda fn, **kw: timed.append(fn()) or 1.0)
     monkeypatch.setitem(bench.SHAPES, "tiny", bench.MoEShape(8, 2, 32, 24, True))
     rows = bench.bench_moe(
@@ -286,5 +284,5 @@ def test_bench_times_both_alignments(monkeypatch: pytest.MonkeyPatch) -> None:
         (5, "triton"),
     ]
     assert all(r["rel_err"] < 1e-5 and r["align_ms"] == r["route_ms"] == 1.0 for r in rows)
-    assert fused_moe_mod.MOE_TRITON_ALIGN_MAX_PAIRS == 5
+    assert align_mod.MOE_TRITON_ALIGN_MAX_PAIRS == 5
     assert "align_ms" in bench.format_rows(rows)

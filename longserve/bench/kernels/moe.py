@@ -7,7 +7,7 @@ eagerly and as a replayed CUDA graph (what decode steps run; the eager time of a
 
 `--align both` times each case twice, with the torch alignment (`moe_align_ref`, ~15 launches) and with the
 one-launch Triton one (kernels/moe_align.py), and the alignment alone (`align_ms`, also a CUDA graph): the
-measurement that sets kernels/fused_moe.py's MOE_TRITON_ALIGN_MAX_PAIRS (the largest T*k where the
+measurement that sets kernels/moe_align.py's MOE_TRITON_ALIGN_MAX_PAIRS (the largest T*k where the
 "triton" rows' ms beat the "torch" ones'). `route_ms` times the router's top-k the same two ways (route_topk,
 kernels/moe_routing.py): it sets models/moe.py's MOE_TRITON_ROUTING_MAX_TOKENS.
 """
@@ -44,9 +44,9 @@ ALIGN_MODES = ("torch", "triton")
 
 @contextmanager
 def alignment(mode: str):
-    """kernels/fused_moe.py's alignment switch set for `mode` ("torch": off; "triton": every size the
+    """kernels/moe_align.py's alignment switch set for `mode` ("torch": off; "triton": every size the
     kernel takes) while the block runs (captured CUDA graphs keep the path they were captured with)."""
-    from longserve.kernels import fused_moe as mod
+    from longserve.kernels import moe_align as mod
     from longserve.kernels.moe_align import MAX_PAIRS
 
     if mode not in ALIGN_MODES:
@@ -77,8 +77,9 @@ def bench_moe(
     the Triton kernel as `align` says), tflops, tflops_pct, gbps, gbps_pct, torch_ms,
     speedup, rel_err. `align_modes`: "torch" and/or "triton" (the MoE alignment's path). `device` other than
     cuda: smoke tests."""
-    from longserve.kernels.fused_moe import align_routed_pairs, fused_moe, fused_moe_ref, get_moe_config
+    from longserve.kernels.fused_moe import fused_moe, fused_moe_ref, get_moe_config
     from longserve.kernels.moe_align import MAX_PAIRS as MAX_ALIGN_PAIRS
+    from longserve.kernels.moe_align import align_routed_pairs
     from longserve.kernels.moe_reference import route_topk
 
     dev = torch.device(device)
@@ -206,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
         default="torch",
         choices=["torch", "triton", "both"],
         help="the MoE alignment's path: the torch ops, the one-launch Triton kernel, or each in turn "
-        "(sets kernels/fused_moe.py's MOE_TRITON_ALIGN_MAX_PAIRS)",
+        "(sets kernels/moe_align.py's MOE_TRITON_ALIGN_MAX_PAIRS)",
     )
     p.add_argument("--output-json", default=None)
     args = p.parse_args(argv)
