@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Several gpu_check.sh modes in one device call, in order, within one time budget: each mode runs only if the
+# minutes it needs (its estimate below, or NAME=MINUTES on the command line) are left, into $OUT/MODE/ with its
+# log, and is packed into $OUT/MODE.tgz at once (a call returns few files, and none whose name holds '=' or ',';
+# a call cut short keeps the modes already packed). The wheels of scripts/gpu/fetch_test_wheels.sh, if carried
+# in .whl/, are installed first (the tests, quant and structured modes need them).
+#   LONGSERVE_COMMIT=abc1234 QUEUE_SECONDS=570 bash scripts/gpu/queue.sh prefetch gemv-tune short-plans=5
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/longserve-out}
+budget=${QUEUE_SECONDS:-570}
+declare -A MINUTES=([tests]=7 [prefetch]=7 [gemv-tune]=6 [short-plans]=4 [piecewise]=6 [fp8-acc]=8
+                    [moe-grouped]=5 [vllm]=6 [quant-bench]=7)  # measured or estimated per mode, on an H200
+if ls .whl/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+start=$(date +%s)
+for item in "$@"; do
+  mode=${item%%=*}
+  need=$(( 60 * ${MINUTES[$mode]:-5} ))
+  [[ $item == *=* ]] && need=$(( 60 * ${item#*=} ))
+  left=$(( budget - ($(date +%s) - start) ))
+  if (( left < need )); then
+    echo "== $mode: skipped ($left s left, needs ~$need s)"
+    continue
+  fi
+  mkdir -p "$OUT/$mode"
+  t0=$(date +%s)
+  OUT=$OUT/$mode timeout "$left" bash scripts/gpu/gpu_check.sh "$mode" > "$OUT/$mode/$mode.log" 2>&1
+  echo "== $mode: rc $?, $(( $(date +%s) - t0 )) s"
+  grep -vE "^\[bench|INFO|WARNING" "$OUT/$mode/$mode.log" | tail -30
+  (cd "$OUT" && tar czf "$mode.tgz" "$mode")
+done
