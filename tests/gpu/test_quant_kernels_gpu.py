@@ -382,31 +382,36 @@ def test_fused_moe_quantized_experts(kind: str, num_tokens: int) -> None:
     no_sync(lambda: fused_moe(x, w13, w2, weights, ids, quant=quant))
 
 
-def a3b_int4_experts(zp: bool):
-    """128 distinct int4 g128 experts of the A3B shape (the routed GEMV must read each pair's own)."""
+def a3b_int4_experts(zp: bool, bits: int = 4):
+    """128 distinct int4 (or int8) g128 experts of the A3B shape (the routed GEMV must read each pair's own)."""
     from longserve.kernels.moe_reference import MoEQuant
     from longserve.kernels.quant_reference import pack_int_k
 
     e, _, h, i = A3B
     g = torch.Generator(device="cuda").manual_seed(3)
+    levels = 1 << bits
 
     def proj(n: int, k: int):
-        q = pack_int_k(torch.randint(0, 16, (e * n, k), device="cuda", generator=g), 4).view(e, n, k // 2)
-        s = ((torch.rand(e, n, k // 128, device="cuda", generator=g) + 0.5) * k**-0.5 / 4).half()
-        z = torch.randint(0, 16, (e, n, k // 128), device="cuda", generator=g).to(torch.uint8) if zp else None
+        q = pack_int_k(torch.randint(0, levels, (e * n, k), device="cuda", generator=g), bits).view(e, n, -1)
+        s = ((torch.rand(e, n, k // 128, device="cuda", generator=g) + 0.5) * k**-0.5 / levels).half()
+        z = (
+            torch.randint(0, levels, (e, n, k // 128), device="cuda", generator=g).to(torch.uint8)
+            if zp
+            else None
+        )
         return q, s, z
 
     (w13, s13, z13), (w2, s2, z2) = proj(2 * i, h), proj(h, i)
-    return w13, w2, MoEQuant("int4", 128, s13, s2, z13, z2)
+    return w13, w2, MoEQuant(f"int{bits}", 128, s13, s2, z13, z2)
 
 
 @pytest.mark.parametrize("num_tokens", [1, 8, 64, 512])
 def test_int4_experts_paths(num_tokens: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """kernels/moe_wna16.py at the A3B shape: the path the step takes by default (the routed GEMV at small
-    decode sizes, the grouped kernel at larger ones, the dequantized experts at prefill sizes) against the reference (bf16: within 1% of its norm), no
-    host sync, replayed from a CUDA graph with new inputs; then each path's time as a CUDA graph beside
-    fused_moe's int path, each path's result checked too (the evidence for MOE_WNA16_GEMV_MAX_TOKENS,
-    MOE_WNA16_DEQUANT_MIN_TOKENS and MOE_WNA16_GROUPED_MIN_TOKENS)."""
+    decode sizes, the grouped kernel at larger ones, the dequantized experts at prefill sizes) against the
+    reference (bf16: within 1% of its norm), no host sync, replayed from a CUDA graph with new inputs; then each
+    path's time as a CUDA graph beside fused_moe's int path, each path's result checked too (the evidence for
+    MOE_WNA16_GEMV_MAX_TOKENS, MOE_WNA16_DEQUANT_MIN_TOKENS and MOE_WNA16_GROUPED_MIN_TOKENS)."""
     from longserve.kernels import fused_moe as fm
     from longserve.kernels.fused_moe import fused_moe, fused_moe_ref, route_topk
     from longserve.kernels.moe_wna16 import moe_wna16_path
@@ -437,3 +442,30 @@ def test_int4_experts_paths(num_tokens: int, monkeypatch: pytest.MonkeyPatch) ->
         f"\nint4 experts T={num_tokens} (default {default}): "
         + ", ".join(f"{p} {t * 1e3:.1f} us" for p, t in times.items())
     )
+
+
+@pytest.mark.parametrize("num_tokens", [1, 8, 64])
+def test_int8_experts_paths(num_tokens: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """8-bit experts (GPTQ/compressed-tensors W8A16 MoE) at the A3B shape, which the routed and grouped kernels
+    do not take: at decode sizes fused_moe's int path serves (for int4 it took 5.7 ms a layer at 8 tokens,
+    RESULTS.md eighth session); its result and the dequantized experts' against the reference, and both times
+    as CUDA graphs (the evidence for routing 8-bit experts)."""
+    from longserve.kernels import fused_moe as fm
+    from longserve.kernels.fused_moe import fused_moe, fused_moe_ref, route_topk
+    from longserve.kernels.moe_wna16 import moe_wna16_path
+    from longserve.platform import cuda_graph_time_ms
+
+    e, k, h, i = A3B
+    w13, w2, quant = a3b_int4_experts(zp=False, bits=8)
+    x = torch.randn(num_tokens, h, device="cuda", dtype=torch.bfloat16)
+    weights, ids = route_topk(torch.randn(num_tokens, e, device="cuda"), k, True)
+    weights = weights.bfloat16()
+    default = moe_wna16_path(quant, num_tokens, h, i, False, torch.bfloat16)
+    assert default == "fused"
+    ref = fused_moe_ref(x, w13, w2, weights, ids, quant=quant)
+    times = {}
+    for path in ("dequant", "fused"):
+        monkeypatch.setattr(fm, "moe_wna16_path", lambda *args, path=path: path)
+        assert_close_rel(fused_moe(x, w13, w2, weights, ids, quant=quant), ref)
+        times[path] = cuda_graph_time_ms(lambda: fused_moe(x, w13, w2, weights, ids, quant=quant), 2, 10, 3)
+    print(f"\nint8 experts T={num_tokens}: " + ", ".join(f"{p} {t * 1e3:.1f} us" for p, t in times.items()))
