@@ -3,7 +3,9 @@
 `python -m longserve.kernels.tune_moe --num-experts 128 --top-k 8 --hidden 2048 --intermediate 768
 --dtype bfloat16 --batch-sizes 1,2,4,...,8192` (`--weights fp8_e4m3`: experts in e4m3 with 128x128 block scales,
 as the official FP8 checkpoints, activations quantized per token-group of 128 as fused_moe does; their own
-table, `dtype=fp8_e4m3`): per batch size and BLOCK_M, the gate+up and the down GEMM
+table, `dtype=fp8_e4m3`; `--weights int4|int8`: GPTQ-style packed integers in groups of `--int-group`, which
+fused_moe's int path dequantizes tile by tile, `dtype=int4|int8`): per batch size and BLOCK_M, the gate+up and
+the down GEMM
 are timed separately over their candidates (CUDA events around a replayed graph of --iters calls,
 median of --repeats) and each candidate's output is checked against the torch reference once; the fastest
 pair under the fastest BLOCK_M is written. Compiling dominates the run (each new candidate compiles once,
@@ -90,6 +92,7 @@ def tune(args: argparse.Namespace, device: str = "cuda") -> dict[str, dict]:
     from longserve.kernels.moe_config import max_smem
     from longserve.kernels.moe_reference import MoEQuant, route_topk
     from longserve.kernels.quant_fp8 import per_token_group_quant
+    from longserve.kernels.quant_reference import pack_int_k
     from longserve.platform import cuda_graph_time_ms as graph_ms
 
     dtype = getattr(torch, args.dtype)
@@ -107,6 +110,21 @@ def tune(args: argparse.Namespace, device: str = "cuda") -> dict[str, dict]:
         s13 = torch.full((num_experts, 2 * inter // block, hidden // block), hidden**-0.5, device=dev)
         s2 = torch.full((num_experts, hidden // block, inter // block), inter**-0.5, device=dev)
         quant = MoEQuant("fp8_e4m3", block, s13, s2, block_n=block)
+    elif args.weights in (
+        "int4",
+        "int8",
+    ):  # GPTQ-style symmetric integers in groups of --int-group, packed along K
+        bits, group = int(args.weights[3:]), args.int_group
+        levels = 1 << bits
+
+        def packed(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            e, n, k = w.shape
+            q = torch.randint(0, levels, (e * n, k), device=dev, generator=gen)
+            scale = torch.full((e, n, k // group), 2 * k**-0.5 / levels, device=dev, dtype=torch.float16)
+            return pack_int_k(q, bits).view(e, n, -1), scale
+
+        (w13, s13), (w2, s2) = packed(w13), packed(w2)
+        quant = MoEQuant(args.weights, group, s13, s2)
     smem = max_smem()
     elem = w13.element_size()  # bytes of a weight (and, fp8, of an activation) in shared memory
     best: dict[str, dict] = {}
@@ -129,13 +147,19 @@ def tune(args: argparse.Namespace, device: str = "cuda") -> dict[str, dict]:
                 proj = "w13" if fused else "w2"
                 # fp8 experts read activations quantized per token-group (fused_moe's own first step)
                 act: tuple = ()
-                if quant is not None:
+                if quant is not None and not quant.is_int:
                     a, a_scale = per_token_group_quant(a, quant.group_size)
                     act = (quant, proj, a_scale, dtype)
+                elif (
+                    quant is not None
+                ):  # integer experts: 16-bit activations, the weights dequantized in tiles
+                    act = (quant, proj)
                 timed = []
                 num_blocks = num_tokens * top_k // bm + min(num_experts, num_tokens * top_k)
                 cands = candidates(SPACES[args.space], bm, fused, elem, smem, num_blocks)
-                if quant is not None:  # a K tile within one activation group (fused_moe's _fit_block_k)
+                if (
+                    quant is not None
+                ):  # a K tile within one scale / activation group (fused_moe's _fit_block_k)
                     cands = [c for c in cands if quant.group_size % c["BLOCK_K"] == 0]
                 for cand in tqdm(cands, desc=f"T={num_tokens} BLOCK_M={bm} {gemm}", leave=False):
                     cfg = {"BLOCK_M": bm, **cand}
@@ -180,8 +204,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tp-size", type=int, default=1, help="tune the per-rank shard: intermediate / tp")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     p.add_argument(
-        "--weights", default=None, choices=["fp8_e4m3"], help="quantized experts (default: --dtype)"
+        "--weights",
+        default=None,
+        choices=["fp8_e4m3", "int4", "int8"],
+        help="quantized experts (default: --dtype)",
     )
+    p.add_argument("--int-group", type=int, default=128, help="--weights int4/int8: the scale groups along K")
     p.add_argument("--fp8-block", type=int, default=128, help="--weights fp8_e4m3: the scale blocks' side")
     default_sizes = "1,2,4,8,16,24,32,48,64,96,128,256,512,1024,1536,2048,3072,4096,8192"
     p.add_argument("--batch-sizes", default=default_sizes, type=lambda s: [int(v) for v in s.split(",")])

@@ -4,7 +4,7 @@
 # $OUT; a short table last. LONGSERVE_COMMIT is the commit the JSON metadata names: compute it where the tree
 # is a git checkout (a copied tree's .git may be stale) and pass it as a literal, e.g.
 #   LONGSERVE_COMMIT=abc1234 bash scripts/gpu/gpu_check.sh latency
-#   usage: LONGSERVE_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu/gpu_check.sh [quick|tests|bench|all|long|tp|tp2|tp32|profile|latency|hit|host|launch|turns|moe|moe-tests|moe-bench|moe-long|moe-tp|quant|quant-tests|quant-bench|kvfp8|vllm|structured|switches|chunks|fusions|fusions-a3b|piecewise|moe-gemv|quant-decode|prefetch|moe-grouped|fp8-acc|gemv-tune|short-plans]
+#   usage: LONGSERVE_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu/gpu_check.sh [quick|tests|bench|all|long|tp|tp2|tp32|profile|latency|hit|host|launch|turns|moe|moe-tests|moe-bench|moe-long|moe-tp|quant|quant-tests|quant-bench|kvfp8|vllm|structured|switches|chunks|fusions|fusions-a3b|piecewise|moe-gemv|quant-decode|prefetch|moe-grouped|fp8-acc|gemv-tune|short-plans|tune-int-moe]
 # moe (one GPU) = moe-tests (the MoE kernel and engine GPU tests, the kernel's TFLOP/s and GB/s) +
 # moe-bench (the Qwen3-30B-A3B shape's cases against HF, profiled, with their floors); moe-long: 128K cold
 # against HF and the Mixtral-8x7B shape; moe-tp (two GPUs): the TP=2 / expert-parallel tests and the A3B shape
@@ -25,6 +25,8 @@
 # start-up's cuDNN plan builds, without and with plans for 1-4K new tokens over any prefix (SHORT_QUERY_ROWS).
 # gemv-tune (one GPU, ~6 min): the 8B FP8 and int4 decode at batch 1, python -m longserve.kernels.tune_gemv (the
 # decode GEMVs' tile tables for the 8B and A3B projections), the same decode again with the tables.
+# tune-int-moe (one GPU, ~6 min): the 8-bit experts' paths timed, tune_moe --weights int8 on the A3B shape at
+# 1 / 8 / 64 tokens (fused_moe's int path tiles), the paths timed again with the table.
 # moe-grouped (one GPU, ~5 min): the int4 experts' paths per token count (the grouped kernel's time among them),
 # then the A3B int4 decode at batch 8 and 64 through the routed GEMV (grouped off) and through the grouped kernel.
 # fp8-acc (one GPU, ~8 min): the 8B and A3B FP8 cold TTFT with the fp8 dots' fp32 promotion after every wgmma (0,
@@ -477,6 +479,19 @@ if [[ $MODE == short-plans ]]; then  # one GPU, ~4 min: cuDNN plans for 1-4K new
       --output-json "$OUT/latency_8b_short_plans_$tag.json" 2>&1 | tee "$OUT/latency_8b_short_plans_$tag.log" \
       | grep -E "^(cold|prefix)|built [0-9]+ cuDNN" | sed "s/^/$tag: /"
   done
+fi
+
+if [[ $MODE == tune-int-moe ]]; then  # one GPU, ~6 min: fused_moe's int path tiles for 8-bit experts (A3B shape)
+  # 8-bit experts take fused_moe's int path at decode sizes (moe_wna16's kernels are 4-bit); its untuned
+  # gate+up tile spills on sm90 (255 registers and a 528-byte stack at BLOCK_N 32, BLOCK_K 128). The int8
+  # experts' paths timed, tune_moe --weights int8 writes its table into the package (tarred into $OUT), timed again
+  python3 -m pytest -q -m gpu tests/gpu/test_quant_kernels_gpu.py -k "int8_experts" -s -p no:cacheprovider \
+    --tb=short 2>&1 | grep -E "int8 experts|passed|failed" | sed "s/^/untuned: /"
+  timeout 300 python3 -m longserve.kernels.tune_moe --num-experts 128 --top-k 8 --hidden 2048 --intermediate 768 \
+    --weights int8 --batch-sizes 1,8,64 2>&1 | tee "$OUT/tune_int8.log" | tr '\r' '\n' | grep -E "^T=|wrote|Error"
+  tar czf "$OUT/moe_configs_int8.tgz" longserve/kernels/moe_configs 2>/dev/null
+  python3 -m pytest -q -m gpu tests/gpu/test_quant_kernels_gpu.py -k "int8_experts" -s -p no:cacheprovider \
+    --tb=short 2>&1 | grep -E "int8 experts|passed|failed" | sed "s/^/tuned: /"
 fi
 
 if [[ $MODE == moe-grouped ]]; then  # one GPU, ~5 min: the grouped int4 MoE kernel (moe_wna16, from 16 tokens)

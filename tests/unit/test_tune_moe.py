@@ -1,5 +1,6 @@
 """kernels/tune_moe.py's search under TRITON_INTERPRET=1 at a tiny shape (a smoke test of the loop the GPU runs:
-every candidate checked against the reference, the best per batch size returned), bf16 and fp8 block experts."""
+every candidate checked against the reference, the best per batch size returned), bf16, fp8 block and packed
+int4 / int8 experts."""
 
 from __future__ import annotations
 
@@ -14,14 +15,15 @@ pytest.importorskip("triton")
 from longserve.kernels import tune_moe  # noqa: E402
 
 
-@pytest.mark.parametrize("weights", [None, "fp8_e4m3"])
+@pytest.mark.parametrize("weights", [None, "fp8_e4m3", "int4", "int8"])
 def test_tune_returns_a_checked_config_per_batch_size(weights, monkeypatch: pytest.MonkeyPatch) -> None:
     tiny = {"BLOCK_N": [16, 32], "BLOCK_K": [16, 64], "GROUP_M": [1], "num_warps": [4], "num_stages": [1]}
     monkeypatch.setattr(tune_moe, "SPACES", {"quick": tiny})
     monkeypatch.setattr(tune_moe, "BLOCK_MS", [16])
     args = tune_moe.parse_args(
         ["--num-experts", "4", "--top-k", "2", "--hidden", "64", "--intermediate", "32", "--batch-sizes", "3,9",
-         "--iters", "1", "--repeats", "1", "--fp8-block", "16"] + (["--weights", weights] if weights else [])
+         "--iters", "1", "--repeats", "1", "--fp8-block", "16", "--int-group", "16"]
+        + (["--weights", weights] if weights else [])
     )  # fmt: skip
     best = tune_moe.tune(args, device="cpu")
     assert sorted(best) == ["3", "9"]
@@ -33,5 +35,5 @@ def test_tune_returns_a_checked_config_per_batch_size(weights, monkeypatch: pyte
             "num_warps",
             "num_stages",
         }
-        if weights:  # K tiles within the 16-wide activation groups
+        if weights:  # K tiles within the 16-wide activation (fp8) or scale (int) groups
             assert cfg["BLOCK_K"] == cfg["down"]["BLOCK_K"] == 16
