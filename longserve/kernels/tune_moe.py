@@ -110,10 +110,8 @@ def tune(args: argparse.Namespace, device: str = "cuda") -> dict[str, dict]:
         s13 = torch.full((num_experts, 2 * inter // block, hidden // block), hidden**-0.5, device=dev)
         s2 = torch.full((num_experts, hidden // block, inter // block), inter**-0.5, device=dev)
         quant = MoEQuant("fp8_e4m3", block, s13, s2, block_n=block)
-    elif args.weights in (
-        "int4",
-        "int8",
-    ):  # GPTQ-style symmetric integers in groups of --int-group, packed along K
+    elif args.weights in ("int4", "int8"):
+        # GPTQ-style symmetric integers in groups of --int-group, packed along K
         bits, group = int(args.weights[3:]), args.int_group
         levels = 1 << bits
 
@@ -150,16 +148,13 @@ def tune(args: argparse.Namespace, device: str = "cuda") -> dict[str, dict]:
                 if quant is not None and not quant.is_int:
                     a, a_scale = per_token_group_quant(a, quant.group_size)
                     act = (quant, proj, a_scale, dtype)
-                elif (
-                    quant is not None
-                ):  # integer experts: 16-bit activations, the weights dequantized in tiles
+                elif quant is not None:  # integer experts: 16-bit activations, weights dequantized in tiles
                     act = (quant, proj)
                 timed = []
                 num_blocks = num_tokens * top_k // bm + min(num_experts, num_tokens * top_k)
                 cands = candidates(SPACES[args.space], bm, fused, elem, smem, num_blocks)
-                if (
-                    quant is not None
-                ):  # a K tile within one scale / activation group (fused_moe's _fit_block_k)
+                if quant is not None:
+                    # a K tile within one scale / activation group (fused_moe's _fit_block_k)
                     cands = [c for c in cands if quant.group_size % c["BLOCK_K"] == 0]
                 for cand in tqdm(cands, desc=f"T={num_tokens} BLOCK_M={bm} {gemm}", leave=False):
                     cfg = {"BLOCK_M": bm, **cand}
