@@ -20,8 +20,10 @@ from longserve.models.layers import use_triton
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # the rotary kernel also stores each layer's new K/V into the cache (kernels/rope.py; an fp8 cache quantized
-# there too since 07a708b, not yet measured), instead of the attention backend's two index_copy launches (~8
-# for fp8) (in the H200 profile of decode b1 at 32K, 2026-12-02, 73be6a4,
+# there too since 07a708b: the A3B decode with an fp8 cache took 5.87 ms at b1@32K and 24.76 at b64@4K before
+# (35fd681), 5.15 and 23.90 after (c2dd2fd; H200, two calls of 2026-12-02, RESULTS.md seventh and eighth
+# sessions)), instead of the attention backend's two index_copy
+# launches, ~8 for fp8 (in the H200 profile of decode b1 at 32K, 2026-12-02, 73be6a4,
 # the pair took 0.145 ms of a 5.81 ms step, plus the gaps between launches); and it applies Qwen3's per-head
 # q/k RMSNorm (two launches a layer fewer). Both on against both off, Qwen3-30B-A3B shape on an H200
 # (2026-12-02, 3672e1d, RESULTS.md): decode b1@4K 4.45 -> 4.15 ms, b1@32K 5.30 -> 5.01 ms, b64@4K 25.43 ->

@@ -65,6 +65,16 @@ def assert_close_as(out: torch.Tensor, ref: torch.Tensor, truth: torch.Tensor) -
         assert err(out) < 2 * err(ref) + 1e-3, (err(out), err(ref))
 
 
+def check_both_weight_dtypes(x, w13, w2, weights, ids, quant) -> torch.Tensor:
+    """fused_moe against the reference with the routing weights in x's dtype (Qwen-MoE's) and in fp32
+    (Mixtral's), assert_close_as each; returns the fp32-weights output."""
+    for w in (weights.to(x.dtype), weights):
+        ref = fused_moe_ref(x, w13, w2, w, ids, quant=quant)
+        out = fm.fused_moe(x, w13, w2, w, ids, quant=quant)
+        assert_close_as(out, ref, fused_moe_ref(x.float(), w13, w2, w.float(), ids, quant=quant))
+    return out
+
+
 def taken(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The paths fused_moe takes for integer experts, recorded."""
     paths: list[str] = []
@@ -92,10 +102,7 @@ def test_decode_sizes_take_the_routed_gemv(num_tokens, top_k, group, zp, dtype, 
     w13, w2, quant = int4_experts(group, zp)
     x = torch.randn(num_tokens, H, generator=gen(3)).to(dtype)
     weights, ids = routing(num_tokens, top_k, seed=4)
-    for w in (weights.to(dtype), weights):  # the hidden dtype, then fp32
-        ref = fused_moe_ref(x, w13, w2, w, ids, quant=quant)
-        out = fm.fused_moe(x, w13, w2, w, ids, quant=quant)
-        assert_close_as(out, ref, fused_moe_ref(x.float(), w13, w2, w.float(), ids, quant=quant))
+    out = check_both_weight_dtypes(x, w13, w2, weights, ids, quant)
     assert paths == ["gemv", "gemv"]
     monkeypatch.setattr(int4_gemv, "INT4_GEMV_PREFETCH", True)  # the next tile's loads first: the same sums
     assert torch.equal(fm.fused_moe(x, w13, w2, weights, ids, quant=quant), out)
@@ -112,10 +119,7 @@ def test_the_grouped_kernel_with_its_switch_on(num_tokens, top_k, group, zp, mon
     w13, w2, quant = int4_experts(group, zp, seed=16, hidden=hidden, inter=inter)
     x = torch.randn(num_tokens, hidden, generator=gen(17)).bfloat16()
     weights, ids = routing(num_tokens, top_k, seed=18)
-    for w in (weights.bfloat16(), weights):  # Qwen-MoE's bf16 routing weights, Mixtral's fp32
-        ref = fused_moe_ref(x, w13, w2, w, ids, quant=quant)
-        out = fm.fused_moe(x, w13, w2, w, ids, quant=quant)
-        assert_close_as(out, ref, fused_moe_ref(x.float(), w13, w2, w.float(), ids, quant=quant))
+    out = check_both_weight_dtypes(x, w13, w2, weights, ids, quant)
     assert paths == ["grouped", "grouped"]
     monkeypatch.setattr(int4_gemv, "INT4_GEMV_PREFETCH", True)  # the next tile's loads first: the same sums
     assert torch.equal(fm.fused_moe(x, w13, w2, weights, ids, quant=quant), out)
