@@ -44,11 +44,11 @@ PAD_QUERY_MIN_FILL = 0.6
 # Row counts below a full chunk whose plans over every multiple of PREFIX_GRANULE are built too: a prefix hit
 # with 1-4K new tokens (a conversation's next turn, an agent's tool output over its history) runs in cuDNN
 # instead of Triton (a chunk over a prefix pads to the next of these it fills PAD_QUERY_MIN_FILL of). Measured
-# on an H200 (Llama-3.1-8B shape, RESULTS.md eighth session): 32K cached + 1024 new took 57.2 ms at `3672e1d`,
-# when cuDNN built any shape at its first call (the serving stalls), and 70.5 ms at `c2dd2fd` in Triton. Each
-# row count costs a plan per 2K of the longest prefix (~50 ms each: 64 plans, ~3 s of start-up for 128K
-# contexts). Empty (off) until a GPU times the hits and the start-up with them (gpu_check.sh short-plans).
-SHORT_QUERY_ROWS: tuple[int, ...] = ()
+# on an H200 (Llama-3.1-8B shape, RESULTS.md ninth session, gpu_check.sh short-plans): over 32K, 1024 / 2048 /
+# 4096 new tokens take 57.0 / 111.6 / 225.3 ms with these plans against 69.7 / 135.6 / 274.4 ms in Triton, 1024
+# over 64K 87.3 against 110.2 ms; cold prompts unchanged. The cost is start-up: a plan per 2K of the longest
+# prefix and row count (64K contexts: 135 plans in 3.7 s against 39 in 1.1 s; 128K about 6 s more).
+SHORT_QUERY_ROWS: tuple[int, ...] = (1024, 2048, 4096)
 
 
 def pad_rows(n: int) -> int:

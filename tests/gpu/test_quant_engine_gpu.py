@@ -65,10 +65,10 @@ def run(path, dtype="float32", **kw):
     return [o.token_ids for o in outs], [o.outputs[0].logprobs for o in outs], graphs
 
 
-def first_step(path, **kw):
+def first_step(path, dtype="float32", max_new_tokens=1, **kw):
     """Per prompt: the greedy first token and the top-2 {token: logprob} of the first step."""
-    sp = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True, logprobs=2)
-    with LLM(path, device="cuda", dtype="float32", max_total_tokens=8192, **kw) as llm:
+    sp = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True, logprobs=2)
+    with LLM(path, device="cuda", dtype=dtype, max_total_tokens=8192, **kw) as llm:
         outs = llm.generate(prompts(), sp)
         llm.engine.check_integrity()
     return [(o.token_ids[0], dict(o.outputs[0].top_logprobs[0])) for o in outs]
@@ -107,7 +107,10 @@ def test_kernels_give_the_reference_tokens(tmp_path, monkeypatch, case):
 
 @pytest.mark.parametrize("case", ["gptq-actorder", "fp8-block", "gptq-moe", "gptq-moe-g128"])
 def test_bf16_first_token_logprobs_close_to_the_reference(tmp_path, monkeypatch, case):
-    """In bf16 the kernels' first token equals the torch reference path's and its logprob is within 0.1.
+    """In bf16 the kernels' first step agrees with the torch reference path's: each side's token among the
+    other's top two, the logprobs of the tokens both list within 0.1 (bf16 rounding on the tiny random models'
+    near-flat logits can swap the top two: gptq-moe-g128 on an H200 at f46cffd chose 291 at -2.335 where the
+    reference chose 300 at -2.280; a broken kernel moves the logprobs by whole units).
     gptq-moe-g128: the four prompts' prefill (274 tokens in one step; MOE_WNA16_DEQUANT_MIN_TOKENS raised so
     that it is not dequantized) through the grouped int4 MoE kernel, the decode steps (4 tokens) through the
     routed GEMV."""
@@ -118,10 +121,8 @@ def test_bf16_first_token_logprobs_close_to_the_reference(tmp_path, monkeypatch,
     paths: list[str] = []
     real = fused_moe.moe_wna16_path
     monkeypatch.setattr(fused_moe, "moe_wna16_path", lambda *a: paths.append(real(*a)) or paths[-1])
-    tokens, logprobs, _ = run(path, dtype="bfloat16")
+    got = first_step(path, dtype="bfloat16", max_new_tokens=4)
     if case == "gptq-moe-g128":
         assert {"grouped", "gemv"} <= set(paths), sorted(set(paths))
     reference_path(monkeypatch)
-    expected, expected_logprobs, _ = run(path, dtype="bfloat16", enforce_eager=True)
-    for t, lp, te, lpe in zip(tokens, logprobs, expected, expected_logprobs):
-        assert t[0] == te[0] and abs(lp[0] - lpe[0]) < 0.1, (lp[0], lpe[0])
+    assert_first_steps_agree(got, first_step(path, dtype="bfloat16", enforce_eager=True))
