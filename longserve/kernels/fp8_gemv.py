@@ -51,11 +51,6 @@ __all__ = [
 ]
 
 FP8_GEMV_MAX_BLOCK_M = 16  # the most activation rows: each one is a pass over the weight tile in registers
-# Each K iteration loads the next tile's bytes and scales before the current tile's math, as
-# int4_gemv.INT4_GEMV_PREFETCH (Triton pipelines no load that feeds no tl.dot): the configs' PREFETCH where no
-# gemv_tables entry sets it. Off until a GPU times it (gpu_check.sh prefetch): at M=1 the block GEMV read the 8B
-# down weights at 60% of 4.2 TB/s (RESULTS.md seventh session).
-FP8_GEMV_PREFETCH = False
 _E4M3_MAX = tl.constexpr(FP8_MAX)  # 448.0, as a constant the compiler may read
 
 
@@ -63,7 +58,7 @@ _E4M3_MAX = tl.constexpr(FP8_MAX)  # 448.0, as a constant the compiler may read
 def _fp8_tile_load(w_rows, s_rows, offs_k, valid, t, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                    PER_CHANNEL: tl.constexpr):  # fmt: skip
     """Tile t's e4m3 bytes [BLOCK_N, BLOCK_K] and (block FP8) its rows' scales [BLOCK_N] (per channel: zeros,
-    unused), rows where `valid` (a prefetch past the last tile loads nothing)."""
+    unused), rows where `valid`."""
     cols = t * BLOCK_K + offs_k  # [BLOCK_K]
     if EVEN_K:
         wb = tl.load(w_rows + cols[None, :], mask=valid[:, None], other=0)
@@ -88,7 +83,7 @@ def _fp8_gemv_kernel(
     stride_xm, stride_xsm, stride_wn, stride_sn, stride_om, stride_os,
     PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr,
-    INTERPRET: tl.constexpr, INTERPRET_BF16: tl.constexpr, PREFETCH: tl.constexpr,  # the config's
+    INTERPRET: tl.constexpr, INTERPRET_BF16: tl.constexpr,
 ):  # fmt: skip
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -102,19 +97,12 @@ def _fp8_gemv_kernel(
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # rows along dim 0, as the K reduction leaves them
     t_begin = pid_k * tiles_per_split
     t_end = tl.minimum(t_begin + tiles_per_split, num_tiles)
-    # PREFETCH: the first tile's bytes and scales here; each iteration then loads the next tile's before its math
-    if PREFETCH:
-        t_n = tl.zeros([BLOCK_N], dtype=tl.int32)  # tile numbers as [BLOCK_N] (the interpreter's int1 & int1)
-        wb, w_scale = _fp8_tile_load(w_rows, s_rows, offs_k, n_mask & (t_n + t_begin < t_end), t_begin, K,
-                                     BLOCK_K, EVEN_K, PER_CHANNEL)  # fmt: skip
+    # Register double-buffering of the next tile (prefetch) was tried and measured slower on an H200 (ninth
+    # session, RESULTS.md): Triton pipelines only loads that feed a tl.dot.
     for t in range(t_begin, t_end):
         cols = t * BLOCK_K + offs_k  # [BLOCK_K]
         k_ok = cols < K
-        if PREFETCH:
-            nxt = _fp8_tile_load(w_rows, s_rows, offs_k, n_mask & (t_n + t + 1 < t_end), t + 1, K, BLOCK_K, EVEN_K,
-                                 PER_CHANNEL)  # fmt: skip
-        else:
-            wb, w_scale = _fp8_tile_load(w_rows, s_rows, offs_k, n_mask, t, K, BLOCK_K, EVEN_K, PER_CHANNEL)
+        wb, w_scale = _fp8_tile_load(w_rows, s_rows, offs_k, n_mask, t, K, BLOCK_K, EVEN_K, PER_CHANNEL)
         w = wb.to(tl.float8e4nv, bitcast=True).to(tl.float32)  # [BLOCK_N, BLOCK_K], exact
         for mi in tl.static_range(BLOCK_M):
             x_ok = k_ok & ((cols * 0 + mi) < M)
@@ -135,8 +123,6 @@ def _fp8_gemv_kernel(
                 acc += part[:, None]
             else:
                 acc += tl.where(offs_m[None, :] == mi, part[:, None], 0.0)
-        if PREFETCH:
-            wb, w_scale = nxt
     if PER_CHANNEL:  # sum_k xq w * x_scale * w_scale, as scaled_gemm_ref
         x_scales = tl.load(xs_ptr + offs_m * stride_xsm, mask=offs_m < M, other=0.0)  # [BLOCK_M]
         acc = acc * x_scales[None, :] * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
@@ -166,7 +152,7 @@ def fp8_gemv_config(
     num_tiles = triton.cdiv(k, block_k)
     split_k = splits_for(device, triton.cdiv(n, block_n), num_tiles)
     cfg = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k, "num_warps": 4,
-           "num_stages": 2, "PREFETCH": int(FP8_GEMV_PREFETCH)}  # fmt: skip
+           "num_stages": 2}  # fmt: skip
     return {**cfg, **(tuned_gemv_config(kernel, n, k, m, device) or {})}
 
 
@@ -196,8 +182,7 @@ def _launch(
         x.stride(0), xs.stride(0), w.stride(0), w_scale.stride(0), out.stride(-2), out.stride(0) if split > 1 else 0,
         PER_CHANNEL=per_channel, HAS_BIAS=bias is not None and split == 1, EVEN_K=k % cfg["BLOCK_K"] == 0,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], PARTIAL=split > 1,
-        INTERPRET=interp, INTERPRET_BF16=interpret_bf16, PREFETCH=bool(cfg["PREFETCH"]), num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
+        INTERPRET=interp, INTERPRET_BF16=interpret_bf16, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     return out if split == 1 else splitk_reduce(out, bias, out_dtype)
 

@@ -11,7 +11,7 @@ the int4 general kernel wanted more splits instead (gate_up 6 against 3: 38.1 ag
 
 Entries are exact: the kernel's name (the variant in it: `int4_fast_gemv_bk128`), N, K and M; a shape that was
 not timed gets the default. File: `kernel=KERNEL,device_name=NVIDIA_H200.json`, {"N,K,M": {"BLOCK_N": ..,
-"SPLIT_K": .., "num_warps": .., "PREFETCH": 0 or 1 (optional: the kernel's switch where absent)}, ...}.
+"SPLIT_K": .., "num_warps": ..}, ...}.
 """
 
 from __future__ import annotations
@@ -25,19 +25,10 @@ import torch
 
 from longserve.kernels.moe_config import current_device_name
 
-__all__ = [
-    "OPTIONAL_KEYS",
-    "TABLE_DIR",
-    "TABLE_KEYS",
-    "gemv_table_name",
-    "load_gemv_table",
-    "tuned_gemv_config",
-]
+__all__ = ["TABLE_DIR", "TABLE_KEYS", "gemv_table_name", "load_gemv_table", "tuned_gemv_config"]
 
 TABLE_DIR = Path(__file__).parent / "gemv_configs"
 TABLE_KEYS = ("BLOCK_N", "SPLIT_K", "num_warps")
-# PREFETCH 0 / 1: the next tile's loads before the current tile's math (absent: the kernel's switch)
-OPTIONAL_KEYS = ("PREFETCH",)
 
 
 def gemv_table_name(kernel: str, device_name: str) -> str:
@@ -57,14 +48,10 @@ def load_gemv_table(path: str) -> dict[tuple[int, int, int], dict[str, int]]:
         ok = len(dims) == 3 and all(d.isdigit() for d in dims) and isinstance(cfg, dict)
         if (
             not ok
-            or not set(TABLE_KEYS) <= set(cfg) <= set(TABLE_KEYS + OPTIONAL_KEYS)
-            or not all(isinstance(cfg[k], int) and cfg[k] > 0 for k in TABLE_KEYS)
-            or cfg.get("PREFETCH", 0) not in (0, 1)
+            or sorted(cfg) != sorted(TABLE_KEYS)
+            or not all(isinstance(v, int) and v > 0 for v in cfg.values())
         ):
-            raise ValueError(
-                f"{path}: bad entry {key!r}: {cfg} (needs 'N,K,M': {{{', '.join(TABLE_KEYS)}}}, "
-                f"optionally {', '.join(OPTIONAL_KEYS)} 0 or 1)"
-            )
+            raise ValueError(f"{path}: bad entry {key!r}: {cfg} (needs 'N,K,M': {{{', '.join(TABLE_KEYS)}}})")
         n, k, m = map(int, dims)
         table[(n, k, m)] = dict(cfg)
     return table

@@ -36,7 +36,6 @@ import triton.language as tl
 from longserve.kernels.quant_tiles import store_gemv_out
 
 __all__ = [
-    "INT4_GEMV_PREFETCH",
     "int4_dot_tile",
     "int4_fast_block_n",
     "int4_fast_supported",
@@ -45,13 +44,6 @@ __all__ = [
     "int4_tile_scales",
 ]
 
-# Each iteration of int4_gemv_kernel's K loop loads the next tile's words and scales before the current tile's
-# math (register double-buffering; sm90 compile: 128 registers at 256 rows either way, no spills) instead of
-# loading and then waiting for them: Triton does not pipeline loads that feed no tl.dot (the sm90 PTX has no
-# cp.async at any num_stages), so each program had one tile in flight only while it waited. The one-row kernel
-# read the 8B gate_up weights at 42% of 4.2 TB/s (RESULTS.md seventh session). Off until a GPU times it
-# (gpu_check.sh prefetch).
-INT4_GEMV_PREFETCH = False
 _BF16_128 = tl.constexpr(0x43004300)  # two bf16 128.0: OR-ed with a nibble in each half, 128 + q
 _LOW_NIBBLES = tl.constexpr(0x000F000F)
 _HIGH_HALF = tl.constexpr(-65536)  # 0xFFFF0000 as int32
@@ -91,7 +83,7 @@ def int4_tile_scales(s_ptr, z_ptr, offs_n, n_mask, stride_sn, stride_zn, grp, HA
 def int4_tile_load(w_rows, s_ptr, z_ptr, offs_n, offs_w, valid, stride_sn, stride_zn, group_size, t,
                     BLOCK_K: tl.constexpr, HAS_ZP: tl.constexpr):  # fmt: skip
     """Tile t's packed words [BLOCK_N, BLOCK_K / 8] and its scales and 128 + zero points [BLOCK_N], rows where
-    `valid` (a prefetch past the last tile loads nothing)."""
+    `valid`."""
     words = tl.load(w_rows + (t * (BLOCK_K // 8) + offs_w)[None, :], mask=valid[:, None], other=0)
     s_row, z = int4_tile_scales(
         s_ptr, z_ptr, offs_n, valid, stride_sn, stride_zn, t * BLOCK_K // group_size, HAS_ZP
@@ -112,7 +104,6 @@ def int4_gemv_kernel(
     stride_xm, stride_om, stride_we, stride_se, stride_ze,
     HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PARTIAL: tl.constexpr, INTERPRET_BF16: tl.constexpr, ROUTED: tl.constexpr, X_ROW_DIV: tl.constexpr,
-    PREFETCH: tl.constexpr,  # the config's (INT4_GEMV_PREFETCH unless a gemv_tables entry sets it)
 ):  # fmt: skip
     BLOCK_W: tl.constexpr = BLOCK_K // 8  # words of a tile row
     pid_n, pid_k, row = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
@@ -130,18 +121,11 @@ def int4_gemv_kernel(
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     t_begin = pid_k * tiles_per_split
     t_end = tl.minimum(t_begin + tiles_per_split, num_tiles)
-    # PREFETCH: the first tile's words and scales here; each iteration then loads the next tile's before its math
-    if PREFETCH:
-        t_n = tl.zeros([BLOCK_N], dtype=tl.int32)  # tile numbers as [BLOCK_N] (the interpreter's int1 & int1)
-        words, s_row, z = int4_tile_load(w_rows, s_ptr, z_ptr, offs_n, offs_w, n_mask & (t_n + t_begin < t_end),
-                                          stride_sn, stride_zn, group_size, t_begin, BLOCK_K, HAS_ZP)  # fmt: skip
+    # Register double-buffering of the next tile (prefetch) was tried and measured slower on an H200 (ninth
+    # session, RESULTS.md): Triton pipelines only loads that feed a tl.dot.
     for t in range(t_begin, t_end):
-        if PREFETCH:
-            nxt = int4_tile_load(w_rows, s_ptr, z_ptr, offs_n, offs_w, n_mask & (t_n + t + 1 < t_end), stride_sn,
-                                  stride_zn, group_size, t + 1, BLOCK_K, HAS_ZP)  # fmt: skip
-        else:
-            words, s_row, z = int4_tile_load(w_rows, s_ptr, z_ptr, offs_n, offs_w, n_mask, stride_sn, stride_zn,
-                                              group_size, t, BLOCK_K, HAS_ZP)  # fmt: skip
+        words, s_row, z = int4_tile_load(w_rows, s_ptr, z_ptr, offs_n, offs_w, n_mask, stride_sn, stride_zn,
+                                          group_size, t, BLOCK_K, HAS_ZP)  # fmt: skip
         x_cols = x_ptr + t * BLOCK_K + offs_w * 8  # [BLOCK_W]: column 8j of the tile
         prod = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
         x_sum = tl.zeros([BLOCK_W], dtype=tl.float32)
@@ -156,8 +140,6 @@ def int4_gemv_kernel(
             prod += hi * x_hi[None, :]
             x_sum += x_lo + x_hi
         acc += (tl.sum(prod, axis=1) - z * tl.sum(x_sum, axis=0)) * s_row
-        if PREFETCH:
-            words, s_row, z = nxt
     store_gemv_out(out_ptr, acc, offs_n, n_mask, b_ptr, offs_n, n_mask, pid_k, stride_os, HAS_BIAS, PARTIAL,
                    INTERPRET_BF16)  # fmt: skip
 

@@ -39,7 +39,6 @@ import torch
 import triton
 import triton.language as tl
 
-from longserve.kernels import int4_gemv
 from longserve.kernels.extend_attention import interpreting
 from longserve.kernels.int4_gemv import int4_dot_tile, int4_fast_block_n, int4_gemv_kernel, int4_tile_load
 from longserve.kernels.launch import fast_launch
@@ -194,7 +193,7 @@ def _routed_gemv(
         x.stride(0), out.stride(-2), w.stride(0) // 4, scale.stride(0), z.stride(0),
         HAS_ZP=zero is not None, HAS_BIAS=False, BLOCK_N=block_n, BLOCK_K=block_k, PARTIAL=split > 1,
         INTERPRET_BF16=interpreting() and x.dtype == torch.bfloat16, ROUTED=True, X_ROW_DIV=x_row_div,
-        PREFETCH=int4_gemv.INT4_GEMV_PREFETCH, num_warps=4, num_stages=2,
+        num_warps=4, num_stages=2,
     )  # fmt: skip
     return out
 
@@ -213,12 +212,11 @@ def _grouped_int4_kernel(
     N, group_size, num_tiles, num_valid, stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_ze,
     stride_zn, stride_om,
     X_ROW_DIV: tl.constexpr, HAS_ZP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr, INTERPRET_BF16: tl.constexpr, PREFETCH: tl.constexpr,
+    BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr, INTERPRET_BF16: tl.constexpr,
 ):  # fmt: skip
     """Rows of a block of pairs routed to one expert times that expert's weights, tile by tile on the tensor
     cores (int4_gemv.int4_dot_tile) over the pairs' token rows (x row pair // X_ROW_DIV), each row rounded once
-    to the dtype. PREFETCH (int4_gemv.INT4_GEMV_PREFETCH): the next tile's words and scales loaded before the
-    current tile's math."""
+    to the dtype."""
     BLOCK_W: tl.constexpr = BLOCK_K // 8
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_post_ptr):
@@ -233,21 +231,13 @@ def _grouped_int4_kernel(
     w_rows = w_ptr + expert * stride_we + offs_n[:, None] * stride_wn  # [BLOCK_N, 1]
     s_exp, z_exp = s_ptr + expert * stride_se, z_ptr + expert * stride_ze
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if PREFETCH:  # tile 0's words and scales (num_tiles >= 1)
-        t_n = tl.zeros([BLOCK_N], dtype=tl.int32)  # tile numbers as [BLOCK_N] (the interpreter's int1 & int1)
-        words, s_row, z = int4_tile_load(w_rows, s_exp, z_exp, offs_n, offs_w, n_mask, stride_sn, stride_zn,
-                                         group_size, 0, BLOCK_K, HAS_ZP)  # fmt: skip
+    # Loading the next tile before this one's math (prefetch) was measured slower here too on an H200 (187 -> 236
+    # us at 8 tokens, ninth session, RESULTS.md).
     for t in range(0, num_tiles):
-        if PREFETCH:
-            nxt = int4_tile_load(w_rows, s_exp, z_exp, offs_n, offs_w, n_mask & (t_n + t + 1 < num_tiles), stride_sn,
-                                 stride_zn, group_size, t + 1, BLOCK_K, HAS_ZP)  # fmt: skip
-        else:
-            words, s_row, z = int4_tile_load(w_rows, s_exp, z_exp, offs_n, offs_w, n_mask, stride_sn, stride_zn,
-                                             group_size, t, BLOCK_K, HAS_ZP)  # fmt: skip
+        words, s_row, z = int4_tile_load(w_rows, s_exp, z_exp, offs_n, offs_w, n_mask, stride_sn, stride_zn,
+                                         group_size, t, BLOCK_K, HAS_ZP)  # fmt: skip
         prod, x_sum = int4_dot_tile(words, x_rows + t * BLOCK_K + offs_w[None, :] * 8, valid, DOT_FP32)
         acc += (prod - x_sum[:, None] * z[None, :]) * s_row[None, :]
-        if PREFETCH:
-            words, s_row, z = nxt
     ty = out_ptr.dtype.element_ty
     out = out_ptr + pair.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     tl.store(out, rounded(acc, ty, INTERPRET_BF16).to(ty), mask=valid[:, None] & n_mask[None, :])
@@ -277,7 +267,7 @@ def _grouped_gemm(
         num_pairs, x.stride(0), w.stride(0) // 4, packed // 4, scale.stride(0), scale.stride(1), z.stride(0),
         z.stride(1), out.stride(0), X_ROW_DIV=x_row_div, HAS_ZP=zero is not None, BLOCK_M=GROUPED_BLOCK_M,
         BLOCK_N=block_n, BLOCK_K=128, DOT_FP32=interp, INTERPRET_BF16=interp and x.dtype == torch.bfloat16,
-        PREFETCH=int4_gemv.INT4_GEMV_PREFETCH, num_warps=4, num_stages=2,
+        num_warps=4, num_stages=2,
     )  # fmt: skip
     return out
 

@@ -51,7 +51,6 @@ import torch
 import triton
 import triton.language as tl
 
-from longserve.kernels import int4_gemv
 from longserve.kernels.extend_attention import interpreting
 from longserve.kernels.gemv_tables import tuned_gemv_config
 from longserve.kernels.int4_gemv import int4_fast_block_n, int4_fast_supported, int4_gemv_kernel
@@ -319,11 +318,9 @@ def wna16_gemv_config(
     split_k = splits_for(device, triton.cdiv(n, block_n), triton.cdiv(k, block_k))
     cfg = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k,
            "USE_DOT": int(use_dot), "SCALE_PER_COL": int(per_col), "num_warps": 4, "num_stages": 2}  # fmt: skip
-    if not fast:
-        return cfg
-    # the one-row kernel's prefetch switch, and its tiles as timed on this GPU (kernels/gemv_tables.py)
-    cfg["PREFETCH"] = int(int4_gemv.INT4_GEMV_PREFETCH)
-    return {**cfg, **(tuned_gemv_config(f"int4_fast_gemv_bk{block_k}", n, k, m, device) or {})}
+    # the one-row kernel's tiles as timed on this GPU (kernels/gemv_tables.py), where they were
+    tuned = tuned_gemv_config(f"int4_fast_gemv_bk{block_k}", n, k, m, device) if fast else None
+    return {**cfg, **(tuned or {})}
 
 
 def wna16_gemv(
@@ -372,8 +369,7 @@ def wna16_gemv(
             qweight.stride(0) // 4, scales.stride(0), z.stride(0), out.stride(0) if split > 1 else 0,
             0, 0, 0, 0, 0, HAS_ZP=zeros is not None, HAS_BIAS=bias is not None and split == 1,
             BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, PARTIAL=split > 1, INTERPRET_BF16=interpret_bf16,
-            ROUTED=False, X_ROW_DIV=1, PREFETCH=bool(cfg.get("PREFETCH", 0)), num_warps=cfg["num_warps"],
-            num_stages=cfg["num_stages"],
+            ROUTED=False, X_ROW_DIV=1, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )  # fmt: skip
         return out if split == 1 else splitk_reduce(out, bias, x.dtype)
     _wna16_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), split)](

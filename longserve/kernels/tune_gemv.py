@@ -2,12 +2,11 @@
 
 `python -m longserve.kernels.tune_gemv --shapes llama-3.1-8b,qwen3-30b-a3b --kernels int4,fp8_block,fp8_channel`:
 for each projection of the shapes (N x K) and each kernel, at M = 1 (--tokens), the candidates (BLOCK_N x
-SPLIT_K x num_warps x PREFETCH: the next tile's loads first or not) are timed as CUDA graphs (median of
---repeats), each one's output checked against the default tiles' once; the fastest is written only where it
-beats the default by --min-gain (a tie keeps the defaults: no entry). The kernels are the one-row int4 GEMV
-(GPTQ g128, kernels/int4_gemv.py via quant_gemv), the block-FP8 GEMV (128x128 blocks) and the per-channel FP8
-GEMV (kernels/fp8_gemv.py). Compiling dominates: each (BLOCK_N, num_warps, prefetch, split or not) compiles
-once per kernel and serves every shape.
+SPLIT_K x num_warps) are timed as CUDA graphs (median of --repeats), each one's output checked against the
+default tiles' once; the fastest is written only where it beats the default by --min-gain (a tie keeps the
+defaults: no entry). The kernels are the one-row int4 GEMV (GPTQ g128, kernels/int4_gemv.py via quant_gemv), the
+block-FP8 GEMV (128x128 blocks) and the per-channel FP8 GEMV (kernels/fp8_gemv.py). Compiling dominates:
+each (BLOCK_N, num_warps, split or not) compiles once per kernel and serves every shape.
 """
 
 from __future__ import annotations
@@ -27,12 +26,7 @@ PROJECTIONS = {
     "llama-3.1-8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)},
     "qwen3-30b-a3b": {"qkv": (5120, 2048), "o": (2048, 4096)},
 }
-SPACE = {
-    "BLOCK_N": [32, 64, 128, 256],
-    "SPLIT_K": [1, 2, 3, 4, 6, 8, 12, 16, 24, 32],
-    "num_warps": [4, 8],
-    "PREFETCH": [0, 1],
-}
+SPACE = {"BLOCK_N": [32, 64, 128, 256], "SPLIT_K": [1, 2, 3, 4, 6, 8, 12, 16, 24, 32], "num_warps": [4, 8]}
 REL_TOL = 1e-2  # a candidate further than this from the default tiles' output is a kernel bug: stop
 
 
@@ -41,12 +35,10 @@ def candidates(kernel: str, n: int, k: int, space: dict | None = None) -> list[d
     tiles left out (a thread's 4 words serve fewer rows than its activations cost)."""
     space = space or SPACE
     out = []
-    for bn, split, warps, pf in itertools.product(
-        *(space[key] for key in ("BLOCK_N", "SPLIT_K", "num_warps", "PREFETCH"))
-    ):
+    for bn, split, warps in itertools.product(space["BLOCK_N"], space["SPLIT_K"], space["num_warps"]):
         if split > 1 and k // 128 < 2 * split or bn > max(16, n) or (kernel == "int4" and bn < 64 <= n):
             continue
-        out.append({"BLOCK_N": bn, "SPLIT_K": split, "num_warps": warps, "PREFETCH": pf})
+        out.append({"BLOCK_N": bn, "SPLIT_K": split, "num_warps": warps})
     return out
 
 

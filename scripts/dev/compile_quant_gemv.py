@@ -32,22 +32,12 @@ VARIANTS = [
     {"fp8": True, "bm": 16, "bn": 16, "x": "fp32"},
     {"fp8": True, "channel": True},  # per-channel FP8, M = 1, split-K
     {"fp8": True, "channel": True, "bm": 4, "split": 1, "bias": True, "even_k": False},
-    {"fp8": True, "prefetch": True},  # the next tile's loads before the current tile's math
-    {"fp8": True, "channel": True, "prefetch": True, "bn": 128, "even_k": False},
     {"int4": True, "bn": 256},  # the one-row fast path, g128 symmetric, split-K: the decode case
     {"int4": True, "zp": True, "split": 1, "bias": True, "x": "fp16"},
     {"int4": True, "routed": True, "x_row_div": 8, "split": 1},  # MoE decode, gate+up over (token, k) pairs
     {"int4": True, "routed": True, "zp": True},  # MoE down, split-K
-    {"int4": True, "bn": 256, "prefetch": True},  # the next tile's loads before the current tile's math
-    {"int4": True, "bn": 128, "zp": True, "prefetch": True, "num_warps": 8},
-    {"int4": True, "routed": True, "zp": True, "prefetch": True},
     {"moe_grouped": True},  # the grouped int4 MoE kernel, gate+up over the pairs' token rows
     {"moe_grouped": True, "zp": True, "x_row_div": 1},  # its down projection
-    {
-        "moe_grouped": True,
-        "zp": True,
-        "prefetch": True,
-    },  # the next tile's loads before the current tile's math
 ]
 
 
@@ -82,14 +72,14 @@ def compile_reduce(x="bf16", bias=True):
 
 
 def compile_fp8_gemv(fp8=True, channel=False, x="bf16", bias=False, even_k=True, bm=1, bn=64, bk=128, split=4,
-                     prefetch=False, num_warps=4, num_stages=2):  # fmt: skip
+                     num_warps=4, num_stages=2):  # fmt: skip
     """The FP8 GEMV (block, or per channel) for sm90, specialized as at run time."""
     from longserve.kernels.fp8_gemv import _fp8_gemv_kernel as fn
 
     ptrs = {"x_ptr": "*u8" if channel else f"*{x}", "xs_ptr": "*fp32", "w_ptr": "*u8", "s_ptr": "*fp32",
             "b_ptr": f"*{x}" if bias else "*fp32", "out_ptr": "*fp32" if split > 1 else f"*{x}"}  # fmt: skip
     consts = dict(PER_CHANNEL=channel, HAS_BIAS=bias and split == 1, EVEN_K=even_k, BLOCK_M=bm, BLOCK_N=bn,
-                  BLOCK_K=bk, PARTIAL=split > 1, INTERPRET=False, INTERPRET_BF16=False, PREFETCH=prefetch)  # fmt: skip
+                  BLOCK_K=bk, PARTIAL=split > 1, INTERPRET=False, INTERPRET_BF16=False)  # fmt: skip
     sig = {a: ptrs.get(a, "constexpr" if a in consts else "i32") for a in fn.arg_names}
     div16 = [*ptrs, "K", "N", "stride_xm", "stride_wn", "stride_om", "stride_os"]
     attrs = {a: [["tt.divisibility", 16]] for a in div16}
@@ -97,7 +87,7 @@ def compile_fp8_gemv(fp8=True, channel=False, x="bf16", bias=False, even_k=True,
 
 
 def compile_int4_gemv(int4=True, x="bf16", zp=False, bias=False, bn=64, bk=128, split=4, routed=False, x_row_div=1,
-                      prefetch=False, num_warps=4, num_stages=2):  # fmt: skip
+                      num_warps=4, num_stages=2):  # fmt: skip
     """The one-row int4 GEMV (kernels/int4_gemv.py) for sm90, specialized as at run time; `routed`: over MoE
     (token, expert) pairs (kernels/moe_wna16.py)."""
     from longserve.kernels.int4_gemv import int4_gemv_kernel as fn
@@ -106,15 +96,15 @@ def compile_int4_gemv(int4=True, x="bf16", zp=False, bias=False, bn=64, bk=128, 
             "b_ptr": f"*{x}" if bias else "*fp16", "ids_ptr": "*i32",
             "out_ptr": "*fp32" if split > 1 else f"*{x}"}  # fmt: skip
     consts = dict(HAS_ZP=zp, HAS_BIAS=bias and split == 1, BLOCK_N=bn, BLOCK_K=bk, PARTIAL=split > 1,
-                  INTERPRET_BF16=False, ROUTED=routed, X_ROW_DIV=x_row_div, PREFETCH=prefetch)  # fmt: skip
+                  INTERPRET_BF16=False, ROUTED=routed, X_ROW_DIV=x_row_div)  # fmt: skip
     sig = {a: ptrs.get(a, "constexpr" if a in consts else "i32") for a in fn.arg_names}
     div16 = [*ptrs, "N", "stride_wn", "stride_os", "stride_xm", "stride_om", "stride_we", "stride_se"]
     attrs = {a: [["tt.divisibility", 16]] for a in div16}
     return compile_sm90(fn, sig, consts, attrs, num_warps=num_warps, num_stages=num_stages)
 
 
-def compile_moe_grouped(moe_grouped=True, x="bf16", zp=False, bm=16, bn=64, x_row_div=8, prefetch=False,
-                        num_warps=4, num_stages=2):  # fmt: skip
+def compile_moe_grouped(moe_grouped=True, x="bf16", zp=False, bm=16, bn=64, x_row_div=8, num_warps=4,
+                        num_stages=2):  # fmt: skip
     """kernels/moe_wna16.py's grouped int4 MoE kernel for sm90, with 16-bit dots as on the GPU."""
     from longserve.kernels.moe_wna16 import _grouped_int4_kernel
 
@@ -123,7 +113,7 @@ def compile_moe_grouped(moe_grouped=True, x="bf16", zp=False, bm=16, bn=64, x_ro
     ptrs = {"x_ptr": f"*{x}", "w_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8" if zp else "*fp16",
             "sorted_ptr": "*i32", "expert_ids_ptr": "*i32", "num_post_ptr": "*i32", "out_ptr": f"*{x}"}  # fmt: skip
     consts = dict(X_ROW_DIV=x_row_div, HAS_ZP=zp, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, DOT_FP32=False,
-                  INTERPRET_BF16=False, PREFETCH=prefetch)  # fmt: skip
+                  INTERPRET_BF16=False)  # fmt: skip
     sig = {a: ptrs.get(a, "constexpr" if a in consts else "i32") for a in fn.arg_names}
     div16 = [*ptrs, "N", "stride_xm", "stride_wn", "stride_om", "stride_we"]
     attrs = {a: [["tt.divisibility", 16]] for a in div16}

@@ -4,7 +4,7 @@
 # $OUT; a short table last. LONGSERVE_COMMIT is the commit the JSON metadata names: compute it where the tree
 # is a git checkout (a copied tree's .git may be stale) and pass it as a literal, e.g.
 #   LONGSERVE_COMMIT=abc1234 bash scripts/gpu/gpu_check.sh latency
-#   usage: LONGSERVE_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu/gpu_check.sh [quick|tests|bench|all|long|tp|tp2|tp32|profile|latency|hit|host|launch|turns|moe|moe-tests|moe-bench|moe-long|moe-tp|quant|quant-tests|quant-bench|kvfp8|vllm|structured|switches|chunks|fusions|fusions-a3b|piecewise|moe-gemv|quant-decode|prefetch|moe-grouped|fp8-acc|gemv-tune|short-plans|tune-int-moe]
+#   usage: LONGSERVE_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu/gpu_check.sh [quick|tests|bench|all|long|tp|tp2|tp32|profile|latency|hit|host|launch|turns|moe|moe-tests|moe-bench|moe-long|moe-tp|quant|quant-tests|quant-bench|kvfp8|vllm|structured|switches|chunks|fusions|fusions-a3b|piecewise|moe-gemv|quant-decode|moe-grouped|fp8-acc|gemv-tune|short-plans|tune-int-moe]
 # moe (one GPU) = moe-tests (the MoE kernel and engine GPU tests, the kernel's TFLOP/s and GB/s) +
 # moe-bench (the Qwen3-30B-A3B shape's cases against HF, profiled, with their floors); moe-long: 128K cold
 # against HF and the Mixtral-8x7B shape; moe-tp (two GPUs): the TP=2 / expert-parallel tests and the A3B shape
@@ -17,10 +17,6 @@
 # (int4 GEMV, block and per-channel FP8 GEMVs against their GEMMs, as CUDA graphs), then the 8B shape's int4,
 # block-FP8 and per-channel FP8 decode with each GEMV off and on (WNA16_GEMV_MAX_TOKENS, FP8_GEMV_MAX_TOKENS 0
 # against 16).
-# prefetch (one GPU, ~7 min): the int4 and FP8 kernels' next-tile prefetch (INT4_GEMV_PREFETCH: the one-row GEMV,
-# the routed and grouped MoE kernels; FP8_GEMV_PREFETCH; off until this runs): the GPU tests with their times
-# beside the plain loops' per 8B projection, then per setting the int4 experts' paths per token count and the
-# 8B and A3B int4 and 8B FP8 decode at batch 1 (32K; A3B also batch 64).
 # short-plans (one GPU, ~4 min): prefix hits of 64 / 1K / 2K / 4K new tokens over 32K (and 1K over 64K), and the
 # start-up's cuDNN plan builds, without and with plans for 1-4K new tokens over any prefix (SHORT_QUERY_ROWS).
 # gemv-tune (one GPU, ~6 min): the 8B FP8 and int4 decode at batch 1, python -m longserve.kernels.tune_gemv (the
@@ -425,27 +421,6 @@ if [[ $MODE == quant-decode ]]; then  # one GPU, ~8 min: the int4 and FP8 decode
       -- longserve.bench.latency --config llama-3.1-8b --load-format dummy --dtype bfloat16 --quantization fp8 \
       --warmup 1 --repeat 3 --decode-batch-sizes 1@32768 --output-json "$OUT/latency_fp8ch_gemv$limit.json" \
       2>&1 | tee "$OUT/latency_fp8ch_gemv$limit.log" | grep -E "^decode" || status=1
-  done
-fi
-
-if [[ $MODE == prefetch ]]; then  # one GPU, ~7 min: the int4 and FP8 kernels' next-tile prefetch (INT4_GEMV_PREFETCH, FP8_GEMV_PREFETCH)
-  python3 -m pytest -q -m gpu tests/gpu/test_quant_kernels_gpu.py -k "int4_fast or fp8_block_gemv" -s \
-    -p no:cacheprovider --tb=short -rfE 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "one-row|fp8 block gemv|passed|failed" \
-    || status=1
-  fp8='{"quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}}'
-  for pf in False True; do  # the int4 experts' paths (routed GEMV, grouped kernel), then decode, plain and prefetched
-    timeout 120 python3 scripts/probes/with_constants.py longserve.kernels.int4_gemv.INT4_GEMV_PREFETCH=$pf -- \
-      pytest -q -m gpu tests/gpu/test_quant_kernels_gpu.py -k "int4_experts" -s -p no:cacheprovider --tb=short 2>&1 \
-      | grep -E "int4 experts|passed|failed" | sed "s/^/prefetch=$pf: /"
-    for run in "llama-3.1-8b int4 1@32768" "qwen3-30b-a3b int4 1@32768,64@4096" "llama-3.1-8b fp8 1@32768"; do
-      read -r shape v sizes <<< "$run"
-      q=(--quantization gptq); [[ $v == fp8 ]] && q=(--hf-overrides "$fp8")
-      timeout 120 python3 scripts/probes/with_constants.py longserve.kernels.int4_gemv.INT4_GEMV_PREFETCH=$pf \
-        longserve.kernels.fp8_gemv.FP8_GEMV_PREFETCH=$pf -- longserve.bench.latency --config $shape \
-        --load-format dummy --dtype bfloat16 "${q[@]}" --warmup 1 --repeat 3 --decode-batch-sizes $sizes \
-        --output-json "$OUT/latency_${shape}_${v}_prefetch$pf.json" 2>&1 | tee "$OUT/latency_${shape}_${v}_prefetch$pf.log" \
-        | grep -E "^decode" | sed "s/^/$shape $v prefetch=$pf: /"
-    done
   done
 fi
 

@@ -4,12 +4,12 @@
 # log, and is packed into $OUT/MODE.tgz at once (a call returns few files, and none whose name holds '=' or ',';
 # a call cut short keeps the modes already packed). The wheels of scripts/gpu/fetch_test_wheels.sh, if carried
 # in .whl/, are installed first (the tests, quant and structured modes need them).
-#   LONGSERVE_COMMIT=abc1234 QUEUE_SECONDS=570 bash scripts/gpu/queue.sh prefetch gemv-tune short-plans=5
+#   LONGSERVE_COMMIT=abc1234 QUEUE_SECONDS=570 bash scripts/gpu/queue.sh tests gemv-tune short-plans=5
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/longserve-out}
 budget=${QUEUE_SECONDS:-570}
-declare -A MINUTES=([tests]=7 [prefetch]=7 [gemv-tune]=6 [short-plans]=4 [piecewise]=6 [fp8-acc]=8
+declare -A MINUTES=([tests]=7 [gemv-tune]=6 [short-plans]=4 [piecewise]=6 [fp8-acc]=8
                     [moe-grouped]=5 [vllm]=6 [quant-bench]=7 [tune-int-moe]=6)  # measured or estimated per mode, on an H200
 if ls .whl/*.whl > /dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl

@@ -58,11 +58,9 @@ def test_an_entry_sets_the_tiles_of_its_product_only(table_dir) -> None:
 
 def test_the_one_row_int4_kernel_reads_its_table(table_dir) -> None:
     """The entry applies where the one-row kernel runs (M = 1, groups of 128), not to the general kernel."""
-    assert quant_gemv.wna16_gemv_config(1, 4096, 14336, 128, 4, False, torch.bfloat16, CUDA)["PREFETCH"] == 0
-    tiles = {"BLOCK_N": 128, "SPLIT_K": 6, "num_warps": 4, "PREFETCH": 1}
-    write(table_dir, "int4_fast_gemv_bk128", {"4096,14336,1": tiles})
+    write(table_dir, "int4_fast_gemv_bk128", {"4096,14336,1": {"BLOCK_N": 128, "SPLIT_K": 6, "num_warps": 4}})
     cfg = quant_gemv.wna16_gemv_config(1, 4096, 14336, 128, 4, False, torch.bfloat16, CUDA)
-    assert (cfg["BLOCK_N"], cfg["SPLIT_K"], cfg["PREFETCH"]) == (128, 6, 1)
+    assert (cfg["BLOCK_N"], cfg["SPLIT_K"]) == (128, 6)
     general = quant_gemv.wna16_gemv_config(1, 4096, 14336, 128, 4, True, torch.bfloat16, CUDA)  # act order
     assert general["SPLIT_K"] != 6 or general["BLOCK_N"] != 128
 
@@ -71,7 +69,6 @@ def test_the_one_row_int4_kernel_reads_its_table(table_dir) -> None:
     "entries",
     [{"1,2": {"BLOCK_N": 64, "SPLIT_K": 1, "num_warps": 4}}, {"1,2,1": {"BLOCK_N": 64, "SPLIT_K": 1}},
      {"1,2,1": {"BLOCK_N": 64, "SPLIT_K": 0, "num_warps": 4}},
-     {"1,2,1": {"BLOCK_N": 64, "SPLIT_K": 1, "num_warps": 4, "PREFETCH": 2}},
      {"1,2,1": {"BLOCK_N": 64, "SPLIT_K": 1, "num_warps": 4, "BLOCK_K": 64}}],
 )  # fmt: skip
 def test_a_bad_table_is_refused_with_its_entry(table_dir, entries) -> None:
@@ -86,7 +83,7 @@ def test_the_tuner_checks_each_candidate_and_keeps_only_gains(
 ) -> None:
     """Interpreted at N=48, K=512: every candidate's output against the default's, the best returned; with a
     gain threshold no candidate can meet, nothing is written."""
-    tiny = {"BLOCK_N": [16, 64], "SPLIT_K": [1, 2], "num_warps": [4], "PREFETCH": [0, 1]}
+    tiny = {"BLOCK_N": [16, 64], "SPLIT_K": [1, 2], "num_warps": [4]}
     args = tune_gemv.parse_args(
         ["--shapes", "llama-3.1-8b", "--kernels", kernel, "--iters", "1", "--repeats", "1"]
     )

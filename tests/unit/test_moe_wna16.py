@@ -15,7 +15,7 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 
 from longserve.kernels import fused_moe as fm  # noqa: E402
-from longserve.kernels import int4_gemv, moe_wna16  # noqa: E402
+from longserve.kernels import moe_wna16  # noqa: E402
 from longserve.kernels.moe_reference import MoEQuant, fused_moe_ref, route_topk  # noqa: E402
 from longserve.kernels.moe_sum import moe_sum  # noqa: E402
 from longserve.kernels.quant_reference import pack_int_k  # noqa: E402
@@ -65,14 +65,13 @@ def assert_close_as(out: torch.Tensor, ref: torch.Tensor, truth: torch.Tensor) -
         assert err(out) < 2 * err(ref) + 1e-3, (err(out), err(ref))
 
 
-def check_both_weight_dtypes(x, w13, w2, weights, ids, quant) -> torch.Tensor:
+def check_both_weight_dtypes(x, w13, w2, weights, ids, quant) -> None:
     """fused_moe against the reference with the routing weights in x's dtype (Qwen-MoE's) and in fp32
-    (Mixtral's), assert_close_as each; returns the fp32-weights output."""
+    (Mixtral's), assert_close_as each."""
     for w in (weights.to(x.dtype), weights):
         ref = fused_moe_ref(x, w13, w2, w, ids, quant=quant)
         out = fm.fused_moe(x, w13, w2, w, ids, quant=quant)
         assert_close_as(out, ref, fused_moe_ref(x.float(), w13, w2, w.float(), ids, quant=quant))
-    return out
 
 
 def taken(monkeypatch: pytest.MonkeyPatch) -> list[str]:
@@ -102,10 +101,8 @@ def test_decode_sizes_take_the_routed_gemv(num_tokens, top_k, group, zp, dtype, 
     w13, w2, quant = int4_experts(group, zp)
     x = torch.randn(num_tokens, H, generator=gen(3)).to(dtype)
     weights, ids = routing(num_tokens, top_k, seed=4)
-    out = check_both_weight_dtypes(x, w13, w2, weights, ids, quant)
+    check_both_weight_dtypes(x, w13, w2, weights, ids, quant)
     assert paths == ["gemv", "gemv"]
-    monkeypatch.setattr(int4_gemv, "INT4_GEMV_PREFETCH", True)  # the next tile's loads first: the same sums
-    assert torch.equal(fm.fused_moe(x, w13, w2, weights, ids, quant=quant), out)
 
 
 @pytest.mark.parametrize(("num_tokens", "top_k", "group", "zp"), [(5, 3, 128, True), (9, 2, 0, False)])
@@ -119,10 +116,8 @@ def test_the_grouped_kernel_with_its_switch_on(num_tokens, top_k, group, zp, mon
     w13, w2, quant = int4_experts(group, zp, seed=16, hidden=hidden, inter=inter)
     x = torch.randn(num_tokens, hidden, generator=gen(17)).bfloat16()
     weights, ids = routing(num_tokens, top_k, seed=18)
-    out = check_both_weight_dtypes(x, w13, w2, weights, ids, quant)
+    check_both_weight_dtypes(x, w13, w2, weights, ids, quant)
     assert paths == ["grouped", "grouped"]
-    monkeypatch.setattr(int4_gemv, "INT4_GEMV_PREFETCH", True)  # the next tile's loads first: the same sums
-    assert torch.equal(fm.fused_moe(x, w13, w2, weights, ids, quant=quant), out)
     assert moe_wna16.moe_wna16_path(quant, num_tokens, hidden, inter, False, torch.float32) == "gemv"
     _, _, q64 = int4_experts(64, zp, seed=16, hidden=hidden, inter=inter)
     assert moe_wna16.moe_wna16_path(q64, num_tokens, hidden, inter, False, torch.bfloat16) == "gemv"
