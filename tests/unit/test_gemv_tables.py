@@ -82,15 +82,15 @@ def test_the_tuner_checks_each_candidate_and_keeps_only_gains(
     kernel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Interpreted at N=48, K=512: every candidate's output against the default's, the best returned; with a
-    gain threshold no candidate can meet, nothing is written."""
+    gain threshold no candidate can meet, no tiles (None) for the shape."""
     tiny = {"BLOCK_N": [16, 64], "SPLIT_K": [1, 2], "num_warps": [4]}
     args = tune_gemv.parse_args(
         ["--shapes", "llama-3.1-8b", "--kernels", kernel, "--iters", "1", "--repeats", "1"]
     )
     args.projections, args.space = {"llama-3.1-8b": {"small": (48, 512)}}, tiny
     assert tune_gemv.candidates(kernel, 48, 512, tiny)
-    args.min_gain = 0.99  # a 100x gain: none
-    assert tune_gemv.tune(args, device="cpu") == {}
+    args.min_gain = 0.99  # a 100x gain: none (None: an older entry of the shape is dropped)
+    assert list(tune_gemv.tune(args, device="cpu").values()) == [{"48,512,1": None}]
     calls = []
     real = tune_gemv.tune_kernel
     monkeypatch.setattr(tune_gemv, "tune_kernel", lambda *a: calls.append(a[1]) or real(*a))
@@ -110,3 +110,21 @@ def test_a_broken_candidate_stops_the_tuner() -> None:
         tune_gemv.tune_kernel(
             lambda cfg: outs[cfg and "bad"], [{"BLOCK_N": 1}], lambda fn, **kw: (fn(), 1.0)[1], 1, 1
         )
+
+
+def test_the_tuner_times_each_call_on_other_copies_of_the_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA the timed calls cycle over identical copies of the weights holding ROTATE_BYTES in all (read from
+    HBM as in a decode step, not from L2); on the CPU one copy."""
+    monkeypatch.setattr(tune_gemv, "ROTATE_BYTES", 100)
+    w, s = torch.arange(8, dtype=torch.float32), torch.ones(2)  # 40 bytes: three copies hold >= 100
+    seen = []
+    run = tune_gemv._rotating(
+        lambda cfg, w, s: seen.append((w.data_ptr(), w.tolist(), s.tolist())), (w, s), CUDA
+    )
+    for _ in range(4):
+        run(None)
+    ptrs = [p for p, _, _ in seen]
+    assert ptrs[0] == ptrs[3] == w.data_ptr() and len(set(ptrs[:3])) == 3
+    assert all(values == [w.tolist(), s.tolist()] for _, *values in seen)
+    cpu_run = tune_gemv._rotating(lambda cfg, w, s: w.data_ptr(), (w, s), torch.device("cpu"))
+    assert {cpu_run(None) for _ in range(3)} == {w.data_ptr()}
