@@ -47,6 +47,11 @@ __all__ = [
 _BF16_128 = tl.constexpr(0x43004300)  # two bf16 128.0: OR-ed with a nibble in each half, 128 + q
 _LOW_NIBBLES = tl.constexpr(0x000F000F)
 _HIGH_HALF = tl.constexpr(-65536)  # 0xFFFF0000 as int32
+_LOW_BITS_AS_HIGH = tl.constexpr(17152 / 65536)  # the low bf16 128's bits (0x4300) read below the high one's
+
+# The unmasked high value (RAW_HI in int4_gemv_kernel) for 16-bit activations: off until an H200 times it against
+# the masked loop (gpu_check.sh raw-hi); fp32 activations always take the exact loop.
+INT4_GEMV_RAW_HI = False
 
 
 def int4_fast_supported(m: int, bits: int, k: int, per_col: bool, use_dot: bool, block_k: int) -> bool:
@@ -104,6 +109,7 @@ def int4_gemv_kernel(
     stride_xm, stride_om, stride_we, stride_se, stride_ze,
     HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PARTIAL: tl.constexpr, INTERPRET_BF16: tl.constexpr, ROUTED: tl.constexpr, X_ROW_DIV: tl.constexpr,
+    USE_RAW_HI: tl.constexpr = False,
 ):  # fmt: skip
     BLOCK_W: tl.constexpr = BLOCK_K // 8  # words of a tile row
     pid_n, pid_k, row = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
@@ -123,23 +129,40 @@ def int4_gemv_kernel(
     t_end = tl.minimum(t_begin + tiles_per_split, num_tiles)
     # Register double-buffering of the next tile (prefetch) was tried and measured slower on an H200 (ninth
     # session, RESULTS.md): Triton pipelines only loads that feed a tl.dot.
+    # RAW_HI (16-bit activations, INT4_GEMV_RAW_HI): the pair's word as an fp32 is 128 + q_hi + (17152 + q_lo) /
+    # 2^16 (the low bf16's bits below the high one's mantissa), so the high value is used unmasked: 17152 / 2^16
+    # (exact) times the tile's sum of the high columns is subtracted, and q_lo / 2^16 x_hi is left, ~2e-5 of the
+    # output (|q_lo| <= 15 against |q - z| ~ 4), below a bf16 output's rounding (2^-9). One operation less per
+    # pair: sm90 SASS of the loop at BLOCK_N 256 (scripts/dev/count_gemv_sass.py, Triton 3.9) 4.18 -> 3.76
+    # instructions a weight, 128 registers either way. (Loading the activations as one [BLOCK_W, 8] tile and
+    # splitting it by position made 3.48, but 167 registers: 3 programs an SM instead of 4.)
+    RAW_HI: tl.constexpr = USE_RAW_HI and x_ptr.dtype.element_ty != tl.float32
     for t in range(t_begin, t_end):
         words, s_row, z = int4_tile_load(w_rows, s_ptr, z_ptr, offs_n, offs_w, n_mask, stride_sn, stride_zn,
                                           group_size, t, BLOCK_K, HAS_ZP)  # fmt: skip
         x_cols = x_ptr + t * BLOCK_K + offs_w * 8  # [BLOCK_W]: column 8j of the tile
         prod = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
         x_sum = tl.zeros([BLOCK_W], dtype=tl.float32)
+        x_hi_sum = tl.zeros([BLOCK_W], dtype=tl.float32)  # RAW_HI: the high positions' own sum
         for i in tl.static_range(4):  # the value pairs (8j + i, 8j + i + 4) of every word
             pair = ((words >> (4 * i)) & _LOW_NIBBLES) | _BF16_128
             lo = (pair << 16).to(tl.float32, bitcast=True)  # 128 + q[8j + i]
-            hi = (pair & _HIGH_HALF).to(tl.float32, bitcast=True)  # 128 + q[8j + i + 4]
+            if RAW_HI:
+                hi = pair.to(tl.float32, bitcast=True)  # 128 + q[8j + i + 4] + (17152 + q[8j + i]) / 2^16
+            else:
+                hi = (pair & _HIGH_HALF).to(tl.float32, bitcast=True)  # 128 + q[8j + i + 4]
             x_lo = tl.load(x_cols + i).to(tl.float32)
             x_hi = tl.load(x_cols + i + 4).to(tl.float32)
             # two FMAs (written as one sum, the second product compiled to a multiply and an add)
             prod += lo * x_lo[None, :]
             prod += hi * x_hi[None, :]
             x_sum += x_lo + x_hi
-        acc += (tl.sum(prod, axis=1) - z * tl.sum(x_sum, axis=0)) * s_row
+            if RAW_HI:
+                x_hi_sum += x_hi
+        dot = tl.sum(prod, axis=1) - z * tl.sum(x_sum, axis=0)
+        if RAW_HI:
+            dot -= _LOW_BITS_AS_HIGH * tl.sum(x_hi_sum, axis=0)
+        acc += dot * s_row
     store_gemv_out(out_ptr, acc, offs_n, n_mask, b_ptr, offs_n, n_mask, pid_k, stride_os, HAS_BIAS, PARTIAL,
                    INTERPRET_BF16)  # fmt: skip
 

@@ -39,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from longserve.kernels import int4_gemv
 from longserve.kernels.extend_attention import interpreting
 from longserve.kernels.int4_gemv import int4_dot_tile, int4_fast_block_n, int4_gemv_kernel, int4_tile_load
 from longserve.kernels.launch import fast_launch
@@ -193,7 +194,7 @@ def _routed_gemv(
         x.stride(0), out.stride(-2), w.stride(0) // 4, scale.stride(0), z.stride(0),
         HAS_ZP=zero is not None, HAS_BIAS=False, BLOCK_N=block_n, BLOCK_K=block_k, PARTIAL=split > 1,
         INTERPRET_BF16=interpreting() and x.dtype == torch.bfloat16, ROUTED=True, X_ROW_DIV=x_row_div,
-        num_warps=4, num_stages=2,
+        USE_RAW_HI=int4_gemv.INT4_GEMV_RAW_HI, num_warps=4, num_stages=2,
     )  # fmt: skip
     return out
 

@@ -33,9 +33,11 @@ VARIANTS = [
     {"fp8": True, "channel": True},  # per-channel FP8, M = 1, split-K
     {"fp8": True, "channel": True, "bm": 4, "split": 1, "bias": True, "even_k": False},
     {"int4": True, "bn": 256},  # the one-row fast path, g128 symmetric, split-K: the decode case
+    {"int4": True, "bn": 256, "raw_hi": True},  # the same with the unmasked high value (INT4_GEMV_RAW_HI)
     {"int4": True, "zp": True, "split": 1, "bias": True, "x": "fp16"},
     {"int4": True, "routed": True, "x_row_div": 8, "split": 1},  # MoE decode, gate+up over (token, k) pairs
     {"int4": True, "routed": True, "zp": True},  # MoE down, split-K
+    {"int4": True, "routed": True, "zp": True, "raw_hi": True},
     {"moe_grouped": True},  # the grouped int4 MoE kernel, gate+up over the pairs' token rows
     {"moe_grouped": True, "zp": True, "x_row_div": 1},  # its down projection
 ]
@@ -87,7 +89,7 @@ def compile_fp8_gemv(fp8=True, channel=False, x="bf16", bias=False, even_k=True,
 
 
 def compile_int4_gemv(int4=True, x="bf16", zp=False, bias=False, bn=64, bk=128, split=4, routed=False, x_row_div=1,
-                      num_warps=4, num_stages=2):  # fmt: skip
+                      raw_hi=False, num_warps=4, num_stages=2):  # fmt: skip
     """The one-row int4 GEMV (kernels/int4_gemv.py) for sm90, specialized as at run time; `routed`: over MoE
     (token, expert) pairs (kernels/moe_wna16.py)."""
     from longserve.kernels.int4_gemv import int4_gemv_kernel as fn
@@ -96,7 +98,7 @@ def compile_int4_gemv(int4=True, x="bf16", zp=False, bias=False, bn=64, bk=128, 
             "b_ptr": f"*{x}" if bias else "*fp16", "ids_ptr": "*i32",
             "out_ptr": "*fp32" if split > 1 else f"*{x}"}  # fmt: skip
     consts = dict(HAS_ZP=zp, HAS_BIAS=bias and split == 1, BLOCK_N=bn, BLOCK_K=bk, PARTIAL=split > 1,
-                  INTERPRET_BF16=False, ROUTED=routed, X_ROW_DIV=x_row_div)  # fmt: skip
+                  INTERPRET_BF16=False, ROUTED=routed, X_ROW_DIV=x_row_div, USE_RAW_HI=raw_hi)  # fmt: skip
     sig = {a: ptrs.get(a, "constexpr" if a in consts else "i32") for a in fn.arg_names}
     div16 = [*ptrs, "N", "stride_wn", "stride_os", "stride_xm", "stride_om", "stride_we", "stride_se"]
     attrs = {a: [["tt.divisibility", 16]] for a in div16}

@@ -92,10 +92,16 @@ def taken(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     [(1, 3, 16, False, torch.bfloat16, 1), (5, 3, 16, True, torch.bfloat16, 2), (4, 1, 16, False, torch.float32, 1),
      (3, 2, 0, True, torch.float32, 3)],
 )  # fmt: skip
-def test_decode_sizes_take_the_routed_gemv(num_tokens, top_k, group, zp, dtype, split, monkeypatch) -> None:
+@pytest.mark.parametrize("raw_hi", [False, True])
+def test_decode_sizes_take_the_routed_gemv(
+    num_tokens, top_k, group, zp, dtype, split, raw_hi, monkeypatch
+) -> None:
     """At decode sizes 4-bit experts go through the routed GEMV (split-K forced on: the CPU has no SMs to fill)
     and give the reference's result: bf16 to its rounding of each dequantized weight, fp32 to summation order;
-    routing weights in the dtype (Qwen-MoE) and in fp32 (Mixtral)."""
+    routing weights in the dtype (Qwen-MoE) and in fp32 (Mixtral); int4_gemv.INT4_GEMV_RAW_HI off and on."""
+    from longserve.kernels import int4_gemv
+
+    monkeypatch.setattr(int4_gemv, "INT4_GEMV_RAW_HI", raw_hi)
     paths = taken(monkeypatch)
     monkeypatch.setattr(moe_wna16, "splits_for", lambda device, n_blocks, num_tiles: min(split, num_tiles))
     w13, w2, quant = int4_experts(group, zp)

@@ -115,17 +115,20 @@ def test_both_product_paths_and_the_per_element_path(use_dot: int) -> None:
         check(out, x, qweight, scales, zeros, None, bits, group, None, bool(use_dot and per_col))
 
 
+@pytest.mark.parametrize("raw_hi", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("group", "zp", "split_k", "bias"), [(128, False, 1, True), (32, True, 3, False), (-1, True, 2, True)]
 )
 def test_the_int4_fast_path_equals_the_general_kernel_and_the_reference(
-    group, zp, split_k, bias, dtype, monkeypatch
+    group, zp, split_k, bias, dtype, raw_hi, monkeypatch
 ) -> None:
     """One row of 4-bit weights (kernels/int4_gemv.py: words unpacked in place, the zero point out of the inner
-    loop) against the reference and against the general kernel (INT4_FAST_PATH off); it is the path taken."""
+    loop) against the reference and against the general kernel (INT4_FAST_PATH off); it is the path taken.
+    INT4_GEMV_RAW_HI (16-bit activations only: fp32 keeps the exact loop and its 1e-5) changes neither."""
     from longserve.kernels import int4_gemv
 
+    monkeypatch.setattr(int4_gemv, "INT4_GEMV_RAW_HI", raw_hi)
     monkeypatch.setattr(quant_gemv, "INT4_FAST_PATH", True)
     n, k = 40, 256
     qweight, scales, zeros, _ = int_weights(n, k, 4, group, zp, False, seed=group + split_k)
@@ -142,6 +145,39 @@ def test_the_int4_fast_path_equals_the_general_kernel_and_the_reference(
     general = wna16_gemv(x, qweight, scales, zeros, None, 4, group, b, config=cfg)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(fast.float(), general.float(), atol=tol, rtol=tol)
+
+
+def test_the_unmasked_high_value_is_corrected_and_below_bf16_rounding(monkeypatch) -> None:
+    """INT4_GEMV_RAW_HI reads each pair's high value with the low one's bits below it: 17152 / 2^16 (exact) times
+    the high positions' sum is taken off, and what is left (q_lo / 2^16 per product) stays far below a bf16
+    output's rounding. Split-K's fp32 partial sums show it unrounded: without the correction they move by
+    ~2e-2, with it by < 1e-4 of the largest."""
+    from longserve.kernels import int4_gemv
+
+    n, k = 48, 512
+    qweight, scales, _, _ = int_weights(n, k, 4, 128, False, False, seed=21)
+    x = torch.randn(1, k, generator=gen(22)).to(torch.bfloat16)
+    cfg = {"SPLIT_K": 2, "BLOCK_N": 16, "BLOCK_K": 128}
+    partials = []
+    real = quant_gemv.splitk_reduce
+    monkeypatch.setattr(
+        quant_gemv, "splitk_reduce", lambda part, *a: partials.append(part.clone()) or real(part, *a)
+    )
+
+    def run(raw_hi: bool, low_bits: float = 17152 / 65536) -> tuple[torch.Tensor, torch.Tensor]:
+        monkeypatch.setattr(int4_gemv, "INT4_GEMV_RAW_HI", raw_hi)
+        monkeypatch.setattr(int4_gemv, "_LOW_BITS_AS_HIGH", low_bits)
+        out = wna16_gemv(x, qweight, scales, None, None, 4, 128, config=cfg)
+        return out, partials[-1]
+
+    exact_out, exact = run(False)
+    raw_out, raw = run(True)
+    _, uncorrected = run(True, low_bits=0.0)
+    scale = exact.abs().max()
+    assert (raw - exact).abs().max() < 1e-4 * scale and not torch.equal(raw, exact)  # the raw loop ran
+    assert (uncorrected - exact).abs().max() > 1e-3 * scale
+    ulp = exact_out.float().abs() * 2**-7  # one bf16 ulp (or more) of each output
+    assert ((raw_out.float() - exact_out.float()).abs() <= ulp).all()
 
 
 def test_k_not_a_multiple_of_the_tile_and_fp32_exactness() -> None:
