@@ -49,9 +49,11 @@ _LOW_NIBBLES = tl.constexpr(0x000F000F)
 _HIGH_HALF = tl.constexpr(-65536)  # 0xFFFF0000 as int32
 _LOW_BITS_AS_HIGH = tl.constexpr(17152 / 65536)  # the low bf16 128's bits (0x4300) read below the high one's
 
-# The unmasked high value (RAW_HI in int4_gemv_kernel) for 16-bit activations: off until an H200 times it against
-# the masked loop (gpu_check.sh raw-hi); fp32 activations always take the exact loop.
-INT4_GEMV_RAW_HI = False
+# The unmasked high value (RAW_HI in int4_gemv_kernel) for 16-bit activations; fp32 activations always take the
+# exact loop. Measured on an H200 (RESULTS.md ninth session, gpu_check.sh raw-hi): the 8B int4 decode at batch 1
+# (32K) 4.79 -> 4.62 ms, the A3B int4 decode at batch 8 (4K) 6.99 -> 6.71 ms (batch 1: 4.32 both); the one-row
+# GEMV per 8B projection 9.8 / 9.3 / 32.1 / 18.5 -> 9.4 / 8.7 / 31.2 / 17.1 us (qkv / o / gate_up / down).
+INT4_GEMV_RAW_HI = True
 
 
 def int4_fast_supported(m: int, bits: int, k: int, per_col: bool, use_dot: bool, block_k: int) -> bool:

@@ -19,7 +19,7 @@
 # against 16).
 # short-plans (one GPU, ~4 min): prefix hits of 64 / 1K / 2K / 4K new tokens over 32K (and 1K over 64K), and the
 # start-up's cuDNN plan builds, without and with plans for 1-4K new tokens over any prefix (SHORT_QUERY_ROWS).
-# raw-hi (one GPU, ~5 min): the int4 GEMVs' unmasked high value (int4_gemv.INT4_GEMV_RAW_HI, off until this runs:
+# raw-hi (one GPU, ~4 min): the int4 GEMVs' unmasked high value (int4_gemv.INT4_GEMV_RAW_HI, on since this ran:
 # 4.18 -> 3.76 sm90 instructions a weight) off and on: the one-row and experts' GPU tests with their times, the
 # 8B int4 decode at batch 1 (32K) and the A3B int4 decode at batch 1 (32K) and 8 (4K; the routed GEMV).
 # gemv-tune (one GPU, ~6 min): the 8B FP8 and int4 decode at batch 1, python -m longserve.kernels.tune_gemv (the
