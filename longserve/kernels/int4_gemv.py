@@ -25,7 +25,9 @@ order (register shuffles), then 2^23 + q made a float and q - z subtracted befor
 
 Rounding: the exact integers (128 + q, 128 + z) times the activations, summed in fp32; the cancellation of the
 128 * sum(x) terms costs ~5 bits of fp32's 24 (|128 + q| <= 143 against |q - z| ~ 4 on average): ~2e-6
-relative, far below one bf16 ulp. Split-K and its reduction are quant_gemv's.
+relative, far below one bf16 ulp. With 16-bit activations the high value of each pair is read unmasked
+(INT4_GEMV_RAW_HI, below): ~2e-5 relative more, still far below one bf16 ulp of the output. Split-K and its
+reduction are quant_gemv's.
 """
 
 from __future__ import annotations
