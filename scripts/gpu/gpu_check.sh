@@ -427,7 +427,7 @@ if [[ $MODE == quant-decode ]]; then  # one GPU, ~8 min: the int4 and FP8 decode
   done
 fi
 
-if [[ $MODE == raw-hi ]]; then  # one GPU, ~5 min: the int4 GEMVs' unmasked high value (INT4_GEMV_RAW_HI)
+if [[ $MODE == raw-hi ]]; then  # one GPU, ~4 min: the int4 GEMVs' unmasked high value (INT4_GEMV_RAW_HI)
   for raw in False True; do
     timeout 150 python3 scripts/probes/with_constants.py longserve.kernels.int4_gemv.INT4_GEMV_RAW_HI=$raw -- \
       pytest -q -m gpu tests/gpu/test_quant_kernels_gpu.py -k "int4_fast or int4_experts" -s -p no:cacheprovider \

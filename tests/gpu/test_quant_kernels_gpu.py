@@ -189,10 +189,10 @@ def test_fp8_block_both_ways(shape: str, m: int) -> None:
 def test_fp8_block_gemv_matches_reference(shape: str, m: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """The block-FP8 decode GEMV (kernels/fp8_gemv.py: the activations quantized inside it, split-K) at the 8B
     shapes: the reference to fp32 rounding (the hardware e4m3 conversion rounds as torch's) in every row but at
-    most one, deterministic (its time printed), and through fp8_block_linear with the switch on, with no host sync and replayed
-    from a CUDA graph. One row may differ: Triton's fp32 division is the approximate one (2 ulp), so an
-    activation at an e4m3 rounding boundary can land one step off torch's (2026-12-02, c1 of the seventh
-    session: one row of the down shape at M=4, 2.7e-3 off in 2,518 of its 4,096 outputs)."""
+    most one, deterministic (its time printed), and through fp8_block_linear with the switch on, with no host
+    sync and replayed from a CUDA graph. One row may differ: Triton's fp32 division is the approximate one (2
+    ulp), so an activation at an e4m3 rounding boundary can land one step off torch's (2026-12-02, c1 of the
+    seventh session: one row of the down shape at M=4, 2.7e-3 off in 2,518 of its 4,096 outputs)."""
     from longserve.kernels import quant_fp8
     from longserve.kernels.fp8_gemv import fp8_block_gemv
     from longserve.kernels.quant_fp8 import fp8_block_gemm_ref
