@@ -51,6 +51,12 @@ __all__ = [
 ]
 
 FP8_GEMV_MAX_BLOCK_M = 16  # the most activation rows: each one is a pass over the weight tile in registers
+# One activation row, tiles of up to 64 rows under one weight scale: the products added into a [BLOCK_N, BLOCK_K]
+# tile and reduced once after the K loop (_fp8_gemv_kernel's TILE_ACC). sm90 SASS of the loop
+# (scripts/dev/count_gemv_sass.py, Triton 3.9), instructions a weight: block FP8 at 64 rows 5.53 -> 4.03 (83 ->
+# 121 registers), 32 rows 7.09 -> 5.19; per channel at 64 rows 4.66 -> 3.78. (At 128 rows 4.67 -> 3.49 but 237
+# registers: left out.) Off until an H200 times it (gpu_check.sh tile-acc).
+FP8_GEMV_TILE_ACC = False
 _E4M3_MAX = tl.constexpr(FP8_MAX)  # 448.0, as a constant the compiler may read
 
 
@@ -72,6 +78,23 @@ def _fp8_tile_load(w_rows, s_rows, offs_k, valid, t, K, BLOCK_K: tl.constexpr, E
 
 
 @triton.jit
+def _activation_tile(x_cols, x_ok, PER_CHANNEL: tl.constexpr, INTERPRET: tl.constexpr):
+    """An activation row's tile as e4m3 values in fp32 and its scale: per channel quantized already (the scales
+    multiply the sums after the loop; scale 1), else a group quantized here as per_token_group_quant does."""
+    if PER_CHANNEL:
+        xq = tl.load(x_cols, mask=x_ok, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        return xq, 1.0
+    xm = tl.load(x_cols, mask=x_ok, other=0.0).to(tl.float32)
+    x_scale = tl.maximum(tl.max(tl.abs(xm)), 1e-10) / _E4M3_MAX
+    xq = tl.minimum(tl.maximum(xm / x_scale, -_E4M3_MAX), _E4M3_MAX)
+    if INTERPRET:  # the interpreter's fp32 -> e4m3 cast mis-rounds (quant_tiles.e4m3_rounded)
+        xq = e4m3_rounded(xq)
+    else:
+        xq = xq.to(tl.float8e4nv).to(tl.float32)
+    return xq, x_scale
+
+
+@triton.jit
 def _fp8_gemv_kernel(
     x_ptr,  # [M, K] 16- or 32-bit; PER_CHANNEL: e4m3, read as uint8
     xs_ptr,  # PER_CHANNEL: [M] float32 activation scales (per token, or one per tensor repeated)
@@ -83,7 +106,7 @@ def _fp8_gemv_kernel(
     stride_xm, stride_xsm, stride_wn, stride_sn, stride_om, stride_os,
     PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr,
-    INTERPRET: tl.constexpr, INTERPRET_BF16: tl.constexpr,
+    INTERPRET: tl.constexpr, INTERPRET_BF16: tl.constexpr, TILE_ACC: tl.constexpr = False,
 ):  # fmt: skip
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -99,30 +122,32 @@ def _fp8_gemv_kernel(
     t_end = tl.minimum(t_begin + tiles_per_split, num_tiles)
     # Register double-buffering of the next tile (prefetch) was tried and measured slower on an H200 (ninth
     # session, RESULTS.md): Triton pipelines only loads that feed a tl.dot.
+    # TILE_ACC (one activation row, one weight scale for all of a tile's rows): each tile's products are added
+    # into a [BLOCK_N, BLOCK_K] fp32 tile, one FFMA a weight, with the activations pre-scaled per column, and the
+    # tile is reduced once after the loop (not per tile: a multiply and an add a weight, then a reduction).
+    acc_t = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for t in range(t_begin, t_end):
         cols = t * BLOCK_K + offs_k  # [BLOCK_K]
         k_ok = cols < K
         wb, w_scale = _fp8_tile_load(w_rows, s_rows, offs_k, n_mask, t, K, BLOCK_K, EVEN_K, PER_CHANNEL)
         w = wb.to(tl.float8e4nv, bitcast=True).to(tl.float32)  # [BLOCK_N, BLOCK_K], exact
-        for mi in tl.static_range(BLOCK_M):
+        if TILE_ACC:
+            xq, x_scale = _activation_tile(x_ptr + cols, k_ok, PER_CHANNEL, INTERPRET)
+            if not PER_CHANNEL:  # the rows' one weight scale (rows past N load 0)
+                xq = xq * (tl.max(w_scale) * x_scale)
+            acc_t += w * xq[None, :]
+        for mi in tl.static_range(BLOCK_M if not TILE_ACC else 0):
             x_ok = k_ok & ((cols * 0 + mi) < M)
-            if PER_CHANNEL:  # quantized already: the scales multiply the sums after the loop
-                xq = tl.load(x_ptr + mi * stride_xm + cols, mask=x_ok, other=0)
-                xq = xq.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-                part = tl.sum(w * xq[None, :], axis=1)  # [BLOCK_N]
-            else:
-                xm = tl.load(x_ptr + mi * stride_xm + cols, mask=x_ok, other=0.0).to(tl.float32)  # a group
-                x_scale = tl.maximum(tl.max(tl.abs(xm)), 1e-10) / _E4M3_MAX  # as per_token_group_quant
-                xq = tl.minimum(tl.maximum(xm / x_scale, -_E4M3_MAX), _E4M3_MAX)
-                if INTERPRET:  # the interpreter's fp32 -> e4m3 cast mis-rounds (quant_tiles.e4m3_rounded)
-                    xq = e4m3_rounded(xq)
-                else:
-                    xq = xq.to(tl.float8e4nv).to(tl.float32)
-                part = tl.sum(w * xq[None, :], axis=1) * (w_scale * x_scale)  # [BLOCK_N]
+            xq, x_scale = _activation_tile(x_ptr + mi * stride_xm + cols, x_ok, PER_CHANNEL, INTERPRET)
+            part = tl.sum(w * xq[None, :], axis=1)  # [BLOCK_N]
+            if not PER_CHANNEL:
+                part = part * (w_scale * x_scale)
             if BLOCK_M == 1:
                 acc += part[:, None]
             else:
                 acc += tl.where(offs_m[None, :] == mi, part[:, None], 0.0)
+    if TILE_ACC:
+        acc += tl.sum(acc_t, axis=1)[:, None]
     if PER_CHANNEL:  # sum_k xq w * x_scale * w_scale, as scaled_gemm_ref
         x_scales = tl.load(xs_ptr + offs_m * stride_xsm, mask=offs_m < M, other=0.0)  # [BLOCK_M]
         acc = acc * x_scales[None, :] * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
@@ -176,6 +201,8 @@ def _launch(
     interpret_bf16 = interp and out_dtype == torch.bfloat16
     per_channel = x_scales is not None
     xs = x_scales if per_channel else w_scale
+    one_scale = per_channel or block_n % cfg["BLOCK_N"] == 0  # a tile's rows share their weight scale
+    tile_acc = FP8_GEMV_TILE_ACC and m == 1 and cfg["BLOCK_N"] <= 64 and one_scale
     _fp8_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), split)](
         x.view(torch.uint8) if per_channel else x, xs, w.view(torch.uint8), w_scale,
         bias if bias is not None else w_scale, out, m, n, k, block_n, tiles_per_split, num_tiles,
@@ -183,6 +210,7 @@ def _launch(
         PER_CHANNEL=per_channel, HAS_BIAS=bias is not None and split == 1, EVEN_K=k % cfg["BLOCK_K"] == 0,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], PARTIAL=split > 1,
         INTERPRET=interp, INTERPRET_BF16=interpret_bf16, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        TILE_ACC=tile_acc,
     )  # fmt: skip
     return out if split == 1 else splitk_reduce(out, bias, out_dtype)
 

@@ -1,11 +1,13 @@
-"""Instructions a weight in the one-row int4 GEMV's inner loop (kernels/int4_gemv.py), from its sm90 SASS, on
-any machine (Triton ships ptxas and nvdisasm): the kernel is issue-bound at decode (an H200 streams a weight
-in ~0.25 ns and its SMs issue ~33 T lane-instructions/s: at 4 instructions a weight the issue takes as long as
-the bytes), so this count predicts its speed before a GPU does. The loop is the longest backward branch; a
-weight is one of the BLOCK_N x BLOCK_K a program's tile holds, over its 32 x num_warps threads.
+"""Instructions a weight in the inner loop of the one-row int4 GEMV (kernels/int4_gemv.py) and of the FP8 GEMV at
+one row (kernels/fp8_gemv.py, variants with "fp8"), from their sm90 SASS, with registers, on any machine (Triton
+ships ptxas and nvdisasm). An H200 streams an int4 weight in ~0.12 ns and an e4m3 one in ~0.24 ns, and its SMs
+issue ~33 T lane-instructions/s: at ~4 instructions a weight the int4 GEMV's issue takes as long as its bytes
+(issue-bound), the FP8 one's at ~8; this count tells how far a loop is from that before a GPU does. The loop is the longest backward branch; a weight is one
+of the BLOCK_N x BLOCK_K a program's tile holds, over its 32 x num_warps threads.
 
     python3 scripts/dev/count_gemv_sass.py                        # the default variants, one line each
     python3 scripts/dev/count_gemv_sass.py '{"bn": 128, "raw_hi": true}'   # one variant (compile_int4_gemv's keys)
+    python3 scripts/dev/count_gemv_sass.py '{"fp8": true, "bn": 64, "tile_acc": true}'   # (compile_fp8_gemv's)
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ import tempfile
 os.environ["TRITON_INTERPRET"] = "0"  # the real compiler, before triton is imported
 sys.path.insert(0, os.path.dirname(__file__))
 
-from compile_quant_gemv import compile_int4_gemv  # noqa: E402
+from compile_quant_gemv import compile_fp8_gemv, compile_int4_gemv  # noqa: E402
+
+from longserve.testing.kernel_compile import resource_usage  # noqa: E402
 
 VARIANTS = [
     {"bn": 256},
@@ -30,6 +34,10 @@ VARIANTS = [
     {"bn": 128, "raw_hi": True},
     {"bn": 256, "routed": True, "zp": True},
     {"bn": 256, "routed": True, "zp": True, "raw_hi": True},
+    {"fp8": True, "bn": 64, "split": 8},
+    {"fp8": True, "bn": 64, "split": 8, "tile_acc": True},
+    {"fp8": True, "channel": True, "bn": 64},
+    {"fp8": True, "channel": True, "bn": 64, "tile_acc": True},
 ]
 _ADDR = re.compile(r"\s*/\*([0-9a-f]{4,})\*/")
 
@@ -53,7 +61,7 @@ def loop_instructions(sass: str) -> list[str]:
 
 def count(variant: dict) -> dict:
     kw = {"bn": 256, **variant}
-    compiled = compile_int4_gemv(**kw)
+    compiled = compile_fp8_gemv(**kw) if kw.get("fp8") else compile_int4_gemv(**kw)
     nvdisasm = os.path.join(os.path.dirname(__import__("triton").__file__), "backends/nvidia/bin/nvdisasm")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
@@ -64,7 +72,7 @@ def count(variant: dict) -> dict:
                               for line in body)  # fmt: skip
     weights_per_thread = kw["bn"] * kw.get("bk", 128) / (32 * kw.get("num_warps", 4))
     return {"variant": variant, "loop": len(body), "per_weight": round(len(body) / weights_per_thread, 2),
-            "top": dict(ops.most_common(8))}  # fmt: skip
+            "regs": resource_usage(compiled.asm["cubin"])["regs"], "top": dict(ops.most_common(8))}  # fmt: skip
 
 
 if __name__ == "__main__":
