@@ -166,20 +166,27 @@ def compile_sm90(fn: Any, signature: dict, constexprs: dict, attrs: dict | None 
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def resource_usage(cubin: bytes) -> dict[str, int]:
-    """Registers, stack, shared and local (spill) memory of a cubin (cuobjdump ships with triton)."""
-    import re
+def cubin_tool(cubin: bytes, tool: str, *args: str) -> str:
+    """The output of one of the CUDA binary tools that ship with triton (cuobjdump, nvdisasm) on a cubin."""
     import subprocess
     import tempfile
 
     import triton
 
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", tool)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        res = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", res)
+        return subprocess.run([path, *args, f.name], capture_output=True, text=True, check=True).stdout
+
+
+def resource_usage(cubin: bytes) -> dict[str, int]:
+    """Registers, stack, shared and local (spill) memory of a cubin (cuobjdump ships with triton)."""
+    import re
+
+    m = re.search(
+        r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", cubin_tool(cubin, "cuobjdump", "-res-usage")
+    )
     return dict(regs=int(m[1]), stack=int(m[2]), shared=int(m[3]), local=int(m[4])) if m else {}
 
 

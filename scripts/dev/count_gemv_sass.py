@@ -2,8 +2,9 @@
 one row (kernels/fp8_gemv.py, variants with "fp8"), from their sm90 SASS, with registers, on any machine (Triton
 ships ptxas and nvdisasm). An H200 streams an int4 weight in ~0.12 ns and an e4m3 one in ~0.24 ns, and its SMs
 issue ~33 T lane-instructions/s: at ~4 instructions a weight the int4 GEMV's issue takes as long as its bytes
-(issue-bound), the FP8 one's at ~8; this count tells how far a loop is from that before a GPU does. The loop is the longest backward branch; a weight is one
-of the BLOCK_N x BLOCK_K a program's tile holds, over its 32 x num_warps threads.
+(issue-bound), the FP8 one's at ~8; this count tells how far a loop is from that before a GPU does. The loop is
+the longest backward branch; a weight is one of the BLOCK_N x BLOCK_K a program's tile holds, over its 32 x
+num_warps threads.
 
     python3 scripts/dev/count_gemv_sass.py                        # the default variants, one line each
     python3 scripts/dev/count_gemv_sass.py '{"bn": 128, "raw_hi": true}'   # one variant (compile_int4_gemv's keys)
@@ -13,19 +14,16 @@ of the BLOCK_N x BLOCK_K a program's tile holds, over its 32 x num_warps threads
 from __future__ import annotations
 
 import collections
-import json
 import os
 import re
-import subprocess
 import sys
-import tempfile
 
 os.environ["TRITON_INTERPRET"] = "0"  # the real compiler, before triton is imported
 sys.path.insert(0, os.path.dirname(__file__))
 
 from compile_quant_gemv import compile_fp8_gemv, compile_int4_gemv  # noqa: E402
 
-from longserve.testing.kernel_compile import resource_usage  # noqa: E402
+from longserve.testing.kernel_compile import cubin_tool, report_variants, resource_usage  # noqa: E402
 
 VARIANTS = [
     {"bn": 256},
@@ -62,12 +60,7 @@ def loop_instructions(sass: str) -> list[str]:
 def count(variant: dict) -> dict:
     kw = {"bn": 256, **variant}
     compiled = compile_fp8_gemv(**kw) if kw.get("fp8") else compile_int4_gemv(**kw)
-    nvdisasm = os.path.join(os.path.dirname(__import__("triton").__file__), "backends/nvidia/bin/nvdisasm")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
-    body = loop_instructions(sass)
+    body = loop_instructions(cubin_tool(compiled.asm["cubin"], "nvdisasm", "-c"))
     ops = collections.Counter(re.sub(r"^(@!?U?P\w+\s+)?", "", _ADDR.sub("", line).strip()).split()[0].split(".")[0]
                               for line in body)  # fmt: skip
     weights_per_thread = kw["bn"] * kw.get("bk", 128) / (32 * kw.get("num_warps", 4))
@@ -76,5 +69,4 @@ def count(variant: dict) -> dict:
 
 
 if __name__ == "__main__":
-    for v in [json.loads(a) for a in sys.argv[1:]] or VARIANTS:
-        print(json.dumps(count(v)), flush=True)
+    report_variants(count, VARIANTS)

@@ -164,7 +164,7 @@ def test_the_unmasked_high_value_is_corrected_and_below_bf16_rounding(monkeypatc
         quant_gemv, "splitk_reduce", lambda part, *a: partials.append(part.clone()) or real(part, *a)
     )
 
-    def run(raw_hi: bool, low_bits: float = 17152 / 65536) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(raw_hi: bool, low_bits=int4_gemv._LOW_BITS_AS_HIGH) -> tuple[torch.Tensor, torch.Tensor]:
         monkeypatch.setattr(int4_gemv, "INT4_GEMV_RAW_HI", raw_hi)
         monkeypatch.setattr(int4_gemv, "_LOW_BITS_AS_HIGH", low_bits)
         out = wna16_gemv(x, qweight, scales, None, None, 4, 128, config=cfg)
