@@ -51,12 +51,6 @@ __all__ = [
 ]
 
 FP8_GEMV_MAX_BLOCK_M = 16  # the most activation rows: each one is a pass over the weight tile in registers
-# One activation row, tiles of up to 64 rows under one weight scale: the products added into a [BLOCK_N, BLOCK_K]
-# tile and reduced once after the K loop (_fp8_gemv_kernel's TILE_ACC). sm90 SASS of the loop
-# (scripts/dev/count_gemv_sass.py, Triton 3.9), instructions a weight: block FP8 at 64 rows 5.53 -> 4.03 (83 ->
-# 121 registers), 32 rows 7.09 -> 5.19; per channel at 64 rows 4.66 -> 3.78. (At 128 rows 4.67 -> 3.49 but 237
-# registers: left out.) Off until an H200 times it (gpu_check.sh tile-acc).
-FP8_GEMV_TILE_ACC = False
 _E4M3_MAX = tl.constexpr(FP8_MAX)  # 448.0, as a constant the compiler may read
 
 
@@ -106,7 +100,7 @@ def _fp8_gemv_kernel(
     stride_xm, stride_xsm, stride_wn, stride_sn, stride_om, stride_os,
     PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr,
-    INTERPRET: tl.constexpr, INTERPRET_BF16: tl.constexpr, TILE_ACC: tl.constexpr = False,
+    INTERPRET: tl.constexpr, INTERPRET_BF16: tl.constexpr,
 ):  # fmt: skip
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -122,21 +116,15 @@ def _fp8_gemv_kernel(
     t_end = tl.minimum(t_begin + tiles_per_split, num_tiles)
     # Register double-buffering of the next tile (prefetch) was tried and measured slower on an H200 (ninth
     # session, RESULTS.md): Triton pipelines only loads that feed a tl.dot.
-    # TILE_ACC (one activation row, one weight scale for all of a tile's rows): each tile's products are added
-    # into a [BLOCK_N, BLOCK_K] fp32 tile, one FFMA a weight, with the activations pre-scaled per column, and the
-    # tile is reduced once after the loop (not per tile: a multiply and an add a weight, then a reduction).
-    acc_t = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    # One-row tile accumulation (products in a [BLOCK_N, BLOCK_K] tile, reduced after the loop) was slower
+    # on an H200 despite sm90 SASS 5.53 -> 4.03 a weight (e9be5b7: M=1 gate_up 35.2 -> 44.0 us, down 23.8 ->
+    # 30.5 us; 8B decode b1@32K 4.57 -> 5.03 ms): removed.
     for t in range(t_begin, t_end):
         cols = t * BLOCK_K + offs_k  # [BLOCK_K]
         k_ok = cols < K
         wb, w_scale = _fp8_tile_load(w_rows, s_rows, offs_k, n_mask, t, K, BLOCK_K, EVEN_K, PER_CHANNEL)
         w = wb.to(tl.float8e4nv, bitcast=True).to(tl.float32)  # [BLOCK_N, BLOCK_K], exact
-        if TILE_ACC:
-            xq, x_scale = _activation_tile(x_ptr + cols, k_ok, PER_CHANNEL, INTERPRET)
-            if not PER_CHANNEL:  # the rows' one weight scale (rows past N load 0)
-                xq = xq * (tl.max(w_scale) * x_scale)
-            acc_t += w * xq[None, :]
-        for mi in tl.static_range(BLOCK_M if not TILE_ACC else 0):
+        for mi in tl.static_range(BLOCK_M):
             x_ok = k_ok & ((cols * 0 + mi) < M)
             xq, x_scale = _activation_tile(x_ptr + mi * stride_xm + cols, x_ok, PER_CHANNEL, INTERPRET)
             part = tl.sum(w * xq[None, :], axis=1)  # [BLOCK_N]
@@ -146,8 +134,6 @@ def _fp8_gemv_kernel(
                 acc += part[:, None]
             else:
                 acc += tl.where(offs_m[None, :] == mi, part[:, None], 0.0)
-    if TILE_ACC:
-        acc += tl.sum(acc_t, axis=1)[:, None]
     if PER_CHANNEL:  # sum_k xq w * x_scale * w_scale, as scaled_gemm_ref
         x_scales = tl.load(xs_ptr + offs_m * stride_xsm, mask=offs_m < M, other=0.0)  # [BLOCK_M]
         acc = acc * x_scales[None, :] * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
@@ -201,8 +187,6 @@ def _launch(
     interpret_bf16 = interp and out_dtype == torch.bfloat16
     per_channel = x_scales is not None
     xs = x_scales if per_channel else w_scale
-    one_scale = per_channel or block_n % cfg["BLOCK_N"] == 0  # a tile's rows share their weight scale
-    tile_acc = FP8_GEMV_TILE_ACC and m == 1 and cfg["BLOCK_N"] <= 64 and one_scale
     _fp8_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), split)](
         x.view(torch.uint8) if per_channel else x, xs, w.view(torch.uint8), w_scale,
         bias if bias is not None else w_scale, out, m, n, k, block_n, tiles_per_split, num_tiles,
@@ -210,7 +194,6 @@ def _launch(
         PER_CHANNEL=per_channel, HAS_BIAS=bias is not None and split == 1, EVEN_K=k % cfg["BLOCK_K"] == 0,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], PARTIAL=split > 1,
         INTERPRET=interp, INTERPRET_BF16=interpret_bf16, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        TILE_ACC=tile_acc,
     )  # fmt: skip
     return out if split == 1 else splitk_reduce(out, bias, out_dtype)
 

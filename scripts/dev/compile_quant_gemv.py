@@ -30,9 +30,7 @@ VARIANTS = [
     {"fp8": True},  # block FP8, M = 1, split-K: the decode case
     {"fp8": True, "bm": 8, "bn": 32, "split": 1, "bias": True, "even_k": False},
     {"fp8": True, "bm": 16, "bn": 16, "x": "fp32"},
-    {"fp8": True, "tile_acc": True},  # the same, products added into a tile (FP8_GEMV_TILE_ACC)
     {"fp8": True, "channel": True},  # per-channel FP8, M = 1, split-K
-    {"fp8": True, "channel": True, "tile_acc": True},
     {"fp8": True, "channel": True, "bm": 4, "split": 1, "bias": True, "even_k": False},
     {"int4": True, "bn": 256},  # the one-row fast path, g128 symmetric, split-K: the decode case
     {"int4": True, "bn": 256, "raw_hi": True},  # the same with the unmasked high value (INT4_GEMV_RAW_HI)
@@ -76,14 +74,14 @@ def compile_reduce(x="bf16", bias=True):
 
 
 def compile_fp8_gemv(fp8=True, channel=False, x="bf16", bias=False, even_k=True, bm=1, bn=64, bk=128, split=4,
-                     tile_acc=False, num_warps=4, num_stages=2):  # fmt: skip
+                     num_warps=4, num_stages=2):  # fmt: skip
     """The FP8 GEMV (block, or per channel) for sm90, specialized as at run time."""
     from longserve.kernels.fp8_gemv import _fp8_gemv_kernel as fn
 
     ptrs = {"x_ptr": "*u8" if channel else f"*{x}", "xs_ptr": "*fp32", "w_ptr": "*u8", "s_ptr": "*fp32",
             "b_ptr": f"*{x}" if bias else "*fp32", "out_ptr": "*fp32" if split > 1 else f"*{x}"}  # fmt: skip
     consts = dict(PER_CHANNEL=channel, HAS_BIAS=bias and split == 1, EVEN_K=even_k, BLOCK_M=bm, BLOCK_N=bn,
-                  BLOCK_K=bk, PARTIAL=split > 1, INTERPRET=False, INTERPRET_BF16=False, TILE_ACC=tile_acc)  # fmt: skip
+                  BLOCK_K=bk, PARTIAL=split > 1, INTERPRET=False, INTERPRET_BF16=False)  # fmt: skip
     sig = {a: ptrs.get(a, "constexpr" if a in consts else "i32") for a in fn.arg_names}
     div16 = [*ptrs, "K", "N", "stride_xm", "stride_wn", "stride_om", "stride_os"]
     attrs = {a: [["tt.divisibility", 16]] for a in div16}

@@ -8,7 +8,7 @@ num_warps threads.
 
     python3 scripts/dev/count_gemv_sass.py                        # the default variants, one line each
     python3 scripts/dev/count_gemv_sass.py '{"bn": 128, "raw_hi": true}'   # one variant (compile_int4_gemv's keys)
-    python3 scripts/dev/count_gemv_sass.py '{"fp8": true, "bn": 64, "tile_acc": true}'   # (compile_fp8_gemv's)
+    python3 scripts/dev/count_gemv_sass.py '{"fp8": true, "bn": 128, "split": 8}'   # (compile_fp8_gemv's)
 """
 
 from __future__ import annotations
@@ -33,9 +33,7 @@ VARIANTS = [
     {"bn": 256, "routed": True, "zp": True},
     {"bn": 256, "routed": True, "zp": True, "raw_hi": True},
     {"fp8": True, "bn": 64, "split": 8},
-    {"fp8": True, "bn": 64, "split": 8, "tile_acc": True},
     {"fp8": True, "channel": True, "bn": 64},
-    {"fp8": True, "channel": True, "bn": 64, "tile_acc": True},
 ]
 _ADDR = re.compile(r"\s*/\*([0-9a-f]{4,})\*/")
 

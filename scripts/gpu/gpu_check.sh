@@ -4,7 +4,7 @@
 # $OUT; a short table last. LONGSERVE_COMMIT is the commit the JSON metadata names: compute it where the tree
 # is a git checkout (a copied tree's .git may be stale) and pass it as a literal, e.g.
 #   LONGSERVE_COMMIT=abc1234 bash scripts/gpu/gpu_check.sh latency
-#   usage: LONGSERVE_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu/gpu_check.sh [quick|tests|bench|all|long|tp|tp2|tp32|profile|latency|hit|host|launch|turns|moe|moe-tests|moe-bench|moe-long|moe-tp|quant|quant-tests|quant-bench|kvfp8|vllm|structured|switches|chunks|fusions|fusions-a3b|piecewise|moe-gemv|quant-decode|moe-grouped|fp8-acc|gemv-tune|short-plans|tune-int-moe|raw-hi|tile-acc]
+#   usage: LONGSERVE_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu/gpu_check.sh [quick|tests|bench|all|long|tp|tp2|tp32|profile|latency|hit|host|launch|turns|moe|moe-tests|moe-bench|moe-long|moe-tp|quant|quant-tests|quant-bench|kvfp8|vllm|structured|switches|chunks|fusions|fusions-a3b|piecewise|moe-gemv|quant-decode|moe-grouped|fp8-acc|gemv-tune|short-plans|tune-int-moe|raw-hi]
 # moe (one GPU) = moe-tests (the MoE kernel and engine GPU tests, the kernel's TFLOP/s and GB/s) +
 # moe-bench (the Qwen3-30B-A3B shape's cases against HF, profiled, with their floors); moe-long: 128K cold
 # against HF and the Mixtral-8x7B shape; moe-tp (two GPUs): the TP=2 / expert-parallel tests and the A3B shape
@@ -22,9 +22,6 @@
 # raw-hi (one GPU, ~4 min): the int4 GEMVs' unmasked high value (int4_gemv.INT4_GEMV_RAW_HI, on since this ran:
 # 4.18 -> 3.76 sm90 instructions a weight) off and on: the one-row and experts' GPU tests with their times, the
 # 8B int4 decode at batch 1 (32K) and the A3B int4 decode at batch 1 (32K) and 8 (4K; the routed GEMV).
-# tile-acc (one GPU, ~4 min): the FP8 GEMVs' one-row tile accumulation (fp8_gemv.FP8_GEMV_TILE_ACC, off until
-# this runs: block FP8 at 64 rows 5.53 -> 4.03 sm90 instructions a weight) off and on: the FP8 GEMV GPU tests with
-# their times, the 8B decode at batch 1 (32K) in block FP8 and per-channel FP8 (--quantization fp8).
 # gemv-tune (one GPU, ~6 min): the 8B FP8 and int4 decode at batch 1, python -m longserve.kernels.tune_gemv (the
 # decode GEMVs' tile tables for the 8B and A3B projections), the same decode again with the tables.
 # tune-int-moe (one GPU, ~6 min): the 8-bit experts' paths timed, tune_moe --weights int8 on the A3B shape at
@@ -442,23 +439,6 @@ if [[ $MODE == raw-hi ]]; then  # one GPU, ~4 min: the int4 GEMVs' unmasked high
         longserve.bench.latency --config $shape --load-format dummy --dtype bfloat16 --quantization gptq \
         --warmup 1 --repeat 3 --decode-batch-sizes $sizes --output-json "$OUT/latency_${shape}_int4_raw_hi$raw.json" \
         2>&1 | tee "$OUT/latency_${shape}_int4_raw_hi$raw.log" | grep -E "^decode" | sed "s/^/$shape raw_hi=$raw: /"
-    done
-  done
-fi
-
-if [[ $MODE == tile-acc ]]; then  # one GPU, ~4 min: the FP8 GEMVs' one-row tile accumulation (FP8_GEMV_TILE_ACC)
-  fp8='{"quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}}'
-  for acc in False True; do
-    timeout 150 python3 scripts/probes/with_constants.py longserve.kernels.fp8_gemv.FP8_GEMV_TILE_ACC=$acc -- \
-      pytest -q -m gpu tests/gpu/test_quant_kernels_gpu.py -k "fp8_block_gemv or fp8_channel" -s -p no:cacheprovider \
-      --tb=short -rfE 2>&1 | tee "$OUT/gpu_tests_tile_acc$acc.log" | grep -E "gemv|passed|failed" \
-      | sed "s/^/tile_acc=$acc: /"
-    for v in block channel; do
-      q=(--hf-overrides "$fp8"); [[ $v == channel ]] && q=(--quantization fp8)
-      timeout 120 python3 scripts/probes/with_constants.py longserve.kernels.fp8_gemv.FP8_GEMV_TILE_ACC=$acc -- \
-        longserve.bench.latency --config llama-3.1-8b --load-format dummy --dtype bfloat16 "${q[@]}" --warmup 1 \
-        --repeat 3 --decode-batch-sizes 1@32768 --output-json "$OUT/latency_8b_fp8_${v}_tile_acc$acc.json" 2>&1 \
-        | tee "$OUT/latency_8b_fp8_${v}_tile_acc$acc.log" | grep -E "^decode" | sed "s/^/fp8 $v tile_acc=$acc: /"
     done
   done
 fi

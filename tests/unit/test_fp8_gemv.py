@@ -42,14 +42,11 @@ CASES = [  # m, n, k, block, split-K, bias
 ]
 
 
-@pytest.mark.parametrize("tile_acc", [False, True], ids=["", "tile-acc"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("m,n,k,block,split_k,bias", CASES)
-def test_gemv_equals_reference(m, n, k, block, split_k, bias, dtype, tile_acc, monkeypatch) -> None:
+def test_gemv_equals_reference(m, n, k, block, split_k, bias, dtype) -> None:
     """fp32: the reference to fp32 rounding (the same e4m3 activations: a GEMV that skipped or mis-rounded the
-    activations' quantization would be off by ~1e-2); bf16: within bf16 rounding of it. FP8_GEMV_TILE_ACC (the
-    one-row cases' products added into a tile, reduced once): the same."""
-    monkeypatch.setattr(fp8_gemv, "FP8_GEMV_TILE_ACC", tile_acc)
+    activations' quantization would be off by ~1e-2); bf16: within bf16 rounding of it."""
     w, scales = weights(n, k, block, seed=m + n)
     g = torch.Generator().manual_seed(k)
     x = (torch.randn(m, k, generator=g) * 3).to(dtype)
@@ -66,11 +63,9 @@ def test_gemv_equals_reference(m, n, k, block, split_k, bias, dtype, tile_acc, m
 @pytest.mark.parametrize(
     "m,n,k,split_k,bias", [(1, 96, 256, 1, False), (5, 70, 200, 3, True), (16, 40, 384, 2, True)]
 )
-@pytest.mark.parametrize("tile_acc", [False, True], ids=["", "tile-acc"])
-def test_channel_gemv_equals_reference(m, n, k, split_k, bias, dtype, static, tile_acc, monkeypatch) -> None:
+def test_channel_gemv_equals_reference(m, n, k, split_k, bias, dtype, static) -> None:
     """Per-channel FP8 (compressed-tensors FP8, --quantization fp8): the activations quantized per token (or
-    with a static per-tensor scale) outside, the products and both scales inside; FP8_GEMV_TILE_ACC the same."""
-    monkeypatch.setattr(fp8_gemv, "FP8_GEMV_TILE_ACC", tile_acc)
+    with a static per-tensor scale) outside, the products and both scales inside."""
     g = torch.Generator().manual_seed(m * 7 + k)
     w = (torch.randn(n, k, generator=g) * 40).clamp(-448, 448).to(FP8_DTYPE)
     w_scale = torch.rand(n, generator=g) * 0.002 + 0.0005
@@ -82,28 +77,6 @@ def test_channel_gemv_equals_reference(m, n, k, split_k, bias, dtype, static, ti
     assert out.dtype == dtype and out.shape == (m, n)
     tol = 2e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
-
-
-def test_tile_accumulation_is_taken_at_one_row_only(monkeypatch) -> None:
-    """FP8_GEMV_TILE_ACC changes the one-row product's fp32 summation order (not its value beyond fp32
-    rounding): it ran. Rows of more than one activation, or tiles whose rows span two weight-scale blocks, keep
-    the per-tile sums bit for bit."""
-    n, k = 96, 512
-    w, scales = weights(n, k, (32, 128), seed=31)
-    x = torch.randn(3, k, generator=torch.Generator().manual_seed(32)) * 3
-    outs = {}
-    for on in (False, True):
-        monkeypatch.setattr(fp8_gemv, "FP8_GEMV_TILE_ACC", on)
-        outs[on] = [
-            fp8_block_gemv(x[:1], w, scales, (32, 128), config={"SPLIT_K": 2, "BLOCK_N": 32}),
-            fp8_block_gemv(x, w, scales, (32, 128), config={"SPLIT_K": 2, "BLOCK_N": 32}),  # three rows
-            fp8_block_gemv(
-                x[:1], w, scales, (32, 128), config={"SPLIT_K": 2, "BLOCK_N": 64}
-            ),  # 64 rows, 2 scales
-        ]
-    assert not torch.equal(outs[True][0], outs[False][0])
-    torch.testing.assert_close(outs[True][0], outs[False][0], atol=2e-5, rtol=2e-5)
-    assert torch.equal(outs[True][1], outs[False][1]) and torch.equal(outs[True][2], outs[False][2])
 
 
 def test_split_k_is_deterministic_and_equal_to_one_split() -> None:
