@@ -12,8 +12,9 @@ import importlib
 import logging
 import multiprocessing as mp
 import os
+import shutil
 import signal
-import socket
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -36,12 +37,6 @@ def _run_worker(entry: str, *args: Any) -> None:
     """A spawned process's target: import the worker program by name and run it."""
     module, _, name = entry.partition(":")
     getattr(importlib.import_module(module), name)(*args)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _backend(config: EngineConfig) -> str:
@@ -110,9 +105,10 @@ def watch_parent(rank: int, parent: Any, poll: float = 1.0) -> None:
 class TPWorkers:
     """Rank 0's handle on this node's worker processes (ranks 1..per_node-1 of node 0)."""
 
-    def __init__(self, procs: list[Any], ranks: list[int]) -> None:
+    def __init__(self, procs: list[Any], ranks: list[int], rendezvous_dir: str | None = None) -> None:
         self.procs = procs
         self.ranks = ranks
+        self.rendezvous_dir = rendezvous_dir  # removed at shutdown
         self.failure: str | None = None
         # called once, on the watchdog thread, with the failure message when a worker dies (even if set
         # after the death); the server sets it to shut itself down
@@ -128,10 +124,13 @@ class TPWorkers:
         _check_devices(config)
         backend = _backend(config)
         per_node = config.tp_size // config.nnodes
+        rendezvous_dir = None
         if config.dist_init_addr:
             init_method = f"tcp://{config.dist_init_addr}"
-        else:
-            init_method = f"tcp://127.0.0.1:{_free_port()}"
+        else:  # one node: a file, not a port found free here, which another process could bind before the
+            # rendezvous does (a race the CI's servers once lost on a port)
+            rendezvous_dir = tempfile.mkdtemp(prefix="longserve-tp-")
+            init_method = f"file://{rendezvous_dir}/store"
         first = config.node_rank * per_node
         ctx = mp.get_context("spawn")
         procs, ranks, joining = [], [], []
@@ -148,7 +147,7 @@ class TPWorkers:
             procs.append(p)
             ranks.append(rank)
             joining.append(event)
-        workers = cls(procs, ranks)
+        workers = cls(procs, ranks, rendezvous_dir)
         try:
             workers._wait_joining(joining)
             init_tp_group(init_method, first, config.tp_size, 0, backend)
@@ -251,3 +250,5 @@ class TPWorkers:
             if p.is_alive():
                 p.kill()
                 p.join(2.0)
+        if self.rendezvous_dir is not None:
+            shutil.rmtree(self.rendezvous_dir, ignore_errors=True)

@@ -77,13 +77,16 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
 
     host, port = server_config.host, server_config.port
     sock = bind_socket(host, port)
+    shown = f"[{host}]" if ":" in host else host
+    # the bound port, before the minutes of loading: `--port 0` takes one the kernel picks, and whoever
+    # started the server (longserve.testing.server_process) reads it here, with no window for a race
+    logger.info("listening on http://%s:%d; loading the model", shown, sock.getsockname()[1])
     try:
         app = build_server(engine_config, server_config)
     except BaseException:
         sock.close()
         raise
     async_engine = app.state.longserve.engine
-    shown = f"[{host}]" if ":" in host else host
     logger.info(
         "serving %s on http://%s:%d (OpenAI API under /v1, SGLang /generate)",
         engine_config.model,

@@ -4,6 +4,7 @@ log in a file, and what /proc says of a process (RSS, CPU time, per-mapping RSS)
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -12,10 +13,13 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# longserve.server.launch.serve's line once its socket is bound (before the model loads)
+_LISTENING = re.compile(r"listening on http://\S+:(\d+); loading the model")
 
 
 def free_port() -> int:
-    """A free TCP port on 127.0.0.1 (bound and released)."""
+    """A TCP port on 127.0.0.1 free a moment ago (bound and released): another process may take it before
+    its user binds it, so a server is better started on `--port 0` (ServerProcess does)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -66,14 +70,15 @@ def smaps_growth(before: dict[str, int], after: dict[str, int], top: int = 8) ->
 
 
 class ServerProcess:
-    """`python -m longserve.launch_server ARGS` (ARGS name the port), its output in `log_path`; PYTHONPATH has
-    the repository first, so the checkout is what runs."""
+    """`python -m longserve.launch_server ARGS` with its output in `log_path`; PYTHONPATH has the repository
+    first, so the checkout is what runs. Without `--port` in ARGS it listens on `--port 0`, a port the kernel
+    picks at bind: a port chosen here and passed on could be taken by another process before the server
+    binds it (CI once lost a run so). The port is read from the server's log (`port`, `url`) by
+    `wait_ready()`."""
 
-    def __init__(
-        self, args: Sequence[str], port: int, log_path: str, env: Mapping[str, str] | None = None
-    ) -> None:
-        self.port = port
-        self.url = f"http://127.0.0.1:{port}"
+    def __init__(self, args: Sequence[str], log_path: str, env: Mapping[str, str] | None = None) -> None:
+        args = list(args) if "--port" in args else [*args, "--port", "0"]
+        self._port: int | None = None
         self.log_path = log_path
         path = REPO + os.pathsep + os.environ.get("PYTHONPATH", "")
         full_env = {**os.environ, "PYTHONPATH": path, **(env or {})}
@@ -85,6 +90,24 @@ class ServerProcess:
             stdout=self._log,
             stderr=subprocess.STDOUT,
         )
+
+    @property
+    def port(self) -> int:
+        """The port the server bound (known once wait_ready() returns)."""
+        port = self._bound_port()
+        if port is None:
+            raise RuntimeError(f"the server has not said its port yet:\n{self.log_tail()}")
+        return port
+
+    def _bound_port(self) -> int | None:
+        """From the server's log: its `listening on` line, written once its socket is bound."""
+        if self._port is None and (found := _LISTENING.search(self.log())) is not None:
+            self._port = int(found.group(1))
+        return self._port
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
 
     @property
     def pid(self) -> int:
@@ -106,7 +129,8 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
             try:
-                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
+                bound = self._bound_port() is not None
+                if bound and httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass

@@ -48,7 +48,6 @@ import aiohttp
 
 from longserve.testing.server_process import (
     ServerProcess,
-    free_port,
     read_cpu_seconds,
     read_rss,
     read_smaps,
@@ -392,10 +391,10 @@ def main(argv: list[str] | None = None) -> int:
         server_args += ["--model-path", args.model_path]
     server_args += args.server_arg
     log_path = args.server_log or os.path.join(tempfile.mkdtemp(prefix="soak-"), "server.log")
-    port = free_port()
-    server = ServerProcess(["--host", "127.0.0.1", "--port", str(port), *server_args], port, log_path)
+    server = ServerProcess(["--host", "127.0.0.1", *server_args], log_path)  # on a port the kernel picks
     print(f"starting the server (pid {server.pid}, log {log_path}): {' '.join(server_args)}", flush=True)
     try:
+        server.wait_ready(args.start_timeout)  # its port is in its log
         rc = asyncio.run(soak(args, server.url, server.pid, server))
     except (RuntimeError, aiohttp.ClientError) as e:
         print(f"error: {e}\n{server.log_tail()}", file=sys.stderr)

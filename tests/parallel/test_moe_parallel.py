@@ -123,7 +123,7 @@ def test_server_flags_and_server_info(checkpoints, tmp_path, tp1):
     import httpx
 
     from longserve.server.args import parse
-    from tests.server.conftest import ServerProcess, free_port
+    from tests.server.conftest import ServerProcess
 
     engine, _ = parse(["--model-path", checkpoints["qwen2_moe"], "--tp-size", "2", "--ep-size", "2"])
     assert (engine.ep_size, engine.enable_expert_parallel) == (2, False)
@@ -134,19 +134,9 @@ def test_server_flags_and_server_info(checkpoints, tmp_path, tp1):
     ):
         parse(["--model-path", checkpoints["qwen2_moe"], "--tp-size", "2", "--ep", "4"])
 
-    port = free_port()
-    args = [
-        "--model-path",
-        checkpoints["qwen2_moe"],
-        "--device",
-        "cpu",
-        "--dtype",
-        "float32",
-        "--port",
-        str(port),
-    ]
+    args = ["--model-path", checkpoints["qwen2_moe"], "--device", "cpu", "--dtype", "float32"]
     args += ["--max-total-tokens", "2048", "--tp-size", "2", "--enable-expert-parallel"]
-    server = ServerProcess(args, port, str(tmp_path / "server.log")).wait_ready()
+    server = ServerProcess(args, str(tmp_path / "server.log")).wait_ready()
     try:
         ids = prompts()[0]
         body = {

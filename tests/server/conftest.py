@@ -21,13 +21,12 @@ def tiny_model(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def server(tiny_model, tmp_path_factory) -> Iterator[ServerProcess]:
     """The shared server: no API key, float32 on the CPU, a small KV pool."""
-    port = free_port()
-    args = ["--model-path", tiny_model, "--device", "cpu", "--port", str(port), "--dtype", "float32"]
+    args = ["--model-path", tiny_model, "--device", "cpu", "--dtype", "float32"]
     args += ["--max-total-tokens", str(4 * CONTEXT), "--context-length", str(CONTEXT), "--log-requests"]
     args += ["--strict-model-name"]  # vLLM's 404 for a model name not served (test_compat_api: the default)
     # overlapped steps, as a GPU server runs by default (the engine tests cover the plain schedule on the CPU)
     args += ["--enable-overlap-schedule"]
-    proc = ServerProcess(args, port, str(tmp_path_factory.mktemp("logs") / "server.log"))
+    proc = ServerProcess(args, str(tmp_path_factory.mktemp("logs") / "server.log"))
     try:
         yield proc.wait_ready()
     finally:

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from longserve.cli import main
-from longserve.testing.server_process import ServerProcess, free_port
+from longserve.testing.server_process import ServerProcess
 
 FLAGS = ["--max-new-tokens", "8", "--top-k", "10"]
 
@@ -20,10 +20,9 @@ def servers(tiny_model, tmp_path_factory):
     procs = []
     try:
         for kv in ("auto", "fp8"):
-            port = free_port()
-            args = ["--model-path", tiny_model, "--device", "cpu", "--port", str(port), "--dtype", "float32",
+            args = ["--model-path", tiny_model, "--device", "cpu", "--dtype", "float32",
                     "--max-total-tokens", "4096", "--kv-cache-dtype", kv]  # fmt: skip
-            procs.append(ServerProcess(args, port, str(tmp_path_factory.mktemp("logs") / f"server-{kv}.log")))
+            procs.append(ServerProcess(args, str(tmp_path_factory.mktemp("logs") / f"server-{kv}.log")))
         yield [p.wait_ready() for p in procs]
     finally:
         for p in procs:

@@ -53,11 +53,10 @@ def check_counts(record: dict, num: int, exact_prompt: bool = True) -> None:
 @pytest.fixture(scope="module")
 def server2(tiny_model, tmp_path_factory) -> Iterator[ServerProcess]:
     """A second server with a small prefill chunk, for `compare`."""
-    port = free_port()
-    args = ["--model-path", tiny_model, "--device", "cpu", "--port", str(port), "--dtype", "float32"]
+    args = ["--model-path", tiny_model, "--device", "cpu", "--dtype", "float32"]
     args += ["--max-total-tokens", str(4 * CONTEXT), "--context-length", str(CONTEXT)]
     args += ["--chunked-prefill-size", "64"]
-    proc = ServerProcess(args, port, str(tmp_path_factory.mktemp("logs") / "server2.log"))
+    proc = ServerProcess(args, str(tmp_path_factory.mktemp("logs") / "server2.log"))
     try:
         yield proc.wait_ready()
     finally:

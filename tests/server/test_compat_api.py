@@ -17,7 +17,7 @@ import pytest
 
 from longserve import __version__
 from longserve.testing.checkpoints import CHAT_TEMPLATE
-from tests.server.conftest import ServerProcess, free_port
+from tests.server.conftest import ServerProcess
 
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
@@ -42,12 +42,11 @@ def compat_server(tiny_model, tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
     template = logs / "served.jinja"
     template.write_text(SERVED_TEMPLATE)
-    port = free_port()
-    args = [tiny_model, "--device", "cpu", "--dtype", "float32", "--port", str(port)]
+    args = [tiny_model, "--device", "cpu", "--dtype", "float32"]
     args += ["--served-model-name", NAME, "--context-length", str(CONTEXT), "--max-total-tokens", "8192"]
     args += ["--metrics-names", "vllm", "--trust-remote-code", "--swap-space", "4"]
     args += ["--data-parallel-size", "1", "--chat-template", str(template)]
-    proc = ServerProcess(args, port, str(logs / "compat.log")).wait_ready()
+    proc = ServerProcess(args, str(logs / "compat.log")).wait_ready()
     yield proc
     proc.stop()
 

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from tests.server.conftest import REPO, ServerProcess, free_port
+from tests.server.conftest import REPO, ServerProcess
 
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
@@ -194,11 +194,10 @@ def test_a_taken_port_fails_before_the_model_loads(tiny_model, tmp_path):
 
 @pytest.fixture(scope="module")
 def limited(tiny_model, tmp_path_factory):
-    port = free_port()
-    args = ["--model-path", tiny_model, "--device", "cpu", "--port", str(port), "--dtype", "float32"]
+    args = ["--model-path", tiny_model, "--device", "cpu", "--dtype", "float32"]
     args += ["--max-total-tokens", "65536", "--context-length", "8192", "--max-queued-requests", "64"]
     args += ["--shutdown-timeout", "8"]  # the short requests' 100 tokens take 0.2-2 s, the long ones minutes
-    proc = ServerProcess(args, port, str(tmp_path_factory.mktemp("logs") / "limited.log"))
+    proc = ServerProcess(args, str(tmp_path_factory.mktemp("logs") / "limited.log"))
     try:
         yield proc.wait_ready()
     finally:

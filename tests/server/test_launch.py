@@ -2,7 +2,7 @@
 `--device cpu` and the tiny model; the API key is enforced (set here through LONGSERVE_API_KEY, so the vLLM
 line itself stays unchanged).
 
-Each line's fixed port is swapped for a free one, and LONGSERVE_MAX_TOTAL_TOKENS keeps the CPU KV pool at
+Each line's fixed port is swapped for 0 (the kernel picks a free one at bind), and LONGSERVE_MAX_TOTAL_TOKENS keeps the CPU KV pool at
 the 131,072-token context instead of a fraction of the machine's RAM (env vars rank below flags, so the
 lines are otherwise as written)."""
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.server.conftest import ServerProcess, free_port
+from tests.server.conftest import ServerProcess
 
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
@@ -28,19 +28,18 @@ KEY = "sk-longserve-test"
 POOL = {"LONGSERVE_MAX_TOTAL_TOKENS": str(131072 + 16)}
 
 
-def _args(line: str, model: str, port: int) -> list[str]:
+def _args(line: str, model: str) -> list[str]:
     args = line.format(model=model).split() + ["--device", "cpu"]
-    args[args.index("--port") + 1] = str(port)
+    args[args.index("--port") + 1] = "0"
     return args
 
 
 @pytest.fixture(scope="module")
 def launched(tiny_model, tmp_path_factory):
     logs = tmp_path_factory.mktemp("launch-lines")
-    p1, p2 = free_port(), free_port()
-    sglang = ServerProcess(_args(SGLANG_LINE, tiny_model, p1), p1, str(logs / "sglang.log"), POOL)
+    sglang = ServerProcess(_args(SGLANG_LINE, tiny_model), str(logs / "sglang.log"), POOL)
     vllm = ServerProcess(
-        _args(VLLM_LINE, tiny_model, p2), p2, str(logs / "vllm.log"), {**POOL, "LONGSERVE_API_KEY": KEY}
+        _args(VLLM_LINE, tiny_model), str(logs / "vllm.log"), {**POOL, "LONGSERVE_API_KEY": KEY}
     )
     try:  # both start at once
         yield sglang.wait_ready(), vllm.wait_ready()
@@ -92,8 +91,7 @@ def test_no_model_serves_the_embedded_default(tmp_path):
 
     from longserve.assets import default_model_path
 
-    port = free_port()
-    server = ServerProcess(["--device", "cpu", "--port", str(port)], port, str(tmp_path / "default.log"))
+    server = ServerProcess(["--device", "cpu"], str(tmp_path / "default.log"))
     try:
         server.wait_ready()
         info = httpx.get(server.url + "/model_info").json()
@@ -142,7 +140,7 @@ def test_launch_server_errors_name_the_flags(tiny_model, tmp_path, capsys):
     model.mkdir()
     for name in ("config.json", "model.safetensors", "generation_config.json"):
         shutil.copy(f"{tiny_model}/{name}", model / name)
-    argv = ["--model-path", str(model), "--device", "cpu", "--port", str(free_port())]
+    argv = ["--model-path", str(model), "--device", "cpu", "--port", "0"]
     assert main([*argv, "--max-total-tokens", "1024"]) == 2
     err = capsys.readouterr().err
     assert f"error: no tokenizer in {str(model)!r}" in err

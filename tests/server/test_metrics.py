@@ -14,7 +14,7 @@ import types
 
 import pytest
 
-from tests.server.conftest import CONTEXT, ServerProcess, free_port
+from tests.server.conftest import CONTEXT, ServerProcess
 
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
@@ -50,8 +50,7 @@ GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
 
 @pytest.fixture(scope="module")
 def mserver(tiny_model, tmp_path_factory):
-    port = free_port()
-    args = ["--model-path", tiny_model, "--device", "cpu", "--port", str(port), "--dtype", "float32"]
+    args = ["--model-path", tiny_model, "--device", "cpu", "--dtype", "float32"]
     args += [
         "--max-total-tokens",
         str(4 * CONTEXT),
@@ -62,7 +61,7 @@ def mserver(tiny_model, tmp_path_factory):
     ]
     args += ["--request-timeout", str(TIMEOUT), "--log-stats-interval", "0.2", "--log-requests"]
     args += ["--strict-model-name"]  # an unknown model name is refused (404) and counted as rejected
-    proc = ServerProcess(args, port, str(tmp_path_factory.mktemp("logs") / "metrics-server.log"))
+    proc = ServerProcess(args, str(tmp_path_factory.mktemp("logs") / "metrics-server.log"))
     try:
         yield proc.wait_ready()
     finally:

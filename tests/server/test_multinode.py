@@ -31,12 +31,10 @@ def expected(model: str) -> list[list[int]]:
 
 
 def start_pair(model: str, logs, name: str) -> tuple[ServerProcess, subprocess.Popen, object]:
-    port, rdv = free_port(), free_port()
+    rdv = free_port()  # torch.distributed's rendezvous (the HTTP port is the kernel's pick: ServerProcess)
     common = ["--model-path", model, "--device", "cpu", "--dtype", "float32", "--max-total-tokens", "2048"]
     common += ["--tp-size", "2", "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{rdv}"]
-    node0 = ServerProcess(
-        [*common, "--node-rank", "0", "--port", str(port)], port, str(logs / f"{name}0.log")
-    )
+    node0 = ServerProcess([*common, "--node-rank", "0"], str(logs / f"{name}0.log"))
     log1 = open(logs / f"{name}1.log", "w")  # noqa: SIM115 - closed by the caller
     node1 = subprocess.Popen(
         [sys.executable, "-m", "longserve.worker", *common, "--node-rank", "1"],
@@ -94,14 +92,11 @@ def test_sglang_launch_line_at_tp4(tiny_model, tmp_path):
     """SGLang's launch flags with --tp-size 4 (--mem-fraction-static, --context-length 131072,
     --chunked-prefill-size, --enable-prefix-caching) answer /generate on the CPU: 4 ranks, the tiny model's
     2 kv heads replicated, greedy output equal to TP=1."""
-    port = free_port()
     line = (
-        f"--model-path {tiny_model} --host 127.0.0.1 --port {port} --tp-size 4 --mem-fraction-static 0.8 "
+        f"--model-path {tiny_model} --host 127.0.0.1 --port 0 --tp-size 4 --mem-fraction-static 0.8 "
         "--context-length 131072 --chunked-prefill-size 8192 --enable-prefix-caching --device cpu --dtype float32"
     )
-    server = ServerProcess(
-        line.split(), port, str(tmp_path / "tp4.log"), {"LONGSERVE_MAX_TOTAL_TOKENS": "131088"}
-    )
+    server = ServerProcess(line.split(), str(tmp_path / "tp4.log"), {"LONGSERVE_MAX_TOTAL_TOKENS": "131088"})
     try:
         server.wait_ready(timeout=180)
         r = httpx.post(

@@ -14,7 +14,7 @@ import pytest
 
 from longserve.testing.checkpoints import make_tiny_checkpoint
 from longserve.testing.pooling_checkpoints import RERANKER_OVERRIDES, make_tiny_embedding_checkpoint
-from tests.server.conftest import ServerProcess, free_port
+from tests.server.conftest import ServerProcess
 
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
@@ -38,9 +38,8 @@ DOCS = [
 
 
 def start(args, tmp_path_factory, name):
-    port = free_port()
-    args = [*args, "--device", "cpu", "--dtype", "float32", "--port", str(port), "--max-total-tokens", "8192"]
-    proc = ServerProcess(args, port, str(tmp_path_factory.mktemp("logs") / f"{name}.log"))
+    args = [*args, "--device", "cpu", "--dtype", "float32", "--max-total-tokens", "8192"]
+    proc = ServerProcess(args, str(tmp_path_factory.mktemp("logs") / f"{name}.log"))
     return proc.wait_ready()
 
 

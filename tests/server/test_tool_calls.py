@@ -15,7 +15,7 @@ import httpx
 import jsonschema
 import pytest
 
-from longserve.testing.server_process import ServerProcess, free_port
+from longserve.testing.server_process import ServerProcess
 from tests.fixtures.tool_checkpoints import make_tool_checkpoint
 
 pytest.importorskip("fastapi")
@@ -60,10 +60,9 @@ def servers(tmp_path_factory):
     try:
         for name, (style, flags) in SERVERS.items():
             path = make_tool_checkpoint(tmp_path_factory.mktemp(style), style)
-            port = free_port()
-            args = ["--model-path", path, "--device", "cpu", "--port", str(port), "--dtype", "float32"]
+            args = ["--model-path", path, "--device", "cpu", "--dtype", "float32"]
             args += ["--max-total-tokens", "16384", "--served-model-name", name, *flags]
-            procs[name] = ServerProcess(args, port, str(tmp_path_factory.mktemp("logs") / f"{name}.log"))
+            procs[name] = ServerProcess(args, str(tmp_path_factory.mktemp("logs") / f"{name}.log"))
         with ThreadPoolExecutor(len(procs)) as pool:
             list(pool.map(lambda p: p.wait_ready(), procs.values()))
         yield {name: p.url for name, p in procs.items()}

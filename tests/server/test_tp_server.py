@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from longserve import LLM, SamplingParams
-from tests.server.conftest import REPO, ServerProcess, free_port
+from tests.server.conftest import REPO, ServerProcess
 
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
@@ -28,10 +28,8 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [40, 41, 42, 300, 301, 7, 8, 9, 200, 201, 20
 MAX_NEW = 16
 
 
-def _args(model: str, port: int, tp: int = 2) -> list[str]:
-    return ["--model-path", model, "--device", "cpu", "--dtype", "float32", "--port", str(port)] + [
-        "--tp-size",
-        str(tp),
+def _args(model: str, tp: int = 2) -> list[str]:
+    return ["--model-path", model, "--device", "cpu", "--dtype", "float32", "--tp-size", str(tp)] + [
         "--max-total-tokens",
         "2048",
     ]
@@ -81,8 +79,7 @@ def tp_servers(tiny_model, tmp_path_factory):
     logs = tmp_path_factory.mktemp("tp-servers")
     servers = {}
     for name in ("healthy", "victim", "orphan"):
-        port = free_port()
-        servers[name] = ServerProcess(_args(tiny_model, port), port, str(logs / f"{name}.log"))
+        servers[name] = ServerProcess(_args(tiny_model), str(logs / f"{name}.log"))
     try:
         for s in servers.values():
             s.wait_ready()
@@ -165,7 +162,7 @@ def test_worker_exits_when_the_server_is_killed(tp_servers):
 def test_bad_tp_size_is_refused_at_start(tiny_model):
     start = time.monotonic()
     out = subprocess.run(
-        [sys.executable, "-m", "longserve.launch_server", *_args(tiny_model, free_port(), tp=3)],
+        [sys.executable, "-m", "longserve.launch_server", *_args(tiny_model, tp=3), "--port", "0"],
         cwd=REPO,
         env={**os.environ, "PYTHONPATH": REPO},
         capture_output=True,
