@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from longserve.kernels.activation_reference import silu_and_mul_ref
-from longserve.kernels.launch import fast_launch
+from longserve.kernels.launch import fast_launch, pdl_prologue, use_pdl
 
 __all__ = ["silu_and_mul", "silu_and_mul_ref"]
 
@@ -27,7 +27,9 @@ def _silu_and_mul_kernel(
     stride_x,
     stride_o,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
     mask = cols < inter
@@ -46,7 +48,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(num_tokens, inter, dtype=x.dtype, device=x.device)  # [T, I]
     if num_tokens == 0:
         return out
+    pdl = use_pdl(x)
     _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter, BLOCK))](
-        x, out, inter, x.stride(0), out.stride(0), BLOCK=BLOCK, num_warps=4
+        x, out, inter, x.stride(0), out.stride(0), BLOCK=BLOCK, USE_PDL=pdl, num_warps=4, launch_pdl=pdl
     )
     return out

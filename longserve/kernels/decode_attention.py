@@ -16,7 +16,7 @@ import triton.language as tl
 
 from longserve.kernels.attention_reference import decode_attention_ref
 from longserve.kernels.extend_attention import check_cache, interpreting, merge_splits
-from longserve.kernels.launch import fast_launch
+from longserve.kernels.launch import fast_launch, pdl_prologue, use_pdl
 
 __all__ = ["choose_num_splits", "decode_attention", "decode_attention_ref", "decode_config"]
 
@@ -55,7 +55,9 @@ def _decode_split_kernel(
     SPLIT: tl.constexpr,  # more than one split (grid dim 2): partials, merged by a second kernel
     HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -184,6 +186,7 @@ def decode_attention(
         mid_o = torch.empty(num_reqs, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         mid_lse = torch.empty(num_reqs, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
         strides = (mid_o.stride(0), mid_o.stride(1), mid_o.stride(2))
+    pdl = use_pdl(q)
     _decode_split_kernel[(num_reqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, seq_lens, page_table, mid_o, mid_lse,
         q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(2), page_table.stride(0), *strides,
@@ -191,8 +194,8 @@ def decode_attention(
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), PAGE_SIZE=page_size,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=cfg["BLOCK_N"], SPLIT=num_splits > 1,
         HAS_WINDOW=sliding_window is not None,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", USE_PDL=pdl,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=pdl,
     )  # fmt: skip
     if num_splits > 1:
         merge_splits(mid_o, mid_lse, out)

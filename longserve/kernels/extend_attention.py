@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from longserve.kernels.attention_reference import extend_attention_ref
-from longserve.kernels.launch import fast_launch
+from longserve.kernels.launch import fast_launch, pdl_prologue, use_pdl
 
 __all__ = [
     "check_cache",
@@ -252,7 +252,9 @@ def _merge_splits_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)
     n = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)  # [BLOCK_S]
@@ -281,11 +283,12 @@ def merge_splits(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> to
     num_rows, num_heads, num_splits, head_dim = part.shape
     assert part.is_contiguous() and lse.is_contiguous() and out.stride(2) == 1
     if num_rows > 0:
+        pdl = use_pdl(part)
         _merge_splits_kernel[(num_rows, num_heads)](
             part, lse, out, out.stride(0), out.stride(1), num_splits,
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
             BLOCK_S=max(8, triton.next_power_of_2(num_splits)),  # 4 tiny variants for 1..64 splits
-            num_warps=4 if head_dim >= 128 else 2,
+            USE_PDL=pdl, num_warps=4 if head_dim >= 128 else 2, launch_pdl=pdl,
         )  # fmt: skip
     return out
 

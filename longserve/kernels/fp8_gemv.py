@@ -38,6 +38,7 @@ import triton.language as tl
 
 from longserve.kernels.extend_attention import interpreting
 from longserve.kernels.gemv_tables import tuned_gemv_config
+from longserve.kernels.launch import pdl_prologue, use_pdl
 from longserve.kernels.quant_gemv import pow2_at_most, split_k_output, splitk_reduce, splits_for
 from longserve.kernels.quant_reference import FP8_MAX
 from longserve.kernels.quant_tiles import e4m3_rounded, store_gemv_out
@@ -100,8 +101,9 @@ def _fp8_gemv_kernel(
     stride_xm, stride_xsm, stride_wn, stride_sn, stride_om, stride_os,
     PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr,
-    INTERPRET: tl.constexpr, INTERPRET_BF16: tl.constexpr,
+    INTERPRET: tl.constexpr, INTERPRET_BF16: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_prologue(USE_PDL)
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -187,13 +189,15 @@ def _launch(
     interpret_bf16 = interp and out_dtype == torch.bfloat16
     per_channel = x_scales is not None
     xs = x_scales if per_channel else w_scale
+    pdl = use_pdl(x)
     _fp8_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), split)](
         x.view(torch.uint8) if per_channel else x, xs, w.view(torch.uint8), w_scale,
         bias if bias is not None else w_scale, out, m, n, k, block_n, tiles_per_split, num_tiles,
         x.stride(0), xs.stride(0), w.stride(0), w_scale.stride(0), out.stride(-2), out.stride(0) if split > 1 else 0,
         PER_CHANNEL=per_channel, HAS_BIAS=bias is not None and split == 1, EVEN_K=k % cfg["BLOCK_K"] == 0,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], PARTIAL=split > 1,
-        INTERPRET=interp, INTERPRET_BF16=interpret_bf16, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        INTERPRET=interp, INTERPRET_BF16=interpret_bf16, USE_PDL=pdl, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"], launch_pdl=pdl,
     )  # fmt: skip
     return out if split == 1 else splitk_reduce(out, bias, out_dtype)
 

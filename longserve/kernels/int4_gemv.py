@@ -35,6 +35,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from longserve.kernels.launch import pdl_prologue
 from longserve.kernels.quant_tiles import store_gemv_out
 
 __all__ = [
@@ -113,8 +114,9 @@ def int4_gemv_kernel(
     stride_xm, stride_om, stride_we, stride_se, stride_ze,
     HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PARTIAL: tl.constexpr, INTERPRET_BF16: tl.constexpr, ROUTED: tl.constexpr, X_ROW_DIV: tl.constexpr,
-    USE_RAW_HI: tl.constexpr = False,
+    USE_RAW_HI: tl.constexpr = False, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_prologue(USE_PDL)  # before the routed expert id (the router's output) and x
     BLOCK_W: tl.constexpr = BLOCK_K // 8  # words of a tile row
     pid_n, pid_k, row = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     if ROUTED:  # MoE decode (moe_wna16.py): output row `row` is a (token, k) pair, its expert's weights

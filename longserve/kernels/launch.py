@@ -18,15 +18,29 @@ such as proton, the interpreter) goes through Triton as before.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import Any
 
 import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-__all__ = ["FastKernel", "fast_launch"]
+__all__ = ["PDL", "FastKernel", "fast_launch", "pdl_prologue", "use_pdl"]
 
 logger = logging.getLogger(__name__)
+
+# Programmatic dependent launch (sm_90 and later) for the kernels of a decode step that take USE_PDL (norms,
+# rotary + K/V store, decode attention and its merge, SiLU-and-mul, the quantized GEMVs and their split-K sum):
+# launched so, a kernel may be scheduled while the one before it in the stream (a CUDA graph keeps the edge)
+# still drains, and waits in `pdl_prologue` (griddepcontrol.wait: the previous kernel complete, its writes
+# visible) before it touches memory, so every result is unchanged. What it can save is the gap between two
+# kernels, ~1-3 us each, ~10 a layer at decode. Off: not yet measured (`scripts/gpu/gpu_check.sh pdl` is the
+# A/B; tests/gpu/test_pdl_gpu.py checks the outputs equal). Read at each launch (use_pdl), so
+# scripts/probes/with_constants.py can switch it.
+PDL = False
 
 _I32 = (-(2**31), 2**31)
 _I64 = (-(2**63), 2**63)
@@ -154,3 +168,24 @@ def fast_launch(fn: Any) -> Any:
     except ImportError:
         return fn
     return FastKernel(fn) if isinstance(fn, JITFunction) else fn
+
+
+@functools.cache
+def _sm90_or_later(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def use_pdl(t: torch.Tensor) -> bool:
+    """Whether a kernel on t's device launches with programmatic dependent launch (PDL on, a CUDA device of
+    sm_90 or later): the value of its USE_PDL and of its `launch_pdl` option."""
+    return PDL and t.is_cuda and _sm90_or_later(t.device.index if t.device.index is not None else 0)
+
+
+@triton.jit
+def pdl_prologue(USE_PDL: tl.constexpr):
+    """First in a kernel that takes USE_PDL, before its first load or store: wait for the kernel before it to
+    complete (its writes visible), then let the next kernel be scheduled (it waits likewise), which it is once
+    every program of this one has come here. Nothing without PDL."""
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()

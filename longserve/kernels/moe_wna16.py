@@ -42,7 +42,7 @@ import triton.language as tl
 from longserve.kernels import int4_gemv
 from longserve.kernels.extend_attention import interpreting
 from longserve.kernels.int4_gemv import int4_dot_tile, int4_fast_block_n, int4_gemv_kernel, int4_tile_load
-from longserve.kernels.launch import fast_launch
+from longserve.kernels.launch import fast_launch, use_pdl
 from longserve.kernels.moe_reference import MoEQuant
 from longserve.kernels.moe_sum import moe_sum
 from longserve.kernels.quant_gemm import wna16_dequantize
@@ -188,13 +188,14 @@ def _routed_gemv(
     split = splits_for(x.device, n_blocks * num_rows, num_tiles)
     tiles_per_split, split, out = split_k_output(num_tiles, split, num_rows, n, x.dtype, x.device)
     z = zero if zero is not None else scale
+    pdl = use_pdl(x)
     int4_gemv_kernel[(n_blocks, split, num_rows)](
         x, w.view(torch.int32), scale, z, scale, ids, out, n, group, tiles_per_split, num_tiles,
         packed // 4, scale.stride(1), z.stride(1), out.stride(0) if split > 1 else 0,
         x.stride(0), out.stride(-2), w.stride(0) // 4, scale.stride(0), z.stride(0),
         HAS_ZP=zero is not None, HAS_BIAS=False, BLOCK_N=block_n, BLOCK_K=block_k, PARTIAL=split > 1,
         INTERPRET_BF16=interpreting() and x.dtype == torch.bfloat16, ROUTED=True, X_ROW_DIV=x_row_div,
-        USE_RAW_HI=int4_gemv.INT4_GEMV_RAW_HI, num_warps=4, num_stages=2,
+        USE_RAW_HI=int4_gemv.INT4_GEMV_RAW_HI, USE_PDL=pdl, num_warps=4, num_stages=2, launch_pdl=pdl,
     )  # fmt: skip
     return out
 

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from longserve.kernels.launch import fast_launch
+from longserve.kernels.launch import fast_launch, pdl_prologue, use_pdl
 from longserve.kernels.norm_reference import fused_add_rms_norm_ref, rms_norm_ref
 
 __all__ = ["fused_add_rms_norm", "fused_add_rms_norm_ref", "rms_norm", "rms_norm_ref"]
@@ -35,7 +35,9 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
     cols = tl.arange(0, BLOCK_H)  # [BLOCK_H]
     mask = (rows[:, None] < num_rows) & (cols[None, :] < hidden)  # [BLOCK_R, BLOCK_H]
@@ -89,10 +91,12 @@ def _run(
     if num_rows == 0:
         return y, new_residual
     block_r, block_h, num_warps = _launch_config(hidden)
+    pdl = use_pdl(x)
     _rms_norm_kernel[(triton.cdiv(num_rows, block_r),)](
         x2, r2, weight, y2, ro2, num_rows, hidden,
         x2.stride(0), r2.stride(0), y2.stride(0), ro2.stride(0), eps,
-        HAS_RESIDUAL=residual is not None, BLOCK_R=block_r, BLOCK_H=block_h, num_warps=num_warps,
+        HAS_RESIDUAL=residual is not None, BLOCK_R=block_r, BLOCK_H=block_h, USE_PDL=pdl, num_warps=num_warps,
+        launch_pdl=pdl,
     )  # fmt: skip
     return y, new_residual
 

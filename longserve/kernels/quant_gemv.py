@@ -55,6 +55,7 @@ from longserve.kernels import int4_gemv
 from longserve.kernels.extend_attention import interpreting
 from longserve.kernels.gemv_tables import tuned_gemv_config
 from longserve.kernels.int4_gemv import int4_fast_block_n, int4_fast_supported, int4_gemv_kernel
+from longserve.kernels.launch import pdl_prologue, use_pdl
 from longserve.kernels.quant_reference import wna16_gemm_ref
 from longserve.kernels.quant_tiles import rounded, store_gemv_out
 
@@ -98,8 +99,9 @@ def _wna16_gemv_kernel(
     BITS: tl.constexpr, HAS_ZP: tl.constexpr, HAS_GIDX: tl.constexpr, SCALE_PER_COL: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, USE_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr,
-    INTERPRET: tl.constexpr, INTERPRET_BF16: tl.constexpr,
+    INTERPRET: tl.constexpr, INTERPRET_BF16: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_prologue(USE_PDL)
     PACK: tl.constexpr = 8 // BITS  # values per byte
     BLOCK_KB: tl.constexpr = BLOCK_K // PACK  # bytes of one tile row
     MASK: tl.constexpr = (1 << BITS) - 1
@@ -211,9 +213,10 @@ def _wna16_gemv_kernel(
 @triton.jit
 def _splitk_reduce_kernel(
     part_ptr, b_ptr, out_ptr, N, num_splits, stride_ps, stride_pm, stride_om,
-    HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, INTERPRET_BF16: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, INTERPRET_BF16: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """out[m, n] = sum over the splits in order (+ bias), rounded once to out's dtype."""
+    pdl_prologue(USE_PDL)
     m, pid = tl.program_id(0), tl.program_id(1)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
@@ -261,10 +264,11 @@ def splitk_reduce(partials: torch.Tensor, bias: torch.Tensor | None, dtype: torc
     num_splits, m, n = partials.shape
     res = torch.empty(m, n, dtype=dtype, device=partials.device)
     block = 1024 if n >= 1024 else triton.next_power_of_2(n)
+    pdl = use_pdl(partials)
     _splitk_reduce_kernel[(m, triton.cdiv(n, block))](
         partials, bias if bias is not None else partials, res, n, num_splits, partials.stride(0),
         partials.stride(1), res.stride(0), HAS_BIAS=bias is not None, BLOCK=block,
-        INTERPRET_BF16=interpreting() and dtype == torch.bfloat16,
+        INTERPRET_BF16=interpreting() and dtype == torch.bfloat16, USE_PDL=pdl, launch_pdl=pdl,
     )  # fmt: skip
     return res
 
@@ -364,14 +368,15 @@ def wna16_gemv(
     b = bias if bias is not None else scales
     words_ok = qweight.stride(0) % 4 == 0 and qweight.data_ptr() % 16 == 0  # rows of whole 32-bit words
     fast = int4_fast_supported(m, bits, k, per_col, bool(cfg["USE_DOT"]), block_k)
+    pdl = use_pdl(x)
     if INT4_FAST_PATH and words_ok and fast:
         int4_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), split, 1)](
             x, qweight.view(torch.int32), scales, z, b, scales, out, n, group, tiles_per_split, num_tiles,
             qweight.stride(0) // 4, scales.stride(0), z.stride(0), out.stride(0) if split > 1 else 0,
             0, 0, 0, 0, 0, HAS_ZP=zeros is not None, HAS_BIAS=bias is not None and split == 1,
             BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, PARTIAL=split > 1, INTERPRET_BF16=interpret_bf16,
-            ROUTED=False, X_ROW_DIV=1, USE_RAW_HI=int4_gemv.INT4_GEMV_RAW_HI, num_warps=cfg["num_warps"],
-            num_stages=cfg["num_stages"],
+            ROUTED=False, X_ROW_DIV=1, USE_RAW_HI=int4_gemv.INT4_GEMV_RAW_HI, USE_PDL=pdl,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=pdl,
         )  # fmt: skip
         return out if split == 1 else splitk_reduce(out, bias, x.dtype)
     _wna16_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), split)](
@@ -381,7 +386,7 @@ def wna16_gemv(
         BITS=bits, HAS_ZP=zeros is not None, HAS_GIDX=g_idx is not None, SCALE_PER_COL=per_col,
         HAS_BIAS=bias is not None and split == 1, EVEN_K=k % block_k == 0, USE_DOT=bool(cfg["USE_DOT"]),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, PARTIAL=split > 1,
-        INTERPRET=interp, INTERPRET_BF16=interpret_bf16,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        INTERPRET=interp, INTERPRET_BF16=interpret_bf16, USE_PDL=pdl,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=pdl,
     )  # fmt: skip
     return out if split == 1 else splitk_reduce(out, bias, x.dtype)

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from longserve.kernels.extend_attention import interpreting
-from longserve.kernels.launch import fast_launch
+from longserve.kernels.launch import fast_launch, pdl_prologue, use_pdl
 from longserve.kernels.quant_tiles import e4m3_rounded
 from longserve.kernels.rope_reference import rotary_embedding_ref
 
@@ -121,7 +121,9 @@ def _rope_kernel(
     HAS_NORM: tl.constexpr,
     FP8_KV: tl.constexpr,
     INTERPRET: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + tok).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D2)  # [BLOCK_D2]
@@ -207,11 +209,13 @@ def rotary_embedding(
         norm_args = (q_weight, k_weight, float(eps))
     else:
         norm_args = (q3, q3, 0.0)  # unused
+    pdl = use_pdl(q3)
     _rope_kernel[(num_tokens,)](
         positions, q3, k3, cos_sin_cache, *extra[:4],
         q3.stride(0), q3.stride(1), k3.stride(0), k3.stride(1), cos_sin_cache.stride(0), *extra[4:],
         *norm_args, q3.shape[1], k3.shape[1], *kv_scales,
         HALF_D=half, BLOCK_D2=block_d2, BLOCK_HEADS=block_heads, STORE_KV=store is not None,
-        HAS_NORM=qk_norm is not None, FP8_KV=fp8_kv, INTERPRET=interpreting(), num_warps=4,
+        HAS_NORM=qk_norm is not None, FP8_KV=fp8_kv, INTERPRET=interpreting(), USE_PDL=pdl, num_warps=4,
+        launch_pdl=pdl,
     )  # fmt: skip
     return q, k

@@ -19,6 +19,7 @@ from longserve.testing.kernel_compile import compile_sm90, compiled_report, repo
 
 VARIANTS = [
     {},  # M = 1, int4 g128 symmetric, split-K: the decode case
+    {"pdl": True},
     {"bm": 4, "zp": True, "split": 1, "bias": True},
     {"bits": 8, "bm": 2, "bn": 32},
     {"gidx": True, "zp": True, "bk": 64, "bn": 32},
@@ -27,16 +28,20 @@ VARIANTS = [
     {"dot": True, "bm": 64, "bits": 8, "split": 1, "bias": True},
     {"even_k": False, "per_col": True, "bk": 64, "bn": 32, "split": 1, "x": "fp32"},
     {"reduce": True},  # the split-K reduction
+    {"reduce": True, "pdl": True},  # programmatic dependent launch (kernels/launch.py PDL): griddepcontrol
     {"fp8": True},  # block FP8, M = 1, split-K: the decode case
+    {"fp8": True, "pdl": True},
     {"fp8": True, "bm": 8, "bn": 32, "split": 1, "bias": True, "even_k": False},
     {"fp8": True, "bm": 16, "bn": 16, "x": "fp32"},
     {"fp8": True, "channel": True},  # per-channel FP8, M = 1, split-K
     {"fp8": True, "channel": True, "bm": 4, "split": 1, "bias": True, "even_k": False},
     {"int4": True, "bn": 256},  # the one-row fast path, g128 symmetric, split-K: the decode case
+    {"int4": True, "bn": 256, "pdl": True},
     {"int4": True, "bn": 256, "raw_hi": True},  # the same with the unmasked high value (INT4_GEMV_RAW_HI)
     {"int4": True, "zp": True, "split": 1, "bias": True, "x": "fp16"},
     {"int4": True, "routed": True, "x_row_div": 8, "split": 1},  # MoE decode, gate+up over (token, k) pairs
     {"int4": True, "routed": True, "zp": True},  # MoE down, split-K
+    {"int4": True, "routed": True, "zp": True, "pdl": True},
     {"int4": True, "routed": True, "zp": True, "raw_hi": True},
     {"moe_grouped": True},  # the grouped int4 MoE kernel, gate+up over the pairs' token rows
     {"moe_grouped": True, "zp": True, "x_row_div": 1},  # its down projection
@@ -44,7 +49,7 @@ VARIANTS = [
 
 
 def compile_gemv(x="bf16", bits=4, zp=False, gidx=False, per_col=False, bias=False, even_k=True, dot=False,
-                 bm=1, bn=64, bk=128, split=4, num_warps=4, num_stages=2):  # fmt: skip
+                 bm=1, bn=64, bk=128, split=4, pdl=False, num_warps=4, num_stages=2):  # fmt: skip
     """TTIR -> TTGIR -> LLVM -> PTX -> cubin for sm90, with the runtime's specializations (pointers and
     multiples of 16: tt.divisibility=16)."""
     from longserve.kernels.quant_gemv import _wna16_gemv_kernel as fn
@@ -55,33 +60,33 @@ def compile_gemv(x="bf16", bits=4, zp=False, gidx=False, per_col=False, bias=Fal
             "out_ptr": "*fp32" if split > 1 else f"*{x}"}  # fmt: skip
     consts = dict(BITS=bits, HAS_ZP=zp, HAS_GIDX=gidx, SCALE_PER_COL=per_col or gidx, HAS_BIAS=bias and split == 1,
                   EVEN_K=even_k, USE_DOT=dot, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PARTIAL=split > 1,
-                  INTERPRET=False, INTERPRET_BF16=False)  # fmt: skip
+                  INTERPRET=False, INTERPRET_BF16=False, USE_PDL=pdl)  # fmt: skip
     sig = {a: ptrs.get(a, "constexpr" if a in consts else "i32") for a in names}
     div16 = [*ptrs, "K", "N", "stride_xm", "stride_wn", "stride_om", "stride_os"]
     attrs = {a: [["tt.divisibility", 16]] for a in div16}
     return compile_sm90(fn, sig, consts, attrs, num_warps=num_warps, num_stages=num_stages)
 
 
-def compile_reduce(x="bf16", bias=True):
+def compile_reduce(x="bf16", bias=True, pdl=False):
     """The split-K reduction kernel for sm90."""
     from longserve.kernels.quant_gemv import _splitk_reduce_kernel as fn
 
     sig = {"part_ptr": "*fp32", "b_ptr": f"*{x}", "out_ptr": f"*{x}", "N": "i32", "num_splits": "i32",
            "stride_ps": "i32", "stride_pm": "i32", "stride_om": "i32", "HAS_BIAS": "constexpr",
-           "BLOCK": "constexpr", "INTERPRET_BF16": "constexpr"}  # fmt: skip
-    consts = {"HAS_BIAS": bias, "BLOCK": 1024, "INTERPRET_BF16": False}
+           "BLOCK": "constexpr", "INTERPRET_BF16": "constexpr", "USE_PDL": "constexpr"}  # fmt: skip
+    consts = {"HAS_BIAS": bias, "BLOCK": 1024, "INTERPRET_BF16": False, "USE_PDL": pdl}
     return compile_sm90(fn, sig, consts, num_warps=4)
 
 
 def compile_fp8_gemv(fp8=True, channel=False, x="bf16", bias=False, even_k=True, bm=1, bn=64, bk=128, split=4,
-                     num_warps=4, num_stages=2):  # fmt: skip
+                     pdl=False, num_warps=4, num_stages=2):  # fmt: skip
     """The FP8 GEMV (block, or per channel) for sm90, specialized as at run time."""
     from longserve.kernels.fp8_gemv import _fp8_gemv_kernel as fn
 
     ptrs = {"x_ptr": "*u8" if channel else f"*{x}", "xs_ptr": "*fp32", "w_ptr": "*u8", "s_ptr": "*fp32",
             "b_ptr": f"*{x}" if bias else "*fp32", "out_ptr": "*fp32" if split > 1 else f"*{x}"}  # fmt: skip
     consts = dict(PER_CHANNEL=channel, HAS_BIAS=bias and split == 1, EVEN_K=even_k, BLOCK_M=bm, BLOCK_N=bn,
-                  BLOCK_K=bk, PARTIAL=split > 1, INTERPRET=False, INTERPRET_BF16=False)  # fmt: skip
+                  BLOCK_K=bk, PARTIAL=split > 1, INTERPRET=False, INTERPRET_BF16=False, USE_PDL=pdl)  # fmt: skip
     sig = {a: ptrs.get(a, "constexpr" if a in consts else "i32") for a in fn.arg_names}
     div16 = [*ptrs, "K", "N", "stride_xm", "stride_wn", "stride_om", "stride_os"]
     attrs = {a: [["tt.divisibility", 16]] for a in div16}
@@ -89,7 +94,7 @@ def compile_fp8_gemv(fp8=True, channel=False, x="bf16", bias=False, even_k=True,
 
 
 def compile_int4_gemv(int4=True, x="bf16", zp=False, bias=False, bn=64, bk=128, split=4, routed=False, x_row_div=1,
-                      raw_hi=False, num_warps=4, num_stages=2):  # fmt: skip
+                      raw_hi=False, pdl=False, num_warps=4, num_stages=2):  # fmt: skip
     """The one-row int4 GEMV (kernels/int4_gemv.py) for sm90, specialized as at run time; `routed`: over MoE
     (token, expert) pairs (kernels/moe_wna16.py)."""
     from longserve.kernels.int4_gemv import int4_gemv_kernel as fn
@@ -98,7 +103,8 @@ def compile_int4_gemv(int4=True, x="bf16", zp=False, bias=False, bn=64, bk=128, 
             "b_ptr": f"*{x}" if bias else "*fp16", "ids_ptr": "*i32",
             "out_ptr": "*fp32" if split > 1 else f"*{x}"}  # fmt: skip
     consts = dict(HAS_ZP=zp, HAS_BIAS=bias and split == 1, BLOCK_N=bn, BLOCK_K=bk, PARTIAL=split > 1,
-                  INTERPRET_BF16=False, ROUTED=routed, X_ROW_DIV=x_row_div, USE_RAW_HI=raw_hi)  # fmt: skip
+                  INTERPRET_BF16=False, ROUTED=routed, X_ROW_DIV=x_row_div, USE_RAW_HI=raw_hi,
+                  USE_PDL=pdl)  # fmt: skip
     sig = {a: ptrs.get(a, "constexpr" if a in consts else "i32") for a in fn.arg_names}
     div16 = [*ptrs, "N", "stride_wn", "stride_os", "stride_xm", "stride_om", "stride_we", "stride_se"]
     attrs = {a: [["tt.divisibility", 16]] for a in div16}
@@ -130,9 +136,12 @@ def report(variant: dict) -> dict:
     elif variant.get("fp8"):
         c = compile_fp8_gemv(**variant)
     else:
-        c = compile_reduce() if variant.get("reduce") else compile_gemv(**variant)
+        args = {k: v for k, v in variant.items() if k != "reduce"}
+        c = compile_reduce(**args) if variant.get("reduce") else compile_gemv(**args)
     ptx = c.asm["ptx"]
-    return compiled_report(c, variant, ld_v4="ld.global.v4.b32" in ptx or "cp.async.cg" in ptx)
+    # pdl: the wait and the early launch of the next kernel are in the PTX (only then)
+    pdl = "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
+    return compiled_report(c, variant, ld_v4="ld.global.v4.b32" in ptx or "cp.async.cg" in ptx, pdl=pdl)
 
 
 if __name__ == "__main__":

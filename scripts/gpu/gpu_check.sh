@@ -4,7 +4,7 @@
 # $OUT; a short table last. LONGSERVE_COMMIT is the commit the JSON metadata names: compute it where the tree
 # is a git checkout (a copied tree's .git may be stale) and pass it as a literal, e.g.
 #   LONGSERVE_COMMIT=abc1234 bash scripts/gpu/gpu_check.sh latency
-#   usage: LONGSERVE_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu/gpu_check.sh [quick|tests|bench|all|long|tp|tp2|tp32|profile|latency|hit|host|launch|turns|moe|moe-tests|moe-bench|moe-long|moe-tp|quant|quant-tests|quant-bench|kvfp8|vllm|structured|switches|chunks|fusions|fusions-a3b|piecewise|moe-gemv|quant-decode|moe-grouped|fp8-acc|gemv-tune|short-plans|tune-int-moe|raw-hi]
+#   usage: LONGSERVE_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu/gpu_check.sh [quick|tests|bench|all|long|tp|tp2|tp32|profile|latency|hit|host|launch|turns|moe|moe-tests|moe-bench|moe-long|moe-tp|quant|quant-tests|quant-bench|kvfp8|vllm|structured|switches|chunks|fusions|fusions-a3b|piecewise|moe-gemv|quant-decode|moe-grouped|fp8-acc|gemv-tune|short-plans|tune-int-moe|raw-hi|pdl]
 # moe (one GPU) = moe-tests (the MoE kernel and engine GPU tests, the kernel's TFLOP/s and GB/s) +
 # moe-bench (the Qwen3-30B-A3B shape's cases against HF, profiled, with their floors); moe-long: 128K cold
 # against HF and the Mixtral-8x7B shape; moe-tp (two GPUs): the TP=2 / expert-parallel tests and the A3B shape
@@ -33,6 +33,8 @@
 # None.
 # piecewise (one GPU): the piecewise graphs' GPU test, then step_timeline.py, cold 512-4096 and 32K, and 32K +
 # 64 / 512 / 1024 hits (issue 19's >= 100x: 95.6x eager) with --piecewise-cuda-graph-max-tokens 0 and 4096.
+# pdl (one GPU, ~8 min): programmatic dependent launch off and on: its GPU tests (outputs unchanged, the kernels
+# compiled for it), the 8B shape's decode (bf16 at batch 1/16/64, FP8 blocks and GPTQ int4 at batch 1) and cold 8K.
 # fusions (one GPU): the prefix-as-view and fused K/V-store switches off, each against both on; fusions-a3b:
 # the A3B shape's decode with the q/k norms or the K/V store out of the rotary kernel, against both in.
 # (tests, quant, kvfp8, structured: carry the wheels of scripts/gpu/fetch_test_wheels.sh and install them first)
@@ -247,6 +249,23 @@ if [[ $MODE == fusions ]]; then  # one GPU: the prefix read in place against gat
   python3 -m longserve.bench.latency --config llama-3.1-8b --load-format dummy --dtype bfloat16 --warmup 1 \
     --repeat 2 --prompt-lens 32768,131072 --decode-batch-sizes 1@32768,64@4096 \
     --output-json "$OUT/latency_8b_switches_on.json" 2>&1 | tee "$OUT/latency_8b_switches_on.log" | grep -E "^(cold|decode)"
+fi
+if [[ $MODE == pdl ]]; then  # one GPU (~8 min): programmatic dependent launch (kernels/launch.py PDL) off/on
+  python3 -m pytest -q -m gpu tests/gpu/test_pdl_gpu.py -p no:cacheprovider -o faulthandler_timeout=300 --tb=short \
+    -rfE 2>&1 | tee "$OUT/gpu_tests_pdl.log" | tail -4 || status=1
+  fp8='{"quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}}'
+  # the 8B shape in bf16 (decode at three batch sizes, cold 8K), then FP8 blocks and GPTQ int4 at batch 1; one
+  # process per setting, off then on, so each pair shares the machine's state
+  for variant in bf16 fp8 int4; do
+    q=(); [[ $variant == fp8 ]] && q=(--hf-overrides "$fp8"); [[ $variant == int4 ]] && q=(--quantization gptq)
+    cases=(--decode-batch-sizes 1@32768); [[ $variant == bf16 ]] && cases=(--prompt-lens 8192 --decode-batch-sizes 1@32768,16@8192,64@4096)
+    for pdl in False True; do
+      timeout 240 python3 scripts/probes/with_constants.py longserve.kernels.launch.PDL=$pdl -- longserve.bench.latency \
+        --config llama-3.1-8b --load-format dummy --dtype bfloat16 --warmup 1 --repeat 3 ${q[@]+"${q[@]}"} "${cases[@]}" \
+        --output-json "$OUT/latency_pdl_${variant}_$pdl.json" 2>&1 | tee "$OUT/latency_pdl_${variant}_$pdl.log" \
+        | grep -E "^(cold|decode)" | sed "s/^/$variant PDL=$pdl /"
+    done
+  done
 fi
 if [[ $MODE == fusions-a3b ]]; then  # one GPU: the Qwen3-30B-A3B shape's decode (q/k norm, launch-bound at
   # batch 1) with the q/k norms and the K/V store fused into the rotary kernel, each off against both on

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from longserve import LLM
+from longserve import LLM, SamplingParams
 from longserve.testing.checkpoints import MOE_ARCHS, make_tiny_checkpoint
 from tests.e2e.test_engine import DEVICE, GREEDY32, assert_clean, hf_greedy, prompts
 
@@ -40,9 +40,9 @@ def moe_ckpt(tmp_path_factory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp("mixtral"), "mixtral", seed=5)
 
 
-def run_all(path, ps, **kw):
+def run_all(path, ps, params=GREEDY32, **kw):
     m = llm(path, **kw)
-    outs = m.generate(ps, GREEDY32)
+    outs = m.generate(ps, params)
     assert_clean(m.engine)
     return [o.token_ids for o in outs], m.engine
 
@@ -109,7 +109,9 @@ def test_memory_plan_counts_the_experts(moe_ckpt):
 def test_triton_alignment_batch_equals_each_alone(moe_ckpt, baseline, monkeypatch):
     """The MoE layers on their Triton path (fused_moe, as on CUDA; interpreted here) with the one-launch Triton
     alignment switched on (kernels/moe_align.py's MOE_TRITON_ALIGN_MAX_PAIRS): a batch of the four prompts,
-    chunked, gives each prompt's tokens run alone on the torch reference."""
+    chunked, gives each prompt's tokens run alone on the torch reference. 8 tokens, not 32: the interpreted
+    kernels made this CI's slowest test (51 s on the 2-core machine), and the chunks and the first decode
+    batches are where the alignment's row counts vary."""
     pytest.importorskip("triton")
     from longserve.kernels import moe_align as align_mod
     from longserve.models import moe as moe_mod
@@ -120,5 +122,7 @@ def test_triton_alignment_batch_equals_each_alone(moe_ckpt, baseline, monkeypatc
     monkeypatch.setattr(align_mod, "MOE_TRITON_ALIGN_MAX_PAIRS", 4096)
     monkeypatch.setattr(moe_mod, "use_triton", lambda t: True)  # as for CUDA tensors with triton
     ps, alone = baseline
-    assert run_all(moe_ckpt, ps, enable_prefix_caching=False, chunked_prefill_size=64)[0] == alone
+    params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    out = run_all(moe_ckpt, ps, params, enable_prefix_caching=False, chunked_prefill_size=64)[0]
+    assert out == [a[:8] for a in alone]
     assert calls, "the Triton alignment did not run"

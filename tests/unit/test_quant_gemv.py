@@ -277,3 +277,6 @@ def test_gemv_compiles_for_sm90() -> None:
     assert len(fp8) >= 5 and all(r["ld_v4"] for r in fp8), fp8
     int4 = [r for r in reports if r["variant"].get("int4")]  # kernels/int4_gemv.py: words as 16-byte vectors
     assert len(int4) >= 2 and all(r["ld_v4"] for r in int4), int4
+    # programmatic dependent launch (kernels/launch.py PDL): griddepcontrol in the PTX exactly where asked
+    assert sum(bool(r["variant"].get("pdl")) for r in reports) >= 5
+    assert all(r["pdl"] is bool(r["variant"].get("pdl")) for r in reports)

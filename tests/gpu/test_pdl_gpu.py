@@ -1,0 +1,74 @@
+"""Programmatic dependent launch (kernels/launch.py's PDL) on a GPU. It changes when a kernel may start, never
+what it computes: engines with PDL on give bit-identical greedy tokens and logprobs to PDL off, through CUDA
+graphs and eagerly, dense bf16 (rms norms, rotary + K/V store, split decode attention and its merge, SiLU), FP8
+blocks and GPTQ int4 (their GEMVs and split-K sums) and int4 experts (the routed GEMV); and the kernels that take
+USE_PDL really were compiled to launch with it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from longserve import LLM, SamplingParams
+from longserve.kernels import launch
+from longserve.testing import quant_checkpoints as qc
+from longserve.testing.checkpoints import make_tiny_checkpoint
+from tests.gpu.test_quant_engine_gpu import write_gptq_moe_g128
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+CHECKPOINTS = {
+    "qwen3-bf16": lambda p: make_tiny_checkpoint(p, "qwen3", num_layers=3),
+    "llama-bf16": lambda p: make_tiny_checkpoint(p, "llama", num_layers=3),
+    "fp8-block": lambda p: qc.write_fp8_block(p, "qwen3", block=(64, 64), seed=7),
+    "gptq-int4-g128": lambda p: qc.write_gptq(p, "llama", bits=4, group_size=128, seed=1),
+    "gptq-moe-g128": write_gptq_moe_g128,
+}
+
+
+def prompts() -> list[list[int]]:
+    """Four prompts of 1.1K-1.6K tokens: the decode attention runs 3-4 splits and merges them."""
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(10, 500, (1100 + 170 * i,), generator=g).tolist() for i in range(4)]
+
+
+def generate(path: str, pdl: bool, eager: bool) -> tuple[list, list]:
+    params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True, logprobs=0)
+    launch.PDL = pdl
+    try:
+        kw = dict(max_total_tokens=16384, context_length=2048, enforce_eager=eager)  # past the 512 positions
+        with LLM(path, device="cuda", dtype="bfloat16", **kw) as llm:
+            outs = llm.generate(prompts(), params)
+            llm.engine.check_integrity()
+    finally:
+        launch.PDL = False
+    return [o.token_ids for o in outs], [o.outputs[0].logprobs for o in outs]
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
+@pytest.mark.parametrize("name", sorted(CHECKPOINTS))
+def test_pdl_changes_no_output(name, eager, tmp_path):
+    path = CHECKPOINTS[name](tmp_path / name)
+    assert generate(path, pdl=True, eager=eager) == generate(path, pdl=False, eager=eager)
+
+
+def test_the_decode_kernels_were_compiled_for_pdl(tmp_path):
+    """After a PDL run, each of the dense decode step's Triton kernels holds a variant that launches with PDL
+    (the launch option reached the compiler: not a switch that does nothing)."""
+    from longserve.kernels import activation, decode_attention, extend_attention, norm, rope
+
+    path = CHECKPOINTS["qwen3-bf16"](tmp_path / "q")
+    generate(path, pdl=True, eager=False)
+    kernels = {
+        "rms_norm": norm._rms_norm_kernel,
+        "rope": rope._rope_kernel,
+        "decode": decode_attention._decode_split_kernel,
+        "merge": extend_attention._merge_splits_kernel,
+        "silu_and_mul": activation._silu_and_mul_kernel,
+    }
+    for name, kernel in kernels.items():
+        compiled = list(kernel._compiled.values())
+        assert any(c.metadata.launch_pdl for c in compiled), f"{name}: no variant launches with PDL"
