@@ -37,7 +37,7 @@
 # compiled for it), the 8B shape's decode (bf16 at batch 1/16/64, FP8 blocks and GPTQ int4 at batch 1) and cold 8K.
 # fusions (one GPU): the prefix-as-view and fused K/V-store switches off, each against both on; fusions-a3b:
 # the A3B shape's decode with the q/k norms or the K/V store out of the rotary kernel, against both in.
-# (tests, quant, kvfp8, structured: carry the wheels of scripts/gpu/fetch_test_wheels.sh and install them first)
+# (tests, quant, kvfp8, structured, pdl: carry the wheels of scripts/gpu/fetch_test_wheels.sh and install them first)
 # quant (one GPU) = quant-tests (the quantized kernels' and engines' GPU tests, per-M timings of the
 # int4 paths and of cuBLAS vs Triton block FP8) + quant-bench (the 8B and A3B shapes in bf16, FP8 blocks and
 # GPTQ int4 g128: cold TTFT 8K/32K, decode ITL b1@32K and b64@4K, weight GiB and KV tokens, ratios to bf16).
