@@ -4,7 +4,7 @@
 # $OUT; a short table last. LONGSERVE_COMMIT is the commit the JSON metadata names: compute it where the tree
 # is a git checkout (a copied tree's .git may be stale) and pass it as a literal, e.g.
 #   LONGSERVE_COMMIT=abc1234 bash scripts/gpu/gpu_check.sh latency
-#   usage: LONGSERVE_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu/gpu_check.sh [quick|tests|bench|all|long|tp|tp2|tp32|profile|latency|hit|host|launch|turns|moe|moe-tests|moe-bench|moe-long|moe-tp|quant|quant-tests|quant-bench|kvfp8|vllm|structured|switches|chunks|fusions|fusions-a3b|piecewise|moe-gemv|quant-decode|moe-grouped|fp8-acc|gemv-tune|short-plans|tune-int-moe|raw-hi|pdl]
+#   usage: LONGSERVE_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu/gpu_check.sh [quick|tests|bench|all|long|tp|tp2|tp32|profile|latency|hit|host|launch|turns|moe|moe-tests|moe-bench|moe-long|moe-tp|quant|quant-tests|quant-bench|kvfp8|vllm|structured|switches|chunks|fusions|fusions-a3b|piecewise|moe-gemv|quant-decode|moe-grouped|fp8-acc|gemv-tune|short-plans|tune-int-moe|raw-hi|pdl|decode-splits]
 # moe (one GPU) = moe-tests (the MoE kernel and engine GPU tests, the kernel's TFLOP/s and GB/s) +
 # moe-bench (the Qwen3-30B-A3B shape's cases against HF, profiled, with their floors); moe-long: 128K cold
 # against HF and the Mixtral-8x7B shape; moe-tp (two GPUs): the TP=2 / expert-parallel tests and the A3B shape
@@ -35,6 +35,8 @@
 # 64 / 512 / 1024 hits (issue 19's >= 100x: 95.6x eager) with --piecewise-cuda-graph-max-tokens 0 and 4096.
 # pdl (one GPU, ~8 min): programmatic dependent launch off and on: its GPU tests (outputs unchanged, the kernels
 # compiled for it), the 8B shape's decode (bf16 at batch 1/16/64, FP8 blocks and GPTQ int4 at batch 1) and cold 8K.
+# decode-splits (one GPU, ~4 min): the 8B decode at batch 1 / 16 / 64 with 2, 3 and 4 programs an SM for the
+# decode attention's key splits (decode_attention.PROGRAMS_PER_SM; 4 is the default).
 # fusions (one GPU): the prefix-as-view and fused K/V-store switches off, each against both on; fusions-a3b:
 # the A3B shape's decode with the q/k norms or the K/V store out of the rotary kernel, against both in.
 # (tests, quant, kvfp8, structured, pdl: carry the wheels of scripts/gpu/fetch_test_wheels.sh and install them first)
@@ -265,6 +267,16 @@ if [[ $MODE == pdl ]]; then  # one GPU (~8 min): programmatic dependent launch (
         --output-json "$OUT/latency_pdl_${variant}_$pdl.json" 2>&1 | tee "$OUT/latency_pdl_${variant}_$pdl.log" \
         | grep -E "^(cold|decode)" | sed "s/^/$variant PDL=$pdl /"
     done
+  done
+fi
+if [[ $MODE == decode-splits ]]; then  # one GPU (~4 min): the decode attention's key splits, fewer programs an SM
+  # (decode_attention.PROGRAMS_PER_SM 2 / 3 against the default 4): at batch 64 (4K) 3 leaves one split (512
+  # programs, no merge kernel) where 4 makes two (1,024 programs and a merge); at batch 1 (32K) 50 splits for 64
+  for p in 2 3 4; do
+    timeout 200 python3 scripts/probes/with_constants.py longserve.kernels.decode_attention.PROGRAMS_PER_SM=$p -- \
+      longserve.bench.latency --config llama-3.1-8b --load-format dummy --dtype bfloat16 --warmup 1 --repeat 3 \
+      --decode-batch-sizes 1@32768,16@8192,64@4096 --output-json "$OUT/latency_splits_$p.json" 2>&1 \
+      | tee "$OUT/latency_splits_$p.log" | grep -E "^decode" | sed "s/^/PROGRAMS_PER_SM=$p /"
   done
 fi
 if [[ $MODE == fusions-a3b ]]; then  # one GPU: the Qwen3-30B-A3B shape's decode (q/k norm, launch-bound at
