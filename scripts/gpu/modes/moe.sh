@@ -1,0 +1,98 @@
+# gpu_check.sh's modes for the mixture-of-experts models (sourced by scripts/gpu/gpu_check.sh, which sets MODE, OUT
+# and status). Each prints the floor of every case and the measured/floor ratio.
+# moe (one GPU) = moe-tests (the MoE kernel and engine GPU tests, the kernel's TFLOP/s and GB/s) +
+# moe-bench (the Qwen3-30B-A3B shape's cases against HF, profiled, with their floors); moe-long: 128K cold
+# against HF and the Mixtral-8x7B shape; moe-tp (two GPUs): the TP=2 / expert-parallel tests and the A3B shape
+# at TP=2 and EP=2.
+# fusions-a3b (one GPU): the A3B shape's decode with the q/k norms or the K/V store out of the rotary kernel,
+# against both in.
+# moe-gemv (one GPU): the small-batch MoE kernels' and the k-sum kernel's GPU tests (their times beside
+# fused_moe's and torch.sum's), then the A3B decode as it is and with MOE_SUM_TRITON_MAX_TOKENS 64.
+# tune-int-moe (one GPU, ~6 min): the 8-bit experts' paths timed, tune_moe --weights int8 on the A3B shape at
+# 1 / 8 / 64 tokens (fused_moe's int path tiles), the paths timed again with the table.
+# moe-grouped (one GPU, ~5 min): the int4 experts' paths per token count (the grouped kernel's time among them),
+# then the A3B int4 decode at batch 8 and 64 through the routed GEMV (grouped off) and through the grouped kernel.
+# shellcheck shell=bash
+
+if [[ $MODE == fusions-a3b ]]; then  # one GPU: the Qwen3-30B-A3B shape's decode (q/k norm, launch-bound at
+  # batch 1) with the q/k norms and the K/V store fused into the rotary kernel, each off against both on
+  for c in longserve.models.rope.FUSE_QK_NORM=False longserve.models.rope.FUSE_KV_STORE=False \
+           longserve.models.rope.FUSE_KV_STORE=True; do
+    python3 scripts/probes/with_constants.py $c -- longserve.bench.latency --config qwen3-30b-a3b --load-format dummy \
+      --dtype bfloat16 --warmup 1 --repeat 3 --decode-batch-sizes 1@4096,64@4096 \
+      --output-json "$OUT/latency_a3b_${c##*.}.json" 2>&1 | tee "$OUT/latency_a3b_${c##*.}.log" | grep -E "^decode"
+  done
+fi
+
+if [[ $MODE == moe || $MODE == moe-tests ]]; then  # one GPU: MoE kernel + engine tests, the kernel's roofline
+  python3 -m pytest -q -m gpu tests/gpu/test_fused_moe_gpu.py tests/gpu/test_moe_engine_gpu.py -p no:cacheprovider \
+    -o faulthandler_timeout=300 2>&1 | tee "$OUT/gpu_tests.log" | tail -8 || status=1
+  python3 -m longserve.bench.kernels.moe --tokens 1,8,64,512,8192 --output-json "$OUT/kernels_moe.json" 2>&1 \
+    | tee "$OUT/kernels_moe.log" | tail -14
+fi
+
+if [[ $MODE == moe || $MODE == moe-bench ]]; then  # one GPU: the Qwen3-30B-A3B shape's cases against HF
+  a3b=(--config qwen3-30b-a3b --load-format dummy --dtype bfloat16 --warmup 1 --repeat 3)
+  python3 -m longserve.bench.latency "${a3b[@]}" --prompt-lens 8192,32768 --prefix-hit 32768:64 \
+    --decode-batch-sizes 1 --decode-context-len 32768 --compare-hf --profile \
+    --output-json "$OUT/latency_moe_a3b.json" 2>&1 | tee "$OUT/latency_moe_a3b.log" | tail -12
+  python3 -m longserve.bench.latency "${a3b[@]}" --decode-batch-sizes 64 --decode-context-len 4096 --profile \
+    --output-json "$OUT/latency_moe_a3b_decode64.json" 2>&1 | tee "$OUT/latency_moe_a3b_decode64.log" | tail -5
+fi
+
+if [[ $MODE == moe-long ]]; then  # one GPU: the A3B shape's 128K cold prompt against HF, then Mixtral-8x7B
+  python3 -m longserve.bench.latency --config qwen3-30b-a3b --load-format dummy --dtype bfloat16 --warmup 0 \
+    --repeat 1 --prompt-lens 131072 --compare-hf --profile --output-json "$OUT/latency_moe_a3b_128k.json" 2>&1 \
+    | tee "$OUT/latency_moe_a3b_128k.log" | tail -5
+  python3 -m longserve.bench.latency --config mixtral-8x7b --load-format dummy --dtype bfloat16 --warmup 1 \
+    --repeat 2 --prompt-lens 8192,32768 --decode-batch-sizes 1,64 --decode-context-len 4096 --compare-hf --profile \
+    --output-json "$OUT/latency_moe_mixtral.json" 2>&1 | tee "$OUT/latency_moe_mixtral.log" | tail -10
+fi
+
+if [[ $MODE == moe-tp ]]; then  # two GPUs: MoE TP / EP tests, the A3B shape at TP=2 and at EP=2
+  python3 -m pytest -q -m gpu tests/gpu/test_moe_engine_gpu.py -k two_gpus -p no:cacheprovider \
+    -o faulthandler_timeout=300 2>&1 | tee "$OUT/gpu_tp_tests.log" | tail -6 || status=1
+  for par in "--tp-size 2" "--tp-size 2 --enable-expert-parallel"; do
+    tag=$(echo "$par" | tr -d ' -')
+    python3 -m longserve.bench.latency --config qwen3-30b-a3b --load-format dummy --dtype bfloat16 $par \
+      --warmup 1 --repeat 3 --prompt-lens 8192,32768 --decode-batch-sizes 1,64 --decode-context-len 4096 --profile \
+      --output-json "$OUT/latency_moe_a3b_$tag.json" 2>&1 | tee "$OUT/latency_moe_a3b_$tag.log" | tail -8
+  done
+fi
+
+if [[ $MODE == tune-int-moe ]]; then  # one GPU, ~6 min: fused_moe's int path tiles for 8-bit experts (A3B shape)
+  # 8-bit experts take fused_moe's int path at decode sizes (moe_wna16's kernels are 4-bit); its untuned
+  # gate+up tile spills on sm90 (255 registers and a 528-byte stack at BLOCK_N 32, BLOCK_K 128). The int8
+  # experts' paths timed, tune_moe --weights int8 writes its table into the package (tarred into $OUT), timed again
+  python3 -m pytest -q -m gpu tests/gpu/test_quant_kernels_gpu.py -k "int8_experts" -s -p no:cacheprovider \
+    --tb=short 2>&1 | grep -E "int8 experts|passed|failed" | sed "s/^/untuned: /"
+  timeout 300 python3 -m longserve.kernels.tune_moe --num-experts 128 --top-k 8 --hidden 2048 --intermediate 768 \
+    --weights int8 --batch-sizes 1,8,64 2>&1 | tee "$OUT/tune_int8.log" | tr '\r' '\n' | grep -E "^T=|wrote|Error"
+  tar czf "$OUT/moe_configs_int8.tgz" longserve/kernels/moe_configs 2>/dev/null
+  python3 -m pytest -q -m gpu tests/gpu/test_quant_kernels_gpu.py -k "int8_experts" -s -p no:cacheprovider \
+    --tb=short 2>&1 | grep -E "int8 experts|passed|failed" | sed "s/^/tuned: /"
+fi
+
+if [[ $MODE == moe-grouped ]]; then  # one GPU, ~5 min: the grouped int4 MoE kernel (moe_wna16, from 16 tokens)
+  python3 -m pytest -q -m gpu tests/gpu/test_quant_kernels_gpu.py -k "int4_experts" -s -p no:cacheprovider \
+    --tb=short -rfE 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "int4 experts|passed|failed" || status=1
+  for grouped in None 2; do  # the A3B int4 decode at batch 8 and 64 (4K) through the GEMV, then grouped
+    timeout 120 python3 scripts/probes/with_constants.py \
+      longserve.kernels.moe_wna16.MOE_WNA16_GROUPED_MIN_TOKENS=$grouped -- longserve.bench.latency \
+      --config qwen3-30b-a3b --load-format dummy --dtype bfloat16 --quantization gptq --warmup 1 --repeat 3 \
+      --decode-batch-sizes 8@4096,64@4096 --output-json "$OUT/latency_a3b_int4_grouped$grouped.json" 2>&1 \
+      | tee "$OUT/latency_a3b_int4_grouped$grouped.log" | grep -E "^decode" || status=1
+  done
+fi
+
+if [[ $MODE == moe-gemv ]]; then  # one GPU, ~4 min: the small-batch MoE kernels and the k-sum kernel
+  python3 -m pytest -q -m gpu tests/gpu/test_fused_moe_gpu.py -k "small_batch or sum_over_k" -s -p no:cacheprovider \
+    --tb=short -rfE 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "moe_gemv|sum over k|passed|failed" || status=1
+  a3b=(--config qwen3-30b-a3b --load-format dummy --dtype bfloat16 --warmup 1 --repeat 3
+       --decode-batch-sizes 1@32768,1@4096,8@4096)
+  for switch in MOE_GEMV_MAX_TOKENS=0 MOE_SUM_TRITON_MAX_TOKENS=64; do
+    timeout 150 python3 scripts/probes/with_constants.py longserve.kernels.fused_moe.$switch \
+      -- longserve.bench.latency "${a3b[@]}" --output-json "$OUT/latency_a3b_${switch%%=*}.json" 2>&1 \
+      | tee "$OUT/latency_a3b_${switch%%=*}.log" | grep -E "^decode"
+  done
+fi

@@ -1,0 +1,221 @@
+# gpu_check.sh's modes for quantized weights and the fp8 KV cache (sourced by scripts/gpu/gpu_check.sh, which sets
+# MODE, OUT and status).
+# quant (one GPU) = quant-tests (the quantized kernels' and engines' GPU tests, per-M timings of the
+# int4 paths and of cuBLAS vs Triton block FP8) + quant-bench (the 8B and A3B shapes in bf16, FP8 blocks and
+# GPTQ int4 g128: cold TTFT 8K/32K, decode ITL b1@32K and b64@4K, weight GiB and KV tokens, ratios to bf16).
+# kvfp8 (one GPU): the fp8 KV cache's GPU tests (Triton kernels on e4m3 pages, engine with graphs,
+# chunks and prefix hits against the reference, fp8 vs auto), the attention GPU tests again, and the 8B shape
+# with --kv-cache-dtype fp8 against auto: KV tokens that fit and decode at batch 64 (4K contexts), plus b1@32K.
+# switches (one GPU): the int4 paths per M timed as CUDA graphs and the 8B int4 decode through each of them; the
+# cost of fp32 accumulation in the fp8 GEMMs.
+# quant-decode (one GPU, ~8 min): the decode GEMVs of issue 18: the per-M kernel times
+# (int4 GEMV, block and per-channel FP8 GEMVs against their GEMMs, as CUDA graphs), then the 8B shape's int4,
+# block-FP8 and per-channel FP8 decode with each GEMV off and on (WNA16_GEMV_MAX_TOKENS, FP8_GEMV_MAX_TOKENS 0
+# against 16).
+# raw-hi (one GPU, ~4 min): the int4 GEMVs' unmasked high value (int4_gemv.INT4_GEMV_RAW_HI, on since this ran:
+# 4.18 -> 3.76 sm90 instructions a weight) off and on: the one-row and experts' GPU tests with their times, the
+# 8B int4 decode at batch 1 (32K) and the A3B int4 decode at batch 1 (32K) and 8 (4K; the routed GEMV).
+# gemv-tune (one GPU, ~6 min): the 8B FP8 and int4 decode at batch 1, python -m longserve.kernels.tune_gemv (the
+# decode GEMVs' tile tables for the 8B and A3B projections), the same decode again with the tables.
+# fp8-acc (one GPU, ~8 min): the 8B and A3B FP8 cold TTFT with the fp8 dots' fp32 promotion after every wgmma (0,
+# the default), every other (64) or never within a tile (None), and the fp8 kernel and engine tests under 64 and
+# None.
+# shellcheck shell=bash
+
+if [[ $MODE == kvfp8 ]]; then  # one GPU: fp8 KV cache; target: 2x KV tokens, b64 decode <= 1.05x auto
+  python3 -m pytest -q -m gpu tests/gpu/test_kv_fp8_gpu.py tests/gpu/test_attention_gpu.py tests/gpu/test_engine_gpu.py \
+    -p no:cacheprovider -o faulthandler_timeout=300 2>&1 | tee "$OUT/gpu_kvfp8_tests.log" | tail -8 || status=1
+  for kv in auto fp8; do
+    base=(--config llama-3.1-8b --load-format dummy --dtype bfloat16 --warmup 1 --repeat 3 --kv-cache-dtype $kv)
+    python3 -m longserve.bench.latency "${base[@]}" --decode-batch-sizes 64 --decode-context-len 4096 \
+      --output-json "$OUT/latency_kvfp8_8b_${kv}_b64.json" 2>&1 | tee "$OUT/latency_kvfp8_8b_${kv}_b64.log" | tail -3
+    python3 -m longserve.bench.latency "${base[@]}" --prompt-lens 32768 --decode-batch-sizes 1 \
+      --decode-context-len 32768 --output-json "$OUT/latency_kvfp8_8b_${kv}.json" 2>&1 \
+      | tee "$OUT/latency_kvfp8_8b_${kv}.log" | tail -3
+    python3 scripts/gpu/quant_memory.py --config llama-3.1-8b --variant bf16 --kv-cache-dtype $kv \
+      --output-json "$OUT/memory_kvfp8_8b_${kv}.json" 2>&1 | tail -1
+  done
+  python3 - <<'PY'
+import json, os
+out = os.environ["OUT"]
+def load(name):
+    path = os.path.join(out, name)
+    return json.load(open(path)) if os.path.exists(path) else None
+def decode_ms(records):
+    # bench latency's --output-json: a list of records; the decode case's median inter-token latency
+    for r in records:
+        if isinstance(r, dict) and r.get("itl_ms_median") is not None:
+            return r["itl_ms_median"]
+    return None
+auto, fp8 = load("latency_kvfp8_8b_auto_b64.json"), load("latency_kvfp8_8b_fp8_b64.json")
+ma, mf = load("memory_kvfp8_8b_auto.json"), load("memory_kvfp8_8b_fp8.json")
+if ma and mf:
+    ta, tf = ma.get("kv_pool_tokens"), mf.get("kv_pool_tokens")
+    print(f"KV tokens: auto {ta} fp8 {tf} ratio {tf / ta if ta and tf else float('nan'):.3f} (target 2.0)")
+if auto and fp8:
+    a, f = decode_ms(auto), decode_ms(fp8)
+    print(f"decode b64@4K ITL ms: auto {a} fp8 {f}" + (f" ratio {f / a:.3f} (target <= 1.05)" if a and f else ""))
+PY
+fi
+
+if [[ $MODE == quant || $MODE == quant-tests ]]; then  # one GPU: quantized kernels and engines
+  python3 -m pytest -q -m gpu tests/gpu/test_quant_kernels_gpu.py tests/gpu/test_quant_engine_gpu.py \
+    -p no:cacheprovider -o faulthandler_timeout=300 2>&1 | tee "$OUT/gpu_quant_tests.log" | tail -8 || status=1
+  # per M: fused int4 vs dequantize+cuBLAS (quant_gemm.WNA16_DEQUANT_MIN_TOKENS), cuBLAS vs Triton block FP8
+  python3 scripts/gpu/bench_quant_kernels.py --output-json "$OUT/kernels_quant.json" 2>&1 \
+    | tee "$OUT/kernels_quant.log" | grep -E "crossover|beats" || status=1
+fi
+
+if [[ $MODE == quant || $MODE == quant-bench ]]; then  # one GPU: the 8B and A3B shapes in bf16, FP8, INT4
+  # FP8 (block): the official FP8 checkpoints' quantization_config on dummy weights; INT4: GPTQ g128 sym
+  fp8='{"quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}}'
+  # QUANT_SHAPES: the shapes in order (default both), QUANT_MEMORY_SHAPES those whose memory is measured too;
+  # each case one process (timeouts: a stuck case loses only itself)
+  # QUANT_VARIANTS: which of bf16, fp8, int4 and kvfp8 (bf16 weights, --kv-cache-dtype fp8) run (default the first three)
+  for shape in ${QUANT_SHAPES:-llama-3.1-8b qwen3-30b-a3b}; do
+    for variant in ${QUANT_VARIANTS:-bf16 fp8 int4}; do
+      q=(); [[ $variant == fp8 ]] && q=(--hf-overrides "$fp8"); [[ $variant == int4 ]] && q=(--quantization gptq)
+      [[ $variant == kvfp8 ]] && q=(--kv-cache-dtype fp8)
+      base=(--config $shape --load-format dummy --dtype bfloat16 --warmup 1 --repeat 3 ${q[@]+"${q[@]}"})
+      timeout 180 python3 -m longserve.bench.latency "${base[@]}" --prompt-lens 8192,32768 \
+        --decode-batch-sizes 1@32768,64@4096 --output-json "$OUT/latency_quant_${shape}_${variant}.json" 2>&1 \
+        | tee "$OUT/latency_quant_${shape}_${variant}.log" | grep -E "^(cold|decode)"
+      [[ " ${QUANT_MEMORY_SHAPES:-llama-3.1-8b qwen3-30b-a3b} " == *" $shape "* ]] || continue
+      m=(--variant $variant); [[ $variant == kvfp8 ]] && m=(--variant bf16 --kv-cache-dtype fp8)
+      timeout 90 python3 scripts/gpu/quant_memory.py --config $shape "${m[@]}" \
+        --output-json "$OUT/memory_quant_${shape}_${variant}.json" 2>&1 | tail -1
+    done
+  done
+  python3 - <<'PY'
+import glob, json, os
+out = os.environ["OUT"]
+def rec(shape, variant, name, suffix=""):
+    path = os.path.join(out, f"latency_quant_{shape}_{variant}{suffix}.json")
+    if not os.path.exists(path):
+        return None
+    return next((r for r in json.load(open(path)) if r["name"] == name and not r.get("skipped")), None)
+targets = {("int4", "decode-b1-c32768"): 0.6, ("fp8", "decode-b1-c32768"): 0.7, ("fp8", "cold-32768"): 0.85,
+           ("int4", "cold-32768"): 1.1, ("kvfp8", "decode-b64-c4096"): 1.05}
+for shape in ("llama-3.1-8b", "qwen3-30b-a3b"):
+    print(f"--- {shape}: variant, cold 8K / 32K TTFT s, decode b1@32K / b64@4K ITL ms, weights GiB, KV tokens that fit")
+    base = {}
+    for variant in ("bf16", "fp8", "int4", "kvfp8"):
+        cells = []
+        for name, suffix, key in (("cold-8192", "", "ttft_s"), ("cold-32768", "", "ttft_s"),
+                                  ("decode-b1-c32768", "", "itl_ms_median"), ("decode-b64-c4096", "", "itl_ms_median")):
+            r = rec(shape, variant, name, suffix)
+            value = r[key] if r else None
+            if variant == "bf16":
+                base[name] = value
+            ratio = f" ({value / base[name]:.2f}x" + (f", target <= {targets[(variant, name)]}" if (variant, name) in targets else "") + ")" if value and base.get(name) and variant != "bf16" else ""
+            cells.append("-" if value is None else f"{value:.4g}{ratio}")
+        mem = os.path.join(out, f"memory_quant_{shape}_{variant}.json")
+        m = json.load(open(mem)) if os.path.exists(mem) else {}
+        if all(c == "-" for c in cells) and not m:
+            continue  # a variant not run (QUANT_VARIANTS)
+        cells.append(f"{m.get('weight_gib', float('nan')):.2f} GiB, {m.get('kv_pool_tokens', 0):,} tokens")
+        print(f"{variant:<5} " + " | ".join(cells))
+PY
+fi
+
+if [[ $MODE == quant-decode ]]; then  # one GPU, ~8 min: the int4 and FP8 decode GEMVs against their GEMMs
+  timeout 100 python3 scripts/gpu/bench_quant_kernels.py --tokens 1,2,4,8,16 \
+    --output-json "$OUT/kernels_quant_decode.json" 2>&1 | tee "$OUT/kernels_quant_decode.log" | grep -E "crossover|beats"
+  fp8='{"quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}}'
+  for limit in 0 16; do
+    timeout 80 python3 scripts/probes/with_constants.py longserve.kernels.quant_gemm.WNA16_GEMV_MAX_TOKENS=$limit \
+      -- longserve.bench.latency --config llama-3.1-8b --load-format dummy --dtype bfloat16 --quantization gptq \
+      --warmup 1 --repeat 3 --decode-batch-sizes 1@32768,64@4096 --output-json "$OUT/latency_int4_gemv$limit.json" \
+      2>&1 | tee "$OUT/latency_int4_gemv$limit.log" | grep -E "^decode" || status=1
+    timeout 80 python3 scripts/probes/with_constants.py longserve.kernels.quant_fp8.FP8_GEMV_MAX_TOKENS=$limit \
+      -- longserve.bench.latency --config llama-3.1-8b --load-format dummy --dtype bfloat16 --hf-overrides "$fp8" \
+      --warmup 1 --repeat 3 --decode-batch-sizes 1@32768,64@4096 --output-json "$OUT/latency_fp8_gemv$limit.json" \
+      2>&1 | tee "$OUT/latency_fp8_gemv$limit.log" | grep -E "^decode" || status=1
+    # per-channel FP8 (--quantization fp8: the bf16 weights quantized at load, as vLLM does), batch 1
+    timeout 70 python3 scripts/probes/with_constants.py longserve.kernels.quant_fp8.FP8_GEMV_MAX_TOKENS=$limit \
+      -- longserve.bench.latency --config llama-3.1-8b --load-format dummy --dtype bfloat16 --quantization fp8 \
+      --warmup 1 --repeat 3 --decode-batch-sizes 1@32768 --output-json "$OUT/latency_fp8ch_gemv$limit.json" \
+      2>&1 | tee "$OUT/latency_fp8ch_gemv$limit.log" | grep -E "^decode" || status=1
+  done
+fi
+
+if [[ $MODE == raw-hi ]]; then  # one GPU, ~4 min: the int4 GEMVs' unmasked high value (INT4_GEMV_RAW_HI)
+  for raw in False True; do
+    timeout 150 python3 scripts/probes/with_constants.py longserve.kernels.int4_gemv.INT4_GEMV_RAW_HI=$raw -- \
+      pytest -q -m gpu tests/gpu/test_quant_kernels_gpu.py -k "int4_fast or int4_experts" -s -p no:cacheprovider \
+      --tb=short -rfE 2>&1 | tee "$OUT/gpu_tests_raw_hi$raw.log" | grep -E "one-row|int4 experts|passed|failed" \
+      | sed "s/^/raw_hi=$raw: /"
+    for run in "llama-3.1-8b 1@32768" "qwen3-30b-a3b 1@32768,8@4096"; do
+      read -r shape sizes <<< "$run"
+      timeout 120 python3 scripts/probes/with_constants.py longserve.kernels.int4_gemv.INT4_GEMV_RAW_HI=$raw -- \
+        longserve.bench.latency --config $shape --load-format dummy --dtype bfloat16 --quantization gptq \
+        --warmup 1 --repeat 3 --decode-batch-sizes $sizes --output-json "$OUT/latency_${shape}_int4_raw_hi$raw.json" \
+        2>&1 | tee "$OUT/latency_${shape}_int4_raw_hi$raw.log" | grep -E "^decode" | sed "s/^/$shape raw_hi=$raw: /"
+    done
+  done
+fi
+
+if [[ $MODE == gemv-tune ]]; then  # one GPU, ~6 min: the decode GEMVs' tile tables (kernels/gemv_tables.py)
+  # the 8B decode at batch 1 (32K) in FP8 blocks and GPTQ int4 with the default tiles, then tune_gemv writes
+  # the tables into the package (tarred into $OUT: their names hold '=' and ','), then the same runs with them
+  fp8='{"quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}}'
+  gemv_decode() {  # tag
+    for v in fp8 int4; do
+      q=(--quantization gptq); [[ $v == fp8 ]] && q=(--hf-overrides "$fp8")
+      timeout 100 python3 -m longserve.bench.latency --config llama-3.1-8b --load-format dummy --dtype bfloat16 \
+        "${q[@]}" --warmup 1 --repeat 3 --decode-batch-sizes 1@32768 --output-json "$OUT/latency_8b_${v}_$1.json" \
+        2>&1 | tee "$OUT/latency_8b_${v}_$1.log" | grep -E "^decode" | sed "s/^/$v $1: /"
+    done
+  }
+  gemv_decode default
+  timeout 300 python3 -m longserve.kernels.tune_gemv --shapes llama-3.1-8b,qwen3-30b-a3b 2>&1 \
+    | tee "$OUT/tune_gemv.log" | grep -E "^(llama|qwen)|wrote" || status=1
+  tar czf "$OUT/gemv_configs.tgz" longserve/kernels/gemv_configs 2>/dev/null
+  gemv_decode tuned
+fi
+
+if [[ $MODE == fp8-acc ]]; then  # one GPU, ~8 min: what full-fp32 accumulation costs the fp8 prefill
+  # FP8_DOT_MAX_IMPRECISE_ACC 0 promotes the fp8 dots' partial sums after every wgmma (K = 32), which waits for
+  # each; 64 every other; None (Triton's default, vLLM's Triton block-FP8 kernel's) never within a dot (one
+  # BLOCK_K = 128 tile). Per value: the 8B and A3B FP8 cold TTFT (A3B 0.212 / 0.181 / 0.173 s at 8K, RESULTS.md
+  # eighth session), the block GEMM against its fp32 reference at the 8B shapes (the error at a real K), and
+  # the fp8 engine tests (their tiny models' blocks of 32-64 make 64 and None the same there)
+  fp8='{"quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}}'
+  for acc in 0 64 None; do
+    for shape in llama-3.1-8b qwen3-30b-a3b; do
+      timeout 150 python3 scripts/probes/with_constants.py longserve.kernels.quant_fp8.FP8_DOT_MAX_IMPRECISE_ACC=$acc \
+        -- longserve.bench.latency --config $shape --load-format dummy --dtype bfloat16 --hf-overrides "$fp8" \
+        --warmup 1 --repeat 3 --prompt-lens 8192,32768 --output-json "$OUT/latency_${shape}_fp8_acc_$acc.json" 2>&1 \
+        | tee "$OUT/latency_${shape}_fp8_acc_$acc.log" | grep -E "^cold"
+    done
+    [[ $acc == 0 ]] && continue
+    timeout 150 python3 scripts/probes/with_constants.py longserve.kernels.quant_fp8.FP8_DOT_MAX_IMPRECISE_ACC=$acc \
+      -- pytest -q -m gpu tests/gpu/test_quant_engine_gpu.py tests/gpu/test_quant_kernels_gpu.py \
+      -k "(fp8 or ct-int8) and not gemv" -p no:cacheprovider --tb=short -rfE 2>&1 \
+      | tee "$OUT/gpu_tests_fp8_acc_$acc.log" | grep -E "^(FAILED|E  )|passed|failed" | tail -24
+  done
+fi
+
+if [[ $MODE == switches ]]; then  # one GPU, ~6 min: the evidence for the switches still unmeasured or unverified
+  # the int4 paths per M as CUDA-graph replays (decode's timing): WNA16_DEQUANT_MIN_TOKENS, WNA16_GEMV_MAX_TOKENS
+  timeout 150 python3 scripts/gpu/bench_quant_kernels.py --tokens 1,2,4,8,16,32,64,256 \
+    --output-json "$OUT/kernels_quant_graphs.json" 2>&1 | tee "$OUT/kernels_quant_graphs.log" | grep -E "crossover|beats"
+  # the 8B int4 decode through each path: dequantize+cuBLAS (today), the fused kernel, the GEMV
+  for path in dequant fused gemv; do
+    c=(); [[ $path == fused ]] && c=(longserve.kernels.quant_gemm.WNA16_DEQUANT_MIN_TOKENS=65)
+    [[ $path == gemv ]] && c=(longserve.kernels.quant_gemm.WNA16_GEMV_MAX_TOKENS=16)
+    timeout 100 python3 scripts/probes/with_constants.py ${c[@]+"${c[@]}"} -- longserve.bench.latency \
+      --config llama-3.1-8b --load-format dummy --dtype bfloat16 --quantization gptq --warmup 1 --repeat 3 \
+      --decode-batch-sizes 1,64 --decode-context-len 4096 --output-json "$OUT/latency_int4_$path.json" 2>&1 \
+      | tee "$OUT/latency_int4_$path.log" | grep -E "^decode" || status=1
+  done
+  # what fp32 accumulation (FP8_DOT_MAX_IMPRECISE_ACC=0, the default since 73be6a4: the engine tests fail with
+  # Triton's own, None) costs the fp8 GEMMs and the 8B FP8 shape's prefill and decode
+  fp8='{"quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}}'
+  for acc in 0 None; do
+    timeout 120 python3 scripts/probes/with_constants.py longserve.kernels.quant_fp8.FP8_DOT_MAX_IMPRECISE_ACC=$acc \
+      -- longserve.bench.latency --config llama-3.1-8b --load-format dummy --dtype bfloat16 --hf-overrides "$fp8" \
+      --warmup 1 --repeat 3 --prompt-lens 8192 --decode-batch-sizes 1@32768,64@4096 \
+      --output-json "$OUT/latency_fp8_acc_$acc.json" 2>&1 | tee "$OUT/latency_fp8_acc_$acc.log" | grep -E "^(cold|decode)"
+  done
+fi
