@@ -2,6 +2,11 @@
 
 Rounds where torch does: silu in float32 rounded to the input dtype, then the product rounded again, so
 bf16 outputs match `F.silu(gate) * up` up to the exp approximation.
+
+`silu_and_mul_quant`: the same product quantized to e4m3 per token-group in the same pass, for a block-FP8 down
+projection (kernels/quant_fp8.py): equal, bit for bit, to `per_token_group_quant(silu_and_mul(x), group)`,
+without writing and reading back the [T, I] product (at a 8K-token chunk of the Llama-3.1-8B shape 235 MB each
+way, a layer).
 """
 
 from __future__ import annotations
@@ -10,12 +15,16 @@ import torch
 import triton
 import triton.language as tl
 
-from longserve.kernels.activation_reference import silu_and_mul_ref
+from longserve.kernels.activation_reference import silu_and_mul_quant_ref, silu_and_mul_ref
+from longserve.kernels.extend_attention import interpreting
 from longserve.kernels.launch import fast_launch, pdl_prologue, use_pdl
+from longserve.kernels.quant_reference import FP8_DTYPE, FP8_MAX
+from longserve.kernels.quant_tiles import e4m3_rounded
 
-__all__ = ["silu_and_mul", "silu_and_mul_ref"]
+__all__ = ["silu_and_mul", "silu_and_mul_quant", "silu_and_mul_quant_ref", "silu_and_mul_ref"]
 
 BLOCK = 1024
+GROUPS_PER_PROGRAM = 8  # silu_and_mul_quant: 8 groups of 128, the 1,024 columns of a silu_and_mul program
 
 
 @fast_launch
@@ -53,3 +62,63 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         x, out, inter, x.stride(0), out.stride(0), BLOCK=BLOCK, USE_PDL=pdl, num_warps=4, launch_pdl=pdl
     )
     return out
+
+
+@triton.jit
+def _silu_mul_rounded(x_ptr, offs, mask, inter, out_ty: tl.constexpr):
+    """silu(gate) * up at columns offs of the row x_ptr points at, rounded as _silu_and_mul_kernel rounds it (fp32
+    values of out_ty)."""
+    gate = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + inter + offs, mask=mask, other=0.0).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(out_ty).to(tl.float32)  # F.silu rounding
+    return (act * up).to(out_ty).to(tl.float32)
+
+
+@fast_launch
+@triton.jit
+def _silu_and_mul_quant_kernel(
+    x_ptr, q_ptr, s_ptr, inter, stride_x, stride_q, stride_sm, stride_sg,
+    GROUP: tl.constexpr, GPP: tl.constexpr, INTERPRET: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """One program per (token, GPP groups of GROUP columns): the rounded product, then per group scale = amax /
+    448 and q = product / scale clamped and rounded to e4m3: quant_fp8._group_quant_kernel's arithmetic."""
+    pdl_prologue(USE_PDL)
+    tok = tl.program_id(0).to(tl.int64)
+    groups = tl.program_id(1) * GPP + tl.arange(0, GPP)  # [GPP]
+    offs = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [GPP, GROUP]
+    mask = offs < inter
+    y = _silu_mul_rounded(x_ptr + tok * stride_x, offs, mask, inter, x_ptr.dtype.element_ty)  # [GPP, GROUP]
+    scale = tl.maximum(tl.max(tl.abs(y), axis=1), 1e-10) / 448.0  # [GPP]
+    q = tl.minimum(tl.maximum(y / scale[:, None], -448.0), 448.0)
+    if INTERPRET:
+        q = e4m3_rounded(q)
+    tl.store(q_ptr + tok * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + tok * stride_sm + groups * stride_sg, scale, mask=groups * GROUP < inter)
+
+
+def silu_and_mul_quant(
+    x: torch.Tensor, group_size: int, column_major_scales: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x = gate|up [T, 2I] -> (e4m3 [T, I], float32 scales [T, ceil(I / group)], or stored [G, T] and returned
+    transposed with column_major_scales): `per_token_group_quant(silu_and_mul(x), group_size)` in one pass."""
+    assert x.dim() == 2 and x.shape[1] % 2 == 0, f"expected [T, 2I], got {tuple(x.shape)}"
+    assert group_size > 0 and group_size & (group_size - 1) == 0, f"group_size {group_size}: a power of two"
+    assert FP8_MAX == 448.0
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    num_tokens, inter = x.shape[0], x.shape[1] // 2
+    groups = triton.cdiv(inter, group_size)
+    q = torch.empty(num_tokens, inter, dtype=FP8_DTYPE, device=x.device)
+    if column_major_scales:
+        scales = torch.empty(groups, num_tokens, dtype=torch.float32, device=x.device).t()
+    else:
+        scales = torch.empty(num_tokens, groups, dtype=torch.float32, device=x.device)
+    if num_tokens == 0:
+        return q, scales
+    gpp = min(GROUPS_PER_PROGRAM, triton.next_power_of_2(groups))
+    pdl = use_pdl(x)
+    _silu_and_mul_quant_kernel[(num_tokens, triton.cdiv(groups, gpp))](
+        x, q, scales, inter, x.stride(0), q.stride(0), scales.stride(0), scales.stride(1),
+        GROUP=group_size, GPP=gpp, INTERPRET=interpreting(), USE_PDL=pdl, num_warps=4, launch_pdl=pdl,
+    )  # fmt: skip
+    return q, scales

@@ -5,10 +5,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["silu_and_mul_ref"]
+from longserve.kernels.quant_reference import per_token_group_quant_fp8_ref
+
+__all__ = ["silu_and_mul_quant_ref", "silu_and_mul_ref"]
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     """x = gate|up [T, 2I] (gate first, as gate_up_proj stacks them) -> silu(gate) * up [T, I]."""
     gate, up = x.chunk(2, dim=-1)  # [T, I] each
     return F.silu(gate) * up
+
+
+def silu_and_mul_quant_ref(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x = gate|up [T, 2I] -> silu(gate) * up quantized to e4m3 per token-group: (e4m3 [T, I], float32 scales
+    [T, ceil(I / group)]), rounded to x's dtype before the quantization as the kernel rounds it."""
+    return per_token_group_quant_fp8_ref(silu_and_mul_ref(x), group_size)

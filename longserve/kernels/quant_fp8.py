@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from longserve.kernels.activation import silu_and_mul, silu_and_mul_quant
 from longserve.kernels.extend_attention import interpreting
 from longserve.kernels.fp8_gemv import (
     FP8_GEMV_MAX_BLOCK_M,
@@ -82,6 +83,12 @@ FP8_DOT_MAX_IMPRECISE_ACC: int | None = 0
 # (block gate_up 39.3 us against the Triton GEMM's 55.5 and cuBLAS's 42.1) but the block GEMV loses gate_up from
 # M=2 (59.6 against 52.7): 1. The 8B decode at batch 1 (32K): block FP8 6.76 -> 4.87 ms, per channel 6.00 -> 4.76.
 FP8_GEMV_MAX_TOKENS = 1
+# A block-FP8 down projection's input, silu(gate) * up, made and quantized in one pass
+# (activation.silu_and_mul_quant, bit-equal to the two kernels) instead of silu_and_mul writing the product and
+# per_token_group_quant reading it back: at a 8K-token chunk of the Llama-3.1-8B shape 470 MB less traffic a
+# layer, ~2% of the FP8 cold 32K by bytes (issue 18's FP8 target there: 0.85x bf16, last measured 0.86x). Not
+# yet timed on a GPU (`gpu_check.sh silu-quant`).
+FUSE_SILU_AND_MUL_QUANT = True
 
 
 @triton.jit
@@ -261,19 +268,30 @@ def check_block_scaled_mm(w: torch.Tensor, w_scale: torch.Tensor) -> bool:
 
 
 def fp8_block_linear(
-    x: torch.Tensor,  # [M, K]
+    x: torch.Tensor,  # [M, K], or (gated) gate|up [M, 2K]
     w: torch.Tensor,  # [N, K] e4m3
     w_scale: torch.Tensor,  # [ceil(N / bn), ceil(K / bk)] float32
     block: tuple[int, int],
     bias: torch.Tensor | None = None,
     use_scaled_mm: bool | None = None,
+    gated: bool = False,
 ) -> torch.Tensor:
     """Block FP8 linear: x quantized per token-group of bk (Triton), then the block-scaled GEMM; equals
-    fp8_block_gemm_ref. Up to FP8_GEMV_MAX_TOKENS rows: both in one GEMV (kernels/fp8_gemv.py)."""
-    m, k = x.shape
+    fp8_block_gemm_ref. Up to FP8_GEMV_MAX_TOKENS rows: both in one GEMV (kernels/fp8_gemv.py). gated: the input
+    is silu(gate) * up of x = gate|up (an MLP's down projection), computed in the quantizing pass
+    (activation.silu_and_mul_quant; FUSE_SILU_AND_MUL_QUANT) or, for the GEMV, first."""
+    m, k = x.shape[0], x.shape[1] // 2 if gated else x.shape[1]
     n = w.shape[0]
     if m <= FP8_GEMV_MAX_TOKENS and fp8_block_gemv_supported(m, block):
-        return fp8_block_gemv(x, w, w_scale, block, bias)
+        return fp8_block_gemv(silu_and_mul(x) if gated else x, w, w_scale, block, bias)
+    if gated and (not FUSE_SILU_AND_MUL_QUANT or block[1] & (block[1] - 1)):  # the fused kernel: 2^n groups
+        x, gated = silu_and_mul(x), False
+
+    def quantize(a: torch.Tensor, column_major_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        if gated:
+            return silu_and_mul_quant(a, block[1], column_major_scales)
+        return per_token_group_quant(a, block[1], column_major_scales=column_major_scales)
+
     if use_scaled_mm is None:  # what the load-time check found (check_block_scaled_mm), for large M only
         checked = _BLOCK_SCALED_MM_CHECKED.get(x.device.index or 0, False) if x.is_cuda else False
         use_scaled_mm = checked and m >= FP8_BLOCK_SCALED_MM_MIN_TOKENS
@@ -284,14 +302,14 @@ def fp8_block_linear(
         # 2048 work): rows padded to a multiple of 16, which costs one copy of x only when M is not
         pad = -m % 16
         xp = torch.nn.functional.pad(x, (0, 0, 0, pad)) if pad else x
-        xq, xs = per_token_group_quant(xp, block[1], column_major_scales=True)
+        xq, xs = quantize(xp, column_major_scales=True)
         out = F.scaled_mm(
             xq, w.t(), xs, F.ScalingType.BlockWise1x128, w_scale.t(), F.ScalingType.BlockWise128x128,
             output_dtype=x.dtype,
         )  # fmt: skip
         out = out[:m] if pad else out
         return out if bias is None else out + bias
-    xq, xs = per_token_group_quant(x, block[1])
+    xq, xs = quantize(x)
     return fp8_block_gemm(xq, xs, w, w_scale, block, x.dtype, bias)
 
 

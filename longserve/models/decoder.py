@@ -25,7 +25,6 @@ from longserve.models.layers import (
     RMSNorm,
     RowParallelLinear,
     VocabParallelEmbedding,
-    silu_and_mul,
     tp_shard_range,
 )
 from longserve.models.linear_method import LinearMethod, get_linear_method
@@ -204,10 +203,10 @@ class MLP(nn.Module):
             raise ValueError(f"hidden_act {act!r} is not supported; supported: silu")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # [T, hidden]
+        return self.down_proj(self.gate_up_proj(x), gated=True)  # of silu(gate) * up: [T, hidden]
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.partial(silu_and_mul(self.gate_up_proj(x)))  # [T, hidden], not reduced
+        return self.down_proj.partial(self.gate_up_proj(x), gated=True)  # [T, hidden], not reduced
 
     def finish(self, y: torch.Tensor) -> torch.Tensor:
         """The all-reduced `partial` -> the output (the bias added once)."""

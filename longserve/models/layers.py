@@ -249,14 +249,22 @@ class RowParallelLinear(nn.Module):
             loaded = loaded.narrow(d, start, length)
         default_weight_loader(param, loaded)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
+        """x [T, in] -> [T, out]; gated: x is gate|up [T, 2 * in] and the input silu(gate) * up (the MLP's down
+        projection, which a quantized method may make in its own pass: LinearMethod.apply_gated)."""
         if self.tp_size == 1:
-            return self.quant_method.apply(self, x, self.bias)  # [T, out]
-        return self.finish(tp_all_reduce(self.partial(x)))  # [T, out] partial sums -> full
+            return self._apply(x, self.bias, gated)  # [T, out]
+        return self.finish(tp_all_reduce(self.partial(x, gated)))  # [T, out] partial sums -> full
 
-    def partial(self, x: torch.Tensor) -> torch.Tensor:
+    def partial(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
         """This rank's partial sum [T, out] (at tp=1 the whole product), before the all-reduce and bias."""
-        return self.quant_method.apply(self, x, None)
+        return self._apply(x, None, gated)
+
+    def _apply(self, x: torch.Tensor, bias: torch.Tensor | None, gated: bool) -> torch.Tensor:
+        if not gated:
+            return self.quant_method.apply(self, x, bias)
+        y = self.quant_method.apply_gated(self, x, bias)
+        return y if y is not None else self.quant_method.apply(self, silu_and_mul(x), bias)
 
     def finish(self, y: torch.Tensor) -> torch.Tensor:
         """The all-reduced partial sums plus the bias (added once, after the reduction)."""

@@ -32,6 +32,14 @@ class LinearMethod(QuantizeMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [T, in] -> [T, out] (+ bias when given)."""
 
+    def apply_gated(
+        self, layer: nn.Module, gate_up: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """The product of silu(gate) * up of gate_up [T, 2 * in] (an MLP's down projection) where this method
+        makes that input in its own pass over gate_up (block FP8: in the activations' quantization); None: the
+        layer computes silu_and_mul, then `apply`."""
+        return None
+
 
 class UnquantizedLinearMethod(LinearMethod):
     """A weight [out, in] in the model's dtype, named `weight` as in HF checkpoints."""

@@ -1,5 +1,5 @@
 """Compile the decode GEMV kernels (longserve/kernels/quant_gemv.py, int4_gemv.py: variants with "int4", moe_wna16.py's grouped kernel:
-"moe_grouped", and fp8_gemv.py: variants with "fp8") for sm90 with Triton's real compiler, on any
+"moe_grouped", fp8_gemv.py: variants with "fp8", and activation.py's SiLU-and-mul + FP8 quantization: "silu_quant") for sm90 with Triton's real compiler, on any
 machine (no GPU needed: triton ships its nvidia backend and ptxas), and report per variant the registers, spills
 and whether the packed weights are loaded with 16-byte vectors. Catches constructs that the interpreter accepts
 and the compiler refuses (tests/unit/test_quant_gemv.py runs it).
@@ -44,6 +44,10 @@ VARIANTS = [
     {"int4": True, "routed": True, "zp": True, "pdl": True},
     {"int4": True, "routed": True, "zp": True, "raw_hi": True},
     {"moe_grouped": True},  # the grouped int4 MoE kernel, gate+up over the pairs' token rows
+    {
+        "silu_quant": True
+    },  # activation.py's SiLU-and-mul + FP8 quantization (a block-FP8 down projection's input)
+    {"silu_quant": True, "pdl": True},
     {"moe_grouped": True, "zp": True, "x_row_div": 1},  # its down projection
 ]
 
@@ -128,8 +132,22 @@ def compile_moe_grouped(moe_grouped=True, x="bf16", zp=False, bm=16, bn=64, x_ro
     return compile_sm90(fn, sig, consts, attrs, num_warps=num_warps, num_stages=num_stages)
 
 
+def compile_silu_quant(silu_quant=True, x="bf16", pdl=False):
+    """kernels/activation.py's fused SiLU-and-mul + per-token-group e4m3 quantization for sm90."""
+    from longserve.kernels.activation import _silu_and_mul_quant_kernel
+
+    fn = _silu_and_mul_quant_kernel.fn  # the @triton.jit function inside fast_launch's wrapper
+    ptrs = {"x_ptr": f"*{x}", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
+    consts = dict(GROUP=128, GPP=8, INTERPRET=False, USE_PDL=pdl)
+    sig = {a: ptrs.get(a, "constexpr" if a in consts else "i32") for a in fn.arg_names}
+    attrs = {a: [["tt.divisibility", 16]] for a in [*ptrs, "inter", "stride_x", "stride_q"]}
+    return compile_sm90(fn, sig, consts, attrs, num_warps=4)
+
+
 def report(variant: dict) -> dict:
-    if variant.get("moe_grouped"):
+    if variant.get("silu_quant"):
+        c = compile_silu_quant(**variant)
+    elif variant.get("moe_grouped"):
         c = compile_moe_grouped(**variant)
     elif variant.get("int4"):
         c = compile_int4_gemv(**variant)

@@ -184,6 +184,33 @@ def test_fp8_block_both_ways(shape: str, m: int) -> None:
         assert_close_rel(fp8_block_linear(x, w, scale, (128, 128), use_scaled_mm=True), ref)
 
 
+@pytest.mark.parametrize("m", [1, 64, 2048])
+@pytest.mark.parametrize("use_scaled_mm", [False, True])
+def test_fp8_block_down_projection_gated(
+    m: int, use_scaled_mm: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The 8B down projection fed gate|up (the MLP's silu(gate) * up made in the quantizing pass,
+    activation.silu_and_mul_quant): the fused kernel bit-equal to silu_and_mul + per_token_group_quant at the
+    8B width, and the projection equal to the same call on silu_and_mul's product, both GEMM ways (M=1: the GEMV)."""
+    from longserve.kernels import quant_fp8
+    from longserve.kernels.activation import silu_and_mul, silu_and_mul_quant
+
+    if use_scaled_mm and not quant_fp8._scaled_mm_blockwise_ok(0):
+        pytest.skip("cuBLAS block-scaled FP8 needs sm90")
+    n, k = DENSE["down"]
+    w, scale = fp8_block_weight(n, k)
+    gate_up = torch.randn(m, 2 * k, device="cuda", dtype=torch.bfloat16) * 2
+    for column_major in (False, True):
+        q, s = silu_and_mul_quant(gate_up, 128, column_major)
+        q2, s2 = quant_fp8.per_token_group_quant(silu_and_mul(gate_up), 128, column_major_scales=column_major)
+        assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s, s2)
+    fused = quant_fp8.fp8_block_linear(gate_up, w, scale, (128, 128), use_scaled_mm=use_scaled_mm, gated=True)
+    plain = quant_fp8.fp8_block_linear(
+        silu_and_mul(gate_up), w, scale, (128, 128), use_scaled_mm=use_scaled_mm
+    )
+    assert torch.equal(fused, plain)
+
+
 @pytest.mark.parametrize("shape", list(DENSE))
 @pytest.mark.parametrize("m", [1, 4, 16])
 def test_fp8_block_gemv_matches_reference(shape: str, m: int, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -392,8 +392,10 @@ def test_fp8_models_through_the_gemv_kernels(
     monkeypatch.setattr(fp8, "use_triton", lambda x: True)  # as for CUDA tensors with triton
     monkeypatch.setattr(quant_fp8, "FP8_GEMV_MAX_TOKENS", 16)
     calls = count_rows(monkeypatch, quant_fp8, gemv)
+    fused = count_rows(monkeypatch, quant_fp8, "silu_and_mul_quant")  # the block prefill's down projections
     test_logits_and_greedy_tokens_match_transformers(root, case)
     assert 1 in calls and 24 not in calls, sorted(set(calls))  # the decode steps; the prefill's 24 rows not
+    assert set(fused) == ({24} if case.startswith("fp8-block") else set()), fused
 
 
 def test_int4_moe_model_through_the_routed_gemv_and_the_dequantized_experts(

@@ -73,6 +73,31 @@ def test_silu_and_mul(num_tokens: int, inter: int) -> None:
     torch.testing.assert_close(out, torch.nn.functional.silu(gate) * up, atol=ATOL, rtol=ATOL)
 
 
+@pytest.mark.parametrize(
+    ("num_tokens", "inter", "group", "column_major", "dtype"),
+    [(3, 256, 128, False, torch.float32), (5, 200, 64, True, torch.bfloat16), (2, 1152, 128, False, torch.bfloat16),
+     (1, 128, 128, True, torch.float32), (4, 48, 16, False, torch.bfloat16)],
+)  # fmt: skip
+def test_silu_and_mul_quant_equals_the_two_kernels(num_tokens, inter, group, column_major, dtype) -> None:
+    """The fused SiLU-and-mul + per-token-group e4m3 quantization: bit-equal to silu_and_mul then
+    per_token_group_quant (ragged last groups, 9 groups over two programs, column-major scales as cuBLAS takes
+    them), and in fp32 to the torch reference exactly; bf16 within the interpreter's bf16 rounding of it."""
+    from longserve.kernels.activation import silu_and_mul_quant, silu_and_mul_quant_ref
+    from longserve.kernels.quant_fp8 import per_token_group_quant
+
+    x = (randn(num_tokens, 2 * inter, seed=9) * 3).to(dtype)
+    q, s = silu_and_mul_quant(x, group, column_major_scales=column_major)
+    q2, s2 = per_token_group_quant(silu_and_mul(x), group, column_major_scales=column_major)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (num_tokens, inter) and s.shape == s2.shape
+    assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s, s2)
+    assert s.stride() == s2.stride()
+    q_ref, s_ref = silu_and_mul_quant_ref(x, group)
+    if dtype == torch.float32:
+        assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
+    else:  # the interpreter rounds fp32 -> bf16 its own way (kernels/activation.py, test_silu_and_mul)
+        torch.testing.assert_close(s, s_ref, rtol=0.02, atol=0)
+
+
 def make_rope(head_dim: int, max_pos: int = 64) -> RotaryEmbedding:
     params = {
         "rope_type": "yarn",

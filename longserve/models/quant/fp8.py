@@ -133,6 +133,15 @@ class Fp8LinearMethod(LinearMethod):
         else:
             layer.fp8_input_scale = None
 
+    def apply_gated(
+        self, layer: nn.Module, gate_up: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        if self.scheme.weight != "block" or not use_triton(gate_up):
+            return None
+        from longserve.kernels.quant_fp8 import fp8_block_linear  # imports triton
+
+        return fp8_block_linear(gate_up, layer.weight, layer.fp8_scale, self.scheme.block, bias, gated=True)
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         w, scale = layer.weight, layer.fp8_scale
         if self.scheme.weight == "block":
