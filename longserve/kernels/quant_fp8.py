@@ -93,21 +93,23 @@ FUSE_SILU_AND_MUL_QUANT = True
 
 @triton.jit
 def _group_quant_kernel(
-    x_ptr, q_ptr, s_ptr, static_ptr, K, group_size, stride_xm, stride_qm, stride_sm, stride_sg,
-    QMAX: tl.constexpr, OUT_INT8: tl.constexpr, STATIC: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr, q_ptr, s_ptr, static_ptr, K, group_size, num_groups, stride_xm, stride_qm, stride_sm, stride_sg,
+    QMAX: tl.constexpr, OUT_INT8: tl.constexpr, STATIC: tl.constexpr, BLOCK: tl.constexpr, GPP: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    """One program per (token, group): scale = amax / QMAX (or the static one), q = x / scale, clamped and
-    rounded to e4m3 or int8 (nearest, ties to even)."""
-    row, grp = tl.program_id(0), tl.program_id(1)
-    offs = grp * group_size + tl.arange(0, BLOCK)
-    mask = (offs < K) & (tl.arange(0, BLOCK) < group_size)
+    """One program per (token, GPP groups): per group scale = amax / QMAX (or the static one), q = x / scale,
+    clamped and rounded to e4m3 or int8 (nearest, ties to even)."""
+    row = tl.program_id(0).to(tl.int64)
+    groups = tl.program_id(1) * GPP + tl.arange(0, GPP)  # [GPP]
+    cols = tl.arange(0, BLOCK)  # [BLOCK]
+    offs = groups[:, None] * group_size + cols[None, :]  # [GPP, BLOCK]
+    mask = (offs < K) & (cols < group_size)[None, :] & (groups < num_groups)[:, None]
     x = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
     if STATIC:
-        scale = tl.load(static_ptr).to(tl.float32)
+        scale = tl.full([GPP], 1.0, tl.float32) * tl.load(static_ptr).to(tl.float32)
     else:
-        scale = tl.maximum(tl.max(tl.abs(x)), 1e-10) / QMAX
-    y = x / scale
+        scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) / QMAX  # [GPP]
+    y = x / scale[:, None]
     if OUT_INT8:  # round half to even (torch.round), clamp to [-128, 127]
         r = tl.floor(y + 0.5)
         r = tl.where((r - y == 0.5) & ((r.to(tl.int32) & 1) == 1), r - 1.0, r)
@@ -117,7 +119,12 @@ def _group_quant_kernel(
         if INTERPRET:
             y = e4m3_rounded(y)
     tl.store(q_ptr + row * stride_qm + offs, y.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(s_ptr + row * stride_sm + grp * stride_sg, scale)
+    tl.store(s_ptr + row * stride_sm + groups * stride_sg, scale, mask=groups < num_groups)
+
+
+# groups of a row per _group_quant_kernel program: up to 1,024 values (as silu_and_mul's programs), not one
+# group of 128 on 128 threads (a 2-byte load each, 32 programs a row of the 8B shape's 4,096)
+QUANT_VALUES_PER_PROGRAM = 1024
 
 
 def per_token_group_quant(
@@ -146,11 +153,13 @@ def per_token_group_quant(
         scales_arg, stride_sg = scales, 0
     else:
         scales_arg, stride_sg = scales, scales.stride(1)
-    _group_quant_kernel[(m, launch_groups)](
-        x, q, scales_arg, static_scale if static_scale is not None else x, k, group,
+    block = triton.next_power_of_2(group)
+    gpp = max(1, min(QUANT_VALUES_PER_PROGRAM // block, triton.next_power_of_2(launch_groups)))
+    _group_quant_kernel[(m, triton.cdiv(launch_groups, gpp))](
+        x, q, scales_arg, static_scale if static_scale is not None else x, k, group, launch_groups,
         x.stride(0), q.stride(0), scales_arg.stride(0), stride_sg,
         QMAX=INT8_QDIV if out_int8 else FP8_MAX, OUT_INT8=out_int8, STATIC=static_scale is not None,
-        BLOCK=triton.next_power_of_2(group), INTERPRET=interpreting(),
+        BLOCK=block, GPP=gpp, INTERPRET=interpreting(),
     )  # fmt: skip
     return q, scales
 

@@ -1,5 +1,5 @@
 """Compile the decode GEMV kernels (longserve/kernels/quant_gemv.py, int4_gemv.py: variants with "int4", moe_wna16.py's grouped kernel:
-"moe_grouped", fp8_gemv.py: variants with "fp8", and activation.py's SiLU-and-mul + FP8 quantization: "silu_quant") for sm90 with Triton's real compiler, on any
+"moe_grouped", fp8_gemv.py: variants with "fp8", activation.py's SiLU-and-mul + FP8 quantization: "silu_quant", quant_fp8.py's activation quantization: "group_quant") for sm90 with Triton's real compiler, on any
 machine (no GPU needed: triton ships its nvidia backend and ptxas), and report per variant the registers, spills
 and whether the packed weights are loaded with 16-byte vectors. Catches constructs that the interpreter accepts
 and the compiler refuses (tests/unit/test_quant_gemv.py runs it).
@@ -48,6 +48,8 @@ VARIANTS = [
         "silu_quant": True
     },  # activation.py's SiLU-and-mul + FP8 quantization (a block-FP8 down projection's input)
     {"silu_quant": True, "pdl": True},
+    {"group_quant": True},  # quant_fp8.per_token_group_quant's kernel: 8 groups of 128 a program
+    {"group_quant": True, "int8": True, "block": 4096, "gpp": 1},  # per token, int8
     {"moe_grouped": True, "zp": True, "x_row_div": 1},  # its down projection
 ]
 
@@ -144,8 +146,23 @@ def compile_silu_quant(silu_quant=True, x="bf16", pdl=False):
     return compile_sm90(fn, sig, consts, attrs, num_warps=4)
 
 
+def compile_group_quant(group_quant=True, x="bf16", int8=False, block=128, gpp=8):
+    """quant_fp8.per_token_group_quant's kernel for sm90 (e4m3 or int8 out)."""
+    from longserve.kernels.quant_fp8 import _group_quant_kernel as fn
+
+    ptrs = {"x_ptr": f"*{x}", "q_ptr": "*i8" if int8 else "*fp8e4nv", "s_ptr": "*fp32", "static_ptr": f"*{x}"}
+    consts = dict(
+        QMAX=127.5 if int8 else 448.0, OUT_INT8=int8, STATIC=False, BLOCK=block, GPP=gpp, INTERPRET=False
+    )
+    sig = {a: ptrs.get(a, "constexpr" if a in consts else "i32") for a in fn.arg_names}
+    attrs = {a: [["tt.divisibility", 16]] for a in [*ptrs, "K", "group_size", "stride_xm", "stride_qm"]}
+    return compile_sm90(fn, sig, consts, attrs, num_warps=4)
+
+
 def report(variant: dict) -> dict:
-    if variant.get("silu_quant"):
+    if variant.get("group_quant"):
+        c = compile_group_quant(**variant)
+    elif variant.get("silu_quant"):
         c = compile_silu_quant(**variant)
     elif variant.get("moe_grouped"):
         c = compile_moe_grouped(**variant)
