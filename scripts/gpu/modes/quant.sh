@@ -17,9 +17,11 @@
 # 8B int4 decode at batch 1 (32K) and the A3B int4 decode at batch 1 (32K) and 8 (4K; the routed GEMV).
 # gemv-tune (one GPU, ~6 min): the 8B FP8 and int4 decode at batch 1, python -m longserve.kernels.tune_gemv (the
 # decode GEMVs' tile tables for the 8B and A3B projections), the same decode again with the tables.
-# silu-quant (one GPU, ~4 min): the block-FP8 down projection's input made and quantized in one pass
-# (quant_fp8.FUSE_SILU_AND_MUL_QUANT, on) against silu_and_mul + per_token_group_quant: its GPU test, then the 8B
-# FP8 shape's cold 8K / 32K and decode at batch 64 (4K) with the fusion off and on.
+# silu-quant (one GPU, ~5 min): the FP8 activations' quantization, as it was (one group of 128 a program, then
+# silu_and_mul + per_token_group_quant for the down projection), with 8 groups a program
+# (quant_fp8.QUANT_VALUES_PER_PROGRAM) and with the down projection's input made and quantized in one pass too
+# (FUSE_SILU_AND_MUL_QUANT; both on by default): the GPU tests of the fp8 kernels, then the 8B FP8 shape's cold 8K
+# / 32K and decode at batch 64 (4K) under each.
 # fp8-acc (one GPU, ~8 min): the 8B and A3B FP8 cold TTFT with the fp8 dots' fp32 promotion after every wgmma (0,
 # the default), every other (64) or never within a tile (None), and the fp8 kernel and engine tests under 64 and
 # None.
@@ -223,15 +225,18 @@ if [[ $MODE == switches ]]; then  # one GPU, ~6 min: the evidence for the switch
   done
 fi
 
-if [[ $MODE == silu-quant ]]; then  # one GPU (~4 min): the fused SiLU-and-mul + FP8 quantization off and on
-  python3 -m pytest -q -m gpu tests/gpu/test_quant_kernels_gpu.py -k gated -p no:cacheprovider --tb=short -rfE 2>&1 \
-    | tee "$OUT/gpu_tests_silu_quant.log" | tail -3 || status=1
+if [[ $MODE == silu-quant ]]; then  # one GPU (~5 min): the FP8 activation-quantization changes, each off and on
+  python3 -m pytest -q -m gpu tests/gpu/test_quant_kernels_gpu.py -k "gated or fp8" -p no:cacheprovider --tb=short \
+    -rfE 2>&1 | tee "$OUT/gpu_tests_silu_quant.log" | tail -3 || status=1
   fp8='{"quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}}'
-  for fuse in False True; do
-    timeout 200 python3 scripts/probes/with_constants.py longserve.kernels.quant_fp8.FUSE_SILU_AND_MUL_QUANT=$fuse -- \
-      longserve.bench.latency --config llama-3.1-8b --load-format dummy --dtype bfloat16 --hf-overrides "$fp8" \
-      --warmup 1 --repeat 3 --prompt-lens 8192,32768 --decode-batch-sizes 64@4096 \
-      --output-json "$OUT/latency_silu_quant_$fuse.json" 2>&1 | tee "$OUT/latency_silu_quant_$fuse.log" \
-      | grep -E "^(cold|decode)" | sed "s/^/FUSE=$fuse /"
+  # before both (one group a program, no fusion), the wider programs alone, both (the default)
+  for setting in "QUANT_VALUES_PER_PROGRAM=128 FUSE_SILU_AND_MUL_QUANT=False" "FUSE_SILU_AND_MUL_QUANT=False" \
+                 "FUSE_SILU_AND_MUL_QUANT=True"; do
+    c=(); for kv in $setting; do c+=("longserve.kernels.quant_fp8.$kv"); done
+    name=${setting// /_}
+    timeout 200 python3 scripts/probes/with_constants.py "${c[@]}" -- longserve.bench.latency --config llama-3.1-8b \
+      --load-format dummy --dtype bfloat16 --hf-overrides "$fp8" --warmup 1 --repeat 3 --prompt-lens 8192,32768 \
+      --decode-batch-sizes 64@4096 --output-json "$OUT/latency_fp8_${name//=/-}.json" 2>&1 \
+      | tee "$OUT/latency_fp8_${name//=/-}.log" | grep -E "^(cold|decode)" | sed "s/^/$setting: /"
   done
 fi
