@@ -140,7 +140,7 @@ def compile_silu_quant(silu_quant=True, x="bf16", pdl=False):
 
     fn = _silu_and_mul_quant_kernel.fn  # the @triton.jit function inside fast_launch's wrapper
     ptrs = {"x_ptr": f"*{x}", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
-    consts = dict(GROUP=128, GPP=8, INTERPRET=False, USE_PDL=pdl)
+    consts = dict(QMAX=448.0, GROUP=128, GPP=8, INTERPRET=False, USE_PDL=pdl)
     sig = {a: ptrs.get(a, "constexpr" if a in consts else "i32") for a in fn.arg_names}
     attrs = {a: [["tt.divisibility", 16]] for a in [*ptrs, "inter", "stride_x", "stride_q"]}
     return compile_sm90(fn, sig, consts, attrs, num_warps=4)
