@@ -126,7 +126,7 @@ class EngineConfig:
     enable_expert_parallel: bool = False
     nnodes: int = 1  # nodes the tp ranks span (tp_size / nnodes ranks per node)
     node_rank: int = 0  # this node's index; node 0 runs the engine
-    dist_init_addr: str | None = None  # HOST:PORT of node 0's rendezvous; None: 127.0.0.1 and a free port
+    dist_init_addr: str | None = None  # HOST:PORT of node 0's rendezvous; None (one node): a temp file
     # each run of whitespace between the JSON tokens of a constrained output (structured outputs, forced tool
     # calls) has at most this many characters: small models otherwise may pad whitespace until max_tokens.
     # 0: none (compact JSON); None: any amount, as vLLM and SGLang allow by default
