@@ -9,7 +9,7 @@
 # piecewise (one GPU): the piecewise graphs' GPU test, then step_timeline.py, cold 512-4096 and 32K, and 32K +
 # 64 / 512 / 1024 hits (issue 19's >= 100x: 95.6x eager) with --piecewise-cuda-graph-max-tokens 0 and 4096.
 # pdl (one GPU, ~8 min): programmatic dependent launch off and on: its GPU tests (outputs unchanged, the kernels
-# compiled for it), the 8B shape's decode (bf16 at batch 1/16/64, FP8 blocks and GPTQ int4 at batch 1) and cold 8K.
+# compiled for it), the 8B shape's decode (bf16 at batch 1 (32K) and 64 (4K), FP8 blocks and GPTQ int4 at batch 1).
 # decode-splits (one GPU, ~4 min): the 8B decode at batch 1 / 16 / 64 with 2, 3 and 4 programs an SM for the
 # decode attention's key splits (decode_attention.PROGRAMS_PER_SM; 4 is the default).
 # fusions (one GPU): the prefix-as-view and fused K/V-store switches off, each against both on (fusions-a3b, the
@@ -221,14 +221,14 @@ if [[ $MODE == pdl ]]; then  # one GPU (~8 min): programmatic dependent launch (
   python3 -m pytest -q -m gpu tests/gpu/test_pdl_gpu.py -p no:cacheprovider -o faulthandler_timeout=300 --tb=short \
     -rfE 2>&1 | tee "$OUT/gpu_tests_pdl.log" | tail -4 || status=1
   fp8='{"quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}}'
-  # the 8B shape in bf16 (decode at three batch sizes, cold 8K), then FP8 blocks and GPTQ int4 at batch 1; one
+  # the 8B shape in bf16 (decode at batch 1 and 64), then FP8 blocks and GPTQ int4 at batch 1; one
   # process per setting, off then on, so each pair shares the machine's state
   for variant in bf16 fp8 int4; do
     q=(); [[ $variant == fp8 ]] && q=(--hf-overrides "$fp8"); [[ $variant == int4 ]] && q=(--quantization gptq)
-    cases=(--decode-batch-sizes 1@32768); [[ $variant == bf16 ]] && cases=(--prompt-lens 8192 --decode-batch-sizes 1@32768,16@8192,64@4096)
+    cases=(--decode-batch-sizes 1@32768); [[ $variant == bf16 ]] && cases=(--decode-batch-sizes 1@32768,64@4096)
     for pdl in False True; do
       timeout 240 python3 scripts/probes/with_constants.py longserve.kernels.launch.PDL=$pdl -- longserve.bench.latency \
-        --config llama-3.1-8b --load-format dummy --dtype bfloat16 --warmup 1 --repeat 3 ${q[@]+"${q[@]}"} "${cases[@]}" \
+        --config llama-3.1-8b --load-format dummy --dtype bfloat16 --warmup 1 --repeat 2 ${q[@]+"${q[@]}"} "${cases[@]}" \
         --output-json "$OUT/latency_pdl_${variant}_$pdl.json" 2>&1 | tee "$OUT/latency_pdl_${variant}_$pdl.log" \
         | grep -E "^(cold|decode)" | sed "s/^/$variant PDL=$pdl /"
     done
