@@ -73,12 +73,14 @@ class ServerProcess:
     """`python -m longserve.launch_server ARGS` with its output in `log_path`; PYTHONPATH has the repository
     first, so the checkout is what runs. Without `--port` in ARGS it listens on `--port 0`, a port the kernel
     picks at bind: a port chosen here and passed on could be taken by another process before the server
-    binds it (CI once lost a run so). The port is read from the server's log (`port`, `url`) by
-    `wait_ready()`."""
+    binds it (CI once lost a run so). That port is read from the server's log (`port`, `url`) by `wait_ready()`,
+    which needs its INFO lines (the default --log-level)."""
 
     def __init__(self, args: Sequence[str], log_path: str, env: Mapping[str, str] | None = None) -> None:
         args = list(args) if "--port" in args else [*args, "--port", "0"]
-        self._port: int | None = None
+        given = int(args[args.index("--port") + 1])
+        # a port given is the port; port 0 is read from the INFO line (the default --log-level)
+        self._port: int | None = given or None
         self.log_path = log_path
         path = REPO + os.pathsep + os.environ.get("PYTHONPATH", "")
         full_env = {**os.environ, "PYTHONPATH": path, **(env or {})}
