@@ -177,13 +177,22 @@ def test_dead_worker_fails_the_engine_and_close_stops_workers(tmp_path, caplog):
     assert get_tp_group() is None and not dist.is_initialized()
 
 
-def test_close_terminates_workers(tmp_path):
-    path = make_tiny_checkpoint(tmp_path, "qwen3")
+def test_close_terminates_workers(tmp_path, monkeypatch):
+    """close() stops the workers cleanly and removes the rendezvous directory the ranks met in (one node: a file
+    in a temporary directory, not a port found free and bound later, which another process could take first)."""
+    import tempfile
+
+    path = make_tiny_checkpoint(tmp_path / "model", "qwen3")
+    rendezvous_root = tmp_path / "tmp"
+    rendezvous_root.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(rendezvous_root))
     m = LLM(path, dtype="float32", device="cpu", max_total_tokens=1024, tp_size=2)
     procs = list(m.engine.runner.workers.procs)
     assert all(p.is_alive() for p in procs)
+    assert [d.name.startswith("longserve-tp-") for d in rendezvous_root.iterdir()] == [True]
     m.close()
     assert all(p.exitcode == 0 for p in procs)  # a clean exit on the shutdown message, not a kill
+    assert list(rendezvous_root.iterdir()) == []
 
 
 def test_worker_dying_at_start_fails_fast_with_the_reason(tmp_path):
