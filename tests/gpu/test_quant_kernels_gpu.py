@@ -186,9 +186,7 @@ def test_fp8_block_both_ways(shape: str, m: int) -> None:
 
 @pytest.mark.parametrize("m", [1, 64, 2048])
 @pytest.mark.parametrize("use_scaled_mm", [False, True])
-def test_fp8_block_down_projection_gated(
-    m: int, use_scaled_mm: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_fp8_block_down_projection_gated(m: int, use_scaled_mm: bool) -> None:
     """The 8B down projection fed gate|up (the MLP's silu(gate) * up made in the quantizing pass,
     activation.silu_and_mul_quant): the fused kernel bit-equal to silu_and_mul + per_token_group_quant at the
     8B width, and the projection equal to the same call on silu_and_mul's product, both GEMM ways (M=1: the GEMV)."""
