@@ -128,7 +128,7 @@ class TPWorkers:
         if config.dist_init_addr:
             init_method = f"tcp://{config.dist_init_addr}"
         else:  # one node: a file, not a port found free here, which another process could bind before the
-            # rendezvous does (a race the CI's servers once lost on a port)
+            # rendezvous does (the race CI once lost with a test server's port)
             rendezvous_dir = tempfile.mkdtemp(prefix="longserve-tp-")
             init_method = f"file://{rendezvous_dir}/store"
         first = config.node_rank * per_node
