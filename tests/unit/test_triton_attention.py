@@ -535,11 +535,10 @@ def test_a_serving_mix_of_batches_keys_few_kernel_variants(monkeypatch: pytest.M
                     spec.append((a == 1, a % 16 == 0))
             return tuple(spec), tuple(sorted(kwargs.items()))
 
-        class Recorder:
+        class Recorder:  # the keys only: the outputs are not read (running the interpreted kernels took 18 s)
             def __getitem__(self, grid: tuple) -> object:
-                def launch(*args: object, **kwargs: object) -> object:
+                def launch(*args: object, **kwargs: object) -> None:
                     keys[name].add(key_of(args, kwargs))
-                    return kernel[grid](*args, **kwargs)
 
                 return launch
 
