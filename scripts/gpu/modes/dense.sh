@@ -1,7 +1,7 @@
 # gpu_check.sh's modes for the dense models (sourced by scripts/gpu/gpu_check.sh, which sets MODE, OUT and status):
 # the GPU tests, the Llama-3.1-8B shape's latency against HF transformers and vLLM, tensor parallelism, the
 # probes and the switches of the dense path.
-# tests (one GPU, quick: the same) the GPU tests in four processes and the CPU e2e suite on CUDA; bench: the
+# tests (one GPU; quick: the same): the GPU tests in four processes and the CPU e2e suite on CUDA; bench: the
 # kernel microbenchmarks; all = tests + bench. tp, tp2, tp32: two GPUs.
 # chunks (one GPU): a lone cold prompt in chunks of 8K, 16K, 32K.
 # short-plans (one GPU, ~4 min): prefix hits of 64 / 1K / 2K / 4K new tokens over 32K (and 1K over 64K), and the
