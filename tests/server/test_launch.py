@@ -2,9 +2,9 @@
 `--device cpu` and the tiny model; the API key is enforced (set here through LONGSERVE_API_KEY, so the vLLM
 line itself stays unchanged).
 
-Each line's fixed port is swapped for 0 (the kernel picks a free one at bind), and LONGSERVE_MAX_TOTAL_TOKENS keeps the CPU KV pool at
-the 131,072-token context instead of a fraction of the machine's RAM (env vars rank below flags, so the
-lines are otherwise as written)."""
+Each line's fixed port is swapped for 0 (the kernel picks a free one at bind), and LONGSERVE_MAX_TOTAL_TOKENS
+keeps the CPU KV pool at the 131,072-token context instead of a fraction of the machine's RAM (env vars rank
+below flags, so the lines are otherwise as written)."""
 
 from __future__ import annotations
 
