@@ -44,13 +44,11 @@ VARIANTS = [
     {"int4": True, "routed": True, "zp": True, "pdl": True},
     {"int4": True, "routed": True, "zp": True, "raw_hi": True},
     {"moe_grouped": True},  # the grouped int4 MoE kernel, gate+up over the pairs' token rows
-    {
-        "silu_quant": True
-    },  # activation.py's SiLU-and-mul + FP8 quantization (a block-FP8 down projection's input)
+    {"moe_grouped": True, "zp": True, "x_row_div": 1},  # its down projection
+    {"silu_quant": True},  # activation.py's SiLU-and-mul + FP8 quantization (block-FP8 down input)
     {"silu_quant": True, "pdl": True},
     {"group_quant": True},  # quant_fp8.per_token_group_quant's kernel: 8 groups of 128 a program
     {"group_quant": True, "int8": True, "block": 4096, "gpp": 1},  # per token, int8
-    {"moe_grouped": True, "zp": True, "x_row_div": 1},  # its down projection
 ]
 
 
