@@ -19,12 +19,11 @@ from longserve.kernels.activation_reference import silu_and_mul_quant_ref, silu_
 from longserve.kernels.extend_attention import interpreting
 from longserve.kernels.launch import fast_launch, pdl_prologue, use_pdl
 from longserve.kernels.quant_reference import FP8_DTYPE, FP8_MAX
-from longserve.kernels.quant_tiles import e4m3_rounded
+from longserve.kernels.quant_tiles import e4m3_rounded, groups_per_program, quant_outputs
 
 __all__ = ["silu_and_mul", "silu_and_mul_quant", "silu_and_mul_quant_ref", "silu_and_mul_ref"]
 
 BLOCK = 1024
-GROUPS_PER_PROGRAM = 8  # silu_and_mul_quant: 8 groups of 128, the 1,024 columns of a silu_and_mul program
 
 
 @fast_launch
@@ -107,14 +106,10 @@ def silu_and_mul_quant(
         x = x.contiguous()
     num_tokens, inter = x.shape[0], x.shape[1] // 2
     groups = triton.cdiv(inter, group_size)
-    q = torch.empty(num_tokens, inter, dtype=FP8_DTYPE, device=x.device)
-    if column_major_scales:
-        scales = torch.empty(groups, num_tokens, dtype=torch.float32, device=x.device).t()
-    else:
-        scales = torch.empty(num_tokens, groups, dtype=torch.float32, device=x.device)
+    q, scales = quant_outputs(num_tokens, inter, groups, FP8_DTYPE, x.device, column_major_scales)
     if num_tokens == 0:
         return q, scales
-    gpp = min(GROUPS_PER_PROGRAM, triton.next_power_of_2(groups))
+    gpp = groups_per_program(group_size, groups)
     pdl = use_pdl(x)
     _silu_and_mul_quant_kernel[(num_tokens, triton.cdiv(groups, gpp))](
         x, q, scales, inter, x.stride(0), q.stride(0), scales.stride(0), scales.stride(1),

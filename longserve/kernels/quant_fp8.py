@@ -42,7 +42,7 @@ from longserve.kernels.quant_reference import (
     per_token_quant_int8_ref,
     scaled_gemm_ref,
 )
-from longserve.kernels.quant_tiles import e4m3_rounded, rounded
+from longserve.kernels.quant_tiles import e4m3_rounded, groups_per_program, quant_outputs, rounded
 
 __all__ = [
     "FP8_BLOCK_USE_SCALED_MM",
@@ -122,11 +122,6 @@ def _group_quant_kernel(
     tl.store(s_ptr + row * stride_sm + groups * stride_sg, scale, mask=groups < num_groups)
 
 
-# groups of a row per _group_quant_kernel program: up to 1,024 values (as silu_and_mul's programs), not one
-# group of 128 on 128 threads (a 2-byte load each, 32 programs a row of the 8B shape's 4,096)
-QUANT_VALUES_PER_PROGRAM = 1024
-
-
 def per_token_group_quant(
     x: torch.Tensor,  # [M, K]
     group_size: int,  # <= 0: per token (one group of K)
@@ -140,11 +135,7 @@ def per_token_group_quant(
     group = group_size if group_size > 0 else k
     groups = triton.cdiv(k, group) if static_scale is None else 1
     x = x if x.stride(1) == 1 else x.contiguous()
-    q = torch.empty(m, k, dtype=dtype, device=x.device)
-    if column_major_scales:
-        scales = torch.empty(groups, m, dtype=torch.float32, device=x.device).t()
-    else:
-        scales = torch.empty(m, groups, dtype=torch.float32, device=x.device)
+    q, scales = quant_outputs(m, k, groups, dtype, x.device, column_major_scales)
     if m == 0:
         return q, scales
     out_int8 = dtype == torch.int8
@@ -154,7 +145,7 @@ def per_token_group_quant(
     else:
         scales_arg, stride_sg = scales, scales.stride(1)
     block = triton.next_power_of_2(group)
-    gpp = max(1, min(QUANT_VALUES_PER_PROGRAM // block, triton.next_power_of_2(launch_groups)))
+    gpp = groups_per_program(block, launch_groups)
     _group_quant_kernel[(m, triton.cdiv(launch_groups, gpp))](
         x, q, scales_arg, static_scale if static_scale is not None else x, k, group, launch_groups,
         x.stride(0), q.stride(0), scales_arg.stride(0), stride_sg,

@@ -1,11 +1,33 @@
 """Triton helpers shared by the dense quantized GEMMs (quant_gemm.py, quant_fp8.py), their decode GEMVs and the
 fused MoE kernel: rounding that the interpreter gets right, the GEMVs' split-K store, and the dequantization of a
-tile of packed integer weights (the layout of quant_reference.py)."""
+tile of packed integer weights (the layout of quant_reference.py); and the outputs and program size of the
+kernels that quantize activations (quant_fp8.per_token_group_quant, activation.silu_and_mul_quant)."""
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+# values a program of the activation-quantizing kernels takes, in whole groups: up to 1,024 (4 warps, 16-byte
+# loads), not one group of 128 on 128 threads (a 2-byte load each, 32 programs a row of the 8B shape's 4,096)
+QUANT_VALUES_PER_PROGRAM = 1024
+
+
+def groups_per_program(group_block: int, groups: int) -> int:
+    """Groups (of group_block values, a power of two) a program quantizes, of a row's `groups`."""
+    return max(1, min(QUANT_VALUES_PER_PROGRAM // group_block, triton.next_power_of_2(groups)))
+
+
+def quant_outputs(
+    rows: int, cols: int, groups: int, dtype: torch.dtype, device: torch.device, column_major_scales: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The quantized values [rows, cols] in dtype and their float32 scales [rows, groups], the scales stored [groups,
+    rows] and returned transposed with column_major_scales (cuBLAS's block recipes read them so)."""
+    q = torch.empty(rows, cols, dtype=dtype, device=device)
+    if column_major_scales:
+        return q, torch.empty(groups, rows, dtype=torch.float32, device=device).t()
+    return q, torch.empty(rows, groups, dtype=torch.float32, device=device)
 
 
 @triton.jit

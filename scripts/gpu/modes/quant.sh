@@ -19,7 +19,7 @@
 # decode GEMVs' tile tables for the 8B and A3B projections), the same decode again with the tables.
 # silu-quant (one GPU, ~5 min): the FP8 activations' quantization, as it was (one group of 128 a program, then
 # silu_and_mul + per_token_group_quant for the down projection), with 8 groups a program
-# (quant_fp8.QUANT_VALUES_PER_PROGRAM) and with the down projection's input made and quantized in one pass too
+# (quant_tiles.QUANT_VALUES_PER_PROGRAM) and with the down projection's input made and quantized in one pass too
 # (FUSE_SILU_AND_MUL_QUANT; both on by default): the GPU tests of the fp8 kernels, then the 8B FP8 shape's cold 8K
 # / 32K and decode at batch 64 (4K) under each.
 # fp8-acc (one GPU, ~8 min): the 8B and A3B FP8 cold TTFT with the fp8 dots' fp32 promotion after every wgmma (0,
@@ -232,7 +232,9 @@ if [[ $MODE == silu-quant ]]; then  # one GPU (~5 min): the FP8 activation-quant
   # before both (one group a program, no fusion), the wider programs alone, both (the default)
   for setting in "QUANT_VALUES_PER_PROGRAM=128 FUSE_SILU_AND_MUL_QUANT=False" "FUSE_SILU_AND_MUL_QUANT=False" \
                  "FUSE_SILU_AND_MUL_QUANT=True"; do
-    c=(); for kv in $setting; do c+=("longserve.kernels.quant_fp8.$kv"); done
+    c=(); for kv in $setting; do
+      m=quant_fp8; [[ $kv == QUANT_VALUES_PER_PROGRAM=* ]] && m=quant_tiles; c+=("longserve.kernels.$m.$kv")
+    done
     name=${setting// /_}
     timeout 200 python3 scripts/probes/with_constants.py "${c[@]}" -- longserve.bench.latency --config llama-3.1-8b \
       --load-format dummy --dtype bfloat16 --hf-overrides "$fp8" --warmup 1 --repeat 3 --prompt-lens 8192,32768 \
