@@ -25,6 +25,9 @@ unset TRITON_INTERPRET
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 status=0
+# the official FP8 checkpoints' quantization_config (128x128 blocks, dynamic activations) on dummy weights, as the
+# modes pass it: --hf-overrides "$fp8"
+fp8='{"quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}}'
 
 for part in dense moe quant; do
   # shellcheck source=/dev/null

@@ -220,7 +220,6 @@ fi
 if [[ $MODE == pdl ]]; then  # one GPU (~8 min): programmatic dependent launch (kernels/launch.py PDL) off/on
   python3 -m pytest -q -m gpu tests/gpu/test_pdl_gpu.py -p no:cacheprovider -o faulthandler_timeout=300 --tb=short \
     -rfE 2>&1 | tee "$OUT/gpu_tests_pdl.log" | tail -4 || status=1
-  fp8='{"quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}}'
   # the 8B shape in bf16 (decode at batch 1 and 64), then FP8 blocks and GPTQ int4 at batch 1; one
   # process per setting, off then on, so each pair shares the machine's state
   for variant in bf16 fp8 int4; do

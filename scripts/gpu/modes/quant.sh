@@ -73,7 +73,6 @@ fi
 
 if [[ $MODE == quant || $MODE == quant-bench ]]; then  # one GPU: the 8B and A3B shapes in bf16, FP8, INT4
   # FP8 (block): the official FP8 checkpoints' quantization_config on dummy weights; INT4: GPTQ g128 sym
-  fp8='{"quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}}'
   # QUANT_SHAPES: the shapes in order (default both), QUANT_MEMORY_SHAPES those whose memory is measured too;
   # each case one process (timeouts: a stuck case loses only itself)
   # QUANT_VARIANTS: which of bf16, fp8, int4 and kvfp8 (bf16 weights, --kv-cache-dtype fp8) run (default the first three)
@@ -126,7 +125,6 @@ fi
 if [[ $MODE == quant-decode ]]; then  # one GPU, ~8 min: the int4 and FP8 decode GEMVs against their GEMMs
   timeout 100 python3 scripts/gpu/bench_quant_kernels.py --tokens 1,2,4,8,16 \
     --output-json "$OUT/kernels_quant_decode.json" 2>&1 | tee "$OUT/kernels_quant_decode.log" | grep -E "crossover|beats"
-  fp8='{"quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}}'
   for limit in 0 16; do
     timeout 80 python3 scripts/probes/with_constants.py longserve.kernels.quant_gemm.WNA16_GEMV_MAX_TOKENS=$limit \
       -- longserve.bench.latency --config llama-3.1-8b --load-format dummy --dtype bfloat16 --quantization gptq \
@@ -163,7 +161,6 @@ fi
 if [[ $MODE == gemv-tune ]]; then  # one GPU, ~6 min: the decode GEMVs' tile tables (kernels/gemv_tables.py)
   # the 8B decode at batch 1 (32K) in FP8 blocks and GPTQ int4 with the default tiles, then tune_gemv writes
   # the tables into the package (tarred into $OUT: their names hold '=' and ','), then the same runs with them
-  fp8='{"quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}}'
   gemv_decode() {  # tag
     for v in fp8 int4; do
       q=(--quantization gptq); [[ $v == fp8 ]] && q=(--hf-overrides "$fp8")
@@ -185,7 +182,6 @@ if [[ $MODE == fp8-acc ]]; then  # one GPU, ~8 min: what full-fp32 accumulation 
   # BLOCK_K = 128 tile). Per value: the 8B and A3B FP8 cold TTFT (A3B 0.212 / 0.181 / 0.173 s at 8K, RESULTS.md
   # eighth session), the block GEMM against its fp32 reference at the 8B shapes (the error at a real K), and
   # the fp8 engine tests (their tiny models' blocks of 32-64 make 64 and None the same there)
-  fp8='{"quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}}'
   for acc in 0 64 None; do
     for shape in llama-3.1-8b qwen3-30b-a3b; do
       timeout 150 python3 scripts/probes/with_constants.py longserve.kernels.quant_fp8.FP8_DOT_MAX_IMPRECISE_ACC=$acc \
@@ -216,7 +212,6 @@ if [[ $MODE == switches ]]; then  # one GPU, ~6 min: the evidence for the switch
   done
   # what fp32 accumulation (FP8_DOT_MAX_IMPRECISE_ACC=0, the default since 73be6a4: the engine tests fail with
   # Triton's own, None) costs the fp8 GEMMs and the 8B FP8 shape's prefill and decode
-  fp8='{"quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}}'
   for acc in 0 None; do
     timeout 120 python3 scripts/probes/with_constants.py longserve.kernels.quant_fp8.FP8_DOT_MAX_IMPRECISE_ACC=$acc \
       -- longserve.bench.latency --config llama-3.1-8b --load-format dummy --dtype bfloat16 --hf-overrides "$fp8" \
@@ -228,7 +223,6 @@ fi
 if [[ $MODE == silu-quant ]]; then  # one GPU (~5 min): the FP8 activation-quantization changes, each off and on
   python3 -m pytest -q -m gpu tests/gpu/test_quant_kernels_gpu.py -k "gated or fp8" -p no:cacheprovider --tb=short \
     -rfE 2>&1 | tee "$OUT/gpu_tests_silu_quant.log" | tail -3 || status=1
-  fp8='{"quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}}'
   # before both (one group a program, no fusion), the wider programs alone, both (the default)
   for setting in "QUANT_VALUES_PER_PROGRAM=128 FUSE_SILU_AND_MUL_QUANT=False" "FUSE_SILU_AND_MUL_QUANT=False" \
                  "FUSE_SILU_AND_MUL_QUANT=True"; do
