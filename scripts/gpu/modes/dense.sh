@@ -191,7 +191,7 @@ if [[ $MODE == vllm ]]; then  # one GPU: the 8B shape, longserve then vLLM 0.24 
   PYTHONPATH=/tmp/site python3 .anchor/vllm_decode.py 2>&1 | tee "$OUT/vllm_decode.log" | grep decode_itl
   # the cases the anchors lack: 32K cached + 1024 new, decode b16@8K (and b1@32K, b64@4K again)
   PYTHONPATH=/tmp/site python3 scripts/gpu/vllm_extra_cases.py 2>&1 | tee "$OUT/vllm_extra.log" \
-    | grep '"engine"' | cut -c1-200
+    | grep '"engine"' | cut -c1-280
 fi
 
 if [[ $MODE == chunks ]]; then  # one GPU: a lone cold prompt in chunks of 8K, 16K and 32K (issue 19's 32K/128K gap)
