@@ -56,7 +56,7 @@ def _round_up(n: int, k: int) -> int:
 
 def decode_new_tokens(decode_steps: int, batch: int, config: EngineConfig) -> int:
     """max_new_tokens of a decode case's requests: settling steps (each request recomputes at most one page)
-    + the timed steps + a margin."""
+    + the timed steps + a margin (one untimed step before the timed ones among it)."""
     return decode_steps + math.ceil(batch * config.page_size / config.chunked_prefill_size) + 4
 
 
