@@ -15,7 +15,7 @@ import triton.language as tl
 
 from longserve.kernels import quant_fp8
 from longserve.kernels.extend_attention import interpreting
-from longserve.kernels.launch import fast_launch
+from longserve.kernels.launch import fast_launch, pdl_prologue, use_pdl
 from longserve.kernels.moe_align import align_routed_pairs
 from longserve.kernels.moe_config import get_moe_config
 from longserve.kernels.moe_reference import (
@@ -140,7 +140,9 @@ def _moe_gemm_kernel(
     UPCAST_DOT: tl.constexpr,  # the interpreter has no fp8 dot: both operands in fp32 (exact)
     DOT_PRECISION: tl.constexpr,
     MAX_IMPRECISE_ACC: tl.constexpr,  # WEIGHT_QUANT 2: the fp8 dots' (quant_fp8.FP8_DOT_MAX_IMPRECISE_ACC)
+    USE_PDL: tl.constexpr,  # programmatic dependent launch (kernels/launch.py): before the routing's reads
 ):
+    pdl_prologue(USE_PDL)
     pid = tl.program_id(0)
     # L2 reuse: GROUP_M consecutive row blocks (mostly one expert) sweep the N tiles together
     num_pid_m = tl.cdiv(num_rows, BLOCK_M)
@@ -275,6 +277,7 @@ def moe_gemm(
     a_scale = a if a_scale is None else a_scale
     fp32 = (act_dtype or a.dtype) == torch.float32
     grid = (triton.cdiv(num_rows, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+    pdl = use_pdl(a)
     _moe_gemm_kernel[grid](
         a, b, c, a_scale, scale, zero, gidx, topk_weights, sorted_token_ids, expert_ids, num_tokens_post_padded,
         n, k, num_rows, c.shape[0], group, a.stride(0), b.stride(0), b.stride(1), c.stride(0),
@@ -285,8 +288,8 @@ def moe_gemm(
         HAS_GIDX=has_gidx, BLOCK_N_SCALE=block_n, ACT_KIND=_ACT_KIND[act_dtype] if act_dtype else 0,
         INTERPRET_BF16=interpret_bf16, UPCAST_DOT=interpreting() and weight_quant == 2,
         DOT_PRECISION="ieee" if fp32 or interpret_bf16 or interpreting() else "tf32",
-        MAX_IMPRECISE_ACC=quant_fp8.FP8_DOT_MAX_IMPRECISE_ACC if weight_quant == 2 else None,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        MAX_IMPRECISE_ACC=quant_fp8.FP8_DOT_MAX_IMPRECISE_ACC if weight_quant == 2 else None, USE_PDL=pdl,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=pdl,
     )  # fmt: skip
 
 

@@ -33,7 +33,9 @@ __all__ = ["PDL", "FastKernel", "fast_launch", "pdl_prologue", "use_pdl"]
 logger = logging.getLogger(__name__)
 
 # Programmatic dependent launch (sm_90 and later) for the kernels of a decode step that take USE_PDL (norms,
-# rotary + K/V store, decode attention and its merge, SiLU-and-mul, the quantized GEMVs and their split-K sum):
+# rotary + K/V store, decode attention and its merge, SiLU-and-mul, the quantized GEMVs and their split-K sum,
+# the activations' per-token-group quantization; the MoE router's top-k, alignment, grouped GEMMs, expert GEMVs
+# and sum over k, these added after the measurement below and not yet timed with it):
 # launched so, a kernel may be scheduled while the one before it in the stream (a CUDA graph keeps the edge)
 # still drains, and waits in `pdl_prologue` (griddepcontrol.wait: the previous kernel complete, its writes
 # visible) before it touches memory, so every result is unchanged. What it can save is the gap between two

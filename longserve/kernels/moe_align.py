@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from longserve.kernels.launch import fast_launch
+from longserve.kernels.launch import fast_launch, pdl_prologue, use_pdl
 from longserve.kernels.moe_reference import moe_align_ref, padded_size_bound
 
 __all__ = [
@@ -85,7 +85,9 @@ def _moe_align_kernel(
     BLOCK_P: tl.constexpr,  # power of two >= P
     BLOCK_M: tl.constexpr,
     FILL: tl.constexpr,  # rows per padding store (power of two)
+    USE_PDL: tl.constexpr,  # programmatic dependent launch (kernels/launch.py)
 ):
+    pdl_prologue(USE_PDL)
     offs = tl.arange(0, BLOCK_P)
     valid = offs < num_pairs
     expert = tl.load(topk_ids_ptr + offs, mask=valid, other=0).to(tl.int32)  # [BLOCK_P]
@@ -156,10 +158,11 @@ def moe_align(
     num_post = torch.empty(1, dtype=torch.int32, device=dev)  # [1]
     emap = flat if expert_map is None else expert_map
     cfg = align_launch_config(num_pairs, num_rows)
+    pdl = use_pdl(flat)
     _moe_align_kernel[(1,)](
         flat, emap, sorted_ids, expert_ids, num_post, num_pairs, num_rows, num_experts,
         HAS_MAP=expert_map is not None, BLOCK_P=cfg["BLOCK_P"], BLOCK_M=block_m, FILL=cfg["FILL"],
-        num_warps=cfg["num_warps"],
+        USE_PDL=pdl, num_warps=cfg["num_warps"], launch_pdl=pdl,
     )  # fmt: skip
     return sorted_ids, expert_ids, num_post
 

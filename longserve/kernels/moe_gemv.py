@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from longserve.kernels.extend_attention import interpreting
-from longserve.kernels.launch import fast_launch
+from longserve.kernels.launch import fast_launch, pdl_prologue, use_pdl
 from longserve.kernels.quant_tiles import rounded as _rounded
 
 __all__ = ["moe_gemv"]
@@ -49,7 +49,9 @@ def _gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     INTERPRET_BF16: tl.constexpr,
+    USE_PDL: tl.constexpr,  # programmatic dependent launch (kernels/launch.py)
 ):
+    pdl_prologue(USE_PDL)
     pair = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] rows of the gate half
     n_mask = offs_n < inter_size
@@ -95,7 +97,9 @@ def _down_sum_kernel(
     BLOCK_K: tl.constexpr,
     PROD_FP32: tl.constexpr,  # the routing weight's product in fp32 (Mixtral's fp32 weights), else act dtype
     INTERPRET_BF16: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output columns
     n_mask = offs_n < hidden_size
@@ -148,14 +152,16 @@ def moe_gemv(
     weights = topk_weights.reshape(-1).contiguous()
     inter = torch.empty(num_tokens * top_k, inter_size, dtype=hidden.dtype, device=hidden.device)
     interpret_bf16 = interpreting() and hidden.dtype == torch.bfloat16
+    pdl = use_pdl(x)
     _gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter_size, up[0]))](
         x, w13, ids, inter, hidden_size, inter_size, x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0),
-        TOP_K=top_k, BLOCK_N=up[0], BLOCK_K=up[1], INTERPRET_BF16=interpret_bf16, num_warps=up[2],
+        TOP_K=top_k, BLOCK_N=up[0], BLOCK_K=up[1], INTERPRET_BF16=interpret_bf16, USE_PDL=pdl, num_warps=up[2],
+        launch_pdl=pdl,
     )  # fmt: skip
     _down_sum_kernel[(num_tokens, triton.cdiv(hidden_size, down[0]))](
         inter, w2, ids, weights, out, hidden_size, inter_size, inter.stride(0), w2.stride(0), w2.stride(1),
         out.stride(0), TOP_K=top_k, BLOCK_N=down[0], BLOCK_K=down[1],
         PROD_FP32=torch.promote_types(hidden.dtype, topk_weights.dtype) == torch.float32,
-        INTERPRET_BF16=interpret_bf16, num_warps=down[2],
+        INTERPRET_BF16=interpret_bf16, USE_PDL=pdl, num_warps=down[2], launch_pdl=pdl,
     )  # fmt: skip
     return out

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from longserve.kernels.launch import fast_launch
+from longserve.kernels.launch import fast_launch, pdl_prologue, use_pdl
 
 __all__ = ["route_topk_fused"]
 
@@ -35,7 +35,9 @@ def _route_topk_kernel(
     BLOCK_K: tl.constexpr,
     SOFTMAX: tl.constexpr,  # else sigmoid
     RENORMALIZE: tl.constexpr,
+    USE_PDL: tl.constexpr,  # programmatic dependent launch (kernels/launch.py)
 ):
+    pdl_prologue(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
     valid = offs < num_experts
@@ -84,9 +86,10 @@ def route_topk_fused(
     if num_tokens == 0:
         return weights, ids
     block_e = triton.next_power_of_2(num_experts)
+    pdl = use_pdl(logits)
     _route_topk_kernel[(num_tokens,)](
         logits, weights, ids, num_experts, logits.stride(0),
         K=top_k, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k), SOFTMAX=scoring == "softmax",
-        RENORMALIZE=renormalize, num_warps=1 if block_e <= 256 else 4,
+        RENORMALIZE=renormalize, USE_PDL=pdl, num_warps=1 if block_e <= 256 else 4, launch_pdl=pdl,
     )  # fmt: skip
     return weights, ids

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from longserve.kernels.extend_attention import interpreting
-from longserve.kernels.launch import fast_launch
+from longserve.kernels.launch import fast_launch, pdl_prologue, use_pdl
 from longserve.kernels.quant_tiles import rounded
 
 __all__ = ["moe_sum"]
@@ -40,7 +40,9 @@ def _moe_sum_kernel(
     ROUND_PRODUCT: tl.constexpr,  # the products rounded to the rows' dtype (16-bit weights) before the sum
     PARTIALS: tl.constexpr,  # x holds fp32 partial sums: each row rounded to out's dtype once summed
     INTERPRET_BF16: tl.constexpr,
+    USE_PDL: tl.constexpr,  # programmatic dependent launch (kernels/launch.py)
 ):
+    pdl_prologue(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < hidden_size
@@ -76,10 +78,12 @@ def moe_sum(x: torch.Tensor, out: torch.Tensor, weights: torch.Tensor | None = N
         return out
     round_product = weights is not None and torch.promote_types(out.dtype, weights.dtype) == out.dtype
     block = min(1024, triton.next_power_of_2(hidden))
+    pdl = use_pdl(out)
     _moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block))](
         x4, out, weights if weights is not None else x4, hidden, num_splits, x4.stride(0), x4.stride(1),
         x4.stride(2), out.stride(0), weights.stride(0) if weights is not None else 0, TOP_K=top_k, BLOCK=block,
         HAS_WEIGHTS=weights is not None, ROUND_PRODUCT=round_product and out.dtype != torch.float32,
-        PARTIALS=partials, INTERPRET_BF16=interpreting() and out.dtype == torch.bfloat16,
+        PARTIALS=partials, INTERPRET_BF16=interpreting() and out.dtype == torch.bfloat16, USE_PDL=pdl,
+        launch_pdl=pdl,
     )  # fmt: skip
     return out

@@ -33,6 +33,7 @@ from longserve.kernels.fp8_gemv import (
     fp8_block_gemv_supported,
     fp8_channel_gemv,
 )
+from longserve.kernels.launch import fast_launch, pdl_prologue, use_pdl
 from longserve.kernels.quant_reference import (
     FP8_DTYPE,
     FP8_MAX,
@@ -91,14 +92,16 @@ FP8_GEMV_MAX_TOKENS = 1
 FUSE_SILU_AND_MUL_QUANT = True
 
 
+@fast_launch
 @triton.jit
 def _group_quant_kernel(
     x_ptr, q_ptr, s_ptr, static_ptr, K, group_size, num_groups, stride_xm, stride_qm, stride_sm, stride_sg,
     QMAX: tl.constexpr, OUT_INT8: tl.constexpr, STATIC: tl.constexpr, BLOCK: tl.constexpr, GPP: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    INTERPRET: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """One program per (token, GPP groups): per group scale = amax / QMAX (or the static one), q = x / scale,
     clamped and rounded to e4m3 or int8 (nearest, ties to even)."""
+    pdl_prologue(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     groups = tl.program_id(1) * GPP + tl.arange(0, GPP)  # [GPP]
     cols = tl.arange(0, BLOCK)  # [BLOCK]
@@ -146,11 +149,12 @@ def per_token_group_quant(
         scales_arg, stride_sg = scales, scales.stride(1)
     block = triton.next_power_of_2(group)
     gpp = groups_per_program(block, launch_groups)
+    pdl = use_pdl(x)
     _group_quant_kernel[(m, triton.cdiv(launch_groups, gpp))](
         x, q, scales_arg, static_scale if static_scale is not None else x, k, group, launch_groups,
         x.stride(0), q.stride(0), scales_arg.stride(0), stride_sg,
         QMAX=INT8_QDIV if out_int8 else FP8_MAX, OUT_INT8=out_int8, STATIC=static_scale is not None,
-        BLOCK=block, GPP=gpp, INTERPRET=interpreting(),
+        BLOCK=block, GPP=gpp, INTERPRET=interpreting(), USE_PDL=pdl, launch_pdl=pdl,
     )  # fmt: skip
     return q, scales
 

@@ -49,6 +49,7 @@ VARIANTS = [
     {"silu_quant": True, "pdl": True},
     {"group_quant": True},  # quant_fp8.per_token_group_quant's kernel: 8 groups of 128 a program
     {"group_quant": True, "int8": True, "block": 4096, "gpp": 1},  # per token, int8
+    {"group_quant": True, "pdl": True},
 ]
 
 
@@ -144,13 +145,21 @@ def compile_silu_quant(silu_quant=True, x="bf16", pdl=False):
     return compile_sm90(fn, sig, consts, attrs, num_warps=4)
 
 
-def compile_group_quant(group_quant=True, x="bf16", int8=False, block=128, gpp=8):
+def compile_group_quant(group_quant=True, x="bf16", int8=False, block=128, gpp=8, pdl=False):
     """quant_fp8.per_token_group_quant's kernel for sm90 (e4m3 or int8 out)."""
-    from longserve.kernels.quant_fp8 import _group_quant_kernel as fn
+    from longserve.kernels.quant_fp8 import _group_quant_kernel
+
+    fn = _group_quant_kernel.fn  # the @triton.jit function inside fast_launch's wrapper
 
     ptrs = {"x_ptr": f"*{x}", "q_ptr": "*i8" if int8 else "*fp8e4nv", "s_ptr": "*fp32", "static_ptr": f"*{x}"}
     consts = dict(
-        QMAX=127.5 if int8 else 448.0, OUT_INT8=int8, STATIC=False, BLOCK=block, GPP=gpp, INTERPRET=False
+        QMAX=127.5 if int8 else 448.0,
+        OUT_INT8=int8,
+        STATIC=False,
+        BLOCK=block,
+        GPP=gpp,
+        INTERPRET=False,
+        USE_PDL=pdl,
     )
     sig = {a: ptrs.get(a, "constexpr" if a in consts else "i32") for a in fn.arg_names}
     attrs = {a: [["tt.divisibility", 16]] for a in [*ptrs, "K", "group_size", "stride_xm", "stride_qm"]}

@@ -1,8 +1,9 @@
 """Programmatic dependent launch (kernels/launch.py's PDL) on a GPU. It changes when a kernel may start, never
 what it computes: engines with PDL on give bit-identical greedy tokens and logprobs to PDL off, through CUDA
 graphs and eagerly, dense bf16 (rms norms, rotary + K/V store, split decode attention and its merge, SiLU), FP8
-blocks and GPTQ int4 (their GEMVs and split-K sums) and int4 experts (the routed GEMV); and the kernels that take
-USE_PDL really were compiled to launch with it."""
+blocks and GPTQ int4 (their GEMVs and split-K sums), int4 experts (the routed GEMV), 16-bit experts (the router's
+top-k, the alignment, the grouped GEMMs, the sum over k) and FP8 experts (the activations' quantization too); and
+the kernels that take USE_PDL really were compiled to launch with it."""
 
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ CHECKPOINTS = {
     "fp8-block": lambda p: qc.write_fp8_block(p, "qwen3", block=(64, 64), seed=7),
     "gptq-int4-g128": lambda p: qc.write_gptq(p, "llama", bits=4, group_size=128, seed=1),
     "gptq-moe-g128": write_gptq_moe_g128,
+    "qwen3-moe-bf16": lambda p: make_tiny_checkpoint(p, "qwen3_moe", num_layers=3),
+    "fp8-moe": lambda p: qc.write_fp8_block(p, "qwen3_moe", block=(32, 32), seed=9),
 }
 
 
@@ -37,14 +40,14 @@ def prompts() -> list[list[int]]:
 
 def generate(path: str, pdl: bool, eager: bool) -> tuple[list, list]:
     params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True, logprobs=0)
-    launch.PDL = pdl
+    before, launch.PDL = launch.PDL, pdl
     try:
         kw = dict(max_total_tokens=16384, context_length=2048, enforce_eager=eager)  # past the 512 positions
         with LLM(path, device="cuda", dtype="bfloat16", **kw) as llm:
             outs = llm.generate(prompts(), params)
             llm.engine.check_integrity()
     finally:
-        launch.PDL = False
+        launch.PDL = before
     return [o.token_ids for o in outs], [o.outputs[0].logprobs for o in outs]
 
 
@@ -68,6 +71,26 @@ def test_the_decode_kernels_were_compiled_for_pdl(tmp_path):
         "decode": decode_attention._decode_split_kernel,
         "merge": extend_attention._merge_splits_kernel,
         "silu_and_mul": activation._silu_and_mul_kernel,
+    }
+    for name, kernel in kernels.items():
+        compiled = list(kernel._compiled.values())
+        assert any(c.metadata.launch_pdl for c in compiled), f"{name}: no variant launches with PDL"
+
+
+def test_the_moe_decode_kernels_were_compiled_for_pdl(tmp_path):
+    """The same for the MoE step's kernels: the router's top-k, the alignment, the grouped GEMMs and the sum over k
+    (16-bit and FP8 experts), the activations' per-token-group quantization (FP8). (kernels/moe_gemv.py's two
+    take USE_PDL too; off by default, MOE_GEMV_MAX_TOKENS = 0.)"""
+    from longserve.kernels import fused_moe, moe_align, moe_routing, moe_sum, quant_fp8
+
+    for name in ("qwen3-moe-bf16", "fp8-moe"):
+        generate(CHECKPOINTS[name](tmp_path / name), pdl=True, eager=False)
+    kernels = {
+        "route_topk": moe_routing._route_topk_kernel,
+        "align": moe_align._moe_align_kernel,
+        "moe_gemm": fused_moe._moe_gemm_kernel,
+        "moe_sum": moe_sum._moe_sum_kernel,
+        "group_quant": quant_fp8._group_quant_kernel,
     }
     for name, kernel in kernels.items():
         compiled = list(kernel._compiled.values())

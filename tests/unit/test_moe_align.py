@@ -246,10 +246,12 @@ def test_fused_routing_strided_logits_and_no_tokens() -> None:
 
 def test_compiles_for_sm90() -> None:
     """Triton's real compiler (not the interpreter) takes the kernels: the alignment at decode size, with a
-    map, with int64 ids (the CTA barrier is there); the router's top-k."""
+    map, with int64 ids (the CTA barrier is there); the router's top-k; both with programmatic dependent launch
+    (griddepcontrol in the PTX exactly where asked)."""
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT))
     variants = ['{"pairs": 8, "block_m": 16}', '{"pairs": 2, "block_m": 16, "emap": true}',
-                '{"pairs": 64, "block_m": 64, "ids": "i64", "emap": true}', '{"routing": true}']  # fmt: skip
+                '{"pairs": 64, "block_m": 64, "ids": "i64", "emap": true}', '{"routing": true}',
+                '{"pairs": 8, "block_m": 16, "pdl": true}', '{"routing": true, "pdl": true}']  # fmt: skip
     res = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "dev" / "compile_moe_align.py"), *variants],
         capture_output=True, text=True, env=env, timeout=600,
@@ -258,10 +260,11 @@ def test_compiles_for_sm90() -> None:
         pytest.skip("triton's ptxas is not available here")
     assert res.returncode == 0, res.stderr[-3000:]
     reports = [json.loads(line) for line in res.stdout.splitlines()]
-    assert len(reports) == 4
+    assert len(reports) == 6
     for r in reports:
         assert "cubin" in r["stages"] and (r["bar_sync"] or r["variant"].get("routing")), r
         assert r.get("local", 0) == 0 and r.get("stack", 0) == 0, r  # no spills
+        assert r["pdl"] is bool(r["variant"].get("pdl")), r
 
 
 def test_bench_times_both_alignments(monkeypatch: pytest.MonkeyPatch) -> None:
