@@ -39,7 +39,13 @@ import triton.language as tl
 from longserve.kernels.extend_attention import interpreting
 from longserve.kernels.gemv_tables import tuned_gemv_config
 from longserve.kernels.launch import pdl_prologue, use_pdl
-from longserve.kernels.quant_gemv import pow2_at_most, split_k_output, splitk_reduce, splits_for
+from longserve.kernels.quant_gemv import (
+    pow2_at_most,
+    serial_reduce_buffers,
+    split_k_output,
+    splitk_reduce,
+    splits_for,
+)
 from longserve.kernels.quant_reference import FP8_MAX
 from longserve.kernels.quant_tiles import e4m3_rounded, store_gemv_out
 
@@ -95,13 +101,15 @@ def _fp8_gemv_kernel(
     xs_ptr,  # PER_CHANNEL: [M] float32 activation scales (per token, or one per tensor repeated)
     w_ptr,  # [N, K] e4m3, read as uint8
     s_ptr,  # float32 weight scales: [ceil(N / bn), ceil(K / bk)] blocks, or (PER_CHANNEL) [N]
-    b_ptr,  # [N] bias (HAS_BIAS, not PARTIAL)
+    b_ptr,  # [N] bias (HAS_BIAS, not PARTIAL; with SERIAL, added by the last split)
     out_ptr,  # [M, N] in the output dtype, or (PARTIAL) [splits, M, N] float32 partial sums
+    res_ptr,  # SERIAL: [M, N] in the output dtype, the partials' sum (quant_tiles.store_gemv_out)
+    lock_ptr,  # SERIAL: int32 counters, one per column tile, zero
     M, N, K, block_n, tiles_per_split, num_tiles,
     stride_xm, stride_xsm, stride_wn, stride_sn, stride_om, stride_os,
     PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr,
-    INTERPRET: tl.constexpr, INTERPRET_BF16: tl.constexpr, USE_PDL: tl.constexpr,
+    INTERPRET: tl.constexpr, INTERPRET_BF16: tl.constexpr, USE_PDL: tl.constexpr, SERIAL: tl.constexpr,
 ):  # fmt: skip
     pdl_prologue(USE_PDL)
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
@@ -142,7 +150,7 @@ def _fp8_gemv_kernel(
     out_off = offs_m[None, :] * stride_om + offs_n[:, None]
     out_mask = (offs_m < M)[None, :] & n_mask[:, None]
     store_gemv_out(out_ptr, acc, out_off, out_mask, b_ptr, offs_n[:, None], n_mask[:, None], pid_k, stride_os,
-                   HAS_BIAS, PARTIAL, INTERPRET_BF16)  # fmt: skip
+                   res_ptr, lock_ptr, HAS_BIAS, PARTIAL, INTERPRET_BF16, SERIAL)  # fmt: skip
 
 
 def fp8_block_gemv_supported(m: int, block: tuple[int, int]) -> bool:
@@ -185,20 +193,25 @@ def _launch(
     w = w if w.stride(1) == 1 else w.contiguous()
     num_tiles = triton.cdiv(k, cfg["BLOCK_K"])
     tiles_per_split, split, out = split_k_output(num_tiles, cfg["SPLIT_K"], m, n, out_dtype, x.device)
+    n_tiles = triton.cdiv(n, cfg["BLOCK_N"])
+    res, locks = serial_reduce_buffers(split, n_tiles, m, n, out_dtype, x.device)
     interp = interpreting()
     interpret_bf16 = interp and out_dtype == torch.bfloat16
     per_channel = x_scales is not None
     xs = x_scales if per_channel else w_scale
     pdl = use_pdl(x)
-    _fp8_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), split)](
+    _fp8_gemv_kernel[(n_tiles, split)](
         x.view(torch.uint8) if per_channel else x, xs, w.view(torch.uint8), w_scale,
-        bias if bias is not None else w_scale, out, m, n, k, block_n, tiles_per_split, num_tiles,
+        bias if bias is not None else w_scale, out, res if res is not None else out,
+        locks if locks is not None else out, m, n, k, block_n, tiles_per_split, num_tiles,
         x.stride(0), xs.stride(0), w.stride(0), w_scale.stride(0), out.stride(-2), out.stride(0) if split > 1 else 0,
-        PER_CHANNEL=per_channel, HAS_BIAS=bias is not None and split == 1, EVEN_K=k % cfg["BLOCK_K"] == 0,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], PARTIAL=split > 1,
-        INTERPRET=interp, INTERPRET_BF16=interpret_bf16, USE_PDL=pdl, num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"], launch_pdl=pdl,
+        PER_CHANNEL=per_channel, HAS_BIAS=bias is not None and (split == 1 or res is not None),
+        EVEN_K=k % cfg["BLOCK_K"] == 0, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+        PARTIAL=split > 1, INTERPRET=interp, INTERPRET_BF16=interpret_bf16, USE_PDL=pdl, SERIAL=res is not None,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=pdl,
     )  # fmt: skip
+    if res is not None:
+        return res
     return out if split == 1 else splitk_reduce(out, bias, out_dtype)
 
 

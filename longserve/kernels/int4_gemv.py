@@ -110,11 +110,13 @@ def int4_gemv_kernel(
     b_ptr,  # [N] bias (HAS_BIAS, not PARTIAL)
     ids_ptr,  # ROUTED: [P] int32, each output row's expert
     out_ptr,  # [P, N] in x's dtype, or (PARTIAL) [splits, P, N] float32 partial sums
+    res_ptr,  # SERIAL (one row: not ROUTED): [1, N] in x's dtype, the partials' sum (quant_tiles.store_gemv_out)
+    lock_ptr,  # SERIAL: int32 counters, one per column tile, zero
     N, group_size, tiles_per_split, num_tiles, stride_wn, stride_sn, stride_zn, stride_os,
     stride_xm, stride_om, stride_we, stride_se, stride_ze,
     HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PARTIAL: tl.constexpr, INTERPRET_BF16: tl.constexpr, ROUTED: tl.constexpr, X_ROW_DIV: tl.constexpr,
-    USE_RAW_HI: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+    USE_RAW_HI: tl.constexpr = False, USE_PDL: tl.constexpr = False, SERIAL: tl.constexpr = False,
 ):  # fmt: skip
     pdl_prologue(USE_PDL)  # before the routed expert id (the router's output) and x
     BLOCK_W: tl.constexpr = BLOCK_K // 8  # words of a tile row
@@ -169,8 +171,8 @@ def int4_gemv_kernel(
         if RAW_HI:
             dot -= _LOW_BITS_AS_HIGH * tl.sum(x_hi_sum, axis=0)
         acc += dot * s_row
-    store_gemv_out(out_ptr, acc, offs_n, n_mask, b_ptr, offs_n, n_mask, pid_k, stride_os, HAS_BIAS, PARTIAL,
-                   INTERPRET_BF16)  # fmt: skip
+    store_gemv_out(out_ptr, acc, offs_n, n_mask, b_ptr, offs_n, n_mask, pid_k, stride_os, res_ptr, lock_ptr,
+                   HAS_BIAS, PARTIAL, INTERPRET_BF16, SERIAL)  # fmt: skip
 
 
 @triton.jit

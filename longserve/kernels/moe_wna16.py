@@ -190,7 +190,7 @@ def _routed_gemv(
     z = zero if zero is not None else scale
     pdl = use_pdl(x)
     int4_gemv_kernel[(n_blocks, split, num_rows)](
-        x, w.view(torch.int32), scale, z, scale, ids, out, n, group, tiles_per_split, num_tiles,
+        x, w.view(torch.int32), scale, z, scale, ids, out, out, out, n, group, tiles_per_split, num_tiles,
         packed // 4, scale.stride(1), z.stride(1), out.stride(0) if split > 1 else 0,
         x.stride(0), out.stride(-2), w.stride(0) // 4, scale.stride(0), z.stride(0),
         HAS_ZP=zero is not None, HAS_BIAS=False, BLOCK_N=block_n, BLOCK_K=block_k, PARTIAL=split > 1,

@@ -82,6 +82,14 @@ INT4_FAST_PATH = True
 # until the GPU session measures both (scripts/gpu/bench_quant_kernels.py --sweep-gemv prints them per M).
 WNA16_GEMV_FMA_MAX_TOKENS = 4
 GEMV_MAX_BLOCK_M = 64  # the largest M the kernel takes (tl.dot path); beyond it quant_gemm's kernels serve
+# A split-K decode GEMV (this kernel, kernels/int4_gemv.py's, kernels/fp8_gemv.py's) sums its partials in the
+# program that finishes each column tile last (quant_tiles.store_gemv_out: a counter per tile), instead of a
+# splitk_reduce launch after it: the 8B batch-1 decode runs four such launches a layer in FP8 and int4 (128 a
+# step), each a kernel's ramp and drain of ~2-3 us for 10-230 KB of partials. Bit-equal to the two-launch path
+# (tests/unit/test_quant_gemv.py). Off until measured on a GPU (`gpu_check.sh serial-reduce`).
+SPLIT_K_SERIAL_REDUCE = False
+SERIAL_LOCKS = 1 << 16  # counters per device (column tiles of one GEMV); a GEMV with more reduces apart
+_SERIAL_LOCKS: dict[torch.device, torch.Tensor] = {}
 _MAGIC = tl.constexpr(8388608.0)  # 2^23: float32 with bits 0x4B000000 | q equals 2^23 + q for 0 <= q < 2^23
 
 
@@ -94,12 +102,14 @@ def _wna16_gemv_kernel(
     g_ptr,  # [K] int32 (HAS_GIDX)
     b_ptr,  # [N] bias (HAS_BIAS, not PARTIAL)
     out_ptr,  # [M, N] in x's dtype, or (PARTIAL: split K) [splits, M, N] float32 partial sums
+    res_ptr,  # SERIAL: [M, N] in x's dtype, the partials' sum (quant_tiles.store_gemv_out)
+    lock_ptr,  # SERIAL: int32 counters, one per column tile, zero
     M, N, K, group_size, tiles_per_split, num_tiles,
     stride_xm, stride_wn, stride_sn, stride_zn, stride_om, stride_os,
     BITS: tl.constexpr, HAS_ZP: tl.constexpr, HAS_GIDX: tl.constexpr, SCALE_PER_COL: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, USE_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr,
-    INTERPRET: tl.constexpr, INTERPRET_BF16: tl.constexpr, USE_PDL: tl.constexpr,
+    INTERPRET: tl.constexpr, INTERPRET_BF16: tl.constexpr, USE_PDL: tl.constexpr, SERIAL: tl.constexpr,
 ):  # fmt: skip
     pdl_prologue(USE_PDL)
     PACK: tl.constexpr = 8 // BITS  # values per byte
@@ -206,8 +216,8 @@ def _wna16_gemv_kernel(
         out_off = offs_m[None, :] * stride_om + offs_n[:, None]
         out_mask = m_mask[None, :] & n_mask[:, None]
         n_bcast = offs_n[:, None]
-    store_gemv_out(out_ptr, acc, out_off, out_mask, b_ptr, n_bcast, n_bcast < N, pid_k, stride_os,
-                   HAS_BIAS, PARTIAL, INTERPRET_BF16)  # fmt: skip
+    store_gemv_out(out_ptr, acc, out_off, out_mask, b_ptr, n_bcast, n_bcast < N, pid_k, stride_os, res_ptr,
+                   lock_ptr, HAS_BIAS, PARTIAL, INTERPRET_BF16, SERIAL)  # fmt: skip
 
 
 @triton.jit
@@ -257,6 +267,21 @@ def split_k_output(
     if splits > 1:
         return tiles_per_split, splits, torch.empty(splits, m, n, dtype=torch.float32, device=device)
     return tiles_per_split, splits, torch.empty(m, n, dtype=dtype, device=device)
+
+
+def serial_reduce_buffers(
+    split: int, n_tiles: int, m: int, n: int, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(result [M, N] in dtype, the device's zeroed counters) for a GEMV of `split` > 1 splits over n_tiles
+    column tiles that sums its partials itself (SPLIT_K_SERIAL_REDUCE; quant_tiles.store_gemv_out), else (None,
+    None): splitk_reduce runs after it. The counters are shared by every GEMV of the device: its kernels run one
+    at a time (one compute stream, graph replays on it; a PDL launch waits for the kernel before it first)."""
+    if split == 1 or not SPLIT_K_SERIAL_REDUCE or n_tiles > SERIAL_LOCKS:
+        return None, None
+    locks = _SERIAL_LOCKS.get(device)
+    if locks is None:
+        locks = _SERIAL_LOCKS[device] = torch.zeros(SERIAL_LOCKS, dtype=torch.int32, device=device)
+    return torch.empty(m, n, dtype=dtype, device=device), locks
 
 
 def splitk_reduce(partials: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
@@ -361,6 +386,10 @@ def wna16_gemv(
     assert cfg["BLOCK_M"] >= m and (not cfg["USE_DOT"] or cfg["BLOCK_M"] >= 16)
     num_tiles = triton.cdiv(k, block_k)
     tiles_per_split, split, out = split_k_output(num_tiles, cfg["SPLIT_K"], m, n, x.dtype, x.device)
+    n_tiles = triton.cdiv(n, cfg["BLOCK_N"])
+    res, locks = serial_reduce_buffers(split, n_tiles, m, n, x.dtype, x.device)
+    serial = res is not None
+    res, locks = (res if serial else out), (locks if serial else out)
     interp = interpreting()
     interpret_bf16 = interp and x.dtype == torch.bfloat16
     z = zeros if zeros is not None else scales
@@ -369,24 +398,27 @@ def wna16_gemv(
     words_ok = qweight.stride(0) % 4 == 0 and qweight.data_ptr() % 16 == 0  # rows of whole 32-bit words
     fast = int4_fast_supported(m, bits, k, per_col, bool(cfg["USE_DOT"]), block_k)
     pdl = use_pdl(x)
+    has_bias = bias is not None and (split == 1 or serial)
     if INT4_FAST_PATH and words_ok and fast:
-        int4_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), split, 1)](
-            x, qweight.view(torch.int32), scales, z, b, scales, out, n, group, tiles_per_split, num_tiles,
-            qweight.stride(0) // 4, scales.stride(0), z.stride(0), out.stride(0) if split > 1 else 0,
-            0, 0, 0, 0, 0, HAS_ZP=zeros is not None, HAS_BIAS=bias is not None and split == 1,
+        int4_gemv_kernel[(n_tiles, split, 1)](
+            x, qweight.view(torch.int32), scales, z, b, scales, out, res, locks, n, group, tiles_per_split,
+            num_tiles, qweight.stride(0) // 4, scales.stride(0), z.stride(0), out.stride(0) if split > 1 else 0,
+            0, 0, 0, 0, 0, HAS_ZP=zeros is not None, HAS_BIAS=has_bias,
             BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, PARTIAL=split > 1, INTERPRET_BF16=interpret_bf16,
-            ROUTED=False, X_ROW_DIV=1, USE_RAW_HI=int4_gemv.INT4_GEMV_RAW_HI, USE_PDL=pdl,
+            ROUTED=False, X_ROW_DIV=1, USE_RAW_HI=int4_gemv.INT4_GEMV_RAW_HI, USE_PDL=pdl, SERIAL=serial,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=pdl,
         )  # fmt: skip
-        return out if split == 1 else splitk_reduce(out, bias, x.dtype)
-    _wna16_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), split)](
-        x, qweight, scales, z, g, b, out, m, n, k, group, tiles_per_split, num_tiles,
-        x.stride(0), qweight.stride(0), scales.stride(0), z.stride(0), out.stride(-2),
-        out.stride(0) if split > 1 else 0,
-        BITS=bits, HAS_ZP=zeros is not None, HAS_GIDX=g_idx is not None, SCALE_PER_COL=per_col,
-        HAS_BIAS=bias is not None and split == 1, EVEN_K=k % block_k == 0, USE_DOT=bool(cfg["USE_DOT"]),
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, PARTIAL=split > 1,
-        INTERPRET=interp, INTERPRET_BF16=interpret_bf16, USE_PDL=pdl,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=pdl,
-    )  # fmt: skip
+    else:
+        _wna16_gemv_kernel[(n_tiles, split)](
+            x, qweight, scales, z, g, b, out, res, locks, m, n, k, group, tiles_per_split, num_tiles,
+            x.stride(0), qweight.stride(0), scales.stride(0), z.stride(0), out.stride(-2),
+            out.stride(0) if split > 1 else 0,
+            BITS=bits, HAS_ZP=zeros is not None, HAS_GIDX=g_idx is not None, SCALE_PER_COL=per_col,
+            HAS_BIAS=has_bias, EVEN_K=k % block_k == 0, USE_DOT=bool(cfg["USE_DOT"]),
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, PARTIAL=split > 1,
+            INTERPRET=interp, INTERPRET_BF16=interpret_bf16, USE_PDL=pdl, SERIAL=serial,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=pdl,
+        )  # fmt: skip
+    if serial:
+        return res
     return out if split == 1 else splitk_reduce(out, bias, x.dtype)

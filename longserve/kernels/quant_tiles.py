@@ -44,12 +44,19 @@ def rounded(x, ty: tl.constexpr, INTERPRET_BF16: tl.constexpr):
 
 @triton.jit
 def store_gemv_out(
-    out_ptr, acc, out_off, out_mask, b_ptr, b_off, b_mask, pid_k, stride_os,
-    HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, INTERPRET_BF16: tl.constexpr,
+    out_ptr, acc, out_off, out_mask, b_ptr, b_off, b_mask, pid_k, stride_os, res_ptr, lock_ptr,
+    HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, INTERPRET_BF16: tl.constexpr, SERIAL: tl.constexpr,
 ):  # fmt: skip
     """A split-K GEMV program's fp32 sums `acc` stored: with one split (+ bias), rounded once to out's dtype at
     `out_off`; with several, as this split's fp32 partials (plane pid_k of [splits, M, N]) for
-    quant_gemv.splitk_reduce. Shared by the decode GEMVs (quant_gemv.py, int4_gemv.py, fp8_gemv.py)."""
+    quant_gemv.splitk_reduce. Shared by the decode GEMVs (quant_gemv.py, int4_gemv.py, fp8_gemv.py), whose grids
+    are (column tiles, splits[, rows]).
+
+    SERIAL (quant_gemv.SPLIT_K_SERIAL_REDUCE): no reduction kernel after the GEMV. The program that stores its
+    column tile's last partial (a counter per tile in lock_ptr, zero between launches) sums the tile's partials
+    in split order (+ bias) into res_ptr [M, N], rounded once: what splitk_reduce writes, bit for bit, whichever
+    program comes last; then it zeroes the counter. The barrier orders the CTA's partial stores before the
+    counter's release (acq_rel, GPU scope); the last program's loads follow its acquire, from L2 (.cg)."""
     if not PARTIAL:
         if HAS_BIAS:
             acc += tl.load(b_ptr + b_off, mask=b_mask, other=0.0).to(tl.float32)
@@ -57,6 +64,20 @@ def store_gemv_out(
         tl.store(out_ptr + out_off, rounded(acc, out_ty, INTERPRET_BF16).to(out_ty), mask=out_mask)
     else:
         tl.store(out_ptr + pid_k * stride_os + out_off, acc, mask=out_mask)
+        if SERIAL:
+            tl.debug_barrier()
+            lock = lock_ptr + tl.program_id(0) + tl.num_programs(0) * tl.program_id(2)
+            num_splits = tl.num_programs(1)
+            if tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+                total = tl.zeros_like(acc)
+                for s in range(0, num_splits):  # in order: what splitk_reduce adds
+                    total += tl.load(out_ptr + s * stride_os + out_off, mask=out_mask, other=0.0,
+                                     cache_modifier=".cg")  # fmt: skip
+                if HAS_BIAS:
+                    total += tl.load(b_ptr + b_off, mask=b_mask, other=0.0).to(tl.float32)
+                res_ty = res_ptr.dtype.element_ty
+                tl.store(res_ptr + out_off, rounded(total, res_ty, INTERPRET_BF16).to(res_ty), mask=out_mask)
+                tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
 @triton.jit

@@ -27,16 +27,19 @@ VARIANTS = [
     {"dot": True, "bm": 16, "gidx": True, "zp": True, "bk": 64, "bn": 32, "x": "fp16"},
     {"dot": True, "bm": 64, "bits": 8, "split": 1, "bias": True},
     {"even_k": False, "per_col": True, "bk": 64, "bn": 32, "split": 1, "x": "fp32"},
+    {"serial": True},  # the split-K partials summed by the last program of each tile (SPLIT_K_SERIAL_REDUCE)
     {"reduce": True},  # the split-K reduction
     {"reduce": True, "pdl": True},  # programmatic dependent launch (kernels/launch.py PDL): griddepcontrol
     {"fp8": True},  # block FP8, M = 1, split-K: the decode case
     {"fp8": True, "pdl": True},
+    {"fp8": True, "serial": True, "bias": True},
     {"fp8": True, "bm": 8, "bn": 32, "split": 1, "bias": True, "even_k": False},
     {"fp8": True, "bm": 16, "bn": 16, "x": "fp32"},
     {"fp8": True, "channel": True},  # per-channel FP8, M = 1, split-K
     {"fp8": True, "channel": True, "bm": 4, "split": 1, "bias": True, "even_k": False},
     {"int4": True, "bn": 256},  # the one-row fast path, g128 symmetric, split-K: the decode case
     {"int4": True, "bn": 256, "pdl": True},
+    {"int4": True, "bn": 256, "serial": True, "pdl": True},
     {"int4": True, "bn": 256, "raw_hi": True},  # the same with the unmasked high value (INT4_GEMV_RAW_HI)
     {"int4": True, "zp": True, "split": 1, "bias": True, "x": "fp16"},
     {"int4": True, "routed": True, "x_row_div": 8, "split": 1},  # MoE decode, gate+up over (token, k) pairs
@@ -54,7 +57,7 @@ VARIANTS = [
 
 
 def compile_gemv(x="bf16", bits=4, zp=False, gidx=False, per_col=False, bias=False, even_k=True, dot=False,
-                 bm=1, bn=64, bk=128, split=4, pdl=False, num_warps=4, num_stages=2):  # fmt: skip
+                 bm=1, bn=64, bk=128, split=4, pdl=False, serial=False, num_warps=4, num_stages=2):  # fmt: skip
     """TTIR -> TTGIR -> LLVM -> PTX -> cubin for sm90, with the runtime's specializations (pointers and
     multiples of 16: tt.divisibility=16)."""
     from longserve.kernels.quant_gemv import _wna16_gemv_kernel as fn
@@ -62,10 +65,11 @@ def compile_gemv(x="bf16", bits=4, zp=False, gidx=False, per_col=False, bias=Fal
     names = fn.arg_names
     ptrs = {"x_ptr": f"*{x}", "w_ptr": "*u8", "s_ptr": "*fp16", "z_ptr": "*u8" if zp else "*fp16",
             "g_ptr": "*i32" if gidx else "*fp16", "b_ptr": f"*{x}" if bias else "*fp16",
-            "out_ptr": "*fp32" if split > 1 else f"*{x}"}  # fmt: skip
-    consts = dict(BITS=bits, HAS_ZP=zp, HAS_GIDX=gidx, SCALE_PER_COL=per_col or gidx, HAS_BIAS=bias and split == 1,
-                  EVEN_K=even_k, USE_DOT=dot, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PARTIAL=split > 1,
-                  INTERPRET=False, INTERPRET_BF16=False, USE_PDL=pdl)  # fmt: skip
+            "out_ptr": "*fp32" if split > 1 else f"*{x}", "res_ptr": f"*{x}", "lock_ptr": "*i32"}  # fmt: skip
+    consts = dict(BITS=bits, HAS_ZP=zp, HAS_GIDX=gidx, SCALE_PER_COL=per_col or gidx,
+                  HAS_BIAS=bias and (split == 1 or serial), EVEN_K=even_k, USE_DOT=dot, BLOCK_M=bm, BLOCK_N=bn,
+                  BLOCK_K=bk, PARTIAL=split > 1, INTERPRET=False, INTERPRET_BF16=False, USE_PDL=pdl,
+                  SERIAL=serial)  # fmt: skip
     sig = {a: ptrs.get(a, "constexpr" if a in consts else "i32") for a in names}
     div16 = [*ptrs, "K", "N", "stride_xm", "stride_wn", "stride_om", "stride_os"]
     attrs = {a: [["tt.divisibility", 16]] for a in div16}
@@ -84,14 +88,16 @@ def compile_reduce(x="bf16", bias=True, pdl=False):
 
 
 def compile_fp8_gemv(fp8=True, channel=False, x="bf16", bias=False, even_k=True, bm=1, bn=64, bk=128, split=4,
-                     pdl=False, num_warps=4, num_stages=2):  # fmt: skip
+                     pdl=False, serial=False, num_warps=4, num_stages=2):  # fmt: skip
     """The FP8 GEMV (block, or per channel) for sm90, specialized as at run time."""
     from longserve.kernels.fp8_gemv import _fp8_gemv_kernel as fn
 
     ptrs = {"x_ptr": "*u8" if channel else f"*{x}", "xs_ptr": "*fp32", "w_ptr": "*u8", "s_ptr": "*fp32",
-            "b_ptr": f"*{x}" if bias else "*fp32", "out_ptr": "*fp32" if split > 1 else f"*{x}"}  # fmt: skip
-    consts = dict(PER_CHANNEL=channel, HAS_BIAS=bias and split == 1, EVEN_K=even_k, BLOCK_M=bm, BLOCK_N=bn,
-                  BLOCK_K=bk, PARTIAL=split > 1, INTERPRET=False, INTERPRET_BF16=False, USE_PDL=pdl)  # fmt: skip
+            "b_ptr": f"*{x}" if bias else "*fp32", "out_ptr": "*fp32" if split > 1 else f"*{x}",
+            "res_ptr": f"*{x}", "lock_ptr": "*i32"}  # fmt: skip
+    consts = dict(PER_CHANNEL=channel, HAS_BIAS=bias and (split == 1 or serial), EVEN_K=even_k, BLOCK_M=bm,
+                  BLOCK_N=bn, BLOCK_K=bk, PARTIAL=split > 1, INTERPRET=False, INTERPRET_BF16=False, USE_PDL=pdl,
+                  SERIAL=serial)  # fmt: skip
     sig = {a: ptrs.get(a, "constexpr" if a in consts else "i32") for a in fn.arg_names}
     div16 = [*ptrs, "K", "N", "stride_xm", "stride_wn", "stride_om", "stride_os"]
     attrs = {a: [["tt.divisibility", 16]] for a in div16}
@@ -99,17 +105,17 @@ def compile_fp8_gemv(fp8=True, channel=False, x="bf16", bias=False, even_k=True,
 
 
 def compile_int4_gemv(int4=True, x="bf16", zp=False, bias=False, bn=64, bk=128, split=4, routed=False, x_row_div=1,
-                      raw_hi=False, pdl=False, num_warps=4, num_stages=2):  # fmt: skip
+                      raw_hi=False, pdl=False, serial=False, num_warps=4, num_stages=2):  # fmt: skip
     """The one-row int4 GEMV (kernels/int4_gemv.py) for sm90, specialized as at run time; `routed`: over MoE
     (token, expert) pairs (kernels/moe_wna16.py)."""
     from longserve.kernels.int4_gemv import int4_gemv_kernel as fn
 
     ptrs = {"x_ptr": f"*{x}", "w_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8" if zp else "*fp16",
             "b_ptr": f"*{x}" if bias else "*fp16", "ids_ptr": "*i32",
-            "out_ptr": "*fp32" if split > 1 else f"*{x}"}  # fmt: skip
-    consts = dict(HAS_ZP=zp, HAS_BIAS=bias and split == 1, BLOCK_N=bn, BLOCK_K=bk, PARTIAL=split > 1,
+            "out_ptr": "*fp32" if split > 1 else f"*{x}", "res_ptr": f"*{x}", "lock_ptr": "*i32"}  # fmt: skip
+    consts = dict(HAS_ZP=zp, HAS_BIAS=bias and (split == 1 or serial), BLOCK_N=bn, BLOCK_K=bk, PARTIAL=split > 1,
                   INTERPRET_BF16=False, ROUTED=routed, X_ROW_DIV=x_row_div, USE_RAW_HI=raw_hi,
-                  USE_PDL=pdl)  # fmt: skip
+                  USE_PDL=pdl, SERIAL=serial)  # fmt: skip
     sig = {a: ptrs.get(a, "constexpr" if a in consts else "i32") for a in fn.arg_names}
     div16 = [*ptrs, "N", "stride_wn", "stride_os", "stride_xm", "stride_om", "stride_we", "stride_se"]
     attrs = {a: [["tt.divisibility", 16]] for a in div16}
@@ -183,7 +189,10 @@ def report(variant: dict) -> dict:
     ptx = c.asm["ptx"]
     # pdl: the wait and the early launch of the next kernel are in the PTX (only then)
     pdl = "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
-    return compiled_report(c, variant, ld_v4="ld.global.v4.b32" in ptx or "cp.async.cg" in ptx, pdl=pdl)
+    # serial: the per-tile counter's atomic (acquire-release at GPU scope) is in the PTX (only then)
+    serial = "atom.global.gpu.acq_rel.add" in ptx
+    return compiled_report(c, variant, ld_v4="ld.global.v4.b32" in ptx or "cp.async.cg" in ptx, pdl=pdl,
+                           serial=serial)  # fmt: skip
 
 
 if __name__ == "__main__":

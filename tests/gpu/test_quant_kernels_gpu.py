@@ -490,3 +490,48 @@ def test_int8_experts_paths(num_tokens: int, monkeypatch: pytest.MonkeyPatch) ->
         assert_close_rel(fused_moe(x, w13, w2, weights, ids, quant=quant), ref)
         times[path] = cuda_graph_time_ms(lambda: fused_moe(x, w13, w2, weights, ids, quant=quant), 2, 10, 3)
     print(f"\nint8 experts T={num_tokens}: " + ", ".join(f"{p} {t * 1e3:.1f} us" for p, t in times.items()))
+
+
+@pytest.mark.parametrize("kind", ["fp8_block", "int4"])
+@pytest.mark.parametrize("shape", list(DENSE))
+def test_serial_split_k_reduction_on_the_gpu(kind: str, shape: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """quant_gemv.SPLIT_K_SERIAL_REDUCE on the GPU, the 8B shapes at M=1 with their tuned splits: bit-equal to the
+    GEMV + splitk_reduce path (the last of thousands of programs sums in split order, whichever it is), again
+    after 50 launches back to back (the counters come back to zero), from a CUDA graph replayed for new
+    activations, with PDL on and off; its time beside the two-launch path's printed."""
+    from longserve.kernels import launch, quant_gemv
+    from longserve.kernels.fp8_gemv import fp8_block_gemv
+    from longserve.platform import cuda_graph_time_ms
+
+    n, k = DENSE[shape]
+    x = torch.randn(1, k, device="cuda", generator=torch.Generator(device="cuda").manual_seed(5)).bfloat16()
+    if kind == "fp8_block":
+        w, scale = fp8_block_weight(n, k)
+        run = lambda: fp8_block_gemv(x, w, scale, (128, 128))  # noqa: E731
+    else:
+        q, scales, _, _ = int_weight(n, k)
+        run = lambda: quant_gemv.wna16_gemv(x, q, scales, None, None, 4, 128)  # noqa: E731
+    want = run()
+    two_launch_us = cuda_graph_time_ms(run, 2, 20, 5) * 1e3
+    monkeypatch.setattr(quant_gemv, "SPLIT_K_SERIAL_REDUCE", True)
+    for pdl in (False, True):
+        monkeypatch.setattr(launch, "PDL", pdl)
+        assert torch.equal(run(), want)
+        for _ in range(50):
+            out = run()
+        assert torch.equal(out, want)
+        locks = quant_gemv._SERIAL_LOCKS[x.device]
+        assert not locks.any()
+    outs: dict[str, torch.Tensor] = {}
+    graph = capture(lambda: outs.update(y=run()))
+    x.copy_(torch.randn(x.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(6)))
+    monkeypatch.setattr(quant_gemv, "SPLIT_K_SERIAL_REDUCE", False)
+    fresh = run()
+    monkeypatch.setattr(quant_gemv, "SPLIT_K_SERIAL_REDUCE", True)
+    for _ in range(3):
+        graph.replay()
+    assert torch.equal(outs["y"], fresh)
+    serial_us = cuda_graph_time_ms(run, 2, 20, 5) * 1e3
+    print(
+        f"\n{kind} {shape} M=1: GEMV + splitk_reduce {two_launch_us:.1f} us, serial reduction {serial_us:.1f} us"
+    )

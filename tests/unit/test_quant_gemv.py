@@ -209,6 +209,48 @@ def test_split_k_is_deterministic_and_has_no_empty_split() -> None:
     assert torch.equal(a, wna16_gemv(x, *w, 4, 128, config=cfg))
 
 
+@pytest.mark.parametrize("kernel", ["general", "int4_fast", "fp8_block", "fp8_channel"])
+def test_serial_split_k_reduction_is_bit_equal_and_leaves_the_counters_zero(kernel, monkeypatch) -> None:
+    """SPLIT_K_SERIAL_REDUCE: each column tile's last split sums the partials (+ bias) in split order inside the
+    GEMV; the output equals the GEMV + splitk_reduce path bit for bit, no reduction kernel runs, and every counter
+    is back at zero for the next launch (ragged N: the last tile half full). fp32 activations and outputs: a sum
+    in another order shows."""
+    from longserve.kernels import fp8_gemv
+    from longserve.kernels.quant_fp8 import per_token_group_quant
+
+    m = 1 if kernel == "int4_fast" else 3
+    n, k = 80, 512
+    x = torch.randn(m, k, generator=gen(21))
+    bias = torch.randn(n, generator=gen(22))
+    cfg = {"SPLIT_K": 4, "BLOCK_N": 32}
+    if kernel in ("general", "int4_fast"):
+        w = int_weights(n, k, 4, 128, kernel == "general", False, seed=23)
+        cfg["BLOCK_N"] = 64 if kernel == "int4_fast" else 32  # the one-row kernel's smallest tile
+        run = lambda: wna16_gemv(x, *w, 4, 128, bias=bias, config=cfg)  # noqa: E731
+    else:
+        w = torch.randn(n, k, generator=gen(24)).to(torch.float8_e4m3fn)
+        if kernel == "fp8_block":
+            scale = torch.rand(-(-n // 128), k // 128, generator=gen(25)) + 0.01
+            run = lambda: fp8_gemv.fp8_block_gemv(x, w, scale, (128, 128), bias=bias, config=cfg)  # noqa: E731
+        else:
+            xq, xs = per_token_group_quant(x, 0)
+            scale = torch.rand(n, generator=gen(26)) + 0.01
+            run = lambda: fp8_gemv.fp8_channel_gemv(xq, xs, w, scale, torch.float32, bias, cfg)  # noqa: E731
+    two_launches = run()
+    monkeypatch.setattr(quant_gemv, "SPLIT_K_SERIAL_REDUCE", True)
+    monkeypatch.setattr(quant_gemv, "SERIAL_LOCKS", 8)  # a small table: its whole content is checked below
+    monkeypatch.setattr(quant_gemv, "_SERIAL_LOCKS", {})
+    reduced = []
+    real = quant_gemv.splitk_reduce
+    monkeypatch.setattr(quant_gemv, "splitk_reduce", lambda *a: reduced.append(1) or real(*a))
+    monkeypatch.setattr(fp8_gemv, "splitk_reduce", quant_gemv.splitk_reduce)
+    for _ in range(2):  # the second launch finds the counters the first left
+        assert torch.equal(run(), two_launches)
+    assert not reduced
+    (locks,) = quant_gemv._SERIAL_LOCKS.values()
+    assert locks.shape == (8,) and not locks.any()
+
+
 def test_config_fills_the_gpu_at_decode_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
     """On an H200 (132 SMs) the default grid has ~4 programs per SM or more at the Llama-3.1-8B shapes (at one
     row, kernels/int4_gemv.py's larger row blocks: 2 or more)."""
@@ -280,3 +322,8 @@ def test_gemv_compiles_for_sm90() -> None:
     # programmatic dependent launch (kernels/launch.py PDL): griddepcontrol in the PTX exactly where asked
     assert sum(bool(r["variant"].get("pdl")) for r in reports) >= 5
     assert all(r["pdl"] is bool(r["variant"].get("pdl")) for r in reports)
+    # the split-K partials summed in the GEMV (quant_gemv.SPLIT_K_SERIAL_REDUCE): the counter's atomic where asked
+    assert sum(bool(r["variant"].get("serial")) for r in reports) >= 3
+    assert all(r["serial"] is bool(r["variant"].get("serial")) for r in reports), [
+        (r["variant"], r["serial"]) for r in reports
+    ]

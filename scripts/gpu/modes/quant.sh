@@ -22,6 +22,10 @@
 # (quant_tiles.QUANT_VALUES_PER_PROGRAM) and with the down projection's input made and quantized in one pass too
 # (FUSE_SILU_AND_MUL_QUANT; both on by default): the GPU tests of the fp8 kernels, then the 8B FP8 shape's cold 8K
 # / 32K and decode at batch 64 (4K) under each.
+# serial-reduce (one GPU, ~5 min): the split-K decode GEMVs summing their partials in the last program of each
+# tile (quant_gemv.SPLIT_K_SERIAL_REDUCE) against a splitk_reduce launch after them: the GPU tests (bit-equal,
+# counters back at zero, CUDA graphs, PDL; each 8B projection's time both ways), then the 8B FP8-block and GPTQ
+# int4 decode at batch 1 (32K) off and on, one process each.
 # fp8-acc (one GPU, ~8 min): the 8B and A3B FP8 cold TTFT with the fp8 dots' fp32 promotion after every wgmma (0,
 # the default), every other (64) or never within a tile (None), and the fp8 kernel and engine tests under 64 and
 # None.
@@ -234,5 +238,19 @@ if [[ $MODE == silu-quant ]]; then  # one GPU (~5 min): the FP8 activation-quant
       --load-format dummy --dtype bfloat16 --hf-overrides "$fp8" --warmup 1 --repeat 3 --prompt-lens 8192,32768 \
       --decode-batch-sizes 64@4096 --output-json "$OUT/latency_fp8_${name//=/-}.json" 2>&1 \
       | tee "$OUT/latency_fp8_${name//=/-}.log" | grep -E "^(cold|decode)" | sed "s/^/$setting: /"
+  done
+fi
+
+if [[ $MODE == serial-reduce ]]; then  # one GPU (~5 min): split-K partials summed inside the GEMV, off and on
+  python3 -m pytest -q -s -m gpu tests/gpu/test_quant_kernels_gpu.py -k serial -p no:cacheprovider --tb=short -rfE \
+    2>&1 | tee "$OUT/gpu_tests_serial_reduce.log" | grep -E "splitk_reduce|passed|failed" || status=1
+  for variant in fp8 int4; do
+    q=(--hf-overrides "$fp8"); [[ $variant == int4 ]] && q=(--quantization gptq)
+    for serial in False True; do
+      timeout 240 python3 scripts/probes/with_constants.py longserve.kernels.quant_gemv.SPLIT_K_SERIAL_REDUCE=$serial \
+        -- longserve.bench.latency --config llama-3.1-8b --load-format dummy --dtype bfloat16 --warmup 1 --repeat 3 \
+        "${q[@]}" --decode-batch-sizes 1@32768 --output-json "$OUT/latency_serial_${variant}_$serial.json" 2>&1 \
+        | tee "$OUT/latency_serial_${variant}_$serial.log" | grep -E "^decode" | sed "s/^/$variant SERIAL=$serial /"
+    done
   done
 fi
