@@ -6,14 +6,14 @@
 #   LONGSERVE_COMMIT=abc1234 bash scripts/gpu/gpu_check.sh latency
 # The modes live in scripts/gpu/modes/: dense.sh (tests, the dense shapes, vLLM, tensor parallelism), moe.sh
 # and quant.sh (quantized weights, the fp8 KV cache), each mode described there; MODES below lists them all.
-# (tests, quant, kvfp8, structured, pdl: carry the wheels of scripts/gpu/fetch_test_wheels.sh and install them
+# (tests, quant, kvfp8, structured, pdl, pdl-moe, serial-reduce: carry the wheels of scripts/gpu/fetch_test_wheels.sh and install them
 # first; scripts/gpu/queue.sh does.)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 MODES=" all quick tests bench long tp tp2 tp32 profile latency hit host launch turns structured vllm chunks fusions
 pdl decode-splits piecewise short-plans moe moe-tests moe-bench moe-long moe-tp fusions-a3b moe-gemv tune-int-moe
 moe-grouped quant quant-tests quant-bench kvfp8 switches quant-decode raw-hi gemv-tune fp8-acc silu-quant
-serial-reduce "
+serial-reduce pdl-moe "
 MODE=${1:-all}
 if [[ " ${MODES//$'\n'/ } " != *" $MODE "* ]]; then
   echo "usage: LONGSERVE_COMMIT=\$(git rev-parse --short HEAD) bash scripts/gpu/gpu_check.sh MODE, one of:$MODES" >&2

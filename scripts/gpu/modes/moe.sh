@@ -12,6 +12,10 @@
 # 1 / 8 / 64 tokens (fused_moe's int path tiles), the paths timed again with the table.
 # moe-grouped (one GPU, ~5 min): the int4 experts' paths per token count (the grouped kernel's time among them),
 # then the A3B int4 decode at batch 8 and 64 through the routed GEMV (grouped off) and through the grouped kernel.
+# pdl-moe (one GPU, ~6 min): programmatic dependent launch (kernels/launch.PDL, on since 0949067) now also in the
+# MoE step's kernels (router top-k, alignment, grouped GEMMs, sum over k, the activations' FP8 quantization): its
+# GPU tests (outputs unchanged with 16-bit and FP8 experts; the kernels compiled for it), then the A3B decode at
+# batch 1 (32K) in bf16, FP8 blocks and GPTQ int4, PDL off and on, one process each.
 # shellcheck shell=bash
 
 if [[ $MODE == fusions-a3b ]]; then  # one GPU: the Qwen3-30B-A3B shape's decode (q/k norm, launch-bound at
@@ -94,5 +98,19 @@ if [[ $MODE == moe-gemv ]]; then  # one GPU, ~4 min: the small-batch MoE kernels
     timeout 150 python3 scripts/probes/with_constants.py longserve.kernels.fused_moe.$switch \
       -- longserve.bench.latency "${a3b[@]}" --output-json "$OUT/latency_a3b_${switch%%=*}.json" 2>&1 \
       | tee "$OUT/latency_a3b_${switch%%=*}.log" | grep -E "^decode"
+  done
+fi
+
+if [[ $MODE == pdl-moe ]]; then  # one GPU (~6 min): PDL off/on for the A3B decode (the MoE kernels take it too)
+  python3 -m pytest -q -m gpu tests/gpu/test_pdl_gpu.py -k "moe" -p no:cacheprovider -o faulthandler_timeout=300 \
+    --tb=short -rfE 2>&1 | tee "$OUT/gpu_tests_pdl_moe.log" | tail -4 || status=1
+  for variant in bf16 fp8 int4; do
+    q=(); [[ $variant == fp8 ]] && q=(--hf-overrides "$fp8"); [[ $variant == int4 ]] && q=(--quantization gptq)
+    for pdl in False True; do
+      timeout 240 python3 scripts/probes/with_constants.py longserve.kernels.launch.PDL=$pdl -- longserve.bench.latency \
+        --config qwen3-30b-a3b --load-format dummy --dtype bfloat16 --warmup 1 --repeat 3 ${q[@]+"${q[@]}"} \
+        --decode-batch-sizes 1@32768 --output-json "$OUT/latency_pdl_a3b_${variant}_$pdl.json" 2>&1 \
+        | tee "$OUT/latency_pdl_a3b_${variant}_$pdl.log" | grep -E "^decode" | sed "s/^/A3B $variant PDL=$pdl /"
+    done
   done
 fi
