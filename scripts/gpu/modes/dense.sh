@@ -10,6 +10,9 @@
 # 64 / 512 / 1024 hits (issue 19's >= 100x: 95.6x eager) with --piecewise-cuda-graph-max-tokens 0 and 4096.
 # pdl (one GPU, ~8 min): programmatic dependent launch off and on: its GPU tests (outputs unchanged, the kernels
 # compiled for it), the 8B shape's decode (bf16 at batch 1 (32K) and 64 (4K), FP8 blocks and GPTQ int4 at batch 1).
+# hit-pdl (one GPU, ~4 min): issue 19's prefix hit (32K cached + 64 new; 90.5x the cold 32K at 0949067, 98.7x at
+# e9be5b7) with PDL off and on (its 64-token graph's norms and rotary launch with it), 7 runs each, then
+# scripts/probes/probe_hit.py (host segments and the forward's device time, PDL on).
 # decode-splits (one GPU, ~4 min): the 8B decode at batch 1 / 16 / 64 with 2, 3 and 4 programs an SM for the
 # decode attention's key splits (decode_attention.PROGRAMS_PER_SM; 4 is the default).
 # fusions (one GPU): the prefix-as-view and fused K/V-store switches off, each against both on (fusions-a3b, the
@@ -131,6 +134,16 @@ if [[ $MODE == hit ]]; then  # one GPU: the prefix-hit cases alone (more runs), 
     --output-json "$OUT/latency_8b_hit.json" 2>&1 | tee "$OUT/latency_8b_hit.log" | tail -4
   python3 -m longserve.bench.latency "${base[@]}" --warmup 0 --repeat 1 --prompt-lens 131072 --compare-hf \
     --output-json "$OUT/latency_8b_128k.json" 2>&1 | tee "$OUT/latency_8b_128k.log" | tail -3
+fi
+
+if [[ $MODE == hit-pdl ]]; then  # one GPU (~4 min): the prefix hit with PDL off and on, then where its time goes
+  for pdl in False True; do
+    timeout 200 python3 scripts/probes/with_constants.py longserve.kernels.launch.PDL=$pdl -- longserve.bench.latency \
+      --config llama-3.1-8b --load-format dummy --dtype bfloat16 --warmup 1 --repeat 7 --prefix-hit 32768:64 \
+      --output-json "$OUT/latency_hit_pdl_$pdl.json" 2>&1 | tee "$OUT/latency_hit_pdl_$pdl.log" | grep -E "^prefix" \
+      | sed "s/^/PDL=$pdl /"
+  done
+  timeout 200 python3 scripts/probes/probe_hit.py 2>&1 | grep -vE "^\[bench|INFO|WARNING" | tee "$OUT/probe_hit.log" | tail -16
 fi
 
 if [[ $MODE == host ]]; then  # one GPU: where the host's time goes in a prefix hit and in decode steps
