@@ -58,40 +58,34 @@ def test_pdl_changes_no_output(name, eager, tmp_path):
     assert generate(path, pdl=True, eager=eager) == generate(path, pdl=False, eager=eager)
 
 
-def test_the_decode_kernels_were_compiled_for_pdl(tmp_path):
-    """After a PDL run, each of the dense decode step's Triton kernels holds a variant that launches with PDL
-    (the launch option reached the compiler: not a switch that does nothing)."""
-    from longserve.kernels import activation, decode_attention, extend_attention, norm, rope
-
-    path = CHECKPOINTS["qwen3-bf16"](tmp_path / "q")
-    generate(path, pdl=True, eager=False)
-    kernels = {
-        "rms_norm": norm._rms_norm_kernel,
-        "rope": rope._rope_kernel,
-        "decode": decode_attention._decode_split_kernel,
-        "merge": extend_attention._merge_splits_kernel,
-        "silu_and_mul": activation._silu_and_mul_kernel,
-    }
-    for name, kernel in kernels.items():
-        compiled = list(kernel._compiled.values())
-        assert any(c.metadata.launch_pdl for c in compiled), f"{name}: no variant launches with PDL"
+# the decode step's Triton kernels that must hold a variant compiled to launch with PDL after a PDL run of these
+# checkpoints (module.kernel in longserve.kernels). kernels/moe_gemv.py's two take USE_PDL too, off by default
+# (MOE_GEMV_MAX_TOKENS = 0).
+COMPILED_FOR_PDL = {
+    "dense": (
+        ("qwen3-bf16",),
+        ("norm._rms_norm_kernel", "rope._rope_kernel", "decode_attention._decode_split_kernel",
+         "extend_attention._merge_splits_kernel", "activation._silu_and_mul_kernel"),
+    ),
+    "moe": (  # the router's top-k, the alignment, the grouped GEMMs, the sum over k; FP8: the quantization
+        ("qwen3-moe-bf16", "fp8-moe"),
+        ("moe_routing._route_topk_kernel", "moe_align._moe_align_kernel", "fused_moe._moe_gemm_kernel",
+         "moe_sum._moe_sum_kernel", "quant_fp8._group_quant_kernel"),
+    ),
+}  # fmt: skip
 
 
-def test_the_moe_decode_kernels_were_compiled_for_pdl(tmp_path):
-    """The same for the MoE step's kernels: the router's top-k, the alignment, the grouped GEMMs and the sum over k
-    (16-bit and FP8 experts), the activations' per-token-group quantization (FP8). (kernels/moe_gemv.py's two
-    take USE_PDL too; off by default, MOE_GEMV_MAX_TOKENS = 0.)"""
-    from longserve.kernels import fused_moe, moe_align, moe_routing, moe_sum, quant_fp8
+@pytest.mark.parametrize("step", sorted(COMPILED_FOR_PDL))
+def test_the_decode_kernels_were_compiled_for_pdl(step, tmp_path):
+    """After a PDL run, each of the step's Triton kernels holds a variant that launches with PDL (the launch
+    option reached the compiler: not a switch that does nothing)."""
+    import importlib
 
-    for name in ("qwen3-moe-bf16", "fp8-moe"):
+    checkpoints, kernels = COMPILED_FOR_PDL[step]
+    for name in checkpoints:
         generate(CHECKPOINTS[name](tmp_path / name), pdl=True, eager=False)
-    kernels = {
-        "route_topk": moe_routing._route_topk_kernel,
-        "align": moe_align._moe_align_kernel,
-        "moe_gemm": fused_moe._moe_gemm_kernel,
-        "moe_sum": moe_sum._moe_sum_kernel,
-        "group_quant": quant_fp8._group_quant_kernel,
-    }
-    for name, kernel in kernels.items():
+    for path in kernels:
+        module, attr = path.split(".")
+        kernel = getattr(importlib.import_module(f"longserve.kernels.{module}"), attr)
         compiled = list(kernel._compiled.values())
-        assert any(c.metadata.launch_pdl for c in compiled), f"{name}: no variant launches with PDL"
+        assert any(c.metadata.launch_pdl for c in compiled), f"{path}: no variant launches with PDL"
