@@ -4,6 +4,7 @@ backend registry (names, other engines' aliases, the device-dependent `auto` rul
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from collections.abc import Callable
@@ -21,6 +22,20 @@ _BACKEND_SPELLINGS: dict[str, tuple[str, ...]] = {
 _BACKEND_BY_SPELLING = {s: name for name, spellings in _BACKEND_SPELLINGS.items() for s in spellings}
 ATTENTION_BACKENDS: tuple[str, ...] = tuple(_BACKEND_SPELLINGS)  # the backends that exist
 ATTENTION_BACKEND_CHOICES: tuple[str, ...] = ("auto", *_BACKEND_BY_SPELLING)  # every spelling accepted
+
+
+@functools.cache
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """Whether the fused Triton kernels serve `x`: CUDA tensors when triton imports; never on the CPU."""
+    return x.is_cuda and triton_available()
 
 
 def attention_backend_help() -> str:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["PROJECTIONS", "SPACE", "candidates", "main", "tune_kernel"]
+__all__ = ["PROJECTIONS", "SPACE", "candidates", "main", "rotating_weights", "tune_kernel"]
 
 # the decode GEMVs' (N, K) of each built-in shape: its fused qkv, o, gate_up and down (dense MLP only)
 PROJECTIONS = {
@@ -49,7 +49,7 @@ def candidates(kernel: str, n: int, k: int, space: dict | None = None) -> list[d
 ROTATE_BYTES = 256 << 20
 
 
-def _rotating(call: Callable, weights: tuple[torch.Tensor, ...], device: torch.device) -> Callable:
+def rotating_weights(call: Callable, weights: tuple[torch.Tensor, ...], device: torch.device) -> Callable:
     """run(cfg) = call(cfg, *weights), over ROTATE_BYTES of identical copies of `weights` in turn on CUDA."""
     size = sum(w.numel() * w.element_size() for w in weights)
     copies = [weights] + [tuple(w.clone() for w in weights) for _ in range(-(-ROTATE_BYTES // size) - 1)]
@@ -72,17 +72,17 @@ def products(kernel: str, n: int, k: int, m: int, device: torch.device, gen: tor
         q = pack_int_k(torch.randint(0, 16, (n, k), device=device, generator=gen), 4)
         scales = (torch.rand(n, k // 128, device=device, generator=gen) * 0.02 + 0.001).half()
         call = lambda cfg, q, s: wna16_gemv(x, q, s, None, None, 4, 128, config=cfg)  # noqa: E731
-        return "int4_fast_gemv_bk128", _rotating(call, (q, scales), device)
+        return "int4_fast_gemv_bk128", rotating_weights(call, (q, scales), device)
     w = torch.randn(n, k, device=device, generator=gen).to(torch.float8_e4m3fn)
     if kernel == "fp8_block":
         scale = torch.rand(-(-n // 128), k // 128, device=device, generator=gen) * k**-0.5 + 1e-3
         call = lambda cfg, w, s: fp8_block_gemv(x, w, s, (128, 128), config=cfg)  # noqa: E731
-        return "fp8_block_gemv_bk128", _rotating(call, (w, scale), device)
+        return "fp8_block_gemv_bk128", rotating_weights(call, (w, scale), device)
     assert kernel == "fp8_channel", kernel
     xq, x_scale = per_token_group_quant(x, 0)
     scale = torch.rand(n, device=device, generator=gen) * k**-0.5 + 1e-3
     call = lambda cfg, w, s: fp8_channel_gemv(xq, x_scale, w, s, dtype, config=cfg)  # noqa: E731
-    return "fp8_channel_gemv", _rotating(call, (w, scale), device)
+    return "fp8_channel_gemv", rotating_weights(call, (w, scale), device)
 
 
 def tune_kernel(

@@ -16,7 +16,6 @@ Norm and activation run the Triton kernels (longserve/kernels) on CUDA tensors w
 
 from __future__ import annotations
 
-import functools
 from typing import Protocol
 
 import torch
@@ -28,6 +27,7 @@ from longserve.kernels.activation_reference import silu_and_mul_ref
 from longserve.kernels.norm_reference import fused_add_rms_norm_ref, rms_norm_ref
 from longserve.models.linear_method import LinearMethod, UnquantizedLinearMethod
 from longserve.models.quant.layout import check_dtype, entries, layout_of, packed_region, tensor_name
+from longserve.platform import triton_available, use_triton  # noqa: F401 - the models import them from here
 
 # (fused param module name, HF module name, shard id) -- the single source of the fused-weight mapping.
 STACKED_PARAMS: tuple[tuple[str, str, str], ...] = (
@@ -56,20 +56,6 @@ TensorLike = torch.Tensor | LazyTensor
 def as_tensor(x: TensorLike) -> torch.Tensor:
     """`x` itself when it is a torch.Tensor, else its (narrowed) region read from the checkpoint."""
     return x if isinstance(x, torch.Tensor) else x.materialize()
-
-
-@functools.cache
-def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def use_triton(x: torch.Tensor) -> bool:
-    """Whether the fused Triton kernels serve `x`: CUDA tensors when triton imports; never on the CPU."""
-    return x.is_cuda and triton_available()
 
 
 class RMSNorm(nn.Module):

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from longserve.models.quantization import UNQUANTIZED, QuantizeMethod, method_for, quantization_method
+from longserve.platform import use_triton
 
 
 class LinearMethod(QuantizeMethod):
@@ -54,6 +55,13 @@ class UnquantizedLinearMethod(LinearMethod):
         layer.register_parameter("weight", weight)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if use_triton(
+            x
+        ):  # a decode batch in the range kernels/dense_gemm.py serves (none by default): Triton
+            from longserve.kernels import dense_gemm  # imports triton
+
+            if dense_gemm.dense_gemm_serves(x, layer.weight):
+                return dense_gemm.dense_gemm(x, layer.weight, bias)
         return F.linear(x, layer.weight, bias)
 
 

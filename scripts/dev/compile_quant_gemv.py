@@ -53,6 +53,8 @@ VARIANTS = [
     {"group_quant": True},  # quant_fp8.per_token_group_quant's kernel: 8 groups of 128 a program
     {"group_quant": True, "int8": True, "block": 4096, "gpp": 1},  # per token, int8
     {"group_quant": True, "pdl": True},
+    {"dense": True},  # kernels/dense_gemm.py: 16-bit, 64 rows, the 8B gate_up's tiles (one split)
+    {"dense": True, "split": 4, "serial": True, "bias": True, "pdl": True},
 ]
 
 
@@ -172,8 +174,27 @@ def compile_group_quant(group_quant=True, x="bf16", int8=False, block=128, gpp=8
     return compile_sm90(fn, sig, consts, attrs, num_warps=4)
 
 
+def compile_dense(dense=True, x="bf16", bm=64, bn=64, bk=128, split=1, bias=False, serial=False, pdl=False,
+                  num_warps=4, num_stages=4):  # fmt: skip
+    """kernels/dense_gemm.py's 16-bit skinny GEMM for sm90 (tl.dot on 16-bit tiles, as on the GPU)."""
+    from longserve.kernels.dense_gemm import _dense_gemm_kernel as fn
+
+    ptrs = {"x_ptr": f"*{x}", "w_ptr": f"*{x}", "b_ptr": f"*{x}", "out_ptr": "*fp32" if split > 1 else f"*{x}",
+            "res_ptr": f"*{x}", "lock_ptr": "*i32"}  # fmt: skip
+    consts = dict(HAS_BIAS=bias and (split == 1 or serial), EVEN_K=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                  PARTIAL=split > 1, DOT_PRECISION="tf32", INTERPRET_BF16=False, USE_PDL=pdl, SERIAL=serial)  # fmt: skip
+    sig = {a: ptrs.get(a, "constexpr" if a in consts else "i32") for a in fn.arg_names}
+    attrs = {
+        a: [["tt.divisibility", 16]]
+        for a in [*ptrs, "N", "K", "stride_xm", "stride_wn", "stride_om", "stride_os"]
+    }
+    return compile_sm90(fn, sig, consts, attrs, num_warps=num_warps, num_stages=num_stages)
+
+
 def report(variant: dict) -> dict:
-    if variant.get("group_quant"):
+    if variant.get("dense"):
+        c = compile_dense(**variant)
+    elif variant.get("group_quant"):
         c = compile_group_quant(**variant)
     elif variant.get("silu_quant"):
         c = compile_silu_quant(**variant)

@@ -11,7 +11,7 @@ OUT=${OUT:-/tmp/longserve-out}
 budget=${QUEUE_SECONDS:-570}
 declare -A MINUTES=([tests]=7 [gemv-tune]=6 [short-plans]=4 [piecewise]=6 [fp8-acc]=8
                     [moe-grouped]=5 [vllm]=6 [quant-bench]=7 [tune-int-moe]=6 [raw-hi]=4 [pdl]=8 [decode-splits]=4 [silu-quant]=5
-                    [serial-reduce]=5 [pdl-moe]=6 [hit-pdl]=4)  # measured or estimated per mode, on an H200
+                    [serial-reduce]=5 [pdl-moe]=6 [hit-pdl]=4 [dense-gemm]=6)  # measured or estimated per mode, on an H200
 if ls .whl/*.whl > /dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}

@@ -118,7 +118,7 @@ def test_the_tuner_times_each_call_on_other_copies_of_the_weights(monkeypatch: p
     monkeypatch.setattr(tune_gemv, "ROTATE_BYTES", 100)
     w, s = torch.arange(8, dtype=torch.float32), torch.ones(2)  # 40 bytes: three copies hold >= 100
     seen = []
-    run = tune_gemv._rotating(
+    run = tune_gemv.rotating_weights(
         lambda cfg, w, s: seen.append((w.data_ptr(), w.tolist(), s.tolist())), (w, s), CUDA
     )
     for _ in range(4):
@@ -126,5 +126,5 @@ def test_the_tuner_times_each_call_on_other_copies_of_the_weights(monkeypatch: p
     ptrs = [p for p, _, _ in seen]
     assert ptrs[0] == ptrs[3] == w.data_ptr() and len(set(ptrs[:3])) == 3
     assert all(values == [w.tolist(), s.tolist()] for _, *values in seen)
-    cpu_run = tune_gemv._rotating(lambda cfg, w, s: w.data_ptr(), (w, s), torch.device("cpu"))
+    cpu_run = tune_gemv.rotating_weights(lambda cfg, w, s: w.data_ptr(), (w, s), torch.device("cpu"))
     assert {cpu_run(None) for _ in range(3)} == {w.data_ptr()}

@@ -13,6 +13,9 @@
 # hit-pdl (one GPU, ~4 min): issue 19's prefix hit (32K cached + 64 new; 90.5x the cold 32K at 0949067, 98.7x at
 # e9be5b7) with PDL off and on (its 64-token graph's norms and rotary launch with it), 7 runs each, then
 # scripts/probes/probe_hit.py (host segments and the forward's device time, PDL on).
+# dense-gemm (one GPU, ~6 min): kernels/dense_gemm.py's Triton GEMM for the unquantized linears at 16-128 tokens
+# (DENSE_GEMM_TRITON_MAX_TOKENS, off): its GPU tests, per 8B projection against cuBLAS with a small tile sweep
+# (scripts/gpu/bench_dense_gemm.py, weights from HBM), then the 8B decode at batch 16 (8K) and 64 (4K) off and on.
 # decode-splits (one GPU, ~4 min): the 8B decode at batch 1 / 16 / 64 with 2, 3 and 4 programs an SM for the
 # decode attention's key splits (decode_attention.PROGRAMS_PER_SM; 4 is the default).
 # fusions (one GPU): the prefix-as-view and fused K/V-store switches off, each against both on (fusions-a3b, the
@@ -134,6 +137,19 @@ if [[ $MODE == hit ]]; then  # one GPU: the prefix-hit cases alone (more runs), 
     --output-json "$OUT/latency_8b_hit.json" 2>&1 | tee "$OUT/latency_8b_hit.log" | tail -4
   python3 -m longserve.bench.latency "${base[@]}" --warmup 0 --repeat 1 --prompt-lens 131072 --compare-hf \
     --output-json "$OUT/latency_8b_128k.json" 2>&1 | tee "$OUT/latency_8b_128k.log" | tail -3
+fi
+
+if [[ $MODE == dense-gemm ]]; then  # one GPU (~6 min): the Triton skinny GEMM against cuBLAS, then end to end
+  python3 -m pytest -q -m gpu tests/gpu/test_dense_gemm_gpu.py -p no:cacheprovider --tb=short -rfE 2>&1 \
+    | tee "$OUT/gpu_tests_dense_gemm.log" | tail -3 || status=1
+  timeout 240 python3 scripts/gpu/bench_dense_gemm.py --tokens 16,64,128 --json "$OUT/bench_dense_gemm.json" 2>&1 \
+    | tee "$OUT/bench_dense_gemm.log" | grep -E "^M=" || status=1
+  for max in 0 128; do
+    timeout 200 python3 scripts/probes/with_constants.py longserve.kernels.dense_gemm.DENSE_GEMM_TRITON_MAX_TOKENS=$max \
+      -- longserve.bench.latency --config llama-3.1-8b --load-format dummy --dtype bfloat16 --warmup 1 --repeat 3 \
+      --decode-batch-sizes 16@8192,64@4096 --output-json "$OUT/latency_dense_gemm_$max.json" 2>&1 \
+      | tee "$OUT/latency_dense_gemm_$max.log" | grep -E "^decode" | sed "s/^/DENSE_GEMM_TRITON_MAX_TOKENS=$max /"
+  done
 fi
 
 if [[ $MODE == hit-pdl ]]; then  # one GPU (~4 min): the prefix hit with PDL off and on, then where its time goes

@@ -1,0 +1,149 @@
+"""A 16-bit GEMM for a few dozen rows ([M <= 128, K] x [N, K]^T) on the tensor cores, in Triton: the decode step's
+unquantized linears at batch 16-128, where the weights' bytes, not the FLOPs, set the time.
+
+Each program streams one BLOCK_N-row slice of the weight over its share of K (split-K when the slices alone are
+too few to fill the chip) through tl.dot, which Triton software-pipelines (num_stages tiles in flight:
+cp.async / TMA), the activations' [BLOCK_M, BLOCK_K] tile beside it. Several splits write fp32 partials that
+quant_gemv's split-K machinery sums in split order (a splitk_reduce launch, or the last program of each tile
+with SPLIT_K_SERIAL_REDUCE). Reference: `F.linear` (fp32 accumulation, rounded once).
+
+Why: at batch 64 (4K contexts) the Llama-3.1-8B decode step's GEMMs read the 15 GB of weights in 4.37 ms
+through cuBLAS (3.4 TB/s of the ~4.2 measured; RESULTS.md, `5c2b5be` profile), the step 13.1 ms against
+vLLM's 13.4 where issue 19 asks 0.95x. Off (DENSE_GEMM_TRITON_MAX_TOKENS = 0) until measured on a GPU
+(`gpu_check.sh dense-gemm`: per projection against cuBLAS, then the 8B decode).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from longserve.kernels.extend_attention import interpreting
+from longserve.kernels.launch import pdl_prologue, use_pdl
+from longserve.kernels.quant_gemv import _num_sms, serial_reduce_buffers, split_k_output, splitk_reduce
+from longserve.kernels.quant_tiles import store_gemv_out
+
+__all__ = [
+    "DENSE_GEMM_TRITON_MAX_TOKENS",
+    "DENSE_GEMM_TRITON_MIN_TOKENS",
+    "dense_gemm",
+    "dense_gemm_config",
+    "dense_gemm_serves",
+]
+
+# Token counts whose unquantized linears (models/linear_method.py) take this kernel instead of cuBLAS on CUDA:
+# none until measured (scripts/gpu/bench_dense_gemm.py per projection, gpu_check.sh dense-gemm end to end).
+DENSE_GEMM_TRITON_MIN_TOKENS = 16
+DENSE_GEMM_TRITON_MAX_TOKENS = 0
+DENSE_GEMM_MAX_BLOCK_M = 128
+
+
+@triton.jit
+def _dense_gemm_kernel(
+    x_ptr,  # [M, K] 16-bit (fp32 under the interpreter's exact path)
+    w_ptr,  # [N, K]
+    b_ptr,  # [N] bias (HAS_BIAS: with one split, or SERIAL)
+    out_ptr,  # [M, N] in x's dtype, or (PARTIAL) [splits, M, N] float32 partial sums
+    res_ptr,  # SERIAL: [M, N] in x's dtype, the partials' sum (quant_tiles.store_gemv_out)
+    lock_ptr,  # SERIAL: int32 counters, one per column tile, zero
+    M, N, K, tiles_per_split, num_tiles,
+    stride_xm, stride_wn, stride_om, stride_os,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET_BF16: tl.constexpr,
+    USE_PDL: tl.constexpr, SERIAL: tl.constexpr,
+):  # fmt: skip
+    """Grid (column tiles, splits): out[:, tile] = x[:, k range] . w[tile, k range]^T in fp32."""
+    pdl_prologue(USE_PDL)
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask, n_mask = offs_m < M, offs_n < N
+    rows_n = tl.where(n_mask, offs_n, 0)  # a ragged last tile reads row 0 again; never stored
+    x_rows = x_ptr + tl.where(m_mask, offs_m, 0)[:, None] * stride_xm  # [BLOCK_M, 1]
+    w_rows = w_ptr + rows_n[:, None].to(tl.int64) * stride_wn  # [BLOCK_N, 1]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    t_begin = pid_k * tiles_per_split
+    t_end = tl.minimum(t_begin + tiles_per_split, num_tiles)
+    for t in range(t_begin, t_end):
+        cols = t * BLOCK_K + offs_k  # [BLOCK_K]
+        if EVEN_K:
+            x = tl.load(x_rows + cols[None, :])  # [BLOCK_M, BLOCK_K]
+            w = tl.load(w_rows + cols[None, :])  # [BLOCK_N, BLOCK_K]
+        else:
+            k_ok = cols < K
+            x = tl.load(x_rows + cols[None, :], mask=k_ok[None, :], other=0.0)
+            w = tl.load(w_rows + cols[None, :], mask=k_ok[None, :], other=0.0)
+        if INTERPRET_BF16:  # the interpreter's 16-bit dot is not exact: the products in fp32 (exact for bf16)
+            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
+    out_off = offs_m[:, None] * stride_om + offs_n[None, :]
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    store_gemv_out(out_ptr, acc, out_off, out_mask, b_ptr, offs_n[None, :], n_mask[None, :], pid_k, stride_os,
+                   res_ptr, lock_ptr, HAS_BIAS, PARTIAL, INTERPRET_BF16, SERIAL)  # fmt: skip
+
+
+def dense_gemm_serves(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether a linear of these operands (on a GPU) takes this kernel: 16-bit, 2-D, a token count in the
+    switched-on range."""
+    return (
+        x.dim() == 2
+        and DENSE_GEMM_TRITON_MIN_TOKENS
+        <= x.shape[0]
+        <= min(DENSE_GEMM_TRITON_MAX_TOKENS, DENSE_GEMM_MAX_BLOCK_M)
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and w.dtype == x.dtype
+    )
+
+
+def dense_gemm_config(m: int, n: int, k: int, device: torch.device) -> dict[str, int]:
+    """Tiles for [m, k] x [n, k]^T: BLOCK_M the rows' power of two (>= 16, tl.dot), 64 weight rows by 128 columns
+    a tile in 4 stages (~80 KB of shared memory at 64 rows: one or two programs an SM), and splits of K until
+    the column tiles make ~2 programs an SM, each split at least 4 tiles."""
+    block_m = max(16, triton.next_power_of_2(m))
+    block_n, block_k = 64, 128 if k >= 128 else max(16, triton.next_power_of_2(k))
+    num_tiles = triton.cdiv(k, block_k)
+    split = 1
+    if device.type == "cuda":
+        n_blocks = triton.cdiv(n, block_n)
+        split = max(1, min(triton.cdiv(2 * _num_sms(device.index or 0), n_blocks), num_tiles // 4, 16))
+    stages = 4 if block_m <= 64 else 3
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split, "num_warps": 4,
+            "num_stages": stages}  # fmt: skip
+
+
+def dense_gemm(
+    x: torch.Tensor,  # [M, K]
+    w: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,  # [N]
+    config: dict[str, int] | None = None,
+) -> torch.Tensor:
+    """[M, N] in x's dtype: F.linear(x, w, bias) with fp32 accumulation, rounded once (splits summed in order)."""
+    m, k = x.shape
+    n = w.shape[0]
+    assert w.shape[1] == k and 1 <= m <= DENSE_GEMM_MAX_BLOCK_M, f"x {tuple(x.shape)}, w {tuple(w.shape)}"
+    x = x if x.stride(1) == 1 else x.contiguous()
+    w = w if w.stride(1) == 1 else w.contiguous()
+    cfg = {**dense_gemm_config(m, n, k, x.device), **(config or {})}
+    assert cfg["BLOCK_M"] >= m, cfg
+    num_tiles = triton.cdiv(k, cfg["BLOCK_K"])
+    tiles_per_split, split, out = split_k_output(num_tiles, cfg["SPLIT_K"], m, n, x.dtype, x.device)
+    n_tiles = triton.cdiv(n, cfg["BLOCK_N"])
+    res, locks = serial_reduce_buffers(split, n_tiles, m, n, x.dtype, x.device)
+    serial = res is not None
+    interpret_bf16 = interpreting() and x.dtype != torch.float32
+    pdl = use_pdl(x)
+    _dense_gemm_kernel[(n_tiles, split)](
+        x, w, bias if bias is not None else w, out, res if serial else out, locks if serial else out,
+        m, n, k, tiles_per_split, num_tiles, x.stride(0), w.stride(0), out.stride(-2),
+        out.stride(0) if split > 1 else 0,
+        HAS_BIAS=bias is not None and (split == 1 or serial), EVEN_K=k % cfg["BLOCK_K"] == 0,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], PARTIAL=split > 1,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", INTERPRET_BF16=interpret_bf16,
+        USE_PDL=pdl, SERIAL=serial, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=pdl,
+    )  # fmt: skip
+    if serial:
+        return res
+    return out if split == 1 else splitk_reduce(out, bias, x.dtype)

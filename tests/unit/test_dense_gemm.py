@@ -1,0 +1,104 @@
+"""The 16-bit skinny GEMM (kernels/dense_gemm.py) under TRITON_INTERPRET=1 against F.linear: exact in fp32 (one
+split and several, ragged N and K, bias), bf16 rounded once like F.linear's fp32 accumulation, the split-K
+partials summed in the GEMV's own programs bit-equal to a reduction launch; and the unquantized linears
+routed to it only in the token range it is switched on for (CUDA only: the CPU keeps F.linear)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+pytest.importorskip("triton")
+
+from longserve.kernels import dense_gemm, quant_gemv  # noqa: E402
+from longserve.kernels.dense_gemm import dense_gemm_config  # noqa: E402
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize(("m", "n", "k", "split"), [(3, 40, 96, 1), (16, 64, 256, 3), (20, 72, 200, 2)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp32_equals_f_linear(m: int, n: int, k: int, split: int, bias: bool) -> None:
+    x = torch.randn(m, k, generator=gen(m))
+    w = torch.randn(n, k, generator=gen(n))
+    b = torch.randn(n, generator=gen(k)) if bias else None
+    cfg = {"BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": split}
+    got = dense_gemm.dense_gemm(x, w, b, config=cfg)
+    torch.testing.assert_close(got, F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_is_rounded_once_from_fp32_sums() -> None:
+    """bf16 operands: the products summed in fp32 and rounded once, as F.linear on the GPU accumulates."""
+    m, n, k = 16, 48, 256
+    x = torch.randn(m, k, generator=gen(1)).bfloat16()
+    w = (torch.randn(n, k, generator=gen(2)) * k**-0.5).bfloat16()
+    got = dense_gemm.dense_gemm(x, w, config={"BLOCK_N": 16, "BLOCK_K": 64, "SPLIT_K": 2})
+    want = F.linear(x.float(), w.float()).bfloat16()  # fp32 sums of exact bf16 products, rounded once
+    assert got.dtype == torch.bfloat16
+    # the sums' order differs (tiles, splits): at most one bf16 step apart
+    assert ((got.float() - want.float()).abs() <= want.float().abs() * 2**-7 + 1e-6).all()
+
+
+def test_serial_reduction_equals_the_reduction_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    x = torch.randn(5, 320, generator=gen(3))
+    w = torch.randn(56, 320, generator=gen(4))
+    b = torch.randn(56, generator=gen(5))
+    cfg = {"BLOCK_N": 16, "BLOCK_K": 64, "SPLIT_K": 5}
+    two_launches = dense_gemm.dense_gemm(x, w, b, config=cfg)
+    monkeypatch.setattr(quant_gemv, "SPLIT_K_SERIAL_REDUCE", True)
+    monkeypatch.setattr(quant_gemv, "_SERIAL_LOCKS", {})
+    assert torch.equal(dense_gemm.dense_gemm(x, w, b, config=cfg), two_launches)
+    (locks,) = quant_gemv._SERIAL_LOCKS.values()
+    assert not locks.any()
+
+
+def test_config_fills_the_chip_with_splits_only_where_tiles_are_few(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a 132-SM GPU (faked): the 8B gate_up (448 column tiles) is not split; o (64 tiles) and down (64 tiles
+    over 112 K tiles) are split to ~2 programs an SM; 64 rows take BLOCK_M 64, 5 rows 16 (tl.dot's least)."""
+    monkeypatch.setattr(dense_gemm, "_num_sms", lambda index: 132)
+    cuda = torch.device("cuda", 0)
+    assert dense_gemm_config(64, 28672, 4096, cuda)["SPLIT_K"] == 1
+    assert dense_gemm_config(64, 4096, 4096, cuda)["SPLIT_K"] == 5
+    down = dense_gemm_config(64, 4096, 14336, cuda)
+    assert down["SPLIT_K"] == 5 and down["BLOCK_M"] == 64
+    assert dense_gemm_config(5, 4096, 4096, cuda)["BLOCK_M"] == 16
+    assert dense_gemm_config(64, 4096, 4096, torch.device("cpu"))["SPLIT_K"] == 1
+
+
+def test_unquantized_linears_take_it_only_in_the_switched_range(monkeypatch: pytest.MonkeyPatch) -> None:
+    """UnquantizedLinearMethod.apply: off by default (F.linear); switched on for 16-64 tokens (CUDA faked), a
+    batch of 16 goes through dense_gemm with the layer's bias, 8 and 65 do not; fp32 never."""
+    from longserve.models import linear_method
+
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(torch.randn(24, 64, generator=gen(6)).bfloat16(), requires_grad=False)
+    bias = torch.randn(24, generator=gen(7)).bfloat16()
+    method = linear_method.UnquantizedLinearMethod()
+    calls: list[int] = []
+    real = dense_gemm.dense_gemm
+    monkeypatch.setattr(
+        dense_gemm, "dense_gemm", lambda x, w, b=None: calls.append(x.shape[0]) or real(x, w, b)
+    )
+    monkeypatch.setattr(linear_method, "use_triton", lambda x: True)  # as for CUDA tensors with triton
+
+    def run(m: int, dtype: torch.dtype = torch.bfloat16) -> None:
+        x = torch.randn(m, 64, generator=gen(m)).to(dtype)
+        got = method.apply(layer.to(dtype), x, bias.to(dtype))
+        want = F.linear(x.float(), layer.weight.float(), bias.float())
+        assert ((got.float() - want).abs() <= want.abs() * 2**-7 + 1e-2).all()
+
+    for m in (8, 16, 65):
+        run(m)
+    assert calls == []  # off by default
+    monkeypatch.setattr(dense_gemm, "DENSE_GEMM_TRITON_MAX_TOKENS", 64)
+    for m in (8, 16, 65):
+        run(m)
+    run(16, torch.float32)
+    assert calls == [16]
