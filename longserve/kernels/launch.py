@@ -42,8 +42,7 @@ logger = logging.getLogger(__name__)
 # kernels, ~1-3 us each, ~10 a layer at decode. On: measured on one H200 at 4779ef1 (`gpu_check.sh pdl`, the 8B
 # shape), FP8-block batch-1 decode 4.55 -> 4.32 ms and GPTQ int4 4.51 -> 4.31 ms; bf16 unchanged (5.77 / 5.75 ms
 # at batch 1, 12.90 / 12.88 at 64: its GEMMs are cuBLAS, not PDL launches); tests/gpu/test_pdl_gpu.py's 11 pass
-# (outputs equal on and off). Read at each launch (use_pdl), so
-# scripts/probes/with_constants.py can switch it.
+# (outputs equal on and off). Read at each launch (use_pdl), so scripts/probes/with_constants.py can switch it.
 PDL = True
 
 _I32 = (-(2**31), 2**31)

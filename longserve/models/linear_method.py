@@ -55,9 +55,8 @@ class UnquantizedLinearMethod(LinearMethod):
         layer.register_parameter("weight", weight)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if use_triton(
-            x
-        ):  # a decode batch in the range kernels/dense_gemm.py serves (none by default): Triton
+        # a decode batch in the range kernels/dense_gemm.py is switched on for (none by default): Triton
+        if use_triton(x):
             from longserve.kernels import dense_gemm  # imports triton
 
             if dense_gemm.dense_gemm_serves(x, layer.weight):
