@@ -5,6 +5,8 @@ prefix hit = wall of a 1-token generate whose first 32768 tokens are cached (bes
 decode ITL = (wall(161 tokens) - wall(33 tokens)) / 128 over prompts already in the prefix cache, and vLLM's own
 per-request figure from the same 161-token runs (its RequestStateStats, logged with disable_log_stats=False:
 (last_token_ts - first_token_ts) / (tokens - 1), engine-core timestamps, no prefill in it), the median request.
+The stats cost vLLM some host time per step, in every figure here (the anchors' bench_vllm.py and vllm_decode.py
+run with them off, as vLLM's LLM defaults): compare their shared cases before reading a ratio from these.
 
     PYTHONPATH=/tmp/site python3 scripts/gpu/vllm_extra_cases.py   # after bench_vllm.py wrote the model
 """

@@ -214,7 +214,7 @@ def test_decode_times_whole_steps_under_the_overlapped_schedule(monkeypatch):
     """Each timed interval holds one step's device time. Under the overlapped schedule a step is in flight when
     the timing starts; the sync finishes it, and the next step() only reads it: timed from there, one interval
     of each run was host time alone (the 8B on an H200: ~1 of ~13 ms). Device time simulated: a step's tokens
-    are ready DEVICE_S after it is queued, and the timer's sync waits for the last one queued."""
+    are ready device_s after it is queued, and the timer's sync waits for the last one queued."""
     from longserve.bench import latency_cases
     from longserve.runner import sampled
 
