@@ -6,8 +6,8 @@
 #   LONGSERVE_COMMIT=abc1234 bash scripts/gpu/gpu_check.sh latency
 # The modes live in scripts/gpu/modes/: dense.sh (tests, the dense shapes, vLLM, tensor parallelism), moe.sh
 # and quant.sh (quantized weights, the fp8 KV cache), each mode described there; MODES below lists them all.
-# (tests, quant, kvfp8, structured, pdl, pdl-moe, serial-reduce: carry the wheels of scripts/gpu/fetch_test_wheels.sh and install them
-# first; scripts/gpu/queue.sh does.)
+# (tests, quant, kvfp8, structured, pdl, pdl-moe, serial-reduce, dense-gemm: carry the wheels of
+# scripts/gpu/fetch_test_wheels.sh and install them first; scripts/gpu/queue.sh does.)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 MODES=" all quick tests bench long tp tp2 tp32 profile latency hit host launch turns structured vllm chunks fusions
