@@ -18,6 +18,8 @@ from torch import nn
 from longserve.models.quantization import UNQUANTIZED, QuantizeMethod, method_for, quantization_method
 from longserve.platform import use_triton
 
+DENSE_GEMM_MAX_ROWS = 128  # kernels/dense_gemm.DENSE_GEMM_MAX_BLOCK_M: the most rows it ever takes
+
 
 class LinearMethod(QuantizeMethod):
     """Creates a linear layer's weight parameters and computes y = x W^T (+ bias), as vLLM's LinearMethodBase."""
@@ -55,8 +57,10 @@ class UnquantizedLinearMethod(LinearMethod):
         layer.register_parameter("weight", weight)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        # a decode batch in the range kernels/dense_gemm.py is switched on for (none by default): Triton
-        if use_triton(x):
+        # a decode batch in the range kernels/dense_gemm.py is switched on for (none by default): Triton. Larger
+        # steps skip the check on one comparison (the import and the range cost ~0.65 us a call on the CI
+        # machine; an eager 8B step makes 128 such calls)
+        if x.shape[0] <= DENSE_GEMM_MAX_ROWS and use_triton(x):
             from longserve.kernels import dense_gemm  # imports triton
 
             if dense_gemm.dense_gemm_serves(x, layer.weight):

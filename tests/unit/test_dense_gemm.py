@@ -102,3 +102,5 @@ def test_unquantized_linears_take_it_only_in_the_switched_range(monkeypatch: pyt
         run(m)
     run(16, torch.float32)
     assert calls == [16]
+    # the method's cheap pre-check stops at the kernel's own limit
+    assert linear_method.DENSE_GEMM_MAX_ROWS == dense_gemm.DENSE_GEMM_MAX_BLOCK_M
