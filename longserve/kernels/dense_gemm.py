@@ -21,7 +21,7 @@ import triton.language as tl
 
 from longserve.kernels.extend_attention import interpreting
 from longserve.kernels.launch import pdl_prologue, use_pdl
-from longserve.kernels.quant_gemv import _num_sms, serial_reduce_buffers, split_k_output, splitk_reduce
+from longserve.kernels.quant_gemv import _num_sms, split_k_outputs
 from longserve.kernels.quant_tiles import store_gemv_out
 
 __all__ = [
@@ -129,21 +129,16 @@ def dense_gemm(
     cfg = {**dense_gemm_config(m, n, k, x.device), **(config or {})}
     assert cfg["BLOCK_M"] >= m, cfg
     num_tiles = triton.cdiv(k, cfg["BLOCK_K"])
-    tiles_per_split, split, out = split_k_output(num_tiles, cfg["SPLIT_K"], m, n, x.dtype, x.device)
     n_tiles = triton.cdiv(n, cfg["BLOCK_N"])
-    res, locks = serial_reduce_buffers(split, n_tiles, m, n, x.dtype, x.device)
-    serial = res is not None
+    sk = split_k_outputs(num_tiles, cfg["SPLIT_K"], m, n, n_tiles, x.dtype, x.device)
     interpret_bf16 = interpreting() and x.dtype != torch.float32
     pdl = use_pdl(x)
-    _dense_gemm_kernel[(n_tiles, split)](
-        x, w, bias if bias is not None else w, out, res if serial else out, locks if serial else out,
-        m, n, k, tiles_per_split, num_tiles, x.stride(0), w.stride(0), out.stride(-2),
-        out.stride(0) if split > 1 else 0,
-        HAS_BIAS=bias is not None and (split == 1 or serial), EVEN_K=k % cfg["BLOCK_K"] == 0,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], PARTIAL=split > 1,
+    _dense_gemm_kernel[(n_tiles, sk.splits)](
+        x, w, bias if bias is not None else w, *sk.pointers(), m, n, k, sk.tiles_per_split, num_tiles,
+        x.stride(0), w.stride(0), sk.out.stride(-2), sk.stride_os,
+        HAS_BIAS=sk.bias_in_kernel(bias), EVEN_K=k % cfg["BLOCK_K"] == 0,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], PARTIAL=sk.partial,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", INTERPRET_BF16=interpret_bf16,
-        USE_PDL=pdl, SERIAL=serial, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=pdl,
+        USE_PDL=pdl, SERIAL=sk.serial, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=pdl,
     )  # fmt: skip
-    if serial:
-        return res
-    return out if split == 1 else splitk_reduce(out, bias, x.dtype)
+    return sk.result(bias, x.dtype)

@@ -39,13 +39,7 @@ import triton.language as tl
 from longserve.kernels.extend_attention import interpreting
 from longserve.kernels.gemv_tables import tuned_gemv_config
 from longserve.kernels.launch import pdl_prologue, use_pdl
-from longserve.kernels.quant_gemv import (
-    pow2_at_most,
-    serial_reduce_buffers,
-    split_k_output,
-    splitk_reduce,
-    splits_for,
-)
+from longserve.kernels.quant_gemv import pow2_at_most, split_k_outputs, splits_for
 from longserve.kernels.quant_reference import FP8_MAX
 from longserve.kernels.quant_tiles import e4m3_rounded, store_gemv_out
 
@@ -192,27 +186,23 @@ def _launch(
     x = x if x.stride(1) == 1 else x.contiguous()
     w = w if w.stride(1) == 1 else w.contiguous()
     num_tiles = triton.cdiv(k, cfg["BLOCK_K"])
-    tiles_per_split, split, out = split_k_output(num_tiles, cfg["SPLIT_K"], m, n, out_dtype, x.device)
     n_tiles = triton.cdiv(n, cfg["BLOCK_N"])
-    res, locks = serial_reduce_buffers(split, n_tiles, m, n, out_dtype, x.device)
+    sk = split_k_outputs(num_tiles, cfg["SPLIT_K"], m, n, n_tiles, out_dtype, x.device)
     interp = interpreting()
     interpret_bf16 = interp and out_dtype == torch.bfloat16
     per_channel = x_scales is not None
     xs = x_scales if per_channel else w_scale
     pdl = use_pdl(x)
-    _fp8_gemv_kernel[(n_tiles, split)](
+    _fp8_gemv_kernel[(n_tiles, sk.splits)](
         x.view(torch.uint8) if per_channel else x, xs, w.view(torch.uint8), w_scale,
-        bias if bias is not None else w_scale, out, res if res is not None else out,
-        locks if locks is not None else out, m, n, k, block_n, tiles_per_split, num_tiles,
-        x.stride(0), xs.stride(0), w.stride(0), w_scale.stride(0), out.stride(-2), out.stride(0) if split > 1 else 0,
-        PER_CHANNEL=per_channel, HAS_BIAS=bias is not None and (split == 1 or res is not None),
-        EVEN_K=k % cfg["BLOCK_K"] == 0, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        PARTIAL=split > 1, INTERPRET=interp, INTERPRET_BF16=interpret_bf16, USE_PDL=pdl, SERIAL=res is not None,
+        bias if bias is not None else w_scale, *sk.pointers(), m, n, k, block_n, sk.tiles_per_split, num_tiles,
+        x.stride(0), xs.stride(0), w.stride(0), w_scale.stride(0), sk.out.stride(-2), sk.stride_os,
+        PER_CHANNEL=per_channel, HAS_BIAS=sk.bias_in_kernel(bias), EVEN_K=k % cfg["BLOCK_K"] == 0,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], PARTIAL=sk.partial,
+        INTERPRET=interp, INTERPRET_BF16=interpret_bf16, USE_PDL=pdl, SERIAL=sk.serial,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=pdl,
     )  # fmt: skip
-    if res is not None:
-        return res
-    return out if split == 1 else splitk_reduce(out, bias, out_dtype)
+    return sk.result(bias, out_dtype)
 
 
 def fp8_block_gemv(

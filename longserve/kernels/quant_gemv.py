@@ -46,6 +46,7 @@ partials, ordered by a counter that it resets).
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -269,19 +270,60 @@ def split_k_output(
     return tiles_per_split, splits, torch.empty(m, n, dtype=dtype, device=device)
 
 
-def serial_reduce_buffers(
-    split: int, n_tiles: int, m: int, n: int, dtype: torch.dtype, device: torch.device
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(result [M, N] in dtype, the device's zeroed counters) for a GEMV of `split` > 1 splits over n_tiles
-    column tiles that sums its partials itself (SPLIT_K_SERIAL_REDUCE; quant_tiles.store_gemv_out), else (None,
-    None): splitk_reduce runs after it. The counters are shared by every GEMV of the device: its kernels run one
-    at a time (one compute stream, graph replays on it; a PDL launch waits for the kernel before it first)."""
-    if split == 1 or not SPLIT_K_SERIAL_REDUCE or n_tiles > SERIAL_LOCKS:
-        return None, None
+@dataclass
+class SplitKOutputs:
+    """What a split-K GEMV kernel writes (its out_ptr, res_ptr and lock_ptr: quant_tiles.store_gemv_out) and how
+    its result is had: the output itself with one split, else the fp32 partials summed by splitk_reduce after
+    the launch or (SPLIT_K_SERIAL_REDUCE) by the kernel's last program of each tile into `res`."""
+
+    tiles_per_split: int
+    splits: int
+    out: torch.Tensor  # [M, N] in the output dtype, or with several splits their fp32 partials [splits, M, N]
+    res: torch.Tensor | None = None  # serial: [M, N] in the output dtype
+    locks: torch.Tensor | None = None  # serial: the device's int32 counters, zero between launches
+
+    @property
+    def partial(self) -> bool:
+        return self.splits > 1
+
+    @property
+    def serial(self) -> bool:
+        return self.res is not None
+
+    @property
+    def stride_os(self) -> int:
+        """The partials' split stride (0 with one split)."""
+        return self.out.stride(0) if self.partial else 0
+
+    def pointers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """out_ptr, res_ptr, lock_ptr (out stands in for those not written)."""
+        return self.out, self.res if self.serial else self.out, self.locks if self.serial else self.out
+
+    def bias_in_kernel(self, bias: torch.Tensor | None) -> bool:
+        """Whether the kernel adds the bias (HAS_BIAS): with one split, or summing its own partials."""
+        return bias is not None and (not self.partial or self.serial)
+
+    def result(self, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        """The product [M, N] in dtype once the kernel was launched."""
+        if self.serial:
+            return self.res
+        return splitk_reduce(self.out, bias, dtype) if self.partial else self.out
+
+
+def split_k_outputs(
+    num_tiles: int, split_k: int, m: int, n: int, n_tiles: int, dtype: torch.dtype, device: torch.device
+) -> SplitKOutputs:
+    """split_k_output's buffers for a GEMV over n_tiles column tiles, with the serial reduction's result and
+    counters when SPLIT_K_SERIAL_REDUCE is on, it splits, and the counters cover its tiles. The counters are
+    shared by every GEMV of the device: its kernels run one at a time (one compute stream, graph replays on it;
+    a PDL launch waits for the kernel before it first)."""
+    tiles_per_split, splits, out = split_k_output(num_tiles, split_k, m, n, dtype, device)
+    if splits == 1 or not SPLIT_K_SERIAL_REDUCE or n_tiles > SERIAL_LOCKS:
+        return SplitKOutputs(tiles_per_split, splits, out)
     locks = _SERIAL_LOCKS.get(device)
     if locks is None:
         locks = _SERIAL_LOCKS[device] = torch.zeros(SERIAL_LOCKS, dtype=torch.int32, device=device)
-    return torch.empty(m, n, dtype=dtype, device=device), locks
+    return SplitKOutputs(tiles_per_split, splits, out, torch.empty(m, n, dtype=dtype, device=device), locks)
 
 
 def splitk_reduce(partials: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
@@ -385,11 +427,8 @@ def wna16_gemv(
     assert per_col or group % block_k == 0, f"BLOCK_K {block_k} must divide the group {group}"
     assert cfg["BLOCK_M"] >= m and (not cfg["USE_DOT"] or cfg["BLOCK_M"] >= 16)
     num_tiles = triton.cdiv(k, block_k)
-    tiles_per_split, split, out = split_k_output(num_tiles, cfg["SPLIT_K"], m, n, x.dtype, x.device)
     n_tiles = triton.cdiv(n, cfg["BLOCK_N"])
-    res, locks = serial_reduce_buffers(split, n_tiles, m, n, x.dtype, x.device)
-    serial = res is not None
-    res, locks = (res if serial else out), (locks if serial else out)
+    sk = split_k_outputs(num_tiles, cfg["SPLIT_K"], m, n, n_tiles, x.dtype, x.device)
     interp = interpreting()
     interpret_bf16 = interp and x.dtype == torch.bfloat16
     z = zeros if zeros is not None else scales
@@ -398,27 +437,23 @@ def wna16_gemv(
     words_ok = qweight.stride(0) % 4 == 0 and qweight.data_ptr() % 16 == 0  # rows of whole 32-bit words
     fast = int4_fast_supported(m, bits, k, per_col, bool(cfg["USE_DOT"]), block_k)
     pdl = use_pdl(x)
-    has_bias = bias is not None and (split == 1 or serial)
     if INT4_FAST_PATH and words_ok and fast:
-        int4_gemv_kernel[(n_tiles, split, 1)](
-            x, qweight.view(torch.int32), scales, z, b, scales, out, res, locks, n, group, tiles_per_split,
-            num_tiles, qweight.stride(0) // 4, scales.stride(0), z.stride(0), out.stride(0) if split > 1 else 0,
-            0, 0, 0, 0, 0, HAS_ZP=zeros is not None, HAS_BIAS=has_bias,
-            BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, PARTIAL=split > 1, INTERPRET_BF16=interpret_bf16,
-            ROUTED=False, X_ROW_DIV=1, USE_RAW_HI=int4_gemv.INT4_GEMV_RAW_HI, USE_PDL=pdl, SERIAL=serial,
+        int4_gemv_kernel[(n_tiles, sk.splits, 1)](
+            x, qweight.view(torch.int32), scales, z, b, scales, *sk.pointers(), n, group, sk.tiles_per_split,
+            num_tiles, qweight.stride(0) // 4, scales.stride(0), z.stride(0), sk.stride_os,
+            0, 0, 0, 0, 0, HAS_ZP=zeros is not None, HAS_BIAS=sk.bias_in_kernel(bias),
+            BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, PARTIAL=sk.partial, INTERPRET_BF16=interpret_bf16,
+            ROUTED=False, X_ROW_DIV=1, USE_RAW_HI=int4_gemv.INT4_GEMV_RAW_HI, USE_PDL=pdl, SERIAL=sk.serial,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=pdl,
         )  # fmt: skip
     else:
-        _wna16_gemv_kernel[(n_tiles, split)](
-            x, qweight, scales, z, g, b, out, res, locks, m, n, k, group, tiles_per_split, num_tiles,
-            x.stride(0), qweight.stride(0), scales.stride(0), z.stride(0), out.stride(-2),
-            out.stride(0) if split > 1 else 0,
+        _wna16_gemv_kernel[(n_tiles, sk.splits)](
+            x, qweight, scales, z, g, b, *sk.pointers(), m, n, k, group, sk.tiles_per_split, num_tiles,
+            x.stride(0), qweight.stride(0), scales.stride(0), z.stride(0), sk.out.stride(-2), sk.stride_os,
             BITS=bits, HAS_ZP=zeros is not None, HAS_GIDX=g_idx is not None, SCALE_PER_COL=per_col,
-            HAS_BIAS=has_bias, EVEN_K=k % block_k == 0, USE_DOT=bool(cfg["USE_DOT"]),
-            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, PARTIAL=split > 1,
-            INTERPRET=interp, INTERPRET_BF16=interpret_bf16, USE_PDL=pdl, SERIAL=serial,
+            HAS_BIAS=sk.bias_in_kernel(bias), EVEN_K=k % block_k == 0, USE_DOT=bool(cfg["USE_DOT"]),
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, PARTIAL=sk.partial,
+            INTERPRET=interp, INTERPRET_BF16=interpret_bf16, USE_PDL=pdl, SERIAL=sk.serial,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=pdl,
         )  # fmt: skip
-    if serial:
-        return res
-    return out if split == 1 else splitk_reduce(out, bias, x.dtype)
+    return sk.result(bias, x.dtype)
