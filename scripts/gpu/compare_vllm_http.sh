@@ -12,7 +12,8 @@
 # named in the report) and --enable-prompt-tokens-details (cached_tokens in its usage: the report's client-side
 # cache hit column). longserve writes --step-log to $OUT/http/longserve_steps.jsonl, summed per workload at the
 # end (scripts/probes/step_log_summary.py). Reports (report.md, results.json, PNGs) under $OUT/http/<workload>/,
-# tarred into $OUT/http_reports.tgz.
+# tarred into $OUT/http_reports.tgz. LONGSERVE_AB_ARGS="FLAGS" (AB_WORKLOADS="random ...") then serves longserve
+# again with FLAGS, alone, for those workloads: an option's A/B through HTTP in the same call (below).
 # Needs ../shared/anchors/* copied into .anchor/ (git-ignored; see that folder's README) and carried:
 #   LONGSERVE_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu/compare_vllm_http.sh [rag,multiturn,random,longdoc]
 set -uo pipefail
@@ -38,24 +39,30 @@ wait_up() {  # url pid name: poll /health until 200, or give up when the process
   done
   echo "[compare] $3 not up after 300 s"; return 1
 }
+start_longserve() {  # port, step log, extra flags...: `longserve serve` in the background, its pid in LS
+  python3 -m longserve serve --model $MODEL --load-format dummy --dtype bfloat16 --max-num-batched-tokens 8192 \
+    --mem-fraction-static 0.40 --host 127.0.0.1 --port "$1" --step-log "$2" "${@:3}" \
+    > "${2%_steps.jsonl}_server.log" 2>&1 &
+  LS=$!
+  wait_up "http://127.0.0.1:$1" $LS longserve || { tail -20 "${2%_steps.jsonl}_server.log"; kill $LS; return 1; }
+}
+warm_up() {  # port name: not measured; the compare runs flush the cache it leaves
+  python3 -m longserve bench serve --base-url "http://127.0.0.1:$1" --backend vllm --dataset shared-prefix \
+    --shared-prefix-docs 1 --shared-prefix-doc-len 20000 --shared-prefix-questions 8 --output-len 32 \
+    --max-concurrency 4 --warmup-requests 0 --seed 99 --tokenizer $MODEL --disable-tqdm > "$OUT/http/warmup_$2.log" 2>&1 \
+    || { echo "[compare] warm-up of $2 failed:"; tail -5 "$OUT/http/warmup_$2.log"; }
+}
 # LONGSERVE_EXTRA_ARGS: more `longserve serve` flags (an A/B of an option, e.g. --piecewise-cuda-graph-max-tokens 4096)
-python3 -m longserve serve --model $MODEL --load-format dummy --dtype bfloat16 --max-num-batched-tokens 8192 \
-  --mem-fraction-static 0.40 --host 127.0.0.1 --port 30000 --step-log "$OUT/http/longserve_steps.jsonl" \
-  ${LONGSERVE_EXTRA_ARGS:-} > "$OUT/http/longserve_server.log" 2>&1 &
-LS=$!
-wait_up http://127.0.0.1:30000 $LS longserve || { tail -20 "$OUT/http/longserve_server.log"; kill $LS; exit 1; }
+# shellcheck disable=SC2086
+start_longserve 30000 "$OUT/http/longserve_steps.jsonl" ${LONGSERVE_EXTRA_ARGS:-} || exit 1
 python3 -m vllm.entrypoints.openai.api_server --model $MODEL --load-format dummy --dtype bfloat16 \
   --max-model-len 131072 --enable-prefix-caching --max-num-batched-tokens 8192 --gpu-memory-utilization 0.45 \
   --enable-prompt-tokens-details --host 127.0.0.1 --port 8000 > "$OUT/http/vllm_server.log" 2>&1 &
 VL=$!
 wait_up http://127.0.0.1:8000 $VL vllm || { tail -20 "$OUT/http/vllm_server.log"; kill $LS $VL; exit 1; }
 echo "[compare] both up after ${SECONDS}s"
-for ep in longserve=30000 vllm=8000; do  # not measured; the compare runs flush the cache it leaves
-  python3 -m longserve bench serve --base-url "http://127.0.0.1:${ep#*=}" --backend vllm --dataset shared-prefix \
-    --shared-prefix-docs 1 --shared-prefix-doc-len 20000 --shared-prefix-questions 8 --output-len 32 \
-    --max-concurrency 4 --warmup-requests 0 --seed 99 --tokenizer $MODEL --disable-tqdm > "$OUT/http/warmup_${ep%=*}.log" 2>&1 \
-    || { echo "[compare] warm-up of ${ep%=*} failed:"; tail -5 "$OUT/http/warmup_${ep%=*}.log"; }
-done
+warm_up 30000 longserve
+warm_up 8000 vllm
 
 status=0
 for w in ${WORKLOADS//,/ }; do
@@ -65,8 +72,40 @@ for w in ${WORKLOADS//,/ }; do
     --disable-tqdm > "$OUT/http/$w.log" 2>&1 || { status=1; tail -5 "$OUT/http/$w.log"; }
   [[ -f "$OUT/http/$w/report.md" ]] && sed -n '1,40p' "$OUT/http/$w/report.md"
 done
+kill -TERM $LS 2>/dev/null; wait $LS 2>/dev/null
+# LONGSERVE_AB_ARGS: then longserve again with these flags, alone, for the workloads in AB_WORKLOADS (default
+# random), vLLM's figures being those above: an option's A/B through HTTP in the same call. Reports under
+# $OUT/http/<workload>_ab/, its step log in longserve_ab_steps.jsonl.
+if [[ -n ${LONGSERVE_AB_ARGS:-} ]]; then
+  # shellcheck disable=SC2086
+  if start_longserve 30001 "$OUT/http/longserve_ab_steps.jsonl" $LONGSERVE_AB_ARGS; then
+    warm_up 30001 longserve_ab
+    for w in ${AB_WORKLOADS:-random}; do
+      echo "[compare] $w with $LONGSERVE_AB_ARGS at ${SECONDS}s"
+      echo "$w $(date +%s.%N)" >> "$OUT/http/workload_marks_ab.txt"
+      python3 - "$w" "$OUT/http/vllm_http_${w}_ab.yaml" <<'PY'
+import sys, yaml
+w, dst = sys.argv[1:]
+with open(f"benchmarks/configs/vllm_http_{w}.yaml") as f:
+    config = yaml.safe_load(f)
+config["endpoints"] = [{"name": "longserve-ab", "base_url": "http://127.0.0.1:30001", "backend": "vllm",
+                        "endpoint": "completions"}]
+with open(dst, "w") as f:
+    yaml.safe_dump(config, f)
+PY
+      python3 -m longserve bench compare --config "$OUT/http/vllm_http_${w}_ab.yaml" --output-dir "$OUT/http/${w}_ab" \
+        --disable-tqdm > "$OUT/http/${w}_ab.log" 2>&1 || { status=1; tail -5 "$OUT/http/${w}_ab.log"; }
+      [[ -f "$OUT/http/${w}_ab/report.md" ]] && sed -n '1,30p' "$OUT/http/${w}_ab/report.md"
+    done
+    kill -TERM $LS 2>/dev/null; wait $LS 2>/dev/null
+    python3 scripts/probes/step_log_summary.py "$OUT/http/longserve_ab_steps.jsonl" "$OUT/http/workload_marks_ab.txt" \
+      | tee "$OUT/http/longserve_ab_steps_summary.txt"
+  else
+    status=1
+  fi
+fi
 echo "[compare] done at ${SECONDS}s"
-kill -TERM $LS $VL 2>/dev/null; wait $LS $VL 2>/dev/null
+kill -TERM $VL 2>/dev/null; wait $VL 2>/dev/null
 python3 scripts/probes/step_log_summary.py "$OUT/http/longserve_steps.jsonl" "$OUT/http/workload_marks.txt" \
   | tee "$OUT/http/longserve_steps_summary.txt"
 tar czf "$OUT/http_reports.tgz" -C "$OUT" http
