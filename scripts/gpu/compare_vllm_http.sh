@@ -52,27 +52,29 @@ warm_up() {  # port name: not measured; the compare runs flush the cache it leav
     --max-concurrency 4 --warmup-requests 0 --seed 99 --tokenizer $MODEL --disable-tqdm > "$OUT/http/warmup_$2.log" 2>&1 \
     || { echo "[compare] warm-up of $2 failed:"; tail -5 "$OUT/http/warmup_$2.log"; }
 }
-# LONGSERVE_EXTRA_ARGS: more `longserve serve` flags (an A/B of an option, e.g. --piecewise-cuda-graph-max-tokens 4096)
-# shellcheck disable=SC2086
-start_longserve 30000 "$OUT/http/longserve_steps.jsonl" ${LONGSERVE_EXTRA_ARGS:-} || exit 1
-python3 -m vllm.entrypoints.openai.api_server --model $MODEL --load-format dummy --dtype bfloat16 \
-  --max-model-len 131072 --enable-prefix-caching --max-num-batched-tokens 8192 --gpu-memory-utilization 0.45 \
-  --enable-prompt-tokens-details --host 127.0.0.1 --port 8000 > "$OUT/http/vllm_server.log" 2>&1 &
-VL=$!
-wait_up http://127.0.0.1:8000 $VL vllm || { tail -20 "$OUT/http/vllm_server.log"; kill $LS $VL; exit 1; }
-echo "[compare] both up after ${SECONDS}s"
-warm_up 30000 longserve
-warm_up 8000 vllm
-
 status=0
-for w in ${WORKLOADS//,/ }; do
-  echo "[compare] $w at ${SECONDS}s"
-  echo "$w $(date +%s.%N)" >> "$OUT/http/workload_marks.txt"  # the step log's parts (step_log_summary.py)
-  python3 -m longserve bench compare --config benchmarks/configs/vllm_http_$w.yaml --output-dir "$OUT/http/$w" \
-    --disable-tqdm > "$OUT/http/$w.log" 2>&1 || { status=1; tail -5 "$OUT/http/$w.log"; }
-  [[ -f "$OUT/http/$w/report.md" ]] && sed -n '1,40p' "$OUT/http/$w/report.md"
-done
-kill -TERM $LS 2>/dev/null; wait $LS 2>/dev/null
+if [[ $WORKLOADS != none ]]; then  # none: the A/B below only (vLLM's figures from an earlier call)
+  # LONGSERVE_EXTRA_ARGS: more `longserve serve` flags (an A/B of an option, e.g. --piecewise-cuda-graph-max-tokens 4096)
+  # shellcheck disable=SC2086
+  start_longserve 30000 "$OUT/http/longserve_steps.jsonl" ${LONGSERVE_EXTRA_ARGS:-} || exit 1
+  python3 -m vllm.entrypoints.openai.api_server --model $MODEL --load-format dummy --dtype bfloat16 \
+    --max-model-len 131072 --enable-prefix-caching --max-num-batched-tokens 8192 --gpu-memory-utilization 0.45 \
+    --enable-prompt-tokens-details --host 127.0.0.1 --port 8000 > "$OUT/http/vllm_server.log" 2>&1 &
+  VL=$!
+  wait_up http://127.0.0.1:8000 $VL vllm || { tail -20 "$OUT/http/vllm_server.log"; kill $LS $VL; exit 1; }
+  echo "[compare] both up after ${SECONDS}s"
+  warm_up 30000 longserve
+  warm_up 8000 vllm
+
+  for w in ${WORKLOADS//,/ }; do
+    echo "[compare] $w at ${SECONDS}s"
+    echo "$w $(date +%s.%N)" >> "$OUT/http/workload_marks.txt"  # the step log's parts (step_log_summary.py)
+    python3 -m longserve bench compare --config benchmarks/configs/vllm_http_$w.yaml --output-dir "$OUT/http/$w" \
+      --disable-tqdm > "$OUT/http/$w.log" 2>&1 || { status=1; tail -5 "$OUT/http/$w.log"; }
+    [[ -f "$OUT/http/$w/report.md" ]] && sed -n '1,40p' "$OUT/http/$w/report.md"
+  done
+  kill -TERM $LS $VL 2>/dev/null; wait $LS $VL 2>/dev/null  # the A/B's server plans its memory as the first did
+fi
 # LONGSERVE_AB_ARGS: then longserve again with these flags, alone, for the workloads in AB_WORKLOADS (default
 # random), vLLM's figures being those above: an option's A/B through HTTP in the same call. Reports under
 # $OUT/http/<workload>_ab/, its step log in longserve_ab_steps.jsonl.
@@ -105,8 +107,7 @@ PY
   fi
 fi
 echo "[compare] done at ${SECONDS}s"
-kill -TERM $VL 2>/dev/null; wait $VL 2>/dev/null
-python3 scripts/probes/step_log_summary.py "$OUT/http/longserve_steps.jsonl" "$OUT/http/workload_marks.txt" \
-  | tee "$OUT/http/longserve_steps_summary.txt"
+[[ -f $OUT/http/longserve_steps.jsonl ]] && python3 scripts/probes/step_log_summary.py "$OUT/http/longserve_steps.jsonl" \
+  "$OUT/http/workload_marks.txt" | tee "$OUT/http/longserve_steps_summary.txt"
 tar czf "$OUT/http_reports.tgz" -C "$OUT" http
 exit $status
