@@ -111,8 +111,10 @@ class EngineConfig:
     cuda_graph_max_bs: int = 128  # decode steps up to this batch size replay CUDA graphs
     cuda_graph_max_prefill_tokens: int = 256  # a lone chunk of up to this many tokens replays a graph; 0: off
     # steps of up to this many tokens (any mix of requests) replay each layer's dense parts as CUDA graphs,
-    # the attention eager between them (runner/piecewise_graph.py); 0 (default until measured on a GPU): off
-    piecewise_cuda_graph_max_tokens: int = 0
+    # the attention eager between them (runner/piecewise_graph.py); 0: off. Through HTTP against vLLM on an
+    # H200 (RESULTS.md, 2026-12-03): the random workload's mixed steps 44.8 -> 26.8 ms, multi-turn's TTFT P50
+    # 57.5 -> 44.5 ms and 4% more requests/s; 2.9 s of start-up and 0.8 GiB for the 8B shape
+    piecewise_cuda_graph_max_tokens: int = 4096
     # plan and launch step N+1 before step N's tokens are read, so the host's work hides behind the device's
     # (SGLang's overlap schedule, vLLM's async scheduling); None: on a GPU at one rank, off on the CPU
     # (nothing to hide) and under tensor parallelism (works there, not yet measured on GPUs)

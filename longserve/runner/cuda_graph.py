@@ -304,8 +304,23 @@ def build_graphs(
         extend = ExtendGraphRunner(model, kv_cache, backend, shape, max_tokens=max_tokens)
         extend.capture(pool=decode.pool)
     max_tokens = min(config.piecewise_cuda_graph_max_tokens, config.chunked_prefill_size)
-    pieces = None
-    if max_tokens >= 2:
-        pieces = PiecewiseGraphRunner(model, kv_cache, shape, max_tokens)
-        pieces.capture(pool=decode.pool)
+    pieces = capture_pieces(model, kv_cache, shape, max_tokens, decode.pool) if max_tokens >= 2 else None
     return decode, extend, pieces
+
+
+def capture_pieces(
+    model: torch.nn.Module, kv_cache: KVCache, shape: GraphShape, max_tokens: int, pool: object
+) -> PiecewiseGraphRunner | None:
+    """The piecewise graphs, or None (mixed steps run eagerly, as with --piecewise-cuda-graph-max-tokens 0) when
+    a model's dense parts cannot be captured: they are on by default, an optimisation that must not keep a
+    server from starting; the warning names the error."""
+    pieces = PiecewiseGraphRunner(model, kv_cache, shape, max_tokens)
+    try:
+        pieces.capture(pool=pool)
+    except Exception as e:  # noqa: BLE001 - any capture failure: serve without them
+        logger.warning(
+            "piecewise CUDA graphs could not be captured (%s: %s): mixed steps run eagerly; "
+            "--piecewise-cuda-graph-max-tokens 0 skips the attempt", type(e).__name__, e,
+        )  # fmt: skip
+        return None
+    return pieces

@@ -14,6 +14,7 @@ import json
 
 import torch
 import torch.nn.functional as F
+from triton.runtime.errors import OutOfResources
 
 from longserve.kernels import dense_gemm
 from longserve.kernels.tune_gemv import rotating_weights
@@ -42,7 +43,10 @@ def bench(m: int, n: int, k: int, device: torch.device) -> dict:
     best = (float("inf"), None)
     for bn, stages, split in itertools.product(SWEEP["BLOCK_N"], SWEEP["num_stages"], SWEEP["split"]):
         cfg = {"BLOCK_N": bn, "num_stages": stages, "SPLIT_K": max(1, round(default["SPLIT_K"] * split))}
-        got = dense_gemm.dense_gemm(x, w, config=cfg).float()
+        try:
+            got = dense_gemm.dense_gemm(x, w, config=cfg).float()
+        except OutOfResources:  # 128 rows, BLOCK_N 128, 4 stages: 256 KB of smem (H200: 227)
+            continue
         err = ((got - want).norm() / want.norm()).item()
         if not err < 1e-2:
             raise RuntimeError(f"{cfg}: relative error {err:.2e} against F.linear")

@@ -164,3 +164,26 @@ def test_engine_through_pieces_equals_plain(ckpt):
     got = [o.token_ids for o in llm.generate(prompts, params)]
     assert got == plain and pieces.num_runs > 3
     llm.engine.check_integrity()
+
+
+def test_a_failed_capture_leaves_the_steps_eager(model_and_hf, monkeypatch, caplog):
+    """On by default, the pieces must never keep a server from starting: a capture that raises (a model whose
+    dense parts hold a host sync, say) gives no runner and a warning naming the error; one that works gives the
+    runner."""
+    from longserve.runner import cuda_graph
+
+    model, _ = model_and_hf
+    cache = KVCache(model.num_layers, 8, PAGE, model.num_kv_heads, model.head_dim, torch.float32, "cpu")
+    shape = graph_shape(model, 4 * PAGE)
+
+    def fail(self, pool=None):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(PiecewiseGraphRunner, "capture", fail)
+    with caplog.at_level("WARNING", logger="longserve.runner.cuda_graph"):
+        assert cuda_graph.capture_pieces(model, cache, shape, 64, pool=None) is None
+    assert "operation not permitted when stream is capturing" in caplog.text
+    assert "--piecewise-cuda-graph-max-tokens 0" in caplog.text
+    monkeypatch.setattr(PiecewiseGraphRunner, "capture", lambda self, pool=None: None)
+    runner = cuda_graph.capture_pieces(model, cache, shape, 64, pool=None)
+    assert isinstance(runner, PiecewiseGraphRunner) and runner.max_tokens == 64
