@@ -23,6 +23,15 @@ __all__ = ["choose_num_splits", "decode_attention", "decode_attention_ref", "dec
 MIN_KEYS_PER_SPLIT = 512  # below this a split's fixed cost outweighs the parallelism it buys
 MAX_SPLITS = 64
 PROGRAMS_PER_SM = 4  # enough resident programs per SM to keep loads in flight
+# The program that stores a (request, kv head)'s last partial merges that kv head's splits (a counter per
+# pair, zero between launches: quant_gemv.SPLIT_K_SERIAL_REDUCE's scheme) instead of a merge launch after the
+# kernel: one launch fewer a layer in every split decode step (32 a step of the 8B shape; with the GEMVs'
+# serial sums the FP8 batch-1 step went 4.38 -> 4.28 ms for 128 launches). Its sums over the splits run in
+# split order, the merge kernel's in a tree: equal to fp32 rounding, not bit for bit. Off until measured on a
+# GPU (`gpu_check.sh decode-merge`).
+DECODE_SERIAL_MERGE = False
+MERGE_LOCKS = 1 << 14  # counters per device: (request, kv head) pairs of one launch; more merge apart
+_MERGE_LOCKS: dict[torch.device, torch.Tensor] = {}
 
 
 @fast_launch
@@ -35,6 +44,8 @@ def _decode_split_kernel(
     page_table_ptr,  # [B, max_pages]
     mid_o_ptr,  # [B, Hq, splits, D] fp32, or the output [B, Hq, D] when not SPLIT
     mid_lse_ptr,  # [B, Hq, splits] fp32 (unused when not SPLIT)
+    out_ptr,  # [B, Hq, D]: the merged output (SERIAL only)
+    lock_ptr,  # [>= B * Hkv] int32 counters, zero between launches (SERIAL only)
     stride_qb,
     stride_qh,
     stride_slot,
@@ -43,6 +54,8 @@ def _decode_split_kernel(
     stride_ob,
     stride_oh,
     stride_os,
+    stride_rb,  # out's strides (SERIAL only)
+    stride_rh,
     qk_scale,  # softmax scale * log2(e) * K's fp8 scale (1.0 for a 16-bit cache)
     v_scale,  # V's fp8 scale (1.0 for a 16-bit cache): the output is linear in V
     window,
@@ -53,6 +66,7 @@ def _decode_split_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,  # more than one split (grid dim 2): partials, merged by a second kernel
+    SERIAL: tl.constexpr,  # SPLIT, merged by each (request, kv head)'s last program instead (DECODE_SERIAL_MERGE)
     HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -119,6 +133,34 @@ def _decode_split_kernel(
         tl.store(mid_o_ptr + row[:, None] + offs_d[None, :], out, mask=out_mask)
         lse_offs = (req.to(tl.int64) * tl.num_programs(1) * GROUP + heads) * num_splits + split  # [BLOCK_H]
         tl.store(mid_lse_ptr + lse_offs, lse, mask=h_valid)
+        if SERIAL:
+            # the CTA's stores before the counter's release (acq_rel, GPU scope); the last program's loads
+            # after its acquire, from L2 (.cg)
+            tl.debug_barrier()
+            lock = lock_ptr + req * tl.num_programs(1) + kv_head
+            if tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+                first = (req.to(tl.int64) * tl.num_programs(1) * GROUP + heads) * num_splits  # [BLOCK_H]
+                m_all = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+                for s in range(0, num_splits):
+                    m_all = tl.maximum(
+                        m_all, tl.load(mid_lse_ptr + first + s, mask=h_valid, other=0.0, cache_modifier=".cg")
+                    )
+                merged = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+                w_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
+                part = req.to(tl.int64) * stride_ob + heads * stride_oh  # [BLOCK_H]
+                for s in range(0, num_splits):  # in split order; empty splits (lse -inf) weigh 0
+                    w = tl.exp2(
+                        tl.load(mid_lse_ptr + first + s, mask=h_valid, other=0.0, cache_modifier=".cg")
+                        - m_all
+                    )
+                    o_s = tl.load(mid_o_ptr + (part + s * stride_os)[:, None] + offs_d[None, :], mask=out_mask,
+                                  other=0.0, cache_modifier=".cg")  # fmt: skip
+                    merged += o_s * w[:, None]
+                    w_sum += w
+                merged = merged / tl.where(h_valid, w_sum, 1.0)[:, None]  # [BLOCK_H, BLOCK_D]
+                r_offs = req.to(tl.int64) * stride_rb + heads[:, None] * stride_rh + offs_d[None, :]
+                tl.store(out_ptr + r_offs, merged.to(out_ptr.dtype.element_ty), mask=out_mask)
+                tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
 def choose_num_splits(max_seq_len: int, num_reqs: int, num_kv_heads: int, num_sms: int = 132) -> int:
@@ -186,17 +228,30 @@ def decode_attention(
         mid_o = torch.empty(num_reqs, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         mid_lse = torch.empty(num_reqs, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
         strides = (mid_o.stride(0), mid_o.stride(1), mid_o.stride(2))
+    locks = merge_locks(num_reqs * num_kv_heads, q.device) if num_splits > 1 else None
     pdl = use_pdl(q)
     _decode_split_kernel[(num_reqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, seq_lens, page_table, mid_o, mid_lse,
+        q, k_cache, v_cache, seq_lens, page_table, mid_o, mid_lse, out, locks if locks is not None else out,
         q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(2), page_table.stride(0), *strides,
-        scale * math.log2(math.e) * k_scale, v_scale, sliding_window or 0,
+        out.stride(0), out.stride(1), scale * math.log2(math.e) * k_scale, v_scale, sliding_window or 0,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), PAGE_SIZE=page_size,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=cfg["BLOCK_N"], SPLIT=num_splits > 1,
-        HAS_WINDOW=sliding_window is not None,
+        SERIAL=locks is not None, HAS_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", USE_PDL=pdl,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=pdl,
     )  # fmt: skip
-    if num_splits > 1:
+    if num_splits > 1 and locks is None:
         merge_splits(mid_o, mid_lse, out)
     return out
+
+
+def merge_locks(pairs: int, device: torch.device) -> torch.Tensor | None:
+    """The device's merge counters when DECODE_SERIAL_MERGE is on and they cover `pairs` (request, kv head)
+    pairs, else None (a merge launch). Shared by every decode launch of the device: they run one at a time (one
+    compute stream, graph replays on it; a PDL launch waits for the kernel before it first)."""
+    if not DECODE_SERIAL_MERGE or pairs > MERGE_LOCKS:
+        return None
+    locks = _MERGE_LOCKS.get(device)
+    if locks is None:
+        locks = _MERGE_LOCKS[device] = torch.zeros(MERGE_LOCKS, dtype=torch.int32, device=device)
+    return locks

@@ -218,3 +218,67 @@ def test_split_counts_share_one_compiled_kernel() -> None:
         torch.testing.assert_close(out.float(), expected, atol=TOL, rtol=TOL)
     after = (variants(ext._extend_kernel), variants(dec._decode_split_kernel))
     assert after[0] - before[0] <= 1 and after[1] == before[1], (before, after)
+
+
+@pytest.mark.parametrize("batch,context", [(1, 32768), (16, 8192), (64, 4096)])
+def test_decode_serial_merge_on_the_gpu(batch: int, context: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """decode_attention.DECODE_SERIAL_MERGE at the 8B decode shapes and the engine's split counts: the
+    two-launch output to a bf16 rounding step (fp32 sums in another order), the fp32 reference's, again after
+    50 launches back to back (the counters back at zero), from a CUDA graph replayed for new queries, PDL on and
+    off; both paths' times printed."""
+    from longserve.kernels import decode_attention as dec
+    from longserve.kernels import launch
+    from longserve.platform import cuda_graph_time_ms
+
+    page = 16
+    num_pages = batch * context // page + 1
+    gen = torch.Generator(device="cuda").manual_seed(batch)
+    k_cache = torch.randn(num_pages, page, NUM_KV_HEADS, HEAD_DIM, device="cuda", generator=gen).bfloat16()
+    v_cache = torch.randn(num_pages, page, NUM_KV_HEADS, HEAD_DIM, device="cuda", generator=gen).bfloat16()
+    pages = torch.randperm(num_pages - 1, device="cuda", generator=gen)[: batch * (context // page)] + 1
+    table = pages.view(batch, context // page).int()
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    seq_lens[0] = context - 37  # a request whose last split holds fewer keys
+    q = torch.randn(batch, NUM_Q_HEADS, HEAD_DIM, device="cuda", generator=gen).bfloat16()
+    splits = dec.choose_num_splits(
+        context, batch, NUM_KV_HEADS, torch.cuda.get_device_properties(0).multi_processor_count
+    )
+    assert splits > 1
+    run = lambda: dec.decode_attention(
+        q, k_cache, v_cache, seq_lens, table, page, HEAD_DIM**-0.5, None, splits
+    )  # noqa: E731
+    want = run()
+    ref = dec.decode_attention_ref(
+        q.float(), k_cache.float(), v_cache.float(), seq_lens, table, page, HEAD_DIM**-0.5, None, splits
+    )
+    torch.testing.assert_close(want.float(), ref, atol=TOL, rtol=TOL)
+    two_launch_us = cuda_graph_time_ms(run, 2, 20, 5) * 1e3
+    monkeypatch.setattr(dec, "DECODE_SERIAL_MERGE", True)
+    bf16_step = 2**-7  # relative
+    for pdl in (False, True):
+        monkeypatch.setattr(launch, "PDL", pdl)
+        for _ in range(50):
+            out = run()
+        torch.testing.assert_close(out, want, atol=bf16_step, rtol=bf16_step)
+        assert not dec._MERGE_LOCKS[q.device].any()
+    outs: dict[str, torch.Tensor] = {}
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs["o"] = run()
+    q.copy_(torch.randn(q.shape, device="cuda", generator=gen))
+    monkeypatch.setattr(dec, "DECODE_SERIAL_MERGE", False)
+    fresh = run()
+    monkeypatch.setattr(dec, "DECODE_SERIAL_MERGE", True)
+    for _ in range(3):
+        graph.replay()
+    torch.testing.assert_close(outs["o"], fresh, atol=bf16_step, rtol=bf16_step)
+    assert not dec._MERGE_LOCKS[q.device].any()
+    serial_us = cuda_graph_time_ms(run, 2, 20, 5) * 1e3
+    print(
+        f"\ndecode b{batch}@{context} ({splits} splits): kernel + merge {two_launch_us:.1f} us, in-kernel merge {serial_us:.1f} us"
+    )

@@ -30,6 +30,7 @@ from longserve.kernels.extend_attention import (  # noqa: E402
     extend_attention,
     extend_attention_ref,
     extend_config,
+    merge_splits,
 )
 from longserve.platform import ATTENTION_BACKENDS  # noqa: E402
 
@@ -183,6 +184,34 @@ def test_decode_more_splits_than_keys() -> None:
         meta.page_size, 1, step.scale,
     )  # fmt: skip
     torch.testing.assert_close(out, expected, atol=ATOL, rtol=ATOL)
+
+
+@pytest.mark.parametrize("sliding_window", [None, 6])
+def test_decode_serial_merge_equals_the_merge_launch(monkeypatch, sliding_window) -> None:
+    """decode_attention.DECODE_SERIAL_MERGE: each (request, kv head)'s last split program merges the partials
+    in the kernel, and no merge kernel runs: the two-launch output to fp32 rounding (the splits are summed in
+    order there, in a tree here), the reference's, the counters back at zero after every launch, empty splits
+    (more splits than a short request has keys) weighed 0. fp32 (the interpreter's bf16 dots are not the
+    GPU's; tests/gpu/test_attention_gpu.py has bf16)."""
+    from longserve.kernels import decode_attention as da
+
+    step = Step([0, 2, 40, 100], [1, 1, 1, 1], 4, (4, 2), 16, seed=7)
+    meta = step.meta
+    step.cache.store(0, meta.slot_mapping, step.k, step.v)
+    k_cache, v_cache = step.cache.k[0], step.cache.v[0]
+    args = (step.q, k_cache, v_cache, meta.seq_lens, meta.page_table, meta.page_size, step.scale)
+    two = decode_attention(*args, sliding_window, 8)
+    ref = decode_attention_ref(*args, sliding_window, 8)
+    monkeypatch.setattr(da, "DECODE_SERIAL_MERGE", True)
+    monkeypatch.setattr(da, "merge_splits", lambda *a: pytest.fail("the merge kernel ran"))
+    for _ in range(3):  # the counters a launch leaves serve the next
+        one = decode_attention(*args, sliding_window, 8)
+        torch.testing.assert_close(one, two, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(one, ref, atol=ATOL, rtol=ATOL)
+        assert int(da._MERGE_LOCKS[torch.device("cpu")].count_nonzero()) == 0
+    monkeypatch.setattr(da, "MERGE_LOCKS", 4)  # 4 requests x 2 kv heads: more pairs than counters
+    monkeypatch.setattr(da, "merge_splits", merge_splits)
+    torch.testing.assert_close(decode_attention(*args, sliding_window, 8), two, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])

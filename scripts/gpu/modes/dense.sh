@@ -10,6 +10,10 @@
 # 64 / 512 / 1024 hits (issue 19's >= 100x: 95.6x eager) with --piecewise-cuda-graph-max-tokens 0 and 4096.
 # pdl (one GPU, ~8 min): programmatic dependent launch off and on: its GPU tests (outputs unchanged, the kernels
 # compiled for it), the 8B shape's decode (bf16 at batch 1 (32K) and 64 (4K), FP8 blocks and GPTQ int4 at batch 1).
+# decode-merge (one GPU, ~6 min): the decode attention's splits merged by each (request, kv head)'s last program
+# (decode_attention.DECODE_SERIAL_MERGE, off) instead of a merge launch: its GPU test (the 8B shapes, graphs,
+# PDL, both times), then the 8B decode at batch 1 (32K), 16 (8K) and 64 (4K) in bf16 and at batch 1 in FP8
+# blocks, off and on, one process each.
 # hit-pdl (one GPU, ~4 min): issue 19's prefix hit (32K cached + 64 new; 90.5x the cold 32K at 0949067, 98.7x at
 # e9be5b7) with PDL off and on (its 64-token graph's norms and rotary launch with it), 7 runs each, then
 # scripts/probes/probe_hit.py (host segments and the forward's device time, PDL on).
@@ -149,6 +153,21 @@ if [[ $MODE == dense-gemm ]]; then  # one GPU (~6 min): the Triton skinny GEMM a
       -- longserve.bench.latency --config llama-3.1-8b --load-format dummy --dtype bfloat16 --warmup 1 --repeat 3 \
       --decode-batch-sizes 16@8192,64@4096 --output-json "$OUT/latency_dense_gemm_$max.json" 2>&1 \
       | tee "$OUT/latency_dense_gemm_$max.log" | grep -E "^decode" | sed "s/^/DENSE_GEMM_TRITON_MAX_TOKENS=$max /"
+  done
+fi
+
+if [[ $MODE == decode-merge ]]; then  # one GPU (~6 min): the decode attention's merge in the kernel, off and on
+  python3 -m pytest -q -s -m gpu tests/gpu/test_attention_gpu.py -k serial_merge -p no:cacheprovider --tb=short -rfE \
+    2>&1 | tee "$OUT/gpu_tests_decode_merge.log" | grep -E "in-kernel merge|passed|failed" || status=1
+  for variant in bf16 fp8; do
+    q=(); sizes=1@32768,16@8192,64@4096
+    [[ $variant == fp8 ]] && { q=(--hf-overrides "$fp8"); sizes=1@32768; }
+    for serial in False True; do
+      timeout 240 python3 scripts/probes/with_constants.py longserve.kernels.decode_attention.DECODE_SERIAL_MERGE=$serial \
+        -- longserve.bench.latency --config llama-3.1-8b --load-format dummy --dtype bfloat16 --warmup 1 --repeat 3 \
+        ${q[@]+"${q[@]}"} --decode-batch-sizes $sizes --output-json "$OUT/latency_merge_${variant}_$serial.json" 2>&1 \
+        | tee "$OUT/latency_merge_${variant}_$serial.log" | grep -E "^decode" | sed "s/^/$variant SERIAL_MERGE=$serial /"
+    done
   done
 fi
 
