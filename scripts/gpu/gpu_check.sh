@@ -30,6 +30,22 @@ status=0
 # modes pass it: --hf-overrides "$fp8"
 fp8='{"quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}}'
 
+# latency_with NAME LABEL [module.CONSTANT=VALUE ...] -- ARGS...: `longserve.bench.latency ARGS` in its own process
+# with those module constants set (scripts/probes/with_constants.py), within $LATENCY_TIMEOUT s (240), its JSON and
+# log kept as $OUT/latency_NAME.{json,log}; the log's lines matching $LATENCY_LINES (the cases' result lines)
+# printed behind LABEL. The modes' A/B measurements of a switch are loops over it.
+latency_with() {
+  local name=$1 label=$2 consts=()
+  shift 2
+  while (( $# )) && [[ $1 != -- ]]; do consts+=("$1"); shift; done
+  shift
+  timeout "${LATENCY_TIMEOUT:-240}" python3 scripts/probes/with_constants.py ${consts[@]+"${consts[@]}"} -- \
+    longserve.bench.latency "$@" --output-json "$OUT/latency_$name.json" 2>&1 | tee "$OUT/latency_$name.log" \
+    | grep -E "${LATENCY_LINES:-^(cold|prefix|decode)}" | sed "s/^/${label:+$label }/"
+}
+# the dummy-weight bf16 runs every A/B measures
+dummy=(--load-format dummy --dtype bfloat16 --warmup 1)
+
 for part in dense moe quant; do
   # shellcheck source=/dev/null
   source "scripts/gpu/modes/$part.sh"  # each runs the blocks of MODE it holds, setting status=1 on a failure

@@ -149,10 +149,9 @@ if [[ $MODE == dense-gemm ]]; then  # one GPU (~6 min): the Triton skinny GEMM a
   timeout 240 python3 scripts/gpu/bench_dense_gemm.py --tokens 16,64,128 --json "$OUT/bench_dense_gemm.json" 2>&1 \
     | tee "$OUT/bench_dense_gemm.log" | grep -E "^M=" || status=1
   for max in 0 128; do
-    timeout 200 python3 scripts/probes/with_constants.py longserve.kernels.dense_gemm.DENSE_GEMM_TRITON_MAX_TOKENS=$max \
-      -- longserve.bench.latency --config llama-3.1-8b --load-format dummy --dtype bfloat16 --warmup 1 --repeat 3 \
-      --decode-batch-sizes 16@8192,64@4096 --output-json "$OUT/latency_dense_gemm_$max.json" 2>&1 \
-      | tee "$OUT/latency_dense_gemm_$max.log" | grep -E "^decode" | sed "s/^/DENSE_GEMM_TRITON_MAX_TOKENS=$max /"
+    LATENCY_TIMEOUT=200 latency_with dense_gemm_$max "DENSE_GEMM_TRITON_MAX_TOKENS=$max" \
+      longserve.kernels.dense_gemm.DENSE_GEMM_TRITON_MAX_TOKENS=$max -- \
+      --config llama-3.1-8b "${dummy[@]}" --repeat 3 --decode-batch-sizes 16@8192,64@4096
   done
 fi
 
@@ -163,20 +162,17 @@ if [[ $MODE == decode-merge ]]; then  # one GPU (~6 min): the decode attention's
     q=(); sizes=1@32768,16@8192,64@4096
     [[ $variant == fp8 ]] && { q=(--hf-overrides "$fp8"); sizes=1@32768; }
     for serial in False True; do
-      timeout 240 python3 scripts/probes/with_constants.py longserve.kernels.decode_attention.DECODE_SERIAL_MERGE=$serial \
-        -- longserve.bench.latency --config llama-3.1-8b --load-format dummy --dtype bfloat16 --warmup 1 --repeat 3 \
-        ${q[@]+"${q[@]}"} --decode-batch-sizes $sizes --output-json "$OUT/latency_merge_${variant}_$serial.json" 2>&1 \
-        | tee "$OUT/latency_merge_${variant}_$serial.log" | grep -E "^decode" | sed "s/^/$variant SERIAL_MERGE=$serial /"
+      latency_with merge_${variant}_$serial "$variant SERIAL_MERGE=$serial" \
+        longserve.kernels.decode_attention.DECODE_SERIAL_MERGE=$serial -- \
+        --config llama-3.1-8b "${dummy[@]}" --repeat 3 ${q[@]+"${q[@]}"} --decode-batch-sizes $sizes
     done
   done
 fi
 
 if [[ $MODE == hit-pdl ]]; then  # one GPU (~4 min): the prefix hit with PDL off and on, then where its time goes
   for pdl in False True; do
-    timeout 200 python3 scripts/probes/with_constants.py longserve.kernels.launch.PDL=$pdl -- longserve.bench.latency \
-      --config llama-3.1-8b --load-format dummy --dtype bfloat16 --warmup 1 --repeat 7 --prefix-hit 32768:64 \
-      --output-json "$OUT/latency_hit_pdl_$pdl.json" 2>&1 | tee "$OUT/latency_hit_pdl_$pdl.log" | grep -E "^prefix" \
-      | sed "s/^/PDL=$pdl /"
+    LATENCY_TIMEOUT=200 latency_with hit_pdl_$pdl "PDL=$pdl" longserve.kernels.launch.PDL=$pdl -- --config \
+      llama-3.1-8b "${dummy[@]}" --repeat 7 --prefix-hit 32768:64
   done
   timeout 200 python3 scripts/probes/probe_hit.py 2>&1 | grep -vE "^\[bench|INFO|WARNING" | tee "$OUT/probe_hit.log" | tail -16
 fi
@@ -256,9 +252,8 @@ fi
 if [[ $MODE == fusions ]]; then  # one GPU: the prefix read in place against gathered, and the rotary kernel
   # storing K/V against the backend's stores, each switched off against both on (one process per setting)
   for c in longserve.attention.sdpa.PREFIX_PAGES_AS_VIEW=False longserve.models.rope.FUSE_KV_STORE=False; do
-    python3 scripts/probes/with_constants.py $c -- longserve.bench.latency --config llama-3.1-8b --load-format dummy \
-      --dtype bfloat16 --warmup 1 --repeat 2 --prompt-lens 32768,131072 --decode-batch-sizes 1@32768,64@4096 \
-      --output-json "$OUT/latency_8b_${c##*.}.json" 2>&1 | tee "$OUT/latency_8b_${c##*.}.log" | grep -E "^(cold|decode)"
+    latency_with 8b_${c##*.} "" $c -- --config llama-3.1-8b "${dummy[@]}" --repeat 2 --prompt-lens 32768,131072 \
+      --decode-batch-sizes 1@32768,64@4096
   done
   python3 -m longserve.bench.latency --config llama-3.1-8b --load-format dummy --dtype bfloat16 --warmup 1 \
     --repeat 2 --prompt-lens 32768,131072 --decode-batch-sizes 1@32768,64@4096 \
@@ -274,10 +269,8 @@ if [[ $MODE == pdl ]]; then  # one GPU (~8 min): programmatic dependent launch (
     q=(); [[ $variant == fp8 ]] && q=(--hf-overrides "$fp8"); [[ $variant == int4 ]] && q=(--quantization gptq)
     cases=(--decode-batch-sizes 1@32768); [[ $variant == bf16 ]] && cases=(--decode-batch-sizes 1@32768,64@4096)
     for pdl in False True; do
-      timeout 240 python3 scripts/probes/with_constants.py longserve.kernels.launch.PDL=$pdl -- longserve.bench.latency \
-        --config llama-3.1-8b --load-format dummy --dtype bfloat16 --warmup 1 --repeat 2 ${q[@]+"${q[@]}"} "${cases[@]}" \
-        --output-json "$OUT/latency_pdl_${variant}_$pdl.json" 2>&1 | tee "$OUT/latency_pdl_${variant}_$pdl.log" \
-        | grep -E "^(cold|decode)" | sed "s/^/$variant PDL=$pdl /"
+      latency_with pdl_${variant}_$pdl "$variant PDL=$pdl" longserve.kernels.launch.PDL=$pdl -- --config \
+        llama-3.1-8b "${dummy[@]}" --repeat 2 ${q[@]+"${q[@]}"} "${cases[@]}"
     done
   done
 fi
@@ -286,14 +279,13 @@ if [[ $MODE == decode-splits ]]; then  # one GPU (~4 min): the decode attention'
   # (decode_attention.PROGRAMS_PER_SM 2 / 3 against the default 4): at batch 64 (4K) 3 leaves one split (512
   # programs, no merge kernel) where 4 makes two (1,024 programs and a merge); at batch 1 (32K) 50 splits for 64
   for p in 2 3 4; do
-    timeout 200 python3 scripts/probes/with_constants.py longserve.kernels.decode_attention.PROGRAMS_PER_SM=$p -- \
-      longserve.bench.latency --config llama-3.1-8b --load-format dummy --dtype bfloat16 --warmup 1 --repeat 3 \
-      --decode-batch-sizes 1@32768,16@8192,64@4096 --output-json "$OUT/latency_splits_$p.json" 2>&1 \
-      | tee "$OUT/latency_splits_$p.log" | grep -E "^decode" | sed "s/^/PROGRAMS_PER_SM=$p /"
+    LATENCY_TIMEOUT=200 latency_with splits_$p "PROGRAMS_PER_SM=$p" longserve.kernels.decode_attention.PROGRAMS_PER_SM=$p \
+      -- \
+      --config llama-3.1-8b "${dummy[@]}" --repeat 3 --decode-batch-sizes 1@32768,16@8192,64@4096
   done
 fi
 
-if [[ $MODE == piecewise ]]; then  # one GPU, ~6 min: piecewise CUDA graphs (off by default) against eager steps
+if [[ $MODE == piecewise ]]; then  # one GPU, ~6 min: piecewise CUDA graphs (on by default) against eager steps
   python3 -m pytest -q -m gpu tests/gpu/test_engine_gpu.py -k piecewise -p no:cacheprovider --tb=short -rfE 2>&1 \
     | tee "$OUT/gpu_tests.log" | tail -4 || status=1
   for pw in 0 4096; do  # mixed steps (step_timeline: A's first token) and lone short prompts, off and on
@@ -318,10 +310,9 @@ if [[ $MODE == short-plans ]]; then  # one GPU, ~4 min: cuDNN plans for 1-4K new
   # builds, without and with them (the 8B shape; hits over 32K and 64K)
   for rows in "()" "(1024, 2048, 4096)"; do
     tag=$([[ $rows == "()" ]] && echo off || echo on)
-    timeout 240 python3 scripts/probes/with_constants.py "longserve.attention.sdpa_shapes.SHORT_QUERY_ROWS=$rows" -- \
-      longserve.bench.latency --config llama-3.1-8b --load-format dummy --dtype bfloat16 --warmup 1 --repeat 3 \
-      --prompt-lens 32768 --prefix-hit 32768:64,32768:1024,32768:2048,32768:4096,65536:1024 \
-      --output-json "$OUT/latency_8b_short_plans_$tag.json" 2>&1 | tee "$OUT/latency_8b_short_plans_$tag.log" \
-      | grep -E "^(cold|prefix)|built [0-9]+ cuDNN" | sed "s/^/$tag: /"
+    LATENCY_LINES="^(cold|prefix)|built [0-9]+ cuDNN" latency_with 8b_short_plans_$tag "$tag:" \
+      "longserve.attention.sdpa_shapes.SHORT_QUERY_ROWS=$rows" -- \
+      --config llama-3.1-8b "${dummy[@]}" --repeat 3 --prompt-lens 32768 --prefix-hit \
+      32768:64,32768:1024,32768:2048,32768:4096,65536:1024
   done
 fi

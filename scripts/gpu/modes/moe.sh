@@ -22,9 +22,8 @@ if [[ $MODE == fusions-a3b ]]; then  # one GPU: the Qwen3-30B-A3B shape's decode
   # batch 1) with the q/k norms and the K/V store fused into the rotary kernel, each off against both on
   for c in longserve.models.rope.FUSE_QK_NORM=False longserve.models.rope.FUSE_KV_STORE=False \
            longserve.models.rope.FUSE_KV_STORE=True; do
-    python3 scripts/probes/with_constants.py $c -- longserve.bench.latency --config qwen3-30b-a3b --load-format dummy \
-      --dtype bfloat16 --warmup 1 --repeat 3 --decode-batch-sizes 1@4096,64@4096 \
-      --output-json "$OUT/latency_a3b_${c##*.}.json" 2>&1 | tee "$OUT/latency_a3b_${c##*.}.log" | grep -E "^decode"
+    latency_with a3b_${c##*.} "" $c -- --config qwen3-30b-a3b "${dummy[@]}" --repeat 3 --decode-batch-sizes \
+      1@4096,64@4096
   done
 fi
 
@@ -81,11 +80,10 @@ if [[ $MODE == moe-grouped ]]; then  # one GPU, ~5 min: the grouped int4 MoE ker
   python3 -m pytest -q -m gpu tests/gpu/test_quant_kernels_gpu.py -k "int4_experts" -s -p no:cacheprovider \
     --tb=short -rfE 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "int4 experts|passed|failed" || status=1
   for grouped in None 2; do  # the A3B int4 decode at batch 8 and 64 (4K) through the GEMV, then grouped
-    timeout 120 python3 scripts/probes/with_constants.py \
-      longserve.kernels.moe_wna16.MOE_WNA16_GROUPED_MIN_TOKENS=$grouped -- longserve.bench.latency \
+    LATENCY_TIMEOUT=120 latency_with a3b_int4_grouped$grouped "" \
+      longserve.kernels.moe_wna16.MOE_WNA16_GROUPED_MIN_TOKENS=$grouped -- \
       --config qwen3-30b-a3b --load-format dummy --dtype bfloat16 --quantization gptq --warmup 1 --repeat 3 \
-      --decode-batch-sizes 8@4096,64@4096 --output-json "$OUT/latency_a3b_int4_grouped$grouped.json" 2>&1 \
-      | tee "$OUT/latency_a3b_int4_grouped$grouped.log" | grep -E "^decode" || status=1
+      --decode-batch-sizes 8@4096,64@4096 || status=1
   done
 fi
 
@@ -95,9 +93,7 @@ if [[ $MODE == moe-gemv ]]; then  # one GPU, ~4 min: the small-batch MoE kernels
   a3b=(--config qwen3-30b-a3b --load-format dummy --dtype bfloat16 --warmup 1 --repeat 3
        --decode-batch-sizes 1@32768,1@4096,8@4096)
   for switch in MOE_GEMV_MAX_TOKENS=0 MOE_SUM_TRITON_MAX_TOKENS=64; do
-    timeout 150 python3 scripts/probes/with_constants.py longserve.kernels.fused_moe.$switch \
-      -- longserve.bench.latency "${a3b[@]}" --output-json "$OUT/latency_a3b_${switch%%=*}.json" 2>&1 \
-      | tee "$OUT/latency_a3b_${switch%%=*}.log" | grep -E "^decode"
+    LATENCY_TIMEOUT=150 latency_with a3b_${switch%%=*} "" longserve.kernels.fused_moe.$switch -- "${a3b[@]}"
   done
 fi
 
@@ -107,10 +103,8 @@ if [[ $MODE == pdl-moe ]]; then  # one GPU (~6 min): PDL off/on for the A3B deco
   for variant in bf16 fp8 int4; do
     q=(); [[ $variant == fp8 ]] && q=(--hf-overrides "$fp8"); [[ $variant == int4 ]] && q=(--quantization gptq)
     for pdl in False True; do
-      timeout 240 python3 scripts/probes/with_constants.py longserve.kernels.launch.PDL=$pdl -- longserve.bench.latency \
-        --config qwen3-30b-a3b --load-format dummy --dtype bfloat16 --warmup 1 --repeat 3 ${q[@]+"${q[@]}"} \
-        --decode-batch-sizes 1@32768 --output-json "$OUT/latency_pdl_a3b_${variant}_$pdl.json" 2>&1 \
-        | tee "$OUT/latency_pdl_a3b_${variant}_$pdl.log" | grep -E "^decode" | sed "s/^/A3B $variant PDL=$pdl /"
+      latency_with pdl_a3b_${variant}_$pdl "A3B $variant PDL=$pdl" longserve.kernels.launch.PDL=$pdl -- --config \
+        qwen3-30b-a3b "${dummy[@]}" --repeat 3 ${q[@]+"${q[@]}"} --decode-batch-sizes 1@32768
     done
   done
 fi

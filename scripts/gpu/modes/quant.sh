@@ -130,19 +130,16 @@ if [[ $MODE == quant-decode ]]; then  # one GPU, ~8 min: the int4 and FP8 decode
   timeout 100 python3 scripts/gpu/bench_quant_kernels.py --tokens 1,2,4,8,16 \
     --output-json "$OUT/kernels_quant_decode.json" 2>&1 | tee "$OUT/kernels_quant_decode.log" | grep -E "crossover|beats"
   for limit in 0 16; do
-    timeout 80 python3 scripts/probes/with_constants.py longserve.kernels.quant_gemm.WNA16_GEMV_MAX_TOKENS=$limit \
-      -- longserve.bench.latency --config llama-3.1-8b --load-format dummy --dtype bfloat16 --quantization gptq \
-      --warmup 1 --repeat 3 --decode-batch-sizes 1@32768,64@4096 --output-json "$OUT/latency_int4_gemv$limit.json" \
-      2>&1 | tee "$OUT/latency_int4_gemv$limit.log" | grep -E "^decode" || status=1
-    timeout 80 python3 scripts/probes/with_constants.py longserve.kernels.quant_fp8.FP8_GEMV_MAX_TOKENS=$limit \
-      -- longserve.bench.latency --config llama-3.1-8b --load-format dummy --dtype bfloat16 --hf-overrides "$fp8" \
-      --warmup 1 --repeat 3 --decode-batch-sizes 1@32768,64@4096 --output-json "$OUT/latency_fp8_gemv$limit.json" \
-      2>&1 | tee "$OUT/latency_fp8_gemv$limit.log" | grep -E "^decode" || status=1
+    LATENCY_TIMEOUT=80 latency_with int4_gemv$limit "" longserve.kernels.quant_gemm.WNA16_GEMV_MAX_TOKENS=$limit -- \
+      --config llama-3.1-8b --load-format dummy --dtype bfloat16 --quantization gptq --warmup 1 --repeat 3 \
+      --decode-batch-sizes 1@32768,64@4096 || status=1
+    LATENCY_TIMEOUT=80 latency_with fp8_gemv$limit "" longserve.kernels.quant_fp8.FP8_GEMV_MAX_TOKENS=$limit -- \
+      --config llama-3.1-8b --load-format dummy --dtype bfloat16 --hf-overrides "$fp8" --warmup 1 --repeat 3 \
+      --decode-batch-sizes 1@32768,64@4096 || status=1
     # per-channel FP8 (--quantization fp8: the bf16 weights quantized at load, as vLLM does), batch 1
-    timeout 70 python3 scripts/probes/with_constants.py longserve.kernels.quant_fp8.FP8_GEMV_MAX_TOKENS=$limit \
-      -- longserve.bench.latency --config llama-3.1-8b --load-format dummy --dtype bfloat16 --quantization fp8 \
-      --warmup 1 --repeat 3 --decode-batch-sizes 1@32768 --output-json "$OUT/latency_fp8ch_gemv$limit.json" \
-      2>&1 | tee "$OUT/latency_fp8ch_gemv$limit.log" | grep -E "^decode" || status=1
+    LATENCY_TIMEOUT=70 latency_with fp8ch_gemv$limit "" longserve.kernels.quant_fp8.FP8_GEMV_MAX_TOKENS=$limit -- \
+      --config llama-3.1-8b --load-format dummy --dtype bfloat16 --quantization fp8 --warmup 1 --repeat 3 \
+      --decode-batch-sizes 1@32768 || status=1
   done
 fi
 
@@ -154,10 +151,9 @@ if [[ $MODE == raw-hi ]]; then  # one GPU, ~4 min: the int4 GEMVs' unmasked high
       | sed "s/^/raw_hi=$raw: /"
     for run in "llama-3.1-8b 1@32768" "qwen3-30b-a3b 1@32768,8@4096"; do
       read -r shape sizes <<< "$run"
-      timeout 120 python3 scripts/probes/with_constants.py longserve.kernels.int4_gemv.INT4_GEMV_RAW_HI=$raw -- \
-        longserve.bench.latency --config $shape --load-format dummy --dtype bfloat16 --quantization gptq \
-        --warmup 1 --repeat 3 --decode-batch-sizes $sizes --output-json "$OUT/latency_${shape}_int4_raw_hi$raw.json" \
-        2>&1 | tee "$OUT/latency_${shape}_int4_raw_hi$raw.log" | grep -E "^decode" | sed "s/^/$shape raw_hi=$raw: /"
+      LATENCY_TIMEOUT=120 latency_with ${shape}_int4_raw_hi$raw "$shape raw_hi=$raw:" \
+        longserve.kernels.int4_gemv.INT4_GEMV_RAW_HI=$raw -- --config $shape --load-format dummy --dtype bfloat16 \
+        --quantization gptq --warmup 1 --repeat 3 --decode-batch-sizes $sizes
     done
   done
 fi
@@ -188,10 +184,10 @@ if [[ $MODE == fp8-acc ]]; then  # one GPU, ~8 min: what full-fp32 accumulation 
   # the fp8 engine tests (their tiny models' blocks of 32-64 make 64 and None the same there)
   for acc in 0 64 None; do
     for shape in llama-3.1-8b qwen3-30b-a3b; do
-      timeout 150 python3 scripts/probes/with_constants.py longserve.kernels.quant_fp8.FP8_DOT_MAX_IMPRECISE_ACC=$acc \
-        -- longserve.bench.latency --config $shape --load-format dummy --dtype bfloat16 --hf-overrides "$fp8" \
-        --warmup 1 --repeat 3 --prompt-lens 8192,32768 --output-json "$OUT/latency_${shape}_fp8_acc_$acc.json" 2>&1 \
-        | tee "$OUT/latency_${shape}_fp8_acc_$acc.log" | grep -E "^cold"
+      LATENCY_TIMEOUT=150 latency_with ${shape}_fp8_acc_$acc "" \
+        longserve.kernels.quant_fp8.FP8_DOT_MAX_IMPRECISE_ACC=$acc -- \
+        --config $shape --load-format dummy --dtype bfloat16 --hf-overrides "$fp8" --warmup 1 --repeat 3 \
+        --prompt-lens 8192,32768
     done
     [[ $acc == 0 ]] && continue
     timeout 150 python3 scripts/probes/with_constants.py longserve.kernels.quant_fp8.FP8_DOT_MAX_IMPRECISE_ACC=$acc \
@@ -209,18 +205,17 @@ if [[ $MODE == switches ]]; then  # one GPU, ~6 min: the evidence for the switch
   for path in dequant fused gemv; do
     c=(); [[ $path == fused ]] && c=(longserve.kernels.quant_gemm.WNA16_DEQUANT_MIN_TOKENS=65)
     [[ $path == gemv ]] && c=(longserve.kernels.quant_gemm.WNA16_GEMV_MAX_TOKENS=16)
-    timeout 100 python3 scripts/probes/with_constants.py ${c[@]+"${c[@]}"} -- longserve.bench.latency \
-      --config llama-3.1-8b --load-format dummy --dtype bfloat16 --quantization gptq --warmup 1 --repeat 3 \
-      --decode-batch-sizes 1,64 --decode-context-len 4096 --output-json "$OUT/latency_int4_$path.json" 2>&1 \
-      | tee "$OUT/latency_int4_$path.log" | grep -E "^decode" || status=1
+    LATENCY_TIMEOUT=100 latency_with int4_$path "" ${c[@]+"${c[@]}"} -- --config llama-3.1-8b --load-format dummy \
+      --dtype bfloat16 --quantization gptq --warmup 1 --repeat 3 --decode-batch-sizes 1,64 --decode-context-len 4096 \
+      || status=1
   done
   # what fp32 accumulation (FP8_DOT_MAX_IMPRECISE_ACC=0, the default since 73be6a4: the engine tests fail with
   # Triton's own, None) costs the fp8 GEMMs and the 8B FP8 shape's prefill and decode
   for acc in 0 None; do
-    timeout 120 python3 scripts/probes/with_constants.py longserve.kernels.quant_fp8.FP8_DOT_MAX_IMPRECISE_ACC=$acc \
-      -- longserve.bench.latency --config llama-3.1-8b --load-format dummy --dtype bfloat16 --hf-overrides "$fp8" \
-      --warmup 1 --repeat 3 --prompt-lens 8192 --decode-batch-sizes 1@32768,64@4096 \
-      --output-json "$OUT/latency_fp8_acc_$acc.json" 2>&1 | tee "$OUT/latency_fp8_acc_$acc.log" | grep -E "^(cold|decode)"
+    LATENCY_TIMEOUT=120 latency_with fp8_acc_$acc "" longserve.kernels.quant_fp8.FP8_DOT_MAX_IMPRECISE_ACC=$acc \
+      -- \
+      --config llama-3.1-8b --load-format dummy --dtype bfloat16 --hf-overrides "$fp8" --warmup 1 --repeat 3 \
+      --prompt-lens 8192 --decode-batch-sizes 1@32768,64@4096
   done
 fi
 
@@ -234,10 +229,9 @@ if [[ $MODE == silu-quant ]]; then  # one GPU (~5 min): the FP8 activation-quant
       m=quant_fp8; [[ $kv == QUANT_VALUES_PER_PROGRAM=* ]] && m=quant_tiles; c+=("longserve.kernels.$m.$kv")
     done
     name=${setting// /_}
-    timeout 200 python3 scripts/probes/with_constants.py "${c[@]}" -- longserve.bench.latency --config llama-3.1-8b \
-      --load-format dummy --dtype bfloat16 --hf-overrides "$fp8" --warmup 1 --repeat 3 --prompt-lens 8192,32768 \
-      --decode-batch-sizes 64@4096 --output-json "$OUT/latency_fp8_${name//=/-}.json" 2>&1 \
-      | tee "$OUT/latency_fp8_${name//=/-}.log" | grep -E "^(cold|decode)" | sed "s/^/$setting: /"
+    LATENCY_TIMEOUT=200 latency_with fp8_${name//=/-} "$setting:" "${c[@]}" -- --config llama-3.1-8b --load-format \
+      dummy --dtype bfloat16 --hf-overrides "$fp8" --warmup 1 --repeat 3 --prompt-lens 8192,32768 \
+      --decode-batch-sizes 64@4096
   done
 fi
 
@@ -247,10 +241,9 @@ if [[ $MODE == serial-reduce ]]; then  # one GPU (~5 min): split-K partials summ
   for variant in fp8 int4; do
     q=(--hf-overrides "$fp8"); [[ $variant == int4 ]] && q=(--quantization gptq)
     for serial in False True; do
-      timeout 240 python3 scripts/probes/with_constants.py longserve.kernels.quant_gemv.SPLIT_K_SERIAL_REDUCE=$serial \
-        -- longserve.bench.latency --config llama-3.1-8b --load-format dummy --dtype bfloat16 --warmup 1 --repeat 3 \
-        "${q[@]}" --decode-batch-sizes 1@32768 --output-json "$OUT/latency_serial_${variant}_$serial.json" 2>&1 \
-        | tee "$OUT/latency_serial_${variant}_$serial.log" | grep -E "^decode" | sed "s/^/$variant SERIAL=$serial /"
+      latency_with serial_${variant}_$serial "$variant SERIAL=$serial" \
+        longserve.kernels.quant_gemv.SPLIT_K_SERIAL_REDUCE=$serial -- \
+        --config llama-3.1-8b "${dummy[@]}" --repeat 3 "${q[@]}" --decode-batch-sizes 1@32768
     done
   done
 fi
