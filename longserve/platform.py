@@ -158,9 +158,9 @@ def cuda_time_ms(fn: Callable[[], object], warmup: int = 5, iters: int = 20, rep
     return statistics.median(times)
 
 
-def cuda_graph_time_ms(fn: Callable[[], object], warmup: int, iters: int, repeats: int) -> float:
-    """Median device ms per call of `fn`: `iters` calls captured in one CUDA graph, replayed `repeats`
-    times, so no host launch cost (a decode-sized call is shorter than its eager launches)."""
+def capture_cuda_graph(fn: Callable[[], object], warmup: int = 1, iters: int = 1):
+    """A torch.cuda.CUDAGraph of `iters` calls of `fn`, after `warmup` eager calls on a side stream (kernels
+    compile and allocations settle outside the graph)."""
     import torch
 
     stream = torch.cuda.Stream()
@@ -173,4 +173,11 @@ def cuda_graph_time_ms(fn: Callable[[], object], warmup: int, iters: int, repeat
     with torch.cuda.graph(graph):
         for _ in range(iters):
             fn()
+    return graph
+
+
+def cuda_graph_time_ms(fn: Callable[[], object], warmup: int, iters: int, repeats: int) -> float:
+    """Median device ms per call of `fn`: `iters` calls captured in one CUDA graph, replayed `repeats`
+    times, so no host launch cost (a decode-sized call is shorter than its eager launches)."""
+    graph = capture_cuda_graph(fn, warmup, iters)
     return cuda_time_ms(graph.replay, warmup=1, iters=1, repeats=repeats) / iters

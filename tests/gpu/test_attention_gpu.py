@@ -228,7 +228,7 @@ def test_decode_serial_merge_on_the_gpu(batch: int, context: int, monkeypatch: p
     off; both paths' times printed."""
     from longserve.kernels import decode_attention as dec
     from longserve.kernels import launch
-    from longserve.platform import cuda_graph_time_ms
+    from longserve.platform import capture_cuda_graph, cuda_graph_time_ms
 
     page = 16
     num_pages = batch * context // page + 1
@@ -262,14 +262,7 @@ def test_decode_serial_merge_on_the_gpu(batch: int, context: int, monkeypatch: p
         torch.testing.assert_close(out, want, atol=bf16_step, rtol=bf16_step)
         assert not dec._MERGE_LOCKS[q.device].any()
     outs: dict[str, torch.Tensor] = {}
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs["o"] = run()
+    graph = capture_cuda_graph(lambda: outs.update(o=run()))
     q.copy_(torch.randn(q.shape, device="cuda", generator=gen))
     monkeypatch.setattr(dec, "DECODE_SERIAL_MERGE", False)
     fresh = run()

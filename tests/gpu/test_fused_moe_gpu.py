@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from longserve.platform import capture_cuda_graph
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -160,14 +162,7 @@ def test_fused_moe_with_the_triton_alignment(
     def step() -> None:
         fused_moe(x, w13, w2, *route_topk(logits, top_k, True), out=out)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = capture_cuda_graph(step)
     for seed in range(3):
         gen = torch.Generator(device="cuda").manual_seed(200 + seed)
         x.copy_(torch.randn(x.shape, device="cuda", generator=gen))

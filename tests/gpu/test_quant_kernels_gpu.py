@@ -9,6 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from longserve.platform import capture_cuda_graph
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -153,7 +155,7 @@ def test_wna16_gemv_no_sync_and_cuda_graph(m: int, monkeypatch: pytest.MonkeyPat
     def step() -> None:
         outs["int4"] = quant_gemm.wna16_gemm(x, *w, 4, 128)
 
-    graph = capture(step)
+    graph = capture_cuda_graph(step)
     for seed in range(3):
         x.copy_(
             torch.randn(x.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed))
@@ -244,7 +246,7 @@ def test_fp8_block_gemv_matches_reference(shape: str, m: int, monkeypatch: pytes
     monkeypatch.setattr(quant_fp8, "FP8_GEMV_MAX_TOKENS", 16)
     no_sync(lambda: quant_fp8.fp8_block_linear(x, w, scale, (128, 128)))
     outs: dict[str, torch.Tensor] = {}
-    graph = capture(lambda: outs.update(y=quant_fp8.fp8_block_linear(x, w, scale, (128, 128))))
+    graph = capture_cuda_graph(lambda: outs.update(y=quant_fp8.fp8_block_linear(x, w, scale, (128, 128))))
     x.copy_(torch.randn(x.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(m)))
     graph.replay()
     torch.cuda.synchronize()
@@ -324,18 +326,6 @@ def test_no_host_syncs() -> None:
         no_sync(lambda x=x: int8_scaled_linear(x, wi, ws))
 
 
-def capture(step):
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # compiles off the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return graph
-
-
 @pytest.mark.parametrize("m", [1, 8])
 def test_cuda_graph_replay(m: int) -> None:
     """A decode-sized product captured once replays correctly for new activations (split-K included)."""
@@ -352,7 +342,7 @@ def test_cuda_graph_replay(m: int) -> None:
         outs["int4"] = wna16_gemm(x, *w, 4, 128)
         outs["fp8"] = fp8_block_linear(x, w8, scale, (128, 128))
 
-    graph = capture(step)
+    graph = capture_cuda_graph(step)
     for seed in range(3):
         x.copy_(
             torch.randn(x.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed))
@@ -449,7 +439,7 @@ def test_int4_experts_paths(num_tokens: int, monkeypatch: pytest.MonkeyPatch) ->
     assert_close_rel(out, fused_moe_ref(x, w13, w2, weights, ids, quant=quant))
     no_sync(lambda: fused_moe(x, w13, w2, weights, ids, quant=quant))
     outs: dict[str, torch.Tensor] = {}
-    graph = capture(lambda: outs.update(y=fused_moe(x, w13, w2, weights, ids, quant=quant)))
+    graph = capture_cuda_graph(lambda: outs.update(y=fused_moe(x, w13, w2, weights, ids, quant=quant)))
     x.copy_(torch.randn(x.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(9)))
     graph.replay()
     torch.cuda.synchronize()
@@ -523,7 +513,7 @@ def test_serial_split_k_reduction_on_the_gpu(kind: str, shape: str, monkeypatch:
         locks = quant_gemv._SERIAL_LOCKS[x.device]
         assert not locks.any()
     outs: dict[str, torch.Tensor] = {}
-    graph = capture(lambda: outs.update(y=run()))
+    graph = capture_cuda_graph(lambda: outs.update(y=run()))
     x.copy_(torch.randn(x.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(6)))
     monkeypatch.setattr(quant_gemv, "SPLIT_K_SERIAL_REDUCE", False)
     fresh = run()
