@@ -501,6 +501,7 @@ def test_serial_split_k_reduction_on_the_gpu(kind: str, shape: str, monkeypatch:
     else:
         q, scales, _, _ = int_weight(n, k)
         run = lambda: quant_gemv.wna16_gemv(x, q, scales, None, None, 4, 128)  # noqa: E731
+    monkeypatch.setattr(quant_gemv, "SPLIT_K_SERIAL_REDUCE", False)
     want = run()
     two_launch_us = cuda_graph_time_ms(run, 2, 20, 5) * 1e3
     monkeypatch.setattr(quant_gemv, "SPLIT_K_SERIAL_REDUCE", True)

@@ -51,6 +51,7 @@ def test_serial_reduction_equals_the_reduction_launch(monkeypatch: pytest.Monkey
     w = torch.randn(56, 320, generator=gen(4))
     b = torch.randn(56, generator=gen(5))
     cfg = {"BLOCK_N": 16, "BLOCK_K": 64, "SPLIT_K": 5}
+    monkeypatch.setattr(quant_gemv, "SPLIT_K_SERIAL_REDUCE", False)
     two_launches = dense_gemm.dense_gemm(x, w, b, config=cfg)
     monkeypatch.setattr(quant_gemv, "SPLIT_K_SERIAL_REDUCE", True)
     monkeypatch.setattr(quant_gemv, "_SERIAL_LOCKS", {})

@@ -154,6 +154,7 @@ def test_the_unmasked_high_value_is_corrected_and_below_bf16_rounding(monkeypatc
     ~2e-2, with it by < 1e-4 of the largest."""
     from longserve.kernels import int4_gemv
 
+    monkeypatch.setattr(quant_gemv, "SPLIT_K_SERIAL_REDUCE", False)  # the partials splitk_reduce is given
     n, k = 48, 512
     qweight, scales, _, _ = int_weights(n, k, 4, 128, False, False, seed=21)
     x = torch.randn(1, k, generator=gen(22)).to(torch.bfloat16)
@@ -236,6 +237,7 @@ def test_serial_split_k_reduction_is_bit_equal_and_leaves_the_counters_zero(kern
             xq, xs = per_token_group_quant(x, 0)
             scale = torch.rand(n, generator=gen(26)) + 0.01
             run = lambda: fp8_gemv.fp8_channel_gemv(xq, xs, w, scale, torch.float32, bias, cfg)  # noqa: E731
+    monkeypatch.setattr(quant_gemv, "SPLIT_K_SERIAL_REDUCE", False)
     two_launches = run()
     monkeypatch.setattr(quant_gemv, "SPLIT_K_SERIAL_REDUCE", True)
     monkeypatch.setattr(quant_gemv, "SERIAL_LOCKS", 8)  # a small table: its whole content is checked below
