@@ -20,6 +20,7 @@ import torch
 from longserve.attention.base import AttentionBackend, AttentionMetadata, ForwardContext, GraphShape, KVCache
 from longserve.config import EngineConfig
 from longserve.runner.piecewise_graph import PiecewiseGraphRunner
+from longserve.runner.static_tokens import StaticTokens
 
 logger = logging.getLogger("longserve.runner.cuda_graph")
 
@@ -82,9 +83,7 @@ class DecodeGraphRunner:
         self.max_bs = self.batch_sizes[-1]
         n = self.max_bs
         i32 = dict(dtype=torch.int32, device=device)
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
-        self.positions = torch.zeros(n, dtype=torch.long, device=device)
-        self.slot_mapping = torch.zeros(n, dtype=torch.long, device=device)
+        self.tokens = StaticTokens(n, device)
         self.seq_lens = torch.ones(n, **i32)
         self.prefix_lens = torch.zeros(n, **i32)
         self.query_start_loc = torch.arange(n + 1, **i32)
@@ -102,7 +101,7 @@ class DecodeGraphRunner:
             seq_lens=self.seq_lens[:bs],
             prefix_lens=self.prefix_lens[:bs],
             page_table=self.page_table[:bs],
-            slot_mapping=self.slot_mapping[:bs],
+            slot_mapping=self.tokens.slot_mapping[:bs],
             query_lens_cpu=[1] * bs,
             seq_lens_cpu=[1] * bs,
             prefix_lens_cpu=[0] * bs,
@@ -110,7 +109,7 @@ class DecodeGraphRunner:
         return ForwardContext(meta=meta, kv_cache=self.kv_cache, backend=self.backends[bs])
 
     def _forward(self, bs: int) -> torch.Tensor:
-        return self.model(self.input_ids[:bs], self.positions[:bs], self._context(bs))
+        return self.model(self.tokens.input_ids[:bs], self.tokens.positions[:bs], self._context(bs))
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -136,15 +135,10 @@ class DecodeGraphRunner:
         """Replay the decode graph for these (already on-device) inputs; returns hidden [n, H]."""
         n = meta.num_reqs
         bs = next(b for b in self.batch_sizes if b >= n)
-        self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(positions)
-        self.slot_mapping[:n].copy_(meta.slot_mapping)
+        self.tokens.load(input_ids, positions, meta.slot_mapping, bs)
         self.seq_lens[:n].copy_(meta.seq_lens)
         self.page_table[:n, : meta.page_table.shape[1]].copy_(meta.page_table)
         if bs > n:  # padding rows: one key at slot 0 of page 0
-            self.input_ids[n:bs].zero_()
-            self.positions[n:bs].zero_()
-            self.slot_mapping[n:bs].zero_()
             self.seq_lens[n:bs].fill_(1)
             self.page_table[n:bs, 0].zero_()
         self.backends[bs].prepare_for_replay(meta)
@@ -198,9 +192,7 @@ class ExtendGraphRunner:
         self.max_tokens = self.buckets[-1] if self.buckets else 0
         n = self.max_tokens
         i32 = dict(dtype=torch.int32, device=device)
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
-        self.positions = torch.zeros(n, dtype=torch.long, device=device)
-        self.slot_mapping = torch.zeros(n, dtype=torch.long, device=device)
+        self.tokens = StaticTokens(n, device)
         self.seq_lens = torch.ones(1, **i32)
         self.prefix_lens = torch.zeros(1, **i32)
         self.query_start_locs = {t: torch.tensor([0, t], **i32) for t in self.buckets}
@@ -219,7 +211,7 @@ class ExtendGraphRunner:
             seq_lens=self.seq_lens,
             prefix_lens=self.prefix_lens,
             page_table=self.page_table,
-            slot_mapping=self.slot_mapping[:t],
+            slot_mapping=self.tokens.slot_mapping[:t],
             query_lens_cpu=[t],
             seq_lens_cpu=[self.max_positions],  # host hints only: the kernel reads the device lengths
             prefix_lens_cpu=[self.max_positions - t],
@@ -227,7 +219,7 @@ class ExtendGraphRunner:
         return ForwardContext(meta=meta, kv_cache=self.kv_cache, backend=self.backends[t])
 
     def _forward(self, t: int) -> torch.Tensor:
-        return self.model(self.input_ids[:t], self.positions[:t], self._context(t))
+        return self.model(self.tokens.input_ids[:t], self.tokens.positions[:t], self._context(t))
 
     @torch.inference_mode()
     def capture(self, pool=None) -> None:
@@ -259,13 +251,7 @@ class ExtendGraphRunner:
         t = next(b for b in self.buckets if b >= n)
         pages = meta.page_table.shape[1]
         self.num_runs += 1
-        self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(positions)
-        self.slot_mapping[:n].copy_(meta.slot_mapping)
-        if t > n:  # padding tokens: at the last real position, K/V into page 0
-            self.input_ids[n:t].zero_()
-            self.positions[n:t].copy_(positions[n - 1 :].expand(t - n))
-            self.slot_mapping[n:t].zero_()
+        self.tokens.load(input_ids, positions, meta.slot_mapping, t, pad_at_last_position=True)
         self.seq_lens.copy_(meta.seq_lens)
         self.prefix_lens.copy_(meta.prefix_lens)
         self.page_table[:, :pages].copy_(meta.page_table)

@@ -28,6 +28,7 @@ import torch
 
 from longserve.attention.base import AttentionMetadata, ForwardContext, GraphShape, KVCache
 from longserve.models.decoder import AttentionCall
+from longserve.runner.static_tokens import StaticTokens
 
 logger = logging.getLogger("longserve.runner.piecewise_graph")
 
@@ -61,9 +62,7 @@ class PiecewiseGraphRunner:
         self.buckets = piecewise_buckets(max_tokens)
         self.max_tokens = n = self.buckets[-1] if self.buckets else 0
         device, d = shape.device, shape.head_dim
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
-        self.positions = torch.zeros(n, dtype=torch.long, device=device)
-        self.slot_mapping = torch.zeros(n, dtype=torch.long, device=device)
+        self.tokens = StaticTokens(n, device)
         hq, hkv = shape.num_q_heads, shape.num_kv_heads
         # q, k, v as views of one [n, (Hq + 2 Hkv) D] buffer: the fused layout of the models' projection
         self.qkv = torch.zeros(n, (hq + 2 * hkv) * d, dtype=shape.dtype, device=device)
@@ -84,11 +83,11 @@ class PiecewiseGraphRunner:
         """What the pieces read of a step: the slots the rotary kernel stores the new K/V into."""
         meta = AttentionMetadata(
             page_size=self.kv_cache.page_size,
-            query_start_loc=torch.zeros(2, dtype=torch.int32, device=self.slot_mapping.device),
-            seq_lens=torch.ones(1, dtype=torch.int32, device=self.slot_mapping.device),
-            prefix_lens=torch.zeros(1, dtype=torch.int32, device=self.slot_mapping.device),
-            page_table=torch.zeros(1, 1, dtype=torch.int32, device=self.slot_mapping.device),
-            slot_mapping=self.slot_mapping[:t],
+            query_start_loc=torch.zeros(2, dtype=torch.int32, device=self.tokens.slot_mapping.device),
+            seq_lens=torch.ones(1, dtype=torch.int32, device=self.tokens.slot_mapping.device),
+            prefix_lens=torch.zeros(1, dtype=torch.int32, device=self.tokens.slot_mapping.device),
+            page_table=torch.zeros(1, 1, dtype=torch.int32, device=self.tokens.slot_mapping.device),
+            slot_mapping=self.tokens.slot_mapping[:t],
             query_lens_cpu=[t],
             seq_lens_cpu=[t],
             prefix_lens_cpu=[0],
@@ -103,7 +102,7 @@ class PiecewiseGraphRunner:
         return call._replace(q=self.q[:t], k=self.k[:t], v=self.v[:t])
 
     def _pieces(self, t: int) -> Generator[AttentionCall, torch.Tensor, torch.Tensor]:
-        return self.model.pieces(self.input_ids[:t], self.positions[:t], self._context(t))
+        return self.model.pieces(self.tokens.input_ids[:t], self.tokens.positions[:t], self._context(t))
 
     @torch.inference_mode()
     def capture(self, pool: object = None) -> None:
@@ -166,13 +165,7 @@ class PiecewiseGraphRunner:
         n = ctx.meta.num_tokens
         t = next(b for b in self.buckets if b >= n)
         self.num_runs += 1
-        self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(positions)
-        self.slot_mapping[:n].copy_(ctx.meta.slot_mapping)
-        if t > n:  # padding rows: token 0 at position 0, K/V into page 0; an earlier step's slots must go
-            self.input_ids[n:t].zero_()
-            self.positions[n:t].zero_()
-            self.slot_mapping[n:t].zero_()
+        self.tokens.load(input_ids, positions, ctx.meta.slot_mapping, t)  # padding: token 0 at position 0
         if self.eager:
             with torch.inference_mode():
                 return self._drive(t, ctx)[:n]

@@ -121,7 +121,7 @@ def test_padded_pieces_equal_a_plain_step(model_and_hf, query_lens, fused_store,
         runner = PiecewiseGraphRunner(model, cache, graph_shape(model, 12 * PAGE), max_tokens=128)
         runner.eager = True
         other = free[0]  # a page nobody in this step owns: an earlier, longer step's slots pointed there
-        runner.slot_mapping.fill_(other * PAGE + 3)
+        runner.tokens.slot_mapping.fill_(other * PAGE + 3)
         cache.k[0][0].zero_()
         assert runner.can_run(meta)
         got = runner.run(new_ids, positions, ForwardContext(meta, cache, backend))
