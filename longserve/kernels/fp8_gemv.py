@@ -39,7 +39,7 @@ import triton.language as tl
 from longserve.kernels.extend_attention import interpreting
 from longserve.kernels.gemv_tables import tuned_gemv_config
 from longserve.kernels.launch import pdl_prologue, use_pdl
-from longserve.kernels.quant_gemv import pow2_at_most, split_k_outputs, splits_for
+from longserve.kernels.quant_gemv import pow2_at_most, split_k_output, split_k_outputs, splits_for
 from longserve.kernels.quant_reference import FP8_MAX
 from longserve.kernels.quant_tiles import e4m3_rounded, store_gemv_out
 
@@ -49,6 +49,7 @@ __all__ = [
     "fp8_block_gemv_supported",
     "fp8_channel_gemv",
     "fp8_gemv_config",
+    "fp8_routed_gemv",
 ]
 
 FP8_GEMV_MAX_BLOCK_M = 16  # the most activation rows: each one is a pass over the weight tile in registers
@@ -99,14 +100,23 @@ def _fp8_gemv_kernel(
     out_ptr,  # [M, N] in the output dtype, or (PARTIAL) [splits, M, N] float32 partial sums
     res_ptr,  # SERIAL: [M, N] in the output dtype, the partials' sum (quant_tiles.store_gemv_out)
     lock_ptr,  # SERIAL: int32 counters, one per column tile, zero
+    ids_ptr,  # ROUTED: [P] int32, each output row's expert
     M, N, K, block_n, tiles_per_split, num_tiles,
-    stride_xm, stride_xsm, stride_wn, stride_sn, stride_om, stride_os,
+    stride_xm, stride_xsm, stride_wn, stride_sn, stride_om, stride_os, stride_we, stride_se,
     PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr,
     INTERPRET: tl.constexpr, INTERPRET_BF16: tl.constexpr, USE_PDL: tl.constexpr, SERIAL: tl.constexpr,
+    ROUTED: tl.constexpr, X_ROW_DIV: tl.constexpr,
 ):  # fmt: skip
-    pdl_prologue(USE_PDL)
+    pdl_prologue(USE_PDL)  # before the routed expert id (the router's output) and x
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    if ROUTED:  # MoE decode (moe_fp8_gemv.py): one row a program along axis 2, a (token, k) pair's expert
+        row = tl.program_id(2).to(tl.int64)
+        expert = tl.load(ids_ptr + row).to(tl.int64)
+        w_ptr += expert * stride_we
+        s_ptr += expert * stride_se
+        x_ptr += (row // X_ROW_DIV) * stride_xm
+        out_ptr += row * stride_om
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
@@ -195,14 +205,53 @@ def _launch(
     pdl = use_pdl(x)
     _fp8_gemv_kernel[(n_tiles, sk.splits)](
         x.view(torch.uint8) if per_channel else x, xs, w.view(torch.uint8), w_scale,
-        bias if bias is not None else w_scale, *sk.pointers(), m, n, k, block_n, sk.tiles_per_split, num_tiles,
-        x.stride(0), xs.stride(0), w.stride(0), w_scale.stride(0), sk.out.stride(-2), sk.stride_os,
+        bias if bias is not None else w_scale, *sk.pointers(), w_scale, m, n, k, block_n, sk.tiles_per_split,
+        num_tiles, x.stride(0), xs.stride(0), w.stride(0), w_scale.stride(0), sk.out.stride(-2), sk.stride_os, 0, 0,
         PER_CHANNEL=per_channel, HAS_BIAS=sk.bias_in_kernel(bias), EVEN_K=k % cfg["BLOCK_K"] == 0,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], PARTIAL=sk.partial,
-        INTERPRET=interp, INTERPRET_BF16=interpret_bf16, USE_PDL=pdl, SERIAL=sk.serial,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=pdl,
+        INTERPRET=interp, INTERPRET_BF16=interpret_bf16, USE_PDL=pdl, SERIAL=sk.serial, ROUTED=False,
+        X_ROW_DIV=1, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=pdl,
     )  # fmt: skip
     return sk.result(bias, out_dtype)
+
+
+def fp8_routed_gemv(
+    x: torch.Tensor,  # [rows, K]
+    w: torch.Tensor,  # [E, N, K] e4m3
+    w_scale: torch.Tensor,  # [E, ceil(N / bn), ceil(K / bk)] float32
+    block: tuple[int, int],
+    ids: torch.Tensor,  # [P] int32: each output row's expert
+    x_row_div: int,  # output row p reads x row p // x_row_div
+    config: dict[str, int] | None = None,
+) -> torch.Tensor:
+    """Row p = `fp8_block_gemm_ref(x[p // x_row_div], w[ids[p]], w_scale[ids[p]], block)` (MoE decode: each
+    (token, k) pair through its expert): [P, N] in x's dtype, or with split-K its fp32 partial sums [S, P, N]
+    (the consumers add them: moe_wna16.silu_mul_partials, moe_sum). One program row a pair (BLOCK_M 1)."""
+    num_rows, (_, n, k) = ids.shape[0], w.shape
+    assert fp8_block_gemv_supported(1, block) and k % block[1] == 0, (
+        f"routed FP8 GEMV of K={k}, block {block}"
+    )
+    assert w_scale.shape == (w.shape[0], triton.cdiv(n, block[0]), k // block[1]), tuple(w_scale.shape)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    w = w if w.is_contiguous() else w.contiguous()
+    w_scale = w_scale.float().contiguous()
+    cfg = dict(fp8_gemv_config(1, n, k, block[1], x.device, f"fp8_block_gemv_bk{block[1]}"), **(config or {}))
+    num_tiles = k // block[1]
+    n_tiles = triton.cdiv(n, cfg["BLOCK_N"])
+    # the pairs fill the chip along axis 2: split K only as far as a lone row's GEMV would, over the pairs
+    split = splits_for(x.device, n_tiles * num_rows, num_tiles) if config is None else cfg["SPLIT_K"]
+    tiles_per_split, split, out = split_k_output(num_tiles, split, num_rows, n, x.dtype, x.device)
+    pdl = use_pdl(x)
+    _fp8_gemv_kernel[(n_tiles, split, num_rows)](
+        x, w_scale, w.view(torch.uint8), w_scale, w_scale, out, out, out, ids, 1, n, k, block[0], tiles_per_split,
+        num_tiles, x.stride(0), 0, w.stride(1), w_scale.stride(1), out.stride(-2), out.stride(0) if split > 1 else 0,
+        w.stride(0), w_scale.stride(0),
+        PER_CHANNEL=False, HAS_BIAS=False, EVEN_K=True, BLOCK_M=1, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block[1],
+        PARTIAL=split > 1, INTERPRET=interpreting(), INTERPRET_BF16=interpreting() and x.dtype == torch.bfloat16,
+        USE_PDL=pdl, SERIAL=False, ROUTED=True, X_ROW_DIV=x_row_div, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"], launch_pdl=pdl,
+    )  # fmt: skip
+    return out
 
 
 def fp8_block_gemv(

@@ -18,6 +18,7 @@ from longserve.kernels.extend_attention import interpreting
 from longserve.kernels.launch import fast_launch, pdl_prologue, use_pdl
 from longserve.kernels.moe_align import align_routed_pairs
 from longserve.kernels.moe_config import get_moe_config
+from longserve.kernels.moe_fp8_gemv import moe_fp8_gemv, moe_fp8_gemv_supported
 from longserve.kernels.moe_reference import (
     MoEQuant,
     check_moe_args,
@@ -53,6 +54,10 @@ __all__ = [
 # four. 0 (off): measured on an H200 (scripts/probes/moe_gemv_sweep.py, 2026-12-02, RESULTS.md fifth session)
 # the A3B expert block took 36.6 us at one token against 34.0 here, and 4-8% less at 2-8 tokens.
 MOE_GEMV_MAX_TOKENS = 0
+# A step of at most this many tokens with block-FP8 experts (not split over ranks) runs as kernels/moe_fp8_gemv.py's
+# routed GEMVs (four launches) instead of the alignment, two activation quantizations, the grouped GEMMs and the
+# sum over k. 0 (off) until `gpu_check.sh fp8-moe-gemv` times it on a GPU.
+FP8_MOE_GEMV_MAX_TOKENS = 0
 # A step of at most this many tokens sums its pairs' 16-bit outputs over k with kernels/moe_sum.py instead of
 # torch.sum (4.8 us a layer at batch 1 in the A3B decode, 2026-12-02 profile). Measured on an H200 (95cf20e,
 # `gpu_check.sh dense-gemv`, RESULTS.md sixth session; both runs with the 16-bit GEMV since reverted): the A3B
@@ -341,6 +346,14 @@ def fused_moe(
                 dequantize_experts(quant, w, proj, hidden.dtype) for w, proj in ((w13, "w13"), (w2, "w2"))
             )
             quant = None
+    if (
+        num_tokens <= FP8_MOE_GEMV_MAX_TOKENS
+        and quant is not None
+        and expert_map is None
+        and config is None
+        and moe_fp8_gemv_supported(quant, hidden_size, two_inter // 2)
+    ):
+        return moe_fp8_gemv(hidden, w13, w2, topk_weights, topk_ids, quant, out)
     if num_tokens <= MOE_GEMV_MAX_TOKENS and quant is None and expert_map is None and config is None:
         from longserve.kernels.moe_gemv import moe_gemv
 

@@ -58,6 +58,7 @@ __all__ = [
     "moe_wna16_gemv",
     "moe_wna16_grouped",
     "moe_wna16_path",
+    "silu_mul_partials",
 ]
 
 # Which path a step of T tokens takes (moe_wna16_path): the routed GEMV below MOE_WNA16_GROUPED_MIN_TOKENS,
@@ -291,14 +292,15 @@ def moe_wna16_grouped(
     num_pairs = num_tokens * top_k
     gate_up = _grouped_gemm(hidden, w13, quant.w13_scale, quant.w13_zero, align, num_pairs, top_k,
                             quant.group(hidden_size))  # fmt: skip
-    act = _silu_mul(gate_up.unsqueeze(0), inter, hidden.dtype)
+    act = silu_mul_partials(gate_up, inter, hidden.dtype)
     down = _grouped_gemm(act, w2, quant.w2_scale, quant.w2_zero, align, num_pairs, 1, quant.group(inter))
     return moe_sum(down.view(num_tokens, top_k, hidden_size), out, topk_weights.contiguous())
 
 
-def _silu_mul(gate_up: torch.Tensor, inter: int, dtype: torch.dtype) -> torch.Tensor:
-    """silu(gate) * up [P, I] in `dtype` of gate|up rows [S, P, 2I] (S split-K partials in fp32, or S = 1
-    rows in the dtype): one launch of _silu_mul_kernel."""
+def silu_mul_partials(gate_up: torch.Tensor, inter: int, dtype: torch.dtype) -> torch.Tensor:
+    """silu(gate) * up [P, I] in `dtype` of gate|up rows [S, P, 2I] (S split-K partials in fp32) or [P, 2I] (rows
+    in the dtype), each projection rounded to the dtype first: one launch of _silu_mul_kernel."""
+    gate_up = gate_up if gate_up.dim() == 3 else gate_up.unsqueeze(0)
     num_pairs = gate_up.shape[1]
     act = torch.empty(num_pairs, inter, dtype=dtype, device=gate_up.device)  # [P, I]
     block = min(1024, triton.next_power_of_2(inter))
@@ -328,7 +330,7 @@ def moe_wna16_gemv(
         hidden, w13, quant.w13_scale, quant.w13_zero, ids, top_k, quant.group(hidden_size),
         _gemv_tile_k(quant, hidden_size),
     )  # fmt: skip
-    act = _silu_mul(gate_up if gate_up.dim() == 3 else gate_up.unsqueeze(0), inter, hidden.dtype)  # [T*k, I]
+    act = silu_mul_partials(gate_up, inter, hidden.dtype)  # [T*k, I]
     down = _routed_gemv(
         act, w2, quant.w2_scale, quant.w2_zero, ids, 1, quant.group(inter), _gemv_tile_k(quant, inter)
     )  # [T*k, H], or its partials [S, T*k, H]

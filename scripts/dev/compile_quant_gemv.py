@@ -37,6 +37,8 @@ VARIANTS = [
     {"fp8": True, "bm": 16, "bn": 16, "x": "fp32"},
     {"fp8": True, "channel": True},  # per-channel FP8, M = 1, split-K
     {"fp8": True, "channel": True, "bm": 4, "split": 1, "bias": True, "even_k": False},
+    {"fp8": True, "routed": True, "x_row_div": 8, "pdl": True},  # MoE decode: gate+up over (token, k) pairs
+    {"fp8": True, "routed": True, "split": 1},  # down, one split
     {"int4": True, "bn": 256},  # the one-row fast path, g128 symmetric, split-K: the decode case
     {"int4": True, "bn": 256, "pdl": True},
     {"int4": True, "bn": 256, "serial": True, "pdl": True},
@@ -90,18 +92,20 @@ def compile_reduce(x="bf16", bias=True, pdl=False):
 
 
 def compile_fp8_gemv(fp8=True, channel=False, x="bf16", bias=False, even_k=True, bm=1, bn=64, bk=128, split=4,
-                     pdl=False, serial=False, num_warps=4, num_stages=2):  # fmt: skip
-    """The FP8 GEMV (block, or per channel) for sm90, specialized as at run time."""
+                     pdl=False, serial=False, routed=False, x_row_div=1, num_warps=4,
+                     num_stages=2):  # fmt: skip
+    """The FP8 GEMV (block, or per channel) for sm90, specialized as at run time; `routed`: over MoE (token,
+    expert) pairs (kernels/moe_fp8_gemv.py)."""
     from longserve.kernels.fp8_gemv import _fp8_gemv_kernel as fn
 
     ptrs = {"x_ptr": "*u8" if channel else f"*{x}", "xs_ptr": "*fp32", "w_ptr": "*u8", "s_ptr": "*fp32",
             "b_ptr": f"*{x}" if bias else "*fp32", "out_ptr": "*fp32" if split > 1 else f"*{x}",
-            "res_ptr": f"*{x}", "lock_ptr": "*i32"}  # fmt: skip
+            "res_ptr": f"*{x}", "lock_ptr": "*i32", "ids_ptr": "*i32"}  # fmt: skip
     consts = dict(PER_CHANNEL=channel, HAS_BIAS=bias and (split == 1 or serial), EVEN_K=even_k, BLOCK_M=bm,
                   BLOCK_N=bn, BLOCK_K=bk, PARTIAL=split > 1, INTERPRET=False, INTERPRET_BF16=False, USE_PDL=pdl,
-                  SERIAL=serial)  # fmt: skip
+                  SERIAL=serial, ROUTED=routed, X_ROW_DIV=x_row_div)  # fmt: skip
     sig = {a: ptrs.get(a, "constexpr" if a in consts else "i32") for a in fn.arg_names}
-    div16 = [*ptrs, "K", "N", "stride_xm", "stride_wn", "stride_om", "stride_os"]
+    div16 = [*ptrs, "K", "N", "stride_xm", "stride_wn", "stride_om", "stride_os", "stride_we", "stride_se"]
     attrs = {a: [["tt.divisibility", 16]] for a in div16}
     return compile_sm90(fn, sig, consts, attrs, num_warps=num_warps, num_stages=num_stages)
 

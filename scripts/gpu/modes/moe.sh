@@ -16,6 +16,9 @@
 # MoE step's kernels (router top-k, alignment, grouped GEMMs, sum over k, the activations' FP8 quantization): its
 # GPU tests (outputs unchanged with 16-bit and FP8 experts; the kernels compiled for it), then the A3B decode at
 # batch 1 (32K) in bf16, FP8 blocks and GPTQ int4, PDL off and on, one process each.
+# fp8-moe-gemv (one GPU, ~5 min): the block-FP8 experts through the routed GEMVs at decode sizes
+# (fused_moe.FP8_MOE_GEMV_MAX_TOKENS, off): their GPU test (the A3B shape at 1 / 4 / 16 tokens, both paths' times),
+# then the A3B FP8 decode at batch 1 (32K) and 8 (4K), off and on, one process each.
 # shellcheck shell=bash
 
 if [[ $MODE == fusions-a3b ]]; then  # one GPU: the Qwen3-30B-A3B shape's decode (q/k norm, launch-bound at
@@ -106,5 +109,15 @@ if [[ $MODE == pdl-moe ]]; then  # one GPU (~6 min): PDL off/on for the A3B deco
       latency_with pdl_a3b_${variant}_$pdl "A3B $variant PDL=$pdl" longserve.kernels.launch.PDL=$pdl -- --config \
         qwen3-30b-a3b "${dummy[@]}" --repeat 3 ${q[@]+"${q[@]}"} --decode-batch-sizes 1@32768
     done
+  done
+fi
+
+if [[ $MODE == fp8-moe-gemv ]]; then  # one GPU (~5 min): the FP8 experts' routed GEMVs, off and on
+  python3 -m pytest -q -s -m gpu tests/gpu/test_quant_kernels_gpu.py -k fp8_experts_routed -p no:cacheprovider \
+    --tb=short -rfE 2>&1 | tee "$OUT/gpu_tests_fp8_moe_gemv.log" | grep -E "routed GEMV|passed|failed" || status=1
+  for limit in 0 16; do
+    latency_with a3b_fp8_moe_gemv$limit "FP8_MOE_GEMV_MAX_TOKENS=$limit" \
+      longserve.kernels.fused_moe.FP8_MOE_GEMV_MAX_TOKENS=$limit -- --config qwen3-30b-a3b "${dummy[@]}" --repeat 3 \
+      --hf-overrides "$fp8" --decode-batch-sizes 1@32768,8@4096
   done
 fi
