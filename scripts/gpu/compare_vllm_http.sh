@@ -54,7 +54,7 @@ warm_up() {  # port name: not measured; the compare runs flush the cache it leav
 }
 status=0
 if [[ $WORKLOADS != none ]]; then  # none: the A/B below only (vLLM's figures from an earlier call)
-  # LONGSERVE_EXTRA_ARGS: more `longserve serve` flags (an A/B of an option, e.g. --piecewise-cuda-graph-max-tokens 4096)
+  # LONGSERVE_EXTRA_ARGS: more `longserve serve` flags (an A/B of an option, e.g. --piecewise-cuda-graph-max-tokens 0)
   # shellcheck disable=SC2086
   start_longserve 30000 "$OUT/http/longserve_steps.jsonl" ${LONGSERVE_EXTRA_ARGS:-} || exit 1
   python3 -m vllm.entrypoints.openai.api_server --model $MODEL --load-format dummy --dtype bfloat16 \
