@@ -27,7 +27,7 @@ from longserve.kernels.activation_reference import silu_and_mul_ref
 from longserve.kernels.norm_reference import fused_add_rms_norm_ref, rms_norm_ref
 from longserve.models.linear_method import LinearMethod, UnquantizedLinearMethod
 from longserve.models.quant.layout import check_dtype, entries, layout_of, packed_region, tensor_name
-from longserve.platform import triton_available, use_triton  # noqa: F401 - the models import them from here
+from longserve.platform import use_triton
 
 # (fused param module name, HF module name, shard id) -- the single source of the fused-weight mapping.
 STACKED_PARAMS: tuple[tuple[str, str, str], ...] = (

@@ -30,7 +30,7 @@ from torch import nn
 
 from longserve.distributed import get_ep_size, get_tp_rank, get_tp_size, tp_all_reduce
 from longserve.kernels.moe_reference import fused_moe_ref, route_topk
-from longserve.models.layers import TensorLike, as_tensor, use_triton
+from longserve.models.layers import TensorLike, as_tensor
 from longserve.models.moe_layout import expert_placement
 from longserve.models.quant.layout import (
     PLAIN,
@@ -42,6 +42,7 @@ from longserve.models.quant.layout import (
     tensor_name,
 )
 from longserve.models.quantization import UNQUANTIZED, QuantizeMethod, method_for, quantization_method
+from longserve.platform import use_triton
 
 EXPERT_SHARDS = ("gate", "up", "down")  # per-expert checkpoint tensors: shard id f"{kind}:{expert}"
 # the profiler range around routing + experts: `bench latency --profile` files the ops inside it (on the CPU,

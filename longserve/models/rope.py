@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from longserve.kernels.rope_reference import apply_rotary
-from longserve.models.layers import use_triton
+from longserve.platform import use_triton
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # the rotary kernel also stores each layer's new K/V into the cache (kernels/rope.py; an fp8 cache quantized

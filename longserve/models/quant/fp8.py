@@ -26,11 +26,12 @@ from longserve.kernels.quant_reference import (
     per_token_group_quant_fp8_ref,
     scaled_gemm_ref,
 )
-from longserve.models.layers import MergedLinear, RowParallelLinear, triton_available, use_triton
+from longserve.models.layers import MergedLinear, RowParallelLinear
 from longserve.models.linear_method import LinearMethod
 from longserve.models.moe import FusedMoE, MoEMethod, expert_param
 from longserve.models.quant.config import Fp8Scheme
 from longserve.models.quant.layout import WeightLayout, entries
+from longserve.platform import triton_available, use_triton
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 _PER_SHARD = WeightLayout(per_shard=True)

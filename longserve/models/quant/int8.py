@@ -11,10 +11,11 @@ import torch
 from torch import nn
 
 from longserve.kernels.quant_reference import per_token_quant_int8_ref, scaled_gemm_ref
-from longserve.models.layers import MergedLinear, use_triton
+from longserve.models.layers import MergedLinear
 from longserve.models.linear_method import LinearMethod
 from longserve.models.quant.config import Int8Scheme
 from longserve.models.quant.layout import WeightLayout
+from longserve.platform import use_triton
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 _INT8_STD = 73.6  # std of integers uniform in [-127, 127]: dummy scales give weights of the initializer's std

@@ -31,11 +31,12 @@ from torch import nn
 
 from longserve.kernels.moe_reference import MoEQuant, fused_moe_ref
 from longserve.kernels.quant_reference import pack_int_k, wna16_gemm_ref
-from longserve.models.layers import MergedLinear, RowParallelLinear, use_triton
+from longserve.models.layers import MergedLinear, RowParallelLinear
 from longserve.models.linear_method import LinearMethod
 from longserve.models.moe import FusedMoE, MoEMethod, expert_param
 from longserve.models.quant.config import IntScheme
 from longserve.models.quant.layout import WeightLayout
+from longserve.platform import use_triton
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 _AWQ_REVERSE_ORDER = [0, 4, 1, 5, 2, 6, 3, 7]  # AutoAWQ's packing_utils.AWQ_REVERSE_ORDER
