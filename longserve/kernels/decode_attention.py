@@ -16,7 +16,7 @@ import triton.language as tl
 
 from longserve.kernels.attention_reference import decode_attention_ref
 from longserve.kernels.extend_attention import check_cache, interpreting, merge_splits
-from longserve.kernels.launch import fast_launch, pdl_prologue, use_pdl
+from longserve.kernels.launch import fast_launch, pdl_prologue, use_pdl, zeroed_counters
 
 __all__ = ["choose_num_splits", "decode_attention", "decode_attention_ref", "decode_config"]
 
@@ -246,12 +246,8 @@ def decode_attention(
 
 
 def merge_locks(pairs: int, device: torch.device) -> torch.Tensor | None:
-    """The device's merge counters when DECODE_SERIAL_MERGE is on and they cover `pairs` (request, kv head)
-    pairs, else None (a merge launch). Shared by every decode launch of the device: they run one at a time (one
-    compute stream, graph replays on it; a PDL launch waits for the kernel before it first)."""
+    """The device's merge counters (launch.zeroed_counters: one set for every decode launch) when
+    DECODE_SERIAL_MERGE is on and they cover `pairs` (request, kv head) pairs, else None (a merge launch)."""
     if not DECODE_SERIAL_MERGE or pairs > MERGE_LOCKS:
         return None
-    locks = _MERGE_LOCKS.get(device)
-    if locks is None:
-        locks = _MERGE_LOCKS[device] = torch.zeros(MERGE_LOCKS, dtype=torch.int32, device=device)
-    return locks
+    return zeroed_counters(_MERGE_LOCKS, MERGE_LOCKS, device)

@@ -173,6 +173,17 @@ def fast_launch(fn: Any) -> Any:
     return FastKernel(fn) if isinstance(fn, JITFunction) else fn
 
 
+def zeroed_counters(table: dict[torch.device, torch.Tensor], size: int, device: torch.device) -> torch.Tensor:
+    """`table`'s int32 counters for `device`, `size` of them, made zero on first use: the counters by which a
+    kernel's last program of a group finds it is last (quant_tiles.store_gemv_out, decode_attention's merge).
+    Each launch leaves them at zero, so one set serves every launch of the device: they run one at a time (one
+    compute stream, graph replays on it; a PDL launch waits for the kernel before it first)."""
+    counters = table.get(device)
+    if counters is None:
+        counters = table[device] = torch.zeros(size, dtype=torch.int32, device=device)
+    return counters
+
+
 @functools.cache
 def _sm90_or_later(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9

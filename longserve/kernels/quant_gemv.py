@@ -56,7 +56,7 @@ from longserve.kernels import int4_gemv
 from longserve.kernels.extend_attention import interpreting
 from longserve.kernels.gemv_tables import tuned_gemv_config
 from longserve.kernels.int4_gemv import int4_fast_block_n, int4_fast_supported, int4_gemv_kernel
-from longserve.kernels.launch import pdl_prologue, use_pdl
+from longserve.kernels.launch import pdl_prologue, use_pdl, zeroed_counters
 from longserve.kernels.quant_reference import wna16_gemm_ref
 from longserve.kernels.quant_tiles import rounded, store_gemv_out
 
@@ -315,15 +315,12 @@ def split_k_outputs(
     num_tiles: int, split_k: int, m: int, n: int, n_tiles: int, dtype: torch.dtype, device: torch.device
 ) -> SplitKOutputs:
     """split_k_output's buffers for a GEMV over n_tiles column tiles, with the serial reduction's result and
-    counters when SPLIT_K_SERIAL_REDUCE is on, it splits, and the counters cover its tiles. The counters are
-    shared by every GEMV of the device: its kernels run one at a time (one compute stream, graph replays on it;
-    a PDL launch waits for the kernel before it first)."""
+    counters (launch.zeroed_counters: one set for every GEMV of the device) when SPLIT_K_SERIAL_REDUCE is on, it
+    splits, and the counters cover its tiles."""
     tiles_per_split, splits, out = split_k_output(num_tiles, split_k, m, n, dtype, device)
     if splits == 1 or not SPLIT_K_SERIAL_REDUCE or n_tiles > SERIAL_LOCKS:
         return SplitKOutputs(tiles_per_split, splits, out)
-    locks = _SERIAL_LOCKS.get(device)
-    if locks is None:
-        locks = _SERIAL_LOCKS[device] = torch.zeros(SERIAL_LOCKS, dtype=torch.int32, device=device)
+    locks = zeroed_counters(_SERIAL_LOCKS, SERIAL_LOCKS, device)
     return SplitKOutputs(tiles_per_split, splits, out, torch.empty(m, n, dtype=dtype, device=device), locks)
 
 
