@@ -9,8 +9,10 @@ with SPLIT_K_SERIAL_REDUCE). Reference: `F.linear` (fp32 accumulation, rounded o
 
 Why: at batch 64 (4K contexts) the Llama-3.1-8B decode step's GEMMs read the 15 GB of weights in 4.37 ms
 through cuBLAS (3.4 TB/s of the ~4.2 measured; RESULTS.md, `5c2b5be` profile), the step 13.1 ms against
-vLLM's 13.4 where issue 19 asks 0.95x. Off (DENSE_GEMM_TRITON_MAX_TOKENS = 0) until measured on a GPU
-(`gpu_check.sh dense-gemm`: per projection against cuBLAS, then the 8B decode).
+vLLM's 13.4 where issue 19 asks 0.95x. Measured on an H200 (2026-12-03, `gpu_check.sh dense-gemm`, RESULTS.md
+thirteenth session) it lost: per projection cuBLAS was as fast or faster with the default tiles (the best tiles
+of a sweep gained a few percent on gate_up, down and lm_head at 64 rows), and the 8B decode went 8.87 -> 9.02 ms
+at batch 16, 13.10 -> 13.69 ms at batch 64. So off (DENSE_GEMM_TRITON_MAX_TOKENS = 0).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ __all__ = [
 ]
 
 # Token counts whose unquantized linears (models/linear_method.py) take this kernel instead of cuBLAS on CUDA:
-# none until measured (scripts/gpu/bench_dense_gemm.py per projection, gpu_check.sh dense-gemm end to end).
+# none (slower than cuBLAS in the 8B decode on an H200: the module docstring).
 DENSE_GEMM_TRITON_MIN_TOKENS = 16
 DENSE_GEMM_TRITON_MAX_TOKENS = 0
 DENSE_GEMM_MAX_BLOCK_M = 128
