@@ -90,14 +90,7 @@ def test_cuda_graph_replay(experts, num_tokens: int) -> None:
         weights, ids = route_topk(logits, top_k, True)
         fused_moe(x, w13, w2, weights, ids, out=out)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # warm-up off the capture: compiles the kernels
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = capture_cuda_graph(step)  # its warm-up, off the capture, compiles the kernels
     for seed in range(3):
         gen = torch.Generator(device="cuda").manual_seed(100 + seed)
         x.copy_(torch.randn(x.shape, device="cuda", generator=gen))
