@@ -27,9 +27,13 @@ PROGRAMS_PER_SM = 4  # enough resident programs per SM to keep loads in flight
 # pair, zero between launches: quant_gemv.SPLIT_K_SERIAL_REDUCE's scheme) instead of a merge launch after the
 # kernel: one launch fewer a layer in every split decode step (32 a step of the 8B shape; with the GEMVs'
 # serial sums the FP8 batch-1 step went 4.38 -> 4.28 ms for 128 launches). Its sums over the splits run in
-# split order, the merge kernel's in a tree: equal to fp32 rounding, not bit for bit. Off until measured on a
-# GPU (`gpu_check.sh decode-merge`).
-DECODE_SERIAL_MERGE = False
+# split order, the merge kernel's in a tree: equal to fp32 rounding, not bit for bit. The last program reads
+# every split's partial alone, so the merge launch wins when the splits are many: measured on an H200 (854fbd1,
+# `gpu_check.sh decode-merge`, RESULTS.md fourteenth session), the 8B decode attention alone at 64 splits (b1,
+# 32K) 37.2 us with the launch against 60.6 in the kernel, at 5 splits (b16, 8K) 131.4 / 131.1, at 2 (b64, 4K)
+# 251.5 / 246.2; end to end b1 5.62 -> 6.21 ms, b16 8.73 -> 8.61, b64 12.79 -> 12.67. So: in the kernel up to
+# this many splits (0: never).
+DECODE_SERIAL_MERGE_MAX_SPLITS = 8
 MERGE_LOCKS = 1 << 14  # counters per device: (request, kv head) pairs of one launch; more merge apart
 _MERGE_LOCKS: dict[torch.device, torch.Tensor] = {}
 
@@ -66,7 +70,7 @@ def _decode_split_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,  # more than one split (grid dim 2): partials, merged by a second kernel
-    SERIAL: tl.constexpr,  # SPLIT, merged by each (request, kv head)'s last program instead (DECODE_SERIAL_MERGE)
+    SERIAL: tl.constexpr,  # SPLIT, merged by each (request, kv head)'s last program (DECODE_SERIAL_MERGE_MAX_SPLITS)
     HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -228,7 +232,7 @@ def decode_attention(
         mid_o = torch.empty(num_reqs, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         mid_lse = torch.empty(num_reqs, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
         strides = (mid_o.stride(0), mid_o.stride(1), mid_o.stride(2))
-    locks = merge_locks(num_reqs * num_kv_heads, q.device) if num_splits > 1 else None
+    locks = merge_locks(num_reqs * num_kv_heads, num_splits, q.device)
     pdl = use_pdl(q)
     _decode_split_kernel[(num_reqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, seq_lens, page_table, mid_o, mid_lse, out, locks if locks is not None else out,
@@ -245,9 +249,10 @@ def decode_attention(
     return out
 
 
-def merge_locks(pairs: int, device: torch.device) -> torch.Tensor | None:
-    """The device's merge counters (launch.zeroed_counters: one set for every decode launch) when
-    DECODE_SERIAL_MERGE is on and they cover `pairs` (request, kv head) pairs, else None (a merge launch)."""
-    if not DECODE_SERIAL_MERGE or pairs > MERGE_LOCKS:
+def merge_locks(pairs: int, num_splits: int, device: torch.device) -> torch.Tensor | None:
+    """The device's merge counters (launch.zeroed_counters: one set for every decode launch) when a launch of
+    `num_splits` > 1 splits merges them in the kernel (DECODE_SERIAL_MERGE_MAX_SPLITS) and they cover `pairs`
+    (request, kv head) pairs, else None (no merge, or a merge launch)."""
+    if not 1 < num_splits <= DECODE_SERIAL_MERGE_MAX_SPLITS or pairs > MERGE_LOCKS:
         return None
     return zeroed_counters(_MERGE_LOCKS, MERGE_LOCKS, device)

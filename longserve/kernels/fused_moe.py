@@ -56,8 +56,10 @@ __all__ = [
 MOE_GEMV_MAX_TOKENS = 0
 # A step of at most this many tokens with block-FP8 experts (not split over ranks) runs as kernels/moe_fp8_gemv.py's
 # routed GEMVs (four launches) instead of the alignment, two activation quantizations, the grouped GEMMs and the
-# sum over k. 0 (off) until `gpu_check.sh fp8-moe-gemv` times it on a GPU.
-FP8_MOE_GEMV_MAX_TOKENS = 0
+# sum over k. Measured on an H200 (854fbd1, `gpu_check.sh fp8-moe-gemv`, RESULTS.md fourteenth session), the A3B
+# expert block alone: 21.9 against 28.3 us at 1 token, 54.8 / 62.9 at 4, 155.1 / 133.0 at 16; the A3B FP8 decode
+# with it up to 16 tokens: b1 (32K) 4.21 -> 4.04 ms, b8 (4K) 8.31 -> 8.06. 8: the largest size that gained.
+FP8_MOE_GEMV_MAX_TOKENS = 8
 # A step of at most this many tokens sums its pairs' 16-bit outputs over k with kernels/moe_sum.py instead of
 # torch.sum (4.8 us a layer at batch 1 in the A3B decode, 2026-12-02 profile). Measured on an H200 (95cf20e,
 # `gpu_check.sh dense-gemv`, RESULTS.md sixth session; both runs with the 16-bit GEMV since reverted): the A3B

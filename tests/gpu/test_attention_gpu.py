@@ -222,7 +222,7 @@ def test_split_counts_share_one_compiled_kernel() -> None:
 
 @pytest.mark.parametrize("batch,context", [(1, 32768), (16, 8192), (64, 4096)])
 def test_decode_serial_merge_on_the_gpu(batch: int, context: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """decode_attention.DECODE_SERIAL_MERGE at the 8B decode shapes and the engine's split counts: the
+    """decode_attention.DECODE_SERIAL_MERGE_MAX_SPLITS (here every split count) at the 8B decode shapes and the engine's split counts: the
     two-launch output to a bf16 rounding step (fp32 sums in another order), the fp32 reference's, again after
     50 launches back to back (the counters back at zero), from a CUDA graph replayed for new queries, PDL on and
     off; both paths' times printed."""
@@ -244,6 +244,7 @@ def test_decode_serial_merge_on_the_gpu(batch: int, context: int, monkeypatch: p
         context, batch, NUM_KV_HEADS, torch.cuda.get_device_properties(0).multi_processor_count
     )
     assert splits > 1
+    monkeypatch.setattr(dec, "DECODE_SERIAL_MERGE_MAX_SPLITS", 0)
     run = lambda: dec.decode_attention(
         q, k_cache, v_cache, seq_lens, table, page, HEAD_DIM**-0.5, None, splits
     )  # noqa: E731
@@ -253,7 +254,7 @@ def test_decode_serial_merge_on_the_gpu(batch: int, context: int, monkeypatch: p
     )
     torch.testing.assert_close(want.float(), ref, atol=TOL, rtol=TOL)
     two_launch_us = cuda_graph_time_ms(run, 2, 20, 5) * 1e3
-    monkeypatch.setattr(dec, "DECODE_SERIAL_MERGE", True)
+    monkeypatch.setattr(dec, "DECODE_SERIAL_MERGE_MAX_SPLITS", dec.MAX_SPLITS)
     bf16_step = 2**-7  # relative
     for pdl in (False, True):
         monkeypatch.setattr(launch, "PDL", pdl)
@@ -264,9 +265,9 @@ def test_decode_serial_merge_on_the_gpu(batch: int, context: int, monkeypatch: p
     outs: dict[str, torch.Tensor] = {}
     graph = capture_cuda_graph(lambda: outs.update(o=run()))
     q.copy_(torch.randn(q.shape, device="cuda", generator=gen))
-    monkeypatch.setattr(dec, "DECODE_SERIAL_MERGE", False)
+    monkeypatch.setattr(dec, "DECODE_SERIAL_MERGE_MAX_SPLITS", 0)
     fresh = run()
-    monkeypatch.setattr(dec, "DECODE_SERIAL_MERGE", True)
+    monkeypatch.setattr(dec, "DECODE_SERIAL_MERGE_MAX_SPLITS", dec.MAX_SPLITS)
     for _ in range(3):
         graph.replay()
     torch.testing.assert_close(outs["o"], fresh, atol=bf16_step, rtol=bf16_step)

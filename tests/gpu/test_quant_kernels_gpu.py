@@ -543,9 +543,8 @@ def test_fp8_experts_routed_gemv(num_tokens: int, monkeypatch: pytest.MonkeyPatc
     x = torch.randn(num_tokens, h, device="cuda", dtype=torch.bfloat16)
     weights, ids = route_topk(torch.randn(num_tokens, e, device="cuda"), k, True)
     weights = weights.bfloat16()
-    grouped = fused_moe(
-        x, w13, w2, weights, ids, quant=quant
-    )  # FP8_MOE_GEMV_MAX_TOKENS = 0: the general path
+    monkeypatch.setattr(fm, "FP8_MOE_GEMV_MAX_TOKENS", 0)
+    grouped = fused_moe(x, w13, w2, weights, ids, quant=quant)  # the general path
     ref = fused_moe_ref(x, w13, w2, weights, ids, quant=quant)
     monkeypatch.setattr(fm, "FP8_MOE_GEMV_MAX_TOKENS", 16)
     run = lambda: fused_moe(x, w13, w2, weights, ids, quant=quant)  # noqa: E731

@@ -188,7 +188,7 @@ def test_decode_more_splits_than_keys() -> None:
 
 @pytest.mark.parametrize("sliding_window", [None, 6])
 def test_decode_serial_merge_equals_the_merge_launch(monkeypatch, sliding_window) -> None:
-    """decode_attention.DECODE_SERIAL_MERGE: each (request, kv head)'s last split program merges the partials
+    """decode_attention.DECODE_SERIAL_MERGE_MAX_SPLITS: each (request, kv head)'s last split program merges the partials
     in the kernel, and no merge kernel runs: the two-launch output to fp32 rounding (the splits are summed in
     order there, in a tree here), the reference's, the counters back at zero after every launch, empty splits
     (more splits than a short request has keys) weighed 0. fp32 (the interpreter's bf16 dots are not the
@@ -200,9 +200,10 @@ def test_decode_serial_merge_equals_the_merge_launch(monkeypatch, sliding_window
     step.cache.store(0, meta.slot_mapping, step.k, step.v)
     k_cache, v_cache = step.cache.k[0], step.cache.v[0]
     args = (step.q, k_cache, v_cache, meta.seq_lens, meta.page_table, meta.page_size, step.scale)
+    monkeypatch.setattr(da, "DECODE_SERIAL_MERGE_MAX_SPLITS", 0)
     two = decode_attention(*args, sliding_window, 8)
     ref = decode_attention_ref(*args, sliding_window, 8)
-    monkeypatch.setattr(da, "DECODE_SERIAL_MERGE", True)
+    monkeypatch.setattr(da, "DECODE_SERIAL_MERGE_MAX_SPLITS", 8)
     monkeypatch.setattr(da, "merge_splits", lambda *a: pytest.fail("the merge kernel ran"))
     for _ in range(3):  # the counters a launch leaves serve the next
         one = decode_attention(*args, sliding_window, 8)

@@ -10,10 +10,10 @@
 # 64 / 512 / 1024 hits (issue 19's >= 100x: 95.6x eager) with --piecewise-cuda-graph-max-tokens 0 and 4096.
 # pdl (one GPU, ~8 min): programmatic dependent launch off and on: its GPU tests (outputs unchanged, the kernels
 # compiled for it), the 8B shape's decode (bf16 at batch 1 (32K) and 64 (4K), FP8 blocks and GPTQ int4 at batch 1).
-# decode-merge (one GPU, ~6 min): the decode attention's splits merged by each (request, kv head)'s last program
-# (decode_attention.DECODE_SERIAL_MERGE, off) instead of a merge launch: its GPU test (the 8B shapes, graphs,
-# PDL, both times), then the 8B decode at batch 1 (32K), 16 (8K) and 64 (4K) in bf16 and at batch 1 in FP8
-# blocks, off and on, one process each.
+# decode-merge (one GPU, ~3 min): the decode attention's splits merged by each (request, kv head)'s last program
+# instead of a merge launch (decode_attention.DECODE_SERIAL_MERGE_MAX_SPLITS, 8 since 854fbd1 was measured): its
+# GPU test (the 8B shapes, graphs, PDL, both times), then the 8B decode at batch 1 (32K), 16 (8K) and 64 (4K) in
+# bf16 and at batch 1 in FP8 blocks, never (0) and up to 8 splits, one process each.
 # hit-pdl (one GPU, ~4 min): issue 19's prefix hit (32K cached + 64 new; 90.5x the cold 32K at 0949067, 98.7x at
 # e9be5b7) with PDL off and on (its 64-token graph's norms and rotary launch with it), 7 runs each, then
 # scripts/probes/probe_hit.py (host segments and the forward's device time, PDL on).
@@ -161,9 +161,9 @@ if [[ $MODE == decode-merge ]]; then  # one GPU (~6 min): the decode attention's
   for variant in bf16 fp8; do
     q=(); sizes=1@32768,16@8192,64@4096
     [[ $variant == fp8 ]] && { q=(--hf-overrides "$fp8"); sizes=1@32768; }
-    for serial in False True; do
-      latency_with merge_${variant}_$serial "$variant SERIAL_MERGE=$serial" \
-        longserve.kernels.decode_attention.DECODE_SERIAL_MERGE=$serial -- \
+    for serial in 0 8; do
+      latency_with merge_${variant}_$serial "$variant SERIAL_MERGE_MAX_SPLITS=$serial" \
+        longserve.kernels.decode_attention.DECODE_SERIAL_MERGE_MAX_SPLITS=$serial -- \
         --config llama-3.1-8b "${dummy[@]}" --repeat 3 ${q[@]+"${q[@]}"} --decode-batch-sizes $sizes
     done
   done

@@ -17,8 +17,8 @@
 # GPU tests (outputs unchanged with 16-bit and FP8 experts; the kernels compiled for it), then the A3B decode at
 # batch 1 (32K) in bf16, FP8 blocks and GPTQ int4, PDL off and on, one process each.
 # fp8-moe-gemv (one GPU, ~5 min): the block-FP8 experts through the routed GEMVs at decode sizes
-# (fused_moe.FP8_MOE_GEMV_MAX_TOKENS, off): their GPU test (the A3B shape at 1 / 4 / 16 tokens, both paths' times),
-# then the A3B FP8 decode at batch 1 (32K) and 8 (4K), off and on, one process each.
+# (fused_moe.FP8_MOE_GEMV_MAX_TOKENS, 8 since 854fbd1 was measured): their GPU test (the A3B shape at 1 / 4 / 16
+# tokens, both paths' times), then the A3B FP8 decode at batch 1 (32K) and 8 (4K), off and on, one process each.
 # shellcheck shell=bash
 
 if [[ $MODE == fusions-a3b ]]; then  # one GPU: the Qwen3-30B-A3B shape's decode (q/k norm, launch-bound at
