@@ -31,7 +31,8 @@ if [[ $MODE == all || $MODE == tests || $MODE == quick ]]; then
   # with cold caches, three groups at once 152 s, 2026-12-02): kernels, two engine groups, the CPU e2e suite
   # on CUDA; each group's log kept, so a call cut short still reports what finished; faulthandler prints
   # where a stuck test waits. At c2dd2fd the kernels group took 161 s and the MoE/quantized group had not
-  # finished at 260 s beside the others (49 s alone): give the mode 400 s
+  # finished at 260 s beside the others (49 s alone); at 854fbd1, with every CUDA engine capturing piecewise
+  # graphs at start, that group took 525 s and the mode 543 s: queue.sh gives it 9 minutes
   gpu_group() {  # name, files...
     python3 -m pytest -q -m gpu "${@:2}" -p no:cacheprovider -o faulthandler_timeout=300 --tb=short -rfE \
       > "$OUT/gpu_tests_$1.log" 2>&1

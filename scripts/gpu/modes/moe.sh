@@ -16,7 +16,7 @@
 # MoE step's kernels (router top-k, alignment, grouped GEMMs, sum over k, the activations' FP8 quantization): its
 # GPU tests (outputs unchanged with 16-bit and FP8 experts; the kernels compiled for it), then the A3B decode at
 # batch 1 (32K) in bf16, FP8 blocks and GPTQ int4, PDL off and on, one process each.
-# fp8-moe-gemv (one GPU, ~5 min): the block-FP8 experts through the routed GEMVs at decode sizes
+# fp8-moe-gemv (one GPU, ~2 min): the block-FP8 experts through the routed GEMVs at decode sizes
 # (fused_moe.FP8_MOE_GEMV_MAX_TOKENS, 8 since 854fbd1 was measured): their GPU test (the A3B shape at 1 / 4 / 16
 # tokens, both paths' times), then the A3B FP8 decode at batch 1 (32K) and 8 (4K), off and on, one process each.
 # shellcheck shell=bash
