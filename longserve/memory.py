@@ -1,4 +1,4 @@
-"""Bounds on native caches and heaps that would otherwise grow a long-running process's memory with its traffic.
+"""Bounds on native caches and the heap, which would otherwise grow a long-running process's memory.
 
 On the CPU, PyTorch runs bfloat16/float16 matmuls (every linear layer of a bf16 model) through oneDNN, which
 JIT-compiles kernels for each new problem shape and keeps them in two LRU caches: oneDNN's primitive cache
@@ -26,6 +26,8 @@ from __future__ import annotations
 import ctypes
 import os
 import platform
+import threading
+import time
 
 KERNEL_CACHE_ENTRIES = 16
 KERNEL_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
@@ -43,28 +45,36 @@ def bound_kernel_caches(entries: int = KERNEL_CACHE_ENTRIES) -> None:
         os.environ.setdefault(name, str(entries))
 
 
-# glibc serves an allocation of at least M_MMAP_THRESHOLD bytes (128 KiB at start) with its own mmap, returned to
-# the system when freed; but each such free raises the threshold to the freed size (up to 32 MiB), so a CPU
-# engine's step tensors (activations, logits: hundreds of KiB to MiBs) soon come from the heap instead, where
-# they fragment it and the process keeps their pages. On the 2-core Xeon (2026-12-03) the demo model's server
-# grew +65 KiB/request over requests 260-800 of the one-minute soak (545 MiB at the end) with the dynamic
-# threshold, and +28 KiB/request (487 MiB) with it fixed at 128 KiB (MALLOC_MMAP_THRESHOLD_=131072), at the same
-# CPU time per request (58.8 and 59.4 ms); MALLOC_ARENA_MAX=2 changed nothing (+66). Setting the threshold also
-# switches the dynamic adjustment off (mallopt(3)).
-M_MMAP_THRESHOLD = -3  # mallopt's parameter number (glibc's malloc.h)
-MMAP_THRESHOLD_BYTES = 128 * 1024
-MMAP_THRESHOLD_VARIABLE = "MALLOC_MMAP_THRESHOLD_"
+# What grows a CPU server's RSS once the kernel caches are full is its heap: glibc serves an allocation of at
+# least its mmap threshold with a mapping of its own, given back when freed, but each such free raises the
+# threshold (up to 32 MiB), so the steps' tensors soon come from the heap, whose free pages the process keeps.
+# On the 2-core Xeon (2026-12-03, one-minute soak, requests 260-800): +60-70 KiB/request and 534-541 MiB at the
+# end with 16 kernel entries; with malloc_trim(0) every 2 s, +27 KiB/request and 487 MiB, at 54.7 ms of CPU per
+# request against 56.6 (a call took ~1 ms). Fixing the threshold at 128 KiB instead grew as little but made the
+# CPU prefill of a 16K prompt 10% slower (every large tensor a fresh mapping); MALLOC_ARENA_MAX=2 changed nothing.
+HEAP_TRIM_SECONDS = 2.0
+_trimmer: list[threading.Thread] = []
 
 
-def fix_mmap_threshold(nbytes: int = MMAP_THRESHOLD_BYTES) -> bool:
-    """Fix glibc's mmap threshold at `nbytes` for this process (allocations that large get their own mapping,
-    given back when freed), unless the environment sets it (the user's value wins) or the C library is not
-    glibc. Whether it was set. The CPU model runner calls it: a GPU engine's host allocations are few."""
-    if MMAP_THRESHOLD_VARIABLE in os.environ or platform.libc_ver()[0] != "glibc":
+def start_heap_trimmer(interval_s: float = HEAP_TRIM_SECONDS) -> bool:
+    """Give the heap's free pages back to the system every `interval_s` seconds (glibc's malloc_trim, from a
+    daemon thread: ctypes releases the GIL for the call), once per process. Whether a trimmer runs (not on
+    another C library). The CPU model runner starts it; a GPU engine's host allocations are few."""
+    if _trimmer:
+        return True
+    if platform.libc_ver()[0] != "glibc":
         return False
     try:
-        mallopt = ctypes.CDLL(None).mallopt
+        malloc_trim = ctypes.CDLL(None).malloc_trim
     except (OSError, AttributeError):
         return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return mallopt(M_MMAP_THRESHOLD, nbytes) == 1
+    malloc_trim.argtypes, malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
+
+    def trim_forever() -> None:
+        while True:
+            time.sleep(interval_s)
+            malloc_trim(0)
+
+    _trimmer.append(threading.Thread(target=trim_forever, name="longserve-heap-trim", daemon=True))
+    _trimmer[0].start()
+    return True

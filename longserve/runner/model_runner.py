@@ -20,7 +20,7 @@ from longserve.attention import ForwardContext, GraphShape, KVCache, get_attenti
 from longserve.attention.kv_quant import kv_storage_dtype, layer_kv_scales
 from longserve.config import EngineConfig
 from longserve.distributed import RankFailure, broadcast_object, get_tp_group, set_ep_size, tp_broadcast
-from longserve.memory import bound_kernel_caches, fix_mmap_threshold
+from longserve.memory import bound_kernel_caches, start_heap_trimmer
 from longserve.models import load_model, resolve_dtype
 from longserve.models.decoder import validate_tp_size
 from longserve.models.moe import expert_weight_summary
@@ -92,7 +92,7 @@ class ModelRunner:
         set_ep_size(config.ep_size if self.tp is not None else 1)  # before the model is built: its experts
         self.device = resolve_device(config.device)
         if self.device.type == "cpu":
-            fix_mmap_threshold()  # the steps' host tensors given back to the system, not fragmenting the heap
+            start_heap_trimmer()  # the steps' freed host tensors given back, not kept by the heap
         if self.tp is not None and self.device.type == "cuda":
             self.device = torch.device("cuda", self.tp.local_rank)
         self.dtype = resolve_dtype(config.dtype, hf_config)

@@ -10,11 +10,7 @@ import sys
 
 import pytest
 
-from longserve.memory import (
-    KERNEL_CACHE_VARIABLES,
-    MMAP_THRESHOLD_VARIABLE,
-    bound_kernel_caches,
-)
+from longserve.memory import KERNEL_CACHE_VARIABLES, bound_kernel_caches
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -72,42 +68,46 @@ def test_a_capacity_set_by_the_user_wins(monkeypatch) -> None:
         bound_kernel_caches(0)  # ideep crashes on a capacity of 0
 
 
-# A 1 MiB malloc after a 4 MiB mmapped chunk was freed (which raises glibc's dynamic threshold to 4 MiB): whether
-# glibc served it with a mapping of its own (the IS_MMAPPED bit, 0x2, of the chunk's size word before it).
-MMAP_PROBE = """
-import ctypes, sys
-from longserve.memory import fix_mmap_threshold
-print(fix_mmap_threshold() if sys.argv[1] == "fixed" else None)
+# 100 MiB of 256 KiB blocks from the heap (after a freed 8 MiB mapping raised glibc's mmap threshold, as a CPU
+# engine's steps do), all freed but the last, which keeps the heap's top from shrinking; prints how many MiB the
+# RSS fell in the next half second.
+TRIM_PROBE = """
+import ctypes, sys, time
+from longserve.memory import start_heap_trimmer
 libc = ctypes.CDLL(None)
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
 libc.free.argtypes = [ctypes.c_void_p]
-libc.free(libc.malloc(4 << 20))
-p = libc.malloc(1 << 20)
-print(bool(ctypes.c_size_t.from_address(p - ctypes.sizeof(ctypes.c_size_t)).value & 2))
-libc.free(p)
+libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+def rss_mib():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+libc.free(libc.malloc(8 << 20))
+blocks = [libc.malloc(256 << 10) for _ in range(400)]
+for b in blocks:
+    libc.memset(b, 1, 256 << 10)
+for b in blocks[:-1]:
+    libc.free(b)
+before = rss_mib()
+if sys.argv[1] == "on":
+    assert start_heap_trimmer(0.05) and start_heap_trimmer(0.05)  # once per process: the second call a no-op
+time.sleep(0.5)
+print(before - rss_mib())
 """
 
 
-def mmapped_after_a_free(mode: str, env_value: str | None = None) -> tuple[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != MMAP_THRESHOLD_VARIABLE}
-    env["PYTHONPATH"] = REPO
-    if env_value is not None:
-        env[MMAP_THRESHOLD_VARIABLE] = env_value
+def rss_fall_mib(mode: str) -> float:
     out = subprocess.run(
-        [sys.executable, "-c", MMAP_PROBE, mode],
-        env=env,
+        [sys.executable, "-c", TRIM_PROBE, mode],
+        env={**os.environ, "PYTHONPATH": REPO},
         capture_output=True,
         text=True,
         timeout=60,
         check=True,
     )
-    set_, mmapped = out.stdout.split()
-    return set_, mmapped
+    return float(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
-def test_the_fixed_mmap_threshold_keeps_large_allocations_off_the_heap() -> None:
-    assert mmapped_after_a_free("default") == ("None", "False")  # the dynamic threshold: from the heap
-    assert mmapped_after_a_free("fixed") == ("True", "True")
-    # the user's value wins (here glibc's own: 8 MiB, so the 1 MiB block comes from the heap)
-    assert mmapped_after_a_free("fixed", env_value=str(8 << 20)) == ("False", "False")
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc_trim")
+def test_the_heap_trimmer_gives_freed_heap_pages_back() -> None:
+    assert rss_fall_mib("off") < 10  # free() alone keeps them: the top of the heap is in use
+    assert rss_fall_mib("on") > 80
