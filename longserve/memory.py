@@ -49,8 +49,8 @@ def bound_kernel_caches(entries: int = KERNEL_CACHE_ENTRIES) -> None:
 # least its mmap threshold with a mapping of its own, given back when freed, but each such free raises the
 # threshold (up to 32 MiB), so the steps' tensors soon come from the heap, whose free pages the process keeps.
 # On the 2-core Xeon (2026-12-03, one-minute soak, requests 260-800): +60-70 KiB/request and 534-541 MiB at the
-# end with 16 kernel entries; with malloc_trim(0) every 2 s, +27 KiB/request and 487 MiB, at 54.7 ms of CPU per
-# request against 56.6 (a call took ~1 ms). Fixing the threshold at 128 KiB instead grew as little but made the
+# end with 16 kernel entries; with malloc_trim(0) every 2 s, +28-31 KiB/request and 485-492 MiB, at 53.5-56.4 ms
+# of CPU per request against 56.6-58.8 (a call took ~1 ms). Fixing the threshold at 128 KiB instead grew as little but made the
 # CPU prefill of a 16K prompt 10% slower (every large tensor a fresh mapping); MALLOC_ARENA_MAX=2 changed nothing.
 HEAP_TRIM_SECONDS = 2.0
 _trimmer: list[threading.Thread] = []

@@ -222,10 +222,10 @@ def test_split_counts_share_one_compiled_kernel() -> None:
 
 @pytest.mark.parametrize("batch,context", [(1, 32768), (16, 8192), (64, 4096)])
 def test_decode_serial_merge_on_the_gpu(batch: int, context: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """decode_attention.DECODE_SERIAL_MERGE_MAX_SPLITS (here every split count) at the 8B decode shapes and the engine's split counts: the
-    two-launch output to a bf16 rounding step (fp32 sums in another order), the fp32 reference's, again after
-    50 launches back to back (the counters back at zero), from a CUDA graph replayed for new queries, PDL on and
-    off; both paths' times printed."""
+    """The decode splits merged in the kernel (decode_attention.DECODE_SERIAL_MERGE_MAX_SPLITS, here at every
+    split count) at the 8B decode shapes and the engine's split counts: the two-launch output to a bf16 rounding
+    step (fp32 sums in another order), the fp32 reference's, again after 50 launches back to back (the counters
+    back at zero), from a CUDA graph replayed for new queries, PDL on and off; both paths' times printed."""
     from longserve.kernels import decode_attention as dec
     from longserve.kernels import launch
     from longserve.platform import capture_cuda_graph, cuda_graph_time_ms

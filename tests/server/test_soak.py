@@ -24,9 +24,9 @@ SOAK = os.path.join(REPO, "scripts", "dev", "soak.py")
 # +324 KiB/request over requests 300-620 (+98 MiB); with it, +14 KiB/request (+8 MiB, the noise of a short
 # span: arenas and the prefix cache's last pages still settle). 100 sits between, with a 3x margin to the leak
 # and 7x to the noise (on the EPYC CI machine). On a 2-core Xeon with AMX (2026-12-03) the run failed at
-# +142 KiB/request: oneDNN's kernels were still filling 64 entries; with 16 (longserve/memory.py), +65. What
-# grows after that is the heap: glibc's dynamic mmap threshold puts the steps' tensors there once a large one
-# was freed (fixing it at 128 KiB: +27.5, but the CPU prefill took 10% longer; RESULTS.md fourteenth session).
+# +142 KiB/request: oneDNN's kernels were still filling 64 entries; with 16 (longserve/memory.py), +60-70.
+# What grows after that is the heap (glibc keeps the freed step tensors' pages): with CPU engines trimming it
+# every 2 s (memory.start_heap_trimmer), +28-31 (RESULTS.md fourteenth session).
 # The 20,000-request run in benchmarks/RESULTS.md is the flatness measurement.
 CI_MAX_SLOPE_KIB = 100
 

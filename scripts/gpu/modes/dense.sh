@@ -156,7 +156,7 @@ if [[ $MODE == dense-gemm ]]; then  # one GPU (~6 min): the Triton skinny GEMM a
   done
 fi
 
-if [[ $MODE == decode-merge ]]; then  # one GPU (~6 min): the decode attention's merge in the kernel, off and on
+if [[ $MODE == decode-merge ]]; then  # one GPU (~3 min): the decode attention's merge in the kernel, off and on
   python3 -m pytest -q -s -m gpu tests/gpu/test_attention_gpu.py -k serial_merge -p no:cacheprovider --tb=short -rfE \
     2>&1 | tee "$OUT/gpu_tests_decode_merge.log" | grep -E "in-kernel merge|passed|failed" || status=1
   for variant in bf16 fp8; do
