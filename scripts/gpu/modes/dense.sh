@@ -1,7 +1,7 @@
 # gpu_check.sh's modes for the dense models (sourced by scripts/gpu/gpu_check.sh, which sets MODE, OUT and status):
 # the GPU tests, the Llama-3.1-8B shape's latency against HF transformers and vLLM, tensor parallelism, the
 # probes and the switches of the dense path.
-# tests (one GPU; quick: the same): the GPU tests in four processes and the CPU e2e suite on CUDA; bench: the
+# tests (one GPU; quick: the same): the GPU tests in five processes and the CPU e2e suite on CUDA; bench: the
 # kernel microbenchmarks; all = tests + bench. tp, tp2, tp32: two GPUs.
 # chunks (one GPU): a lone cold prompt in chunks of 8K, 16K, 32K.
 # short-plans (one GPU, ~4 min): prefix hits of 64 / 1K / 2K / 4K new tokens over 32K (and 1K over 64K), and the
@@ -27,12 +27,13 @@
 # shellcheck shell=bash
 
 if [[ $MODE == all || $MODE == tests || $MODE == quick ]]; then
-  # four processes at once (Triton's JIT is CPU-bound: the whole directory one file at a time took over 280 s
-  # with cold caches, three groups at once 152 s, 2026-12-02): kernels, two engine groups, the CPU e2e suite
+  # five processes at once (Triton's JIT is CPU-bound: the whole directory one file at a time took over 280 s
+  # with cold caches, three groups at once 152 s, 2026-12-02): kernels, three engine groups, the CPU e2e suite
   # on CUDA; each group's log kept, so a call cut short still reports what finished; faulthandler prints
   # where a stuck test waits. At c2dd2fd the kernels group took 161 s and the MoE/quantized group had not
   # finished at 260 s beside the others (49 s alone); at 854fbd1, with every CUDA engine capturing piecewise
-  # graphs at start, that group took 525 s and the mode 543 s: queue.sh gives it 9 minutes
+  # graphs at start, that group took 525 s and the mode 543 s; test_pdl_gpu.py builds 30-odd engines (6 of its
+  # 16 tests took 98 s at 7da0d31, so perhaps half of it): it runs as a process of its own now (not yet timed)
   gpu_group() {  # name, files...
     python3 -m pytest -q -m gpu "${@:2}" -p no:cacheprovider -o faulthandler_timeout=300 --tb=short -rfE \
       > "$OUT/gpu_tests_$1.log" 2>&1
@@ -41,16 +42,17 @@ if [[ $MODE == all || $MODE == tests || $MODE == quick ]]; then
     tests/gpu/test_quant_kernels_gpu.py & p1=$!
   gpu_group engine tests/gpu/test_engine_gpu.py tests/gpu/test_overlap_gpu.py tests/gpu/test_kv_fp8_gpu.py \
     tests/gpu/test_structured_gpu.py & p2=$!
+  gpu_group pdl tests/gpu/test_pdl_gpu.py & p5=$!
   # the MoE and quantized engines, and any file no group names (a new one is not skipped silently)
   rest=(); for f in tests/gpu/test_*.py; do
-    [[ $f =~ test_(attention|fused_ops|fused_moe|quant_kernels|engine|overlap|kv_fp8|structured|tensor_parallel)_gpu ]] \
+    [[ $f =~ test_(attention|fused_ops|fused_moe|quant_kernels|engine|overlap|kv_fp8|structured|pdl|tensor_parallel)_gpu ]] \
       && continue
     rest+=("$f")
   done
   gpu_group moe_quant_rest "${rest[@]}" & p3=$!
   LONGSERVE_TEST_DEVICE=cuda python3 -m pytest -q tests/e2e/test_engine.py -p no:cacheprovider \
     > "$OUT/e2e_cuda.log" 2>&1 & p4=$!
-  for p in $p1 $p2 $p3 $p4; do wait $p || status=1; done
+  for p in $p1 $p2 $p3 $p4 $p5; do wait $p || status=1; done
   for f in "$OUT"/gpu_tests_*.log "$OUT/e2e_cuda.log"; do
     echo "== $f"; grep -E "passed|failed|^FAILED|^ERROR" "$f" | tail -12
   done
