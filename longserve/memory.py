@@ -54,6 +54,7 @@ def bound_kernel_caches(entries: int = KERNEL_CACHE_ENTRIES) -> None:
 # CPU prefill of a 16K prompt 10% slower (every large tensor a fresh mapping); MALLOC_ARENA_MAX=2 changed nothing.
 HEAP_TRIM_SECONDS = 2.0
 _trimmer: list[threading.Thread] = []
+os.register_at_fork(after_in_child=_trimmer.clear)  # a forked child has no thread of its parent's: its own
 
 
 def start_heap_trimmer(interval_s: float = HEAP_TRIM_SECONDS) -> bool:

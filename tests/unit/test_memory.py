@@ -111,3 +111,23 @@ def rss_fall_mib(mode: str) -> float:
 def test_the_heap_trimmer_gives_freed_heap_pages_back() -> None:
     assert rss_fall_mib("off") < 10  # free() alone keeps them: the top of the heap is in use
     assert rss_fall_mib("on") > 80
+
+
+def test_a_forked_child_starts_a_trimmer_of_its_own() -> None:
+    """A child forked after the parent started its trimmer (tensor-parallel workers may be) has no such thread:
+    start_heap_trimmer must start one there rather than take the parent's record for it."""
+    probe = (
+        "import os, threading\n"
+        "from longserve import memory\n"
+        "assert memory.start_heap_trimmer(60)\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    ok = not memory._trimmer and memory.start_heap_trimmer(60) and memory._trimmer[0].is_alive()\n"
+        "    os._exit(0 if ok else 3)\n"
+        "print(os.waitpid(pid, 0)[1] >> 8)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], env={**os.environ, "PYTHONPATH": REPO}, capture_output=True, text=True,
+        timeout=60, check=True,
+    )  # fmt: skip
+    assert out.stdout.strip() == "0", out
