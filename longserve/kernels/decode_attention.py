@@ -69,7 +69,7 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr,  # more than one split (grid dim 2): partials, merged by a second kernel
+    SPLIT: tl.constexpr,  # more than one split (grid dim 2): partials, merged by a second kernel or (SERIAL) here
     SERIAL: tl.constexpr,  # SPLIT, merged by each (request, kv head)'s last program (DECODE_SERIAL_MERGE_MAX_SPLITS)
     HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,

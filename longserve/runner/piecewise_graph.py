@@ -81,12 +81,13 @@ class PiecewiseGraphRunner:
 
     def _context(self, t: int) -> ForwardContext:
         """What the pieces read of a step: the slots the rotary kernel stores the new K/V into."""
+        i32 = dict(dtype=torch.int32, device=self.tokens.slot_mapping.device)
         meta = AttentionMetadata(
             page_size=self.kv_cache.page_size,
-            query_start_loc=torch.zeros(2, dtype=torch.int32, device=self.tokens.slot_mapping.device),
-            seq_lens=torch.ones(1, dtype=torch.int32, device=self.tokens.slot_mapping.device),
-            prefix_lens=torch.zeros(1, dtype=torch.int32, device=self.tokens.slot_mapping.device),
-            page_table=torch.zeros(1, 1, dtype=torch.int32, device=self.tokens.slot_mapping.device),
+            query_start_loc=torch.zeros(2, **i32),
+            seq_lens=torch.ones(1, **i32),
+            prefix_lens=torch.zeros(1, **i32),
+            page_table=torch.zeros(1, 1, **i32),
             slot_mapping=self.tokens.slot_mapping[:t],
             query_lens_cpu=[t],
             seq_lens_cpu=[t],
