@@ -298,7 +298,8 @@ def interpreting() -> bool:
 
 
 def extend_config(head_dim: int, dtype: torch.dtype) -> dict[str, int]:
-    """Tile shape and launch knobs, checked against an sm_90 compile (Triton 3.9, no spills in 16-bit):
+    """Tile shape and launch knobs (a config may also cap the registers: "maxnreg"), checked against an sm_90
+    compile (Triton 3.9, no spills in 16-bit):
     D=128: 128x64 tiles, 8 warps, 3 stages (wgmma, ~96 KB smem, ~190-230 regs, 1 program per SM).
     float32 (a correctness path, not a serving dtype) uses exact fp32 dots and smaller tiles."""
     if interpreting():
@@ -398,7 +399,7 @@ def extend_attention(
         GROUP=group, PAGE_SIZE=page_size, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], SPLIT=num_splits > 1,
         HAS_WINDOW=sliding_window is not None, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **{k: cfg[k] for k in ("maxnreg",) if k in cfg},
     )  # fmt: skip
     if num_splits > 1:
         merge_splits(part, lse, out)

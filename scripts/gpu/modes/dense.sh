@@ -172,6 +172,14 @@ if [[ $MODE == decode-merge ]]; then  # one GPU (~3 min): the decode attention's
   done
 fi
 
+if [[ $MODE == hit-attention ]]; then  # one GPU (~4 min): the prefix hit's attention: register caps, then cuDNN
+  # the extend kernel at 2-4 programs an SM (register caps; sweep_short_extend.py's OCCUPANCY list), then cuDNN on
+  # the GQA-packed rows with the keys split as a batch (probe_hit_cudnn.py)
+  OCCUPANCY=1 timeout 200 python3 scripts/probes/sweep_short_extend.py 2>&1 | tee "$OUT/sweep_occupancy.log" \
+    | grep -E "default|failed" | tail -6
+  timeout 200 python3 scripts/probes/probe_hit_cudnn.py 2>&1 | tee "$OUT/probe_hit_cudnn.log" | tail -24
+fi
+
 if [[ $MODE == hit-pdl ]]; then  # one GPU (~4 min): the prefix hit with PDL off and on, then where its time goes
   for pdl in False True; do
     LATENCY_TIMEOUT=200 latency_with hit_pdl_$pdl "PDL=$pdl" longserve.kernels.launch.PDL=$pdl -- --config \
