@@ -36,6 +36,12 @@ def use_split_sdpa(query_len: int, prefix_len: int) -> bool:
 
 
 SHORT_CHUNK_ROWS = 256  # query rows per kv head (new tokens x group) up to which 64-row tiles win
+# A short chunk's launch knobs beside its 64-row tiles: pipeline stages and a register cap (None: the compiler's
+# 252 registers, two programs an SM). On an H200 (RESULTS.md fifteenth session, `queue.sh hit-attention`), 64 new
+# over 32K scattered pages alone: 2 stages capped at 168 registers 0.206-0.208 ms against 0.241-0.248 at 32
+# splits; the end-to-end prefix hit decides (`queue.sh hit-regs`).
+SHORT_CHUNK_STAGES = 3
+SHORT_CHUNK_MAXNREG: int | None = None
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -84,7 +90,9 @@ class TritonAttentionBackend(AttentionBackend):
         config = self._extend_config(head_dim, dtype)
         tuned = device.type == "cuda" and dtype != torch.float32
         if tuned and max(query_lens, default=0) * (num_q_heads // num_kv_heads) <= SHORT_CHUNK_ROWS:
-            config = {**config, "BLOCK_M": 64, "num_warps": 4}
+            config = {**config, "BLOCK_M": 64, "num_warps": 4, "num_stages": SHORT_CHUNK_STAGES}
+            if SHORT_CHUNK_MAXNREG is not None:
+                config["maxnreg"] = SHORT_CHUNK_MAXNREG
         splits = self.extend_splits or self._choose_extend_splits(
             query_lens, seq_lens, num_q_heads, num_kv_heads, config["BLOCK_M"], self.num_sms(device)
         )

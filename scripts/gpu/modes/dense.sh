@@ -180,6 +180,20 @@ if [[ $MODE == hit-attention ]]; then  # one GPU (~4 min): the prefix hit's atte
   timeout 200 python3 scripts/probes/probe_hit_cudnn.py 2>&1 | tee "$OUT/probe_hit_cudnn.log" | tail -24
 fi
 
+if [[ $MODE == hit-regs ]]; then  # one GPU (~7 min): a short chunk's stages and register cap, end to end
+  # triton_backend.SHORT_CHUNK_STAGES / SHORT_CHUNK_MAXNREG (hit-attention's sweep: 2 stages at 168 registers
+  # fastest alone), the prefix hits and cold 32K (the 100x's denominator) in one process each, twice, alternated
+  for round in 1 2; do
+    for v in "3 None" "2 168"; do
+      read -r st mr <<< "$v"
+      LATENCY_TIMEOUT=170 latency_with hit_regs_s${st}_r${mr}_$round "stages $st maxnreg $mr:" \
+        longserve.attention.triton_backend.SHORT_CHUNK_STAGES=$st \
+        longserve.attention.triton_backend.SHORT_CHUNK_MAXNREG=$mr -- \
+        --config llama-3.1-8b "${dummy[@]}" --repeat 5 --prompt-lens 32768 --prefix-hit 32768:64,32768:256
+    done
+  done
+fi
+
 if [[ $MODE == hit-pdl ]]; then  # one GPU (~4 min): the prefix hit with PDL off and on, then where its time goes
   for pdl in False True; do
     LATENCY_TIMEOUT=200 latency_with hit_pdl_$pdl "PDL=$pdl" longserve.kernels.launch.PDL=$pdl -- --config \
