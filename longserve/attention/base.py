@@ -366,6 +366,11 @@ class AttentionBackend(ABC):
         to this bucket) over any cached prefix captures with."""
         raise NotImplementedError(f"the {self.name} attention backend cannot be captured in CUDA graphs")
 
+    def graph_defers(self, meta: AttentionMetadata, shape: GraphShape, kv_cache: KVCache) -> bool:
+        """Whether this step's attention takes a path the lone chunk's graphs (captured with
+        `prepare_for_extend_capture`) cannot replay: the step then runs without them."""
+        return False
+
     def warm_up(self, shape: GraphShape, chunk_size: int, kv_cache: KVCache) -> None:  # noqa: B027 (optional hook)
         """Build, on the calling thread, what the backend would otherwise build in the middle of a step
         (kernel variants, library plans per shape), for prefill chunks of up to `chunk_size` tokens over

@@ -49,6 +49,15 @@ PAD_QUERY_MIN_FILL = 0.6
 # over 64K 87.3 against 110.2 ms; cold prompts unchanged. The cost is start-up: a plan per 2K of the longest
 # prefix and row count (64K contexts: 135 plans in 3.7 s against 39 in 1.1 s; 128K about 6 s more).
 SHORT_QUERY_ROWS: tuple[int, ...] = (1024, 2048, 4096)
+# A short chunk over a long prefix (a prefix hit's question: the 8B shape's 64 new tokens over 32K) gives cuDNN
+# one program per 128 rows of a head, 32 programs for 132 SMs, where the Triton extend kernel runs at ~180-240
+# TFLOP/s. Packed instead (`sdpa.packed_prefix_sdpa`): the q heads of a kv head as the rows of one call (64
+# tokens x 4 heads = 256 rows), padded to PACKED_ROWS, and the prefix's keys split as a batch of PREFIX_GRANULE
+# keys each. Measured on an H200 (RESULTS.md fifteenth session, `probe_hit_cudnn.py`): 66 us a layer for 64 new
+# over 32K (519 TFLOP/s; 16 splits) against the Triton kernel's 145-240. One plan per split count, built at
+# start-up for prefixes from PACKED_MIN_PREFIX to the context.
+PACKED_ROWS = 256
+PACKED_MIN_PREFIX = 8192
 
 
 def pad_rows(n: int) -> int:
@@ -74,6 +83,20 @@ def split_shape(prefix_len: int, query_len: int, query_rows: int | None = None) 
     rows = pad_rows(query_len) if query_rows is None else query_rows
     assert rows >= query_len, (rows, query_len)
     return SplitShape(prefix_keys, tail, rows, pad_rows(tail + query_len))
+
+
+def packed_splits(prefix_len: int, query_len: int, group: int) -> int | None:
+    """The packed prefix call's split count (its batch) for this chunk, or None when the chunk is not short
+    enough (new tokens x group over PACKED_ROWS), its prefix not long enough for it, or it is a decode's one
+    token (a mixed step's decodes run together in one Triton launch, not a library call each)."""
+    if query_len < 2 or query_len * group > PACKED_ROWS or prefix_len < PACKED_MIN_PREFIX:
+        return None
+    return prefix_len // PREFIX_GRANULE
+
+
+def warm_up_packed_splits(max_seq_len: int) -> list[int]:
+    """The packed calls' split counts a context of up to max_seq_len reaches (a chunk leaves one token)."""
+    return list(range(PACKED_MIN_PREFIX // PREFIX_GRANULE, (max_seq_len - 1) // PREFIX_GRANULE + 1))
 
 
 @dataclass(frozen=True)
@@ -130,6 +153,13 @@ class PlanRegistry:
 
     def mark(self, model: ModelShape, q_rows: int, kv_rows: int, causal: bool) -> None:
         self._built().add((model, q_rows, kv_rows, causal))
+
+    def packed_ready(self, model: ModelShape, splits: int, device: torch.device) -> bool:
+        """Whether the packed prefix call of `splits` splits (`packed_splits`) is built on this thread."""
+        return device.type != "cuda" or ("packed", model, splits) in self._built()
+
+    def mark_packed(self, model: ModelShape, splits: int) -> None:
+        self._built().add(("packed", model, splits))
 
 
 PLANS = PlanRegistry()

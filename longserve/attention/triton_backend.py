@@ -11,11 +11,13 @@ grid of every replay is the one captured.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from longserve.attention.base import AttentionBackend, AttentionMetadata, GraphShape, KVCache, build_metadata
-from longserve.attention.sdpa import prefix_split_sdpa, warm_up_plans
-from longserve.attention.sdpa_shapes import PLANS, ModelShape
+from longserve.attention.sdpa import prefix_split_sdpa, warm_up_packed, warm_up_plans
+from longserve.attention.sdpa_shapes import PLANS, ModelShape, packed_splits, split_shape
 
 COLD_PATHS = ("sdpa", "triton")
 # Which chunks over a cached prefix run as two cuDNN calls merged (prefix_split_sdpa) rather than in the Triton
@@ -33,6 +35,14 @@ def use_split_sdpa(query_len: int, prefix_len: int) -> bool:
     if query_len >= SPLIT_SDPA_MIN_QUERY:
         return True
     return query_len >= SPLIT_SDPA_MIN_QUERY_LONG_PREFIX and prefix_len >= SPLIT_SDPA_LONG_PREFIX
+
+
+class LibraryPlan(NamedTuple):
+    """A step's requests whose attention runs in the library calls (attention/sdpa.py), decided once a step."""
+
+    requests: tuple[int, ...]  # cold prompts, long chunks over a prefix, short chunks over a long one
+    query_rows: dict[int, int]  # a long chunk's prefix-part rows (sdpa_shapes.PlanRegistry.split_rows)
+    packed: dict[int, int]  # a short chunk's split count (sdpa.packed_prefix_sdpa)
 
 
 SHORT_CHUNK_ROWS = 256  # query rows per kv head (new tokens x group) up to which 64-row tiles win
@@ -110,6 +120,7 @@ class TritonAttentionBackend(AttentionBackend):
         if self.cold_path in (None, "sdpa"):
             model = ModelShape(shape.num_q_heads, shape.num_kv_heads, shape.head_dim, shape.dtype)
             warm_up_plans(model, shape.device, chunk_size, shape.max_seq_len)
+            warm_up_packed(model, shape.device, shape.max_seq_len)
         cases = [([16, 0], [1, 16]), ([16, 0], [1, 512]), ([4096], [16]), ([4096], [512]), ([16384], [16])]
         cases += [([32768], [16]), ([chunk_size], [chunk_size])]  # the last: the split path's merge kernel
         page_size = kv_cache.page_size
@@ -181,9 +192,10 @@ class TritonAttentionBackend(AttentionBackend):
 
         cold_path = self.cold_path or ("sdpa" if q.is_cuda else "triton")
         window_matters = sliding_window is not None and sliding_window < meta.max_seq_len
-        library, query_rows = ((), {})
+        plan = LibraryPlan((), {}, {})
         if cold_path == "sdpa" and not window_matters:
-            library, query_rows = self._library_plan(q, num_kv_heads, meta)
+            plan = self._library_plan(q, num_kv_heads, meta, kv_cache.is_fp8)
+        library = plan.requests
         if not library:
             return self._triton(q, k_cache, v_cache, meta, layer_id, kv_cache, scale, sliding_window)
         # per request: the library's (cuDNN's) cold prompts and long chunks, the Triton kernel's the rest (the
@@ -209,35 +221,50 @@ class TritonAttentionBackend(AttentionBackend):
 
         return prefix_split_sdpa(
             q, k, v, k_cache, v_cache, meta, scale, dequantize, requests=library, out=out,
-            query_rows=query_rows,
+            query_rows=plan.query_rows, packed=plan.packed,
         )  # fmt: skip
 
     def library_requests(
-        self, q: torch.Tensor, num_kv_heads: int, meta: AttentionMetadata
+        self, q: torch.Tensor, num_kv_heads: int, meta: AttentionMetadata, kv_fp8: bool = False
     ) -> tuple[int, ...]:
         """The requests whose attention runs in the library calls (attention/sdpa.py): cold prompts and long
         chunks over a cached prefix, 16-bit, at a shape built at start-up (sdpa_shapes.py: a cuDNN plan built
         mid-step stalls every request in it for a few hundred ms; the Triton kernel compiles once for all
         lengths). Long chunks over a prefix: two cuDNN calls merged beat the Triton kernel (measured: ~530 vs
-        ~315 TFLOP/s for 8K over 24K..120K; a 64-token suffix is faster in Triton, `use_split_sdpa`).
-        Decided once per step (every layer asks the same: part of an eager layer's host time)."""
-        return self._library_plan(q, num_kv_heads, meta)[0]
+        ~315 TFLOP/s for 8K over 24K..120K; `use_split_sdpa`). Short chunks over a long prefix on consecutive
+        pages of a 16-bit cache: the packed call (sdpa_shapes.PACKED_ROWS). Decided once per step (every layer
+        asks the same: part of an eager layer's host time)."""
+        return self._library_plan(q, num_kv_heads, meta, kv_fp8).requests
+
+    def graph_defers(self, meta: AttentionMetadata, shape: GraphShape, kv_cache: KVCache) -> bool:
+        """A lone short chunk whose prefix part runs packed in cuDNN: its plan has the prefix's key count, which
+        a graph captured for the longest context cannot vary, so the step runs in the pieces instead (the
+        attention eager between them). A sliding-window model's chunk then runs its Triton kernel eagerly."""
+        if (self.cold_path or ("sdpa" if shape.device.type == "cuda" else "triton")) != "sdpa":
+            return False
+        model = ModelShape(shape.num_q_heads, shape.num_kv_heads, shape.head_dim, shape.dtype)
+        return bool(self._plan(model, shape.device, meta, kv_cache.is_fp8).packed)
 
     def _library_plan(
-        self, q: torch.Tensor, num_kv_heads: int, meta: AttentionMetadata
-    ) -> tuple[tuple[int, ...], dict[int, int]]:
-        """(library_requests, each chunk-over-a-prefix's query rows: sdpa_shapes.PlanRegistry.split_rows)."""
-        model = ModelShape(q.shape[1], num_kv_heads, q.shape[2], q.dtype)
+        self, q: torch.Tensor, num_kv_heads: int, meta: AttentionMetadata, kv_fp8: bool
+    ) -> LibraryPlan:
+        return self._plan(ModelShape(q.shape[1], num_kv_heads, q.shape[2], q.dtype), q.device, meta, kv_fp8)
+
+    def _plan(
+        self, model: ModelShape, device: torch.device, meta: AttentionMetadata, kv_fp8: bool
+    ) -> LibraryPlan:
         return meta.per_step(
-            ("library", self, model, q.device), lambda: self._plan_library(model, q.device, meta)
+            ("library", self, model, device, kv_fp8), lambda: self._plan_library(model, device, meta, kv_fp8)
         )
 
     def _plan_library(
-        self, model: ModelShape, device: torch.device, meta: AttentionMetadata
-    ) -> tuple[tuple[int, ...], dict[int, int]]:
+        self, model: ModelShape, device: torch.device, meta: AttentionMetadata, kv_fp8: bool
+    ) -> LibraryPlan:
         # cuDNN's kernels: 16-bit only
         half = model.dtype in (torch.float16, torch.bfloat16) or device.type != "cuda"
-        chosen, rows = [], {}
+        group = model.num_q_heads // model.num_kv_heads
+        plan = LibraryPlan((), {}, {})
+        chosen = []
         for r, (prefix_len, query_len) in enumerate(zip(meta.prefix_lens_cpu, meta.query_lens_cpu)):
             if not query_len:
                 continue
@@ -248,8 +275,24 @@ class TritonAttentionBackend(AttentionBackend):
                 n = PLANS.split_rows(model, prefix_len, query_len, device)
                 if n is not None:
                     chosen.append(r)
-                    rows[r] = n
-        return tuple(chosen), rows
+                    plan.query_rows[r] = n
+            elif half and not kv_fp8:
+                splits = packed_splits(prefix_len, query_len, group)
+                if splits is not None and self._packs(model, device, meta, r, splits):
+                    chosen.append(r)
+                    plan.packed[r] = splits
+        return plan._replace(requests=tuple(chosen))
+
+    @staticmethod
+    def _packs(model: ModelShape, device: torch.device, meta: AttentionMetadata, r: int, splits: int) -> bool:
+        """Whether request r's short chunk runs packed (`splits` from sdpa_shapes.packed_splits): both its calls'
+        plans built, and its prefix on consecutive pages (read in place; a gather would copy the whole prefix)."""
+        if not PLANS.packed_ready(model, splits, device):
+            return False
+        shape = split_shape(meta.prefix_lens_cpu[r], meta.query_lens_cpu[r])
+        if not PLANS.ready(model, shape.causal_rows, shape.causal_rows, True, device):
+            return False
+        return meta.contiguous_pages(r, -(-shape.prefix_keys // meta.page_size)) is not None
 
     def _triton(
         self,

@@ -10,7 +10,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["attention_mask", "decode_attention_ref", "extend_attention_ref", "gather_kv", "merge_two_ref"]
+__all__ = [
+    "attention_mask", "decode_attention_ref", "extend_attention_ref", "gather_kv", "merge_packed_ref", "merge_two_ref",
+]  # fmt: skip
 
 
 def gather_kv(cache: torch.Tensor, page_ids: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -111,4 +113,29 @@ def merge_two_ref(
     denom = torch.where(w_a + w_b > 0, w_a + w_b, torch.ones_like(w_a))
     merged = o_a.float() * (w_a / denom)[..., None] + o_b.float() * (w_b / denom)[..., None]  # [H, L, D]
     out.copy_(merged.transpose(0, 1))
+    return out
+
+
+def merge_packed_ref(
+    part: torch.Tensor,
+    part_lse: torch.Tensor,
+    o_c: torch.Tensor,
+    lse_c: torch.Tensor,
+    out: torch.Tensor,
+    tail: int,
+) -> torch.Tensor:
+    """Same contract as `merge_packed` (kernels/merge_attention.py), in torch ops (fp32 math)."""
+    num_tokens, num_heads, head_dim = out.shape
+    num_splits, num_kv_heads = part.shape[:2]
+    group = num_heads // num_kv_heads
+    rows = num_tokens * group
+    # [S, Hkv, T * G, D] -> [S, T, Hq, D]: packed row t * G + g of kv head j is q head j * G + g of token t
+    p = part[:, :, :rows].float().view(num_splits, num_kv_heads, num_tokens, group, head_dim)
+    p = p.permute(0, 2, 1, 3, 4).reshape(num_splits, num_tokens, num_heads, head_dim)
+    pl = part_lse[:, :, :rows].float().view(num_splits, num_kv_heads, num_tokens, group)
+    pl = pl.permute(0, 2, 1, 3).reshape(num_splits, num_tokens, num_heads)
+    oc = o_c[:, tail : tail + num_tokens].float().transpose(0, 1)[None]  # [1, T, Hq, D]
+    lc = lse_c[:, tail : tail + num_tokens].float().transpose(0, 1)[None]  # [1, T, Hq]
+    w = torch.softmax(torch.cat([pl, lc]), dim=0)  # [S + 1, T, Hq]
+    out.copy_((torch.cat([p, oc]) * w[..., None]).sum(0))
     return out

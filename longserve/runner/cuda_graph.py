@@ -197,6 +197,8 @@ class ExtendGraphRunner:
         self.prefix_lens = torch.zeros(1, **i32)
         self.query_start_locs = {t: torch.tensor([0, t], **i32) for t in self.buckets}
         self.page_table = torch.zeros(1, max_pages_per_req, **i32)
+        # asked before each replay whether the step's attention is one these graphs cannot run (graph_defers)
+        self.backend, self.shape = backend, shape
         self.backends = {t: backend.prepare_for_extend_capture(t, shape) for t in self.buckets}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -243,6 +245,7 @@ class ExtendGraphRunner:
         return (
             meta.prefix_lens_cpu[0] + bucket <= self.max_positions
             and meta.page_table.shape[1] <= self.page_table.shape[1]
+            and not self.backend.graph_defers(meta, self.shape, self.kv_cache)
         )
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

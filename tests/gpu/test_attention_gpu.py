@@ -25,9 +25,11 @@ def run_step(
     dtype: torch.dtype,
     sliding_window: int | None = None,
     seed: int = 0,
+    consecutive: bool = False,
     **backend_kwargs: object,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(triton output in `dtype`, reference output in float32) for one step over scattered pages."""
+    """(triton output in `dtype`, reference output in float32) for one step over scattered pages (each
+    request's consecutive, as a fresh pool hands them out, with `consecutive`)."""
     from longserve.attention.triton_backend import TritonAttentionBackend
 
     torch.manual_seed(seed)
@@ -35,7 +37,8 @@ def run_step(
     pages_needed = [-(-s // page_size) for s in seq_lens]
     num_pages = sum(pages_needed) + 5
     pool = list(range(num_pages))
-    random.Random(seed).shuffle(pool)
+    if not consecutive:
+        random.Random(seed).shuffle(pool)
     page_tables = []
     for n in pages_needed:
         page_tables.append(pool[:n])
@@ -197,6 +200,52 @@ def test_a_chunk_over_an_unaligned_prefix_runs_at_built_shapes(monkeypatch: pyte
         torch.testing.assert_close(out.float(), expected, atol=TOL, rtol=TOL)
         assert took < 1.0, f"{prefix_lens}/{query_lens}: {took:.2f}s"  # (a build would add ~0.3 s a shape)
     assert calls == [(0,), (0,), (0,)]  # the chunks in cuDNN, the decodes beside them in Triton
+
+
+def test_a_short_chunk_over_a_long_prefix_runs_packed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefix hit's question (64 new tokens of the 8B heads over 32K cached keys on consecutive pages, with and
+    without a tail) runs in the packed cuDNN call (sdpa.packed_prefix_sdpa) at plans the warm-up built, equal to
+    the fp32 reference; beside it a decode runs in Triton; over scattered pages, the Triton kernel. Prints the
+    packed plans' build time and one step's time."""
+    import time
+
+    from longserve.attention import sdpa_shapes as shapes
+    from longserve.attention import triton_backend as tb
+    from longserve.attention.base import GraphShape
+
+    calls: list[dict[int, int]] = []
+    real = tb.prefix_split_sdpa
+    monkeypatch.setattr(
+        tb, "prefix_split_sdpa", lambda *a, **kw: calls.append(kw["packed"]) or real(*a, **kw)
+    )
+    monkeypatch.setattr(shapes, "PLANS", shapes.PlanRegistry())
+    monkeypatch.setattr(tb, "PLANS", shapes.PLANS)
+    longest = 40960
+    cache = KVCache(1, 16, 16, NUM_KV_HEADS, HEAD_DIM, torch.bfloat16, "cuda")
+    graph_shape = GraphShape(
+        longest, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, torch.bfloat16, torch.device("cuda")
+    )
+    start = time.perf_counter()
+    tb.TritonAttentionBackend().warm_up(graph_shape, 2048, cache)
+    print(
+        f"warm-up with {len(shapes.warm_up_packed_splits(longest))} packed plans: {time.perf_counter() - start:.2f}s"
+    )
+    calls.clear()
+    for prefix_lens, query_lens, packed in (
+        ([32768], [64], {0: 16}),
+        ([32768 + 100], [40], {0: 16}),  # a tail of 100 keys in the causal part
+        ([20000, 3000], [64, 1], {0: 9}),  # a decode beside it: Triton
+    ):
+        start = time.perf_counter()
+        out, expected = run_step(prefix_lens, query_lens, 16, torch.bfloat16, consecutive=True)
+        took = time.perf_counter() - start
+        torch.testing.assert_close(out.float(), expected, atol=TOL, rtol=TOL)
+        assert took < 1.0, f"{prefix_lens}/{query_lens}: {took:.2f}s"  # no plan built mid-step
+        assert calls[-1] == packed
+    calls.clear()
+    out, expected = run_step([32768], [64], 16, torch.bfloat16)  # scattered: the Triton kernel
+    torch.testing.assert_close(out.float(), expected, atol=TOL, rtol=TOL)
+    assert calls == []
 
 
 def test_split_counts_share_one_compiled_kernel() -> None:

@@ -194,6 +194,21 @@ if [[ $MODE == hit-regs ]]; then  # one GPU (~7 min): a short chunk's stages and
   done
 fi
 
+if [[ $MODE == hit-packed ]]; then  # one GPU (~8 min): a prefix hit's question through the packed cuDNN call
+  # its GPU test and the engine's (the lone chunk's graphs step aside for it), then the 8B hits with the packed
+  # call on (the default) and off (Triton: PACKED_MIN_PREFIX past any context), cold 32K beside them, then
+  # where the hit's time goes now
+  timeout 240 python3 -m pytest -q -m gpu tests/gpu/test_attention_gpu.py tests/gpu/test_engine_gpu.py \
+    -p no:cacheprovider --tb=short -rfE -s -k "packed or library or unaligned or not attention" 2>&1 \
+    | tee "$OUT/gpu_tests_packed.log" | grep -E "^(FAILED|ERROR|E  )|passed|failed|packed plans" | tail -20
+  for on in True False; do
+    c=(); [[ $on == False ]] && c=(longserve.attention.sdpa_shapes.PACKED_MIN_PREFIX=1000000000)
+    LATENCY_TIMEOUT=170 latency_with hit_packed_$on "packed $on:" ${c[@]+"${c[@]}"} -- --config llama-3.1-8b \
+      "${dummy[@]}" --repeat 5 --prompt-lens 32768 --prefix-hit 32768:64,32768:256
+  done
+  timeout 150 python3 scripts/probes/probe_hit.py 2>&1 | grep -vE "^\[bench|INFO|WARNING" | tee "$OUT/probe_hit.log" | tail -16
+fi
+
 if [[ $MODE == hit-pdl ]]; then  # one GPU (~4 min): the prefix hit with PDL off and on, then where its time goes
   for pdl in False True; do
     LATENCY_TIMEOUT=200 latency_with hit_pdl_$pdl "PDL=$pdl" longserve.kernels.launch.PDL=$pdl -- --config \
