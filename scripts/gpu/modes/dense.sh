@@ -182,11 +182,13 @@ fi
 
 if [[ $MODE == hit-regs ]]; then  # one GPU (~7 min): a short chunk's stages and register cap, end to end
   # triton_backend.SHORT_CHUNK_STAGES / SHORT_CHUNK_MAXNREG (hit-attention's sweep: 2 stages at 168 registers
-  # fastest alone), the prefix hits and cold 32K (the 100x's denominator) in one process each, twice, alternated
+  # fastest alone), the prefix hits and cold 32K (the 100x's denominator) in one process each, twice, alternated;
+  # the hits in the Triton kernel (the packed cuDNN call off: PACKED_MIN_PREFIX past the context)
   for round in 1 2; do
     for v in "3 None" "2 168"; do
       read -r st mr <<< "$v"
       LATENCY_TIMEOUT=170 latency_with hit_regs_s${st}_r${mr}_$round "stages $st maxnreg $mr:" \
+        longserve.attention.sdpa_shapes.PACKED_MIN_PREFIX=1000000000 \
         longserve.attention.triton_backend.SHORT_CHUNK_STAGES=$st \
         longserve.attention.triton_backend.SHORT_CHUNK_MAXNREG=$mr -- \
         --config llama-3.1-8b "${dummy[@]}" --repeat 5 --prompt-lens 32768 --prefix-hit 32768:64,32768:256
