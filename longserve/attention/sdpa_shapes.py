@@ -56,6 +56,10 @@ SHORT_QUERY_ROWS: tuple[int, ...] = (1024, 2048, 4096)
 # keys each. Measured on an H200 (RESULTS.md fifteenth session, `probe_hit_cudnn.py`): 66 us a layer for 64 new
 # over 32K (519 TFLOP/s; 16 splits) against the Triton kernel's 145-240. One plan per split count, built at
 # start-up for prefixes from PACKED_MIN_PREFIX to the context.
+# Off (PACKED_PREFIX_CALLS): in the engine the lone hit then runs its layers' attention eagerly between the piecewise
+# graphs, and the host's launches became the step's bound: the 8B hit 18.3 ms against 12.8 in the Triton kernel
+# under the lone chunk's graph (RESULTS.md fifteenth session, `queue.sh hit-packed`). Needs a capturable form.
+PACKED_PREFIX_CALLS = False
 PACKED_ROWS = 256
 PACKED_MIN_PREFIX = 8192
 
@@ -89,13 +93,21 @@ def packed_splits(prefix_len: int, query_len: int, group: int) -> int | None:
     """The packed prefix call's split count (its batch) for this chunk, or None when the chunk is not short
     enough (new tokens x group over PACKED_ROWS), its prefix not long enough for it, or it is a decode's one
     token (a mixed step's decodes run together in one Triton launch, not a library call each)."""
-    if query_len < 2 or query_len * group > PACKED_ROWS or prefix_len < PACKED_MIN_PREFIX:
+    if (
+        not PACKED_PREFIX_CALLS
+        or query_len < 2
+        or query_len * group > PACKED_ROWS
+        or prefix_len < PACKED_MIN_PREFIX
+    ):
         return None
     return prefix_len // PREFIX_GRANULE
 
 
 def warm_up_packed_splits(max_seq_len: int) -> list[int]:
-    """The packed calls' split counts a context of up to max_seq_len reaches (a chunk leaves one token)."""
+    """The packed calls' split counts a context of up to max_seq_len reaches (a chunk leaves one token); none
+    while they are off (PACKED_PREFIX_CALLS)."""
+    if not PACKED_PREFIX_CALLS:
+        return []
     return list(range(PACKED_MIN_PREFIX // PREFIX_GRANULE, (max_seq_len - 1) // PREFIX_GRANULE + 1))
 
 

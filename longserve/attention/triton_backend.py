@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import torch
 
+from longserve.attention import sdpa_shapes
 from longserve.attention.base import AttentionBackend, AttentionMetadata, GraphShape, KVCache, build_metadata
 from longserve.attention.sdpa import prefix_split_sdpa, warm_up_packed, warm_up_plans
 from longserve.attention.sdpa_shapes import PLANS, ModelShape, packed_splits, split_shape
@@ -240,6 +241,8 @@ class TritonAttentionBackend(AttentionBackend):
         """A lone short chunk whose prefix part runs packed in cuDNN: its plan has the prefix's key count, which
         a graph captured for the longest context cannot vary, so the step runs in the pieces instead (the
         attention eager between them). A sliding-window model's chunk then runs its Triton kernel eagerly."""
+        if not sdpa_shapes.PACKED_PREFIX_CALLS:  # (a step's plan is host time the graph's replay would add)
+            return False
         if (self.cold_path or ("sdpa" if shape.device.type == "cuda" else "triton")) != "sdpa":
             return False
         model = ModelShape(shape.num_q_heads, shape.num_kv_heads, shape.head_dim, shape.dtype)

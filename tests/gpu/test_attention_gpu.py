@@ -218,6 +218,7 @@ def test_a_short_chunk_over_a_long_prefix_runs_packed(monkeypatch: pytest.Monkey
     monkeypatch.setattr(
         tb, "prefix_split_sdpa", lambda *a, **kw: calls.append(kw["packed"]) or real(*a, **kw)
     )
+    monkeypatch.setattr(shapes, "PACKED_PREFIX_CALLS", True)
     monkeypatch.setattr(shapes, "PLANS", shapes.PlanRegistry())
     monkeypatch.setattr(tb, "PLANS", shapes.PLANS)
     longest = 40960

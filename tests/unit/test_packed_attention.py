@@ -52,6 +52,7 @@ def test_merge_packed_equals_its_reference(splits: int, group: int, tail: int) -
 def small_packing(monkeypatch: pytest.MonkeyPatch):
     """The packed path's constants at a test's size: prefixes read in granules of 16 keys, packed from 32 keys of
     prefix, 8 padded rows a kv head; the causal part padded to 16 rows."""
+    monkeypatch.setattr(shapes, "PACKED_PREFIX_CALLS", True)
     monkeypatch.setattr(shapes, "PREFIX_GRANULE", 16)
     monkeypatch.setattr(shapes, "PACKED_MIN_PREFIX", 32)
     monkeypatch.setattr(shapes, "PACKED_ROWS", 8)
@@ -111,8 +112,11 @@ def test_lone_chunk_graphs_step_aside_for_a_packed_chunk(small_packing) -> None:
     )
 
 
-def test_packed_splits_and_warm_up_counts() -> None:
-    """The split counts: one per PREFIX_GRANULE of prefix; built from PACKED_MIN_PREFIX to the context."""
+def test_packed_splits_and_warm_up_counts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The split counts: one per PREFIX_GRANULE of prefix; built from PACKED_MIN_PREFIX to the context; none
+    while the packed calls are off (the default)."""
+    assert shapes.packed_splits(32768, 64, 4) is None and shapes.warm_up_packed_splits(32768) == []
+    monkeypatch.setattr(shapes, "PACKED_PREFIX_CALLS", True)
     assert shapes.packed_splits(32768, 64, 4) == 16 and shapes.packed_splits(33000, 64, 4) == 16
     assert shapes.packed_splits(32768, 65, 4) is None  # 260 rows: over PACKED_ROWS
     assert shapes.packed_splits(8191, 64, 4) is None and shapes.packed_splits(8192, 256, 1) == 4

@@ -183,12 +183,12 @@ fi
 if [[ $MODE == hit-regs ]]; then  # one GPU (~7 min): a short chunk's stages and register cap, end to end
   # triton_backend.SHORT_CHUNK_STAGES / SHORT_CHUNK_MAXNREG (hit-attention's sweep: 2 stages at 168 registers
   # fastest alone), the prefix hits and cold 32K (the 100x's denominator) in one process each, twice, alternated;
-  # the hits in the Triton kernel (the packed cuDNN call off: PACKED_MIN_PREFIX past the context)
+  # the hits in the Triton kernel (the packed cuDNN call off, as by default)
   for round in 1 2; do
     for v in "3 None" "2 168"; do
       read -r st mr <<< "$v"
       LATENCY_TIMEOUT=170 latency_with hit_regs_s${st}_r${mr}_$round "stages $st maxnreg $mr:" \
-        longserve.attention.sdpa_shapes.PACKED_MIN_PREFIX=1000000000 \
+        longserve.attention.sdpa_shapes.PACKED_PREFIX_CALLS=False \
         longserve.attention.triton_backend.SHORT_CHUNK_STAGES=$st \
         longserve.attention.triton_backend.SHORT_CHUNK_MAXNREG=$mr -- \
         --config llama-3.1-8b "${dummy[@]}" --repeat 5 --prompt-lens 32768 --prefix-hit 32768:64,32768:256
@@ -196,19 +196,25 @@ if [[ $MODE == hit-regs ]]; then  # one GPU (~7 min): a short chunk's stages and
   done
 fi
 
-if [[ $MODE == hit-packed ]]; then  # one GPU (~8 min): a prefix hit's question through the packed cuDNN call
+if [[ $MODE == hit-packed ]]; then  # one GPU (~6 min): a prefix hit's question through the packed cuDNN call
   # its GPU test and the engine's (the lone chunk's graphs step aside for it), then the 8B hits with the packed
-  # call on (the default) and off (Triton: PACKED_MIN_PREFIX past any context), cold 32K beside them, then
-  # where the hit's time goes now
+  # call on and off (the default: the Triton kernel in the lone chunk's graph), cold 32K beside them
   timeout 240 python3 -m pytest -q -m gpu tests/gpu/test_attention_gpu.py tests/gpu/test_engine_gpu.py \
     -p no:cacheprovider --tb=short -rfE -s -k "packed or library or unaligned or not attention" 2>&1 \
     | tee "$OUT/gpu_tests_packed.log" | grep -E "^(FAILED|ERROR|E  )|passed|failed|packed plans" | tail -20
   for on in True False; do
-    c=(); [[ $on == False ]] && c=(longserve.attention.sdpa_shapes.PACKED_MIN_PREFIX=1000000000)
-    LATENCY_TIMEOUT=170 latency_with hit_packed_$on "packed $on:" ${c[@]+"${c[@]}"} -- --config llama-3.1-8b \
-      "${dummy[@]}" --repeat 5 --prompt-lens 32768 --prefix-hit 32768:64,32768:256
+    LATENCY_TIMEOUT=170 latency_with hit_packed_$on "packed $on:" longserve.attention.sdpa_shapes.PACKED_PREFIX_CALLS=$on \
+      -- --config llama-3.1-8b "${dummy[@]}" --repeat 5 --prompt-lens 32768 --prefix-hit 32768:64,32768:256
   done
-  timeout 150 python3 scripts/probes/probe_hit.py 2>&1 | grep -vE "^\[bench|INFO|WARNING" | tee "$OUT/probe_hit.log" | tail -16
+fi
+
+if [[ $MODE == hit-host ]]; then  # one GPU (~3 min): where the host's time goes in a prefix hit, packed call on and off
+  # (on: the layers' attention eager between the piecewise graphs; off: the lone chunk's graph), cProfile's top
+  for on in True False; do
+    LATENCY_TIMEOUT=170 LATENCY_LINES="^(prefix|.*host profile|  +[0-9])" latency_with hit_host_$on "packed $on:" \
+      longserve.attention.sdpa_shapes.PACKED_PREFIX_CALLS=$on -- --config llama-3.1-8b "${dummy[@]}" --repeat 3 \
+      --prefix-hit 32768:64 --host-profile
+  done
 fi
 
 if [[ $MODE == hit-pdl ]]; then  # one GPU (~4 min): the prefix hit with PDL off and on, then where its time goes
