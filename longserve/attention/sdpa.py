@@ -126,7 +126,6 @@ def prefix_split_sdpa(
     requests: Sequence[int] | None = None,
     out: torch.Tensor | None = None,
     query_rows: Mapping[int, int] | None = None,
-    packed: Mapping[int, int] | None = None,
 ) -> torch.Tensor:
     """Per request (of `requests`, default all; their rows of `out` written, the others left as they are):
     (new x cached prefix, no mask) and (new x new, causal) as two SDPA calls, merged by
@@ -135,13 +134,10 @@ def prefix_split_sdpa(
     PREFIX_GRANULE keys, its tail in front of the new tokens in the causal part (behind zero query rows that
     are dropped), the new tokens padded. `dequantize`: an fp8 cache's gathered prefix -> q's dtype (cuDNN
     reads no e4m3 pages); k/v are then the new tokens as the pages hold them (KVCache.as_stored).
-    `query_rows`: a request's prefix-part rows when padded past its own (PlanRegistry.split_rows). `packed`: the
-    short chunks whose prefix part runs as `packed_prefix_sdpa`, with its split count (sdpa_shapes.packed_splits)."""
-    if q.is_cuda:  # imports triton
-        from longserve.kernels.merge_attention import merge_packed
-        from longserve.kernels.merge_attention import merge_two as merge
+    `query_rows`: a request's prefix-part rows when padded past its own (PlanRegistry.split_rows)."""
+    if q.is_cuda:
+        from longserve.kernels.merge_attention import merge_two as merge  # imports triton
     else:
-        from longserve.kernels.attention_reference import merge_packed_ref as merge_packed
         from longserve.kernels.attention_reference import merge_two_ref as merge
 
     out = torch.empty_like(q) if out is None else out  # [T, Hq, D]
@@ -172,13 +168,8 @@ def prefix_split_sdpa(
         q_c, k_c, v_c = fused_rows(q[start:end], k[start:end], v[start:end], shape.causal_rows, front)
         o_new, lse_new = attention_with_lse(_heads(q_c), _heads(k_c), _heads(v_c), True, scale)
         rows = slice(shape.tail, shape.tail + query_len)
-        splits = (packed or {}).get(r)
         if not shape.prefix_keys:
             out[start:end] = o_new[0, :, rows].transpose(0, 1)  # [L, Hq, D]
-        elif splits:
-            keys = slice(0, shape.prefix_keys)
-            o_pre, lse_pre = packed_prefix_sdpa(q[start:end], k_pre[keys], v_pre[keys], splits, scale)
-            merge_packed(o_pre, lse_pre, o_new[0], lse_new[0], out[start:end], shape.tail)
         else:
             # the new tokens and their padding, in the fused layout: rows of q_c where they fit (no copy)
             if shape.tail + shape.query_rows <= shape.causal_rows:
@@ -200,21 +191,24 @@ def packed_prefix_sdpa(
     v_pre: torch.Tensor,
     splits: int,
     scale: float,
+    q_rows: torch.Tensor
+    | None = None,  # [Hkv, PACKED_ROWS, D] zeros past the L * G rows: reused by the layers
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A short chunk over a long prefix in one library call at cuDNN's long-prompt rate (sdpa_shapes.PACKED_ROWS):
     the q heads of each kv head as rows (row t * G + g is q head kv_head * G + g of token t, padded with zero
     rows to PACKED_ROWS), against the prefix's keys split `splits` ways as the batch (strided views: no copy of
-    the prefix). Returns (o [S, Hkv, PACKED_ROWS, D], lse [S, Hkv, PACKED_ROWS]), which
-    `merge_attention.merge_packed` merges with the causal part."""
+    the prefix). Returns (o [S, Hkv, PACKED_ROWS, D], lse [S, Hkv, PACKED_ROWS]) for
+    `merge_attention.merge_packed`."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_pre.shape[1]
     group = num_q_heads // num_kv_heads
-    q_rows = q.new_zeros(num_kv_heads, shapes.PACKED_ROWS, head_dim)
-    q_rows[:, : num_tokens * group] = (
-        q.reshape(num_tokens, num_kv_heads, group * head_dim)
-        .transpose(0, 1)
-        .reshape(num_kv_heads, num_tokens * group, head_dim)
-    )
+    if q_rows is None:
+        q_rows = q.new_zeros(num_kv_heads, shapes.PACKED_ROWS, head_dim)
+    by_token = q.reshape(num_tokens, num_kv_heads, group * head_dim).transpose(0, 1)  # [Hkv, L, G * D]
+    if shapes.PACKED_ROWS % group == 0:  # one copy into the rows
+        q_rows.view(num_kv_heads, shapes.PACKED_ROWS // group, group * head_dim)[:, :num_tokens] = by_token
+    else:
+        q_rows[:, : num_tokens * group] = by_token.reshape(num_kv_heads, num_tokens * group, head_dim)
     keys = k_pre.shape[0] // splits
     k_s = k_pre.view(splits, keys, num_kv_heads, head_dim).permute(0, 2, 1, 3)  # [S, Hkv, keys, D]
     v_s = v_pre.view(splits, keys, num_kv_heads, head_dim).permute(0, 2, 1, 3)
@@ -284,11 +278,14 @@ def warm_up_packed(model: shapes.ModelShape, device: torch.device, max_seq_len: 
     hq, hkv, d = model.num_q_heads, model.num_kv_heads, model.head_dim
     q = torch.zeros(1, hq, d, dtype=model.dtype, device=device)
     pre = torch.zeros(todo[-1] * shapes.PREFIX_GRANULE, hkv, d, dtype=model.dtype, device=device)
-    o_c, lse_c = torch.zeros(hq, 1, d, dtype=model.dtype, device=device), torch.zeros(hq, 1, device=device)
+    # the causal part as the backend passes it: views of the extend kernel's one-split partials (their strides'
+    # classes are what the merge compiles for)
+    part, part_lse = torch.zeros(1, hq, 1, d, device=device), torch.zeros(1, hq, 1, device=device)
+    o_c, lse_c = part[:, :, 0].transpose(0, 1), part_lse[:, :, 0].transpose(0, 1)
     for splits in todo:
         keys = slice(0, splits * shapes.PREFIX_GRANULE)
         o, lse = packed_prefix_sdpa(q, pre[keys], pre[keys], splits, d**-0.5)
-        merge_packed(o, lse, o_c, lse_c, torch.empty_like(q), 0)
+        merge_packed(o, lse, o_c, lse_c, torch.empty_like(q), 0, causal_log2=True)
         shapes.PLANS.mark_packed(model, splits)
     torch.cuda.synchronize(device)
     logger.info(

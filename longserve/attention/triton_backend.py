@@ -17,7 +17,7 @@ import torch
 
 from longserve.attention import sdpa_shapes
 from longserve.attention.base import AttentionBackend, AttentionMetadata, GraphShape, KVCache, build_metadata
-from longserve.attention.sdpa import prefix_split_sdpa, warm_up_packed, warm_up_plans
+from longserve.attention.sdpa import packed_prefix_sdpa, prefix_split_sdpa, warm_up_packed, warm_up_plans
 from longserve.attention.sdpa_shapes import PLANS, ModelShape, packed_splits, split_shape
 
 COLD_PATHS = ("sdpa", "triton")
@@ -220,10 +220,62 @@ class TritonAttentionBackend(AttentionBackend):
             def dequantize(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
                 return kv_cache.dequantize(layer_id, a, b, q.dtype)
 
+        for r, splits in plan.packed.items():
+            self._packed(q, k_cache, v_cache, meta, r, splits, scale, out)
+        split = tuple(r for r in library if r not in plan.packed)
+        if not split:
+            return out
         return prefix_split_sdpa(
-            q, k, v, k_cache, v_cache, meta, scale, dequantize, requests=library, out=out,
-            query_rows=plan.query_rows, packed=plan.packed,
+            q, k, v, k_cache, v_cache, meta, scale, dequantize, requests=split, out=out, query_rows=plan.query_rows
         )  # fmt: skip
+
+    def _packed(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        r: int,
+        splits: int,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        """Request r's short chunk over its long prefix (a 16-bit cache, consecutive pages: `_packs`) into its
+        rows of `out`: the prefix's first prefix_keys keys in the packed cuDNN call (sdpa.packed_prefix_sdpa),
+        the rest (its tail and the new tokens, causal) in the extend kernel's unmerged partials, one merge. No
+        padded causal rows, no second library call: on an H200 the layer's host time bounds the step here
+        (RESULTS.md fifteenth session)."""
+        if q.is_cuda:
+            from longserve.kernels.merge_attention import merge_packed
+        else:
+            from longserve.kernels.attention_reference import merge_packed_ref as merge_packed
+        start, query_len = sum(meta.query_lens_cpu[:r]), meta.query_lens_cpu[r]
+        shape = split_shape(meta.prefix_lens_cpu[r], query_len)
+        page_size = meta.page_size
+        num_pages = shape.prefix_keys // page_size
+        first = meta.contiguous_pages(r, num_pages)
+        k_pre = k_cache[first : first + num_pages].flatten(0, 1)  # [prefix_keys, Hkv, D], views
+        v_pre = v_cache[first : first + num_pages].flatten(0, 1)
+        # the keys after prefix_keys (the tail and the new tokens) as a one-request batch, made once a step
+        rest = [meta.page_rows_cpu[r][num_pages:]]
+        causal = meta.per_step(
+            ("packed causal", r), lambda: build_metadata([shape.tail], [query_len], rest, page_size, q.device)
+        )
+        q_r, out_r = q[start : start + query_len], out[start : start + query_len]
+        config, _ = self.extend_launch(
+            [query_len], [shape.tail + query_len], q.shape[1], k_cache.shape[2], q.shape[2], q.dtype, q.device
+        )
+        part, lse = self._extend(
+            q_r, k_cache, v_cache, causal.query_start_loc, causal.prefix_lens, causal.seq_lens, causal.page_table,
+            page_size, query_len, scale, config=config, num_splits=1, partials=True,
+        )  # fmt: skip
+        rows = meta.per_step(  # the packed rows' buffer (its padding rows never read back): one for all layers
+            ("packed rows", q.shape[1:], q.dtype, q.device),
+            lambda: q.new_zeros(k_cache.shape[2], sdpa_shapes.PACKED_ROWS, q.shape[2]),
+        )
+        o_pre, lse_pre = packed_prefix_sdpa(q_r, k_pre, v_pre, splits, scale, rows)
+        o_c, lse_c = part[:, :, 0].transpose(0, 1), lse[:, :, 0].transpose(0, 1)  # [Hq, L, D], [Hq, L] log2
+        merge_packed(o_pre, lse_pre, o_c, lse_c, out_r, 0, causal_log2=True)
 
     def library_requests(
         self, q: torch.Tensor, num_kv_heads: int, meta: AttentionMetadata, kv_fp8: bool = False
@@ -295,7 +347,9 @@ class TritonAttentionBackend(AttentionBackend):
         shape = split_shape(meta.prefix_lens_cpu[r], meta.query_lens_cpu[r])
         if not PLANS.ready(model, shape.causal_rows, shape.causal_rows, True, device):
             return False
-        return meta.contiguous_pages(r, -(-shape.prefix_keys // meta.page_size)) is not None
+        if shape.prefix_keys % meta.page_size:  # the causal part's keys start on a page of their own
+            return False
+        return meta.contiguous_pages(r, shape.prefix_keys // meta.page_size) is not None
 
     def _triton(
         self,

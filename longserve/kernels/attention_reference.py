@@ -7,6 +7,8 @@ Importable without Triton. Float32 math; the extend and decode references read t
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -123,6 +125,7 @@ def merge_packed_ref(
     lse_c: torch.Tensor,
     out: torch.Tensor,
     tail: int,
+    causal_log2: bool = False,
 ) -> torch.Tensor:
     """Same contract as `merge_packed` (kernels/merge_attention.py), in torch ops (fp32 math)."""
     num_tokens, num_heads, head_dim = out.shape
@@ -136,6 +139,8 @@ def merge_packed_ref(
     pl = pl.permute(0, 2, 1, 3).reshape(num_splits, num_tokens, num_heads)
     oc = o_c[:, tail : tail + num_tokens].float().transpose(0, 1)[None]  # [1, T, Hq, D]
     lc = lse_c[:, tail : tail + num_tokens].float().transpose(0, 1)[None]  # [1, T, Hq]
+    if causal_log2:
+        lc = lc * math.log(2)
     w = torch.softmax(torch.cat([pl, lc]), dim=0)  # [S + 1, T, Hq]
     out.copy_((torch.cat([p, oc]) * w[..., None]).sum(0))
     return out

@@ -359,12 +359,15 @@ def extend_attention(
     num_splits: int = 1,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
-) -> torch.Tensor:
+    partials: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of the new tokens over their requests' paged K/V (stored already); o [T, Hq, D].
 
     num_splits > 1 splits each row block's key range over that many programs (see choose_extend_splits)
     and merges their fp32 partials in a second kernel. The caches may hold float8_e4m3fn values x / scale
-    (an fp8 KV cache, attention/kv_quant.py): k_scale / v_scale are their per-tensor scales.
+    (an fp8 KV cache, attention/kv_quant.py): k_scale / v_scale are their per-tensor scales. `partials`: the
+    unmerged (o [T, Hq, num_splits, D] fp32 normalised, lse [T, Hq, num_splits] log2) instead, at any split
+    count, for a caller that merges them with attention over other keys (triton_backend's packed path).
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -373,21 +376,23 @@ def extend_attention(
     check_cache(k_cache, v_cache)
     group = num_q_heads // num_kv_heads
     num_reqs = seq_lens.shape[0]
-    out = torch.empty_like(q) if out is None else out  # [T, Hq, D]
-    assert out.shape == q.shape and out.stride(2) == 1
-    if num_tokens == 0 or num_reqs == 0 or max_query_len == 0:
-        return out
-    cfg = extend_config(head_dim, q.dtype) if config is None else config
-    if num_splits > 1:
+    split = num_splits > 1 or partials
+    if split:
         part = torch.empty(
             num_tokens, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=q.device
         )
         lse = torch.empty(num_tokens, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
         dst, strides = part, (part.stride(0), part.stride(1), part.stride(2))
-    else:
-        dst, lse, strides = out, out, (out.stride(0), out.stride(1), 0)
+    if not partials:
+        out = torch.empty_like(q) if out is None else out  # [T, Hq, D]
+        assert out.shape == q.shape and out.stride(2) == 1
+        if not split:
+            dst, lse, strides = out, out, (out.stride(0), out.stride(1), 0)
+    if num_tokens == 0 or num_reqs == 0 or max_query_len == 0:
+        return (part, lse) if partials else out
+    cfg = extend_config(head_dim, q.dtype) if config is None else config
     row_blocks = triton.cdiv(max_query_len * group, cfg["BLOCK_M"])
-    if num_splits > 1:
+    if split:
         grid = (row_blocks, num_reqs, num_kv_heads * num_splits)  # see the kernel: row blocks side by side
     else:
         grid = (num_kv_heads, num_reqs, row_blocks)
@@ -397,10 +402,12 @@ def extend_attention(
         k_cache.stride(1), k_cache.stride(2), page_table.stride(0),
         scale * math.log2(math.e) * k_scale, v_scale, sliding_window or 0, num_splits,
         GROUP=group, PAGE_SIZE=page_size, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], SPLIT=num_splits > 1,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], SPLIT=split,
         HAS_WINDOW=sliding_window is not None, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **{k: cfg[k] for k in ("maxnreg",) if k in cfg},
     )  # fmt: skip
-    if num_splits > 1:
+    if partials:
+        return part, lse
+    if split:
         merge_splits(part, lse, out)
     return out

@@ -96,7 +96,7 @@ def _merge_packed_kernel(
     part_ptr,  # [S, Hkv, R, D]: the prefix splits' outputs, row t * GROUP + g = q head kv_head * GROUP + g
     plse_ptr,  # [S, Hkv, R] fp32, natural log
     oc_ptr,  # [Hq, Lc, D]: the causal part's outputs, token t at row tail + t
-    clse_ptr,  # [Hq, Lc] fp32 (its row stride 1)
+    clse_ptr,  # [Hq, Lc] fp32
     out_ptr,  # [T, Hq, D]
     num_splits,
     tail,
@@ -108,12 +108,14 @@ def _merge_packed_kernel(
     stride_oc_h,
     stride_oc_l,
     stride_cl_h,
+    stride_cl_l,
     stride_out_t,
     stride_out_h,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    CAUSAL_LOG2: tl.constexpr,  # the causal part's LSE in log2 units (the Triton extend kernel's partials)
 ):
     tok = tl.program_id(0)
     head = tl.program_id(1)
@@ -133,7 +135,9 @@ def _merge_packed_kernel(
         mask=s_ok[:, None] & d_ok[None, :],
         other=0.0,
     )  # [BLOCK_S, BLOCK_D]
-    lse_c = tl.load(clse_ptr + head * stride_cl_h + tail + tok)  # a token always sees itself: finite
+    lse_c = tl.load(clse_ptr + head * stride_cl_h + (tail + tok) * stride_cl_l)  # a token sees itself: finite
+    if CAUSAL_LOG2:
+        lse_c = lse_c * 0.6931471805599453  # ln 2
     o_c = tl.load(oc_ptr + head * stride_oc_h + (tail + tok).to(tl.int64) * stride_oc_l + offs_d, mask=d_ok)
     m = tl.maximum(tl.max(lse, 0), lse_c)
     w = tl.exp(lse - m)  # [BLOCK_S]: padding splits weigh 0
@@ -147,28 +151,28 @@ def _merge_packed_kernel(
 
 
 def merge_packed(
-    part: torch.Tensor,  # [S, Hkv, R, D] (rows and D contiguous: any S / Hkv strides)
-    part_lse: torch.Tensor,  # [S, Hkv, R] fp32
-    o_c: torch.Tensor,  # [Hq, Lc, D]
+    part: torch.Tensor,  # [S, Hkv, R, D] (D contiguous)
+    part_lse: torch.Tensor,  # [S, Hkv, R] fp32, natural log (rows contiguous)
+    o_c: torch.Tensor,  # [Hq, Lc, D] (D contiguous)
     lse_c: torch.Tensor,  # [Hq, Lc] fp32
     out: torch.Tensor,  # [T, Hq, D], written
     tail: int,  # the causal part's rows before the new tokens' (a prefix's last keys, sdpa_shapes.split_shape)
+    causal_log2: bool = False,  # lse_c in log2 units
 ) -> torch.Tensor:
     """out[t, h] = the merge of the prefix splits' rows of (t, h) and the causal part's row tail + t."""
     num_tokens, num_heads, head_dim = out.shape
     num_splits, num_kv_heads, rows = part.shape[:3]
     assert num_heads % num_kv_heads == 0 and rows >= num_tokens * (num_heads // num_kv_heads)
-    assert (
-        part.stride(3) == o_c.stride(2) == out.stride(2) == 1 and part_lse.stride(2) == lse_c.stride(1) == 1
-    )
+    assert part.stride(3) == o_c.stride(2) == out.stride(2) == 1 and part_lse.stride(2) == 1
     assert o_c.shape[0] == lse_c.shape[0] == num_heads and o_c.shape[1] >= tail + num_tokens
     if num_tokens == 0:
         return out
     _merge_packed_kernel[(num_tokens, num_heads)](
         part, part_lse, o_c, lse_c, out, num_splits, tail,
         part.stride(0), part.stride(1), part.stride(2), part_lse.stride(0), part_lse.stride(1),
-        o_c.stride(0), o_c.stride(1), lse_c.stride(0), out.stride(0), out.stride(1),
+        o_c.stride(0), o_c.stride(1), lse_c.stride(0), lse_c.stride(1), out.stride(0), out.stride(1),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_S=max(2, triton.next_power_of_2(num_splits)), num_warps=4 if head_dim >= 128 else 2,
+        BLOCK_S=max(2, triton.next_power_of_2(num_splits)), CAUSAL_LOG2=causal_log2,
+        num_warps=4 if head_dim >= 128 else 2,
     )  # fmt: skip
     return out

@@ -213,11 +213,14 @@ def test_a_short_chunk_over_a_long_prefix_runs_packed(monkeypatch: pytest.Monkey
     from longserve.attention import triton_backend as tb
     from longserve.attention.base import GraphShape
 
-    calls: list[dict[int, int]] = []
-    real = tb.prefix_split_sdpa
-    monkeypatch.setattr(
-        tb, "prefix_split_sdpa", lambda *a, **kw: calls.append(kw["packed"]) or real(*a, **kw)
-    )
+    calls: list[tuple[int, int]] = []
+    real = tb.TritonAttentionBackend._packed
+
+    def packed(self, q, k_cache, v_cache, meta, r, splits, *args):
+        calls.append((r, splits))
+        return real(self, q, k_cache, v_cache, meta, r, splits, *args)
+
+    monkeypatch.setattr(tb.TritonAttentionBackend, "_packed", packed)
     monkeypatch.setattr(shapes, "PACKED_PREFIX_CALLS", True)
     monkeypatch.setattr(shapes, "PLANS", shapes.PlanRegistry())
     monkeypatch.setattr(tb, "PLANS", shapes.PLANS)
@@ -233,17 +236,17 @@ def test_a_short_chunk_over_a_long_prefix_runs_packed(monkeypatch: pytest.Monkey
     )
     calls.clear()
     for prefix_lens, query_lens, packed in (
-        ([32768], [64], {0: 16}),
-        ([32768 + 100], [40], {0: 16}),  # a tail of 100 keys in the causal part
-        ([20000, 3000], [64, 1], {0: 9}),  # a decode beside it: Triton
+        ([32768], [64], (0, 16)),
+        ([32768 + 100], [40], (0, 16)),  # a tail of 100 keys in the causal part
+        ([20000, 3000], [64, 1], (0, 9)),  # a decode beside it: Triton
     ):
         start = time.perf_counter()
         out, expected = run_step(prefix_lens, query_lens, 16, torch.bfloat16, consecutive=True)
         took = time.perf_counter() - start
         torch.testing.assert_close(out.float(), expected, atol=TOL, rtol=TOL)
         assert took < 1.0, f"{prefix_lens}/{query_lens}: {took:.2f}s"  # no plan built mid-step
-        assert calls[-1] == packed
-    calls.clear()
+        assert calls[-1] == packed and len(calls) == 1  # one layer, one packed request
+        calls.clear()
     out, expected = run_step([32768], [64], 16, torch.bfloat16)  # scattered: the Triton kernel
     torch.testing.assert_close(out.float(), expected, atol=TOL, rtol=TOL)
     assert calls == []

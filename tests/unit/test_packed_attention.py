@@ -6,6 +6,7 @@ and the lone chunk's CUDA graphs step aside for it."""
 
 from __future__ import annotations
 
+import math
 import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
@@ -24,24 +25,28 @@ from longserve.kernels.attention_reference import merge_packed_ref  # noqa: E402
 from longserve.kernels.merge_attention import merge_packed  # noqa: E402
 
 
-@pytest.mark.parametrize("splits,group,tail", [(1, 4, 0), (3, 4, 5), (5, 1, 2)])
-def test_merge_packed_equals_its_reference(splits: int, group: int, tail: int) -> None:
+@pytest.mark.parametrize(
+    "splits,group,tail,log2", [(1, 4, 0, False), (3, 4, 5, False), (5, 1, 2, True), (2, 4, 0, True)]
+)
+def test_merge_packed_equals_its_reference(splits: int, group: int, tail: int, log2: bool) -> None:
     """The kernel against the torch reference: prefix partials in cuDNN's [S, Hkv, R, D] with permuted
-    strides (rows past the tokens' are padding, never read), the causal part's token rows after `tail`."""
+    strides (rows past the tokens' are padding, never read), the causal part's token rows after `tail`, as
+    [Hq, L, D] / [Hq, L] views of [L, Hq, ...] partials and with log2 LSEs where the extend kernel gives them."""
     gen = torch.Generator().manual_seed(splits * 10 + group + tail)
     tokens, hkv, d, rows = 6, 2, 32, 32
     hq = hkv * group
     part = torch.randn(splits, rows, hkv, d, generator=gen).permute(0, 2, 1, 3)  # [S, Hkv, R, D], strided
     part_lse = torch.randn(splits, hkv, rows, generator=gen) * 3
-    o_c = torch.randn(hq, tail + tokens + 3, d, generator=gen)
-    lse_c = torch.randn(hq, tail + tokens + 3, generator=gen) * 3
-    out = merge_packed(part, part_lse, o_c, lse_c, torch.empty(tokens, hq, d), tail)
-    expected = merge_packed_ref(part, part_lse, o_c, lse_c, torch.empty(tokens, hq, d), tail)
+    o_c = torch.randn(tail + tokens + 3, hq, d, generator=gen).transpose(0, 1)  # [Hq, Lc, D]
+    lse_c = (torch.randn(tail + tokens + 3, hq, generator=gen) * 3).t()  # [Hq, Lc]
+    out = merge_packed(part, part_lse, o_c, lse_c, torch.empty(tokens, hq, d), tail, log2)
+    expected = merge_packed_ref(part, part_lse, o_c, lse_c, torch.empty(tokens, hq, d), tail, log2)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     # the reference itself: one token's head against a direct softmax over the S + 1 partials
     t, h = 4, hq - 1
     j, g = divmod(h, group)
-    lse = torch.cat([part_lse[:, j, t * group + g], lse_c[h, tail + t : tail + t + 1]])
+    causal_lse = lse_c[h, tail + t : tail + t + 1] * (math.log(2) if log2 else 1.0)
+    lse = torch.cat([part_lse[:, j, t * group + g], causal_lse])
     o = torch.cat([part[:, j, t * group + g], o_c[h, tail + t : tail + t + 1]])
     torch.testing.assert_close(
         expected[t, h], (torch.softmax(lse, 0)[:, None] * o).sum(0), atol=1e-5, rtol=1e-5
@@ -50,20 +55,24 @@ def test_merge_packed_equals_its_reference(splits: int, group: int, tail: int) -
 
 @pytest.fixture
 def small_packing(monkeypatch: pytest.MonkeyPatch):
-    """The packed path's constants at a test's size: prefixes read in granules of 16 keys, packed from 32 keys of
-    prefix, 8 padded rows a kv head; the causal part padded to 16 rows."""
+    """The packed path's constants at a test's size (prefixes read in granules of 16 keys, packed from 32 keys of
+    prefix, 8 padded rows a kv head; causal parts padded to 16 rows), and a record of each packed request's
+    split count, one dict a forward that ran any."""
     monkeypatch.setattr(shapes, "PACKED_PREFIX_CALLS", True)
     monkeypatch.setattr(shapes, "PREFIX_GRANULE", 16)
     monkeypatch.setattr(shapes, "PACKED_MIN_PREFIX", 32)
     monkeypatch.setattr(shapes, "PACKED_ROWS", 8)
     monkeypatch.setattr(shapes, "Q_GRANULE", 16)
-    import longserve.attention.triton_backend as tb
+    calls: list[dict[int, int]] = []
+    real = TritonAttentionBackend._packed
 
-    calls = []
-    real = tb.prefix_split_sdpa
-    monkeypatch.setattr(
-        tb, "prefix_split_sdpa", lambda *a, **kw: calls.append(kw["packed"]) or real(*a, **kw)
-    )
+    def packed(self, q, k_cache, v_cache, meta, r, splits, *args):
+        if not calls or r in calls[-1]:
+            calls.append({})
+        calls[-1][r] = splits
+        return real(self, q, k_cache, v_cache, meta, r, splits, *args)
+
+    monkeypatch.setattr(TritonAttentionBackend, "_packed", packed)
     return calls
 
 
