@@ -53,13 +53,13 @@ SHORT_QUERY_ROWS: tuple[int, ...] = (1024, 2048, 4096)
 # one program per 128 rows of a head, 32 programs for 132 SMs, where the Triton extend kernel runs at ~180-240
 # TFLOP/s. Packed instead (`sdpa.packed_prefix_sdpa`): the q heads of a kv head as the rows of one call (64
 # tokens x 4 heads = 256 rows), padded to PACKED_ROWS, and the prefix's keys split as a batch of PREFIX_GRANULE
-# keys each. Measured on an H200 (RESULTS.md fifteenth session, `probe_hit_cudnn.py`): 66 us a layer for 64 new
-# over 32K (519 TFLOP/s; 16 splits) against the Triton kernel's 145-240. One plan per split count, built at
-# start-up for prefixes from PACKED_MIN_PREFIX to the context.
-# Off (PACKED_PREFIX_CALLS): in the engine the lone hit then runs its layers' attention eagerly between the piecewise
-# graphs, and the host's launches became the step's bound: the 8B hit 18.3 ms against 12.8 in the Triton kernel
-# under the lone chunk's graph (RESULTS.md fifteenth session, `queue.sh hit-packed`). Needs a capturable form.
-PACKED_PREFIX_CALLS = False
+# keys each; the rest (the prefix's tail, the new tokens) in the extend kernel (triton_backend._packed). Measured
+# on an H200 (RESULTS.md fifteenth session): the call alone 66 us a layer for 64 new over 32K (519 TFLOP/s; 16
+# splits) against the Triton kernel's 145-240; the 8B hit 11.8 / 11.7 ms against 12.6 / 13.6 without it (104x /
+# 105x cold 32K, `queue.sh hit-packed`, two calls), 12.7 ms in a third run. One plan per split count, built at
+# start-up for prefixes from PACKED_MIN_PREFIX to the context (a 32K context: 13 plans, 0.6 s). The lone chunk
+# then runs in the piecewise graphs with its attention eager (a plan's key count cannot vary in a graph).
+PACKED_PREFIX_CALLS = True
 PACKED_ROWS = 256
 PACKED_MIN_PREFIX = 8192
 

@@ -48,9 +48,9 @@ class LibraryPlan(NamedTuple):
 
 SHORT_CHUNK_ROWS = 256  # query rows per kv head (new tokens x group) up to which 64-row tiles win
 # A short chunk's launch knobs beside its 64-row tiles: pipeline stages and a register cap (None: the compiler's
-# 252 registers, two programs an SM). On an H200 (RESULTS.md fifteenth session, `queue.sh hit-attention`), 64 new
-# over 32K scattered pages alone: 2 stages capped at 168 registers 0.206-0.208 ms against 0.241-0.248 at 32
-# splits; the end-to-end prefix hit decides (`queue.sh hit-regs`).
+# 252 registers, two programs an SM). On an H200 (RESULTS.md fifteenth session): alone, 2 stages capped at 168
+# registers took 64 new over 32K scattered pages in 0.206-0.208 ms against 0.241-0.248 (`queue.sh
+# hit-attention`), but the 8B hit in the engine ran 13.8 / 13.2 ms against 13.0 / 13.0 (`queue.sh hit-regs`).
 SHORT_CHUNK_STAGES = 3
 SHORT_CHUNK_MAXNREG: int | None = None
 

@@ -123,7 +123,8 @@ def test_lone_chunk_graphs_step_aside_for_a_packed_chunk(small_packing) -> None:
 
 def test_packed_splits_and_warm_up_counts(monkeypatch: pytest.MonkeyPatch) -> None:
     """The split counts: one per PREFIX_GRANULE of prefix; built from PACKED_MIN_PREFIX to the context; none
-    while the packed calls are off (the default)."""
+    with the packed calls off."""
+    monkeypatch.setattr(shapes, "PACKED_PREFIX_CALLS", False)
     assert shapes.packed_splits(32768, 64, 4) is None and shapes.warm_up_packed_splits(32768) == []
     monkeypatch.setattr(shapes, "PACKED_PREFIX_CALLS", True)
     assert shapes.packed_splits(32768, 64, 4) == 16 and shapes.packed_splits(33000, 64, 4) == 16

@@ -183,7 +183,7 @@ fi
 if [[ $MODE == hit-regs ]]; then  # one GPU (~7 min): a short chunk's stages and register cap, end to end
   # triton_backend.SHORT_CHUNK_STAGES / SHORT_CHUNK_MAXNREG (hit-attention's sweep: 2 stages at 168 registers
   # fastest alone), the prefix hits and cold 32K (the 100x's denominator) in one process each, twice, alternated;
-  # the hits in the Triton kernel (the packed cuDNN call off, as by default)
+  # the hits in the Triton kernel (the packed cuDNN call off)
   for round in 1 2; do
     for v in "3 None" "2 168"; do
       read -r st mr <<< "$v"
@@ -198,7 +198,7 @@ fi
 
 if [[ $MODE == hit-packed ]]; then  # one GPU (~6 min): a prefix hit's question through the packed cuDNN call
   # its GPU test and the engine's (the lone chunk's graphs step aside for it), then the 8B hits with the packed
-  # call on and off (the default: the Triton kernel in the lone chunk's graph), cold 32K beside them
+  # call on (the default) and off (the Triton kernel in the lone chunk's graph), cold 32K beside them
   timeout 240 python3 -m pytest -q -m gpu tests/gpu/test_attention_gpu.py tests/gpu/test_engine_gpu.py \
     -p no:cacheprovider --tb=short -rfE -s -k "packed or library or unaligned or not attention" 2>&1 \
     | tee "$OUT/gpu_tests_packed.log" | grep -E "^(FAILED|ERROR|E  )|passed|failed|packed plans" | tail -20
