@@ -197,8 +197,10 @@ class ExtendGraphRunner:
         self.prefix_lens = torch.zeros(1, **i32)
         self.query_start_locs = {t: torch.tensor([0, t], **i32) for t in self.buckets}
         self.page_table = torch.zeros(1, max_pages_per_req, **i32)
-        # asked before each replay whether the step's attention is one these graphs cannot run (graph_defers)
+        # asked before each replay whether the step's attention is one these graphs cannot run (graph_defers),
+        # once piecewise graphs exist to take the step (build_graphs): an eager step is slower than either
         self.backend, self.shape = backend, shape
+        self.defers = False
         self.backends = {t: backend.prepare_for_extend_capture(t, shape) for t in self.buckets}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -245,7 +247,7 @@ class ExtendGraphRunner:
         return (
             meta.prefix_lens_cpu[0] + bucket <= self.max_positions
             and meta.page_table.shape[1] <= self.page_table.shape[1]
-            and not self.backend.graph_defers(meta, self.shape, self.kv_cache)
+            and not (self.defers and self.backend.graph_defers(meta, self.shape, self.kv_cache))
         )
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -294,6 +296,8 @@ def build_graphs(
         extend.capture(pool=decode.pool)
     max_tokens = min(config.piecewise_cuda_graph_max_tokens, config.chunked_prefill_size)
     pieces = capture_pieces(model, kv_cache, shape, max_tokens, decode.pool) if max_tokens >= 2 else None
+    if extend is not None and pieces is not None:
+        extend.defers = pieces.max_tokens >= extend.max_tokens  # a deferred chunk runs in the pieces
     return decode, extend, pieces
 
 

@@ -94,6 +94,28 @@ def test_can_run_limits(model_and_dir):
     assert not runner.can_run(build_metadata([0, 0], [4, 4], [[1], [2]], PAGE, "cpu"))  # two requests
 
 
+def test_the_lone_chunk_graphs_step_aside_only_for_the_pieces(model_and_dir):
+    """A chunk whose attention the backend runs outside graphs (graph_defers: the packed cuDNN call) is left to the
+    piecewise graphs when there are pieces for it (`defers`, set by build_graphs); without them the graph still
+    runs it (the backend's graph variant), as an eager step would be slower than either."""
+    model, _ = model_and_dir
+
+    class Deferring(TritonAttentionBackend):
+        def graph_defers(self, meta, shape, kv_cache):
+            return meta.prefix_lens_cpu[0] >= 32
+
+    cache = KVCache(model.num_layers, 8, PAGE, model.num_kv_heads, model.head_dim, torch.float32, "cpu")
+    runner = ExtendGraphRunner(
+        model, cache, Deferring(cold_path="triton"), graph_shape(model, 4 * PAGE), max_tokens=16
+    )
+    runner.eager = True
+    long_prefix = build_metadata([32], [8], [[1, 2, 3]], PAGE, "cpu")
+    short_prefix = build_metadata([16], [8], [[1, 2]], PAGE, "cpu")
+    assert runner.can_run(long_prefix) and runner.can_run(short_prefix)  # no pieces: the graph runs both
+    runner.defers = True
+    assert not runner.can_run(long_prefix) and runner.can_run(short_prefix)
+
+
 def test_buckets_never_exceed_the_page_table(model_and_dir):
     """A pool smaller than the largest bucket (192 tokens, buckets up to 512): capturing a 512-token bucket
     would make its padding rows read page-table entries past the table's end (an illegal address on a GPU)."""
