@@ -191,8 +191,7 @@ def packed_prefix_sdpa(
     v_pre: torch.Tensor,
     splits: int,
     scale: float,
-    q_rows: torch.Tensor
-    | None = None,  # [Hkv, PACKED_ROWS, D] zeros past the L * G rows: reused by the layers
+    q_rows: torch.Tensor | None = None,  # [Hkv, PACKED_ROWS, D]: the rows' buffer, reused by the layers
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A short chunk over a long prefix in one library call at cuDNN's long-prompt rate (sdpa_shapes.PACKED_ROWS):
     the q heads of each kv head as rows (row t * G + g is q head kv_head * G + g of token t, padded with zero

@@ -2,8 +2,9 @@
 
 Routing per step (host lists only, so no device sync): every request has one query -> decode kernel;
 otherwise, with cold_path "sdpa", per request: cold prompts and long chunks over a cached prefix at a shape
-built at start-up -> the library (cuDNN) calls of attention/sdpa.py, the rest (decodes, short chunks) -> the
-extend kernel over them as one ragged sub-batch; with cold_path "triton", the extend kernel over the whole
+built at start-up -> the library (cuDNN) calls of attention/sdpa.py, short chunks over a long prefix on
+consecutive pages -> the packed cuDNN call plus the extend kernel for their last keys (`_packed`), the rest
+(decodes, short chunks) -> the extend kernel over them as one ragged sub-batch; with cold_path "triton", the extend kernel over the whole
 batch. Triton is imported on construction. For CUDA graphs, each captured
 shape gets its own instance whose key-split counts are fixed (sized for the longest context), so the
 grid of every replay is the one captured.
@@ -256,26 +257,41 @@ class TritonAttentionBackend(AttentionBackend):
         first = meta.contiguous_pages(r, num_pages)
         k_pre = k_cache[first : first + num_pages].flatten(0, 1)  # [prefix_keys, Hkv, D], views
         v_pre = v_cache[first : first + num_pages].flatten(0, 1)
-        # the keys after prefix_keys (the tail and the new tokens) as a one-request batch, made once a step
-        rest = [meta.page_rows_cpu[r][num_pages:]]
-        causal = meta.per_step(
-            ("packed causal", r), lambda: build_metadata([shape.tail], [query_len], rest, page_size, q.device)
+        num_kv_heads = k_cache.shape[2]
+        causal, config = meta.per_step(
+            ("packed causal", r, *q.shape[1:], q.dtype), lambda: self._causal(q, num_kv_heads, meta, r)
         )
         q_r, out_r = q[start : start + query_len], out[start : start + query_len]
-        config, _ = self.extend_launch(
-            [query_len], [shape.tail + query_len], q.shape[1], k_cache.shape[2], q.shape[2], q.dtype, q.device
-        )
         part, lse = self._extend(
             q_r, k_cache, v_cache, causal.query_start_loc, causal.prefix_lens, causal.seq_lens, causal.page_table,
             page_size, query_len, scale, config=config, num_splits=1, partials=True,
         )  # fmt: skip
         rows = meta.per_step(  # the packed rows' buffer (its padding rows never read back): one for all layers
             ("packed rows", q.shape[1:], q.dtype, q.device),
-            lambda: q.new_zeros(k_cache.shape[2], sdpa_shapes.PACKED_ROWS, q.shape[2]),
+            lambda: q.new_zeros(num_kv_heads, sdpa_shapes.PACKED_ROWS, q.shape[2]),
         )
         o_pre, lse_pre = packed_prefix_sdpa(q_r, k_pre, v_pre, splits, scale, rows)
         o_c, lse_c = part[:, :, 0].transpose(0, 1), lse[:, :, 0].transpose(0, 1)  # [Hq, L, D], [Hq, L] log2
         merge_packed(o_pre, lse_pre, o_c, lse_c, out_r, 0, causal_log2=True)
+
+    def _causal(
+        self, q: torch.Tensor, num_kv_heads: int, meta: AttentionMetadata, r: int
+    ) -> tuple[AttentionMetadata, dict[str, int]]:
+        """Request r's keys after its packed prefix part (the tail and the new tokens) as a one-request batch of
+        their own, and the extend kernel's tiles for it: made once a step (every layer asks)."""
+        shape = split_shape(meta.prefix_lens_cpu[r], meta.query_lens_cpu[r])
+        pages = [meta.page_rows_cpu[r][shape.prefix_keys // meta.page_size :]]
+        causal = build_metadata([shape.tail], [meta.query_lens_cpu[r]], pages, meta.page_size, q.device)
+        config, _ = self.extend_launch(
+            causal.query_lens_cpu,
+            causal.seq_lens_cpu,
+            q.shape[1],
+            num_kv_heads,
+            q.shape[2],
+            q.dtype,
+            q.device,
+        )
+        return causal, config
 
     def library_requests(
         self, q: torch.Tensor, num_kv_heads: int, meta: AttentionMetadata, kv_fp8: bool = False
@@ -340,13 +356,11 @@ class TritonAttentionBackend(AttentionBackend):
 
     @staticmethod
     def _packs(model: ModelShape, device: torch.device, meta: AttentionMetadata, r: int, splits: int) -> bool:
-        """Whether request r's short chunk runs packed (`splits` from sdpa_shapes.packed_splits): both its calls'
-        plans built, and its prefix on consecutive pages (read in place; a gather would copy the whole prefix)."""
+        """Whether request r's short chunk runs packed (`splits` from sdpa_shapes.packed_splits): its plan built,
+        and its prefix on consecutive pages (read in place; a gather would copy the whole prefix)."""
         if not PLANS.packed_ready(model, splits, device):
             return False
         shape = split_shape(meta.prefix_lens_cpu[r], meta.query_lens_cpu[r])
-        if not PLANS.ready(model, shape.causal_rows, shape.causal_rows, True, device):
-            return False
         if shape.prefix_keys % meta.page_size:  # the causal part's keys start on a page of their own
             return False
         return meta.contiguous_pages(r, shape.prefix_keys // meta.page_size) is not None
