@@ -88,13 +88,15 @@ def test_short_chunks_over_long_prefixes_run_packed(
     step = Step([40, 75, 9, 50], [3, 4, 4, 1], 4, heads, 32, seed=21, contiguous=contiguous)
     step.compare(TritonAttentionBackend(cold_path="sdpa"))
     assert small_packing == ([{0: 2, 1: 4}] if contiguous else [])
-    # 5 tokens x 4 heads = 20 rows: over PACKED_ROWS, so the Triton kernel; with one head a kv head, packed
+    # 5 tokens x 2 q heads a kv head = 10 rows: over PACKED_ROWS (8), so the Triton kernel; with one, packed
     wide = Step([40], [5], 4, heads, 32, seed=22, contiguous=contiguous)
     wide.compare(TritonAttentionBackend(cold_path="sdpa"))
     assert small_packing[1:] == ([{0: 2}] if contiguous and group == 1 else [])
 
 
 def test_no_packing_for_an_fp8_cache_or_the_triton_cold_path(small_packing) -> None:
+    """cuDNN reads no e4m3 pages (a gather and dequantization of the whole prefix would cost more than the call
+    saves): an fp8 cache's chunk stays in Triton; so does every chunk of a backend whose cold path is Triton."""
     step = Step([40], [3], 4, (4, 2), 32, seed=23, contiguous=True)
     backend = TritonAttentionBackend(cold_path="sdpa")
     q, meta = step.q, step.meta

@@ -172,7 +172,7 @@ if [[ $MODE == decode-merge ]]; then  # one GPU (~3 min): the decode attention's
   done
 fi
 
-if [[ $MODE == hit-attention ]]; then  # one GPU (~4 min): the prefix hit's attention: register caps, then cuDNN
+if [[ $MODE == hit-attention ]]; then  # one GPU (~1 min): the prefix hit's attention: register caps, then cuDNN
   # the extend kernel at 2-4 programs an SM (register caps; sweep_short_extend.py's OCCUPANCY list), then cuDNN on
   # the GQA-packed rows with the keys split as a batch (probe_hit_cudnn.py)
   OCCUPANCY=1 timeout 200 python3 scripts/probes/sweep_short_extend.py 2>&1 | tee "$OUT/sweep_occupancy.log" \
@@ -180,7 +180,7 @@ if [[ $MODE == hit-attention ]]; then  # one GPU (~4 min): the prefix hit's atte
   timeout 200 python3 scripts/probes/probe_hit_cudnn.py 2>&1 | tee "$OUT/probe_hit_cudnn.log" | tail -24
 fi
 
-if [[ $MODE == hit-regs ]]; then  # one GPU (~7 min): a short chunk's stages and register cap, end to end
+if [[ $MODE == hit-regs ]]; then  # one GPU (~4 min): a short chunk's stages and register cap, end to end
   # triton_backend.SHORT_CHUNK_STAGES / SHORT_CHUNK_MAXNREG (hit-attention's sweep: 2 stages at 168 registers
   # fastest alone), the prefix hits and cold 32K (the 100x's denominator) in one process each, twice, alternated;
   # the hits in the Triton kernel (the packed cuDNN call off)
@@ -196,19 +196,20 @@ if [[ $MODE == hit-regs ]]; then  # one GPU (~7 min): a short chunk's stages and
   done
 fi
 
-if [[ $MODE == hit-packed ]]; then  # one GPU (~6 min): a prefix hit's question through the packed cuDNN call
+if [[ $MODE == hit-packed ]]; then  # one GPU (~4 min): a prefix hit's question through the packed cuDNN call
   # its GPU test and the engine's (the lone chunk's graphs step aside for it), then the 8B hits with the packed
   # call on (the default) and off (the Triton kernel in the lone chunk's graph), cold 32K beside them
   timeout 240 python3 -m pytest -q -m gpu tests/gpu/test_attention_gpu.py tests/gpu/test_engine_gpu.py \
     -p no:cacheprovider --tb=short -rfE -s -k "packed or library or unaligned or not attention" 2>&1 \
     | tee "$OUT/gpu_tests_packed.log" | grep -E "^(FAILED|ERROR|E  )|passed|failed|packed plans" | tail -20
   for on in True False; do
-    LATENCY_TIMEOUT=170 latency_with hit_packed_$on "packed $on:" longserve.attention.sdpa_shapes.PACKED_PREFIX_CALLS=$on \
-      -- --config llama-3.1-8b "${dummy[@]}" --repeat 5 --prompt-lens 32768 --prefix-hit 32768:64,32768:256
+    LATENCY_TIMEOUT=170 latency_with hit_packed_$on "packed $on:" \
+      longserve.attention.sdpa_shapes.PACKED_PREFIX_CALLS=$on -- --config llama-3.1-8b "${dummy[@]}" --repeat 5 \
+      --prompt-lens 32768 --prefix-hit 32768:64,32768:256
   done
 fi
 
-if [[ $MODE == hit-host ]]; then  # one GPU (~3 min): where the host's time goes in a prefix hit, packed call on and off
+if [[ $MODE == hit-host ]]; then  # one GPU (~2 min): where the host's time goes in a prefix hit, packed call on, off
   # (on: the layers' attention eager between the piecewise graphs; off: the lone chunk's graph), cProfile's top
   for on in True False; do
     LATENCY_TIMEOUT=170 LATENCY_LINES="^(prefix|.*host profile|  +[0-9])" latency_with hit_host_$on "packed $on:" \
