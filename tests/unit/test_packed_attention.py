@@ -2,7 +2,7 @@
 heads of a kv head as rows, the prefix's keys split as the batch, merged with the causal part by
 `merge_attention.merge_packed` (interpreted on the CPU) or its reference. Equal to the torch reference backend;
 taken only for short chunks over long prefixes on consecutive pages of a 16-bit cache (any dtype on the CPU),
-and the lone chunk's CUDA graphs step aside for it."""
+and the lone chunk's CUDA graphs step aside for it; an engine serving hits through it keeps its tokens."""
 
 from __future__ import annotations
 
@@ -142,3 +142,28 @@ def test_packed_splits_and_warm_up_counts(monkeypatch: pytest.MonkeyPatch) -> No
     )
     registry.mark_packed(model, 16)
     assert registry.packed_ready(model, 16, cuda) and not registry.packed_ready(model, 15, cuda)
+
+
+def test_an_engine_serving_prefix_hits_packed_gives_the_plain_tokens(
+    small_packing, monkeypatch, tmp_path
+) -> None:
+    """Questions over a cached head (32 tokens on two consecutive pages, hit by every later prompt) through an
+    engine on the Triton backend (the CPU's default is torch's) taking the library paths: its hits run packed (3
+    of 4 prompts: the first computes the head), with the Triton-only engine's greedy tokens, every page back."""
+    from longserve import LLM, SamplingParams
+    from longserve.testing.checkpoints import make_tiny_checkpoint
+
+    monkeypatch.setattr(shapes, "PACKED_ROWS", 64)  # 12 new tokens (8 of the head's tail, 4 asked) x 2 heads
+    ckpt = make_tiny_checkpoint(tmp_path, "qwen3", num_layers=2)
+    g = torch.Generator().manual_seed(5)
+    head = torch.randint(10, 500, (40,), generator=g).tolist()
+    prompts = [head + torch.randint(10, 500, (4,), generator=g).tolist() for _ in range(4)]
+    params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    tokens = []
+    for cold_path in ("triton", "sdpa"):
+        llm = LLM(ckpt, dtype="float32", device="cpu", max_total_tokens=1024)
+        llm.engine.runner.backend = TritonAttentionBackend(cold_path=cold_path)
+        tokens.append([llm.generate([p], params)[0].token_ids for p in prompts])
+        llm.engine.check_integrity()
+    assert tokens[1] == tokens[0]
+    assert small_packing == [{0: 2}] * 3 * 2  # three hits, two layers each; none in the Triton-only engine
