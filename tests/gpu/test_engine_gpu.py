@@ -124,3 +124,36 @@ def test_piecewise_graphs_equal_eager(ckpt, dtype):
         assert pieces == eager
     else:  # bf16: GEMMs at a padded M may round differently; the first tokens agree
         assert [p[:4] for p in pieces] == [e[:4] for e in eager]
+
+
+def test_prefix_hits_through_the_packed_cudnn_call(ckpt, monkeypatch):
+    """Short questions over a cached 9,000-token head (over the packed path's 8,192-token minimum, its pages
+    consecutive in a fresh pool) run the packed cuDNN call in the piecewise graphs (the lone chunk's graph steps
+    aside), and their first tokens' logprobs match those of the same engine with the packed calls off (the Triton
+    kernel in the lone chunk's graph) within bf16's rounding; every page back."""
+    from longserve.attention import sdpa_shapes
+    from longserve.attention.triton_backend import TritonAttentionBackend
+
+    g = torch.Generator().manual_seed(7)
+    head = torch.randint(10, 500, (9000,), generator=g).tolist()
+    ps = [head + torch.randint(10, 500, (n,), generator=g).tolist() for n in (4, 9, 16)]
+    sp = SamplingParams(max_new_tokens=4, temperature=0.0, logprobs=5, ignore_eos=True)
+    packed: list[int] = []
+    real = TritonAttentionBackend._packed
+    monkeypatch.setattr(
+        TritonAttentionBackend, "_packed", lambda self, *a: packed.append(a[4]) or real(self, *a)
+    )
+    firsts = []
+    for on in (False, True):
+        monkeypatch.setattr(sdpa_shapes, "PACKED_PREFIX_CALLS", on)
+        llm = LLM(ckpt, dtype="bfloat16", device="cuda", attention_backend="triton", max_total_tokens=16384)
+        llm.generate(head, SamplingParams(max_new_tokens=1))  # the head into the prefix cache
+        runs = llm.engine.runner.piecewise_graphs.num_runs
+        firsts.append([dict(o.outputs[0].top_logprobs[0]) for o in (llm.generate(p, sp)[0] for p in ps)])
+        llm.engine.check_integrity()
+        assert (llm.engine.runner.piecewise_graphs.num_runs > runs) == on
+    assert packed and set(packed) == {0}  # each hit's one request, every layer
+    for off, on in zip(*firsts):
+        shared = set(off) & set(on)
+        assert len(shared) >= 3
+        assert all(abs(off[t] - on[t]) < 0.05 for t in shared)
