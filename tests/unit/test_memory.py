@@ -36,13 +36,24 @@ print(rss_mib() - base)
 """
 
 
-def rss_growth(mode: str) -> float:
-    env = {k: v for k, v in os.environ.items() if k not in KERNEL_CACHE_VARIABLES}
+def run_probe(code: str, *args: str, timeout: float = 60, drop_env: tuple[str, ...] = ()) -> str:
+    """The last line a probe prints, run as `python -c code *args` in a process of its own (the repository on
+    its path; the environment's variables in `drop_env` unset)."""
+    env = {k: v for k, v in os.environ.items() if k not in drop_env}
     env["PYTHONPATH"] = REPO
     out = subprocess.run(
-        [sys.executable, "-c", PROBE, mode], env=env, capture_output=True, text=True, timeout=300, check=True
+        [sys.executable, "-c", code, *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=True,
     )
-    return float(out.stdout.strip().splitlines()[-1])
+    return out.stdout.strip().splitlines()[-1]
+
+
+def rss_growth(mode: str) -> float:
+    return float(run_probe(PROBE, mode, timeout=300, drop_env=KERNEL_CACHE_VARIABLES))
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
@@ -96,15 +107,7 @@ print(before - rss_mib())
 
 
 def rss_fall_mib(mode: str) -> float:
-    out = subprocess.run(
-        [sys.executable, "-c", TRIM_PROBE, mode],
-        env={**os.environ, "PYTHONPATH": REPO},
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
-    return float(out.stdout.strip().splitlines()[-1])
+    return float(run_probe(TRIM_PROBE, mode))
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc_trim")
@@ -126,8 +129,4 @@ def test_a_forked_child_starts_a_trimmer_of_its_own() -> None:
         "    os._exit(0 if ok else 3)\n"
         "print(os.waitpid(pid, 0)[1] >> 8)\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", probe], env={**os.environ, "PYTHONPATH": REPO}, capture_output=True, text=True,
-        timeout=60, check=True,
-    )  # fmt: skip
-    assert out.stdout.strip() == "0", out
+    assert run_probe(probe) == "0"
