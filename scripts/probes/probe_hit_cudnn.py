@@ -16,6 +16,7 @@ from functools import partial
 
 import torch
 
+from longserve.attention.sdpa import attention_with_lse
 from longserve.kernels.extend_attention import choose_extend_splits, extend_attention
 
 T, HQ, HKV, D, PREFIX, PAGE = 64, 32, 8, 128, 32768, 16
@@ -35,13 +36,6 @@ def timed(fn, reps: int = 20) -> float:
     return start.elapsed_time(end) / reps
 
 
-def cudnn_lse(q, k, v, scale):
-    out = torch.ops.aten._scaled_dot_product_cudnn_attention(
-        q, k, v, None, True, 0.0, False, False, scale=scale
-    )
-    return out[0], out[1].reshape(q.shape[:3])
-
-
 def packed_prefix(q, k_pre, v_pre, splits, scale, expand_contiguous):
     """o [T, HQ, D] of the new tokens over the prefix keys alone, GQA-packed and split `splits` ways."""
     qg = q.view(T, HKV, GROUP, D).permute(1, 0, 2, 3).reshape(HKV, T * GROUP, D)  # rows: token * GROUP + g
@@ -51,7 +45,7 @@ def packed_prefix(q, k_pre, v_pre, splits, scale, expand_contiguous):
     q_s = qg.unsqueeze(0).expand(splits, HKV, T * GROUP, D)
     if expand_contiguous:
         q_s = q_s.contiguous()
-    o, lse = cudnn_lse(q_s, k_s, v_s, scale)  # [S, HKV, R, D], [S, HKV, R]
+    o, lse = attention_with_lse(q_s, k_s, v_s, False, scale)  # [S, HKV, R, D], [S, HKV, R]
     w = torch.softmax(lse.float(), dim=0)  # [S, HKV, R]
     merged = (o.float() * w.unsqueeze(-1)).sum(0)  # [HKV, R, D]
     return merged.view(HKV, T, GROUP, D).permute(1, 0, 2, 3).reshape(T, HQ, D)
@@ -63,7 +57,7 @@ def unpacked_prefix(q, k_pre, v_pre, splits, scale):
     k_s = k_pre.view(splits, length, HKV, D).permute(0, 2, 1, 3)
     v_s = v_pre.view(splits, length, HKV, D).permute(0, 2, 1, 3)
     q_s = q.permute(1, 0, 2).unsqueeze(0).expand(splits, HQ, T, D).contiguous()
-    o, lse = cudnn_lse(q_s, k_s, v_s, scale)
+    o, lse = attention_with_lse(q_s, k_s, v_s, False, scale)
     w = torch.softmax(lse.float(), dim=0)
     return (o.float() * w.unsqueeze(-1)).sum(0).permute(1, 0, 2)  # [T, HQ, D]
 
@@ -138,7 +132,7 @@ def main() -> None:
         v_s = v_pre.view(s, length, HKV, D).permute(0, 2, 1, 3)
         qg = q.view(T, HKV, GROUP, D).permute(1, 0, 2, 3).reshape(HKV, T * GROUP, D)
         q_s = qg.unsqueeze(0).expand(s, HKV, T * GROUP, D).contiguous()
-        ms = timed(partial(cudnn_lse, q_s, k_s, v_s, scale))
+        ms = timed(partial(attention_with_lse, q_s, k_s, v_s, False, scale))
         print(f"cuDNN packed call alone, {s} splits: {ms * 1e3:.1f} us ({flops / ms / 1e9:.0f} TFLOP/s)")
 
 
