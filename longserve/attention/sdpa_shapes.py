@@ -59,7 +59,11 @@ SHORT_QUERY_ROWS: tuple[int, ...] = (1024, 2048, 4096)
 # 105x cold 32K, `queue.sh hit-packed`, two calls), 12.7 ms in a third run. One plan per split count, built at
 # start-up for prefixes from PACKED_MIN_PREFIX to the context (a 32K context: 13 plans, 0.6 s). The lone chunk
 # then runs in the piecewise graphs with its attention eager (a plan's key count cannot vary in a graph).
-PACKED_PREFIX_CALLS = True
+# Off since the sixteenth session: over more runs (RESULTS.md) the packed hit's TTFT scattered from 11.9 to 22.1 ms
+# (median 17.4 ms in an engine with a 292,864-token pool, 21.8 ms in `queue.sh vllm`'s) where the Triton kernel
+# in the lone chunk's graph held 13.4-14.3 ms: the eager layers' host launches are exposed to every host stall,
+# the one graph replay is not. A capturable packed call (its plan not fixed to the key count) would keep both.
+PACKED_PREFIX_CALLS = False
 PACKED_ROWS = 256
 PACKED_MIN_PREFIX = 8192
 

@@ -209,20 +209,22 @@ if [[ $MODE == hit-packed ]]; then  # one GPU (~4 min): a prefix hit's question 
   done
 fi
 
-if [[ $MODE == hit-context ]]; then  # one GPU (~5 min): the 32K + 64 hit in a 128K-context engine (the vllm mode's
-  # engine: 21.8 ms at 03e0a21 against 11.7 ms in hit-packed's 32K one): packed on / off after a cold 128K prompt,
-  # then on without it (a fresh pool: consecutive pages), then on with cProfile's top
+if [[ $MODE == hit-context ]]; then  # one GPU (~5 min): the 32K + 64 hit outside hit-packed's small engine: packed
+  # on / off after a cold 128K prompt (a 128K context), then in a 32K context with a 292,864-token pool (the vllm
+  # mode's), then packed on under cProfile (sixteenth session: the packed hit scattered 11.9-22.1 ms, Triton 13.4-14.3)
   for on in True False; do
     LATENCY_TIMEOUT=150 latency_with hit_context_$on "packed $on, after 128K:" \
       longserve.attention.sdpa_shapes.PACKED_PREFIX_CALLS=$on -- --config llama-3.1-8b "${dummy[@]}" --repeat 3 \
       --prompt-lens 131072 --prefix-hit 32768:64
   done
-  LATENCY_TIMEOUT=120 latency_with hit_context_fresh "packed True, fresh pool:" \
-    longserve.attention.sdpa_shapes.PACKED_PREFIX_CALLS=True -- --config llama-3.1-8b "${dummy[@]}" --repeat 5 \
-    --context-length 131088 --prefix-hit 32768:64
-  LATENCY_TIMEOUT=120 LATENCY_LINES="^(prefix|.*host profile|  +[0-9])" latency_with hit_context_host "packed True:" \
+  for on in True False; do
+    LATENCY_TIMEOUT=80 latency_with hit_pool_$on "packed $on, big pool:" \
+      longserve.attention.sdpa_shapes.PACKED_PREFIX_CALLS=$on -- --config llama-3.1-8b "${dummy[@]}" --repeat 5 \
+      --max-total-tokens 292864 --prefix-hit 32768:64
+  done
+  LATENCY_TIMEOUT=80 LATENCY_LINES="^(prefix|.*host profile|  +[0-9])" latency_with hit_pool_host "packed True:" \
     longserve.attention.sdpa_shapes.PACKED_PREFIX_CALLS=True -- --config llama-3.1-8b "${dummy[@]}" --repeat 3 \
-    --context-length 131088 --prefix-hit 32768:64 --host-profile
+    --max-total-tokens 292864 --prefix-hit 32768:64 --host-profile
 fi
 
 if [[ $MODE == hit-host ]]; then  # one GPU (~2 min): where the host's time goes in a prefix hit, packed call on, off
