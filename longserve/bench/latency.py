@@ -113,10 +113,10 @@ def _int_at_least(low: int) -> Callable[[str], int]:
     return parse
 
 
-# engine options `bench latency` decides itself: the model is --model-path or --config; the context length,
-# the running-request cap and the prefix cache follow from the cases; one node
+# engine options `bench latency` decides itself: the model is --model-path or --config; the running-request cap
+# and the prefix cache follow from the cases (the context length too, unless --context-length asks for more); one node
 _ENGINE_FLAGS_EXCLUDED = (
-    "model", "tokenizer", "context_length", "max_running_requests", "enable_prefix_caching",
+    "model", "tokenizer", "max_running_requests", "enable_prefix_caching",
     "nnodes", "node_rank", "dist_init_addr",
 )  # fmt: skip
 
@@ -190,6 +190,7 @@ def add_latency_args(p: argparse.ArgumentParser) -> None:
         default_help={
             "load_format": "dummy with --config, auto with --model-path",
             "max_total_tokens": "what the cases need, x1.1, within memory",
+            "context_length": "the cases' longest request; a longer one plans the engine as a server with it",
         },
     )
 

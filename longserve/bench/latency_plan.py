@@ -69,7 +69,8 @@ def plan(
     args: argparse.Namespace, config: EngineConfig, cfg: dict[str, Any]
 ) -> tuple[int, int, dict[int, str]]:
     """(context_length, max_total_tokens, {(decode batch size, context): why it is skipped}) for the cases of `args` on
-    the engine `config` (its max_total_tokens, when given, is the pool)."""
+    the engine `config` (its max_total_tokens, when given, is the pool; its context_length, when given, at least
+    the cases' longest request, is the context)."""
     ps = config.page_size
     singles = [n + 1 for n in args.prompt_lens] + [c + m + 1 for c, m in args.prefix_hit]
     decode_need = {}
@@ -77,6 +78,14 @@ def plan(
         per_req = c + decode_new_tokens(args.decode_steps, b, config) + 1
         singles.append(per_req)
         decode_need[b, c] = b * (_round_up(per_req, ps) + ps)
+    if config.context_length is not None:  # --context-length: an engine planned for longer requests than the
+        # cases' (its attention plans, graphs and pool as a server with that context would have them)
+        if config.context_length < max(singles):
+            raise ValueError(
+                f"--context-length {config.context_length:,} is shorter than the longest case "
+                f"({max(singles):,} tokens with its generated ones): raise it or leave it out"
+            )
+        singles.append(config.context_length)
     context_length = _round_up(max(singles), ps)
     single_need = context_length + ps
     if config.max_total_tokens is not None:

@@ -245,3 +245,15 @@ def test_decode_times_whole_steps_under_the_overlapped_schedule(monkeypatch):
     # timed from the sync, the first interval was host time alone: the mean ~3/4 of the median
     assert rec["itl_ms_mean"] >= 0.9 * rec["itl_ms_median"], rec
     assert rec["itl_ms_mean"] >= device_s * 1e3 * 0.95, rec
+
+
+def test_context_length_plans_a_longer_engine_and_refuses_a_shorter_one(capsys):
+    """--context-length (vLLM's --max-model-len) sizes the engine as a server with that context would be (its
+    attention plans, graphs and pool), not the cases; shorter than the longest case is a clear error."""
+    records = run_latency([*FLAGS, "--prompt-lens", "24", "--max-model-len", "300"])
+    assert records[0]["metadata"]["context_length"] == 304  # 300 rounded up to whole pages of 16
+    assert records[0]["metadata"]["pool_tokens"] >= 304
+    plain = run_latency([*FLAGS, "--prompt-lens", "24"])
+    assert plain[0]["metadata"]["context_length"] == 32
+    assert cli.main(["bench", "latency", *FLAGS, "--prompt-lens", "24", "--context-length", "16"]) == 2
+    assert "--context-length 16 is shorter than the longest case (25 tokens" in capsys.readouterr().err
