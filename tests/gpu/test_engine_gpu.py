@@ -146,16 +146,11 @@ def test_prefix_hits_through_the_packed_cudnn_call(ckpt, monkeypatch):
     firsts = []
     for on in (False, True):
         monkeypatch.setattr(sdpa_shapes, "PACKED_PREFIX_CALLS", on)
+        long_context = {"max_position_embeddings": 16384}  # the tiny checkpoint's 512 would refuse the head
         llm = LLM(
-            ckpt,
-            dtype="bfloat16",
-            device="cuda",
-            attention_backend="triton",
-            max_total_tokens=16384,
-            hf_overrides={
-                "max_position_embeddings": 16384
-            },  # the tiny checkpoint's 512 would refuse the head
-        )
+            ckpt, dtype="bfloat16", device="cuda", attention_backend="triton", max_total_tokens=16384,
+            hf_overrides=long_context,
+        )  # fmt: skip
         llm.generate(head, SamplingParams(max_new_tokens=1))  # the head into the prefix cache
         runs = llm.engine.runner.piecewise_graphs.num_runs
         firsts.append([dict(o.outputs[0].top_logprobs[0]) for o in (llm.generate(p, sp)[0] for p in ps)])

@@ -227,6 +227,11 @@ if [[ $MODE == hit-context ]]; then  # one GPU (~5 min): the 32K + 64 hit outsid
     --max-total-tokens 292864 --prefix-hit 32768:64 --host-profile
 fi
 
+if [[ $MODE == hit-ragged ]]; then  # one GPU (~2 min): can the packed prefix call live in a CUDA graph? cuDNN's ragged
+  # form over the whole cache (scripts/probes/probe_ragged_cudnn.py: right, captured and replayed, its time)
+  timeout 150 python3 scripts/probes/probe_ragged_cudnn.py 2>&1 | tee "$OUT/probe_ragged_cudnn.log" | tail -30
+fi
+
 if [[ $MODE == hit-host ]]; then  # one GPU (~2 min): where the host's time goes in a prefix hit, packed call on, off
   # (on: the layers' attention eager between the piecewise graphs; off: the lone chunk's graph), cProfile's top
   for on in True False; do
