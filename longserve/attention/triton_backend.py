@@ -3,7 +3,8 @@
 Routing per step (host lists only, so no device sync): every request has one query -> decode kernel;
 otherwise, with cold_path "sdpa", per request: cold prompts and long chunks over a cached prefix at a shape
 built at start-up -> the library (cuDNN) calls of attention/sdpa.py, short chunks over a long prefix on
-consecutive pages -> the packed cuDNN call plus the extend kernel for their last keys (`_packed`), the rest
+consecutive pages -> the packed cuDNN call plus the extend kernel for their last keys (`_packed`; only with
+sdpa_shapes.PACKED_PREFIX_CALLS, off by default: eager between the graphs its time scattered), the rest
 (decodes, short chunks) -> the extend kernel over them as one ragged sub-batch; with cold_path "triton", the extend kernel over the whole
 batch. Triton is imported on construction. For CUDA graphs, each captured
 shape gets its own instance whose key-split counts are fixed (sized for the longest context), so the
