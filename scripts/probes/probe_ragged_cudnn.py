@@ -74,6 +74,7 @@ def ragged(q_all, k_flat, v_flat, cum_q, cum_k, scale):
 def merge(o, lse, cum_k, batch):
     """Softmax-weighted sum of the runs that hold keys -> [T, HQ, D] fp32 (empty runs weigh 0 whatever they hold)."""
     lengths = (cum_k[1:] - cum_k[:-1]).view(batch, 1, 1)
+    lse = lse.reshape(HKV, -1).T if lse.shape[0] == HKV else lse  # [H, T] or [T, H(, 1)]: printed above
     lse = lse.reshape(batch, ROWS, HKV).float()
     lse = torch.where(lengths > 0, lse, torch.full_like(lse, float("-inf")))
     w = torch.softmax(lse, dim=0).nan_to_num(0.0)
@@ -95,10 +96,12 @@ def main() -> None:
     v_cache = torch.randn_like(k_cache)
     k_flat, v_flat = k_cache.flatten(0, 1), v_cache.flatten(0, 1)  # [SLOTS, HKV, D] views
     cases = [(0, 32768), (16 * 257, 32768 + 100), (16 * 1000, 20000)]  # (first slot, prefix length)
-    for batch in (SLOTS // KEYS, 64):  # a 48K context's split count, a 128K context's
+    # a 32K prefix's own run count (no empty run: in case the op refuses empty ones), a 48K context's, a 128K one's
+    for batch in (32768 // KEYS, SLOTS // KEYS, 64):
         cum_q = (torch.arange(batch + 1, device=dev, dtype=torch.int32) * ROWS).contiguous()
         print(f"== {batch} runs of up to {KEYS} keys (max_q {ROWS}, max_k {KEYS})", flush=True)
-        for first, prefix in cases:
+        fitting = [(first, prefix) for first, prefix in cases if prefix <= batch * KEYS]
+        for first, prefix in fitting:
             q = torch.randn(T, HQ, D, dtype=torch.bfloat16, device=dev)
             q_all = pack(q).repeat(batch, 1, 1).contiguous()
             cum_k = cum_keys(first, prefix, batch, dev)
@@ -134,7 +137,7 @@ def main() -> None:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 o_g, lse_g = ragged(q_static, k_flat, v_flat, cum_q, cum_k_static, scale)
-            for first, prefix in cases[1:]:
+            for first, prefix in fitting[1:] or fitting:
                 q = torch.randn(T, HQ, D, dtype=torch.bfloat16, device=dev)
                 q_static.copy_(pack(q).repeat(batch, 1, 1))
                 cum_k_static.copy_(cum_keys(first, prefix, batch, dev))
