@@ -210,13 +210,16 @@ if [[ $MODE == hit-packed ]]; then  # one GPU (~4 min): a prefix hit's question 
 fi
 
 if [[ $MODE == hit-context ]]; then  # one GPU (~5 min): the 32K + 64 hit outside hit-packed's small engine: packed
-  # on / off after a cold 128K prompt (a 128K context), then in a 32K context with a 292,864-token pool (the vllm
-  # mode's), then packed on under cProfile (sixteenth session: the packed hit scattered 11.9-22.1 ms, Triton 13.4-14.3)
+  # on / off after a cold 128K prompt (a 128K context), on in a fresh 128K context, then in a 32K context with a
+  # 292,864-token pool (the vllm mode's), then packed on under cProfile (sixteenth session: the packed hit scattered 11.9-22.1 ms, Triton 13.4-14.3)
   for on in True False; do
     LATENCY_TIMEOUT=150 latency_with hit_context_$on "packed $on, after 128K:" \
       longserve.attention.sdpa_shapes.PACKED_PREFIX_CALLS=$on -- --config llama-3.1-8b "${dummy[@]}" --repeat 3 \
       --prompt-lens 131072 --prefix-hit 32768:64
   done
+  LATENCY_TIMEOUT=100 latency_with hit_context_fresh "packed True, fresh 128K context:" \
+    longserve.attention.sdpa_shapes.PACKED_PREFIX_CALLS=True -- --config llama-3.1-8b "${dummy[@]}" --repeat 5 \
+    --context-length 131088 --prefix-hit 32768:64
   for on in True False; do
     LATENCY_TIMEOUT=80 latency_with hit_pool_$on "packed $on, big pool:" \
       longserve.attention.sdpa_shapes.PACKED_PREFIX_CALLS=$on -- --config llama-3.1-8b "${dummy[@]}" --repeat 5 \
