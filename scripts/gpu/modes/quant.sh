@@ -131,14 +131,14 @@ if [[ $MODE == quant-decode ]]; then  # one GPU, ~8 min: the int4 and FP8 decode
     --output-json "$OUT/kernels_quant_decode.json" 2>&1 | tee "$OUT/kernels_quant_decode.log" | grep -E "crossover|beats"
   for limit in 0 16; do
     LATENCY_TIMEOUT=80 latency_with int4_gemv$limit "" longserve.kernels.quant_gemm.WNA16_GEMV_MAX_TOKENS=$limit -- \
-      --config llama-3.1-8b --load-format dummy --dtype bfloat16 --quantization gptq --warmup 1 --repeat 3 \
+      --config llama-3.1-8b "${dummy[@]}" --quantization gptq --repeat 3 \
       --decode-batch-sizes 1@32768,64@4096 || status=1
     LATENCY_TIMEOUT=80 latency_with fp8_gemv$limit "" longserve.kernels.quant_fp8.FP8_GEMV_MAX_TOKENS=$limit -- \
-      --config llama-3.1-8b --load-format dummy --dtype bfloat16 --hf-overrides "$fp8" --warmup 1 --repeat 3 \
+      --config llama-3.1-8b "${dummy[@]}" --hf-overrides "$fp8" --repeat 3 \
       --decode-batch-sizes 1@32768,64@4096 || status=1
     # per-channel FP8 (--quantization fp8: the bf16 weights quantized at load, as vLLM does), batch 1
     LATENCY_TIMEOUT=70 latency_with fp8ch_gemv$limit "" longserve.kernels.quant_fp8.FP8_GEMV_MAX_TOKENS=$limit -- \
-      --config llama-3.1-8b --load-format dummy --dtype bfloat16 --quantization fp8 --warmup 1 --repeat 3 \
+      --config llama-3.1-8b "${dummy[@]}" --quantization fp8 --repeat 3 \
       --decode-batch-sizes 1@32768 || status=1
   done
 fi
@@ -152,8 +152,8 @@ if [[ $MODE == raw-hi ]]; then  # one GPU, ~4 min: the int4 GEMVs' unmasked high
     for run in "llama-3.1-8b 1@32768" "qwen3-30b-a3b 1@32768,8@4096"; do
       read -r shape sizes <<< "$run"
       LATENCY_TIMEOUT=120 latency_with ${shape}_int4_raw_hi$raw "$shape raw_hi=$raw:" \
-        longserve.kernels.int4_gemv.INT4_GEMV_RAW_HI=$raw -- --config $shape --load-format dummy --dtype bfloat16 \
-        --quantization gptq --warmup 1 --repeat 3 --decode-batch-sizes $sizes
+        longserve.kernels.int4_gemv.INT4_GEMV_RAW_HI=$raw -- --config $shape "${dummy[@]}" \
+        --quantization gptq --repeat 3 --decode-batch-sizes $sizes
     done
   done
 fi
@@ -186,7 +186,7 @@ if [[ $MODE == fp8-acc ]]; then  # one GPU, ~8 min: what full-fp32 accumulation 
     for shape in llama-3.1-8b qwen3-30b-a3b; do
       LATENCY_TIMEOUT=150 latency_with ${shape}_fp8_acc_$acc "" \
         longserve.kernels.quant_fp8.FP8_DOT_MAX_IMPRECISE_ACC=$acc -- \
-        --config $shape --load-format dummy --dtype bfloat16 --hf-overrides "$fp8" --warmup 1 --repeat 3 \
+        --config $shape "${dummy[@]}" --hf-overrides "$fp8" --repeat 3 \
         --prompt-lens 8192,32768
     done
     [[ $acc == 0 ]] && continue
@@ -205,8 +205,8 @@ if [[ $MODE == switches ]]; then  # one GPU, ~6 min: the evidence for the switch
   for path in dequant fused gemv; do
     c=(); [[ $path == fused ]] && c=(longserve.kernels.quant_gemm.WNA16_DEQUANT_MIN_TOKENS=65)
     [[ $path == gemv ]] && c=(longserve.kernels.quant_gemm.WNA16_GEMV_MAX_TOKENS=16)
-    LATENCY_TIMEOUT=100 latency_with int4_$path "" ${c[@]+"${c[@]}"} -- --config llama-3.1-8b --load-format dummy \
-      --dtype bfloat16 --quantization gptq --warmup 1 --repeat 3 --decode-batch-sizes 1,64 --decode-context-len 4096 \
+    LATENCY_TIMEOUT=100 latency_with int4_$path "" ${c[@]+"${c[@]}"} -- --config llama-3.1-8b "${dummy[@]}" \
+      --quantization gptq --repeat 3 --decode-batch-sizes 1,64 --decode-context-len 4096 \
       || status=1
   done
   # what fp32 accumulation (FP8_DOT_MAX_IMPRECISE_ACC=0, the default since 73be6a4: the engine tests fail with
@@ -214,7 +214,7 @@ if [[ $MODE == switches ]]; then  # one GPU, ~6 min: the evidence for the switch
   for acc in 0 None; do
     LATENCY_TIMEOUT=120 latency_with fp8_acc_$acc "" longserve.kernels.quant_fp8.FP8_DOT_MAX_IMPRECISE_ACC=$acc \
       -- \
-      --config llama-3.1-8b --load-format dummy --dtype bfloat16 --hf-overrides "$fp8" --warmup 1 --repeat 3 \
+      --config llama-3.1-8b "${dummy[@]}" --hf-overrides "$fp8" --repeat 3 \
       --prompt-lens 8192 --decode-batch-sizes 1@32768,64@4096
   done
 fi
@@ -229,8 +229,8 @@ if [[ $MODE == silu-quant ]]; then  # one GPU (~5 min): the FP8 activation-quant
       m=quant_fp8; [[ $kv == QUANT_VALUES_PER_PROGRAM=* ]] && m=quant_tiles; c+=("longserve.kernels.$m.$kv")
     done
     name=${setting// /_}
-    LATENCY_TIMEOUT=200 latency_with fp8_${name//=/-} "$setting:" "${c[@]}" -- --config llama-3.1-8b --load-format \
-      dummy --dtype bfloat16 --hf-overrides "$fp8" --warmup 1 --repeat 3 --prompt-lens 8192,32768 \
+    LATENCY_TIMEOUT=200 latency_with fp8_${name//=/-} "$setting:" "${c[@]}" -- --config llama-3.1-8b "${dummy[@]}" \
+      --hf-overrides "$fp8" --repeat 3 --prompt-lens 8192,32768 \
       --decode-batch-sizes 64@4096
   done
 fi
