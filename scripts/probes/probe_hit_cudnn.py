@@ -18,22 +18,10 @@ import torch
 
 from longserve.attention.sdpa import attention_with_lse
 from longserve.kernels.extend_attention import choose_extend_splits, extend_attention
+from longserve.platform import cuda_time_ms as timed
 
 T, HQ, HKV, D, PREFIX, PAGE = 64, 32, 8, 128, 32768, 16
 GROUP = HQ // HKV
-
-
-def timed(fn, reps: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
 
 
 def packed_prefix(q, k_pre, v_pre, splits, scale, expand_contiguous):

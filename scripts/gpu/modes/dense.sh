@@ -211,7 +211,8 @@ fi
 
 if [[ $MODE == hit-context ]]; then  # one GPU (~5 min): the 32K + 64 hit outside hit-packed's small engine: packed
   # on / off after a cold 128K prompt (a 128K context), on in a fresh 128K context, then in a 32K context with a
-  # 292,864-token pool (the vllm mode's), then packed on under cProfile (sixteenth session: the packed hit scattered 11.9-22.1 ms, Triton 13.4-14.3)
+  # 292,864-token pool (the vllm mode's), then packed on under cProfile (sixteenth session: the packed hit
+  # scattered 11.9-22.1 ms, Triton 13.4-14.3)
   for on in True False; do
     LATENCY_TIMEOUT=150 latency_with hit_context_$on "packed $on, after 128K:" \
       longserve.attention.sdpa_shapes.PACKED_PREFIX_CALLS=$on -- --config llama-3.1-8b "${dummy[@]}" --repeat 3 \
