@@ -22,6 +22,7 @@ On a CUDA GPU: python3 scripts/probes/probe_ragged_cudnn.py
 
 from __future__ import annotations
 
+import traceback
 from functools import partial
 
 import torch
@@ -35,6 +36,12 @@ T, HQ, HKV, D, PAGE, KEYS = 64, 32, 8, 128, 16, 2048
 GROUP = HQ // HKV
 ROWS = T * GROUP  # packed rows a kv head
 SLOTS = 48 * 1024  # the cache of one layer: [SLOTS // PAGE, PAGE, HKV, D]
+
+
+def rand(*shape: int, device: str = "cuda") -> torch.Tensor:
+    """bf16 normal values drawn on the CPU's generator: a failed capture leaves the CUDA one in capture state
+    (its first run, 2026-12-04, stopped at its next torch.randn: "Offset increment outside graph capture")."""
+    return torch.randn(*shape, dtype=torch.bfloat16).to(device)
 
 
 def pack(q: torch.Tensor) -> torch.Tensor:
@@ -85,17 +92,18 @@ def main() -> None:
     torch.manual_seed(0)
     dev = "cuda"
     scale = D**-0.5
-    k_cache = torch.randn(SLOTS // PAGE, PAGE, HKV, D, dtype=torch.bfloat16, device=dev)
-    v_cache = torch.randn_like(k_cache)
+    k_cache = rand(SLOTS // PAGE, PAGE, HKV, D)
+    v_cache = rand(SLOTS // PAGE, PAGE, HKV, D)
     k_flat, v_flat = k_cache.flatten(0, 1), v_cache.flatten(0, 1)  # [SLOTS, HKV, D] views
     cases = [(0, 32768), (16 * 257, 32768 + 100), (16 * 1000, 20000)]  # (first slot, prefix length)
     # a 32K prefix's own run count (no empty run: in case the op refuses empty ones), a 48K context's, a 128K one's
+    capturable = True  # until a capture fails: the process's CUDA state is not to be trusted with another
     for batch in (32768 // KEYS, SLOTS // KEYS, 64):
         cum_q = (torch.arange(batch + 1, device=dev, dtype=torch.int32) * ROWS).contiguous()
         print(f"== {batch} runs of up to {KEYS} keys (max_q {ROWS}, max_k {KEYS})", flush=True)
         fitting = [(first, prefix) for first, prefix in cases if prefix <= batch * KEYS]
         for first, prefix in fitting:
-            q = torch.randn(T, HQ, D, dtype=torch.bfloat16, device=dev)
+            q = rand(T, HQ, D)
             q_all = pack(q).repeat(batch, 1, 1).contiguous()
             cum_k = cum_keys(first, prefix, batch, dev)
             try:
@@ -116,17 +124,17 @@ def main() -> None:
             )
         # a graph captured once, replayed with new rows and key runs copied into its static inputs
         first, prefix = cases[0]
-        q_static = (
-            pack(torch.randn(T, HQ, D, dtype=torch.bfloat16, device=dev)).repeat(batch, 1, 1).contiguous()
-        )
+        q_static = pack(rand(T, HQ, D)).repeat(batch, 1, 1).contiguous()
         cum_k_static = cum_keys(first, prefix, batch, dev)
+        fresh = [rand(T, HQ, D) for _ in fitting]  # drawn before the capture
         try:
+            if not capturable:
+                raise RuntimeError("not tried: an earlier capture failed")
             outs = []  # the last entry: the captured call's outputs, which each replay rewrites
             call = partial(ragged, q_static, k_flat, v_flat, cum_q, cum_k_static, scale)
             graph = capture_cuda_graph(partial(keep_result, outs, call), warmup=2)
             o_g, lse_g = outs[-1]
-            for first, prefix in fitting[1:] or fitting:
-                q = torch.randn(T, HQ, D, dtype=torch.bfloat16, device=dev)
+            for (first, prefix), q in zip(fitting[1:] or fitting, fresh):
                 q_static.copy_(pack(q).repeat(batch, 1, 1))
                 cum_k_static.copy_(cum_keys(first, prefix, batch, dev))
                 graph.replay()
@@ -138,8 +146,12 @@ def main() -> None:
             ms = timed(graph.replay)
             print(f"graph replay alone ({batch} runs, prefix {prefix}): {ms * 1e3:.1f} us", flush=True)
         except RuntimeError as e:
-            print(f"capture failed: {str(e)[:300]}", flush=True)
-        q_all = pack(torch.randn(T, HQ, D, dtype=torch.bfloat16, device=dev)).repeat(batch, 1, 1).contiguous()
+            if capturable:  # the whole first error: the first run cut it at 300 characters
+                print(f"capture failed ({batch} runs):\n{traceback.format_exc()}", flush=True)
+            else:
+                print(f"capture ({batch} runs): {e}", flush=True)
+            capturable = False
+        q_all = pack(rand(T, HQ, D)).repeat(batch, 1, 1).contiguous()
         cum_k = cum_keys(0, 32768, batch, dev)
         try:
             ms = timed(partial(ragged, q_all, k_flat, v_flat, cum_q, cum_k, scale))
@@ -148,7 +160,7 @@ def main() -> None:
             print(f"eager ragged call, {batch} runs: failed: {str(e)[:300]}", flush=True)
 
     # the packed call as the engine runs it now (a plan per split count), and the Triton kernel over the whole hit
-    q = torch.randn(T, HQ, D, dtype=torch.bfloat16, device=dev)
+    q = rand(T, HQ, D)
     rows = q.new_zeros(HKV, 256, D)
     ms = timed(lambda: packed_prefix_sdpa(q, k_flat[:32768], v_flat[:32768], 16, scale, rows))
     print(f"packed_prefix_sdpa, 16 splits of 2048: {ms * 1e3:.1f} us", flush=True)
