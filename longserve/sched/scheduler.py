@@ -14,11 +14,19 @@ chunk (a 128K prompt: seconds); arriving just after a long one, it would share t
 Such requests are admitted in a step of their own, with the decodes, and the long prefill (running, or
 waiting ahead of them) goes on the next step; it is never put off two steps in a row, so under a stream of
 short requests it still gets every other step.
+
+One prompt budget at a time beside decodes (short-first too, `admit_tokens_beside_decodes`): when prompts arrive
+close together while others decode, a step takes the first of them, then more only until it holds 1/8 of the
+budget in prompt tokens; the next step takes the next. Taken all at once, each of them waits for all of their
+prefill (and a decoding request's gap is the whole step); one after another, the first answers after its own
+and the last after about as long as before. Not when the queue is long (more than LIGHT_QUEUE_BUDGETS steps'
+budgets of prompt tokens): then full steps keep the throughput.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -34,6 +42,14 @@ if TYPE_CHECKING:
 
 # "short-first": a short request has at most 1/SHORT_PREFILL_DIVISOR of the step budget left to compute
 SHORT_PREFILL_DIVISOR = 8
+# Beside decodes, waiting prompts are admitted one budget share at a time (the module's docstring) only while they
+# hold at most this many steps' budgets of tokens. The random HTTP workload's arrivals (RESULTS.md seventeenth
+# session) replayed through a model of the overlapped loop with the 8B's step times (scripts/probes/
+# sim_admission.py --synthetic): TTFT P95 123 -> 107 ms, mean 60 -> 57, P50 and the time to finish unchanged;
+# Poisson arrivals at 12-20 requests/s alike (P95 -9 to -11%, mean -6 to -12%); 400 prompts at once: full steps
+# 8.6 s mean TTFT, one share a step 9.9 s, so a long queue fills the steps (with 1 budget here instead of 2, P95
+# at 20/s 299 ms against 265). Not yet measured on the GPU.
+LIGHT_QUEUE_BUDGETS = 2
 
 
 @dataclass(frozen=True)
@@ -43,6 +59,9 @@ class SchedulerConfig:
     max_prefill_chunk: int | None = None
     short_prefill_tokens: int = 0  # waiting requests with this few tokens to compute go before a long prefill
     short_lookahead: int = 4  # waiting requests looked at for that (each: a read-only prefix-cache walk)
+    # with decodes in the step and a short queue, waiting prompts are admitted until the step holds this many
+    # prompt tokens (the first always); 0: up to the budget (fcfs, vLLM's)
+    admit_tokens_beside_decodes: int = 0
     context_length: int | None = None  # a request ends when it has this many tokens (the runner's limit)
 
     @classmethod
@@ -50,11 +69,13 @@ class SchedulerConfig:
         """The scheduler's settings, all derived here from the engine's (the one place that does);
         context_length: the runner's, resolved against the KV pool."""
         short = config.schedule_policy == "short-first"
+        share = max(1, config.chunked_prefill_size // SHORT_PREFILL_DIVISOR) if short else 0
         return cls(
             token_budget=config.chunked_prefill_size,
             max_running_requests=config.max_running_requests,
             max_prefill_chunk=config.max_prefill_chunk,
-            short_prefill_tokens=max(1, config.chunked_prefill_size // SHORT_PREFILL_DIVISOR) if short else 0,
+            short_prefill_tokens=share,
+            admit_tokens_beside_decodes=share,
             context_length=context_length,
         )
 
@@ -139,6 +160,7 @@ class Scheduler:
         # room needs no allocation: that test inline, rather than a sort and the general path's calls, took
         # schedule() from 1.0 to 0.4 ms cumulative under cProfile at batch 64 (scripts/dev/host_time.py)
         page_size = self.kv.page_size
+        num_decodes = 0
         decodes, prefills = [], []
         for req in self.running:
             if req.pending_final:  # the token in flight ends it: nothing to plan past it
@@ -156,13 +178,13 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
             computed = req.num_computed_tokens
-            if (
-                computed + 1 == len(req.prompt_token_ids) + len(req.output_token_ids) + req.num_pending
-            ):  # a decode
+            decode = computed + 1 == len(req.prompt_token_ids) + len(req.output_token_ids) + req.num_pending
+            if decode:
                 if computed < len(req.page_ids) * page_size:  # its last page has room
                     out.scheduled.append(ScheduledRequest(req, 1, True))
                     scheduled_ids.add(req.request_id)
                     budget -= 1
+                    num_decodes += 1
                     continue
             elif shorts:
                 continue  # a prefill chunk: next step
@@ -182,11 +204,18 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens + n == req.num_tokens))
             scheduled_ids.add(req.request_id)
             budget -= n
+            num_decodes += decode
 
-        # 2. admit waiting requests (not in a step that had to preempt: memory is short)
+        # 2. admit waiting requests (not in a step that had to preempt: memory is short); beside decodes, one
+        # share of the budget at a time while the queue is short (the module's docstring)
         if not out.preempted:
+            cap = self._admission_cap(num_decodes)
+            prompt_tokens = self.config.token_budget - budget - num_decodes  # running chunks'
+            admitted = 0
             for req in shorts or list(self.waiting):
                 if budget <= 0 or len(self.running) >= self.config.max_running_requests:
+                    break
+                if admitted and prompt_tokens >= cap:
                     break
                 if self._blocked_by_sibling(req):
                     continue
@@ -196,7 +225,22 @@ class Scheduler:
                     break  # no pages even for this one: keep FCFS order, retry next step
                 out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens + n == req.num_tokens))
                 budget -= n
+                prompt_tokens += n
+                admitted += 1
         return out
+
+    def _admission_cap(self, num_decodes: int) -> float:
+        """Prompt tokens up to which this step admits waiting requests beyond the first: the configured share
+        when the step carries decodes and the queue holds at most LIGHT_QUEUE_BUDGETS budgets, else none."""
+        share = self.config.admit_tokens_beside_decodes
+        if not share or not num_decodes:
+            return math.inf
+        limit, queued = LIGHT_QUEUE_BUDGETS * self.config.token_budget, 0
+        for req in self.waiting:
+            queued += req.num_remaining_tokens
+            if queued > limit:
+                return math.inf
+        return share
 
     def _shorts_first(self) -> list[Request]:
         """Waiting requests (of the first few) with at most short_prefill_tokens left to compute, when there

@@ -301,3 +301,62 @@ def test_scheduler_config_from_engine_config_sets_the_short_first_threshold():
         assert first == (["next"] if passes else ["long"]), (n, first)
     assert derived(schedule_policy="fcfs").short_prefill_tokens == 0
     assert derived(chunked_prefill_size=4).short_prefill_tokens == 1  # never 0 under short-first
+    # the share that arrivals beside decodes are admitted by: the same 1/8 under short-first, none under fcfs
+    assert cfg.admit_tokens_beside_decodes == 32 // 8
+    assert derived(schedule_policy="fcfs").admit_tokens_beside_decodes == 0
+
+
+def make_shares(budget=32, share=4, pages=128, page_size=4):
+    kv = KVCacheManager(pages, page_size, enable_prefix_caching=True)
+    return Scheduler(SchedulerConfig(budget, 8, None, admit_tokens_beside_decodes=share), kv)
+
+
+def test_beside_decodes_prompts_that_arrive_together_are_admitted_a_share_at_a_time():
+    s = make_shares(budget=32, share=4)
+    s.add_request(req("d", 3, 900, max_new=20))
+    assert plan(run_step(s)) == [("d", 3, True)]
+    for r in (req("a", 6, 100), req("b", 5, 200), req("c", 2, 300), req("e", 2, 400)):
+        s.add_request(r)
+    # d decodes: the step takes a (6 tokens, past the share of 4) and no more, with 25 of 32 budget tokens left
+    assert plan(run_step(s)) == [("d", 1, True), ("a", 6, True)]
+    assert plan(run_step(s)) == [("d", 1, True), ("a", 1, True), ("b", 5, True)]
+    # c's 2 tokens leave the step under the share: e joins it
+    assert plan(run_step(s)) == [
+        ("d", 1, True),
+        ("a", 1, True),
+        ("b", 1, True),
+        ("c", 2, True),
+        ("e", 2, True),
+    ]
+    s.kv.check_integrity(live(s))
+
+
+def test_without_decodes_or_under_fcfs_the_arrivals_share_one_step():
+    idle = make_shares(budget=32, share=4)
+    for r in (req("a", 6, 100), req("b", 5, 200), req("c", 2, 300)):
+        idle.add_request(r)
+    assert plan(run_step(idle)) == [("a", 6, True), ("b", 5, True), ("c", 2, True)]  # nothing decodes yet
+    fcfs = make(budget=32, pages=128)
+    fcfs.add_request(req("d", 3, 900, max_new=20))
+    run_step(fcfs)
+    for r in (req("a", 6, 100), req("b", 5, 200), req("c", 2, 300)):
+        fcfs.add_request(r)
+    assert plan(run_step(fcfs)) == [("d", 1, True), ("a", 6, True), ("b", 5, True), ("c", 2, True)]
+
+
+def test_a_long_queue_fills_the_steps_beside_decodes():
+    """More than LIGHT_QUEUE_BUDGETS budgets of prompt tokens waiting: full steps (throughput), as fcfs; once the
+    queue is short again, one share a step."""
+    from longserve.sched.scheduler import LIGHT_QUEUE_BUDGETS
+
+    s = make_shares(budget=32, share=2)
+    s.add_request(req("d", 3, 900, max_new=20))
+    run_step(s)
+    for i, (rid, n) in enumerate((("a", 20), ("b", 20), ("c", 20), ("e", 5))):
+        s.add_request(req(rid, n, 100 * (i + 1)))
+    assert LIGHT_QUEUE_BUDGETS * 32 < 20 + 20 + 20 + 5
+    assert plan(run_step(s)) == [("d", 1, True), ("a", 20, True), ("b", 11, False)]
+    # 25 tokens wait now, within two budgets: after b's running chunk only c, the first, is admitted (fcfs
+    # would give e the budget's last token too)
+    assert plan(run_step(s)) == [("d", 1, True), ("a", 1, True), ("b", 9, True), ("c", 20, True)]
+    s.kv.check_integrity(live(s))
