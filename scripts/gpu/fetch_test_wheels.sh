@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Wheels the GPU tests need beyond the GPU machine's image (Python 3.12, x86-64), into .whl/ (git-ignored):
 # xgrammar and jsonschema (structured output), compressed-tensors and AutoAWQ (the quantized checkpoints'
-# own writers) and what they import. Carry .whl/ and install before `gpu_check.sh tests|quant|...`:
+# own writers) and what they import, and cuDNN's frontend (a probe). Carry .whl/ and install before `gpu_check.sh tests|quant|...`:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
 #     .whl/*.whl && export PYTHONPATH=$PWD:/tmp/site || exit;
-# About 15 MB. AutoAWQ 0.2.9 ships no wheel: it is built here (pure Python). The versions are the ones
+# About 17 MB. AutoAWQ 0.2.9 ships no wheel: it is built here (pure Python). The versions are the ones
 # installed here, which CI tests with.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -18,6 +18,10 @@ done
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl "${pkgs[@]}"
+# cuDNN's graph API for scripts/probes/probe_paged_cudnn.py (not installed here: it loads the cuDNN torch brings on
+# the GPU machine); 1.14.1 is the binding alone (later ones pull in the CUTLASS DSL)
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 -d .whl nvidia-cudnn-frontend==1.14.1
 awq=$(python3 -m pip show autoawq 2>/dev/null | sed -n 's/^Version: //p' || true)
 if [[ -n $awq ]]; then python3 -m pip wheel -q --no-deps --no-build-isolation "autoawq==$awq" -w .whl; fi
 ls -la .whl && du -sh .whl
