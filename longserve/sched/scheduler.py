@@ -207,9 +207,10 @@ class Scheduler:
             num_decodes += decode
 
         # 2. admit waiting requests (not in a step that had to preempt: memory is short); beside decodes, one
-        # share of the budget at a time while the queue is short (the module's docstring)
+        # share of the budget at a time while the queue is short (the module's docstring), except in a step
+        # that serves short ones before a long prefill: it is theirs, all of them go
         if not out.preempted:
-            cap = self._admission_cap(num_decodes)
+            cap = math.inf if shorts else self._admission_cap(num_decodes)
             prompt_tokens = self.config.token_budget - budget - num_decodes  # running chunks'
             admitted = 0
             for req in shorts or list(self.waiting):

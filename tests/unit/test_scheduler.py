@@ -360,3 +360,18 @@ def test_a_long_queue_fills_the_steps_beside_decodes():
     # would give e the budget's last token too)
     assert plan(run_step(s)) == [("d", 1, True), ("a", 1, True), ("b", 9, True), ("c", 20, True)]
     s.kv.check_integrity(live(s))
+
+
+def test_short_requests_put_before_a_long_prefill_all_go_in_their_step():
+    """The share a step beside decodes does not apply to short-first's own step: every short one of the
+    lookahead goes there, not one of them left for after the long prefill's next chunk."""
+    kv = KVCacheManager(128, 4, enable_prefix_caching=True)
+    s = Scheduler(SchedulerConfig(32, 8, None, short_prefill_tokens=4, admit_tokens_beside_decodes=4), kv)
+    s.add_request(req("d", 3, 900, max_new=20))
+    run_step(s)
+    s.add_request(req("long", 100, 100))
+    assert plan(run_step(s)) == [("d", 1, True), ("long", 31, False)]
+    for i, rid in enumerate(("s1", "s2", "s3")):
+        s.add_request(req(rid, 4, 200 + 10 * i))
+    assert plan(run_step(s)) == [("d", 1, True), ("s1", 4, True), ("s2", 4, True), ("s3", 4, True)]
+    s.kv.check_integrity(live(s))
