@@ -15,12 +15,13 @@ Such requests are admitted in a step of their own, with the decodes, and the lon
 waiting ahead of them) goes on the next step; it is never put off two steps in a row, so under a stream of
 short requests it still gets every other step.
 
-One prompt budget at a time beside decodes (short-first too, `admit_tokens_beside_decodes`): when prompts arrive
-close together while others decode, a step takes the first of them, then more only until it holds 1/8 of the
-budget in prompt tokens; the next step takes the next. Taken all at once, each of them waits for all of their
-prefill (and a decoding request's gap is the whole step); one after another, the first answers after its own
-and the last after about as long as before. Not when the queue is long (more than LIGHT_QUEUE_BUDGETS steps'
-budgets of prompt tokens): then full steps keep the throughput.
+Arrivals beside decodes a share at a time (short-first too, `admit_tokens_beside_decodes`): when prompts arrive
+close together while others decode, a step admits the first of them, then more only until it holds 1/8 of the
+budget in prompt tokens; the next step takes the next (a step that serves short requests before a long prefill
+takes all of them). Taken all at once, each of them waits for all of their prefill (and a decoding request's gap
+is the whole step); one after another, the first answers after its own and the last after about as long as
+before. Not when the queue is long (more than LIGHT_QUEUE_BUDGETS steps' budgets of prompt tokens): then full
+steps keep the throughput.
 """
 
 from __future__ import annotations
@@ -204,7 +205,8 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens + n == req.num_tokens))
             scheduled_ids.add(req.request_id)
             budget -= n
-            num_decodes += decode
+            if decode:  # one whose last page was full
+                num_decodes += 1
 
         # 2. admit waiting requests (not in a step that had to preempt: memory is short); beside decodes, one
         # share of the budget at a time while the queue is short (the module's docstring), except in a step
@@ -236,6 +238,8 @@ class Scheduler:
         share = self.config.admit_tokens_beside_decodes
         if not share or not num_decodes:
             return math.inf
+        # a waiting request counts whole (its cached prefix is found at admission): a queue of questions over
+        # a cached document reads as long, and fills the step as before
         limit, queued = LIGHT_QUEUE_BUDGETS * self.config.token_budget, 0
         for req in self.waiting:
             queued += req.num_remaining_tokens

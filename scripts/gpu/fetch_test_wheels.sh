@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Wheels the GPU tests need beyond the GPU machine's image (Python 3.12, x86-64), into .whl/ (git-ignored):
 # xgrammar and jsonschema (structured output), compressed-tensors and AutoAWQ (the quantized checkpoints'
-# own writers) and what they import, and cuDNN's frontend (a probe). Carry .whl/ and install before `gpu_check.sh tests|quant|...`:
+# own writers) and what they import, and cuDNN's frontend (a probe's). Carry .whl/ and install before
+# `gpu_check.sh tests|quant|...`:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
 #     .whl/*.whl && export PYTHONPATH=$PWD:/tmp/site || exit;
 # About 17 MB. AutoAWQ 0.2.9 ships no wheel: it is built here (pure Python). The versions are the ones
