@@ -95,7 +95,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
 
     # scheduling
-    chunked_prefill_size: int = 8192  # per-step token budget (vLLM: max_num_batched_tokens)
+    # prompt tokens of a step (vLLM: max_num_batched_tokens); the step's decodes ride on top (sched/scheduler.py)
+    chunked_prefill_size: int = 8192
     max_prefill_chunk: int | None = None  # per-request cap per step; None: the whole budget
     max_running_requests: int = 256
     # "short-first": a waiting request with at most 1/8 of chunked_prefill_size to compute (after its cached

@@ -1,7 +1,11 @@
 """Scheduler: continuous batching under a per-step token budget (pure Python, no torch).
 
 Each step: running requests that decode (one token left) go first, then running prefill chunks, then
-waiting requests are admitted FCFS while budget, `max_running_requests` and pages allow. A long prompt
+waiting requests are admitted FCFS while budget, `max_running_requests` and pages allow. The budget counts
+prompt tokens; decodes ride on top of it, at most as many again (SGLang's mixed chunks; vLLM counts them in):
+cut by the decodes beside it, a 16K prompt in chunks of 8K took a third step for its last few tokens, so
+every conversation opening behind another waited one more 8K step for its first token (the seventeenth
+session's HTTP call, RESULTS.md), and its second chunk's prefix was not a multiple of the chunk. A long prompt
 spreads over several steps (`max_prefill_chunk` caps one request's share of a step). When pages run
 out, the most recently admitted request not yet scheduled this step is preempted by recompute: its
 pages are released (its computed full pages stay in the prefix cache) and it goes back to the front
@@ -151,7 +155,10 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.config.token_budget
+        budget = (
+            self.config.token_budget
+        )  # the step's prompt tokens; decodes ride on top (the module's docstring)
+        decode_room = self.config.token_budget
         scheduled_ids: set[str] = set()
         shorts = self._shorts_first()  # non-empty: this step serves them and puts the long prefills off
         self._deferred = bool(shorts)
@@ -174,22 +181,24 @@ class Scheduler:
             )
             (decodes if left <= 1 else prefills).append(req)
         for req in itertools.chain(decodes, prefills):
-            if budget <= 0:
-                break
             if req.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
             computed = req.num_computed_tokens
             decode = computed + 1 == len(req.prompt_token_ids) + len(req.output_token_ids) + req.num_pending
             if decode:
+                if decode_room <= 0:
+                    continue
                 if computed < len(req.page_ids) * page_size:  # its last page has room
                     out.scheduled.append(ScheduledRequest(req, 1, True))
                     scheduled_ids.add(req.request_id)
-                    budget -= 1
+                    decode_room -= 1
                     num_decodes += 1
                     continue
-            elif shorts:
+                n = 1
+            elif shorts or budget <= 0:
                 continue  # a prefill chunk: next step
-            n = self._chunk(req, budget)
+            else:
+                n = self._chunk(req, budget)
             while not self.kv.allocate(req, n):
                 victim = self._pick_victim(exclude=scheduled_ids)
                 if victim is None:
@@ -204,16 +213,18 @@ class Scheduler:
                 continue
             out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens + n == req.num_tokens))
             scheduled_ids.add(req.request_id)
-            budget -= n
             if decode:  # one whose last page was full
+                decode_room -= 1
                 num_decodes += 1
+            else:
+                budget -= n
 
         # 2. admit waiting requests (not in a step that had to preempt: memory is short); beside decodes, one
         # share of the budget at a time while the queue is short (the module's docstring), except in a step
         # that serves short ones before a long prefill: it is theirs, all of them go
         if not out.preempted:
             cap = math.inf if shorts else self._admission_cap(num_decodes)
-            prompt_tokens = self.config.token_budget - budget - num_decodes  # running chunks'
+            prompt_tokens = self.config.token_budget - budget  # running chunks'
             admitted = 0
             for req in shorts or list(self.waiting):
                 if budget <= 0 or len(self.running) >= self.config.max_running_requests:

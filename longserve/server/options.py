@@ -158,7 +158,8 @@ OPTIONS: tuple[Option, ...] = (
     Option(("--context-length", "--max-model-len"), E + "context_length", "longest prompt + output", int,
            default_help="the model's max_position_embeddings, within the KV pool"),
     Option(("--chunked-prefill-size", "--max-num-batched-tokens"), E + "chunked_prefill_size",
-           "token budget of one engine step (long prompts are prefilled in chunks of it)", int),
+           "prompt tokens of one engine step (long prompts are prefilled in chunks of it; the step's decodes "
+           "ride on top)", int),
     Option(("--max-prefill-chunk",), E + "max_prefill_chunk", "cap on one request's share of a step", int,
            default_help="the whole step budget"),
     Option(("--max-running-requests", "--max-num-seqs"), E + "max_running_requests", "concurrent requests",

@@ -121,9 +121,7 @@ def simulate(reqs: list[Req], policy: str, budget: int = 8192) -> list[Req]:
     while pending or waiting or running or in_flight:
         while pending and pending[0].arrival + TOKENIZE_MS / 1e3 <= host:
             waiting.append(pending.pop(0))
-        chunks = schedule(
-            policy, waiting, running, budget - sum(1 for r in running if r.done_prompt == r.prompt)
-        )
+        chunks = schedule(policy, waiting, running, budget)  # prompt tokens: decodes ride on top
         decodes = [r for r in running if r.done_prompt == r.prompt and r.produced < r.output]
         if not chunks and not decodes:
             if in_flight:

@@ -37,9 +37,9 @@ def test_budget_splits_prompts_and_decodes_go_first():
     for r in (req("a", 10), req("b", 20, 100), req("c", 5, 200)):
         s.add_request(r)
     assert plan(run_step(s)) == [("a", 10, True), ("b", 6, False)]
-    # a decodes first (1 token), b continues, c gets what is left
-    assert plan(run_step(s)) == [("a", 1, True), ("b", 14, True), ("c", 1, False)]
-    assert plan(run_step(s)) == [("a", 1, True), ("b", 1, True), ("c", 4, True)]
+    # a decodes first (1 token, on top of the 16 prompt tokens), b continues, c gets what is left
+    assert plan(run_step(s)) == [("a", 1, True), ("b", 14, True), ("c", 2, False)]
+    assert plan(run_step(s)) == [("a", 1, True), ("b", 1, True), ("c", 3, True)]
     s.kv.check_integrity(live(s))
 
 
@@ -216,9 +216,9 @@ def test_short_first_serves_a_short_request_in_the_next_step():
     s.add_request(req("short", 3))
     assert plan(run_step(s)) == [("short", 3, True)]  # the long prefill waits one step
     assert s.num_deferred_prefill_steps == 1
-    assert plan(run_step(s)) == [("short", 1, True), ("long", 15, False)]
-    assert plan(run_step(s)) == [("short", 1, True), ("long", 15, False)]
-    assert plan(run_step(s)) == [("short", 1, True), ("long", 14, True)]
+    assert plan(run_step(s)) == [("short", 1, True), ("long", 16, False)]  # whole chunks beside the decode
+    assert plan(run_step(s)) == [("short", 1, True), ("long", 16, False)]
+    assert plan(run_step(s)) == [("short", 1, True), ("long", 12, True)]
     s.kv.check_integrity(live(s))
 
 
@@ -238,7 +238,7 @@ def test_short_first_counts_the_cached_prefix_and_never_defers_twice_in_a_row():
     assert s.requests["turn"].num_cached_tokens == 16
     s.add_request(req("tiny2", 2, 950))
     # the last step put "long" off: this one runs it even though tiny2 is short
-    assert plan(run_step(s)) == [("turn", 1, True), ("tiny", 1, True), ("long", 14, False)]
+    assert plan(run_step(s)) == [("turn", 1, True), ("tiny", 1, True), ("long", 16, False)]
     assert plan(run_step(s)) == [("turn", 1, True), ("tiny", 1, True), ("tiny2", 2, True)]  # off again, once
     s.kv.check_integrity(live(s))
 
@@ -268,7 +268,7 @@ def test_short_first_lets_a_short_request_pass_a_long_one_that_arrived_just_befo
     s.add_request(req("long", 60, 100))
     s.add_request(req("short", 3))
     assert plan(run_step(s)) == [("short", 3, True)]  # not behind long's first 16-token chunk
-    assert plan(run_step(s)) == [("short", 1, True), ("long", 15, False)]
+    assert plan(run_step(s)) == [("short", 1, True), ("long", 16, False)]
     fcfs = make(budget=16, pages=64)
     fcfs.add_request(req("long", 60, 100))
     fcfs.add_request(req("short", 3))
@@ -355,10 +355,10 @@ def test_a_long_queue_fills_the_steps_beside_decodes():
     for i, (rid, n) in enumerate((("a", 20), ("b", 20), ("c", 20), ("e", 5))):
         s.add_request(req(rid, n, 100 * (i + 1)))
     assert LIGHT_QUEUE_BUDGETS * 32 < 20 + 20 + 20 + 5
-    assert plan(run_step(s)) == [("d", 1, True), ("a", 20, True), ("b", 11, False)]
+    assert plan(run_step(s)) == [("d", 1, True), ("a", 20, True), ("b", 12, False)]
     # 25 tokens wait now, within two budgets: after b's running chunk only c, the first, is admitted (fcfs
-    # would give e the budget's last token too)
-    assert plan(run_step(s)) == [("d", 1, True), ("a", 1, True), ("b", 9, True), ("c", 20, True)]
+    # would give e the budget's last 4 tokens too)
+    assert plan(run_step(s)) == [("d", 1, True), ("a", 1, True), ("b", 8, True), ("c", 20, True)]
     s.kv.check_integrity(live(s))
 
 
@@ -370,8 +370,32 @@ def test_short_requests_put_before_a_long_prefill_all_go_in_their_step():
     s.add_request(req("d", 3, 900, max_new=20))
     run_step(s)
     s.add_request(req("long", 100, 100))
-    assert plan(run_step(s)) == [("d", 1, True), ("long", 31, False)]
+    assert plan(run_step(s)) == [("d", 1, True), ("long", 32, False)]
     for i, rid in enumerate(("s1", "s2", "s3")):
         s.add_request(req(rid, 4, 200 + 10 * i))
     assert plan(run_step(s)) == [("d", 1, True), ("s1", 4, True), ("s2", 4, True), ("s3", 4, True)]
     s.kv.check_integrity(live(s))
+
+
+def test_a_prompts_chunks_are_not_cut_by_the_decodes_beside_it():
+    """The budget counts prompt tokens; decodes ride on top (SGLang's mixed chunks): a prompt beside decodes
+    takes whole chunks and finishes in as many steps as alone (cut by the decodes, a 64-token prompt beside
+    three took a fifth step for its last 12 tokens, and its later chunks' prefixes were not multiples of the
+    chunk). A step takes at most as many decodes as the budget; the rest decode in the next."""
+    s = make(budget=16, pages=64)
+    for i in range(3):
+        s.add_request(req(f"d{i}", 2, 900 + 10 * i, max_new=20))
+    run_step(s)
+    s.add_request(req("p", 64, 100))
+    plans = [plan(run_step(s)) for _ in range(4)]
+    decodes = [("d0", 1, True), ("d1", 1, True), ("d2", 1, True)]
+    assert plans == [decodes + [("p", 16, i == 3)] for i in range(4)]
+    s.kv.check_integrity(live(s))
+    busy = make(budget=4, pages=64)
+    for i in range(6):
+        busy.add_request(req(f"r{i}", 1, 10 * i, max_new=8))
+    assert plan(run_step(busy)) == [(f"r{i}", 1, True) for i in range(4)]  # 4 prompt tokens
+    # r0..r3 decode (4, the most a step takes), r4 and r5 are admitted with the budget's prompt tokens
+    assert plan(run_step(busy)) == [(f"r{i}", 1, True) for i in range(6)]
+    assert len(plan(run_step(busy))) == 4  # six decoding: four this step
+    busy.kv.check_integrity(live(busy))
