@@ -242,6 +242,11 @@ if [[ $MODE == paged-cudnn ]]; then  # one GPU (~3 min; the test wheels carried:
   timeout 200 python3 scripts/probes/probe_paged_cudnn.py 2>&1 | tee "$OUT/probe_paged_cudnn.log" | tail -40
 fi
 
+if [[ $MODE == chunk-decodes ]]; then  # one GPU (~4 min): a 16K prompt's TTFT beside 0/1/4/8 decoding requests, with the
+  # budget as served and raised by d (scripts/probes/probe_chunk_beside_decodes.py; the multi-turn openings' P95)
+  timeout 230 python3 scripts/probes/probe_chunk_beside_decodes.py 2>&1 | tee "$OUT/probe_chunk_beside_decodes.log" | tail -12
+fi
+
 if [[ $MODE == hit-host ]]; then  # one GPU (~2 min): where the host's time goes in a prefix hit, packed call on, off
   # (on: the layers' attention eager between the piecewise graphs; off: the lone chunk's graph), cProfile's top
   for on in True False; do
