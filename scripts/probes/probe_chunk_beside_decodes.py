@@ -1,19 +1,18 @@
-"""GPU probe: does a long prompt's prefill slow down when requests decode beside it, and why? (Issue 19's multi-turn
-P95: in the seventeenth session's HTTP call, RESULTS.md, the first 16K opening's two 8K chunks took ~477 ms
-alone and every later pair 492-530 ms with 1-7 conversations decoding beside them, whatever their number; vLLM
-held ~485 ms a pair throughout.)
+"""GPU probe: does a long prompt's prefill slow down when requests decode beside it? (Issue 19's multi-turn P95: in
+the seventeenth session's HTTP call, RESULTS.md, the first 16K opening's two 8K chunks took ~477 ms alone and
+every later pair 492-530 ms with 1-7 conversations decoding beside them, and each opening after the first
+waited one more 8K step for its first token: the decodes cut its chunks to 8192 - d, which left 2d tokens for
+a third step. The step budget now counts prompt tokens, the decodes riding on top.)
 
 In one engine (Llama-3.1-8B shape, dummy weights): d requests are decoding (short prompts, long outputs), then a
-PROMPT-token prompt is added and stepped to its first token; its TTFT, the steps it took and their prompt-token
-counts, for d = 0, 1, 4, 8, and for d > 0 once more with the step budget raised by d (`chunked_prefill_size +
-d`: the prompt's chunks stay whole multiples of the budget, its prefixes aligned, as with d = 0), so that what
-the decodes cost (their rows and attention) is told apart from what the misaligned chunks cost (other cuDNN
-shapes: a prefix tail moved into the causal part, `sdpa_shapes.split_shape`). Each case REPEAT times after a
-warm-up; the engine's own loop (`Engine.step`, overlapped as it serves), timed on the host with the device
+PROMPT-token prompt is added and stepped to its first token; its TTFT, and its steps' prompt-token counts, for
+d = 0, 1, 4, 8; for d > 0 once more with the budget lowered by d, which gives the chunks the decodes used to cut
+(8192 - d, the former behaviour), so that the same call tells what whole chunks save. Each case REPEAT times after
+a warm-up; the engine's own loop (`Engine.step`, overlapped as it serves), timed on the host with the device
 synchronized before the prompt is added.
 
 On a CUDA GPU: python3 scripts/probes/probe_chunk_beside_decodes.py
-(PROBE_PROMPT=2048 with --config tiny --device cpu: a CPU dry run.)
+(PROBE_PROMPT=2048 with --config tiny --device cpu --chunked-prefill-size 512: a CPU dry run.)
 """
 
 from __future__ import annotations
@@ -79,9 +78,10 @@ def probe(llm, args, skipped):
     one = SamplingParams(max_new_tokens=1, temperature=0, ignore_eos=True)
     long = SamplingParams(max_new_tokens=1 << 20, temperature=0, ignore_eos=True)
     budget = eng.scheduler.config.token_budget
-    cases = [(0, budget)] + [(d, b) for d in DECODERS[1:] for b in (budget, budget + d)]
+    cases = [(0, budget)] + [(d, b) for d in DECODERS[1:] for b in (budget, budget - d)]
     print(
-        f"a {PROMPT:,}-token prompt in steps of {budget:,} tokens, beside d decoding requests (median of {REPEAT}):"
+        f"a {PROMPT:,}-token prompt in steps of {budget:,} prompt tokens (budget - d: the decodes' cut, as before), "
+        f"beside d decoding requests (median of {REPEAT}):"
     )
     for d, b in cases:
         one_case(eng, bench, d, b, one, long)  # warm-up (new shapes, graphs)

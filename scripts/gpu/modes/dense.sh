@@ -243,7 +243,7 @@ if [[ $MODE == paged-cudnn ]]; then  # one GPU (~3 min; the test wheels carried:
 fi
 
 if [[ $MODE == chunk-decodes ]]; then  # one GPU (~4 min): a 16K prompt's TTFT beside 0/1/4/8 decoding requests, with the
-  # budget as served and raised by d (scripts/probes/probe_chunk_beside_decodes.py; the multi-turn openings' P95)
+  # budget as served and lowered by d, as before (scripts/probes/probe_chunk_beside_decodes.py; multi-turn P95)
   timeout 230 python3 scripts/probes/probe_chunk_beside_decodes.py 2>&1 | tee "$OUT/probe_chunk_beside_decodes.log" | tail -12
 fi
 
