@@ -1,4 +1,4 @@
-"""Scheduler: continuous batching under a per-step token budget (pure Python, no torch).
+"""Scheduler: continuous batching under a per-step budget of prompt tokens (pure Python, no torch).
 
 Each step: running requests that decode (one token left) go first, then running prefill chunks, then
 waiting requests are admitted FCFS while budget, `max_running_requests` and pages allow. The budget counts
@@ -155,10 +155,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = (
-            self.config.token_budget
-        )  # the step's prompt tokens; decodes ride on top (the module's docstring)
-        decode_room = self.config.token_budget
+        # the step's prompt tokens; its decodes ride on top, at most as many again (the module's docstring)
+        budget = decode_room = self.config.token_budget
         scheduled_ids: set[str] = set()
         shorts = self._shorts_first()  # non-empty: this step serves them and puts the long prefills off
         self._deferred = bool(shorts)
