@@ -25,7 +25,9 @@
 # serial-reduce (one GPU, ~5 min): the split-K decode GEMVs summing their partials in the last program of each
 # tile (quant_gemv.SPLIT_K_SERIAL_REDUCE) against a splitk_reduce launch after them: the GPU tests (bit-equal,
 # counters back at zero, CUDA graphs, PDL; each 8B projection's time both ways), then the 8B FP8-block and GPTQ
-# int4 decode at batch 1 (32K) off and on, one process each.
+# int4 decode at batch 1 (32K) and 64 (4K) off and on, one process each (at batch 64 the last program of a tile
+# sums 64 rows of partials: the 8B int4 b64 decode went 16.64 -> 18.20 ms between 0949067 and 11fea55, after the
+# serial sums landed, measured only at batch 1).
 # fp8-acc (one GPU, ~8 min): the 8B and A3B FP8 cold TTFT with the fp8 dots' fp32 promotion after every wgmma (0,
 # the default), every other (64) or never within a tile (None), and the fp8 kernel and engine tests under 64 and
 # None.
@@ -243,7 +245,7 @@ if [[ $MODE == serial-reduce ]]; then  # one GPU (~5 min): split-K partials summ
     for serial in False True; do
       latency_with serial_${variant}_$serial "$variant SERIAL=$serial" \
         longserve.kernels.quant_gemv.SPLIT_K_SERIAL_REDUCE=$serial -- \
-        --config llama-3.1-8b "${dummy[@]}" --repeat 3 "${q[@]}" --decode-batch-sizes 1@32768
+        --config llama-3.1-8b "${dummy[@]}" --repeat 3 "${q[@]}" --decode-batch-sizes 1@32768,64@4096
     done
   done
 fi
