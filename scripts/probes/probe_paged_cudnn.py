@@ -15,12 +15,13 @@ the hit in a CUDA graph and replays it with another page table and prefix length
 the paths the engine runs now. Needs the `nvidia-cudnn-frontend` wheel (scripts/gpu/fetch_test_wheels.sh; 1.14.1
 loads the cuDNN that torch loaded):
 
-    PYTHONPATH=$PWD:/tmp/site python3 scripts/probes/probe_paged_cudnn.py
+    PYTHONPATH=$PWD:/tmp/site python3 scripts/probes/probe_paged_cudnn.py   (PROBE_PAGE=64: pages of 64 tokens)
 """
 
 from __future__ import annotations
 
 import math
+import os
 import traceback
 from functools import partial
 
@@ -32,7 +33,10 @@ from longserve.kernels.extend_attention import choose_extend_splits, extend_atte
 from longserve.platform import capture_cuda_graph
 from longserve.platform import cuda_time_ms as timed
 
-HQ, HKV, D, PAGE = 32, 8, 128, 16
+HQ, HKV, D = 32, 8, 128
+PAGE = int(
+    os.environ.get("PROBE_PAGE", "16")
+)  # the engine's default page size; 64 if cuDNN wants larger blocks
 SCALE = D**-0.5
 DEV = "cuda"
 
@@ -215,7 +219,8 @@ def main() -> None:
         print(f"no cudnn frontend (carry nvidia-cudnn-frontend in .whl/):\n{traceback.format_exc()}")
         return
     print(
-        f"cudnn frontend {getattr(cudnn, '__version__', '?')}, backend {cudnn.backend_version()}, torch {torch.__version__}"
+        f"cudnn frontend {getattr(cudnn, '__version__', '?')}, backend {cudnn.backend_version()}, "
+        f"torch {torch.__version__}, pages of {PAGE} tokens"
     )
     torch.manual_seed(0)
     handle = cudnn.create_handle()

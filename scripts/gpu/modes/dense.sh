@@ -236,10 +236,13 @@ if [[ $MODE == hit-ragged ]]; then  # one GPU (~2 min): can the packed prefix ca
   timeout 150 python3 scripts/probes/probe_ragged_cudnn.py 2>&1 | tee "$OUT/probe_ragged_cudnn.log" | tail -30
 fi
 
-if [[ $MODE == paged-cudnn ]]; then  # one GPU (~3 min; the test wheels carried: cuDNN's frontend): one paged cuDNN call
+if [[ $MODE == paged-cudnn ]]; then  # one GPU (~4 min; the test wheels carried: cuDNN's frontend): one paged cuDNN call
   # for the prefix hit and for chunks over long prefixes, against the engine's paths, and the hit in a CUDA graph
-  # (scripts/probes/probe_paged_cudnn.py)
-  timeout 200 python3 scripts/probes/probe_paged_cudnn.py 2>&1 | tee "$OUT/probe_paged_cudnn.log" | tail -40
+  # (scripts/probes/probe_paged_cudnn.py), with the engine's pages of 16 tokens and with pages of 64
+  for page in 16 64; do
+    PROBE_PAGE=$page timeout 120 python3 scripts/probes/probe_paged_cudnn.py 2>&1 \
+      | tee "$OUT/probe_paged_cudnn_page$page.log" | tail -25
+  done
 fi
 
 if [[ $MODE == chunk-decodes ]]; then  # one GPU (~4 min): a 16K prompt's TTFT beside 0/1/4/8 decoding requests, with the
