@@ -317,7 +317,7 @@ def test_beside_decodes_prompts_that_arrive_together_are_admitted_a_share_at_a_t
     assert plan(run_step(s)) == [("d", 3, True)]
     for r in (req("a", 6, 100), req("b", 5, 200), req("c", 2, 300), req("e", 2, 400)):
         s.add_request(r)
-    # d decodes: the step takes a (6 tokens, past the share of 4) and no more, with 25 of 32 budget tokens left
+    # d decodes: the step takes a (6 tokens, past the share of 4) and no more, with 26 of 32 budget tokens left
     assert plan(run_step(s)) == [("d", 1, True), ("a", 6, True)]
     assert plan(run_step(s)) == [("d", 1, True), ("a", 1, True), ("b", 5, True)]
     # c's 2 tokens leave the step under the share: e joins it
