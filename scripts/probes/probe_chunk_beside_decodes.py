@@ -23,19 +23,12 @@ import statistics
 import sys
 import time
 
-import torch
-
 from longserve.bench import latency
 from longserve.bench.latency_cases import EngineBench
 
 PROMPT = int(os.environ.get("PROBE_PROMPT", "16384"))
 DECODERS = (0, 1, 4, 8)
 REPEAT = 3
-
-
-def synchronize(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def one_case(eng, bench, decoders: int, budget: int, one, long) -> tuple[float, list[int]]:
@@ -48,7 +41,7 @@ def one_case(eng, bench, decoders: int, budget: int, one, long) -> tuple[float, 
             eng.step()
         for _ in range(4):  # every decoder past its prompt and decoding
             eng.step()
-        synchronize(eng.runner.device)
+        bench.timer.sync()
         start = time.perf_counter()
         rid = eng.add_request(bench.prompt(PROMPT), one)
         chunks: list[int] = []
@@ -75,7 +68,7 @@ def probe(llm, args, skipped):
 
     eng = llm.engine
     bench = EngineBench(llm, args)
-    one = SamplingParams(max_new_tokens=1, temperature=0, ignore_eos=True)
+    one = bench.one
     long = SamplingParams(max_new_tokens=1 << 20, temperature=0, ignore_eos=True)
     budget = eng.scheduler.config.token_budget
     cases = [(0, budget)] + [(d, b) for d in DECODERS[1:] for b in (budget, budget - d)]

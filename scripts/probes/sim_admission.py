@@ -31,6 +31,7 @@ import json
 import random
 from dataclasses import dataclass, field
 
+from longserve.runner.piecewise_graph import piecewise_buckets
 from longserve.sched.scheduler import LIGHT_QUEUE_BUDGETS
 
 PREFILL_MS = [(0, 3.0), (64, 4.0), (512, 13.5), (1024, 23.8), (2048, 49.2), (4096, 104.9), (8192, 213.0)]
@@ -42,14 +43,12 @@ HOST_PREFILL_MS, HOST_PER_TOKEN_MS, HOST_DECODE_MS = 2.0, 0.012, 1.5
 TOKENIZE_MS = 2.0  # arrival -> the engine's queue (text prompts)
 
 
+BUCKETS = piecewise_buckets(PIECEWISE_MAX)
+
+
 def bucket(n: int) -> int:
-    """The piecewise graphs' bucket for a step of n tokens (runner/piecewise_graph.piecewise_buckets)."""
-    if n > PIECEWISE_MAX:
-        return n
-    size = 64
-    while size < n:
-        size += max(64, (1 << (size.bit_length() - 1)) // 8)
-    return size
+    """The tokens a step of n runs as: its piecewise graphs' bucket, or n past them (eager)."""
+    return next((b for b in BUCKETS if b >= n), n)
 
 
 def prefill_ms(tokens: int) -> float:
