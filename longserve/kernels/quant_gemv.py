@@ -88,8 +88,12 @@ GEMV_MAX_BLOCK_M = 64  # the largest M the kernel takes (tl.dot path); beyond it
 # splitk_reduce launch after it: the 8B batch-1 decode runs four such launches a layer in FP8 and int4 (128 a
 # step), each a kernel's ramp and drain of ~2-3 us for 10-230 KB of partials. Bit-equal to the two-launch path
 # (tests/unit/test_quant_gemv.py). Measured on an H200 (2026-12-03, `queue.sh serial-reduce`, GPU tests passed):
-# the 8B decode at batch 1 (32K) FP8 blocks 4.38 -> 4.28 ms, GPTQ int4 4.35 -> 4.15 ms.
+# the 8B decode at batch 1 (32K) FP8 blocks 4.38 -> 4.28 ms, GPTQ int4 4.35 -> 4.15 ms. At 64 rows the last program
+# of a tile sums every row's partials alone: the 8B int4 decode at batch 64 (4K) 16.53 ms with the reduction
+# launch, 18.24 ms serial (FP8 12.38 / 12.40; batch 1 4.35 -> 4.13 and 4.36 -> 4.25 in the same call, RESULTS.md
+# nineteenth session), so serial only up to SERIAL_REDUCE_MAX_ROWS rows (8: between the two measured points).
 SPLIT_K_SERIAL_REDUCE = True
+SERIAL_REDUCE_MAX_ROWS = 8
 SERIAL_LOCKS = 1 << 16  # counters per device (column tiles of one GEMV); a GEMV with more reduces apart
 _SERIAL_LOCKS: dict[torch.device, torch.Tensor] = {}
 _MAGIC = tl.constexpr(8388608.0)  # 2^23: float32 with bits 0x4B000000 | q equals 2^23 + q for 0 <= q < 2^23
@@ -316,9 +320,9 @@ def split_k_outputs(
 ) -> SplitKOutputs:
     """split_k_output's buffers for a GEMV over n_tiles column tiles, with the serial reduction's result and
     counters (launch.zeroed_counters: one set for every GEMV of the device) when SPLIT_K_SERIAL_REDUCE is on, it
-    splits, and the counters cover its tiles."""
+    splits, it has at most SERIAL_REDUCE_MAX_ROWS rows, and the counters cover its tiles."""
     tiles_per_split, splits, out = split_k_output(num_tiles, split_k, m, n, dtype, device)
-    if splits == 1 or not SPLIT_K_SERIAL_REDUCE or n_tiles > SERIAL_LOCKS:
+    if splits == 1 or not SPLIT_K_SERIAL_REDUCE or m > SERIAL_REDUCE_MAX_ROWS or n_tiles > SERIAL_LOCKS:
         return SplitKOutputs(tiles_per_split, splits, out)
     locks = zeroed_counters(_SERIAL_LOCKS, SERIAL_LOCKS, device)
     return SplitKOutputs(tiles_per_split, splits, out, torch.empty(m, n, dtype=dtype, device=device), locks)

@@ -252,6 +252,27 @@ def test_serial_split_k_reduction_is_bit_equal_and_leaves_the_counters_zero(kern
     assert locks.shape == (8,) and not locks.any()
 
 
+def test_serial_reduction_only_up_to_its_row_limit(monkeypatch) -> None:
+    """quant_gemv.SERIAL_REDUCE_MAX_ROWS: a split GEMV of more rows sums its partials in the reduction launch (at
+    64 rows the serial sums measured slower on an H200), fewer rows in the GEMV; the same result either way."""
+    m_max = quant_gemv.SERIAL_REDUCE_MAX_ROWS
+    n, k = 48, 512
+    w = int_weights(n, k, 4, 128, True, False, seed=31)
+    cfg = {"SPLIT_K": 4, "BLOCK_N": 16}
+    reduced = []
+    real = quant_gemv.splitk_reduce
+    monkeypatch.setattr(quant_gemv, "splitk_reduce", lambda *a: reduced.append(a[0].shape[1]) or real(*a))
+    monkeypatch.setattr(quant_gemv, "_SERIAL_LOCKS", {})
+    for m in (m_max, m_max + 1):
+        x = torch.randn(m, k, generator=gen(32))
+        monkeypatch.setattr(quant_gemv, "SPLIT_K_SERIAL_REDUCE", True)
+        got = wna16_gemv(x, *w, 4, 128, config=cfg)
+        monkeypatch.setattr(quant_gemv, "SPLIT_K_SERIAL_REDUCE", False)
+        assert torch.equal(got, wna16_gemv(x, *w, 4, 128, config=cfg))
+    # the reference runs launch the reduction at both sizes; the serial setting only above the limit
+    assert reduced == [m_max, m_max + 1, m_max + 1]
+
+
 def test_config_fills_the_gpu_at_decode_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
     """On an H200 (132 SMs) the default grid has ~4 programs per SM or more at the Llama-3.1-8B shapes (at one
     row, kernels/int4_gemv.py's larger row blocks: 2 or more)."""
