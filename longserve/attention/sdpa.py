@@ -65,14 +65,15 @@ def cold_sdpa(
     scale: float,
 ) -> torch.Tensor:
     """Causal attention of prompts with no cached prefix straight from the new q/k/v, one library call per
-    request, each padded up to a multiple of Q_GRANULE rows (exact: causal rows never see the padding)."""
+    request, each padded to its built rows (`sdpa_shapes.pad_cold_rows`; exact: causal rows never see the
+    padding)."""
     out = torch.empty_like(q)  # [T, Hq, D]
     start = 0
     for query_len in query_lens:
         if query_len == 0:
             continue
         end = start + query_len
-        q_r, k_r, v_r = fused_rows(q[start:end], k[start:end], v[start:end], shapes.pad_rows(query_len))
+        q_r, k_r, v_r = fused_rows(q[start:end], k[start:end], v[start:end], shapes.pad_cold_rows(query_len))
         o_r, _ = attention_with_lse(_heads(q_r), _heads(k_r), _heads(v_r), True, scale)
         out[start:end] = o_r[0, :, :query_len].transpose(0, 1)  # [L, Hq, D]
         start = end

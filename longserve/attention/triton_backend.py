@@ -4,11 +4,11 @@ Routing per step (host lists only, so no device sync): every request has one que
 otherwise, with cold_path "sdpa", per request: cold prompts and long chunks over a cached prefix at a shape
 built at start-up -> the library (cuDNN) calls of attention/sdpa.py, short chunks over a long prefix on
 consecutive pages -> the packed cuDNN call plus the extend kernel for their last keys (`_packed`; only with
-sdpa_shapes.PACKED_PREFIX_CALLS, off by default: eager between the graphs its time scattered), the rest
-(decodes, short chunks) -> the extend kernel over them as one ragged sub-batch; with cold_path "triton", the extend kernel over the whole
-batch. Triton is imported on construction. For CUDA graphs, each captured
-shape gets its own instance whose key-split counts are fixed (sized for the longest context), so the
-grid of every replay is the one captured.
+sdpa_shapes.PACKED_PREFIX_CALLS, off by default: eager between the graphs its time scattered), the rest -> the
+decode kernel when they are all decodes, else the extend kernel over them as one ragged sub-batch; with
+cold_path "triton", the extend kernel over the whole batch. Triton is imported on construction. For CUDA
+graphs, each captured shape gets its own instance whose key-split counts are fixed (sized for the longest
+context), so the grid of every replay is the one captured.
 """
 
 from __future__ import annotations
@@ -185,13 +185,7 @@ class TritonAttentionBackend(AttentionBackend):
             return torch.empty_like(q)
 
         if all(n == 1 for n in meta.query_lens_cpu):
-            num_splits = self.num_splits or self._choose_num_splits(
-                meta.max_seq_len, meta.num_reqs, num_kv_heads, self.num_sms(q.device)
-            )
-            return self._decode(
-                q, k_cache, v_cache, meta.seq_lens, meta.page_table, meta.page_size, scale,
-                sliding_window, num_splits, k_scale=kv_cache.k_scales[layer_id], v_scale=kv_cache.v_scales[layer_id],
-            )  # fmt: skip
+            return self._decodes(q, k_cache, v_cache, meta, layer_id, kv_cache, scale, sliding_window)
 
         cold_path = self.cold_path or ("sdpa" if q.is_cuda else "triton")
         window_matters = sliding_window is not None and sliding_window < meta.max_seq_len
@@ -211,7 +205,11 @@ class TritonAttentionBackend(AttentionBackend):
             if sub is None:  # metadata built without the host page rows: the whole batch in Triton
                 return self._triton(q, k_cache, v_cache, meta, layer_id, kv_cache, scale, sliding_window)
             sub_meta, rows = sub
-            part = self._triton(
+            # decodes beside the library's prompts in the split-K decode kernel: in the extend kernel a decode's
+            # GQA rows filled 4 of a 64-row tile (through HTTP on an H200, a decode row cost a mixed step ~0.26 ms
+            # against ~0.06 in a decode step: RESULTS.md nineteenth session)
+            ragged = self._triton if any(meta.query_lens_cpu[r] > 1 for r in rest) else self._decodes
+            part = ragged(
                 q.index_select(0, rows), k_cache, v_cache, sub_meta, layer_id, kv_cache, scale, None
             )
             out.index_copy_(0, rows, part)
@@ -365,6 +363,26 @@ class TritonAttentionBackend(AttentionBackend):
         if shape.prefix_keys % meta.page_size:  # the causal part's keys start on a page of their own
             return False
         return meta.contiguous_pages(r, shape.prefix_keys // meta.page_size) is not None
+
+    def _decodes(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        layer_id: int,
+        kv_cache: KVCache,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        """The split-K decode kernel over the batch of `meta`, one new token a request (its K/V in the pages)."""
+        num_splits = self.num_splits or self._choose_num_splits(
+            meta.max_seq_len, meta.num_reqs, k_cache.shape[2], self.num_sms(q.device)
+        )
+        return self._decode(
+            q, k_cache, v_cache, meta.seq_lens, meta.page_table, meta.page_size, scale, sliding_window,
+            num_splits, k_scale=kv_cache.k_scales[layer_id], v_scale=kv_cache.v_scales[layer_id],
+        )  # fmt: skip
 
     def _triton(
         self,

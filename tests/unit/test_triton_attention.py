@@ -339,6 +339,25 @@ def test_prefix_split_sdpa_path(
 
 
 @pytest.mark.parametrize("heads", HEADS)
+def test_decodes_beside_library_prompts_take_the_decode_kernel(monkeypatch, heads: tuple[int, int]) -> None:
+    """A mixed step: the cold prompts in the library call, the decodes beside them in the split-K decode kernel
+    (not the extend kernel, whose 64-row tiles a decode's GQA rows barely fill), the output equal to the
+    reference; a short chunk among the rest keeps the rest in the extend kernel."""
+    import longserve.attention.triton_backend as tb
+
+    backend = TritonAttentionBackend(cold_path="sdpa")
+    decoded, extended = [], []
+    real_decode, real_extend = backend._decode, backend._extend
+    backend._decode = lambda q, *a, **kw: decoded.append(q.shape[0]) or real_decode(q, *a, **kw)
+    backend._extend = lambda q, *a, **kw: extended.append(q.shape[0]) or real_extend(q, *a, **kw)
+    monkeypatch.setattr(tb, "SPLIT_SDPA_MIN_QUERY", 1 << 20)  # no chunk over a prefix in the library
+    Step([0, 21, 0, 9, 40], [16, 1, 7, 1, 1], 4, heads, 32, seed=31).compare(backend)
+    assert decoded == [3] and extended == []
+    Step([0, 21, 3, 9], [16, 1, 5, 1], 4, heads, 32, seed=32).compare(backend)
+    assert decoded == [3] and extended == [7]  # the decodes and the 5-token chunk together
+
+
+@pytest.mark.parametrize("heads", HEADS)
 def test_library_paths_at_padded_shapes(monkeypatch: pytest.MonkeyPatch, heads: tuple[int, int]) -> None:
     """The cuDNN paths run at grid shapes (sdpa_shapes.py): new tokens padded with zero rows, a prefix read up
     to a multiple of PREFIX_GRANULE keys and its tail put in front of the new tokens in the causal part.
@@ -422,8 +441,13 @@ def test_plan_registry_is_per_thread_and_covers_a_long_prompts_chunks(monkeypatc
     assert not registry.cold_ready(model, 3000, cuda)
     registry.mark(model, 3072, 3072, True)
     assert registry.cold_ready(model, 3000, cuda) and registry.cold_ready(
-        model, 2049, cuda
+        model, 2817, cuda
     )  # both pad to 3072
+    # up to 4 granules a cold prompt pads to a quarter granule (the padding rows are the causal call's costliest)
+    assert not registry.cold_ready(model, 2049, cuda) and shapes.pad_cold_rows(2049) == 2304
+    registry.mark(model, 2304, 2304, True)
+    assert registry.cold_ready(model, 2049, cuda) and registry.cold_ready(model, 2304, cuda)
+    assert shapes.pad_cold_rows(4097) == 5120 and shapes.pad_cold_rows(512) == 512
     assert not registry.cold_ready(model, 100, cuda)  # a short prompt: not worth cuDNN
     assert not registry.cold_ready(shapes.ModelShape(32, 8, 128, torch.float16), 3000, cuda)
     other: list[bool] = []
@@ -445,7 +469,8 @@ def test_plan_registry_is_per_thread_and_covers_a_long_prompts_chunks(monkeypatc
     assert registry.split_rows(model, 32768, 1024, cuda) is None  # a hit with 1K new tokens: no plan, Triton
     chunk, longest = 8192, 131072
     built = set(shapes.warm_up_shapes(chunk, longest))
-    assert len(built) == 10 + 60  # causal 1K..10K, and 8K new tokens over 2K..120K of prefix, every 2K
+    # causal 1K..10K, short cold prompts' 512..3840 rows between them, 8K new tokens over 2K..120K of prefix
+    assert len(built) == 10 + 11 + 60
     # chunks of `chunk - decodes` tokens: the decodes beside a long prompt take their tokens from the budget,
     # so after its first chunk the prefix is no multiple of the chunk (nor of the prefix granule)
     for decodes in (0, 1, 7, 300):
@@ -459,6 +484,26 @@ def test_plan_registry_is_per_thread_and_covers_a_long_prompts_chunks(monkeypatc
                     assert (s.query_rows, s.prefix_keys, False) in built, (prompt, done, decodes)
 
 
+def test_short_cold_prompts_run_at_their_fine_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cold prompt under 4 granules runs its library call at pad_cold_rows (a quarter granule), one over at
+    whole granules; the result equal to causal attention over its own rows."""
+    from longserve.attention import sdpa
+
+    rows: list[int] = []
+    real = sdpa.attention_with_lse
+    monkeypatch.setattr(sdpa, "attention_with_lse", lambda q, *a: rows.append(q.shape[2]) or real(q, *a))
+    gen = torch.Generator().manual_seed(41)
+    for n, want in ((600, 768), (4100, 5120)):
+        q, k, v = (torch.randn(n, h, 16, generator=gen) for h in (4, 2, 2))
+        out = sdpa.cold_sdpa(q, k, v, [n], 0.25)
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1), k.repeat_interleave(2, 1).transpose(0, 1), v.repeat_interleave(2, 1).transpose(0, 1),
+            is_causal=True, scale=0.25,
+        ).transpose(0, 1)  # fmt: skip
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+        assert rows[-1] == want
+
+
 def test_short_query_plans_serve_hits_with_short_suffixes(monkeypatch: pytest.MonkeyPatch) -> None:
     """SHORT_QUERY_ROWS: each row count's plans over every 2K of prefix below the context; a hit's new tokens pad
     to the next built row count they fill 0.6 of, else (and below SPLIT_SDPA's minimum) Triton."""
@@ -467,7 +512,7 @@ def test_short_query_plans_serve_hits_with_short_suffixes(monkeypatch: pytest.Mo
 
     monkeypatch.setattr(shapes, "SHORT_QUERY_ROWS", (1024, 2048, 4096, 8192))
     built = shapes.warm_up_shapes(8192, 65536)
-    assert len(built) == len(set(built)) == 10 + 28 + 3 * 31  # 8192 rows are the full chunk's already
+    assert len(built) == len(set(built)) == 10 + 11 + 28 + 3 * 31  # 8192 rows are the full chunk's already
     assert (1024, 63488, False) in built and (4096, 65536, False) not in built  # prefixes below the context
     cuda = torch.device("cuda")
     model = shapes.ModelShape(32, 8, 128, torch.bfloat16)
