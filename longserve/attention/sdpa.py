@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
@@ -30,6 +31,40 @@ def _heads(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(0, 1).unsqueeze(0)
 
 
+# Buffers whose rows after a step's tokens a library call may read as its padding rows: finite values only (zeros
+# or model outputs), like the piecewise graphs' static qkv buffer (runner/piecewise_graph.py). A padded call then
+# reads its q/k/v in place instead of a zeroed copy: under the causal mask a real row never sees a later row, and
+# a non-causal call's extra query rows are dropped. Finite matters: a masked key's P is 0, and 0 x inf is NaN.
+# On an H200 the copies (a zero fill and three copies a layer) took ~2 ms of a 1,232-token prompt step's ~31 ms
+# of kernels beside decodes (RESULTS.md nineteenth session).
+_PADDABLE: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+
+
+def allow_padding_rows(buf: torch.Tensor) -> None:
+    """Let library calls read `buf`'s rows after a view's as padding (see _PADDABLE): its values stay finite."""
+    _PADDABLE[buf.untyped_storage().data_ptr()] = buf
+
+
+def _padded_in_place(
+    qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor], rows: int, width: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """q, k, v (fused views of one buffer) extended to `rows` rows over the rows after them, when the buffer
+    allows it (allow_padding_rows) and holds them; else None."""
+    storage = qkv[0].untyped_storage()
+    if storage.data_ptr() not in _PADDABLE or any(
+        t.untyped_storage().data_ptr() != storage.data_ptr() for t in qkv
+    ):
+        return None
+    last = qkv[2]
+    if (
+        last.storage_offset() + (rows - 1) * width + last.shape[1] * last.shape[2]
+        > storage.nbytes() // last.element_size()
+    ):
+        return None
+    q, k, v = (t.as_strided((rows, *t.shape[1:]), t.stride()) for t in qkv)
+    return q, k, v
+
+
 def fused_rows(
     q: torch.Tensor,  # [L, Hq, D]
     k: torch.Tensor,  # [L, Hkv, D]
@@ -41,13 +76,18 @@ def fused_rows(
     the new tokens, then zeros) of one [rows, (Hq + 2 Hkv) D] buffer, the layout of the models' fused qkv
     projection that q/k/v are views of. torch keys cuDNN plans on strides too: one layout, padded or not,
     is what lets the plans built at start-up (`warm_up_plans`) serve every call. Views that already have it
-    and need no padding are returned as they are (no copy)."""
+    and need no padding are returned as they are (no copy), and so are views whose buffer lends its next rows
+    as the padding (allow_padding_rows)."""
     num_front = 0 if front is None else front[0].shape[0]
     hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
     width = (hq + 2 * hkv) * d
     fused = all(t.stride() == (width, d, 1) for t in (q, k, v))
-    if fused and num_front == 0 and q.shape[0] == rows:
-        return q, k, v
+    if fused and num_front == 0:
+        if q.shape[0] == rows:
+            return q, k, v
+        in_place = _padded_in_place((q, k, v), rows, width)
+        if in_place is not None:
+            return in_place
     buf = q.new_zeros(rows, width)
     qb, kb, vb = (t.view(rows, -1, d) for t in buf.split([hq * d, hkv * d, hkv * d], dim=1))
     if front is not None:

@@ -27,6 +27,7 @@ from collections.abc import Generator
 import torch
 
 from longserve.attention.base import AttentionMetadata, ForwardContext, GraphShape, KVCache
+from longserve.attention.sdpa import allow_padding_rows
 from longserve.models.decoder import AttentionCall
 from longserve.runner.static_tokens import StaticTokens
 
@@ -66,6 +67,9 @@ class PiecewiseGraphRunner:
         hq, hkv = shape.num_q_heads, shape.num_kv_heads
         # q, k, v as views of one [n, (Hq + 2 Hkv) D] buffer: the fused layout of the models' projection
         self.qkv = torch.zeros(n, (hq + 2 * hkv) * d, dtype=shape.dtype, device=device)
+        allow_padding_rows(
+            self.qkv
+        )  # zeros, then model outputs only: a padded cuDNN call reads its rows in place
         q, k, v = self.qkv.split([hq * d, hkv * d, hkv * d], dim=1)
         self.q, self.k, self.v = q.view(n, hq, d), k.view(n, hkv, d), v.view(n, hkv, d)
         self.attn_out = torch.zeros(n, hq * d, dtype=shape.dtype, device=device)  # [n, Hq*D]

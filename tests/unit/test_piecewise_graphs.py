@@ -134,6 +134,44 @@ def test_padded_pieces_equal_a_plain_step(model_and_hf, query_lens, fused_store,
         assert cache.k[0][0].abs().sum() > 0  # the padding rows' K/V went to page 0
 
 
+def test_library_calls_pad_over_the_static_buffer(model_and_hf, monkeypatch):
+    """With the library (cuDNN; torch's SDPA on the CPU) paths, a cold prompt's padded call reads the static qkv
+    buffer's next rows in place (sdpa.allow_padding_rows: the decodes' rows and stale ones after it) and the step
+    equals the plain one, whose call pads with zeros."""
+    import longserve.attention.sdpa as sdpa
+    import longserve.attention.sdpa_shapes as shapes
+
+    monkeypatch.setattr(shapes, "Q_GRANULE", 64)  # a 40-token prompt pads to 48 rows (quarter granules)
+    model, hf = model_and_hf
+    prefix_lens, query_lens = [0, 70, 5], [40, 1, 1]
+    tables, ids, _ = step_inputs(hf, prefix_lens, query_lens, seed=7)
+    backend = TritonAttentionBackend(cold_path="sdpa")
+    cache = KVCache(model.num_layers, 64, PAGE, model.num_kv_heads, model.head_dim, torch.float32, "cpu")
+    in_place = []
+    real = sdpa._padded_in_place
+    monkeypatch.setattr(
+        sdpa, "_padded_in_place", lambda *a: in_place.append(real(*a) is not None) or real(*a)
+    )
+    with torch.inference_mode():
+        meta = build_metadata(
+            [0, 0], [70, 5], tables[1:], PAGE, "cpu"
+        )  # the decodes' prefixes into their pages
+        model(torch.cat([ids[1][:70], ids[2][:5]]), torch.cat([torch.arange(70), torch.arange(5)]),
+              ForwardContext(meta, cache, backend))  # fmt: skip
+        meta = build_metadata(prefix_lens, query_lens, tables, PAGE, "cpu")
+        new_ids = torch.cat([x[p:] for p, x in zip(prefix_lens, ids)])
+        positions = torch.cat([torch.arange(p, p + q) for p, q in zip(prefix_lens, query_lens)])
+        plain = model(new_ids, positions, ForwardContext(meta, cache, backend))  # [n, H]
+        assert True not in in_place  # the projection's own output: copied, zero-padded
+        in_place.clear()
+        runner = PiecewiseGraphRunner(model, cache, graph_shape(model, 12 * PAGE), max_tokens=128)
+        runner.eager = True
+        runner.qkv.normal_()  # stale rows of earlier steps: any finite values
+        got = runner.run(new_ids, positions, ForwardContext(meta, cache, backend))
+    assert in_place == [True] * model.num_layers  # every layer's call over the static buffer, in place
+    torch.testing.assert_close(got, plain, atol=1e-4, rtol=1e-4)
+
+
 def test_can_run(model_and_hf):
     model, _ = model_and_hf
     cache = KVCache(model.num_layers, 8, PAGE, model.num_kv_heads, model.head_dim, torch.float32, "cpu")

@@ -504,6 +504,36 @@ def test_short_cold_prompts_run_at_their_fine_rows(monkeypatch: pytest.MonkeyPat
         assert rows[-1] == want
 
 
+def test_padded_calls_read_a_lending_buffers_next_rows_in_place() -> None:
+    """sdpa.allow_padding_rows: a prompt's q/k/v in a buffer that lends its later rows (the piecewise graphs'
+    static qkv) run their padded cuDNN call on views over those rows (no copy), whatever finite values lie there,
+    with the result of the copied, zero-padded call; a buffer that does not lend them, or holds too few rows,
+    is copied as before."""
+    from longserve.attention import sdpa
+
+    hq, hkv, d, n = 4, 2, 16, 600
+    width = (hq + 2 * hkv) * d
+    gen = torch.Generator().manual_seed(43)
+
+    def views(buf: torch.Tensor, start: int, length: int) -> list[torch.Tensor]:
+        qkv = buf[start : start + length]
+        return [t.view(length, -1, d) for t in qkv.split([hq * d, hkv * d, hkv * d], dim=1)]
+
+    lent = torch.randn(1100, width, generator=gen) * 50  # finite rows of other requests / stale steps
+    plain = lent.clone()
+    sdpa.allow_padding_rows(lent)
+    q, k, v = views(lent, 100, n)
+    got = sdpa.fused_rows(q, k, v, 768)
+    assert all(a.data_ptr() == b.data_ptr() and a.shape[0] == 768 for a, b in zip(got, (q, k, v)))
+    copied = sdpa.fused_rows(*views(plain, 100, n), 768)
+    assert copied[0].data_ptr() != plain[100:].data_ptr() and not copied[0][n:].any()
+    assert (
+        sdpa.fused_rows(*views(lent, 400, n), 768)[0].data_ptr() != lent[400:].data_ptr()
+    )  # 1,168 > 1,100 rows
+    out = sdpa.cold_sdpa(q, k, v, [n], 0.25)
+    torch.testing.assert_close(out, sdpa.cold_sdpa(*views(plain, 100, n), [n], 0.25), atol=1e-6, rtol=1e-6)
+
+
 def test_short_query_plans_serve_hits_with_short_suffixes(monkeypatch: pytest.MonkeyPatch) -> None:
     """SHORT_QUERY_ROWS: each row count's plans over every 2K of prefix below the context; a hit's new tokens pad
     to the next built row count they fill 0.6 of, else (and below SPLIT_SDPA's minimum) Triton."""
