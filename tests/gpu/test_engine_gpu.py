@@ -126,6 +126,28 @@ def test_piecewise_graphs_equal_eager(ckpt, dtype):
         assert [p[:4] for p in pieces] == [e[:4] for e in eager]
 
 
+def test_cold_cudnn_prompts_beside_decodes_in_pieces_equal_eager(ckpt, monkeypatch):
+    """Cold prompts long enough for the cuDNN call (sdpa_shapes.MIN_COLD_QUERY), padded to their plans' rows,
+    admitted beside decodes: in the piecewise graphs their calls read the static qkv buffer's next rows as the
+    padding, in place (sdpa.allow_padding_rows); the tokens agree with an eager engine's, whose calls copy q/k/v
+    into zeroed rows (bf16: the first 4, as above)."""
+    import longserve.attention.sdpa as sdpa
+
+    g = torch.Generator().manual_seed(5)
+    ps = [torch.randint(10, 500, (n,), generator=g).tolist() for n in (700, 1100, 1300, 900, 1500)]
+    kw = dict(attention_backend="triton", dtype="bfloat16", hf_overrides={"max_position_embeddings": 4096})
+    eager, _ = run(ckpt, ps, enforce_eager=True, **kw)
+    in_place: list[bool] = []
+    real = sdpa._padded_in_place
+    monkeypatch.setattr(
+        sdpa, "_padded_in_place", lambda *a: in_place.append(real(*a) is not None) or real(*a)
+    )
+    pieces, llm = run(ckpt, ps, piecewise_cuda_graph_max_tokens=4096, **kw)
+    assert llm.engine.runner.piecewise_graphs is not None and llm.engine.runner.piecewise_graphs.num_runs >= 1
+    assert any(in_place)  # some padded calls read the static buffer in place
+    assert [p[:4] for p in pieces] == [e[:4] for e in eager]
+
+
 def test_prefix_hits_through_the_packed_cudnn_call(ckpt, monkeypatch):
     """Short questions over a cached 9,000-token head (over the packed path's 8,192-token minimum, its pages
     consecutive in a fresh pool) run the packed cuDNN call in the piecewise graphs (the lone chunk's graph steps
