@@ -128,23 +128,37 @@ def test_piecewise_graphs_equal_eager(ckpt, dtype):
 
 def test_cold_cudnn_prompts_beside_decodes_in_pieces_equal_eager(ckpt, monkeypatch):
     """Cold prompts long enough for the cuDNN call (sdpa_shapes.MIN_COLD_QUERY), padded to their plans' rows,
-    admitted beside decodes: in the piecewise graphs their calls read the static qkv buffer's next rows as the
-    padding, in place (sdpa.allow_padding_rows); the tokens agree with an eager engine's, whose calls copy q/k/v
-    into zeroed rows (bf16: the first 4, as above)."""
+    arriving one by one while the earlier ones decode: in the piecewise graphs their calls read the static qkv
+    buffer's next rows (the decodes', stale ones) as the padding, in place (sdpa.allow_padding_rows); the tokens
+    agree with an eager engine's, whose calls copy q/k/v into zeroed rows (bf16: the first 4, as above)."""
     import longserve.attention.sdpa as sdpa
 
     g = torch.Generator().manual_seed(5)
     ps = [torch.randint(10, 500, (n,), generator=g).tolist() for n in (700, 1100, 1300, 900, 1500)]
-    kw = dict(attention_backend="triton", dtype="bfloat16", hf_overrides={"max_position_embeddings": 4096})
-    eager, _ = run(ckpt, ps, enforce_eager=True, **kw)
+
+    def staggered(**kw) -> tuple[list[list[int]], LLM]:  # each prompt two steps after the one before
+        llm = LLM(ckpt, dtype="bfloat16", device="cuda", max_total_tokens=8192, attention_backend="triton",
+                  hf_overrides={"max_position_embeddings": 4096}, **kw)  # fmt: skip
+        eng, ids, tokens = llm.engine, [], {}
+        for p in ps:
+            ids.append(eng.add_request(p, GREEDY))
+            for _ in range(2):
+                eng.step()
+        while eng.has_unfinished():
+            for out in eng.step():
+                tokens[out.request_id] = out.token_ids
+        eng.check_integrity()
+        return [tokens[i] for i in ids], llm
+
+    eager, _ = staggered(enforce_eager=True)
     in_place: list[bool] = []
     real = sdpa._padded_in_place
     monkeypatch.setattr(
         sdpa, "_padded_in_place", lambda *a: in_place.append(real(*a) is not None) or real(*a)
     )
-    pieces, llm = run(ckpt, ps, piecewise_cuda_graph_max_tokens=4096, **kw)
-    assert llm.engine.runner.piecewise_graphs is not None and llm.engine.runner.piecewise_graphs.num_runs >= 1
-    assert any(in_place)  # some padded calls read the static buffer in place
+    pieces, llm = staggered(piecewise_cuda_graph_max_tokens=4096)
+    assert llm.engine.runner.piecewise_graphs.num_runs >= len(ps) - 1
+    assert in_place.count(True) >= 3  # padded calls read the static buffer in place
     assert [p[:4] for p in pieces] == [e[:4] for e in eager]
 
 
