@@ -37,6 +37,8 @@ def _heads(x: torch.Tensor) -> torch.Tensor:
 # a non-causal call's extra query rows are dropped. Finite matters: a masked key's P is 0, and 0 x inf is NaN.
 # On an H200 the copies (a zero fill and three copies a layer) took ~2 ms of a 1,232-token prompt step's ~31 ms
 # of kernels beside decodes (RESULTS.md nineteenth session).
+# Not yet measured end to end (`with_constants.py longserve.attention.sdpa.PAD_IN_PLACE=False` is the A/B).
+PAD_IN_PLACE = True
 _PADDABLE: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 
 
@@ -51,7 +53,7 @@ def _padded_in_place(
     """q, k, v (fused views of one buffer) extended to `rows` rows over the rows after them, when the buffer
     allows it (allow_padding_rows) and holds them; else None."""
     storage = qkv[0].untyped_storage()
-    if storage.data_ptr() not in _PADDABLE or any(
+    if not PAD_IN_PLACE or storage.data_ptr() not in _PADDABLE or any(
         t.untyped_storage().data_ptr() != storage.data_ptr() for t in qkv
     ):
         return None

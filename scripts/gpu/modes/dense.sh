@@ -250,6 +250,26 @@ if [[ $MODE == chunk-decodes ]]; then  # one GPU (~4 min): a 16K prompt's TTFT b
   timeout 230 python3 scripts/probes/probe_chunk_beside_decodes.py 2>&1 | tee "$OUT/probe_chunk_beside_decodes.log" | tail -12
 fi
 
+if [[ $MODE == prompt-step ]]; then  # one GPU (~4 min): what a 1-2K prompt step beside decodes costs the device (the
+  # HTTP random workload's P95, RESULTS.md nineteenth session): the GPU test of the padding read in place, cold
+  # 768-2,048-token attention in Triton against cuDNN (where sdpa_shapes.MIN_COLD_QUERY belongs), then step_timeline's
+  # mixed step (its kernels under the profiler, and the plain timeline) with the padding in place on and off
+  python3 -m pytest -q -m gpu tests/gpu/test_engine_gpu.py -k cold_cudnn -p no:cacheprovider --tb=short -rfE 2>&1 \
+    | tee "$OUT/gpu_test_cold_cudnn.log" | tail -3 || status=1
+  timeout 120 python3 - <<'PY' 2>&1 | tee "$OUT/cold_short_attention.log"
+from longserve.bench.kernels.attention import BenchCase, bench_attention  # (its warm-up calls build the plans)
+for r in bench_attention([BenchCase(f"cold_{n}", 0, n) for n in (768, 1024, 1280, 1536, 1792, 2048)], repeats=10):
+    print(f"{r['case']:>10} {r['impl']:>7} {r['ms']:7.3f} ms {r['tflops']:5.0f} TFLOP/s (one layer, 8B heads)")
+PY
+  for pad in True False; do
+    PROBE_PROFILE=1 timeout 150 python3 scripts/probes/with_constants.py longserve.attention.sdpa.PAD_IN_PLACE=$pad -- \
+      scripts.probes.step_timeline 2>&1 | grep -vE "^\[bench|INFO|WARNING" > "$OUT/step_timeline_pad_in_place_$pad.log"
+    grep -E "sum [0-9.]+ ms|FillFunctor|elementwise_kernel|Memcpy DtoD" "$OUT/step_timeline_pad_in_place_$pad.log" \
+      | sed "s/^/PAD_IN_PLACE=$pad /"
+    grep -A12 "^overlapped, handed" "$OUT/step_timeline_pad_in_place_$pad.log" | tail -11 | sed "s/^/PAD_IN_PLACE=$pad /"
+  done
+fi
+
 if [[ $MODE == hit-host ]]; then  # one GPU (~2 min): where the host's time goes in a prefix hit, packed call on, off
   # (on: the layers' attention eager between the piecewise graphs; off: the lone chunk's graph), cProfile's top
   for on in True False; do
