@@ -53,8 +53,10 @@ def _padded_in_place(
     """q, k, v (fused views of one buffer) extended to `rows` rows over the rows after them, when the buffer
     allows it (allow_padding_rows) and holds them; else None."""
     storage = qkv[0].untyped_storage()
-    if not PAD_IN_PLACE or storage.data_ptr() not in _PADDABLE or any(
-        t.untyped_storage().data_ptr() != storage.data_ptr() for t in qkv
+    if (
+        not PAD_IN_PLACE
+        or storage.data_ptr() not in _PADDABLE
+        or any(t.untyped_storage().data_ptr() != storage.data_ptr() for t in qkv)
     ):
         return None
     last = qkv[2]
