@@ -287,14 +287,25 @@ class Engine:
         if not sched_out.is_empty:
             prev_sampled = prev.sampled if prev is not None else None
             inputs = self.runner.prepare(sched_out, prev_sampled)
+            early = None
             if prev is not None and on_outputs is not None and num_prefill and prev.sched_out.samples:
                 # a 1.2K-token step of an 8B model on an H200: 31 ms to launch, 31 ms to run; its first token
-                # reached clients 30 ms after the device had it (scripts/probes/step_timeline.py, 2026-12-02)
-                self._complete(prev, touched)
-                prev = None
-                on_outputs(self._outputs(touched))
-                touched.clear()
-            logits = self.runner.launch(inputs, prev_sampled)
+                # reached clients 30 ms after the device had it (scripts/probes/step_timeline.py, 2026-12-02).
+                # So it is read during the launch, once the new step's first layers are queued behind it
+                # (runner.launch: the device runs them meanwhile), and handed out at once.
+                def early() -> None:
+                    nonlocal prev
+                    if prev is not None:
+                        self._complete(prev, touched)
+                        prev = None
+                        on_outputs(self._outputs(touched))
+                        touched.clear()
+
+            try:
+                logits = self.runner.launch(inputs, prev_sampled, early)
+            finally:
+                if early is not None:  # (a launch that failed before its first layers: read it all the same)
+                    early()
             if prev is not None:
                 self._complete(prev, touched)
                 prev = None

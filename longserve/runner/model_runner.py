@@ -11,6 +11,7 @@ import functools
 import gc
 import logging
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -233,17 +234,20 @@ class ModelRunner:
             step.num_prev_rows = prev.token_ids.shape[0]
         return step
 
-    def launch(self, step: StepInputs, prev: SampledStep | None = None) -> StepLogits:
+    def launch(
+        self, step: StepInputs, prev: SampledStep | None = None, early: Callable[[], None] | None = None
+    ) -> StepLogits:
         """Rank 0: queue a prepared step's forward pass (every rank under tp), its pending inputs taken from
-        prev.token_ids on the device."""
+        prev.token_ids on the device. `early` (called once, host work such as reading the step before): as soon
+        as the step's first layers are queued (forward_step), so the device has them to run meanwhile."""
         prev_tokens = prev.token_ids if prev is not None else None
         if self.workers is None:
-            logits = self.forward_step(step, prev_tokens)  # [N, V] fp32 or None
+            logits = self.forward_step(step, prev_tokens, early)  # [N, V] fp32 or None
         else:
             self.workers.check()
             try:
                 broadcast_object(step)
-                logits = self.forward_step(step, prev_tokens)
+                logits = self.forward_step(step, prev_tokens, early)
             except Exception as e:
                 # a peer died mid-collective (gloo/NCCL report a closed connection), or this rank failed
                 # while the others went on: the ranks are out of step for good, so the engine is done
@@ -269,9 +273,16 @@ class ModelRunner:
         sampled.prompt_logprobs = fwd.prompt_logprobs
         return sampled
 
-    def forward_step(self, step: StepInputs, prev_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
+    def forward_step(
+        self,
+        step: StepInputs,
+        prev_tokens: torch.Tensor | None = None,
+        early: Callable[[], None] | None = None,
+    ) -> torch.Tensor | None:
         """Every rank: the forward pass of one step; the sampling rows' logits [N, V] fp32 (None if N=0).
-        prev_tokens: the previous step's sampled ids on the device, for the inputs still pending there."""
+        prev_tokens: the previous step's sampled ids on the device, for the inputs still pending there. early:
+        called once the first layers are queued (the piecewise graphs: PiecewiseGraphRunner.run), else before
+        the pass is launched."""
         if step.pending_dst and self.tp is not None:  # rank 0 sampled them: every rank takes them as inputs
             if prev_tokens is None:
                 prev_tokens = torch.empty(step.num_prev_rows, dtype=torch.int64, device=self.device)
@@ -283,16 +294,27 @@ class ModelRunner:
             and len(step.input_ids) >= max(min_tokens, 2)
             and not step.pending_dst
         ):
+            if early is not None:
+                early()
             return self._forward_overlapped(step)
         inputs = to_model_inputs(step, self.kv_cache.page_size, self.device, prev_tokens)
         ctx = ForwardContext(meta=inputs.meta, kv_cache=self.kv_cache, backend=self.backend)
+        meta = inputs.meta
+        decode_graph = self.graph_runner is not None and self.graph_runner.can_run(meta)
+        extend_graph = (
+            not decode_graph and self.extend_graphs is not None and self.extend_graphs.can_run(meta)
+        )
+        pieces = not (decode_graph or extend_graph) and self.piecewise_graphs is not None
+        pieces = pieces and self.piecewise_graphs.can_run(meta)
+        if early is not None and not pieces:
+            early()
         with torch.inference_mode():
-            if self.graph_runner is not None and self.graph_runner.can_run(inputs.meta):
-                hidden = self.graph_runner.run(inputs.input_ids, inputs.positions, inputs.meta)  # [B, H]
-            elif self.extend_graphs is not None and self.extend_graphs.can_run(inputs.meta):
-                hidden = self.extend_graphs.run(inputs.input_ids, inputs.positions, inputs.meta)  # [T, H]
-            elif self.piecewise_graphs is not None and self.piecewise_graphs.can_run(inputs.meta):
-                hidden = self.piecewise_graphs.run(inputs.input_ids, inputs.positions, ctx)  # [T, H]
+            if decode_graph:
+                hidden = self.graph_runner.run(inputs.input_ids, inputs.positions, meta)  # [B, H]
+            elif extend_graph:
+                hidden = self.extend_graphs.run(inputs.input_ids, inputs.positions, meta)  # [T, H]
+            elif pieces:
+                hidden = self.piecewise_graphs.run(inputs.input_ids, inputs.positions, ctx, early)  # [T, H]
             else:
                 hidden = self.model(inputs.input_ids, inputs.positions, ctx)  # [T, H]
             self.num_tokens_computed += inputs.num_tokens

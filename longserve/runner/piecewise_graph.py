@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 
 import torch
 
@@ -38,6 +38,13 @@ logger = logging.getLogger("longserve.runner.piecewise_graph")
 # 1,236 tokens ran as 1,536 and took the device 40 ms, 24% more than it needed (the 8B shape on an H200,
 # scripts/probes/step_timeline.py, 2026-12-02); lone prompts at the bucket sizes themselves ran 1-4% slower
 # than eager steps (the static buffers' copies).
+# A step with prompt tokens is launched before the engine reads the step in flight (Engine.step, with on_outputs):
+# its first layers are queued behind that step, so the device runs them while the host reads and hands out its
+# tokens. Read before the launch instead, the device sat idle from that step's end to the next step's first kernel:
+# through HTTP on an H200 a prompt step right behind another cost ~2.2 ms more than one behind a decode step
+# (scripts/probes/prompt_step_fit.py, RESULTS.md nineteenth session). Two layers of a 1-2K-token step are ~2 ms
+# of device time, more than the hand-out's host time.
+EARLY_AFTER_LAYERS = 2
 PIECEWISE_MIN_BUCKET = 64
 PIECEWISE_BUCKET_STEPS = 8  # buckets per doubling
 
@@ -146,11 +153,14 @@ class PiecewiseGraphRunner:
             time.perf_counter() - start, (torch.cuda.memory_reserved() - reserved) / 2**30,
         )  # fmt: skip
 
-    def _drive(self, t: int, ctx: ForwardContext | None) -> torch.Tensor:
+    def _drive(
+        self, t: int, ctx: ForwardContext | None, early: Callable[[], None] | None = None
+    ) -> torch.Tensor:
         """The pieces of bucket t eagerly over the static buffers; each attention over ctx's real rows (None:
-        none, the buffer's contents go on, as in capture)."""
+        none, the buffer's contents go on, as in capture). `early`: as in run."""
         pieces = self._pieces(t)
         call = next(pieces)
+        layers = 0
         while True:
             call = self._keep(call, t)
             if ctx is not None:
@@ -160,24 +170,42 @@ class PiecewiseGraphRunner:
             try:
                 call = pieces.send(self.attn_out[:t])
             except StopIteration as stop:
+                if early is not None:
+                    early()
                 return stop.value
+            layers += 1
+            if layers == EARLY_AFTER_LAYERS and early is not None:
+                early()
+                early = None
 
     def can_run(self, meta: AttentionMetadata) -> bool:
         return bool(self.graphs or self.eager) and 1 < meta.num_tokens <= self.max_tokens
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """The step of ctx (its inputs on the device) through the bucket's pieces; hidden [n, H]."""
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: ForwardContext,
+        early: Callable[[], None] | None = None,
+    ) -> torch.Tensor:
+        """The step of ctx (its inputs on the device) through the bucket's pieces; hidden [n, H]. `early` is
+        called once EARLY_AFTER_LAYERS layers are queued (the engine reads the step before then: see there)."""
         n = ctx.meta.num_tokens
         t = next(b for b in self.buckets if b >= n)
         self.num_runs += 1
         self.tokens.load(input_ids, positions, ctx.meta.slot_mapping, t)  # padding: token 0 at position 0
         if self.eager:
             with torch.inference_mode():
-                return self._drive(t, ctx)[:n]
+                return self._drive(t, ctx, early)[:n]
         graphs = self.graphs[t]
         q, k, v, out = self.q[:n], self.k[:n], self.v[:n], self.attn_out[:n]  # every layer's, in turn
         graphs[0].replay()
-        for call, graph in zip(self.layers[t], graphs[1:]):
+        for i, (call, graph) in enumerate(zip(self.layers[t], graphs[1:]), start=1):
             out.copy_(AttentionCall(call.attn, q, k, v, call.stored).run(ctx))
             graph.replay()
+            if i == EARLY_AFTER_LAYERS and early is not None:
+                early()
+                early = None
+        if early is not None:  # fewer layers
+            early()
         return self.hidden[:n]

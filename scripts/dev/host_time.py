@@ -26,8 +26,10 @@ def stub_forward(llm: LLM) -> None:
     runner = llm.engine.runner
     vocab = runner.model.vocab_size
 
-    def forward_step(step, prev_tokens=None):
+    def forward_step(step, prev_tokens=None, early=None):
         to_model_inputs(step, runner.page_size, runner.device, prev_tokens)
+        if early is not None:
+            early()
         n = len(step.logits_indices)
         return torch.zeros(n, vocab) if n else None
 

@@ -62,12 +62,12 @@ def probe(llm, args, skipped):
 
     cuda = runner.device.type == "cuda"
 
-    def forward_step(step, prev_tokens=None):
+    def forward_step(step, prev_tokens=None, early=None):
         if not cuda:
-            return forward(step, prev_tokens)
+            return forward(step, prev_tokens, early)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        out = forward(step, prev_tokens)
+        out = forward(step, prev_tokens, early)
         end.record()
         events.append((start, end))
         return out

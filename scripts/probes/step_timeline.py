@@ -38,13 +38,13 @@ class Timeline:
         self.base = None
         launch, sample, complete = eng.runner.launch, eng.runner.sample, eng._complete
 
-        def timed_launch(step, prev=None):  # noqa: ANN001, ANN202
+        def timed_launch(step, prev=None, early=None):  # noqa: ANN001, ANN202
             row = self.row()
             row["forward_in"] = self.now()
             if self.cuda:
                 row["ev0"] = torch.cuda.Event(enable_timing=True)
                 row["ev0"].record()
-            result = launch(step, prev)
+            result = launch(step, prev, early)
             if self.cuda:
                 row["ev1"] = torch.cuda.Event(enable_timing=True)
                 row["ev1"].record()

@@ -42,9 +42,9 @@ class Probe:
         self.steps_left_running = 0
         forward = engine.runner.forward_step
 
-        def forward_step(step, prev_tokens=None):
+        def forward_step(step, prev_tokens=None, early=None):
             self.gathered += len(step.pending_dst)
-            return forward(step, prev_tokens)
+            return forward(step, prev_tokens, early)
 
         engine.runner.forward_step = forward_step
 
@@ -255,8 +255,9 @@ def test_stop_strings_and_siblings(ckpt):
 
 
 def test_tokens_in_flight_are_handed_out_before_a_prefill_launch(ckpt):
-    """With on_outputs (the server's), a step that computes prompt tokens first reads the step in flight and
-    hands its tokens out, then launches (an eager launch takes as long as the device's run of it); the
+    """With on_outputs (the server's), a step that computes prompt tokens reads the step in flight and hands
+    its tokens out as its own launch begins (an eager launch takes as long as the device's run of it; in the
+    piecewise graphs once its first layers are queued: tests/unit/test_piecewise_graphs.py), not after it; the
     tokens equal the plain schedule's and the pages all come back."""
     first, second = prompts(2, seed=5, shared=0)  # no shared head: b computes its whole prompt
     params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
@@ -264,8 +265,8 @@ def test_tokens_in_flight_are_handed_out_before_a_prefill_launch(ckpt):
     m = make(ckpt, True)
     engine, events = m.engine, []
     launch = engine.runner.launch
-    engine.runner.launch = lambda step, prev=None: (
-        events.append(("launch", len(step.input_ids))) or launch(step, prev)
+    engine.runner.launch = lambda step, prev=None, early=None: (
+        events.append(("launch", len(step.input_ids))) or launch(step, prev, early)
     )
 
     def on_outputs(outs):
@@ -276,8 +277,8 @@ def test_tokens_in_flight_are_handed_out_before_a_prefill_launch(ckpt):
     engine.step(on_outputs=on_outputs)  # a's first decode, in flight; a's first token read
     engine.add_request(second, params, request_id="b")
     events.clear()
-    assert engine.step(on_outputs=on_outputs) == []  # what it read went out before the launch
-    assert events == [("out", [("a", 2)]), ("launch", 1 + len(second))]
+    assert engine.step(on_outputs=on_outputs) == []  # what it read went out during the launch
+    assert events == [("launch", 1 + len(second)), ("out", [("a", 2)])]
     final = {}
     while engine.has_unfinished():
         for out in engine.step(on_outputs=on_outputs):

@@ -93,8 +93,8 @@ def test_overlapped_schedule_under_tp_equals_tp1(tmp_path):
         gathered = []
         launch = m.engine.runner.launch
 
-        def counting(step, prev=None):
-            result = launch(step, prev)
+        def counting(step, prev=None, early=None):
+            result = launch(step, prev, early)
             gathered.append(prev is not None)
             return result
 

@@ -204,6 +204,48 @@ def test_engine_through_pieces_equals_plain(ckpt):
     llm.engine.check_integrity()
 
 
+def test_the_step_in_flight_is_read_once_the_first_layers_are_queued(ckpt, monkeypatch):
+    """With on_outputs (the server's), a step with prompt tokens that runs in the pieces reads and hands out the
+    step in flight after its first EARLY_AFTER_LAYERS layers (the device runs them meanwhile), not before its
+    launch; the tokens equal the plain schedule's, every page back."""
+    from longserve.runner import piecewise_graph
+
+    monkeypatch.setattr(piecewise_graph, "EARLY_AFTER_LAYERS", 1)
+    g = torch.Generator().manual_seed(6)
+    first, second = (torch.randint(10, 500, (n,), generator=g).tolist() for n in (30, 45))
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    kw = dict(dtype="float32", device="cpu", max_total_tokens=2048, overlap_schedule=True)
+    plain = [
+        o.token_ids for o in LLM(ckpt, **{**kw, "overlap_schedule": False}).generate([first, second], params)
+    ]
+    llm = LLM(ckpt, **kw)
+    engine, runner, events = llm.engine, llm.engine.runner, []
+    pieces = PiecewiseGraphRunner(runner.model, runner.kv_cache, runner._graph_shape(), max_tokens=64)
+    pieces.eager = True
+    runner.piecewise_graphs = pieces
+    forward = runner.backend.forward
+    runner.backend.forward = lambda q, *a, **k: events.append(("layer", q.shape[0])) or forward(q, *a, **k)
+
+    def on_outputs(outs):
+        events.append(("out", [(o.request_id, len(o.outputs[0].token_ids)) for o in outs]))
+
+    engine.add_request(first, params, request_id="a")
+    engine.step(on_outputs=on_outputs)  # a's prompt (in the pieces: nothing in flight)
+    engine.step(on_outputs=on_outputs)  # a's first decode, in flight; a's first token read
+    engine.add_request(second, params, request_id="b")
+    events.clear()
+    assert engine.step(on_outputs=on_outputs) == []  # b's prompt beside a's decode, in the pieces
+    assert events[:2] == [("layer", 1 + len(second)), ("out", [("a", 2)])]  # one layer queued, then the read
+    assert [e for e in events[2:] if e[0] == "out"] == []
+    assert len(events) == 1 + runner.model.num_layers and pieces.num_runs == 2
+    final = {}
+    while engine.has_unfinished():
+        for out in engine.step(on_outputs=on_outputs):
+            final[out.request_id] = out
+    assert [final[r].outputs[0].token_ids for r in ("a", "b")] == plain
+    engine.check_integrity()
+
+
 def test_a_failed_capture_leaves_the_steps_eager(model_and_hf, monkeypatch, caplog):
     """On by default, the pieces must never keep a server from starting: a capture that raises (a model whose
     dense parts hold a host sync, say) gives no runner and a warning naming the error; one that works gives the
