@@ -24,7 +24,9 @@ import numpy as np
 from longserve.runner.piecewise_graph import piecewise_buckets
 
 PIECEWISE_MAX = 4096  # the served --piecewise-cuda-graph-max-tokens: longer steps ran eager
-EARLY_PREP_MS = 1.0  # schedule + prepare before an early read (a guess; the log has no stamp for it)
+# schedule + prepare before an early read (a guess; the log has no stamp for it). From `f5438e9` the early read
+# comes after the step's first piecewise layers are launched too (engine.Engine.step): about 1 ms more.
+EARLY_PREP_MS = 1.0
 
 
 def load(call: Path, workload: str, steps_name: str, marks_name: str) -> tuple[list[dict], list[dict]]:
