@@ -11,9 +11,9 @@ random workloads stalled 0.15-2.8 s at a time, while one request at a time match
 So a cuDNN call here only runs a shape of a small set, built at start-up on the thread that runs the steps
 (`sdpa.warm_up_plans`, in the layout the calls use: `sdpa.fused_rows`), and every other request goes to the
 Triton extend kernel, which compiles once:
-- new tokens: padded up to a multiple of Q_GRANULE (a short cold prompt's: of a quarter of it). Exact: under the causal mask a real row never sees the
-  padding after it, and padded rows are dropped; across a cached prefix (no mask) extra rows only add
-  rows.
+- new tokens: padded up to a multiple of Q_GRANULE (a short cold prompt's: of a quarter of it). Exact: under
+  the causal mask a real row never sees the padding after it, and padded rows are dropped; across a cached
+  prefix (no mask) extra rows only add rows.
 - a cached prefix: cuDNN reads its first multiple of PREFIX_GRANULE keys; the rest ("tail", fewer than
   PREFIX_GRANULE keys) joins the causal part, in front of the new tokens, with zero query rows that are
   dropped. Exact too: a new token sees all of the tail and the new tokens up to itself.
@@ -76,8 +76,9 @@ def pad_rows(n: int) -> int:
 # A cold prompt of up to COLD_FINE_GRANULES Q_GRANULEs pads to a multiple of a quarter granule instead: under the
 # causal mask the padding rows are the costliest (the last), so a 1,100-token prompt padded to 2,048 rows ran
 # ~3.5x its own attention FLOPs. Through HTTP on an H200 (random 1-2K prompts beside decodes, RESULTS.md
-# nineteenth session) a prompt step cost ~4.7 ms over its tokens' share, ~1 ms of it this padding; the extra
-# plans (11 for the 8B shape: 512..3840 rows) take ~0.5 s more at start-up.
+# nineteenth session) a prompt step cost ~4.7 ms over its tokens' share, an estimated ~1 ms of it this padding
+# (not separated by measurement); the extra plans (11 for the 8B shape: 512..3840 rows) take ~0.5 s more at
+# start-up.
 COLD_FINE_GRANULES = 4
 
 
@@ -199,17 +200,14 @@ PLANS = PlanRegistry()
 
 def warm_up_shapes(chunk_size: int, max_seq_len: int) -> list[tuple[int, int, bool]]:
     """(query rows, key rows, causal) to build: causal up to a chunk plus a tail (and short cold prompts' finer
-    rows, `pad_cold_rows`), a full chunk over every
-    multiple of PREFIX_GRANULE of prefix that leaves room for it (the 8B shape at 131072 tokens, chunks of 8192:
-    10 + 60 shapes, ~50 ms each on an H200), and each of SHORT_QUERY_ROWS over every multiple below the
-    context."""
+    rows, `pad_cold_rows`), a full chunk over every multiple of PREFIX_GRANULE of prefix that leaves room for it
+    (the 8B shape at 131072 tokens, chunks of 8192: 10 + 11 + 60 shapes, ~50 ms each on an H200), and each of
+    SHORT_QUERY_ROWS over every multiple below the context."""
     shapes = [
         (n, n, True) for n in range(Q_GRANULE, pad_rows(chunk_size + PREFIX_GRANULE - 1) + 1, Q_GRANULE)
     ]
-    fine = (
-        Q_GRANULE // COLD_FINE_GRANULES
-    )  # short cold prompts' rows (pad_cold_rows), from the shortest served
-    first = pad_cold_rows(MIN_COLD_QUERY)
+    # short cold prompts' rows (pad_cold_rows), from the shortest served
+    fine, first = Q_GRANULE // COLD_FINE_GRANULES, pad_cold_rows(MIN_COLD_QUERY)
     shapes += [(n, n, True) for n in range(first, min(COLD_FINE_GRANULES * Q_GRANULE, chunk_size) + 1, fine)]
     rows = pad_rows(chunk_size)
     last = max_seq_len - (chunk_size - Q_GRANULE + 1)  # the longest prefix a full chunk can follow

@@ -38,15 +38,17 @@ logger = logging.getLogger("longserve.runner.piecewise_graph")
 # 1,236 tokens ran as 1,536 and took the device 40 ms, 24% more than it needed (the 8B shape on an H200,
 # scripts/probes/step_timeline.py, 2026-12-02); lone prompts at the bucket sizes themselves ran 1-4% slower
 # than eager steps (the static buffers' copies).
-# A step with prompt tokens is launched before the engine reads the step in flight (Engine.step, with on_outputs):
-# its first layers are queued behind that step, so the device runs them while the host reads and hands out its
-# tokens. Read before the launch instead, the device sat idle from that step's end to the next step's first kernel:
-# through HTTP on an H200 a prompt step right behind another cost ~2.2 ms more than one behind a decode step
-# (scripts/probes/prompt_step_fit.py, RESULTS.md nineteenth session). Two layers of a 1-2K-token step are ~2 ms
-# of device time, more than the hand-out's host time.
-EARLY_AFTER_LAYERS = 2
 PIECEWISE_MIN_BUCKET = 64
 PIECEWISE_BUCKET_STEPS = 8  # buckets per doubling
+
+# A step with prompt tokens is launched before the engine reads the step in flight (Engine.step, with on_outputs):
+# its first layers are queued behind that step, so the device runs them while the host reads and hands out its
+# tokens. Read before the launch instead, the device sat idle from that step's end to the next step's first kernel
+# (through HTTP on an H200 a prompt step cost ~5 ms over its tokens' share, ~2.2 ms more right behind another
+# prompt step, whose first token the hand-out carries: scripts/probes/prompt_step_fit.py, RESULTS.md nineteenth
+# session; how much of it this gap is, not yet measured). Two layers of a 1-2K-token step are ~2 ms
+# of device time (an estimate, from ~31 ms of kernels for 32 layers), more than the hand-out's host time.
+EARLY_AFTER_LAYERS = 2
 
 
 def piecewise_buckets(max_tokens: int) -> list[int]:
@@ -74,9 +76,8 @@ class PiecewiseGraphRunner:
         hq, hkv = shape.num_q_heads, shape.num_kv_heads
         # q, k, v as views of one [n, (Hq + 2 Hkv) D] buffer: the fused layout of the models' projection
         self.qkv = torch.zeros(n, (hq + 2 * hkv) * d, dtype=shape.dtype, device=device)
-        allow_padding_rows(
-            self.qkv
-        )  # zeros, then model outputs only: a padded cuDNN call reads its rows in place
+        # zeros, then model outputs only: a padded cuDNN call may read its rows past a step's in place
+        allow_padding_rows(self.qkv)
         q, k, v = self.qkv.split([hq * d, hkv * d, hkv * d], dim=1)
         self.q, self.k, self.v = q.view(n, hq, d), k.view(n, hkv, d), v.view(n, hkv, d)
         self.attn_out = torch.zeros(n, hq * d, dtype=shape.dtype, device=device)  # [n, Hq*D]
@@ -189,7 +190,7 @@ class PiecewiseGraphRunner:
         early: Callable[[], None] | None = None,
     ) -> torch.Tensor:
         """The step of ctx (its inputs on the device) through the bucket's pieces; hidden [n, H]. `early` is
-        called once EARLY_AFTER_LAYERS layers are queued (the engine reads the step before then: see there)."""
+        called once EARLY_AFTER_LAYERS layers are queued (Engine.step reads the step in flight there)."""
         n = ctx.meta.num_tokens
         t = next(b for b in self.buckets if b >= n)
         self.num_runs += 1
