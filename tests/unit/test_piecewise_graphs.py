@@ -153,9 +153,8 @@ def test_library_calls_pad_over_the_static_buffer(model_and_hf, monkeypatch):
         sdpa, "_padded_in_place", lambda *a: in_place.append(real(*a) is not None) or real(*a)
     )
     with torch.inference_mode():
-        meta = build_metadata(
-            [0, 0], [70, 5], tables[1:], PAGE, "cpu"
-        )  # the decodes' prefixes into their pages
+        # the decodes' prefixes into their pages
+        meta = build_metadata([0, 0], [70, 5], tables[1:], PAGE, "cpu")
         model(torch.cat([ids[1][:70], ids[2][:5]]), torch.cat([torch.arange(70), torch.arange(5)]),
               ForwardContext(meta, cache, backend))  # fmt: skip
         meta = build_metadata(prefix_lens, query_lens, tables, PAGE, "cpu")
