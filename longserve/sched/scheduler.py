@@ -24,8 +24,9 @@ close together while others decode, a step admits the first of them, then more o
 budget in prompt tokens; the next step takes the next (a step that serves short requests before a long prefill
 takes all of them). Taken all at once, each of them waits for all of their prefill (and a decoding request's gap
 is the whole step); one after another, the first answers after its own and the last after about as long as
-before. Not when the queue is long (more than LIGHT_QUEUE_BUDGETS steps' budgets of prompt tokens): then full
-steps keep the throughput.
+before. Not when the queue is long (more than LIGHT_QUEUE_BUDGETS steps' budgets of prompt tokens) or many
+requests decode (more than LIGHT_QUEUE_MAX_DECODES, whose rows each share-sized step pays): then full steps keep
+the throughput.
 """
 
 from __future__ import annotations
@@ -55,6 +56,12 @@ SHORT_PREFILL_DIVISOR = 8
 # 8.6 s mean TTFT, one share a step 9.9 s, so a long queue fills the steps (with 1 budget here instead of 2, P95
 # at 20/s 299 ms against 265). Not yet measured on the GPU.
 LIGHT_QUEUE_BUDGETS = 2
+# ... and while at most this many requests decode: each share-sized step pays its decode rows and a prompt step's
+# fixed cost, once per prompt. The random HTTP workload (8/s) never had more than 15 decodes beside a prompt
+# (median 5); the same model recalibrated on that call's step log (RESULTS.md nineteenth session) put Poisson
+# 16/s at a mean TTFT of 171 ms one prompt a step against 139 with full steps, and this bound changes nothing at
+# 8/s. Not measured on the GPU.
+LIGHT_QUEUE_MAX_DECODES = 16
 
 
 @dataclass(frozen=True)
@@ -243,9 +250,10 @@ class Scheduler:
 
     def _admission_cap(self, num_decodes: int) -> float:
         """Prompt tokens up to which this step admits waiting requests beyond the first: the configured share
-        when the step carries decodes and the queue holds at most LIGHT_QUEUE_BUDGETS budgets, else none."""
+        when the step carries decodes (at most LIGHT_QUEUE_MAX_DECODES) and the queue holds at most
+        LIGHT_QUEUE_BUDGETS budgets, else none."""
         share = self.config.admit_tokens_beside_decodes
-        if not share or not num_decodes:
+        if not share or not num_decodes or num_decodes > LIGHT_QUEUE_MAX_DECODES:
             return math.inf
         # a waiting request counts whole (its cached prefix is found at admission): a queue of questions over
         # a cached document reads as long, and fills the step as before

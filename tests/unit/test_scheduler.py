@@ -362,6 +362,25 @@ def test_a_long_queue_fills_the_steps_beside_decodes():
     s.kv.check_integrity(live(s))
 
 
+def test_many_decodes_fill_the_steps(monkeypatch):
+    """More than LIGHT_QUEUE_MAX_DECODES requests decoding: prompts that wait together share one step (as fcfs),
+    where with fewer decoding they are admitted a share a step."""
+    from longserve.sched import scheduler
+
+    monkeypatch.setattr(scheduler, "LIGHT_QUEUE_MAX_DECODES", 2)
+    plans = []
+    for decoding in (2, 3):
+        s = make_shares(budget=32, share=2)
+        for i in range(decoding):
+            s.add_request(req(f"d{i}", 3, 900 + 10 * i, max_new=20))
+        run_step(s)
+        for i, rid in enumerate(("a", "b")):
+            s.add_request(req(rid, 5, 100 * (i + 1)))
+        plans.append([x for x in plan(run_step(s)) if x[0] in ("a", "b")])
+        s.kv.check_integrity(live(s))
+    assert plans == [[("a", 5, True)], [("a", 5, True), ("b", 5, True)]]
+
+
 def test_short_requests_put_before_a_long_prefill_all_go_in_their_step():
     """The share a step beside decodes does not apply to short-first's own step: every short one of the
     lookahead goes there, not one of them left for after the long prefill's next chunk."""
