@@ -13,7 +13,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 CAP = 64 << 20  # the device's copy of tree + carried paths
-ANCHOR = 44 << 20  # ../shared/anchors/vllm-0.24.0-h200-site.tar.xz and its scripts, carried as .anchor/
+# ../shared/anchors/vllm-0.24.0-h200-site.tar.xz (43,567,464 bytes) and its three scripts (~17 KB), carried as
+# .anchor/, plus 1 MiB for the untracked files that travel with the tree. (Until the nineteenth session this was
+# 44 MiB: the anchor's 43.6 MB taken as MiB, 2.5 MB more than it is.)
+ANCHOR = 43_600_000 + (1 << 20)
 
 
 def tracked_bytes() -> int:
@@ -27,6 +30,6 @@ def tracked_bytes() -> int:
 def test_the_tracked_tree_leaves_room_for_the_vllm_anchor() -> None:
     size = tracked_bytes()
     assert size + ANCHOR < CAP, (
-        f"tracked files hold {size / 2**20:.1f} MiB: with the vLLM anchor ({ANCHOR >> 20} MiB) over the device's "
-        f"{CAP >> 20} MiB copy cap; gzip raw benchmark records (benchmarks/results/*/results.json.gz)"
+        f"tracked files hold {size / 2**20:.1f} MiB: with the vLLM anchor ({ANCHOR / 2**20:.1f} MiB) over the device's "
+        f"{CAP >> 20} MiB copy cap; compress raw benchmark records (results.json.gz, logs .gz)"
     )
