@@ -5,16 +5,18 @@ that also computed prompts, as the decoding requests saw them): how many, and th
 nearest rank: they may differ from the report's by a request). With --first N, the gaps of the N earliest
 requests one by one (a multi-turn opening's chunk steps, for example).
 
-    python3 scripts/probes/http_gaps.py benchmarks/results/2026-12-02_f876099_http_piecewise0/random/results.json.gz
+    python3 scripts/probes/http_gaps.py benchmarks/results/2026-12-02_f876099_http_piecewise0/random/results.json.xz
 
-(The committed results.json files over 100 KB are gzipped: the device copies the tree with a 64 MiB cap.)
+(The committed results.json files over 100 KB are compressed, xz since the nineteenth session: the device copies
+the tree with a 64 MiB cap.)
 """
 
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
+
+from longserve.bench.records import open_record
 
 
 def _at(values: list[float], q: float) -> float:
@@ -23,11 +25,11 @@ def _at(values: list[float], q: float) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("results", help="a results.json (or results.json.gz) of `longserve bench compare`")
+    ap.add_argument("results", help="a results.json (or .json.gz / .json.xz) of `longserve bench compare`")
     ap.add_argument("--long-gap-ms", type=float, default=12.0, help="gaps longer than this count as long")
     ap.add_argument("--first", type=int, default=0, help="print the long gaps of the N earliest requests")
     args = ap.parse_args()
-    with (gzip.open if args.results.endswith(".gz") else open)(args.results, "rt", encoding="utf-8") as f:
+    with open_record(args.results) as f:
         data = json.load(f)
     for run in data["runs"]:
         reqs = [r for r in run["requests"] if r.get("success")]

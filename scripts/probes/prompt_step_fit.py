@@ -7,13 +7,12 @@ tokens; prints the terms and the rms. Steps are matched to the workload's reques
 no request ids; arrivals are admitted in order, so a step's prompt tokens are the sum of the next few waiting
 requests' lengths). Used on the random workload of `compare_vllm_http.sh` (RESULTS.md nineteenth session):
     python3 scripts/probes/prompt_step_fit.py benchmarks/results/2026-12-04_150f44c_http [random] [steps log] [marks]
-(the fcfs A/B of the a521ae9 call: ... 2026-12-04_a521ae9_http random_ab longserve_ab_steps.jsonl.gz
-workload_marks_ab.txt).
+(the fcfs A/B of the a521ae9 call: ... 2026-12-04_a521ae9_http random_ab longserve_ab_steps.jsonl
+workload_marks_ab.txt; a record is found plain, .xz or .gz).
 """
 
 from __future__ import annotations
 
-import gzip
 import itertools
 import json
 import sys
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from longserve.bench.records import find_record, open_record
 from longserve.runner.piecewise_graph import piecewise_buckets
 
 PIECEWISE_MAX = 4096  # the served --piecewise-cuda-graph-max-tokens: longer steps ran eager
@@ -32,11 +32,11 @@ EARLY_PREP_MS = 1.0
 def load(call: Path, workload: str, steps_name: str, marks_name: str) -> tuple[list[dict], list[dict]]:
     """The step log's loop iterations from the workload's start, and its requests in arrival order."""
     marks = dict(line.split() for line in (call / marks_name).read_text().splitlines())
-    with gzip.open(call / steps_name, "rt") as f:
+    with open_record(find_record(call, steps_name)) as f:
         rows = [json.loads(line) for line in f]
     start = float(marks[workload.removesuffix("_ab")]) - rows[0]["opened_unix"]
     log = [r for r in rows[1:] if r["t"] >= start]
-    with gzip.open(call / workload / "results.json.gz", "rt") as f:
+    with open_record(find_record(call / workload, "results.json")) as f:
         results = json.load(f)
     reqs = sorted(results["runs"][0]["requests"], key=lambda r: r["start"])
     return log, reqs
@@ -78,7 +78,7 @@ def tokens_read(log: list[dict], k: int) -> float:
 def main(argv: list[str]) -> None:
     call = Path(argv[0])
     workload = argv[1] if len(argv) > 1 else "random"
-    steps_name = argv[2] if len(argv) > 2 else "longserve_steps.jsonl.gz"
+    steps_name = argv[2] if len(argv) > 2 else "longserve_steps.jsonl"
     log, reqs = load(call, workload, steps_name, argv[3] if len(argv) > 3 else "workload_marks.txt")
     members = prompt_steps(log, reqs)
     buckets = piecewise_buckets(PIECEWISE_MAX)

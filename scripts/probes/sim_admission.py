@@ -14,7 +14,7 @@ tokens go out before the long launch), launch N+1, then finish N. Policies:
 - any of these with `+short`: the waiting ones in order of length instead of arrival.
 
     PYTHONPATH=. python3 scripts/probes/sim_admission.py \\
-        benchmarks/results/2026-12-04_11fea55_http/random/results.json.gz --synthetic
+        benchmarks/results/2026-12-04_11fea55_http/random/results.json.xz --synthetic
 
 Prints the measured figures of each server first, then per policy the simulated TTFT mean / P50 / P95, the P95
 of the gaps between tokens and when the last token came. The model leaves out HTTP, tokenization and streaming
@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import argparse
 import bisect
-import gzip
 import json
 import random
 from dataclasses import dataclass, field
 
+from longserve.bench.records import open_record
 from longserve.runner.piecewise_graph import piecewise_buckets
 from longserve.sched.scheduler import LIGHT_QUEUE_BUDGETS
 
@@ -193,7 +193,7 @@ def main() -> None:
         "--synthetic", action="store_true", help="also a burst and Poisson arrivals (synthetic())"
     )
     args = ap.parse_args()
-    with (gzip.open if args.results.endswith(".gz") else open)(args.results, "rt", encoding="utf-8") as f:
+    with open_record(args.results) as f:
         runs = json.load(f)["runs"]
     for run in runs:
         s = run["summary"]

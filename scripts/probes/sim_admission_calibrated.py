@@ -1,7 +1,7 @@
 """scripts/probes/sim_admission.py recalibrated on an HTTP call (issue 19, the random workload's TTFT tail; CPU).
 
 Everything timed from the a521ae9 HTTP call's own step logs (benchmarks/results/2026-12-04_a521ae9_http/:
-longserve_steps.jsonl.gz, longserve_ab_steps.jsonl.gz) and results.json (RESULTS.md nineteenth session; the
+longserve_steps.jsonl.xz, longserve_ab_steps.jsonl.xz) and results.json (RESULTS.md nineteenth session; the
 prompt step's terms are scripts/probes/prompt_step_fit.py's):
 - a prompt step's device time, read to read: 4.64 ms a prompt + 22.0 ms per 1K prompt tokens + 20.6 ms per 1K
   tokens of piecewise-bucket padding + 0.247 ms a decode row, + 2.4 ms when the step before was a prompt step too
@@ -34,7 +34,7 @@ vllm             a model of vLLM 0.24 (async scheduling: step N+1 planned and la
                  prompts up to 8,192 tokens with the decodes; PROMPT_MS_VLLM a prompt; OUT_VLLM after)
 
     python3 scripts/probes/sim_admission_calibrated.py \
-        benchmarks/results/2026-12-04_a521ae9_http/random/results.json.gz --policies light:1024,light:1024+dmax:16,all \
+        benchmarks/results/2026-12-04_a521ae9_http/random/results.json.xz --policies light:1024,light:1024+dmax:16,all \
         --synthetic
 (the scheduler from 1e4f5f9 is light:1024+dmax:16; the constants describe a521ae9's steps, before the decode rows'
 kernel, the padding in place and the early read changed them).
@@ -43,11 +43,12 @@ kernel, the padding in place and the early read changed them).
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import random
 import statistics
 from dataclasses import dataclass, field
+
+from longserve.bench.records import open_record
 
 BUDGET = 8192
 PIECEWISE_MAX = 4096
@@ -363,7 +364,7 @@ def stats(reqs):
 
 
 def load(path, run=0):
-    with (gzip.open if path.endswith(".gz") else open)(path, "rt", encoding="utf-8") as f:
+    with open_record(path) as f:
         runs = json.load(f)["runs"]
     reqs = sorted(runs[run]["requests"], key=lambda r: r["start"])
     return runs, [Req(r["start"], r["prompt_len"], r["output_tokens"] or r["output_len"]) for r in reqs]

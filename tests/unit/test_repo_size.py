@@ -1,7 +1,8 @@
 """The tracked tree stays small enough for the GPU machine: the device tool copies the working tree together with
 what a call carries under a 64 MiB cap, and `gpu_check.sh vllm` carries the vLLM anchor (43.6 MB, `.anchor/`).
 In the ninth session raw benchmark records had grown the tree to 23 MB and the vLLM comparison could not be
-sent; bench compare's results.json files over 100 KB are kept gzipped since (benchmarks/RESULTS.md)."""
+sent; bench compare's results.json files over 100 KB are kept compressed since (xz from the nineteenth session;
+benchmarks/RESULTS.md)."""
 
 from __future__ import annotations
 
@@ -31,5 +32,5 @@ def test_the_tracked_tree_leaves_room_for_the_vllm_anchor() -> None:
     size = tracked_bytes()
     assert size + ANCHOR < CAP, (
         f"tracked files hold {size / 2**20:.1f} MiB: with the vLLM anchor ({ANCHOR / 2**20:.1f} MiB) over the device's "
-        f"{CAP >> 20} MiB copy cap; compress raw benchmark records (results.json.gz, logs .gz)"
+        f"{CAP >> 20} MiB copy cap; compress raw benchmark records with xz (results.json.xz, logs)"
     )
