@@ -296,8 +296,8 @@ class Engine:
                 def early() -> None:
                     nonlocal prev
                     if prev is not None:
-                        self._complete(prev, touched)
-                        prev = None
+                        done, prev = prev, None  # read once, even if reading it raises
+                        self._complete(done, touched)
                         on_outputs(self._outputs(touched))
                         touched.clear()
 
