@@ -51,6 +51,14 @@ PIECEWISE_BUCKET_STEPS = 8  # buckets per doubling
 EARLY_AFTER_LAYERS = 2
 
 
+def _early_after(layers: int, early: Callable[[], None] | None) -> Callable[[], None] | None:
+    """Call `early` once `layers` layers are queued (EARLY_AFTER_LAYERS); what is still owed (None once called)."""
+    if early is not None and layers >= EARLY_AFTER_LAYERS:
+        early()
+        return None
+    return early
+
+
 def piecewise_buckets(max_tokens: int) -> list[int]:
     """64, 128, ..., 512 (steps of 64), 576, ..., 1024 (64), 1152, ..., 2048 (128), ... up to max_tokens, and
     max_tokens itself."""
@@ -171,13 +179,10 @@ class PiecewiseGraphRunner:
             try:
                 call = pieces.send(self.attn_out[:t])
             except StopIteration as stop:
-                if early is not None:
-                    early()
+                _early_after(EARLY_AFTER_LAYERS, early)  # fewer layers
                 return stop.value
             layers += 1
-            if layers == EARLY_AFTER_LAYERS and early is not None:
-                early()
-                early = None
+            early = _early_after(layers, early)
 
     def can_run(self, meta: AttentionMetadata) -> bool:
         return bool(self.graphs or self.eager) and 1 < meta.num_tokens <= self.max_tokens
@@ -204,9 +209,6 @@ class PiecewiseGraphRunner:
         for i, (call, graph) in enumerate(zip(self.layers[t], graphs[1:]), start=1):
             out.copy_(AttentionCall(call.attn, q, k, v, call.stored).run(ctx))
             graph.replay()
-            if i == EARLY_AFTER_LAYERS and early is not None:
-                early()
-                early = None
-        if early is not None:  # fewer layers
-            early()
+            early = _early_after(i, early)
+        _early_after(EARLY_AFTER_LAYERS, early)  # fewer layers
         return self.hidden[:n]
