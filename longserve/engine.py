@@ -165,10 +165,10 @@ class Engine:
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         if isinstance(prompt, str):
-            text, token_ids = prompt, self.encode(prompt)
+            text, token_ids, token_array = prompt, self.encode(prompt), None
         else:
             text, token_ids = None, list(prompt)
-            check_token_ids(token_ids, self.runner.model.vocab_size)
+            token_array = check_token_ids(token_ids, self.runner.model.vocab_size)
         check_limits(
             token_ids, params, self.runner.model.vocab_size, self.context_length, pooling is not None
         )
@@ -184,6 +184,7 @@ class Engine:
                 Request(
                     request_id=request_id if len(all_params) == 1 else f"{request_id}#{i}",
                     prompt_token_ids=token_ids,
+                    prompt_array=token_array,  # read only, shared by siblings
                     sampling_params=member_params,
                     eos_token_ids=self.eos_token_ids,
                     group_id=group_id,

@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from longserve.sampling_params import SamplingParams
 
 
@@ -87,6 +89,9 @@ class Request:
     pending_final: bool = False
     # runner.inputs.PageRow: page_ids as an int64 array, kept in step with them by the runner
     page_row: Any = field(default=None, compare=False, repr=False)
+    # prompt_token_ids as an int64 array, what the prefix cache compares and keeps (token_array): the one
+    # add_request's check builds (engine_checks.check_token_ids), or built on first use
+    prompt_array: np.ndarray | None = field(default=None, compare=False, repr=False)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -140,3 +145,16 @@ class Request:
 
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_array(self, start: int = 0, end: int | None = None) -> np.ndarray:
+        """all_token_ids()[start:end] as int64: a view of the prompt's array while it lies in the prompt."""
+        prompt = self.prompt_array
+        if prompt is None:
+            ids = self.prompt_token_ids
+            prompt = self.prompt_array = np.fromiter(ids, dtype=np.int64, count=len(ids))
+        n = len(prompt)
+        end = n + len(self.output_token_ids) if end is None else end
+        if end <= n:
+            return prompt[start:end]
+        outputs = np.asarray(self.output_token_ids[max(start - n, 0) : end - n], dtype=np.int64)
+        return outputs if start >= n else np.concatenate((prompt[start:], outputs))

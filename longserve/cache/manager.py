@@ -65,9 +65,8 @@ class KVCacheManager:
         token to compute (the one whose logits we sample), and, for prompt logprobs, every position whose
         logits are asked for (Request.max_prefix_len). Returns the number of tokens attached."""
         assert not req.page_ids and req.num_computed_tokens == 0 and req.cache_node is None
-        # no copy of a fresh request's (possibly 100K-token) prompt: the tree reads up to the limit
-        tokens = req.prompt_token_ids if not req.output_token_ids else req.all_token_ids()
-        match = self.prefix_cache.match_prefix(tokens, limit=req.max_prefix_len)
+        # the prompt's int64 array (add_request's check built it), read up to the limit: no copy
+        match = self.prefix_cache.match_prefix(req.token_array(), limit=req.max_prefix_len)
         if match.num_tokens:
             self.pool.incref(match.pages)
             req.page_ids = list(match.pages)
@@ -79,8 +78,7 @@ class KVCacheManager:
 
     def peek_prefix_len(self, req: Request) -> int:
         """Tokens `match_prefix` would attach to this (unattached) request now; changes nothing."""
-        tokens = req.prompt_token_ids if not req.output_token_ids else req.all_token_ids()
-        return self.prefix_cache.peek_prefix_len(tokens, limit=req.max_prefix_len)
+        return self.prefix_cache.peek_prefix_len(req.token_array(), limit=req.max_prefix_len)
 
     def fork_prefix(self, req: Request, src: Request) -> int:
         """Share `src`'s full prompt pages with a sibling that has the same prompt (n > 1 without the
@@ -120,7 +118,7 @@ class KVCacheManager:
         # continue below the node the request holds (its first num_tree_pages pages): a prefix hit of 32K
         # tokens inserts its few new pages without walking the 2,048 it matched
         done = req.num_tree_pages if req.cache_node is not None else 0
-        tokens = req.token_slice(done * self.page_size, num_full * self.page_size)
+        tokens = req.token_array(done * self.page_size, num_full * self.page_size)
         result = self.prefix_cache.insert(tokens, req.page_ids[done:num_full], start=req.cache_node)
         for i, tree_page in enumerate(result.pages, start=done):
             mine = req.page_ids[i]

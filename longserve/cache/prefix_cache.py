@@ -30,7 +30,8 @@ class InsertResult:
 
 class PrefixCache(ABC):
     """Page-aligned token runs -> KV page ids. Node handles come from match_prefix/insert and go back to
-    lock/unlock (and as insert's `start`); a locked node's pages are never evicted."""
+    lock/unlock (and as insert's `start`); a locked node's pages are never evicted. Tokens come as an int64
+    array (Request.token_array) or any sequence of ints."""
 
     #: whether inserted pages are kept for later matches (False: siblings of an n > 1 request share their
     #: leader's prompt pages by the manager's fork_prefix instead)

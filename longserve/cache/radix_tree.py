@@ -6,6 +6,11 @@ reference on each page stored in it and no page appears twice; lock_ref = own_lo
 lock_ref, and a node with lock_ref > 0 is never evicted. A node object keeps its identity across splits
 (the split-off prefix is a new node), so callers may hold nodes returned by match/insert across calls.
 The page size is the pool's (PagePool.page_size).
+
+Keys are int64 arrays, compared vectorized: a 32K-token prefix hit compares in ~10 us where tuples of Python
+ints took ~0.25 ms on the CI CPU (~0.9 ms on an H200 host, the hit's host profile at `003f098`), and a caller
+that holds the tokens as an array (Request.token_array: the one add_request's check built) converts nothing.
+Children are keyed by their first page's bytes.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from longserve.cache.page_pool import PagePool
 from longserve.cache.prefix_cache import InsertResult, MatchResult, PrefixCache
@@ -22,11 +29,11 @@ __all__ = ["InsertResult", "MatchResult", "RadixTree", "TreeNode"]
 
 @dataclass(slots=True, eq=False)
 class TreeNode:
-    key: tuple[int, ...]
+    key: np.ndarray  # int64 token ids, a whole number of pages
     pages: list[int]
     # repr=False: parent/children point at each other and would print the whole tree.
     parent: TreeNode | None = field(default=None, repr=False)
-    children: dict[tuple[int, ...], TreeNode] = field(default_factory=dict, repr=False)
+    children: dict[bytes, TreeNode] = field(default_factory=dict, repr=False)  # by first page's bytes
     lock_ref: int = 0  # locks on this node or any descendant
     own_locks: int = 0  # locks taken on exactly this node
     last_access: int = 0  # logical clock stamp; a parent's stamp is >= each child's
@@ -39,7 +46,7 @@ class RadixTree(PrefixCache):
 
     def __init__(self, pool: PagePool) -> None:
         self.pool = pool
-        self._root = TreeNode(key=(), pages=[])
+        self._root = TreeNode(key=np.zeros(0, dtype=np.int64), pages=[])
         self._clock = 0
         self._num_cached_pages = 0
         self._num_evictable_pages = 0
@@ -66,25 +73,26 @@ class RadixTree(PrefixCache):
     def num_locked_pages(self) -> int:
         return self._num_cached_pages - self._num_evictable_pages
 
-    def match_prefix(self, tokens: Sequence[int], limit: int | None = None) -> MatchResult:
+    def match_prefix(self, tokens: Sequence[int] | np.ndarray, limit: int | None = None) -> MatchResult:
         """Longest cached prefix of tokens[:limit] in whole pages; splits a node so the match ends on a node."""
         ps = self.page_size
         n = len(tokens) if limit is None else max(0, min(limit, len(tokens)))
         n -= n % ps  # a trailing partial page never matches
-        node, pages, _ = self._walk(tokens, stop_at_split=True, end=n)  # no copy of the whole prompt
+        node, pages, _ = self._walk(token_array(tokens), stop_at_split=True, end=n)
         return MatchResult(pages=pages, num_tokens=len(pages) * ps, node=node)
 
-    def peek_prefix_len(self, tokens: Sequence[int], limit: int | None = None) -> int:
+    def peek_prefix_len(self, tokens: Sequence[int] | np.ndarray, limit: int | None = None) -> int:
         """Tokens match_prefix would match, without touching the tree (no split, no LRU stamp)."""
         ps = self.page_size
         n = len(tokens) if limit is None else max(0, min(limit, len(tokens)))
         n -= n % ps
+        toks = token_array(tokens)
         node, pos = self._root, 0
         while pos < n:
-            child = node.children.get(tuple(tokens[pos : pos + ps]))
+            child = node.children.get(toks[pos : pos + ps].tobytes())
             if child is None:
                 break
-            m = self._match_len(child.key, tokens, pos, n)
+            m = self._match_len(child.key, toks, pos, n)
             pos += m
             if m < len(child.key):
                 break
@@ -94,7 +102,7 @@ class RadixTree(PrefixCache):
     # ---- mutation ------------------------------------------------------------------------------
 
     def insert(
-        self, tokens: Sequence[int], pages: Sequence[int], start: TreeNode | None = None
+        self, tokens: Sequence[int] | np.ndarray, pages: Sequence[int], start: TreeNode | None = None
     ) -> InsertResult:
         """Cache a whole-page run. The tree keeps its pages for the cached part and adopts (increfs once)
         the caller's pages for the rest; the caller should switch to the returned ids and drop its own
@@ -112,7 +120,7 @@ class RadixTree(PrefixCache):
             raise ValueError(
                 f"insert of {len(tokens)} tokens needs {len(tokens) // ps} pages, got {len(pages)}"
             )
-        toks = tuple(tokens)
+        toks = token_array(tokens)
         if start is not None:
             self._check_attached(start)
         node, out_pages, pos = self._walk(toks, stop_at_split=False, start=start)
@@ -121,8 +129,9 @@ class RadixTree(PrefixCache):
             new_pages = list(pages[pos // ps :])
             # Incref before attaching: if a page is free (a caller bug) the pool raises and the tree is intact.
             self.pool.incref(new_pages)
-            leaf = TreeNode(key=toks[pos:], pages=new_pages, parent=node, last_access=self._clock)
-            node.children[leaf.key[:ps]] = leaf
+            # a copy: the caller's array (a whole prompt) is not kept alive by a node covering part of it
+            leaf = TreeNode(key=toks[pos:].copy(), pages=new_pages, parent=node, last_access=self._clock)
+            node.children[leaf.key[:ps].tobytes()] = leaf
             self._num_cached_pages += len(new_pages)
             self._num_evictable_pages += len(new_pages)
             out_pages.extend(new_pages)
@@ -148,7 +157,9 @@ class RadixTree(PrefixCache):
         if node is self._root:
             return
         if node.own_locks <= 0:
-            raise ValueError(f"unlock of a node that holds no lock of its own (key starts {node.key[:8]})")
+            raise ValueError(
+                f"unlock of a node that holds no lock of its own (key starts {node.key[:8].tolist()})"
+            )
         node.own_locks -= 1
         cur: TreeNode | None = node
         while cur is not None and cur is not self._root:
@@ -171,14 +182,14 @@ class RadixTree(PrefixCache):
 
     def _walk(
         self,
-        toks: Sequence[int],
+        toks: np.ndarray,
         stop_at_split: bool,
         start: TreeNode | None = None,
         end: int | None = None,
     ) -> tuple[TreeNode, list[int], int]:
         """Descend along toks[:end] (whole pages) from `start` (default: the root), splitting where the match
         ends inside a node; stamps the path, and start's ancestors. Returns (deepest matched node, the pages
-        matched below start, matched token count). toks may be a list: only the pages compared are copied."""
+        matched below start, matched token count)."""
         ps = self.page_size
         end = len(toks) if end is None else end
         self._clock += 1
@@ -190,7 +201,7 @@ class RadixTree(PrefixCache):
         pages: list[int] = []
         pos = 0
         while pos < end:
-            child = node.children.get(tuple(toks[pos : pos + ps]))
+            child = node.children.get(toks[pos : pos + ps].tobytes())
             if child is None:
                 break
             m = self._match_len(child.key, toks, pos, end)
@@ -205,19 +216,15 @@ class RadixTree(PrefixCache):
                 break
         return node, pages, pos
 
-    def _match_len(self, key: tuple[int, ...], toks: Sequence[int], start: int, end: int) -> int:
+    def _match_len(self, key: np.ndarray, toks: np.ndarray, start: int, end: int) -> int:
         """Tokens of key matching toks[start:end], in whole pages (>= one page: the child key matched)."""
-        ps = self.page_size
         limit = min(len(key), end - start)
-        # C-level compares of 64-page blocks first, then page by page inside the block that differs
-        # (a 32K-token key: ~32 slice compares instead of 2,048); tuple() of a tuple slice copies nothing
-        block = 64 * ps
-        i = ps
-        while i + block <= limit and key[i : i + block] == tuple(toks[start + i : start + i + block]):
-            i += block
-        while i < limit and key[i : i + ps] == tuple(toks[start + i : start + i + ps]):
-            i += ps
-        return i
+        if limit <= 0:
+            return 0
+        differ = key[:limit] != toks[start : start + limit]
+        first = int(differ.argmax())  # the first differing token (argmax of a bool array stops at the first)
+        m = first if differ[first] else limit
+        return m - m % self.page_size
 
     def _split(self, node: TreeNode, at: int) -> TreeNode:
         """Cut node after `at` tokens; returns the new prefix node. `node` keeps the suffix (and its
@@ -234,11 +241,11 @@ class RadixTree(PrefixCache):
             lock_ref=node.lock_ref,
             last_access=node.last_access,
         )
-        parent.children[head.key[:ps]] = head
+        parent.children[head.key[:ps].tobytes()] = head
         node.key = node.key[at:]
         node.pages = node.pages[at // ps :]
         node.parent = head
-        head.children[node.key[:ps]] = node
+        head.children[node.key[:ps].tobytes()] = node
         return head
 
     def _evict(self, num_pages: int | None) -> int:
@@ -253,7 +260,7 @@ class RadixTree(PrefixCache):
             _, _, node = heapq.heappop(heap)
             parent = node.parent
             assert parent is not None
-            del parent.children[node.key[:ps]]
+            del parent.children[node.key[:ps].tobytes()]
             node.parent = None
             node.detached = True
             self._num_cached_pages -= len(node.pages)
@@ -283,7 +290,7 @@ class RadixTree(PrefixCache):
         """Assert structural invariants with a full walk (tests and debug only)."""
         ps = self.page_size
         root = self._root
-        assert root.key == () and root.pages == [] and root.parent is None
+        assert len(root.key) == 0 and root.pages == [] and root.parent is None
         assert root.lock_ref == 0 and root.own_locks == 0
         seen: set[int] = set()
         num_cached = num_evictable = 0
@@ -296,7 +303,8 @@ class RadixTree(PrefixCache):
                 assert not child.detached
                 assert len(child.key) > 0 and len(child.key) % ps == 0, f"key length {len(child.key)}"
                 assert len(child.pages) == len(child.key) // ps, "pages do not cover the key"
-                assert first == child.key[:ps], "child stored under the wrong first page"
+                assert child.key.dtype == np.int64 and child.key.ndim == 1, "key is not an int64 row"
+                assert first == child.key[:ps].tobytes(), "child stored under the wrong first page"
                 assert child.last_access <= node.last_access or node is root, "child newer than parent"
                 for p in child.pages:
                     assert p not in seen, f"page {p} appears twice in the tree"
@@ -316,3 +324,13 @@ class RadixTree(PrefixCache):
         assert num_evictable == self._num_evictable_pages, (
             f"num_evictable_pages {self._num_evictable_pages} != {num_evictable}"
         )
+
+
+def token_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+    """tokens as a 1-D int64 array: itself when it is one (no copy), else converted."""
+    if isinstance(tokens, np.ndarray) and tokens.dtype == np.int64 and tokens.ndim == 1:
+        return tokens
+    arr = np.asarray(tokens, dtype=np.int64)
+    if arr.ndim != 1:
+        raise ValueError(f"token ids must be one row, got shape {arr.shape}")
+    return arr

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -65,9 +66,9 @@ def test_match_ending_inside_node_splits_it() -> None:
     res = tree.insert([1, 2, 3, 4, 5, 6], pool.alloc(3))
     m = tree.match_prefix([1, 2, 3, 4, 5])  # 2.5 pages: only 2 count
     assert (m.pages, m.num_tokens) == ([1, 2], 4)
-    assert m.node.key == (1, 2, 3, 4) and m.node.pages == [1, 2]
+    assert m.node.key.tolist() == [1, 2, 3, 4] and m.node.pages == [1, 2]
     # The original node object keeps the suffix, so handles held by callers stay valid.
-    assert res.node.key == (5, 6) and res.node.pages == [3]
+    assert res.node.key.tolist() == [5, 6] and res.node.pages == [3]
     assert res.node.parent is m.node and m.node.parent is tree.root
     assert tree.num_cached_pages == 3
     tree.check()
@@ -87,8 +88,8 @@ def test_insert_diverging_in_middle_of_node() -> None:
     assert [pool.ref(p) for p in (5, 6, 7, 8)] == [1, 1, 2, 2]
     assert tree.num_cached_pages == 6
     shared = ra.node.parent
-    assert shared is rb.node.parent and shared.key == (1, 2, 3, 4) and shared.pages == [1, 2]
-    assert sorted(shared.children) == [(5, 6), (9, 9)]
+    assert shared is rb.node.parent and shared.key.tolist() == [1, 2, 3, 4] and shared.pages == [1, 2]
+    assert sorted(c.key[:2].tolist() for c in shared.children.values()) == [[5, 6], [9, 9]]
     tree.check()
     assert tree.match_prefix([1, 2, 3, 4, 5, 6, 7, 8]).pages == [1, 2, 3, 4]
     assert tree.match_prefix([1, 2, 3, 4, 9, 9, 10, 10]).pages == [1, 2, 7, 8]
@@ -101,7 +102,7 @@ def test_insert_already_present_prefix() -> None:
     assert dup == [4, 5]
     res = tree.insert([1, 2, 3, 4], dup)
     assert (res.pages, res.num_existing_tokens) == ([1, 2], 4)
-    assert res.node.key == (1, 2, 3, 4)  # split so the node ends exactly at the run
+    assert res.node.key.tolist() == [1, 2, 3, 4]  # split so the node ends exactly at the run
     assert [pool.ref(p) for p in dup] == [1, 1]  # not adopted
     assert tree.num_cached_pages == 3
     tree.check()
@@ -394,8 +395,8 @@ def test_random_request_lifecycles(ops: list[tuple[str, object]], page_size: int
 
 @pytest.mark.parametrize("diff_page", [1, 63, 64, 65, 128, 200, 299])
 def test_long_key_match_stops_at_the_first_differing_page(diff_page: int) -> None:
-    # keys longer than the 64-page blocks compared at once: the match still ends exactly at the page
-    # that differs, whether it falls inside a block, on a block boundary or in the page-by-page tail
+    # a long key compared at once (vectorized): the match ends exactly at the page that differs, wherever it
+    # falls, and the tokens after the first difference do not count
     ps = 2
     pool, tree = make(num_pages=700, page_size=ps)
     tokens = list(range(300 * ps))
@@ -406,6 +407,28 @@ def test_long_key_match_stops_at_the_first_differing_page(diff_page: int) -> Non
     assert m.num_tokens == diff_page * ps and m.pages == first[:diff_page]
     assert tree.match_prefix(tokens).pages == first  # the split keeps the whole run reachable
     tree.check()
+
+
+def test_tokens_as_list_tuple_or_array_match_alike_and_keys_are_the_trees_own() -> None:
+    # the engine hands the tree each request's int64 array (Request.token_array); tests and other callers
+    # pass lists: the same matches, and a node's key is a copy, so a caller that reuses its array after the
+    # insert changes nothing in the tree
+    pool, tree = make(num_pages=32, page_size=4)
+    run = np.arange(100, 116, dtype=np.int64)
+    pages = pool.alloc(4)
+    tree.insert(run, pages)
+    pool.decref(pages)
+    run[:] = 0
+    for tokens in ([*range(100, 116), 7], tuple(range(100, 116)), np.arange(100, 117, dtype=np.int32)):
+        m = tree.match_prefix(tokens)
+        assert (m.num_tokens, m.pages) == (16, pages)
+        assert tree.peek_prefix_len(tokens) == 16
+    assert tree.match_prefix(run).num_tokens == 0
+    assert tree.match_prefix([100, 101, 102, 103, 104, 105, 106, 999]).num_tokens == 4  # a split, whole pages
+    with pytest.raises(ValueError, match="one row"):
+        tree.match_prefix(np.zeros((2, 8), dtype=np.int64))
+    tree.check()
+    pool.check()
 
 
 def test_insert_below_a_held_node_continues_its_path() -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from longserve.cache.manager import KVCacheManager
 from longserve.request import FinishReason, Request, RequestStatus
 from longserve.sampling_params import SamplingParams
@@ -192,6 +194,10 @@ def test_token_slice_equals_slicing_all_tokens():
     for a in range(11):
         for b in range(a, 11):
             assert r.token_slice(a, b) == r.all_token_ids()[a:b], (a, b)
+            assert r.token_array(a, b).tolist() == r.all_token_ids()[a:b], (a, b)
+            assert r.token_array(a, b).dtype == np.int64
+    assert r.token_array().tolist() == r.all_token_ids()
+    assert np.shares_memory(r.token_array(2, 5), r.prompt_array)  # within the prompt: a view, no copy
 
 
 def make_short_first(budget=16, pages=64, page_size=4, short=4, max_running=8):
