@@ -35,7 +35,7 @@ from longserve.runner.inputs import StepInputs, build_step, split_step, to_model
 from longserve.runner.pooling import pooled_output
 from longserve.runner.sample_step import StepSampler
 from longserve.runner.sampled import SampledStep, StepLogits
-from longserve.runner.warm_up import WarmUp, warm_up
+from longserve.runner.warm_up import WarmUp, freeze_heap, unfreeze_heap, warm_up
 
 logger = logging.getLogger("longserve.runner")
 
@@ -76,6 +76,7 @@ class ModelRunner:
         # --quantization against config.json's quantization_config, checked before any process or read
         apply_quantization(self.hf_config, config.quantization, config.load_format)
         self.workers = None  # rank 0 of a tp run: its worker processes (runner/tp_workers.py)
+        self.heap_frozen = False  # warm_up froze the start-up heap (runner/warm_up.py): shutdown unfreezes it
         if config.tp_size > 1 and get_tp_group() is None:  # the engine's rank: start the other ranks
             validate_tp_size(hf_config, config.tp_size, config.ep_size)
             from longserve.runner.tp_workers import TPWorkers
@@ -163,6 +164,7 @@ class ModelRunner:
         if self.device.type == "cuda" or counts is not None:
             warm_up(self.model, self.backend, self.kv_cache, self._graph_shape(), self.config.chunked_prefill_size,
                     counts)  # fmt: skip
+            self.heap_frozen = freeze_heap() or self.heap_frozen
 
     def _set_kv_scales(self) -> None:
         """An fp8 cache's per-layer scales: the checkpoint's calibrated ones, else 1.0 (attention/kv_quant.py)."""
@@ -355,7 +357,11 @@ class ModelRunner:
             return self._head(hidden[rows])  # [N, V] fp32 (pooling: [N, D])
 
     def shutdown(self) -> None:
-        """Stop the tp workers (rank 0) and leave the process group; a no-op at tp=1. Idempotent."""
+        """Stop the tp workers (rank 0) and leave the process group, and unfreeze the heap the warm-up froze.
+        Idempotent."""
+        if self.heap_frozen:
+            self.heap_frozen = False
+            unfreeze_heap()
         if self.workers is not None:
             workers, self.workers = self.workers, None
             self._finalizer.detach()

@@ -486,3 +486,35 @@ def test_warm_up_passes_stay_within_the_context_and_change_no_output(ckpt):
         assert all(torch.equal(p, t[1:]) for p, t in zip(pages, (*runner.kv_cache.k, *runner.kv_cache.v)))
         assert [o.token_ids for o in m.generate(ps, GREEDY32)] == expected
         m.engine.check_integrity()
+
+
+@pytest.mark.parametrize("freeze", [True, False])
+def test_the_warm_up_freezes_the_start_up_heap_and_close_unfreezes_it(ckpt, monkeypatch, freeze):
+    """After the runner's warm-up (a GPU engine's start-up; here with explicit counts) the objects alive are in
+    the collector's permanent generation, so full collections while serving skip them; a cycle made later is
+    still collected, outputs are unchanged, and closing the engine unfreezes (FREEZE_HEAP off: nothing frozen)."""
+    import gc
+    import weakref
+
+    from longserve.runner import warm_up as warm_up_module
+
+    monkeypatch.setattr(warm_up_module, "FREEZE_HEAP", freeze)
+    gc.unfreeze()  # whatever an earlier test left
+    ps = prompts()
+    with llm(ckpt, context_length=600) as m:
+        expected = [o.token_ids for o in m.generate(ps, GREEDY32)]
+        assert not m.engine.runner.heap_frozen and gc.get_freeze_count() == 0  # no warm-up on the CPU
+        m.engine.runner.warm_up([512])
+        assert m.engine.runner.heap_frozen is freeze and (gc.get_freeze_count() > 0) is freeze
+
+        class Cycle:
+            pass
+
+        c = Cycle()
+        c.me = c
+        ref = weakref.ref(c)
+        del c
+        gc.collect()
+        assert ref() is None
+        assert [o.token_ids for o in m.generate(ps, GREEDY32)] == expected
+    assert gc.get_freeze_count() == 0 and not m.engine.runner.heap_frozen
