@@ -87,9 +87,12 @@ def warm_up(
 
 def freeze_heap() -> bool:
     """Collect every generation (garbage left by loading and capture is freed, not frozen), then move every
-    object alive into the collector's permanent generation (gc.freeze). Whether it froze (FREEZE_HEAP)."""
+    object alive into the collector's permanent generation (gc.freeze). What an earlier engine's freeze holds is
+    unfrozen first, so that an engine dropped without close (a test's, a notebook's) is collected here rather
+    than kept with its device memory. Whether it froze (FREEZE_HEAP)."""
     if not FREEZE_HEAP:
         return False
+    gc.unfreeze()
     gc.collect()
     gc.freeze()
     return True

@@ -492,7 +492,8 @@ def test_warm_up_passes_stay_within_the_context_and_change_no_output(ckpt):
 def test_the_warm_up_freezes_the_start_up_heap_and_close_unfreezes_it(ckpt, monkeypatch, freeze):
     """After the runner's warm-up (a GPU engine's start-up; here with explicit counts) the objects alive are in
     the collector's permanent generation, so full collections while serving skip them; a cycle made later is
-    still collected, outputs are unchanged, and closing the engine unfreezes (FREEZE_HEAP off: nothing frozen)."""
+    still collected, outputs are unchanged, a later start-up's freeze collects what an earlier one kept, and
+    closing the engine unfreezes (FREEZE_HEAP off: nothing frozen)."""
     import gc
     import weakref
 
@@ -515,6 +516,15 @@ def test_the_warm_up_freezes_the_start_up_heap_and_close_unfreezes_it(ckpt, monk
         ref = weakref.ref(c)
         del c
         gc.collect()
-        assert ref() is None
+        assert ref() is None  # made after the freeze: collected
+        c = Cycle()
+        c.me = c
+        ref = weakref.ref(c)
+        m.engine.runner.warm_up([512])  # another engine's start-up: unfreezes, collects, freezes again
+        del c
+        gc.collect()
+        assert (ref() is not None) is freeze  # frozen while alive: not walked, and so not collected
+        m.engine.runner.warm_up([512])
+        assert ref() is None  # the next freeze collects what an earlier one held
         assert [o.token_ids for o in m.generate(ps, GREEDY32)] == expected
     assert gc.get_freeze_count() == 0 and not m.engine.runner.heap_frozen
