@@ -88,16 +88,16 @@ class PagePool:
         if not len(idx):
             return []
         ref = self._ref
+        counts: np.ndarray | int = 1
         if self._repeats(idx):
             idx, counts = np.unique(idx, return_counts=True)
-        else:
-            counts = np.ones(len(idx), dtype=np.int64)
         held = ref[idx]
-        short = np.flatnonzero(held < counts)
-        if len(short):
-            i = short[0]
+        short = held < counts
+        if short.any():
+            i = int(short.argmax())
+            drop = counts if isinstance(counts, int) else int(counts[i])
             raise ValueError(
-                f"decref of page {int(idx[i])} below zero (refcount {int(held[i])}, dropping {int(counts[i])})"
+                f"decref of page {int(idx[i])} below zero (refcount {int(held[i])}, dropping {drop})"
             )
         ref[idx] = held - counts
         freed = idx[held == counts].tolist()
@@ -121,7 +121,8 @@ class PagePool:
     def _ids(self, pages: Iterable[int]) -> np.ndarray:
         """pages as an int64 array, every id in range (ValueError naming the first that is not)."""
         idx = np.fromiter(pages, dtype=np.int64) if not isinstance(pages, np.ndarray) else pages
-        if len(idx) and (idx.min() < 1 or idx.max() > self._num_total):
+        # one pass: ids below 1 wrap to huge unsigned values
+        if len(idx) and (idx - 1).view(np.uint64).max() >= self._num_total:
             for p in idx.tolist():
                 self._check_id(p)
         return idx
