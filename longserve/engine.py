@@ -85,6 +85,7 @@ class Engine:
         self._ids = itertools.count()
         self.last_step_stats = StepStats()
         self._wait_time = 0.0  # this step's time in _complete waiting for the device
+        self._read_at: float | None = None  # when this step's first _complete had the tokens
         self.broken = False  # an abort failed: page accounting can no longer be trusted (see abort_all)
         self._grammar_compiler: GrammarCompiler | None = None
         self._grammar_lock = threading.Lock()
@@ -275,6 +276,7 @@ class Engine:
         would wait for all of it: then they are read before the launch and handed to `on_outputs` at once."""
         t0 = time.perf_counter()
         self._wait_time = 0.0
+        self._read_at = None
         touched: dict[str, Group] = {}
         prev, self._in_flight = self._in_flight, None
         sched_out = self.scheduler.schedule()
@@ -334,6 +336,7 @@ class Engine:
             kv_usage=self.kv.usage(),
             step_time=time.perf_counter() - t0,
             wait_time=self._wait_time,
+            read_time=self._read_at - t0 if self._read_at is not None else -1.0,
         )
         return outputs
 
@@ -353,7 +356,10 @@ class Engine:
         sched_out = launched.sched_out
         start = time.perf_counter()
         runner_out = launched.sampled.result()
-        self._wait_time += time.perf_counter() - start
+        read = time.perf_counter()
+        self._wait_time += read - start
+        if self._read_at is None:
+            self._read_at = read
         requests = self.scheduler.requests
         for request_id, result in (runner_out.prompt_logprobs or {}).items():
             if request_id in requests:  # not ended meanwhile

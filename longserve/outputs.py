@@ -191,6 +191,10 @@ class StepStats:
     kv_usage: float = 0.0
     step_time: float = 0.0  # the step() call's wall time, s
     wait_time: float = 0.0  # of which waiting for the device (reading a launched step's tokens), s
+    # when the step's first read of a launched step's tokens ended (the step in flight when overlapped, its own
+    # otherwise), s after the call's start; -1: none read. What a read-to-read device time needs
+    # (scripts/probes/prompt_step_fit.py): with the early read it falls inside the launch
+    read_time: float = -1.0
 
 
 @dataclass(frozen=True, slots=True)

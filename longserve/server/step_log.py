@@ -4,9 +4,10 @@ took, not what the server did meanwhile).
 
 Each line: `t` (s since the log opened, at the iteration's start), `idle_ms` (waiting for work before it),
 `commands` and `commands_ms` (requests added, aborts), `step_ms` (Engine.step's wall time) and `wait_ms` (of
-which reading a launched step's tokens, i.e. waiting for the device), `prefill` and `decode` (tokens the step
-computed), `running`/`waiting` (requests after it), `early` (outputs handed out before a prefill launch),
-`outputs`, and `send_ms` (metrics and hand-out to the event loop). A step whose `step_ms` is much more than
+which reading a launched step's tokens, i.e. waiting for the device), `read_ms` (when, into the step, its first
+such read had the tokens: the end of the step in flight as the host saw it; -1 if none), `prefill` and `decode`
+(tokens the step computed), `running`/`waiting` (requests after it), `early` (outputs handed out before a
+prefill launch), `outputs`, and `send_ms` (metrics and hand-out to the event loop). A step whose `step_ms` is much more than
 its `wait_ms` is bound by the host; a long `idle_ms` while requests wait elsewhere (tokenizing) shows too.
 The first line, `{"opened_unix": ...}`, is the wall-clock time of t = 0 (to line the log up with a client's
 timings). The file is written anew at each start; lines are buffered and flushed every second and at exit.
@@ -61,6 +62,7 @@ class StepLog:
             line.update(
                 step_ms=round(step.step_time * 1e3, 3),
                 wait_ms=round(step.wait_time * 1e3, 3),
+                read_ms=round(step.read_time * 1e3, 3) if step.read_time >= 0 else -1,
                 prefill=step.num_prefill_tokens,
                 decode=step.num_decode_tokens,
                 running=step.num_running,

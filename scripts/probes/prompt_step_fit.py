@@ -1,7 +1,7 @@
 """What a prompt step beside decodes costs the device, from one HTTP call's step log (CPU only).
 
 Fits each prompt step's device time, read to read (when the loop read its tokens minus when it read the step
-before's, for steps launched while that one still ran), by least squares over: the prompts in it, their tokens,
+before's, for steps launched while that one still ran; the step log's `read_ms` stamps where the log has them), by least squares over: the prompts in it, their tokens,
 the piecewise-bucket padding tokens, the decode rows beside them, and whether the step before also held prompt
 tokens; prints the terms and the rms. Steps are matched to the workload's requests by prompt tokens (the log has
 no request ids; arrivals are admitted in order, so a step's prompt tokens are the sum of the next few waiting
@@ -24,8 +24,9 @@ from longserve.bench.records import find_record, open_record
 from longserve.runner.piecewise_graph import piecewise_buckets
 
 PIECEWISE_MAX = 4096  # the served --piecewise-cuda-graph-max-tokens: longer steps ran eager
-# schedule + prepare before an early read (a guess; the log has no stamp for it). From `f5438e9` the early read
-# comes after the step's first piecewise layers are launched too (engine.Engine.step): about 1 ms more.
+# schedule + prepare before an early read, in logs without the `read_ms` stamp (before the twentieth session; a
+# guess). From `f5438e9` the early read comes after the step's first piecewise layers are launched too
+# (engine.Engine.step): about 1 ms more, which only the stamp gives.
 EARLY_PREP_MS = 1.0
 
 
@@ -65,11 +66,22 @@ def prompt_steps(log: list[dict], reqs: list[dict], window: int = 8) -> dict[int
     return members
 
 
+def read_at(row: dict) -> float | None:
+    """When the iteration's step had read the step in flight (loop seconds): its `read_ms` stamp, logged since
+    the twentieth session; None in older logs."""
+    if row.get("read_ms", -1) < 0:
+        return None
+    return row["t"] + (row["commands_ms"] + row["read_ms"]) / 1e3
+
+
 def tokens_read(log: list[dict], k: int) -> float:
     """When the loop read the tokens of the step launched at iteration k (loop seconds)."""
     nxt = log[k + 1] if k + 1 < len(log) else None
     if nxt is None or "step_ms" not in nxt:
         return log[k]["t"] + (log[k]["commands_ms"] + log[k]["step_ms"]) / 1e3
+    stamped = read_at(nxt)
+    if stamped is not None:
+        return stamped
     if nxt.get("prefill", 0) and nxt.get("early", 0):
         return nxt["t"] + (nxt["commands_ms"] + EARLY_PREP_MS + nxt["wait_ms"]) / 1e3
     return nxt["t"] + (nxt["commands_ms"] + nxt["step_ms"]) / 1e3
@@ -87,7 +99,9 @@ def main(argv: list[str]) -> None:
         r = log[k]
         if k not in members or r["wait_ms"] <= 2:  # launched while the step before ran
             continue
-        before = r["t"] + (r["commands_ms"] + EARLY_PREP_MS + r["wait_ms"]) / 1e3
+        before = read_at(r)
+        if before is None:
+            before = r["t"] + (r["commands_ms"] + EARLY_PREP_MS + r["wait_ms"]) / 1e3
         tokens = r["prefill"] + r["decode"]
         eager = tokens > PIECEWISE_MAX
         pad = 0 if eager else next(b for b in buckets if b >= tokens) - tokens

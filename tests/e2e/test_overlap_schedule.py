@@ -274,11 +274,14 @@ def test_tokens_in_flight_are_handed_out_before_a_prefill_launch(ckpt):
 
     engine.add_request(first, params, request_id="a")
     engine.step(on_outputs=on_outputs)  # a's prompt
+    assert engine.last_step_stats.read_time == -1.0  # nothing was in flight: nothing read (the step log's -1)
     engine.step(on_outputs=on_outputs)  # a's first decode, in flight; a's first token read
     engine.add_request(second, params, request_id="b")
     events.clear()
     assert engine.step(on_outputs=on_outputs) == []  # what it read went out during the launch
     assert events == [("launch", 1 + len(second)), ("out", [("a", 2)])]
+    stats = engine.last_step_stats  # the read's end, logged as read_ms, lies within the step
+    assert 0 <= stats.wait_time <= stats.read_time <= stats.step_time
     final = {}
     while engine.has_unfinished():
         for out in engine.step(on_outputs=on_outputs):

@@ -415,7 +415,8 @@ def test_overlapped_engine_hands_tokens_out_before_a_prefill(tiny_model):
 
 def test_step_log_accounts_for_every_step_and_token(engine, tmp_path):
     """--step-log (server/step_log.py): one line per loop iteration; the steps' prompt and generated tokens
-    add up to what the requests computed, and the time waiting for the device is part of each step's."""
+    add up to what the requests computed, and the time waiting for the device, and when the read ended, are
+    within each step's."""
     import json
 
     path = tmp_path / "steps.jsonl"
@@ -443,6 +444,8 @@ def test_step_log_accounts_for_every_step_and_token(engine, tmp_path):
     assert sum(s["prefill"] for s in steps) == sum(map(len, prompts))
     assert sum(s["decode"] for s in steps) == len(prompts) * (9 - 1)  # each first token comes with its prompt
     assert all(0 <= s["wait_ms"] <= s["step_ms"] for s in steps)
+    # the plain schedule (CPU) reads each step's own tokens within it: when, into the step, is logged
+    assert not engine.overlap and all(0 <= s["wait_ms"] <= s["read_ms"] <= s["step_ms"] for s in steps)
     assert sum(line["commands"] for line in lines) == len(prompts)  # the three adds
     assert sum(line["outputs"] + line["early"] for line in lines) >= len(prompts) * 9
     times = [line["t"] for line in lines]
