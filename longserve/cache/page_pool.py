@@ -120,7 +120,11 @@ class PagePool:
 
     def _ids(self, pages: Iterable[int]) -> np.ndarray:
         """pages as an int64 array, every id in range (ValueError naming the first that is not)."""
-        idx = np.fromiter(pages, dtype=np.int64) if not isinstance(pages, np.ndarray) else pages
+        idx = (
+            np.asarray(pages, dtype=np.int64)
+            if isinstance(pages, np.ndarray)
+            else np.fromiter(pages, np.int64)
+        )
         # one pass: ids below 1 wrap to huge unsigned values
         if len(idx) and (idx - 1).view(np.uint64).max() >= self._num_total:
             for p in idx.tolist():

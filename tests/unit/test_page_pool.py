@@ -117,3 +117,20 @@ def test_the_pool_is_the_one_home_of_the_page_size() -> None:
     for bad in (0, -16):
         with pytest.raises(ValueError, match="page_size must be positive"):
             PagePool(4, bad)
+
+
+def test_pages_as_arrays_of_any_int_dtype_count_like_lists() -> None:
+    # the prefix cache hands lists; arrays (an int32 page row, say) are taken as well, checked the same way
+    import numpy as np
+
+    pool = PagePool(8, PS)
+    pages = pool.alloc(3)
+    pool.incref(np.array(pages, dtype=np.int32))
+    assert [pool.ref(p) for p in pages] == [2, 2, 2]
+    assert pool.decref(np.array(pages, dtype=np.int16)) == []
+    assert pool.decref(pages) == pages
+    with pytest.raises(ValueError, match="page id 9 out of range"):
+        pool.incref(np.array([1, 9], dtype=np.int32))
+    with pytest.raises(ValueError, match="page id 0 out of range"):
+        pool.decref(np.array([0], dtype=np.int64))
+    pool.check()
