@@ -105,6 +105,13 @@ class PagePool:
             heapq.heappush(self._free, p)
         return freed
 
+    def num_sole(self, pages: list[int]) -> int:
+        """How many of `pages` have one reference left (a decref would free them). Ids are not checked."""
+        ref = self._ref
+        if len(pages) <= 16:  # an evicted small node: scalar reads beat the array's conversion
+            return sum(1 for p in pages if ref[p] == 1)
+        return int(np.count_nonzero(ref[np.fromiter(pages, np.int64)] == 1))
+
     def check(self) -> None:
         """Assert internal consistency; cheap enough for tests, O(num_pages)."""
         assert self._ref[0] == 0, "reserved page 0 was referenced"

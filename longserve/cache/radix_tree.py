@@ -256,6 +256,7 @@ class RadixTree(PrefixCache):
         heapq.heapify(heap)
         ps = self.page_size
         freed = 0
+        dropped: list[int] = []  # the evicted nodes' pages, let go of in one decref at the end
         while heap and (num_pages is None or freed < num_pages):
             _, _, node = heapq.heappop(heap)
             parent = node.parent
@@ -265,9 +266,14 @@ class RadixTree(PrefixCache):
             node.detached = True
             self._num_cached_pages -= len(node.pages)
             self._num_evictable_pages -= len(node.pages)
-            freed += len(self.pool.decref(node.pages))
+            # what the decref will free: pages no request holds (nothing else moves a count meanwhile)
+            freed += self.pool.num_sole(node.pages)
+            dropped.extend(node.pages)
             if parent is not self._root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, parent.pages[0], parent))
+        # one vectorized decref: per node it cost ~8 us (16,000 one-page nodes: 57 -> 155 ms when the pool's
+        # counts became an array; the CI CPU)
+        self.pool.decref(dropped)
         return freed
 
     def pages(self) -> Iterator[int]:

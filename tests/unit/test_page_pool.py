@@ -134,3 +134,12 @@ def test_pages_as_arrays_of_any_int_dtype_count_like_lists() -> None:
     with pytest.raises(ValueError, match="page id 0 out of range"):
         pool.decref(np.array([0], dtype=np.int64))
     pool.check()
+
+
+@pytest.mark.parametrize("n", [3, 40])  # the scalar reads and the array path
+def test_num_sole_counts_the_pages_a_decref_would_free(n: int) -> None:
+    pool = PagePool(64, PS)
+    pages = pool.alloc(n)
+    pool.incref(pages[::2])  # every other page held twice
+    assert pool.num_sole(pages) == n // 2 == len(pool.decref(list(pages)))
+    pool.check()
