@@ -496,3 +496,28 @@ def test_the_manager_runs_the_same_calls_with_or_without_a_prefix_cache(caching:
     kv.release(b, cache=False)
     assert kv.flush() == (2 if caching else 0) and kv.num_free_pages == 8
     kv.check_integrity([])
+
+
+def test_pages_computed_twice_switch_to_the_caches_copies_and_free_their_own() -> None:
+    # two requests with one prompt computed side by side (neither cached when the other was admitted): the
+    # second to cache its pages takes the tree's copies and its own go back to the pool, no page leaked
+    from longserve.cache.manager import KVCacheManager
+    from longserve.request import Request
+    from longserve.sampling_params import SamplingParams
+
+    kv = KVCacheManager(16, 2)
+    prompt = [7, 8, 9, 10, 11, 12, 13]
+    a, b = (Request(r, list(prompt), SamplingParams(max_new_tokens=1)) for r in "ab")
+    for r in (a, b):
+        assert kv.match_prefix(r) == 0 and kv.allocate(r, len(prompt))
+        r.num_computed_tokens = len(prompt)
+    assert a.page_ids == [1, 2, 3, 4] and b.page_ids == [5, 6, 7, 8]
+    kv.cache_computed(a)
+    kv.cache_computed(b)  # its 3 full pages were computed twice: the tree's (a's) replace them
+    assert b.page_ids == [1, 2, 3, 8] and kv.num_free_pages == 16 - 5
+    assert [kv.pool.ref(p) for p in (1, 2, 3, 4, 8)] == [3, 3, 3, 1, 1]
+    kv.check_integrity([a, b])
+    kv.release(a)
+    kv.release(b)
+    kv.check_integrity([])
+    assert kv.num_free_pages == 16 - 3 and kv.flush() == 3
