@@ -16,8 +16,9 @@ runs the same passes, so their collectives pair up.
 
 Then the start-up heap is frozen (`freeze_heap`), as vLLM's engine core does after its start-up: the garbage
 collector's full collections, which pause the stepping thread, no longer walk the hundreds of thousands of
-objects of torch, the model, its graphs and plans (one such collection: ~120 ms on the CI CPU with only a tiny
-model loaded), only what serving allocates. `unfreeze_heap` at shutdown gives them back to the collector.
+objects of torch, the model, its graphs and plans (up to ~200 ms a collection at an 8B engine's start-up on an
+H200 host: scripts/probes/gc_pauses.py, RESULTS.md twentieth session), only what serving allocates.
+`unfreeze_heap` at shutdown gives them back to the collector.
 """
 
 from __future__ import annotations

@@ -7,8 +7,9 @@ Each line: `t` (s since the log opened, at the iteration's start), `idle_ms` (wa
 which reading a launched step's tokens, i.e. waiting for the device), `read_ms` (when, into the step, its first
 such read had the tokens: the end of the step in flight as the host saw it; -1 if none), `prefill` and `decode`
 (tokens the step computed), `running`/`waiting` (requests after it), `early` (outputs handed out before a
-prefill launch), `outputs`, and `send_ms` (metrics and hand-out to the event loop). A step whose `step_ms` is much more than
-its `wait_ms` is bound by the host; a long `idle_ms` while requests wait elsewhere (tokenizing) shows too.
+prefill launch), `outputs`, and `send_ms` (metrics and hand-out to the event loop). A step whose `step_ms` is
+much more than its `wait_ms` is bound by the host; a long `idle_ms` while requests wait elsewhere (tokenizing)
+shows too.
 The first line, `{"opened_unix": ...}`, is the wall-clock time of t = 0 (to line the log up with a client's
 timings). The file is written anew at each start; lines are buffered and flushed every second and at exit.
 `scripts/probes/step_log_summary.py` sums a log up per workload.
