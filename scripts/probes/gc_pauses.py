@@ -1,8 +1,9 @@
 """GPU probe (runs anywhere): the garbage collector's pauses inside each timed `bench latency` run.
 
-Every cold 8K run on record since `c2dd2fd` has its second timed run 7-11% slower than its first (RESULTS.md
-twentieth session), where the two 32K runs agree: a full collection of the start-up heap (~120 ms on the CI CPU
-with a tiny model) is one candidate. This runs `longserve.bench.latency` with its arguments and prints, per
+Written when every cold 8K record since `c2dd2fd` had its second timed run 7-11% slower than its first, with a full
+collection of the start-up heap as a candidate. On an H200 (RESULTS.md twentieth session) no collection inside a
+timed run took over 3.2 ms, frozen heap or not, and the slow run was intermittent (the chip at its power limit).
+This runs `longserve.bench.latency` with its arguments and prints, per
 generate call, its wall time and the collections that ran inside it (count and ms per generation); with
 `runner.warm_up.FREEZE_HEAP` set either way through scripts/probes/with_constants.py it compares the heap frozen
 after the warm-up (the default) against not:
