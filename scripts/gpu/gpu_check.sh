@@ -24,6 +24,12 @@ mkdir -p "$OUT"; export OUT
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} LONGSERVE_COMMIT=${LONGSERVE_COMMIT:-unknown}
 unset TRITON_INTERPRET
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+# the chip's clock and power every 200 ms through the mode (it runs prefill at its 700 W limit, the SM clock
+# ~1,500 of 1,980 MHz, and one short run in five to nine came out 7-11% slow: RESULTS.md twentieth session)
+nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv -lms 200 \
+  > "$OUT/clocks.csv" 2>&1 &
+clocks_pid=$!
+trap 'kill $clocks_pid 2> /dev/null' EXIT
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 status=0
 # the official FP8 checkpoints' quantization_config (128x128 blocks, dynamic activations) on dummy weights, as the
