@@ -167,20 +167,10 @@ def simulate(reqs, policy):
     in_flight = None  # (device end, sampled requests, had prompt tokens)
     dev_free = 0.0
 
-    def emit(step, t):
-        end, sampled, _ = step
-        for r in sampled:
-            r.produced += 1
-            r.token_times.append(t)
-            if r.first_token is None:
-                r.first_token = t
-            if r.produced >= r.output and r in running:
-                running.remove(r)
-
     def read(step):
         nonlocal host
         host = max(host, step[0]) + READ_MS / 1e3
-        emit(step, host)
+        hand_out(step[1], host, running)
 
     while pending or waiting or running or in_flight:
         host += LOOP_MS / 1e3
@@ -243,9 +233,25 @@ def simulate(reqs, policy):
             if in_flight:
                 read(in_flight)
             in_flight = step
+    return delivered(reqs, OUT_MS)
+
+
+def hand_out(sampled, t, running):
+    """A step's tokens reach its sampled requests at t; those done leave `running`."""
+    for r in sampled:
+        r.produced += 1
+        r.token_times.append(t)
+        if r.first_token is None:
+            r.first_token = t
+        if r.produced >= r.output and r in running:
+            running.remove(r)
+
+
+def delivered(reqs, out_ms):
+    """Every token's time as the client sees it: out_ms after the engine handed it out."""
     for r in reqs:
-        r.first_token += OUT_MS / 1e3
-        r.token_times = [t + OUT_MS / 1e3 for t in r.token_times]
+        r.first_token += out_ms / 1e3
+        r.token_times = [t + out_ms / 1e3 for t in r.token_times]
     return reqs
 
 
@@ -263,13 +269,7 @@ def simulate_vllm(reqs, mods):
         # tokens of steps ended by now
         for end, sampled in [s for s in inflight if s[0] <= t]:
             inflight.remove((end, sampled))
-            for r in sampled:
-                r.produced += 1
-                r.token_times.append(end)
-                if r.first_token is None:
-                    r.first_token = end
-                if r.produced >= r.output and r in running:
-                    running.remove(r)
+            hand_out(sampled, end, running)
         while pending and pending[0].arrival + IN_VLLM / 1e3 <= t:
             waiting.append(pending.pop(0))
         # a decode row is planned only once its previous token is known or in flight (async: one step ahead)
@@ -321,10 +321,7 @@ def simulate_vllm(reqs, mods):
         t = start + 0.0005
         if len(inflight) > 1:
             t = max(t, min(s[0] for s in inflight))
-    for r in reqs:
-        r.first_token += OUT_VLLM / 1e3
-        r.token_times = [x + OUT_VLLM / 1e3 for x in r.token_times]
-    return reqs
+    return delivered(reqs, OUT_VLLM)
 
 
 MODEL_A = dict(
