@@ -306,8 +306,11 @@ class ModelRunner:
         extend_graph = (
             not decode_graph and self.extend_graphs is not None and self.extend_graphs.can_run(meta)
         )
-        pieces = not (decode_graph or extend_graph) and self.piecewise_graphs is not None
-        pieces = pieces and self.piecewise_graphs.can_run(meta)
+        pieces = (
+            not (decode_graph or extend_graph)
+            and self.piecewise_graphs is not None
+            and self.piecewise_graphs.can_run(meta)
+        )
         if early is not None and not pieces:
             early()
         with torch.inference_mode():
