@@ -35,9 +35,9 @@ def _heads(x: torch.Tensor) -> torch.Tensor:
 # or model outputs), like the piecewise graphs' static qkv buffer (runner/piecewise_graph.py). A padded call then
 # reads its q/k/v in place instead of a zeroed copy: under the causal mask a real row never sees a later row, and
 # a non-causal call's extra query rows are dropped. Finite matters: a masked key's P is 0, and 0 x inf is NaN.
-# On an H200 the copies (a zero fill and three copies a layer) took ~2 ms of a 1,232-token prompt step's ~31 ms
-# of kernels beside decodes (RESULTS.md nineteenth session).
-# Not yet measured end to end (`with_constants.py longserve.attention.sdpa.PAD_IN_PLACE=False` is the A/B).
+# On an H200 the copies (a zero fill and three copies a layer) took ~1.1 ms of a 1,232-token prompt step's ~31 ms
+# of kernels beside decodes; in place, the step's device time 30.95 -> 30.06 ms (RESULTS.md twentieth session;
+# `with_constants.py longserve.attention.sdpa.PAD_IN_PLACE=False` is the A/B).
 PAD_IN_PLACE = True
 _PADDABLE: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 
