@@ -74,6 +74,12 @@ def read_at(row: dict) -> float | None:
     return row["t"] + (row["commands_ms"] + row["read_ms"]) / 1e3
 
 
+def early_read_guess(row: dict) -> float:
+    """When a prompt step's early read of the step in flight ended, in a log without `read_ms` (loop seconds):
+    after the step's schedule and prepare (EARLY_PREP_MS) and its wait."""
+    return row["t"] + (row["commands_ms"] + EARLY_PREP_MS + row["wait_ms"]) / 1e3
+
+
 def tokens_read(log: list[dict], k: int) -> float:
     """When the loop read the tokens of the step launched at iteration k (loop seconds)."""
     nxt = log[k + 1] if k + 1 < len(log) else None
@@ -83,7 +89,7 @@ def tokens_read(log: list[dict], k: int) -> float:
     if stamped is not None:
         return stamped
     if nxt.get("prefill", 0) and nxt.get("early", 0):
-        return nxt["t"] + (nxt["commands_ms"] + EARLY_PREP_MS + nxt["wait_ms"]) / 1e3
+        return early_read_guess(nxt)
     return nxt["t"] + (nxt["commands_ms"] + nxt["step_ms"]) / 1e3
 
 
@@ -101,7 +107,7 @@ def main(argv: list[str]) -> None:
             continue
         before = read_at(r)
         if before is None:
-            before = r["t"] + (r["commands_ms"] + EARLY_PREP_MS + r["wait_ms"]) / 1e3
+            before = early_read_guess(r)
         tokens = r["prefill"] + r["decode"]
         eager = tokens > PIECEWISE_MAX
         pad = 0 if eager else next(b for b in buckets if b >= tokens) - tokens
