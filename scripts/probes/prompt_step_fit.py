@@ -31,12 +31,17 @@ EARLY_PREP_MS = 1.0
 
 
 def load(call: Path, workload: str, steps_name: str, marks_name: str) -> tuple[list[dict], list[dict]]:
-    """The step log's loop iterations from the workload's start, and its requests in arrival order."""
-    marks = dict(line.split() for line in (call / marks_name).read_text().splitlines())
+    """The step log's loop iterations from the workload's start to the next workload's, and its requests in
+    arrival order."""
+    marks = {
+        name: float(t) for name, t in (line.split() for line in (call / marks_name).read_text().splitlines())
+    }
     with open_record(find_record(call, steps_name)) as f:
         rows = [json.loads(line) for line in f]
-    start = float(marks[workload.removesuffix("_ab")]) - rows[0]["opened_unix"]
-    log = [r for r in rows[1:] if r["t"] >= start]
+    began = marks[workload.removesuffix("_ab")]
+    start = began - rows[0]["opened_unix"]
+    end = min((t for t in marks.values() if t > began), default=float("inf")) - rows[0]["opened_unix"]
+    log = [r for r in rows[1:] if start <= r["t"] < end]
     with open_record(find_record(call / workload, "results.json")) as f:
         results = json.load(f)
     reqs = sorted(results["runs"][0]["requests"], key=lambda r: r["start"])
