@@ -12,6 +12,12 @@ Cases, each per layer, median of CUDA-event timings:
 Each FA3 output is checked against ours (relative error). Needs vLLM's build on PYTHONPATH (`.anchor/`, see
 `../shared/anchors/README.md`): `PYTHONPATH=.:/tmp/site python3 scripts/probes/attention_vs_fa3.py`. Prints one
 JSON line a case and writes `$OUT/attention_vs_fa3.json`.
+
+`PROBE_SUSTAINED=SECONDS` instead runs each library's calls back to back for that long, twice each, alternating
+(cuDNN, FA3, cuDNN, FA3), with the chip's SM clock and power read every 100 ms (`nvidia-smi -lms`): the 128K
+prompt's calls (8K new over 120K keys, no mask; the 8K causal square), as `with_fa3.py` substitutes them. In the
+engine FA3's calls took 7.8% off a 128K prompt where these bursts found the prefix calls equal (RESULTS.md,
+twenty-first session): whether a chip held at its 700 W limit runs one library's calls at a higher clock.
 """
 
 from __future__ import annotations
@@ -19,6 +25,9 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import subprocess
+import threading
+import time
 
 import torch
 
@@ -122,9 +131,89 @@ def chunk_case(prefix: int, new: int) -> dict:
     }  # fmt: skip
 
 
+def sustained(seconds: float) -> list[dict]:
+    """Back-to-back calls of each library for `seconds`, twice each alternating; ms a call over each window's
+    second half, and the SM clock / power read meanwhile."""
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+    dev, scale = "cuda", D**-0.5
+    new, keys = 8192, 122880
+    qkv = torch.randn(new, (HQ + 2 * HKV) * D, device=dev, dtype=DT)  # the engine's fused layout
+    q, k_new, v_new = (t.view(new, -1, D) for t in qkv.split([HQ * D, HKV * D, HKV * D], dim=1))
+    k = torch.randn(keys, HKV, D, device=dev, dtype=DT)
+    v = torch.randn(keys, HKV, D, device=dev, dtype=DT)
+
+    def fa3_call(kk, vv, causal):
+        n = kk.shape[0]
+        cu_q = torch.tensor([0, new], dtype=torch.int32, device=dev)
+        cu_k = torch.tensor([0, n], dtype=torch.int32, device=dev)
+        return lambda: flash_attn_varlen_func(
+            q, kk, vv, new, cu_q, n, cu_seqlens_k=cu_k, softmax_scale=scale, causal=causal,
+            return_softmax_lse=True, fa_version=3,
+        )  # fmt: skip
+
+    def cudnn_call(kk, vv, causal):
+        return lambda: sdpa.attention_with_lse(
+            sdpa._heads(q), sdpa._heads(kk), sdpa._heads(vv), causal, scale
+        )
+
+    cases = {
+        "prefix 8K over 120K": (4 * new * keys * D * HQ, {"cudnn": cudnn_call(k, v, False), "fa3": fa3_call(k, v, False)}),
+        "causal 8K": (4 * new * (new + 1) / 2 * D * HQ,
+                      {"cudnn": cudnn_call(k_new, v_new, True), "fa3": fa3_call(k_new, v_new, True)}),
+    }  # fmt: skip
+    smi = subprocess.Popen(
+        ["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits", "-lms", "100"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    readings: list[tuple[float, float, float]] = []
+
+    def read_smi() -> None:
+        for line in smi.stdout:
+            try:
+                sm, watts = (float(x) for x in line.split(","))
+            except ValueError:
+                continue
+            readings.append((time.monotonic(), sm, watts))
+
+    threading.Thread(target=read_smi, daemon=True).start()
+    rows = []
+    for name, (flop, calls) in cases.items():
+        for lib in ("cudnn", "fa3", "cudnn", "fa3"):
+            fn = calls[lib]
+            start = time.monotonic()
+            times = []
+            while time.monotonic() - start < seconds:
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                for _ in range(4):
+                    fn()
+                b.record()
+                torch.cuda.synchronize()
+                times.append((time.monotonic() - start, a.elapsed_time(b) / 4))
+            half = [ms for t, ms in times if t >= seconds / 2]
+            mid = start + seconds / 2
+            clocks = [(sm, w) for t, sm, w in readings if mid <= t <= start + seconds]
+            row = {
+                "case": name, "library": lib, "ms": round(statistics.median(half), 3),
+                "tflops": tflops(flop, statistics.median(half)),
+                "sm_mhz": statistics.median(c[0] for c in clocks) if clocks else None,
+                "watts": round(statistics.median(c[1] for c in clocks), 1) if clocks else None,
+            }  # fmt: skip
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    smi.terminate()
+    return rows
+
+
 def main() -> None:
     torch.manual_seed(0)
     print(json.dumps({"cudnn": torch.backends.cudnn.version(), "gpu": torch.cuda.get_device_name()}))
+    if os.environ.get("PROBE_SUSTAINED"):
+        rows = sustained(float(os.environ["PROBE_SUSTAINED"]))
+        with open(os.path.join(os.environ.get("OUT", "/tmp"), "attention_vs_fa3_sustained.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+        return
     rows = []
     for length in (8192, 16384, 32768):
         rows.append(cold_case(length))
