@@ -4,6 +4,7 @@ log in a file, and what /proc says of a process (RSS, CPU time, per-mapping RSS)
 from __future__ import annotations
 
 import os
+import random
 import re
 import socket
 import subprocess
@@ -18,11 +19,34 @@ _LISTENING = re.compile(r"listening on http://\S+:(\d+); loading the model")
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 free a moment ago (bound and released): another process may take it before
-    its user binds it, so a server is better started on `--port 0` (ServerProcess does)."""
+    """A TCP port on 127.0.0.1 free a moment ago (bound and released), for a listener that must be named before it
+    starts (torch.distributed's rendezvous). Picked below the kernel's ephemeral range when the range is known
+    (/proc/sys/net/ipv4/ip_local_port_range): a port the kernel chose and released can be handed out again at once,
+    to a server on `--port 0` or a client's outgoing connection, before its user binds it (the multi-node tests'
+    rendezvous lost such a race); one outside the range only another explicit bind can take. A server itself is
+    better started on `--port 0` (ServerProcess does)."""
+    low = ephemeral_ports()[0]
+    for _ in range(64 if low > 2048 else 0):
+        port = random.randrange(max(1024, low - 16384), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # taken: another try
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range for ports it picks itself (Linux; elsewhere (0, 0): unknown)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+    except (OSError, ValueError):
+        return 0, 0
+    return low, high
 
 
 def read_rss(pid: int) -> dict[str, int]:
