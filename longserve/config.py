@@ -6,6 +6,7 @@ The HTTP side of `longserve serve` is server/config.py's ServerConfig."""
 from __future__ import annotations
 
 import codecs
+import itertools
 import json
 import logging
 import os
@@ -116,6 +117,11 @@ class EngineConfig:
     # H200 (RESULTS.md, 2026-12-03): the random workload's mixed steps 44.8 -> 26.8 ms, multi-turn's TTFT P50
     # 57.5 -> 44.5 ms and 4% more requests/s; 2.9 s of start-up and 0.8 GiB for the 8B shape
     piecewise_cuda_graph_max_tokens: int = 4096
+    # the step sizes (tokens) those graphs are captured at, ascending (SGLang's --piecewise-cuda-graph-tokens);
+    # None: 64 apart up to 1024, then an eighth of each power of two (runner/piecewise_graph.py). A step runs
+    # as the smallest size that holds it, and its GEMMs pay for the padding as for real rows (RESULTS.md,
+    # twenty-first session: ~21.6 ms per 1K padding tokens beside decodes, the 8B on an H200)
+    piecewise_cuda_graph_tokens: tuple[int, ...] | None = None
     # plan and launch step N+1 before step N's tokens are read, so the host's work hides behind the device's
     # (SGLang's overlap schedule, vLLM's async scheduling); None: on a GPU at one rank, off on the CPU
     # (nothing to hide) and under tensor parallelism (works there, not yet measured on GPUs)
@@ -204,6 +210,16 @@ class EngineConfig:
             f"piecewise_cuda_graph_max_tokens must be >= 0; got {self.piecewise_cuda_graph_max_tokens}",
             "piecewise_cuda_graph_max_tokens",
         )
+        sizes = self.piecewise_cuda_graph_tokens
+        if sizes is not None:
+            object.__setattr__(self, "piecewise_cuda_graph_tokens", sizes := tuple(sizes))
+            need(
+                len(sizes) > 0
+                and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in sizes)
+                and all(a < b for a, b in itertools.pairwise(sizes)),
+                f"piecewise_cuda_graph_tokens must be token counts >= 1 in ascending order; got {list(sizes)}",
+                "piecewise_cuda_graph_tokens",
+            )
         need(
             self.tp_overlap_min_tokens >= 0,
             f"tp_overlap_min_tokens must be >= 0; got {self.tp_overlap_min_tokens}",

@@ -19,7 +19,7 @@ import torch
 
 from longserve.attention.base import AttentionBackend, AttentionMetadata, ForwardContext, GraphShape, KVCache
 from longserve.config import EngineConfig
-from longserve.runner.piecewise_graph import PiecewiseGraphRunner
+from longserve.runner.piecewise_graph import PiecewiseGraphRunner, piecewise_buckets
 from longserve.runner.static_tokens import StaticTokens
 
 logger = logging.getLogger("longserve.runner.cuda_graph")
@@ -295,19 +295,34 @@ def build_graphs(
         extend = ExtendGraphRunner(model, kv_cache, backend, shape, max_tokens=max_tokens)
         extend.capture(pool=decode.pool)
     max_tokens = min(config.piecewise_cuda_graph_max_tokens, config.chunked_prefill_size)
-    pieces = capture_pieces(model, kv_cache, shape, max_tokens, decode.pool) if max_tokens >= 2 else None
+    pieces = None
+    if max_tokens >= 2:
+        pieces = capture_pieces(
+            model, kv_cache, shape, max_tokens, decode.pool, config.piecewise_cuda_graph_tokens
+        )
     if extend is not None and pieces is not None:
         extend.defers = pieces.max_tokens >= extend.max_tokens  # a deferred chunk runs in the pieces
     return decode, extend, pieces
 
 
 def capture_pieces(
-    model: torch.nn.Module, kv_cache: KVCache, shape: GraphShape, max_tokens: int, pool: object
+    model: torch.nn.Module,
+    kv_cache: KVCache,
+    shape: GraphShape,
+    max_tokens: int,
+    pool: object,
+    sizes: tuple[int, ...] | None = None,
 ) -> PiecewiseGraphRunner | None:
-    """The piecewise graphs, or None (mixed steps run eagerly, as with --piecewise-cuda-graph-max-tokens 0) when
-    a model's dense parts cannot be captured: they are on by default, an optimisation that must not keep a
-    server from starting; the warning names the error."""
-    pieces = PiecewiseGraphRunner(model, kv_cache, shape, max_tokens)
+    """The piecewise graphs at `sizes` (default: piecewise_buckets') up to max_tokens, or None (mixed steps run
+    eagerly, as with --piecewise-cuda-graph-max-tokens 0) when no size is left or a model's dense parts cannot be
+    captured: they are on by default, an optimisation that must not keep a server from starting; the warning
+    names the error."""
+    if not piecewise_buckets(max_tokens, sizes):
+        logger.info(
+            "no --piecewise-cuda-graph-tokens size within %d tokens: mixed steps run eagerly", max_tokens
+        )
+        return None
+    pieces = PiecewiseGraphRunner(model, kv_cache, shape, max_tokens, sizes)
     try:
         pieces.capture(pool=pool)
     except Exception as e:  # noqa: BLE001 - any capture failure: serve without them

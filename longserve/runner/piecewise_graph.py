@@ -59,9 +59,12 @@ def _early_after(layers: int, early: Callable[[], None] | None) -> Callable[[], 
     return early
 
 
-def piecewise_buckets(max_tokens: int) -> list[int]:
-    """64, 128, ..., 512 (steps of 64), 576, ..., 1024 (64), 1152, ..., 2048 (128), ... up to max_tokens, and
+def piecewise_buckets(max_tokens: int, sizes: tuple[int, ...] | None = None) -> list[int]:
+    """The step sizes captured: `sizes` (--piecewise-cuda-graph-tokens, ascending) up to max_tokens; by default
+    64, 128, ..., 512 (steps of 64), 576, ..., 1024 (64), 1152, ..., 2048 (128), ... up to max_tokens, and
     max_tokens itself."""
+    if sizes is not None:
+        return [n for n in sizes if n <= max_tokens]
     sizes, size = [], PIECEWISE_MIN_BUCKET
     while size < max_tokens:
         sizes.append(size)
@@ -74,10 +77,17 @@ def piecewise_buckets(max_tokens: int) -> list[int]:
 class PiecewiseGraphRunner:
     """Graphs of every piece at each bucket up to `max_tokens` (see the module's docstring)."""
 
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, shape: GraphShape, max_tokens: int) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_cache: KVCache,
+        shape: GraphShape,
+        max_tokens: int,
+        sizes: tuple[int, ...] | None = None,
+    ) -> None:
         self.model = model
         self.kv_cache = kv_cache
-        self.buckets = piecewise_buckets(max_tokens)
+        self.buckets = piecewise_buckets(max_tokens, sizes)
         self.max_tokens = n = self.buckets[-1] if self.buckets else 0
         device, d = shape.device, shape.head_dim
         self.tokens = StaticTokens(n, device)

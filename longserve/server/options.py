@@ -185,6 +185,9 @@ OPTIONS: tuple[Option, ...] = (
     Option(("--piecewise-cuda-graph-max-tokens",), E + "piecewise_cuda_graph_max_tokens",
            "a step of up to this many tokens replays its layers' dense parts as graphs, attention eager (0: off)",
            int),
+    Option(("--piecewise-cuda-graph-tokens",), E + "piecewise_cuda_graph_tokens",
+           "the step sizes (tokens, ascending) the piecewise graphs are captured at; a step runs as the smallest "
+           "that holds it", int, nargs="+", default_help="64 apart up to 1024, then an eighth of each power of two"),
     Option(("--tp-overlap-min-tokens",), E + "tp_overlap_min_tokens",
            "tp > 1: a step of this many tokens runs as two halves whose all-reduces overlap (0: off)", int),
     Option(("--max-queued-requests",), S + "max_queued_requests", "waiting requests before 503s", int),

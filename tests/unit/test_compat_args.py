@@ -130,3 +130,22 @@ def test_expert_parallel_on_a_dense_model_warns(caplog):
             text = caplog.text
             assert "trust_remote_code (--trust-remote-code) has no effect" in text
             assert "swap_space=2.0 GiB (--swap-space) has no effect" in text and "recomputes" in text
+
+
+def test_piecewise_cuda_graph_tokens_from_flag_env_and_yaml(tmp_path):
+    """SGLang's --piecewise-cuda-graph-tokens: the piecewise graphs' step sizes, ascending; refused otherwise,
+    naming the setting."""
+    engine, _ = parse(["--piecewise-cuda-graph-tokens", "64", "96", "2176"], environ={})
+    assert engine.piecewise_cuda_graph_tokens == (64, 96, 2176)
+    engine, _ = parse([], environ={"LONGSERVE_PIECEWISE_CUDA_GRAPH_TOKENS": "128,256"})
+    assert engine.piecewise_cuda_graph_tokens == (128, 256)
+    config = tmp_path / "serve.yaml"
+    config.write_text("piecewise-cuda-graph-tokens: [32, 48]\n")
+    assert parse(["--config", str(config)], environ={})[0].piecewise_cuda_graph_tokens == (32, 48)
+    assert parse([], environ={})[0].piecewise_cuda_graph_tokens is None  # the default schedule
+    for bad in (["256", "128"], ["64", "64"], ["0", "64"]):
+        with pytest.raises(ValueError) as e:
+            parse(["--piecewise-cuda-graph-tokens", *bad], environ={})
+        assert cli_message(e.value) == (
+            f"--piecewise-cuda-graph-tokens must be token counts >= 1 in ascending order; got [{', '.join(bad)}]"
+        )

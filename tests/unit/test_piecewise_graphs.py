@@ -47,6 +47,9 @@ def test_buckets():
     buckets = piecewise_buckets(8192)
     for n in range(513, 8193, 7):
         assert next(b for b in buckets if b >= n) <= n * 1.125
+    # --piecewise-cuda-graph-tokens: those sizes, up to the limit (a chunk, --piecewise-cuda-graph-max-tokens)
+    assert piecewise_buckets(4096, (100, 300, 4096, 5000)) == [100, 300, 4096]
+    assert piecewise_buckets(64, (100, 300)) == []
 
 
 def step_inputs(hf, prefix_lens, query_lens, seed):
@@ -89,13 +92,15 @@ def test_pieces_equal_forward(model_and_hf):
     torch.testing.assert_close(outs[1], outs[0], atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("sizes", [None, (24, 50, 66, 100)])
 @pytest.mark.parametrize("fused_store", [True, False])
 @pytest.mark.parametrize("query_lens", [[40, 23, 1, 1], [64, 1], [7, 1, 1]])
-def test_padded_pieces_equal_a_plain_step(model_and_hf, query_lens, fused_store, monkeypatch):
+def test_padded_pieces_equal_a_plain_step(model_and_hf, query_lens, fused_store, sizes, monkeypatch):
     """A mixed step through its bucket's static pieces (eager) equals the plain step: hidden states, the K/V
     of its real tokens; padding rows write only into page 0, though the buffers hold an earlier step's
     slots (pages of another request) past this step's rows. fused_store: the rotary kernel (as on a GPU,
-    interpreted here) stores the new K/V inside the pieces, padding rows included."""
+    interpreted here) stores the new K/V inside the pieces, padding rows included. sizes: buckets given
+    (--piecewise-cuda-graph-tokens), none of them a multiple of the default's 64."""
     import longserve.models.rope as rope
 
     monkeypatch.setattr(rope, "use_triton", lambda x: fused_store)
@@ -118,7 +123,10 @@ def test_padded_pieces_equal_a_plain_step(model_and_hf, query_lens, fused_store,
         plain = model(new_ids, positions, ForwardContext(meta, cache, backend))  # [n, H]
         k_plain, v_plain = cache.k[0].clone(), cache.v[0].clone()
         cache.k[0].copy_(before)  # as before the plain step
-        runner = PiecewiseGraphRunner(model, cache, graph_shape(model, 12 * PAGE), max_tokens=128)
+        runner = PiecewiseGraphRunner(
+            model, cache, graph_shape(model, 12 * PAGE), max_tokens=128, sizes=sizes
+        )
+        assert runner.buckets == (list(sizes) if sizes else [64, 128])
         runner.eager = True
         other = free[0]  # a page nobody in this step owns: an earlier, longer step's slots pointed there
         runner.tokens.slot_mapping.fill_(other * PAGE + 3)
@@ -266,3 +274,9 @@ def test_a_failed_capture_leaves_the_steps_eager(model_and_hf, monkeypatch, capl
     monkeypatch.setattr(PiecewiseGraphRunner, "capture", lambda self, pool=None: None)
     runner = cuda_graph.capture_pieces(model, cache, shape, 64, pool=None)
     assert isinstance(runner, PiecewiseGraphRunner) and runner.max_tokens == 64
+    runner = cuda_graph.capture_pieces(model, cache, shape, 64, pool=None, sizes=(16, 40, 100))
+    assert runner.buckets == [16, 40] and runner.max_tokens == 40
+    caplog.clear()
+    with caplog.at_level("INFO", logger="longserve.runner.cuda_graph"):
+        assert cuda_graph.capture_pieces(model, cache, shape, 64, pool=None, sizes=(100,)) is None
+    assert "no --piecewise-cuda-graph-tokens size within 64 tokens: mixed steps run eagerly" in caplog.text
