@@ -33,24 +33,14 @@ import torch
 
 from longserve.attention import sdpa
 from longserve.attention.base import build_metadata
+from longserve.platform import cuda_time_ms
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 DT = torch.bfloat16
 
 
-def time_ms(fn, warmup: int = 3, repeats: int = 10) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+def time_ms(fn) -> float:
+    return cuda_time_ms(fn, warmup=3, iters=1, repeats=10)  # median ms of 10 single calls
 
 
 def fa3(q, k, v, cu_q, max_q, *, cu_k=None, max_k=None, seqused_k=None, block_table=None):
