@@ -355,7 +355,7 @@ if [[ $MODE == vllm ]]; then  # one GPU: the 8B shape, longserve then vLLM 0.24 
     | grep '"engine"' | cut -c1-280
 fi
 
-if [[ $MODE == fa3 ]]; then  # one GPU (~2 min, .anchor/ carried): our attention against vLLM's FlashAttention-3, one
+if [[ $MODE == fa3 ]]; then  # one GPU (~4 min, .anchor/ carried): our attention against vLLM's FlashAttention-3, one
   # layer of the 8B (RESULTS.md twenty-first session): bursts of each shape, then each library's calls back to back
   # at the chip's power limit with its clock and power (FA3 in the engine took 7.8% off cold 128K where the bursts
   # found the prefix calls equal)
@@ -364,6 +364,12 @@ if [[ $MODE == fa3 ]]; then  # one GPU (~2 min, .anchor/ carried): our attention
     | tee "$OUT/attention_vs_fa3.log" | grep '^{' | cut -c1-200
   PROBE_SUSTAINED=5 PYTHONPATH=$PWD:/tmp/site timeout 150 python3 scripts/probes/attention_vs_fa3.py 2>&1 \
     | tee "$OUT/attention_vs_fa3_sustained.log" | grep '^{'
+  # the first draft of our own Hopper kernel (Gluon), checked against fp32 and timed beside cuDNN and FA3, with
+  # key tiles of 128 (spills ~50 registers on the CPU machine's sm90 build) and of 64 (none)
+  for bn in 128 64; do
+    GLUON_BLOCK_N=$bn PYTHONPATH=$PWD:/tmp/site timeout 150 python3 scripts/probes/gluon_attention.py 2>&1 \
+      | tee "$OUT/gluon_attention_bn$bn.log" | grep -E '^\{|Error' | cut -c1-400
+  done
 fi
 
 if [[ $MODE == chunks ]]; then  # one GPU: a lone cold prompt in chunks of 8K, 16K and 32K (issue 19's 32K/128K gap)

@@ -1,0 +1,394 @@
+"""GPU probe, first draft of a Hopper attention kernel of our own: causal and prefix (no mask) attention of one
+layer in Gluon (Triton 3.6's lower-level language: TMA, mbarriers, asynchronous wgmma, warp specialization),
+FlashAttention-3's structure without its ping-pong between warpgroups. Why: with vLLM's FA3 answering the engine's
+cuDNN calls, cold 128K took 7.8% less and 32K 3.7% less (RESULTS.md, twenty-first session); cuDNN offers no faster
+plan and its causal squares run 11-25% below FA3's rate. Not wired into the engine: this measures whether a kernel
+we own can get there.
+
+The kernel (one program per 128 query rows of one q head; GQA by the kv head's column in K/V):
+- a 1-warp load partition: Q's tile once, then K and V tiles of 128 keys through a ring of STAGES buffers by TMA,
+  each buffer freed by the compute partition's arrive;
+- the default partition (2 warpgroups): S_j = Q K_j^T issued asynchronously, then O += P_{j-1} V_{j-1} (P from
+  registers), the softmax of S_j while that runs (FA3's intra-warpgroup overlap), O rescaled once it lands;
+  masks only on the blocks that cross the causal diagonal (aligned bottom-right: query i of L sees keys up to
+  i + S - L) or the keys' end; the log-sum-exp (natural log) per row for the engine's merges.
+q/k/v are read as the engine lays them (views of the fused qkv output, or a prefix on consecutive cache pages):
+2D [rows, heads * D] with a row stride, 16-byte aligned. Written against Triton 3.6's Gluon, the GPU machine's
+(3.9 renamed the TMA copies). Built for sm90 on the CPU machine with 3.6: key tiles of 128 leave the compute
+partition 240 registers and spill ~50 (stack 112 bytes), tiles of 64 spill none (GLUON_BLOCK_N=64); the
+loop's algorithm (bounds, masks, the one-block-late P V, the log-sum-exp) matches fp32 in `--emulate`.
+
+    PYTHONPATH=$PWD python3 scripts/probes/gluon_attention.py            # on an H200: check against fp32, time
+    PYTHONPATH=/path/to/triton-3.6:$PWD python3 scripts/probes/gluon_attention.py --compile-only   # any machine
+    PYTHONPATH=$PWD python3 scripts/probes/gluon_attention.py --emulate   # the kernel's loop in torch, CPU
+The GPU run checks each shape against an fp32 reference (and cuDNN's call), times it against cuDNN (and FA3 when
+vLLM's build is on PYTHONPATH), and writes $OUT/gluon_attention.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+HQ, HKV, D = 32, 8, 128  # the Llama-3.1-8B shape
+BLOCK_M, NUM_WARPS = 128, 8
+BLOCK_N, STAGES = int(os.environ.get("GLUON_BLOCK_N", "128")), int(os.environ.get("GLUON_STAGES", "2"))
+LOAD_REGS = gl.constexpr(int(os.environ.get("GLUON_LOAD_REGS", "24")))  # the load partition's registers
+LOG2E = 1.4426950408889634
+
+
+@gluon.jit
+def _load_partition(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_free,
+                    q_row, q_col, kv_col, n_blocks, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    mbarrier.expect(q_ready, q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_ready, q_smem)
+    for j in range(n_blocks):
+        s = j % STAGES
+        phase = (j // STAGES) & 1
+        mbarrier.wait(kv_free.index(s), phase ^ 1)  # a fresh barrier counts as freed: the first waits pass
+        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [j * BLOCK_N, kv_col], k_ready.index(s), k_bufs.index(s))
+        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [j * BLOCK_N, kv_col], v_ready.index(s), v_bufs.index(s))
+
+
+@gluon.jit
+def _softmax_step(qk, m_i, l_i, j, rows, mask_from, num_keys, shift, qk_scale,
+                  BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, layout: gl.constexpr):  # fmt: skip
+    """One key block's online softmax (base 2): (p, the new max, the new sum, the old sum's factor)."""
+    s = qk * qk_scale
+    if (j + 1) * BLOCK_N > mask_from:  # the block crosses the diagonal or the keys' end
+        cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+        keep = cols[None, :] < num_keys
+        if CAUSAL:
+            keep = keep & (cols[None, :] <= rows[:, None] + shift)
+        s = gl.where(keep, s, -float("inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=1))
+    p = gl.exp2(s - m_new[:, None])
+    alpha = gl.exp2(m_i - m_new)
+    return p, m_new, l_i * alpha + gl.sum(p, axis=1), alpha
+
+
+@gluon.jit
+def _compute_partition(q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_free, o_ptr, lse_ptr, q_start, head,
+                       num_rows, num_keys, shift, n_blocks, mask_from, qk_scale, o_row_stride,
+                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                       CAUSAL: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 16]
+    )
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    rows = q_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+    m_i = gl.full([BLOCK_M], -float("inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
+    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+
+    mbarrier.wait(q_ready, 0)
+    # block 0: S_0 and its softmax
+    mbarrier.wait(k_ready.index(0), 0)
+    qk = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
+    p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, 0, rows, mask_from, num_keys, shift, qk_scale, BLOCK_N,
+                                       CAUSAL, s_layout)  # fmt: skip
+    for j in range(1, n_blocks):
+        s = j % STAGES
+        prev = (j - 1) % STAGES
+        mbarrier.wait(k_ready.index(s), (j // STAGES) & 1)
+        qk = warpgroup_mma(q_smem, k_bufs.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+        p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
+        acc = warpgroup_mma(p_op, v_bufs.index(prev), acc, is_async=True)
+        qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))  # S_j done; P_{j-1} V_{j-1} may still run
+        p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, j, rows, mask_from, num_keys, shift, qk_scale, BLOCK_N,
+                                           CAUSAL, s_layout)  # fmt: skip
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(kv_free.index(prev), count=1)  # K_{j-1} and V_{j-1} read
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    last = (n_blocks - 1) % STAGES
+    mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // STAGES) & 1)
+    p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
+    acc = warpgroup_mma(p_op, v_bufs.index(last), acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    mbarrier.arrive(kv_free.index(last), count=1)
+
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+    out = (acc / l_o[:, None]).to(gl.bfloat16)
+    o_rows = q_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+    o_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    o_offs = o_rows[:, None] * o_row_stride + head * HEAD_DIM + o_cols[None, :]
+    gl.store(o_ptr + o_offs, out, mask=(o_rows < num_rows)[:, None])
+    # natural log of sum(exp(scale * s)) = ln 2 * (m + log2(l)) in the base-2 units above
+    lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
+    gl.store(lse_ptr + head * num_rows + rows, lse, mask=rows < num_rows)
+
+
+@gluon.jit
+def attention_fwd_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, num_rows, num_keys, shift, qk_scale, o_row_stride,
+                         GROUP: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                         HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+    head = gl.program_id(0)  # the q heads of a kv head run side by side: their K/V stay in L2
+    tile = gl.program_id(1)
+    if CAUSAL:
+        tile = gl.num_programs(1) - 1 - tile  # the longest rows first
+    q_start = tile * BLOCK_M
+    if CAUSAL:
+        kv_end = gl.minimum(num_keys, q_start + BLOCK_M + shift)
+        mask_from = gl.minimum(num_keys, q_start + shift + 1)
+    else:
+        kv_end = num_keys
+        mask_from = num_keys
+    n_blocks = gl.cdiv(kv_end, BLOCK_N)
+
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
+    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_ready, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(kv_free.index(i), count=1)
+
+    gl.warp_specialize(
+        [
+            (_compute_partition, (q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_free, o_ptr, lse_ptr,
+                                  q_start, head, num_rows, num_keys, shift, n_blocks, mask_from, qk_scale,
+                                  o_row_stride, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, num_warps)),
+            (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_free,
+                               q_start, head * HEAD_DIM, (head // GROUP) * HEAD_DIM, n_blocks, BLOCK_N, STAGES)),
+        ],
+        [1],
+        [LOAD_REGS],
+    )  # fmt: skip
+
+
+def _rows_2d(x: torch.Tensor) -> torch.Tensor:
+    """[T, H, D] with unit stride along D and D along H (the engine's views) as [T, H * D] with its row stride."""
+    t, h, d = x.shape
+    assert x.stride(2) == 1 and x.stride(1) == d, x.stride()
+    return x.as_strided((t, h * d), (x.stride(0), 1))
+
+
+def descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
+    q_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D], gl.bfloat16)
+    kv_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], gl.bfloat16)
+    q2, k2, v2 = _rows_2d(q), _rows_2d(k), _rows_2d(v)
+    return (
+        TensorDescriptor(q2, list(q2.shape), list(q2.stride()), [BLOCK_M, D], q_layout),
+        TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [BLOCK_N, D], kv_layout),
+        TensorDescriptor(v2, list(v2.shape), list(v2.stride()), [BLOCK_N, D], kv_layout),
+    )
+
+
+def attention(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [L, Hq, D], k/v [S, Hkv, D] (bf16, the engine's strided views) -> (o [L, Hq, D], lse [Hq, L] fp32, natural
+    log); causal: the mask aligned bottom-right (query i sees keys up to i + S - L)."""
+    num_rows, num_heads, _ = q.shape
+    num_keys = k.shape[0]
+    o = torch.empty(num_rows, num_heads, D, dtype=q.dtype, device=q.device)
+    lse = torch.empty(num_heads, num_rows, dtype=torch.float32, device=q.device)
+    q_desc, k_desc, v_desc = descriptors(q, k, v)
+    grid = (num_heads, triton.cdiv(num_rows, BLOCK_M))
+    attention_fwd_kernel[grid](
+        q_desc, k_desc, v_desc, o, lse, num_rows, num_keys, num_keys - num_rows, scale * LOG2E, num_heads * D,
+        num_heads // k.shape[1], causal, BLOCK_M, BLOCK_N, D, STAGES, num_warps=NUM_WARPS, maxnreg=168,
+    )  # fmt: skip
+    return o, lse
+
+
+def reference(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32, per head: (o [L, Hq, D], lse [Hq, L])."""
+    group = q.shape[1] // k.shape[1]
+    qf, kf, vf = q.float().transpose(0, 1), k.float().transpose(0, 1), v.float().transpose(0, 1)
+    kf, vf = kf.repeat_interleave(group, 0), vf.repeat_interleave(group, 0)
+    s = torch.einsum("hld,hsd->hls", qf, kf) * scale
+    if causal:
+        rows, keys = q.shape[0], k.shape[0]
+        mask = (
+            torch.arange(keys, device=q.device)[None, :]
+            > torch.arange(rows, device=q.device)[:, None] + keys - rows
+        )
+        s = s.masked_fill(mask, -float("inf"))
+    lse = torch.logsumexp(s, -1)
+    return torch.einsum("hls,hsd->hld", torch.softmax(s, -1), vf).transpose(0, 1), lse
+
+
+def emulate(q, k, v, causal: bool, scale: float, block_n: int = BLOCK_N) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's loop in torch, tile by tile and block by block (its bounds, masks, base-2 online softmax with
+    the one-block-late P V, the log-sum-exp), for checking the algorithm on the CPU against `reference`."""
+    num_rows, num_heads, _ = q.shape
+    num_keys, group, shift = k.shape[0], num_heads // k.shape[1], k.shape[0] - q.shape[0]
+    qk_scale = scale * LOG2E
+    o = torch.zeros(num_rows, num_heads, D)
+    lse = torch.zeros(num_heads, num_rows)
+    for head in range(num_heads):
+        for q_start in range(0, num_rows, BLOCK_M):
+            rows = torch.arange(q_start, q_start + BLOCK_M)
+            qt = torch.zeros(BLOCK_M, D)  # TMA fills rows past the end with zeros
+            qt[: min(BLOCK_M, num_rows - q_start)] = q[q_start : q_start + BLOCK_M, head].float()
+            kv_end = min(num_keys, q_start + BLOCK_M + shift) if causal else num_keys
+            mask_from = min(num_keys, q_start + shift + 1) if causal else num_keys
+            m_i, l_i = torch.full((BLOCK_M,), -float("inf")), torch.zeros(BLOCK_M)
+            acc, p_prev, v_prev = torch.zeros(BLOCK_M, D), None, None
+            for j in range(-(-kv_end // block_n)):
+                kt, vt = torch.zeros(block_n, D), torch.zeros(block_n, D)
+                n = max(0, min(block_n, num_keys - j * block_n))
+                kt[:n] = k[j * block_n : j * block_n + n, head // group].float()
+                vt[:n] = v[j * block_n : j * block_n + n, head // group].float()
+                s = (qt @ kt.T) * qk_scale
+                if (j + 1) * block_n > mask_from:
+                    cols = j * block_n + torch.arange(block_n)
+                    keep = cols[None, :] < num_keys
+                    if causal:
+                        keep = keep & (cols[None, :] <= rows[:, None] + shift)
+                    s = s.masked_fill(~keep, -float("inf"))
+                m_new = torch.maximum(m_i, s.max(1).values)
+                p = torch.exp2(s - m_new[:, None])
+                alpha = torch.exp2(m_i - m_new)
+                l_i = l_i * alpha + p.sum(1)
+                if p_prev is not None:
+                    acc = acc + p_prev.bfloat16().float() @ v_prev  # P_{j-1} V_{j-1}, then the rescale
+                acc = acc * alpha[:, None]
+                m_i, p_prev, v_prev = m_new, p, vt
+            acc = acc + p_prev.bfloat16().float() @ v_prev
+            real = slice(0, min(BLOCK_M, num_rows - q_start))
+            o[q_start : q_start + BLOCK_M, head] = (acc / l_i[:, None])[real]
+            lse[head, q_start : q_start + BLOCK_M] = ((m_i + torch.log2(l_i)) * 0.6931471805599453)[real]
+    return o, lse
+
+
+def compile_only() -> None:
+    """Build the kernel for sm90 here (no GPU): registers, spills, shared memory."""
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.jit import mangle_type
+
+    from longserve.testing.kernel_compile import resource_usage
+
+    q = torch.zeros(1024, HQ + 2 * HKV, D, dtype=torch.bfloat16)
+    q_desc, k_desc, v_desc = descriptors(q[:, :HQ], q[:, HQ : HQ + HKV], q[:, HQ + HKV :])
+    for causal in (True, False):
+        names = ["q_desc", "k_desc", "v_desc"]
+        signature = {n: mangle_type(d) for n, d in zip(names, (q_desc, k_desc, v_desc))}
+        signature.update({"o_ptr": "*bf16", "lse_ptr": "*fp32", "num_rows": "i32", "num_keys": "i32", "shift": "i32",
+                          "qk_scale": "fp32", "o_row_stride": "i32"})  # fmt: skip
+        constexprs = {"GROUP": HQ // HKV, "CAUSAL": causal, "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "HEAD_DIM": D,
+                      "STAGES": STAGES, "num_warps": NUM_WARPS}  # fmt: skip
+        signature.update({n: "constexpr" for n in constexprs})
+        src = gluon._runtime.GluonASTSource(attention_fwd_kernel, signature=signature, constexprs=constexprs)
+        k = triton.compile(
+            src, target=GPUTarget("cuda", 90, 32), options={"num_warps": NUM_WARPS, "maxnreg": 168}
+        )
+        usage = resource_usage(k.asm["cubin"])  # per partition warps the cubin's maximum; LOCAL: spills
+        print(json.dumps({"causal": causal, **usage, "shared_meta": k.metadata.shared,
+                          "wgmma_in_ptx": k.asm["ptx"].count("wgmma.mma_async"),
+                          "setmaxnreg": [x.strip() for x in k.asm["ptx"].splitlines() if "setmaxnreg" in x]}))  # fmt: skip
+
+
+def time_ms(fn) -> float:
+    from longserve.platform import cuda_time_ms
+
+    return cuda_time_ms(fn, warmup=3, iters=1, repeats=10)
+
+
+def heads(x: torch.Tensor) -> torch.Tensor:
+    return x.transpose(0, 1).unsqueeze(0)  # [T, H, D] -> [1, H, T, D], as the engine hands cuDNN its views
+
+
+def check_case(new: int, prefix: int, causal: bool, flash_attn_varlen_func) -> dict:
+    """One shape: q/k/v as the engine lays them; the kernel against fp32 (small enough) and cuDNN, timed with
+    cuDNN and FA3 (None: not on the path)."""
+    from longserve.attention import sdpa
+
+    scale, keys = D**-0.5, prefix + new
+    qkv = torch.randn(new, (HQ + 2 * HKV) * D, device="cuda", dtype=torch.bfloat16)
+    q = qkv[:, : HQ * D].view(new, HQ, D)
+    if prefix == 0:  # a cold chunk: its own K/V, views of the fused output
+        k = qkv[:, HQ * D : (HQ + HKV) * D].view(new, HKV, D)
+        v = qkv[:, (HQ + HKV) * D :].view(new, HKV, D)
+    else:  # a prefix and the chunk's keys, as consecutive cache pages hold them
+        k = torch.randn(keys, HKV, D, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(keys, HKV, D, device="cuda", dtype=torch.bfloat16)
+    flop = 4 * new * (prefix + (new + 1) / 2 if causal else keys) * D * HQ
+    row = {"new": new, "keys": keys, "causal": causal, "block_n": BLOCK_N, "stages": STAGES}
+    try:
+        o, lse = attention(q, k, v, causal, scale)
+        if new * keys <= 8192 * 12288:  # the fp32 reference's [Hq, L, S] scores: up to ~13 GB
+            o_ref, lse_ref = reference(q, k, v, causal, scale)
+            row["max_err"] = (o.float() - o_ref).abs().max().item()
+            row["lse_err"] = (lse - lse_ref).abs().max().item()
+        row["gluon_ms"] = round(time_ms(lambda: attention(q, k, v, causal, scale)), 3)
+        row["gluon_tflops"] = round(flop / row["gluon_ms"] / 1e9, 1)
+    except Exception as e:  # noqa: BLE001 - a probe reports whatever breaks
+        row["error"] = repr(e)[:300]
+    if prefix == 0 or not causal:  # torch's cuDNN call aligns a causal mask top-left: squares only
+        cudnn = lambda: sdpa.attention_with_lse(heads(q), heads(k), heads(v), causal, scale)  # noqa: E731
+        if "gluon_ms" in row:
+            row["vs_cudnn_err"] = (o.float() - cudnn()[0][0].transpose(0, 1).float()).abs().max().item()
+        row["cudnn_ms"] = round(time_ms(cudnn), 3)
+        row["cudnn_tflops"] = round(flop / row["cudnn_ms"] / 1e9, 1)
+    if flash_attn_varlen_func is not None:
+        cu_q = torch.tensor([0, new], dtype=torch.int32, device="cuda")
+        cu_k = torch.tensor([0, keys], dtype=torch.int32, device="cuda")
+        fa3 = lambda: flash_attn_varlen_func(  # noqa: E731
+            q, k, v, new, cu_q, keys, cu_seqlens_k=cu_k, softmax_scale=scale, causal=causal, fa_version=3
+        )
+        row["fa3_ms"] = round(time_ms(fa3), 3)
+        row["fa3_tflops"] = round(flop / row["fa3_ms"] / 1e9, 1)
+    return row
+
+
+def gpu_check() -> None:
+    torch.manual_seed(0)
+    try:
+        from vllm.vllm_flash_attn import flash_attn_varlen_func
+    except ImportError:
+        flash_attn_varlen_func = None
+    rows = []
+    for new, prefix, causal in ((1000, 0, True), (8192, 0, True), (32768, 0, True), (8192, 24576, False),
+                                (8192, 122880, False), (3000, 9000, True)):  # fmt: skip
+        rows.append(check_case(new, prefix, causal, flash_attn_varlen_func))
+        print(json.dumps(rows[-1]), flush=True)
+    path = os.path.join(os.environ.get("OUT", "/tmp"), f"gluon_attention_bn{BLOCK_N}.json")
+    with open(path, "w") as f:
+        json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    if "--compile-only" in sys.argv:
+        compile_only()
+    elif "--emulate" in sys.argv:  # the algorithm on the CPU, against fp32
+        torch.manual_seed(0)
+        for rows, keys, causal, block_n in ((300, 300, True, 128), (200, 700, True, 64), (130, 500, False, 128),
+                                            (129, 129, True, 64), (64, 1000, False, 64)):  # fmt: skip
+            qkv = [torch.randn(n, h, D).bfloat16() for n, h in ((rows, HQ), (keys, HKV), (keys, HKV))]
+            o, lse = emulate(*qkv, causal, D**-0.5, block_n)
+            o_ref, lse_ref = reference(*qkv, causal, D**-0.5)
+            print(
+                json.dumps(
+                    {
+                        "rows": rows,
+                        "keys": keys,
+                        "causal": causal,
+                        "block_n": block_n,
+                        "max_err": (o - o_ref).abs().max().item(),
+                        "lse_err": (lse - lse_ref).abs().max().item(),
+                    }
+                )
+            )
+    else:
+        gpu_check()
