@@ -317,7 +317,13 @@ def capture_pieces(
     eagerly, as with --piecewise-cuda-graph-max-tokens 0) when no size is left or a model's dense parts cannot be
     captured: they are on by default, an optimisation that must not keep a server from starting; the warning
     names the error."""
-    if not piecewise_buckets(max_tokens, sizes):
+    buckets = piecewise_buckets(max_tokens, sizes)
+    if sizes is not None and len(buckets) < len(sizes):
+        logger.info(
+            "--piecewise-cuda-graph-tokens: sizes above %d tokens (the chunk, --piecewise-cuda-graph-max-tokens) "
+            "are not captured: %s", max_tokens, ",".join(str(n) for n in sizes if n > max_tokens),
+        )  # fmt: skip
+    if not buckets:
         logger.info(
             "no --piecewise-cuda-graph-tokens size within %d tokens: mixed steps run eagerly", max_tokens
         )

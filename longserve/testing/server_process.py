@@ -23,7 +23,7 @@ def free_port() -> int:
     starts (torch.distributed's rendezvous). Picked below the kernel's ephemeral range when the range is known
     (/proc/sys/net/ipv4/ip_local_port_range): a port the kernel chose and released can be handed out again at once,
     to a server on `--port 0` or a client's outgoing connection, before its user binds it (the multi-node tests'
-    rendezvous lost such a race); one outside the range only another explicit bind can take. A server itself is
+    rendezvous could lose such a race); one outside the range only another explicit bind can take. A server itself is
     better started on `--port 0` (ServerProcess does)."""
     low = ephemeral_ports()[0]
     for _ in range(64 if low > 2048 else 0):

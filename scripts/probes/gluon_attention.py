@@ -92,12 +92,13 @@ def _compute_partition(q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_fre
     rows = q_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
     m_i = gl.full([BLOCK_M], -float("inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
-    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
 
     mbarrier.wait(q_ready, 0)
     # block 0: S_0 and its softmax
     mbarrier.wait(k_ready.index(0), 0)
+    # use_acc=False ignores the accumulator's values: zeros made at each issue, not a tensor kept across the loop
+    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     qk = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
     qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
     p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, 0, rows, mask_from, num_keys, shift, qk_scale, BLOCK_N,
@@ -106,6 +107,7 @@ def _compute_partition(q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_fre
         s = j % STAGES
         prev = (j - 1) % STAGES
         mbarrier.wait(k_ready.index(s), (j // STAGES) & 1)
+        zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
         qk = warpgroup_mma(q_smem, k_bufs.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
         p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)

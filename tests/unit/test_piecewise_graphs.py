@@ -278,5 +278,9 @@ def test_a_failed_capture_leaves_the_steps_eager(model_and_hf, monkeypatch, capl
     assert runner.buckets == [16, 40] and runner.max_tokens == 40
     caplog.clear()
     with caplog.at_level("INFO", logger="longserve.runner.cuda_graph"):
-        assert cuda_graph.capture_pieces(model, cache, shape, 64, pool=None, sizes=(100,)) is None
+        assert cuda_graph.capture_pieces(model, cache, shape, 64, pool=None, sizes=(100, 200)) is None
+    assert (
+        "sizes above 64 tokens (the chunk, --piecewise-cuda-graph-max-tokens) are not captured: 100,200"
+        in (caplog.text)
+    )
     assert "no --piecewise-cuda-graph-tokens size within 64 tokens: mixed steps run eagerly" in caplog.text
