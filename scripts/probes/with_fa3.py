@@ -10,6 +10,9 @@ chunk's call as one FA3 call each, nothing else changed). Not a path to ship: vL
 Every call keeps its shapes and layouts: q [1, Hq, L, D], k/v [1, Hkv, S, D] strided views (a causal call has as
 many keys as rows, so FA3's bottom-right mask is cuDNN's top-left one); FA3 returns (o [L, Hq, D], lse [Hq, L]),
 given back as cuDNN's (o [1, Hq, L, D], lse [1, Hq, L] fp32). Batched calls (the packed hit's splits) stay on cuDNN.
+
+`--impl gluon` answers them with our own draft kernel instead (scripts/probes/gluon_attention.py; PYTHONPATH=$PWD
+is enough): what it would give the engine, end to end, once it is right.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch
 from longserve.attention import sdpa
 
 _cudnn_call = sdpa.attention_with_lse
-calls = {"fa3": 0, "cudnn": 0}
+calls = {"fa3": 0, "gluon": 0, "cudnn": 0}
 _cu: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # made once a shape: no copy inside a step
 
 
@@ -47,11 +50,24 @@ def fa3_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ca
     return o.transpose(0, 1).unsqueeze(0), lse.unsqueeze(0).float()
 
 
+def gluon_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float):
+    if not q.is_cuda or q.shape[0] != 1:
+        calls["cudnn"] += 1
+        return _cudnn_call(q, k, v, causal, scale)
+    sys.path.insert(0, "scripts/probes")
+    from gluon_attention import attention
+
+    o, lse = attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), causal, scale)
+    calls["gluon"] += 1
+    return o.transpose(0, 1).unsqueeze(0), lse.unsqueeze(0)
+
+
 def main(argv: list[str]) -> None:
     if "--" not in argv or argv.index("--") == len(argv) - 1:
         raise SystemExit(__doc__)
     target, *args = argv[argv.index("--") + 1 :]
-    sdpa.attention_with_lse = fa3_attention_with_lse
+    impl = argv[argv.index("--impl") + 1] if "--impl" in argv[: argv.index("--")] else "fa3"
+    sdpa.attention_with_lse = {"fa3": fa3_attention_with_lse, "gluon": gluon_attention_with_lse}[impl]
     sys.argv = [target, *args]
     try:
         runpy.run_module(target, run_name="__main__", alter_sys=True)

@@ -355,7 +355,7 @@ if [[ $MODE == vllm ]]; then  # one GPU: the 8B shape, longserve then vLLM 0.24 
     | grep '"engine"' | cut -c1-280
 fi
 
-if [[ $MODE == fa3 ]]; then  # one GPU (~4 min, .anchor/ carried): our attention against vLLM's FlashAttention-3, one
+if [[ $MODE == fa3 ]]; then  # one GPU (~8 min, .anchor/ carried): our attention against vLLM's FlashAttention-3, one
   # layer of the 8B (RESULTS.md twenty-first session): bursts of each shape, then each library's calls back to back
   # at the chip's power limit with its clock and power (FA3 in the engine took 7.8% off cold 128K where the bursts
   # found the prefix calls equal)
@@ -369,6 +369,15 @@ if [[ $MODE == fa3 ]]; then  # one GPU (~4 min, .anchor/ carried): our attention
   for bn in 128 64; do
     GLUON_BLOCK_N=$bn PYTHONPATH=$PWD:/tmp/site timeout 150 python3 scripts/probes/gluon_attention.py 2>&1 \
       | tee "$OUT/gluon_attention_bn$bn.log" | grep -E '^\{|Error' | cut -c1-400
+  done
+  # end to end: the engine's cold prompts with its library calls answered by the draft (key tiles of 64), by FA3,
+  # and by cuDNN (the engine as it is), one process each
+  lat=(longserve.bench.latency --config llama-3.1-8b --load-format dummy --dtype bfloat16 --warmup 1 --repeat 3
+       --prompt-lens 8192,32768,131072)
+  for impl in cudnn gluon fa3; do
+    if [[ $impl == cudnn ]]; then run=(python3 -m "${lat[@]}"); else run=(python3 scripts/probes/with_fa3.py --impl $impl -- "${lat[@]}"); fi
+    GLUON_BLOCK_N=64 PYTHONPATH=$PWD:/tmp/site timeout 240 "${run[@]}" --output-json "$OUT/latency_attention_$impl.json" 2>&1 \
+      | tee "$OUT/latency_attention_$impl.log" | grep -E "^cold|with_fa3|Error" | sed "s/^/$impl /"
   done
 fi
 
