@@ -8,6 +8,7 @@ import torch
 
 from longserve import LLM, SamplingParams
 from longserve.testing.checkpoints import make_tiny_checkpoint
+from tests.fixtures.spies import record_in_place_padding
 
 pytestmark = [
     pytest.mark.gpu,
@@ -131,8 +132,6 @@ def test_cold_cudnn_prompts_beside_decodes_in_pieces_equal_eager(ckpt, monkeypat
     arriving one by one while the earlier ones decode: in the piecewise graphs their calls read the static qkv
     buffer's next rows (the decodes', stale ones) as the padding, in place (sdpa.allow_padding_rows); the tokens
     agree with an eager engine's, whose calls copy q/k/v into zeroed rows (bf16: the first 4, as above)."""
-    import longserve.attention.sdpa as sdpa
-
     g = torch.Generator().manual_seed(5)
     ps = [torch.randint(10, 500, (n,), generator=g).tolist() for n in (700, 1100, 1300, 900, 1500)]
 
@@ -151,11 +150,7 @@ def test_cold_cudnn_prompts_beside_decodes_in_pieces_equal_eager(ckpt, monkeypat
         return [tokens[i] for i in ids], llm
 
     eager, _ = staggered(enforce_eager=True)
-    in_place: list[bool] = []
-    real = sdpa._padded_in_place
-    monkeypatch.setattr(
-        sdpa, "_padded_in_place", lambda *a: in_place.append(real(*a) is not None) or real(*a)
-    )
+    in_place = record_in_place_padding(monkeypatch)
     pieces, llm = staggered(piecewise_cuda_graph_max_tokens=4096)
     assert llm.engine.runner.piecewise_graphs.num_runs >= len(ps) - 1
     assert in_place.count(True) >= 3  # padded calls read the static buffer in place

@@ -21,6 +21,7 @@ from longserve.attention.triton_backend import TritonAttentionBackend  # noqa: E
 from longserve.models import load_hf_config, load_model  # noqa: E402
 from longserve.runner.piecewise_graph import PiecewiseGraphRunner, piecewise_buckets  # noqa: E402
 from longserve.testing.checkpoints import make_tiny_checkpoint  # noqa: E402
+from tests.fixtures.spies import record_in_place_padding  # noqa: E402
 from tests.unit.test_graph_runners import graph_shape  # noqa: E402
 
 PAGE = 16
@@ -146,7 +147,6 @@ def test_library_calls_pad_over_the_static_buffer(model_and_hf, monkeypatch):
     """With the library (cuDNN; torch's SDPA on the CPU) paths, a cold prompt's padded call reads the static qkv
     buffer's next rows in place (sdpa.allow_padding_rows: the decodes' rows and stale ones after it) and the step
     equals the plain one, whose call pads with zeros."""
-    import longserve.attention.sdpa as sdpa
     import longserve.attention.sdpa_shapes as shapes
 
     monkeypatch.setattr(shapes, "Q_GRANULE", 64)  # a 40-token prompt pads to 48 rows (quarter granules)
@@ -155,11 +155,7 @@ def test_library_calls_pad_over_the_static_buffer(model_and_hf, monkeypatch):
     tables, ids, _ = step_inputs(hf, prefix_lens, query_lens, seed=7)
     backend = TritonAttentionBackend(cold_path="sdpa")
     cache = KVCache(model.num_layers, 64, PAGE, model.num_kv_heads, model.head_dim, torch.float32, "cpu")
-    in_place = []
-    real = sdpa._padded_in_place
-    monkeypatch.setattr(
-        sdpa, "_padded_in_place", lambda *a: in_place.append(real(*a) is not None) or real(*a)
-    )
+    in_place = record_in_place_padding(monkeypatch)
     with torch.inference_mode():
         # the decodes' prefixes into their pages
         meta = build_metadata([0, 0], [70, 5], tables[1:], PAGE, "cpu")
