@@ -14,9 +14,11 @@ The kernel (one program per 128 query rows of one q head; GQA by the kv head's c
   i + S - L) or the keys' end; the log-sum-exp (natural log) per row for the engine's merges.
 q/k/v are read as the engine lays them (views of the fused qkv output, or a prefix on consecutive cache pages):
 2D [rows, heads * D] with a row stride, 16-byte aligned. Written against Triton 3.6's Gluon, the GPU machine's
-(3.9 renamed the TMA copies). Built for sm90 on the CPU machine with 3.6: key tiles of 128 leave the compute
-partition 240 registers and spill ~50 (stack 112 bytes), tiles of 64 spill none (GLUON_BLOCK_N=64); the
-loop's algorithm (bounds, masks, the one-block-late P V, the log-sum-exp) matches fp32 in `--emulate`.
+(3.9 renamed the TMA copies). Built for sm90 on the CPU machine with 3.6: the compute partition runs at 240
+registers (setmaxnreg) with no spills at key tiles of 128 or 64 (GLUON_BLOCK_N; ~50 spilled at 128 until P was
+rounded to bf16 inside the softmax step), 32 wgmma a warpgroup; the partition's 8 warps meet at a barrier four
+times an iteration (around the mbarrier waits and arrives), so its two warpgroups run in step (FA3 offsets them).
+The loop's algorithm (bounds, masks, the one-block-late P V, the log-sum-exp) matches fp32 in `--emulate`.
 
     PYTHONPATH=$PWD python3 scripts/probes/gluon_attention.py            # on an H200: check against fp32, time
     PYTHONPATH=/path/to/triton-3.6:$PWD python3 scripts/probes/gluon_attention.py --compile-only   # any machine
@@ -63,7 +65,9 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, k_r
 @gluon.jit
 def _softmax_step(qk, m_i, l_i, j, rows, mask_from, num_keys, shift, qk_scale,
                   BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, layout: gl.constexpr):  # fmt: skip
-    """One key block's online softmax (base 2): (p, the new max, the new sum, the old sum's factor)."""
+    """One key block's online softmax (base 2): (p in bf16, the new max, the new sum, the old sum's factor). p is
+    rounded here, so that its fp32 values die before the P V in flight lands (at key tiles of 128 the compute
+    partition spilled ~50 registers holding them)."""
     s = qk * qk_scale
     if (j + 1) * BLOCK_N > mask_from:  # the block crosses the diagonal or the keys' end
         cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
@@ -74,7 +78,7 @@ def _softmax_step(qk, m_i, l_i, j, rows, mask_from, num_keys, shift, qk_scale,
     m_new = gl.maximum(m_i, gl.max(s, axis=1))
     p = gl.exp2(s - m_new[:, None])
     alpha = gl.exp2(m_i - m_new)
-    return p, m_new, l_i * alpha + gl.sum(p, axis=1), alpha
+    return p.to(gl.bfloat16), m_new, l_i * alpha + gl.sum(p, axis=1), alpha
 
 
 @gluon.jit
@@ -110,7 +114,7 @@ def _compute_partition(q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_fre
         zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
         qk = warpgroup_mma(q_smem, k_bufs.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
-        p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
+        p_op = gl.convert_layout(p, p_layout)
         acc = warpgroup_mma(p_op, v_bufs.index(prev), acc, is_async=True)
         qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))  # S_j done; P_{j-1} V_{j-1} may still run
         p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, j, rows, mask_from, num_keys, shift, qk_scale, BLOCK_N,
@@ -120,7 +124,7 @@ def _compute_partition(q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_fre
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     last = (n_blocks - 1) % STAGES
     mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // STAGES) & 1)
-    p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
+    p_op = gl.convert_layout(p, p_layout)
     acc = warpgroup_mma(p_op, v_bufs.index(last), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     mbarrier.arrive(kv_free.index(last), count=1)

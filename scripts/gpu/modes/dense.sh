@@ -365,7 +365,7 @@ if [[ $MODE == fa3 ]]; then  # one GPU (~8 min, .anchor/ carried): our attention
   PROBE_SUSTAINED=5 PYTHONPATH=$PWD:/tmp/site timeout 150 python3 scripts/probes/attention_vs_fa3.py 2>&1 \
     | tee "$OUT/attention_vs_fa3_sustained.log" | grep '^{'
   # the first draft of our own Hopper kernel (Gluon), checked against fp32 and timed beside cuDNN and FA3, with
-  # key tiles of 128 (spills ~50 registers on the CPU machine's sm90 build) and of 64 (none)
+  # key tiles of 128 and of 64
   for bn in 128 64; do
     GLUON_BLOCK_N=$bn PYTHONPATH=$PWD:/tmp/site timeout 150 python3 scripts/probes/gluon_attention.py 2>&1 \
       | tee "$OUT/gluon_attention_bn$bn.log" | grep -E '^\{|Error' | cut -c1-400
