@@ -19,6 +19,9 @@ registers (setmaxnreg) with no spills at key tiles of 128 or 64 (GLUON_BLOCK_N; 
 rounded to bf16 inside the softmax step), 32 wgmma a warpgroup; the partition's 8 warps meet at a barrier four
 times an iteration (around the mbarrier waits and arrives), so its two warpgroups run in step (FA3 offsets them).
 The loop's algorithm (bounds, masks, the one-block-late P V, the log-sum-exp) matches fp32 in `--emulate`.
+GLUON_SPLIT=1 gives each half tile its own consumer warpgroup (the default partition and a worker of 4 warps over
+the same K/V buffers), so that the warp schedulers may run one half's softmax beside the other's wgmma (FA3 orders
+the two; here they are left free); it builds with no spills either (two copies of the loop).
 
     PYTHONPATH=$PWD python3 scripts/probes/gluon_attention.py            # on an H200: check against fp32, time
     PYTHONPATH=/path/to/triton-3.6:$PWD python3 scripts/probes/gluon_attention.py --compile-only   # any machine
@@ -44,14 +47,19 @@ HQ, HKV, D = 32, 8, 128  # the Llama-3.1-8B shape
 BLOCK_M, NUM_WARPS = 128, 8
 BLOCK_N, STAGES = int(os.environ.get("GLUON_BLOCK_N", "128")), int(os.environ.get("GLUON_STAGES", "2"))
 LOAD_REGS = gl.constexpr(int(os.environ.get("GLUON_LOAD_REGS", "24")))  # the load partition's registers
+COMPUTE_REGS = gl.constexpr(240)  # the split tile's second consumer warpgroup's (the first gets what is left)
+SPLIT = os.environ.get("GLUON_SPLIT", "0") == "1"  # two consumer warpgroups, one a half tile each
 LOG2E = 1.4426950408889634
 
 
 @gluon.jit
 def _load_partition(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_free,
-                    q_row, q_col, kv_col, n_blocks, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
-    mbarrier.expect(q_ready, q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_ready, q_smem)
+                    q_row, q_col, kv_col, n_blocks, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                    Q_PARTS: gl.constexpr):  # fmt: skip
+    mbarrier.expect(q_ready, Q_PARTS * q_desc.block_type.nbytes)
+    for i in gl.static_range(Q_PARTS):  # one part a consumer warpgroup (split) or the whole tile
+        tma.async_copy_global_to_shared(q_desc, [q_row + i * q_desc.block_type.shape[0], q_col], q_ready,
+                                        q_smem.index(i))  # fmt: skip
     for j in range(n_blocks):
         s = j % STAGES
         phase = (j // STAGES) & 1
@@ -85,7 +93,9 @@ def _softmax_step(qk, m_i, l_i, j, rows, mask_from, num_keys, shift, qk_scale,
 def _compute_partition(q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_free, o_ptr, lse_ptr, q_start, head,
                        num_rows, num_keys, shift, n_blocks, mask_from, qk_scale, o_row_stride,
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                       CAUSAL: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+                       CAUSAL: gl.constexpr, PART: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+    """BLOCK_M rows from q_start (the tile's part PART, its Q in q_smem.index(PART)) over the tile's key blocks."""
+    q_tile = q_smem.index(PART)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
     )
@@ -103,7 +113,7 @@ def _compute_partition(q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_fre
     mbarrier.wait(k_ready.index(0), 0)
     # use_acc=False ignores the accumulator's values: zeros made at each issue, not a tensor kept across the loop
     zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    qk = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    qk = warpgroup_mma(q_tile, k_bufs.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
     qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
     p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, 0, rows, mask_from, num_keys, shift, qk_scale, BLOCK_N,
                                        CAUSAL, s_layout)  # fmt: skip
@@ -112,7 +122,7 @@ def _compute_partition(q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_fre
         prev = (j - 1) % STAGES
         mbarrier.wait(k_ready.index(s), (j // STAGES) & 1)
         zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-        qk = warpgroup_mma(q_smem, k_bufs.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        qk = warpgroup_mma(q_tile, k_bufs.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
         p_op = gl.convert_layout(p, p_layout)
         acc = warpgroup_mma(p_op, v_bufs.index(prev), acc, is_async=True)
@@ -140,10 +150,62 @@ def _compute_partition(q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_fre
     gl.store(lse_ptr + head * num_rows + rows, lse, mask=rows < num_rows)
 
 
+# Triton 3.6 hands a worker partition its arguments as runtime values, constexprs included: the split tile's workers
+# take their tile shape from these module constants (the launch passes the same) and their mask kind from which
+# worker function the kernel picked
+_PART_M = gl.constexpr(BLOCK_M // 2)
+_BLOCK_N = gl.constexpr(BLOCK_N)
+_STAGES = gl.constexpr(STAGES)
+_HEAD_DIM = gl.constexpr(D)
+
+
+@gluon.jit
+def _split_compute(q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_free, o_ptr, lse_ptr, q_start, head,
+                   num_rows, num_keys, shift, n_blocks, qk_scale, o_row_stride, CAUSAL: gl.constexpr):  # fmt: skip
+    """The second consumer warpgroup of a split tile: its rows are the tile's second half."""
+    start = q_start + _PART_M
+    mask_from = num_keys
+    if CAUSAL:
+        mask_from = gl.minimum(num_keys, start + shift + 1)
+    _compute_partition(q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_free, o_ptr, lse_ptr, start, head,
+                       num_rows, num_keys, shift, n_blocks, mask_from, qk_scale, o_row_stride, _PART_M, _BLOCK_N,
+                       _HEAD_DIM, _STAGES, CAUSAL, 1, 4)  # fmt: skip
+
+
+@gluon.jit
+def _split_compute_causal(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_free, o_ptr,
+                          lse_ptr, q_start, head, kv_col, num_rows, num_keys, shift, n_blocks, qk_scale,
+                          o_row_stride):  # fmt: skip
+    _split_compute(q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_free, o_ptr, lse_ptr, q_start, head,
+                   num_rows, num_keys, shift, n_blocks, qk_scale, o_row_stride, True)  # fmt: skip
+
+
+@gluon.jit
+def _split_compute_plain(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_free, o_ptr,
+                         lse_ptr, q_start, head, kv_col, num_rows, num_keys, shift, n_blocks, qk_scale,
+                         o_row_stride):  # fmt: skip
+    _split_compute(q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_free, o_ptr, lse_ptr, q_start, head,
+                   num_rows, num_keys, shift, n_blocks, qk_scale, o_row_stride, False)  # fmt: skip
+
+
+@gluon.jit
+def _split_load_worker(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_free, o_ptr,
+                       lse_ptr, q_start, head, kv_col, num_rows, num_keys, shift, n_blocks, qk_scale,
+                       o_row_stride):  # fmt: skip
+    """The split tile's loader (the same arguments as the other worker, as warp_specialize wants)."""
+    _load_partition(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_free, q_start,
+                    head * _HEAD_DIM, kv_col, n_blocks, _BLOCK_N, _STAGES, 2)  # fmt: skip
+
+
 @gluon.jit
 def attention_fwd_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, num_rows, num_keys, shift, qk_scale, o_row_stride,
                          GROUP: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                         HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+                         HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, PART_M: gl.constexpr,
+                         num_warps: gl.constexpr):  # fmt: skip
+    """One program a tile of BLOCK_M query rows of one q head. SPLIT: the tile is two halves, each its own consumer
+    warpgroup (the default partition of 4 warps and a worker of 4) reading the same K/V buffers, so that the warp
+    schedulers can run one half's softmax while the other's wgmma runs (FA3 orders them; here they are left free);
+    otherwise one consumer partition of num_warps warps holds the whole tile."""
     head = gl.program_id(0)  # the q heads of a kv head run side by side: their K/V stay in L2
     tile = gl.program_id(1)
     if CAUSAL:
@@ -156,8 +218,10 @@ def attention_fwd_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, num_rows, num_k
         kv_end = num_keys
         mask_from = num_keys
     n_blocks = gl.cdiv(kv_end, BLOCK_N)
+    kv_col = (head // GROUP) * HEAD_DIM
+    parts: gl.constexpr = 2 if SPLIT else 1
 
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [parts] + q_desc.block_type.shape, q_desc.layout)
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -168,19 +232,50 @@ def attention_fwd_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, num_rows, num_k
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(kv_free.index(i), count=1)
+        mbarrier.init(kv_free.index(i), count=parts)  # every consumer frees every buffer
 
-    gl.warp_specialize(
-        [
-            (_compute_partition, (q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_free, o_ptr, lse_ptr,
-                                  q_start, head, num_rows, num_keys, shift, n_blocks, mask_from, qk_scale,
-                                  o_row_stride, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, num_warps)),
-            (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_free,
-                               q_start, head * HEAD_DIM, (head // GROUP) * HEAD_DIM, n_blocks, BLOCK_N, STAGES)),
-        ],
-        [1],
-        [LOAD_REGS],
-    )  # fmt: skip
+    if SPLIT:
+        # fmt: off
+        worker_args = (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_free, o_ptr,
+                       lse_ptr, q_start, head, kv_col, num_rows, num_keys, shift, n_blocks, qk_scale, o_row_stride)
+        gl.static_assert(PART_M == _PART_M and BLOCK_N == _BLOCK_N and STAGES == _STAGES and HEAD_DIM == _HEAD_DIM)
+        if CAUSAL:
+            gl.warp_specialize(
+                [
+                    (_compute_partition, (q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_free, o_ptr, lse_ptr,
+                                          q_start, head, num_rows, num_keys, shift, n_blocks, mask_from, qk_scale,
+                                          o_row_stride, PART_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, 0, num_warps)),
+                    (_split_compute_causal, worker_args),
+                    (_split_load_worker, worker_args),
+                ],
+                [4, 1],
+                [COMPUTE_REGS, LOAD_REGS],
+            )
+        else:
+            gl.warp_specialize(
+                [
+                    (_compute_partition, (q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_free, o_ptr, lse_ptr,
+                                          q_start, head, num_rows, num_keys, shift, n_blocks, mask_from, qk_scale,
+                                          o_row_stride, PART_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, 0, num_warps)),
+                    (_split_compute_plain, worker_args),
+                    (_split_load_worker, worker_args),
+                ],
+                [4, 1],
+                [COMPUTE_REGS, LOAD_REGS],
+            )
+        # fmt: on
+    else:
+        gl.warp_specialize(
+            [
+                (_compute_partition, (q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_free, o_ptr, lse_ptr,
+                                      q_start, head, num_rows, num_keys, shift, n_blocks, mask_from, qk_scale,
+                                      o_row_stride, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, 0, num_warps)),
+                (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_free,
+                                   q_start, head * HEAD_DIM, kv_col, n_blocks, BLOCK_N, STAGES, 1)),
+            ],
+            [1],
+            [LOAD_REGS],
+        )  # fmt: skip
 
 
 def _rows_2d(x: torch.Tensor) -> torch.Tensor:
@@ -191,11 +286,12 @@ def _rows_2d(x: torch.Tensor) -> torch.Tensor:
 
 
 def descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
-    q_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D], gl.bfloat16)
+    q_rows = BLOCK_M // 2 if SPLIT else BLOCK_M  # a split tile loads its halves apart
+    q_layout = gl.NVMMASharedLayout.get_default_for([q_rows, D], gl.bfloat16)
     kv_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], gl.bfloat16)
     q2, k2, v2 = _rows_2d(q), _rows_2d(k), _rows_2d(v)
     return (
-        TensorDescriptor(q2, list(q2.shape), list(q2.stride()), [BLOCK_M, D], q_layout),
+        TensorDescriptor(q2, list(q2.shape), list(q2.stride()), [q_rows, D], q_layout),
         TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [BLOCK_N, D], kv_layout),
         TensorDescriptor(v2, list(v2.shape), list(v2.stride()), [BLOCK_N, D], kv_layout),
     )
@@ -212,7 +308,9 @@ def attention(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.
     grid = (num_heads, triton.cdiv(num_rows, BLOCK_M))
     attention_fwd_kernel[grid](
         q_desc, k_desc, v_desc, o, lse, num_rows, num_keys, num_keys - num_rows, scale * LOG2E, num_heads * D,
-        num_heads // k.shape[1], causal, BLOCK_M, BLOCK_N, D, STAGES, num_warps=NUM_WARPS, maxnreg=168,
+        num_heads // k.shape[1], causal, BLOCK_M, BLOCK_N, D, STAGES, SPLIT, BLOCK_M // 2 if SPLIT else BLOCK_M,
+        num_warps=4 if SPLIT else NUM_WARPS,
+        maxnreg=168,
     )  # fmt: skip
     return o, lse
 
@@ -292,12 +390,14 @@ def compile_only() -> None:
         signature = {n: mangle_type(d) for n, d in zip(names, (q_desc, k_desc, v_desc))}
         signature.update({"o_ptr": "*bf16", "lse_ptr": "*fp32", "num_rows": "i32", "num_keys": "i32", "shift": "i32",
                           "qk_scale": "fp32", "o_row_stride": "i32"})  # fmt: skip
+        warps = 4 if SPLIT else NUM_WARPS
         constexprs = {"GROUP": HQ // HKV, "CAUSAL": causal, "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "HEAD_DIM": D,
-                      "STAGES": STAGES, "num_warps": NUM_WARPS}  # fmt: skip
+                      "STAGES": STAGES, "SPLIT": SPLIT, "PART_M": BLOCK_M // 2 if SPLIT else BLOCK_M,
+                      "num_warps": warps}  # fmt: skip
         signature.update({n: "constexpr" for n in constexprs})
         src = gluon._runtime.GluonASTSource(attention_fwd_kernel, signature=signature, constexprs=constexprs)
         k = triton.compile(
-            src, target=GPUTarget("cuda", 90, 32), options={"num_warps": NUM_WARPS, "maxnreg": 168}
+            src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "maxnreg": 168}
         )
         usage = resource_usage(k.asm["cubin"])  # per partition warps the cubin's maximum; LOCAL: spills
         print(json.dumps({"causal": causal, **usage, "shared_meta": k.metadata.shared,

@@ -355,28 +355,33 @@ if [[ $MODE == vllm ]]; then  # one GPU: the 8B shape, longserve then vLLM 0.24 
     | grep '"engine"' | cut -c1-280
 fi
 
-if [[ $MODE == fa3 ]]; then  # one GPU (~8 min, .anchor/ carried): our attention against vLLM's FlashAttention-3, one
+if [[ $MODE == fa3 ]]; then  # one GPU (~4 min, .anchor/ carried): our attention against vLLM's FlashAttention-3, one
   # layer of the 8B (RESULTS.md twenty-first session): bursts of each shape, then each library's calls back to back
   # at the chip's power limit with its clock and power (FA3 in the engine took 7.8% off cold 128K where the bursts
-  # found the prefix calls equal)
+  # found the prefix calls equal); then the first draft of our own Hopper kernel (Gluon), checked against fp32 and
+  # timed beside cuDNN and FA3: one consumer partition or two (a half tile each), key tiles of 128 and 64
   unpack_vllm || status=1
   PYTHONPATH=$PWD:/tmp/site timeout 150 python3 scripts/probes/attention_vs_fa3.py 2>&1 \
     | tee "$OUT/attention_vs_fa3.log" | grep '^{' | cut -c1-200
   PROBE_SUSTAINED=5 PYTHONPATH=$PWD:/tmp/site timeout 150 python3 scripts/probes/attention_vs_fa3.py 2>&1 \
     | tee "$OUT/attention_vs_fa3_sustained.log" | grep '^{'
-  # the first draft of our own Hopper kernel (Gluon), checked against fp32 and timed beside cuDNN and FA3, with
-  # key tiles of 128 and of 64
-  for bn in 128 64; do
-    GLUON_BLOCK_N=$bn PYTHONPATH=$PWD:/tmp/site timeout 150 python3 scripts/probes/gluon_attention.py 2>&1 \
-      | tee "$OUT/gluon_attention_bn$bn.log" | grep -E '^\{|Error' | cut -c1-400
+  for split in 0 1; do
+    for bn in 128 64; do
+      GLUON_SPLIT=$split GLUON_BLOCK_N=$bn PYTHONPATH=$PWD:/tmp/site timeout 120 python3 scripts/probes/gluon_attention.py \
+        2>&1 | tee "$OUT/gluon_attention_split${split}_bn$bn.log" | grep -E '^\{|Error' | cut -c1-400
+    done
   done
-  # end to end: the engine's cold prompts with its library calls answered by the draft (key tiles of 64), by FA3,
-  # and by cuDNN (the engine as it is), one process each
-  lat=(longserve.bench.latency --config llama-3.1-8b --load-format dummy --dtype bfloat16 --warmup 1 --repeat 3
+fi
+
+if [[ $MODE == fa3-engine ]]; then  # one GPU (~6 min, .anchor/ carried): the engine's cold prompts with its library
+  # attention calls answered by cuDNN (as it is), by the Gluon draft (GLUON_SPLIT / GLUON_BLOCK_N as exported, the
+  # fa3 mode's best) and by FA3, one process each
+  unpack_vllm || status=1
+  lat=(longserve.bench.latency --config llama-3.1-8b --load-format dummy --dtype bfloat16 --warmup 1 --repeat 2
        --prompt-lens 8192,32768,131072)
   for impl in cudnn gluon fa3; do
     if [[ $impl == cudnn ]]; then run=(python3 -m "${lat[@]}"); else run=(python3 scripts/probes/with_fa3.py --impl $impl -- "${lat[@]}"); fi
-    GLUON_BLOCK_N=64 PYTHONPATH=$PWD:/tmp/site timeout 240 "${run[@]}" --output-json "$OUT/latency_attention_$impl.json" 2>&1 \
+    PYTHONPATH=$PWD:/tmp/site timeout 170 "${run[@]}" --output-json "$OUT/latency_attention_$impl.json" 2>&1 \
       | tee "$OUT/latency_attention_$impl.log" | grep -E "^cold|with_fa3|Error" | sed "s/^/$impl /"
   done
 fi
