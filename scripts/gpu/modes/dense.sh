@@ -367,7 +367,7 @@ if [[ $MODE == fa3 ]]; then  # one GPU (~4 min, .anchor/ carried): our attention
     | tee "$OUT/attention_vs_fa3_sustained.log" | grep '^{'
   for split in 0 1; do
     for bn in 128 64; do
-      GLUON_SPLIT=$split GLUON_BLOCK_N=$bn PYTHONPATH=$PWD:/tmp/site timeout 120 python3 scripts/probes/gluon_attention.py \
+      GLUON_SPLIT=$split GLUON_BLOCK_N=$bn PYTHONPATH=$PWD:/tmp/site timeout 120 python3 scripts/probes/gluon_attention_check.py \
         2>&1 | tee "$OUT/gluon_attention_split${split}_bn$bn.log" | grep -E '^\{|Error' | cut -c1-400
     done
   done

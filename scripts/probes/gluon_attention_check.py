@@ -1,0 +1,216 @@
+"""Checks of the Gluon attention draft (scripts/probes/gluon_attention.py): against an fp32 reference and cuDNN,
+timed beside cuDNN and FA3 on a GPU; built for sm90 on any machine (`--compile-only`, Triton 3.6); its loop in torch
+on the CPU (`--emulate`). GLUON_SPLIT and GLUON_BLOCK_N pick the variant, as for the kernel. Writes
+$OUT/gluon_attention_split{0,1}_bn{64,128}.json on a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import triton
+from triton.experimental import gluon
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gluon_attention import (  # noqa: E402
+    BLOCK_M,
+    BLOCK_N,
+    HKV,
+    HQ,
+    LOG2E,
+    NUM_WARPS,
+    SPLIT,
+    STAGES,
+    D,
+    attention,
+    attention_fwd_kernel,
+    descriptors,
+)
+
+
+def reference(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32, per head: (o [L, Hq, D], lse [Hq, L])."""
+    group = q.shape[1] // k.shape[1]
+    qf, kf, vf = q.float().transpose(0, 1), k.float().transpose(0, 1), v.float().transpose(0, 1)
+    kf, vf = kf.repeat_interleave(group, 0), vf.repeat_interleave(group, 0)
+    s = torch.einsum("hld,hsd->hls", qf, kf) * scale
+    if causal:
+        rows, keys = q.shape[0], k.shape[0]
+        mask = (
+            torch.arange(keys, device=q.device)[None, :]
+            > torch.arange(rows, device=q.device)[:, None] + keys - rows
+        )
+        s = s.masked_fill(mask, -float("inf"))
+    lse = torch.logsumexp(s, -1)
+    return torch.einsum("hls,hsd->hld", torch.softmax(s, -1), vf).transpose(0, 1), lse
+
+
+def emulate(q, k, v, causal: bool, scale: float, block_n: int = BLOCK_N) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's loop in torch, tile by tile and block by block (its bounds, masks, base-2 online softmax with
+    the one-block-late P V, the log-sum-exp), for checking the algorithm on the CPU against `reference`."""
+    num_rows, num_heads, _ = q.shape
+    num_keys, group, shift = k.shape[0], num_heads // k.shape[1], k.shape[0] - q.shape[0]
+    qk_scale = scale * LOG2E
+    o = torch.zeros(num_rows, num_heads, D)
+    lse = torch.zeros(num_heads, num_rows)
+    for head in range(num_heads):
+        for q_start in range(0, num_rows, BLOCK_M):
+            rows = torch.arange(q_start, q_start + BLOCK_M)
+            qt = torch.zeros(BLOCK_M, D)  # TMA fills rows past the end with zeros
+            qt[: min(BLOCK_M, num_rows - q_start)] = q[q_start : q_start + BLOCK_M, head].float()
+            kv_end = min(num_keys, q_start + BLOCK_M + shift) if causal else num_keys
+            mask_from = min(num_keys, q_start + shift + 1) if causal else num_keys
+            m_i, l_i = torch.full((BLOCK_M,), -float("inf")), torch.zeros(BLOCK_M)
+            acc, p_prev, v_prev = torch.zeros(BLOCK_M, D), None, None
+            for j in range(-(-kv_end // block_n)):
+                kt, vt = torch.zeros(block_n, D), torch.zeros(block_n, D)
+                n = max(0, min(block_n, num_keys - j * block_n))
+                kt[:n] = k[j * block_n : j * block_n + n, head // group].float()
+                vt[:n] = v[j * block_n : j * block_n + n, head // group].float()
+                s = (qt @ kt.T) * qk_scale
+                if (j + 1) * block_n > mask_from:
+                    cols = j * block_n + torch.arange(block_n)
+                    keep = cols[None, :] < num_keys
+                    if causal:
+                        keep = keep & (cols[None, :] <= rows[:, None] + shift)
+                    s = s.masked_fill(~keep, -float("inf"))
+                m_new = torch.maximum(m_i, s.max(1).values)
+                p = torch.exp2(s - m_new[:, None])
+                alpha = torch.exp2(m_i - m_new)
+                l_i = l_i * alpha + p.sum(1)
+                if p_prev is not None:
+                    acc = acc + p_prev.bfloat16().float() @ v_prev  # P_{j-1} V_{j-1}, then the rescale
+                acc = acc * alpha[:, None]
+                m_i, p_prev, v_prev = m_new, p, vt
+            acc = acc + p_prev.bfloat16().float() @ v_prev
+            real = slice(0, min(BLOCK_M, num_rows - q_start))
+            o[q_start : q_start + BLOCK_M, head] = (acc / l_i[:, None])[real]
+            lse[head, q_start : q_start + BLOCK_M] = ((m_i + torch.log2(l_i)) * 0.6931471805599453)[real]
+    return o, lse
+
+
+def compile_only() -> None:
+    """Build the kernel for sm90 here (no GPU): registers, spills, shared memory."""
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.jit import mangle_type
+
+    from longserve.testing.kernel_compile import resource_usage
+
+    q = torch.zeros(1024, HQ + 2 * HKV, D, dtype=torch.bfloat16)
+    q_desc, k_desc, v_desc = descriptors(q[:, :HQ], q[:, HQ : HQ + HKV], q[:, HQ + HKV :])
+    for causal in (True, False):
+        names = ["q_desc", "k_desc", "v_desc"]
+        signature = {n: mangle_type(d) for n, d in zip(names, (q_desc, k_desc, v_desc))}
+        signature.update({"o_ptr": "*bf16", "lse_ptr": "*fp32", "num_rows": "i32", "num_keys": "i32", "shift": "i32",
+                          "qk_scale": "fp32", "o_row_stride": "i32"})  # fmt: skip
+        warps = 4 if SPLIT else NUM_WARPS
+        constexprs = {"GROUP": HQ // HKV, "CAUSAL": causal, "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "HEAD_DIM": D,
+                      "STAGES": STAGES, "SPLIT": SPLIT, "PART_M": BLOCK_M // 2 if SPLIT else BLOCK_M,
+                      "num_warps": warps}  # fmt: skip
+        signature.update({n: "constexpr" for n in constexprs})
+        src = gluon._runtime.GluonASTSource(attention_fwd_kernel, signature=signature, constexprs=constexprs)
+        k = triton.compile(
+            src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "maxnreg": 168}
+        )
+        usage = resource_usage(k.asm["cubin"])  # per partition warps the cubin's maximum; LOCAL: spills
+        print(json.dumps({"causal": causal, **usage, "shared_meta": k.metadata.shared,
+                          "wgmma_in_ptx": k.asm["ptx"].count("wgmma.mma_async"),
+                          "setmaxnreg": [x.strip() for x in k.asm["ptx"].splitlines() if "setmaxnreg" in x]}))  # fmt: skip
+
+
+def time_ms(fn) -> float:
+    from longserve.platform import cuda_time_ms
+
+    return cuda_time_ms(fn, warmup=3, iters=1, repeats=10)
+
+
+def heads(x: torch.Tensor) -> torch.Tensor:
+    return x.transpose(0, 1).unsqueeze(0)  # [T, H, D] -> [1, H, T, D], as the engine hands cuDNN its views
+
+
+def check_case(new: int, prefix: int, causal: bool, flash_attn_varlen_func) -> dict:
+    """One shape: q/k/v as the engine lays them; the kernel against fp32 (small enough) and cuDNN, timed with
+    cuDNN and FA3 (None: not on the path)."""
+    from longserve.attention import sdpa
+
+    scale, keys = D**-0.5, prefix + new
+    qkv = torch.randn(new, (HQ + 2 * HKV) * D, device="cuda", dtype=torch.bfloat16)
+    q = qkv[:, : HQ * D].view(new, HQ, D)
+    if prefix == 0:  # a cold chunk: its own K/V, views of the fused output
+        k = qkv[:, HQ * D : (HQ + HKV) * D].view(new, HKV, D)
+        v = qkv[:, (HQ + HKV) * D :].view(new, HKV, D)
+    else:  # a prefix and the chunk's keys, as consecutive cache pages hold them
+        k = torch.randn(keys, HKV, D, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(keys, HKV, D, device="cuda", dtype=torch.bfloat16)
+    flop = 4 * new * (prefix + (new + 1) / 2 if causal else keys) * D * HQ
+    row = {"new": new, "keys": keys, "causal": causal, "block_n": BLOCK_N, "stages": STAGES}
+    try:
+        o, lse = attention(q, k, v, causal, scale)
+        if new * keys <= 8192 * 12288:  # the fp32 reference's [Hq, L, S] scores: up to ~13 GB
+            o_ref, lse_ref = reference(q, k, v, causal, scale)
+            row["max_err"] = (o.float() - o_ref).abs().max().item()
+            row["lse_err"] = (lse - lse_ref).abs().max().item()
+        row["gluon_ms"] = round(time_ms(lambda: attention(q, k, v, causal, scale)), 3)
+        row["gluon_tflops"] = round(flop / row["gluon_ms"] / 1e9, 1)
+    except Exception as e:  # noqa: BLE001 - a probe reports whatever breaks
+        row["error"] = repr(e)[:300]
+    if prefix == 0 or not causal:  # torch's cuDNN call aligns a causal mask top-left: squares only
+        cudnn = lambda: sdpa.attention_with_lse(heads(q), heads(k), heads(v), causal, scale)  # noqa: E731
+        if "gluon_ms" in row:
+            row["vs_cudnn_err"] = (o.float() - cudnn()[0][0].transpose(0, 1).float()).abs().max().item()
+        row["cudnn_ms"] = round(time_ms(cudnn), 3)
+        row["cudnn_tflops"] = round(flop / row["cudnn_ms"] / 1e9, 1)
+    if flash_attn_varlen_func is not None:
+        cu_q = torch.tensor([0, new], dtype=torch.int32, device="cuda")
+        cu_k = torch.tensor([0, keys], dtype=torch.int32, device="cuda")
+        fa3 = lambda: flash_attn_varlen_func(  # noqa: E731
+            q, k, v, new, cu_q, keys, cu_seqlens_k=cu_k, softmax_scale=scale, causal=causal, fa_version=3
+        )
+        row["fa3_ms"] = round(time_ms(fa3), 3)
+        row["fa3_tflops"] = round(flop / row["fa3_ms"] / 1e9, 1)
+    return row
+
+
+def gpu_check() -> None:
+    torch.manual_seed(0)
+    try:
+        from vllm.vllm_flash_attn import flash_attn_varlen_func
+    except ImportError:
+        flash_attn_varlen_func = None
+    rows = []
+    for new, prefix, causal in ((1000, 0, True), (8192, 0, True), (32768, 0, True), (8192, 24576, False),
+                                (8192, 122880, False), (3000, 9000, True)):  # fmt: skip
+        rows.append(check_case(new, prefix, causal, flash_attn_varlen_func))
+        print(json.dumps(rows[-1]), flush=True)
+    path = os.path.join(os.environ.get("OUT", "/tmp"), f"gluon_attention_split{int(SPLIT)}_bn{BLOCK_N}.json")
+    with open(path, "w") as f:
+        json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    if "--compile-only" in sys.argv:
+        compile_only()
+    elif "--emulate" in sys.argv:  # the algorithm on the CPU, against fp32
+        torch.manual_seed(0)
+        for rows, keys, causal, block_n in ((300, 300, True, 128), (200, 700, True, 64), (130, 500, False, 128),
+                                            (129, 129, True, 64), (64, 1000, False, 64)):  # fmt: skip
+            qkv = [torch.randn(n, h, D).bfloat16() for n, h in ((rows, HQ), (keys, HKV), (keys, HKV))]
+            o, lse = emulate(*qkv, causal, D**-0.5, block_n)
+            o_ref, lse_ref = reference(*qkv, causal, D**-0.5)
+            print(
+                json.dumps(
+                    {
+                        "rows": rows,
+                        "keys": keys,
+                        "causal": causal,
+                        "block_n": block_n,
+                        "max_err": (o - o_ref).abs().max().item(),
+                        "lse_err": (lse - lse_ref).abs().max().item(),
+                    }
+                )
+            )
+    else:
+        gpu_check()
