@@ -17,6 +17,7 @@ is enough): what it would give the engine, end to end, once it is right.
 
 from __future__ import annotations
 
+import os
 import runpy
 import sys
 
@@ -54,7 +55,7 @@ def gluon_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     if not q.is_cuda or q.shape[0] != 1:
         calls["cudnn"] += 1
         return _cudnn_call(q, k, v, causal, scale)
-    sys.path.insert(0, "scripts/probes")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from gluon_attention import attention
 
     o, lse = attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), causal, scale)
