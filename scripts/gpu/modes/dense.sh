@@ -381,7 +381,7 @@ if [[ $MODE == fa3-engine ]]; then  # one GPU (~6 min, .anchor/ carried): the en
        --prompt-lens 8192,32768,131072)
   for impl in cudnn gluon fa3; do
     if [[ $impl == cudnn ]]; then run=(python3 -m "${lat[@]}"); else run=(python3 scripts/probes/with_fa3.py --impl $impl -- "${lat[@]}"); fi
-    PYTHONPATH=$PWD:/tmp/site timeout 170 "${run[@]}" --output-json "$OUT/latency_attention_$impl.json" 2>&1 \
+    PYTHONPATH=$PWD:/tmp/site timeout 200 "${run[@]}" --output-json "$OUT/latency_attention_$impl.json" 2>&1 \
       | tee "$OUT/latency_attention_$impl.log" | grep -E "^cold|with_fa3|Error" | sed "s/^/$impl /"
   done
 fi
