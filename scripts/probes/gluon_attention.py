@@ -69,17 +69,18 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, k_r
 
 
 @gluon.jit
-def _softmax_step(qk, m_i, l_i, j, rows, mask_from, num_keys, shift, qk_scale,
-                  BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, layout: gl.constexpr):  # fmt: skip
+def _softmax_step(qk, m_i, l_i, j, rows, mask_from, num_keys, shift, qk_scale, causal,
+                  BLOCK_N: gl.constexpr, layout: gl.constexpr):  # fmt: skip
     """One key block's online softmax (base 2): (p in bf16, the new max, the new sum, the old sum's factor). p is
     rounded here, so that its fp32 values die before the P V in flight lands (at key tiles of 128 the compute
     partition spilled ~50 registers holding them)."""
     s = qk * qk_scale
     if (j + 1) * BLOCK_N > mask_from:  # the block crosses the diagonal or the keys' end
         cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
-        keep = cols[None, :] < num_keys
-        if CAUSAL:
-            keep = keep & (cols[None, :] <= rows[:, None] + shift)
+        # each row's last key: its diagonal when causal (a constant in the default partition, a value in a split
+        # tile's worker, so no branch), else the keys' end
+        last = gl.where(causal, rows + shift, num_keys - 1)
+        keep = (cols[None, :] < num_keys) & (cols[None, :] <= last[:, None])
         s = gl.where(keep, s, -float("inf"))
     m_new = gl.maximum(m_i, gl.max(s, axis=1))
     p = gl.exp2(s - m_new[:, None])
@@ -90,8 +91,8 @@ def _softmax_step(qk, m_i, l_i, j, rows, mask_from, num_keys, shift, qk_scale,
 @gluon.jit
 def _compute_partition(q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_free, o_ptr, lse_ptr, q_start, head,
                        num_rows, num_keys, shift, n_blocks, mask_from, qk_scale, o_row_stride,
-                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                       CAUSAL: gl.constexpr, PART: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+                       causal, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                       STAGES: gl.constexpr, PART: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
     """BLOCK_M rows from q_start (the tile's part PART, its Q in q_smem.index(PART)) over the tile's key blocks."""
     q_tile = q_smem.index(PART)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -113,8 +114,8 @@ def _compute_partition(q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_fre
     zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     qk = warpgroup_mma(q_tile, k_bufs.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
     qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
-    p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, 0, rows, mask_from, num_keys, shift, qk_scale, BLOCK_N,
-                                       CAUSAL, s_layout)  # fmt: skip
+    p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, 0, rows, mask_from, num_keys, shift, qk_scale, causal,
+                                       BLOCK_N, s_layout)  # fmt: skip
     for j in range(1, n_blocks):
         s = j % STAGES
         prev = (j - 1) % STAGES
@@ -125,8 +126,8 @@ def _compute_partition(q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_fre
         p_op = gl.convert_layout(p, p_layout)
         acc = warpgroup_mma(p_op, v_bufs.index(prev), acc, is_async=True)
         qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))  # S_j done; P_{j-1} V_{j-1} may still run
-        p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, j, rows, mask_from, num_keys, shift, qk_scale, BLOCK_N,
-                                           CAUSAL, s_layout)  # fmt: skip
+        p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, j, rows, mask_from, num_keys, shift, qk_scale, causal,
+                                           BLOCK_N, s_layout)  # fmt: skip
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(kv_free.index(prev), count=1)  # K_{j-1} and V_{j-1} read
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
@@ -149,8 +150,7 @@ def _compute_partition(q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_fre
 
 
 # Triton 3.6 hands a worker partition its arguments as runtime values, constexprs included: the split tile's workers
-# take their tile shape from these module constants (the launch passes the same) and their mask kind from which
-# worker function the kernel picked
+# take their tile shape from these module constants (the launch passes the same) and the mask kind as a value
 _PART_M = gl.constexpr(BLOCK_M // 2)
 _BLOCK_N = gl.constexpr(BLOCK_N)
 _STAGES = gl.constexpr(STAGES)
@@ -158,38 +158,23 @@ _HEAD_DIM = gl.constexpr(D)
 
 
 @gluon.jit
-def _split_compute(q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_free, o_ptr, lse_ptr, q_start, head,
-                   num_rows, num_keys, shift, n_blocks, qk_scale, o_row_stride, CAUSAL: gl.constexpr):  # fmt: skip
+def _split_compute_worker(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_free, o_ptr,
+                          lse_ptr, q_start, head, kv_col, num_rows, num_keys, shift, n_blocks, qk_scale, o_row_stride,
+                          causal):  # fmt: skip
     """The second consumer warpgroup of a split tile: its rows are the tile's second half."""
     start = q_start + _PART_M
     mask_from = num_keys
-    if CAUSAL:
+    if causal:
         mask_from = gl.minimum(num_keys, start + shift + 1)
     _compute_partition(q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_free, o_ptr, lse_ptr, start, head,
-                       num_rows, num_keys, shift, n_blocks, mask_from, qk_scale, o_row_stride, _PART_M, _BLOCK_N,
-                       _HEAD_DIM, _STAGES, CAUSAL, 1, 4)  # fmt: skip
-
-
-@gluon.jit
-def _split_compute_causal(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_free, o_ptr,
-                          lse_ptr, q_start, head, kv_col, num_rows, num_keys, shift, n_blocks, qk_scale,
-                          o_row_stride):  # fmt: skip
-    _split_compute(q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_free, o_ptr, lse_ptr, q_start, head,
-                   num_rows, num_keys, shift, n_blocks, qk_scale, o_row_stride, True)  # fmt: skip
-
-
-@gluon.jit
-def _split_compute_plain(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_free, o_ptr,
-                         lse_ptr, q_start, head, kv_col, num_rows, num_keys, shift, n_blocks, qk_scale,
-                         o_row_stride):  # fmt: skip
-    _split_compute(q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_free, o_ptr, lse_ptr, q_start, head,
-                   num_rows, num_keys, shift, n_blocks, qk_scale, o_row_stride, False)  # fmt: skip
+                       num_rows, num_keys, shift, n_blocks, mask_from, qk_scale, o_row_stride, causal, _PART_M,
+                       _BLOCK_N, _HEAD_DIM, _STAGES, 1, 4)  # fmt: skip
 
 
 @gluon.jit
 def _split_load_worker(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_free, o_ptr,
-                       lse_ptr, q_start, head, kv_col, num_rows, num_keys, shift, n_blocks, qk_scale,
-                       o_row_stride):  # fmt: skip
+                       lse_ptr, q_start, head, kv_col, num_rows, num_keys, shift, n_blocks, qk_scale, o_row_stride,
+                       causal):  # fmt: skip
     """The split tile's loader (the same arguments as the other worker, as warp_specialize wants)."""
     _load_partition(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_free, q_start,
                     head * _HEAD_DIM, kv_col, n_blocks, _BLOCK_N, _STAGES, 2)  # fmt: skip
@@ -235,39 +220,27 @@ def attention_fwd_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, num_rows, num_k
     if SPLIT:
         # fmt: off
         worker_args = (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_free, o_ptr,
-                       lse_ptr, q_start, head, kv_col, num_rows, num_keys, shift, n_blocks, qk_scale, o_row_stride)
+                       lse_ptr, q_start, head, kv_col, num_rows, num_keys, shift, n_blocks, qk_scale, o_row_stride,
+                       CAUSAL)
         gl.static_assert(PART_M == _PART_M and BLOCK_N == _BLOCK_N and STAGES == _STAGES and HEAD_DIM == _HEAD_DIM)
-        if CAUSAL:
-            gl.warp_specialize(
-                [
-                    (_compute_partition, (q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_free, o_ptr, lse_ptr,
-                                          q_start, head, num_rows, num_keys, shift, n_blocks, mask_from, qk_scale,
-                                          o_row_stride, PART_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, 0, num_warps)),
-                    (_split_compute_causal, worker_args),
-                    (_split_load_worker, worker_args),
-                ],
-                [4, 1],
-                [COMPUTE_REGS, LOAD_REGS],
-            )
-        else:
-            gl.warp_specialize(
-                [
-                    (_compute_partition, (q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_free, o_ptr, lse_ptr,
-                                          q_start, head, num_rows, num_keys, shift, n_blocks, mask_from, qk_scale,
-                                          o_row_stride, PART_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, 0, num_warps)),
-                    (_split_compute_plain, worker_args),
-                    (_split_load_worker, worker_args),
-                ],
-                [4, 1],
-                [COMPUTE_REGS, LOAD_REGS],
-            )
+        gl.warp_specialize(
+            [
+                (_compute_partition, (q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_free, o_ptr, lse_ptr,
+                                      q_start, head, num_rows, num_keys, shift, n_blocks, mask_from, qk_scale,
+                                      o_row_stride, CAUSAL, PART_M, BLOCK_N, HEAD_DIM, STAGES, 0, num_warps)),
+                (_split_compute_worker, worker_args),
+                (_split_load_worker, worker_args),
+            ],
+            [4, 1],
+            [COMPUTE_REGS, LOAD_REGS],
+        )
         # fmt: on
     else:
         gl.warp_specialize(
             [
                 (_compute_partition, (q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_free, o_ptr, lse_ptr,
                                       q_start, head, num_rows, num_keys, shift, n_blocks, mask_from, qk_scale,
-                                      o_row_stride, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, 0, num_warps)),
+                                      o_row_stride, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, 0, num_warps)),
                 (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_free,
                                    q_start, head * HEAD_DIM, kv_col, n_blocks, BLOCK_N, STAGES, 1)),
             ],

@@ -73,9 +73,8 @@ def emulate(q, k, v, causal: bool, scale: float, block_n: int = BLOCK_N) -> tupl
                 s = (qt @ kt.T) * qk_scale
                 if (j + 1) * block_n > mask_from:
                     cols = j * block_n + torch.arange(block_n)
-                    keep = cols[None, :] < num_keys
-                    if causal:
-                        keep = keep & (cols[None, :] <= rows[:, None] + shift)
+                    last = rows + shift if causal else torch.full_like(rows, num_keys - 1)
+                    keep = (cols[None, :] < num_keys) & (cols[None, :] <= last[:, None])
                     s = s.masked_fill(~keep, -float("inf"))
                 m_new = torch.maximum(m_i, s.max(1).values)
                 p = torch.exp2(s - m_new[:, None])
