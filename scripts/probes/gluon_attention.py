@@ -1,33 +1,34 @@
 """GPU probe, first draft of a Hopper attention kernel of our own: causal and prefix (no mask) attention of one
 layer in Gluon (Triton 3.6's lower-level language: TMA, mbarriers, asynchronous wgmma, warp specialization),
-FlashAttention-3's structure without its ping-pong between warpgroups. Why: with vLLM's FA3 answering the engine's
-cuDNN calls, cold 128K took 7.8% less and 32K 3.7% less (RESULTS.md, twenty-first session); cuDNN offers no faster
-plan and its causal squares run 11-25% below FA3's rate. Not wired into the engine: this measures whether a kernel
-we own can get there.
+FlashAttention-3's structure. Why: with vLLM's FA3 answering the engine's cuDNN calls, cold 128K took 7.8% less and
+32K 3.7% less (RESULTS.md, twenty-first session); cuDNN offers no faster plan and its causal squares run 11-25% below
+FA3's rate. Not wired into the engine: this measures whether a kernel we own can get there.
 
 The kernel (one program per 128 query rows of one q head; GQA by the kv head's column in K/V):
-- a 1-warp load partition: Q's tile once, then K and V tiles of 128 keys through a ring of STAGES buffers by TMA,
-  each buffer freed by the compute partition's arrive;
-- the default partition (2 warpgroups): S_j = Q K_j^T issued asynchronously, then O += P_{j-1} V_{j-1} (P from
-  registers), the softmax of S_j while that runs (FA3's intra-warpgroup overlap), O rescaled once it lands;
-  masks only on the blocks that cross the causal diagonal (aligned bottom-right: query i of L sees keys up to
-  i + S - L) or the keys' end; the log-sum-exp (natural log) per row for the engine's merges.
+- a 1-warp load partition: Q's tile once, then K one block ahead of V through rings of STAGES buffers by TMA, K's
+  and V's buffers each freed on their own barrier (K once S has read it, V once P V has);
+- the consumers: S_j = Q K_j^T issued asynchronously, then O += P_{j-1} V_{j-1} (P from registers), the softmax of
+  S_j while that runs (FA3's intra-warpgroup overlap), O rescaled once it lands; masks only on the blocks that
+  cross the causal diagonal (aligned bottom-right: query i of L sees keys up to i + S - L) or the keys' end; the
+  log-sum-exp (natural log) per row for the engine's merges.
 q/k/v are read as the engine lays them (views of the fused qkv output, or a prefix on consecutive cache pages):
 2D [rows, heads * D] with a row stride, 16-byte aligned. Written against Triton 3.6's Gluon, the GPU machine's
-(3.9 renamed the TMA copies). Built for sm90 on the CPU machine with 3.6: the compute partition runs at 240
-registers (setmaxnreg) with no spills at key tiles of 128 or 64 (GLUON_BLOCK_N; ~50 spilled at 128 until P was
-rounded to bf16 inside the softmax step), 32 wgmma a warpgroup; the partition's 8 warps meet at a barrier four
-times an iteration (around the mbarrier waits and arrives), so its two warpgroups run in step (FA3 offsets them).
-The loop's algorithm (bounds, masks, the one-block-late P V, the log-sum-exp) matches fp32 in `--emulate`.
-GLUON_SPLIT=1 gives each half tile its own consumer warpgroup (the default partition and a worker of 4 warps over
-the same K/V buffers), so that the warp schedulers may run one half's softmax beside the other's wgmma (FA3 orders
-the two; here they are left free); it builds with no spills either (two copies of the loop).
+(3.9 renamed the TMA copies). Default (GLUON_SPLIT=0): one consumer partition of 2 warpgroups, whose 8 warps meet
+at a barrier four times an iteration (around the mbarrier waits and arrives), so they run in step. GLUON_SPLIT=1:
+each half tile its own consumer warpgroup (the default partition and a worker of 4 warps over the same buffers),
+and with GLUON_PINGPONG=1 (its default) the two take turns issuing their GEMMs (FA3's warp-scheduler barrier, here
+two mbarriers), so that one half's softmax runs while the other's GEMMs do. Built for sm90 on the CPU machine with
+3.6: every variant's consumers at 240 registers (setmaxnreg) with no spills at key tiles of 128 or 64
+(GLUON_BLOCK_N; ~50 spilled at 128 until P was rounded to bf16 inside the softmax step), GLUON_STAGES=3 at 128
+in 224 KB of shared memory. The loop's algorithm (bounds, masks, the one-block-late P V, the log-sum-exp) matches
+fp32 in `--emulate`. First GPU run (twenty-second session, one K/V barrier, no turns): right (fp32's error), at
+407-522 TFLOP/s against cuDNN's 556-645 and FA3's 640-690.
 
     PYTHONPATH=$PWD python3 scripts/probes/gluon_attention_check.py            # on an H200: against fp32, timed
     PYTHONPATH=/path/to/triton-3.6:$PWD python3 scripts/probes/gluon_attention_check.py --compile-only   # anywhere
     PYTHONPATH=$PWD python3 scripts/probes/gluon_attention_check.py --emulate   # the kernel's loop in torch, CPU
 The GPU run checks each shape against an fp32 reference (and cuDNN's call), times it against cuDNN (and FA3 when
-vLLM's build is on PYTHONPATH), and writes $OUT/gluon_attention.json.
+vLLM's build is on PYTHONPATH), and writes $OUT/gluon_attention_<variant>.json.
 """
 
 from __future__ import annotations
@@ -47,23 +48,38 @@ BLOCK_N, STAGES = int(os.environ.get("GLUON_BLOCK_N", "128")), int(os.environ.ge
 LOAD_REGS = gl.constexpr(int(os.environ.get("GLUON_LOAD_REGS", "24")))  # the load partition's registers
 COMPUTE_REGS = gl.constexpr(240)  # the split tile's second consumer warpgroup's (the first gets what is left)
 SPLIT = os.environ.get("GLUON_SPLIT", "0") == "1"  # two consumer warpgroups, one a half tile each
+PINGPONG = SPLIT and os.environ.get("GLUON_PINGPONG", "1") == "1"  # the two take turns issuing their GEMMs
 LOG2E = 1.4426950408889634
 
 
 @gluon.jit
-def _load_partition(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_free,
+def _load_partition(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_free, v_free,
                     q_row, q_col, kv_col, n_blocks, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                     Q_PARTS: gl.constexpr):  # fmt: skip
+    """Q once, then K one block ahead of V: K_{j+1} before V_j, each into a buffer freed on its own barrier (K's
+    once S has read it, V's once P V has). With one barrier for both (the first GPU run: 511 TFLOP/s at best
+    against cuDNN's 603-645), block j's loads waited for P_{j-2} V_{j-2}, which the compute partition finishes at
+    the end of iteration j - 1 just before it waits for K_j: every iteration sat through a TMA load's latency (and
+    key tiles of 64, twice the iterations, ran slower still: 407). Now K_j is issued about 1.5 iterations before S_j
+    needs it and V_{j-1} one iteration before P_{j-1} V_{j-1}."""
     mbarrier.expect(q_ready, Q_PARTS * q_desc.block_type.nbytes)
     for i in gl.static_range(Q_PARTS):  # one part a consumer warpgroup (split) or the whole tile
         tma.async_copy_global_to_shared(q_desc, [q_row + i * q_desc.block_type.shape[0], q_col], q_ready,
                                         q_smem.index(i))  # fmt: skip
+    # a fresh barrier counts as freed: the first wait on each buffer (parity 1) passes
+    mbarrier.wait(k_free.index(0), 1)
+    mbarrier.expect(k_ready.index(0), k_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [0, kv_col], k_ready.index(0), k_bufs.index(0))
     for j in range(n_blocks):
+        if j + 1 < n_blocks:
+            s = (j + 1) % STAGES
+            mbarrier.wait(k_free.index(s), (((j + 1) // STAGES) & 1) ^ 1)
+            mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(
+                k_desc, [(j + 1) * BLOCK_N, kv_col], k_ready.index(s), k_bufs.index(s)
+            )
         s = j % STAGES
-        phase = (j // STAGES) & 1
-        mbarrier.wait(kv_free.index(s), phase ^ 1)  # a fresh barrier counts as freed: the first waits pass
-        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [j * BLOCK_N, kv_col], k_ready.index(s), k_bufs.index(s))
+        mbarrier.wait(v_free.index(s), ((j // STAGES) & 1) ^ 1)
         mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(v_desc, [j * BLOCK_N, kv_col], v_ready.index(s), v_bufs.index(s))
 
@@ -89,10 +105,28 @@ def _softmax_step(qk, m_i, l_i, j, rows, mask_from, num_keys, shift, qk_scale, c
 
 
 @gluon.jit
-def _compute_partition(q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_free, o_ptr, lse_ptr, q_start, head,
-                       num_rows, num_keys, shift, n_blocks, mask_from, qk_scale, o_row_stride,
+def _my_turn(turn, slot, PART: gl.constexpr, PINGPONG: gl.constexpr):
+    """FA3's ordering of a split tile's two consumer warpgroups (its warp-scheduler barrier, here a pair of
+    mbarriers): each issue slot (S_0; S_j with P_{j-1} V_{j-1}; the last P V) waits for the other warpgroup's slot
+    before it, so the tensor cores run one half's GEMMs while the other half's softmax runs, instead of both
+    softmaxes at once. Warpgroup 0 goes first (a fresh barrier's parity-1 wait passes)."""
+    if PINGPONG:
+        mbarrier.wait(turn.index(PART), (slot & 1) ^ (1 - PART))
+
+
+@gluon.jit
+def _their_turn(turn, PART: gl.constexpr, PINGPONG: gl.constexpr):
+    """This warpgroup's GEMMs of the slot are issued: the other's turn."""
+    if PINGPONG:
+        mbarrier.arrive(turn.index(1 - PART), count=1)
+
+
+@gluon.jit
+def _compute_partition(q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_free, v_free, turn, o_ptr, lse_ptr,
+                       q_start, head, num_rows, num_keys, shift, n_blocks, mask_from, qk_scale, o_row_stride,
                        causal, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                       STAGES: gl.constexpr, PART: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+                       STAGES: gl.constexpr, PART: gl.constexpr, PINGPONG: gl.constexpr,
+                       num_warps: gl.constexpr):  # fmt: skip
     """BLOCK_M rows from q_start (the tile's part PART, its Q in q_smem.index(PART)) over the tile's key blocks."""
     q_tile = q_smem.index(PART)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -112,31 +146,41 @@ def _compute_partition(q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_fre
     mbarrier.wait(k_ready.index(0), 0)
     # use_acc=False ignores the accumulator's values: zeros made at each issue, not a tensor kept across the loop
     zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    _my_turn(turn, 0, PART, PINGPONG)
     qk = warpgroup_mma(q_tile, k_bufs.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    _their_turn(turn, PART, PINGPONG)
     qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
+    mbarrier.arrive(k_free.index(0), count=1)  # K_0 read
     p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, 0, rows, mask_from, num_keys, shift, qk_scale, causal,
                                        BLOCK_N, s_layout)  # fmt: skip
     for j in range(1, n_blocks):
         s = j % STAGES
         prev = (j - 1) % STAGES
         mbarrier.wait(k_ready.index(s), (j // STAGES) & 1)
+        mbarrier.wait(
+            v_ready.index(prev), ((j - 1) // STAGES) & 1
+        )  # both in before the turn: it is held to issue
         zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-        qk = warpgroup_mma(q_tile, k_bufs.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
         p_op = gl.convert_layout(p, p_layout)
+        _my_turn(turn, j, PART, PINGPONG)
+        qk = warpgroup_mma(q_tile, k_bufs.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         acc = warpgroup_mma(p_op, v_bufs.index(prev), acc, is_async=True)
+        _their_turn(turn, PART, PINGPONG)
         qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))  # S_j done; P_{j-1} V_{j-1} may still run
+        mbarrier.arrive(k_free.index(s), count=1)  # K_j read: the loader may bring K_{j+STAGES}
         p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, j, rows, mask_from, num_keys, shift, qk_scale, causal,
                                            BLOCK_N, s_layout)  # fmt: skip
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(kv_free.index(prev), count=1)  # K_{j-1} and V_{j-1} read
+        mbarrier.arrive(v_free.index(prev), count=1)  # V_{j-1} read
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     last = (n_blocks - 1) % STAGES
     mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // STAGES) & 1)
     p_op = gl.convert_layout(p, p_layout)
+    _my_turn(turn, n_blocks, PART, PINGPONG)
     acc = warpgroup_mma(p_op, v_bufs.index(last), acc, is_async=True)
+    _their_turn(turn, PART, PINGPONG)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    mbarrier.arrive(kv_free.index(last), count=1)
+    mbarrier.arrive(v_free.index(last), count=1)
 
     l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
     out = (acc / l_o[:, None]).to(gl.bfloat16)
@@ -155,28 +199,29 @@ _PART_M = gl.constexpr(BLOCK_M // 2)
 _BLOCK_N = gl.constexpr(BLOCK_N)
 _STAGES = gl.constexpr(STAGES)
 _HEAD_DIM = gl.constexpr(D)
+_PINGPONG = gl.constexpr(PINGPONG)
 
 
 @gluon.jit
-def _split_compute_worker(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_free, o_ptr,
-                          lse_ptr, q_start, head, kv_col, num_rows, num_keys, shift, n_blocks, qk_scale, o_row_stride,
+def _split_compute_worker(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_free, v_free, turn,
+                          o_ptr, lse_ptr, q_start, head, kv_col, num_rows, num_keys, shift, n_blocks, qk_scale, o_row_stride,
                           causal):  # fmt: skip
     """The second consumer warpgroup of a split tile: its rows are the tile's second half."""
     start = q_start + _PART_M
     mask_from = num_keys
     if causal:
         mask_from = gl.minimum(num_keys, start + shift + 1)
-    _compute_partition(q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_free, o_ptr, lse_ptr, start, head,
-                       num_rows, num_keys, shift, n_blocks, mask_from, qk_scale, o_row_stride, causal, _PART_M,
-                       _BLOCK_N, _HEAD_DIM, _STAGES, 1, 4)  # fmt: skip
+    _compute_partition(q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_free, v_free, turn, o_ptr, lse_ptr,
+                       start, head, num_rows, num_keys, shift, n_blocks, mask_from, qk_scale, o_row_stride, causal,
+                       _PART_M, _BLOCK_N, _HEAD_DIM, _STAGES, 1, _PINGPONG, 4)  # fmt: skip
 
 
 @gluon.jit
-def _split_load_worker(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_free, o_ptr,
-                       lse_ptr, q_start, head, kv_col, num_rows, num_keys, shift, n_blocks, qk_scale, o_row_stride,
+def _split_load_worker(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_free, v_free, turn,
+                       o_ptr, lse_ptr, q_start, head, kv_col, num_rows, num_keys, shift, n_blocks, qk_scale, o_row_stride,
                        causal):  # fmt: skip
     """The split tile's loader (the same arguments as the other worker, as warp_specialize wants)."""
-    _load_partition(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_free, q_start,
+    _load_partition(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_free, v_free, q_start,
                     head * _HEAD_DIM, kv_col, n_blocks, _BLOCK_N, _STAGES, 2)  # fmt: skip
 
 
@@ -184,10 +229,10 @@ def _split_load_worker(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, 
 def attention_fwd_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, num_rows, num_keys, shift, qk_scale, o_row_stride,
                          GROUP: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                          HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, PART_M: gl.constexpr,
-                         num_warps: gl.constexpr):  # fmt: skip
+                         PINGPONG: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
     """One program a tile of BLOCK_M query rows of one q head. SPLIT: the tile is two halves, each its own consumer
     warpgroup (the default partition of 4 warps and a worker of 4) reading the same K/V buffers, so that the warp
-    schedulers can run one half's softmax while the other's wgmma runs (FA3 orders them; here they are left free);
+    schedulers can run one half's softmax while the other's wgmma runs, in turns with PINGPONG (FA3's order);
     otherwise one consumer partition of num_warps warps holds the whole tile."""
     head = gl.program_id(0)  # the q heads of a kv head run side by side: their K/V stay in L2
     tile = gl.program_id(1)
@@ -210,24 +255,33 @@ def attention_fwd_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, num_rows, num_k
     q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    kv_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(
+        gl.int64, [2, 1], mbarrier.MBarrierLayout()
+    )  # a split tile's warpgroups' turns
     mbarrier.init(q_ready, count=1)
+    mbarrier.init(turn.index(0), count=1)
+    mbarrier.init(turn.index(1), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(kv_free.index(i), count=parts)  # every consumer frees every buffer
+        mbarrier.init(k_free.index(i), count=parts)  # every consumer frees every buffer
+        mbarrier.init(v_free.index(i), count=parts)
 
     if SPLIT:
         # fmt: off
-        worker_args = (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_free, o_ptr,
-                       lse_ptr, q_start, head, kv_col, num_rows, num_keys, shift, n_blocks, qk_scale, o_row_stride,
+        worker_args = (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_free, v_free, turn,
+                       o_ptr, lse_ptr, q_start, head, kv_col, num_rows, num_keys, shift, n_blocks, qk_scale, o_row_stride,
                        CAUSAL)
-        gl.static_assert(PART_M == _PART_M and BLOCK_N == _BLOCK_N and STAGES == _STAGES and HEAD_DIM == _HEAD_DIM)
+        gl.static_assert(PART_M == _PART_M and BLOCK_N == _BLOCK_N and STAGES == _STAGES and HEAD_DIM == _HEAD_DIM
+                         and PINGPONG == _PINGPONG)
         gl.warp_specialize(
             [
-                (_compute_partition, (q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_free, o_ptr, lse_ptr,
-                                      q_start, head, num_rows, num_keys, shift, n_blocks, mask_from, qk_scale,
-                                      o_row_stride, CAUSAL, PART_M, BLOCK_N, HEAD_DIM, STAGES, 0, num_warps)),
+                (_compute_partition, (q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_free, v_free, turn, o_ptr,
+                                      lse_ptr, q_start, head, num_rows, num_keys, shift, n_blocks, mask_from,
+                                      qk_scale, o_row_stride, CAUSAL, PART_M, BLOCK_N, HEAD_DIM, STAGES, 0, PINGPONG,
+                                      num_warps)),
                 (_split_compute_worker, worker_args),
                 (_split_load_worker, worker_args),
             ],
@@ -238,10 +292,11 @@ def attention_fwd_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, num_rows, num_k
     else:
         gl.warp_specialize(
             [
-                (_compute_partition, (q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_free, o_ptr, lse_ptr,
-                                      q_start, head, num_rows, num_keys, shift, n_blocks, mask_from, qk_scale,
-                                      o_row_stride, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, 0, num_warps)),
-                (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_free,
+                (_compute_partition, (q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_free, v_free, turn, o_ptr,
+                                      lse_ptr, q_start, head, num_rows, num_keys, shift, n_blocks, mask_from,
+                                      qk_scale, o_row_stride, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, 0, False,
+                                      num_warps)),
+                (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_free, v_free,
                                    q_start, head * HEAD_DIM, kv_col, n_blocks, BLOCK_N, STAGES, 1)),
             ],
             [1],
@@ -280,7 +335,7 @@ def attention(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.
     attention_fwd_kernel[grid](
         q_desc, k_desc, v_desc, o, lse, num_rows, num_keys, num_keys - num_rows, scale * LOG2E, num_heads * D,
         num_heads // k.shape[1], causal, BLOCK_M, BLOCK_N, D, STAGES, SPLIT, BLOCK_M // 2 if SPLIT else BLOCK_M,
-        num_warps=4 if SPLIT else NUM_WARPS,
+        PINGPONG, num_warps=4 if SPLIT else NUM_WARPS,
         maxnreg=168,
     )  # fmt: skip
     return o, lse

@@ -1,7 +1,7 @@
 """Checks of the Gluon attention draft (scripts/probes/gluon_attention.py): against an fp32 reference and cuDNN,
 timed beside cuDNN and FA3 on a GPU; built for sm90 on any machine (`--compile-only`, Triton 3.6); its loop in torch
 on the CPU (`--emulate`). GLUON_SPLIT and GLUON_BLOCK_N pick the variant, as for the kernel. Writes
-$OUT/gluon_attention_split{0,1}_bn{64,128}.json on a GPU.
+$OUT/gluon_attention_split{0,1}_pp{0,1}_bn{64,128}_st{2,3}.json on a GPU (GLUON_PINGPONG, GLUON_STAGES).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from gluon_attention import (  # noqa: E402
     HQ,
     LOG2E,
     NUM_WARPS,
+    PINGPONG,
     SPLIT,
     STAGES,
     D,
@@ -108,7 +109,7 @@ def compile_only() -> None:
         warps = 4 if SPLIT else NUM_WARPS
         constexprs = {"GROUP": HQ // HKV, "CAUSAL": causal, "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "HEAD_DIM": D,
                       "STAGES": STAGES, "SPLIT": SPLIT, "PART_M": BLOCK_M // 2 if SPLIT else BLOCK_M,
-                      "num_warps": warps}  # fmt: skip
+                      "PINGPONG": PINGPONG, "num_warps": warps}  # fmt: skip
         signature.update({n: "constexpr" for n in constexprs})
         src = gluon._runtime.GluonASTSource(attention_fwd_kernel, signature=signature, constexprs=constexprs)
         k = triton.compile(
@@ -145,7 +146,15 @@ def check_case(new: int, prefix: int, causal: bool, flash_attn_varlen_func) -> d
         k = torch.randn(keys, HKV, D, device="cuda", dtype=torch.bfloat16)
         v = torch.randn(keys, HKV, D, device="cuda", dtype=torch.bfloat16)
     flop = 4 * new * (prefix + (new + 1) / 2 if causal else keys) * D * HQ
-    row = {"new": new, "keys": keys, "causal": causal, "block_n": BLOCK_N, "stages": STAGES}
+    row = {
+        "new": new,
+        "keys": keys,
+        "causal": causal,
+        "split": SPLIT,
+        "pingpong": PINGPONG,
+        "block_n": BLOCK_N,
+        "stages": STAGES,
+    }
     try:
         o, lse = attention(q, k, v, causal, scale)
         if new * keys <= 8192 * 12288:  # the fp32 reference's [Hq, L, S] scores: up to ~13 GB
@@ -173,6 +182,11 @@ def check_case(new: int, prefix: int, causal: bool, flash_attn_varlen_func) -> d
     return row
 
 
+def variant() -> str:
+    """The variant's name in file names: split, ping-pong, key tile, stages."""
+    return f"split{int(SPLIT)}_pp{int(PINGPONG)}_bn{BLOCK_N}_st{STAGES}"
+
+
 def gpu_check() -> None:
     torch.manual_seed(0)
     try:
@@ -184,7 +198,7 @@ def gpu_check() -> None:
                                 (8192, 122880, False), (3000, 9000, True)):  # fmt: skip
         rows.append(check_case(new, prefix, causal, flash_attn_varlen_func))
         print(json.dumps(rows[-1]), flush=True)
-    path = os.path.join(os.environ.get("OUT", "/tmp"), f"gluon_attention_split{int(SPLIT)}_bn{BLOCK_N}.json")
+    path = os.path.join(os.environ.get("OUT", "/tmp"), f"gluon_attention_{variant()}.json")
     with open(path, "w") as f:
         json.dump(rows, f, indent=1)
 

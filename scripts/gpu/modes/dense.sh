@@ -355,21 +355,28 @@ if [[ $MODE == vllm ]]; then  # one GPU: the 8B shape, longserve then vLLM 0.24 
     | grep '"engine"' | cut -c1-280
 fi
 
-if [[ $MODE == fa3 ]]; then  # one GPU (~4 min, .anchor/ carried): our attention against vLLM's FlashAttention-3, one
+if [[ $MODE == fa3 ]]; then  # one GPU (~2 min, .anchor/ carried): our attention against vLLM's FlashAttention-3, one
   # layer of the 8B (RESULTS.md twenty-first session): bursts of each shape, then each library's calls back to back
   # at the chip's power limit with its clock and power (FA3 in the engine took 7.8% off cold 128K where the bursts
-  # found the prefix calls equal); then the first draft of our own Hopper kernel (Gluon), checked against fp32 and
-  # timed beside cuDNN and FA3: one consumer partition or two (a half tile each), key tiles of 128 and 64
+  # found the prefix calls equal)
   unpack_vllm || status=1
   PYTHONPATH=$PWD:/tmp/site timeout 150 python3 scripts/probes/attention_vs_fa3.py 2>&1 \
     | tee "$OUT/attention_vs_fa3.log" | grep '^{' | cut -c1-200
   PROBE_SUSTAINED=5 PYTHONPATH=$PWD:/tmp/site timeout 150 python3 scripts/probes/attention_vs_fa3.py 2>&1 \
     | tee "$OUT/attention_vs_fa3_sustained.log" | grep '^{'
-  for split in 0 1; do
-    for bn in 128 64; do
-      GLUON_SPLIT=$split GLUON_BLOCK_N=$bn PYTHONPATH=$PWD:/tmp/site timeout 120 python3 scripts/probes/gluon_attention_check.py \
-        2>&1 | tee "$OUT/gluon_attention_split${split}_bn$bn.log" | grep -E '^\{|Error' | cut -c1-400
-    done
+fi
+
+if [[ $MODE == gluon ]]; then  # one GPU (~3 min, .anchor/ carried for FA3's times): our own Hopper attention draft
+  # (Gluon), each variant checked against fp32 and timed beside cuDNN and FA3. GLUON_VARIANTS: SPLIT:PINGPONG:
+  # BLOCK_N:STAGES each. The first run (twenty-second session) found it right at 407-522 TFLOP/s against cuDNN's
+  # 556-645; K and V now free their buffers apart and a split tile's warpgroups may take turns (PINGPONG)
+  unpack_vllm || status=1
+  for v in ${GLUON_VARIANTS:-1:1:128:2 1:0:128:2 0:0:128:2 1:1:128:3 1:1:64:4}; do
+    IFS=: read -r split pp bn st <<< "$v"
+    GLUON_SPLIT=$split GLUON_PINGPONG=$pp GLUON_BLOCK_N=$bn GLUON_STAGES=$st PYTHONPATH=$PWD:/tmp/site timeout 90 \
+      python3 scripts/probes/gluon_attention_check.py 2>&1 | tee "$OUT/gluon_attention_$split$pp$bn$st.log" \
+      | grep -E '^\{|Error' | cut -c1-400
+    [[ ${PIPESTATUS[0]} == 124 ]] && echo "gluon variant $v: timed out (a hang?)"
   done
 fi
 
