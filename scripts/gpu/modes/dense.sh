@@ -373,7 +373,7 @@ if [[ $MODE == gluon ]]; then  # one GPU (~3 min, .anchor/ carried for FA3's tim
   unpack_vllm || status=1
   for v in ${GLUON_VARIANTS:-1:1:128:2 1:0:128:2 0:0:128:2 1:1:128:3 1:1:64:4}; do
     IFS=: read -r split pp bn st <<< "$v"
-    GLUON_SPLIT=$split GLUON_PINGPONG=$pp GLUON_BLOCK_N=$bn GLUON_STAGES=$st PYTHONPATH=$PWD:/tmp/site timeout 90 \
+    GLUON_SPLIT=$split GLUON_PINGPONG=$pp GLUON_BLOCK_N=$bn GLUON_STAGES=$st PYTHONPATH=$PWD:/tmp/site timeout ${GLUON_TIMEOUT:-90} \
       python3 scripts/probes/gluon_attention_check.py 2>&1 | tee "$OUT/gluon_attention_$split$pp$bn$st.log" \
       | grep -E '^\{|Error' | cut -c1-400
     [[ ${PIPESTATUS[0]} == 124 ]] && echo "gluon variant $v: timed out (a hang?)"
