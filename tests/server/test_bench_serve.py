@@ -35,7 +35,9 @@ def check_counts(record: dict, num: int, exact_prompt: bool = True) -> None:
     for r in reqs:
         assert r["latency"] >= r["ttft"] and r["output_tokens"] == r["output_len"]  # ignore_eos
         times = [r["start"], r["ttft"], r["latency"], *r["itl"]]
-        assert all(t == round(t, 6) for t in times), "the record's times are kept to 1 us (backends.TIME_DIGITS)"
+        assert all(t == round(t, 6) for t in times), (
+            "the record's times are kept to 1 us (backends.TIME_DIGITS)"
+        )
         if exact_prompt:
             assert r["prompt_tokens"] == r["prompt_len"]
     assert s["total_input_tokens"] == sum(r["prompt_tokens"] for r in reqs)
