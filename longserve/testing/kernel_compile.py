@@ -15,6 +15,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -188,6 +189,60 @@ def resource_usage(cubin: bytes) -> dict[str, int]:
         r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", cubin_tool(cubin, "cuobjdump", "-res-usage")
     )
     return dict(regs=int(m[1]), stack=int(m[2]), shared=int(m[3]), local=int(m[4])) if m else {}
+
+
+SASS_ADDRESS = re.compile(r"\s*/\*([0-9a-f]{4,})\*/")
+
+
+def _backward_branches(sass: str) -> list[tuple[int, int]]:
+    """(first, last) addresses of each loop body: a branch to a label at or before it."""
+    lines = sass.splitlines()
+    labels = {line[:-1]: i for i, line in enumerate(lines) if re.match(r"\.L_x_\d+:$", line)}
+    code = [(int(m.group(1), 16), line) for line in lines if (m := SASS_ADDRESS.match(line))]
+    loops = []
+    for pc, line in code:
+        target = re.search(r"BRA\s.*?(\.L_x_\d+)", line)
+        if target and target.group(1) in labels:
+            first = next(
+                int(m.group(1), 16)
+                for x in lines[labels[target.group(1)] + 1 :]
+                if (m := SASS_ADDRESS.match(x))
+            )
+            if first < pc:
+                loops.append((first, pc))
+    return loops
+
+
+def _body(sass: str, span: tuple[int, int]) -> list[str]:
+    return [
+        line
+        for line in sass.splitlines()
+        if (m := SASS_ADDRESS.match(line)) and span[0] <= int(m.group(1), 16) <= span[1]
+    ]
+
+
+def loop_instructions(sass: str) -> list[str]:
+    """The instructions of the longest backward branch's body."""
+    loops = _backward_branches(sass)
+    return _body(sass, max(loops, key=lambda s: s[1] - s[0])) if loops else []
+
+
+def innermost_loop(sass: str, opcode: str) -> list[str]:
+    """The instructions of the shortest loop body holding `opcode` (a kernel's main loop, where the retry branches
+    of mbarrier waits, placed at the function's end, jump back across it)."""
+    loops = [s for s in _backward_branches(sass) if any(opcode in line for line in _body(sass, s))]
+    return _body(sass, min(loops, key=lambda s: s[1] - s[0])) if loops else []
+
+
+def opcode_counts(lines: list[str]) -> dict[str, int]:
+    """SASS lines' opcodes (predicates and modifiers dropped), most frequent first."""
+    import collections
+
+    ops = collections.Counter(
+        re.sub(r"^(@!?U?P\w+\s+)?", "", SASS_ADDRESS.sub("", line).strip()).split()[0].split(".")[0]
+        for line in lines
+    )
+    return dict(ops.most_common())
 
 
 def compiled_report(compiled: Any, variant: dict, **extra: Any) -> dict[str, Any]:

@@ -13,9 +13,7 @@ num_warps threads.
 
 from __future__ import annotations
 
-import collections
 import os
-import re
 import sys
 
 os.environ["TRITON_INTERPRET"] = "0"  # the real compiler, before triton is imported
@@ -23,7 +21,13 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from compile_quant_gemv import compile_fp8_gemv, compile_int4_gemv  # noqa: E402
 
-from longserve.testing.kernel_compile import cubin_tool, report_variants, resource_usage  # noqa: E402
+from longserve.testing.kernel_compile import (  # noqa: E402
+    cubin_tool,
+    loop_instructions,
+    opcode_counts,
+    report_variants,
+    resource_usage,
+)
 
 VARIANTS = [
     {"bn": 256},
@@ -35,35 +39,15 @@ VARIANTS = [
     {"fp8": True, "bn": 64, "split": 8},
     {"fp8": True, "channel": True, "bn": 64},
 ]
-_ADDR = re.compile(r"\s*/\*([0-9a-f]{4,})\*/")
-
-
-def loop_instructions(sass: str) -> list[str]:
-    """The instructions of the longest backward branch's body."""
-    lines = sass.splitlines()
-    labels = {line[:-1]: i for i, line in enumerate(lines) if re.match(r"\.L_x_\d+:$", line)}
-    code = [(int(m.group(1), 16), line) for line in lines if (m := _ADDR.match(line))]
-    best = (0, -1)
-    for pc, line in code:
-        target = re.search(r"BRA\s.*?(\.L_x_\d+)", line)
-        if target and target.group(1) in labels:
-            first = next(
-                int(m.group(1), 16) for x in lines[labels[target.group(1)] + 1 :] if (m := _ADDR.match(x))
-            )
-            if first < pc and pc - first > best[1] - best[0]:
-                best = (first, pc)
-    return [line for pc, line in code if best[0] <= pc <= best[1]]
 
 
 def count(variant: dict) -> dict:
     kw = {"bn": 256, **variant}
     compiled = compile_fp8_gemv(**kw) if kw.get("fp8") else compile_int4_gemv(**kw)
     body = loop_instructions(cubin_tool(compiled.asm["cubin"], "nvdisasm", "-c"))
-    ops = collections.Counter(re.sub(r"^(@!?U?P\w+\s+)?", "", _ADDR.sub("", line).strip()).split()[0].split(".")[0]
-                              for line in body)  # fmt: skip
     weights_per_thread = kw["bn"] * kw.get("bk", 128) / (32 * kw.get("num_warps", 4))
     return {"variant": variant, "loop": len(body), "per_weight": round(len(body) / weights_per_thread, 2),
-            "regs": resource_usage(compiled.asm["cubin"])["regs"], "top": dict(ops.most_common(8))}  # fmt: skip
+            "regs": resource_usage(compiled.asm["cubin"])["regs"], "top": dict(list(opcode_counts(body).items())[:8])}  # fmt: skip
 
 
 if __name__ == "__main__":

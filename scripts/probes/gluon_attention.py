@@ -87,19 +87,20 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, k_r
 @gluon.jit
 def _softmax_step(qk, m_i, l_i, j, rows, mask_from, num_keys, shift, qk_scale, causal,
                   BLOCK_N: gl.constexpr, layout: gl.constexpr):  # fmt: skip
-    """One key block's online softmax (base 2): (p in bf16, the new max, the new sum, the old sum's factor). p is
-    rounded here, so that its fp32 values die before the P V in flight lands (at key tiles of 128 the compute
-    partition spilled ~50 registers holding them)."""
-    s = qk * qk_scale
+    """One key block's online softmax (base 2): (p in bf16, the new max, the new sum, the old sum's factor). The
+    max is taken over the raw scores and scaled once a row (the scale is positive), so that each score's scale and
+    shift is one FFMA: 61 fewer instructions a thread an iteration, 518 -> 457 on the unmasked path (sm90 SASS,
+    `--compile-only`; FA3 folds it alike). p is rounded here, so that its fp32 values die before the P V in flight
+    lands (at key tiles of 128 the compute partition spilled ~50 registers holding them)."""
     if (j + 1) * BLOCK_N > mask_from:  # the block crosses the diagonal or the keys' end
         cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
         # each row's last key: its diagonal when causal (a constant in the default partition, a value in a split
         # tile's worker, so no branch), else the keys' end
         last = gl.where(causal, rows + shift, num_keys - 1)
         keep = (cols[None, :] < num_keys) & (cols[None, :] <= last[:, None])
-        s = gl.where(keep, s, -float("inf"))
-    m_new = gl.maximum(m_i, gl.max(s, axis=1))
-    p = gl.exp2(s - m_new[:, None])
+        qk = gl.where(keep, qk, -float("inf"))
+    m_new = gl.maximum(m_i, gl.max(qk, axis=1) * qk_scale)
+    p = gl.exp2(qk * qk_scale - m_new[:, None])
     alpha = gl.exp2(m_i - m_new)
     return p.to(gl.bfloat16), m_new, l_i * alpha + gl.sum(p, axis=1), alpha
 

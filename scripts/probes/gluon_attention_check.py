@@ -71,14 +71,16 @@ def emulate(q, k, v, causal: bool, scale: float, block_n: int = BLOCK_N) -> tupl
                 n = max(0, min(block_n, num_keys - j * block_n))
                 kt[:n] = k[j * block_n : j * block_n + n, head // group].float()
                 vt[:n] = v[j * block_n : j * block_n + n, head // group].float()
-                s = (qt @ kt.T) * qk_scale
+                s = (
+                    qt @ kt.T
+                )  # raw scores: the max scaled once a row, each score scaled and shifted by one FFMA
                 if (j + 1) * block_n > mask_from:
                     cols = j * block_n + torch.arange(block_n)
                     last = rows + shift if causal else torch.full_like(rows, num_keys - 1)
                     keep = (cols[None, :] < num_keys) & (cols[None, :] <= last[:, None])
                     s = s.masked_fill(~keep, -float("inf"))
-                m_new = torch.maximum(m_i, s.max(1).values)
-                p = torch.exp2(s - m_new[:, None])
+                m_new = torch.maximum(m_i, s.max(1).values * qk_scale)
+                p = torch.exp2(torch.addcmul(-m_new[:, None], s, torch.tensor(qk_scale)))
                 alpha = torch.exp2(m_i - m_new)
                 l_i = l_i * alpha + p.sum(1)
                 if p_prev is not None:
@@ -97,7 +99,7 @@ def compile_only() -> None:
     from triton.backends.compiler import GPUTarget
     from triton.runtime.jit import mangle_type
 
-    from longserve.testing.kernel_compile import resource_usage
+    from longserve.testing.kernel_compile import cubin_tool, innermost_loop, opcode_counts, resource_usage
 
     q = torch.zeros(1024, HQ + 2 * HKV, D, dtype=torch.bfloat16)
     q_desc, k_desc, v_desc = descriptors(q[:, :HQ], q[:, HQ : HQ + HKV], q[:, HQ + HKV :])
@@ -116,8 +118,12 @@ def compile_only() -> None:
             src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "maxnreg": 168}
         )
         usage = resource_usage(k.asm["cubin"])  # per partition warps the cubin's maximum; LOCAL: spills
+        loop = innermost_loop(
+            cubin_tool(k.asm["cubin"], "nvdisasm", "-c"), "HGMMA"
+        )  # a consumer's key-block loop
         print(json.dumps({"causal": causal, **usage, "shared_meta": k.metadata.shared,
-                          "wgmma_in_ptx": k.asm["ptx"].count("wgmma.mma_async"),
+                          "wgmma_in_ptx": k.asm["ptx"].count("wgmma.mma_async"), "loop_sass": len(loop),
+                          "loop_ops": dict(list(opcode_counts(loop).items())[:12]),
                           "setmaxnreg": [x.strip() for x in k.asm["ptx"].splitlines() if "setmaxnreg" in x]}))  # fmt: skip
 
 

@@ -87,3 +87,25 @@ def test_the_compiler_refuses_what_the_interpreter_ran(tmp_path):
     assert results["_good_kernel"]["ok"] and results["_good_kernel"]["stages"][-1] == "cubin", results
     assert not results["_bad_kernel"]["ok"], results["_bad_kernel"]
     assert done.returncode == 1
+
+
+# nvdisasm's layout: a kernel's main loop, then an mbarrier wait's retry block at the function's end branching back
+# into it (as the Gluon attention draft's are laid out)
+_SASS = """        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_0:
+        /*0010*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR12], RZ ;
+        /*0020*/                   FADD R2, R2, R3 ;
+        /*0030*/               @P0 BRA `(.L_x_0) ;
+        /*0040*/                   EXIT ;
+.L_x_1:
+        /*0050*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4], RZ ;
+        /*0060*/              @!P0 BRA `(.L_x_0) ;
+"""
+
+
+def test_the_innermost_loop_is_the_main_loop_not_a_retry_branch_across_it() -> None:
+    assert len(kernel_compile.loop_instructions(_SASS)) == 6  # the longest: the retry branch's span
+    main = kernel_compile.innermost_loop(_SASS, "HGMMA")
+    assert [line.split("*/")[0].strip() + "*/" for line in main] == ["/*0010*/", "/*0020*/", "/*0030*/"]
+    assert kernel_compile.opcode_counts(main) == {"HGMMA": 1, "FADD": 1, "BRA": 1}
+    assert kernel_compile.innermost_loop(_SASS, "IMMA") == []
