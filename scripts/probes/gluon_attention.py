@@ -85,14 +85,14 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, k_r
 
 
 @gluon.jit
-def _softmax_step(qk, m_i, l_i, j, rows, mask_from, num_keys, shift, qk_scale, causal,
+def _softmax_step(qk, m_i, l_i, j, rows, num_keys, shift, qk_scale, causal, MASKED: gl.constexpr,
                   BLOCK_N: gl.constexpr, layout: gl.constexpr):  # fmt: skip
     """One key block's online softmax (base 2): (p in bf16, the new max, the new sum, the old sum's factor). The
     max is taken over the raw scores and scaled once a row (the scale is positive), so that each score's scale and
     shift is one FFMA: 61 fewer instructions a thread an iteration, 518 -> 457 on the unmasked path (sm90 SASS,
     `--compile-only`; FA3 folds it alike). p is rounded here, so that its fp32 values die before the P V in flight
     lands (at key tiles of 128 the compute partition spilled ~50 registers holding them)."""
-    if (j + 1) * BLOCK_N > mask_from:  # the block crosses the diagonal or the keys' end
+    if MASKED:  # the block crosses the diagonal or the keys' end
         cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
         # each row's last key: its diagonal when causal (a constant in the default partition, a value in a split
         # tile's worker, so no branch), else the keys' end
@@ -123,6 +123,39 @@ def _their_turn(turn, PART: gl.constexpr, PINGPONG: gl.constexpr):
 
 
 @gluon.jit
+def _kv_block(j, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, turn, p, m_i, l_i, alpha, acc, rows,
+              num_keys, shift, qk_scale, causal, MASKED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              STAGES: gl.constexpr, PART: gl.constexpr, PINGPONG: gl.constexpr, s_layout: gl.constexpr,
+              o_layout: gl.constexpr, p_layout: gl.constexpr):  # fmt: skip
+    """Key block j >= 1: S_j issued, O rescaled for block j-1's max while it runs (FA3's place for it), P_{j-1} V_{j-1}
+    issued; S_j's softmax while that runs (FA3's intra-warpgroup overlap); K_j's and V_{j-1}'s buffers freed.
+    What ptxas makes of it (sm90 SASS, `--compile-only` with Triton 3.6; twenty-second session): P V's wait lands
+    right after the row max's first shuffle, before the exponentials, whatever the source order (a wgmma wait may
+    always move up across plain arithmetic), so the overlap is not in the machine code. Carrying P V's token into the
+    next iteration (its wait after S_{j+1}'s issue, where it cannot move up) makes ptxas serialize every wgmma
+    (C7514: it cannot follow a wgmma's registers across the loop's back edge). Open."""
+    s = j % STAGES
+    prev = (j - 1) % STAGES
+    # both in before the turn: it is held to issue
+    mbarrier.wait(k_ready.index(s), (j // STAGES) & 1)
+    mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    p_op = gl.convert_layout(p, p_layout)
+    _my_turn(turn, j, PART, PINGPONG)
+    qk = warpgroup_mma(q_tile, k_bufs.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    acc = warpgroup_mma(p_op, v_bufs.index(prev), acc, is_async=True)
+    _their_turn(turn, PART, PINGPONG)
+    qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))  # S_j done; P_{j-1} V_{j-1} may still run
+    mbarrier.arrive(k_free.index(s), count=1)  # K_j read: the loader may bring K_{j+STAGES}
+    p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, j, rows, num_keys, shift, qk_scale, causal, MASKED, BLOCK_N,
+                                       s_layout)  # fmt: skip
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    mbarrier.arrive(v_free.index(prev), count=1)  # V_{j-1} read
+    return p, m_i, l_i, alpha, acc
+
+
+@gluon.jit
 def _compute_partition(q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_free, v_free, turn, o_ptr, lse_ptr,
                        q_start, head, num_rows, num_keys, shift, n_blocks, mask_from, qk_scale, o_row_stride,
                        causal, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
@@ -143,7 +176,7 @@ def _compute_partition(q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_free
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
 
     mbarrier.wait(q_ready, 0)
-    # block 0: S_0 and its softmax
+    # block 0: S_0 and its softmax (nothing in flight: the mask's branch is free here)
     mbarrier.wait(k_ready.index(0), 0)
     # use_acc=False ignores the accumulator's values: zeros made at each issue, not a tensor kept across the loop
     zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
@@ -152,31 +185,28 @@ def _compute_partition(q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_free
     _their_turn(turn, PART, PINGPONG)
     qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
     mbarrier.arrive(k_free.index(0), count=1)  # K_0 read
-    p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, 0, rows, mask_from, num_keys, shift, qk_scale, causal,
-                                       BLOCK_N, s_layout)  # fmt: skip
-    for j in range(1, n_blocks):
-        s = j % STAGES
-        prev = (j - 1) % STAGES
-        mbarrier.wait(k_ready.index(s), (j // STAGES) & 1)
-        mbarrier.wait(
-            v_ready.index(prev), ((j - 1) // STAGES) & 1
-        )  # both in before the turn: it is held to issue
-        zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-        p_op = gl.convert_layout(p, p_layout)
-        _my_turn(turn, j, PART, PINGPONG)
-        qk = warpgroup_mma(q_tile, k_bufs.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        acc = warpgroup_mma(p_op, v_bufs.index(prev), acc, is_async=True)
-        _their_turn(turn, PART, PINGPONG)
-        qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))  # S_j done; P_{j-1} V_{j-1} may still run
-        mbarrier.arrive(k_free.index(s), count=1)  # K_j read: the loader may bring K_{j+STAGES}
-        p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, j, rows, mask_from, num_keys, shift, qk_scale, causal,
-                                           BLOCK_N, s_layout)  # fmt: skip
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(v_free.index(prev), count=1)  # V_{j-1} read
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    first_masked = mask_from // BLOCK_N  # block j crosses the diagonal or the keys' end iff j >= first_masked
+    if first_masked == 0:
+        p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, 0, rows, num_keys, shift, qk_scale, causal, True, BLOCK_N,
+                                           s_layout)  # fmt: skip
+    else:
+        p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, 0, rows, num_keys, shift, qk_scale, causal, False, BLOCK_N,
+                                           s_layout)  # fmt: skip
+    # the blocks with no mask, then those with one, each its own loop with no branch inside: P V is in flight through
+    # an iteration's softmax, and ptxas waits for every wgmma where a branch joins (with the mask an `if` in one
+    # loop, the SASS waited for P_{j-1} V_{j-1} right after the mask, before the softmax it was to overlap)
+    for j in range(1, gl.minimum(first_masked, n_blocks)):
+        p, m_i, l_i, alpha, acc = _kv_block(j, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, turn, p, m_i,
+                                            l_i, alpha, acc, rows, num_keys, shift, qk_scale, causal, False, BLOCK_M,
+                                            BLOCK_N, STAGES, PART, PINGPONG, s_layout, o_layout, p_layout)  # fmt: skip
+    for j in range(gl.maximum(first_masked, 1), n_blocks):
+        p, m_i, l_i, alpha, acc = _kv_block(j, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, turn, p, m_i,
+                                            l_i, alpha, acc, rows, num_keys, shift, qk_scale, causal, True, BLOCK_M,
+                                            BLOCK_N, STAGES, PART, PINGPONG, s_layout, o_layout, p_layout)  # fmt: skip
     last = (n_blocks - 1) % STAGES
     mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // STAGES) & 1)
     p_op = gl.convert_layout(p, p_layout)
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     _my_turn(turn, n_blocks, PART, PINGPONG)
     acc = warpgroup_mma(p_op, v_bufs.index(last), acc, is_async=True)
     _their_turn(turn, PART, PINGPONG)
