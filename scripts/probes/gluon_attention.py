@@ -46,9 +46,15 @@ HQ, HKV, D = 32, 8, 128  # the Llama-3.1-8B shape
 BLOCK_M, NUM_WARPS = 128, 8
 BLOCK_N, STAGES = int(os.environ.get("GLUON_BLOCK_N", "128")), int(os.environ.get("GLUON_STAGES", "2"))
 LOAD_REGS = gl.constexpr(int(os.environ.get("GLUON_LOAD_REGS", "24")))  # the load partition's registers
-COMPUTE_REGS = gl.constexpr(240)  # the split tile's second consumer warpgroup's (the first gets what is left)
+COMPUTE_REGS = gl.constexpr(
+    int(os.environ.get("GLUON_COMPUTE_REGS", "240"))
+)  # the split tile's second consumer warpgroup's (the first gets what is left)
 SPLIT = os.environ.get("GLUON_SPLIT", "0") == "1"  # two consumer warpgroups, one a half tile each
-PINGPONG = SPLIT and os.environ.get("GLUON_PINGPONG", "1") == "1"  # the two take turns issuing their GEMMs
+# the two take turns issuing their GEMMs (FA3's order; measured no faster, 0-3% slower: twenty-second session)
+PINGPONG = SPLIT and os.environ.get("GLUON_PINGPONG", "0") == "1"
+# the unmasked key blocks two at a time, the first one's P V waited for after the second's S is issued (_kv_pair):
+# off until measured (its sm90 build spills 24 registers in the split tile's worker, 2 reloads an iteration)
+PAIRS = gl.constexpr(os.environ.get("GLUON_PAIRS", "0") == "1")
 LOG2E = 1.4426950408889634
 
 
@@ -156,6 +162,57 @@ def _kv_block(j, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, turn,
 
 
 @gluon.jit
+def _kv_pair(j, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, turn, p, m_i, l_i, alpha, acc, rows,
+             num_keys, shift, qk_scale, causal, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+             PART: gl.constexpr, PINGPONG: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
+             p_layout: gl.constexpr):  # fmt: skip
+    """Key blocks j and j + 1 (no mask) as _kv_block does them, but P_{j-1} V_{j-1} is waited for only after S_{j+1}
+    is issued, where ptxas cannot move the wait up (a wait moved above S_{j+1}'s commit would wait for less): block
+    j's softmax runs beside P_{j-1} V_{j-1} in the machine code, not only in the source. Inside one body, so that
+    ptxas follows the accumulator from its issue to its wait (across the loop's back edge it serialized every
+    wgmma). P_j gets its own registers beside P_{j-1}'s (read by the tensor cores until that wait): 32 more a thread.
+    In the sm90 SASS block j's softmax (~345 instructions) now sits between S_j's wait and P_{j-1} V_{j-1}'s; block
+    j + 1's P V wait is hoisted as before. The split tile's worker (240 registers) spills 24 (the default partition
+    gets 256); giving the worker 248 leaves the default 232 and spills more."""
+    # block j
+    s = j % STAGES
+    prev = (j - 1) % STAGES
+    mbarrier.wait(k_ready.index(s), (j // STAGES) & 1)
+    mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    p_op = gl.convert_layout(p, p_layout)
+    _my_turn(turn, j, PART, PINGPONG)
+    qk = warpgroup_mma(q_tile, k_bufs.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    acc = warpgroup_mma(p_op, v_bufs.index(prev), acc, is_async=True)
+    _their_turn(turn, PART, PINGPONG)
+    qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))
+    mbarrier.arrive(k_free.index(s), count=1)
+    p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, j, rows, num_keys, shift, qk_scale, causal, False, BLOCK_N,
+                                       s_layout)  # fmt: skip
+    # block j + 1
+    s1 = (j + 1) % STAGES
+    mbarrier.wait(k_ready.index(s1), ((j + 1) // STAGES) & 1)
+    mbarrier.wait(v_ready.index(s), (j // STAGES) & 1)
+    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    p_op = gl.convert_layout(p, p_layout)
+    _my_turn(turn, j + 1, PART, PINGPONG)
+    qk = warpgroup_mma(q_tile, k_bufs.index(s1).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # P_{j-1} V_{j-1} done, S_{j+1} in flight
+    mbarrier.arrive(v_free.index(prev), count=1)
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    acc = warpgroup_mma(p_op, v_bufs.index(s), acc, is_async=True)
+    _their_turn(turn, PART, PINGPONG)
+    qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))
+    mbarrier.arrive(k_free.index(s1), count=1)
+    p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, j + 1, rows, num_keys, shift, qk_scale, causal, False, BLOCK_N,
+                                       s_layout)  # fmt: skip
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    mbarrier.arrive(v_free.index(s), count=1)
+    return p, m_i, l_i, alpha, acc
+
+
+@gluon.jit
 def _compute_partition(q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_free, v_free, turn, o_ptr, lse_ptr,
                        q_start, head, num_rows, num_keys, shift, n_blocks, mask_from, qk_scale, o_row_stride,
                        causal, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
@@ -195,7 +252,15 @@ def _compute_partition(q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_free
     # the blocks with no mask, then those with one, each its own loop with no branch inside: P V is in flight through
     # an iteration's softmax, and ptxas waits for every wgmma where a branch joins (with the mask an `if` in one
     # loop, the SASS waited for P_{j-1} V_{j-1} right after the mask, before the softmax it was to overlap)
-    for j in range(1, gl.minimum(first_masked, n_blocks)):
+    n_free = gl.maximum(gl.minimum(first_masked, n_blocks), 1)  # blocks [1, n_free) have no mask
+    pairs_end = 1
+    if PAIRS:
+        pairs_end = 1 + (n_free - 1) // 2 * 2
+    for j in range(1, pairs_end, 2):
+        p, m_i, l_i, alpha, acc = _kv_pair(j, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, turn, p, m_i,
+                                           l_i, alpha, acc, rows, num_keys, shift, qk_scale, causal, BLOCK_M, BLOCK_N,
+                                           STAGES, PART, PINGPONG, s_layout, o_layout, p_layout)  # fmt: skip
+    for j in range(pairs_end, n_free):
         p, m_i, l_i, alpha, acc = _kv_block(j, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, turn, p, m_i,
                                             l_i, alpha, acc, rows, num_keys, shift, qk_scale, causal, False, BLOCK_M,
                                             BLOCK_N, STAGES, PART, PINGPONG, s_layout, o_layout, p_layout)  # fmt: skip

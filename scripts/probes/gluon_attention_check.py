@@ -1,7 +1,8 @@
 """Checks of the Gluon attention draft (scripts/probes/gluon_attention.py): against an fp32 reference and cuDNN,
 timed beside cuDNN and FA3 on a GPU; built for sm90 on any machine (`--compile-only`, Triton 3.6); its loop in torch
 on the CPU (`--emulate`). GLUON_SPLIT and GLUON_BLOCK_N pick the variant, as for the kernel. Writes
-$OUT/gluon_attention_split{0,1}_pp{0,1}_bn{64,128}_st{2,3}.json on a GPU (GLUON_PINGPONG, GLUON_STAGES).
+$OUT/gluon_attention_split{0,1}_pp{0,1}_bn{64,128}_st{2,3}_pairs{0,1}.json on a GPU (GLUON_PINGPONG, GLUON_STAGES,
+GLUON_PAIRS).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from gluon_attention import (  # noqa: E402
     HQ,
     LOG2E,
     NUM_WARPS,
+    PAIRS,
     PINGPONG,
     SPLIT,
     STAGES,
@@ -160,6 +162,7 @@ def check_case(new: int, prefix: int, causal: bool, flash_attn_varlen_func) -> d
         "pingpong": PINGPONG,
         "block_n": BLOCK_N,
         "stages": STAGES,
+        "pairs": bool(PAIRS),
     }
     try:
         o, lse = attention(q, k, v, causal, scale)
@@ -189,8 +192,8 @@ def check_case(new: int, prefix: int, causal: bool, flash_attn_varlen_func) -> d
 
 
 def variant() -> str:
-    """The variant's name in file names: split, ping-pong, key tile, stages."""
-    return f"split{int(SPLIT)}_pp{int(PINGPONG)}_bn{BLOCK_N}_st{STAGES}"
+    """The variant's name in file names: split, ping-pong, key tile, stages, pairs."""
+    return f"split{int(SPLIT)}_pp{int(PINGPONG)}_bn{BLOCK_N}_st{STAGES}_pairs{int(bool(PAIRS))}"
 
 
 def gpu_check() -> None:

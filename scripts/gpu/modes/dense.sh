@@ -368,13 +368,15 @@ fi
 
 if [[ $MODE == gluon ]]; then  # one GPU (~3 min, .anchor/ carried for FA3's times): our own Hopper attention draft
   # (Gluon), each variant checked against fp32 and timed beside cuDNN and FA3. GLUON_VARIANTS: SPLIT:PINGPONG:
-  # BLOCK_N:STAGES each. The first run (twenty-second session) found it right at 407-522 TFLOP/s against cuDNN's
-  # 556-645; K and V now free their buffers apart and a split tile's warpgroups may take turns (PINGPONG)
+  # BLOCK_N:STAGES:PAIRS each. The twenty-second session's runs: right, 407-522 TFLOP/s against cuDNN's 556-645 with
+  # one barrier freeing K and V; with the two apart, split tiles at cuDNN's rate (583-629 on prefix calls), turns
+  # and 3 stages no faster. Since: the max scaled once a row (FFMA), loops with no branch, PAIRS (_kv_pair)
   unpack_vllm || status=1
-  for v in ${GLUON_VARIANTS:-1:1:128:2 1:0:128:2 0:0:128:2 1:1:128:3 1:1:64:4}; do
-    IFS=: read -r split pp bn st <<< "$v"
-    GLUON_SPLIT=$split GLUON_PINGPONG=$pp GLUON_BLOCK_N=$bn GLUON_STAGES=$st PYTHONPATH=$PWD:/tmp/site timeout ${GLUON_TIMEOUT:-90} \
-      python3 scripts/probes/gluon_attention_check.py 2>&1 | tee "$OUT/gluon_attention_$split$pp$bn$st.log" \
+  for v in ${GLUON_VARIANTS:-1:0:128:2:0 1:0:128:2:1 0:0:128:2:0 0:0:128:2:1 1:1:128:2:1}; do
+    IFS=: read -r split pp bn st pairs <<< "$v"
+    GLUON_SPLIT=$split GLUON_PINGPONG=$pp GLUON_BLOCK_N=$bn GLUON_STAGES=$st GLUON_PAIRS=${pairs:-0} \
+      PYTHONPATH=$PWD:/tmp/site timeout ${GLUON_TIMEOUT:-90} \
+      python3 scripts/probes/gluon_attention_check.py 2>&1 | tee "$OUT/gluon_attention_$split$pp$bn$st${pairs:-0}.log" \
       | grep -E '^\{|Error' | cut -c1-400
     [[ ${PIPESTATUS[0]} == 124 ]] && echo "gluon variant $v: timed out (a hang?)"
   done
