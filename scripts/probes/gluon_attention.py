@@ -139,7 +139,8 @@ def _kv_block(j, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, turn,
     right after the row max's first shuffle, before the exponentials, whatever the source order (a wgmma wait may
     always move up across plain arithmetic), so the overlap is not in the machine code. Carrying P V's token into the
     next iteration (its wait after S_{j+1}'s issue, where it cannot move up) makes ptxas serialize every wgmma
-    (C7514: it cannot follow a wgmma's registers across the loop's back edge). Open."""
+    (C7514: it cannot follow a wgmma's registers across the loop's back edge), and so does a wait written as PTX
+    predicated on the row sum (so that it could not move above the softmax). GLUON_PAIRS takes the way that builds."""
     s = j % STAGES
     prev = (j - 1) % STAGES
     # both in before the turn: it is held to issue
