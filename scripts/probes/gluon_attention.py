@@ -129,18 +129,13 @@ def _their_turn(turn, PART: gl.constexpr, PINGPONG: gl.constexpr):
 
 
 @gluon.jit
-def _kv_block(j, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, turn, p, m_i, l_i, alpha, acc, rows,
-              num_keys, shift, qk_scale, causal, MASKED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+def _kv_start(j, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_free, turn, p, m_i, l_i, alpha, acc, rows, num_keys,
+              shift, qk_scale, causal, MASKED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               STAGES: gl.constexpr, PART: gl.constexpr, PINGPONG: gl.constexpr, s_layout: gl.constexpr,
               o_layout: gl.constexpr, p_layout: gl.constexpr):  # fmt: skip
-    """Key block j >= 1: S_j issued, O rescaled for block j-1's max while it runs (FA3's place for it), P_{j-1} V_{j-1}
-    issued; S_j's softmax while that runs (FA3's intra-warpgroup overlap); K_j's and V_{j-1}'s buffers freed.
-    What ptxas makes of it (sm90 SASS, `--compile-only` with Triton 3.6; twenty-second session): P V's wait lands
-    right after the row max's first shuffle, before the exponentials, whatever the source order (a wgmma wait may
-    always move up across plain arithmetic), so the overlap is not in the machine code. Carrying P V's token into the
-    next iteration (its wait after S_{j+1}'s issue, where it cannot move up) makes ptxas serialize every wgmma
-    (C7514: it cannot follow a wgmma's registers across the loop's back edge), and so does a wait written as PTX
-    predicated on the row sum (so that it could not move above the softmax). GLUON_PAIRS takes the way that builds."""
+    """Key block j >= 1 up to its softmax: S_j issued, O rescaled for block j-1's max while it runs (FA3's place for
+    it), P_{j-1} V_{j-1} issued; S_j's softmax while that runs (FA3's intra-warpgroup overlap), K_j's buffer freed.
+    O comes back in flight: the caller waits for it."""
     s = j % STAGES
     prev = (j - 1) % STAGES
     # both in before the turn: it is held to issue
@@ -157,8 +152,26 @@ def _kv_block(j, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, turn,
     mbarrier.arrive(k_free.index(s), count=1)  # K_j read: the loader may bring K_{j+STAGES}
     p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, j, rows, num_keys, shift, qk_scale, causal, MASKED, BLOCK_N,
                                        s_layout)  # fmt: skip
+    return p, m_i, l_i, alpha, acc
+
+
+@gluon.jit
+def _kv_block(j, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, turn, p, m_i, l_i, alpha, acc, rows,
+              num_keys, shift, qk_scale, causal, MASKED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              STAGES: gl.constexpr, PART: gl.constexpr, PINGPONG: gl.constexpr, s_layout: gl.constexpr,
+              o_layout: gl.constexpr, p_layout: gl.constexpr):  # fmt: skip
+    """Key block j >= 1 (_kv_start), then P_{j-1} V_{j-1} waited for and V_{j-1}'s buffer freed.
+    What ptxas makes of it (sm90 SASS, `--compile-only` with Triton 3.6; twenty-second session): P V's wait lands
+    right after the row max's first shuffle, before the exponentials, whatever the source order (a wgmma wait may
+    always move up across plain arithmetic), so the overlap is not in the machine code. Carrying P V's token into the
+    next iteration (its wait after S_{j+1}'s issue, where it cannot move up) makes ptxas serialize every wgmma
+    (C7514: it cannot follow a wgmma's registers across the loop's back edge), and so does a wait written as PTX
+    predicated on the row sum (so that it could not move above the softmax). GLUON_PAIRS takes the way that builds."""
+    p, m_i, l_i, alpha, acc = _kv_start(j, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_free, turn, p, m_i, l_i, alpha,
+                                        acc, rows, num_keys, shift, qk_scale, causal, MASKED, BLOCK_M, BLOCK_N, STAGES,
+                                        PART, PINGPONG, s_layout, o_layout, p_layout)  # fmt: skip
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    mbarrier.arrive(v_free.index(prev), count=1)  # V_{j-1} read
+    mbarrier.arrive(v_free.index((j - 1) % STAGES), count=1)  # V_{j-1} read
     return p, m_i, l_i, alpha, acc
 
 
@@ -175,23 +188,11 @@ def _kv_pair(j, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, turn, 
     In the sm90 SASS block j's softmax (~345 instructions) now sits between S_j's wait and P_{j-1} V_{j-1}'s; block
     j + 1's P V wait is hoisted as before. The split tile's worker (240 registers) spills 24 (the default partition
     gets 256); giving the worker 248 leaves the default 232 and spills more."""
-    # block j
+    p, m_i, l_i, alpha, acc = _kv_start(j, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_free, turn, p, m_i, l_i, alpha,
+                                        acc, rows, num_keys, shift, qk_scale, causal, False, BLOCK_M, BLOCK_N, STAGES,
+                                        PART, PINGPONG, s_layout, o_layout, p_layout)  # fmt: skip
+    # block j + 1: S_{j+1} issued, then P_{j-1} V_{j-1} (still in flight) waited for
     s = j % STAGES
-    prev = (j - 1) % STAGES
-    mbarrier.wait(k_ready.index(s), (j // STAGES) & 1)
-    mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
-    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    p_op = gl.convert_layout(p, p_layout)
-    _my_turn(turn, j, PART, PINGPONG)
-    qk = warpgroup_mma(q_tile, k_bufs.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-    acc = warpgroup_mma(p_op, v_bufs.index(prev), acc, is_async=True)
-    _their_turn(turn, PART, PINGPONG)
-    qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))
-    mbarrier.arrive(k_free.index(s), count=1)
-    p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, j, rows, num_keys, shift, qk_scale, causal, False, BLOCK_N,
-                                       s_layout)  # fmt: skip
-    # block j + 1
     s1 = (j + 1) % STAGES
     mbarrier.wait(k_ready.index(s1), ((j + 1) // STAGES) & 1)
     mbarrier.wait(v_ready.index(s), (j // STAGES) & 1)
@@ -200,7 +201,7 @@ def _kv_pair(j, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, turn, 
     _my_turn(turn, j + 1, PART, PINGPONG)
     qk = warpgroup_mma(q_tile, k_bufs.index(s1).permute((1, 0)), zero_s, use_acc=False, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # P_{j-1} V_{j-1} done, S_{j+1} in flight
-    mbarrier.arrive(v_free.index(prev), count=1)
+    mbarrier.arrive(v_free.index((j - 1) % STAGES), count=1)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     acc = warpgroup_mma(p_op, v_bufs.index(s), acc, is_async=True)
     _their_turn(turn, PART, PINGPONG)
