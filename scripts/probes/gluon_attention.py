@@ -187,7 +187,8 @@ def _kv_pair(j, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, turn, 
     wgmma). P_j gets its own registers beside P_{j-1}'s (read by the tensor cores until that wait): 32 more a thread.
     In the sm90 SASS block j's softmax (~345 instructions) now sits between S_j's wait and P_{j-1} V_{j-1}'s; block
     j + 1's P V wait is hoisted as before. The split tile's worker (240 registers) spills 24 (the default partition
-    gets 256); giving the worker 248 leaves the default 232 and spills more."""
+    gets 256); giving the worker 248 leaves the default 232 and spills more, and the loader cannot be the default
+    partition beside two 248-register consumer workers (a warp-specialized kernel's num_warps is a multiple of 4)."""
     p, m_i, l_i, alpha, acc = _kv_start(j, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_free, turn, p, m_i, l_i, alpha,
                                         acc, rows, num_keys, shift, qk_scale, causal, False, BLOCK_M, BLOCK_N, STAGES,
                                         PART, PINGPONG, s_layout, o_layout, p_layout)  # fmt: skip
