@@ -382,6 +382,24 @@ if [[ $MODE == gluon ]]; then  # one GPU (~3 min, .anchor/ carried for FA3's tim
   done
 fi
 
+if [[ $MODE == gluon-ncu ]]; then  # one GPU (~3 min, .anchor/ carried for FA3): Nsight Compute (which reads the
+  # counters on this machine's runtime) on one call each of the Gluon draft, cuDNN and FA3, a chunk's prefix call and
+  # a causal 8K (scripts/probes/gluon_ncu.py): where the draft's 10-16% to FA3 goes. GLUON_NCU_VARIANTS as gluon's
+  unpack_vllm || status=1
+  ncu_bin=${NCU:-$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2> /dev/null | head -1)}
+  for v in ${GLUON_NCU_VARIANTS:-1:0:128:2:0 1:0:128:2:1}; do
+    IFS=: read -r split pp bn st pairs <<< "$v"
+    name=gluon_ncu_$split$pp$bn$st${pairs:-0}
+    GLUON_SPLIT=$split GLUON_PINGPONG=$pp GLUON_BLOCK_N=$bn GLUON_STAGES=$st GLUON_PAIRS=${pairs:-0} \
+      PYTHONPATH=$PWD:/tmp/site timeout 240 "$ncu_bin" --clock-control none --profile-from-start off --csv \
+      --page details --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
+      --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section Occupancy \
+      python3 scripts/probes/gluon_ncu.py > "$OUT/$name.csv" 2> "$OUT/$name.log" || status=1
+    echo "== $v"
+    python3 scripts/probes/gluon_ncu.py --summary "$OUT/$name.csv" | tee "$OUT/${name}_summary.txt"
+  done
+fi
+
 if [[ $MODE == fa3-engine ]]; then  # one GPU (~6 min, .anchor/ carried): the engine's cold prompts with its library
   # attention calls answered by cuDNN (as it is), by the Gluon draft (GLUON_SPLIT / GLUON_BLOCK_N as exported, the
   # fa3 mode's best) and by FA3, one process each
