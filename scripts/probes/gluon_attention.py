@@ -53,7 +53,8 @@ SPLIT = os.environ.get("GLUON_SPLIT", "0") == "1"  # two consumer warpgroups, on
 # the two take turns issuing their GEMMs (FA3's order; measured no faster, 0-3% slower: twenty-second session)
 PINGPONG = SPLIT and os.environ.get("GLUON_PINGPONG", "0") == "1"
 # the unmasked key blocks two at a time, the first one's P V waited for after the second's S is issued (_kv_pair):
-# off until measured (its sm90 build spills 24 registers in the split tile's worker, 2 reloads an iteration)
+# off until measured (at key tiles of 128 its sm90 build spills 24 registers in the split tile's worker, 2 reloads
+# an iteration; at 64, none)
 PAIRS = gl.constexpr(os.environ.get("GLUON_PAIRS", "0") == "1")
 LOG2E = 1.4426950408889634
 
@@ -252,9 +253,8 @@ def _compute_partition(q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_free
     else:
         p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, 0, rows, num_keys, shift, qk_scale, causal, False, BLOCK_N,
                                            s_layout)  # fmt: skip
-    # the blocks with no mask, then those with one, each its own loop with no branch inside: P V is in flight through
-    # an iteration's softmax, and ptxas waits for every wgmma where a branch joins (with the mask an `if` in one
-    # loop, the SASS waited for P_{j-1} V_{j-1} right after the mask, before the softmax it was to overlap)
+    # the blocks with no mask, then those with one, each its own loop: no block asks whether it needs the mask, and
+    # no branch sits in the window where P V is in flight (ptxas places that wait early either way: _kv_block)
     n_free = gl.maximum(gl.minimum(first_masked, n_blocks), 1)  # blocks [1, n_free) have no mask
     pairs_end = 1
     if PAIRS:

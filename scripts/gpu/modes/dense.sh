@@ -372,7 +372,7 @@ if [[ $MODE == gluon ]]; then  # one GPU (~3 min, .anchor/ carried for FA3's tim
   # one barrier freeing K and V; with the two apart, split tiles at cuDNN's rate (583-629 on prefix calls), turns
   # and 3 stages no faster. Since: the max scaled once a row (FFMA), loops with no branch, PAIRS (_kv_pair)
   unpack_vllm || status=1
-  for v in ${GLUON_VARIANTS:-1:0:128:2:0 1:0:128:2:1 0:0:128:2:0 0:0:128:2:1 1:1:128:2:1}; do
+  for v in ${GLUON_VARIANTS:-1:0:128:2:0 1:0:128:2:1 1:0:64:4:1 0:0:128:2:1 1:1:128:2:1}; do
     IFS=: read -r split pp bn st pairs <<< "$v"
     GLUON_SPLIT=$split GLUON_PINGPONG=$pp GLUON_BLOCK_N=$bn GLUON_STAGES=$st GLUON_PAIRS=${pairs:-0} \
       PYTHONPATH=$PWD:/tmp/site timeout ${GLUON_TIMEOUT:-90} \
