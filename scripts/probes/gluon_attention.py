@@ -53,42 +53,68 @@ SPLIT = os.environ.get("GLUON_SPLIT", "0") == "1"  # two consumer warpgroups, on
 # the two take turns issuing their GEMMs (FA3's order; measured no faster, 0-3% slower: twenty-second session)
 PINGPONG = SPLIT and os.environ.get("GLUON_PINGPONG", "0") == "1"
 # the unmasked key blocks two at a time, the first one's P V waited for after the second's S is issued (_kv_pair):
-# off until measured (at key tiles of 128 its sm90 build spills 24 registers in the split tile's worker, 2 reloads
-# an iteration; at 64, none)
+# off until measured (at key tiles of 128 its sm90 build spills 8-16 bytes of registers in the split tile's worker,
+# 24 registers before the kernel walked its tiles in a loop; at 64, none)
 PAIRS = gl.constexpr(os.environ.get("GLUON_PAIRS", "0") == "1")
+# a program an SM walking the tiles (_tile's order), the next tile's loads under the last one's end (causal 8K: 64
+# tiles of 32 heads, each ~32 key blocks, ran at 0.90-0.93x cuDNN's rate where the long calls matched it)
+PERSISTENT = os.environ.get("GLUON_PERSISTENT", "0") == "1"
 LOG2E = 1.4426950408889634
 
 
 @gluon.jit
-def _load_partition(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_free, v_free,
-                    q_row, q_col, kv_col, n_blocks, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                    Q_PARTS: gl.constexpr):  # fmt: skip
-    """Q once, then K one block ahead of V: K_{j+1} before V_j, each into a buffer freed on its own barrier (K's
-    once S has read it, V's once P V has). With one barrier for both (the first GPU run: 511 TFLOP/s at best
-    against cuDNN's 603-645), block j's loads waited for P_{j-2} V_{j-2}, which the compute partition finishes at
-    the end of iteration j - 1 just before it waits for K_j: every iteration sat through a TMA load's latency (and
-    key tiles of 64, twice the iterations, ran slower still: 407). Now K_j is issued about 1.5 iterations before S_j
-    needs it and V_{j-1} one iteration before P_{j-1} V_{j-1}."""
-    mbarrier.expect(q_ready, Q_PARTS * q_desc.block_type.nbytes)
-    for i in gl.static_range(Q_PARTS):  # one part a consumer warpgroup (split) or the whole tile
-        tma.async_copy_global_to_shared(q_desc, [q_row + i * q_desc.block_type.shape[0], q_col], q_ready,
-                                        q_smem.index(i))  # fmt: skip
-    # a fresh barrier counts as freed: the first wait on each buffer (parity 1) passes
-    mbarrier.wait(k_free.index(0), 1)
-    mbarrier.expect(k_ready.index(0), k_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [0, kv_col], k_ready.index(0), k_bufs.index(0))
-    for j in range(n_blocks):
-        if j + 1 < n_blocks:
-            s = (j + 1) % STAGES
-            mbarrier.wait(k_free.index(s), (((j + 1) // STAGES) & 1) ^ 1)
-            mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(
-                k_desc, [(j + 1) * BLOCK_N, kv_col], k_ready.index(s), k_bufs.index(s)
-            )
-        s = j % STAGES
-        mbarrier.wait(v_free.index(s), ((j // STAGES) & 1) ^ 1)
-        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [j * BLOCK_N, kv_col], v_ready.index(s), v_bufs.index(s))
+def _tile(t, num_heads, num_tiles, num_keys, shift, causal, TILE_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Work item t: (q head, the tile's first row, its key blocks). The q heads of a kv head run side by side (their
+    K/V stay in L2); causal tiles longest first."""
+    head = t % num_heads
+    tile = t // num_heads
+    kv_end = num_keys
+    if causal:
+        tile = num_tiles - 1 - tile
+        kv_end = gl.minimum(num_keys, tile * TILE_M + TILE_M + shift)
+    return head, tile * TILE_M, gl.cdiv(kv_end, BLOCK_N)
+
+
+@gluon.jit
+def _load_partition(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready, k_free, v_free,
+                    num_heads, num_tiles, num_keys, shift, causal, group, TILE_M: gl.constexpr,
+                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_PARTS: gl.constexpr):  # fmt: skip
+    """Each of the program's tiles (one, or several when persistent): Q once the consumers are done with the last
+    tile's, then K one block ahead of V: K_{j+1} before V_j, each into a buffer freed on its own barrier (K's once S
+    has read it, V's once P V has), the ring's stages and phases running on across tiles. With one barrier for both
+    (the first GPU run: 511 TFLOP/s at best against cuDNN's 603-645), block j's loads waited for P_{j-2} V_{j-2},
+    which the compute partition finishes at the end of iteration j - 1 just before it waits for K_j: every iteration
+    sat through a TMA load's latency (and key tiles of 64, twice the iterations, ran slower still: 407). Now K_j is
+    issued about 1.5 iterations before S_j needs it and V_{j-1} one iteration before P_{j-1} V_{j-1}."""
+    g0 = 0
+    i = 0
+    for t in range(gl.program_id(0), num_heads * num_tiles, gl.num_programs(0)):
+        head, q_row, n_blocks = _tile(t, num_heads, num_tiles, num_keys, shift, causal, TILE_M, BLOCK_N)
+        q_col = head * q_desc.block_type.shape[1]
+        kv_col = (head // group) * k_desc.block_type.shape[1]
+        # a fresh barrier counts as freed: the first wait on each buffer (parity 1) passes
+        mbarrier.wait(q_free, (i & 1) ^ 1)
+        mbarrier.expect(q_ready, Q_PARTS * q_desc.block_type.nbytes)
+        for part in gl.static_range(Q_PARTS):  # one part a consumer warpgroup (split) or the whole tile
+            tma.async_copy_global_to_shared(q_desc, [q_row + part * q_desc.block_type.shape[0], q_col], q_ready,
+                                            q_smem.index(part))  # fmt: skip
+        s = g0 % STAGES
+        mbarrier.wait(k_free.index(s), ((g0 // STAGES) & 1) ^ 1)
+        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [0, kv_col], k_ready.index(s), k_bufs.index(s))
+        for j in range(n_blocks):
+            if j + 1 < n_blocks:
+                s = (g0 + j + 1) % STAGES
+                mbarrier.wait(k_free.index(s), (((g0 + j + 1) // STAGES) & 1) ^ 1)
+                mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(k_desc, [(j + 1) * BLOCK_N, kv_col], k_ready.index(s),
+                                                k_bufs.index(s))  # fmt: skip
+            s = (g0 + j) % STAGES
+            mbarrier.wait(v_free.index(s), (((g0 + j) // STAGES) & 1) ^ 1)
+            mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [j * BLOCK_N, kv_col], v_ready.index(s), v_bufs.index(s))
+        g0 += n_blocks
+        i += 1  # noqa: SIM113 (no enumerate in a Gluon kernel)
 
 
 @gluon.jit
@@ -130,21 +156,23 @@ def _their_turn(turn, PART: gl.constexpr, PINGPONG: gl.constexpr):
 
 
 @gluon.jit
-def _kv_start(j, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_free, turn, p, m_i, l_i, alpha, acc, rows, num_keys,
-              shift, qk_scale, causal, MASKED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+def _kv_start(j, g0, slot0, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_free, turn, p, m_i, l_i, alpha, acc, rows,
+              num_keys, shift, qk_scale, causal, MASKED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               STAGES: gl.constexpr, PART: gl.constexpr, PINGPONG: gl.constexpr, s_layout: gl.constexpr,
               o_layout: gl.constexpr, p_layout: gl.constexpr):  # fmt: skip
     """Key block j >= 1 up to its softmax: S_j issued, O rescaled for block j-1's max while it runs (FA3's place for
     it), P_{j-1} V_{j-1} issued; S_j's softmax while that runs (FA3's intra-warpgroup overlap), K_j's buffer freed.
-    O comes back in flight: the caller waits for it."""
-    s = j % STAGES
-    prev = (j - 1) % STAGES
+    O comes back in flight: the caller waits for it. g0: the key blocks this program's ring carried before this tile
+    (a persistent program runs several), slot0: its issue slots before it."""
+    g = g0 + j
+    s = g % STAGES
+    prev = (g - 1) % STAGES
     # both in before the turn: it is held to issue
-    mbarrier.wait(k_ready.index(s), (j // STAGES) & 1)
-    mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+    mbarrier.wait(k_ready.index(s), (g // STAGES) & 1)
+    mbarrier.wait(v_ready.index(prev), ((g - 1) // STAGES) & 1)
     zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     p_op = gl.convert_layout(p, p_layout)
-    _my_turn(turn, j, PART, PINGPONG)
+    _my_turn(turn, slot0 + j, PART, PINGPONG)
     qk = warpgroup_mma(q_tile, k_bufs.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     acc = warpgroup_mma(p_op, v_bufs.index(prev), acc, is_async=True)
@@ -157,8 +185,8 @@ def _kv_start(j, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_free, turn, p, m_i,
 
 
 @gluon.jit
-def _kv_block(j, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, turn, p, m_i, l_i, alpha, acc, rows,
-              num_keys, shift, qk_scale, causal, MASKED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+def _kv_block(j, g0, slot0, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, turn, p, m_i, l_i, alpha, acc,
+              rows, num_keys, shift, qk_scale, causal, MASKED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               STAGES: gl.constexpr, PART: gl.constexpr, PINGPONG: gl.constexpr, s_layout: gl.constexpr,
               o_layout: gl.constexpr, p_layout: gl.constexpr):  # fmt: skip
     """Key block j >= 1 (_kv_start), then P_{j-1} V_{j-1} waited for and V_{j-1}'s buffer freed.
@@ -168,17 +196,17 @@ def _kv_block(j, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, turn,
     next iteration (its wait after S_{j+1}'s issue, where it cannot move up) makes ptxas serialize every wgmma
     (C7514: it cannot follow a wgmma's registers across the loop's back edge), and so does a wait written as PTX
     predicated on the row sum (so that it could not move above the softmax). GLUON_PAIRS takes the way that builds."""
-    p, m_i, l_i, alpha, acc = _kv_start(j, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_free, turn, p, m_i, l_i, alpha,
-                                        acc, rows, num_keys, shift, qk_scale, causal, MASKED, BLOCK_M, BLOCK_N, STAGES,
-                                        PART, PINGPONG, s_layout, o_layout, p_layout)  # fmt: skip
+    p, m_i, l_i, alpha, acc = _kv_start(j, g0, slot0, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_free, turn, p, m_i,
+                                        l_i, alpha, acc, rows, num_keys, shift, qk_scale, causal, MASKED, BLOCK_M,
+                                        BLOCK_N, STAGES, PART, PINGPONG, s_layout, o_layout, p_layout)  # fmt: skip
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    mbarrier.arrive(v_free.index((j - 1) % STAGES), count=1)  # V_{j-1} read
+    mbarrier.arrive(v_free.index((g0 + j - 1) % STAGES), count=1)  # V_{j-1} read
     return p, m_i, l_i, alpha, acc
 
 
 @gluon.jit
-def _kv_pair(j, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, turn, p, m_i, l_i, alpha, acc, rows,
-             num_keys, shift, qk_scale, causal, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+def _kv_pair(j, g0, slot0, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, turn, p, m_i, l_i, alpha, acc,
+             rows, num_keys, shift, qk_scale, causal, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
              PART: gl.constexpr, PINGPONG: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
              p_layout: gl.constexpr):  # fmt: skip
     """Key blocks j and j + 1 (no mask) as _kv_block does them, but P_{j-1} V_{j-1} is waited for only after S_{j+1}
@@ -187,23 +215,25 @@ def _kv_pair(j, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, turn, 
     ptxas follows the accumulator from its issue to its wait (across the loop's back edge it serialized every
     wgmma). P_j gets its own registers beside P_{j-1}'s (read by the tensor cores until that wait): 32 more a thread.
     In the sm90 SASS block j's softmax (~345 instructions) now sits between S_j's wait and P_{j-1} V_{j-1}'s; block
-    j + 1's P V wait is hoisted as before. The split tile's worker (240 registers) spills 24 (the default partition
-    gets 256); giving the worker 248 leaves the default 232 and spills more, and the loader cannot be the default
-    partition beside two 248-register consumer workers (a warp-specialized kernel's num_warps is a multiple of 4)."""
-    p, m_i, l_i, alpha, acc = _kv_start(j, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_free, turn, p, m_i, l_i, alpha,
-                                        acc, rows, num_keys, shift, qk_scale, causal, False, BLOCK_M, BLOCK_N, STAGES,
-                                        PART, PINGPONG, s_layout, o_layout, p_layout)  # fmt: skip
+    j + 1's P V wait is hoisted as before. The split tile's worker (240 registers; the default partition gets 256)
+    spills 8-16 bytes (24 registers before the tile loop); giving the worker 248 leaves the default 232, and the
+    loader cannot be the default partition beside two 248-register consumer workers (a warp-specialized kernel's
+    num_warps is a multiple of 4)."""
+    p, m_i, l_i, alpha, acc = _kv_start(j, g0, slot0, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_free, turn, p, m_i,
+                                        l_i, alpha, acc, rows, num_keys, shift, qk_scale, causal, False, BLOCK_M,
+                                        BLOCK_N, STAGES, PART, PINGPONG, s_layout, o_layout, p_layout)  # fmt: skip
     # block j + 1: S_{j+1} issued, then P_{j-1} V_{j-1} (still in flight) waited for
-    s = j % STAGES
-    s1 = (j + 1) % STAGES
-    mbarrier.wait(k_ready.index(s1), ((j + 1) // STAGES) & 1)
-    mbarrier.wait(v_ready.index(s), (j // STAGES) & 1)
+    g = g0 + j
+    s = g % STAGES
+    s1 = (g + 1) % STAGES
+    mbarrier.wait(k_ready.index(s1), ((g + 1) // STAGES) & 1)
+    mbarrier.wait(v_ready.index(s), (g // STAGES) & 1)
     zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     p_op = gl.convert_layout(p, p_layout)
-    _my_turn(turn, j + 1, PART, PINGPONG)
+    _my_turn(turn, slot0 + j + 1, PART, PINGPONG)
     qk = warpgroup_mma(q_tile, k_bufs.index(s1).permute((1, 0)), zero_s, use_acc=False, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # P_{j-1} V_{j-1} done, S_{j+1} in flight
-    mbarrier.arrive(v_free.index((j - 1) % STAGES), count=1)
+    mbarrier.arrive(v_free.index((g - 1) % STAGES), count=1)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     acc = warpgroup_mma(p_op, v_bufs.index(s), acc, is_async=True)
     _their_turn(turn, PART, PINGPONG)
@@ -217,12 +247,13 @@ def _kv_pair(j, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, turn, 
 
 
 @gluon.jit
-def _compute_partition(q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_free, v_free, turn, o_ptr, lse_ptr,
-                       q_start, head, num_rows, num_keys, shift, n_blocks, mask_from, qk_scale, o_row_stride,
-                       causal, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+def _compute_partition(q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready, k_free, v_free, turn, o_ptr, lse_ptr,
+                       num_heads, num_tiles, num_rows, num_keys, shift, qk_scale, o_row_stride, causal,
+                       TILE_M: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                        STAGES: gl.constexpr, PART: gl.constexpr, PINGPONG: gl.constexpr,
                        num_warps: gl.constexpr):  # fmt: skip
-    """BLOCK_M rows from q_start (the tile's part PART, its Q in q_smem.index(PART)) over the tile's key blocks."""
+    """For each of the program's tiles: BLOCK_M rows (the tile's part PART, its Q in q_smem.index(PART)) over the
+    tile's key blocks; the ring's stages and phases run on across tiles (g0), and so do the issue slots (slot0)."""
     q_tile = q_smem.index(PART)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
@@ -231,69 +262,90 @@ def _compute_partition(q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_free
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 16]
     )
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    rows = q_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-    m_i = gl.full([BLOCK_M], -float("inf"), gl.float32, gl.SliceLayout(1, s_layout))
-    l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
-    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+    g0 = 0
+    i = 0
+    for t in range(gl.program_id(0), num_heads * num_tiles, gl.num_programs(0)):
+        head, tile_start, n_blocks = _tile(t, num_heads, num_tiles, num_keys, shift, causal, TILE_M, BLOCK_N)
+        q_start = tile_start + PART * BLOCK_M
+        mask_from = num_keys
+        if causal:
+            mask_from = gl.minimum(num_keys, q_start + shift + 1)
+        slot0 = g0 + i
+        rows = q_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+        m_i = gl.full([BLOCK_M], -float("inf"), gl.float32, gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
+        acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
 
-    mbarrier.wait(q_ready, 0)
-    # block 0: S_0 and its softmax (nothing in flight: the mask's branch is free here)
-    mbarrier.wait(k_ready.index(0), 0)
-    # use_acc=False ignores the accumulator's values: zeros made at each issue, not a tensor kept across the loop
-    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    _my_turn(turn, 0, PART, PINGPONG)
-    qk = warpgroup_mma(q_tile, k_bufs.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    _their_turn(turn, PART, PINGPONG)
-    qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
-    mbarrier.arrive(k_free.index(0), count=1)  # K_0 read
-    first_masked = mask_from // BLOCK_N  # block j crosses the diagonal or the keys' end iff j >= first_masked
-    if first_masked == 0:
-        p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, 0, rows, num_keys, shift, qk_scale, causal, True, BLOCK_N,
-                                           s_layout)  # fmt: skip
-    else:
-        p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, 0, rows, num_keys, shift, qk_scale, causal, False, BLOCK_N,
-                                           s_layout)  # fmt: skip
-    # the blocks with no mask, then those with one, each its own loop: no block asks whether it needs the mask, and
-    # no branch sits in the window where P V is in flight (ptxas places that wait early either way: _kv_block)
-    n_free = gl.maximum(gl.minimum(first_masked, n_blocks), 1)  # blocks [1, n_free) have no mask
-    pairs_end = 1
-    if PAIRS:
-        pairs_end = 1 + (n_free - 1) // 2 * 2
-    for j in range(1, pairs_end, 2):
-        p, m_i, l_i, alpha, acc = _kv_pair(j, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, turn, p, m_i,
-                                           l_i, alpha, acc, rows, num_keys, shift, qk_scale, causal, BLOCK_M, BLOCK_N,
-                                           STAGES, PART, PINGPONG, s_layout, o_layout, p_layout)  # fmt: skip
-    for j in range(pairs_end, n_free):
-        p, m_i, l_i, alpha, acc = _kv_block(j, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, turn, p, m_i,
-                                            l_i, alpha, acc, rows, num_keys, shift, qk_scale, causal, False, BLOCK_M,
-                                            BLOCK_N, STAGES, PART, PINGPONG, s_layout, o_layout, p_layout)  # fmt: skip
-    for j in range(gl.maximum(first_masked, 1), n_blocks):
-        p, m_i, l_i, alpha, acc = _kv_block(j, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, turn, p, m_i,
-                                            l_i, alpha, acc, rows, num_keys, shift, qk_scale, causal, True, BLOCK_M,
-                                            BLOCK_N, STAGES, PART, PINGPONG, s_layout, o_layout, p_layout)  # fmt: skip
-    last = (n_blocks - 1) % STAGES
-    mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // STAGES) & 1)
-    p_op = gl.convert_layout(p, p_layout)
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-    _my_turn(turn, n_blocks, PART, PINGPONG)
-    acc = warpgroup_mma(p_op, v_bufs.index(last), acc, is_async=True)
-    _their_turn(turn, PART, PINGPONG)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    mbarrier.arrive(v_free.index(last), count=1)
+        mbarrier.wait(q_ready, i & 1)
+        # block 0: S_0 and its softmax (nothing in flight: the mask's branch is free here)
+        s0 = g0 % STAGES
+        mbarrier.wait(k_ready.index(s0), (g0 // STAGES) & 1)
+        # use_acc=False ignores the accumulator's values: zeros made at each issue, not a tensor kept across loops
+        zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+        _my_turn(turn, slot0, PART, PINGPONG)
+        qk = warpgroup_mma(q_tile, k_bufs.index(s0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        _their_turn(turn, PART, PINGPONG)
+        qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
+        mbarrier.arrive(k_free.index(s0), count=1)  # K_0 read
+        first_masked = (
+            mask_from // BLOCK_N
+        )  # block j crosses the diagonal or the keys' end iff j >= first_masked
+        if first_masked == 0:
+            p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, 0, rows, num_keys, shift, qk_scale, causal, True,
+                                               BLOCK_N, s_layout)  # fmt: skip
+        else:
+            p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, 0, rows, num_keys, shift, qk_scale, causal, False,
+                                               BLOCK_N, s_layout)  # fmt: skip
+        # the blocks with no mask, then those with one, each its own loop: no block asks whether it needs the mask,
+        # and no branch sits in the window where P V is in flight (ptxas places that wait early either way: _kv_block)
+        n_free = gl.maximum(gl.minimum(first_masked, n_blocks), 1)  # blocks [1, n_free) have no mask
+        pairs_end = 1
+        if PAIRS:
+            pairs_end = 1 + (n_free - 1) // 2 * 2
+        for j in range(1, pairs_end, 2):
+            p, m_i, l_i, alpha, acc = _kv_pair(j, g0, slot0, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free,
+                                               turn, p, m_i, l_i, alpha, acc, rows, num_keys, shift, qk_scale, causal,
+                                               BLOCK_M, BLOCK_N, STAGES, PART, PINGPONG, s_layout, o_layout,
+                                               p_layout)  # fmt: skip
+        for j in range(pairs_end, n_free):
+            p, m_i, l_i, alpha, acc = _kv_block(j, g0, slot0, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_free,
+                                                v_free, turn, p, m_i, l_i, alpha, acc, rows, num_keys, shift, qk_scale,
+                                                causal, False, BLOCK_M, BLOCK_N, STAGES, PART, PINGPONG, s_layout,
+                                                o_layout, p_layout)  # fmt: skip
+        for j in range(gl.maximum(first_masked, 1), n_blocks):
+            p, m_i, l_i, alpha, acc = _kv_block(j, g0, slot0, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_free,
+                                                v_free, turn, p, m_i, l_i, alpha, acc, rows, num_keys, shift, qk_scale,
+                                                causal, True, BLOCK_M, BLOCK_N, STAGES, PART, PINGPONG, s_layout,
+                                                o_layout, p_layout)  # fmt: skip
+        mbarrier.arrive(
+            q_free, count=1
+        )  # every S of the tile waited for: the loader may bring the next tile's Q
+        last = (g0 + n_blocks - 1) % STAGES
+        mbarrier.wait(v_ready.index(last), ((g0 + n_blocks - 1) // STAGES) & 1)
+        p_op = gl.convert_layout(p, p_layout)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        _my_turn(turn, slot0 + n_blocks, PART, PINGPONG)
+        acc = warpgroup_mma(p_op, v_bufs.index(last), acc, is_async=True)
+        _their_turn(turn, PART, PINGPONG)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(v_free.index(last), count=1)
 
-    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-    out = (acc / l_o[:, None]).to(gl.bfloat16)
-    o_rows = q_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
-    o_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-    o_offs = o_rows[:, None] * o_row_stride + head * HEAD_DIM + o_cols[None, :]
-    gl.store(o_ptr + o_offs, out, mask=(o_rows < num_rows)[:, None])
-    # natural log of sum(exp(scale * s)) = ln 2 * (m + log2(l)) in the base-2 units above
-    lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
-    gl.store(lse_ptr + head * num_rows + rows, lse, mask=rows < num_rows)
+        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+        out = (acc / l_o[:, None]).to(gl.bfloat16)
+        o_rows = q_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+        o_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        o_offs = o_rows[:, None] * o_row_stride + head * HEAD_DIM + o_cols[None, :]
+        gl.store(o_ptr + o_offs, out, mask=(o_rows < num_rows)[:, None])
+        # natural log of sum(exp(scale * s)) = ln 2 * (m + log2(l)) in the base-2 units above
+        lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
+        gl.store(lse_ptr + head * num_rows + rows, lse, mask=rows < num_rows)
+        g0 += n_blocks
+        i += 1  # noqa: SIM113 (no enumerate in a Gluon kernel)
 
 
 # Triton 3.6 hands a worker partition its arguments as runtime values, constexprs included: the split tile's workers
 # take their tile shape from these module constants (the launch passes the same) and the mask kind as a value
+_TILE_M = gl.constexpr(BLOCK_M)
 _PART_M = gl.constexpr(BLOCK_M // 2)
 _BLOCK_N = gl.constexpr(BLOCK_N)
 _STAGES = gl.constexpr(STAGES)
@@ -302,56 +354,41 @@ _PINGPONG = gl.constexpr(PINGPONG)
 
 
 @gluon.jit
-def _split_compute_worker(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_free, v_free, turn,
-                          o_ptr, lse_ptr, q_start, head, kv_col, num_rows, num_keys, shift, n_blocks, qk_scale, o_row_stride,
-                          causal):  # fmt: skip
-    """The second consumer warpgroup of a split tile: its rows are the tile's second half."""
-    start = q_start + _PART_M
-    mask_from = num_keys
-    if causal:
-        mask_from = gl.minimum(num_keys, start + shift + 1)
-    _compute_partition(q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_free, v_free, turn, o_ptr, lse_ptr,
-                       start, head, num_rows, num_keys, shift, n_blocks, mask_from, qk_scale, o_row_stride, causal,
+def _split_compute_worker(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready, k_free,
+                          v_free, turn, o_ptr, lse_ptr, num_heads, num_tiles, num_rows, num_keys, shift, qk_scale,
+                          o_row_stride, causal, group):  # fmt: skip
+    """The second consumer warpgroup of a split tile: its rows are each tile's second half."""
+    _compute_partition(q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready, k_free, v_free, turn, o_ptr, lse_ptr,
+                       num_heads, num_tiles, num_rows, num_keys, shift, qk_scale, o_row_stride, causal, _TILE_M,
                        _PART_M, _BLOCK_N, _HEAD_DIM, _STAGES, 1, _PINGPONG, 4)  # fmt: skip
 
 
 @gluon.jit
-def _split_load_worker(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_free, v_free, turn,
-                       o_ptr, lse_ptr, q_start, head, kv_col, num_rows, num_keys, shift, n_blocks, qk_scale, o_row_stride,
-                       causal):  # fmt: skip
+def _split_load_worker(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready, k_free,
+                       v_free, turn, o_ptr, lse_ptr, num_heads, num_tiles, num_rows, num_keys, shift, qk_scale,
+                       o_row_stride, causal, group):  # fmt: skip
     """The split tile's loader (the same arguments as the other worker, as warp_specialize wants)."""
-    _load_partition(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_free, v_free, q_start,
-                    head * _HEAD_DIM, kv_col, n_blocks, _BLOCK_N, _STAGES, 2)  # fmt: skip
+    _load_partition(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready, k_free, v_free,
+                    num_heads, num_tiles, num_keys, shift, causal, group, _TILE_M, _BLOCK_N, _STAGES, 2)  # fmt: skip
 
 
 @gluon.jit
-def attention_fwd_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, num_rows, num_keys, shift, qk_scale, o_row_stride,
-                         GROUP: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                         HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, PART_M: gl.constexpr,
-                         PINGPONG: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
-    """One program a tile of BLOCK_M query rows of one q head. SPLIT: the tile is two halves, each its own consumer
-    warpgroup (the default partition of 4 warps and a worker of 4) reading the same K/V buffers, so that the warp
-    schedulers can run one half's softmax while the other's wgmma runs, in turns with PINGPONG (FA3's order);
-    otherwise one consumer partition of num_warps warps holds the whole tile."""
-    head = gl.program_id(0)  # the q heads of a kv head run side by side: their K/V stay in L2
-    tile = gl.program_id(1)
-    if CAUSAL:
-        tile = gl.num_programs(1) - 1 - tile  # the longest rows first
-    q_start = tile * BLOCK_M
-    if CAUSAL:
-        kv_end = gl.minimum(num_keys, q_start + BLOCK_M + shift)
-        mask_from = gl.minimum(num_keys, q_start + shift + 1)
-    else:
-        kv_end = num_keys
-        mask_from = num_keys
-    n_blocks = gl.cdiv(kv_end, BLOCK_N)
-    kv_col = (head // GROUP) * HEAD_DIM
+def attention_fwd_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, num_heads, num_rows, num_keys, shift, qk_scale,
+                         o_row_stride, GROUP: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                         BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
+                         PART_M: gl.constexpr, PINGPONG: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+    """Tiles of BLOCK_M query rows of one q head: one a program, or (GLUON_PERSISTENT) a program an SM walking every
+    nprog-th tile, its loader bringing the next tile's Q and first K while the consumers finish the last. SPLIT: the
+    tile is two halves, each its own consumer warpgroup (the default partition of 4 warps and a worker of 4) reading
+    the same K/V buffers, so that the warp schedulers can run one half's softmax while the other's wgmma runs, in
+    turns with PINGPONG (FA3's order); otherwise one consumer partition of num_warps warps holds the whole tile."""
+    num_tiles = gl.cdiv(num_rows, BLOCK_M)
     parts: gl.constexpr = 2 if SPLIT else 1
-
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [parts] + q_desc.block_type.shape, q_desc.layout)
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -360,6 +397,7 @@ def attention_fwd_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, num_rows, num_k
         gl.int64, [2, 1], mbarrier.MBarrierLayout()
     )  # a split tile's warpgroups' turns
     mbarrier.init(q_ready, count=1)
+    mbarrier.init(q_free, count=parts)
     mbarrier.init(turn.index(0), count=1)
     mbarrier.init(turn.index(1), count=1)
     for i in gl.static_range(STAGES):
@@ -370,16 +408,16 @@ def attention_fwd_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, num_rows, num_k
 
     if SPLIT:
         # fmt: off
-        worker_args = (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_free, v_free, turn,
-                       o_ptr, lse_ptr, q_start, head, kv_col, num_rows, num_keys, shift, n_blocks, qk_scale, o_row_stride,
-                       CAUSAL)
-        gl.static_assert(PART_M == _PART_M and BLOCK_N == _BLOCK_N and STAGES == _STAGES and HEAD_DIM == _HEAD_DIM
-                         and PINGPONG == _PINGPONG)
+        worker_args = (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready, k_free,
+                       v_free, turn, o_ptr, lse_ptr, num_heads, num_tiles, num_rows, num_keys, shift, qk_scale,
+                       o_row_stride, CAUSAL, GROUP)
+        gl.static_assert(BLOCK_M == _TILE_M and PART_M == _PART_M and BLOCK_N == _BLOCK_N and STAGES == _STAGES
+                         and HEAD_DIM == _HEAD_DIM and PINGPONG == _PINGPONG)
         gl.warp_specialize(
             [
-                (_compute_partition, (q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_free, v_free, turn, o_ptr,
-                                      lse_ptr, q_start, head, num_rows, num_keys, shift, n_blocks, mask_from,
-                                      qk_scale, o_row_stride, CAUSAL, PART_M, BLOCK_N, HEAD_DIM, STAGES, 0, PINGPONG,
+                (_compute_partition, (q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready, k_free, v_free, turn,
+                                      o_ptr, lse_ptr, num_heads, num_tiles, num_rows, num_keys, shift, qk_scale,
+                                      o_row_stride, CAUSAL, BLOCK_M, PART_M, BLOCK_N, HEAD_DIM, STAGES, 0, PINGPONG,
                                       num_warps)),
                 (_split_compute_worker, worker_args),
                 (_split_load_worker, worker_args),
@@ -391,12 +429,13 @@ def attention_fwd_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, num_rows, num_k
     else:
         gl.warp_specialize(
             [
-                (_compute_partition, (q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_free, v_free, turn, o_ptr,
-                                      lse_ptr, q_start, head, num_rows, num_keys, shift, n_blocks, mask_from,
-                                      qk_scale, o_row_stride, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, 0, False,
+                (_compute_partition, (q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready, k_free, v_free, turn,
+                                      o_ptr, lse_ptr, num_heads, num_tiles, num_rows, num_keys, shift, qk_scale,
+                                      o_row_stride, CAUSAL, BLOCK_M, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, 0, False,
                                       num_warps)),
-                (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_free, v_free,
-                                   q_start, head * HEAD_DIM, kv_col, n_blocks, BLOCK_N, STAGES, 1)),
+                (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready,
+                                   k_free, v_free, num_heads, num_tiles, num_keys, shift, CAUSAL, GROUP, BLOCK_M,
+                                   BLOCK_N, STAGES, 1)),
             ],
             [1],
             [LOAD_REGS],
@@ -430,9 +469,11 @@ def attention(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.
     o = torch.empty(num_rows, num_heads, D, dtype=q.dtype, device=q.device)
     lse = torch.empty(num_heads, num_rows, dtype=torch.float32, device=q.device)
     q_desc, k_desc, v_desc = descriptors(q, k, v)
-    grid = (num_heads, triton.cdiv(num_rows, BLOCK_M))
-    attention_fwd_kernel[grid](
-        q_desc, k_desc, v_desc, o, lse, num_rows, num_keys, num_keys - num_rows, scale * LOG2E, num_heads * D,
+    tiles = num_heads * triton.cdiv(num_rows, BLOCK_M)
+    if PERSISTENT:  # a program an SM (one CTA fits an SM: 160 KB of shared memory)
+        tiles = min(tiles, torch.cuda.get_device_properties(q.device).multi_processor_count)
+    attention_fwd_kernel[(tiles,)](
+        q_desc, k_desc, v_desc, o, lse, num_heads, num_rows, num_keys, num_keys - num_rows, scale * LOG2E, num_heads * D,
         num_heads // k.shape[1], causal, BLOCK_M, BLOCK_N, D, STAGES, SPLIT, BLOCK_M // 2 if SPLIT else BLOCK_M,
         PINGPONG, num_warps=4 if SPLIT else NUM_WARPS,
         maxnreg=168,

@@ -1,8 +1,8 @@
 """Checks of the Gluon attention draft (scripts/probes/gluon_attention.py): against an fp32 reference and cuDNN,
 timed beside cuDNN and FA3 on a GPU; built for sm90 on any machine (`--compile-only`, Triton 3.6); its loop in torch
 on the CPU (`--emulate`). GLUON_SPLIT and GLUON_BLOCK_N pick the variant, as for the kernel. Writes
-$OUT/gluon_attention_split{0,1}_pp{0,1}_bn{64,128}_st{2,3}_pairs{0,1}.json on a GPU (GLUON_PINGPONG, GLUON_STAGES,
-GLUON_PAIRS).
+$OUT/gluon_attention_split{0,1}_pp{0,1}_bn{64,128}_st{2,3}_pairs{0,1}_pers{0,1}.json on a GPU (GLUON_PINGPONG,
+GLUON_STAGES, GLUON_PAIRS, GLUON_PERSISTENT).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from gluon_attention import (  # noqa: E402
     LOG2E,
     NUM_WARPS,
     PAIRS,
+    PERSISTENT,
     PINGPONG,
     SPLIT,
     STAGES,
@@ -108,7 +109,8 @@ def compile_only() -> None:
     for causal in (True, False):
         names = ["q_desc", "k_desc", "v_desc"]
         signature = {n: mangle_type(d) for n, d in zip(names, (q_desc, k_desc, v_desc))}
-        signature.update({"o_ptr": "*bf16", "lse_ptr": "*fp32", "num_rows": "i32", "num_keys": "i32", "shift": "i32",
+        signature.update({"o_ptr": "*bf16", "lse_ptr": "*fp32", "num_heads": "i32", "num_rows": "i32",
+                          "num_keys": "i32", "shift": "i32",
                           "qk_scale": "fp32", "o_row_stride": "i32"})  # fmt: skip
         warps = 4 if SPLIT else NUM_WARPS
         constexprs = {"GROUP": HQ // HKV, "CAUSAL": causal, "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "HEAD_DIM": D,
@@ -163,6 +165,7 @@ def check_case(new: int, prefix: int, causal: bool, flash_attn_varlen_func) -> d
         "block_n": BLOCK_N,
         "stages": STAGES,
         "pairs": bool(PAIRS),
+        "persistent": PERSISTENT,
     }
     try:
         o, lse = attention(q, k, v, causal, scale)
@@ -192,8 +195,8 @@ def check_case(new: int, prefix: int, causal: bool, flash_attn_varlen_func) -> d
 
 
 def variant() -> str:
-    """The variant's name in file names: split, ping-pong, key tile, stages, pairs."""
-    return f"split{int(SPLIT)}_pp{int(PINGPONG)}_bn{BLOCK_N}_st{STAGES}_pairs{int(bool(PAIRS))}"
+    """The variant's name in file names: split, ping-pong, key tile, stages, pairs, persistent."""
+    return f"split{int(SPLIT)}_pp{int(PINGPONG)}_bn{BLOCK_N}_st{STAGES}_pairs{int(bool(PAIRS))}_pers{int(PERSISTENT)}"
 
 
 def gpu_check() -> None:

@@ -368,15 +368,16 @@ fi
 
 if [[ $MODE == gluon ]]; then  # one GPU (~3 min, .anchor/ carried for FA3's times): our own Hopper attention draft
   # (Gluon), each variant checked against fp32 and timed beside cuDNN and FA3. GLUON_VARIANTS: SPLIT:PINGPONG:
-  # BLOCK_N:STAGES:PAIRS each. The twenty-second session's runs: right, 407-522 TFLOP/s against cuDNN's 556-645 with
+  # BLOCK_N:STAGES:PAIRS:PERSISTENT each. The twenty-second session's runs: right, 407-522 TFLOP/s against cuDNN's 556-645 with
   # one barrier freeing K and V; with the two apart, split tiles at cuDNN's rate (583-629 on prefix calls), turns
-  # and 3 stages no faster. Since: the max scaled once a row (FFMA), loops with no branch, PAIRS (_kv_pair)
+  # and 3 stages no faster. Since: the max scaled once a row (FFMA), loops with no branch, PAIRS (_kv_pair),
+  # PERSISTENT (a program an SM walking the tiles)
   unpack_vllm || status=1
-  for v in ${GLUON_VARIANTS:-1:0:128:2:0 1:0:128:2:1 1:0:64:4:1 0:0:128:2:1 1:1:128:2:1}; do
-    IFS=: read -r split pp bn st pairs <<< "$v"
+  for v in ${GLUON_VARIANTS:-1:0:128:2:0:0 1:0:128:2:1:0 1:0:128:2:0:1 1:0:128:2:1:1 1:0:64:4:1:0 0:0:128:2:1:0}; do
+    IFS=: read -r split pp bn st pairs pers <<< "$v"
     GLUON_SPLIT=$split GLUON_PINGPONG=$pp GLUON_BLOCK_N=$bn GLUON_STAGES=$st GLUON_PAIRS=${pairs:-0} \
-      PYTHONPATH=$PWD:/tmp/site timeout ${GLUON_TIMEOUT:-90} \
-      python3 scripts/probes/gluon_attention_check.py 2>&1 | tee "$OUT/gluon_attention_$split$pp$bn$st${pairs:-0}.log" \
+      GLUON_PERSISTENT=${pers:-0} PYTHONPATH=$PWD:/tmp/site timeout ${GLUON_TIMEOUT:-90} python3 \
+      scripts/probes/gluon_attention_check.py 2>&1 | tee "$OUT/gluon_attention_$split$pp$bn$st${pairs:-0}${pers:-0}.log" \
       | grep -E '^\{|Error' | cut -c1-400
     [[ ${PIPESTATUS[0]} == 124 ]] && echo "gluon variant $v: timed out (a hang?)"
   done
@@ -388,9 +389,9 @@ if [[ $MODE == gluon-ncu ]]; then  # one GPU (~3 min, .anchor/ carried for FA3):
   unpack_vllm || status=1
   ncu_bin=${NCU:-$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2> /dev/null | head -1)}
   for v in ${GLUON_NCU_VARIANTS:-1:0:128:2:0 1:0:128:2:1}; do
-    IFS=: read -r split pp bn st pairs <<< "$v"
-    name=gluon_ncu_$split$pp$bn$st${pairs:-0}
-    GLUON_SPLIT=$split GLUON_PINGPONG=$pp GLUON_BLOCK_N=$bn GLUON_STAGES=$st GLUON_PAIRS=${pairs:-0} \
+    IFS=: read -r split pp bn st pairs pers <<< "$v"
+    name=gluon_ncu_$split$pp$bn$st${pairs:-0}${pers:-0}
+    GLUON_SPLIT=$split GLUON_PINGPONG=$pp GLUON_BLOCK_N=$bn GLUON_STAGES=$st GLUON_PAIRS=${pairs:-0} GLUON_PERSISTENT=${pers:-0} \
       PYTHONPATH=$PWD:/tmp/site timeout 240 "$ncu_bin" --clock-control none --profile-from-start off --csv \
       --page details --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
       --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section Occupancy \
