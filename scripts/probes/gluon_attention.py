@@ -34,6 +34,7 @@ vLLM's build is on PYTHONPATH), and writes $OUT/gluon_attention_<variant>.json.
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 import triton
@@ -41,6 +42,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gluon_attention_steps import _kv_block, _kv_pair, _my_turn, _softmax_step, _their_turn  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128  # the Llama-3.1-8B shape
 BLOCK_M, NUM_WARPS = 128, 8
@@ -115,135 +119,6 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_f
             tma.async_copy_global_to_shared(v_desc, [j * BLOCK_N, kv_col], v_ready.index(s), v_bufs.index(s))
         g0 += n_blocks
         i += 1  # noqa: SIM113 (no enumerate in a Gluon kernel)
-
-
-@gluon.jit
-def _softmax_step(qk, m_i, l_i, j, rows, num_keys, shift, qk_scale, causal, MASKED: gl.constexpr,
-                  BLOCK_N: gl.constexpr, layout: gl.constexpr):  # fmt: skip
-    """One key block's online softmax (base 2): (p in bf16, the new max, the new sum, the old sum's factor). The
-    max is taken over the raw scores and scaled once a row (the scale is positive), so that each score's scale and
-    shift is one FFMA: 61 fewer instructions a thread an iteration, 518 -> 457 on the unmasked path (sm90 SASS,
-    `--compile-only`; FA3 folds it alike). p is rounded here, so that its fp32 values die before the P V in flight
-    lands (at key tiles of 128 the compute partition spilled ~50 registers holding them)."""
-    if MASKED:  # the block crosses the diagonal or the keys' end
-        cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
-        # each row's last key: its diagonal when causal (a constant in the default partition, a value in a split
-        # tile's worker, so no branch), else the keys' end
-        last = gl.where(causal, rows + shift, num_keys - 1)
-        keep = (cols[None, :] < num_keys) & (cols[None, :] <= last[:, None])
-        qk = gl.where(keep, qk, -float("inf"))
-    m_new = gl.maximum(m_i, gl.max(qk, axis=1) * qk_scale)
-    p = gl.exp2(qk * qk_scale - m_new[:, None])
-    alpha = gl.exp2(m_i - m_new)
-    return p.to(gl.bfloat16), m_new, l_i * alpha + gl.sum(p, axis=1), alpha
-
-
-@gluon.jit
-def _my_turn(turn, slot, PART: gl.constexpr, PINGPONG: gl.constexpr):
-    """FA3's ordering of a split tile's two consumer warpgroups (its warp-scheduler barrier, here a pair of
-    mbarriers): each issue slot (S_0; S_j with P_{j-1} V_{j-1}; the last P V) waits for the other warpgroup's slot
-    before it, so the tensor cores run one half's GEMMs while the other half's softmax runs, instead of both
-    softmaxes at once. Warpgroup 0 goes first (a fresh barrier's parity-1 wait passes)."""
-    if PINGPONG:
-        mbarrier.wait(turn.index(PART), (slot & 1) ^ (1 - PART))
-
-
-@gluon.jit
-def _their_turn(turn, PART: gl.constexpr, PINGPONG: gl.constexpr):
-    """This warpgroup's GEMMs of the slot are issued: the other's turn."""
-    if PINGPONG:
-        mbarrier.arrive(turn.index(1 - PART), count=1)
-
-
-@gluon.jit
-def _kv_start(j, g0, slot0, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_free, turn, p, m_i, l_i, alpha, acc, rows,
-              num_keys, shift, qk_scale, causal, MASKED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              STAGES: gl.constexpr, PART: gl.constexpr, PINGPONG: gl.constexpr, s_layout: gl.constexpr,
-              o_layout: gl.constexpr, p_layout: gl.constexpr):  # fmt: skip
-    """Key block j >= 1 up to its softmax: S_j issued, O rescaled for block j-1's max while it runs (FA3's place for
-    it), P_{j-1} V_{j-1} issued; S_j's softmax while that runs (FA3's intra-warpgroup overlap), K_j's buffer freed.
-    O comes back in flight: the caller waits for it. g0: the key blocks this program's ring carried before this tile
-    (a persistent program runs several), slot0: its issue slots before it."""
-    g = g0 + j
-    s = g % STAGES
-    prev = (g - 1) % STAGES
-    # both in before the turn: it is held to issue
-    mbarrier.wait(k_ready.index(s), (g // STAGES) & 1)
-    mbarrier.wait(v_ready.index(prev), ((g - 1) // STAGES) & 1)
-    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    p_op = gl.convert_layout(p, p_layout)
-    _my_turn(turn, slot0 + j, PART, PINGPONG)
-    qk = warpgroup_mma(q_tile, k_bufs.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-    acc = warpgroup_mma(p_op, v_bufs.index(prev), acc, is_async=True)
-    _their_turn(turn, PART, PINGPONG)
-    qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))  # S_j done; P_{j-1} V_{j-1} may still run
-    mbarrier.arrive(k_free.index(s), count=1)  # K_j read: the loader may bring K_{j+STAGES}
-    p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, j, rows, num_keys, shift, qk_scale, causal, MASKED, BLOCK_N,
-                                       s_layout)  # fmt: skip
-    return p, m_i, l_i, alpha, acc
-
-
-@gluon.jit
-def _kv_block(j, g0, slot0, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, turn, p, m_i, l_i, alpha, acc,
-              rows, num_keys, shift, qk_scale, causal, MASKED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              STAGES: gl.constexpr, PART: gl.constexpr, PINGPONG: gl.constexpr, s_layout: gl.constexpr,
-              o_layout: gl.constexpr, p_layout: gl.constexpr):  # fmt: skip
-    """Key block j >= 1 (_kv_start), then P_{j-1} V_{j-1} waited for and V_{j-1}'s buffer freed.
-    What ptxas makes of it (sm90 SASS, `--compile-only` with Triton 3.6; twenty-second session): P V's wait lands
-    right after the row max's first shuffle, before the exponentials, whatever the source order (a wgmma wait may
-    always move up across plain arithmetic), so the overlap is not in the machine code. Carrying P V's token into the
-    next iteration (its wait after S_{j+1}'s issue, where it cannot move up) makes ptxas serialize every wgmma
-    (C7514: it cannot follow a wgmma's registers across the loop's back edge), and so does a wait written as PTX
-    predicated on the row sum (so that it could not move above the softmax). GLUON_PAIRS takes the way that builds."""
-    p, m_i, l_i, alpha, acc = _kv_start(j, g0, slot0, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_free, turn, p, m_i,
-                                        l_i, alpha, acc, rows, num_keys, shift, qk_scale, causal, MASKED, BLOCK_M,
-                                        BLOCK_N, STAGES, PART, PINGPONG, s_layout, o_layout, p_layout)  # fmt: skip
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    mbarrier.arrive(v_free.index((g0 + j - 1) % STAGES), count=1)  # V_{j-1} read
-    return p, m_i, l_i, alpha, acc
-
-
-@gluon.jit
-def _kv_pair(j, g0, slot0, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, turn, p, m_i, l_i, alpha, acc,
-             rows, num_keys, shift, qk_scale, causal, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-             PART: gl.constexpr, PINGPONG: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
-             p_layout: gl.constexpr):  # fmt: skip
-    """Key blocks j and j + 1 (no mask) as _kv_block does them, but P_{j-1} V_{j-1} is waited for only after S_{j+1}
-    is issued, where ptxas cannot move the wait up (a wait moved above S_{j+1}'s commit would wait for less): block
-    j's softmax runs beside P_{j-1} V_{j-1} in the machine code, not only in the source. Inside one body, so that
-    ptxas follows the accumulator from its issue to its wait (across the loop's back edge it serialized every
-    wgmma). P_j gets its own registers beside P_{j-1}'s (read by the tensor cores until that wait): 32 more a thread.
-    In the sm90 SASS block j's softmax (~345 instructions) now sits between S_j's wait and P_{j-1} V_{j-1}'s; block
-    j + 1's P V wait is hoisted as before. The split tile's worker (240 registers; the default partition gets 256)
-    spills 8-16 bytes (24 registers before the tile loop); giving the worker 248 leaves the default 232, and the
-    loader cannot be the default partition beside two 248-register consumer workers (a warp-specialized kernel's
-    num_warps is a multiple of 4)."""
-    p, m_i, l_i, alpha, acc = _kv_start(j, g0, slot0, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_free, turn, p, m_i,
-                                        l_i, alpha, acc, rows, num_keys, shift, qk_scale, causal, False, BLOCK_M,
-                                        BLOCK_N, STAGES, PART, PINGPONG, s_layout, o_layout, p_layout)  # fmt: skip
-    # block j + 1: S_{j+1} issued, then P_{j-1} V_{j-1} (still in flight) waited for
-    g = g0 + j
-    s = g % STAGES
-    s1 = (g + 1) % STAGES
-    mbarrier.wait(k_ready.index(s1), ((g + 1) // STAGES) & 1)
-    mbarrier.wait(v_ready.index(s), (g // STAGES) & 1)
-    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    p_op = gl.convert_layout(p, p_layout)
-    _my_turn(turn, slot0 + j + 1, PART, PINGPONG)
-    qk = warpgroup_mma(q_tile, k_bufs.index(s1).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # P_{j-1} V_{j-1} done, S_{j+1} in flight
-    mbarrier.arrive(v_free.index((g - 1) % STAGES), count=1)
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-    acc = warpgroup_mma(p_op, v_bufs.index(s), acc, is_async=True)
-    _their_turn(turn, PART, PINGPONG)
-    qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))
-    mbarrier.arrive(k_free.index(s1), count=1)
-    p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, j + 1, rows, num_keys, shift, qk_scale, causal, False, BLOCK_N,
-                                       s_layout)  # fmt: skip
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    mbarrier.arrive(v_free.index(s), count=1)
-    return p, m_i, l_i, alpha, acc
 
 
 @gluon.jit
