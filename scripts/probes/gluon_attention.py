@@ -4,25 +4,27 @@ FlashAttention-3's structure. Why: with vLLM's FA3 answering the engine's cuDNN 
 32K 3.7% less (RESULTS.md, twenty-first session); cuDNN offers no faster plan and its causal squares run 11-25% below
 FA3's rate. Not wired into the engine: this measures whether a kernel we own can get there.
 
-The kernel (one program per 128 query rows of one q head; GQA by the kv head's column in K/V):
-- a 1-warp load partition: Q's tile once, then K one block ahead of V through rings of STAGES buffers by TMA, K's
-  and V's buffers each freed on their own barrier (K once S has read it, V once P V has);
-- the consumers: S_j = Q K_j^T issued asynchronously, then O += P_{j-1} V_{j-1} (P from registers), the softmax of
-  S_j while that runs (FA3's intra-warpgroup overlap), O rescaled once it lands; masks only on the blocks that
-  cross the causal diagonal (aligned bottom-right: query i of L sees keys up to i + S - L) or the keys' end; the
-  log-sum-exp (natural log) per row for the engine's merges.
+The kernel (tiles of 128 query rows of one q head, one a program or, GLUON_PERSISTENT=1, a program an SM walking
+them; GQA by the kv head's column in K/V):
+- a 1-warp load partition: each tile's Q once the last tile's S are done with it, then K one block ahead of V
+  through rings of STAGES buffers by TMA, K's and V's buffers each freed on their own barrier (K once S has read it,
+  V once P V has);
+- the consumers (gluon_attention_steps.py): S_j = Q K_j^T issued asynchronously, then O += P_{j-1} V_{j-1} (P from
+  registers), the softmax of S_j meant to run while that does (FA3's intra-warpgroup overlap; in the SASS ptxas
+  waits for P V first, except in GLUON_PAIRS's first block of each pair); masks only on the blocks that cross the
+  causal diagonal (aligned bottom-right: query i of L sees keys up to i + S - L) or the keys' end; the log-sum-exp
+  (natural log) per row for the engine's merges.
 q/k/v are read as the engine lays them (views of the fused qkv output, or a prefix on consecutive cache pages):
 2D [rows, heads * D] with a row stride, 16-byte aligned. Written against Triton 3.6's Gluon, the GPU machine's
 (3.9 renamed the TMA copies). Default (GLUON_SPLIT=0): one consumer partition of 2 warpgroups, whose 8 warps meet
 at a barrier four times an iteration (around the mbarrier waits and arrives), so they run in step. GLUON_SPLIT=1:
-each half tile its own consumer warpgroup (the default partition and a worker of 4 warps over the same buffers),
-and with GLUON_PINGPONG=1 (its default) the two take turns issuing their GEMMs (FA3's warp-scheduler barrier, here
-two mbarriers), so that one half's softmax runs while the other's GEMMs do. Built for sm90 on the CPU machine with
-3.6: every variant's consumers at 240 registers (setmaxnreg) with no spills at key tiles of 128 or 64
-(GLUON_BLOCK_N; ~50 spilled at 128 until P was rounded to bf16 inside the softmax step), GLUON_STAGES=3 at 128
-in 224 KB of shared memory. The loop's algorithm (bounds, masks, the one-block-late P V, the log-sum-exp) matches
-fp32 in `--emulate`. First GPU run (twenty-second session, one K/V barrier, no turns): right (fp32's error), at
-407-522 TFLOP/s against cuDNN's 556-645 and FA3's 640-690.
+each half tile its own consumer warpgroup (the default partition and a worker of 4 warps over the same buffers);
+GLUON_PINGPONG=1 makes the two take turns issuing their GEMMs (FA3's warp-scheduler barrier, here two mbarriers).
+Built for sm90 on the CPU machine with 3.6 (`--compile-only`: registers, spills, the key-block loop's SASS).
+The loop's algorithm (bounds, masks, the one-block-late P V, the log-sum-exp) matches fp32 in `--emulate`.
+On the H200 (twenty-second session): right (fp32's error); 407-522 TFLOP/s with one barrier freeing K and V, at
+cuDNN's rate with the two apart and a split tile (583-629 on prefix calls, 587-593 causal 32K; cuDNN 594-669, FA3
+655-692); turns and a third stage no faster. Not yet run: the FFMA softmax, the loop split, PAIRS, PERSISTENT.
 
     PYTHONPATH=$PWD python3 scripts/probes/gluon_attention_check.py            # on an H200: against fp32, timed
     PYTHONPATH=/path/to/triton-3.6:$PWD python3 scripts/probes/gluon_attention_check.py --compile-only   # anywhere
@@ -50,9 +52,8 @@ HQ, HKV, D = 32, 8, 128  # the Llama-3.1-8B shape
 BLOCK_M, NUM_WARPS = 128, 8
 BLOCK_N, STAGES = int(os.environ.get("GLUON_BLOCK_N", "128")), int(os.environ.get("GLUON_STAGES", "2"))
 LOAD_REGS = gl.constexpr(int(os.environ.get("GLUON_LOAD_REGS", "24")))  # the load partition's registers
-COMPUTE_REGS = gl.constexpr(
-    int(os.environ.get("GLUON_COMPUTE_REGS", "240"))
-)  # the split tile's second consumer warpgroup's (the first gets what is left)
+# the split tile's second consumer warpgroup's registers (the first gets what is left: 256)
+COMPUTE_REGS = gl.constexpr(int(os.environ.get("GLUON_COMPUTE_REGS", "240")))
 SPLIT = os.environ.get("GLUON_SPLIT", "0") == "1"  # two consumer warpgroups, one a half tile each
 # the two take turns issuing their GEMMs (FA3's order; measured no faster, 0-3% slower: twenty-second session)
 PINGPONG = SPLIT and os.environ.get("GLUON_PINGPONG", "0") == "1"
