@@ -12,6 +12,7 @@ tests/unit/test_kernels_compile.py checks the kernels of a representative run.
 
 from __future__ import annotations
 
+import collections
 import inspect
 import json
 import os
@@ -194,11 +195,15 @@ def resource_usage(cubin: bytes) -> dict[str, int]:
 SASS_ADDRESS = re.compile(r"\s*/\*([0-9a-f]{4,})\*/")
 
 
-def _backward_branches(sass: str) -> list[tuple[int, int]]:
-    """(first, last) addresses of each loop body: a branch to a label at or before it."""
+def _sass_code(sass: str) -> tuple[list[str], list[tuple[int, str]]]:
+    """The listing's lines and its instructions as (address, line)."""
     lines = sass.splitlines()
+    return lines, [(int(m.group(1), 16), line) for line in lines if (m := SASS_ADDRESS.match(line))]
+
+
+def _backward_branches(lines: list[str], code: list[tuple[int, str]]) -> list[tuple[int, int]]:
+    """(first, last) addresses of each loop body: a branch to a label at or before it."""
     labels = {line[:-1]: i for i, line in enumerate(lines) if re.match(r"\.L_x_\d+:$", line)}
-    code = [(int(m.group(1), 16), line) for line in lines if (m := SASS_ADDRESS.match(line))]
     loops = []
     for pc, line in code:
         target = re.search(r"BRA\s.*?(\.L_x_\d+)", line)
@@ -213,31 +218,27 @@ def _backward_branches(sass: str) -> list[tuple[int, int]]:
     return loops
 
 
-def _body(sass: str, span: tuple[int, int]) -> list[str]:
-    return [
-        line
-        for line in sass.splitlines()
-        if (m := SASS_ADDRESS.match(line)) and span[0] <= int(m.group(1), 16) <= span[1]
-    ]
+def _body(code: list[tuple[int, str]], span: tuple[int, int]) -> list[str]:
+    return [line for pc, line in code if span[0] <= pc <= span[1]]
 
 
 def loop_instructions(sass: str) -> list[str]:
     """The instructions of the longest backward branch's body."""
-    loops = _backward_branches(sass)
-    return _body(sass, max(loops, key=lambda s: s[1] - s[0])) if loops else []
+    lines, code = _sass_code(sass)
+    loops = _backward_branches(lines, code)
+    return _body(code, max(loops, key=lambda s: s[1] - s[0])) if loops else []
 
 
 def innermost_loop(sass: str, opcode: str) -> list[str]:
     """The instructions of the shortest loop body holding `opcode` (a kernel's main loop, where the retry branches
     of mbarrier waits, placed at the function's end, jump back across it)."""
-    loops = [s for s in _backward_branches(sass) if any(opcode in line for line in _body(sass, s))]
-    return _body(sass, min(loops, key=lambda s: s[1] - s[0])) if loops else []
+    lines, code = _sass_code(sass)
+    loops = [s for s in _backward_branches(lines, code) if any(opcode in line for line in _body(code, s))]
+    return _body(code, min(loops, key=lambda s: s[1] - s[0])) if loops else []
 
 
 def opcode_counts(lines: list[str]) -> dict[str, int]:
     """SASS lines' opcodes (predicates and modifiers dropped), most frequent first."""
-    import collections
-
     ops = collections.Counter(
         re.sub(r"^(@!?U?P\w+\s+)?", "", SASS_ADDRESS.sub("", line).strip()).split()[0].split(".")[0]
         for line in lines
