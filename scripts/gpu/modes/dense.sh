@@ -366,6 +366,15 @@ if [[ $MODE == fa3 ]]; then  # one GPU (~2 min, .anchor/ carried): our attention
     | tee "$OUT/attention_vs_fa3_sustained.log" | grep '^{'
 fi
 
+# gluon_env SPLIT:PINGPONG:BLOCK_N:STAGES[:PAIRS[:PERSISTENT]]: the Gluon draft's variables for one variant, as
+# `env` arguments (gluon and gluon-ncu run their variants through it)
+gluon_env() {
+  local split pp bn st pairs pers
+  IFS=: read -r split pp bn st pairs pers <<< "$1"
+  echo "GLUON_SPLIT=$split GLUON_PINGPONG=$pp GLUON_BLOCK_N=$bn GLUON_STAGES=$st GLUON_PAIRS=${pairs:-0}" \
+    "GLUON_PERSISTENT=${pers:-0}"
+}
+
 if [[ $MODE == gluon ]]; then  # one GPU (~3 min, .anchor/ carried for FA3's times): our own Hopper attention draft
   # (Gluon), each variant checked against fp32 and timed beside cuDNN and FA3. GLUON_VARIANTS: SPLIT:PINGPONG:
   # BLOCK_N:STAGES:PAIRS:PERSISTENT each. The twenty-second session's runs: right, 407-522 TFLOP/s against cuDNN's 556-645 with
@@ -374,10 +383,9 @@ if [[ $MODE == gluon ]]; then  # one GPU (~3 min, .anchor/ carried for FA3's tim
   # PERSISTENT (a program an SM walking the tiles)
   unpack_vllm || status=1
   for v in ${GLUON_VARIANTS:-1:0:128:2:0:0 1:0:128:2:1:0 1:0:128:2:0:1 1:0:128:2:1:1 1:0:64:4:1:0 0:0:128:2:1:0}; do
-    IFS=: read -r split pp bn st pairs pers <<< "$v"
-    GLUON_SPLIT=$split GLUON_PINGPONG=$pp GLUON_BLOCK_N=$bn GLUON_STAGES=$st GLUON_PAIRS=${pairs:-0} \
-      GLUON_PERSISTENT=${pers:-0} PYTHONPATH=$PWD:/tmp/site timeout ${GLUON_TIMEOUT:-90} python3 \
-      scripts/probes/gluon_attention_check.py 2>&1 | tee "$OUT/gluon_attention_$split$pp$bn$st${pairs:-0}${pers:-0}.log" \
+    # shellcheck disable=SC2046  # gluon_env's words are NAME=VALUE pairs
+    env $(gluon_env "$v") PYTHONPATH=$PWD:/tmp/site timeout "${GLUON_TIMEOUT:-90}" python3 \
+      scripts/probes/gluon_attention_check.py 2>&1 | tee "$OUT/gluon_attention_${v//:/}.log" \
       | grep -E '^\{|Error' | cut -c1-400
     [[ ${PIPESTATUS[0]} == 124 ]] && echo "gluon variant $v: timed out (a hang?)"
   done
@@ -389,10 +397,9 @@ if [[ $MODE == gluon-ncu ]]; then  # one GPU (~3 min, .anchor/ carried for FA3):
   unpack_vllm || status=1
   ncu_bin=${NCU:-$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2> /dev/null | head -1)}
   for v in ${GLUON_NCU_VARIANTS:-1:0:128:2:0 1:0:128:2:1}; do
-    IFS=: read -r split pp bn st pairs pers <<< "$v"
-    name=gluon_ncu_$split$pp$bn$st${pairs:-0}${pers:-0}
-    GLUON_SPLIT=$split GLUON_PINGPONG=$pp GLUON_BLOCK_N=$bn GLUON_STAGES=$st GLUON_PAIRS=${pairs:-0} GLUON_PERSISTENT=${pers:-0} \
-      PYTHONPATH=$PWD:/tmp/site timeout 240 "$ncu_bin" --clock-control none --profile-from-start off --csv \
+    name=gluon_ncu_${v//:/}
+    # shellcheck disable=SC2046  # gluon_env's words are NAME=VALUE pairs
+    env $(gluon_env "$v") PYTHONPATH=$PWD:/tmp/site timeout 240 "$ncu_bin" --clock-control none --profile-from-start off --csv \
       --page details --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
       --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section Occupancy \
       python3 scripts/probes/gluon_ncu.py > "$OUT/$name.csv" 2> "$OUT/$name.log" || status=1
