@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 
+from longserve.attention import gluon_calls
 from longserve.attention import sdpa_shapes as shapes
 from longserve.attention.base import AttentionMetadata
 
@@ -124,9 +125,6 @@ def cold_sdpa(
     return out
 
 
-_CUDNN_GQA: bool | None = None  # whether cuDNN took K/V with fewer heads than Q (None: not tried yet)
-
-
 def attention_with_lse(
     q: torch.Tensor,  # [1, Hq, L, D]
     k: torch.Tensor,  # [1, Hkv, S, D]
@@ -135,6 +133,24 @@ def attention_with_lse(
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """SDPA that also returns the natural-log log-sum-exp of each query row: (o [1,Hq,L,D], lse [1,Hq,L]).
+    Long prefix calls on an H200 run our Gluon kernel (`takes_gluon`), the rest the library's."""
+    out = gluon_calls.attention_with_lse(q, k, v, causal, scale)  # None: not a call for it
+    if out is not None:
+        return out
+    return library_attention_with_lse(q, k, v, causal, scale)
+
+
+_CUDNN_GQA: bool | None = None  # whether cuDNN took K/V with fewer heads than Q (None: not tried yet)
+
+
+def library_attention_with_lse(
+    q: torch.Tensor,  # [1, Hq, L, D]
+    k: torch.Tensor,  # [1, Hkv, S, D]
+    v: torch.Tensor,  # [1, Hkv, S, D]
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`attention_with_lse` by the library: cuDNN on CUDA, torch's flash kernel on the CPU.
     GQA: cuDNN reads the kv heads as they are when it accepts them (no 4x copy); else they are expanded."""
     global _CUDNN_GQA
     group = q.shape[1] // k.shape[1]

@@ -1,12 +1,13 @@
-"""Checks of the Gluon attention draft (scripts/probes/gluon_attention.py): against an fp32 reference and cuDNN,
+"""Checks of our Gluon attention kernel (longserve/kernels/gluon_attention.py): against an fp32 reference and cuDNN,
 timed beside cuDNN and FA3 on a GPU; built for sm90 on any machine (`--compile-only`, Triton 3.6); its loop in torch
-on the CPU (`--emulate`). GLUON_SPLIT and GLUON_BLOCK_N pick the variant, as for the kernel. Writes
-$OUT/gluon_attention_split{0,1}_pp{0,1}_bn{64,128}_st{2,3}_pairs{0,1}_pers{0,1}.json on a GPU (GLUON_PINGPONG,
-GLUON_STAGES, GLUON_PAIRS, GLUON_PERSISTENT).
+on the CPU (`--emulate`). GLUON_SPLIT, GLUON_PINGPONG, GLUON_BLOCK_N, GLUON_STAGES, GLUON_PAIRS, GLUON_PERSISTENT,
+GLUON_LOAD_REGS and GLUON_COMPUTE_REGS pick the variant (unset: the engine's, `Variant()`). Writes
+$OUT/gluon_attention_split{0,1}_pp{0,1}_bn{64,128}_st{2,3}_pairs{0,1}_pers{0,1}.json on a GPU.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -15,86 +16,26 @@ import torch
 import triton
 from triton.experimental import gluon
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gluon_attention import (  # noqa: E402
-    BLOCK_M,
-    BLOCK_N,
-    HKV,
-    HQ,
-    LOG2E,
-    NUM_WARPS,
-    PAIRS,
-    PERSISTENT,
-    PINGPONG,
-    SPLIT,
-    STAGES,
-    D,
-    attention,
-    attention_fwd_kernel,
-    descriptors,
-)
+from longserve.kernels import gluon_attention as ga
+from longserve.kernels.gluon_attention_reference import emulate, reference
+
+HQ, HKV, D = 32, 8, ga.D  # the Llama-3.1-8B shape
 
 
-def reference(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32, per head: (o [L, Hq, D], lse [Hq, L])."""
-    group = q.shape[1] // k.shape[1]
-    qf, kf, vf = q.float().transpose(0, 1), k.float().transpose(0, 1), v.float().transpose(0, 1)
-    kf, vf = kf.repeat_interleave(group, 0), vf.repeat_interleave(group, 0)
-    s = torch.einsum("hld,hsd->hls", qf, kf) * scale
-    if causal:
-        rows, keys = q.shape[0], k.shape[0]
-        mask = (
-            torch.arange(keys, device=q.device)[None, :]
-            > torch.arange(rows, device=q.device)[:, None] + keys - rows
-        )
-        s = s.masked_fill(mask, -float("inf"))
-    lse = torch.logsumexp(s, -1)
-    return torch.einsum("hls,hsd->hld", torch.softmax(s, -1), vf).transpose(0, 1), lse
+def variant_from_env() -> ga.Variant:
+    """The variant the GLUON_* variables name, over the engine's."""
+    names = {"split": "GLUON_SPLIT", "pingpong": "GLUON_PINGPONG", "block_n": "GLUON_BLOCK_N",
+             "stages": "GLUON_STAGES", "pairs": "GLUON_PAIRS", "persistent": "GLUON_PERSISTENT",
+             "load_regs": "GLUON_LOAD_REGS", "compute_regs": "GLUON_COMPUTE_REGS"}  # fmt: skip
+    given = {}
+    for field in dataclasses.fields(ga.Variant):
+        value = os.environ.get(names[field.name])
+        if value is not None:
+            given[field.name] = value == "1" if field.type in (bool, "bool") else int(value)
+    return dataclasses.replace(ga.Variant(), **given)
 
 
-def emulate(q, k, v, causal: bool, scale: float, block_n: int = BLOCK_N) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's loop in torch, tile by tile and block by block (its bounds, masks, base-2 online softmax with
-    the one-block-late P V, the log-sum-exp), for checking the algorithm on the CPU against `reference`."""
-    num_rows, num_heads, _ = q.shape
-    num_keys, group, shift = k.shape[0], num_heads // k.shape[1], k.shape[0] - q.shape[0]
-    qk_scale = scale * LOG2E
-    o = torch.zeros(num_rows, num_heads, D)
-    lse = torch.zeros(num_heads, num_rows)
-    for head in range(num_heads):
-        for q_start in range(0, num_rows, BLOCK_M):
-            rows = torch.arange(q_start, q_start + BLOCK_M)
-            qt = torch.zeros(BLOCK_M, D)  # TMA fills rows past the end with zeros
-            qt[: min(BLOCK_M, num_rows - q_start)] = q[q_start : q_start + BLOCK_M, head].float()
-            kv_end = min(num_keys, q_start + BLOCK_M + shift) if causal else num_keys
-            mask_from = min(num_keys, q_start + shift + 1) if causal else num_keys
-            m_i, l_i = torch.full((BLOCK_M,), -float("inf")), torch.zeros(BLOCK_M)
-            acc, p_prev, v_prev = torch.zeros(BLOCK_M, D), None, None
-            for j in range(-(-kv_end // block_n)):
-                kt, vt = torch.zeros(block_n, D), torch.zeros(block_n, D)
-                n = max(0, min(block_n, num_keys - j * block_n))
-                kt[:n] = k[j * block_n : j * block_n + n, head // group].float()
-                vt[:n] = v[j * block_n : j * block_n + n, head // group].float()
-                s = (
-                    qt @ kt.T
-                )  # raw scores: the max scaled once a row, each score scaled and shifted by one FFMA
-                if (j + 1) * block_n > mask_from:
-                    cols = j * block_n + torch.arange(block_n)
-                    last = rows + shift if causal else torch.full_like(rows, num_keys - 1)
-                    keep = (cols[None, :] < num_keys) & (cols[None, :] <= last[:, None])
-                    s = s.masked_fill(~keep, -float("inf"))
-                m_new = torch.maximum(m_i, s.max(1).values * qk_scale)
-                p = torch.exp2(torch.addcmul(-m_new[:, None], s, torch.tensor(qk_scale)))
-                alpha = torch.exp2(m_i - m_new)
-                l_i = l_i * alpha + p.sum(1)
-                if p_prev is not None:
-                    acc = acc + p_prev.bfloat16().float() @ v_prev  # P_{j-1} V_{j-1}, then the rescale
-                acc = acc * alpha[:, None]
-                m_i, p_prev, v_prev = m_new, p, vt
-            acc = acc + p_prev.bfloat16().float() @ v_prev
-            real = slice(0, min(BLOCK_M, num_rows - q_start))
-            o[q_start : q_start + BLOCK_M, head] = (acc / l_i[:, None])[real]
-            lse[head, q_start : q_start + BLOCK_M] = ((m_i + torch.log2(l_i)) * 0.6931471805599453)[real]
-    return o, lse
+ga.use_variant(variant_from_env())
 
 
 def compile_only() -> None:
@@ -105,19 +46,21 @@ def compile_only() -> None:
     from longserve.testing.kernel_compile import cubin_tool, innermost_loop, opcode_counts, resource_usage
 
     q = torch.zeros(1024, HQ + 2 * HKV, D, dtype=torch.bfloat16)
-    q_desc, k_desc, v_desc = descriptors(q[:, :HQ], q[:, HQ : HQ + HKV], q[:, HQ + HKV :])
+    q_desc, k_desc, v_desc = ga.descriptors(q[:, :HQ], q[:, HQ : HQ + HKV], q[:, HQ + HKV :])
     for causal in (True, False):
         names = ["q_desc", "k_desc", "v_desc"]
         signature = {n: mangle_type(d) for n, d in zip(names, (q_desc, k_desc, v_desc))}
         signature.update({"o_ptr": "*bf16", "lse_ptr": "*fp32", "num_heads": "i32", "num_rows": "i32",
                           "num_keys": "i32", "shift": "i32",
                           "qk_scale": "fp32", "o_row_stride": "i32"})  # fmt: skip
-        warps = 4 if SPLIT else NUM_WARPS
-        constexprs = {"GROUP": HQ // HKV, "CAUSAL": causal, "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "HEAD_DIM": D,
-                      "STAGES": STAGES, "SPLIT": SPLIT, "PART_M": BLOCK_M // 2 if SPLIT else BLOCK_M,
-                      "PINGPONG": PINGPONG, "num_warps": warps}  # fmt: skip
+        warps = 4 if ga.SPLIT else ga.NUM_WARPS
+        constexprs = {"GROUP": HQ // HKV, "CAUSAL": causal, "BLOCK_M": ga.BLOCK_M, "BLOCK_N": ga.BLOCK_N, "HEAD_DIM": D,
+                      "STAGES": ga.STAGES, "SPLIT": ga.SPLIT, "PART_M": ga.BLOCK_M // 2 if ga.SPLIT else ga.BLOCK_M,
+                      "PINGPONG": ga.PINGPONG, "num_warps": warps}  # fmt: skip
         signature.update({n: "constexpr" for n in constexprs})
-        src = gluon._runtime.GluonASTSource(attention_fwd_kernel, signature=signature, constexprs=constexprs)
+        src = gluon._runtime.GluonASTSource(
+            ga.attention_fwd_kernel, signature=signature, constexprs=constexprs
+        )
         k = triton.compile(
             src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "maxnreg": 168}
         )
@@ -160,25 +103,25 @@ def check_case(new: int, prefix: int, causal: bool, flash_attn_varlen_func) -> d
         "new": new,
         "keys": keys,
         "causal": causal,
-        "split": SPLIT,
-        "pingpong": PINGPONG,
-        "block_n": BLOCK_N,
-        "stages": STAGES,
-        "pairs": bool(PAIRS),
-        "persistent": PERSISTENT,
+        "split": ga.SPLIT,
+        "pingpong": ga.PINGPONG,
+        "block_n": ga.BLOCK_N,
+        "stages": ga.STAGES,
+        "pairs": bool(ga.PAIRS),
+        "persistent": ga.PERSISTENT,
     }
     try:
-        o, lse = attention(q, k, v, causal, scale)
+        o, lse = ga.attention(q, k, v, causal, scale)
         if new * keys <= 8192 * 12288:  # the fp32 reference's [Hq, L, S] scores: up to ~13 GB
             o_ref, lse_ref = reference(q, k, v, causal, scale)
             row["max_err"] = (o.float() - o_ref).abs().max().item()
             row["lse_err"] = (lse - lse_ref).abs().max().item()
-        row["gluon_ms"] = round(time_ms(lambda: attention(q, k, v, causal, scale)), 3)
+        row["gluon_ms"] = round(time_ms(lambda: ga.attention(q, k, v, causal, scale)), 3)
         row["gluon_tflops"] = round(flop / row["gluon_ms"] / 1e9, 1)
     except Exception as e:  # noqa: BLE001 - a probe reports whatever breaks
         row["error"] = repr(e)[:300]
     if prefix == 0 or not causal:  # torch's cuDNN call aligns a causal mask top-left: squares only
-        cudnn = lambda: sdpa.attention_with_lse(heads(q), heads(k), heads(v), causal, scale)  # noqa: E731
+        cudnn = lambda: sdpa.library_attention_with_lse(heads(q), heads(k), heads(v), causal, scale)  # noqa: E731
         if "gluon_ms" in row:
             row["vs_cudnn_err"] = (o.float() - cudnn()[0][0].transpose(0, 1).float()).abs().max().item()
         row["cudnn_ms"] = round(time_ms(cudnn), 3)
@@ -196,7 +139,8 @@ def check_case(new: int, prefix: int, causal: bool, flash_attn_varlen_func) -> d
 
 def variant() -> str:
     """The variant's name in file names: split, ping-pong, key tile, stages, pairs, persistent."""
-    return f"split{int(SPLIT)}_pp{int(PINGPONG)}_bn{BLOCK_N}_st{STAGES}_pairs{int(bool(PAIRS))}_pers{int(PERSISTENT)}"
+    v = ga.VARIANT
+    return f"split{int(v.split)}_pp{int(ga.PINGPONG)}_bn{v.block_n}_st{v.stages}_pairs{int(v.pairs)}_pers{int(v.persistent)}"
 
 
 def gpu_check() -> None:

@@ -68,8 +68,7 @@ def main() -> None:
     import torch
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from gluon_attention import HKV, HQ, D, attention
-    from gluon_attention_check import heads
+    from gluon_attention_check import HKV, HQ, D, ga, heads  # the variant from GLUON_*
 
     from longserve.attention import sdpa
 
@@ -85,8 +84,8 @@ def main() -> None:
         k = torch.randn(keys, HKV, D, device="cuda", dtype=torch.bfloat16)
         v = torch.randn(keys, HKV, D, device="cuda", dtype=torch.bfloat16)
         tag = f"{new}x{keys}{' causal' if causal else ''}"
-        calls.append((f"gluon {tag}", lambda q=q, k=k, v=v, c=causal: attention(q, k, v, c, scale)))
-        calls.append((f"cudnn {tag}", lambda q=q, k=k, v=v, c=causal: sdpa.attention_with_lse(heads(q), heads(k),
+        calls.append((f"gluon {tag}", lambda q=q, k=k, v=v, c=causal: ga.attention(q, k, v, c, scale)))
+        calls.append((f"cudnn {tag}", lambda q=q, k=k, v=v, c=causal: sdpa.library_attention_with_lse(heads(q), heads(k),
                                                                                                 heads(v), c, scale)))  # fmt: skip
         if flash_attn_varlen_func is not None:
             cu_q = torch.tensor([0, new], dtype=torch.int32, device="cuda")

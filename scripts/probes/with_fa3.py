@@ -11,13 +11,12 @@ Every call keeps its shapes and layouts: q [1, Hq, L, D], k/v [1, Hkv, S, D] str
 many keys as rows, so FA3's bottom-right mask is cuDNN's top-left one); FA3 returns (o [L, Hq, D], lse [Hq, L]),
 given back as cuDNN's (o [1, Hq, L, D], lse [1, Hq, L] fp32). Batched calls (the packed hit's splits) stay on cuDNN.
 
-`--impl gluon` answers them with our own draft kernel instead (scripts/probes/gluon_attention.py; PYTHONPATH=$PWD
-is enough): what it would give the engine, end to end, once it is right.
+`--impl gluon` answers every one of them (the causal ones too, which the engine leaves to cuDNN) with our own kernel
+(longserve/kernels/gluon_attention.py; PYTHONPATH=$PWD is enough).
 """
 
 from __future__ import annotations
 
-import os
 import runpy
 import sys
 
@@ -25,7 +24,7 @@ import torch
 
 from longserve.attention import sdpa
 
-_cudnn_call = sdpa.attention_with_lse
+_cudnn_call = sdpa.library_attention_with_lse
 calls = {"fa3": 0, "gluon": 0, "cudnn": 0}
 _cu: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # made once a shape: no copy inside a step
 
@@ -55,8 +54,7 @@ def gluon_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     if not q.is_cuda or q.shape[0] != 1:
         calls["cudnn"] += 1
         return _cudnn_call(q, k, v, causal, scale)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from gluon_attention import attention
+    from longserve.kernels.gluon_attention import attention
 
     o, lse = attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), causal, scale)
     calls["gluon"] += 1

@@ -409,13 +409,17 @@ if [[ $MODE == gluon-ncu ]]; then  # one GPU (~3 min, .anchor/ carried for FA3):
 fi
 
 if [[ $MODE == fa3-engine ]]; then  # one GPU (~6 min, .anchor/ carried): the engine's cold prompts with its library
-  # attention calls answered by cuDNN (as it is), by the Gluon draft (GLUON_SPLIT / GLUON_BLOCK_N as exported, the
-  # fa3 mode's best) and by FA3, one process each
+  # attention calls all cuDNN's (the engine before the Gluon kernel took its prefix calls), as it is (the long prefix
+  # calls on the Gluon kernel's default variant, sdpa.GLUON_PREFIX_CALLS) and all FA3's, one process each
   unpack_vllm || status=1
   lat=(longserve.bench.latency --config llama-3.1-8b --load-format dummy --dtype bfloat16 --warmup 1 --repeat 2
        --prompt-lens 8192,32768,131072)
-  for impl in cudnn gluon fa3; do
-    if [[ $impl == cudnn ]]; then run=(python3 -m "${lat[@]}"); else run=(python3 scripts/probes/with_fa3.py --impl $impl -- "${lat[@]}"); fi
+  for impl in cudnn engine fa3; do
+    case $impl in
+      cudnn) run=(python3 scripts/probes/with_constants.py longserve.attention.gluon_calls.GLUON_PREFIX_CALLS=False -- "${lat[@]}") ;;
+      engine) run=(python3 -m "${lat[@]}") ;;
+      fa3) run=(python3 scripts/probes/with_fa3.py --impl fa3 -- "${lat[@]}") ;;
+    esac
     PYTHONPATH=$PWD:/tmp/site timeout 200 "${run[@]}" --output-json "$OUT/latency_attention_$impl.json" 2>&1 \
       | tee "$OUT/latency_attention_$impl.log" | grep -E "^cold|with_fa3|Error" | sed "s/^/$impl /"
   done

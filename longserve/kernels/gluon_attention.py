@@ -1,42 +1,36 @@
-"""GPU probe, first draft of a Hopper attention kernel of our own: causal and prefix (no mask) attention of one
-layer in Gluon (Triton 3.6's lower-level language: TMA, mbarriers, asynchronous wgmma, warp specialization),
-FlashAttention-3's structure. Why: with vLLM's FA3 answering the engine's cuDNN calls, cold 128K took 7.8% less and
-32K 3.7% less (RESULTS.md, twenty-first session); cuDNN offers no faster plan and its causal squares run 11-25% below
-FA3's rate. Not wired into the engine: this measures whether a kernel we own can get there.
+"""Our Hopper attention kernel (Gluon: TMA, mbarriers, asynchronous wgmma, warp specialization; FlashAttention-3's
+structure): causal (aligned bottom-right) and prefix (no mask) attention of one layer with the natural-log
+log-sum-exp the engine's merges take. The engine's library calls over a prefix go here on sm90
+(`attention.sdpa.PREFIX_KERNEL`); its torch references: `gluon_attention_reference.py` (fp32, and the kernel's loop).
 
-The kernel (tiles of 128 query rows of one q head, one a program or, GLUON_PERSISTENT=1, a program an SM walking
-them; GQA by the kv head's column in K/V):
+Why our own: with vLLM's FA3 answering the engine's cuDNN calls, cold 128K took 7.8% less and 32K 3.7% less
+(RESULTS.md, twenty-first session), and cuDNN offers no faster plan. Measured on the H200 (RESULTS.md, twenty-second
+and twenty-third sessions), the default variant (split tile, pairs, persistent): right to fp32's error; prefix calls
+(8K new over 32K / 128K keys) 1.00-1.035x cuDNN's rate, causal squares 0.91x (8K) to 0.99x (32K), FA3 10-16% ahead;
+with it answering every library call, cold 128K 1.3% faster end to end. The causal calls stay on cuDNN.
+
+The kernel (tiles of 128 query rows of one q head, one a program or (persistent) a program an SM walking them; GQA
+by the kv head's column in K/V):
 - a 1-warp load partition: each tile's Q once the last tile's S are done with it, then K one block ahead of V
   through rings of STAGES buffers by TMA, K's and V's buffers each freed on their own barrier (K once S has read it,
   V once P V has);
 - the consumers (gluon_attention_steps.py): S_j = Q K_j^T issued asynchronously, then O += P_{j-1} V_{j-1} (P from
   registers), the softmax of S_j meant to run while that does (FA3's intra-warpgroup overlap; in the SASS ptxas
-  waits for P V first, except in GLUON_PAIRS's first block of each pair); masks only on the blocks that cross the
-  causal diagonal (aligned bottom-right: query i of L sees keys up to i + S - L) or the keys' end; the log-sum-exp
-  (natural log) per row for the engine's merges.
+  waits for P V first, except in the pairs' first block); masks only on the blocks that cross the causal diagonal
+  (query i of L sees keys up to i + S - L) or the keys' end.
 q/k/v are read as the engine lays them (views of the fused qkv output, or a prefix on consecutive cache pages):
-2D [rows, heads * D] with a row stride, 16-byte aligned. Written against Triton 3.6's Gluon, the GPU machine's
-(3.9 renamed the TMA copies). Default (GLUON_SPLIT=0): one consumer partition of 2 warpgroups, whose 8 warps meet
-at a barrier four times an iteration (around the mbarrier waits and arrives), so they run in step. GLUON_SPLIT=1:
-each half tile its own consumer warpgroup (the default partition and a worker of 4 warps over the same buffers);
-GLUON_PINGPONG=1 makes the two take turns issuing their GEMMs (FA3's warp-scheduler barrier, here two mbarriers).
-Built for sm90 on the CPU machine with 3.6 (`--compile-only`: registers, spills, the key-block loop's SASS).
-The loop's algorithm (bounds, masks, the one-block-late P V, the log-sum-exp) matches fp32 in `--emulate`.
-On the H200 (twenty-second session): right (fp32's error); 407-522 TFLOP/s with one barrier freeing K and V, at
-cuDNN's rate with the two apart and a split tile (583-629 on prefix calls, 587-593 causal 32K; cuDNN 594-669, FA3
-655-692); turns and a third stage no faster. Not yet run: the FFMA softmax, the loop split, PAIRS, PERSISTENT.
-
-    PYTHONPATH=$PWD python3 scripts/probes/gluon_attention_check.py            # on an H200: against fp32, timed
-    PYTHONPATH=/path/to/triton-3.6:$PWD python3 scripts/probes/gluon_attention_check.py --compile-only   # anywhere
-    PYTHONPATH=$PWD python3 scripts/probes/gluon_attention_check.py --emulate   # the kernel's loop in torch, CPU
-The GPU run checks each shape against an fp32 reference (and cuDNN's call), times it against cuDNN (and FA3 when
-vLLM's build is on PYTHONPATH), and writes $OUT/gluon_attention_<variant>.json.
+2D [rows, heads * D] with a row stride, 16-byte aligned; bf16, D = 128. Written against Triton 3.6's Gluon (the
+GPU machine's; 3.9 renamed the TMA copies: `supported()` says whether this Triton has them). The variants
+(`Variant`, `use_variant` before the first launch; `scripts/probes/gluon_attention_check.py` picks one from GLUON_*):
+split (each half tile its own consumer warpgroup: the default partition and a worker of 4 warps over the same
+buffers) or one consumer partition of 8 warps meeting at a barrier four times an iteration (~490 TFLOP/s); pingpong
+(FA3's turns between the two, measured 0-3% slower); key tiles of 64 or 128; stages; pairs; persistent.
+Built for sm90 on any machine with Triton 3.6: `gluon_attention_check.py --compile-only` (registers, spills, SASS).
 """
 
 from __future__ import annotations
 
-import os
-import sys
+import dataclasses
 
 import torch
 import triton
@@ -45,26 +39,72 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gluon_attention_steps import _kv_block, _kv_pair, _my_turn, _softmax_step, _their_turn  # noqa: E402
+from longserve.kernels.gluon_attention_steps import _kv_block, _kv_pair, _my_turn, _softmax_step, _their_turn
 
-HQ, HKV, D = 32, 8, 128  # the Llama-3.1-8B shape
+D = 128  # the head dim the kernel is built for
 BLOCK_M, NUM_WARPS = 128, 8
-BLOCK_N, STAGES = int(os.environ.get("GLUON_BLOCK_N", "128")), int(os.environ.get("GLUON_STAGES", "2"))
-LOAD_REGS = gl.constexpr(int(os.environ.get("GLUON_LOAD_REGS", "24")))  # the load partition's registers
-# the split tile's second consumer warpgroup's registers (the first gets what is left: 256)
-COMPUTE_REGS = gl.constexpr(int(os.environ.get("GLUON_COMPUTE_REGS", "240")))
-SPLIT = os.environ.get("GLUON_SPLIT", "0") == "1"  # two consumer warpgroups, one a half tile each
-# the two take turns issuing their GEMMs (FA3's order; measured no faster, 0-3% slower: twenty-second session)
-PINGPONG = SPLIT and os.environ.get("GLUON_PINGPONG", "0") == "1"
-# the unmasked key blocks two at a time, the first one's P V waited for after the second's S is issued (_kv_pair):
-# off until measured (at key tiles of 128 its sm90 build spills 8-16 bytes of registers in the split tile's worker,
-# 24 registers before the kernel walked its tiles in a loop; at 64, none)
-PAIRS = gl.constexpr(os.environ.get("GLUON_PAIRS", "0") == "1")
-# a program an SM walking the tiles (_tile's order), the next tile's loads under the last one's end (causal 8K: 64
-# tiles of 32 heads, each ~32 key blocks, ran at 0.90-0.93x cuDNN's rate where the long calls matched it)
-PERSISTENT = os.environ.get("GLUON_PERSISTENT", "0") == "1"
 LOG2E = 1.4426950408889634
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    split: bool = (
+        True  # two consumer warpgroups, one a half tile each (one partition of 8 warps: ~490 TFLOP/s)
+    )
+    pingpong: bool = (
+        False  # the two take turns issuing their GEMMs (FA3's order; 0-3% slower, twenty-second session)
+    )
+    block_n: int = 128
+    stages: int = 2  # 3: no faster
+    # the unmasked key blocks two at a time, the first one's P V waited for after the second's S is issued
+    # (_kv_pair): prefix calls 605-612 TFLOP/s against 587-605 without (twenty-third session)
+    pairs: bool = True
+    # a program an SM walking the tiles (_tile's order), the next tile's loads under the last one's end; with pairs,
+    # 3000 rows over 12000 keys 550 against 484 TFLOP/s, prefix calls the same
+    persistent: bool = True
+    load_regs: int = 24  # the load partition's registers
+    compute_regs: int = 240  # the split tile's second consumer's (the first gets what is left: 256)
+
+
+VARIANT = Variant()
+_launched = False
+
+
+def use_variant(variant: Variant) -> None:
+    """Build the kernel as `variant` (one variant a process: Triton checks that the globals a kernel read at its
+    compile have not changed since)."""
+    global VARIANT, SPLIT, PINGPONG, BLOCK_N, STAGES, PERSISTENT, PAIRS, LOAD_REGS, COMPUTE_REGS
+    global _PART_M, _BLOCK_N, _STAGES, _PINGPONG
+    if _launched and variant != VARIANT:
+        raise RuntimeError("gluon_attention.use_variant: the kernel has already run as another variant")
+    VARIANT = variant
+    SPLIT, PINGPONG = variant.split, variant.split and variant.pingpong
+    BLOCK_N, STAGES, PERSISTENT = variant.block_n, variant.stages, variant.persistent
+    PAIRS = gl.constexpr(variant.pairs)
+    LOAD_REGS, COMPUTE_REGS = gl.constexpr(variant.load_regs), gl.constexpr(variant.compute_regs)
+    # Triton 3.6 hands a worker partition its arguments as runtime values, constexprs included: the split tile's
+    # workers take their tile shape from these module constants (the launch passes the same) and the mask kind as a
+    # value
+    _PART_M, _BLOCK_N, _STAGES, _PINGPONG = (
+        gl.constexpr(x) for x in (BLOCK_M // 2, BLOCK_N, STAGES, PINGPONG)
+    )
+
+
+_TILE_M = gl.constexpr(BLOCK_M)
+_HEAD_DIM = gl.constexpr(D)
+use_variant(VARIANT)
+
+
+# the TMA load: `async_copy_global_to_shared` in Triton 3.6, `async_load` (same arguments) from 3.7 on (3.9 raises on
+# the old name)
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+
+def supported() -> bool:
+    """Whether this Triton's Gluon is one the kernel is known to build with: 3.6 (run on the H200) to 3.9 (built for
+    sm90 on the CPU machine); older ones lack pieces of the API it uses, newer ones are untried (Gluon's API moves
+    between releases): the library answers there."""
+    return (3, 6) <= tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 10)
 
 
 @gluon.jit
@@ -101,23 +141,23 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_f
         mbarrier.wait(q_free, (i & 1) ^ 1)
         mbarrier.expect(q_ready, Q_PARTS * q_desc.block_type.nbytes)
         for part in gl.static_range(Q_PARTS):  # one part a consumer warpgroup (split) or the whole tile
-            tma.async_copy_global_to_shared(q_desc, [q_row + part * q_desc.block_type.shape[0], q_col], q_ready,
+            _tma_load(q_desc, [q_row + part * q_desc.block_type.shape[0], q_col], q_ready,
                                             q_smem.index(part))  # fmt: skip
         s = g0 % STAGES
         mbarrier.wait(k_free.index(s), ((g0 // STAGES) & 1) ^ 1)
         mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [0, kv_col], k_ready.index(s), k_bufs.index(s))
+        _tma_load(k_desc, [0, kv_col], k_ready.index(s), k_bufs.index(s))
         for j in range(n_blocks):
             if j + 1 < n_blocks:
                 s = (g0 + j + 1) % STAGES
                 mbarrier.wait(k_free.index(s), (((g0 + j + 1) // STAGES) & 1) ^ 1)
                 mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(k_desc, [(j + 1) * BLOCK_N, kv_col], k_ready.index(s),
+                _tma_load(k_desc, [(j + 1) * BLOCK_N, kv_col], k_ready.index(s),
                                                 k_bufs.index(s))  # fmt: skip
             s = (g0 + j) % STAGES
             mbarrier.wait(v_free.index(s), (((g0 + j) // STAGES) & 1) ^ 1)
             mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [j * BLOCK_N, kv_col], v_ready.index(s), v_bufs.index(s))
+            _tma_load(v_desc, [j * BLOCK_N, kv_col], v_ready.index(s), v_bufs.index(s))
         g0 += n_blocks
         i += 1  # noqa: SIM113 (no enumerate in a Gluon kernel)
 
@@ -219,16 +259,6 @@ def _compute_partition(q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready
         i += 1  # noqa: SIM113 (no enumerate in a Gluon kernel)
 
 
-# Triton 3.6 hands a worker partition its arguments as runtime values, constexprs included: the split tile's workers
-# take their tile shape from these module constants (the launch passes the same) and the mask kind as a value
-_TILE_M = gl.constexpr(BLOCK_M)
-_PART_M = gl.constexpr(BLOCK_M // 2)
-_BLOCK_N = gl.constexpr(BLOCK_N)
-_STAGES = gl.constexpr(STAGES)
-_HEAD_DIM = gl.constexpr(D)
-_PINGPONG = gl.constexpr(PINGPONG)
-
-
 @gluon.jit
 def _split_compute_worker(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready, k_free,
                           v_free, turn, o_ptr, lse_ptr, num_heads, num_tiles, num_rows, num_keys, shift, qk_scale,
@@ -318,6 +348,21 @@ def attention_fwd_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, num_heads, num_
         )  # fmt: skip
 
 
+def fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the kernel reads these q [L, Hq, D], k/v [S, Hkv, D] as they lie: bf16, D = 128, each row of heads
+    contiguous (unit stride along D, D along the heads), rows 16-byte aligned (TMA), whole groups of q heads."""
+    return (
+        q.dtype == k.dtype == v.dtype == torch.bfloat16
+        and q.shape[2] == k.shape[2] == v.shape[2] == D
+        and k.shape == v.shape
+        and q.shape[1] % k.shape[1] == 0
+        and all(
+            x.stride(2) == 1 and x.stride(1) == D and x.stride(0) * 2 % 16 == 0 and x.data_ptr() % 16 == 0
+            for x in (q, k, v)
+        )
+    )
+
+
 def _rows_2d(x: torch.Tensor) -> torch.Tensor:
     """[T, H, D] with unit stride along D and D along H (the engine's views) as [T, H * D] with its row stride."""
     t, h, d = x.shape
@@ -337,9 +382,13 @@ def descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
     )
 
 
+_SMS: dict[int, int] = {}
+
+
 def attention(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """q [L, Hq, D], k/v [S, Hkv, D] (bf16, the engine's strided views) -> (o [L, Hq, D], lse [Hq, L] fp32, natural
     log); causal: the mask aligned bottom-right (query i sees keys up to i + S - L)."""
+    global _launched
     num_rows, num_heads, _ = q.shape
     num_keys = k.shape[0]
     o = torch.empty(num_rows, num_heads, D, dtype=q.dtype, device=q.device)
@@ -347,7 +396,11 @@ def attention(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.
     q_desc, k_desc, v_desc = descriptors(q, k, v)
     tiles = num_heads * triton.cdiv(num_rows, BLOCK_M)
     if PERSISTENT:  # a program an SM (one CTA fits an SM: 160 KB of shared memory)
-        tiles = min(tiles, torch.cuda.get_device_properties(q.device).multi_processor_count)
+        index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+        if index not in _SMS:
+            _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+        tiles = min(tiles, _SMS[index])
+    _launched = True
     attention_fwd_kernel[(tiles,)](
         q_desc, k_desc, v_desc, o, lse, num_heads, num_rows, num_keys, num_keys - num_rows, scale * LOG2E, num_heads * D,
         num_heads // k.shape[1], causal, BLOCK_M, BLOCK_N, D, STAGES, SPLIT, BLOCK_M // 2 if SPLIT else BLOCK_M,

@@ -1,0 +1,85 @@
+"""The library attention calls our Gluon kernel (kernels/gluon_attention.py) answers in place of cuDNN: the long
+prefix calls (no mask) on an H200. `sdpa.attention_with_lse` asks here first. No Triton imported until a call on
+an sm90 device asks for the kernel.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger("longserve.attention")
+
+# Our Hopper kernel (kernels/gluon_attention.py) answers the long prefix calls (no mask), where it was measured
+# ahead of cuDNN: 8K new rows over 32K / 128K keys at 1.00-1.035x cuDNN's rate on an H200 (twenty-third session).
+# Its causal squares run 0.91x (8K) to 0.99x (32K) of cuDNN's: those stay the library's. The A/B:
+# `with_constants.py longserve.attention.gluon_calls.GLUON_PREFIX_CALLS=False`.
+GLUON_PREFIX_CALLS = True
+GLUON_MIN_ROWS, GLUON_MIN_KEYS = 4096, 8192  # shorter calls: not measured, the library's
+# device index (a CUDA tensor's device has one) -> whether the kernel runs there (sm90, a Triton with its Gluon API);
+# whether a call has run there (its first call builds it)
+_GLUON: dict[int, bool] = {}
+_GLUON_BUILT: dict[int, bool] = {}
+
+
+def _gluon_runs_on(device: torch.device) -> bool:
+    index = device.index
+    if index not in _GLUON:
+        ok = torch.cuda.get_device_capability(index) == (9, 0)
+        if ok:
+            try:
+                from longserve.kernels import gluon_attention
+
+                ok = gluon_attention.supported()
+            except ImportError as e:  # a Triton without Gluon
+                logger.info("Gluon attention unavailable (%s): prefix calls stay cuDNN's", e)
+                ok = False
+        _GLUON[index] = ok
+    return _GLUON[index]
+
+
+def takes_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> bool:
+    """Whether `sdpa.attention_with_lse` hands this call ([1, H, L, D] views) to the Gluon kernel."""
+    return (
+        GLUON_PREFIX_CALLS
+        and not causal
+        and q.is_cuda
+        and q.shape[0] == 1
+        and q.shape[2] >= GLUON_MIN_ROWS
+        and k.shape[2] >= GLUON_MIN_KEYS
+        and _gluon_runs_on(q.device)
+        and _fits(q, k, v)
+    )
+
+
+def _fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    from longserve.kernels import gluon_attention
+
+    return gluon_attention.fits(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1))
+
+
+def attention_with_lse(
+    q: torch.Tensor,  # [1, Hq, L, D]
+    k: torch.Tensor,  # [1, Hkv, S, D]
+    v: torch.Tensor,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The kernel's (o [1, Hq, L, D], lse [1, Hq, L]) when the call is one for it (`takes_gluon`), else None."""
+    if not takes_gluon(q, k, v, causal):
+        return None
+    from longserve.kernels import gluon_attention
+
+    q3, k3, v3 = q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1)  # [L, H, D] views
+    if _GLUON_BUILT.get(q.device.index):
+        o, lse = gluon_attention.attention(q3, k3, v3, causal, scale)
+    else:  # its first call on this device builds it: a Triton that cannot leaves the calls to the library
+        try:
+            o, lse = gluon_attention.attention(q3, k3, v3, causal, scale)
+            _GLUON_BUILT[q.device.index] = True
+        except Exception as e:  # noqa: BLE001 - a build error of any kind
+            logger.warning("the Gluon attention kernel did not build (%s): prefix calls stay cuDNN's", e)
+            _GLUON[q.device.index] = False
+            return None
+    return o.transpose(0, 1).unsqueeze(0), lse.unsqueeze(0)
