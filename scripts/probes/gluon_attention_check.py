@@ -143,18 +143,28 @@ def variant() -> str:
     return f"split{int(v.split)}_pp{int(ga.PINGPONG)}_bn{v.block_n}_st{v.stages}_pairs{int(v.pairs)}_pers{int(v.persistent)}"
 
 
-def gpu_check() -> None:
+# --prefix-sweep: the prefix calls (no mask) around the engine's threshold (attention/gluon_calls.py: >= 4096 rows
+# over >= 8192 keys), where only 8K rows over 32K / 128K keys had been timed
+SWEEP = [
+    (new, keys - new, False)
+    for new in (2048, 4096, 8192)
+    for keys in (4096, 8192, 16384, 32768)
+    if keys > new
+]
+
+
+def gpu_check(cases=None, name: str = "") -> None:
     torch.manual_seed(0)
     try:
         from vllm.vllm_flash_attn import flash_attn_varlen_func
     except ImportError:
         flash_attn_varlen_func = None
     rows = []
-    for new, prefix, causal in ((1000, 0, True), (8192, 0, True), (32768, 0, True), (8192, 24576, False),
-                                (8192, 122880, False), (3000, 9000, True)):  # fmt: skip
+    for new, prefix, causal in cases or ((1000, 0, True), (8192, 0, True), (32768, 0, True), (8192, 24576, False),
+                                         (8192, 122880, False), (3000, 9000, True)):  # fmt: skip
         rows.append(check_case(new, prefix, causal, flash_attn_varlen_func))
         print(json.dumps(rows[-1]), flush=True)
-    path = os.path.join(os.environ.get("OUT", "/tmp"), f"gluon_attention_{variant()}.json")
+    path = os.path.join(os.environ.get("OUT", "/tmp"), f"gluon_attention_{variant()}{name}.json")
     with open(path, "w") as f:
         json.dump(rows, f, indent=1)
 
@@ -182,4 +192,4 @@ if __name__ == "__main__":
                 )
             )
     else:
-        gpu_check()
+        gpu_check(SWEEP, "_sweep") if "--prefix-sweep" in sys.argv else gpu_check()
