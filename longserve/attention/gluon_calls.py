@@ -16,7 +16,7 @@ logger = logging.getLogger("longserve.attention")
 # Its causal squares run 0.91x (8K) to 0.99x (32K) of cuDNN's: those stay the library's. The A/B:
 # `with_constants.py longserve.attention.gluon_calls.GLUON_PREFIX_CALLS=False`.
 GLUON_PREFIX_CALLS = True
-GLUON_MIN_ROWS, GLUON_MIN_KEYS = 4096, 8192  # shorter calls: not measured, the library's
+GLUON_MIN_ROWS, GLUON_MIN_KEYS = 8192, 32768  # shorter calls ran 0.61-0.95x cuDNN (--prefix-sweep)
 # device index (a CUDA tensor's device has one) -> whether the kernel runs there (sm90, a Triton with its Gluon API);
 # whether a call has run there (its first call builds it)
 _GLUON: dict[int, bool] = {}
