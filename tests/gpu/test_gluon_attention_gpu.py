@@ -55,9 +55,10 @@ def test_kernel_matches_fp32(rows: int, prefix: int, causal: bool, hq: int, hkv:
 
 
 def test_long_prefix_calls_run_the_kernel_in_the_engines_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A 4K chunk over a 12K prefix, after the serving warm-up, in the Triton backend's split path: its prefix call
-    (4096 rows x 12288 keys) runs in the kernel, its causal part in cuDNN; the step equals fp32 attention and the
-    step with every call cuDNN's."""
+    """A 4K chunk over a 12K prefix, after the serving warm-up, in the Triton backend's split path, the kernel's
+    thresholds lowered to take it (at the engine's, 8K rows over 32K keys, the fp32 reference would need 43 GB): its
+    prefix call (4096 rows x 12288 keys) runs in the kernel, its causal part in cuDNN; the step equals fp32
+    attention and the step with every call cuDNN's."""
     import longserve.attention.triton_backend as tb
     from longserve.attention import KVCache
     from longserve.attention import sdpa_shapes as shapes
@@ -70,6 +71,8 @@ def test_long_prefix_calls_run_the_kernel_in_the_engines_path(monkeypatch: pytes
     monkeypatch.setattr(
         ga, "attention", lambda q, k, v, c, s: calls.append((q.shape[0], k.shape[0], c)) or real(q, k, v, c, s)
     )
+    monkeypatch.setattr(gluon_calls, "GLUON_MIN_ROWS", 4096)
+    monkeypatch.setattr(gluon_calls, "GLUON_MIN_KEYS", 8192)
     monkeypatch.setattr(shapes, "PLANS", shapes.PlanRegistry())
     monkeypatch.setattr(tb, "PLANS", shapes.PLANS)
     cache = KVCache(1, 16384 // 16 + 1, 16, NUM_KV_HEADS, HEAD_DIM, torch.bfloat16, "cuda")
