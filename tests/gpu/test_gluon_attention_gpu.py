@@ -12,7 +12,8 @@ from longserve.kernels.gluon_attention_reference import reference
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(
-        not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0), reason="needs an sm90 GPU"
+        not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+        reason="needs an sm90 GPU",
     ),
 ]
 
@@ -69,7 +70,9 @@ def test_long_prefix_calls_run_the_kernel_in_the_engines_path(monkeypatch: pytes
     calls: list[tuple[int, int, bool]] = []
     real = ga.attention
     monkeypatch.setattr(
-        ga, "attention", lambda q, k, v, c, s: calls.append((q.shape[0], k.shape[0], c)) or real(q, k, v, c, s)
+        ga,
+        "attention",
+        lambda q, k, v, c, s: calls.append((q.shape[0], k.shape[0], c)) or real(q, k, v, c, s),
     )
     monkeypatch.setattr(gluon_calls, "GLUON_MIN_ROWS", 4096)
     monkeypatch.setattr(gluon_calls, "GLUON_MIN_KEYS", 8192)
