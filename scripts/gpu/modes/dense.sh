@@ -391,6 +391,17 @@ if [[ $MODE == gluon ]]; then  # one GPU (~3 min, .anchor/ carried for FA3's tim
   done
 fi
 
+if [[ $MODE == gluon-extend ]]; then  # one GPU (~2 min, nothing carried): the Gluon extend draft (scripts/probes/
+  # gluon_extend.py: a short chunk over a long paged prefix, the prefix hit's attention) against fp32 and timed beside
+  # the Triton extend kernel, at 1, 2 and 4 waves of programs (GLUON_EXTEND_WAVES: its split count)
+  for waves in ${GLUON_EXTEND_WAVES_LIST:-2 1 4}; do
+    GLUON_EXTEND_WAVES=$waves OUT=$OUT PYTHONPATH=$PWD:/tmp/site timeout "${GLUON_TIMEOUT:-120}" python3 \
+      scripts/probes/gluon_extend_check.py 2>&1 | tee "$OUT/gluon_extend_waves$waves.log" | grep -E '^\{|Error' | cut -c1-400
+    [[ ${PIPESTATUS[0]} == 124 ]] && echo "gluon-extend at $waves waves: timed out (a hang?)"
+    [[ -f $OUT/gluon_extend.json ]] && mv "$OUT/gluon_extend.json" "$OUT/gluon_extend_waves$waves.json"
+  done
+fi
+
 if [[ $MODE == gluon-ncu ]]; then  # one GPU (~3 min, .anchor/ carried for FA3): Nsight Compute (which reads the
   # counters on this machine's runtime) on one call each of the Gluon draft, cuDNN and FA3, a chunk's prefix call and
   # a causal 8K (scripts/probes/gluon_ncu.py): where the draft's 10-16% to FA3 goes. GLUON_NCU_VARIANTS as gluon's

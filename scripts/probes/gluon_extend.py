@@ -1,0 +1,312 @@
+"""GPU probe, first draft of a paged extend kernel in Gluon: a short chunk of new tokens over a long cached prefix
+(issue 19's prefix hit, 64 new over 32K, and the 1024-new case), the shape where the Triton extend kernel runs at
+~180-240 TFLOP/s (RESULTS.md fifteenth session: Triton waits for every wgmma, and gathers K/V by pointer). Not
+wired into the engine: this measures whether the prefix kernel's structure (kernels/gluon_attention.py: TMA, a
+1-warp loader, two consumer warpgroups, asynchronous wgmma with the softmax beside P V) carries over to the paged
+cache and the packed rows.
+
+`_extend_kernel`'s work, in its split form (kernels/extend_attention.py): a program owns 128 packed rows (token,
+q head of one kv head: the q heads that share a kv head share its K/V) of one request and one key range (split-K),
+and writes fp32 partials and base-2 log-sum-exps that `merge_splits` merges. Here:
+- the loader brings each key block of 128 as 16-row boxes by TMA, one a run of consecutive cache slots within a
+  page (page sizes that are multiples of 16), the page read from the page table (slots past the request's last
+  page read its last page: finite values the mask drops);
+- each consumer warpgroup owns 64 of the rows: it loads its Q by pointer (a packed row's head varies within the
+  tile, which one TMA box cannot follow), stores it to shared memory, then runs the prefix kernel's key-block
+  steps (gluon_attention_steps: `_kv_block`, `_kv_pair`) over the split's blocks, its masks bottom-right per token
+  (a row's last key is prefix_len + its token) and at the request's end;
+- the running max starts finite (-1e30), as in `_extend_kernel`: a split may hold no key a row can see (its
+  partial then weighs nothing in the merge).
+The descriptors span a layer's whole cache (fixed per layer), the lengths and page table are read on the device:
+a launch can be captured in a CUDA graph as the Triton kernel's is.
+
+    PYTHONPATH=$PWD python3 scripts/probes/gluon_extend_check.py                  # on an H200
+    PYTHONPATH=/path/to/triton-3.6:$PWD python3 scripts/probes/gluon_extend_check.py --compile-only
+    PYTHONPATH=$PWD python3 scripts/probes/gluon_extend_check.py --emulate        # the work split, in torch
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from longserve.kernels.extend_attention import merge_splits
+from longserve.kernels.gluon_attention import _tma_load
+from longserve.kernels.gluon_attention_steps import _kv_block, _kv_pair, _softmax_step
+
+D = 128
+TILE_M, PART_M, BLOCK_N, STAGES, KEY_BOX = 128, 64, 128, 2, 16
+LOAD_REGS, COMPUTE_REGS = gl.constexpr(24), gl.constexpr(240)
+PAIRS = gl.constexpr(os.environ.get("GLUON_PAIRS", "1") == "1")
+LOG2E = 1.4426950408889634
+# Triton 3.6 hands a worker partition its arguments as runtime values, constexprs included: the workers take the
+# tile shape from these (the launch asserts the same)
+_PART_M = gl.constexpr(PART_M)
+_BLOCK_N = gl.constexpr(BLOCK_N)
+_STAGES = gl.constexpr(STAGES)
+_HEAD_DIM = gl.constexpr(D)
+_KEY_BOX = gl.constexpr(KEY_BOX)
+_Q_LAYOUT = gl.constexpr(gl.NVMMASharedLayout.get_default_for([PART_M, D], gl.bfloat16))
+# the partition's warps meet: gl.thread_barrier in Triton 3.6, gl.barrier from 3.7 on
+_warps_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+_KV_LAYOUT = gl.constexpr(gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], gl.bfloat16))
+
+
+@gluon.jit
+def _issue_kv(desc, bufs, ready, free, g, key0, pt_row, page_size, last_slot, kv_col, STAGES: gl.constexpr,
+              BLOCK_N: gl.constexpr, KEY_BOX: gl.constexpr):  # fmt: skip
+    """Block g of the ring (keys key0..key0 + BLOCK_N) into its stage once the consumers have freed it: BLOCK_N /
+    KEY_BOX boxes, each KEY_BOX consecutive slots of one page."""
+    s = g % STAGES
+    mbarrier.wait(free.index(s), ((g // STAGES) & 1) ^ 1)
+    mbarrier.expect(ready.index(s), BLOCK_N * desc.block_type.shape[1] * 2)
+    for i in gl.static_range(BLOCK_N // KEY_BOX):
+        key = key0 + i * KEY_BOX
+        slot = gl.minimum(key // page_size, last_slot)
+        page = gl.load(pt_row + slot)
+        _tma_load(desc, [page * page_size + key % page_size, kv_col], ready.index(s),
+                  bufs.index(s).slice(i * KEY_BOX, KEY_BOX))  # fmt: skip
+
+
+@gluon.jit
+def _extend_loader(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, page_table_ptr, q_smem, k_bufs, v_bufs, k_ready, v_ready,
+                   k_free, v_free, turn, stride_qt, stride_qh, stride_ot, stride_oh, stride_os, stride_pt, page_size,
+                   qk_scale, num_splits, num_q_heads, group, req, kv_head, split, q_start, num_rows, prefix_len,
+                   seq_len, row0, s_lo, n_blocks):  # fmt: skip
+    """K one block ahead of V, each into a buffer freed on its own barrier (the prefix kernel's order)."""
+    pt_row = page_table_ptr + req.to(gl.int64) * stride_pt
+    last_slot = (seq_len - 1) // page_size
+    kv_col = kv_head * _HEAD_DIM
+    if n_blocks > 0:
+        _issue_kv(k_desc, k_bufs, k_ready, k_free, 0, s_lo, pt_row, page_size, last_slot, kv_col, _STAGES, _BLOCK_N,
+                  _KEY_BOX)  # fmt: skip
+    for j in range(n_blocks):
+        if j + 1 < n_blocks:
+            _issue_kv(k_desc, k_bufs, k_ready, k_free, j + 1, s_lo + (j + 1) * _BLOCK_N, pt_row, page_size,
+                      last_slot, kv_col, _STAGES, _BLOCK_N, _KEY_BOX)  # fmt: skip
+        _issue_kv(v_desc, v_bufs, v_ready, v_free, j, s_lo + j * _BLOCK_N, pt_row, page_size, last_slot, kv_col,
+                  _STAGES, _BLOCK_N, _KEY_BOX)  # fmt: skip
+
+
+@gluon.jit
+def _extend_consumer(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, page_table_ptr, q_smem, k_bufs, v_bufs, k_ready, v_ready,
+                     k_free, v_free, turn, stride_qt, stride_qh, stride_ot, stride_oh, stride_os, stride_pt,
+                     page_size, qk_scale, num_splits, num_q_heads, group, req, kv_head, split, q_start, num_rows,
+                     prefix_len, seq_len, row0, s_lo, n_blocks, PART: gl.constexpr, BLOCK_M: gl.constexpr,
+                     BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                     num_warps: gl.constexpr):  # fmt: skip
+    """Rows row0 + PART * BLOCK_M.. of the tile over the split's key blocks; its fp32 partial and base-2 LSE."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 16]
+    )
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    q_blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    r0 = row0 + PART * BLOCK_M
+    # Q: packed row r is token r // group, q head kv_head * group + r % group
+    qr = r0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_blocked))
+    qd = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_blocked))
+    q_offs = ((q_start + qr // group).to(gl.int64) * stride_qt + (kv_head * group + qr % group) * stride_qh)[
+        :, None
+    ]
+    q = gl.load(q_ptr + q_offs + qd[None, :], mask=(qr < num_rows)[:, None], other=0.0)
+    q_tile = q_smem.index(PART)
+    q_tile.store(q)
+    fence_async_shared()
+    _warps_barrier()  # every warp's rows in before the wgmma reads them
+
+    rows = (r0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))) // group  # each row's token
+    # keys relative to the split's first: a row's last key prefix_len + token, the request's end seq_len
+    shift = prefix_len - s_lo
+    num_keys = seq_len - s_lo
+    m_i = gl.full([BLOCK_M], -1.0e30, gl.float32, gl.SliceLayout(1, s_layout))  # finite: a row may see no key
+    l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+    if n_blocks > 0:
+        # blocks from first_masked on cross this part's first token's diagonal or the request's end
+        first_masked = gl.maximum(gl.minimum(num_keys, shift + r0 // group + 1), 0) // BLOCK_N
+        mbarrier.wait(k_ready.index(0), 0)
+        zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+        qk = warpgroup_mma(q_tile, k_bufs.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
+        mbarrier.arrive(k_free.index(0), count=1)
+        if first_masked == 0:
+            p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, 0, rows, num_keys, shift, qk_scale, True, True, BLOCK_N,
+                                               s_layout)  # fmt: skip
+        else:
+            p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, 0, rows, num_keys, shift, qk_scale, True, False,
+                                               BLOCK_N, s_layout)  # fmt: skip
+        n_free = gl.maximum(gl.minimum(first_masked, n_blocks), 1)  # blocks [1, n_free) have no mask
+        pairs_end = 1
+        if PAIRS:
+            pairs_end = 1 + (n_free - 1) // 2 * 2
+        for j in range(1, pairs_end, 2):
+            p, m_i, l_i, alpha, acc = _kv_pair(j, 0, 0, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free,
+                                               turn, p, m_i, l_i, alpha, acc, rows, num_keys, shift, qk_scale, True,
+                                               BLOCK_M, BLOCK_N, STAGES, PART, False, s_layout, o_layout,
+                                               p_layout)  # fmt: skip
+        for j in range(pairs_end, n_free):
+            p, m_i, l_i, alpha, acc = _kv_block(j, 0, 0, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free,
+                                                turn, p, m_i, l_i, alpha, acc, rows, num_keys, shift, qk_scale, True,
+                                                False, BLOCK_M, BLOCK_N, STAGES, PART, False, s_layout, o_layout,
+                                                p_layout)  # fmt: skip
+        for j in range(gl.maximum(first_masked, 1), n_blocks):
+            p, m_i, l_i, alpha, acc = _kv_block(j, 0, 0, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free,
+                                                turn, p, m_i, l_i, alpha, acc, rows, num_keys, shift, qk_scale, True,
+                                                True, BLOCK_M, BLOCK_N, STAGES, PART, False, s_layout, o_layout,
+                                                p_layout)  # fmt: skip
+        last = (n_blocks - 1) % STAGES
+        mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // STAGES) & 1)
+        p_op = gl.convert_layout(p, p_layout)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        acc = warpgroup_mma(p_op, v_bufs.index(last), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(v_free.index(last), count=1)
+
+    # the partial, normalised, and its base-2 log-sum-exp (-inf: no key this split; the merge weighs it 0)
+    has_keys = l_i > 0.0
+    l_safe = gl.where(has_keys, l_i, 1.0)
+    lse = gl.where(has_keys, m_i + gl.log2(l_safe), -float("inf"))
+    out = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]
+    o_r = r0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+    o_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    o_tok = (q_start + o_r // group).to(gl.int64)
+    o_head = kv_head * group + o_r % group
+    o_offs = (o_tok * stride_ot + o_head * stride_oh + split * stride_os)[:, None] + o_d[None, :]
+    gl.store(o_ptr + o_offs, out, mask=(o_r < num_rows)[:, None])
+    s_r = r0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+    s_tok = (q_start + s_r // group).to(gl.int64)
+    lse_offs = (s_tok * num_q_heads + kv_head * group + s_r % group) * num_splits + split
+    gl.store(lse_ptr + lse_offs, lse, mask=s_r < num_rows)
+
+
+@gluon.jit
+def _extend_consumer_worker(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, page_table_ptr, q_smem, k_bufs, v_bufs, k_ready,
+                            v_ready, k_free, v_free, turn, stride_qt, stride_qh, stride_ot, stride_oh, stride_os,
+                            stride_pt, page_size, qk_scale, num_splits, num_q_heads, group, req, kv_head, split,
+                            q_start, num_rows, prefix_len, seq_len, row0, s_lo, n_blocks):  # fmt: skip
+    """The tile's second consumer warpgroup (rows 64..127)."""
+    _extend_consumer(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, page_table_ptr, q_smem, k_bufs, v_bufs, k_ready, v_ready,
+                     k_free, v_free, turn, stride_qt, stride_qh, stride_ot, stride_oh, stride_os, stride_pt,
+                     page_size, qk_scale, num_splits, num_q_heads, group, req, kv_head, split, q_start, num_rows,
+                     prefix_len, seq_len, row0, s_lo, n_blocks, 1, _PART_M, _BLOCK_N, _HEAD_DIM, _STAGES,
+                     4)  # fmt: skip
+
+
+@gluon.jit
+def extend_fwd_kernel(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, query_start_loc_ptr, prefix_lens_ptr, seq_lens_ptr,
+                      page_table_ptr, stride_qt, stride_qh, stride_ot, stride_oh, stride_os, stride_pt, page_size,
+                      qk_scale, num_splits, num_q_heads, GROUP: gl.constexpr, TILE_M: gl.constexpr,
+                      PART_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                      num_warps: gl.constexpr):  # fmt: skip
+    """Grid (row tiles, requests, kv heads x splits), x fastest and the last tiles first, as `_extend_kernel`'s
+    split form: the tiles that share a kv head's key range run side by side (its K/V from L2 for all but one)."""
+    gl.static_assert(
+        PART_M == _PART_M and BLOCK_N == _BLOCK_N and STAGES == _STAGES and HEAD_DIM == _HEAD_DIM
+    )
+    block = gl.num_programs(0) - 1 - gl.program_id(0)
+    req = gl.program_id(1)
+    kv_head = gl.program_id(2) // num_splits
+    split = gl.program_id(2) % num_splits
+    q_start = gl.load(query_start_loc_ptr + req)
+    num_rows = (gl.load(query_start_loc_ptr + req + 1) - q_start) * GROUP
+    prefix_len = gl.load(prefix_lens_ptr + req)
+    seq_len = gl.load(seq_lens_ptr + req)
+    row0 = block * TILE_M
+    # this split's keys, block-aligned from 0, up to the tile's last token (as `_extend_kernel`)
+    hi = prefix_len + (gl.minimum(row0 + TILE_M, num_rows) - 1) // GROUP + 1
+    chunk = gl.cdiv(gl.cdiv(hi, num_splits), BLOCK_N) * BLOCK_N
+    s_lo = split * chunk
+    n_blocks = gl.cdiv(gl.maximum(gl.minimum(s_lo + chunk, hi) - s_lo, 0), BLOCK_N)
+    if row0 >= num_rows:
+        n_blocks = 0
+
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [2, PART_M, HEAD_DIM], _Q_LAYOUT)
+    k_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM], _KV_LAYOUT)
+    v_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM], _KV_LAYOUT)
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # the steps' (unused) turns
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_free.index(i), count=2)  # both consumers free every buffer
+        mbarrier.init(v_free.index(i), count=2)
+    mbarrier.init(turn.index(0), count=1)
+    mbarrier.init(turn.index(1), count=1)
+
+    # fmt: off
+    args = (q_ptr, k_desc, v_desc, o_ptr, lse_ptr, page_table_ptr, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free,
+            v_free, turn, stride_qt, stride_qh, stride_ot, stride_oh, stride_os, stride_pt, page_size, qk_scale,
+            num_splits, num_q_heads, GROUP, req, kv_head, split, q_start, num_rows, prefix_len, seq_len, row0, s_lo,
+            n_blocks)
+    gl.warp_specialize(
+        [
+            (_extend_consumer, (q_ptr, k_desc, v_desc, o_ptr, lse_ptr, page_table_ptr, q_smem, k_bufs, v_bufs, k_ready,
+                                v_ready, k_free, v_free, turn, stride_qt, stride_qh, stride_ot, stride_oh, stride_os,
+                                stride_pt, page_size, qk_scale, num_splits, num_q_heads, GROUP, req, kv_head, split,
+                                q_start, num_rows, prefix_len, seq_len, row0, s_lo, n_blocks, 0, PART_M, BLOCK_N,
+                                HEAD_DIM, STAGES, num_warps)),
+            (_extend_consumer_worker, args),
+            (_extend_loader, args),
+        ],
+        [4, 1],
+        [COMPUTE_REGS, LOAD_REGS],
+    )
+    # fmt: on
+
+
+def choose_splits(query_lens: list[int], seq_lens: list[int], group: int, num_kv_heads: int,
+                  num_sms: int = 132) -> int:  # fmt: skip
+    """Key splits for about GLUON_EXTEND_WAVES waves of one-program-an-SM tiles (default 2; the Triton kernel aims
+    at 8 waves of its shorter-lived programs), at least 2 key blocks a split, at most 64 splits."""
+    waves = float(os.environ.get("GLUON_EXTEND_WAVES", "2"))
+    programs = num_kv_heads * sum(-(-q * group // TILE_M) for q in query_lens)
+    if programs == 0:
+        return 1
+    by_waves = max(1, round(waves * num_sms / programs))
+    by_length = max(1, max(seq_lens, default=1) // (2 * BLOCK_N))
+    return min(by_waves, by_length, 64)
+
+
+def extend_attention(q, k_cache, v_cache, query_start_loc, prefix_lens, seq_lens, page_table, page_size: int,
+                     max_query_len: int, scale: float, num_splits: int, out=None) -> torch.Tensor:  # fmt: skip
+    """`kernels.extend_attention.extend_attention`'s causal attention of the new tokens over their paged K/V
+    (stored already): q [T, Hq, D] bf16, caches [num_pages, page_size, Hkv, D] bf16 (page_size a multiple of 16);
+    fp32 partials of `num_splits` key ranges merged by `merge_splits`. o [T, Hq, D]."""
+    num_tokens, num_q_heads, _ = q.shape
+    num_pages, _, num_kv_heads, _ = k_cache.shape
+    group = num_q_heads // num_kv_heads
+    assert page_size % KEY_BOX == 0 and q.dtype == k_cache.dtype == torch.bfloat16 and q.stride(2) == 1
+    part = torch.empty(num_tokens, num_q_heads, num_splits, D, dtype=torch.float32, device=q.device)
+    lse = torch.empty(num_tokens, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
+    out = torch.empty_like(q) if out is None else out
+    if num_tokens == 0 or max_query_len == 0:
+        return out
+    layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], gl.bfloat16)
+    k2, v2 = (c.view(num_pages * page_size, num_kv_heads * D) for c in (k_cache, v_cache))
+    k_desc, v_desc = (
+        TensorDescriptor(c, list(c.shape), list(c.stride()), [KEY_BOX, D], layout) for c in (k2, v2)
+    )
+    grid = (triton.cdiv(max_query_len * group, TILE_M), seq_lens.shape[0], num_kv_heads * num_splits)
+    extend_fwd_kernel[grid](
+        q, k_desc, v_desc, part, lse, query_start_loc, prefix_lens, seq_lens, page_table, q.stride(0), q.stride(1),
+        part.stride(0), part.stride(1), part.stride(2), page_table.stride(0), page_size, scale * LOG2E, num_splits,
+        num_q_heads, group, TILE_M, PART_M, BLOCK_N, D, STAGES, num_warps=4, maxnreg=168,
+    )  # fmt: skip
+    return merge_splits(part, lse, out)

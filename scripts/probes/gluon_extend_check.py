@@ -1,0 +1,210 @@
+"""Checks of the Gluon extend draft (scripts/probes/gluon_extend.py): on an H200 against the fp32 reference
+(`extend_attention_ref`) and timed beside the Triton extend kernel the engine runs, on the prefix hit's shapes;
+built for sm90 on any machine (`--compile-only`, Triton 3.6-3.9); its work split in torch on the CPU (`--emulate`:
+the tiles, key splits, per-token masks and finite running max, merged as `merge_splits` does). Writes
+$OUT/gluon_extend.json on a GPU. GLUON_EXTEND_WAVES picks the split count (gluon_extend.choose_splits).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import sys
+
+import torch
+
+from longserve.kernels.attention_reference import extend_attention_ref, gather_kv
+
+TILE_M, PART_M, BLOCK_N = 128, 64, 128
+HQ, HKV, D = 32, 8, 128  # the Llama-3.1-8B shape
+
+
+def make_case(prefix_lens, query_lens, page_size, hq=HQ, hkv=HKV, scattered=True, device="cpu", seed=0):
+    """q and a paged bf16 cache holding every request's prefix and new tokens, with its metadata."""
+    g = torch.Generator().manual_seed(seed)
+    seq_lens = [p + n for p, n in zip(prefix_lens, query_lens)]
+    pages = [-(-s // page_size) for s in seq_lens]
+    pool = list(range(1, sum(pages) + 2))  # page 0 reserved, as in the engine
+    if scattered:
+        random.Random(seed).shuffle(pool)
+    tables, at = [], 0
+    for n in pages:
+        tables.append(pool[at : at + n])
+        at += n
+    width = max(pages)
+    page_table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    num_pages = len(pool) + 1
+    k_cache = torch.randn(num_pages, page_size, hkv, D, generator=g).bfloat16()
+    v_cache = torch.randn(num_pages, page_size, hkv, D, generator=g).bfloat16()
+    q = torch.randn(sum(query_lens), hq, D, generator=g).bfloat16()
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    meta = [torch.tensor(x, dtype=torch.int32) for x in (starts, prefix_lens, seq_lens)]
+    to = lambda t: t.to(device)  # noqa: E731
+    return to(q), to(k_cache), to(v_cache), *map(to, meta), to(page_table)
+
+
+def emulate(
+    q, k_cache, v_cache, query_start_loc, prefix_lens, seq_lens, page_table, page_size, num_splits, scale
+):
+    """The draft's programs in torch: per (row tile, request, kv head, split) the key range, the blocks with their
+    masks (relative to the split's first key), the finite running max, the partial and its base-2 LSE; then the
+    merge of the partials."""
+    num_tokens, hq, _ = q.shape
+    hkv = k_cache.shape[2]
+    group = hq // hkv
+    qk_scale = scale * 1.4426950408889634
+    part = torch.zeros(num_tokens, hq, num_splits, D)
+    lse = torch.full((num_tokens, hq, num_splits), -float("inf"))
+    starts, prefixes, seqs = query_start_loc.tolist(), prefix_lens.tolist(), seq_lens.tolist()
+    for req, (prefix_len, seq_len) in enumerate(zip(prefixes, seqs)):
+        q_start, num_rows = starts[req], (starts[req + 1] - starts[req]) * group
+        keys = gather_kv(k_cache, page_table[req], seq_len).float()  # [S, Hkv, D]
+        values = gather_kv(v_cache, page_table[req], seq_len).float()
+        for row0 in range(0, num_rows, TILE_M):
+            hi = prefix_len + (min(row0 + TILE_M, num_rows) - 1) // group + 1
+            chunk = math.ceil(math.ceil(hi / num_splits) / BLOCK_N) * BLOCK_N
+            for kv_head in range(hkv):
+                for split in range(num_splits):
+                    s_lo = split * chunk
+                    n_blocks = -(-max(min(s_lo + chunk, hi) - s_lo, 0) // BLOCK_N)
+                    for r0 in (row0, row0 + PART_M):
+                        rows = torch.arange(r0, r0 + PART_M)
+                        tok = rows // group
+                        qt = torch.zeros(PART_M, D)
+                        real = rows < num_rows
+                        qt[real] = q[q_start + tok[real], kv_head * group + rows[real] % group].float()
+                        m_i, l_i, acc = (
+                            torch.full((PART_M,), -1.0e30),
+                            torch.zeros(PART_M),
+                            torch.zeros(PART_M, D),
+                        )
+                        for j in range(n_blocks):
+                            cols = s_lo + j * BLOCK_N + torch.arange(BLOCK_N)  # absolute keys
+                            kt = torch.zeros(BLOCK_N, D)
+                            vt = torch.zeros(BLOCK_N, D)
+                            inside = cols < seq_len
+                            kt[inside] = keys[cols[inside], kv_head]
+                            vt[inside] = values[cols[inside], kv_head]
+                            s = qt @ kt.T
+                            keep = inside[None, :] & (cols[None, :] <= (prefix_len + tok)[:, None])
+                            s = s.masked_fill(~keep, -float("inf"))
+                            m_new = torch.maximum(m_i, s.max(1).values * qk_scale)
+                            p = torch.exp2(s * qk_scale - m_new[:, None])
+                            alpha = torch.exp2(m_i - m_new)
+                            l_i = l_i * alpha + p.sum(1)
+                            acc = acc * alpha[:, None] + p.bfloat16().float() @ vt
+                            m_i = m_new
+                        has = l_i > 0
+                        l_safe = torch.where(has, l_i, torch.ones_like(l_i))
+                        for i in torch.nonzero(real).flatten().tolist():
+                            t, h = q_start + int(tok[i]), kv_head * group + int(rows[i]) % group
+                            part[t, h, split] = acc[i] / l_safe[i]
+                            lse[t, h, split] = m_i[i] + torch.log2(l_safe[i]) if has[i] else -float("inf")
+    w = torch.exp2(lse - lse.max(-1, keepdim=True).values)  # merge_splits
+    return (part * w[..., None]).sum(2) / w.sum(-1, keepdim=True)
+
+
+EMULATED = [  # (prefix_lens, query_lens, page_size, splits)
+    ([300], [20], 16, 1),
+    ([300], [20], 16, 3),  # a split past the tile's keys: empty, weighs nothing
+    ([0, 1000, 77], [40, 33, 5], 16, 4),  # a cold chunk, a suffix, a short one; scattered pages
+    ([500], [70], 32, 2),  # 280 packed rows: three tiles, the last partial
+]
+
+
+def time_ms(fn) -> float:
+    from longserve.platform import cuda_time_ms
+
+    return cuda_time_ms(fn, warmup=3, iters=5, repeats=10)
+
+
+def check_case(prefix_lens, query_lens, page_size: int, scattered: bool) -> dict:
+    """One batch: the draft against fp32 and timed beside the Triton extend kernel at its own split count."""
+    import gluon_extend as ge
+
+    from longserve.kernels.extend_attention import choose_extend_splits, extend_attention
+
+    q, k_cache, v_cache, qsl, pre, seq, pt = make_case(prefix_lens, query_lens, page_size, scattered=scattered,
+                                                       device="cuda")  # fmt: skip
+    args = (q, k_cache, v_cache, qsl, pre, seq, pt, page_size, max(query_lens), D**-0.5)
+    row = {
+        "prefix_lens": prefix_lens,
+        "query_lens": query_lens,
+        "page_size": page_size,
+        "scattered": scattered,
+    }
+    ref = extend_attention_ref(q.float(), *args[1:])
+    splits = ge.choose_splits(query_lens, seq.tolist(), HQ // HKV, HKV)
+    t_splits = choose_extend_splits(query_lens, seq.tolist(), HQ, HKV, 128)
+    row.update(gluon_splits=splits, triton_splits=t_splits)
+    try:
+        row["max_err"] = (ge.extend_attention(*args, splits).float() - ref).abs().max().item()
+        row["gluon_ms"] = round(time_ms(lambda: ge.extend_attention(*args, splits)), 4)
+    except Exception as e:  # noqa: BLE001 - a probe reports whatever breaks
+        row["error"] = repr(e)[:400]
+    row["triton_err"] = (extend_attention(*args, num_splits=t_splits).float() - ref).abs().max().item()
+    row["triton_ms"] = round(time_ms(lambda: extend_attention(*args, num_splits=t_splits)), 4)
+    return row
+
+
+def gpu_check() -> None:
+    rows = []
+    cases = [([32768], [64], 16, True), ([32768], [64], 16, False), ([32768], [1024], 16, True),
+             ([32768], [256], 16, True), ([8192, 4000, 100], [64, 512, 30], 16, True), ([2000], [300], 64, True),
+             ([32768 * 3], [64], 16, True)]  # fmt: skip
+    for case in cases:
+        rows.append(check_case(*case))
+        print(json.dumps(rows[-1]), flush=True)
+    with open(os.path.join(os.environ.get("OUT", "/tmp"), "gluon_extend.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+
+
+def compile_only() -> None:
+    """Build the draft for sm90 here (no GPU): registers, spills, shared memory, the key-block loop's SASS."""
+    import gluon_extend as ge
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental import gluon
+    from triton.runtime.jit import mangle_type
+
+    from longserve.testing.kernel_compile import cubin_tool, innermost_loop, opcode_counts, resource_usage
+
+    cache = torch.zeros(64 * 16, HKV * D, dtype=torch.bfloat16)
+    layout = ge.gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], ge.gl.bfloat16)
+    desc = ge.TensorDescriptor(cache, list(cache.shape), list(cache.stride()), [ge.KEY_BOX, D], layout)
+    signature = {"q_ptr": "*bf16", "k_desc": mangle_type(desc), "v_desc": mangle_type(desc), "o_ptr": "*fp32",
+                 "lse_ptr": "*fp32", "query_start_loc_ptr": "*i32", "prefix_lens_ptr": "*i32", "seq_lens_ptr": "*i32",
+                 "page_table_ptr": "*i32", "stride_qt": "i32", "stride_qh": "i32", "stride_ot": "i32",
+                 "stride_oh": "i32", "stride_os": "i32", "stride_pt": "i32", "page_size": "i32", "qk_scale": "fp32",
+                 "num_splits": "i32", "num_q_heads": "i32"}  # fmt: skip
+    constexprs = {"GROUP": HQ // HKV, "TILE_M": TILE_M, "PART_M": PART_M, "BLOCK_N": BLOCK_N, "HEAD_DIM": D,
+                  "STAGES": ge.STAGES, "num_warps": 4}  # fmt: skip
+    signature.update({n: "constexpr" for n in constexprs})
+    src = gluon._runtime.GluonASTSource(ge.extend_fwd_kernel, signature=signature, constexprs=constexprs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": 168})
+    loop = innermost_loop(cubin_tool(k.asm["cubin"], "nvdisasm", "-c"), "HGMMA")
+    print(json.dumps({**resource_usage(k.asm["cubin"]), "shared_meta": k.metadata.shared,
+                      "wgmma_in_ptx": k.asm["ptx"].count("wgmma.mma_async"), "loop_sass": len(loop),
+                      "loop_ops": dict(list(opcode_counts(loop).items())[:12])}))  # fmt: skip
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    if "--compile-only" in sys.argv:
+        compile_only()
+    elif "--emulate" in sys.argv:
+        for prefix_lens, query_lens, page_size, splits in EMULATED:
+            q, k_cache, v_cache, qsl, pre, seq, pt = make_case(
+                prefix_lens, query_lens, page_size, hq=8, hkv=2
+            )
+            args = (qsl, pre, seq, pt, page_size)
+            out = emulate(q, k_cache, v_cache, *args, splits, D**-0.5)
+            ref = extend_attention_ref(q.float(), k_cache, v_cache, *args, max(query_lens), D**-0.5)
+            print(json.dumps({"prefix_lens": prefix_lens, "query_lens": query_lens, "page_size": page_size,
+                              "splits": splits, "max_err": (out - ref).abs().max().item()}))  # fmt: skip
+    else:
+        gpu_check()
