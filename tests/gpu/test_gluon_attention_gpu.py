@@ -90,3 +90,48 @@ def test_long_prefix_calls_run_the_kernel_in_the_engines_path(monkeypatch: pytes
     library, _ = run_step([12288], [4096], 16, torch.bfloat16, consecutive=True)
     assert calls == [(4096, 12288, False)]  # no further call
     assert (out.float() - library.float()).abs().max().item() < 1e-2
+
+
+def test_a_chunk_at_the_engines_threshold_equals_cudnns(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An 8K chunk over a 32K prefix on scattered pages, at the engine's own thresholds (no fp32 reference: 43 GB):
+    the split path's step with the kernel taking its prefix call equals the step with cuDNN's, within bf16's noise."""
+    import random
+
+    import longserve.attention.triton_backend as tb
+    from longserve.attention import KVCache, build_metadata
+    from longserve.attention import sdpa_shapes as shapes
+    from longserve.attention.base import GraphShape
+    from longserve.kernels import gluon_attention as ga
+    from tests.gpu.test_attention_gpu import HEAD_DIM, NUM_KV_HEADS, NUM_Q_HEADS
+
+    calls: list[tuple[int, int]] = []
+    real = ga.attention
+    monkeypatch.setattr(
+        ga, "attention", lambda q, k, v, c, s: calls.append((q.shape[0], k.shape[0])) or real(q, k, v, c, s)
+    )
+    monkeypatch.setattr(shapes, "PLANS", shapes.PlanRegistry())
+    monkeypatch.setattr(tb, "PLANS", shapes.PLANS)
+    prefix, new, page = 32768, 8192, 16
+    num_pages = (prefix + new) // page + 1
+    cache = KVCache(1, num_pages, page, NUM_KV_HEADS, HEAD_DIM, torch.bfloat16, "cuda")
+    shape = GraphShape(
+        prefix + new, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, torch.bfloat16, torch.device("cuda")
+    )
+    backend = tb.TritonAttentionBackend()
+    backend.warm_up(shape, new, cache)
+    torch.manual_seed(0)
+    cache.k[0].normal_()
+    cache.v[0].normal_()
+    table = list(range(1, num_pages))
+    random.Random(0).shuffle(table)  # scattered: the prefix gathered, not a view
+    meta = build_metadata([prefix], [new], [table], page, "cuda")
+    q = torch.randn(new, NUM_Q_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(new, NUM_KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(new, NUM_KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    calls.clear()
+    ours = backend.forward(q, k, v, 0, meta, cache, HEAD_DIM**-0.5)
+    assert calls == [(new, prefix)]
+    monkeypatch.setattr(gluon_calls, "GLUON_PREFIX_CALLS", False)
+    library = backend.forward(q, k, v, 0, meta, cache, HEAD_DIM**-0.5)
+    assert calls == [(new, prefix)]
+    assert (ours.float() - library.float()).abs().max().item() < 1e-2
