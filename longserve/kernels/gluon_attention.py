@@ -5,7 +5,7 @@ log-sum-exp the engine's merges take. The engine's library calls over a prefix g
 
 Why our own: with vLLM's FA3 answering the engine's cuDNN calls, cold 128K took 7.8% less and 32K 3.7% less
 (RESULTS.md, twenty-first session), and cuDNN offers no faster plan. Measured on the H200 (RESULTS.md, twenty-second
-and twenty-third sessions), the default variant (split tile, pairs, persistent): right to fp32's error; prefix calls
+and twenty-third sessions), the default variant (split tile, runs of 2 key blocks, persistent): right to fp32's error; prefix calls
 (8K new over 32K / 128K keys) 1.00-1.035x cuDNN's rate, causal squares 0.91x (8K) to 0.99x (32K), FA3 10-16% ahead;
 with it answering every library call, cold 128K 1.3% faster end to end. The causal calls stay on cuDNN.
 
@@ -16,7 +16,7 @@ by the kv head's column in K/V):
   V once P V has);
 - the consumers (gluon_attention_steps.py): S_j = Q K_j^T issued asynchronously, then O += P_{j-1} V_{j-1} (P from
   registers), the softmax of S_j meant to run while that does (FA3's intra-warpgroup overlap; in the SASS ptxas
-  waits for P V first, except in the pairs' first block); masks only on the blocks that cross the causal diagonal
+  waits for P V first, except in a run's blocks but its last, _kv_run); masks only on the blocks that cross the causal diagonal
   (query i of L sees keys up to i + S - L) or the keys' end.
 q/k/v are read as the engine lays them (views of the fused qkv output, or a prefix on consecutive cache pages):
 2D [rows, heads * D] with a row stride, 16-byte aligned; bf16, D = 128. Written against Triton 3.6's Gluon (the
@@ -24,7 +24,7 @@ GPU machine's; 3.9 renamed the TMA copies: `supported()` says whether this Trito
 (`Variant`, `use_variant` before the first launch; `scripts/probes/gluon_attention_check.py` picks one from GLUON_*):
 split (each half tile its own consumer warpgroup: the default partition and a worker of 4 warps over the same
 buffers) or one consumer partition of 8 warps meeting at a barrier four times an iteration (~490 TFLOP/s); pingpong
-(FA3's turns between the two, measured 0-3% slower); key tiles of 64 or 128; stages; pairs; persistent.
+(FA3's turns between the two, measured 0-3% slower); key tiles of 64 or 128; stages; the key blocks a run; persistent.
 Built for sm90 on any machine with Triton 3.6: `gluon_attention_check.py --compile-only` (registers, spills, SASS).
 """
 
@@ -39,7 +39,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from longserve.kernels.gluon_attention_steps import _kv_block, _kv_pair, _my_turn, _softmax_step, _their_turn
+from longserve.kernels.gluon_attention_steps import _kv_block, _kv_run, _my_turn, _softmax_step, _their_turn
 
 D = 128  # the head dim the kernel is built for
 BLOCK_M, NUM_WARPS = 128, 8
@@ -56,9 +56,10 @@ class Variant:
     )
     block_n: int = 128
     stages: int = 2  # 3: no faster
-    # the unmasked key blocks two at a time, the first one's P V waited for after the second's S is issued
-    # (_kv_pair): prefix calls 605-612 TFLOP/s against 587-605 without (twenty-third session)
-    pairs: bool = True
+    # the unmasked key blocks `run` at a time in one body, each one's P V waited for after the next one's S is issued
+    # (_kv_run): at 2 (pairs) prefix calls 605-612 TFLOP/s against 587-605 at 1 (twenty-third session); 1: _kv_block;
+    # 3 builds (2 of 3 softmaxes beside a P V) and is not yet run; 4 makes ptxas serialize every wgmma
+    run: int = 2
     # a program an SM walking the tiles (_tile's order), the next tile's loads under the last one's end; with pairs,
     # 3000 rows over 12000 keys 550 against 484 TFLOP/s, prefix calls the same
     persistent: bool = True
@@ -73,14 +74,14 @@ _launched = False
 def use_variant(variant: Variant) -> None:
     """Build the kernel as `variant` (one variant a process: Triton checks that the globals a kernel read at its
     compile have not changed since)."""
-    global VARIANT, SPLIT, PINGPONG, BLOCK_N, STAGES, PERSISTENT, PAIRS, LOAD_REGS, COMPUTE_REGS
+    global VARIANT, SPLIT, PINGPONG, BLOCK_N, STAGES, PERSISTENT, RUN, LOAD_REGS, COMPUTE_REGS
     global _PART_M, _BLOCK_N, _STAGES, _PINGPONG
     if _launched and variant != VARIANT:
         raise RuntimeError("gluon_attention.use_variant: the kernel has already run as another variant")
     VARIANT = variant
     SPLIT, PINGPONG = variant.split, variant.split and variant.pingpong
     BLOCK_N, STAGES, PERSISTENT = variant.block_n, variant.stages, variant.persistent
-    PAIRS = gl.constexpr(variant.pairs)
+    RUN = gl.constexpr(variant.run)
     LOAD_REGS, COMPUTE_REGS = gl.constexpr(variant.load_regs), gl.constexpr(variant.compute_regs)
     # Triton 3.6 hands a worker partition its arguments as runtime values, constexprs included: the split tile's
     # workers take their tile shape from these module constants (the launch passes the same) and the mask kind as a
@@ -215,15 +216,15 @@ def _compute_partition(q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready
         # the blocks with no mask, then those with one, each its own loop: no block asks whether it needs the mask,
         # and no branch sits in the window where P V is in flight (ptxas places that wait early either way: _kv_block)
         n_free = gl.maximum(gl.minimum(first_masked, n_blocks), 1)  # blocks [1, n_free) have no mask
-        pairs_end = 1
-        if PAIRS:
-            pairs_end = 1 + (n_free - 1) // 2 * 2
-        for j in range(1, pairs_end, 2):
-            p, m_i, l_i, alpha, acc = _kv_pair(j, g0, slot0, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free,
-                                               turn, p, m_i, l_i, alpha, acc, rows, num_keys, shift, qk_scale, causal,
-                                               BLOCK_M, BLOCK_N, STAGES, PART, PINGPONG, s_layout, o_layout,
-                                               p_layout)  # fmt: skip
-        for j in range(pairs_end, n_free):
+        runs_end = 1
+        if RUN > 1:
+            runs_end = 1 + (n_free - 1) // RUN * RUN
+            for j in range(1, runs_end, RUN):
+                p, m_i, l_i, alpha, acc = _kv_run(j, g0, slot0, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_free,
+                                                  v_free, turn, p, m_i, l_i, alpha, acc, rows, num_keys, shift,
+                                                  qk_scale, causal, RUN, BLOCK_M, BLOCK_N, STAGES, PART, PINGPONG,
+                                                  s_layout, o_layout, p_layout)  # fmt: skip
+        for j in range(runs_end, n_free):
             p, m_i, l_i, alpha, acc = _kv_block(j, g0, slot0, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_free,
                                                 v_free, turn, p, m_i, l_i, alpha, acc, rows, num_keys, shift, qk_scale,
                                                 causal, False, BLOCK_M, BLOCK_N, STAGES, PART, PINGPONG, s_layout,

@@ -1,6 +1,7 @@
-"""The per-key-block steps of the Gluon attention draft (gluon_attention.py, where the kernel, its partitions and
-its launch are): one block's online softmax, the turns between a split tile's two warpgroups, and a key block's
-issue, softmax and waits (_kv_start, _kv_block, _kv_pair), with what ptxas makes of each in the sm90 SASS."""
+"""The per-key-block steps of the Gluon attention kernel (gluon_attention.py, where the kernel, its partitions and
+its launch are; scripts/probes/gluon_extend.py runs them too): one block's online softmax, the turns between a split
+tile's two warpgroups, and a key block's issue, softmax and waits (_kv_start, _kv_block; runs of blocks in one body:
+_kv_next, _kv_run), with what ptxas makes of each in the sm90 SASS."""
 
 from __future__ import annotations
 
@@ -87,7 +88,7 @@ def _kv_block(j, g0, slot0, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_free, v_
     always move up across plain arithmetic), so the overlap is not in the machine code. Carrying P V's token into the
     next iteration (its wait after S_{j+1}'s issue, where it cannot move up) makes ptxas serialize every wgmma
     (C7514: it cannot follow a wgmma's registers across the loop's back edge), and so does a wait written as PTX
-    predicated on the row sum (so that it could not move above the softmax). GLUON_PAIRS takes the way that builds."""
+    predicated on the row sum (so that it could not move above the softmax). _kv_run takes the way that builds."""
     p, m_i, l_i, alpha, acc = _kv_start(j, g0, slot0, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_free, turn, p, m_i,
                                         l_i, alpha, acc, rows, num_keys, shift, qk_scale, causal, MASKED, BLOCK_M,
                                         BLOCK_N, STAGES, PART, PINGPONG, s_layout, o_layout, p_layout)  # fmt: skip
@@ -97,42 +98,57 @@ def _kv_block(j, g0, slot0, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_free, v_
 
 
 @gluon.jit
-def _kv_pair(j, g0, slot0, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, turn, p, m_i, l_i, alpha, acc,
+def _kv_next(j, g0, slot0, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, turn, p, m_i, l_i, alpha, acc,
              rows, num_keys, shift, qk_scale, causal, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
              PART: gl.constexpr, PINGPONG: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
              p_layout: gl.constexpr):  # fmt: skip
-    """Key blocks j and j + 1 (no mask) as _kv_block does them, but P_{j-1} V_{j-1} is waited for only after S_{j+1}
-    is issued, where ptxas cannot move the wait up (a wait moved above S_{j+1}'s commit would wait for less): block
-    j's softmax runs beside P_{j-1} V_{j-1} in the machine code, not only in the source. Inside one body, so that
-    ptxas follows the accumulator from its issue to its wait (across the loop's back edge it serialized every
-    wgmma). P_j gets its own registers beside P_{j-1}'s (read by the tensor cores until that wait): 32 more a thread.
-    In the sm90 SASS block j's softmax (~345 instructions) now sits between S_j's wait and P_{j-1} V_{j-1}'s; block
-    j + 1's P V wait is hoisted as before. The split tile's worker (240 registers; the default partition gets 256)
-    spills 8-16 bytes (24 registers before the tile loop); giving the worker 248 leaves the default 232, and the
-    loader cannot be the default partition beside two 248-register consumer workers (a warp-specialized kernel's
-    num_warps is a multiple of 4)."""
+    """Key block j (no mask) after block j - 1 in the same run (_kv_run), with P_{j-2} V_{j-2} still in flight: S_j
+    issued, then that P V waited for and V_{j-2}'s buffer freed (after S_j's issue, where ptxas cannot move the wait
+    up: a wait moved above S_j's commit would wait for less), O rescaled, P_{j-1} V_{j-1} issued, S_j's softmax
+    beside it. O comes back in flight."""
+    g = g0 + j
+    s = g % STAGES
+    prev = (g - 1) % STAGES
+    mbarrier.wait(k_ready.index(s), (g // STAGES) & 1)
+    mbarrier.wait(v_ready.index(prev), ((g - 1) // STAGES) & 1)
+    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    p_op = gl.convert_layout(p, p_layout)
+    _my_turn(turn, slot0 + j, PART, PINGPONG)
+    qk = warpgroup_mma(q_tile, k_bufs.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # P_{j-2} V_{j-2} done, S_j in flight
+    mbarrier.arrive(v_free.index((g - 2) % STAGES), count=1)
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    acc = warpgroup_mma(p_op, v_bufs.index(prev), acc, is_async=True)
+    _their_turn(turn, PART, PINGPONG)
+    qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))
+    mbarrier.arrive(k_free.index(s), count=1)
+    p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, j, rows, num_keys, shift, qk_scale, causal, False, BLOCK_N,
+                                       s_layout)  # fmt: skip
+    return p, m_i, l_i, alpha, acc
+
+
+@gluon.jit
+def _kv_run(j, g0, slot0, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, turn, p, m_i, l_i, alpha, acc,
+            rows, num_keys, shift, qk_scale, causal, RUN: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+            STAGES: gl.constexpr, PART: gl.constexpr, PINGPONG: gl.constexpr, s_layout: gl.constexpr,
+            o_layout: gl.constexpr, p_layout: gl.constexpr):  # fmt: skip
+    """Key blocks j .. j + RUN - 1 (no mask) in one body: each block's P V is waited for only after the next block's
+    S is issued (_kv_next), where ptxas cannot hoist the wait above the softmax it is to overlap, so every block
+    but the run's last has its softmax beside a P V in the machine code (_kv_block: none; RUN = 2 was `_kv_pair`:
+    the first of each pair). Inside one body, so that ptxas follows the accumulator from its issue to its wait
+    (across the loop's back edge it serialized every wgmma, C7514). Only P_{j-1} and P_j are live at once: the
+    registers of RUN = 2 serve any RUN (the split tile's worker, at 240, spills 8-16 bytes at RUN = 2, 24 at 3).
+    The sm90 SASS (Triton 3.6, `gluon_attention_check.py --compile-only`): RUN = 2 and 3 keep each S and P V as 8
+    HGMMAs in flight with the waits where written, 1 and 2 of the run's softmaxes beside a P V; at RUN = 4 ptxas
+    serializes every HGMMA of the kernel (a wait after each), so 3 is the longest run."""
     p, m_i, l_i, alpha, acc = _kv_start(j, g0, slot0, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_free, turn, p, m_i,
                                         l_i, alpha, acc, rows, num_keys, shift, qk_scale, causal, False, BLOCK_M,
                                         BLOCK_N, STAGES, PART, PINGPONG, s_layout, o_layout, p_layout)  # fmt: skip
-    # block j + 1: S_{j+1} issued, then P_{j-1} V_{j-1} (still in flight) waited for
-    g = g0 + j
-    s = g % STAGES
-    s1 = (g + 1) % STAGES
-    mbarrier.wait(k_ready.index(s1), ((g + 1) // STAGES) & 1)
-    mbarrier.wait(v_ready.index(s), (g // STAGES) & 1)
-    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    p_op = gl.convert_layout(p, p_layout)
-    _my_turn(turn, slot0 + j + 1, PART, PINGPONG)
-    qk = warpgroup_mma(q_tile, k_bufs.index(s1).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # P_{j-1} V_{j-1} done, S_{j+1} in flight
-    mbarrier.arrive(v_free.index((g - 1) % STAGES), count=1)
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-    acc = warpgroup_mma(p_op, v_bufs.index(s), acc, is_async=True)
-    _their_turn(turn, PART, PINGPONG)
-    qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))
-    mbarrier.arrive(k_free.index(s1), count=1)
-    p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, j + 1, rows, num_keys, shift, qk_scale, causal, False, BLOCK_N,
-                                       s_layout)  # fmt: skip
+    for i in gl.static_range(1, RUN):
+        p, m_i, l_i, alpha, acc = _kv_next(j + i, g0, slot0, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_free,
+                                           v_free, turn, p, m_i, l_i, alpha, acc, rows, num_keys, shift, qk_scale,
+                                           causal, BLOCK_M, BLOCK_N, STAGES, PART, PINGPONG, s_layout, o_layout,
+                                           p_layout)  # fmt: skip
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    mbarrier.arrive(v_free.index(s), count=1)
+    mbarrier.arrive(v_free.index((g0 + j + RUN - 2) % STAGES), count=1)  # V_{j+RUN-2} read
     return p, m_i, l_i, alpha, acc

@@ -1,8 +1,8 @@
 """Checks of our Gluon attention kernel (longserve/kernels/gluon_attention.py): against an fp32 reference and cuDNN,
 timed beside cuDNN and FA3 on a GPU; built for sm90 on any machine (`--compile-only`, Triton 3.6); its loop in torch
-on the CPU (`--emulate`). GLUON_SPLIT, GLUON_PINGPONG, GLUON_BLOCK_N, GLUON_STAGES, GLUON_PAIRS, GLUON_PERSISTENT,
-GLUON_LOAD_REGS and GLUON_COMPUTE_REGS pick the variant (unset: the engine's, `Variant()`). Writes
-$OUT/gluon_attention_split{0,1}_pp{0,1}_bn{64,128}_st{2,3}_pairs{0,1}_pers{0,1}.json on a GPU.
+on the CPU (`--emulate`). GLUON_SPLIT, GLUON_PINGPONG, GLUON_BLOCK_N, GLUON_STAGES, GLUON_RUN (GLUON_PAIRS=1/0: a run
+of 2/1), GLUON_PERSISTENT, GLUON_LOAD_REGS and GLUON_COMPUTE_REGS pick the variant (unset: the engine's, `Variant()`).
+Writes $OUT/gluon_attention_split{0,1}_pp{0,1}_bn{64,128}_st{2,3}_run{1,2,..}_pers{0,1}.json on a GPU.
 """
 
 from __future__ import annotations
@@ -25,9 +25,11 @@ HQ, HKV, D = 32, 8, ga.D  # the Llama-3.1-8B shape
 def variant_from_env() -> ga.Variant:
     """The variant the GLUON_* variables name, over the engine's."""
     names = {"split": "GLUON_SPLIT", "pingpong": "GLUON_PINGPONG", "block_n": "GLUON_BLOCK_N",
-             "stages": "GLUON_STAGES", "pairs": "GLUON_PAIRS", "persistent": "GLUON_PERSISTENT",
+             "stages": "GLUON_STAGES", "run": "GLUON_RUN", "persistent": "GLUON_PERSISTENT",
              "load_regs": "GLUON_LOAD_REGS", "compute_regs": "GLUON_COMPUTE_REGS"}  # fmt: skip
     given = {}
+    if os.environ.get("GLUON_PAIRS") is not None:  # the twenty-second session's name: pairs = runs of 2
+        given["run"] = 2 if os.environ["GLUON_PAIRS"] == "1" else 1
     for field in dataclasses.fields(ga.Variant):
         value = os.environ.get(names[field.name])
         if value is not None:
@@ -107,7 +109,7 @@ def check_case(new: int, prefix: int, causal: bool, flash_attn_varlen_func) -> d
         "pingpong": ga.PINGPONG,
         "block_n": ga.BLOCK_N,
         "stages": ga.STAGES,
-        "pairs": bool(ga.PAIRS),
+        "run": ga.VARIANT.run,
         "persistent": ga.PERSISTENT,
     }
     try:
@@ -138,9 +140,9 @@ def check_case(new: int, prefix: int, causal: bool, flash_attn_varlen_func) -> d
 
 
 def variant() -> str:
-    """The variant's name in file names: split, ping-pong, key tile, stages, pairs, persistent."""
+    """The variant's name in file names: split, ping-pong, key tile, stages, run, persistent."""
     v = ga.VARIANT
-    return f"split{int(v.split)}_pp{int(ga.PINGPONG)}_bn{v.block_n}_st{v.stages}_pairs{int(v.pairs)}_pers{int(v.persistent)}"
+    return f"split{int(v.split)}_pp{int(ga.PINGPONG)}_bn{v.block_n}_st{v.stages}_run{v.run}_pers{int(v.persistent)}"
 
 
 # --prefix-sweep: the prefix calls (no mask) around the engine's threshold (attention/gluon_calls.py: >= 4096 rows

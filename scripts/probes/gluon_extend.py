@@ -13,7 +13,7 @@ and writes fp32 partials and base-2 log-sum-exps that `merge_splits` merges. Her
   page read its last page: finite values the mask drops);
 - each consumer warpgroup owns 64 of the rows: it loads its Q by pointer (a packed row's head varies within the
   tile, which one TMA box cannot follow), stores it to shared memory, then runs the prefix kernel's key-block
-  steps (gluon_attention_steps: `_kv_block`, `_kv_pair`) over the split's blocks, its masks bottom-right per token
+  steps (gluon_attention_steps: `_kv_block`, `_kv_run`) over the split's blocks, its masks bottom-right per token
   (a row's last key is prefix_len + its token) and at the request's end;
 - the running max starts finite (-1e30), as in `_extend_kernel`: a split may hold no key a row can see (its
   partial then weighs nothing in the merge).
@@ -43,12 +43,14 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from longserve.kernels.extend_attention import merge_splits
 from longserve.kernels.gluon_attention import _tma_load
-from longserve.kernels.gluon_attention_steps import _kv_block, _kv_pair, _softmax_step
+from longserve.kernels.gluon_attention_steps import _kv_block, _kv_run, _softmax_step
 
 D = 128
 TILE_M, PART_M, BLOCK_N, STAGES, KEY_BOX = 128, 64, 128, 2, 16
 LOAD_REGS, COMPUTE_REGS = gl.constexpr(24), gl.constexpr(240)
-PAIRS = gl.constexpr(os.environ.get("GLUON_PAIRS", "1") == "1")
+RUN = gl.constexpr(
+    int(os.environ.get("GLUON_RUN", "2"))
+)  # unmasked key blocks a body (_kv_run); 1: _kv_block
 LOG2E = 1.4426950408889634
 # Triton 3.6 hands a worker partition its arguments as runtime values, constexprs included: the workers take the
 # tile shape from these (the launch asserts the same)
@@ -150,15 +152,15 @@ def _extend_consumer(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, page_table_ptr, q_sm
             p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, 0, rows, num_keys, shift, qk_scale, True, False,
                                                BLOCK_N, s_layout)  # fmt: skip
         n_free = gl.maximum(gl.minimum(first_masked, n_blocks), 1)  # blocks [1, n_free) have no mask
-        pairs_end = 1
-        if PAIRS:
-            pairs_end = 1 + (n_free - 1) // 2 * 2
-        for j in range(1, pairs_end, 2):
-            p, m_i, l_i, alpha, acc = _kv_pair(j, 0, 0, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free,
-                                               turn, p, m_i, l_i, alpha, acc, rows, num_keys, shift, qk_scale, True,
-                                               BLOCK_M, BLOCK_N, STAGES, PART, False, s_layout, o_layout,
-                                               p_layout)  # fmt: skip
-        for j in range(pairs_end, n_free):
+        runs_end = 1
+        if RUN > 1:
+            runs_end = 1 + (n_free - 1) // RUN * RUN
+            for j in range(1, runs_end, RUN):
+                p, m_i, l_i, alpha, acc = _kv_run(j, 0, 0, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free,
+                                                  turn, p, m_i, l_i, alpha, acc, rows, num_keys, shift, qk_scale,
+                                                  True, RUN, BLOCK_M, BLOCK_N, STAGES, PART, False, s_layout,
+                                                  o_layout, p_layout)  # fmt: skip
+        for j in range(runs_end, n_free):
             p, m_i, l_i, alpha, acc = _kv_block(j, 0, 0, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free,
                                                 turn, p, m_i, l_i, alpha, acc, rows, num_keys, shift, qk_scale, True,
                                                 False, BLOCK_M, BLOCK_N, STAGES, PART, False, s_layout, o_layout,

@@ -366,23 +366,23 @@ if [[ $MODE == fa3 ]]; then  # one GPU (~2 min, .anchor/ carried): our attention
     | tee "$OUT/attention_vs_fa3_sustained.log" | grep '^{'
 fi
 
-# gluon_env SPLIT:PINGPONG:BLOCK_N:STAGES[:PAIRS[:PERSISTENT]]: the Gluon draft's variables for one variant, as
-# `env` arguments (gluon and gluon-ncu run their variants through it)
+# gluon_env SPLIT:PINGPONG:BLOCK_N:STAGES[:PAIRS[:PERSISTENT[:RUN]]]: the Gluon kernel's variables for one variant, as
+# `env` arguments (gluon and gluon-ncu run their variants through it); RUN, the key blocks a body, overrides PAIRS
+# (PAIRS=1: a run of 2)
 gluon_env() {
-  local split pp bn st pairs pers
-  IFS=: read -r split pp bn st pairs pers <<< "$1"
+  local split pp bn st pairs pers run
+  IFS=: read -r split pp bn st pairs pers run <<< "$1"
   echo "GLUON_SPLIT=$split GLUON_PINGPONG=$pp GLUON_BLOCK_N=$bn GLUON_STAGES=$st GLUON_PAIRS=${pairs:-0}" \
-    "GLUON_PERSISTENT=${pers:-0}"
+    "GLUON_PERSISTENT=${pers:-0}${run:+ GLUON_RUN=$run}"
 }
 
-if [[ $MODE == gluon ]]; then  # one GPU (~3 min, .anchor/ carried for FA3's times): our own Hopper attention draft
-  # (Gluon), each variant checked against fp32 and timed beside cuDNN and FA3. GLUON_VARIANTS: SPLIT:PINGPONG:
-  # BLOCK_N:STAGES:PAIRS:PERSISTENT each. The twenty-second session's runs: right, 407-522 TFLOP/s against cuDNN's 556-645 with
-  # one barrier freeing K and V; with the two apart, split tiles at cuDNN's rate (583-629 on prefix calls), turns
-  # and 3 stages no faster. Since: the max scaled once a row (FFMA), loops with no branch, PAIRS (_kv_pair),
-  # PERSISTENT (a program an SM walking the tiles)
+if [[ $MODE == gluon ]]; then  # one GPU (~2 min, .anchor/ carried for FA3's times): our own Hopper attention kernel
+  # (Gluon; the engine's long prefix calls run it), each variant checked against fp32 and timed beside cuDNN and FA3.
+  # GLUON_VARIANTS: SPLIT:PINGPONG:BLOCK_N:STAGES:PAIRS:PERSISTENT[:RUN] each (gluon_env). Twenty-second session: at
+  # cuDNN's rate once K and V free their buffers apart; twenty-third: pairs + persistent 1.00-1.035x cuDNN on prefix
+  # calls (the engine's default). Defaults now: the engine's, runs of 3 key blocks (_kv_run), persistent or not
   unpack_vllm || status=1
-  for v in ${GLUON_VARIANTS:-1:0:128:2:0:0 1:0:128:2:1:0 1:0:128:2:0:1 1:0:128:2:1:1 1:0:64:4:1:0 0:0:128:2:1:0}; do
+  for v in ${GLUON_VARIANTS:-1:0:128:2:1:1 1:0:128:2:1:1:3 1:0:128:2:1:0:3}; do
     # shellcheck disable=SC2046  # gluon_env's words are NAME=VALUE pairs
     env $(gluon_env "$v") PYTHONPATH=$PWD:/tmp/site timeout "${GLUON_TIMEOUT:-90}" python3 \
       scripts/probes/gluon_attention_check.py 2>&1 | tee "$OUT/gluon_attention_${v//:/}.log" \
