@@ -34,6 +34,7 @@ def _fused_qkv(rows: int, hq: int, hkv: int, d: int = 128):
         (129, 4000, False, 8, 1),  # a group of 8 q heads on one kv head
         (512, 0, True, 4, 4),  # no grouping
         (5000, 3000, False, 32, 8),  # more tiles than SMs: the persistent programs walk several
+        (4096, 0, True, 32, 8),  # causal, 1,024 tiles: the persistent programs' snake order (_tile)
     ],
 )
 def test_kernel_matches_fp32(rows: int, prefix: int, causal: bool, hq: int, hkv: int) -> None:
