@@ -1,13 +1,14 @@
 """Our Hopper attention kernel (Gluon: TMA, mbarriers, asynchronous wgmma, warp specialization; FlashAttention-3's
 structure): causal (aligned bottom-right) and prefix (no mask) attention of one layer with the natural-log
-log-sum-exp the engine's merges take. The engine's library calls over a prefix go here on sm90
-(`attention.sdpa.PREFIX_KERNEL`); its torch references: `gluon_attention_reference.py` (fp32, and the kernel's loop).
+log-sum-exp the engine's merges take. The engine's long prefix calls go here on sm90 (`attention/gluon_calls.py`);
+its torch references: `gluon_attention_reference.py` (fp32, and the kernel's loop).
 
 Why our own: with vLLM's FA3 answering the engine's cuDNN calls, cold 128K took 7.8% less and 32K 3.7% less
 (RESULTS.md, twenty-first session), and cuDNN offers no faster plan. Measured on the H200 (RESULTS.md, twenty-second
-and twenty-third sessions), the default variant (split tile, runs of 2 key blocks, persistent): right to fp32's error; prefix calls
-(8K new over 32K / 128K keys) 1.00-1.035x cuDNN's rate, causal squares 0.91x (8K) to 0.99x (32K), FA3 10-16% ahead;
-with it answering every library call, cold 128K 1.3% faster end to end. The causal calls stay on cuDNN.
+and twenty-third sessions), the default variant (split tile, runs of 2 key blocks, persistent): right to fp32's
+error; prefix calls (8K new over 32K / 128K keys) 1.00-1.035x cuDNN's rate, causal squares 0.91x (8K) to 0.99x
+(32K), FA3 10-16% ahead; answering the engine's prefix calls, cold 128K 1.6% faster end to end. The causal calls
+stay on cuDNN.
 
 The kernel (tiles of 128 query rows of one q head, one a program or (persistent) a program an SM walking them; GQA
 by the kv head's column in K/V):
@@ -16,16 +17,16 @@ by the kv head's column in K/V):
   V once P V has);
 - the consumers (gluon_attention_steps.py): S_j = Q K_j^T issued asynchronously, then O += P_{j-1} V_{j-1} (P from
   registers), the softmax of S_j meant to run while that does (FA3's intra-warpgroup overlap; in the SASS ptxas
-  waits for P V first, except in a run's blocks but its last, _kv_run); masks only on the blocks that cross the causal diagonal
-  (query i of L sees keys up to i + S - L) or the keys' end.
+  waits for P V first except in a run's blocks but its last, _kv_run); masks only on the blocks that cross the
+  causal diagonal (query i of L sees keys up to i + S - L) or the keys' end.
 q/k/v are read as the engine lays them (views of the fused qkv output, or a prefix on consecutive cache pages):
-2D [rows, heads * D] with a row stride, 16-byte aligned; bf16, D = 128. Written against Triton 3.6's Gluon (the
-GPU machine's; 3.9 renamed the TMA copies: `supported()` says whether this Triton has them). The variants
-(`Variant`, `use_variant` before the first launch; `scripts/probes/gluon_attention_check.py` picks one from GLUON_*):
-split (each half tile its own consumer warpgroup: the default partition and a worker of 4 warps over the same
-buffers) or one consumer partition of 8 warps meeting at a barrier four times an iteration (~490 TFLOP/s); pingpong
-(FA3's turns between the two, measured 0-3% slower); key tiles of 64 or 128; stages; the key blocks a run; persistent.
-Built for sm90 on any machine with Triton 3.6: `gluon_attention_check.py --compile-only` (registers, spills, SASS).
+2D [rows, heads * D] with a row stride, 16-byte aligned; bf16, D = 128 (`fits`). Built with Triton 3.6 (the GPU
+machine's) and 3.9 (`supported()`: the versions known to build it). The variants (`Variant`, `use_variant` before
+the first launch; `scripts/probes/gluon_attention_check.py` picks one from GLUON_*): split (each half tile its own
+consumer warpgroup: the default partition and a worker of 4 warps over the same buffers) or one consumer partition
+of 8 warps meeting at a barrier four times an iteration (~490 TFLOP/s); pingpong (FA3's turns between the two,
+measured 0-3% slower); key tiles of 64 or 128; stages; the key blocks a run; persistent. Built for sm90 on any
+machine: `gluon_attention_check.py --compile-only` (registers, spills, SASS).
 """
 
 from __future__ import annotations
@@ -48,20 +49,18 @@ LOG2E = 1.4426950408889634
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-    split: bool = (
-        True  # two consumer warpgroups, one a half tile each (one partition of 8 warps: ~490 TFLOP/s)
-    )
-    pingpong: bool = (
-        False  # the two take turns issuing their GEMMs (FA3's order; 0-3% slower, twenty-second session)
-    )
+    # two consumer warpgroups, one a half tile each (one partition of 8 warps: ~490 TFLOP/s)
+    split: bool = True
+    # the two take turns issuing their GEMMs (FA3's order; 0-3% slower, twenty-second session)
+    pingpong: bool = False
     block_n: int = 128
     stages: int = 2  # 3: no faster
     # the unmasked key blocks `run` at a time in one body, each one's P V waited for after the next one's S is issued
     # (_kv_run): at 2 (pairs) prefix calls 605-612 TFLOP/s against 587-605 at 1 (twenty-third session); 1: _kv_block;
     # 3 builds (2 of 3 softmaxes beside a P V) and is not yet run; 4 makes ptxas serialize every wgmma
     run: int = 2
-    # a program an SM walking the tiles (_tile's snake order), the next tile's loads under the last one's end; with pairs,
-    # 3000 rows over 12000 keys 550 against 484 TFLOP/s, prefix calls the same
+    # a program an SM walking the tiles (_tile's snake order), the next tile's loads under the last one's end; with
+    # pairs, 3000 rows over 12000 keys 550 against 484 TFLOP/s, prefix calls the same
     persistent: bool = True
     load_regs: int = 24  # the load partition's registers
     compute_regs: int = 240  # the split tile's second consumer's (the first gets what is left: 256)
@@ -149,8 +148,7 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_f
         mbarrier.wait(q_free, (i & 1) ^ 1)
         mbarrier.expect(q_ready, Q_PARTS * q_desc.block_type.nbytes)
         for part in gl.static_range(Q_PARTS):  # one part a consumer warpgroup (split) or the whole tile
-            _tma_load(q_desc, [q_row + part * q_desc.block_type.shape[0], q_col], q_ready,
-                                            q_smem.index(part))  # fmt: skip
+            _tma_load(q_desc, [q_row + part * q_desc.block_type.shape[0], q_col], q_ready, q_smem.index(part))
         s = g0 % STAGES
         mbarrier.wait(k_free.index(s), ((g0 // STAGES) & 1) ^ 1)
         mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
@@ -160,8 +158,7 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_f
                 s = (g0 + j + 1) % STAGES
                 mbarrier.wait(k_free.index(s), (((g0 + j + 1) // STAGES) & 1) ^ 1)
                 mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-                _tma_load(k_desc, [(j + 1) * BLOCK_N, kv_col], k_ready.index(s),
-                                                k_bufs.index(s))  # fmt: skip
+                _tma_load(k_desc, [(j + 1) * BLOCK_N, kv_col], k_ready.index(s), k_bufs.index(s))
             s = (g0 + j) % STAGES
             mbarrier.wait(v_free.index(s), (((g0 + j) // STAGES) & 1) ^ 1)
             mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)

@@ -1,6 +1,7 @@
 """Our Gluon attention kernel on the CPU: its loop (kernels/gluon_attention_reference.emulate: bounds, masks, the
 one-block-late P V, the log-sum-exp) against fp32 attention, the layouts it takes, the calls the engine hands it,
-and its sm90 build with this machine's Triton (no GPU needed). Its runs on an H200: tests/gpu/test_gluon_attention_gpu.py."""
+and its sm90 build with this machine's Triton (no GPU needed). Its runs on an H200:
+tests/gpu/test_gluon_attention_gpu.py."""
 
 from __future__ import annotations
 
