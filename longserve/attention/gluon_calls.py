@@ -1,6 +1,7 @@
-"""The library attention calls our Gluon kernel (kernels/gluon_attention.py) answers in place of cuDNN: the long
-prefix calls (no mask) on an H200. `sdpa.attention_with_lse` asks here first. No Triton imported until a call on
-an sm90 device asks for the kernel.
+"""The attention calls our Gluon kernels answer on an H200: the long prefix calls (no mask) in cuDNN's place
+(kernels/gluon_attention.py; `sdpa.attention_with_lse` asks here first), and, switched on, the Triton extend
+kernel's calls (kernels/gluon_extend.py; the Triton backend binds `extend_attention` here). No Triton imported
+until a call on an sm90 device asks for a kernel.
 """
 
 from __future__ import annotations
@@ -83,3 +84,41 @@ def attention_with_lse(
             _GLUON[q.device.index] = False
             return None
     return o.transpose(0, 1).unsqueeze(0), lse.unsqueeze(0)
+
+
+# The Gluon extend kernel (kernels/gluon_extend.py) in the Triton extend kernel's place (the prefix hit's 64 new
+# tokens over 32K, in the lone chunk's CUDA graph): off until measured on the GPU. Read when a Triton backend is
+# built: `with_constants.py longserve.attention.gluon_calls.GLUON_EXTEND_CALLS=True -- ...` is the A/B.
+GLUON_EXTEND_CALLS = False
+
+
+def extend_attention(q, k_cache, v_cache, query_start_loc, prefix_lens, seq_lens, page_table, page_size: int,
+                     max_query_len: int, scale: float, sliding_window: int | None = None, out=None, config=None,
+                     num_splits: int = 1, k_scale: float = 1.0, v_scale: float = 1.0, partials: bool = False):  # fmt: skip
+    """`kernels.extend_attention.extend_attention`, by the Gluon kernel where it applies (bf16 q and cache, D = 128,
+    pages of 16n slots, no sliding window, merged outputs; at the Triton kernel's split count), else by Triton."""
+    from longserve.kernels import extend_attention as triton_extend
+
+    if (
+        partials
+        or sliding_window is not None
+        or not q.is_cuda
+        or not _gluon_runs_on(q.device)
+        or not _extend_fits(q, k_cache, page_size)
+    ):
+        return triton_extend.extend_attention(
+            q, k_cache, v_cache, query_start_loc, prefix_lens, seq_lens, page_table, page_size, max_query_len, scale,
+            sliding_window, out, config, num_splits, k_scale, v_scale, partials,
+        )  # fmt: skip
+    from longserve.kernels import gluon_extend
+
+    return gluon_extend.extend_attention(
+        q, k_cache, v_cache, query_start_loc, prefix_lens, seq_lens, page_table, page_size, max_query_len, scale,
+        num_splits, out,
+    )  # fmt: skip
+
+
+def _extend_fits(q: torch.Tensor, k_cache: torch.Tensor, page_size: int) -> bool:
+    from longserve.kernels import gluon_extend
+
+    return gluon_extend.fits(q, k_cache, page_size)

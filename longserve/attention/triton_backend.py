@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import torch
 
-from longserve.attention import sdpa_shapes
+from longserve.attention import gluon_calls, sdpa_shapes
 from longserve.attention.base import AttentionBackend, AttentionMetadata, GraphShape, KVCache, build_metadata
 from longserve.attention.sdpa import packed_prefix_sdpa, prefix_split_sdpa, warm_up_packed, warm_up_plans
 from longserve.attention.sdpa_shapes import PLANS, ModelShape, packed_splits, split_shape
@@ -79,7 +79,12 @@ class TritonAttentionBackend(AttentionBackend):
             raise ValueError(f"cold_path must be one of {', '.join(COLD_PATHS)}, got {cold_path!r}")
         from longserve.kernels import decode_attention, extend_attention  # imports triton
 
-        self._extend = extend_attention.extend_attention
+        # the Gluon extend kernel in its place where it applies, when switched on (gluon_calls.GLUON_EXTEND_CALLS)
+        self._extend = (
+            gluon_calls.extend_attention
+            if gluon_calls.GLUON_EXTEND_CALLS
+            else extend_attention.extend_attention
+        )
         self._extend_config = extend_attention.extend_config
         self._choose_extend_splits = extend_attention.choose_extend_splits
         self._decode = decode_attention.decode_attention

@@ -1,8 +1,9 @@
-"""Checks of the Gluon extend draft (scripts/probes/gluon_extend.py): on an H200 against the fp32 reference
+"""Checks of the Gluon extend kernel (longserve/kernels/gluon_extend.py): on an H200 against the fp32 reference
 (`extend_attention_ref`) and timed beside the Triton extend kernel the engine runs, on the prefix hit's shapes;
 built for sm90 on any machine (`--compile-only`, Triton 3.6-3.9); its work split in torch on the CPU (`--emulate`:
 the tiles, key splits, per-token masks and finite running max, merged as `merge_splits` does). Writes
-$OUT/gluon_extend.json on a GPU. GLUON_EXTEND_WAVES picks the split count (gluon_extend.choose_splits).
+$OUT/gluon_extend.json on a GPU. GLUON_EXTEND_WAVES picks the split count (gluon_extend.choose_splits; the
+engine passes the Triton kernel's, timed too).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def make_case(prefix_lens, query_lens, page_size, hq=HQ, hkv=HKV, scattered=True
 def emulate(
     q, k_cache, v_cache, query_start_loc, prefix_lens, seq_lens, page_table, page_size, num_splits, scale
 ):
-    """The draft's programs in torch: per (row tile, request, kv head, split) the key range, the blocks with their
+    """The kernel's programs in torch: per (row tile, request, kv head, split) the key range, the blocks with their
     masks (relative to the split's first key), the finite running max, the partial and its base-2 LSE; then the
     merge of the partials."""
     num_tokens, hq, _ = q.shape
@@ -123,9 +124,8 @@ def time_ms(fn) -> float:
 
 
 def check_case(prefix_lens, query_lens, page_size: int, scattered: bool) -> dict:
-    """One batch: the draft against fp32 and timed beside the Triton extend kernel at its own split count."""
-    import gluon_extend as ge
-
+    """One batch: the kernel against fp32 and timed beside the Triton extend kernel at its own split count."""
+    from longserve.kernels import gluon_extend as ge
     from longserve.kernels.extend_attention import choose_extend_splits, extend_attention
 
     q, k_cache, v_cache, qsl, pre, seq, pt = make_case(prefix_lens, query_lens, page_size, scattered=scattered,
@@ -138,12 +138,15 @@ def check_case(prefix_lens, query_lens, page_size: int, scattered: bool) -> dict
         "scattered": scattered,
     }
     ref = extend_attention_ref(q.float(), *args[1:])
-    splits = ge.choose_splits(query_lens, seq.tolist(), HQ // HKV, HKV)
+    waves = float(os.environ.get("GLUON_EXTEND_WAVES", "2"))
+    splits = ge.choose_splits(query_lens, seq.tolist(), HQ // HKV, HKV, waves=waves)
     t_splits = choose_extend_splits(query_lens, seq.tolist(), HQ, HKV, 128)
     row.update(gluon_splits=splits, triton_splits=t_splits)
     try:
         row["max_err"] = (ge.extend_attention(*args, splits).float() - ref).abs().max().item()
         row["gluon_ms"] = round(time_ms(lambda: ge.extend_attention(*args, splits)), 4)
+        # at the Triton kernel's split count, as the engine calls it
+        row["gluon_at_triton_splits_ms"] = round(time_ms(lambda: ge.extend_attention(*args, t_splits)), 4)
     except Exception as e:  # noqa: BLE001 - a probe reports whatever breaks
         row["error"] = repr(e)[:400]
     row["triton_err"] = (extend_attention(*args, num_splits=t_splits).float() - ref).abs().max().item()
@@ -164,13 +167,13 @@ def gpu_check() -> None:
 
 
 def compile_only() -> None:
-    """Build the draft for sm90 here (no GPU): registers, spills, shared memory, the key-block loop's SASS."""
-    import gluon_extend as ge
+    """Build the kernel for sm90 here (no GPU): registers, spills, shared memory, the key-block loop's SASS."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental import gluon
     from triton.runtime.jit import mangle_type
 
+    from longserve.kernels import gluon_extend as ge
     from longserve.testing.kernel_compile import cubin_tool, innermost_loop, opcode_counts, resource_usage
 
     cache = torch.zeros(64 * 16, HKV * D, dtype=torch.bfloat16)
@@ -189,11 +192,11 @@ def compile_only() -> None:
     loop = innermost_loop(cubin_tool(k.asm["cubin"], "nvdisasm", "-c"), "HGMMA")
     print(json.dumps({**resource_usage(k.asm["cubin"]), "shared_meta": k.metadata.shared,
                       "wgmma_in_ptx": k.asm["ptx"].count("wgmma.mma_async"), "loop_sass": len(loop),
+                      "loop_wgmma_waits": sum("WARPGROUP.DEPBAR" in line for line in loop),
                       "loop_ops": dict(list(opcode_counts(loop).items())[:12])}))  # fmt: skip
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     if "--compile-only" in sys.argv:
         compile_only()
     elif "--emulate" in sys.argv:

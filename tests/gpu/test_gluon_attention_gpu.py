@@ -136,3 +136,71 @@ def test_a_chunk_at_the_engines_threshold_equals_cudnns(monkeypatch: pytest.Monk
     library = backend.forward(q, k, v, 0, meta, cache, HEAD_DIM**-0.5)
     assert calls == [(new, prefix)]
     assert (ours.float() - library.float()).abs().max().item() < 1e-2
+
+
+def _paged_case(prefix_lens: list[int], query_lens: list[int], page_size: int, seed: int = 0):
+    """q and a bf16 paged cache on scattered pages (page 0 reserved) holding each request's prefix and new tokens."""
+    import random
+
+    from tests.gpu.test_attention_gpu import HEAD_DIM, NUM_KV_HEADS, NUM_Q_HEADS
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    seq_lens = [p + n for p, n in zip(prefix_lens, query_lens)]
+    pages = [-(-s // page_size) for s in seq_lens]
+    pool = list(range(1, sum(pages) + 1))
+    random.Random(seed).shuffle(pool)
+    width, tables, at = max(pages), [], 0
+    for n in pages:
+        tables.append(pool[at : at + n] + [0] * (width - n))
+        at += n
+    shape = (len(pool) + 1, page_size, NUM_KV_HEADS, HEAD_DIM)
+    k_cache, v_cache = (torch.randn(shape, generator=g, device="cuda").bfloat16() for _ in range(2))
+    q = torch.randn(sum(query_lens), NUM_Q_HEADS, HEAD_DIM, generator=g, device="cuda").bfloat16()
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    ints = lambda x: torch.tensor(x, dtype=torch.int32, device="cuda")  # noqa: E731
+    return q, k_cache, v_cache, ints(starts), ints(prefix_lens), ints(seq_lens), ints(tables)
+
+
+@pytest.mark.parametrize(
+    "prefix_lens,query_lens,page_size,splits",
+    [
+        ([32768], [64], 16, 32),  # the prefix hit, at the Triton kernel's split count for it
+        ([32768], [64], 16, 3),  # splits of many key blocks each
+        ([0, 4000, 100], [300, 512, 30], 16, 4),  # a cold chunk, a suffix, a short one; empty splits
+        ([2000], [300], 64, 1),  # pages of 64, one split
+    ],
+)
+def test_extend_kernel_matches_fp32(prefix_lens, query_lens, page_size, splits) -> None:
+    from longserve.kernels import gluon_extend
+    from longserve.kernels.attention_reference import extend_attention_ref
+
+    q, k_cache, v_cache, qsl, pre, seq, pt = _paged_case(prefix_lens, query_lens, page_size)
+    args = (qsl, pre, seq, pt, page_size, max(query_lens), q.shape[2] ** -0.5)
+    out = gluon_extend.extend_attention(q, k_cache, v_cache, *args, splits)
+    ref = extend_attention_ref(q.float(), k_cache, v_cache, *args)
+    assert out.shape == q.shape and out.dtype == torch.bfloat16
+    assert (out.float() - ref).abs().max().item() < 2e-2
+
+
+def test_the_backend_takes_the_extend_kernel_when_switched_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """gluon_calls.GLUON_EXTEND_CALLS on: a backend built then answers a 64-token chunk over a 32K prefix (the Triton
+    extend kernel's shape) with the Gluon kernel, equal to fp32 attention; a fp32 call stays Triton's."""
+    import longserve.attention.triton_backend as tb
+    from longserve.kernels import gluon_extend
+    from tests.gpu.test_attention_gpu import TOL, run_step
+
+    calls: list[int] = []
+    real = gluon_extend.extend_attention
+    monkeypatch.setattr(
+        gluon_extend, "extend_attention", lambda q, *a: calls.append(q.shape[0]) or real(q, *a)
+    )
+    monkeypatch.setattr(gluon_calls, "GLUON_EXTEND_CALLS", True)
+    assert tb.TritonAttentionBackend()._extend is gluon_calls.extend_attention
+    out, expected = run_step([32768], [64], 16, torch.bfloat16)
+    torch.testing.assert_close(out.float(), expected, atol=TOL, rtol=TOL)
+    assert calls == [64]
+    out, expected = run_step([300], [20], 16, torch.float16)  # not bf16: Triton's
+    torch.testing.assert_close(out.float(), expected, atol=TOL, rtol=TOL)
+    assert calls == [64]

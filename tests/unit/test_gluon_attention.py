@@ -98,3 +98,40 @@ def test_it_builds_for_sm90() -> None:
         assert b["wgmma_in_ptx"] > 0 and b["regs"] <= 168 and b["local"] == 0
         assert b["shared_meta"] <= 227 * 1024  # an H200 SM's shared memory
         assert b["loop_sass"] > 0 and b["loop_ops"]["HGMMA"] > 0  # the key-block loop found in the SASS
+
+
+def _probe(*args: str) -> list[dict]:
+    """The JSON lines of scripts/probes/gluon_extend_check.py run with `args`, the interpreter off."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = REPO
+    out = subprocess.run(
+        [sys.executable, os.path.join(REPO, "scripts/probes/gluon_extend_check.py"), *args],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert rows, out.stderr[-3000:]
+    return rows
+
+
+def test_the_extend_kernels_work_split_is_attention() -> None:
+    """The Gluon extend kernel's programs in torch (tiles of packed rows, key splits with empty ones, per-token masks,
+    the finite running max, the merge) against `extend_attention_ref`: one cold chunk, suffixes over scattered pages,
+    a partial last tile, pages of 32."""
+    rows = _probe("--emulate")
+    assert len(rows) == 4
+    assert all(r["max_err"] < 5e-3 for r in rows), rows  # P in bf16, as the kernel feeds it to P V
+
+
+def test_the_extend_kernel_builds_for_sm90() -> None:
+    """kernels/gluon_extend.py through this Triton's compiler: within the launch's registers and an H200's shared
+    memory, nothing spilled to local memory, its key-block loop's wgmma asynchronous (16 HGMMA a block, few waits)."""
+    from longserve.testing.kernel_compile import sm90_compiler_missing
+
+    ga = pytest.importorskip("longserve.kernels.gluon_attention")
+    if not ga.supported() or sm90_compiler_missing():
+        pytest.skip(f"this Triton does not build the kernel: {sm90_compiler_missing() or 'older than 3.6'}")
+    (build,) = _probe("--compile-only")
+    assert build["regs"] <= 168 and build["local"] == 0 and build["shared_meta"] <= 227 * 1024
+    assert build["loop_ops"]["HGMMA"] == 16 and build["wgmma_in_ptx"] > 0
+    # S and P V each waited for where written (a serialized build waits after every one of the 16 HGMMA)
+    assert build["loop_wgmma_waits"] <= 4, build

@@ -391,23 +391,24 @@ if [[ $MODE == gluon ]]; then  # one GPU (~2 min, .anchor/ carried for FA3's tim
   done
 fi
 
-if [[ $MODE == gluon-extend ]]; then  # one GPU (~6 min, nothing carried): the Gluon extend draft (scripts/probes/
+if [[ $MODE == gluon-extend ]]; then  # one GPU (~6 min, nothing carried): the Gluon extend kernel (kernels/
   # gluon_extend.py: a short chunk over a long paged prefix, the prefix hit's attention) against fp32 and timed beside
-  # the Triton extend kernel, at 1, 2 and 4 waves of programs (GLUON_EXTEND_WAVES: its split count)
+  # the Triton extend kernel, at 1, 2 and 4 waves of programs (GLUON_EXTEND_WAVES: its split count) and at Triton's
   for waves in ${GLUON_EXTEND_WAVES_LIST:-2 1 4}; do
     GLUON_EXTEND_WAVES=$waves OUT=$OUT PYTHONPATH=$PWD:/tmp/site timeout "${GLUON_TIMEOUT:-120}" python3 \
       scripts/probes/gluon_extend_check.py 2>&1 | tee "$OUT/gluon_extend_waves$waves.log" | grep -E '^\{|Error' | cut -c1-400
     [[ ${PIPESTATUS[0]} == 124 ]] && echo "gluon-extend at $waves waves: timed out (a hang?)"
     [[ -f $OUT/gluon_extend.json ]] && mv "$OUT/gluon_extend.json" "$OUT/gluon_extend_waves$waves.json"
   done
-  # end to end: the prefix hit with the engine's extend calls on Triton (as it is) and on the draft
-  # (scripts/probes/with_gluon_extend.py), one process each
+  # end to end: the prefix hit with the engine's extend calls on Triton (as it is) and on the Gluon kernel
+  # (gluon_calls.GLUON_EXTEND_CALLS), one process each
   hit=(longserve.bench.latency --config llama-3.1-8b --load-format dummy --dtype bfloat16 --warmup 1 --repeat 5
        --prompt-lens 32768 --prefix-hit 32768:64,32768:1024)
   for impl in triton gluon; do
-    if [[ $impl == triton ]]; then run=(python3 -m "${hit[@]}"); else run=(python3 scripts/probes/with_gluon_extend.py -- "${hit[@]}"); fi
+    if [[ $impl == triton ]]; then run=(python3 -m "${hit[@]}"); else
+      run=(python3 scripts/probes/with_constants.py longserve.attention.gluon_calls.GLUON_EXTEND_CALLS=True -- "${hit[@]}"); fi
     PYTHONPATH=$PWD:/tmp/site timeout 200 "${run[@]}" --output-json "$OUT/hit_extend_$impl.json" 2>&1 \
-      | tee "$OUT/hit_extend_$impl.log" | grep -E "^cold|^prefix|with_gluon_extend|Error" | sed "s/^/$impl /"
+      | tee "$OUT/hit_extend_$impl.log" | grep -E "^cold|^prefix|with_constants|Error" | sed "s/^/$impl /"
   done
 fi
 

@@ -1,9 +1,10 @@
-"""GPU probe, first draft of a paged extend kernel in Gluon: a short chunk of new tokens over a long cached prefix
-(issue 19's prefix hit, 64 new over 32K, and the 1024-new case), the shape where the Triton extend kernel runs at
-~180-240 TFLOP/s (RESULTS.md fifteenth session: Triton waits for every wgmma, and gathers K/V by pointer). Not
-wired into the engine: this measures whether the prefix kernel's structure (kernels/gluon_attention.py: TMA, a
-1-warp loader, two consumer warpgroups, asynchronous wgmma with the softmax beside P V) carries over to the paged
-cache and the packed rows.
+"""A paged extend kernel in Gluon: a short chunk of new tokens over a long cached prefix (issue 19's prefix hit, 64
+new over 32K, and the 1024-new case), the shape where the Triton extend kernel runs at ~180-240 TFLOP/s (RESULTS.md
+fifteenth session: Triton waits for every wgmma, and gathers K/V by pointer). The engine runs it in the Triton
+kernel's place when `attention.gluon_calls.GLUON_EXTEND_CALLS` is on: off until measured on the GPU (written in the
+twenty-third session, built for sm90 with Triton 3.6 and 3.9, its work split checked in torch). The prefix kernel's
+structure (gluon_attention.py: TMA, a 1-warp loader, two consumer warpgroups, asynchronous wgmma with the softmax
+beside P V) on the paged cache and the packed rows.
 
 `_extend_kernel`'s work, in its split form (kernels/extend_attention.py): a program owns 128 packed rows (token,
 q head of one kv head: the q heads that share a kv head share its K/V) of one request and one key range (split-K),
@@ -20,14 +21,14 @@ and writes fp32 partials and base-2 log-sum-exps that `merge_splits` merges. Her
 The descriptors span a layer's whole cache (fixed per layer), the lengths and page table are read on the device:
 a launch can be captured in a CUDA graph as the Triton kernel's is.
 
-    PYTHONPATH=$PWD python3 scripts/probes/gluon_extend_check.py                  # on an H200
+Its torch reference is `extend_attention_ref` (kernels/attention_reference.py), as for the Triton kernel.
+
+    PYTHONPATH=$PWD python3 scripts/probes/gluon_extend_check.py                  # on an H200, against Triton
     PYTHONPATH=/path/to/triton-3.6:$PWD python3 scripts/probes/gluon_extend_check.py --compile-only
     PYTHONPATH=$PWD python3 scripts/probes/gluon_extend_check.py --emulate        # the work split, in torch
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -48,9 +49,7 @@ from longserve.kernels.gluon_attention_steps import _kv_block, _kv_run, _softmax
 D = 128
 TILE_M, PART_M, BLOCK_N, STAGES, KEY_BOX = 128, 64, 128, 2, 16
 LOAD_REGS, COMPUTE_REGS = gl.constexpr(24), gl.constexpr(240)
-RUN = gl.constexpr(
-    int(os.environ.get("GLUON_RUN", "2"))
-)  # unmasked key blocks a body (_kv_run); 1: _kv_block
+RUN = gl.constexpr(2)  # unmasked key blocks a loop body (_kv_run), as the prefix kernel's default
 LOG2E = 1.4426950408889634
 # Triton 3.6 hands a worker partition its arguments as runtime values, constexprs included: the workers take the
 # tile shape from these (the launch asserts the same)
@@ -273,17 +272,27 @@ def extend_fwd_kernel(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, query_start_loc_ptr
     # fmt: on
 
 
-def choose_splits(query_lens: list[int], seq_lens: list[int], group: int, num_kv_heads: int,
-                  num_sms: int = 132) -> int:  # fmt: skip
-    """Key splits for about GLUON_EXTEND_WAVES waves of one-program-an-SM tiles (default 2; the Triton kernel aims
-    at 8 waves of its shorter-lived programs), at least 2 key blocks a split, at most 64 splits."""
-    waves = float(os.environ.get("GLUON_EXTEND_WAVES", "2"))
+def choose_splits(query_lens: list[int], seq_lens: list[int], group: int, num_kv_heads: int, num_sms: int = 132,
+                  waves: float = 2.0) -> int:  # fmt: skip
+    """Key splits for about `waves` waves of one-program-an-SM tiles (the Triton kernel aims at 8 waves of its
+    shorter-lived programs), at least 2 key blocks a split, at most 64 splits. The engine passes the Triton kernel's
+    count instead (fixed per CUDA graph): `gluon_extend_check.py` times both."""
     programs = num_kv_heads * sum(-(-q * group // TILE_M) for q in query_lens)
     if programs == 0:
         return 1
     by_waves = max(1, round(waves * num_sms / programs))
     by_length = max(1, max(seq_lens, default=1) // (2 * BLOCK_N))
     return min(by_waves, by_length, 64)
+
+
+def fits(q: torch.Tensor, k_cache: torch.Tensor, page_size: int) -> bool:
+    """Whether the kernel takes this call: bf16 q and cache, D = 128, page sizes of 16n, q's heads side by side."""
+    return (
+        q.dtype == k_cache.dtype == torch.bfloat16
+        and q.shape[2] == k_cache.shape[3] == D
+        and page_size % KEY_BOX == 0
+        and q.stride(2) == 1
+    )
 
 
 def extend_attention(q, k_cache, v_cache, query_start_loc, prefix_lens, seq_lens, page_table, page_size: int,
