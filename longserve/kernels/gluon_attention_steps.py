@@ -1,5 +1,5 @@
 """The per-key-block steps of the Gluon attention kernel (gluon_attention.py, where the kernel, its partitions and
-its launch are; scripts/probes/gluon_extend.py runs them too): one block's online softmax, the turns between a split
+its launch are; gluon_extend.py runs them too): one block's online softmax, the turns between a split
 tile's two warpgroups, and a key block's issue, softmax and waits (_kv_start, _kv_block; runs of blocks in one body:
 _kv_next, _kv_run), with what ptxas makes of each in the sm90 SASS."""
 
