@@ -431,7 +431,7 @@ fi
 
 if [[ $MODE == fa3-engine ]]; then  # one GPU (~6 min, .anchor/ carried): the engine's cold prompts with its library
   # attention calls all cuDNN's (the engine before the Gluon kernel took its prefix calls), as it is (the long prefix
-  # calls on the Gluon kernel's default variant, sdpa.GLUON_PREFIX_CALLS) and all FA3's, one process each
+  # calls on the Gluon kernel's default variant, gluon_calls.GLUON_PREFIX_CALLS) and all FA3's, one process each
   unpack_vllm || status=1
   lat=(longserve.bench.latency --config llama-3.1-8b --load-format dummy --dtype bfloat16 --warmup 1 --repeat 2
        --prompt-lens 8192,32768,131072)
