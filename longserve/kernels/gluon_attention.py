@@ -37,10 +37,10 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from longserve.kernels.gluon_attention_steps import _kv_block, _kv_run, _my_turn, _softmax_step, _their_turn
+from longserve.kernels.gluon_attention_steps import _key_blocks, _last_pv
 
 D = 128  # the head dim the kernel is built for
 BLOCK_M, NUM_WARPS = 128, 8
@@ -198,58 +198,16 @@ def _compute_partition(q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready
         acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
 
         mbarrier.wait(q_ready, i & 1)
-        # block 0: S_0 and its softmax (nothing in flight: the mask's branch is free here)
-        s0 = g0 % STAGES
-        mbarrier.wait(k_ready.index(s0), (g0 // STAGES) & 1)
-        # use_acc=False ignores the accumulator's values: zeros made at each issue, not a tensor kept across loops
-        zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-        _my_turn(turn, slot0, PART, PINGPONG)
-        qk = warpgroup_mma(q_tile, k_bufs.index(s0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        _their_turn(turn, PART, PINGPONG)
-        qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
-        mbarrier.arrive(k_free.index(s0), count=1)  # K_0 read
-        first_masked = (
-            mask_from // BLOCK_N
-        )  # block j crosses the diagonal or the keys' end iff j >= first_masked
-        if first_masked == 0:
-            p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, 0, rows, num_keys, shift, qk_scale, causal, True,
-                                               BLOCK_N, s_layout)  # fmt: skip
-        else:
-            p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, 0, rows, num_keys, shift, qk_scale, causal, False,
-                                               BLOCK_N, s_layout)  # fmt: skip
-        # the blocks with no mask, then those with one, each its own loop: no block asks whether it needs the mask,
-        # and no branch sits in the window where P V is in flight (ptxas places that wait early either way: _kv_block)
-        n_free = gl.maximum(gl.minimum(first_masked, n_blocks), 1)  # blocks [1, n_free) have no mask
-        runs_end = 1
-        if RUN > 1:
-            runs_end = 1 + (n_free - 1) // RUN * RUN
-            for j in range(1, runs_end, RUN):
-                p, m_i, l_i, alpha, acc = _kv_run(j, g0, slot0, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_free,
-                                                  v_free, turn, p, m_i, l_i, alpha, acc, rows, num_keys, shift,
-                                                  qk_scale, causal, RUN, BLOCK_M, BLOCK_N, STAGES, PART, PINGPONG,
-                                                  s_layout, o_layout, p_layout)  # fmt: skip
-        for j in range(runs_end, n_free):
-            p, m_i, l_i, alpha, acc = _kv_block(j, g0, slot0, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_free,
-                                                v_free, turn, p, m_i, l_i, alpha, acc, rows, num_keys, shift, qk_scale,
-                                                causal, False, BLOCK_M, BLOCK_N, STAGES, PART, PINGPONG, s_layout,
-                                                o_layout, p_layout)  # fmt: skip
-        for j in range(gl.maximum(first_masked, 1), n_blocks):
-            p, m_i, l_i, alpha, acc = _kv_block(j, g0, slot0, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_free,
-                                                v_free, turn, p, m_i, l_i, alpha, acc, rows, num_keys, shift, qk_scale,
-                                                causal, True, BLOCK_M, BLOCK_N, STAGES, PART, PINGPONG, s_layout,
-                                                o_layout, p_layout)  # fmt: skip
+        # block j crosses the diagonal or the keys' end iff j >= first_masked
+        p, alpha, acc, m_i, l_i = _key_blocks(q_tile, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, turn, g0,
+                                              slot0, n_blocks, mask_from // BLOCK_N, m_i, l_i, acc, rows, num_keys,
+                                              shift, qk_scale, causal, RUN, BLOCK_M, BLOCK_N, STAGES, PART, PINGPONG,
+                                              s_layout, o_layout, p_layout)  # fmt: skip
         mbarrier.arrive(
             q_free, count=1
         )  # every S of the tile waited for: the loader may bring the next tile's Q
-        last = (g0 + n_blocks - 1) % STAGES
-        mbarrier.wait(v_ready.index(last), ((g0 + n_blocks - 1) // STAGES) & 1)
-        p_op = gl.convert_layout(p, p_layout)
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        _my_turn(turn, slot0 + n_blocks, PART, PINGPONG)
-        acc = warpgroup_mma(p_op, v_bufs.index(last), acc, is_async=True)
-        _their_turn(turn, PART, PINGPONG)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(v_free.index(last), count=1)
+        acc = _last_pv(p, alpha, acc, v_bufs, v_ready, v_free, turn, g0, slot0, n_blocks, STAGES, PART, PINGPONG,
+                       o_layout, p_layout)  # fmt: skip
 
         l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
         out = (acc / l_o[:, None]).to(gl.bfloat16)

@@ -37,14 +37,12 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
-    warpgroup_mma,
-    warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from longserve.kernels.extend_attention import merge_splits
 from longserve.kernels.gluon_attention import _tma_load
-from longserve.kernels.gluon_attention_steps import _kv_block, _kv_run, _softmax_step
+from longserve.kernels.gluon_attention_steps import _key_blocks, _last_pv
 
 D = 128
 TILE_M, PART_M, BLOCK_N, STAGES, KEY_BOX = 128, 64, 128, 2, 16
@@ -139,43 +137,12 @@ def _extend_consumer(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, page_table_ptr, q_sm
     if n_blocks > 0:
         # blocks from first_masked on cross this part's first token's diagonal or the request's end
         first_masked = gl.maximum(gl.minimum(num_keys, shift + r0 // group + 1), 0) // BLOCK_N
-        mbarrier.wait(k_ready.index(0), 0)
-        zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-        qk = warpgroup_mma(q_tile, k_bufs.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
-        mbarrier.arrive(k_free.index(0), count=1)
-        if first_masked == 0:
-            p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, 0, rows, num_keys, shift, qk_scale, True, True, BLOCK_N,
-                                               s_layout)  # fmt: skip
-        else:
-            p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, 0, rows, num_keys, shift, qk_scale, True, False,
-                                               BLOCK_N, s_layout)  # fmt: skip
-        n_free = gl.maximum(gl.minimum(first_masked, n_blocks), 1)  # blocks [1, n_free) have no mask
-        runs_end = 1
-        if RUN > 1:
-            runs_end = 1 + (n_free - 1) // RUN * RUN
-            for j in range(1, runs_end, RUN):
-                p, m_i, l_i, alpha, acc = _kv_run(j, 0, 0, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free,
-                                                  turn, p, m_i, l_i, alpha, acc, rows, num_keys, shift, qk_scale,
-                                                  True, RUN, BLOCK_M, BLOCK_N, STAGES, PART, False, s_layout,
-                                                  o_layout, p_layout)  # fmt: skip
-        for j in range(runs_end, n_free):
-            p, m_i, l_i, alpha, acc = _kv_block(j, 0, 0, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free,
-                                                turn, p, m_i, l_i, alpha, acc, rows, num_keys, shift, qk_scale, True,
-                                                False, BLOCK_M, BLOCK_N, STAGES, PART, False, s_layout, o_layout,
-                                                p_layout)  # fmt: skip
-        for j in range(gl.maximum(first_masked, 1), n_blocks):
-            p, m_i, l_i, alpha, acc = _kv_block(j, 0, 0, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free,
-                                                turn, p, m_i, l_i, alpha, acc, rows, num_keys, shift, qk_scale, True,
-                                                True, BLOCK_M, BLOCK_N, STAGES, PART, False, s_layout, o_layout,
-                                                p_layout)  # fmt: skip
-        last = (n_blocks - 1) % STAGES
-        mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // STAGES) & 1)
-        p_op = gl.convert_layout(p, p_layout)
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        acc = warpgroup_mma(p_op, v_bufs.index(last), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(v_free.index(last), count=1)
+        p, alpha, acc, m_i, l_i = _key_blocks(q_tile, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, turn, 0, 0,
+                                              n_blocks, first_masked, m_i, l_i, acc, rows, num_keys, shift, qk_scale,
+                                              True, RUN, BLOCK_M, BLOCK_N, STAGES, PART, False, s_layout, o_layout,
+                                              p_layout)  # fmt: skip
+        acc = _last_pv(p, alpha, acc, v_bufs, v_ready, v_free, turn, 0, 0, n_blocks, STAGES, PART, False, o_layout,
+                       p_layout)  # fmt: skip
 
     # the partial, normalised, and its base-2 log-sum-exp (-inf: no key this split; the merge weighs it 0)
     has_keys = l_i > 0.0
