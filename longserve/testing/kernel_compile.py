@@ -246,6 +246,28 @@ def opcode_counts(lines: list[str]) -> dict[str, int]:
     return dict(ops.most_common())
 
 
+def gluon_sm90_report(fn: Any, signature: dict, constexprs: dict, **options: Any) -> dict[str, Any]:
+    """A Gluon kernel built for sm90 here (the nvidia backend and ptxas, no GPU): the cubin's registers, stack and
+    spills (`resource_usage`: each partition's warps at the cubin's maximum), its shared memory, the wgmma in the
+    PTX, and the shortest loop holding HGMMA (a consumer's key-block loop): its length, its wgmma waits (a
+    serialized build waits after every HGMMA) and its 12 most frequent opcodes. `signature` maps the arguments to
+    Triton types, the constexprs included ("constexpr")."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental import gluon
+
+    src = gluon._runtime.GluonASTSource(fn, signature=signature, constexprs=constexprs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    loop = innermost_loop(cubin_tool(k.asm["cubin"], "nvdisasm", "-c"), "HGMMA")
+    return {
+        **resource_usage(k.asm["cubin"]), "shared_meta": k.metadata.shared,
+        "wgmma_in_ptx": k.asm["ptx"].count("wgmma.mma_async"), "loop_sass": len(loop),
+        "loop_wgmma_waits": sum("WARPGROUP.DEPBAR" in line for line in loop),
+        "loop_ops": dict(list(opcode_counts(loop).items())[:12]),
+        "setmaxnreg": [x.strip() for x in k.asm["ptx"].splitlines() if "setmaxnreg" in x],
+    }  # fmt: skip
+
+
 def compiled_report(compiled: Any, variant: dict, **extra: Any) -> dict[str, Any]:
     """One JSON line of a scripts/dev/compile_*.py probe: the variant, the stages reached, `extra` facts
     read from the PTX, and the cubin's registers and spills (when cuobjdump runs here)."""

@@ -13,8 +13,6 @@ import os
 import sys
 
 import torch
-import triton
-from triton.experimental import gluon
 
 from longserve.kernels import gluon_attention as ga
 from longserve.kernels.gluon_attention_reference import emulate, reference
@@ -41,11 +39,10 @@ ga.use_variant(variant_from_env())
 
 
 def compile_only() -> None:
-    """Build the kernel for sm90 here (no GPU): registers, spills, shared memory."""
-    from triton.backends.compiler import GPUTarget
+    """Build the kernel for sm90 here (no GPU): registers, spills, shared memory, the key-block loop's SASS."""
     from triton.runtime.jit import mangle_type
 
-    from longserve.testing.kernel_compile import cubin_tool, innermost_loop, opcode_counts, resource_usage
+    from longserve.testing.kernel_compile import gluon_sm90_report
 
     q = torch.zeros(1024, HQ + 2 * HKV, D, dtype=torch.bfloat16)
     q_desc, k_desc, v_desc = ga.descriptors(q[:, :HQ], q[:, HQ : HQ + HKV], q[:, HQ + HKV :])
@@ -60,20 +57,10 @@ def compile_only() -> None:
                       "STAGES": ga.STAGES, "SPLIT": ga.SPLIT, "PART_M": ga.BLOCK_M // 2 if ga.SPLIT else ga.BLOCK_M,
                       "PINGPONG": ga.PINGPONG, "num_warps": warps}  # fmt: skip
         signature.update({n: "constexpr" for n in constexprs})
-        src = gluon._runtime.GluonASTSource(
-            ga.attention_fwd_kernel, signature=signature, constexprs=constexprs
+        report = gluon_sm90_report(
+            ga.attention_fwd_kernel, signature, constexprs, num_warps=warps, maxnreg=168
         )
-        k = triton.compile(
-            src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "maxnreg": 168}
-        )
-        usage = resource_usage(k.asm["cubin"])  # per partition warps the cubin's maximum; LOCAL: spills
-        loop = innermost_loop(
-            cubin_tool(k.asm["cubin"], "nvdisasm", "-c"), "HGMMA"
-        )  # a consumer's key-block loop
-        print(json.dumps({"causal": causal, **usage, "shared_meta": k.metadata.shared,
-                          "wgmma_in_ptx": k.asm["ptx"].count("wgmma.mma_async"), "loop_sass": len(loop),
-                          "loop_ops": dict(list(opcode_counts(loop).items())[:12]),
-                          "setmaxnreg": [x.strip() for x in k.asm["ptx"].splitlines() if "setmaxnreg" in x]}))  # fmt: skip
+        print(json.dumps({"causal": causal, **report}))
 
 
 def time_ms(fn) -> float:

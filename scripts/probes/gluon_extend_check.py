@@ -168,13 +168,10 @@ def gpu_check() -> None:
 
 def compile_only() -> None:
     """Build the kernel for sm90 here (no GPU): registers, spills, shared memory, the key-block loop's SASS."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental import gluon
     from triton.runtime.jit import mangle_type
 
     from longserve.kernels import gluon_extend as ge
-    from longserve.testing.kernel_compile import cubin_tool, innermost_loop, opcode_counts, resource_usage
+    from longserve.testing.kernel_compile import gluon_sm90_report
 
     cache = torch.zeros(64 * 16, HKV * D, dtype=torch.bfloat16)
     layout = ge.gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], ge.gl.bfloat16)
@@ -187,13 +184,9 @@ def compile_only() -> None:
     constexprs = {"GROUP": HQ // HKV, "TILE_M": TILE_M, "PART_M": PART_M, "BLOCK_N": BLOCK_N, "HEAD_DIM": D,
                   "STAGES": ge.STAGES, "num_warps": 4}  # fmt: skip
     signature.update({n: "constexpr" for n in constexprs})
-    src = gluon._runtime.GluonASTSource(ge.extend_fwd_kernel, signature=signature, constexprs=constexprs)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": 168})
-    loop = innermost_loop(cubin_tool(k.asm["cubin"], "nvdisasm", "-c"), "HGMMA")
-    print(json.dumps({**resource_usage(k.asm["cubin"]), "shared_meta": k.metadata.shared,
-                      "wgmma_in_ptx": k.asm["ptx"].count("wgmma.mma_async"), "loop_sass": len(loop),
-                      "loop_wgmma_waits": sum("WARPGROUP.DEPBAR" in line for line in loop),
-                      "loop_ops": dict(list(opcode_counts(loop).items())[:12])}))  # fmt: skip
+    print(
+        json.dumps(gluon_sm90_report(ge.extend_fwd_kernel, signature, constexprs, num_warps=4, maxnreg=168))
+    )
 
 
 if __name__ == "__main__":
