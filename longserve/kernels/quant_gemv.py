@@ -93,6 +93,10 @@ GEMV_MAX_BLOCK_M = 64  # the largest M the kernel takes (tl.dot path); beyond it
 # launch, 18.24 ms serial (FP8 12.38 / 12.40; batch 1 4.35 -> 4.13 and 4.36 -> 4.25 in the same call, RESULTS.md
 # nineteenth session), so serial only up to SERIAL_REDUCE_MAX_ROWS rows (8: between the two measured points).
 SPLIT_K_SERIAL_REDUCE = True
+# 1 to 8 rows of 4-bit weights on the tensor cores (kernels/int4_mma_gemv.py: Gluon, mma.sync; sm90 SASS 1.45
+# instructions a weight against int4_gemv.py's 3.76 at one row): off until the H200 measures it
+# (`gpu_check.sh int4-mma`); imported only when on (Gluon).
+INT4_MMA_GEMV = False
 SERIAL_REDUCE_MAX_ROWS = 8
 SERIAL_LOCKS = 1 << 16  # counters per device (column tiles of one GEMV); a GEMV with more reduces apart
 _SERIAL_LOCKS: dict[torch.device, torch.Tensor] = {}
@@ -421,6 +425,16 @@ def wna16_gemv(
     )
     x = x if x.stride(1) == 1 else x.contiguous()
     qweight = qweight if qweight.stride(1) == 1 else qweight.contiguous()
+    if INT4_MMA_GEMV and x.is_cuda:
+        from longserve.kernels import int4_mma_gemv as mma
+
+        if mma.supported() and mma.fits(x, qweight, g_idx, bits, group_size):
+            num_steps, n_tiles = k // mma.K_STEP, triton.cdiv(n, mma.block_n())
+            sk = split_k_outputs(num_steps, splits_for(x.device, n_tiles, num_steps), m, n, n_tiles, x.dtype,
+                                 x.device)  # fmt: skip
+            mma.launch(x, qweight, scales, zeros, bias, group_size, sk.tiles_per_split, sk.splits, *sk.pointers(),
+                       sk.stride_os, sk.serial, sk.bias_in_kernel(bias))  # fmt: skip
+            return sk.result(bias, x.dtype)
     cfg = dict(
         wna16_gemv_config(m, n, k, group, bits, g_idx is not None, x.dtype, x.device), **(config or {})
     )

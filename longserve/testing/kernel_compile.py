@@ -154,7 +154,7 @@ def load_records(path: str, cover: bool = True, package: str = "") -> list[dict[
 
 
 def compile_sm90(fn: Any, signature: dict, constexprs: dict, attrs: dict | None = None, **options: Any):
-    """TTIR -> TTGIR -> LLVM -> PTX -> cubin of `fn` (a @triton.jit function, or a wrapper holding one in
+    """TTIR -> TTGIR -> LLVM -> PTX -> cubin of `fn` (a @triton.jit or @gluon.jit function, or a wrapper holding one in
     `.fn`) for sm90; `signature` maps every argument name to a Triton type ("*i32", "i32", "constexpr"),
     `attrs` maps argument names to specializations (e.g. [["tt.divisibility", 16]])."""
     import triton
@@ -164,7 +164,12 @@ def compile_sm90(fn: Any, signature: dict, constexprs: dict, attrs: dict | None 
         fn = fn.fn
     names = fn.arg_names
     spec = {(names.index(a),): v for a, v in (attrs or {}).items()}
-    src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=spec)
+    source = triton.compiler.ASTSource
+    if type(fn).__name__ == "GluonJITFunction":  # a @gluon.jit kernel
+        from triton.experimental import gluon
+
+        source = gluon._runtime.GluonASTSource
+    src = source(fn=fn, signature=signature, constexprs=constexprs, attrs=spec)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 

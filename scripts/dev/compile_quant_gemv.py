@@ -55,6 +55,9 @@ VARIANTS = [
     {"group_quant": True},  # quant_fp8.per_token_group_quant's kernel: 8 groups of 128 a program
     {"group_quant": True, "int8": True, "block": 4096, "gpp": 1},  # per token, int8
     {"group_quant": True, "pdl": True},
+    {"mma": True},  # kernels/int4_mma_gemv.py (Gluon): 1-8 rows on the tensor cores, split-K, g128 symmetric
+    {"mma": True, "zp": True, "serial": True, "bias": True, "pdl": True, "even_n": False, "group_shift": -1},
+    {"mma": True, "split": 1, "bias": True, "reps": 2, "group_shift": 1},
     {"dense": True},  # kernels/dense_gemm.py: 16-bit, 64 rows, the 8B gate_up's tiles (one split)
     {"dense": True, "split": 4, "serial": True, "bias": True, "pdl": True},
 ]
@@ -126,6 +129,23 @@ def compile_int4_gemv(int4=True, x="bf16", zp=False, bias=False, bn=64, bk=128, 
     div16 = [*ptrs, "N", "stride_wn", "stride_os", "stride_xm", "stride_om", "stride_we", "stride_se"]
     attrs = {a: [["tt.divisibility", 16]] for a in div16}
     return compile_sm90(fn, sig, consts, attrs, num_warps=num_warps, num_stages=num_stages)
+
+
+def compile_int4_mma(mma=True, zp=False, bias=False, split=4, serial=False, even_n=True, group_shift=0, reps=None,
+                     pdl=False, num_warps=4):  # fmt: skip
+    """kernels/int4_mma_gemv.py's tensor-core int4 GEMV (Gluon) for sm90, specialized as at run time."""
+    from longserve.kernels import int4_mma_gemv as mma_mod
+
+    fn = mma_mod.int4_mma_gemv_kernel
+    ptrs = {"x_ptr": "*i32", "w_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8" if zp else "*fp16",
+            "b_ptr": "*bf16" if bias else "*fp16", "out_ptr": "*fp32" if split > 1 else "*bf16", "res_ptr": "*bf16",
+            "lock_ptr": "*i32"}  # fmt: skip
+    consts = dict(HAS_ZP=zp, HAS_BIAS=bias and (split == 1 or serial), PARTIAL=split > 1, SERIAL=serial,
+                  EVEN_N=even_n, GROUP_SHIFT=group_shift, REPS=reps or mma_mod.REPS, USE_PDL=pdl)  # fmt: skip
+    sig = {a: ptrs.get(a, "constexpr" if a in consts else "i32") for a in fn.arg_names}
+    div16 = [*ptrs, "N", "stride_xm", "stride_wn", "stride_sn", "stride_zn", "stride_os", "stride_om"]
+    attrs = {a: [["tt.divisibility", 16]] for a in div16}
+    return compile_sm90(fn, sig, consts, attrs, num_warps=num_warps)
 
 
 def compile_moe_grouped(moe_grouped=True, x="bf16", zp=False, bm=16, bn=64, x_row_div=8, num_warps=4,
@@ -206,6 +226,8 @@ def report(variant: dict) -> dict:
         c = compile_moe_grouped(**variant)
     elif variant.get("int4"):
         c = compile_int4_gemv(**variant)
+    elif variant.get("mma"):
+        c = compile_int4_mma(**variant)
     elif variant.get("fp8"):
         c = compile_fp8_gemv(**variant)
     else:
@@ -217,8 +239,17 @@ def report(variant: dict) -> dict:
     # serial: the per-tile counter's atomic (acquire-release at GPU scope) is in the PTX (only then)
     serial = "atom.global.gpu.acq_rel.add" in ptx
     return compiled_report(c, variant, ld_v4="ld.global.v4.b32" in ptx or "cp.async.cg" in ptx, pdl=pdl,
-                           serial=serial)  # fmt: skip
+                           serial=serial, mma_sync=ptx.count("mma.sync"))  # fmt: skip
+
+
+def _gluon_builds() -> bool:
+    """Whether this Triton builds the Gluon kernel (int4_mma_gemv.supported: 3.6-3.9)."""
+    try:
+        from longserve.kernels import int4_mma_gemv
+    except ImportError:
+        return False
+    return int4_mma_gemv.supported()
 
 
 if __name__ == "__main__":
-    report_variants(report, VARIANTS)
+    report_variants(report, [v for v in VARIANTS if not v.get("mma") or _gluon_builds()])

@@ -341,6 +341,14 @@ def test_gemv_compiles_for_sm90() -> None:
     assert len(fp8) >= 5 and all(r["ld_v4"] for r in fp8), fp8
     int4 = [r for r in reports if r["variant"].get("int4")]  # kernels/int4_gemv.py: words as 16-byte vectors
     assert len(int4) >= 2 and all(r["ld_v4"] for r in int4), int4
+    # kernels/int4_mma_gemv.py (Gluon, where this Triton builds it; its layout assertion ran): words and x as
+    # 16-byte vectors, 8 mma.sync a 16-column tile and 8 for the sums of x, nothing spilled
+    mma = [r for r in reports if r["variant"].get("mma")]
+    from longserve.kernels import int4_mma_gemv
+
+    if int4_mma_gemv.supported():
+        assert len(mma) == 3 and all(r["ld_v4"] and r["regs"] <= 168 for r in mma), mma
+        assert [r["mma_sync"] for r in mma] == [8 * (r["variant"].get("reps", 4) + 1) for r in mma]
     # programmatic dependent launch (kernels/launch.py PDL): griddepcontrol in the PTX exactly where asked
     assert sum(bool(r["variant"].get("pdl")) for r in reports) >= 5
     assert all(r["pdl"] is bool(r["variant"].get("pdl")) for r in reports)

@@ -1,0 +1,304 @@
+"""The int4 decode GEMV on the tensor cores (Gluon, mma.sync): y = x @ dequantize(w)^T for 1 to 8 rows of bf16
+activations and 4-bit weights in the layout of `quant_reference` (GPTQ / AWQ after loading: uint8 [N, K / 2], scales
+[N, G], optional uint8 zero points), groups of a multiple of 128 or one group. Same contract as
+`quant_reference.wna16_gemm_ref`; `quant_gemv.wna16_gemv` routes here when `INT4_MMA_GEMV` is on and `fits`.
+
+Why: the one-row kernel on the CUDA cores (int4_gemv.py) spends 3.76 sm90 instructions a weight (an FMA each, the
+unpacking, the sums), about what an H200's SMs can issue while HBM delivers half a byte, and its 8B decode at batch
+1 sits at 1.91x its floor (RESULTS.md, seventeenth session: 4.14 ms against 2.17; issue 18 asks 0.6x bf16, ~3.4
+ms). Products on the tensor cores take the FMAs off the SMs' issue, as Marlin does; Triton's tl.dot could not take
+registers in the operand layout without a trip through shared memory (the eighth session's tl.dot GEMV lost for
+that). Gluon fixes every tensor's layout, so each lane holds exactly the words its mma fragments need, and the
+mma is one `mma.sync.m16n8k16` in inline PTX per 16 x 16 block.
+
+The mapping (PTX ISA, mma.m16n8k16 .bf16: lane = 4 g + t; A rows g, g + 8, B column g, C rows g, g + 8 and
+columns 2t, 2t + 1):
+- A = 16 weight rows (output columns) x 16 k, B = 16 k x 8 activation rows (tokens; rows >= M are zero), so C
+  holds 16 output columns x 8 tokens. A warp's tile is 16 consecutive output columns: lane (g, t) reads the words
+  4t .. 4t + 3 of a 128-k step (one 16-byte load) of columns g (A's row g) and g + 8 (row g + 8).
+- `((word >> 4i) & 0x000F000F) | 0x43004300` is one bf16 pair, 128 + q[8j + i] (low) and 128 + q[8j + i + 4]
+  (high), exact. The k order inside an mma is free as long as A and B agree: A's register pair (k 2t, 2t + 1)
+  is the pair i = 2s of word j, (k 2t + 8, 2t + 9) the pair 2s + 1, over s = 0, 1 (two mmas a word). B's must
+  then be (x[8j + i], x[8j + i + 4]): one `prmt` each from x's natural pairs, once a step for every column.
+- 128 + q instead of q - z keeps the unpacking at one LOP3 (and a shift) per pair: sum (q - z) x = sum (128 + q) x
+  - (128 + z) sum x, where sum x over the step comes from one more mma chain with A = 1.0 (per token, shared by
+  every column). The scale multiplies the step's sums: a step lies in one group.
+- C's fp32 sums, scaled and summed over the steps, are a lane's 4 registers: columns g and g + 8 of the tile, tokens
+  2t and 2t + 1. The inline asm runs on 4 consecutive elements of a thread (pack 4): the 4 words u of a load, and
+  for C its 4 registers; the tensors are [REPS, 8 * warps, 4, 4] in one BlockedLayout whose lanes are (g, t).
+
+Rounding: products of exact bf16 values (128 + q, x) accumulated in fp32 by the tensor cores, the 128 * sum(x)
+terms cancelled in fp32 (as int4_gemv.py's kernel: ~5 bits of fp32's 24), then scaled; not bit-equal to the
+reference, which rounds each weight to bf16 first. Split-K as the other decode GEMVs (quant_gemv.SplitKOutputs): fp32
+partials [splits, M, N], summed by the last program of each column tile (quant_tiles.store_gemv_out's scheme) or
+by quant_gemv.splitk_reduce.
+
+Built for sm90 on the CPU machine with Triton 3.6 and 3.9 (`scripts/dev/count_gemv_sass.py '{"mma": true}'`:
+registers, instructions a weight of the step loop, no shared memory). Not yet run on a GPU: its test is
+tests/gpu/test_int4_mma_gemv_gpu.py and `gpu_check.sh int4-mma` times it against int4_gemv.py's. Its PTX and
+epilogue run warp by warp on the CPU in int4_mma_reference.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+__all__ = ["K_STEP", "MAX_ROWS", "block_n", "fits", "launch", "supported"]
+
+K_STEP = 128  # k values of a step: 16 words of a column, 4 lanes x 4 words
+MAX_ROWS = 8  # activation rows: B's 8 columns
+WARPS = 4
+REPS = 4  # 16-column tiles a warp holds: a program's columns are 16 x WARPS x REPS
+
+_PAIR_MASK, _BF16_128, _AND_OR = "0x000F000F", "0x43004300", "0xEA"  # lop3 LUT 0xEA: (a & b) | c
+_MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
+
+
+def _pair(reg: str, word: int, i: int) -> str:
+    """PTX: bf16 pair i of word operand $word into `reg`: 128 + q[8j + i] (low), 128 + q[8j + i + 4] (high)."""
+    if i == 0:
+        return f"lop3.b32 {reg}, ${word}, {_PAIR_MASK}, {_BF16_128}, {_AND_OR};"
+    return f"shr.u32 w, ${word}, {4 * i}; lop3.b32 {reg}, w, {_PAIR_MASK}, {_BF16_128}, {_AND_OR};"
+
+
+def _steps_asm() -> str:
+    """One 128-k step of a 16-column tile for a lane, pack 4: out $0-$3 (C: columns g, g + 8 x tokens 2t, 2t + 1),
+    in: C $4-$7, words of column g $8-$11 and of column g + 8 $12-$15 (u = 0..3), then B's pairs X_0..X_3 of each
+    word, X_i[u] = $(16 + 4 i + u). Eight mmas chained in C."""
+    lines = ["{", ".reg .b32 a0, a1, a2, a3, w;"]
+    for u in range(4):
+        for s in range(2):
+            for reg, (word, i) in enumerate(((8, 2 * s), (12, 2 * s), (8, 2 * s + 1), (12, 2 * s + 1))):
+                lines.append(_pair(f"a{reg}", word + u, i))
+            c_in = "$4, $5, $6, $7" if u == s == 0 else "$0, $1, $2, $3"
+            b = f"${16 + 8 * s + u}, ${16 + 8 * s + 4 + u}"  # X_{2s}[u], X_{2s+1}[u]
+            lines.append(f"{_MMA} {{$0, $1, $2, $3}}, {{a0, a1, a2, a3}}, {{{b}}}, {{{c_in}}};")
+    return "\n".join([*lines, "}"])
+
+
+def _sums_asm() -> str:
+    """sum x over a step per token (A = 1.0), pack 4: out $0-$3, in C $4-$7, X_0..X_3 as in _steps_asm from $8."""
+    lines = ["{", ".reg .b32 one;", "mov.b32 one, 0x3F803F80;"]
+    for u in range(4):
+        for s in range(2):
+            c_in = "$4, $5, $6, $7" if u == s == 0 else "$0, $1, $2, $3"
+            b = f"${8 + 8 * s + u}, ${8 + 8 * s + 4 + u}"
+            lines.append(f"{_MMA} {{$0, $1, $2, $3}}, {{one, one, one, one}}, {{{b}}}, {{{c_in}}};")
+    return "\n".join([*lines, "}"])
+
+
+_STEP_ASM = gl.constexpr(_steps_asm())
+_STEP_CONSTRAINTS = gl.constexpr(",".join(["=&f"] * 4 + ["f"] * 4 + ["r"] * 24))
+_SUMS_ASM = gl.constexpr(_sums_asm())
+_SUMS_CONSTRAINTS = gl.constexpr(",".join(["=&f"] * 4 + ["f"] * 4 + ["r"] * 16))
+_PRMT_LO = gl.constexpr("prmt.b32 $0, $1, $2, 0x5410;")  # (a.lo, b.lo)
+_PRMT_HI = gl.constexpr("prmt.b32 $0, $1, $2, 0x7632;")  # (a.hi, b.hi)
+_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # the CTA's barrier: renamed in Triton 3.9
+
+
+def supported() -> bool:
+    """Whether this Triton's Gluon is one the kernel is known to build with (3.6, the H200's, to 3.9)."""
+    return (3, 6) <= tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 10)
+
+
+@triton.constexpr_function
+def _lane_layout(reps, warps):
+    """The layout the asm is written for, as registers, lanes and warps: a thread's registers u (the pack of 4) then
+    r, lane = 4 g + t, warp w holding rows 8w .. 8w + 7 (the kernel asserts its BlockedLayout is this)."""
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 0, 1], [0, 0, 0, 2]] + [[1 << i, 0, 0, 0] for i in range(reps.bit_length() - 1)],
+        lane_bases=[[0, 0, 1, 0], [0, 0, 2, 0], [0, 1, 0, 0], [0, 2, 0, 0], [0, 4, 0, 0]],
+        warp_bases=[[0, 8 << i, 0, 0] for i in range(warps.bit_length() - 1)],
+        block_bases=[],
+        shape=[reps, 8 * warps, 4, 4],
+    )
+
+
+@gluon.jit
+def _gdc_wait(USE_PDL: gl.constexpr):
+    """Programmatic dependent launch (launch.pdl_prologue's two steps): wait for the kernel before, then let the
+    next one be scheduled."""
+    if USE_PDL:
+        gl.inline_asm_elementwise(
+            "griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
+        )
+        gl.inline_asm_elementwise(
+            "griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
+        )
+
+
+@gluon.jit
+def _axis(SIZE: gl.constexpr, AXIS: gl.constexpr, L: gl.constexpr):
+    """arange(SIZE) along AXIS of the 4D layout L, with size-1 axes elsewhere."""
+    if AXIS == 0:
+        i = gl.arange(0, SIZE, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, L))))
+        return gl.expand_dims(gl.expand_dims(gl.expand_dims(i, 1), 2), 3)
+    elif AXIS == 1:
+        i = gl.arange(0, SIZE, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, L))))
+        return gl.expand_dims(gl.expand_dims(gl.expand_dims(i, 0), 2), 3)
+    elif AXIS == 2:
+        i = gl.arange(0, SIZE, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, L))))
+        return gl.expand_dims(gl.expand_dims(gl.expand_dims(i, 0), 1), 3)
+    else:
+        i = gl.arange(0, SIZE, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, L))))
+        return gl.expand_dims(gl.expand_dims(gl.expand_dims(i, 0), 1), 2)
+
+
+@gluon.jit
+def int4_mma_gemv_kernel(
+    x_ptr,  # [M, K] bf16 viewed as int32 [M, K / 2] (natural pairs)
+    w_ptr,  # [N, K / 8] int32: the packed uint8 [N, K / 2] as words
+    s_ptr,  # [N, G]
+    z_ptr,  # [N, G] uint8 (HAS_ZP)
+    b_ptr,  # [N] (HAS_BIAS)
+    out_ptr,  # [M, N] bf16, or (PARTIAL) [splits, M, N] float32
+    res_ptr,  # SERIAL: [M, N] bf16, the partials' sum
+    lock_ptr,  # SERIAL: int32 counters, one per column tile, zero
+    M, N, steps_per_split, num_steps, stride_xm, stride_wn, stride_sn, stride_zn, stride_os, stride_om,
+    HAS_ZP: gl.constexpr, HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr, SERIAL: gl.constexpr, EVEN_N: gl.constexpr,
+    GROUP_SHIFT: gl.constexpr, REPS: gl.constexpr, USE_PDL: gl.constexpr,
+):  # fmt: skip
+    W: gl.constexpr = gl.num_warps()
+    # [tile r, lane row (warp w, g), lane t, element u]: lanes (g, t) as mma's groupID / threadID_in_group
+    L: gl.constexpr = gl.BlockedLayout([REPS, 1, 1, 4], [1, 8, 4, 1], [1, W, 1, 1], [3, 2, 1, 0])
+    LX: gl.constexpr = gl.BlockedLayout([1, 1, 1, 16], [1, 8, 4, 1], [1, W, 1, 1], [3, 2, 1, 0])
+    LS: gl.constexpr = gl.BlockedLayout([REPS, 1, 1, 2], [1, 8, 4, 1], [1, W, 1, 1], [3, 2, 1, 0])
+    gl.static_assert(gl.to_linear_layout(L, [REPS, 8 * W, 4, 4]) == _lane_layout(REPS, W), "lanes as mma's")
+    BLOCK_N: gl.constexpr = 16 * W * REPS
+    _gdc_wait(USE_PDL)
+    pid_n, pid_k = gl.program_id(0), gl.program_id(1)
+    col = (pid_n * BLOCK_N + _axis(REPS, 0, L) * (16 * W) + (_axis(8 * W, 1, L) // 8) * 16
+           + _axis(8 * W, 1, L) % 8)  # [REPS, 8W, 1, 1]: A's row g; row g + 8 is col + 8  # fmt: skip
+    words_a = w_ptr + col.to(gl.int64) * stride_wn + 4 * _axis(4, 2, L) + _axis(4, 3, L)  # words 4t + u
+    words_b = words_a + 8 * stride_wn
+    # token g's 64 bytes of the step (words 4t .. 4t + 3); rows past M read row M - 1 (their sums are not stored)
+    g_x = gl.minimum(_axis(8 * W, 1, LX) % 8, M - 1)
+    xs = x_ptr + g_x * stride_xm + 16 * _axis(4, 2, LX) + _axis(16, 3, LX)  # [1, 8W, 4, 16]
+    # the epilogue's element u is C's register: columns col + 8 (u >> 1), token 2t + (u & 1)
+    col_s = (pid_n * BLOCK_N + _axis(REPS, 0, LS) * (16 * W) + (_axis(8 * W, 1, LS) // 8) * 16
+             + _axis(8 * W, 1, LS) % 8 + 8 * _axis(2, 3, LS))  # [REPS, 8W, 1, 2]  # fmt: skip
+    acc = gl.zeros([REPS, 8 * W, 4, 4], gl.float32, L)
+    zero = gl.zeros([REPS, 8 * W, 4, 4], gl.float32, L)
+    zero_x = gl.zeros([1, 8 * W, 4, 4], gl.float32, L)
+    s_begin = pid_k * steps_per_split
+    s_end = gl.minimum(s_begin + steps_per_split, num_steps)
+    for step in range(s_begin, s_end):
+        if EVEN_N:
+            wa = gl.load(words_a + step * 16)
+            wb = gl.load(words_b + step * 16)
+        else:
+            wa = gl.load(words_a + step * 16, mask=col < N, other=0)
+            wb = gl.load(words_b + step * 16, mask=col + 8 < N, other=0)
+        # x's natural pairs P_p (p = 2a + b) of each word, then B's X_i = (x[8j + i], x[8j + i + 4])
+        xt = gl.reshape(gl.load(xs + step * 64), [1, 8 * W, 4, 4, 2, 2])
+        pa0, pa1 = gl.split(xt)  # b = 0, 1: [1, 8W, 4, 4, 2] over a
+        p0, p2 = gl.split(pa0)
+        p1, p3 = gl.split(pa1)
+        x0 = gl.inline_asm_elementwise(_PRMT_LO, "=r,r,r", [p0, p2], dtype=gl.int32, is_pure=True, pack=1)
+        x1 = gl.inline_asm_elementwise(_PRMT_HI, "=r,r,r", [p0, p2], dtype=gl.int32, is_pure=True, pack=1)
+        x2 = gl.inline_asm_elementwise(_PRMT_LO, "=r,r,r", [p1, p3], dtype=gl.int32, is_pure=True, pack=1)
+        x3 = gl.inline_asm_elementwise(_PRMT_HI, "=r,r,r", [p1, p3], dtype=gl.int32, is_pure=True, pack=1)
+        x0 = gl.convert_layout(x0, L)
+        x1 = gl.convert_layout(x1, L)
+        x2 = gl.convert_layout(x2, L)
+        x3 = gl.convert_layout(x3, L)
+        sums = gl.inline_asm_elementwise(
+            _SUMS_ASM, _SUMS_CONSTRAINTS, [zero_x, x0, x1, x2, x3], dtype=gl.float32, is_pure=True, pack=4
+        )
+        c = gl.inline_asm_elementwise(
+            _STEP_ASM,
+            _STEP_CONSTRAINTS,
+            [zero, wa, wb, x0, x1, x2, x3],
+            dtype=gl.float32,
+            is_pure=True,
+            pack=4,
+        )
+        if GROUP_SHIFT < 0:  # one group
+            grp = 0
+        else:
+            grp = step >> GROUP_SHIFT
+        if EVEN_N:
+            s2 = gl.load(s_ptr + col_s * stride_sn + grp).to(gl.float32)
+        else:
+            s2 = gl.load(s_ptr + col_s * stride_sn + grp, mask=col_s < N, other=0.0).to(gl.float32)
+        scale = gl.convert_layout(gl.reshape(gl.join(s2, s2), [REPS, 8 * W, 1, 4]), L)
+        if HAS_ZP:
+            z2 = gl.load(z_ptr + col_s * stride_zn + grp, mask=col_s < N, other=0).to(gl.float32) + 128.0
+            zq = gl.convert_layout(gl.reshape(gl.join(z2, z2), [REPS, 8 * W, 1, 4]), L)
+        else:
+            zq = 136.0  # 128 + 2^(4 - 1)
+        acc += scale * (c - zq * sums)
+    col_c = col + 8 * (_axis(4, 3, L) >> 1)  # [REPS, 8W, 1, 4]
+    token = 2 * _axis(4, 2, L) + (_axis(4, 3, L) & 1)  # [1, 1, 4, 4]
+    out_mask = (col_c < N) & (token < M)
+    out_off = token * stride_om + col_c
+    if PARTIAL:
+        gl.store(out_ptr + pid_k * stride_os + out_off, acc, mask=out_mask)
+        if SERIAL:  # quant_tiles.store_gemv_out's: the tile's last program sums the partials in split order
+            _barrier()
+            num_splits = gl.num_programs(1)
+            if gl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+                total = gl.zeros([REPS, 8 * W, 4, 4], gl.float32, L)
+                for split in range(0, num_splits):
+                    total += gl.load(out_ptr + split * stride_os + out_off, mask=out_mask, other=0.0,
+                                     cache_modifier=".cg")  # fmt: skip
+                if HAS_BIAS:
+                    total += gl.load(b_ptr + col_c, mask=col_c < N, other=0.0).to(gl.float32)
+                gl.store(res_ptr + out_off, total.to(res_ptr.dtype.element_ty), mask=out_mask)
+                gl.atomic_xchg(lock_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+    else:
+        if HAS_BIAS:
+            acc += gl.load(b_ptr + col_c, mask=col_c < N, other=0.0).to(gl.float32)
+        gl.store(out_ptr + out_off, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+def fits(x: torch.Tensor, qweight: torch.Tensor, g_idx, bits: int, group_size: int) -> bool:
+    """Whether the kernel takes this product: bf16 activations of 1 to MAX_ROWS rows, 4 bits without act order,
+    groups of K_STEP times a power of two (or one group), K a multiple of K_STEP, rows of whole 16-byte aligned
+    words."""
+    m, k = x.shape
+    steps = (group_size if group_size > 0 else k) // K_STEP
+    return (
+        x.dtype == torch.bfloat16
+        and 1 <= m <= MAX_ROWS
+        and bits == 4
+        and g_idx is None
+        and k % K_STEP == 0
+        and (group_size <= 0 or group_size == k or (group_size % K_STEP == 0 and steps & (steps - 1) == 0))
+        and x.stride(1) == 1
+        and x.stride(0) % 8 == 0
+        and x.data_ptr() % 16 == 0
+        and qweight.stride(1) == 1
+        and qweight.stride(0) % 16 == 0
+        and qweight.data_ptr() % 16 == 0
+    )
+
+
+def block_n() -> int:
+    """Output columns a program holds."""
+    return 16 * WARPS * REPS
+
+
+def launch(x, qweight, scales, zeros, bias, group_size: int, steps_per_split: int, splits: int, out, res, locks,
+           stride_os: int, serial: bool, bias_in_kernel: bool) -> None:  # fmt: skip
+    """The kernel over a product `fits` takes, K in `splits` runs of steps_per_split steps: into out [M, N] (one
+    split) or its fp32 partials out [splits, M, N], summed (SERIAL) by each tile's last program into res with the
+    counters `locks` (quant_gemv.SplitKOutputs makes these and sums them otherwise)."""
+    from longserve.kernels.launch import use_pdl
+
+    m, k = x.shape
+    n = qweight.shape[0]
+    steps = (group_size if 0 < group_size < k else k) // K_STEP
+    group_shift = -1 if group_size <= 0 or group_size >= k else steps.bit_length() - 1
+    z = zeros if zeros is not None else scales
+    pdl = use_pdl(x)
+    int4_mma_gemv_kernel[(triton.cdiv(n, block_n()), splits)](
+        x.view(torch.int32), qweight.view(torch.int32), scales, z, bias if bias_in_kernel else scales, out, res,
+        locks, m, n, steps_per_split, k // K_STEP, x.stride(0) // 2, qweight.stride(0) // 4, scales.stride(0),
+        z.stride(0), stride_os, out.stride(-2), HAS_ZP=zeros is not None, HAS_BIAS=bias_in_kernel,
+        PARTIAL=splits > 1, SERIAL=serial, EVEN_N=n % block_n() == 0, GROUP_SHIFT=group_shift, REPS=REPS,
+        USE_PDL=pdl, num_warps=WARPS, launch_pdl=pdl,
+    )  # fmt: skip

@@ -1,0 +1,149 @@
+"""The int4 tensor-core GEMV (kernels/int4_mma_gemv.py, Gluon + mma.sync; quant_gemv.INT4_MMA_GEMV routes 1-8 rows to
+it) on an H200 at the Llama-3.1-8B projections: the reference's product, the CPU emulation's (the same warps, fp32),
+deterministic, equal to the CUDA-core kernels' to fp32 summation, replayed by a CUDA graph with new activations, its
+counters left at zero; each projection's time against the kernels it would replace, with weights rotated through
+~256 MB of copies (HBM, not L2: a decode step reads each weight once)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+DENSE = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+
+
+def int_weight(n: int, k: int, group: int = 128, zp: bool = False, seed: int = 0):
+    from longserve.kernels.quant_reference import pack_int_k
+
+    g = torch.Generator(device="cuda").manual_seed(n + k + seed)
+    groups = k // (group if group > 0 else k)
+    q = torch.randint(0, 16, (n, k), device="cuda", generator=g)
+    scales = torch.full((n, groups), (k**-0.5) / (8 / 1.7), device="cuda", dtype=torch.float16)
+    scales *= 1 + 0.2 * torch.rand(n, groups, device="cuda", generator=g, dtype=torch.float16)
+    zeros = torch.randint(0, 16, (n, groups), device="cuda", generator=g).to(torch.uint8) if zp else None
+    return pack_int_k(q, 4), scales, zeros, None
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def gemv(x, w, group, monkeypatch, mma: bool, bias=None):
+    from longserve.kernels import quant_gemv
+
+    monkeypatch.setattr(quant_gemv, "INT4_MMA_GEMV", mma)
+    return quant_gemv.wna16_gemv(x, *w, 4, group, bias)
+
+
+@pytest.mark.parametrize("shape", list(DENSE))
+@pytest.mark.parametrize("m", [1, 2, 8])
+@pytest.mark.parametrize("zp", [False, True])
+def test_the_8b_projections(shape: str, m: int, zp: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    from longserve.kernels.int4_mma_gemv import fits
+    from longserve.kernels.quant_reference import dequantize_wna16, wna16_gemm_ref
+    from longserve.platform import capture_cuda_graph
+
+    n, k = DENSE[shape]
+    w = int_weight(n, k, zp=zp)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    assert fits(x, w[0], None, 4, 128)
+    out = gemv(x, w, 128, monkeypatch, True)
+    assert out.shape == (m, n) and out.dtype == torch.bfloat16
+    exact = x.double() @ dequantize_wna16(*w, 4, 128).double().T
+    assert rel_err(out, exact) < 2e-3  # bf16 output rounding (2^-9) and the fp32 sums
+    assert rel_err(out, wna16_gemm_ref(x, *w, 4, 128)) < 1e-2
+    assert rel_err(out, gemv(x, w, 128, monkeypatch, False)) < 4e-3
+    assert torch.equal(
+        gemv(x, w, 128, monkeypatch, True), out
+    )  # deterministic: split order, no atomics in sums
+    graph = capture_cuda_graph(lambda: gemv(x, w, 128, monkeypatch, True), 1, 1)
+    x.copy_(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert (
+        rel_err(gemv(x, w, 128, monkeypatch, True), x.double() @ dequantize_wna16(*w, 4, 128).double().T)
+        < 2e-3
+    )
+    from longserve.kernels import quant_gemv
+
+    for counters in quant_gemv._SERIAL_LOCKS.values():
+        assert int(counters.abs().sum()) == 0  # every tile's counter reset by its last program
+
+
+@pytest.mark.parametrize(
+    ("n", "k", "group", "zp", "bias", "serial"),
+    [
+        (4096, 4096, -1, False, True, True),  # one group (per channel), bias summed by the last program
+        (
+            6144 + 48,
+            4096,
+            256,
+            True,
+            True,
+            False,
+        ),  # N not whole programs, two steps a group, splitk_reduce's sum
+        (512, 1024, 128, False, False, True),  # few programs: one split each
+    ],
+)
+def test_variants_and_the_emulation(n, k, group, zp, bias, serial, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Beside the exact product, the CPU emulation of the same warps (int4_mma_reference.emulate, fp32 sums in
+    another order): equal to the output's bf16 rounding."""
+    from longserve.kernels import quant_gemv
+    from longserve.kernels.int4_mma_reference import emulate
+    from longserve.kernels.quant_reference import dequantize_wna16
+
+    monkeypatch.setattr(quant_gemv, "SPLIT_K_SERIAL_REDUCE", serial)
+    w = int_weight(n, k, group, zp)
+    b = torch.randn(n, device="cuda", dtype=torch.bfloat16) if bias else None
+    for m in (1, 5):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        out = gemv(x, w, group, monkeypatch, True, b)
+        exact = x.double() @ dequantize_wna16(*w, 4, group).double().T + (b.double() if bias else 0)
+        assert rel_err(out, exact) < 2e-3
+        if n * k <= 4096 * 4096:
+            cpu = [t.cpu() if t is not None else None for t in (x, *w[:3], b)]
+            emulated = emulate(cpu[0], cpu[1], cpu[2], cpu[3], group, 4, cpu[4]).cuda()
+            assert (
+                out.float() - emulated.float()
+            ).abs().max().item() <= 2.0**-7 * emulated.abs().max().item()
+
+
+def _rotating_time_us(call, copies) -> float:
+    """Device us per call, each of `iters` calls in one CUDA graph on the next copy of the weights."""
+    from longserve.platform import cuda_graph_time_ms
+
+    state = {"i": 0}
+
+    def one():
+        call(copies[state["i"] % len(copies)])
+        state["i"] += 1
+
+    return cuda_graph_time_ms(one, 2, 4 * len(copies), 5) * 1e3
+
+
+@pytest.mark.parametrize("m", [1, 8])
+def test_times(m: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each projection at m rows, us, CUDA-core kernels (int4_gemv.py at one row, quant_gemv's general kernel
+    above) against the tensor-core one, weights from HBM; printed for gpu_check.sh int4-mma."""
+    from longserve.kernels import int4_mma_gemv
+
+    for shape, (n, k) in DENSE.items():
+        w = int_weight(n, k)
+        copies = [w] + [
+            tuple(t.clone() if t is not None else None for t in w)
+            for _ in range(max(1, (256 << 20) // w[0].numel()) - 1)
+        ]
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        times = {
+            mma: _rotating_time_us(lambda c, mma=mma, x=x: gemv(x, c, 128, monkeypatch, mma), copies)
+            for mma in (False, True)
+        }
+        floor = w[0].numel() / 4.2e6  # bytes at 4.2 TB/s, us
+        print(f"\nint4 mma m={m} {shape} reps={int4_mma_gemv.REPS}: cuda cores {times[False]:.1f} us, tensor cores "
+              f"{times[True]:.1f} us, HBM floor {floor:.1f} us")  # fmt: skip

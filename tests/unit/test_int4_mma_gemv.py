@@ -1,0 +1,87 @@
+"""The int4 tensor-core GEMV (kernels/int4_mma_gemv.py) on the CPU: its inline PTX and epilogue run warp by warp
+(kernels/int4_mma_reference.emulate) against the exact product, the products it takes, and the interpreter's own
+sensitivity (a wrong operand in the asm is caught). Its sm90 build (the layout assertion, 16-byte loads, the mma
+count): tests/unit/test_quant_gemv.py::test_gemv_compiles_for_sm90. On an H200: tests/gpu/test_int4_mma_gemv_gpu.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from longserve.kernels.quant_reference import dequantize_wna16, wna16_gemm_ref
+
+mma = pytest.importorskip("longserve.kernels.int4_mma_gemv")
+from longserve.kernels.int4_mma_reference import emulate  # noqa: E402
+
+
+def _weights(n: int, k: int, group: int, zp: bool, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    groups = k // (group if group > 0 else k)
+    qweight = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
+    scales = (torch.rand(n, groups, generator=g) * 0.02 + 0.005).bfloat16()
+    zeros = torch.randint(0, 16, (n, groups), dtype=torch.uint8, generator=g) if zp else None
+    return qweight, scales, zeros
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k", "group", "zp", "splits"),
+    [
+        (1, 64, 512, 128, False, 1),  # decode at batch 1, GPTQ symmetric
+        (1, 48, 512, 128, True, 3),  # zero points (AWQ / asymmetric GPTQ), split-K with a short last split
+        (3, 80, 384, -1, False, 2),  # one group (per channel), N not a multiple of a program's columns
+        (8, 32, 512, 256, True, 1),  # B's 8 token columns all real, groups of two steps
+        (5, 24, 256, 128, False, 2),  # an odd row count, a half-empty 16-column tile
+    ],
+)
+def test_the_kernels_warps_compute_the_product(
+    m: int, n: int, k: int, group: int, zp: bool, splits: int
+) -> None:
+    """fp32 before the output's rounding: within 1e-5 of the exact product of the dequantized weights (the 128 + q
+    form and its cancellation cost ~5 of fp32's 24 bits); in bf16 (+ bias), the exact product rounded once, and the
+    reference's product (which rounds each weight to bf16 first) to that rounding's error."""
+    torch.manual_seed(m + n)
+    x = torch.randn(m, k).bfloat16()
+    qweight, scales, zeros = _weights(n, k, group, zp)
+    bias = torch.randn(n).bfloat16()
+    exact = x.double() @ dequantize_wna16(qweight, scales, zeros, None, 4, group).double().T
+    out = emulate(x, qweight, scales, zeros, group, splits, fp32=True).double()
+    assert ((out - exact).abs().max() / exact.abs().max()).item() < 1e-5
+    exact = exact + bias.double()
+    got = emulate(x, qweight, scales, zeros, group, splits, bias).double()
+    half_ulp = 2.0 ** (torch.floor(torch.log2(exact.abs())) - 8)
+    assert ((got - exact).abs() <= half_ulp + 1e-5 * exact.abs().max()).all()
+    ref = wna16_gemm_ref(x, qweight, scales, zeros, None, 4, group, bias).double()
+    assert ((got - ref).norm() / ref.norm()).item() < 5e-3
+
+
+def test_the_interpreter_catches_a_wrong_operand(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The emulation reads the kernel's own asm: B's two registers swapped, or one pair shifted from the wrong
+    nibble, make it wrong by far more than rounding (so the test above checks the asm, not a copy of it)."""
+    import triton.language as tl
+
+    x = torch.randn(2, 256).bfloat16()
+    qweight, scales, _ = _weights(32, 256, 128, False)
+    exact = x.double() @ dequantize_wna16(qweight, scales, None, None, 4, 128).double().T
+    asm = mma._STEP_ASM.value
+    for broken in (
+        asm.replace("$16, $20", "$20, $16"),
+        asm.replace("shr.u32 w, $8, 8;", "shr.u32 w, $8, 12;", 1),
+    ):
+        monkeypatch.setattr(mma, "_STEP_ASM", tl.constexpr(broken))
+        out = emulate(x, qweight, scales, None, 128, 1, fp32=True).double()
+        assert ((out - exact).abs().max() / exact.abs().max()).item() > 0.05
+
+
+def test_the_products_it_takes() -> None:
+    x = torch.zeros(1, 4096, dtype=torch.bfloat16)
+    w = torch.zeros(4096, 2048, dtype=torch.uint8)
+    assert mma.fits(x, w, None, 4, 128)
+    assert mma.fits(torch.zeros(8, 4096, dtype=torch.bfloat16), w, None, 4, -1)  # one group
+    assert mma.fits(x, w, None, 4, 512)  # four steps a group
+    assert not mma.fits(torch.zeros(9, 4096, dtype=torch.bfloat16), w, None, 4, 128)  # B has 8 token columns
+    assert not mma.fits(x.half(), w, None, 4, 128)  # bf16 mma only
+    assert not mma.fits(x, w, None, 8, 128)
+    assert not mma.fits(x, w, torch.zeros(4096, dtype=torch.int32), 4, 128)  # act order
+    assert not mma.fits(x, w, None, 4, 64)  # a group inside a step
+    assert not mma.fits(x, w, None, 4, 384)  # three steps a group: the step's group is a shift
+    assert not mma.fits(x[:, :4000], w[:, :2000], None, 4, -1)  # K not whole steps
