@@ -45,6 +45,7 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 __all__ = ["K_STEP", "MAX_ROWS", "block_n", "fits", "launch", "supported"]
 
@@ -52,6 +53,12 @@ K_STEP = 128  # k values of a step: 16 words of a column, 4 lanes x 4 words
 MAX_ROWS = 8  # activation rows: B's 8 columns
 WARPS = 4
 REPS = 4  # 16-column tiles a warp holds: a program's columns are 16 x WARPS x REPS
+# 0: each step's words and activations loaded into registers at its start (a warp then waits out the load's
+# latency; the other warps of the SM hide it); >= 2: a ring of STAGES steps in shared memory, each lane copying
+# (cp.async) the 16-byte pieces it later reads, STAGES - 1 steps ahead: more bytes in flight than registers hold.
+# Loading the next step into registers before this step's math builds to the same SASS as 0 (ptxas sinks the
+# loads to the loop's end). Unmeasured either way.
+STAGES = 0
 
 _PAIR_MASK, _BF16_128, _AND_OR = "0x000F000F", "0x43004300", "0xEA"  # lop3 LUT 0xEA: (a & b) | c
 _MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
@@ -97,6 +104,7 @@ _SUMS_CONSTRAINTS = gl.constexpr(",".join(["=&f"] * 4 + ["f"] * 4 + ["r"] * 16))
 _PRMT_LO = gl.constexpr("prmt.b32 $0, $1, $2, 0x5410;")  # (a.lo, b.lo)
 _PRMT_HI = gl.constexpr("prmt.b32 $0, $1, $2, 0x7632;")  # (a.hi, b.hi)
 _barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # the CTA's barrier: renamed in Triton 3.9
+_cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared  # likewise
 
 
 def supported() -> bool:
@@ -148,6 +156,31 @@ def _axis(SIZE: gl.constexpr, AXIS: gl.constexpr, L: gl.constexpr):
 
 
 @gluon.jit
+def _step_loads(words_a, words_b, xs, col, N, step, EVEN_N: gl.constexpr):
+    """A step's words of columns g (A's row g) and g + 8, and token g's 64 bytes of x."""
+    if EVEN_N:
+        wa = gl.load(words_a + step * 16)
+        wb = gl.load(words_b + step * 16)
+    else:
+        wa = gl.load(words_a + step * 16, mask=col < N, other=0)
+        wb = gl.load(words_b + step * 16, mask=col + 8 < N, other=0)
+    return wa, wb, gl.load(xs + step * 64)
+
+
+@gluon.jit
+def _step_copies(slot_a, slot_b, slot_x, words_a, words_b, xs, col, N, step, EVEN_N: gl.constexpr):
+    """_step_loads' pieces copied asynchronously into one slot of the shared ring, as one commit group."""
+    if EVEN_N:
+        _cp_async(slot_a, words_a + step * 16)
+        _cp_async(slot_b, words_b + step * 16)
+    else:
+        _cp_async(slot_a, words_a + step * 16, mask=col < N)
+        _cp_async(slot_b, words_b + step * 16, mask=col + 8 < N)
+    _cp_async(slot_x, xs + step * 64)
+    async_copy.commit_group()
+
+
+@gluon.jit
 def int4_mma_gemv_kernel(
     x_ptr,  # [M, K] bf16 viewed as int32 [M, K / 2] (natural pairs)
     w_ptr,  # [N, K / 8] int32: the packed uint8 [N, K / 2] as words
@@ -159,7 +192,7 @@ def int4_mma_gemv_kernel(
     lock_ptr,  # SERIAL: int32 counters, one per column tile, zero
     M, N, steps_per_split, num_steps, stride_xm, stride_wn, stride_sn, stride_zn, stride_os, stride_om,
     HAS_ZP: gl.constexpr, HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr, SERIAL: gl.constexpr, EVEN_N: gl.constexpr,
-    GROUP_SHIFT: gl.constexpr, REPS: gl.constexpr, USE_PDL: gl.constexpr,
+    GROUP_SHIFT: gl.constexpr, REPS: gl.constexpr, STAGES: gl.constexpr, USE_PDL: gl.constexpr,
 ):  # fmt: skip
     W: gl.constexpr = gl.num_warps()
     # [tile r, lane row (warp w, g), lane t, element u]: lanes (g, t) as mma's groupID / threadID_in_group
@@ -185,16 +218,30 @@ def int4_mma_gemv_kernel(
     zero_x = gl.zeros([1, 8 * W, 4, 4], gl.float32, L)
     s_begin = pid_k * steps_per_split
     s_end = gl.minimum(s_begin + steps_per_split, num_steps)
+    if (
+        STAGES > 0
+    ):  # each lane copies its own pieces (and reads only them back): no barrier, only its own waits
+        SL: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 1, [3, 2, 1, 0])  # a slot row-major, no swizzle
+        ring_a = gl.allocate_shared_memory(gl.int32, [STAGES, REPS, 8 * W, 4, 4], SL)
+        ring_b = gl.allocate_shared_memory(gl.int32, [STAGES, REPS, 8 * W, 4, 4], SL)
+        ring_x = gl.allocate_shared_memory(gl.int32, [STAGES, 1, 8 * W, 4, 16], SL)
+        for i in gl.static_range(STAGES - 1):
+            _step_copies(ring_a.index(i), ring_b.index(i), ring_x.index(i), words_a, words_b, xs, col, N,
+                         gl.minimum(s_begin + i, s_end - 1), EVEN_N)  # fmt: skip
     for step in range(s_begin, s_end):
-        if EVEN_N:
-            wa = gl.load(words_a + step * 16)
-            wb = gl.load(words_b + step * 16)
+        if STAGES > 0:
+            ahead = step - s_begin + STAGES - 1  # the step STAGES - 1 ahead into the slot read last step
+            _step_copies(ring_a.index(ahead % STAGES), ring_b.index(ahead % STAGES), ring_x.index(ahead % STAGES),
+                         words_a, words_b, xs, col, N, gl.minimum(s_begin + ahead, s_end - 1), EVEN_N)  # fmt: skip
+            async_copy.wait_group(STAGES - 1)  # this step's copies are done
+            slot = (step - s_begin) % STAGES
+            wa = ring_a.index(slot).load(L)
+            wb = ring_b.index(slot).load(L)
+            xt = ring_x.index(slot).load(LX)
         else:
-            wa = gl.load(words_a + step * 16, mask=col < N, other=0)
-            wb = gl.load(words_b + step * 16, mask=col + 8 < N, other=0)
+            wa, wb, xt = _step_loads(words_a, words_b, xs, col, N, step, EVEN_N)
         # x's natural pairs P_p (p = 2a + b) of each word, then B's X_i = (x[8j + i], x[8j + i + 4])
-        xt = gl.reshape(gl.load(xs + step * 64), [1, 8 * W, 4, 4, 2, 2])
-        pa0, pa1 = gl.split(xt)  # b = 0, 1: [1, 8W, 4, 4, 2] over a
+        pa0, pa1 = gl.split(gl.reshape(xt, [1, 8 * W, 4, 4, 2, 2]))  # b = 0, 1: [1, 8W, 4, 4, 2] over a
         p0, p2 = gl.split(pa0)
         p1, p3 = gl.split(pa1)
         x0 = gl.inline_asm_elementwise(_PRMT_LO, "=r,r,r", [p0, p2], dtype=gl.int32, is_pure=True, pack=1)
@@ -300,5 +347,5 @@ def launch(x, qweight, scales, zeros, bias, group_size: int, steps_per_split: in
         locks, m, n, steps_per_split, k // K_STEP, x.stride(0) // 2, qweight.stride(0) // 4, scales.stride(0),
         z.stride(0), stride_os, out.stride(-2), HAS_ZP=zeros is not None, HAS_BIAS=bias_in_kernel,
         PARTIAL=splits > 1, SERIAL=serial, EVEN_N=n % block_n() == 0, GROUP_SHIFT=group_shift, REPS=REPS,
-        USE_PDL=pdl, num_warps=WARPS, launch_pdl=pdl,
+        STAGES=STAGES, USE_PDL=pdl, num_warps=WARPS, launch_pdl=pdl,
     )  # fmt: skip

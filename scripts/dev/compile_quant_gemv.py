@@ -57,7 +57,7 @@ VARIANTS = [
     {"group_quant": True, "pdl": True},
     {"mma": True},  # kernels/int4_mma_gemv.py (Gluon): 1-8 rows on the tensor cores, split-K, g128 symmetric
     {"mma": True, "zp": True, "serial": True, "bias": True, "pdl": True, "even_n": False, "group_shift": -1},
-    {"mma": True, "split": 1, "bias": True, "reps": 2, "group_shift": 1},
+    {"mma": True, "split": 1, "bias": True, "reps": 2, "group_shift": 1, "stages": 2},
     {"dense": True},  # kernels/dense_gemm.py: 16-bit, 64 rows, the 8B gate_up's tiles (one split)
     {"dense": True, "split": 4, "serial": True, "bias": True, "pdl": True},
 ]
@@ -132,7 +132,7 @@ def compile_int4_gemv(int4=True, x="bf16", zp=False, bias=False, bn=64, bk=128, 
 
 
 def compile_int4_mma(mma=True, zp=False, bias=False, split=4, serial=False, even_n=True, group_shift=0, reps=None,
-                     pdl=False, num_warps=4):  # fmt: skip
+                     stages=0, pdl=False, num_warps=4):  # fmt: skip
     """kernels/int4_mma_gemv.py's tensor-core int4 GEMV (Gluon) for sm90, specialized as at run time."""
     from longserve.kernels import int4_mma_gemv as mma_mod
 
@@ -141,7 +141,8 @@ def compile_int4_mma(mma=True, zp=False, bias=False, split=4, serial=False, even
             "b_ptr": "*bf16" if bias else "*fp16", "out_ptr": "*fp32" if split > 1 else "*bf16", "res_ptr": "*bf16",
             "lock_ptr": "*i32"}  # fmt: skip
     consts = dict(HAS_ZP=zp, HAS_BIAS=bias and (split == 1 or serial), PARTIAL=split > 1, SERIAL=serial,
-                  EVEN_N=even_n, GROUP_SHIFT=group_shift, REPS=reps or mma_mod.REPS, USE_PDL=pdl)  # fmt: skip
+                  EVEN_N=even_n, GROUP_SHIFT=group_shift, REPS=reps or mma_mod.REPS, STAGES=stages,
+                  USE_PDL=pdl)  # fmt: skip
     sig = {a: ptrs.get(a, "constexpr" if a in consts else "i32") for a in fn.arg_names}
     div16 = [*ptrs, "N", "stride_xm", "stride_wn", "stride_sn", "stride_zn", "stride_os", "stride_om"]
     attrs = {a: [["tt.divisibility", 16]] for a in div16}

@@ -40,6 +40,8 @@ VARIANTS = [
     {"fp8": True, "channel": True, "bn": 64},
     {"mma": True},  # kernels/int4_mma_gemv.py: the tensor cores' products, 4 tiles of 16 columns a warp
     {"mma": True, "reps": 2},
+    {"mma": True, "reps": 2, "stages": 2},
+    {"mma": True, "stages": 2},
 ]
 
 

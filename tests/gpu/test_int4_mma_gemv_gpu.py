@@ -140,10 +140,13 @@ def test_times(m: int, monkeypatch: pytest.MonkeyPatch) -> None:
             for _ in range(max(1, (256 << 20) // w[0].numel()) - 1)
         ]
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        # this build (gpu_check.sh runs REPS and STAGES variants through this test alone) right first
+        assert rel_err(gemv(x, w, 128, monkeypatch, True), gemv(x, w, 128, monkeypatch, False)) < 4e-3
         times = {
             mma: _rotating_time_us(lambda c, mma=mma, x=x: gemv(x, c, 128, monkeypatch, mma), copies)
             for mma in (False, True)
         }
         floor = w[0].numel() / 4.2e6  # bytes at 4.2 TB/s, us
-        print(f"\nint4 mma m={m} {shape} reps={int4_mma_gemv.REPS}: cuda cores {times[False]:.1f} us, tensor cores "
+        print(f"\nint4 mma m={m} {shape} reps={int4_mma_gemv.REPS} stages={int4_mma_gemv.STAGES}: cuda cores "
+              f"{times[False]:.1f} us, tensor cores "
               f"{times[True]:.1f} us, HBM floor {floor:.1f} us")  # fmt: skip

@@ -31,10 +31,11 @@
 # fp8-acc (one GPU, ~8 min): the 8B and A3B FP8 cold TTFT with the fp8 dots' fp32 promotion after every wgmma (0,
 # the default), every other (64) or never within a tile (None), and the fp8 kernel and engine tests under 64 and
 # None.
-# int4-mma (one GPU, ~6 min): the int4 GEMV on the tensor cores (kernels/int4_mma_gemv.py, quant_gemv.INT4_MMA_GEMV,
-# off): its GPU tests with each 8B projection's time against the CUDA-core kernels (weights from HBM) at 4 and at 2
-# tiles a warp (int4_mma_gemv.REPS), the quantized engines' GPU tests with it on, then the 8B GPTQ int4 decode at
-# batch 1 (32K) and 8 (4K) off and on (issue 18: int4 b1 <= 0.6x bf16's).
+# int4-mma (one GPU, ~7 min): the int4 GEMV on the tensor cores (kernels/int4_mma_gemv.py, quant_gemv.INT4_MMA_GEMV,
+# off): its GPU tests with each 8B projection's time against the CUDA-core kernels (weights from HBM), the times
+# again at 2 tiles a warp (int4_mma_gemv.REPS) and through the shared ring (STAGES), the quantized engines' GPU
+# tests with it on, then the 8B GPTQ int4 decode at batch 1 (32K) and 8 (4K) off and on (issue 18: int4 b1 <= 0.6x
+# bf16's).
 # shellcheck shell=bash
 
 if [[ $MODE == kvfp8 ]]; then  # one GPU: fp8 KV cache; target: 2x KV tokens, b64 decode <= 1.05x auto
@@ -254,11 +255,15 @@ if [[ $MODE == serial-reduce ]]; then  # one GPU (~5 min): split-K partials summ
   done
 fi
 
-if [[ $MODE == int4-mma ]]; then  # one GPU (~6 min): the tensor-core int4 GEMV, its tests, times, engines, decode
-  for reps in 4 2; do
-    timeout 200 python3 scripts/probes/with_constants.py longserve.kernels.int4_mma_gemv.REPS=$reps -- \
-      pytest -q -s -m gpu tests/gpu/test_int4_mma_gemv_gpu.py -p no:cacheprovider --tb=short -rfE \
-      2>&1 | tee "$OUT/gpu_tests_int4_mma_reps$reps.log" | grep -E "int4 mma|passed|failed" || status=1
+if [[ $MODE == int4-mma ]]; then  # one GPU (~7 min): the tensor-core int4 GEMV, its tests, times, engines, decode
+  timeout 240 python3 -m pytest -q -s -m gpu tests/gpu/test_int4_mma_gemv_gpu.py -p no:cacheprovider --tb=short \
+    -rfE 2>&1 | tee "$OUT/gpu_tests_int4_mma.log" | grep -E "int4 mma|passed|failed" || status=1
+  for variant in "REPS=2 STAGES=0" "REPS=4 STAGES=2" "REPS=2 STAGES=4"; do  # REPS=4 STAGES=0 (the default) above
+    read -r reps stages <<< "$variant"
+    timeout 120 python3 scripts/probes/with_constants.py longserve.kernels.int4_mma_gemv.$reps \
+      longserve.kernels.int4_mma_gemv.$stages -- pytest -q -s -m gpu tests/gpu/test_int4_mma_gemv_gpu.py -k times \
+      -p no:cacheprovider --tb=short -rfE 2>&1 | tee "$OUT/gpu_tests_int4_mma_${reps}_$stages.log" \
+      | grep -E "int4 mma|passed|failed" || status=1
   done
   timeout 300 python3 scripts/probes/with_constants.py longserve.kernels.quant_gemv.INT4_MMA_GEMV=True -- \
     pytest -q -m gpu tests/gpu/test_quant_engine_gpu.py -p no:cacheprovider --tb=short -rfE 2>&1 \
