@@ -47,7 +47,17 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
-__all__ = ["K_STEP", "MAX_ROWS", "block_n", "fits", "launch", "supported"]
+__all__ = [
+    "K_STEP",
+    "MAX_ROWS",
+    "WAVE_SPLITS",
+    "block_n",
+    "fits",
+    "launch",
+    "resident_programs",
+    "splits",
+    "supported",
+]
 
 K_STEP = 128  # k values of a step: 16 words of a column, 4 lanes x 4 words
 MAX_ROWS = 8  # activation rows: B's 8 columns
@@ -327,6 +337,27 @@ def fits(x: torch.Tensor, qweight: torch.Tensor, g_idx, bits: int, group_size: i
 def block_n() -> int:
     """Output columns a program holds."""
     return 16 * WARPS * REPS
+
+
+# Programs of 4 warps an SM holds at once, by REPS: the registers of the sm90 builds (142 at 4, 82 at 2: 3 and 6
+# of 65,536 / (128 x regs)); the shared ring (STAGES x 24 KB at REPS 4) may hold fewer.
+_RESIDENT = {2: 6, 4: 3}
+# K split so that every program runs in one wave (columns x splits <= the programs the SMs hold at once), each
+# split at least one step: with quant_gemv.splits_for's ~8 programs an SM the 8B down projection (16 tiles x 28
+# splits = 448 programs against 396 resident) would run a second wave of 52. Unmeasured, as the kernel.
+WAVE_SPLITS = True
+
+
+def resident_programs(sms: int) -> int:
+    """Programs the SMs hold at once: by registers (_RESIDENT) and by the shared ring (STAGES x its slot)."""
+    ring = STAGES * (2 * REPS * 8 * WARPS * 16 + 8 * WARPS * 64) * 4  # bytes of shared memory a program
+    return min(_RESIDENT.get(REPS, 2), 227 * 1024 // ring if ring else 8) * sms
+
+
+def splits(n_tiles: int, num_steps: int, sms: int) -> int:
+    """K splits for n_tiles column tiles over num_steps steps (WAVE_SPLITS): the most that keep one wave."""
+    want = max(1, min(resident_programs(sms) // max(n_tiles, 1), num_steps))
+    return -(-num_steps // -(-num_steps // want))  # no empty split
 
 
 def launch(x, qweight, scales, zeros, bias, group_size: int, steps_per_split: int, splits: int, out, res, locks,

@@ -430,8 +430,12 @@ def wna16_gemv(
 
         if mma.supported() and mma.fits(x, qweight, g_idx, bits, group_size):
             num_steps, n_tiles = k // mma.K_STEP, triton.cdiv(n, mma.block_n())
-            sk = split_k_outputs(num_steps, splits_for(x.device, n_tiles, num_steps), m, n, n_tiles, x.dtype,
-                                 x.device)  # fmt: skip
+            split = (
+                mma.splits(n_tiles, num_steps, _num_sms(x.device.index or 0))
+                if mma.WAVE_SPLITS
+                else splits_for(x.device, n_tiles, num_steps)
+            )
+            sk = split_k_outputs(num_steps, split, m, n, n_tiles, x.dtype, x.device)
             mma.launch(x, qweight, scales, zeros, bias, group_size, sk.tiles_per_split, sk.splits, *sk.pointers(),
                        sk.stride_os, sk.serial, sk.bias_in_kernel(bias))  # fmt: skip
             return sk.result(bias, x.dtype)

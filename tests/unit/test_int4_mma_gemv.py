@@ -85,3 +85,21 @@ def test_the_products_it_takes() -> None:
     assert not mma.fits(x, w, None, 4, 64)  # a group inside a step
     assert not mma.fits(x, w, None, 4, 384)  # three steps a group: the step's group is a shift
     assert not mma.fits(x[:, :4000], w[:, :2000], None, 4, -1)  # K not whole steps
+
+
+@pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (512, 256)])
+@pytest.mark.parametrize(("reps", "stages"), [(4, 0), (2, 0), (2, 4)])
+def test_splits_keep_one_wave(
+    n: int, k: int, reps: int, stages: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At the 8B projections on 132 SMs: every program resident at once (or one split), no split empty."""
+    monkeypatch.setattr(mma, "REPS", reps)
+    monkeypatch.setattr(mma, "STAGES", stages)
+    tiles, steps = -(-n // mma.block_n()), k // mma.K_STEP
+    split, resident = mma.splits(tiles, steps, 132), mma.resident_programs(132)
+    per = -(-steps // split)
+    assert 1 <= split <= steps and (split - 1) * per < steps  # each split has steps
+    assert tiles * split <= resident or split == 1
+    if per > 1:  # one step fewer a split would need more programs than fit
+        assert tiles * -(-steps // (per - 1)) > resident
+    assert resident == (396 if (reps, stages) in ((4, 0), (2, 4)) else 792)  # registers; (2, 4): the ring

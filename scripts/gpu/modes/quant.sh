@@ -33,9 +33,9 @@
 # None.
 # int4-mma (one GPU, ~7 min): the int4 GEMV on the tensor cores (kernels/int4_mma_gemv.py, quant_gemv.INT4_MMA_GEMV,
 # off): its GPU tests with each 8B projection's time against the CUDA-core kernels (weights from HBM), the times
-# again at 2 tiles a warp (int4_mma_gemv.REPS) and through the shared ring (STAGES), the quantized engines' GPU
-# tests with it on, then the 8B GPTQ int4 decode at batch 1 (32K) and 8 (4K) off and on (issue 18: int4 b1 <= 0.6x
-# bf16's).
+# again at 2 tiles a warp (int4_mma_gemv.REPS), through the shared ring (STAGES) and with quant_gemv's split-K
+# choice instead of one wave (WAVE_SPLITS), the quantized engines' GPU tests with it on, then the 8B GPTQ int4
+# decode at batch 1 (32K) and 8 (4K) off and on (issue 18: int4 b1 <= 0.6x bf16's).
 # shellcheck shell=bash
 
 if [[ $MODE == kvfp8 ]]; then  # one GPU: fp8 KV cache; target: 2x KV tokens, b64 decode <= 1.05x auto
@@ -258,12 +258,13 @@ fi
 if [[ $MODE == int4-mma ]]; then  # one GPU (~7 min): the tensor-core int4 GEMV, its tests, times, engines, decode
   timeout 240 python3 -m pytest -q -s -m gpu tests/gpu/test_int4_mma_gemv_gpu.py -p no:cacheprovider --tb=short \
     -rfE 2>&1 | tee "$OUT/gpu_tests_int4_mma.log" | grep -E "int4 mma|passed|failed" || status=1
-  for variant in "REPS=2 STAGES=0" "REPS=4 STAGES=2" "REPS=2 STAGES=4"; do  # REPS=4 STAGES=0 (the default) above
-    read -r reps stages <<< "$variant"
-    timeout 120 python3 scripts/probes/with_constants.py longserve.kernels.int4_mma_gemv.$reps \
-      longserve.kernels.int4_mma_gemv.$stages -- pytest -q -s -m gpu tests/gpu/test_int4_mma_gemv_gpu.py -k times \
-      -p no:cacheprovider --tb=short -rfE 2>&1 | tee "$OUT/gpu_tests_int4_mma_${reps}_$stages.log" \
-      | grep -E "int4 mma|passed|failed" || status=1
+  # the default (REPS=4 STAGES=0 WAVE_SPLITS=True) ran above
+  for variant in "REPS=2" "STAGES=2" "REPS=2 STAGES=4" "WAVE_SPLITS=False"; do
+    consts=(); for c in $variant; do consts+=("longserve.kernels.int4_mma_gemv.$c"); done
+    timeout 120 python3 scripts/probes/with_constants.py "${consts[@]}" -- pytest -q -s -m gpu \
+      tests/gpu/test_int4_mma_gemv_gpu.py -k times -p no:cacheprovider --tb=short -rfE 2>&1 \
+      | tee "$OUT/gpu_tests_int4_mma_${variant// /_}.log" | grep -E "int4 mma|passed|failed" | sed "s/^/$variant: /" \
+      || status=1
   done
   timeout 300 python3 scripts/probes/with_constants.py longserve.kernels.quant_gemv.INT4_MMA_GEMV=True -- \
     pytest -q -m gpu tests/gpu/test_quant_engine_gpu.py -p no:cacheprovider --tb=short -rfE 2>&1 \
