@@ -47,7 +47,6 @@ def gemv(x, w, group, monkeypatch, mma: bool, bias=None):
 def test_the_8b_projections(shape: str, m: int, zp: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     from longserve.kernels.int4_mma_gemv import fits
     from longserve.kernels.quant_reference import dequantize_wna16, wna16_gemm_ref
-    from longserve.platform import capture_cuda_graph
 
     n, k = DENSE[shape]
     w = int_weight(n, k, zp=zp)
@@ -56,20 +55,17 @@ def test_the_8b_projections(shape: str, m: int, zp: bool, monkeypatch: pytest.Mo
     out = gemv(x, w, 128, monkeypatch, True)
     assert out.shape == (m, n) and out.dtype == torch.bfloat16
     exact = x.double() @ dequantize_wna16(*w, 4, 128).double().T
-    assert rel_err(out, exact) < 2e-3  # bf16 output rounding (2^-9) and the fp32 sums
+    assert rel_err(out, exact) < 3e-3  # the bf16 output's rounding (RMS ~1.6e-3) and the fp32 sums
     assert rel_err(out, wna16_gemm_ref(x, *w, 4, 128)) < 1e-2
     assert rel_err(out, gemv(x, w, 128, monkeypatch, False)) < 4e-3
-    assert torch.equal(
-        gemv(x, w, 128, monkeypatch, True), out
-    )  # deterministic: split order, no atomics in sums
-    graph = capture_cuda_graph(lambda: gemv(x, w, 128, monkeypatch, True), 1, 1)
+    assert torch.equal(gemv(x, w, 128, monkeypatch, True), out)  # deterministic: split order, no atomics
+    graph = torch.cuda.CUDAGraph()  # the kernel compiled and ran above: nothing left to warm up
+    with torch.cuda.graph(graph):
+        replayed = gemv(x, w, 128, monkeypatch, True)
     x.copy_(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
     graph.replay()
     torch.cuda.synchronize()
-    assert (
-        rel_err(gemv(x, w, 128, monkeypatch, True), x.double() @ dequantize_wna16(*w, 4, 128).double().T)
-        < 2e-3
-    )
+    assert rel_err(replayed, x.double() @ dequantize_wna16(*w, 4, 128).double().T) < 3e-3
     from longserve.kernels import quant_gemv
 
     for counters in quant_gemv._SERIAL_LOCKS.values():
@@ -105,7 +101,7 @@ def test_variants_and_the_emulation(n, k, group, zp, bias, serial, monkeypatch: 
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         out = gemv(x, w, group, monkeypatch, True, b)
         exact = x.double() @ dequantize_wna16(*w, 4, group).double().T + (b.double() if bias else 0)
-        assert rel_err(out, exact) < 2e-3
+        assert rel_err(out, exact) < 3e-3
         if n * k <= 4096 * 4096:
             cpu = [t.cpu() if t is not None else None for t in (x, *w[:3], b)]
             emulated = emulate(cpu[0], cpu[1], cpu[2], cpu[3], group, 4, cpu[4]).cuda()

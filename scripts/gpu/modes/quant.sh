@@ -31,11 +31,12 @@
 # fp8-acc (one GPU, ~8 min): the 8B and A3B FP8 cold TTFT with the fp8 dots' fp32 promotion after every wgmma (0,
 # the default), every other (64) or never within a tile (None), and the fp8 kernel and engine tests under 64 and
 # None.
-# int4-mma (one GPU, ~7 min): the int4 GEMV on the tensor cores (kernels/int4_mma_gemv.py, quant_gemv.INT4_MMA_GEMV,
+# int4-mma (one GPU, ~5 min): the int4 GEMV on the tensor cores (kernels/int4_mma_gemv.py, quant_gemv.INT4_MMA_GEMV,
 # off): its GPU tests with each 8B projection's time against the CUDA-core kernels (weights from HBM), the times
 # again at 2 tiles a warp (int4_mma_gemv.REPS), through the shared ring (STAGES) and with quant_gemv's split-K
-# choice instead of one wave (WAVE_SPLITS), the quantized engines' GPU tests with it on, then the 8B GPTQ int4
-# decode at batch 1 (32K) and 8 (4K) off and on (issue 18: int4 b1 <= 0.6x bf16's).
+# choice instead of one wave (WAVE_SPLITS). int4-mma-decode (one GPU, ~5 min): the quantized engines' GPU tests with
+# it on, then the 8B decode at batch 1 (32K) and 8 (4K) in bf16 and in GPTQ int4 with it off and on (issue 18: int4
+# b1 <= 0.6x bf16's).
 # shellcheck shell=bash
 
 if [[ $MODE == kvfp8 ]]; then  # one GPU: fp8 KV cache; target: 2x KV tokens, b64 decode <= 1.05x auto
@@ -255,7 +256,7 @@ if [[ $MODE == serial-reduce ]]; then  # one GPU (~5 min): split-K partials summ
   done
 fi
 
-if [[ $MODE == int4-mma ]]; then  # one GPU (~7 min): the tensor-core int4 GEMV, its tests, times, engines, decode
+if [[ $MODE == int4-mma ]]; then  # one GPU (~5 min): the tensor-core int4 GEMV, its tests and variants' times
   timeout 240 python3 -m pytest -q -s -m gpu tests/gpu/test_int4_mma_gemv_gpu.py -p no:cacheprovider --tb=short \
     -rfE 2>&1 | tee "$OUT/gpu_tests_int4_mma.log" | grep -E "int4 mma|passed|failed" || status=1
   # the default (REPS=4 STAGES=0 WAVE_SPLITS=True) ran above
@@ -266,9 +267,15 @@ if [[ $MODE == int4-mma ]]; then  # one GPU (~7 min): the tensor-core int4 GEMV,
       | tee "$OUT/gpu_tests_int4_mma_${variant// /_}.log" | grep -E "int4 mma|passed|failed" | sed "s/^/$variant: /" \
       || status=1
   done
+fi
+
+if [[ $MODE == int4-mma-decode ]]; then  # one GPU (~5 min): the quantized engines with it on, the 8B decode
   timeout 300 python3 scripts/probes/with_constants.py longserve.kernels.quant_gemv.INT4_MMA_GEMV=True -- \
     pytest -q -m gpu tests/gpu/test_quant_engine_gpu.py -p no:cacheprovider --tb=short -rfE 2>&1 \
     | tee "$OUT/gpu_tests_int4_mma_engines.log" | tail -4 || status=1
+  # bf16 in the same call: issue 18's ratio (int4 decode b1@32K <= 0.6x bf16's)
+  latency_with int4_mma_bf16 "bf16" -- --config llama-3.1-8b "${dummy[@]}" --repeat 3 \
+    --decode-batch-sizes 1@32768,8@4096
   for on in False True; do
     latency_with int4_mma_$on "int4 INT4_MMA_GEMV=$on" longserve.kernels.quant_gemv.INT4_MMA_GEMV=$on -- \
       --config llama-3.1-8b "${dummy[@]}" --repeat 3 --quantization gptq --decode-batch-sizes 1@32768,8@4096
