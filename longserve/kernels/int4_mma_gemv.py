@@ -47,6 +47,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
+from longserve.kernels.launch import use_pdl
+
 __all__ = [
     "K_STEP",
     "MAX_ROWS",
@@ -228,9 +230,9 @@ def int4_mma_gemv_kernel(
     zero_x = gl.zeros([1, 8 * W, 4, 4], gl.float32, L)
     s_begin = pid_k * steps_per_split
     s_end = gl.minimum(s_begin + steps_per_split, num_steps)
-    if (
-        STAGES > 0
-    ):  # each lane copies its own pieces (and reads only them back): no barrier, only its own waits
+    # the ring: each lane copies the pieces it reads back (Triton's membar pass, which cannot see that, still puts a
+    # CTA barrier before the reads and one before the copies into the slot read last step)
+    if STAGES > 0:
         SL: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 1, [3, 2, 1, 0])  # a slot row-major, no swizzle
         ring_a = gl.allocate_shared_memory(gl.int32, [STAGES, REPS, 8 * W, 4, 4], SL)
         ring_b = gl.allocate_shared_memory(gl.int32, [STAGES, REPS, 8 * W, 4, 4], SL)
@@ -360,23 +362,21 @@ def splits(n_tiles: int, num_steps: int, sms: int) -> int:
     return -(-num_steps // -(-num_steps // want))  # no empty split
 
 
-def launch(x, qweight, scales, zeros, bias, group_size: int, steps_per_split: int, splits: int, out, res, locks,
-           stride_os: int, serial: bool, bias_in_kernel: bool) -> None:  # fmt: skip
-    """The kernel over a product `fits` takes, K in `splits` runs of steps_per_split steps: into out [M, N] (one
-    split) or its fp32 partials out [splits, M, N], summed (SERIAL) by each tile's last program into res with the
+def launch(x, qweight, scales, zeros, bias, group_size: int, steps_per_split: int, num_splits: int, out, res,
+           locks, stride_os: int, serial: bool, bias_in_kernel: bool) -> None:  # fmt: skip
+    """The kernel over a product `fits` takes, K in num_splits runs of steps_per_split steps: into out [M, N] (one
+    split) or its fp32 partials out [num_splits, M, N], summed (SERIAL) by each tile's last program into res with the
     counters `locks` (quant_gemv.SplitKOutputs makes these and sums them otherwise)."""
-    from longserve.kernels.launch import use_pdl
-
     m, k = x.shape
     n = qweight.shape[0]
     steps = (group_size if 0 < group_size < k else k) // K_STEP
     group_shift = -1 if group_size <= 0 or group_size >= k else steps.bit_length() - 1
     z = zeros if zeros is not None else scales
     pdl = use_pdl(x)
-    int4_mma_gemv_kernel[(triton.cdiv(n, block_n()), splits)](
+    int4_mma_gemv_kernel[(triton.cdiv(n, block_n()), num_splits)](
         x.view(torch.int32), qweight.view(torch.int32), scales, z, bias if bias_in_kernel else scales, out, res,
         locks, m, n, steps_per_split, k // K_STEP, x.stride(0) // 2, qweight.stride(0) // 4, scales.stride(0),
         z.stride(0), stride_os, out.stride(-2), HAS_ZP=zeros is not None, HAS_BIAS=bias_in_kernel,
-        PARTIAL=splits > 1, SERIAL=serial, EVEN_N=n % block_n() == 0, GROUP_SHIFT=group_shift, REPS=REPS,
+        PARTIAL=num_splits > 1, SERIAL=serial, EVEN_N=n % block_n() == 0, GROUP_SHIFT=group_shift, REPS=REPS,
         STAGES=STAGES, USE_PDL=pdl, num_warps=WARPS, launch_pdl=pdl,
     )  # fmt: skip
