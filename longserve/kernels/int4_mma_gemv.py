@@ -47,6 +47,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
+from longserve.kernels.gluon_gemv import axis, gdc_wait, one_wave_splits, store_sums, supported
 from longserve.kernels.launch import use_pdl
 
 __all__ = [
@@ -115,13 +116,9 @@ _SUMS_ASM = gl.constexpr(_sums_asm())
 _SUMS_CONSTRAINTS = gl.constexpr(",".join(["=&f"] * 4 + ["f"] * 4 + ["r"] * 16))
 _PRMT_LO = gl.constexpr("prmt.b32 $0, $1, $2, 0x5410;")  # (a.lo, b.lo)
 _PRMT_HI = gl.constexpr("prmt.b32 $0, $1, $2, 0x7632;")  # (a.hi, b.hi)
-_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # the CTA's barrier: renamed in Triton 3.9
-_cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared  # likewise
-
-
-def supported() -> bool:
-    """Whether this Triton's Gluon is one the kernel is known to build with (3.6, the H200's, to 3.9)."""
-    return (3, 6) <= tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 10)
+_cp_async = (
+    getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+)  # renamed in 3.9
 
 
 @triton.constexpr_function
@@ -135,36 +132,6 @@ def _lane_layout(reps, warps):
         block_bases=[],
         shape=[reps, 8 * warps, 4, 4],
     )
-
-
-@gluon.jit
-def _gdc_wait(USE_PDL: gl.constexpr):
-    """Programmatic dependent launch (launch.pdl_prologue's two steps): wait for the kernel before, then let the
-    next one be scheduled."""
-    if USE_PDL:
-        gl.inline_asm_elementwise(
-            "griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
-        )
-        gl.inline_asm_elementwise(
-            "griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
-        )
-
-
-@gluon.jit
-def _axis(SIZE: gl.constexpr, AXIS: gl.constexpr, L: gl.constexpr):
-    """arange(SIZE) along AXIS of the 4D layout L, with size-1 axes elsewhere."""
-    if AXIS == 0:
-        i = gl.arange(0, SIZE, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, L))))
-        return gl.expand_dims(gl.expand_dims(gl.expand_dims(i, 1), 2), 3)
-    elif AXIS == 1:
-        i = gl.arange(0, SIZE, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, L))))
-        return gl.expand_dims(gl.expand_dims(gl.expand_dims(i, 0), 2), 3)
-    elif AXIS == 2:
-        i = gl.arange(0, SIZE, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, L))))
-        return gl.expand_dims(gl.expand_dims(gl.expand_dims(i, 0), 1), 3)
-    else:
-        i = gl.arange(0, SIZE, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, L))))
-        return gl.expand_dims(gl.expand_dims(gl.expand_dims(i, 0), 1), 2)
 
 
 @gluon.jit
@@ -213,18 +180,18 @@ def int4_mma_gemv_kernel(
     LS: gl.constexpr = gl.BlockedLayout([REPS, 1, 1, 2], [1, 8, 4, 1], [1, W, 1, 1], [3, 2, 1, 0])
     gl.static_assert(gl.to_linear_layout(L, [REPS, 8 * W, 4, 4]) == _lane_layout(REPS, W), "lanes as mma's")
     BLOCK_N: gl.constexpr = 16 * W * REPS
-    _gdc_wait(USE_PDL)
+    gdc_wait(USE_PDL)
     pid_n, pid_k = gl.program_id(0), gl.program_id(1)
-    col = (pid_n * BLOCK_N + _axis(REPS, 0, L) * (16 * W) + (_axis(8 * W, 1, L) // 8) * 16
-           + _axis(8 * W, 1, L) % 8)  # [REPS, 8W, 1, 1]: A's row g; row g + 8 is col + 8  # fmt: skip
-    words_a = w_ptr + col.to(gl.int64) * stride_wn + 4 * _axis(4, 2, L) + _axis(4, 3, L)  # words 4t + u
+    col = (pid_n * BLOCK_N + axis(REPS, 0, L) * (16 * W) + (axis(8 * W, 1, L) // 8) * 16
+           + axis(8 * W, 1, L) % 8)  # [REPS, 8W, 1, 1]: A's row g; row g + 8 is col + 8  # fmt: skip
+    words_a = w_ptr + col.to(gl.int64) * stride_wn + 4 * axis(4, 2, L) + axis(4, 3, L)  # words 4t + u
     words_b = words_a + 8 * stride_wn
     # token g's 64 bytes of the step (words 4t .. 4t + 3); rows past M read row M - 1 (their sums are not stored)
-    g_x = gl.minimum(_axis(8 * W, 1, LX) % 8, M - 1)
-    xs = x_ptr + g_x * stride_xm + 16 * _axis(4, 2, LX) + _axis(16, 3, LX)  # [1, 8W, 4, 16]
+    g_x = gl.minimum(axis(8 * W, 1, LX) % 8, M - 1)
+    xs = x_ptr + g_x * stride_xm + 16 * axis(4, 2, LX) + axis(16, 3, LX)  # [1, 8W, 4, 16]
     # the epilogue's element u is C's register: columns col + 8 (u >> 1), token 2t + (u & 1)
-    col_s = (pid_n * BLOCK_N + _axis(REPS, 0, LS) * (16 * W) + (_axis(8 * W, 1, LS) // 8) * 16
-             + _axis(8 * W, 1, LS) % 8 + 8 * _axis(2, 3, LS))  # [REPS, 8W, 1, 2]  # fmt: skip
+    col_s = (pid_n * BLOCK_N + axis(REPS, 0, LS) * (16 * W) + (axis(8 * W, 1, LS) // 8) * 16
+             + axis(8 * W, 1, LS) % 8 + 8 * axis(2, 3, LS))  # [REPS, 8W, 1, 2]  # fmt: skip
     acc = gl.zeros([REPS, 8 * W, 4, 4], gl.float32, L)
     zero = gl.zeros([REPS, 8 * W, 4, 4], gl.float32, L)
     zero_x = gl.zeros([1, 8 * W, 4, 4], gl.float32, L)
@@ -290,28 +257,10 @@ def int4_mma_gemv_kernel(
         else:
             zq = 136.0  # 128 + 2^(4 - 1)
         acc += scale * (c - zq * sums)
-    col_c = col + 8 * (_axis(4, 3, L) >> 1)  # [REPS, 8W, 1, 4]
-    token = 2 * _axis(4, 2, L) + (_axis(4, 3, L) & 1)  # [1, 1, 4, 4]
-    out_mask = (col_c < N) & (token < M)
-    out_off = token * stride_om + col_c
-    if PARTIAL:
-        gl.store(out_ptr + pid_k * stride_os + out_off, acc, mask=out_mask)
-        if SERIAL:  # quant_tiles.store_gemv_out's: the tile's last program sums the partials in split order
-            _barrier()
-            num_splits = gl.num_programs(1)
-            if gl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-                total = gl.zeros([REPS, 8 * W, 4, 4], gl.float32, L)
-                for split in range(0, num_splits):
-                    total += gl.load(out_ptr + split * stride_os + out_off, mask=out_mask, other=0.0,
-                                     cache_modifier=".cg")  # fmt: skip
-                if HAS_BIAS:
-                    total += gl.load(b_ptr + col_c, mask=col_c < N, other=0.0).to(gl.float32)
-                gl.store(res_ptr + out_off, total.to(res_ptr.dtype.element_ty), mask=out_mask)
-                gl.atomic_xchg(lock_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # ready for the next launch
-    else:
-        if HAS_BIAS:
-            acc += gl.load(b_ptr + col_c, mask=col_c < N, other=0.0).to(gl.float32)
-        gl.store(out_ptr + out_off, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    col_c = col + 8 * (axis(4, 3, L) >> 1)  # [REPS, 8W, 1, 4]
+    token = 2 * axis(4, 2, L) + (axis(4, 3, L) & 1)  # [1, 1, 4, 4]
+    store_sums(out_ptr, acc, token * stride_om + col_c, (col_c < N) & (token < M), b_ptr, col_c, col_c < N, pid_n,
+               pid_k, stride_os, res_ptr, lock_ptr, HAS_BIAS, PARTIAL, SERIAL)  # fmt: skip
 
 
 def fits(x: torch.Tensor, qweight: torch.Tensor, g_idx, bits: int, group_size: int) -> bool:
@@ -358,8 +307,7 @@ def resident_programs(sms: int) -> int:
 
 def splits(n_tiles: int, num_steps: int, sms: int) -> int:
     """K splits for n_tiles column tiles over num_steps steps (WAVE_SPLITS): the most that keep one wave."""
-    want = max(1, min(resident_programs(sms) // max(n_tiles, 1), num_steps))
-    return -(-num_steps // -(-num_steps // want))  # no empty split
+    return one_wave_splits(n_tiles, num_steps, resident_programs(sms))
 
 
 def launch(x, qweight, scales, zeros, bias, group_size: int, steps_per_split: int, num_splits: int, out, res,

@@ -1,0 +1,82 @@
+"""Generic pieces of the Gluon decode GEMV on the tensor cores (int4_mma_gemv.py), apart from its mapping: which
+Tritons build it, aranges along one axis of a 4D layout, programmatic dependent launch, the store of a split-K
+program's sums (quant_tiles.store_gemv_out's contract, in Gluon), and the split count that keeps one wave."""
+
+from __future__ import annotations
+
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+__all__ = ["one_wave_splits", "supported"]
+
+_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # the CTA's barrier: renamed in Triton 3.9
+
+
+def supported() -> bool:
+    """Whether this Triton's Gluon is one the kernels are known to build with (3.6, the H200's, to 3.9)."""
+    return (3, 6) <= tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 10)
+
+
+def one_wave_splits(n_tiles: int, num_steps: int, resident: int) -> int:
+    """K splits for n_tiles column tiles over num_steps steps: the most for which every program is resident at
+    once (`resident` programs on the device), each split at least one step, none empty."""
+    want = max(1, min(resident // max(n_tiles, 1), num_steps))
+    return -(-num_steps // -(-num_steps // want))
+
+
+@gluon.jit
+def gdc_wait(USE_PDL: gl.constexpr):
+    """Programmatic dependent launch (launch.pdl_prologue's two steps): wait for the kernel before, then let the
+    next one be scheduled."""
+    if USE_PDL:
+        gl.inline_asm_elementwise(
+            "griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
+        )
+        gl.inline_asm_elementwise(
+            "griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
+        )
+
+
+@gluon.jit
+def axis(SIZE: gl.constexpr, AXIS: gl.constexpr, L: gl.constexpr):
+    """arange(SIZE) along AXIS of the 4D layout L, with size-1 axes elsewhere."""
+    if AXIS == 0:
+        i = gl.arange(0, SIZE, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, L))))
+        return gl.expand_dims(gl.expand_dims(gl.expand_dims(i, 1), 2), 3)
+    elif AXIS == 1:
+        i = gl.arange(0, SIZE, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, L))))
+        return gl.expand_dims(gl.expand_dims(gl.expand_dims(i, 0), 2), 3)
+    elif AXIS == 2:
+        i = gl.arange(0, SIZE, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, L))))
+        return gl.expand_dims(gl.expand_dims(gl.expand_dims(i, 0), 1), 3)
+    else:
+        i = gl.arange(0, SIZE, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, L))))
+        return gl.expand_dims(gl.expand_dims(gl.expand_dims(i, 0), 1), 2)
+
+
+@gluon.jit
+def store_sums(out_ptr, acc, out_off, out_mask, b_ptr, b_off, b_mask, pid_n, pid_k, stride_os, res_ptr, lock_ptr,
+               HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr, SERIAL: gl.constexpr):  # fmt: skip
+    """A split-K program's fp32 sums `acc` stored (quant_tiles.store_gemv_out's contract): with one split (+ bias)
+    rounded once to out's dtype at out_off; with several, its partials in plane pid_k of [splits, M, N], and
+    (SERIAL) the column tile's last program sums the planes in split order (+ bias) into res, then zeroes its
+    counter (lock_ptr[pid_n], zero between launches)."""
+    if PARTIAL:
+        gl.store(out_ptr + pid_k * stride_os + out_off, acc, mask=out_mask)
+        if SERIAL:
+            _barrier()
+            num_splits = gl.num_programs(1)
+            if gl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+                total = gl.zeros_like(acc)
+                for split in range(0, num_splits):
+                    total += gl.load(out_ptr + split * stride_os + out_off, mask=out_mask, other=0.0,
+                                     cache_modifier=".cg")  # fmt: skip
+                if HAS_BIAS:
+                    total += gl.load(b_ptr + b_off, mask=b_mask, other=0.0).to(gl.float32)
+                gl.store(res_ptr + out_off, total.to(res_ptr.dtype.element_ty), mask=out_mask)
+                gl.atomic_xchg(lock_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+    else:
+        if HAS_BIAS:
+            acc += gl.load(b_ptr + b_off, mask=b_mask, other=0.0).to(gl.float32)
+        gl.store(out_ptr + out_off, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
