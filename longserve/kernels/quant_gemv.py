@@ -82,6 +82,10 @@ INT4_FAST_PATH = True
 # M up to which the CUDA-core FMA path serves 16-bit activations; above it tl.dot (BLOCK_M >= 16). A placeholder
 # until the GPU session measures both (scripts/gpu/bench_quant_kernels.py --sweep-gemv prints them per M).
 WNA16_GEMV_FMA_MAX_TOKENS = 4
+# 1 to 8 rows of 4-bit weights on the tensor cores (kernels/int4_mma_gemv.py: Gluon, mma.sync; sm90 SASS 1.45
+# instructions a weight against int4_gemv.py's 3.76 at one row): off until the H200 measures it
+# (`gpu_check.sh int4-mma`); imported only when on (Gluon).
+INT4_MMA_GEMV = False
 GEMV_MAX_BLOCK_M = 64  # the largest M the kernel takes (tl.dot path); beyond it quant_gemm's kernels serve
 # A split-K decode GEMV (this kernel, kernels/int4_gemv.py's, kernels/fp8_gemv.py's) sums its partials in the
 # program that finishes each column tile last (quant_tiles.store_gemv_out: a counter per tile), instead of a
@@ -93,10 +97,6 @@ GEMV_MAX_BLOCK_M = 64  # the largest M the kernel takes (tl.dot path); beyond it
 # launch, 18.24 ms serial (FP8 12.38 / 12.40; batch 1 4.35 -> 4.13 and 4.36 -> 4.25 in the same call, RESULTS.md
 # nineteenth session), so serial only up to SERIAL_REDUCE_MAX_ROWS rows (8: between the two measured points).
 SPLIT_K_SERIAL_REDUCE = True
-# 1 to 8 rows of 4-bit weights on the tensor cores (kernels/int4_mma_gemv.py: Gluon, mma.sync; sm90 SASS 1.45
-# instructions a weight against int4_gemv.py's 3.76 at one row): off until the H200 measures it
-# (`gpu_check.sh int4-mma`); imported only when on (Gluon).
-INT4_MMA_GEMV = False
 SERIAL_REDUCE_MAX_ROWS = 8
 SERIAL_LOCKS = 1 << 16  # counters per device (column tiles of one GEMV); a GEMV with more reduces apart
 _SERIAL_LOCKS: dict[torch.device, torch.Tensor] = {}

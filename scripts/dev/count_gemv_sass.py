@@ -1,6 +1,6 @@
 """Instructions a weight in the inner loop of the one-row int4 GEMV (kernels/int4_gemv.py), of the FP8 GEMV at
-one row (kernels/fp8_gemv.py, variants with "fp8") and of the tensor-core int4 GEMV (kernels/int4_mma_gemv.py, "mma"), from their sm90 SASS, with registers, on any machine (Triton
-ships ptxas and nvdisasm). An H200 streams an int4 weight in ~0.12 ns and an e4m3 one in ~0.24 ns, and its SMs
+one row (kernels/fp8_gemv.py, variants with "fp8") and of the tensor-core int4 GEMV (kernels/int4_mma_gemv.py,
+"mma"), from their sm90 SASS, with registers, on any machine (Triton ships ptxas and nvdisasm). An H200 streams an int4 weight in ~0.12 ns and an e4m3 one in ~0.24 ns, and its SMs
 issue ~33 T lane-instructions/s: at ~4 instructions a weight the int4 GEMV's issue takes as long as its bytes
 (issue-bound), the FP8 one's at ~8; this count tells how far a loop is from that before a GPU does. The loop is
 the longest backward branch; a weight is one of the BLOCK_N x BLOCK_K a program's tile holds, over its 32 x
