@@ -13,8 +13,8 @@ mma is one `mma.sync.m16n8k16` in inline PTX per 16 x 16 block.
 
 The mapping (PTX ISA, mma.m16n8k16 .bf16: lane = 4 g + t; A rows g, g + 8, B column g, C rows g, g + 8 and
 columns 2t, 2t + 1):
-- A = 16 weight rows (output columns) x 16 k, B = 16 k x 8 activation rows (tokens; rows >= M are zero), so C
-  holds 16 output columns x 8 tokens. A warp's tile is 16 consecutive output columns: lane (g, t) reads the words
+- A = 16 weight rows (output columns) x 16 k, B = 16 k x 8 activation rows (tokens; those past M repeat row M - 1
+  and are never stored), so C holds 16 output columns x 8 tokens. A warp's tile is 16 consecutive output columns: lane (g, t) reads the words
   4t .. 4t + 3 of a 128-k step (one 16-byte load) of columns g (A's row g) and g + 8 (row g + 8).
 - `((word >> 4i) & 0x000F000F) | 0x43004300` is one bf16 pair, 128 + q[8j + i] (low) and 128 + q[8j + i + 4]
   (high), exact. The k order inside an mma is free as long as A and B agree: A's register pair (k 2t, 2t + 1)
@@ -33,8 +33,8 @@ reference, which rounds each weight to bf16 first. Split-K as the other decode G
 partials [splits, M, N], summed by the last program of each column tile (quant_tiles.store_gemv_out's scheme) or
 by quant_gemv.splitk_reduce.
 
-Built for sm90 on the CPU machine with Triton 3.6 and 3.9 (`scripts/dev/count_gemv_sass.py '{"mma": true}'`:
-registers, instructions a weight of the step loop, no shared memory). Not yet run on a GPU: its test is
+Built for sm90 on the CPU machine with Triton 3.6 and 3.9 (`scripts/dev/count_gemv_sass.py '{"mma": true}'`: the
+step loop at 1.45 instructions a weight, 142 registers, no shared memory, no spills). Not yet run on a GPU: its test is
 tests/gpu/test_int4_mma_gemv_gpu.py and `gpu_check.sh int4-mma` times it against int4_gemv.py's. Its PTX and
 epilogue run warp by warp on the CPU in int4_mma_reference.py.
 """
@@ -67,8 +67,9 @@ MAX_ROWS = 8  # activation rows: B's 8 columns
 WARPS = 4
 REPS = 4  # 16-column tiles a warp holds: a program's columns are 16 x WARPS x REPS
 # 0: each step's words and activations loaded into registers at its start (a warp then waits out the load's
-# latency; the other warps of the SM hide it); >= 2: a ring of STAGES steps in shared memory, each lane copying
-# (cp.async) the 16-byte pieces it later reads, STAGES - 1 steps ahead: more bytes in flight than registers hold.
+# latency; the other warps of the SM hide it); 2 or 4 (shared allocations are powers of two): a ring of STAGES
+# steps in shared memory, each lane copying (cp.async) the 16-byte pieces it later reads, STAGES - 1 steps ahead:
+# more bytes in flight than registers hold.
 # Loading the next step into registers before this step's math builds to the same SASS as 0 (ptxas sinks the
 # loads to the loop's end). Unmeasured either way.
 STAGES = 0

@@ -28,9 +28,8 @@ def emulate(
     group = group_size if group_size > 0 else k
     num_steps = k // kernel.K_STEP
     per_split = -(-num_steps // max(1, min(splits, num_steps)))
-    tiles = np.arange(
-        0, n, 16
-    )  # every warp's tile of 16 columns (the kernel's programs hold 16 x warps x reps)
+    # every warp's tile of 16 columns (the kernel's programs hold 16 x warps x reps of them)
+    tiles = np.arange(0, n, 16)
     lanes = np.arange(32)
     g, t = lanes >> 2, lanes & 3
     col = tiles[:, None] + g[None, :]  # [tiles, 32]: A's row g
