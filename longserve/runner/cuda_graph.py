@@ -19,7 +19,7 @@ import torch
 
 from longserve.attention.base import AttentionBackend, AttentionMetadata, ForwardContext, GraphShape, KVCache
 from longserve.config import EngineConfig
-from longserve.runner.piecewise_graph import PiecewiseGraphRunner, piecewise_buckets
+from longserve.runner.piecewise_graph import PiecewiseGraphRunner
 from longserve.runner.static_tokens import StaticTokens
 
 logger = logging.getLogger("longserve.runner.cuda_graph")
@@ -317,7 +317,9 @@ def capture_pieces(
     eagerly, as with --piecewise-cuda-graph-max-tokens 0) when no size is left or a model's dense parts cannot be
     captured: they are on by default, an optimisation that must not keep a server from starting; the warning
     names the error."""
-    buckets = piecewise_buckets(max_tokens, sizes)
+    # its buffers only: nothing is captured before the checks below
+    pieces = PiecewiseGraphRunner(model, kv_cache, shape, max_tokens, sizes)
+    buckets = pieces.buckets
     if sizes is not None and len(buckets) < len(sizes):
         logger.info(
             "--piecewise-cuda-graph-tokens: sizes above %d tokens (the chunk, --piecewise-cuda-graph-max-tokens) "
@@ -328,7 +330,6 @@ def capture_pieces(
             "no --piecewise-cuda-graph-tokens size within %d tokens: mixed steps run eagerly", max_tokens
         )
         return None
-    pieces = PiecewiseGraphRunner(model, kv_cache, shape, max_tokens, sizes)
     try:
         pieces.capture(pool=pool)
     except Exception as e:  # noqa: BLE001 - any capture failure: serve without them
