@@ -1,7 +1,8 @@
 """The int4 decode GEMV on the tensor cores (Gluon, mma.sync): y = x @ dequantize(w)^T for 1 to 8 rows of bf16
 activations and 4-bit weights in the layout of `quant_reference` (GPTQ / AWQ after loading: uint8 [N, K / 2], scales
 [N, G], optional uint8 zero points), groups of a multiple of 128 or one group. Same contract as
-`quant_reference.wna16_gemm_ref`; `quant_gemv.wna16_gemv` routes here when `INT4_MMA_GEMV` is on and `fits`.
+`quant_reference.wna16_gemm_ref`; `quant_gemv.wna16_gemv` routes here when `INT4_MMA_GEMV` is on and `fits`, and so
+does moe_wna16's routed expert GEMV (ROUTED: one program column a (token, k) pair, M = 1, the pair's expert's weights).
 
 Why: the one-row kernel on the CUDA cores (int4_gemv.py) spends 3.76 sm90 instructions a weight (an FMA each, the
 unpacking, the sums), about what an H200's SMs can issue while HBM delivers half a byte, and its 8B decode at batch
@@ -170,9 +171,12 @@ def int4_mma_gemv_kernel(
     out_ptr,  # [M, N] bf16, or (PARTIAL) [splits, M, N] float32
     res_ptr,  # SERIAL: [M, N] bf16, the partials' sum
     lock_ptr,  # SERIAL: int32 counters, one per column tile, zero
+    ids_ptr,  # ROUTED: [P] int32, each output row's expert
     M, N, steps_per_split, num_steps, stride_xm, stride_wn, stride_sn, stride_zn, stride_os, stride_om,
+    stride_we, stride_se, stride_ze,
     HAS_ZP: gl.constexpr, HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr, SERIAL: gl.constexpr, EVEN_N: gl.constexpr,
     GROUP_SHIFT: gl.constexpr, REPS: gl.constexpr, STAGES: gl.constexpr, USE_PDL: gl.constexpr,
+    ROUTED: gl.constexpr = False, X_ROW_DIV: gl.constexpr = 1,
 ):  # fmt: skip
     W: gl.constexpr = gl.num_warps()
     # [tile r, lane row (warp w, g), lane t, element u]: lanes (g, t) as mma's groupID / threadID_in_group
@@ -181,8 +185,16 @@ def int4_mma_gemv_kernel(
     LS: gl.constexpr = gl.BlockedLayout([REPS, 1, 1, 2], [1, 8, 4, 1], [1, W, 1, 1], [3, 2, 1, 0])
     gl.static_assert(gl.to_linear_layout(L, [REPS, 8 * W, 4, 4]) == _lane_layout(REPS, W), "lanes as mma's")
     BLOCK_N: gl.constexpr = 16 * W * REPS
-    gdc_wait(USE_PDL)
+    gdc_wait(USE_PDL)  # before the routed expert id (the router's output) and x
     pid_n, pid_k = gl.program_id(0), gl.program_id(1)
+    if ROUTED:  # MoE decode (moe_wna16.py): axis 2 over (token, k) pairs, M = 1, each pair's expert's weights
+        pair = gl.program_id(2).to(gl.int64)
+        expert = gl.load(ids_ptr + pair).to(gl.int64)
+        w_ptr += expert * stride_we
+        s_ptr += expert * stride_se
+        z_ptr += expert * stride_ze
+        x_ptr += (pair // X_ROW_DIV) * stride_xm
+        out_ptr += pair * stride_om
     col = (pid_n * BLOCK_N + axis(REPS, 0, L) * (16 * W) + (axis(8 * W, 1, L) // 8) * 16
            + axis(8 * W, 1, L) % 8)  # [REPS, 8W, 1, 1]: A's row g; row g + 8 is col + 8  # fmt: skip
     words_a = w_ptr + col.to(gl.int64) * stride_wn + 4 * axis(4, 2, L) + axis(4, 3, L)  # words 4t + u
@@ -264,11 +276,14 @@ def int4_mma_gemv_kernel(
                pid_k, stride_os, res_ptr, lock_ptr, HAS_BIAS, PARTIAL, SERIAL)  # fmt: skip
 
 
-def fits(x: torch.Tensor, qweight: torch.Tensor, g_idx, bits: int, group_size: int) -> bool:
-    """Whether the kernel takes this product: bf16 activations of 1 to MAX_ROWS rows, 4 bits without act order,
-    groups of K_STEP times a power of two (or one group), K a multiple of K_STEP, rows of whole 16-byte aligned
-    words."""
+def fits(
+    x: torch.Tensor, qweight: torch.Tensor, g_idx, bits: int, group_size: int, routed: bool = False
+) -> bool:
+    """Whether the kernel takes this product: bf16 activations of 1 to MAX_ROWS rows (routed: one a pair, any
+    number), 4 bits without act order, groups of K_STEP times a power of two (or one group), K a multiple of K_STEP,
+    rows of whole 16-byte aligned words."""
     m, k = x.shape
+    m = 1 if routed else m
     steps = (group_size if group_size > 0 else k) // K_STEP
     return (
         x.dtype == torch.bfloat16
@@ -280,8 +295,8 @@ def fits(x: torch.Tensor, qweight: torch.Tensor, g_idx, bits: int, group_size: i
         and x.stride(1) == 1
         and x.stride(0) % 8 == 0
         and x.data_ptr() % 16 == 0
-        and qweight.stride(1) == 1
-        and qweight.stride(0) % 16 == 0
+        and qweight.stride(-1) == 1
+        and all(st % 16 == 0 for st in qweight.stride()[:-1])  # rows (and experts) of whole 16-byte pieces
         and qweight.data_ptr() % 16 == 0
     )
 
@@ -312,20 +327,24 @@ def splits(n_tiles: int, num_steps: int, sms: int) -> int:
 
 
 def launch(x, qweight, scales, zeros, bias, group_size: int, steps_per_split: int, num_splits: int, out, res,
-           locks, stride_os: int, serial: bool, bias_in_kernel: bool) -> None:  # fmt: skip
+           locks, stride_os: int, serial: bool, bias_in_kernel: bool, ids=None, x_row_div: int = 1) -> None:  # fmt: skip
     """The kernel over a product `fits` takes, K in num_splits runs of steps_per_split steps: into out [M, N] (one
     split) or its fp32 partials out [num_splits, M, N], summed (SERIAL) by each tile's last program into res with the
-    counters `locks` (quant_gemv.SplitKOutputs makes these and sums them otherwise)."""
-    m, k = x.shape
-    n = qweight.shape[0]
+    counters `locks` (quant_gemv.SplitKOutputs makes these and sums them otherwise). Routed (`ids` [P], the experts'
+    qweight [E, N, K / 2], scales and zeros [E, N, G]): row p of out is x[p // x_row_div] times expert ids[p]'s."""
+    k = x.shape[1]
+    m, n = (1, qweight.shape[1]) if ids is not None else (x.shape[0], qweight.shape[0])
     steps = (group_size if 0 < group_size < k else k) // K_STEP
     group_shift = -1 if group_size <= 0 or group_size >= k else steps.bit_length() - 1
     z = zeros if zeros is not None else scales
+    routed = ids is not None
     pdl = use_pdl(x)
-    int4_mma_gemv_kernel[(triton.cdiv(n, block_n()), num_splits)](
+    int4_mma_gemv_kernel[(triton.cdiv(n, block_n()), num_splits, ids.shape[0] if routed else 1)](
         x.view(torch.int32), qweight.view(torch.int32), scales, z, bias if bias_in_kernel else scales, out, res,
-        locks, m, n, steps_per_split, k // K_STEP, x.stride(0) // 2, qweight.stride(0) // 4, scales.stride(0),
-        z.stride(0), stride_os, out.stride(-2), HAS_ZP=zeros is not None, HAS_BIAS=bias_in_kernel,
-        PARTIAL=num_splits > 1, SERIAL=serial, EVEN_N=n % block_n() == 0, GROUP_SHIFT=group_shift, REPS=REPS,
-        STAGES=STAGES, USE_PDL=pdl, num_warps=WARPS, launch_pdl=pdl,
+        locks, ids if routed else locks, m, n, steps_per_split, k // K_STEP, x.stride(0) // 2,
+        qweight.stride(-2) // 4, scales.stride(-2), z.stride(-2), stride_os, out.stride(-2),
+        qweight.stride(0) // 4 if routed else 0, scales.stride(0) if routed else 0, z.stride(0) if routed else 0,
+        HAS_ZP=zeros is not None, HAS_BIAS=bias_in_kernel, PARTIAL=num_splits > 1, SERIAL=serial,
+        EVEN_N=n % block_n() == 0, GROUP_SHIFT=group_shift, REPS=REPS, STAGES=STAGES, USE_PDL=pdl, ROUTED=routed,
+        X_ROW_DIV=x_row_div, num_warps=WARPS, launch_pdl=pdl,
     )  # fmt: skip

@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from longserve.kernels import int4_gemv
+from longserve.kernels import int4_gemv, quant_gemv
 from longserve.kernels.extend_attention import interpreting
 from longserve.kernels.int4_gemv import int4_dot_tile, int4_fast_block_n, int4_gemv_kernel, int4_tile_load
 from longserve.kernels.launch import fast_launch, use_pdl
@@ -183,6 +183,17 @@ def _routed_gemv(
     w = w if w.is_contiguous() else w.contiguous()
     assert x.stride(1) == 1 and w.data_ptr() % 16 == 0 and packed % 4 == 0, "rows of whole 32-bit words"
     sms = _num_sms(x.device.index or 0) if x.device.type == "cuda" else 1
+    if quant_gemv.INT4_MMA_GEMV and x.is_cuda:  # the tensor cores' GEMV over the pairs (int4_mma_gemv.py)
+        from longserve.kernels import int4_mma_gemv as mma
+
+        if mma.supported() and mma.fits(x, w, None, 4, group, routed=True):
+            num_steps = k // mma.K_STEP
+            split = mma.splits(triton.cdiv(n, mma.block_n()) * num_rows, num_steps, sms)
+            steps_per_split, split, out = split_k_output(num_steps, split, num_rows, n, x.dtype, x.device)
+            stride_os = out.stride(0) if split > 1 else 0
+            mma.launch(x, w, scale, zero, None, group, steps_per_split, split, out, out, out, stride_os, False, False,
+                       ids=ids, x_row_div=x_row_div)  # fmt: skip
+            return out
     num_tiles = k // block_k
     block_n = min(int4_fast_block_n(n, num_tiles, num_rows, sms), max(16, triton.next_power_of_2(n)))
     n_blocks = triton.cdiv(n, block_n)

@@ -58,6 +58,13 @@ VARIANTS = [
     {"mma": True},  # kernels/int4_mma_gemv.py (Gluon): 1-8 rows on the tensor cores, split-K, g128 symmetric
     {"mma": True, "zp": True, "serial": True, "bias": True, "pdl": True, "even_n": False, "group_shift": -1},
     {"mma": True, "split": 1, "bias": True, "reps": 2, "group_shift": 1, "stages": 2},
+    {
+        "mma": True,
+        "routed": True,
+        "zp": True,
+        "x_row_div": 8,
+        "pdl": True,
+    },  # MoE decode over (token, k) pairs
     {"dense": True},  # kernels/dense_gemm.py: 16-bit, 64 rows, the 8B gate_up's tiles (one split)
     {"dense": True, "split": 4, "serial": True, "bias": True, "pdl": True},
 ]
@@ -132,19 +139,30 @@ def compile_int4_gemv(int4=True, x="bf16", zp=False, bias=False, bn=64, bk=128, 
 
 
 def compile_int4_mma(mma=True, zp=False, bias=False, split=4, serial=False, even_n=True, group_shift=0, reps=None,
-                     stages=0, pdl=False, num_warps=4):  # fmt: skip
-    """kernels/int4_mma_gemv.py's tensor-core int4 GEMV (Gluon) for sm90, specialized as at run time."""
+                     stages=0, pdl=False, routed=False, x_row_div=1, num_warps=4):  # fmt: skip
+    """kernels/int4_mma_gemv.py's tensor-core int4 GEMV (Gluon) for sm90, specialized as at run time; `routed`: over
+    MoE (token, expert) pairs (kernels/moe_wna16.py)."""
     from longserve.kernels import int4_mma_gemv as mma_mod
 
     fn = mma_mod.int4_mma_gemv_kernel
     ptrs = {"x_ptr": "*i32", "w_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8" if zp else "*fp16",
             "b_ptr": "*bf16" if bias else "*fp16", "out_ptr": "*fp32" if split > 1 else "*bf16", "res_ptr": "*bf16",
-            "lock_ptr": "*i32"}  # fmt: skip
+            "lock_ptr": "*i32", "ids_ptr": "*i32"}  # fmt: skip
     consts = dict(HAS_ZP=zp, HAS_BIAS=bias and (split == 1 or serial), PARTIAL=split > 1, SERIAL=serial,
                   EVEN_N=even_n, GROUP_SHIFT=group_shift, REPS=reps or mma_mod.REPS, STAGES=stages,
-                  USE_PDL=pdl)  # fmt: skip
+                  USE_PDL=pdl, ROUTED=routed, X_ROW_DIV=x_row_div)  # fmt: skip
     sig = {a: ptrs.get(a, "constexpr" if a in consts else "i32") for a in fn.arg_names}
-    div16 = [*ptrs, "N", "stride_xm", "stride_wn", "stride_sn", "stride_zn", "stride_os", "stride_om"]
+    div16 = [
+        *ptrs,
+        "N",
+        "stride_xm",
+        "stride_wn",
+        "stride_sn",
+        "stride_zn",
+        "stride_os",
+        "stride_om",
+        "stride_we",
+    ]
     attrs = {a: [["tt.divisibility", 16]] for a in div16}
     return compile_sm90(fn, sig, consts, attrs, num_warps=num_warps)
 

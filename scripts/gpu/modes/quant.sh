@@ -36,7 +36,8 @@
 # again at 2 tiles a warp (int4_mma_gemv.REPS), through the shared ring (STAGES) and with quant_gemv's split-K
 # choice instead of one wave (WAVE_SPLITS). int4-mma-decode (one GPU, ~5 min): the quantized engines' GPU tests with
 # it on, then the 8B decode at batch 1 (32K) and 8 (4K) in bf16 and in GPTQ int4 with it off and on (issue 18: int4
-# b1 <= 0.6x bf16's).
+# b1 <= 0.6x bf16's). int4-mma-moe (one GPU, ~7 min): the A3B int4 experts' GPU tests (each path's time) and the A3B
+# int4 decode at batch 1 (32K) and 8 (4K), with it off and on (the routed expert GEMV on the tensor cores).
 # shellcheck shell=bash
 
 if [[ $MODE == kvfp8 ]]; then  # one GPU: fp8 KV cache; target: 2x KV tokens, b64 decode <= 1.05x auto
@@ -279,5 +280,18 @@ if [[ $MODE == int4-mma-decode ]]; then  # one GPU (~5 min): the quantized engin
   for on in False True; do
     latency_with int4_mma_$on "int4 INT4_MMA_GEMV=$on" longserve.kernels.quant_gemv.INT4_MMA_GEMV=$on -- \
       --config llama-3.1-8b "${dummy[@]}" --repeat 3 --quantization gptq --decode-batch-sizes 1@32768,8@4096
+  done
+fi
+
+if [[ $MODE == int4-mma-moe ]]; then  # one GPU (~7 min): the routed expert GEMV on the tensor cores, the A3B decode
+  for on in False True; do
+    timeout 150 python3 scripts/probes/with_constants.py longserve.kernels.quant_gemv.INT4_MMA_GEMV=$on -- \
+      pytest -q -s -m gpu tests/gpu/test_quant_kernels_gpu.py -k int4_experts -p no:cacheprovider --tb=short -rfE \
+      2>&1 | tee "$OUT/gpu_tests_int4_experts_mma$on.log" | grep -E "int4 experts|passed|failed" | sed "s/^/mma=$on: /"
+  done
+  for on in False True; do
+    LATENCY_TIMEOUT=150 latency_with a3b_int4_mma_$on "A3B int4 INT4_MMA_GEMV=$on" \
+      longserve.kernels.quant_gemv.INT4_MMA_GEMV=$on -- --config qwen3-30b-a3b "${dummy[@]}" --repeat 3 \
+      --quantization gptq --decode-batch-sizes 1@32768,8@4096
   done
 fi
