@@ -103,3 +103,38 @@ def test_splits_keep_one_wave(
     if per > 1:  # one step fewer a split would need more programs than fit
         assert tiles * -(-steps // (per - 1)) > resident
     assert resident == (396 if (reps, stages) in ((4, 0), (2, 4)) else 792)  # registers; (2, 4): the ring
+
+
+def test_the_routed_launch_reads_each_pairs_expert(monkeypatch: pytest.MonkeyPatch) -> None:
+    """moe_wna16's routed GEMV through `launch` (the kernel captured, not run): a program column a pair, one row a
+    pair, the experts' strides in words and groups, x's row per pair."""
+    calls = []
+
+    class Capture:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: calls.append((grid, args, kw))
+
+    monkeypatch.setattr(mma, "int4_mma_gemv_kernel", Capture())
+    e, n, k, pairs = 16, 1536, 2048, 8
+    x = torch.zeros(1, k, dtype=torch.bfloat16)
+    w = torch.zeros(e, n, k // 2, dtype=torch.uint8)
+    s = torch.zeros(e, n, k // 128, dtype=torch.float16)
+    z = torch.zeros(e, n, k // 128, dtype=torch.uint8)
+    ids, out = torch.zeros(pairs, dtype=torch.int32), torch.zeros(3, pairs, n)
+    odd_rows = torch.zeros(e, n, k // 2 + 8, dtype=torch.uint8)[
+        :, :, : k // 2
+    ]  # rows not whole 16-byte pieces
+    assert mma.fits(x, w, None, 4, 128, routed=True) and not mma.fits(x, odd_rows, None, 4, 128, routed=True)
+    mma.launch(x, w, s, z, None, 128, 6, 3, out, out, out, out.stride(0), False, False, ids=ids, x_row_div=8)
+    grid, args, kw = calls[0]
+    names = ["M", "N", "steps_per_split", "num_steps", "stride_xm", "stride_wn", "stride_sn", "stride_zn",
+             "stride_os", "stride_om", "stride_we", "stride_se", "stride_ze"]  # fmt: skip
+    got = dict(zip(names, args[9:]))
+    assert grid == (-(-n // mma.block_n()), 3, pairs)
+    assert got == {"M": 1, "N": n, "steps_per_split": 6, "num_steps": k // 128, "stride_xm": k // 2,
+                   "stride_wn": k // 8, "stride_sn": k // 128, "stride_zn": k // 128, "stride_os": pairs * n,
+                   "stride_om": n, "stride_we": n * k // 8, "stride_se": n * k // 128, "stride_ze": n * k // 128}  # fmt: skip
+    assert kw["ROUTED"] and kw["X_ROW_DIV"] == 8 and kw["PARTIAL"] and not kw["SERIAL"] and args[8] is ids
+    mma.launch(x, w[0], s[0], None, None, 128, 16, 1, out[0, :1], out, out, 0, False, False)  # dense: one row
+    grid, args, kw = calls[1]
+    assert grid[2] == 1 and not kw["ROUTED"] and args[9] == 1 and args[-3:] == (0, 0, 0)
