@@ -1,4 +1,4 @@
-"""The int4 decode GEMV on the tensor cores (Gluon, mma.sync): y = x @ dequantize(w)^T for 1 to 8 rows of bf16
+"""The int4 decode GEMV on the tensor cores (Gluon, mma.sync): y = x @ dequantize(w)^T for 1 to 16 rows of bf16
 activations and 4-bit weights in the layout of `quant_reference` (GPTQ / AWQ after loading: uint8 [N, K / 2], scales
 [N, G], optional uint8 zero points), groups of a multiple of 128 or one group. Same contract as
 `quant_reference.wna16_gemm_ref`; `quant_gemv.wna16_gemv` routes here when `INT4_MMA_GEMV` is on and `fits`, and so
@@ -15,8 +15,10 @@ mma is one `mma.sync.m16n8k16` in inline PTX per 16 x 16 block.
 The mapping (PTX ISA, mma.m16n8k16 .bf16: lane = 4 g + t; A rows g, g + 8, B column g, C rows g, g + 8 and
 columns 2t, 2t + 1):
 - A = 16 weight rows (output columns) x 16 k, B = 16 k x 8 activation rows (tokens; those past M repeat row M - 1
-  and are never stored), so C holds 16 output columns x 8 tokens. A warp's tile is 16 consecutive output columns: lane (g, t) reads the words
-  4t .. 4t + 3 of a 128-k step (one 16-byte load) of columns g (A's row g) and g + 8 (row g + 8).
+  and are never stored), so C holds 16 output columns x 8 tokens; 9 to 16 rows take a second B and C (TOKEN_TILES
+  2) on the same A (ptxas keeps one unpacking: 1.81 instructions a weight for 16 tokens, 186 registers). A warp's
+  tile is 16 consecutive output columns: lane (g, t) reads the words 4t .. 4t + 3 of a 128-k step (one 16-byte
+  load) of columns g (A's row g) and g + 8 (row g + 8).
 - `((word >> 4i) & 0x000F000F) | 0x43004300` is one bf16 pair, 128 + q[8j + i] (low) and 128 + q[8j + i + 4]
   (high), exact. The k order inside an mma is free as long as A and B agree: A's register pair (k 2t, 2t + 1)
   is the pair i = 2s of word j, (k 2t + 8, 2t + 9) the pair 2s + 1, over s = 0, 1 (two mmas a word). B's must
@@ -64,7 +66,7 @@ __all__ = [
 ]
 
 K_STEP = 128  # k values of a step: 16 words of a column, 4 lanes x 4 words
-MAX_ROWS = 8  # activation rows: B's 8 columns
+MAX_ROWS = 16  # activation rows: B's 8 columns, twice past 8 (TOKEN_TILES)
 WARPS = 4
 REPS = 4  # 16-column tiles a warp holds: a program's columns are 16 x WARPS x REPS
 # 0: each step's words and activations loaded into registers at its start (a warp then waits out the load's
@@ -162,6 +164,25 @@ def _step_copies(slot_a, slot_b, slot_x, words_a, words_b, xs, col, N, step, EVE
 
 
 @gluon.jit
+def _b_pairs(xt, L: gl.constexpr):
+    """A step's x words [1, 8W, 4, 16] (each word's natural pairs P_p, p = 2a + b) as B's X_0..X_3 in L:
+    X_i = (x[8j + i], x[8j + i + 4]), one prmt each."""
+    pa0, pa1 = gl.split(gl.reshape(xt, [1, xt.shape[1], 4, 4, 2, 2]))  # b = 0, 1: [1, 8W, 4, 4, 2] over a
+    p0, p2 = gl.split(pa0)
+    p1, p3 = gl.split(pa1)
+    x0 = gl.inline_asm_elementwise(_PRMT_LO, "=r,r,r", [p0, p2], dtype=gl.int32, is_pure=True, pack=1)
+    x1 = gl.inline_asm_elementwise(_PRMT_HI, "=r,r,r", [p0, p2], dtype=gl.int32, is_pure=True, pack=1)
+    x2 = gl.inline_asm_elementwise(_PRMT_LO, "=r,r,r", [p1, p3], dtype=gl.int32, is_pure=True, pack=1)
+    x3 = gl.inline_asm_elementwise(_PRMT_HI, "=r,r,r", [p1, p3], dtype=gl.int32, is_pure=True, pack=1)
+    return (
+        gl.convert_layout(x0, L),
+        gl.convert_layout(x1, L),
+        gl.convert_layout(x2, L),
+        gl.convert_layout(x3, L),
+    )
+
+
+@gluon.jit
 def int4_mma_gemv_kernel(
     x_ptr,  # [M, K] bf16 viewed as int32 [M, K / 2] (natural pairs)
     w_ptr,  # [N, K / 8] int32: the packed uint8 [N, K / 2] as words
@@ -176,7 +197,7 @@ def int4_mma_gemv_kernel(
     stride_we, stride_se, stride_ze,
     HAS_ZP: gl.constexpr, HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr, SERIAL: gl.constexpr, EVEN_N: gl.constexpr,
     GROUP_SHIFT: gl.constexpr, REPS: gl.constexpr, STAGES: gl.constexpr, USE_PDL: gl.constexpr,
-    ROUTED: gl.constexpr = False, X_ROW_DIV: gl.constexpr = 1,
+    ROUTED: gl.constexpr = False, X_ROW_DIV: gl.constexpr = 1, TOKEN_TILES: gl.constexpr = 1,
 ):  # fmt: skip
     W: gl.constexpr = gl.num_warps()
     # [tile r, lane row (warp w, g), lane t, element u]: lanes (g, t) as mma's groupID / threadID_in_group
@@ -199,13 +220,16 @@ def int4_mma_gemv_kernel(
            + axis(8 * W, 1, L) % 8)  # [REPS, 8W, 1, 1]: A's row g; row g + 8 is col + 8  # fmt: skip
     words_a = w_ptr + col.to(gl.int64) * stride_wn + 4 * axis(4, 2, L) + axis(4, 3, L)  # words 4t + u
     words_b = words_a + 8 * stride_wn
-    # token g's 64 bytes of the step (words 4t .. 4t + 3); rows past M read row M - 1 (their sums are not stored)
-    g_x = gl.minimum(axis(8 * W, 1, LX) % 8, M - 1)
-    xs = x_ptr + g_x * stride_xm + 16 * axis(4, 2, LX) + axis(16, 3, LX)  # [1, 8W, 4, 16]
+    # token g's 64 bytes of the step (words 4t .. 4t + 3); rows past M read row M - 1 (their sums are not stored);
+    # TOKEN_TILES 2: B's second tile, tokens 8 + g, through the same A fragments
+    x_words = 16 * axis(4, 2, LX) + axis(16, 3, LX)
+    xs = x_ptr + gl.minimum(axis(8 * W, 1, LX) % 8, M - 1) * stride_xm + x_words  # [1, 8W, 4, 16]
+    xs2 = x_ptr + gl.minimum(axis(8 * W, 1, LX) % 8 + 8, M - 1) * stride_xm + x_words
     # the epilogue's element u is C's register: columns col + 8 (u >> 1), token 2t + (u & 1)
     col_s = (pid_n * BLOCK_N + axis(REPS, 0, LS) * (16 * W) + (axis(8 * W, 1, LS) // 8) * 16
              + axis(8 * W, 1, LS) % 8 + 8 * axis(2, 3, LS))  # [REPS, 8W, 1, 2]  # fmt: skip
     acc = gl.zeros([REPS, 8 * W, 4, 4], gl.float32, L)
+    acc2 = gl.zeros([REPS, 8 * W, 4, 4], gl.float32, L)  # TOKEN_TILES 2
     zero = gl.zeros([REPS, 8 * W, 4, 4], gl.float32, L)
     zero_x = gl.zeros([1, 8 * W, 4, 4], gl.float32, L)
     s_begin = pid_k * steps_per_split
@@ -232,18 +256,7 @@ def int4_mma_gemv_kernel(
             xt = ring_x.index(slot).load(LX)
         else:
             wa, wb, xt = _step_loads(words_a, words_b, xs, col, N, step, EVEN_N)
-        # x's natural pairs P_p (p = 2a + b) of each word, then B's X_i = (x[8j + i], x[8j + i + 4])
-        pa0, pa1 = gl.split(gl.reshape(xt, [1, 8 * W, 4, 4, 2, 2]))  # b = 0, 1: [1, 8W, 4, 4, 2] over a
-        p0, p2 = gl.split(pa0)
-        p1, p3 = gl.split(pa1)
-        x0 = gl.inline_asm_elementwise(_PRMT_LO, "=r,r,r", [p0, p2], dtype=gl.int32, is_pure=True, pack=1)
-        x1 = gl.inline_asm_elementwise(_PRMT_HI, "=r,r,r", [p0, p2], dtype=gl.int32, is_pure=True, pack=1)
-        x2 = gl.inline_asm_elementwise(_PRMT_LO, "=r,r,r", [p1, p3], dtype=gl.int32, is_pure=True, pack=1)
-        x3 = gl.inline_asm_elementwise(_PRMT_HI, "=r,r,r", [p1, p3], dtype=gl.int32, is_pure=True, pack=1)
-        x0 = gl.convert_layout(x0, L)
-        x1 = gl.convert_layout(x1, L)
-        x2 = gl.convert_layout(x2, L)
-        x3 = gl.convert_layout(x3, L)
+        x0, x1, x2, x3 = _b_pairs(xt, L)
         sums = gl.inline_asm_elementwise(
             _SUMS_ASM, _SUMS_CONSTRAINTS, [zero_x, x0, x1, x2, x3], dtype=gl.float32, is_pure=True, pack=4
         )
@@ -255,6 +268,17 @@ def int4_mma_gemv_kernel(
             is_pure=True,
             pack=4,
         )
+        if (
+            TOKEN_TILES == 2
+        ):  # tokens 8-15: the same words unpacked again beside another B (registers: not kept)
+            y0, y1, y2, y3 = _b_pairs(gl.load(xs2 + step * 64), L)
+            sums2 = gl.inline_asm_elementwise(
+                _SUMS_ASM, _SUMS_CONSTRAINTS, [zero_x, y0, y1, y2, y3], dtype=gl.float32, is_pure=True, pack=4
+            )
+            c2 = gl.inline_asm_elementwise(
+                _STEP_ASM, _STEP_CONSTRAINTS, [zero, wa, wb, y0, y1, y2, y3], dtype=gl.float32, is_pure=True,
+                pack=4,
+            )  # fmt: skip
         if GROUP_SHIFT < 0:  # one group
             grp = 0
         else:
@@ -270,8 +294,14 @@ def int4_mma_gemv_kernel(
         else:
             zq = 136.0  # 128 + 2^(4 - 1)
         acc += scale * (c - zq * sums)
-    col_c = col + 8 * (axis(4, 3, L) >> 1)  # [REPS, 8W, 1, 4]
-    token = 2 * axis(4, 2, L) + (axis(4, 3, L) & 1)  # [1, 1, 4, 4]
+        if TOKEN_TILES == 2:
+            acc2 += scale * (c2 - zq * sums2)
+    col_c = col + 8 * (axis(4, 3, L) >> 1) + 0 * axis(4, 2, L)  # [REPS, 8W, 4, 4]
+    token = 2 * axis(4, 2, L) + (axis(4, 3, L) & 1) + 0 * col  # [REPS, 8W, 4, 4]
+    if TOKEN_TILES == 2:  # both tiles in one store (one arrival at a serial sum's counter)
+        acc = gl.join(acc, acc2)
+        col_c = gl.join(col_c, col_c)
+        token = gl.join(token, token + 8)
     store_sums(out_ptr, acc, token * stride_om + col_c, (col_c < N) & (token < M), b_ptr, col_c, col_c < N, pid_n,
                pid_k, stride_os, res_ptr, lock_ptr, HAS_BIAS, PARTIAL, SERIAL)  # fmt: skip
 
@@ -346,5 +376,5 @@ def launch(x, qweight, scales, zeros, bias, group_size: int, steps_per_split: in
         qweight.stride(0) // 4 if routed else 0, scales.stride(0) if routed else 0, z.stride(0) if routed else 0,
         HAS_ZP=zeros is not None, HAS_BIAS=bias_in_kernel, PARTIAL=num_splits > 1, SERIAL=serial,
         EVEN_N=n % block_n() == 0, GROUP_SHIFT=group_shift, REPS=REPS, STAGES=STAGES, USE_PDL=pdl, ROUTED=routed,
-        X_ROW_DIV=x_row_div, num_warps=WARPS, launch_pdl=pdl,
+        X_ROW_DIV=x_row_div, TOKEN_TILES=1 if m <= 8 else 2, num_warps=WARPS, launch_pdl=pdl,
     )  # fmt: skip

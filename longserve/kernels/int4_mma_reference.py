@@ -14,6 +14,27 @@ from longserve.kernels import int4_mma_gemv as kernel
 from longserve.kernels.ptx_reference import run_ptx
 
 
+def _step(words, x32, n: int, m: int, col, g, t, step: int, token0: int):
+    """One step of every warp tile for B's token tile from token0: the kernel's asm on the lanes' operands -> (C, sum
+    x), each 4 arrays [tiles, 32 lanes] (C's registers, as uint32 bits)."""
+    tiles = col.shape[0]
+    ops: dict[int, np.ndarray] = {4 + i: np.zeros((tiles, 32), np.uint32) for i in range(4)}
+    for u in range(4):
+        j = step * 16 + 4 * t + u
+        for base, cols in ((8, col), (12, col + 8)):
+            ops[base + u] = np.where(cols < n, words[np.minimum(cols, n - 1), j[None, :]], 0).astype(
+                np.uint32
+            )
+        p = [x32[np.minimum(token0 + g, m - 1), step * 64 + 16 * t + 4 * u + q] for q in range(4)]
+        xs = {0: (p[0], p[2], kernel._PRMT_LO), 1: (p[0], p[2], kernel._PRMT_HI),
+              2: (p[1], p[3], kernel._PRMT_LO), 3: (p[1], p[3], kernel._PRMT_HI)}  # fmt: skip
+        for i, (a, b, asm) in xs.items():
+            xi = run_ptx(str(asm.value), {1: a, 2: b, 0: np.zeros(32, np.uint32)})[0]
+            ops[16 + 4 * i + u] = np.broadcast_to(xi, (tiles, 32)).astype(np.uint32)
+    sums_ops = {i: ops[i] for i in range(4, 8)} | {8 + i: ops[16 + i] for i in range(16)}
+    return run_ptx(str(kernel._STEP_ASM.value), ops), run_ptx(str(kernel._SUMS_ASM.value), sums_ops)
+
+
 def emulate(
     x, qweight, scales, zeros, group_size: int, splits: int, bias=None, fp32: bool = False
 ) -> torch.Tensor:
@@ -35,40 +56,22 @@ def emulate(
     col = tiles[:, None] + g[None, :]  # [tiles, 32]: A's row g
     partials = []
     for first in range(0, num_steps, per_split):
-        acc = np.zeros((4, len(tiles), 32), np.float32)
-        for step in range(first, min(first + per_split, num_steps)):
-            ops: dict[int, np.ndarray] = {}
-            for i in range(4):
-                ops[4 + i] = np.zeros((len(tiles), 32), np.uint32)
-            for u in range(4):
-                j = step * 16 + 4 * t + u
-                for base, cols in ((8, col), (12, col + 8)):
-                    ops[base + u] = np.where(cols < n, words[np.minimum(cols, n - 1), j[None, :]], 0).astype(
-                        np.uint32
-                    )
-                p = [x32[np.minimum(g, m - 1), step * 64 + 16 * t + 4 * u + q] for q in range(4)]
-                xs = {0: (p[0], p[2], kernel._PRMT_LO), 1: (p[0], p[2], kernel._PRMT_HI),
-                      2: (p[1], p[3], kernel._PRMT_LO), 3: (p[1], p[3], kernel._PRMT_HI)}  # fmt: skip
-                for i, (a, b, asm) in xs.items():
-                    xi = run_ptx(str(asm.value), {1: a, 2: b, 0: np.zeros(32, np.uint32)})[0]
-                    ops[16 + 4 * i + u] = np.broadcast_to(xi, (len(tiles), 32)).astype(np.uint32)
-            sums_ops = {i: ops[i] for i in range(4, 8)} | {8 + i: ops[16 + i] for i in range(16)}
-            sums = run_ptx(str(kernel._SUMS_ASM.value), sums_ops)
-            c = run_ptx(str(kernel._STEP_ASM.value), ops)
-            grp = step * kernel.K_STEP // group
-            for u in range(4):
-                cols = col + 8 * (u >> 1)
-                inside = cols < n
-                sc = np.where(inside, s[np.minimum(cols, n - 1), grp], 0.0).astype(np.float32)
-                zz = zq[np.minimum(cols, n - 1), grp].astype(np.float32)
-                cu, su = c[u].view(np.float32), sums[u].view(np.float32)
-                acc[u] += sc * (cu - zz * su)
         part = np.zeros((m, n), np.float32)
-        for u in range(4):
-            token = np.broadcast_to(2 * t + (u & 1), col.shape)
-            cols = col + 8 * (u >> 1)
-            keep = (token < m) & (cols < n)
-            part[token[keep], cols[keep]] = acc[u][keep]
+        for tile in range(-(-m // 8)):  # B's token tiles (TOKEN_TILES): tokens 8 tile + g
+            acc = np.zeros((4, len(tiles), 32), np.float32)
+            for step in range(first, min(first + per_split, num_steps)):
+                c, sums = _step(words, x32, n, m, col, g, t, step, 8 * tile)
+                grp = step * kernel.K_STEP // group
+                for u in range(4):
+                    cols = col + 8 * (u >> 1)
+                    sc = np.where(cols < n, s[np.minimum(cols, n - 1), grp], 0.0).astype(np.float32)
+                    zz = zq[np.minimum(cols, n - 1), grp].astype(np.float32)
+                    acc[u] += sc * (c[u].view(np.float32) - zz * sums[u].view(np.float32))
+            for u in range(4):
+                token = np.broadcast_to(8 * tile + 2 * t + (u & 1), col.shape)
+                cols = col + 8 * (u >> 1)
+                keep = (token < m) & (cols < n)
+                part[token[keep], cols[keep]] = acc[u][keep]
         partials.append(part)
     out = torch.from_numpy(np.sum(np.stack(partials), axis=0, dtype=np.float32))
     if bias is not None:

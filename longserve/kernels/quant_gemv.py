@@ -82,7 +82,7 @@ INT4_FAST_PATH = True
 # M up to which the CUDA-core FMA path serves 16-bit activations; above it tl.dot (BLOCK_M >= 16). A placeholder
 # until the GPU session measures both (scripts/gpu/bench_quant_kernels.py --sweep-gemv prints them per M).
 WNA16_GEMV_FMA_MAX_TOKENS = 4
-# 1 to 8 rows of 4-bit weights on the tensor cores (kernels/int4_mma_gemv.py: Gluon, mma.sync; sm90 SASS 1.45
+# 1 to 16 rows of 4-bit weights on the tensor cores (kernels/int4_mma_gemv.py: Gluon, mma.sync; sm90 SASS 1.45
 # instructions a weight against int4_gemv.py's 3.76 at one row), and moe_wna16's routed expert GEMV: off until the
 # H200 measures it (`gpu_check.sh int4-mma`, `int4-mma-decode`); imported only when on (Gluon).
 INT4_MMA_GEMV = False

@@ -42,6 +42,7 @@ VARIANTS = [
     {"mma": True, "reps": 2},
     {"mma": True, "reps": 2, "stages": 2},
     {"mma": True, "stages": 2},
+    {"mma": True, "token_tiles": 2},  # 9 to 16 rows (per weight for all 16 tokens)
 ]
 
 

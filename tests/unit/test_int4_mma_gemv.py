@@ -31,12 +31,14 @@ def _weights(n: int, k: int, group: int, zp: bool, seed: int = 0):
         (3, 80, 384, -1, False, 2),  # one group (per channel), N not a multiple of a program's columns
         (8, 32, 512, 256, True, 1),  # B's 8 token columns all real, groups of two steps
         (5, 24, 256, 128, False, 2),  # an odd row count, a half-empty 16-column tile
+        (16, 32, 256, 128, True, 1),  # two token tiles (TOKEN_TILES 2), all 16 rows real
+        (11, 48, 384, -1, False, 2),  # the second token tile 3 rows deep
     ],
 )
 def test_the_kernels_warps_compute_the_product(
     m: int, n: int, k: int, group: int, zp: bool, splits: int
 ) -> None:
-    """fp32 before the output's rounding: within 1e-5 of the exact product of the dequantized weights (the 128 + q
+    """1-16 rows: fp32 before the output's rounding, within 1e-5 of the exact product of the dequantized weights (the 128 + q
     form and its cancellation cost ~5 of fp32's 24 bits); in bf16 (+ bias), the exact product rounded once, and the
     reference's product (which rounds each weight to bf16 first) to that rounding's error."""
     torch.manual_seed(m + n)
@@ -78,7 +80,8 @@ def test_the_products_it_takes() -> None:
     assert mma.fits(x, w, None, 4, 128)
     assert mma.fits(torch.zeros(8, 4096, dtype=torch.bfloat16), w, None, 4, -1)  # one group
     assert mma.fits(x, w, None, 4, 512)  # four steps a group
-    assert not mma.fits(torch.zeros(9, 4096, dtype=torch.bfloat16), w, None, 4, 128)  # B has 8 token columns
+    assert mma.fits(torch.zeros(16, 4096, dtype=torch.bfloat16), w, None, 4, 128)  # two token tiles
+    assert not mma.fits(torch.zeros(17, 4096, dtype=torch.bfloat16), w, None, 4, 128)  # B's 8 columns, twice
     assert not mma.fits(x.half(), w, None, 4, 128)  # bf16 mma only
     assert not mma.fits(x, w, None, 8, 128)
     assert not mma.fits(x, w, torch.zeros(4096, dtype=torch.int32), 4, 128)  # act order

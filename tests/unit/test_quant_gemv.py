@@ -350,11 +350,14 @@ def test_gemv_compiles_for_sm90() -> None:
     int4 = [r for r in reports if r["variant"].get("int4")]  # kernels/int4_gemv.py: words as 16-byte vectors
     assert len(int4) >= 2 and all(r["ld_v4"] for r in int4), int4
     # kernels/int4_mma_gemv.py (Gluon, where this Triton builds it; its layout assertion ran): words and x as
-    # 16-byte vectors, 8 mma.sync a 16-column tile and 8 for the sums of x, nothing spilled
+    # 16-byte vectors, 8 mma.sync a 16-column tile and 8 for the sums of x (each token tile), nothing spilled
     mma = [r for r in reports if r["variant"].get("mma")]
     if _gluon_builds_int4_mma():
-        assert len(mma) == 4 and all(r["ld_v4"] and r["regs"] <= 168 for r in mma), mma
-        assert [r["mma_sync"] for r in mma] == [8 * (r["variant"].get("reps", 4) + 1) for r in mma]
+        one_tile = [r for r in mma if r["variant"].get("token_tiles", 1) == 1]
+        assert len(mma) == 5 and all(r["ld_v4"] for r in mma) and all(r["regs"] <= 168 for r in one_tile), mma
+        assert [r["mma_sync"] for r in mma] == [
+            8 * (r["variant"].get("reps", 4) + 1) * r["variant"].get("token_tiles", 1) for r in mma
+        ]
     # programmatic dependent launch (kernels/launch.py PDL): griddepcontrol in the PTX exactly where asked
     assert sum(bool(r["variant"].get("pdl")) for r in reports) >= 5
     assert all(r["pdl"] is bool(r["variant"].get("pdl")) for r in reports)
