@@ -35,8 +35,8 @@
 # off): its GPU tests with each 8B projection's time against the CUDA-core kernels (weights from HBM), the times
 # again at 2 tiles a warp (int4_mma_gemv.REPS), through the shared ring (STAGES) and with quant_gemv's split-K
 # choice instead of one wave (WAVE_SPLITS). int4-mma-decode (one GPU, ~5 min): the quantized engines' GPU tests with
-# it on, then the 8B decode at batch 1 (32K) and 8 (4K) in bf16 and in GPTQ int4 with it off and on (issue 18: int4
-# b1 <= 0.6x bf16's). int4-mma-moe (one GPU, ~7 min): the A3B int4 experts' GPU tests (each path's time) and the A3B
+# it on, then the 8B decode at batch 1 (32K), 8 (4K) and 16 (8K) in bf16 and in GPTQ int4 with it off and on (issue
+# 18: int4 b1 <= 0.6x bf16's). int4-mma-moe (one GPU, ~7 min): the A3B int4 experts' GPU tests (each path's time) and the A3B
 # int4 decode at batch 1 (32K) and 8 (4K), with it off and on (the routed expert GEMV on the tensor cores).
 # shellcheck shell=bash
 
@@ -276,10 +276,11 @@ if [[ $MODE == int4-mma-decode ]]; then  # one GPU (~5 min): the quantized engin
     | tee "$OUT/gpu_tests_int4_mma_engines.log" | tail -4 || status=1
   # bf16 in the same call: issue 18's ratio (int4 decode b1@32K <= 0.6x bf16's)
   latency_with int4_mma_bf16 "bf16" -- --config llama-3.1-8b "${dummy[@]}" --repeat 3 \
-    --decode-batch-sizes 1@32768,8@4096
+    --decode-batch-sizes 1@32768,8@4096,16@8192
   for on in False True; do
     latency_with int4_mma_$on "int4 INT4_MMA_GEMV=$on" longserve.kernels.quant_gemv.INT4_MMA_GEMV=$on -- \
-      --config llama-3.1-8b "${dummy[@]}" --repeat 3 --quantization gptq --decode-batch-sizes 1@32768,8@4096
+      --config llama-3.1-8b "${dummy[@]}" --repeat 3 --quantization gptq \
+      --decode-batch-sizes 1@32768,8@4096,16@8192
   done
 fi
 
@@ -292,6 +293,6 @@ if [[ $MODE == int4-mma-moe ]]; then  # one GPU (~7 min): the routed expert GEMV
   for on in False True; do
     LATENCY_TIMEOUT=150 latency_with a3b_int4_mma_$on "A3B int4 INT4_MMA_GEMV=$on" \
       longserve.kernels.quant_gemv.INT4_MMA_GEMV=$on -- --config qwen3-30b-a3b "${dummy[@]}" --repeat 3 \
-      --quantization gptq --decode-batch-sizes 1@32768,8@4096
+      --quantization gptq --decode-batch-sizes 1@32768,8@4096,16@8192
   done
 fi
