@@ -105,7 +105,7 @@ def test_kernels_give_the_reference_tokens(tmp_path, monkeypatch, case):
         assert tokens == expected
 
 
-@pytest.mark.parametrize("case", ["gptq-actorder", "fp8-block", "gptq-moe", "gptq-moe-g128"])
+@pytest.mark.parametrize("case", ["gptq-actorder", "awq", "fp8-block", "gptq-moe", "gptq-moe-g128"])
 def test_bf16_first_token_logprobs_close_to_the_reference(tmp_path, monkeypatch, case):
     """In bf16 the kernels' first step agrees with the torch reference path's: each side's token among the
     other's top two, the logprobs of the tokens both list within 0.1 (bf16 rounding on the tiny random models'
@@ -113,7 +113,9 @@ def test_bf16_first_token_logprobs_close_to_the_reference(tmp_path, monkeypatch,
     reference chose 300 at -2.280; a broken kernel moves the logprobs by whole units).
     gptq-moe-g128: the four prompts' prefill (274 tokens in one step; MOE_WNA16_DEQUANT_MIN_TOKENS raised so
     that it is not dequantized) through the grouped int4 MoE kernel, the decode steps (4 tokens) through the
-    routed GEMV."""
+    routed GEMV. awq: int4 in groups of 128 with zero points, the dense layers' decode steps through the int4 GEMVs
+    (kernels/int4_mma_gemv.py's when quant_gemv.INT4_MMA_GEMV is on: gpu_check.sh int4-mma-decode runs these tests
+    so) in bf16, under CUDA graphs."""
     from longserve.kernels import fused_moe, moe_wna16
 
     path = (write_gptq_moe_g128 if case == "gptq-moe-g128" else WRITERS[case])(tmp_path / case)
