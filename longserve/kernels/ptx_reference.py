@@ -79,11 +79,8 @@ def run_ptx(asm: str, operands: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
     def group(s: str) -> list[str]:
         return s.strip().strip("{}").split(",")
 
-    for stmt in (s.strip() for s in asm.replace("\n", " ").split(";")):
-        if not stmt or stmt in ("{", "}") or stmt.startswith((".reg", "{ .reg")) or stmt.startswith("//"):
-            continue
-        stmt = stmt.lstrip("{ ").strip()
-        if stmt.startswith(".reg"):
+    for stmt in (s.strip().lstrip("{ ").strip() for s in asm.replace("\n", " ").split(";")):
+        if not stmt or stmt == "}" or stmt.startswith((".reg", "//")):  # the block's braces, declarations
             continue
         op, rest = stmt.split(None, 1)
         if op.startswith("mma.sync"):
