@@ -30,9 +30,10 @@ def _gluon_runs_on(device: torch.device) -> bool:
         ok = torch.cuda.get_device_capability(index) == (9, 0)
         if ok:
             try:
-                from longserve.kernels import gluon_attention
+                from longserve.kernels import gluon_attention  # noqa: F401 - the kernel imports with this Triton
+                from longserve.kernels.gluon_compat import supported
 
-                ok = gluon_attention.supported()
+                ok = supported()
             except ImportError as e:  # a Triton without Gluon
                 logger.info("Gluon attention unavailable (%s): prefix calls stay cuDNN's", e)
                 ok = False

@@ -21,7 +21,7 @@ by the kv head's column in K/V):
   causal diagonal (query i of L sees keys up to i + S - L) or the keys' end.
 q/k/v are read as the engine lays them (views of the fused qkv output, or a prefix on consecutive cache pages):
 2D [rows, heads * D] with a row stride, 16-byte aligned; bf16, D = 128 (`fits`). Built with Triton 3.6 (the GPU
-machine's) and 3.9 (`supported()`: the versions known to build it). The variants (`Variant`, `use_variant` before
+machine's) and 3.9 (`gluon_compat.supported()`: the versions known to build it). The variants (`Variant`, `use_variant` before
 the first launch; `scripts/probes/gluon_attention_check.py` picks one from GLUON_*): split (each half tile its own
 consumer warpgroup: the default partition and a worker of 4 warps over the same buffers) or one consumer partition
 of 8 warps meeting at a barrier four times an iteration (~490 TFLOP/s); pingpong (FA3's turns between the two,
@@ -37,10 +37,11 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from longserve.kernels.gluon_attention_steps import _key_blocks, _last_pv
+from longserve.kernels.gluon_compat import tma_load
 
 D = 128  # the head dim the kernel is built for
 BLOCK_M, NUM_WARPS = 128, 8
@@ -95,18 +96,6 @@ _HEAD_DIM = gl.constexpr(D)
 use_variant(VARIANT)
 
 
-# the TMA load: `async_copy_global_to_shared` in Triton 3.6, `async_load` (same arguments) from 3.7 on (3.9 raises on
-# the old name)
-_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-
-
-def supported() -> bool:
-    """Whether this Triton's Gluon is one the kernel is known to build with: 3.6 (run on the H200) to 3.9 (built for
-    sm90 on the CPU machine); older ones lack pieces of the API it uses, newer ones are untried (Gluon's API moves
-    between releases): the library answers there."""
-    return (3, 6) <= tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 10)
-
-
 @gluon.jit
 def _tile(t, num_heads, num_tiles, num_keys, shift, causal, TILE_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """Work item t: (q head, the tile's first row, its key blocks). The q heads of a kv head run side by side (their
@@ -148,21 +137,21 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_f
         mbarrier.wait(q_free, (i & 1) ^ 1)
         mbarrier.expect(q_ready, Q_PARTS * q_desc.block_type.nbytes)
         for part in gl.static_range(Q_PARTS):  # one part a consumer warpgroup (split) or the whole tile
-            _tma_load(q_desc, [q_row + part * q_desc.block_type.shape[0], q_col], q_ready, q_smem.index(part))
+            tma_load(q_desc, [q_row + part * q_desc.block_type.shape[0], q_col], q_ready, q_smem.index(part))
         s = g0 % STAGES
         mbarrier.wait(k_free.index(s), ((g0 // STAGES) & 1) ^ 1)
         mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-        _tma_load(k_desc, [0, kv_col], k_ready.index(s), k_bufs.index(s))
+        tma_load(k_desc, [0, kv_col], k_ready.index(s), k_bufs.index(s))
         for j in range(n_blocks):
             if j + 1 < n_blocks:
                 s = (g0 + j + 1) % STAGES
                 mbarrier.wait(k_free.index(s), (((g0 + j + 1) // STAGES) & 1) ^ 1)
                 mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-                _tma_load(k_desc, [(j + 1) * BLOCK_N, kv_col], k_ready.index(s), k_bufs.index(s))
+                tma_load(k_desc, [(j + 1) * BLOCK_N, kv_col], k_ready.index(s), k_bufs.index(s))
             s = (g0 + j) % STAGES
             mbarrier.wait(v_free.index(s), (((g0 + j) // STAGES) & 1) ^ 1)
             mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-            _tma_load(v_desc, [j * BLOCK_N, kv_col], v_ready.index(s), v_bufs.index(s))
+            tma_load(v_desc, [j * BLOCK_N, kv_col], v_ready.index(s), v_bufs.index(s))
         g0 += n_blocks
         i += 1  # noqa: SIM113 (no enumerate in a Gluon kernel)
 

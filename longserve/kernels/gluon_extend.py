@@ -41,8 +41,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from longserve.kernels.extend_attention import merge_splits
-from longserve.kernels.gluon_attention import _tma_load
 from longserve.kernels.gluon_attention_steps import _key_blocks, _last_pv
+from longserve.kernels.gluon_compat import barrier, tma_load
 
 D = 128
 TILE_M, PART_M, BLOCK_N, STAGES, KEY_BOX = 128, 64, 128, 2, 16
@@ -57,8 +57,6 @@ _STAGES = gl.constexpr(STAGES)
 _HEAD_DIM = gl.constexpr(D)
 _KEY_BOX = gl.constexpr(KEY_BOX)
 _Q_LAYOUT = gl.constexpr(gl.NVMMASharedLayout.get_default_for([PART_M, D], gl.bfloat16))
-# the partition's warps meet: gl.thread_barrier in Triton 3.6, gl.barrier from 3.7 on
-_warps_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 _KV_LAYOUT = gl.constexpr(gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], gl.bfloat16))
 
 
@@ -74,7 +72,7 @@ def _issue_kv(desc, bufs, ready, free, g, key0, pt_row, page_size, last_slot, kv
         key = key0 + i * KEY_BOX
         slot = gl.minimum(key // page_size, last_slot)
         page = gl.load(pt_row + slot)
-        _tma_load(desc, [page * page_size + key % page_size, kv_col], ready.index(s),
+        tma_load(desc, [page * page_size + key % page_size, kv_col], ready.index(s),
                   bufs.index(s).slice(i * KEY_BOX, KEY_BOX))  # fmt: skip
 
 
@@ -125,7 +123,7 @@ def _extend_consumer(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, page_table_ptr, q_sm
     q_tile = q_smem.index(PART)
     q_tile.store(q)
     fence_async_shared()
-    _warps_barrier()  # every warp's rows in before the wgmma reads them
+    barrier()  # every warp's rows in before the wgmma reads them
 
     rows = (r0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))) // group  # each row's token
     # keys relative to the split's first: a row's last key prefix_len + token, the request's end seq_len

@@ -1,21 +1,15 @@
-"""Generic pieces of the Gluon decode GEMV on the tensor cores (int4_mma_gemv.py), apart from its mapping: which
-Tritons build it, aranges along one axis of a 4D layout, programmatic dependent launch, the store of a split-K
-program's sums (quant_tiles.store_gemv_out's contract, in Gluon), and the split count that keeps one wave."""
+"""Generic pieces of the Gluon decode GEMV on the tensor cores (int4_mma_gemv.py), apart from its mapping: aranges
+along one axis of a 4D layout, programmatic dependent launch, the store of a split-K program's sums
+(quant_tiles.store_gemv_out's contract, in Gluon), and the split count that keeps one wave."""
 
 from __future__ import annotations
 
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-__all__ = ["one_wave_splits", "supported"]
+from longserve.kernels.gluon_compat import barrier
 
-_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # the CTA's barrier: renamed in Triton 3.9
-
-
-def supported() -> bool:
-    """Whether this Triton's Gluon is one the kernels are known to build with (3.6, the H200's, to 3.9)."""
-    return (3, 6) <= tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 10)
+__all__ = ["one_wave_splits"]
 
 
 def one_wave_splits(n_tiles: int, num_steps: int, resident: int) -> int:
@@ -65,7 +59,7 @@ def store_sums(out_ptr, acc, out_off, out_mask, b_ptr, b_off, b_mask, pid_n, pid
     if PARTIAL:
         gl.store(out_ptr + pid_k * stride_os + out_off, acc, mask=out_mask)
         if SERIAL:
-            _barrier()
+            barrier()
             num_splits = gl.num_programs(1)
             if gl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
                 total = gl.zeros_like(acc)

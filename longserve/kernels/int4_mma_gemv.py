@@ -50,7 +50,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
-from longserve.kernels.gluon_gemv import axis, gdc_wait, one_wave_splits, store_sums, supported
+from longserve.kernels.gluon_compat import cp_async, supported
+from longserve.kernels.gluon_gemv import axis, gdc_wait, one_wave_splits, store_sums
 from longserve.kernels.launch import use_pdl
 
 __all__ = [
@@ -120,9 +121,6 @@ _SUMS_ASM = gl.constexpr(_sums_asm())
 _SUMS_CONSTRAINTS = gl.constexpr(",".join(["=&f"] * 4 + ["f"] * 4 + ["r"] * 16))
 _PRMT_LO = gl.constexpr("prmt.b32 $0, $1, $2, 0x5410;")  # (a.lo, b.lo)
 _PRMT_HI = gl.constexpr("prmt.b32 $0, $1, $2, 0x7632;")  # (a.hi, b.hi)
-_cp_async = (
-    getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
-)  # renamed in 3.9
 
 
 @triton.constexpr_function
@@ -154,12 +152,12 @@ def _step_loads(words_a, words_b, xs, col, N, step, EVEN_N: gl.constexpr):
 def _step_copies(slot_a, slot_b, slot_x, words_a, words_b, xs, col, N, step, EVEN_N: gl.constexpr):
     """_step_loads' pieces copied asynchronously into one slot of the shared ring, as one commit group."""
     if EVEN_N:
-        _cp_async(slot_a, words_a + step * 16)
-        _cp_async(slot_b, words_b + step * 16)
+        cp_async(slot_a, words_a + step * 16)
+        cp_async(slot_b, words_b + step * 16)
     else:
-        _cp_async(slot_a, words_a + step * 16, mask=col < N)
-        _cp_async(slot_b, words_b + step * 16, mask=col + 8 < N)
-    _cp_async(slot_x, xs + step * 64)
+        cp_async(slot_a, words_a + step * 16, mask=col < N)
+        cp_async(slot_b, words_b + step * 16, mask=col + 8 < N)
+    cp_async(slot_x, xs + step * 64)
     async_copy.commit_group()
 
 

@@ -154,8 +154,8 @@ def load_records(path: str, cover: bool = True, package: str = "") -> list[dict[
 
 
 def compile_sm90(fn: Any, signature: dict, constexprs: dict, attrs: dict | None = None, **options: Any):
-    """TTIR -> TTGIR -> LLVM -> PTX -> cubin of `fn` (a @triton.jit or @gluon.jit function, or a wrapper holding one in
-    `.fn`) for sm90; `signature` maps every argument name to a Triton type ("*i32", "i32", "constexpr"),
+    """TTIR -> TTGIR -> LLVM -> PTX -> cubin of `fn` (a @triton.jit or @gluon.jit function, or a wrapper holding
+    one in `.fn`) for sm90; `signature` maps every argument name to a Triton type ("*i32", "i32", "constexpr"),
     `attrs` maps argument names to specializations (e.g. [["tt.divisibility", 16]])."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -257,12 +257,7 @@ def gluon_sm90_report(fn: Any, signature: dict, constexprs: dict, **options: Any
     PTX, and the shortest loop holding HGMMA (a consumer's key-block loop): its length, its wgmma waits (a
     serialized build waits after every HGMMA) and its 12 most frequent opcodes. `signature` maps the arguments to
     Triton types, the constexprs included ("constexpr")."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental import gluon
-
-    src = gluon._runtime.GluonASTSource(fn, signature=signature, constexprs=constexprs)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    k = compile_sm90(fn, signature, constexprs, **options)
     loop = innermost_loop(cubin_tool(k.asm["cubin"], "nvdisasm", "-c"), "HGMMA")
     return {
         **resource_usage(k.asm["cubin"]), "shared_meta": k.metadata.shared,

@@ -83,8 +83,10 @@ def test_it_builds_for_sm90() -> None:
     asynchronously, within the launch's registers and an H200's shared memory, nothing spilled to local memory."""
     from longserve.testing.kernel_compile import sm90_compiler_missing
 
-    ga = pytest.importorskip("longserve.kernels.gluon_attention")
-    if not ga.supported() or sm90_compiler_missing():
+    pytest.importorskip("longserve.kernels.gluon_attention")
+    from longserve.kernels.gluon_compat import supported
+
+    if not supported() or sm90_compiler_missing():
         pytest.skip(f"this Triton does not build the kernel: {sm90_compiler_missing() or 'older than 3.6'}")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET" and not k.startswith("GLUON_")}
     env["PYTHONPATH"] = REPO
@@ -127,8 +129,10 @@ def test_the_extend_kernel_builds_for_sm90() -> None:
     memory, nothing spilled to local memory, its key-block loop's wgmma asynchronous (16 HGMMA a block, few waits)."""
     from longserve.testing.kernel_compile import sm90_compiler_missing
 
-    ga = pytest.importorskip("longserve.kernels.gluon_attention")
-    if not ga.supported() or sm90_compiler_missing():
+    pytest.importorskip("longserve.kernels.gluon_attention")
+    from longserve.kernels.gluon_compat import supported
+
+    if not supported() or sm90_compiler_missing():
         pytest.skip(f"this Triton does not build the kernel: {sm90_compiler_missing() or 'older than 3.6'}")
     (build,) = _probe("--compile-only")
     assert build["regs"] <= 168 and build["local"] == 0 and build["shared_meta"] <= 227 * 1024
