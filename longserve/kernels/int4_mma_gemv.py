@@ -1,4 +1,4 @@
-"""The int4 decode GEMV on the tensor cores (Gluon, mma.sync): y = x @ dequantize(w)^T for 1 to 16 rows of bf16
+"""The int4 decode GEMV on the tensor cores (Gluon, mma.sync): y = x @ dequantize(w)^T for 1 to 64 rows of bf16
 activations and 4-bit weights in the layout of `quant_reference` (GPTQ / AWQ after loading: uint8 [N, K / 2], scales
 [N, G], optional uint8 zero points), groups of a multiple of 128 or one group. Same contract as
 `quant_reference.wna16_gemm_ref`; `quant_gemv.wna16_gemv` routes here when `INT4_MMA_GEMV` is on and `fits`, and so
@@ -16,7 +16,8 @@ The mapping (PTX ISA, mma.m16n8k16 .bf16: lane = 4 g + t; A rows g, g + 8, B col
 columns 2t, 2t + 1):
 - A = 16 weight rows (output columns) x 16 k, B = 16 k x 8 activation rows (tokens; those past M repeat row M - 1
   and are never stored), so C holds 16 output columns x 8 tokens; 9 to 16 rows take a second B and C (TOKEN_TILES
-  2) on the same A (ptxas keeps one unpacking: 1.81 instructions a weight for 16 tokens, 186 registers). A warp's
+  2) on the same A (ptxas keeps one unpacking: 1.81 instructions a weight for 16 tokens, 186 registers); 17 to 64
+  rows run as blocks of 16, one program each (row_blocks), a column tile's blocks adjacent in the grid. A warp's
   tile is 16 consecutive output columns: lane (g, t) reads the words 4t .. 4t + 3 of a 128-k step (one 16-byte
   load) of columns g (A's row g) and g + 8 (row g + 8).
 - `((word >> 4i) & 0x000F000F) | 0x43004300` is one bf16 pair, 128 + q[8j + i] (low) and 128 + q[8j + i + 4]
@@ -56,18 +57,26 @@ from longserve.kernels.launch import use_pdl
 
 __all__ = [
     "K_STEP",
+    "BLOCK_ROWS",
     "MAX_ROWS",
     "WAVE_SPLITS",
     "block_n",
     "fits",
     "launch",
     "resident_programs",
+    "row_blocks",
     "splits",
     "supported",
+    "token_tiles",
 ]
 
 K_STEP = 128  # k values of a step: 16 words of a column, 4 lanes x 4 words
-MAX_ROWS = 16  # activation rows: B's 8 columns, twice past 8 (TOKEN_TILES)
+BLOCK_ROWS = 16  # activation rows a program: B's 8 columns, twice past 8 (TOKEN_TILES)
+# Rows the kernel takes: past BLOCK_ROWS in blocks of 16, one program each beside the others of its column tile
+# (the words read again from L2, and unpacked again: 1.81 sm90 instructions a weight for 16 rows). Against
+# quant_gemv's general kernel there (tl.dot through shared memory: the 8B gate_up 118 us at 64 rows against a 14
+# us HBM floor, RESULTS.md eighth session), unmeasured.
+MAX_ROWS = 64
 WARPS = 4
 REPS = 4  # 16-column tiles a warp holds: a program's columns are 16 x WARPS x REPS
 # 0: each step's words and activations loaded into registers at its start (a warp then waits out the load's
@@ -192,7 +201,7 @@ def int4_mma_gemv_kernel(
     lock_ptr,  # SERIAL: int32 counters, one per column tile, zero
     ids_ptr,  # ROUTED: [P] int32, each output row's expert
     M, N, steps_per_split, num_steps, stride_xm, stride_wn, stride_sn, stride_zn, stride_os, stride_om,
-    stride_we, stride_se, stride_ze,
+    stride_we, stride_se, stride_ze, row_blocks,
     HAS_ZP: gl.constexpr, HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr, SERIAL: gl.constexpr, EVEN_N: gl.constexpr,
     GROUP_SHIFT: gl.constexpr, REPS: gl.constexpr, STAGES: gl.constexpr, USE_PDL: gl.constexpr,
     ROUTED: gl.constexpr = False, X_ROW_DIV: gl.constexpr = 1, TOKEN_TILES: gl.constexpr = 1,
@@ -205,7 +214,9 @@ def int4_mma_gemv_kernel(
     gl.static_assert(gl.to_linear_layout(L, [REPS, 8 * W, 4, 4]) == _lane_layout(REPS, W), "lanes as mma's")
     BLOCK_N: gl.constexpr = 16 * W * REPS
     gdc_wait(USE_PDL)  # before the routed expert id (the router's output) and x
-    pid_n, pid_k = gl.program_id(0), gl.program_id(1)
+    # axis 0: column tiles x row_blocks blocks of BLOCK_ROWS rows (17 to MAX_ROWS rows), a tile's blocks adjacent
+    # (their programs read the same words at about the same time: once from HBM, then from L2)
+    pid_n, pid_k = gl.program_id(0) // row_blocks, gl.program_id(1)
     if ROUTED:  # MoE decode (moe_wna16.py): axis 2 over (token, k) pairs, M = 1, each pair's expert's weights
         pair = gl.program_id(2).to(gl.int64)
         expert = gl.load(ids_ptr + pair).to(gl.int64)
@@ -214,6 +225,12 @@ def int4_mma_gemv_kernel(
         z_ptr += expert * stride_ze
         x_ptr += (pair // X_ROW_DIV) * stride_xm
         out_ptr += pair * stride_om
+    else:  # this program's block of rows
+        row0 = (gl.program_id(0) % row_blocks) * (8 * TOKEN_TILES)  # BLOCK_ROWS when row_blocks > 1
+        x_ptr += row0.to(gl.int64) * stride_xm
+        out_ptr += row0.to(gl.int64) * stride_om
+        res_ptr += row0.to(gl.int64) * stride_om
+        M -= row0
     col = (pid_n * BLOCK_N + axis(REPS, 0, L) * (16 * W) + (axis(8 * W, 1, L) // 8) * 16
            + axis(8 * W, 1, L) % 8)  # [REPS, 8W, 1, 1]: A's row g; row g + 8 is col + 8  # fmt: skip
     words_a = w_ptr + col.to(gl.int64) * stride_wn + 4 * axis(4, 2, L) + axis(4, 3, L)  # words 4t + u
@@ -300,8 +317,9 @@ def int4_mma_gemv_kernel(
         acc = gl.join(acc, acc2)
         col_c = gl.join(col_c, col_c)
         token = gl.join(token, token + 8)
-    store_sums(out_ptr, acc, token * stride_om + col_c, (col_c < N) & (token < M), b_ptr, col_c, col_c < N, pid_n,
-               pid_k, stride_os, res_ptr, lock_ptr, HAS_BIAS, PARTIAL, SERIAL)  # fmt: skip
+    # a serial sum's counter per program column (column tile and row block)
+    store_sums(out_ptr, acc, token * stride_om + col_c, (col_c < N) & (token < M), b_ptr, col_c, col_c < N,
+               gl.program_id(0), pid_k, stride_os, res_ptr, lock_ptr, HAS_BIAS, PARTIAL, SERIAL)  # fmt: skip
 
 
 def fits(
@@ -334,24 +352,37 @@ def block_n() -> int:
     return 16 * WARPS * REPS
 
 
-# Programs of 4 warps an SM holds at once, by REPS: the registers of the sm90 builds (142 at 4, 82 at 2: 3 and 6
-# of 65,536 / (128 x regs)); the shared ring (STAGES x 24 KB at REPS 4) may hold fewer.
-_RESIDENT = {2: 6, 4: 3}
+def row_blocks(m: int) -> int:
+    """Programs a column tile takes for m rows (blocks of BLOCK_ROWS)."""
+    return -(-m // BLOCK_ROWS)
+
+
+# Programs of 4 warps an SM holds at once, by (REPS, TOKEN_TILES): 65,536 / (128 x the registers of the sm90
+# builds, Triton 3.6: 142 and 80 at one token tile, 186 (222 with zero points) and 130 at two; scripts/dev/
+# count_gemv_sass.py); the shared ring (STAGES x 24 KB at REPS 4) may hold fewer.
+_RESIDENT = {(4, 1): 3, (2, 1): 6, (4, 2): 2, (2, 2): 3}
 # K split so that every program runs in one wave (columns x splits <= the programs the SMs hold at once), each
 # split at least one step: with quant_gemv.splits_for's ~8 programs an SM the 8B down projection (16 tiles x 28
 # splits = 448 programs against 396 resident) would run a second wave of 52. Unmeasured, as the kernel.
 WAVE_SPLITS = True
 
 
-def resident_programs(sms: int) -> int:
-    """Programs the SMs hold at once: by registers (_RESIDENT) and by the shared ring (STAGES x its slot)."""
+def token_tiles(m: int) -> int:
+    """B's token tiles a program runs for m rows (TOKEN_TILES)."""
+    return 1 if m <= 8 else 2
+
+
+def resident_programs(sms: int, tiles: int = 1) -> int:
+    """Programs the SMs hold at once at `tiles` token tiles: by registers (_RESIDENT) and by the shared ring
+    (STAGES x its slot)."""
     ring = STAGES * (2 * REPS * 8 * WARPS * 16 + 8 * WARPS * 64) * 4  # bytes of shared memory a program
-    return min(_RESIDENT.get(REPS, 2), 227 * 1024 // ring if ring else 8) * sms
+    return min(_RESIDENT.get((REPS, tiles), 2), 227 * 1024 // ring if ring else 8) * sms
 
 
-def splits(n_tiles: int, num_steps: int, sms: int) -> int:
-    """K splits for n_tiles column tiles over num_steps steps (WAVE_SPLITS): the most that keep one wave."""
-    return one_wave_splits(n_tiles, num_steps, resident_programs(sms))
+def splits(n_tiles: int, num_steps: int, sms: int, m: int = 1) -> int:
+    """K splits for n_tiles column tiles over num_steps steps at m rows (WAVE_SPLITS): the most that keep one wave
+    (row_blocks(m) programs a column tile)."""
+    return one_wave_splits(n_tiles * row_blocks(m), num_steps, resident_programs(sms, token_tiles(m)))
 
 
 def launch(x, qweight, scales, zeros, bias, group_size: int, steps_per_split: int, num_splits: int, out, res,
@@ -366,13 +397,15 @@ def launch(x, qweight, scales, zeros, bias, group_size: int, steps_per_split: in
     group_shift = -1 if group_size <= 0 or group_size >= k else steps.bit_length() - 1
     z = zeros if zeros is not None else scales
     routed = ids is not None
+    blocks = 1 if routed else row_blocks(m)
+    assert not (serial and blocks > 1 and locks.numel() < triton.cdiv(n, block_n()) * blocks)
     pdl = use_pdl(x)
-    int4_mma_gemv_kernel[(triton.cdiv(n, block_n()), num_splits, ids.shape[0] if routed else 1)](
+    int4_mma_gemv_kernel[(triton.cdiv(n, block_n()) * blocks, num_splits, ids.shape[0] if routed else 1)](
         x.view(torch.int32), qweight.view(torch.int32), scales, z, bias if bias_in_kernel else scales, out, res,
         locks, ids if routed else locks, m, n, steps_per_split, k // K_STEP, x.stride(0) // 2,
         qweight.stride(-2) // 4, scales.stride(-2), z.stride(-2), stride_os, out.stride(-2),
         qweight.stride(0) // 4 if routed else 0, scales.stride(0) if routed else 0, z.stride(0) if routed else 0,
-        HAS_ZP=zeros is not None, HAS_BIAS=bias_in_kernel, PARTIAL=num_splits > 1, SERIAL=serial,
+        blocks, HAS_ZP=zeros is not None, HAS_BIAS=bias_in_kernel, PARTIAL=num_splits > 1, SERIAL=serial,
         EVEN_N=n % block_n() == 0, GROUP_SHIFT=group_shift, REPS=REPS, STAGES=STAGES, USE_PDL=pdl, ROUTED=routed,
-        X_ROW_DIV=x_row_div, TOKEN_TILES=1 if m <= 8 else 2, num_warps=WARPS, launch_pdl=pdl,
+        X_ROW_DIV=x_row_div, TOKEN_TILES=token_tiles(m), num_warps=WARPS, launch_pdl=pdl,
     )  # fmt: skip

@@ -15,8 +15,8 @@ from longserve.kernels.ptx_reference import run_ptx
 
 
 def _step(words, x32, n: int, m: int, col, g, t, step: int, token0: int):
-    """One step of every warp tile for B's token tile from token0: the kernel's asm on the lanes' operands -> (C, sum
-    x), each 4 arrays [tiles, 32 lanes] (C's registers, as uint32 bits)."""
+    """One step of every warp tile for B's token tile from token0 (rows past m - 1 read row m - 1): the kernel's asm
+    on the lanes' operands -> (C, sum x), each 4 arrays [tiles, 32 lanes] (C's registers, as uint32 bits)."""
     tiles = col.shape[0]
     ops: dict[int, np.ndarray] = {4 + i: np.zeros((tiles, 32), np.uint32) for i in range(4)}
     for u in range(4):
@@ -54,13 +54,19 @@ def emulate(
     lanes = np.arange(32)
     g, t = lanes >> 2, lanes & 3
     col = tiles[:, None] + g[None, :]  # [tiles, 32]: A's row g
+    # a program's blocks of rows (row_blocks past BLOCK_ROWS), each its B's token tiles: tokens row0 + 8 tile + g
+    token0s = [
+        (row0 + 8 * tile, min(row0 + kernel.BLOCK_ROWS, m))
+        for row0 in range(0, kernel.row_blocks(m) * kernel.BLOCK_ROWS, kernel.BLOCK_ROWS)
+        for tile in range(kernel.token_tiles(m))
+    ]
     partials = []
     for first in range(0, num_steps, per_split):
         part = np.zeros((m, n), np.float32)
-        for tile in range(-(-m // 8)):  # B's token tiles (TOKEN_TILES): tokens 8 tile + g
+        for token0, block_end in token0s:
             acc = np.zeros((4, len(tiles), 32), np.float32)
             for step in range(first, min(first + per_split, num_steps)):
-                c, sums = _step(words, x32, n, m, col, g, t, step, 8 * tile)
+                c, sums = _step(words, x32, n, block_end, col, g, t, step, token0)
                 grp = step * kernel.K_STEP // group
                 for u in range(4):
                     cols = col + 8 * (u >> 1)
@@ -68,9 +74,9 @@ def emulate(
                     zz = zq[np.minimum(cols, n - 1), grp].astype(np.float32)
                     acc[u] += sc * (c[u].view(np.float32) - zz * sums[u].view(np.float32))
             for u in range(4):
-                token = np.broadcast_to(8 * tile + 2 * t + (u & 1), col.shape)
+                token = np.broadcast_to(token0 + 2 * t + (u & 1), col.shape)
                 cols = col + 8 * (u >> 1)
-                keep = (token < m) & (cols < n)
+                keep = (token < block_end) & (cols < n)
                 part[token[keep], cols[keep]] = acc[u][keep]
         partials.append(part)
     out = torch.from_numpy(np.sum(np.stack(partials), axis=0, dtype=np.float32))

@@ -82,9 +82,10 @@ INT4_FAST_PATH = True
 # M up to which the CUDA-core FMA path serves 16-bit activations; above it tl.dot (BLOCK_M >= 16). A placeholder
 # until the GPU session measures both (scripts/gpu/bench_quant_kernels.py --sweep-gemv prints them per M).
 WNA16_GEMV_FMA_MAX_TOKENS = 4
-# 1 to 16 rows of 4-bit weights on the tensor cores (kernels/int4_mma_gemv.py: Gluon, mma.sync; sm90 SASS 1.45
-# instructions a weight against int4_gemv.py's 3.76 at one row), and moe_wna16's routed expert GEMV: off until the
-# H200 measures it (`gpu_check.sh int4-mma`, `int4-mma-decode`); imported only when on (Gluon).
+# 1 to 64 rows of 4-bit weights on the tensor cores (kernels/int4_mma_gemv.py: Gluon, mma.sync; sm90 SASS 1.45
+# instructions a weight against int4_gemv.py's 3.76 at one row; past 16 rows in blocks of 16, its MAX_ROWS), and
+# moe_wna16's routed expert GEMV: off until the H200 measures it (`gpu_check.sh int4-mma`, `int4-mma-decode`);
+# imported only when on (Gluon).
 INT4_MMA_GEMV = False
 GEMV_MAX_BLOCK_M = 64  # the largest M the kernel takes (tl.dot path); beyond it quant_gemm's kernels serve
 # A split-K decode GEMV (this kernel, kernels/int4_gemv.py's, kernels/fp8_gemv.py's) sums its partials in the
@@ -430,12 +431,13 @@ def wna16_gemv(
 
         if mma.supported() and mma.fits(x, qweight, g_idx, bits, group_size):
             num_steps, n_tiles = k // mma.K_STEP, triton.cdiv(n, mma.block_n())
+            programs = n_tiles * mma.row_blocks(m)  # a serial sum's counters: one a program column
             split = (
-                mma.splits(n_tiles, num_steps, _num_sms(x.device.index or 0))
+                mma.splits(n_tiles, num_steps, _num_sms(x.device.index or 0), m)
                 if mma.WAVE_SPLITS
-                else splits_for(x.device, n_tiles, num_steps)
+                else splits_for(x.device, programs, num_steps)
             )
-            sk = split_k_outputs(num_steps, split, m, n, n_tiles, x.dtype, x.device)
+            sk = split_k_outputs(num_steps, split, m, n, programs, x.dtype, x.device)
             mma.launch(x, qweight, scales, zeros, bias, group_size, sk.tiles_per_split, sk.splits, *sk.pointers(),
                        sk.stride_os, sk.serial, sk.bias_in_kernel(bias))  # fmt: skip
             return sk.result(bias, x.dtype)

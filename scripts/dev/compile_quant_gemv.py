@@ -60,6 +60,7 @@ VARIANTS = [
     {"mma": True, "split": 1, "bias": True, "reps": 2, "group_shift": 1, "stages": 2},
     {"mma": True, "routed": True, "zp": True, "x_row_div": 8, "pdl": True},  # MoE pairs
     {"mma": True, "token_tiles": 2, "zp": True},  # 9 to 16 rows: a second B and C on the same A
+    {"mma": True, "token_tiles": 2, "row_blocks": 4},  # 17 to 64 rows: blocks of 16, split-K partials
     {"dense": True},  # kernels/dense_gemm.py: 16-bit, 64 rows, the 8B gate_up's tiles (one split)
     {"dense": True, "split": 4, "serial": True, "bias": True, "pdl": True},
 ]
@@ -134,9 +135,11 @@ def compile_int4_gemv(int4=True, x="bf16", zp=False, bias=False, bn=64, bk=128, 
 
 
 def compile_int4_mma(mma=True, zp=False, bias=False, split=4, serial=False, even_n=True, group_shift=0, reps=None,
-                     stages=0, pdl=False, routed=False, x_row_div=1, token_tiles=1, num_warps=4):  # fmt: skip
-    """kernels/int4_mma_gemv.py's tensor-core int4 GEMV (Gluon) for sm90, specialized as at run time; `routed`: over
-    MoE (token, expert) pairs (kernels/moe_wna16.py)."""
+                     stages=0, pdl=False, routed=False, x_row_div=1, token_tiles=1, row_blocks=1,
+                     num_warps=4):  # fmt: skip
+    """kernels/int4_mma_gemv.py's tensor-core int4 GEMV (Gluon) for sm90, specialized as at run time (an integer
+    argument of 1 is a constant then: row_blocks up to 16 rows); `routed`: over MoE (token, expert) pairs
+    (kernels/moe_wna16.py)."""
     from longserve.kernels import int4_mma_gemv as mma_mod
 
     fn = mma_mod.int4_mma_gemv_kernel
@@ -146,6 +149,8 @@ def compile_int4_mma(mma=True, zp=False, bias=False, split=4, serial=False, even
     consts = dict(HAS_ZP=zp, HAS_BIAS=bias and (split == 1 or serial), PARTIAL=split > 1, SERIAL=serial,
                   EVEN_N=even_n, GROUP_SHIFT=group_shift, REPS=reps or mma_mod.REPS, STAGES=stages,
                   USE_PDL=pdl, ROUTED=routed, X_ROW_DIV=x_row_div, TOKEN_TILES=token_tiles)  # fmt: skip
+    if row_blocks == 1:
+        consts["row_blocks"] = 1
     sig = {a: ptrs.get(a, "constexpr" if a in consts else "i32") for a in fn.arg_names}
     div16 = [
         *ptrs,

@@ -1,5 +1,5 @@
-"""The int4 tensor-core GEMV (kernels/int4_mma_gemv.py, Gluon + mma.sync; quant_gemv.INT4_MMA_GEMV routes 1-16 rows to
-it) on an H200 at the Llama-3.1-8B projections: the reference's product, the CPU emulation's (the same warps, fp32),
+"""The int4 tensor-core GEMV (kernels/int4_mma_gemv.py, Gluon + mma.sync; quant_gemv.INT4_MMA_GEMV routes 1-64 rows to
+it, past 16 in blocks of 16) on an H200 at the Llama-3.1-8B projections: the reference's product, the CPU emulation's (the same warps, fp32),
 deterministic, equal to the CUDA-core kernels' to fp32 summation, replayed by a CUDA graph with new activations, its
 counters left at zero; each projection's time against the kernels it would replace, with weights rotated through
 ~256 MB of copies (HBM, not L2: a decode step reads each weight once)."""
@@ -42,7 +42,7 @@ def gemv(x, w, group, monkeypatch, mma: bool, bias=None):
 
 
 @pytest.mark.parametrize("shape", list(DENSE))
-@pytest.mark.parametrize("m", [1, 2, 8, 16])
+@pytest.mark.parametrize("m", [1, 2, 8, 16, 24, 64])  # past 16: blocks of 16 rows
 @pytest.mark.parametrize("zp", [False, True])
 def test_the_8b_projections(shape: str, m: int, zp: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     from longserve.kernels.int4_mma_gemv import fits
@@ -91,7 +91,7 @@ def test_variants_and_the_emulation(n, k, group, zp, bias, serial, monkeypatch: 
     monkeypatch.setattr(quant_gemv, "SPLIT_K_SERIAL_REDUCE", serial)
     w = int_weight(n, k, group, zp)
     b = torch.randn(n, device="cuda", dtype=torch.bfloat16) if bias else None
-    for m in (1, 5, 12):
+    for m in (1, 5, 12, 40):  # 40: three blocks of rows
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         out = gemv(x, w, group, monkeypatch, True, b)
         exact = x.double() @ dequantize_wna16(*w, 4, group).double().T + (b.double() if bias else 0)
@@ -116,10 +116,10 @@ def _rotating_time_us(call, copies) -> float:
     return cuda_graph_time_ms(one, 2, 4 * len(copies), 5) * 1e3
 
 
-@pytest.mark.parametrize("m", [1, 8, 16])
+@pytest.mark.parametrize("m", [1, 8, 16, 32, 64])
 def test_times(m: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each projection at m rows, us, CUDA-core kernels (int4_gemv.py at one row, quant_gemv's general kernel
-    above) against the tensor-core one, weights from HBM; printed for gpu_check.sh int4-mma."""
+    above: tl.dot past 4 rows) against the tensor-core one, weights from HBM; printed for gpu_check.sh int4-mma."""
     from longserve.kernels import int4_mma_gemv
 
     for shape, (n, k) in DENSE.items():

@@ -33,12 +33,13 @@ def _weights(n: int, k: int, group: int, zp: bool, seed: int = 0):
         (5, 24, 256, 128, False, 2),  # an odd row count, a half-empty 16-column tile
         (16, 32, 256, 128, True, 1),  # two token tiles (TOKEN_TILES 2), all 16 rows real
         (11, 48, 384, -1, False, 2),  # the second token tile 3 rows deep
+        (37, 32, 256, 128, True, 2),  # three blocks of 16 rows (the last 5 deep), as at decode batch 37
     ],
 )
 def test_the_kernels_warps_compute_the_product(
     m: int, n: int, k: int, group: int, zp: bool, splits: int
 ) -> None:
-    """1-16 rows: fp32 before the output's rounding, within 1e-5 of the exact product of the dequantized weights (the 128 + q
+    """1-64 rows: fp32 before the output's rounding, within 1e-5 of the exact product of the dequantized weights (the 128 + q
     form and its cancellation cost ~5 of fp32's 24 bits); in bf16 (+ bias), the exact product rounded once, and the
     reference's product (which rounds each weight to bf16 first) to that rounding's error."""
     torch.manual_seed(m + n)
@@ -81,7 +82,10 @@ def test_the_products_it_takes() -> None:
     assert mma.fits(torch.zeros(8, 4096, dtype=torch.bfloat16), w, None, 4, -1)  # one group
     assert mma.fits(x, w, None, 4, 512)  # four steps a group
     assert mma.fits(torch.zeros(16, 4096, dtype=torch.bfloat16), w, None, 4, 128)  # two token tiles
-    assert not mma.fits(torch.zeros(17, 4096, dtype=torch.bfloat16), w, None, 4, 128)  # B's 8 columns, twice
+    assert mma.fits(torch.zeros(64, 4096, dtype=torch.bfloat16), w, None, 4, 128)  # four blocks of 16 rows
+    assert not mma.fits(
+        torch.zeros(65, 4096, dtype=torch.bfloat16), w, None, 4, 128
+    )  # quant_gemv's GEMV to 64
     assert not mma.fits(x.half(), w, None, 4, 128)  # bf16 mma only
     assert not mma.fits(x, w, None, 8, 128)
     assert not mma.fits(x, w, torch.zeros(4096, dtype=torch.int32), 4, 128)  # act order
@@ -92,20 +96,27 @@ def test_the_products_it_takes() -> None:
 
 @pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (512, 256)])
 @pytest.mark.parametrize(("reps", "stages"), [(4, 0), (2, 0), (2, 4)])
+@pytest.mark.parametrize("m", [1, 16, 64])
 def test_splits_keep_one_wave(
-    n: int, k: int, reps: int, stages: int, monkeypatch: pytest.MonkeyPatch
+    n: int, k: int, reps: int, stages: int, m: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """At the 8B projections on 132 SMs: every program resident at once (or one split), no split empty."""
+    """At the 8B projections on 132 SMs: every program resident at once (or one split), no split empty; past 16
+    rows a column tile's blocks of rows count as programs too."""
     monkeypatch.setattr(mma, "REPS", reps)
     monkeypatch.setattr(mma, "STAGES", stages)
-    tiles, steps = -(-n // mma.block_n()), k // mma.K_STEP
-    split, resident = mma.splits(tiles, steps, 132), mma.resident_programs(132)
+    tiles, steps = -(-n // mma.block_n()) * mma.row_blocks(m), k // mma.K_STEP
+    split, resident = (
+        mma.splits(-(-n // mma.block_n()), steps, 132, m),
+        mma.resident_programs(132, mma.token_tiles(m)),
+    )
     per = -(-steps // split)
     assert 1 <= split <= steps and (split - 1) * per < steps  # each split has steps
     assert tiles * split <= resident or split == 1
     if per > 1:  # one step fewer a split would need more programs than fit
         assert tiles * -(-steps // (per - 1)) > resident
-    assert resident == (396 if (reps, stages) in ((4, 0), (2, 4)) else 792)  # registers; (2, 4): the ring
+    # registers (two token tiles take more); (2, 4): the ring
+    expect = {(4, 0): 396, (2, 0): 792, (2, 4): 396} if m <= 8 else {(4, 0): 264, (2, 0): 396, (2, 4): 396}
+    assert resident == expect[reps, stages]
 
 
 def test_the_routed_launch_reads_each_pairs_expert(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -140,4 +151,26 @@ def test_the_routed_launch_reads_each_pairs_expert(monkeypatch: pytest.MonkeyPat
     assert kw["ROUTED"] and kw["X_ROW_DIV"] == 8 and kw["PARTIAL"] and not kw["SERIAL"] and args[8] is ids
     mma.launch(x, w[0], s[0], None, None, 128, 16, 1, out[0, :1], out, out, 0, False, False)  # dense: one row
     grid, args, kw = calls[1]
-    assert grid[2] == 1 and not kw["ROUTED"] and args[9] == 1 and args[-3:] == (0, 0, 0)
+    assert grid[2] == 1 and not kw["ROUTED"] and args[9] == 1 and args[-4:] == (0, 0, 0, 1)
+
+
+def test_rows_past_16_run_in_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """37 rows (the kernel captured, not run): three programs of 16 rows for each column tile, adjacent along axis 0
+    (row_blocks, the kernel's last integer), two token tiles each; the rows' strides in words."""
+    calls = []
+
+    class Capture:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: calls.append((grid, args, kw))
+
+    monkeypatch.setattr(mma, "int4_mma_gemv_kernel", Capture())
+    n, k = 1536, 2048
+    x = torch.zeros(37, k + 64, dtype=torch.bfloat16)[:, :k]  # rows apart from K: strides, not shapes
+    w, s = torch.zeros(n, k // 2, dtype=torch.uint8), torch.zeros(n, k // 128, dtype=torch.float16)
+    out = torch.zeros(4, 37, n)
+    assert mma.fits(x, w, None, 4, 128)
+    mma.launch(x, w, s, None, None, 128, 4, 4, out, out, out, out.stride(0), False, False)
+    grid, args, kw = calls[0]
+    assert grid == (-(-n // mma.block_n()) * 3, 4, 1)
+    assert args[9] == 37 and args[13] == (k + 64) // 2 and args[18] == n and args[-1] == 3  # M, stride_xm, om
+    assert kw["TOKEN_TILES"] == 2 and kw["PARTIAL"] and not kw["SERIAL"]

@@ -35,8 +35,8 @@
 # off): its GPU tests with each 8B projection's time against the CUDA-core kernels (weights from HBM), the times
 # again at 2 tiles a warp (int4_mma_gemv.REPS), through the shared ring (STAGES) and with quant_gemv's split-K
 # choice instead of one wave (WAVE_SPLITS). int4-mma-decode (one GPU, ~5 min): the quantized engines' GPU tests with
-# it on, then the 8B decode at batch 1 (32K), 8 (4K) and 16 (8K) in bf16 and in GPTQ int4 with it off and on (issue
-# 18: int4 b1 <= 0.6x bf16's). int4-mma-moe (one GPU, ~7 min): the A3B int4 experts' GPU tests (each path's time) and the A3B
+# it on, then the 8B decode at batch 1 (32K), 8 (4K), 16 (8K) and 64 (4K: 4 blocks of 16 rows) in bf16 and in GPTQ
+# int4 with it off and on (issue 18: int4 b1 <= 0.6x bf16's; b64 1.40x bf16 at 11fea55). int4-mma-moe (one GPU, ~7 min): the A3B int4 experts' GPU tests (each path's time) and the A3B
 # int4 decode at batch 1 (32K) and 8 (4K), with it off and on (the routed expert GEMV on the tensor cores).
 # shellcheck shell=bash
 
@@ -264,7 +264,8 @@ if [[ $MODE == int4-mma ]]; then  # one GPU (~5 min): the tensor-core int4 GEMV,
   for variant in "REPS=2" "STAGES=2" "REPS=2 STAGES=4" "WAVE_SPLITS=False"; do
     consts=(); for c in $variant; do consts+=("longserve.kernels.int4_mma_gemv.$c"); done
     timeout 120 python3 scripts/probes/with_constants.py "${consts[@]}" -- pytest -q -s -m gpu \
-      tests/gpu/test_int4_mma_gemv_gpu.py -k times -p no:cacheprovider --tb=short -rfE 2>&1 \
+      tests/gpu/test_int4_mma_gemv_gpu.py::test_times[1] tests/gpu/test_int4_mma_gemv_gpu.py::test_times[16] \
+      tests/gpu/test_int4_mma_gemv_gpu.py::test_times[64] -p no:cacheprovider --tb=short -rfE 2>&1 \
       | tee "$OUT/gpu_tests_int4_mma_${variant// /_}.log" | grep -E "int4 mma|passed|failed" | sed "s/^/$variant: /" \
       || status=1
   done
@@ -276,11 +277,11 @@ if [[ $MODE == int4-mma-decode ]]; then  # one GPU (~5 min): the quantized engin
     | tee "$OUT/gpu_tests_int4_mma_engines.log" | tail -4 || status=1
   # bf16 in the same call: issue 18's ratio (int4 decode b1@32K <= 0.6x bf16's)
   latency_with int4_mma_bf16 "bf16" -- --config llama-3.1-8b "${dummy[@]}" --repeat 3 \
-    --decode-batch-sizes 1@32768,8@4096,16@8192
+    --decode-batch-sizes 1@32768,8@4096,16@8192,64@4096
   for on in False True; do
     latency_with int4_mma_$on "int4 INT4_MMA_GEMV=$on" longserve.kernels.quant_gemv.INT4_MMA_GEMV=$on -- \
       --config llama-3.1-8b "${dummy[@]}" --repeat 3 --quantization gptq \
-      --decode-batch-sizes 1@32768,8@4096,16@8192
+      --decode-batch-sizes 1@32768,8@4096,16@8192,64@4096
   done
 fi
 
