@@ -84,6 +84,10 @@ FP8_DOT_MAX_IMPRECISE_ACC: int | None = 0
 # (block gate_up 39.3 us against the Triton GEMM's 55.5 and cuBLAS's 42.1) but the block GEMV loses gate_up from
 # M=2 (59.6 against 52.7): 1. The 8B decode at batch 1 (32K): block FP8 6.76 -> 4.87 ms, per channel 6.00 -> 4.76.
 FP8_GEMV_MAX_TOKENS = 1
+# Block FP8 (128 x 128) of 1 to fp8_wgmma_gemv.MAX_ROWS bf16 rows on the tensor cores, the weights through a TMA ring
+# (kernels/fp8_wgmma_gemv.py: Gluon), before both routes above: fp8_gemv.py reads the 8B projections at 50-80% of
+# HBM's rate, not issue-bound. Off until measured on an H200 (`gpu_check.sh fp8-wgmma`); imported only when on.
+FP8_WGMMA_GEMV = False
 # A block-FP8 down projection's input, silu(gate) * up, made and quantized in one pass
 # (activation.silu_and_mul_quant, bit-equal to the two kernels) instead of silu_and_mul writing the product and
 # per_token_group_quant reading it back: at a 8K-token chunk of the Llama-3.1-8B shape 470 MB less traffic a
@@ -286,6 +290,17 @@ def fp8_block_linear(
     (activation.silu_and_mul_quant; FUSE_SILU_AND_MUL_QUANT) or, for the GEMV, first."""
     m, k = x.shape[0], x.shape[1] // 2 if gated else x.shape[1]
     n = w.shape[0]
+    if FP8_WGMMA_GEMV and x.is_cuda:
+        from longserve.kernels import fp8_wgmma_gemv as wg
+
+        xs = x[
+            :, :k
+        ]  # fits asks the activations' rows, dtype and strides (gate|up: as its silu * up will be)
+        if wg.supported() and wg.fits(xs, w, w_scale, block):
+            # 0 (fp32 accumulation): promoted after each k32 wgmma, the least Gluon's fp8 wgmma takes; None: a block
+            acc = FP8_DOT_MAX_IMPRECISE_ACC
+            imprecise = wg.BLOCK[1] if acc is None else max(32, acc)
+            return wg.gemv(silu_and_mul(x) if gated else x, w, w_scale.float(), bias, imprecise)
     if m <= FP8_GEMV_MAX_TOKENS and fp8_block_gemv_supported(m, block):
         return fp8_block_gemv(silu_and_mul(x) if gated else x, w, w_scale, block, bias)
     if gated and (not FUSE_SILU_AND_MUL_QUANT or block[1] & (block[1] - 1)):  # the fused kernel: 2^n groups

@@ -61,6 +61,9 @@ VARIANTS = [
     {"mma": True, "routed": True, "zp": True, "x_row_div": 8, "pdl": True},  # MoE pairs
     {"mma": True, "token_tiles": 2, "zp": True},  # 9 to 16 rows: a second B and C on the same A
     {"mma": True, "token_tiles": 2, "row_blocks": 4},  # 17 to 64 rows: blocks of 16, split-K partials
+    {"fp8_wgmma": True},  # kernels/fp8_wgmma_gemv.py (Gluon): block FP8 by TMA + wgmma, one row, split-K
+    {"fp8_wgmma": True, "rows": 16, "pdl": True, "serial": True, "bias": True},
+    {"fp8_wgmma": True, "rows": 32, "split": 1, "imprecise_acc": 128},  # 32 rows, no promotion inside a block
     {"dense": True},  # kernels/dense_gemm.py: 16-bit, 64 rows, the 8B gate_up's tiles (one split)
     {"dense": True, "split": 4, "serial": True, "bias": True, "pdl": True},
 ]
@@ -167,6 +170,31 @@ def compile_int4_mma(mma=True, zp=False, bias=False, split=4, serial=False, even
     return compile_sm90(fn, sig, consts, attrs, num_warps=num_warps)
 
 
+def compile_fp8_wgmma(fp8_wgmma=True, rows=1, bias=False, split=4, serial=False, pdl=False, imprecise_acc=32):
+    """kernels/fp8_wgmma_gemv.py's block-FP8 GEMV on the tensor cores (Gluon: TMA, wgmma) for sm90 at `rows`
+    activation rows, specialized as at run time."""
+    import torch
+    from triton.runtime.jit import mangle_type
+
+    from longserve.kernels import fp8_wgmma_gemv as wg
+
+    w = torch.zeros(256, 512, dtype=torch.float8_e4m3fn)
+    layout = wg.gl.NVMMASharedLayout.get_default_for(list(wg.BLOCK), wg.gl.float8e4nv)
+    desc = wg.TensorDescriptor(w, list(w.shape), list(w.stride()), list(wg.BLOCK), layout)
+    ptrs = {"w_desc": mangle_type(desc), "x_ptr": "*bf16", "s_ptr": "*fp32", "b_ptr": "*bf16" if bias else "*fp32",
+            "out_ptr": "*fp32" if split > 1 else "*bf16", "res_ptr": "*bf16", "lock_ptr": "*i32"}  # fmt: skip
+    consts = dict(HAS_BIAS=bias and (split == 1 or serial), PARTIAL=split > 1, SERIAL=serial,
+                  BLOCK_T=wg.block_t(rows), STAGES=wg.STAGES, IMPRECISE_ACC=imprecise_acc, USE_PDL=pdl,
+                  num_warps=wg.WARPS)  # fmt: skip
+    fn = wg.fp8_wgmma_gemv_kernel
+    sig = {a: ptrs.get(a, "constexpr" if a in consts else "i32") for a in fn.arg_names}
+    attrs = {
+        a: [["tt.divisibility", 16]]
+        for a in ["x_ptr", "s_ptr", "out_ptr", "N", "K", "stride_xm", "stride_om"]
+    }
+    return compile_sm90(fn, sig, consts, attrs, num_warps=wg.WARPS)
+
+
 def compile_moe_grouped(moe_grouped=True, x="bf16", zp=False, bm=16, bn=64, x_row_div=8, num_warps=4,
                         num_stages=2):  # fmt: skip
     """kernels/moe_wna16.py's grouped int4 MoE kernel for sm90, with 16-bit dots as on the GPU."""
@@ -247,6 +275,8 @@ def report(variant: dict) -> dict:
         c = compile_int4_gemv(**variant)
     elif variant.get("mma"):
         c = compile_int4_mma(**variant)
+    elif variant.get("fp8_wgmma"):
+        c = compile_fp8_wgmma(**variant)
     elif variant.get("fp8"):
         c = compile_fp8_gemv(**variant)
     else:
@@ -258,11 +288,12 @@ def report(variant: dict) -> dict:
     # serial: the per-tile counter's atomic (acquire-release at GPU scope) is in the PTX (only then)
     serial = "atom.global.gpu.acq_rel.add" in ptx
     return compiled_report(c, variant, ld_v4="ld.global.v4.b32" in ptx or "cp.async.cg" in ptx, pdl=pdl,
-                           serial=serial, mma_sync=ptx.count("mma.sync"))  # fmt: skip
+                           serial=serial, mma_sync=ptx.count("mma.sync"), wgmma=ptx.count("wgmma.mma_async"),
+                           tma="cp.async.bulk.tensor" in ptx)  # fmt: skip
 
 
 def _gluon_builds() -> bool:
-    """Whether this Triton builds the Gluon kernel (int4_mma_gemv.supported: 3.6-3.9)."""
+    """Whether this Triton builds the Gluon kernels (int4_mma_gemv, fp8_wgmma_gemv: gluon_compat.supported, 3.6-3.9)."""
     try:
         from longserve.kernels import int4_mma_gemv
     except ImportError:
@@ -271,4 +302,6 @@ def _gluon_builds() -> bool:
 
 
 if __name__ == "__main__":
-    report_variants(report, [v for v in VARIANTS if not v.get("mma") or _gluon_builds()])
+    report_variants(
+        report, [v for v in VARIANTS if not (v.get("mma") or v.get("fp8_wgmma")) or _gluon_builds()]
+    )

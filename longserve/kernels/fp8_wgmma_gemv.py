@@ -1,0 +1,229 @@
+"""The block-FP8 decode GEMV on the tensor cores (Gluon: TMA ring + wgmma): `fp8_block_gemm_ref`'s product for 1 to
+MAX_ROWS rows of bf16 activations, e4m3 weights [N, K] with 128 x 128 block scales (the official Qwen3 / DeepSeek FP8
+checkpoints), the activations quantized per token-group of 128 inside the kernel as `per_token_group_quant` does.
+`quant_fp8.fp8_block_linear` routes here when `FP8_WGMMA_GEMV` is on and `fits`.
+
+Why: fp8_gemv.py's CUDA-core GEMV reads the 8B projections at 50-80% of HBM's 4.2 TB/s (RESULTS.md: gate_up 35.2
+us against a 28 us floor, down 23.8 against 14, qkv 9.7 against 6, o 8.7 against 4) and is not issue-bound (27%
+fewer instructions measured slower, tenth session): a program holds one 8 KB tile in registers at a time, too few
+bytes in flight to cover HBM's latency. Issue 18's FP8 decode at batch 1 sits at 0.74x bf16 (target 0.7x). Here each
+program keeps STAGES weight tiles in flight by TMA (4 x 16 KB), and the products run on the tensor cores: the
+SMs issue a few instructions per 16 KB instead of ~5.5 per weight.
+
+The product, swapped (weights as wgmma's A, 64 rows a warpgroup instruction; tokens as its N, 8 to 32 columns):
+- a program owns BLOCK_N = 128 weight rows (one scale block of rows) and a run of K blocks of 128 (split-K); its
+  weight tiles [128, 128] e4m3 come by TMA into a ring of STAGES buffers, each on its own mbarrier; those of the
+  first STAGES blocks are asked for before the wait on the kernel before (PDL: weights do not depend on it);
+- per K block the activations [BLOCK_T, 128] (bf16, rows past M zero) are loaded, quantized (amax / 448 a row,
+  e4m3 by the hardware conversion) and stored to shared memory as B's K-major tile, the next block's while this
+  block's wgmma runs (two slots);
+- acc_j = W_j xq_j^T in one asynchronous wgmma chain (fp32; `max_num_imprecise_acc` as quant_fp8's
+  FP8_DOT_MAX_IMPRECISE_ACC: 0 promotes after each k32 instruction, as the Triton block GEMM does), then acc +=
+  acc_j * w_scale[row block, j] * x_scale[token, j];
+- split-K as the other decode GEMVs (quant_gemv.SplitKOutputs: fp32 partials, summed by each tile's last program
+  or by splitk_reduce); gluon_gemv.store_sums stores.
+Rounding against the reference: the same e4m3 values on both sides, the scales applied to each block's fp32 sum (the
+reference scales before its product): equal to fp32 summation order, as fp8_gemv.py's.
+
+Built for sm90 on the CPU machine with Triton 3.6 and 3.9 (scripts/dev/compile_quant_gemv.py '{"fp8_wgmma": true}').
+Not yet run on a GPU: tests/gpu/test_fp8_wgmma_gemv_gpu.py, `gpu_check.sh fp8-wgmma`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from longserve.kernels.gluon_compat import barrier, supported, tma_load
+from longserve.kernels.gluon_gemv import gdc_wait, one_wave_splits, store_sums
+from longserve.kernels.launch import use_pdl
+from longserve.kernels.quant_gemv import _num_sms, split_k_outputs
+from longserve.kernels.quant_reference import FP8_MAX
+
+__all__ = ["BLOCK", "MAX_ROWS", "STAGES", "fits", "gemv", "launch", "splits", "supported"]
+
+BLOCK = (128, 128)  # the weight scales' block (rows, K) the kernel takes: a program's rows and a step's K
+# activation rows: wgmma's N, 8 to 32 (BLOCK_T); at 64 the sm90 build spills (255 registers: the activations'
+# block, its quantized copy, the block's products and the sums), where cuBLAS's block-scaled GEMM serves
+MAX_ROWS = 32
+STAGES = 4  # weight tiles in flight a program (16 KB each)
+WARPS = 4  # one warpgroup
+_E4M3_MAX = gl.constexpr(FP8_MAX)
+
+
+@gluon.jit
+def _quantized_tile(x_ptr, slot, M, K, kb, stride_xm, BLOCK_T: gl.constexpr, BLOCK_K: gl.constexpr,
+                    x_layout: gl.constexpr, scale_layout: gl.constexpr):  # fmt: skip
+    """Block kb of the activations quantized per row into `slot` (e4m3 [BLOCK_T, BLOCK_K], shared); the rows' scales
+    in scale_layout (rows past M: zeros, scale 1e-10 / 448)."""
+    rows = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, x_layout))
+    cols = kb * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, x_layout))
+    x = gl.load(
+        x_ptr + rows.to(gl.int64)[:, None] * stride_xm + cols[None, :], mask=(rows < M)[:, None], other=0.0
+    )
+    x = x.to(gl.float32)
+    scale = gl.maximum(gl.max(gl.abs(x), axis=1), 1e-10) / _E4M3_MAX  # per_token_group_quant's
+    xq = gl.minimum(gl.maximum(x / scale[:, None], -_E4M3_MAX), _E4M3_MAX)
+    slot.store(xq.to(gl.float8e4nv))
+    fence_async_shared()
+    return gl.convert_layout(scale, scale_layout)
+
+
+@gluon.jit
+def fp8_wgmma_gemv_kernel(
+    w_desc,  # TMA over the weights [N, K] e4m3, boxes [BLOCK_N, BLOCK_K]
+    x_ptr,  # [M, K] bf16
+    s_ptr,  # [ceil(N / BLOCK_N), K / BLOCK_K] float32 weight scales
+    b_ptr,  # [N] (HAS_BIAS)
+    out_ptr,  # [M, N] bf16, or (PARTIAL) [splits, M, N] float32
+    res_ptr,  # SERIAL: [M, N] bf16, the partials' sum
+    lock_ptr,  # SERIAL: int32 counters, one per column tile, zero
+    M, N, K, blocks_per_split, num_blocks, stride_xm, stride_sn, stride_os, stride_om,
+    HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr, SERIAL: gl.constexpr, BLOCK_T: gl.constexpr,
+    STAGES: gl.constexpr, IMPRECISE_ACC: gl.constexpr, USE_PDL: gl.constexpr, num_warps: gl.constexpr,
+):  # fmt: skip
+    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_T, 32]
+    )
+    x_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])  # 16-byte loads
+    x_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_T, BLOCK_K], gl.float8e4nv)
+    token_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
+    pid_n, pid_k = gl.program_id(0), gl.program_id(1)
+    n0 = pid_n * BLOCK_N
+    kb0 = pid_k * blocks_per_split
+    n_blocks = gl.minimum(blocks_per_split, num_blocks - kb0)
+
+    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+    x_bufs = gl.allocate_shared_memory(gl.float8e4nv, [2, BLOCK_T, BLOCK_K], x_smem_layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+    # the first STAGES weight tiles asked for before waiting on the kernel before (the weights are not its output)
+    for i in gl.static_range(STAGES):
+        if i < n_blocks:
+            mbarrier.expect(ready.index(i), w_desc.block_type.nbytes)
+            tma_load(w_desc, [n0, (kb0 + i) * BLOCK_K], ready.index(i), w_bufs.index(i))
+    gdc_wait(USE_PDL)
+
+    x_scale = _quantized_tile(
+        x_ptr, x_bufs.index(0), M, K, kb0, stride_xm, BLOCK_T, BLOCK_K, x_layout, token_layout
+    )
+    barrier()  # every warp's activations in shared memory before the wgmma reads them
+    zero = gl.zeros([BLOCK_N, BLOCK_T], gl.float32, acc_layout)
+    acc = gl.zeros([BLOCK_N, BLOCK_T], gl.float32, acc_layout)
+    for j in range(0, n_blocks):
+        s = j % STAGES
+        mbarrier.wait(ready.index(s), (j // STAGES) & 1)
+        part = warpgroup_mma(w_bufs.index(s), x_bufs.index(j % 2).permute((1, 0)), zero, use_acc=False,
+                             max_num_imprecise_acc=IMPRECISE_ACC, is_async=True)  # fmt: skip
+        # the next block's activations into the other slot while this block's products run
+        next_scale = x_scale
+        if j + 1 < n_blocks:
+            next_scale = _quantized_tile(x_ptr, x_bufs.index((j + 1) % 2), M, K, kb0 + j + 1, stride_xm, BLOCK_T,
+                                         BLOCK_K, x_layout, token_layout)  # fmt: skip
+        part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+        w_scale = gl.load(s_ptr + pid_n * stride_sn + kb0 + j)
+        acc += part * (w_scale * x_scale)[None, :]
+        x_scale = next_scale
+        barrier()  # every warp past its wait: stage s and slot j % 2 are read; the next slot is stored
+        if j + STAGES < n_blocks:  # stage s refilled STAGES blocks ahead
+            mbarrier.expect(ready.index(s), w_desc.block_type.nbytes)
+            tma_load(w_desc, [n0, (kb0 + j + STAGES) * BLOCK_K], ready.index(s), w_bufs.index(s))
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+
+    rows = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
+    tokens = gl.arange(0, BLOCK_T, layout=token_layout)
+    out_off = tokens[None, :] * stride_om + rows[:, None]
+    out_mask = (tokens < M)[None, :] & (rows < N)[:, None]
+    store_sums(out_ptr, acc, out_off, out_mask, b_ptr, rows[:, None], (rows < N)[:, None], pid_n, pid_k,
+               stride_os, res_ptr, lock_ptr, HAS_BIAS, PARTIAL, SERIAL)  # fmt: skip
+
+
+def fits(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int]) -> bool:
+    """Whether the kernel takes this product: bf16 activations of 1 to MAX_ROWS rows, K a multiple of 128, 128 x 128
+    scale blocks, 16-byte aligned rows (TMA)."""
+    m, k = x.shape
+    return (
+        x.dtype == torch.bfloat16
+        and 1 <= m <= MAX_ROWS
+        and tuple(block) == BLOCK
+        and k % BLOCK[1] == 0
+        and w.dtype == torch.float8_e4m3fn
+        and w.stride(1) == 1
+        and w.stride(0) % 16 == 0
+        and w.data_ptr() % 16 == 0
+        and x.stride(1) == 1
+        and w_scale.dtype == torch.float32
+    )
+
+
+def block_t(m: int) -> int:
+    """wgmma's N for m rows: 8, 16 or 32."""
+    return max(8, triton.next_power_of_2(m))
+
+
+def resident_programs(sms: int, m: int) -> int:
+    """Programs the SMs hold at once at m rows, by shared memory (227 KB an SM: STAGES weight tiles, two
+    activation slots, the barriers; the sm90 builds ask 67.7 KB at 8 rows; at most 134 registers, 3 programs)."""
+    smem = STAGES * BLOCK[0] * BLOCK[1] + 2 * block_t(m) * BLOCK[1] + 1024
+    return sms * max(1, 227 * 1024 // smem)
+
+
+def splits(n_tiles: int, num_blocks: int, sms: int, m: int) -> int:
+    """K splits for n_tiles row tiles over num_blocks K blocks: the most that keep one wave."""
+    return one_wave_splits(n_tiles, num_blocks, resident_programs(sms, m))
+
+
+_DESCRIPTORS: dict[tuple, TensorDescriptor] = {}
+
+
+def _descriptor(w: torch.Tensor) -> TensorDescriptor:
+    """The weights' TMA descriptor, made once per weight tensor (a decode step's host time)."""
+    key = (w.data_ptr(), tuple(w.shape), tuple(w.stride()))
+    desc = _DESCRIPTORS.get(key)
+    if desc is None:
+        layout = gl.NVMMASharedLayout.get_default_for(list(BLOCK), gl.float8e4nv)
+        desc = _DESCRIPTORS[key] = TensorDescriptor(w, list(w.shape), list(w.stride()), list(BLOCK), layout)
+    return desc
+
+
+def launch(x, w, w_scale, bias, blocks_per_split: int, num_splits: int, out, res, locks, stride_os: int,
+           serial: bool, bias_in_kernel: bool, imprecise_acc: int) -> None:  # fmt: skip
+    """The kernel over a product `fits` takes, K in num_splits runs of blocks_per_split blocks: into out [M, N] (one
+    split) or its fp32 partials [num_splits, M, N], summed (SERIAL) by each tile's last program into res with the
+    counters `locks` (quant_gemv.SplitKOutputs makes these and sums them otherwise)."""
+    m, k = x.shape
+    n = w.shape[0]
+    pdl = use_pdl(x)
+    fp8_wgmma_gemv_kernel[(triton.cdiv(n, BLOCK[0]), num_splits)](
+        _descriptor(w), x, w_scale, bias if bias_in_kernel else w_scale, out, res, locks, m, n, k,
+        blocks_per_split, k // BLOCK[1], x.stride(0), w_scale.stride(0), stride_os, out.stride(-2),
+        HAS_BIAS=bias_in_kernel, PARTIAL=num_splits > 1, SERIAL=serial, BLOCK_T=block_t(m), STAGES=STAGES,
+        IMPRECISE_ACC=imprecise_acc, USE_PDL=pdl, num_warps=WARPS, launch_pdl=pdl,
+    )  # fmt: skip
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+         imprecise_acc: int) -> torch.Tensor:  # fmt: skip
+    """[M, N] in x's dtype: `fp8_block_gemm_ref(x, w, w_scale, BLOCK, bias)` for a product `fits` takes, split K
+    for one wave of programs (quant_gemv.split_k_outputs: the serial sum up to its row limit)."""
+    m, k = x.shape
+    n = w.shape[0]
+    n_tiles, num_blocks = triton.cdiv(n, BLOCK[0]), k // BLOCK[1]
+    split = splits(n_tiles, num_blocks, _num_sms(x.device.index or 0), m)
+    sk = split_k_outputs(num_blocks, split, m, n, n_tiles, x.dtype, x.device)
+    launch(x, w, w_scale, bias, sk.tiles_per_split, sk.splits, *sk.pointers(), sk.stride_os, sk.serial,
+           sk.bias_in_kernel(bias), imprecise_acc)  # fmt: skip
+    return sk.result(bias, x.dtype)

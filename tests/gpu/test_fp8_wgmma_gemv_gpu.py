@@ -1,0 +1,131 @@
+"""The block-FP8 decode GEMV on the tensor cores (kernels/fp8_wgmma_gemv.py, Gluon: TMA ring + wgmma;
+quant_fp8.FP8_WGMMA_GEMV routes 1-32 rows to it) on an H200 at the Llama-3.1-8B projections: the reference's product
+(the same e4m3 activations: fp32 summation order and the output's rounding), the CUDA-core GEMV's, deterministic,
+through fp8_block_linear with no host sync and replayed from a CUDA graph with new activations, the gated down
+projection, a bias and N not whole tiles, its counters left at zero; each projection's time against what serves
+without it, weights rotated through ~256 MB of copies (HBM, not L2: a decode step reads each weight once)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+DENSE = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+BLOCK = (128, 128)
+
+
+def fp8_block_weight(n: int, k: int, seed: int = 0):
+    g = torch.Generator(device="cuda").manual_seed(n * 3 + k + seed)
+    w = torch.randn(n, k, device="cuda", generator=g).to(torch.float8_e4m3fn)
+    scale = torch.rand(-(-n // 128), k // 128, device="cuda", generator=g) * (2 * k**-0.5) + 1e-3
+    return w, scale
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def linear(x, w, scale, monkeypatch, on: bool, bias=None, gated: bool = False):
+    from longserve.kernels import quant_fp8
+
+    monkeypatch.setattr(quant_fp8, "FP8_WGMMA_GEMV", on)
+    return quant_fp8.fp8_block_linear(x, w, scale, BLOCK, bias, gated=gated)
+
+
+@pytest.mark.parametrize("shape", list(DENSE))
+@pytest.mark.parametrize("m", [1, 2, 8, 16, 32])
+def test_the_8b_projections(shape: str, m: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    from longserve.kernels import quant_gemv
+    from longserve.kernels.fp8_gemv import fp8_block_gemv
+    from longserve.kernels.fp8_wgmma_gemv import fits
+    from longserve.kernels.quant_fp8 import fp8_block_gemm_ref
+    from longserve.platform import capture_cuda_graph
+
+    n, k = DENSE[shape]
+    w, scale = fp8_block_weight(n, k)
+    x = torch.randn(
+        m, k, device="cuda", dtype=torch.bfloat16, generator=torch.Generator(device="cuda").manual_seed(m)
+    )
+    assert fits(x, w, scale, BLOCK)
+    out = linear(x, w, scale, monkeypatch, True)
+    assert out.shape == (m, n) and out.dtype == torch.bfloat16
+    # the same e4m3 activations as the reference's (an activation one e4m3 step off at a rounding boundary, from
+    # an approximate fp32 division, moves a row by ~2e-3: fp8_gemv's test)
+    assert rel_err(out, fp8_block_gemm_ref(x, w, scale, BLOCK)) < 1e-3
+    if m <= 16:
+        assert rel_err(out, fp8_block_gemv(x, w, scale, BLOCK)) < 1e-3
+    assert torch.equal(linear(x, w, scale, monkeypatch, True), out)  # deterministic: split order, no atomics
+    outs: dict[str, torch.Tensor] = {}
+    graph = capture_cuda_graph(lambda: outs.update(y=linear(x, w, scale, monkeypatch, True)))
+    x.copy_(
+        torch.randn(
+            m, k, device="cuda", dtype=torch.bfloat16, generator=torch.Generator(device="cuda").manual_seed(7)
+        )
+    )
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel_err(outs["y"], fp8_block_gemm_ref(x, w, scale, BLOCK)) < 1e-3
+    for counters in quant_gemv._SERIAL_LOCKS.values():
+        assert int(counters.abs().sum()) == 0  # every tile's counter reset by its last program
+
+
+@pytest.mark.parametrize("m", [1, 5, 24])
+def test_bias_ragged_n_and_the_gated_down_projection(m: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """N not a multiple of a program's 128 rows (TMA's zero fill, the last scale row), a bias (added by the last
+    split, or after splitk_reduce past the serial sums' rows), and the down projection fed gate|up (silu * up
+    first): each equal to the route without the kernel."""
+    from longserve.kernels.activation import silu_and_mul
+    from longserve.kernels.quant_fp8 import fp8_block_gemm_ref
+
+    n, k = 6144 + 64, 4096
+    w, scale = fp8_block_weight(n, k, seed=1)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    out = linear(x, w, scale, monkeypatch, True, bias)
+    assert rel_err(out, fp8_block_gemm_ref(x, w, scale, BLOCK, bias)) < 1e-3
+    n, k = DENSE["down"]
+    w, scale = fp8_block_weight(n, k)
+    gate_up = torch.randn(m, 2 * k, device="cuda", dtype=torch.bfloat16) * 2
+    fused = linear(gate_up, w, scale, monkeypatch, True, gated=True)
+    assert rel_err(fused, fp8_block_gemm_ref(silu_and_mul(gate_up), w, scale, BLOCK)) < 1e-3
+
+
+def _rotating_time_us(call, copies) -> float:
+    """Device us per call, each of `iters` calls in one CUDA graph on the next copy of the weights."""
+    from longserve.platform import cuda_graph_time_ms
+
+    state = {"i": 0}
+
+    def one():
+        call(copies[state["i"] % len(copies)])
+        state["i"] += 1
+
+    return cuda_graph_time_ms(one, 2, 4 * len(copies), 5) * 1e3
+
+
+@pytest.mark.parametrize("m", [1, 8, 16, 32])
+def test_times(m: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each projection at m rows, us, what serves without the kernel (fp8_gemv.py at one row, cuBLAS's block-scaled
+    GEMM or the Triton block GEMM above) against it, weights from HBM; printed for gpu_check.sh fp8-wgmma."""
+    from longserve.kernels import fp8_wgmma_gemv, quant_fp8
+
+    for shape, (n, k) in DENSE.items():
+        w = fp8_block_weight(n, k)
+        copies = [w] + [tuple(t.clone() for t in w) for _ in range(max(1, (256 << 20) // w[0].numel()) - 1)]
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        # this build (gpu_check.sh runs the variants through this test alone) right first
+        assert rel_err(linear(x, *w, monkeypatch, True), linear(x, *w, monkeypatch, False)) < 2e-3
+        times = {
+            on: _rotating_time_us(lambda c, on=on, x=x: linear(x, *c, monkeypatch, on), copies)
+            for on in (False, True)
+        }
+        floor = w[0].numel() / 4.2e6  # bytes at 4.2 TB/s, us
+        print(f"\nfp8 wgmma m={m} {shape} stages={fp8_wgmma_gemv.STAGES} "
+              f"imprecise={quant_fp8.FP8_DOT_MAX_IMPRECISE_ACC}: without {times[False]:.1f} us, "
+              f"wgmma {times[True]:.1f} us, HBM floor {floor:.1f} us")  # fmt: skip

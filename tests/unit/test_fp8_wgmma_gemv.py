@@ -1,0 +1,82 @@
+"""The block-FP8 GEMV on the tensor cores (kernels/fp8_wgmma_gemv.py, Gluon) on the CPU: the products it takes, its
+split counts, and its launch (the kernel captured, not run: grid, the TMA descriptor's box, the arguments). Its sm90
+builds (TMA, 8 wgmma a block, no spills): tests/unit/test_quant_gemv.py::test_gemv_compiles_for_sm90. On an H200:
+tests/gpu/test_fp8_wgmma_gemv_gpu.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+wg = pytest.importorskip("longserve.kernels.fp8_wgmma_gemv")
+
+
+def _weights(n: int, k: int):
+    return torch.zeros(n, k, dtype=torch.float8_e4m3fn), torch.ones(-(-n // 128), k // 128)
+
+
+def test_the_products_it_takes() -> None:
+    w, s = _weights(6144, 4096)
+    x = torch.zeros(1, 4096, dtype=torch.bfloat16)
+    assert wg.fits(x, w, s, (128, 128))
+    assert wg.fits(torch.zeros(32, 4096, dtype=torch.bfloat16), w, s, (128, 128))
+    assert not wg.fits(torch.zeros(33, 4096, dtype=torch.bfloat16), w, s, (128, 128))  # wgmma's N: 8 to 32
+    assert not wg.fits(x.half(), w, s, (128, 128))  # bf16 activations
+    assert not wg.fits(x, w, s, (64, 128))  # a program's rows are one scale block
+    assert not wg.fits(x, w, s.double(), (128, 128))
+    assert not wg.fits(x, w.view(torch.uint8), s, (128, 128))
+    wide = torch.zeros(6144, 4096 + 8, dtype=torch.float8_e4m3fn)[:, :4096]  # rows not whole 16-byte pieces
+    assert not wg.fits(x, wide, s, (128, 128))
+    assert not wg.fits(x[:, :4000], w[:, :4000], s, (128, 128))  # K not whole blocks
+    assert [wg.block_t(m) for m in (1, 8, 9, 16, 17, 32)] == [8, 8, 16, 16, 32, 32]
+
+
+@pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])
+@pytest.mark.parametrize("m", [1, 16, 32])
+def test_splits_keep_one_wave(n: int, k: int, m: int) -> None:
+    """At the 8B projections on 132 SMs: every program resident at once (or one split), no split empty; three
+    programs an SM (4 weight tiles of 16 KB and the activation slots in 227 KB)."""
+    tiles, blocks = -(-n // 128), k // 128
+    split, resident = wg.splits(tiles, blocks, 132, m), wg.resident_programs(132, m)
+    assert resident == 396
+    per = -(-blocks // split)
+    assert 1 <= split <= blocks and (split - 1) * per < blocks
+    assert tiles * split <= resident or split == 1
+    if per > 1:
+        assert tiles * -(-blocks // (per - 1)) > resident
+
+
+def test_the_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One launch captured: a program per 128 weight rows and split, the descriptor over the whole weight in boxes of
+    128 x 128 (made once per weight), BLOCK_T from the rows, the strides."""
+    calls = []
+
+    class Capture:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: calls.append((grid, args, kw))
+
+    monkeypatch.setattr(wg, "fp8_wgmma_gemv_kernel", Capture())
+    n, k, m = 6144 + 64, 4096, 12
+    w, s = _weights(n, k)
+    x = torch.zeros(m, k + 64, dtype=torch.bfloat16)[:, :k]
+    out = torch.zeros(4, m, n)
+    wg.launch(x, w, s, None, 8, 4, out, out, out, out.stride(0), False, False, 32)
+    wg.launch(x, w, s, None, 8, 4, out, out, out, out.stride(0), False, False, 32)
+    (grid, args, kw), (_, args2, _) = calls
+    assert grid == (49, 4)
+    desc = args[0]
+    assert desc is args2[0] and list(desc.block_shape) == [128, 128] and list(desc.shape) == [n, k]
+    names = [
+        "M",
+        "N",
+        "K",
+        "blocks_per_split",
+        "num_blocks",
+        "stride_xm",
+        "stride_sn",
+        "stride_os",
+        "stride_om",
+    ]
+    assert dict(zip(names, args[7:])) == {"M": m, "N": n, "K": k, "blocks_per_split": 8, "num_blocks": 32,
+                                          "stride_xm": k + 64, "stride_sn": 32, "stride_os": m * n, "stride_om": n}  # fmt: skip
+    assert kw["BLOCK_T"] == 16 and kw["PARTIAL"] and not kw["SERIAL"] and kw["IMPRECISE_ACC"] == 32
