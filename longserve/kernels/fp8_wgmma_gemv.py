@@ -61,7 +61,7 @@ _E4M3_MAX = gl.constexpr(FP8_MAX)
 
 
 @gluon.jit
-def _quantized_tile(x_ptr, slot, M, K, kb, stride_xm, BLOCK_T: gl.constexpr, BLOCK_K: gl.constexpr,
+def _quantized_tile(x_ptr, slot, M, kb, stride_xm, BLOCK_T: gl.constexpr, BLOCK_K: gl.constexpr,
                     x_layout: gl.constexpr, scale_layout: gl.constexpr):  # fmt: skip
     """Block kb of the activations quantized per row into `slot` (e4m3 [BLOCK_T, BLOCK_K], shared); the rows' scales
     in scale_layout (rows past M: zeros, scale 1e-10 / 448)."""
@@ -117,7 +117,7 @@ def fp8_wgmma_gemv_kernel(
     gdc_wait(USE_PDL)
 
     x_scale = _quantized_tile(
-        x_ptr, x_bufs.index(0), M, K, kb0, stride_xm, BLOCK_T, BLOCK_K, x_layout, token_layout
+        x_ptr, x_bufs.index(0), M, kb0, stride_xm, BLOCK_T, BLOCK_K, x_layout, token_layout
     )
     barrier()  # every warp's activations in shared memory before the wgmma reads them
     zero = gl.zeros([BLOCK_N, BLOCK_T], gl.float32, acc_layout)
@@ -130,7 +130,7 @@ def fp8_wgmma_gemv_kernel(
         # the next block's activations into the other slot while this block's products run
         next_scale = x_scale
         if j + 1 < n_blocks:
-            next_scale = _quantized_tile(x_ptr, x_bufs.index((j + 1) % 2), M, K, kb0 + j + 1, stride_xm, BLOCK_T,
+            next_scale = _quantized_tile(x_ptr, x_bufs.index((j + 1) % 2), M, kb0 + j + 1, stride_xm, BLOCK_T,
                                          BLOCK_K, x_layout, token_layout)  # fmt: skip
         part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
         w_scale = gl.load(s_ptr + pid_n * stride_sn + kb0 + j)
@@ -153,7 +153,7 @@ def fp8_wgmma_gemv_kernel(
 
 def fits(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int]) -> bool:
     """Whether the kernel takes this product: bf16 activations of 1 to MAX_ROWS rows, K a multiple of 128, 128 x 128
-    scale blocks, 16-byte aligned rows (TMA)."""
+    scale blocks (any float dtype: `gemv` takes them as float32), 16-byte aligned rows (TMA)."""
     m, k = x.shape
     return (
         x.dtype == torch.bfloat16
@@ -165,7 +165,7 @@ def fits(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: tuple[i
         and w.stride(0) % 16 == 0
         and w.data_ptr() % 16 == 0
         and x.stride(1) == 1
-        and w_scale.dtype == torch.float32
+        and tuple(w_scale.shape) == (triton.cdiv(w.shape[0], BLOCK[0]), k // BLOCK[1])
     )
 
 
