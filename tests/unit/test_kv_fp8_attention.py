@@ -168,6 +168,29 @@ def test_decode_kernel_on_fp8_pages_equals_its_reference(num_splits, window):
         torch.testing.assert_close(step.run(backend, window=window)[0], expected, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_kernel_with_16bit_queries_dots_in_fp16(num_splits, monkeypatch):
+    """16-bit queries on e4m3 pages: the kernel widens the pages to fp16 and scales q once (KV_FP8_AS_F16: one
+    conversion a pair on sm90), equal to the reference to fp16's rounding of the scaled q and of p, and to the
+    path without it (q's dtype, the scale on the scores). fp16 queries: the interpreter's bf16 is wrong on either
+    path (the output ~4e7 off); tests/gpu/test_kv_fp8_gpu.py runs bf16."""
+    from longserve.kernels import decode_attention as da
+
+    step = Fp8Step([30, 9, 64], [1, 1, 1], page_size=8, heads=(8, 2), seed=7 + num_splits)
+    cache = step.cache()
+    m = step.meta
+    cache.store(0, m.slot_mapping, step.k, step.v)
+    q = step.q.half()
+    args = (q, cache.k[0], cache.v[0], m.seq_lens, m.page_table, m.page_size, step.scale, None, num_splits)
+    out = decode_attention(*args, k_scale=K_SCALE, v_scale=V_SCALE)
+    ref = decode_attention_ref(*args, k_scale=K_SCALE, v_scale=V_SCALE)
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-3, rtol=2e-3)
+    monkeypatch.setattr(da, "KV_FP8_AS_F16", False)
+    torch.testing.assert_close(out.float(), decode_attention(*args, k_scale=K_SCALE, v_scale=V_SCALE).float(),
+                               atol=2e-3, rtol=2e-3)  # fmt: skip
+
+
 def test_extend_kernel_direct_with_scales_and_16bit_queries():
     # 16-bit queries: the kernel widens e4m3 to the query's dtype (exact: every e4m3 value is an fp16 and a
     # bf16 value) for 16-bit dots. fp16 here: the interpreter's bf16 dots are wrong with a bf16 cache too

@@ -44,6 +44,9 @@
 # (FP8_DOT_MAX_IMPRECISE_ACC=None), the FP8 engines' GPU tests with it on, then the 8B decode at batch 1 (32K), 8
 # (4K), 16 (8K) and 32 (4K) in bf16 and in block FP8 with it off and on (issue 18: FP8 b1 <= 0.7x bf16's; 0.74x at
 # 11fea55).
+# kvfp8-f16 (one GPU, ~6 min): the fp8 KV GPU tests, then the A3B and 8B decode at batch 64 (4K) on a bf16 cache and
+# on an fp8 one with the decode kernel's dots in bf16 and in fp16 (decode_attention.KV_FP8_AS_F16; issue 18: fp8 KV
+# <= 1.05x bf16's, the A3B at 1.06x in the eighth session).
 # shellcheck shell=bash
 
 if [[ $MODE == kvfp8 ]]; then  # one GPU: fp8 KV cache; target: 2x KV tokens, b64 decode <= 1.05x auto
@@ -323,5 +326,19 @@ if [[ $MODE == fp8-wgmma ]]; then  # one GPU (~7 min): the block-FP8 GEMV by TMA
     latency_with fp8_wgmma_$on "FP8 blocks FP8_WGMMA_GEMV=$on" longserve.kernels.quant_fp8.FP8_WGMMA_GEMV=$on -- \
       --config llama-3.1-8b "${dummy[@]}" --repeat 3 --hf-overrides "$fp8" \
       --decode-batch-sizes 1@32768,8@4096,16@8192,32@4096
+  done
+fi
+
+if [[ $MODE == kvfp8-f16 ]]; then  # one GPU (~6 min): the fp8 KV decode's fp16 dots against its bf16 ones
+  timeout 150 python3 -m pytest -q -m gpu tests/gpu/test_kv_fp8_gpu.py -p no:cacheprovider --tb=short -rfE 2>&1 \
+    | tee "$OUT/gpu_tests_kvfp8_f16.log" | tail -3 || status=1
+  for shape in qwen3-30b-a3b llama-3.1-8b; do
+    LATENCY_TIMEOUT=120 latency_with "kvfp8_${shape}_auto" "$shape bf16 KV" -- --config $shape "${dummy[@]}" \
+      --repeat 3 --decode-batch-sizes 64@4096
+    for f16 in False True; do
+      LATENCY_TIMEOUT=120 latency_with "kvfp8_${shape}_f16$f16" "$shape fp8 KV KV_FP8_AS_F16=$f16" \
+        longserve.kernels.decode_attention.KV_FP8_AS_F16=$f16 -- --config $shape "${dummy[@]}" --repeat 3 \
+        --kv-cache-dtype fp8 --decode-batch-sizes 64@4096
+    done
   done
 fi
