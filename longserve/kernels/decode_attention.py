@@ -106,9 +106,8 @@ def _decode_split_kernel(
     d_valid = offs_d < HEAD_DIM
     q_offs = req.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptr + q_offs, mask=h_valid[:, None] & d_valid[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
-    if (
-        KV_F16
-    ):  # the scale applied to q once (|q| x ~0.1 x k_scale: far inside fp16's range), not to every score
+    # the scale applied to q once (|q| x ~0.1 x k_scale: far inside fp16's range), not to every score
+    if KV_F16:
         q = (q.to(tl.float32) * qk_scale).to(tl.float16)
 
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)

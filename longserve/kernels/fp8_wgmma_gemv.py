@@ -87,7 +87,7 @@ def fp8_wgmma_gemv_kernel(
     out_ptr,  # [M, N] bf16, or (PARTIAL) [splits, M, N] float32
     res_ptr,  # SERIAL: [M, N] bf16, the partials' sum
     lock_ptr,  # SERIAL: int32 counters, one per column tile, zero
-    M, N, K, blocks_per_split, num_blocks, stride_xm, stride_sn, stride_os, stride_om,
+    M, N, blocks_per_split, num_blocks, stride_xm, stride_sn, stride_os, stride_om,
     HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr, SERIAL: gl.constexpr, BLOCK_T: gl.constexpr,
     STAGES: gl.constexpr, IMPRECISE_ACC: gl.constexpr, USE_PDL: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
@@ -208,7 +208,7 @@ def launch(x, w, w_scale, bias, blocks_per_split: int, num_splits: int, out, res
     n = w.shape[0]
     pdl = use_pdl(x)
     fp8_wgmma_gemv_kernel[(triton.cdiv(n, BLOCK[0]), num_splits)](
-        _descriptor(w), x, w_scale, bias if bias_in_kernel else w_scale, out, res, locks, m, n, k,
+        _descriptor(w), x, w_scale, bias if bias_in_kernel else w_scale, out, res, locks, m, n,
         blocks_per_split, k // BLOCK[1], x.stride(0), w_scale.stride(0), stride_os, out.stride(-2),
         HAS_BIAS=bias_in_kernel, PARTIAL=num_splits > 1, SERIAL=serial, BLOCK_T=block_t(m), STAGES=STAGES,
         IMPRECISE_ACC=imprecise_acc, USE_PDL=pdl, num_warps=WARPS, launch_pdl=pdl,

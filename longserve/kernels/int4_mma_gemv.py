@@ -56,8 +56,8 @@ from longserve.kernels.gluon_gemv import axis, gdc_wait, one_wave_splits, store_
 from longserve.kernels.launch import use_pdl
 
 __all__ = [
-    "K_STEP",
     "BLOCK_ROWS",
+    "K_STEP",
     "MAX_ROWS",
     "WAVE_SPLITS",
     "block_n",

@@ -293,10 +293,8 @@ def fp8_block_linear(
     if FP8_WGMMA_GEMV and x.is_cuda:
         from longserve.kernels import fp8_wgmma_gemv as wg
 
-        xs = x[
-            :, :k
-        ]  # fits asks the activations' rows, dtype and strides (gate|up: as its silu * up will be)
-        if wg.supported() and wg.fits(xs, w, w_scale, block):
+        # fits asks the activations' rows, dtype and strides (gate|up: as its silu * up will be)
+        if wg.supported() and wg.fits(x[:, :k], w, w_scale, block):
             # 0 (fp32 accumulation): promoted after each k32 wgmma, the least Gluon's fp8 wgmma takes; None: a block
             acc = FP8_DOT_MAX_IMPRECISE_ACC
             imprecise = wg.BLOCK[1] if acc is None else max(32, acc)

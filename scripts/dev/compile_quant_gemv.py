@@ -189,8 +189,7 @@ def compile_fp8_wgmma(fp8_wgmma=True, rows=1, bias=False, split=4, serial=False,
     fn = wg.fp8_wgmma_gemv_kernel
     sig = {a: ptrs.get(a, "constexpr" if a in consts else "i32") for a in fn.arg_names}
     attrs = {
-        a: [["tt.divisibility", 16]]
-        for a in ["x_ptr", "s_ptr", "out_ptr", "N", "K", "stride_xm", "stride_om"]
+        a: [["tt.divisibility", 16]] for a in ["x_ptr", "s_ptr", "out_ptr", "N", "stride_xm", "stride_om"]
     }
     return compile_sm90(fn, sig, consts, attrs, num_warps=wg.WARPS)
 

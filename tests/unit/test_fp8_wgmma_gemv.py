@@ -66,17 +66,7 @@ def test_the_launch(monkeypatch: pytest.MonkeyPatch) -> None:
     assert grid == (49, 4)
     desc = args[0]
     assert desc is args2[0] and list(desc.block_shape) == [128, 128] and list(desc.shape) == [n, k]
-    names = [
-        "M",
-        "N",
-        "K",
-        "blocks_per_split",
-        "num_blocks",
-        "stride_xm",
-        "stride_sn",
-        "stride_os",
-        "stride_om",
-    ]
-    assert dict(zip(names, args[7:])) == {"M": m, "N": n, "K": k, "blocks_per_split": 8, "num_blocks": 32,
+    names = ["M", "N", "blocks_per_split", "num_blocks", "stride_xm", "stride_sn", "stride_os", "stride_om"]
+    assert dict(zip(names, args[7:])) == {"M": m, "N": n, "blocks_per_split": 8, "num_blocks": 32,
                                           "stride_xm": k + 64, "stride_sn": 32, "stride_os": m * n, "stride_om": n}  # fmt: skip
     assert kw["BLOCK_T"] == 16 and kw["PARTIAL"] and not kw["SERIAL"] and kw["IMPRECISE_ACC"] == 32
