@@ -1,7 +1,9 @@
 """The block-FP8 decode GEMV on the tensor cores (Gluon: TMA ring + wgmma): `fp8_block_gemm_ref`'s product for 1 to
 MAX_ROWS rows of bf16 activations, e4m3 weights [N, K] with 128 x 128 block scales (the official Qwen3 / DeepSeek FP8
 checkpoints), the activations quantized per token-group of 128 inside the kernel as `per_token_group_quant` does.
-`quant_fp8.fp8_block_linear` routes here when `FP8_WGMMA_GEMV` is on and `fits`.
+`quant_fp8.fp8_block_linear` routes here when `FP8_WGMMA_GEMV` is on and `fits`; so does `fp8_scaled_linear` (per-channel
+FP8: `--quantization fp8`, compressed-tensors FP8) with `fits_channel`, its activations quantized per token (or
+tensor) before it, both scales multiplying the sums at the end (PER_CHANNEL).
 
 Why: fp8_gemv.py's CUDA-core GEMV reads the 8B projections at 50-80% of HBM's 4.2 TB/s (RESULTS.md: gate_up 35.2
 us against a 28 us floor, down 23.8 against 14, qkv 9.7 against 6, o 8.7 against 4) and is not issue-bound (27%
@@ -49,7 +51,7 @@ from longserve.kernels.launch import use_pdl
 from longserve.kernels.quant_gemv import _num_sms, split_k_outputs
 from longserve.kernels.quant_reference import FP8_MAX
 
-__all__ = ["BLOCK", "MAX_ROWS", "STAGES", "fits", "gemv", "launch", "splits", "supported"]
+__all__ = ["BLOCK", "MAX_ROWS", "STAGES", "fits", "fits_channel", "gemv", "launch", "splits", "supported"]
 
 BLOCK = (128, 128)  # the weight scales' block (rows, K) the kernel takes: a program's rows and a step's K
 # activation rows: wgmma's N, 8 to 32 (BLOCK_T); at 64 the sm90 build spills (255 registers: the activations'
@@ -79,17 +81,45 @@ def _quantized_tile(x_ptr, slot, M, kb, stride_xm, BLOCK_T: gl.constexpr, BLOCK_
 
 
 @gluon.jit
+def _stored_tile(x_ptr, slot, M, kb, stride_xm, BLOCK_T: gl.constexpr, BLOCK_K: gl.constexpr,
+                 x_layout: gl.constexpr):  # fmt: skip
+    """Block kb of activations quantized already (e4m3 bytes, per token) into `slot` (rows past M: zeros)."""
+    rows = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, x_layout))
+    cols = kb * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, x_layout))
+    xq = gl.load(
+        x_ptr + rows.to(gl.int64)[:, None] * stride_xm + cols[None, :], mask=(rows < M)[:, None], other=0
+    )
+    slot.store(xq.to(gl.float8e4nv, bitcast=True))
+    fence_async_shared()
+
+
+@gluon.jit
+def _activation_block(x_ptr, slot, M, kb, stride_xm, PER_CHANNEL: gl.constexpr, BLOCK_T: gl.constexpr,
+                      BLOCK_K: gl.constexpr, x_layout: gl.constexpr, scale_layout: gl.constexpr):  # fmt: skip
+    """Block kb of the activations into `slot` as wgmma's B: quantized here per row (block FP8: the rows' scales
+    returned), or (PER_CHANNEL) as given (scales of 1: the tokens' multiply the sums at the end)."""
+    if PER_CHANNEL:
+        _stored_tile(x_ptr, slot, M, kb, stride_xm, BLOCK_T, BLOCK_K, x_layout)
+        scale = gl.full([BLOCK_T], 1.0, gl.float32, scale_layout)
+    else:
+        scale = _quantized_tile(x_ptr, slot, M, kb, stride_xm, BLOCK_T, BLOCK_K, x_layout, scale_layout)
+    return scale
+
+
+@gluon.jit
 def fp8_wgmma_gemv_kernel(
     w_desc,  # TMA over the weights [N, K] e4m3, boxes [BLOCK_N, BLOCK_K]
-    x_ptr,  # [M, K] bf16
-    s_ptr,  # [ceil(N / BLOCK_N), K / BLOCK_K] float32 weight scales
+    x_ptr,  # [M, K] bf16, or (PER_CHANNEL) e4m3 quantized per token, as uint8
+    xs_ptr,  # PER_CHANNEL: [M] float32 activation scales (per token, or one per tensor repeated)
+    s_ptr,  # float32 weight scales: [ceil(N / BLOCK_N), K / BLOCK_K] blocks, or (PER_CHANNEL) [N]
     b_ptr,  # [N] (HAS_BIAS)
     out_ptr,  # [M, N] bf16, or (PARTIAL) [splits, M, N] float32
     res_ptr,  # SERIAL: [M, N] bf16, the partials' sum
     lock_ptr,  # SERIAL: int32 counters, one per column tile, zero
     M, N, blocks_per_split, num_blocks, stride_xm, stride_sn, stride_os, stride_om,
     HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr, SERIAL: gl.constexpr, BLOCK_T: gl.constexpr,
-    STAGES: gl.constexpr, IMPRECISE_ACC: gl.constexpr, USE_PDL: gl.constexpr, num_warps: gl.constexpr,
+    STAGES: gl.constexpr, IMPRECISE_ACC: gl.constexpr, USE_PDL: gl.constexpr, PER_CHANNEL: gl.constexpr,
+    num_warps: gl.constexpr,
 ):  # fmt: skip
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
@@ -116,9 +146,8 @@ def fp8_wgmma_gemv_kernel(
             tma_load(w_desc, [n0, (kb0 + i) * BLOCK_K], ready.index(i), w_bufs.index(i))
     gdc_wait(USE_PDL)
 
-    x_scale = _quantized_tile(
-        x_ptr, x_bufs.index(0), M, kb0, stride_xm, BLOCK_T, BLOCK_K, x_layout, token_layout
-    )
+    x_scale = _activation_block(x_ptr, x_bufs.index(0), M, kb0, stride_xm, PER_CHANNEL, BLOCK_T, BLOCK_K, x_layout,
+                                token_layout)  # fmt: skip
     barrier()  # every warp's activations in shared memory before the wgmma reads them
     zero = gl.zeros([BLOCK_N, BLOCK_T], gl.float32, acc_layout)
     acc = gl.zeros([BLOCK_N, BLOCK_T], gl.float32, acc_layout)
@@ -130,11 +159,14 @@ def fp8_wgmma_gemv_kernel(
         # the next block's activations into the other slot while this block's products run
         next_scale = x_scale
         if j + 1 < n_blocks:
-            next_scale = _quantized_tile(x_ptr, x_bufs.index((j + 1) % 2), M, kb0 + j + 1, stride_xm, BLOCK_T,
-                                         BLOCK_K, x_layout, token_layout)  # fmt: skip
+            next_scale = _activation_block(x_ptr, x_bufs.index((j + 1) % 2), M, kb0 + j + 1, stride_xm, PER_CHANNEL,
+                                           BLOCK_T, BLOCK_K, x_layout, token_layout)  # fmt: skip
         part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
-        w_scale = gl.load(s_ptr + pid_n * stride_sn + kb0 + j)
-        acc += part * (w_scale * x_scale)[None, :]
+        if PER_CHANNEL:  # both scales after the loop
+            acc += part
+        else:
+            w_scale = gl.load(s_ptr + pid_n * stride_sn + kb0 + j)
+            acc += part * (w_scale * x_scale)[None, :]
         x_scale = next_scale
         barrier()  # every warp past its wait: stage s and slot j % 2 are read; the next slot is stored
         if j + STAGES < n_blocks:  # stage s refilled STAGES blocks ahead
@@ -145,27 +177,52 @@ def fp8_wgmma_gemv_kernel(
 
     rows = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
     tokens = gl.arange(0, BLOCK_T, layout=token_layout)
+    if PER_CHANNEL:  # sum_k xq w * x_scale * w_scale, as scaled_gemm_ref
+        xs = gl.load(xs_ptr + tokens, mask=tokens < M, other=0.0)
+        ws = gl.load(s_ptr + rows, mask=rows < N, other=0.0)
+        acc = acc * xs[None, :] * ws[:, None]
     out_off = tokens[None, :] * stride_om + rows[:, None]
     out_mask = (tokens < M)[None, :] & (rows < N)[:, None]
     store_sums(out_ptr, acc, out_off, out_mask, b_ptr, rows[:, None], (rows < N)[:, None], pid_n, pid_k,
                stride_os, res_ptr, lock_ptr, HAS_BIAS, PARTIAL, SERIAL)  # fmt: skip
 
 
+def _weights_fit(w: torch.Tensor, k: int) -> bool:
+    """e4m3 weights [N, K] of whole 128-blocks along K in 16-byte aligned rows (TMA)."""
+    return (
+        w.dtype == torch.float8_e4m3fn
+        and w.shape[1] == k
+        and k % BLOCK[1] == 0
+        and w.stride(1) == 1
+        and w.stride(0) % 16 == 0
+        and w.data_ptr() % 16 == 0
+    )
+
+
 def fits(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int]) -> bool:
-    """Whether the kernel takes this product: bf16 activations of 1 to MAX_ROWS rows, K a multiple of 128, 128 x 128
-    scale blocks (any float dtype: `gemv` takes them as float32), 16-byte aligned rows (TMA)."""
+    """Whether the kernel takes this block-FP8 product: bf16 activations of 1 to MAX_ROWS rows, K a multiple of 128,
+    128 x 128 scale blocks (any float dtype: `gemv` takes them as float32), 16-byte aligned rows (TMA)."""
     m, k = x.shape
     return (
         x.dtype == torch.bfloat16
         and 1 <= m <= MAX_ROWS
-        and tuple(block) == BLOCK
-        and k % BLOCK[1] == 0
-        and w.dtype == torch.float8_e4m3fn
-        and w.stride(1) == 1
-        and w.stride(0) % 16 == 0
-        and w.data_ptr() % 16 == 0
         and x.stride(1) == 1
+        and tuple(block) == BLOCK
+        and _weights_fit(w, k)
         and tuple(w_scale.shape) == (triton.cdiv(w.shape[0], BLOCK[0]), k // BLOCK[1])
+    )
+
+
+def fits_channel(xq: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> bool:
+    """Whether the kernel takes this per-channel product (`scaled_gemm_ref`'s): e4m3 activations quantized per token
+    (or tensor) of 1 to MAX_ROWS rows, a scale per output channel."""
+    m, k = xq.shape
+    return (
+        xq.dtype == torch.float8_e4m3fn
+        and 1 <= m <= MAX_ROWS
+        and xq.stride(1) == 1
+        and _weights_fit(w, k)
+        and w_scale.numel() == w.shape[0]
     )
 
 
@@ -199,31 +256,37 @@ def _descriptor(w: torch.Tensor) -> TensorDescriptor:
     return desc
 
 
-def launch(x, w, w_scale, bias, blocks_per_split: int, num_splits: int, out, res, locks, stride_os: int,
+def launch(x, x_scales, w, w_scale, bias, blocks_per_split: int, num_splits: int, out, res, locks, stride_os: int,
            serial: bool, bias_in_kernel: bool, imprecise_acc: int) -> None:  # fmt: skip
-    """The kernel over a product `fits` takes, K in num_splits runs of blocks_per_split blocks: into out [M, N] (one
-    split) or its fp32 partials [num_splits, M, N], summed (SERIAL) by each tile's last program into res with the
-    counters `locks` (quant_gemv.SplitKOutputs makes these and sums them otherwise)."""
+    """The kernel over a product `fits` (x bf16, x_scales None, w_scale in blocks) or `fits_channel` (x e4m3,
+    x_scales [M], w_scale [N]) takes, K in num_splits runs of blocks_per_split blocks: into out [M, N] (one split)
+    or its fp32 partials [num_splits, M, N], summed (SERIAL) by each tile's last program into res with the counters
+    `locks` (quant_gemv.SplitKOutputs makes these and sums them otherwise)."""
     m, k = x.shape
     n = w.shape[0]
+    per_channel = x_scales is not None
     pdl = use_pdl(x)
     fp8_wgmma_gemv_kernel[(triton.cdiv(n, BLOCK[0]), num_splits)](
-        _descriptor(w), x, w_scale, bias if bias_in_kernel else w_scale, out, res, locks, m, n,
-        blocks_per_split, k // BLOCK[1], x.stride(0), w_scale.stride(0), stride_os, out.stride(-2),
+        _descriptor(w), x.view(torch.uint8) if per_channel else x, x_scales if per_channel else w_scale,
+        w_scale, bias if bias_in_kernel else w_scale, out, res, locks, m, n, blocks_per_split, k // BLOCK[1],
+        x.stride(0), 0 if per_channel else w_scale.stride(0), stride_os, out.stride(-2),
         HAS_BIAS=bias_in_kernel, PARTIAL=num_splits > 1, SERIAL=serial, BLOCK_T=block_t(m), STAGES=STAGES,
-        IMPRECISE_ACC=imprecise_acc, USE_PDL=pdl, num_warps=WARPS, launch_pdl=pdl,
+        IMPRECISE_ACC=imprecise_acc, USE_PDL=pdl, PER_CHANNEL=per_channel, num_warps=WARPS, launch_pdl=pdl,
     )  # fmt: skip
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
-         imprecise_acc: int) -> torch.Tensor:  # fmt: skip
-    """[M, N] in x's dtype: `fp8_block_gemm_ref(x, w, w_scale, BLOCK, bias)` for a product `fits` takes, split K
-    for one wave of programs (quant_gemv.split_k_outputs: the serial sum up to its row limit)."""
+def gemv(x: torch.Tensor, x_scales: torch.Tensor | None, w: torch.Tensor, w_scale: torch.Tensor,
+         bias: torch.Tensor | None, out_dtype: torch.dtype, imprecise_acc: int) -> torch.Tensor:  # fmt: skip
+    """[M, N] in out_dtype for a product `fits` takes (x_scales None: `fp8_block_gemm_ref(x, w, w_scale, BLOCK,
+    bias)`) or `fits_channel` does (`scaled_gemm_ref(x, x_scales, w, w_scale, out_dtype, bias)`), split K for one
+    wave of programs (quant_gemv.split_k_outputs: the serial sum up to its row limit)."""
     m, k = x.shape
     n = w.shape[0]
     n_tiles, num_blocks = triton.cdiv(n, BLOCK[0]), k // BLOCK[1]
     split = splits(n_tiles, num_blocks, _num_sms(x.device.index or 0), m)
-    sk = split_k_outputs(num_blocks, split, m, n, n_tiles, x.dtype, x.device)
-    launch(x, w, w_scale, bias, sk.tiles_per_split, sk.splits, *sk.pointers(), sk.stride_os, sk.serial,
-           sk.bias_in_kernel(bias), imprecise_acc)  # fmt: skip
-    return sk.result(bias, x.dtype)
+    sk = split_k_outputs(num_blocks, split, m, n, n_tiles, out_dtype, x.device)
+    scales = None if x_scales is None else x_scales.float().reshape(m)
+    launch(x, scales, w, w_scale.float().reshape(n) if scales is not None else w_scale.float(), bias,
+           sk.tiles_per_split, sk.splits, *sk.pointers(), sk.stride_os, sk.serial, sk.bias_in_kernel(bias),
+           imprecise_acc)  # fmt: skip
+    return sk.result(bias, out_dtype)

@@ -64,6 +64,7 @@ VARIANTS = [
     {"fp8_wgmma": True},  # kernels/fp8_wgmma_gemv.py (Gluon): block FP8 by TMA + wgmma, one row, split-K
     {"fp8_wgmma": True, "rows": 16, "pdl": True, "serial": True, "bias": True},
     {"fp8_wgmma": True, "rows": 32, "split": 1, "imprecise_acc": 128},  # 32 rows, no promotion inside a block
+    {"fp8_wgmma": True, "channel": True, "rows": 4, "pdl": True},  # per-channel FP8 (e4m3 activations)
     {"dense": True},  # kernels/dense_gemm.py: 16-bit, 64 rows, the 8B gate_up's tiles (one split)
     {"dense": True, "split": 4, "serial": True, "bias": True, "pdl": True},
 ]
@@ -170,9 +171,11 @@ def compile_int4_mma(mma=True, zp=False, bias=False, split=4, serial=False, even
     return compile_sm90(fn, sig, consts, attrs, num_warps=num_warps)
 
 
-def compile_fp8_wgmma(fp8_wgmma=True, rows=1, bias=False, split=4, serial=False, pdl=False, imprecise_acc=32):
-    """kernels/fp8_wgmma_gemv.py's block-FP8 GEMV on the tensor cores (Gluon: TMA, wgmma) for sm90 at `rows`
-    activation rows, specialized as at run time."""
+def compile_fp8_wgmma(fp8_wgmma=True, rows=1, bias=False, split=4, serial=False, pdl=False, imprecise_acc=32,
+                      channel=False):  # fmt: skip
+    """kernels/fp8_wgmma_gemv.py's FP8 GEMV on the tensor cores (Gluon: TMA, wgmma) for sm90 at `rows` activation
+    rows, block FP8 (bf16 activations) or `channel` (e4m3 activations, per-channel scales), specialized as at run
+    time."""
     import torch
     from triton.runtime.jit import mangle_type
 
@@ -181,11 +184,12 @@ def compile_fp8_wgmma(fp8_wgmma=True, rows=1, bias=False, split=4, serial=False,
     w = torch.zeros(256, 512, dtype=torch.float8_e4m3fn)
     layout = wg.gl.NVMMASharedLayout.get_default_for(list(wg.BLOCK), wg.gl.float8e4nv)
     desc = wg.TensorDescriptor(w, list(w.shape), list(w.stride()), list(wg.BLOCK), layout)
-    ptrs = {"w_desc": mangle_type(desc), "x_ptr": "*bf16", "s_ptr": "*fp32", "b_ptr": "*bf16" if bias else "*fp32",
+    ptrs = {"w_desc": mangle_type(desc), "x_ptr": "*u8" if channel else "*bf16", "xs_ptr": "*fp32", "s_ptr": "*fp32",
+            "b_ptr": "*bf16" if bias else "*fp32",
             "out_ptr": "*fp32" if split > 1 else "*bf16", "res_ptr": "*bf16", "lock_ptr": "*i32"}  # fmt: skip
     consts = dict(HAS_BIAS=bias and (split == 1 or serial), PARTIAL=split > 1, SERIAL=serial,
                   BLOCK_T=wg.block_t(rows), STAGES=wg.STAGES, IMPRECISE_ACC=imprecise_acc, USE_PDL=pdl,
-                  num_warps=wg.WARPS)  # fmt: skip
+                  PER_CHANNEL=channel, num_warps=wg.WARPS)  # fmt: skip
     fn = wg.fp8_wgmma_gemv_kernel
     sig = {a: ptrs.get(a, "constexpr" if a in consts else "i32") for a in fn.arg_names}
     attrs = {

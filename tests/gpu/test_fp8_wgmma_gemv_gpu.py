@@ -1,5 +1,5 @@
-"""The block-FP8 decode GEMV on the tensor cores (kernels/fp8_wgmma_gemv.py, Gluon: TMA ring + wgmma;
-quant_fp8.FP8_WGMMA_GEMV routes 1-32 rows to it) on an H200 at the Llama-3.1-8B projections: the reference's product
+"""The FP8 decode GEMV on the tensor cores (kernels/fp8_wgmma_gemv.py, Gluon: TMA ring + wgmma;
+quant_fp8.FP8_WGMMA_GEMV routes 1-32 rows of block and per-channel FP8 to it) on an H200 at the Llama-3.1-8B projections: the reference's product
 (the same e4m3 activations: fp32 summation order and the output's rounding), the CUDA-core GEMV's, deterministic,
 through fp8_block_linear with no host sync and replayed from a CUDA graph with new activations, the gated down
 projection, a bias and N not whole tiles, its counters left at zero; each projection's time against what serves
@@ -96,6 +96,28 @@ def test_bias_ragged_n_and_the_gated_down_projection(m: int, monkeypatch: pytest
     assert rel_err(fused, fp8_block_gemm_ref(silu_and_mul(gate_up), w, scale, BLOCK)) < 1e-3
 
 
+@pytest.mark.parametrize("shape", ["qkv", "gate_up", "down"])
+@pytest.mark.parametrize("m", [1, 4, 16, 32])
+def test_per_channel(shape: str, m: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Per-channel FP8 (`--quantization fp8`, compressed-tensors FP8) through fp8_scaled_linear: the activations
+    quantized per token (and with a static per-tensor scale) by per_token_group_quant, then the kernel's
+    PER_CHANNEL form; the reference's product of the same e4m3 values, and the route without it."""
+    from longserve.kernels import quant_fp8
+    from longserve.kernels.quant_reference import per_token_group_quant_fp8_ref, scaled_gemm_ref
+
+    n, k = DENSE[shape]
+    w, _ = fp8_block_weight(n, k)
+    w_scale = torch.rand(n, device="cuda") * (2 * k**-0.5) + 1e-3
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    for static in (None, torch.tensor([0.01], device="cuda")):
+        monkeypatch.setattr(quant_fp8, "FP8_WGMMA_GEMV", True)
+        out = quant_fp8.fp8_scaled_linear(x, w, w_scale, static)
+        xq, xs = per_token_group_quant_fp8_ref(x, k, static)
+        assert rel_err(out, scaled_gemm_ref(xq, xs, w, w_scale, torch.bfloat16)) < 1e-3
+        monkeypatch.setattr(quant_fp8, "FP8_WGMMA_GEMV", False)
+        assert rel_err(out, quant_fp8.fp8_scaled_linear(x, w, w_scale, static)) < 2e-3
+
+
 def _rotating_time_us(call, copies) -> float:
     """Device us per call, each of `iters` calls in one CUDA graph on the next copy of the weights."""
     from longserve.platform import cuda_graph_time_ms
@@ -115,17 +137,27 @@ def test_times(m: int, monkeypatch: pytest.MonkeyPatch) -> None:
     GEMM or the Triton block GEMM above) against it, weights from HBM; printed for gpu_check.sh fp8-wgmma."""
     from longserve.kernels import fp8_wgmma_gemv, quant_fp8
 
+    def channel_linear(x, w, w_scale, on):
+        monkeypatch.setattr(quant_fp8, "FP8_WGMMA_GEMV", on)
+        return quant_fp8.fp8_scaled_linear(x, w, w_scale)
+
     for shape, (n, k) in DENSE.items():
         w = fp8_block_weight(n, k)
         copies = [w] + [tuple(t.clone() for t in w) for _ in range(max(1, (256 << 20) // w[0].numel()) - 1)]
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        w_channel = torch.rand(n, device="cuda") * (2 * k**-0.5) + 1e-3  # per channel, beside the blocks
         # this build (gpu_check.sh runs the variants through this test alone) right first
         assert rel_err(linear(x, *w, monkeypatch, True), linear(x, *w, monkeypatch, False)) < 2e-3
         times = {
             on: _rotating_time_us(lambda c, on=on, x=x: linear(x, *c, monkeypatch, on), copies)
             for on in (False, True)
         }
+        channel = {
+            on: _rotating_time_us(lambda c, on=on, x=x, ws=w_channel: channel_linear(x, c[0], ws, on), copies)
+            for on in (False, True)
+        }
         floor = w[0].numel() / 4.2e6  # bytes at 4.2 TB/s, us
         print(f"\nfp8 wgmma m={m} {shape} stages={fp8_wgmma_gemv.STAGES} "
               f"imprecise={quant_fp8.FP8_DOT_MAX_IMPRECISE_ACC}: without {times[False]:.1f} us, "
-              f"wgmma {times[True]:.1f} us, HBM floor {floor:.1f} us")  # fmt: skip
+              f"wgmma {times[True]:.1f} us (per channel {channel[False]:.1f} / {channel[True]:.1f}), "
+              f"HBM floor {floor:.1f} us")  # fmt: skip

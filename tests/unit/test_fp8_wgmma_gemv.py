@@ -1,4 +1,4 @@
-"""The block-FP8 GEMV on the tensor cores (kernels/fp8_wgmma_gemv.py, Gluon) on the CPU: the products it takes, its
+"""The FP8 GEMV on the tensor cores (kernels/fp8_wgmma_gemv.py, Gluon; block and per-channel scales) on the CPU: the products it takes, its
 split counts, and its launch (the kernel captured, not run: grid, the TMA descriptor's box, the arguments). Its sm90
 builds (TMA, 8 wgmma a block, no spills): tests/unit/test_quant_gemv.py::test_gemv_compiles_for_sm90. On an H200:
 tests/gpu/test_fp8_wgmma_gemv_gpu.py."""
@@ -60,13 +60,25 @@ def test_the_launch(monkeypatch: pytest.MonkeyPatch) -> None:
     w, s = _weights(n, k)
     x = torch.zeros(m, k + 64, dtype=torch.bfloat16)[:, :k]
     out = torch.zeros(4, m, n)
-    wg.launch(x, w, s, None, 8, 4, out, out, out, out.stride(0), False, False, 32)
-    wg.launch(x, w, s, None, 8, 4, out, out, out, out.stride(0), False, False, 32)
+    wg.launch(x, None, w, s, None, 8, 4, out, out, out, out.stride(0), False, False, 32)
+    wg.launch(x, None, w, s, None, 8, 4, out, out, out, out.stride(0), False, False, 32)
     (grid, args, kw), (_, args2, _) = calls
     assert grid == (49, 4)
     desc = args[0]
     assert desc is args2[0] and list(desc.block_shape) == [128, 128] and list(desc.shape) == [n, k]
     names = ["M", "N", "blocks_per_split", "num_blocks", "stride_xm", "stride_sn", "stride_os", "stride_om"]
-    assert dict(zip(names, args[7:])) == {"M": m, "N": n, "blocks_per_split": 8, "num_blocks": 32,
+    assert dict(zip(names, args[8:])) == {"M": m, "N": n, "blocks_per_split": 8, "num_blocks": 32,
                                           "stride_xm": k + 64, "stride_sn": 32, "stride_os": m * n, "stride_om": n}  # fmt: skip
     assert kw["BLOCK_T"] == 16 and kw["PARTIAL"] and not kw["SERIAL"] and kw["IMPRECISE_ACC"] == 32
+    assert not kw["PER_CHANNEL"] and args[1] is x and args[2] is s  # block scales: no activation scales read
+    # per channel: the e4m3 activations as bytes, their scales, a scale per row
+    xq, xs, ws = torch.zeros(3, k, dtype=torch.float8_e4m3fn), torch.ones(3), torch.ones(n)
+    assert (
+        wg.fits_channel(xq, w, ws)
+        and not wg.fits_channel(xq, w, ws[:-1])
+        and not wg.fits(xq, w, s, (128, 128))
+    )
+    wg.launch(xq, xs, w, ws, None, 32, 1, out[0, :3], out, out, 0, False, False, 32)
+    grid, args, kw = calls[2]
+    assert grid == (49, 1) and kw["PER_CHANNEL"] and kw["BLOCK_T"] == 8 and not kw["PARTIAL"]
+    assert args[1].dtype == torch.uint8 and args[2] is xs and args[3] is ws and args[13] == 0  # stride_sn

@@ -38,12 +38,12 @@
 # it on, then the 8B decode at batch 1 (32K), 8 (4K), 16 (8K) and 64 (4K: 4 blocks of 16 rows) in bf16 and in GPTQ
 # int4 with it off and on (issue 18: int4 b1 <= 0.6x bf16's; b64 1.40x bf16 at 11fea55). int4-mma-moe (one GPU, ~7 min): the A3B int4 experts' GPU tests (each path's time) and the A3B
 # int4 decode at batch 1 (32K) and 8 (4K), with it off and on (the routed expert GEMV on the tensor cores).
-# fp8-wgmma (one GPU, ~7 min): the block-FP8 GEMV on the tensor cores (kernels/fp8_wgmma_gemv.py, TMA ring + wgmma;
+# fp8-wgmma (one GPU, ~8 min): the FP8 GEMV on the tensor cores (kernels/fp8_wgmma_gemv.py, TMA ring + wgmma;
 # quant_fp8.FP8_WGMMA_GEMV, off): its GPU tests with each 8B projection's time at 1-32 rows against what serves
-# without it, the times again with 2 and 6 weight tiles in flight (STAGES) and with no promotion inside a K block
-# (FP8_DOT_MAX_IMPRECISE_ACC=None), the FP8 engines' GPU tests with it on, then the 8B decode at batch 1 (32K), 8
-# (4K), 16 (8K) and 32 (4K) in bf16 and in block FP8 with it off and on (issue 18: FP8 b1 <= 0.7x bf16's; 0.74x at
-# 11fea55).
+# without it (block and per-channel scales), the times again with 2 and 6 weight tiles in flight (STAGES) and with
+# no promotion inside a K block (FP8_DOT_MAX_IMPRECISE_ACC=None), the FP8 engines' GPU tests with it on, then the
+# 8B decode at batch 1 (32K), 8 (4K), 16 (8K) and 32 (4K) in bf16 and in block FP8 with it off and on (issue 18:
+# FP8 b1 <= 0.7x bf16's; 0.74x at 11fea55), and per channel (`--quantization fp8`) at b1 and b16 off and on.
 # kvfp8-f16 (one GPU, ~6 min): the fp8 KV GPU tests, then the A3B and 8B decode at batch 64 (4K) on a bf16 cache and
 # on an fp8 one with the decode kernel's dots in bf16 and in fp16 (decode_attention.KV_FP8_AS_F16; issue 18: fp8 KV
 # <= 1.05x bf16's, the A3B at 1.06x in the eighth session).
@@ -326,6 +326,9 @@ if [[ $MODE == fp8-wgmma ]]; then  # one GPU (~7 min): the block-FP8 GEMV by TMA
     latency_with fp8_wgmma_$on "FP8 blocks FP8_WGMMA_GEMV=$on" longserve.kernels.quant_fp8.FP8_WGMMA_GEMV=$on -- \
       --config llama-3.1-8b "${dummy[@]}" --repeat 3 --hf-overrides "$fp8" \
       --decode-batch-sizes 1@32768,8@4096,16@8192,32@4096
+    latency_with fp8_wgmma_channel_$on "FP8 per channel FP8_WGMMA_GEMV=$on" \
+      longserve.kernels.quant_fp8.FP8_WGMMA_GEMV=$on -- --config llama-3.1-8b "${dummy[@]}" --repeat 3 \
+      --quantization fp8 --decode-batch-sizes 1@32768,16@8192
   done
 fi
 
