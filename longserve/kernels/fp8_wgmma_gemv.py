@@ -48,10 +48,22 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from longserve.kernels.gluon_compat import barrier, supported, tma_load
 from longserve.kernels.gluon_gemv import gdc_wait, one_wave_splits, store_sums
 from longserve.kernels.launch import use_pdl
-from longserve.kernels.quant_gemv import _num_sms, split_k_outputs
+from longserve.kernels.quant_gemv import _num_sms, split_k_output, split_k_outputs
 from longserve.kernels.quant_reference import FP8_MAX
 
-__all__ = ["BLOCK", "MAX_ROWS", "STAGES", "fits", "fits_channel", "gemv", "launch", "splits", "supported"]
+__all__ = [
+    "BLOCK",
+    "MAX_ROWS",
+    "STAGES",
+    "fits",
+    "fits_channel",
+    "fits_routed",
+    "gemv",
+    "launch",
+    "routed_gemv",
+    "splits",
+    "supported",
+]
 
 BLOCK = (128, 128)  # the weight scales' block (rows, K) the kernel takes: a program's rows and a step's K
 # activation rows: wgmma's N, 8 to 32 (BLOCK_T); at 64 the sm90 build spills (255 registers: the activations'
@@ -116,10 +128,11 @@ def fp8_wgmma_gemv_kernel(
     out_ptr,  # [M, N] bf16, or (PARTIAL) [splits, M, N] float32
     res_ptr,  # SERIAL: [M, N] bf16, the partials' sum
     lock_ptr,  # SERIAL: int32 counters, one per column tile, zero
-    M, N, blocks_per_split, num_blocks, stride_xm, stride_sn, stride_os, stride_om,
+    ids_ptr,  # ROUTED: [P] int32, each output row's expert
+    M, N, blocks_per_split, num_blocks, stride_xm, stride_sn, stride_os, stride_om, stride_se,
     HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr, SERIAL: gl.constexpr, BLOCK_T: gl.constexpr,
     STAGES: gl.constexpr, IMPRECISE_ACC: gl.constexpr, USE_PDL: gl.constexpr, PER_CHANNEL: gl.constexpr,
-    num_warps: gl.constexpr,
+    num_warps: gl.constexpr, ROUTED: gl.constexpr = False, X_ROW_DIV: gl.constexpr = 1,
 ):  # fmt: skip
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
@@ -131,6 +144,17 @@ def fp8_wgmma_gemv_kernel(
     token_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
     pid_n, pid_k = gl.program_id(0), gl.program_id(1)
     n0 = pid_n * BLOCK_N
+    w_row0 = n0  # the program's first weight row in the descriptor's rows
+    if (
+        ROUTED
+    ):  # MoE decode: axis 2 over (token, k) pairs, one row each, the pair's expert's weights [E x N, K]
+        gdc_wait(USE_PDL)  # the expert id is the router's output: no weight read before it
+        pair = gl.program_id(2).to(gl.int64)
+        expert = gl.load(ids_ptr + pair)
+        w_row0 = expert * N + n0
+        s_ptr += expert.to(gl.int64) * stride_se
+        x_ptr += (pair // X_ROW_DIV) * stride_xm
+        out_ptr += pair * stride_om
     kb0 = pid_k * blocks_per_split
     n_blocks = gl.minimum(blocks_per_split, num_blocks - kb0)
 
@@ -143,8 +167,9 @@ def fp8_wgmma_gemv_kernel(
     for i in gl.static_range(STAGES):
         if i < n_blocks:
             mbarrier.expect(ready.index(i), w_desc.block_type.nbytes)
-            tma_load(w_desc, [n0, (kb0 + i) * BLOCK_K], ready.index(i), w_bufs.index(i))
-    gdc_wait(USE_PDL)
+            tma_load(w_desc, [w_row0, (kb0 + i) * BLOCK_K], ready.index(i), w_bufs.index(i))
+    if not ROUTED:
+        gdc_wait(USE_PDL)
 
     x_scale = _activation_block(x_ptr, x_bufs.index(0), M, kb0, stride_xm, PER_CHANNEL, BLOCK_T, BLOCK_K, x_layout,
                                 token_layout)  # fmt: skip
@@ -171,7 +196,7 @@ def fp8_wgmma_gemv_kernel(
         barrier()  # every warp past its wait: stage s and slot j % 2 are read; the next slot is stored
         if j + STAGES < n_blocks:  # stage s refilled STAGES blocks ahead
             mbarrier.expect(ready.index(s), w_desc.block_type.nbytes)
-            tma_load(w_desc, [n0, (kb0 + j + STAGES) * BLOCK_K], ready.index(s), w_bufs.index(s))
+            tma_load(w_desc, [w_row0, (kb0 + j + STAGES) * BLOCK_K], ready.index(s), w_bufs.index(s))
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
 
@@ -268,8 +293,8 @@ def launch(x, x_scales, w, w_scale, bias, blocks_per_split: int, num_splits: int
     pdl = use_pdl(x)
     fp8_wgmma_gemv_kernel[(triton.cdiv(n, BLOCK[0]), num_splits)](
         _descriptor(w), x.view(torch.uint8) if per_channel else x, x_scales if per_channel else w_scale,
-        w_scale, bias if bias_in_kernel else w_scale, out, res, locks, m, n, blocks_per_split, k // BLOCK[1],
-        x.stride(0), 0 if per_channel else w_scale.stride(0), stride_os, out.stride(-2),
+        w_scale, bias if bias_in_kernel else w_scale, out, res, locks, locks, m, n, blocks_per_split, k // BLOCK[1],
+        x.stride(0), 0 if per_channel else w_scale.stride(0), stride_os, out.stride(-2), 0,
         HAS_BIAS=bias_in_kernel, PARTIAL=num_splits > 1, SERIAL=serial, BLOCK_T=block_t(m), STAGES=STAGES,
         IMPRECISE_ACC=imprecise_acc, USE_PDL=pdl, PER_CHANNEL=per_channel, num_warps=WARPS, launch_pdl=pdl,
     )  # fmt: skip
@@ -290,3 +315,39 @@ def gemv(x: torch.Tensor, x_scales: torch.Tensor | None, w: torch.Tensor, w_scal
            sk.tiles_per_split, sk.splits, *sk.pointers(), sk.stride_os, sk.serial, sk.bias_in_kernel(bias),
            imprecise_acc)  # fmt: skip
     return sk.result(bias, out_dtype)
+
+
+def fits_routed(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int]) -> bool:
+    """Whether `routed_gemv` takes these experts: bf16 activations, e4m3 experts [E, N, K] (contiguous: one
+    descriptor over [E x N, K]) with 128 x 128 scale blocks [E, ceil(N / 128), K / 128]."""
+    e, n, k = w.shape
+    return (
+        x.dtype == torch.bfloat16
+        and x.stride(1) == 1
+        and tuple(block) == BLOCK
+        and w.is_contiguous()
+        and _weights_fit(w.view(e * n, k), k)
+        and tuple(w_scale.shape) == (e, triton.cdiv(n, BLOCK[0]), k // BLOCK[1])
+    )
+
+
+def routed_gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, ids: torch.Tensor, x_row_div: int,
+                imprecise_acc: int) -> torch.Tensor:  # fmt: skip
+    """Row p = `fp8_block_gemm_ref(x[p // x_row_div], w[ids[p]], w_scale[ids[p]], BLOCK)` (fp8_gemv.fp8_routed_gemv's
+    contract: MoE decode, each (token, k) pair through its expert): [P, N] in x's dtype, or with split-K its fp32
+    partial sums [S, P, N] (the consumers add them: moe_wna16.silu_mul_partials, moe_sum)."""
+    num_rows, (e, n, k) = ids.shape[0], w.shape
+    n_tiles, num_blocks = triton.cdiv(n, BLOCK[0]), k // BLOCK[1]
+    # the pairs fill the chip along axis 2: split K only as far as one wave of every pair's programs allows
+    split = splits(n_tiles * num_rows, num_blocks, _num_sms(x.device.index or 0), 1)
+    blocks_per_split, split, out = split_k_output(num_blocks, split, num_rows, n, x.dtype, x.device)
+    scales = w_scale.float()
+    pdl = use_pdl(x)
+    fp8_wgmma_gemv_kernel[(n_tiles, split, num_rows)](
+        _descriptor(w.view(e * n, k)), x, scales, scales, scales, out, out, out, ids, 1, n, blocks_per_split,
+        num_blocks, x.stride(0), scales.stride(1), out.stride(0) if split > 1 else 0, out.stride(-2),
+        scales.stride(0), HAS_BIAS=False, PARTIAL=split > 1, SERIAL=False, BLOCK_T=block_t(1), STAGES=STAGES,
+        IMPRECISE_ACC=imprecise_acc, USE_PDL=pdl, PER_CHANNEL=False, num_warps=WARPS, ROUTED=True,
+        X_ROW_DIV=x_row_div, launch_pdl=pdl,
+    )  # fmt: skip
+    return out

@@ -7,6 +7,7 @@ product, the sum over k in fp32 rounded once) for e4m3 experts with block scales
   2. silu(gate) * up, adding gate+up's split-K partials (moe_wna16.silu_mul_partials);
   3. down: the same GEMV over each pair's activation row and its expert's w2;
   4. the weighted sum over k, adding down's partials (moe_sum).
+With quant_fp8.FP8_WGMMA_GEMV on, both GEMVs are kernels/fp8_wgmma_gemv.py's routed form (TMA + wgmma) instead.
 
 Why: at one token the A3B shape's FP8 MoE block took the general path (the alignment, the activations'
 quantization before each grouped GEMM, the GEMMs in 16-row tiles with one real row, the sum over k): six
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from longserve.kernels import quant_fp8
 from longserve.kernels.fp8_gemv import fp8_block_gemv_supported, fp8_routed_gemv
 from longserve.kernels.moe_reference import MoEQuant
 from longserve.kernels.moe_sum import moe_sum
@@ -41,6 +43,21 @@ def moe_fp8_gemv_supported(quant: MoEQuant, hidden_size: int, inter: int) -> boo
     )
 
 
+def _routed_gemv(hidden, w13, w13_scale, w2, w2_scale, block: tuple[int, int], config):
+    """The routed GEMV both projections take: fp8_wgmma_gemv.routed_gemv (TMA + wgmma) under quant_fp8's
+    FP8_WGMMA_GEMV where it takes both, else fp8_gemv.fp8_routed_gemv (the CUDA cores); (x, w, scale, ids,
+    x_row_div) -> [(S,) P, N]."""
+    if quant_fp8.FP8_WGMMA_GEMV and hidden.is_cuda and config is None:
+        from longserve.kernels import fp8_wgmma_gemv as wg
+
+        if wg.supported() and all(
+            wg.fits_routed(hidden, w, s, block) for w, s in ((w13, w13_scale), (w2, w2_scale))
+        ):
+            acc = quant_fp8.wgmma_imprecise_acc(wg.BLOCK[1])
+            return lambda x, w, s, ids, div: wg.routed_gemv(x, w, s, ids, div, acc)
+    return lambda x, w, s, ids, div: fp8_routed_gemv(x, w, s, block, ids, div, config)
+
+
 def moe_fp8_gemv(
     hidden: torch.Tensor,  # [T, H]
     w13: torch.Tensor,  # [E, 2I, H] e4m3
@@ -57,8 +74,9 @@ def moe_fp8_gemv(
     assert moe_fp8_gemv_supported(quant, hidden_size, inter), quant
     block = (quant.block_n, quant.group_size)
     ids = topk_ids.reshape(-1).to(torch.int32)  # [T*k], pair p = (token p // k, its j = p % k)
-    gate_up = fp8_routed_gemv(hidden, w13, quant.w13_scale, block, ids, top_k, config)  # [(S,) T*k, 2I]
+    routed = _routed_gemv(hidden, w13, quant.w13_scale, w2, quant.w2_scale, block, config)
+    gate_up = routed(hidden, w13, quant.w13_scale, ids, top_k)  # [(S,) T*k, 2I]
     act = silu_mul_partials(gate_up, inter, hidden.dtype)  # [T*k, I]
-    down = fp8_routed_gemv(act, w2, quant.w2_scale, block, ids, 1, config)  # [(S,) T*k, H]
+    down = routed(act, w2, quant.w2_scale, ids, 1)  # [(S,) T*k, H]
     rows = down.view(*down.shape[:-2], num_tokens, top_k, hidden_size)  # [(S,) T, k, H]
     return moe_sum(rows, out, topk_weights.contiguous())

@@ -85,8 +85,9 @@ FP8_DOT_MAX_IMPRECISE_ACC: int | None = 0
 # M=2 (59.6 against 52.7): 1. The 8B decode at batch 1 (32K): block FP8 6.76 -> 4.87 ms, per channel 6.00 -> 4.76.
 FP8_GEMV_MAX_TOKENS = 1
 # Block FP8 (128 x 128) and per-channel FP8 of 1 to fp8_wgmma_gemv.MAX_ROWS 16-bit rows on the tensor cores, the
-# weights through a TMA ring (kernels/fp8_wgmma_gemv.py: Gluon), before the routes above and below: fp8_gemv.py
-# reads the 8B projections at 50-80% of HBM's rate, not issue-bound. Off until measured on an H200 (`gpu_check.sh fp8-wgmma`); imported only when on.
+# weights through a TMA ring (kernels/fp8_wgmma_gemv.py: Gluon), before the routes above and below, and the FP8
+# experts' routed GEMVs at decode (moe_fp8_gemv): fp8_gemv.py reads the 8B projections at 50-80% of HBM's rate,
+# not issue-bound. Off until measured on an H200 (`gpu_check.sh fp8-wgmma`); imported only when on.
 FP8_WGMMA_GEMV = False
 # A block-FP8 down projection's input, silu(gate) * up, made and quantized in one pass
 # (activation.silu_and_mul_quant, bit-equal to the two kernels) instead of silu_and_mul writing the product and
@@ -275,7 +276,7 @@ def check_block_scaled_mm(w: torch.Tensor, w_scale: torch.Tensor) -> bool:
     return bool(ok)
 
 
-def _wgmma_imprecise_acc(block_k: int) -> int:
+def wgmma_imprecise_acc(block_k: int) -> int:
     """FP8_DOT_MAX_IMPRECISE_ACC for fp8_wgmma_gemv's wgmma: 0 (fp32 accumulation) promotes after each k32
     instruction, the least Gluon's fp8 wgmma takes; None: once a block of block_k."""
     acc = FP8_DOT_MAX_IMPRECISE_ACC
@@ -302,7 +303,7 @@ def fp8_block_linear(
 
         # fits asks the activations' rows, dtype and strides (gate|up: as its silu * up will be)
         if wg.supported() and wg.fits(x[:, :k], w, w_scale, block):
-            imprecise = _wgmma_imprecise_acc(wg.BLOCK[1])
+            imprecise = wgmma_imprecise_acc(wg.BLOCK[1])
             return wg.gemv(silu_and_mul(x) if gated else x, None, w, w_scale, bias, x.dtype, imprecise)
     if m <= FP8_GEMV_MAX_TOKENS and fp8_block_gemv_supported(m, block):
         return fp8_block_gemv(silu_and_mul(x) if gated else x, w, w_scale, block, bias)
@@ -350,7 +351,7 @@ def fp8_scaled_linear(
         from longserve.kernels import fp8_wgmma_gemv as wg
 
         if wg.supported() and wg.fits_channel(xq, w, w_scale):
-            return wg.gemv(xq, xs, w, w_scale, bias, x.dtype, _wgmma_imprecise_acc(wg.BLOCK[1]))
+            return wg.gemv(xq, xs, w, w_scale, bias, x.dtype, wgmma_imprecise_acc(wg.BLOCK[1]))
     if x.shape[0] <= min(FP8_GEMV_MAX_TOKENS, FP8_GEMV_MAX_BLOCK_M):
         return fp8_channel_gemv(xq, xs, w, w_scale, x.dtype, bias)
     if not x.is_cuda:  # the interpreter (tests): the reference product of the same quantized values

@@ -65,6 +65,12 @@ VARIANTS = [
     {"fp8_wgmma": True, "rows": 16, "pdl": True, "serial": True, "bias": True},
     {"fp8_wgmma": True, "rows": 32, "split": 1, "imprecise_acc": 128},  # 32 rows, no promotion inside a block
     {"fp8_wgmma": True, "channel": True, "rows": 4, "pdl": True},  # per-channel FP8 (e4m3 activations)
+    {
+        "fp8_wgmma": True,
+        "routed": True,
+        "x_row_div": 8,
+        "pdl": True,
+    },  # MoE decode: gate+up over (token, k) pairs
     {"dense": True},  # kernels/dense_gemm.py: 16-bit, 64 rows, the 8B gate_up's tiles (one split)
     {"dense": True, "split": 4, "serial": True, "bias": True, "pdl": True},
 ]
@@ -172,7 +178,7 @@ def compile_int4_mma(mma=True, zp=False, bias=False, split=4, serial=False, even
 
 
 def compile_fp8_wgmma(fp8_wgmma=True, rows=1, bias=False, split=4, serial=False, pdl=False, imprecise_acc=32,
-                      channel=False):  # fmt: skip
+                      channel=False, routed=False, x_row_div=1):  # fmt: skip
     """kernels/fp8_wgmma_gemv.py's FP8 GEMV on the tensor cores (Gluon: TMA, wgmma) for sm90 at `rows` activation
     rows, block FP8 (bf16 activations) or `channel` (e4m3 activations, per-channel scales), specialized as at run
     time."""
@@ -185,11 +191,11 @@ def compile_fp8_wgmma(fp8_wgmma=True, rows=1, bias=False, split=4, serial=False,
     layout = wg.gl.NVMMASharedLayout.get_default_for(list(wg.BLOCK), wg.gl.float8e4nv)
     desc = wg.TensorDescriptor(w, list(w.shape), list(w.stride()), list(wg.BLOCK), layout)
     ptrs = {"w_desc": mangle_type(desc), "x_ptr": "*u8" if channel else "*bf16", "xs_ptr": "*fp32", "s_ptr": "*fp32",
-            "b_ptr": "*bf16" if bias else "*fp32",
+            "b_ptr": "*bf16" if bias else "*fp32", "ids_ptr": "*i32",
             "out_ptr": "*fp32" if split > 1 else "*bf16", "res_ptr": "*bf16", "lock_ptr": "*i32"}  # fmt: skip
     consts = dict(HAS_BIAS=bias and (split == 1 or serial), PARTIAL=split > 1, SERIAL=serial,
                   BLOCK_T=wg.block_t(rows), STAGES=wg.STAGES, IMPRECISE_ACC=imprecise_acc, USE_PDL=pdl,
-                  PER_CHANNEL=channel, num_warps=wg.WARPS)  # fmt: skip
+                  PER_CHANNEL=channel, num_warps=wg.WARPS, ROUTED=routed, X_ROW_DIV=x_row_div)  # fmt: skip
     fn = wg.fp8_wgmma_gemv_kernel
     sig = {a: ptrs.get(a, "constexpr" if a in consts else "i32") for a in fn.arg_names}
     attrs = {

@@ -118,6 +118,39 @@ def test_per_channel(shape: str, m: int, monkeypatch: pytest.MonkeyPatch) -> Non
         assert rel_err(out, quant_fp8.fp8_scaled_linear(x, w, w_scale, static)) < 2e-3
 
 
+@pytest.mark.parametrize("proj", ["gate_up", "down"])
+@pytest.mark.parametrize("tokens", [1, 8])
+def test_routed_experts(proj: str, tokens: int) -> None:
+    """MoE decode at the A3B shape (routed_gemv: a (token, k) pair a program column, its expert's weights by TMA):
+    each pair's row against the reference's product and fp8_gemv's routed GEMV (the CUDA cores), partials summed."""
+    from longserve.kernels.fp8_gemv import fp8_routed_gemv
+    from longserve.kernels.fp8_wgmma_gemv import fits_routed, routed_gemv
+    from longserve.kernels.quant_fp8 import fp8_block_gemm_ref
+
+    e, top_k = 128, 8
+    n, k = (1536, 2048) if proj == "gate_up" else (2048, 768)
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    w = torch.randn(e, n, k, device="cuda", generator=g).to(torch.float8_e4m3fn)
+    s = torch.rand(e, n // 128, k // 128, device="cuda", generator=g) * 2 * k**-0.5 + 1e-3
+    div = top_k if proj == "gate_up" else 1  # gate+up: x a token's row; down: a pair's
+    x = torch.randn(tokens * top_k // div, k, device="cuda", dtype=torch.bfloat16, generator=g)
+    ids = torch.randint(0, e, (tokens * top_k,), device="cuda", dtype=torch.int32, generator=g)
+    assert fits_routed(x, w, s, BLOCK)
+
+    def summed(out: torch.Tensor) -> torch.Tensor:
+        return out.float().sum(0) if out.dim() == 3 else out.float()  # split-K partials [S, P, N]
+
+    out = summed(routed_gemv(x, w, s, ids, div, 32))
+    ref = torch.cat(
+        [
+            fp8_block_gemm_ref(x[p // div : p // div + 1], w[i], s[i], BLOCK)
+            for p, i in enumerate(ids.tolist())
+        ]
+    )
+    assert rel_err(out, ref) < 1e-3
+    assert rel_err(out, summed(fp8_routed_gemv(x, w, s, BLOCK, ids, div))) < 1e-3
+
+
 def _rotating_time_us(call, copies) -> float:
     """Device us per call, each of `iters` calls in one CUDA graph on the next copy of the weights."""
     from longserve.platform import cuda_graph_time_ms

@@ -67,7 +67,7 @@ def test_the_launch(monkeypatch: pytest.MonkeyPatch) -> None:
     desc = args[0]
     assert desc is args2[0] and list(desc.block_shape) == [128, 128] and list(desc.shape) == [n, k]
     names = ["M", "N", "blocks_per_split", "num_blocks", "stride_xm", "stride_sn", "stride_os", "stride_om"]
-    assert dict(zip(names, args[8:])) == {"M": m, "N": n, "blocks_per_split": 8, "num_blocks": 32,
+    assert dict(zip(names, args[9:])) == {"M": m, "N": n, "blocks_per_split": 8, "num_blocks": 32,
                                           "stride_xm": k + 64, "stride_sn": 32, "stride_os": m * n, "stride_om": n}  # fmt: skip
     assert kw["BLOCK_T"] == 16 and kw["PARTIAL"] and not kw["SERIAL"] and kw["IMPRECISE_ACC"] == 32
     assert not kw["PER_CHANNEL"] and args[1] is x and args[2] is s  # block scales: no activation scales read
@@ -81,4 +81,34 @@ def test_the_launch(monkeypatch: pytest.MonkeyPatch) -> None:
     wg.launch(xq, xs, w, ws, None, 32, 1, out[0, :3], out, out, 0, False, False, 32)
     grid, args, kw = calls[2]
     assert grid == (49, 1) and kw["PER_CHANNEL"] and kw["BLOCK_T"] == 8 and not kw["PARTIAL"]
-    assert args[1].dtype == torch.uint8 and args[2] is xs and args[3] is ws and args[13] == 0  # stride_sn
+    assert args[1].dtype == torch.uint8 and args[2] is xs and args[3] is ws and args[14] == 0  # stride_sn
+
+
+def test_the_routed_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MoE decode (kernel captured): a program column a (token, k) pair, one row each, the descriptor over the experts
+    as [E x N, K] rows, the scales' expert stride, x's row per pair (X_ROW_DIV)."""
+    calls = []
+
+    class Capture:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: calls.append((grid, args, kw))
+
+    monkeypatch.setattr(wg, "fp8_wgmma_gemv_kernel", Capture())
+    e, n, k, pairs = 16, 1536, 2048, 8
+    w = torch.zeros(e, n, k, dtype=torch.float8_e4m3fn)
+    s = torch.ones(e, n // 128, k // 128)
+    x = torch.zeros(1, k, dtype=torch.bfloat16)
+    ids = torch.zeros(pairs, dtype=torch.int32)
+    assert wg.fits_routed(x, w, s, (128, 128)) and not wg.fits_routed(x, w, s[:, :-1], (128, 128))
+    assert not wg.fits_routed(
+        x, w.transpose(1, 2).contiguous().transpose(1, 2), s, (128, 128)
+    )  # one descriptor
+    monkeypatch.setattr(wg, "_num_sms", lambda index: 132)
+    out = wg.routed_gemv(x, w, s, ids, 8, 32)
+    grid, args, kw = calls[0]
+    split = grid[1]
+    assert grid == (n // 128, split, pairs) and 1 <= split <= k // 128 and (n // 128) * split * pairs <= 396
+    assert list(args[0].shape) == [e * n, k] and args[8] is ids and args[9] == 1 and args[10] == n
+    assert args[14] == k // 128 and args[17] == s.stride(0)  # stride_sn, stride_se
+    assert kw["ROUTED"] and kw["X_ROW_DIV"] == 8 and kw["BLOCK_T"] == 8 and not kw["SERIAL"]
+    assert out.shape == ((split, pairs, n) if split > 1 else (pairs, n))

@@ -44,6 +44,9 @@
 # no promotion inside a K block (FP8_DOT_MAX_IMPRECISE_ACC=None), the FP8 engines' GPU tests with it on, then the
 # 8B decode at batch 1 (32K), 8 (4K), 16 (8K) and 32 (4K) in bf16 and in block FP8 with it off and on (issue 18:
 # FP8 b1 <= 0.7x bf16's; 0.74x at 11fea55), and per channel (`--quantization fp8`) at b1 and b16 off and on.
+# fp8-wgmma-moe (one GPU, ~5 min): the FP8 experts' routed GEMV by TMA + wgmma (fp8_wgmma_gemv.routed_gemv, under
+# FP8_WGMMA_GEMV): its GPU tests and the A3B expert block's time off and on, then the A3B FP8 decode at batch 1 (32K)
+# and 8 (4K) off and on.
 # kvfp8-f16 (one GPU, ~6 min): the fp8 KV GPU tests, then the A3B and 8B decode at batch 64 (4K) on a bf16 cache and
 # on an fp8 one with the decode kernel's dots in bf16 and in fp16 (decode_attention.KV_FP8_AS_F16; issue 18: fp8 KV
 # <= 1.05x bf16's, the A3B at 1.06x in the eighth session).
@@ -343,5 +346,21 @@ if [[ $MODE == kvfp8-f16 ]]; then  # one GPU (~6 min): the fp8 KV decode's fp16 
         longserve.kernels.decode_attention.KV_FP8_AS_F16=$f16 -- --config $shape "${dummy[@]}" --repeat 3 \
         --kv-cache-dtype fp8 --decode-batch-sizes 64@4096
     done
+  done
+fi
+
+if [[ $MODE == fp8-wgmma-moe ]]; then  # one GPU (~5 min): the FP8 experts' routed GEMV on the tensor cores, the A3B decode
+  timeout 120 python3 -m pytest -q -m gpu tests/gpu/test_fp8_wgmma_gemv_gpu.py -k routed -p no:cacheprovider \
+    --tb=short -rfE 2>&1 | tee "$OUT/gpu_tests_fp8_wgmma_routed.log" | tail -3 || status=1
+  for on in False True; do
+    timeout 120 python3 scripts/probes/with_constants.py longserve.kernels.quant_fp8.FP8_WGMMA_GEMV=$on -- \
+      pytest -q -s -m gpu tests/gpu/test_quant_kernels_gpu.py -k fp8_experts_routed -p no:cacheprovider --tb=short \
+      -rfE 2>&1 | tee "$OUT/gpu_tests_fp8_experts_wgmma$on.log" | grep -E "fp8 experts|passed|failed" \
+      | sed "s/^/wgmma=$on: /"
+  done
+  for on in False True; do
+    LATENCY_TIMEOUT=150 latency_with a3b_fp8_wgmma_$on "A3B FP8 FP8_WGMMA_GEMV=$on" \
+      longserve.kernels.quant_fp8.FP8_WGMMA_GEMV=$on -- --config qwen3-30b-a3b "${dummy[@]}" --repeat 3 \
+      --hf-overrides "$fp8" --decode-batch-sizes 1@32768,8@4096
   done
 fi
