@@ -49,13 +49,30 @@ def candidates(kernel: str, n: int, k: int, space: dict | None = None) -> list[d
 ROTATE_BYTES = 256 << 20
 
 
+def weight_copies(weights: tuple) -> list[tuple]:
+    """`weights` and identical copies of them (None entries kept) holding ROTATE_BYTES in all."""
+    size = sum(w.numel() * w.element_size() for w in weights if w is not None)
+    return [weights] + [
+        tuple(w if w is None else w.clone() for w in weights) for _ in range(-(-ROTATE_BYTES // size) - 1)
+    ]
+
+
 def rotating_weights(call: Callable, weights: tuple[torch.Tensor, ...], device: torch.device) -> Callable:
     """run(cfg) = call(cfg, *weights), over ROTATE_BYTES of identical copies of `weights` in turn on CUDA."""
-    size = sum(w.numel() * w.element_size() for w in weights)
-    copies = [weights] + [tuple(w.clone() for w in weights) for _ in range(-(-ROTATE_BYTES // size) - 1)]
-    copies = copies if device.type == "cuda" else copies[:1]
+    copies = weight_copies(weights) if device.type == "cuda" else [weights]
     turn = itertools.count()
     return lambda cfg: call(cfg, *copies[next(turn) % len(copies)])
+
+
+def rotating_time_us(call: Callable, weights: tuple, repeats: int = 5) -> float:
+    """Device us per call(*copy) on CUDA over `weight_copies` in turn, four rounds of them in one CUDA graph
+    (platform.cuda_graph_time_ms): a GEMV's time with its weights from HBM."""
+    from longserve.platform import cuda_graph_time_ms
+
+    copies = weight_copies(weights)
+    turn = itertools.count()
+    run = lambda: call(*copies[next(turn) % len(copies)])  # noqa: E731
+    return cuda_graph_time_ms(run, 2, 4 * len(copies), repeats) * 1e3
 
 
 def products(kernel: str, n: int, k: int, m: int, device: torch.device, gen: torch.Generator):

@@ -151,24 +151,12 @@ def test_routed_experts(proj: str, tokens: int) -> None:
     assert rel_err(out, summed(fp8_routed_gemv(x, w, s, BLOCK, ids, div))) < 1e-3
 
 
-def _rotating_time_us(call, copies) -> float:
-    """Device us per call, each of `iters` calls in one CUDA graph on the next copy of the weights."""
-    from longserve.platform import cuda_graph_time_ms
-
-    state = {"i": 0}
-
-    def one():
-        call(copies[state["i"] % len(copies)])
-        state["i"] += 1
-
-    return cuda_graph_time_ms(one, 2, 4 * len(copies), 5) * 1e3
-
-
 @pytest.mark.parametrize("m", [1, 8, 16, 32])
 def test_times(m: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each projection at m rows, us, what serves without the kernel (fp8_gemv.py at one row, cuBLAS's block-scaled
     GEMM or the Triton block GEMM above) against it, weights from HBM; printed for gpu_check.sh fp8-wgmma."""
     from longserve.kernels import fp8_wgmma_gemv, quant_fp8
+    from longserve.kernels.tune_gemv import rotating_time_us
 
     def channel_linear(x, w, w_scale, on):
         monkeypatch.setattr(quant_fp8, "FP8_WGMMA_GEMV", on)
@@ -176,17 +164,16 @@ def test_times(m: int, monkeypatch: pytest.MonkeyPatch) -> None:
 
     for shape, (n, k) in DENSE.items():
         w = fp8_block_weight(n, k)
-        copies = [w] + [tuple(t.clone() for t in w) for _ in range(max(1, (256 << 20) // w[0].numel()) - 1)]
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         w_channel = torch.rand(n, device="cuda") * (2 * k**-0.5) + 1e-3  # per channel, beside the blocks
         # this build (gpu_check.sh runs the variants through this test alone) right first
         assert rel_err(linear(x, *w, monkeypatch, True), linear(x, *w, monkeypatch, False)) < 2e-3
         times = {
-            on: _rotating_time_us(lambda c, on=on, x=x: linear(x, *c, monkeypatch, on), copies)
+            on: rotating_time_us(lambda *c, on=on, x=x: linear(x, *c, monkeypatch, on), w)
             for on in (False, True)
         }
         channel = {
-            on: _rotating_time_us(lambda c, on=on, x=x, ws=w_channel: channel_linear(x, c[0], ws, on), copies)
+            on: rotating_time_us(lambda wq, _, on=on, x=x, ws=w_channel: channel_linear(x, wq, ws, on), w)
             for on in (False, True)
         }
         floor = w[0].numel() / 4.2e6  # bytes at 4.2 TB/s, us

@@ -103,36 +103,20 @@ def test_variants_and_the_emulation(n, k, group, zp, bias, serial, monkeypatch: 
             assert diff <= 2.0**-7 * emulated.abs().max().item()  # bf16 rounding of the same fp32 sums
 
 
-def _rotating_time_us(call, copies) -> float:
-    """Device us per call, each of `iters` calls in one CUDA graph on the next copy of the weights."""
-    from longserve.platform import cuda_graph_time_ms
-
-    state = {"i": 0}
-
-    def one():
-        call(copies[state["i"] % len(copies)])
-        state["i"] += 1
-
-    return cuda_graph_time_ms(one, 2, 4 * len(copies), 5) * 1e3
-
-
 @pytest.mark.parametrize("m", [1, 8, 16, 32, 64])
 def test_times(m: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each projection at m rows, us, CUDA-core kernels (int4_gemv.py at one row, quant_gemv's general kernel
     above: tl.dot past 4 rows) against the tensor-core one, weights from HBM; printed for gpu_check.sh int4-mma."""
     from longserve.kernels import int4_mma_gemv
+    from longserve.kernels.tune_gemv import rotating_time_us
 
     for shape, (n, k) in DENSE.items():
         w = int_weight(n, k)
-        copies = [w] + [
-            tuple(t.clone() if t is not None else None for t in w)
-            for _ in range(max(1, (256 << 20) // w[0].numel()) - 1)
-        ]
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         # this build (gpu_check.sh runs REPS and STAGES variants through this test alone) right first
         assert rel_err(gemv(x, w, 128, monkeypatch, True), gemv(x, w, 128, monkeypatch, False)) < 4e-3
         times = {
-            mma: _rotating_time_us(lambda c, mma=mma, x=x: gemv(x, c, 128, monkeypatch, mma), copies)
+            mma: rotating_time_us(lambda *c, mma=mma, x=x: gemv(x, c, 128, monkeypatch, mma), w)
             for mma in (False, True)
         }
         floor = w[0].numel() / 4.2e6  # bytes at 4.2 TB/s, us
