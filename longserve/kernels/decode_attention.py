@@ -24,7 +24,7 @@ MIN_KEYS_PER_SPLIT = 512  # below this a split's fixed cost outweighs the parall
 MAX_SPLITS = 64
 PROGRAMS_PER_SM = 4  # enough resident programs per SM to keep loads in flight
 # The program that stores a (request, kv head)'s last partial merges that kv head's splits (a counter per
-# pair, zero between launches: quant_gemv.SPLIT_K_SERIAL_REDUCE's scheme) instead of a merge launch after the
+# pair, zero between launches: split_k.SPLIT_K_SERIAL_REDUCE's scheme) instead of a merge launch after the
 # kernel: one launch fewer a layer in every split decode step (32 a step of the 8B shape; with the GEMVs'
 # serial sums the FP8 batch-1 step went 4.38 -> 4.28 ms for 128 launches). Its sums over the splits run in
 # split order, the merge kernel's in a tree: equal to fp32 rounding, not bit for bit. The last program reads

@@ -21,10 +21,11 @@ import torch
 import triton
 import triton.language as tl
 
+from longserve.kernels import split_k
 from longserve.kernels.extend_attention import interpreting
 from longserve.kernels.launch import pdl_prologue, use_pdl
-from longserve.kernels.quant_gemv import _num_sms, split_k_outputs
 from longserve.kernels.quant_tiles import store_gemv_out
+from longserve.kernels.split_k import split_k_outputs
 
 __all__ = [
     "DENSE_GEMM_TRITON_MAX_TOKENS",
@@ -110,7 +111,7 @@ def dense_gemm_config(m: int, n: int, k: int, device: torch.device) -> dict[str,
     split = 1
     if device.type == "cuda":
         n_blocks = triton.cdiv(n, block_n)
-        split = max(1, min(triton.cdiv(2 * _num_sms(device.index or 0), n_blocks), num_tiles // 4, 16))
+        split = max(1, min(triton.cdiv(2 * split_k.num_sms(device.index or 0), n_blocks), num_tiles // 4, 16))
     stages = 4 if block_m <= 64 else 3
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split, "num_warps": 4,
             "num_stages": stages}  # fmt: skip

@@ -39,9 +39,10 @@ import triton.language as tl
 from longserve.kernels.extend_attention import interpreting
 from longserve.kernels.gemv_tables import tuned_gemv_config
 from longserve.kernels.launch import pdl_prologue, use_pdl
-from longserve.kernels.quant_gemv import pow2_at_most, split_k_output, split_k_outputs, splits_for
+from longserve.kernels.quant_gemv import pow2_at_most
 from longserve.kernels.quant_reference import FP8_MAX
 from longserve.kernels.quant_tiles import e4m3_rounded, store_gemv_out
+from longserve.kernels.split_k import split_k_output, split_k_outputs, splits_for
 
 __all__ = [
     "FP8_GEMV_MAX_BLOCK_M",

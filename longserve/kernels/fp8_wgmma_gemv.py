@@ -22,7 +22,7 @@ The product, swapped (weights as wgmma's A, 64 rows a warpgroup instruction; tok
 - acc_j = W_j xq_j^T in one asynchronous wgmma chain (fp32; `max_num_imprecise_acc` as quant_fp8's
   FP8_DOT_MAX_IMPRECISE_ACC: 0 promotes after each k32 instruction, as the Triton block GEMM does), then acc +=
   acc_j * w_scale[row block, j] * x_scale[token, j];
-- split-K as the other decode GEMVs (quant_gemv.SplitKOutputs: fp32 partials, summed by each tile's last program
+- split-K as the other decode GEMVs (split_k.SplitKOutputs: fp32 partials, summed by each tile's last program
   or by splitk_reduce); gluon_gemv.store_sums stores.
 Rounding against the reference: the same e4m3 values on both sides, the scales applied to each block's fp32 sum (the
 reference scales before its product): equal to fp32 summation order, as fp8_gemv.py's.
@@ -45,11 +45,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from longserve.kernels import split_k
 from longserve.kernels.gluon_compat import barrier, supported, tma_load
 from longserve.kernels.gluon_gemv import gdc_wait, one_wave_splits, store_sums
 from longserve.kernels.launch import use_pdl
-from longserve.kernels.quant_gemv import _num_sms, split_k_output, split_k_outputs
 from longserve.kernels.quant_reference import FP8_MAX
+from longserve.kernels.split_k import split_k_output, split_k_outputs
 
 __all__ = [
     "BLOCK",
@@ -286,7 +287,7 @@ def launch(x, x_scales, w, w_scale, bias, blocks_per_split: int, num_splits: int
     """The kernel over a product `fits` (x bf16, x_scales None, w_scale in blocks) or `fits_channel` (x e4m3,
     x_scales [M], w_scale [N]) takes, K in num_splits runs of blocks_per_split blocks: into out [M, N] (one split)
     or its fp32 partials [num_splits, M, N], summed (SERIAL) by each tile's last program into res with the counters
-    `locks` (quant_gemv.SplitKOutputs makes these and sums them otherwise)."""
+    `locks` (split_k.SplitKOutputs makes these and sums them otherwise)."""
     m, k = x.shape
     n = w.shape[0]
     per_channel = x_scales is not None
@@ -304,11 +305,11 @@ def gemv(x: torch.Tensor, x_scales: torch.Tensor | None, w: torch.Tensor, w_scal
          bias: torch.Tensor | None, out_dtype: torch.dtype, imprecise_acc: int) -> torch.Tensor:  # fmt: skip
     """[M, N] in out_dtype for a product `fits` takes (x_scales None: `fp8_block_gemm_ref(x, w, w_scale, BLOCK,
     bias)`) or `fits_channel` does (`scaled_gemm_ref(x, x_scales, w, w_scale, out_dtype, bias)`), split K for one
-    wave of programs (quant_gemv.split_k_outputs: the serial sum up to its row limit)."""
+    wave of programs (split_k.split_k_outputs: the serial sum up to its row limit)."""
     m, k = x.shape
     n = w.shape[0]
     n_tiles, num_blocks = triton.cdiv(n, BLOCK[0]), k // BLOCK[1]
-    split = splits(n_tiles, num_blocks, _num_sms(x.device.index or 0), m)
+    split = splits(n_tiles, num_blocks, split_k.num_sms(x.device.index or 0), m)
     sk = split_k_outputs(num_blocks, split, m, n, n_tiles, out_dtype, x.device)
     scales = None if x_scales is None else x_scales.float().reshape(m)
     launch(x, scales, w, w_scale.float().reshape(n) if scales is not None else w_scale.float(), bias,
@@ -339,7 +340,7 @@ def routed_gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, ids: to
     num_rows, (e, n, k) = ids.shape[0], w.shape
     n_tiles, num_blocks = triton.cdiv(n, BLOCK[0]), k // BLOCK[1]
     # the pairs fill the chip along axis 2: split K only as far as one wave of every pair's programs allows
-    split = splits(n_tiles * num_rows, num_blocks, _num_sms(x.device.index or 0), 1)
+    split = splits(n_tiles * num_rows, num_blocks, split_k.num_sms(x.device.index or 0), 1)
     blocks_per_split, split, out = split_k_output(num_blocks, split, num_rows, n, x.dtype, x.device)
     scales = w_scale.float()
     pdl = use_pdl(x)

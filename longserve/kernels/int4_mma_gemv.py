@@ -33,9 +33,9 @@ columns 2t, 2t + 1):
 
 Rounding: products of exact bf16 values (128 + q, x) accumulated in fp32 by the tensor cores, the 128 * sum(x)
 terms cancelled in fp32 (as int4_gemv.py's kernel: ~5 bits of fp32's 24), then scaled; not bit-equal to the
-reference, which rounds each weight to bf16 first. Split-K as the other decode GEMVs (quant_gemv.SplitKOutputs): fp32
+reference, which rounds each weight to bf16 first. Split-K as the other decode GEMVs (split_k.SplitKOutputs): fp32
 partials [splits, M, N], summed by the last program of each column tile (quant_tiles.store_gemv_out's scheme) or
-by quant_gemv.splitk_reduce.
+by split_k.splitk_reduce.
 
 Built for sm90 on the CPU machine with Triton 3.6 and 3.9 (`scripts/dev/count_gemv_sass.py '{"mma": true}'`: the
 step loop at 1.45 instructions a weight, 142 registers, no shared memory, no spills). Not yet run on a GPU: its test is
@@ -362,7 +362,7 @@ def row_blocks(m: int) -> int:
 # count_gemv_sass.py); the shared ring (STAGES x 24 KB at REPS 4) may hold fewer.
 _RESIDENT = {(4, 1): 3, (2, 1): 6, (4, 2): 2, (2, 2): 3}
 # K split so that every program runs in one wave (columns x splits <= the programs the SMs hold at once), each
-# split at least one step: with quant_gemv.splits_for's ~8 programs an SM the 8B down projection (16 tiles x 28
+# split at least one step: with split_k.splits_for's ~8 programs an SM the 8B down projection (16 tiles x 28
 # splits = 448 programs against 396 resident) would run a second wave of 52. Unmeasured, as the kernel.
 WAVE_SPLITS = True
 
@@ -389,7 +389,7 @@ def launch(x, qweight, scales, zeros, bias, group_size: int, steps_per_split: in
            locks, stride_os: int, serial: bool, bias_in_kernel: bool, ids=None, x_row_div: int = 1) -> None:  # fmt: skip
     """The kernel over a product `fits` takes, K in num_splits runs of steps_per_split steps: into out [M, N] (one
     split) or its fp32 partials out [num_splits, M, N], summed (SERIAL) by each tile's last program into res with the
-    counters `locks` (quant_gemv.SplitKOutputs makes these and sums them otherwise). Routed (`ids` [P], the experts'
+    counters `locks` (split_k.SplitKOutputs makes these and sums them otherwise). Routed (`ids` [P], the experts'
     qweight [E, N, K / 2], scales and zeros [E, N, G]): row p of out is x[p // x_row_div] times expert ids[p]'s."""
     k = x.shape[1]
     m, n = (1, qweight.shape[1]) if ids is not None else (x.shape[0], qweight.shape[0])

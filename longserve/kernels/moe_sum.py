@@ -67,7 +67,7 @@ def moe_sum(x: torch.Tensor, out: torch.Tensor, weights: torch.Tensor | None = N
     """out [T, H] = x [T, k, H] summed over k in fp32, rounded once to out's dtype. With `weights` [T, k] each
     row x[t, j] is first multiplied by weights[t, j] in their promoted dtype (fused_moe_ref's weighted rows).
     x may also be [S, T, k, H] float32 split-K partial sums of the rows: each row is their sum in split order,
-    rounded to out's dtype (what quant_gemv.splitk_reduce would have written), in the same launch."""
+    rounded to out's dtype (what split_k.splitk_reduce would have written), in the same launch."""
     partials = x.dim() == 4
     x4 = x if partials else x.unsqueeze(0)  # [S, T, k, H]
     num_splits, num_tokens, top_k, hidden = x4.shape

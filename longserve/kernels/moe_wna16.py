@@ -39,15 +39,16 @@ import torch
 import triton
 import triton.language as tl
 
-from longserve.kernels import int4_gemv, quant_gemv
+from longserve.kernels import int4_gemv, quant_gemv, split_k
 from longserve.kernels.extend_attention import interpreting
 from longserve.kernels.int4_gemv import int4_dot_tile, int4_fast_block_n, int4_gemv_kernel, int4_tile_load
 from longserve.kernels.launch import fast_launch, use_pdl
 from longserve.kernels.moe_reference import MoEQuant
 from longserve.kernels.moe_sum import moe_sum
 from longserve.kernels.quant_gemm import wna16_dequantize
-from longserve.kernels.quant_gemv import _num_sms, _tile_k, split_k_output, splits_for
+from longserve.kernels.quant_gemv import _tile_k
 from longserve.kernels.quant_tiles import rounded
+from longserve.kernels.split_k import split_k_output, splits_for
 
 __all__ = [
     "GROUPED_BLOCK_M",
@@ -150,7 +151,7 @@ def _silu_mul_kernel(
 ):
     """silu(gate) * up of each pair, rounded as activation.silu_and_mul (silu to the dtype, the product
     again; by hand under the interpreter), after summing the partials in split order and rounding the
-    projections to the dtype (quant_gemv.splitk_reduce's result): one launch for both."""
+    projections to the dtype (split_k.splitk_reduce's result): one launch for both."""
     pair = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -182,7 +183,7 @@ def _routed_gemv(
     k = packed * 2
     w = w if w.is_contiguous() else w.contiguous()
     assert x.stride(1) == 1 and w.data_ptr() % 16 == 0 and packed % 4 == 0, "rows of whole 32-bit words"
-    sms = _num_sms(x.device.index or 0) if x.device.type == "cuda" else 1
+    sms = split_k.num_sms(x.device.index or 0) if x.device.type == "cuda" else 1
     if quant_gemv.INT4_MMA_GEMV and x.is_cuda:  # the tensor cores' GEMV over the pairs (int4_mma_gemv.py)
         from longserve.kernels import int4_mma_gemv as mma
 

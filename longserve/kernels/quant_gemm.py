@@ -24,12 +24,11 @@ No host syncs (CUDA graphs capture both paths): every size is a Python int of th
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from longserve.kernels import split_k
 from longserve.kernels.extend_attention import interpreting
 from longserve.kernels.quant_gemv import wna16_gemv, wna16_gemv_supported
 from longserve.kernels.quant_reference import dequantize_wna16, wna16_gemm_ref
@@ -142,11 +141,6 @@ def _wna16_dequant_kernel(
     tl.store(ptrs, rounded(w, out_ty, INTERPRET_BF16).to(out_ty), mask=k_mask[:, None] & n_mask[None, :])
 
 
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _block_k(group_size: int, k: int, has_gidx: bool) -> int:
     """A K tile within one group: BLOCK_K divides group_size (any tile when every row reads its own group or
     one group spans K); >= 16 for tl.dot."""
@@ -165,12 +159,12 @@ def wna16_config(
     block_k = min(_block_k(group_size, k, has_gidx), 64 if m <= 16 else 128)
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     block_n = 64 if m <= 64 else 128
-    split_k = 1
+    splits = 1
     if m <= 64 and device.type == "cuda":  # too few output tiles to fill the SMs: split the reduction
         tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-        want = triton.cdiv(2 * _num_sms(device.index or 0), tiles)
-        split_k = max(1, min(want, k // (4 * block_k), 16))
-    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k,
+        want = triton.cdiv(2 * split_k.num_sms(device.index or 0), tiles)
+        splits = max(1, min(want, k // (4 * block_k), 16))
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": splits,
             "num_warps": 4, "num_stages": 3}  # fmt: skip
 
 

@@ -49,10 +49,10 @@ def store_gemv_out(
 ):  # fmt: skip
     """A split-K GEMV program's fp32 sums `acc` stored: with one split (+ bias), rounded once to out's dtype at
     `out_off`; with several, as this split's fp32 partials (plane pid_k of [splits, M, N]) for
-    quant_gemv.splitk_reduce. Shared by the decode GEMVs (quant_gemv.py, int4_gemv.py, fp8_gemv.py), whose grids
+    split_k.splitk_reduce. Shared by the decode GEMVs (quant_gemv.py, int4_gemv.py, fp8_gemv.py), whose grids
     are (column tiles, splits[, rows]).
 
-    SERIAL (quant_gemv.SPLIT_K_SERIAL_REDUCE): no reduction kernel after the GEMV. The program that stores its
+    SERIAL (split_k.SPLIT_K_SERIAL_REDUCE): no reduction kernel after the GEMV. The program that stores its
     column tile's last partial (a counter per tile in lock_ptr, zero between launches) sums the tile's partials
     in split order (+ bias) into res_ptr [M, N], rounded once: what splitk_reduce writes, bit for bit, whichever
     program comes last; then it zeroes the counter. The barrier orders the CTA's partial stores before the

@@ -98,7 +98,7 @@ def compile_gemv(x="bf16", bits=4, zp=False, gidx=False, per_col=False, bias=Fal
 
 def compile_reduce(x="bf16", bias=True, pdl=False):
     """The split-K reduction kernel for sm90."""
-    from longserve.kernels.quant_gemv import _splitk_reduce_kernel as fn
+    from longserve.kernels.split_k import _splitk_reduce_kernel as fn
 
     sig = {"part_ptr": "*fp32", "b_ptr": f"*{x}", "out_ptr": f"*{x}", "N": "i32", "num_splits": "i32",
            "stride_ps": "i32", "stride_pm": "i32", "stride_om": "i32", "HAS_BIAS": "constexpr",

@@ -20,19 +20,20 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("m", [16, 64, 128])
 def test_equals_f_linear(shape: str, m: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    from longserve.kernels import dense_gemm, quant_gemv
+    from longserve.kernels import dense_gemm
+    from longserve.kernels import split_k as split_k_module
     from longserve.platform import capture_cuda_graph
 
     n, k = SHAPES[shape]
     g = torch.Generator(device="cuda").manual_seed(m + n)
     x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
     w = (torch.randn(n, k, device="cuda", generator=g) * k**-0.5).bfloat16()
-    monkeypatch.setattr(quant_gemv, "SPLIT_K_SERIAL_REDUCE", False)
+    monkeypatch.setattr(split_k_module, "SPLIT_K_SERIAL_REDUCE", False)
     got = dense_gemm.dense_gemm(x, w)
     want = F.linear(x.float(), w.float())
     assert ((got.float() - want).abs() <= want.abs() * 2**-7 + 1e-3).all()
     assert torch.equal(dense_gemm.dense_gemm(x, w), got)
-    monkeypatch.setattr(quant_gemv, "SPLIT_K_SERIAL_REDUCE", True)
+    monkeypatch.setattr(split_k_module, "SPLIT_K_SERIAL_REDUCE", True)
     assert torch.equal(dense_gemm.dense_gemm(x, w), got)
     out: dict[str, torch.Tensor] = {}
     graph = capture_cuda_graph(lambda: out.update(y=dense_gemm.dense_gemm(x, w)))

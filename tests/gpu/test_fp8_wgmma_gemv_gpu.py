@@ -41,7 +41,7 @@ def linear(x, w, scale, monkeypatch, on: bool, bias=None, gated: bool = False):
 @pytest.mark.parametrize("shape", list(DENSE))
 @pytest.mark.parametrize("m", [1, 2, 8, 16, 32])
 def test_the_8b_projections(shape: str, m: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    from longserve.kernels import quant_gemv
+    from longserve.kernels import split_k as split_k_module
     from longserve.kernels.fp8_gemv import fp8_block_gemv
     from longserve.kernels.fp8_wgmma_gemv import fits
     from longserve.kernels.quant_fp8 import fp8_block_gemm_ref
@@ -71,7 +71,7 @@ def test_the_8b_projections(shape: str, m: int, monkeypatch: pytest.MonkeyPatch)
     graph.replay()
     torch.cuda.synchronize()
     assert rel_err(outs["y"], fp8_block_gemm_ref(x, w, scale, BLOCK)) < 1e-3
-    for counters in quant_gemv._SERIAL_LOCKS.values():
+    for counters in split_k_module._SERIAL_LOCKS.values():
         assert int(counters.abs().sum()) == 0  # every tile's counter reset by its last program
 
 

@@ -66,9 +66,9 @@ def test_the_8b_projections(shape: str, m: int, zp: bool, monkeypatch: pytest.Mo
     graph.replay()
     torch.cuda.synchronize()
     assert rel_err(replayed, x.double() @ dequantize_wna16(*w, 4, 128).double().T) < 3e-3
-    from longserve.kernels import quant_gemv
+    from longserve.kernels import split_k as split_k_module
 
-    for counters in quant_gemv._SERIAL_LOCKS.values():
+    for counters in split_k_module._SERIAL_LOCKS.values():
         assert int(counters.abs().sum()) == 0  # every tile's counter reset by its last program
 
 
@@ -84,11 +84,11 @@ def test_the_8b_projections(shape: str, m: int, zp: bool, monkeypatch: pytest.Mo
 def test_variants_and_the_emulation(n, k, group, zp, bias, serial, monkeypatch: pytest.MonkeyPatch) -> None:
     """Beside the exact product, the CPU emulation of the same warps (int4_mma_reference.emulate, fp32 sums in
     another order): equal to the output's bf16 rounding."""
-    from longserve.kernels import quant_gemv
+    from longserve.kernels import split_k as split_k_module
     from longserve.kernels.int4_mma_reference import emulate
     from longserve.kernels.quant_reference import dequantize_wna16
 
-    monkeypatch.setattr(quant_gemv, "SPLIT_K_SERIAL_REDUCE", serial)
+    monkeypatch.setattr(split_k_module, "SPLIT_K_SERIAL_REDUCE", serial)
     w = int_weight(n, k, group, zp)
     b = torch.randn(n, device="cuda", dtype=torch.bfloat16) if bias else None
     for m in (1, 5, 12, 40):  # 40: three blocks of rows

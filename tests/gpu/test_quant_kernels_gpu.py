@@ -485,11 +485,12 @@ def test_int8_experts_paths(num_tokens: int, monkeypatch: pytest.MonkeyPatch) ->
 @pytest.mark.parametrize("kind", ["fp8_block", "int4"])
 @pytest.mark.parametrize("shape", list(DENSE))
 def test_serial_split_k_reduction_on_the_gpu(kind: str, shape: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """quant_gemv.SPLIT_K_SERIAL_REDUCE on the GPU, the 8B shapes at M=1 with their tuned splits: bit-equal to the
+    """split_k.SPLIT_K_SERIAL_REDUCE on the GPU, the 8B shapes at M=1 with their tuned splits: bit-equal to the
     GEMV + splitk_reduce path (the last of thousands of programs sums in split order, whichever it is), again
     after 50 launches back to back (the counters come back to zero), from a CUDA graph replayed for new
     activations, with PDL on and off; its time beside the two-launch path's printed."""
     from longserve.kernels import launch, quant_gemv
+    from longserve.kernels import split_k as split_k_module
     from longserve.kernels.fp8_gemv import fp8_block_gemv
     from longserve.platform import cuda_graph_time_ms
 
@@ -501,24 +502,24 @@ def test_serial_split_k_reduction_on_the_gpu(kind: str, shape: str, monkeypatch:
     else:
         q, scales, _, _ = int_weight(n, k)
         run = lambda: quant_gemv.wna16_gemv(x, q, scales, None, None, 4, 128)  # noqa: E731
-    monkeypatch.setattr(quant_gemv, "SPLIT_K_SERIAL_REDUCE", False)
+    monkeypatch.setattr(split_k_module, "SPLIT_K_SERIAL_REDUCE", False)
     want = run()
     two_launch_us = cuda_graph_time_ms(run, 2, 20, 5) * 1e3
-    monkeypatch.setattr(quant_gemv, "SPLIT_K_SERIAL_REDUCE", True)
+    monkeypatch.setattr(split_k_module, "SPLIT_K_SERIAL_REDUCE", True)
     for pdl in (False, True):
         monkeypatch.setattr(launch, "PDL", pdl)
         assert torch.equal(run(), want)
         for _ in range(50):
             out = run()
         assert torch.equal(out, want)
-        locks = quant_gemv._SERIAL_LOCKS[x.device]
+        locks = split_k_module._SERIAL_LOCKS[x.device]
         assert not locks.any()
     outs: dict[str, torch.Tensor] = {}
     graph = capture_cuda_graph(lambda: outs.update(y=run()))
     x.copy_(torch.randn(x.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(6)))
-    monkeypatch.setattr(quant_gemv, "SPLIT_K_SERIAL_REDUCE", False)
+    monkeypatch.setattr(split_k_module, "SPLIT_K_SERIAL_REDUCE", False)
     fresh = run()
-    monkeypatch.setattr(quant_gemv, "SPLIT_K_SERIAL_REDUCE", True)
+    monkeypatch.setattr(split_k_module, "SPLIT_K_SERIAL_REDUCE", True)
     for _ in range(3):
         graph.replay()
     assert torch.equal(outs["y"], fresh)

@@ -15,7 +15,8 @@ import torch.nn.functional as F  # noqa: E402
 
 pytest.importorskip("triton")
 
-from longserve.kernels import dense_gemm, quant_gemv  # noqa: E402
+from longserve.kernels import dense_gemm  # noqa: E402
+from longserve.kernels import split_k as split_k_module  # noqa: E402
 from longserve.kernels.dense_gemm import dense_gemm_config  # noqa: E402
 
 
@@ -51,19 +52,19 @@ def test_serial_reduction_equals_the_reduction_launch(monkeypatch: pytest.Monkey
     w = torch.randn(56, 320, generator=gen(4))
     b = torch.randn(56, generator=gen(5))
     cfg = {"BLOCK_N": 16, "BLOCK_K": 64, "SPLIT_K": 5}
-    monkeypatch.setattr(quant_gemv, "SPLIT_K_SERIAL_REDUCE", False)
+    monkeypatch.setattr(split_k_module, "SPLIT_K_SERIAL_REDUCE", False)
     two_launches = dense_gemm.dense_gemm(x, w, b, config=cfg)
-    monkeypatch.setattr(quant_gemv, "SPLIT_K_SERIAL_REDUCE", True)
-    monkeypatch.setattr(quant_gemv, "_SERIAL_LOCKS", {})
+    monkeypatch.setattr(split_k_module, "SPLIT_K_SERIAL_REDUCE", True)
+    monkeypatch.setattr(split_k_module, "_SERIAL_LOCKS", {})
     assert torch.equal(dense_gemm.dense_gemm(x, w, b, config=cfg), two_launches)
-    (locks,) = quant_gemv._SERIAL_LOCKS.values()
+    (locks,) = split_k_module._SERIAL_LOCKS.values()
     assert not locks.any()
 
 
 def test_config_fills_the_chip_with_splits_only_where_tiles_are_few(monkeypatch: pytest.MonkeyPatch) -> None:
     """On a 132-SM GPU (faked): the 8B gate_up (448 column tiles) is not split; o (64 tiles) and down (64 tiles
     over 112 K tiles) are split to ~2 programs an SM; 64 rows take BLOCK_M 64, 5 rows 16 (tl.dot's least)."""
-    monkeypatch.setattr(dense_gemm, "_num_sms", lambda index: 132)
+    monkeypatch.setattr(split_k_module, "num_sms", lambda index: 132)
     cuda = torch.device("cuda", 0)
     assert dense_gemm_config(64, 28672, 4096, cuda)["SPLIT_K"] == 1
     assert dense_gemm_config(64, 4096, 4096, cuda)["SPLIT_K"] == 5

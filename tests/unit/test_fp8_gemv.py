@@ -16,7 +16,8 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from longserve.kernels import fp8_gemv, quant_fp8, quant_gemv  # noqa: E402
+from longserve.kernels import fp8_gemv, quant_fp8  # noqa: E402
+from longserve.kernels import split_k as split_k_module  # noqa: E402
 from longserve.kernels.fp8_gemv import fp8_block_gemv, fp8_channel_gemv, fp8_gemv_config  # noqa: E402
 from longserve.kernels.quant_reference import (  # noqa: E402
     FP8_DTYPE,
@@ -91,7 +92,7 @@ def test_split_k_is_deterministic_and_equal_to_one_split() -> None:
 def test_config_fills_the_gpu_at_decode_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
     """On an H200 (132 SMs) the default grid has ~8 programs per SM or more at the Llama-3.1-8B shapes, tiles of
     one activation group."""
-    monkeypatch.setattr(quant_gemv, "_num_sms", lambda index: 132)
+    monkeypatch.setattr(split_k_module, "num_sms", lambda index: 132)
     cuda = torch.device("cuda", 0)
     for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)):
         for m in (1, 4, 16):

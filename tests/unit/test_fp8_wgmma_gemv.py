@@ -9,6 +9,7 @@ import pytest
 import torch
 
 wg = pytest.importorskip("longserve.kernels.fp8_wgmma_gemv")
+from longserve.kernels import split_k as split_k_module  # noqa: E402
 
 
 def _weights(n: int, k: int):
@@ -103,7 +104,7 @@ def test_the_routed_launch(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not wg.fits_routed(
         x, w.transpose(1, 2).contiguous().transpose(1, 2), s, (128, 128)
     )  # one descriptor
-    monkeypatch.setattr(wg, "_num_sms", lambda index: 132)
+    monkeypatch.setattr(split_k_module, "num_sms", lambda index: 132)
     out = wg.routed_gemv(x, w, s, ids, 8, 32)
     grid, args, kw = calls[0]
     split = grid[1]

@@ -16,6 +16,7 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 
 from longserve.kernels import fp8_gemv, gemv_tables, quant_gemv, tune_gemv  # noqa: E402
+from longserve.kernels import split_k as split_k_module  # noqa: E402
 
 CUDA = torch.device("cuda", 0)  # a device object only: nothing runs on it
 
@@ -24,7 +25,7 @@ CUDA = torch.device("cuda", 0)  # a device object only: nothing runs on it
 def table_dir(tmp_path, monkeypatch: pytest.MonkeyPatch):
     """Tables under tmp_path for the device name this machine reports ("cpu" without CUDA), read as on a GPU."""
     monkeypatch.setattr(gemv_tables, "TABLE_DIR", tmp_path)
-    monkeypatch.setattr(quant_gemv, "_num_sms", lambda index: 132)  # an H200's, without asking CUDA
+    monkeypatch.setattr(split_k_module, "num_sms", lambda index: 132)  # an H200's, without asking CUDA
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # the tables are read outside the interpreter only
     gemv_tables.load_gemv_table.cache_clear()
     yield tmp_path

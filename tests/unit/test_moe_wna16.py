@@ -221,8 +221,8 @@ def test_weighted_sum_over_k_rounds_as_the_reference(dtype, wdtype) -> None:
 
 def test_weighted_sum_over_k_adds_split_k_partials_first() -> None:
     """moe_sum of [S, T, k, H] fp32 partials: each row their sum in split order rounded to the dtype (what
-    quant_gemv.splitk_reduce writes), then weighted and summed as for ready rows: the same result, one launch."""
-    from longserve.kernels.quant_gemv import splitk_reduce
+    split_k.splitk_reduce writes), then weighted and summed as for ready rows: the same result, one launch."""
+    from longserve.kernels.split_k import splitk_reduce
 
     parts = torch.randn(3, 2 * 4, 40, generator=gen(14))  # [S, T*k, H]
     w = torch.rand(2, 4, generator=gen(15)).bfloat16()

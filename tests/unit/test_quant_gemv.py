@@ -16,6 +16,7 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 
 from longserve.kernels import quant_gemm, quant_gemv  # noqa: E402
+from longserve.kernels import split_k as split_k_module  # noqa: E402
 from longserve.kernels.quant_gemv import wna16_gemv, wna16_gemv_config  # noqa: E402
 from longserve.kernels.quant_reference import pack_int_k, wna16_gemm_ref  # noqa: E402
 
@@ -154,15 +155,15 @@ def test_the_unmasked_high_value_is_corrected_and_below_bf16_rounding(monkeypatc
     ~2e-2, with it by < 1e-4 of the largest."""
     from longserve.kernels import int4_gemv
 
-    monkeypatch.setattr(quant_gemv, "SPLIT_K_SERIAL_REDUCE", False)  # the partials splitk_reduce is given
+    monkeypatch.setattr(split_k_module, "SPLIT_K_SERIAL_REDUCE", False)  # the partials splitk_reduce is given
     n, k = 48, 512
     qweight, scales, _, _ = int_weights(n, k, 4, 128, False, False, seed=21)
     x = torch.randn(1, k, generator=gen(22)).to(torch.bfloat16)
     cfg = {"SPLIT_K": 2, "BLOCK_N": 16, "BLOCK_K": 128}
     partials = []
-    real = quant_gemv.splitk_reduce
+    real = split_k_module.splitk_reduce
     monkeypatch.setattr(
-        quant_gemv, "splitk_reduce", lambda part, *a: partials.append(part.clone()) or real(part, *a)
+        split_k_module, "splitk_reduce", lambda part, *a: partials.append(part.clone()) or real(part, *a)
     )
 
     def run(raw_hi: bool, low_bits=int4_gemv._LOW_BITS_AS_HIGH) -> tuple[torch.Tensor, torch.Tensor]:
@@ -237,37 +238,39 @@ def test_serial_split_k_reduction_is_bit_equal_and_leaves_the_counters_zero(kern
             xq, xs = per_token_group_quant(x, 0)
             scale = torch.rand(n, generator=gen(26)) + 0.01
             run = lambda: fp8_gemv.fp8_channel_gemv(xq, xs, w, scale, torch.float32, bias, cfg)  # noqa: E731
-    monkeypatch.setattr(quant_gemv, "SPLIT_K_SERIAL_REDUCE", False)
+    monkeypatch.setattr(split_k_module, "SPLIT_K_SERIAL_REDUCE", False)
     two_launches = run()
-    monkeypatch.setattr(quant_gemv, "SPLIT_K_SERIAL_REDUCE", True)
-    monkeypatch.setattr(quant_gemv, "SERIAL_LOCKS", 8)  # a small table: its whole content is checked below
-    monkeypatch.setattr(quant_gemv, "_SERIAL_LOCKS", {})
+    monkeypatch.setattr(split_k_module, "SPLIT_K_SERIAL_REDUCE", True)
+    monkeypatch.setattr(
+        split_k_module, "SERIAL_LOCKS", 8
+    )  # a small table: its whole content is checked below
+    monkeypatch.setattr(split_k_module, "_SERIAL_LOCKS", {})
     reduced = []
-    real = quant_gemv.splitk_reduce
-    monkeypatch.setattr(quant_gemv, "splitk_reduce", lambda *a: reduced.append(1) or real(*a))
+    real = split_k_module.splitk_reduce
+    monkeypatch.setattr(split_k_module, "splitk_reduce", lambda *a: reduced.append(1) or real(*a))
     for _ in range(2):  # the second launch finds the counters the first left
         assert torch.equal(run(), two_launches)
     assert not reduced
-    (locks,) = quant_gemv._SERIAL_LOCKS.values()
+    (locks,) = split_k_module._SERIAL_LOCKS.values()
     assert locks.shape == (8,) and not locks.any()
 
 
 def test_serial_reduction_only_up_to_its_row_limit(monkeypatch) -> None:
-    """quant_gemv.SERIAL_REDUCE_MAX_ROWS: a split GEMV of more rows sums its partials in the reduction launch (at
+    """split_k.SERIAL_REDUCE_MAX_ROWS: a split GEMV of more rows sums its partials in the reduction launch (at
     64 rows the serial sums measured slower on an H200), fewer rows in the GEMV; the same result either way."""
-    m_max = quant_gemv.SERIAL_REDUCE_MAX_ROWS
+    m_max = split_k_module.SERIAL_REDUCE_MAX_ROWS
     n, k = 48, 512
     w = int_weights(n, k, 4, 128, True, False, seed=31)
     cfg = {"SPLIT_K": 4, "BLOCK_N": 16}
     reduced = []
-    real = quant_gemv.splitk_reduce
-    monkeypatch.setattr(quant_gemv, "splitk_reduce", lambda *a: reduced.append(a[0].shape[1]) or real(*a))
-    monkeypatch.setattr(quant_gemv, "_SERIAL_LOCKS", {})
+    real = split_k_module.splitk_reduce
+    monkeypatch.setattr(split_k_module, "splitk_reduce", lambda *a: reduced.append(a[0].shape[1]) or real(*a))
+    monkeypatch.setattr(split_k_module, "_SERIAL_LOCKS", {})
     for m in (m_max, m_max + 1):
         x = torch.randn(m, k, generator=gen(32))
-        monkeypatch.setattr(quant_gemv, "SPLIT_K_SERIAL_REDUCE", True)
+        monkeypatch.setattr(split_k_module, "SPLIT_K_SERIAL_REDUCE", True)
         got = wna16_gemv(x, *w, 4, 128, config=cfg)
-        monkeypatch.setattr(quant_gemv, "SPLIT_K_SERIAL_REDUCE", False)
+        monkeypatch.setattr(split_k_module, "SPLIT_K_SERIAL_REDUCE", False)
         assert torch.equal(got, wna16_gemv(x, *w, 4, 128, config=cfg))
     # the reference runs launch the reduction at both sizes; the serial setting only above the limit
     assert reduced == [m_max, m_max + 1, m_max + 1]
@@ -276,7 +279,7 @@ def test_serial_reduction_only_up_to_its_row_limit(monkeypatch) -> None:
 def test_config_fills_the_gpu_at_decode_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
     """On an H200 (132 SMs) the default grid has ~4 programs per SM or more at the Llama-3.1-8B shapes (at one
     row, kernels/int4_gemv.py's larger row blocks: 2 or more)."""
-    monkeypatch.setattr(quant_gemv, "_num_sms", lambda index: 132)
+    monkeypatch.setattr(split_k_module, "num_sms", lambda index: 132)
     cuda = torch.device("cuda", 0)
     for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)):
         for m in (1, 4, 16):
@@ -365,7 +368,7 @@ def test_gemv_compiles_for_sm90() -> None:
     # programmatic dependent launch (kernels/launch.py PDL): griddepcontrol in the PTX exactly where asked
     assert sum(bool(r["variant"].get("pdl")) for r in reports) >= 5
     assert all(r["pdl"] is bool(r["variant"].get("pdl")) for r in reports)
-    # the split-K partials summed in the GEMV (quant_gemv.SPLIT_K_SERIAL_REDUCE): the counter's atomic where asked
+    # the split-K partials summed in the GEMV (split_k_module.SPLIT_K_SERIAL_REDUCE): the counter's atomic where asked
     assert sum(bool(r["variant"].get("serial")) for r in reports) >= 3
     assert all(r["serial"] is bool(r["variant"].get("serial")) for r in reports), [
         (r["variant"], r["serial"]) for r in reports

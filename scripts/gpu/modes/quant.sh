@@ -23,7 +23,7 @@
 # (FUSE_SILU_AND_MUL_QUANT; both on by default): the GPU tests of the fp8 kernels, then the 8B FP8 shape's cold 8K
 # / 32K and decode at batch 64 (4K) under each.
 # serial-reduce (one GPU, ~5 min): the split-K decode GEMVs summing their partials in the last program of each
-# tile (quant_gemv.SPLIT_K_SERIAL_REDUCE) against a splitk_reduce launch after them: the GPU tests (bit-equal,
+# tile (split_k.SPLIT_K_SERIAL_REDUCE) against a splitk_reduce launch after them: the GPU tests (bit-equal,
 # counters back at zero, CUDA graphs, PDL; each 8B projection's time both ways), then the 8B FP8-block and GPTQ
 # int4 decode at batch 1 (32K) and 64 (4K) off and on, one process each (at batch 64 the last program of a tile
 # sums 64 rows of partials: the 8B int4 b64 decode went 16.64 -> 18.20 ms between 0949067 and 11fea55, after the
@@ -263,7 +263,7 @@ if [[ $MODE == serial-reduce ]]; then  # one GPU (~5 min): split-K partials summ
     q=(--hf-overrides "$fp8"); [[ $variant == int4 ]] && q=(--quantization gptq)
     for serial in False True; do
       latency_with serial_${variant}_$serial "$variant SERIAL=$serial" \
-        longserve.kernels.quant_gemv.SPLIT_K_SERIAL_REDUCE=$serial -- \
+        longserve.kernels.split_k.SPLIT_K_SERIAL_REDUCE=$serial -- \
         --config llama-3.1-8b "${dummy[@]}" --repeat 3 "${q[@]}" --decode-batch-sizes 1@32768,64@4096
     done
   done
