@@ -65,6 +65,8 @@ def _splitk_reduce_kernel(
 
 @functools.cache
 def num_sms(device_index: int) -> int:
+    """The CUDA device's SM count (read once): what the split counts fill. Callers read it as split_k.num_sms, so a
+    test fakes one GPU's count in one place."""
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 

@@ -153,6 +153,17 @@ def load_records(path: str, cover: bool = True, package: str = "") -> list[dict[
     return out
 
 
+class CapturedLaunches:
+    """Stands in for a kernel object (`kernel[grid](*args, **kw)`), recording (grid, args, kw) in `calls` instead of
+    launching: a launcher's grid, strides and constants checked on a machine that cannot run the kernel (Gluon)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, tuple, dict]] = []
+
+    def __getitem__(self, grid: Any) -> Any:
+        return lambda *args, **kw: self.calls.append((grid, args, kw))
+
+
 def compile_sm90(fn: Any, signature: dict, constexprs: dict, attrs: dict | None = None, **options: Any):
     """TTIR -> TTGIR -> LLVM -> PTX -> cubin of `fn` (a @triton.jit or @gluon.jit function, or a wrapper holding
     one in `.fn`) for sm90; `signature` maps every argument name to a Triton type ("*i32", "i32", "constexpr"),

@@ -10,6 +10,7 @@ import torch
 
 wg = pytest.importorskip("longserve.kernels.fp8_wgmma_gemv")
 from longserve.kernels import split_k as split_k_module  # noqa: E402
+from longserve.testing.kernel_compile import CapturedLaunches  # noqa: E402
 
 
 def _weights(n: int, k: int):
@@ -50,13 +51,9 @@ def test_splits_keep_one_wave(n: int, k: int, m: int) -> None:
 def test_the_launch(monkeypatch: pytest.MonkeyPatch) -> None:
     """One launch captured: a program per 128 weight rows and split, the descriptor over the whole weight in boxes of
     128 x 128 (made once per weight), BLOCK_T from the rows, the strides."""
-    calls = []
-
-    class Capture:
-        def __getitem__(self, grid):
-            return lambda *args, **kw: calls.append((grid, args, kw))
-
-    monkeypatch.setattr(wg, "fp8_wgmma_gemv_kernel", Capture())
+    launches = CapturedLaunches()
+    monkeypatch.setattr(wg, "fp8_wgmma_gemv_kernel", launches)
+    calls = launches.calls
     n, k, m = 6144 + 64, 4096, 12
     w, s = _weights(n, k)
     x = torch.zeros(m, k + 64, dtype=torch.bfloat16)[:, :k]
@@ -88,13 +85,9 @@ def test_the_launch(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_the_routed_launch(monkeypatch: pytest.MonkeyPatch) -> None:
     """MoE decode (kernel captured): a program column a (token, k) pair, one row each, the descriptor over the experts
     as [E x N, K] rows, the scales' expert stride, x's row per pair (X_ROW_DIV)."""
-    calls = []
-
-    class Capture:
-        def __getitem__(self, grid):
-            return lambda *args, **kw: calls.append((grid, args, kw))
-
-    monkeypatch.setattr(wg, "fp8_wgmma_gemv_kernel", Capture())
+    launches = CapturedLaunches()
+    monkeypatch.setattr(wg, "fp8_wgmma_gemv_kernel", launches)
+    calls = launches.calls
     e, n, k, pairs = 16, 1536, 2048, 8
     w = torch.zeros(e, n, k, dtype=torch.float8_e4m3fn)
     s = torch.ones(e, n // 128, k // 128)

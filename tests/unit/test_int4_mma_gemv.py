@@ -12,6 +12,7 @@ from longserve.kernels.quant_reference import dequantize_wna16, wna16_gemm_ref
 
 mma = pytest.importorskip("longserve.kernels.int4_mma_gemv")
 from longserve.kernels.int4_mma_reference import emulate  # noqa: E402
+from longserve.testing.kernel_compile import CapturedLaunches  # noqa: E402
 
 
 def _weights(n: int, k: int, group: int, zp: bool, seed: int = 0):
@@ -122,13 +123,9 @@ def test_splits_keep_one_wave(
 def test_the_routed_launch_reads_each_pairs_expert(monkeypatch: pytest.MonkeyPatch) -> None:
     """moe_wna16's routed GEMV through `launch` (the kernel captured, not run): a program column a pair, one row a
     pair, the experts' strides in words and groups, x's row per pair."""
-    calls = []
-
-    class Capture:
-        def __getitem__(self, grid):
-            return lambda *args, **kw: calls.append((grid, args, kw))
-
-    monkeypatch.setattr(mma, "int4_mma_gemv_kernel", Capture())
+    launches = CapturedLaunches()
+    monkeypatch.setattr(mma, "int4_mma_gemv_kernel", launches)
+    calls = launches.calls
     e, n, k, pairs = 16, 1536, 2048, 8
     x = torch.zeros(1, k, dtype=torch.bfloat16)
     w = torch.zeros(e, n, k // 2, dtype=torch.uint8)
@@ -157,13 +154,9 @@ def test_the_routed_launch_reads_each_pairs_expert(monkeypatch: pytest.MonkeyPat
 def test_rows_past_16_run_in_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     """37 rows (the kernel captured, not run): three programs of 16 rows for each column tile, adjacent along axis 0
     (row_blocks, the kernel's last integer), two token tiles each; the rows' strides in words."""
-    calls = []
-
-    class Capture:
-        def __getitem__(self, grid):
-            return lambda *args, **kw: calls.append((grid, args, kw))
-
-    monkeypatch.setattr(mma, "int4_mma_gemv_kernel", Capture())
+    launches = CapturedLaunches()
+    monkeypatch.setattr(mma, "int4_mma_gemv_kernel", launches)
+    calls = launches.calls
     n, k = 1536, 2048
     x = torch.zeros(37, k + 64, dtype=torch.bfloat16)[:, :k]  # rows apart from K: strides, not shapes
     w, s = torch.zeros(n, k // 2, dtype=torch.uint8), torch.zeros(n, k // 128, dtype=torch.float16)
