@@ -3,7 +3,9 @@ MAX_ROWS rows of bf16 activations, e4m3 weights [N, K] with 128 x 128 block scal
 checkpoints), the activations quantized per token-group of 128 inside the kernel as `per_token_group_quant` does.
 `quant_fp8.fp8_block_linear` routes here when `FP8_WGMMA_GEMV` is on and `fits`; so does `fp8_scaled_linear` (per-channel
 FP8: `--quantization fp8`, compressed-tensors FP8) with `fits_channel`, its activations quantized per token (or
-tensor) before it, both scales multiplying the sums at the end (PER_CHANNEL).
+tensor) before it, both scales multiplying the sums at the end (PER_CHANNEL); and `moe_fp8_gemv` the FP8 experts at
+decode with `fits_routed` (ROUTED: a (token, k) pair a program column, its expert's weights, read after the wait on
+the kernel before since the expert id is the router's output).
 
 Why: fp8_gemv.py's CUDA-core GEMV reads the 8B projections at 50-80% of HBM's 4.2 TB/s (RESULTS.md: gate_up 35.2
 us against a 28 us floor, down 23.8 against 14, qkv 9.7 against 6, o 8.7 against 4) and is not issue-bound (27%
