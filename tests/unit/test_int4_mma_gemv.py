@@ -84,9 +84,8 @@ def test_the_products_it_takes() -> None:
     assert mma.fits(x, w, None, 4, 512)  # four steps a group
     assert mma.fits(torch.zeros(16, 4096, dtype=torch.bfloat16), w, None, 4, 128)  # two token tiles
     assert mma.fits(torch.zeros(64, 4096, dtype=torch.bfloat16), w, None, 4, 128)  # four blocks of 16 rows
-    assert not mma.fits(
-        torch.zeros(65, 4096, dtype=torch.bfloat16), w, None, 4, 128
-    )  # quant_gemv's GEMV to 64
+    # quant_gemv's GEMV takes up to 64 rows
+    assert not mma.fits(torch.zeros(65, 4096, dtype=torch.bfloat16), w, None, 4, 128)
     assert not mma.fits(x.half(), w, None, 4, 128)  # bf16 mma only
     assert not mma.fits(x, w, None, 8, 128)
     assert not mma.fits(x, w, torch.zeros(4096, dtype=torch.int32), 4, 128)  # act order
@@ -105,11 +104,9 @@ def test_splits_keep_one_wave(
     rows a column tile's blocks of rows count as programs too."""
     monkeypatch.setattr(mma, "REPS", reps)
     monkeypatch.setattr(mma, "STAGES", stages)
-    tiles, steps = -(-n // mma.block_n()) * mma.row_blocks(m), k // mma.K_STEP
-    split, resident = (
-        mma.splits(-(-n // mma.block_n()), steps, 132, m),
-        mma.resident_programs(132, mma.token_tiles(m)),
-    )
+    columns, steps = -(-n // mma.block_n()), k // mma.K_STEP
+    tiles = columns * mma.row_blocks(m)  # programs a split
+    split, resident = mma.splits(columns, steps, 132, m), mma.resident_programs(132, mma.token_tiles(m))
     per = -(-steps // split)
     assert 1 <= split <= steps and (split - 1) * per < steps  # each split has steps
     assert tiles * split <= resident or split == 1
