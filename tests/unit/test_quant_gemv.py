@@ -241,9 +241,8 @@ def test_serial_split_k_reduction_is_bit_equal_and_leaves_the_counters_zero(kern
     monkeypatch.setattr(split_k_module, "SPLIT_K_SERIAL_REDUCE", False)
     two_launches = run()
     monkeypatch.setattr(split_k_module, "SPLIT_K_SERIAL_REDUCE", True)
-    monkeypatch.setattr(
-        split_k_module, "SERIAL_LOCKS", 8
-    )  # a small table: its whole content is checked below
+    # a small table: its whole content is checked below
+    monkeypatch.setattr(split_k_module, "SERIAL_LOCKS", 8)
     monkeypatch.setattr(split_k_module, "_SERIAL_LOCKS", {})
     reduced = []
     real = split_k_module.splitk_reduce
