@@ -94,9 +94,8 @@ def test_the_routed_launch(monkeypatch: pytest.MonkeyPatch) -> None:
     x = torch.zeros(1, k, dtype=torch.bfloat16)
     ids = torch.zeros(pairs, dtype=torch.int32)
     assert wg.fits_routed(x, w, s, (128, 128)) and not wg.fits_routed(x, w, s[:, :-1], (128, 128))
-    assert not wg.fits_routed(
-        x, w.transpose(1, 2).contiguous().transpose(1, 2), s, (128, 128)
-    )  # one descriptor
+    strided = w.transpose(1, 2).contiguous().transpose(1, 2)  # not one descriptor over [E x N, K] rows
+    assert not wg.fits_routed(x, strided, s, (128, 128))
     monkeypatch.setattr(split_k_module, "num_sms", lambda index: 132)
     out = wg.routed_gemv(x, w, s, ids, 8, 32)
     grid, args, kw = calls[0]
