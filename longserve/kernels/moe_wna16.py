@@ -184,7 +184,7 @@ def _routed_gemv(
     w = w if w.is_contiguous() else w.contiguous()
     assert x.stride(1) == 1 and w.data_ptr() % 16 == 0 and packed % 4 == 0, "rows of whole 32-bit words"
     sms = split_k.num_sms(x.device.index or 0) if x.device.type == "cuda" else 1
-    if quant_gemv.INT4_MMA_GEMV and x.is_cuda:  # the tensor cores' GEMV over the pairs (int4_mma_gemv.py)
+    if quant_gemv.INT4_MMA_ROUTED and x.is_cuda:  # the tensor cores' GEMV over the pairs (int4_mma_gemv.py)
         from longserve.kernels import int4_mma_gemv as mma
 
         if mma.supported() and mma.fits(x, w, None, 4, group, routed=True):

@@ -80,11 +80,17 @@ INT4_FAST_PATH = True
 # M up to which the CUDA-core FMA path serves 16-bit activations; above it tl.dot (BLOCK_M >= 16). A placeholder
 # until the GPU session measures both (scripts/gpu/bench_quant_kernels.py --sweep-gemv prints them per M).
 WNA16_GEMV_FMA_MAX_TOKENS = 4
-# 1 to 64 rows of 4-bit weights on the tensor cores (kernels/int4_mma_gemv.py: Gluon, mma.sync; sm90 SASS 1.45
-# instructions a weight against int4_gemv.py's 3.76 at one row; past 16 rows in blocks of 16, its MAX_ROWS), and
-# moe_wna16's routed expert GEMV: off until the H200 measures it (`gpu_check.sh int4-mma`, `int4-mma-decode`);
-# imported only when on (Gluon).
-INT4_MMA_GEMV = False
+# INT4_MMA_MIN_ROWS to 64 rows of 4-bit weights on the tensor cores (kernels/int4_mma_gemv.py: Gluon, mma.sync; past
+# 16 rows in blocks of 16, its MAX_ROWS); imported only when on (Gluon). Measured on an H200 (2026-12-05, 46763a7,
+# `gpu_check.sh int4-mma` and the 8B GPTQ int4 decode, RESULTS.md twenty-fifth session): its GPU tests pass; per
+# projection (weights from HBM) it wins from 8 rows (gate_up 28.7 against 51.0 us at 8, 36.4 / 52.6 at 16) and loses
+# at one (36.6 against 32.1); the decode at b8@4K 5.47 -> 4.85 ms, b16@8K 8.44 -> 7.44, b64@4K 16.43 -> 15.44, and
+# b1@32K 4.12 -> 4.90: so from 2 rows, the one-row kernel (int4_gemv.py) keeping batch 1.
+INT4_MMA_GEMV = True
+INT4_MMA_MIN_ROWS = 2
+# moe_wna16's routed expert GEMV (one row a (token, k) pair) through the same kernel: unmeasured (`gpu_check.sh
+# int4-mma-moe`); at one row the dense projections lost above.
+INT4_MMA_ROUTED = False
 GEMV_MAX_BLOCK_M = 64  # the largest M the kernel takes (tl.dot path); beyond it quant_gemm's kernels serve
 _MAGIC = tl.constexpr(8388608.0)  # 2^23: float32 with bits 0x4B000000 | q equals 2^23 + q for 0 <= q < 2^23
 
@@ -299,7 +305,7 @@ def wna16_gemv(
     )
     x = x if x.stride(1) == 1 else x.contiguous()
     qweight = qweight if qweight.stride(1) == 1 else qweight.contiguous()
-    if INT4_MMA_GEMV and x.is_cuda:
+    if INT4_MMA_GEMV and m >= INT4_MMA_MIN_ROWS and x.is_cuda:
         from longserve.kernels import int4_mma_gemv as mma
 
         if mma.supported() and mma.fits(x, qweight, g_idx, bits, group_size):

@@ -38,6 +38,9 @@ def gemv(x, w, group, monkeypatch, mma: bool, bias=None):
     from longserve.kernels import quant_gemv
 
     monkeypatch.setattr(quant_gemv, "INT4_MMA_GEMV", mma)
+    monkeypatch.setattr(
+        quant_gemv, "INT4_MMA_MIN_ROWS", 1
+    )  # the kernel at one row too (the engine keeps int4_gemv's)
     return quant_gemv.wna16_gemv(x, *w, 4, group, bias)
 
 

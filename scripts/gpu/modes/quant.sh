@@ -299,13 +299,13 @@ fi
 
 if [[ $MODE == int4-mma-moe ]]; then  # one GPU (~7 min): the routed expert GEMV on the tensor cores, the A3B decode
   for on in False True; do
-    timeout 150 python3 scripts/probes/with_constants.py longserve.kernels.quant_gemv.INT4_MMA_GEMV=$on -- \
+    timeout 150 python3 scripts/probes/with_constants.py longserve.kernels.quant_gemv.INT4_MMA_ROUTED=$on -- \
       pytest -q -s -m gpu tests/gpu/test_quant_kernels_gpu.py -k int4_experts -p no:cacheprovider --tb=short -rfE \
       2>&1 | tee "$OUT/gpu_tests_int4_experts_mma$on.log" | grep -E "int4 experts|passed|failed" | sed "s/^/mma=$on: /"
   done
   for on in False True; do
-    LATENCY_TIMEOUT=150 latency_with a3b_int4_mma_$on "A3B int4 INT4_MMA_GEMV=$on" \
-      longserve.kernels.quant_gemv.INT4_MMA_GEMV=$on -- --config qwen3-30b-a3b "${dummy[@]}" --repeat 3 \
+    LATENCY_TIMEOUT=150 latency_with a3b_int4_mma_$on "A3B int4 INT4_MMA_ROUTED=$on" \
+      longserve.kernels.quant_gemv.INT4_MMA_ROUTED=$on -- --config qwen3-30b-a3b "${dummy[@]}" --repeat 3 \
       --quantization gptq --decode-batch-sizes 1@32768,8@4096,16@8192
   done
 fi
