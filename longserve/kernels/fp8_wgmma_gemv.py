@@ -1,18 +1,19 @@
 """The block-FP8 decode GEMV on the tensor cores (Gluon: TMA ring + wgmma): `fp8_block_gemm_ref`'s product for 1 to
 MAX_ROWS rows of bf16 activations, e4m3 weights [N, K] with 128 x 128 block scales (the official Qwen3 / DeepSeek FP8
 checkpoints), the activations quantized per token-group of 128 inside the kernel as `per_token_group_quant` does.
-`quant_fp8.fp8_block_linear` routes here when `FP8_WGMMA_GEMV` is on and `fits`; so does `fp8_scaled_linear` (per-channel
-FP8: `--quantization fp8`, compressed-tensors FP8) with `fits_channel`, its activations quantized per token (or
-tensor) before it, both scales multiplying the sums at the end (PER_CHANNEL); and `moe_fp8_gemv` the FP8 experts at
-decode with `fits_routed` (ROUTED: a (token, k) pair a program column, its expert's weights, read after the wait on
-the kernel before since the expert id is the router's output).
+`quant_fp8.fp8_block_linear` routes here when `FP8_WGMMA_GEMV` is on and `fits`, and so does `moe_fp8_gemv` for the
+FP8 experts at decode with `fits_routed` (ROUTED: a (token, k) pair a program column, its expert's weights, read
+after the wait on the kernel before since the expert id is the router's output); `fp8_scaled_linear` (per-channel
+FP8: `--quantization fp8`, compressed-tensors FP8) when `FP8_WGMMA_CHANNEL` is on (from 2 rows) and `fits_channel`,
+its activations quantized per token (or tensor) before it, both scales multiplying the sums at the end
+(PER_CHANNEL).
 
 Why: fp8_gemv.py's CUDA-core GEMV reads the 8B projections at 50-80% of HBM's 4.2 TB/s (RESULTS.md: gate_up 35.2
 us against a 28 us floor, down 23.8 against 14, qkv 9.7 against 6, o 8.7 against 4) and is not issue-bound (27%
 fewer instructions measured slower, tenth session): a program holds one 8 KB tile in registers at a time, too few
 bytes in flight to cover HBM's latency. Issue 18's FP8 decode at batch 1 sits at 0.74x bf16 (target 0.7x). Here each
-program keeps STAGES weight tiles in flight by TMA (4 x 16 KB), and the products run on the tensor cores: the
-SMs issue a few instructions per 16 KB instead of ~5.5 per weight.
+program keeps STAGES weight tiles in flight by TMA (2 x 16 KB, 6 programs an SM), and the products run on the
+tensor cores: the SMs issue a few instructions per 16 KB instead of ~5.5 per weight.
 
 The product, swapped (weights as wgmma's A, 64 rows a warpgroup instruction; tokens as its N, 8 to 32 columns):
 - a program owns BLOCK_N = 128 weight rows (one scale block of rows) and a run of K blocks of 128 (split-K); its
@@ -30,7 +31,7 @@ Rounding against the reference: the same e4m3 values on both sides, the scales a
 reference scales before its product): equal to fp32 summation order, as fp8_gemv.py's.
 
 Built for sm90 on the CPU machine with Triton 3.6 and 3.9 (scripts/dev/compile_quant_gemv.py '{"fp8_wgmma": true}').
-Not yet run on a GPU: tests/gpu/test_fp8_wgmma_gemv_gpu.py, `gpu_check.sh fp8-wgmma`.
+Measured on an H200 (RESULTS.md twenty-fifth session): tests/gpu/test_fp8_wgmma_gemv_gpu.py, `gpu_check.sh fp8-wgmma`.
 """
 
 from __future__ import annotations
@@ -72,7 +73,11 @@ BLOCK = (128, 128)  # the weight scales' block (rows, K) the kernel takes: a pro
 # activation rows: wgmma's N, 8 to 32 (BLOCK_T); at 64 the sm90 build spills (255 registers: the activations'
 # block, its quantized copy, the block's products and the sums), where cuBLAS's block-scaled GEMM serves
 MAX_ROWS = 32
-STAGES = 4  # weight tiles in flight a program (16 KB each)
+# weight tiles in flight a program (16 KB each). Measured on an H200 (2026-12-05, 46763a7, RESULTS.md twenty-fifth
+# session), per 8B projection at one row: 2 stages qkv / o / gate_up / down 11.5 / 8.8 / 32.9 / 20.5 us, 4 stages
+# 10.7 / 8.9 / 42.3 / 20.8, 6 stages 11.9 / 9.1 / 41.8 / 23.2: at 2 a SM holds 6 programs (one wave splits gate_up's
+# 224 tiles in 3), at 4 and 6 it holds 3 and 2 (gate_up unsplit: too few programs in flight).
+STAGES = 2
 WARPS = 4  # one warpgroup
 _E4M3_MAX = gl.constexpr(FP8_MAX)
 
@@ -259,11 +264,17 @@ def block_t(m: int) -> int:
     return max(8, triton.next_power_of_2(m))
 
 
+# Registers of the sm90 builds by BLOCK_T, the most over the variants (Triton 3.6 and 3.9: 38-56 at 8 rows, 80 at 16,
+# 126-157 at 32; scripts/dev/compile_quant_gemv.py)
+_REGISTERS = {8: 56, 16: 80, 32: 160}
+
+
 def resident_programs(sms: int, m: int) -> int:
-    """Programs the SMs hold at once at m rows, by shared memory (227 KB an SM: STAGES weight tiles, two
-    activation slots, the barriers; the sm90 builds ask 67.7 KB at 8 rows; at most 134 registers, 3 programs)."""
+    """Programs the SMs hold at once at m rows: by shared memory (227 KB an SM: STAGES weight tiles, two activation
+    slots, the barriers) and by registers (_REGISTERS, 4 warps a program)."""
     smem = STAGES * BLOCK[0] * BLOCK[1] + 2 * block_t(m) * BLOCK[1] + 1024
-    return sms * max(1, 227 * 1024 // smem)
+    regs = 65536 // (WARPS * 32 * _REGISTERS[block_t(m)])
+    return sms * max(1, min(227 * 1024 // smem, regs))
 
 
 def splits(n_tiles: int, num_blocks: int, sms: int, m: int) -> int:

@@ -84,11 +84,18 @@ FP8_DOT_MAX_IMPRECISE_ACC: int | None = 0
 # (block gate_up 39.3 us against the Triton GEMM's 55.5 and cuBLAS's 42.1) but the block GEMV loses gate_up from
 # M=2 (59.6 against 52.7): 1. The 8B decode at batch 1 (32K): block FP8 6.76 -> 4.87 ms, per channel 6.00 -> 4.76.
 FP8_GEMV_MAX_TOKENS = 1
-# Block FP8 (128 x 128) and per-channel FP8 of 1 to fp8_wgmma_gemv.MAX_ROWS 16-bit rows on the tensor cores, the
-# weights through a TMA ring (kernels/fp8_wgmma_gemv.py: Gluon), before the routes above and below, and the FP8
-# experts' routed GEMVs at decode (moe_fp8_gemv): fp8_gemv.py reads the 8B projections at 50-80% of HBM's rate,
-# not issue-bound. Off until measured on an H200 (`gpu_check.sh fp8-wgmma`); imported only when on.
+# FP8 GEMVs of up to fp8_wgmma_gemv.MAX_ROWS 16-bit rows on the tensor cores, the weights through a TMA ring
+# (kernels/fp8_wgmma_gemv.py: Gluon), before the routes above and below: fp8_gemv.py reads the 8B projections at
+# 50-80% of HBM's rate. Measured on an H200 (2026-12-05, 46763a7, `gpu_check.sh fp8-wgmma`, RESULTS.md twenty-fifth
+# session; its GPU tests pass), per projection with weights from HBM it wins at qkv, o and down at every row count
+# (down at 8 rows 26.7 against 58.8 us) and, at 4 stages a program, loses gate_up (42.3 against 35.1 at one row: 224
+# programs of 32 blocks; 32.9 at 2 stages, STAGES). In the 8B decode with both on: block FP8 b1@32K 4.18 -> 4.25
+# ms, b8@4K 5.45 -> 4.93, b16@8K 7.70 -> 8.53, b32@4K 9.44 -> 9.92; per channel b1 4.25 -> 4.31, b16 8.68 -> 7.80.
+# Block FP8 (and the routed experts, moe_fp8_gemv) stays off until the engine runs at 2 stages; per channel on from
+# FP8_WGMMA_CHANNEL_MIN_ROWS rows. Imported only when on.
 FP8_WGMMA_GEMV = False
+FP8_WGMMA_CHANNEL = True
+FP8_WGMMA_CHANNEL_MIN_ROWS = 2
 # A block-FP8 down projection's input, silu(gate) * up, made and quantized in one pass
 # (activation.silu_and_mul_quant, bit-equal to the two kernels) instead of silu_and_mul writing the product and
 # per_token_group_quant reading it back: at a 8K-token chunk of the Llama-3.1-8B shape 470 MB less traffic a
@@ -347,7 +354,12 @@ def fp8_scaled_linear(
     Triton block GEMM with one block per row and all of K, up to FP8_GEMV_MAX_TOKENS rows the GEMV
     (kernels/fp8_gemv.py); equals scaled_gemm_ref of the quantized activations."""
     xq, xs = per_token_group_quant(x, 0, FP8_DTYPE, static_scale=input_scale)
-    if FP8_WGMMA_GEMV and x.is_cuda and x.dtype != torch.float32:
+    if (
+        FP8_WGMMA_CHANNEL
+        and x.shape[0] >= FP8_WGMMA_CHANNEL_MIN_ROWS
+        and x.is_cuda
+        and x.dtype != torch.float32
+    ):
         from longserve.kernels import fp8_wgmma_gemv as wg
 
         if wg.supported() and wg.fits_channel(xq, w, w_scale):

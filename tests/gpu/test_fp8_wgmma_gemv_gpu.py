@@ -109,12 +109,13 @@ def test_per_channel(shape: str, m: int, monkeypatch: pytest.MonkeyPatch) -> Non
     w, _ = fp8_block_weight(n, k)
     w_scale = torch.rand(n, device="cuda") * (2 * k**-0.5) + 1e-3
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    monkeypatch.setattr(quant_fp8, "FP8_WGMMA_CHANNEL_MIN_ROWS", 1)  # the kernel at one row too
     for static in (None, torch.tensor([0.01], device="cuda")):
-        monkeypatch.setattr(quant_fp8, "FP8_WGMMA_GEMV", True)
+        monkeypatch.setattr(quant_fp8, "FP8_WGMMA_CHANNEL", True)
         out = quant_fp8.fp8_scaled_linear(x, w, w_scale, static)
         xq, xs = per_token_group_quant_fp8_ref(x, k, static)
         assert rel_err(out, scaled_gemm_ref(xq, xs, w, w_scale, torch.bfloat16)) < 1e-3
-        monkeypatch.setattr(quant_fp8, "FP8_WGMMA_GEMV", False)
+        monkeypatch.setattr(quant_fp8, "FP8_WGMMA_CHANNEL", False)
         assert rel_err(out, quant_fp8.fp8_scaled_linear(x, w, w_scale, static)) < 2e-3
 
 
@@ -140,6 +141,8 @@ def test_routed_experts(proj: str, tokens: int) -> None:
     def summed(out: torch.Tensor) -> torch.Tensor:
         return out.float().sum(0) if out.dim() == 3 else out.float()  # split-K partials [S, P, N]
 
+    # a row's activation one e4m3 step off at a rounding boundary (the approximate fp32 division) moves that row by
+    # ~2e-3, and at one token there are 8 rows: 1.66e-3 measured (2026-12-05); fp8_gemv's test bounds a row at 5e-3
     out = summed(routed_gemv(x, w, s, ids, div, 32))
     ref = torch.cat(
         [
@@ -147,8 +150,8 @@ def test_routed_experts(proj: str, tokens: int) -> None:
             for p, i in enumerate(ids.tolist())
         ]
     )
-    assert rel_err(out, ref) < 1e-3
-    assert rel_err(out, summed(fp8_routed_gemv(x, w, s, BLOCK, ids, div))) < 1e-3
+    assert rel_err(out, ref) < 5e-3
+    assert rel_err(out, summed(fp8_routed_gemv(x, w, s, BLOCK, ids, div))) < 5e-3
 
 
 @pytest.mark.parametrize("m", [1, 8, 16, 32])
@@ -158,8 +161,10 @@ def test_times(m: int, monkeypatch: pytest.MonkeyPatch) -> None:
     from longserve.kernels import fp8_wgmma_gemv, quant_fp8
     from longserve.kernels.tune_gemv import rotating_time_us
 
+    monkeypatch.setattr(quant_fp8, "FP8_WGMMA_CHANNEL_MIN_ROWS", 1)
+
     def channel_linear(x, w, w_scale, on):
-        monkeypatch.setattr(quant_fp8, "FP8_WGMMA_GEMV", on)
+        monkeypatch.setattr(quant_fp8, "FP8_WGMMA_CHANNEL", on)
         return quant_fp8.fp8_scaled_linear(x, w, w_scale)
 
     for shape, (n, k) in DENSE.items():

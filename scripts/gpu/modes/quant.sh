@@ -39,8 +39,9 @@
 # int4 with it off and on (issue 18: int4 b1 <= 0.6x bf16's; b64 1.40x bf16 at 11fea55). int4-mma-moe (one GPU, ~7 min): the A3B int4 experts' GPU tests (each path's time) and the A3B
 # int4 decode at batch 1 (32K) and 8 (4K), with it off and on (the routed expert GEMV on the tensor cores).
 # fp8-wgmma (one GPU, ~8 min): the FP8 GEMV on the tensor cores (kernels/fp8_wgmma_gemv.py, TMA ring + wgmma;
-# quant_fp8.FP8_WGMMA_GEMV, off): its GPU tests with each 8B projection's time at 1-32 rows against what serves
-# without it (block and per-channel scales), the times again with 2 and 6 weight tiles in flight (STAGES) and with
+# quant_fp8.FP8_WGMMA_GEMV, off; FP8_WGMMA_CHANNEL, on from 2 rows): its GPU tests with each 8B projection's time at
+# 1-32 rows against what serves without it (block and per-channel scales), the times again with 4 and 6 weight tiles
+# in flight (STAGES, 2 by default) and with
 # no promotion inside a K block (FP8_DOT_MAX_IMPRECISE_ACC=None), the FP8 engines' GPU tests with it on, then the
 # 8B decode at batch 1 (32K), 8 (4K), 16 (8K) and 32 (4K) in bf16 and in block FP8 with it off and on (issue 18:
 # FP8 b1 <= 0.7x bf16's; 0.74x at 11fea55), and per channel (`--quantization fp8`) at b1 and b16 off and on.
@@ -313,7 +314,7 @@ fi
 if [[ $MODE == fp8-wgmma ]]; then  # one GPU (~8 min): the FP8 GEMVs by TMA + wgmma, tests, times, the 8B decode
   timeout 240 python3 -m pytest -q -s -m gpu tests/gpu/test_fp8_wgmma_gemv_gpu.py -p no:cacheprovider --tb=short \
     -rfE 2>&1 | tee "$OUT/gpu_tests_fp8_wgmma.log" | grep -E "fp8 wgmma|passed|failed" || status=1
-  for variant in "longserve.kernels.fp8_wgmma_gemv.STAGES=2" "longserve.kernels.fp8_wgmma_gemv.STAGES=6" \
+  for variant in "longserve.kernels.fp8_wgmma_gemv.STAGES=4" "longserve.kernels.fp8_wgmma_gemv.STAGES=6" \
     "longserve.kernels.quant_fp8.FP8_DOT_MAX_IMPRECISE_ACC=None"; do
     timeout 90 python3 scripts/probes/with_constants.py "$variant" -- pytest -q -s -m gpu \
       tests/gpu/test_fp8_wgmma_gemv_gpu.py::test_times[1] tests/gpu/test_fp8_wgmma_gemv_gpu.py::test_times[16] \
@@ -329,8 +330,8 @@ if [[ $MODE == fp8-wgmma ]]; then  # one GPU (~8 min): the FP8 GEMVs by TMA + wg
     latency_with fp8_wgmma_$on "FP8 blocks FP8_WGMMA_GEMV=$on" longserve.kernels.quant_fp8.FP8_WGMMA_GEMV=$on -- \
       --config llama-3.1-8b "${dummy[@]}" --repeat 3 --hf-overrides "$fp8" \
       --decode-batch-sizes 1@32768,8@4096,16@8192,32@4096
-    latency_with fp8_wgmma_channel_$on "FP8 per channel FP8_WGMMA_GEMV=$on" \
-      longserve.kernels.quant_fp8.FP8_WGMMA_GEMV=$on -- --config llama-3.1-8b "${dummy[@]}" --repeat 3 \
+    latency_with fp8_wgmma_channel_$on "FP8 per channel FP8_WGMMA_CHANNEL=$on" \
+      longserve.kernels.quant_fp8.FP8_WGMMA_CHANNEL=$on -- --config llama-3.1-8b "${dummy[@]}" --repeat 3 \
       --quantization fp8 --decode-batch-sizes 1@32768,16@8192
   done
 fi
