@@ -1,16 +1,14 @@
 """The int4 decode GEMV on the tensor cores (Gluon, mma.sync): y = x @ dequantize(w)^T for 1 to 64 rows of bf16
 activations and 4-bit weights in the layout of `quant_reference` (GPTQ / AWQ after loading: uint8 [N, K / 2], scales
 [N, G], optional uint8 zero points), groups of a multiple of 128 or one group. Same contract as
-`quant_reference.wna16_gemm_ref`; `quant_gemv.wna16_gemv` routes here when `INT4_MMA_GEMV` is on and `fits`, and so
-does moe_wna16's routed expert GEMV (ROUTED: one program column a (token, k) pair, M = 1, the pair's expert's weights).
+`quant_reference.wna16_gemm_ref`; `quant_gemv.wna16_gemv` routes here (`INT4_MMA_GEMV`, `INT4_MMA_MIN_ROWS`, `fits`),
+and so does moe_wna16's routed expert GEMV (`INT4_MMA_ROUTED`; ROUTED: one program column a (token, k) pair, M = 1).
 
-Why: the one-row kernel on the CUDA cores (int4_gemv.py) spends 3.76 sm90 instructions a weight (an FMA each, the
-unpacking, the sums), about what an H200's SMs can issue while HBM delivers half a byte, and its 8B decode at batch
-1 sits at 1.91x its floor (RESULTS.md, seventeenth session: 4.14 ms against 2.17; issue 18 asks 0.6x bf16, ~3.4
-ms). Products on the tensor cores take the FMAs off the SMs' issue, as Marlin does; Triton's tl.dot could not take
-registers in the operand layout without a trip through shared memory (the eighth session's tl.dot GEMV lost for
-that). Gluon fixes every tensor's layout, so each lane holds exactly the words its mma fragments need, and the
-mma is one `mma.sync.m16n8k16` in inline PTX per 16 x 16 block.
+Why: the CUDA-core kernels (int4_gemv.py: 3.76 sm90 instructions a weight) leave the 8B int4 decode at 1.9x its floor
+at batch 1. Products on the tensor cores take the FMAs off the SMs' issue, as Marlin does; Triton's tl.dot could not
+take registers in the operand layout without a trip through shared memory (eighth session). Gluon fixes every
+tensor's layout, so each lane holds exactly the words its mma fragments need: one `mma.sync.m16n8k16` in inline
+PTX per 16 x 16 block.
 
 The mapping (PTX ISA, mma.m16n8k16 .bf16: lane = 4 g + t; A rows g, g + 8, B column g, C rows g, g + 8 and
 columns 2t, 2t + 1):
@@ -38,9 +36,11 @@ partials [splits, M, N], summed by the last program of each column tile (quant_t
 by split_k.splitk_reduce.
 
 Built for sm90 on the CPU machine with Triton 3.6 and 3.9 (`scripts/dev/count_gemv_sass.py '{"mma": true}'`: the
-step loop at 1.45 instructions a weight, 142 registers, no shared memory, no spills). Not yet run on a GPU: its test is
-tests/gpu/test_int4_mma_gemv_gpu.py and `gpu_check.sh int4-mma` times it against int4_gemv.py's. Its PTX and
-epilogue run warp by warp on the CPU in int4_mma_reference.py.
+step loop at 1.45 instructions a weight, 142 registers, no shared memory, no spills). Its PTX and epilogue run warp by
+warp on the CPU in int4_mma_reference.py. On an H200 (2026-12-05, RESULTS.md twenty-fifth session): its GPU tests
+(tests/gpu/test_int4_mma_gemv_gpu.py) pass; far from its HBM floor at every row count (the 8B gate_up 27-37 us at one
+row against 14: bytes in flight, not instructions, hold it), it beats the CUDA-core kernels from 8 rows and, at 2
+tiles a warp (REPS), at one row per projection; quant_gemv routes 2-64 rows here.
 """
 
 from __future__ import annotations
@@ -74,17 +74,23 @@ K_STEP = 128  # k values of a step: 16 words of a column, 4 lanes x 4 words
 BLOCK_ROWS = 16  # activation rows a program: B's 8 columns, twice past 8 (TOKEN_TILES)
 # Rows the kernel takes: past BLOCK_ROWS in blocks of 16, one program each beside the others of its column tile
 # (the words read again from L2, and unpacked again: 1.81 sm90 instructions a weight for 16 rows). Against
-# quant_gemv's general kernel there (tl.dot through shared memory: the 8B gate_up 118 us at 64 rows against a 14
-# us HBM floor, RESULTS.md eighth session), unmeasured.
+# quant_gemv's general kernel there (tl.dot through shared memory): measured on an H200 (RESULTS.md twenty-fifth
+# session) the four 8B projections at 64 rows 239.7 us against 233.1 (221.2 at REPS 2), the decode at b64@4K 16.43
+# -> 15.44 ms (the smaller projections gain, gate_up loses 126.6 against 117.5).
 MAX_ROWS = 64
 WARPS = 4
-REPS = 4  # 16-column tiles a warp holds: a program's columns are 16 x WARPS x REPS
+# 16-column tiles a warp holds: a program's columns are 16 x WARPS x REPS. On an H200 (twenty-fifth session) 2
+# took the four 8B projections at one row to 58.6 us against 84.7 at 4 (the CUDA-core kernels' 76.8), 88.8 against
+# 79.5 at 16 rows and 221.2 against 239.7 at 64; not yet run in the engine (the decode at one row lost 0.78 ms at 4
+# where its projections lost 0.26).
+REPS = 4
 # 0: each step's words and activations loaded into registers at its start (a warp then waits out the load's
 # latency; the other warps of the SM hide it); 2 or 4 (shared allocations are powers of two): a ring of STAGES
 # steps in shared memory, each lane copying (cp.async) the 16-byte pieces it later reads, STAGES - 1 steps ahead:
 # more bytes in flight than registers hold.
 # Loading the next step into registers before this step's math builds to the same SASS as 0 (ptxas sinks the
-# loads to the loop's end). Unmeasured either way.
+# loads to the loop's end). On an H200 (twenty-fifth session) the ring lost: gate_up at one row 99.1 us against
+# 36.6 at 0, at 16 and 64 rows about equal.
 STAGES = 0
 
 _PAIR_MASK, _BF16_128, _AND_OR = "0x000F000F", "0x43004300", "0xEA"  # lop3 LUT 0xEA: (a & b) | c
@@ -363,7 +369,8 @@ def row_blocks(m: int) -> int:
 _RESIDENT = {(4, 1): 3, (2, 1): 6, (4, 2): 2, (2, 2): 3}
 # K split so that every program runs in one wave (columns x splits <= the programs the SMs hold at once), each
 # split at least one step: with split_k.splits_for's ~8 programs an SM the 8B down projection (16 tiles x 28
-# splits = 448 programs against 396 resident) would run a second wave of 52. Unmeasured, as the kernel.
+# splits = 448 programs against 396 resident) would run a second wave of 52. On an H200 (twenty-fifth session) about
+# equal to splits_for's split at every 8B projection and row count.
 WAVE_SPLITS = True
 
 
