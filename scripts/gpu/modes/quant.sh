@@ -48,6 +48,9 @@
 # fp8-wgmma-moe (one GPU, ~5 min): the FP8 experts' routed GEMV by TMA + wgmma (fp8_wgmma_gemv.routed_gemv, under
 # FP8_WGMMA_GEMV): its GPU tests and the A3B expert block's time off and on, then the A3B FP8 decode at batch 1 (32K)
 # and 8 (4K) off and on.
+# int4-reps2 (one GPU, ~4 min): the 8B GPTQ int4 decode at b1@32K, b16@8K and b64@4K with the defaults (the mma GEMV
+# from 2 rows, 4 tiles a warp) and with 2 tiles a warp from one row (int4_mma_gemv.REPS=2,
+# quant_gemv.INT4_MMA_MIN_ROWS=1: per projection 58.6 against 76.8 us a layer at one row, twenty-fifth session).
 # kvfp8-f16 (one GPU, ~7 min): the fp8 KV GPU tests, then the A3B and 8B decode at batch 64 (4K) on a bf16 cache and
 # on an fp8 one with the decode kernel's dots in bf16 and in fp16 (decode_attention.KV_FP8_AS_F16), and in fp16 at
 # 2 pipeline stages (issue 18: fp8 KV <= 1.05x bf16's, the A3B at 1.06x in the eighth session).
@@ -366,4 +369,12 @@ if [[ $MODE == fp8-wgmma-moe ]]; then  # one GPU (~5 min): the FP8 experts' rout
       longserve.kernels.quant_fp8.FP8_WGMMA_GEMV=$on -- --config qwen3-30b-a3b "${dummy[@]}" --repeat 3 \
       --hf-overrides "$fp8" --decode-batch-sizes 1@32768,8@4096
   done
+fi
+
+if [[ $MODE == int4-reps2 ]]; then  # one GPU (~4 min): the int4 mma GEMV at 2 tiles a warp from one row, in the decode
+  latency_with int4_defaults "int4 defaults" -- --config llama-3.1-8b "${dummy[@]}" --repeat 3 --quantization gptq \
+    --decode-batch-sizes 1@32768,16@8192,64@4096
+  latency_with int4_reps2 "int4 REPS=2 MIN_ROWS=1" longserve.kernels.int4_mma_gemv.REPS=2 \
+    longserve.kernels.quant_gemv.INT4_MMA_MIN_ROWS=1 -- --config llama-3.1-8b "${dummy[@]}" --repeat 3 \
+    --quantization gptq --decode-batch-sizes 1@32768,16@8192,64@4096
 fi
