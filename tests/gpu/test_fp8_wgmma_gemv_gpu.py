@@ -1,5 +1,6 @@
-"""The FP8 decode GEMV on the tensor cores (kernels/fp8_wgmma_gemv.py, Gluon: TMA ring + wgmma;
-quant_fp8.FP8_WGMMA_GEMV routes 1-32 rows of block and per-channel FP8 to it) on an H200 at the Llama-3.1-8B projections: the reference's product
+"""The FP8 decode GEMV on the tensor cores (kernels/fp8_wgmma_gemv.py, Gluon: TMA ring + wgmma; quant_fp8 routes block
+FP8 to it under FP8_WGMMA_GEMV, per channel under FP8_WGMMA_CHANNEL, the routed experts through moe_fp8_gemv) on an
+H200 at the Llama-3.1-8B projections: the reference's product
 (the same e4m3 activations: fp32 summation order and the output's rounding), the CUDA-core GEMV's, deterministic,
 through fp8_block_linear with no host sync and replayed from a CUDA graph with new activations, the gated down
 projection, a bias and N not whole tiles, its counters left at zero; each projection's time against what serves
