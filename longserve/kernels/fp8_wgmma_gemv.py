@@ -296,21 +296,24 @@ def _descriptor(w: torch.Tensor) -> TensorDescriptor:
 
 
 def launch(x, x_scales, w, w_scale, bias, blocks_per_split: int, num_splits: int, out, res, locks, stride_os: int,
-           serial: bool, bias_in_kernel: bool, imprecise_acc: int) -> None:  # fmt: skip
+           serial: bool, bias_in_kernel: bool, imprecise_acc: int, ids=None, x_row_div: int = 1) -> None:  # fmt: skip
     """The kernel over a product `fits` (x bf16, x_scales None, w_scale in blocks) or `fits_channel` (x e4m3,
     x_scales [M], w_scale [N]) takes, K in num_splits runs of blocks_per_split blocks: into out [M, N] (one split)
     or its fp32 partials [num_splits, M, N], summed (SERIAL) by each tile's last program into res with the counters
-    `locks` (split_k.SplitKOutputs makes these and sums them otherwise)."""
-    m, k = x.shape
-    n = w.shape[0]
+    `locks` (split_k.SplitKOutputs makes these and sums them otherwise). Routed (`ids` [P], `fits_routed`'s experts
+    w [E, N, K] and w_scale [E, ceil(N / 128), K / 128]): row p of out is x[p // x_row_div] times expert ids[p]'s."""
+    k = x.shape[1]
+    routed = ids is not None
+    m, n = (1, w.shape[1]) if routed else (x.shape[0], w.shape[0])
     per_channel = x_scales is not None
     pdl = use_pdl(x)
-    fp8_wgmma_gemv_kernel[(triton.cdiv(n, BLOCK[0]), num_splits)](
-        _descriptor(w), x.view(torch.uint8) if per_channel else x, x_scales if per_channel else w_scale,
-        w_scale, bias if bias_in_kernel else w_scale, out, res, locks, locks, m, n, blocks_per_split, k // BLOCK[1],
-        x.stride(0), 0 if per_channel else w_scale.stride(0), stride_os, out.stride(-2), 0,
-        HAS_BIAS=bias_in_kernel, PARTIAL=num_splits > 1, SERIAL=serial, BLOCK_T=block_t(m), STAGES=STAGES,
-        IMPRECISE_ACC=imprecise_acc, USE_PDL=pdl, PER_CHANNEL=per_channel, num_warps=WARPS, launch_pdl=pdl,
+    fp8_wgmma_gemv_kernel[(triton.cdiv(n, BLOCK[0]), num_splits, ids.shape[0] if routed else 1)](
+        _descriptor(w.view(-1, k)), x.view(torch.uint8) if per_channel else x, x_scales if per_channel else w_scale,
+        w_scale, bias if bias_in_kernel else w_scale, out, res, locks, ids if routed else locks, m, n,
+        blocks_per_split, k // BLOCK[1], x.stride(0), 0 if per_channel else w_scale.stride(-2), stride_os,
+        out.stride(-2), w_scale.stride(0) if routed else 0, HAS_BIAS=bias_in_kernel, PARTIAL=num_splits > 1,
+        SERIAL=serial, BLOCK_T=block_t(m), STAGES=STAGES, IMPRECISE_ACC=imprecise_acc, USE_PDL=pdl,
+        PER_CHANNEL=per_channel, num_warps=WARPS, ROUTED=routed, X_ROW_DIV=x_row_div, launch_pdl=pdl,
     )  # fmt: skip
 
 
@@ -350,18 +353,11 @@ def routed_gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, ids: to
     """Row p = `fp8_block_gemm_ref(x[p // x_row_div], w[ids[p]], w_scale[ids[p]], BLOCK)` (fp8_gemv.fp8_routed_gemv's
     contract: MoE decode, each (token, k) pair through its expert): [P, N] in x's dtype, or with split-K its fp32
     partial sums [S, P, N] (the consumers add them: moe_wna16.silu_mul_partials, moe_sum)."""
-    num_rows, (e, n, k) = ids.shape[0], w.shape
+    num_rows, (_, n, k) = ids.shape[0], w.shape
     n_tiles, num_blocks = triton.cdiv(n, BLOCK[0]), k // BLOCK[1]
     # the pairs fill the chip along axis 2: split K only as far as one wave of every pair's programs allows
     split = splits(n_tiles * num_rows, num_blocks, split_k.num_sms(x.device.index or 0), 1)
     blocks_per_split, split, out = split_k_output(num_blocks, split, num_rows, n, x.dtype, x.device)
-    scales = w_scale.float()
-    pdl = use_pdl(x)
-    fp8_wgmma_gemv_kernel[(n_tiles, split, num_rows)](
-        _descriptor(w.view(e * n, k)), x, scales, scales, scales, out, out, out, ids, 1, n, blocks_per_split,
-        num_blocks, x.stride(0), scales.stride(1), out.stride(0) if split > 1 else 0, out.stride(-2),
-        scales.stride(0), HAS_BIAS=False, PARTIAL=split > 1, SERIAL=False, BLOCK_T=block_t(1), STAGES=STAGES,
-        IMPRECISE_ACC=imprecise_acc, USE_PDL=pdl, PER_CHANNEL=False, num_warps=WARPS, ROUTED=True,
-        X_ROW_DIV=x_row_div, launch_pdl=pdl,
-    )  # fmt: skip
+    launch(x, None, w, w_scale.float(), None, blocks_per_split, split, out, out, out,
+           out.stride(0) if split > 1 else 0, False, False, imprecise_acc, ids=ids, x_row_div=x_row_div)  # fmt: skip
     return out

@@ -64,7 +64,7 @@ def test_the_launch(monkeypatch: pytest.MonkeyPatch) -> None:
     wg.launch(x, None, w, s, None, 8, 4, out, out, out, out.stride(0), False, False, 32)
     wg.launch(x, None, w, s, None, 8, 4, out, out, out, out.stride(0), False, False, 32)
     (grid, args, kw), (_, args2, _) = calls
-    assert grid == (49, 4)
+    assert grid == (49, 4, 1)
     desc = args[0]
     assert desc is args2[0] and list(desc.block_shape) == [128, 128] and list(desc.shape) == [n, k]
     names = ["M", "N", "blocks_per_split", "num_blocks", "stride_xm", "stride_sn", "stride_os", "stride_om"]
@@ -81,7 +81,7 @@ def test_the_launch(monkeypatch: pytest.MonkeyPatch) -> None:
     )
     wg.launch(xq, xs, w, ws, None, 32, 1, out[0, :3], out, out, 0, False, False, 32)
     grid, args, kw = calls[2]
-    assert grid == (49, 1) and kw["PER_CHANNEL"] and kw["BLOCK_T"] == 8 and not kw["PARTIAL"]
+    assert grid == (49, 1, 1) and kw["PER_CHANNEL"] and kw["BLOCK_T"] == 8 and not kw["PARTIAL"]
     assert args[1].dtype == torch.uint8 and args[2] is xs and args[3] is ws and args[14] == 0  # stride_sn
 
 
