@@ -40,6 +40,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from longserve.kernels import split_k
 from longserve.kernels.gluon_attention_steps import _key_blocks, _last_pv
 from longserve.kernels.gluon_compat import tma_load
 
@@ -334,9 +335,6 @@ def descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
     )
 
 
-_SMS: dict[int, int] = {}
-
-
 def attention(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """q [L, Hq, D], k/v [S, Hkv, D] (bf16, the engine's strided views) -> (o [L, Hq, D], lse [Hq, L] fp32, natural
     log); causal: the mask aligned bottom-right (query i sees keys up to i + S - L)."""
@@ -349,9 +347,7 @@ def attention(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.
     tiles = num_heads * triton.cdiv(num_rows, BLOCK_M)
     if PERSISTENT:  # a program an SM (one CTA fits an SM: 160 KB of shared memory)
         index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-        if index not in _SMS:
-            _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-        tiles = min(tiles, _SMS[index])
+        tiles = min(tiles, split_k.num_sms(index))
     _launched = True
     attention_fwd_kernel[(tiles,)](
         q_desc, k_desc, v_desc, o, lse, num_heads, num_rows, num_keys, num_keys - num_rows, scale * LOG2E, num_heads * D,
