@@ -51,6 +51,12 @@
 # int4-reps2 (one GPU, ~4 min): the 8B GPTQ int4 decode at b1@32K, b16@8K and b64@4K with the defaults (the mma GEMV
 # from 2 rows, 4 tiles a warp) and with 2 tiles a warp from one row (int4_mma_gemv.REPS=2,
 # quant_gemv.INT4_MMA_MIN_ROWS=1: per projection 58.6 against 76.8 us a layer at one row, twenty-fifth session).
+# int4-profile (one GPU, ~3 min): the 8B GPTQ int4 decode at b1@32K under the profiler (its top kernels) with the
+# CUDA-core GEMV at one row (the default), the mma GEMV from one row, and the mma GEMV at 2 tiles a warp: per
+# projection the mma GEMV at REPS 2 wins (58.6 against 76.8 us a layer) but the engine lost (4.64 against 4.14 ms,
+# twenty-sixth session): which kernels take the difference.
+# fp8-block-decode (one GPU, ~5 min): the 8B decode in bf16 and in block FP8 with FP8_WGMMA_GEMV off and on (at
+# fp8_wgmma_gemv.STAGES 2) at batch 1 (32K), 8 (4K), 16 (8K) and 32 (4K): fp8-wgmma's latency lines alone.
 # kvfp8-f16 (one GPU, ~7 min): the fp8 KV GPU tests, then the A3B and 8B decode at batch 64 (4K) on a bf16 cache and
 # on an fp8 one with the decode kernel's dots in bf16 and in fp16 (decode_attention.KV_FP8_AS_F16), and in fp16 at
 # 2 pipeline stages (issue 18: fp8 KV <= 1.05x bf16's, the A3B at 1.06x in the eighth session).
@@ -377,4 +383,30 @@ if [[ $MODE == int4-reps2 ]]; then  # one GPU (~4 min): the int4 mma GEMV at 2 t
   latency_with int4_reps2 "int4 REPS=2 MIN_ROWS=1" longserve.kernels.int4_mma_gemv.REPS=2 \
     longserve.kernels.quant_gemv.INT4_MMA_MIN_ROWS=1 -- --config llama-3.1-8b "${dummy[@]}" --repeat 3 \
     --quantization gptq --decode-batch-sizes 1@32768,16@8192,64@4096
+fi
+
+if [[ $MODE == int4-profile ]]; then  # one GPU (~3 min): where the int4 mma GEMV's engine time at one row goes
+  for v in "" "longserve.kernels.quant_gemv.INT4_MMA_MIN_ROWS=1" \
+    "longserve.kernels.quant_gemv.INT4_MMA_MIN_ROWS=1 longserve.kernels.int4_mma_gemv.REPS=2"; do
+    name=int4_profile_$(( ${#v} ? $(wc -w <<< "$v") : 0 ))
+    # shellcheck disable=SC2086
+    LATENCY_TIMEOUT=120 latency_with "$name" "${v:-defaults}" $v -- --config llama-3.1-8b "${dummy[@]}" \
+      --repeat 3 --quantization gptq --decode-batch-sizes 1@32768 --profile
+    python3 - "$OUT/latency_$name.json" <<'PY'
+import json, sys
+for r in json.load(open(sys.argv[1])):
+    for op in r.get("profile", {}).get("top_ops", []):
+        print(f"  {op['ms']:8.2f} ms {op['calls']:6d}x {op['name'][:90]}")
+PY
+  done
+fi
+
+if [[ $MODE == fp8-block-decode ]]; then  # one GPU (~5 min): the 8B block FP8 decode, the wgmma GEMV off and on
+  latency_with fp8_block_bf16 "bf16" -- --config llama-3.1-8b "${dummy[@]}" --repeat 3 \
+    --decode-batch-sizes 1@32768,8@4096,16@8192,32@4096
+  for on in False True; do
+    latency_with fp8_block_wgmma_$on "FP8 blocks FP8_WGMMA_GEMV=$on" longserve.kernels.quant_fp8.FP8_WGMMA_GEMV=$on \
+      -- --config llama-3.1-8b "${dummy[@]}" --repeat 3 --hf-overrides "$fp8" \
+      --decode-batch-sizes 1@32768,8@4096,16@8192,32@4096
+  done
 fi
