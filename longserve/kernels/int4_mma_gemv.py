@@ -81,8 +81,9 @@ MAX_ROWS = 64
 WARPS = 4
 # 16-column tiles a warp holds: a program's columns are 16 x WARPS x REPS. On an H200 (twenty-fifth session) 2
 # took the four 8B projections at one row to 58.6 us against 84.7 at 4 (the CUDA-core kernels' 76.8), 88.8 against
-# 79.5 at 16 rows and 221.2 against 239.7 at 64; not yet run in the engine (the decode at one row lost 0.78 ms at 4
-# where its projections lost 0.26).
+# 79.5 at 16 rows and 221.2 against 239.7 at 64; in the 8B int4 decode from one row (twenty-sixth session, 2b1e2c7,
+# `gpu_check.sh int4-reps2`) it lost everywhere: b1@32K 4.64 against 4.14 ms (the one-row CUDA-core kernel), b16@8K
+# 7.84 / 7.51, b64@4K 16.80 / 15.60 (at 4 the decode at one row lost 0.78 ms where its projections lost 0.26).
 REPS = 4
 # 0: each step's words and activations loaded into registers at its start (a warp then waits out the load's
 # latency; the other warps of the SM hide it); 2 or 4 (shared allocations are powers of two): a ring of STAGES
