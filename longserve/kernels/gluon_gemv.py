@@ -1,5 +1,5 @@
 """Generic pieces of the Gluon decode GEMV on the tensor cores (int4_mma_gemv.py), apart from its mapping: aranges
-along one axis of a 4D layout, programmatic dependent launch, the store of a split-K program's sums
+along one axis of a 4D layout, programmatic dependent launch, L2 prefetches, the store of a split-K program's sums
 (quant_tiles.store_gemv_out's contract, in Gluon), and the split count that keeps one wave."""
 
 from __future__ import annotations
@@ -30,6 +30,14 @@ def gdc_wait(USE_PDL: gl.constexpr):
         gl.inline_asm_elementwise(
             "griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
         )
+
+
+@gluon.jit
+def prefetch_l2(ptrs):
+    """launch.prefetch_l2 in Gluon, unmasked: one `prefetch.global.L2` an element."""
+    gl.inline_asm_elementwise(
+        "prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=gl.int32, is_pure=False, pack=1
+    )
 
 
 @gluon.jit

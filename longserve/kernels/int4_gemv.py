@@ -35,7 +35,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from longserve.kernels.launch import pdl_prologue
+from longserve.kernels.launch import pdl_prologue, prefetch_l2
 from longserve.kernels.quant_tiles import store_gemv_out
 
 __all__ = [
@@ -57,6 +57,14 @@ _LOW_BITS_AS_HIGH = tl.constexpr(17152 / 65536)  # the low bf16 128's bits (0x43
 # (32K) 4.79 -> 4.62 ms, the A3B int4 decode at batch 8 (4K) 6.99 -> 6.71 ms (batch 1: 4.32 both); the one-row
 # GEMV per 8B projection 9.8 / 9.3 / 32.1 / 18.5 -> 9.4 / 8.7 / 31.2 / 17.1 us (qkv / o / gate_up / down).
 INT4_GEMV_RAW_HI = True
+# K tiles int4_gemv_kernel asks L2 for before its PDL wait (launch.prefetch_l2; not routed: a routed program's
+# expert is the router's output); 0: none. CUDA only. Why: at one row the 8B int4 projections run at ~35% of HBM's
+# rate (76.8 us a layer against a 26.7 us floor, RESULTS.md twenty-fifth session), and HBM idles while the kernel
+# before drains; the weights never depend on it. Not in the loop: a thread already holds 2 rows x 16 words of a
+# tile in flight (64 KB an SM at 4 programs), the kernel is bound by its issue (3.76 instructions a weight), and its
+# loop is at 128 registers (one more prefetch a tile spills 8 bytes with Triton 3.9). Off until measured
+# (`gpu_check.sh gemv-prefetch`).
+INT4_GEMV_PREFETCH = 0
 
 
 def int4_fast_supported(m: int, bits: int, k: int, per_col: bool, use_dot: bool, block_k: int) -> bool:
@@ -117,10 +125,19 @@ def int4_gemv_kernel(
     HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PARTIAL: tl.constexpr, INTERPRET_BF16: tl.constexpr, ROUTED: tl.constexpr, X_ROW_DIV: tl.constexpr,
     USE_RAW_HI: tl.constexpr = False, USE_PDL: tl.constexpr = False, SERIAL: tl.constexpr = False,
+    PREFETCH: tl.constexpr = 0,
 ):  # fmt: skip
-    pdl_prologue(USE_PDL)  # before the routed expert id (the router's output) and x
     BLOCK_W: tl.constexpr = BLOCK_K // 8  # words of a tile row
     pid_n, pid_k, row = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    t_begin = pid_k * tiles_per_split
+    t_end = tl.minimum(t_begin + tiles_per_split, num_tiles)
+    # the first tiles into L2 while the kernel before drains (INT4_GEMV_PREFETCH)
+    if PREFETCH > 0 and not ROUTED:
+        for j in tl.static_range(PREFETCH):
+            prefetch_l2(w_ptr + offs_n * stride_wn + (t_begin + j) * BLOCK_W, n_mask & (t_begin + j < t_end))
+    pdl_prologue(USE_PDL)  # before the routed expert id (the router's output) and x
     if ROUTED:  # MoE decode (moe_wna16.py): output row `row` is a (token, k) pair, its expert's weights
         expert = tl.load(ids_ptr + row).to(tl.int64)
         w_ptr += expert * stride_we
@@ -128,13 +145,9 @@ def int4_gemv_kernel(
         z_ptr += expert * stride_ze
     x_ptr += (row // X_ROW_DIV) * stride_xm
     out_ptr += row * stride_om
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_w = tl.arange(0, BLOCK_W)
-    n_mask = offs_n < N
     w_rows = w_ptr + offs_n[:, None] * stride_wn  # [BLOCK_N, 1]
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    t_begin = pid_k * tiles_per_split
-    t_end = tl.minimum(t_begin + tiles_per_split, num_tiles)
     # Register double-buffering of the next tile (prefetch) was tried and measured slower on an H200 (ninth
     # session, RESULTS.md): Triton pipelines only loads that feed a tl.dot.
     # RAW_HI (16-bit activations, INT4_GEMV_RAW_HI): the pair's word as an fp32 is 128 + q_hi + (17152 + q_lo) /

@@ -52,7 +52,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 from longserve.kernels.gluon_compat import cp_async, supported
-from longserve.kernels.gluon_gemv import axis, gdc_wait, one_wave_splits, store_sums
+from longserve.kernels.gluon_gemv import axis, gdc_wait, one_wave_splits, prefetch_l2, store_sums
 from longserve.kernels.launch import use_pdl
 
 __all__ = [
@@ -93,6 +93,12 @@ REPS = 4
 # loads to the loop's end). On an H200 (twenty-fifth session) the ring lost: gate_up at one row 99.1 us against
 # 36.6 at 0, at 16 and 64 rows about equal.
 STAGES = 0
+# Steps whose words the kernel asks L2 for ahead of the one it loads (STAGES 0; gluon_gemv.prefetch_l2), the first
+# ones before its PDL wait (not routed); 0: none. Why: bytes in flight hold the kernel (above), and a prefetch
+# holds no register: sm90 builds (Triton 3.6) at 2 steps 128 registers against 142 at one token tile, 182 at two
+# (unchanged), but 186 against 144 with zero points (2 programs an SM instead of 3). Off until measured
+# (`gpu_check.sh gemv-prefetch`).
+PREFETCH = 0
 
 _PAIR_MASK, _BF16_128, _AND_OR = "0x000F000F", "0x43004300", "0xEA"  # lop3 LUT 0xEA: (a & b) | c
 _MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
@@ -178,6 +184,19 @@ def _step_copies(slot_a, slot_b, slot_x, words_a, words_b, xs, col, N, step, EVE
 
 
 @gluon.jit
+def _prefetch_pieces(pid_n, N, stride_wn, REPS: gl.constexpr, W: gl.constexpr):
+    """Word offsets of step 0's 16-byte pieces of A's rows g and g + 8 (words_a, words_b: lane t's words 4t ..
+    4t + 3) for gluon_gemv.prefetch_l2, one element a piece (int32 offsets, in a layout of one element along the
+    pieces' words: a pointer a word would hold 8 registers a piece); the columns past N at N - 1 (a prefetch outside
+    the weights is not defined). Int32: the 8B's largest projection is 7.3M words."""
+    LP: gl.constexpr = gl.BlockedLayout([REPS, 1, 1, 1], [1, 8, 4, 1], [1, W, 1, 1], [3, 2, 1, 0])
+    col = (pid_n * (16 * W * REPS) + axis(REPS, 0, LP) * (16 * W) + (axis(8 * W, 1, LP) // 8) * 16
+           + axis(8 * W, 1, LP) % 8)  # fmt: skip
+    piece = 4 * axis(4, 2, LP)
+    return gl.minimum(col, N - 1) * stride_wn + piece, gl.minimum(col + 8, N - 1) * stride_wn + piece
+
+
+@gluon.jit
 def _b_pairs(xt, L: gl.constexpr):
     """A step's x words [1, 8W, 4, 16] (each word's natural pairs P_p, p = 2a + b) as B's X_0..X_3 in L:
     X_i = (x[8j + i], x[8j + i + 4]), one prmt each."""
@@ -212,6 +231,7 @@ def int4_mma_gemv_kernel(
     HAS_ZP: gl.constexpr, HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr, SERIAL: gl.constexpr, EVEN_N: gl.constexpr,
     GROUP_SHIFT: gl.constexpr, REPS: gl.constexpr, STAGES: gl.constexpr, USE_PDL: gl.constexpr,
     ROUTED: gl.constexpr = False, X_ROW_DIV: gl.constexpr = 1, TOKEN_TILES: gl.constexpr = 1,
+    PREFETCH: gl.constexpr = 0,
 ):  # fmt: skip
     W: gl.constexpr = gl.num_warps()
     # [tile r, lane row (warp w, g), lane t, element u]: lanes (g, t) as mma's groupID / threadID_in_group
@@ -220,10 +240,21 @@ def int4_mma_gemv_kernel(
     LS: gl.constexpr = gl.BlockedLayout([REPS, 1, 1, 2], [1, 8, 4, 1], [1, W, 1, 1], [3, 2, 1, 0])
     gl.static_assert(gl.to_linear_layout(L, [REPS, 8 * W, 4, 4]) == _lane_layout(REPS, W), "lanes as mma's")
     BLOCK_N: gl.constexpr = 16 * W * REPS
-    gdc_wait(USE_PDL)  # before the routed expert id (the router's output) and x
     # axis 0: column tiles x row_blocks blocks of BLOCK_ROWS rows (17 to MAX_ROWS rows), a tile's blocks adjacent
     # (their programs read the same words at about the same time: once from HBM, then from L2)
     pid_n, pid_k = gl.program_id(0) // row_blocks, gl.program_id(1)
+    col = (pid_n * BLOCK_N + axis(REPS, 0, L) * (16 * W) + (axis(8 * W, 1, L) // 8) * 16
+           + axis(8 * W, 1, L) % 8)  # [REPS, 8W, 1, 1]: A's row g; row g + 8 is col + 8  # fmt: skip
+    s_begin = pid_k * steps_per_split
+    s_end = gl.minimum(s_begin + steps_per_split, num_steps)
+    if (
+        PREFETCH > 0 and not ROUTED
+    ):  # the first steps' words into L2 while the kernel before drains (PREFETCH)
+        pf_a, pf_b = _prefetch_pieces(pid_n, N, stride_wn, REPS, W)
+        for j in gl.static_range(PREFETCH):
+            prefetch_l2(w_ptr + (pf_a + gl.minimum(s_begin + j, s_end - 1) * 16))
+            prefetch_l2(w_ptr + (pf_b + gl.minimum(s_begin + j, s_end - 1) * 16))
+    gdc_wait(USE_PDL)  # before the routed expert id (the router's output) and x
     if ROUTED:  # MoE decode (moe_wna16.py): axis 2 over (token, k) pairs, M = 1, each pair's expert's weights
         pair = gl.program_id(2).to(gl.int64)
         expert = gl.load(ids_ptr + pair).to(gl.int64)
@@ -238,8 +269,6 @@ def int4_mma_gemv_kernel(
         out_ptr += row0.to(gl.int64) * stride_om
         res_ptr += row0.to(gl.int64) * stride_om
         M -= row0
-    col = (pid_n * BLOCK_N + axis(REPS, 0, L) * (16 * W) + (axis(8 * W, 1, L) // 8) * 16
-           + axis(8 * W, 1, L) % 8)  # [REPS, 8W, 1, 1]: A's row g; row g + 8 is col + 8  # fmt: skip
     words_a = w_ptr + col.to(gl.int64) * stride_wn + 4 * axis(4, 2, L) + axis(4, 3, L)  # words 4t + u
     words_b = words_a + 8 * stride_wn
     # token g's 64 bytes of the step (words 4t .. 4t + 3); rows past M read row M - 1 (their sums are not stored);
@@ -254,8 +283,8 @@ def int4_mma_gemv_kernel(
     acc2 = gl.zeros([REPS, 8 * W, 4, 4], gl.float32, L)  # TOKEN_TILES 2
     zero = gl.zeros([REPS, 8 * W, 4, 4], gl.float32, L)
     zero_x = gl.zeros([1, 8 * W, 4, 4], gl.float32, L)
-    s_begin = pid_k * steps_per_split
-    s_end = gl.minimum(s_begin + steps_per_split, num_steps)
+    if PREFETCH > 0:
+        pf_a, pf_b = _prefetch_pieces(pid_n, N, stride_wn, REPS, W)
     # the ring: each lane copies the pieces it reads back (Triton's membar pass, which cannot see that, still puts a
     # CTA barrier before the reads and one before the copies into the slot read last step)
     if STAGES > 0:
@@ -278,6 +307,9 @@ def int4_mma_gemv_kernel(
             xt = ring_x.index(slot).load(LX)
         else:
             wa, wb, xt = _step_loads(words_a, words_b, xs, col, N, step, EVEN_N)
+            if PREFETCH > 0:  # step + PREFETCH's words into L2: bytes in flight that hold no register
+                prefetch_l2(w_ptr + (pf_a + gl.minimum(step + PREFETCH, s_end - 1) * 16))
+                prefetch_l2(w_ptr + (pf_b + gl.minimum(step + PREFETCH, s_end - 1) * 16))
         x0, x1, x2, x3 = _b_pairs(xt, L)
         sums = gl.inline_asm_elementwise(
             _SUMS_ASM, _SUMS_CONSTRAINTS, [zero_x, x0, x1, x2, x3], dtype=gl.float32, is_pure=True, pack=4
@@ -415,5 +447,6 @@ def launch(x, qweight, scales, zeros, bias, group_size: int, steps_per_split: in
         qweight.stride(0) // 4 if routed else 0, scales.stride(0) if routed else 0, z.stride(0) if routed else 0,
         blocks, HAS_ZP=zeros is not None, HAS_BIAS=bias_in_kernel, PARTIAL=num_splits > 1, SERIAL=serial,
         EVEN_N=n % block_n() == 0, GROUP_SHIFT=group_shift, REPS=REPS, STAGES=STAGES, USE_PDL=pdl, ROUTED=routed,
-        X_ROW_DIV=x_row_div, TOKEN_TILES=token_tiles(m), num_warps=WARPS, launch_pdl=pdl,
+        X_ROW_DIV=x_row_div, TOKEN_TILES=token_tiles(m), PREFETCH=PREFETCH if STAGES == 0 else 0, num_warps=WARPS,
+        launch_pdl=pdl,
     )  # fmt: skip

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-__all__ = ["PDL", "FastKernel", "fast_launch", "pdl_prologue", "use_pdl"]
+__all__ = ["PDL", "FastKernel", "fast_launch", "pdl_prologue", "prefetch_l2", "use_pdl"]
 
 logger = logging.getLogger(__name__)
 
@@ -203,3 +203,19 @@ def pdl_prologue(USE_PDL: tl.constexpr):
     if USE_PDL:
         gdc_wait()
         gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_l2(ptrs, mask):
+    """`prefetch.global.L2` of each address where mask: the line comes into L2 and nothing waits for it (no register
+    is written, so a later load of it finds it there without the SM holding the bytes in flight). The int4 decode
+    GEMVs ask so for their first weight tiles before pdl_prologue (weights never depend on the kernel before, whose
+    tail would leave HBM idle). CUDA only (inline PTX)."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+        "=r,l,r",
+        [ptrs, mask.to(tl.int32)],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )

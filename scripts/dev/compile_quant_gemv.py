@@ -42,6 +42,7 @@ VARIANTS = [
     {"int4": True, "bn": 256},  # the one-row fast path, g128 symmetric, split-K: the decode case
     {"int4": True, "bn": 256, "pdl": True},
     {"int4": True, "bn": 256, "serial": True, "pdl": True},
+    {"int4": True, "bn": 256, "serial": True, "pdl": True, "prefetch": 2},  # L2 prefetch (INT4_GEMV_PREFETCH)
     {"int4": True, "bn": 256, "raw_hi": True},  # the same with the unmasked high value (INT4_GEMV_RAW_HI)
     {"int4": True, "zp": True, "split": 1, "bias": True, "x": "fp16"},
     {"int4": True, "routed": True, "x_row_div": 8, "split": 1},  # MoE decode, gate+up over (token, k) pairs
@@ -59,6 +60,8 @@ VARIANTS = [
     {"mma": True, "zp": True, "serial": True, "bias": True, "pdl": True, "even_n": False, "group_shift": -1},
     {"mma": True, "split": 1, "bias": True, "reps": 2, "group_shift": 1, "stages": 2},
     {"mma": True, "routed": True, "zp": True, "x_row_div": 8, "pdl": True},  # MoE pairs
+    {"mma": True, "pdl": True, "serial": True, "prefetch": 2},  # L2 prefetch (int4_mma_gemv.PREFETCH)
+    {"mma": True, "routed": True, "x_row_div": 8, "pdl": True, "prefetch": 2, "even_n": False},
     {"mma": True, "token_tiles": 2, "zp": True},  # 9 to 16 rows: a second B and C on the same A
     {"mma": True, "token_tiles": 2, "row_blocks": 4},  # 17 to 64 rows: blocks of 16, split-K partials
     {"fp8_wgmma": True},  # kernels/fp8_wgmma_gemv.py (Gluon): block FP8 by TMA + wgmma, one row, split-K
@@ -127,7 +130,7 @@ def compile_fp8_gemv(fp8=True, channel=False, x="bf16", bias=False, even_k=True,
 
 
 def compile_int4_gemv(int4=True, x="bf16", zp=False, bias=False, bn=64, bk=128, split=4, routed=False, x_row_div=1,
-                      raw_hi=False, pdl=False, serial=False, num_warps=4, num_stages=2):  # fmt: skip
+                      raw_hi=False, pdl=False, serial=False, prefetch=0, num_warps=4, num_stages=2):  # fmt: skip
     """The one-row int4 GEMV (kernels/int4_gemv.py) for sm90, specialized as at run time; `routed`: over MoE
     (token, expert) pairs (kernels/moe_wna16.py)."""
     from longserve.kernels.int4_gemv import int4_gemv_kernel as fn
@@ -137,7 +140,7 @@ def compile_int4_gemv(int4=True, x="bf16", zp=False, bias=False, bn=64, bk=128, 
             "out_ptr": "*fp32" if split > 1 else f"*{x}", "res_ptr": f"*{x}", "lock_ptr": "*i32"}  # fmt: skip
     consts = dict(HAS_ZP=zp, HAS_BIAS=bias and (split == 1 or serial), BLOCK_N=bn, BLOCK_K=bk, PARTIAL=split > 1,
                   INTERPRET_BF16=False, ROUTED=routed, X_ROW_DIV=x_row_div, USE_RAW_HI=raw_hi,
-                  USE_PDL=pdl, SERIAL=serial)  # fmt: skip
+                  USE_PDL=pdl, SERIAL=serial, PREFETCH=prefetch)  # fmt: skip
     sig = {a: ptrs.get(a, "constexpr" if a in consts else "i32") for a in fn.arg_names}
     div16 = [*ptrs, "N", "stride_wn", "stride_os", "stride_xm", "stride_om", "stride_we", "stride_se"]
     attrs = {a: [["tt.divisibility", 16]] for a in div16}
@@ -145,7 +148,7 @@ def compile_int4_gemv(int4=True, x="bf16", zp=False, bias=False, bn=64, bk=128, 
 
 
 def compile_int4_mma(mma=True, zp=False, bias=False, split=4, serial=False, even_n=True, group_shift=0, reps=None,
-                     stages=0, pdl=False, routed=False, x_row_div=1, token_tiles=1, row_blocks=1,
+                     stages=0, pdl=False, routed=False, x_row_div=1, token_tiles=1, row_blocks=1, prefetch=0,
                      num_warps=4):  # fmt: skip
     """kernels/int4_mma_gemv.py's tensor-core int4 GEMV (Gluon) for sm90, specialized as at run time (an integer
     argument of 1 is a constant then: row_blocks up to 16 rows); `routed`: over MoE (token, expert) pairs
@@ -158,7 +161,8 @@ def compile_int4_mma(mma=True, zp=False, bias=False, split=4, serial=False, even
             "lock_ptr": "*i32", "ids_ptr": "*i32"}  # fmt: skip
     consts = dict(HAS_ZP=zp, HAS_BIAS=bias and (split == 1 or serial), PARTIAL=split > 1, SERIAL=serial,
                   EVEN_N=even_n, GROUP_SHIFT=group_shift, REPS=reps or mma_mod.REPS, STAGES=stages,
-                  USE_PDL=pdl, ROUTED=routed, X_ROW_DIV=x_row_div, TOKEN_TILES=token_tiles)  # fmt: skip
+                  USE_PDL=pdl, ROUTED=routed, X_ROW_DIV=x_row_div, TOKEN_TILES=token_tiles,
+                  PREFETCH=prefetch)  # fmt: skip
     if row_blocks == 1:
         consts["row_blocks"] = 1
     sig = {a: ptrs.get(a, "constexpr" if a in consts else "i32") for a in fn.arg_names}
@@ -298,7 +302,8 @@ def report(variant: dict) -> dict:
     serial = "atom.global.gpu.acq_rel.add" in ptx
     return compiled_report(c, variant, ld_v4="ld.global.v4.b32" in ptx or "cp.async.cg" in ptx, pdl=pdl,
                            serial=serial, mma_sync=ptx.count("mma.sync"), wgmma=ptx.count("wgmma.mma_async"),
-                           tma="cp.async.bulk.tensor" in ptx)  # fmt: skip
+                           tma="cp.async.bulk.tensor" in ptx,
+                           prefetch=ptx.count("prefetch.global.L2"))  # fmt: skip
 
 
 def _gluon_builds() -> bool:

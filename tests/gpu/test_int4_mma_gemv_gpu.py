@@ -110,7 +110,7 @@ def test_variants_and_the_emulation(n, k, group, zp, bias, serial, monkeypatch: 
 def test_times(m: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each projection at m rows, us, CUDA-core kernels (int4_gemv.py at one row, quant_gemv's general kernel
     above: tl.dot past 4 rows) against the tensor-core one, weights from HBM; printed for gpu_check.sh int4-mma."""
-    from longserve.kernels import int4_mma_gemv
+    from longserve.kernels import int4_gemv, int4_mma_gemv
     from longserve.kernels.tune_gemv import rotating_time_us
 
     for shape, (n, k) in DENSE.items():
@@ -123,5 +123,6 @@ def test_times(m: int, monkeypatch: pytest.MonkeyPatch) -> None:
             for mma in (False, True)
         }
         floor = w[0].numel() / 4.2e6  # bytes at 4.2 TB/s, us
-        print(f"\nint4 mma m={m} {shape} reps={int4_mma_gemv.REPS} stages={int4_mma_gemv.STAGES}: cuda cores "
+        print(f"\nint4 mma m={m} {shape} reps={int4_mma_gemv.REPS} stages={int4_mma_gemv.STAGES} prefetch="
+              f"{int4_gemv.INT4_GEMV_PREFETCH}/{int4_mma_gemv.PREFETCH}: cuda cores "
               f"{times[False]:.1f} us, tensor cores {times[True]:.1f} us, HBM floor {floor:.1f} us")  # fmt: skip

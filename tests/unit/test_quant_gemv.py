@@ -356,7 +356,7 @@ def test_gemv_compiles_for_sm90() -> None:
     mma = [r for r in reports if r["variant"].get("mma")]
     if _gluon_builds_int4_mma():
         one_tile = [r for r in mma if r["variant"].get("token_tiles", 1) == 1]
-        assert len(mma) == 6 and all(r["ld_v4"] for r in mma) and all(r["regs"] <= 168 for r in one_tile), mma
+        assert len(mma) == 8 and all(r["ld_v4"] for r in mma) and all(r["regs"] <= 168 for r in one_tile), mma
         assert [r["mma_sync"] for r in mma] == [
             8 * (r["variant"].get("reps", 4) + 1) * r["variant"].get("token_tiles", 1) for r in mma
         ]
@@ -364,6 +364,15 @@ def test_gemv_compiles_for_sm90() -> None:
     wgmma = [r for r in reports if r["variant"].get("fp8_wgmma")]
     if _gluon_builds_int4_mma():
         assert len(wgmma) == 5 and all(r["tma"] and r["wgmma"] == 8 for r in wgmma), wgmma
+    # the int4 GEMVs' L2 prefetch, 2 tiles: the one-row kernel's before its PDL wait (int4_gemv.INT4_GEMV_PREFETCH:
+    # a prefetch a tile row, 2 rows a thread), the mma kernel's also 2 steps ahead in its loop
+    # (int4_mma_gemv.PREFETCH: a prefetch a 16-byte piece of A's rows g and g + 8, REPS 4); none where not asked
+    asked = [r for r in reports if r["variant"].get("prefetch")]
+    assert len(asked) >= 3 and all(r["prefetch"] > 0 for r in asked), asked
+    assert all(r["prefetch"] == 0 for r in reports if not r["variant"].get("prefetch"))
+    if _gluon_builds_int4_mma():
+        # before the wait, 2 steps x 2 rows x REPS 4; in the loop 2 x 4 (not routed), in the loop alone (routed)
+        assert [r["prefetch"] for r in asked if r["variant"].get("mma")] == [24, 8], asked
     # programmatic dependent launch (kernels/launch.py PDL): griddepcontrol in the PTX exactly where asked
     assert sum(bool(r["variant"].get("pdl")) for r in reports) >= 5
     assert all(r["pdl"] is bool(r["variant"].get("pdl")) for r in reports)

@@ -57,6 +57,9 @@
 # twenty-sixth session): which kernels take the difference.
 # fp8-block-decode (one GPU, ~5 min): the 8B decode in bf16 and in block FP8 with FP8_WGMMA_GEMV off and on (at
 # fp8_wgmma_gemv.STAGES 2) at batch 1 (32K), 8 (4K), 16 (8K) and 32 (4K): fp8-wgmma's latency lines alone.
+# gemv-prefetch (one GPU, ~5 min): the int4 GEMVs asking L2 for their weights ahead (int4_gemv.INT4_GEMV_PREFETCH,
+# int4_mma_gemv.PREFETCH: tiles ahead, the first before the PDL wait): the mma kernel's GPU tests with 2, each 8B
+# projection's time at 1 and 16 rows with 0, 2 and 4, then the 8B int4 decode at b1@32K and b16@8K with 0 and 2.
 # kvfp8-f16 (one GPU, ~7 min): the fp8 KV GPU tests, then the A3B and 8B decode at batch 64 (4K) on a bf16 cache and
 # on an fp8 one with the decode kernel's dots in bf16 and in fp16 (decode_attention.KV_FP8_AS_F16), and in fp16 at
 # 2 pipeline stages (issue 18: fp8 KV <= 1.05x bf16's, the A3B at 1.06x in the eighth session).
@@ -408,5 +411,25 @@ if [[ $MODE == fp8-block-decode ]]; then  # one GPU (~5 min): the 8B block FP8 d
     latency_with fp8_block_wgmma_$on "FP8 blocks FP8_WGMMA_GEMV=$on" longserve.kernels.quant_fp8.FP8_WGMMA_GEMV=$on \
       -- --config llama-3.1-8b "${dummy[@]}" --repeat 3 --hf-overrides "$fp8" \
       --decode-batch-sizes 1@32768,8@4096,16@8192,32@4096
+  done
+fi
+
+if [[ $MODE == gemv-prefetch ]]; then  # one GPU (~5 min): the int4 GEMVs' L2 prefetch, per projection and in the decode
+  pf() { echo "longserve.kernels.int4_gemv.INT4_GEMV_PREFETCH=$1 longserve.kernels.int4_mma_gemv.PREFETCH=$1"; }
+  # shellcheck disable=SC2046
+  timeout 150 python3 scripts/probes/with_constants.py $(pf 2) -- pytest -q -m gpu tests/gpu/test_int4_mma_gemv_gpu.py \
+    -k "not times" -p no:cacheprovider --tb=short -rfE 2>&1 | tee "$OUT/gpu_tests_int4_prefetch.log" | tail -3 \
+    || status=1
+  for n in 0 2 4; do
+    # shellcheck disable=SC2046
+    timeout 100 python3 scripts/probes/with_constants.py $(pf $n) -- pytest -q -s -m gpu \
+      tests/gpu/test_int4_mma_gemv_gpu.py::test_times[1] tests/gpu/test_int4_mma_gemv_gpu.py::test_times[16] \
+      -p no:cacheprovider --tb=short -rfE 2>&1 | tee "$OUT/gpu_tests_int4_prefetch_$n.log" \
+      | grep -E "int4 mma|passed|failed" || status=1
+  done
+  for n in 0 2; do
+    # shellcheck disable=SC2046
+    latency_with int4_prefetch_$n "int4 PREFETCH=$n" $(pf $n) -- --config llama-3.1-8b "${dummy[@]}" --repeat 3 \
+      --quantization gptq --decode-batch-sizes 1@32768,16@8192
   done
 fi
