@@ -1,9 +1,10 @@
 """The block-FP8 decode GEMV on the tensor cores (Gluon: TMA ring + wgmma): `fp8_block_gemm_ref`'s product for 1 to
 MAX_ROWS rows of bf16 activations, e4m3 weights [N, K] with 128 x 128 block scales (the official Qwen3 / DeepSeek FP8
 checkpoints), the activations quantized per token-group of 128 inside the kernel as `per_token_group_quant` does.
-`quant_fp8.fp8_block_linear` routes here when `FP8_WGMMA_GEMV` is on and `fits`, and so does `moe_fp8_gemv` for the
-FP8 experts at decode with `fits_routed` (ROUTED: a (token, k) pair a program column, its expert's weights, read
-after the wait on the kernel before since the expert id is the router's output); `fp8_scaled_linear` (per-channel
+`quant_fp8.fp8_block_linear` routes here when `FP8_WGMMA_GEMV` is on (up to `FP8_WGMMA_MAX_ROWS` rows) and `fits`,
+and so does `moe_fp8_gemv` for the FP8 experts at decode with `fits_routed` (ROUTED: a (token, k) pair a program
+column, its expert's weights, read after the wait on the kernel before since the expert id is the router's output);
+`fp8_scaled_linear` (per-channel
 FP8: `--quantization fp8`, compressed-tensors FP8) when `FP8_WGMMA_CHANNEL` is on (from 2 rows) and `fits_channel`,
 its activations quantized per token (or tensor) before it, both scales multiplying the sums at the end
 (PER_CHANNEL).

@@ -62,8 +62,10 @@ INT4_GEMV_RAW_HI = True
 # rate (76.8 us a layer against a 26.7 us floor, RESULTS.md twenty-fifth session), and HBM idles while the kernel
 # before drains; the weights never depend on it. Not in the loop: a thread already holds 2 rows x 16 words of a
 # tile in flight (64 KB an SM at 4 programs), the kernel is bound by its issue (3.76 instructions a weight), and its
-# loop is at 128 registers (one more prefetch a tile spills 8 bytes with Triton 3.9). Off until measured
-# (`gpu_check.sh gemv-prefetch`).
+# loop is at 128 registers (one more prefetch a tile spills 8 bytes with Triton 3.9). Off: measured on an H200
+# (twenty-sixth session, 0aed29a, `gpu_check.sh gemv-prefetch`, with int4_mma_gemv.PREFETCH alike) the 8B int4
+# decode at 2 lost, b1@32K 4.09 -> 4.15 ms, b16@8K 7.45 -> 7.54 (alone, with no kernel before to drain, the
+# one-row projections are unchanged: 76.3 -> 76.5 us a layer).
 INT4_GEMV_PREFETCH = 0
 
 

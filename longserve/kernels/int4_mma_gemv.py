@@ -96,8 +96,10 @@ STAGES = 0
 # Steps whose words the kernel asks L2 for ahead of the one it loads (STAGES 0; gluon_gemv.prefetch_l2), the first
 # ones before its PDL wait (not routed); 0: none. Why: bytes in flight hold the kernel (above), and a prefetch
 # holds no register: sm90 builds (Triton 3.6) at 2 steps 128 registers against 142 at one token tile, 182 at two
-# (unchanged), but 186 against 144 with zero points (2 programs an SM instead of 3). Off until measured
-# (`gpu_check.sh gemv-prefetch`).
+# (unchanged), but 186 against 144 with zero points (2 programs an SM instead of 3). Off: on an H200 (twenty-sixth
+# session, 0aed29a, `gpu_check.sh gemv-prefetch`) at 2 gate_up gained alone (36.5 -> 32.7 us at one row, 36.4 ->
+# 33.3 at 16) and qkv and o lost (at 16 rows 11.2 -> 12.4, 10.5 -> 12.1); at 4 all lost; the 8B int4 decode lost
+# (b16@8K 7.45 -> 7.54 ms, with int4_gemv.INT4_GEMV_PREFETCH alike).
 PREFETCH = 0
 
 _PAIR_MASK, _BF16_128, _AND_OR = "0x000F000F", "0x43004300", "0xEA"  # lop3 LUT 0xEA: (a & b) | c

@@ -91,9 +91,14 @@ FP8_GEMV_MAX_TOKENS = 1
 # (down at 8 rows 26.7 against 58.8 us) and, at 4 stages a program, loses gate_up (42.3 against 35.1 at one row: 224
 # programs of 32 blocks; 32.9 at 2 stages, STAGES). In the 8B decode with both on: block FP8 b1@32K 4.18 -> 4.25
 # ms, b8@4K 5.45 -> 4.93, b16@8K 7.70 -> 8.53, b32@4K 9.44 -> 9.92; per channel b1 4.25 -> 4.31, b16 8.68 -> 7.80.
-# Block FP8 (and the routed experts, moe_fp8_gemv) stays off until the engine runs at 2 stages; per channel on from
+# At 2 stages (twenty-sixth session, 0aed29a, `gpu_check.sh fp8-block-decode`): block FP8 b1@32K 4.21 -> 4.06 ms
+# (bf16 5.63), b8@4K 5.49 -> 4.70, b16@8K 7.76 -> 7.61, b32@4K 9.43 -> 9.73; so block FP8 on up to
+# FP8_WGMMA_MAX_ROWS rows. The routed experts (moe_fp8_gemv, one row a pair; 2b1e2c7, `gpu_check.sh fp8-wgmma-moe`):
+# the A3B expert block 21.7 -> 19.6 us at 1 token, 54.4 -> 41.3 at 4, 160.9 -> 128.8 at 16, the A3B FP8 decode b1@32K
+# 4.04 -> 3.97 ms, b8@4K 8.13 -> 7.40 (with its attention projections on it too). Per channel on from
 # FP8_WGMMA_CHANNEL_MIN_ROWS rows. Imported only when on.
-FP8_WGMMA_GEMV = False
+FP8_WGMMA_GEMV = True
+FP8_WGMMA_MAX_ROWS = 16
 FP8_WGMMA_CHANNEL = True
 FP8_WGMMA_CHANNEL_MIN_ROWS = 2
 # A block-FP8 down projection's input, silu(gate) * up, made and quantized in one pass
@@ -305,7 +310,7 @@ def fp8_block_linear(
     (activation.silu_and_mul_quant; FUSE_SILU_AND_MUL_QUANT) or, for the GEMV, first."""
     m, k = x.shape[0], x.shape[1] // 2 if gated else x.shape[1]
     n = w.shape[0]
-    if FP8_WGMMA_GEMV and x.is_cuda:
+    if FP8_WGMMA_GEMV and m <= FP8_WGMMA_MAX_ROWS and x.is_cuda:
         from longserve.kernels import fp8_wgmma_gemv as wg
 
         # fits asks the activations' rows, dtype and strides (gate|up: as its silu * up will be)

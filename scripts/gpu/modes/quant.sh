@@ -60,6 +60,10 @@
 # gemv-prefetch (one GPU, ~5 min): the int4 GEMVs asking L2 for their weights ahead (int4_gemv.INT4_GEMV_PREFETCH,
 # int4_mma_gemv.PREFETCH: tiles ahead, the first before the PDL wait): the mma kernel's GPU tests with 2, each 8B
 # projection's time at 1 and 16 rows with 0, 2 and 4, then the 8B int4 decode at b1@32K and b16@8K with 0 and 2.
+# int4-wave (one GPU, ~4 min): why the mma GEMV is slower in the decode than alone (twenty-sixth session's profile:
+# 102 against 84.7 us a layer at REPS 4, 92.7 against 58.6 at REPS 2; the CUDA-core kernel 76.8 in both): the 8B
+# int4 decode at b1@32K and b16@8K from one row at REPS 2 with its one wave (6 programs an SM), two thirds of it
+# (4), and with programmatic dependent launch off, beside the defaults.
 # kvfp8-f16 (one GPU, ~7 min): the fp8 KV GPU tests, then the A3B and 8B decode at batch 64 (4K) on a bf16 cache and
 # on an fp8 one with the decode kernel's dots in bf16 and in fp16 (decode_attention.KV_FP8_AS_F16), and in fp16 at
 # 2 pipeline stages (issue 18: fp8 KV <= 1.05x bf16's, the A3B at 1.06x in the eighth session).
@@ -431,5 +435,17 @@ if [[ $MODE == gemv-prefetch ]]; then  # one GPU (~5 min): the int4 GEMVs' L2 pr
     # shellcheck disable=SC2046
     latency_with int4_prefetch_$n "int4 PREFETCH=$n" $(pf $n) -- --config llama-3.1-8b "${dummy[@]}" --repeat 3 \
       --quantization gptq --decode-batch-sizes 1@32768,16@8192
+  done
+fi
+
+if [[ $MODE == int4-wave ]]; then  # one GPU (~4 min): the mma GEMV's wave and PDL in the decode
+  mma=(longserve.kernels.quant_gemv.INT4_MMA_MIN_ROWS=1 longserve.kernels.int4_mma_gemv.REPS=2)
+  for v in "defaults" "mma" "mma_resident4" "mma_nopdl"; do
+    consts=()
+    [[ $v == mma* ]] && consts=("${mma[@]}")
+    [[ $v == mma_resident4 ]] && consts+=("longserve.kernels.int4_mma_gemv._RESIDENT={(4, 1): 2, (2, 1): 4, (4, 2): 2, (2, 2): 2}")
+    [[ $v == mma_nopdl ]] && consts+=(longserve.kernels.launch.PDL=False)
+    LATENCY_TIMEOUT=120 latency_with "int4_wave_$v" "$v" "${consts[@]}" -- --config llama-3.1-8b "${dummy[@]}" \
+      --repeat 3 --quantization gptq --decode-batch-sizes 1@32768,16@8192
   done
 fi
