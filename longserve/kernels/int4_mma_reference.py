@@ -3,7 +3,7 @@ ptx_reference.run_ptx on the operands each lane holds by the kernel's layout (la
 a 16-column tile, words 4t .. 4t + 3 of a step; token g's activations), then the kernel's epilogue and split-K sum. What it checks without a GPU: the asm's
 operand numbers, pair order, shifts and prmt selectors, that A's and B's k orders agree, the sums of x, the
 epilogue's columns and tokens. That Triton hands the asm those operands (the layout's register and lane order) the
-kernel asserts at its build (`_lane_layout`). The contract's reference is `quant_reference.wna16_gemm_ref`."""
+kernel asserts at its build (`int4_mma_ptx.lane_layout`). The contract's reference is `quant_reference.wna16_gemm_ref`."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from longserve.kernels import int4_mma_gemv as kernel
+from longserve.kernels import int4_mma_ptx as ptx
 from longserve.kernels.ptx_reference import run_ptx
 
 
@@ -26,13 +27,13 @@ def _step(words, x32, n: int, m: int, col, g, t, step: int, token0: int):
                 np.uint32
             )
         p = [x32[np.minimum(token0 + g, m - 1), step * 64 + 16 * t + 4 * u + q] for q in range(4)]
-        xs = {0: (p[0], p[2], kernel._PRMT_LO), 1: (p[0], p[2], kernel._PRMT_HI),
-              2: (p[1], p[3], kernel._PRMT_LO), 3: (p[1], p[3], kernel._PRMT_HI)}  # fmt: skip
+        xs = {0: (p[0], p[2], ptx.PRMT_LO), 1: (p[0], p[2], ptx.PRMT_HI),
+              2: (p[1], p[3], ptx.PRMT_LO), 3: (p[1], p[3], ptx.PRMT_HI)}  # fmt: skip
         for i, (a, b, asm) in xs.items():
             xi = run_ptx(str(asm.value), {1: a, 2: b, 0: np.zeros(32, np.uint32)})[0]
             ops[16 + 4 * i + u] = np.broadcast_to(xi, (tiles, 32)).astype(np.uint32)
     sums_ops = {i: ops[i] for i in range(4, 8)} | {8 + i: ops[16 + i] for i in range(16)}
-    return run_ptx(str(kernel._STEP_ASM.value), ops), run_ptx(str(kernel._SUMS_ASM.value), sums_ops)
+    return run_ptx(str(ptx.STEP_ASM.value), ops), run_ptx(str(ptx.SUMS_ASM.value), sums_ops)
 
 
 def emulate(

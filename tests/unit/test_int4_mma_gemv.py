@@ -66,12 +66,14 @@ def test_the_interpreter_catches_a_wrong_operand(monkeypatch: pytest.MonkeyPatch
     x = torch.randn(2, 256).bfloat16()
     qweight, scales, _ = _weights(32, 256, 128, False)
     exact = x.double() @ dequantize_wna16(qweight, scales, None, None, 4, 128).double().T
-    asm = mma._STEP_ASM.value
+    from longserve.kernels import int4_mma_ptx
+
+    asm = int4_mma_ptx.STEP_ASM.value
     for broken in (
         asm.replace("$16, $20", "$20, $16"),
         asm.replace("shr.u32 w, $8, 8;", "shr.u32 w, $8, 12;", 1),
     ):
-        monkeypatch.setattr(mma, "_STEP_ASM", tl.constexpr(broken))
+        monkeypatch.setattr(int4_mma_ptx, "STEP_ASM", tl.constexpr(broken))
         out = emulate(x, qweight, scales, None, 128, 1, fp32=True).double()
         assert ((out - exact).abs().max() / exact.abs().max()).item() > 0.05
 
