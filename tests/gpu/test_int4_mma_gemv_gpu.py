@@ -111,6 +111,7 @@ def test_times(m: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each projection at m rows, us, CUDA-core kernels (int4_gemv.py at one row, quant_gemv's general kernel
     above: tl.dot past 4 rows) against the tensor-core one, weights from HBM; printed for gpu_check.sh int4-mma."""
     from longserve.kernels import int4_gemv, int4_mma_gemv
+    from longserve.kernels.norm import rms_norm
     from longserve.kernels.tune_gemv import rotating_time_us
 
     for shape, (n, k) in DENSE.items():
@@ -122,7 +123,19 @@ def test_times(m: int, monkeypatch: pytest.MonkeyPatch) -> None:
             mma: rotating_time_us(lambda *c, mma=mma, x=x: gemv(x, c, 128, monkeypatch, mma), w)
             for mma in (False, True)
         }
+        # as in the decode, each GEMV after a small kernel (its input's RMS norm, PDL-launched as there), the norm's
+        # own time taken off: back to back, a GEMV's programs take the places of the last one's as they finish
+        norm_w = torch.ones(k, device="cuda", dtype=torch.bfloat16)
+        norm_us = rotating_time_us(lambda *c, x=x, nw=norm_w: rms_norm(x, nw, 1e-6), w)
+        chained = {
+            mma: rotating_time_us(
+                lambda *c, mma=mma, x=x, nw=norm_w: gemv(rms_norm(x, nw, 1e-6), c, 128, monkeypatch, mma), w
+            )
+            - norm_us
+            for mma in (False, True)
+        }
         floor = w[0].numel() / 4.2e6  # bytes at 4.2 TB/s, us
         print(f"\nint4 mma m={m} {shape} reps={int4_mma_gemv.REPS} stages={int4_mma_gemv.STAGES} prefetch="
               f"{int4_gemv.INT4_GEMV_PREFETCH}/{int4_mma_gemv.PREFETCH}: cuda cores "
-              f"{times[False]:.1f} us, tensor cores {times[True]:.1f} us, HBM floor {floor:.1f} us")  # fmt: skip
+              f"{times[False]:.1f} us, tensor cores {times[True]:.1f} us, HBM floor {floor:.1f} us; after a norm "
+              f"({norm_us:.1f} us) {chained[False]:.1f} / {chained[True]:.1f} us")  # fmt: skip

@@ -60,14 +60,26 @@
 # gemv-prefetch (one GPU, ~5 min): the int4 GEMVs asking L2 for their weights ahead (int4_gemv.INT4_GEMV_PREFETCH,
 # int4_mma_gemv.PREFETCH: tiles ahead, the first before the PDL wait): the mma kernel's GPU tests with 2, each 8B
 # projection's time at 1 and 16 rows with 0, 2 and 4, then the 8B int4 decode at b1@32K and b16@8K with 0 and 2.
-# int4-wave (one GPU, ~4 min): why the mma GEMV is slower in the decode than alone (twenty-sixth session's profile:
-# 102 against 84.7 us a layer at REPS 4, 92.7 against 58.6 at REPS 2; the CUDA-core kernel 76.8 in both): the 8B
-# int4 decode at b1@32K and b16@8K from one row at REPS 2 with its one wave (6 programs an SM), two thirds of it
-# (4), and with programmatic dependent launch off, beside the defaults.
+# fp8-profile (one GPU, ~2 min): the 8B block FP8 decode at b1@32K under the profiler, its top kernels (issue 18: 0.72x
+# bf16 with the wgmma GEMV on, target 0.7x; where the 1.12 ms over its 2.935 ms floor goes).
+# int4-wave (one GPU, ~5 min): why the mma GEMV is slower in the decode than alone (twenty-sixth session's profile:
+# 102 against 84.3 us a layer at REPS 4, 92.7 against 58.6 at REPS 2; the CUDA-core kernel 76.8 in both): the 8B
+# int4 decode at b1@32K from one row at REPS 2 with the grid sized for 6 (one wave by registers), 5, 4 and 3
+# programs an SM (`_RESIDENT`), and with programmatic dependent launch off, beside the defaults.
 # kvfp8-f16 (one GPU, ~7 min): the fp8 KV GPU tests, then the A3B and 8B decode at batch 64 (4K) on a bf16 cache and
 # on an fp8 one with the decode kernel's dots in bf16 and in fp16 (decode_attention.KV_FP8_AS_F16), and in fp16 at
 # 2 pipeline stages (issue 18: fp8 KV <= 1.05x bf16's, the A3B at 1.06x in the eighth session).
 # shellcheck shell=bash
+
+# top_ops FILE: each profiled case's kernels in a `bench latency --profile` JSON record, device ms and calls
+top_ops() {
+  python3 - "$1" <<'PY'
+import json, sys
+for r in json.load(open(sys.argv[1])):
+    for op in r.get("profile", {}).get("top_ops", []):
+        print(f"  {op['ms']:8.2f} ms {op['calls']:6d}x {op['name'][:90]}")
+PY
+}
 
 if [[ $MODE == kvfp8 ]]; then  # one GPU: fp8 KV cache; target: 2x KV tokens, b64 decode <= 1.05x auto
   python3 -m pytest -q -m gpu tests/gpu/test_kv_fp8_gpu.py tests/gpu/test_attention_gpu.py tests/gpu/test_engine_gpu.py \
@@ -399,13 +411,14 @@ if [[ $MODE == int4-profile ]]; then  # one GPU (~3 min): where the int4 mma GEM
     # shellcheck disable=SC2086
     LATENCY_TIMEOUT=120 latency_with "$name" "${v:-defaults}" $v -- --config llama-3.1-8b "${dummy[@]}" \
       --repeat 3 --quantization gptq --decode-batch-sizes 1@32768 --profile
-    python3 - "$OUT/latency_$name.json" <<'PY'
-import json, sys
-for r in json.load(open(sys.argv[1])):
-    for op in r.get("profile", {}).get("top_ops", []):
-        print(f"  {op['ms']:8.2f} ms {op['calls']:6d}x {op['name'][:90]}")
-PY
+    top_ops "$OUT/latency_$name.json"
   done
+fi
+
+if [[ $MODE == fp8-profile ]]; then  # one GPU (~2 min): where the block FP8 decode's time at one row goes
+  LATENCY_TIMEOUT=120 latency_with fp8_profile "FP8 blocks" -- --config llama-3.1-8b "${dummy[@]}" --repeat 3 \
+    --hf-overrides "$fp8" --decode-batch-sizes 1@32768 --profile
+  top_ops "$OUT/latency_fp8_profile.json"
 fi
 
 if [[ $MODE == fp8-block-decode ]]; then  # one GPU (~5 min): the 8B block FP8 decode, the wgmma GEMV off and on
@@ -438,14 +451,15 @@ if [[ $MODE == gemv-prefetch ]]; then  # one GPU (~5 min): the int4 GEMVs' L2 pr
   done
 fi
 
-if [[ $MODE == int4-wave ]]; then  # one GPU (~4 min): the mma GEMV's wave and PDL in the decode
+if [[ $MODE == int4-wave ]]; then  # one GPU (~5 min): the mma GEMV's wave and PDL in the decode
   mma=(longserve.kernels.quant_gemv.INT4_MMA_MIN_ROWS=1 longserve.kernels.int4_mma_gemv.REPS=2)
-  for v in "defaults" "mma" "mma_resident4" "mma_nopdl"; do
+  # programs an SM the grid is sized for at REPS 2 (one token tile): 6 fill every place (one wave by registers)
+  for v in defaults mma6 mma5 mma4 mma3 mma6_nopdl; do
     consts=()
     [[ $v == mma* ]] && consts=("${mma[@]}")
-    [[ $v == mma_resident4 ]] && consts+=("longserve.kernels.int4_mma_gemv._RESIDENT={(4, 1): 2, (2, 1): 4, (4, 2): 2, (2, 2): 2}")
-    [[ $v == mma_nopdl ]] && consts+=(longserve.kernels.launch.PDL=False)
-    LATENCY_TIMEOUT=120 latency_with "int4_wave_$v" "$v" "${consts[@]}" -- --config llama-3.1-8b "${dummy[@]}" \
-      --repeat 3 --quantization gptq --decode-batch-sizes 1@32768,16@8192
+    [[ $v == mma[0-9]* ]] && consts+=("longserve.kernels.int4_mma_gemv._RESIDENT={(4, 1): 3, (2, 1): ${v:3:1}, (4, 2): 2, (2, 2): 3}")
+    [[ $v == *_nopdl ]] && consts+=(longserve.kernels.launch.PDL=False)
+    LATENCY_TIMEOUT=100 latency_with "int4_wave_$v" "$v" "${consts[@]}" -- --config llama-3.1-8b "${dummy[@]}" \
+      --repeat 3 --quantization gptq --decode-batch-sizes 1@32768
   done
 fi
