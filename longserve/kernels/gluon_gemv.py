@@ -12,10 +12,11 @@ from longserve.kernels.gluon_compat import barrier
 __all__ = ["one_wave_splits"]
 
 
-def one_wave_splits(n_tiles: int, num_steps: int, resident: int) -> int:
+def one_wave_splits(n_tiles: int, num_steps: int, resident: int, min_steps: int = 1) -> int:
     """K splits for n_tiles column tiles over num_steps steps: the most for which every program is resident at
-    once (`resident` programs on the device), each split at least one step, none empty."""
-    want = max(1, min(resident // max(n_tiles, 1), num_steps))
+    once (`resident` programs on the device), each split at least min_steps steps (one where num_steps is
+    fewer), none empty."""
+    want = max(1, min(resident // max(n_tiles, 1), num_steps // max(min_steps, 1)))
     return -(-num_steps // -(-num_steps // want))
 
 

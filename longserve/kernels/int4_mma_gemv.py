@@ -343,6 +343,10 @@ _RESIDENT = {(4, 1): 3, (2, 1): 6, (4, 2): 2, (2, 2): 3}
 # splits = 448 programs against 396 resident) would run a second wave of 52. On an H200 (twenty-fifth session) about
 # equal to splits_for's split at every 8B projection and row count.
 WAVE_SPLITS = True
+# Steps a split takes at least: at one row and REPS 2 the one wave splits the 8B qkv's 32 steps 16 ways (2 steps a
+# program, then a serial sum of 16 planes), whose fixed latency a GEMV launched back to back hides and one after a
+# small kernel (the decode) does not. 1 until `gpu_check.sh int4-wave` measures 4 and 8 in the decode.
+MIN_SPLIT_STEPS = 1
 
 
 def token_tiles(m: int) -> int:
@@ -359,8 +363,9 @@ def resident_programs(sms: int, tiles: int = 1) -> int:
 
 def splits(n_tiles: int, num_steps: int, sms: int, m: int = 1) -> int:
     """K splits for n_tiles column tiles over num_steps steps at m rows (WAVE_SPLITS): the most that keep one wave
-    (row_blocks(m) programs a column tile)."""
-    return one_wave_splits(n_tiles * row_blocks(m), num_steps, resident_programs(sms, token_tiles(m)))
+    (row_blocks(m) programs a column tile), each of at least MIN_SPLIT_STEPS steps."""
+    tiles = token_tiles(m)
+    return one_wave_splits(n_tiles * row_blocks(m), num_steps, resident_programs(sms, tiles), MIN_SPLIT_STEPS)
 
 
 def launch(x, qweight, scales, zeros, bias, group_size: int, steps_per_split: int, num_splits: int, out, res,

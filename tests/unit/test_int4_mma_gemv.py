@@ -119,6 +119,24 @@ def test_splits_keep_one_wave(
     assert resident == expect[reps, stages]
 
 
+@pytest.mark.parametrize("min_steps", [4, 8])
+def test_splits_of_at_least_min_steps(min_steps: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """MIN_SPLIT_STEPS: every split but the last of at least that many steps, as many splits as that and one wave
+    allow; fewer steps than that in all: one split."""
+    monkeypatch.setattr(mma, "REPS", 2)
+    monkeypatch.setattr(mma, "MIN_SPLIT_STEPS", min_steps)
+    for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)):
+        columns, steps = -(-n // mma.block_n()), k // mma.K_STEP
+        split = mma.splits(columns, steps, 132)
+        per = -(-steps // split)
+        assert per >= min_steps and (split - 1) * per < steps
+        assert columns * split <= mma.resident_programs(132) or split == 1
+        monkeypatch.setattr(mma, "MIN_SPLIT_STEPS", 1)
+        assert split == min(mma.splits(columns, steps, 132), steps // min_steps)  # the one-wave split, capped
+        monkeypatch.setattr(mma, "MIN_SPLIT_STEPS", min_steps)
+    assert mma.splits(48, 2, 132) == 1  # two steps in all (K = 256)
+
+
 def test_the_routed_launch_reads_each_pairs_expert(monkeypatch: pytest.MonkeyPatch) -> None:
     """moe_wna16's routed GEMV through `launch` (the kernel captured, not run): a program column a pair, one row a
     pair, the experts' strides in words and groups, x's row per pair."""

@@ -64,8 +64,9 @@
 # bf16 with the wgmma GEMV on, target 0.7x; where the 1.12 ms over its 2.935 ms floor goes).
 # int4-wave (one GPU, ~5 min): why the mma GEMV is slower in the decode than alone (twenty-sixth session's profile:
 # 102 against 84.3 us a layer at REPS 4, 92.7 against 58.6 at REPS 2; the CUDA-core kernel 76.8 in both): the 8B
-# int4 decode at b1@32K from one row at REPS 2 with the grid sized for 6 (one wave by registers), 5, 4 and 3
-# programs an SM (`_RESIDENT`), and with programmatic dependent launch off, beside the defaults.
+# int4 decode at b1@32K from one row at REPS 2 with the grid sized for 6 (one wave by registers), 4 and 3 programs
+# an SM (`_RESIDENT`), with programmatic dependent launch off, and with splits of at least 4 and 8 steps
+# (`MIN_SPLIT_STEPS`), beside the defaults.
 # kvfp8-f16 (one GPU, ~7 min): the fp8 KV GPU tests, then the A3B and 8B decode at batch 64 (4K) on a bf16 cache and
 # on an fp8 one with the decode kernel's dots in bf16 and in fp16 (decode_attention.KV_FP8_AS_F16), and in fp16 at
 # 2 pipeline stages (issue 18: fp8 KV <= 1.05x bf16's, the A3B at 1.06x in the eighth session).
@@ -454,11 +455,13 @@ fi
 if [[ $MODE == int4-wave ]]; then  # one GPU (~5 min): the mma GEMV's wave and PDL in the decode
   mma=(longserve.kernels.quant_gemv.INT4_MMA_MIN_ROWS=1 longserve.kernels.int4_mma_gemv.REPS=2)
   # programs an SM the grid is sized for at REPS 2 (one token tile): 6 fill every place (one wave by registers)
-  for v in defaults mma6 mma5 mma4 mma3 mma6_nopdl; do
+  # (its min_steps variants: each program at least 4 or 8 of the K steps, MIN_SPLIT_STEPS)
+  for v in defaults mma6 mma4 mma3 mma6_nopdl mma6_min4 mma6_min8; do
     consts=()
     [[ $v == mma* ]] && consts=("${mma[@]}")
     [[ $v == mma[0-9]* ]] && consts+=("longserve.kernels.int4_mma_gemv._RESIDENT={(4, 1): 3, (2, 1): ${v:3:1}, (4, 2): 2, (2, 2): 3}")
     [[ $v == *_nopdl ]] && consts+=(longserve.kernels.launch.PDL=False)
+    [[ $v == *_min* ]] && consts+=("longserve.kernels.int4_mma_gemv.MIN_SPLIT_STEPS=${v##*_min}")
     LATENCY_TIMEOUT=100 latency_with "int4_wave_$v" "$v" "${consts[@]}" -- --config llama-3.1-8b "${dummy[@]}" \
       --repeat 3 --quantization gptq --decode-batch-sizes 1@32768
   done
