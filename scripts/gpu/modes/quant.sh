@@ -62,6 +62,9 @@
 # projection's time at 1 and 16 rows with 0, 2 and 4, then the 8B int4 decode at b1@32K and b16@8K with 0 and 2.
 # fp8-profile (one GPU, ~2 min): the 8B block FP8 decode at b1@32K under the profiler, its top kernels (issue 18: 0.72x
 # bf16 with the wgmma GEMV on, target 0.7x; where the 1.12 ms over its 2.935 ms floor goes).
+# a3b-fp8-prefill (one GPU, ~3 min): the A3B cold 32K in bf16 and in block FP8 under the profiler, their top kernels
+# (issue 18: FP8 cold 32K <= 0.85x bf16; 1.14x at 11fea55, the FP8 expert GEMMs ~40% slower than bf16's at prefill
+# sizes where they could be ~2x faster).
 # int4-wave (one GPU, ~5 min): why the mma GEMV is slower in the decode than alone (twenty-sixth session's profile:
 # 102 against 84.3 us a layer at REPS 4, 92.7 against 58.6 at REPS 2; the CUDA-core kernel 76.8 in both): the 8B
 # int4 decode at b1@32K from one row at REPS 2 with the grid sized for 6 (one wave by registers), 4 and 3 programs
@@ -420,6 +423,15 @@ if [[ $MODE == fp8-profile ]]; then  # one GPU (~2 min): where the block FP8 dec
   LATENCY_TIMEOUT=120 latency_with fp8_profile "FP8 blocks" -- --config llama-3.1-8b "${dummy[@]}" --repeat 3 \
     --hf-overrides "$fp8" --decode-batch-sizes 1@32768 --profile
   top_ops "$OUT/latency_fp8_profile.json"
+fi
+
+if [[ $MODE == a3b-fp8-prefill ]]; then  # one GPU (~3 min): where the A3B FP8 cold prefill's time goes
+  for v in bf16 fp8; do
+    over=(); [[ $v == fp8 ]] && over=(--hf-overrides "$fp8")
+    LATENCY_TIMEOUT=150 latency_with "a3b_prefill_$v" "A3B $v" -- --config qwen3-30b-a3b "${dummy[@]}" --repeat 2 \
+      "${over[@]}" --prompt-lens 32768 --profile
+    top_ops "$OUT/latency_a3b_prefill_$v.json"
+  done
 fi
 
 if [[ $MODE == fp8-block-decode ]]; then  # one GPU (~5 min): the 8B block FP8 decode, the wgmma GEMV off and on
