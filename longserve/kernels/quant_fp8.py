@@ -74,7 +74,12 @@ FP8_BLOCK_SCALED_MM_MIN_TOKENS = 2
 # at the tensor cores' reduced precision; 0: full fp32 accumulation. Measured on an H200 (2026-12-02, 73be6a4,
 # tests/gpu/test_quant_engine_gpu.py -k "fp8 or ct-int8" under scripts/probes/with_constants.py): with None the
 # three fp8-activation formats' first-step logprobs drift 0.16-0.23 from the torch reference (bound 0.1) and
-# the tests fail; with 0 all pass. The speed cost is not measured yet.
+# the tests fail; with 0 all pass (64 fails too). The cost (RESULTS.md seventeenth session): the A3B FP8 cold 32K
+# 1.277 s at 0 against 1.132 at None. Why (sm90 builds with Triton 3.6, scripts/dev/count_moe_sass.py, the MoE
+# kernel at the H200 table's prefill tiles): at 0 Triton builds the fp8 dots as mma.sync on fp16 operands (128
+# HMMA and 192 F2FP conversions a loop, no FP8 tensor core, 255 registers and a spill), at 32 / 64 / None as
+# wgmma on e4m3 (QGMMA; 32 promotes after each k32, as fp8_wgmma_gemv does with 0, and its GEMV's engine tests
+# pass). 32 in the engine: `gpu_check.sh a3b-fp8-prefill`.
 FP8_DOT_MAX_IMPRECISE_ACC: int | None = 0
 # FP8 of at most this many rows runs as kernels/fp8_gemv.py's GEMVs (the weights read on the CUDA cores, split
 # K; block FP8 with the activations' quantization inside) instead of the 16-row tensor-core GEMM (block FP8;

@@ -62,9 +62,10 @@
 # projection's time at 1 and 16 rows with 0, 2 and 4, then the 8B int4 decode at b1@32K and b16@8K with 0 and 2.
 # fp8-profile (one GPU, ~2 min): the 8B block FP8 decode at b1@32K under the profiler, its top kernels (issue 18: 0.72x
 # bf16 with the wgmma GEMV on, target 0.7x; where the 1.12 ms over its 2.935 ms floor goes).
-# a3b-fp8-prefill (one GPU, ~3 min): the A3B cold 32K in bf16 and in block FP8 under the profiler, their top kernels
+# a3b-fp8-prefill (one GPU, ~6 min): the A3B cold 32K in bf16 and in block FP8 under the profiler, their top kernels
 # (issue 18: FP8 cold 32K <= 0.85x bf16; 1.14x at 11fea55, the FP8 expert GEMMs ~40% slower than bf16's at prefill
-# sizes where they could be ~2x faster).
+# sizes where they could be ~2x faster), and in FP8 with the dots at FP8_DOT_MAX_IMPRECISE_ACC 32 after the fp8
+# engine tests at 32 (the default 0 takes no FP8 tensor core: scripts/dev/count_moe_sass.py).
 # int4-wave (one GPU, ~5 min): why the mma GEMV is slower in the decode than alone (twenty-sixth session's profile:
 # 102 against 84.3 us a layer at REPS 4, 92.7 against 58.6 at REPS 2; the CUDA-core kernel 76.8 in both): the 8B
 # int4 decode at b1@32K from one row at REPS 2 with the grid sized for 6 (one wave by registers), 4 and 3 programs
@@ -231,9 +232,9 @@ if [[ $MODE == gemv-tune ]]; then  # one GPU, ~6 min: the decode GEMVs' tile tab
 fi
 
 if [[ $MODE == fp8-acc ]]; then  # one GPU, ~8 min: what full-fp32 accumulation costs the fp8 prefill
-  # FP8_DOT_MAX_IMPRECISE_ACC 0 promotes the fp8 dots' partial sums after every wgmma (K = 32), which waits for
-  # each; 64 every other; None (Triton's default, vLLM's Triton block-FP8 kernel's) never within a dot (one
-  # BLOCK_K = 128 tile). Per value: the 8B and A3B FP8 cold TTFT (A3B 0.212 / 0.181 / 0.173 s at 8K, RESULTS.md
+  # FP8_DOT_MAX_IMPRECISE_ACC 0 builds the fp8 dots as mma.sync on fp16 operands (Triton 3.6; scripts/dev/
+  # count_moe_sass.py); 64 promotes the wgmma's partial sums every other k32; None (Triton's default, vLLM's Triton
+  # block-FP8 kernel's) never within a dot (one BLOCK_K = 128 tile). Per value: the 8B and A3B FP8 cold TTFT (A3B 0.212 / 0.181 / 0.173 s at 8K, RESULTS.md
   # eighth session), the block GEMM against its fp32 reference at the 8B shapes (the error at a real K), and
   # the fp8 engine tests (their tiny models' blocks of 32-64 make 64 and None the same there)
   for acc in 0 64 None; do
@@ -425,11 +426,18 @@ if [[ $MODE == fp8-profile ]]; then  # one GPU (~2 min): where the block FP8 dec
   top_ops "$OUT/latency_fp8_profile.json"
 fi
 
-if [[ $MODE == a3b-fp8-prefill ]]; then  # one GPU (~3 min): where the A3B FP8 cold prefill's time goes
-  for v in bf16 fp8; do
-    over=(); [[ $v == fp8 ]] && over=(--hf-overrides "$fp8")
-    LATENCY_TIMEOUT=150 latency_with "a3b_prefill_$v" "A3B $v" -- --config qwen3-30b-a3b "${dummy[@]}" --repeat 2 \
-      "${over[@]}" --prompt-lens 32768 --profile
+if [[ $MODE == a3b-fp8-prefill ]]; then  # one GPU (~6 min): where the A3B FP8 cold prefill's time goes
+  # the fp8 dots at max_num_imprecise_acc 32 (wgmma promoted after each k32, as fp8_wgmma_gemv does; 0, the
+  # default, builds mma.sync on fp16 operands: scripts/dev/count_moe_sass.py): the fp8 engine tests first
+  acc32=longserve.kernels.quant_fp8.FP8_DOT_MAX_IMPRECISE_ACC=32
+  timeout 200 python3 scripts/probes/with_constants.py $acc32 -- pytest -q -m gpu tests/gpu/test_quant_engine_gpu.py \
+    -k "fp8 or ct-int8" -p no:cacheprovider --tb=line -rfE 2>&1 | tee "$OUT/gpu_tests_fp8_acc32.log" | tail -6
+  for v in bf16 fp8 fp8_acc32; do
+    over=(); consts=()
+    [[ $v == fp8* ]] && over=(--hf-overrides "$fp8")
+    [[ $v == fp8_acc32 ]] && consts=("$acc32")
+    LATENCY_TIMEOUT=150 latency_with "a3b_prefill_$v" "A3B $v" "${consts[@]}" -- --config qwen3-30b-a3b \
+      "${dummy[@]}" --repeat 2 "${over[@]}" --prompt-lens 32768 --profile
     top_ops "$OUT/latency_a3b_prefill_$v.json"
   done
 fi
