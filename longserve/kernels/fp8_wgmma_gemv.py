@@ -84,15 +84,21 @@ _E4M3_MAX = gl.constexpr(FP8_MAX)
 
 
 @gluon.jit
-def _quantized_tile(x_ptr, slot, M, kb, stride_xm, BLOCK_T: gl.constexpr, BLOCK_K: gl.constexpr,
-                    x_layout: gl.constexpr, scale_layout: gl.constexpr):  # fmt: skip
+def _quantized_tile(x_ptr, slot, M, kb, stride_xm, up_off, BLOCK_T: gl.constexpr, BLOCK_K: gl.constexpr,
+                    x_layout: gl.constexpr, scale_layout: gl.constexpr, GATED: gl.constexpr):  # fmt: skip
     """Block kb of the activations quantized per row into `slot` (e4m3 [BLOCK_T, BLOCK_K], shared); the rows' scales
-    in scale_layout (rows past M: zeros, scale 1e-10 / 448)."""
+    in scale_layout (rows past M: zeros, scale 1e-10 / 448). GATED: the activations are silu(gate) * up of x =
+    gate|up (up from column up_off), rounded as activation.silu_and_mul rounds them."""
     rows = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, x_layout))
     cols = kb * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, x_layout))
-    x = gl.load(
-        x_ptr + rows.to(gl.int64)[:, None] * stride_xm + cols[None, :], mask=(rows < M)[:, None], other=0.0
-    )
+    ptrs = x_ptr + rows.to(gl.int64)[:, None] * stride_xm + cols[None, :]
+    x = gl.load(ptrs, mask=(rows < M)[:, None], other=0.0)
+    if GATED:
+        ty: gl.constexpr = x_ptr.dtype.element_ty
+        gate = x.to(gl.float32)
+        up = gl.load(ptrs + up_off, mask=(rows < M)[:, None], other=0.0).to(gl.float32)
+        act = (gate / (1.0 + gl.exp(-gate))).to(ty).to(gl.float32)  # F.silu's rounding
+        x = (act * up).to(ty)
     x = x.to(gl.float32)
     scale = gl.maximum(gl.max(gl.abs(x), axis=1), 1e-10) / _E4M3_MAX  # per_token_group_quant's
     xq = gl.minimum(gl.maximum(x / scale[:, None], -_E4M3_MAX), _E4M3_MAX)
@@ -115,22 +121,25 @@ def _stored_tile(x_ptr, slot, M, kb, stride_xm, BLOCK_T: gl.constexpr, BLOCK_K: 
 
 
 @gluon.jit
-def _activation_block(x_ptr, slot, M, kb, stride_xm, PER_CHANNEL: gl.constexpr, BLOCK_T: gl.constexpr,
-                      BLOCK_K: gl.constexpr, x_layout: gl.constexpr, scale_layout: gl.constexpr):  # fmt: skip
+def _activation_block(x_ptr, slot, M, kb, stride_xm, up_off, PER_CHANNEL: gl.constexpr, BLOCK_T: gl.constexpr,
+                      BLOCK_K: gl.constexpr, x_layout: gl.constexpr, scale_layout: gl.constexpr,
+                      GATED: gl.constexpr):  # fmt: skip
     """Block kb of the activations into `slot` as wgmma's B: quantized here per row (block FP8: the rows' scales
-    returned), or (PER_CHANNEL) as given (scales of 1: the tokens' multiply the sums at the end)."""
+    returned; GATED: of silu(gate) * up), or (PER_CHANNEL) as given (scales of 1: the tokens' multiply the sums at
+    the end)."""
     if PER_CHANNEL:
         _stored_tile(x_ptr, slot, M, kb, stride_xm, BLOCK_T, BLOCK_K, x_layout)
         scale = gl.full([BLOCK_T], 1.0, gl.float32, scale_layout)
     else:
-        scale = _quantized_tile(x_ptr, slot, M, kb, stride_xm, BLOCK_T, BLOCK_K, x_layout, scale_layout)
+        scale = _quantized_tile(x_ptr, slot, M, kb, stride_xm, up_off, BLOCK_T, BLOCK_K, x_layout, scale_layout,
+                                GATED)  # fmt: skip
     return scale
 
 
 @gluon.jit
 def fp8_wgmma_gemv_kernel(
     w_desc,  # TMA over the weights [N, K] e4m3, boxes [BLOCK_N, BLOCK_K]
-    x_ptr,  # [M, K] bf16, or (PER_CHANNEL) e4m3 quantized per token, as uint8
+    x_ptr,  # [M, K] bf16 (GATED: gate|up [M, 2K]), or (PER_CHANNEL) e4m3 quantized per token, as uint8
     xs_ptr,  # PER_CHANNEL: [M] float32 activation scales (per token, or one per tensor repeated)
     s_ptr,  # float32 weight scales: [ceil(N / BLOCK_N), K / BLOCK_K] blocks, or (PER_CHANNEL) [N]
     b_ptr,  # [N] (HAS_BIAS)
@@ -141,7 +150,7 @@ def fp8_wgmma_gemv_kernel(
     M, N, blocks_per_split, num_blocks, stride_xm, stride_sn, stride_os, stride_om, stride_se,
     HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr, SERIAL: gl.constexpr, BLOCK_T: gl.constexpr,
     STAGES: gl.constexpr, IMPRECISE_ACC: gl.constexpr, USE_PDL: gl.constexpr, PER_CHANNEL: gl.constexpr,
-    num_warps: gl.constexpr, ROUTED: gl.constexpr = False, X_ROW_DIV: gl.constexpr = 1,
+    num_warps: gl.constexpr, ROUTED: gl.constexpr = False, X_ROW_DIV: gl.constexpr = 1, GATED: gl.constexpr = False,
 ):  # fmt: skip
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
@@ -166,6 +175,7 @@ def fp8_wgmma_gemv_kernel(
         out_ptr += pair * stride_om
     kb0 = pid_k * blocks_per_split
     n_blocks = gl.minimum(blocks_per_split, num_blocks - kb0)
+    up_off = num_blocks * BLOCK_K  # GATED: up's first column in gate|up
 
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
     x_bufs = gl.allocate_shared_memory(gl.float8e4nv, [2, BLOCK_T, BLOCK_K], x_smem_layout)
@@ -180,8 +190,8 @@ def fp8_wgmma_gemv_kernel(
     if not ROUTED:
         gdc_wait(USE_PDL)
 
-    x_scale = _activation_block(x_ptr, x_bufs.index(0), M, kb0, stride_xm, PER_CHANNEL, BLOCK_T, BLOCK_K, x_layout,
-                                token_layout)  # fmt: skip
+    x_scale = _activation_block(x_ptr, x_bufs.index(0), M, kb0, stride_xm, up_off, PER_CHANNEL, BLOCK_T, BLOCK_K,
+                                x_layout, token_layout, GATED)  # fmt: skip
     barrier()  # every warp's activations in shared memory before the wgmma reads them
     zero = gl.zeros([BLOCK_N, BLOCK_T], gl.float32, acc_layout)
     acc = gl.zeros([BLOCK_N, BLOCK_T], gl.float32, acc_layout)
@@ -193,8 +203,8 @@ def fp8_wgmma_gemv_kernel(
         # the next block's activations into the other slot while this block's products run
         next_scale = x_scale
         if j + 1 < n_blocks:
-            next_scale = _activation_block(x_ptr, x_bufs.index((j + 1) % 2), M, kb0 + j + 1, stride_xm, PER_CHANNEL,
-                                           BLOCK_T, BLOCK_K, x_layout, token_layout)  # fmt: skip
+            next_scale = _activation_block(x_ptr, x_bufs.index((j + 1) % 2), M, kb0 + j + 1, stride_xm, up_off,
+                                           PER_CHANNEL, BLOCK_T, BLOCK_K, x_layout, token_layout, GATED)  # fmt: skip
         part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
         if PER_CHANNEL:  # both scales after the loop
             acc += part
@@ -266,21 +276,22 @@ def block_t(m: int) -> int:
 
 
 # Registers of the sm90 builds by BLOCK_T, the most over the variants (Triton 3.6 and 3.9: 38-56 at 8 rows, 80 at 16,
-# 126-157 at 32; scripts/dev/compile_quant_gemv.py)
+# 126-157 at 32; scripts/dev/compile_quant_gemv.py), and with GATED (56, 86, 134-154)
 _REGISTERS = {8: 56, 16: 80, 32: 160}
+_REGISTERS_GATED = {8: 56, 16: 86, 32: 160}
 
 
-def resident_programs(sms: int, m: int) -> int:
+def resident_programs(sms: int, m: int, gated: bool = False) -> int:
     """Programs the SMs hold at once at m rows: by shared memory (227 KB an SM: STAGES weight tiles, two activation
     slots, the barriers) and by registers (_REGISTERS, 4 warps a program)."""
     smem = STAGES * BLOCK[0] * BLOCK[1] + 2 * block_t(m) * BLOCK[1] + 1024
-    regs = 65536 // (WARPS * 32 * _REGISTERS[block_t(m)])
+    regs = 65536 // (WARPS * 32 * (_REGISTERS_GATED if gated else _REGISTERS)[block_t(m)])
     return sms * max(1, min(227 * 1024 // smem, regs))
 
 
-def splits(n_tiles: int, num_blocks: int, sms: int, m: int) -> int:
+def splits(n_tiles: int, num_blocks: int, sms: int, m: int, gated: bool = False) -> int:
     """K splits for n_tiles row tiles over num_blocks K blocks: the most that keep one wave."""
-    return one_wave_splits(n_tiles, num_blocks, resident_programs(sms, m))
+    return one_wave_splits(n_tiles, num_blocks, resident_programs(sms, m, gated))
 
 
 _DESCRIPTORS: dict[tuple, TensorDescriptor] = {}
@@ -297,13 +308,16 @@ def _descriptor(w: torch.Tensor) -> TensorDescriptor:
 
 
 def launch(x, x_scales, w, w_scale, bias, blocks_per_split: int, num_splits: int, out, res, locks, stride_os: int,
-           serial: bool, bias_in_kernel: bool, imprecise_acc: int, ids=None, x_row_div: int = 1) -> None:  # fmt: skip
+           serial: bool, bias_in_kernel: bool, imprecise_acc: int, ids=None, x_row_div: int = 1,
+           gated: bool = False) -> None:  # fmt: skip
     """The kernel over a product `fits` (x bf16, x_scales None, w_scale in blocks) or `fits_channel` (x e4m3,
     x_scales [M], w_scale [N]) takes, K in num_splits runs of blocks_per_split blocks: into out [M, N] (one split)
     or its fp32 partials [num_splits, M, N], summed (SERIAL) by each tile's last program into res with the counters
     `locks` (split_k.SplitKOutputs makes these and sums them otherwise). Routed (`ids` [P], `fits_routed`'s experts
-    w [E, N, K] and w_scale [E, ceil(N / 128), K / 128]): row p of out is x[p // x_row_div] times expert ids[p]'s."""
-    k = x.shape[1]
+    w [E, N, K] and w_scale [E, ceil(N / 128), K / 128]): row p of out is x[p // x_row_div] times expert ids[p]'s.
+    gated (block FP8, not routed): x is gate|up [M, 2K] and the product's input silu(gate) * up."""
+    k = w.shape[-1]
+    assert x.shape[1] == (2 * k if gated else k) and not (gated and (ids is not None or x_scales is not None))
     routed = ids is not None
     m, n = (1, w.shape[1]) if routed else (x.shape[0], w.shape[0])
     per_channel = x_scales is not None
@@ -314,24 +328,25 @@ def launch(x, x_scales, w, w_scale, bias, blocks_per_split: int, num_splits: int
         blocks_per_split, k // BLOCK[1], x.stride(0), 0 if per_channel else w_scale.stride(-2), stride_os,
         out.stride(-2), w_scale.stride(0) if routed else 0, HAS_BIAS=bias_in_kernel, PARTIAL=num_splits > 1,
         SERIAL=serial, BLOCK_T=block_t(m), STAGES=STAGES, IMPRECISE_ACC=imprecise_acc, USE_PDL=pdl,
-        PER_CHANNEL=per_channel, num_warps=WARPS, ROUTED=routed, X_ROW_DIV=x_row_div, launch_pdl=pdl,
+        PER_CHANNEL=per_channel, num_warps=WARPS, ROUTED=routed, X_ROW_DIV=x_row_div, GATED=gated, launch_pdl=pdl,
     )  # fmt: skip
 
 
 def gemv(x: torch.Tensor, x_scales: torch.Tensor | None, w: torch.Tensor, w_scale: torch.Tensor,
-         bias: torch.Tensor | None, out_dtype: torch.dtype, imprecise_acc: int) -> torch.Tensor:  # fmt: skip
+         bias: torch.Tensor | None, out_dtype: torch.dtype, imprecise_acc: int, gated: bool = False) -> torch.Tensor:  # fmt: skip
     """[M, N] in out_dtype for a product `fits` takes (x_scales None: `fp8_block_gemm_ref(x, w, w_scale, BLOCK,
-    bias)`) or `fits_channel` does (`scaled_gemm_ref(x, x_scales, w, w_scale, out_dtype, bias)`), split K for one
-    wave of programs (split_k.split_k_outputs: the serial sum up to its row limit)."""
-    m, k = x.shape
+    bias)`; gated: of `silu_and_mul(x)`, x = gate|up [M, 2K]) or `fits_channel` does (`scaled_gemm_ref(x, x_scales,
+    w, w_scale, out_dtype, bias)`), split K for one wave of programs (split_k.split_k_outputs: the serial sum up to
+    its row limit)."""
+    m, k = x.shape[0], w.shape[1]
     n = w.shape[0]
     n_tiles, num_blocks = triton.cdiv(n, BLOCK[0]), k // BLOCK[1]
-    split = splits(n_tiles, num_blocks, split_k.num_sms(x.device.index or 0), m)
+    split = splits(n_tiles, num_blocks, split_k.num_sms(x.device.index or 0), m, gated)
     sk = split_k_outputs(num_blocks, split, m, n, n_tiles, out_dtype, x.device)
     scales = None if x_scales is None else x_scales.float().reshape(m)
     launch(x, scales, w, w_scale.float().reshape(n) if scales is not None else w_scale.float(), bias,
            sk.tiles_per_split, sk.splits, *sk.pointers(), sk.stride_os, sk.serial, sk.bias_in_kernel(bias),
-           imprecise_acc)  # fmt: skip
+           imprecise_acc, gated=gated)  # fmt: skip
     return sk.result(bias, out_dtype)
 
 

@@ -68,6 +68,7 @@ VARIANTS = [
     {"fp8_wgmma": True, "rows": 16, "pdl": True, "serial": True, "bias": True},
     {"fp8_wgmma": True, "rows": 32, "split": 1, "imprecise_acc": 128},  # 32 rows, no promotion inside a block
     {"fp8_wgmma": True, "channel": True, "rows": 4, "pdl": True},  # per-channel FP8 (e4m3 activations)
+    {"fp8_wgmma": True, "gated": True, "pdl": True, "serial": True},  # down of gate|up: silu(gate) * up inside
     {
         "fp8_wgmma": True,
         "routed": True,
@@ -182,7 +183,7 @@ def compile_int4_mma(mma=True, zp=False, bias=False, split=4, serial=False, even
 
 
 def compile_fp8_wgmma(fp8_wgmma=True, rows=1, bias=False, split=4, serial=False, pdl=False, imprecise_acc=32,
-                      channel=False, routed=False, x_row_div=1):  # fmt: skip
+                      channel=False, routed=False, x_row_div=1, gated=False):  # fmt: skip
     """kernels/fp8_wgmma_gemv.py's FP8 GEMV on the tensor cores (Gluon: TMA, wgmma) for sm90 at `rows` activation
     rows, block FP8 (bf16 activations) or `channel` (e4m3 activations, per-channel scales), specialized as at run
     time."""
@@ -199,7 +200,8 @@ def compile_fp8_wgmma(fp8_wgmma=True, rows=1, bias=False, split=4, serial=False,
             "out_ptr": "*fp32" if split > 1 else "*bf16", "res_ptr": "*bf16", "lock_ptr": "*i32"}  # fmt: skip
     consts = dict(HAS_BIAS=bias and (split == 1 or serial), PARTIAL=split > 1, SERIAL=serial,
                   BLOCK_T=wg.block_t(rows), STAGES=wg.STAGES, IMPRECISE_ACC=imprecise_acc, USE_PDL=pdl,
-                  PER_CHANNEL=channel, num_warps=wg.WARPS, ROUTED=routed, X_ROW_DIV=x_row_div)  # fmt: skip
+                  PER_CHANNEL=channel, num_warps=wg.WARPS, ROUTED=routed, X_ROW_DIV=x_row_div,
+                  GATED=gated)  # fmt: skip
     fn = wg.fp8_wgmma_gemv_kernel
     sig = {a: ptrs.get(a, "constexpr" if a in consts else "i32") for a in fn.arg_names}
     attrs = {

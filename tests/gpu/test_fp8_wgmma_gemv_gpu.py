@@ -1,10 +1,10 @@
 """The FP8 decode GEMV on the tensor cores (kernels/fp8_wgmma_gemv.py, Gluon: TMA ring + wgmma; quant_fp8 routes block
 FP8 to it under FP8_WGMMA_GEMV, per channel under FP8_WGMMA_CHANNEL, the routed experts through moe_fp8_gemv) on an
-H200 at the Llama-3.1-8B projections: the reference's product
-(the same e4m3 activations: fp32 summation order and the output's rounding), the CUDA-core GEMV's, deterministic,
-through fp8_block_linear with no host sync and replayed from a CUDA graph with new activations, the gated down
-projection, a bias and N not whole tiles, its counters left at zero; each projection's time against what serves
-without it, weights rotated through ~256 MB of copies (HBM, not L2: a decode step reads each weight once)."""
+H200 at the Llama-3.1-8B projections: the reference's product (the same e4m3 activations: fp32 summation order and
+the output's rounding), the CUDA-core GEMV's, deterministic, through fp8_block_linear with no host sync and replayed
+from a CUDA graph with new activations, the gated down projection (silu * up before it, or inside it:
+FP8_WGMMA_GATED), a bias and N not whole tiles, its counters left at zero; each projection's time against what
+serves without it, weights rotated through ~256 MB of copies (HBM, not L2: a decode step reads each weight once)."""
 
 from __future__ import annotations
 
@@ -32,10 +32,13 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out - ref).norm() / ref.norm()).item()
 
 
-def linear(x, w, scale, monkeypatch, on: bool, bias=None, gated: bool = False):
-    from longserve.kernels import quant_fp8
+def linear(x, w, scale, monkeypatch, on: bool, bias=None, gated: bool = False, in_kernel: bool = False):
+    from longserve.kernels import fp8_wgmma_gemv, quant_fp8
 
     monkeypatch.setattr(quant_fp8, "FP8_WGMMA_GEMV", on)
+    # the kernel at every row count it takes, past the engine's 16 too
+    monkeypatch.setattr(quant_fp8, "FP8_WGMMA_MAX_ROWS", fp8_wgmma_gemv.MAX_ROWS)
+    monkeypatch.setattr(quant_fp8, "FP8_WGMMA_GATED", in_kernel)  # gated: silu(gate) * up inside the kernel
     return quant_fp8.fp8_block_linear(x, w, scale, BLOCK, bias, gated=gated)
 
 
@@ -95,6 +98,11 @@ def test_bias_ragged_n_and_the_gated_down_projection(m: int, monkeypatch: pytest
     gate_up = torch.randn(m, 2 * k, device="cuda", dtype=torch.bfloat16) * 2
     fused = linear(gate_up, w, scale, monkeypatch, True, gated=True)
     assert rel_err(fused, fp8_block_gemm_ref(silu_and_mul(gate_up), w, scale, BLOCK)) < 1e-3
+    # silu(gate) * up made by the kernel as it quantizes (GATED, FP8_WGMMA_GATED): the same bf16 values as
+    # silu_and_mul's (its exp and division, its roundings), so the same e4m3 activations and sums
+    in_kernel = linear(gate_up, w, scale, monkeypatch, True, gated=True, in_kernel=True)
+    ref = fp8_block_gemm_ref(silu_and_mul(gate_up), w, scale, BLOCK)
+    assert rel_err(in_kernel, fused) < 1e-3 and rel_err(in_kernel, ref) < 1e-3
 
 
 @pytest.mark.parametrize("shape", ["qkv", "gate_up", "down"])

@@ -85,6 +85,55 @@ def test_the_launch(monkeypatch: pytest.MonkeyPatch) -> None:
     assert args[1].dtype == torch.uint8 and args[2] is xs and args[3] is ws and args[14] == 0  # stride_sn
 
 
+def test_the_gated_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The down projection of gate|up (GATED, kernel captured): x the whole gate|up rows, K the weights' (num_blocks
+    from w, not from x), the split for the gated build's residency (86 registers at 16 rows: 5 programs an SM, not
+    6); a routed or per-channel product is not gated."""
+    launches = CapturedLaunches()
+    monkeypatch.setattr(wg, "fp8_wgmma_gemv_kernel", launches)
+    monkeypatch.setattr(split_k_module, "num_sms", lambda index: 132)
+    n, k, m = 4096, 14336, 16
+    w, s = _weights(n, k)
+    gate_up = torch.zeros(m, 2 * k, dtype=torch.bfloat16)
+    assert wg.fits(gate_up[:, :k], w, s, (128, 128))  # as quant_fp8 asks it
+    wg.gemv(gate_up, None, w, s, None, torch.bfloat16, 32, gated=True)
+    grid, args, kw = launches.calls[0]
+    assert (
+        kw["GATED"] and args[1] is gate_up and args[12] == k // 128 and args[13] == 2 * k
+    )  # num_blocks, stride_xm
+    assert wg.resident_programs(132, m, gated=True) == 5 * 132 and wg.resident_programs(132, m) == 6 * 132
+    assert (
+        grid[1] == wg.splits(n // 128, k // 128, 132, m, gated=True) != wg.splits(n // 128, k // 128, 132, m)
+    )
+    with pytest.raises(AssertionError):  # gate|up of another width
+        wg.gemv(gate_up[:, :k], None, w, s, None, torch.bfloat16, 32, gated=True)
+    wg.gemv(gate_up[:, :k], None, w, s, None, torch.bfloat16, 32)
+    assert not launches.calls[1][2]["GATED"]
+
+
+def test_block_fp8_down_projection_takes_the_gated_kernel_when_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """quant_fp8.fp8_block_linear(gated=True) on CUDA: gate|up straight to the wgmma GEMV under FP8_WGMMA_GATED,
+    else silu_and_mul's output (the GEMV stand-in records what it was given; is_cuda faked on the CPU tensor)."""
+    from longserve.kernels import quant_fp8
+
+    seen = []
+    monkeypatch.setattr(wg, "gemv", lambda x, *a, gated=False: seen.append((x, gated)) or torch.zeros(1))
+    monkeypatch.setattr(wg, "supported", lambda: True)
+    monkeypatch.setattr(quant_fp8, "silu_and_mul", lambda x: x[:, : x.shape[1] // 2] * 2)
+
+    class Cuda(torch.Tensor):
+        is_cuda = True
+
+    w, s = _weights(4096, 14336)
+    gate_up = torch.zeros(1, 2 * 14336, dtype=torch.bfloat16).as_subclass(Cuda)
+    for on in (False, True):
+        monkeypatch.setattr(quant_fp8, "FP8_WGMMA_GATED", on)
+        quant_fp8.fp8_block_linear(gate_up, w, s, (128, 128), None, gated=True)
+    (x_off, gated_off), (x_on, gated_on) = seen
+    assert not gated_off and x_off.shape == (1, 14336)  # silu_and_mul's
+    assert gated_on and x_on is gate_up
+
+
 def test_the_routed_launch(monkeypatch: pytest.MonkeyPatch) -> None:
     """MoE decode (kernel captured): a program column a (token, k) pair, one row each, the descriptor over the experts
     as [E x N, K] rows, the scales' expert stride, x's row per pair (X_ROW_DIV)."""

@@ -66,6 +66,9 @@
 # (issue 18: FP8 cold 32K <= 0.85x bf16; 1.14x at 11fea55, the FP8 expert GEMMs ~40% slower than bf16's at prefill
 # sizes where they could be ~2x faster), and in FP8 with the dots at FP8_DOT_MAX_IMPRECISE_ACC 32 after the fp8
 # engine tests at 32 (the default 0 takes no FP8 tensor core: scripts/dev/count_moe_sass.py).
+# fp8-gated (one GPU, ~6 min): the block FP8 down projection's silu(gate) * up made inside the wgmma GEMV
+# (quant_fp8.FP8_WGMMA_GATED): the GEMV's GPU tests, the fp8 engines' with it on, then the 8B block FP8 decode at
+# b1@32K, b8@4K and b16@8K off and on (issue 18: FP8 b1 <= 0.7x bf16; 0.721x at 0aed29a).
 # int4-wave (one GPU, ~5 min): why the mma GEMV is slower in the decode than alone (twenty-sixth session's profile:
 # 102 against 84.3 us a layer at REPS 4, 92.7 against 58.6 at REPS 2; the CUDA-core kernel 76.8 in both): the 8B
 # int4 decode at b1@32K from one row at REPS 2 with the grid sized for 6 (one wave by registers), 4 and 3 programs
@@ -439,6 +442,18 @@ if [[ $MODE == a3b-fp8-prefill ]]; then  # one GPU (~6 min): where the A3B FP8 c
     LATENCY_TIMEOUT=150 latency_with "a3b_prefill_$v" "A3B $v" "${consts[@]}" -- --config qwen3-30b-a3b \
       "${dummy[@]}" --repeat 2 "${over[@]}" --prompt-lens 32768 --profile
     top_ops "$OUT/latency_a3b_prefill_$v.json"
+  done
+fi
+
+if [[ $MODE == fp8-gated ]]; then  # one GPU (~6 min): silu(gate) * up inside the FP8 GEMV, tests and the decode
+  gated=longserve.kernels.quant_fp8.FP8_WGMMA_GATED
+  timeout 120 python3 -m pytest -q -m gpu tests/gpu/test_fp8_wgmma_gemv_gpu.py -k "not times" -p no:cacheprovider \
+    --tb=short -rfE 2>&1 | tee "$OUT/gpu_tests_fp8_gated.log" | tail -3 || status=1
+  timeout 200 python3 scripts/probes/with_constants.py $gated=True -- pytest -q -m gpu tests/gpu/test_quant_engine_gpu.py \
+    -k fp8 -p no:cacheprovider --tb=short -rfE 2>&1 | tee "$OUT/gpu_tests_fp8_gated_engines.log" | tail -4 || status=1
+  for on in False True; do
+    latency_with fp8_gated_$on "FP8 blocks FP8_WGMMA_GATED=$on" $gated=$on -- --config llama-3.1-8b "${dummy[@]}" \
+      --repeat 3 --hf-overrides "$fp8" --decode-batch-sizes 1@32768,8@4096,16@8192
   done
 fi
 
