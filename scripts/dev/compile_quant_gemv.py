@@ -68,12 +68,8 @@ VARIANTS = [
     {"fp8_wgmma": True, "rows": 16, "pdl": True, "serial": True, "bias": True},
     {"fp8_wgmma": True, "rows": 32, "split": 1, "imprecise_acc": 128},  # 32 rows, no promotion inside a block
     {"fp8_wgmma": True, "channel": True, "rows": 4, "pdl": True},  # per-channel FP8 (e4m3 activations)
-    {
-        "fp8_wgmma": True,
-        "gated": True,
-        "pdl": True,
-        "serial": True,
-    },  # down of gate|up: silu(gate) * up inside
+    # the down projection fed gate|up: silu(gate) * up made inside (GATED)
+    {"fp8_wgmma": True, "gated": True, "pdl": True, "serial": True},
     {
         "fp8_wgmma": True,
         "routed": True,
