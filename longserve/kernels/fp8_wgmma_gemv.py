@@ -79,6 +79,10 @@ MAX_ROWS = 32
 # 10.7 / 8.9 / 42.3 / 20.8, 6 stages 11.9 / 9.1 / 41.8 / 23.2: at 2 a SM holds 6 programs (one wave splits gate_up's
 # 224 tiles in 3), at 4 and 6 it holds 3 and 2 (gate_up unsplit: too few programs in flight).
 STAGES = 2
+# K blocks a split takes at least (gluon_gemv.one_wave_splits' min_steps): at one row the one wave splits the 8B qkv's
+# 32 blocks 16 ways (2 blocks a program, then a serial sum of 16 planes; qkv 11.5 and o 8.8 us against HBM floors of
+# 6 and 4). 1 until `gpu_check.sh fp8-gated` runs 2 and 4 in the decode.
+MIN_SPLIT_BLOCKS = 1
 WARPS = 4  # one warpgroup
 _E4M3_MAX = gl.constexpr(FP8_MAX)
 
@@ -290,8 +294,9 @@ def resident_programs(sms: int, m: int, gated: bool = False) -> int:
 
 
 def splits(n_tiles: int, num_blocks: int, sms: int, m: int, gated: bool = False) -> int:
-    """K splits for n_tiles row tiles over num_blocks K blocks: the most that keep one wave."""
-    return one_wave_splits(n_tiles, num_blocks, resident_programs(sms, m, gated))
+    """K splits for n_tiles row tiles over num_blocks K blocks: the most that keep one wave, each of at least
+    MIN_SPLIT_BLOCKS blocks."""
+    return one_wave_splits(n_tiles, num_blocks, resident_programs(sms, m, gated), MIN_SPLIT_BLOCKS)
 
 
 _DESCRIPTORS: dict[tuple, TensorDescriptor] = {}

@@ -51,6 +51,20 @@ def test_splits_keep_one_wave(n: int, k: int, m: int, stages: int, monkeypatch: 
         assert tiles * -(-blocks // (per - 1)) > resident
 
 
+@pytest.mark.parametrize("min_blocks", [2, 4])
+def test_splits_of_at_least_min_blocks(min_blocks: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """MIN_SPLIT_BLOCKS: every split of at least that many blocks (the last one's remainder aside), the one-wave
+    split capped at blocks // min_blocks."""
+    for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)):
+        tiles, blocks = -(-n // 128), k // 128
+        monkeypatch.setattr(wg, "MIN_SPLIT_BLOCKS", 1)
+        wave = wg.splits(tiles, blocks, 132, 1)
+        monkeypatch.setattr(wg, "MIN_SPLIT_BLOCKS", min_blocks)
+        split = wg.splits(tiles, blocks, 132, 1)
+        assert -(-blocks // split) >= min_blocks and split <= min(wave, blocks // min_blocks)
+        assert split == wave or split > blocks // (2 * min_blocks)  # capped, not lower than the cap needs
+
+
 def test_the_launch(monkeypatch: pytest.MonkeyPatch) -> None:
     """One launch captured: a program per 128 weight rows and split, the descriptor over the whole weight in boxes of
     128 x 128 (made once per weight), BLOCK_T from the rows, the strides."""

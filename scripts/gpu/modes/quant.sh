@@ -66,9 +66,10 @@
 # (issue 18: FP8 cold 32K <= 0.85x bf16; 1.14x at 11fea55, the FP8 expert GEMMs ~40% slower than bf16's at prefill
 # sizes where they could be ~2x faster), and in FP8 with the dots at FP8_DOT_MAX_IMPRECISE_ACC 32 after the fp8
 # engine tests at 32 (the default 0 takes no FP8 tensor core: scripts/dev/count_moe_sass.py).
-# fp8-gated (one GPU, ~6 min): the block FP8 down projection's silu(gate) * up made inside the wgmma GEMV
+# fp8-gated (one GPU, ~8 min): the block FP8 down projection's silu(gate) * up made inside the wgmma GEMV
 # (quant_fp8.FP8_WGMMA_GATED): the GEMV's GPU tests, the fp8 engines' with it on, then the 8B block FP8 decode at
-# b1@32K, b8@4K and b16@8K off and on (issue 18: FP8 b1 <= 0.7x bf16; 0.721x at 0aed29a).
+# b1@32K, b8@4K and b16@8K off and on, and with the GEMV's splits of at least 2 and 4 K blocks (MIN_SPLIT_BLOCKS)
+# (issue 18: FP8 b1 <= 0.7x bf16; 0.721x at 0aed29a).
 # int4-wave (one GPU, ~5 min): why the mma GEMV is slower in the decode than alone (twenty-sixth session's profile:
 # 102 against 84.3 us a layer at REPS 4, 92.7 against 58.6 at REPS 2; the CUDA-core kernel 76.8 in both): the 8B
 # int4 decode at b1@32K from one row at REPS 2 with the grid sized for 6 (one wave by registers), 4 and 3 programs
@@ -454,6 +455,11 @@ if [[ $MODE == fp8-gated ]]; then  # one GPU (~6 min): silu(gate) * up inside th
   for on in False True; do
     latency_with fp8_gated_$on "FP8 blocks FP8_WGMMA_GATED=$on" $gated=$on -- --config llama-3.1-8b "${dummy[@]}" \
       --repeat 3 --hf-overrides "$fp8" --decode-batch-sizes 1@32768,8@4096,16@8192
+  done
+  # the GEMV's splits of at least 2 and 4 K blocks (fp8_wgmma_gemv.MIN_SPLIT_BLOCKS; 1: the one wave's)
+  for b in 2 4; do
+    latency_with fp8_min_blocks_$b "FP8 blocks MIN_SPLIT_BLOCKS=$b" longserve.kernels.fp8_wgmma_gemv.MIN_SPLIT_BLOCKS=$b \
+      -- --config llama-3.1-8b "${dummy[@]}" --repeat 3 --hf-overrides "$fp8" --decode-batch-sizes 1@32768,8@4096,16@8192
   done
 fi
 
