@@ -137,6 +137,63 @@ def test_kernels_launched_inside_the_moe_range_count_as_moe(monkeypatch) -> None
     assert summary["by_category_ms"] == pytest.approx({"moe": 0.53, "gemm": 0.2, "sampling": 0.01})
 
 
+def test_each_kernel_counts_only_its_time_past_the_kernels_before_it(monkeypatch) -> None:
+    """Programmatic dependent launch: a kernel starts while the one ahead drains and waits for it, so its span
+    holds the other's tail. exclusive_times gives each the part no earlier-started kernel covers: they sum to the
+    union of the spans (the device's busy time, gaps left out), each part to the kernel that ran first."""
+    from types import SimpleNamespace
+
+    import torch.profiler
+
+    from longserve.bench import profile as prof_mod
+
+    spans = [
+        ("norm", 0.0, 10.0),
+        ("gemv", 2.0, 30.0),  # launched early: waits for the norm until 10
+        ("silu", 25.0, 34.0),  # and for the gemv until 30
+        ("gemv", 40.0, 60.0),  # after an idle gap: all of it
+        ("tiny", 45.0, 50.0),  # inside the second gemv's span: nothing of its own
+    ]
+    times = prof_mod.exclusive_times(spans)
+    assert times == {"norm": 10.0, "gemv": 20.0 + 20.0, "silu": 4.0, "tiny": 0.0}
+    assert sum(times.values()) == 54.0  # 0-34 and 40-60
+
+    kernel = lambda name, start, end: SimpleNamespace(  # noqa: E731
+        name=name, device_type="DeviceType.CUDA", time_range=SimpleNamespace(start=start, end=end)
+    )
+    averages = [
+        SimpleNamespace(key=n, device_type="DeviceType.CUDA", self_device_time_total=t, count=c)
+        for n, t, c in (("gemv", 48.0, 2), ("norm", 10.0, 1), ("silu", 9.0, 1), ("tiny", 5.0, 1))
+    ]
+
+    class FakeProfile:
+        def __init__(self, **_):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def key_averages(self):
+            return averages
+
+        def events(self):  # the kernels, and a host op that is not one
+            return [kernel(*span) for span in spans] + [SimpleNamespace(name="aten::mm", device_type="CPU")]
+
+    monkeypatch.setattr(torch.profiler, "profile", FakeProfile)
+    monkeypatch.setattr(prof_mod, "_sync", lambda: None)
+    _, summary = prof_mod.profile_call(lambda: None, "cuda")
+    assert summary["busy_ms"] == pytest.approx(0.072)  # the spans' sum, as before
+    assert summary["exclusive_ms"] == pytest.approx(0.054)
+    by_name = {op["name"]: op for op in summary["top_ops"]}
+    assert by_name["gemv"]["ms"] == pytest.approx(0.048) and by_name["gemv"]["exclusive_ms"] == pytest.approx(
+        0.04
+    )
+    assert by_name["tiny"]["exclusive_ms"] == 0.0
+
+
 def test_a_quantized_engine_floor_counts_the_bytes_it_holds() -> None:
     """with_measured_bytes: the loaded engine's weight bytes (int4: ~0.52 a layer weight with its scales) and KV
     bytes per token (fp8: 1 a value) replace the bf16 ones in a decode step; the embeddings and the LM head stay

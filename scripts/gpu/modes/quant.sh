@@ -80,13 +80,15 @@
 # 2 pipeline stages (issue 18: fp8 KV <= 1.05x bf16's, the A3B at 1.06x in the eighth session).
 # shellcheck shell=bash
 
-# top_ops FILE: each profiled case's kernels in a `bench latency --profile` JSON record, device ms and calls
+# top_ops FILE: each profiled case's kernels in a `bench latency --profile` JSON record, device ms (spans, and the
+# time past the kernels before them: programmatic dependent launch overlaps the spans) and calls
 top_ops() {
   python3 - "$1" <<'PY'
 import json, sys
 for r in json.load(open(sys.argv[1])):
     for op in r.get("profile", {}).get("top_ops", []):
-        print(f"  {op['ms']:8.2f} ms {op['calls']:6d}x {op['name'][:90]}")
+        own = f" ({op['exclusive_ms']:.2f} past waits)" if "exclusive_ms" in op else ""
+        print(f"  {op['ms']:8.2f} ms{own} {op['calls']:6d}x {op['name'][:90]}")
 PY
 }
 
