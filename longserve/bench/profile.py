@@ -90,16 +90,11 @@ def profile_call(fn: Callable[[], Any], device_type: str, top: int = 12) -> tupl
         busy_ms=busy_ms,
         by_category_ms=dict(sorted(by_cat.items(), key=lambda kv: -kv[1])),
         share_of_wall={k: v / wall_ms for k, v in by_cat.items()},
-        top_ops=[
-            dict(
-                name=n[:120],
-                ms=ms,
-                calls=c,
-                **({"exclusive_ms": exclusive[n] / 1e3} if n in exclusive else {}),
-            )
-            for ms, n, c in ops[:top]
-        ],
+        top_ops=[dict(name=n[:120], ms=ms, calls=c) for ms, n, c in ops[:top]],
     )
+    for op, (_, n, _) in zip(summary["top_ops"], ops):
+        if n in exclusive:
+            op["exclusive_ms"] = exclusive[n] / 1e3
     if exclusive:
         summary["exclusive_ms"] = sum(exclusive.values()) / 1e3
     return result, summary
@@ -121,12 +116,11 @@ def _kernel_intervals(prof: Any) -> list[tuple[str, float, float]]:
     """(name, start us, end us) of every device kernel the profiler saw (CUDA-graph replays' kernels too)."""
     out = []
     for evt in prof.events() if hasattr(prof, "events") else ():
-        if not str(getattr(evt, "device_type", "")).endswith("CUDA") or getattr(
-            evt, "is_user_annotation", False
-        ):
-            continue
+        kernel = str(getattr(evt, "device_type", "")).endswith("CUDA")
+        if not kernel or getattr(evt, "is_user_annotation", False) or evt.name.startswith("nccl:"):
+            continue  # user annotations on the device's timeline span kernels counted already
         span = getattr(evt, "time_range", None)
-        if span is not None and span.end > span.start and not evt.name.startswith("nccl:"):
+        if span is not None and span.end > span.start:
             out.append((evt.name, float(span.start), float(span.end)))
     return out
 
@@ -215,12 +209,10 @@ def format_profile(name: str, summary: dict[str, Any]) -> str:
         f"{k} {v:.1f} ({100 * summary['share_of_wall'][k]:.0f}%)"
         for k, v in summary["by_category_ms"].items()
     ]
-    own = (
-        f" (kernels past their waits: {summary['exclusive_ms']:.1f} ms)" if "exclusive_ms" in summary else ""
-    )
-    return f"{name}: wall {summary['wall_ms']:.1f} ms, busy {summary['busy_ms']:.1f} ms{own} | " + ", ".join(
-        parts
-    )
+    head = f"{name}: wall {summary['wall_ms']:.1f} ms, busy {summary['busy_ms']:.1f} ms"
+    if "exclusive_ms" in summary:
+        head += f" (kernels past their waits: {summary['exclusive_ms']:.1f} ms)"
+    return head + " | " + ", ".join(parts)
 
 
 def host_profile_call(fn: Callable[[], Any], top: int = 15) -> tuple[Any, dict[str, Any]]:

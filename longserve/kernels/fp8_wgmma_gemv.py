@@ -4,10 +4,10 @@ checkpoints), the activations quantized per token-group of 128 inside the kernel
 `quant_fp8.fp8_block_linear` routes here when `FP8_WGMMA_GEMV` is on (up to `FP8_WGMMA_MAX_ROWS` rows) and `fits`,
 and so does `moe_fp8_gemv` for the FP8 experts at decode with `fits_routed` (ROUTED: a (token, k) pair a program
 column, its expert's weights, read after the wait on the kernel before since the expert id is the router's output);
-`fp8_scaled_linear` (per-channel
-FP8: `--quantization fp8`, compressed-tensors FP8) when `FP8_WGMMA_CHANNEL` is on (from 2 rows) and `fits_channel`,
-its activations quantized per token (or tensor) before it, both scales multiplying the sums at the end
-(PER_CHANNEL).
+`fp8_scaled_linear` (per-channel FP8: `--quantization fp8`, compressed-tensors FP8) when `FP8_WGMMA_CHANNEL` is on
+(from 2 rows) and `fits_channel`, its activations quantized per token (or tensor) before it, both scales multiplying
+the sums at the end (PER_CHANNEL). An MLP's down projection may take gate|up and make its input silu(gate) * up
+as it quantizes (GATED, `FP8_WGMMA_GATED`).
 
 Why: fp8_gemv.py's CUDA-core GEMV reads the 8B projections at 50-80% of HBM's 4.2 TB/s (RESULTS.md: gate_up 35.2
 us against a 28 us floor, down 23.8 against 14, qkv 9.7 against 6, o 8.7 against 4) and is not issue-bound (27%
@@ -338,7 +338,8 @@ def launch(x, x_scales, w, w_scale, bias, blocks_per_split: int, num_splits: int
 
 
 def gemv(x: torch.Tensor, x_scales: torch.Tensor | None, w: torch.Tensor, w_scale: torch.Tensor,
-         bias: torch.Tensor | None, out_dtype: torch.dtype, imprecise_acc: int, gated: bool = False) -> torch.Tensor:  # fmt: skip
+         bias: torch.Tensor | None, out_dtype: torch.dtype, imprecise_acc: int,
+         gated: bool = False) -> torch.Tensor:  # fmt: skip
     """[M, N] in out_dtype for a product `fits` takes (x_scales None: `fp8_block_gemm_ref(x, w, w_scale, BLOCK,
     bias)`; gated: of `silu_and_mul(x)`, x = gate|up [M, 2K]) or `fits_channel` does (`scaled_gemm_ref(x, x_scales,
     w, w_scale, out_dtype, bias)`), split K for one wave of programs (split_k.split_k_outputs: the serial sum up to
