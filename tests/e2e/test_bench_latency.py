@@ -180,6 +180,7 @@ def test_gpu_annotations_are_not_counted_twice(monkeypatch):
     import torch.profiler
 
     from longserve.bench import profile as prof_mod
+    from longserve.testing.profiler import fake_profile
 
     events = [
         SimpleNamespace(key="ncclDevKernel_AllReduce_Sum_bf16_RING_LL", device_type="DeviceType.CUDA",
@@ -191,20 +192,7 @@ def test_gpu_annotations_are_not_counted_twice(monkeypatch):
         SimpleNamespace(key="aten::mm", device_type="DeviceType.CPU", self_device_time_total=0.0, count=4),
     ]  # fmt: skip
 
-    class FakeProfile:
-        def __init__(self, **_):
-            pass
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-        def key_averages(self):
-            return events
-
-    monkeypatch.setattr(torch.profiler, "profile", FakeProfile)
+    monkeypatch.setattr(torch.profiler, "profile", fake_profile(events))
     monkeypatch.setattr(prof_mod, "_sync", lambda: None)
     _, summary = prof_mod.profile_call(lambda: None, "cuda")
     assert summary["by_category_ms"] == {"gemm": 0.7, "collectives": 0.3}

@@ -95,6 +95,7 @@ def test_kernels_launched_inside_the_moe_range_count_as_moe(monkeypatch) -> None
 
     from longserve.bench import profile as prof_mod
     from longserve.models.moe import PROFILE_RANGE
+    from longserve.testing.profiler import fake_profile
 
     moe_range = SimpleNamespace(name=PROFILE_RANGE, cpu_parent=None, kernels=[])
     topk_in_moe = SimpleNamespace(
@@ -115,23 +116,9 @@ def test_kernels_launched_inside_the_moe_range_count_as_moe(monkeypatch) -> None
         ),
     ]
 
-    class FakeProfile:
-        def __init__(self, **_):
-            pass
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-        def key_averages(self):
-            return kernels
-
-        def events(self):
-            return [moe_range, topk_in_moe, topk_sampling]
-
-    monkeypatch.setattr(torch.profiler, "profile", FakeProfile)
+    monkeypatch.setattr(
+        torch.profiler, "profile", fake_profile(kernels, [moe_range, topk_in_moe, topk_sampling])
+    )
     monkeypatch.setattr(prof_mod, "_sync", lambda: None)
     _, summary = prof_mod.profile_call(lambda: None, "cuda")
     assert summary["by_category_ms"] == pytest.approx({"moe": 0.53, "gemm": 0.2, "sampling": 0.01})
@@ -146,6 +133,7 @@ def test_each_kernel_counts_only_its_time_past_the_kernels_before_it(monkeypatch
     import torch.profiler
 
     from longserve.bench import profile as prof_mod
+    from longserve.testing.profiler import fake_profile
 
     spans = [
         ("norm", 0.0, 10.0),
@@ -166,23 +154,9 @@ def test_each_kernel_counts_only_its_time_past_the_kernels_before_it(monkeypatch
         for n, t, c in (("gemv", 48.0, 2), ("norm", 10.0, 1), ("silu", 9.0, 1), ("tiny", 5.0, 1))
     ]
 
-    class FakeProfile:
-        def __init__(self, **_):
-            pass
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-        def key_averages(self):
-            return averages
-
-        def events(self):  # the kernels, and a host op that is not one
-            return [kernel(*span) for span in spans] + [SimpleNamespace(name="aten::mm", device_type="CPU")]
-
-    monkeypatch.setattr(torch.profiler, "profile", FakeProfile)
+    # the kernels, and a host op that is not one
+    events = [kernel(*span) for span in spans] + [SimpleNamespace(name="aten::mm", device_type="CPU")]
+    monkeypatch.setattr(torch.profiler, "profile", fake_profile(averages, events))
     monkeypatch.setattr(prof_mod, "_sync", lambda: None)
     _, summary = prof_mod.profile_call(lambda: None, "cuda")
     assert summary["busy_ms"] == pytest.approx(0.072)  # the spans' sum, as before
