@@ -94,6 +94,11 @@ STAGES = 0
 # 33.3 at 16) and qkv and o lost (at 16 rows 11.2 -> 12.4, 10.5 -> 12.1); at 4 all lost; the 8B int4 decode lost
 # (b16@8K 7.45 -> 7.54 ms, with int4_gemv.INT4_GEMV_PREFETCH alike).
 PREFETCH = 0
+# Steps a loop turn takes (STAGES 0, one token tile): at 2 the next step's words and activations are loaded before
+# this step's products, as far as ptxas keeps them there (sm90, Triton 3.6: it issues them among the first step's
+# mmas; 88 registers against 82 at REPS 2, 140 against 142 at 4; two token tiles with zero points would spill).
+# 1 until measured (`gpu_check.sh int4-mma`'s UNROLL=2 variants).
+UNROLL = 1
 
 
 @gluon.jit
@@ -154,6 +159,48 @@ def _b_pairs(xt, L: gl.constexpr):
 
 
 @gluon.jit
+def _step_sums(acc, acc2, wa, wb, xt, xs2, step, zero, zero_x, s_ptr, col_s, stride_sn, z_ptr, stride_zn, N,
+               L: gl.constexpr, REPS: gl.constexpr, W: gl.constexpr, GROUP_SHIFT: gl.constexpr,
+               EVEN_N: gl.constexpr, HAS_ZP: gl.constexpr, TOKEN_TILES: gl.constexpr, weight=1.0):  # fmt: skip
+    """A step's products into the accumulators (acc: tokens 0-7; acc2, TOKEN_TILES 2: tokens 8-15, B's second tile
+    through the same words, its x loaded here): the step's sums, less (128 + z) times its sums of x, scaled (and
+    times `weight`: 0 drops a step)."""
+    x0, x1, x2, x3 = _b_pairs(xt, L)
+    sums = gl.inline_asm_elementwise(
+        SUMS_ASM, SUMS_CONSTRAINTS, [zero_x, x0, x1, x2, x3], dtype=gl.float32, is_pure=True, pack=4
+    )
+    c = gl.inline_asm_elementwise(
+        STEP_ASM, STEP_CONSTRAINTS, [zero, wa, wb, x0, x1, x2, x3], dtype=gl.float32, is_pure=True, pack=4
+    )
+    if TOKEN_TILES == 2:  # tokens 8-15: the same words unpacked again beside another B (registers: not kept)
+        y0, y1, y2, y3 = _b_pairs(gl.load(xs2 + step * 64), L)
+        sums2 = gl.inline_asm_elementwise(
+            SUMS_ASM, SUMS_CONSTRAINTS, [zero_x, y0, y1, y2, y3], dtype=gl.float32, is_pure=True, pack=4
+        )
+        c2 = gl.inline_asm_elementwise(
+            STEP_ASM, STEP_CONSTRAINTS, [zero, wa, wb, y0, y1, y2, y3], dtype=gl.float32, is_pure=True, pack=4
+        )
+    if GROUP_SHIFT < 0:  # one group
+        grp = 0
+    else:
+        grp = step >> GROUP_SHIFT
+    if EVEN_N:
+        s2 = gl.load(s_ptr + col_s * stride_sn + grp).to(gl.float32)
+    else:
+        s2 = gl.load(s_ptr + col_s * stride_sn + grp, mask=col_s < N, other=0.0).to(gl.float32)
+    scale = gl.convert_layout(gl.reshape(gl.join(s2, s2), [REPS, 8 * W, 1, 4]), L) * weight
+    if HAS_ZP:
+        z2 = gl.load(z_ptr + col_s * stride_zn + grp, mask=col_s < N, other=0).to(gl.float32) + 128.0
+        zq = gl.convert_layout(gl.reshape(gl.join(z2, z2), [REPS, 8 * W, 1, 4]), L)
+    else:
+        zq = 136.0  # 128 + 2^(4 - 1)
+    acc += scale * (c - zq * sums)
+    if TOKEN_TILES == 2:
+        acc2 += scale * (c2 - zq * sums2)
+    return acc, acc2
+
+
+@gluon.jit
 def int4_mma_gemv_kernel(
     x_ptr,  # [M, K] bf16 viewed as int32 [M, K / 2] (natural pairs)
     w_ptr,  # [N, K / 8] int32: the packed uint8 [N, K / 2] as words
@@ -169,7 +216,7 @@ def int4_mma_gemv_kernel(
     HAS_ZP: gl.constexpr, HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr, SERIAL: gl.constexpr, EVEN_N: gl.constexpr,
     GROUP_SHIFT: gl.constexpr, REPS: gl.constexpr, STAGES: gl.constexpr, USE_PDL: gl.constexpr,
     ROUTED: gl.constexpr = False, X_ROW_DIV: gl.constexpr = 1, TOKEN_TILES: gl.constexpr = 1,
-    PREFETCH: gl.constexpr = 0,
+    PREFETCH: gl.constexpr = 0, UNROLL: gl.constexpr = 1,
 ):  # fmt: skip
     W: gl.constexpr = gl.num_warps()
     # [tile r, lane row (warp w, g), lane t, element u]: lanes (g, t) as mma's groupID / threadID_in_group
@@ -185,9 +232,8 @@ def int4_mma_gemv_kernel(
            + axis(8 * W, 1, L) % 8)  # [REPS, 8W, 1, 1]: A's row g; row g + 8 is col + 8  # fmt: skip
     s_begin = pid_k * steps_per_split
     s_end = gl.minimum(s_begin + steps_per_split, num_steps)
-    if (
-        PREFETCH > 0 and not ROUTED
-    ):  # the first steps' words into L2 while the kernel before drains (PREFETCH)
+    # the first steps' words into L2 while the kernel before drains (PREFETCH)
+    if PREFETCH > 0 and not ROUTED:
         pf_a, pf_b = _prefetch_pieces(pid_n, N, stride_wn, REPS, W)
         for j in gl.static_range(PREFETCH):
             prefetch_l2(w_ptr + (pf_a + gl.minimum(s_begin + j, s_end - 1) * 16))
@@ -233,7 +279,8 @@ def int4_mma_gemv_kernel(
         for i in gl.static_range(STAGES - 1):
             _step_copies(ring_a.index(i), ring_b.index(i), ring_x.index(i), words_a, words_b, xs, col, N,
                          gl.minimum(s_begin + i, s_end - 1), EVEN_N)  # fmt: skip
-    for step in range(s_begin, s_end):
+    gl.static_assert(UNROLL == 1 or STAGES == 0, "UNROLL with loads into registers")
+    for step in range(s_begin, s_end, UNROLL):
         if STAGES > 0:
             ahead = step - s_begin + STAGES - 1  # the step STAGES - 1 ahead into the slot read last step
             _step_copies(ring_a.index(ahead % STAGES), ring_b.index(ahead % STAGES), ring_x.index(ahead % STAGES),
@@ -248,46 +295,19 @@ def int4_mma_gemv_kernel(
             if PREFETCH > 0:  # step + PREFETCH's words into L2: bytes in flight that hold no register
                 prefetch_l2(w_ptr + (pf_a + gl.minimum(step + PREFETCH, s_end - 1) * 16))
                 prefetch_l2(w_ptr + (pf_b + gl.minimum(step + PREFETCH, s_end - 1) * 16))
-        x0, x1, x2, x3 = _b_pairs(xt, L)
-        sums = gl.inline_asm_elementwise(
-            SUMS_ASM, SUMS_CONSTRAINTS, [zero_x, x0, x1, x2, x3], dtype=gl.float32, is_pure=True, pack=4
-        )
-        c = gl.inline_asm_elementwise(
-            STEP_ASM,
-            STEP_CONSTRAINTS,
-            [zero, wa, wb, x0, x1, x2, x3],
-            dtype=gl.float32,
-            is_pure=True,
-            pack=4,
-        )
         if (
-            TOKEN_TILES == 2
-        ):  # tokens 8-15: the same words unpacked again beside another B (registers: not kept)
-            y0, y1, y2, y3 = _b_pairs(gl.load(xs2 + step * 64), L)
-            sums2 = gl.inline_asm_elementwise(
-                SUMS_ASM, SUMS_CONSTRAINTS, [zero_x, y0, y1, y2, y3], dtype=gl.float32, is_pure=True, pack=4
-            )
-            c2 = gl.inline_asm_elementwise(
-                STEP_ASM, STEP_CONSTRAINTS, [zero, wa, wb, y0, y1, y2, y3], dtype=gl.float32, is_pure=True,
-                pack=4,
-            )  # fmt: skip
-        if GROUP_SHIFT < 0:  # one group
-            grp = 0
-        else:
-            grp = step >> GROUP_SHIFT
-        if EVEN_N:
-            s2 = gl.load(s_ptr + col_s * stride_sn + grp).to(gl.float32)
-        else:
-            s2 = gl.load(s_ptr + col_s * stride_sn + grp, mask=col_s < N, other=0.0).to(gl.float32)
-        scale = gl.convert_layout(gl.reshape(gl.join(s2, s2), [REPS, 8 * W, 1, 4]), L)
-        if HAS_ZP:
-            z2 = gl.load(z_ptr + col_s * stride_zn + grp, mask=col_s < N, other=0).to(gl.float32) + 128.0
-            zq = gl.convert_layout(gl.reshape(gl.join(z2, z2), [REPS, 8 * W, 1, 4]), L)
-        else:
-            zq = 136.0  # 128 + 2^(4 - 1)
-        acc += scale * (c - zq * sums)
-        if TOKEN_TILES == 2:
-            acc2 += scale * (c2 - zq * sums2)
+            UNROLL == 2
+        ):  # the next step's loads issued before this step's products (its words clamped at the end)
+            nxt = gl.minimum(step + 1, s_end - 1)
+            wa2, wb2, xt2 = _step_loads(words_a, words_b, xs, col, N, nxt, EVEN_N)
+        acc, acc2 = _step_sums(acc, acc2, wa, wb, xt, xs2, step, zero, zero_x, s_ptr, col_s, stride_sn, z_ptr,
+                               stride_zn, N, L, REPS, W, GROUP_SHIFT, EVEN_N, HAS_ZP, TOKEN_TILES)  # fmt: skip
+        if UNROLL == 2:
+            # past the split's last step the clamped words count nothing (their scale times 0)
+            keep = (step + 1 < s_end).to(gl.float32)
+            acc, acc2 = _step_sums(acc, acc2, wa2, wb2, xt2, xs2, nxt, zero, zero_x, s_ptr, col_s, stride_sn, z_ptr,
+                                   stride_zn, N, L, REPS, W, GROUP_SHIFT, EVEN_N, HAS_ZP, TOKEN_TILES,
+                                   keep)  # fmt: skip
     col_c = col + 8 * (axis(4, 3, L) >> 1) + 0 * axis(4, 2, L)  # [REPS, 8W, 4, 4]
     token = 2 * axis(4, 2, L) + (axis(4, 3, L) & 1) + 0 * col  # [REPS, 8W, 4, 4]
     if TOKEN_TILES == 2:  # both tiles in one store (one arrival at a serial sum's counter)
@@ -390,6 +410,6 @@ def launch(x, qweight, scales, zeros, bias, group_size: int, steps_per_split: in
         qweight.stride(0) // 4 if routed else 0, scales.stride(0) if routed else 0, z.stride(0) if routed else 0,
         blocks, HAS_ZP=zeros is not None, HAS_BIAS=bias_in_kernel, PARTIAL=num_splits > 1, SERIAL=serial,
         EVEN_N=n % block_n() == 0, GROUP_SHIFT=group_shift, REPS=REPS, STAGES=STAGES, USE_PDL=pdl, ROUTED=routed,
-        X_ROW_DIV=x_row_div, TOKEN_TILES=token_tiles(m), PREFETCH=PREFETCH if STAGES == 0 else 0, num_warps=WARPS,
-        launch_pdl=pdl,
+        X_ROW_DIV=x_row_div, TOKEN_TILES=token_tiles(m), PREFETCH=PREFETCH if STAGES == 0 else 0,
+        UNROLL=UNROLL if STAGES == 0 and token_tiles(m) == 1 else 1, num_warps=WARPS, launch_pdl=pdl,
     )  # fmt: skip

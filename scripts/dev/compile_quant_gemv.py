@@ -62,6 +62,13 @@ VARIANTS = [
     {"mma": True, "routed": True, "zp": True, "x_row_div": 8, "pdl": True},  # MoE pairs
     {"mma": True, "pdl": True, "serial": True, "prefetch": 2},  # L2 prefetch (int4_mma_gemv.PREFETCH)
     {"mma": True, "routed": True, "x_row_div": 8, "pdl": True, "prefetch": 2, "even_n": False},
+    {
+        "mma": True,
+        "reps": 2,
+        "unroll": 2,
+        "pdl": True,
+        "serial": True,
+    },  # two steps a turn (int4_mma_gemv.UNROLL)
     {"mma": True, "token_tiles": 2, "zp": True},  # 9 to 16 rows: a second B and C on the same A
     {"mma": True, "token_tiles": 2, "row_blocks": 4},  # 17 to 64 rows: blocks of 16, split-K partials
     {"fp8_wgmma": True},  # kernels/fp8_wgmma_gemv.py (Gluon): block FP8 by TMA + wgmma, one row, split-K
@@ -151,7 +158,7 @@ def compile_int4_gemv(int4=True, x="bf16", zp=False, bias=False, bn=64, bk=128, 
 
 def compile_int4_mma(mma=True, zp=False, bias=False, split=4, serial=False, even_n=True, group_shift=0, reps=None,
                      stages=0, pdl=False, routed=False, x_row_div=1, token_tiles=1, row_blocks=1, prefetch=0,
-                     num_warps=4):  # fmt: skip
+                     unroll=1, num_warps=4):  # fmt: skip
     """kernels/int4_mma_gemv.py's tensor-core int4 GEMV (Gluon) for sm90, specialized as at run time (an integer
     argument of 1 is a constant then: row_blocks up to 16 rows); `routed`: over MoE (token, expert) pairs
     (kernels/moe_wna16.py)."""
@@ -164,7 +171,7 @@ def compile_int4_mma(mma=True, zp=False, bias=False, split=4, serial=False, even
     consts = dict(HAS_ZP=zp, HAS_BIAS=bias and (split == 1 or serial), PARTIAL=split > 1, SERIAL=serial,
                   EVEN_N=even_n, GROUP_SHIFT=group_shift, REPS=reps or mma_mod.REPS, STAGES=stages,
                   USE_PDL=pdl, ROUTED=routed, X_ROW_DIV=x_row_div, TOKEN_TILES=token_tiles,
-                  PREFETCH=prefetch)  # fmt: skip
+                  PREFETCH=prefetch, UNROLL=unroll)  # fmt: skip
     if row_blocks == 1:
         consts["row_blocks"] = 1
     sig = {a: ptrs.get(a, "constexpr" if a in consts else "i32") for a in fn.arg_names}

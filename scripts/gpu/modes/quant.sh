@@ -33,8 +33,9 @@
 # None.
 # int4-mma (one GPU, ~5 min): the int4 GEMV on the tensor cores (kernels/int4_mma_gemv.py, quant_gemv.INT4_MMA_GEMV,
 # off): its GPU tests with each 8B projection's time against the CUDA-core kernels (weights from HBM), the times
-# again at 2 tiles a warp (int4_mma_gemv.REPS), through the shared ring (STAGES) and with quant_gemv's split-K
-# choice instead of one wave (WAVE_SPLITS). int4-mma-decode (one GPU, ~5 min): the quantized engines' GPU tests with
+# again at 2 tiles a warp (int4_mma_gemv.REPS), two steps a loop turn (UNROLL, at REPS 4 and 2), through the shared
+# ring (STAGES) and with quant_gemv's split-K choice instead of one wave (WAVE_SPLITS); each variant's time test
+# checks its output against the CUDA-core kernels' first. int4-mma-decode (one GPU, ~5 min): the quantized engines' GPU tests with
 # it on, then the 8B decode at batch 1 (32K), 8 (4K), 16 (8K) and 64 (4K: 4 blocks of 16 rows) in bf16 and in GPTQ
 # int4 with it off and on (issue 18: int4 b1 <= 0.6x bf16's; b64 1.40x bf16 at 11fea55). int4-mma-moe (one GPU, ~7 min): the A3B int4 experts' GPU tests (each path's time) and the A3B
 # int4 decode at batch 1 (32K) and 8 (4K), with it off and on (the routed expert GEMV on the tensor cores).
@@ -313,7 +314,7 @@ if [[ $MODE == int4-mma ]]; then  # one GPU (~5 min): the tensor-core int4 GEMV,
   timeout 240 python3 -m pytest -q -s -m gpu tests/gpu/test_int4_mma_gemv_gpu.py -p no:cacheprovider --tb=short \
     -rfE 2>&1 | tee "$OUT/gpu_tests_int4_mma.log" | grep -E "int4 mma|passed|failed" || status=1
   # the default (REPS=4 STAGES=0 WAVE_SPLITS=True) ran above
-  for variant in "REPS=2" "STAGES=2" "REPS=2 STAGES=4" "WAVE_SPLITS=False"; do
+  for variant in "REPS=2" "UNROLL=2" "REPS=2 UNROLL=2" "STAGES=2" "WAVE_SPLITS=False"; do
     consts=(); for c in $variant; do consts+=("longserve.kernels.int4_mma_gemv.$c"); done
     timeout 120 python3 scripts/probes/with_constants.py "${consts[@]}" -- pytest -q -s -m gpu \
       tests/gpu/test_int4_mma_gemv_gpu.py::test_times[1] tests/gpu/test_int4_mma_gemv_gpu.py::test_times[16] \
