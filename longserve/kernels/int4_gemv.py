@@ -58,7 +58,7 @@ _LOW_BITS_AS_HIGH = tl.constexpr(17152 / 65536)  # the low bf16 128's bits (0x43
 # GEMV per 8B projection 9.8 / 9.3 / 32.1 / 18.5 -> 9.4 / 8.7 / 31.2 / 17.1 us (qkv / o / gate_up / down).
 INT4_GEMV_RAW_HI = True
 # K tiles int4_gemv_kernel asks L2 for before its PDL wait (launch.prefetch_l2; not routed: a routed program's
-# expert is the router's output); 0: none. CUDA only. Why: at one row the 8B int4 projections run at ~35% of HBM's
+# expert is the router's output, so moe_wna16 passes none); 0: none. Only with PDL (quant_gemv passes 0 without). Why: at one row the 8B int4 projections run at ~35% of HBM's
 # rate (76.8 us a layer against a 26.7 us floor, RESULTS.md twenty-fifth session), and HBM idles while the kernel
 # before drains; the weights never depend on it. Not in the loop: a thread already holds 2 rows x 16 words of a
 # tile in flight (64 KB an SM at 4 programs), the kernel is bound by its issue (3.76 instructions a weight), and its

@@ -232,12 +232,12 @@ def int4_mma_gemv_kernel(
            + axis(8 * W, 1, L) % 8)  # [REPS, 8W, 1, 1]: A's row g; row g + 8 is col + 8  # fmt: skip
     s_begin = pid_k * steps_per_split
     s_end = gl.minimum(s_begin + steps_per_split, num_steps)
-    # the first steps' words into L2 while the kernel before drains (PREFETCH)
-    if PREFETCH > 0 and not ROUTED:
+    if PREFETCH > 0:  # the pieces' offsets from the weights (a routed program's expert's, after the wait)
         pf_a, pf_b = _prefetch_pieces(pid_n, N, stride_wn, REPS, W)
-        for j in gl.static_range(PREFETCH):
-            prefetch_l2(w_ptr + (pf_a + gl.minimum(s_begin + j, s_end - 1) * 16))
-            prefetch_l2(w_ptr + (pf_b + gl.minimum(s_begin + j, s_end - 1) * 16))
+        if not ROUTED:  # the first steps' words into L2 while the kernel before drains
+            for j in gl.static_range(PREFETCH):
+                prefetch_l2(w_ptr + (pf_a + gl.minimum(s_begin + j, s_end - 1) * 16))
+                prefetch_l2(w_ptr + (pf_b + gl.minimum(s_begin + j, s_end - 1) * 16))
     gdc_wait(USE_PDL)  # before the routed expert id (the router's output) and x
     if ROUTED:  # MoE decode (moe_wna16.py): axis 2 over (token, k) pairs, M = 1, each pair's expert's weights
         pair = gl.program_id(2).to(gl.int64)
@@ -267,8 +267,6 @@ def int4_mma_gemv_kernel(
     acc2 = gl.zeros([REPS, 8 * W, 4, 4], gl.float32, L)  # TOKEN_TILES 2
     zero = gl.zeros([REPS, 8 * W, 4, 4], gl.float32, L)
     zero_x = gl.zeros([1, 8 * W, 4, 4], gl.float32, L)
-    if PREFETCH > 0:
-        pf_a, pf_b = _prefetch_pieces(pid_n, N, stride_wn, REPS, W)
     # the ring: each lane copies the pieces it reads back (Triton's membar pass, which cannot see that, still puts a
     # CTA barrier before the reads and one before the copies into the slot read last step)
     if STAGES > 0:
@@ -295,9 +293,8 @@ def int4_mma_gemv_kernel(
             if PREFETCH > 0:  # step + PREFETCH's words into L2: bytes in flight that hold no register
                 prefetch_l2(w_ptr + (pf_a + gl.minimum(step + PREFETCH, s_end - 1) * 16))
                 prefetch_l2(w_ptr + (pf_b + gl.minimum(step + PREFETCH, s_end - 1) * 16))
-        if (
-            UNROLL == 2
-        ):  # the next step's loads issued before this step's products (its words clamped at the end)
+        # UNROLL 2: the next step's loads issued before this step's products (its words clamped at the end)
+        if UNROLL == 2:
             nxt = gl.minimum(step + 1, s_end - 1)
             wa2, wb2, xt2 = _step_loads(words_a, words_b, xs, col, N, nxt, EVEN_N)
         acc, acc2 = _step_sums(acc, acc2, wa, wb, xt, xs2, step, zero, zero_x, s_ptr, col_s, stride_sn, z_ptr,

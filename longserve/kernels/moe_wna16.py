@@ -208,8 +208,7 @@ def _routed_gemv(
         x.stride(0), out.stride(-2), w.stride(0) // 4, scale.stride(0), z.stride(0),
         HAS_ZP=zero is not None, HAS_BIAS=False, BLOCK_N=block_n, BLOCK_K=block_k, PARTIAL=split > 1,
         INTERPRET_BF16=interpreting() and x.dtype == torch.bfloat16, ROUTED=True, X_ROW_DIV=x_row_div,
-        USE_RAW_HI=int4_gemv.INT4_GEMV_RAW_HI, USE_PDL=pdl,
-        PREFETCH=int4_gemv.INT4_GEMV_PREFETCH if x.is_cuda else 0, num_warps=4, num_stages=2, launch_pdl=pdl,
+        USE_RAW_HI=int4_gemv.INT4_GEMV_RAW_HI, USE_PDL=pdl, num_warps=4, num_stages=2, launch_pdl=pdl,
     )  # fmt: skip
     return out
 

@@ -326,9 +326,9 @@ def fp8_block_linear(
         # fits asks the activations' rows, dtype and strides (gate|up: as its silu * up will be)
         if wg.supported() and wg.fits(x[:, :k], w, w_scale, block):
             imprecise = wgmma_imprecise_acc(wg.BLOCK[1])
-            if gated and FP8_WGMMA_GATED:
-                return wg.gemv(x, None, w, w_scale, bias, x.dtype, imprecise, gated=True)
-            return wg.gemv(silu_and_mul(x) if gated else x, None, w, w_scale, bias, x.dtype, imprecise)
+            inside = gated and FP8_WGMMA_GATED  # silu(gate) * up made by the kernel from gate|up
+            a = silu_and_mul(x) if gated and not inside else x
+            return wg.gemv(a, None, w, w_scale, bias, x.dtype, imprecise, gated=inside)
     if m <= FP8_GEMV_MAX_TOKENS and fp8_block_gemv_supported(m, block):
         return fp8_block_gemv(silu_and_mul(x) if gated else x, w, w_scale, block, bias)
     if gated and (not FUSE_SILU_AND_MUL_QUANT or block[1] & (block[1] - 1)):  # the fused kernel: 2^n groups

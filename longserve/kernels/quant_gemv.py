@@ -345,7 +345,7 @@ def wna16_gemv(
             0, 0, 0, 0, 0, HAS_ZP=zeros is not None, HAS_BIAS=sk.bias_in_kernel(bias),
             BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, PARTIAL=sk.partial, INTERPRET_BF16=interpret_bf16,
             ROUTED=False, X_ROW_DIV=1, USE_RAW_HI=int4_gemv.INT4_GEMV_RAW_HI, USE_PDL=pdl,
-            PREFETCH=int4_gemv.INT4_GEMV_PREFETCH if x.is_cuda else 0, SERIAL=sk.serial,
+            PREFETCH=int4_gemv.INT4_GEMV_PREFETCH if pdl else 0, SERIAL=sk.serial,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=pdl,
         )  # fmt: skip
     else:
