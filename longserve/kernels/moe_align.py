@@ -1,5 +1,5 @@
 """The MoE block alignment in one Triton launch: from the routed expert ids [T, k] (and the expert map of
-expert parallelism) to exactly what the grouped GEMMs of kernels/fused_moe.py read, bit for bit what the
+expert parallelism) to exactly what the grouped GEMMs of kernels/moe_gemm.py read, bit for bit what the
 torch reference `moe_align_ref` (kernels/moe_reference.py, about 15 small launches, 20 with an expert map)
 writes.
 

@@ -88,8 +88,9 @@ def tune(args: argparse.Namespace, device: str = "cuda") -> dict[str, dict]:
     """num_tokens bucket -> best config (a CPU device under TRITON_INTERPRET=1 only smoke-tests this)."""
     from tqdm import tqdm
 
-    from longserve.kernels.fused_moe import fused_moe, fused_moe_ref, moe_align_block_size, moe_gemm
+    from longserve.kernels.fused_moe import fused_moe, fused_moe_ref, moe_align_block_size
     from longserve.kernels.moe_config import max_smem
+    from longserve.kernels.moe_gemm import moe_gemm
     from longserve.kernels.moe_reference import MoEQuant, route_topk
     from longserve.kernels.quant_fp8 import per_token_group_quant
     from longserve.kernels.quant_reference import pack_int_k

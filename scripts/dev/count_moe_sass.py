@@ -1,8 +1,9 @@
-"""What the fused MoE kernel (kernels/fused_moe.py `_moe_gemm_kernel`) becomes on sm90 at the A3B prefill tiles, 16-bit
-experts against block-FP8 ones at each `max_num_imprecise_acc` (quant_fp8.FP8_DOT_MAX_IMPRECISE_ACC), on any
-machine (Triton ships ptxas and nvdisasm): the tensor-core instructions (wgmma or mma.sync), the registers and
+"""What the fused MoE kernel (kernels/moe_gemm.py `_moe_gemm_kernel`) becomes on sm90 at the A3B prefill tiles,
+16-bit experts against block-FP8 ones at each `max_num_imprecise_acc` (quant_fp8.FP8_DOT_MAX_IMPRECISE_ACC), on
+any machine (Triton ships ptxas and nvdisasm): the tensor-core instructions (wgmma or mma.sync), the registers and
 spills, and the main loop's instruction counts (the FP8-to-fp16 conversions F2FP, the promotions FADD, the scale
-loads LDG).
+products FMUL, the scale loads LDG). `"scalar": false` builds a weight scale per column (the per-channel route)
+instead of one a tile.
 
 Why: the A3B FP8 cold prefill runs its expert GEMMs ~40% slower than bf16's where FP8's tensor cores are twice as
 fast (RESULTS.md seventeenth session). With Triton 3.6 (the H200's), `max_num_imprecise_acc=0` (fp32 accumulation,
@@ -31,12 +32,12 @@ from longserve.testing.kernel_compile import (  # noqa: E402
 VARIANTS = [{"wq": 0}] + [{"wq": 2, "acc": acc} for acc in (0, 32, 64, 128, None)]
 
 
-def compile_moe(wq=2, acc=0, bm=64, bn=128, bk=128, warps=8, stages=4, silu=True):
+def compile_moe(wq=2, acc=0, bm=64, bn=128, bk=128, warps=8, stages=4, silu=True, scalar=True):
     """The gate+up kernel (SILU_AND_MUL) over the pairs' token rows, weights 16-bit (wq 0) or e4m3 with 128 x 128
     block scales and e4m3 activations quantized per 128-group (wq 2), as fused_moe launches it at prefill sizes."""
-    from longserve.kernels import fused_moe
+    from longserve.kernels import moe_gemm
 
-    fn = fused_moe._moe_gemm_kernel
+    fn = moe_gemm._moe_gemm_kernel
     while not hasattr(fn, "arg_names"):  # launch.py's FastKernel around the JITFunction
         fn = fn.fn
     w = "*fp8e4nv" if wq == 2 else "*bf16"
@@ -45,7 +46,7 @@ def compile_moe(wq=2, acc=0, bm=64, bn=128, bk=128, warps=8, stages=4, silu=True
             "expert_ids_ptr": "*i32", "num_tokens_post_padded_ptr": "*i32"}  # fmt: skip
     consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=16, SILU_AND_MUL=silu, A_ROW_DIV=8 if silu else 1,
                   MUL_ROUTED_WEIGHT=False, EVEN_K=True, WEIGHT_QUANT=wq, BITS=8, HAS_ZP=False, HAS_GIDX=False,
-                  BLOCK_N_SCALE=128, ACT_KIND=0, INTERPRET_BF16=False, UPCAST_DOT=False, DOT_PRECISION="tf32",
+                  BLOCK_N_SCALE=128, SCALAR_B_SCALE=scalar and wq == 2, GROUP_BLOCKS=128 // bk, ACT_KIND=0, INTERPRET_BF16=False, UPCAST_DOT=False, DOT_PRECISION="tf32",
                   MAX_IMPRECISE_ACC=acc if wq == 2 else None, USE_PDL=False)  # fmt: skip
     missing = set(consts) - set(fn.arg_names)
     assert not missing, f"_moe_gemm_kernel has no {missing}"
@@ -62,7 +63,8 @@ def report(variant: dict) -> dict:
     out.update(resource_usage(c.asm["cubin"]))
     loop = opcode_counts(loop_instructions(cubin_tool(c.asm["cubin"], "nvdisasm", "-c")))
     out["loop"] = {
-        op: loop.get(op, 0) for op in ("HGMMA", "QGMMA", "HMMA", "F2FP", "FADD", "FFMA", "LDG", "LDGSTS")
+        op: loop.get(op, 0)
+        for op in ("HGMMA", "QGMMA", "HMMA", "F2FP", "FADD", "FMUL", "FFMA", "LDG", "LDGSTS", "MUFU")
     }
     out["loop_instructions"] = sum(n for op, n in loop.items() if op)
     return out

@@ -69,7 +69,7 @@ COMPILED_FOR_PDL = {
     ),
     "moe": (  # the router's top-k, the alignment, the grouped GEMMs, the sum over k; FP8: the quantization
         ("qwen3-moe-bf16", "fp8-moe"),
-        ("moe_routing._route_topk_kernel", "moe_align._moe_align_kernel", "fused_moe._moe_gemm_kernel",
+        ("moe_routing._route_topk_kernel", "moe_align._moe_align_kernel", "moe_gemm._moe_gemm_kernel",
          "moe_sum._moe_sum_kernel", "quant_fp8._group_quant_kernel"),
     ),
 }  # fmt: skip

@@ -211,6 +211,37 @@ def test_fp8_dots_with_full_precision_accumulation(monkeypatch: pytest.MonkeyPat
     torch.testing.assert_close(out, ref, atol=TOL[torch.float32] * 10, rtol=TOL[torch.float32])
 
 
+@pytest.mark.parametrize("tile_n, tile_k", [(16, 16), (32, 16), (16, 32)])
+def test_fused_moe_block_fp8_tiles_across_the_scale_blocks(
+    monkeypatch: pytest.MonkeyPatch, tile_n, tile_k
+) -> None:
+    """Block-FP8 experts with scale blocks of 16 rows x 32 K: tiles within one block's rows (one scale a tile and
+    K block, SCALAR_B_SCALE) and wider than a block (a scale per column), K blocks of half a group (the group's
+    index found from two blocks, GROUP_BLOCKS 2) and of a whole one, each equal to the reference."""
+    from longserve.kernels import moe_gemm
+
+    g = gen(31)
+    e, h, i = 4, 64, 64
+    w13 = torch.randn(e, 2 * i, h, generator=g).to(FP8_DTYPE)
+    w2 = torch.randn(e, h, i, generator=g).to(FP8_DTYPE)
+    s13 = torch.rand(e, 2 * i // 16, h // 32, generator=g) * 0.05 + 0.01
+    s2 = torch.rand(e, h // 16, i // 32, generator=g) * 0.05 + 0.01
+    quant = MoEQuant("fp8_e4m3", 32, s13, s2, block_n=16)
+    x = torch.randn(9, h, generator=gen(32))
+    weights, ids = route_topk(torch.randn(9, e, generator=gen(33)), 2, True)
+    seen = []
+    kernel = moe_gemm._moe_gemm_kernel
+    real = kernel.run
+    monkeypatch.setattr(
+        kernel, "run", lambda *a, **k: seen.append((k["SCALAR_B_SCALE"], k["GROUP_BLOCKS"])) or real(*a, **k)
+    )
+    cfg = {"BLOCK_M": 16, "BLOCK_N": tile_n, "BLOCK_K": tile_k, "GROUP_M": 1, "num_warps": 4, "num_stages": 1}
+    out = fused_moe(x, w13, w2, weights, ids, quant=quant, config=cfg)
+    assert seen == [(tile_n == 16, 32 // tile_k)] * 2  # gate+up, down
+    ref = fused_moe_ref(x, w13, w2, weights, ids, quant=quant)
+    torch.testing.assert_close(out, ref, atol=TOL[torch.float32] * 10, rtol=TOL[torch.float32])
+
+
 def test_fused_moe_quantized_expert_parallel_parts_sum_to_the_whole() -> None:
     """Expert parallelism with int4 experts: each rank's experts (expert_map) give its share of the sum."""
     w13, w2, quant = moe_case("int4-zp-act", seed=10)
