@@ -4,8 +4,8 @@
         -- longserve.bench.latency --config llama-3.1-8b --quantization gptq --decode-batch-sizes 1
 
 Each `module.NAME=value` (a Python literal) is set on the imported module before the target module runs as
-`__main__` with the arguments after `--`. The constants must be read at call time (the switches in
-kernels/ and models/ are), not copied at import by the module that runs.
+`__main__` with the arguments after `--` (a path ending in .py runs as that script). The constants must be read
+at call time (the switches in kernels/ and models/ are), not copied at import by the module that runs.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import ast
 import importlib
 import runpy
 import sys
+from pathlib import Path
 
 
 def apply(assignments: list[str]) -> None:
@@ -36,7 +37,11 @@ def main(argv: list[str]) -> None:
     apply(argv[:split])
     target, *args = argv[split + 1 :]
     sys.argv = [target, *args]
-    runpy.run_module(target, run_name="__main__", alter_sys=True)
+    if target.endswith(".py"):  # a script (scripts/gpu/bench_quant_accuracy.py): its folder first on the path
+        sys.path.insert(0, str(Path(target).resolve().parent))
+        runpy.run_path(target, run_name="__main__")
+    else:
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
 
 
 if __name__ == "__main__":

@@ -63,10 +63,11 @@
 # projection's time at 1 and 16 rows with 0, 2 and 4, then the 8B int4 decode at b1@32K and b16@8K with 0 and 2.
 # fp8-profile (one GPU, ~2 min): the 8B block FP8 decode at b1@32K under the profiler, its top kernels (issue 18: 0.72x
 # bf16 with the wgmma GEMV on, target 0.7x; where the 1.12 ms over its 2.935 ms floor goes).
-# a3b-fp8-prefill (one GPU, ~6 min): the A3B cold 32K in bf16 and in block FP8 under the profiler, their top kernels
+# a3b-fp8-prefill (one GPU, ~7 min): the A3B cold 32K in bf16 and in block FP8 under the profiler, their top kernels
 # (issue 18: FP8 cold 32K <= 0.85x bf16; 1.14x at 11fea55, the FP8 expert GEMMs ~40% slower than bf16's at prefill
 # sizes where they could be ~2x faster), and in FP8 with the dots at FP8_DOT_MAX_IMPRECISE_ACC 32 after the fp8
-# engine tests at 32 (the default 0 takes no FP8 tensor core: scripts/dev/count_moe_sass.py).
+# engine tests at 32 (the default 0 takes no FP8 tensor core: scripts/dev/count_moe_sass.py), and at None (no
+# promotion inside a K block: what the kernel's scales a tile (66d642c) give at the fewest instructions).
 # fp8-gated (one GPU, ~8 min): the block FP8 down projection's silu(gate) * up made inside the wgmma GEMV
 # (quant_fp8.FP8_WGMMA_GATED): the GEMV's GPU tests, the fp8 engines' with it on, then the 8B block FP8 decode at
 # b1@32K, b8@4K and b16@8K off and on, and with the GEMV's splits of at least 2 and 4 K blocks (MIN_SPLIT_BLOCKS)
@@ -79,6 +80,12 @@
 # int4 decode at b1@32K from one row at REPS 2 with the grid sized for 6 (one wave by registers), 4 and 3 programs
 # an SM (`_RESIDENT`), with programmatic dependent launch off, and with splits of at least 4 and 8 steps
 # (`MIN_SPLIT_STEPS`), beside the defaults.
+# fp8-acc-quality (one GPU, ~4 min): what the fp8 dots' accumulation costs a user in quality: `bench accuracy`
+# (scripts/gpu/bench_quant_accuracy.py) of the dense FP8 formats (fp8-block, ct-fp8-dynamic; hidden 1024) and of
+# FP8 experts (qwen3_moe, 32 x 32 blocks) against their bf16 original at FP8_DOT_MAX_IMPRECISE_ACC 0 (the default),
+# 32 and None: top-1 agreement and KL beside the quantization's own. The GPU tests' check (first-token logprobs
+# within 0.1 of the fp32 reference path's) failed at None (seventeenth session), where the MoE kernel builds 175
+# instructions a loop against 526 at 0 (count_moe_sass.py).
 # kvfp8-f16 (one GPU, ~7 min): the fp8 KV GPU tests, then the A3B and 8B decode at batch 64 (4K) on a bf16 cache and
 # on an fp8 one with the decode kernel's dots in bf16 and in fp16 (decode_attention.KV_FP8_AS_F16), and in fp16 at
 # 2 pipeline stages (issue 18: fp8 KV <= 1.05x bf16's, the A3B at 1.06x in the eighth session).
@@ -442,13 +449,25 @@ if [[ $MODE == a3b-fp8-prefill ]]; then  # one GPU (~6 min): where the A3B FP8 c
   acc32=longserve.kernels.quant_fp8.FP8_DOT_MAX_IMPRECISE_ACC=32
   timeout 200 python3 scripts/probes/with_constants.py $acc32 -- pytest -q -m gpu tests/gpu/test_quant_engine_gpu.py \
     -k "fp8 or ct-int8" -p no:cacheprovider --tb=line -rfE 2>&1 | tee "$OUT/gpu_tests_fp8_acc32.log" | tail -6
-  for v in bf16 fp8 fp8_acc32; do
+  for v in bf16 fp8 fp8_acc32 fp8_accNone; do
     over=(); consts=()
     [[ $v == fp8* ]] && over=(--hf-overrides "$fp8")
     [[ $v == fp8_acc32 ]] && consts=("$acc32")
+    [[ $v == fp8_accNone ]] && consts=(longserve.kernels.quant_fp8.FP8_DOT_MAX_IMPRECISE_ACC=None)
     LATENCY_TIMEOUT=150 latency_with "a3b_prefill_$v" "A3B $v" "${consts[@]}" -- --config qwen3-30b-a3b \
       "${dummy[@]}" --repeat 2 "${over[@]}" --prompt-lens 32768 --profile
     top_ops "$OUT/latency_a3b_prefill_$v.json"
+  done
+fi
+
+if [[ $MODE == fp8-acc-quality ]]; then  # one GPU (~4 min): bench accuracy of the FP8 formats at each accumulation
+  for acc in 0 32 None; do
+    for arch in qwen3 qwen3_moe; do
+      if [[ $arch == qwen3 ]]; then shape=(--variants fp8-block,ct-fp8-dynamic); else shape=(--variants fp8-block --hidden 128); fi
+      timeout 150 python3 scripts/probes/with_constants.py longserve.kernels.quant_fp8.FP8_DOT_MAX_IMPRECISE_ACC=$acc -- \
+        scripts/gpu/bench_quant_accuracy.py --arch $arch "${shape[@]}" --output-dir "$OUT/fp8_quality/${arch}_acc$acc" \
+        2>"$OUT/fp8_quality_${arch}_acc$acc.log" | tail -4 || status=1
+    done
   done
 fi
 
