@@ -77,9 +77,10 @@ FP8_BLOCK_SCALED_MM_MIN_TOKENS = 2
 # the tests fail; with 0 all pass (64 fails too). The cost (RESULTS.md seventeenth session): the A3B FP8 cold 32K
 # 1.277 s at 0 against 1.132 at None. Why (sm90 builds with Triton 3.6, scripts/dev/count_moe_sass.py, the MoE
 # kernel at the H200 table's prefill tiles): at 0 Triton builds the fp8 dots as mma.sync on fp16 operands (128
-# HMMA and 192 F2FP conversions a loop, no FP8 tensor core, 255 registers and a spill), at 32 / 64 / None as
-# wgmma on e4m3 (QGMMA; 32 promotes after each k32, as fp8_wgmma_gemv does with 0, and its GEMV's engine tests
-# pass). 32 in the engine: `gpu_check.sh a3b-fp8-prefill`.
+# HMMA and 192 F2FP conversions a loop, no FP8 tensor core), at 32 / 64 / None as wgmma on e4m3 (QGMMA; 32
+# promotes after each k32, as fp8_wgmma_gemv does with 0, and its GEMV's engine tests pass); with one weight scale
+# a tile (66d642c) the loop holds 526 instructions at 0, 390 at 32, 175 at None. 32 and None in the engine:
+# `gpu_check.sh a3b-fp8-prefill`; what each costs in quality against bf16: `gpu_check.sh fp8-acc-quality`.
 FP8_DOT_MAX_IMPRECISE_ACC: int | None = 0
 # FP8 of at most this many rows runs as kernels/fp8_gemv.py's GEMVs (the weights read on the CUDA cores, split
 # K; block FP8 with the activations' quantization inside) instead of the 16-row tensor-core GEMM (block FP8;
