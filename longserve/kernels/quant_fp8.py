@@ -1,5 +1,5 @@
-"""FP8 (e4m3) and INT8 W8A8 linear layers on the GPU; references: kernels/quant_reference.py (same signatures
-and arithmetic).
+"""FP8 (e4m3) linear layers on the GPU, and the activations' quantization that INT8 W8A8 shares
+(kernels/int8_linear.py); references: kernels/quant_reference.py (same signatures and arithmetic).
 
 - `per_token_group_quant`: a Triton kernel that quantizes activations at run time, per token-group (128 for
   the DeepSeek/Qwen3 FP8 block recipe) or per token (group = K), to e4m3 or int8, writing float32 scales.
@@ -11,7 +11,6 @@ and arithmetic).
 - `fp8_scaled_linear`: per-channel (or per-tensor, expanded to channels) weight scales and per-token (or
   static per-tensor) activation scales through `torch._scaled_mm` (rowwise scaling) for bf16, the Triton
   block GEMM with one block per row for other dtypes.
-- `int8_scaled_linear`: INT8 through `torch._int_mm` (int32 accumulation) and a float epilogue.
 
 No host syncs: every size is a Python int of the shapes (CUDA graphs capture these).
 """
@@ -51,7 +50,6 @@ __all__ = [
     "fp8_block_gemm_ref",
     "fp8_block_linear",
     "fp8_scaled_linear",
-    "int8_scaled_linear",
     "per_token_group_quant",
     "per_token_group_quant_fp8_ref",
     "per_token_quant_int8_ref",
@@ -390,29 +388,3 @@ def fp8_scaled_linear(
         out = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=w_scale.view(1, -1), out_dtype=torch.bfloat16)
         return out if bias is None else out + bias
     return fp8_block_gemm(xq, xs, w, w_scale.view(-1, 1), (1, x.shape[1]), x.dtype, bias)
-
-
-_INT_MM_MIN_M = 17  # torch._int_mm needs more than 16 rows
-
-
-def int8_scaled_linear(
-    x: torch.Tensor,  # [M, K]
-    w: torch.Tensor,  # [N, K] int8
-    w_scale: torch.Tensor,  # [N] float32
-    input_scale: torch.Tensor | None = None,  # [1]: static per-tensor; None: per token
-    bias: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """INT8 W8A8: x quantized per token (Triton), torch._int_mm (int32 accumulation), scaled in float32."""
-    xq, xs = per_token_group_quant(x, 0, torch.int8, static_scale=input_scale)
-    if xs.shape[1] != 1:
-        xs = xs[:, :1]
-    if not x.is_cuda:
-        return scaled_gemm_ref(xq, xs, w, w_scale, x.dtype, bias)
-    m = x.shape[0]
-    if m < _INT_MM_MIN_M:  # pad the rows (static shapes: no sync), dropped after
-        xq = torch.nn.functional.pad(xq, (0, 0, 0, _INT_MM_MIN_M - m))
-    acc = torch._int_mm(xq, w.t())[:m]  # [M, N] int32
-    out = acc.float() * xs * w_scale.view(1, -1)
-    if bias is not None:
-        out = out + bias.float()
-    return out.to(x.dtype)

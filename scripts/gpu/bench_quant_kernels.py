@@ -32,11 +32,11 @@ from longserve.kernels.fp8_gemv import (
     fp8_block_gemv_supported,
     fp8_channel_gemv,
 )
+from longserve.kernels.int8_linear import int8_scaled_linear
 from longserve.kernels.quant_fp8 import (
     _scaled_mm_blockwise_ok,
     fp8_block_linear,
     fp8_scaled_linear,
-    int8_scaled_linear,
     per_token_group_quant,
 )
 from longserve.kernels.quant_gemm import wna16_gemm

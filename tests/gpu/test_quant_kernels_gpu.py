@@ -280,7 +280,8 @@ def test_fp8_channel_gemv_matches_reference(shape: str, m: int, monkeypatch: pyt
 
 @pytest.mark.parametrize("m", [1, 17, 512])
 def test_fp8_per_channel_and_int8(m: int) -> None:
-    from longserve.kernels.quant_fp8 import fp8_scaled_linear, int8_scaled_linear, per_token_group_quant
+    from longserve.kernels.int8_linear import int8_scaled_linear
+    from longserve.kernels.quant_fp8 import fp8_scaled_linear, per_token_group_quant
     from longserve.kernels.quant_reference import per_token_quant_int8_ref, scaled_gemm_ref
 
     n, k = DENSE["o"]
@@ -310,7 +311,8 @@ def no_sync(fn) -> None:
 
 
 def test_no_host_syncs() -> None:
-    from longserve.kernels.quant_fp8 import fp8_block_linear, fp8_scaled_linear, int8_scaled_linear
+    from longserve.kernels.int8_linear import int8_scaled_linear
+    from longserve.kernels.quant_fp8 import fp8_block_linear, fp8_scaled_linear
     from longserve.kernels.quant_gemm import wna16_gemm
 
     n, k = DENSE["o"]

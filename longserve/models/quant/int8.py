@@ -77,7 +77,7 @@ class Int8LinearMethod(LinearMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if use_triton(x):
-            from longserve.kernels.quant_fp8 import int8_scaled_linear  # imports triton
+            from longserve.kernels.int8_linear import int8_scaled_linear  # imports triton
 
             return int8_scaled_linear(x, layer.weight, layer.int8_scale, layer.int8_input_scale, bias)
         xq, xs = per_token_quant_int8_ref(x, layer.int8_input_scale)
