@@ -15,6 +15,7 @@ import torch
 
 from longserve.attention.base import build_metadata
 from longserve.attention.sdpa import cold_sdpa, prefix_split_sdpa
+from longserve.kernels import split_k
 from longserve.kernels.decode_attention import choose_num_splits, decode_attention
 from longserve.kernels.extend_attention import choose_extend_splits, extend_attention, extend_config
 
@@ -116,7 +117,7 @@ def _bench_case(
     }  # fmt: skip
 
     if case.query_len == 1:
-        num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        num_sms = split_k.num_sms(q.device.index or 0)
         splits = num_splits or choose_num_splits(seq_len, case.num_reqs, num_kv_heads, num_sms)
 
         def decode() -> torch.Tensor:
@@ -132,7 +133,7 @@ def _bench_case(
         return [{**row, "tflops": flops / ms / 1e9, "gbps": kv_bytes / ms / 1e6}]
 
     cfg = extend_cfg or extend_config(head_dim, dtype)
-    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    num_sms = split_k.num_sms(q.device.index or 0)
     splits = extend_splits or choose_extend_splits(
         query_lens, meta.seq_lens_cpu, num_q_heads, num_kv_heads, cfg["BLOCK_M"], num_sms
     )
