@@ -100,6 +100,9 @@ class EngineConfig:
     chunked_prefill_size: int = 8192
     max_prefill_chunk: int | None = None  # per-request cap per step; None: the whole budget
     max_running_requests: int = 256
+    # the most top logprobs a request may ask for, per generated token (logprobs) and per prompt position
+    # (prompt_logprobs): vLLM's --max-logprobs, 20 by default (OpenAI's top_logprobs limit); -1: the vocabulary
+    max_logprobs: int = 20
     # "short-first": a waiting request with at most 1/8 of chunked_prefill_size to compute (after its cached
     # prefix) is served before the rest of a long prompt's prefill (SchedulerConfig.from_engine_config);
     # "fcfs": never
@@ -229,6 +232,11 @@ class EngineConfig:
             self.max_running_requests >= 1,
             f"max_running_requests must be >= 1; got {self.max_running_requests}",
             "max_running_requests",
+        )
+        need(
+            isinstance(self.max_logprobs, int) and self.max_logprobs >= -1,
+            f"max_logprobs must be an integer >= -1 (-1: the vocabulary); got {self.max_logprobs!r}",
+            "max_logprobs",
         )
         need(
             self.schedule_policy in SCHEDULE_POLICIES,

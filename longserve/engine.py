@@ -72,6 +72,9 @@ class Engine:
         bind_tokenizer(self.runner, self.tokenizer)  # a reranker's yes/no token ids
         self.eos_token_ids = self._eos_ids()
         self.context_length = self.runner.context_length
+        # the most top logprobs a request may ask for (EngineConfig.max_logprobs; -1: the vocabulary)
+        vocab = self.runner.model.vocab_size
+        self.max_logprobs = vocab if config.max_logprobs == -1 else config.max_logprobs
         self.kv = KVCacheManager(self.runner.num_pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig.from_engine_config(config, self.context_length), self.kv)
         self.tokens = TokenHandler(self.scheduler, self.context_length)  # what each sampled token does
@@ -171,7 +174,12 @@ class Engine:
             text, token_ids = None, list(prompt)
             token_array = check_token_ids(token_ids, self.runner.model.vocab_size)
         check_limits(
-            token_ids, params, self.runner.model.vocab_size, self.context_length, pooling is not None
+            token_ids,
+            params,
+            self.runner.model.vocab_size,
+            self.context_length,
+            pooling is not None,
+            self.max_logprobs,
         )
         if grammar is None and params.structured_outputs is not None:
             grammar = self.grammar_compiler.compile(params.structured_outputs)  # ValueError: a bad spec

@@ -13,7 +13,7 @@ import numpy as np
 from longserve.config import EngineConfig
 from longserve.models.moe_layout import moe_spec
 from longserve.request import int64_array
-from longserve.sampling_params import SamplingParams
+from longserve.sampling_params import SamplingParams, check_logprobs_limit
 
 if TYPE_CHECKING:
     from longserve.runner.model_runner import ModelRunner
@@ -65,12 +65,18 @@ def log_ignored_settings(config: EngineConfig, hf_config: Any) -> None:
 
 
 def check_limits(
-    token_ids: list[int], params: SamplingParams, vocab: int, context_length: int, pooling: bool
+    token_ids: list[int],
+    params: SamplingParams,
+    vocab: int,
+    context_length: int,
+    pooling: bool,
+    max_logprobs: int,
 ) -> None:
-    """A prompt that is empty or too long for the context, or token ids in the sampling settings past the
-    vocab (a ban or a bias on them would index past the logits): ValueError."""
+    """A prompt that is empty or too long for the context, token ids in the sampling settings past the vocab (a
+    ban or a bias on them would index past the logits), or more top logprobs than max_logprobs: ValueError."""
     if not token_ids:
         raise ValueError("the prompt is empty: give at least one character or token")
+    check_logprobs_limit(params, max_logprobs)
     if any(t >= vocab for t in params.stop_token_ids):
         raise ValueError(f"stop_token_ids must be in [0, {vocab}); got {params.stop_token_ids[:5]}")
     if params.logit_bias and max(params.logit_bias) >= vocab:

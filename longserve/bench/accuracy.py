@@ -7,9 +7,11 @@ One prompt set (built-in business questions, or --prompts FILE.jsonl) goes throu
 - perplexity of each on a text (built-in, or --text FILE).
 Sides are two checkpoints run offline (one after the other, so only one is in memory) or two running servers
 (`--base-url`, `--reference-base-url`) through /v1/completions with prompt_logprobs. The KL uses each side's
-top-k logprobs (--top-k, at most 20: the engines' prompt_logprobs limit), on both paths: tokens of the
-reference's top k missing from the model's top k get the model's k-th logprob (an upper bound of theirs), and
-the mass outside the top k is compared as one bucket; so it is an approximation, exact as k covers the mass.
+top-k logprobs (--top-k, 20 by default: vLLM's and longserve's --max-logprobs; a server started with a larger
+--max-logprobs takes more), on both paths: tokens of the reference's top k missing from the model's top k get the
+model's k-th logprob (an upper bound of theirs), and the mass outside the top k is compared as one bucket; so it
+is an approximation, exact as k covers the mass. `--top-k -1` with two checkpoints offline: every token of the
+vocabulary, the exact KL (vocabulary x positions pairs in Python: for small vocabularies, as the test models').
 Both sides must tokenize alike: a different tokenizer is refused (token ids would not mean the same).
 Writes accuracy.json and accuracy.md to --output-dir.
 """
@@ -49,7 +51,7 @@ BUILTIN_TEXT = (
     "with the previous quarter. Management noted that currency movements reduced reported growth slightly "
     "and that the outlook for the full year is unchanged."
 )
-MAX_TOP_K = 20
+DEFAULT_TOP_K = 20  # vLLM's and longserve's default --max-logprobs: what any server takes
 
 
 def load_prompts(path: str | None) -> list[str]:
@@ -152,7 +154,11 @@ def compare(
         max_new_tokens=max_new_tokens, top_k=top_k, positions=total,
         top1_agreement=agree / total if total else None,
         mean_kl=sum(kls) / len(kls) if kls else None, max_kl=max(kls) if kls else None,
-        kl_note=f"KL(reference || model) over each side's top-{top_k} logprobs (an approximation)",
+        kl_note=(
+            "KL(reference || model) over every token of the vocabulary (exact)"
+            if top_k == -1
+            else f"KL(reference || model) over each side's top-{top_k} logprobs (an approximation)"
+        ),
         same_answers=sum(p["same_answer"] for p in per_prompt),
         perplexity={"model": ppl(mod["text_logprobs"]), "reference": ppl(ref["text_logprobs"])},
         perplexity_tokens=len(ref["text_ids"]), seconds=time.perf_counter() - t0, prompts=per_prompt,
@@ -201,7 +207,11 @@ def add_accuracy_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--text", default=None, help="a text file for perplexity; default: a built-in paragraph")
     p.add_argument("--max-new-tokens", type=int, default=48, help="greedy answer length")
     p.add_argument(
-        "--top-k", type=int, default=MAX_TOP_K, help=f"logprobs per position for the KL (<= {MAX_TOP_K})"
+        "--top-k",
+        type=int,
+        default=DEFAULT_TOP_K,
+        help="logprobs per position for the KL (a server caps it by its --max-logprobs); -1, offline: the "
+        "whole vocabulary (the exact KL)",
     )
     p.add_argument("--output-dir", default="accuracy-report", help="where accuracy.json and accuracy.md go")
     off = p.add_argument_group("offline engine options (both sides unless --reference-* says otherwise)")
@@ -229,8 +239,12 @@ def _side(path: str | None, url: str | None, what: str, args: argparse.Namespace
 
 
 def run_from_args(args: argparse.Namespace) -> dict:
-    if not 1 <= args.top_k <= MAX_TOP_K:
-        raise ValueError(f"--top-k must be in [1, {MAX_TOP_K}]")
+    if args.top_k < 1 and args.top_k != -1:
+        raise ValueError("--top-k must be at least 1, or -1 (offline: the whole vocabulary)")
+    if args.top_k == -1 and (args.base_url or args.reference_base_url):
+        raise ValueError(
+            "--top-k -1 (the whole vocabulary) needs both sides offline (--model and --reference)"
+        )
     if args.max_new_tokens < 1:
         raise ValueError("--max-new-tokens must be at least 1")
     model = _side(args.model, args.base_url, "model", args, kv_cache_dtype=args.kv_cache_dtype,

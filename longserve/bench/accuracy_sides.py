@@ -60,7 +60,7 @@ class OfflineSide(Side):
     def __enter__(self) -> OfflineSide:
         from longserve import LLM
 
-        self.llm = LLM(self.path, **self.engine_kw)
+        self.llm = LLM(self.path, max_logprobs=-1, **self.engine_kw)  # any --top-k, up to the vocabulary
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -85,6 +85,7 @@ class OfflineSide(Side):
     def score(self, ids: list[int], top_k: int) -> Scored:
         from longserve import SamplingParams
 
+        top_k = top_k if top_k > 0 else self.llm.engine.max_logprobs  # -1: every token (max_logprobs=-1)
         sp = SamplingParams(max_new_tokens=1, temperature=0.0, prompt_logprobs=top_k)
         out = self.llm.generate([ids], sp, use_tqdm=False)[0]
         return [(out.prompt_logprobs[j], dict(out.prompt_top_logprobs[j])) for j in range(1, len(ids))]

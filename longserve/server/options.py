@@ -164,6 +164,8 @@ OPTIONS: tuple[Option, ...] = (
            default_help="the whole step budget"),
     Option(("--max-running-requests", "--max-num-seqs"), E + "max_running_requests", "concurrent requests",
            int),
+    Option(("--max-logprobs",), E + "max_logprobs",
+           "most top logprobs a request may ask for, per token and per prompt position (-1: the vocabulary)", int),
     Option(("--schedule-policy", "--scheduling-policy"), E + "schedule_policy",
            "short-first (default: a request with little left to compute goes before the rest of a long "
            "prefill; SGLang's lpm means it too) or fcfs", _schedule_policy),

@@ -69,8 +69,8 @@ async def generate(request: Request):
     state = get_state(request)
     req = await parse_body(request, GenerateRequest)
     sampling = req.sampling_params or GenerateSampling()
-    if not 0 <= req.top_logprobs_num <= 20:
-        raise APIError(400, "top_logprobs_num must be in [0, 20]", param="top_logprobs_num")
+    if req.top_logprobs_num < 0:
+        raise APIError(400, "top_logprobs_num must be >= 0", param="top_logprobs_num")
     if req.custom_logit_processor is not None:
         raise APIError(
             400,
@@ -80,6 +80,7 @@ async def generate(request: Request):
     # return_logprob: the output's logprobs and the prompt's from logprob_start_len, with top_n each
     top_n = req.top_logprobs_num if req.return_logprob else None
     params = sampling.to_params(top_n, prompt_logprobs=top_n, logprob_start_len=req.logprob_start_len)
+    state.check_logprobs(params, {"logprobs": "top_logprobs_num", "prompt_logprobs": "top_logprobs_num"})
     deadline = state.deadline(request)
     # SGLang's json_schema, regex, ebnf, structural_tag
     grammar = await state.grammars.compile_fields(constraint_fields(sampling), deadline)

@@ -190,6 +190,7 @@ async def completions(request: Request):
     check_best_of(req.best_of, req.n, req.stream, MAX_N)
     check_prompt_logprobs_stream(req.prompt_logprobs, req.stream)
     params = req.sampling_params(req.max_tokens, req.logprobs)
+    state.check_logprobs(params)
     deadline = state.deadline(request)
     grammar = await state.grammars.compile_fields(constraint_fields(req), deadline)
     prompts = await state.encode_prompts(req.prompt, "prompt", deadline)
@@ -209,6 +210,7 @@ async def chat_completions(request: Request):
     check_prompt_logprobs_stream(req.prompt_logprobs, req.stream)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+    state.check_logprobs(params, {"logprobs": "top_logprobs"})
     messages = [m.as_dict(i) for i, m in enumerate(req.messages)]
     deadline = state.deadline(request)
     # tools, tool_choice, the output constraint and the reasoning section: chat_request.py

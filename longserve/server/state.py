@@ -18,6 +18,7 @@ from fastapi.responses import StreamingResponse
 
 from longserve.config import EngineConfig
 from longserve.outputs import RequestOutput
+from longserve.sampling_params import SamplingParams, check_logprobs_limit
 from longserve.server.async_engine import AsyncEngine
 from longserve.server.config import ServerConfig
 from longserve.server.errors import APIError, as_api_error, internal_error
@@ -71,6 +72,16 @@ class ServerState:
                 param="model",
                 code="model_not_found",
             )
+
+    def check_logprobs(self, params: SamplingParams, names: dict[str, str] | None = None) -> None:
+        """More top logprobs than --max-logprobs allows (vLLM's 20 by default): a 400 naming the field as the
+        client spelled it (`names`: ours -> theirs), before anything is queued."""
+        try:
+            check_logprobs_limit(params, self.engine.max_logprobs)
+        except ValueError as e:
+            ours = str(e).split(" ", 1)[0]
+            theirs = (names or {}).get(ours, ours)
+            raise APIError(400, theirs + str(e)[len(ours) :], param=theirs) from None
 
     def check_lengths(self, num_prompt_tokens: int, max_new_tokens: int | None, what: str = "prompt") -> None:
         """Refuse a prompt (plus the tokens asked for; at least one) longer than the context, in OpenAI's

@@ -64,8 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     VARIANTS["fp8-block"] = ("write_fp8_block", {"block": fp8_block})
     os.makedirs(args.output_dir, exist_ok=True)
     original = qc.write_float(os.path.join(args.output_dir, "original"), args.arch, seed=args.seed)
+    # --top-k -1: each position's KL over the whole vocabulary (exact; the test models' is 512 tokens)
     common = ["--dtype", args.dtype, "--device", args.device, "--max-total-tokens", "8192",
-              "--max-new-tokens", args.max_new_tokens]  # fmt: skip
+              "--max-new-tokens", args.max_new_tokens, "--top-k", "-1"]  # fmt: skip
     runs: list[tuple[str, list[str]]] = []
     for name in args.variants.split(","):
         if name == "kv-fp8":  # the original with an fp8 KV cache (below)

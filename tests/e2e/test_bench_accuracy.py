@@ -90,6 +90,29 @@ def test_different_tokenizer_is_refused(pair, tmp_path, capsys):
     assert not (tmp_path / "r").exists()
 
 
+def test_whole_vocabulary_kl_offline(pair, tmp_path, capsys):
+    """--top-k -1 with both sides offline: every token's logprob (their engines at max_logprobs -1), so the KL
+    is the exact one over the vocabulary, which the top-20 approximation misses on these near-flat tiny models;
+    the same top-1 agreement either way. With a server side it is refused before anything loads."""
+    ref, other = pair
+    exact = run(tmp_path / "exact", "--model", other, "--reference", ref, "--top-k", "-1")
+    approx = run(tmp_path / "approx", "--model", other, "--reference", ref)
+    assert exact["top_k"] == -1 and "every token of the vocabulary" in exact["kl_note"]
+    assert exact["mean_kl"] > 0.01 and exact["mean_kl"] != pytest.approx(approx["mean_kl"], rel=1e-2)
+    assert exact["top1_agreement"] == approx["top1_agreement"]
+    assert main(["bench", "accuracy", "--model", other, "--reference-base-url", "http://127.0.0.1:9",
+                 "--top-k", "-1", *COMMON, "--output-dir", str(tmp_path / "r")]) == 2  # fmt: skip
+    assert "needs both sides offline" in capsys.readouterr().err
+
+
+def test_kl_topk_over_the_whole_vocabulary_is_the_kl():
+    g = torch.Generator().manual_seed(3)
+    p, q = (torch.log_softmax(torch.randn(64, generator=g) * 2, dim=0) for _ in range(2))
+    as_map = lambda lp: dict(enumerate(lp.tolist()))  # noqa: E731
+    want = float((p.exp() * (p - q)).sum())
+    assert kl_topk(as_map(p), as_map(q)) == pytest.approx(want, rel=1e-5, abs=1e-7)
+
+
 def test_kl_topk_approximation():
     p = {1: -0.1, 2: -2.5}
     assert kl_topk(p, dict(p)) == pytest.approx(0.0, abs=1e-12)

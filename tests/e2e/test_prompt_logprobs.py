@@ -143,6 +143,32 @@ def test_prompt_logprobs_of_n_siblings_and_bad_start(ckpt, hf_logsoftmax):
     assert_clean(llm)
 
 
+def test_max_logprobs_caps_requests_and_minus_one_is_the_vocabulary(ckpt, hf_logsoftmax):
+    """max_logprobs (--max-logprobs, vLLM's): 20 by default, a request asking more is refused before anything
+    is queued; -1 lets a request ask for the whole vocabulary, whose logprobs then equal transformers' full
+    log-softmax (what `bench accuracy` needs for an exact KL)."""
+    ids = prompt(30, seed=8)
+    llm = make_llm(ckpt)
+    for field in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(ValueError, match=rf"^{field} must be at most 20 \(max_logprobs"):
+            llm.generate([ids], SamplingParams(max_new_tokens=1, **{field: 21}))
+        assert not llm.engine.has_unfinished()
+    assert_clean(llm)
+    full = make_llm(ckpt, max_logprobs=-1)
+    vocab = full.engine.runner.model.vocab_size
+    assert full.engine.max_logprobs == vocab
+    greedy = SamplingParams(max_new_tokens=1, temperature=0, logprobs=vocab, prompt_logprobs=vocab)
+    out = full.generate([ids], greedy)[0]
+    ref = hf_logsoftmax(ids)
+    assert_matches_hf(out, ids, ref, k=vocab)
+    top = out.outputs[0].top_logprobs[0]  # the generated token's: every token of the vocabulary
+    assert len(top) == vocab and {t for t, _ in top} == set(range(vocab))
+    torch.testing.assert_close(torch.tensor([lp for _, lp in sorted(top)]), ref[-1], atol=TOL, rtol=0)
+    with pytest.raises(ValueError, match=rf"logprobs must be at most {vocab}"):
+        full.generate([ids], SamplingParams(max_new_tokens=1, logprobs=vocab + 1))
+    assert_clean(full)
+
+
 def test_logit_bias_forces_and_bans(ckpt):
     ids = prompt(20, seed=5)
     llm = make_llm(ckpt)

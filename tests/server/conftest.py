@@ -24,6 +24,7 @@ def server(tiny_model, tmp_path_factory) -> Iterator[ServerProcess]:
     args = ["--model-path", tiny_model, "--device", "cpu", "--dtype", "float32"]
     args += ["--max-total-tokens", str(4 * CONTEXT), "--context-length", str(CONTEXT), "--log-requests"]
     args += ["--strict-model-name"]  # vLLM's 404 for a model name not served (test_compat_api: the default)
+    args += ["--max-logprobs", "40"]  # vLLM's flag: more top logprobs than OpenAI's 20 (test_logprobs_api)
     # overlapped steps, as a GPU server runs by default (the engine tests cover the plain schedule on the CPU)
     args += ["--enable-overlap-schedule"]
     proc = ServerProcess(args, str(tmp_path_factory.mktemp("logs") / "server.log"))

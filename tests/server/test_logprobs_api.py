@@ -135,10 +135,40 @@ def test_prompt_logprobs_field_on_both_routes(client, hf):
     for route, body in [
         ("/v1/completions", {"prompt": PROMPT, "prompt_logprobs": 1, "stream": True}),
         ("/v1/chat/completions", {"messages": messages, "prompt_logprobs": 1, "stream": True}),
-        ("/v1/completions", {"prompt": PROMPT, "prompt_logprobs": 21}),
+        ("/v1/completions", {"prompt": PROMPT, "prompt_logprobs": 41}),
     ]:
         r = client.post(route, json=body)
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", r.text
+
+
+def test_max_logprobs_lets_a_request_ask_past_20_and_caps_it(oai, client, hf, tiny_model):
+    """The server runs with --max-logprobs 40 (vLLM's flag; 20 by default): the openai client's chat call with
+    top_logprobs 30 gets 30 a token, transformers' likeliest; 41 is a 400 naming the field as each route spells
+    it, and nothing is left queued."""
+    tok, logsoftmax = hf
+    messages = [{"role": "user", "content": PROMPT}]
+    chat = oai.chat.completions.create(
+        model=tiny_model, messages=messages, max_tokens=1, temperature=0, logprobs=True, top_logprobs=30
+    )
+    first = chat.choices[0].logprobs.content[0]
+    chat_ids = client.post("/tokenize", json={"messages": messages}).json()["tokens"]
+    want = logsoftmax(chat_ids)[-1].topk(30).values.tolist()
+    assert len(first.top_logprobs) == 30
+    close([t.logprob for t in first.top_logprobs], want)
+    for route, body, param in [
+        (
+            "/v1/chat/completions",
+            {"messages": messages, "logprobs": True, "top_logprobs": 41},
+            "top_logprobs",
+        ),
+        ("/v1/completions", {"prompt": PROMPT, "logprobs": 41}, "logprobs"),
+        ("/generate", {"text": PROMPT, "return_logprob": True, "top_logprobs_num": 41}, "top_logprobs_num"),
+    ]:
+        r = client.post(route, json=body)
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] == param, r.text
+        assert error["message"] == f"{param} must be at most 40 (max_logprobs, --max-logprobs), got 41"
+    assert_integrity(client)
 
 
 # ---- SGLang /generate -----------------------------------------------------------------------------------

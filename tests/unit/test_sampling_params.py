@@ -37,7 +37,8 @@ from longserve.sampling_params import SamplingParams
         ({"stop": 5}, "stop"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
         ({"stop_token_ids": 3}, "stop_token_ids"),
-        ({"logprobs": 21}, "logprobs"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"prompt_logprobs": -2}, "prompt_logprobs"),
         ({"logprobs": True}, "logprobs"),
     ],
 )
@@ -112,3 +113,18 @@ def test_vllm_and_sglang_keyword_spellings() -> None:
 def test_conflicting_or_unknown_keywords_are_type_errors(kwargs: dict, message: str) -> None:
     with pytest.raises(TypeError, match=message):
         SamplingParams(**kwargs)
+
+
+def test_logprobs_past_the_engines_limit_name_their_field() -> None:
+    """The top-logprob counts have no fixed bound in SamplingParams (vLLM's --max-logprobs sets the engine's):
+    check_logprobs_limit refuses more than the limit, naming the field first (the server's 400 param)."""
+    from longserve.sampling_params import check_logprobs_limit
+
+    params = SamplingParams(logprobs=50, prompt_logprobs=30)
+    check_logprobs_limit(params, 50)
+    with pytest.raises(
+        ValueError, match=r"^prompt_logprobs must be at most 29 \(max_logprobs, --max-logprobs\)"
+    ):
+        check_logprobs_limit(SamplingParams(prompt_logprobs=30), 29)
+    with pytest.raises(ValueError, match=r"^logprobs must be at most 20 .* got 50$"):
+        check_logprobs_limit(params, 20)
