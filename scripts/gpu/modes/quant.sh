@@ -73,8 +73,9 @@
 # b1@32K, b8@4K and b16@8K off and on, and with the GEMV's splits of at least 2 and 4 K blocks (MIN_SPLIT_BLOCKS)
 # (issue 18: FP8 b1 <= 0.7x bf16; 0.721x at 0aed29a).
 # tune-fp8-moe-acc32 (one GPU, ~7 min; after a3b-fp8-prefill, if the fp8 engine tests pass at 32): the FP8 MoE
-# kernel's prefill tiles retuned with its dots at FP8_DOT_MAX_IMPRECISE_ACC 32 (tune_moe writes the table into the
-# package, tarred into $OUT), then the A3B cold 32K at 32 with that table beside bf16.
+# kernel's prefill tiles retuned with its dots at FP8_DOT_MAX_IMPRECISE_ACC 32 (TUNE_FP8_ACC=None: unpromoted, if
+# fp8-acc-quality says so; tune_moe writes the table into the package, tarred into $OUT), then the A3B cold 32K at
+# that accumulation with that table beside bf16.
 # int4-wave (one GPU, ~5 min): why the mma GEMV is slower in the decode than alone (twenty-sixth session's profile:
 # 102 against 84.3 us a layer at REPS 4, 92.7 against 58.6 at REPS 2; the CUDA-core kernel 76.8 in both): the 8B
 # int4 decode at b1@32K from one row at REPS 2 with the grid sized for 6 (one wave by registers), 4 and 3 programs
@@ -488,15 +489,17 @@ if [[ $MODE == fp8-gated ]]; then  # one GPU (~6 min): silu(gate) * up inside th
   done
 fi
 
-if [[ $MODE == tune-fp8-moe-acc32 ]]; then  # one GPU (~7 min): the FP8 MoE tiles at wgmma's promoted accumulation
-  acc32=longserve.kernels.quant_fp8.FP8_DOT_MAX_IMPRECISE_ACC=32
-  timeout 300 python3 scripts/probes/with_constants.py $acc32 -- longserve.kernels.tune_moe --num-experts 128 \
+if [[ $MODE == tune-fp8-moe-acc32 ]]; then  # one GPU (~7 min): the FP8 MoE tiles at wgmma's accumulation
+  # TUNE_FP8_ACC: the max_num_imprecise_acc tuned for (32 by default: promoted each k32; None: unpromoted)
+  acc=${TUNE_FP8_ACC:-32}
+  accset=longserve.kernels.quant_fp8.FP8_DOT_MAX_IMPRECISE_ACC=$acc
+  timeout 300 python3 scripts/probes/with_constants.py $accset -- longserve.kernels.tune_moe --num-experts 128 \
     --top-k 8 --hidden 2048 --intermediate 768 --weights fp8_e4m3 --fp8-block 128 --batch-sizes 2048,8192 \
-    --space fp8-prefill 2>&1 | tee "$OUT/tune_fp8_acc32.log" | tr '\r' '\n' | grep -E "^T=|wrote|Error"
-  tar czf "$OUT/moe_configs_fp8_acc32.tgz" longserve/kernels/moe_configs 2>/dev/null
+    --space fp8-prefill 2>&1 | tee "$OUT/tune_fp8_acc$acc.log" | tr '\r' '\n' | grep -E "^T=|wrote|Error"
+  tar czf "$OUT/moe_configs_fp8_acc$acc.tgz" longserve/kernels/moe_configs 2>/dev/null
   LATENCY_TIMEOUT=150 latency_with a3b_prefill_bf16 "A3B bf16" -- --config qwen3-30b-a3b "${dummy[@]}" --repeat 2 \
     --prompt-lens 32768
-  LATENCY_TIMEOUT=150 latency_with a3b_prefill_fp8_acc32_tuned "A3B FP8 acc 32, tuned" $acc32 -- \
+  LATENCY_TIMEOUT=150 latency_with a3b_prefill_fp8_acc${acc}_tuned "A3B FP8 acc $acc, tuned" $accset -- \
     --config qwen3-30b-a3b "${dummy[@]}" --repeat 2 --hf-overrides "$fp8" --prompt-lens 32768
 fi
 
