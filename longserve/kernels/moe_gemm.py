@@ -259,11 +259,12 @@ def moe_gemm(
     a_scale = a if a_scale is None else a_scale
     fp32 = (act_dtype or a.dtype) == torch.float32
     block_k = cfg["BLOCK_K"]
-    # fp8: a K block lies in one activation group (_fit_block_k); one group over all of K: index 0 throughout
+    # fp8: a K block lies in one activation group (_fit_block_k); one group over all of K (per channel): index 0
+    # throughout, by a shift past any K (one variant for every K)
     assert weight_quant != 2 or group >= k or group % block_k == 0, (group, block_k)
     group_blocks = 1
     if weight_quant == 2:
-        group_blocks = group // block_k if group < k else triton.next_power_of_2(k)
+        group_blocks = group // block_k if group < k else 1 << 30
     scalar_b_scale = weight_quant == 2 and block_n % cfg["BLOCK_N"] == 0 and n % cfg["BLOCK_N"] == 0
     grid = (triton.cdiv(num_rows, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
     pdl = use_pdl(a)
