@@ -35,7 +35,7 @@ from longserve.runner import prompt_logprobs
 from longserve.runner.model_runner import ModelRunner
 from longserve.runner.pooling import bind_tokenizer, check_pooling
 from longserve.runner.sampled import SampledStep
-from longserve.sampling_params import SamplingParams
+from longserve.sampling_params import SamplingParams, with_every_logprob
 from longserve.sched.scheduler import Scheduler, SchedulerConfig
 from longserve.siblings import candidate_params
 from longserve.structured.grammar import GrammarCompiler, GrammarMatcher
@@ -165,6 +165,7 @@ class Engine:
         arrival_time = time.perf_counter() if arrival_time is None else arrival_time
         params = params or SamplingParams()
         pooling, params = check_pooling(self.runner, params)  # a pooling request: a prefill, no sample
+        params = with_every_logprob(params, self.runner.model.vocab_size)  # -1: every token
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")

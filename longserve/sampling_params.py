@@ -140,8 +140,8 @@ class SamplingParams:
         )
         need(is_int(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
         need(
-            self.logprobs is None or (is_int(self.logprobs) and self.logprobs >= 0),
-            f"logprobs must be an integer >= 0, got {self.logprobs!r}",
+            self.logprobs is None or (is_int(self.logprobs) and self.logprobs >= -1),
+            f"logprobs must be an integer >= 0, or -1 for every token, got {self.logprobs!r}",
         )
         _validate_logprob_extras(self, need, is_int, is_num)
         need(
@@ -235,8 +235,8 @@ SamplingParams.__init__ = _accept_aliases(SamplingParams.__init__)  # type: igno
 def _validate_logprob_extras(p: SamplingParams, need, is_int, is_num) -> None:
     """prompt logprobs, logit_bias, best_of and SGLang's text options (validate's helper)."""
     need(
-        p.prompt_logprobs is None or (is_int(p.prompt_logprobs) and p.prompt_logprobs >= 0),
-        f"prompt_logprobs must be an integer >= 0, got {p.prompt_logprobs!r}",
+        p.prompt_logprobs is None or (is_int(p.prompt_logprobs) and p.prompt_logprobs >= -1),
+        f"prompt_logprobs must be an integer >= 0, or -1 for every token, got {p.prompt_logprobs!r}",
     )
     need(is_int(p.logprob_start_len), f"logprob_start_len must be an integer, got {p.logprob_start_len!r}")
     if p.logit_bias is not None:
@@ -257,9 +257,17 @@ def _validate_logprob_extras(p: SamplingParams, need, is_int, is_num) -> None:
     )
 
 
+def with_every_logprob(params: SamplingParams, vocab: int) -> SamplingParams:
+    """logprobs / prompt_logprobs of -1 (vLLM's: every token of the vocabulary) as the vocabulary's size, what the
+    engine and the limit below work with."""
+    every = {name: vocab for name in ("logprobs", "prompt_logprobs") if getattr(params, name) == -1}
+    return params.clone(**every) if every else params
+
+
 def check_logprobs_limit(params: SamplingParams, limit: int) -> None:
-    """logprobs and prompt_logprobs at most `limit`, the engine's cap (EngineConfig.max_logprobs, -1 read as the
-    vocabulary): ValueError naming the field first, as the constructor's checks do."""
+    """logprobs and prompt_logprobs (-1 resolved by with_every_logprob) at most `limit`, the engine's cap
+    (EngineConfig.max_logprobs, -1 read as the vocabulary): ValueError naming the field first, as the
+    constructor's checks do."""
     for name in ("logprobs", "prompt_logprobs"):
         asked = getattr(params, name)
         if asked is not None and asked > limit:

@@ -85,7 +85,8 @@ class AsyncEngine:
         self.engine = engine
         self.max_queued_requests = max_queued_requests
         self.context_length = engine.context_length
-        self.max_logprobs = engine.max_logprobs  # the routes check requests against it before queueing
+        # the routes check requests' top-logprob counts against these before queueing
+        self.max_logprobs, self.vocab_size = engine.max_logprobs, engine.runner.model.vocab_size
         # read-only after construction: admission compares the requests in flight against it
         self.max_running_requests = engine.config.max_running_requests
         self._cv = threading.Condition()

@@ -18,7 +18,7 @@ from fastapi.responses import StreamingResponse
 
 from longserve.config import EngineConfig
 from longserve.outputs import RequestOutput
-from longserve.sampling_params import SamplingParams, check_logprobs_limit
+from longserve.sampling_params import SamplingParams, check_logprobs_limit, with_every_logprob
 from longserve.server.async_engine import AsyncEngine
 from longserve.server.config import ServerConfig
 from longserve.server.errors import APIError, as_api_error, internal_error
@@ -77,7 +77,7 @@ class ServerState:
         """More top logprobs than --max-logprobs allows (vLLM's 20 by default): a 400 naming the field as the
         client spelled it (`names`: ours -> theirs), before anything is queued."""
         try:
-            check_logprobs_limit(params, self.engine.max_logprobs)
+            check_logprobs_limit(with_every_logprob(params, self.engine.vocab_size), self.engine.max_logprobs)
         except ValueError as e:
             ours = str(e).split(" ", 1)[0]
             theirs = (names or {}).get(ours, ours)

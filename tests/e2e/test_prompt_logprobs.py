@@ -166,6 +166,12 @@ def test_max_logprobs_caps_requests_and_minus_one_is_the_vocabulary(ckpt, hf_log
     torch.testing.assert_close(torch.tensor([lp for _, lp in sorted(top)]), ref[-1], atol=TOL, rtol=0)
     with pytest.raises(ValueError, match=rf"logprobs must be at most {vocab}"):
         full.generate([ids], SamplingParams(max_new_tokens=1, logprobs=vocab + 1))
+    every = full.generate([ids], SamplingParams(max_new_tokens=1, temperature=0, logprobs=-1))[0]  # vLLM's -1
+    again = every.outputs[0].top_logprobs[0]  # the prompt cached this time: equal within fp32 rounding
+    assert len(again) == vocab
+    torch.testing.assert_close(torch.tensor([lp for _, lp in sorted(again)]), ref[-1], atol=TOL, rtol=0)
+    with pytest.raises(ValueError, match=rf"^logprobs must be at most 20 .* got {vocab}$"):
+        llm.generate([ids], SamplingParams(max_new_tokens=1, logprobs=-1))
     assert_clean(full)
 
 

@@ -168,6 +168,11 @@ def test_max_logprobs_lets_a_request_ask_past_20_and_caps_it(oai, client, hf, ti
         error = r.json()["error"]
         assert r.status_code == 400 and error["param"] == param, r.text
         assert error["message"] == f"{param} must be at most 40 (max_logprobs, --max-logprobs), got 41"
+    # vLLM's -1, every token of the vocabulary: more than 40 here
+    body = {"messages": messages, "logprobs": True, "top_logprobs": -1}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs", r.text
+    assert r.json()["error"]["message"].endswith(f"got {len(tok)}")
     assert_integrity(client)
 
 

@@ -37,7 +37,7 @@ from longserve.sampling_params import SamplingParams
         ({"stop": 5}, "stop"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
         ({"stop_token_ids": 3}, "stop_token_ids"),
-        ({"logprobs": -1}, "logprobs"),
+        ({"logprobs": -2}, "logprobs"),
         ({"prompt_logprobs": -2}, "prompt_logprobs"),
         ({"logprobs": True}, "logprobs"),
     ],
@@ -118,10 +118,13 @@ def test_conflicting_or_unknown_keywords_are_type_errors(kwargs: dict, message: 
 def test_logprobs_past_the_engines_limit_name_their_field() -> None:
     """The top-logprob counts have no fixed bound in SamplingParams (vLLM's --max-logprobs sets the engine's):
     check_logprobs_limit refuses more than the limit, naming the field first (the server's 400 param)."""
-    from longserve.sampling_params import check_logprobs_limit
+    from longserve.sampling_params import check_logprobs_limit, with_every_logprob
 
     params = SamplingParams(logprobs=50, prompt_logprobs=30)
     check_logprobs_limit(params, 50)
+    every = with_every_logprob(SamplingParams(logprobs=-1, prompt_logprobs=-1), 512)  # vLLM's -1: every token
+    assert (every.logprobs, every.prompt_logprobs) == (512, 512)
+    assert with_every_logprob(params, 512) is params
     with pytest.raises(
         ValueError, match=r"^prompt_logprobs must be at most 29 \(max_logprobs, --max-logprobs\)"
     ):
