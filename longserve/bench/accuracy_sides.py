@@ -85,8 +85,7 @@ class OfflineSide(Side):
     def score(self, ids: list[int], top_k: int) -> Scored:
         from longserve import SamplingParams
 
-        top_k = top_k if top_k > 0 else self.llm.engine.max_logprobs  # -1: every token (max_logprobs=-1)
-        sp = SamplingParams(max_new_tokens=1, temperature=0.0, prompt_logprobs=top_k)
+        sp = SamplingParams(max_new_tokens=1, temperature=0.0, prompt_logprobs=top_k)  # -1: every token
         out = self.llm.generate([ids], sp, use_tqdm=False)[0]
         return [(out.prompt_logprobs[j], dict(out.prompt_top_logprobs[j])) for j in range(1, len(ids))]
 
