@@ -465,9 +465,13 @@ if [[ $MODE == fp8-acc-quality ]]; then  # one GPU (~4 min): bench accuracy of t
   for acc in 0 32 None; do
     for arch in qwen3 qwen3_moe; do
       if [[ $arch == qwen3 ]]; then shape=(--variants fp8-block,ct-fp8-dynamic); else shape=(--variants fp8-block --hidden 128); fi
+      # the checkpoints stay on the machine (/tmp); the tables and reports come back
+      dir=/tmp/fp8_quality/${arch}_acc$acc
       timeout 150 python3 scripts/probes/with_constants.py longserve.kernels.quant_fp8.FP8_DOT_MAX_IMPRECISE_ACC=$acc -- \
-        scripts/gpu/bench_quant_accuracy.py --arch $arch "${shape[@]}" --output-dir "$OUT/fp8_quality/${arch}_acc$acc" \
+        scripts/gpu/bench_quant_accuracy.py --arch $arch "${shape[@]}" --output-dir "$dir" \
         2>"$OUT/fp8_quality_${arch}_acc$acc.log" | tail -4 || status=1
+      mkdir -p "$OUT/fp8_quality/${arch}_acc$acc"
+      cp -r "$dir/quant_accuracy.json" "$dir/reports" "$OUT/fp8_quality/${arch}_acc$acc/" 2>/dev/null
     done
   done
 fi
