@@ -1,0 +1,49 @@
+"""The GPU scripts agree with themselves and with the package before a device call spends minutes on them: every
+mode gpu_check.sh lists has a block in scripts/gpu/modes/ and every block is listed, queue.sh's time estimates
+name listed modes, and every tuning constant a mode sets through with_constants.py (`longserve.pkg.mod.NAME=...`)
+is assigned at the top level of that module (a renamed switch would otherwise stop the call at its first run)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+GPU = REPO / "scripts" / "gpu"
+
+
+def _scripts() -> dict[Path, str]:
+    return {
+        p: p.read_text()
+        for p in [GPU / "gpu_check.sh", GPU / "queue.sh", *sorted((GPU / "modes").glob("*.sh"))]
+    }
+
+
+def test_every_listed_mode_has_a_block_and_every_block_is_listed() -> None:
+    texts = _scripts()
+    listed = set(re.search(r'MODES="([^"]*)"', texts[GPU / "gpu_check.sh"], re.S).group(1).split())
+    blocks = {m for text in texts.values() for m in re.findall(r"\$MODE == ([A-Za-z0-9_-]+)", text)}
+    assert listed - blocks == set(), "listed in gpu_check.sh's MODES, no `$MODE == ...` block"
+    assert blocks - listed == set(), "a block for a mode gpu_check.sh refuses (not in MODES)"
+    estimated = set(re.findall(r"\[([a-z0-9-]+)\]=\d+", texts[GPU / "queue.sh"]))
+    assert estimated - listed == set(), "queue.sh estimates a mode gpu_check.sh does not list"
+
+
+def test_the_constants_the_modes_set_exist() -> None:
+    targets = {
+        m.group(1)
+        for text in _scripts().values()
+        # a constant's name (upper case, maybe one leading _): set in place or through a shell variable
+        for m in re.finditer(r"\b(longserve(?:\.[a-z_0-9]+)+\._?[A-Z][A-Z_0-9]*)\b", text)
+    }
+    assert len(targets) >= 20  # the modes' switches (a regex gone wrong would find none)
+    missing = []
+    for target in sorted(targets):
+        module, _, name = target.rpartition(".")
+        path = REPO / Path(*module.split("."))
+        source = path.with_suffix(".py") if path.with_suffix(".py").exists() else path / "__init__.py"
+        if not source.exists() or not re.search(
+            rf"^{re.escape(name)}\s*(:[^=\n]*)?=", source.read_text(), re.M
+        ):
+            missing.append(target)
+    assert missing == [], "set by a gpu_check mode, not assigned at the top of its module"
