@@ -73,8 +73,7 @@ class Engine:
         self.eos_token_ids = self._eos_ids()
         self.context_length = self.runner.context_length
         # the most top logprobs a request may ask for (EngineConfig.max_logprobs; -1: the vocabulary)
-        vocab = self.runner.model.vocab_size
-        self.max_logprobs = vocab if config.max_logprobs == -1 else config.max_logprobs
+        self.max_logprobs = self.runner.model.vocab_size if config.max_logprobs == -1 else config.max_logprobs
         self.kv = KVCacheManager(self.runner.num_pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig.from_engine_config(config, self.context_length), self.kv)
         self.tokens = TokenHandler(self.scheduler, self.context_length)  # what each sampled token does
@@ -165,7 +164,8 @@ class Engine:
         arrival_time = time.perf_counter() if arrival_time is None else arrival_time
         params = params or SamplingParams()
         pooling, params = check_pooling(self.runner, params)  # a pooling request: a prefill, no sample
-        params = with_every_logprob(params, self.runner.model.vocab_size)  # -1: every token
+        vocab = self.runner.model.vocab_size
+        params = with_every_logprob(params, vocab)  # -1: every token
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -173,15 +173,8 @@ class Engine:
             text, token_ids, token_array = prompt, self.encode(prompt), None
         else:
             text, token_ids = None, list(prompt)
-            token_array = check_token_ids(token_ids, self.runner.model.vocab_size)
-        check_limits(
-            token_ids,
-            params,
-            self.runner.model.vocab_size,
-            self.context_length,
-            pooling is not None,
-            self.max_logprobs,
-        )
+            token_array = check_token_ids(token_ids, vocab)
+        check_limits(token_ids, params, vocab, self.context_length, pooling is not None, self.max_logprobs)
         if grammar is None and params.structured_outputs is not None:
             grammar = self.grammar_compiler.compile(params.structured_outputs)  # ValueError: a bad spec
         all_params = candidate_params(params)  # n siblings, or best_of candidates

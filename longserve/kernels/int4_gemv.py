@@ -57,15 +57,15 @@ _LOW_BITS_AS_HIGH = tl.constexpr(17152 / 65536)  # the low bf16 128's bits (0x43
 # (32K) 4.79 -> 4.62 ms, the A3B int4 decode at batch 8 (4K) 6.99 -> 6.71 ms (batch 1: 4.32 both); the one-row
 # GEMV per 8B projection 9.8 / 9.3 / 32.1 / 18.5 -> 9.4 / 8.7 / 31.2 / 17.1 us (qkv / o / gate_up / down).
 INT4_GEMV_RAW_HI = True
-# K tiles int4_gemv_kernel asks L2 for before its PDL wait (launch.prefetch_l2; not routed: a routed program's
-# expert is the router's output, so moe_wna16 passes none); 0: none. Only with PDL (quant_gemv passes 0 without). Why: at one row the 8B int4 projections run at ~35% of HBM's
-# rate (76.8 us a layer against a 26.7 us floor, RESULTS.md twenty-fifth session), and HBM idles while the kernel
-# before drains; the weights never depend on it. Not in the loop: a thread already holds 2 rows x 16 words of a
-# tile in flight (64 KB an SM at 4 programs), the kernel is bound by its issue (3.76 instructions a weight), and its
-# loop is at 128 registers (one more prefetch a tile spills 8 bytes with Triton 3.9). Off: measured on an H200
-# (twenty-sixth session, 0aed29a, `gpu_check.sh gemv-prefetch`, with int4_mma_gemv.PREFETCH alike) the 8B int4
-# decode at 2 lost, b1@32K 4.09 -> 4.15 ms, b16@8K 7.45 -> 7.54 (alone, with no kernel before to drain, the
-# one-row projections are unchanged: 76.3 -> 76.5 us a layer).
+# K tiles int4_gemv_kernel asks L2 for before its PDL wait (launch.prefetch_l2; not routed: a routed program's expert
+# is the router's output, so moe_wna16 passes none); 0: none. Only with PDL (quant_gemv passes 0 without). Why: at one
+# row the 8B int4 projections run at ~35% of HBM's rate (76.8 us a layer against a 26.7 us floor, RESULTS.md
+# twenty-fifth session), and HBM idles while the kernel before drains; the weights never depend on it. Not in the
+# loop: a thread already holds 2 rows x 16 words of a tile in flight (64 KB an SM at 4 programs), the kernel is bound
+# by its issue (3.76 instructions a weight), and its loop is at 128 registers (one more prefetch a tile spills 8 bytes
+# with Triton 3.9). Off: measured on an H200 (twenty-sixth session, 0aed29a, `gpu_check.sh gemv-prefetch`, with
+# int4_mma_gemv.PREFETCH alike) the 8B int4 decode at 2 lost, b1@32K 4.09 -> 4.15 ms, b16@8K 7.45 -> 7.54 (alone, with
+# no kernel before to drain, the one-row projections are unchanged: 76.3 -> 76.5 us a layer).
 INT4_GEMV_PREFETCH = 0
 
 

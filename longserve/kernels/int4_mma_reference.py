@@ -1,9 +1,10 @@
 """The int4 tensor-core GEMV (int4_mma_gemv.py) emulated warp by warp on the CPU: its own inline PTX strings run by
-ptx_reference.run_ptx on the operands each lane holds by the kernel's layout (lanes (g, t): columns g and g + 8 of
-a 16-column tile, words 4t .. 4t + 3 of a step; token g's activations), then the kernel's epilogue and split-K sum. What it checks without a GPU: the asm's
-operand numbers, pair order, shifts and prmt selectors, that A's and B's k orders agree, the sums of x, the
-epilogue's columns and tokens. That Triton hands the asm those operands (the layout's register and lane order) the
-kernel asserts at its build (`int4_mma_ptx.lane_layout`). The contract's reference is `quant_reference.wna16_gemm_ref`."""
+ptx_reference.run_ptx on the operands each lane holds by the kernel's layout (lanes (g, t): columns g and g + 8 of a
+16-column tile, words 4t .. 4t + 3 of a step; token g's activations), then the kernel's epilogue and split-K sum.
+What it checks without a GPU: the asm's operand numbers, pair order, shifts and prmt selectors, that A's and B's k
+orders agree, the sums of x, the epilogue's columns and tokens. That Triton hands the asm those operands (the
+layout's register and lane order) the kernel asserts at its build (`int4_mma_ptx.lane_layout`). The contract's
+reference is `quant_reference.wna16_gemm_ref`."""
 
 from __future__ import annotations
 

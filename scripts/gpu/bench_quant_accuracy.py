@@ -68,14 +68,15 @@ def main(argv: list[str] | None = None) -> int:
     common = ["--dtype", args.dtype, "--device", args.device, "--max-total-tokens", "8192",
               "--max-new-tokens", args.max_new_tokens, "--top-k", "-1"]  # fmt: skip
     runs: list[tuple[str, list[str]]] = []
-    for name in args.variants.split(","):
+    names = args.variants.split(",")
+    for name in names:
         if name == "kv-fp8":  # the original with an fp8 KV cache (below)
             continue
         writer, kwargs = VARIANTS[name]
         log(f"{name}: writing the checkpoint ({writer})")
         path = getattr(qc, writer)(os.path.join(args.output_dir, name), args.arch, seed=args.seed, **kwargs)
         runs.append((name, ["--model", path, "--reference", original]))
-    if "kv-fp8" in args.variants.split(","):
+    if "kv-fp8" in names:
         runs.append(("kv-fp8", ["--model", original, "--reference", original, "--kv-cache-dtype", "fp8"]))
     rows = []
     for i, (name, sides) in enumerate(runs):
