@@ -5,11 +5,12 @@ use, newer ones are untried (Gluon's API moves between releases): there the libr
 from __future__ import annotations
 
 import triton
+from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import tma
 
-__all__ = ["barrier", "cp_async", "supported", "tma_load"]
+__all__ = ["barrier", "cp_async", "reinterpret", "supported", "tma_load"]
 
 # the CTA's (a partition's) warps meet: gl.thread_barrier in Triton 3.6, gl.barrier from 3.7 on
 barrier = getattr(gl, "thread_barrier", None) or gl.barrier
@@ -17,6 +18,17 @@ barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 # cp.async into shared memory: likewise renamed
 cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+# a shared memory view as another dtype, shape or layout: `_reinterpret` in 3.6, `reinterpret` from 3.7 on
+_PUBLIC_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
+
+
+@gluon.jit
+def reinterpret(smem, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
+    """`smem` viewed as `dtype` [shape] in `layout` (the same bytes)."""
+    if _PUBLIC_REINTERPRET:
+        return smem.reinterpret(dtype, shape, layout)
+    else:
+        return smem._reinterpret(dtype, shape, layout)
 
 
 def supported() -> bool:

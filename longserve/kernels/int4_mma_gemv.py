@@ -20,7 +20,8 @@ partials [splits, M, N], summed by the last program of each column tile (quant_t
 by split_k.splitk_reduce.
 
 Built for sm90 on the CPU machine with Triton 3.6 and 3.9 (`scripts/dev/count_gemv_sass.py '{"mma": true}'`: the
-step loop at 1.45 instructions a weight, 142 registers, no shared memory, no spills). Its PTX and epilogue run warp by
+step loop at 1.45 instructions a weight, 142 registers, no shared memory, no spills; with the TMA ring (STAGES)
+87 registers). Its PTX and epilogue run warp by
 warp on the CPU in int4_mma_reference.py. On an H200 (2026-12-05, RESULTS.md twenty-fifth session): its GPU tests
 (tests/gpu/test_int4_mma_gemv_gpu.py) pass; far from its HBM floor at every row count (the 8B gate_up 27-37 us at one
 row against 14: bytes in flight, not instructions, hold it), it beats the CUDA-core kernels from 8 rows and, at 2
@@ -33,9 +34,10 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from longserve.kernels.gluon_compat import cp_async, supported
+from longserve.kernels.gluon_compat import barrier, reinterpret, supported, tma_load
 from longserve.kernels.gluon_gemv import axis, gdc_wait, one_wave_splits, prefetch_l2, store_sums
 from longserve.kernels.int4_mma_ptx import (
     PRMT_HI,
@@ -79,12 +81,15 @@ WARPS = 4
 # 7.84 / 7.51, b64@4K 16.80 / 15.60 (at 4 the decode at one row lost 0.78 ms where its projections lost 0.26).
 REPS = 4
 # 0: each step's words and activations loaded into registers at its start (a warp then waits out the load's
-# latency; the other warps of the SM hide it); 2 or 4 (shared allocations are powers of two): a ring of STAGES
-# steps in shared memory, each lane copying (cp.async) the 16-byte pieces it later reads, STAGES - 1 steps ahead:
-# more bytes in flight than registers hold.
-# Loading the next step into registers before this step's math builds to the same SASS as 0 (ptxas sinks the
-# loads to the loop's end). On an H200 (twenty-fifth session) the ring lost: gate_up at one row 99.1 us against
-# 36.6 at 0, at 16 and 64 rows about equal.
+# latency; the other warps of the SM hide it). Past 0: a ring of STAGES steps' words in shared memory, each slot a
+# program's [BLOCK_N, 64 B] asked for by two TMA loads on one mbarrier, STAGES - 1 steps ahead of the one read and
+# (not routed) the first ones before the PDL wait: bytes in flight that hold no register and take no instruction a
+# lane, as fp8_wgmma_gemv's ring (its gate_up at one row 32.9 us against a 28 us floor; ours 32.7-36.5 against 14:
+# RESULTS.md twenty-fifth / twenty-sixth sessions). Lanes read their 16-byte pieces back (A's rows g of a warp's
+# tiles from one half of the slot, rows g + 8 from the other: 8 lanes two adjacent 64-byte rows, no bank conflict).
+# sm90 builds (Triton 3.6): 87 registers at REPS 4 against 142 at 0, the loop ~400 instructions against 371 (the
+# slot's addresses, the mbarrier wait, a CTA barrier before each refill). It replaced a ring of per-lane cp.async
+# copies (twenty-fifth session: gate_up at one row 99.1 us against 36.6 at 0). 0 until `gpu_check.sh int4-tma`.
 STAGES = 0
 # Steps whose words the kernel asks L2 for ahead of the one it loads (STAGES 0; gluon_gemv.prefetch_l2), the first
 # ones before its PDL wait (not routed); 0: none. Why: bytes in flight hold the kernel (above), and a prefetch
@@ -102,41 +107,63 @@ UNROLL = 1
 
 
 @gluon.jit
-def _step_loads(words_a, words_b, xs, col, N, step, EVEN_N: gl.constexpr):
-    """A step's words of columns g (A's row g) and g + 8, and token g's 64 bytes of x."""
+def _step_loads(words_a, words_b, xs, col, N, step, EVEN_N: gl.constexpr, HALF: gl.constexpr):
+    """A step's words of A's rows g (column col) and g + 8 (column col + HALF), and token g's 64 bytes of x."""
     if EVEN_N:
         wa = gl.load(words_a + step * 16)
         wb = gl.load(words_b + step * 16)
     else:
         wa = gl.load(words_a + step * 16, mask=col < N, other=0)
-        wb = gl.load(words_b + step * 16, mask=col + 8 < N, other=0)
+        wb = gl.load(words_b + step * 16, mask=col + HALF < N, other=0)
     return wa, wb, gl.load(xs + step * 64)
 
 
 @gluon.jit
-def _step_copies(slot_a, slot_b, slot_x, words_a, words_b, xs, col, N, step, EVEN_N: gl.constexpr):
-    """_step_loads' pieces copied asynchronously into one slot of the shared ring, as one commit group."""
-    if EVEN_N:
-        cp_async(slot_a, words_a + step * 16)
-        cp_async(slot_b, words_b + step * 16)
-    else:
-        cp_async(slot_a, words_a + step * 16, mask=col < N)
-        cp_async(slot_b, words_b + step * 16, mask=col + 8 < N)
-    cp_async(slot_x, xs + step * 64)
-    async_copy.commit_group()
+def _ring_load(w_desc, ring, ready, row0, step, slot):
+    """A step's words of the program's rows (from row0 of the descriptor's) into the ring's slot by TMA: its two
+    halves (A's rows g and g + 8 of every tile) into buffers 2 slot and 2 slot + 1."""
+    HALF: gl.constexpr = w_desc.block_type.shape[0]
+    mbarrier.expect(ready.index(slot), 2 * w_desc.block_type.nbytes)
+    tma_load(w_desc, [row0, step * 16], ready.index(slot), ring.index(2 * slot))
+    tma_load(w_desc, [row0 + HALF, step * 16], ready.index(slot), ring.index(2 * slot + 1))
+
+
+@gluon.jit
+def _ring_start(w_desc, row0, s_begin, n_steps, REPS: gl.constexpr, W: gl.constexpr, STAGES: gl.constexpr):
+    """The ring (STAGES slots of two [BLOCK_N / 2, 16] words, one mbarrier a slot) with its first STAGES steps asked
+    for."""
+    ring = gl.allocate_shared_memory(gl.int32, [2 * STAGES, 8 * W * REPS, 16], w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        if i < n_steps:
+            _ring_load(w_desc, ring, ready, row0, s_begin + i, i)
+    return ring, ready
+
+
+@gluon.jit
+def _ring_words(ring, ready, j, L: gl.constexpr, REPS: gl.constexpr, W: gl.constexpr, STAGES: gl.constexpr):
+    """The program's j-th step's words from the ring, once landed: A's rows g and g + 8 of each tile (the slot's
+    rows r 8W + 8w + g and that + HALF) in L."""
+    slot = j % STAGES
+    mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
+    SL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0])  # a half row-major, as TMA wrote it
+    wa = reinterpret(ring.index(2 * slot), gl.int32, [REPS, 8 * W, 4, 4], SL).load(L)
+    return wa, reinterpret(ring.index(2 * slot + 1), gl.int32, [REPS, 8 * W, 4, 4], SL).load(L)
 
 
 @gluon.jit
 def _prefetch_pieces(pid_n, N, stride_wn, REPS: gl.constexpr, W: gl.constexpr):
-    """Word offsets of step 0's 16-byte pieces of A's rows g and g + 8 (words_a, words_b: lane t's words 4t ..
-    4t + 3) for gluon_gemv.prefetch_l2, one element a piece (int32 offsets, in a layout of one element along the
-    pieces' words: a pointer a word would hold 8 registers a piece); the columns past N at N - 1 (a prefetch outside
-    the weights is not defined). Int32: the 8B's largest projection is 7.3M words."""
+    """Word offsets of step 0's 16-byte pieces of A's rows g and g + 8 (columns col and col + HALF; words_a,
+    words_b: lane t's words 4t .. 4t + 3) for gluon_gemv.prefetch_l2, one element a piece (int32 offsets, in a layout
+    of one element along the pieces' words: a pointer a word would hold 8 registers a piece); the columns past N at
+    N - 1 (a prefetch outside the weights is not defined). Int32: the 8B's largest projection is 7.3M words."""
     LP: gl.constexpr = gl.BlockedLayout([REPS, 1, 1, 1], [1, 8, 4, 1], [1, W, 1, 1], [3, 2, 1, 0])
-    col = (pid_n * (16 * W * REPS) + axis(REPS, 0, LP) * (16 * W) + (axis(8 * W, 1, LP) // 8) * 16
-           + axis(8 * W, 1, LP) % 8)  # fmt: skip
+    col = pid_n * (16 * W * REPS) + axis(REPS, 0, LP) * (8 * W) + axis(8 * W, 1, LP)
     piece = 4 * axis(4, 2, LP)
-    return gl.minimum(col, N - 1) * stride_wn + piece, gl.minimum(col + 8, N - 1) * stride_wn + piece
+    half = 8 * W * REPS
+    return gl.minimum(col, N - 1) * stride_wn + piece, gl.minimum(col + half, N - 1) * stride_wn + piece
 
 
 @gluon.jit
@@ -202,6 +229,8 @@ def _step_sums(acc, acc2, wa, wb, xt, xs2, step, zero, zero_x, s_ptr, col_s, str
 
 @gluon.jit
 def int4_mma_gemv_kernel(
+    w_desc,  # STAGES: TMA over the words as int32 [rows, K / 8] (routed: the experts' rows one after another),
+    # boxes [BLOCK_N / 2, 16]; else None
     x_ptr,  # [M, K] bf16 viewed as int32 [M, K / 2] (natural pairs)
     w_ptr,  # [N, K / 8] int32: the packed uint8 [N, K / 2] as words
     s_ptr,  # [N, G]
@@ -228,10 +257,15 @@ def int4_mma_gemv_kernel(
     # axis 0: column tiles x row_blocks blocks of BLOCK_ROWS rows (17 to MAX_ROWS rows), a tile's blocks adjacent
     # (their programs read the same words at about the same time: once from HBM, then from L2)
     pid_n, pid_k = gl.program_id(0) // row_blocks, gl.program_id(1)
-    col = (pid_n * BLOCK_N + axis(REPS, 0, L) * (16 * W) + (axis(8 * W, 1, L) // 8) * 16
-           + axis(8 * W, 1, L) % 8)  # [REPS, 8W, 1, 1]: A's row g; row g + 8 is col + 8  # fmt: skip
+    # a tile's A rows g and g + 8 are the program's columns r 8W + 8w + g and that + HALF (a TMA slot's rows in two
+    # halves, each in the lanes' order: _ring_words)
+    HALF: gl.constexpr = BLOCK_N // 2
+    col = pid_n * BLOCK_N + axis(REPS, 0, L) * (8 * W) + axis(8 * W, 1, L)  # [REPS, 8W, 1, 1]: A's row g
     s_begin = pid_k * steps_per_split
     s_end = gl.minimum(s_begin + steps_per_split, num_steps)
+    row0_w = pid_n * BLOCK_N  # STAGES: the program's first row in the descriptor's
+    if STAGES > 0 and not ROUTED:  # the first steps' words asked for while the kernel before drains
+        ring, ready = _ring_start(w_desc, row0_w, s_begin, s_end - s_begin, REPS, W, STAGES)
     if PREFETCH > 0:  # the pieces' offsets from the weights (a routed program's expert's, after the wait)
         pf_a, pf_b = _prefetch_pieces(pid_n, N, stride_wn, REPS, W)
         if not ROUTED:  # the first steps' words into L2 while the kernel before drains
@@ -242,6 +276,9 @@ def int4_mma_gemv_kernel(
     if ROUTED:  # MoE decode (moe_wna16.py): axis 2 over (token, k) pairs, M = 1, each pair's expert's weights
         pair = gl.program_id(2).to(gl.int64)
         expert = gl.load(ids_ptr + pair).to(gl.int64)
+        if STAGES > 0:  # the descriptor's rows: expert e's N rows from e N
+            row0_w = (expert * N + row0_w).to(gl.int32)
+            ring, ready = _ring_start(w_desc, row0_w, s_begin, s_end - s_begin, REPS, W, STAGES)
         w_ptr += expert * stride_we
         s_ptr += expert * stride_se
         z_ptr += expert * stride_ze
@@ -254,49 +291,32 @@ def int4_mma_gemv_kernel(
         res_ptr += row0.to(gl.int64) * stride_om
         M -= row0
     words_a = w_ptr + col.to(gl.int64) * stride_wn + 4 * axis(4, 2, L) + axis(4, 3, L)  # words 4t + u
-    words_b = words_a + 8 * stride_wn
+    words_b = words_a + HALF * stride_wn
     # token g's 64 bytes of the step (words 4t .. 4t + 3); rows past M read row M - 1 (their sums are not stored);
     # TOKEN_TILES 2: B's second tile, tokens 8 + g, through the same A fragments
     x_words = 16 * axis(4, 2, LX) + axis(16, 3, LX)
     xs = x_ptr + gl.minimum(axis(8 * W, 1, LX) % 8, M - 1) * stride_xm + x_words  # [1, 8W, 4, 16]
     xs2 = x_ptr + gl.minimum(axis(8 * W, 1, LX) % 8 + 8, M - 1) * stride_xm + x_words
-    # the epilogue's element u is C's register: columns col + 8 (u >> 1), token 2t + (u & 1)
-    col_s = (pid_n * BLOCK_N + axis(REPS, 0, LS) * (16 * W) + (axis(8 * W, 1, LS) // 8) * 16
-             + axis(8 * W, 1, LS) % 8 + 8 * axis(2, 3, LS))  # [REPS, 8W, 1, 2]  # fmt: skip
+    # the epilogue's element u is C's register: column col + HALF (u >> 1), token 2t + (u & 1)
+    col_s = pid_n * BLOCK_N + axis(REPS, 0, LS) * (8 * W) + axis(8 * W, 1, LS) + HALF * axis(2, 3, LS)
     acc = gl.zeros([REPS, 8 * W, 4, 4], gl.float32, L)
     acc2 = gl.zeros([REPS, 8 * W, 4, 4], gl.float32, L)  # TOKEN_TILES 2
     zero = gl.zeros([REPS, 8 * W, 4, 4], gl.float32, L)
     zero_x = gl.zeros([1, 8 * W, 4, 4], gl.float32, L)
-    # the ring: each lane copies the pieces it reads back (Triton's membar pass, which cannot see that, still puts a
-    # CTA barrier before the reads and one before the copies into the slot read last step)
-    if STAGES > 0:
-        SL: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 1, [3, 2, 1, 0])  # a slot row-major, no swizzle
-        ring_a = gl.allocate_shared_memory(gl.int32, [STAGES, REPS, 8 * W, 4, 4], SL)
-        ring_b = gl.allocate_shared_memory(gl.int32, [STAGES, REPS, 8 * W, 4, 4], SL)
-        ring_x = gl.allocate_shared_memory(gl.int32, [STAGES, 1, 8 * W, 4, 16], SL)
-        for i in gl.static_range(STAGES - 1):
-            _step_copies(ring_a.index(i), ring_b.index(i), ring_x.index(i), words_a, words_b, xs, col, N,
-                         gl.minimum(s_begin + i, s_end - 1), EVEN_N)  # fmt: skip
     gl.static_assert(UNROLL == 1 or STAGES == 0, "UNROLL with loads into registers")
     for step in range(s_begin, s_end, UNROLL):
         if STAGES > 0:
-            ahead = step - s_begin + STAGES - 1  # the step STAGES - 1 ahead into the slot read last step
-            _step_copies(ring_a.index(ahead % STAGES), ring_b.index(ahead % STAGES), ring_x.index(ahead % STAGES),
-                         words_a, words_b, xs, col, N, gl.minimum(s_begin + ahead, s_end - 1), EVEN_N)  # fmt: skip
-            async_copy.wait_group(STAGES - 1)  # this step's copies are done
-            slot = (step - s_begin) % STAGES
-            wa = ring_a.index(slot).load(L)
-            wb = ring_b.index(slot).load(L)
-            xt = ring_x.index(slot).load(LX)
+            wa, wb = _ring_words(ring, ready, step - s_begin, L, REPS, W, STAGES)
+            xt = gl.load(xs + step * 64)
         else:
-            wa, wb, xt = _step_loads(words_a, words_b, xs, col, N, step, EVEN_N)
+            wa, wb, xt = _step_loads(words_a, words_b, xs, col, N, step, EVEN_N, HALF)
             if PREFETCH > 0:  # step + PREFETCH's words into L2: bytes in flight that hold no register
                 prefetch_l2(w_ptr + (pf_a + gl.minimum(step + PREFETCH, s_end - 1) * 16))
                 prefetch_l2(w_ptr + (pf_b + gl.minimum(step + PREFETCH, s_end - 1) * 16))
         # UNROLL 2: the next step's loads issued before this step's products (its words clamped at the end)
         if UNROLL == 2:
             nxt = gl.minimum(step + 1, s_end - 1)
-            wa2, wb2, xt2 = _step_loads(words_a, words_b, xs, col, N, nxt, EVEN_N)
+            wa2, wb2, xt2 = _step_loads(words_a, words_b, xs, col, N, nxt, EVEN_N, HALF)
         acc, acc2 = _step_sums(acc, acc2, wa, wb, xt, xs2, step, zero, zero_x, s_ptr, col_s, stride_sn, z_ptr,
                                stride_zn, N, L, REPS, W, GROUP_SHIFT, EVEN_N, HAS_ZP, TOKEN_TILES)  # fmt: skip
         if UNROLL == 2:
@@ -305,7 +325,14 @@ def int4_mma_gemv_kernel(
             acc, acc2 = _step_sums(acc, acc2, wa2, wb2, xt2, xs2, nxt, zero, zero_x, s_ptr, col_s, stride_sn, z_ptr,
                                    stride_zn, N, L, REPS, W, GROUP_SHIFT, EVEN_N, HAS_ZP, TOKEN_TILES,
                                    keep)  # fmt: skip
-    col_c = col + 8 * (axis(4, 3, L) >> 1) + 0 * axis(4, 2, L)  # [REPS, 8W, 4, 4]
+        if STAGES > 0:  # every warp past its step's words: the slot is refilled STAGES steps ahead
+            barrier()
+            if step + STAGES < s_end:
+                _ring_load(w_desc, ring, ready, row0_w, step + STAGES, (step - s_begin) % STAGES)
+    if STAGES > 0:
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(ready.index(i))
+    col_c = col + HALF * (axis(4, 3, L) >> 1) + 0 * axis(4, 2, L)  # [REPS, 8W, 4, 4]
     token = 2 * axis(4, 2, L) + (axis(4, 3, L) & 1) + 0 * col  # [REPS, 8W, 4, 4]
     if TOKEN_TILES == 2:  # both tiles in one store (one arrival at a serial sum's counter)
         acc = gl.join(acc, acc2)
@@ -338,6 +365,8 @@ def fits(
         and qweight.stride(-1) == 1
         and all(st % 16 == 0 for st in qweight.stride()[:-1])  # rows (and experts) of whole 16-byte pieces
         and qweight.data_ptr() % 16 == 0
+        # the ring's descriptor takes the experts' rows as one run (expert e's from e N)
+        and not (STAGES and qweight.dim() == 3 and qweight.stride(0) != qweight.shape[1] * qweight.stride(1))
     )
 
 
@@ -353,7 +382,8 @@ def row_blocks(m: int) -> int:
 
 # Programs of 4 warps an SM holds at once, by (REPS, TOKEN_TILES): 65,536 / (128 x the registers of the sm90
 # builds, Triton 3.6: 142 and 80 at one token tile, 186 (222 with zero points) and 130 at two; scripts/dev/
-# count_gemv_sass.py); the shared ring (STAGES x 24 KB at REPS 4) may hold fewer.
+# count_gemv_sass.py; the TMA ring's builds take fewer: 87-150 and 71-80, 168-192 and 124-128); the ring (STAGES x
+# 16 KB at REPS 4) may hold fewer.
 _RESIDENT = {(4, 1): 3, (2, 1): 6, (4, 2): 2, (2, 2): 3}
 # K split so that every program runs in one wave (columns x splits <= the programs the SMs hold at once), each
 # split at least one step: with split_k.splits_for's ~8 programs an SM the 8B down projection (16 tiles x 28
@@ -374,7 +404,7 @@ def token_tiles(m: int) -> int:
 def resident_programs(sms: int, tiles: int = 1) -> int:
     """Programs the SMs hold at once at `tiles` token tiles: by registers (_RESIDENT) and by the shared ring
     (STAGES x its slot)."""
-    ring = STAGES * (2 * REPS * 8 * WARPS * 16 + 8 * WARPS * 64) * 4  # bytes of shared memory a program
+    ring = STAGES * block_n() * K_STEP // 2  # bytes of shared memory a program
     return min(_RESIDENT.get((REPS, tiles), 2), 227 * 1024 // ring if ring else 8) * sms
 
 
@@ -383,6 +413,22 @@ def splits(n_tiles: int, num_steps: int, sms: int, m: int = 1) -> int:
     (row_blocks(m) programs a column tile), each of at least MIN_SPLIT_STEPS steps."""
     tiles = token_tiles(m)
     return one_wave_splits(n_tiles * row_blocks(m), num_steps, resident_programs(sms, tiles), MIN_SPLIT_STEPS)
+
+
+_DESCRIPTORS: dict[tuple, TensorDescriptor] = {}
+
+
+def _descriptor(qweight: torch.Tensor) -> TensorDescriptor:
+    """The words' TMA descriptor for the ring (int32 [rows, K / 8], the experts' rows one after another), made once
+    per weight tensor and program shape (a decode step's host time)."""
+    key = (qweight.data_ptr(), tuple(qweight.shape), tuple(qweight.stride()), block_n())
+    desc = _DESCRIPTORS.get(key)
+    if desc is None:
+        words = qweight.view(torch.int32).view(-1, qweight.shape[-1] // 4)
+        layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+        desc = _DESCRIPTORS[key] = TensorDescriptor(words, list(words.shape), list(words.stride()),
+                                                    [block_n() // 2, K_STEP // 8], layout)  # fmt: skip
+    return desc
 
 
 def launch(x, qweight, scales, zeros, bias, group_size: int, steps_per_split: int, num_splits: int, out, res,
@@ -401,8 +447,8 @@ def launch(x, qweight, scales, zeros, bias, group_size: int, steps_per_split: in
     assert not (serial and blocks > 1 and locks.numel() < triton.cdiv(n, block_n()) * blocks)
     pdl = use_pdl(x)
     int4_mma_gemv_kernel[(triton.cdiv(n, block_n()) * blocks, num_splits, ids.shape[0] if routed else 1)](
-        x.view(torch.int32), qweight.view(torch.int32), scales, z, bias if bias_in_kernel else scales, out, res,
-        locks, ids if routed else locks, m, n, steps_per_split, k // K_STEP, x.stride(0) // 2,
+        _descriptor(qweight) if STAGES else None, x.view(torch.int32), qweight.view(torch.int32), scales, z,
+        bias if bias_in_kernel else scales, out, res, locks, ids if routed else locks, m, n, steps_per_split, k // K_STEP, x.stride(0) // 2,
         qweight.stride(-2) // 4, scales.stride(-2), z.stride(-2), stride_os, out.stride(-2),
         qweight.stride(0) // 4 if routed else 0, scales.stride(0) if routed else 0, z.stride(0) if routed else 0,
         blocks, HAS_ZP=zeros is not None, HAS_BIAS=bias_in_kernel, PARTIAL=num_splits > 1, SERIAL=serial,

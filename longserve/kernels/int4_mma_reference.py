@@ -1,6 +1,7 @@
 """The int4 tensor-core GEMV (int4_mma_gemv.py) emulated warp by warp on the CPU: its own inline PTX strings run by
-ptx_reference.run_ptx on the operands each lane holds by the kernel's layout (lanes (g, t): columns g and g + 8 of a
-16-column tile, words 4t .. 4t + 3 of a step; token g's activations), then the kernel's epilogue and split-K sum.
+ptx_reference.run_ptx on the operands each lane holds by the kernel's layout (lanes (g, t): A's rows g and g + 8 of a
+warp's tile, a program's columns r 8W + 8w + g and that + HALF, words 4t .. 4t + 3 of a step; token g's activations),
+then the kernel's epilogue and split-K sum.
 What it checks without a GPU: the asm's operand numbers, pair order, shifts and prmt selectors, that A's and B's k
 orders agree, the sums of x, the epilogue's columns and tokens. That Triton hands the asm those operands (the
 layout's register and lane order) the kernel asserts at its build (`int4_mma_ptx.lane_layout`). The contract's
@@ -16,14 +17,14 @@ from longserve.kernels import int4_mma_ptx as ptx
 from longserve.kernels.ptx_reference import run_ptx
 
 
-def _step(words, x32, n: int, m: int, col, g, t, step: int, token0: int):
+def _step(words, x32, n: int, m: int, col, half: int, g, t, step: int, token0: int):
     """One step of every warp tile for B's token tile from token0 (rows past m - 1 read row m - 1): the kernel's asm
     on the lanes' operands -> (C, sum x), each 4 arrays [tiles, 32 lanes] (C's registers, as uint32 bits)."""
     tiles = col.shape[0]
     ops: dict[int, np.ndarray] = {4 + i: np.zeros((tiles, 32), np.uint32) for i in range(4)}
     for u in range(4):
         j = step * 16 + 4 * t + u
-        for base, cols in ((8, col), (12, col + 8)):
+        for base, cols in ((8, col), (12, col + half)):
             ops[base + u] = np.where(cols < n, words[np.minimum(cols, n - 1), j[None, :]], 0).astype(
                 np.uint32
             )
@@ -51,8 +52,10 @@ def emulate(
     group = group_size if group_size > 0 else k
     num_steps = k // kernel.K_STEP
     per_split = -(-num_steps // max(1, min(splits, num_steps)))
-    # every warp's tile of 16 columns (the kernel's programs hold 16 x warps x reps of them)
-    tiles = np.arange(0, n, 16)
+    # every warp's tile of 16 columns: a program's BLOCK_N = 16 x warps x reps columns, A's rows g of tile (r, w)
+    # its columns r 8W + 8w + g, rows g + 8 those + HALF
+    block_n, half = kernel.block_n(), kernel.block_n() // 2
+    tiles = (np.arange(0, n, block_n)[:, None] + np.arange(0, half, 8)[None, :]).reshape(-1)
     lanes = np.arange(32)
     g, t = lanes >> 2, lanes & 3
     col = tiles[:, None] + g[None, :]  # [tiles, 32]: A's row g
@@ -68,16 +71,16 @@ def emulate(
         for token0, block_end in token0s:
             acc = np.zeros((4, len(tiles), 32), np.float32)
             for step in range(first, min(first + per_split, num_steps)):
-                c, sums = _step(words, x32, n, block_end, col, g, t, step, token0)
+                c, sums = _step(words, x32, n, block_end, col, half, g, t, step, token0)
                 grp = step * kernel.K_STEP // group
                 for u in range(4):
-                    cols = col + 8 * (u >> 1)
+                    cols = col + half * (u >> 1)
                     sc = np.where(cols < n, s[np.minimum(cols, n - 1), grp], 0.0).astype(np.float32)
                     zz = zq[np.minimum(cols, n - 1), grp].astype(np.float32)
                     acc[u] += sc * (c[u].view(np.float32) - zz * sums[u].view(np.float32))
             for u in range(4):
                 token = np.broadcast_to(token0 + 2 * t + (u & 1), col.shape)
-                cols = col + 8 * (u >> 1)
+                cols = col + half * (u >> 1)
                 keep = (token < block_end) & (cols < n)
                 part[token[keep], cols[keep]] = acc[u][keep]
         partials.append(part)

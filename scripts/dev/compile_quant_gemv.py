@@ -60,6 +60,8 @@ VARIANTS = [
     {"mma": True, "zp": True, "serial": True, "bias": True, "pdl": True, "even_n": False, "group_shift": -1},
     {"mma": True, "split": 1, "bias": True, "reps": 2, "group_shift": 1, "stages": 2},
     {"mma": True, "routed": True, "zp": True, "x_row_div": 8, "pdl": True},  # MoE pairs
+    # the words by a TMA ring (int4_mma_gemv.STAGES), routed: the expert's rows in the experts' descriptor
+    {"mma": True, "routed": True, "zp": True, "x_row_div": 8, "pdl": True, "stages": 3, "even_n": False},
     {"mma": True, "pdl": True, "serial": True, "prefetch": 2},  # L2 prefetch (int4_mma_gemv.PREFETCH)
     {"mma": True, "routed": True, "x_row_div": 8, "pdl": True, "prefetch": 2, "even_n": False},
     {
@@ -162,6 +164,9 @@ def compile_int4_mma(mma=True, zp=False, bias=False, split=4, serial=False, even
     """kernels/int4_mma_gemv.py's tensor-core int4 GEMV (Gluon) for sm90, specialized as at run time (an integer
     argument of 1 is a constant then: row_blocks up to 16 rows); `routed`: over MoE (token, expert) pairs
     (kernels/moe_wna16.py)."""
+    import torch
+    from triton.runtime.jit import mangle_type
+
     from longserve.kernels import int4_mma_gemv as mma_mod
 
     fn = mma_mod.int4_mma_gemv_kernel
@@ -172,6 +177,14 @@ def compile_int4_mma(mma=True, zp=False, bias=False, split=4, serial=False, even
                   EVEN_N=even_n, GROUP_SHIFT=group_shift, REPS=reps or mma_mod.REPS, STAGES=stages,
                   USE_PDL=pdl, ROUTED=routed, X_ROW_DIV=x_row_div, TOKEN_TILES=token_tiles,
                   PREFETCH=prefetch, UNROLL=unroll)  # fmt: skip
+    if stages:  # the ring's TMA descriptor, at this REPS's program rows
+        old_reps, mma_mod.REPS = mma_mod.REPS, consts["REPS"]
+        try:
+            ptrs["w_desc"] = mangle_type(mma_mod._descriptor(torch.zeros(512, 256, dtype=torch.uint8)))
+        finally:
+            mma_mod.REPS = old_reps
+    else:
+        consts["w_desc"] = None
     if row_blocks == 1:
         consts["row_blocks"] = 1
     sig = {a: ptrs.get(a, "constexpr" if a in consts else "i32") for a in fn.arg_names}

@@ -97,7 +97,7 @@ def test_the_products_it_takes() -> None:
 
 
 @pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (512, 256)])
-@pytest.mark.parametrize(("reps", "stages"), [(4, 0), (2, 0), (2, 4)])
+@pytest.mark.parametrize(("reps", "stages"), [(4, 0), (2, 0), (2, 4), (4, 8)])
 @pytest.mark.parametrize("m", [1, 16, 64])
 def test_splits_keep_one_wave(
     n: int, k: int, reps: int, stages: int, m: int, monkeypatch: pytest.MonkeyPatch
@@ -114,8 +114,10 @@ def test_splits_keep_one_wave(
     assert tiles * split <= resident or split == 1
     if per > 1:  # one step fewer a split would need more programs than fit
         assert tiles * -(-steps // (per - 1)) > resident
-    # registers (two token tiles take more); (2, 4): the ring
-    expect = {(4, 0): 396, (2, 0): 792, (2, 4): 396} if m <= 8 else {(4, 0): 264, (2, 0): 396, (2, 4): 396}
+    # by registers (two token tiles take more), or by the TMA ring: at (4, 8) 8 x 16 KB, one program an SM
+    expect = {(4, 0): 396, (2, 0): 792, (2, 4): 792, (4, 8): 132}
+    if m > 8:
+        expect = {(4, 0): 264, (2, 0): 396, (2, 4): 396, (4, 8): 132}
     assert resident == expect[reps, stages]
 
 
@@ -157,15 +159,49 @@ def test_the_routed_launch_reads_each_pairs_expert(monkeypatch: pytest.MonkeyPat
     grid, args, kw = calls[0]
     names = ["M", "N", "steps_per_split", "num_steps", "stride_xm", "stride_wn", "stride_sn", "stride_zn",
              "stride_os", "stride_om", "stride_we", "stride_se", "stride_ze"]  # fmt: skip
-    got = dict(zip(names, args[9:]))
+    got = dict(zip(names, args[10:]))
     assert grid == (-(-n // mma.block_n()), 3, pairs)
     assert got == {"M": 1, "N": n, "steps_per_split": 6, "num_steps": k // 128, "stride_xm": k // 2,
                    "stride_wn": k // 8, "stride_sn": k // 128, "stride_zn": k // 128, "stride_os": pairs * n,
                    "stride_om": n, "stride_we": n * k // 8, "stride_se": n * k // 128, "stride_ze": n * k // 128}  # fmt: skip
-    assert kw["ROUTED"] and kw["X_ROW_DIV"] == 8 and kw["PARTIAL"] and not kw["SERIAL"] and args[8] is ids
+    assert kw["ROUTED"] and kw["X_ROW_DIV"] == 8 and kw["PARTIAL"] and not kw["SERIAL"] and args[9] is ids
+    assert args[0] is None and kw["STAGES"] == 0  # no ring: no descriptor
     mma.launch(x, w[0], s[0], None, None, 128, 16, 1, out[0, :1], out, out, 0, False, False)  # dense: one row
     grid, args, kw = calls[1]
-    assert grid[2] == 1 and not kw["ROUTED"] and args[9] == 1 and args[-4:] == (0, 0, 0, 1)
+    assert grid[2] == 1 and not kw["ROUTED"] and args[10] == 1 and args[-4:] == (0, 0, 0, 1)
+
+
+@pytest.mark.parametrize("routed", [False, True])
+def test_the_ring_reads_the_words_by_one_descriptor(routed: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """STAGES past 0 (the kernel captured, not run): the words' TMA descriptor over int32 [rows, K / 8] (routed:
+    the experts' rows one after another, the kernel's rows e N + ...), boxes of half a program's columns by one
+    step, made once per weight tensor; experts not one after another are not taken."""
+    launches = CapturedLaunches()
+    monkeypatch.setattr(mma, "int4_mma_gemv_kernel", launches)
+    monkeypatch.setattr(mma, "STAGES", 3)
+    e, n, k = 4, 768, 1024
+    x = torch.zeros(1, k, dtype=torch.bfloat16)
+    w = torch.zeros(e, n, k // 2, dtype=torch.uint8) if routed else torch.zeros(n, k // 2, dtype=torch.uint8)
+    s = torch.zeros(*w.shape[:-1], k // 128, dtype=torch.float16)
+    ids = torch.zeros(2, dtype=torch.int32) if routed else None
+    out = torch.zeros(2, n)
+    assert mma.fits(x, w, None, 4, 128, routed=routed)
+    for _ in range(2):
+        mma.launch(
+            x, w, s, None, None, 128, 8, 1, out[:1] if not routed else out, out, out, 0, False, False, ids=ids
+        )
+    (_, args, kw), (_, again, _) = launches.calls
+    desc = args[0]
+    assert list(desc.shape) == [e * n if routed else n, k // 8] and list(desc.strides) == [k // 8, 1]
+    assert list(desc.block_shape) == [mma.block_n() // 2, 16] and desc.base.dtype == torch.int32
+    assert (
+        desc.base.data_ptr() == w.data_ptr() and again[0] is desc and kw["STAGES"] == 3 and not kw["PREFETCH"]
+    )
+    if routed:  # experts apart (a slice of a larger tensor): the descriptor's rows would not be e N + ...
+        apart = torch.zeros(e, n + 16, k // 2, dtype=torch.uint8)[:, :n]
+        assert not mma.fits(x, apart, None, 4, 128, routed=True)
+        monkeypatch.setattr(mma, "STAGES", 0)
+        assert mma.fits(x, apart, None, 4, 128, routed=True)  # loads by address take them
 
 
 def test_rows_past_16_run_in_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -182,5 +218,7 @@ def test_rows_past_16_run_in_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     mma.launch(x, w, s, None, None, 128, 4, 4, out, out, out, out.stride(0), False, False)
     grid, args, kw = calls[0]
     assert grid == (-(-n // mma.block_n()) * 3, 4, 1)
-    assert args[9] == 37 and args[13] == (k + 64) // 2 and args[18] == n and args[-1] == 3  # M, stride_xm, om
+    assert (
+        args[10] == 37 and args[14] == (k + 64) // 2 and args[19] == n and args[-1] == 3
+    )  # M, stride_xm, om
     assert kw["TOKEN_TILES"] == 2 and kw["PARTIAL"] and not kw["SERIAL"]

@@ -81,6 +81,11 @@
 # int4 decode at b1@32K from one row at REPS 2 with the grid sized for 6 (one wave by registers), 4 and 3 programs
 # an SM (`_RESIDENT`), with programmatic dependent launch off, and with splits of at least 4 and 8 steps
 # (`MIN_SPLIT_STEPS`), beside the defaults.
+# int4-tma (one GPU, ~7 min): the int4 mma GEMV's words by a TMA ring (int4_mma_gemv.STAGES past 0): its GPU tests at
+# 2 stages (and the routed experts' through it), the 8B projections alone at 2, 3 and 4 stages and at REPS 2 with 4,
+# then the 8B int4 decode (b1@32K, b16@8K) from one row on the mma GEMV at 0 (the registers), 2 and 4 stages beside
+# the defaults (the CUDA-core kernel at one row) and bf16. Issue 18: int4 b1 <= 0.6x bf16 (0.73x at 0aed29a); the
+# kernel alone is 2.2-2.6x its HBM floor at one row (bytes in flight).
 # fp8-acc-quality (one GPU, ~4 min): what the fp8 dots' accumulation costs a user in quality: `bench accuracy`
 # (scripts/gpu/bench_quant_accuracy.py) of the dense FP8 formats (fp8-block, ct-fp8-dynamic; hidden 1024) and of
 # FP8 experts (qwen3_moe, 32 x 32 blocks) against their bf16 original at FP8_DOT_MAX_IMPRECISE_ACC 0 (the default),
@@ -549,5 +554,30 @@ if [[ $MODE == int4-wave ]]; then  # one GPU (~5 min): the mma GEMV's wave and P
     [[ $v == *_min* ]] && consts+=("longserve.kernels.int4_mma_gemv.MIN_SPLIT_STEPS=${v##*_min}")
     LATENCY_TIMEOUT=100 latency_with "int4_wave_$v" "$v" "${consts[@]}" -- --config llama-3.1-8b "${dummy[@]}" \
       --repeat 3 --quantization gptq --decode-batch-sizes 1@32768
+  done
+fi
+
+if [[ $MODE == int4-tma ]]; then  # one GPU (~7 min): the int4 mma GEMV fed by a TMA ring
+  ring=longserve.kernels.int4_mma_gemv.STAGES
+  timeout 150 python3 scripts/probes/with_constants.py $ring=2 -- pytest -q -s -m gpu \
+    tests/gpu/test_int4_mma_gemv_gpu.py -p no:cacheprovider --tb=short -rfE 2>&1 \
+    | tee "$OUT/gpu_tests_int4_tma.log" | grep -E "int4 mma|passed|failed" || status=1
+  timeout 100 python3 scripts/probes/with_constants.py $ring=2 longserve.kernels.quant_gemv.INT4_MMA_ROUTED=True \
+    -- pytest -q -m gpu tests/gpu/test_quant_kernels_gpu.py -k int4_experts -p no:cacheprovider --tb=short -rfE \
+    2>&1 | tee "$OUT/gpu_tests_int4_tma_experts.log" | tail -3 || status=1
+  for variant in "STAGES=3" "STAGES=4" "REPS=2 STAGES=4"; do
+    consts=(); for c in $variant; do consts+=("longserve.kernels.int4_mma_gemv.$c"); done
+    timeout 90 python3 scripts/probes/with_constants.py "${consts[@]}" -- pytest -q -s -m gpu \
+      tests/gpu/test_int4_mma_gemv_gpu.py::test_times[1] tests/gpu/test_int4_mma_gemv_gpu.py::test_times[16] \
+      -p no:cacheprovider --tb=short -rfE 2>&1 | tee "$OUT/gpu_tests_int4_tma_${variant// /_}.log" \
+      | grep -E "int4 mma|passed|failed" | sed "s/^/$variant: /" || status=1
+  done
+  cases=(--config llama-3.1-8b "${dummy[@]}" --repeat 3 --decode-batch-sizes 1@32768,16@8192)
+  LATENCY_TIMEOUT=100 latency_with int4_tma_bf16 "bf16" -- "${cases[@]}"
+  for v in defaults 0 2 4; do
+    consts=()
+    [[ $v != defaults ]] && consts=(longserve.kernels.quant_gemv.INT4_MMA_MIN_ROWS=1 "$ring=$v")
+    LATENCY_TIMEOUT=100 latency_with "int4_tma_$v" "int4 stages=$v" "${consts[@]}" -- "${cases[@]}" \
+      --quantization gptq
   done
 fi
