@@ -352,11 +352,13 @@ def test_gemv_compiles_for_sm90() -> None:
     int4 = [r for r in reports if r["variant"].get("int4")]  # kernels/int4_gemv.py: words as 16-byte vectors
     assert len(int4) >= 2 and all(r["ld_v4"] for r in int4), int4
     # kernels/int4_mma_gemv.py (Gluon, where this Triton builds it; its layout assertion ran): words and x as
-    # 16-byte vectors, 8 mma.sync a 16-column tile and 8 for the sums of x (each token tile), nothing spilled
+    # 16-byte vectors, 8 mma.sync a 16-column tile and 8 for the sums of x (each token tile), nothing spilled; with
+    # STAGES the words by TMA
     mma = [r for r in reports if r["variant"].get("mma")]
     if _gluon_builds_int4_mma():
         one_tile = [r for r in mma if r["variant"].get("token_tiles", 1) == 1]
-        assert len(mma) == 9 and all(r["ld_v4"] for r in mma) and all(r["regs"] <= 168 for r in one_tile), mma
+        assert len(mma) == 10 and all(r["ld_v4"] for r in mma) and all(r["regs"] <= 168 for r in one_tile), mma
+        assert [r["tma"] for r in mma] == [bool(r["variant"].get("stages")) for r in mma]  # the ring's words
         assert [r["mma_sync"] for r in mma] == [
             8
             * (r["variant"].get("reps", 4) + 1)
