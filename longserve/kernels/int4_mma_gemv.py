@@ -20,12 +20,12 @@ partials [splits, M, N], summed by the last program of each column tile (quant_t
 by split_k.splitk_reduce.
 
 Built for sm90 on the CPU machine with Triton 3.6 and 3.9 (`scripts/dev/count_gemv_sass.py '{"mma": true}'`: the
-step loop at 1.45 instructions a weight, 142 registers, no shared memory, no spills; with the TMA ring (STAGES)
-87 registers). Its PTX and epilogue run warp by
-warp on the CPU in int4_mma_reference.py. On an H200 (2026-12-05, RESULTS.md twenty-fifth session): its GPU tests
-(tests/gpu/test_int4_mma_gemv_gpu.py) pass; far from its HBM floor at every row count (the 8B gate_up 27-37 us at one
-row against 14: bytes in flight, not instructions, hold it), it beats the CUDA-core kernels from 8 rows and, at 2
-tiles a warp (REPS), at one row per projection; quant_gemv routes 2-64 rows here.
+step loop at 1.45 instructions a weight, 142 registers, no shared memory, no spills; with the TMA ring (STAGES) 87
+registers). Its PTX and epilogue run warp by warp on the CPU in int4_mma_reference.py. On an H200 (RESULTS.md
+twenty-fifth and twenty-eighth sessions): its GPU tests (tests/gpu/test_int4_mma_gemv_gpu.py) pass with its words in
+registers and by the ring; with words in registers it is far from its HBM floor at one row (the 8B gate_up 27-37 us
+against 14: bytes in flight, not instructions, hold it), by the ring at 2 tiles a warp 24.3 (ONE_ROW); it beats the
+CUDA-core kernels from 8 rows with words in registers and at one row by the ring: quant_gemv routes 1-64 rows here.
 """
 
 from __future__ import annotations
@@ -37,16 +37,16 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from longserve.kernels.gluon_compat import barrier, reinterpret, supported, tma_load
+from longserve.kernels.gluon_compat import barrier, supported
 from longserve.kernels.gluon_gemv import axis, gdc_wait, one_wave_splits, prefetch_l2, store_sums
-from longserve.kernels.int4_mma_ptx import (
-    PRMT_HI,
-    PRMT_LO,
-    STEP_ASM,
-    STEP_CONSTRAINTS,
-    SUMS_ASM,
-    SUMS_CONSTRAINTS,
-    lane_layout,
+from longserve.kernels.int4_mma_ptx import lane_layout
+from longserve.kernels.int4_mma_steps import (
+    prefetch_pieces,
+    ring_load,
+    ring_start,
+    ring_words,
+    step_loads,
+    step_sums,
 )
 from longserve.kernels.launch import use_pdl
 
@@ -62,6 +62,7 @@ __all__ = [
     "row_blocks",
     "splits",
     "supported",
+    "tiling",
     "token_tiles",
 ]
 
@@ -89,8 +90,16 @@ REPS = 4
 # tiles from one half of the slot, rows g + 8 from the other: 8 lanes two adjacent 64-byte rows, no bank conflict).
 # sm90 builds (Triton 3.6): 87 registers at REPS 4 against 142 at 0, the loop ~400 instructions against 371 (the
 # slot's addresses, the mbarrier wait, a CTA barrier before each refill). It replaced a ring of per-lane cp.async
-# copies (twenty-fifth session: gate_up at one row 99.1 us against 36.6 at 0). 0 until `gpu_check.sh int4-tma`.
+# copies (twenty-fifth session: gate_up at one row 99.1 us against 36.6 at 0). On an H200 (twenty-eighth session,
+# 6f283db, `gpu_check.sh int4-tma`) alone at one row the four 8B projections at REPS 2 and 4 stages 57.2 us (qkv /
+# o / gate_up / down 8.5 / 7.5 / 24.3 / 16.9) against 76.5 on the CUDA-core kernel; at 16 rows the ring lost in the
+# decode (ONE_ROW): 0 past one row.
 STAGES = 0
+# (REPS, STAGES) a dense product of one row takes (None: REPS and STAGES). The 8B int4 decode at b1@32K from one row
+# on this kernel, ms, on an H200 (twenty-eighth session, 6f283db; bf16 5.73): (2, 1) 3.72, (2, 2) 3.73-3.74, (2, 3)
+# 3.80, (2, 4) 4.00, (4, 2) 3.94-3.95, (4, 0) 4.91, against 4.12-4.13 on the CUDA-core kernel: 0.651x bf16 at (2, 2).
+# At b16@8K: (4, 0) 7.42 ms against 7.49 at (4, 2) and 7.78-7.82 at REPS 2.
+ONE_ROW: tuple[int, int] | None = (2, 2)
 # Steps whose words the kernel asks L2 for ahead of the one it loads (STAGES 0; gluon_gemv.prefetch_l2), the first
 # ones before its PDL wait (not routed); 0: none. Why: bytes in flight hold the kernel (above), and a prefetch
 # holds no register: sm90 builds (Triton 3.6) at 2 steps 128 registers against 142 at one token tile, 182 at two
@@ -104,127 +113,6 @@ PREFETCH = 0
 # mmas; 88 registers against 82 at REPS 2, 140 against 142 at 4; two token tiles with zero points would spill).
 # 1 until measured (`gpu_check.sh int4-mma`'s UNROLL=2 variants).
 UNROLL = 1
-
-
-@gluon.jit
-def _step_loads(words_a, words_b, xs, col, N, step, EVEN_N: gl.constexpr, HALF: gl.constexpr):
-    """A step's words of A's rows g (column col) and g + 8 (column col + HALF), and token g's 64 bytes of x."""
-    if EVEN_N:
-        wa = gl.load(words_a + step * 16)
-        wb = gl.load(words_b + step * 16)
-    else:
-        wa = gl.load(words_a + step * 16, mask=col < N, other=0)
-        wb = gl.load(words_b + step * 16, mask=col + HALF < N, other=0)
-    return wa, wb, gl.load(xs + step * 64)
-
-
-@gluon.jit
-def _ring_load(w_desc, ring, ready, row0, step, slot):
-    """A step's words of the program's rows (from row0 of the descriptor's) into the ring's slot by TMA: its two
-    halves (A's rows g and g + 8 of every tile) into buffers 2 slot and 2 slot + 1."""
-    HALF: gl.constexpr = w_desc.block_type.shape[0]
-    mbarrier.expect(ready.index(slot), 2 * w_desc.block_type.nbytes)
-    tma_load(w_desc, [row0, step * 16], ready.index(slot), ring.index(2 * slot))
-    tma_load(w_desc, [row0 + HALF, step * 16], ready.index(slot), ring.index(2 * slot + 1))
-
-
-@gluon.jit
-def _ring_start(w_desc, row0, s_begin, n_steps, REPS: gl.constexpr, W: gl.constexpr, STAGES: gl.constexpr):
-    """The ring (STAGES slots of two [BLOCK_N / 2, 16] words, one mbarrier a slot) with its first STAGES steps asked
-    for."""
-    ring = gl.allocate_shared_memory(gl.int32, [2 * STAGES, 8 * W * REPS, 16], w_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-    for i in gl.static_range(STAGES):
-        if i < n_steps:
-            _ring_load(w_desc, ring, ready, row0, s_begin + i, i)
-    return ring, ready
-
-
-@gluon.jit
-def _ring_words(ring, ready, j, L: gl.constexpr, REPS: gl.constexpr, W: gl.constexpr, STAGES: gl.constexpr):
-    """The program's j-th step's words from the ring, once landed: A's rows g and g + 8 of each tile (the slot's
-    rows r 8W + 8w + g and that + HALF) in L."""
-    slot = j % STAGES
-    mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
-    SL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0])  # a half row-major, as TMA wrote it
-    wa = reinterpret(ring.index(2 * slot), gl.int32, [REPS, 8 * W, 4, 4], SL).load(L)
-    return wa, reinterpret(ring.index(2 * slot + 1), gl.int32, [REPS, 8 * W, 4, 4], SL).load(L)
-
-
-@gluon.jit
-def _prefetch_pieces(pid_n, N, stride_wn, REPS: gl.constexpr, W: gl.constexpr):
-    """Word offsets of step 0's 16-byte pieces of A's rows g and g + 8 (columns col and col + HALF; words_a,
-    words_b: lane t's words 4t .. 4t + 3) for gluon_gemv.prefetch_l2, one element a piece (int32 offsets, in a layout
-    of one element along the pieces' words: a pointer a word would hold 8 registers a piece); the columns past N at
-    N - 1 (a prefetch outside the weights is not defined). Int32: the 8B's largest projection is 7.3M words."""
-    LP: gl.constexpr = gl.BlockedLayout([REPS, 1, 1, 1], [1, 8, 4, 1], [1, W, 1, 1], [3, 2, 1, 0])
-    col = pid_n * (16 * W * REPS) + axis(REPS, 0, LP) * (8 * W) + axis(8 * W, 1, LP)
-    piece = 4 * axis(4, 2, LP)
-    half = 8 * W * REPS
-    return gl.minimum(col, N - 1) * stride_wn + piece, gl.minimum(col + half, N - 1) * stride_wn + piece
-
-
-@gluon.jit
-def _b_pairs(xt, L: gl.constexpr):
-    """A step's x words [1, 8W, 4, 16] (each word's natural pairs P_p, p = 2a + b) as B's X_0..X_3 in L:
-    X_i = (x[8j + i], x[8j + i + 4]), one prmt each."""
-    pa0, pa1 = gl.split(gl.reshape(xt, [1, xt.shape[1], 4, 4, 2, 2]))  # b = 0, 1: [1, 8W, 4, 4, 2] over a
-    p0, p2 = gl.split(pa0)
-    p1, p3 = gl.split(pa1)
-    x0 = gl.inline_asm_elementwise(PRMT_LO, "=r,r,r", [p0, p2], dtype=gl.int32, is_pure=True, pack=1)
-    x1 = gl.inline_asm_elementwise(PRMT_HI, "=r,r,r", [p0, p2], dtype=gl.int32, is_pure=True, pack=1)
-    x2 = gl.inline_asm_elementwise(PRMT_LO, "=r,r,r", [p1, p3], dtype=gl.int32, is_pure=True, pack=1)
-    x3 = gl.inline_asm_elementwise(PRMT_HI, "=r,r,r", [p1, p3], dtype=gl.int32, is_pure=True, pack=1)
-    return (
-        gl.convert_layout(x0, L),
-        gl.convert_layout(x1, L),
-        gl.convert_layout(x2, L),
-        gl.convert_layout(x3, L),
-    )
-
-
-@gluon.jit
-def _step_sums(acc, acc2, wa, wb, xt, xs2, step, zero, zero_x, s_ptr, col_s, stride_sn, z_ptr, stride_zn, N,
-               L: gl.constexpr, REPS: gl.constexpr, W: gl.constexpr, GROUP_SHIFT: gl.constexpr,
-               EVEN_N: gl.constexpr, HAS_ZP: gl.constexpr, TOKEN_TILES: gl.constexpr, weight=1.0):  # fmt: skip
-    """A step's products into the accumulators (acc: tokens 0-7; acc2, TOKEN_TILES 2: tokens 8-15, B's second tile
-    through the same words, its x loaded here): the step's sums, less (128 + z) times its sums of x, scaled (and
-    times `weight`: 0 drops a step)."""
-    x0, x1, x2, x3 = _b_pairs(xt, L)
-    sums = gl.inline_asm_elementwise(
-        SUMS_ASM, SUMS_CONSTRAINTS, [zero_x, x0, x1, x2, x3], dtype=gl.float32, is_pure=True, pack=4
-    )
-    c = gl.inline_asm_elementwise(
-        STEP_ASM, STEP_CONSTRAINTS, [zero, wa, wb, x0, x1, x2, x3], dtype=gl.float32, is_pure=True, pack=4
-    )
-    if TOKEN_TILES == 2:  # tokens 8-15: the same words unpacked again beside another B (registers: not kept)
-        y0, y1, y2, y3 = _b_pairs(gl.load(xs2 + step * 64), L)
-        sums2 = gl.inline_asm_elementwise(
-            SUMS_ASM, SUMS_CONSTRAINTS, [zero_x, y0, y1, y2, y3], dtype=gl.float32, is_pure=True, pack=4
-        )
-        c2 = gl.inline_asm_elementwise(
-            STEP_ASM, STEP_CONSTRAINTS, [zero, wa, wb, y0, y1, y2, y3], dtype=gl.float32, is_pure=True, pack=4
-        )
-    if GROUP_SHIFT < 0:  # one group
-        grp = 0
-    else:
-        grp = step >> GROUP_SHIFT
-    if EVEN_N:
-        s2 = gl.load(s_ptr + col_s * stride_sn + grp).to(gl.float32)
-    else:
-        s2 = gl.load(s_ptr + col_s * stride_sn + grp, mask=col_s < N, other=0.0).to(gl.float32)
-    scale = gl.convert_layout(gl.reshape(gl.join(s2, s2), [REPS, 8 * W, 1, 4]), L) * weight
-    if HAS_ZP:
-        z2 = gl.load(z_ptr + col_s * stride_zn + grp, mask=col_s < N, other=0).to(gl.float32) + 128.0
-        zq = gl.convert_layout(gl.reshape(gl.join(z2, z2), [REPS, 8 * W, 1, 4]), L)
-    else:
-        zq = 136.0  # 128 + 2^(4 - 1)
-    acc += scale * (c - zq * sums)
-    if TOKEN_TILES == 2:
-        acc2 += scale * (c2 - zq * sums2)
-    return acc, acc2
 
 
 @gluon.jit
@@ -258,16 +146,16 @@ def int4_mma_gemv_kernel(
     # (their programs read the same words at about the same time: once from HBM, then from L2)
     pid_n, pid_k = gl.program_id(0) // row_blocks, gl.program_id(1)
     # a tile's A rows g and g + 8 are the program's columns r 8W + 8w + g and that + HALF (a TMA slot's rows in two
-    # halves, each in the lanes' order: _ring_words)
+    # halves, each in the lanes' order: ring_words)
     HALF: gl.constexpr = BLOCK_N // 2
     col = pid_n * BLOCK_N + axis(REPS, 0, L) * (8 * W) + axis(8 * W, 1, L)  # [REPS, 8W, 1, 1]: A's row g
     s_begin = pid_k * steps_per_split
     s_end = gl.minimum(s_begin + steps_per_split, num_steps)
     row0_w = pid_n * BLOCK_N  # STAGES: the program's first row in the descriptor's
     if STAGES > 0 and not ROUTED:  # the first steps' words asked for while the kernel before drains
-        ring, ready = _ring_start(w_desc, row0_w, s_begin, s_end - s_begin, REPS, W, STAGES)
+        ring, ready = ring_start(w_desc, row0_w, s_begin, s_end - s_begin, REPS, W, STAGES)
     if PREFETCH > 0:  # the pieces' offsets from the weights (a routed program's expert's, after the wait)
-        pf_a, pf_b = _prefetch_pieces(pid_n, N, stride_wn, REPS, W)
+        pf_a, pf_b = prefetch_pieces(pid_n, N, stride_wn, REPS, W)
         if not ROUTED:  # the first steps' words into L2 while the kernel before drains
             for j in gl.static_range(PREFETCH):
                 prefetch_l2(w_ptr + (pf_a + gl.minimum(s_begin + j, s_end - 1) * 16))
@@ -278,7 +166,7 @@ def int4_mma_gemv_kernel(
         expert = gl.load(ids_ptr + pair).to(gl.int64)
         if STAGES > 0:  # the descriptor's rows: expert e's N rows from e N
             row0_w = (expert * N + row0_w).to(gl.int32)
-            ring, ready = _ring_start(w_desc, row0_w, s_begin, s_end - s_begin, REPS, W, STAGES)
+            ring, ready = ring_start(w_desc, row0_w, s_begin, s_end - s_begin, REPS, W, STAGES)
         w_ptr += expert * stride_we
         s_ptr += expert * stride_se
         z_ptr += expert * stride_ze
@@ -306,29 +194,29 @@ def int4_mma_gemv_kernel(
     gl.static_assert(UNROLL == 1 or STAGES == 0, "UNROLL with loads into registers")
     for step in range(s_begin, s_end, UNROLL):
         if STAGES > 0:
-            wa, wb = _ring_words(ring, ready, step - s_begin, L, REPS, W, STAGES)
+            wa, wb = ring_words(ring, ready, step - s_begin, L, REPS, W, STAGES)
             xt = gl.load(xs + step * 64)
         else:
-            wa, wb, xt = _step_loads(words_a, words_b, xs, col, N, step, EVEN_N, HALF)
+            wa, wb, xt = step_loads(words_a, words_b, xs, col, N, step, EVEN_N, HALF)
             if PREFETCH > 0:  # step + PREFETCH's words into L2: bytes in flight that hold no register
                 prefetch_l2(w_ptr + (pf_a + gl.minimum(step + PREFETCH, s_end - 1) * 16))
                 prefetch_l2(w_ptr + (pf_b + gl.minimum(step + PREFETCH, s_end - 1) * 16))
         # UNROLL 2: the next step's loads issued before this step's products (its words clamped at the end)
         if UNROLL == 2:
             nxt = gl.minimum(step + 1, s_end - 1)
-            wa2, wb2, xt2 = _step_loads(words_a, words_b, xs, col, N, nxt, EVEN_N, HALF)
-        acc, acc2 = _step_sums(acc, acc2, wa, wb, xt, xs2, step, zero, zero_x, s_ptr, col_s, stride_sn, z_ptr,
+            wa2, wb2, xt2 = step_loads(words_a, words_b, xs, col, N, nxt, EVEN_N, HALF)
+        acc, acc2 = step_sums(acc, acc2, wa, wb, xt, xs2, step, zero, zero_x, s_ptr, col_s, stride_sn, z_ptr,
                                stride_zn, N, L, REPS, W, GROUP_SHIFT, EVEN_N, HAS_ZP, TOKEN_TILES)  # fmt: skip
         if UNROLL == 2:
             # past the split's last step the clamped words count nothing (their scale times 0)
             keep = (step + 1 < s_end).to(gl.float32)
-            acc, acc2 = _step_sums(acc, acc2, wa2, wb2, xt2, xs2, nxt, zero, zero_x, s_ptr, col_s, stride_sn, z_ptr,
+            acc, acc2 = step_sums(acc, acc2, wa2, wb2, xt2, xs2, nxt, zero, zero_x, s_ptr, col_s, stride_sn, z_ptr,
                                    stride_zn, N, L, REPS, W, GROUP_SHIFT, EVEN_N, HAS_ZP, TOKEN_TILES,
                                    keep)  # fmt: skip
         if STAGES > 0:  # every warp past its step's words: the slot is refilled STAGES steps ahead
             barrier()
             if step + STAGES < s_end:
-                _ring_load(w_desc, ring, ready, row0_w, step + STAGES, (step - s_begin) % STAGES)
+                ring_load(w_desc, ring, ready, row0_w, step + STAGES, (step - s_begin) % STAGES)
     if STAGES > 0:
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(i))
@@ -366,13 +254,20 @@ def fits(
         and all(st % 16 == 0 for st in qweight.stride()[:-1])  # rows (and experts) of whole 16-byte pieces
         and qweight.data_ptr() % 16 == 0
         # the ring's descriptor takes the experts' rows as one run (expert e's from e N)
-        and not (STAGES and qweight.dim() == 3 and qweight.stride(0) != qweight.shape[1] * qweight.stride(1))
+        and not (
+            routed and tiling(1, routed)[1] and qweight.stride(0) != qweight.shape[1] * qweight.stride(1)
+        )
     )
 
 
-def block_n() -> int:
-    """Output columns a program holds."""
-    return 16 * WARPS * REPS
+def tiling(m: int, routed: bool = False) -> tuple[int, int]:
+    """(REPS, STAGES) of a launch at m rows (routed: one row a pair)."""
+    return ONE_ROW if ONE_ROW and m == 1 and not routed else (REPS, STAGES)
+
+
+def block_n(m: int, routed: bool = False) -> int:
+    """Output columns a program holds at m rows."""
+    return 16 * WARPS * tiling(m, routed)[0]
 
 
 def row_blocks(m: int) -> int:
@@ -401,33 +296,36 @@ def token_tiles(m: int) -> int:
     return 1 if m <= 8 else 2
 
 
-def resident_programs(sms: int, tiles: int = 1) -> int:
-    """Programs the SMs hold at once at `tiles` token tiles: by registers (_RESIDENT) and by the shared ring
+def resident_programs(sms: int, m: int, routed: bool = False) -> int:
+    """Programs the SMs hold at once at m rows: by registers (_RESIDENT, by its token tiles) and by the shared ring
     (STAGES x its slot)."""
-    ring = STAGES * block_n() * K_STEP // 2  # bytes of shared memory a program
-    return min(_RESIDENT.get((REPS, tiles), 2), 227 * 1024 // ring if ring else 8) * sms
+    reps, stages = tiling(m, routed)
+    ring = stages * block_n(m, routed) * K_STEP // 2  # bytes of shared memory a program
+    return min(_RESIDENT.get((reps, token_tiles(m)), 2), 227 * 1024 // ring if ring else 8) * sms
 
 
-def splits(n_tiles: int, num_steps: int, sms: int, m: int = 1) -> int:
+def splits(n_tiles: int, num_steps: int, sms: int, m: int, routed: bool = False) -> int:
     """K splits for n_tiles column tiles over num_steps steps at m rows (WAVE_SPLITS): the most that keep one wave
     (row_blocks(m) programs a column tile), each of at least MIN_SPLIT_STEPS steps."""
-    tiles = token_tiles(m)
-    return one_wave_splits(n_tiles * row_blocks(m), num_steps, resident_programs(sms, tiles), MIN_SPLIT_STEPS)
+    return one_wave_splits(
+        n_tiles * row_blocks(m), num_steps, resident_programs(sms, m, routed), MIN_SPLIT_STEPS
+    )
 
 
 _DESCRIPTORS: dict[tuple, TensorDescriptor] = {}
 
 
-def _descriptor(qweight: torch.Tensor) -> TensorDescriptor:
-    """The words' TMA descriptor for the ring (int32 [rows, K / 8], the experts' rows one after another), made once
-    per weight tensor and program shape (a decode step's host time)."""
-    key = (qweight.data_ptr(), tuple(qweight.shape), tuple(qweight.stride()), block_n())
+def _descriptor(qweight: torch.Tensor, columns: int) -> TensorDescriptor:
+    """The words' TMA descriptor for the ring of programs of `columns` (int32 [rows, K / 8], the experts' rows one
+    after another, boxes of half the columns by a step), made once per weight tensor and program shape (a decode
+    step's host time)."""
+    key = (qweight.data_ptr(), tuple(qweight.shape), tuple(qweight.stride()), columns)
     desc = _DESCRIPTORS.get(key)
     if desc is None:
         words = qweight.view(torch.int32).view(-1, qweight.shape[-1] // 4)
         layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
         desc = _DESCRIPTORS[key] = TensorDescriptor(words, list(words.shape), list(words.stride()),
-                                                    [block_n() // 2, K_STEP // 8], layout)  # fmt: skip
+                                                    [columns // 2, K_STEP // 8], layout)  # fmt: skip
     return desc
 
 
@@ -438,21 +336,24 @@ def launch(x, qweight, scales, zeros, bias, group_size: int, steps_per_split: in
     counters `locks` (split_k.SplitKOutputs makes these and sums them otherwise). Routed (`ids` [P], the experts'
     qweight [E, N, K / 2], scales and zeros [E, N, G]): row p of out is x[p // x_row_div] times expert ids[p]'s."""
     k = x.shape[1]
-    m, n = (1, qweight.shape[1]) if ids is not None else (x.shape[0], qweight.shape[0])
+    routed = ids is not None
+    m, n = (1, qweight.shape[1]) if routed else (x.shape[0], qweight.shape[0])
     steps = (group_size if 0 < group_size < k else k) // K_STEP
     group_shift = -1 if group_size <= 0 or group_size >= k else steps.bit_length() - 1
     z = zeros if zeros is not None else scales
-    routed = ids is not None
     blocks = 1 if routed else row_blocks(m)
-    assert not (serial and blocks > 1 and locks.numel() < triton.cdiv(n, block_n()) * blocks)
+    reps, stages = tiling(m, routed)
+    columns = block_n(m, routed)
+    assert not (serial and blocks > 1 and locks.numel() < triton.cdiv(n, columns) * blocks)
     pdl = use_pdl(x)
-    int4_mma_gemv_kernel[(triton.cdiv(n, block_n()) * blocks, num_splits, ids.shape[0] if routed else 1)](
-        _descriptor(qweight) if STAGES else None, x.view(torch.int32), qweight.view(torch.int32), scales, z,
-        bias if bias_in_kernel else scales, out, res, locks, ids if routed else locks, m, n, steps_per_split, k // K_STEP, x.stride(0) // 2,
-        qweight.stride(-2) // 4, scales.stride(-2), z.stride(-2), stride_os, out.stride(-2),
-        qweight.stride(0) // 4 if routed else 0, scales.stride(0) if routed else 0, z.stride(0) if routed else 0,
-        blocks, HAS_ZP=zeros is not None, HAS_BIAS=bias_in_kernel, PARTIAL=num_splits > 1, SERIAL=serial,
-        EVEN_N=n % block_n() == 0, GROUP_SHIFT=group_shift, REPS=REPS, STAGES=STAGES, USE_PDL=pdl, ROUTED=routed,
-        X_ROW_DIV=x_row_div, TOKEN_TILES=token_tiles(m), PREFETCH=PREFETCH if STAGES == 0 else 0,
-        UNROLL=UNROLL if STAGES == 0 and token_tiles(m) == 1 else 1, num_warps=WARPS, launch_pdl=pdl,
+    int4_mma_gemv_kernel[(triton.cdiv(n, columns) * blocks, num_splits, ids.shape[0] if routed else 1)](
+        _descriptor(qweight, columns) if stages else None, x.view(torch.int32), qweight.view(torch.int32), scales,
+        z, bias if bias_in_kernel else scales, out, res, locks, ids if routed else locks, m, n, steps_per_split,
+        k // K_STEP, x.stride(0) // 2, qweight.stride(-2) // 4, scales.stride(-2), z.stride(-2), stride_os,
+        out.stride(-2), qweight.stride(0) // 4 if routed else 0, scales.stride(0) if routed else 0,
+        z.stride(0) if routed else 0, blocks, HAS_ZP=zeros is not None, HAS_BIAS=bias_in_kernel,
+        PARTIAL=num_splits > 1, SERIAL=serial, EVEN_N=n % columns == 0, GROUP_SHIFT=group_shift, REPS=reps,
+        STAGES=stages, USE_PDL=pdl, ROUTED=routed, X_ROW_DIV=x_row_div, TOKEN_TILES=token_tiles(m),
+        PREFETCH=PREFETCH if stages == 0 else 0, UNROLL=UNROLL if stages == 0 and token_tiles(m) == 1 else 1,
+        num_warps=WARPS, launch_pdl=pdl,
     )  # fmt: skip

@@ -54,7 +54,8 @@ def emulate(
     per_split = -(-num_steps // max(1, min(splits, num_steps)))
     # every warp's tile of 16 columns: a program's BLOCK_N = 16 x warps x reps columns, A's rows g of tile (r, w)
     # its columns r 8W + 8w + g, rows g + 8 those + HALF
-    block_n, half = kernel.block_n(), kernel.block_n() // 2
+    block_n = kernel.block_n(m)
+    half = block_n // 2
     tiles = (np.arange(0, n, block_n)[:, None] + np.arange(0, half, 8)[None, :]).reshape(-1)
     lanes = np.arange(32)
     g, t = lanes >> 2, lanes & 3

@@ -189,7 +189,9 @@ def _routed_gemv(
 
         if mma.supported() and mma.fits(x, w, None, 4, group, routed=True):
             num_steps = k // mma.K_STEP
-            split = mma.splits(triton.cdiv(n, mma.block_n()) * num_rows, num_steps, sms)
+            split = mma.splits(
+                triton.cdiv(n, mma.block_n(1, routed=True)) * num_rows, num_steps, sms, 1, routed=True
+            )
             steps_per_split, split, out = split_k_output(num_steps, split, num_rows, n, x.dtype, x.device)
             stride_os = out.stride(0) if split > 1 else 0
             mma.launch(x, w, scale, zero, None, group, steps_per_split, split, out, out, out, stride_os, False, False,

@@ -85,9 +85,11 @@ WNA16_GEMV_FMA_MAX_TOKENS = 4
 # `gpu_check.sh int4-mma` and the 8B GPTQ int4 decode, RESULTS.md twenty-fifth session): its GPU tests pass; per
 # projection (weights from HBM) it wins from 8 rows (gate_up 28.7 against 51.0 us at 8, 36.4 / 52.6 at 16) and loses
 # at one (36.6 against 32.1); the decode at b8@4K 5.47 -> 4.85 ms, b16@8K 8.44 -> 7.44, b64@4K 16.43 -> 15.44, and
-# b1@32K 4.12 -> 4.90: so from 2 rows, the one-row kernel (int4_gemv.py) keeping batch 1.
+# b1@32K 4.12 -> 4.90: so from 2 rows, the one-row kernel (int4_gemv.py) keeping batch 1. With its words by a TMA
+# ring at one row (int4_mma_gemv.ONE_ROW: 2 tiles a warp, 2 stages) the b1@32K decode 4.13 -> 3.73 ms (twenty-eighth
+# session, 6f283db; 0.651x bf16's 5.73): from one row.
 INT4_MMA_GEMV = True
-INT4_MMA_MIN_ROWS = 2
+INT4_MMA_MIN_ROWS = 1
 # moe_wna16's routed expert GEMV (one row a (token, k) pair) through the same kernel: unmeasured (`gpu_check.sh
 # int4-mma-moe`); at one row the dense projections lost above.
 INT4_MMA_ROUTED = False
@@ -309,7 +311,7 @@ def wna16_gemv(
         from longserve.kernels import int4_mma_gemv as mma
 
         if mma.supported() and mma.fits(x, qweight, g_idx, bits, group_size):
-            num_steps, n_tiles = k // mma.K_STEP, triton.cdiv(n, mma.block_n())
+            num_steps, n_tiles = k // mma.K_STEP, triton.cdiv(n, mma.block_n(m))
             programs = n_tiles * mma.row_blocks(m)  # a serial sum's counters: one a program column
             split = (
                 mma.splits(n_tiles, num_steps, split_k.num_sms(x.device.index or 0), m)

@@ -177,12 +177,9 @@ def compile_int4_mma(mma=True, zp=False, bias=False, split=4, serial=False, even
                   EVEN_N=even_n, GROUP_SHIFT=group_shift, REPS=reps or mma_mod.REPS, STAGES=stages,
                   USE_PDL=pdl, ROUTED=routed, X_ROW_DIV=x_row_div, TOKEN_TILES=token_tiles,
                   PREFETCH=prefetch, UNROLL=unroll)  # fmt: skip
-    if stages:  # the ring's TMA descriptor, at this REPS's program rows
-        old_reps, mma_mod.REPS = mma_mod.REPS, consts["REPS"]
-        try:
-            ptrs["w_desc"] = mangle_type(mma_mod._descriptor(torch.zeros(512, 256, dtype=torch.uint8)))
-        finally:
-            mma_mod.REPS = old_reps
+    if stages:  # the ring's TMA descriptor, boxes of half this REPS's program columns
+        columns = 16 * num_warps * consts["REPS"]
+        ptrs["w_desc"] = mangle_type(mma_mod._descriptor(torch.zeros(512, 256, dtype=torch.uint8), columns))
     else:
         consts["w_desc"] = None
     if row_blocks == 1:

@@ -106,9 +106,10 @@ def test_splits_keep_one_wave(
     rows a column tile's blocks of rows count as programs too."""
     monkeypatch.setattr(mma, "REPS", reps)
     monkeypatch.setattr(mma, "STAGES", stages)
-    columns, steps = -(-n // mma.block_n()), k // mma.K_STEP
+    monkeypatch.setattr(mma, "ONE_ROW", None)  # these at one row too
+    columns, steps = -(-n // mma.block_n(m)), k // mma.K_STEP
     tiles = columns * mma.row_blocks(m)  # programs a split
-    split, resident = mma.splits(columns, steps, 132, m), mma.resident_programs(132, mma.token_tiles(m))
+    split, resident = mma.splits(columns, steps, 132, m), mma.resident_programs(132, m)
     per = -(-steps // split)
     assert 1 <= split <= steps and (split - 1) * per < steps  # each split has steps
     assert tiles * split <= resident or split == 1
@@ -125,18 +126,46 @@ def test_splits_keep_one_wave(
 def test_splits_of_at_least_min_steps(min_steps: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """MIN_SPLIT_STEPS: every split but the last of at least that many steps, as many splits as that and one wave
     allow; fewer steps than that in all: one split."""
-    monkeypatch.setattr(mma, "REPS", 2)
+    monkeypatch.setattr(mma, "ONE_ROW", (2, 0))
     monkeypatch.setattr(mma, "MIN_SPLIT_STEPS", min_steps)
     for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)):
-        columns, steps = -(-n // mma.block_n()), k // mma.K_STEP
-        split = mma.splits(columns, steps, 132)
+        columns, steps = -(-n // mma.block_n(1)), k // mma.K_STEP
+        split = mma.splits(columns, steps, 132, 1)
         per = -(-steps // split)
         assert per >= min_steps and (split - 1) * per < steps
-        assert columns * split <= mma.resident_programs(132) or split == 1
+        assert columns * split <= mma.resident_programs(132, 1) or split == 1
         monkeypatch.setattr(mma, "MIN_SPLIT_STEPS", 1)
-        assert split == min(mma.splits(columns, steps, 132), steps // min_steps)  # the one-wave split, capped
+        assert split == min(
+            mma.splits(columns, steps, 132, 1), steps // min_steps
+        )  # the one-wave split, capped
         monkeypatch.setattr(mma, "MIN_SPLIT_STEPS", min_steps)
-    assert mma.splits(48, 2, 132) == 1  # two steps in all (K = 256)
+    assert mma.splits(48, 2, 132, 1) == 1  # two steps in all (K = 256)
+
+
+def test_one_row_takes_its_own_tiling(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ONE_ROW (the kernel captured, not run): a dense product of one row at its tiles a warp and ring, its
+    programs' columns and the descriptor's boxes by it; two rows and routed pairs at REPS and STAGES."""
+    launches = CapturedLaunches()
+    monkeypatch.setattr(mma, "int4_mma_gemv_kernel", launches)
+    monkeypatch.setattr(mma, "ONE_ROW", (2, 3))
+    n, k = 1536, 1024
+    w, s = torch.zeros(n, k // 2, dtype=torch.uint8), torch.zeros(n, k // 128, dtype=torch.float16)
+    out = torch.zeros(2, n)
+    for m in (1, 2):
+        mma.launch(torch.zeros(m, k, dtype=torch.bfloat16), w, s, None, None, 128, 8, 1, out[:m], out, out, 0,
+                   False, False)  # fmt: skip
+    ids = torch.zeros(2, dtype=torch.int32)
+    mma.launch(torch.zeros(1, k, dtype=torch.bfloat16), w[None], s[None], None, None, 128, 8, 1, out, out, out, 0,
+               False, False, ids=ids)  # fmt: skip
+    (grid1, args1, kw1), (grid2, args2, kw2), (_, args3, kw3) = launches.calls
+    assert (kw1["REPS"], kw1["STAGES"]) == (2, 3) and grid1[0] == n // 128 and mma.block_n(1) == 128
+    assert list(args1[0].block_shape) == [64, 16] and not kw1["PREFETCH"]
+    assert (kw2["REPS"], kw2["STAGES"]) == (mma.REPS, mma.STAGES) and grid2[0] == -(-n // (64 * mma.REPS))
+    assert (kw3["REPS"], kw3["STAGES"]) == (mma.REPS, mma.STAGES) and mma.block_n(
+        1, routed=True
+    ) == 64 * mma.REPS
+    assert (args2[0] is None) == (mma.STAGES == 0) and (args3[0] is None) == (mma.STAGES == 0)
+    assert mma.resident_programs(132, 1) == 132 * 6  # REPS 2 by registers; the ring (3 x 8 KB) holds more
 
 
 def test_the_routed_launch_reads_each_pairs_expert(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -160,7 +189,7 @@ def test_the_routed_launch_reads_each_pairs_expert(monkeypatch: pytest.MonkeyPat
     names = ["M", "N", "steps_per_split", "num_steps", "stride_xm", "stride_wn", "stride_sn", "stride_zn",
              "stride_os", "stride_om", "stride_we", "stride_se", "stride_ze"]  # fmt: skip
     got = dict(zip(names, args[10:]))
-    assert grid == (-(-n // mma.block_n()), 3, pairs)
+    assert grid == (-(-n // mma.block_n(1, routed=True)), 3, pairs)
     assert got == {"M": 1, "N": n, "steps_per_split": 6, "num_steps": k // 128, "stride_xm": k // 2,
                    "stride_wn": k // 8, "stride_sn": k // 128, "stride_zn": k // 128, "stride_os": pairs * n,
                    "stride_om": n, "stride_we": n * k // 8, "stride_se": n * k // 128, "stride_ze": n * k // 128}  # fmt: skip
@@ -179,6 +208,7 @@ def test_the_ring_reads_the_words_by_one_descriptor(routed: bool, monkeypatch: p
     launches = CapturedLaunches()
     monkeypatch.setattr(mma, "int4_mma_gemv_kernel", launches)
     monkeypatch.setattr(mma, "STAGES", 3)
+    monkeypatch.setattr(mma, "ONE_ROW", None)
     e, n, k = 4, 768, 1024
     x = torch.zeros(1, k, dtype=torch.bfloat16)
     w = torch.zeros(e, n, k // 2, dtype=torch.uint8) if routed else torch.zeros(n, k // 2, dtype=torch.uint8)
@@ -193,7 +223,7 @@ def test_the_ring_reads_the_words_by_one_descriptor(routed: bool, monkeypatch: p
     (_, args, kw), (_, again, _) = launches.calls
     desc = args[0]
     assert list(desc.shape) == [e * n if routed else n, k // 8] and list(desc.strides) == [k // 8, 1]
-    assert list(desc.block_shape) == [mma.block_n() // 2, 16] and desc.base.dtype == torch.int32
+    assert list(desc.block_shape) == [mma.block_n(1, routed) // 2, 16] and desc.base.dtype == torch.int32
     assert (
         desc.base.data_ptr() == w.data_ptr() and again[0] is desc and kw["STAGES"] == 3 and not kw["PREFETCH"]
     )
@@ -217,7 +247,7 @@ def test_rows_past_16_run_in_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     assert mma.fits(x, w, None, 4, 128)
     mma.launch(x, w, s, None, None, 128, 4, 4, out, out, out, out.stride(0), False, False)
     grid, args, kw = calls[0]
-    assert grid == (-(-n // mma.block_n()) * 3, 4, 1)
+    assert grid == (-(-n // mma.block_n(37)) * 3, 4, 1)
     assert (
         args[10] == 37 and args[14] == (k + 64) // 2 and args[19] == n and args[-1] == 3
     )  # M, stride_xm, om

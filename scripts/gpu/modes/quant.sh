@@ -83,9 +83,9 @@
 # (`MIN_SPLIT_STEPS`), beside the defaults.
 # int4-tma (one GPU, ~7 min): the int4 mma GEMV's words by a TMA ring (int4_mma_gemv.STAGES past 0): its GPU tests at
 # 2 stages (and the routed experts' through it), the 8B projections alone at 2, 3 and 4 stages and at REPS 2 with 4,
-# then the 8B int4 decode (b1@32K, b16@8K) from one row on the mma GEMV at 0 (the registers), 2 and 4 stages beside
-# the defaults (the CUDA-core kernel at one row) and bf16. Issue 18: int4 b1 <= 0.6x bf16 (0.73x at 0aed29a); the
-# kernel alone is 2.2-2.6x its HBM floor at one row (bytes in flight).
+# then the 8B int4 decode (b1@32K, b16@8K) on the mma GEMV at 0 (the registers), 2 and 4 stages at every row count
+# beside the defaults (since 6f283db ONE_ROW's ring at one row) and bf16. Issue 18: int4 b1 <= 0.6x bf16 (0.73x at
+# 0aed29a); the kernel alone was 2.2-2.6x its HBM floor at one row (bytes in flight).
 # fp8-acc-quality (one GPU, ~4 min): what the fp8 dots' accumulation costs a user in quality: `bench accuracy`
 # (scripts/gpu/bench_quant_accuracy.py) of the dense FP8 formats (fp8-block, ct-fp8-dynamic; hidden 1024) and of
 # FP8 experts (qwen3_moe, 32 x 32 blocks) against their bf16 original at FP8_DOT_MAX_IMPRECISE_ACC 0 (the default),
@@ -428,13 +428,14 @@ if [[ $MODE == int4-reps2 ]]; then  # one GPU (~4 min): the int4 mma GEMV at 2 t
   latency_with int4_defaults "int4 defaults" -- --config llama-3.1-8b "${dummy[@]}" --repeat 3 --quantization gptq \
     --decode-batch-sizes 1@32768,16@8192,64@4096
   latency_with int4_reps2 "int4 REPS=2 MIN_ROWS=1" longserve.kernels.int4_mma_gemv.REPS=2 \
+    longserve.kernels.int4_mma_gemv.ONE_ROW=None \
     longserve.kernels.quant_gemv.INT4_MMA_MIN_ROWS=1 -- --config llama-3.1-8b "${dummy[@]}" --repeat 3 \
     --quantization gptq --decode-batch-sizes 1@32768,16@8192,64@4096
 fi
 
 if [[ $MODE == int4-profile ]]; then  # one GPU (~3 min): where the int4 mma GEMV's engine time at one row goes
   for v in "" "longserve.kernels.quant_gemv.INT4_MMA_MIN_ROWS=1" \
-    "longserve.kernels.quant_gemv.INT4_MMA_MIN_ROWS=1 longserve.kernels.int4_mma_gemv.REPS=2"; do
+    "longserve.kernels.quant_gemv.INT4_MMA_MIN_ROWS=1 longserve.kernels.int4_mma_gemv.REPS=2 longserve.kernels.int4_mma_gemv.ONE_ROW=None"; do
     name=int4_profile_$(( ${#v} ? $(wc -w <<< "$v") : 0 ))
     # shellcheck disable=SC2086
     LATENCY_TIMEOUT=120 latency_with "$name" "${v:-defaults}" $v -- --config llama-3.1-8b "${dummy[@]}" \
@@ -543,7 +544,8 @@ if [[ $MODE == gemv-prefetch ]]; then  # one GPU (~5 min): the int4 GEMVs' L2 pr
 fi
 
 if [[ $MODE == int4-wave ]]; then  # one GPU (~5 min): the mma GEMV's wave and PDL in the decode
-  mma=(longserve.kernels.quant_gemv.INT4_MMA_MIN_ROWS=1 longserve.kernels.int4_mma_gemv.REPS=2)
+  mma=(longserve.kernels.quant_gemv.INT4_MMA_MIN_ROWS=1 longserve.kernels.int4_mma_gemv.REPS=2
+       longserve.kernels.int4_mma_gemv.ONE_ROW=None)
   # programs an SM the grid is sized for at REPS 2 (one token tile): 6 fill every place (one wave by registers)
   # (its min_steps variants: each program at least 4 or 8 of the K steps, MIN_SPLIT_STEPS)
   for v in defaults mma6 mma4 mma3 mma6_nopdl mma6_min4 mma6_min8; do
@@ -559,14 +561,16 @@ fi
 
 if [[ $MODE == int4-tma ]]; then  # one GPU (~7 min): the int4 mma GEMV fed by a TMA ring
   ring=longserve.kernels.int4_mma_gemv.STAGES
-  timeout 150 python3 scripts/probes/with_constants.py $ring=2 -- pytest -q -s -m gpu \
+  timeout 150 python3 scripts/probes/with_constants.py $ring=2 longserve.kernels.int4_mma_gemv.ONE_ROW=None -- \
+    pytest -q -s -m gpu \
     tests/gpu/test_int4_mma_gemv_gpu.py -p no:cacheprovider --tb=short -rfE 2>&1 \
     | tee "$OUT/gpu_tests_int4_tma.log" | grep -E "int4 mma|passed|failed" || status=1
   timeout 100 python3 scripts/probes/with_constants.py $ring=2 longserve.kernels.quant_gemv.INT4_MMA_ROUTED=True \
     -- pytest -q -m gpu tests/gpu/test_quant_kernels_gpu.py -k int4_experts -p no:cacheprovider --tb=short -rfE \
     2>&1 | tee "$OUT/gpu_tests_int4_tma_experts.log" | tail -3 || status=1
   for variant in "STAGES=3" "STAGES=4" "REPS=2 STAGES=4"; do
-    consts=(); for c in $variant; do consts+=("longserve.kernels.int4_mma_gemv.$c"); done
+    consts=(longserve.kernels.int4_mma_gemv.ONE_ROW=None)
+    for c in $variant; do consts+=("longserve.kernels.int4_mma_gemv.$c"); done
     timeout 90 python3 scripts/probes/with_constants.py "${consts[@]}" -- pytest -q -s -m gpu \
       tests/gpu/test_int4_mma_gemv_gpu.py::test_times[1] tests/gpu/test_int4_mma_gemv_gpu.py::test_times[16] \
       -p no:cacheprovider --tb=short -rfE 2>&1 | tee "$OUT/gpu_tests_int4_tma_${variant// /_}.log" \
@@ -576,7 +580,7 @@ if [[ $MODE == int4-tma ]]; then  # one GPU (~7 min): the int4 mma GEMV fed by a
   LATENCY_TIMEOUT=100 latency_with int4_tma_bf16 "bf16" -- "${cases[@]}"
   for v in defaults 0 2 4; do
     consts=()
-    [[ $v != defaults ]] && consts=(longserve.kernels.quant_gemv.INT4_MMA_MIN_ROWS=1 "$ring=$v")
+    [[ $v != defaults ]] && consts=(longserve.kernels.int4_mma_gemv.ONE_ROW=None "$ring=$v")
     LATENCY_TIMEOUT=100 latency_with "int4_tma_$v" "int4 stages=$v" "${consts[@]}" -- "${cases[@]}" \
       --quantization gptq
   done

@@ -1,0 +1,143 @@
+"""The int4 tensor-core GEMV's pieces a step (int4_mma_gemv.py's kernel: the module docstring there): its words and
+activations loaded into registers or read back from the TMA ring, the activations as mma's B fragments, a step's
+products and sums into the accumulators. The PTX and lane mapping: int4_mma_ptx.py."""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+
+from longserve.kernels.gluon_compat import reinterpret, tma_load
+from longserve.kernels.gluon_gemv import axis
+from longserve.kernels.int4_mma_ptx import (
+    PRMT_HI,
+    PRMT_LO,
+    STEP_ASM,
+    STEP_CONSTRAINTS,
+    SUMS_ASM,
+    SUMS_CONSTRAINTS,
+)
+
+__all__ = ["b_pairs", "prefetch_pieces", "ring_load", "ring_start", "ring_words", "step_loads", "step_sums"]
+
+
+@gluon.jit
+def step_loads(words_a, words_b, xs, col, N, step, EVEN_N: gl.constexpr, HALF: gl.constexpr):
+    """A step's words of A's rows g (column col) and g + 8 (column col + HALF), and token g's 64 bytes of x."""
+    if EVEN_N:
+        wa = gl.load(words_a + step * 16)
+        wb = gl.load(words_b + step * 16)
+    else:
+        wa = gl.load(words_a + step * 16, mask=col < N, other=0)
+        wb = gl.load(words_b + step * 16, mask=col + HALF < N, other=0)
+    return wa, wb, gl.load(xs + step * 64)
+
+
+@gluon.jit
+def ring_load(w_desc, ring, ready, row0, step, slot):
+    """A step's words of the program's rows (from row0 of the descriptor's) into the ring's slot by TMA: its two
+    halves (A's rows g and g + 8 of every tile) into buffers 2 slot and 2 slot + 1."""
+    HALF: gl.constexpr = w_desc.block_type.shape[0]
+    mbarrier.expect(ready.index(slot), 2 * w_desc.block_type.nbytes)
+    tma_load(w_desc, [row0, step * 16], ready.index(slot), ring.index(2 * slot))
+    tma_load(w_desc, [row0 + HALF, step * 16], ready.index(slot), ring.index(2 * slot + 1))
+
+
+@gluon.jit
+def ring_start(w_desc, row0, s_begin, n_steps, REPS: gl.constexpr, W: gl.constexpr, STAGES: gl.constexpr):
+    """The ring (STAGES slots of two [BLOCK_N / 2, 16] words, one mbarrier a slot) with its first STAGES steps asked
+    for."""
+    ring = gl.allocate_shared_memory(gl.int32, [2 * STAGES, 8 * W * REPS, 16], w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        if i < n_steps:
+            ring_load(w_desc, ring, ready, row0, s_begin + i, i)
+    return ring, ready
+
+
+@gluon.jit
+def ring_words(ring, ready, j, L: gl.constexpr, REPS: gl.constexpr, W: gl.constexpr, STAGES: gl.constexpr):
+    """The program's j-th step's words from the ring, once landed: A's rows g and g + 8 of each tile (the slot's
+    rows r 8W + 8w + g and that + HALF) in L."""
+    slot = j % STAGES
+    mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
+    SL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0])  # a half row-major, as TMA wrote it
+    wa = reinterpret(ring.index(2 * slot), gl.int32, [REPS, 8 * W, 4, 4], SL).load(L)
+    return wa, reinterpret(ring.index(2 * slot + 1), gl.int32, [REPS, 8 * W, 4, 4], SL).load(L)
+
+
+@gluon.jit
+def prefetch_pieces(pid_n, N, stride_wn, REPS: gl.constexpr, W: gl.constexpr):
+    """Word offsets of step 0's 16-byte pieces of A's rows g and g + 8 (columns col and col + HALF; words_a,
+    words_b: lane t's words 4t .. 4t + 3) for gluon_gemv.prefetch_l2, one element a piece (int32 offsets, in a layout
+    of one element along the pieces' words: a pointer a word would hold 8 registers a piece); the columns past N at
+    N - 1 (a prefetch outside the weights is not defined). Int32: the 8B's largest projection is 7.3M words."""
+    LP: gl.constexpr = gl.BlockedLayout([REPS, 1, 1, 1], [1, 8, 4, 1], [1, W, 1, 1], [3, 2, 1, 0])
+    col = pid_n * (16 * W * REPS) + axis(REPS, 0, LP) * (8 * W) + axis(8 * W, 1, LP)
+    piece = 4 * axis(4, 2, LP)
+    half = 8 * W * REPS
+    return gl.minimum(col, N - 1) * stride_wn + piece, gl.minimum(col + half, N - 1) * stride_wn + piece
+
+
+@gluon.jit
+def b_pairs(xt, L: gl.constexpr):
+    """A step's x words [1, 8W, 4, 16] (each word's natural pairs P_p, p = 2a + b) as B's X_0..X_3 in L:
+    X_i = (x[8j + i], x[8j + i + 4]), one prmt each."""
+    pa0, pa1 = gl.split(gl.reshape(xt, [1, xt.shape[1], 4, 4, 2, 2]))  # b = 0, 1: [1, 8W, 4, 4, 2] over a
+    p0, p2 = gl.split(pa0)
+    p1, p3 = gl.split(pa1)
+    x0 = gl.inline_asm_elementwise(PRMT_LO, "=r,r,r", [p0, p2], dtype=gl.int32, is_pure=True, pack=1)
+    x1 = gl.inline_asm_elementwise(PRMT_HI, "=r,r,r", [p0, p2], dtype=gl.int32, is_pure=True, pack=1)
+    x2 = gl.inline_asm_elementwise(PRMT_LO, "=r,r,r", [p1, p3], dtype=gl.int32, is_pure=True, pack=1)
+    x3 = gl.inline_asm_elementwise(PRMT_HI, "=r,r,r", [p1, p3], dtype=gl.int32, is_pure=True, pack=1)
+    return (
+        gl.convert_layout(x0, L),
+        gl.convert_layout(x1, L),
+        gl.convert_layout(x2, L),
+        gl.convert_layout(x3, L),
+    )
+
+
+@gluon.jit
+def step_sums(acc, acc2, wa, wb, xt, xs2, step, zero, zero_x, s_ptr, col_s, stride_sn, z_ptr, stride_zn, N,
+               L: gl.constexpr, REPS: gl.constexpr, W: gl.constexpr, GROUP_SHIFT: gl.constexpr,
+               EVEN_N: gl.constexpr, HAS_ZP: gl.constexpr, TOKEN_TILES: gl.constexpr, weight=1.0):  # fmt: skip
+    """A step's products into the accumulators (acc: tokens 0-7; acc2, TOKEN_TILES 2: tokens 8-15, B's second tile
+    through the same words, its x loaded here): the step's sums, less (128 + z) times its sums of x, scaled (and
+    times `weight`: 0 drops a step)."""
+    x0, x1, x2, x3 = b_pairs(xt, L)
+    sums = gl.inline_asm_elementwise(
+        SUMS_ASM, SUMS_CONSTRAINTS, [zero_x, x0, x1, x2, x3], dtype=gl.float32, is_pure=True, pack=4
+    )
+    c = gl.inline_asm_elementwise(
+        STEP_ASM, STEP_CONSTRAINTS, [zero, wa, wb, x0, x1, x2, x3], dtype=gl.float32, is_pure=True, pack=4
+    )
+    if TOKEN_TILES == 2:  # tokens 8-15: the same words unpacked again beside another B (registers: not kept)
+        y0, y1, y2, y3 = b_pairs(gl.load(xs2 + step * 64), L)
+        sums2 = gl.inline_asm_elementwise(
+            SUMS_ASM, SUMS_CONSTRAINTS, [zero_x, y0, y1, y2, y3], dtype=gl.float32, is_pure=True, pack=4
+        )
+        c2 = gl.inline_asm_elementwise(
+            STEP_ASM, STEP_CONSTRAINTS, [zero, wa, wb, y0, y1, y2, y3], dtype=gl.float32, is_pure=True, pack=4
+        )
+    if GROUP_SHIFT < 0:  # one group
+        grp = 0
+    else:
+        grp = step >> GROUP_SHIFT
+    if EVEN_N:
+        s2 = gl.load(s_ptr + col_s * stride_sn + grp).to(gl.float32)
+    else:
+        s2 = gl.load(s_ptr + col_s * stride_sn + grp, mask=col_s < N, other=0.0).to(gl.float32)
+    scale = gl.convert_layout(gl.reshape(gl.join(s2, s2), [REPS, 8 * W, 1, 4]), L) * weight
+    if HAS_ZP:
+        z2 = gl.load(z_ptr + col_s * stride_zn + grp, mask=col_s < N, other=0).to(gl.float32) + 128.0
+        zq = gl.convert_layout(gl.reshape(gl.join(z2, z2), [REPS, 8 * W, 1, 4]), L)
+    else:
+        zq = 136.0  # 128 + 2^(4 - 1)
+    acc += scale * (c - zq * sums)
+    if TOKEN_TILES == 2:
+        acc2 += scale * (c2 - zq * sums2)
+    return acc, acc2
