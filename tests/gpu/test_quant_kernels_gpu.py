@@ -96,6 +96,8 @@ def test_int4_fast_path_matches_reference(shape: str, zp: bool, monkeypatch: pyt
     n, k = DENSE[shape]
     w = int_weight(n, k, zp=zp)
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    # the CUDA-core kernels (since 9d7eb2c one row runs on the mma GEMV by default)
+    monkeypatch.setattr(quant_gemv, "INT4_MMA_GEMV", False)
     monkeypatch.setattr(quant_gemv, "INT4_FAST_PATH", False)  # on by default since 35fd681's measurement
     general = wna16_gemm(x, *w, 4, 128, path="gemv")
     monkeypatch.setattr(quant_gemv, "INT4_FAST_PATH", True)
