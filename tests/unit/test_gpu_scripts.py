@@ -47,3 +47,45 @@ def test_the_constants_the_modes_set_exist() -> None:
         ):
             missing.append(target)
     assert missing == [], "set by a gpu_check mode, not assigned at the top of its module"
+
+
+def test_the_int4_ncu_summary_reads_ncus_csv(tmp_path: Path) -> None:
+    """scripts/probes/int4_ncu.py --summary on a table in ncu's `--csv --page details` layout (its own lines first):
+    per kernel the details it names in order, then the stall reasons largest first; other sections' rows left out."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "scripts" / "probes"))
+    import int4_ncu
+
+    head = '"ID","Process ID","Kernel Name","Section Name","Metric Name","Metric Unit","Metric Value"\n'
+    rows = [
+        ("0", "int4_mma_gemv_kernel", "GPU Speed Of Light Throughput", "Duration", "us", "24.10"),
+        ("0", "int4_mma_gemv_kernel", "GPU Speed Of Light Throughput", "DRAM Throughput", "%", "58.2"),
+        (
+            "0",
+            "int4_mma_gemv_kernel",
+            "Command line profiler metrics",
+            "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio",
+            "",
+            "0.40",
+        ),  # fmt: skip
+        (
+            "0",
+            "int4_mma_gemv_kernel",
+            "Command line profiler metrics",
+            "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio",
+            "",
+            "2,310.5",
+        ),  # fmt: skip
+        ("0", "int4_mma_gemv_kernel", "Launch Statistics", "Grid Size", "", "672"),
+        ("1", "_splitk_reduce_kernel", "GPU Speed Of Light Throughput", "Duration", "us", "2.05"),
+    ]
+    csv_text = "==PROF== Connected to process 1\n" + head
+    csv_text += "".join(",".join(f'"{v}"' for v in (r[0], "1", *r[1:])) + "\n" for r in rows)
+    (tmp_path / "ncu.csv").write_text(csv_text)
+    lines = int4_ncu.summary(str(tmp_path / "ncu.csv")).splitlines()
+    assert lines[:4] == ["[0] int4_mma_gemv_kernel", "    Duration: 24.10 us", "    DRAM Throughput: 58.2 %",
+                         "    stalls per issue: long_scoreboard 2,310.5, barrier 0.40"]  # fmt: skip
+    assert lines[4:] == ["[1] _splitk_reduce_kernel", "    Duration: 2.05 us"] and "Grid" not in "".join(
+        lines
+    )

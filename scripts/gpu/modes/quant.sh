@@ -86,6 +86,9 @@
 # then the 8B int4 decode (b1@32K, b16@8K) on the mma GEMV at 0 (the registers), 2 and 4 stages at every row count
 # beside the defaults (since 6f283db ONE_ROW's ring at one row) and bf16. Issue 18: int4 b1 <= 0.6x bf16 (0.73x at
 # 0aed29a); the kernel alone was 2.2-2.6x its HBM floor at one row (bytes in flight).
+# int4-ncu (one GPU, ~2 min): Nsight Compute on the 8B int4 GEMVs at one row, the mma GEMV by its TMA ring and the
+# CUDA-core kernel (scripts/probes/int4_ncu.py): HBM throughput, occupancy and the warps' stall reasons, for what
+# holds gate_up at 24.3 us against 14 and qkv at 8.5 against 3 (issue 18's int4 b1 at 0.651x bf16, target 0.6x).
 # fp8-acc-quality (one GPU, ~4 min): what the fp8 dots' accumulation costs a user in quality: `bench accuracy`
 # (scripts/gpu/bench_quant_accuracy.py) of the dense FP8 formats (fp8-block, ct-fp8-dynamic; hidden 1024) and of
 # FP8 experts (qwen3_moe, 32 x 32 blocks) against their bf16 original at FP8_DOT_MAX_IMPRECISE_ACC 0 (the default),
@@ -584,4 +587,13 @@ if [[ $MODE == int4-tma ]]; then  # one GPU (~7 min): the int4 mma GEMV fed by a
     LATENCY_TIMEOUT=100 latency_with "int4_tma_$v" "int4 stages=$v" "${consts[@]}" -- "${cases[@]}" \
       --quantization gptq
   done
+fi
+
+if [[ $MODE == int4-ncu ]]; then  # one GPU (~2 min): where the int4 GEMVs' time goes at one row, by the counters
+  ncu_bin=${NCU:-$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2> /dev/null | head -1)}
+  stalls=$(python3 -c "import sys; sys.path.insert(0, 'scripts/probes'); import int4_ncu; print(','.join(int4_ncu.STALLS))")
+  PYTHONPATH=$PWD timeout 240 "$ncu_bin" --clock-control none --profile-from-start off --csv --page details \
+    --section SpeedOfLight --section Occupancy --section WarpStateStats --metrics "$stalls" \
+    python3 scripts/probes/int4_ncu.py > "$OUT/int4_ncu.csv" 2> "$OUT/int4_ncu.log" || status=1
+  python3 scripts/probes/int4_ncu.py --summary "$OUT/int4_ncu.csv" | tee "$OUT/int4_ncu_summary.txt"
 fi
