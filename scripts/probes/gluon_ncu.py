@@ -15,11 +15,11 @@ Warm-up calls (compiles, cuDNN's plans) run before the profiler starts; then one
 
 from __future__ import annotations
 
-import csv
-import io
 import os
 import sys
 from collections import defaultdict
+
+from ncu_calls import profile_calls, run, table_rows  # this folder (the script's own: first on sys.path)
 
 # the metrics the summary prints, by ncu's section and metric names (the raw CSV keeps them all)
 SUMMARY = {
@@ -44,12 +44,9 @@ SUMMARY = {
 
 def summary(path: str) -> str:
     """Per profiled kernel, its short name and the SUMMARY metrics, from ncu's `--csv --page details` output."""
-    with open(path, encoding="utf-8", errors="replace") as f:
-        text = f.read()
-    start = text.find('"ID"')  # ncu prints its own lines (==PROF== ...) before the table
-    if start < 0:
+    rows = table_rows(path)
+    if rows is None:
         return f"{path}: no ncu table (see the log)"
-    rows = csv.DictReader(io.StringIO(text[start:]))
     kernels: dict[str, dict] = defaultdict(dict)
     names: dict[str, str] = {}
     for row in rows:
@@ -93,20 +90,8 @@ def main() -> None:
             calls.append((f"fa3 {tag}", lambda q=q, k=k, v=v, c=causal, cu_q=cu_q, cu_k=cu_k, n=new, s=keys:
                           flash_attn_varlen_func(q, k, v, n, cu_q, s, cu_seqlens_k=cu_k, softmax_scale=scale, causal=c,
                                                  fa_version=3)))  # fmt: skip
-    for _, fn in calls:  # compiles and plans off the profile
-        for _ in range(3):
-            fn()
-    torch.cuda.synchronize()
-    torch.cuda.cudart().cudaProfilerStart()
-    for name, fn in calls:
-        print(f"profiled: {name}", file=sys.stderr, flush=True)
-        fn()
-    torch.cuda.synchronize()
-    torch.cuda.cudart().cudaProfilerStop()
+    profile_calls(calls)
 
 
 if __name__ == "__main__":
-    if "--summary" in sys.argv:
-        print(summary(sys.argv[sys.argv.index("--summary") + 1]))
-    else:
-        main()
+    run(main, summary)

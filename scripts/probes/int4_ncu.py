@@ -16,10 +16,9 @@ in a decode step. Warm-up calls (compiles) run before the profiler starts; then 
 
 from __future__ import annotations
 
-import csv
-import io
-import sys
 from collections import defaultdict
+
+from ncu_calls import profile_calls, run, table_rows  # this folder (the script's own: first on sys.path)
 
 # warp stall reasons, each the average number of warps stalled on it per issued instruction
 STALLS = [
@@ -35,14 +34,12 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
 
 def summary(path: str) -> str:
     """Per profiled kernel, its short name, the SUMMARY metrics and the stalls (largest first), from ncu's CSV."""
-    with open(path, encoding="utf-8", errors="replace") as f:
-        text = f.read()
-    start = text.find('"ID"')  # ncu prints its own lines (==PROF== ...) before the table
-    if start < 0:
+    rows = table_rows(path)
+    if rows is None:
         return f"{path}: no ncu table (see the log)"
     names: dict[str, str] = {}
     values: dict[str, dict[str, str]] = defaultdict(dict)
-    for row in csv.DictReader(io.StringIO(text[start:])):
+    for row in rows:
         names[row["ID"]] = row["Kernel Name"]
         metric = row.get("Metric Name") or ""
         if metric in SUMMARY or metric.startswith("smsp__average_warps_issue_stalled"):
@@ -78,20 +75,8 @@ def main() -> None:
                 return quant_gemv.wna16_gemv(x, w[0], w[1], None, None, 4, 128)
 
             calls.append((f"{shape} {'mma ring' if mma else 'cuda cores'}", call))
-    for _, fn in calls:  # compiles off the profile
-        for _ in range(3):
-            fn()
-    torch.cuda.synchronize()
-    torch.cuda.cudart().cudaProfilerStart()
-    for name, fn in calls:
-        print(f"profiled: {name}", file=sys.stderr, flush=True)
-        fn()
-    torch.cuda.synchronize()
-    torch.cuda.cudart().cudaProfilerStop()
+    profile_calls(calls)
 
 
 if __name__ == "__main__":
-    if "--summary" in sys.argv:
-        print(summary(sys.argv[sys.argv.index("--summary") + 1]))
-    else:
-        main()
+    run(main, summary)
