@@ -89,6 +89,9 @@
 # int4-ncu (one GPU, ~2 min): Nsight Compute on the 8B int4 GEMVs at one row, the mma GEMV by its TMA ring and the
 # CUDA-core kernel (scripts/probes/int4_ncu.py): HBM throughput, occupancy and the warps' stall reasons, for what
 # holds gate_up at 24.3 us against 14 and qkv at 8.5 against 3 (issue 18's int4 b1 at 0.651x bf16, target 0.6x).
+# tma-stream (one GPU, ~1 min): GB/s of TMA streaming 256 MB of 2 KB rows by box shape, and of the same bytes in
+# contiguous tiles (scripts/probes/tma_stream.py): whether the int4 ring's 64 bytes a row a step hold it below HBM's
+# rate (its gate_up 24.3 us against 14 of bytes), as a guide to repacking the int4 weights by tile.
 # fp8-acc-quality (one GPU, ~4 min): what the fp8 dots' accumulation costs a user in quality: `bench accuracy`
 # (scripts/gpu/bench_quant_accuracy.py) of the dense FP8 formats (fp8-block, ct-fp8-dynamic; hidden 1024) and of
 # FP8 experts (qwen3_moe, 32 x 32 blocks) against their bf16 original at FP8_DOT_MAX_IMPRECISE_ACC 0 (the default),
@@ -596,4 +599,9 @@ if [[ $MODE == int4-ncu ]]; then  # one GPU (~2 min): where the int4 GEMVs' time
     --section SpeedOfLight --section Occupancy --section WarpStateStats --metrics "$stalls" \
     python3 scripts/probes/int4_ncu.py > "$OUT/int4_ncu.csv" 2> "$OUT/int4_ncu.log" || status=1
   python3 scripts/probes/int4_ncu.py --summary "$OUT/int4_ncu.csv" | tee "$OUT/int4_ncu_summary.txt"
+fi
+
+if [[ $MODE == tma-stream ]]; then  # one GPU (~1 min): HBM's rate by TMA box shape
+  PYTHONPATH=$PWD timeout 120 python3 scripts/probes/tma_stream.py 2>&1 | tee "$OUT/tma_stream.log" | grep -E '^\{|Error' \
+    || status=1
 fi
