@@ -44,6 +44,7 @@ from longserve.kernels.int4_mma_steps import (
     prefetch_pieces,
     ring_load,
     ring_start,
+    ring_wait,
     ring_words,
     step_loads,
     step_sums,
@@ -100,6 +101,11 @@ STAGES = 0
 # 3.80, (2, 4) 4.00, (4, 2) 3.94-3.95, (4, 0) 4.91, against 4.12-4.13 on the CUDA-core kernel: 0.651x bf16 at (2, 2).
 # At b16@8K: (4, 0) 7.42 ms against 7.49 at (4, 2) and 7.78-7.82 at REPS 2.
 ONE_ROW: tuple[int, int] | None = (2, 2)
+# Steps a ring slot holds: each slot's boxes take that many 64-byte pieces of each of its rows (the 8B's rows are 2 KB
+# or 7 KB apart: at 1 a box reads 64 bytes of each of 64 rows, the next 64 a step later; HBM's rows are ~2 KB, and
+# the FP8 GEMV's ring, 128 bytes a row a box, streams at 3.6 TB/s where ours holds ~2.4). 1 until measured
+# (`gpu_check.sh tma-stream`: the rate by box shape; `int4-tma`).
+STAGE_STEPS = 1
 # Steps whose words the kernel asks L2 for ahead of the one it loads (STAGES 0; gluon_gemv.prefetch_l2), the first
 # ones before its PDL wait (not routed); 0: none. Why: bytes in flight hold the kernel (above), and a prefetch
 # holds no register: sm90 builds (Triton 3.6) at 2 steps 128 registers against 142 at one token tile, 182 at two
@@ -192,31 +198,39 @@ def int4_mma_gemv_kernel(
     zero = gl.zeros([REPS, 8 * W, 4, 4], gl.float32, L)
     zero_x = gl.zeros([1, 8 * W, 4, 4], gl.float32, L)
     gl.static_assert(UNROLL == 1 or STAGES == 0, "UNROLL with loads into registers")
-    for step in range(s_begin, s_end, UNROLL):
-        if STAGES > 0:
-            wa, wb = ring_words(ring, ready, step - s_begin, L, REPS, W, STAGES)
-            xt = gl.load(xs + step * 64)
-        else:
+    if STAGES > 0:  # the words from the ring, S steps a slot
+        S: gl.constexpr = w_desc.block_type.shape[1] // 16
+        for j in range(0, gl.cdiv(s_end - s_begin, S)):
+            ring_wait(ready, j, STAGES)
+            for sub in gl.static_range(S):
+                # past the split's last step (S > 1) the step's words and x count nothing (clamped, weight 0)
+                step = gl.minimum(s_begin + j * S + sub, s_end - 1)
+                wa, wb = ring_words(ring, j % STAGES, sub, L, REPS, W)
+                keep = (s_begin + j * S + sub < s_end).to(gl.float32)
+                acc, acc2 = step_sums(acc, acc2, wa, wb, gl.load(xs + step * 64), xs2, step, zero, zero_x, s_ptr,
+                                      col_s, stride_sn, z_ptr, stride_zn, N, L, REPS, W, GROUP_SHIFT, EVEN_N, HAS_ZP,
+                                      TOKEN_TILES, keep)  # fmt: skip
+            barrier()  # every warp past the slot's words: it is refilled STAGES slots ahead
+            if (j + STAGES) * S < s_end - s_begin:
+                ring_load(w_desc, ring, ready, row0_w, s_begin + (j + STAGES) * S, j % STAGES)
+    else:  # the words by address
+        for step in range(s_begin, s_end, UNROLL):
             wa, wb, xt = step_loads(words_a, words_b, xs, col, N, step, EVEN_N, HALF)
             if PREFETCH > 0:  # step + PREFETCH's words into L2: bytes in flight that hold no register
                 prefetch_l2(w_ptr + (pf_a + gl.minimum(step + PREFETCH, s_end - 1) * 16))
                 prefetch_l2(w_ptr + (pf_b + gl.minimum(step + PREFETCH, s_end - 1) * 16))
-        # UNROLL 2: the next step's loads issued before this step's products (its words clamped at the end)
-        if UNROLL == 2:
-            nxt = gl.minimum(step + 1, s_end - 1)
-            wa2, wb2, xt2 = step_loads(words_a, words_b, xs, col, N, nxt, EVEN_N, HALF)
-        acc, acc2 = step_sums(acc, acc2, wa, wb, xt, xs2, step, zero, zero_x, s_ptr, col_s, stride_sn, z_ptr,
-                               stride_zn, N, L, REPS, W, GROUP_SHIFT, EVEN_N, HAS_ZP, TOKEN_TILES)  # fmt: skip
-        if UNROLL == 2:
-            # past the split's last step the clamped words count nothing (their scale times 0)
-            keep = (step + 1 < s_end).to(gl.float32)
-            acc, acc2 = step_sums(acc, acc2, wa2, wb2, xt2, xs2, nxt, zero, zero_x, s_ptr, col_s, stride_sn, z_ptr,
-                                   stride_zn, N, L, REPS, W, GROUP_SHIFT, EVEN_N, HAS_ZP, TOKEN_TILES,
-                                   keep)  # fmt: skip
-        if STAGES > 0:  # every warp past its step's words: the slot is refilled STAGES steps ahead
-            barrier()
-            if step + STAGES < s_end:
-                ring_load(w_desc, ring, ready, row0_w, step + STAGES, (step - s_begin) % STAGES)
+            # UNROLL 2: the next step's loads issued before this step's products (its words clamped at the end)
+            if UNROLL == 2:
+                nxt = gl.minimum(step + 1, s_end - 1)
+                wa2, wb2, xt2 = step_loads(words_a, words_b, xs, col, N, nxt, EVEN_N, HALF)
+            acc, acc2 = step_sums(acc, acc2, wa, wb, xt, xs2, step, zero, zero_x, s_ptr, col_s, stride_sn, z_ptr,
+                                  stride_zn, N, L, REPS, W, GROUP_SHIFT, EVEN_N, HAS_ZP, TOKEN_TILES)  # fmt: skip
+            if UNROLL == 2:
+                # past the split's last step the clamped words count nothing (their scale times 0)
+                keep = (step + 1 < s_end).to(gl.float32)
+                acc, acc2 = step_sums(acc, acc2, wa2, wb2, xt2, xs2, nxt, zero, zero_x, s_ptr, col_s, stride_sn, z_ptr,
+                                      stride_zn, N, L, REPS, W, GROUP_SHIFT, EVEN_N, HAS_ZP, TOKEN_TILES,
+                                      keep)  # fmt: skip
     if STAGES > 0:
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(i))
@@ -280,6 +294,9 @@ def row_blocks(m: int) -> int:
 # count_gemv_sass.py; the TMA ring's builds take fewer: 87-150 and 71-80, 168-192 and 124-128); the ring (STAGES x
 # 16 KB at REPS 4) may hold fewer.
 _RESIDENT = {(4, 1): 3, (2, 1): 6, (4, 2): 2, (2, 2): 3}
+# the same with the ring at 2 steps a slot (STAGE_STEPS): both steps' words and activations loaded at once, 106-188
+# registers at one token tile (REPS 2: 106-128), 154-240 at two (4 steps a slot spill: not taken)
+_RESIDENT_PAIRS = {(4, 1): 2, (2, 1): 4, (4, 2): 2, (2, 2): 2}
 # K split so that every program runs in one wave (columns x splits <= the programs the SMs hold at once), each
 # split at least one step: with split_k.splits_for's ~8 programs an SM the 8B down projection (16 tiles x 28
 # splits = 448 programs against 396 resident) would run a second wave of 52. On an H200 (twenty-fifth session) about
@@ -300,8 +317,10 @@ def resident_programs(sms: int, m: int, routed: bool = False) -> int:
     """Programs the SMs hold at once at m rows: by registers (_RESIDENT, by its token tiles) and by the shared ring
     (STAGES x its slot)."""
     reps, stages = tiling(m, routed)
-    ring = stages * block_n(m, routed) * K_STEP // 2  # bytes of shared memory a program
-    return min(_RESIDENT.get((reps, token_tiles(m)), 2), 227 * 1024 // ring if ring else 8) * sms
+    assert STAGE_STEPS in (1, 2), f"STAGE_STEPS {STAGE_STEPS}: 1 or 2"
+    ring = stages * block_n(m, routed) * STAGE_STEPS * K_STEP // 2  # bytes of shared memory a program
+    by_registers = _RESIDENT_PAIRS if stages and STAGE_STEPS == 2 else _RESIDENT
+    return min(by_registers.get((reps, token_tiles(m)), 2), 227 * 1024 // ring if ring else 8) * sms
 
 
 def splits(n_tiles: int, num_steps: int, sms: int, m: int, routed: bool = False) -> int:
@@ -317,15 +336,15 @@ _DESCRIPTORS: dict[tuple, TensorDescriptor] = {}
 
 def _descriptor(qweight: torch.Tensor, columns: int) -> TensorDescriptor:
     """The words' TMA descriptor for the ring of programs of `columns` (int32 [rows, K / 8], the experts' rows one
-    after another, boxes of half the columns by a step), made once per weight tensor and program shape (a decode
-    step's host time)."""
-    key = (qweight.data_ptr(), tuple(qweight.shape), tuple(qweight.stride()), columns)
+    after another, boxes of half the columns by STAGE_STEPS steps), made once per weight tensor and program shape (a
+    decode step's host time)."""
+    key = (qweight.data_ptr(), tuple(qweight.shape), tuple(qweight.stride()), columns, STAGE_STEPS)
     desc = _DESCRIPTORS.get(key)
     if desc is None:
         words = qweight.view(torch.int32).view(-1, qweight.shape[-1] // 4)
         layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
         desc = _DESCRIPTORS[key] = TensorDescriptor(words, list(words.shape), list(words.stride()),
-                                                    [columns // 2, K_STEP // 8], layout)  # fmt: skip
+                                                    [columns // 2, STAGE_STEPS * K_STEP // 8], layout)  # fmt: skip
     return desc
 
 

@@ -19,7 +19,16 @@ from longserve.kernels.int4_mma_ptx import (
     SUMS_CONSTRAINTS,
 )
 
-__all__ = ["b_pairs", "prefetch_pieces", "ring_load", "ring_start", "ring_words", "step_loads", "step_sums"]
+__all__ = [
+    "b_pairs",
+    "prefetch_pieces",
+    "ring_load",
+    "ring_start",
+    "ring_wait",
+    "ring_words",
+    "step_loads",
+    "step_sums",
+]
 
 
 @gluon.jit
@@ -36,8 +45,9 @@ def step_loads(words_a, words_b, xs, col, N, step, EVEN_N: gl.constexpr, HALF: g
 
 @gluon.jit
 def ring_load(w_desc, ring, ready, row0, step, slot):
-    """A step's words of the program's rows (from row0 of the descriptor's) into the ring's slot by TMA: its two
-    halves (A's rows g and g + 8 of every tile) into buffers 2 slot and 2 slot + 1."""
+    """The words of the program's rows (from row0 of the descriptor's) of the steps from `step` (the descriptor's
+    box: 16 words a step) into the ring's slot by TMA: its two halves (A's rows g and g + 8 of every tile) into
+    buffers 2 slot and 2 slot + 1."""
     HALF: gl.constexpr = w_desc.block_type.shape[0]
     mbarrier.expect(ready.index(slot), 2 * w_desc.block_type.nbytes)
     tma_load(w_desc, [row0, step * 16], ready.index(slot), ring.index(2 * slot))
@@ -46,27 +56,34 @@ def ring_load(w_desc, ring, ready, row0, step, slot):
 
 @gluon.jit
 def ring_start(w_desc, row0, s_begin, n_steps, REPS: gl.constexpr, W: gl.constexpr, STAGES: gl.constexpr):
-    """The ring (STAGES slots of two [BLOCK_N / 2, 16] words, one mbarrier a slot) with its first STAGES steps asked
-    for."""
-    ring = gl.allocate_shared_memory(gl.int32, [2 * STAGES, 8 * W * REPS, 16], w_desc.layout)
+    """The ring (STAGES slots of two [BLOCK_N / 2, 16 S] words for S steps a slot, one mbarrier a slot) with its
+    first STAGES slots asked for."""
+    S: gl.constexpr = w_desc.block_type.shape[1] // 16
+    ring = gl.allocate_shared_memory(gl.int32, [2 * STAGES, 8 * W * REPS, 16 * S], w_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
     for i in gl.static_range(STAGES):
-        if i < n_steps:
-            ring_load(w_desc, ring, ready, row0, s_begin + i, i)
+        if i * S < n_steps:
+            ring_load(w_desc, ring, ready, row0, s_begin + i * S, i)
     return ring, ready
 
 
 @gluon.jit
-def ring_words(ring, ready, j, L: gl.constexpr, REPS: gl.constexpr, W: gl.constexpr, STAGES: gl.constexpr):
-    """The program's j-th step's words from the ring, once landed: A's rows g and g + 8 of each tile (the slot's
-    rows r 8W + 8w + g and that + HALF) in L."""
-    slot = j % STAGES
-    mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
+def ring_wait(ready, j, STAGES: gl.constexpr):
+    """Until the program's j-th slot of steps has landed."""
+    mbarrier.wait(ready.index(j % STAGES), (j // STAGES) & 1)
+
+
+@gluon.jit
+def ring_words(ring, slot, sub: gl.constexpr, L: gl.constexpr, REPS: gl.constexpr, W: gl.constexpr):
+    """Step `sub` of a landed slot's steps: A's rows g and g + 8 of each tile (the slot's rows r 8W + 8w + g and
+    that + HALF), words 16 sub + 4t + u, in L."""
+    S: gl.constexpr = ring.shape[2] // 16  # steps a slot
     SL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0])  # a half row-major, as TMA wrote it
-    wa = reinterpret(ring.index(2 * slot), gl.int32, [REPS, 8 * W, 4, 4], SL).load(L)
-    return wa, reinterpret(ring.index(2 * slot + 1), gl.int32, [REPS, 8 * W, 4, 4], SL).load(L)
+    wa = reinterpret(ring.index(2 * slot), gl.int32, [REPS, 8 * W, 4 * S, 4], SL).slice(4 * sub, 4, dim=2)
+    wb = reinterpret(ring.index(2 * slot + 1), gl.int32, [REPS, 8 * W, 4 * S, 4], SL).slice(4 * sub, 4, dim=2)
+    return wa.load(L), wb.load(L)
 
 
 @gluon.jit

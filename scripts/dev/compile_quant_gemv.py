@@ -62,6 +62,14 @@ VARIANTS = [
     {"mma": True, "routed": True, "zp": True, "x_row_div": 8, "pdl": True},  # MoE pairs
     # the words by a TMA ring (int4_mma_gemv.STAGES), routed: the expert's rows in the experts' descriptor
     {"mma": True, "routed": True, "zp": True, "x_row_div": 8, "pdl": True, "stages": 3, "even_n": False},
+    {
+        "mma": True,
+        "reps": 2,
+        "stages": 2,
+        "stage_steps": 2,
+        "pdl": True,
+        "serial": True,
+    },  # 128 bytes a row a box
     {"mma": True, "pdl": True, "serial": True, "prefetch": 2},  # L2 prefetch (int4_mma_gemv.PREFETCH)
     {"mma": True, "routed": True, "x_row_div": 8, "pdl": True, "prefetch": 2, "even_n": False},
     {
@@ -160,7 +168,7 @@ def compile_int4_gemv(int4=True, x="bf16", zp=False, bias=False, bn=64, bk=128, 
 
 def compile_int4_mma(mma=True, zp=False, bias=False, split=4, serial=False, even_n=True, group_shift=0, reps=None,
                      stages=0, pdl=False, routed=False, x_row_div=1, token_tiles=1, row_blocks=1, prefetch=0,
-                     unroll=1, num_warps=4):  # fmt: skip
+                     unroll=1, stage_steps=1, num_warps=4):  # fmt: skip
     """kernels/int4_mma_gemv.py's tensor-core int4 GEMV (Gluon) for sm90, specialized as at run time (an integer
     argument of 1 is a constant then: row_blocks up to 16 rows); `routed`: over MoE (token, expert) pairs
     (kernels/moe_wna16.py)."""
@@ -177,9 +185,15 @@ def compile_int4_mma(mma=True, zp=False, bias=False, split=4, serial=False, even
                   EVEN_N=even_n, GROUP_SHIFT=group_shift, REPS=reps or mma_mod.REPS, STAGES=stages,
                   USE_PDL=pdl, ROUTED=routed, X_ROW_DIV=x_row_div, TOKEN_TILES=token_tiles,
                   PREFETCH=prefetch, UNROLL=unroll)  # fmt: skip
-    if stages:  # the ring's TMA descriptor, boxes of half this REPS's program columns
+    if stages:  # the ring's TMA descriptor, boxes of half this REPS's program columns by stage_steps steps
         columns = 16 * num_warps * consts["REPS"]
-        ptrs["w_desc"] = mangle_type(mma_mod._descriptor(torch.zeros(512, 256, dtype=torch.uint8), columns))
+        old, mma_mod.STAGE_STEPS = mma_mod.STAGE_STEPS, stage_steps
+        try:
+            ptrs["w_desc"] = mangle_type(
+                mma_mod._descriptor(torch.zeros(512, 256, dtype=torch.uint8), columns)
+            )
+        finally:
+            mma_mod.STAGE_STEPS = old
     else:
         consts["w_desc"] = None
     if row_blocks == 1:

@@ -135,7 +135,7 @@ def test_times(m: int, monkeypatch: pytest.MonkeyPatch) -> None:
             for mma in (False, True)
         }
         floor = w[0].numel() / 4.2e6  # bytes at 4.2 TB/s, us
-        print(f"\nint4 mma m={m} {shape} reps, stages={int4_mma_gemv.tiling(m)} prefetch="
-              f"{int4_gemv.INT4_GEMV_PREFETCH}/{int4_mma_gemv.PREFETCH}: cuda cores "
+        print(f"\nint4 mma m={m} {shape} reps, stages={int4_mma_gemv.tiling(m)} steps a slot "
+              f"{int4_mma_gemv.STAGE_STEPS} prefetch={int4_gemv.INT4_GEMV_PREFETCH}/{int4_mma_gemv.PREFETCH}: cuda cores "
               f"{times[False]:.1f} us, tensor cores {times[True]:.1f} us, HBM floor {floor:.1f} us; after a norm "
               f"({norm_us:.1f} us) {chained[False]:.1f} / {chained[True]:.1f} us")  # fmt: skip

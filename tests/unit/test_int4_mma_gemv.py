@@ -97,7 +97,7 @@ def test_the_products_it_takes() -> None:
 
 
 @pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (512, 256)])
-@pytest.mark.parametrize(("reps", "stages"), [(4, 0), (2, 0), (2, 4), (4, 8)])
+@pytest.mark.parametrize(("reps", "stages"), [(4, 0), (2, 0), (2, 4), (4, 8), (2, -2)])
 @pytest.mark.parametrize("m", [1, 16, 64])
 def test_splits_keep_one_wave(
     n: int, k: int, reps: int, stages: int, m: int, monkeypatch: pytest.MonkeyPatch
@@ -105,7 +105,8 @@ def test_splits_keep_one_wave(
     """At the 8B projections on 132 SMs: every program resident at once (or one split), no split empty; past 16
     rows a column tile's blocks of rows count as programs too."""
     monkeypatch.setattr(mma, "REPS", reps)
-    monkeypatch.setattr(mma, "STAGES", stages)
+    monkeypatch.setattr(mma, "STAGES", abs(stages))
+    monkeypatch.setattr(mma, "STAGE_STEPS", 2 if stages < 0 else 1)  # -2: 2 stages of 2 steps each
     monkeypatch.setattr(mma, "ONE_ROW", None)  # these at one row too
     columns, steps = -(-n // mma.block_n(m)), k // mma.K_STEP
     tiles = columns * mma.row_blocks(m)  # programs a split
@@ -115,10 +116,11 @@ def test_splits_keep_one_wave(
     assert tiles * split <= resident or split == 1
     if per > 1:  # one step fewer a split would need more programs than fit
         assert tiles * -(-steps // (per - 1)) > resident
-    # by registers (two token tiles take more), or by the TMA ring: at (4, 8) 8 x 16 KB, one program an SM
-    expect = {(4, 0): 396, (2, 0): 792, (2, 4): 792, (4, 8): 132}
+    # by registers (two token tiles take more; 2 steps a slot more still), or by the TMA ring: at (4, 8) 8 x 16 KB,
+    # one program an SM
+    expect = {(4, 0): 396, (2, 0): 792, (2, 4): 792, (4, 8): 132, (2, -2): 528}
     if m > 8:
-        expect = {(4, 0): 264, (2, 0): 396, (2, 4): 396, (4, 8): 132}
+        expect = {(4, 0): 264, (2, 0): 396, (2, 4): 396, (4, 8): 132, (2, -2): 264}
     assert resident == expect[reps, stages]
 
 
@@ -200,8 +202,11 @@ def test_the_routed_launch_reads_each_pairs_expert(monkeypatch: pytest.MonkeyPat
     assert grid[2] == 1 and not kw["ROUTED"] and args[10] == 1 and args[-4:] == (0, 0, 0, 1)
 
 
+@pytest.mark.parametrize("stage_steps", [1, 2])
 @pytest.mark.parametrize("routed", [False, True])
-def test_the_ring_reads_the_words_by_one_descriptor(routed: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_ring_reads_the_words_by_one_descriptor(
+    routed: bool, stage_steps: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """STAGES past 0 (the kernel captured, not run): the words' TMA descriptor over int32 [rows, K / 8] (routed:
     the experts' rows one after another, the kernel's rows e N + ...), boxes of half a program's columns by one
     step, made once per weight tensor; experts not one after another are not taken."""
@@ -209,6 +214,7 @@ def test_the_ring_reads_the_words_by_one_descriptor(routed: bool, monkeypatch: p
     monkeypatch.setattr(mma, "int4_mma_gemv_kernel", launches)
     monkeypatch.setattr(mma, "STAGES", 3)
     monkeypatch.setattr(mma, "ONE_ROW", None)
+    monkeypatch.setattr(mma, "STAGE_STEPS", stage_steps)
     e, n, k = 4, 768, 1024
     x = torch.zeros(1, k, dtype=torch.bfloat16)
     w = torch.zeros(e, n, k // 2, dtype=torch.uint8) if routed else torch.zeros(n, k // 2, dtype=torch.uint8)
@@ -223,7 +229,9 @@ def test_the_ring_reads_the_words_by_one_descriptor(routed: bool, monkeypatch: p
     (_, args, kw), (_, again, _) = launches.calls
     desc = args[0]
     assert list(desc.shape) == [e * n if routed else n, k // 8] and list(desc.strides) == [k // 8, 1]
-    assert list(desc.block_shape) == [mma.block_n(1, routed) // 2, 16] and desc.base.dtype == torch.int32
+    # boxes of half the columns by stage_steps steps of 16 words
+    assert list(desc.block_shape) == [mma.block_n(1, routed) // 2, 16 * stage_steps]
+    assert desc.base.dtype == torch.int32
     assert (
         desc.base.data_ptr() == w.data_ptr() and again[0] is desc and kw["STAGES"] == 3 and not kw["PREFETCH"]
     )

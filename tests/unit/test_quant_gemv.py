@@ -357,7 +357,7 @@ def test_gemv_compiles_for_sm90() -> None:
     mma = [r for r in reports if r["variant"].get("mma")]
     if _gluon_builds_int4_mma():
         one_tile = [r for r in mma if r["variant"].get("token_tiles", 1) == 1]
-        assert len(mma) == 10 and all(r["ld_v4"] for r in mma) and all(r["regs"] <= 168 for r in one_tile), (
+        assert len(mma) == 11 and all(r["ld_v4"] for r in mma) and all(r["regs"] <= 168 for r in one_tile), (
             mma
         )
         assert [r["tma"] for r in mma] == [bool(r["variant"].get("stages")) for r in mma]  # the ring's words
@@ -366,6 +366,7 @@ def test_gemv_compiles_for_sm90() -> None:
             * (r["variant"].get("reps", 4) + 1)
             * r["variant"].get("token_tiles", 1)
             * r["variant"].get("unroll", 1)
+            * r["variant"].get("stage_steps", 1)  # the ring's steps a slot, unrolled
             for r in mma
         ]
     # kernels/fp8_wgmma_gemv.py (Gluon): the weights by TMA, 8 wgmma a block (two m64 halves x 4 k32), fp8 x fp8

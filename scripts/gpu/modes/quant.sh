@@ -92,6 +92,9 @@
 # tma-stream (one GPU, ~1 min): GB/s of TMA streaming 256 MB of 2 KB rows by box shape, and of the same bytes in
 # contiguous tiles (scripts/probes/tma_stream.py): whether the int4 ring's 64 bytes a row a step hold it below HBM's
 # rate (its gate_up 24.3 us against 14 of bytes), as a guide to repacking the int4 weights by tile.
+# int4-slots (one GPU, ~5 min): the int4 ring's slots of 2 steps (int4_mma_gemv.STAGE_STEPS 2: 128 bytes of each row
+# a box, against 64): the kernel's GPU tests with it (and STAGES 2 at every row count), the 8B projections alone at
+# one row at 1 and 2, the 8B int4 decode b1@32K at 1 and 2 beside bf16. After tma-stream, which says whether it can.
 # fp8-acc-quality (one GPU, ~4 min): what the fp8 dots' accumulation costs a user in quality: `bench accuracy`
 # (scripts/gpu/bench_quant_accuracy.py) of the dense FP8 formats (fp8-block, ct-fp8-dynamic; hidden 1024) and of
 # FP8 experts (qwen3_moe, 32 x 32 blocks) against their bf16 original at FP8_DOT_MAX_IMPRECISE_ACC 0 (the default),
@@ -604,4 +607,22 @@ fi
 if [[ $MODE == tma-stream ]]; then  # one GPU (~1 min): HBM's rate by TMA box shape
   PYTHONPATH=$PWD timeout 120 python3 scripts/probes/tma_stream.py 2>&1 | tee "$OUT/tma_stream.log" | grep -E '^\{|Error' \
     || status=1
+fi
+
+if [[ $MODE == int4-slots ]]; then  # one GPU (~5 min): the int4 ring's boxes of 128 bytes a row
+  mma=longserve.kernels.int4_mma_gemv
+  timeout 120 python3 scripts/probes/with_constants.py $mma.STAGE_STEPS=2 $mma.STAGES=2 -- pytest -q -m gpu \
+    tests/gpu/test_int4_mma_gemv_gpu.py -k "not times" -p no:cacheprovider --tb=short -rfE 2>&1 \
+    | tee "$OUT/gpu_tests_int4_slots.log" | tail -3 || status=1
+  for n in 1 2; do
+    timeout 60 python3 scripts/probes/with_constants.py $mma.STAGE_STEPS=$n -- pytest -q -s -m gpu \
+      "tests/gpu/test_int4_mma_gemv_gpu.py::test_times[1]" -p no:cacheprovider --tb=short -rfE 2>&1 \
+      | tee "$OUT/gpu_tests_int4_slots_times$n.log" | grep -E "int4 mma|passed|failed" | sed "s/^/steps a slot $n: /"
+  done
+  cases=(--config llama-3.1-8b "${dummy[@]}" --repeat 3 --decode-batch-sizes 1@32768)
+  LATENCY_TIMEOUT=100 latency_with int4_slots_bf16 "bf16" -- "${cases[@]}"
+  for n in 1 2; do
+    LATENCY_TIMEOUT=100 latency_with "int4_slots_$n" "int4 steps a slot $n" $mma.STAGE_STEPS=$n -- "${cases[@]}" \
+      --quantization gptq
+  done
 fi
