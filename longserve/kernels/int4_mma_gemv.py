@@ -203,10 +203,14 @@ def int4_mma_gemv_kernel(
         for j in range(0, gl.cdiv(s_end - s_begin, S)):
             ring_wait(ready, j, STAGES)
             for sub in gl.static_range(S):
-                # past the split's last step (S > 1) the step's words and x count nothing (clamped, weight 0)
-                step = gl.minimum(s_begin + j * S + sub, s_end - 1)
                 wa, wb = ring_words(ring, j % STAGES, sub, L, REPS, W)
-                keep = (s_begin + j * S + sub < s_end).to(gl.float32)
+                step = s_begin + j * S + sub
+                keep = 1.0
+                if (
+                    S > 1
+                ):  # past the split's last step the step's words and x count nothing (clamped, weight 0)
+                    keep = (step < s_end).to(gl.float32)
+                    step = gl.minimum(step, s_end - 1)
                 acc, acc2 = step_sums(acc, acc2, wa, wb, gl.load(xs + step * 64), xs2, step, zero, zero_x, s_ptr,
                                       col_s, stride_sn, z_ptr, stride_zn, N, L, REPS, W, GROUP_SHIFT, EVEN_N, HAS_ZP,
                                       TOKEN_TILES, keep)  # fmt: skip
