@@ -124,7 +124,7 @@ UNROLL = 1
 @gluon.jit
 def int4_mma_gemv_kernel(
     w_desc,  # STAGES: TMA over the words as int32 [rows, K / 8] (routed: the experts' rows one after another),
-    # boxes [BLOCK_N / 2, 16]; else None
+    # boxes [BLOCK_N / 2, 16 STAGE_STEPS]; else None
     x_ptr,  # [M, K] bf16 viewed as int32 [M, K / 2] (natural pairs)
     w_ptr,  # [N, K / 8] int32: the packed uint8 [N, K / 2] as words
     s_ptr,  # [N, G]
@@ -206,9 +206,8 @@ def int4_mma_gemv_kernel(
                 wa, wb = ring_words(ring, j % STAGES, sub, L, REPS, W)
                 step = s_begin + j * S + sub
                 keep = 1.0
-                if (
-                    S > 1
-                ):  # past the split's last step the step's words and x count nothing (clamped, weight 0)
+                # past the split's last step (2 steps a slot) the step's words and x count nothing (clamped, weight 0)
+                if S > 1:
                     keep = (step < s_end).to(gl.float32)
                     step = gl.minimum(step, s_end - 1)
                 acc, acc2 = step_sums(acc, acc2, wa, wb, gl.load(xs + step * 64), xs2, step, zero, zero_x, s_ptr,
