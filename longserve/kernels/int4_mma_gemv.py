@@ -37,10 +37,12 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from longserve.kernels.gluon_compat import barrier, supported
+from longserve.kernels.gluon_compat import barrier, reinterpret, supported
 from longserve.kernels.gluon_gemv import axis, gdc_wait, one_wave_splits, prefetch_l2, store_sums
 from longserve.kernels.int4_mma_ptx import lane_layout
 from longserve.kernels.int4_mma_steps import (
+    gated_start,
+    gated_steps,
     prefetch_pieces,
     ring_load,
     ring_start,
@@ -125,7 +127,7 @@ UNROLL = 1
 def int4_mma_gemv_kernel(
     w_desc,  # STAGES: TMA over the words as int32 [rows, K / 8] (routed: the experts' rows one after another),
     # boxes [BLOCK_N / 2, 16 STAGE_STEPS]; else None
-    x_ptr,  # [M, K] bf16 viewed as int32 [M, K / 2] (natural pairs)
+    x_ptr,  # [M, K] bf16 viewed as int32 [M, K / 2] (natural pairs); GATED: gate|up [1, 2K] as [1, K]
     w_ptr,  # [N, K / 8] int32: the packed uint8 [N, K / 2] as words
     s_ptr,  # [N, G]
     z_ptr,  # [N, G] uint8 (HAS_ZP)
@@ -135,11 +137,11 @@ def int4_mma_gemv_kernel(
     lock_ptr,  # SERIAL: int32 counters, one per column tile, zero
     ids_ptr,  # ROUTED: [P] int32, each output row's expert
     M, N, steps_per_split, num_steps, stride_xm, stride_wn, stride_sn, stride_zn, stride_os, stride_om,
-    stride_we, stride_se, stride_ze, row_blocks,
+    stride_we, stride_se, stride_ze, row_blocks, up_off,
     HAS_ZP: gl.constexpr, HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr, SERIAL: gl.constexpr, EVEN_N: gl.constexpr,
     GROUP_SHIFT: gl.constexpr, REPS: gl.constexpr, STAGES: gl.constexpr, USE_PDL: gl.constexpr,
     ROUTED: gl.constexpr = False, X_ROW_DIV: gl.constexpr = 1, TOKEN_TILES: gl.constexpr = 1,
-    PREFETCH: gl.constexpr = 0, UNROLL: gl.constexpr = 1,
+    PREFETCH: gl.constexpr = 0, UNROLL: gl.constexpr = 1, GATED: gl.constexpr = False,
 ):  # fmt: skip
     W: gl.constexpr = gl.num_warps()
     # [tile r, lane row (warp w, g), lane t, element u]: lanes (g, t) as mma's groupID / threadID_in_group
@@ -200,6 +202,14 @@ def int4_mma_gemv_kernel(
     gl.static_assert(UNROLL == 1 or STAGES == 0, "UNROLL with loads into registers")
     if STAGES > 0:  # the words from the ring, S steps a slot
         S: gl.constexpr = w_desc.block_type.shape[1] // 16
+        # GATED (one row): x = silu(gate) * up made a slot ahead into shared memory, read back as x would be
+        gl.static_assert(not GATED or (TOKEN_TILES == 1 and not ROUTED), "GATED: one row, not routed")
+        if GATED:
+            xbuf = gated_start(W, S)
+            barrier()  # the zeros (stored across warps) before a warp's own rows
+            gated_steps(xbuf, x_ptr, up_off, s_begin, s_end, 0, W, S)
+            barrier()
+            XL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0])
         for j in range(0, gl.cdiv(s_end - s_begin, S)):
             ring_wait(ready, j, STAGES)
             for sub in gl.static_range(S):
@@ -210,9 +220,16 @@ def int4_mma_gemv_kernel(
                 if S > 1:
                     keep = (step < s_end).to(gl.float32)
                     step = gl.minimum(step, s_end - 1)
-                acc, acc2 = step_sums(acc, acc2, wa, wb, gl.load(xs + step * 64), xs2, step, zero, zero_x, s_ptr,
-                                      col_s, stride_sn, z_ptr, stride_zn, N, L, REPS, W, GROUP_SHIFT, EVEN_N, HAS_ZP,
-                                      TOKEN_TILES, keep)  # fmt: skip
+                if GATED:
+                    xt = reinterpret(xbuf.index((j % 2) * S + sub), gl.int32, [1, 8 * W, 4, 16], XL).load(LX)
+                else:
+                    xt = gl.load(xs + step * 64)
+                acc, acc2 = step_sums(acc, acc2, wa, wb, xt, xs2, step, zero, zero_x, s_ptr, col_s, stride_sn, z_ptr,
+                                      stride_zn, N, L, REPS, W, GROUP_SHIFT, EVEN_N, HAS_ZP, TOKEN_TILES,
+                                      keep)  # fmt: skip
+            # GATED: the next slot's activations (its buffer last read a slot ago, before the last barrier)
+            if GATED:
+                gated_steps(xbuf, x_ptr, up_off, s_begin + (j + 1) * S, s_end, (j + 1) % 2, W, S)
             barrier()  # every warp past the slot's words: it is refilled STAGES slots ahead
             if (j + STAGES) * S < s_end - s_begin:
                 ring_load(w_desc, ring, ready, row0_w, s_begin + (j + STAGES) * S, j % STAGES)
@@ -352,12 +369,14 @@ def _descriptor(qweight: torch.Tensor, columns: int) -> TensorDescriptor:
 
 
 def launch(x, qweight, scales, zeros, bias, group_size: int, steps_per_split: int, num_splits: int, out, res,
-           locks, stride_os: int, serial: bool, bias_in_kernel: bool, ids=None, x_row_div: int = 1) -> None:  # fmt: skip
+           locks, stride_os: int, serial: bool, bias_in_kernel: bool, ids=None, x_row_div: int = 1,
+           gated: bool = False) -> None:  # fmt: skip
     """The kernel over a product `fits` takes, K in num_splits runs of steps_per_split steps: into out [M, N] (one
     split) or its fp32 partials out [num_splits, M, N], summed (SERIAL) by each tile's last program into res with the
     counters `locks` (split_k.SplitKOutputs makes these and sums them otherwise). Routed (`ids` [P], the experts'
-    qweight [E, N, K / 2], scales and zeros [E, N, G]): row p of out is x[p // x_row_div] times expert ids[p]'s."""
-    k = x.shape[1]
+    qweight [E, N, K / 2], scales and zeros [E, N, G]): row p of out is x[p // x_row_div] times expert ids[p]'s.
+    gated (one row, by the ring): x is gate|up [1, 2K] and the product's input silu(gate) * up."""
+    k = x.shape[1] // 2 if gated else x.shape[1]
     routed = ids is not None
     m, n = (1, qweight.shape[1]) if routed else (x.shape[0], qweight.shape[0])
     steps = (group_size if 0 < group_size < k else k) // K_STEP
@@ -365,6 +384,7 @@ def launch(x, qweight, scales, zeros, bias, group_size: int, steps_per_split: in
     z = zeros if zeros is not None else scales
     blocks = 1 if routed else row_blocks(m)
     reps, stages = tiling(m, routed)
+    assert not gated or (m == 1 and not routed and stages), "gated: one row, by the ring"
     columns = block_n(m, routed)
     assert not (serial and blocks > 1 and locks.numel() < triton.cdiv(n, columns) * blocks)
     pdl = use_pdl(x)
@@ -373,9 +393,9 @@ def launch(x, qweight, scales, zeros, bias, group_size: int, steps_per_split: in
         z, bias if bias_in_kernel else scales, out, res, locks, ids if routed else locks, m, n, steps_per_split,
         k // K_STEP, x.stride(0) // 2, qweight.stride(-2) // 4, scales.stride(-2), z.stride(-2), stride_os,
         out.stride(-2), qweight.stride(0) // 4 if routed else 0, scales.stride(0) if routed else 0,
-        z.stride(0) if routed else 0, blocks, HAS_ZP=zeros is not None, HAS_BIAS=bias_in_kernel,
+        z.stride(0) if routed else 0, blocks, k // 2, HAS_ZP=zeros is not None, HAS_BIAS=bias_in_kernel,
         PARTIAL=num_splits > 1, SERIAL=serial, EVEN_N=n % columns == 0, GROUP_SHIFT=group_shift, REPS=reps,
         STAGES=stages, USE_PDL=pdl, ROUTED=routed, X_ROW_DIV=x_row_div, TOKEN_TILES=token_tiles(m),
         PREFETCH=PREFETCH if stages == 0 else 0, UNROLL=UNROLL if stages == 0 and token_tiles(m) == 1 else 1,
-        num_warps=WARPS, launch_pdl=pdl,
+        GATED=gated, num_warps=WARPS, launch_pdl=pdl,
     )  # fmt: skip

@@ -21,6 +21,8 @@ from longserve.kernels.int4_mma_ptx import (
 
 __all__ = [
     "b_pairs",
+    "gated_start",
+    "gated_steps",
     "prefetch_pieces",
     "ring_load",
     "ring_start",
@@ -84,6 +86,51 @@ def ring_words(ring, slot, sub: gl.constexpr, L: gl.constexpr, REPS: gl.constexp
     wa = reinterpret(ring.index(2 * slot), gl.int32, [REPS, 8 * W, 4 * S, 4], SL).slice(4 * sub, 4, dim=2)
     wb = reinterpret(ring.index(2 * slot + 1), gl.int32, [REPS, 8 * W, 4 * S, 4], SL).slice(4 * sub, 4, dim=2)
     return wa.load(L), wb.load(L)
+
+
+# silu(gate) * up's pair of results packed into one word of bf16 pairs, each rounded to nearest even (as .to(bf16))
+_PACK_BF16X2 = gl.constexpr("cvt.rn.bf16x2.f32 $0, $1, $2;")
+
+
+@gluon.jit
+def gated_start(W: gl.constexpr, S: gl.constexpr):
+    """GATED's activations in shared memory: 2 slots of S steps, each [8W lane rows, 64 words] as the lanes read x
+    (LX), zeroed: only each warp's lane row g = 0 (token 0, the one row) is written after; rows of tokens past it
+    feed sums that are not stored."""
+    # a layout of rank 2: each index() a plain [8W, 64] row-major buffer
+    xbuf = gl.allocate_shared_memory(gl.int32, [2 * S, 8 * W, 64], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    ZL: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [W, 1], [1, 0])
+    for i in gl.static_range(2 * S):
+        xbuf.index(i).store(gl.zeros([8 * W, 64], gl.int32, ZL))
+    return xbuf
+
+
+@gluon.jit
+def _silu_times(g, u):
+    """silu(gate) * up of the bf16 values gate and up (fp32), rounded as activation.silu_and_mul rounds silu."""
+    return (g / (1.0 + gl.exp(-g))).to(gl.bfloat16).to(gl.float32) * u
+
+
+@gluon.jit
+def gated_steps(xbuf, x_ptr, up_off, first, s_end, slot, W: gl.constexpr, S: gl.constexpr):
+    """silu(gate) * up of the one row's steps first .. first + S - 1 (gate|up words at x_ptr, up from word up_off;
+    steps past s_end clamped: their sums are weighted 0) into the slot's rows 8w, rounded as activation.silu_and_mul
+    rounds them. Each warp makes its own copy (its lanes alone read it: no CTA barrier between)."""
+    PL: gl.constexpr = gl.BlockedLayout([1, 2], [1, 32], [W, 1], [1, 0])  # [W, 64] words: a warp a copy
+    copy = gl.expand_dims(gl.arange(0, W, layout=gl.SliceLayout(1, PL)), 1)  # [W, 1]
+    words = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, PL)), 0) + 0 * copy  # [W, 64]
+    RL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    for sub in gl.static_range(S):
+        step = gl.minimum(first + sub, s_end - 1)
+        g = gl.load(x_ptr + step * 64 + words)
+        u = gl.load(x_ptr + up_off + step * 64 + words)
+        lo = _silu_times((g << 16).to(gl.float32, bitcast=True), (u << 16).to(gl.float32, bitcast=True))
+        hi = _silu_times((g & -65536).to(gl.float32, bitcast=True), (u & -65536).to(gl.float32, bitcast=True))
+        packed = gl.inline_asm_elementwise(
+            _PACK_BF16X2, "=r,f,f", [hi, lo], dtype=gl.int32, is_pure=True, pack=1
+        )
+        rows = reinterpret(xbuf.index(slot * S + sub), gl.int32, [W, 8 * 64], RL)  # warp w's rows 8w ..
+        rows.slice(0, 64, dim=1).store(packed)
 
 
 @gluon.jit

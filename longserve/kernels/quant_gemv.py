@@ -90,6 +90,11 @@ WNA16_GEMV_FMA_MAX_TOKENS = 4
 # session, 6f283db; 0.651x bf16's 5.73): from one row.
 INT4_MMA_GEMV = True
 INT4_MMA_MIN_ROWS = 1
+# An MLP's down projection at one row takes gate|up and makes its input silu(gate) * up inside the tensor-core GEMV
+# (int4_mma_gemv GATED: a slot ahead into shared memory, each warp its copy) instead of by activation.silu_and_mul's
+# launch before it: one launch less a layer (the 8B int4 b1 profile: SiLU 0.081 ms of 3.71). sm90 builds (Triton
+# 3.6): the one-row loop 494 -> 568 instructions, 80 registers. Off until measured (`gpu_check.sh int4-gated`).
+INT4_MMA_GATED = False
 # moe_wna16's routed expert GEMV (one row a (token, k) pair) through the same kernel: unmeasured (`gpu_check.sh
 # int4-mma-moe`); at one row the dense projections lost above.
 INT4_MMA_ROUTED = False
@@ -283,6 +288,48 @@ def wna16_gemv_config(
     return {**cfg, **(tuned or {})}
 
 
+def _mma_gemv(x, qweight, scales, zeros, bias, group_size: int, m: int, n: int, k: int, gated: bool = False):
+    """[M, N] by int4_mma_gemv (a product its `fits` takes), split K for one wave (gated: x = gate|up [1, 2K])."""
+    from longserve.kernels import int4_mma_gemv as mma
+
+    num_steps, n_tiles = k // mma.K_STEP, triton.cdiv(n, mma.block_n(m))
+    programs = n_tiles * mma.row_blocks(m)  # a serial sum's counters: one a program column
+    split = (
+        mma.splits(n_tiles, num_steps, split_k.num_sms(x.device.index or 0), m)
+        if mma.WAVE_SPLITS
+        else splits_for(x.device, programs, num_steps)
+    )
+    sk = split_k_outputs(num_steps, split, m, n, programs, x.dtype, x.device)
+    mma.launch(x, qweight, scales, zeros, bias, group_size, sk.tiles_per_split, sk.splits, *sk.pointers(),
+               sk.stride_os, sk.serial, sk.bias_in_kernel(bias), gated=gated)  # fmt: skip
+    return sk.result(bias, x.dtype)
+
+
+def wna16_gated_gemv(
+    gate_up: torch.Tensor,  # [1, 2K]
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    g_idx: torch.Tensor | None,
+    bits: int,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """`wna16_gemv(silu_and_mul(gate_up), ...)` with silu(gate) * up made inside the tensor-core GEMV (INT4_MMA_GATED:
+    one row, by its ring); None where that kernel does not take it (the caller runs silu_and_mul first)."""
+    m, k = gate_up.shape[0], gate_up.shape[1] // 2
+    if not (INT4_MMA_GATED and INT4_MMA_GEMV and m == 1 and INT4_MMA_MIN_ROWS <= 1 and gate_up.is_cuda):
+        return None
+    from longserve.kernels import int4_mma_gemv as mma
+
+    gate = gate_up[:, :k]  # fits' checks of x: dtype, strides, alignment (up lies K after it)
+    if not (mma.supported() and mma.tiling(1)[1] and gate_up.stride(1) == 1 and k % 8 == 0):
+        return None
+    if not mma.fits(gate, qweight, g_idx, bits, group_size):
+        return None
+    return _mma_gemv(gate_up, qweight, scales, zeros, bias, group_size, 1, qweight.shape[0], k, gated=True)
+
+
 def wna16_gemv(
     x: torch.Tensor,  # [M, K]
     qweight: torch.Tensor,  # [N, K * bits / 8] uint8
@@ -311,17 +358,7 @@ def wna16_gemv(
         from longserve.kernels import int4_mma_gemv as mma
 
         if mma.supported() and mma.fits(x, qweight, g_idx, bits, group_size):
-            num_steps, n_tiles = k // mma.K_STEP, triton.cdiv(n, mma.block_n(m))
-            programs = n_tiles * mma.row_blocks(m)  # a serial sum's counters: one a program column
-            split = (
-                mma.splits(n_tiles, num_steps, split_k.num_sms(x.device.index or 0), m)
-                if mma.WAVE_SPLITS
-                else splits_for(x.device, programs, num_steps)
-            )
-            sk = split_k_outputs(num_steps, split, m, n, programs, x.dtype, x.device)
-            mma.launch(x, qweight, scales, zeros, bias, group_size, sk.tiles_per_split, sk.splits, *sk.pointers(),
-                       sk.stride_os, sk.serial, sk.bias_in_kernel(bias))  # fmt: skip
-            return sk.result(bias, x.dtype)
+            return _mma_gemv(x, qweight, scales, zeros, bias, group_size, m, n, k)
     cfg = dict(
         wna16_gemv_config(m, n, k, group, bits, g_idx is not None, x.dtype, x.device), **(config or {})
     )

@@ -106,6 +106,35 @@ def test_variants_and_the_emulation(n, k, group, zp, bias, serial, monkeypatch: 
             assert diff <= 2.0**-7 * emulated.abs().max().item()  # bf16 rounding of the same fp32 sums
 
 
+@pytest.mark.parametrize(("n", "k", "zp", "stage_steps"), [(4096, 14336, False, 1), (4096, 14336, True, 2),
+                                                      (1536 + 48, 1024, False, 1)])  # fmt: skip
+def test_the_gated_down_projection_at_one_row(n, k, zp, stage_steps, monkeypatch: pytest.MonkeyPatch) -> None:
+    """silu(gate) * up made inside the kernel (quant_gemv.INT4_MMA_GATED, one row by the ring): the product of
+    silu_and_mul's bf16 values (its exp and division, its roundings), so the silu-first route's sums; replayed by a
+    CUDA graph with new activations. The 8B down projection, and N not whole programs."""
+    from longserve.kernels import int4_mma_gemv, quant_gemv
+    from longserve.kernels.activation import silu_and_mul
+
+    monkeypatch.setattr(quant_gemv, "INT4_MMA_GATED", True)
+    monkeypatch.setattr(int4_mma_gemv, "STAGE_STEPS", stage_steps)
+    w = int_weight(n, k, zp=zp)
+    gate_up = torch.randn(1, 2 * k, device="cuda", dtype=torch.bfloat16) * 2
+    inside = quant_gemv.wna16_gated_gemv(gate_up, *w, 4, 128)
+    assert inside is not None and inside.shape == (1, n)
+    first = gemv(silu_and_mul(gate_up), w, 128, monkeypatch, True)
+    assert rel_err(inside, first) < 1e-3
+    print(f"\nint4 gated n={n} k={k} zp={zp} steps a slot {stage_steps}: equal to silu first: "
+          f"{torch.equal(inside, first)}")  # fmt: skip
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = quant_gemv.wna16_gated_gemv(gate_up, *w, 4, 128)
+    gate_up.copy_(torch.randn(1, 2 * k, device="cuda", dtype=torch.bfloat16))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel_err(replayed, gemv(silu_and_mul(gate_up), w, 128, monkeypatch, True)) < 1e-3
+    assert quant_gemv.wna16_gated_gemv(gate_up.repeat(2, 1), *w, 4, 128) is None  # two rows: silu first
+
+
 @pytest.mark.parametrize("m", [1, 8, 16, 32, 64])
 def test_times(m: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each projection at m rows, us, CUDA-core kernels (int4_gemv.py at one row, quant_gemv's general kernel

@@ -199,7 +199,8 @@ def test_the_routed_launch_reads_each_pairs_expert(monkeypatch: pytest.MonkeyPat
     assert args[0] is None and kw["STAGES"] == 0  # no ring: no descriptor
     mma.launch(x, w[0], s[0], None, None, 128, 16, 1, out[0, :1], out, out, 0, False, False)  # dense: one row
     grid, args, kw = calls[1]
-    assert grid[2] == 1 and not kw["ROUTED"] and args[10] == 1 and args[-4:] == (0, 0, 0, 1)
+    # M 1; stride_we, se, ze 0; row_blocks 1; up_off (GATED's up, in words) K / 2
+    assert grid[2] == 1 and not kw["ROUTED"] and args[10] == 1 and args[-5:] == (0, 0, 0, 1, k // 2)
 
 
 @pytest.mark.parametrize("stage_steps", [1, 2])
@@ -242,6 +243,35 @@ def test_the_ring_reads_the_words_by_one_descriptor(
         assert mma.fits(x, apart, None, 4, 128, routed=True)  # loads by address take them
 
 
+def test_the_gated_launch_reads_gate_and_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GATED (the kernel captured, not run): x is gate|up [1, 2K], the product's K its half, up K / 2 words after gate;
+    one row by the ring only (two rows, routed pairs or no ring: refused)."""
+    launches = CapturedLaunches()
+    monkeypatch.setattr(mma, "int4_mma_gemv_kernel", launches)
+    monkeypatch.setattr(mma, "ONE_ROW", (2, 2))
+    n, k = 768, 1024
+    w, s = torch.zeros(n, k // 2, dtype=torch.uint8), torch.zeros(n, k // 128, dtype=torch.float16)
+    gate_up, out = torch.zeros(1, 2 * k, dtype=torch.bfloat16), torch.zeros(1, n)
+    mma.launch(gate_up, w, s, None, None, 128, 8, 1, out, out, out, 0, False, False, gated=True)
+    grid, args, kw = launches.calls[0]
+    names = ["M", "N", "steps_per_split", "num_steps", "stride_xm"]
+    assert dict(zip(names, args[10:15])) == {"M": 1, "N": n, "steps_per_split": 8, "num_steps": k // 128,
+                                             "stride_xm": k}  # fmt: skip
+    assert kw["GATED"] and kw["STAGES"] == 2 and args[-1] == k // 2 and grid == (n // mma.block_n(1), 1, 1)
+    for bad in (
+        {"x": torch.zeros(2, 2 * k, dtype=torch.bfloat16)},
+        {"ids": torch.zeros(2, dtype=torch.int32)},
+    ):
+        with pytest.raises(AssertionError, match="gated: one row"):
+            xb = bad.get("x", gate_up)
+            wb, sb = (w[None], s[None]) if "ids" in bad else (w, s)
+            mma.launch(xb, wb, sb, None, None, 128, 8, 1, out, out, out, 0, False, False, ids=bad.get("ids"),
+                       gated=True)  # fmt: skip
+    monkeypatch.setattr(mma, "ONE_ROW", (2, 0))  # words in registers: no ring to stage in
+    with pytest.raises(AssertionError, match="gated: one row"):
+        mma.launch(gate_up, w, s, None, None, 128, 8, 1, out, out, out, 0, False, False, gated=True)
+
+
 def test_rows_past_16_run_in_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     """37 rows (the kernel captured, not run): three programs of 16 rows for each column tile, adjacent along axis 0
     (row_blocks, the kernel's last integer), two token tiles each; the rows' strides in words."""
@@ -257,6 +287,6 @@ def test_rows_past_16_run_in_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     grid, args, kw = calls[0]
     assert grid == (-(-n // mma.block_n(37)) * 3, 4, 1)
     assert (
-        args[10] == 37 and args[14] == (k + 64) // 2 and args[19] == n and args[-1] == 3
+        args[10] == 37 and args[14] == (k + 64) // 2 and args[19] == n and args[-2] == 3
     )  # M, stride_xm, om
     assert kw["TOKEN_TILES"] == 2 and kw["PARTIAL"] and not kw["SERIAL"]

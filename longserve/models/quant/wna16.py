@@ -243,6 +243,16 @@ class WNA16LinearMethod(LinearMethod):
             else:
                 layer.register_parameter("int_" + name, nn.Parameter(value, requires_grad=False))
 
+    def apply_gated(
+        self, layer: nn.Module, gate_up: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        if not use_triton(gate_up):
+            return None
+        from longserve.kernels.quant_gemv import wna16_gated_gemv  # imports triton
+
+        args = (layer.int_qweight, layer.int_scales, layer.int_zeros, layer.int_g_idx)
+        return wna16_gated_gemv(gate_up, *args, self.scheme.bits, layer.wna16_info["group"], bias)
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         args = (layer.int_qweight, layer.int_scales, layer.int_zeros, layer.int_g_idx)
         args += (self.scheme.bits, layer.wna16_info["group"])

@@ -95,6 +95,9 @@
 # int4-slots (one GPU, ~5 min): the int4 ring's slots of 2 steps (int4_mma_gemv.STAGE_STEPS 2: 128 bytes of each row
 # a box, against 64): the kernel's GPU tests with it (and STAGES 2 at every row count), the 8B projections alone at
 # one row at 1 and 2, the 8B int4 decode b1@32K at 1 and 2 beside bf16. After tma-stream, which says whether it can.
+# int4-gated (one GPU, ~4 min): silu(gate) * up inside the int4 mma GEMV at one row (quant_gemv.INT4_MMA_GATED): its
+# GPU test (the silu-first route's sums, a CUDA graph), then the 8B int4 decode b1@32K off / on beside bf16: on if b1
+# gains (the SiLU launch was 0.081 ms of the 3.71 ms step).
 # fp8-acc-quality (one GPU, ~4 min): what the fp8 dots' accumulation costs a user in quality: `bench accuracy`
 # (scripts/gpu/bench_quant_accuracy.py) of the dense FP8 formats (fp8-block, ct-fp8-dynamic; hidden 1024) and of
 # FP8 experts (qwen3_moe, 32 x 32 blocks) against their bf16 original at FP8_DOT_MAX_IMPRECISE_ACC 0 (the default),
@@ -624,5 +627,16 @@ if [[ $MODE == int4-slots ]]; then  # one GPU (~5 min): the int4 ring's boxes of
   for n in 1 2; do
     LATENCY_TIMEOUT=100 latency_with "int4_slots_$n" "int4 steps a slot $n" $mma.STAGE_STEPS=$n -- "${cases[@]}" \
       --quantization gptq
+  done
+fi
+
+if [[ $MODE == int4-gated ]]; then  # one GPU (~4 min): silu(gate) * up inside the int4 GEMV at one row
+  timeout 90 python3 -m pytest -q -s -m gpu tests/gpu/test_int4_mma_gemv_gpu.py -k gated -p no:cacheprovider \
+    --tb=short -rfE 2>&1 | tee "$OUT/gpu_tests_int4_gated.log" | grep -E "int4 gated|passed|failed" || status=1
+  cases=(--config llama-3.1-8b "${dummy[@]}" --repeat 3 --decode-batch-sizes 1@32768)
+  LATENCY_TIMEOUT=100 latency_with int4_gated_bf16 "bf16" -- "${cases[@]}"
+  for on in False True; do
+    LATENCY_TIMEOUT=100 latency_with "int4_gated_$on" "int4 INT4_MMA_GATED=$on" \
+      longserve.kernels.quant_gemv.INT4_MMA_GATED=$on -- "${cases[@]}" --quantization gptq
   done
 fi
