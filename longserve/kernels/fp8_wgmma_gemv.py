@@ -51,7 +51,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from longserve.kernels import split_k
 from longserve.kernels.gluon_compat import barrier, supported, tma_load
-from longserve.kernels.gluon_gemv import gdc_wait, one_wave_splits, store_sums
+from longserve.kernels.gluon_gemv import gdc_wait, one_wave_splits, store_sums, weight_descriptor
 from longserve.kernels.launch import use_pdl
 from longserve.kernels.quant_reference import FP8_MAX
 from longserve.kernels.split_k import split_k_output, split_k_outputs
@@ -299,17 +299,16 @@ def splits(n_tiles: int, num_blocks: int, sms: int, m: int, gated: bool = False)
     return one_wave_splits(n_tiles, num_blocks, resident_programs(sms, m, gated), MIN_SPLIT_BLOCKS)
 
 
-_DESCRIPTORS: dict[tuple, TensorDescriptor] = {}
-
-
 def _descriptor(w: torch.Tensor) -> TensorDescriptor:
-    """The weights' TMA descriptor, made once per weight tensor (a decode step's host time)."""
-    key = (w.data_ptr(), tuple(w.shape), tuple(w.stride()))
-    desc = _DESCRIPTORS.get(key)
-    if desc is None:
+    """The weights' TMA descriptor over w as [rows, K] (the experts' rows one after another), made once per weight
+    tensor."""
+
+    def make() -> TensorDescriptor:
+        rows = w.view(-1, w.shape[-1])
         layout = gl.NVMMASharedLayout.get_default_for(list(BLOCK), gl.float8e4nv)
-        desc = _DESCRIPTORS[key] = TensorDescriptor(w, list(w.shape), list(w.stride()), list(BLOCK), layout)
-    return desc
+        return TensorDescriptor(rows, list(rows.shape), list(rows.stride()), list(BLOCK), layout)
+
+    return weight_descriptor(w, (), make)
 
 
 def launch(x, x_scales, w, w_scale, bias, blocks_per_split: int, num_splits: int, out, res, locks, stride_os: int,
@@ -328,7 +327,7 @@ def launch(x, x_scales, w, w_scale, bias, blocks_per_split: int, num_splits: int
     per_channel = x_scales is not None
     pdl = use_pdl(x)
     fp8_wgmma_gemv_kernel[(triton.cdiv(n, BLOCK[0]), num_splits, ids.shape[0] if routed else 1)](
-        _descriptor(w.view(-1, k)), x.view(torch.uint8) if per_channel else x, x_scales if per_channel else w_scale,
+        _descriptor(w), x.view(torch.uint8) if per_channel else x, x_scales if per_channel else w_scale,
         w_scale, bias if bias_in_kernel else w_scale, out, res, locks, ids if routed else locks, m, n,
         blocks_per_split, k // BLOCK[1], x.stride(0), 0 if per_channel else w_scale.stride(-2), stride_os,
         out.stride(-2), w_scale.stride(0) if routed else 0, HAS_BIAS=bias_in_kernel, PARTIAL=num_splits > 1,

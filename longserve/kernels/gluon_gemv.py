@@ -1,15 +1,34 @@
 """Generic pieces of the Gluon decode GEMV on the tensor cores (int4_mma_gemv.py), apart from its mapping: aranges
 along one axis of a 4D layout, programmatic dependent launch, L2 prefetches, the store of a split-K program's sums
-(quant_tiles.store_gemv_out's contract, in Gluon), and the split count that keeps one wave."""
+(quant_tiles.store_gemv_out's contract, in Gluon), the split count that keeps one wave, and the weights' TMA
+descriptors kept per weight tensor (fp8_wgmma_gemv.py too)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from longserve.kernels.gluon_compat import barrier
 
-__all__ = ["one_wave_splits"]
+__all__ = ["one_wave_splits", "weight_descriptor"]
+
+# weight tensor -> {its key: its TMA descriptor}; held weakly by the tensor (a descriptor holds a view of it): a freed
+# weight's descriptors go with it (a table keyed by address kept every weight a test or a benchmark made alive)
+_DESCRIPTORS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def weight_descriptor(weight: torch.Tensor, key: tuple, make: Callable[[], object]):
+    """The TMA descriptor `make()` builds over `weight` for `key` (the view, box and layout it stands for), made once
+    per weight tensor and key: a decode step's host time."""
+    per_weight = _DESCRIPTORS.setdefault(weight, {})
+    desc = per_weight.get(key)
+    if desc is None:
+        desc = per_weight[key] = make()
+    return desc
 
 
 def one_wave_splits(n_tiles: int, num_steps: int, resident: int, min_steps: int = 1) -> int:

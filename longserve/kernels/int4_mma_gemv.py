@@ -38,7 +38,14 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from longserve.kernels.gluon_compat import barrier, reinterpret, supported
-from longserve.kernels.gluon_gemv import axis, gdc_wait, one_wave_splits, prefetch_l2, store_sums
+from longserve.kernels.gluon_gemv import (
+    axis,
+    gdc_wait,
+    one_wave_splits,
+    prefetch_l2,
+    store_sums,
+    weight_descriptor,
+)
 from longserve.kernels.int4_mma_ptx import lane_layout
 from longserve.kernels.int4_mma_steps import (
     gated_start,
@@ -351,21 +358,17 @@ def splits(n_tiles: int, num_steps: int, sms: int, m: int, routed: bool = False)
     )
 
 
-_DESCRIPTORS: dict[tuple, TensorDescriptor] = {}
-
-
 def _descriptor(qweight: torch.Tensor, columns: int) -> TensorDescriptor:
     """The words' TMA descriptor for the ring of programs of `columns` (int32 [rows, K / 8], the experts' rows one
-    after another, boxes of half the columns by STAGE_STEPS steps), made once per weight tensor and program shape (a
-    decode step's host time)."""
-    key = (qweight.data_ptr(), tuple(qweight.shape), tuple(qweight.stride()), columns, STAGE_STEPS)
-    desc = _DESCRIPTORS.get(key)
-    if desc is None:
+    after another, boxes of half the columns by STAGE_STEPS steps), made once per weight tensor and program shape."""
+
+    def make() -> TensorDescriptor:
         words = qweight.view(torch.int32).view(-1, qweight.shape[-1] // 4)
         layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-        desc = _DESCRIPTORS[key] = TensorDescriptor(words, list(words.shape), list(words.stride()),
-                                                    [columns // 2, STAGE_STEPS * K_STEP // 8], layout)  # fmt: skip
-    return desc
+        box = [columns // 2, STAGE_STEPS * K_STEP // 8]
+        return TensorDescriptor(words, list(words.shape), list(words.stride()), box, layout)
+
+    return weight_descriptor(qweight, (columns, STAGE_STEPS), make)
 
 
 def launch(x, qweight, scales, zeros, bias, group_size: int, steps_per_split: int, num_splits: int, out, res,

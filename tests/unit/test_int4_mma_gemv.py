@@ -236,6 +236,18 @@ def test_the_ring_reads_the_words_by_one_descriptor(
     assert (
         desc.base.data_ptr() == w.data_ptr() and again[0] is desc and kw["STAGES"] == 3 and not kw["PREFETCH"]
     )
+    # held by the weight tensor alone: freed with it (a table by address had kept every weight it saw alive)
+    import gc
+    import weakref
+
+    from longserve.kernels import gluon_gemv
+
+    gone = weakref.ref(desc)
+    del desc, args, again, launches.calls[:]
+    assert w in gluon_gemv._DESCRIPTORS and torch.zeros_like(w) not in gluon_gemv._DESCRIPTORS
+    del w
+    gc.collect()
+    assert gone() is None
     if routed:  # experts apart (a slice of a larger tensor): the descriptor's rows would not be e N + ...
         apart = torch.zeros(e, n + 16, k // 2, dtype=torch.uint8)[:, :n]
         assert not mma.fits(x, apart, None, 4, 128, routed=True)
