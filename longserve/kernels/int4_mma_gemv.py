@@ -340,22 +340,22 @@ def token_tiles(m: int) -> int:
     return 1 if m <= 8 else 2
 
 
-def resident_programs(sms: int, m: int, routed: bool = False) -> int:
-    """Programs the SMs hold at once at m rows: by registers (_RESIDENT, by its token tiles) and by the shared ring
-    (STAGES x its slot)."""
+def resident_programs(sms: int, m: int, routed: bool = False, gated: bool = False) -> int:
+    """Programs the SMs hold at once at m rows: by registers (_RESIDENT, by its token tiles) and by shared memory
+    (the ring's STAGES slots; gated: and the activations' two slots, 8W lane rows of 64 words a step)."""
     reps, stages = tiling(m, routed)
     assert STAGE_STEPS in (1, 2), f"STAGE_STEPS {STAGE_STEPS}: 1 or 2"
     ring = stages * block_n(m, routed) * STAGE_STEPS * K_STEP // 2  # bytes of shared memory a program
+    ring += 2 * STAGE_STEPS * 8 * WARPS * 64 * 4 if gated else 0
     by_registers = _RESIDENT_PAIRS if stages and STAGE_STEPS == 2 else _RESIDENT
     return min(by_registers.get((reps, token_tiles(m)), 2), 227 * 1024 // ring if ring else 8) * sms
 
 
-def splits(n_tiles: int, num_steps: int, sms: int, m: int, routed: bool = False) -> int:
+def splits(n_tiles: int, num_steps: int, sms: int, m: int, routed: bool = False, gated: bool = False) -> int:
     """K splits for n_tiles column tiles over num_steps steps at m rows (WAVE_SPLITS): the most that keep one wave
     (row_blocks(m) programs a column tile), each of at least MIN_SPLIT_STEPS steps."""
-    return one_wave_splits(
-        n_tiles * row_blocks(m), num_steps, resident_programs(sms, m, routed), MIN_SPLIT_STEPS
-    )
+    resident = resident_programs(sms, m, routed, gated)
+    return one_wave_splits(n_tiles * row_blocks(m), num_steps, resident, MIN_SPLIT_STEPS)
 
 
 def _descriptor(qweight: torch.Tensor, columns: int) -> TensorDescriptor:

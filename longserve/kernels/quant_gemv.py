@@ -295,7 +295,7 @@ def _mma_gemv(x, qweight, scales, zeros, bias, group_size: int, m: int, n: int, 
     num_steps, n_tiles = k // mma.K_STEP, triton.cdiv(n, mma.block_n(m))
     programs = n_tiles * mma.row_blocks(m)  # a serial sum's counters: one a program column
     split = (
-        mma.splits(n_tiles, num_steps, split_k.num_sms(x.device.index or 0), m)
+        mma.splits(n_tiles, num_steps, split_k.num_sms(x.device.index or 0), m, gated=gated)
         if mma.WAVE_SPLITS
         else splits_for(x.device, programs, num_steps)
     )

@@ -168,6 +168,9 @@ def test_one_row_takes_its_own_tiling(monkeypatch: pytest.MonkeyPatch) -> None:
     ) == 64 * mma.REPS
     assert (args2[0] is None) == (mma.STAGES == 0) and (args3[0] is None) == (mma.STAGES == 0)
     assert mma.resident_programs(132, 1) == 132 * 6  # REPS 2 by registers; the ring (3 x 8 KB) holds more
+    # gated: and the activations' 2 x 8 KB; at 8 stages (64 KB) shared memory holds 2 programs an SM, not 3
+    monkeypatch.setattr(mma, "ONE_ROW", (2, 8))
+    assert mma.resident_programs(132, 1) == 132 * 3 and mma.resident_programs(132, 1, gated=True) == 132 * 2
 
 
 def test_the_routed_launch_reads_each_pairs_expert(monkeypatch: pytest.MonkeyPatch) -> None:
