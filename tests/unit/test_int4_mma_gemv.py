@@ -137,9 +137,8 @@ def test_splits_of_at_least_min_steps(min_steps: int, monkeypatch: pytest.Monkey
         assert per >= min_steps and (split - 1) * per < steps
         assert columns * split <= mma.resident_programs(132, 1) or split == 1
         monkeypatch.setattr(mma, "MIN_SPLIT_STEPS", 1)
-        assert split == min(
-            mma.splits(columns, steps, 132, 1), steps // min_steps
-        )  # the one-wave split, capped
+        one_wave = mma.splits(columns, steps, 132, 1)
+        assert split == min(one_wave, steps // min_steps)  # the one-wave split, capped
         monkeypatch.setattr(mma, "MIN_SPLIT_STEPS", min_steps)
     assert mma.splits(48, 2, 132, 1) == 1  # two steps in all (K = 256)
 
@@ -163,9 +162,8 @@ def test_one_row_takes_its_own_tiling(monkeypatch: pytest.MonkeyPatch) -> None:
     assert (kw1["REPS"], kw1["STAGES"]) == (2, 3) and grid1[0] == n // 128 and mma.block_n(1) == 128
     assert list(args1[0].block_shape) == [64, 16] and not kw1["PREFETCH"]
     assert (kw2["REPS"], kw2["STAGES"]) == (mma.REPS, mma.STAGES) and grid2[0] == -(-n // (64 * mma.REPS))
-    assert (kw3["REPS"], kw3["STAGES"]) == (mma.REPS, mma.STAGES) and mma.block_n(
-        1, routed=True
-    ) == 64 * mma.REPS
+    assert (kw3["REPS"], kw3["STAGES"]) == (mma.REPS, mma.STAGES)
+    assert mma.block_n(1, routed=True) == 64 * mma.REPS
     assert (args2[0] is None) == (mma.STAGES == 0) and (args3[0] is None) == (mma.STAGES == 0)
     assert mma.resident_programs(132, 1) == 132 * 6  # REPS 2 by registers; the ring (3 x 8 KB) holds more
     # gated: and the activations' 2 x 8 KB; at 8 stages (64 KB) shared memory holds 2 programs an SM, not 3
@@ -212,8 +210,9 @@ def test_the_ring_reads_the_words_by_one_descriptor(
     routed: bool, stage_steps: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """STAGES past 0 (the kernel captured, not run): the words' TMA descriptor over int32 [rows, K / 8] (routed:
-    the experts' rows one after another, the kernel's rows e N + ...), boxes of half a program's columns by one
-    step, made once per weight tensor; experts not one after another are not taken."""
+    the experts' rows one after another, the kernel's rows e N + ...), boxes of half a program's columns by
+    STAGE_STEPS steps, made once per weight tensor and freed with it; experts not one after another are not
+    taken."""
     launches = CapturedLaunches()
     monkeypatch.setattr(mma, "int4_mma_gemv_kernel", launches)
     monkeypatch.setattr(mma, "STAGES", 3)
