@@ -5,17 +5,16 @@ mirror vLLM's with the `longserve:` prefix; every series carries `model_name`. S
 engine thread only: after each loop iteration of the bridge it turns the step's stats, the outputs it
 delivers and the requests that finished into metric updates (and, every `log_stats_interval` seconds,
 one log line). It takes no lock of its own; prometheus_client's per-value locks are the only ones.
-GPU memory and utilisation are read through NVML (pynvml / nvidia-ml-py) at scrape time when it loads,
+GPU memory and utilisation are read through NVML at scrape time when it loads (server/metric_collectors.py),
 and are absent otherwise.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
@@ -26,9 +25,9 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from longserve.server.metrics_names import renamed_registry
+from longserve.server.metric_collectors import NvmlCollector, TokenizerCacheCollector
+from longserve.server.metrics_names import PREFIX, renamed_registry
 
 if TYPE_CHECKING:
     from longserve.engine import Engine
@@ -36,7 +35,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("longserve.stats")
 
-PREFIX = "longserve:"
 # why a request left: the engine's reasons, plus the server's own
 FINISHED_REASONS = ("stop", "length", "abort", "timeout", "error", "rejected")
 HIT_RATE_WINDOW_S = 60.0
@@ -67,76 +65,6 @@ def token_buckets(max_len: int) -> list[int]:
                 return out
             out.append(v)
         exp += 1
-
-
-class NvmlCollector:
-    """GPU memory used/total and utilisation per visible GPU, read through NVML at scrape time."""
-
-    def __init__(self, nvml: Any, model_name: str) -> None:
-        self.nvml = nvml
-        self.model_name = model_name
-        self.handles = self._visible_handles()
-
-    @classmethod
-    def create(cls, model_name: str) -> NvmlCollector | None:
-        try:
-            import pynvml  # nvidia-ml-py
-
-            pynvml.nvmlInit()
-            collector = cls(pynvml, model_name)
-        except Exception:  # no package, no driver, no GPU: the GPU series are simply absent
-            return None
-        return collector if collector.handles else None
-
-    def _visible_handles(self) -> list[tuple[str, Any]]:
-        nvml = self.nvml
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        if visible is None:
-            return [(str(i), nvml.nvmlDeviceGetHandleByIndex(i)) for i in range(nvml.nvmlDeviceGetCount())]
-        handles = []
-        for i, dev in enumerate(d.strip() for d in visible.split(",") if d.strip()):
-            get = nvml.nvmlDeviceGetHandleByIndex if dev.isdigit() else nvml.nvmlDeviceGetHandleByUUID
-            handles.append((str(i), get(int(dev) if dev.isdigit() else dev)))
-        return handles
-
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        labels = ["model_name", "gpu"]
-        used = GaugeMetricFamily(PREFIX + "gpu_memory_used_bytes", "GPU memory in use (NVML)", labels=labels)
-        total = GaugeMetricFamily(PREFIX + "gpu_memory_total_bytes", "GPU memory (NVML)", labels=labels)
-        util = GaugeMetricFamily(
-            PREFIX + "gpu_utilization_perc",
-            "GPU busy share over NVML's last sample period; 1 means 100 percent",
-            labels=labels,
-        )
-        for index, handle in self.handles:
-            try:
-                mem = self.nvml.nvmlDeviceGetMemoryInfo(handle)
-                rates = self.nvml.nvmlDeviceGetUtilizationRates(handle)
-            except Exception:  # a GPU that stops answering drops out of this scrape only
-                continue
-            used.add_metric([self.model_name, index], float(mem.used))
-            total.add_metric([self.model_name, index], float(mem.total))
-            util.add_metric([self.model_name, index], rates.gpu / 100.0)
-        yield from (used, total, util)
-
-
-class TokenizerCacheCollector:
-    """The prefix token cache's counters, read at scrape time (the cache counts on the tokenizer threads)."""
-
-    def __init__(self, cache: Any, model_name: str) -> None:
-        self.cache, self.model_name = cache, model_name
-
-    def collect(self) -> Iterator[CounterMetricFamily]:
-        for name, doc, value in (
-            ("tokenizer_prefix_cache_hits", "Long prompts tokenized by re-using a cached prompt's tokens",
-             self.cache.hits),
-            ("tokenizer_prefix_cache_misses", "Long prompts tokenized whole (then kept)", self.cache.misses),
-            ("tokenizer_prefix_cache_reused_tokens", "Prompt tokens taken from the cache, not tokenized",
-             self.cache.reused_tokens),
-        ):  # fmt: skip
-            family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
-            family.add_metric([self.model_name], value)
-            yield family
 
 
 class ServerMetrics:
