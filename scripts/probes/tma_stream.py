@@ -16,7 +16,6 @@ the stream is consumed as the GEMV consumes it.
 from __future__ import annotations
 
 import json
-import statistics
 
 import torch
 from triton.experimental import gluon
@@ -25,6 +24,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from longserve.kernels.gluon_compat import barrier, tma_load
+from longserve.platform import cuda_time_ms
 
 ROW_WORDS = 512  # 2 KB rows: the 8B gate_up's packed int4 rows (K = 4096)
 ROWS = 131072  # 256 MB: past L2 (50 MB) many times
@@ -75,23 +75,11 @@ def descriptor(buf: torch.Tensor, rows: int, words: int, contig: bool) -> Tensor
     return TensorDescriptor(view, list(view.shape), list(view.stride()), [rows, words], layout)
 
 
-def time_ms(fn, reps: int = 7) -> float:
-    times = []
-    for _ in range(reps + 2):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times[2:])
-
-
 def main() -> None:
     buf = torch.randint(-(2**31), 2**31 - 1, (ROWS, ROW_WORDS), dtype=torch.int32, device="cuda")
     nbytes = buf.numel() * 4
     copy = torch.empty_like(buf)
-    ms = time_ms(lambda: copy.copy_(buf))
+    ms = cuda_time_ms(lambda: copy.copy_(buf), warmup=2, iters=3, repeats=5)
     print(json.dumps({"variant": "device copy (read + write)", "ms": round(ms, 3),
                       "GB/s": round(2 * nbytes / ms / 1e6)}), flush=True)  # fmt: skip
     for rows, words, contig in VARIANTS:
@@ -103,7 +91,7 @@ def main() -> None:
             run = lambda d=desc, o=out, n=n_tiles_k, s=stages, c=contig, p=programs: stream_kernel[(p,)](  # noqa: E731
                 d, o, n, STAGES=s, CONTIG=c, num_warps=WARPS
             )
-            ms = time_ms(run)
+            ms = cuda_time_ms(run, warmup=2, iters=3, repeats=5)
             print(json.dumps({"box": f"{rows} x {words * 4} B", "contiguous": contig, "stages": stages,
                               "ms": round(ms, 3), "GB/s": round(nbytes / ms / 1e6)}), flush=True)  # fmt: skip
 
