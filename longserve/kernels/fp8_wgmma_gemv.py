@@ -51,7 +51,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from longserve.kernels import split_k
 from longserve.kernels.gluon_compat import barrier, supported, tma_load
-from longserve.kernels.gluon_gemv import gdc_wait, one_wave_splits, store_sums, weight_descriptor
+from longserve.kernels.gluon_gemv import gdc_wait, one_wave_splits, silu_times, store_sums, weight_descriptor
 from longserve.kernels.launch import use_pdl
 from longserve.kernels.quant_reference import FP8_MAX
 from longserve.kernels.split_k import split_k_output, split_k_outputs
@@ -101,8 +101,7 @@ def _quantized_tile(x_ptr, slot, M, kb, stride_xm, up_off, BLOCK_T: gl.constexpr
         ty: gl.constexpr = x_ptr.dtype.element_ty
         gate = x.to(gl.float32)
         up = gl.load(ptrs + up_off, mask=(rows < M)[:, None], other=0.0).to(gl.float32)
-        act = (gate / (1.0 + gl.exp(-gate))).to(ty).to(gl.float32)  # F.silu's rounding
-        x = (act * up).to(ty)
+        x = silu_times(gate, up, ty).to(ty)
     x = x.to(gl.float32)
     scale = gl.maximum(gl.max(gl.abs(x), axis=1), 1e-10) / _E4M3_MAX  # per_token_group_quant's
     xq = gl.minimum(gl.maximum(x / scale[:, None], -_E4M3_MAX), _E4M3_MAX)

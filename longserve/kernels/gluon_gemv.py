@@ -14,7 +14,7 @@ from triton.experimental.gluon import language as gl
 
 from longserve.kernels.gluon_compat import barrier
 
-__all__ = ["one_wave_splits", "weight_descriptor"]
+__all__ = ["one_wave_splits", "silu_times", "weight_descriptor"]
 
 # weight tensor -> {its key: its TMA descriptor}; held weakly by the tensor (a descriptor holds a view of it): a freed
 # weight's descriptors go with it (a table keyed by address kept every weight a test or a benchmark made alive)
@@ -102,3 +102,10 @@ def store_sums(out_ptr, acc, out_off, out_mask, b_ptr, b_off, b_mask, pid_n, pid
         if HAS_BIAS:
             acc += gl.load(b_ptr + b_off, mask=b_mask, other=0.0).to(gl.float32)
         gl.store(out_ptr + out_off, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@gluon.jit
+def silu_times(gate, up, ty: gl.constexpr):
+    """silu(gate) * up in fp32 of gate and up (fp32 values of dtype ty), silu rounded to ty first as
+    activation.silu_and_mul rounds it (F.silu's rounding); the caller rounds the product."""
+    return (gate / (1.0 + gl.exp(-gate))).to(ty).to(gl.float32) * up

@@ -9,7 +9,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from longserve.kernels.gluon_compat import reinterpret, tma_load
-from longserve.kernels.gluon_gemv import axis
+from longserve.kernels.gluon_gemv import axis, silu_times
 from longserve.kernels.int4_mma_ptx import (
     PRMT_HI,
     PRMT_LO,
@@ -106,16 +106,10 @@ def gated_start(W: gl.constexpr, S: gl.constexpr):
 
 
 @gluon.jit
-def _silu_times(g, u):
-    """silu(gate) * up of the bf16 values gate and up (fp32), rounded as activation.silu_and_mul rounds silu."""
-    return (g / (1.0 + gl.exp(-g))).to(gl.bfloat16).to(gl.float32) * u
-
-
-@gluon.jit
 def gated_steps(xbuf, x_ptr, up_off, first, s_end, slot, W: gl.constexpr, S: gl.constexpr):
     """silu(gate) * up of the one row's steps first .. first + S - 1 (gate|up words at x_ptr, up from word up_off;
     steps past s_end clamped: their sums are weighted 0) into the slot's rows 8w, rounded as activation.silu_and_mul
-    rounds them. Each warp makes its own copy (its lanes alone read it: no CTA barrier between)."""
+    rounds them. Each warp makes its own copy, which its lanes alone read."""
     PL: gl.constexpr = gl.BlockedLayout([1, 2], [1, 32], [W, 1], [1, 0])  # [W, 64] words: a warp a copy
     copy = gl.expand_dims(gl.arange(0, W, layout=gl.SliceLayout(1, PL)), 1)  # [W, 1]
     words = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, PL)), 0) + 0 * copy  # [W, 64]
@@ -124,8 +118,12 @@ def gated_steps(xbuf, x_ptr, up_off, first, s_end, slot, W: gl.constexpr, S: gl.
         step = gl.minimum(first + sub, s_end - 1)
         g = gl.load(x_ptr + step * 64 + words)
         u = gl.load(x_ptr + up_off + step * 64 + words)
-        lo = _silu_times((g << 16).to(gl.float32, bitcast=True), (u << 16).to(gl.float32, bitcast=True))
-        hi = _silu_times((g & -65536).to(gl.float32, bitcast=True), (u & -65536).to(gl.float32, bitcast=True))
+        lo = silu_times(
+            (g << 16).to(gl.float32, bitcast=True), (u << 16).to(gl.float32, bitcast=True), gl.bfloat16
+        )
+        hi = silu_times(
+            (g & -65536).to(gl.float32, bitcast=True), (u & -65536).to(gl.float32, bitcast=True), gl.bfloat16
+        )
         packed = gl.inline_asm_elementwise(
             _PACK_BF16X2, "=r,f,f", [hi, lo], dtype=gl.int32, is_pure=True, pack=1
         )

@@ -322,10 +322,8 @@ def wna16_gated_gemv(
         return None
     from longserve.kernels import int4_mma_gemv as mma
 
-    gate = gate_up[:, :k]  # fits' checks of x: dtype, strides, alignment (up lies K after it)
-    if not (mma.supported() and mma.tiling(1)[1] and gate_up.stride(1) == 1 and k % 8 == 0):
-        return None
-    if not mma.fits(gate, qweight, g_idx, bits, group_size):
+    gate = gate_up[:, :k]  # fits' checks of x: dtype, strides, alignment, K whole steps (up lies K after it)
+    if not (mma.supported() and mma.tiling(1)[1] and mma.fits(gate, qweight, g_idx, bits, group_size)):
         return None
     return _mma_gemv(gate_up, qweight, scales, zeros, bias, group_size, 1, qweight.shape[0], k, gated=True)
 
