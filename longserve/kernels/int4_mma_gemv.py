@@ -50,6 +50,7 @@ from longserve.kernels.int4_mma_ptx import lane_layout
 from longserve.kernels.int4_mma_steps import (
     gated_start,
     gated_steps,
+    group_scales,
     prefetch_pieces,
     ring_load,
     ring_start,
@@ -115,6 +116,14 @@ ONE_ROW: tuple[int, int] | None = (2, 2)
 # the FP8 GEMV's ring, 128 bytes a row a box, streams at 3.6 TB/s where ours holds ~2.4). 1 until measured
 # (`gpu_check.sh tma-stream`: the rate by box shape; `int4-tma`).
 STAGE_STEPS = 1
+# The ring's loop asks for each step's activations and group scales a step ahead (one step a slot, one token tile,
+# not GATED), in registers carried over the loop turn, instead of after the step's slot has landed. Why: on an H100
+# (twenty-ninth session, 96b79d3, `gpu_check.sh int4-ncu`, caches flushed) the one-row GEMVs by the ring stall mostly
+# on long scoreboard (8.9-12.2 of 15.8-21.6 cycles an issued instruction; DRAM 24-64% busy): in the sm90 SASS
+# (Triton 3.6) each turn waits for the slot, then loads x (LDG.128) and the scales (LDG.U16) and waits for them
+# before its last FMAs and the refill's CTA barrier: two global round trips a step, in series with the ring's.
+# False until measured (`gpu_check.sh int4-ahead`).
+AHEAD = False
 # Steps whose words the kernel asks L2 for ahead of the one it loads (STAGES 0; gluon_gemv.prefetch_l2), the first
 # ones before its PDL wait (not routed); 0: none. Why: bytes in flight hold the kernel (above), and a prefetch
 # holds no register: sm90 builds (Triton 3.6) at 2 steps 128 registers against 142 at one token tile, 182 at two
@@ -133,7 +142,7 @@ UNROLL = 1
 @gluon.jit
 def int4_mma_gemv_kernel(
     w_desc,  # STAGES: TMA over the words as int32 [rows, K / 8] (routed: the experts' rows one after another),
-    # boxes [BLOCK_N / 2, 16 STAGE_STEPS]; else None
+    # boxes [BLOCK_N, 16 STAGE_STEPS]; else None
     x_ptr,  # [M, K] bf16 viewed as int32 [M, K / 2] (natural pairs); GATED: gate|up [1, 2K] as [1, K]
     w_ptr,  # [N, K / 8] int32: the packed uint8 [N, K / 2] as words
     s_ptr,  # [N, G]
@@ -148,7 +157,7 @@ def int4_mma_gemv_kernel(
     HAS_ZP: gl.constexpr, HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr, SERIAL: gl.constexpr, EVEN_N: gl.constexpr,
     GROUP_SHIFT: gl.constexpr, REPS: gl.constexpr, STAGES: gl.constexpr, USE_PDL: gl.constexpr,
     ROUTED: gl.constexpr = False, X_ROW_DIV: gl.constexpr = 1, TOKEN_TILES: gl.constexpr = 1,
-    PREFETCH: gl.constexpr = 0, UNROLL: gl.constexpr = 1, GATED: gl.constexpr = False,
+    PREFETCH: gl.constexpr = 0, UNROLL: gl.constexpr = 1, GATED: gl.constexpr = False, AHEAD: gl.constexpr = False,
 ):  # fmt: skip
     W: gl.constexpr = gl.num_warps()
     # [tile r, lane row (warp w, g), lane t, element u]: lanes (g, t) as mma's groupID / threadID_in_group
@@ -217,7 +226,21 @@ def int4_mma_gemv_kernel(
             gated_steps(xbuf, x_ptr, up_off, s_begin, s_end, 0, W, S)
             barrier()
             XL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0])
+        # AHEAD: the first step's x and scales, then each step's asked for before the step before is summed
+        gl.static_assert(
+            not AHEAD or (S == 1 and not GATED and TOKEN_TILES == 1), "AHEAD: one step a slot, x"
+        )
+        if AHEAD:
+            xt_next = gl.load(xs + s_begin * 64)
+            s_next, z_next = group_scales(s_ptr, col_s, stride_sn, z_ptr, stride_zn, N, s_begin, GROUP_SHIFT,
+                                          EVEN_N, HAS_ZP)  # fmt: skip
         for j in range(0, gl.cdiv(s_end - s_begin, S)):
+            if AHEAD:  # this step's from the turn before; the next one's (clamped at the end) in flight past the wait
+                xt, s2, z2 = xt_next, s_next, z_next
+                ahead = gl.minimum(s_begin + j + 1, s_end - 1)
+                xt_next = gl.load(xs + ahead * 64)
+                s_next, z_next = group_scales(s_ptr, col_s, stride_sn, z_ptr, stride_zn, N, ahead, GROUP_SHIFT,
+                                              EVEN_N, HAS_ZP)  # fmt: skip
             ring_wait(ready, j, STAGES)
             for sub in gl.static_range(S):
                 wa, wb = ring_words(ring, j % STAGES, sub, L, REPS, W)
@@ -227,13 +250,17 @@ def int4_mma_gemv_kernel(
                 if S > 1:
                     keep = (step < s_end).to(gl.float32)
                     step = gl.minimum(step, s_end - 1)
-                if GATED:
-                    xt = reinterpret(xbuf.index((j % 2) * S + sub), gl.int32, [1, 8 * W, 4, 16], XL).load(LX)
-                else:
-                    xt = gl.load(xs + step * 64)
-                acc, acc2 = step_sums(acc, acc2, wa, wb, xt, xs2, step, zero, zero_x, s_ptr, col_s, stride_sn, z_ptr,
-                                      stride_zn, N, L, REPS, W, GROUP_SHIFT, EVEN_N, HAS_ZP, TOKEN_TILES,
-                                      keep)  # fmt: skip
+                if not AHEAD:
+                    if GATED:
+                        xt = reinterpret(xbuf.index((j % 2) * S + sub), gl.int32, [1, 8 * W, 4, 16], XL).load(
+                            LX
+                        )
+                    else:
+                        xt = gl.load(xs + step * 64)
+                    s2, z2 = group_scales(s_ptr, col_s, stride_sn, z_ptr, stride_zn, N, step, GROUP_SHIFT, EVEN_N,
+                                          HAS_ZP)  # fmt: skip
+                acc, acc2 = step_sums(acc, acc2, wa, wb, xt, xs2, step, zero, zero_x, s2, z2, L, REPS, W, HAS_ZP,
+                                      TOKEN_TILES, keep)  # fmt: skip
             # GATED: the next slot's activations (its buffer last read a slot ago, before the last barrier)
             if GATED:
                 gated_steps(xbuf, x_ptr, up_off, s_begin + (j + 1) * S, s_end, (j + 1) % 2, W, S)
@@ -243,6 +270,9 @@ def int4_mma_gemv_kernel(
     else:  # the words by address
         for step in range(s_begin, s_end, UNROLL):
             wa, wb, xt = step_loads(words_a, words_b, xs, col, N, step, EVEN_N, HALF)
+            s2, z2 = group_scales(
+                s_ptr, col_s, stride_sn, z_ptr, stride_zn, N, step, GROUP_SHIFT, EVEN_N, HAS_ZP
+            )
             if PREFETCH > 0:  # step + PREFETCH's words into L2: bytes in flight that hold no register
                 prefetch_l2(w_ptr + (pf_a + gl.minimum(step + PREFETCH, s_end - 1) * 16))
                 prefetch_l2(w_ptr + (pf_b + gl.minimum(step + PREFETCH, s_end - 1) * 16))
@@ -250,14 +280,16 @@ def int4_mma_gemv_kernel(
             if UNROLL == 2:
                 nxt = gl.minimum(step + 1, s_end - 1)
                 wa2, wb2, xt2 = step_loads(words_a, words_b, xs, col, N, nxt, EVEN_N, HALF)
-            acc, acc2 = step_sums(acc, acc2, wa, wb, xt, xs2, step, zero, zero_x, s_ptr, col_s, stride_sn, z_ptr,
-                                  stride_zn, N, L, REPS, W, GROUP_SHIFT, EVEN_N, HAS_ZP, TOKEN_TILES)  # fmt: skip
+            acc, acc2 = step_sums(acc, acc2, wa, wb, xt, xs2, step, zero, zero_x, s2, z2, L, REPS, W, HAS_ZP,
+                                  TOKEN_TILES)  # fmt: skip
             if UNROLL == 2:
                 # past the split's last step the clamped words count nothing (their scale times 0)
                 keep = (step + 1 < s_end).to(gl.float32)
-                acc, acc2 = step_sums(acc, acc2, wa2, wb2, xt2, xs2, nxt, zero, zero_x, s_ptr, col_s, stride_sn, z_ptr,
-                                      stride_zn, N, L, REPS, W, GROUP_SHIFT, EVEN_N, HAS_ZP, TOKEN_TILES,
-                                      keep)  # fmt: skip
+                s2, z2 = group_scales(
+                    s_ptr, col_s, stride_sn, z_ptr, stride_zn, N, nxt, GROUP_SHIFT, EVEN_N, HAS_ZP
+                )
+                acc, acc2 = step_sums(acc, acc2, wa2, wb2, xt2, xs2, nxt, zero, zero_x, s2, z2, L, REPS, W, HAS_ZP,
+                                      TOKEN_TILES, keep)  # fmt: skip
     if STAGES > 0:
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(i))
@@ -324,6 +356,9 @@ _RESIDENT = {(4, 1): 3, (2, 1): 6, (4, 2): 2, (2, 2): 3}
 # the same with the ring at 2 steps a slot (STAGE_STEPS): both steps' words and activations loaded at once, 106-188
 # registers at one token tile (REPS 2: 106-128), 154-240 at two (4 steps a slot spill: not taken)
 _RESIDENT_PAIRS = {(4, 1): 2, (2, 1): 4, (4, 2): 2, (2, 2): 2}
+# the same with a step's x and scales in flight a step ahead (AHEAD, one token tile): 96 registers at REPS 2 (116 with
+# zero points), 136 at REPS 4
+_RESIDENT_AHEAD = {(4, 1): 3, (2, 1): 5}
 # K split so that every program runs in one wave (columns x splits <= the programs the SMs hold at once), each
 # split at least one step: with split_k.splits_for's ~8 programs an SM the 8B down projection (16 tiles x 28
 # splits = 448 programs against 396 resident) would run a second wave of 52. On an H200 (twenty-fifth session) about
@@ -348,7 +383,14 @@ def resident_programs(sms: int, m: int, routed: bool = False, gated: bool = Fals
     ring = stages * block_n(m, routed) * STAGE_STEPS * K_STEP // 2  # bytes of shared memory a program
     ring += 2 * STAGE_STEPS * 8 * WARPS * 64 * 4 if gated else 0
     by_registers = _RESIDENT_PAIRS if stages and STAGE_STEPS == 2 else _RESIDENT
+    if ahead(m, routed, gated):
+        by_registers = _RESIDENT_AHEAD
     return min(by_registers.get((reps, token_tiles(m)), 2), 227 * 1024 // ring if ring else 8) * sms
+
+
+def ahead(m: int, routed: bool = False, gated: bool = False) -> bool:
+    """Whether a launch at m rows asks for each step's x and scales a step ahead (AHEAD)."""
+    return AHEAD and bool(tiling(m, routed)[1]) and STAGE_STEPS == 1 and token_tiles(m) == 1 and not gated
 
 
 def splits(n_tiles: int, num_steps: int, sms: int, m: int, routed: bool = False, gated: bool = False) -> int:
@@ -360,12 +402,12 @@ def splits(n_tiles: int, num_steps: int, sms: int, m: int, routed: bool = False,
 
 def _descriptor(qweight: torch.Tensor, columns: int) -> TensorDescriptor:
     """The words' TMA descriptor for the ring of programs of `columns` (int32 [rows, K / 8], the experts' rows one
-    after another, boxes of half the columns by STAGE_STEPS steps), made once per weight tensor and program shape."""
+    after another, boxes of the columns by STAGE_STEPS steps), made once per weight tensor and program shape."""
 
     def make() -> TensorDescriptor:
         words = qweight.view(torch.int32).view(-1, qweight.shape[-1] // 4)
         layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-        box = [columns // 2, STAGE_STEPS * K_STEP // 8]
+        box = [columns, STAGE_STEPS * K_STEP // 8]
         return TensorDescriptor(words, list(words.shape), list(words.stride()), box, layout)
 
     return weight_descriptor(qweight, (columns, STAGE_STEPS), make)
@@ -400,5 +442,5 @@ def launch(x, qweight, scales, zeros, bias, group_size: int, steps_per_split: in
         PARTIAL=num_splits > 1, SERIAL=serial, EVEN_N=n % columns == 0, GROUP_SHIFT=group_shift, REPS=reps,
         STAGES=stages, USE_PDL=pdl, ROUTED=routed, X_ROW_DIV=x_row_div, TOKEN_TILES=token_tiles(m),
         PREFETCH=PREFETCH if stages == 0 else 0, UNROLL=UNROLL if stages == 0 and token_tiles(m) == 1 else 1,
-        GATED=gated, num_warps=WARPS, launch_pdl=pdl,
+        GATED=gated, AHEAD=ahead(m, routed, gated), num_warps=WARPS, launch_pdl=pdl,
     )  # fmt: skip

@@ -23,6 +23,7 @@ __all__ = [
     "b_pairs",
     "gated_start",
     "gated_steps",
+    "group_scales",
     "prefetch_pieces",
     "ring_load",
     "ring_start",
@@ -48,20 +49,20 @@ def step_loads(words_a, words_b, xs, col, N, step, EVEN_N: gl.constexpr, HALF: g
 @gluon.jit
 def ring_load(w_desc, ring, ready, row0, step, slot):
     """The words of the program's rows (from row0 of the descriptor's) of the steps from `step` (the descriptor's
-    box: 16 words a step) into the ring's slot by TMA: its two halves (A's rows g and g + 8 of every tile) into
-    buffers 2 slot and 2 slot + 1."""
-    HALF: gl.constexpr = w_desc.block_type.shape[0]
-    mbarrier.expect(ready.index(slot), 2 * w_desc.block_type.nbytes)
-    tma_load(w_desc, [row0, step * 16], ready.index(slot), ring.index(2 * slot))
-    tma_load(w_desc, [row0 + HALF, step * 16], ready.index(slot), ring.index(2 * slot + 1))
+    box: the program's BLOCK_N rows, 16 words a step) into the ring's slot by one TMA load: its first half (A's rows
+    g of every tile) and its second (rows g + 8) one after the other, as ring_words reads them. One load, not one a
+    half: each asks the CTA barriers Triton puts around a TMA load and an mbarrier's expect (sm90 SASS, Triton 3.6:
+    three a refill with two loads, two with one)."""
+    mbarrier.expect(ready.index(slot), w_desc.block_type.nbytes)
+    tma_load(w_desc, [row0, step * 16], ready.index(slot), ring.index(slot))
 
 
 @gluon.jit
 def ring_start(w_desc, row0, s_begin, n_steps, REPS: gl.constexpr, W: gl.constexpr, STAGES: gl.constexpr):
-    """The ring (STAGES slots of two [BLOCK_N / 2, 16 S] words for S steps a slot, one mbarrier a slot) with its
-    first STAGES slots asked for."""
+    """The ring (STAGES slots of [BLOCK_N, 16 S] words for S steps a slot, one mbarrier a slot) with its first
+    STAGES slots asked for."""
     S: gl.constexpr = w_desc.block_type.shape[1] // 16
-    ring = gl.allocate_shared_memory(gl.int32, [2 * STAGES, 8 * W * REPS, 16 * S], w_desc.layout)
+    ring = gl.allocate_shared_memory(gl.int32, [STAGES, 16 * W * REPS, 16 * S], w_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
@@ -82,9 +83,12 @@ def ring_words(ring, slot, sub: gl.constexpr, L: gl.constexpr, REPS: gl.constexp
     """Step `sub` of a landed slot's steps: A's rows g and g + 8 of each tile (the slot's rows r 8W + 8w + g and
     that + HALF), words 16 sub + 4t + u, in L."""
     S: gl.constexpr = ring.shape[2] // 16  # steps a slot
-    SL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0])  # a half row-major, as TMA wrote it
-    wa = reinterpret(ring.index(2 * slot), gl.int32, [REPS, 8 * W, 4 * S, 4], SL).slice(4 * sub, 4, dim=2)
-    wb = reinterpret(ring.index(2 * slot + 1), gl.int32, [REPS, 8 * W, 4 * S, 4], SL).slice(4 * sub, 4, dim=2)
+    SL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0])  # row-major, as TMA wrote it
+    tiles = reinterpret(
+        ring.index(slot), gl.int32, [2 * REPS, 8 * W, 4 * S, 4], SL
+    )  # the halves one after another
+    wa = tiles.slice(0, REPS, dim=0).slice(4 * sub, 4, dim=2)
+    wb = tiles.slice(REPS, REPS, dim=0).slice(4 * sub, 4, dim=2)
     return wa.load(L), wb.load(L)
 
 
@@ -164,12 +168,31 @@ def b_pairs(xt, L: gl.constexpr):
 
 
 @gluon.jit
-def step_sums(acc, acc2, wa, wb, xt, xs2, step, zero, zero_x, s_ptr, col_s, stride_sn, z_ptr, stride_zn, N,
-               L: gl.constexpr, REPS: gl.constexpr, W: gl.constexpr, GROUP_SHIFT: gl.constexpr,
-               EVEN_N: gl.constexpr, HAS_ZP: gl.constexpr, TOKEN_TILES: gl.constexpr, weight=1.0):  # fmt: skip
+def group_scales(s_ptr, col_s, stride_sn, z_ptr, stride_zn, N, step, GROUP_SHIFT: gl.constexpr,
+                 EVEN_N: gl.constexpr, HAS_ZP: gl.constexpr):  # fmt: skip
+    """A step's group scales of the program's columns col_s (LS), as stored, and its zero points (HAS_ZP; else the
+    scales again, unused)."""
+    if GROUP_SHIFT < 0:  # one group
+        grp = 0
+    else:
+        grp = step >> GROUP_SHIFT
+    if EVEN_N:
+        s2 = gl.load(s_ptr + col_s * stride_sn + grp)
+    else:
+        s2 = gl.load(s_ptr + col_s * stride_sn + grp, mask=col_s < N, other=0.0)
+    if HAS_ZP:
+        z2 = gl.load(z_ptr + col_s * stride_zn + grp, mask=col_s < N, other=0)
+    else:
+        z2 = s2
+    return s2, z2
+
+
+@gluon.jit
+def step_sums(acc, acc2, wa, wb, xt, xs2, step, zero, zero_x, s2, z2, L: gl.constexpr, REPS: gl.constexpr,
+              W: gl.constexpr, HAS_ZP: gl.constexpr, TOKEN_TILES: gl.constexpr, weight=1.0):  # fmt: skip
     """A step's products into the accumulators (acc: tokens 0-7; acc2, TOKEN_TILES 2: tokens 8-15, B's second tile
-    through the same words, its x loaded here): the step's sums, less (128 + z) times its sums of x, scaled (and
-    times `weight`: 0 drops a step)."""
+    through the same words, its x loaded here): the step's sums, less (128 + z) times its sums of x, scaled by its
+    group's scales s2 and zero points z2 (group_scales) and times `weight` (0 drops a step)."""
     x0, x1, x2, x3 = b_pairs(xt, L)
     sums = gl.inline_asm_elementwise(
         SUMS_ASM, SUMS_CONSTRAINTS, [zero_x, x0, x1, x2, x3], dtype=gl.float32, is_pure=True, pack=4
@@ -185,18 +208,11 @@ def step_sums(acc, acc2, wa, wb, xt, xs2, step, zero, zero_x, s_ptr, col_s, stri
         c2 = gl.inline_asm_elementwise(
             STEP_ASM, STEP_CONSTRAINTS, [zero, wa, wb, y0, y1, y2, y3], dtype=gl.float32, is_pure=True, pack=4
         )
-    if GROUP_SHIFT < 0:  # one group
-        grp = 0
-    else:
-        grp = step >> GROUP_SHIFT
-    if EVEN_N:
-        s2 = gl.load(s_ptr + col_s * stride_sn + grp).to(gl.float32)
-    else:
-        s2 = gl.load(s_ptr + col_s * stride_sn + grp, mask=col_s < N, other=0.0).to(gl.float32)
-    scale = gl.convert_layout(gl.reshape(gl.join(s2, s2), [REPS, 8 * W, 1, 4]), L) * weight
+    sf = s2.to(gl.float32)
+    scale = gl.convert_layout(gl.reshape(gl.join(sf, sf), [REPS, 8 * W, 1, 4]), L) * weight
     if HAS_ZP:
-        z2 = gl.load(z_ptr + col_s * stride_zn + grp, mask=col_s < N, other=0).to(gl.float32) + 128.0
-        zq = gl.convert_layout(gl.reshape(gl.join(z2, z2), [REPS, 8 * W, 1, 4]), L)
+        zf = z2.to(gl.float32) + 128.0
+        zq = gl.convert_layout(gl.reshape(gl.join(zf, zf), [REPS, 8 * W, 1, 4]), L)
     else:
         zq = 136.0  # 128 + 2^(4 - 1)
     acc += scale * (c - zq * sums)

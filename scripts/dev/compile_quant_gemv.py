@@ -81,6 +81,17 @@ VARIANTS = [
     },  # two steps a turn (int4_mma_gemv.UNROLL)
     # the down projection at one row fed gate|up: silu(gate) * up staged in shared memory (GATED)
     {"mma": True, "reps": 2, "stages": 2, "gated": True, "pdl": True, "serial": True},
+    # a step's x and scales asked for a step ahead (int4_mma_gemv.AHEAD): one row, zero points, N not whole programs
+    {
+        "mma": True,
+        "reps": 2,
+        "stages": 2,
+        "ahead": True,
+        "pdl": True,
+        "serial": True,
+        "zp": True,
+        "even_n": False,
+    },
     {"mma": True, "token_tiles": 2, "zp": True},  # 9 to 16 rows: a second B and C on the same A
     {"mma": True, "token_tiles": 2, "row_blocks": 4},  # 17 to 64 rows: blocks of 16, split-K partials
     {"fp8_wgmma": True},  # kernels/fp8_wgmma_gemv.py (Gluon): block FP8 by TMA + wgmma, one row, split-K
@@ -170,7 +181,7 @@ def compile_int4_gemv(int4=True, x="bf16", zp=False, bias=False, bn=64, bk=128, 
 
 def compile_int4_mma(mma=True, zp=False, bias=False, split=4, serial=False, even_n=True, group_shift=0, reps=None,
                      stages=0, pdl=False, routed=False, x_row_div=1, token_tiles=1, row_blocks=1, prefetch=0,
-                     unroll=1, stage_steps=1, gated=False, num_warps=4):  # fmt: skip
+                     unroll=1, stage_steps=1, gated=False, ahead=False, num_warps=4):  # fmt: skip
     """kernels/int4_mma_gemv.py's tensor-core int4 GEMV (Gluon) for sm90, specialized as at run time (an integer
     argument of 1 is a constant then: row_blocks up to 16 rows); `routed`: over MoE (token, expert) pairs
     (kernels/moe_wna16.py)."""
@@ -186,7 +197,7 @@ def compile_int4_mma(mma=True, zp=False, bias=False, split=4, serial=False, even
     consts = dict(HAS_ZP=zp, HAS_BIAS=bias and (split == 1 or serial), PARTIAL=split > 1, SERIAL=serial,
                   EVEN_N=even_n, GROUP_SHIFT=group_shift, REPS=reps or mma_mod.REPS, STAGES=stages,
                   USE_PDL=pdl, ROUTED=routed, X_ROW_DIV=x_row_div, TOKEN_TILES=token_tiles,
-                  PREFETCH=prefetch, UNROLL=unroll, GATED=gated)  # fmt: skip
+                  PREFETCH=prefetch, UNROLL=unroll, GATED=gated, AHEAD=ahead)  # fmt: skip
     if stages:  # the ring's TMA descriptor, boxes of half this REPS's program columns by stage_steps steps
         columns = 16 * num_warps * consts["REPS"]
         old, mma_mod.STAGE_STEPS = mma_mod.STAGE_STEPS, stage_steps

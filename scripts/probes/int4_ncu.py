@@ -10,12 +10,22 @@ mbarrier), on the CTA barrier before each refill, or on issue, and how much of H
         python3 scripts/probes/int4_ncu.py > ncu.csv
     python3 scripts/probes/int4_ncu.py --summary ncu.csv      # a few lines a kernel, on any machine
 
+Each shape runs as VARIANTS: the ring as it stands, the ring with each step's x and scales asked for a step ahead
+(int4_mma_gemv.AHEAD), the CUDA-core kernel. Where in the SASS one call's warps wait, by ncu's PC sampling:
+
+    ncu --clock-control none --profile-from-start off --section SourceCounters --page source --csv \
+        --print-source sass python3 scripts/probes/int4_ncu.py --only "gate_up mma ring" > source.csv
+    python3 scripts/probes/int4_ncu.py --source-summary source.csv   # the instructions holding most samples
+
 ncu flushes the caches before each profiled kernel (its default --cache-control all): the weights come from HBM, as
 in a decode step. Warm-up calls (compiles) run before the profiler starts; then one call each, in the order printed.
 """
 
 from __future__ import annotations
 
+import csv
+import io
+import sys
 from collections import defaultdict
 
 from ncu_calls import profile_calls, run, table_rows  # this folder (the script's own: first on sys.path)
@@ -30,6 +40,8 @@ STALLS = [
 SUMMARY = ("Duration", "Memory Throughput", "DRAM Throughput", "Achieved Occupancy", "Registers Per Thread",
            "Warp Cycles Per Issued Instruction")  # fmt: skip
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+# (name, tensor cores, int4_mma_gemv.AHEAD): each shape's calls in this order
+VARIANTS = [("mma ring", True, False), ("mma ring ahead", True, True), ("cuda cores", False, False)]
 
 
 def summary(path: str) -> str:
@@ -56,27 +68,68 @@ def summary(path: str) -> str:
     return "\n".join(out)
 
 
+def source_summary(path: str, top: int = 30) -> str:
+    """The SASS instructions holding the most warp-state samples in ncu's `--page source --csv --print-source sass`
+    table (one profiled kernel: `--only`), with their share of all samples; the table's columns as ncu names them
+    (those holding "Sampl"), printed first."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        text = f.read()
+    start = text.find('"')  # ncu's own lines (==PROF== ...) before the table
+    rows = list(csv.DictReader(io.StringIO(text[start:]))) if start >= 0 else []
+    if not rows:
+        return f"{path}: no source table (see the log)"
+    columns = list(rows[0])
+    sampled = [c for c in columns if "Sampl" in c]
+    source = next(
+        (c for c in columns if c.strip() in ("Source", "# Source")), columns[min(1, len(columns) - 1)]
+    )
+    key = next((c for c in sampled if "All" in c), sampled[0] if sampled else None)
+    out = [f"columns: {columns}"]
+    if key is None:
+        return "\n".join(out + [str(r) for r in rows[:5]])
+
+    def count(row: dict[str, str]) -> float:
+        try:
+            return float((row.get(key) or "0").replace(",", ""))
+        except ValueError:
+            return 0.0
+
+    total = sum(count(r) for r in rows) or 1.0
+    out.append(f"{len(rows)} instructions, {total:.0f} samples ({key})")
+    for r in sorted(rows, key=count, reverse=True)[:top]:
+        address = r.get("# Address") or r.get("Address") or ""
+        extra = ", ".join(f"{c} {r[c]}" for c in sampled if c != key and r.get(c) not in (None, "", "0"))
+        out.append(f"  {100 * count(r) / total:5.1f}% {address} {r.get(source, '')[:70]}  ({extra})")
+    return "\n".join(out)
+
+
 def main() -> None:
     import torch
 
-    from longserve.kernels import quant_gemv
+    from longserve.kernels import int4_mma_gemv, quant_gemv
     from longserve.kernels.quant_reference import pack_int_k
 
     torch.manual_seed(0)
+    only = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else None
     calls = []
     for shape, (n, k) in SHAPES.items():
         qweight = pack_int_k(torch.randint(0, 16, (n, k), device="cuda"), 4)
         scales = torch.full((n, k // 128), k**-0.5 / 4, device="cuda", dtype=torch.float16)
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        for mma in (True, False):
+        for name, mma, ahead in VARIANTS:
 
-            def call(x=x, w=(qweight, scales), mma=mma):
+            def call(x=x, w=(qweight, scales), mma=mma, ahead=ahead):
                 quant_gemv.INT4_MMA_GEMV = mma
+                int4_mma_gemv.AHEAD = ahead
                 return quant_gemv.wna16_gemv(x, w[0], w[1], None, None, 4, 128)
 
-            calls.append((f"{shape} {'mma ring' if mma else 'cuda cores'}", call))
+            if only in (None, f"{shape} {name}"):
+                calls.append((f"{shape} {name}", call))
     profile_calls(calls)
 
 
 if __name__ == "__main__":
-    run(main, summary)
+    if "--source-summary" in sys.argv:
+        print(source_summary(sys.argv[sys.argv.index("--source-summary") + 1]))
+    else:
+        run(main, summary)

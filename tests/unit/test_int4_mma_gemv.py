@@ -160,7 +160,7 @@ def test_one_row_takes_its_own_tiling(monkeypatch: pytest.MonkeyPatch) -> None:
                False, False, ids=ids)  # fmt: skip
     (grid1, args1, kw1), (grid2, args2, kw2), (_, args3, kw3) = launches.calls
     assert (kw1["REPS"], kw1["STAGES"]) == (2, 3) and grid1[0] == n // 128 and mma.block_n(1) == 128
-    assert list(args1[0].block_shape) == [64, 16] and not kw1["PREFETCH"]
+    assert list(args1[0].block_shape) == [128, 16] and not kw1["PREFETCH"]
     assert (kw2["REPS"], kw2["STAGES"]) == (mma.REPS, mma.STAGES) and grid2[0] == -(-n // (64 * mma.REPS))
     assert (kw3["REPS"], kw3["STAGES"]) == (mma.REPS, mma.STAGES)
     assert mma.block_n(1, routed=True) == 64 * mma.REPS
@@ -169,6 +169,36 @@ def test_one_row_takes_its_own_tiling(monkeypatch: pytest.MonkeyPatch) -> None:
     # gated: and the activations' 2 x 8 KB; at 8 stages (64 KB) shared memory holds 2 programs an SM, not 3
     monkeypatch.setattr(mma, "ONE_ROW", (2, 8))
     assert mma.resident_programs(132, 1) == 132 * 3 and mma.resident_programs(132, 1, gated=True) == 132 * 2
+    assert not kw1["AHEAD"] and not kw2["AHEAD"]
+
+
+def test_ahead_takes_one_token_tile_by_the_ring(monkeypatch: pytest.MonkeyPatch) -> None:
+    """AHEAD (the kernel captured, not run): a launch by the ring at one token tile asks for each step's x and
+    scales a step ahead, and plans its split for the fewer programs its registers leave an SM (96 at REPS 2: 5, not
+    6); without the ring, at two token tiles, gated or at 2 steps a slot it does not."""
+    launches = CapturedLaunches()
+    monkeypatch.setattr(mma, "int4_mma_gemv_kernel", launches)
+    monkeypatch.setattr(mma, "AHEAD", True)
+    monkeypatch.setattr(mma, "ONE_ROW", (2, 2))
+    monkeypatch.setattr(mma, "STAGES", 0)
+    n, k = 1536, 1024
+    w, s = torch.zeros(n, k // 2, dtype=torch.uint8), torch.zeros(n, k // 128, dtype=torch.float16)
+    out = torch.zeros(12, n)
+    for m in (1, 2):
+        mma.launch(torch.zeros(m, k, dtype=torch.bfloat16), w, s, None, None, 128, 8, 1, out[:m], out, out, 0,
+                   False, False)  # fmt: skip
+    mma.launch(torch.zeros(1, 2 * k, dtype=torch.bfloat16), w, s, None, None, 128, 8, 1, out[:1], out, out, 0,
+               False, False, gated=True)  # fmt: skip
+    (_, _, one), (_, _, two), (_, _, gated) = launches.calls
+    assert one["AHEAD"] and not two["AHEAD"] and not gated["AHEAD"]
+    assert mma.resident_programs(132, 1) == 132 * 5 and mma.resident_programs(132, 2) == 132 * 3
+    monkeypatch.setattr(mma, "STAGES", 2)  # the ring past one row: one token tile to 8 rows, two past
+    assert mma.ahead(8) and not mma.ahead(9) and mma.resident_programs(132, 8) == 132 * 3
+    monkeypatch.setattr(mma, "STAGE_STEPS", 2)
+    assert not mma.ahead(1) and mma.resident_programs(132, 1) == 132 * 4
+    monkeypatch.setattr(mma, "AHEAD", False)
+    monkeypatch.setattr(mma, "STAGE_STEPS", 1)
+    assert mma.resident_programs(132, 1) == 132 * 6
 
 
 def test_the_routed_launch_reads_each_pairs_expert(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -210,8 +240,8 @@ def test_the_ring_reads_the_words_by_one_descriptor(
     routed: bool, stage_steps: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """STAGES past 0 (the kernel captured, not run): the words' TMA descriptor over int32 [rows, K / 8] (routed:
-    the experts' rows one after another, the kernel's rows e N + ...), boxes of half a program's columns by
-    STAGE_STEPS steps, made once per weight tensor and freed with it; experts not one after another are not
+    the experts' rows one after another, the kernel's rows e N + ...), boxes of a program's columns by
+    STAGE_STEPS steps (one load a slot), made once per weight tensor and freed with it; experts not one after another are not
     taken."""
     launches = CapturedLaunches()
     monkeypatch.setattr(mma, "int4_mma_gemv_kernel", launches)
@@ -232,8 +262,8 @@ def test_the_ring_reads_the_words_by_one_descriptor(
     (_, args, kw), (_, again, _) = launches.calls
     desc = args[0]
     assert list(desc.shape) == [e * n if routed else n, k // 8] and list(desc.strides) == [k // 8, 1]
-    # boxes of half the columns by stage_steps steps of 16 words
-    assert list(desc.block_shape) == [mma.block_n(1, routed) // 2, 16 * stage_steps]
+    # boxes of the program's columns by stage_steps steps of 16 words
+    assert list(desc.block_shape) == [mma.block_n(1, routed), 16 * stage_steps]
     assert desc.base.dtype == torch.int32
     assert (
         desc.base.data_ptr() == w.data_ptr() and again[0] is desc and kw["STAGES"] == 3 and not kw["PREFETCH"]

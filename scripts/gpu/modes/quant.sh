@@ -95,6 +95,10 @@
 # int4-slots (one GPU, ~5 min): the int4 ring's slots of 2 steps (int4_mma_gemv.STAGE_STEPS 2: 128 bytes of each row
 # a box, against 64): the kernel's GPU tests with it (and STAGES 2 at every row count), the 8B projections alone at
 # one row at 1 and 2, the 8B int4 decode b1@32K at 1 and 2 beside bf16. After tma-stream, which says whether it can.
+# int4-ahead (one GPU, ~6 min): the int4 ring's x and group scales asked for a step ahead (int4_mma_gemv.AHEAD): the
+# kernel's GPU tests with it (the ring at every row count, the routed experts), the 8B projections alone at one row off
+# and on, the 8B int4 decode b1@32K off / on beside bf16, and ncu's PC sampling of the gate_up by the ring off and on
+# (which instructions its warps wait at: the counters said long scoreboard, twenty-ninth session).
 # int4-gated (one GPU, ~4 min): silu(gate) * up inside the int4 mma GEMV at one row (quant_gemv.INT4_MMA_GATED): its
 # GPU test (the silu-first route's sums, a CUDA graph), then the 8B int4 decode b1@32K off / on beside bf16: on if b1
 # gains (the SiLU launch was 0.081 ms of the 3.71 ms step).
@@ -638,5 +642,37 @@ if [[ $MODE == int4-gated ]]; then  # one GPU (~4 min): silu(gate) * up inside t
   for on in False True; do
     LATENCY_TIMEOUT=100 latency_with "int4_gated_$on" "int4 INT4_MMA_GATED=$on" \
       longserve.kernels.quant_gemv.INT4_MMA_GATED=$on -- "${cases[@]}" --quantization gptq
+  done
+fi
+
+if [[ $MODE == int4-ahead ]]; then  # one GPU (~6 min): the int4 ring's x and scales asked for a step ahead
+  mma=longserve.kernels.int4_mma_gemv
+  timeout 120 python3 scripts/probes/with_constants.py $mma.AHEAD=True $mma.STAGES=2 -- pytest -q -m gpu \
+    tests/gpu/test_int4_mma_gemv_gpu.py -k "not times" -p no:cacheprovider --tb=short -rfE 2>&1 \
+    | tee "$OUT/gpu_tests_int4_ahead.log" | tail -3 || status=1
+  timeout 90 python3 scripts/probes/with_constants.py $mma.AHEAD=True $mma.STAGES=2 \
+    longserve.kernels.quant_gemv.INT4_MMA_ROUTED=True -- pytest -q -m gpu tests/gpu/test_quant_kernels_gpu.py \
+    -k int4_experts -p no:cacheprovider --tb=short -rfE 2>&1 | tee "$OUT/gpu_tests_int4_ahead_experts.log" \
+    | tail -3 || status=1
+  for on in False True; do
+    timeout 60 python3 scripts/probes/with_constants.py $mma.AHEAD=$on -- pytest -q -s -m gpu \
+      "tests/gpu/test_int4_mma_gemv_gpu.py::test_times[1]" -p no:cacheprovider --tb=short -rfE 2>&1 \
+      | tee "$OUT/gpu_tests_int4_ahead_times_$on.log" | grep -E "int4 mma|passed|failed" | sed "s/^/AHEAD=$on: /"
+  done
+  cases=(--config llama-3.1-8b "${dummy[@]}" --repeat 3 --decode-batch-sizes 1@32768)
+  LATENCY_TIMEOUT=100 latency_with int4_ahead_bf16 "bf16" -- "${cases[@]}"
+  for on in False True; do
+    LATENCY_TIMEOUT=100 latency_with "int4_ahead_$on" "int4 AHEAD=$on" $mma.AHEAD=$on -- "${cases[@]}" \
+      --quantization gptq
+  done
+  # where the ring's warps wait, instruction by instruction (PC sampling), for the 8B gate_up at one row
+  ncu_bin=${NCU:-$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2> /dev/null | head -1)}
+  for v in "mma ring" "mma ring ahead"; do
+    PYTHONPATH=$PWD timeout 100 "$ncu_bin" --clock-control none --profile-from-start off --section SourceCounters \
+      --page source --csv --print-source sass python3 scripts/probes/int4_ncu.py --only "gate_up $v" \
+      > "$OUT/int4_source_${v// /_}.csv" 2> "$OUT/int4_source_${v// /_}.log" || status=1
+    echo "== gate_up $v"
+    python3 scripts/probes/int4_ncu.py --source-summary "$OUT/int4_source_${v// /_}.csv" | head -24 \
+      | tee "$OUT/int4_source_${v// /_}.txt"
   done
 fi
