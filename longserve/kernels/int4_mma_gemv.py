@@ -184,6 +184,11 @@ def int4_mma_gemv_kernel(
             for j in gl.static_range(PREFETCH):
                 prefetch_l2(w_ptr + (pf_a + gl.minimum(s_begin + j, s_end - 1) * 16))
                 prefetch_l2(w_ptr + (pf_b + gl.minimum(s_begin + j, s_end - 1) * 16))
+    # the epilogue's element u is C's register: column col + HALF (u >> 1), token 2t + (u & 1)
+    col_s = pid_n * BLOCK_N + axis(REPS, 0, LS) * (8 * W) + axis(8 * W, 1, LS) + HALF * axis(2, 3, LS)
+    if AHEAD and not ROUTED:  # the first step's scales too, read by no kernel before
+        s_next, z_next = group_scales(s_ptr, col_s, stride_sn, z_ptr, stride_zn, N, s_begin, GROUP_SHIFT, EVEN_N,
+                                      HAS_ZP)  # fmt: skip
     gdc_wait(USE_PDL)  # before the routed expert id (the router's output) and x
     if ROUTED:  # MoE decode (moe_wna16.py): axis 2 over (token, k) pairs, M = 1, each pair's expert's weights
         pair = gl.program_id(2).to(gl.int64)
@@ -209,8 +214,6 @@ def int4_mma_gemv_kernel(
     x_words = 16 * axis(4, 2, LX) + axis(16, 3, LX)
     xs = x_ptr + gl.minimum(axis(8 * W, 1, LX) % 8, M - 1) * stride_xm + x_words  # [1, 8W, 4, 16]
     xs2 = x_ptr + gl.minimum(axis(8 * W, 1, LX) % 8 + 8, M - 1) * stride_xm + x_words
-    # the epilogue's element u is C's register: column col + HALF (u >> 1), token 2t + (u & 1)
-    col_s = pid_n * BLOCK_N + axis(REPS, 0, LS) * (8 * W) + axis(8 * W, 1, LS) + HALF * axis(2, 3, LS)
     acc = gl.zeros([REPS, 8 * W, 4, 4], gl.float32, L)
     acc2 = gl.zeros([REPS, 8 * W, 4, 4], gl.float32, L)  # TOKEN_TILES 2
     zero = gl.zeros([REPS, 8 * W, 4, 4], gl.float32, L)
@@ -232,8 +235,9 @@ def int4_mma_gemv_kernel(
         )
         if AHEAD:
             xt_next = gl.load(xs + s_begin * 64)
-            s_next, z_next = group_scales(s_ptr, col_s, stride_sn, z_ptr, stride_zn, N, s_begin, GROUP_SHIFT,
-                                          EVEN_N, HAS_ZP)  # fmt: skip
+            if ROUTED:  # the expert's, known after the wait
+                s_next, z_next = group_scales(s_ptr, col_s, stride_sn, z_ptr, stride_zn, N, s_begin, GROUP_SHIFT,
+                                              EVEN_N, HAS_ZP)  # fmt: skip
         for j in range(0, gl.cdiv(s_end - s_begin, S)):
             if AHEAD:  # this step's from the turn before; the next one's (clamped at the end) in flight past the wait
                 xt, s2, z2 = xt_next, s_next, z_next
