@@ -647,6 +647,13 @@ fi
 
 if [[ $MODE == int4-ahead ]]; then  # one GPU (~6 min): the int4 ring's x and scales asked for a step ahead
   mma=longserve.kernels.int4_mma_gemv
+  # the decode first (a call cut short keeps it)
+  cases=(--config llama-3.1-8b "${dummy[@]}" --repeat 3 --decode-batch-sizes 1@32768)
+  LATENCY_TIMEOUT=100 latency_with int4_ahead_bf16 "bf16" -- "${cases[@]}"
+  for on in False True; do
+    LATENCY_TIMEOUT=100 latency_with "int4_ahead_$on" "int4 AHEAD=$on" $mma.AHEAD=$on -- "${cases[@]}" \
+      --quantization gptq
+  done
   timeout 120 python3 scripts/probes/with_constants.py $mma.AHEAD=True $mma.STAGES=2 -- pytest -q -m gpu \
     tests/gpu/test_int4_mma_gemv_gpu.py -k "not times" -p no:cacheprovider --tb=short -rfE 2>&1 \
     | tee "$OUT/gpu_tests_int4_ahead.log" | tail -3 || status=1
@@ -658,12 +665,6 @@ if [[ $MODE == int4-ahead ]]; then  # one GPU (~6 min): the int4 ring's x and sc
     timeout 60 python3 scripts/probes/with_constants.py $mma.AHEAD=$on -- pytest -q -s -m gpu \
       "tests/gpu/test_int4_mma_gemv_gpu.py::test_times[1]" -p no:cacheprovider --tb=short -rfE 2>&1 \
       | tee "$OUT/gpu_tests_int4_ahead_times_$on.log" | grep -E "int4 mma|passed|failed" | sed "s/^/AHEAD=$on: /"
-  done
-  cases=(--config llama-3.1-8b "${dummy[@]}" --repeat 3 --decode-batch-sizes 1@32768)
-  LATENCY_TIMEOUT=100 latency_with int4_ahead_bf16 "bf16" -- "${cases[@]}"
-  for on in False True; do
-    LATENCY_TIMEOUT=100 latency_with "int4_ahead_$on" "int4 AHEAD=$on" $mma.AHEAD=$on -- "${cases[@]}" \
-      --quantization gptq
   done
   # where the ring's warps wait, instruction by instruction (PC sampling), for the 8B gate_up at one row
   ncu_bin=${NCU:-$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2> /dev/null | head -1)}
