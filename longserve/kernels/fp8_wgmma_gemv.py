@@ -83,25 +83,41 @@ STAGES = 2
 # 32 blocks 16 ways (2 blocks a program, then a serial sum of 16 planes; qkv 11.5 and o 8.8 us against HBM floors of
 # 6 and 4). 1 until `gpu_check.sh fp8-gated` runs 2 and 4 in the decode.
 MIN_SPLIT_BLOCKS = 1
+# Block FP8: each K block's activations asked for two blocks ahead and its weight scale one ahead, in registers
+# carried over the loop turn (the first scale before the PDL wait). Why: in the sm90 SASS (Triton 3.6) the wgmma
+# chain is waited for before the next block's activations are loaded, and the weight scale after that: two global
+# round trips a block in series with the ring, as in the int4 GEMV (int4_mma_gemv.AHEAD, whose one-row GEMVs an H100's
+# counters found stalled on long scoreboard, twenty-ninth session). Up to 8 rows (BLOCK_T 8: 55-64 registers against
+# 50-56, where shared memory holds 6 programs an SM either way; at 16 rows 100 against 64). False until measured
+# (`gpu_check.sh fp8-ahead`).
+AHEAD = False
 WARPS = 4  # one warpgroup
 _E4M3_MAX = gl.constexpr(FP8_MAX)
 
 
 @gluon.jit
-def _quantized_tile(x_ptr, slot, M, kb, stride_xm, up_off, BLOCK_T: gl.constexpr, BLOCK_K: gl.constexpr,
-                    x_layout: gl.constexpr, scale_layout: gl.constexpr, GATED: gl.constexpr):  # fmt: skip
-    """Block kb of the activations quantized per row into `slot` (e4m3 [BLOCK_T, BLOCK_K], shared); the rows' scales
-    in scale_layout (rows past M: zeros, scale 1e-10 / 448). GATED: the activations are silu(gate) * up of x =
-    gate|up (up from column up_off), rounded as activation.silu_and_mul rounds them."""
+def _tile_load(x_ptr, M, kb, stride_xm, up_off, BLOCK_T: gl.constexpr, BLOCK_K: gl.constexpr,
+               x_layout: gl.constexpr, GATED: gl.constexpr):  # fmt: skip
+    """Block kb of the activations as stored (rows past M: zeros), and (GATED) of up from column up_off (else 0.0):
+    loads whose values nothing waits for until _tile_store."""
     rows = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, x_layout))
     cols = kb * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, x_layout))
     ptrs = x_ptr + rows.to(gl.int64)[:, None] * stride_xm + cols[None, :]
     x = gl.load(ptrs, mask=(rows < M)[:, None], other=0.0)
+    up = 0.0
     if GATED:
-        ty: gl.constexpr = x_ptr.dtype.element_ty
-        gate = x.to(gl.float32)
-        up = gl.load(ptrs + up_off, mask=(rows < M)[:, None], other=0.0).to(gl.float32)
-        x = silu_times(gate, up, ty).to(ty)
+        up = gl.load(ptrs + up_off, mask=(rows < M)[:, None], other=0.0)
+    return x, up
+
+
+@gluon.jit
+def _tile_store(x, up, slot, scale_layout: gl.constexpr, GATED: gl.constexpr):
+    """A block's activations (_tile_load's) quantized per row into `slot` (e4m3 [BLOCK_T, BLOCK_K], shared); the
+    rows' scales in scale_layout (rows of zeros: scale 1e-10 / 448). GATED: the activations are silu(gate) * up,
+    rounded as activation.silu_and_mul rounds them."""
+    if GATED:
+        ty: gl.constexpr = x.dtype
+        x = silu_times(x.to(gl.float32), up.to(gl.float32), ty).to(ty)
     x = x.to(gl.float32)
     scale = gl.maximum(gl.max(gl.abs(x), axis=1), 1e-10) / _E4M3_MAX  # per_token_group_quant's
     xq = gl.minimum(gl.maximum(x / scale[:, None], -_E4M3_MAX), _E4M3_MAX)
@@ -134,8 +150,8 @@ def _activation_block(x_ptr, slot, M, kb, stride_xm, up_off, PER_CHANNEL: gl.con
         _stored_tile(x_ptr, slot, M, kb, stride_xm, BLOCK_T, BLOCK_K, x_layout)
         scale = gl.full([BLOCK_T], 1.0, gl.float32, scale_layout)
     else:
-        scale = _quantized_tile(x_ptr, slot, M, kb, stride_xm, up_off, BLOCK_T, BLOCK_K, x_layout, scale_layout,
-                                GATED)  # fmt: skip
+        x, up = _tile_load(x_ptr, M, kb, stride_xm, up_off, BLOCK_T, BLOCK_K, x_layout, GATED)
+        scale = _tile_store(x, up, slot, scale_layout, GATED)
     return scale
 
 
@@ -154,6 +170,7 @@ def fp8_wgmma_gemv_kernel(
     HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr, SERIAL: gl.constexpr, BLOCK_T: gl.constexpr,
     STAGES: gl.constexpr, IMPRECISE_ACC: gl.constexpr, USE_PDL: gl.constexpr, PER_CHANNEL: gl.constexpr,
     num_warps: gl.constexpr, ROUTED: gl.constexpr = False, X_ROW_DIV: gl.constexpr = 1, GATED: gl.constexpr = False,
+    AHEAD: gl.constexpr = False,
 ):  # fmt: skip
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
@@ -190,29 +207,50 @@ def fp8_wgmma_gemv_kernel(
         if i < n_blocks:
             mbarrier.expect(ready.index(i), w_desc.block_type.nbytes)
             tma_load(w_desc, [w_row0, (kb0 + i) * BLOCK_K], ready.index(i), w_bufs.index(i))
+    gl.static_assert(not (AHEAD and PER_CHANNEL), "AHEAD: block FP8")
+    scales_row = (
+        s_ptr + pid_n * stride_sn + kb0
+    )  # block FP8: the row block's weight scales of the split's blocks
+    if AHEAD and not ROUTED:  # the first block's weight scale, read by no kernel before
+        ws_next = gl.load(scales_row)
     if not ROUTED:
         gdc_wait(USE_PDL)
 
     x_scale = _activation_block(x_ptr, x_bufs.index(0), M, kb0, stride_xm, up_off, PER_CHANNEL, BLOCK_T, BLOCK_K,
                                 x_layout, token_layout, GATED)  # fmt: skip
+    if AHEAD:  # the second block's activations in flight (the last one's when there is one block)
+        x_next, up_next = _tile_load(x_ptr, M, kb0 + gl.minimum(1, n_blocks - 1), stride_xm, up_off, BLOCK_T,
+                                     BLOCK_K, x_layout, GATED)  # fmt: skip
+        if ROUTED:
+            ws_next = gl.load(scales_row)
     barrier()  # every warp's activations in shared memory before the wgmma reads them
     zero = gl.zeros([BLOCK_N, BLOCK_T], gl.float32, acc_layout)
     acc = gl.zeros([BLOCK_N, BLOCK_T], gl.float32, acc_layout)
     for j in range(0, n_blocks):
         s = j % STAGES
+        if AHEAD:  # block j + 1's activations and block j's weight scale from the turn before; the next ones asked for
+            x_cur, up_cur, w_scale = x_next, up_next, ws_next
+            x_next, up_next = _tile_load(x_ptr, M, kb0 + gl.minimum(j + 2, n_blocks - 1), stride_xm, up_off,
+                                         BLOCK_T, BLOCK_K, x_layout, GATED)  # fmt: skip
+            ws_next = gl.load(scales_row + gl.minimum(j + 1, n_blocks - 1))
         mbarrier.wait(ready.index(s), (j // STAGES) & 1)
         part = warpgroup_mma(w_bufs.index(s), x_bufs.index(j % 2).permute((1, 0)), zero, use_acc=False,
                              max_num_imprecise_acc=IMPRECISE_ACC, is_async=True)  # fmt: skip
         # the next block's activations into the other slot while this block's products run
         next_scale = x_scale
         if j + 1 < n_blocks:
-            next_scale = _activation_block(x_ptr, x_bufs.index((j + 1) % 2), M, kb0 + j + 1, stride_xm, up_off,
-                                           PER_CHANNEL, BLOCK_T, BLOCK_K, x_layout, token_layout, GATED)  # fmt: skip
+            if AHEAD:
+                next_scale = _tile_store(x_cur, up_cur, x_bufs.index((j + 1) % 2), token_layout, GATED)
+            else:
+                next_scale = _activation_block(x_ptr, x_bufs.index((j + 1) % 2), M, kb0 + j + 1, stride_xm, up_off,
+                                               PER_CHANNEL, BLOCK_T, BLOCK_K, x_layout, token_layout,
+                                               GATED)  # fmt: skip
         part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
         if PER_CHANNEL:  # both scales after the loop
             acc += part
         else:
-            w_scale = gl.load(s_ptr + pid_n * stride_sn + kb0 + j)
+            if not AHEAD:
+                w_scale = gl.load(scales_row + j)
             acc += part * (w_scale * x_scale)[None, :]
         x_scale = next_scale
         barrier()  # every warp past its wait: stage s and slot j % 2 are read; the next slot is stored
@@ -331,7 +369,8 @@ def launch(x, x_scales, w, w_scale, bias, blocks_per_split: int, num_splits: int
         blocks_per_split, k // BLOCK[1], x.stride(0), 0 if per_channel else w_scale.stride(-2), stride_os,
         out.stride(-2), w_scale.stride(0) if routed else 0, HAS_BIAS=bias_in_kernel, PARTIAL=num_splits > 1,
         SERIAL=serial, BLOCK_T=block_t(m), STAGES=STAGES, IMPRECISE_ACC=imprecise_acc, USE_PDL=pdl,
-        PER_CHANNEL=per_channel, num_warps=WARPS, ROUTED=routed, X_ROW_DIV=x_row_div, GATED=gated, launch_pdl=pdl,
+        PER_CHANNEL=per_channel, num_warps=WARPS, ROUTED=routed, X_ROW_DIV=x_row_div, GATED=gated,
+        AHEAD=AHEAD and not per_channel and block_t(m) == 8, launch_pdl=pdl,
     )  # fmt: skip
 
 

@@ -100,6 +100,9 @@ VARIANTS = [
     {"fp8_wgmma": True, "channel": True, "rows": 4, "pdl": True},  # per-channel FP8 (e4m3 activations)
     # the down projection fed gate|up: silu(gate) * up made inside (GATED)
     {"fp8_wgmma": True, "gated": True, "pdl": True, "serial": True},
+    # block FP8's activations two blocks ahead and weight scales one (fp8_wgmma_gemv.AHEAD), gated and routed
+    {"fp8_wgmma": True, "ahead": True, "gated": True, "pdl": True, "serial": True},
+    {"fp8_wgmma": True, "ahead": True, "routed": True, "x_row_div": 8, "pdl": True},
     {
         "fp8_wgmma": True,
         "routed": True,
@@ -228,7 +231,7 @@ def compile_int4_mma(mma=True, zp=False, bias=False, split=4, serial=False, even
 
 
 def compile_fp8_wgmma(fp8_wgmma=True, rows=1, bias=False, split=4, serial=False, pdl=False, imprecise_acc=32,
-                      channel=False, routed=False, x_row_div=1, gated=False):  # fmt: skip
+                      channel=False, routed=False, x_row_div=1, gated=False, ahead=False):  # fmt: skip
     """kernels/fp8_wgmma_gemv.py's FP8 GEMV on the tensor cores (Gluon: TMA, wgmma) for sm90 at `rows` activation
     rows, block FP8 (bf16 activations) or `channel` (e4m3 activations, per-channel scales), specialized as at run
     time."""
@@ -246,7 +249,7 @@ def compile_fp8_wgmma(fp8_wgmma=True, rows=1, bias=False, split=4, serial=False,
     consts = dict(HAS_BIAS=bias and (split == 1 or serial), PARTIAL=split > 1, SERIAL=serial,
                   BLOCK_T=wg.block_t(rows), STAGES=wg.STAGES, IMPRECISE_ACC=imprecise_acc, USE_PDL=pdl,
                   PER_CHANNEL=channel, num_warps=wg.WARPS, ROUTED=routed, X_ROW_DIV=x_row_div,
-                  GATED=gated)  # fmt: skip
+                  GATED=gated, AHEAD=ahead)  # fmt: skip
     fn = wg.fp8_wgmma_gemv_kernel
     sig = {a: ptrs.get(a, "constexpr" if a in consts else "i32") for a in fn.arg_names}
     attrs = {

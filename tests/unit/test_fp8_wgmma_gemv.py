@@ -97,6 +97,13 @@ def test_the_launch(monkeypatch: pytest.MonkeyPatch) -> None:
     grid, args, kw = calls[2]
     assert grid == (49, 1, 1) and kw["PER_CHANNEL"] and kw["BLOCK_T"] == 8 and not kw["PARTIAL"]
     assert args[1].dtype == torch.uint8 and args[2] is xs and args[3] is ws and args[14] == 0  # stride_sn
+    assert not any(kw["AHEAD"] for _, _, kw in calls)  # off by default
+    # AHEAD: block FP8 at BLOCK_T 8 (up to 8 rows) only
+    monkeypatch.setattr(wg, "AHEAD", True)
+    for rows in (1, 8, 9):
+        wg.launch(x[:rows], None, w, s, None, 8, 4, out, out, out, out.stride(0), False, False, 32)
+    wg.launch(xq, xs, w, ws, None, 32, 1, out[0, :3], out, out, 0, False, False, 32)
+    assert [kw["AHEAD"] for _, _, kw in calls[3:]] == [True, True, False, False]
 
 
 def test_the_gated_launch(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -99,6 +99,9 @@
 # kernel's GPU tests with it (the ring at every row count, the routed experts), the 8B projections alone at one row off
 # and on, the 8B int4 decode b1@32K off / on beside bf16, and ncu's PC sampling of the gate_up by the ring off and on
 # (which instructions its warps wait at: the counters said long scoreboard, twenty-ninth session).
+# fp8-ahead (one GPU, ~5 min): block FP8's activations two K blocks ahead and weight scales one in the wgmma GEMV's
+# loop (fp8_wgmma_gemv.AHEAD, up to 8 rows): the 8B decode b1@32K off / on beside bf16 (issue 18: 0.721x, target
+# 0.7x), then the kernel's GPU tests with it (every row count it takes; AHEAD acts up to 8).
 # int4-gated (one GPU, ~4 min): silu(gate) * up inside the int4 mma GEMV at one row (quant_gemv.INT4_MMA_GATED): its
 # GPU test (the silu-first route's sums, a CUDA graph), then the 8B int4 decode b1@32K off / on beside bf16: on if b1
 # gains (the SiLU launch was 0.081 ms of the 3.71 ms step).
@@ -676,4 +679,17 @@ if [[ $MODE == int4-ahead ]]; then  # one GPU (~6 min): the int4 ring's x and sc
     python3 scripts/probes/int4_ncu.py --source-summary "$OUT/int4_source_${v// /_}.csv" | head -24 \
       | tee "$OUT/int4_source_${v// /_}.txt"
   done
+fi
+
+if [[ $MODE == fp8-ahead ]]; then  # one GPU (~5 min): block FP8's activations and weight scales asked for ahead
+  ahead=longserve.kernels.fp8_wgmma_gemv.AHEAD
+  cases=(--config llama-3.1-8b "${dummy[@]}" --repeat 3 --decode-batch-sizes 1@32768)
+  LATENCY_TIMEOUT=100 latency_with fp8_ahead_bf16 "bf16" -- "${cases[@]}"
+  for on in False True; do
+    LATENCY_TIMEOUT=100 latency_with "fp8_ahead_$on" "FP8 blocks AHEAD=$on" $ahead=$on -- "${cases[@]}" \
+      --hf-overrides "$fp8"
+  done
+  timeout 120 python3 scripts/probes/with_constants.py $ahead=True -- pytest -q -m gpu \
+    tests/gpu/test_fp8_wgmma_gemv_gpu.py -p no:cacheprovider --tb=short -rfE 2>&1 | tee "$OUT/gpu_tests_fp8_ahead.log" \
+    | grep -E "fp8 wgmma|passed|failed" || status=1
 fi
