@@ -102,6 +102,7 @@
 # fp8-ahead (one GPU, ~5 min): block FP8's activations two K blocks ahead and weight scales one in the wgmma GEMV's
 # loop (fp8_wgmma_gemv.AHEAD, up to 8 rows): the 8B decode b1@32K off / on beside bf16 (issue 18: 0.721x, target
 # 0.7x), then the kernel's GPU tests with it (every row count it takes; AHEAD acts up to 8).
+# ahead-decodes (one GPU, ~5 min): int4-ahead's and fp8-ahead's decodes alone (no tests, no ncu), for a short call.
 # int4-gated (one GPU, ~4 min): silu(gate) * up inside the int4 mma GEMV at one row (quant_gemv.INT4_MMA_GATED): its
 # GPU test (the silu-first route's sums, a CUDA graph), then the 8B int4 decode b1@32K off / on beside bf16: on if b1
 # gains (the SiLU launch was 0.081 ms of the 3.71 ms step).
@@ -692,4 +693,15 @@ if [[ $MODE == fp8-ahead ]]; then  # one GPU (~5 min): block FP8's activations a
   timeout 120 python3 scripts/probes/with_constants.py $ahead=True -- pytest -q -m gpu \
     tests/gpu/test_fp8_wgmma_gemv_gpu.py -p no:cacheprovider --tb=short -rfE 2>&1 | tee "$OUT/gpu_tests_fp8_ahead.log" \
     | grep -E "fp8 wgmma|passed|failed" || status=1
+fi
+
+if [[ $MODE == ahead-decodes ]]; then  # one GPU (~5 min): int4-ahead's and fp8-ahead's decodes alone, one bf16 beside
+  cases=(--config llama-3.1-8b "${dummy[@]}" --repeat 3 --decode-batch-sizes 1@32768)
+  LATENCY_TIMEOUT=100 latency_with ahead_bf16 "bf16" -- "${cases[@]}"
+  for on in False True; do
+    LATENCY_TIMEOUT=100 latency_with "int4_ahead_$on" "int4 AHEAD=$on" longserve.kernels.int4_mma_gemv.AHEAD=$on \
+      -- "${cases[@]}" --quantization gptq
+    LATENCY_TIMEOUT=100 latency_with "fp8_ahead_$on" "FP8 blocks AHEAD=$on" longserve.kernels.fp8_wgmma_gemv.AHEAD=$on \
+      -- "${cases[@]}" --hf-overrides "$fp8"
+  done
 fi
