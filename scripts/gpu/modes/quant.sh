@@ -697,11 +697,18 @@ fi
 
 if [[ $MODE == ahead-decodes ]]; then  # one GPU (~5 min): int4-ahead's and fp8-ahead's decodes alone, one bf16 beside
   cases=(--config llama-3.1-8b "${dummy[@]}" --repeat 3 --decode-batch-sizes 1@32768)
+  # packed after each run (a call cut short by the device's time keeps what ran): int4 first, then FP8
+  pack() { (cd "$OUT/.." && tar czf "$(basename "$OUT").tgz" "$(basename "$OUT")"); }
   LATENCY_TIMEOUT=100 latency_with ahead_bf16 "bf16" -- "${cases[@]}"
+  pack
   for on in False True; do
     LATENCY_TIMEOUT=100 latency_with "int4_ahead_$on" "int4 AHEAD=$on" longserve.kernels.int4_mma_gemv.AHEAD=$on \
       -- "${cases[@]}" --quantization gptq
+    pack
+  done
+  for on in False True; do
     LATENCY_TIMEOUT=100 latency_with "fp8_ahead_$on" "FP8 blocks AHEAD=$on" longserve.kernels.fp8_wgmma_gemv.AHEAD=$on \
       -- "${cases[@]}" --hf-overrides "$fp8"
+    pack
   done
 fi
