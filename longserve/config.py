@@ -1,6 +1,7 @@
 """EngineConfig: every engine setting in one frozen dataclass. The CLI, LONGSERVE_* env vars and YAML
-files resolve onto these same fields (longserve/server/args.py); validation lives here so every entry point
+files resolve onto these same fields (longserve/server/args.py); validation runs here so every entry point
 shares it, and a refusal names the fields it is about (ConfigError.settings) so a CLI can say its flags.
+The parallel layout's checks (tp_size, ep_size, nnodes, node_rank, dist_init_addr) live in config_parallel.py.
 The HTTP side of `longserve serve` is server/config.py's ServerConfig."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import logging
 import os
 from dataclasses import dataclass
 
+from longserve.config_parallel import check_parallel_layout
 from longserve.platform import normalize_attention_backend, resolve_attention_backend
 
 logger = logging.getLogger("longserve.config")
@@ -258,40 +260,7 @@ class EngineConfig:
             f"context_length must be >= 1; got {self.context_length}",
             "context_length",
         )
-        need(
-            isinstance(self.tp_size, int) and self.tp_size >= 1,
-            f"tp_size must be an integer >= 1; got {self.tp_size!r}",
-            "tp_size",
-        )
-        self._normalize_expert_parallel(need)
-        need(
-            isinstance(self.nnodes, int) and self.nnodes >= 1,
-            f"nnodes must be an integer >= 1; got {self.nnodes!r}",
-            "nnodes",
-        )
-        need(
-            isinstance(self.node_rank, int) and 0 <= self.node_rank < self.nnodes,
-            f"node_rank must be in [0, nnodes={self.nnodes}); got {self.node_rank!r}",
-            "node_rank",
-            "nnodes",
-        )
-        need(
-            self.tp_size % self.nnodes == 0,
-            f"tp_size={self.tp_size} must be a multiple of nnodes={self.nnodes} (the same number of ranks per node)",
-            "tp_size",
-            "nnodes",
-        )
-        need(
-            self.nnodes == 1 or bool(self.dist_init_addr),
-            f"nnodes={self.nnodes} needs dist_init_addr (HOST:PORT of node 0, reachable from every node)",
-            "nnodes",
-            "dist_init_addr",
-        )
-        need(
-            self.dist_init_addr is None or self.dist_init_addr.rpartition(":")[2].isdigit(),
-            f"dist_init_addr must be HOST:PORT; got {self.dist_init_addr!r}",
-            "dist_init_addr",
-        )
+        check_parallel_layout(self, need)  # tp, ep, nodes (config_parallel.py)
         need(
             self.structured_outputs_max_whitespace is None
             or (
@@ -331,30 +300,6 @@ class EngineConfig:
                 "directory holding config.json",
                 "load_format",
             )
-
-    def _normalize_expert_parallel(self, need) -> None:
-        """enable_expert_parallel means ep_size = tp_size (stored so); ep_size must divide tp_size."""
-        need(
-            isinstance(self.ep_size, int) and self.ep_size >= 1,
-            f"ep_size must be an integer >= 1; got {self.ep_size!r}",
-            "ep_size",
-        )
-        if self.enable_expert_parallel:
-            need(
-                self.ep_size in (1, self.tp_size),
-                f"enable_expert_parallel places the experts over all tp_size={self.tp_size} ranks; "
-                f"ep_size={self.ep_size} disagrees (give one of the two)",
-                "enable_expert_parallel",
-                "ep_size",
-            )
-            object.__setattr__(self, "ep_size", self.tp_size)
-        need(
-            self.tp_size % self.ep_size == 0,
-            f"ep_size={self.ep_size} must divide tp_size={self.tp_size} (the expert-parallel ranks are the "
-            "tensor-parallel ones)",
-            "ep_size",
-            "tp_size",
-        )
 
     def _check_compat_settings(self, need) -> None:
         """dp_size 1 only; swap_space a size or None; chat_template a readable file or a template."""
