@@ -2,7 +2,8 @@
 
 Every accepted request ends with a finished RequestOutput: a result, an abort or an error. Callers read its
 state through `stats()` (an EngineStats snapshot) and act through `abort_all`, `flush_cache` and
-`check_integrity`, never through the scheduler or the KV cache.
+`check_integrity`, never through the scheduler or the KV cache. A checked prompt's requests (its group's
+members, their text assemblers) are built by engine_requests.py.
 """
 
 from __future__ import annotations
@@ -26,20 +27,20 @@ from longserve.engine_checks import (
     resolve_overlap,
 )
 from longserve.engine_outputs import Group, engine_stats, request_output
+from longserve.engine_requests import assemble_text, new_group
 from longserve.engine_tokens import TokenHandler
 from longserve.models import load_hf_config
 from longserve.outputs import EngineStats, RequestOutput, SchedulerOutput, StepStats
 from longserve.pooling_params import PoolingParams
-from longserve.request import FinishReason, Request
+from longserve.request import FinishReason
 from longserve.runner import prompt_logprobs
 from longserve.runner.model_runner import ModelRunner
 from longserve.runner.pooling import bind_tokenizer, check_pooling
 from longserve.runner.sampled import SampledStep
 from longserve.sampling_params import SamplingParams, with_every_logprob
 from longserve.sched.scheduler import Scheduler, SchedulerConfig
-from longserve.siblings import candidate_params
-from longserve.structured.grammar import GrammarCompiler, GrammarMatcher
-from longserve.tokenization.detokenizer import DeferredText, IncrementalDetokenizer, TextAssembler
+from longserve.structured.grammar import GrammarCompiler
+from longserve.tokenization.detokenizer import IncrementalDetokenizer
 from longserve.tokenization.prefix_token_cache import PromptTokenizer
 from longserve.tokenization.tokenizer import load_generation_eos_ids, load_tokenizer
 
@@ -177,40 +178,15 @@ class Engine:
         check_limits(token_ids, params, vocab, self.context_length, pooling is not None, self.max_logprobs)
         if grammar is None and params.structured_outputs is not None:
             grammar = self.grammar_compiler.compile(params.structured_outputs)  # ValueError: a bad spec
-        all_params = candidate_params(params)  # n siblings, or best_of candidates
-        group_id = (
-            request_id if len(all_params) > 1 else (pooling.prefix_group if pooling is not None else None)
-        )
-        members = []
-        for i, member_params in enumerate(all_params):
-            members.append(
-                Request(
-                    request_id=request_id if len(all_params) == 1 else f"{request_id}#{i}",
-                    prompt_token_ids=token_ids,
-                    prompt_array=token_array,  # read only, shared by siblings
-                    sampling_params=member_params,
-                    eos_token_ids=self.eos_token_ids,
-                    group_id=group_id,
-                    arrival_time=arrival_time,
-                    pooling_params=pooling,
-                    grammar=GrammarMatcher(grammar) if grammar is not None else None,  # one per sibling
-                )
-            )
-        if params.prompt_logprobs is not None:
-            prompt_logprobs.start_entries(members[0])  # ValueError: logprob_start_len outside the prompt
-        group = Group(request_id, text, members, params)
+        group = new_group(request_id, text, token_ids, token_array, params, pooling, grammar, self.eos_token_ids,
+                          arrival_time)  # fmt: skip
         self.groups[request_id] = group
         # best_of candidates end at their stop strings here even when the caller assembles the text: they
         # report nothing until chosen, and a candidate's rank must not count tokens past its stop
         detokenizer = self.detokenizer or (self._candidate_detokenizer if group.ranked else None)
-        for req in members:
+        for req in group.members:
             if detokenizer is not None:
-                p = req.sampling_params
-                text = TextAssembler(
-                    detokenizer, req.prompt_token_ids, p.stop, p.skip_special_tokens, keep_stop=p.no_stop_trim
-                )
-                # without stop strings nothing here depends on the text: decode it when it is read
-                req.text = text if p.stop else DeferredText(text, req.output_token_ids)
+                assemble_text(req, detokenizer)
             self._group_of[req.request_id] = group
             self.scheduler.add_request(req)
         return request_id
