@@ -3,6 +3,7 @@
 Under tensor parallelism (config.tp_size > 1) there is one ModelRunner per rank, each with its shard of
 the weights and of the KV heads. Rank 0's (built by the engine) first spawns the workers (runner/tp_workers.py);
 its `forward` broadcasts the step's plain inputs, every rank runs `forward_step`, rank 0 samples (`sample`).
+The context length it serves, once its KV pool is sized, is resolved in runner/context_length.py.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from longserve.models.quant.config import apply_quantization
 from longserve.outputs import SchedulerOutput
 from longserve.platform import available_memory_bytes, host_to_device, resolve_device
 from longserve.runner import prompt_logprobs
+from longserve.runner.context_length import resolve_context_length
 from longserve.runner.cuda_graph import build_graphs
 from longserve.runner.inputs import StepInputs, build_step, split_step, to_model_inputs
 from longserve.runner.pooling import pooled_output
@@ -38,34 +40,6 @@ from longserve.runner.sampled import SampledStep, StepLogits
 from longserve.runner.warm_up import WarmUp, freeze_heap, unfreeze_heap, warm_up
 
 logger = logging.getLogger("longserve.runner")
-
-
-def resolve_context_length(config: EngineConfig, hf_config, pool_tokens: int) -> int:
-    """The longest prompt + output served: config.context_length, else the model's maximum, never more
-    than the KV pool holds. An explicit context_length the pool cannot hold is an error."""
-    model_max = getattr(hf_config, "max_position_embeddings", None) or 2048
-    if config.context_length is not None:
-        if config.context_length > pool_tokens:
-            raise ValueError(
-                f"context_length={config.context_length:,} cannot fit: the KV pool holds only {pool_tokens:,} "
-                "tokens; lower context_length, or raise max_total_tokens / mem_fraction_static"
-            )
-        if config.context_length > model_max:
-            logger.warning(
-                "context_length=%s exceeds the model's max_position_embeddings=%s; quality may suffer",
-                f"{config.context_length:,}",
-                f"{model_max:,}",
-            )
-        return config.context_length
-    if model_max > pool_tokens:
-        logger.warning(
-            "the model allows %s tokens but the KV pool holds %s: the context length is capped at %s",
-            f"{model_max:,}",
-            f"{pool_tokens:,}",
-            f"{pool_tokens:,}",
-        )
-        return pool_tokens
-    return model_max
 
 
 class ModelRunner:
