@@ -3,12 +3,12 @@
 Routing per step (host lists only, so no device sync): every request has one query -> decode kernel;
 otherwise, with cold_path "sdpa", per request: cold prompts and long chunks over a cached prefix at a shape
 built at start-up -> the library (cuDNN) calls of attention/sdpa.py, short chunks over a long prefix on
-consecutive pages -> the packed cuDNN call plus the extend kernel for their last keys (`_packed`; only with
-sdpa_shapes.PACKED_PREFIX_CALLS, off by default: eager between the graphs its time scattered), the rest -> the
-decode kernel when they are all decodes, else the extend kernel over them as one ragged sub-batch; with
-cold_path "triton", the extend kernel over the whole batch. Triton is imported on construction. For CUDA
-graphs, each captured shape gets its own instance whose key-split counts are fixed (sized for the longest
-context), so the grid of every replay is the one captured.
+consecutive pages -> the packed cuDNN call plus the extend kernel for their last keys (`_packed`, run by
+attention/packed_chunk.py; only with sdpa_shapes.PACKED_PREFIX_CALLS, off by default: eager between the graphs
+its time scattered), the rest -> the decode kernel when they are all decodes, else the extend kernel over them
+as one ragged sub-batch; with cold_path "triton", the extend kernel over the whole batch. Triton is imported
+on construction. For CUDA graphs, each captured shape gets its own instance whose key-split counts are fixed
+(sized for the longest context), so the grid of every replay is the one captured.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import torch
 
 from longserve.attention import gluon_calls, sdpa_shapes
 from longserve.attention.base import AttentionBackend, AttentionMetadata, GraphShape, KVCache, build_metadata
-from longserve.attention.sdpa import packed_prefix_sdpa, prefix_split_sdpa, warm_up_packed, warm_up_plans
+from longserve.attention.packed_chunk import packed_chunk
+from longserve.attention.sdpa import prefix_split_sdpa, warm_up_packed, warm_up_plans
 from longserve.attention.sdpa_shapes import PLANS, ModelShape, packed_splits, split_shape
 
 COLD_PATHS = ("sdpa", "triton")
@@ -246,57 +247,9 @@ class TritonAttentionBackend(AttentionBackend):
         scale: float,
         out: torch.Tensor,
     ) -> None:
-        """Request r's short chunk over its long prefix (a 16-bit cache, consecutive pages: `_packs`) into its
-        rows of `out`: the prefix's first prefix_keys keys in the packed cuDNN call (sdpa.packed_prefix_sdpa),
-        the rest (its tail and the new tokens, causal) in the extend kernel's unmerged partials, one merge. No
-        padded causal rows, no second library call: on an H200 the layer's host time bounds the step here
-        (RESULTS.md fifteenth session)."""
-        if q.is_cuda:
-            from longserve.kernels.merge_attention import merge_packed
-        else:
-            from longserve.kernels.attention_reference import merge_packed_ref as merge_packed
-        start, query_len = sum(meta.query_lens_cpu[:r]), meta.query_lens_cpu[r]
-        shape = split_shape(meta.prefix_lens_cpu[r], query_len)
-        page_size = meta.page_size
-        num_pages = shape.prefix_keys // page_size
-        first = meta.contiguous_pages(r, num_pages)
-        k_pre = k_cache[first : first + num_pages].flatten(0, 1)  # [prefix_keys, Hkv, D], views
-        v_pre = v_cache[first : first + num_pages].flatten(0, 1)
-        num_kv_heads = k_cache.shape[2]
-        causal, config = meta.per_step(
-            ("packed causal", r, *q.shape[1:], q.dtype), lambda: self._causal(q, num_kv_heads, meta, r)
-        )
-        q_r, out_r = q[start : start + query_len], out[start : start + query_len]
-        part, lse = self._extend(
-            q_r, k_cache, v_cache, causal.query_start_loc, causal.prefix_lens, causal.seq_lens, causal.page_table,
-            page_size, query_len, scale, config=config, num_splits=1, partials=True,
-        )  # fmt: skip
-        rows = meta.per_step(  # the packed rows' buffer (its padding rows never read back): one for all layers
-            ("packed rows", q.shape[1:], q.dtype, q.device),
-            lambda: q.new_zeros(num_kv_heads, sdpa_shapes.PACKED_ROWS, q.shape[2]),
-        )
-        o_pre, lse_pre = packed_prefix_sdpa(q_r, k_pre, v_pre, splits, scale, rows)
-        o_c, lse_c = part[:, :, 0].transpose(0, 1), lse[:, :, 0].transpose(0, 1)  # [Hq, L, D], [Hq, L] log2
-        merge_packed(o_pre, lse_pre, o_c, lse_c, out_r, 0, causal_log2=True)
-
-    def _causal(
-        self, q: torch.Tensor, num_kv_heads: int, meta: AttentionMetadata, r: int
-    ) -> tuple[AttentionMetadata, dict[str, int]]:
-        """Request r's keys after its packed prefix part (the tail and the new tokens) as a one-request batch of
-        their own, and the extend kernel's tiles for it: made once a step (every layer asks)."""
-        shape = split_shape(meta.prefix_lens_cpu[r], meta.query_lens_cpu[r])
-        pages = [meta.page_rows_cpu[r][shape.prefix_keys // meta.page_size :]]
-        causal = build_metadata([shape.tail], [meta.query_lens_cpu[r]], pages, meta.page_size, q.device)
-        config, _ = self.extend_launch(
-            causal.query_lens_cpu,
-            causal.seq_lens_cpu,
-            q.shape[1],
-            num_kv_heads,
-            q.shape[2],
-            q.dtype,
-            q.device,
-        )
-        return causal, config
+        """Request r's short chunk over its long prefix into its rows of `out`, packed (attention/packed_chunk.py)
+        with this backend's extend kernel and tiles."""
+        packed_chunk(q, k_cache, v_cache, meta, r, splits, scale, out, self._extend, self.extend_launch)
 
     def library_requests(
         self, q: torch.Tensor, num_kv_heads: int, meta: AttentionMetadata, kv_fp8: bool = False
