@@ -5,7 +5,8 @@ share a kv head share its K/V loads; keys are gathered through the page table an
 the causal (and sliding-window) mask are visited. Needs the new tokens' K/V already stored in the cache.
 When the row blocks are too few to fill the chip (a short suffix over a long prefix), the key range is
 split over several programs whose fp32 partials a second kernel merges (split-K, as in decode).
-Reference: `extend_attention_ref` (kernels/attention_reference.py).
+Reference: `extend_attention_ref` (kernels/attention_reference.py). The online-softmax pass over one range of
+keys that the kernel runs up to three times is kernels/extend_blocks.py's `extend_blocks`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import triton
 import triton.language as tl
 
 from longserve.kernels.attention_reference import extend_attention_ref
+from longserve.kernels.extend_blocks import extend_blocks
 from longserve.kernels.launch import fast_launch, pdl_prologue, use_pdl
 
 __all__ = [
@@ -37,68 +39,6 @@ MAX_EXTEND_SPLITS = 32
 # new over 32K 0.534 -> ~0.49 ms (5 -> 9 splits)
 WAVES_PER_EXTEND = 8
 MAX_PARTIAL_ROWS = 1 << 19  # bounds the fp32 partials: T * Hq * splits rows of D floats
-
-
-@triton.jit
-def _extend_blocks(
-    acc,
-    l_i,
-    m_i,
-    q,  # [BLOCK_M, BLOCK_D]
-    q_pos,  # [BLOCK_M] absolute position of each row's token
-    k_head_ptr,
-    v_head_ptr,
-    pt_row_ptr,  # this request's page_table row
-    stride_slot,
-    kv_lo,
-    kv_hi,
-    kv_end,  # keys >= kv_end are never read
-    qk_scale,
-    window,
-    offs_d,
-    PAGE_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    MASKED: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """Online-softmax update over keys [kv_lo, kv_hi); MASKED applies causal/window/length masks."""
-    for start in range(kv_lo, kv_hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-        if MASKED:
-            n_valid = offs_n < kv_end
-            page = tl.load(pt_row_ptr + offs_n // PAGE_SIZE, mask=n_valid, other=0)  # [BLOCK_N]
-        else:
-            page = tl.load(pt_row_ptr + offs_n // PAGE_SIZE)  # [BLOCK_N]
-        slot = page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE  # [BLOCK_N]
-        kv_offs = slot[:, None] * stride_slot + offs_d[None, :]  # [BLOCK_N, BLOCK_D]
-        if MASKED:
-            kv_mask = n_valid[:, None] & (offs_d[None, :] < HEAD_DIM)
-            k = tl.load(k_head_ptr + kv_offs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-            v = tl.load(v_head_ptr + kv_offs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        elif BLOCK_D != HEAD_DIM:
-            k = tl.load(k_head_ptr + kv_offs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
-            v = tl.load(v_head_ptr + kv_offs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
-        else:
-            k = tl.load(k_head_ptr + kv_offs)  # [BLOCK_N, BLOCK_D]
-            v = tl.load(v_head_ptr + kv_offs)  # [BLOCK_N, BLOCK_D]
-        k = k.to(q.dtype)  # an fp8 cache: e4m3 widened in registers (its scale is folded into qk_scale)
-        v = v.to(q.dtype)  # (V's scale multiplies the output)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N] log2 units
-        if MASKED:
-            allowed = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]  # [BLOCK_M, BLOCK_N]
-            if HAS_WINDOW:
-                allowed = allowed & (offs_n[None, :] > q_pos[:, None] - window)
-            qk = tl.where(allowed, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))  # [BLOCK_M]
-        p = tl.exp2(qk - m_new[:, None])  # [BLOCK_M, BLOCK_N]
-        alpha = tl.exp2(m_i - m_new)  # [BLOCK_M]
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
-    return acc, l_i, m_i
 
 
 # the split count is a runtime argument, not specialized on: a constexpr compiled one kernel per count at
@@ -208,17 +148,17 @@ def _extend_kernel(
     pt_row_ptr = page_table_ptr + req.to(tl.int64) * stride_pt
 
     if HAS_WINDOW:
-        acc, l_i, m_i = _extend_blocks(
+        acc, l_i, m_i = extend_blocks(
             acc, l_i, m_i, q, q_pos, k_head_ptr, v_head_ptr, pt_row_ptr, stride_slot, lo, full_lo,
             seq_len, qk_scale, window, offs_d,
             PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, True, HAS_WINDOW, DOT_PRECISION,
         )  # fmt: skip
-    acc, l_i, m_i = _extend_blocks(
+    acc, l_i, m_i = extend_blocks(
         acc, l_i, m_i, q, q_pos, k_head_ptr, v_head_ptr, pt_row_ptr, stride_slot, full_lo, full_hi,
         seq_len, qk_scale, window, offs_d,
         PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, False, HAS_WINDOW, DOT_PRECISION,
     )  # fmt: skip
-    acc, l_i, m_i = _extend_blocks(
+    acc, l_i, m_i = extend_blocks(
         acc, l_i, m_i, q, q_pos, k_head_ptr, v_head_ptr, pt_row_ptr, stride_slot, full_hi, hi,
         seq_len, qk_scale, window, offs_d,
         PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, True, HAS_WINDOW, DOT_PRECISION,
