@@ -1,9 +1,9 @@
 """The quantized formats' configs, read from config.json's `quantization_config` (or forced by `--quantization`,
 vLLM's spelling), checked before the model is built: an unknown method, or a method with an option longserve
 does not implement, is refused with a message naming what is supported. Each format then decides per module,
-by its checkpoint (HF) name, how that module's weights are stored: a *scheme* (plain data, below), or None for
-a module the checkpoint keeps unquantized (GPTQ's `dynamic` "-:" rules, compressed-tensors' `ignore`, AWQ's
-`modules_to_not_convert`, FP8's `ignored_layers`). models/quant/bind.py turns schemes into methods.
+by its checkpoint (HF) name, how that module's weights are stored: a *scheme* (plain data, in schemes.py), or
+None for a module the checkpoint keeps unquantized (GPTQ's `dynamic` "-:" rules, compressed-tensors' `ignore`,
+AWQ's `modules_to_not_convert`, FP8's `ignored_layers`). models/quant/bind.py turns schemes into methods.
 
     gptq                bits 4/8, group_size (-1: per channel), desc_act (g_idx), sym, dynamic, checkpoint_format
     awq                 GEMM packing, 4 bits, zero points, group 128 (any group dividing K)
@@ -20,10 +20,12 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from longserve.config import QUANTIZATION_ALIASES, QUANTIZATIONS
+
+# the schemes live in schemes.py; bind.py, fp8.py, int8.py and wna16.py import them from here
+from longserve.models.quant.schemes import Fp8Scheme, Int8Scheme, IntScheme, Scheme
 
 logger = logging.getLogger("longserve.models.quant")
 
@@ -34,44 +36,6 @@ FORMAT_DEFAULTS: dict[str, dict[str, Any]] = {
     "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True},
     "awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
 }
-
-
-@dataclass(frozen=True)
-class IntScheme:
-    """Integer weights, float activations (W4A16 / W8A16); `checkpoint` names the tensors' layout."""
-
-    bits: int
-    group_size: int  # -1: one group per output channel
-    sym: bool
-    act_order: bool  # g_idx may permute the groups (GPTQ desc_act, compressed-tensors actorder "group")
-    checkpoint: str  # "gptq" (v1 zeros, stored minus one), "gptq_v2", "awq", "ct"
-    # whether the checkpoint stores g_idx: GPTQ writers always do; compressed-tensors wrote weight_g_idx for
-    # actorder "group" until 0.20 stopped (bind.py looks at the checkpoint's tensor names)
-    g_idx_tensor: bool = True
-
-
-@dataclass(frozen=True)
-class Fp8Scheme:
-    """e4m3 weights and activations. weight: "block" (scales per block of `block` [n, k]), "channel" or
-    "tensor"; activation: "dynamic" (per token, or per token-group of block[1]) or "static" (per tensor);
-    checkpoint: "fp8" (weight_scale_inv for blocks, weight_scale per tensor), "ct", "online" (a float
-    checkpoint quantized per channel while loading)."""
-
-    weight: str
-    activation: str
-    checkpoint: str
-    block: tuple[int, int] | None = None
-
-
-@dataclass(frozen=True)
-class Int8Scheme:
-    """int8 weights (symmetric, per channel or tensor) and int8 activations (per token, or static)."""
-
-    weight: str
-    activation: str
-
-
-Scheme = IntScheme | Fp8Scheme | Int8Scheme
 
 
 def _get(qc: Any, key: str, default: Any = None) -> Any:
