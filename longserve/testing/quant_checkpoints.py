@@ -9,7 +9,8 @@ Written by the format's own library where it installs on a CPU machine:
                          config as the official Qwen3 FP8 checkpoints have it
 and otherwise by `write_gptq` here (GPTQModel needs CUDA packages): AutoGPTQ's layout, packing as AutoGPTQ's
 QuantLinear.pack does (round-to-nearest with min/max or abs-max scales: the format, not GPTQ's error
-feedback); tests/model/test_quantized_models.py checks it against AutoGPTQ's unpacking code, quoted there.
+feedback; the grid and the packing live in gptq_packing.py); tests/model/test_quantized_models.py checks it
+against AutoGPTQ's unpacking code, quoted there.
 
 Every model starts as a tiny random transformers model (`tiny_float_model`: make_tiny_checkpoint's tokenizer
 and config with dims where 32/64/128-element groups fit); MoE experts are written one tensor per expert, as
@@ -27,10 +28,12 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 
 from longserve.testing.checkpoints import SPECIAL_TOKENS, make_tiny_checkpoint
+
+# write_gptq's grid and packing; tests/model/test_quantized_models.py reads them here (qc.gptq_pack)
+from longserve.testing.gptq_packing import gptq_pack, gptq_quantize
 
 # dims of the quantized tiny models: every K a multiple of 128 (groups of 32/64/128), q/k/v shards and the
 # MoE intermediate multiples of 32 (fp8 blocks, packing) also under tensor parallelism 2
@@ -135,48 +138,6 @@ def _save_model_config(model: Any, path: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- GPTQ
-
-
-def gptq_quantize(w: torch.Tensor, bits: int, group: int, sym: bool, g_idx: torch.Tensor) -> dict[str, Any]:
-    """Round-to-nearest of w [N, K] in GPTQ's grid (GPTQ's Quantizer: sym scale = 2 max|w| / maxq with zero
-    (maxq + 1) / 2; asym scale = (max - min) / maxq, zero = round(-min / scale)); scales in fp16, as AutoGPTQ
-    stores them, and the integers computed with those. Returns q [N, K], scales [G, N] fp16, zeros [G, N]."""
-    maxq = 2**bits - 1
-    n, k = w.shape
-    groups = int(g_idx.max()) + 1
-    scales = torch.empty(groups, n)
-    zeros = torch.empty(groups, n, dtype=torch.int64)
-    for g in range(groups):
-        wg = w[:, g_idx == g]
-        if sym:
-            amax = wg.abs().amax(dim=1).clamp(min=1e-8)
-            scale, zero = 2 * amax / maxq, torch.full((n,), (maxq + 1) // 2)
-        else:
-            lo, hi = wg.amin(dim=1).clamp(max=0), wg.amax(dim=1).clamp(min=0)
-            scale = ((hi - lo) / maxq).clamp(min=1e-8)
-            zero = torch.round(-lo / scale.half().float()).long().clamp(1, maxq)  # 0 overflows v1's zero - 1
-        scales[g], zeros[g] = scale, zero
-    scales = scales.half()
-    s, z = scales.float()[g_idx.long()].T, zeros[g_idx.long()].T  # [N, K]
-    q = torch.clamp(torch.round(w / s + z), 0, maxq).long()
-    return {"q": q, "scales": scales, "zeros": zeros}
-
-
-def gptq_pack(
-    q: torch.Tensor, zeros: torch.Tensor, bits: int, v1: bool = True
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """AutoGPTQ's QuantLinear.pack: qweight [K / pack, N] (row i holds K rows i*pack .. i*pack + pack - 1,
-    low bits first) and qzeros [G, N / pack] of zero - 1 (v1), both int32."""
-    pack = 32 // bits
-    qt = q.T.numpy().astype(np.uint32)  # [K, N]
-    qweight = np.zeros((qt.shape[0] // pack, qt.shape[1]), dtype=np.uint32)
-    for j in range(pack):
-        qweight |= qt[j::pack] << np.uint32(bits * j)
-    z = ((zeros - (1 if v1 else 0)) & (2**bits - 1)).numpy().astype(np.uint32)  # [G, N]
-    qzeros = np.zeros((z.shape[0], z.shape[1] // pack), dtype=np.uint32)
-    for j in range(pack):
-        qzeros |= z[:, j::pack] << np.uint32(bits * j)
-    return torch.from_numpy(qweight.astype(np.int32)), torch.from_numpy(qzeros.astype(np.int32))
 
 
 def write_float(
