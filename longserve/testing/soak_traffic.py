@@ -1,5 +1,6 @@
 """The soak's traffic (scripts/dev/soak.py): one coroutine per request kind against a real server, each checking
-its answer (the status, the shape, the error object) and returning a label, or raising Unexpected."""
+its answer (the status, the shape, the error object) and returning a label, or raising Unexpected. The malformed
+requests that bad_input sends are listed in soak_bad_requests.py."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from typing import Any
 import aiohttp
 
 from longserve.testing.server_process import ServerProcess
+from longserve.testing.soak_bad_requests import bad_requests, too_long_prompt
 
 
 async def wait_healthy(
@@ -365,63 +367,10 @@ class Traffic:
         return "timeout-event"
 
     def bad_cases(self) -> list[tuple[str, str, bytes, tuple[int, ...]]]:
-        """(name, path, raw body, expected statuses): input a client got wrong."""
-
-        def j(obj: Any) -> bytes:
-            return json.dumps(obj).encode()
-
-        msgs = [{"role": "user", "content": "hi"}]
-        if self._too_long is None:  # a prompt of exactly the context length: no room for one new token
-            self._too_long = j({"input_ids": [self.rng.randrange(2, self.vocab) for _ in range(self.ctx)]})
-        return [
-            ("malformed json", "/v1/completions", b'{"prompt": "hi", ', (400,)),
-            ("invalid utf-8", "/v1/completions", b'{"prompt": "\xff\xfe"}', (400,)),
-            ("lone surrogate", "/generate", b'{"text": "\\ud800"}', (400,)),
-            ("body not an object", "/v1/chat/completions", b"[1, 2]", (400,)),
-            ("empty body", "/generate", b"", (400,)),
-            ("missing prompt", "/v1/completions", j({"max_tokens": 3}), (400,)),
-            ("empty messages", "/v1/chat/completions", j({"messages": []}), (400,)),
-            ("max_tokens as string", "/v1/completions", j({"prompt": "hi", "max_tokens": "10"}), (400,)),
-            (
-                "negative temperature",
-                "/v1/chat/completions",
-                j({"messages": msgs, "temperature": -1}),
-                (400,),
-            ),
-            ("top_p over 1", "/v1/completions", j({"prompt": "hi", "top_p": 1.5}), (400,)),
-            ("n = 0", "/v1/chat/completions", j({"messages": msgs, "n": 0}), (400,)),
-            (
-                "unknown sampling key",
-                "/generate",
-                j({"text": "a", "sampling_params": {"max_tokenz": 3}}),
-                (400,),
-            ),
-            ("prompt ids over the context", "/generate", self._too_long, (400,)),
-            (
-                "prompt + max_tokens over",
-                "/v1/completions",
-                j({"prompt": [5, 6], "max_tokens": self.ctx}),
-                (400,),
-            ),
-            ("token id out of range", "/generate", j({"input_ids": [3, self.vocab + 7]}), (400,)),
-            ("negative token id", "/v1/completions", j({"prompt": [-1, 4]}), (400,)),
-            ("unknown model", "/v1/chat/completions", j({"model": "gpt-17", "messages": msgs}), (404,)),
-            (
-                "top_logprobs without logprobs",
-                "/v1/chat/completions",
-                j({"messages": msgs, "top_logprobs": 2}),
-                (400,),
-            ),
-            (
-                "top_logprobs_num 50",
-                "/generate",
-                j({"text": "a", "return_logprob": True, "top_logprobs_num": 50}),
-                (400,),
-            ),
-            ("both text and ids", "/generate", j({"text": "a", "input_ids": [3]}), (400,)),
-            ("empty prompt list", "/v1/completions", j({"prompt": []}), (400,)),
-            ("no such route", "/v1/nothing", j({}), (404,)),
-        ]
+        """(name, path, raw body, expected statuses): input a client got wrong (soak_bad_requests.py)."""
+        if self._too_long is None:  # made once: a prompt of the context length's ids
+            self._too_long = too_long_prompt(self.rng, self.ctx, self.vocab)
+        return bad_requests(self.ctx, self.vocab, self._too_long)
 
     async def bad_input(self) -> str:
         name, path, raw, expected = self.rng.choice(self.bad_cases())
