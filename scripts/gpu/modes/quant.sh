@@ -95,10 +95,11 @@
 # int4-slots (one GPU, ~5 min): the int4 ring's slots of 2 steps (int4_mma_gemv.STAGE_STEPS 2: 128 bytes of each row
 # a box, against 64): the kernel's GPU tests with it (and STAGES 2 at every row count), the 8B projections alone at
 # one row at 1 and 2, the 8B int4 decode b1@32K at 1 and 2 beside bf16. After tma-stream, which says whether it can.
-# int4-ahead (one GPU, ~6 min): the int4 ring's x and group scales asked for a step ahead (int4_mma_gemv.AHEAD): the
-# kernel's GPU tests with it (the ring at every row count, the routed experts), the 8B projections alone at one row off
-# and on, the 8B int4 decode b1@32K off / on beside bf16, and ncu's PC sampling of the gate_up by the ring off and on
-# (which instructions its warps wait at: the counters said long scoreboard, twenty-ninth session).
+# int4-ahead (one GPU, ~8 min): the int4 ring's x and group scales asked for a step ahead (int4_mma_gemv.AHEAD): the
+# 8B int4 decode b1@32K off / on beside bf16 and on at rings of 3 and 4 stages, the kernel's GPU tests with it (the
+# ring at every row count, the routed experts), the 8B projections alone at one row off and on, and ncu's PC sampling
+# of the gate_up by the ring off and on (which instructions its warps wait at: the counters said long scoreboard,
+# twenty-ninth session).
 # fp8-ahead (one GPU, ~5 min): block FP8's activations two K blocks ahead and weight scales one in the wgmma GEMV's
 # loop (fp8_wgmma_gemv.AHEAD, up to 8 rows): the 8B decode b1@32K off / on beside bf16 (issue 18: 0.721x, target
 # 0.7x), then the kernel's GPU tests with it (every row count it takes; AHEAD acts up to 8).
@@ -649,7 +650,7 @@ if [[ $MODE == int4-gated ]]; then  # one GPU (~4 min): silu(gate) * up inside t
   done
 fi
 
-if [[ $MODE == int4-ahead ]]; then  # one GPU (~6 min): the int4 ring's x and scales asked for a step ahead
+if [[ $MODE == int4-ahead ]]; then  # one GPU (~8 min): the int4 ring's x and scales asked for a step ahead
   mma=longserve.kernels.int4_mma_gemv
   # the decode first (a call cut short keeps it)
   cases=(--config llama-3.1-8b "${dummy[@]}" --repeat 3 --decode-batch-sizes 1@32768)
@@ -657,6 +658,11 @@ if [[ $MODE == int4-ahead ]]; then  # one GPU (~6 min): the int4 ring's x and sc
   for on in False True; do
     LATENCY_TIMEOUT=100 latency_with "int4_ahead_$on" "int4 AHEAD=$on" $mma.AHEAD=$on -- "${cases[@]}" \
       --quantization gptq
+  done
+  # deeper rings with it: 3 and 4 stages lost before (twenty-eighth session), when each step also waited on x
+  for stages in 3 4; do
+    LATENCY_TIMEOUT=100 latency_with "int4_ahead_s$stages" "int4 AHEAD (2, $stages)" $mma.AHEAD=True \
+      "$mma.ONE_ROW=(2, $stages)" -- "${cases[@]}" --quantization gptq
   done
   timeout 120 python3 scripts/probes/with_constants.py $mma.AHEAD=True $mma.STAGES=2 -- pytest -q -m gpu \
     tests/gpu/test_int4_mma_gemv_gpu.py -k "not times" -p no:cacheprovider --tb=short -rfE 2>&1 \
