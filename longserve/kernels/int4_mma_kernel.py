@@ -116,7 +116,8 @@ def int4_mma_gemv_kernel(
             gated_steps(xbuf, x_ptr, up_off, s_begin, s_end, 0, W, S)
             barrier()
             XL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0])
-        # AHEAD: the first step's x and scales, then each step's asked for before the step before is summed
+        # AHEAD: the first step's x (and routed, scales) here; each turn asks for the next step's before it waits
+        # for its own slot, and sums with what the turn before asked for
         gl.static_assert(
             not AHEAD or (S == 1 and not GATED and TOKEN_TILES == 1), "AHEAD: one step a slot, x"
         )
