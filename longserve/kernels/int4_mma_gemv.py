@@ -97,12 +97,14 @@ ONE_ROW: tuple[int, int] | None = (2, 2)
 # the FP8 GEMV's ring, 128 bytes a row a box, streams at 3.6 TB/s where ours holds ~2.4). 1 until measured
 # (`gpu_check.sh tma-stream`: the rate by box shape; `int4-tma`).
 STAGE_STEPS = 1
-# The ring's loop asks for each step's activations and group scales a step ahead (one step a slot, one token tile,
-# not GATED), in registers carried over the loop turn, instead of after the step's slot has landed. Why: on an H100
+# The ring's loop asks for each step's activations (GATED: gate and up, a slot before it stages them) and group scales
+# a step ahead (one step a slot, one token tile), in registers carried over the loop turn, instead of after the
+# step's slot has landed. Why: on an H100
 # (twenty-ninth session, 96b79d3, `gpu_check.sh int4-ncu`, caches flushed) the one-row GEMVs by the ring stall mostly
 # on long scoreboard (8.9-12.2 of 15.8-21.6 cycles an issued instruction; DRAM 24-64% busy): in the sm90 SASS
 # (Triton 3.6) each turn waits for the slot, then loads x (LDG.128) and the scales (LDG.U16) and waits for them
-# before its last FMAs and the refill's CTA barrier: two global round trips a step, in series with the ring's.
+# before its last FMAs and the refill's CTA barrier (GATED: and loads the next slot's gate and up and waits for them
+# before the barrier): two global round trips a step, in series with the ring's.
 # False until measured (`gpu_check.sh int4-ahead`).
 AHEAD = False
 # Steps whose words the kernel asks L2 for ahead of the one it loads (STAGES 0; gluon_gemv.prefetch_l2), the first
@@ -199,14 +201,14 @@ def resident_programs(sms: int, m: int, routed: bool = False, gated: bool = Fals
     ring = stages * block_n(m, routed) * STAGE_STEPS * K_STEP // 2  # bytes of shared memory a program
     ring += 2 * STAGE_STEPS * 8 * WARPS * 64 * 4 if gated else 0
     by_registers = _RESIDENT_PAIRS if stages and STAGE_STEPS == 2 else _RESIDENT
-    if ahead(m, routed, gated):
+    if ahead(m, routed):
         by_registers = _RESIDENT_AHEAD
     return min(by_registers.get((reps, token_tiles(m)), 2), 227 * 1024 // ring if ring else 8) * sms
 
 
-def ahead(m: int, routed: bool = False, gated: bool = False) -> bool:
-    """Whether a launch at m rows asks for each step's x and scales a step ahead (AHEAD)."""
-    return AHEAD and bool(tiling(m, routed)[1]) and STAGE_STEPS == 1 and token_tiles(m) == 1 and not gated
+def ahead(m: int, routed: bool = False) -> bool:
+    """Whether a launch at m rows asks for each step's x (gated: gate and up) and scales a step ahead (AHEAD)."""
+    return AHEAD and bool(tiling(m, routed)[1]) and STAGE_STEPS == 1 and token_tiles(m) == 1
 
 
 def splits(n_tiles: int, num_steps: int, sms: int, m: int, routed: bool = False, gated: bool = False) -> int:
@@ -258,5 +260,5 @@ def launch(x, qweight, scales, zeros, bias, group_size: int, steps_per_split: in
         PARTIAL=num_splits > 1, SERIAL=serial, EVEN_N=n % columns == 0, GROUP_SHIFT=group_shift, REPS=reps,
         STAGES=stages, USE_PDL=pdl, ROUTED=routed, X_ROW_DIV=x_row_div, TOKEN_TILES=token_tiles(m),
         PREFETCH=PREFETCH if stages == 0 else 0, UNROLL=UNROLL if stages == 0 and token_tiles(m) == 1 else 1,
-        GATED=gated, AHEAD=ahead(m, routed, gated), num_warps=WARPS, launch_pdl=pdl,
+        GATED=gated, AHEAD=ahead(m, routed), num_warps=WARPS, launch_pdl=pdl,
     )  # fmt: skip

@@ -11,8 +11,10 @@ from longserve.kernels.gluon_compat import barrier, reinterpret
 from longserve.kernels.gluon_gemv import axis, gdc_wait, prefetch_l2, store_sums
 from longserve.kernels.int4_mma_ptx import lane_layout
 from longserve.kernels.int4_mma_steps import (
+    gated_loads,
     gated_start,
     gated_steps,
+    gated_store,
     group_scales,
     prefetch_pieces,
     ring_load,
@@ -116,21 +118,30 @@ def int4_mma_gemv_kernel(
             gated_steps(xbuf, x_ptr, up_off, s_begin, s_end, 0, W, S)
             barrier()
             XL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0])
-        # AHEAD: the first step's x (and routed, scales) here; each turn asks for the next step's before it waits
-        # for its own slot, and sums with what the turn before asked for
-        gl.static_assert(
-            not AHEAD or (S == 1 and not GATED and TOKEN_TILES == 1), "AHEAD: one step a slot, x"
-        )
+        # AHEAD: the first step's x (GATED: the second step's gate and up; routed: the scales) here; each turn asks
+        # for the next step's (GATED: the step after's) before it waits for its own slot, and sums with what the
+        # turn before asked for
+        gl.static_assert(not AHEAD or (S == 1 and TOKEN_TILES == 1), "AHEAD: one step a slot, one token tile")
         if AHEAD:
-            xt_next = gl.load(xs + s_begin * 64)
+            if GATED:
+                g_next, u_next = gated_loads(x_ptr, up_off, gl.minimum(s_begin + 1, s_end - 1), W)
+            else:
+                xt_next = gl.load(xs + s_begin * 64)
             if ROUTED:  # the expert's, known after the wait
                 s_next, z_next = group_scales(s_ptr, col_s, stride_sn, z_ptr, stride_zn, N, s_begin, GROUP_SHIFT,
                                               EVEN_N, HAS_ZP)  # fmt: skip
         for j in range(0, gl.cdiv(s_end - s_begin, S)):
             if AHEAD:  # this step's from the turn before; the next one's (clamped at the end) in flight past the wait
-                xt, s2, z2 = xt_next, s_next, z_next
+                s2, z2 = s_next, z_next
                 ahead = gl.minimum(s_begin + j + 1, s_end - 1)
-                xt_next = gl.load(xs + ahead * 64)
+                if (
+                    GATED
+                ):  # the next slot's gate and up, stored after this step's sums; the step after's asked for
+                    g_cur, u_cur = g_next, u_next
+                    g_next, u_next = gated_loads(x_ptr, up_off, gl.minimum(s_begin + j + 2, s_end - 1), W)
+                else:
+                    xt = xt_next
+                    xt_next = gl.load(xs + ahead * 64)
                 s_next, z_next = group_scales(s_ptr, col_s, stride_sn, z_ptr, stride_zn, N, ahead, GROUP_SHIFT,
                                               EVEN_N, HAS_ZP)  # fmt: skip
             ring_wait(ready, j, STAGES)
@@ -142,20 +153,21 @@ def int4_mma_gemv_kernel(
                 if S > 1:
                     keep = (step < s_end).to(gl.float32)
                     step = gl.minimum(step, s_end - 1)
+                if GATED:
+                    xt = reinterpret(xbuf.index((j % 2) * S + sub), gl.int32, [1, 8 * W, 4, 16], XL).load(LX)
+                elif not AHEAD:
+                    xt = gl.load(xs + step * 64)
                 if not AHEAD:
-                    if GATED:
-                        xt = reinterpret(xbuf.index((j % 2) * S + sub), gl.int32, [1, 8 * W, 4, 16], XL).load(
-                            LX
-                        )
-                    else:
-                        xt = gl.load(xs + step * 64)
                     s2, z2 = group_scales(s_ptr, col_s, stride_sn, z_ptr, stride_zn, N, step, GROUP_SHIFT, EVEN_N,
                                           HAS_ZP)  # fmt: skip
                 acc, acc2 = step_sums(acc, acc2, wa, wb, xt, xs2, step, zero, zero_x, s2, z2, L, REPS, W, HAS_ZP,
                                       TOKEN_TILES, keep)  # fmt: skip
             # GATED: the next slot's activations (its buffer last read a slot ago, before the last barrier)
             if GATED:
-                gated_steps(xbuf, x_ptr, up_off, s_begin + (j + 1) * S, s_end, (j + 1) % 2, W, S)
+                if AHEAD:
+                    gated_store(xbuf, g_cur, u_cur, (j + 1) % 2, W)
+                else:
+                    gated_steps(xbuf, x_ptr, up_off, s_begin + (j + 1) * S, s_end, (j + 1) % 2, W, S)
             barrier()  # every warp past the slot's words: it is refilled STAGES slots ahead
             if (j + STAGES) * S < s_end - s_begin:
                 ring_load(w_desc, ring, ready, row0_w, s_begin + (j + STAGES) * S, j % STAGES)

@@ -21,8 +21,10 @@ from longserve.kernels.int4_mma_ptx import (
 
 __all__ = [
     "b_pairs",
+    "gated_loads",
     "gated_start",
     "gated_steps",
+    "gated_store",
     "group_scales",
     "prefetch_pieces",
     "ring_load",
@@ -110,29 +112,38 @@ def gated_start(W: gl.constexpr, S: gl.constexpr):
 
 
 @gluon.jit
-def gated_steps(xbuf, x_ptr, up_off, first, s_end, slot, W: gl.constexpr, S: gl.constexpr):
-    """silu(gate) * up of the one row's steps first .. first + S - 1 (gate|up words at x_ptr, up from word up_off;
-    steps past s_end clamped: their sums are weighted 0) into the slot's rows 8w, rounded as activation.silu_and_mul
-    rounds them. Each warp makes its own copy, which its lanes alone read."""
+def gated_loads(x_ptr, up_off, step, W: gl.constexpr):
+    """The one row's gate and up words of a step (gate|up at x_ptr, up from word up_off), as stored: [W, 64] words,
+    a warp a copy (gated_store makes each warp's own)."""
     PL: gl.constexpr = gl.BlockedLayout([1, 2], [1, 32], [W, 1], [1, 0])  # [W, 64] words: a warp a copy
     copy = gl.expand_dims(gl.arange(0, W, layout=gl.SliceLayout(1, PL)), 1)  # [W, 1]
     words = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, PL)), 0) + 0 * copy  # [W, 64]
+    return gl.load(x_ptr + step * 64 + words), gl.load(x_ptr + up_off + step * 64 + words)
+
+
+@gluon.jit
+def gated_store(xbuf, g, u, index, W: gl.constexpr):
+    """silu(gate) * up of a step's words (gated_loads') into xbuf's buffer `index`, rows 8w (each warp its copy, which
+    its lanes alone read), rounded as activation.silu_and_mul rounds them."""
     RL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    lo = silu_times(
+        (g << 16).to(gl.float32, bitcast=True), (u << 16).to(gl.float32, bitcast=True), gl.bfloat16
+    )
+    hi = silu_times(
+        (g & -65536).to(gl.float32, bitcast=True), (u & -65536).to(gl.float32, bitcast=True), gl.bfloat16
+    )
+    packed = gl.inline_asm_elementwise(_PACK_BF16X2, "=r,f,f", [hi, lo], dtype=gl.int32, is_pure=True, pack=1)
+    rows = reinterpret(xbuf.index(index), gl.int32, [W, 8 * 64], RL)  # warp w's rows 8w ..
+    rows.slice(0, 64, dim=1).store(packed)
+
+
+@gluon.jit
+def gated_steps(xbuf, x_ptr, up_off, first, s_end, slot, W: gl.constexpr, S: gl.constexpr):
+    """silu(gate) * up of the one row's steps first .. first + S - 1 (steps past s_end clamped: their sums are
+    weighted 0) into the slot's buffers (gated_loads, then gated_store)."""
     for sub in gl.static_range(S):
-        step = gl.minimum(first + sub, s_end - 1)
-        g = gl.load(x_ptr + step * 64 + words)
-        u = gl.load(x_ptr + up_off + step * 64 + words)
-        lo = silu_times(
-            (g << 16).to(gl.float32, bitcast=True), (u << 16).to(gl.float32, bitcast=True), gl.bfloat16
-        )
-        hi = silu_times(
-            (g & -65536).to(gl.float32, bitcast=True), (u & -65536).to(gl.float32, bitcast=True), gl.bfloat16
-        )
-        packed = gl.inline_asm_elementwise(
-            _PACK_BF16X2, "=r,f,f", [hi, lo], dtype=gl.int32, is_pure=True, pack=1
-        )
-        rows = reinterpret(xbuf.index(slot * S + sub), gl.int32, [W, 8 * 64], RL)  # warp w's rows 8w ..
-        rows.slice(0, 64, dim=1).store(packed)
+        g, u = gated_loads(x_ptr, up_off, gl.minimum(first + sub, s_end - 1), W)
+        gated_store(xbuf, g, u, slot * S + sub, W)
 
 
 @gluon.jit

@@ -173,9 +173,9 @@ def test_one_row_takes_its_own_tiling(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_ahead_takes_one_token_tile_by_the_ring(monkeypatch: pytest.MonkeyPatch) -> None:
-    """AHEAD (the kernel captured, not run): a launch by the ring at one token tile asks for each step's x and
-    scales a step ahead, and plans its split for the fewer programs its registers leave an SM (96 at REPS 2: 5, not
-    6); without the ring, at two token tiles, gated or at 2 steps a slot it does not."""
+    """AHEAD (the kernel captured, not run): a launch by the ring at one token tile asks for each step's x (gated:
+    gate and up) and scales a step ahead, and plans its split for the fewer programs its registers leave an SM (96 at
+    REPS 2: 5, not 6); without the ring, at two token tiles or at 2 steps a slot it does not."""
     launches = CapturedLaunches()
     monkeypatch.setattr(mma, "int4_mma_gemv_kernel", launches)
     monkeypatch.setattr(mma, "AHEAD", True)
@@ -190,7 +190,7 @@ def test_ahead_takes_one_token_tile_by_the_ring(monkeypatch: pytest.MonkeyPatch)
     mma.launch(torch.zeros(1, 2 * k, dtype=torch.bfloat16), w, s, None, None, 128, 8, 1, out[:1], out, out, 0,
                False, False, gated=True)  # fmt: skip
     (_, _, one), (_, _, two), (_, _, gated) = launches.calls
-    assert one["AHEAD"] and not two["AHEAD"] and not gated["AHEAD"]
+    assert one["AHEAD"] and not two["AHEAD"] and gated["AHEAD"] and gated["GATED"]
     assert mma.resident_programs(132, 1) == 132 * 5 and mma.resident_programs(132, 2) == 132 * 3
     monkeypatch.setattr(mma, "STAGES", 2)  # the ring past one row: one token tile to 8 rows, two past
     assert mma.ahead(8) and not mma.ahead(9) and mma.resident_programs(132, 8) == 132 * 3

@@ -104,9 +104,9 @@
 # loop (fp8_wgmma_gemv.AHEAD, up to 8 rows): the 8B decode b1@32K off / on beside bf16 (issue 18: 0.721x, target
 # 0.7x), then the kernel's GPU tests with it (every row count it takes; AHEAD acts up to 8).
 # ahead-decodes (one GPU, ~5 min): int4-ahead's and fp8-ahead's decodes alone (no tests, no ncu), for a short call.
-# int4-gated (one GPU, ~4 min): silu(gate) * up inside the int4 mma GEMV at one row (quant_gemv.INT4_MMA_GATED): its
-# GPU test (the silu-first route's sums, a CUDA graph), then the 8B int4 decode b1@32K off / on beside bf16: on if b1
-# gains (the SiLU launch was 0.081 ms of the 3.71 ms step).
+# int4-gated (one GPU, ~6 min): silu(gate) * up inside the int4 mma GEMV at one row (quant_gemv.INT4_MMA_GATED): its
+# GPU test (the silu-first route's sums, a CUDA graph), then the 8B int4 decode b1@32K off / on beside bf16, and off /
+# on with int4_mma_gemv.AHEAD: on if b1 gains (the SiLU launch was 0.081 ms of the 3.71 ms step).
 # fp8-acc-quality (one GPU, ~4 min): what the fp8 dots' accumulation costs a user in quality: `bench accuracy`
 # (scripts/gpu/bench_quant_accuracy.py) of the dense FP8 formats (fp8-block, ct-fp8-dynamic; hidden 1024) and of
 # FP8 experts (qwen3_moe, 32 x 32 blocks) against their bf16 original at FP8_DOT_MAX_IMPRECISE_ACC 0 (the default),
@@ -646,6 +646,12 @@ if [[ $MODE == int4-gated ]]; then  # one GPU (~4 min): silu(gate) * up inside t
   LATENCY_TIMEOUT=100 latency_with int4_gated_bf16 "bf16" -- "${cases[@]}"
   for on in False True; do
     LATENCY_TIMEOUT=100 latency_with "int4_gated_$on" "int4 INT4_MMA_GATED=$on" \
+      longserve.kernels.quant_gemv.INT4_MMA_GATED=$on -- "${cases[@]}" --quantization gptq
+  done
+  # off and on again with each step's x (gated: gate and up) and scales asked for a step ahead (int4_mma_gemv.AHEAD)
+  for on in False True; do
+    LATENCY_TIMEOUT=100 latency_with "int4_gated_ahead_$on" "int4 AHEAD, INT4_MMA_GATED=$on" \
+      longserve.kernels.int4_mma_gemv.AHEAD=True \
       longserve.kernels.quant_gemv.INT4_MMA_GATED=$on -- "${cases[@]}" --quantization gptq
   done
 fi
