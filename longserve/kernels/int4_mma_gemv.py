@@ -12,8 +12,8 @@ PTX per 16 x 16 block.
 
 The kernel: int4_mma_kernel.py (its steps' pieces: int4_mma_steps.py); this module holds the switches it is launched
 with, the plan (tiles, splits) and the launch. The mapping of weights, activations and sums onto mma's fragments, and
-the PTX: int4_mma_ptx.py. 17 to 64 rows run
-as blocks of 16, one program each (row_blocks), a column tile's blocks adjacent in the grid.
+the PTX: int4_mma_ptx.py. 17 to 64 rows run as blocks of 16, one program each (row_blocks), a column tile's blocks
+adjacent in the grid.
 
 Rounding: products of exact bf16 values (128 + q, x) accumulated in fp32 by the tensor cores, the 128 * sum(x)
 terms cancelled in fp32 (as int4_gemv.py's kernel: ~5 bits of fp32's 24), then scaled; not bit-equal to the
@@ -75,11 +75,12 @@ WARPS = 4
 REPS = 4
 # 0: each step's words and activations loaded into registers at its start (a warp then waits out the load's
 # latency; the other warps of the SM hide it). Past 0: a ring of STAGES steps' words in shared memory, each slot a
-# program's [BLOCK_N, 64 B] asked for by two TMA loads on one mbarrier, STAGES - 1 steps ahead of the one read and
-# (not routed) the first ones before the PDL wait: bytes in flight that hold no register and take no instruction a
-# lane, as fp8_wgmma_gemv's ring (its gate_up at one row 32.9 us against a 28 us floor; ours 32.7-36.5 against 14:
-# RESULTS.md twenty-fifth / twenty-sixth sessions). Lanes read their 16-byte pieces back (A's rows g of a warp's
-# tiles from one half of the slot, rows g + 8 from the other: 8 lanes two adjacent 64-byte rows, no bank conflict).
+# program's [BLOCK_N, 64 B] asked for by one TMA load on its mbarrier (two, one a half, until the twenty-ninth
+# session), STAGES - 1 steps ahead of the one read and (not routed) the first ones before the PDL wait: bytes in
+# flight that hold no register and take no instruction a lane, as fp8_wgmma_gemv's ring (its gate_up at one row
+# 32.9 us against a 28 us floor; ours 32.7-36.5 against 14: RESULTS.md twenty-fifth / twenty-sixth sessions). Lanes
+# read their 16-byte pieces back (A's rows g of a warp's tiles from one half of the slot, rows g + 8 from the other:
+# 8 lanes two adjacent 64-byte rows, no bank conflict).
 # sm90 builds (Triton 3.6): 87 registers at REPS 4 against 142 at 0, the loop ~400 instructions against 371 (the
 # slot's addresses, the mbarrier wait, a CTA barrier before each refill). It replaced a ring of per-lane cp.async
 # copies (twenty-fifth session: gate_up at one row 99.1 us against 36.6 at 0). On an H200 (twenty-eighth session,
@@ -99,13 +100,12 @@ ONE_ROW: tuple[int, int] | None = (2, 2)
 STAGE_STEPS = 1
 # The ring's loop asks for each step's activations (GATED: gate and up, a slot before it stages them) and group scales
 # a step ahead (one step a slot, one token tile), in registers carried over the loop turn, instead of after the
-# step's slot has landed. Why: on an H100
-# (twenty-ninth session, 96b79d3, `gpu_check.sh int4-ncu`, caches flushed) the one-row GEMVs by the ring stall mostly
-# on long scoreboard (8.9-12.2 of 15.8-21.6 cycles an issued instruction; DRAM 24-64% busy): in the sm90 SASS
-# (Triton 3.6) each turn waits for the slot, then loads x (LDG.128) and the scales (LDG.U16) and waits for them
-# before its last FMAs and the refill's CTA barrier (GATED: and loads the next slot's gate and up and waits for them
-# before the barrier): two global round trips a step, in series with the ring's.
-# False until measured (`gpu_check.sh int4-ahead`).
+# step's slot has landed. Why: on an H100 (twenty-ninth session, 96b79d3, `gpu_check.sh int4-ncu`, caches flushed)
+# the one-row GEMVs by the ring stall mostly on long scoreboard (8.9-12.2 of 15.8-21.6 cycles an issued instruction;
+# DRAM 24-64% busy): in the sm90 SASS (Triton 3.6) each turn waits for the slot, then loads x (LDG.128) and the
+# scales (LDG.U16) and waits for them before its last FMAs and the refill's CTA barrier (GATED: and loads the next
+# slot's gate and up and waits for them before the barrier): two global round trips a step, in series with the
+# ring's. False until measured (`gpu_check.sh int4-ahead`).
 AHEAD = False
 # Steps whose words the kernel asks L2 for ahead of the one it loads (STAGES 0; gluon_gemv.prefetch_l2), the first
 # ones before its PDL wait (not routed); 0: none. Why: bytes in flight hold the kernel (above), and a prefetch
