@@ -13,6 +13,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from longserve.kernels.gluon_compat import barrier
+from longserve.kernels.quant_tiles import sum_loads
 
 __all__ = ["one_wave_splits", "silu_times", "weight_descriptor"]
 
@@ -82,8 +83,8 @@ def store_sums(out_ptr, acc, out_off, out_mask, b_ptr, b_off, b_mask, pid_n, pid
                HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr, SERIAL: gl.constexpr):  # fmt: skip
     """A split-K program's fp32 sums `acc` stored (quant_tiles.store_gemv_out's contract): with one split (+ bias)
     rounded once to out's dtype at out_off; with several, its partials in plane pid_k of [splits, M, N], and
-    (SERIAL) the column tile's last program sums the planes in split order (+ bias) into res, then zeroes its
-    counter (lock_ptr[pid_n], zero between launches)."""
+    (SERIAL) the column tile's last program sums the planes in split order (+ bias) into res, loading
+    quant_tiles.sum_loads planes at once, then zeroes its counter (lock_ptr[pid_n], zero between launches)."""
     if PARTIAL:
         gl.store(out_ptr + pid_k * stride_os + out_off, acc, mask=out_mask)
         if SERIAL:
@@ -91,9 +92,13 @@ def store_sums(out_ptr, acc, out_off, out_mask, b_ptr, b_off, b_mask, pid_n, pid
             num_splits = gl.num_programs(1)
             if gl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
                 total = gl.zeros_like(acc)
-                for split in range(0, num_splits):
-                    total += gl.load(out_ptr + split * stride_os + out_off, mask=out_mask, other=0.0,
-                                     cache_modifier=".cg")  # fmt: skip
+                # LOADS planes' loads in flight at once, added in split order (-0.0: the exact identity)
+                LOADS: gl.constexpr = sum_loads(acc.numel)
+                for first in range(0, num_splits, LOADS):
+                    for u in gl.static_range(LOADS):
+                        total += gl.load(out_ptr + (first + u) * stride_os + out_off,
+                                         mask=out_mask & (first + u < num_splits), other=-0.0,
+                                         cache_modifier=".cg")  # fmt: skip
                 if HAS_BIAS:
                     total += gl.load(b_ptr + b_off, mask=b_mask, other=0.0).to(gl.float32)
                 gl.store(res_ptr + out_off, total.to(res_ptr.dtype.element_ty), mask=out_mask)

@@ -30,6 +30,17 @@ def quant_outputs(
     return q, torch.empty(rows, groups, dtype=torch.float32, device=device)
 
 
+@triton.constexpr_function
+def sum_loads(numel: int) -> int:
+    """Partial planes a serial split-K sum (store_gemv_out, gluon_gemv.store_sums) loads at once, for a program of
+    `numel` sums. Why: one at a time, the last program of a column tile waited out an L2 round trip a split before the
+    GEMV could end (the 8B qkv at one row: 16 splits; sm90 SASS, Triton 3.6: each turn of the loop issued one plane's
+    loads and waited for them). 4 up to 1,024 sums (8 a thread of 4 warps: the int4 ring's and the FP8 wgmma GEMV's
+    at one row, their registers unchanged), else 1: each loaded sum holds its own 64-bit address (the FP8 GEMV at 16
+    rows, 2,048 sums, took 112 registers at 2 loads and 166 at 4 against 80: 4 and 3 programs an SM, not 6)."""
+    return 4 if numel <= 1024 else 1
+
+
 @triton.jit
 def rounded(x, ty: tl.constexpr, INTERPRET_BF16: tl.constexpr):
     """fp32 x rounded to dtype ty (to nearest even), returned in fp32."""
@@ -70,9 +81,14 @@ def store_gemv_out(
             num_splits = tl.num_programs(1)
             if tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
                 total = tl.zeros_like(acc)
-                for s in range(0, num_splits):  # in order: what splitk_reduce adds
-                    total += tl.load(out_ptr + s * stride_os + out_off, mask=out_mask, other=0.0,
-                                     cache_modifier=".cg")  # fmt: skip
+                # in order: what splitk_reduce adds; LOADS planes' loads in flight at once (-0.0: the identity)
+                LOADS: tl.constexpr = sum_loads(acc.numel)
+                for first in range(0, num_splits, LOADS):
+                    for u in tl.static_range(LOADS):
+                        # the split's bound as a tensor of out_off's shape (the interpreter takes no scalar here)
+                        live = (out_off * 0 + first + u) < num_splits
+                        total += tl.load(out_ptr + (first + u) * stride_os + out_off, mask=out_mask & live,
+                                         other=-0.0, cache_modifier=".cg")  # fmt: skip
                 if HAS_BIAS:
                     total += tl.load(b_ptr + b_off, mask=b_mask, other=0.0).to(tl.float32)
                 res_ty = res_ptr.dtype.element_ty

@@ -212,19 +212,23 @@ def test_split_k_is_deterministic_and_has_no_empty_split() -> None:
 
 
 @pytest.mark.parametrize("kernel", ["general", "int4_fast", "fp8_block", "fp8_channel"])
-def test_serial_split_k_reduction_is_bit_equal_and_leaves_the_counters_zero(kernel, monkeypatch) -> None:
+@pytest.mark.parametrize("splits", [4, 10])
+def test_serial_split_k_reduction_is_bit_equal_and_leaves_the_counters_zero(
+    kernel, splits, monkeypatch
+) -> None:
     """SPLIT_K_SERIAL_REDUCE: each column tile's last split sums the partials (+ bias) in split order inside the
     GEMV; the output equals the GEMV + splitk_reduce path bit for bit, no reduction kernel runs, and every counter
     is back at zero for the next launch (ragged N: the last tile half full). fp32 activations and outputs: a sum
-    in another order shows."""
+    in another order shows. 10 splits: the sum's loads 4 planes at a time (quant_tiles.sum_loads), two whole turns
+    and a turn of 2."""
     from longserve.kernels import fp8_gemv
     from longserve.kernels.quant_fp8 import per_token_group_quant
 
     m = 1 if kernel == "int4_fast" else 3
-    n, k = 80, 512
+    n, k = 80, 128 * splits
     x = torch.randn(m, k, generator=gen(21))
     bias = torch.randn(n, generator=gen(22))
-    cfg = {"SPLIT_K": 4, "BLOCK_N": 32}
+    cfg = {"SPLIT_K": splits, "BLOCK_N": 32}
     if kernel in ("general", "int4_fast"):
         w = int_weights(n, k, 4, 128, kernel == "general", False, seed=23)
         cfg["BLOCK_N"] = 64 if kernel == "int4_fast" else 32  # the one-row kernel's smallest tile
