@@ -132,10 +132,10 @@ def block_t(m: int) -> int:
     return max(8, triton.next_power_of_2(m))
 
 
-# Registers of the sm90 builds by BLOCK_T, the most over the variants (Triton 3.6 and 3.9: 38-56 at 8 rows, 80 at 16,
-# 126-157 at 32; scripts/dev/compile_quant_gemv.py), and with GATED (64 since the serial sum's 4 loads at once, 86,
-# 134-154)
-_REGISTERS = {8: 56, 16: 80, 32: 160}
+# Registers of the sm90 builds by BLOCK_T, the most over the variants (Triton 3.6 and 3.9: 38-64 at 8 rows, 80 at 16,
+# 126-157 at 32; scripts/dev/compile_quant_gemv.py; 64 at 8 with the serial sum's 4 loads at once or AHEAD), and with
+# GATED (64, 86, 134-154). At 8 rows shared memory bounds the programs an SM at 6 either way.
+_REGISTERS = {8: 64, 16: 80, 32: 160}
 _REGISTERS_GATED = {8: 64, 16: 86, 32: 160}
 
 

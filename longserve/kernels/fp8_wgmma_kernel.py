@@ -109,9 +109,8 @@ def fp8_wgmma_gemv_kernel(
     pid_n, pid_k = gl.program_id(0), gl.program_id(1)
     n0 = pid_n * BLOCK_N
     w_row0 = n0  # the program's first weight row in the descriptor's rows
-    if (
-        ROUTED
-    ):  # MoE decode: axis 2 over (token, k) pairs, one row each, the pair's expert's weights [E x N, K]
+    # MoE decode: axis 2 over (token, k) pairs, one row each, the pair's expert's weights [E x N, K]
+    if ROUTED:
         gdc_wait(USE_PDL)  # the expert id is the router's output: no weight read before it
         pair = gl.program_id(2).to(gl.int64)
         expert = gl.load(ids_ptr + pair)
@@ -134,9 +133,8 @@ def fp8_wgmma_gemv_kernel(
             mbarrier.expect(ready.index(i), w_desc.block_type.nbytes)
             tma_load(w_desc, [w_row0, (kb0 + i) * BLOCK_K], ready.index(i), w_bufs.index(i))
     gl.static_assert(not (AHEAD and PER_CHANNEL), "AHEAD: block FP8")
-    scales_row = (
-        s_ptr + pid_n * stride_sn + kb0
-    )  # block FP8: the row block's weight scales of the split's blocks
+    # block FP8: the row block's weight scales of the split's blocks
+    scales_row = s_ptr + pid_n * stride_sn + kb0
     if AHEAD and not ROUTED:  # the first block's weight scale, read by no kernel before
         ws_next = gl.load(scales_row)
     if not ROUTED:
@@ -154,7 +152,8 @@ def fp8_wgmma_gemv_kernel(
     acc = gl.zeros([BLOCK_N, BLOCK_T], gl.float32, acc_layout)
     for j in range(0, n_blocks):
         s = j % STAGES
-        if AHEAD:  # block j + 1's activations and block j's weight scale from the turn before; the next ones asked for
+        # AHEAD: block j + 1's activations and block j's weight scale from the turn before; the next ones asked for
+        if AHEAD:
             x_cur, up_cur, w_scale = x_next, up_next, ws_next
             x_next, up_next = _tile_load(x_ptr, M, kb0 + gl.minimum(j + 2, n_blocks - 1), stride_xm, up_off,
                                          BLOCK_T, BLOCK_K, x_layout, GATED)  # fmt: skip

@@ -134,9 +134,8 @@ def int4_mma_gemv_kernel(
             if AHEAD:  # this step's from the turn before; the next one's (clamped at the end) in flight past the wait
                 s2, z2 = s_next, z_next
                 ahead = gl.minimum(s_begin + j + 1, s_end - 1)
-                if (
-                    GATED
-                ):  # the next slot's gate and up, stored after this step's sums; the step after's asked for
+                # GATED: the next slot's gate and up, stored after this step's sums; the step after's asked for
+                if GATED:
                     g_cur, u_cur = g_next, u_next
                     g_next, u_next = gated_loads(x_ptr, up_off, gl.minimum(s_begin + j + 2, s_end - 1), W)
                 else:

@@ -86,9 +86,8 @@ def ring_words(ring, slot, sub: gl.constexpr, L: gl.constexpr, REPS: gl.constexp
     that + HALF), words 16 sub + 4t + u, in L."""
     S: gl.constexpr = ring.shape[2] // 16  # steps a slot
     SL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0])  # row-major, as TMA wrote it
-    tiles = reinterpret(
-        ring.index(slot), gl.int32, [2 * REPS, 8 * W, 4 * S, 4], SL
-    )  # the halves one after another
+    # the halves one after another
+    tiles = reinterpret(ring.index(slot), gl.int32, [2 * REPS, 8 * W, 4 * S, 4], SL)
     wa = tiles.slice(0, REPS, dim=0).slice(4 * sub, 4, dim=2)
     wb = tiles.slice(REPS, REPS, dim=0).slice(4 * sub, 4, dim=2)
     return wa.load(L), wb.load(L)
