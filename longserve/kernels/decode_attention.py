@@ -32,13 +32,11 @@ PROGRAMS_PER_SM = 4  # enough resident programs per SM to keep loads in flight
 # `gpu_check.sh decode-merge`, RESULTS.md fourteenth session), the 8B decode attention alone at 64 splits (b1,
 # 32K) 37.2 us with the launch against 60.6 in the kernel, at 5 splits (b16, 8K) 131.4 / 131.1, at 2 (b64, 4K)
 # 251.5 / 246.2; end to end b1 5.62 -> 6.21 ms, b16 8.73 -> 8.61, b64 12.79 -> 12.67. So: in the kernel up to
-# this many splits (0: never).
+# this many splits (0: never). The merge's partials loaded 4 splits at once instead of one (a quarter of its L2 round
+# trips) did not move that bound: on an H100 (thirtieth session, 2946dd0, `gpu_check.sh decode-merge`) alone at 64
+# splits 70.5 us in the kernel against 75.0 one at a time and 51.1 with the launch; in the 8B decode equal up to 8
+# splits (b1@32K 7.66 ms, b16@8K 12.03, b64@4K 17.93) and at 64 b1 8.08 (FP8 5.33 -> 5.84): dropped.
 DECODE_SERIAL_MERGE_MAX_SPLITS = 8
-# Splits whose partials (lse, then lse and output) the in-kernel merge loads at once. At 1 it walks the splits one L2
-# round trip at a time, twice: why it lost to the merge launch past 8 splits (above: 60.6 against 37.2 us at 64);
-# at 4 (sm90 SASS, Triton 3.6: LOADS registers) a quarter of the trips. 1 until `gpu_check.sh decode-merge` measures
-# 4 with DECODE_SERIAL_MERGE_MAX_SPLITS up to 64.
-DECODE_MERGE_LOADS = 1
 MERGE_LOCKS = 1 << 14  # counters per device: (request, kv head) pairs of one launch; more merge apart
 # An fp8 (e4m3) cache with 16-bit queries: K and V widened to fp16 and both dots in fp16, q scaled by qk_scale
 # once and rounded to fp16 (11 bits, against bf16's 8; p likewise). sm90 converts e4m3 pairs to fp16 in one
@@ -89,7 +87,6 @@ def _decode_split_kernel(
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
     KV_F16: tl.constexpr = False,  # an fp8 cache with 16-bit queries: the dots in fp16 (the launcher's comment)
-    MERGE_LOADS: tl.constexpr = 1,  # SERIAL: splits whose partials the merge loads at once (DECODE_MERGE_LOADS)
 ):
     pdl_prologue(USE_PDL)
     req = tl.program_id(0)
@@ -166,30 +163,23 @@ def _decode_split_kernel(
             lock = lock_ptr + req * tl.num_programs(1) + kv_head
             if tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
                 first = (req.to(tl.int64) * tl.num_programs(1) * GROUP + heads) * num_splits  # [BLOCK_H]
-                # MERGE_LOADS splits' loads at once (DECODE_MERGE_LOADS), each turn's added in split order; splits
-                # past the last (a tensor of the heads' shape: the interpreter takes no scalar mask) weigh 0
                 m_all = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-                for s0 in range(0, num_splits, MERGE_LOADS):
-                    for u in tl.static_range(MERGE_LOADS):
-                        live = (offs_h * 0 + s0 + u) < num_splits  # [BLOCK_H]
-                        lse_s = tl.load(mid_lse_ptr + first + s0 + u, mask=h_valid & live, other=float("-inf"),
-                                        cache_modifier=".cg")  # fmt: skip
-                        m_all = tl.maximum(m_all, lse_s)
-                m_all = tl.where(h_valid, m_all, 0.0)  # padding heads: finite (their rows are not stored)
+                for s in range(0, num_splits):
+                    m_all = tl.maximum(
+                        m_all, tl.load(mid_lse_ptr + first + s, mask=h_valid, other=0.0, cache_modifier=".cg")
+                    )
                 merged = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
                 w_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
                 part = req.to(tl.int64) * stride_ob + heads * stride_oh  # [BLOCK_H]
-                # in split order; empty splits (lse -inf) weigh 0
-                for s0 in range(0, num_splits, MERGE_LOADS):
-                    for u in tl.static_range(MERGE_LOADS):
-                        live = (offs_h * 0 + s0 + u) < num_splits  # [BLOCK_H]
-                        lse_s = tl.load(mid_lse_ptr + first + s0 + u, mask=h_valid & live, other=float("-inf"),
-                                        cache_modifier=".cg")  # fmt: skip
-                        w = tl.exp2(lse_s - m_all)
-                        o_s = tl.load(mid_o_ptr + (part + (s0 + u) * stride_os)[:, None] + offs_d[None, :],
-                                      mask=out_mask & live[:, None], other=0.0, cache_modifier=".cg")  # fmt: skip
-                        merged += o_s * w[:, None]
-                        w_sum += w
+                for s in range(0, num_splits):  # in split order; empty splits (lse -inf) weigh 0
+                    w = tl.exp2(
+                        tl.load(mid_lse_ptr + first + s, mask=h_valid, other=0.0, cache_modifier=".cg")
+                        - m_all
+                    )
+                    o_s = tl.load(mid_o_ptr + (part + s * stride_os)[:, None] + offs_d[None, :], mask=out_mask,
+                                  other=0.0, cache_modifier=".cg")  # fmt: skip
+                    merged += o_s * w[:, None]
+                    w_sum += w
                 merged = merged / tl.where(h_valid, w_sum, 1.0)[:, None]  # [BLOCK_H, BLOCK_D]
                 r_offs = req.to(tl.int64) * stride_rb + heads[:, None] * stride_rh + offs_d[None, :]
                 tl.store(out_ptr + r_offs, merged.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -272,7 +262,6 @@ def decode_attention(
         SERIAL=locks is not None, HAS_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", USE_PDL=pdl,
         KV_F16=KV_FP8_AS_F16 and k_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32,
-        MERGE_LOADS=DECODE_MERGE_LOADS if locks is not None else 1,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=pdl,
     )  # fmt: skip
     if num_splits > 1 and locks is None:

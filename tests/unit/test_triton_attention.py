@@ -215,35 +215,6 @@ def test_decode_serial_merge_equals_the_merge_launch(monkeypatch, sliding_window
     torch.testing.assert_close(decode_attention(*args, sliding_window, 8), two, atol=0, rtol=0)
 
 
-def test_decode_merge_loads_add_in_split_order(monkeypatch) -> None:
-    """decode_attention.DECODE_MERGE_LOADS: the in-kernel merge loading 3 splits' partials at once (8 splits: two
-    turns and a turn of 2, whose third split weighs nothing) adds them in the order it added them one at a time: bit
-    for bit, empty splits included; the counters back at zero."""
-    from longserve.kernels import decode_attention as da
-
-    step = Step([0, 2, 40, 100], [1, 1, 1, 1], 4, (4, 2), 16, seed=7)
-    meta = step.meta
-    step.cache.store(0, meta.slot_mapping, step.k, step.v)
-    args = (
-        step.q,
-        step.cache.k[0],
-        step.cache.v[0],
-        meta.seq_lens,
-        meta.page_table,
-        meta.page_size,
-        step.scale,
-    )
-    monkeypatch.setattr(da, "DECODE_SERIAL_MERGE_MAX_SPLITS", 8)
-    monkeypatch.setattr(da, "merge_splits", lambda *a: pytest.fail("the merge kernel ran"))
-    outs = {}
-    for loads in (1, 3):
-        monkeypatch.setattr(da, "DECODE_MERGE_LOADS", loads)
-        outs[loads] = decode_attention(*args, None, 8)
-        assert int(da._MERGE_LOCKS[torch.device("cpu")].count_nonzero()) == 0
-    assert torch.equal(outs[1], outs[3])
-    torch.testing.assert_close(outs[3], decode_attention_ref(*args, None, 8), atol=ATOL, rtol=ATOL)
-
-
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("sliding_window", [None, 6])
 def test_decode_kernel_matches_its_reference(num_splits: int, sliding_window: int | None) -> None:

@@ -10,11 +10,10 @@
 # 64 / 512 / 1024 hits (issue 19's >= 100x: 95.6x eager) with --piecewise-cuda-graph-max-tokens 0 and 4096.
 # pdl (one GPU, ~8 min): programmatic dependent launch off and on: its GPU tests (outputs unchanged, the kernels
 # compiled for it), the 8B shape's decode (bf16 at batch 1 (32K) and 64 (4K), FP8 blocks and GPTQ int4 at batch 1).
-# decode-merge (one GPU, ~6 min): the decode attention's splits merged by each (request, kv head)'s last program
+# decode-merge (one GPU, ~3 min): the decode attention's splits merged by each (request, kv head)'s last program
 # instead of a merge launch (decode_attention.DECODE_SERIAL_MERGE_MAX_SPLITS, 8 since 854fbd1 was measured): its
 # GPU test (the 8B shapes, graphs, PDL, both times), then the 8B decode at batch 1 (32K), 16 (8K) and 64 (4K) in
-# bf16 and at batch 1 in FP8 blocks, never (0) and up to 8 splits, and with the splits loaded 4 at once
-# (DECODE_MERGE_LOADS, twenty-ninth session) up to 8 and up to 64 splits, one process each.
+# bf16 and at batch 1 in FP8 blocks, never (0) and up to 8 splits, one process each.
 # hit-pdl (one GPU, ~4 min): issue 19's prefix hit (32K cached + 64 new; 90.5x the cold 32K at 0949067, 98.7x at
 # e9be5b7) with PDL off and on (its 64-token graph's norms and rotary launch with it), 7 runs each, then
 # scripts/probes/probe_hit.py (host segments and the forward's device time, PDL on).
@@ -160,7 +159,7 @@ if [[ $MODE == dense-gemm ]]; then  # one GPU (~6 min): the Triton skinny GEMM a
   done
 fi
 
-if [[ $MODE == decode-merge ]]; then  # one GPU (~6 min): the decode attention's merge in the kernel, off and on
+if [[ $MODE == decode-merge ]]; then  # one GPU (~3 min): the decode attention's merge in the kernel, off and on
   python3 -m pytest -q -s -m gpu tests/gpu/test_attention_gpu.py -k serial_merge -p no:cacheprovider --tb=short -rfE \
     2>&1 | tee "$OUT/gpu_tests_decode_merge.log" | grep -E "in-kernel merge|passed|failed" || status=1
   for variant in bf16 fp8; do
@@ -169,13 +168,6 @@ if [[ $MODE == decode-merge ]]; then  # one GPU (~6 min): the decode attention's
     for serial in 0 8; do
       latency_with merge_${variant}_$serial "$variant SERIAL_MERGE_MAX_SPLITS=$serial" \
         longserve.kernels.decode_attention.DECODE_SERIAL_MERGE_MAX_SPLITS=$serial -- \
-        --config llama-3.1-8b "${dummy[@]}" --repeat 3 ${q[@]+"${q[@]}"} --decode-batch-sizes $sizes
-    done
-    # the merge's splits loaded 4 at once (DECODE_MERGE_LOADS), in the kernel up to 8 and up to 64 splits
-    for serial in 8 64; do
-      latency_with merge_${variant}_${serial}_loads4 "$variant SERIAL_MERGE_MAX_SPLITS=$serial MERGE_LOADS=4" \
-        longserve.kernels.decode_attention.DECODE_SERIAL_MERGE_MAX_SPLITS=$serial \
-        longserve.kernels.decode_attention.DECODE_MERGE_LOADS=4 -- \
         --config llama-3.1-8b "${dummy[@]}" --repeat 3 ${q[@]+"${q[@]}"} --decode-batch-sizes $sizes
     done
   done
