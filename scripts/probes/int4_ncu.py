@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import csv
 import io
+import re
 import sys
 from collections import defaultdict
 
@@ -74,7 +75,9 @@ def source_summary(path: str, top: int = 30) -> str:
     (those holding "Sampl"), printed first."""
     with open(path, encoding="utf-8", errors="replace") as f:
         text = f.read()
-    start = text.find('"')  # ncu's own lines (==PROF== ...) before the table
+    # ncu's own lines (==PROF== ...) and a "Kernel Name" row come before the table's header row
+    header = re.search(r'^"#? ?Address",', text, re.M)
+    start = header.start() if header else -1
     rows = list(csv.DictReader(io.StringIO(text[start:]))) if start >= 0 else []
     if not rows:
         return f"{path}: no source table (see the log)"
