@@ -26,7 +26,7 @@ from longserve.bench.hf_compare import run_hf
 from longserve.bench.latency_cases import Measure, bench_engine, free_memory, log
 from longserve.bench.latency_plan import decode_cases, dtype_bytes, plan, read_model_config
 from longserve.bench.report import report, run_metadata
-from longserve.bench.roofline import H200_PEAK_GBPS, H200_PEAK_TFLOPS, attach_floors
+from longserve.bench.roofline import attach_floors, card_peaks
 
 if TYPE_CHECKING:
     from longserve.config import EngineConfig
@@ -168,14 +168,15 @@ def add_latency_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--peak-tflops",
         type=float,
-        default=H200_PEAK_TFLOPS,
-        help="the GPU's measured GEMM ceiling, TFLOP/s, for each case's floor (default: the H200's bf16)",
+        default=None,
+        help="the GPU's measured GEMM ceiling, TFLOP/s, for each case's floor (default: the H200's bf16, an H100's alike)",
     )
     p.add_argument(
         "--peak-gbps",
         type=float,
-        default=H200_PEAK_GBPS,
-        help="the GPU's measured memory bandwidth, GB/s, for each case's floor (default: the H200's)",
+        default=None,
+        help="the GPU's measured memory bandwidth, GB/s, for each case's floor (default: the H200's; on an H100 "
+        "the H100's)",
     )
     p.add_argument(
         "--host-profile",
@@ -232,15 +233,17 @@ def run_from_args(
         free_memory()  # the engine is gone: HF gets the whole device
         if args.compare_hf and args.prompt_lens:
             run_hf(config, args.warmup, args.repeat, engine_meta, records)
-    # what each case must move at least (weights of the experts touched, KV, GEMM and attention FLOPs)
+    # what each case must move at least (weights of the experts touched, KV, GEMM and attention FLOPs), at the
+    # ceilings given or the card's
+    card_tflops, card_gbps = card_peaks(engine_meta.get("device", ""))
     floors = attach_floors(
         records,
         cfg,
         dtype_bytes(config, cfg),
         config.chunked_prefill_size,
         config.tp_size,
-        getattr(args, "peak_tflops", H200_PEAK_TFLOPS),
-        getattr(args, "peak_gbps", H200_PEAK_GBPS),
+        getattr(args, "peak_tflops", None) or card_tflops,
+        getattr(args, "peak_gbps", None) or card_gbps,
         measured_bytes(engine_meta, config.tp_size),
     )
     for line in floors:

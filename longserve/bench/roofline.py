@@ -1,6 +1,7 @@
 """What a `bench latency` case must move at least, from the model's config.json: the FLOPs of its GEMMs and
 attention and the bytes of the weights it touches and the KV it reads, at the chip's measured ceilings
-(`--peak-tflops`, `--peak-gbps`; the H200's ~770 TFLOP/s bf16 and ~4.2 TB/s by default). Each step's floor
+(`--peak-tflops`, `--peak-gbps`; by default the H200's ~770 TFLOP/s bf16 and ~4.2 TB/s, an H100's measured
+bandwidth on an H100: card_peaks). Each step's floor
 is max(FLOPs / peak, bytes / bandwidth); a case's floor is the sum over its steps (a long prompt is
 prefilled in chunks of --chunked-prefill-size, each reading the weights again). Torch-free: plan and
 report use it before and after the engine runs.
@@ -21,6 +22,15 @@ from typing import Any
 
 H200_PEAK_TFLOPS = 770.0  # measured bf16 dense GEMM ceiling (benchmarks/RESULTS.md)
 H200_PEAK_GBPS = 4200.0  # measured HBM bandwidth
+# An H100 (SXM, HBM3) has the H200's chip and clocks (the same GEMM ceiling) and less bandwidth: a device copy on one
+# moved 2,843 GB/s read + write (twenty-ninth session, scripts/probes/tma_stream.py; RESULTS.md).
+H100_PEAK_GBPS = 2843.0
+
+
+def card_peaks(device: str) -> tuple[float, float]:
+    """(TFLOP/s, GB/s) a floor takes on the card named (torch.cuda.get_device_name): the H100's bandwidth on an H100,
+    else the H200's ceilings (other cards: pass --peak-tflops and --peak-gbps)."""
+    return (H200_PEAK_TFLOPS, H100_PEAK_GBPS) if "H100" in device else (H200_PEAK_TFLOPS, H200_PEAK_GBPS)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from longserve.bench.configs import BUILTIN_CONFIGS
 from longserve.bench.latency_plan import estimate_bytes
 from longserve.bench.roofline import (
     _keys_attended,
+    card_peaks,
     case_floor,
     model_costs,
     prefill_steps,
@@ -75,6 +76,18 @@ def test_case_floors_and_their_bounds() -> None:
     two_gpus = case_floor({"case": "cold", "prompt_len": 32768}, costs, chunk=8192, gpus=2)
     assert two_gpus["seconds"] == pytest.approx(cold["seconds"] / 2)
     assert case_floor({"case": "decode", "skipped": "too big"}, costs, 8192) is None
+
+
+def test_a_card_takes_its_own_bandwidth() -> None:
+    """An H100's floors at its measured bandwidth (a memory-bound decode step longer by 4,200 / 2,843), its GEMM
+    ceiling the H200's (the same chip and clocks); an H200 and a CPU run at the H200's."""
+    h100, h200 = card_peaks("NVIDIA H100 80GB HBM3"), card_peaks("NVIDIA H200")
+    assert h100 == (770.0, 2843.0) and h200 == card_peaks("cpu (x86_64, 2 cores)") == (770.0, 4200.0)
+    costs = model_costs(BUILTIN_CONFIGS["llama-3.1-8b"], itemsize=2)
+    record = {"case": "decode", "batch_size": 1, "context_len": 32768, "itl_ms_median": 7.66}
+    on_h100, on_h200 = (case_floor(record, costs, 8192, 1, *peaks) for peaks in (h100, h200))
+    assert on_h100["bound"] == on_h200["bound"] == "memory"
+    assert on_h100["seconds"] == pytest.approx(on_h200["seconds"] * 4200 / 2843)
 
 
 def test_moe_kernels_have_their_own_profile_category() -> None:
