@@ -103,7 +103,8 @@
 # fp8-ahead (one GPU, ~5 min): block FP8's activations two K blocks ahead and weight scales one in the wgmma GEMV's
 # loop (fp8_wgmma_gemv.AHEAD, up to 8 rows): the 8B decode b1@32K off / on beside bf16 (issue 18: 0.721x, target
 # 0.7x), then the kernel's GPU tests with it (every row count it takes; AHEAD acts up to 8).
-# ahead-decodes (one GPU, ~5 min): int4-ahead's and fp8-ahead's decodes alone (no tests, no ncu), for a short call.
+# ahead-decodes (one GPU, ~5 min): int4-ahead's and fp8-ahead's decodes alone (no tests, no ncu), for a short call;
+# bf16 and FP8 at b8@8K too (FP8's AHEAD acts up to 8 rows).
 # int4-gated (one GPU, ~6 min): silu(gate) * up inside the int4 mma GEMV at one row (quant_gemv.INT4_MMA_GATED): its
 # GPU test (the silu-first route's sums, a CUDA graph), then the 8B int4 decode b1@32K off / on beside bf16, and off /
 # on with int4_mma_gemv.AHEAD: on if b1 gains (the SiLU launch was 0.081 ms of the 3.71 ms step).
@@ -709,9 +710,11 @@ fi
 
 if [[ $MODE == ahead-decodes ]]; then  # one GPU (~5 min): int4-ahead's and fp8-ahead's decodes alone, one bf16 beside
   cases=(--config llama-3.1-8b "${dummy[@]}" --repeat 3 --decode-batch-sizes 1@32768)
+  # FP8's AHEAD acts up to 8 rows: b8 too (bf16 beside it)
+  cases8=(--config llama-3.1-8b "${dummy[@]}" --repeat 3 --decode-batch-sizes 1@32768,8@8192)
   # packed after each run (a call cut short by the device's time keeps what ran): int4 first, then FP8
   pack() { (cd "$OUT/.." && tar czf "$(basename "$OUT").tgz" "$(basename "$OUT")"); }
-  LATENCY_TIMEOUT=100 latency_with ahead_bf16 "bf16" -- "${cases[@]}"
+  LATENCY_TIMEOUT=130 latency_with ahead_bf16 "bf16" -- "${cases8[@]}"
   pack
   for on in False True; do
     LATENCY_TIMEOUT=100 latency_with "int4_ahead_$on" "int4 AHEAD=$on" longserve.kernels.int4_mma_gemv.AHEAD=$on \
@@ -719,8 +722,8 @@ if [[ $MODE == ahead-decodes ]]; then  # one GPU (~5 min): int4-ahead's and fp8-
     pack
   done
   for on in False True; do
-    LATENCY_TIMEOUT=100 latency_with "fp8_ahead_$on" "FP8 blocks AHEAD=$on" longserve.kernels.fp8_wgmma_gemv.AHEAD=$on \
-      -- "${cases[@]}" --hf-overrides "$fp8"
+    LATENCY_TIMEOUT=130 latency_with "fp8_ahead_$on" "FP8 blocks AHEAD=$on" longserve.kernels.fp8_wgmma_gemv.AHEAD=$on \
+      -- "${cases8[@]}" --hf-overrides "$fp8"
     pack
   done
 fi
