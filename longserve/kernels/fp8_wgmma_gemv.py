@@ -82,9 +82,10 @@ MIN_SPLIT_BLOCKS = 1
 # chain is waited for before the next block's activations are loaded, and the weight scale after that: two global
 # round trips a block in series with the ring, as in the int4 GEMV (int4_mma_gemv.AHEAD, whose one-row GEMVs an H100's
 # counters found stalled on long scoreboard, twenty-ninth session). Up to 8 rows (BLOCK_T 8: 55-64 registers against
-# 50-56, where shared memory holds 6 programs an SM either way; at 16 rows 100 against 64). False until measured
-# (`gpu_check.sh fp8-ahead`).
-AHEAD = False
+# 50-56, where shared memory holds 6 programs an SM either way; at 16 rows 100 against 64). On: on an H100 (thirtieth
+# session, 2946dd0, `gpu_check.sh fp8-ahead` and `ahead-decodes`, two calls) the 8B block-FP8 decode b1@32K 5.33 /
+# 5.34 -> 5.29 ms both times (bf16 7.67), the kernel's GPU tests passing with it (43); 2-8 rows not yet timed.
+AHEAD = True
 WARPS = 4  # one warpgroup
 
 

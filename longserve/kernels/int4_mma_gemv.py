@@ -105,8 +105,12 @@ STAGE_STEPS = 1
 # DRAM 24-64% busy): in the sm90 SASS (Triton 3.6) each turn waits for the slot, then loads x (LDG.128) and the
 # scales (LDG.U16) and waits for them before its last FMAs and the refill's CTA barrier (GATED: and loads the next
 # slot's gate and up and waits for them before the barrier): two global round trips a step, in series with the
-# ring's. False until measured (`gpu_check.sh int4-ahead`).
-AHEAD = False
+# ring's. On: on an H100 (thirtieth session, 2946dd0, `gpu_check.sh int4-ahead` and `ahead-decodes`, two calls) the
+# 8B int4 decode b1@32K 4.60 -> 4.54 ms both times (bf16 7.66; 0.593x), with rings of 3 and 4 stages 4.71 and 4.77;
+# the kernel's GPU tests pass with it (54, and the routed experts' 4). PC sampling of gate_up at one row: without it
+# 47% of the warps' samples sit on the PRMTs that take x's loaded values, with it 27% on the slot's mbarrier wait
+# (the words' arrival) and 16% on the PRMTs and a move after them (benchmarks/RESULTS.md, thirtieth session).
+AHEAD = True
 # Steps whose words the kernel asks L2 for ahead of the one it loads (STAGES 0; gluon_gemv.prefetch_l2), the first
 # ones before its PDL wait (not routed); 0: none. Why: bytes in flight hold the kernel (above), and a prefetch
 # holds no register: sm90 builds (Triton 3.6) at 2 steps 128 registers against 142 at one token tile, 182 at two

@@ -70,6 +70,7 @@ def test_the_launch(monkeypatch: pytest.MonkeyPatch) -> None:
     128 x 128 (made once per weight), BLOCK_T from the rows, the strides."""
     launches = CapturedLaunches()
     monkeypatch.setattr(wg, "fp8_wgmma_gemv_kernel", launches)
+    monkeypatch.setattr(wg, "AHEAD", False)  # on by default: set below
     calls = launches.calls
     n, k, m = 6144 + 64, 4096, 12
     w, s = _weights(n, k)
@@ -97,7 +98,7 @@ def test_the_launch(monkeypatch: pytest.MonkeyPatch) -> None:
     grid, args, kw = calls[2]
     assert grid == (49, 1, 1) and kw["PER_CHANNEL"] and kw["BLOCK_T"] == 8 and not kw["PARTIAL"]
     assert args[1].dtype == torch.uint8 and args[2] is xs and args[3] is ws and args[14] == 0  # stride_sn
-    assert not any(kw["AHEAD"] for _, _, kw in calls)  # off by default
+    assert not any(kw["AHEAD"] for _, _, kw in calls)
     # AHEAD: block FP8 at BLOCK_T 8 (up to 8 rows) only
     monkeypatch.setattr(wg, "AHEAD", True)
     for rows in (1, 8, 9):
