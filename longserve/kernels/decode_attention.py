@@ -16,7 +16,7 @@ import triton.language as tl
 
 from longserve.kernels.attention_reference import decode_attention_ref
 from longserve.kernels.extend_attention import check_cache, interpreting, merge_splits
-from longserve.kernels.launch import fast_launch, pdl_prologue, use_pdl, zeroed_counters
+from longserve.kernels.launch import early_loads, fast_launch, pdl_prologue, use_pdl, zeroed_counters
 
 __all__ = ["choose_num_splits", "decode_attention", "decode_attention_ref", "decode_config"]
 
@@ -87,14 +87,19 @@ def _decode_split_kernel(
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
     KV_F16: tl.constexpr = False,  # an fp8 cache with 16-bit queries: the dots in fp16 (the launcher's comment)
+    EARLY: tl.constexpr = True,  # launch.early_loads
 ):
-    pdl_prologue(USE_PDL)
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)  # not a constexpr: one compiled kernel serves every split count
 
+    # EARLY: the length before the wait on the kernel before (launch.pdl_prologue: the host writes the lengths, no
+    # kernel of the step): the page table's loads and the first keys' then follow the wait at once, not a round
+    # trip after it
+    pdl_prologue(USE_PDL and not EARLY)
     seq_len = tl.load(seq_lens_ptr + req)
+    pdl_prologue(USE_PDL and EARLY)
     if HAS_WINDOW:
         lo = tl.maximum(seq_len - window, 0)
     else:
@@ -261,7 +266,7 @@ def decode_attention(
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=cfg["BLOCK_N"], SPLIT=num_splits > 1,
         SERIAL=locks is not None, HAS_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", USE_PDL=pdl,
-        KV_F16=KV_FP8_AS_F16 and k_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32,
+        KV_F16=KV_FP8_AS_F16 and k_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32, EARLY=early_loads(),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=pdl,
     )  # fmt: skip
     if num_splits > 1 and locks is None:

@@ -28,7 +28,16 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-__all__ = ["PDL", "FastKernel", "fast_launch", "pdl_prologue", "prefetch_l2", "use_pdl"]
+__all__ = [
+    "PDL",
+    "PDL_EARLY_LOADS",
+    "FastKernel",
+    "early_loads",
+    "fast_launch",
+    "pdl_prologue",
+    "prefetch_l2",
+    "use_pdl",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +53,12 @@ logger = logging.getLogger(__name__)
 # at batch 1, 12.90 / 12.88 at 64: its GEMMs are cuBLAS, not PDL launches); tests/gpu/test_pdl_gpu.py's 11 pass
 # (outputs equal on and off). Read at each launch (use_pdl), so scripts/probes/with_constants.py can switch it.
 PDL = True
+# Loads of what no kernel of the step writes issued before that wait (pdl_prologue's docstring) in the norms, RoPE +
+# K/V store and the decode attention (the weight; the position, cos, sin and slot; the length): each was a round
+# trip after the wait, in series with the kernel before (scripts/dev/pdl_early_loads.py lists them in sm90 SASS). They
+# gain only after a kernel that lets them start early (ours; not cuBLAS's bf16 GEMMs). On until measured on the GPU
+# (`gpu_check.sh early-loads`); read at each launch (early_loads), so with_constants can switch it.
+PDL_EARLY_LOADS = True
 
 _I32 = (-(2**31), 2**31)
 _I64 = (-(2**63), 2**63)
@@ -195,11 +210,20 @@ def use_pdl(t: torch.Tensor) -> bool:
     return PDL and t.is_cuda and _sm90_or_later(t.device.index if t.device.index is not None else 0)
 
 
+def early_loads() -> bool:
+    """Whether the kernels with loads before their wait issue them so (PDL_EARLY_LOADS): their EARLY."""
+    return PDL_EARLY_LOADS
+
+
 @triton.jit
 def pdl_prologue(USE_PDL: tl.constexpr):
-    """First in a kernel that takes USE_PDL, before its first load or store: wait for the kernel before it to
-    complete (its writes visible), then let the next kernel be scheduled (it waits likewise), which it is once
-    every program of this one has come here. Nothing without PDL."""
+    """In a kernel that takes USE_PDL, before its first store and before any load of what a kernel of the step may
+    have written: wait for the kernel before it to complete (its writes visible), then let the next kernel be
+    scheduled (it waits likewise), which it is once every program of this one has come here. Nothing without PDL.
+    Loads of what no kernel writes during the step (weights, the host's positions, lengths and slots) may come
+    first: a kernel starts only once the one before has passed this wait, so every kernel two back has completed.
+    Such a kernel takes EARLY (early_loads) and calls this twice, `pdl_prologue(USE_PDL and not EARLY)` before
+    those loads and `pdl_prologue(USE_PDL and EARLY)` after them: one of the two waits."""
     if USE_PDL:
         gdc_wait()
         gdc_launch_dependents()

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from longserve.kernels.launch import fast_launch, pdl_prologue, use_pdl
+from longserve.kernels.launch import early_loads, fast_launch, pdl_prologue, use_pdl
 from longserve.kernels.norm_reference import fused_add_rms_norm_ref, rms_norm_ref
 
 __all__ = ["fused_add_rms_norm", "fused_add_rms_norm_ref", "rms_norm", "rms_norm_ref"]
@@ -36,10 +36,15 @@ def _rms_norm_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
     USE_PDL: tl.constexpr,
+    EARLY: tl.constexpr = True,
 ):
-    pdl_prologue(USE_PDL)
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
     cols = tl.arange(0, BLOCK_H)  # [BLOCK_H]
+    # EARLY: the weight before the wait on the kernel before (no kernel writes it); after it, its load was issued
+    # past the reduction's two CTA barriers (sm90 SASS, Triton 3.6), a second round trip in series at one row
+    pdl_prologue(USE_PDL and not EARLY)
+    w = tl.load(w_ptr + cols, mask=cols < hidden, other=0.0).to(tl.float32)  # [BLOCK_H]
+    pdl_prologue(USE_PDL and EARLY)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
     mask = (rows[:, None] < num_rows) & (cols[None, :] < hidden)  # [BLOCK_R, BLOCK_H]
     x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
     if HAS_RESIDUAL:
@@ -51,7 +56,6 @@ def _rms_norm_kernel(
         h = x.to(tl.float32)  # [BLOCK_R, BLOCK_H]
     variance = tl.sum(h * h, axis=1) / hidden  # [BLOCK_R]
     rstd = tl.math.rsqrt(variance + eps)  # [BLOCK_R]
-    w = tl.load(w_ptr + cols, mask=cols < hidden, other=0.0).to(tl.float32)  # [BLOCK_H]
     normed = (h * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)  # HF: cast back, then scale
     y = normed * w[None, :]  # [BLOCK_R, BLOCK_H]
     tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
@@ -95,8 +99,8 @@ def _run(
     _rms_norm_kernel[(triton.cdiv(num_rows, block_r),)](
         x2, r2, weight, y2, ro2, num_rows, hidden,
         x2.stride(0), r2.stride(0), y2.stride(0), ro2.stride(0), eps,
-        HAS_RESIDUAL=residual is not None, BLOCK_R=block_r, BLOCK_H=block_h, USE_PDL=pdl, num_warps=num_warps,
-        launch_pdl=pdl,
+        HAS_RESIDUAL=residual is not None, BLOCK_R=block_r, BLOCK_H=block_h, USE_PDL=pdl, EARLY=early_loads(),
+        num_warps=num_warps, launch_pdl=pdl,
     )  # fmt: skip
     return y, new_residual
 

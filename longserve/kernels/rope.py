@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from longserve.kernels.extend_attention import interpreting
-from longserve.kernels.launch import fast_launch, pdl_prologue, use_pdl
+from longserve.kernels.launch import early_loads, fast_launch, pdl_prologue, use_pdl
 from longserve.kernels.quant_tiles import e4m3_rounded
 from longserve.kernels.rope_reference import rotary_embedding_ref
 
@@ -122,8 +122,11 @@ def _rope_kernel(
     FP8_KV: tl.constexpr,
     INTERPRET: tl.constexpr,
     USE_PDL: tl.constexpr,
+    EARLY: tl.constexpr = True,
 ):
-    pdl_prologue(USE_PDL)
+    # EARLY: the position, its cos and sin and the slot before the wait on the kernel before (launch.pdl_prologue:
+    # the host writes them, no kernel of the step); after it, two dependent round trips in series with it
+    pdl_prologue(USE_PDL and not EARLY)
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + tok).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D2)  # [BLOCK_D2]
@@ -131,10 +134,12 @@ def _rope_kernel(
     cos = tl.load(cache_ptr + pos * stride_cache + offs_d, mask=d_mask, other=0.0).to(tl.float32)
     sin = tl.load(cache_ptr + pos * stride_cache + HALF_D + offs_d, mask=d_mask, other=0.0).to(tl.float32)
     cos, sin = cos[None, :], sin[None, :]  # [1, BLOCK_D2]
+    if STORE_KV:
+        slot = tl.load(slot_ptr + tok).to(tl.int64)
+    pdl_prologue(USE_PDL and EARLY)
     _rotate_heads(q_ptr + tok * stride_qt, stride_qh, num_q_heads, cos, sin, offs_d, q_ptr, 0, 1.0, qw_ptr, eps,
                   HALF_D, BLOCK_HEADS, False, HAS_NORM, False, INTERPRET)  # fmt: skip
     if STORE_KV:
-        slot = tl.load(slot_ptr + tok).to(tl.int64)
         _rotate_heads(k_ptr + tok * stride_kt, stride_kh, num_kv_heads, cos, sin, offs_d,
                       kc_ptr + slot * stride_slot, stride_head, k_scale, kw_ptr, eps, HALF_D, BLOCK_HEADS, True,
                       HAS_NORM, FP8_KV, INTERPRET)  # fmt: skip
@@ -215,7 +220,7 @@ def rotary_embedding(
         q3.stride(0), q3.stride(1), k3.stride(0), k3.stride(1), cos_sin_cache.stride(0), *extra[4:],
         *norm_args, q3.shape[1], k3.shape[1], *kv_scales,
         HALF_D=half, BLOCK_D2=block_d2, BLOCK_HEADS=block_heads, STORE_KV=store is not None,
-        HAS_NORM=qk_norm is not None, FP8_KV=fp8_kv, INTERPRET=interpreting(), USE_PDL=pdl, num_warps=4,
-        launch_pdl=pdl,
+        HAS_NORM=qk_norm is not None, FP8_KV=fp8_kv, INTERPRET=interpreting(), USE_PDL=pdl, EARLY=early_loads(),
+        num_warps=4, launch_pdl=pdl,
     )  # fmt: skip
     return q, k

@@ -14,6 +14,9 @@
 # instead of a merge launch (decode_attention.DECODE_SERIAL_MERGE_MAX_SPLITS, 8 since 854fbd1 was measured): its
 # GPU test (the 8B shapes, graphs, PDL, both times), then the 8B decode at batch 1 (32K), 16 (8K) and 64 (4K) in
 # bf16 and at batch 1 in FP8 blocks, never (0) and up to 8 splits, one process each.
+# early-loads (one GPU, ~5 min): the norms', RoPE's and the decode attention's loads of what no kernel of the step
+# writes issued before their PDL wait (launch.PDL_EARLY_LOADS) off and on: the PDL GPU tests, then the 8B decode at
+# batch 1 (32K) in bf16, GPTQ int4 and FP8 blocks, and at batch 64 (4K) in bf16, one process each.
 # hit-pdl (one GPU, ~4 min): issue 19's prefix hit (32K cached + 64 new; 90.5x the cold 32K at 0949067, 98.7x at
 # e9be5b7) with PDL off and on (its 64-token graph's norms and rotary launch with it), 7 runs each, then
 # scripts/probes/probe_hit.py (host segments and the forward's device time, PDL on).
@@ -168,6 +171,21 @@ if [[ $MODE == decode-merge ]]; then  # one GPU (~3 min): the decode attention's
     for serial in 0 8; do
       latency_with merge_${variant}_$serial "$variant SERIAL_MERGE_MAX_SPLITS=$serial" \
         longserve.kernels.decode_attention.DECODE_SERIAL_MERGE_MAX_SPLITS=$serial -- \
+        --config llama-3.1-8b "${dummy[@]}" --repeat 3 ${q[@]+"${q[@]}"} --decode-batch-sizes $sizes
+    done
+  done
+fi
+
+if [[ $MODE == early-loads ]]; then  # one GPU (~5 min): launch.PDL_EARLY_LOADS off and on
+  timeout 200 python3 -m pytest -q -m gpu tests/gpu/test_pdl_gpu.py -k "changes_no_output" -p no:cacheprovider \
+    --tb=short -rfE 2>&1 | tee "$OUT/gpu_tests_early_loads.log" | tail -2 || status=1
+  for variant in bf16 int4 fp8; do
+    q=(); sizes=1@32768,64@4096
+    [[ $variant == int4 ]] && { q=(--quantization gptq); sizes=1@32768; }
+    [[ $variant == fp8 ]] && { q=(--hf-overrides "$fp8"); sizes=1@32768; }
+    for on in False True; do
+      LATENCY_TIMEOUT=130 latency_with "early_${variant}_$on" "$variant PDL_EARLY_LOADS=$on" \
+        longserve.kernels.launch.PDL_EARLY_LOADS=$on -- \
         --config llama-3.1-8b "${dummy[@]}" --repeat 3 ${q[@]+"${q[@]}"} --decode-batch-sizes $sizes
     done
   done
