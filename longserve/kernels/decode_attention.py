@@ -87,7 +87,7 @@ def _decode_split_kernel(
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
     KV_F16: tl.constexpr = False,  # an fp8 cache with 16-bit queries: the dots in fp16 (the launcher's comment)
-    EARLY: tl.constexpr = True,  # launch.early_loads
+    EARLY: tl.constexpr = False,  # launch.early_loads
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)

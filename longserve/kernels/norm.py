@@ -36,7 +36,7 @@ def _rms_norm_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
     USE_PDL: tl.constexpr,
-    EARLY: tl.constexpr = True,
+    EARLY: tl.constexpr = False,
 ):
     cols = tl.arange(0, BLOCK_H)  # [BLOCK_H]
     # EARLY: the weight before the wait on the kernel before (no kernel writes it); after it, its load was issued

@@ -122,7 +122,7 @@ def _rope_kernel(
     FP8_KV: tl.constexpr,
     INTERPRET: tl.constexpr,
     USE_PDL: tl.constexpr,
-    EARLY: tl.constexpr = True,
+    EARLY: tl.constexpr = False,
 ):
     # EARLY: the position, its cos and sin and the slot before the wait on the kernel before (launch.pdl_prologue:
     # the host writes them, no kernel of the step); after it, two dependent round trips in series with it
