@@ -105,6 +105,11 @@
 # 0.7x), then the kernel's GPU tests with it (every row count it takes; AHEAD acts up to 8).
 # ahead-decodes (one GPU, ~5 min): int4-ahead's and fp8-ahead's decodes alone (no tests, no ncu), for a short call;
 # bf16 and FP8 at b8@8K too (FP8's AHEAD acts up to 8 rows).
+# b1-stack (one GPU, ~7 min): issue 18's two batch-1 cells (8B int4 <= 0.6x, block FP8 <= 0.7x bf16 at b1@32K) with
+# the switches not yet on stacked one by one: the defaults, + the loads before the PDL wait (launch.PDL_EARLY_LOADS),
+# + silu(gate) * up inside the GEMV (quant_gemv.INT4_MMA_GATED / quant_fp8.FP8_WGMMA_GATED); bf16 at its defaults and
+# with the early loads beside them. Decodes only, packed after each run (their GPU tests: early-loads, int4-gated,
+# fp8-gated).
 # int4-gated (one GPU, ~6 min): silu(gate) * up inside the int4 mma GEMV at one row (quant_gemv.INT4_MMA_GATED): its
 # GPU test (the silu-first route's sums, a CUDA graph), then the 8B int4 decode b1@32K off / on beside bf16, and off /
 # on with int4_mma_gemv.AHEAD: on if b1 gains (the SiLU launch was 0.081 ms of the 3.71 ms step).
@@ -725,5 +730,26 @@ if [[ $MODE == ahead-decodes ]]; then  # one GPU (~5 min): int4-ahead's and fp8-
     LATENCY_TIMEOUT=130 latency_with "fp8_ahead_$on" "FP8 blocks AHEAD=$on" longserve.kernels.fp8_wgmma_gemv.AHEAD=$on \
       -- "${cases8[@]}" --hf-overrides "$fp8"
     pack
+  done
+fi
+
+if [[ $MODE == b1-stack ]]; then  # one GPU (~7 min): issue 18's b1 cells with the pending switches stacked
+  cases=(--config llama-3.1-8b "${dummy[@]}" --repeat 3 --decode-batch-sizes 1@32768)
+  pack() { (cd "$OUT/.." && tar czf "$(basename "$OUT").tgz" "$(basename "$OUT")"); }
+  early=longserve.kernels.launch.PDL_EARLY_LOADS
+  for variant in bf16 int4 fp8; do
+    q=(); gated=()
+    [[ $variant == int4 ]] && { q=(--quantization gptq); gated=(longserve.kernels.quant_gemv.INT4_MMA_GATED=True); }
+    [[ $variant == fp8 ]] && { q=(--hf-overrides "$fp8"); gated=(longserve.kernels.quant_fp8.FP8_WGMMA_GATED=True); }
+    LATENCY_TIMEOUT=100 latency_with "stack_${variant}_defaults" "$variant defaults" -- "${cases[@]}" ${q[@]+"${q[@]}"}
+    pack
+    LATENCY_TIMEOUT=100 latency_with "stack_${variant}_early" "$variant + early loads" $early=True -- "${cases[@]}" \
+      ${q[@]+"${q[@]}"}
+    pack
+    if [[ $variant != bf16 ]]; then
+      LATENCY_TIMEOUT=100 latency_with "stack_${variant}_early_gated" "$variant + early loads + gated" $early=True \
+        "${gated[@]}" -- "${cases[@]}" "${q[@]}"
+      pack
+    fi
   done
 fi
