@@ -46,7 +46,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from longserve.kernels import split_k
 from longserve.kernels.fp8_wgmma_kernel import fp8_wgmma_gemv_kernel
 from longserve.kernels.gluon_compat import supported
-from longserve.kernels.gluon_gemv import one_wave_splits, weight_descriptor
+from longserve.kernels.gluon_gemv import RowNorm, norm_launch_args, one_wave_splits, weight_descriptor
 from longserve.kernels.launch import use_pdl
 from longserve.kernels.split_k import split_k_output, split_k_outputs
 
@@ -168,47 +168,55 @@ def _descriptor(w: torch.Tensor) -> TensorDescriptor:
 
 def launch(x, x_scales, w, w_scale, bias, blocks_per_split: int, num_splits: int, out, res, locks, stride_os: int,
            serial: bool, bias_in_kernel: bool, imprecise_acc: int, ids=None, x_row_div: int = 1,
-           gated: bool = False) -> None:  # fmt: skip
+           gated: bool = False, norm: RowNorm | None = None) -> None:  # fmt: skip
     """The kernel over a product `fits` (x bf16, x_scales None, w_scale in blocks) or `fits_channel` (x e4m3,
     x_scales [M], w_scale [N]) takes, K in num_splits runs of blocks_per_split blocks: into out [M, N] (one split)
     or its fp32 partials [num_splits, M, N], summed (SERIAL) by each tile's last program into res with the counters
     `locks` (split_k.SplitKOutputs makes these and sums them otherwise). Routed (`ids` [P], `fits_routed`'s experts
     w [E, N, K] and w_scale [E, ceil(N / 128), K / 128]): row p of out is x[p // x_row_div] times expert ids[p]'s.
-    gated (block FP8, not routed): x is gate|up [M, 2K] and the product's input silu(gate) * up."""
+    gated (block FP8, not routed): x is gate|up [M, 2K] and the product's input silu(gate) * up. norm (one row, one
+    split or serial): then the row's residual add and RMSNorm into norm.out (gluon_gemv.norm_row)."""
     k = w.shape[-1]
     assert x.shape[1] == (2 * k if gated else k) and not (gated and (ids is not None or x_scales is not None))
     routed = ids is not None
     m, n = (1, w.shape[1]) if routed else (x.shape[0], w.shape[0])
     per_channel = x_scales is not None
+    assert norm is None or (m == 1 and not routed and (serial or num_splits == 1)), (
+        "norm: one row, its sum here"
+    )
+    norm_args, norm_constexprs = norm_launch_args(norm, w_scale)
     pdl = use_pdl(x)
     fp8_wgmma_gemv_kernel[(triton.cdiv(n, BLOCK[0]), num_splits, ids.shape[0] if routed else 1)](
         _descriptor(w), x.view(torch.uint8) if per_channel else x, x_scales if per_channel else w_scale,
         w_scale, bias if bias_in_kernel else w_scale, out, res, locks, ids if routed else locks, m, n,
         blocks_per_split, k // BLOCK[1], x.stride(0), 0 if per_channel else w_scale.stride(-2), stride_os,
-        out.stride(-2), w_scale.stride(0) if routed else 0, HAS_BIAS=bias_in_kernel, PARTIAL=num_splits > 1,
-        SERIAL=serial, BLOCK_T=block_t(m), STAGES=STAGES, IMPRECISE_ACC=imprecise_acc, USE_PDL=pdl,
+        out.stride(-2), w_scale.stride(0) if routed else 0, *norm_args, HAS_BIAS=bias_in_kernel,
+        PARTIAL=num_splits > 1, SERIAL=serial, BLOCK_T=block_t(m), STAGES=STAGES, IMPRECISE_ACC=imprecise_acc, USE_PDL=pdl,
         PER_CHANNEL=per_channel, num_warps=WARPS, ROUTED=routed, X_ROW_DIV=x_row_div, GATED=gated,
-        AHEAD=AHEAD and not per_channel and block_t(m) == 8, launch_pdl=pdl,
+        AHEAD=AHEAD and not per_channel and block_t(m) == 8, **norm_constexprs, launch_pdl=pdl,
     )  # fmt: skip
 
 
 def gemv(x: torch.Tensor, x_scales: torch.Tensor | None, w: torch.Tensor, w_scale: torch.Tensor,
-         bias: torch.Tensor | None, out_dtype: torch.dtype, imprecise_acc: int,
-         gated: bool = False) -> torch.Tensor:  # fmt: skip
+         bias: torch.Tensor | None, out_dtype: torch.dtype, imprecise_acc: int, gated: bool = False,
+         norm: RowNorm | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
     """[M, N] in out_dtype for a product `fits` takes (x_scales None: `fp8_block_gemm_ref(x, w, w_scale, BLOCK,
     bias)`; gated: of `silu_and_mul(x)`, x = gate|up [M, 2K]) or `fits_channel` does (`scaled_gemm_ref(x, x_scales,
     w, w_scale, out_dtype, bias)`), split K for one wave of programs (split_k.split_k_outputs: the serial sum up to
-    its row limit)."""
+    its row limit). norm (one row): (normed, new residual) of its residual add and RMSNorm of the product, or None
+    where the split's partials would be summed by a launch after (the caller norms)."""
     m, k = x.shape[0], w.shape[1]
     n = w.shape[0]
     n_tiles, num_blocks = triton.cdiv(n, BLOCK[0]), k // BLOCK[1]
     split = splits(n_tiles, num_blocks, split_k.num_sms(x.device.index or 0), m, gated)
     sk = split_k_outputs(num_blocks, split, m, n, n_tiles, out_dtype, x.device)
+    if norm is not None and sk.partial and not sk.serial:
+        return None
     scales = None if x_scales is None else x_scales.float().reshape(m)
     launch(x, scales, w, w_scale.float().reshape(n) if scales is not None else w_scale.float(), bias,
            sk.tiles_per_split, sk.splits, *sk.pointers(), sk.stride_os, sk.serial, sk.bias_in_kernel(bias),
-           imprecise_acc, gated=gated)  # fmt: skip
-    return sk.result(bias, out_dtype)
+           imprecise_acc, gated=gated, norm=norm)  # fmt: skip
+    return sk.result(bias, out_dtype) if norm is None else norm.results()
 
 
 def fits_routed(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int]) -> bool:

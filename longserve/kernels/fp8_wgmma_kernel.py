@@ -93,10 +93,11 @@ def fp8_wgmma_gemv_kernel(
     lock_ptr,  # SERIAL: int32 counters, one per column tile, zero
     ids_ptr,  # ROUTED: [P] int32, each output row's expert
     M, N, blocks_per_split, num_blocks, stride_xm, stride_sn, stride_os, stride_om, stride_se,
+    nres_ptr, nw_ptr, nout_ptr, nlock_ptr, eps,  # NORM: gluon_gemv.norm_row's (else placeholders)
     HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr, SERIAL: gl.constexpr, BLOCK_T: gl.constexpr,
     STAGES: gl.constexpr, IMPRECISE_ACC: gl.constexpr, USE_PDL: gl.constexpr, PER_CHANNEL: gl.constexpr,
     num_warps: gl.constexpr, ROUTED: gl.constexpr = False, X_ROW_DIV: gl.constexpr = 1, GATED: gl.constexpr = False,
-    AHEAD: gl.constexpr = False,
+    AHEAD: gl.constexpr = False, NORM: gl.constexpr = False, NORM_BLOCK: gl.constexpr = 1,
 ):  # fmt: skip
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
@@ -193,5 +194,8 @@ def fp8_wgmma_gemv_kernel(
         acc = acc * xs[None, :] * ws[:, None]
     out_off = tokens[None, :] * stride_om + rows[:, None]
     out_mask = (tokens < M)[None, :] & (rows < N)[:, None]
+    # NORM (one row): then the row's residual add and norm by the last tile to store (gluon_gemv.norm_row)
+    gl.static_assert(not NORM or not ROUTED, "NORM: not routed")
     store_sums(out_ptr, acc, out_off, out_mask, b_ptr, rows[:, None], (rows < N)[:, None], pid_n, pid_k,
-               stride_os, res_ptr, lock_ptr, HAS_BIAS, PARTIAL, SERIAL)  # fmt: skip
+               stride_os, res_ptr, lock_ptr, HAS_BIAS, PARTIAL, SERIAL, N, nres_ptr, nw_ptr, nout_ptr, nlock_ptr, eps,
+               NORM, NORM_BLOCK)  # fmt: skip

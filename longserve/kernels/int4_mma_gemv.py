@@ -38,7 +38,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from longserve.kernels.gluon_compat import supported
-from longserve.kernels.gluon_gemv import one_wave_splits, weight_descriptor
+from longserve.kernels.gluon_gemv import RowNorm, norm_launch_args, one_wave_splits, weight_descriptor
 from longserve.kernels.int4_mma_kernel import int4_mma_gemv_kernel
 from longserve.kernels.launch import use_pdl
 
@@ -237,12 +237,13 @@ def _descriptor(qweight: torch.Tensor, columns: int) -> TensorDescriptor:
 
 def launch(x, qweight, scales, zeros, bias, group_size: int, steps_per_split: int, num_splits: int, out, res,
            locks, stride_os: int, serial: bool, bias_in_kernel: bool, ids=None, x_row_div: int = 1,
-           gated: bool = False) -> None:  # fmt: skip
+           gated: bool = False, norm: RowNorm | None = None) -> None:  # fmt: skip
     """The kernel over a product `fits` takes, K in num_splits runs of steps_per_split steps: into out [M, N] (one
     split) or its fp32 partials out [num_splits, M, N], summed (SERIAL) by each tile's last program into res with the
     counters `locks` (split_k.SplitKOutputs makes these and sums them otherwise). Routed (`ids` [P], the experts'
     qweight [E, N, K / 2], scales and zeros [E, N, G]): row p of out is x[p // x_row_div] times expert ids[p]'s.
-    gated (one row, by the ring): x is gate|up [1, 2K] and the product's input silu(gate) * up."""
+    gated (one row, by the ring): x is gate|up [1, 2K] and the product's input silu(gate) * up. norm (one row, one
+    split or serial): then the row's residual add and RMSNorm into norm.out (gluon_gemv.norm_row)."""
     k = x.shape[1] // 2 if gated else x.shape[1]
     routed = ids is not None
     m, n = (1, qweight.shape[1]) if routed else (x.shape[0], qweight.shape[0])
@@ -254,15 +255,19 @@ def launch(x, qweight, scales, zeros, bias, group_size: int, steps_per_split: in
     assert not gated or (m == 1 and not routed and stages), "gated: one row, by the ring"
     columns = block_n(m, routed)
     assert not (serial and blocks > 1 and locks.numel() < triton.cdiv(n, columns) * blocks)
+    assert norm is None or (m == 1 and not routed and (serial or num_splits == 1)), (
+        "norm: one row, its sum here"
+    )
+    norm_args, norm_constexprs = norm_launch_args(norm, scales)
     pdl = use_pdl(x)
     int4_mma_gemv_kernel[(triton.cdiv(n, columns) * blocks, num_splits, ids.shape[0] if routed else 1)](
         _descriptor(qweight, columns) if stages else None, x.view(torch.int32), qweight.view(torch.int32), scales,
         z, bias if bias_in_kernel else scales, out, res, locks, ids if routed else locks, m, n, steps_per_split,
         k // K_STEP, x.stride(0) // 2, qweight.stride(-2) // 4, scales.stride(-2), z.stride(-2), stride_os,
         out.stride(-2), qweight.stride(0) // 4 if routed else 0, scales.stride(0) if routed else 0,
-        z.stride(0) if routed else 0, blocks, k // 2, HAS_ZP=zeros is not None, HAS_BIAS=bias_in_kernel,
+        z.stride(0) if routed else 0, blocks, k // 2, *norm_args, HAS_ZP=zeros is not None, HAS_BIAS=bias_in_kernel,
         PARTIAL=num_splits > 1, SERIAL=serial, EVEN_N=n % columns == 0, GROUP_SHIFT=group_shift, REPS=reps,
         STAGES=stages, USE_PDL=pdl, ROUTED=routed, X_ROW_DIV=x_row_div, TOKEN_TILES=token_tiles(m),
         PREFETCH=PREFETCH if stages == 0 else 0, UNROLL=UNROLL if stages == 0 and token_tiles(m) == 1 else 1,
-        GATED=gated, AHEAD=ahead(m, routed), num_warps=WARPS, launch_pdl=pdl,
+        GATED=gated, AHEAD=ahead(m, routed), **norm_constexprs, num_warps=WARPS, launch_pdl=pdl,
     )  # fmt: skip

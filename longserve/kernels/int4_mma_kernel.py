@@ -43,10 +43,12 @@ def int4_mma_gemv_kernel(
     ids_ptr,  # ROUTED: [P] int32, each output row's expert
     M, N, steps_per_split, num_steps, stride_xm, stride_wn, stride_sn, stride_zn, stride_os, stride_om,
     stride_we, stride_se, stride_ze, row_blocks, up_off,
+    nres_ptr, nw_ptr, nout_ptr, nlock_ptr, eps,  # NORM: gluon_gemv.norm_row's (else placeholders)
     HAS_ZP: gl.constexpr, HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr, SERIAL: gl.constexpr, EVEN_N: gl.constexpr,
     GROUP_SHIFT: gl.constexpr, REPS: gl.constexpr, STAGES: gl.constexpr, USE_PDL: gl.constexpr,
     ROUTED: gl.constexpr = False, X_ROW_DIV: gl.constexpr = 1, TOKEN_TILES: gl.constexpr = 1,
     PREFETCH: gl.constexpr = 0, UNROLL: gl.constexpr = 1, GATED: gl.constexpr = False, AHEAD: gl.constexpr = False,
+    NORM: gl.constexpr = False, NORM_BLOCK: gl.constexpr = 1,
 ):  # fmt: skip
     W: gl.constexpr = gl.num_warps()
     # [tile r, lane row (warp w, g), lane t, element u]: lanes (g, t) as mma's groupID / threadID_in_group
@@ -203,5 +205,8 @@ def int4_mma_gemv_kernel(
         col_c = gl.join(col_c, col_c)
         token = gl.join(token, token + 8)
     # a serial sum's counter per program column (column tile and row block)
+    # NORM (one row): then the row's residual add and norm by the last tile to store (gluon_gemv.norm_row)
+    gl.static_assert(not NORM or (TOKEN_TILES == 1 and not ROUTED), "NORM: one row, not routed")
     store_sums(out_ptr, acc, token * stride_om + col_c, (col_c < N) & (token < M), b_ptr, col_c, col_c < N,
-               gl.program_id(0), pid_k, stride_os, res_ptr, lock_ptr, HAS_BIAS, PARTIAL, SERIAL)  # fmt: skip
+               gl.program_id(0), pid_k, stride_os, res_ptr, lock_ptr, HAS_BIAS, PARTIAL, SERIAL, N, nres_ptr, nw_ptr,
+               nout_ptr, nlock_ptr, eps, NORM, NORM_BLOCK)  # fmt: skip

@@ -288,8 +288,11 @@ def wna16_gemv_config(
     return {**cfg, **(tuned or {})}
 
 
-def _mma_gemv(x, qweight, scales, zeros, bias, group_size: int, m: int, n: int, k: int, gated: bool = False):
-    """[M, N] by int4_mma_gemv (a product its `fits` takes), split K for one wave (gated: x = gate|up [1, 2K])."""
+def mma_gemv(
+    x, qweight, scales, zeros, bias, group_size: int, m: int, n: int, k: int, gated=False, norm=None
+):
+    """[M, N] by int4_mma_gemv (a product its `fits` takes), split K for one wave (gated: x = gate|up [1, 2K]);
+    norm (gluon_gemv.RowNorm, one row): (normed, new residual), or None if a launch after would sum the splits."""
     from longserve.kernels import int4_mma_gemv as mma
 
     num_steps, n_tiles = k // mma.K_STEP, triton.cdiv(n, mma.block_n(m))
@@ -300,32 +303,11 @@ def _mma_gemv(x, qweight, scales, zeros, bias, group_size: int, m: int, n: int, 
         else splits_for(x.device, programs, num_steps)
     )
     sk = split_k_outputs(num_steps, split, m, n, programs, x.dtype, x.device)
+    if norm is not None and sk.partial and not sk.serial:
+        return None
     mma.launch(x, qweight, scales, zeros, bias, group_size, sk.tiles_per_split, sk.splits, *sk.pointers(),
-               sk.stride_os, sk.serial, sk.bias_in_kernel(bias), gated=gated)  # fmt: skip
-    return sk.result(bias, x.dtype)
-
-
-def wna16_gated_gemv(
-    gate_up: torch.Tensor,  # [1, 2K]
-    qweight: torch.Tensor,
-    scales: torch.Tensor,
-    zeros: torch.Tensor | None,
-    g_idx: torch.Tensor | None,
-    bits: int,
-    group_size: int,
-    bias: torch.Tensor | None = None,
-) -> torch.Tensor | None:
-    """`wna16_gemv(silu_and_mul(gate_up), ...)` with silu(gate) * up made inside the tensor-core GEMV (INT4_MMA_GATED:
-    one row, by its ring); None where that kernel does not take it (the caller runs silu_and_mul first)."""
-    m, k = gate_up.shape[0], gate_up.shape[1] // 2
-    if not (INT4_MMA_GATED and INT4_MMA_GEMV and m == 1 and INT4_MMA_MIN_ROWS <= 1 and gate_up.is_cuda):
-        return None
-    from longserve.kernels import int4_mma_gemv as mma
-
-    gate = gate_up[:, :k]  # fits' checks of x: dtype, strides, alignment, K whole steps (up lies K after it)
-    if not (mma.supported() and mma.tiling(1)[1] and mma.fits(gate, qweight, g_idx, bits, group_size)):
-        return None
-    return _mma_gemv(gate_up, qweight, scales, zeros, bias, group_size, 1, qweight.shape[0], k, gated=True)
+               sk.stride_os, sk.serial, sk.bias_in_kernel(bias), gated=gated, norm=norm)  # fmt: skip
+    return sk.result(bias, x.dtype) if norm is None else norm.results()
 
 
 def wna16_gemv(
@@ -356,7 +338,7 @@ def wna16_gemv(
         from longserve.kernels import int4_mma_gemv as mma
 
         if mma.supported() and mma.fits(x, qweight, g_idx, bits, group_size):
-            return _mma_gemv(x, qweight, scales, zeros, bias, group_size, m, n, k)
+            return mma_gemv(x, qweight, scales, zeros, bias, group_size, m, n, k)
     cfg = dict(
         wna16_gemv_config(m, n, k, group, bits, g_idx is not None, x.dtype, x.device), **(config or {})
     )

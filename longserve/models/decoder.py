@@ -205,6 +205,12 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj(x), gated=True)  # of silu(gate) * up: [T, hidden]
 
+    def then_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`norm(self(x), residual)`, the add and norm in the down projection's kernel where it can (then_norm)."""
+        return self.down_proj.then_norm(self.gate_up_proj(x), residual, norm, gated=True)  # [T, hidden] each
+
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj.partial(self.gate_up_proj(x), gated=True)  # [T, hidden], not reduced
 
@@ -238,18 +244,27 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
 
     def forward(
-        self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: RotaryStep, ctx: ForwardContext
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor,
+        rope: RotaryStep,
+        ctx: ForwardContext,
+        next_norm: RMSNorm,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sub-layer output, residual stream) in and out, vLLM style: each norm first adds the previous
-        sub-layer's output into the residual (residual=None: `hidden` is the embedding, nothing to add)."""
-        hidden, residual = self._input_norm(hidden, residual)
-        hidden = self.self_attn(hidden, rope, ctx)  # [T, hidden]
-        hidden, residual = self.post_attention_layernorm(hidden, residual)  # [T, hidden] each
-        return self.mlp(hidden), residual  # [T, hidden] each
+        """This layer's input already normed (`hidden`, and `residual` the stream it was normed from) to the output of
+        `next_norm` (the next layer's input norm, or the model's final norm) and the stream, vLLM style: each norm
+        first adds the previous sub-layer's output into the residual. The o and down projections' kernels do the
+        add and norm where their methods can (RowParallelLinear.then_norm: one row, no tensor parallelism)."""
+        out = self.self_attn.attend(hidden, rope, ctx)  # [T, Hq*D]
+        hidden, residual = self.self_attn.o_proj.then_norm(out, residual, self.post_attention_layernorm)
+        if isinstance(self.mlp, MLP):
+            return self.mlp.then_norm(hidden, residual, next_norm)  # [T, hidden] each
+        return next_norm(self.mlp(hidden), residual)  # type: ignore[return-value]
 
-    def _input_norm(
+    def input_norm(
         self, hidden: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The input norm's output and the stream (residual None: `hidden` is the embedding, nothing to add)."""
         if residual is None:
             return self.input_layernorm(hidden), hidden  # [T, hidden] each
         return self.input_layernorm(hidden, residual)  # [T, hidden] each
@@ -259,7 +274,7 @@ class DecoderLayer(nn.Module):
     ) -> Generator[AttentionCall, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """`forward` with the attention proper left to the caller: yields the layer's AttentionCall and
         resumes with its output [T, Hq*D]."""
-        hidden, residual = self._input_norm(hidden, residual)
+        hidden, residual = self.input_norm(hidden, residual)
         out = yield self.self_attn.project(hidden, rope, ctx)
         hidden, residual = self.post_attention_layernorm(self.self_attn.o_proj(out), residual)
         return self.mlp(hidden), residual  # [T, hidden] each
@@ -269,7 +284,7 @@ class DecoderLayer(nn.Module):
     ) -> Generator[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """`forward` as a generator for micro-batch overlap: it yields each row-parallel partial sum
         (o_proj's, down_proj's) and resumes with the same tensor summed over the ranks."""
-        hidden, residual = self._input_norm(hidden, residual)
+        hidden, residual = self.input_norm(hidden, residual)
         hidden = yield self.self_attn.o_proj.partial(self.self_attn.attend(hidden, rope, ctx))
         hidden = self.self_attn.o_proj.finish(hidden)  # [T, hidden]
         hidden, residual = self.post_attention_layernorm(hidden, residual)
@@ -291,12 +306,14 @@ class DecoderModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
         rope = self.rotary_emb.prepare(positions, hidden.dtype)  # shared by all layers
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(hidden, residual, rope, ctx)  # [T, hidden] each
-        if residual is None:
+        if not self.layers:
             return self.norm(hidden)  # [T, hidden]
-        return self.norm(hidden, residual)[0]  # [T, hidden]
+        # each layer takes its input normed and hands on the next norm's output (DecoderLayer.forward)
+        hidden, residual = self.layers[0].input_norm(hidden, None)  # [T, hidden] each
+        for i, layer in enumerate(self.layers):
+            after = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            hidden, residual = layer(hidden, residual, rope, ctx, after)  # [T, hidden] each
+        return hidden  # [T, hidden]: the final norm's output
 
     def forward_overlapped(
         self, batches: list[tuple[torch.Tensor, torch.Tensor, ForwardContext]]

@@ -256,6 +256,20 @@ class RowParallelLinear(nn.Module):
         """The all-reduced partial sums plus the bias (added once, after the reduction)."""
         return y if self.bias is None else y + self.bias
 
+    def then_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm, gated: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`norm(self(x, gated), residual)`: the product added into the residual stream and RMS-normed ([T, out]
+        each), by the product's own kernel where its method can (LinearMethod.apply_then_norm: one row; tensor
+        parallelism off, whose all-reduce comes between), else by the norm's launch after it."""
+        if self.tp_size == 1:
+            got = self.quant_method.apply_then_norm(
+                self, x, self.bias, residual, norm.weight, norm.eps, gated
+            )
+            if got is not None:
+                return got
+        return norm(self(x, gated), residual)  # type: ignore[return-value]
+
 
 class VocabParallelEmbedding(nn.Module):
     """Embedding with the vocab split over the tp ranks: rank r holds rows [r*Vp, (r+1)*Vp), Vp =

@@ -43,6 +43,21 @@ class LinearMethod(QuantizeMethod):
         layer computes silu_and_mul, then `apply`."""
         return None
 
+    def apply_then_norm(
+        self,
+        layer: nn.Module,
+        x: torch.Tensor,
+        bias: torch.Tensor | None,
+        residual: torch.Tensor,
+        norm_weight: torch.Tensor,
+        eps: float,
+        gated: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(normed, new residual) of the product (gated: of silu(gate) * up, as apply_gated) added into `residual`
+        and RMS-normed by `norm_weight` (kernels/norm.py's fused_add_rms_norm) where this method does that in the
+        product's own kernel (kernels/gemv_fused.py: one row); None: the layer runs the product, then the norm."""
+        return None
+
 
 class UnquantizedLinearMethod(LinearMethod):
     """A weight [out, in] in the model's dtype, named `weight` as in HF checkpoints."""

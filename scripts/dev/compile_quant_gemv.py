@@ -101,6 +101,9 @@ VARIANTS = [
         "pdl": True,
         "serial": True,
     },  # gate, up
+    # the next RMSNorm in the epilogue (gluon_gemv.norm_row, NORM): the o projection (serial sum) and gated down
+    {"mma": True, "reps": 2, "stages": 2, "ahead": True, "pdl": True, "serial": True, "norm": True},
+    {"mma": True, "reps": 2, "stages": 2, "ahead": True, "gated": True, "pdl": True, "split": 1, "norm": True},
     {"mma": True, "token_tiles": 2, "zp": True},  # 9 to 16 rows: a second B and C on the same A
     {"mma": True, "token_tiles": 2, "row_blocks": 4},  # 17 to 64 rows: blocks of 16, split-K partials
     {"fp8_wgmma": True},  # kernels/fp8_wgmma_gemv.py (Gluon): block FP8 by TMA + wgmma, one row, split-K
@@ -112,6 +115,9 @@ VARIANTS = [
     # block FP8's activations two blocks ahead and weight scales one (fp8_wgmma_gemv.AHEAD), gated and routed
     {"fp8_wgmma": True, "ahead": True, "gated": True, "pdl": True, "serial": True},
     {"fp8_wgmma": True, "ahead": True, "routed": True, "x_row_div": 8, "pdl": True},
+    # the next RMSNorm in the epilogue (NORM), serial sum and one split
+    {"fp8_wgmma": True, "ahead": True, "pdl": True, "serial": True, "norm": True},
+    {"fp8_wgmma": True, "ahead": True, "gated": True, "pdl": True, "split": 1, "norm": True},
     {
         "fp8_wgmma": True,
         "routed": True,
@@ -191,9 +197,13 @@ def compile_int4_gemv(int4=True, x="bf16", zp=False, bias=False, bn=64, bk=128, 
     return compile_sm90(fn, sig, consts, attrs, num_warps=num_warps, num_stages=num_stages)
 
 
+# gluon_gemv.norm_row's arguments (NORM; placeholders of these types without it)
+_NORM_PTRS = {"nres_ptr": "*bf16", "nw_ptr": "*bf16", "nout_ptr": "*bf16", "nlock_ptr": "*i32", "eps": "fp32"}
+
+
 def compile_int4_mma(mma=True, zp=False, bias=False, split=4, serial=False, even_n=True, group_shift=0, reps=None,
                      stages=0, pdl=False, routed=False, x_row_div=1, token_tiles=1, row_blocks=1, prefetch=0,
-                     unroll=1, stage_steps=1, gated=False, ahead=False, num_warps=4):  # fmt: skip
+                     unroll=1, stage_steps=1, gated=False, ahead=False, norm=False, num_warps=4):  # fmt: skip
     """kernels/int4_mma_gemv.py's tensor-core int4 GEMV (Gluon) for sm90, specialized as at run time (an integer
     argument of 1 is a constant then: row_blocks up to 16 rows); `routed`: over MoE (token, expert) pairs
     (kernels/moe_wna16.py)."""
@@ -205,11 +215,12 @@ def compile_int4_mma(mma=True, zp=False, bias=False, split=4, serial=False, even
     fn = mma_mod.int4_mma_gemv_kernel
     ptrs = {"x_ptr": "*i32", "w_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8" if zp else "*fp16",
             "b_ptr": "*bf16" if bias else "*fp16", "out_ptr": "*fp32" if split > 1 else "*bf16", "res_ptr": "*bf16",
-            "lock_ptr": "*i32", "ids_ptr": "*i32"}  # fmt: skip
+            "lock_ptr": "*i32", "ids_ptr": "*i32", **_NORM_PTRS}  # fmt: skip
     consts = dict(HAS_ZP=zp, HAS_BIAS=bias and (split == 1 or serial), PARTIAL=split > 1, SERIAL=serial,
                   EVEN_N=even_n, GROUP_SHIFT=group_shift, REPS=reps or mma_mod.REPS, STAGES=stages,
                   USE_PDL=pdl, ROUTED=routed, X_ROW_DIV=x_row_div, TOKEN_TILES=token_tiles,
-                  PREFETCH=prefetch, UNROLL=unroll, GATED=gated, AHEAD=ahead)  # fmt: skip
+                  PREFETCH=prefetch, UNROLL=unroll, GATED=gated, AHEAD=ahead, NORM=norm,
+                  NORM_BLOCK=4096 if norm else 1)  # fmt: skip
     if stages:  # the ring's TMA descriptor, boxes of half this REPS's program columns by stage_steps steps
         columns = 16 * num_warps * consts["REPS"]
         old, mma_mod.STAGE_STEPS = mma_mod.STAGE_STEPS, stage_steps
@@ -240,7 +251,7 @@ def compile_int4_mma(mma=True, zp=False, bias=False, split=4, serial=False, even
 
 
 def compile_fp8_wgmma(fp8_wgmma=True, rows=1, bias=False, split=4, serial=False, pdl=False, imprecise_acc=32,
-                      channel=False, routed=False, x_row_div=1, gated=False, ahead=False):  # fmt: skip
+                      channel=False, routed=False, x_row_div=1, gated=False, ahead=False, norm=False):  # fmt: skip
     """kernels/fp8_wgmma_gemv.py's FP8 GEMV on the tensor cores (Gluon: TMA, wgmma) for sm90 at `rows` activation
     rows, block FP8 (bf16 activations) or `channel` (e4m3 activations, per-channel scales), specialized as at run
     time."""
@@ -254,11 +265,12 @@ def compile_fp8_wgmma(fp8_wgmma=True, rows=1, bias=False, split=4, serial=False,
     desc = wg.TensorDescriptor(w, list(w.shape), list(w.stride()), list(wg.BLOCK), layout)
     ptrs = {"w_desc": mangle_type(desc), "x_ptr": "*u8" if channel else "*bf16", "xs_ptr": "*fp32", "s_ptr": "*fp32",
             "b_ptr": "*bf16" if bias else "*fp32", "ids_ptr": "*i32",
-            "out_ptr": "*fp32" if split > 1 else "*bf16", "res_ptr": "*bf16", "lock_ptr": "*i32"}  # fmt: skip
+            "out_ptr": "*fp32" if split > 1 else "*bf16", "res_ptr": "*bf16", "lock_ptr": "*i32",
+            **_NORM_PTRS}  # fmt: skip
     consts = dict(HAS_BIAS=bias and (split == 1 or serial), PARTIAL=split > 1, SERIAL=serial,
                   BLOCK_T=wg.block_t(rows), STAGES=wg.STAGES, IMPRECISE_ACC=imprecise_acc, USE_PDL=pdl,
                   PER_CHANNEL=channel, num_warps=wg.WARPS, ROUTED=routed, X_ROW_DIV=x_row_div,
-                  GATED=gated, AHEAD=ahead)  # fmt: skip
+                  GATED=gated, AHEAD=ahead, NORM=norm, NORM_BLOCK=4096 if norm else 1)  # fmt: skip
     fn = wg.fp8_wgmma_gemv_kernel
     sig = {a: ptrs.get(a, "constexpr" if a in consts else "i32") for a in fn.arg_names}
     attrs = {

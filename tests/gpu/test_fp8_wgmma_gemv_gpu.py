@@ -163,6 +163,50 @@ def test_routed_experts(proj: str, tokens: int) -> None:
     assert rel_err(out, summed(fp8_routed_gemv(x, w, s, BLOCK, ids, div))) < 5e-3
 
 
+@pytest.mark.parametrize(("shape", "in_kernel"), [("o", False), ("down", True), ("down", False)])
+def test_the_norm_in_the_epilogue(shape: str, in_kernel: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The next RMSNorm in the one-row GEMV's epilogue (gluon_gemv.NORM_EPILOGUE,
+    gemv_fused.fp8_block_linear_then_norm): the new residual equal to fused_add_rms_norm's after the plain product,
+    bit for bit; the normed row to its rounding; replayed by a CUDA graph with new activations and residual, its
+    counter back at zero. The o projection, and the down projection with silu(gate) * up inside and first."""
+    from longserve.kernels import gemv_fused, gluon_gemv
+    from longserve.kernels.norm import fused_add_rms_norm
+
+    monkeypatch.setattr(gluon_gemv, "NORM_EPILOGUE", True)
+    n, k = DENSE[shape]
+    w, scale = fp8_block_weight(n, k)
+    gated = shape == "down"
+    x = torch.randn(1, 2 * k if gated else k, device="cuda", dtype=torch.bfloat16)
+    residual = torch.randn(1, n, device="cuda", dtype=torch.bfloat16) * 4
+    weight = (1 + 0.3 * torch.randn(n, device="cuda")).bfloat16()
+
+    def fused():
+        return gemv_fused.fp8_block_linear_then_norm(
+            x, w, scale, BLOCK, None, residual, weight, 1e-5, gated=gated
+        )
+
+    def plain():
+        y = linear(x, w, scale, monkeypatch, True, gated=gated, in_kernel=in_kernel)
+        return fused_add_rms_norm(y, residual, weight, 1e-5)
+
+    want = plain()  # sets FP8_WGMMA_GATED as in_kernel says
+    got = fused()
+    assert got is not None and torch.equal(got[1], want[1])
+    torch.testing.assert_close(got[0].float(), want[0].float(), rtol=2e-2, atol=2e-2)
+    assert rel_err(got[0], want[0]) < 4e-3
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = fused()
+    for _ in range(2):
+        x.copy_(torch.randn_like(x))
+        residual.copy_(torch.randn_like(residual))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = plain()
+        assert torch.equal(replayed[1], want[1]) and rel_err(replayed[0], want[0]) < 4e-3
+    assert int(gluon_gemv._NORM_LOCKS[x.device].count_nonzero()) == 0
+
+
 @pytest.mark.parametrize("m", [1, 8, 16, 32])
 def test_times(m: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each projection at m rows, us, what serves without the kernel (fp8_gemv.py at one row, cuBLAS's block-scaled

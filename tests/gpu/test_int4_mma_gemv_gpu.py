@@ -112,14 +112,14 @@ def test_the_gated_down_projection_at_one_row(n, k, zp, stage_steps, monkeypatch
     """silu(gate) * up made inside the kernel (quant_gemv.INT4_MMA_GATED, one row by the ring): the product of
     silu_and_mul's bf16 values (its exp and division, its roundings), so the silu-first route's sums; replayed by a
     CUDA graph with new activations. The 8B down projection, and N not whole programs."""
-    from longserve.kernels import int4_mma_gemv, quant_gemv
+    from longserve.kernels import gemv_fused, int4_mma_gemv, quant_gemv
     from longserve.kernels.activation import silu_and_mul
 
     monkeypatch.setattr(quant_gemv, "INT4_MMA_GATED", True)
     monkeypatch.setattr(int4_mma_gemv, "STAGE_STEPS", stage_steps)
     w = int_weight(n, k, zp=zp)
     gate_up = torch.randn(1, 2 * k, device="cuda", dtype=torch.bfloat16) * 2
-    inside = quant_gemv.wna16_gated_gemv(gate_up, *w, 4, 128)
+    inside = gemv_fused.wna16_gated_gemv(gate_up, *w, 4, 128)
     assert inside is not None and inside.shape == (1, n)
     first = gemv(silu_and_mul(gate_up), w, 128, monkeypatch, True)
     assert rel_err(inside, first) < 1e-3
@@ -127,12 +127,60 @@ def test_the_gated_down_projection_at_one_row(n, k, zp, stage_steps, monkeypatch
           f"{torch.equal(inside, first)}")  # fmt: skip
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        replayed = quant_gemv.wna16_gated_gemv(gate_up, *w, 4, 128)
+        replayed = gemv_fused.wna16_gated_gemv(gate_up, *w, 4, 128)
     gate_up.copy_(torch.randn(1, 2 * k, device="cuda", dtype=torch.bfloat16))
     graph.replay()
     torch.cuda.synchronize()
     assert rel_err(replayed, gemv(silu_and_mul(gate_up), w, 128, monkeypatch, True)) < 1e-3
-    assert quant_gemv.wna16_gated_gemv(gate_up.repeat(2, 1), *w, 4, 128) is None  # two rows: silu first
+    assert gemv_fused.wna16_gated_gemv(gate_up.repeat(2, 1), *w, 4, 128) is None  # two rows: silu first
+
+
+@pytest.mark.parametrize(
+    ("shape", "gated", "zp"), [("o", False, False), ("down", True, True), ("down", False, False)]
+)
+def test_the_norm_in_the_epilogue(shape: str, gated: bool, zp: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The next RMSNorm in the one-row GEMV's epilogue (gluon_gemv.NORM_EPILOGUE, gemv_fused.wna16_gemv_then_norm):
+    the new residual equal to fused_add_rms_norm's after the plain product, bit for bit (the same product, one
+    rounding of the sum); the normed row to its rounding (the mean of squares summed in another order); replayed by
+    a CUDA graph with new activations and residual, its counter back at zero. The o projection, and the down
+    projection with silu(gate) * up made inside (INT4_MMA_GATED) and first."""
+    from longserve.kernels import gemv_fused, gluon_gemv, quant_gemv
+    from longserve.kernels.activation import silu_and_mul
+    from longserve.kernels.norm import fused_add_rms_norm
+
+    monkeypatch.setattr(gluon_gemv, "NORM_EPILOGUE", True)
+    monkeypatch.setattr(quant_gemv, "INT4_MMA_GATED", gated)
+    n, k = DENSE[shape]
+    w = int_weight(n, k, zp=zp)
+    x = torch.randn(1, 2 * k if shape == "down" else k, device="cuda", dtype=torch.bfloat16)
+    residual = torch.randn(1, n, device="cuda", dtype=torch.bfloat16) * 4
+    weight = (1 + 0.3 * torch.randn(n, device="cuda")).bfloat16()
+
+    def fused():
+        return gemv_fused.wna16_gemv_then_norm(
+            x, *w, 4, 128, None, residual, weight, 1e-5, gated=shape == "down"
+        )
+
+    def plain():
+        y = gemv(silu_and_mul(x) if shape == "down" else x, w, 128, monkeypatch, True)
+        return fused_add_rms_norm(y, residual, weight, 1e-5)
+
+    got, want = fused(), plain()
+    assert got is not None
+    assert torch.equal(got[1], want[1]) or gated  # inside: silu's product may round apart from silu first
+    torch.testing.assert_close(got[0].float(), want[0].float(), rtol=2e-2, atol=2e-2)
+    assert rel_err(got[0], want[0]) < 4e-3
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = fused()
+    for _ in range(2):
+        x.copy_(torch.randn_like(x))
+        residual.copy_(torch.randn_like(residual))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = plain()
+        assert rel_err(replayed[1], want[1]) < 1e-3 and rel_err(replayed[0], want[0]) < 4e-3
+    assert int(gluon_gemv._NORM_LOCKS[x.device].count_nonzero()) == 0
 
 
 @pytest.mark.parametrize("m", [1, 8, 16, 32, 64])

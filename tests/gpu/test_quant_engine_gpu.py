@@ -128,3 +128,28 @@ def test_bf16_first_token_logprobs_close_to_the_reference(tmp_path, monkeypatch,
         assert {"grouped", "gemv"} <= set(paths), sorted(set(paths))
     reference_path(monkeypatch)
     assert_first_steps_agree(got, first_step(path, dtype="bfloat16", enforce_eager=True))
+
+
+@pytest.mark.parametrize("case", ["awq", "fp8-block-128"])
+def test_the_norm_in_the_gemv_epilogue(tmp_path, monkeypatch, case):
+    """gluon_gemv.NORM_EPILOGUE on: the decode steps' o and down projections (one row, bf16, CUDA graphs) add into
+    the residual stream and norm in their GEMV's last tile (int4 by the ring; block FP8 by the wgmma GEMV, 128 x 128
+    blocks), and the first step agrees with the same engine's with it off (the normed row's rounding may differ);
+    four steps end with every page back."""
+    from longserve.kernels import gemv_fused, gluon_gemv
+
+    if case == "awq":
+        path = WRITERS[case](tmp_path / case)
+    else:
+        path = qc.write_fp8_block(tmp_path / case, "qwen3", block=(128, 128), seed=7)
+    off = first_step(path, dtype="bfloat16", max_new_tokens=4)
+    monkeypatch.setattr(gluon_gemv, "NORM_EPILOGUE", True)
+    folded = []
+    for name in ("wna16_gemv_then_norm", "fp8_block_linear_then_norm"):
+        real = getattr(gemv_fused, name)
+        monkeypatch.setattr(
+            gemv_fused, name, lambda *a, real=real, **k: folded.append(real(*a, **k)) or folded[-1]
+        )
+    on = first_step(path, dtype="bfloat16", max_new_tokens=4)
+    assert any(f is not None for f in folded), "no projection took the norm"
+    assert_first_steps_agree(on, off)

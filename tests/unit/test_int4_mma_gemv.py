@@ -231,8 +231,9 @@ def test_the_routed_launch_reads_each_pairs_expert(monkeypatch: pytest.MonkeyPat
     assert args[0] is None and kw["STAGES"] == 0  # no ring: no descriptor
     mma.launch(x, w[0], s[0], None, None, 128, 16, 1, out[0, :1], out, out, 0, False, False)  # dense: one row
     grid, args, kw = calls[1]
-    # M 1; stride_we, se, ze 0; row_blocks 1; up_off (GATED's up, in words) K / 2
-    assert grid[2] == 1 and not kw["ROUTED"] and args[10] == 1 and args[-5:] == (0, 0, 0, 1, k // 2)
+    # M 1; stride_we, se, ze 0; row_blocks 1; up_off (GATED's up, in words) K / 2; then norm_row's 5 (placeholders)
+    assert grid[2] == 1 and not kw["ROUTED"] and args[10] == 1 and args[-10:-5] == (0, 0, 0, 1, k // 2)
+    assert not kw["NORM"] and args[-1] == 0.0
 
 
 @pytest.mark.parametrize("stage_steps", [1, 2])
@@ -302,7 +303,8 @@ def test_the_gated_launch_reads_gate_and_up(monkeypatch: pytest.MonkeyPatch) -> 
     names = ["M", "N", "steps_per_split", "num_steps", "stride_xm"]
     assert dict(zip(names, args[10:15])) == {"M": 1, "N": n, "steps_per_split": 8, "num_steps": k // 128,
                                              "stride_xm": k}  # fmt: skip
-    assert kw["GATED"] and kw["STAGES"] == 2 and args[-1] == k // 2 and grid == (n // mma.block_n(1), 1, 1)
+    # up_off (before norm_row's 5 arguments)
+    assert kw["GATED"] and kw["STAGES"] == 2 and args[-6] == k // 2 and grid == (n // mma.block_n(1), 1, 1)
     for bad in (
         {"x": torch.zeros(2, 2 * k, dtype=torch.bfloat16)},
         {"ids": torch.zeros(2, dtype=torch.int32)},
@@ -332,6 +334,6 @@ def test_rows_past_16_run_in_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     grid, args, kw = calls[0]
     assert grid == (-(-n // mma.block_n(37)) * 3, 4, 1)
     assert (
-        args[10] == 37 and args[14] == (k + 64) // 2 and args[19] == n and args[-2] == 3
-    )  # M, stride_xm, om
+        args[10] == 37 and args[14] == (k + 64) // 2 and args[19] == n and args[-7] == 3
+    )  # M, stride_xm, om, row_blocks (before norm_row's 5)
     assert kw["TOKEN_TILES"] == 2 and kw["PARTIAL"] and not kw["SERIAL"]

@@ -143,6 +143,23 @@ class Fp8LinearMethod(LinearMethod):
 
         return fp8_block_linear(gate_up, layer.weight, layer.fp8_scale, self.scheme.block, bias, gated=True)
 
+    def apply_then_norm(
+        self,
+        layer: nn.Module,
+        x: torch.Tensor,
+        bias: torch.Tensor | None,
+        residual: torch.Tensor,
+        norm_weight: torch.Tensor,
+        eps: float,
+        gated: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self.scheme.weight != "block" or x.shape[0] != 1 or not x.is_cuda or not use_triton(x):
+            return None
+        from longserve.kernels.gemv_fused import fp8_block_linear_then_norm  # imports triton
+
+        w, scale, block = layer.weight, layer.fp8_scale, self.scheme.block
+        return fp8_block_linear_then_norm(x, w, scale, block, bias, residual, norm_weight, eps, gated)
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         w, scale = layer.weight, layer.fp8_scale
         if self.scheme.weight == "block":

@@ -248,10 +248,28 @@ class WNA16LinearMethod(LinearMethod):
     ) -> torch.Tensor | None:
         if not use_triton(gate_up):
             return None
-        from longserve.kernels.quant_gemv import wna16_gated_gemv  # imports triton
+        from longserve.kernels.gemv_fused import wna16_gated_gemv  # imports triton
 
         args = (layer.int_qweight, layer.int_scales, layer.int_zeros, layer.int_g_idx)
         return wna16_gated_gemv(gate_up, *args, self.scheme.bits, layer.wna16_info["group"], bias)
+
+    def apply_then_norm(
+        self,
+        layer: nn.Module,
+        x: torch.Tensor,
+        bias: torch.Tensor | None,
+        residual: torch.Tensor,
+        norm_weight: torch.Tensor,
+        eps: float,
+        gated: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if x.shape[0] != 1 or not x.is_cuda or not use_triton(x):
+            return None
+        from longserve.kernels.gemv_fused import wna16_gemv_then_norm  # imports triton
+
+        args = (layer.int_qweight, layer.int_scales, layer.int_zeros, layer.int_g_idx)
+        args += (self.scheme.bits, layer.wna16_info["group"], bias)
+        return wna16_gemv_then_norm(x, *args, residual, norm_weight, eps, gated)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         args = (layer.int_qweight, layer.int_scales, layer.int_zeros, layer.int_g_idx)

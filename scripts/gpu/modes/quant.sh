@@ -105,11 +105,14 @@
 # 0.7x), then the kernel's GPU tests with it (every row count it takes; AHEAD acts up to 8).
 # ahead-decodes (one GPU, ~5 min): int4-ahead's and fp8-ahead's decodes alone (no tests, no ncu), for a short call;
 # bf16 and FP8 at b8@8K too (FP8's AHEAD acts up to 8 rows).
-# b1-stack (one GPU, ~7 min): issue 18's two batch-1 cells (8B int4 <= 0.6x, block FP8 <= 0.7x bf16 at b1@32K) with
+# b1-stack (one GPU, ~8 min): issue 18's two batch-1 cells (8B int4 <= 0.6x, block FP8 <= 0.7x bf16 at b1@32K) with
 # the switches not yet on stacked one by one: the defaults, + the loads before the PDL wait (launch.PDL_EARLY_LOADS),
-# + silu(gate) * up inside the GEMV (quant_gemv.INT4_MMA_GATED / quant_fp8.FP8_WGMMA_GATED); bf16 at its defaults and
-# with the early loads beside them. Decodes only, packed after each run (their GPU tests: early-loads, int4-gated,
-# fp8-gated).
+# + silu(gate) * up inside the GEMV (quant_gemv.INT4_MMA_GATED / quant_fp8.FP8_WGMMA_GATED), + the next norm in the
+# GEMV's epilogue (gluon_gemv.NORM_EPILOGUE); bf16 at its defaults and with the early loads beside them. Decodes only,
+# packed after each run (their GPU tests: early-loads, int4-gated, fp8-gated, norm-epilogue).
+# norm-epilogue (one GPU, ~6 min): the next RMSNorm in the one-row int4 and FP8 GEMVs' epilogue
+# (gluon_gemv.NORM_EPILOGUE): the kernels' GPU tests against fused_add_rms_norm after the product, the engine's
+# (AWQ, FP8 blocks: first steps agree off / on), then the 8B decode b1@32K int4 and FP8 off / on beside bf16.
 # int4-gated (one GPU, ~6 min): silu(gate) * up inside the int4 mma GEMV at one row (quant_gemv.INT4_MMA_GATED): its
 # GPU test (the silu-first route's sums, a CUDA graph), then the 8B int4 decode b1@32K off / on beside bf16, and off /
 # on with int4_mma_gemv.AHEAD: on if b1 gains (the SiLU launch was 0.081 ms of the 3.71 ms step).
@@ -733,23 +736,44 @@ if [[ $MODE == ahead-decodes ]]; then  # one GPU (~5 min): int4-ahead's and fp8-
   done
 fi
 
-if [[ $MODE == b1-stack ]]; then  # one GPU (~7 min): issue 18's b1 cells with the pending switches stacked
+if [[ $MODE == b1-stack ]]; then  # one GPU (~8 min): issue 18's b1 cells with the pending switches stacked
   cases=(--config llama-3.1-8b "${dummy[@]}" --repeat 3 --decode-batch-sizes 1@32768)
   pack() { (cd "$OUT/.." && tar czf "$(basename "$OUT").tgz" "$(basename "$OUT")"); }
-  early=longserve.kernels.launch.PDL_EARLY_LOADS
+  early=longserve.kernels.launch.PDL_EARLY_LOADS=True
+  norm=longserve.kernels.gluon_gemv.NORM_EPILOGUE=True
   for variant in bf16 int4 fp8; do
     q=(); gated=()
-    [[ $variant == int4 ]] && { q=(--quantization gptq); gated=(longserve.kernels.quant_gemv.INT4_MMA_GATED=True); }
-    [[ $variant == fp8 ]] && { q=(--hf-overrides "$fp8"); gated=(longserve.kernels.quant_fp8.FP8_WGMMA_GATED=True); }
+    [[ $variant == int4 ]] && { q=(--quantization gptq); gated=longserve.kernels.quant_gemv.INT4_MMA_GATED=True; }
+    [[ $variant == fp8 ]] && { q=(--hf-overrides "$fp8"); gated=longserve.kernels.quant_fp8.FP8_WGMMA_GATED=True; }
     LATENCY_TIMEOUT=100 latency_with "stack_${variant}_defaults" "$variant defaults" -- "${cases[@]}" ${q[@]+"${q[@]}"}
     pack
-    LATENCY_TIMEOUT=100 latency_with "stack_${variant}_early" "$variant + early loads" $early=True -- "${cases[@]}" \
+    LATENCY_TIMEOUT=100 latency_with "stack_${variant}_early" "$variant + early loads" $early -- "${cases[@]}" \
       ${q[@]+"${q[@]}"}
     pack
-    if [[ $variant != bf16 ]]; then
-      LATENCY_TIMEOUT=100 latency_with "stack_${variant}_early_gated" "$variant + early loads + gated" $early=True \
-        "${gated[@]}" -- "${cases[@]}" "${q[@]}"
-      pack
-    fi
+    [[ $variant == bf16 ]] && continue
+    LATENCY_TIMEOUT=100 latency_with "stack_${variant}_gated" "$variant + early loads + gated" $early $gated -- \
+      "${cases[@]}" "${q[@]}"
+    pack
+    LATENCY_TIMEOUT=100 latency_with "stack_${variant}_norm" "$variant + early loads + gated + norm epilogue" $early \
+      $gated $norm -- "${cases[@]}" "${q[@]}"
+    pack
+  done
+fi
+
+if [[ $MODE == norm-epilogue ]]; then  # one GPU (~6 min): the next RMSNorm in the one-row GEMVs' epilogue
+  timeout 150 python3 -m pytest -q -m gpu tests/gpu/test_int4_mma_gemv_gpu.py tests/gpu/test_fp8_wgmma_gemv_gpu.py \
+    -k norm_in_the_epilogue -p no:cacheprovider --tb=short -rfE 2>&1 | tee "$OUT/gpu_tests_norm_epilogue.log" \
+    | tail -3 || status=1
+  timeout 150 python3 -m pytest -q -m gpu tests/gpu/test_quant_engine_gpu.py -k norm_in_the_gemv \
+    -p no:cacheprovider --tb=short -rfE 2>&1 | tee "$OUT/gpu_tests_norm_epilogue_engine.log" | tail -3 || status=1
+  cases=(--config llama-3.1-8b "${dummy[@]}" --repeat 3 --decode-batch-sizes 1@32768)
+  LATENCY_TIMEOUT=100 latency_with norm_bf16 "bf16" -- "${cases[@]}"
+  for variant in int4 fp8; do
+    q=(--quantization gptq)
+    [[ $variant == fp8 ]] && q=(--hf-overrides "$fp8")
+    for on in False True; do
+      LATENCY_TIMEOUT=100 latency_with "norm_${variant}_$on" "$variant NORM_EPILOGUE=$on" \
+        longserve.kernels.gluon_gemv.NORM_EPILOGUE=$on -- "${cases[@]}" "${q[@]}"
+    done
   done
 fi
