@@ -169,7 +169,8 @@ def add_latency_args(p: argparse.ArgumentParser) -> None:
         "--peak-tflops",
         type=float,
         default=None,
-        help="the GPU's measured GEMM ceiling, TFLOP/s, for each case's floor (default: the H200's bf16, an H100's alike)",
+        help="the GPU's measured GEMM ceiling, TFLOP/s, for each case's floor (default: the H200's bf16, which an "
+        "H100's chip shares)",
     )
     p.add_argument(
         "--peak-gbps",

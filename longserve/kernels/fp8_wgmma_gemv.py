@@ -181,9 +181,8 @@ def launch(x, x_scales, w, w_scale, bias, blocks_per_split: int, num_splits: int
     routed = ids is not None
     m, n = (1, w.shape[1]) if routed else (x.shape[0], w.shape[0])
     per_channel = x_scales is not None
-    assert norm is None or (m == 1 and not routed and (serial or num_splits == 1)), (
-        "norm: one row, its sum here"
-    )
+    one_sum = serial or num_splits == 1  # norm: the row's last tile sums its own splits
+    assert norm is None or (m == 1 and not routed and one_sum), "norm: one row, its sum here"
     norm_args, norm_constexprs = norm_launch_args(norm, w_scale)
     pdl = use_pdl(x)
     fp8_wgmma_gemv_kernel[(triton.cdiv(n, BLOCK[0]), num_splits, ids.shape[0] if routed else 1)](
@@ -191,8 +190,8 @@ def launch(x, x_scales, w, w_scale, bias, blocks_per_split: int, num_splits: int
         w_scale, bias if bias_in_kernel else w_scale, out, res, locks, ids if routed else locks, m, n,
         blocks_per_split, k // BLOCK[1], x.stride(0), 0 if per_channel else w_scale.stride(-2), stride_os,
         out.stride(-2), w_scale.stride(0) if routed else 0, *norm_args, HAS_BIAS=bias_in_kernel,
-        PARTIAL=num_splits > 1, SERIAL=serial, BLOCK_T=block_t(m), STAGES=STAGES, IMPRECISE_ACC=imprecise_acc, USE_PDL=pdl,
-        PER_CHANNEL=per_channel, num_warps=WARPS, ROUTED=routed, X_ROW_DIV=x_row_div, GATED=gated,
+        PARTIAL=num_splits > 1, SERIAL=serial, BLOCK_T=block_t(m), STAGES=STAGES, IMPRECISE_ACC=imprecise_acc,
+        USE_PDL=pdl, PER_CHANNEL=per_channel, num_warps=WARPS, ROUTED=routed, X_ROW_DIV=x_row_div, GATED=gated,
         AHEAD=AHEAD and not per_channel and block_t(m) == 8, **norm_constexprs, launch_pdl=pdl,
     )  # fmt: skip
 

@@ -255,9 +255,8 @@ def launch(x, qweight, scales, zeros, bias, group_size: int, steps_per_split: in
     assert not gated or (m == 1 and not routed and stages), "gated: one row, by the ring"
     columns = block_n(m, routed)
     assert not (serial and blocks > 1 and locks.numel() < triton.cdiv(n, columns) * blocks)
-    assert norm is None or (m == 1 and not routed and (serial or num_splits == 1)), (
-        "norm: one row, its sum here"
-    )
+    one_sum = serial or num_splits == 1  # norm: the row's last tile sums its own splits
+    assert norm is None or (m == 1 and not routed and one_sum), "norm: one row, its sum here"
     norm_args, norm_constexprs = norm_launch_args(norm, scales)
     pdl = use_pdl(x)
     int4_mma_gemv_kernel[(triton.cdiv(n, columns) * blocks, num_splits, ids.shape[0] if routed else 1)](
