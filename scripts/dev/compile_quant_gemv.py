@@ -103,7 +103,16 @@ VARIANTS = [
     },  # gate, up
     # the next RMSNorm in the epilogue (gluon_gemv.norm_row, NORM): the o projection (serial sum) and gated down
     {"mma": True, "reps": 2, "stages": 2, "ahead": True, "pdl": True, "serial": True, "norm": True},
-    {"mma": True, "reps": 2, "stages": 2, "ahead": True, "gated": True, "pdl": True, "split": 1, "norm": True},
+    {
+        "mma": True,
+        "reps": 2,
+        "stages": 2,
+        "ahead": True,
+        "gated": True,
+        "pdl": True,
+        "split": 1,
+        "norm": True,
+    },
     {"mma": True, "token_tiles": 2, "zp": True},  # 9 to 16 rows: a second B and C on the same A
     {"mma": True, "token_tiles": 2, "row_blocks": 4},  # 17 to 64 rows: blocks of 16, split-K partials
     {"fp8_wgmma": True},  # kernels/fp8_wgmma_gemv.py (Gluon): block FP8 by TMA + wgmma, one row, split-K

@@ -393,6 +393,6 @@ def test_gemv_compiles_for_sm90() -> None:
     # the split-K partials summed in the GEMV (split_k_module.SPLIT_K_SERIAL_REDUCE): the counter's atomic where asked
     # (and the norm in the epilogue's, gluon_gemv.norm_row, with one split)
     assert sum(bool(r["variant"].get("serial")) for r in reports) >= 3
-    assert all(r["serial"] is bool(r["variant"].get("serial") or r["variant"].get("norm")) for r in reports), [
-        (r["variant"], r["serial"]) for r in reports
-    ]
+    assert all(
+        r["serial"] is bool(r["variant"].get("serial") or r["variant"].get("norm")) for r in reports
+    ), [(r["variant"], r["serial"]) for r in reports]
