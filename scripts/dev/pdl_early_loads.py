@@ -11,6 +11,7 @@ and multiples of 16 as on the GPU).
 
     python3 scripts/dev/pdl_early_loads.py          # one JSON line a kernel: the loads before the wait, the registers
     python3 scripts/dev/pdl_early_loads.py --late   # the same with PDL_EARLY_LOADS off (EARLY False)
+    python3 scripts/dev/pdl_early_loads.py --both   # both, each line with its "early"
 """
 
 from __future__ import annotations
@@ -95,8 +96,9 @@ def main() -> int:
         with open(path) as f:
             records = json.load(f)
     os.environ["TRITON_INTERPRET"] = "0"
-    for rec in sorted(records, key=lambda r: KERNELS.index(r["name"])):
-        print(json.dumps(report(rec, early="--late" not in sys.argv)), flush=True)
+    for early in [True, False] if "--both" in sys.argv else ["--late" not in sys.argv]:
+        for rec in sorted(records, key=lambda r: KERNELS.index(r["name"])):
+            print(json.dumps({**report(rec, early), "early": early}), flush=True)
     return 0 if {r["name"] for r in records} == set(KERNELS) else 1
 
 

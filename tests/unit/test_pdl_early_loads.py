@@ -19,21 +19,18 @@ from longserve.testing.kernel_compile import sm90_compiler_missing  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _reports(*flags: str) -> dict[str, dict]:
-    done = subprocess.run([sys.executable, "scripts/dev/pdl_early_loads.py", *flags], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600, env={**os.environ, "PYTHONPATH": ROOT})  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    got = {r["kernel"]: r for r in map(json.loads, done.stdout.splitlines())}
-    assert all(r["waits"] == 1 and r["local"] == 0 for r in got.values()), got
-    return got
-
-
 @pytest.mark.skipif(sm90_compiler_missing() is not None, reason=str(sm90_compiler_missing()))
 def test_host_written_loads_come_before_the_wait() -> None:
-    early = {name: len(r["loads_before_wait"]) for name, r in _reports().items()}
+    done = subprocess.run([sys.executable, "scripts/dev/pdl_early_loads.py", "--both"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "PYTHONPATH": ROOT})  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    reports = [json.loads(line) for line in done.stdout.splitlines()]
+    assert all(r["waits"] == 1 and r["local"] == 0 for r in reports), reports
+    early = {r["kernel"]: len(r["loads_before_wait"]) for r in reports if r["early"]}
     # the weight (its vector pieces); the position, slot, cos and sin; the length
     assert (
         early["_rms_norm_kernel"] >= 1 and early["_rope_kernel"] >= 4 and early["_decode_split_kernel"] >= 1
     ), early
     # launch.PDL_EARLY_LOADS off: the wait first, as before
-    assert all(not r["loads_before_wait"] for r in _reports("--late").values())
+    late = [r for r in reports if not r["early"]]
+    assert len(late) == 3 and all(not r["loads_before_wait"] for r in late), late
