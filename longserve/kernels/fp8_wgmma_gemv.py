@@ -209,7 +209,7 @@ def gemv(x: torch.Tensor, x_scales: torch.Tensor | None, w: torch.Tensor, w_scal
     n_tiles, num_blocks = triton.cdiv(n, BLOCK[0]), k // BLOCK[1]
     split = splits(n_tiles, num_blocks, split_k.num_sms(x.device.index or 0), m, gated)
     sk = split_k_outputs(num_blocks, split, m, n, n_tiles, out_dtype, x.device)
-    if norm is not None and sk.partial and not sk.serial:
+    if norm is not None and not sk.summed_in_kernel:
         return None
     scales = None if x_scales is None else x_scales.float().reshape(m)
     launch(x, scales, w, w_scale.float().reshape(n) if scales is not None else w_scale.float(), bias,

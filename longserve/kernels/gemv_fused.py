@@ -20,6 +20,16 @@ from longserve.kernels.activation import silu_and_mul
 __all__ = ["fp8_block_linear_then_norm", "wna16_gated_gemv", "wna16_gemv_then_norm"]
 
 
+def _one_row_ring(
+    x: torch.Tensor, k: int, qweight: torch.Tensor, g_idx: torch.Tensor | None, bits: int, group_size: int
+) -> bool:
+    """Whether the int4 tensor-core GEMV takes one row x [1, K] (or the gate half of gate|up [1, 2K]: its dtype,
+    strides, alignment; up lies K after it) by its ring (int4_mma_gemv.ONE_ROW), as quant_gemv routes one row."""
+    if not (qg.INT4_MMA_GEMV and x.shape[0] == 1 and qg.INT4_MMA_MIN_ROWS <= 1 and x.is_cuda):
+        return False
+    return mma.supported() and bool(mma.tiling(1)[1]) and mma.fits(x[:, :k], qweight, g_idx, bits, group_size)
+
+
 def wna16_gated_gemv(
     gate_up: torch.Tensor,  # [1, 2K]
     qweight: torch.Tensor,
@@ -33,13 +43,8 @@ def wna16_gated_gemv(
     """`quant_gemv.wna16_gemv(silu_and_mul(gate_up), ...)` with silu(gate) * up made inside the tensor-core GEMV
     (quant_gemv.INT4_MMA_GATED: one row, by its ring); None where that kernel does not take it (the caller runs
     silu_and_mul first)."""
-    m, k = gate_up.shape[0], gate_up.shape[1] // 2
-    if not (
-        qg.INT4_MMA_GATED and qg.INT4_MMA_GEMV and m == 1 and qg.INT4_MMA_MIN_ROWS <= 1 and gate_up.is_cuda
-    ):
-        return None
-    gate = gate_up[:, :k]  # fits' checks of x: dtype, strides, alignment, K whole steps (up lies K after it)
-    if not (mma.supported() and mma.tiling(1)[1] and mma.fits(gate, qweight, g_idx, bits, group_size)):
+    k = gate_up.shape[1] // 2
+    if not (qg.INT4_MMA_GATED and _one_row_ring(gate_up, k, qweight, g_idx, bits, group_size)):
         return None
     return qg.mma_gemv(gate_up, qweight, scales, zeros, bias, group_size, 1, qweight.shape[0], k, gated=True)
 
@@ -62,12 +67,8 @@ def wna16_gemv_then_norm(
     silu_and_mul(x), made inside as quant_gemv.INT4_MMA_GATED says, else first) with the residual add and norm done
     by the tensor-core GEMV's last tile (one row, by its ring): (normed [1, N], new residual [1, N]), or None where
     that kernel does not take it (the caller runs the product and the norm)."""
-    m, k, n = x.shape[0], x.shape[1] // 2 if gated else x.shape[1], qweight.shape[0]
-    if not (
-        gluon_gemv.NORM_EPILOGUE and qg.INT4_MMA_GEMV and m == 1 and qg.INT4_MMA_MIN_ROWS <= 1 and x.is_cuda
-    ):
-        return None
-    if not (mma.supported() and mma.tiling(1)[1] and mma.fits(x[:, :k], qweight, g_idx, bits, group_size)):
+    k, n = x.shape[1] // 2 if gated else x.shape[1], qweight.shape[0]
+    if not (gluon_gemv.NORM_EPILOGUE and _one_row_ring(x, k, qweight, g_idx, bits, group_size)):
         return None
     if not gluon_gemv.RowNorm.fits(residual, norm_weight, n, x.dtype, mma.WARPS):
         return None
@@ -92,10 +93,8 @@ def fp8_block_linear_then_norm(
     and norm done by the wgmma GEMV's last tile (one row; gated: silu(gate) * up made inside as
     quant_fp8.FP8_WGMMA_GATED says, else first): (normed [1, N], new residual [1, N]), or None where that kernel
     does not take it (the caller runs both)."""
-    k, n = x.shape[1] // 2 if gated else x.shape[1], w.shape[0]
-    if not (gluon_gemv.NORM_EPILOGUE and qf.FP8_WGMMA_GEMV and x.shape[0] == 1 and x.is_cuda):
-        return None
-    if not (wg.supported() and wg.fits(x[:, :k], w, w_scale, block)):
+    n = w.shape[0]
+    if not (gluon_gemv.NORM_EPILOGUE and x.shape[0] == 1 and qf.wgmma_takes(x, w, w_scale, block, gated)):
         return None
     if not gluon_gemv.RowNorm.fits(residual, norm_weight, n, x.dtype, wg.WARPS):
         return None

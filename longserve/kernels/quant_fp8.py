@@ -304,6 +304,19 @@ def wgmma_imprecise_acc(block_k: int) -> int:
     return block_k if acc is None else max(32, acc)
 
 
+def wgmma_takes(
+    x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int], gated: bool = False
+) -> bool:
+    """Whether the block-FP8 wgmma GEMV (fp8_wgmma_gemv.py, FP8_WGMMA_GEMV up to FP8_WGMMA_MAX_ROWS rows) takes
+    x [M, K] (gated: gate|up [M, 2K], asked as its silu * up will be: rows, dtype, strides) times w."""
+    if not (FP8_WGMMA_GEMV and x.shape[0] <= FP8_WGMMA_MAX_ROWS and x.is_cuda):
+        return False
+    from longserve.kernels import fp8_wgmma_gemv as wg
+
+    k = x.shape[1] // 2 if gated else x.shape[1]
+    return wg.supported() and wg.fits(x[:, :k], w, w_scale, block)
+
+
 def fp8_block_linear(
     x: torch.Tensor,  # [M, K], or (gated) gate|up [M, 2K]
     w: torch.Tensor,  # [N, K] e4m3
@@ -319,15 +332,13 @@ def fp8_block_linear(
     (activation.silu_and_mul_quant; FUSE_SILU_AND_MUL_QUANT) or, for the GEMV, first."""
     m, k = x.shape[0], x.shape[1] // 2 if gated else x.shape[1]
     n = w.shape[0]
-    if FP8_WGMMA_GEMV and m <= FP8_WGMMA_MAX_ROWS and x.is_cuda:
+    if wgmma_takes(x, w, w_scale, block, gated):
         from longserve.kernels import fp8_wgmma_gemv as wg
 
-        # fits asks the activations' rows, dtype and strides (gate|up: as its silu * up will be)
-        if wg.supported() and wg.fits(x[:, :k], w, w_scale, block):
-            imprecise = wgmma_imprecise_acc(wg.BLOCK[1])
-            inside = gated and FP8_WGMMA_GATED  # silu(gate) * up made by the kernel from gate|up
-            a = silu_and_mul(x) if gated and not inside else x
-            return wg.gemv(a, None, w, w_scale, bias, x.dtype, imprecise, gated=inside)
+        imprecise = wgmma_imprecise_acc(wg.BLOCK[1])
+        inside = gated and FP8_WGMMA_GATED  # silu(gate) * up made by the kernel from gate|up
+        a = silu_and_mul(x) if gated and not inside else x
+        return wg.gemv(a, None, w, w_scale, bias, x.dtype, imprecise, gated=inside)
     if m <= FP8_GEMV_MAX_TOKENS and fp8_block_gemv_supported(m, block):
         return fp8_block_gemv(silu_and_mul(x) if gated else x, w, w_scale, block, bias)
     if gated and (not FUSE_SILU_AND_MUL_QUANT or block[1] & (block[1] - 1)):  # the fused kernel: 2^n groups

@@ -303,7 +303,7 @@ def mma_gemv(
         else splits_for(x.device, programs, num_steps)
     )
     sk = split_k_outputs(num_steps, split, m, n, programs, x.dtype, x.device)
-    if norm is not None and sk.partial and not sk.serial:
+    if norm is not None and not sk.summed_in_kernel:
         return None
     mma.launch(x, qweight, scales, zeros, bias, group_size, sk.tiles_per_split, sk.splits, *sk.pointers(),
                sk.stride_os, sk.serial, sk.bias_in_kernel(bias), gated=gated, norm=norm)  # fmt: skip

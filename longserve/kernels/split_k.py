@@ -120,9 +120,15 @@ class SplitKOutputs:
         """out_ptr, res_ptr, lock_ptr (out stands in for those not written)."""
         return self.out, self.res if self.serial else self.out, self.locks if self.serial else self.out
 
+    @property
+    def summed_in_kernel(self) -> bool:
+        """Whether the kernel itself leaves the final sums: with one split, or summing its own partials (no
+        splitk_reduce launch after it)."""
+        return not self.partial or self.serial
+
     def bias_in_kernel(self, bias: torch.Tensor | None) -> bool:
-        """Whether the kernel adds the bias (HAS_BIAS): with one split, or summing its own partials."""
-        return bias is not None and (not self.partial or self.serial)
+        """Whether the kernel adds the bias (HAS_BIAS): where it leaves the final sums."""
+        return bias is not None and self.summed_in_kernel
 
     def result(self, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
         """The product [M, N] in dtype once the kernel was launched."""
