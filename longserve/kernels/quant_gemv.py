@@ -93,8 +93,9 @@ INT4_MMA_MIN_ROWS = 1
 # An MLP's down projection at one row takes gate|up and makes its input silu(gate) * up inside the tensor-core GEMV
 # (int4_mma_gemv GATED: a slot ahead into shared memory, each warp its copy) instead of by activation.silu_and_mul's
 # launch before it: one launch less a layer (the 8B int4 b1 profile: SiLU 0.081 ms of 3.71). sm90 builds (Triton
-# 3.6): the one-row loop 494 -> 568 instructions, 80 registers. Off until measured (`gpu_check.sh int4-gated`).
-INT4_MMA_GATED = False
+# 3.6): the one-row loop 494 -> 568 instructions, 80 registers. On since the thirty-first session (`gpu_check.sh
+# int4-gated` at 82a0989, H100, its GPU test passing): the 8B int4 decode b1@32K 4.55 -> 4.45 ms, with AHEAD too.
+INT4_MMA_GATED = True
 # moe_wna16's routed expert GEMV (one row a (token, k) pair) through the same kernel: unmeasured (`gpu_check.sh
 # int4-mma-moe`); at one row the dense projections lost above.
 INT4_MMA_ROUTED = False

@@ -119,8 +119,10 @@ def test_the_int4_ring_takes_the_norm(serial: bool, monkeypatch: pytest.MonkeyPa
 def test_a_gated_down_projection_norms_after_silu_first(monkeypatch: pytest.MonkeyPatch) -> None:
     """The down projection (gate|up) with the GATED kernels off: silu(gate) * up made first, the norm still in the
     GEMV (int4 and block FP8); with INT4_MMA_GATED on the kernel takes gate|up itself."""
-    from longserve.kernels import quant_gemv
+    from longserve.kernels import quant_fp8, quant_gemv
 
+    monkeypatch.setattr(quant_gemv, "INT4_MMA_GATED", False)
+    monkeypatch.setattr(quant_fp8, "FP8_WGMMA_GATED", False)
     launches, wg_launches = CapturedLaunches(), CapturedLaunches()
     monkeypatch.setattr(mma, "int4_mma_gemv_kernel", launches)
     monkeypatch.setattr(wg, "fp8_wgmma_gemv_kernel", wg_launches)
