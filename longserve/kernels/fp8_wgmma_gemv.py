@@ -75,8 +75,9 @@ MAX_ROWS = 32
 STAGES = 2
 # K blocks a split takes at least (gluon_gemv.one_wave_splits' min_steps): at one row the one wave splits the 8B qkv's
 # 32 blocks 16 ways (2 blocks a program, then a serial sum of 16 planes; qkv 11.5 and o 8.8 us against HBM floors of
-# 6 and 4). 1 until `gpu_check.sh fp8-gated` runs 2 and 4 in the decode.
-MIN_SPLIT_BLOCKS = 1
+# 6 and 4). 4 since the thirty-first session (`gpu_check.sh fp8-gated` at 82a0989, H100, GATED off): the 8B decode
+# b1@32K 5.32 -> 5.22 ms, b8@4K 6.16 -> 6.01, b16@8K 10.39 -> 10.21 against 1; 2 changed nothing.
+MIN_SPLIT_BLOCKS = 4
 # Block FP8: each K block's activations asked for two blocks ahead and its weight scale one ahead, in registers
 # carried over the loop turn (the first scale before the PDL wait). Why: in the sm90 SASS (Triton 3.6) the wgmma
 # chain is waited for before the next block's activations are loaded, and the weight scale after that: two global

@@ -32,8 +32,10 @@ __all__ = [
 # 8B's 65 norms a step, 0.205 ms of the int4 b1 step's 3.71 on an H200, twenty-eighth session's profile). The
 # int4 tensor-core GEMV's ring and the block-FP8 wgmma GEMV take it at one row (kernels/gemv_fused.py) with tensor
 # parallelism off (models/layers.py's RowParallelLinear.then_norm). sm90 builds (Triton 3.6): the int4 ring's 96
-# registers unchanged, the FP8 GEMV's 64 -> 80 at one row (shared memory holds 6 programs an SM either way). Off
-# until measured on the GPU (`gpu_check.sh norm-epilogue`, `b1-stack`); read at each call.
+# registers unchanged, the FP8 GEMV's 64 -> 80 at one row (shared memory holds 6 programs an SM either way). Off: it
+# loses (`gpu_check.sh norm-epilogue`, thirty-first session, H100, its GPU tests passing): the 8B decode b1@32K int4
+# 4.56 -> 4.66 ms and FP8 5.32 -> 5.37 at 82a0989; 4.42 -> 4.64 and 5.20 -> 5.26 at f4bba8e (GATED and the early
+# loads on). Why is not measured yet (`gpu_check.sh norm-profile`). Read at each call.
 NORM_EPILOGUE = False
 _NORM_LOCKS: dict[torch.device, torch.Tensor] = {}  # one counter a device (launch.zeroed_counters)
 

@@ -38,8 +38,10 @@ def test_the_products_it_takes() -> None:
 @pytest.mark.parametrize("stages", [2, 4])
 def test_splits_keep_one_wave(n: int, k: int, m: int, stages: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """At the 8B projections on 132 SMs: every program resident at once (or one split), no split empty; the programs
-    an SM holds by shared memory (the tiles and the activation slots in 227 KB) and registers."""
+    an SM holds by shared memory (the tiles and the activation slots in 227 KB) and registers (MIN_SPLIT_BLOCKS 1:
+    the wave alone; test_splits_of_at_least_min_blocks caps it)."""
     monkeypatch.setattr(wg, "STAGES", stages)
+    monkeypatch.setattr(wg, "MIN_SPLIT_BLOCKS", 1)
     tiles, blocks = -(-n // 128), k // 128
     split, resident = wg.splits(tiles, blocks, 132, m), wg.resident_programs(132, m)
     # 2 stages: 6 an SM to 16 rows, 3 at 32 (their registers); 4 stages: 3

@@ -105,11 +105,13 @@
 # 0.7x), then the kernel's GPU tests with it (every row count it takes; AHEAD acts up to 8).
 # ahead-decodes (one GPU, ~5 min): int4-ahead's and fp8-ahead's decodes alone (no tests, no ncu), for a short call;
 # bf16 and FP8 at b8@8K too (FP8's AHEAD acts up to 8 rows).
-# b1-stack (one GPU, ~8 min): issue 18's two batch-1 cells (8B int4 <= 0.6x, block FP8 <= 0.7x bf16 at b1@32K) with
-# the switches not yet on stacked one by one: the defaults, + the loads before the PDL wait (launch.PDL_EARLY_LOADS),
-# + silu(gate) * up inside the GEMV (quant_gemv.INT4_MMA_GATED / quant_fp8.FP8_WGMMA_GATED), + the next norm in the
-# GEMV's epilogue (gluon_gemv.NORM_EPILOGUE); bf16 at its defaults and with the early loads beside them. Decodes only,
-# packed after each run (their GPU tests: early-loads, int4-gated, fp8-gated, norm-epilogue).
+# b1-stack (one GPU, ~8 min): issue 18's two batch-1 cells (8B int4 <= 0.6x, block FP8 <= 0.7x bf16 at b1@32K) at the
+# defaults, then with each switch turned on in the thirty-first session off alone, to see what each gives on the card
+# (measured on an H100): the loads before the PDL wait (launch.PDL_EARLY_LOADS; bf16 too), silu(gate) * up inside the
+# GEMV (quant_gemv.INT4_MMA_GATED / quant_fp8.FP8_WGMMA_GATED), FP8's splits of at least 4 K blocks
+# (fp8_wgmma_gemv.MIN_SPLIT_BLOCKS). Decodes only, packed after each run.
+# norm-profile (one GPU, ~4 min): the 8B int4 and FP8 decode b1@32K with NORM_EPILOGUE off and on under --profile
+# (each kernel's time past the ones before it): where the 0.22 ms it lost at int4 b1 (thirty-first session) goes.
 # norm-epilogue (one GPU, ~6 min): the next RMSNorm in the one-row int4 and FP8 GEMVs' epilogue
 # (gluon_gemv.NORM_EPILOGUE): the kernels' GPU tests against fused_add_rms_norm after the product, the engine's
 # (AWQ, FP8 blocks: first steps agree off / on), then the 8B decode b1@32K int4 and FP8 off / on beside bf16.
@@ -736,27 +738,36 @@ if [[ $MODE == ahead-decodes ]]; then  # one GPU (~5 min): int4-ahead's and fp8-
   done
 fi
 
-if [[ $MODE == b1-stack ]]; then  # one GPU (~8 min): issue 18's b1 cells with the pending switches stacked
+if [[ $MODE == b1-stack ]]; then  # one GPU (~8 min): issue 18's b1 cells at the defaults, each switch off beside
   cases=(--config llama-3.1-8b "${dummy[@]}" --repeat 3 --decode-batch-sizes 1@32768)
   pack() { (cd "$OUT/.." && tar czf "$(basename "$OUT").tgz" "$(basename "$OUT")"); }
-  early=longserve.kernels.launch.PDL_EARLY_LOADS=True
-  norm=longserve.kernels.gluon_gemv.NORM_EPILOGUE=True
+  early=longserve.kernels.launch.PDL_EARLY_LOADS=False
   for variant in bf16 int4 fp8; do
-    q=(); gated=()
-    [[ $variant == int4 ]] && { q=(--quantization gptq); gated=longserve.kernels.quant_gemv.INT4_MMA_GATED=True; }
-    [[ $variant == fp8 ]] && { q=(--hf-overrides "$fp8"); gated=longserve.kernels.quant_fp8.FP8_WGMMA_GATED=True; }
+    q=(); offs=()
+    [[ $variant == int4 ]] && { q=(--quantization gptq); offs=(longserve.kernels.quant_gemv.INT4_MMA_GATED=False); }
+    [[ $variant == fp8 ]] && { q=(--hf-overrides "$fp8"); offs=(longserve.kernels.quant_fp8.FP8_WGMMA_GATED=False
+      longserve.kernels.fp8_wgmma_gemv.MIN_SPLIT_BLOCKS=1); }
     LATENCY_TIMEOUT=100 latency_with "stack_${variant}_defaults" "$variant defaults" -- "${cases[@]}" ${q[@]+"${q[@]}"}
     pack
-    LATENCY_TIMEOUT=100 latency_with "stack_${variant}_early" "$variant + early loads" $early -- "${cases[@]}" \
-      ${q[@]+"${q[@]}"}
-    pack
-    [[ $variant == bf16 ]] && continue
-    LATENCY_TIMEOUT=100 latency_with "stack_${variant}_gated" "$variant + early loads + gated" $early $gated -- \
-      "${cases[@]}" "${q[@]}"
-    pack
-    LATENCY_TIMEOUT=100 latency_with "stack_${variant}_norm" "$variant + early loads + gated + norm epilogue" $early \
-      $gated $norm -- "${cases[@]}" "${q[@]}"
-    pack
+    for off in $early ${offs[@]+"${offs[@]}"}; do
+      name=${off#longserve.kernels.}
+      LATENCY_TIMEOUT=100 latency_with "stack_${variant}_${name%%=*}" "$variant $name" "$off" -- "${cases[@]}" \
+        ${q[@]+"${q[@]}"}
+      pack
+    done
+  done
+fi
+
+if [[ $MODE == norm-profile ]]; then  # one GPU (~4 min): where the norm epilogue's b1 time goes, off / on
+  for variant in int4 fp8; do
+    q=(--quantization gptq)
+    [[ $variant == fp8 ]] && q=(--hf-overrides "$fp8")
+    for on in False True; do
+      LATENCY_TIMEOUT=120 latency_with "norm_profile_${variant}_$on" "$variant NORM_EPILOGUE=$on" \
+        longserve.kernels.gluon_gemv.NORM_EPILOGUE=$on -- --config llama-3.1-8b "${dummy[@]}" --repeat 3 \
+        --decode-batch-sizes 1@32768 --profile "${q[@]}"
+      top_ops "$OUT/latency_norm_profile_${variant}_$on.json"
+    done
   done
 fi
 
