@@ -12,6 +12,14 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# pytest-xdist (the README's `-n 2`): in a worker the machine's cores are split between the workers, as torch's
+# intra-op threads (one a core by default in each) would otherwise oversubscribe them.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if _WORKER:
+    torch.set_num_threads(
+        max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    )
+
 
 # The sm90 compile check (longserve/testing/kernel_compile.py): in CI (CI=true) or with
 # LONGSERVE_COMPILE_KERNELS=1, every Triton kernel variant the interpreted tests launched (those covering every
@@ -22,13 +30,23 @@ _COMPILE_CHECK = (
     os.environ.get("LONGSERVE_COMPILE_KERNELS", "1" if os.environ.get("CI") == "true" else "0") == "1"
 )
 _RECORD_FILE = os.environ.get("LONGSERVE_RECORD_KERNELS")
+# Under xdist the workers run the kernels and append their records to this file, named by the controller (its
+# environment is theirs), which compiles them once all have finished.
+_WORKER_RECORDS = "LONGSERVE_WORKER_KERNEL_RECORDS"
 
 
 def pytest_configure(config) -> None:
-    if (_COMPILE_CHECK or _RECORD_FILE) and os.environ.get("TRITON_INTERPRET") == "1":
-        from longserve.testing.kernel_compile import record_launches
+    if not ((_COMPILE_CHECK or _RECORD_FILE) and os.environ.get("TRITON_INTERPRET") == "1"):
+        return
+    if _WORKER is None and getattr(config.option, "numprocesses", None):  # xdist's controller: runs no test
+        import tempfile
 
-        record_launches()
+        with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
+            os.environ[_WORKER_RECORDS] = f.name
+        return
+    from longserve.testing.kernel_compile import record_launches
+
+    record_launches()
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:
@@ -38,6 +56,10 @@ def pytest_sessionfinish(session, exitstatus) -> None:
 
     if _RECORD_FILE:
         dump_records(_RECORD_FILE)
+    if _WORKER is not None:  # the controller compiles what every worker recorded
+        if _COMPILE_CHECK and _WORKER_RECORDS in os.environ:
+            dump_records(os.environ[_WORKER_RECORDS])
+        return
     if not _COMPILE_CHECK or exitstatus != 0:
         return
     from longserve.testing.kernel_compile import sm90_compiler_missing
@@ -51,9 +73,13 @@ def pytest_sessionfinish(session, exitstatus) -> None:
     import tempfile
     import time
 
-    with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
-        path = f.name
-    if dump_records(path) == 0:
+    path = os.environ.get(_WORKER_RECORDS)
+    if path is None:
+        with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
+            path = f.name
+        if dump_records(path) == 0:
+            return
+    elif os.path.getsize(path) == 0:
         return
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     cmd = [sys.executable, "-m", "longserve.testing.kernel_compile", path, "--package", "longserve."]
