@@ -36,6 +36,18 @@ status=0
 # modes pass it: --hf-overrides "$fp8"
 fp8='{"quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}}'
 
+# top_ops FILE: each profiled case's kernels in a `bench latency --profile` JSON record, device ms (spans, and the
+# time past the kernels before them: programmatic dependent launch overlaps the spans) and calls
+top_ops() {
+  python3 - "$1" <<'PY'
+import json, sys
+for r in json.load(open(sys.argv[1])):
+    for op in r.get("profile", {}).get("top_ops", []):
+        own = f" ({op['exclusive_ms']:.2f} past waits)" if "exclusive_ms" in op else ""
+        print(f"  {op['ms']:8.2f} ms{own} {op['calls']:6d}x {op['name'][:90]}")
+PY
+}
+
 # latency_with NAME LABEL [module.CONSTANT=VALUE ...] -- ARGS...: `longserve.bench.latency ARGS` in its own process
 # with those module constants set (scripts/probes/with_constants.py), within $LATENCY_TIMEOUT s (240), its JSON and
 # log kept as $OUT/latency_NAME.{json,log}; the log's lines matching $LATENCY_LINES (the cases' result lines)
@@ -52,7 +64,7 @@ latency_with() {
 # the dummy-weight bf16 runs every A/B measures
 dummy=(--load-format dummy --dtype bfloat16 --warmup 1)
 
-for part in dense moe quant; do
+for part in dense moe quant quant_gemv; do
   # shellcheck source=/dev/null
   source "scripts/gpu/modes/$part.sh"  # each runs the blocks of MODE it holds, setting status=1 on a failure
 done
