@@ -35,7 +35,6 @@ WRITERS = {
 
 def write_gptq_moe_g128(path):
     """GPTQ int4 experts in groups of 128 (experts 128 wide): what kernels/moe_wna16.py's grouped kernel takes."""
-
     with mock.patch.dict(qc.MOE_DIMS, {"moe_intermediate_size": 128}):
         return qc.write_gptq(path, "qwen3_moe", bits=4, group_size=128, seed=10)
 
@@ -142,9 +141,8 @@ def test_the_norm_in_the_gemv_epilogue(tmp_path, monkeypatch, case):
     if case == "awq":
         path = WRITERS[case](tmp_path / case)
     else:
-        with mock.patch.dict(
-            qc.DENSE_DIMS, {"num_key_value_heads": 4}
-        ):  # k and v 128 rows: whole 128 x 128 blocks
+        # k and v of 128 rows (4 KV heads), so every projection divides into 128 x 128 blocks
+        with mock.patch.dict(qc.DENSE_DIMS, {"num_key_value_heads": 4}):
             path = qc.write_fp8_block(tmp_path / case, "qwen3", block=(128, 128), seed=7)
     off = first_step(path, dtype="bfloat16", max_new_tokens=4)
     monkeypatch.setattr(gluon_gemv, "NORM_EPILOGUE", True)
