@@ -3,7 +3,7 @@ one row (kernels/fp8_gemv.py, variants with "fp8") and of the tensor-core int4 G
 "mma"), from their sm90 SASS, with registers, on any machine (Triton ships ptxas and nvdisasm). An H200 streams an int4 weight in ~0.12 ns and an e4m3 one in ~0.24 ns, and its SMs
 issue ~33 T lane-instructions/s: at ~4 instructions a weight the int4 GEMV's issue takes as long as its bytes
 (issue-bound), the FP8 one's at ~8; this count tells how far a loop is from that before a GPU does. The loop is
-the longest backward branch; a weight is one of the BLOCK_N x BLOCK_K a program's tile holds, over its 32 x
+the longest backward branch (the mma GEMV's: the shortest holding HMMA); a weight is one of the BLOCK_N x BLOCK_K a program's tile holds, over its 32 x
 num_warps threads.
 
     python3 scripts/dev/count_gemv_sass.py                        # the default variants, one line each
@@ -23,6 +23,7 @@ from compile_quant_gemv import compile_fp8_gemv, compile_int4_gemv, compile_int4
 
 from longserve.testing.kernel_compile import (  # noqa: E402
     cubin_tool,
+    innermost_loop,
     loop_instructions,
     opcode_counts,
     report_variants,
@@ -56,7 +57,11 @@ def count(variant: dict) -> dict:
         kw = {"bn": 256, **variant}
         compiled = compile_fp8_gemv(**kw) if kw.get("fp8") else compile_int4_gemv(**kw)
         weights_per_thread = kw["bn"] * kw.get("bk", 128) / (32 * kw.get("num_warps", 4))
-    body = loop_instructions(cubin_tool(compiled.asm["cubin"], "nvdisasm", "-c"))
+    sass = cubin_tool(compiled.asm["cubin"], "nvdisasm", "-c")
+    # the mma GEMV's main loop is the shortest holding HMMA: with a ring (STAGES) the longest backward branch is an
+    # mbarrier wait's retry, which jumps back across the loop and the epilogue (977 instructions against the loop's
+    # 326 with the norm epilogue, thirty-first session)
+    body = innermost_loop(sass, "HMMA") if variant.get("mma") else loop_instructions(sass)
     return {"variant": variant, "loop": len(body), "per_weight": round(len(body) / weights_per_thread, 2),
             "regs": resource_usage(compiled.asm["cubin"])["regs"], "top": dict(list(opcode_counts(body).items())[:8])}  # fmt: skip
 
