@@ -60,7 +60,7 @@ def count(variant: dict) -> dict:
     sass = cubin_tool(compiled.asm["cubin"], "nvdisasm", "-c")
     # the mma GEMV's main loop is the shortest holding HMMA: with a ring (STAGES) the longest backward branch is an
     # mbarrier wait's retry, which jumps back across the loop and the epilogue (977 instructions against the loop's
-    # 326 with the norm epilogue, thirty-first session)
+    # 260 at REPS 2, 2 stages, AHEAD, the norm epilogue; thirty-first session)
     body = innermost_loop(sass, "HMMA") if variant.get("mma") else loop_instructions(sass)
     return {"variant": variant, "loop": len(body), "per_weight": round(len(body) / weights_per_thread, 2),
             "regs": resource_usage(compiled.asm["cubin"])["regs"], "top": dict(list(opcode_counts(body).items())[:8])}  # fmt: skip
