@@ -10,14 +10,14 @@ from pathlib import Path
 from typing import IO
 
 
-def open_record(path: str | Path) -> IO[str]:
-    """A record file opened for reading text, decompressed by its suffix."""
+def open_record(path: str | Path, errors: str = "strict") -> IO[str]:
+    """A record file opened for reading text, decompressed by its suffix (errors: as open's, for tools' logs)."""
     name = str(path)
     if name.endswith(".xz"):
-        return lzma.open(name, "rt", encoding="utf-8")
+        return lzma.open(name, "rt", encoding="utf-8", errors=errors)
     if name.endswith(".gz"):
-        return gzip.open(name, "rt", encoding="utf-8")
-    return open(name, encoding="utf-8")  # noqa: SIM115 (the caller's `with` closes it)
+        return gzip.open(name, "rt", encoding="utf-8", errors=errors)
+    return open(name, encoding="utf-8", errors=errors)  # noqa: SIM115 (the caller's `with` closes it)
 
 
 def find_record(folder: str | Path, name: str) -> Path:

@@ -31,6 +31,8 @@ from collections import defaultdict
 
 from ncu_calls import profile_calls, run, table_rows  # this folder (the script's own: first on sys.path)
 
+from longserve.bench.records import open_record  # a committed record is .xz over 4 KB
+
 # warp stall reasons, each the average number of warps stalled on it per issued instruction
 STALLS = [
     f"smsp__average_warps_issue_stalled_{reason}_per_issue_active.ratio"
@@ -73,7 +75,7 @@ def source_summary(path: str, top: int = 30) -> str:
     """The SASS instructions holding the most warp-state samples in ncu's `--page source --csv --print-source sass`
     table (one profiled kernel: `--only`), with their share of all samples; the table's columns as ncu names them
     (those holding "Sampl"), printed first."""
-    with open(path, encoding="utf-8", errors="replace") as f:
+    with open_record(path, errors="replace") as f:
         text = f.read()
     # ncu's own lines (==PROF== ...) and a "Kernel Name" row come before the table's header row
     header = re.search(r'^"#? ?Address",', text, re.M)

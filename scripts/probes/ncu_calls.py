@@ -8,11 +8,13 @@ import io
 import sys
 from collections.abc import Callable
 
+from longserve.bench.records import open_record  # a committed record is .xz over 4 KB
+
 
 def table_rows(path: str) -> list[dict[str, str]] | None:
     """The rows of ncu's `--csv --page details` table in path (one a metric of a kernel: "ID", "Kernel Name",
     "Section Name", "Metric Name", "Metric Unit", "Metric Value", ...); None if it holds no table (ncu failed)."""
-    with open(path, encoding="utf-8", errors="replace") as f:
+    with open_record(path, errors="replace") as f:
         text = f.read()
     start = text.find('"ID"')  # ncu prints its own lines (==PROF== ...) before the table
     return None if start < 0 else list(csv.DictReader(io.StringIO(text[start:])))

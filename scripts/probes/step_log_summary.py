@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 import sys
 
+from longserve.bench.records import open_record  # a committed record is .xz over 4 KB
+
 
 def _p95(values: list[float]) -> float:
     values = sorted(values)
@@ -48,11 +50,11 @@ def summarize(lines: list[dict]) -> list[str]:
 
 
 def main() -> None:
-    with open(sys.argv[1], encoding="utf-8") as f:
+    with open_record(sys.argv[1]) as f:
         head, *lines = [json.loads(line) for line in f if line.strip()]
     marks: list[tuple[str, float]] = []
     if len(sys.argv) > 2:
-        with open(sys.argv[2], encoding="utf-8") as f:
+        with open_record(sys.argv[2]) as f:
             for line in f:
                 name, unix = line.split()
                 marks.append((name, float(unix) - head["opened_unix"]))
