@@ -4,8 +4,11 @@
 # $OUT; a short table last. LONGSERVE_COMMIT is the commit the JSON metadata names: compute it where the tree
 # is a git checkout (a copied tree's .git may be stale) and pass it as a literal, e.g.
 #   LONGSERVE_COMMIT=abc1234 bash scripts/gpu/gpu_check.sh latency
-# The modes live in scripts/gpu/modes/: dense.sh (tests, the dense shapes, vLLM, tensor parallelism), moe.sh
-# and quant.sh (quantized weights, the fp8 KV cache), each mode described there; MODES below lists them all.
+# The modes live in scripts/gpu/modes/, all of its *.sh sourced in name order: dense.sh (tests, the dense shapes,
+# vLLM, tensor parallelism), prefix_hit.sh (the prefix hit, the host's time), attention.sh (FA3, the Gluon
+# attention kernels), moe.sh, quant.sh (quantized weights, the fp8 KV cache), int4_gemv.sh and fp8_gemv.sh (the
+# decode GEMVs on the tensor cores), each mode described there; MODES below lists them all. A mode's blocks all
+# lie in one file, so the order of the files changes no mode (tests/unit/test_gpu_scripts.py checks that).
 # (tests, quant, kvfp8, structured, pdl, pdl-moe, serial-reduce, dense-gemm: carry the wheels of
 # scripts/gpu/fetch_test_wheels.sh and install them first; scripts/gpu/queue.sh does.)
 set -uo pipefail
@@ -63,10 +66,18 @@ latency_with() {
 }
 # the dummy-weight bf16 runs every A/B measures
 dummy=(--load-format dummy --dtype bfloat16 --warmup 1)
+# vLLM 0.24's slim build into /tmp/site, and its environment (../shared/anchors/README.md): the modes that run vLLM
+# need ../shared/anchors/* copied into .anchor/ (git-ignored) and carried
+unpack_vllm() {
+  mkdir -p /tmp/site && python3 -c "import sys,tarfile; tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/tmp/site', filter='tar')" \
+    < .anchor/vllm-0.24.0-h200-site.tar.xz || return 1
+  export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
+    VLLM_CACHE_ROOT=/tmp/vllm_cache VLLM_ENABLE_V1_MULTIPROCESSING=0
+}
 
-for part in dense moe quant quant_gemv; do
+for part in scripts/gpu/modes/*.sh; do
   # shellcheck source=/dev/null
-  source "scripts/gpu/modes/$part.sh"  # each runs the blocks of MODE it holds, setting status=1 on a failure
+  source "$part"  # each runs the blocks of MODE it holds, setting status=1 on a failure
 done
 
 echo "=== summary ($MODE) ==="

@@ -1,7 +1,8 @@
 """The GPU scripts agree with themselves and with the package before a device call spends minutes on them: every
-mode gpu_check.sh lists has a block in scripts/gpu/modes/ and every block is listed, queue.sh's time estimates
-name listed modes, and every tuning constant a mode sets through with_constants.py (`longserve.pkg.mod.NAME=...`)
-is assigned at the top level of that module (a renamed switch would otherwise stop the call at its first run)."""
+mode gpu_check.sh lists has a block in scripts/gpu/modes/ and every block is listed, a mode's blocks lie in one
+file, queue.sh's time estimates name listed modes, and every tuning constant a mode sets through
+with_constants.py (`longserve.pkg.mod.NAME=...`) is assigned at the top level of that module (a renamed switch
+would otherwise stop the call at its first run)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,16 @@ def test_every_listed_mode_has_a_block_and_every_block_is_listed() -> None:
     assert blocks - listed == set(), "a block for a mode gpu_check.sh refuses (not in MODES)"
     estimated = set(re.findall(r"\[([a-z0-9-]+)\]=\d+", texts[GPU / "queue.sh"]))
     assert estimated - listed == set(), "queue.sh estimates a mode gpu_check.sh does not list"
+
+
+def test_each_modes_blocks_lie_in_one_file() -> None:
+    """gpu_check.sh sources scripts/gpu/modes/*.sh in name order: a mode with blocks in two files (`all` runs the
+    tests block, then bench's) would run them in an order a renamed file could change."""
+    files: dict[str, set[str]] = {}
+    for path in sorted((GPU / "modes").glob("*.sh")):
+        for mode in re.findall(r"\$MODE == ([A-Za-z0-9_-]+)", path.read_text()):
+            files.setdefault(mode, set()).add(path.name)
+    assert {mode: names for mode, names in files.items() if len(names) > 1} == {}
 
 
 def test_the_constants_the_modes_set_exist() -> None:

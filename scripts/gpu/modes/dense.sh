@@ -4,8 +4,6 @@
 # tests (one GPU; quick: the same): the GPU tests in five processes and the CPU e2e suite on CUDA; bench: the
 # kernel microbenchmarks; all = tests + bench. tp, tp2, tp32: two GPUs.
 # chunks (one GPU): a lone cold prompt in chunks of 8K, 16K, 32K.
-# short-plans (one GPU, ~4 min): prefix hits of 64 / 1K / 2K / 4K new tokens over 32K (and 1K over 64K), and the
-# start-up's cuDNN plan builds, without and with plans for 1-4K new tokens over any prefix (SHORT_QUERY_ROWS).
 # piecewise (one GPU): the piecewise graphs' GPU test, then step_timeline.py, cold 512-4096 and 32K, and 32K +
 # 64 / 512 / 1024 hits (issue 19's >= 100x: 95.6x eager) with --piecewise-cuda-graph-max-tokens 0 and 4096.
 # pdl (one GPU, ~8 min): programmatic dependent launch off and on: its GPU tests (outputs unchanged, the kernels
@@ -17,9 +15,6 @@
 # early-loads (one GPU, ~5 min): the norms', RoPE's and the decode attention's loads of what no kernel of the step
 # writes issued before their PDL wait (launch.PDL_EARLY_LOADS) off and on: the PDL GPU tests, then the 8B decode at
 # batch 1 (32K) in bf16, GPTQ int4 and FP8 blocks, and at batch 64 (4K) in bf16, one process each.
-# hit-pdl (one GPU, ~4 min): issue 19's prefix hit (32K cached + 64 new; 90.5x the cold 32K at 0949067, 98.7x at
-# e9be5b7) with PDL off and on (its 64-token graph's norms and rotary launch with it), 7 runs each, then
-# scripts/probes/probe_hit.py (host segments and the forward's device time, PDL on).
 # dense-gemm (one GPU, ~6 min): kernels/dense_gemm.py's Triton GEMM for the unquantized linears at 16-128 tokens
 # (DENSE_GEMM_TRITON_MAX_TOKENS, off): its GPU tests, per 8B projection against cuBLAS with a small tile sweep
 # (scripts/gpu/bench_dense_gemm.py, weights from HBM), then the 8B decode at batch 16 (8K) and 64 (4K) off and on.
@@ -27,6 +22,8 @@
 # decode attention's key splits (decode_attention.PROGRAMS_PER_SM; 4 is the default).
 # fusions (one GPU): the prefix-as-view and fused K/V-store switches off, each against both on (fusions-a3b, the
 # A3B shape's, is in moe.sh).
+# The prefix-hit and host-time modes (hit, hit-*, paged-cudnn, host, launch, turns, short-plans) are in
+# prefix_hit.sh, the attention kernels' (fa3, gluon, gluon-extend, gluon-ncu, fa3-engine) in attention.sh.
 # shellcheck shell=bash
 
 if [[ $MODE == all || $MODE == tests || $MODE == quick ]]; then
@@ -142,14 +139,6 @@ if [[ $MODE == latency ]]; then  # one GPU: tests, short-suffix extend sweep, th
     --output-json "$OUT/latency_8b_no_prefill_graphs.json" 2>&1 | tee "$OUT/latency_8b_no_prefill_graphs.log" | tail -3
 fi
 
-if [[ $MODE == hit ]]; then  # one GPU: the prefix-hit cases alone (more runs), then cold 128K against HF
-  base=(--config llama-3.1-8b --load-format dummy --dtype bfloat16)
-  python3 -m longserve.bench.latency "${base[@]}" --warmup 1 --repeat 5 --prefix-hit 32768:64,32768:256 \
-    --output-json "$OUT/latency_8b_hit.json" 2>&1 | tee "$OUT/latency_8b_hit.log" | tail -4
-  python3 -m longserve.bench.latency "${base[@]}" --warmup 0 --repeat 1 --prompt-lens 131072 --compare-hf \
-    --output-json "$OUT/latency_8b_128k.json" 2>&1 | tee "$OUT/latency_8b_128k.log" | tail -3
-fi
-
 if [[ $MODE == dense-gemm ]]; then  # one GPU (~6 min): the Triton skinny GEMM against cuBLAS, then end to end
   python3 -m pytest -q -m gpu tests/gpu/test_dense_gemm_gpu.py -p no:cacheprovider --tb=short -rfE 2>&1 \
     | tee "$OUT/gpu_tests_dense_gemm.log" | tail -3 || status=1
@@ -191,79 +180,6 @@ if [[ $MODE == early-loads ]]; then  # one GPU (~5 min): launch.PDL_EARLY_LOADS 
   done
 fi
 
-if [[ $MODE == hit-attention ]]; then  # one GPU (~1 min): the prefix hit's attention: register caps, then cuDNN
-  # the extend kernel at 2-4 programs an SM (register caps; sweep_short_extend.py's OCCUPANCY list), then cuDNN on
-  # the GQA-packed rows with the keys split as a batch (probe_hit_cudnn.py)
-  OCCUPANCY=1 timeout 200 python3 scripts/probes/sweep_short_extend.py 2>&1 | tee "$OUT/sweep_occupancy.log" \
-    | grep -E "default|failed" | tail -6
-  timeout 200 python3 scripts/probes/probe_hit_cudnn.py 2>&1 | tee "$OUT/probe_hit_cudnn.log" | tail -24
-fi
-
-if [[ $MODE == hit-regs ]]; then  # one GPU (~4 min): a short chunk's stages and register cap, end to end
-  # triton_backend.SHORT_CHUNK_STAGES / SHORT_CHUNK_MAXNREG (hit-attention's sweep: 2 stages at 168 registers
-  # fastest alone), the prefix hits and cold 32K (the 100x's denominator) in one process each, twice, alternated;
-  # the hits in the Triton kernel (the packed cuDNN call off)
-  for round in 1 2; do
-    for v in "3 None" "2 168"; do
-      read -r st mr <<< "$v"
-      LATENCY_TIMEOUT=170 latency_with hit_regs_s${st}_r${mr}_$round "stages $st maxnreg $mr:" \
-        longserve.attention.sdpa_shapes.PACKED_PREFIX_CALLS=False \
-        longserve.attention.triton_backend.SHORT_CHUNK_STAGES=$st \
-        longserve.attention.triton_backend.SHORT_CHUNK_MAXNREG=$mr -- \
-        --config llama-3.1-8b "${dummy[@]}" --repeat 5 --prompt-lens 32768 --prefix-hit 32768:64,32768:256
-    done
-  done
-fi
-
-if [[ $MODE == hit-packed ]]; then  # one GPU (~4 min): a prefix hit's question through the packed cuDNN call
-  # its GPU test and the engine's (the lone chunk's graphs step aside for it), then the 8B hits with the packed
-  # call on (the default) and off (the Triton kernel in the lone chunk's graph), cold 32K beside them
-  timeout 240 python3 -m pytest -q -m gpu tests/gpu/test_attention_gpu.py tests/gpu/test_engine_gpu.py \
-    -p no:cacheprovider --tb=short -rfE -s -k "packed or library or unaligned or not attention" 2>&1 \
-    | tee "$OUT/gpu_tests_packed.log" | grep -E "^(FAILED|ERROR|E  )|passed|failed|packed plans" | tail -20
-  for on in True False; do
-    LATENCY_TIMEOUT=170 latency_with hit_packed_$on "packed $on:" \
-      longserve.attention.sdpa_shapes.PACKED_PREFIX_CALLS=$on -- --config llama-3.1-8b "${dummy[@]}" --repeat 5 \
-      --prompt-lens 32768 --prefix-hit 32768:64,32768:256
-  done
-fi
-
-if [[ $MODE == hit-context ]]; then  # one GPU (~5 min): the 32K + 64 hit outside hit-packed's small engine: packed
-  # on / off after a cold 128K prompt (a 128K context), on in a fresh 128K context, then in a 32K context with a
-  # 292,864-token pool (the vllm mode's), then packed on under cProfile (sixteenth session: the packed hit
-  # scattered 11.9-22.1 ms, Triton 13.4-14.3)
-  for on in True False; do
-    LATENCY_TIMEOUT=150 latency_with hit_context_$on "packed $on, after 128K:" \
-      longserve.attention.sdpa_shapes.PACKED_PREFIX_CALLS=$on -- --config llama-3.1-8b "${dummy[@]}" --repeat 3 \
-      --prompt-lens 131072 --prefix-hit 32768:64
-  done
-  LATENCY_TIMEOUT=100 latency_with hit_context_fresh "packed True, fresh 128K context:" \
-    longserve.attention.sdpa_shapes.PACKED_PREFIX_CALLS=True -- --config llama-3.1-8b "${dummy[@]}" --repeat 5 \
-    --context-length 131088 --prefix-hit 32768:64
-  for on in True False; do
-    LATENCY_TIMEOUT=80 latency_with hit_pool_$on "packed $on, big pool:" \
-      longserve.attention.sdpa_shapes.PACKED_PREFIX_CALLS=$on -- --config llama-3.1-8b "${dummy[@]}" --repeat 5 \
-      --max-total-tokens 292864 --prefix-hit 32768:64
-  done
-  LATENCY_TIMEOUT=80 LATENCY_LINES="^(prefix|.*host profile|  +[0-9])" latency_with hit_pool_host "packed True:" \
-    longserve.attention.sdpa_shapes.PACKED_PREFIX_CALLS=True -- --config llama-3.1-8b "${dummy[@]}" --repeat 3 \
-    --max-total-tokens 292864 --prefix-hit 32768:64 --host-profile
-fi
-
-if [[ $MODE == hit-ragged ]]; then  # one GPU (~2 min): can the packed prefix call live in a CUDA graph? cuDNN's ragged
-  # form over the whole cache (scripts/probes/probe_ragged_cudnn.py: right, captured and replayed, its time)
-  timeout 150 python3 scripts/probes/probe_ragged_cudnn.py 2>&1 | tee "$OUT/probe_ragged_cudnn.log" | tail -30
-fi
-
-if [[ $MODE == paged-cudnn ]]; then  # one GPU (~4 min; the test wheels carried: cuDNN's frontend): one paged cuDNN call
-  # for the prefix hit and for chunks over long prefixes, against the engine's paths, and the hit in a CUDA graph
-  # (scripts/probes/probe_paged_cudnn.py), with the engine's pages of 16 tokens and with pages of 64
-  for page in 16 64; do
-    PROBE_PAGE=$page timeout 120 python3 scripts/probes/probe_paged_cudnn.py 2>&1 \
-      | tee "$OUT/probe_paged_cudnn_page$page.log" | tail -25
-  done
-fi
-
 if [[ $MODE == chunk-decodes ]]; then  # one GPU (~4 min): a 16K prompt's TTFT beside 0/1/4/8 decoding requests, with the
   # budget as served and lowered by d, as before (scripts/probes/probe_chunk_beside_decodes.py; multi-turn P95)
   timeout 230 python3 scripts/probes/probe_chunk_beside_decodes.py 2>&1 | tee "$OUT/probe_chunk_beside_decodes.log" | tail -12
@@ -289,73 +205,12 @@ PY
   done
 fi
 
-if [[ $MODE == hit-host ]]; then  # one GPU (~2 min): where the host's time goes in a prefix hit, packed call on, off
-  # (on: the layers' attention eager between the piecewise graphs; off: the lone chunk's graph), cProfile's top
-  for on in True False; do
-    LATENCY_TIMEOUT=170 LATENCY_LINES="^(prefix|.*host profile|  +[0-9])" latency_with hit_host_$on "packed $on:" \
-      longserve.attention.sdpa_shapes.PACKED_PREFIX_CALLS=$on -- --config llama-3.1-8b "${dummy[@]}" --repeat 3 \
-      --prefix-hit 32768:64 --host-profile
-  done
-fi
-
-if [[ $MODE == hit-pdl ]]; then  # one GPU (~4 min): the prefix hit with PDL off and on, then where its time goes
-  for pdl in False True; do
-    LATENCY_TIMEOUT=200 latency_with hit_pdl_$pdl "PDL=$pdl" longserve.kernels.launch.PDL=$pdl -- --config \
-      llama-3.1-8b "${dummy[@]}" --repeat 7 --prefix-hit 32768:64
-  done
-  timeout 200 python3 scripts/probes/probe_hit.py 2>&1 | grep -vE "^\[bench|INFO|WARNING" | tee "$OUT/probe_hit.log" | tail -16
-fi
-
-if [[ $MODE == host ]]; then  # one GPU: where the host's time goes in a prefix hit and in decode steps
-  base=(--config llama-3.1-8b --load-format dummy --dtype bfloat16 --warmup 1 --repeat 3 --host-profile)
-  python3 -m longserve.bench.latency "${base[@]}" --prefix-hit 32768:64,32768:256 --decode-batch-sizes 1 \
-    --decode-context-len 32768 --output-json "$OUT/latency_8b_host.json" 2>&1 | tee "$OUT/latency_8b_host.log" \
-    | grep -v "^\[bench" | tail -40
-  python3 -m longserve.bench.latency "${base[@]}" --decode-batch-sizes 64 --decode-context-len 4096 \
-    --output-json "$OUT/latency_8b_host64.json" 2>&1 | tee "$OUT/latency_8b_host64.log" | grep -v "^\[bench" | tail -20
-fi
-
-if [[ $MODE == launch ]]; then  # one GPU: host launch cost, Triton's launch against FastKernel, eager steps
-  python3 -m pytest -q -m gpu tests/gpu/test_fused_ops_gpu.py tests/gpu/test_engine_gpu.py -p no:cacheprovider \
-    -o faulthandler_timeout=150 2>&1 | tee "$OUT/gpu_tests.log" | tail -4 || status=1
-  python3 scripts/probes/probe_launch.py 2>&1 | tee "$OUT/probe_launch.log"
-  base=(--config llama-3.1-8b --load-format dummy --dtype bfloat16 --warmup 1 --repeat 3 --cuda-graph-max-prefill-tokens 0)
-  for fast in 0 1; do
-    LONGSERVE_TRITON_FAST_LAUNCH=$fast python3 -m longserve.bench.latency "${base[@]}" --prefix-hit 32768:64,32768:512 \
-      --output-json "$OUT/latency_8b_eager_fast$fast.json" 2>&1 | tee "$OUT/latency_8b_eager_fast$fast.log" | tail -3
-  done
-fi
-
-if [[ $MODE == turns ]]; then  # one GPU: a conversation's next turn (tokenizer prefix cache; medium suffix hits)
-  python3 scripts/dev/bench_tokenize.py --history 8192,32768,131072 --turns 6 --output-json "$OUT/bench_tokenize.json" \
-    2>&1 | grep -v "Token indices" | tee "$OUT/bench_tokenize.log"
-  python3 -m pytest -q -m gpu tests/gpu/test_engine_gpu.py tests/gpu/test_attention_gpu.py -p no:cacheprovider \
-    -o faulthandler_timeout=150 2>&1 | tee "$OUT/gpu_tests.log" | tail -4 || status=1
-  hits=(--config llama-3.1-8b --load-format dummy --dtype bfloat16 --warmup 1 --repeat 3
-        --prefix-hit 32768:256,32768:512,32768:768,8192:512)
-  # the split rule before f1d6925 (cuDNN from 1024 new tokens only), then the current one, on the same machine
-  python3 -c "import sys, longserve.attention.triton_backend as t; t.SPLIT_SDPA_MIN_QUERY_LONG_PREFIX = 1024
-from longserve.bench.latency import main; sys.exit(main(sys.argv[1:]))" "${hits[@]}" \
-    --output-json "$OUT/latency_8b_hits_old_rule.json" 2>&1 | tee "$OUT/latency_8b_hits_old_rule.log" | tail -6
-  python3 -m longserve.bench.latency "${hits[@]}" --output-json "$OUT/latency_8b_hits.json" 2>&1 \
-    | tee "$OUT/latency_8b_hits.log" | tail -6
-fi
-
 if [[ $MODE == structured ]]; then  # one GPU: the grammar mask on the device, and what it costs decode at batch 64
   python3 -m pytest -q -m gpu tests/gpu/test_structured_gpu.py -p no:cacheprovider -o faulthandler_timeout=300 2>&1 \
     | tee "$OUT/gpu_structured_tests.log" | tail -4 || status=1
   python3 scripts/gpu/bench_structured.py --config llama-3.1-8b --batch-size 64 --output-len 256 \
     --output-json "$OUT/structured_8b_b64.json" 2>&1 | tee "$OUT/structured_8b_b64.log" | tail -8
 fi
-
-# vLLM 0.24's slim build into /tmp/site, and its environment (../shared/anchors/README.md): the modes that run vLLM
-# need ../shared/anchors/* copied into .anchor/ (git-ignored) and carried
-unpack_vllm() {
-  mkdir -p /tmp/site && python3 -c "import sys,tarfile; tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/tmp/site', filter='tar')" \
-    < .anchor/vllm-0.24.0-h200-site.tar.xz || return 1
-  export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
-    VLLM_CACHE_ROOT=/tmp/vllm_cache VLLM_ENABLE_V1_MULTIPROCESSING=0
-}
 
 if [[ $MODE == vllm ]]; then  # one GPU: the 8B shape, longserve then vLLM 0.24 in the same call
   unpack_vllm || status=1
@@ -372,108 +227,6 @@ if [[ $MODE == vllm ]]; then  # one GPU: the 8B shape, longserve then vLLM 0.24 
   # the cases the anchors lack: 32K cached + 1024 new, decode b16@8K (and b1@32K, b64@4K again)
   PYTHONPATH=/tmp/site python3 scripts/gpu/vllm_extra_cases.py 2>&1 | tee "$OUT/vllm_extra.log" \
     | grep '"engine"' | cut -c1-280
-fi
-
-if [[ $MODE == fa3 ]]; then  # one GPU (~2 min, .anchor/ carried): our attention against vLLM's FlashAttention-3, one
-  # layer of the 8B (RESULTS.md twenty-first session): bursts of each shape, then each library's calls back to back
-  # at the chip's power limit with its clock and power (FA3 in the engine took 7.8% off cold 128K where the bursts
-  # found the prefix calls equal)
-  unpack_vllm || status=1
-  PYTHONPATH=$PWD:/tmp/site timeout 150 python3 scripts/probes/attention_vs_fa3.py 2>&1 \
-    | tee "$OUT/attention_vs_fa3.log" | grep '^{' | cut -c1-200
-  PROBE_SUSTAINED=5 PYTHONPATH=$PWD:/tmp/site timeout 150 python3 scripts/probes/attention_vs_fa3.py 2>&1 \
-    | tee "$OUT/attention_vs_fa3_sustained.log" | grep '^{'
-fi
-
-# gluon_env SPLIT:PINGPONG:BLOCK_N:STAGES[:PAIRS[:PERSISTENT[:RUN]]]: the Gluon kernel's variables for one variant, as
-# `env` arguments (gluon and gluon-ncu run their variants through it); RUN, the key blocks a body, overrides PAIRS
-# (PAIRS=1: a run of 2)
-gluon_env() {
-  local split pp bn st pairs pers run
-  IFS=: read -r split pp bn st pairs pers run <<< "$1"
-  echo "GLUON_SPLIT=$split GLUON_PINGPONG=$pp GLUON_BLOCK_N=$bn GLUON_STAGES=$st GLUON_PAIRS=${pairs:-0}" \
-    "GLUON_PERSISTENT=${pers:-0}${run:+ GLUON_RUN=$run}"
-}
-
-if [[ $MODE == gluon ]]; then  # one GPU (~2 min, .anchor/ carried for FA3's times): our own Hopper attention kernel
-  # (Gluon; the engine's long prefix calls run it), each variant checked against fp32 and timed beside cuDNN and FA3.
-  # GLUON_VARIANTS: SPLIT:PINGPONG:BLOCK_N:STAGES:PAIRS:PERSISTENT[:RUN] each (gluon_env). Twenty-second session: at
-  # cuDNN's rate once K and V free their buffers apart; twenty-third: pairs + persistent 1.00-1.035x cuDNN on prefix
-  # calls (the engine's default). Defaults now: the engine's, runs of 3 key blocks (_kv_run), persistent or not
-  unpack_vllm || status=1
-  for v in ${GLUON_VARIANTS:-1:0:128:2:1:1 1:0:128:2:1:1:3 1:0:128:2:1:0:3}; do
-    # shellcheck disable=SC2046  # gluon_env's words are NAME=VALUE pairs
-    env $(gluon_env "$v") PYTHONPATH=$PWD:/tmp/site timeout "${GLUON_TIMEOUT:-90}" python3 \
-      scripts/probes/gluon_attention_check.py 2>&1 | tee "$OUT/gluon_attention_${v//:/}.log" \
-      | grep -E '^\{|Error' | cut -c1-400
-    [[ ${PIPESTATUS[0]} == 124 ]] && echo "gluon variant $v: timed out (a hang?)"
-  done
-fi
-
-if [[ $MODE == gluon-extend ]]; then  # one GPU (~7 min, .whl/ carried for the tests): the Gluon extend kernel (kernels/
-  # gluon_extend.py: a short chunk over a long paged prefix, the prefix hit's attention) against fp32 and timed beside
-  # the Triton extend kernel, at 1, 2 and 4 waves of programs (GLUON_EXTEND_WAVES: its split count) and at Triton's
-  # split count, then the prefix hit end to end with the engine's extend calls on Triton and on it. First its GPU tests, then the engines' GPU tests (greedy tokens against the torch reference: prefix hits,
-  # chunked prefill, GQA) with the engine's extend calls on it (gluon_calls.GLUON_EXTEND_CALLS)
-  if python3 -c "import pytest" 2> /dev/null; then
-    timeout 150 python3 -m pytest -q -m gpu tests/gpu/test_gluon_attention_gpu.py -k "extend" -p no:cacheprovider \
-      --tb=short -rfE 2>&1 | tee "$OUT/gpu_tests_gluon_extend.log" | tail -4 || status=1
-    timeout 200 python3 scripts/probes/with_constants.py longserve.attention.gluon_calls.GLUON_EXTEND_CALLS=True -- \
-      pytest -q -m gpu tests/gpu/test_engine_gpu.py -p no:cacheprovider --tb=short -rfE 2>&1 \
-      | tee "$OUT/gpu_tests_engine_gluon_extend.log" | tail -4 || status=1
-  else
-    echo "gluon-extend: no pytest (carry .whl/): the GPU tests skipped"
-  fi
-  for waves in ${GLUON_EXTEND_WAVES_LIST:-2 1 4}; do
-    GLUON_EXTEND_WAVES=$waves OUT=$OUT PYTHONPATH=$PWD:/tmp/site timeout "${GLUON_TIMEOUT:-120}" python3 \
-      scripts/probes/gluon_extend_check.py 2>&1 | tee "$OUT/gluon_extend_waves$waves.log" | grep -E '^\{|Error' | cut -c1-400
-    [[ ${PIPESTATUS[0]} == 124 ]] && echo "gluon-extend at $waves waves: timed out (a hang?)"
-    [[ -f $OUT/gluon_extend.json ]] && mv "$OUT/gluon_extend.json" "$OUT/gluon_extend_waves$waves.json"
-  done
-  # end to end: the prefix hit with the engine's extend calls on Triton (as it is) and on the Gluon kernel
-  # (gluon_calls.GLUON_EXTEND_CALLS), one process each
-  hit=(longserve.bench.latency --config llama-3.1-8b --load-format dummy --dtype bfloat16 --warmup 1 --repeat 5
-       --prompt-lens 32768 --prefix-hit 32768:64,32768:1024)
-  for impl in triton gluon; do
-    if [[ $impl == triton ]]; then run=(python3 -m "${hit[@]}"); else
-      run=(python3 scripts/probes/with_constants.py longserve.attention.gluon_calls.GLUON_EXTEND_CALLS=True -- "${hit[@]}"); fi
-    PYTHONPATH=$PWD:/tmp/site timeout 200 "${run[@]}" --output-json "$OUT/hit_extend_$impl.json" 2>&1 \
-      | tee "$OUT/hit_extend_$impl.log" | grep -E "^cold|^prefix|with_constants|Error" | sed "s/^/$impl /"
-  done
-fi
-
-if [[ $MODE == gluon-ncu ]]; then  # one GPU (~3 min, .anchor/ carried for FA3): Nsight Compute (which reads the
-  # counters on this machine's runtime) on one call each of the Gluon draft, cuDNN and FA3, a chunk's prefix call and
-  # a causal 8K (scripts/probes/gluon_ncu.py): where the draft's 10-16% to FA3 goes. GLUON_NCU_VARIANTS as gluon's
-  unpack_vllm || status=1
-  ncu_bin=${NCU:-$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2> /dev/null | head -1)}
-  for v in ${GLUON_NCU_VARIANTS:-1:0:128:2:0 1:0:128:2:1}; do
-    name=gluon_ncu_${v//:/}
-    # shellcheck disable=SC2046  # gluon_env's words are NAME=VALUE pairs
-    env $(gluon_env "$v") PYTHONPATH=$PWD:/tmp/site timeout 240 "$ncu_bin" --clock-control none --profile-from-start off --csv \
-      --page details --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
-      --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section Occupancy \
-      python3 scripts/probes/gluon_ncu.py > "$OUT/$name.csv" 2> "$OUT/$name.log" || status=1
-    echo "== $v"
-    python3 scripts/probes/gluon_ncu.py --summary "$OUT/$name.csv" | tee "$OUT/${name}_summary.txt"
-  done
-fi
-
-if [[ $MODE == fa3-engine ]]; then  # one GPU (~6 min, .anchor/ carried): the engine's cold prompts with its library
-  # attention calls all cuDNN's (the engine before the Gluon kernel took its prefix calls), as it is (the long prefix
-  # calls on the Gluon kernel's default variant, gluon_calls.GLUON_PREFIX_CALLS) and all FA3's, one process each
-  unpack_vllm || status=1
-  lat=(longserve.bench.latency --config llama-3.1-8b --load-format dummy --dtype bfloat16 --warmup 1 --repeat 2
-       --prompt-lens 8192,32768,131072)
-  for impl in cudnn engine fa3; do
-    case $impl in
-      cudnn) run=(python3 scripts/probes/with_constants.py longserve.attention.gluon_calls.GLUON_PREFIX_CALLS=False -- "${lat[@]}") ;;
-      engine) run=(python3 -m "${lat[@]}") ;;
-      fa3) run=(python3 scripts/probes/with_fa3.py --impl fa3 -- "${lat[@]}") ;;
-    esac
-    PYTHONPATH=$PWD:/tmp/site timeout 200 "${run[@]}" --output-json "$OUT/latency_attention_$impl.json" 2>&1 \
-      | tee "$OUT/latency_attention_$impl.log" | grep -E "^cold|with_fa3|Error" | sed "s/^/$impl /"
-  done
 fi
 
 if [[ $MODE == chunks ]]; then  # one GPU: a lone cold prompt in chunks of 8K, 16K and 32K (issue 19's 32K/128K gap)
@@ -541,16 +294,4 @@ if [[ $MODE == piecewise ]]; then  # one GPU, ~6 min: piecewise CUDA graphs (on 
     scripts.probes.step_timeline --config llama-3.1-8b --dtype bfloat16 --piecewise-cuda-graph-max-tokens 4096 2>&1 \
     | grep -vE "^\[bench|INFO|WARNING" > "$OUT/step_timeline_pw4096_triton_cold.log"
   grep -A13 "^overlapped, handed" "$OUT/step_timeline_pw4096_triton_cold.log"
-fi
-
-if [[ $MODE == short-plans ]]; then  # one GPU, ~4 min: cuDNN plans for 1-4K new tokens over any prefix
-  # (sdpa_shapes.SHORT_QUERY_ROWS, off): prefix hits with 64 / 1K / 2K / 4K new tokens and the start-up's plan
-  # builds, without and with them (the 8B shape; hits over 32K and 64K)
-  for rows in "()" "(1024, 2048, 4096)"; do
-    tag=$([[ $rows == "()" ]] && echo off || echo on)
-    LATENCY_LINES="^(cold|prefix)|built [0-9]+ cuDNN" latency_with 8b_short_plans_$tag "$tag:" \
-      "longserve.attention.sdpa_shapes.SHORT_QUERY_ROWS=$rows" -- \
-      --config llama-3.1-8b "${dummy[@]}" --repeat 3 --prompt-lens 32768 --prefix-hit \
-      32768:64,32768:1024,32768:2048,32768:4096,65536:1024
-  done
 fi

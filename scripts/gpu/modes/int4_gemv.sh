@@ -1,6 +1,7 @@
-# gpu_check.sh's modes for the decode GEMVs on the tensor cores: the int4 ring and the block-FP8 wgmma GEMV at
-# one to a few rows, the switches around them, issue 18's b1 cells (sourced by scripts/gpu/gpu_check.sh, which
-# sets MODE, OUT and status).
+# gpu_check.sh's modes for the int4 decode GEMV on the tensor cores (the int4 ring at one to a few rows), the
+# switches around it, and issue 18's b1 cells that measure it beside block FP8 (ahead-decodes, b1-stack,
+# norm-profile, norm-epilogue) (sourced by scripts/gpu/gpu_check.sh, which sets MODE, OUT and status). The
+# block-FP8 wgmma GEMV's own modes are in fp8_gemv.sh.
 # int4-mma (one GPU, ~5 min): the int4 GEMV on the tensor cores (kernels/int4_mma_gemv.py, quant_gemv.INT4_MMA_GEMV,
 # off): its GPU tests with each 8B projection's time against the CUDA-core kernels (weights from HBM), the times
 # again at 2 tiles a warp (int4_mma_gemv.REPS), two steps a loop turn (UNROLL, at REPS 4 and 2), through the shared
@@ -9,16 +10,6 @@
 # it on, then the 8B decode at batch 1 (32K), 8 (4K), 16 (8K) and 64 (4K: 4 blocks of 16 rows) in bf16 and in GPTQ
 # int4 with it off and on (issue 18: int4 b1 <= 0.6x bf16's; b64 1.40x bf16 at 11fea55). int4-mma-moe (one GPU, ~7 min): the A3B int4 experts' GPU tests (each path's time) and the A3B
 # int4 decode at batch 1 (32K) and 8 (4K), with it off and on (the routed expert GEMV on the tensor cores).
-# fp8-wgmma (one GPU, ~8 min): the FP8 GEMV on the tensor cores (kernels/fp8_wgmma_gemv.py, TMA ring + wgmma;
-# quant_fp8.FP8_WGMMA_GEMV, off; FP8_WGMMA_CHANNEL, on from 2 rows): its GPU tests with each 8B projection's time at
-# 1-32 rows against what serves without it (block and per-channel scales), the times again with 4 and 6 weight tiles
-# in flight (STAGES, 2 by default) and with
-# no promotion inside a K block (FP8_DOT_MAX_IMPRECISE_ACC=None), the FP8 engines' GPU tests with it on, then the
-# 8B decode at batch 1 (32K), 8 (4K), 16 (8K) and 32 (4K) in bf16 and in block FP8 with it off and on (issue 18:
-# FP8 b1 <= 0.7x bf16's; 0.74x at 11fea55), and per channel (`--quantization fp8`) at b1 and b16 off and on.
-# fp8-wgmma-moe (one GPU, ~5 min): the FP8 experts' routed GEMV by TMA + wgmma (fp8_wgmma_gemv.routed_gemv, under
-# FP8_WGMMA_GEMV): its GPU tests and the A3B expert block's time off and on, then the A3B FP8 decode at batch 1 (32K)
-# and 8 (4K) off and on.
 # int4-reps2 (one GPU, ~4 min): the 8B GPTQ int4 decode at b1@32K, b16@8K and b64@4K with the defaults (the mma GEMV
 # from 2 rows, 4 tiles a warp) and with 2 tiles a warp from one row (int4_mma_gemv.REPS=2,
 # quant_gemv.INT4_MMA_MIN_ROWS=1: per projection 58.6 against 76.8 us a layer at one row, twenty-fifth session).
@@ -26,17 +17,9 @@
 # CUDA-core GEMV at one row (the default), the mma GEMV from one row, and the mma GEMV at 2 tiles a warp: per
 # projection the mma GEMV at REPS 2 wins (58.6 against 76.8 us a layer) but the engine lost (4.64 against 4.14 ms,
 # twenty-sixth session): which kernels take the difference.
-# fp8-block-decode (one GPU, ~5 min): the 8B decode in bf16 and in block FP8 with FP8_WGMMA_GEMV off and on (at
-# fp8_wgmma_gemv.STAGES 2) at batch 1 (32K), 8 (4K), 16 (8K) and 32 (4K): fp8-wgmma's latency lines alone.
 # gemv-prefetch (one GPU, ~5 min): the int4 GEMVs asking L2 for their weights ahead (int4_gemv.INT4_GEMV_PREFETCH,
 # int4_mma_gemv.PREFETCH: tiles ahead, the first before the PDL wait): the mma kernel's GPU tests with 2, each 8B
 # projection's time at 1 and 16 rows with 0, 2 and 4, then the 8B int4 decode at b1@32K and b16@8K with 0 and 2.
-# fp8-profile (one GPU, ~2 min): the 8B block FP8 decode at b1@32K under the profiler, its top kernels (issue 18: 0.72x
-# bf16 with the wgmma GEMV on, target 0.7x; where the 1.12 ms over its 2.935 ms floor goes).
-# fp8-gated (one GPU, ~8 min): the block FP8 down projection's silu(gate) * up made inside the wgmma GEMV
-# (quant_fp8.FP8_WGMMA_GATED): the GEMV's GPU tests, the fp8 engines' with it on, then the 8B block FP8 decode at
-# b1@32K, b8@4K and b16@8K off and on, and with the GEMV's splits of at least 2 and 4 K blocks (MIN_SPLIT_BLOCKS)
-# (issue 18: FP8 b1 <= 0.7x bf16; 0.721x at 0aed29a).
 # int4-wave (one GPU, ~5 min): why the mma GEMV is slower in the decode than alone (twenty-sixth session's profile:
 # 102 against 84.3 us a layer at REPS 4, 92.7 against 58.6 at REPS 2; the CUDA-core kernel 76.8 in both): the 8B
 # int4 decode at b1@32K from one row at REPS 2 with the grid sized for 6 (one wave by registers), 4 and 3 programs
@@ -61,9 +44,6 @@
 # ring at every row count, the routed experts), the 8B projections alone at one row off and on, and ncu's PC sampling
 # of the gate_up by the ring off and on (which instructions its warps wait at: the counters said long scoreboard,
 # twenty-ninth session).
-# fp8-ahead (one GPU, ~5 min): block FP8's activations two K blocks ahead and weight scales one in the wgmma GEMV's
-# loop (fp8_wgmma_gemv.AHEAD, up to 8 rows): the 8B decode b1@32K off / on beside bf16 (issue 18: 0.721x, target
-# 0.7x), then the kernel's GPU tests with it (every row count it takes; AHEAD acts up to 8).
 # ahead-decodes (one GPU, ~5 min): int4-ahead's and fp8-ahead's decodes alone (no tests, no ncu), for a short call;
 # bf16 and FP8 at b8@8K too (FP8's AHEAD acts up to 8 rows).
 # b1-stack (one GPU, ~8 min): issue 18's two batch-1 cells (8B int4 <= 0.6x, block FP8 <= 0.7x bf16 at b1@32K) at the
@@ -122,47 +102,6 @@ if [[ $MODE == int4-mma-moe ]]; then  # one GPU (~7 min): the routed expert GEMV
   done
 fi
 
-if [[ $MODE == fp8-wgmma ]]; then  # one GPU (~8 min): the FP8 GEMVs by TMA + wgmma, tests, times, the 8B decode
-  timeout 240 python3 -m pytest -q -s -m gpu tests/gpu/test_fp8_wgmma_gemv_gpu.py -p no:cacheprovider --tb=short \
-    -rfE 2>&1 | tee "$OUT/gpu_tests_fp8_wgmma.log" | grep -E "fp8 wgmma|passed|failed" || status=1
-  for variant in "longserve.kernels.fp8_wgmma_gemv.STAGES=4" "longserve.kernels.fp8_wgmma_gemv.STAGES=6" \
-    "longserve.kernels.quant_fp8.FP8_DOT_MAX_IMPRECISE_ACC=None"; do
-    timeout 90 python3 scripts/probes/with_constants.py "$variant" -- pytest -q -s -m gpu \
-      tests/gpu/test_fp8_wgmma_gemv_gpu.py::test_times[1] tests/gpu/test_fp8_wgmma_gemv_gpu.py::test_times[16] \
-      -p no:cacheprovider --tb=short -rfE 2>&1 | tee "$OUT/gpu_tests_fp8_wgmma_${variant##*.}.log" \
-      | grep -E "fp8 wgmma|passed|failed" | sed "s/^/${variant##*.}: /" || status=1
-  done
-  timeout 200 python3 scripts/probes/with_constants.py longserve.kernels.quant_fp8.FP8_WGMMA_GEMV=True -- \
-    pytest -q -m gpu tests/gpu/test_quant_engine_gpu.py -k fp8 -p no:cacheprovider --tb=short -rfE 2>&1 \
-    | tee "$OUT/gpu_tests_fp8_wgmma_engines.log" | tail -4 || status=1
-  latency_with fp8_wgmma_bf16 "bf16" -- --config llama-3.1-8b "${dummy[@]}" --repeat 3 \
-    --decode-batch-sizes 1@32768,8@4096,16@8192,32@4096
-  for on in False True; do
-    latency_with fp8_wgmma_$on "FP8 blocks FP8_WGMMA_GEMV=$on" longserve.kernels.quant_fp8.FP8_WGMMA_GEMV=$on -- \
-      --config llama-3.1-8b "${dummy[@]}" --repeat 3 --hf-overrides "$fp8" \
-      --decode-batch-sizes 1@32768,8@4096,16@8192,32@4096
-    latency_with fp8_wgmma_channel_$on "FP8 per channel FP8_WGMMA_CHANNEL=$on" \
-      longserve.kernels.quant_fp8.FP8_WGMMA_CHANNEL=$on -- --config llama-3.1-8b "${dummy[@]}" --repeat 3 \
-      --quantization fp8 --decode-batch-sizes 1@32768,16@8192
-  done
-fi
-
-if [[ $MODE == fp8-wgmma-moe ]]; then  # one GPU (~5 min): the FP8 experts' routed GEMV on the tensor cores, the A3B decode
-  timeout 120 python3 -m pytest -q -m gpu tests/gpu/test_fp8_wgmma_gemv_gpu.py -k routed -p no:cacheprovider \
-    --tb=short -rfE 2>&1 | tee "$OUT/gpu_tests_fp8_wgmma_routed.log" | tail -3 || status=1
-  for on in False True; do
-    timeout 120 python3 scripts/probes/with_constants.py longserve.kernels.quant_fp8.FP8_WGMMA_GEMV=$on -- \
-      pytest -q -s -m gpu tests/gpu/test_quant_kernels_gpu.py -k fp8_experts_routed -p no:cacheprovider --tb=short \
-      -rfE 2>&1 | tee "$OUT/gpu_tests_fp8_experts_wgmma$on.log" | grep -E "fp8 experts|passed|failed" \
-      | sed "s/^/wgmma=$on: /"
-  done
-  for on in False True; do
-    LATENCY_TIMEOUT=150 latency_with a3b_fp8_wgmma_$on "A3B FP8 FP8_WGMMA_GEMV=$on" \
-      longserve.kernels.quant_fp8.FP8_WGMMA_GEMV=$on -- --config qwen3-30b-a3b "${dummy[@]}" --repeat 3 \
-      --hf-overrides "$fp8" --decode-batch-sizes 1@32768,8@4096
-  done
-fi
-
 if [[ $MODE == int4-reps2 ]]; then  # one GPU (~4 min): the int4 mma GEMV at 2 tiles a warp from one row, in the decode
   latency_with int4_defaults "int4 defaults" -- --config llama-3.1-8b "${dummy[@]}" --repeat 3 --quantization gptq \
     --decode-batch-sizes 1@32768,16@8192,64@4096
@@ -180,39 +119,6 @@ if [[ $MODE == int4-profile ]]; then  # one GPU (~3 min): where the int4 mma GEM
     LATENCY_TIMEOUT=120 latency_with "$name" "${v:-defaults}" $v -- --config llama-3.1-8b "${dummy[@]}" \
       --repeat 3 --quantization gptq --decode-batch-sizes 1@32768 --profile
     top_ops "$OUT/latency_$name.json"
-  done
-fi
-
-if [[ $MODE == fp8-profile ]]; then  # one GPU (~2 min): where the block FP8 decode's time at one row goes
-  LATENCY_TIMEOUT=120 latency_with fp8_profile "FP8 blocks" -- --config llama-3.1-8b "${dummy[@]}" --repeat 3 \
-    --hf-overrides "$fp8" --decode-batch-sizes 1@32768 --profile
-  top_ops "$OUT/latency_fp8_profile.json"
-fi
-
-if [[ $MODE == fp8-gated ]]; then  # one GPU (~6 min): silu(gate) * up inside the FP8 GEMV, tests and the decode
-  gated=longserve.kernels.quant_fp8.FP8_WGMMA_GATED
-  timeout 120 python3 -m pytest -q -m gpu tests/gpu/test_fp8_wgmma_gemv_gpu.py -k "not times" -p no:cacheprovider \
-    --tb=short -rfE 2>&1 | tee "$OUT/gpu_tests_fp8_gated.log" | tail -3 || status=1
-  timeout 200 python3 scripts/probes/with_constants.py $gated=True -- pytest -q -m gpu tests/gpu/test_quant_engine_gpu.py \
-    -k fp8 -p no:cacheprovider --tb=short -rfE 2>&1 | tee "$OUT/gpu_tests_fp8_gated_engines.log" | tail -4 || status=1
-  for on in False True; do
-    latency_with fp8_gated_$on "FP8 blocks FP8_WGMMA_GATED=$on" $gated=$on -- --config llama-3.1-8b "${dummy[@]}" \
-      --repeat 3 --hf-overrides "$fp8" --decode-batch-sizes 1@32768,8@4096,16@8192
-  done
-  # the GEMV's splits of at least 2 and 4 K blocks (fp8_wgmma_gemv.MIN_SPLIT_BLOCKS; 1: the one wave's)
-  for b in 2 4; do
-    latency_with fp8_min_blocks_$b "FP8 blocks MIN_SPLIT_BLOCKS=$b" longserve.kernels.fp8_wgmma_gemv.MIN_SPLIT_BLOCKS=$b \
-      -- --config llama-3.1-8b "${dummy[@]}" --repeat 3 --hf-overrides "$fp8" --decode-batch-sizes 1@32768,8@4096,16@8192
-  done
-fi
-
-if [[ $MODE == fp8-block-decode ]]; then  # one GPU (~5 min): the 8B block FP8 decode, the wgmma GEMV off and on
-  latency_with fp8_block_bf16 "bf16" -- --config llama-3.1-8b "${dummy[@]}" --repeat 3 \
-    --decode-batch-sizes 1@32768,8@4096,16@8192,32@4096
-  for on in False True; do
-    latency_with fp8_block_wgmma_$on "FP8 blocks FP8_WGMMA_GEMV=$on" longserve.kernels.quant_fp8.FP8_WGMMA_GEMV=$on \
-      -- --config llama-3.1-8b "${dummy[@]}" --repeat 3 --hf-overrides "$fp8" \
-      --decode-batch-sizes 1@32768,8@4096,16@8192,32@4096
   done
 fi
 
@@ -364,19 +270,6 @@ if [[ $MODE == int4-ahead ]]; then  # one GPU (~8 min): the int4 ring's x and sc
     python3 scripts/probes/int4_ncu.py --source-summary "$OUT/int4_source_${v// /_}.csv" | head -24 \
       | tee "$OUT/int4_source_${v// /_}.txt"
   done
-fi
-
-if [[ $MODE == fp8-ahead ]]; then  # one GPU (~5 min): block FP8's activations and weight scales asked for ahead
-  ahead=longserve.kernels.fp8_wgmma_gemv.AHEAD
-  cases=(--config llama-3.1-8b "${dummy[@]}" --repeat 3 --decode-batch-sizes 1@32768)
-  LATENCY_TIMEOUT=100 latency_with fp8_ahead_bf16 "bf16" -- "${cases[@]}"
-  for on in False True; do
-    LATENCY_TIMEOUT=100 latency_with "fp8_ahead_$on" "FP8 blocks AHEAD=$on" $ahead=$on -- "${cases[@]}" \
-      --hf-overrides "$fp8"
-  done
-  timeout 120 python3 scripts/probes/with_constants.py $ahead=True -- pytest -q -m gpu \
-    tests/gpu/test_fp8_wgmma_gemv_gpu.py -p no:cacheprovider --tb=short -rfE 2>&1 | tee "$OUT/gpu_tests_fp8_ahead.log" \
-    | grep -E "fp8 wgmma|passed|failed" || status=1
 fi
 
 if [[ $MODE == ahead-decodes ]]; then  # one GPU (~5 min): int4-ahead's and fp8-ahead's decodes alone, one bf16 beside
