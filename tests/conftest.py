@@ -39,6 +39,8 @@ def pytest_configure(config) -> None:
     if not ((_COMPILE_CHECK or _RECORD_FILE) and os.environ.get("TRITON_INTERPRET") == "1"):
         return
     if _WORKER is None and getattr(config.option, "numprocesses", None):  # xdist's controller: runs no test
+        if not _COMPILE_CHECK:  # the workers append to LONGSERVE_RECORD_KERNELS alone
+            return
         import tempfile
 
         with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
@@ -60,27 +62,43 @@ def pytest_sessionfinish(session, exitstatus) -> None:
         if _COMPILE_CHECK and _WORKER_RECORDS in os.environ:
             dump_records(os.environ[_WORKER_RECORDS])
         return
-    if not _COMPILE_CHECK or exitstatus != 0:
-        return
-    from longserve.testing.kernel_compile import sm90_compiler_missing
+    path = os.environ.pop(_WORKER_RECORDS, None)  # the controller's file, deleted once compiled
+    try:
+        if _COMPILE_CHECK and exitstatus == 0:
+            _compile_check(session, path)
+    finally:
+        if path is not None and os.path.exists(path):
+            os.remove(path)
+
+
+def _compile_check(session, path: str | None) -> None:
+    """Compile the recorded variants for sm90 (the workers' file under xdist; else this process's records)."""
+    from longserve.testing.kernel_compile import dump_records, sm90_compiler_missing
 
     missing = sm90_compiler_missing()
     if missing:  # a triton build without the nvidia backend (e.g. a CPU-only one): nothing to check with
         print(f"\nsm90 compile check skipped: {missing}")
         return
+    if path is not None:
+        if os.path.getsize(path) > 0:
+            _compile_records(session, path)
+        return
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
+        path = f.name
+    try:
+        if dump_records(path) > 0:
+            _compile_records(session, path)
+    finally:
+        os.remove(path)
+
+
+def _compile_records(session, path: str) -> None:
     import subprocess
     import sys
-    import tempfile
     import time
 
-    path = os.environ.get(_WORKER_RECORDS)
-    if path is None:
-        with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
-            path = f.name
-        if dump_records(path) == 0:
-            return
-    elif os.path.getsize(path) == 0:
-        return
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     cmd = [sys.executable, "-m", "longserve.testing.kernel_compile", path, "--package", "longserve."]
     start = time.perf_counter()
