@@ -65,6 +65,16 @@ def decode_cases(args: argparse.Namespace) -> list[tuple[int, int]]:
     return [c if isinstance(c, tuple) else (c, args.decode_context_len) for c in args.decode_batch_sizes]
 
 
+def decode_graph_cap(args: argparse.Namespace, given: dict[str, Any], config: EngineConfig) -> int:
+    """cuda_graph_max_bs of the engine: the cases' largest decode batch (at least 1) unless --cuda-graph-max-bs or
+    --context-length (an engine planned as a server) is given. A decode step replays the graph of its own batch
+    size whatever else is captured; capturing the server's 13 sizes up to 128 took 10.8 s of a ~50 s b1 run (the
+    8B int4 on an H100, benchmarks/results/2026-12-05_f4bba8e_norm_epilogue/), one size ~1 s."""
+    if "cuda_graph_max_bs" in given or "context_length" in given:
+        return config.cuda_graph_max_bs
+    return max([1, *(b for b, _ in decode_cases(args))])
+
+
 def plan(
     args: argparse.Namespace, config: EngineConfig, cfg: dict[str, Any]
 ) -> tuple[int, int, dict[int, str]]:

@@ -59,6 +59,7 @@ def run_metadata(
         load_format=config.load_format,
         page_size=config.page_size,
         chunked_prefill_size=config.chunked_prefill_size,
+        cuda_graph_max_bs=config.cuda_graph_max_bs,
         seed=config.seed,
         torch=torch.__version__,
         cuda=torch.version.cuda,

@@ -245,3 +245,18 @@ def test_context_length_plans_a_longer_engine_and_refuses_a_shorter_one(capsys):
     assert plain[0]["metadata"]["context_length"] == 32
     assert cli.main(["bench", "latency", *FLAGS, "--prompt-lens", "24", "--context-length", "16"]) == 2
     assert "--context-length 16 is shorter than the longest case (25 tokens" in capsys.readouterr().err
+    assert records[0]["metadata"]["cuda_graph_max_bs"] == 128  # a server's decode graphs
+
+
+def test_decode_graphs_are_planned_for_the_cases_unless_given():
+    """The engine captures decode graphs up to the cases' largest decode batch (a decode step replays its own
+    batch size's graph whatever else is captured), unless --cuda-graph-max-bs or --context-length is given."""
+    cases = ["--decode-batch-sizes", "1,3", "--decode-context-len", "16", "--decode-steps", "2"]
+    caps = {
+        "cases": run_latency([*FLAGS, *cases]),
+        "cold only": run_latency([*FLAGS, "--prompt-lens", "24"]),
+        "given": run_latency([*FLAGS, *cases, "--cuda-graph-max-bs", "8"]),
+    }
+    assert {k: [r["metadata"]["cuda_graph_max_bs"] for r in v] for k, v in caps.items()} == {
+        "cases": [3, 3], "cold only": [1], "given": [8, 8],
+    }  # fmt: skip
