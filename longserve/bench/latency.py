@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from longserve.bench.configs import BUILTIN_CONFIGS
 from longserve.bench.hf_compare import run_hf
 from longserve.bench.latency_cases import Measure, bench_engine, free_memory, log
-from longserve.bench.latency_plan import decode_cases, decode_graph_cap, dtype_bytes, plan, read_model_config
+from longserve.bench.latency_plan import decode_cases, dtype_bytes, graph_plan, plan, read_model_config
 from longserve.bench.report import report, run_metadata
 from longserve.bench.roofline import attach_floors, card_peaks
 
@@ -194,6 +194,7 @@ def add_latency_args(p: argparse.ArgumentParser) -> None:
             "max_total_tokens": "what the cases need, x1.1, within memory",
             "context_length": "the cases' longest request; a longer one plans the engine as a server with it",
             "cuda_graph_max_bs": "the cases' largest decode batch; a server's with --context-length",
+            "piecewise_cuda_graph_max_tokens": "0 with decode cases alone, else a server's",
         },
     )
 
@@ -225,14 +226,13 @@ def run_from_args(
                 json.dump(cfg, f, indent=2)
         config = engine_config_from_args(args, model=model, load_format=load_format)
         context_length, pool, skipped = plan(args, config, cfg)
-        # a probe's own cases (measure) may decode more requests than args' cases: a server's decode graphs
-        graphs = config.cuda_graph_max_bs if measure else decode_graph_cap(args, given, config)
         config = dataclasses.replace(
             config,
             max_total_tokens=pool,
             context_length=context_length,
             max_running_requests=max([config.max_running_requests, *(b for b, _ in decode_cases(args))]),
-            cuda_graph_max_bs=graphs,
+            # a probe's own cases (measure) may run steps args' cases do not: a server's graphs
+            **({} if measure else graph_plan(args, given, config)),
         )
         records, engine_meta = _run_engine(config, args, skipped, measure or bench_engine)
         free_memory()  # the engine is gone: HF gets the whole device
@@ -276,7 +276,7 @@ def _run_engine(
     log(
         f"building the engine: {args.config or config.model} ({config.load_format} weights), context "
         f"{config.context_length:,}, KV pool {config.max_total_tokens:,} tokens, decode graphs up to batch "
-        f"{config.cuda_graph_max_bs}"
+        f"{config.cuda_graph_max_bs}, piecewise graphs up to {config.piecewise_cuda_graph_max_tokens:,} tokens"
     )
     llm = LLM.from_config(config)
     try:

@@ -65,14 +65,21 @@ def decode_cases(args: argparse.Namespace) -> list[tuple[int, int]]:
     return [c if isinstance(c, tuple) else (c, args.decode_context_len) for c in args.decode_batch_sizes]
 
 
-def decode_graph_cap(args: argparse.Namespace, given: dict[str, Any], config: EngineConfig) -> int:
-    """cuda_graph_max_bs of the engine: the cases' largest decode batch (at least 1) unless --cuda-graph-max-bs or
-    --context-length (an engine planned as a server) is given. A decode step replays the graph of its own batch
-    size whatever else is captured; capturing the server's 13 sizes up to 128 took 10.8 s of a ~50 s b1 run (the
-    8B int4 on an H100, benchmarks/results/2026-12-05_f4bba8e_norm_epilogue/), one size ~1 s."""
-    if "cuda_graph_max_bs" in given or "context_length" in given:
-        return config.cuda_graph_max_bs
-    return max([1, *(b for b, _ in decode_cases(args))])
+def graph_plan(args: argparse.Namespace, given: dict[str, Any], config: EngineConfig) -> dict[str, int]:
+    """The engine's CUDA graphs for the cases, unless given or --context-length (an engine planned as a server) is:
+    decode graphs up to the cases' largest decode batch (at least 1), and no piecewise graphs (mixed steps up to
+    4,096 tokens) when only decode cases run (their mixed steps, each request's last page recomputed, are untimed).
+    A decode step replays the graph of its own batch size whatever else is captured; the server's 13 decode sizes
+    up to 128 took 10.8 s and the piecewise graphs 4.4 s of a ~50 s b1 run (the 8B int4 on an H100,
+    benchmarks/results/2026-12-05_f4bba8e_norm_epilogue/)."""
+    if "context_length" in given:
+        return {}
+    out = {}
+    if "cuda_graph_max_bs" not in given:
+        out["cuda_graph_max_bs"] = max([1, *(b for b, _ in decode_cases(args))])
+    if "piecewise_cuda_graph_max_tokens" not in given and not (args.prompt_lens or args.prefix_hit):
+        out["piecewise_cuda_graph_max_tokens"] = 0
+    return out
 
 
 def plan(

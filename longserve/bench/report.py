@@ -60,6 +60,7 @@ def run_metadata(
         page_size=config.page_size,
         chunked_prefill_size=config.chunked_prefill_size,
         cuda_graph_max_bs=config.cuda_graph_max_bs,
+        piecewise_cuda_graph_max_tokens=config.piecewise_cuda_graph_max_tokens,
         seed=config.seed,
         torch=torch.__version__,
         cuda=torch.version.cuda,

@@ -245,18 +245,21 @@ def test_context_length_plans_a_longer_engine_and_refuses_a_shorter_one(capsys):
     assert plain[0]["metadata"]["context_length"] == 32
     assert cli.main(["bench", "latency", *FLAGS, "--prompt-lens", "24", "--context-length", "16"]) == 2
     assert "--context-length 16 is shorter than the longest case (25 tokens" in capsys.readouterr().err
-    assert records[0]["metadata"]["cuda_graph_max_bs"] == 128  # a server's decode graphs
 
 
-def test_decode_graphs_are_planned_for_the_cases_unless_given():
+def test_graphs_are_planned_for_the_cases_unless_given():
     """The engine captures decode graphs up to the cases' largest decode batch (a decode step replays its own
-    batch size's graph whatever else is captured), unless --cuda-graph-max-bs or --context-length is given."""
+    batch size's graph whatever else is captured) and, with decode cases alone, no piecewise graphs, unless the
+    flag or --context-length (a server's engine) is given."""
     cases = ["--decode-batch-sizes", "1,3", "--decode-context-len", "16", "--decode-steps", "2"]
-    caps = {
-        "cases": run_latency([*FLAGS, *cases]),
-        "cold only": run_latency([*FLAGS, "--prompt-lens", "24"]),
-        "given": run_latency([*FLAGS, *cases, "--cuda-graph-max-bs", "8"]),
+    runs = {
+        "decode": run_latency([*FLAGS, *cases]),
+        "cold": run_latency([*FLAGS, "--prompt-lens", "24"]),
+        "given": run_latency(
+            [*FLAGS, *cases, "--cuda-graph-max-bs", "8", "--piecewise-cuda-graph-max-tokens", "512"]
+        ),
+        "server": run_latency([*FLAGS, *cases, "--context-length", "64"]),
     }
-    assert {k: [r["metadata"]["cuda_graph_max_bs"] for r in v] for k, v in caps.items()} == {
-        "cases": [3, 3], "cold only": [1], "given": [8, 8],
-    }  # fmt: skip
+    graphs = {k: {(r["metadata"]["cuda_graph_max_bs"], r["metadata"]["piecewise_cuda_graph_max_tokens"]) for r in v}
+              for k, v in runs.items()}  # fmt: skip
+    assert graphs == {"decode": {(3, 0)}, "cold": {(1, 4096)}, "given": {(8, 512)}, "server": {(128, 4096)}}
