@@ -22,6 +22,7 @@ GLUON_MIN_ROWS, GLUON_MIN_KEYS = 8192, 32768  # shorter calls ran 0.61-0.95x cuD
 # whether a call has run there (its first call builds it)
 _GLUON: dict[int, bool] = {}
 _GLUON_BUILT: dict[int, bool] = {}
+_EXTEND_BUILT: dict[int, bool] = {}  # the extend kernel's first call on a device: True built, False failed
 
 
 def _gluon_runs_on(device: torch.device) -> bool:
@@ -100,26 +101,40 @@ def extend_attention(q, k_cache, v_cache, query_start_loc, prefix_lens, seq_lens
     pages of 16n slots, no sliding window, merged outputs; at the Triton kernel's split count), else by Triton."""
     from longserve.kernels import extend_attention as triton_extend
 
-    if (
-        partials
-        or sliding_window is not None
-        or not q.is_cuda
-        or not _gluon_runs_on(q.device)
-        or not _extend_fits(q, k_cache, page_size)
-    ):
+    def by_triton():
         return triton_extend.extend_attention(
             q, k_cache, v_cache, query_start_loc, prefix_lens, seq_lens, page_table, page_size, max_query_len, scale,
             sliding_window, out, config, num_splits, k_scale, v_scale, partials,
         )  # fmt: skip
+
+    built = _EXTEND_BUILT.get(q.device.index)
+    if partials or sliding_window is not None or built is False or not _extend_runs(q, k_cache, page_size):
+        return by_triton()
     from longserve.kernels import gluon_extend
 
-    return gluon_extend.extend_attention(
-        q, k_cache, v_cache, query_start_loc, prefix_lens, seq_lens, page_table, page_size, max_query_len, scale,
-        num_splits, out,
-    )  # fmt: skip
+    def by_gluon():
+        return gluon_extend.extend_attention(
+            q, k_cache, v_cache, query_start_loc, prefix_lens, seq_lens, page_table, page_size, max_query_len, scale,
+            num_splits, out,
+        )  # fmt: skip
+
+    if built:
+        return by_gluon()
+    try:  # its first call on this device builds it: a Triton that cannot leaves the calls to the Triton kernel
+        o = by_gluon()
+    except Exception as e:  # noqa: BLE001 - a build error of any kind
+        logger.warning("the Gluon extend kernel did not build (%s): extend calls stay Triton's", e)
+        _EXTEND_BUILT[q.device.index] = False
+        return by_triton()
+    _EXTEND_BUILT[q.device.index] = True
+    return o
 
 
-def _extend_fits(q: torch.Tensor, k_cache: torch.Tensor, page_size: int) -> bool:
+def _extend_runs(q: torch.Tensor, k_cache: torch.Tensor, page_size: int) -> bool:
+    """Whether the Gluon extend kernel takes a call of these tensors: sm90 with Gluon, shapes it serves
+    (`gluon_extend.fits`)."""
+    if not q.is_cuda or not _gluon_runs_on(q.device):
+        return False
     from longserve.kernels import gluon_extend
 
     return gluon_extend.fits(q, k_cache, page_size)

@@ -172,7 +172,10 @@ def _extend_consumer_worker(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, page_table_pt
                      4)  # fmt: skip
 
 
-@gluon.jit
+# the split count and the page table's row stride are runtime values, as in `_extend_kernel` (whose constexpr split
+# count compiled mid-step at serve time: 1-2.8 s stalls, extend_attention.py): Triton would build one kernel per
+# 1 / multiple of 16 / other class of each
+@gluon.jit(do_not_specialize=["num_splits", "stride_pt"])
 def extend_fwd_kernel(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, query_start_loc_ptr, prefix_lens_ptr, seq_lens_ptr,
                       page_table_ptr, stride_qt, stride_qh, stride_ot, stride_oh, stride_os, stride_pt, page_size,
                       qk_scale, num_splits, num_q_heads, GROUP: gl.constexpr, TILE_M: gl.constexpr,
@@ -207,14 +210,15 @@ def extend_fwd_kernel(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, query_start_loc_ptr
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # the steps' (unused) turns
+    # the steps' turns (pingpong: off here) take k_ready, never touched through them: barriers of their own, unused
+    # in the specialized partitions, shared the memory Triton then hands the partitions' arguments through (Triton
+    # 3.6's sm90 build stored row0, s_lo, ... over both, with no mbarrier.inval between)
+    turn = k_ready
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(k_free.index(i), count=2)  # both consumers free every buffer
         mbarrier.init(v_free.index(i), count=2)
-    mbarrier.init(turn.index(0), count=1)
-    mbarrier.init(turn.index(1), count=1)
 
     # fmt: off
     args = (q_ptr, k_desc, v_desc, o_ptr, lse_ptr, page_table_ptr, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free,

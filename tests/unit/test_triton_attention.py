@@ -121,6 +121,42 @@ def test_every_length_mix_in_one_batch() -> None:
     step.compare(TritonAttentionBackend(cold_path="sdpa"))  # has prefixes, so sdpa is not taken
 
 
+def test_a_gluon_extend_build_failure_leaves_the_calls_to_triton(monkeypatch, caplog) -> None:
+    """The Gluon extend kernel's first call on a device builds it (GLUON_EXTEND_CALLS): if that fails, the call and
+    every later one on the device are the Triton kernel's, with a warning, not an error inside a step."""
+    import logging
+
+    from longserve.attention import gluon_calls
+    from longserve.kernels import gluon_extend
+
+    step = Step([0, 17, 40], [16, 5, 23], 16, (4, 2), 32, seed=3)
+    meta = step.meta
+    step.cache.store(0, meta.slot_mapping, step.k, step.v)
+    args = (
+        step.q, step.cache.k[0], step.cache.v[0], meta.query_start_loc, meta.prefix_lens, meta.seq_lens,
+        meta.page_table, meta.page_size, meta.max_query_len, step.scale,
+    )  # fmt: skip
+    builds = []
+
+    def build_fails(*a, **kw):
+        builds.append(1)
+        raise RuntimeError("no sm90 build here")
+
+    monkeypatch.setattr(gluon_calls, "_extend_runs", lambda *a: True)  # as on an H200
+    monkeypatch.setattr(gluon_calls, "_EXTEND_BUILT", {})
+    monkeypatch.setattr(gluon_extend, "extend_attention", build_fails)
+    expected = extend_attention(*args)
+    with caplog.at_level(logging.WARNING, logger=gluon_calls.logger.name):
+        outs = [gluon_calls.extend_attention(*args) for _ in range(2)]
+    assert builds == [1] and gluon_calls._EXTEND_BUILT == {None: False}  # tried once on the device
+    for out in outs:
+        torch.testing.assert_close(out, expected, atol=0, rtol=0)
+    assert (
+        "the Gluon extend kernel did not build (no sm90 build here): extend calls stay Triton's"
+        in caplog.text
+    )
+
+
 @pytest.mark.parametrize("block_m,block_n,num_splits", [(32, 16, 1), (16, 32, 1), (64, 16, 1), (16, 16, 3)])
 def test_extend_tile_shapes_and_splits(block_m: int, block_n: int, num_splits: int) -> None:
     # unmasked/masked key-range boundaries move with the tiles and the key splits; rows of a block span
