@@ -11,7 +11,10 @@ q head of one kv head: the q heads that share a kv head share its K/V) of one re
 and writes fp32 partials and base-2 log-sum-exps that `merge_splits` merges. Here:
 - the loader brings each key block of 128 as 16-row boxes by TMA, one a run of consecutive cache slots within a
   page (page sizes that are multiples of 16), the page read from the page table (slots past the request's last
-  page read its last page: finite values the mask drops);
+  page read its last page). The mask drops the keys past the request's end, but their V rows still enter P V
+  times P = 0: finite stale values (a fresh cache is zeroed) give 0, a non-finite one left there by an earlier
+  request would give NaN. The Triton kernel masks those V loads; before this kernel is switched on, zero the
+  straddling block's V rows in shared memory (or prove the cache finite);
 - each consumer warpgroup owns 64 of the rows: it loads its Q by pointer (a packed row's head varies within the
   tile, which one TMA box cannot follow), stores it to shared memory, then runs the prefix kernel's key-block
   steps (gluon_attention_steps: `_kv_block`, `_kv_run`) over the split's blocks, its masks bottom-right per token
