@@ -66,9 +66,10 @@ def decode_cases(args: argparse.Namespace) -> list[tuple[int, int]]:
 
 
 def graph_plan(args: argparse.Namespace, given: dict[str, Any], config: EngineConfig) -> dict[str, int]:
-    """The engine's CUDA graphs for the cases, unless given or --context-length (an engine planned as a server) is:
-    decode graphs up to the cases' largest decode batch (at least 1), and no piecewise graphs (mixed steps up to
-    4,096 tokens) when only decode cases run (their mixed steps, each request's last page recomputed, are untimed).
+    """The CUDA graphs the engine captures, planned for the cases where neither the flag nor --context-length (an
+    engine planned as a server) is given: decode graphs up to the cases' largest decode batch (at least 1), and no
+    piecewise graphs (mixed steps up to 4,096 tokens) when only decode cases run (their mixed steps, each request's
+    last page recomputed, are untimed).
     A decode step replays the graph of its own batch size whatever else is captured; the server's 13 decode sizes
     up to 128 took 10.8 s and the piecewise graphs 4.4 s of a ~50 s b1 run (the 8B int4 on an H100,
     benchmarks/results/2026-12-05_f4bba8e_norm_epilogue/)."""
