@@ -204,3 +204,40 @@ def test_the_backend_takes_the_extend_kernel_when_switched_on(monkeypatch: pytes
     out, expected = run_step([300], [20], 16, torch.float16)  # not bf16: Triton's
     torch.testing.assert_close(out.float(), expected, atol=TOL, rtol=TOL)
     assert calls == [64]
+
+
+@pytest.mark.parametrize(
+    "kernel",
+    [
+        "triton",
+        pytest.param(
+            "gluon",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="gluon_extend reads the last page's slots past the request's end and multiplies their V by "
+                "P = 0: NaN there gives NaN (its docstring; to mend before GLUON_EXTEND_CALLS goes on)",
+            ),
+        ),
+    ],
+)
+def test_non_finite_values_past_a_requests_end_do_not_reach_its_output(kernel: str) -> None:
+    """The slots of a request's last page past its length hold whatever the page's earlier owner wrote: NaN there
+    (an earlier request's broken K/V) must not reach this request's attention."""
+    from longserve.kernels import gluon_extend
+    from longserve.kernels.attention_reference import extend_attention_ref
+    from longserve.kernels.extend_attention import extend_attention
+
+    prefix_lens, query_lens, page_size = [2000, 300], [37, 20], 64
+    q, k_cache, v_cache, qsl, pre, seq, pt = _paged_case(prefix_lens, query_lens, page_size)
+    args = (qsl, pre, seq, pt, page_size, max(query_lens), q.shape[2] ** -0.5)
+    ref = extend_attention_ref(q.float(), k_cache, v_cache, *args)
+    for r, s in enumerate(seq.tolist()):  # NaN in every slot past the request's end in its last page
+        last = pt[r, (s - 1) // page_size]
+        k_cache[last, s % page_size or page_size :] = float("nan")
+        v_cache[last, s % page_size or page_size :] = float("nan")
+    if kernel == "gluon":
+        out = gluon_extend.extend_attention(q, k_cache, v_cache, *args, 2)
+    else:
+        out = extend_attention(q, k_cache, v_cache, *args, num_splits=2)
+    assert torch.isfinite(out).all()
+    assert (out.float() - ref).abs().max().item() < 2e-2
