@@ -11,10 +11,9 @@ q head of one kv head: the q heads that share a kv head share its K/V) of one re
 and writes fp32 partials and base-2 log-sum-exps that `merge_splits` merges. Here:
 - the loader brings each key block of 128 as 16-row boxes by TMA, one a run of consecutive cache slots within a
   page (page sizes that are multiples of 16), the page read from the page table (slots past the request's last
-  page read its last page). The mask drops the keys past the request's end, but their V rows still enter P V
-  times P = 0: finite stale values (a fresh cache is zeroed) give 0, a non-finite one left there by an earlier
-  request would give NaN. The Triton kernel masks those V loads; before this kernel is switched on, zero the
-  straddling block's V rows in shared memory (or prove the cache finite);
+  page read its last page). The mask drops the keys past the request's end; their V rows would still enter P V
+  times P = 0, and a non-finite value an earlier owner of the page left there would give NaN (the Triton kernel
+  masks those loads), so the first consumer zeroes them in the request's last block before it is ready;
 - each consumer warpgroup owns 64 of the rows: it loads its Q by pointer (a packed row's head varies within the
   tile, which one TMA box cannot follow), stores it to shared memory, then runs the prefix kernel's key-block
   steps (gluon_attention_steps: `_kv_block`, `_kv_run`) over the split's blocks, its masks bottom-right per token
@@ -80,11 +79,51 @@ def _issue_kv(desc, bufs, ready, free, g, key0, pt_row, page_size, last_slot, kv
 
 
 @gluon.jit
+def _issue_v_to_end(desc, bufs, free, land, g, key0, pt_row, page_size, last_slot, kv_col, STAGES: gl.constexpr,
+                    BLOCK_N: gl.constexpr, KEY_BOX: gl.constexpr):  # fmt: skip
+    """The request's last block of V (keys key0.. past its end), as `_issue_kv` but landing on `land`: the first
+    consumer zeroes the rows past the end (`_zero_past_end`) before the block is ready."""
+    s = g % STAGES
+    mbarrier.wait(free.index(s), ((g // STAGES) & 1) ^ 1)
+    mbarrier.expect(land, BLOCK_N * desc.block_type.shape[1] * 2)
+    for i in gl.static_range(BLOCK_N // KEY_BOX):
+        key = key0 + i * KEY_BOX
+        slot = gl.minimum(key // page_size, last_slot)
+        page = gl.load(pt_row + slot)
+        tma_load(desc, [page * page_size + key % page_size, kv_col], land,
+                 bufs.index(s).slice(i * KEY_BOX, KEY_BOX))  # fmt: skip
+
+
+@gluon.jit
+def _zero_past_end(bufs, ready, land, g, key0, seq_len, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
+                   num_warps: gl.constexpr):  # fmt: skip
+    """The first consumer warpgroup, between its last softmax and the last P V: the request's last V block landed
+    (`land`, phase 0: one such block a program), its rows past seq_len zeroed (the last page's stale slots, or the
+    page's slots again where a box lies wholly past it), then the block is ready for both consumers. P is 0 there,
+    but 0 x NaN is NaN: a slot an earlier owner of the page left non-finite would reach the output (the Triton
+    kernel masks these loads). Groups of 8 rows and 64 columns: the V buffer's swizzle allows no finer slice."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])  # 4 values a thread
+    buf = bufs.index(g % STAGES)
+    mbarrier.wait(land, 0)
+    for i in gl.static_range(BLOCK_N // 8):
+        if key0 + (i + 1) * 8 > seq_len:
+            keys = key0 + i * 8 + gl.arange(0, 8, layout=gl.SliceLayout(1, layout))
+            for c in gl.static_range(2):  # the buffer's two 64-column halves
+                part = buf.slice(i * 8, 8).slice(c * 64, 64, dim=1)
+                x = part.load(layout)
+                part.store(gl.where((keys < seq_len)[:, None], x, gl.zeros_like(x)))
+    fence_async_shared()  # the stores before either warpgroup's wgmma reads them (the async proxy)
+    barrier()  # every warp's stores in before the arrive
+    mbarrier.arrive(ready.index(g % STAGES), count=1)  # no bytes expected: the phase completes here
+
+
+@gluon.jit
 def _extend_loader(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, page_table_ptr, q_smem, k_bufs, v_bufs, k_ready, v_ready,
-                   k_free, v_free, turn, stride_qt, stride_qh, stride_ot, stride_oh, stride_os, stride_pt, page_size,
+                   k_free, v_free, land, stride_qt, stride_qh, stride_ot, stride_oh, stride_os, stride_pt, page_size,
                    qk_scale, num_splits, num_q_heads, group, req, kv_head, split, q_start, num_rows, prefix_len,
                    seq_len, row0, s_lo, n_blocks):  # fmt: skip
-    """K one block ahead of V, each into a buffer freed on its own barrier (the prefix kernel's order)."""
+    """K one block ahead of V, each into a buffer freed on its own barrier (the prefix kernel's order); V's block
+    holding the request's end through `_issue_v_to_end` (`land`: the steps' `turn` slot, unused there)."""
     pt_row = page_table_ptr + req.to(gl.int64) * stride_pt
     last_slot = (seq_len - 1) // page_size
     kv_col = kv_head * _HEAD_DIM
@@ -95,8 +134,13 @@ def _extend_loader(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, page_table_ptr, q_smem
         if j + 1 < n_blocks:
             _issue_kv(k_desc, k_bufs, k_ready, k_free, j + 1, s_lo + (j + 1) * _BLOCK_N, pt_row, page_size,
                       last_slot, kv_col, _STAGES, _BLOCK_N, _KEY_BOX)  # fmt: skip
-        _issue_kv(v_desc, v_bufs, v_ready, v_free, j, s_lo + j * _BLOCK_N, pt_row, page_size, last_slot, kv_col,
-                  _STAGES, _BLOCK_N, _KEY_BOX)  # fmt: skip
+        key0 = s_lo + j * _BLOCK_N
+        if key0 + _BLOCK_N > seq_len:
+            _issue_v_to_end(v_desc, v_bufs, v_free, land, j, key0, pt_row, page_size, last_slot, kv_col, _STAGES,
+                            _BLOCK_N, _KEY_BOX)  # fmt: skip
+        else:
+            _issue_kv(v_desc, v_bufs, v_ready, v_free, j, key0, pt_row, page_size, last_slot, kv_col, _STAGES,
+                      _BLOCK_N, _KEY_BOX)  # fmt: skip
 
 
 @gluon.jit
@@ -142,6 +186,9 @@ def _extend_consumer(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, page_table_ptr, q_sm
                                               n_blocks, first_masked, m_i, l_i, acc, rows, num_keys, shift, qk_scale,
                                               True, RUN, BLOCK_M, BLOCK_N, STAGES, PART, False, s_layout, o_layout,
                                               p_layout)  # fmt: skip
+        if PART == 0 and s_lo + n_blocks * BLOCK_N > seq_len:  # the last block holds the request's end
+            _zero_past_end(v_bufs, v_ready, turn, n_blocks - 1, s_lo + (n_blocks - 1) * BLOCK_N, seq_len, STAGES,
+                           BLOCK_N, num_warps)  # fmt: skip
         acc = _last_pv(p, alpha, acc, v_bufs, v_ready, v_free, turn, 0, 0, n_blocks, STAGES, PART, False, o_layout,
                        p_layout)  # fmt: skip
 
@@ -213,10 +260,11 @@ def extend_fwd_kernel(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, query_start_loc_ptr
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    # the steps' turns (pingpong: off here) take k_ready, never touched through them: barriers of their own, unused
-    # in the specialized partitions, shared the memory Triton then hands the partitions' arguments through (Triton
-    # 3.6's sm90 build stored row0, s_lo, ... over both, with no mbarrier.inval between)
-    turn = k_ready
+    # the steps' turns (pingpong: off here) carry the landing barrier of the request's last V block (_issue_v_to_end,
+    # _zero_past_end). Barriers no partition uses share the memory Triton hands the partitions' arguments through
+    # (Triton 3.6's sm90 build stored row0, s_lo, ... over two unused turns, with no mbarrier.inval between)
+    turn = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(turn, count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
