@@ -98,11 +98,14 @@ def _issue_v_to_end(desc, bufs, free, land, g, key0, pt_row, page_size, last_slo
 def _zero_past_end(bufs, ready, land, g, key0, seq_len, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
                    num_warps: gl.constexpr):  # fmt: skip
     """The first consumer warpgroup, between its last softmax and the last P V: the request's last V block landed
-    (`land`, phase 0: one such block a program), its rows past seq_len zeroed (the last page's stale slots, or the
+    (`land`, phase 0: one such block a program, the split's last, as its keys end at the request's), its rows past
+    seq_len zeroed (the last page's stale slots, or the
     page's slots again where a box lies wholly past it), then the block is ready for both consumers. P is 0 there,
     but 0 x NaN is NaN: a slot an earlier owner of the page left non-finite would reach the output (the Triton
     kernel masks these loads). Groups of 8 rows and 64 columns: the V buffer's swizzle allows no finer slice."""
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])  # 4 values a thread
+    layout: gl.constexpr = gl.BlockedLayout(
+        [1, 4], [2, 16], [num_warps, 1], [1, 0]
+    )  # 8 x 64: 4 values a thread
     buf = bufs.index(g % STAGES)
     mbarrier.wait(land, 0)
     for i in gl.static_range(BLOCK_N // 8):
@@ -135,7 +138,8 @@ def _extend_loader(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, page_table_ptr, q_smem
             _issue_kv(k_desc, k_bufs, k_ready, k_free, j + 1, s_lo + (j + 1) * _BLOCK_N, pt_row, page_size,
                       last_slot, kv_col, _STAGES, _BLOCK_N, _KEY_BOX)  # fmt: skip
         key0 = s_lo + j * _BLOCK_N
-        if key0 + _BLOCK_N > seq_len:
+        # the split's last block holding the request's end: the consumers' test (_extend_consumer), to the letter
+        if (j == n_blocks - 1) & (s_lo + n_blocks * _BLOCK_N > seq_len):
             _issue_v_to_end(v_desc, v_bufs, v_free, land, j, key0, pt_row, page_size, last_slot, kv_col, _STAGES,
                             _BLOCK_N, _KEY_BOX)  # fmt: skip
         else:
@@ -246,7 +250,9 @@ def extend_fwd_kernel(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, query_start_loc_ptr
     seq_len = gl.load(seq_lens_ptr + req)
     row0 = block * TILE_M
     # this split's keys, block-aligned from 0, up to the tile's last token (as `_extend_kernel`)
-    hi = prefix_len + (gl.minimum(row0 + TILE_M, num_rows) - 1) // GROUP + 1
+    # (at most the request's end: a CUDA graph's padded tokens lie past it, and a block wholly past it would both
+    # read stale V and land a second block on _issue_v_to_end's barrier, which the consumers wait on once)
+    hi = gl.minimum(prefix_len + (gl.minimum(row0 + TILE_M, num_rows) - 1) // GROUP + 1, seq_len)
     chunk = gl.cdiv(gl.cdiv(hi, num_splits), BLOCK_N) * BLOCK_N
     s_lo = split * chunk
     n_blocks = gl.cdiv(gl.maximum(gl.minimum(s_lo + chunk, hi) - s_lo, 0), BLOCK_N)

@@ -8,6 +8,7 @@ engine passes the Triton kernel's, timed too).
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -22,10 +23,14 @@ TILE_M, PART_M, BLOCK_N = 128, 64, 128
 HQ, HKV, D = 32, 8, 128  # the Llama-3.1-8B shape
 
 
-def make_case(prefix_lens, query_lens, page_size, hq=HQ, hkv=HKV, scattered=True, device="cpu", seed=0):
-    """q and a paged bf16 cache holding every request's prefix and new tokens, with its metadata."""
+def make_case(
+    prefix_lens, query_lens, page_size, hq=HQ, hkv=HKV, scattered=True, device="cpu", seed=0, pad=0
+):
+    """q and a paged bf16 cache holding every request's prefix and new tokens, with its metadata. pad: each request's
+    query that many tokens longer than its seq_len counts, as a CUDA graph's bucket pads it (cuda_graph.py)."""
     g = torch.Generator().manual_seed(seed)
     seq_lens = [p + n for p, n in zip(prefix_lens, query_lens)]
+    query_lens = [n + pad for n in query_lens]
     pages = [-(-s // page_size) for s in seq_lens]
     pool = list(range(1, sum(pages) + 2))  # page 0 reserved, as in the engine
     if scattered:
@@ -66,12 +71,16 @@ def emulate(
         keys = gather_kv(k_cache, page_table[req], seq_len).float()  # [S, Hkv, D]
         values = gather_kv(v_cache, page_table[req], seq_len).float()
         for row0 in range(0, num_rows, TILE_M):
-            hi = prefix_len + (min(row0 + TILE_M, num_rows) - 1) // group + 1
+            hi = min(prefix_len + (min(row0 + TILE_M, num_rows) - 1) // group + 1, seq_len)
             chunk = math.ceil(math.ceil(hi / num_splits) / BLOCK_N) * BLOCK_N
             for kv_head in range(hkv):
                 for split in range(num_splits):
                     s_lo = split * chunk
                     n_blocks = -(-max(min(s_lo + chunk, hi) - s_lo, 0) // BLOCK_N)
+                    # the loader lands a block holding the request's end on a barrier the first consumer waits on
+                    # once (gluon_extend._issue_v_to_end): only the split's last block may hold it
+                    ends = [j for j in range(n_blocks) if s_lo + (j + 1) * BLOCK_N > seq_len]
+                    assert ends in ([], [n_blocks - 1]), (req, row0, split, ends, n_blocks)
                     for r0 in (row0, row0 + PART_M):
                         rows = torch.arange(r0, r0 + PART_M)
                         tok = rows // group
@@ -109,11 +118,18 @@ def emulate(
     return (part * w[..., None]).sum(2) / w.sum(-1, keepdim=True)
 
 
-EMULATED = [  # (prefix_lens, query_lens, page_size, splits)
-    ([300], [20], 16, 1),
-    ([300], [20], 16, 3),  # a split past the tile's keys: empty, weighs nothing
-    ([0, 1000, 77], [40, 33, 5], 16, 4),  # a cold chunk, a suffix, a short one; scattered pages
-    ([500], [70], 32, 2),  # 280 packed rows: three tiles, the last partial
+EMULATED = [  # (prefix_lens, query_lens, page_size, splits, padding tokens a request)
+    ([300], [20], 16, 1, 0),
+    ([300], [20], 16, 3, 0),  # a split past the tile's keys: empty, weighs nothing
+    ([0, 1000, 77], [40, 33, 5], 16, 4, 0),  # a cold chunk, a suffix, a short one; scattered pages
+    ([500], [70], 32, 2, 0),  # 280 packed rows: three tiles, the last partial
+    (
+        [1000],
+        [17],
+        16,
+        1,
+        239,
+    ),  # a graph's bucket of 256 over 17 real tokens: the padding's keys end at seq_len
 ]
 
 
@@ -193,14 +209,19 @@ if __name__ == "__main__":
     if "--compile-only" in sys.argv:
         compile_only()
     elif "--emulate" in sys.argv:
-        for prefix_lens, query_lens, page_size, splits in EMULATED:
+        for prefix_lens, query_lens, page_size, splits, pad in EMULATED:
             q, k_cache, v_cache, qsl, pre, seq, pt = make_case(
-                prefix_lens, query_lens, page_size, hq=8, hkv=2
+                prefix_lens, query_lens, page_size, hq=8, hkv=2, pad=pad
             )
             args = (qsl, pre, seq, pt, page_size)
             out = emulate(q, k_cache, v_cache, *args, splits, D**-0.5)
-            ref = extend_attention_ref(q.float(), k_cache, v_cache, *args, max(query_lens), D**-0.5)
+            # the real tokens: each request's first query_lens of its rows, against attention without the padding
+            real = torch.cat([torch.arange(a, a + n) for a, n in zip(qsl[:-1].tolist(), query_lens)])
+            real_qsl = torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32)
+            ref = extend_attention_ref(q[real].float(), k_cache, v_cache, real_qsl, pre, seq, pt, page_size,
+                                       max(query_lens), D**-0.5)  # fmt: skip
             print(json.dumps({"prefix_lens": prefix_lens, "query_lens": query_lens, "page_size": page_size,
-                              "splits": splits, "max_err": (out - ref).abs().max().item()}))  # fmt: skip
+                              "splits": splits, "padding": pad,
+                              "max_err": (out[real] - ref).abs().max().item()}))  # fmt: skip
     else:
         gpu_check()
