@@ -17,17 +17,28 @@ import sys
 
 import torch
 
-from longserve.kernels.attention_reference import extend_attention_ref, gather_kv
+from longserve.kernels.attention_reference import extend_attention_ref
 
 TILE_M, PART_M, BLOCK_N = 128, 64, 128
 HQ, HKV, D = 32, 8, 128  # the Llama-3.1-8B shape
 
 
 def make_case(
-    prefix_lens, query_lens, page_size, hq=HQ, hkv=HKV, scattered=True, device="cpu", seed=0, pad=0
+    prefix_lens,
+    query_lens,
+    page_size,
+    hq=HQ,
+    hkv=HKV,
+    scattered=True,
+    device="cpu",
+    seed=0,
+    pad=0,
+    stale=False,
 ):
     """q and a paged bf16 cache holding every request's prefix and new tokens, with its metadata. pad: each request's
-    query that many tokens longer than its seq_len counts, as a CUDA graph's bucket pads it (cuda_graph.py)."""
+    query that many tokens longer than its seq_len counts, as a CUDA graph's bucket pads it (cuda_graph.py). stale:
+    every slot no request owns non-finite (page 0, and each last page's slots past its request's end), as an earlier
+    owner's broken K/V could leave them."""
     g = torch.Generator().manual_seed(seed)
     seq_lens = [p + n for p, n in zip(prefix_lens, query_lens)]
     query_lens = [n + pad for n in query_lens]
@@ -44,6 +55,11 @@ def make_case(
     num_pages = len(pool) + 1
     k_cache = torch.randn(num_pages, page_size, hkv, D, generator=g).bfloat16()
     v_cache = torch.randn(num_pages, page_size, hkv, D, generator=g).bfloat16()
+    if stale:
+        k_cache[0], v_cache[0] = float("nan"), float("inf")
+        for t, n in zip(tables, seq_lens):
+            k_cache[t[(n - 1) // page_size], n % page_size or page_size :] = float("nan")
+            v_cache[t[(n - 1) // page_size], n % page_size or page_size :] = float("inf")
     q = torch.randn(sum(query_lens), hq, D, generator=g).bfloat16()
     starts = [0]
     for n in query_lens:
@@ -56,20 +72,22 @@ def make_case(
 def emulate(
     q, k_cache, v_cache, query_start_loc, prefix_lens, seq_lens, page_table, page_size, num_splits, scale
 ):
-    """The kernel's programs in torch: per (row tile, request, kv head, split) the key range, the blocks with their
-    masks (relative to the split's first key), the finite running max, the partial and its base-2 LSE; then the
-    merge of the partials."""
+    """The kernel's programs in torch: per (row tile, request, kv head, split) the key range, each block as its TMA
+    boxes bring it (page-table slots clamped to the request's last page, stale slots and all), the request's last V
+    block zeroed past its end as the first consumer does (`_zero_past_end`, on the block the loader lands apart),
+    masks only from `first_masked` on, the finite running max, the partial and its base-2 LSE; then the merge."""
     num_tokens, hq, _ = q.shape
     hkv = k_cache.shape[2]
     group = hq // hkv
     qk_scale = scale * 1.4426950408889634
-    part = torch.zeros(num_tokens, hq, num_splits, D)
-    lse = torch.full((num_tokens, hq, num_splits), -float("inf"))
+    part = torch.full(
+        (num_tokens, hq, num_splits, D), float("nan")
+    )  # unwritten: NaN, which the merge would show
+    lse = torch.full((num_tokens, hq, num_splits), float("nan"))
     starts, prefixes, seqs = query_start_loc.tolist(), prefix_lens.tolist(), seq_lens.tolist()
     for req, (prefix_len, seq_len) in enumerate(zip(prefixes, seqs)):
         q_start, num_rows = starts[req], (starts[req + 1] - starts[req]) * group
-        keys = gather_kv(k_cache, page_table[req], seq_len).float()  # [S, Hkv, D]
-        values = gather_kv(v_cache, page_table[req], seq_len).float()
+        last_slot = (seq_len - 1) // page_size
         for row0 in range(0, num_rows, TILE_M):
             hi = min(prefix_len + (min(row0 + TILE_M, num_rows) - 1) // group + 1, seq_len)
             chunk = math.ceil(math.ceil(hi / num_splits) / BLOCK_N) * BLOCK_N
@@ -81,6 +99,18 @@ def emulate(
                     # once (gluon_extend._issue_v_to_end): only the split's last block may hold it
                     ends = [j for j in range(n_blocks) if s_lo + (j + 1) * BLOCK_N > seq_len]
                     assert ends in ([], [n_blocks - 1]), (req, row0, split, ends, n_blocks)
+                    blocks = []
+                    for j in range(n_blocks):
+                        cols = s_lo + j * BLOCK_N + torch.arange(BLOCK_N)  # absolute keys
+                        page = page_table[req, torch.clamp(cols // page_size, max=last_slot)].long()
+                        kt = k_cache[page, cols % page_size, kv_head].float()
+                        vt = v_cache[page, cols % page_size, kv_head].float()
+                        if j in ends:  # _zero_past_end: the groups of 8 rows holding a key past the end
+                            for i in range(BLOCK_N // 8):
+                                if int(cols[0]) + (i + 1) * 8 > seq_len:
+                                    group8 = slice(i * 8, (i + 1) * 8)
+                                    vt[group8][cols[group8] >= seq_len] = 0.0
+                        blocks.append((cols, kt, vt))
                     for r0 in (row0, row0 + PART_M):
                         rows = torch.arange(r0, r0 + PART_M)
                         tok = rows // group
@@ -92,16 +122,17 @@ def emulate(
                             torch.zeros(PART_M),
                             torch.zeros(PART_M, D),
                         )
-                        for j in range(n_blocks):
-                            cols = s_lo + j * BLOCK_N + torch.arange(BLOCK_N)  # absolute keys
-                            kt = torch.zeros(BLOCK_N, D)
-                            vt = torch.zeros(BLOCK_N, D)
-                            inside = cols < seq_len
-                            kt[inside] = keys[cols[inside], kv_head]
-                            vt[inside] = values[cols[inside], kv_head]
+                        # blocks from first_masked on cross this part's first token's diagonal or the request's end
+                        first_masked = (
+                            max(min(seq_len - s_lo, prefix_len - s_lo + r0 // group + 1), 0) // BLOCK_N
+                        )
+                        for j, (cols, kt, vt) in enumerate(blocks):
                             s = qt @ kt.T
-                            keep = inside[None, :] & (cols[None, :] <= (prefix_len + tok)[:, None])
-                            s = s.masked_fill(~keep, -float("inf"))
+                            if j >= first_masked:
+                                keep = (cols[None, :] < seq_len) & (
+                                    cols[None, :] <= (prefix_len + tok)[:, None]
+                                )
+                                s = torch.where(keep, s, torch.tensor(-float("inf")))
                             m_new = torch.maximum(m_i, s.max(1).values * qk_scale)
                             p = torch.exp2(s * qk_scale - m_new[:, None])
                             alpha = torch.exp2(m_i - m_new)
@@ -114,22 +145,21 @@ def emulate(
                             t, h = q_start + int(tok[i]), kv_head * group + int(rows[i]) % group
                             part[t, h, split] = acc[i] / l_safe[i]
                             lse[t, h, split] = m_i[i] + torch.log2(l_safe[i]) if has[i] else -float("inf")
+    assert not torch.isnan(lse).any(), "a (token, head, split) no program wrote"
     w = torch.exp2(lse - lse.max(-1, keepdim=True).values)  # merge_splits
     return (part * w[..., None]).sum(2) / w.sum(-1, keepdim=True)
 
 
-EMULATED = [  # (prefix_lens, query_lens, page_size, splits, padding tokens a request)
+# (prefix_lens, query_lens, page_size, splits, padding tokens a request); every stale slot non-finite
+EMULATED = [
     ([300], [20], 16, 1, 0),
     ([300], [20], 16, 3, 0),  # a split past the tile's keys: empty, weighs nothing
     ([0, 1000, 77], [40, 33, 5], 16, 4, 0),  # a cold chunk, a suffix, a short one; scattered pages
     ([500], [70], 32, 2, 0),  # 280 packed rows: three tiles, the last partial
-    (
-        [1000],
-        [17],
-        16,
-        1,
-        239,
-    ),  # a graph's bucket of 256 over 17 real tokens: the padding's keys end at seq_len
+    ([1000], [17], 16, 1, 239),  # a graph's bucket of 256 over 17 tokens: keys end at seq_len
+    ([1000], [17], 16, 7, 239),  # the same bucket in 7 splits
+    ([896], [128], 32, 3, 128),  # seq_len 1024, a multiple of the key block, padded
+    ([300, 0, 90], [1, 100, 5], 64, 5, 0),  # a decode row, a cold chunk under 128 keys; empty splits
 ]
 
 
@@ -211,7 +241,7 @@ if __name__ == "__main__":
     elif "--emulate" in sys.argv:
         for prefix_lens, query_lens, page_size, splits, pad in EMULATED:
             q, k_cache, v_cache, qsl, pre, seq, pt = make_case(
-                prefix_lens, query_lens, page_size, hq=8, hkv=2, pad=pad
+                prefix_lens, query_lens, page_size, hq=8, hkv=2, pad=pad, stale=True
             )
             args = (qsl, pre, seq, pt, page_size)
             out = emulate(q, k_cache, v_cache, *args, splits, D**-0.5)
@@ -221,7 +251,7 @@ if __name__ == "__main__":
             ref = extend_attention_ref(q[real].float(), k_cache, v_cache, real_qsl, pre, seq, pt, page_size,
                                        max(query_lens), D**-0.5)  # fmt: skip
             print(json.dumps({"prefix_lens": prefix_lens, "query_lens": query_lens, "page_size": page_size,
-                              "splits": splits, "padding": pad,
+                              "splits": splits, "padding": pad, "finite": bool(torch.isfinite(out[real]).all()),
                               "max_err": (out[real] - ref).abs().max().item()}))  # fmt: skip
     else:
         gpu_check()

@@ -222,9 +222,11 @@ def test_non_finite_values_past_a_requests_end_do_not_reach_its_output(kernel: s
     args = (qsl, pre, seq, pt, page_size, max(query_lens), q.shape[2] ** -0.5)
     ref = extend_attention_ref(q.float(), k_cache, v_cache, *args)
     real = len(q)
-    if padded:  # the bucket's padding rows: their outputs are not read
+    if padded:  # the bucket's padding rows (their outputs are not read) and its page table, as the graph's
         q = torch.cat([q, torch.randn(256 - real, *q.shape[1:], device="cuda").bfloat16()])
         qsl = torch.tensor([0, 256], dtype=torch.int32, device="cuda")
+        width = -(-(prefix_lens[0] + 256) // page_size)  # page 0 in the columns past the request's
+        pt = torch.nn.functional.pad(pt, (0, width - pt.shape[1]))
         args = (qsl, pre, seq, pt, page_size, 256, q.shape[2] ** -0.5)
     for r, s in enumerate(seq.tolist()):  # NaN in every slot past the request's end in its last page
         last = pt[r, (s - 1) // page_size]
