@@ -99,13 +99,12 @@ def _zero_past_end(bufs, ready, land, g, key0, seq_len, STAGES: gl.constexpr, BL
                    num_warps: gl.constexpr):  # fmt: skip
     """The first consumer warpgroup, between its last softmax and the last P V: the request's last V block landed
     (`land`, phase 0: one such block a program, the split's last, as its keys end at the request's), its rows past
-    seq_len zeroed (the last page's stale slots, or the
-    page's slots again where a box lies wholly past it), then the block is ready for both consumers. P is 0 there,
-    but 0 x NaN is NaN: a slot an earlier owner of the page left non-finite would reach the output (the Triton
-    kernel masks these loads). Groups of 8 rows and 64 columns: the V buffer's swizzle allows no finer slice."""
-    layout: gl.constexpr = gl.BlockedLayout(
-        [1, 4], [2, 16], [num_warps, 1], [1, 0]
-    )  # 8 x 64: 4 values a thread
+    seq_len zeroed (the last page's stale slots, or the page's slots again where a box lies wholly past it), then
+    the block is ready for both consumers. P is 0 there, but 0 x NaN is NaN: a slot an earlier owner of the page
+    left non-finite would reach the output (the Triton kernel masks these loads). Groups of 8 rows and 64 columns:
+    the V buffer's swizzle allows no finer slice."""
+    # 8 x 64, 4 values a thread
+    layout: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [num_warps, 1], [1, 0])
     buf = bufs.index(g % STAGES)
     mbarrier.wait(land, 0)
     for i in gl.static_range(BLOCK_N // 8):
