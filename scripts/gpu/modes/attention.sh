@@ -40,13 +40,13 @@ if [[ $MODE == gluon ]]; then  # one GPU (~2 min, .anchor/ carried for FA3's tim
   done
 fi
 
-if [[ $MODE == gluon-extend ]]; then  # one GPU (~7 min, .whl/ carried for the tests): the Gluon extend kernel (kernels/
+if [[ $MODE == gluon-extend ]]; then  # one GPU (~3 min, .whl/ carried for the tests): the Gluon extend kernel (kernels/
   # gluon_extend.py: a short chunk over a long paged prefix, the prefix hit's attention) against fp32 and timed beside
   # the Triton extend kernel, at 1, 2 and 4 waves of programs (GLUON_EXTEND_WAVES: its split count) and at Triton's
   # split count, then the prefix hit end to end with the engine's extend calls on Triton and on it. First its GPU tests, then the engines' GPU tests (greedy tokens against the torch reference: prefix hits,
   # chunked prefill, GQA) with the engine's extend calls on it (gluon_calls.GLUON_EXTEND_CALLS)
   if python3 -c "import pytest" 2> /dev/null; then
-    timeout 150 python3 -m pytest -q -m gpu tests/gpu/test_gluon_attention_gpu.py -k "extend" -p no:cacheprovider \
+    timeout 150 python3 -m pytest -q -m gpu tests/gpu/test_gluon_attention_gpu.py -k "extend or non_finite" -p no:cacheprovider \
       --tb=short -rfE 2>&1 | tee "$OUT/gpu_tests_gluon_extend.log" | tail -4 || status=1
     timeout 200 python3 scripts/probes/with_constants.py longserve.attention.gluon_calls.GLUON_EXTEND_CALLS=True -- \
       pytest -q -m gpu tests/gpu/test_engine_gpu.py -p no:cacheprovider --tb=short -rfE 2>&1 \

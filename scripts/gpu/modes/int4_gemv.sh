@@ -292,7 +292,7 @@ if [[ $MODE == ahead-decodes ]]; then  # one GPU (~5 min): int4-ahead's and fp8-
   done
 fi
 
-if [[ $MODE == b1-stack ]]; then  # one GPU (~8 min): issue 18's b1 cells at the defaults, each switch off beside
+if [[ $MODE == b1-stack ]]; then  # one GPU (~3 min): issue 18's b1 cells at the defaults, each switch off beside
   cases=(--config llama-3.1-8b "${dummy[@]}" --repeat 3 --decode-batch-sizes 1@32768)
   pack() { (cd "$OUT/.." && tar czf "$(basename "$OUT").tgz" "$(basename "$OUT")"); }
   early=longserve.kernels.launch.PDL_EARLY_LOADS=False
