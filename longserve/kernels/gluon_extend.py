@@ -63,34 +63,19 @@ _KV_LAYOUT = gl.constexpr(gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], gl.
 
 
 @gluon.jit
-def _issue_kv(desc, bufs, ready, free, g, key0, pt_row, page_size, last_slot, kv_col, STAGES: gl.constexpr,
+def _issue_kv(desc, bufs, bar, free, g, key0, pt_row, page_size, last_slot, kv_col, STAGES: gl.constexpr,
               BLOCK_N: gl.constexpr, KEY_BOX: gl.constexpr):  # fmt: skip
-    """Block g of the ring (keys key0..key0 + BLOCK_N) into its stage once the consumers have freed it: BLOCK_N /
-    KEY_BOX boxes, each KEY_BOX consecutive slots of one page."""
+    """Block g of the ring (keys key0..key0 + BLOCK_N) into its stage once the consumers have freed it, landing on
+    `bar` (its stage's ready barrier; for the request's last V block `land`, which `_zero_past_end` waits on):
+    BLOCK_N / KEY_BOX boxes, each KEY_BOX consecutive slots of one page."""
     s = g % STAGES
     mbarrier.wait(free.index(s), ((g // STAGES) & 1) ^ 1)
-    mbarrier.expect(ready.index(s), BLOCK_N * desc.block_type.shape[1] * 2)
+    mbarrier.expect(bar, BLOCK_N * desc.block_type.shape[1] * 2)
     for i in gl.static_range(BLOCK_N // KEY_BOX):
         key = key0 + i * KEY_BOX
         slot = gl.minimum(key // page_size, last_slot)
         page = gl.load(pt_row + slot)
-        tma_load(desc, [page * page_size + key % page_size, kv_col], ready.index(s),
-                  bufs.index(s).slice(i * KEY_BOX, KEY_BOX))  # fmt: skip
-
-
-@gluon.jit
-def _issue_v_to_end(desc, bufs, free, land, g, key0, pt_row, page_size, last_slot, kv_col, STAGES: gl.constexpr,
-                    BLOCK_N: gl.constexpr, KEY_BOX: gl.constexpr):  # fmt: skip
-    """The request's last block of V (keys key0.. past its end), as `_issue_kv` but landing on `land`: the first
-    consumer zeroes the rows past the end (`_zero_past_end`) before the block is ready."""
-    s = g % STAGES
-    mbarrier.wait(free.index(s), ((g // STAGES) & 1) ^ 1)
-    mbarrier.expect(land, BLOCK_N * desc.block_type.shape[1] * 2)
-    for i in gl.static_range(BLOCK_N // KEY_BOX):
-        key = key0 + i * KEY_BOX
-        slot = gl.minimum(key // page_size, last_slot)
-        page = gl.load(pt_row + slot)
-        tma_load(desc, [page * page_size + key % page_size, kv_col], land,
+        tma_load(desc, [page * page_size + key % page_size, kv_col], bar,
                  bufs.index(s).slice(i * KEY_BOX, KEY_BOX))  # fmt: skip
 
 
@@ -125,25 +110,25 @@ def _extend_loader(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, page_table_ptr, q_smem
                    qk_scale, num_splits, num_q_heads, group, req, kv_head, split, q_start, num_rows, prefix_len,
                    seq_len, row0, s_lo, n_blocks):  # fmt: skip
     """K one block ahead of V, each into a buffer freed on its own barrier (the prefix kernel's order); V's block
-    holding the request's end through `_issue_v_to_end` (`land`: the steps' `turn` slot, unused there)."""
+    holding the request's end onto `land` (the steps' `turn` slot, unused there)."""
     pt_row = page_table_ptr + req.to(gl.int64) * stride_pt
     last_slot = (seq_len - 1) // page_size
     kv_col = kv_head * _HEAD_DIM
     if n_blocks > 0:
-        _issue_kv(k_desc, k_bufs, k_ready, k_free, 0, s_lo, pt_row, page_size, last_slot, kv_col, _STAGES, _BLOCK_N,
-                  _KEY_BOX)  # fmt: skip
+        _issue_kv(k_desc, k_bufs, k_ready.index(0), k_free, 0, s_lo, pt_row, page_size, last_slot, kv_col, _STAGES,
+                  _BLOCK_N, _KEY_BOX)  # fmt: skip
     for j in range(n_blocks):
         if j + 1 < n_blocks:
-            _issue_kv(k_desc, k_bufs, k_ready, k_free, j + 1, s_lo + (j + 1) * _BLOCK_N, pt_row, page_size,
-                      last_slot, kv_col, _STAGES, _BLOCK_N, _KEY_BOX)  # fmt: skip
+            _issue_kv(k_desc, k_bufs, k_ready.index((j + 1) % _STAGES), k_free, j + 1, s_lo + (j + 1) * _BLOCK_N,
+                      pt_row, page_size, last_slot, kv_col, _STAGES, _BLOCK_N, _KEY_BOX)  # fmt: skip
         key0 = s_lo + j * _BLOCK_N
         # the split's last block holding the request's end: the consumers' test (_extend_consumer), to the letter
         if (j == n_blocks - 1) & (s_lo + n_blocks * _BLOCK_N > seq_len):
-            _issue_v_to_end(v_desc, v_bufs, v_free, land, j, key0, pt_row, page_size, last_slot, kv_col, _STAGES,
-                            _BLOCK_N, _KEY_BOX)  # fmt: skip
+            _issue_kv(v_desc, v_bufs, land, v_free, j, key0, pt_row, page_size, last_slot, kv_col, _STAGES, _BLOCK_N,
+                      _KEY_BOX)  # fmt: skip
         else:
-            _issue_kv(v_desc, v_bufs, v_ready, v_free, j, key0, pt_row, page_size, last_slot, kv_col, _STAGES,
-                      _BLOCK_N, _KEY_BOX)  # fmt: skip
+            _issue_kv(v_desc, v_bufs, v_ready.index(j % _STAGES), v_free, j, key0, pt_row, page_size, last_slot,
+                      kv_col, _STAGES, _BLOCK_N, _KEY_BOX)  # fmt: skip
 
 
 @gluon.jit
@@ -250,7 +235,7 @@ def extend_fwd_kernel(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, query_start_loc_ptr
     row0 = block * TILE_M
     # this split's keys, block-aligned from 0, up to the tile's last token (as `_extend_kernel`)
     # (at most the request's end: a CUDA graph's padded tokens lie past it, and a block wholly past it would both
-    # read stale V and land a second block on _issue_v_to_end's barrier, which the consumers wait on once)
+    # read stale V and land a second block on `land`, which the first consumer waits on once: _zero_past_end)
     hi = gl.minimum(prefix_len + (gl.minimum(row0 + TILE_M, num_rows) - 1) // GROUP + 1, seq_len)
     chunk = gl.cdiv(gl.cdiv(hi, num_splits), BLOCK_N) * BLOCK_N
     s_lo = split * chunk
@@ -265,7 +250,7 @@ def extend_fwd_kernel(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, query_start_loc_ptr
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    # the steps' turns (pingpong: off here) carry the landing barrier of the request's last V block (_issue_v_to_end,
+    # the steps' turns (pingpong: off here) carry the landing barrier of the request's last V block (_extend_loader,
     # _zero_past_end). Barriers no partition uses share the memory Triton hands the partitions' arguments through
     # (Triton 3.6's sm90 build stored row0, s_lo, ... over two unused turns, with no mbarrier.inval between)
     turn = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())

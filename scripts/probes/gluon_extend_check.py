@@ -96,7 +96,7 @@ def emulate(
                     s_lo = split * chunk
                     n_blocks = -(-max(min(s_lo + chunk, hi) - s_lo, 0) // BLOCK_N)
                     # the loader lands a block holding the request's end on a barrier the first consumer waits on
-                    # once (gluon_extend._issue_v_to_end): only the split's last block may hold it
+                    # once (gluon_extend._extend_loader): only the split's last block may hold it
                     ends = [j for j in range(n_blocks) if s_lo + (j + 1) * BLOCK_N > seq_len]
                     assert ends in ([], [n_blocks - 1]), (req, row0, split, ends, n_blocks)
                     blocks = []
