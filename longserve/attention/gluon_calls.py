@@ -7,6 +7,8 @@ until a call on an sm90 device asks for a kernel.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -75,17 +77,31 @@ def attention_with_lse(
     from longserve.kernels import gluon_attention
 
     q3, k3, v3 = q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1)  # [L, H, D] views
-    if _GLUON_BUILT.get(q.device.index):
-        o, lse = gluon_attention.attention(q3, k3, v3, causal, scale)
-    else:  # its first call on this device builds it: a Triton that cannot leaves the calls to the library
-        try:
-            o, lse = gluon_attention.attention(q3, k3, v3, causal, scale)
-            _GLUON_BUILT[q.device.index] = True
-        except Exception as e:  # noqa: BLE001 - a build error of any kind
-            logger.warning("the Gluon attention kernel did not build (%s): prefix calls stay cuDNN's", e)
-            _GLUON[q.device.index] = False
-            return None
+    run = lambda: gluon_attention.attention(q3, k3, v3, causal, scale)  # noqa: E731
+    out = _built_once(_GLUON_BUILT, q.device.index, run, "attention kernel", "prefix calls stay cuDNN's")
+    if out is None:
+        _GLUON[q.device.index] = False
+        return None
+    o, lse = out
     return o.transpose(0, 1).unsqueeze(0), lse.unsqueeze(0)
+
+
+def _built_once(
+    built: dict[int, bool], index: int, run: Callable[[], Any], kernel: str, fallback: str
+) -> Any:
+    """run(): a Gluon kernel's call. Its first call on a device builds the kernel: a failure there (a Triton that
+    cannot build it) is warned once, marked False in `built` and answered None, so that the caller's path takes
+    the calls; once built, True."""
+    if built.get(index):
+        return run()
+    try:
+        out = run()
+    except Exception as e:  # noqa: BLE001 - a build error of any kind
+        logger.warning("the Gluon %s did not build (%s): %s", kernel, e, fallback)
+        built[index] = False
+        return None
+    built[index] = True
+    return out
 
 
 # The Gluon extend kernel (kernels/gluon_extend.py) in the Triton extend kernel's place (the prefix hit's 64 new
@@ -107,8 +123,9 @@ def extend_attention(q, k_cache, v_cache, query_start_loc, prefix_lens, seq_lens
             sliding_window, out, config, num_splits, k_scale, v_scale, partials,
         )  # fmt: skip
 
-    built = _EXTEND_BUILT.get(q.device.index)
-    if partials or sliding_window is not None or built is False or not _extend_runs(q, k_cache, page_size):
+    index = q.device.index
+    built_failed = _EXTEND_BUILT.get(index) is False
+    if partials or sliding_window is not None or built_failed or not _extend_runs(q, k_cache, page_size):
         return by_triton()
     from longserve.kernels import gluon_extend
 
@@ -118,16 +135,8 @@ def extend_attention(q, k_cache, v_cache, query_start_loc, prefix_lens, seq_lens
             num_splits, out,
         )  # fmt: skip
 
-    if built:
-        return by_gluon()
-    try:  # its first call on this device builds it: a Triton that cannot leaves the calls to the Triton kernel
-        o = by_gluon()
-    except Exception as e:  # noqa: BLE001 - a build error of any kind
-        logger.warning("the Gluon extend kernel did not build (%s): extend calls stay Triton's", e)
-        _EXTEND_BUILT[q.device.index] = False
-        return by_triton()
-    _EXTEND_BUILT[q.device.index] = True
-    return o
+    o = _built_once(_EXTEND_BUILT, index, by_gluon, "extend kernel", "extend calls stay Triton's")
+    return by_triton() if o is None else o
 
 
 def _extend_runs(q: torch.Tensor, k_cache: torch.Tensor, page_size: int) -> bool:
