@@ -62,36 +62,27 @@ def pytest_sessionfinish(session, exitstatus) -> None:
         if _COMPILE_CHECK and _WORKER_RECORDS in os.environ:
             dump_records(os.environ[_WORKER_RECORDS])
         return
-    path = os.environ.pop(_WORKER_RECORDS, None)  # the controller's file, deleted once compiled
+    path = os.environ.pop(_WORKER_RECORDS, None)  # the workers' file under xdist, deleted once compiled
     try:
-        if _COMPILE_CHECK and exitstatus == 0:
-            _compile_check(session, path)
+        if not _COMPILE_CHECK or exitstatus != 0:
+            return
+        from longserve.testing.kernel_compile import sm90_compiler_missing
+
+        missing = sm90_compiler_missing()
+        if missing:  # a triton build without the nvidia backend (e.g. a CPU-only one): nothing to check with
+            print(f"\nsm90 compile check skipped: {missing}")
+            return
+        if path is None:  # one process: its own records, through a file of its own
+            import tempfile
+
+            with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
+                path = f.name
+            dump_records(path)
+        if os.path.getsize(path) > 0:
+            _compile_records(session, path)
     finally:
         if path is not None and os.path.exists(path):
             os.remove(path)
-
-
-def _compile_check(session, path: str | None) -> None:
-    """Compile the recorded variants for sm90 (the workers' file under xdist; else this process's records)."""
-    from longserve.testing.kernel_compile import dump_records, sm90_compiler_missing
-
-    missing = sm90_compiler_missing()
-    if missing:  # a triton build without the nvidia backend (e.g. a CPU-only one): nothing to check with
-        print(f"\nsm90 compile check skipped: {missing}")
-        return
-    if path is not None:
-        if os.path.getsize(path) > 0:
-            _compile_records(session, path)
-        return
-    import tempfile
-
-    with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
-        path = f.name
-    try:
-        if dump_records(path) > 0:
-            _compile_records(session, path)
-    finally:
-        os.remove(path)
 
 
 def _compile_records(session, path: str) -> None:
