@@ -8,6 +8,8 @@
 # hit-pdl (one GPU, ~4 min): issue 19's prefix hit (32K cached + 64 new; 90.5x the cold 32K at 0949067, 98.7x at
 # e9be5b7) with PDL off and on (its 64-token graph's norms and rotary launch with it), 7 runs each, then
 # scripts/probes/probe_hit.py (host segments and the forward's device time, PDL on).
+# hit-profile (one GPU, ~3 min): the prefix hit (32K cached + 64 new) under the profiler, by category and its top
+# kernels, then scripts/probes/probe_hit.py: where the hit's device and host time go at the head.
 # shellcheck shell=bash
 
 if [[ $MODE == hit ]]; then  # one GPU: the prefix-hit cases alone (more runs), then cold 128K against HF
@@ -105,6 +107,13 @@ if [[ $MODE == hit-pdl ]]; then  # one GPU (~4 min): the prefix hit with PDL off
     LATENCY_TIMEOUT=200 latency_with hit_pdl_$pdl "PDL=$pdl" longserve.kernels.launch.PDL=$pdl -- --config \
       llama-3.1-8b "${dummy[@]}" --repeat 7 --prefix-hit 32768:64
   done
+  timeout 200 python3 scripts/probes/probe_hit.py 2>&1 | grep -vE "^\[bench|INFO|WARNING" | tee "$OUT/probe_hit.log" | tail -16
+fi
+
+if [[ $MODE == hit-profile ]]; then  # one GPU (~3 min): the prefix hit's kernels, then its host segments
+  LATENCY_TIMEOUT=150 LATENCY_LINES="prefix-" latency_with hit_profile "" -- --config llama-3.1-8b \
+    "${dummy[@]}" --repeat 5 --prefix-hit 32768:64 --profile
+  top_ops "$OUT/latency_hit_profile.json"
   timeout 200 python3 scripts/probes/probe_hit.py 2>&1 | grep -vE "^\[bench|INFO|WARNING" | tee "$OUT/probe_hit.log" | tail -16
 fi
 
