@@ -8,6 +8,8 @@
 # hit-pdl (one GPU, ~4 min): issue 19's prefix hit (32K cached + 64 new; 90.5x the cold 32K at 0949067, 98.7x at
 # e9be5b7) with PDL off and on (its 64-token graph's norms and rotary launch with it), 7 runs each, then
 # scripts/probes/probe_hit.py (host segments and the forward's device time, PDL on).
+# hit-fa3 (one GPU, ~2 min, .anchor/ carried): the hit's attention alone (64 new over 32K and beside it) in the
+# Triton extend kernel, the Gluon one and vLLM's FlashAttention-3 over the same paged cache, as graph replays.
 # hit-profile (one GPU, ~3 min): the prefix hit (32K cached + 64 new) under the profiler, by category and its top
 # kernels, then scripts/probes/probe_hit.py: where the hit's device and host time go at the head.
 # shellcheck shell=bash
@@ -108,6 +110,12 @@ if [[ $MODE == hit-pdl ]]; then  # one GPU (~4 min): the prefix hit with PDL off
       llama-3.1-8b "${dummy[@]}" --repeat 7 --prefix-hit 32768:64
   done
   timeout 200 python3 scripts/probes/probe_hit.py 2>&1 | grep -vE "^\[bench|INFO|WARNING" | tee "$OUT/probe_hit.log" | tail -16
+fi
+
+if [[ $MODE == hit-fa3 ]]; then  # one GPU (~2 min, .anchor/): what a kernel reaches at the hit's attention shapes
+  unpack_vllm || status=1
+  PYTHONPATH=$PWD:/tmp/site timeout 150 python3 scripts/probes/hit_attention_fa3.py 2>&1 \
+    | tee "$OUT/hit_attention_fa3.log" | grep '^{' | cut -c1-400
 fi
 
 if [[ $MODE == hit-profile ]]; then  # one GPU (~3 min): the prefix hit's kernels, then its host segments
