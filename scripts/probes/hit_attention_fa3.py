@@ -77,6 +77,20 @@ def case(prefix: int, new: int) -> dict:
     row = {"prefix": prefix, "new": new, "triton_splits": splits, "triton_config": config}
     t = time_ms(ours)
     row["triton_ms"], row["triton_tflops"] = round(t, 4), round(flop / t / 1e9, 1)
+    # larger row tiles read each key block for more of a kv head's packed rows (64 new tokens x 4 q heads = 256
+    # rows: the backend's 64-row tiles read the K/V 4 times, from L2 for all but the first)
+    if prefix >= 32768 and new <= 64:
+        for m, n, w in ((128, 64, 8), (128, 32, 8), (256, 32, 8), (256, 64, 8), (64, 128, 4)):
+            cfg = {"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": 2}
+            for s in (splits, splits // 2):
+                try:
+                    fn = lambda cfg=cfg, s=s: extend_attention(  # noqa: E731
+                        q, k_cache, v_cache, meta.query_start_loc, meta.prefix_lens, meta.seq_lens,
+                        meta.page_table, PAGE, new, scale, config=cfg, num_splits=s,
+                    )  # fmt: skip
+                    row[f"triton_m{m}n{n}w{w}s{s}_ms"] = round(time_ms(fn), 4)
+                except Exception as e:  # noqa: BLE001 - out of shared memory or registers: skip the tile
+                    row[f"triton_m{m}n{n}w{w}s{s}_ms"] = type(e).__name__
     try:
         from longserve.kernels import gluon_extend
 
