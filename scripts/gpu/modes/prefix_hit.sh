@@ -115,7 +115,7 @@ fi
 if [[ $MODE == hit-fa3 ]]; then  # one GPU (~2 min, .anchor/): what a kernel reaches at the hit's attention shapes
   unpack_vllm || status=1
   PYTHONPATH=$PWD:/tmp/site timeout 200 python3 scripts/probes/hit_attention_fa3.py 2>&1 \
-    | tee "$OUT/hit_attention_fa3.log" | grep '^{' | cut -c1-400
+    | tee "$OUT/hit_attention_fa3.log" | grep '^{' | cut -c1-1500
 fi
 
 if [[ $MODE == hit-profile ]]; then  # one GPU (~3 min): the prefix hit's kernels, then its host segments
