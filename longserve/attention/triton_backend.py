@@ -50,6 +50,10 @@ class LibraryPlan(NamedTuple):
 
 
 SHORT_CHUNK_ROWS = 256  # query rows per kv head (new tokens x group) up to which 64-row tiles win
+# A short chunk's tile: 64 rows, 4 warps (scripts/probes/sweep_short_extend.py on an H200, 2026-12-01: no tile of
+# 64 rows beat it). Larger row tiles read each key block for more of a kv head's packed rows (the prefix hit's 256
+# rows a kv head read the K/V 4 times at 64 rows, from L2 but the first): `gpu_check.sh hit-fa3` times them alone.
+SHORT_CHUNK_TILE: dict[str, int] = {"BLOCK_M": 64, "num_warps": 4}
 # A short chunk's launch knobs beside its 64-row tiles: pipeline stages and a register cap (None: the compiler's
 # 252 registers, two programs an SM). On an H200 (RESULTS.md fifteenth session): alone, 2 stages capped at 168
 # registers took 64 new over 32K scattered pages in 0.206-0.208 ms against 0.241-0.248 (`queue.sh
@@ -108,14 +112,15 @@ class TritonAttentionBackend(AttentionBackend):
         """Tiles and key-split count of an extend launch for these requests (host lists, no sync)."""
         config = self._extend_config(head_dim, dtype)
         tuned = device.type == "cuda" and dtype != torch.float32
-        if tuned and max(query_lens, default=0) * (num_q_heads // num_kv_heads) <= SHORT_CHUNK_ROWS:
-            config = {**config, "BLOCK_M": 64, "num_warps": 4, "num_stages": SHORT_CHUNK_STAGES}
+        short = tuned and max(query_lens, default=0) * (num_q_heads // num_kv_heads) <= SHORT_CHUNK_ROWS
+        if short:
+            config = {**config, **SHORT_CHUNK_TILE, "num_stages": SHORT_CHUNK_STAGES}
             if SHORT_CHUNK_MAXNREG is not None:
                 config["maxnreg"] = SHORT_CHUNK_MAXNREG
         splits = self.extend_splits or self._choose_extend_splits(
             query_lens, seq_lens, num_q_heads, num_kv_heads, config["BLOCK_M"], self.num_sms(device)
         )
-        if tuned and splits > 1:
+        if tuned and splits > 1 and not short:
             # key-split launches are short per program: 4 warps beat 8 (scripts/probes/sweep_short_extend.py
             # on an H200: 64 new over 32K 0.255 -> 0.192 ms with 64-row tiles; 512 new 1.03 -> 0.83 ms)
             config = {**config, "num_warps": 4}
