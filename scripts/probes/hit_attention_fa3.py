@@ -80,7 +80,8 @@ def case(prefix: int, new: int) -> dict:
     # larger row tiles read each key block for more of a kv head's packed rows (64 new tokens x 4 q heads = 256
     # rows: the backend's 64-row tiles read the K/V 4 times, from L2 for all but the first)
     if prefix >= 32768 and new <= 64:
-        for m, n, w in ((128, 64, 8), (128, 32, 8), (256, 32, 8), (256, 64, 8), (64, 128, 4)):
+        # 16 warps: four warpgroups of 64 rows each, so a 256-row tile's fp32 accumulator is 64 registers a thread
+        for m, n, w in ((128, 64, 8), (128, 32, 8), (256, 32, 8), (256, 32, 16), (256, 64, 16), (64, 128, 4)):
             cfg = {"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": 2}
             for s in (splits, splits // 2):
                 try:

@@ -11,7 +11,7 @@
 # hit-fa3 (one GPU, ~2 min, .anchor/ carried): the hit's attention alone (64 new over 32K and beside it) in the
 # Triton extend kernel, the Gluon one and vLLM's FlashAttention-3 over the same paged cache, as graph replays.
 # hit-tiles (one GPU, ~3 min): the 8B prefix hit end to end with the short chunks' Triton tile at 64 rows (the
-# default), 128 and 256 rows (triton_backend.SHORT_CHUNK_TILE; hit-fa3 times them alone).
+# default), 128 (8 warps) and 256 rows (16 warps) (triton_backend.SHORT_CHUNK_TILE; hit-fa3 times them alone).
 # hit-profile (one GPU, ~3 min): the prefix hit (32K cached + 64 new) under the profiler, by category and its top
 # kernels, then scripts/probes/probe_hit.py: where the hit's device and host time go at the head.
 # shellcheck shell=bash
@@ -122,7 +122,7 @@ fi
 
 if [[ $MODE == hit-tiles ]]; then  # one GPU (~3 min): the hit end to end at three short-chunk row tiles
   for tile in '{"BLOCK_M":64,"num_warps":4}' '{"BLOCK_M":128,"BLOCK_N":32,"num_warps":8}' \
-    '{"BLOCK_M":256,"BLOCK_N":32,"num_warps":8}'; do
+    '{"BLOCK_M":256,"BLOCK_N":32,"num_warps":16}'; do
     rows=$(python3 -c "import json,sys; print(json.loads(sys.argv[1])['BLOCK_M'])" "$tile")
     LATENCY_TIMEOUT=100 latency_with hit_tile_$rows "BLOCK_M=$rows" \
       "longserve.attention.triton_backend.SHORT_CHUNK_TILE=$tile" -- --config llama-3.1-8b "${dummy[@]}" --repeat 7 \
