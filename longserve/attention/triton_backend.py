@@ -51,9 +51,19 @@ class LibraryPlan(NamedTuple):
 
 SHORT_CHUNK_ROWS = 256  # query rows per kv head (new tokens x group) up to which 64-row tiles win
 # A short chunk's tile: 64 rows, 4 warps (scripts/probes/sweep_short_extend.py on an H200, 2026-12-01: no tile of
-# 64 rows beat it). Larger row tiles read each key block for more of a kv head's packed rows (the prefix hit's 256
-# rows a kv head read the K/V 4 times at 64 rows, from L2 but the first): `gpu_check.sh hit-fa3` times them alone.
+# 64 rows beat it).
 SHORT_CHUNK_TILE: dict[str, int] = {"BLOCK_M": 64, "num_warps": 4}
+# ... unless every request of the launch has more than WIDE_SHORT_MIN_ROWS rows a kv head (the prefix hit: 64 new
+# tokens x 4 q heads = 256, in the lone chunk's graph): then one 256-row tile a kv head, four warpgroups of 64 rows
+# (128 registers, scripts/dev/compile_extend.py), reads each key block once where 64-row tiles read it 4 times (from
+# L2 but the first), keys split to one wave (choose_extend_splits one_wave). On an H100 (RESULTS.md thirty-third
+# session; `gpu_check.sh hit-fa3`, graph replays): 64 new over 32K 0.147 -> 0.122 ms a layer, over 128K 0.484 -> 0.399;
+# 16 new (64 rows) 0.061 -> 0.113, hence the floor. The 8B hit (32K + 64) end to end: 13.2-14.3 -> 12.4-12.8 ms.
+# A decode beside it fills 4 of 256 rows: a batch with one keeps SHORT_CHUNK_TILE. Off until its GPU test
+# (tests/gpu/test_attention_gpu.py test_wide_short_tile) has run: `queue.sh tests hit-tiles`.
+WIDE_SHORT_CHUNKS = False
+WIDE_SHORT_TILE: dict[str, int] = {"BLOCK_M": 256, "BLOCK_N": 64, "num_warps": 16}
+WIDE_SHORT_MIN_ROWS = 128
 # A short chunk's launch knobs beside its 64-row tiles: pipeline stages and a register cap (None: the compiler's
 # 252 registers, two programs an SM). On an H200 (RESULTS.md fifteenth session): alone, 2 stages capped at 168
 # registers took 64 new over 32K scattered pages in 0.206-0.208 ms against 0.241-0.248 (`queue.sh
@@ -112,13 +122,20 @@ class TritonAttentionBackend(AttentionBackend):
         """Tiles and key-split count of an extend launch for these requests (host lists, no sync)."""
         config = self._extend_config(head_dim, dtype)
         tuned = device.type == "cuda" and dtype != torch.float32
-        short = tuned and max(query_lens, default=0) * (num_q_heads // num_kv_heads) <= SHORT_CHUNK_ROWS
+        group = num_q_heads // num_kv_heads
+        short = tuned and max(query_lens, default=0) * group <= SHORT_CHUNK_ROWS
+        wide = (
+            short
+            and WIDE_SHORT_CHUNKS
+            and min((q for q in query_lens if q), default=0) * group > WIDE_SHORT_MIN_ROWS
+        )
         if short:
-            config = {**config, **SHORT_CHUNK_TILE, "num_stages": SHORT_CHUNK_STAGES}
-            if SHORT_CHUNK_MAXNREG is not None:
+            tile = WIDE_SHORT_TILE if wide else SHORT_CHUNK_TILE
+            config = {**config, **tile, "num_stages": SHORT_CHUNK_STAGES}
+            if SHORT_CHUNK_MAXNREG is not None and not wide:
                 config["maxnreg"] = SHORT_CHUNK_MAXNREG
         splits = self.extend_splits or self._choose_extend_splits(
-            query_lens, seq_lens, num_q_heads, num_kv_heads, config["BLOCK_M"], self.num_sms(device)
+            query_lens, seq_lens, num_q_heads, num_kv_heads, config["BLOCK_M"], self.num_sms(device), wide
         )
         if tuned and splits > 1 and not short:
             # key-split launches are short per program: 4 warps beat 8 (scripts/probes/sweep_short_extend.py
@@ -136,6 +153,9 @@ class TritonAttentionBackend(AttentionBackend):
             warm_up_plans(model, shape.device, chunk_size, shape.max_seq_len)
             warm_up_packed(model, shape.device, shape.max_seq_len)
         cases = [([16, 0], [1, 16]), ([16, 0], [1, 512]), ([4096], [16]), ([4096], [512]), ([16384], [16])]
+        if WIDE_SHORT_CHUNKS:  # its tile, keys split and not
+            wide = max(1, SHORT_CHUNK_ROWS // (shape.num_q_heads // shape.num_kv_heads))
+            cases += [([4096], [wide]), ([512], [wide])]
         cases += [([32768], [16]), ([chunk_size], [chunk_size])]  # the last: the split path's merge kernel
         page_size = kv_cache.page_size
         for prefix_lens, query_lens in cases:

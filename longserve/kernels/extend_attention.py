@@ -260,16 +260,21 @@ def choose_extend_splits(
     num_kv_heads: int,
     block_m: int,
     num_sms: int = 132,
+    one_wave: bool = False,
 ) -> int:
     """Key-range splits for an extend launch (host lists, no sync): >1 only when the row blocks alone
     make few waves (one program per SM is resident) and the keys are long, e.g. a short question over
-    a long cached document, where 16 programs would otherwise leave 116 of 132 SMs idle."""
+    a long cached document, where 16 programs would otherwise leave 116 of 132 SMs idle. one_wave: the
+    tile holds an SM alone (triton_backend.WIDE_SHORT_TILE's 16 warps take its registers), so split to at
+    most one program an SM: a second, part-filled wave cost more than it spread (below)."""
     group = num_q_heads // num_kv_heads
     programs = num_kv_heads * sum(-(-q * group // block_m) for q in query_lens)
-    target = WAVES_PER_EXTEND * num_sms
+    target = num_sms if one_wave else WAVES_PER_EXTEND * num_sms
     if programs == 0 or programs >= target:
         return 1
-    by_occupancy = -(-target // programs)
+    # 256-row tiles, 64 new over 32K on an H100 (hit_attention_fa3.py, RESULTS.md thirty-third session): 8 programs
+    # x 16 splits 0.122 ms, x 32 (two waves) 0.141; end to end x 8 / 12 / 16 / 32 splits 15.4 / 13.5 / 12.4 / 13.1 ms
+    by_occupancy = target // programs if one_wave else -(-target // programs)
     by_length = -(-max(seq_lens, default=1) // MIN_KEYS_PER_EXTEND_SPLIT)
     by_memory = max(1, MAX_PARTIAL_ROWS // max(sum(query_lens) * num_q_heads, 1))
     return max(1, min(by_occupancy, by_length, by_memory, MAX_EXTEND_SPLITS))

@@ -75,6 +75,29 @@ def test_extend_ragged(dtype: torch.dtype, page_size: int) -> None:
     torch.testing.assert_close(out.float(), expected, atol=TOL, rtol=TOL)
 
 
+@pytest.mark.parametrize(
+    "prefix_lens,query_lens", [([32768], [64]), ([600], [64]), ([9000, 40000], [48, 64])]
+)
+def test_wide_short_tile(
+    prefix_lens: list[int], query_lens: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the prefix hit's launch with triton_backend.WIDE_SHORT_CHUNKS on (WIDE_SHORT_TILE: 256 rows a kv head on 16
+    # warps, keys split to one wave; one split over 600 keys), and two such chunks in one batch, against fp32
+    from longserve.attention import triton_backend
+    from longserve.attention.triton_backend import TritonAttentionBackend
+
+    monkeypatch.setattr(triton_backend, "WIDE_SHORT_CHUNKS", True)
+
+    group = NUM_Q_HEADS // NUM_KV_HEADS
+    seq_lens = [p + q for p, q in zip(prefix_lens, query_lens)]
+    cfg, _ = TritonAttentionBackend().extend_launch(
+        query_lens, seq_lens, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, torch.bfloat16, torch.device("cuda")
+    )
+    assert cfg["BLOCK_M"] == (256 if min(query_lens) * group > 128 else 64)
+    out, expected = run_step(prefix_lens, query_lens, 16, torch.bfloat16, cold_path="triton")
+    torch.testing.assert_close(out.float(), expected, atol=TOL, rtol=TOL)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("cold_path", ["sdpa", "triton"])
 def test_cold_prompts(dtype: torch.dtype, cold_path: str) -> None:

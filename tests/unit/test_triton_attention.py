@@ -22,6 +22,7 @@ from longserve.attention import (  # noqa: E402
     attention_backend_class,
     build_metadata,
     get_attention_backend,
+    triton_backend,
 )
 from longserve.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from longserve.kernels.decode_attention import choose_num_splits, decode_attention, decode_attention_ref  # noqa: E402
@@ -157,7 +158,9 @@ def test_a_gluon_extend_build_failure_leaves_the_calls_to_triton(monkeypatch, ca
     )
 
 
-@pytest.mark.parametrize("block_m,block_n,num_splits", [(32, 16, 1), (16, 32, 1), (64, 16, 1), (16, 16, 3)])
+@pytest.mark.parametrize(
+    "block_m,block_n,num_splits", [(32, 16, 1), (16, 32, 1), (64, 16, 1), (16, 16, 3), (256, 64, 3)]
+)
 def test_extend_tile_shapes_and_splits(block_m: int, block_n: int, num_splits: int) -> None:
     # unmasked/masked key-range boundaries move with the tiles and the key splits; rows of a block span
     # several tokens; with splits, some (row block, split) programs see no key at all
@@ -304,16 +307,32 @@ def test_choose_num_splits() -> None:
     assert choose_extend_splits([64], [128], 32, 8, 128, 132) == 1
 
 
-def test_extend_launch_tiles_and_splits() -> None:
+def test_extend_launch_tiles_and_splits(monkeypatch: pytest.MonkeyPatch) -> None:
     # what the backend launches (and the prefill graphs fix their grid to): on a 16-bit GPU run, 64-row
     # tiles for a short chunk, keys split with 4 warps; a long chunk keeps the default tiles, unsplit;
     # float32 (or CPU) keeps the default tiles whatever the length
     backend = TritonAttentionBackend(num_sms=132)
     cuda, cpu, bf16 = torch.device("cuda"), torch.device("cpu"), torch.bfloat16
     default = extend_config(128, bf16)
-    cfg, splits = backend.extend_launch([64], [32832], 32, 8, 128, bf16, cuda)
+    cfg, splits = backend.extend_launch([16], [32784], 32, 8, 128, bf16, cuda)
     assert (cfg["BLOCK_M"], cfg["num_warps"]) == (64, 4)
-    assert splits == choose_extend_splits([64], [32832], 32, 8, 64, 132) > 1
+    assert splits == choose_extend_splits([16], [32784], 32, 8, 64, 132) > 1
+    # the prefix hit (64 new x 4 q heads = 256 rows a kv head, alone), with the wide tile on: one 256-row tile a kv
+    # head on 16 warps, keys split to one wave of the chip's 132 SMs (8 kv heads x 16 splits), at 32K as at 128K
+    cfg, _ = backend.extend_launch([64], [32832], 32, 8, 128, bf16, cuda)
+    assert (cfg["BLOCK_M"], cfg["num_warps"]) == (64, 4)  # off by default
+    monkeypatch.setattr(triton_backend, "WIDE_SHORT_CHUNKS", True)
+    for context in (32832, 131136):
+        cfg, splits = backend.extend_launch([64], [context], 32, 8, 128, bf16, cuda)
+        assert (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"], splits) == (256, 64, 16, 16)
+    assert choose_extend_splits([64], [32832], 32, 8, 256, 132, one_wave=True) == 16
+    assert (
+        choose_extend_splits([64], [2048], 32, 8, 256, 132, one_wave=True) == 2
+    )  # 1,024 keys a split at least
+    # a decode beside it would fill 4 of 256 rows: the batch keeps the 64-row tiles, as does a chunk of 32 tokens
+    for query_lens in ([64, 1], [32]):
+        cfg, _ = backend.extend_launch(query_lens, [32832] * len(query_lens), 32, 8, 128, bf16, cuda)
+        assert (cfg["BLOCK_M"], cfg["num_warps"]) == (64, 4), query_lens
     cfg, splits = backend.extend_launch([8192], [131072], 32, 8, 128, bf16, cuda)
     assert (cfg, splits) == (default, 1)
     cfg, splits = backend.extend_launch([64], [32832], 32, 8, 128, torch.float32, cpu)

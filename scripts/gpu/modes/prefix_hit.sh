@@ -10,8 +10,8 @@
 # scripts/probes/probe_hit.py (host segments and the forward's device time, PDL on).
 # hit-fa3 (one GPU, ~2 min, .anchor/ carried): the hit's attention alone (64 new over 32K and beside it) in the
 # Triton extend kernel, the Gluon one and vLLM's FlashAttention-3 over the same paged cache, as graph replays.
-# hit-tiles (one GPU, ~3 min): the 8B prefix hit end to end with the short chunks' Triton tile at 64 rows (the
-# default), 128 (8 warps) and 256 rows (16 warps) (triton_backend.SHORT_CHUNK_TILE; hit-fa3 times them alone).
+# hit-tiles (one GPU, ~4 min): the 8B prefix hit end to end with the wide short-chunk tile (256 rows on 16 warps,
+# triton_backend.WIDE_SHORT_CHUNKS) off and on, twice each, alternating (hit-fa3 times the tiles alone).
 # hit-profile (one GPU, ~3 min): the prefix hit (32K cached + 64 new) under the profiler, by category and its top
 # kernels, then scripts/probes/probe_hit.py: where the hit's device and host time go at the head.
 # shellcheck shell=bash
@@ -120,13 +120,13 @@ if [[ $MODE == hit-fa3 ]]; then  # one GPU (~2 min, .anchor/): what a kernel rea
     | tee "$OUT/hit_attention_fa3.log" | grep '^{' | cut -c1-1500
 fi
 
-if [[ $MODE == hit-tiles ]]; then  # one GPU (~3 min): the hit end to end at three short-chunk row tiles
-  for tile in '{"BLOCK_M":64,"num_warps":4}' '{"BLOCK_M":128,"BLOCK_N":32,"num_warps":8}' \
-    '{"BLOCK_M":256,"BLOCK_N":32,"num_warps":16}'; do
-    rows=$(python3 -c "import json,sys; print(json.loads(sys.argv[1])['BLOCK_M'])" "$tile")
-    LATENCY_TIMEOUT=100 latency_with hit_tile_$rows "BLOCK_M=$rows" \
-      "longserve.attention.triton_backend.SHORT_CHUNK_TILE=$tile" -- --config llama-3.1-8b "${dummy[@]}" --repeat 7 \
-      --prefix-hit 32768:64
+if [[ $MODE == hit-tiles ]]; then  # one GPU (~3 min): the hit end to end, the wide short-chunk tile off and on, twice
+  for run in 1 2; do
+    for wide in False True; do
+      LATENCY_TIMEOUT=100 latency_with hit_wide_${wide}_$run "WIDE_SHORT_CHUNKS=$wide" \
+        longserve.attention.triton_backend.WIDE_SHORT_CHUNKS=$wide -- --config llama-3.1-8b "${dummy[@]}" \
+        --repeat 7 --prefix-hit 32768:64
+    done
   done
 fi
 
