@@ -55,12 +55,12 @@ SHORT_CHUNK_ROWS = 256  # query rows per kv head (new tokens x group) up to whic
 SHORT_CHUNK_TILE: dict[str, int] = {"BLOCK_M": 64, "num_warps": 4}
 # ... unless every request of the launch has more than WIDE_SHORT_MIN_ROWS rows a kv head (the prefix hit: 64 new
 # tokens x 4 q heads = 256, in the lone chunk's graph): then one 256-row tile a kv head, four warpgroups of 64 rows
-# (128 registers, scripts/dev/compile_extend.py), reads each key block once where 64-row tiles read it 4 times (from
-# L2 but the first), keys split to one wave (choose_extend_splits one_wave). On an H100 (RESULTS.md thirty-third
-# session; `gpu_check.sh hit-fa3`, graph replays): 64 new over 32K 0.147 -> 0.122 ms a layer, over 128K 0.484 -> 0.399;
-# 16 new (64 rows) 0.061 -> 0.113, hence the floor. The 8B hit (32K + 64) end to end: 13.2-14.3 -> 12.4-12.8 ms.
-# A decode beside it fills 4 of 256 rows: a batch with one keeps SHORT_CHUNK_TILE. Off until its GPU test
-# (tests/gpu/test_attention_gpu.py test_wide_short_tile) has run: `queue.sh tests hit-tiles`.
+# (128 registers, 72 bytes of stack: scripts/dev/compile_extend.py), reads each key block once where 64-row tiles
+# read it 4 times (from L2 but the first), keys split to one wave (choose_extend_splits one_wave). On an H100
+# (RESULTS.md thirty-third session; `gpu_check.sh hit-fa3`, graph replays): 64 new over 32K 0.147 -> 0.122 ms a
+# layer, over 128K 0.484 -> 0.399; 16 new (64 rows) 0.061 -> 0.113, hence the floor. The 8B hit (32K + 64) end to
+# end: 13.2-14.3 -> 12.4-12.8 ms. A decode beside it fills 4 of 256 rows: a batch with one keeps SHORT_CHUNK_TILE.
+# Off until its GPU test (tests/gpu/test_attention_gpu.py test_wide_short_tile) has run: `queue.sh tests hit-tiles`.
 WIDE_SHORT_CHUNKS = False
 WIDE_SHORT_TILE: dict[str, int] = {"BLOCK_M": 256, "BLOCK_N": 64, "num_warps": 16}
 WIDE_SHORT_MIN_ROWS = 128
