@@ -24,12 +24,8 @@ VARIANTS = [
     {"m": 128, "n": 64, "warps": 8, "stages": 3, "split": False},
     {"m": 128, "n": 32, "warps": 8, "stages": 2},
     {"m": 256, "n": 32, "warps": 8, "stages": 2},
-    {
-        "m": 256,
-        "n": 32,
-        "warps": 16,
-        "stages": 2,
-    },  # four warpgroups of 64 rows: 64 accumulator registers each
+    # 16 warps: four warpgroups of 64 rows, 64 accumulator registers a thread each
+    {"m": 256, "n": 32, "warps": 16, "stages": 2},
     {"m": 256, "n": 64, "warps": 16, "stages": 3},  # triton_backend.WIDE_SHORT_TILE, as launched
 ]
 POINTERS = ("q_ptr", "k_cache_ptr", "v_cache_ptr", "o_ptr", "lse_ptr", "query_start_loc_ptr", "prefix_lens_ptr",

@@ -326,9 +326,8 @@ def test_extend_launch_tiles_and_splits(monkeypatch: pytest.MonkeyPatch) -> None
         cfg, splits = backend.extend_launch([64], [context], 32, 8, 128, bf16, cuda)
         assert (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"], splits) == (256, 64, 16, 16)
     assert choose_extend_splits([64], [32832], 32, 8, 256, 132, one_wave=True) == 16
-    assert (
-        choose_extend_splits([64], [2048], 32, 8, 256, 132, one_wave=True) == 2
-    )  # 1,024 keys a split at least
+    # and at least 1,024 keys a split
+    assert choose_extend_splits([64], [2048], 32, 8, 256, 132, one_wave=True) == 2
     # a decode beside it would fill 4 of 256 rows: the batch keeps the 64-row tiles, as does a chunk of 32 tokens
     for query_lens in ([64, 1], [32]):
         cfg, _ = backend.extend_launch(query_lens, [32832] * len(query_lens), 32, 8, 128, bf16, cuda)
