@@ -146,8 +146,8 @@ class TritonAttentionBackend(AttentionBackend):
     def warm_up(self, shape: GraphShape, chunk_size: int, kv_cache: KVCache) -> None:
         """The cuDNN plans of sdpa_shapes.py, then one forward pass per variant of the extend kernel a
         serving mix reaches (short/long row tiles, keys split or not, the merge's tiles) and of the split
-        cuDNN path's merge, over the reserved page 0 (as graph capture does). Compiled mid-step, each variant stalled the
-        step for seconds, and a first launch waited for the device."""
+        cuDNN path's merge, over the reserved page 0 (as graph capture does). Compiled mid-step, each variant
+        stalled the step for seconds, and a first launch waited for the device."""
         if self.cold_path in (None, "sdpa"):
             model = ModelShape(shape.num_q_heads, shape.num_kv_heads, shape.head_dim, shape.dtype)
             warm_up_plans(model, shape.device, chunk_size, shape.max_seq_len)
