@@ -89,7 +89,9 @@ def case(prefix: int, new: int) -> dict:
                         q, k_cache, v_cache, meta.query_start_loc, meta.prefix_lens, meta.seq_lens,
                         meta.page_table, PAGE, new, scale, config=cfg, num_splits=s,
                     )  # fmt: skip
+                    err = ((fn().float() - ref).norm() / ref.norm()).item()  # the same sums, other tiles
                     row[f"triton_m{m}n{n}w{w}s{s}_ms"] = round(time_ms(fn), 4)
+                    row[f"triton_m{m}n{n}w{w}s{s}_rel_err"] = round(err, 6)
                 except Exception as e:  # noqa: BLE001 - out of shared memory or registers: skip the tile
                     row[f"triton_m{m}n{n}w{w}s{s}_ms"] = type(e).__name__
     try:
