@@ -17,6 +17,7 @@ import os
 import random
 
 import torch
+from attention_vs_fa3 import rel_err  # this folder (the script's own: first on sys.path)
 
 from longserve.attention.base import build_metadata
 from longserve.attention.triton_backend import TritonAttentionBackend
@@ -84,16 +85,16 @@ def case(prefix: int, new: int) -> dict:
         for m, n, w in ((128, 64, 8), (128, 32, 8), (256, 32, 8), (256, 32, 16), (256, 64, 16), (64, 128, 4)):
             cfg = {"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": 2}
             for s in (splits, splits // 2):
+                key = f"triton_m{m}n{n}w{w}s{s}"
                 try:
                     fn = lambda cfg=cfg, s=s: extend_attention(  # noqa: E731
                         q, k_cache, v_cache, meta.query_start_loc, meta.prefix_lens, meta.seq_lens,
                         meta.page_table, PAGE, new, scale, config=cfg, num_splits=s,
                     )  # fmt: skip
-                    err = ((fn().float() - ref).norm() / ref.norm()).item()  # the same sums, other tiles
-                    row[f"triton_m{m}n{n}w{w}s{s}_ms"] = round(time_ms(fn), 4)
-                    row[f"triton_m{m}n{n}w{w}s{s}_rel_err"] = round(err, 6)
+                    err = rel_err(fn(), ref)  # the same sums, other tiles
+                    row[f"{key}_ms"], row[f"{key}_rel_err"] = round(time_ms(fn), 4), round(err, 6)
                 except Exception as e:  # noqa: BLE001 - out of shared memory or registers: skip the tile
-                    row[f"triton_m{m}n{n}w{w}s{s}_ms"] = type(e).__name__
+                    row[f"{key}_ms"] = type(e).__name__
     try:
         from longserve.kernels import gluon_extend
 
@@ -103,7 +104,7 @@ def case(prefix: int, new: int) -> dict:
                 q, k_cache, v_cache, meta.query_start_loc, meta.prefix_lens, meta.seq_lens, meta.page_table,
                 PAGE, new, scale, num_splits=n,
             )  # fmt: skip
-            err = ((fn().float() - ref).norm() / ref.norm()).item()
+            err = rel_err(fn(), ref)
             t = time_ms(fn)
             row[f"{name}_splits"], row[f"{name}_ms"], row[f"{name}_rel_err"] = n, round(t, 4), round(err, 5)
     except Exception as e:  # noqa: BLE001 - the Gluon build is optional here
@@ -116,7 +117,7 @@ def case(prefix: int, new: int) -> dict:
             row[name] = f"not run: {e}"
             continue
         t = time_ms(fn)
-        err = ((out.float() - ref).norm() / ref.norm()).item()
+        err = rel_err(out, ref)
         row[f"{name}_ms"], row[f"{name}_tflops"], row[f"{name}_rel_err"] = (
             round(t, 4), round(flop / t / 1e9, 1), round(err, 5),
         )  # fmt: skip
