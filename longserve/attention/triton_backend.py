@@ -59,9 +59,10 @@ SHORT_CHUNK_TILE: dict[str, int] = {"BLOCK_M": 64, "num_warps": 4}
 # read it 4 times (from L2 but the first), keys split to one wave (choose_extend_splits one_wave). On an H100
 # (RESULTS.md thirty-third session; `gpu_check.sh hit-fa3`, graph replays): 64 new over 32K 0.147 -> 0.122 ms a
 # layer, over 128K 0.484 -> 0.399; 16 new (64 rows) 0.061 -> 0.113, hence the floor. The 8B hit (32K + 64) end to
-# end: 13.2-14.3 -> 12.4-12.8 ms. A decode beside it fills 4 of 256 rows: a batch with one keeps SHORT_CHUNK_TILE.
-# Off until its GPU test (tests/gpu/test_attention_gpu.py test_wide_short_tile) has run: `queue.sh tests hit-tiles`.
-WIDE_SHORT_CHUNKS = False
+# end: 13.2-14.3 -> 12.4-12.8 ms; A/B in one process each, alternating (thirty-fourth session, `queue.sh hit-tiles`):
+# off 13.5 / 14.1, on 13.3 / 13.0 ms. A decode beside it fills 4 of 256 rows: a batch with one keeps
+# SHORT_CHUNK_TILE. Its GPU test (tests/gpu/test_attention_gpu.py test_wide_short_tile, against fp32) passed at 028ec0c.
+WIDE_SHORT_CHUNKS = True
 WIDE_SHORT_TILE: dict[str, int] = {"BLOCK_M": 256, "BLOCK_N": 64, "num_warps": 16}
 WIDE_SHORT_MIN_ROWS = 128
 # A short chunk's launch knobs beside its 64-row tiles: pipeline stages and a register cap (None: the compiler's

@@ -319,8 +319,9 @@ def test_extend_launch_tiles_and_splits(monkeypatch: pytest.MonkeyPatch) -> None
     assert splits == choose_extend_splits([16], [32784], 32, 8, 64, 132) > 1
     # the prefix hit (64 new x 4 q heads = 256 rows a kv head, alone), with the wide tile on: one 256-row tile a kv
     # head on 16 warps, keys split to one wave of the chip's 132 SMs (8 kv heads x 16 splits), at 32K as at 128K
+    monkeypatch.setattr(triton_backend, "WIDE_SHORT_CHUNKS", False)
     cfg, _ = backend.extend_launch([64], [32832], 32, 8, 128, bf16, cuda)
-    assert (cfg["BLOCK_M"], cfg["num_warps"]) == (64, 4)  # off by default
+    assert (cfg["BLOCK_M"], cfg["num_warps"]) == (64, 4)  # switched off: the 64-row tiles
     monkeypatch.setattr(triton_backend, "WIDE_SHORT_CHUNKS", True)
     for context in (32832, 131136):
         cfg, splits = backend.extend_launch([64], [context], 32, 8, 128, bf16, cuda)
