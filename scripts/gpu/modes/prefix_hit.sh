@@ -12,6 +12,8 @@
 # Triton extend kernel, the Gluon one and vLLM's FlashAttention-3 over the same paged cache, as graph replays.
 # hit-tiles (one GPU, ~4 min): the 8B prefix hit end to end with the wide short-chunk tile (256 rows on 16 warps,
 # triton_backend.WIDE_SHORT_CHUNKS) off and on, twice each, alternating (hit-fa3 times the tiles alone).
+# hit-cudnn-graph (one GPU, ~2 min, .whl/ carried): scripts/probes/probe_packed_cudnn_graph.py, the packed cuDNN call as a
+# capturable cudnn-frontend graph.
 # hit-profile (one GPU, ~3 min): the prefix hit (32K cached + 64 new) under the profiler, by category and its top
 # kernels, then scripts/probes/probe_hit.py: where the hit's device and host time go at the head.
 # shellcheck shell=bash
@@ -95,6 +97,11 @@ if [[ $MODE == paged-cudnn ]]; then  # one GPU (~4 min; the test wheels carried:
     PROBE_PAGE=$page timeout 120 python3 scripts/probes/probe_paged_cudnn.py 2>&1 \
       | tee "$OUT/probe_paged_cudnn_page$page.log" | tail -25
   done
+fi
+
+if [[ $MODE == hit-cudnn-graph ]]; then  # one GPU (~2 min; the test wheels carried: cuDNN's frontend): the hit's
+  # packed cuDNN call built as a cudnn-frontend graph with device inputs (paged, ragged), right, captured, timed
+  timeout 240 python3 scripts/probes/probe_packed_cudnn_graph.py 2>&1 | tee "$OUT/probe_packed_cudnn_graph.log" | tail -40
 fi
 
 if [[ $MODE == hit-host ]]; then  # one GPU (~2 min): where the host's time goes in a prefix hit, packed call on, off
