@@ -18,6 +18,8 @@
 # dense-gemm (one GPU, ~6 min): kernels/dense_gemm.py's Triton GEMM for the unquantized linears at 16-128 tokens
 # (DENSE_GEMM_TRITON_MAX_TOKENS, off): its GPU tests, per 8B projection against cuBLAS with a small tile sweep
 # (scripts/gpu/bench_dense_gemm.py, weights from HBM), then the 8B decode at batch 16 (8K) and 64 (4K) off and on.
+# gemm-tunable (one GPU, ~1 min): every 8B projection at 16 / 64 / 128 tokens with cuBLAS's default heuristics and
+# with TunableOp's pick (scripts/probes/probe_tunableop.py).
 # decode-splits (one GPU, ~4 min): the 8B decode at batch 1 / 16 / 64 with 2, 3 and 4 programs an SM for the
 # decode attention's key splits (decode_attention.PROGRAMS_PER_SM; 4 is the default).
 # fusions (one GPU): the prefix-as-view and fused K/V-store switches off, each against both on (fusions-a3b, the
@@ -137,6 +139,10 @@ if [[ $MODE == latency ]]; then  # one GPU: tests, short-suffix extend sweep, th
     --output-json "$OUT/latency_8b_decode64.json" 2>&1 | tee "$OUT/latency_8b_decode64.log" | tail -3
   python3 -m longserve.bench.latency "${base[@]}" --prefix-hit 32768:64 --cuda-graph-max-prefill-tokens 0 \
     --output-json "$OUT/latency_8b_no_prefill_graphs.json" 2>&1 | tee "$OUT/latency_8b_no_prefill_graphs.log" | tail -3
+fi
+
+if [[ $MODE == gemm-tunable ]]; then  # one GPU (~1 min): the 8B projections, cuBLAS's default against TunableOp's
+  timeout 150 python3 scripts/probes/probe_tunableop.py 2>&1 | tee "$OUT/probe_tunableop.log" | tail -30 || status=1
 fi
 
 if [[ $MODE == dense-gemm ]]; then  # one GPU (~6 min): the Triton skinny GEMM against cuBLAS, then end to end
