@@ -35,10 +35,12 @@ if [[ $MODE == all || $MODE == tests || $MODE == quick ]]; then
   # where a stuck test waits. At c2dd2fd the kernels group took 161 s and the MoE/quantized group had not
   # finished at 260 s beside the others (49 s alone); at 854fbd1, with every CUDA engine capturing piecewise
   # graphs at start, that group took 525 s and the mode 543 s; test_pdl_gpu.py builds 30-odd engines (6 of its
-  # 16 tests took 98 s at 7da0d31, so perhaps half of it): it runs as a process of its own now (not yet timed)
+  # 16 tests took 98 s at 7da0d31, so perhaps half of it): it runs as a process of its own now (212 s at 028ec0c,
+  # on an H100, where the MoE / quantized / rest group took 531 s and the mode 549 s: each log now ends with its
+  # slowest tests, --durations)
   gpu_group() {  # name, files...
     python3 -m pytest -q -m gpu "${@:2}" -p no:cacheprovider -o faulthandler_timeout=300 --tb=short -rfE \
-      > "$OUT/gpu_tests_$1.log" 2>&1
+      --durations=12 > "$OUT/gpu_tests_$1.log" 2>&1
   }
   gpu_group kernels tests/gpu/test_attention_gpu.py tests/gpu/test_fused_ops_gpu.py tests/gpu/test_fused_moe_gpu.py \
     tests/gpu/test_quant_kernels_gpu.py & p1=$!
