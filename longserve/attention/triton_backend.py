@@ -62,6 +62,8 @@ SHORT_CHUNK_TILE: dict[str, int] = {"BLOCK_M": 64, "num_warps": 4}
 # end: 13.2-14.3 -> 12.4-12.8 ms; A/B in one process each, alternating (thirty-fourth session, `queue.sh hit-tiles`):
 # off 13.5 / 14.1, on 13.3 / 13.0 ms. A decode beside it fills 4 of 256 rows: a batch with one keeps
 # SHORT_CHUNK_TILE. Its GPU test (tests/gpu/test_attention_gpu.py test_wide_short_tile, against fp32) passed at 028ec0c.
+# At SHORT_CHUNK_STAGES (3) it builds with 72 bytes of stack, at 2 stages with none (scripts/dev/compile_extend.py);
+# the probe's 0.122 ms ran 2 stages, the engine's hit 3: `queue.sh hit-tiles` times both ("num_stages" in the tile).
 WIDE_SHORT_CHUNKS = True
 WIDE_SHORT_TILE: dict[str, int] = {"BLOCK_M": 256, "BLOCK_N": 64, "num_warps": 16}
 WIDE_SHORT_MIN_ROWS = 128
@@ -132,7 +134,7 @@ class TritonAttentionBackend(AttentionBackend):
         )
         if short:
             tile = WIDE_SHORT_TILE if wide else SHORT_CHUNK_TILE
-            config = {**config, **tile, "num_stages": SHORT_CHUNK_STAGES}
+            config = {**config, "num_stages": SHORT_CHUNK_STAGES, **tile}  # a tile may carry its own stages
             if SHORT_CHUNK_MAXNREG is not None and not wide:
                 config["maxnreg"] = SHORT_CHUNK_MAXNREG
         splits = self.extend_splits or self._choose_extend_splits(

@@ -327,6 +327,12 @@ def test_extend_launch_tiles_and_splits(monkeypatch: pytest.MonkeyPatch) -> None
         cfg, splits = backend.extend_launch([64], [context], 32, 8, 128, bf16, cuda)
         assert (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"], splits) == (256, 64, 16, 16)
     assert choose_extend_splits([64], [32832], 32, 8, 256, 132, one_wave=True) == 16
+    assert cfg["num_stages"] == triton_backend.SHORT_CHUNK_STAGES  # unless the tile carries its own
+    monkeypatch.setattr(
+        triton_backend, "WIDE_SHORT_TILE", {**triton_backend.WIDE_SHORT_TILE, "num_stages": 2}
+    )
+    cfg, _ = backend.extend_launch([64], [32832], 32, 8, 128, bf16, cuda)
+    assert (cfg["BLOCK_M"], cfg["num_stages"]) == (256, 2)
     # and at least 1,024 keys a split
     assert choose_extend_splits([64], [2048], 32, 8, 256, 132, one_wave=True) == 2
     # a decode beside it would fill 4 of 256 rows: the batch keeps the 64-row tiles, as does a chunk of 32 tokens

@@ -11,7 +11,8 @@
 # hit-fa3 (one GPU, ~2 min, .anchor/ carried): the hit's attention alone (64 new over 32K and beside it) in the
 # Triton extend kernel, the Gluon one and vLLM's FlashAttention-3 over the same paged cache, as graph replays.
 # hit-tiles (one GPU, ~4 min): the 8B prefix hit end to end with the wide short-chunk tile (256 rows on 16 warps,
-# triton_backend.WIDE_SHORT_CHUNKS) off and on, twice each, alternating (hit-fa3 times the tiles alone).
+# triton_backend.WIDE_SHORT_TILE) at 3 stages (the default) and 2, and switched off, twice each, alternating (hit-fa3
+# times the tiles alone).
 # hit-cudnn-graph (one GPU, ~2 min, .whl/ carried): scripts/probes/probe_packed_cudnn_graph.py, the packed cuDNN call as a
 # capturable cudnn-frontend graph.
 # hit-profile (one GPU, ~3 min): the prefix hit (32K cached + 64 new) under the profiler, by category and its top
@@ -127,12 +128,18 @@ if [[ $MODE == hit-fa3 ]]; then  # one GPU (~2 min, .anchor/): what a kernel rea
     | tee "$OUT/hit_attention_fa3.log" | grep '^{' | cut -c1-1500
 fi
 
-if [[ $MODE == hit-tiles ]]; then  # one GPU (~3 min): the hit end to end, the wide short-chunk tile off and on, twice
+if [[ $MODE == hit-tiles ]]; then  # one GPU (~4 min): the hit end to end, the wide tile at 3 stages (the default), 2
+  # stages (no stack), and off, twice each, alternating
+  tile=longserve.attention.triton_backend.WIDE_SHORT_TILE
   for run in 1 2; do
-    for wide in False True; do
-      LATENCY_TIMEOUT=100 latency_with hit_wide_${wide}_$run "WIDE_SHORT_CHUNKS=$wide" \
-        longserve.attention.triton_backend.WIDE_SHORT_CHUNKS=$wide -- --config llama-3.1-8b "${dummy[@]}" \
-        --repeat 7 --prefix-hit 32768:64
+    for variant in stages3 stages2 off; do
+      case $variant in
+        stages3) consts=() ;;
+        stages2) consts=("$tile={\"BLOCK_M\":256,\"BLOCK_N\":64,\"num_warps\":16,\"num_stages\":2}") ;;
+        off) consts=(longserve.attention.triton_backend.WIDE_SHORT_CHUNKS=False) ;;
+      esac
+      LATENCY_TIMEOUT=100 latency_with hit_wide_${variant}_$run "wide $variant" ${consts[@]+"${consts[@]}"} -- \
+        --config llama-3.1-8b "${dummy[@]}" --repeat 7 --prefix-hit 32768:64
     done
   done
 fi
