@@ -366,6 +366,13 @@ class AttentionBackend(ABC):
         to this bucket) over any cached prefix captures with."""
         raise NotImplementedError(f"the {self.name} attention backend cannot be captured in CUDA graphs")
 
+    def prepare_for_packed_capture(
+        self, num_tokens: int, shape: GraphShape, kv_cache: KVCache
+    ) -> AttentionBackend | None:
+        """A second backend for the lone chunk's bucket of `num_tokens`, captured in a graph of its own, that its
+        `takes(meta)` picks before a replay (attention/packed_graph.py: a long prefix in one cuDNN call); None."""
+        return None
+
     def graph_defers(self, meta: AttentionMetadata, shape: GraphShape, kv_cache: KVCache) -> bool:
         """Whether this step's attention takes a path the lone chunk's graphs (captured with
         `prepare_for_extend_capture`) cannot replay: the step then runs without them."""

@@ -195,6 +195,11 @@ class TritonAttentionBackend(AttentionBackend):
         )  # fmt: skip
         return TritonAttentionBackend(cold_path="triton", extend_splits=splits)
 
+    def prepare_for_packed_capture(self, num_tokens: int, shape: GraphShape, kv_cache: KVCache):
+        from longserve.attention.packed_graph import packed_backend  # (its backend subclasses this one)
+
+        return packed_backend(self, num_tokens, shape, kv_cache)
+
     def num_sms(self, device: torch.device) -> int:
         if self._num_sms is None:
             from longserve.kernels import split_k  # the one place the SM count is read (and faked in tests)

@@ -204,11 +204,21 @@ class ExtendGraphRunner:
         self.backends = {t: backend.prepare_for_extend_capture(t, shape) for t in self.buckets}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        # a second graph of a bucket whose backend takes some steps another way (a long prefix in one cuDNN call:
+        # attention/packed_graph.py), replayed when its backend `takes` the step
+        self.packed = {
+            t: b
+            for t in self.buckets
+            if (b := backend.prepare_for_packed_capture(t, shape, kv_cache)) is not None
+        }
+        self.packed_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.packed_outputs: dict[int, torch.Tensor] = {}
         self.pool = None
         self.eager = False  # True: run() executes the static-buffer forward instead of replaying
         self.num_runs = 0
+        self.num_packed_runs = 0  # of which the packed graphs replayed
 
-    def _context(self, t: int) -> ForwardContext:
+    def _context(self, t: int, backend: AttentionBackend | None = None) -> ForwardContext:
         meta = AttentionMetadata(
             page_size=self.kv_cache.page_size,
             query_start_loc=self.query_start_locs[t],
@@ -220,10 +230,11 @@ class ExtendGraphRunner:
             seq_lens_cpu=[self.max_positions],  # host hints only: the kernel reads the device lengths
             prefix_lens_cpu=[self.max_positions - t],
         )
-        return ForwardContext(meta=meta, kv_cache=self.kv_cache, backend=self.backends[t])
+        return ForwardContext(meta=meta, kv_cache=self.kv_cache, backend=backend or self.backends[t])
 
-    def _forward(self, t: int) -> torch.Tensor:
-        return self.model(self.tokens.input_ids[:t], self.tokens.positions[:t], self._context(t))
+    def _forward(self, t: int, packed: bool = False) -> torch.Tensor:
+        context = self._context(t, self.packed[t] if packed else None)
+        return self.model(self.tokens.input_ids[:t], self.tokens.positions[:t], context)
 
     @torch.inference_mode()
     def capture(self, pool=None) -> None:
@@ -235,6 +246,11 @@ class ExtendGraphRunner:
             self.buckets, self._forward, self.pool, self.graphs, self.outputs,
             "prefill CUDA graphs (chunks of up to %s tokens)",
         )  # fmt: skip
+        if self.packed:
+            capture_graphs(
+                list(self.packed), lambda t: self._forward(t, packed=True), self.pool, self.packed_graphs,
+                self.packed_outputs, "prefill CUDA graphs with a long prefix in one cuDNN call (chunks of %s tokens)",
+            )  # fmt: skip
 
     def can_run(self, meta: AttentionMetadata) -> bool:
         if not (self.graphs or self.eager) or meta.num_reqs != 1:
@@ -261,12 +277,14 @@ class ExtendGraphRunner:
         self.prefix_lens.copy_(meta.prefix_lens)
         self.page_table[:, :pages].copy_(meta.page_table)
         self.page_table[:, pages:].zero_()
-        self.backends[t].prepare_for_replay(meta)
+        packed = t in self.packed and self.packed[t].takes(meta)
+        (self.packed[t] if packed else self.backends[t]).prepare_for_replay(meta)
+        self.num_packed_runs += packed
         if self.eager:
             with torch.inference_mode():
-                return self._forward(t)[:n]
-        self.graphs[t].replay()
-        return self.outputs[t][:n]
+                return self._forward(t, packed)[:n]
+        (self.packed_graphs if packed else self.graphs)[t].replay()
+        return (self.packed_outputs if packed else self.outputs)[t][:n]
 
 
 def build_graphs(

@@ -13,8 +13,8 @@
 # hit-tiles (one GPU, ~4 min): the 8B prefix hit end to end with the wide short-chunk tile (256 rows on 16 warps,
 # triton_backend.WIDE_SHORT_TILE) at 3 stages (the default) and 2, and switched off, twice each, alternating (hit-fa3
 # times the tiles alone).
-# hit-cudnn-graph (one GPU, ~2 min, .whl/ carried): scripts/probes/probe_packed_cudnn_graph.py, the packed cuDNN call as a
-# capturable cudnn-frontend graph.
+# hit-cudnn-graph (one GPU, ~4 min, .whl/ carried): scripts/probes/probe_packed_cudnn_graph.py (the packed cuDNN call as
+# a capturable cudnn-frontend graph), the packed graph's GPU test, the 8B hit with attention/packed_graph.py off and on.
 # hit-profile (one GPU, ~3 min): the prefix hit (32K cached + 64 new) under the profiler, by category and its top
 # kernels, then scripts/probes/probe_hit.py: where the hit's device and host time go at the head.
 # shellcheck shell=bash
@@ -100,9 +100,17 @@ if [[ $MODE == paged-cudnn ]]; then  # one GPU (~4 min; the test wheels carried:
   done
 fi
 
-if [[ $MODE == hit-cudnn-graph ]]; then  # one GPU (~2 min; the test wheels carried: cuDNN's frontend): the hit's
-  # packed cuDNN call built as a cudnn-frontend graph with device inputs (paged, ragged), right, captured, timed
-  timeout 240 python3 scripts/probes/probe_packed_cudnn_graph.py 2>&1 | tee "$OUT/probe_packed_cudnn_graph.log" | tail -40
+if [[ $MODE == hit-cudnn-graph ]]; then  # one GPU (~4 min; the test wheels carried: cuDNN's frontend): the hit's
+  # packed cuDNN call built as a cudnn-frontend graph with device inputs (paged, ragged), right, captured, timed; the
+  # engine's packed graph (attention/packed_graph.py) against the Triton kernel; the 8B hit with it off and on
+  timeout 150 python3 scripts/probes/probe_packed_cudnn_graph.py 2>&1 | tee "$OUT/probe_packed_cudnn_graph.log" | tail -40
+  timeout 120 python3 -m pytest -q -m gpu tests/gpu/test_packed_graph_gpu.py -p no:cacheprovider --tb=short -rfE 2>&1 \
+    | tee "$OUT/gpu_tests_packed_graph.log" | tail -4 || status=1
+  for on in False True; do
+    LATENCY_TIMEOUT=150 latency_with hit_packed_graph_$on "PACKED_GRAPHS=$on" \
+      longserve.attention.packed_graph.PACKED_GRAPHS=$on -- --config llama-3.1-8b "${dummy[@]}" --repeat 7 \
+      --prefix-hit 32768:64
+  done
 fi
 
 if [[ $MODE == hit-host ]]; then  # one GPU (~2 min): where the host's time goes in a prefix hit, packed call on, off

@@ -1,0 +1,72 @@
+"""The lone chunk's packed graph on the GPU (attention/packed_graph.py): the prefix in one cudnn-frontend call
+through page tables, the tail and new tokens in the extend kernel's partials, merged; against the Triton kernel's
+whole-hit attention over the same scattered pages, eagerly and as one CUDA graph replayed with other prefixes and
+pages. Needs the `nvidia-cudnn-frontend` wheel (scripts/gpu/fetch_test_wheels.sh)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from longserve.attention import GraphShape, KVCache, build_metadata
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+HQ, HKV, D, PAGE, BUCKET = 32, 8, 128, 16, 64
+TOL = 2e-2
+
+
+def test_packed_graph_equals_the_triton_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("cudnn")
+    from longserve.attention import packed_graph
+    from longserve.attention.triton_backend import TritonAttentionBackend
+    from longserve.platform import capture_cuda_graph
+
+    monkeypatch.setattr(packed_graph, "PACKED_GRAPHS", True)
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    num_pages = 49152 // PAGE + 64
+    cache = KVCache(1, num_pages, PAGE, HKV, D, torch.bfloat16, dev)
+    cache.k[0].normal_()
+    cache.v[0].normal_()
+    shape = GraphShape(49152, HQ, HKV, D, torch.bfloat16, dev)
+    packed = TritonAttentionBackend().prepare_for_packed_capture(BUCKET, shape, cache)
+    assert isinstance(packed, packed_graph.PackedPrefixBackend)
+    plain = TritonAttentionBackend(cold_path="triton")
+    scale = D**-0.5
+    q = torch.empty(BUCKET, HQ, D, dtype=torch.bfloat16, device=dev)  # the graph's static rows
+    kv = torch.zeros(BUCKET, HKV, D, dtype=torch.bfloat16, device=dev)  # (stored already: kv_stored)
+    out: list[torch.Tensor] = []
+
+    def step(prefix: int, new: int, seed: int):
+        """A step's metadata over scattered pages (K/V already in them), its rows in q; the Triton kernel's
+        output over them."""
+        g = torch.Generator().manual_seed(seed)
+        pages = (torch.randperm(num_pages - 1, generator=g)[: -(-(prefix + new) // PAGE)] + 1).tolist()
+        meta = build_metadata([prefix], [new], [pages], PAGE, dev)
+        q.normal_()
+        want = plain.forward(q[:new], kv[:new], kv[:new], 0, meta, cache, scale, kv_stored=True)
+        return meta, want
+
+    def run(meta) -> None:
+        out[:] = [packed.forward(q, kv, kv, 0, meta, cache, scale, kv_stored=True)]
+
+    for prefix, new in ((32768, 64), (20000, 50), (8200, 64), (45000, 7)):
+        meta, want = step(prefix, new, prefix)
+        assert packed.takes(meta)
+        packed.prepare_for_replay(meta)
+        run(meta)
+        torch.testing.assert_close(out[0][:new].float(), want.float(), atol=TOL, rtol=TOL)
+    # one capture, replayed with other prefixes and pages (the graph's metadata is the capture's; what differs
+    # reaches the device through prepare_for_replay alone)
+    meta, _ = step(32768, 64, 1)
+    packed.prepare_for_replay(meta)
+    graph = capture_cuda_graph(lambda: run(meta), warmup=2)
+    for prefix, new in ((40000, 64), (12000, 33), (32768, 64)):
+        meta2, want = step(prefix, new, prefix + 7)
+        packed.prepare_for_replay(meta2)
+        graph.replay()
+        torch.testing.assert_close(out[0][:new].float(), want.float(), atol=TOL, rtol=TOL)
