@@ -18,6 +18,7 @@ and the hit end to end.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
@@ -28,6 +29,8 @@ from longserve.attention.base import AttentionMetadata, GraphShape, KVCache
 from longserve.attention.triton_backend import TritonAttentionBackend
 from longserve.kernels.extend_attention import extend_attention
 from longserve.platform import to_device_async
+
+logger = logging.getLogger("longserve.attention.packed_graph")
 
 PACKED_GRAPHS = False
 PACKED_GRAPH_SPLITS = (
@@ -93,6 +96,7 @@ class PrefixCall:
 
             self.cudnn, self.handle = cudnn, cudnn.create_handle()
         self.graph: Any = None
+        self.q_all: torch.Tensor | None = None
         self.packs: dict[int, dict] = {}
 
     def __call__(
@@ -104,10 +108,13 @@ class PrefixCall:
         kc, vc = (c.permute(0, 2, 1, 3) for c in (k_cache, v_cache))  # [pages, Hkv, page_size, D], strided
         if self.graph is None:
             self._build(kc, vc, table, len_kv, scale)
+        if self.q_all is not None:  # the frontend took no stride-0 batch: the rows copied for every split
+            self.q_all.copy_(self.q_rows.unsqueeze(0).expand_as(self.q_all))
         if layer_id not in self.packs:
             t = self.tensors
+            q = self.q_rows.unsqueeze(0).expand(self.splits, -1, -1, -1) if self.q_all is None else self.q_all
             self.packs[layer_id] = {
-                t["q"]: self.q_rows.unsqueeze(0).expand(self.splits, -1, -1, -1), t["k"]: kc, t["v"]: vc,
+                t["q"]: q, t["k"]: kc, t["v"]: vc,
                 t["table"]: table, t["len_q"]: self.len_q, t["len_kv"]: len_kv, t["o"]: self.o, t["stats"]: self.stats,
             }  # fmt: skip
         # on the current stream: a capture's side stream too (the handle would launch on its own otherwise)
@@ -116,15 +123,27 @@ class PrefixCall:
         return self.o, self.stats[..., 0]
 
     def _build(self, kc: torch.Tensor, vc: torch.Tensor, table, len_kv, scale: float) -> None:
+        try:  # the rows once for every split: a stride-0 batch, as the eager packed call passes them to torch
+            self._build_graph(kc, vc, table, len_kv, scale, stride0=True)
+        except Exception as e:
+            logger.info(
+                "cuDNN took no stride-0 batch of packed rows (%s): one copy a split instead", str(e)[:200]
+            )
+            self.q_all = self.q_rows.new_empty(self.o.shape)
+            self._build_graph(kc, vc, table, len_kv, scale, stride0=False)
+
+    def _build_graph(
+        self, kc: torch.Tensor, vc: torch.Tensor, table, len_kv, scale: float, stride0: bool
+    ) -> None:
         cudnn, dt = self.cudnn, self.cudnn.data_type
         io = dt.BFLOAT16 if self.q_rows.dtype == torch.bfloat16 else dt.HALF
         g = cudnn.pygraph(
             io_data_type=io, intermediate_data_type=dt.FLOAT, compute_data_type=dt.FLOAT, handle=self.handle
         )
         num_kv_heads, rows, head_dim = self.q_rows.shape
-        # the rows once for every split: a stride-0 batch, as the eager packed call passes them
-        q = g.tensor(name="q", dim=[self.splits, num_kv_heads, rows, head_dim], stride=[0, rows * head_dim, head_dim, 1],
-                     data_type=io)  # fmt: skip
+        batch_stride = 0 if stride0 else num_kv_heads * rows * head_dim
+        q = g.tensor(name="q", dim=[self.splits, num_kv_heads, rows, head_dim],
+                     stride=[batch_stride, rows * head_dim, head_dim, 1], data_type=io)  # fmt: skip
         k, v, tt = g.tensor_like(kc), g.tensor_like(vc), g.tensor_like(table)
         len_q, lkv = g.tensor_like(self.len_q), g.tensor_like(len_kv)
         o, stats = g.sdpa(

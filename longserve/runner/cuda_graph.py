@@ -246,11 +246,18 @@ class ExtendGraphRunner:
             self.buckets, self._forward, self.pool, self.graphs, self.outputs,
             "prefill CUDA graphs (chunks of up to %s tokens)",
         )  # fmt: skip
-        if self.packed:
+        if not self.packed:
+            return
+        try:  # an optimisation that must not keep a server from starting: the plain buckets take every step
             capture_graphs(
                 list(self.packed), lambda t: self._forward(t, packed=True), self.pool, self.packed_graphs,
                 self.packed_outputs, "prefill CUDA graphs with a long prefix in one cuDNN call (chunks of %s tokens)",
             )  # fmt: skip
+        except Exception as e:
+            logger.warning(
+                "the packed prefill graphs failed to capture (%s): chunks run in the plain ones", e
+            )
+            self.packed, self.packed_graphs, self.packed_outputs = {}, {}, {}
 
     def can_run(self, meta: AttentionMetadata) -> bool:
         if not (self.graphs or self.eager) or meta.num_reqs != 1:
