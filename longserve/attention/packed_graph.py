@@ -33,9 +33,8 @@ from longserve.platform import to_device_async
 logger = logging.getLogger("longserve.attention.packed_graph")
 
 PACKED_GRAPHS = False
-PACKED_GRAPH_SPLITS = (
-    16  # 8 kv heads x 16 splits x 2 tiles of 128 rows: 256 programs (the eager call's 16 at 32K)
-)
+# 8 kv heads x 16 splits x 2 tiles of 128 rows: 256 programs (the eager packed call's 16 splits at 32K)
+PACKED_GRAPH_SPLITS = 16
 
 
 def split_pages(num_pages: int, splits: int) -> list[tuple[int, int]]:
@@ -194,9 +193,8 @@ class PackedPrefixBackend(TritonAttentionBackend):
         self.call = PrefixCall(
             shape.num_kv_heads, shape.head_dim, self.splits, max_pages, shape.dtype, shape.device
         )
-        self.causal_pages = (
-            -(-(self.page_size - 1 + num_tokens) // self.page_size) + 1
-        )  # the tail and the bucket
+        # the causal part's pages: the prefix's last partial page (the tail) and the bucket's rows after it
+        self.causal_pages = -(-(self.page_size - 1 + num_tokens) // self.page_size) + 1
         self.causal_config = causal_config
         sizes = [self.splits * self.call.width, self.splits, 2, 1, 1, self.causal_pages]
         self.offsets = np.cumsum([0, *sizes])
@@ -264,9 +262,8 @@ class PackedPrefixBackend(TritonAttentionBackend):
         num_kv_heads = k_cache.shape[2]
         group = num_q_heads // num_kv_heads
         by_token = q.reshape(t, num_kv_heads, group * head_dim).transpose(0, 1)  # [Hkv, t, G * D]
-        self.call.q_rows.view(num_kv_heads, sdpa_shapes.PACKED_ROWS // group, group * head_dim)[:, :t] = (
-            by_token
-        )
+        rows = self.call.q_rows.view(num_kv_heads, sdpa_shapes.PACKED_ROWS // group, group * head_dim)
+        rows[:, :t] = by_token  # row t * G + g of kv head j: q head j * G + g of token t
         o_pre, lse_pre = self.call(layer_id, k_cache, v_cache, self.table, self.len_kv, scale)
         qsl, prefix, seq, pages = self.causal
         part, lse = extend_attention(
