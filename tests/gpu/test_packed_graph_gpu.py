@@ -70,3 +70,36 @@ def test_packed_graph_equals_the_triton_kernel(monkeypatch: pytest.MonkeyPatch) 
         packed.prepare_for_replay(meta2)
         graph.replay()
         torch.testing.assert_close(out[0][:new].float(), want.float(), atol=TOL, rtol=TOL)
+
+
+def test_prefix_hits_through_the_packed_graph(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Short questions over a cached 9,000-token head replay the lone chunk's packed graph (PACKED_GRAPHS on), and
+    their first tokens' logprobs match those of the same engine with it off (the plain graph, the Triton kernel)
+    within bf16's rounding; every page back."""
+    pytest.importorskip("cudnn")
+    from longserve import LLM, SamplingParams
+    from longserve.attention import packed_graph
+    from longserve.testing.checkpoints import make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint(tmp_path, "qwen3", num_layers=3)
+    g = torch.Generator().manual_seed(7)
+    head = torch.randint(10, 500, (9000,), generator=g).tolist()
+    ps = [head + torch.randint(10, 500, (n,), generator=g).tolist() for n in (4, 9, 16, 40)]
+    sp = SamplingParams(max_new_tokens=4, temperature=0.0, logprobs=5, ignore_eos=True)
+    firsts = []
+    for on in (False, True):
+        monkeypatch.setattr(packed_graph, "PACKED_GRAPHS", on)
+        llm = LLM(
+            ckpt, dtype="bfloat16", device="cuda", attention_backend="triton", max_total_tokens=16384,
+            hf_overrides={"max_position_embeddings": 16384},
+        )  # fmt: skip
+        runner = llm.engine.runner.extend_graphs
+        assert runner is not None and bool(runner.packed) == on
+        llm.generate(head, SamplingParams(max_new_tokens=1))  # the head into the prefix cache
+        firsts.append([dict(o.outputs[0].top_logprobs[0]) for o in (llm.generate(p, sp)[0] for p in ps)])
+        llm.engine.check_integrity()
+        assert runner.num_packed_runs == (len(ps) if on else 0)
+    for off, on in zip(*firsts):
+        shared = set(off) & set(on)
+        assert len(shared) >= 3
+        assert all(abs(off[t] - on[t]) < 0.05 for t in shared)
