@@ -25,8 +25,7 @@ import numpy as np
 import torch
 
 from longserve.attention import sdpa_shapes
-from longserve.attention.base import AttentionMetadata, GraphShape, KVCache
-from longserve.attention.triton_backend import TritonAttentionBackend
+from longserve.attention.base import AttentionBackend, AttentionMetadata, GraphShape, KVCache
 from longserve.kernels.extend_attention import extend_attention
 from longserve.platform import to_device_async
 
@@ -172,11 +171,14 @@ def frontend_available() -> bool:
     return True
 
 
-class PackedPrefixBackend(TritonAttentionBackend):
+class PackedPrefixBackend(AttentionBackend):
     """The backend a packed bucket's graph captures with (TritonAttentionBackend.prepare_for_packed_capture): static
     per-step inputs (the splits' pages and key counts, the causal part's one-request metadata) filled from the step's
     host lists in one copy before the replay, and each layer's attention over them. A sliding-window layer (whose
-    keys the packed rows cannot limit) takes the Triton kernel as the plain bucket's capture would."""
+    keys the packed rows cannot limit) runs `plain`, the backend the bucket's plain graph captures with."""
+
+    name = "triton"
+    supports_cuda_graphs = True
 
     def __init__(
         self,
@@ -184,9 +186,9 @@ class PackedPrefixBackend(TritonAttentionBackend):
         shape: GraphShape,
         kv_cache: KVCache,
         causal_config: dict[str, int],
-        splits: int,
+        plain: AttentionBackend,
     ) -> None:
-        super().__init__(cold_path="triton", extend_splits=splits)
+        self.plain = plain
         self.num_tokens, self.page_size = num_tokens, kv_cache.page_size
         max_pages = -(-shape.max_seq_len // self.page_size)
         self.splits = PACKED_GRAPH_SPLITS
@@ -252,7 +254,7 @@ class PackedPrefixBackend(TritonAttentionBackend):
         """The rows over the prefix (cuDNN) and causally over the tail and themselves (the extend kernel's
         partials), merged: [t, Hq, D]."""
         if sliding_window is not None:
-            return super().forward(q, k, v, layer_id, meta, kv_cache, scale, sliding_window, kv_stored)
+            return self.plain.forward(q, k, v, layer_id, meta, kv_cache, scale, sliding_window, kv_stored)
         k_cache, v_cache = self.store_and_pages(q, k, v, layer_id, meta, kv_cache, kv_stored)
         if q.is_cuda:
             from longserve.kernels.merge_attention import merge_packed
@@ -277,9 +279,10 @@ class PackedPrefixBackend(TritonAttentionBackend):
 
 
 def packed_backend(
-    backend: TritonAttentionBackend, num_tokens: int, shape: GraphShape, kv_cache: KVCache
+    backend: Any, num_tokens: int, shape: GraphShape, kv_cache: KVCache
 ) -> PackedPrefixBackend | None:
-    """TritonAttentionBackend.prepare_for_packed_capture: the bucket's packed backend, or None (`packs`)."""
+    """TritonAttentionBackend.prepare_for_packed_capture (`backend`: that Triton backend, its launch choices): the
+    bucket's packed backend, or None (`packs`)."""
     if not packs(num_tokens, shape, kv_cache):
         return None
     plain = backend.prepare_for_extend_capture(num_tokens, shape)  # what a sliding-window layer launches
@@ -287,7 +290,7 @@ def packed_backend(
         [num_tokens], [num_tokens + kv_cache.page_size - 1], shape.num_q_heads, shape.num_kv_heads, shape.head_dim,
         shape.dtype, shape.device,
     )  # fmt: skip
-    return PackedPrefixBackend(num_tokens, shape, kv_cache, causal, plain.extend_splits)
+    return PackedPrefixBackend(num_tokens, shape, kv_cache, causal, plain)
 
 
 def packs(num_tokens: int, shape: GraphShape, kv_cache: KVCache) -> bool:
