@@ -56,9 +56,24 @@ def test_split_pages_cover_the_prefix_with_no_empty_split():
             assert max(b - a for a, b in runs) <= -(-num_pages // splits)  # within the plan's table width
 
 
-@pytest.mark.parametrize("prefix_len,new", [(70, 7), (64, 16), (100, 9)])
-def test_packed_bucket_equals_plain_step(model_and_config, packed_on, prefix_len, new):
-    model, hf = model_and_config
+@pytest.fixture(scope="module")
+def windowed_model(tmp_path_factory):
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("pgw"), "mistral", num_layers=2)  # a window of 8 keys
+    hf = load_hf_config(path)
+    return load_model(path, hf, torch.float32, torch.device("cpu")), hf
+
+
+@pytest.mark.parametrize(
+    "which,prefix_len,new",
+    [
+        ("plain", 70, 7),
+        ("plain", 64, 16),
+        ("plain", 100, 9),
+        ("windowed", 70, 7),
+    ],  # windowed: `plain`'s kernel
+)
+def test_packed_bucket_equals_plain_step(request, packed_on, which, prefix_len, new):
+    model, hf = request.getfixturevalue("model_and_config" if which == "plain" else "windowed_model")
     torch.manual_seed(prefix_len + new)
     max_pages = 12
     cache = KVCache(model.num_layers, 40, PAGE, model.num_kv_heads, model.head_dim, torch.float32, "cpu")
