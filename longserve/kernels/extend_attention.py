@@ -165,13 +165,15 @@ def _extend_kernel(
     )  # fmt: skip
 
     out_mask = row_valid[:, None] & d_valid[None, :]
+    # a row may see no key at all: a graph's padding rows past a sliding window (their K/V, NaN otherwise, would
+    # reach the reserved page 0 in the next layer), or a split's rows before their keys. Such a row outputs 0
+    has_keys = l_i > 0.0
+    l_safe = tl.where(has_keys, l_i, 1.0)
     if not SPLIT:
-        out = acc * (v_scale / l_i)[:, None]  # [BLOCK_M, BLOCK_D]
+        out = acc * (v_scale / l_safe)[:, None]  # [BLOCK_M, BLOCK_D]
         o_offs = tok64[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptr + o_offs, out.to(o_ptr.dtype.element_ty), mask=out_mask)
     else:
-        has_keys = l_i > 0.0  # a split may hold no key a row can see
-        l_safe = tl.where(has_keys, l_i, 1.0)
         lse = tl.where(has_keys, m_i + tl.log2(l_safe), float("-inf"))  # [BLOCK_M]
         row = tok64 * stride_ot + head * stride_oh + split * stride_os  # [BLOCK_M]
         tl.store(o_ptr + row[:, None] + offs_d[None, :], acc * (v_scale / l_safe)[:, None], mask=out_mask)
@@ -209,8 +211,10 @@ def _merge_splits_kernel(
         other=0.0,
     )  # [BLOCK_S, BLOCK_D]
     m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # every split empty (a row that sees no key): 0, not NaN
     w = tl.exp2(lse - m)  # [BLOCK_S]; empty splits weigh 0
-    out = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)  # [BLOCK_D]
+    den = tl.sum(w, 0)
+    out = tl.sum(part * w[:, None], 0) / tl.where(den > 0.0, den, 1.0)  # [BLOCK_D]
     tl.store(
         o_ptr + n.to(tl.int64) * stride_on + head * stride_oh + offs_d,
         out.to(o_ptr.dtype.element_ty),

@@ -166,3 +166,35 @@ def test_decode_static_forward_equals_plain_step(model_and_dir):
     assert seen == [[p + 1 for p in prefix_lens]]
     assert cache.k[0][0, 0].abs().sum() > 0  # the padding row wrote its K/V into page 0
     assert not runner.can_run(build_metadata([4], [2], [[2]], PAGE, "cpu"))  # two new tokens: not decode
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_windowed_padding_rows_write_no_nan(tmp_path, splits):
+    """A sliding-window model's padding rows (past the window of any key) see no key: their attention is 0, not NaN,
+    so the K/V the next layer stores into the reserved page 0 stay finite (NaN there before, with one split or the
+    merge of all-empty splits); the real rows equal a plain step's."""
+    path = make_tiny_checkpoint(tmp_path, "mistral", num_layers=2)  # a window of 8 keys
+    hf = load_hf_config(path)
+    model = load_model(path, hf, torch.float32, torch.device("cpu"))
+    cache = KVCache(model.num_layers, 40, PAGE, model.num_kv_heads, model.head_dim, torch.float32, "cpu")
+    prefix_len, new = 70, 7
+    pages = list(range(2, 2 + -(-(prefix_len + new) // PAGE)))
+    ids = torch.randint(5, hf.vocab_size, (prefix_len + new,), generator=torch.Generator().manual_seed(0))
+    backend = TritonAttentionBackend(cold_path="triton")
+    positions = torch.arange(prefix_len, prefix_len + new)
+    with torch.inference_mode():
+        meta = build_metadata([0], [prefix_len], [pages], PAGE, "cpu")
+        model(ids[:prefix_len], torch.arange(prefix_len), ForwardContext(meta, cache, backend))
+        meta = build_metadata([prefix_len], [new], [pages], PAGE, "cpu")
+        plain = model(ids[prefix_len:], positions, ForwardContext(meta, cache, backend))
+        runner = ExtendGraphRunner(
+            model, cache, TritonAttentionBackend(cold_path="triton", extend_splits=splits),
+            graph_shape(model, 12 * PAGE), max_tokens=16,
+        )  # fmt: skip
+        runner.eager = True
+        for layer in range(model.num_layers):
+            cache.k[layer][0].zero_()
+            cache.v[layer][0].zero_()
+        got = runner.run(ids[prefix_len:], positions, meta)
+    assert all(torch.isfinite(c[0]).all() for c in (*cache.k, *cache.v))
+    torch.testing.assert_close(got, plain, atol=1e-4, rtol=1e-4)
