@@ -10,7 +10,7 @@
 # scripts/probes/probe_hit.py (host segments and the forward's device time, PDL on).
 # hit-fa3 (one GPU, ~2 min, .anchor/ carried): the hit's attention alone (64 new over 32K and beside it) in the
 # Triton extend kernel, the Gluon one and vLLM's FlashAttention-3 over the same paged cache, as graph replays.
-# hit-tiles (one GPU, ~4 min): the 8B prefix hit end to end with the wide short-chunk tile (256 rows on 16 warps,
+# hit-tiles (one GPU, ~5 min): the 8B prefix hit end to end with the wide short-chunk tile (256 rows on 16 warps,
 # triton_backend.WIDE_SHORT_TILE) at 3 stages (the default) and 2, and switched off, twice each, alternating (hit-fa3
 # times the tiles alone).
 # hit-cudnn-graph (one GPU, ~4 min, .whl/ carried): scripts/probes/probe_packed_cudnn_graph.py (the packed cuDNN call as
@@ -136,7 +136,7 @@ if [[ $MODE == hit-fa3 ]]; then  # one GPU (~2 min, .anchor/): what a kernel rea
     | tee "$OUT/hit_attention_fa3.log" | grep '^{' | cut -c1-1500
 fi
 
-if [[ $MODE == hit-tiles ]]; then  # one GPU (~4 min): the hit end to end, the wide tile at 3 stages (the default), 2
+if [[ $MODE == hit-tiles ]]; then  # one GPU (~5 min): the hit end to end, the wide tile at 3 stages (the default), 2
   # stages (no stack), and off, twice each, alternating
   tile=longserve.attention.triton_backend.WIDE_SHORT_TILE
   for run in 1 2; do
