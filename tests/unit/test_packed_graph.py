@@ -170,3 +170,28 @@ def test_reference_split_attention_merges_to_full_attention():
     torch.testing.assert_close(
         torch.logsumexp(lse, 0), torch.logsumexp(torch.einsum("hrd,hkd->hrk", q_rows, k) * 0.3, -1)
     )
+
+
+def test_a_failed_packed_capture_leaves_the_plain_buckets(model_and_config, packed_on, monkeypatch, caplog):
+    """The packed graphs are an optimisation: when their capture raises (a cuDNN build the GPU refuses), the runner
+    logs why and replays the plain buckets for every step; the server still starts."""
+    from longserve.runner import cuda_graph
+
+    model, _ = model_and_config
+    cache = KVCache(model.num_layers, 16, PAGE, model.num_kv_heads, model.head_dim, torch.float32, "cpu")
+    shape = GraphShape(
+        8 * PAGE, model.num_heads, model.num_kv_heads, model.head_dim, torch.float32, torch.device("cpu")
+    )
+    runner = ExtendGraphRunner(model, cache, TritonAttentionBackend(cold_path="triton"), shape, max_tokens=16)
+    assert runner.packed
+
+    def capture(sizes, forward, pool, graphs, outputs, what):
+        if "cuDNN" in what:
+            raise RuntimeError("cudnn: no plan for this graph")
+        graphs.update({n: f"graph {n}" for n in sizes})
+
+    monkeypatch.setattr(cuda_graph, "capture_graphs", capture)
+    with caplog.at_level("WARNING", logger="longserve.runner.cuda_graph"):
+        runner.capture(pool=object())
+    assert runner.packed == {} and runner.packed_graphs == {} and runner.graphs == {16: "graph 16"}
+    assert "no plan for this graph" in caplog.text
