@@ -65,21 +65,16 @@ def windowed_model(tmp_path_factory):
 
 @pytest.mark.parametrize(
     "which,prefix_len,new",
-    [
-        ("plain", 70, 7),
-        ("plain", 64, 16),
-        ("plain", 100, 9),
-        ("windowed", 70, 7),
-    ],  # windowed: `plain`'s kernel
+    # windowed: a sliding-window model, whose layers take the plain backend's kernel in the packed bucket
+    [("plain", 70, 7), ("plain", 64, 16), ("plain", 100, 9), ("windowed", 70, 7)],
 )
 def test_packed_bucket_equals_plain_step(request, packed_on, which, prefix_len, new):
     model, hf = request.getfixturevalue("model_and_config" if which == "plain" else "windowed_model")
     torch.manual_seed(prefix_len + new)
     max_pages = 12
     cache = KVCache(model.num_layers, 40, PAGE, model.num_kv_heads, model.head_dim, torch.float32, "cpu")
-    pages = (
-        torch.randperm(38)[: -(-(prefix_len + new) // PAGE)] + 2
-    ).tolist()  # scattered, never page 0 or 1
+    # scattered pages, never page 0 or 1
+    pages = (torch.randperm(38)[: -(-(prefix_len + new) // PAGE)] + 2).tolist()
     ids = torch.randint(5, hf.vocab_size, (prefix_len + new,))
     backend = TritonAttentionBackend(cold_path="triton")
     shape = GraphShape(
@@ -91,9 +86,8 @@ def test_packed_bucket_equals_plain_step(request, packed_on, which, prefix_len, 
         torch.device("cpu"),
     )
     with torch.inference_mode():
-        meta = build_metadata(
-            [0], [prefix_len], [pages], PAGE, "cpu"
-        )  # the cached prefix: its K/V in the pages
+        # the cached prefix: its K/V in the pages
+        meta = build_metadata([0], [prefix_len], [pages], PAGE, "cpu")
         model(ids[:prefix_len], torch.arange(prefix_len), ForwardContext(meta, cache, backend))
         meta = build_metadata([prefix_len], [new], [pages], PAGE, "cpu")
         positions = torch.arange(prefix_len, prefix_len + new)
