@@ -20,6 +20,7 @@ import torch
 from longserve.attention import gluon_calls, sdpa_shapes
 from longserve.attention.base import AttentionBackend, AttentionMetadata, GraphShape, KVCache, build_metadata
 from longserve.attention.packed_chunk import packed_chunk
+from longserve.attention.packed_graph import packed_backend
 from longserve.attention.sdpa import prefix_split_sdpa, warm_up_packed, warm_up_plans
 from longserve.attention.sdpa_shapes import PLANS, ModelShape, packed_splits, split_shape
 
@@ -196,8 +197,6 @@ class TritonAttentionBackend(AttentionBackend):
         return TritonAttentionBackend(cold_path="triton", extend_splits=splits)
 
     def prepare_for_packed_capture(self, num_tokens: int, shape: GraphShape, kv_cache: KVCache):
-        from longserve.attention.packed_graph import packed_backend  # (its backend subclasses this one)
-
         return packed_backend(self, num_tokens, shape, kv_cache)
 
     def num_sms(self, device: torch.device) -> int:
