@@ -31,7 +31,7 @@ from longserve.platform import to_device_async
 
 logger = logging.getLogger("longserve.attention.packed_graph")
 
-PACKED_GRAPHS = False
+PACKED_GRAPHS = True
 # 8 kv heads x 16 splits x 2 tiles of 128 rows: 256 programs (the eager packed call's 16 splits at 32K)
 PACKED_GRAPH_SPLITS = 16
 
