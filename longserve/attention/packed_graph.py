@@ -12,8 +12,9 @@ split); merge_attention.merge_packed merges the S + 1 parts. Every per-step inpu
 before the replay (`prepare_for_replay`). On the CPU, or without the frontend, `prefix_attention_ref` stands in
 for the cuDNN call (the tests run the whole path).
 
-Off (PACKED_GRAPHS) until measured: `gpu_check.sh hit-cudnn-graph` (the call alone, both forms), then the GPU test
-and the hit end to end.
+On (PACKED_GRAPHS) since the thirty-fifth session (RESULTS.md; H100): the 8B hit (32K cached + 64 new) went from
+12.93 to 12.57 ms (means of three A/Bs at 16 splits, `gpu_check.sh hit-cudnn-graph`), then to 11.6 ms (105.6x the
+cold 32K) at 8 splits (`hit-merge`).
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ from longserve.platform import to_device_async
 logger = logging.getLogger("longserve.attention.packed_graph")
 
 PACKED_GRAPHS = True
-# 8 kv heads x 16 splits x 2 tiles of 128 rows: 256 programs (the eager packed call's 16 splits at 32K)
-PACKED_GRAPH_SPLITS = 16
+# the prefix's splits: at 8 the 8B hit took 11.6 ms where 16 took 11.9 / 12.2 (H100, `hit-merge`; the cuDNN call
+# ~2 us a layer faster, the merge of the splits 5.8 against 13.9 us)
+PACKED_GRAPH_SPLITS = 8
 
 
 def split_pages(num_pages: int, splits: int) -> list[tuple[int, int]]:

@@ -21,13 +21,7 @@ import triton.language as tl
 from longserve.kernels.attention_reference import merge_packed_ref, merge_two_ref
 from longserve.kernels.launch import fast_launch
 
-__all__ = ["PACKED_MERGE_HEADS", "merge_packed", "merge_packed_ref", "merge_two", "merge_two_ref"]
-
-# the q heads of one kv head that a merge_packed program takes: their rows lie side by side in each split's
-# output, so a program reads HEADS * D contiguous values a split (1 KB for the 8B shape's 4 heads of 128) where one
-# head a program read 256 B runs; with one head a program the merge took 14.7 us a layer of the 8B hit on an H100
-# (RESULTS.md thirty-fifth session: ~3 us of traffic at the chip's bandwidth)
-PACKED_MERGE_HEADS = 4
+__all__ = ["merge_packed", "merge_packed_ref", "merge_two", "merge_two_ref"]
 
 
 @fast_launch
@@ -97,6 +91,9 @@ def merge_two(
 
 
 @fast_launch
+# one (token, q head) a program: programs taking a kv head's 4 q heads (1 KB runs of each split where one head
+# reads 256 B) were slower on an H100, 24.2 against 13.9 us at 16 splits and 12.8 against 5.8 at 8 (the 8B hit's
+# shape; RESULTS.md thirty-fifth session, scripts/probes/probe_merge_packed.py)
 @triton.jit(do_not_specialize=["num_splits", "tail", "clse_ptr"])
 def _merge_packed_kernel(
     part_ptr,  # [S, Hkv, R, D]: the prefix splits' outputs, row t * GROUP + g = q head kv_head * GROUP + g
@@ -119,58 +116,40 @@ def _merge_packed_kernel(
     stride_out_h,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    HEADS: tl.constexpr,  # q heads a program merges (of one kv head; their rows are adjacent in every split)
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
     CAUSAL_LOG2: tl.constexpr,  # the causal part's LSE in log2 units (the Triton extend kernel's partials)
 ):
     tok = tl.program_id(0)
-    blocks_per_kv_head = tl.cdiv(GROUP, HEADS)
-    kv_head = tl.program_id(1) // blocks_per_kv_head
-    offs_g = (tl.program_id(1) % blocks_per_kv_head) * HEADS + tl.arange(0, HEADS)  # [HEADS]
-    g_ok = offs_g < GROUP
-    head = kv_head * GROUP + offs_g
-    row = tok * GROUP + offs_g
+    head = tl.program_id(1)
+    kv_head = head // GROUP
+    row = tok * GROUP + head % GROUP
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     s_ok = offs_s < num_splits
     d_ok = offs_d < HEAD_DIM
-    sg_ok = s_ok[:, None] & g_ok[None, :]  # [BLOCK_S, HEADS]
-    lse = tl.load(
-        plse_ptr + offs_s[:, None] * stride_ls + kv_head * stride_lh + row[None, :],
-        mask=sg_ok,
-        other=float("-inf"),
-    )  # [BLOCK_S, HEADS]
+    lse = tl.load(plse_ptr + offs_s * stride_ls + kv_head * stride_lh + row, mask=s_ok, other=float("-inf"))
     part = tl.load(
         part_ptr
-        + offs_s.to(tl.int64)[:, None, None] * stride_ps
+        + offs_s.to(tl.int64)[:, None] * stride_ps
         + kv_head * stride_ph
-        + row[None, :, None] * stride_pr
-        + offs_d[None, None, :],
-        mask=sg_ok[:, :, None] & d_ok[None, None, :],
+        + row * stride_pr
+        + offs_d[None, :],
+        mask=s_ok[:, None] & d_ok[None, :],
         other=0.0,
-    )  # [BLOCK_S, HEADS, BLOCK_D]
-    # a token sees itself: finite (a padding head's 0 weighs its zeros by 1, never stored)
-    lse_c = tl.load(
-        clse_ptr + head * stride_cl_h + (tail + tok) * stride_cl_l, mask=g_ok, other=0.0
-    )  # [HEADS]
+    )  # [BLOCK_S, BLOCK_D]
+    lse_c = tl.load(clse_ptr + head * stride_cl_h + (tail + tok) * stride_cl_l)  # a token sees itself: finite
     if CAUSAL_LOG2:
         lse_c = lse_c * 0.6931471805599453  # ln 2
-    o_c = tl.load(
-        oc_ptr + head[:, None] * stride_oc_h + (tail + tok).to(tl.int64) * stride_oc_l + offs_d[None, :],
-        mask=g_ok[:, None] & d_ok[None, :],
-        other=0.0,
-    )  # [HEADS, BLOCK_D]
-    m = tl.maximum(tl.max(lse, 0), lse_c)  # [HEADS]
-    w = tl.exp(lse - m[None, :])  # [BLOCK_S, HEADS]: padding splits weigh 0
+    o_c = tl.load(oc_ptr + head * stride_oc_h + (tail + tok).to(tl.int64) * stride_oc_l + offs_d, mask=d_ok)
+    m = tl.maximum(tl.max(lse, 0), lse_c)
+    w = tl.exp(lse - m)  # [BLOCK_S]: padding splits weigh 0
     w_c = tl.exp(lse_c - m)
-    merged = (tl.sum(part.to(tl.float32) * w[:, :, None], 0) + o_c.to(tl.float32) * w_c[:, None]) / (
-        tl.sum(w, 0) + w_c
-    )[:, None]  # [HEADS, BLOCK_D]
+    merged = (tl.sum(part.to(tl.float32) * w[:, None], 0) + o_c.to(tl.float32) * w_c) / (tl.sum(w, 0) + w_c)
     tl.store(
-        out_ptr + tok.to(tl.int64) * stride_out_t + head[:, None] * stride_out_h + offs_d[None, :],
+        out_ptr + tok.to(tl.int64) * stride_out_t + head * stride_out_h + offs_d,
         merged.to(out_ptr.dtype.element_ty),
-        mask=g_ok[:, None] & d_ok[None, :],
+        mask=d_ok,
     )
 
 
@@ -191,15 +170,12 @@ def merge_packed(
     assert o_c.shape[0] == lse_c.shape[0] == num_heads and o_c.shape[1] >= tail + num_tokens
     if num_tokens == 0:
         return out
-    group = num_heads // num_kv_heads
-    heads = min(PACKED_MERGE_HEADS, triton.next_power_of_2(group))
-    block_s, block_d = max(2, triton.next_power_of_2(num_splits)), triton.next_power_of_2(head_dim)
-    elements = block_s * heads * block_d
-    _merge_packed_kernel[(num_tokens, num_kv_heads * triton.cdiv(group, heads))](
+    _merge_packed_kernel[(num_tokens, num_heads)](
         part, part_lse, o_c, lse_c, out, num_splits, tail,
         part.stride(0), part.stride(1), part.stride(2), part_lse.stride(0), part_lse.stride(1),
         o_c.stride(0), o_c.stride(1), lse_c.stride(0), lse_c.stride(1), out.stride(0), out.stride(1),
-        GROUP=group, HEAD_DIM=head_dim, HEADS=heads, BLOCK_D=block_d, BLOCK_S=block_s, CAUSAL_LOG2=causal_log2,
-        num_warps=8 if elements >= 8192 else 4 if elements >= 2048 else 2,
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_S=max(2, triton.next_power_of_2(num_splits)), CAUSAL_LOG2=causal_log2,
+        num_warps=4 if head_dim >= 128 else 2,
     )  # fmt: skip
     return out

@@ -1,7 +1,8 @@
-"""GPU probe: the packed path's merge (merge_attention.merge_packed) at the 8B prefix hit's shape, by q heads a
-program (PACKED_MERGE_HEADS) and prefix splits. In the hit with the packed graph on, the merge took 14.7 us a
-layer on an H100 (RESULTS.md thirty-fifth session, `hit-profile`), one head a program, 16 splits: ~8 MB of
-partials, ~3 us at the chip's bandwidth.
+"""GPU probe: the packed path's merge (merge_attention.merge_packed) at the 8B prefix hit's shape, by prefix splits
+(packed_graph.PACKED_GRAPH_SPLITS). In the hit with the packed graph on, the merge took 14.7 us a layer on an H100
+at 16 splits (RESULTS.md thirty-fifth session, `hit-profile`): ~8 MB of partials, ~3 us at the chip's bandwidth.
+Here it took 13.9 us at 16 splits and 5.8 at 8; a variant taking a kv head's 4 q heads a program was slower (24.2
+and 12.8 us, `ec8880e`).
 
 Each variant is checked against the torch reference, then timed as graph replays over copies of the inputs that
 L2 cannot hold together:
@@ -13,12 +14,12 @@ from __future__ import annotations
 
 import torch
 
-from longserve.kernels import merge_attention
 from longserve.kernels.attention_reference import merge_packed_ref
+from longserve.kernels.merge_attention import merge_packed
 from longserve.platform import cuda_graph_time_ms
 
 TOKENS, Q_HEADS, KV_HEADS, HEAD_DIM, ROWS = 64, 32, 8, 128, 256  # the 8B's 64 new tokens, 4 q heads a kv head
-COPIES = 8  # x 8 MB (16 splits): past the H100's 50 MB L2
+COPIES = 16  # x 4 MB (8 splits) or 8 MB (16): past the H100's 50 MB L2
 
 
 def rotating(inputs: list[tuple[torch.Tensor, ...]], out: torch.Tensor):
@@ -26,7 +27,7 @@ def rotating(inputs: list[tuple[torch.Tensor, ...]], out: torch.Tensor):
     i = [0]
 
     def call() -> None:
-        merge_attention.merge_packed(*inputs[i[0] % len(inputs)], out, 0, True)
+        merge_packed(*inputs[i[0] % len(inputs)], out, 0, True)
         i[0] += 1
 
     return call
@@ -48,14 +49,13 @@ def main() -> None:
         ]
         out = torch.empty(TOKENS, Q_HEADS, HEAD_DIM, dtype=bf16, device=dev)
         expected = merge_packed_ref(*inputs[0], torch.empty_like(out), 0, True)
-        for heads in (1, 2, 4):
-            merge_attention.PACKED_MERGE_HEADS = heads
-            merge_attention.merge_packed(*inputs[0], out, 0, True)
-            err = (out.float() - expected.float()).abs().max().item()
-            us = cuda_graph_time_ms(rotating(inputs, out), warmup=2, iters=4 * COPIES, repeats=7) * 1e3
-            traffic = splits * KV_HEADS * ROWS * HEAD_DIM * 2 / (us * 1e-6) / 1e12
-            print(f"  {splits} splits, {heads} q heads a program: {us:.1f} us ({traffic:.2f} TB/s of partials), "
-                  f"max err {err:.2e}", flush=True)  # fmt: skip
+        merge_packed(*inputs[0], out, 0, True)
+        err = (out.float() - expected.float()).abs().max().item()
+        us = cuda_graph_time_ms(rotating(inputs, out), warmup=2, iters=4 * COPIES, repeats=7) * 1e3
+        traffic = splits * KV_HEADS * ROWS * HEAD_DIM * 2 / (us * 1e-6) / 1e12
+        print(
+            f"  {splits} splits: {us:.1f} us ({traffic:.2f} TB/s of partials), max err {err:.2e}", flush=True
+        )
 
 
 if __name__ == "__main__":

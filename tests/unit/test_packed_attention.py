@@ -21,24 +21,17 @@ from test_triton_attention import HEADS, Step  # noqa: E402
 from longserve.attention import GraphShape, KVCache, build_metadata  # noqa: E402
 from longserve.attention import sdpa_shapes as shapes  # noqa: E402
 from longserve.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-from longserve.kernels import merge_attention  # noqa: E402
 from longserve.kernels.attention_reference import merge_packed_ref  # noqa: E402
 from longserve.kernels.merge_attention import merge_packed  # noqa: E402
 
 
 @pytest.mark.parametrize(
-    "splits,group,tail,log2,heads",
-    [(1, 4, 0, False, 4), (3, 4, 5, False, 1), (5, 1, 2, True, 4), (2, 4, 0, True, 2), (3, 3, 1, False, 2)],
+    "splits,group,tail,log2", [(1, 4, 0, False), (3, 4, 5, False), (5, 1, 2, True), (2, 4, 0, True)]
 )
-def test_merge_packed_equals_its_reference(
-    splits: int, group: int, tail: int, log2: bool, heads: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_merge_packed_equals_its_reference(splits: int, group: int, tail: int, log2: bool) -> None:
     """The kernel against the torch reference: prefix partials in cuDNN's [S, Hkv, R, D] with permuted
     strides (rows past the tokens' are padding, never read), the causal part's token rows after `tail`, as
-    [Hq, L, D] / [Hq, L] views of [L, Hq, ...] partials and with log2 LSEs where the extend kernel gives them;
-    a program merging one head, or several of a kv head (3 in blocks of 2: the second block's padding head
-    masked)."""
-    monkeypatch.setattr(merge_attention, "PACKED_MERGE_HEADS", heads)
+    [Hq, L, D] / [Hq, L] views of [L, Hq, ...] partials and with log2 LSEs where the extend kernel gives them."""
     gen = torch.Generator().manual_seed(splits * 10 + group + tail)
     tokens, hkv, d, rows = 6, 2, 32, 32
     hq = hkv * group

@@ -15,9 +15,8 @@
 # times the tiles alone).
 # hit-cudnn-graph (one GPU, ~4 min, .whl/ carried): scripts/probes/probe_packed_cudnn_graph.py (the packed cuDNN call as
 # a capturable cudnn-frontend graph), the packed graph's GPU test, the 8B hit with attention/packed_graph.py off and on.
-# hit-merge (one GPU, ~4 min, .whl/ carried): scripts/probes/probe_merge_packed.py (the packed path's merge by q heads
-# a program and splits), then the 8B hit with the packed graph: one head a program at 16 splits (the thirty-fourth
-# session's), 4 heads at 16 splits and 4 heads at 8 splits, twice each, alternating.
+# hit-merge (one GPU, ~3 min, .whl/ carried): scripts/probes/probe_merge_packed.py (the packed path's merge at 16 and
+# 8 splits), then the 8B hit with the packed graph at 16 and 8 splits (PACKED_GRAPH_SPLITS), twice each, alternating.
 # hit-profile (one GPU, ~3 min): the prefix hit (32K cached + 64 new) under the profiler, by category and its top
 # kernels, then scripts/probes/probe_hit.py: where the hit's device and host time go at the head.
 # shellcheck shell=bash
@@ -116,13 +115,13 @@ if [[ $MODE == hit-cudnn-graph ]]; then  # one GPU (~4 min; the test wheels carr
   done
 fi
 
-if [[ $MODE == hit-merge ]]; then  # one GPU (~4 min; .whl/ carried): the packed path's merge, alone then end to end
-  timeout 100 python3 scripts/probes/probe_merge_packed.py 2>&1 | tee "$OUT/probe_merge_packed.log" | tail -8
-  heads=longserve.kernels.merge_attention.PACKED_MERGE_HEADS splits=longserve.attention.packed_graph.PACKED_GRAPH_SPLITS
+if [[ $MODE == hit-merge ]]; then  # one GPU (~3 min; .whl/ carried): the packed path's merge, alone then end to end
+  timeout 100 python3 scripts/probes/probe_merge_packed.py 2>&1 | tee "$OUT/probe_merge_packed.log" | tail -4
   for run in 1 2; do
-    for variant in h1s16 h4s16 h4s8; do
-      LATENCY_TIMEOUT=100 latency_with hit_merge_${variant}_$run "merge $variant" "$heads=${variant:1:1}" \
-        "$splits=${variant:3}" -- --config llama-3.1-8b "${dummy[@]}" --repeat 7 --prefix-hit 32768:64
+    for splits in 16 8; do
+      LATENCY_TIMEOUT=100 latency_with hit_merge_s${splits}_$run "splits $splits" \
+        longserve.attention.packed_graph.PACKED_GRAPH_SPLITS=$splits -- --config llama-3.1-8b "${dummy[@]}" \
+        --repeat 7 --prefix-hit 32768:64
     done
   done
 fi
