@@ -3,11 +3,11 @@
 
 Starts `python -m longserve.launch_server` on a free 127.0.0.1 port (the built-in demo model unless
 --model-path is given; more flags with --server-arg), or attaches to --base-url (--pid for its RSS), then sends
---num-requests requests (stopping early after --max-seconds) from --concurrency clients. The kinds: /generate,
-/v1/completions and /v1/chat/completions, streamed and not, text and token-id prompts, batches, n > 1, seeded
-sampling, logprobs, stop strings; clients that hang up mid-stream or mid-wait; requests that run past the
-server's --request-timeout; bad input that must get a 4xx (malformed JSON, wrong types, prompts over the
-context, unknown models, ...); /tokenize, /detokenize, /v1/models, /metrics.
+--num-requests requests (stopping early after --max-seconds, once --min-requests went out) from --concurrency
+clients. The kinds: /generate, /v1/completions and /v1/chat/completions, streamed and not, text and token-id
+prompts, batches, n > 1, seeded sampling, logprobs, stop strings; clients that hang up mid-stream or mid-wait;
+requests that run past the server's --request-timeout; bad input that must get a 4xx (malformed JSON, wrong
+types, prompts over the context, unknown models, ...); /tokenize, /detokenize, /v1/models, /metrics.
 
 Every --report-every requests it prints the server's RSS (VmRSS, and its anonymous part, from /proc/PID/status)
 with the counts so far. At the end: /health, the KV page accounting of GET /server_info (`kv_used_pages` must
@@ -148,7 +148,10 @@ def kind_sequence(kinds: dict[str, int], rng: random.Random) -> Iterator[str]:
 async def worker(
     run: Run, traffic: Traffic, kinds: Iterator[str], next_id: list[int], deadline: float
 ) -> None:
-    while next_id[0] < run.args.num_requests and time.monotonic() < deadline:
+    # past the deadline only while fewer than --min-requests went out (a busy machine still gets its RSS fit)
+    while next_id[0] < run.args.num_requests and (
+        time.monotonic() < deadline or next_id[0] < run.args.min_requests
+    ):
         next_id[0] += 1
         kind = next(kinds)
         try:
@@ -196,7 +199,8 @@ async def soak(args: argparse.Namespace, url: str, pid: int | None, server: Serv
         run = Run(args, url, pid)
         rss0 = run.rss()
         print(
-            f"soak: {args.num_requests} requests (at most {args.max_seconds:.0f}s), {args.concurrency} clients, "
+            f"soak: {args.num_requests} requests (at most {args.max_seconds:.0f}s, at least {args.min_requests}), "
+            f"{args.concurrency} clients, "
             f"against {url} (pid {pid}); context {traffic.ctx}, request timeout {traffic.request_timeout}; "
             f"kinds: {', '.join(traffic.kinds)}",
             flush=True,
@@ -340,6 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--num-requests", type=int, default=20000)
     p.add_argument("--max-seconds", type=float, default=3600, help="stop sending after this long")
+    p.add_argument("--min-requests", type=int, default=0, help="but not before this many requests went out")
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--model-path", help="checkpoint of the server started here (default: the demo model)")
     p.add_argument(
