@@ -93,7 +93,7 @@ class PrefixCall:
         )
         self.cudnn: Any = None
         if device.type == "cuda":
-            import cudnn  # nvidia-cudnn-frontend (prepare_for_packed_capture checked that it imports)
+            import cudnn  # nvidia-cudnn-frontend (`packs` checked that it imports)
 
             self.cudnn, self.handle = cudnn, cudnn.create_handle()
         self.graph: Any = None
