@@ -204,7 +204,8 @@ def choose_num_splits(max_seq_len: int, num_reqs: int, num_kv_heads: int, num_sm
 # 10.04 ms a step, 1 x 32K (512) 5.92 against 5.92, 64 x 4K (1,024) 13.80 against 13.25. Between 640 and 1,024
 # programs the threshold is a guess. (scripts/probes/sweep_decode.py, the kernel alone, agrees at 16 x 8K:
 # 175 against 252 us a layer.)
-DECODE_BLOCK_N, DECODE_NUM_STAGES = 64, 3
+DECODE_BLOCK_N = 64
+DECODE_NUM_STAGES = 3
 DECODE_FEW_PROGRAMS = 768
 
 
