@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from longserve.kernels.moe_config import current_device_name
+from longserve.kernels.moe_config import table_devices
 
 __all__ = ["TABLE_DIR", "TABLE_KEYS", "gemv_table_name", "load_gemv_table", "tuned_gemv_config"]
 
@@ -64,5 +64,10 @@ def tuned_gemv_config(
     Triton interpreter, whose tiles are the defaults')."""
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1":
         return None
-    name = gemv_table_name(kernel, current_device_name(device.index or 0))
-    return load_gemv_table(str(Path(table_dir or TABLE_DIR) / name)).get((n, k, m))
+    for name in table_devices(
+        index=device.index or 0
+    ):  # its own table, else its architecture's reference part's
+        table = load_gemv_table(str(Path(table_dir or TABLE_DIR) / gemv_table_name(kernel, name)))
+        if table:
+            return table.get((n, k, m))
+    return None

@@ -11,7 +11,14 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["CONFIG_DIR", "config_file_name", "current_device_name", "default_moe_config", "get_moe_config"]
+__all__ = [
+    "CONFIG_DIR",
+    "config_file_name",
+    "current_device_name",
+    "default_moe_config",
+    "get_moe_config",
+    "table_devices",
+]
 
 CONFIG_DIR = Path(__file__).parent / "moe_configs"
 KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
@@ -38,6 +45,29 @@ def current_device_name(index: int | None = None) -> str:
     if not torch.cuda.is_available():
         return "cpu"
     return torch.cuda.get_device_name(index).replace(" ", "_")
+
+
+# The part whose tables (these MoE tiles, gemv_tables' GEMV tiles) answer on a GPU of the same architecture that
+# has none of its own: the tiles of a prefill GEMM are set by the SM (its shared memory, tensor cores, registers),
+# which an H100 and an H200 share, not by the memory around it. Measured on an H100 (2026-12-06, 9daccd2,
+# RESULTS.md thirty-sixth session): with the untuned defaults the A3B FP8 experts' GEMMs took 668 ms of a cold 32K
+# (bf16's 235) and the cold TTFT was 0.258 s at 8K, 1.509 s at 32K; with the H200's tables 0.190 s and 1.266 s
+# (bf16 0.153 / 1.125 s with either: its table holds decode sizes only).
+ARCH_TABLE_DEVICES = {(9, 0): "NVIDIA_H200"}
+
+
+@lru_cache(maxsize=8)
+def current_capability(index: int | None = None) -> tuple[int, int] | None:
+    return torch.cuda.get_device_capability(index) if torch.cuda.is_available() else None
+
+
+def table_devices(device_name: str | None = None, index: int | None = None) -> tuple[str, ...]:
+    """The device names whose tables answer, in order: `device_name` alone when given, else this GPU's own, then
+    the reference part of its architecture (ARCH_TABLE_DEVICES) if that is another."""
+    if device_name:
+        return (device_name.replace(" ", "_"),)
+    own, ref = current_device_name(index), ARCH_TABLE_DEVICES.get(current_capability(index))
+    return (own,) if ref is None or ref == own else (own, ref)
 
 
 @lru_cache(maxsize=64)
@@ -138,7 +168,8 @@ def get_moe_config(
     weights: str | None = None,
 ) -> dict:
     """Launch config for T = num_tokens: the bucket nearest to T (ties: the smaller) of the table for
-    (E, N, device, dtype) in `config_dir` (default: the package's moe_configs/), else `default_moe_config`.
+    (E, N, device, dtype) in `config_dir` (default: the package's moe_configs/), the device's own or else its
+    architecture's reference part's (table_devices), else `default_moe_config`.
     A table answers only within a factor of 2 of its buckets: one tuned at decode sizes (tune_moe with a
     few --batch-sizes) must not hand its 16-row tiles to an 8K-token prefill chunk.
 
@@ -146,8 +177,13 @@ def get_moe_config(
     with an optional "down": {...} overriding all but BLOCK_M for the down GEMM. Host-only, cached."""
     if config_dir is None and os.environ.get("TRITON_INTERPRET", "0") == "1":
         return default_moe_config(E, N, K, top_k, dtype, num_tokens)
-    name = config_file_name(E, N, device_name or current_device_name(), dtype, weights)
-    table = load_table(str(Path(config_dir or CONFIG_DIR) / name))
+    table = None
+    for device in table_devices(device_name):
+        table = load_table(
+            str(Path(config_dir or CONFIG_DIR) / config_file_name(E, N, device, dtype, weights))
+        )
+        if table:
+            break
     if not table or not min(table) / 2 <= num_tokens <= 2 * max(table):
         return default_moe_config(E, N, K, top_k, dtype, num_tokens)
     return table[min(table, key=lambda bucket: (abs(bucket - num_tokens), bucket))]

@@ -16,6 +16,7 @@ pytest.importorskip("triton")
 
 from longserve.kernels.fused_moe import fused_moe, moe_align_block_size, padded_size_bound  # noqa: E402
 from longserve.kernels.moe_config import (  # noqa: E402
+    CONFIG_DIR,
     config_file_name,
     default_moe_config,
     get_moe_config,
@@ -315,6 +316,29 @@ def test_get_moe_config_table_and_default(tmp_path, monkeypatch: pytest.MonkeyPa
     bad.write_text(json.dumps({"1": {"BLOCK_M": 16}}))
     with pytest.raises(ValueError, match="bad entry"):
         load_table(str(bad))
+
+
+def test_a_gpu_without_tables_reads_its_architectures_reference_part(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On an H100 (no tables shipped for it) the A3B FP8 experts take the H200's shipped prefill tiles (an sm90
+    part's: 1.509 -> 1.266 s of the cold 32K on an H100 against the defaults, moe_config.ARCH_TABLE_DEVICES);
+    a part of another architecture keeps the defaults."""
+    from longserve.kernels import moe_config
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(moe_config, "current_device_name", lambda index=None: "NVIDIA_H100_80GB_HBM3")
+    monkeypatch.setattr(moe_config, "current_capability", lambda index=None: (9, 0))
+    args = (128, 768, 2048, 8, torch.bfloat16, 8192)
+    shipped = json.loads(
+        (CONFIG_DIR / config_file_name(128, 768, "NVIDIA_H200", torch.bfloat16, "fp8_e4m3")).read_text()
+    )
+    assert moe_config.table_devices() == ("NVIDIA_H100_80GB_HBM3", "NVIDIA_H200")
+    assert get_moe_config(*args, weights="fp8_e4m3") == shipped["8192"] != default_moe_config(*args)
+    assert get_moe_config(*args, "NVIDIA_H100_80GB_HBM3", weights="fp8_e4m3") == default_moe_config(
+        *args
+    )  # named
+    monkeypatch.setattr(moe_config, "current_capability", lambda index=None: (12, 0))
+    assert moe_config.table_devices() == ("NVIDIA_H100_80GB_HBM3",)
+    assert get_moe_config(*args, weights="fp8_e4m3") == default_moe_config(*args)
 
 
 def test_no_host_reads(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -15,7 +15,7 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from longserve.kernels import fp8_gemv, gemv_tables, quant_gemv, tune_gemv  # noqa: E402
+from longserve.kernels import fp8_gemv, gemv_tables, moe_config, quant_gemv, tune_gemv  # noqa: E402
 from longserve.kernels import split_k as split_k_module  # noqa: E402
 
 CUDA = torch.device("cuda", 0)  # a device object only: nothing runs on it
@@ -33,7 +33,7 @@ def table_dir(tmp_path, monkeypatch: pytest.MonkeyPatch):
 
 
 def write(table_dir, kernel: str, entries: dict) -> None:
-    name = gemv_tables.gemv_table_name(kernel, gemv_tables.current_device_name(0))
+    name = gemv_tables.gemv_table_name(kernel, moe_config.current_device_name(0))
     (table_dir / name).write_text(json.dumps(entries))
     gemv_tables.load_gemv_table.cache_clear()  # files are read once a process; this one changed
 
@@ -55,6 +55,27 @@ def test_an_entry_sets_the_tiles_of_its_product_only(table_dir) -> None:
         ]
         == 4
     )
+
+
+def test_a_gpu_without_tables_reads_its_architectures_reference_part(table_dir, monkeypatch) -> None:
+    """An H100 (no tables of its own) takes the H200's, an sm90 part's; its own table, once written, wins whole;
+    another architecture takes neither."""
+    monkeypatch.setattr(moe_config, "current_device_name", lambda index=None: "NVIDIA_H100_80GB_HBM3")
+    monkeypatch.setattr(moe_config, "current_capability", lambda index=None: (9, 0))
+    tiles = {"BLOCK_N": 128, "SPLIT_K": 2, "num_warps": 8}
+    (table_dir / gemv_tables.gemv_table_name("fp8_channel_gemv", "NVIDIA H200")).write_text(
+        json.dumps({"4096,4096,1": tiles})
+    )
+    assert gemv_tables.tuned_gemv_config("fp8_channel_gemv", 4096, 4096, 1, CUDA) == tiles
+    assert gemv_tables.tuned_gemv_config("fp8_channel_gemv", 4096, 4096, 2, CUDA) is None  # no entry: default
+    monkeypatch.setattr(moe_config, "current_capability", lambda index=None: (10, 0))
+    assert gemv_tables.tuned_gemv_config("fp8_channel_gemv", 4096, 4096, 1, CUDA) is None
+    monkeypatch.setattr(moe_config, "current_capability", lambda index=None: (9, 0))
+    write(
+        table_dir, "fp8_channel_gemv", {"4096,4096,2": tiles}
+    )  # the H100's own table, without the M=1 entry
+    assert gemv_tables.tuned_gemv_config("fp8_channel_gemv", 4096, 4096, 1, CUDA) is None
+    assert gemv_tables.tuned_gemv_config("fp8_channel_gemv", 4096, 4096, 2, CUDA) == tiles
 
 
 def test_the_one_row_int4_kernel_reads_its_table(table_dir) -> None:
