@@ -395,10 +395,9 @@ def test_context_length_beyond_the_pool_is_refused(ckpt):
 
 def test_pool_sized_by_memory_fraction(ckpt):
     fraction = 0.9
-    if (
-        DEVICE == "cuda"
-    ):  # a GPU other test processes share (gpu_check.sh tests runs five): ~2 GiB past what is in
-        # use, not 90% of it (0.9 took 58 GB of an H100 and another process's allocation failed, 2026-12-06)
+    # on a GPU other test processes share (gpu_check.sh tests runs five): ~2 GiB past what is in use, not 90% of it
+    # (0.9 took 58 GB of an H100 and another process's allocation failed, 2026-12-06)
+    if DEVICE == "cuda":
         free, total = torch.cuda.mem_get_info()
         fraction = min(0.9, (total - free + 2 * 2**30) / total)
     m = llm(ckpt, max_total_tokens=None, mem_fraction_static=fraction)
