@@ -49,6 +49,16 @@ __all__ = [
 # Those timings were of eager calls (at small M, launch time); as CUDA-graph replays (2026-12-02, 95cf20e, M=1-16)
 # dequantize + cuBLAS still wins at every M and shape (gate_up at M=1: 166 against 178 us), behind the GEMV.
 WNA16_DEQUANT_MIN_TOKENS = 1
+# wna16_dequantize by _wna16_dequant_rows_kernel (no act order): rows of packed bytes loaded once as vectors and
+# stored as runs, where _wna16_dequant_kernel loads each byte twice, a byte a lane. What it is for: the A3B int4
+# prefill dequantizes every expert each chunk (moe_wna16's dequant path: 0.3 GB read, 1.2 GB written a layer); on
+# an H100 (2026-12-06, 9daccd2, RESULTS.md thirty-sixth session) the A3B int4 cold 32K took 1.258 s against bf16's
+# 1.125 (1.12x; issue 18: <= 1.1x), ~133 ms over bf16 where those bytes take ~96 ms at 3 TB/s. Off until measured
+# (`gpu_check.sh int4-dequant`): the rows and warps below are a first guess.
+DEQUANT_ROWS = False
+# rows a program, by 128 columns at groups of 128: 4 KB of int4 in, 16 KB of bf16 out
+DEQUANT_ROWS_BLOCK_N = 64
+DEQUANT_ROWS_WARPS = 4
 # The decode GEMV serves M <= WNA16_GEMV_MAX_TOKENS. Measured on an H200 (2026-12-02, 95cf20e, `gpu_check.sh
 # quant-decode`: CUDA-graph replays, RESULTS.md sixth session) it beats the fused kernel and dequantize+cuBLAS at
 # every Llama-3.1-8B projection up to M=16, the largest M timed (gate_up at M=1: 42.2 us against 166 us; at M=16
@@ -139,6 +149,45 @@ def _wna16_dequant_kernel(
     out_ty = out_ptr.dtype.element_ty
     ptrs = out_ptr + offs_n[None, :] * stride_on + offs_k[:, None]
     tl.store(ptrs, rounded(w, out_ty, INTERPRET_BF16).to(out_ty), mask=k_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _wna16_dequant_rows_kernel(
+    w_ptr, s_ptr, z_ptr, out_ptr, N, K, group_size,
+    stride_wn, stride_sn, stride_zn, stride_on,
+    BITS: tl.constexpr, HAS_ZP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    INTERPRET_BF16: tl.constexpr,
+):  # fmt: skip
+    """_wna16_dequant_kernel without g_idx, tiled as the memory lies: [BLOCK_N rows, BLOCK_K columns], each row's
+    packed bytes one contiguous run loaded once (16-byte vectors), its nibbles unpacked in registers (quant_gemv's
+    join + reshape), each row's BLOCK_K outputs stored as one run. The [BLOCK_K, BLOCK_N] kernel loads every byte
+    twice, one byte a lane, and stores along its tile's first axis. The tile lies in one group (BLOCK_K divides
+    group_size): one scale (and zero) a row."""
+    PACK: tl.constexpr = 8 // BITS
+    BLOCK_KB: tl.constexpr = BLOCK_K // PACK
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    k0 = pid_k * BLOCK_K
+    offs_kb = pid_k * BLOCK_KB + tl.arange(0, BLOCK_KB)
+    kb_mask = offs_kb < K // PACK
+    rows_kb = w_ptr + offs_n[:, None] * stride_wn + offs_kb[None, :]  # [BLOCK_N, BLOCK_KB]
+    packed = tl.load(rows_kb, mask=n_mask[:, None] & kb_mask[None, :], other=0).to(tl.int32)
+    if BITS == 4:  # column 2j is the low nibble of byte j, 2j + 1 the high one
+        q = tl.reshape(tl.join(packed & 0xF, (packed >> 4) & 0xF), [BLOCK_N, BLOCK_K])
+    else:
+        q = packed & 0xFF
+    g = k0 // group_size
+    s = tl.load(s_ptr + offs_n * stride_sn + g, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+    if HAS_ZP:
+        z = tl.load(z_ptr + offs_n * stride_zn + g, mask=n_mask, other=0).to(tl.float32)[:, None]
+    else:
+        z = 2.0 ** (BITS - 1)
+    w = (q.to(tl.float32) - z) * s  # [BLOCK_N, BLOCK_K]
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    out_ty = out_ptr.dtype.element_ty
+    tl.store(out_ptr + offs_n[:, None] * stride_on + offs_k[None, :], rounded(w, out_ty, INTERPRET_BF16).to(out_ty),
+             mask=n_mask[:, None] & (offs_k < K)[None, :])  # fmt: skip
 
 
 def _block_k(group_size: int, k: int, has_gidx: bool) -> int:
@@ -256,13 +305,21 @@ def wna16_dequantize(
     out = torch.empty(n, k, dtype=dtype, device=qweight.device)
     group_size = group_size if group_size > 0 else k
     block_k = _block_k(group_size, k, g_idx is not None)
-    block_n = 64
     z = zeros if zeros is not None else qweight
+    interpret_bf16 = interpreting() and dtype == torch.bfloat16
+    if DEQUANT_ROWS and g_idx is None:  # block_k: within one group, as before
+        _wna16_dequant_rows_kernel[(triton.cdiv(n, DEQUANT_ROWS_BLOCK_N), triton.cdiv(k, block_k))](
+            qweight, scales, z, out, n, k, group_size, qweight.stride(0), scales.stride(0), z.stride(0),
+            out.stride(0), BITS=bits, HAS_ZP=zeros is not None, BLOCK_N=DEQUANT_ROWS_BLOCK_N, BLOCK_K=block_k,
+            INTERPRET_BF16=interpret_bf16, num_warps=DEQUANT_ROWS_WARPS,
+        )  # fmt: skip
+        return out
+    block_n = 64
     g = g_idx if g_idx is not None else qweight
     _wna16_dequant_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
         qweight, scales, z, g, out, n, k, group_size,
         qweight.stride(0), scales.stride(0), z.stride(0), out.stride(0),
         BITS=bits, HAS_ZP=zeros is not None, HAS_GIDX=g_idx is not None, BLOCK_N=block_n, BLOCK_K=block_k,
-        INTERPRET_BF16=interpreting() and dtype == torch.bfloat16,
+        INTERPRET_BF16=interpret_bf16,
     )  # fmt: skip
     return out

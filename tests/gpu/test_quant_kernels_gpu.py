@@ -55,6 +55,30 @@ def test_wna16_gemm_matches_reference_on_both_paths(shape: str, m: int) -> None:
     assert torch.equal(wna16_gemm(x, *w, 4, 128), wna16_gemm(x, *w, 4, 128))  # deterministic split-K
 
 
+@pytest.mark.parametrize(
+    ("n", "k", "bits", "zp"),
+    [(28672, 4096, 4, False), (4096, 14336, 4, True), (128 * 1536, 2048, 4, False), (128 * 2048, 768, 4, True),
+     (6144, 4096, 8, True)],
+)  # fmt: skip
+def test_wna16_dequantize_rows_kernel(
+    n: int, k: int, bits: int, zp: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """quant_gemm.DEQUANT_ROWS's kernel gives the other kernel's weight bit for bit (and the reference's) at the 8B
+    projections and the A3B experts flattened as moe_wna16.dequantize_experts hands them over."""
+    from longserve.kernels import quant_gemm
+    from longserve.kernels.quant_reference import dequantize_wna16
+
+    w = int_weight(n, k, bits, 128, zp)
+    weights = {}
+    for rows in (False, True):
+        monkeypatch.setattr(quant_gemm, "DEQUANT_ROWS", rows)
+        weights[rows] = quant_gemm.wna16_dequantize(*w, bits, 128, torch.bfloat16)
+    assert torch.equal(weights[True], weights[False])
+    assert torch.equal(
+        weights[True][:512], dequantize_wna16(*(t[:512] for t in w[:3]), None, bits, 128).bfloat16()
+    )
+
+
 @pytest.mark.parametrize(("bits", "zp", "act_order"), [(8, False, False), (4, True, True), (8, True, True)])
 def test_wna16_variants(bits: int, zp: bool, act_order: bool) -> None:
     from longserve.kernels.quant_gemm import wna16_gemm, wna16_gemm_ref

@@ -78,6 +78,24 @@ def test_wna16_gemm_equals_reference(bits, group, zp, act_order, split_k, dtype)
     )  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    ("bits", "group", "zp", "n", "k"),
+    [(4, 128, False, 100, 512), (4, 32, True, 64, 96), (4, -1, True, 40, 200), (8, 64, False, 70, 192),
+     (8, 128, True, 64, 256)],
+)  # fmt: skip
+@pytest.mark.parametrize("rows", [False, True])
+def test_wna16_dequantize_both_kernels_equal_the_reference(bits, group, zp, n, k, rows, monkeypatch) -> None:
+    """The dequantized weight, bit for bit, by either kernel (quant_gemm.DEQUANT_ROWS): rows and columns off the
+    tiles (n 100 over 64-row tiles, k 200 over 64 columns), one group over all of K, zero points."""
+    from longserve.kernels import quant_gemm
+
+    monkeypatch.setattr(quant_gemm, "DEQUANT_ROWS", rows)
+    qweight, scales, zeros, _ = int_weights(n, k, bits, group, zp, False, seed=n + k)
+    for dtype in (torch.float32, torch.bfloat16):
+        ref = dequantize_wna16(qweight, scales, zeros, None, bits, group).to(dtype)
+        assert torch.equal(wna16_dequantize(qweight, scales, zeros, None, bits, group, dtype), ref)
+
+
 def test_wna16_reference_is_the_formula() -> None:
     """w[n, k] = (q - z) * s of k's group; symmetric weights use z = 2^(bits-1)."""
     qweight, scales, zeros, _ = int_weights(4, 64, 4, 32, True, False, seed=3)

@@ -31,6 +31,9 @@
 # fp8-acc (one GPU, ~8 min): the 8B and A3B FP8 cold TTFT with the fp8 dots' fp32 promotion after every wgmma (0,
 # the default), every other (64) or never within a tile (None), and the fp8 kernel and engine tests under 64 and
 # None.
+# int4-dequant (one GPU, ~7 min): the int4 weights' dequantization by rows of packed bytes (quant_gemm.DEQUANT_ROWS,
+# off): its GPU test, the kernels alone (scripts/probes/sweep_dequant.py), the A3B int4 cold 32K profiled beside
+# bf16's, the A3B and 8B int4 cold 8K / 32K off and on (issue 18: A3B int4 cold 32K 1.12x bf16 on an H100, <= 1.1).
 # a3b-fp8-prefill (one GPU, ~7 min): the A3B cold 32K in bf16 and in block FP8 under the profiler, their top kernels
 # (issue 18: FP8 cold 32K <= 0.85x bf16; 1.14x at 11fea55, the FP8 expert GEMMs ~40% slower than bf16's at prefill
 # sizes where they could be ~2x faster), and in FP8 with the dots at FP8_DOT_MAX_IMPRECISE_ACC 32 after the fp8
@@ -280,6 +283,28 @@ if [[ $MODE == kvfp8-f16 ]]; then  # one GPU (~7 min): the fp8 KV decode's fp16 
       consts=(); for c in $v; do consts+=("longserve.kernels.decode_attention.$c"); done
       LATENCY_TIMEOUT=120 latency_with "kvfp8_${shape}_${v// /_}" "$shape fp8 KV $v" "${consts[@]}" -- \
         --config $shape "${dummy[@]}" --repeat 3 --kv-cache-dtype fp8 --decode-batch-sizes 64@4096
+    done
+  done
+fi
+
+if [[ $MODE == int4-dequant ]]; then  # one GPU (~7 min): the int4 weights' dequantization by rows (DEQUANT_ROWS)
+  # its GPU test (both kernels bit for bit at the 8B and A3B shapes), the kernels alone (sweep_dequant.py), the A3B
+  # int4 cold prefill under the profiler beside bf16's, then the A3B and 8B int4 cold 8K / 32K with the switch off
+  # and on, one process each
+  rows=longserve.kernels.quant_gemm.DEQUANT_ROWS
+  timeout 150 python3 -m pytest -q -m gpu tests/gpu/test_quant_kernels_gpu.py -k "dequantize_rows or wna16_gemm_matches" \
+    -p no:cacheprovider --tb=short -rfE 2>&1 | tee "$OUT/gpu_tests_dequant.log" | tail -3 || status=1
+  timeout 150 python3 scripts/probes/sweep_dequant.py 2>&1 | tee "$OUT/sweep_dequant.log" | grep -E "best|Error"
+  for v in bf16 int4; do
+    q=(); [[ $v == int4 ]] && q=(--quantization gptq)
+    LATENCY_TIMEOUT=120 latency_with a3b_prefill_$v "A3B $v" -- --config qwen3-30b-a3b "${dummy[@]}" --repeat 1 \
+      ${q[@]+"${q[@]}"} --prompt-lens 32768 --profile
+    top_ops "$OUT/latency_a3b_prefill_$v.json" | head -8
+  done
+  for on in False True; do
+    for shape in qwen3-30b-a3b llama-3.1-8b; do
+      LATENCY_TIMEOUT=120 latency_with ${shape}_int4_rows$on "$shape DEQUANT_ROWS=$on" $rows=$on -- --config $shape \
+        "${dummy[@]}" --repeat 3 --quantization gptq --prompt-lens 8192,32768
     done
   done
 fi
