@@ -53,7 +53,9 @@ WNA16_DEQUANT_MIN_TOKENS = 1
 # stored as runs, where _wna16_dequant_kernel loads each byte twice, a byte a lane. What it is for: the A3B int4
 # prefill dequantizes every expert each chunk (moe_wna16's dequant path: 0.3 GB read, 1.2 GB written a layer); on
 # an H100 (2026-12-06, 9daccd2, RESULTS.md thirty-sixth session) the A3B int4 cold 32K took 1.258 s against bf16's
-# 1.125 (1.12x; issue 18: <= 1.1x), ~133 ms over bf16 where those bytes take ~96 ms at 3 TB/s. Off until measured
+# 1.125 (1.12x; issue 18: <= 1.1x), ~133 ms over bf16 where those bytes take ~96 ms at 3 TB/s. Built for sm90 on a
+# CPU (Triton 3.9, 64 x 128 tiles, 4 warps): the columns kernel loads its weights in 64 one-byte loads a thread (80
+# registers), the rows kernel in 4 eight-byte loads (32 registers); both store 16-byte vectors. Off until measured
 # (`gpu_check.sh int4-dequant`): the rows and warps below are a first guess.
 DEQUANT_ROWS = False
 # rows a program, by 128 columns at groups of 128: 4 KB of int4 in, 16 KB of bf16 out
