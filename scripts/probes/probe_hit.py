@@ -15,10 +15,11 @@ from collections import defaultdict
 
 import torch
 
+from longserve.attention import base
 from longserve.bench import latency
 from longserve.bench.latency_cases import EngineBench
 from longserve.kernels.launch import FastKernel
-from longserve.runner import model_runner, sampled
+from longserve.runner import inputs, model_runner, sampled
 
 SEGMENTS: dict[str, list[float]] = defaultdict(list)
 CACHED = int(os.environ.get("PROBE_CACHED", "32768"))  # a smaller prefix for a CPU dry run
@@ -54,8 +55,16 @@ def probe(llm, args, skipped):
     eng.tokens.process = timed("process token", eng.tokens.process)
     model_runner.build_step = timed("build_step", model_runner.build_step)
     model_runner.to_model_inputs = timed("to_model_inputs", model_runner.to_model_inputs)
-    if runner.extend_graphs is not None:
-        runner.extend_graphs.run = timed("graph replay (launch)", runner.extend_graphs.run)
+    # inside to_model_inputs: the host's index math, and the two pinned copies to the device (base._to_device)
+    inputs.build_step_tensors = timed("  build_step_tensors", inputs.build_step_tensors)
+    base._to_device = timed("    pinned copies (2)", base._to_device)
+    if (graphs := runner.extend_graphs) is not None:
+        graphs.run = timed("graph replay (launch)", graphs.run)
+        # inside it: the static inputs' copies, the backends' own (the packed call's page table), the launch
+        graphs.tokens.load = timed("  static token copies", graphs.tokens.load)
+        for b in {id(b): b for b in [*graphs.backends.values(), *graphs.packed.values()]}.values():
+            b.prepare_for_replay = timed("  backend prepare_for_replay", b.prepare_for_replay)
+        torch.cuda.CUDAGraph.replay = timed("  CUDAGraph.replay", torch.cuda.CUDAGraph.replay)
     runner.model.compute_logits = timed("logits (launch)", runner.model.compute_logits)
     events = []
     forward = runner.forward_step
