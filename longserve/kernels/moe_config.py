@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from functools import lru_cache
 from pathlib import Path
@@ -19,6 +20,8 @@ __all__ = [
     "get_moe_config",
     "table_devices",
 ]
+
+logger = logging.getLogger("longserve.kernels.moe_config")
 
 CONFIG_DIR = Path(__file__).parent / "moe_configs"
 KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
@@ -68,6 +71,12 @@ def table_devices(device_name: str | None = None, index: int | None = None) -> t
         return (device_name.replace(" ", "_"),)
     own, ref = current_device_name(index), ARCH_TABLE_DEVICES.get(current_capability(index))
     return (own,) if ref is None or ref == own else (own, ref)
+
+
+@lru_cache(maxsize=64)
+def note_borrowed(path: str, own: str) -> None:
+    """Logs once per table that this GPU reads another part's (table_devices)."""
+    logger.info("no tuned table of its own for this GPU (%s): reading %s", own, path)
 
 
 @lru_cache(maxsize=64)
@@ -177,12 +186,12 @@ def get_moe_config(
     with an optional "down": {...} overriding all but BLOCK_M for the down GEMM. Host-only, cached."""
     if config_dir is None and os.environ.get("TRITON_INTERPRET", "0") == "1":
         return default_moe_config(E, N, K, top_k, dtype, num_tokens)
-    table = None
-    for device in table_devices(device_name):
-        table = load_table(
-            str(Path(config_dir or CONFIG_DIR) / config_file_name(E, N, device, dtype, weights))
-        )
-        if table:
+    table, devices = None, table_devices(device_name)
+    for device in devices:
+        path = str(Path(config_dir or CONFIG_DIR) / config_file_name(E, N, device, dtype, weights))
+        if table := load_table(path):
+            if device != devices[0]:
+                note_borrowed(path, devices[0])
             break
     if not table or not min(table) / 2 <= num_tokens <= 2 * max(table):
         return default_moe_config(E, N, K, top_k, dtype, num_tokens)

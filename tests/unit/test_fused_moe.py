@@ -4,6 +4,7 @@ the torch reference, the reference against a per-token loop and transformers 5's
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
@@ -318,7 +319,9 @@ def test_get_moe_config_table_and_default(tmp_path, monkeypatch: pytest.MonkeyPa
         load_table(str(bad))
 
 
-def test_a_gpu_without_tables_reads_its_architectures_reference_part(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_gpu_without_tables_reads_its_architectures_reference_part(
+    monkeypatch: pytest.MonkeyPatch, caplog
+) -> None:
     """On an H100 (no tables shipped for it) the A3B FP8 experts take the H200's shipped prefill tiles (an sm90
     part's: 1.509 -> 1.266 s of the cold 32K on an H100 against the defaults, moe_config.ARCH_TABLE_DEVICES);
     a part of another architecture keeps the defaults."""
@@ -332,7 +335,13 @@ def test_a_gpu_without_tables_reads_its_architectures_reference_part(monkeypatch
         (CONFIG_DIR / config_file_name(128, 768, "NVIDIA_H200", torch.bfloat16, "fp8_e4m3")).read_text()
     )
     assert moe_config.table_devices() == ("NVIDIA_H100_80GB_HBM3", "NVIDIA_H200")
-    assert get_moe_config(*args, weights="fp8_e4m3") == shipped["8192"] != default_moe_config(*args)
+    moe_config.note_borrowed.cache_clear()
+    with caplog.at_level(logging.INFO, logger="longserve.kernels.moe_config"):
+        assert get_moe_config(*args, weights="fp8_e4m3") == shipped["8192"] != default_moe_config(*args)
+    assert (
+        "(NVIDIA_H100_80GB_HBM3): reading" in caplog.text
+        and "device_name=NVIDIA_H200,dtype=fp8_e4m3" in caplog.text
+    )
     assert get_moe_config(*args, "NVIDIA_H100_80GB_HBM3", weights="fp8_e4m3") == default_moe_config(
         *args
     )  # named
