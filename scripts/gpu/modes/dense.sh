@@ -22,7 +22,7 @@
 # with TunableOp's pick (scripts/probes/probe_tunableop.py).
 # decode-splits (one GPU, ~4 min): the 8B decode at batch 1 / 16 / 64 with 2, 3 and 4 programs an SM for the
 # decode attention's key splits (decode_attention.PROGRAMS_PER_SM; 4 is the default). decode-tile (~5 min): the
-# same decodes with the decode attention's stages, keys a split and warps changed one at a time.
+# same decodes with fewer, longer key splits merged in the kernel, and 128-key tiles for them.
 # fusions (one GPU): the prefix-as-view and fused K/V-store switches off, each against both on (fusions-a3b, the
 # A3B shape's, is in moe.sh).
 # The prefix-hit and host-time modes (hit, hit-*, paged-cudnn, host, launch, turns, short-plans) are in
@@ -285,15 +285,21 @@ if [[ $MODE == decode-splits ]]; then  # one GPU (~4 min): the decode attention'
   done
 fi
 
-if [[ $MODE == decode-tile ]]; then  # one GPU (~5 min): the decode attention's tile in the engine on this chip
-  # (decode_config: 64 keys, 3 stages; at most MIN_KEYS_PER_SPLIT keys a split): the sweep of 2026-12-02 was on an
-  # H200 and the kernel alone; on an H100 the b1@32K step's attention ran ~2.7 TB/s against its GEMMs' ~3.0
-  # (thirty-fifth session). One process a setting, the default first and last
+if [[ $MODE == decode-tile ]]; then  # one GPU (~5 min): the decode attention's splits and tile in the engine
+  # (decode_config: 64 keys, 3 stages, 2 warps up to 768 programs; splits of at least MIN_KEYS_PER_SPLIT keys, merged
+  # in the kernel up to DECODE_SERIAL_MERGE_MAX_SPLITS, else by a launch). The thirty-sixth session's first run (H100,
+  # one constant at a time: stages 2 / 4, 32 splits, 4 warps) moved b1@32K by at most 0.5%. Here fewer, longer splits
+  # merged in the kernel (no merge launch: 0.11 ms of a b1@32K step at 64 splits, thirty-fifth session), and 128-key
+  # tiles for them. One process a set, the default first and last
   d=longserve.kernels.decode_attention i=0
-  for c in "" $d.DECODE_NUM_STAGES=4 $d.DECODE_NUM_STAGES=2 $d.MIN_KEYS_PER_SPLIT=1024 $d.DECODE_FEW_PROGRAMS=0 ""; do
-    i=$((i + 1)) label=${c##*.}
-    LATENCY_TIMEOUT=200 latency_with tile_$i "${label:-default}" ${c:+"$c"} -- --config llama-3.1-8b \
-      "${dummy[@]}" --repeat 5 --decode-batch-sizes 1@32768,16@8192,64@4096
+  for set in "" "$d.MIN_KEYS_PER_SPLIT=1024 $d.DECODE_SERIAL_MERGE_MAX_SPLITS=32" \
+      "$d.MIN_KEYS_PER_SPLIT=2048 $d.DECODE_SERIAL_MERGE_MAX_SPLITS=16" \
+      "$d.MIN_KEYS_PER_SPLIT=2048 $d.DECODE_SERIAL_MERGE_MAX_SPLITS=16 $d.DECODE_BLOCK_N=128" \
+      "$d.MIN_KEYS_PER_SPLIT=2048 $d.DECODE_SERIAL_MERGE_MAX_SPLITS=16 $d.DECODE_BLOCK_N=128 $d.DECODE_FEW_PROGRAMS=0" ""; do
+    i=$((i + 1)) label=${set//$d./}
+    # shellcheck disable=SC2086  # a set is several constants
+    LATENCY_TIMEOUT=200 latency_with tile_$i "${label:-default}" $set -- --config llama-3.1-8b "${dummy[@]}" \
+      --repeat 5 --decode-batch-sizes 1@32768,16@8192,64@4096
   done
 fi
 
