@@ -74,9 +74,8 @@ def test_wna16_dequantize_rows_kernel(
         monkeypatch.setattr(quant_gemm, "DEQUANT_ROWS", rows)
         weights[rows] = quant_gemm.wna16_dequantize(*w, bits, 128, torch.bfloat16)
     assert torch.equal(weights[True], weights[False])
-    assert torch.equal(
-        weights[True][:512], dequantize_wna16(*(t[:512] for t in w[:3]), None, bits, 128).bfloat16()
-    )
+    head = [None if t is None else t[:512] for t in w[:3]]  # qweight, scales, zeros (None: symmetric)
+    assert torch.equal(weights[True][:512], dequantize_wna16(*head, None, bits, 128).bfloat16())
 
 
 @pytest.mark.parametrize(("bits", "zp", "act_order"), [(8, False, False), (4, True, True), (8, True, True)])
