@@ -301,9 +301,21 @@ if [[ $MODE == int4-dequant ]]; then  # one GPU (~7 min): the int4 weights' dequ
       ${q[@]+"${q[@]}"} --prompt-lens 32768 --profile
     top_ops "$OUT/latency_a3b_prefill_$v.json" | head -8
   done
+  # the rows kernel's fastest setting over the A3B experts' two shapes in the sweep (64 rows, 4 warps without one)
+  read -r r w < <(python3 - "$OUT/sweep_dequant.json" <<'PY' 2>/dev/null || echo 64 4
+import collections, json, sys
+total = collections.Counter()
+for row in json.load(open(sys.argv[1])):
+    if row["kernel"] == "rows" and row["shape"].startswith("a3b"):
+        total[(row["rows"], row["warps"])] += row["ms"]
+print(*min(total, key=total.get))
+PY
+)
+  echo "rows kernel in the engine: DEQUANT_ROWS_BLOCK_N=$r DEQUANT_ROWS_WARPS=$w"
   for on in False True; do
+    set=("$rows=$on"); [[ $on == True ]] && set+=("$rows""_BLOCK_N=$r" "$rows""_WARPS=$w")
     for shape in qwen3-30b-a3b llama-3.1-8b; do
-      LATENCY_TIMEOUT=120 latency_with ${shape}_int4_rows$on "$shape DEQUANT_ROWS=$on" $rows=$on -- --config $shape \
+      LATENCY_TIMEOUT=120 latency_with ${shape}_int4_rows$on "$shape DEQUANT_ROWS=$on" "${set[@]}" -- --config $shape \
         "${dummy[@]}" --repeat 3 --quantization gptq --prompt-lens 8192,32768
     done
   done
