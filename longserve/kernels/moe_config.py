@@ -18,6 +18,7 @@ __all__ = [
     "current_device_name",
     "default_moe_config",
     "get_moe_config",
+    "note_borrowed",
     "table_devices",
 ]
 

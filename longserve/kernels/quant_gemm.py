@@ -161,7 +161,7 @@ def _wna16_dequant_rows_kernel(
     INTERPRET_BF16: tl.constexpr,
 ):  # fmt: skip
     """_wna16_dequant_kernel without g_idx, tiled as the memory lies: [BLOCK_N rows, BLOCK_K columns], each row's
-    packed bytes one contiguous run loaded once (16-byte vectors), its nibbles unpacked in registers (quant_gemv's
+    packed bytes one contiguous run loaded once (as vectors: 8 bytes a load at 64 x 128), its nibbles unpacked in registers (quant_gemv's
     join + reshape), each row's BLOCK_K outputs stored as one run. The [BLOCK_K, BLOCK_N] kernel loads every byte
     twice, one byte a lane, and stores along its tile's first axis. The tile lies in one group (BLOCK_K divides
     group_size): one scale (and zero) a row."""
