@@ -15,23 +15,45 @@ from longserve.kernels import quant_fp8
 from longserve.kernels.extend_attention import interpreting
 from longserve.kernels.launch import fast_launch, pdl_prologue, use_pdl
 from longserve.kernels.moe_reference import MoEQuant
-from longserve.kernels.quant_tiles import int_weight_tile
+from longserve.kernels.quant_tiles import int_weight_rows, int_weight_tile
 from longserve.kernels.quant_tiles import rounded as _rounded
+
+# Packed integer experts (no act order) by tiles loaded as the memory lies (quant_tiles.int_weight_rows: each row's
+# bytes once, 8-byte loads in an sm90 build of the dequantization kernel) instead of int_weight_tile's [BLOCK_K,
+# BLOCK_N] one byte a lane, every byte twice; the same values, bit for bit. What it is for: this int path at prefill
+# sizes (moe_wna16.MOE_WNA16_PREFILL "fused") instead of dequantizing all 128 A3B experts every chunk (1.2 GB written a
+# layer; the A3B int4 cold 32K 1.12x bf16 on an H100, thirty-sixth session). Built for sm90 here (Triton 3.9, the
+# gate+up kernel at 64 x 128 x 128, 4 warps, 3 stages; scripts/dev/count_moe_sass.py '{"wq": 1, ...}'): the main loop
+# 2,320 -> 1,642 instructions (LDG 130 -> 2, the bytes through cp.async; STS 256 -> 34), still 128 F2FP and 256 FMUL
+# of dequantization where the bf16 kernel's loop holds 215 instructions. Off until measured (`gpu_check.sh
+# int4-dequant`); it also serves the 8-bit experts' decode (their tuned int8 table) when on.
+INT_ROWS = False
 
 
 @triton.jit
 def _b_tile(
     b_ptr, bs_ptr, bz_ptr, bg_ptr, offs_bn, offs_k, k0, k_valid, N_ROW_OFFSET,
-    stride_bn, stride_bsn, stride_bzn, QUANT_GROUP,
+    stride_bn, stride_bsn, stride_bzn, QUANT_GROUP, K,
     EVEN_K: tl.constexpr, WEIGHT_QUANT: tl.constexpr, BITS: tl.constexpr, HAS_ZP: tl.constexpr,
-    HAS_GIDX: tl.constexpr,
+    HAS_GIDX: tl.constexpr, INT_ROWS: tl.constexpr,
 ):  # fmt: skip
     """One expert's weight tile [BLOCK_K, BLOCK_N] of output rows N_ROW_OFFSET + offs_bn (pointers already at
-    the expert): packed integers dequantized (WEIGHT_QUANT 1), else as stored (fp8: scaled by `_fp8_scale`)."""
+    the expert): packed integers dequantized (WEIGHT_QUANT 1; INT_ROWS: loaded as rows, INT_ROWS above), else as
+    stored (fp8: scaled by `_fp8_scale`)."""
     rows = offs_bn + N_ROW_OFFSET
     # one return at the end: compiled Triton (3.6) keeps generating the statements after a return taken in a
     # constexpr branch and then refuses the function for returning two types (the interpreter does not mind)
-    if WEIGHT_QUANT == 1:  # packed integers: dequantized here, in float32
+    if WEIGHT_QUANT == 1 and INT_ROWS:  # the same values, each row's packed bytes loaded once
+        PACK: tl.constexpr = 8 // BITS
+        offs_kb = k0 // PACK + tl.arange(0, offs_k.shape[0] // PACK)
+        kb_mask = None if EVEN_K else (offs_kb < K // PACK)[None, :]
+        w = tl.trans(
+            int_weight_rows(
+                b_ptr, bs_ptr, bz_ptr, rows, offs_kb, k0, kb_mask, stride_bn, stride_bsn, stride_bzn, QUANT_GROUP,
+                BITS, HAS_ZP, offs_k.shape[0],
+            )
+        )  # fmt: skip
+    elif WEIGHT_QUANT == 1:  # packed integers: dequantized here, in float32
         true_n = offs_bn >= 0
         w = int_weight_tile(
             b_ptr, bs_ptr, bz_ptr, bg_ptr, rows, offs_k, k0, true_n, k_valid,
@@ -119,6 +141,7 @@ def _moe_gemm_kernel(
     DOT_PRECISION: tl.constexpr,
     MAX_IMPRECISE_ACC: tl.constexpr,  # WEIGHT_QUANT 2: the fp8 dots' (quant_fp8.FP8_DOT_MAX_IMPRECISE_ACC)
     USE_PDL: tl.constexpr,  # programmatic dependent launch (kernels/launch.py): before the routing's reads
+    INT_ROWS: tl.constexpr = False,  # WEIGHT_QUANT 1 without g_idx: the tiles loaded as rows (INT_ROWS above)
 ):
     pdl_prologue(USE_PDL)
     pid = tl.program_id(0)
@@ -166,7 +189,7 @@ def _moe_gemm_kernel(
             a = tl.load(a_ptrs, mask=k_valid[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
         b = _b_tile(
             b_exp, bs_exp, bz_exp, bg_exp, offs_bn, offs_k, k0, k_valid, 0, stride_bn, stride_bsn, stride_bzn,
-            QUANT_GROUP, EVEN_K, WEIGHT_QUANT, BITS, HAS_ZP, HAS_GIDX,
+            QUANT_GROUP, K, EVEN_K, WEIGHT_QUANT, BITS, HAS_ZP, HAS_GIDX, INT_ROWS,
         )  # fmt: skip
         if WEIGHT_QUANT == 1:  # dequantized weights meet the activations at their dtype
             b = _rounded(b, act_ty, INTERPRET_BF16)
@@ -184,7 +207,7 @@ def _moe_gemm_kernel(
         if SILU_AND_MUL:  # the same a tile feeds the up half: x is read once for both
             b_up = _b_tile(
                 b_exp, bs_exp, bz_exp, bg_exp, offs_bn, offs_k, k0, k_valid, N, stride_bn, stride_bsn,
-                stride_bzn, QUANT_GROUP, EVEN_K, WEIGHT_QUANT, BITS, HAS_ZP, HAS_GIDX,
+                stride_bzn, QUANT_GROUP, K, EVEN_K, WEIGHT_QUANT, BITS, HAS_ZP, HAS_GIDX, INT_ROWS,
             )  # fmt: skip
             if WEIGHT_QUANT == 1:
                 b_up = _rounded(b_up, act_ty, INTERPRET_BF16)
@@ -280,5 +303,5 @@ def moe_gemm(
         INTERPRET_BF16=interpret_bf16, UPCAST_DOT=interpreting() and weight_quant == 2,
         DOT_PRECISION="ieee" if fp32 or interpret_bf16 or interpreting() else "tf32",
         MAX_IMPRECISE_ACC=quant_fp8.FP8_DOT_MAX_IMPRECISE_ACC if weight_quant == 2 else None, USE_PDL=pdl,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=pdl,
+        INT_ROWS=INT_ROWS and weight_quant == 1 and not has_gidx, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=pdl,
     )  # fmt: skip

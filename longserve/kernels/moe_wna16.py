@@ -55,6 +55,7 @@ __all__ = [
     "MOE_WNA16_DEQUANT_MIN_TOKENS",
     "MOE_WNA16_GEMV_MAX_TOKENS",
     "MOE_WNA16_GROUPED_MIN_TOKENS",
+    "MOE_WNA16_PREFILL",
     "dequantize_experts",
     "moe_wna16_gemv",
     "moe_wna16_grouped",
@@ -76,6 +77,11 @@ __all__ = [
 MOE_WNA16_GEMV_MAX_TOKENS = 64
 MOE_WNA16_GROUPED_MIN_TOKENS: int | None = 16  # None: the GEMV up to MOE_WNA16_GEMV_MAX_TOKENS
 MOE_WNA16_DEQUANT_MIN_TOKENS = 257
+# What serves from MOE_WNA16_DEQUANT_MIN_TOKENS: "dequant" (the experts dequantized, then the 16-bit kernel) or
+# "fused" (fused_moe's int path, which dequantizes each tile as it loads it: no 1.2 GB a layer written and read back
+# at the A3B shape; with moe_gemm.INT_ROWS its tiles load each packed byte once). At 512 tokens the int path as it
+# was lost (1,637 against 1,001 us a layer, above); at prefill chunks it is unmeasured (`gpu_check.sh int4-dequant`).
+MOE_WNA16_PREFILL = "dequant"
 GROUPED_BLOCK_M = 16
 # the pairs aligned per expert in blocks of GROUPED_BLOCK_M (moe_align.align_routed_pairs): sorted pair ids,
 # each block's expert, the padded length
@@ -101,7 +107,7 @@ def moe_wna16_path(
     if not quant.is_int or distributed or quant.w13_g_idx is not None or quant.w2_g_idx is not None:
         return "fused"
     if num_tokens >= MOE_WNA16_DEQUANT_MIN_TOKENS:
-        return "dequant"
+        return "fused" if MOE_WNA16_PREFILL == "fused" else "dequant"
     grouped_from = MOE_WNA16_GROUPED_MIN_TOKENS
     grouped_ok = dtype != torch.float32 and grouped_supported(quant, hidden_size, inter)  # 16-bit dots
     if grouped_from is not None and num_tokens >= grouped_from and grouped_ok:

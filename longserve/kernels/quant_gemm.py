@@ -32,7 +32,7 @@ from longserve.kernels import split_k
 from longserve.kernels.extend_attention import interpreting
 from longserve.kernels.quant_gemv import wna16_gemv, wna16_gemv_supported
 from longserve.kernels.quant_reference import dequantize_wna16, wna16_gemm_ref
-from longserve.kernels.quant_tiles import int_weight_tile, rounded
+from longserve.kernels.quant_tiles import int_weight_rows, int_weight_tile, rounded
 
 __all__ = [
     "WNA16_DEQUANT_MIN_TOKENS",
@@ -160,36 +160,34 @@ def _wna16_dequant_rows_kernel(
     BITS: tl.constexpr, HAS_ZP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     INTERPRET_BF16: tl.constexpr,
 ):  # fmt: skip
-    """_wna16_dequant_kernel without g_idx, tiled as the memory lies: [BLOCK_N rows, BLOCK_K columns], each row's
-    packed bytes one contiguous run loaded once (as vectors: 8 bytes a load at 64 x 128), its nibbles unpacked in registers (quant_gemv's
-    join + reshape), each row's BLOCK_K outputs stored as one run. The [BLOCK_K, BLOCK_N] kernel loads every byte
-    twice, one byte a lane, and stores along its tile's first axis. The tile lies in one group (BLOCK_K divides
-    group_size): one scale (and zero) a row."""
+    """_wna16_dequant_kernel without g_idx, tiled as the memory lies (quant_tiles.int_weight_rows): [BLOCK_N rows,
+    BLOCK_K columns], each row's packed bytes loaded once as one run and its BLOCK_K outputs stored as one. Rows past
+    N load row n % N and are not stored."""
     PACK: tl.constexpr = 8 // BITS
-    BLOCK_KB: tl.constexpr = BLOCK_K // PACK
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
     k0 = pid_k * BLOCK_K
-    offs_kb = pid_k * BLOCK_KB + tl.arange(0, BLOCK_KB)
-    kb_mask = offs_kb < K // PACK
-    rows_kb = w_ptr + offs_n[:, None] * stride_wn + offs_kb[None, :]  # [BLOCK_N, BLOCK_KB]
-    packed = tl.load(rows_kb, mask=n_mask[:, None] & kb_mask[None, :], other=0).to(tl.int32)
-    if BITS == 4:  # column 2j is the low nibble of byte j, 2j + 1 the high one
-        q = tl.reshape(tl.join(packed & 0xF, (packed >> 4) & 0xF), [BLOCK_N, BLOCK_K])
-    else:
-        q = packed & 0xFF
-    g = k0 // group_size
-    s = tl.load(s_ptr + offs_n * stride_sn + g, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-    if HAS_ZP:
-        z = tl.load(z_ptr + offs_n * stride_zn + g, mask=n_mask, other=0).to(tl.float32)[:, None]
-    else:
-        z = 2.0 ** (BITS - 1)
-    w = (q.to(tl.float32) - z) * s  # [BLOCK_N, BLOCK_K]
+    offs_kb = pid_k * (BLOCK_K // PACK) + tl.arange(0, BLOCK_K // PACK)
+    w = int_weight_rows(
+        w_ptr,
+        s_ptr,
+        z_ptr,
+        offs_n % N,
+        offs_kb,
+        k0,
+        (offs_kb < K // PACK)[None, :],
+        stride_wn,
+        stride_sn,
+        stride_zn,
+        group_size,
+        BITS,
+        HAS_ZP,
+        BLOCK_K,
+    )  # fmt: skip  [BLOCK_N, BLOCK_K]
     offs_k = k0 + tl.arange(0, BLOCK_K)
     out_ty = out_ptr.dtype.element_ty
     tl.store(out_ptr + offs_n[:, None] * stride_on + offs_k[None, :], rounded(w, out_ty, INTERPRET_BF16).to(out_ty),
-             mask=n_mask[:, None] & (offs_k < K)[None, :])  # fmt: skip
+             mask=(offs_n < N)[:, None] & (offs_k < K)[None, :])  # fmt: skip
 
 
 def _block_k(group_size: int, k: int, has_gidx: bool) -> int:

@@ -130,6 +130,34 @@ def int_weight_tile(
 
 
 @triton.jit
+def int_weight_rows(
+    w_ptr, s_ptr, z_ptr, offs_n, offs_kb, k_start, mask, stride_wn, stride_sn, stride_zn, group_size,
+    BITS: tl.constexpr, HAS_ZP: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """int_weight_tile without g_idx, as the memory lies: the float32 weights [BLOCK_N, BLOCK_K] of rows offs_n and
+    input columns k_start.. (packed columns offs_kb, BLOCK_K / (8 // BITS) of them; `mask` [BLOCK_N, that] or None),
+    each row's packed bytes one contiguous run loaded once, the nibbles unpacked in registers (column 2j the low
+    nibble of byte j: quant_gemv's join + reshape). The values int_weight_tile's transpose holds, bit for bit; it
+    loads every byte twice, one byte a lane. The tile lies in one group: one scale (and zero) a row."""
+    rows = w_ptr + offs_n[:, None] * stride_wn + offs_kb[None, :]
+    if mask is None:
+        packed = tl.load(rows).to(tl.int32)
+    else:
+        packed = tl.load(rows, mask=mask, other=0).to(tl.int32)
+    if BITS == 4:
+        q = tl.reshape(tl.join(packed & 0xF, (packed >> 4) & 0xF), [offs_n.shape[0], BLOCK_K])
+    else:
+        q = packed & 0xFF
+    g = k_start // group_size
+    s = tl.load(s_ptr + offs_n * stride_sn + g).to(tl.float32)[:, None]
+    if HAS_ZP:
+        z = tl.load(z_ptr + offs_n * stride_zn + g).to(tl.float32)[:, None]
+    else:
+        z = 2.0 ** (BITS - 1)
+    return (q.to(tl.float32) - z) * s
+
+
+@triton.jit
 def e4m3_rounded(y):
     """fp32 y (|y| <= 448) rounded to the nearest e4m3 value (ties to even), in fp32: the interpreter's own
     fp32 -> e4m3 cast mis-rounds when the mantissa carries into the exponent (126.8 -> 64)."""

@@ -11,6 +11,7 @@ the default) builds the FP8 dots as mma.sync on fp16 operands (each e4m3 convert
 
     python3 scripts/dev/count_moe_sass.py                 # bf16, then FP8 at 0, 32, 64, 128 and None
     python3 scripts/dev/count_moe_sass.py '{"wq": 2, "acc": 32, "bm": 128, "warps": 8}'
+    python3 scripts/dev/count_moe_sass.py '{"wq": 1, "warps": 4, "stages": 3}' '{"wq": 1, "warps": 4, "stages": 3, "rows": true}'
 """
 
 from __future__ import annotations
@@ -29,26 +30,29 @@ from longserve.testing.kernel_compile import (  # noqa: E402
 )
 
 # the H200 table's prefill tiles for the A3B FP8 experts (moe_configs/E=128,N=768,...,dtype=fp8_e4m3.json, "8192")
+LOOP_OPS = ("HGMMA", "QGMMA", "HMMA", "F2FP", "FADD", "FMUL", "FFMA", "LDG", "LDGSTS", "LDS", "STS", "MUFU")
 VARIANTS = [{"wq": 0}] + [{"wq": 2, "acc": acc} for acc in (0, 32, 64, 128, None)]
 
 
-def compile_moe(wq=2, acc=0, bm=64, bn=128, bk=128, warps=8, stages=4, silu=True, scalar=True):
-    """The gate+up kernel (SILU_AND_MUL) over the pairs' token rows, weights 16-bit (wq 0) or e4m3 with 128 x 128
-    block scales and e4m3 activations quantized per 128-group (wq 2), as fused_moe launches it at prefill sizes."""
+def compile_moe(wq=2, acc=0, bm=64, bn=128, bk=128, warps=8, stages=4, silu=True, scalar=True, rows=False):
+    """The gate+up kernel (SILU_AND_MUL) over the pairs' token rows, weights 16-bit (wq 0), GPTQ int4 in groups of
+    128 (wq 1; rows: moe_gemm.INT_ROWS's tiles) or e4m3 with 128 x 128 block scales and e4m3 activations quantized
+    per 128-group (wq 2), as fused_moe launches it at prefill sizes."""
     from longserve.kernels import moe_gemm
 
     fn = moe_gemm._moe_gemm_kernel
     while not hasattr(fn, "arg_names"):  # launch.py's FastKernel around the JITFunction
         fn = fn.fn
-    w = "*fp8e4nv" if wq == 2 else "*bf16"
-    ptrs = {"a_ptr": w, "b_ptr": w, "c_ptr": "*bf16", "a_scale_ptr": "*fp32", "b_scale_ptr": "*fp32",
-            "b_zero_ptr": w, "b_gidx_ptr": w, "topk_weights_ptr": "*fp32", "sorted_token_ids_ptr": "*i32",
-            "expert_ids_ptr": "*i32", "num_tokens_post_padded_ptr": "*i32"}  # fmt: skip
+    w = {0: "*bf16", 1: "*u8", 2: "*fp8e4nv"}[wq]
+    ptrs = {"a_ptr": "*bf16" if wq == 1 else w, "b_ptr": w, "c_ptr": "*bf16", "a_scale_ptr": "*fp32",
+            "b_scale_ptr": "*fp16" if wq == 1 else "*fp32", "b_zero_ptr": w, "b_gidx_ptr": w,
+            "topk_weights_ptr": "*fp32", "sorted_token_ids_ptr": "*i32", "expert_ids_ptr": "*i32",
+            "num_tokens_post_padded_ptr": "*i32"}  # fmt: skip
     consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=16, SILU_AND_MUL=silu, A_ROW_DIV=8 if silu else 1,
-                  MUL_ROUTED_WEIGHT=False, EVEN_K=True, WEIGHT_QUANT=wq, BITS=8, HAS_ZP=False, HAS_GIDX=False,
-                  BLOCK_N_SCALE=128, SCALAR_B_SCALE=scalar and wq == 2, GROUP_BLOCKS=128 // bk, ACT_KIND=0,
-                  INTERPRET_BF16=False, UPCAST_DOT=False, DOT_PRECISION="tf32",
-                  MAX_IMPRECISE_ACC=acc if wq == 2 else None, USE_PDL=False)  # fmt: skip
+                  MUL_ROUTED_WEIGHT=False, EVEN_K=True, WEIGHT_QUANT=wq, BITS=4 if wq == 1 else 8, HAS_ZP=False,
+                  HAS_GIDX=False, BLOCK_N_SCALE=128, SCALAR_B_SCALE=scalar and wq == 2, GROUP_BLOCKS=128 // bk,
+                  ACT_KIND=0, INTERPRET_BF16=False, UPCAST_DOT=False, DOT_PRECISION="tf32",
+                  MAX_IMPRECISE_ACC=acc if wq == 2 else None, USE_PDL=False, INT_ROWS=rows)  # fmt: skip
     missing = set(consts) - set(fn.arg_names)
     assert not missing, f"_moe_gemm_kernel has no {missing}"
     sig = {a: ptrs.get(a, "constexpr" if a in consts else "i32") for a in fn.arg_names}
@@ -63,10 +67,7 @@ def report(variant: dict) -> dict:
     out = {"variant": variant, "wgmma": ptx.count("wgmma.mma_async"), "mma_sync": ptx.count("mma.sync")}
     out.update(resource_usage(c.asm["cubin"]))
     loop = opcode_counts(loop_instructions(cubin_tool(c.asm["cubin"], "nvdisasm", "-c")))
-    out["loop"] = {
-        op: loop.get(op, 0)
-        for op in ("HGMMA", "QGMMA", "HMMA", "F2FP", "FADD", "FMUL", "FFMA", "LDG", "LDGSTS", "MUFU")
-    }
+    out["loop"] = {op: loop.get(op, 0) for op in LOOP_OPS}
     out["loop_instructions"] = sum(n for op, n in loop.items() if op)
     return out
 

@@ -482,6 +482,40 @@ def test_int4_experts_paths(num_tokens: int, monkeypatch: pytest.MonkeyPatch) ->
     )
 
 
+@pytest.mark.parametrize(("num_tokens", "bits", "zp"), [(8, 8, True), (512, 4, False), (4096, 4, True)])
+def test_int_rows_in_the_fused_int_path(
+    num_tokens: int, bits: int, zp: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """moe_gemm.INT_ROWS at the A3B shape: fused_moe's int path with its tiles loaded as rows gives the output of
+    its tiles loaded as columns bit for bit (the same dequantized values), within 1% of the reference; then both as
+    CUDA graphs beside the dequantized experts (MOE_WNA16_PREFILL's evidence at prefill sizes)."""
+    from longserve.kernels import fused_moe as fm
+    from longserve.kernels import moe_gemm
+    from longserve.kernels.fused_moe import fused_moe, fused_moe_ref, route_topk
+    from longserve.platform import cuda_graph_time_ms
+
+    e, k, h, i = A3B
+    w13, w2, quant = a3b_int4_experts(zp=zp, bits=bits)
+    x = torch.randn(num_tokens, h, device="cuda", dtype=torch.bfloat16)
+    weights, ids = route_topk(torch.randn(num_tokens, e, device="cuda"), k, True)
+    weights = weights.bfloat16()
+    monkeypatch.setattr(fm, "moe_wna16_path", lambda *args: "fused")
+    outs, times = {}, {}
+    for rows in (False, True):
+        monkeypatch.setattr(moe_gemm, "INT_ROWS", rows)
+        outs[rows] = fused_moe(x, w13, w2, weights, ids, quant=quant)
+        times[f"fused rows={rows}"] = cuda_graph_time_ms(
+            lambda: fused_moe(x, w13, w2, weights, ids, quant=quant), 2, 5, 3
+        )
+    assert torch.equal(outs[True], outs[False])
+    assert_close_rel(outs[True], fused_moe_ref(x, w13, w2, weights, ids, quant=quant))
+    monkeypatch.setattr(fm, "moe_wna16_path", lambda *args: "dequant")
+    times["dequant"] = cuda_graph_time_ms(lambda: fused_moe(x, w13, w2, weights, ids, quant=quant), 2, 5, 3)
+    print(
+        f"\nint{bits} experts T={num_tokens}: " + ", ".join(f"{p} {t * 1e3:.1f} us" for p, t in times.items())
+    )
+
+
 @pytest.mark.parametrize("num_tokens", [1, 8, 64])
 def test_int8_experts_paths(num_tokens: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """8-bit experts (GPTQ/compressed-tensors W8A16 MoE) at the A3B shape, which the routed and grouped kernels

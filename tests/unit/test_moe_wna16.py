@@ -161,6 +161,61 @@ def test_prefill_sizes_take_the_dequantized_experts(dtype, monkeypatch) -> None:
     assert paths == ["dequant"]
 
 
+@pytest.mark.parametrize(
+    ("group", "zp", "bits"), [(16, True, 4), (32, False, 4), (0, True, 4), (16, True, 8)]
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_sizes_through_the_int_path_by_rows(group, zp, bits, dtype, monkeypatch) -> None:
+    """MOE_WNA16_PREFILL "fused": prefill sizes through fused_moe's int path, which dequantizes each tile as it loads
+    it; with moe_gemm.INT_ROWS its tiles load each row's packed bytes once (quant_tiles.int_weight_rows) and give
+    the same output bit for bit, both the reference's (each weight rounded to the dtype, as it rounds them): zero
+    points, one group over all of K, 8 bits, an expert with no tokens."""
+    from longserve.kernels import moe_gemm
+
+    paths = taken(monkeypatch)
+    monkeypatch.setattr(moe_wna16, "MOE_WNA16_DEQUANT_MIN_TOKENS", 9)
+    monkeypatch.setattr(moe_wna16, "MOE_WNA16_PREFILL", "fused")
+    w13, w2, quant = int4_experts(group, zp, seed=21, inter=64)
+    if bits == 8:  # the same shapes as 8-bit values, one a byte
+        g = gen(22)
+        w13, w2 = (
+            torch.randint(0, 256, (E, w.shape[1], w.shape[2] * 2), generator=g).to(torch.uint8)
+            for w in (w13, w2)
+        )
+        quant = MoEQuant(
+            "int8", group, quant.w13_scale / 16, quant.w2_scale / 16, quant.w13_zero, quant.w2_zero
+        )
+    x = torch.randn(9, H, generator=gen(23)).to(dtype)
+    weights, ids = routing(9, 3, seed=24)
+    ref = fused_moe_ref(x, w13, w2, weights.to(dtype), ids, quant=quant)
+    outs = {}
+    for rows in (False, True):
+        monkeypatch.setattr(moe_gemm, "INT_ROWS", rows)
+        outs[rows] = fm.fused_moe(x, w13, w2, weights.to(dtype), ids, quant=quant)
+    assert torch.equal(outs[True], outs[False])
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(outs[True], ref, atol=tol, rtol=tol)
+    assert paths == ["fused", "fused"]
+
+
+def test_the_int_path_by_rows_off_the_key_tile(monkeypatch) -> None:
+    """moe_gemm.INT_ROWS where the key tile does not divide K (one group over all of it; 32-column tiles over the
+    down projection's 48): the packed bytes past K masked, the same output bit for bit."""
+    from longserve.kernels import moe_gemm
+
+    w13, w2, quant = int4_experts(0, True, seed=25)
+    x = torch.randn(7, H, generator=gen(26)).bfloat16()
+    weights, ids = routing(7, 2, seed=27)
+    cfg = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "GROUP_M": 2, "num_warps": 4, "num_stages": 1}
+    outs = {}
+    for rows in (False, True):
+        monkeypatch.setattr(moe_gemm, "INT_ROWS", rows)
+        outs[rows] = fm.fused_moe(x, w13, w2, weights.bfloat16(), ids, quant=quant, config=cfg)
+    assert torch.equal(outs[True], outs[False])
+    ref = fused_moe_ref(x, w13, w2, weights.bfloat16(), ids, quant=quant)
+    torch.testing.assert_close(outs[True], ref, atol=2e-2, rtol=2e-2)
+
+
 def test_dequantized_experts_equal_the_reference_dequantization() -> None:
     from longserve.kernels.quant_reference import dequantize_wna16
 
