@@ -35,11 +35,12 @@ def _b_tile(
     b_ptr, bs_ptr, bz_ptr, bg_ptr, offs_bn, offs_k, k0, k_valid, N_ROW_OFFSET,
     stride_bn, stride_bsn, stride_bzn, QUANT_GROUP, K,
     EVEN_K: tl.constexpr, WEIGHT_QUANT: tl.constexpr, BITS: tl.constexpr, HAS_ZP: tl.constexpr,
-    HAS_GIDX: tl.constexpr, INT_ROWS: tl.constexpr,
+    HAS_GIDX: tl.constexpr, INT_ROWS: tl.constexpr, ACT_TY: tl.constexpr, INTERPRET_BF16: tl.constexpr,
 ):  # fmt: skip
     """One expert's weight tile [BLOCK_K, BLOCK_N] of output rows N_ROW_OFFSET + offs_bn (pointers already at
-    the expert): packed integers dequantized (WEIGHT_QUANT 1; INT_ROWS: loaded as rows, INT_ROWS above), else as
-    stored (fp8: scaled by `_fp8_scale`)."""
+    the expert): packed integers dequantized in float32 and rounded to the activations' dtype ACT_TY (WEIGHT_QUANT
+    1; INT_ROWS: loaded as rows and rounded before the transpose, INT_ROWS above), else as stored (fp8: scaled by
+    `_fp8_scale`)."""
     rows = offs_bn + N_ROW_OFFSET
     # one return at the end: compiled Triton (3.6) keeps generating the statements after a return taken in a
     # constexpr branch and then refuses the function for returning two types (the interpreter does not mind)
@@ -47,18 +48,20 @@ def _b_tile(
         PACK: tl.constexpr = 8 // BITS
         offs_kb = k0 // PACK + tl.arange(0, offs_k.shape[0] // PACK)
         kb_mask = None if EVEN_K else (offs_kb < K // PACK)[None, :]
-        w = tl.trans(
-            int_weight_rows(
-                b_ptr, bs_ptr, bz_ptr, rows, offs_kb, k0, kb_mask, stride_bn, stride_bsn, stride_bzn, QUANT_GROUP,
-                BITS, HAS_ZP, offs_k.shape[0],
-            )
+        w = int_weight_rows(
+            b_ptr, bs_ptr, bz_ptr, rows, offs_kb, k0, kb_mask, stride_bn, stride_bsn, stride_bzn, QUANT_GROUP,
+            BITS, HAS_ZP, offs_k.shape[0],
         )  # fmt: skip
+        w = _rounded(w, ACT_TY, INTERPRET_BF16)  # 16-bit through the transpose (half the registers of fp32)
+        w = tl.trans(w if INTERPRET_BF16 else w.to(ACT_TY))
     elif WEIGHT_QUANT == 1:  # packed integers: dequantized here, in float32
         true_n = offs_bn >= 0
         w = int_weight_tile(
             b_ptr, bs_ptr, bz_ptr, bg_ptr, rows, offs_k, k0, true_n, k_valid,
             stride_bn, stride_bsn, stride_bzn, QUANT_GROUP, BITS, HAS_ZP, HAS_GIDX,
         )  # fmt: skip
+        w = _rounded(w, ACT_TY, INTERPRET_BF16)  # the dequantized weights meet the activations at their dtype
+        w = w if INTERPRET_BF16 else w.to(ACT_TY)
     else:
         ptrs = b_ptr + rows[None, :] * stride_bn + offs_k[:, None]
         if EVEN_K:
@@ -189,11 +192,8 @@ def _moe_gemm_kernel(
             a = tl.load(a_ptrs, mask=k_valid[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
         b = _b_tile(
             b_exp, bs_exp, bz_exp, bg_exp, offs_bn, offs_k, k0, k_valid, 0, stride_bn, stride_bsn, stride_bzn,
-            QUANT_GROUP, K, EVEN_K, WEIGHT_QUANT, BITS, HAS_ZP, HAS_GIDX, INT_ROWS,
+            QUANT_GROUP, K, EVEN_K, WEIGHT_QUANT, BITS, HAS_ZP, HAS_GIDX, INT_ROWS, act_ty, INTERPRET_BF16,
         )  # fmt: skip
-        if WEIGHT_QUANT == 1:  # dequantized weights meet the activations at their dtype
-            b = _rounded(b, act_ty, INTERPRET_BF16)
-            b = b if INTERPRET_BF16 else b.to(act_ty)
         if INTERPRET_BF16 or UPCAST_DOT:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
@@ -207,11 +207,9 @@ def _moe_gemm_kernel(
         if SILU_AND_MUL:  # the same a tile feeds the up half: x is read once for both
             b_up = _b_tile(
                 b_exp, bs_exp, bz_exp, bg_exp, offs_bn, offs_k, k0, k_valid, N, stride_bn, stride_bsn,
-                stride_bzn, QUANT_GROUP, K, EVEN_K, WEIGHT_QUANT, BITS, HAS_ZP, HAS_GIDX, INT_ROWS,
+                stride_bzn, QUANT_GROUP, K, EVEN_K, WEIGHT_QUANT, BITS, HAS_ZP, HAS_GIDX, INT_ROWS, act_ty,
+                INTERPRET_BF16,
             )  # fmt: skip
-            if WEIGHT_QUANT == 1:
-                b_up = _rounded(b_up, act_ty, INTERPRET_BF16)
-                b_up = b_up if INTERPRET_BF16 else b_up.to(act_ty)
             if INTERPRET_BF16 or UPCAST_DOT:
                 b_up = b_up.to(tl.float32)
             if WEIGHT_QUANT == 2:

@@ -33,9 +33,9 @@
 # None.
 # int4-dequant (one GPU, ~8 min): the int4 weights' dequantization by rows of packed bytes (quant_gemm.DEQUANT_ROWS,
 # off): its GPU test, the kernels alone (scripts/probes/sweep_dequant.py), the A3B int4 cold 32K profiled beside
-# bf16's, the A3B and 8B int4 cold 8K / 32K off and on (issue 18: A3B int4 cold 32K 1.12x bf16 on an H100, <= 1.1);
-# then the A3B int4 prefill through fused_moe's int path by rows instead (moe_wna16.MOE_WNA16_PREFILL "fused",
-# moe_gemm.INT_ROWS), profiled.
+# bf16's, the A3B and 8B int4 cold 8K / 32K off and on (issue 18: A3B int4 cold 32K 1.12x bf16 on an H100, <= 1.1).
+# int4-fused-prefill (one GPU, ~6 min): the A3B int4 prefill through fused_moe's int path by rows instead
+# (moe_wna16.MOE_WNA16_PREFILL "fused", moe_gemm.INT_ROWS), at the untuned tiles and at tune_moe's, profiled.
 # a3b-fp8-prefill (one GPU, ~7 min): the A3B cold 32K in bf16 and in block FP8 under the profiler, their top kernels
 # (issue 18: FP8 cold 32K <= 0.85x bf16; 1.14x at 11fea55, the FP8 expert GEMMs ~40% slower than bf16's at prefill
 # sizes where they could be ~2x faster), and in FP8 with the dots at FP8_DOT_MAX_IMPRECISE_ACC 32 after the fp8
@@ -294,7 +294,7 @@ if [[ $MODE == int4-dequant ]]; then  # one GPU (~7 min): the int4 weights' dequ
   # int4 cold prefill under the profiler beside bf16's, then the A3B and 8B int4 cold 8K / 32K with the switch off
   # and on, one process each
   rows=longserve.kernels.quant_gemm.DEQUANT_ROWS
-  timeout 150 python3 -m pytest -q -m gpu tests/gpu/test_quant_kernels_gpu.py -k "dequantize_rows or wna16_gemm_matches or int_rows" \
+  timeout 150 python3 -m pytest -q -m gpu tests/gpu/test_quant_kernels_gpu.py -k "dequantize_rows or wna16_gemm_matches" \
     -p no:cacheprovider --tb=short -rfE 2>&1 | tee "$OUT/gpu_tests_dequant.log" | tail -3 || status=1
   timeout 150 python3 scripts/probes/sweep_dequant.py 2>&1 | tee "$OUT/sweep_dequant.log" | grep -E "best|Error"
   for v in bf16 int4; do
@@ -321,12 +321,32 @@ PY
         "${dummy[@]}" --repeat 3 --quantization gptq --prompt-lens 8192,32768
     done
   done
-  # the A3B int4 prefill through fused_moe's int path (no experts dequantized whole), its tiles by rows
-  # (moe_gemm.INT_ROWS), under the profiler: the int path's GEMMs against the dequantization + bf16 GEMMs above
-  LATENCY_TIMEOUT=150 latency_with a3b_int4_fused "A3B int4 fused int path" \
-    "longserve.kernels.moe_wna16.MOE_WNA16_PREFILL='fused'" longserve.kernels.moe_gemm.INT_ROWS=True -- \
-    --config qwen3-30b-a3b "${dummy[@]}" --repeat 2 --quantization gptq --prompt-lens 8192,32768 --profile
-  top_ops "$OUT/latency_a3b_int4_fused.json" | head -8
+fi
+
+if [[ $MODE == int4-fused-prefill ]]; then  # one GPU (~6 min): the A3B int4 prefill through fused_moe's int path
+  # (moe_wna16.MOE_WNA16_PREFILL "fused": no experts dequantized whole) with its tiles by rows (moe_gemm.INT_ROWS):
+  # its GPU test (bit for bit against the column tiles, timed beside the dequantized experts), the engine at the
+  # untuned prefill tiles (sm90 builds spill at 128 x 128, count_moe_sass.py), then tune_moe's int4 prefill tiles
+  # by rows (into $OUT and, for this call only, the package's moe_configs/) and the engine again; each under the
+  # profiler: the int path's GEMMs against the dequantization + bf16 GEMMs of the default
+  fused=("longserve.kernels.moe_wna16.MOE_WNA16_PREFILL='fused'" longserve.kernels.moe_gemm.INT_ROWS=True)
+  timeout 200 python3 -m pytest -q -m gpu tests/gpu/test_quant_kernels_gpu.py -k "int_rows" -s -p no:cacheprovider \
+    --tb=short -rfE 2>&1 | tee "$OUT/gpu_tests_int_rows.log" | grep -E "experts T=|passed|failed" || status=1
+  for step in default untuned tuned; do
+    if [[ $step == tuned ]]; then
+      timeout 240 python3 scripts/probes/with_constants.py longserve.kernels.moe_gemm.INT_ROWS=True -- \
+        longserve.kernels.tune_moe --num-experts 128 --top-k 8 --hidden 2048 --intermediate 768 --weights int4 \
+        --batch-sizes 2048,8192 --space prefill --output-dir "$OUT/int4_table" 2>&1 | tee "$OUT/tune_int4.log" \
+        | tr '\r' '\n' | grep -E "^T=|wrote|Error"
+      cp "$OUT"/int4_table/*.json longserve/kernels/moe_configs/ 2> /dev/null || { echo "no int4 table"; break; }
+    fi
+    consts=(); [[ $step != default ]] && consts=("${fused[@]}")
+    LATENCY_TIMEOUT=150 latency_with a3b_int4_$step "A3B int4 $step" ${consts[@]+"${consts[@]}"} -- \
+      --config qwen3-30b-a3b "${dummy[@]}" --repeat 2 --quantization gptq --prompt-lens 8192,32768 --profile
+    top_ops "$OUT/latency_a3b_int4_$step.json" | head -6
+  done
+  git ls-files --error-unmatch longserve/kernels/moe_configs/*dtype=int4.json > /dev/null 2>&1 \
+    || rm -f longserve/kernels/moe_configs/*dtype=int4.json  # the call's table goes back with $OUT only
 fi
 
 if [[ $MODE == a3b-fp8-prefill ]]; then  # one GPU (~6 min): where the A3B FP8 cold prefill's time goes
