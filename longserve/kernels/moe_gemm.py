@@ -25,8 +25,9 @@ from longserve.kernels.quant_tiles import rounded as _rounded
 # layer; the A3B int4 cold 32K 1.12x bf16 on an H100, thirty-sixth session). Built for sm90 here (Triton 3.9, the
 # gate+up kernel at 64 x 128 x 128, 4 warps, 3 stages; scripts/dev/count_moe_sass.py '{"wq": 1, ...}'): the main loop
 # 2,320 -> 1,642 instructions (LDG 130 -> 2, the bytes through cp.async; STS 256 -> 34), still 128 F2FP and 256 FMUL
-# of dequantization where the bf16 kernel's loop holds 215 instructions. Off until measured (`gpu_check.sh
-# int4-dequant`); it also serves the 8-bit experts' decode (their tuned int8 table) when on.
+# of dequantization where the bf16 kernel's loop holds 215 instructions; at the untuned prefill tiles (128 x 128 x
+# 64, 8 warps) 1,666 -> 885, both spilling. Off until measured (`gpu_check.sh int4-fused-prefill`); when on it also
+# serves the 8-bit experts' decode (their tuned int8 table).
 INT_ROWS = False
 
 
@@ -301,5 +302,6 @@ def moe_gemm(
         INTERPRET_BF16=interpret_bf16, UPCAST_DOT=interpreting() and weight_quant == 2,
         DOT_PRECISION="ieee" if fp32 or interpret_bf16 or interpreting() else "tf32",
         MAX_IMPRECISE_ACC=quant_fp8.FP8_DOT_MAX_IMPRECISE_ACC if weight_quant == 2 else None, USE_PDL=pdl,
-        INT_ROWS=INT_ROWS and weight_quant == 1 and not has_gidx, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=pdl,
+        INT_ROWS=INT_ROWS and weight_quant == 1 and not has_gidx, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"], launch_pdl=pdl,
     )  # fmt: skip
