@@ -80,7 +80,8 @@ MOE_WNA16_DEQUANT_MIN_TOKENS = 257
 # What serves from MOE_WNA16_DEQUANT_MIN_TOKENS: "dequant" (the experts dequantized, then the 16-bit kernel) or
 # "fused" (fused_moe's int path, which dequantizes each tile as it loads it: no 1.2 GB a layer written and read back
 # at the A3B shape; with moe_gemm.INT_ROWS its tiles load each packed byte once). At 512 tokens the int path as it
-# was lost (1,637 against 1,001 us a layer, above); at prefill chunks it is unmeasured (`gpu_check.sh int4-fused-prefill`).
+# was lost (1,637 against 1,001 us a layer, above); at prefill chunks it is unmeasured (`gpu_check.sh
+# int4-fused-prefill`).
 MOE_WNA16_PREFILL = "dequant"
 GROUPED_BLOCK_M = 16
 # the pairs aligned per expert in blocks of GROUPED_BLOCK_M (moe_align.align_routed_pairs): sorted pair ids,
