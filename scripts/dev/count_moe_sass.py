@@ -11,7 +11,7 @@ the default) builds the FP8 dots as mma.sync on fp16 operands (each e4m3 convert
 
     python3 scripts/dev/count_moe_sass.py                 # bf16, then FP8 at 0, 32, 64, 128 and None
     python3 scripts/dev/count_moe_sass.py '{"wq": 2, "acc": 32, "bm": 128, "warps": 8}'
-    python3 scripts/dev/count_moe_sass.py '{"wq": 1, "warps": 4, "stages": 3}' '{"wq": 1, "warps": 4, "stages": 3, "rows": true}'
+    python3 scripts/dev/count_moe_sass.py '{"wq": 1, "stages": 3}' '{"wq": 1, "stages": 3, "rows": true}'
 """
 
 from __future__ import annotations
