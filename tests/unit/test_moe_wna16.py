@@ -162,9 +162,9 @@ def test_prefill_sizes_take_the_dequantized_experts(dtype, monkeypatch) -> None:
 
 
 @pytest.mark.parametrize(
-    ("group", "zp", "bits"), [(16, True, 4), (32, False, 4), (0, True, 4), (16, True, 8)]
+    ("group", "zp", "bits", "dtype"),
+    [(16, True, 4, BF16), (32, False, 4, torch.float32), (0, True, 4, BF16), (16, True, 8, BF16)],
 )
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_sizes_through_the_int_path_by_rows(group, zp, bits, dtype, monkeypatch) -> None:
     """MOE_WNA16_PREFILL "fused": prefill sizes through fused_moe's int path, which dequantizes each tile as it loads
     it; with moe_gemm.INT_ROWS its tiles load each row's packed bytes once (quant_tiles.int_weight_rows) and give
