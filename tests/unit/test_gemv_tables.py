@@ -71,9 +71,8 @@ def test_a_gpu_without_tables_reads_its_architectures_reference_part(table_dir, 
     monkeypatch.setattr(moe_config, "current_capability", lambda index=None: (10, 0))
     assert gemv_tables.tuned_gemv_config("fp8_channel_gemv", 4096, 4096, 1, CUDA) is None
     monkeypatch.setattr(moe_config, "current_capability", lambda index=None: (9, 0))
-    write(
-        table_dir, "fp8_channel_gemv", {"4096,4096,2": tiles}
-    )  # the H100's own table, without the M=1 entry
+    # the H100's own table, without the M=1 entry
+    write(table_dir, "fp8_channel_gemv", {"4096,4096,2": tiles})
     assert gemv_tables.tuned_gemv_config("fp8_channel_gemv", 4096, 4096, 1, CUDA) is None
     assert gemv_tables.tuned_gemv_config("fp8_channel_gemv", 4096, 4096, 2, CUDA) == tiles
 
