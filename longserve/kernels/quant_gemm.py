@@ -168,22 +168,10 @@ def _wna16_dequant_rows_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = pid_k * BLOCK_K
     offs_kb = pid_k * (BLOCK_K // PACK) + tl.arange(0, BLOCK_K // PACK)
-    w = int_weight_rows(
-        w_ptr,
-        s_ptr,
-        z_ptr,
-        offs_n % N,
-        offs_kb,
-        k0,
-        (offs_kb < K // PACK)[None, :],
-        stride_wn,
-        stride_sn,
-        stride_zn,
-        group_size,
-        BITS,
-        HAS_ZP,
-        BLOCK_K,
-    )  # fmt: skip  [BLOCK_N, BLOCK_K]
+    w = int_weight_rows(  # [BLOCK_N, BLOCK_K]
+        w_ptr, s_ptr, z_ptr, offs_n % N, offs_kb, k0, (offs_kb < K // PACK)[None, :], stride_wn, stride_sn,
+        stride_zn, group_size, BITS, HAS_ZP, BLOCK_K,
+    )  # fmt: skip
     offs_k = k0 + tl.arange(0, BLOCK_K)
     out_ty = out_ptr.dtype.element_ty
     tl.store(out_ptr + offs_n[:, None] * stride_on + offs_k[None, :], rounded(w, out_ty, INTERPRET_BF16).to(out_ty),
