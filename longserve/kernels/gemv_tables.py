@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from longserve.kernels.moe_config import note_borrowed, table_devices
+from longserve.kernels.moe_config import find_table
 
 __all__ = ["TABLE_DIR", "TABLE_KEYS", "gemv_table_name", "load_gemv_table", "tuned_gemv_config"]
 
@@ -64,11 +64,8 @@ def tuned_gemv_config(
     Triton interpreter, whose tiles are the defaults')."""
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1":
         return None
-    names = table_devices(index=device.index or 0)  # its own table, else its architecture's reference part's
-    for name in names:
-        path = str(Path(table_dir or TABLE_DIR) / gemv_table_name(kernel, name))
-        if table := load_gemv_table(path):
-            if name != names[0]:
-                note_borrowed(path, names[0])
-            return table.get((n, k, m))
-    return None
+    directory = Path(table_dir or TABLE_DIR)  # its own table, else its architecture's reference part's
+    table = find_table(
+        lambda name: str(directory / gemv_table_name(kernel, name)), load_gemv_table, index=device.index or 0
+    )
+    return None if table is None else table.get((n, k, m))

@@ -7,8 +7,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -17,12 +19,13 @@ __all__ = [
     "config_file_name",
     "current_device_name",
     "default_moe_config",
+    "find_table",
     "get_moe_config",
-    "note_borrowed",
     "table_devices",
 ]
 
 logger = logging.getLogger("longserve.kernels.moe_config")
+T = TypeVar("T")
 
 CONFIG_DIR = Path(__file__).parent / "moe_configs"
 KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
@@ -74,9 +77,26 @@ def table_devices(device_name: str | None = None, index: int | None = None) -> t
     return (own,) if ref is None or ref == own else (own, ref)
 
 
+def find_table(
+    path_of: Callable[[str], str],
+    load: Callable[[str], T],
+    device_name: str | None = None,
+    index: int | None = None,
+) -> T | None:
+    """The first table that exists (`load(path)` truthy) among table_devices' names, a file each (`path_of(name)`);
+    logged once per file when it is another part's. None when there is none."""
+    devices = table_devices(device_name, index)
+    for device in devices:
+        path = path_of(device)
+        if table := load(path):
+            if device != devices[0]:
+                _note_borrowed(path, devices[0])
+            return table
+    return None
+
+
 @lru_cache(maxsize=64)
-def note_borrowed(path: str, own: str) -> None:
-    """Logs once per table that this GPU reads another part's (table_devices)."""
+def _note_borrowed(path: str, own: str) -> None:
     logger.info("no tuned table of its own for this GPU (%s): reading %s", own, path)
 
 
@@ -187,13 +207,9 @@ def get_moe_config(
     with an optional "down": {...} overriding all but BLOCK_M for the down GEMM. Host-only, cached."""
     if config_dir is None and os.environ.get("TRITON_INTERPRET", "0") == "1":
         return default_moe_config(E, N, K, top_k, dtype, num_tokens)
-    table, devices = None, table_devices(device_name)
-    for device in devices:
-        path = str(Path(config_dir or CONFIG_DIR) / config_file_name(E, N, device, dtype, weights))
-        if table := load_table(path):
-            if device != devices[0]:
-                note_borrowed(path, devices[0])
-            break
+    directory = Path(config_dir or CONFIG_DIR)
+    table = find_table(lambda device: str(directory / config_file_name(E, N, device, dtype, weights)), load_table,
+                       device_name)  # fmt: skip
     if not table or not min(table) / 2 <= num_tokens <= 2 * max(table):
         return default_moe_config(E, N, K, top_k, dtype, num_tokens)
     return table[min(table, key=lambda bucket: (abs(bucket - num_tokens), bucket))]

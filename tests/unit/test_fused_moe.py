@@ -335,7 +335,7 @@ def test_a_gpu_without_tables_reads_its_architectures_reference_part(
         (CONFIG_DIR / config_file_name(128, 768, "NVIDIA_H200", torch.bfloat16, "fp8_e4m3")).read_text()
     )
     assert moe_config.table_devices() == ("NVIDIA_H100_80GB_HBM3", "NVIDIA_H200")
-    moe_config.note_borrowed.cache_clear()
+    moe_config._note_borrowed.cache_clear()
     with caplog.at_level(logging.INFO, logger="longserve.kernels.moe_config"):
         assert get_moe_config(*args, weights="fp8_e4m3") == shipped["8192"] != default_moe_config(*args)
     assert (
