@@ -23,11 +23,8 @@ WORKLOADS=${1:-rag,multiturn,random,longdoc}
 export PYTHONUNBUFFERED=1 LONGSERVE_COMMIT=${LONGSERVE_COMMIT:-unknown}
 unset TRITON_INTERPRET
 MODEL=/tmp/llama31_8b_dummy
-mkdir -p /tmp/site && python3 -c "import sys,tarfile; tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/tmp/site', filter='tar')" \
-  < .anchor/vllm-0.24.0-h200-site.tar.xz || exit 1
-# cuDNN's frontend for longserve's packed prefix-hit graphs, carried beside vLLM's build (fetch_test_wheels.sh)
-ls .anchor/nvidia_cudnn_frontend-*.whl > /dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --no-compile \
-  --no-cache-dir --upgrade --target /tmp/site .anchor/nvidia_cudnn_frontend-*.whl
+source scripts/gpu/vllm_anchor.sh
+unpack_vllm_anchor /tmp/site || exit 1  # cuDNN's frontend beside vLLM's packages: the server's PYTHONPATH below
 export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
   VLLM_CACHE_ROOT=/tmp/vllm_cache VLLM_SERVER_DEV_MODE=1
 PYTHONPATH=/tmp/site python3 .anchor/bench_vllm.py --configs "" --model-dir $MODEL > "$OUT/http/model_dir.log" 2>&1 || exit 1

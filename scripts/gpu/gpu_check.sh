@@ -66,18 +66,12 @@ latency_with() {
 }
 # the dummy-weight bf16 runs every A/B measures
 dummy=(--load-format dummy --dtype bfloat16 --warmup 1)
-# vLLM 0.24's slim build into /tmp/site, and its environment (../shared/anchors/README.md): the modes that run vLLM
-# need ../shared/anchors/* copied into .anchor/ (git-ignored) and carried, with cuDNN's frontend wheel beside it
-# (fetch_test_wheels.sh puts it there): without it longserve's prefix hit runs without its packed graphs
+# vLLM 0.24's slim build into /tmp/site and cuDNN's frontend into a folder of its own (scripts/gpu/vllm_anchor.sh),
+# and vLLM's environment (../shared/anchors/README.md): the modes that run vLLM need .anchor/ carried
+source scripts/gpu/vllm_anchor.sh
 unpack_vllm() {
-  mkdir -p /tmp/site && python3 -c "import sys,tarfile; tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/tmp/site', filter='tar')" \
-    < .anchor/vllm-0.24.0-h200-site.tar.xz || return 1
-  if ls .anchor/nvidia_cudnn_frontend-*.whl > /dev/null 2>&1; then  # its own folder: longserve's runs see it alone
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/cudnn-site \
-      .anchor/nvidia_cudnn_frontend-*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/cudnn-site
-  else
-    echo "unpack_vllm: no cuDNN frontend wheel in .anchor/: longserve runs without its packed prefix-hit graphs"
-  fi
+  unpack_vllm_anchor /tmp/cudnn-site || return 1
+  export PYTHONPATH=$PYTHONPATH:/tmp/cudnn-site
   export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
     VLLM_CACHE_ROOT=/tmp/vllm_cache VLLM_ENABLE_V1_MULTIPROCESSING=0
 }
