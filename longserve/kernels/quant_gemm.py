@@ -55,11 +55,15 @@ WNA16_DEQUANT_MIN_TOKENS = 1
 # an H100 (2026-12-06, 9daccd2, RESULTS.md thirty-sixth session) the A3B int4 cold 32K took 1.258 s against bf16's
 # 1.125 (1.12x; issue 18: <= 1.1x), ~133 ms over bf16 where those bytes take ~96 ms at 3 TB/s. Built for sm90 on a
 # CPU (Triton 3.9, 64 x 128 tiles, 4 warps): the columns kernel loads its weights in 64 one-byte loads a thread (80
-# registers), the rows kernel in 4 eight-byte loads (32 registers); both store 16-byte vectors. Off until measured
-# (`gpu_check.sh int4-dequant`): the rows and warps below are a first guess.
-DEQUANT_ROWS = False
-# rows a program, by 128 columns at groups of 128: 4 KB of int4 in, 16 KB of bf16 out
-DEQUANT_ROWS_BLOCK_N = 64
+# registers), the rows kernel in 4 eight-byte loads (32 registers); both store 16-byte vectors. Measured on an
+# H100 (2026-12-06, 4804d36, `gpu_check.sh int4-dequant`, RESULTS.md thirty-seventh session), alone: the A3B
+# experts' gate_up 458 -> 443 us, down 213 -> 202 us (16 rows, 4 warps: the least summed over those two of 12
+# settings), the 8B's gate_up 139 -> 133 us, down 69 -> 64 us, ~2.2-2.5 TB/s both, so the write of the bf16
+# weights bounds it. In the engine the A3B int4 cold 8K 184.1 -> 182.7 ms, 32K 1,247.1 -> 1,242.8 ms; the 8B's
+# unchanged (212.4 / 1,179.9 against 212.5 / 1,179.5 ms). Bit for bit the columns kernel's (its GPU test).
+DEQUANT_ROWS = True
+# rows a program, by 128 columns at groups of 128: 1 KB of int4 in, 4 KB of bf16 out
+DEQUANT_ROWS_BLOCK_N = 16
 DEQUANT_ROWS_WARPS = 4
 # The decode GEMV serves M <= WNA16_GEMV_MAX_TOKENS. Measured on an H200 (2026-12-02, 95cf20e, `gpu_check.sh
 # quant-decode`: CUDA-graph replays, RESULTS.md sixth session) it beats the fused kernel and dequantize+cuBLAS at
