@@ -101,6 +101,11 @@ class EngineConfig:
     # prompt tokens of a step (vLLM: max_num_batched_tokens); the step's decodes ride on top (sched/scheduler.py)
     chunked_prefill_size: int = 8192
     max_prefill_chunk: int | None = None  # per-request cap per step; None: the whole budget
+    # a step's prompt tokens while one request's prompt is all the work there is (no decodes, nothing waiting;
+    # sched/scheduler.py), at least chunked_prefill_size; None: chunked_prefill_size. A quantized MoE's prefill
+    # dequantizes every expert once a step (the A3B int4: 1.2 GB written a layer), which fewer chunks do fewer
+    # times; a dense model's cold 32K / 128K moved by 0.3% between chunks of 8K and 32K (RESULTS.md, H200)
+    lone_prefill_chunk_size: int | None = None
     max_running_requests: int = 256
     # the most top logprobs a request may ask for, per generated token (logprobs) and per prompt position
     # (prompt_logprobs): vLLM's --max-logprobs, 20 by default (OpenAI's top_logprobs limit); -1: the vocabulary
@@ -194,6 +199,12 @@ class EngineConfig:
             self.chunked_prefill_size >= 1,
             f"chunked_prefill_size must be >= 1; got {self.chunked_prefill_size}",
             "chunked_prefill_size",
+        )
+        need(
+            self.lone_prefill_chunk_size is None or self.lone_prefill_chunk_size >= self.chunked_prefill_size,
+            f"lone_prefill_chunk_size must be at least chunked_prefill_size ({self.chunked_prefill_size}); got "
+            f"{self.lone_prefill_chunk_size}",
+            "lone_prefill_chunk_size",
         )
         need(
             self.max_prefill_chunk is None or self.max_prefill_chunk >= 1,
@@ -379,3 +390,9 @@ class EngineConfig:
     @property
     def tokenizer_path(self) -> str:
         return self.tokenizer or self.model
+
+    @property
+    def max_step_prompt_tokens(self) -> int:
+        """The most prompt tokens one step holds (a lone prompt's chunk, else a usual step's): what warm-up
+        compiles and plans for."""
+        return max(self.chunked_prefill_size, self.lone_prefill_chunk_size or 0)

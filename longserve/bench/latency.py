@@ -245,7 +245,7 @@ def run_from_args(
         records,
         cfg,
         dtype_bytes(config, cfg),
-        config.chunked_prefill_size,
+        config.max_step_prompt_tokens,  # each case's prompt runs alone
         config.tp_size,
         getattr(args, "peak_tflops", None) or card_tflops,
         getattr(args, "peak_gbps", None) or card_gbps,

@@ -136,8 +136,8 @@ class ModelRunner:
             self.workers.check()
             broadcast_object(WarmUp(counts))
         if self.device.type == "cuda" or counts is not None:
-            warm_up(self.model, self.backend, self.kv_cache, self._graph_shape(), self.config.chunked_prefill_size,
-                    counts)  # fmt: skip
+            warm_up(self.model, self.backend, self.kv_cache, self._graph_shape(),
+                    self.config.max_step_prompt_tokens, counts)  # fmt: skip
             self.heap_frozen = freeze_heap() or self.heap_frozen
 
     def _set_kv_scales(self) -> None:

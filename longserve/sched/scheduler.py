@@ -9,7 +9,9 @@ session's HTTP call, RESULTS.md), and its second chunk's prefix was not a multip
 spreads over several steps (`max_prefill_chunk` caps one request's share of a step). When pages run
 out, the most recently admitted request not yet scheduled this step is preempted by recompute: its
 pages are released (its computed full pages stay in the prefix cache) and it goes back to the front
-of the queue.
+of the queue. A prompt that is all the work there is (no decodes, nothing waiting) may take
+`lone_prefill_chunk_size` tokens a step instead (fewer steps, each paying its fixed costs once: a quantized
+MoE dequantizes every expert a step); the pool short of pages for that, a usual chunk.
 
 Short prefills first (`short_prefill_tokens` > 0, the engine's "short-first" policy): while a long prompt
 is being prefilled chunk by chunk, a waiting request with at most that many tokens left to compute once its
@@ -69,6 +71,8 @@ class SchedulerConfig:
     token_budget: int  # chunked_prefill_size / max_num_batched_tokens
     max_running_requests: int
     max_prefill_chunk: int | None = None
+    # prompt tokens of a step while one request's prompt is all the work there is; None: token_budget
+    lone_prefill_chunk_size: int | None = None
     short_prefill_tokens: int = 0  # waiting requests with this few tokens to compute go before a long prefill
     short_lookahead: int = 4  # waiting requests looked at for that (each: a read-only prefix-cache walk)
     # with decodes in the step and a short queue, waiting prompts are admitted until the step holds this many
@@ -86,6 +90,7 @@ class SchedulerConfig:
             token_budget=config.chunked_prefill_size,
             max_running_requests=config.max_running_requests,
             max_prefill_chunk=config.max_prefill_chunk,
+            lone_prefill_chunk_size=config.lone_prefill_chunk_size,
             short_prefill_tokens=share,
             admit_tokens_beside_decodes=share,
             context_length=context_length,
@@ -160,10 +165,26 @@ class Scheduler:
             n = min(n, max(1, self.config.max_prefill_chunk))
         return n
 
+    def _fit(self, req: Request, n: int) -> int:
+        """A lone prompt's chunk (past token_budget) allocated now if the pool has room, else a usual step's
+        chunk, which the caller allocates as any other."""
+        if n > self.config.token_budget and not self.kv.allocate(req, n):
+            return self._chunk(req, self.config.token_budget)
+        return n
+
+    def _prompt_budget(self) -> int:
+        """The step's prompt tokens: lone_prefill_chunk_size while one request is all there is (a prompt being
+        prefilled or waiting, no decodes beside it, no other waiting), else token_budget."""
+        lone = self.config.lone_prefill_chunk_size
+        if lone is not None and len(self.running) + len(self.waiting) == 1:
+            return max(lone, self.config.token_budget)
+        return self.config.token_budget
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        # the step's prompt tokens; its decodes ride on top, at most as many again (the module's docstring)
-        budget = decode_room = self.config.token_budget
+        # the step's prompt tokens; its decodes ride on top, at most token_budget (the module's docstring)
+        budget = step_budget = self._prompt_budget()
+        decode_room = self.config.token_budget
         scheduled_ids: set[str] = set()
         shorts = self._shorts_first()  # non-empty: this step serves them and puts the long prefills off
         self._deferred = bool(shorts)
@@ -203,7 +224,7 @@ class Scheduler:
             elif shorts or budget <= 0:
                 continue  # a prefill chunk: next step
             else:
-                n = self._chunk(req, budget)
+                n = self._fit(req, self._chunk(req, budget))
             while not self.kv.allocate(req, n):
                 victim = self._pick_victim(exclude=scheduled_ids)
                 if victim is None:
@@ -229,7 +250,7 @@ class Scheduler:
         # that serves short ones before a long prefill: it is theirs, all of them go
         if not out.preempted:
             cap = math.inf if shorts else self._admission_cap(num_decodes)
-            prompt_tokens = self.config.token_budget - budget  # running chunks'
+            prompt_tokens = step_budget - budget  # running chunks'
             admitted = 0
             for req in shorts or list(self.waiting):
                 if budget <= 0 or len(self.running) >= self.config.max_running_requests:
@@ -311,7 +332,7 @@ class Scheduler:
             hit = self.kv.fork_prefix(req, leader)
         else:
             hit = self.kv.match_prefix(req)
-        n = self._chunk(req, budget)
+        n = self._fit(req, self._chunk(req, budget))
         if not self.kv.allocate(req, n):
             self.kv.release(req, cache=False)
             req.num_computed_tokens = 0

@@ -160,6 +160,9 @@ OPTIONS: tuple[Option, ...] = (
     Option(("--chunked-prefill-size", "--max-num-batched-tokens"), E + "chunked_prefill_size",
            "prompt tokens of one engine step (long prompts are prefilled in chunks of it; the step's decodes "
            "ride on top)", int),
+    Option(("--lone-prefill-chunk-size",), E + "lone_prefill_chunk_size",
+           "prompt tokens of a step while one request's prompt is all the work (no decodes, nothing waiting); "
+           "at least --chunked-prefill-size", int, default_help="--chunked-prefill-size"),
     Option(("--max-prefill-chunk",), E + "max_prefill_chunk", "cap on one request's share of a step", int,
            default_help="the whole step budget"),
     Option(("--max-running-requests", "--max-num-seqs"), E + "max_running_requests", "concurrent requests",

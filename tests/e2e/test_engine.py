@@ -129,6 +129,25 @@ def test_chunked_prefill_equals_unchunked(ckpt, baseline, chunk):
     assert toks == alone
 
 
+def test_lone_chunks_equal_unchunked(ckpt, baseline):
+    """Each prompt alone in steps of 7 prompt tokens, or 32 while it is all the work (lone_prefill_chunk_size):
+    the lone chunks run, and every token is the plain run's."""
+    ps, alone = baseline
+    m = llm(ckpt, enable_prefix_caching=False, chunked_prefill_size=7, lone_prefill_chunk_size=32)
+    scheduler, chunks = m.engine.scheduler, []
+    schedule = scheduler.schedule
+
+    def recorded():
+        out = schedule()
+        chunks.extend(x.num_new_tokens for x in out.scheduled)
+        return out
+
+    scheduler.schedule = recorded
+    assert [m.generate([p], GREEDY32)[0].token_ids for p in ps] == alone
+    assert max(chunks) == 32
+    assert_clean(m.engine)
+
+
 def test_prefix_cache_on_equals_off(ckpt, baseline):
     ps, alone = baseline
     m = llm(ckpt, enable_prefix_caching=True, page_size=4)

@@ -36,6 +36,9 @@
 # bf16's, the A3B and 8B int4 cold 8K / 32K off and on (issue 18: A3B int4 cold 32K 1.12x bf16 on an H100, <= 1.1).
 # int4-fused-prefill (one GPU, ~6 min): the A3B int4 prefill through fused_moe's int path by rows instead
 # (moe_wna16.MOE_WNA16_PREFILL "fused", moe_gemm.INT_ROWS), at the untuned tiles and at tune_moe's, profiled.
+# lone-chunks (one GPU, ~7 min): the A3B cold 8K / 32K in bf16 and int4 (GPTQ g128) with a lone prompt's steps of
+# 8K (the default), 16K and 32K tokens (--lone-prefill-chunk-size): the int4 prefill dequantizes every expert once a
+# step (1.2 GB written a layer; 1.11x bf16 at 32K on an H100 at 4804d36, issue 18: <= 1.1x).
 # a3b-fp8-prefill (one GPU, ~7 min): the A3B cold 32K in bf16 and in block FP8 under the profiler, their top kernels
 # (issue 18: FP8 cold 32K <= 0.85x bf16; 1.14x at 11fea55, the FP8 expert GEMMs ~40% slower than bf16's at prefill
 # sizes where they could be ~2x faster), and in FP8 with the dots at FP8_DOT_MAX_IMPRECISE_ACC 32 after the fp8
@@ -347,6 +350,28 @@ if [[ $MODE == int4-fused-prefill ]]; then  # one GPU (~6 min): the A3B int4 pre
   done
   git ls-files --error-unmatch longserve/kernels/moe_configs/*dtype=int4.json > /dev/null 2>&1 \
     || rm -f longserve/kernels/moe_configs/*dtype=int4.json  # the call's table goes back with $OUT only
+fi
+
+if [[ $MODE == lone-chunks ]]; then  # one GPU (~7 min): the A3B's cold prompts in larger lone steps, bf16 and int4
+  for lone in 8192 16384 32768; do
+    for v in bf16 int4; do
+      q=(); [[ $v == int4 ]] && q=(--quantization gptq)
+      LATENCY_TIMEOUT=110 latency_with a3b_${v}_lone$lone "A3B $v lone $lone" -- --config qwen3-30b-a3b "${dummy[@]}" \
+        --repeat 3 ${q[@]+"${q[@]}"} --prompt-lens 8192,32768 --lone-prefill-chunk-size $lone
+    done
+  done
+  python3 - "$OUT" <<'PY'
+import json, os, sys
+def ttft(name):
+    path = os.path.join(sys.argv[1], f"latency_{name}.json")
+    if not os.path.exists(path):
+        return {}
+    return {r["name"]: r["ttft_s"] for r in json.load(open(path)) if r.get("ttft_s")}
+for lone in (8192, 16384, 32768):
+    bf16, int4 = ttft(f"a3b_bf16_lone{lone}"), ttft(f"a3b_int4_lone{lone}")
+    for case in sorted(set(bf16) & set(int4)):
+        print(f"lone {lone:>5} {case:<12} bf16 {bf16[case]:.4f} s  int4 {int4[case]:.4f} s  int4/bf16 {int4[case] / bf16[case]:.3f}")
+PY
 fi
 
 if [[ $MODE == a3b-fp8-prefill ]]; then  # one GPU (~6 min): where the A3B FP8 cold prefill's time goes

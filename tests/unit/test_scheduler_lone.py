@@ -1,0 +1,94 @@
+"""A lone prompt's chunks (SchedulerConfig.lone_prefill_chunk_size): exact chunks and page ids, back to the usual
+budget as soon as anything else is there, and a usual chunk when the pool has no room for a lone one."""
+
+from __future__ import annotations
+
+import pytest
+
+from longserve.cache.manager import KVCacheManager
+from longserve.config import ConfigError, EngineConfig
+from longserve.request import FinishReason, Request
+from longserve.sampling_params import SamplingParams
+from longserve.sched.scheduler import Scheduler, SchedulerConfig
+
+
+def make(budget=16, lone=40, pages=64, page_size=4):
+    kv = KVCacheManager(pages, page_size, enable_prefix_caching=True)
+    return Scheduler(SchedulerConfig(budget, 8, lone_prefill_chunk_size=lone), kv)
+
+
+def req(rid, n, start=0, max_new=4):
+    return Request(rid, list(range(start, start + n)), SamplingParams(max_new_tokens=max_new))
+
+
+def run_step(s, token=7):
+    out = s.schedule()
+    s.update(out, [token] * sum(x.samples for x in out.scheduled))
+    return [(x.request.request_id, x.num_new_tokens, x.samples) for x in out.scheduled]
+
+
+def test_a_lone_prompt_takes_lone_chunks_and_exact_pages():
+    s = make(budget=16, lone=40, page_size=4)
+    a = req("a", 100)
+    s.add_request(a)
+    assert run_step(s) == [("a", 40, False)]
+    assert a.page_ids == list(range(1, 11))
+    assert run_step(s) == [("a", 40, False)]
+    assert run_step(s) == [("a", 20, True)]
+    assert a.page_ids == list(range(1, 26)) and a.num_computed_tokens == 100
+    s.kv.check_integrity(list(s.running))
+
+
+def test_without_the_setting_the_budget_is_the_usual_one():
+    s = make(budget=16, lone=None)
+    s.add_request(req("a", 40))
+    assert [run_step(s) for _ in range(3)] == [[("a", 16, False)], [("a", 16, False)], [("a", 8, True)]]
+
+
+def test_an_arrival_puts_the_steps_back_to_the_usual_budget():
+    s = make(budget=16, lone=40)
+    s.add_request(req("a", 100))
+    assert run_step(s) == [("a", 40, False)]
+    s.add_request(req("b", 30, 1000))  # waiting beside a's prefill: not lone any more
+    assert run_step(s) == [("a", 16, False)]
+    assert run_step(s) == [("a", 16, False)]
+    assert run_step(s) == [("a", 16, False)]
+    # a's last 12 tokens, then b in what is left of the step
+    assert run_step(s) == [("a", 12, True), ("b", 4, False)]
+
+
+def test_decodes_beside_a_prompt_keep_the_usual_budget_until_they_end():
+    s = make(budget=16, lone=40)
+    a = req("a", 8, max_new=2)
+    s.add_request(a)
+    assert run_step(s) == [("a", 8, True)]  # alone: its whole prompt (under both budgets)
+    s.add_request(req("b", 100, 1000))
+    assert run_step(s) == [("a", 1, True), ("b", 16, False)]  # a decodes: b gets a usual chunk
+    s.finish_request(a, FinishReason.LENGTH)  # its 2 tokens (the engine's stop check)
+    assert run_step(s) == [("b", 40, False)]  # b alone now
+    assert run_step(s) == [("b", 40, False)]
+    assert run_step(s) == [("b", 4, True)]
+
+
+def test_a_pool_with_no_room_for_a_lone_chunk_gives_a_usual_one():
+    s = make(budget=16, lone=40, pages=15, page_size=4)
+    held = req("held", 40, 5000)
+    assert s.kv.allocate(held, 40)  # 10 of 15 pages held outside the scheduler: 5 pages (20 tokens) free
+    a = req("a", 40)
+    s.add_request(a)
+    assert run_step(s) == [("a", 16, False)]  # 40 tokens need 10 pages; 16 need 4
+    assert a.page_ids == [11, 12, 13, 14]
+    s.kv.release(held, cache=False)
+    assert run_step(s) == [("a", 24, True)]  # room again: the rest in one lone chunk
+    s.kv.check_integrity(list(s.running))
+
+
+def test_the_engine_setting_reaches_the_scheduler_and_is_checked():
+    cfg = EngineConfig(
+        model="unused", load_format="dummy", chunked_prefill_size=32, lone_prefill_chunk_size=96
+    )
+    assert SchedulerConfig.from_engine_config(cfg).lone_prefill_chunk_size == 96
+    assert cfg.max_step_prompt_tokens == 96
+    assert EngineConfig(model="unused", load_format="dummy").max_step_prompt_tokens == 8192
+    with pytest.raises(ConfigError, match="lone_prefill_chunk_size must be at least chunked_prefill_size"):
+        EngineConfig(model="unused", load_format="dummy", chunked_prefill_size=32, lone_prefill_chunk_size=16)
