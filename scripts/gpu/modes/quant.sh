@@ -38,7 +38,8 @@
 # (moe_wna16.MOE_WNA16_PREFILL "fused", moe_gemm.INT_ROWS), at the untuned tiles and at tune_moe's, profiled.
 # lone-chunks (one GPU, ~7 min): the A3B cold 8K / 32K in bf16 and int4 (GPTQ g128) with a lone prompt's steps of
 # 8K (the default), 16K and 32K tokens (--lone-prefill-chunk-size): the int4 prefill dequantizes every expert once a
-# step (1.2 GB written a layer; 1.11x bf16 at 32K on an H100 at 4804d36, issue 18: <= 1.1x).
+# step (1.2 GB written a layer; 1.11x bf16 at 32K on an H100 at 4804d36, issue 18: <= 1.1x); then, if time is left,
+# the 8B bf16 cold 32K / 128K at 8K and 32K.
 # a3b-fp8-prefill (one GPU, ~7 min): the A3B cold 32K in bf16 and in block FP8 under the profiler, their top kernels
 # (issue 18: FP8 cold 32K <= 0.85x bf16; 1.14x at 11fea55, the FP8 expert GEMMs ~40% slower than bf16's at prefill
 # sizes where they could be ~2x faster), and in FP8 with the dots at FP8_DOT_MAX_IMPRECISE_ACC 32 after the fp8
@@ -359,6 +360,12 @@ if [[ $MODE == lone-chunks ]]; then  # one GPU (~7 min): the A3B's cold prompts 
       LATENCY_TIMEOUT=110 latency_with a3b_${v}_lone$lone "A3B $v lone $lone" -- --config qwen3-30b-a3b "${dummy[@]}" \
         --repeat 3 ${q[@]+"${q[@]}"} --prompt-lens 8192,32768 --lone-prefill-chunk-size $lone
     done
+  done
+  # a dense model, where the chunk size moved cold 32K / 128K by 0.3% (seventeenth session), if time is left
+  for lone in 8192 32768; do
+    (( SECONDS < 420 )) || { echo "8B lone $lone: skipped (${SECONDS} s in)"; continue; }
+    LATENCY_TIMEOUT=100 latency_with 8b_lone$lone "8B bf16 lone $lone" -- --config llama-3.1-8b "${dummy[@]}" \
+      --repeat 2 --prompt-lens 32768,131072 --lone-prefill-chunk-size $lone
   done
   python3 - "$OUT" <<'PY'
 import json, os, sys
