@@ -13,6 +13,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 pytest.importorskip("triton")
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from longserve.kernels.fused_moe import fused_moe  # noqa: E402
 from longserve.kernels.moe_reference import MoEQuant, fused_moe_ref, route_topk  # noqa: E402
@@ -29,6 +31,7 @@ from longserve.kernels.quant_reference import (  # noqa: E402
     unpack_int_k,
     wna16_gemm_ref,
 )
+from longserve.kernels.quant_tiles import minus_zero  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
@@ -94,6 +97,24 @@ def test_wna16_dequantize_both_kernels_equal_the_reference(bits, group, zp, n, k
     for dtype in (torch.float32, torch.bfloat16):
         ref = dequantize_wna16(qweight, scales, zeros, None, bits, group).to(dtype)
         assert torch.equal(wna16_dequantize(qweight, scales, zeros, None, bits, group, dtype), ref)
+
+
+@triton.jit
+def _minus_zero_kernel(q_ptr, z_ptr, out_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(out_ptr + i, minus_zero(tl.load(q_ptr + i), tl.load(z_ptr + i)))
+
+
+def test_minus_zero_is_q_minus_z_for_every_value() -> None:
+    """quant_tiles.minus_zero, the int weights' q - z from q's bits (no int-to-float conversion): every 8-bit q
+    against every 8-bit zero point and the symmetric 8 and 128, bit for bit as the float subtraction."""
+    q = torch.arange(256, dtype=torch.int32).repeat_interleave(258)
+    z = torch.cat([torch.arange(256, dtype=torch.float32), torch.tensor([8.0, 128.0])]).repeat(256)
+    out = torch.empty(q.numel(), dtype=torch.float32)
+    n = 1 << (q.numel() - 1).bit_length()
+    q, z, out = (torch.nn.functional.pad(t, (0, n - t.numel())) for t in (q, z, out))
+    _minus_zero_kernel[(1,)](q, z, out, N=n)
+    assert torch.equal(out, q.float() - z)
 
 
 def test_wna16_reference_is_the_formula() -> None:
