@@ -156,6 +156,18 @@ def test_kernel_with_table_config_and_out() -> None:
     assert fused_moe(x[:0], w13, w2, weights[:0], ids[:0]).shape == (0, 48)
 
 
+def test_blocks_of_256_rows() -> None:
+    """tune_moe.BLOCK_MS's largest, 256 rows on 8 warps (prefill sizes: fewer weight-tile loads per row), and a
+    down tile of its own: the reference's output."""
+    w13, w2 = make_experts(6, 48, 40, torch.float32)
+    x = torch.randn(300, 48, generator=gen(5))  # [T, H]: 600 pairs, one expert past 256 rows
+    weights, ids = route_topk(make_logits(300, 6, "ragged", seed=6), 2, True)
+    cfg = {"BLOCK_M": 256, "BLOCK_N": 32, "BLOCK_K": 16, "GROUP_M": 1, "num_warps": 8, "num_stages": 1}
+    cfg["down"] = {"BLOCK_N": 16, "BLOCK_K": 32, "GROUP_M": 1, "num_warps": 8, "num_stages": 1}
+    got = fused_moe(x, w13, w2, weights, ids, config=cfg)
+    torch.testing.assert_close(got, fused_moe_ref(x, w13, w2, weights, ids), atol=1e-5, rtol=1e-5)
+
+
 def test_an_unknown_expert_quantization_is_refused() -> None:
     """Quantized experts have their own tests (test_quant_kernels.py); a weight type no kernel has is refused."""
     w13, w2 = make_experts(4, 32, 24, torch.float32)

@@ -198,15 +198,18 @@ def test_prefill_sizes_through_the_int_path_by_rows(group, zp, bits, dtype, monk
     assert paths == ["fused", "fused"]
 
 
-def test_the_int_path_by_rows_off_the_key_tile(monkeypatch) -> None:
+@pytest.mark.parametrize("block_m", [16, 256])
+def test_the_int_path_by_rows_off_the_key_tile(block_m, monkeypatch) -> None:
     """moe_gemm.INT_ROWS where the key tile does not divide K (one group over all of it; 32-column tiles over the
-    down projection's 48): the packed bytes past K masked, the same output bit for bit."""
+    down projection's 48): the packed bytes past K masked, the same output bit for bit; also in blocks of 256 rows
+    on 8 warps (tune_moe.BLOCK_MS's largest)."""
     from longserve.kernels import moe_gemm
 
     w13, w2, quant = int4_experts(0, True, seed=25)
     x = torch.randn(7, H, generator=gen(26)).bfloat16()
     weights, ids = routing(7, 2, seed=27)
-    cfg = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "GROUP_M": 2, "num_warps": 4, "num_stages": 1}
+    cfg = {"BLOCK_M": block_m, "BLOCK_N": 16, "BLOCK_K": 32, "GROUP_M": 2, "num_stages": 1}
+    cfg["num_warps"] = 8 if block_m == 256 else 4
     outs = {}
     for rows in (False, True):
         monkeypatch.setattr(moe_gemm, "INT_ROWS", rows)
