@@ -100,9 +100,10 @@ def store_gemv_out(
 def minus_zero(q, z):
     """q - z in float32, for int32 0 <= q < 2^23 and an integer-valued z (a zero point, or 2^(BITS - 1)), exactly
     q.to(float32) - z without converting: the bits 0x4B000000 | q are the float 2^23 + q, and (2^23 + q) - (2^23 + z)
-    is exact. An SM converts 16 ints to floats a clock, where a 3-input logic op takes 64 and a float add 128: in an
-    sm90 build of the fused MoE kernel's int4 tiles by rows (tune_moe's 128 x 64 x 64, 4 warps, gate and up), the
-    64 I2F a thread a K step are 512 of the conversion unit's clocks, as many as its 16 wgmma take."""
+    is exact (CUTLASS's and AWQ's int4 converters avoid I2F alike). An SM converts 16 ints to floats a clock (the
+    CUDA guide's throughput table), where a 3-input logic op takes 64 and a float add 128: in an sm90 build of the
+    fused MoE kernel's int4 tiles by rows (tune_moe's 128 x 64 x 64, 4 warps, gate and up), the 64 I2F a thread a
+    K step are 512 of the conversion unit's clocks, as many as its 16 wgmma take."""
     return (q | 0x4B000000).to(tl.float32, bitcast=True) - (z + 8388608.0)
 
 
