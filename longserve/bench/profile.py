@@ -1,6 +1,6 @@
 """Where a step's time goes: run a function under torch.profiler and sum device (or, on CPU, leaf-op) time
-per category — MoE experts, GEMM, attention, collectives (all-reduce, all-gather), norm/RoPE/activation, KV
-store, other — against the wall time.
+per category — MoE experts, GEMM, attention, collectives (all-reduce, all-gather), norm/RoPE/activation,
+quantization (weights dequantized, activations quantized), KV store, other — against the wall time.
 `bench latency --profile` records this per case; the collectives share is the tensor-parallel cost.
 `bench latency --host-profile` runs the case once more under cProfile: the Python functions the host spends
 its time in (what keeps a GPU idle between kernels when a step is host-bound).
@@ -32,6 +32,9 @@ CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
         ("gemm", "nvjet", "xmma", "cutlass", "cublas", "aten::mm", "aten::addmm", "aten::bmm", "matmul"),
     ),
     ("norm/rope/act", ("rms_norm", "_rms", "rope", "rotat", "silu", "layer_norm")),
+    # weights dequantized (the int4 prefill's experts, 139 of the A3B's cold 32K ms on an H100, thirty-seventh
+    # session, had counted as "other") and activations quantized; the fused SiLU + quantization stays above
+    ("quant", ("dequant", "quant_kernel", "quantize")),
     ("kv store", ("index_put", "scatter", "store_kv", "kv_store", "index_copy")),
     ("sampling", ("argmax", "softmax", "sort", "topk", "multinomial", "exponential")),
 )

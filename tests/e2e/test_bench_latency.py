@@ -169,6 +169,9 @@ def test_categorize_kernel_names():
     assert categorize("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16") == "attention"
     assert categorize("_extend_kernel") == "attention"
     assert categorize("_rms_norm_kernel") == "norm/rope/act"
+    assert categorize("_wna16_dequant_rows_kernel") == categorize("_group_quant_kernel") == "quant"
+    assert categorize("_silu_and_mul_quant_kernel") == "norm/rope/act"
+    assert categorize("_wna16_gemm_kernel") == "gemm"
     assert categorize("void at::native::elementwise_kernel<128, 2>") == "other"
 
 
