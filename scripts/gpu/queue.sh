@@ -10,7 +10,7 @@ cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/longserve-out}
 budget=${QUEUE_SECONDS:-570}
 declare -A MINUTES=([tests]=7 [gemv-tune]=6 [short-plans]=4 [piecewise]=6 [fp8-acc]=8
-                    [moe-grouped]=5 [vllm]=9 [quant-bench]=8 [tune-int-moe]=6 [raw-hi]=4 [pdl]=5 [decode-splits]=3 [decode-tile]=5 [silu-quant]=3
+                    [moe-grouped]=5 [vllm]=9 [quant-bench]=8 [tune-int-moe]=6 [tune-moe-tables]=8 [raw-hi]=4 [pdl]=5 [decode-splits]=3 [decode-tile]=5 [silu-quant]=3
                     [serial-reduce]=3 [pdl-moe]=6 [hit-pdl]=4 [dense-gemm]=4 [decode-merge]=3 [fp8-moe-gemv]=2
                     [hit-attention]=1 [hit-regs]=4 [hit-packed]=4 [hit-host]=2 [hit-profile]=3 [hit-fa3]=3 [hit-tiles]=5 [hit-cudnn-graph]=4 [hit-merge]=3 [gemm-tunable]=1 [hit-context]=6 [hit-ragged]=2 [chunks]=6 [paged-cudnn]=4 [chunk-decodes]=4 [prompt-step]=4 [fa3]=2 [gluon]=4 [gluon-ncu]=3 [fa3-engine]=6 [gluon-extend]=3 [int4-mma]=5 [int4-mma-decode]=6 [int4-mma-moe]=7 [fp8-wgmma]=8 [fp8-wgmma-moe]=5 [kvfp8-f16]=7 [int4-reps2]=4 [int4-profile]=3 [fp8-block-decode]=5 [gemv-prefetch]=5 [int4-wave]=5 [fp8-profile]=2 [int4-dequant]=7 [int4-fused-prefill]=6 [lone-chunks]=7 [a3b-fp8-prefill]=7 [fp8-gated]=8 [tune-fp8-moe-acc32]=7 [fp8-acc-quality]=4 [int4-tma]=7 [int4-ncu]=2 [tma-stream]=1 [int4-slots]=5 [int4-gated]=6 [int4-ahead]=8 [fp8-ahead]=5 [ahead-decodes]=5 [early-loads]=5 [b1-stack]=3 [norm-epilogue]=6 [norm-profile]=4)  # measured or estimated per mode, on an H200
 # (2026-12-03: pdl 294 s, decode-splits 127 s, vllm 367 s, quant-bench 431 s, silu-quant 129 s, dense-gemm 143 s,

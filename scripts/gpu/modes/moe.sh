@@ -19,6 +19,11 @@
 # fp8-moe-gemv (one GPU, ~2 min): the block-FP8 experts through the routed GEMVs at decode sizes
 # (fused_moe.FP8_MOE_GEMV_MAX_TOKENS, 8 since 854fbd1 was measured): their GPU test (the A3B shape at 1 / 4 / 16
 # tokens, both paths' times), then the A3B FP8 decode at batch 1 (32K) and 8 (4K), off and on, one process each.
+# tune-moe-tables (one GPU, ~8 min): this GPU's own MoE tables for the A3B shape (a GPU with none reads its
+# architecture's reference part's, the H200's: `moe_config.ARCH_TABLE_DEVICES`), written by tune_moe into the
+# package and tarred into $OUT (moe_configs_tuned.tgz) to be committed: bf16 at decode sizes and, with 256-row blocks
+# among the candidates since the thirty-seventh session, at prefill sizes; block FP8 at prefill sizes; int8 at decode
+# sizes. The A3B bf16 and FP8 cold 8K / 32K and the bf16 decode at batch 1 (32K) before and after.
 # shellcheck shell=bash
 
 if [[ $MODE == fusions-a3b ]]; then  # one GPU: the Qwen3-30B-A3B shape's decode (q/k norm, launch-bound at
@@ -120,4 +125,24 @@ if [[ $MODE == fp8-moe-gemv ]]; then  # one GPU (~5 min): the FP8 experts' route
       longserve.kernels.fused_moe.FP8_MOE_GEMV_MAX_TOKENS=$limit -- --config qwen3-30b-a3b "${dummy[@]}" --repeat 3 \
       --hf-overrides "$fp8" --decode-batch-sizes 1@32768,8@4096
   done
+fi
+
+if [[ $MODE == tune-moe-tables ]]; then  # one GPU (~8 min): this GPU's own A3B MoE tables, timed before and after
+  a3b_runs() {  # $1: before | after
+    LATENCY_TIMEOUT=100 latency_with a3b_bf16_$1 "A3B bf16 $1" -- --config qwen3-30b-a3b "${dummy[@]}" --repeat 2 \
+      --prompt-lens 8192,32768 --decode-batch-sizes 1@32768
+    LATENCY_TIMEOUT=100 latency_with a3b_fp8_$1 "A3B FP8 $1" -- --config qwen3-30b-a3b "${dummy[@]}" --repeat 2 \
+      --hf-overrides "$fp8" --prompt-lens 8192,32768
+  }
+  a3b_runs before
+  shape=(--num-experts 128 --top-k 8 --hidden 2048 --intermediate 768)
+  for args in "--batch-sizes 1,2,4,8,16,32,64 --space quick" "--batch-sizes 2048,8192 --space prefill" \
+      "--weights fp8_e4m3 --fp8-block 128 --batch-sizes 2048,8192 --space fp8-prefill" \
+      "--weights int8 --batch-sizes 1,8,64"; do
+    # shellcheck disable=SC2086  # args is several options
+    timeout 240 python3 -m longserve.kernels.tune_moe "${shape[@]}" $args 2>&1 | tee -a "$OUT/tune_moe_tables.log" \
+      | tr '\r' '\n' | grep -E "^T=|wrote|Error" || status=1
+  done
+  tar czf "$OUT/moe_configs_tuned.tgz" longserve/kernels/moe_configs 2>/dev/null
+  a3b_runs after
 fi
