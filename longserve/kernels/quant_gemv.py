@@ -10,8 +10,8 @@ the Llama-3.1-8B gate_up projection is ~14 us on an H200). The design, for that 
   is loaded as bytes contiguous along K (each row of the layout is contiguous), which Triton turns into 16-byte
   vector loads per thread (no K mask unless K is not a multiple of BLOCK_K: EVEN_K).
 - The nibbles are unpacked in registers (low, high: `tl.join` + reshape back to K order) and turned into
-  floats without an int -> float conversion (those run at a quarter of the FMA rate): q | 0x4B000000 read as
-  float32 is 2^23 + q exactly, and subtracting 2^23 + z gives q - z exactly.
+  floats without an int -> float conversion (16 a clock an SM, an eighth of the float add's rate):
+  quant_tiles.minus_zero reads q | 0x4B000000 as float32, 2^23 + q exactly, and subtracts 2^23 + z.
 - Scales (and zero points) are loaded once per tile per row, not per element: a tile lies within one group
   (BLOCK_K divides the group size), so sum_k (q - z) s x = s * sum_k (q - z) x, and the scale multiplies the
   tile's [BLOCK_M, BLOCK_N] partial sums. Act order (g_idx) and groups that are not a multiple of 16 take the
@@ -55,7 +55,7 @@ from longserve.kernels.gemv_tables import tuned_gemv_config
 from longserve.kernels.int4_gemv import int4_fast_block_n, int4_fast_supported, int4_gemv_kernel
 from longserve.kernels.launch import pdl_prologue, use_pdl
 from longserve.kernels.quant_reference import wna16_gemm_ref
-from longserve.kernels.quant_tiles import rounded, store_gemv_out
+from longserve.kernels.quant_tiles import minus_zero, rounded, store_gemv_out
 from longserve.kernels.split_k import split_k_outputs, splits_for
 
 __all__ = [
@@ -100,7 +100,6 @@ INT4_MMA_GATED = True
 # int4-mma-moe`); at one row the dense projections lost above.
 INT4_MMA_ROUTED = False
 GEMV_MAX_BLOCK_M = 64  # the largest M the kernel takes (tl.dot path); beyond it quant_gemm's kernels serve
-_MAGIC = tl.constexpr(8388608.0)  # 2^23: float32 with bits 0x4B000000 | q equals 2^23 + q for 0 <= q < 2^23
 
 
 @triton.jit
@@ -157,7 +156,6 @@ def _wna16_gemv_kernel(
             q = tl.reshape(tl.join(pi & MASK, (pi >> 4) & MASK), [BLOCK_N, BLOCK_K])
         else:
             q = pi & MASK
-        qf = (q | 0x4B000000).to(tl.float32, bitcast=True)  # 2^23 + q, exactly
         if SCALE_PER_COL:  # every column its own group (act order, or groups not a multiple of 16)
             if HAS_GIDX:
                 grp = tl.load(g_ptr + cols, mask=k_ok, other=0)
@@ -173,7 +171,7 @@ def _wna16_gemv_kernel(
                 )
             else:
                 z = 2.0 ** (BITS - 1)
-            w = (qf - (_MAGIC + z)) * s  # [BLOCK_N, BLOCK_K] float32, the dequantized weights
+            w = minus_zero(q, z) * s  # [BLOCK_N, BLOCK_K] float32, the dequantized weights
             if USE_DOT and not INTERPRET:
                 w_dot = w.to(x_ty)  # rounded to x's dtype, as the reference
             else:
@@ -188,7 +186,7 @@ def _wna16_gemv_kernel(
                 z = tl.load(z_ptr + offs_n * stride_zn + grp, mask=n_mask, other=0).to(tl.float32)[:, None]
             else:
                 z = 2.0 ** (BITS - 1)
-            w = qf - (_MAGIC + z)  # q - z, exactly: integers of at most 9 bits
+            w = minus_zero(q, z)  # q - z, exactly: integers of at most 9 bits
             if USE_DOT and not INTERPRET:
                 w_dot = w.to(x_ty)  # exact in bf16/fp16
             else:
