@@ -334,32 +334,36 @@ def test_get_moe_config_table_and_default(tmp_path, monkeypatch: pytest.MonkeyPa
 def test_a_gpu_without_tables_reads_its_architectures_reference_part(
     monkeypatch: pytest.MonkeyPatch, caplog
 ) -> None:
-    """On an H100 (no tables shipped for it) the A3B FP8 experts take the H200's shipped prefill tiles (an sm90
-    part's: 1.509 -> 1.266 s of the cold 32K on an H100 against the defaults, moe_config.ARCH_TABLE_DEVICES);
-    a part of another architecture keeps the defaults."""
+    """On an H100 the A3B bf16 experts (no H100 table shipped) take the H200's shipped decode tiles (an sm90
+    part's, moe_config.ARCH_TABLE_DEVICES: the A3B FP8 cold 32K went 1.509 -> 1.266 s on an H100 with the H200's
+    FP8 table against the defaults), while its FP8 experts read the H100's own table; a part of another
+    architecture keeps the defaults."""
     from longserve.kernels import moe_config
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setattr(moe_config, "current_device_name", lambda index=None: "NVIDIA_H100_80GB_HBM3")
     monkeypatch.setattr(moe_config, "current_capability", lambda index=None: (9, 0))
-    args = (128, 768, 2048, 8, torch.bfloat16, 8192)
-    shipped = json.loads(
-        (CONFIG_DIR / config_file_name(128, 768, "NVIDIA_H200", torch.bfloat16, "fp8_e4m3")).read_text()
-    )
+    args = (128, 768, 2048, 8, torch.bfloat16, 64)
+
+    def shipped(device, weights):
+        name = config_file_name(128, 768, device, torch.bfloat16, weights)
+        return json.loads((CONFIG_DIR / name).read_text())
+
     assert moe_config.table_devices() == ("NVIDIA_H100_80GB_HBM3", "NVIDIA_H200")
     moe_config._note_borrowed.cache_clear()
     with caplog.at_level(logging.INFO, logger="longserve.kernels.moe_config"):
-        assert get_moe_config(*args, weights="fp8_e4m3") == shipped["8192"] != default_moe_config(*args)
+        assert get_moe_config(*args) == shipped("NVIDIA_H200", None)["64"] != default_moe_config(*args)
     assert (
         "(NVIDIA_H100_80GB_HBM3): reading" in caplog.text
-        and "device_name=NVIDIA_H200,dtype=fp8_e4m3" in caplog.text
+        and "device_name=NVIDIA_H200,dtype=bfloat16" in caplog.text
     )
-    assert get_moe_config(*args, "NVIDIA_H100_80GB_HBM3", weights="fp8_e4m3") == default_moe_config(
-        *args
-    )  # named
+    assert get_moe_config(*args, "NVIDIA_H100_80GB_HBM3") == default_moe_config(*args)  # named
+    fp8 = (*args[:-1], 8192)
+    own = shipped("NVIDIA_H100_80GB_HBM3", "fp8_e4m3")["8192"]
+    assert get_moe_config(*fp8, weights="fp8_e4m3") == own != shipped("NVIDIA_H200", "fp8_e4m3")["8192"]
     monkeypatch.setattr(moe_config, "current_capability", lambda index=None: (12, 0))
     assert moe_config.table_devices() == ("NVIDIA_H100_80GB_HBM3",)
-    assert get_moe_config(*args, weights="fp8_e4m3") == default_moe_config(*args)
+    assert get_moe_config(*args) == default_moe_config(*args)
 
 
 def test_no_host_reads(monkeypatch: pytest.MonkeyPatch) -> None:
