@@ -102,9 +102,9 @@ class EngineConfig:
     chunked_prefill_size: int = 8192
     max_prefill_chunk: int | None = None  # per-request cap per step; None: the whole budget
     # a step's prompt tokens while one request's prompt is all the work there is (no decodes, nothing waiting;
-    # sched/scheduler.py), at least chunked_prefill_size; None: chunked_prefill_size. A quantized MoE's prefill
-    # dequantizes every expert once a step (the A3B int4: 1.2 GB written a layer), which fewer chunks do fewer
-    # times; a dense model's cold 32K / 128K moved by 0.3% between chunks of 8K and 32K (RESULTS.md, H200)
+    # sched/scheduler.py), at least chunked_prefill_size (equal: off); None: the model's choice
+    # (runner/step_tokens.py: 32768 where the weights are dequantized once a step, as GPTQ / AWQ / W4A16 ones
+    # are at prefill sizes; else chunked_prefill_size)
     lone_prefill_chunk_size: int | None = None
     max_running_requests: int = 256
     # the most top logprobs a request may ask for, per generated token (logprobs) and per prompt position
@@ -390,9 +390,3 @@ class EngineConfig:
     @property
     def tokenizer_path(self) -> str:
         return self.tokenizer or self.model
-
-    @property
-    def max_step_prompt_tokens(self) -> int:
-        """The most prompt tokens one step holds (a lone prompt's chunk, else a usual step's): what warm-up
-        compiles and plans for."""
-        return max(self.chunked_prefill_size, self.lone_prefill_chunk_size or 0)

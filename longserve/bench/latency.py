@@ -27,6 +27,7 @@ from longserve.bench.latency_cases import Measure, bench_engine, free_memory, lo
 from longserve.bench.latency_plan import decode_cases, dtype_bytes, graph_plan, plan, read_model_config
 from longserve.bench.report import report, run_metadata
 from longserve.bench.roofline import attach_floors, card_peaks
+from longserve.runner.step_tokens import max_step_prompt_tokens
 
 if TYPE_CHECKING:
     from longserve.config import EngineConfig
@@ -245,7 +246,9 @@ def run_from_args(
         records,
         cfg,
         dtype_bytes(config, cfg),
-        config.max_step_prompt_tokens,  # each case's prompt runs alone
+        # each case's prompt runs alone, in the engine's steps (a probe's meta may not say: the configured ones)
+        engine_meta.get("max_step_prompt_tokens")
+        or max_step_prompt_tokens(config, config.lone_prefill_chunk_size),
         config.tp_size,
         getattr(args, "peak_tflops", None) or card_tflops,
         getattr(args, "peak_gbps", None) or card_gbps,

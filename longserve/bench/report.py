@@ -59,7 +59,8 @@ def run_metadata(
         load_format=config.load_format,
         page_size=config.page_size,
         chunked_prefill_size=config.chunked_prefill_size,
-        lone_prefill_chunk_size=config.lone_prefill_chunk_size,
+        # the engine's, as resolved for the model (engine_meta), else the configured one
+        lone_prefill_chunk_size=engine_meta.get("lone_prefill_chunk_size", config.lone_prefill_chunk_size),
         cuda_graph_max_bs=config.cuda_graph_max_bs,
         piecewise_cuda_graph_max_tokens=config.piecewise_cuda_graph_max_tokens,
         seed=config.seed,

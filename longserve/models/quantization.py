@@ -23,6 +23,9 @@ class QuantizeMethod(ABC):
     parameters and compute with them; a layer stores its method as `quant_method`."""
 
     name: ClassVar[str]
+    # its prefill writes the weights out in the activations' dtype once a step (the integer formats' dequantize,
+    # then GEMM, path at prefill sizes): fewer, larger steps do that fewer times (runner/step_tokens.py)
+    dequantizes_each_step: ClassVar[bool] = False
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:  # noqa: B027 (optional hook)
         """Called once after every weight is loaded (from a checkpoint or dummy): where a quantized method
@@ -35,6 +38,12 @@ def process_weights_after_loading(model: nn.Module) -> None:
         method = getattr(module, "quant_method", None)
         if isinstance(method, QuantizeMethod):
             method.process_weights_after_loading(module)
+
+
+def dequantizes_each_step(model: nn.Module) -> bool:
+    """Whether some layer's method writes its weights out once a step at prefill sizes."""
+    methods = (getattr(m, "quant_method", None) for m in model.modules())
+    return any(isinstance(q, QuantizeMethod) and q.dequantizes_each_step for q in methods)
 
 
 def quantization_method(hf_config: Any) -> str:

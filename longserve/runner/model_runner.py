@@ -37,6 +37,7 @@ from longserve.runner.inputs import StepInputs, build_step, split_step, to_model
 from longserve.runner.pooling import pooled_output
 from longserve.runner.sample_step import StepSampler
 from longserve.runner.sampled import SampledStep, StepLogits
+from longserve.runner.step_tokens import max_step_prompt_tokens, resolve_lone_prefill_chunk
 from longserve.runner.warm_up import WarmUp, freeze_heap, unfreeze_heap, warm_up
 
 logger = logging.getLogger("longserve.runner")
@@ -85,6 +86,9 @@ class ModelRunner:
             seed=config.seed,
             pooler=self.pooler,
         )
+        # a lone prompt's step (the scheduler's) and the largest step (warm-up's): the model may choose
+        self.lone_prefill_chunk_size = resolve_lone_prefill_chunk(config, self.model)
+        self.max_step_prompt_tokens = max_step_prompt_tokens(config, self.lone_prefill_chunk_size)
         # what the KV pages hold: the model's dtype, or e4m3 for --kv-cache-dtype fp8 (half the bytes)
         self.kv_dtype = kv_storage_dtype(config.kv_cache_dtype, self.dtype)
         self.num_pages = self._num_pages()
@@ -137,7 +141,7 @@ class ModelRunner:
             broadcast_object(WarmUp(counts))
         if self.device.type == "cuda" or counts is not None:
             warm_up(self.model, self.backend, self.kv_cache, self._graph_shape(),
-                    self.config.max_step_prompt_tokens, counts)  # fmt: skip
+                    self.max_step_prompt_tokens, counts)  # fmt: skip
             self.heap_frozen = freeze_heap() or self.heap_frozen
 
     def _set_kv_scales(self) -> None:

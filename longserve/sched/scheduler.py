@@ -81,16 +81,22 @@ class SchedulerConfig:
     context_length: int | None = None  # a request ends when it has this many tokens (the runner's limit)
 
     @classmethod
-    def from_engine_config(cls, config: EngineConfig, context_length: int | None = None) -> SchedulerConfig:
+    def from_engine_config(
+        cls,
+        config: EngineConfig,
+        context_length: int | None = None,
+        lone_prefill_chunk_size: int | None = None,
+    ) -> SchedulerConfig:
         """The scheduler's settings, all derived here from the engine's (the one place that does);
-        context_length: the runner's, resolved against the KV pool."""
+        context_length and lone_prefill_chunk_size: the runner's, resolved against the KV pool and the model
+        (runner/step_tokens.py)."""
         short = config.schedule_policy == "short-first"
         share = max(1, config.chunked_prefill_size // SHORT_PREFILL_DIVISOR) if short else 0
         return cls(
             token_budget=config.chunked_prefill_size,
             max_running_requests=config.max_running_requests,
             max_prefill_chunk=config.max_prefill_chunk,
-            lone_prefill_chunk_size=config.lone_prefill_chunk_size,
+            lone_prefill_chunk_size=lone_prefill_chunk_size,
             short_prefill_tokens=share,
             admit_tokens_beside_decodes=share,
             context_length=context_length,

@@ -196,6 +196,38 @@ def test_the_llm_api_serves_a_quantized_checkpoint(gptq_ckpt):
         llm.engine.check_integrity()
 
 
+def test_a_dequantizing_model_takes_larger_lone_steps(float_ckpt, gptq_ckpt):
+    """Integer weights are dequantized once a step at prefill sizes, so a lone prompt of such a model takes
+    steps of 32K tokens unless configured (runner/step_tokens.py); a float one keeps the usual budget, a
+    configured size wins, and the tokens are those of the usual steps."""
+    greedy = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    ids = list(range(5, 105))
+    outs = {}
+    for name, path, kw, lone in [
+        ("float", float_ckpt, {}, None),
+        ("gptq-set", gptq_ckpt, {"lone_prefill_chunk_size": 16}, 16),
+        ("gptq", gptq_ckpt, {}, 32768),
+        ("gptq-large-steps", gptq_ckpt, {"chunked_prefill_size": 32768}, None),
+    ]:
+        with LLM(path, dtype="float32", device="cpu", max_total_tokens=512, **kw,
+                 **({} if "chunked_prefill_size" in kw else {"chunked_prefill_size": 16})) as llm:  # fmt: skip
+            assert llm.engine.scheduler.config.lone_prefill_chunk_size == lone, name
+            assert llm.engine.runner.max_step_prompt_tokens == max(lone or 0, llm.config.chunked_prefill_size)
+            steps = []
+            schedule = llm.engine.scheduler.schedule
+
+            def recorded(schedule=schedule, steps=steps):
+                out = schedule()
+                steps.extend(x.num_new_tokens for x in out.scheduled if not x.request.output_token_ids)
+                return out
+
+            llm.engine.scheduler.schedule = recorded
+            outs[name] = llm.generate([ids], greedy)[0].token_ids
+            llm.engine.check_integrity()
+        assert steps == ([100] if name in ("gptq", "gptq-large-steps") else [16] * 6 + [4]), (name, steps)
+    assert outs["gptq"] == outs["gptq-set"] == outs["gptq-large-steps"]
+
+
 def test_w8a8_layers_compute_what_compressed_tensors_computes(tmp_path):
     """Given the same input, each projection of a compressed-tensors W8A8 model (INT8 and FP8, dynamic and
     static activation scales) equals the library's own quantized forward in transformers."""

@@ -8,6 +8,7 @@ import pytest
 from longserve.cache.manager import KVCacheManager
 from longserve.config import ConfigError, EngineConfig
 from longserve.request import FinishReason, Request
+from longserve.runner.step_tokens import max_step_prompt_tokens
 from longserve.sampling_params import SamplingParams
 from longserve.sched.scheduler import Scheduler, SchedulerConfig
 
@@ -87,8 +88,8 @@ def test_the_engine_setting_reaches_the_scheduler_and_is_checked():
     cfg = EngineConfig(
         model="unused", load_format="dummy", chunked_prefill_size=32, lone_prefill_chunk_size=96
     )
-    assert SchedulerConfig.from_engine_config(cfg).lone_prefill_chunk_size == 96
-    assert cfg.max_step_prompt_tokens == 96
-    assert EngineConfig(model="unused", load_format="dummy").max_step_prompt_tokens == 8192
+    assert SchedulerConfig.from_engine_config(cfg, None, 96).lone_prefill_chunk_size == 96
+    assert max_step_prompt_tokens(cfg, 96) == 96
+    assert max_step_prompt_tokens(EngineConfig(model="unused", load_format="dummy"), None) == 8192
     with pytest.raises(ConfigError, match="lone_prefill_chunk_size must be at least chunked_prefill_size"):
         EngineConfig(model="unused", load_format="dummy", chunked_prefill_size=32, lone_prefill_chunk_size=16)

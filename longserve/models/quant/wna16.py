@@ -202,6 +202,9 @@ class WNA16LinearMethod(LinearMethod):
     """A linear layer with integer weights; the Triton W4A16/W8A16 GEMM on CUDA, its reference elsewhere."""
 
     name = "wna16"
+    dequantizes_each_step = (
+        True  # from WNA16_DEQUANT_MIN_TOKENS rows (kernels/quant_gemm.py; the reference too)
+    )
 
     def __init__(self, scheme: IntScheme) -> None:
         self.scheme = scheme
@@ -299,6 +302,9 @@ class WNA16MoEMethod(MoEMethod):
     Per expert, w13 stacks the gate and up projections along N, as the float experts do."""
 
     name = "wna16"
+    # every expert at prefill sizes (kernels/moe_wna16.py: MOE_WNA16_PREFILL "dequant", the default measured
+    # faster than the fused int path: RESULTS.md, thirty-seventh and thirty-eighth sessions)
+    dequantizes_each_step = True
 
     def __init__(self, scheme: IntScheme) -> None:
         self.scheme = scheme

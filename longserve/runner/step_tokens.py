@@ -1,0 +1,44 @@
+"""How many prompt tokens a lone prompt's step takes (ModelRunner, once the model is built): the configured
+lone_prefill_chunk_size, else the model's own choice; and the largest step, which warm-up plans for."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from longserve.config import EngineConfig
+
+if TYPE_CHECKING:  # kept free of torch: bench latency's floors use max_step_prompt_tokens
+    from torch import nn
+
+logger = logging.getLogger("longserve.runner")  # the runner's logger: its start-up lines stay under one name
+
+# A lone prompt's step, when not configured, for a model whose prefill dequantizes its weights once a step.
+# Measured on an H100 in one call (RESULTS.md, thirty-eighth session, 3352078), cold 32K in steps of 8K / 16K /
+# 32K: the Qwen3-30B-A3B shape in int4 (GPTQ g128) 1.240 / 1.160 / 1.111 s, in bf16 1.121 / 1.101 / 1.088 s; the
+# Llama-3.1-8B shape in bf16 1.213 -> 1.199 s (32K) and 10.28 -> 10.23 s (128K) in steps of 32K. Only the
+# dequantizing model gains more than an arrival loses by waiting behind a 32K step, so only it takes one.
+DEQUANT_LONE_PREFILL_CHUNK = 32768
+
+
+def resolve_lone_prefill_chunk(config: EngineConfig, model: nn.Module) -> int | None:
+    """config.lone_prefill_chunk_size when set, else DEQUANT_LONE_PREFILL_CHUNK for a model whose weights are
+    dequantized each step (models/quantization.py), else None (the usual budget)."""
+    from longserve.models.quantization import dequantizes_each_step
+
+    if config.lone_prefill_chunk_size is not None:
+        return config.lone_prefill_chunk_size
+    if dequantizes_each_step(model) and config.chunked_prefill_size < DEQUANT_LONE_PREFILL_CHUNK:
+        logger.info(
+            "a lone prompt takes steps of %s tokens: this model's weights are dequantized once a step "
+            "(--lone-prefill-chunk-size %s keeps the usual budget)",
+            f"{DEQUANT_LONE_PREFILL_CHUNK:,}",
+            config.chunked_prefill_size,
+        )
+        return DEQUANT_LONE_PREFILL_CHUNK
+    return None
+
+
+def max_step_prompt_tokens(config: EngineConfig, lone_prefill_chunk_size: int | None) -> int:
+    """The most prompt tokens one step holds (a lone prompt's, else a usual step's)."""
+    return max(config.chunked_prefill_size, lone_prefill_chunk_size or 0)
