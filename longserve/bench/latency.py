@@ -27,7 +27,6 @@ from longserve.bench.latency_cases import Measure, bench_engine, free_memory, lo
 from longserve.bench.latency_plan import decode_cases, dtype_bytes, graph_plan, plan, read_model_config
 from longserve.bench.report import report, run_metadata
 from longserve.bench.roofline import attach_floors, card_peaks
-from longserve.runner.step_tokens import max_step_prompt_tokens
 
 if TYPE_CHECKING:
     from longserve.config import EngineConfig
@@ -246,13 +245,13 @@ def run_from_args(
         records,
         cfg,
         dtype_bytes(config, cfg),
-        # each case's prompt runs alone, in the engine's steps (a probe's meta may not say: the configured ones)
-        engine_meta.get("max_step_prompt_tokens")
-        or max_step_prompt_tokens(config, config.lone_prefill_chunk_size),
+        config.chunked_prefill_size,
         config.tp_size,
         getattr(args, "peak_tflops", None) or card_tflops,
         getattr(args, "peak_gbps", None) or card_gbps,
         measured_bytes(engine_meta, config.tp_size),
+        # each case's prompt runs alone, in the engine's lone steps (a probe's meta may not say: the configured)
+        lone=engine_meta.get("lone_prefill_chunk_size", config.lone_prefill_chunk_size),
     )
     for line in floors:
         log(line)

@@ -20,6 +20,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from longserve.sched.lone import bounded_lone_chunk
+
 H200_PEAK_TFLOPS = 770.0  # measured bf16 dense GEMM ceiling (benchmarks/RESULTS.md)
 H200_PEAK_GBPS = 4200.0  # measured HBM bandwidth
 # An H100 (SXM, HBM3) has the H200's chip and clocks (the same GEMM ceiling) and less bandwidth: a device copy on one
@@ -186,11 +188,14 @@ def step_cost(costs: ModelCosts, requests: list[tuple[int, int]], sampled: int) 
     return StepCost(flops=flops, bytes=layer_bytes + head * costs.itemsize + kv)
 
 
-def prefill_steps(prefix: int, new: int, chunk: int) -> list[tuple[int, int, bool]]:
-    """(prefix, tokens, samples) of each chunk of a prompt's prefill: the last one samples."""
+def prefill_steps(prefix: int, new: int, chunk: int, lone: int | None = None) -> list[tuple[int, int, bool]]:
+    """(prefix, tokens, samples) of each chunk of a prompt's prefill, the prompt alone: chunks of `chunk`, or
+    the scheduler's lone chunks (sched/lone.py) when `lone` is set; the last one samples."""
     steps, done = [], 0
     while done < new:
-        take = min(chunk, new - done)
+        take = min(max(chunk, lone or 0), new - done)
+        if take > chunk:
+            take = bounded_lone_chunk(take, prefix + done, lone, chunk)
         steps.append((prefix + done, take, done + take == new))
         done += take
     return steps
@@ -203,6 +208,7 @@ def case_floor(
     gpus: int = 1,
     peak_tflops: float = H200_PEAK_TFLOPS,
     peak_gbps: float = H200_PEAK_GBPS,
+    lone: int | None = None,
 ) -> dict[str, Any] | None:
     """The floor of a latency record (cold, prefix_hit: its TTFT in seconds; decode: one step's seconds),
     with its FLOPs, bytes, which bound it and the measured/floor ratio; None for a skipped case."""
@@ -217,7 +223,9 @@ def case_floor(
     else:
         prefix = record.get("cached_tokens", 0) if case == "prefix_hit" else 0
         new = record["prompt_len"] - prefix
-        steps = [step_cost(costs, [(p, n)], int(last)) for p, n, last in prefill_steps(prefix, new, chunk)]
+        steps = [
+            step_cost(costs, [(p, n)], int(last)) for p, n, last in prefill_steps(prefix, new, chunk, lone)
+        ]
         measured = record.get("ttft_s")
     flops, nbytes = sum(s.flops for s in steps), sum(s.bytes for s in steps)
     seconds = sum(s.seconds(peak_tflops, peak_gbps, gpus) for s in steps)
@@ -247,15 +255,17 @@ def attach_floors(
     peak_tflops: float,
     peak_gbps: float,
     measured_bytes: tuple[float, float] | None = None,
+    lone: int | None = None,
 ) -> list[str]:
     """Set each record's "floor" (case_floor); one log line per case that ran. measured_bytes: (weight bytes,
-    KV bytes per token) of the engine that ran, all ranks together (with_measured_bytes)."""
+    KV bytes per token) of the engine that ran, all ranks together (with_measured_bytes); chunk and lone: the
+    engine's usual and lone steps (sched/lone.py)."""
     costs = model_costs(cfg, itemsize)
     if measured_bytes is not None:
         costs = with_measured_bytes(costs, *measured_bytes)
     lines = []
     for rec in records:
-        floor = case_floor(rec, costs, chunk, gpus, peak_tflops, peak_gbps)
+        floor = case_floor(rec, costs, chunk, gpus, peak_tflops, peak_gbps, lone)
         rec["floor"] = floor
         if floor is None:
             continue

@@ -4,12 +4,11 @@ lone_prefill_chunk_size, else the model's own choice; and the largest step, whic
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+
+from torch import nn
 
 from longserve.config import EngineConfig
-
-if TYPE_CHECKING:  # kept free of torch: bench latency's floors use max_step_prompt_tokens
-    from torch import nn
+from longserve.models.quantization import dequantizes_each_step
 
 logger = logging.getLogger("longserve.runner")  # the runner's logger: its start-up lines stay under one name
 
@@ -24,8 +23,6 @@ DEQUANT_LONE_PREFILL_CHUNK = 32768
 def resolve_lone_prefill_chunk(config: EngineConfig, model: nn.Module) -> int | None:
     """config.lone_prefill_chunk_size when set, else DEQUANT_LONE_PREFILL_CHUNK for a model whose weights are
     dequantized each step (models/quantization.py), else None (the usual budget)."""
-    from longserve.models.quantization import dequantizes_each_step
-
     if config.lone_prefill_chunk_size is not None:
         return config.lone_prefill_chunk_size
     if dequantizes_each_step(model) and config.chunked_prefill_size < DEQUANT_LONE_PREFILL_CHUNK:

@@ -11,7 +11,8 @@ out, the most recently admitted request not yet scheduled this step is preempted
 pages are released (its computed full pages stay in the prefix cache) and it goes back to the front
 of the queue. A prompt that is all the work there is (no decodes, nothing waiting) may take
 `lone_prefill_chunk_size` tokens a step instead (fewer steps, each paying its fixed costs once: a quantized
-MoE dequantizes every expert a step); the pool short of pages for that, a usual chunk.
+MoE dequantizes every expert a step), fewer past that many computed tokens (sched/lone.py: no more attention
+work a step than the first lone chunk's); the pool short of pages for that, a usual chunk.
 
 Short prefills first (`short_prefill_tokens` > 0, the engine's "short-first" policy): while a long prompt
 is being prefilled chunk by chunk, a waiting request with at most that many tokens left to compute once its
@@ -43,6 +44,7 @@ from typing import TYPE_CHECKING
 from longserve.cache.manager import KVCacheManager
 from longserve.outputs import ScheduledRequest, SchedulerOutput
 from longserve.request import FinishReason, Request, RequestStatus
+from longserve.sched.lone import bounded_lone_chunk
 
 if TYPE_CHECKING:
     from longserve.config import EngineConfig
@@ -172,10 +174,13 @@ class Scheduler:
         return n
 
     def _fit(self, req: Request, n: int) -> int:
-        """A lone prompt's chunk (past token_budget) allocated now if the pool has room, else a usual step's
-        chunk, which the caller allocates as any other."""
-        if n > self.config.token_budget and not self.kv.allocate(req, n):
-            return self._chunk(req, self.config.token_budget)
+        """A lone prompt's chunk (past token_budget), bounded by its computed tokens (sched/lone.py), allocated
+        now if the pool has room, else a usual step's chunk, which the caller allocates as any other."""
+        budget = self.config.token_budget
+        if n > budget:
+            n = bounded_lone_chunk(n, req.num_computed_tokens, self.config.lone_prefill_chunk_size, budget)
+            if n > budget and not self.kv.allocate(req, n):
+                return self._chunk(req, budget)
         return n
 
     def _prompt_budget(self) -> int:

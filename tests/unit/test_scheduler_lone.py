@@ -1,5 +1,6 @@
-"""A lone prompt's chunks (SchedulerConfig.lone_prefill_chunk_size): exact chunks and page ids, back to the usual
-budget as soon as anything else is there, and a usual chunk when the pool has no room for a lone one."""
+"""A lone prompt's chunks (SchedulerConfig.lone_prefill_chunk_size): exact chunks and page ids within their bound
+(sched/lone.py), back to the usual budget as soon as anything else is there, and a usual chunk when the pool has
+no room for a lone one."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from longserve.config import ConfigError, EngineConfig
 from longserve.request import FinishReason, Request
 from longserve.runner.step_tokens import max_step_prompt_tokens
 from longserve.sampling_params import SamplingParams
+from longserve.sched.lone import bounded_lone_chunk, lone_chunk_bound
 from longserve.sched.scheduler import Scheduler, SchedulerConfig
 
 
@@ -29,15 +31,32 @@ def run_step(s, token=7):
 
 
 def test_a_lone_prompt_takes_lone_chunks_and_exact_pages():
-    s = make(budget=16, lone=40, page_size=4)
+    """The first chunk takes lone tokens; each after it at most as much attention work (n * (n + 2 * done) <=
+    lone^2), never less than the usual budget."""
+    s = make(budget=8, lone=40, page_size=4)
     a = req("a", 100)
     s.add_request(a)
     assert run_step(s) == [("a", 40, False)]
     assert a.page_ids == list(range(1, 11))
-    assert run_step(s) == [("a", 40, False)]
-    assert run_step(s) == [("a", 20, True)]
+    assert [run_step(s) for _ in range(5)] == [[("a", n, False)] for n in (16, 12, 10, 9, 8)]
+    assert run_step(s) == [("a", 5, True)]
     assert a.page_ids == list(range(1, 26)) and a.num_computed_tokens == 100
     s.kv.check_integrity(list(s.running))
+
+
+def test_the_bound_keeps_a_lone_chunks_attention_work():
+    """lone 32K: 13,572 tokens after 32K, 10,415 after those, under the usual 8K from 64K on; the work of each
+    (n * done + n^2 / 2) within the first chunk's, and one token more past it."""
+    lone = 32768
+    assert lone_chunk_bound(0, lone) == lone
+    assert lone_chunk_bound(lone, lone) == 13572
+    assert lone_chunk_bound(lone + 13572, lone) == 10415
+    assert lone_chunk_bound(2 * lone, lone) == 7735
+    for done in (1, 1000, lone, 3 * lone, 10**6):
+        n = lone_chunk_bound(done, lone)
+        assert n * (n + 2 * done) <= lone * lone < (n + 1) * (n + 1 + 2 * done)
+    assert bounded_lone_chunk(50000, 2 * lone, lone, 8192) == 8192  # never below the usual budget
+    assert bounded_lone_chunk(9000, lone, lone, 8192) == 9000  # what is left, when less
 
 
 def test_without_the_setting_the_budget_is_the_usual_one():
@@ -66,9 +85,9 @@ def test_decodes_beside_a_prompt_keep_the_usual_budget_until_they_end():
     s.add_request(req("b", 100, 1000))
     assert run_step(s) == [("a", 1, True), ("b", 16, False)]  # a decodes: b gets a usual chunk
     s.finish_request(a, FinishReason.LENGTH)  # its 2 tokens (the engine's stop check)
-    assert run_step(s) == [("b", 40, False)]  # b alone now
-    assert run_step(s) == [("b", 40, False)]
-    assert run_step(s) == [("b", 4, True)]
+    # b alone now, 16 of its tokens computed: 27 more (27 * (27 + 32) <= 40^2), then the usual 16
+    assert [run_step(s) for _ in range(4)] == [[("b", n, False)] for n in (27, 16, 16, 16)]
+    assert run_step(s) == [("b", 9, True)]
 
 
 def test_a_pool_with_no_room_for_a_lone_chunk_gives_a_usual_one():

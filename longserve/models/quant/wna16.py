@@ -202,9 +202,8 @@ class WNA16LinearMethod(LinearMethod):
     """A linear layer with integer weights; the Triton W4A16/W8A16 GEMM on CUDA, its reference elsewhere."""
 
     name = "wna16"
-    dequantizes_each_step = (
-        True  # from WNA16_DEQUANT_MIN_TOKENS rows (kernels/quant_gemm.py; the reference too)
-    )
+    # from WNA16_DEQUANT_MIN_TOKENS rows past the GEMV's (kernels/quant_gemm.py; the reference always)
+    dequantizes_each_step = True
 
     def __init__(self, scheme: IntScheme) -> None:
         self.scheme = scheme
