@@ -77,7 +77,14 @@ def warm_up(
         meta, (input_ids, positions) = build_step_tensors(
             [0], [n], [[0] * -(-n // page_size)], page_size, shape.device, extra=([0] * n, range(n))
         )
-        model(input_ids, positions, ForwardContext(meta=meta, kv_cache=kv_cache, backend=backend))
+        try:
+            model(input_ids, positions, ForwardContext(meta=meta, kv_cache=kv_cache, backend=backend))
+        except torch.OutOfMemoryError as e:  # at start-up, named, rather than under load
+            raise RuntimeError(
+                f"warm-up ran out of device memory in a step of {n:,} prompt tokens, the most a step takes "
+                "(--chunked-prefill-size, or --lone-prefill-chunk-size: 32768 by default for integer weights); "
+                "lower it, or lower --mem-fraction-static to leave more room beside the KV pool"
+            ) from e
     if shape.device.type == "cuda":
         torch.cuda.synchronize(shape.device)
     logger.info(

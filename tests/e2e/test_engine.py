@@ -148,6 +148,29 @@ def test_lone_chunks_equal_unchunked(ckpt, baseline):
     assert_clean(m.engine)
 
 
+def test_warm_up_out_of_memory_names_the_step_and_the_remedies(ckpt, monkeypatch):
+    """A step too large for the memory beside the KV pool fails at start-up with the step's size and the flags
+    that shrink it, not with the device's bare error later under load."""
+    m = llm(ckpt)
+    model = m.engine.runner.model
+    forward = type(model).forward
+
+    def short_of_memory(self, input_ids, *args, **kwargs):
+        if input_ids.numel() > 32:  # as a device would at a large step
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.00 GiB")
+        return forward(self, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(type(model), "forward", short_of_memory)
+    m.engine.runner.warm_up(counts=[16, 32])  # fits
+    with pytest.raises(RuntimeError, match=r"warm-up ran out of device memory in a step of 64 prompt tokens.*"
+                       r"--lone-prefill-chunk-size.*--mem-fraction-static") as e:  # fmt: skip
+        m.engine.runner.warm_up(counts=[16, 64])
+    assert isinstance(e.value.__cause__, torch.OutOfMemoryError)
+    monkeypatch.undo()
+    assert len(m.generate([list(range(5, 50))], GREEDY32)[0].token_ids) == 32  # the engine still serves
+    assert_clean(m.engine)
+
+
 def test_prefix_cache_on_equals_off(ckpt, baseline):
     ps, alone = baseline
     m = llm(ckpt, enable_prefix_caching=True, page_size=4)

@@ -37,9 +37,10 @@
 # int4-fused-prefill (one GPU, ~6 min): the A3B int4 prefill through fused_moe's int path by rows instead
 # (moe_wna16.MOE_WNA16_PREFILL "fused", moe_gemm.INT_ROWS), at the untuned tiles and at tune_moe's, profiled.
 # lone-chunks (one GPU, ~7 min): the A3B cold 8K / 32K in bf16 and int4 (GPTQ g128) with a lone prompt's steps of
-# 8K (the default), 16K and 32K tokens (--lone-prefill-chunk-size): the int4 prefill dequantizes every expert once a
-# step (1.2 GB written a layer; 1.11x bf16 at 32K on an H100 at 4804d36, issue 18: <= 1.1x); then, if time is left,
-# the 8B bf16 cold 32K / 128K at 8K and 32K.
+# 8K (off), 16K and 32K tokens (--lone-prefill-chunk-size): the int4 prefill dequantizes every expert once a step
+# (1.2 GB written a layer; at 3352078 on an H100, 1.107x bf16 at 32K in 8K steps, 1.021x in 32K steps, which are
+# the integer weights' default since 329c6fc); then, if time is left, the 8B bf16 cold 32K / 128K at 8K and 32K
+# (at 128K the lone chunks past 32K are bounded since 513912e: sched/lone.py).
 # a3b-fp8-prefill (one GPU, ~7 min): the A3B cold 32K in bf16 and in block FP8 under the profiler, their top kernels
 # (issue 18: FP8 cold 32K <= 0.85x bf16; 1.14x at 11fea55, the FP8 expert GEMMs ~40% slower than bf16's at prefill
 # sizes where they could be ~2x faster), and in FP8 with the dots at FP8_DOT_MAX_IMPRECISE_ACC 32 after the fp8
