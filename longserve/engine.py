@@ -8,6 +8,7 @@ members, their text assemblers) are built by engine_requests.py.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import logging
@@ -389,11 +390,13 @@ class Engine:
         live = list(self.scheduler.running) + list(self.scheduler.waiting)
         self.kv.check_integrity(live)
 
-    def warm_up(self) -> None:
+    def warm_up(self, counts: list[int] | None = None) -> None:
         """Build and compile what a step would otherwise build mid-step (runner/warm_up.py; cuDNN plans are
-        kept per thread): call it on the thread that will step. LLM does; the server's engine thread does
-        before its first step."""
-        self.runner.warm_up()
+        kept per thread) on the thread that will step (LLM's, the server's engine thread); counts: its passes'
+        token counts, run on any device (tests). The model's own lone step may shrink to what fits."""
+        self.runner.warm_up(counts)
+        lone = self.runner.lone_prefill_chunk_size
+        self.scheduler.config = dataclasses.replace(self.scheduler.config, lone_prefill_chunk_size=lone)
 
     def close(self) -> None:
         """Release the runner: stops tensor-parallel worker processes (a no-op at tp=1). Idempotent."""

@@ -30,14 +30,13 @@ from longserve.models.pooler import apply_hf_overrides, resolve_pooler
 from longserve.models.quant.config import apply_quantization
 from longserve.outputs import SchedulerOutput
 from longserve.platform import available_memory_bytes, host_to_device, resolve_device
-from longserve.runner import prompt_logprobs
+from longserve.runner import prompt_logprobs, step_tokens
 from longserve.runner.context_length import resolve_context_length
 from longserve.runner.cuda_graph import build_graphs
 from longserve.runner.inputs import StepInputs, build_step, split_step, to_model_inputs
 from longserve.runner.pooling import pooled_output
 from longserve.runner.sample_step import StepSampler
 from longserve.runner.sampled import SampledStep, StepLogits
-from longserve.runner.step_tokens import max_step_prompt_tokens, resolve_lone_prefill_chunk
 from longserve.runner.warm_up import WarmUp, freeze_heap, unfreeze_heap, warm_up
 
 logger = logging.getLogger("longserve.runner")
@@ -87,8 +86,8 @@ class ModelRunner:
             pooler=self.pooler,
         )
         # a lone prompt's step (the scheduler's) and the largest step (warm-up's): the model may choose
-        self.lone_prefill_chunk_size = resolve_lone_prefill_chunk(config, self.model)
-        self.max_step_prompt_tokens = max_step_prompt_tokens(config, self.lone_prefill_chunk_size)
+        self.lone_prefill_chunk_size = step_tokens.resolve_lone_prefill_chunk(config, self.model)
+        self.max_step_prompt_tokens = step_tokens.max_step_prompt_tokens(config, self.lone_prefill_chunk_size)
         # what the KV pages hold: the model's dtype, or e4m3 for --kv-cache-dtype fp8 (half the bytes)
         self.kv_dtype = kv_storage_dtype(config.kv_cache_dtype, self.dtype)
         self.num_pages = self._num_pages()
@@ -140,8 +139,14 @@ class ModelRunner:
             self.workers.check()
             broadcast_object(WarmUp(counts))
         if self.device.type == "cuda" or counts is not None:
-            warm_up(self.model, self.backend, self.kv_cache, self._graph_shape(),
-                    self.max_step_prompt_tokens, counts)  # fmt: skip
+            # the model's own lone step shrinks to what the device holds (runner/step_tokens.py)
+            cfg, lone = self.config, self.lone_prefill_chunk_size
+            optional = step_tokens.optional_past(cfg, lone, self.tp is not None)
+            fits = warm_up(self.model, self.backend, self.kv_cache, self._graph_shape(),
+                           self.max_step_prompt_tokens, counts, optional)  # fmt: skip
+            if fits < self.max_step_prompt_tokens:  # an optional pass ran out of memory
+                self.lone_prefill_chunk_size = lone = step_tokens.lone_step_that_fits(cfg, lone, fits)
+                self.max_step_prompt_tokens = step_tokens.max_step_prompt_tokens(cfg, lone)
             self.heap_frozen = freeze_heap() or self.heap_frozen
 
     def _set_kv_scales(self) -> None:

@@ -1,5 +1,6 @@
 """How many prompt tokens a lone prompt's step takes (ModelRunner, once the model is built): the configured
-lone_prefill_chunk_size, else the model's own choice; and the largest step, which warm-up plans for."""
+lone_prefill_chunk_size, else the model's own choice, which shrinks at warm-up to what the device holds beside the
+KV pool; and the largest step, which warm-up plans for."""
 
 from __future__ import annotations
 
@@ -39,3 +40,23 @@ def resolve_lone_prefill_chunk(config: EngineConfig, model: nn.Module) -> int | 
 def max_step_prompt_tokens(config: EngineConfig, lone_prefill_chunk_size: int | None) -> int:
     """The most prompt tokens one step holds (a lone prompt's, else a usual step's)."""
     return max(config.chunked_prefill_size, lone_prefill_chunk_size or 0)
+
+
+def optional_past(config: EngineConfig, lone: int | None, tensor_parallel: bool) -> int | None:
+    """Warm-up's passes past this many tokens may run out of device memory (runner/warm_up.py): those of the
+    model's own lone step, not of a configured one (refused at start-up, named), and in one process only (the
+    ranks of a tp run must all run the same passes)."""
+    chosen = config.lone_prefill_chunk_size is None and lone is not None
+    return config.chunked_prefill_size if chosen and not tensor_parallel else None
+
+
+def lone_step_that_fits(config: EngineConfig, lone: int, fits: int) -> int | None:
+    """The model's lone step shrunk to the `fits` tokens warm-up ran (None: the usual steps), said in the log."""
+    usual = config.chunked_prefill_size
+    logger.warning(
+        "a lone prompt's step of %s tokens does not fit beside the KV pool (out of device memory at warm-up): "
+        "%s; lower --mem-fraction-static to leave it room",
+        f"{lone:,}",
+        f"steps of {fits:,} tokens instead" if fits > usual else f"the usual steps of {usual:,} tokens",
+    )
+    return fits if fits > usual else None

@@ -67,12 +67,17 @@ def warm_up(
     shape: GraphShape,
     chunk_size: int,
     counts: list[int] | None = None,
-) -> None:
-    """The backend's warm-up, then a forward pass of `model` per token count (default `warm_up_counts`)."""
+    optional_past: int | None = None,
+) -> int:
+    """The backend's warm-up, then a forward pass of `model` per token count (default `warm_up_counts`). The
+    counts past `optional_past` are optional (a lone step the model chose itself, runner/step_tokens.py): out of
+    device memory at one of them, the warm-up stops there. Returns the most tokens a step may take: chunk_size,
+    or the largest count that ran before an optional one ran out of memory."""
     start = time.perf_counter()
     backend.warm_up(shape, chunk_size, kv_cache)
     counts = warm_up_counts(chunk_size, shape.max_seq_len) if counts is None else counts
     page_size = kv_cache.page_size
+    ran = 0
     for n in counts:
         meta, (input_ids, positions) = build_step_tensors(
             [0], [n], [[0] * -(-n // page_size)], page_size, shape.device, extra=([0] * n, range(n))
@@ -80,17 +85,24 @@ def warm_up(
         try:
             model(input_ids, positions, ForwardContext(meta=meta, kv_cache=kv_cache, backend=backend))
         except torch.OutOfMemoryError as e:  # at start-up, named, rather than under load
+            if optional_past is not None and n > optional_past:
+                del meta, input_ids, positions
+                if shape.device.type == "cuda":
+                    torch.cuda.empty_cache()  # what the failed pass held, back for the KV pool's neighbours
+                return ran
             raise RuntimeError(
                 f"warm-up ran out of device memory in a step of {n:,} prompt tokens, the most a step takes "
                 "(--chunked-prefill-size, or --lone-prefill-chunk-size: 32768 by default for integer weights); "
                 "lower it, or lower --mem-fraction-static to leave more room beside the KV pool"
             ) from e
+        ran = n
     if shape.device.type == "cuda":
         torch.cuda.synchronize(shape.device)
     logger.info(
         "warm-up: attention paths, and the model at %s tokens, in %.1fs",
         ",".join(map(str, counts)) or "no extra", time.perf_counter() - start,
     )  # fmt: skip
+    return chunk_size
 
 
 def freeze_heap() -> bool:

@@ -228,6 +228,42 @@ def test_a_dequantizing_model_takes_larger_lone_steps(float_ckpt, gptq_ckpt):
     assert outs["gptq"] == outs["gptq-set"] == outs["gptq-large-steps"]
 
 
+def test_the_models_own_lone_step_shrinks_to_what_warm_up_holds(gptq_ckpt, monkeypatch):
+    """Out of device memory at warm-up in a pass past the usual step, the model's own lone step shrinks to the
+    largest pass that ran (with a warning), and the scheduler takes it; a configured one is refused, named."""
+    with LLM(gptq_ckpt, dtype="float32", device="cpu", max_total_tokens=512, chunked_prefill_size=16) as llm:
+        model = llm.engine.runner.model
+        forward = type(model).forward
+
+        def short_of_memory(self, input_ids, *args, **kwargs):
+            if input_ids.numel() > 40:  # as a device with little room beside the KV pool
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            return forward(self, input_ids, *args, **kwargs)
+
+        monkeypatch.setattr(type(model), "forward", short_of_memory)
+        llm.engine.warm_up(counts=[16, 32, 64])
+        assert (
+            llm.engine.runner.lone_prefill_chunk_size
+            == 32
+            == llm.engine.scheduler.config.lone_prefill_chunk_size
+        )
+        assert llm.engine.runner.max_step_prompt_tokens == 32
+        llm.engine.warm_up(counts=[16, 64])  # nothing past 16 fits now: the usual steps
+        assert llm.engine.scheduler.config.lone_prefill_chunk_size is None
+        monkeypatch.undo()
+        greedy = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+        assert len(llm.generate([list(range(5, 105))], greedy)[0].token_ids) == 4
+        llm.engine.check_integrity()
+    with LLM(gptq_ckpt, dtype="float32", device="cpu", max_total_tokens=512, chunked_prefill_size=16,
+             lone_prefill_chunk_size=64) as llm:  # fmt: skip
+        monkeypatch.setattr(type(llm.engine.runner.model), "forward", short_of_memory)
+        with pytest.raises(
+            RuntimeError, match="warm-up ran out of device memory in a step of 64 prompt tokens"
+        ):
+            llm.engine.warm_up(counts=[16, 32, 64])
+        assert llm.engine.scheduler.config.lone_prefill_chunk_size == 64
+
+
 def test_w8a8_layers_compute_what_compressed_tensors_computes(tmp_path):
     """Given the same input, each projection of a compressed-tensors W8A8 model (INT8 and FP8, dynamic and
     static activation scales) equals the library's own quantized forward in transformers."""
