@@ -16,6 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from longserve import __version__
 from longserve.engine import Engine
+from longserve.sched.scheduler import SchedulerConfig
 from longserve.server import openapi, routes_admin, routes_generate, routes_openai, routes_pooling
 from longserve.server.async_engine import SHUTTING_DOWN
 from longserve.server.errors import APIError, install_error_handlers
@@ -75,6 +76,11 @@ class RejectedRequestsMiddleware:
             await send(message)
 
         await self.app(scope, receive, send_counting)
+
+
+def _step_sizes(config: SchedulerConfig) -> dict[str, int | None]:
+    """The usual step's prompt tokens and a lone prompt's (None: the usual), fixed once warm-up ran."""
+    return {"usual": config.token_budget, "lone": config.lone_prefill_chunk_size}
 
 
 def _kv_stats(engine: Engine, check_integrity: bool = False) -> dict[str, Any]:
@@ -185,6 +191,8 @@ def create_app(state: ServerState) -> FastAPI:
             "num_aborted_requests": state.engine.num_aborted,
             # weights (experts apart) and KV pool of one rank, and what fits: fixed at start-up
             "memory": state.engine.engine.runner.memory_plan,
+            # a step's prompt tokens as the engine runs them (engine_config's lone None: the model's choice)
+            "step_prompt_tokens": _step_sizes(state.engine.engine.scheduler.config),
             **kv,
         }
 

@@ -207,6 +207,9 @@ def test_admin_endpoints(client, tiny_model):
     assert client.post("/flush_cache").status_code == 200
     stats = client.get("/server_info").json()
     assert stats["kv_free_pages"] == stats["kv_total_pages"] and stats["num_running_requests"] == 0
+    # a float model keeps the usual steps for a lone prompt too (runner/step_tokens.py)
+    usual = stats["engine_config"]["chunked_prefill_size"]
+    assert stats["step_prompt_tokens"] == {"usual": usual, "lone": None}
 
 
 def test_disconnect_mid_stream_frees_pages(client, server):
