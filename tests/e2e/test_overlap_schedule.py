@@ -318,12 +318,26 @@ def test_random_traffic_overlapped_equals_plain(ckpt, scenario):
             n=1 if draw(4) else 2,
         )
         plan.append((draw(12), f"q{i}", prompt, params, 2 + draw(20) if draw(3) == 0 else None))
+    # and one long prompt once the rest is over: alone, it takes lone steps where they are on
+    late = torch.randint(10, 500, (90,), generator=rng).tolist()
+    plan.append((80, "late", late, SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True), None))
 
-    def run(overlap, hand_out_first=False):
-        m = make(ckpt, overlap, page_size=16, max_total_tokens=16 * 16, chunked_prefill_size=48)
+    def run(overlap, hand_out_first=False, **kw):
+        kw.setdefault("chunked_prefill_size", 48)
+        m = make(ckpt, overlap, page_size=16, max_total_tokens=16 * 16, **kw)
         engine, final, step = m.engine, {}, 0
+        schedule = engine.scheduler.schedule
+
+        def recorded():  # the largest prompt chunk a step took
+            out = schedule()
+            chunks[kw.get("lone_prefill_chunk_size")] = max(
+                [chunks[kw.get("lone_prefill_chunk_size")]] + [x.num_new_tokens for x in out.scheduled]
+            )
+            return out
+
+        engine.scheduler.schedule = recorded
         early: list = []  # outputs handed out before a prefill step's launch (the server's on_outputs)
-        kw = {"on_outputs": early.extend} if hand_out_first else {}
+        step_kw = {"on_outputs": early.extend} if hand_out_first else {}
         while step < 400:
             for arrival, rid, prompt, params, _ in plan:
                 if arrival == step:
@@ -331,7 +345,7 @@ def test_random_traffic_overlapped_equals_plain(ckpt, scenario):
             for _, rid, _, _, abort_at in plan:
                 if abort_at == step and rid in engine.groups:
                     final[rid] = ("aborted", engine.abort(rid))
-            outs = engine.step(**kw)
+            outs = engine.step(**step_kw)
             handed_out[hand_out_first] += len(early)
             for out in [*early, *outs]:
                 if out.finished:
@@ -339,7 +353,7 @@ def test_random_traffic_overlapped_equals_plain(ckpt, scenario):
             early.clear()
             engine.check_integrity()
             step += 1
-            if step > 12 and not engine.has_unfinished():
+            if step > 80 and not engine.has_unfinished():
                 break
         assert not engine.has_unfinished()
         stats.append((engine.scheduler.num_preemptions, sum(k == "aborted" for k, _ in final.values()),
@@ -350,13 +364,16 @@ def test_random_traffic_overlapped_equals_plain(ckpt, scenario):
             for rid, (kind, out) in final.items()
         }
 
-    stats, handed_out = [], Counter()
+    stats, handed_out, chunks = [], Counter(), Counter()
     plain, overlapped, first = run(False), run(True), run(True, hand_out_first=True)
+    # steps of 16 prompt tokens, but up to 96 while a prompt is alone (sched/lone.py)
+    lone = run(True, chunked_prefill_size=16, lone_prefill_chunk_size=96)
     # (preemptions, aborts, stops) of each run: the traffic reached the paths it is meant to
     assert all(sum(counts) >= 3 for counts in stats) and handed_out[True] > 0, (stats, handed_out)
-    assert set(plain) == set(overlapped) == set(first) == {rid for _, rid, _, _, _ in plan}
+    assert chunks[None] <= 48 and chunks[96] > 16, chunks
+    assert set(plain) == set(overlapped) == set(first) == set(lone) == {rid for _, rid, _, _, _ in plan}
     for rid, (kind_p, outs_p) in plain.items():
-        for kind_o, outs_o in (overlapped[rid], first[rid]):
+        for kind_o, outs_o in (overlapped[rid], first[rid], lone[rid]):
             assert_same(rid, kind_p, outs_p, kind_o, outs_o)
 
 
