@@ -293,8 +293,9 @@ def test_tokens_in_flight_are_handed_out_before_a_prefill_launch(ckpt):
 @pytest.mark.parametrize("scenario", range(4))
 def test_random_traffic_overlapped_equals_plain(ckpt, scenario):
     """Random traffic on a pool small enough to preempt: arrivals between steps, aborts, stop tokens the
-    greedy rows hit, seeded sampling, n > 1. Every request not aborted ends with the plain schedule's tokens
-    and finish reason; an aborted one with a prefix of them; the page accounting holds after every step."""
+    greedy rows hit, seeded sampling, n > 1; overlapped, handing tokens out before a launch, and in small steps
+    with lone ones. Every request not aborted ends with the plain schedule's tokens and finish reason; an aborted
+    one with a prefix of them; the page accounting holds after every step."""
     rng = torch.Generator().manual_seed(100 + scenario)
 
     def draw(n):
