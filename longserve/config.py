@@ -104,8 +104,8 @@ class EngineConfig:
     # a step's prompt tokens while one request's prompt is all the work there is (no decodes, nothing waiting;
     # sched/scheduler.py; fewer past that many computed tokens: sched/lone.py), at least chunked_prefill_size
     # (equal: off); None: the model's choice
-    # (runner/step_tokens.py: 32768 where the weights are dequantized once a step, as GPTQ / AWQ / W4A16 ones
-    # are at prefill sizes; else chunked_prefill_size)
+    # (runner/step_tokens.py: 32768 on a GPU where the weights are dequantized once a step, as GPTQ / AWQ /
+    # W4A16 ones are at prefill sizes; else chunked_prefill_size)
     lone_prefill_chunk_size: int | None = None
     max_running_requests: int = 256
     # the most top logprobs a request may ask for, per generated token (logprobs) and per prompt position

@@ -86,8 +86,9 @@ class ModelRunner:
             pooler=self.pooler,
         )
         # a lone prompt's step (the scheduler's) and the largest step (warm-up's): the model may choose
-        self.lone_prefill_chunk_size = step_tokens.resolve_lone_prefill_chunk(config, self.model)
-        self.max_step_prompt_tokens = step_tokens.max_step_prompt_tokens(config, self.lone_prefill_chunk_size)
+        lone = step_tokens.resolve_lone_prefill_chunk(config, self.model, self.device.type)
+        self.lone_prefill_chunk_size = lone
+        self.max_step_prompt_tokens = step_tokens.max_step_prompt_tokens(config, lone)
         # what the KV pages hold: the model's dtype, or e4m3 for --kv-cache-dtype fp8 (half the bytes)
         self.kv_dtype = kv_storage_dtype(config.kv_cache_dtype, self.dtype)
         self.num_pages = self._num_pages()

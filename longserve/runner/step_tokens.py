@@ -19,14 +19,20 @@ logger = logging.getLogger("longserve.runner")  # the runner's logger: its start
 # Llama-3.1-8B shape in bf16 1.213 -> 1.199 s (32K) and 10.28 -> 10.23 s (128K) in steps of 32K. Only the
 # dequantizing model gains more than an arrival loses by waiting behind a 32K step, so only it takes one.
 DEQUANT_LONE_PREFILL_CHUNK = 32768
+# The devices where a model takes that step by itself: a GPU's, where it was measured and where warm-up runs the
+# step first (shrinking it to what fits). On a CPU nothing checks it before a prompt comes, and a 32K step of an 8B
+# holds ~4x the activations of an 8K one (GiBs of host memory) for no measured gain.
+DEQUANT_LONE_DEVICES = ("cuda",)
 
 
-def resolve_lone_prefill_chunk(config: EngineConfig, model: nn.Module) -> int | None:
+def resolve_lone_prefill_chunk(config: EngineConfig, model: nn.Module, device_type: str) -> int | None:
     """config.lone_prefill_chunk_size when set, else DEQUANT_LONE_PREFILL_CHUNK for a model whose weights are
-    dequantized each step (models/quantization.py), else None (the usual budget)."""
+    dequantized each step (models/quantization.py) on a device of DEQUANT_LONE_DEVICES, else None (the usual
+    budget)."""
     if config.lone_prefill_chunk_size is not None:
         return config.lone_prefill_chunk_size
-    if dequantizes_each_step(model) and config.chunked_prefill_size < DEQUANT_LONE_PREFILL_CHUNK:
+    chosen = device_type in DEQUANT_LONE_DEVICES and dequantizes_each_step(model)
+    if chosen and config.chunked_prefill_size < DEQUANT_LONE_PREFILL_CHUNK:
         logger.info(
             "a lone prompt takes steps of %s tokens: this model's weights are dequantized once a step "
             "(--lone-prefill-chunk-size %s keeps the usual budget)",

@@ -163,8 +163,8 @@ OPTIONS: tuple[Option, ...] = (
     Option(("--lone-prefill-chunk-size",), E + "lone_prefill_chunk_size",
            "prompt tokens of a step while one request's prompt is all the work (no decodes, nothing waiting); "
            "at least --chunked-prefill-size (equal: off)", int,
-           default_help="32768 for integer weights (GPTQ, AWQ, W4A16/W8A16), dequantized once a step; else "
-           "--chunked-prefill-size"),
+           default_help="32768 for integer weights (GPTQ, AWQ, W4A16/W8A16), dequantized once a step, on a GPU; "
+           "else --chunked-prefill-size"),
     Option(("--max-prefill-chunk",), E + "max_prefill_chunk", "cap on one request's share of a step", int,
            default_help="the whole step budget"),
     Option(("--max-running-requests", "--max-num-seqs"), E + "max_running_requests", "concurrent requests",

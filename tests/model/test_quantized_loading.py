@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from longserve import LLM, SamplingParams
 from longserve.models import load_hf_config, load_model
 from longserve.models.quant.config import apply_quantization
+from longserve.runner import step_tokens
 from longserve.testing import quant_checkpoints as qc
 from longserve.testing.checkpoints import make_tiny_checkpoint
 from tests.model.test_models_vs_hf import PAGE_IDS, new_cache, prompt, run_step
@@ -196,19 +197,23 @@ def test_the_llm_api_serves_a_quantized_checkpoint(gptq_ckpt):
         llm.engine.check_integrity()
 
 
-def test_a_dequantizing_model_takes_larger_lone_steps(float_ckpt, gptq_ckpt):
-    """Integer weights are dequantized once a step at prefill sizes, so a lone prompt of such a model takes
-    steps of 32K tokens unless configured (runner/step_tokens.py); a float one keeps the usual budget, a
-    configured size wins, and the tokens are those of the usual steps."""
+def test_a_dequantizing_model_takes_larger_lone_steps(float_ckpt, gptq_ckpt, monkeypatch):
+    """Integer weights are dequantized once a step at prefill sizes, so on a GPU a lone prompt of such a model
+    takes steps of 32K tokens unless configured (runner/step_tokens.py; the CPU as one of DEQUANT_LONE_DEVICES
+    here); a float one keeps the usual budget, a configured size wins, a CPU keeps the usual steps, and the tokens
+    are those of the usual steps."""
     greedy = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
     ids = list(range(5, 105))
     outs = {}
     for name, path, kw, lone in [
+        ("gptq-on-a-cpu", gptq_ckpt, {}, None),
         ("float", float_ckpt, {}, None),
         ("gptq-set", gptq_ckpt, {"lone_prefill_chunk_size": 16}, 16),
         ("gptq", gptq_ckpt, {}, 32768),
         ("gptq-large-steps", gptq_ckpt, {"chunked_prefill_size": 32768}, None),
     ]:
+        if name == "float":  # from here on, the CPU stands for a GPU
+            monkeypatch.setattr(step_tokens, "DEQUANT_LONE_DEVICES", ("cuda", "cpu"))
         with LLM(path, dtype="float32", device="cpu", max_total_tokens=512, **kw,
                  **({} if "chunked_prefill_size" in kw else {"chunked_prefill_size": 16})) as llm:  # fmt: skip
             assert llm.engine.scheduler.config.lone_prefill_chunk_size == lone, name
@@ -225,12 +230,13 @@ def test_a_dequantizing_model_takes_larger_lone_steps(float_ckpt, gptq_ckpt):
             outs[name] = llm.generate([ids], greedy)[0].token_ids
             llm.engine.check_integrity()
         assert steps == ([100] if name in ("gptq", "gptq-large-steps") else [16] * 6 + [4]), (name, steps)
-    assert outs["gptq"] == outs["gptq-set"] == outs["gptq-large-steps"]
+    assert outs["gptq"] == outs["gptq-set"] == outs["gptq-large-steps"] == outs["gptq-on-a-cpu"]
 
 
 def test_the_models_own_lone_step_shrinks_to_what_warm_up_holds(gptq_ckpt, monkeypatch):
     """Out of device memory at warm-up in a pass past the usual step, the model's own lone step shrinks to the
     largest pass that ran (with a warning), and the scheduler takes it; a configured one is refused, named."""
+    monkeypatch.setattr(step_tokens, "DEQUANT_LONE_DEVICES", ("cuda", "cpu"))  # the CPU stands for a GPU
     with LLM(gptq_ckpt, dtype="float32", device="cpu", max_total_tokens=512, chunked_prefill_size=16) as llm:
         model = llm.engine.runner.model
         forward = type(model).forward
