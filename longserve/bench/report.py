@@ -80,7 +80,11 @@ def report(records: list[dict[str, Any]], meta: dict[str, Any], output_json: str
     """Attach `meta` to every record, print the heading and the table (stdout), write the JSON file."""
     for rec in records:
         rec["metadata"] = meta
-    print(f"# {meta['model']} on {meta['device']}, {meta['dtype']}, commit {meta['commit']}, {meta['date']}")
+    lone = meta.get("lone_prefill_chunk_size")
+    steps = f", prompt steps of {meta.get('chunked_prefill_size')}" + (f" ({lone} alone)" if lone else "")
+    print(
+        f"# {meta['model']} on {meta['device']}, {meta['dtype']}{steps}, commit {meta['commit']}, {meta['date']}"
+    )
     print(format_table(records), flush=True)
     if output_json:
         with open(output_json, "w") as f:

@@ -54,14 +54,20 @@ def test_latency_records_and_json(tmp_path, capsys):
     table = capsys.readouterr().out
     for name in ("cold-64", "cold-128", "prefix-96:8", "decode-b1-c32", "decode-b4-c32"):
         assert name in table
+    # the heading names the engine's steps; a float model on a CPU takes no lone ones (runner/step_tokens.py)
+    assert meta["lone_prefill_chunk_size"] is None
+    assert f"float32, prompt steps of {meta['chunked_prefill_size']}, commit" in table
 
 
-def test_cli_bench_latency(tmp_path):
+def test_cli_bench_latency(tmp_path, capsys):
     out = tmp_path / "cli.json"
-    rc = cli.main(["bench", "latency", *FLAGS, "--prompt-lens", "32", "--output-json", str(out)])
+    steps = ["--chunked-prefill-size", "16", "--lone-prefill-chunk-size", "48"]
+    rc = cli.main(["bench", "latency", *FLAGS, "--prompt-lens", "32", *steps, "--output-json", str(out)])
     assert rc == 0
     (rec,) = json.loads(out.read_text())
     assert rec["name"] == "cold-32" and rec["ttft_s"] > 0 and rec["hf_ratio"] is None
+    assert rec["metadata"]["lone_prefill_chunk_size"] == 48 and rec["floor"]["steps"] == 1  # one lone step
+    assert "prompt steps of 16 (48 alone)" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
