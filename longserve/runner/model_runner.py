@@ -85,10 +85,10 @@ class ModelRunner:
             seed=config.seed,
             pooler=self.pooler,
         )
-        # a lone prompt's step (the scheduler's) and the largest step (warm-up's): the model may choose
-        lone = step_tokens.resolve_lone_prefill_chunk(config, self.model, self.device.type)
-        self.lone_prefill_chunk_size = lone
-        self.max_step_prompt_tokens = step_tokens.max_step_prompt_tokens(config, lone)
+        # a lone prompt's step (the scheduler's; the largest step follows from it): the model may choose
+        self.lone_prefill_chunk_size = step_tokens.resolve_lone_prefill_chunk(
+            config, self.model, self.device.type
+        )
         # what the KV pages hold: the model's dtype, or e4m3 for --kv-cache-dtype fp8 (half the bytes)
         self.kv_dtype = kv_storage_dtype(config.kv_cache_dtype, self.dtype)
         self.num_pages = self._num_pages()
@@ -146,9 +146,13 @@ class ModelRunner:
             fits = warm_up(self.model, self.backend, self.kv_cache, self._graph_shape(),
                            self.max_step_prompt_tokens, counts, optional)  # fmt: skip
             if fits < self.max_step_prompt_tokens:  # an optional pass ran out of memory
-                self.lone_prefill_chunk_size = lone = step_tokens.lone_step_that_fits(cfg, lone, fits)
-                self.max_step_prompt_tokens = step_tokens.max_step_prompt_tokens(cfg, lone)
+                self.lone_prefill_chunk_size = step_tokens.lone_step_that_fits(cfg, lone, fits)
             self.heap_frozen = freeze_heap() or self.heap_frozen
+
+    @property
+    def max_step_prompt_tokens(self) -> int:
+        """The most prompt tokens one step holds: what warm-up compiles and plans for."""
+        return step_tokens.max_step_prompt_tokens(self.config, self.lone_prefill_chunk_size)
 
     def _set_kv_scales(self) -> None:
         """An fp8 cache's per-layer scales: the checkpoint's calibrated ones, else 1.0 (attention/kv_quant.py)."""

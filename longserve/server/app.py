@@ -16,7 +16,6 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from longserve import __version__
 from longserve.engine import Engine
-from longserve.sched.scheduler import SchedulerConfig
 from longserve.server import openapi, routes_admin, routes_generate, routes_openai, routes_pooling
 from longserve.server.async_engine import SHUTTING_DOWN
 from longserve.server.errors import APIError, install_error_handlers
@@ -76,11 +75,6 @@ class RejectedRequestsMiddleware:
             await send(message)
 
         await self.app(scope, receive, send_counting)
-
-
-def _step_sizes(config: SchedulerConfig) -> dict[str, int | None]:
-    """The usual step's prompt tokens and a lone prompt's (None: the usual), fixed once warm-up ran."""
-    return {"usual": config.token_budget, "lone": config.lone_prefill_chunk_size}
 
 
 def _kv_stats(engine: Engine, check_integrity: bool = False) -> dict[str, Any]:
@@ -180,6 +174,7 @@ def create_app(state: ServerState) -> FastAPI:
         check = request.query_params.get("check_integrity", "").lower() in ("1", "true", "yes")
         # first: the counters below then include every command before
         kv = await state.engine.call(lambda engine: _kv_stats(engine, check))
+        sched = state.engine.engine.scheduler.config
         return {
             "version": __version__,
             "uptime": time.time() - state.started,
@@ -191,8 +186,9 @@ def create_app(state: ServerState) -> FastAPI:
             "num_aborted_requests": state.engine.num_aborted,
             # weights (experts apart) and KV pool of one rank, and what fits: fixed at start-up
             "memory": state.engine.engine.runner.memory_plan,
-            # a step's prompt tokens as the engine runs them (engine_config's lone None: the model's choice)
-            "step_prompt_tokens": _step_sizes(state.engine.engine.scheduler.config),
+            # a step's prompt tokens as the engine runs them, fixed once warm-up ran (a lone prompt's: None for
+            # the usual ones; engine_config's lone None means the model's choice)
+            "step_prompt_tokens": {"usual": sched.token_budget, "lone": sched.lone_prefill_chunk_size},
             **kv,
         }
 
