@@ -427,3 +427,64 @@ def test_int4_moe_model_through_the_routed_gemv_and_the_dequantized_experts(
     monkeypatch.setattr(fused_moe, "moe_wna16_path", lambda *a: paths.append(real(*a)) or paths[-1])
     check_logits_and_greedy_tokens(root, "gptq-int4-moe-dynamic", steps=KERNEL_PATH_STEPS)
     assert {"gemv", "dequant"} <= set(paths), sorted(set(paths))
+
+
+def test_int4_moe_experts_dequantized_a_layer_ahead(root, monkeypatch: pytest.MonkeyPatch) -> None:
+    """experts_ahead.DEQUANT_AHEAD: each layer's experts after the first come from the buffers written behind
+    the layer before (one stream on the CPU; the side stream's order is the GPU test's), with the same logits
+    and greedy tokens as transformers; the decode steps (the routed GEMV) leave the chain alone."""
+    pytest.importorskip("triton")
+    from longserve.kernels import moe_wna16
+    from longserve.models.quant import experts_ahead, wna16
+
+    monkeypatch.setattr(wna16, "use_triton", lambda x: True)
+    monkeypatch.setattr(moe_wna16, "MOE_WNA16_DEQUANT_MIN_TOKENS", 24)
+    monkeypatch.setattr(experts_ahead, "DEQUANT_AHEAD", True)
+    chains: list[tuple[experts_ahead.ExpertsAhead, int]] = []
+    real_init = experts_ahead.ExpertsAhead.__init__
+
+    def init(self, layers) -> None:
+        real_init(self, layers)
+        chains.append((self, len(layers)))
+
+    monkeypatch.setattr(experts_ahead.ExpertsAhead, "__init__", init)
+    check_logits_and_greedy_tokens(root, "gptq-int4-moe-dynamic", steps=KERNEL_PATH_STEPS)
+    ((ahead, layers),) = chains
+    # the one prefill step: every layer's experts but layer 0's from the buffers, which end holding the last's
+    assert layers >= 2 and ahead.from_ahead == layers - 1
+    assert ahead.held is not None and ahead.next[id(ahead.held[0])] is None
+
+
+def test_experts_ahead_buffers_answer_only_for_the_layer_they_hold(tmp_path) -> None:
+    """A step that stops after launching the next layer's experts leaves the buffers holding that layer: the
+    next step's first layer dequantizes its own in their place, and a layer is served from them only when they
+    hold it; the last layer launches nothing."""
+    from longserve.kernels.moe_wna16 import dequantize_experts
+
+    path = qc.write_gptq(tmp_path / "moe", "qwen3_moe", bits=4, group_size=32, seed=8)
+    model = load_model(path, load_hf_config(path), torch.float32, CPU)
+    layers = [m for m in model.modules() if hasattr(m, "experts_ahead")]
+    ahead = layers[0].experts_ahead
+    assert len(layers) >= 2 and all(m.experts_ahead is ahead for m in layers)
+
+    def dequantized(layer) -> list[torch.Tensor]:
+        quant = layer.quant_method.quant(layer)
+        return [
+            dequantize_experts(quant, getattr(layer, f"{p}_int_qweight"), p, torch.float32)
+            for p in ("w13", "w2")
+        ]
+
+    def served(layer) -> bool:
+        before = ahead.from_ahead
+        got = ahead.experts(layer, torch.float32)
+        assert all(torch.equal(g, w) for g, w in zip(got, dequantized(layer), strict=True))
+        return ahead.from_ahead == before + 1
+
+    ahead.launch_next(layers[0], torch.float32)  # a step stops here: the buffers hold layer 1
+    assert ahead.held[0] is layers[1]
+    assert not served(layers[0])  # the next step's first layer: its own experts, not layer 1's
+    ahead.launch_next(layers[0], torch.float32)
+    assert served(layers[1])
+    ahead.launch_next(layers[-2], torch.float32)
+    ahead.launch_next(layers[-1], torch.float32)  # nothing past the last
+    assert ahead.held[0] is layers[-1] and served(layers[-1])
