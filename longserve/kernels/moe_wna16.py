@@ -125,11 +125,9 @@ def grouped_supported(quant: MoEQuant, hidden_size: int, inter: int) -> bool:
     return quant.bits == 4 and all(_gemv_tile_k(quant, k) == 128 for k in (hidden_size, inter))
 
 
-def dequantize_experts(
-    quant: MoEQuant, w: torch.Tensor, proj: str, dtype: torch.dtype, out: torch.Tensor | None = None
-) -> torch.Tensor:
-    """The experts of projection `proj` ("w13" / "w2") of packed w [E, N, K * bits / 8] in `dtype` [E, N, K]
-    (into `out` when given): one launch over all E * N rows (the layout is per row; no act order)."""
+def dequantize_experts(quant: MoEQuant, w: torch.Tensor, proj: str, dtype: torch.dtype) -> torch.Tensor:
+    """The experts of projection `proj` ("w13" / "w2") of packed w [E, N, K * bits / 8] in `dtype` [E, N, K]:
+    one launch over all E * N rows (the layout is per row; no act order)."""
     num_experts, n, packed = w.shape
     k = packed * 8 // quant.bits
     scale, zero = getattr(quant, f"{proj}_scale"), getattr(quant, f"{proj}_zero")
@@ -141,7 +139,6 @@ def dequantize_experts(
         quant.bits,
         quant.group(k),
         dtype,
-        None if out is None else out.view(num_experts * n, k),
     )  # [E * N, K]
     return flat.view(num_experts, n, k)
 

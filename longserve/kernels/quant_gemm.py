@@ -288,16 +288,13 @@ def wna16_dequantize(
     bits: int,
     group_size: int,
     dtype: torch.dtype,
-    out: torch.Tensor | None = None,  # [N, K] in dtype, contiguous: written in place
 ) -> torch.Tensor:
     """The whole weight [N, K] in `dtype` (the large-M path; equals dequantize_wna16(...).to(dtype))."""
     n = qweight.shape[0]
     k = qweight.shape[1] * 8 // bits
-    if out is None:
-        out = torch.empty(n, k, dtype=dtype, device=qweight.device)
-    assert out.shape == (n, k) and out.dtype == dtype and out.is_contiguous()
     if not qweight.is_cuda and not interpreting():
-        return out.copy_(dequantize_wna16(qweight, scales, zeros, g_idx, bits, group_size))
+        return dequantize_wna16(qweight, scales, zeros, g_idx, bits, group_size).to(dtype)
+    out = torch.empty(n, k, dtype=dtype, device=qweight.device)
     group_size = group_size if group_size > 0 else k
     block_k = _block_k(group_size, k, g_idx is not None)
     z = zeros if zeros is not None else qweight

@@ -30,7 +30,6 @@ from longserve.models.pooler import PoolerSpec, pooling_model_class
 from longserve.models.quant.bind import bind_quant_methods
 from longserve.models.quant.config import parse_quant_format
 from longserve.models.quant.dummy import fill_dummy, is_quantized_param
-from longserve.models.quant.experts_ahead import link_experts_ahead
 from longserve.models.quantization import process_weights_after_loading, quantization_method
 from longserve.models.registry import get_model_class
 
@@ -133,7 +132,6 @@ def load_model(
         weights = iterate_safetensors(files, device, stats)
         model.load_weights(_without_absent_biases(model, weights) if quant is not None else weights)
     process_weights_after_loading(model)
-    link_experts_ahead(model)
     if quant is not None and device.type == "cuda":
         torch.cuda.empty_cache()  # the checkpoint layouts' tensors, repacked: free for the KV pool's sizing
     model.eval()

@@ -155,26 +155,3 @@ def test_the_norm_in_the_gemv_epilogue(tmp_path, monkeypatch, case):
     on = first_step(path, dtype="bfloat16", max_new_tokens=4)
     assert any(f is not None for f in folded), "no projection took the norm"
     assert_first_steps_agree(on, off)
-
-
-def test_int4_experts_dequantized_a_layer_ahead(tmp_path, monkeypatch):
-    """experts_ahead.DEQUANT_AHEAD on: each prefill step's layers after the first take experts dequantized on a
-    second stream behind the layer before (the four prompts' 274 tokens in one step, MOE_WNA16_DEQUANT_MIN_TOKENS
-    lowered so that they take the dequantized experts; eager: a piecewise graph's prompt steps keep the plain
-    path), under CUDA graphs for the decode steps: the same greedy tokens and logprobs as with it off (the same
-    kernels on the same values), every page back."""
-    from longserve.kernels import moe_wna16
-    from longserve.models.quant import experts_ahead
-
-    path = WRITERS["gptq-moe"](tmp_path / "gptq-moe")
-    monkeypatch.setattr(moe_wna16, "MOE_WNA16_DEQUANT_MIN_TOKENS", 32)
-    tokens, logprobs, _ = run(path, dtype="bfloat16", piecewise_cuda_graph_max_tokens=0)
-    monkeypatch.setattr(experts_ahead, "DEQUANT_AHEAD", True)
-    taken: list[int] = []
-    real = experts_ahead.ExpertsAhead.launch_next
-    monkeypatch.setattr(
-        experts_ahead.ExpertsAhead, "launch_next", lambda self, *a: taken.append(1) or real(self, *a)
-    )
-    ahead_tokens, ahead_logprobs, graphs = run(path, dtype="bfloat16", piecewise_cuda_graph_max_tokens=0)
-    assert graphs and taken, "no layer launched the next one's experts"
-    assert ahead_tokens == tokens and ahead_logprobs == logprobs

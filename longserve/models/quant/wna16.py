@@ -35,7 +35,6 @@ from longserve.models.layers import MergedLinear, RowParallelLinear
 from longserve.models.linear_method import LinearMethod
 from longserve.models.moe import FusedMoE, MoEMethod, expert_param
 from longserve.models.quant.config import IntScheme
-from longserve.models.quant.experts_ahead import moe_ahead
 from longserve.models.quant.layout import WeightLayout
 from longserve.platform import use_triton
 
@@ -305,7 +304,6 @@ class WNA16MoEMethod(MoEMethod):
     # every expert at prefill sizes (kernels/moe_wna16.py: MOE_WNA16_PREFILL "dequant", the default measured
     # faster than the fused int path: RESULTS.md, thirty-seventh and thirty-eighth sessions)
     dequantizes_each_step = True
-    dequantizes_experts = True  # chained for experts_ahead.py
 
     def __init__(self, scheme: IntScheme) -> None:
         self.scheme = scheme
@@ -369,8 +367,5 @@ class WNA16MoEMethod(MoEMethod):
         if use_triton(hidden):
             from longserve.kernels.fused_moe import fused_moe  # imports triton
 
-            ahead = moe_ahead(layer, quant, hidden, topk_weights, topk_ids)  # the experts dequantized ahead
-            if ahead is not None:
-                return ahead
             return fused_moe(hidden, w13, w2, topk_weights, topk_ids, quant=quant, expert_map=emap)  # [T, H]
         return fused_moe_ref(hidden, w13, w2, topk_weights, topk_ids, quant=quant, expert_map=emap)  # [T, H]

@@ -36,9 +36,6 @@
 # bf16's, the A3B and 8B int4 cold 8K / 32K off and on (issue 18: A3B int4 cold 32K 1.12x bf16 on an H100, <= 1.1).
 # int4-fused-prefill (one GPU, ~6 min): the A3B int4 prefill through fused_moe's int path by rows instead
 # (moe_wna16.MOE_WNA16_PREFILL "fused", moe_gemm.INT_ROWS), at the untuned tiles and at tune_moe's, profiled.
-# dequant-ahead (one GPU, ~6 min): the A3B int4 experts dequantized a layer ahead on a second stream
-# (models/quant/experts_ahead.py, DEQUANT_AHEAD, off): its GPU test, then the A3B int4 cold 8K / 32K off, on, off,
-# on beside bf16 (one process each; the cold 8K was 1.19x bf16 on an H100 at 3352078, its dequantization 33.6 ms).
 # lone-chunks (one GPU, ~7 min): the A3B cold 8K / 32K in bf16 and int4 (GPTQ g128) with a lone prompt's steps of
 # 8K (off), 16K and 32K tokens (--lone-prefill-chunk-size): the int4 prefill dequantizes every expert once a step
 # (1.2 GB written a layer; at 3352078 on an H100, 1.107x bf16 at 32K in 8K steps, 1.021x in 32K steps, which are
@@ -355,19 +352,6 @@ if [[ $MODE == int4-fused-prefill ]]; then  # one GPU (~6 min): the A3B int4 pre
   done
   git ls-files --error-unmatch longserve/kernels/moe_configs/*dtype=int4.json > /dev/null 2>&1 \
     || rm -f longserve/kernels/moe_configs/*dtype=int4.json  # the call's table goes back with $OUT only
-fi
-
-if [[ $MODE == dequant-ahead ]]; then  # one GPU (~6 min): the int4 experts' dequantization beside attention
-  ahead=longserve.models.quant.experts_ahead.DEQUANT_AHEAD
-  timeout 150 python3 -m pytest -q -m gpu tests/gpu/test_quant_engine_gpu.py -k "ahead or gptq-moe" \
-    -p no:cacheprovider --tb=short -rfE 2>&1 | tee "$OUT/gpu_tests_ahead.log" | tail -6 || status=1
-  LATENCY_TIMEOUT=110 latency_with a3b_bf16 "A3B bf16" -- --config qwen3-30b-a3b "${dummy[@]}" --repeat 3 \
-    --prompt-lens 8192,32768
-  for run in off1 on1 off2 on2; do
-    v=False; [[ $run == on* ]] && v=True
-    LATENCY_TIMEOUT=110 latency_with "a3b_int4_$run" "A3B int4 $run" "$ahead=$v" -- --config qwen3-30b-a3b \
-      "${dummy[@]}" --repeat 3 --quantization gptq --prompt-lens 8192,32768
-  done
 fi
 
 if [[ $MODE == lone-chunks ]]; then  # one GPU (~7 min): the A3B's cold prompts in larger lone steps, bf16 and int4
