@@ -1,8 +1,8 @@
-"""Does a memory-bound write overlap cuDNN's causal attention when they run on two streams?
+"""Does a memory-bound write overlap a causal attention kernel when they run on two streams?
 
 The question behind `8a4080e` (the A3B int4 experts dequantized a layer ahead on a side stream, beside the next
 layer's attention; reverted after it measured no gain in the engine): one A3B-sized layer of attention at 8K
-(32 q heads, 8 kv heads, D 128, bf16, causal) and a write of 0.8 GB of bf16 from 0.2 GB of bytes
+(torch's SDPA, causal, bf16, D 128, 32 q heads over the A3B's 4 kv heads repeated to 32) and a write of 0.8 GB of bf16 from 0.2 GB of bytes
 (the experts' gate/up shape, two strided copies standing in for the dequantization), each alone, one after the
 other, and on two streams. If the two-stream time is near the serial sum, the attention holds every SM while it
 runs and the write can only fill the gaps as its blocks retire.
