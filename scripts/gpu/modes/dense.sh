@@ -20,6 +20,9 @@
 # (scripts/gpu/bench_dense_gemm.py, weights from HBM), then the 8B decode at batch 16 (8K) and 64 (4K) off and on.
 # gemm-tunable (one GPU, ~1 min): every 8B projection at 16 / 64 / 128 tokens with cuBLAS's default heuristics and
 # with TunableOp's pick (scripts/probes/probe_tunableop.py).
+# swiglu-gemm (one GPU, ~2 min): the 8B gate/up GEMM at 8K / 32K tokens writing silu(gate) * up from its epilogue
+# (a persistent TMA Triton GEMM, scripts/probes/probe_swiglu_gemm.py) against cuBLAS's gate|up + silu_and_mul: the
+# round trip it saves is ~40 ms of an H100's cold 32K, if it runs at cuBLAS's rate.
 # decode-splits (one GPU, ~4 min): the 8B decode at batch 1 / 16 / 64 with 2, 3 and 4 programs an SM for the
 # decode attention's key splits (decode_attention.PROGRAMS_PER_SM; 4 is the default). decode-tile (~5 min): the
 # same decodes with fewer, longer key splits merged in the kernel, and 128-key tiles for them.
@@ -145,6 +148,11 @@ if [[ $MODE == latency ]]; then  # one GPU: tests, short-suffix extend sweep, th
     --output-json "$OUT/latency_8b_decode64.json" 2>&1 | tee "$OUT/latency_8b_decode64.log" | tail -3
   python3 -m longserve.bench.latency "${base[@]}" --prefix-hit 32768:64 --cuda-graph-max-prefill-tokens 0 \
     --output-json "$OUT/latency_8b_no_prefill_graphs.json" 2>&1 | tee "$OUT/latency_8b_no_prefill_graphs.log" | tail -3
+fi
+
+if [[ $MODE == swiglu-gemm ]]; then  # one GPU (~2 min): a fused gate/up + SiLU GEMM against cuBLAS + silu_and_mul
+  timeout 240 python3 scripts/probes/probe_swiglu_gemm.py --tokens ${PROBE_TOKENS:-8192,32768} 2>&1 \
+    | tee "$OUT/swiglu_gemm.log" || status=1
 fi
 
 if [[ $MODE == gemm-tunable ]]; then  # one GPU (~1 min): the 8B projections, cuBLAS's default against TunableOp's
