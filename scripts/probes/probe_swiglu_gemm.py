@@ -20,6 +20,7 @@ Rounding as the unfused path: each accumulator rounded to bf16, silu in fp32 rou
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 
 import torch
@@ -40,35 +41,54 @@ def _tile(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _one_tile(
+    a_desc, b_desc, c_desc, tile_id, num_pid_m, num_pid_n, INTER, K,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    STAGES: tl.constexpr, FUSED: tl.constexpr, OUT_TY: tl.constexpr,
+):  # fmt: skip
+    pid_m, pid_n = _tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
+    off_m, off_n = pid_m * BLOCK_M, pid_n * BLOCK_N
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+        a = a_desc.load([off_m, k])  # [BLOCK_M, BLOCK_K]
+        acc_g = tl.dot(a, b_desc.load([off_n, k]).T, acc_g)
+        acc_u = tl.dot(a, b_desc.load([INTER + off_n, k]).T, acc_u)
+    g = acc_g.to(OUT_TY)
+    u = acc_u.to(OUT_TY)
+    if FUSED:
+        gf = g.to(tl.float32)
+        act = (gf / (1.0 + tl.exp(-gf))).to(OUT_TY).to(tl.float32)  # F.silu's rounding
+        c_desc.store([off_m, off_n], (act * u.to(tl.float32)).to(OUT_TY))
+    else:
+        c_desc.store([off_m, off_n], g)
+        c_desc.store([off_m, INTER + off_n], u)
+
+
+@triton.jit
 def _gate_up_kernel(
     a_desc, b_desc, c_desc, M, INTER, K,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr, STAGES: tl.constexpr, FUSED: tl.constexpr, OUT_TY: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
 ):  # fmt: skip
     """Persistent: each program takes tiles NUM_PROGRAMS apart. A tile is BLOCK_M rows x BLOCK_N columns of the
     gate half and the same columns of the up half (rows INTER + n of the weight). FUSED: stores silu(g) * u
-    [M, INTER]; else g and u into gate|up [M, 2 INTER]."""
+    [M, INTER]; else g and u into gate|up [M, 2 INTER]. WARP_SPECIALIZE: Triton's producer/consumer warps over the
+    flattened tile loop (built for sm90 by Triton 3.9; whether the H100's Triton 3.6 takes it, the probe says)."""
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(INTER, BLOCK_N)
-    out_ty: tl.constexpr = OUT_TY
-    for tile_id in range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
-        pid_m, pid_n = _tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
-        off_m, off_n = pid_m * BLOCK_M, pid_n * BLOCK_N
-        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-            a = a_desc.load([off_m, k])  # [BLOCK_M, BLOCK_K]
-            acc_g = tl.dot(a, b_desc.load([off_n, k]).T, acc_g)
-            acc_u = tl.dot(a, b_desc.load([INTER + off_n, k]).T, acc_u)
-        g = acc_g.to(out_ty)
-        u = acc_u.to(out_ty)
-        if FUSED:
-            gf = g.to(tl.float32)
-            act = (gf / (1.0 + tl.exp(-gf))).to(out_ty).to(tl.float32)  # F.silu's rounding
-            c_desc.store([off_m, off_n], (act * u.to(tl.float32)).to(out_ty))
-        else:
-            c_desc.store([off_m, off_n], g)
-            c_desc.store([off_m, INTER + off_n], u)
+    num_tiles = num_pid_m * num_pid_n
+    if WARP_SPECIALIZE:
+        for tile_id in tl.range(
+            tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=True, warp_specialize=True
+        ):
+            _one_tile(a_desc, b_desc, c_desc, tile_id, num_pid_m, num_pid_n, INTER, K,
+                      BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, FUSED, OUT_TY)  # fmt: skip
+    else:
+        for tile_id in range(tl.program_id(0), num_tiles, NUM_PROGRAMS):
+            _one_tile(a_desc, b_desc, c_desc, tile_id, num_pid_m, num_pid_n, INTER, K,
+                      BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, FUSED, OUT_TY)  # fmt: skip
 
 
 def gate_up(x: torch.Tensor, w13: torch.Tensor, fused: bool, cfg: dict) -> torch.Tensor:
@@ -84,7 +104,8 @@ def gate_up(x: torch.Tensor, w13: torch.Tensor, fused: bool, cfg: dict) -> torch
         TensorDescriptor.from_tensor(x, [bm, bk]), TensorDescriptor.from_tensor(w13, [bn, bk]),
         TensorDescriptor.from_tensor(out, [bm, bn]), m, inter, k,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, NUM_PROGRAMS=programs, STAGES=cfg["STAGES"], FUSED=fused,
-        OUT_TY=tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16, num_warps=cfg["num_warps"],
+        OUT_TY=tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16, WARP_SPECIALIZE=cfg.get("ws", False),
+        num_warps=cfg["num_warps"],
     )  # fmt: skip
     return out
 
@@ -105,6 +126,8 @@ CONFIGS = [
     {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "STAGES": 4, "num_warps": 4},
     {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "STAGES": 5, "num_warps": 8},
     {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "STAGES": 4, "num_warps": 4},
+    {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "STAGES": 3, "num_warps": 8, "ws": True},
+    {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "STAGES": 4, "num_warps": 4, "ws": True},
 ]
 
 
@@ -114,10 +137,10 @@ def check() -> None:
     torch.manual_seed(0)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if dev == "cuda" else torch.float16  # the interpreter reads bf16 descriptors wrong
-    for m, h, inter in ((64, 64, 64), (80, 128, 96)):
+    for (m, h, inter), ws in itertools.product(((64, 64, 64), (80, 128, 96)), (False, True)):
         x = torch.randn(m, h, device=dev).to(dtype)
         w13 = (torch.randn(2 * inter, h, device=dev) / h**0.5).to(dtype)
-        cfg = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "STAGES": 2, "num_warps": 4}
+        cfg = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "STAGES": 2, "num_warps": 4, "ws": ws}
         plain = gate_up(x, w13, False, cfg)
         ref = (x.float() @ w13.float().T).to(dtype)
         assert torch.allclose(plain.float(), ref.float(), atol=2e-2, rtol=2e-2), (plain - ref).abs().max()
@@ -125,7 +148,9 @@ def check() -> None:
 
         fused, want = gate_up(x, w13, True, cfg), silu_and_mul(plain)
         assert torch.equal(fused, want), (fused.float() - want.float()).abs().max()
-        print(f"check {m} x {h} -> {inter} ({dtype}): plain ~ reference, fused == silu_and_mul(plain)")
+        print(
+            f"check {m} x {h} -> {inter} ({dtype}, ws {ws}): plain ~ reference, fused == silu_and_mul(plain)"
+        )
 
 
 def bench_tokens(t: int, w13: torch.Tensor, hidden: int) -> None:
@@ -145,7 +170,9 @@ def bench_tokens(t: int, w13: torch.Tensor, hidden: int) -> None:
     show("cuBLAS gate|up + silu_and_mul (today)", base)
     want = unfused(x, w13)
     for cfg in CONFIGS:
-        name = "{BLOCK_M}x{BLOCK_N}x{BLOCK_K} s{STAGES} w{num_warps}".format(**cfg)
+        name = "{BLOCK_M}x{BLOCK_N}x{BLOCK_K} s{STAGES} w{num_warps}".format(**cfg) + (
+            " ws" if cfg.get("ws") else ""
+        )
         try:
             plain = timed(lambda c=cfg: gate_up(x, w13, False, c))
             fused = timed(lambda c=cfg: gate_up(x, w13, True, c))
