@@ -26,9 +26,13 @@ from longserve.kernels.quant_tiles import rounded as _rounded
 # gate+up kernel at 64 x 128 x 128, 4 warps, 3 stages; scripts/dev/count_moe_sass.py '{"wq": 1, ...}'): the main loop
 # 2,320 -> 1,642 instructions (LDG 130 -> 2, the bytes through cp.async; STS 256 -> 34), still 128 F2FP and 256 FMUL
 # of dequantization where the bf16 kernel's loop holds 215 instructions; at the untuned prefill tiles (128 x 128 x
-# 64, 8 warps) 1,666 -> 885, both spilling. Off until measured (`gpu_check.sh int4-fused-prefill`); when on it also
-# serves the 8-bit experts' decode (their tuned int8 table).
-INT_ROWS = False
+# 64, 8 warps) 1,666 -> 885, both spilling. Measured on an H100 (one A3B layer as CUDA graphs, us, by columns / by
+# rows / the experts dequantized; tests/gpu/test_quant_kernels_gpu.py test_int_rows_in_the_fused_int_path, 4804d36 and
+# 3352078, RESULTS.md thirty-seventh and thirty-eighth sessions): int4 at 512 tokens 1,684-1,834 / 444 / 1,154-1,180,
+# at 4,096 25,124-28,898 / 1,638-1,654 / 1,700-1,759; int8 at 8 tokens 112-126 / 121-122 / 889. So on: the int
+# path is only fast by rows, and by rows it serves the 4-bit experts' mid-sized steps (moe_wna16.
+# MOE_WNA16_ROWS_MAX_TOKENS); the 8-bit experts' decode moves within noise.
+INT_ROWS = True
 
 
 @triton.jit

@@ -73,16 +73,26 @@ __all__ = [
 # 42.78 -> 28.89, 256 (dequantized) 59.32 -> 55.36. The grouped kernel reads each expert once per block of
 # GROUPED_BLOCK_M pairs routed to it (int4_gemv.int4_dot_tile on the tensor cores), where the GEMV reads it
 # once per pair (at batch 64 the A3B shape's 512 pairs re-read ~1.2 GB a layer, 4x the experts' 0.3 GB).
-# 257: the first size not timed in the engine (the layer at 512 tokens favours the dequantized experts).
+# 257: the first size not timed in the engine (at 512 tokens the layer favoured the dequantized experts over the
+# int path as it then was, by columns; by rows it takes 4-bit steps up to MOE_WNA16_ROWS_MAX_TOKENS, below).
 MOE_WNA16_GEMV_MAX_TOKENS = 64
 MOE_WNA16_GROUPED_MIN_TOKENS: int | None = 16  # None: the GEMV up to MOE_WNA16_GEMV_MAX_TOKENS
 MOE_WNA16_DEQUANT_MIN_TOKENS = 257
 # What serves from MOE_WNA16_DEQUANT_MIN_TOKENS: "dequant" (the experts dequantized, then the 16-bit kernel) or
 # "fused" (fused_moe's int path, which dequantizes each tile as it loads it: no 1.2 GB a layer written and read back
-# at the A3B shape; with moe_gemm.INT_ROWS its tiles load each packed byte once). At 512 tokens the int path as it
-# was lost (1,637 against 1,001 us a layer, above); at prefill chunks it is unmeasured (`gpu_check.sh
-# int4-fused-prefill`).
+# at the A3B shape; with moe_gemm.INT_ROWS its tiles load each packed byte once). At prefill chunks it loses even
+# by rows with tuned tiles: the A3B int4 cold 8K / 32K 0.1859 / 1.2596 s against 0.1800 / 1.2408 dequantized, and
+# 1.2575 against 1.2410 without the int-to-float conversion (H100, `gpu_check.sh int4-fused-prefill`, RESULTS.md
+# thirty-seventh and thirty-eighth sessions).
 MOE_WNA16_PREFILL = "dequant"
+# Up to this many tokens from MOE_WNA16_DEQUANT_MIN_TOKENS, 4-bit experts take fused_moe's int path by rows
+# (moe_gemm.INT_ROWS) rather than the dequantized experts: the dequantization is a fixed ~0.6 ms a layer at the A3B
+# shape (1.2 GB written) that a step of a few hundred tokens does not amortize. One A3B layer as CUDA graphs on an
+# H100 (test_int_rows_in_the_fused_int_path, two calls): 512 tokens 444 us by rows against 1,154-1,180 dequantized,
+# 4,096 tokens 1,638-1,654 against 1,700-1,759; at a cold 8K in the engine (one step of 8,192) the dequantized
+# experts win (0.1800 against 0.1859 s with tuned row tiles, thirty-seventh session). These are the piecewise CUDA
+# graphs' steps (up to 4,096 tokens): a RAG question or a conversation's next turn beside decodes. 0: off.
+MOE_WNA16_ROWS_MAX_TOKENS = 4096
 GROUPED_BLOCK_M = 16
 # the pairs aligned per expert in blocks of GROUPED_BLOCK_M (moe_align.align_routed_pairs): sorted pair ids,
 # each block's expert, the padded length
@@ -108,7 +118,8 @@ def moe_wna16_path(
     if not quant.is_int or distributed or quant.w13_g_idx is not None or quant.w2_g_idx is not None:
         return "fused"
     if num_tokens >= MOE_WNA16_DEQUANT_MIN_TOKENS:
-        return "fused" if MOE_WNA16_PREFILL == "fused" else "dequant"
+        by_rows = quant.bits == 4 and num_tokens <= MOE_WNA16_ROWS_MAX_TOKENS
+        return "fused" if MOE_WNA16_PREFILL == "fused" or by_rows else "dequant"
     grouped_from = MOE_WNA16_GROUPED_MIN_TOKENS
     grouped_ok = dtype != torch.float32 and grouped_supported(quant, hidden_size, inter)  # 16-bit dots
     if grouped_from is not None and num_tokens >= grouped_from and grouped_ok:

@@ -443,13 +443,14 @@ def a3b_int4_experts(zp: bool, bits: int = 4):
     return w13, w2, MoEQuant(f"int{bits}", 128, s13, s2, z13, z2)
 
 
-@pytest.mark.parametrize("num_tokens", [1, 8, 64, 512])
+@pytest.mark.parametrize("num_tokens", [1, 8, 64, 256, 512, 2048])
 def test_int4_experts_paths(num_tokens: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """kernels/moe_wna16.py at the A3B shape: the path the step takes by default (the routed GEMV at small
-    decode sizes, the grouped kernel at larger ones, the dequantized experts at prefill sizes) against the
-    reference (bf16: within 1% of its norm), no host sync, replayed from a CUDA graph with new inputs; then each
-    path's time as a CUDA graph beside fused_moe's int path, each path's result checked too (the evidence for
-    MOE_WNA16_GEMV_MAX_TOKENS, MOE_WNA16_DEQUANT_MIN_TOKENS and MOE_WNA16_GROUPED_MIN_TOKENS)."""
+    decode sizes, the grouped kernel at larger ones, fused_moe's int path by rows from MOE_WNA16_DEQUANT_MIN_TOKENS
+    to MOE_WNA16_ROWS_MAX_TOKENS) against the reference (bf16: within 1% of its norm), no host sync, replayed from
+    a CUDA graph with new inputs; then each path's time as a CUDA graph, each path's result checked too (the
+    evidence for MOE_WNA16_GEMV_MAX_TOKENS, MOE_WNA16_GROUPED_MIN_TOKENS, MOE_WNA16_DEQUANT_MIN_TOKENS and
+    MOE_WNA16_ROWS_MAX_TOKENS)."""
     from longserve.kernels import fused_moe as fm
     from longserve.kernels.fused_moe import fused_moe, fused_moe_ref, route_topk
     from longserve.kernels.moe_wna16 import moe_wna16_path
@@ -461,7 +462,15 @@ def test_int4_experts_paths(num_tokens: int, monkeypatch: pytest.MonkeyPatch) ->
     weights, ids = route_topk(torch.randn(num_tokens, e, device="cuda"), k, True)
     weights = weights.bfloat16()
     default = moe_wna16_path(quant, num_tokens, h, i, False, torch.bfloat16)
-    assert default == {1: "gemv", 8: "gemv", 64: "grouped", 512: "dequant"}[num_tokens]
+    want = {
+        1: "gemv",
+        8: "gemv",
+        64: "grouped",
+        256: "grouped",
+        512: "fused",
+        2048: "fused",
+    }  # fused: by rows
+    assert default == want[num_tokens]
     out = fused_moe(x, w13, w2, weights, ids, quant=quant)
     assert_close_rel(out, fused_moe_ref(x, w13, w2, weights, ids, quant=quant))
     no_sync(lambda: fused_moe(x, w13, w2, weights, ids, quant=quant))

@@ -410,20 +410,23 @@ def test_fp8_models_through_the_gemv_kernels(
     assert set(fused) == ({24} if case.startswith("fp8-block") else set()), fused
 
 
-def test_int4_moe_model_through_the_routed_gemv_and_the_dequantized_experts(
-    root, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("prefill", ["dequant", "fused"])
+def test_int4_moe_model_through_the_routed_gemv_and_the_prefill_paths(
+    root, prefill: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The GPTQ int4 MoE case with its experts on the Triton path (interpreted here): the prefill's 24 tokens
-    through the dequantized experts (MOE_WNA16_DEQUANT_MIN_TOKENS lowered to 24), the decode steps through
-    the routed int4 GEMV (kernels/moe_wna16.py): the same logits and greedy tokens as transformers."""
+    (MOE_WNA16_DEQUANT_MIN_TOKENS lowered to 24) through the dequantized experts, or, a step within
+    MOE_WNA16_ROWS_MAX_TOKENS, through fused_moe's int path by rows; the decode steps through the routed int4 GEMV
+    (kernels/moe_wna16.py): the same logits and greedy tokens as transformers."""
     pytest.importorskip("triton")
     from longserve.kernels import fused_moe, moe_wna16
     from longserve.models.quant import wna16
 
     monkeypatch.setattr(wna16, "use_triton", lambda x: True)  # as for CUDA tensors with triton
     monkeypatch.setattr(moe_wna16, "MOE_WNA16_DEQUANT_MIN_TOKENS", 24)
+    monkeypatch.setattr(moe_wna16, "MOE_WNA16_ROWS_MAX_TOKENS", 23 if prefill == "dequant" else 24)
     paths: list[str] = []
     real = fused_moe.moe_wna16_path
     monkeypatch.setattr(fused_moe, "moe_wna16_path", lambda *a: paths.append(real(*a)) or paths[-1])
     check_logits_and_greedy_tokens(root, "gptq-int4-moe-dynamic", steps=KERNEL_PATH_STEPS)
-    assert {"gemv", "dequant"} <= set(paths), sorted(set(paths))
+    assert {"gemv", prefill} <= set(paths), sorted(set(paths))

@@ -148,10 +148,12 @@ def test_the_gemv_reads_each_pairs_own_expert() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_sizes_take_the_dequantized_experts(dtype, monkeypatch) -> None:
-    """From MOE_WNA16_DEQUANT_MIN_TOKENS tokens the experts are dequantized whole and the 16-bit kernel runs:
-    the reference's result (it dequantizes the same way), zero points and an expert with no tokens included."""
+    """From MOE_WNA16_DEQUANT_MIN_TOKENS tokens (past MOE_WNA16_ROWS_MAX_TOKENS for 4 bits) the experts are
+    dequantized whole and the 16-bit kernel runs: the reference's result (it dequantizes the same way), zero points
+    and an expert with no tokens included."""
     paths = taken(monkeypatch)
-    monkeypatch.setattr(moe_wna16, "MOE_WNA16_DEQUANT_MIN_TOKENS", 9)
+    monkeypatch.setattr(moe_wna16, "MOE_WNA16_DEQUANT_MIN_TOKENS", 4)
+    monkeypatch.setattr(moe_wna16, "MOE_WNA16_ROWS_MAX_TOKENS", 8)  # 4-bit steps of 4-8 tokens: the int path
     w13, w2, quant = int4_experts(16, True, seed=7)
     x = torch.randn(9, H, generator=gen(8)).to(dtype)
     weights, ids = routing(9, 3, seed=9)
@@ -234,12 +236,18 @@ def test_which_path() -> None:
     """The routed GEMV takes 4-bit experts in groups of whole tiles up to its limit, the grouped kernel (groups
     of 128, 16-bit activations) from its own; act order, 8 bits, experts split over ranks and K without a tile
     fall back to fused_moe's int path; past the GEMV without the grouped kernel, and at prefill sizes, the
-    experts are dequantized unless act order or expert parallelism."""
+    experts are dequantized unless act order or expert parallelism, or 4 bits in a step of up to
+    MOE_WNA16_ROWS_MAX_TOKENS (the int path by rows)."""
     _, _, quant = int4_experts(16, False)
     path = moe_wna16.moe_wna16_path
     lo, hi = moe_wna16.MOE_WNA16_GEMV_MAX_TOKENS, moe_wna16.MOE_WNA16_DEQUANT_MIN_TOKENS
     assert path(quant, 1, H, I, False, BF16) == path(quant, lo, H, I, False, BF16) == "gemv"  # groups of 16
-    assert path(quant, lo + 1, H, I, False, BF16) == path(quant, hi, H, I, False, BF16) == "dequant"
+    rows = moe_wna16.MOE_WNA16_ROWS_MAX_TOKENS
+    assert lo < hi <= rows
+    assert path(quant, lo + 1, H, I, False, BF16) == path(quant, hi - 1, H, I, False, BF16) == "dequant"
+    # 4-bit steps of a few hundred to a few thousand tokens: the int path by rows; larger, the dequantized experts
+    assert path(quant, hi, H, I, False, BF16) == path(quant, rows, H, I, False, BF16) == "fused"
+    assert path(quant, rows + 1, H, I, False, BF16) == "dequant"
     hidden, inter = 256, 128
     _, _, g128 = int4_experts(128, False, hidden=hidden, inter=inter)
     mid = moe_wna16.MOE_WNA16_GROUPED_MIN_TOKENS
@@ -247,12 +255,15 @@ def test_which_path() -> None:
     assert path(g128, mid - 1, hidden, inter, False, BF16) == "gemv"
     grouped = path(g128, mid, hidden, inter, False, BF16), path(g128, hi - 1, hidden, inter, False, BF16)
     assert grouped == ("grouped", "grouped")
-    assert path(g128, hi, hidden, inter, False, BF16) == "dequant"
+    assert path(g128, hi, hidden, inter, False, BF16) == "fused"
+    assert path(g128, rows + 1, hidden, inter, False, BF16) == "dequant"
     # the grouped kernel's dots are 16-bit
     assert path(g128, mid, hidden, inter, False, torch.float32) == "gemv"
     assert path(quant, 1, H, I, True, BF16) == path(quant, hi, H, I, True, BF16) == "fused"
     int8 = MoEQuant("int8", 16, quant.w13_scale, quant.w2_scale)
-    assert path(int8, 1, H, I, False, BF16) == "fused" and path(int8, hi, H, I, False, BF16) == "dequant"
+    assert (
+        path(int8, 1, H, I, False, BF16) == "fused" and path(int8, hi, H, I, False, BF16) == "dequant"
+    )  # unmeasured
     act = MoEQuant(
         "int4", 16, quant.w13_scale, quant.w2_scale, w13_g_idx=torch.zeros(E, H, dtype=torch.int32)
     )

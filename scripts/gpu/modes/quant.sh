@@ -36,6 +36,10 @@
 # bf16's, the A3B and 8B int4 cold 8K / 32K off and on (issue 18: A3B int4 cold 32K 1.12x bf16 on an H100, <= 1.1).
 # int4-fused-prefill (one GPU, ~6 min): the A3B int4 prefill through fused_moe's int path by rows instead
 # (moe_wna16.MOE_WNA16_PREFILL "fused", moe_gemm.INT_ROWS), at the untuned tiles and at tune_moe's, profiled.
+# int4-mid-steps (one GPU, ~6 min): the 4-bit experts' steps of 257-4,096 tokens through fused_moe's int path by rows
+# (moe_wna16.MOE_WNA16_ROWS_MAX_TOKENS, on since the thirty-ninth session from one layer's timings) against the
+# dequantized experts (0): the MoE paths' GPU tests (every path timed at 1-4,096 tokens), the quantized engines'
+# GPTQ MoE tests, then the A3B int4 cold 512 / 1K / 2K / 4K (one step each, piecewise CUDA graphs) off, on, off, on.
 # lone-chunks (one GPU, ~7 min): the A3B cold 8K / 32K in bf16 and int4 (GPTQ g128) with a lone prompt's steps of
 # 8K (off), 16K and 32K tokens (--lone-prefill-chunk-size): the int4 prefill dequantizes every expert once a step
 # (1.2 GB written a layer; at 3352078 on an H100, 1.107x bf16 at 32K in 8K steps, 1.021x in 32K steps, which are
@@ -352,6 +356,18 @@ if [[ $MODE == int4-fused-prefill ]]; then  # one GPU (~6 min): the A3B int4 pre
   done
   git ls-files --error-unmatch longserve/kernels/moe_configs/*dtype=int4.json > /dev/null 2>&1 \
     || rm -f longserve/kernels/moe_configs/*dtype=int4.json  # the call's table goes back with $OUT only
+fi
+
+if [[ $MODE == int4-mid-steps ]]; then  # one GPU (~6 min): 4-bit experts' mid-sized steps by rows or dequantized
+  timeout 200 python3 -m pytest -q -s -m gpu tests/gpu/test_quant_kernels_gpu.py tests/gpu/test_quant_engine_gpu.py \
+    -k "int4_experts_paths or int_rows or gptq-moe" -p no:cacheprovider --tb=short -rfE 2>&1 \
+    | tee "$OUT/gpu_tests_mid_steps.log" | grep -E "experts T=|passed|failed" || status=1
+  for run in off1 on1 off2 on2; do
+    v=0; [[ $run == on* ]] && v=4096
+    LATENCY_TIMEOUT=100 latency_with "a3b_int4_mid_$run" "A3B int4 rows<=$v" \
+      "longserve.kernels.moe_wna16.MOE_WNA16_ROWS_MAX_TOKENS=$v" -- --config qwen3-30b-a3b "${dummy[@]}" \
+      --repeat 5 --quantization gptq --prompt-lens 512,1024,2048,4096
+  done
 fi
 
 if [[ $MODE == lone-chunks ]]; then  # one GPU (~7 min): the A3B's cold prompts in larger lone steps, bf16 and int4
