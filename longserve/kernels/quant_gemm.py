@@ -49,6 +49,16 @@ __all__ = [
 # Those timings were of eager calls (at small M, launch time); as CUDA-graph replays (2026-12-02, 95cf20e, M=1-16)
 # dequantize + cuBLAS still wins at every M and shape (gate_up at M=1: 166 against 178 us), behind the GEMV.
 WNA16_DEQUANT_MIN_TOKENS = 1
+# The fused kernel's weight tiles loaded as the memory lies (quant_tiles.int_weight_rows, no act order): each row's
+# packed bytes once, where int_weight_tile loads every byte twice, a byte a lane; the same values, bit for bit. The
+# MoE kernel's int path went 25,124-28,898 -> 1,638-1,654 us a layer so at 4,096 tokens (moe_gemm.INT_ROWS; H100,
+# RESULTS.md thirty-seventh session), past the dequantized experts; the timings above were of the columns kernel.
+WNA16_INT_ROWS = True
+# Past the GEMV, up to this many rows the fused kernel (by rows) serves instead of dequantize + cuBLAS, whose
+# dequantization is a fixed cost a step (the 8B's four projections ~0.25 ms a layer, 8 ms a step on an H100, RESULTS.md
+# thirty-seventh session) and whose cuBLAS reads the bf16 weights it wrote: an 8B int4 decode past 64 requests or a
+# prompt step of a few hundred tokens pays it. 0 (off) until `gpu_check.sh int4-dense-rows` times it.
+WNA16_FUSED_MAX_TOKENS = 0
 # wna16_dequantize by _wna16_dequant_rows_kernel (no act order): rows of packed bytes loaded once as vectors and
 # stored as runs, where _wna16_dequant_kernel loads each byte twice, a byte a lane. What it is for: the A3B int4
 # prefill dequantizes every expert each chunk (moe_wna16's dequant path: 0.3 GB read, 1.2 GB written a layer); on
@@ -87,8 +97,10 @@ def _wna16_gemm_kernel(
     stride_xm, stride_wn, stride_sn, stride_zn, stride_om, stride_os,
     BITS: tl.constexpr, HAS_ZP: tl.constexpr, HAS_GIDX: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    INTERPRET_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    INTERPRET_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr, INT_ROWS: tl.constexpr,
 ):  # fmt: skip
+    """INT_ROWS (no g_idx; BLOCK_K within one group): the weight tile loaded as rows (WNA16_INT_ROWS above), rows
+    past N read as row N - 1 and never stored."""
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -105,10 +117,31 @@ def _wna16_gemm_kernel(
             mask=m_mask[:, None] & k_mask[None, :],
             other=0.0,
         )
-        w = int_weight_tile(
-            w_ptr, s_ptr, z_ptr, g_ptr, offs_n, offs_k, k0, n_mask, k_mask,
-            stride_wn, stride_sn, stride_zn, group_size, BITS, HAS_ZP, HAS_GIDX,
-        )  # fmt: skip
+        if INT_ROWS:
+            PACK: tl.constexpr = 8 // BITS
+            offs_kb = k0 // PACK + tl.arange(0, BLOCK_K // PACK)
+            w = int_weight_rows(
+                w_ptr,
+                s_ptr,
+                z_ptr,
+                tl.minimum(offs_n, N - 1),
+                offs_kb,
+                k0,
+                (offs_kb < k_end // PACK)[None, :],
+                stride_wn,
+                stride_sn,
+                stride_zn,
+                group_size,
+                BITS,
+                HAS_ZP,
+                BLOCK_K,
+            )  # fmt: skip  [BLOCK_N, BLOCK_K]
+            w = tl.trans(w)
+        else:
+            w = int_weight_tile(
+                w_ptr, s_ptr, z_ptr, g_ptr, offs_n, offs_k, k0, n_mask, k_mask,
+                stride_wn, stride_sn, stride_zn, group_size, BITS, HAS_ZP, HAS_GIDX,
+            )  # fmt: skip
         if INTERPRET_BF16:  # the interpreter's bf16 dot and casts are wrong: round by hand, dot in fp32
             b = rounded(w, x_ty, INTERPRET_BF16)
             a = a.to(tl.float32)
@@ -197,6 +230,12 @@ def wna16_config(
     m: int, n: int, k: int, group_size: int, has_gidx: bool, device: torch.device
 ) -> dict[str, int]:
     """Tile sizes and split-K for an [M, K] x [K, N] product (defaults, no tuned table yet)."""
+    if m > 64 and not has_gidx and WNA16_INT_ROWS:
+        # by rows past the GEMV's sizes: built for sm90 here (Triton 3.9, int4 g128, the strides 16-aligned), 128 x
+        # 128 x 64 on 8 warps holds 128 registers and a 325-instruction loop a warp (650 issue clocks a K step
+        # against ~1,024 of wgmma) where 64 x 128 x 128 on 4 warps takes 938 (by columns 2,120); neither spills
+        bk = min(_block_k(group_size, k, has_gidx), 64)
+        return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": bk, "SPLIT_K": 1, "num_warps": 8, "num_stages": 3}
     block_k = min(_block_k(group_size, k, has_gidx), 64 if m <= 16 else 128)
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     block_n = 64 if m <= 64 else 128
@@ -245,6 +284,8 @@ def wna16_gemm(
     if path is None:
         if m <= WNA16_GEMV_MAX_TOKENS and wna16_gemv_supported(m, k, bits):
             path = "gemv"
+        elif m <= WNA16_FUSED_MAX_TOKENS and WNA16_INT_ROWS and g_idx is None:
+            path = "fused"
         else:
             path = "dequant" if m >= WNA16_DEQUANT_MIN_TOKENS else "fused"
     if path == "gemv":
@@ -273,7 +314,7 @@ def wna16_gemm(
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SPLIT_K=split,
         INTERPRET_BF16=interpret_bf16,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 or interpret_bf16 else "tf32",
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        INT_ROWS=WNA16_INT_ROWS and g_idx is None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     if split > 1:
         out = out.sum(dim=0).to(x.dtype)  # fixed order over the splits: deterministic

@@ -82,6 +82,65 @@ def test_wna16_gemm_equals_reference(bits, group, zp, act_order, split_k, dtype)
 
 
 @pytest.mark.parametrize(
+    ("bits", "group", "zp", "n", "k", "split_k"),
+    [(4, 32, True, 40, 256, 1), (4, -1, True, 40, 200, 3), (8, 64, False, 70, 192, 2), (4, 128, False, 64, 512, 1)],
+)  # fmt: skip
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_wna16_gemm_by_rows_equals_by_columns(bits, group, zp, n, k, split_k, dtype, monkeypatch) -> None:
+    """quant_gemm.WNA16_INT_ROWS: the fused kernel's weight tiles loaded as rows give its output by columns bit for
+    bit (bf16; fp32 to its last bits under the interpreter): N off the tile (40 and 70 rows over 32), K split over programs and off the key tile (200 in splits of 96),
+    one group over all of K, zero points, 8 bits."""
+    from longserve.kernels import quant_gemm
+
+    qweight, scales, zeros, _ = int_weights(n, k, bits, group, zp, False, seed=n + k + bits)
+    x = torch.randn(7, k, generator=gen(3)).to(dtype)
+    cfg = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": split_k, "num_warps": 4, "num_stages": 1}
+    outs = {}
+    for rows in (False, True):
+        monkeypatch.setattr(quant_gemm, "WNA16_INT_ROWS", rows)
+        outs[rows] = wna16_gemm(x, qweight, scales, zeros, None, bits, group, config=cfg)
+    if dtype == torch.float32:  # the interpreter's fp32 dot (numpy) sums a transposed tile in another order
+        torch.testing.assert_close(outs[True], outs[False], atol=1e-5, rtol=1e-5)
+    else:
+        assert torch.equal(outs[True], outs[False])
+    ref = wna16_gemm_ref(x, qweight, scales, zeros, None, bits, group)
+    torch.testing.assert_close(outs[True], ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_wna16_gemm_takes_the_fused_kernel_up_to_its_limit(monkeypatch) -> None:
+    """Past the GEMV, up to quant_gemm.WNA16_FUSED_MAX_TOKENS rows the fused kernel by rows serves (off: 0 by
+    default); act order, or more rows, the dequantized weight and a 16-bit GEMM."""
+    from longserve.kernels import quant_gemm
+
+    paths: list[str] = []
+    real_gemm = quant_gemm._wna16_gemm_kernel
+    real_dequant = quant_gemm.wna16_dequantize
+
+    class Counted:
+        def __getitem__(self, grid):
+            paths.append("fused")
+            return real_gemm[grid]
+
+    monkeypatch.setattr(quant_gemm, "_wna16_gemm_kernel", Counted())
+    monkeypatch.setattr(
+        quant_gemm, "wna16_dequantize", lambda *a, **k: paths.append("dequant") or real_dequant(*a, **k)
+    )
+    monkeypatch.setattr(quant_gemm, "WNA16_GEMV_MAX_TOKENS", 2)
+    qweight, scales, zeros, _ = int_weights(32, 64, 4, 32, True, False, seed=5)
+    _, _, _, g_idx = int_weights(32, 64, 4, 32, True, True, seed=5)
+    for m, limit, act_order, want in ((3, 0, False, "dequant"), (3, 4, False, "fused"), (4, 4, False, "fused"),
+                                      (5, 4, False, "dequant"), (3, 4, True, "dequant")):  # fmt: skip
+        monkeypatch.setattr(quant_gemm, "WNA16_FUSED_MAX_TOKENS", limit)
+        x = torch.randn(m, 64, generator=gen(m))
+        gi = g_idx if act_order else None
+        out = wna16_gemm(x, qweight, scales, zeros, gi, 4, 32)
+        assert paths.pop() == want and not paths, (m, limit, act_order)
+        torch.testing.assert_close(
+            out, wna16_gemm_ref(x, qweight, scales, zeros, gi, 4, 32), atol=1e-4, rtol=1e-4
+        )
+
+
+@pytest.mark.parametrize(
     ("bits", "group", "zp", "n", "k"),
     [(4, 128, False, 100, 512), (4, 32, True, 64, 96), (4, -1, True, 40, 200), (8, 64, False, 70, 192),
      (8, 128, True, 64, 256)],

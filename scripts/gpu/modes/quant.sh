@@ -40,6 +40,9 @@
 # (moe_wna16.MOE_WNA16_ROWS_MAX_TOKENS, on since the thirty-ninth session from one layer's timings) against the
 # dequantized experts (0): the MoE paths' GPU tests (every path timed at 1-4,096 tokens), the quantized engines'
 # GPTQ MoE tests, then the A3B int4 cold 512 / 1K / 2K / 4K (one step each, piecewise CUDA graphs) off, on, off, on.
+# int4-dense-rows (one GPU, ~7 min): the fused W4A16 kernel by rows (quant_gemm.WNA16_INT_ROWS) against dequantize +
+# cuBLAS past the GEMV's 64 rows (scripts/probes/sweep_int4_fused.py: the 8B projections, tiles, the crossover), then
+# the 8B int4 decode at batch 128 (4K) and cold 512 / 2K with quant_gemm.WNA16_FUSED_MAX_TOKENS 0 (off) and 4096.
 # lone-chunks (one GPU, ~7 min): the A3B cold 8K / 32K in bf16 and int4 (GPTQ g128) with a lone prompt's steps of
 # 8K (off), 16K and 32K tokens (--lone-prefill-chunk-size): the int4 prefill dequantizes every expert once a step
 # (1.2 GB written a layer; at 3352078 on an H100, 1.107x bf16 at 32K in 8K steps, 1.021x in 32K steps, which are
@@ -367,6 +370,17 @@ if [[ $MODE == int4-mid-steps ]]; then  # one GPU (~6 min): 4-bit experts' mid-s
     LATENCY_TIMEOUT=100 latency_with "a3b_int4_mid_$run" "A3B int4 rows<=$v" \
       "longserve.kernels.moe_wna16.MOE_WNA16_ROWS_MAX_TOKENS=$v" -- --config qwen3-30b-a3b "${dummy[@]}" \
       --repeat 5 --quantization gptq --prompt-lens 512,1024,2048,4096
+  done
+fi
+
+if [[ $MODE == int4-dense-rows ]]; then  # one GPU (~7 min): dense int4 past the GEMV, fused by rows or dequantized
+  timeout 200 python3 scripts/probes/sweep_int4_fused.py 2>&1 | tee "$OUT/sweep_int4_fused.log" \
+    | grep -E "^(all four|WNA16|NVIDIA)" || status=1
+  for run in off1 on1 off2 on2; do
+    v=0; [[ $run == on* ]] && v=4096
+    LATENCY_TIMEOUT=90 latency_with "8b_int4_rows_$run" "8B int4 fused<=$v" \
+      "longserve.kernels.quant_gemm.WNA16_FUSED_MAX_TOKENS=$v" -- --config llama-3.1-8b "${dummy[@]}" \
+      --repeat 3 --quantization gptq --prompt-lens 512,2048 --decode-batch-sizes 128@4096
   done
 fi
 
