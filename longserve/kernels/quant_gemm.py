@@ -50,9 +50,9 @@ __all__ = [
 # dequantize + cuBLAS still wins at every M and shape (gate_up at M=1: 166 against 178 us), behind the GEMV.
 WNA16_DEQUANT_MIN_TOKENS = 1
 # The fused kernel's weight tiles loaded as the memory lies (quant_tiles.int_weight_rows, no act order): each row's
-# packed bytes once, where int_weight_tile loads every byte twice, a byte a lane; the same values, bit for bit. The
-# MoE kernel's int path went 25,124-28,898 -> 1,638-1,654 us a layer so at 4,096 tokens (moe_gemm.INT_ROWS; H100,
-# RESULTS.md thirty-seventh session), past the dequantized experts; the timings above were of the columns kernel.
+# packed bytes once, where int_weight_tile loads every byte twice, a byte a lane; the same values, bit for bit. So
+# the MoE kernel's int path went from 25,124-28,898 to 1,638-1,654 us a layer at 4,096 tokens (moe_gemm.INT_ROWS;
+# H100, RESULTS.md thirty-seventh session), past the dequantized experts. The timings above were by columns.
 WNA16_INT_ROWS = True
 # Past the GEMV, up to this many rows the fused kernel (by rows) serves instead of dequantize + cuBLAS, whose
 # dequantization is a fixed cost a step (the 8B's four projections ~0.25 ms a layer, 8 ms a step on an H100, RESULTS.md
@@ -120,23 +120,12 @@ def _wna16_gemm_kernel(
         if INT_ROWS:
             PACK: tl.constexpr = 8 // BITS
             offs_kb = k0 // PACK + tl.arange(0, BLOCK_K // PACK)
+            rows = tl.minimum(offs_n, N - 1)  # rows past N read as row N - 1, never stored
             w = int_weight_rows(
-                w_ptr,
-                s_ptr,
-                z_ptr,
-                tl.minimum(offs_n, N - 1),
-                offs_kb,
-                k0,
-                (offs_kb < k_end // PACK)[None, :],
-                stride_wn,
-                stride_sn,
-                stride_zn,
-                group_size,
-                BITS,
-                HAS_ZP,
-                BLOCK_K,
-            )  # fmt: skip  [BLOCK_N, BLOCK_K]
-            w = tl.trans(w)
+                w_ptr, s_ptr, z_ptr, rows, offs_kb, k0, (offs_kb < k_end // PACK)[None, :],
+                stride_wn, stride_sn, stride_zn, group_size, BITS, HAS_ZP, BLOCK_K,
+            )  # fmt: skip
+            w = tl.trans(w)  # [BLOCK_N, BLOCK_K] -> [BLOCK_K, BLOCK_N]
         else:
             w = int_weight_tile(
                 w_ptr, s_ptr, z_ptr, g_ptr, offs_n, offs_k, k0, n_mask, k_mask,

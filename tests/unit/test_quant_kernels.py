@@ -88,8 +88,8 @@ def test_wna16_gemm_equals_reference(bits, group, zp, act_order, split_k, dtype)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_wna16_gemm_by_rows_equals_by_columns(bits, group, zp, n, k, split_k, dtype, monkeypatch) -> None:
     """quant_gemm.WNA16_INT_ROWS: the fused kernel's weight tiles loaded as rows give its output by columns bit for
-    bit (bf16; fp32 to its last bits under the interpreter): N off the tile (40 and 70 rows over 32), K split over programs and off the key tile (200 in splits of 96),
-    one group over all of K, zero points, 8 bits."""
+    bit (bf16; fp32 to its last bits under the interpreter): N off the tile (40 and 70 rows over 32), K split over
+    programs and off the key tile (200 in splits of 96), one group over all of K, zero points, 8 bits."""
     from longserve.kernels import quant_gemm
 
     qweight, scales, zeros, _ = int_weights(n, k, bits, group, zp, False, seed=n + k + bits)
