@@ -12,8 +12,12 @@ step at batch 1 (32K context; bf16 4.66) and 4.94 s for a cold 32K prompt (bf16 
   after it (silu * up; moe_sum), not by reductions of their own (six launches at `c9a2ca1`, where one token
   took 19.5 us a layer, the 8 experts' 18.9 MB at ~1 TB/s: launch-bound). Each pair reads its expert's packed
   weights once: at batch 1 the bytes of the 8 experts touched, a quarter of bf16's.
-- Prefill (at least MOE_WNA16_DEQUANT_MIN_TOKENS tokens; past MOE_WNA16_GEMV_MAX_TOKENS where the grouped
-  kernel does not apply, e.g. 8 bits): every expert dequantized to the activations' dtype
+- Mid-sized steps of 4-bit experts (past the grouped kernel's range or where it does not apply, up to
+  MOE_WNA16_ROWS_MAX_TOKENS): fused_moe's int path with its tiles loaded as rows (moe_gemm.INT_ROWS), which
+  reads the packed experts and writes nothing back (one A3B layer at 512 tokens: 444 us against 1,154-1,180 us
+  dequantized, on an H100).
+- Prefill (at least MOE_WNA16_DEQUANT_MIN_TOKENS tokens past the rows' range; past MOE_WNA16_GEMV_MAX_TOKENS where
+  the grouped kernel does not apply for 8 bits): every expert dequantized to the activations' dtype
   (quant_gemm.wna16_dequantize, one launch a projection), then the 16-bit fused_moe, whose grouped GEMMs run at
   the tensor cores' bf16 rate. The dequantization is paid once a layer rather than once per block of pairs:
   at the A3B shape 0.3 GB read and 1.2 GB written a layer (~0.4 ms at 4.2 TB/s) against a 16-bit MoE layer's
@@ -25,7 +29,7 @@ step at batch 1 (32K context; bf16 4.66) and 4.94 s for a cold 32K prompt (bf16 
   int4_gemv's word-wise unpacking on the tensor cores (int4_dot_tile): each expert's weights read once per
   block instead of once per pair (A3B int4 decode at batch 64: 31.81 -> 20.58 ms a step).
 - Otherwise (act order, experts split over ranks, or decode sizes with no GEMV tile: 8 bits, groups the tile
-  does not fit) fused_moe's int path serves.
+  does not fit) fused_moe's int path serves, by rows where it has no act order.
 
 Rounding: the dequantize path equals `fused_moe_ref` as the 16-bit fused_moe does (the weights rounded to the
 dtype, as the reference rounds them). The GEMV keeps (q - z) * s in fp32 instead of rounding each weight to
@@ -124,9 +128,10 @@ def moe_wna16_path(
     grouped_ok = dtype != torch.float32 and grouped_supported(quant, hidden_size, inter)  # 16-bit dots
     if grouped_from is not None and num_tokens >= grouped_from and grouped_ok:
         return "grouped"
-    # past the GEMV's sizes without the grouped kernel (8 bits, other groups): the dequantized experts
+    # past the GEMV's sizes without the grouped kernel (8 bits, other groups): 4 bits by rows (the dequantization's
+    # fixed cost weighs more at fewer tokens than at the 512 measured), 8 bits dequantized
     if num_tokens > MOE_WNA16_GEMV_MAX_TOKENS:
-        return "dequant"
+        return "fused" if quant.bits == 4 and num_tokens <= MOE_WNA16_ROWS_MAX_TOKENS else "dequant"
     gemv_ok = quant.bits == 4 and _gemv_tile_k(quant, hidden_size) and _gemv_tile_k(quant, inter)
     return "gemv" if gemv_ok else "fused"
 

@@ -244,8 +244,9 @@ def test_which_path() -> None:
     assert path(quant, 1, H, I, False, BF16) == path(quant, lo, H, I, False, BF16) == "gemv"  # groups of 16
     rows = moe_wna16.MOE_WNA16_ROWS_MAX_TOKENS
     assert lo < hi <= rows
-    assert path(quant, lo + 1, H, I, False, BF16) == path(quant, hi - 1, H, I, False, BF16) == "dequant"
-    # 4-bit steps of a few hundred to a few thousand tokens: the int path by rows; larger, the dequantized experts
+    # past the GEMV (groups of 16: no grouped kernel), 4-bit steps of up to a few thousand tokens: the int path by
+    # rows; larger, the dequantized experts
+    assert path(quant, lo + 1, H, I, False, BF16) == path(quant, hi - 1, H, I, False, BF16) == "fused"
     assert path(quant, hi, H, I, False, BF16) == path(quant, rows, H, I, False, BF16) == "fused"
     assert path(quant, rows + 1, H, I, False, BF16) == "dequant"
     hidden, inter = 256, 128
