@@ -39,7 +39,7 @@
 # int4-mid-steps (one GPU, ~6 min): the 4-bit experts' steps of 257-4,096 tokens through fused_moe's int path by rows
 # (moe_wna16.MOE_WNA16_ROWS_MAX_TOKENS, on since the thirty-ninth session from one layer's timings) against the
 # dequantized experts (0): the MoE paths' GPU tests (every path timed at 1-4,096 tokens), the quantized engines'
-# GPTQ MoE tests, then the A3B int4 cold 512 / 1K / 2K / 4K (one step each, piecewise CUDA graphs) off, on, off, on.
+# GPTQ MoE test, then the A3B int4 cold 512 / 1K / 2K / 4K (one step each, piecewise CUDA graphs) off, on, off, on.
 # int4-dense-rows (one GPU, ~7 min): the fused W4A16 kernel by rows (quant_gemm.WNA16_INT_ROWS) against dequantize +
 # cuBLAS past the GEMV's 64 rows (scripts/probes/sweep_int4_fused.py: the 8B projections, tiles, the crossover), then
 # the 8B int4 decode at batch 128 (4K) and cold 512 / 2K with quant_gemm.WNA16_FUSED_MAX_TOKENS 0 (off) and 4096.
@@ -362,8 +362,10 @@ if [[ $MODE == int4-fused-prefill ]]; then  # one GPU (~6 min): the A3B int4 pre
 fi
 
 if [[ $MODE == int4-mid-steps ]]; then  # one GPU (~6 min): 4-bit experts' mid-sized steps by rows or dequantized
-  timeout 200 python3 -m pytest -q -s -m gpu tests/gpu/test_quant_kernels_gpu.py tests/gpu/test_quant_engine_gpu.py \
-    -k "int4_experts_paths or int_rows or gptq-moe" -p no:cacheprovider --tb=short -rfE 2>&1 \
+  # the engine test: the tiny GPTQ MoE model's 274-token prefill now by rows, under piecewise graphs (~60 s)
+  timeout 240 python3 -m pytest -q -s -m gpu tests/gpu/test_quant_kernels_gpu.py tests/gpu/test_quant_engine_gpu.py \
+    -k "int4_experts_paths or int_rows or test_kernels_give_the_reference_tokens and gptq-moe" -p no:cacheprovider \
+    --tb=short -rfE 2>&1 \
     | tee "$OUT/gpu_tests_mid_steps.log" | grep -E "experts T=|passed|failed" || status=1
   for run in off1 on1 off2 on2; do
     v=0; [[ $run == on* ]] && v=4096
