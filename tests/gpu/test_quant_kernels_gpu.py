@@ -462,14 +462,8 @@ def test_int4_experts_paths(num_tokens: int, monkeypatch: pytest.MonkeyPatch) ->
     weights, ids = route_topk(torch.randn(num_tokens, e, device="cuda"), k, True)
     weights = weights.bfloat16()
     default = moe_wna16_path(quant, num_tokens, h, i, False, torch.bfloat16)
-    want = {
-        1: "gemv",
-        8: "gemv",
-        64: "grouped",
-        256: "grouped",
-        512: "fused",
-        2048: "fused",
-    }  # fused: by rows
+    # fused: by rows (moe_gemm.INT_ROWS)
+    want = {1: "gemv", 8: "gemv", 64: "grouped", 256: "grouped", 512: "fused", 2048: "fused"}
     assert default == want[num_tokens]
     out = fused_moe(x, w13, w2, weights, ids, quant=quant)
     assert_close_rel(out, fused_moe_ref(x, w13, w2, weights, ids, quant=quant))
