@@ -55,9 +55,10 @@ WNA16_DEQUANT_MIN_TOKENS = 1
 # H100, RESULTS.md thirty-seventh session), past the dequantized experts. The timings above were by columns.
 WNA16_INT_ROWS = True
 # Past the GEMV, up to this many rows the fused kernel (by rows) serves instead of dequantize + cuBLAS, whose
-# dequantization is a fixed cost a step (the 8B's four projections ~0.25 ms a layer, 8 ms a step on an H100, RESULTS.md
-# thirty-seventh session) and whose cuBLAS reads the bf16 weights it wrote: an 8B int4 decode past 64 requests or a
-# prompt step of a few hundred tokens pays it. 0 (off) until `gpu_check.sh int4-dense-rows` times it.
+# dequantization is a fixed cost a step (the 8B's gate_up 133 us and down 64 us a layer on an H100, RESULTS.md
+# thirty-seventh session; with qkv and o by their sizes ~0.25 ms a layer, ~8 ms a step) and whose cuBLAS reads the
+# bf16 weights it wrote: an 8B int4 decode past 64 requests or a prompt step of a few hundred tokens pays it. 0
+# (off) until `gpu_check.sh int4-dense-rows` times it.
 WNA16_FUSED_MAX_TOKENS = 0
 # wna16_dequantize by _wna16_dequant_rows_kernel (no act order): rows of packed bytes loaded once as vectors and
 # stored as runs, where _wna16_dequant_kernel loads each byte twice, a byte a lane. What it is for: the A3B int4

@@ -1,8 +1,8 @@
 """The fused W4A16 kernel by rows (quant_gemm.WNA16_INT_ROWS) against dequantize + cuBLAS past the GEMV's sizes.
 
 quant_gemm routes M > WNA16_GEMV_MAX_TOKENS (64) rows of an int4 product to dequantize + cuBLAS: a fixed
-dequantization a step (the 8B's four projections ~0.25 ms a layer on an H100) plus cuBLAS reading the bf16 weight
-it wrote. The fused kernel reads the packed weights (4x fewer bytes) but was timed only by columns, which loaded
+dequantization a step (the 8B's four projections ~0.25 ms a layer on an H100, from gate_up's and down's measured
+times) plus cuBLAS reading the bf16 weight it wrote. The fused kernel reads the packed weights (4x fewer bytes) but was timed only by columns, which loaded
 every byte twice, a byte a lane (and lost at every M, 2026-12-01). By rows it loads each row's bytes once. This
 probe times both at the Llama-3.1-8B projections (GPTQ int4 g128, bf16, weights rotated through HBM, CUDA graphs)
 for M from 65 up, over a few tiles, and prints the largest M up to which the best fused tile beats dequantize +
