@@ -121,17 +121,19 @@ def moe_wna16_path(
     """Which path serves integer experts for a step of num_tokens: "gemv", "grouped", "dequant" or "fused"."""
     if not quant.is_int or distributed or quant.w13_g_idx is not None or quant.w2_g_idx is not None:
         return "fused"
+    # what serves where the experts would otherwise be dequantized whole: 4 bits by rows up to
+    # MOE_WNA16_ROWS_MAX_TOKENS (the dequantization's fixed cost weighs more at fewer tokens than at the 512
+    # measured), else the dequantized experts
+    by_rows = quant.bits == 4 and num_tokens <= MOE_WNA16_ROWS_MAX_TOKENS
+    dequant_or_rows = "fused" if by_rows else "dequant"
     if num_tokens >= MOE_WNA16_DEQUANT_MIN_TOKENS:
-        by_rows = quant.bits == 4 and num_tokens <= MOE_WNA16_ROWS_MAX_TOKENS
-        return "fused" if MOE_WNA16_PREFILL == "fused" or by_rows else "dequant"
+        return "fused" if MOE_WNA16_PREFILL == "fused" else dequant_or_rows
     grouped_from = MOE_WNA16_GROUPED_MIN_TOKENS
     grouped_ok = dtype != torch.float32 and grouped_supported(quant, hidden_size, inter)  # 16-bit dots
     if grouped_from is not None and num_tokens >= grouped_from and grouped_ok:
         return "grouped"
-    # past the GEMV's sizes without the grouped kernel (8 bits, other groups): 4 bits by rows (the dequantization's
-    # fixed cost weighs more at fewer tokens than at the 512 measured), 8 bits dequantized
-    if num_tokens > MOE_WNA16_GEMV_MAX_TOKENS:
-        return "fused" if quant.bits == 4 and num_tokens <= MOE_WNA16_ROWS_MAX_TOKENS else "dequant"
+    if num_tokens > MOE_WNA16_GEMV_MAX_TOKENS:  # past the GEMV's sizes without the grouped kernel
+        return dequant_or_rows
     gemv_ok = quant.bits == 4 and _gemv_tile_k(quant, hidden_size) and _gemv_tile_k(quant, inter)
     return "gemv" if gemv_ok else "fused"
 
