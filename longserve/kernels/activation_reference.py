@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from longserve.kernels.quant_reference import per_token_group_quant_fp8_ref
 
-__all__ = ["silu_and_mul_quant_ref", "silu_and_mul_ref"]
+__all__ = ["silu_and_mul_quant_ref", "silu_and_mul_ref", "swiglu_gemm_ref"]
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
@@ -20,3 +20,9 @@ def silu_and_mul_quant_ref(x: torch.Tensor, group_size: int) -> tuple[torch.Tens
     """x = gate|up [T, 2I] -> silu(gate) * up quantized to e4m3 per token-group: (e4m3 [T, I], float32 scales
     [T, ceil(I / group)]), rounded to x's dtype before the quantization as the kernel rounds it."""
     return per_token_group_quant_fp8_ref(silu_and_mul_ref(x), group_size)
+
+
+def swiglu_gemm_ref(x: torch.Tensor, w13: torch.Tensor) -> torch.Tensor:
+    """x [T, H] @ w13 [2I, H]^T (gate rows first) -> silu(gate) * up [T, I]: the product rounded to x's dtype, then
+    `silu_and_mul_ref`, as the unfused path (cuBLAS, then silu_and_mul) rounds."""
+    return silu_and_mul_ref((x.float() @ w13.float().T).to(x.dtype))

@@ -202,17 +202,26 @@ class MLP(nn.Module):
         if act != "silu":
             raise ValueError(f"hidden_act {act!r} is not supported; supported: silu")
 
+    def _down_input(self, x: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """The down projection's input and whether it is gate|up [T, 2I] (gated: silu(gate) * up is made on the
+        way in) or already the product [T, I] (the gate/up GEMM's own epilogue: linear_method.apply_swiglu)."""
+        act = self.gate_up_proj.swiglu(x)
+        return (self.gate_up_proj(x), True) if act is None else (act, False)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj(x), gated=True)  # of silu(gate) * up: [T, hidden]
+        h, gated = self._down_input(x)
+        return self.down_proj(h, gated=gated)  # of silu(gate) * up: [T, hidden]
 
     def then_norm(
         self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`norm(self(x), residual)`, the add and norm in the down projection's kernel where it can (then_norm)."""
-        return self.down_proj.then_norm(self.gate_up_proj(x), residual, norm, gated=True)  # [T, hidden] each
+        h, gated = self._down_input(x)
+        return self.down_proj.then_norm(h, residual, norm, gated=gated)  # [T, hidden] each
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.partial(self.gate_up_proj(x), gated=True)  # [T, hidden], not reduced
+        h, gated = self._down_input(x)
+        return self.down_proj.partial(h, gated=gated)  # [T, hidden], not reduced
 
     def finish(self, y: torch.Tensor) -> torch.Tensor:
         """The all-reduced `partial` -> the output (the bias added once)."""

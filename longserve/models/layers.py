@@ -194,6 +194,11 @@ class MergedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.quant_method.apply(self, x, self.bias)  # [T, out_features]
 
+    def swiglu(self, x: torch.Tensor) -> torch.Tensor | None:
+        """A gate|up layer's silu(gate) * up [T, I] in its product's own kernel where its method has one, else
+        None (LinearMethod.apply_swiglu)."""
+        return self.quant_method.apply_swiglu(self, x, self.bias)
+
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Split a fused output [T, out_features] back into its shards, in order."""
         return y.split(list(self.shard_sizes.values()), dim=-1)

@@ -43,6 +43,13 @@ class LinearMethod(QuantizeMethod):
         layer computes silu_and_mul, then `apply`."""
         return None
 
+    def apply_swiglu(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """silu(gate) * up [T, I] of a gate|up layer's product [T, 2I] where this method makes it in the product's
+        own kernel (kernels/swiglu_gemm.py); None: the layer's product, then silu_and_mul or `apply_gated`."""
+        return None
+
     def apply_then_norm(
         self,
         layer: nn.Module,
@@ -81,6 +88,17 @@ class UnquantizedLinearMethod(LinearMethod):
             if dense_gemm.dense_gemm_serves(x, layer.weight):
                 return dense_gemm.dense_gemm(x, layer.weight, bias)
         return F.linear(x, layer.weight, bias)
+
+    def apply_swiglu(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        # prefill-sized steps only: a decode batch (<= DENSE_GEMM_MAX_ROWS rows) skips the check on one comparison
+        if bias is None and x.shape[0] > DENSE_GEMM_MAX_ROWS and use_triton(x):
+            from longserve.kernels import swiglu_gemm  # imports triton
+
+            if swiglu_gemm.swiglu_gemm_serves(x, layer.weight):
+                return swiglu_gemm.swiglu_gemm(x, layer.weight)  # [T, I]
+        return None
 
 
 class PendingLinearMethod(LinearMethod):

@@ -56,6 +56,9 @@ def _arg_type(value: Any) -> str:
         return "i32" if -(2**31) <= value < 2**31 else "i64"
     if isinstance(value, float):
         return "fp32"
+    block = getattr(value, "block_shape", None)  # a host TMA descriptor (triton.tools.tensor_descriptor)
+    if block is not None and isinstance(getattr(value, "base", None), torch.Tensor):
+        return f"tensordesc<{_TYPES[str(value.base.dtype).removeprefix('torch.')]}{list(block)}>"
     raise TypeError(f"argument {value!r} of type {type(value).__name__} cannot be typed")
 
 

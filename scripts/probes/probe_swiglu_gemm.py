@@ -8,8 +8,9 @@ gate tile and the matching up tile (as fused_moe's gate+up kernel does) writes o
 run at cuBLAS's rate to gain: at 32K the gate/up GEMM is ~10.5 ms a layer, so each 1% slower costs ~3.4 ms.
 
 This probe times, at the 8B MLP shape and each T: cuBLAS's gate|up alone, cuBLAS plus silu_and_mul (what runs
-today), and a persistent Triton GEMM over TMA descriptors (Hopper), plain (gate|up out, the apples-to-apples
-GEMM) and fused (the product out), over a few tiles; it checks the fused output against the unfused path's.
+today), and kernels/swiglu_gemm.py's persistent Triton GEMM over TMA descriptors (Hopper), plain (gate|up out, the
+apples-to-apples GEMM) and fused (the product out), over a few tiles; it checks the fused output against the
+unfused path's. The best tile goes into SWIGLU_GEMM_CONFIG.
 
     python3 scripts/probes/probe_swiglu_gemm.py --tokens 8192,32768            # a GPU: the table
     TRITON_INTERPRET=1 python3 scripts/probes/probe_swiglu_gemm.py --check     # the CPU: tiny shapes, the values
@@ -24,90 +25,13 @@ import itertools
 import os
 
 import torch
-import triton
-import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
-
-@triton.jit
-def _tile(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
-    """Grouped order: GROUP_M row tiles share the weight tiles they read while those stay in L2."""
-    group = tile_id // (GROUP_M * num_pid_n)
-    first_m = group * GROUP_M
-    size_m = min(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (tile_id % size_m)
-    pid_n = (tile_id % (GROUP_M * num_pid_n)) // size_m
-    return pid_m, pid_n
-
-
-@triton.jit
-def _one_tile(
-    a_desc, b_desc, c_desc, tile_id, num_pid_m, num_pid_n, INTER, K,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    STAGES: tl.constexpr, FUSED: tl.constexpr, OUT_TY: tl.constexpr,
-):  # fmt: skip
-    pid_m, pid_n = _tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
-    off_m, off_n = pid_m * BLOCK_M, pid_n * BLOCK_N
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-        a = a_desc.load([off_m, k])  # [BLOCK_M, BLOCK_K]
-        acc_g = tl.dot(a, b_desc.load([off_n, k]).T, acc_g)
-        acc_u = tl.dot(a, b_desc.load([INTER + off_n, k]).T, acc_u)
-    g = acc_g.to(OUT_TY)
-    u = acc_u.to(OUT_TY)
-    if FUSED:
-        gf = g.to(tl.float32)
-        act = (gf / (1.0 + tl.exp(-gf))).to(OUT_TY).to(tl.float32)  # F.silu's rounding
-        c_desc.store([off_m, off_n], (act * u.to(tl.float32)).to(OUT_TY))
-    else:
-        c_desc.store([off_m, off_n], g)
-        c_desc.store([off_m, INTER + off_n], u)
-
-
-@triton.jit
-def _gate_up_kernel(
-    a_desc, b_desc, c_desc, M, INTER, K,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    NUM_PROGRAMS: tl.constexpr, STAGES: tl.constexpr, FUSED: tl.constexpr, OUT_TY: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
-):  # fmt: skip
-    """Persistent: each program takes tiles NUM_PROGRAMS apart. A tile is BLOCK_M rows x BLOCK_N columns of the
-    gate half and the same columns of the up half (rows INTER + n of the weight). FUSED: stores silu(g) * u
-    [M, INTER]; else g and u into gate|up [M, 2 INTER]. WARP_SPECIALIZE: Triton's producer/consumer warps over the
-    flattened tile loop (built for sm90 by Triton 3.9; whether the H100's Triton 3.6 takes it, the probe says)."""
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(INTER, BLOCK_N)
-    num_tiles = num_pid_m * num_pid_n
-    if WARP_SPECIALIZE:
-        for tile_id in tl.range(
-            tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=True, warp_specialize=True
-        ):
-            _one_tile(a_desc, b_desc, c_desc, tile_id, num_pid_m, num_pid_n, INTER, K,
-                      BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, FUSED, OUT_TY)  # fmt: skip
-    else:
-        for tile_id in range(tl.program_id(0), num_tiles, NUM_PROGRAMS):
-            _one_tile(a_desc, b_desc, c_desc, tile_id, num_pid_m, num_pid_n, INTER, K,
-                      BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, FUSED, OUT_TY)  # fmt: skip
+from longserve.kernels.swiglu_gemm import swiglu_gemm
 
 
 def gate_up(x: torch.Tensor, w13: torch.Tensor, fused: bool, cfg: dict) -> torch.Tensor:
-    """x [T, H] @ w13 [2I, H]^T: silu(gate) * up [T, I] (fused) or gate|up [T, 2I]."""
-    m, k = x.shape
-    inter = w13.shape[0] // 2
-    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    out = torch.empty(m, inter if fused else 2 * inter, dtype=x.dtype, device=x.device)
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
-    tiles = triton.cdiv(m, bm) * triton.cdiv(inter, bn)
-    programs = min(sms, tiles)
-    _gate_up_kernel[(programs,)](
-        TensorDescriptor.from_tensor(x, [bm, bk]), TensorDescriptor.from_tensor(w13, [bn, bk]),
-        TensorDescriptor.from_tensor(out, [bm, bn]), m, inter, k,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, NUM_PROGRAMS=programs, STAGES=cfg["STAGES"], FUSED=fused,
-        OUT_TY=tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16, WARP_SPECIALIZE=cfg.get("ws", False),
-        num_warps=cfg["num_warps"],
-    )  # fmt: skip
-    return out
+    """x [T, H] @ w13 [2I, H]^T: silu(gate) * up [T, I] (fused) or gate|up [T, 2I] (kernels/swiglu_gemm.py)."""
+    return swiglu_gemm(x, w13, fused=fused, cfg=cfg)
 
 
 def unfused(x: torch.Tensor, w13: torch.Tensor) -> torch.Tensor:

@@ -65,6 +65,15 @@ def test_launch_record_names_types_and_constexprs():
     assert any(r == rec for r in kernel_compile._RECORDS.values())  # the launch itself was recorded
 
 
+def test_a_host_tensor_descriptor_is_typed_by_element_and_block() -> None:
+    """A TMA kernel's host descriptors (kernels/swiglu_gemm.py) recorded as the compiler's `tensordesc` type, so its
+    variants get the sm90 compile check too."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    desc = TensorDescriptor.from_tensor(torch.zeros(64, 96, dtype=torch.float16), [32, 16])
+    assert kernel_compile._arg_type(desc) == "tensordesc<fp16[32, 16]>"
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="records interpreted launches")
 @pytest.mark.skipif(not _nvidia_backend(), reason="triton's nvidia backend is not installed")
 def test_the_compiler_refuses_what_the_interpreter_ran(tmp_path):

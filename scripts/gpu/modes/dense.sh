@@ -23,6 +23,8 @@
 # swiglu-gemm (one GPU, ~2 min): the 8B gate/up GEMM at 8K / 32K tokens writing silu(gate) * up from its epilogue
 # (a persistent TMA Triton GEMM, scripts/probes/probe_swiglu_gemm.py) against cuBLAS's gate|up + silu_and_mul: the
 # round trip it saves is ~40 ms of an H100's cold 32K, if it runs at cuBLAS's rate.
+# swiglu-engine (one GPU, ~6 min): kernels/swiglu_gemm.py in the engine (SWIGLU_GEMM_MIN_TOKENS, off): its GPU tests,
+# then the 8B bf16 cold 8K / 32K off, on, off, on (SWIGLU_CONFIG, a dict literal, sets the tile the probe chose).
 # decode-splits (one GPU, ~4 min): the 8B decode at batch 1 / 16 / 64 with 2, 3 and 4 programs an SM for the
 # decode attention's key splits (decode_attention.PROGRAMS_PER_SM; 4 is the default). decode-tile (~5 min): the
 # same decodes with fewer, longer key splits merged in the kernel, and 128-key tiles for them.
@@ -153,6 +155,18 @@ fi
 if [[ $MODE == swiglu-gemm ]]; then  # one GPU (~2 min): a fused gate/up + SiLU GEMM against cuBLAS + silu_and_mul
   timeout 240 python3 scripts/probes/probe_swiglu_gemm.py --tokens ${PROBE_TOKENS:-8192,32768} 2>&1 \
     | tee "$OUT/swiglu_gemm.log" || status=1
+fi
+
+if [[ $MODE == swiglu-engine ]]; then  # one GPU (~6 min): the fused gate/up + SiLU GEMM in the 8B's prefill
+  timeout 150 python3 -m pytest -q -m gpu tests/gpu/test_swiglu_gemm_gpu.py -p no:cacheprovider --tb=short -rfE 2>&1 \
+    | tee "$OUT/gpu_tests_swiglu_gemm.log" | tail -3 || status=1
+  tile=(); [[ -n ${SWIGLU_CONFIG:-} ]] && tile=("longserve.kernels.swiglu_gemm.SWIGLU_GEMM_CONFIG=$SWIGLU_CONFIG")
+  for run in off1 on1 off2 on2; do
+    v=0; [[ $run == on* ]] && v=256
+    LATENCY_TIMEOUT=100 latency_with "8b_swiglu_$run" "8B swiglu>=$v" ${tile[@]+"${tile[@]}"} \
+      "longserve.kernels.swiglu_gemm.SWIGLU_GEMM_MIN_TOKENS=$v" -- --config llama-3.1-8b "${dummy[@]}" \
+      --repeat 3 --prompt-lens 8192,32768
+  done
 fi
 
 if [[ $MODE == gemm-tunable ]]; then  # one GPU (~1 min): the 8B projections, cuBLAS's default against TunableOp's

@@ -1,0 +1,150 @@
+"""The MLP's gate/up GEMM writing silu(gate) * up from its epilogue (Hopper, TMA); reference: `swiglu_gemm_ref`.
+
+A dense MLP's prefill runs cuBLAS for gate|up [T, 2I], then kernels/activation.py's silu_and_mul reads it back and
+writes silu(gate) * up [T, I]. At the Llama-3.1-8B shape (I 14336) that round trip is ~114 KB a token a layer: at a
+cold 32K prompt ~120 GB, ~40 ms at an H100's ~2.9 TB/s, about what separates longserve's cold 32K from 0.95 of
+vLLM's on an H100 (1.2248 against 1.2446 s, RESULTS.md thirty-sixth session). Here each program of a persistent
+grid holds a gate tile and the matching up tile (as fused_moe's gate+up kernel does) and writes only the product;
+it gains only while it runs at cuBLAS's rate: at 32K the gate/up GEMM is ~10.5 ms a layer, each 1% slower ~3.4 ms
+of the prompt. `scripts/probes/probe_swiglu_gemm.py` times it against cuBLAS (+ silu_and_mul), and
+`gpu_check.sh swiglu-gemm` runs the probe and then the engine off / on.
+
+Off (`SWIGLU_GEMM_MIN_TOKENS = 0`) until the GPU measures it: models/linear_method.py takes it for steps of at least
+that many tokens when `swiglu_gemm_serves`.
+
+Rounding as the unfused path: each accumulator rounded to the dtype, silu in fp32 rounded, times up, rounded.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from longserve.kernels.activation_reference import swiglu_gemm_ref
+
+__all__ = [
+    "SWIGLU_GEMM_CONFIG",
+    "SWIGLU_GEMM_MIN_TOKENS",
+    "swiglu_gemm",
+    "swiglu_gemm_ref",
+    "swiglu_gemm_serves",
+]
+
+# Steps of at least this many tokens take the fused kernel (0: none): off until measured (module docstring).
+SWIGLU_GEMM_MIN_TOKENS = 0
+# A 128 x (2 x 128) tile: the shape of cuBLAS's usual sm90 bf16 tile; the probe's sweep picks among others.
+SWIGLU_GEMM_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "STAGES": 3, "num_warps": 8}
+
+
+@triton.jit
+def _tile(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Grouped order: GROUP_M row tiles share the weight tiles they read while those stay in L2."""
+    group = tile_id // (GROUP_M * num_pid_n)
+    first_m = group * GROUP_M
+    size_m = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (tile_id % size_m)
+    pid_n = (tile_id % (GROUP_M * num_pid_n)) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _one_tile(
+    a_desc, b_desc, c_desc, tile_id, num_pid_m, num_pid_n, INTER, K,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    STAGES: tl.constexpr, FUSED: tl.constexpr, OUT_TY: tl.constexpr,
+):  # fmt: skip
+    pid_m, pid_n = _tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
+    off_m, off_n = pid_m * BLOCK_M, pid_n * BLOCK_N
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+        a = a_desc.load([off_m, k])  # [BLOCK_M, BLOCK_K]; rows past M read as zeros
+        acc_g = tl.dot(a, b_desc.load([off_n, k]).T, acc_g)
+        acc_u = tl.dot(a, b_desc.load([INTER + off_n, k]).T, acc_u)  # rows past 2 INTER: zeros
+    g = acc_g.to(OUT_TY)
+    u = acc_u.to(OUT_TY)
+    if FUSED:
+        # a ragged last column tile's gate columns past INTER are up rows' products: never stored (the
+        # descriptor's INTER columns clip the store)
+        gf = g.to(tl.float32)
+        act = (gf / (1.0 + tl.exp(-gf))).to(OUT_TY).to(tl.float32)  # F.silu's rounding
+        c_desc.store([off_m, off_n], (act * u.to(tl.float32)).to(OUT_TY))
+    else:
+        c_desc.store([off_m, off_n], g)
+        c_desc.store([off_m, INTER + off_n], u)
+
+
+@triton.jit
+def _gate_up_kernel(
+    a_desc, b_desc, c_desc, M, INTER, K,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr, STAGES: tl.constexpr, FUSED: tl.constexpr, OUT_TY: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
+):  # fmt: skip
+    """Persistent: each program takes tiles NUM_PROGRAMS apart. A tile is BLOCK_M rows x BLOCK_N columns of the
+    gate half and the same columns of the up half (rows INTER + n of the weight). FUSED: stores silu(g) * u
+    [M, INTER]; else g and u into gate|up [M, 2 INTER]. WARP_SPECIALIZE: Triton's producer/consumer warps over the
+    flattened tile loop."""
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(INTER, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
+    if WARP_SPECIALIZE:
+        for tile_id in tl.range(
+            tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=True, warp_specialize=True
+        ):
+            _one_tile(a_desc, b_desc, c_desc, tile_id, num_pid_m, num_pid_n, INTER, K,
+                      BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, FUSED, OUT_TY)  # fmt: skip
+    else:
+        for tile_id in range(tl.program_id(0), num_tiles, NUM_PROGRAMS):
+            _one_tile(a_desc, b_desc, c_desc, tile_id, num_pid_m, num_pid_n, INTER, K,
+                      BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, FUSED, OUT_TY)  # fmt: skip
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    """A TMA descriptor's needs: unit inner stride, 16-byte aligned base and row stride."""
+    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+
+
+def swiglu_gemm_serves(x: torch.Tensor, w13: torch.Tensor) -> bool:
+    """Whether the fused kernel takes x [T, H] @ w13 [2I, H]^T on this step: switched on for T, a Hopper or later
+    GPU (TMA), 16-bit operands alike, descriptors' alignment."""
+    return (
+        0 < SWIGLU_GEMM_MIN_TOKENS <= x.shape[0]
+        and x.is_cuda
+        and x.dim() == 2
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and w13.dtype == x.dtype
+        and w13.shape[0] % 2 == 0
+        and (w13.shape[0] // 2) % 8 == 0  # the output's row stride, 16 bytes
+        and torch.cuda.get_device_capability(x.device)[0] >= 9
+        and _aligned(x)
+        and _aligned(w13)
+    )
+
+
+def swiglu_gemm(
+    x: torch.Tensor, w13: torch.Tensor, fused: bool = True, cfg: dict | None = None
+) -> torch.Tensor:
+    """x [T, H] @ w13 [2I, H]^T (gate rows first, as gate_up_proj stacks them): silu(gate) * up [T, I] (fused), or
+    gate|up [T, 2I] (the same GEMM without the epilogue: the probe's like-for-like against cuBLAS)."""
+    cfg = cfg or SWIGLU_GEMM_CONFIG
+    m, k = x.shape
+    inter = w13.shape[0] // 2
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    if not fused and inter % bn:
+        raise ValueError(f"gate|up out needs the intermediate size ({inter}) a multiple of BLOCK_N ({bn})")
+    out = torch.empty(m, inter if fused else 2 * inter, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
+    programs = min(sms, triton.cdiv(m, bm) * triton.cdiv(inter, bn))
+    _gate_up_kernel[(programs,)](
+        TensorDescriptor.from_tensor(x, [bm, bk]), TensorDescriptor.from_tensor(w13, [bn, bk]),
+        TensorDescriptor.from_tensor(out, [bm, bn]), m, inter, k,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, NUM_PROGRAMS=programs, STAGES=cfg["STAGES"], FUSED=fused,
+        OUT_TY=tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16, WARP_SPECIALIZE=cfg.get("ws", False),
+        num_warps=cfg["num_warps"],
+    )  # fmt: skip
+    return out
