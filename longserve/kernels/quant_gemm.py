@@ -57,9 +57,21 @@ WNA16_INT_ROWS = True
 # Past the GEMV, up to this many rows the fused kernel (by rows) serves instead of dequantize + cuBLAS, whose
 # dequantization is a fixed cost a step (the 8B's gate_up 133 us and down 64 us a layer on an H100, RESULTS.md
 # thirty-seventh session; with qkv and o by their sizes ~0.25 ms a layer, ~8 ms a step) and whose cuBLAS reads the
-# bf16 weights it wrote: an 8B int4 decode past 64 requests or a prompt step of a few hundred tokens pays it. 0
-# (off) until `gpu_check.sh int4-dense-rows` times it.
+# bf16 weights it wrote: an 8B int4 decode past 64 requests or a prompt step of a few hundred tokens pays it. Timed
+# on an H100 (2026-12-06, 79bcaf3, `gpu_check.sh int4-dense-rows`, RESULTS.md fortieth session) it loses at every
+# size: the 8B's four projections 0.80 against 0.51 ms at 512 rows, 5.47 against 2.74 at 4,096 (default tile;
+# the best of the sweep 0.80 and 1.36 against 0.78 at 1K); the 8B int4 cold 512 0.036 against 0.021 s, 2K 0.109
+# against 0.054. So 0 (off): the kernel stays the tested baseline, as above.
 WNA16_FUSED_MAX_TOKENS = 0
+# Except a wide product: in that sweep the 8B's gate_up (N 28672) by rows won from 65 to 256 rows (0.108 against
+# 0.210 ms at 65, 0.111 / 0.210 at 128, 0.211 / 0.225 at 256; 512: 0.365 / 0.280), where the dequantization writes
+# and cuBLAS reads back 235 MB of bf16 weights for a few rows; qkv, o and down lost (0.054 / 0.045 ms qkv at 65).
+# Past 64 rows the kernel takes no split-K: those three have 32-48 output tiles of 128 x 128 for the H100's 132
+# SMs, gate_up 224 a row tile. So up to this many rows the fused kernel serves a product whose output tiles at
+# its default tile fill the SMs (`_fills_the_sms`), 4-bit weights as swept: an int4 decode of 65-256 requests. The
+# 8B int4 decode at 2K contexts, off / on (one run each, `79bcaf3` + this): b96 23.69 / 21.03 ms, b128 25.66 / 23.05
+# ms (-10%); cold 128 tokens 0.0157 / 0.0130 s. 0 turns it off.
+WNA16_FUSED_WIDE_MAX_TOKENS = 256
 # wna16_dequantize by _wna16_dequant_rows_kernel (no act order): rows of packed bytes loaded once as vectors and
 # stored as runs, where _wna16_dequant_kernel loads each byte twice, a byte a lane. What it is for: the A3B int4
 # prefill dequantizes every expert each chunk (moe_wna16's dequant path: 0.3 GB read, 1.2 GB written a layer); on
@@ -216,6 +228,13 @@ def _block_k(group_size: int, k: int, has_gidx: bool) -> int:
     raise ValueError(f"group_size {group_size} is not a multiple of 16")
 
 
+def _fills_the_sms(m: int, n: int, device: torch.device) -> bool:
+    """Whether the fused kernel's output tiles past the GEMV (128 x 128, no split-K) number at least the SMs."""
+    return device.type == "cuda" and triton.cdiv(m, 128) * triton.cdiv(n, 128) >= split_k.num_sms(
+        device.index or 0
+    )
+
+
 def wna16_config(
     m: int, n: int, k: int, group_size: int, has_gidx: bool, device: torch.device
 ) -> dict[str, int]:
@@ -274,7 +293,14 @@ def wna16_gemm(
     if path is None:
         if m <= WNA16_GEMV_MAX_TOKENS and wna16_gemv_supported(m, k, bits):
             path = "gemv"
-        elif m <= WNA16_FUSED_MAX_TOKENS and WNA16_INT_ROWS and g_idx is None:
+        elif (
+            WNA16_INT_ROWS
+            and g_idx is None
+            and (
+                m <= WNA16_FUSED_MAX_TOKENS
+                or (bits == 4 and m <= WNA16_FUSED_WIDE_MAX_TOKENS and _fills_the_sms(m, n, x.device))
+            )
+        ):
             path = "fused"
         else:
             path = "dequant" if m >= WNA16_DEQUANT_MIN_TOKENS else "fused"

@@ -9,8 +9,13 @@ it gains only while it runs at cuBLAS's rate: at 32K the gate/up GEMM is ~10.5 m
 of the prompt. `scripts/probes/probe_swiglu_gemm.py` times it against cuBLAS (+ silu_and_mul), and
 `gpu_check.sh swiglu-gemm` runs the probe and then the engine off / on.
 
-Off (`SWIGLU_GEMM_MIN_TOKENS = 0`) until the GPU measures it: models/linear_method.py takes it for steps of at least
-that many tokens when `swiglu_gemm_serves`.
+Measured on an H100 (2026-12-06, `79bcaf3`, RESULTS.md fortieth session): at the 8B shape the kernel alone against
+cuBLAS + silu_and_mul, 128 x 128 x 64 tiles in 3 stages, 1.078x at 512 tokens, 0.952x at 1K, 0.939x at 2K, 0.924x at
+4K, 0.976x at 8K, 0.925x at 32K (4 stages 0.889x at 32K, but no better in the engine); Triton's warp-specialized loop
+is 18-27% slower. In the engine, 8B bf16 cold prompts off / on, two runs each: 512 0.0135 / 0.0142 s (+5%), 1K 0.0255
+/ 0.0247 (-3%), 2K 0.0507 / 0.0493, 4K 0.1052 / 0.1042, 8K 0.2169 / 0.2124 (-2.1%), 32K 1.2202 / 1.2087 (-0.9%).
+So steps of at least 1,024 tokens take it (`SWIGLU_GEMM_MIN_TOKENS`; 0 turns it off); models/linear_method.py asks
+`swiglu_gemm_serves` for each unquantized gate/up product without a bias.
 
 Rounding as the unfused path: each accumulator rounded to the dtype, silu in fp32 rounded, times up, rounded.
 """
@@ -32,9 +37,9 @@ __all__ = [
     "swiglu_gemm_serves",
 ]
 
-# Steps of at least this many tokens take the fused kernel (0: none): off until measured (module docstring).
-SWIGLU_GEMM_MIN_TOKENS = 0
-# A 128 x (2 x 128) tile: the shape of cuBLAS's usual sm90 bf16 tile; the probe's sweep picks among others.
+# Steps of at least this many tokens take the fused kernel (0: none): at 512 it lost, from 1K on it won (docstring).
+SWIGLU_GEMM_MIN_TOKENS = 1024
+# A 128 x (2 x 128) tile, cuBLAS's usual sm90 bf16 shape: the best of the probe's sweep at 1K-4K and in the engine.
 SWIGLU_GEMM_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "STAGES": 3, "num_warps": 8}
 
 

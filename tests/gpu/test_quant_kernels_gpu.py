@@ -55,6 +55,29 @@ def test_wna16_gemm_matches_reference_on_both_paths(shape: str, m: int) -> None:
     assert torch.equal(wna16_gemm(x, *w, 4, 128), wna16_gemm(x, *w, 4, 128))  # deterministic split-K
 
 
+@pytest.mark.parametrize("m", [65, 128, 256])
+def test_wna16_gemm_routes_wide_products_to_the_fused_kernel(m: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """quant_gemm.WNA16_FUSED_WIDE_MAX_TOKENS: past the GEMV the 8B's gate_up, whose 128 x 128 tiles fill the SMs,
+    takes the fused kernel by rows (the reference's values, deterministically); qkv dequantizes."""
+    from longserve.kernels import quant_gemm
+
+    paths: list[str] = []
+    real_dequant = quant_gemm.wna16_dequantize
+    monkeypatch.setattr(
+        quant_gemm, "wna16_dequantize", lambda *a, **k: paths.append("dequant") or real_dequant(*a, **k)
+    )
+    for shape, want in (("gate_up", []), ("qkv", ["dequant"])):
+        n, k = DENSE[shape]
+        w = int_weight(n, k)
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        out = quant_gemm.wna16_gemm(x, *w, 4, 128)
+        assert paths == want, (shape, m, paths)
+        paths.clear()
+        assert_close_rel(out, quant_gemm.wna16_gemm_ref(x, *w, 4, 128))
+        assert torch.equal(quant_gemm.wna16_gemm(x, *w, 4, 128), out)
+        paths.clear()
+
+
 @pytest.mark.parametrize(
     ("n", "k", "bits", "zp"),
     [(28672, 4096, 4, False), (4096, 14336, 4, True), (128 * 1536, 2048, 4, False), (128 * 2048, 768, 4, True),

@@ -388,3 +388,15 @@ def test_per_channel_fp8_through_the_block_gemm(dtype) -> None:
     torch.testing.assert_close(
         out, scaled_gemm_ref(xq, xs, w, w_scale, dtype), atol=TOL[dtype], rtol=TOL[dtype]
     )
+
+
+def test_the_fused_kernel_serves_only_products_whose_tiles_fill_the_sms(monkeypatch) -> None:
+    """quant_gemm.WNA16_FUSED_WIDE_MAX_TOKENS: on an H100's 132 SMs (the sweep's card) the 8B's gate_up (N 28672)
+    fills them from 65 rows, qkv (6144), o and down (4096) do not even at 256; never off CUDA."""
+    from longserve.kernels import quant_gemm, split_k
+
+    monkeypatch.setattr(split_k, "num_sms", lambda index: 132)
+    cuda = torch.device("cuda", 0)
+    assert quant_gemm._fills_the_sms(65, 28672, cuda) and quant_gemm._fills_the_sms(256, 28672, cuda)
+    assert not any(quant_gemm._fills_the_sms(256, n, cuda) for n in (6144, 4096))
+    assert not quant_gemm._fills_the_sms(65, 28672, torch.device("cpu"))

@@ -23,8 +23,8 @@
 # swiglu-gemm (one GPU, ~2 min): the 8B gate/up GEMM at 8K / 32K tokens writing silu(gate) * up from its epilogue
 # (a persistent TMA Triton GEMM, scripts/probes/probe_swiglu_gemm.py) against cuBLAS's gate|up + silu_and_mul: the
 # round trip it saves is ~40 ms of an H100's cold 32K, if it runs at cuBLAS's rate.
-# swiglu-engine (one GPU, ~6 min): kernels/swiglu_gemm.py in the engine (SWIGLU_GEMM_MIN_TOKENS, off): its GPU tests,
-# then the 8B bf16 cold 8K / 32K off, on, off, on (SWIGLU_CONFIG, a dict literal, sets the tile the probe chose).
+# swiglu-engine (one GPU, ~5 min): kernels/swiglu_gemm.py in the engine (SWIGLU_GEMM_MIN_TOKENS, on from 1K tokens):
+# its GPU tests, then the 8B bf16 cold 1K / 8K / 32K off, on, off, on (SWIGLU_CONFIG, a dict literal, sets a tile).
 # decode-splits (one GPU, ~4 min): the 8B decode at batch 1 / 16 / 64 with 2, 3 and 4 programs an SM for the
 # decode attention's key splits (decode_attention.PROGRAMS_PER_SM; 4 is the default). decode-tile (~5 min): the
 # same decodes with fewer, longer key splits merged in the kernel, and 128-key tiles for them.
@@ -162,10 +162,10 @@ if [[ $MODE == swiglu-engine ]]; then  # one GPU (~6 min): the fused gate/up + S
     | tee "$OUT/gpu_tests_swiglu_gemm.log" | tail -3 || status=1
   tile=(); [[ -n ${SWIGLU_CONFIG:-} ]] && tile=("longserve.kernels.swiglu_gemm.SWIGLU_GEMM_CONFIG=$SWIGLU_CONFIG")
   for run in off1 on1 off2 on2; do
-    v=0; [[ $run == on* ]] && v=256
+    v=0; [[ $run == on* ]] && v=1024
     LATENCY_TIMEOUT=100 latency_with "8b_swiglu_$run" "8B swiglu>=$v" ${tile[@]+"${tile[@]}"} \
       "longserve.kernels.swiglu_gemm.SWIGLU_GEMM_MIN_TOKENS=$v" -- --config llama-3.1-8b "${dummy[@]}" \
-      --repeat 3 --prompt-lens 8192,32768
+      --repeat 3 --prompt-lens 1024,8192,32768
   done
 fi
 
