@@ -230,9 +230,9 @@ def _block_k(group_size: int, k: int, has_gidx: bool) -> int:
 
 def _fills_the_sms(m: int, n: int, device: torch.device) -> bool:
     """Whether the fused kernel's output tiles past the GEMV (128 x 128, no split-K) number at least the SMs."""
-    return device.type == "cuda" and triton.cdiv(m, 128) * triton.cdiv(n, 128) >= split_k.num_sms(
-        device.index or 0
-    )
+    if device.type != "cuda":
+        return False
+    return triton.cdiv(m, 128) * triton.cdiv(n, 128) >= split_k.num_sms(device.index or 0)
 
 
 def wna16_config(

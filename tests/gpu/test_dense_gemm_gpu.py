@@ -9,6 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.gpu.agreement import greedy_steps, sequences_agreeing
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -47,7 +49,7 @@ def test_engine_steps_agree_with_f_linear(tmp_path, monkeypatch: pytest.MonkeyPa
     batch 20 take it, the 800-token prefill does not) against F.linear: step by step while a sequence's tokens
     agree, each greedy token is one of the other's top 2 and their shared logprobs agree to 0.1 (bf16 sums in
     another order may swap a near tie, as in tests/gpu/test_quant_engine_gpu.py); most sequences agree whole."""
-    from longserve import LLM, SamplingParams
+    from longserve import SamplingParams
     from longserve.kernels import dense_gemm
     from longserve.testing.checkpoints import make_tiny_checkpoint
 
@@ -55,29 +57,14 @@ def test_engine_steps_agree_with_f_linear(tmp_path, monkeypatch: pytest.MonkeyPa
     prompts = [[5 + i + j for j in range(40)] for i in range(20)]
     params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
 
-    def run() -> list[list[tuple[int, dict]]]:
-        with LLM(path, device="cuda", dtype="bfloat16", max_total_tokens=4096) as llm:
-            outs = llm.generate(prompts, params)
-            llm.engine.check_integrity()
-        return [list(zip(o.token_ids, (dict(t) for t in o.outputs[0].top_logprobs))) for o in outs]
-
-    want = run()
+    want = greedy_steps(path, prompts, params)
     calls: list[int] = []
     real = dense_gemm.dense_gemm
     monkeypatch.setattr(
         dense_gemm, "dense_gemm", lambda x, w, b=None: calls.append(x.shape[0]) or real(x, w, b)
     )
     monkeypatch.setattr(dense_gemm, "DENSE_GEMM_TRITON_MAX_TOKENS", 128)
-    got = run()
+    got = greedy_steps(path, prompts, params)
     assert any(16 <= c <= 128 for c in calls), calls  # the decode graphs' batch sizes (20 replays 24's)
-    whole = 0
-    for steps, ref_steps in zip(got, want):
-        for (tok, lps), (ref_tok, ref_lps) in zip(steps, ref_steps):
-            assert tok in ref_lps and ref_tok in lps, (tok, lps, ref_tok, ref_lps)
-            for t in lps.keys() & ref_lps.keys():
-                assert abs(lps[t] - ref_lps[t]) < 0.1, (t, lps[t], ref_lps[t])
-            if tok != ref_tok:  # a near tie taken the other way: the rest follows another token
-                break
-        else:
-            whole += 1
+    whole = sequences_agreeing(got, want)
     assert whole >= 15, f"{whole} of 20 sequences agree whole"

@@ -9,6 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.gpu.agreement import greedy_steps, sequences_agreeing
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(
@@ -49,7 +51,7 @@ def test_engine_steps_agree_with_cublas(tmp_path, monkeypatch: pytest.MonkeyPatc
     """A tiny bf16 model with the fused kernel serving its prefill steps (4 prompts of 200 tokens) against cuBLAS +
     silu_and_mul: while a sequence's tokens agree each greedy token is one of the other's top 2 and their shared
     logprobs agree to 0.1 (bf16 sums in another order may swap a near tie); most sequences agree whole."""
-    from longserve import LLM, SamplingParams
+    from longserve import SamplingParams
     from longserve.kernels import swiglu_gemm
     from longserve.testing.checkpoints import make_tiny_checkpoint
 
@@ -57,29 +59,14 @@ def test_engine_steps_agree_with_cublas(tmp_path, monkeypatch: pytest.MonkeyPatc
     prompts = [[5 + (7 * i + 3 * j) % 200 for j in range(200)] for i in range(4)]
     params = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2)
 
-    def run() -> list[list[tuple[int, dict]]]:
-        with LLM(path, device="cuda", dtype="bfloat16", max_total_tokens=4096) as llm:
-            outs = llm.generate(prompts, params)
-            llm.engine.check_integrity()
-        return [list(zip(o.token_ids, (dict(t) for t in o.outputs[0].top_logprobs))) for o in outs]
-
-    want = run()
+    want = greedy_steps(path, prompts, params)
     calls: list[int] = []
     real = swiglu_gemm.swiglu_gemm
     monkeypatch.setattr(
         swiglu_gemm, "swiglu_gemm", lambda x, w, **kw: calls.append(x.shape[0]) or real(x, w, **kw)
     )
     monkeypatch.setattr(swiglu_gemm, "SWIGLU_GEMM_MIN_TOKENS", 129)
-    got = run()
+    got = greedy_steps(path, prompts, params)
     assert any(c >= 200 for c in calls), calls  # the prefill steps took it
-    whole = 0
-    for steps, ref_steps in zip(got, want):
-        for (tok, lps), (ref_tok, ref_lps) in zip(steps, ref_steps):
-            assert tok in ref_lps and ref_tok in lps, (tok, lps, ref_tok, ref_lps)
-            for t in lps.keys() & ref_lps.keys():
-                assert abs(lps[t] - ref_lps[t]) < 0.1, (t, lps[t], ref_lps[t])
-            if tok != ref_tok:
-                break
-        else:
-            whole += 1
+    whole = sequences_agreeing(got, want)
     assert whole >= 3, f"{whole} of 4 sequences agree whole"

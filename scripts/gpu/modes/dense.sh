@@ -157,7 +157,7 @@ if [[ $MODE == swiglu-gemm ]]; then  # one GPU (~2 min): a fused gate/up + SiLU 
     | tee "$OUT/swiglu_gemm.log" || status=1
 fi
 
-if [[ $MODE == swiglu-engine ]]; then  # one GPU (~6 min): the fused gate/up + SiLU GEMM in the 8B's prefill
+if [[ $MODE == swiglu-engine ]]; then  # one GPU (~5 min): the fused gate/up + SiLU GEMM in the 8B's prefill
   timeout 150 python3 -m pytest -q -m gpu tests/gpu/test_swiglu_gemm_gpu.py -p no:cacheprovider --tb=short -rfE 2>&1 \
     | tee "$OUT/gpu_tests_swiglu_gemm.log" | tail -3 || status=1
   tile=(); [[ -n ${SWIGLU_CONFIG:-} ]] && tile=("longserve.kernels.swiglu_gemm.SWIGLU_GEMM_CONFIG=$SWIGLU_CONFIG")
