@@ -55,10 +55,23 @@ def _tile(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _store(c_desc, tile, off_m, off_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUBTILE: tl.constexpr):
+    """A [BLOCK_M, BLOCK_N] tile through the output descriptor; SUBTILE: as two [BLOCK_M, BLOCK_N / 2] halves (the
+    descriptor's block), half the epilogue's shared memory, which can go to one more stage of the main loop."""
+    if SUBTILE:
+        halves = tl.permute(tl.reshape(tile, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
+        left, right = tl.split(halves)
+        c_desc.store([off_m, off_n], left)
+        c_desc.store([off_m, off_n + BLOCK_N // 2], right)
+    else:
+        c_desc.store([off_m, off_n], tile)
+
+
+@triton.jit
 def _one_tile(
     a_desc, b_desc, c_desc, tile_id, num_pid_m, num_pid_n, INTER, K,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    STAGES: tl.constexpr, FUSED: tl.constexpr, OUT_TY: tl.constexpr,
+    STAGES: tl.constexpr, FUSED: tl.constexpr, OUT_TY: tl.constexpr, SUBTILE: tl.constexpr,
 ):  # fmt: skip
     pid_m, pid_n = _tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
     off_m, off_n = pid_m * BLOCK_M, pid_n * BLOCK_N
@@ -75,10 +88,10 @@ def _one_tile(
         # descriptor's INTER columns clip the store)
         gf = g.to(tl.float32)
         act = (gf / (1.0 + tl.exp(-gf))).to(OUT_TY).to(tl.float32)  # F.silu's rounding
-        c_desc.store([off_m, off_n], (act * u.to(tl.float32)).to(OUT_TY))
+        _store(c_desc, (act * u.to(tl.float32)).to(OUT_TY), off_m, off_n, BLOCK_M, BLOCK_N, SUBTILE)
     else:
-        c_desc.store([off_m, off_n], g)
-        c_desc.store([off_m, INTER + off_n], u)
+        _store(c_desc, g, off_m, off_n, BLOCK_M, BLOCK_N, SUBTILE)
+        _store(c_desc, u, off_m, INTER + off_n, BLOCK_M, BLOCK_N, SUBTILE)
 
 
 @triton.jit
@@ -86,25 +99,21 @@ def _gate_up_kernel(
     a_desc, b_desc, c_desc, M, INTER, K,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr, STAGES: tl.constexpr, FUSED: tl.constexpr, OUT_TY: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
+    FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, SUBTILE: tl.constexpr,
 ):  # fmt: skip
     """Persistent: each program takes tiles NUM_PROGRAMS apart. A tile is BLOCK_M rows x BLOCK_N columns of the
     gate half and the same columns of the up half (rows INTER + n of the weight). FUSED: stores silu(g) * u
-    [M, INTER]; else g and u into gate|up [M, 2 INTER]. WARP_SPECIALIZE: Triton's producer/consumer warps over the
-    flattened tile loop."""
+    [M, INTER]; else g and u into gate|up [M, 2 INTER]. FLATTEN: the tile loop and the K loop pipelined as one, so
+    the next tile's first loads are issued while this one's epilogue runs (Triton's persistent-matmul tutorial);
+    WARP_SPECIALIZE (flattened too): Triton's producer/consumer warps."""
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(INTER, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
-    if WARP_SPECIALIZE:
-        for tile_id in tl.range(
-            tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=True, warp_specialize=True
-        ):
-            _one_tile(a_desc, b_desc, c_desc, tile_id, num_pid_m, num_pid_n, INTER, K,
-                      BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, FUSED, OUT_TY)  # fmt: skip
-    else:
-        for tile_id in range(tl.program_id(0), num_tiles, NUM_PROGRAMS):
-            _one_tile(a_desc, b_desc, c_desc, tile_id, num_pid_m, num_pid_n, INTER, K,
-                      BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, FUSED, OUT_TY)  # fmt: skip
+    for tile_id in tl.range(
+        tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE
+    ):
+        _one_tile(a_desc, b_desc, c_desc, tile_id, num_pid_m, num_pid_n, INTER, K,
+                  BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, FUSED, OUT_TY, SUBTILE)  # fmt: skip
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -133,7 +142,8 @@ def swiglu_gemm(
     x: torch.Tensor, w13: torch.Tensor, fused: bool = True, cfg: dict | None = None
 ) -> torch.Tensor:
     """x [T, H] @ w13 [2I, H]^T (gate rows first, as gate_up_proj stacks them): silu(gate) * up [T, I] (fused), or
-    gate|up [T, 2I] (the same GEMM without the epilogue: the probe's like-for-like against cuBLAS)."""
+    gate|up [T, 2I] (the same GEMM without the epilogue: the probe's like-for-like against cuBLAS). `cfg`: tiles,
+    STAGES, num_warps, and the switches "flat" (FLATTEN), "ws" (WARP_SPECIALIZE), "subtile" (SUBTILE)."""
     cfg = cfg or SWIGLU_GEMM_CONFIG
     m, k = x.shape
     inter = w13.shape[0] // 2
@@ -145,11 +155,12 @@ def swiglu_gemm(
         return out
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
     programs = min(sms, triton.cdiv(m, bm) * triton.cdiv(inter, bn))
+    ws, sub = cfg.get("ws", False), cfg.get("subtile", False)
     _gate_up_kernel[(programs,)](
         TensorDescriptor.from_tensor(x, [bm, bk]), TensorDescriptor.from_tensor(w13, [bn, bk]),
-        TensorDescriptor.from_tensor(out, [bm, bn]), m, inter, k,
+        TensorDescriptor.from_tensor(out, [bm, bn // 2 if sub else bn]), m, inter, k,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, NUM_PROGRAMS=programs, STAGES=cfg["STAGES"], FUSED=fused,
-        OUT_TY=tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16, WARP_SPECIALIZE=cfg.get("ws", False),
-        num_warps=cfg["num_warps"],
+        OUT_TY=tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16, FLATTEN=ws or cfg.get("flat", False),
+        WARP_SPECIALIZE=ws, SUBTILE=sub, num_warps=cfg["num_warps"],
     )  # fmt: skip
     return out

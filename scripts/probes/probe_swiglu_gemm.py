@@ -51,7 +51,18 @@ CONFIGS = [
     {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "STAGES": 5, "num_warps": 8},
     {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "STAGES": 4, "num_warps": 4},
     {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "STAGES": 3, "num_warps": 8, "ws": True},
-    {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "STAGES": 4, "num_warps": 4, "ws": True},
+    {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "STAGES": 3, "num_warps": 8, "flat": True},
+    {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "STAGES": 4, "num_warps": 8, "flat": True},
+    {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "STAGES": 4, "num_warps": 8, "subtile": True},
+    {
+        "BLOCK_M": 128,
+        "BLOCK_N": 128,
+        "BLOCK_K": 64,
+        "STAGES": 4,
+        "num_warps": 8,
+        "flat": True,
+        "subtile": True,
+    },
 ]
 
 
@@ -94,8 +105,8 @@ def bench_tokens(t: int, w13: torch.Tensor, hidden: int) -> None:
     show("cuBLAS gate|up + silu_and_mul (today)", base)
     want = unfused(x, w13)
     for cfg in CONFIGS:
-        name = "{BLOCK_M}x{BLOCK_N}x{BLOCK_K} s{STAGES} w{num_warps}".format(**cfg) + (
-            " ws" if cfg.get("ws") else ""
+        name = "{BLOCK_M}x{BLOCK_N}x{BLOCK_K} s{STAGES} w{num_warps}".format(**cfg) + "".join(
+            f" {switch}" for switch in ("ws", "flat", "subtile") if cfg.get(switch)
         )
         try:
             plain = timed(lambda c=cfg: gate_up(x, w13, False, c))

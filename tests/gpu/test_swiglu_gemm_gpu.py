@@ -38,8 +38,14 @@ def test_equals_cublas_and_silu_and_mul(m: int) -> None:
     cublas = silu_and_mul(x @ w13.T).float()
     assert ((fused.float() - cublas).abs() <= cublas.abs() * 2**-6 + 2e-3).all()
     assert torch.equal(swiglu_gemm(x, w13), fused)  # deterministic
-    ws = swiglu_gemm(x, w13, cfg={**SWIGLU_GEMM_CONFIG, "ws": True})
-    assert torch.equal(ws, fused)  # the same sums in the same order, another schedule
+    for schedule in (
+        {"ws": True},
+        {"flat": True},
+        {"subtile": True, "STAGES": 4},
+        {"flat": True, "subtile": True},
+    ):
+        other = swiglu_gemm(x, w13, cfg={**SWIGLU_GEMM_CONFIG, **schedule})
+        assert torch.equal(other, fused), schedule  # the same sums in the same order, another schedule
     out: dict[str, torch.Tensor] = {}
     graph = capture_cuda_graph(lambda: out.update(y=swiglu_gemm(x, w13)))
     x.copy_(torch.randn(m, hidden, device="cuda", generator=g).bfloat16())

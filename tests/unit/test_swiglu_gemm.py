@@ -1,7 +1,7 @@
 """kernels/swiglu_gemm.py under TRITON_INTERPRET=1 on the CPU: the gate/up GEMM with silu(gate) * up in its epilogue
 equals silu_and_mul of the same kernel's gate|up bit for bit (the epilogue rounds as the unfused path), and that
 gate|up equals the reference product to fp16 rounding (fp32 sums in another order); ragged row and column tiles,
-Triton's warp-specialized loop too. Taken from 1K tokens a step, never on the CPU."""
+every schedule (flattened, warp-specialized, the epilogue stored in halves). Taken from 1K tokens a step, never on the CPU."""
 
 from __future__ import annotations
 
@@ -30,11 +30,16 @@ def operands(m: int, hidden: int, inter: int, seed: int = 0) -> tuple[torch.Tens
     return x, w13
 
 
-@pytest.mark.parametrize("ws", [False, True])
+SCHEDULES = [{}, {"ws": True}, {"flat": True}, {"subtile": True}, {"flat": True, "subtile": True}]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: "+".join(s) or "plain")
 @pytest.mark.parametrize("m,hidden,inter", [(64, 64, 64), (80, 96, 96)])  # 80: a ragged row tile
-def test_fused_equals_silu_and_mul_of_the_plain_product(m: int, hidden: int, inter: int, ws: bool) -> None:
+def test_fused_equals_silu_and_mul_of_the_plain_product(
+    m: int, hidden: int, inter: int, schedule: dict
+) -> None:
     x, w13 = operands(m, hidden, inter)
-    cfg = {**TILE, "ws": ws}
+    cfg = {**TILE, **schedule}
     plain = swiglu_gemm.swiglu_gemm(x, w13, fused=False, cfg=cfg)
     ref = (x.float() @ w13.float().T).half()
     assert plain.shape == (m, 2 * inter)
@@ -45,11 +50,12 @@ def test_fused_equals_silu_and_mul_of_the_plain_product(m: int, hidden: int, int
     torch.testing.assert_close(fused, swiglu_gemm_ref(x, w13), atol=2e-3, rtol=2e-2)
 
 
-def test_a_ragged_column_tile_stores_only_the_intermediate_columns() -> None:
+@pytest.mark.parametrize("subtile", [False, True])
+def test_a_ragged_column_tile_stores_only_the_intermediate_columns(subtile: bool) -> None:
     """I = 40 with 32-column tiles: the last tile's gate columns 40..63 are up rows' products, never stored, and
-    its up rows past 2I read as zeros."""
+    its up rows past 2I read as zeros (stored in halves: the second half lies wholly past I)."""
     x, w13 = operands(48, 64, 40, seed=1)
-    fused = swiglu_gemm.swiglu_gemm(x, w13, cfg=TILE)
+    fused = swiglu_gemm.swiglu_gemm(x, w13, cfg={**TILE, "subtile": subtile})
     assert fused.shape == (48, 40)
     torch.testing.assert_close(fused, swiglu_gemm_ref(x, w13), atol=2e-3, rtol=2e-2)
     with pytest.raises(ValueError, match="multiple of BLOCK_N"):
