@@ -122,8 +122,8 @@ def _aligned(t: torch.Tensor) -> bool:
 
 
 def swiglu_gemm_serves(x: torch.Tensor, w13: torch.Tensor) -> bool:
-    """Whether the fused kernel takes x [T, H] @ w13 [2I, H]^T on this step: switched on for T, a Hopper or later
-    GPU (TMA), 16-bit operands alike, descriptors' alignment."""
+    """Whether the fused kernel takes x [T, H] @ w13 [2I, H]^T on this step: switched on for T, a Hopper GPU (TMA;
+    timed on an H100 alone), 16-bit operands alike, descriptors' alignment."""
     return (
         0 < SWIGLU_GEMM_MIN_TOKENS <= x.shape[0]
         and x.is_cuda
@@ -132,7 +132,7 @@ def swiglu_gemm_serves(x: torch.Tensor, w13: torch.Tensor) -> bool:
         and w13.dtype == x.dtype
         and w13.shape[0] % 2 == 0
         and (w13.shape[0] // 2) % 8 == 0  # the output's row stride, 16 bytes
-        and torch.cuda.get_device_capability(x.device)[0] >= 9
+        and torch.cuda.get_device_capability(x.device)[0] == 9  # measured on Hopper only
         and _aligned(x)
         and _aligned(w13)
     )
