@@ -22,16 +22,19 @@ import triton
 import triton.language as tl
 
 from longserve.kernels import split_k
+from longserve.kernels.activation import _silu_mul_rounded
 from longserve.kernels.extend_attention import interpreting
 from longserve.kernels.launch import pdl_prologue, use_pdl
 from longserve.kernels.quant_tiles import store_gemv_out
 from longserve.kernels.split_k import split_k_outputs
 
 __all__ = [
+    "DENSE_GEMM_GATED_MAX_TOKENS",
     "DENSE_GEMM_TRITON_MAX_TOKENS",
     "DENSE_GEMM_TRITON_MIN_TOKENS",
     "dense_gemm",
     "dense_gemm_config",
+    "dense_gemm_gated_serves",
     "dense_gemm_serves",
 ]
 
@@ -39,6 +42,12 @@ __all__ = [
 # none (slower than cuBLAS in the 8B decode on an H200: the module docstring).
 DENSE_GEMM_TRITON_MIN_TOKENS = 16
 DENSE_GEMM_TRITON_MAX_TOKENS = 0
+# Decode batches up to this many rows run an unquantized MLP's down projection here with silu(gate) * up made on
+# its loads (GATED), instead of cuBLAS after silu_and_mul's launch: one launch and the gap before it a layer (~2.6
+# us between graph kernels on an H100, RESULTS.md thirty-fourth session's hit profile: ~0.9 ms over ~350 kernels),
+# the bf16 8B's decode b1@32K 7.70 ms against vLLM's 8.03 where issue 19 asks 7.63; it pays only if this kernel
+# reads the 117 MB down weight about as fast as cuBLAS. 0 (off) until `gpu_check.sh dense-gated` times it.
+DENSE_GEMM_GATED_MAX_TOKENS = 0
 DENSE_GEMM_MAX_BLOCK_M = 128
 
 
@@ -54,9 +63,11 @@ def _dense_gemm_kernel(
     stride_xm, stride_wn, stride_om, stride_os,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET_BF16: tl.constexpr,
-    USE_PDL: tl.constexpr, SERIAL: tl.constexpr,
+    USE_PDL: tl.constexpr, SERIAL: tl.constexpr, GATED: tl.constexpr,
 ):  # fmt: skip
-    """Grid (column tiles, splits): out[:, tile] = x[:, k range] . w[tile, k range]^T in fp32."""
+    """Grid (column tiles, splits): out[:, tile] = x[:, k range] . w[tile, k range]^T in fp32. GATED: x_ptr is an
+    MLP's gate|up [M, 2K] and the input silu(gate) * up, made as each tile is loaded (activation.silu_and_mul's
+    rounding, so the product equals silu_and_mul's then this kernel's bit for bit)."""
     pdl_prologue(USE_PDL)
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -72,11 +83,19 @@ def _dense_gemm_kernel(
     for t in range(t_begin, t_end):
         cols = t * BLOCK_K + offs_k  # [BLOCK_K]
         if EVEN_K:
-            x = tl.load(x_rows + cols[None, :])  # [BLOCK_M, BLOCK_K]
+            if GATED:  # the mask is all true here; _silu_mul_rounded's loads take one
+                x = _silu_mul_rounded(x_rows, cols[None, :], (cols < K)[None, :], K, w_ptr.dtype.element_ty)
+                x = x.to(w_ptr.dtype.element_ty)
+            else:
+                x = tl.load(x_rows + cols[None, :])  # [BLOCK_M, BLOCK_K]
             w = tl.load(w_rows + cols[None, :])  # [BLOCK_N, BLOCK_K]
         else:
             k_ok = cols < K
-            x = tl.load(x_rows + cols[None, :], mask=k_ok[None, :], other=0.0)
+            if GATED:
+                x = _silu_mul_rounded(x_rows, cols[None, :], k_ok[None, :], K, w_ptr.dtype.element_ty)
+                x = x.to(w_ptr.dtype.element_ty)
+            else:
+                x = tl.load(x_rows + cols[None, :], mask=k_ok[None, :], other=0.0)
             w = tl.load(w_rows + cols[None, :], mask=k_ok[None, :], other=0.0)
         if INTERPRET_BF16:  # the interpreter's 16-bit dot is not exact: the products in fp32 (exact for bf16)
             acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
@@ -101,6 +120,17 @@ def dense_gemm_serves(x: torch.Tensor, w: torch.Tensor) -> bool:
     )
 
 
+def dense_gemm_gated_serves(gate_up: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether an MLP's down projection takes this kernel with silu(gate) * up made on its loads: 16-bit, a token
+    count in DENSE_GEMM_GATED_MAX_TOKENS's range (off: 0)."""
+    return (
+        gate_up.dim() == 2
+        and 1 <= gate_up.shape[0] <= min(DENSE_GEMM_GATED_MAX_TOKENS, DENSE_GEMM_MAX_BLOCK_M)
+        and gate_up.dtype in (torch.bfloat16, torch.float16)
+        and w.dtype == gate_up.dtype
+    )
+
+
 def dense_gemm_config(m: int, n: int, k: int, device: torch.device) -> dict[str, int]:
     """Tiles for [m, k] x [n, k]^T: BLOCK_M the rows' power of two (>= 16, tl.dot), 64 weight rows by 128 columns
     a tile in 4 stages (~80 KB of shared memory at 64 rows: one or two programs an SM), and splits of K until
@@ -118,13 +148,15 @@ def dense_gemm_config(m: int, n: int, k: int, device: torch.device) -> dict[str,
 
 
 def dense_gemm(
-    x: torch.Tensor,  # [M, K]
+    x: torch.Tensor,  # [M, K], or gated: gate|up [M, 2K]
     w: torch.Tensor,  # [N, K]
     bias: torch.Tensor | None = None,  # [N]
     config: dict[str, int] | None = None,
+    gated: bool = False,
 ) -> torch.Tensor:
-    """[M, N] in x's dtype: F.linear(x, w, bias) with fp32 accumulation, rounded once (splits summed in order)."""
-    m, k = x.shape
+    """[M, N] in x's dtype: F.linear(x, w, bias) with fp32 accumulation, rounded once (splits summed in order);
+    gated: F.linear(silu_and_mul(x), w, bias) without the [M, K] product written between."""
+    m, k = x.shape[0], x.shape[1] // 2 if gated else x.shape[1]
     n = w.shape[0]
     assert w.shape[1] == k and 1 <= m <= DENSE_GEMM_MAX_BLOCK_M, f"x {tuple(x.shape)}, w {tuple(w.shape)}"
     x = x if x.stride(1) == 1 else x.contiguous()
@@ -142,6 +174,7 @@ def dense_gemm(
         HAS_BIAS=sk.bias_in_kernel(bias), EVEN_K=k % cfg["BLOCK_K"] == 0,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], PARTIAL=sk.partial,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", INTERPRET_BF16=interpret_bf16,
-        USE_PDL=pdl, SERIAL=sk.serial, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=pdl,
+        USE_PDL=pdl, SERIAL=sk.serial, GATED=gated, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        launch_pdl=pdl,
     )  # fmt: skip
     return sk.result(bias, x.dtype)

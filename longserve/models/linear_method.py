@@ -89,6 +89,17 @@ class UnquantizedLinearMethod(LinearMethod):
                 return dense_gemm.dense_gemm(x, layer.weight, bias)
         return F.linear(x, layer.weight, bias)
 
+    def apply_gated(
+        self, layer: nn.Module, gate_up: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        # a decode batch in the range kernels/dense_gemm.py's gated path is switched on for (none by default)
+        if gate_up.shape[0] <= DENSE_GEMM_MAX_ROWS and use_triton(gate_up):
+            from longserve.kernels import dense_gemm  # imports triton
+
+            if dense_gemm.dense_gemm_gated_serves(gate_up, layer.weight):
+                return dense_gemm.dense_gemm(gate_up, layer.weight, bias, gated=True)
+        return None
+
     def apply_swiglu(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor | None:

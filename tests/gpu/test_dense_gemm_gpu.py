@@ -68,3 +68,49 @@ def test_engine_steps_agree_with_f_linear(tmp_path, monkeypatch: pytest.MonkeyPa
     assert any(16 <= c <= 128 for c in calls), calls  # the decode graphs' batch sizes (20 replays 24's)
     whole = sequences_agreeing(got, want)
     assert whole >= 15, f"{whole} of 20 sequences agree whole"
+
+
+@pytest.mark.parametrize("m", [1, 16, 64])
+def test_gated_equals_silu_and_mul_then_the_product(m: int) -> None:
+    """The 8B's down projection of gate|up (DENSE_GEMM_GATED_MAX_TOKENS): silu_and_mul's product through the same
+    kernel bit for bit, F.linear's to bf16 rounding, replayed from a CUDA graph for new activations."""
+    from longserve.kernels import dense_gemm
+    from longserve.kernels.activation import silu_and_mul
+    from longserve.platform import capture_cuda_graph
+
+    n, k = SHAPES["down"]
+    g = torch.Generator(device="cuda").manual_seed(m)
+    gate_up = torch.randn(m, 2 * k, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(n, k, device="cuda", generator=g) * k**-0.5).bfloat16()
+    got = dense_gemm.dense_gemm(gate_up, w, gated=True)
+    assert torch.equal(got, dense_gemm.dense_gemm(silu_and_mul(gate_up), w))
+    want = F.linear(silu_and_mul(gate_up).float(), w.float())
+    assert ((got.float() - want).abs() <= want.abs() * 2**-7 + 1e-3).all()
+    out: dict[str, torch.Tensor] = {}
+    graph = capture_cuda_graph(lambda: out.update(y=dense_gemm.dense_gemm(gate_up, w, gated=True)))
+    gate_up.copy_(torch.randn(m, 2 * k, device="cuda", generator=g).bfloat16())
+    graph.replay()
+    assert torch.equal(out["y"], dense_gemm.dense_gemm(gate_up, w, gated=True))
+
+
+def test_engine_steps_agree_with_the_gated_down_projection(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tiny bf16 model whose decode batches (1-64 rows) run the down projection gated against silu_and_mul +
+    cuBLAS: the greedy steps agree as above (20 prompts decoding together, then one alone)."""
+    from longserve import SamplingParams
+    from longserve.kernels import dense_gemm
+    from longserve.testing.checkpoints import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(tmp_path / "m", "llama", num_layers=2)
+    prompts = [[5 + i + j for j in range(40)] for i in range(20)]
+    params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
+    want = greedy_steps(path, prompts, params) + greedy_steps(path, prompts[:1], params)
+    calls: list[int] = []
+    real = dense_gemm.dense_gemm
+    monkeypatch.setattr(
+        dense_gemm, "dense_gemm", lambda x, w, b=None, **kw: calls.append(x.shape[0]) or real(x, w, b, **kw)
+    )
+    monkeypatch.setattr(dense_gemm, "DENSE_GEMM_GATED_MAX_TOKENS", 64)
+    got = greedy_steps(path, prompts, params) + greedy_steps(path, prompts[:1], params)
+    assert 1 in calls and any(16 <= c <= 64 for c in calls), calls  # decode graphs' batch sizes
+    whole = sequences_agreeing(got, want)
+    assert whole >= 16, f"{whole} of 21 sequences agree whole"

@@ -106,3 +106,40 @@ def test_unquantized_linears_take_it_only_in_the_switched_range(monkeypatch: pyt
     assert calls == [16]
     # the method's cheap pre-check stops at the kernel's own limit
     assert linear_method.DENSE_GEMM_MAX_ROWS == dense_gemm.DENSE_GEMM_MAX_BLOCK_M
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("m", "n", "k", "split"), [(1, 40, 96, 1), (3, 64, 256, 3), (16, 72, 200, 2)])
+def test_gated_equals_silu_and_mul_then_the_product(m: int, n: int, k: int, split: int, dtype) -> None:
+    """GATED: the down projection of gate|up [M, 2K] equals silu_and_mul's product through the same kernel bit for
+    bit (one split and several, ragged K, a bias), its silu(gate) * up rounded as activation.silu_and_mul's."""
+    from longserve.kernels.activation import silu_and_mul
+
+    gate_up = (torch.randn(m, 2 * k, generator=gen(m + k)) * 2).to(dtype)
+    w = (torch.randn(n, k, generator=gen(n)) * k**-0.5).to(dtype)
+    b = torch.randn(n, generator=gen(k)).to(dtype)
+    cfg = {"BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": split}
+    got = dense_gemm.dense_gemm(gate_up, w, b, config=cfg, gated=True)
+    assert torch.equal(got, dense_gemm.dense_gemm(silu_and_mul(gate_up), w, b, config=cfg))
+    want = F.linear(silu_and_mul(gate_up).float(), w.float(), b.float())
+    assert ((got.float() - want).abs() <= want.abs() * 2**-7 + 1e-3).all()
+
+
+def test_the_down_projection_takes_the_gated_path_only_in_its_range(monkeypatch: pytest.MonkeyPatch) -> None:
+    """UnquantizedLinearMethod.apply_gated: off by default (None: the layer runs silu_and_mul, then apply);
+    switched on for 1-16 rows (CUDA faked), a batch of 1 and 16 goes through the gated kernel, 17 does not."""
+    from longserve.models import linear_method
+
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(torch.randn(24, 64, generator=gen(8)).bfloat16(), requires_grad=False)
+    method = linear_method.UnquantizedLinearMethod()
+    monkeypatch.setattr(linear_method, "use_triton", lambda x: True)  # as for CUDA tensors with triton
+    gate_up = {m: torch.randn(m, 128, generator=gen(m)).bfloat16() for m in (1, 16, 17)}
+    assert all(method.apply_gated(layer, x, None) is None for x in gate_up.values())  # off by default
+    monkeypatch.setattr(dense_gemm, "DENSE_GEMM_GATED_MAX_TOKENS", 16)
+    for m in (1, 16):
+        got = method.apply_gated(layer, gate_up[m], None)
+        assert got is not None and torch.equal(
+            got, dense_gemm.dense_gemm(gate_up[m], layer.weight, gated=True)
+        )
+    assert method.apply_gated(layer, gate_up[17], None) is None

@@ -23,6 +23,9 @@
 # swiglu-gemm (one GPU, ~2 min): the 8B gate/up GEMM at 8K / 32K tokens writing silu(gate) * up from its epilogue
 # (a persistent TMA Triton GEMM, scripts/probes/probe_swiglu_gemm.py) against cuBLAS's gate|up + silu_and_mul: the
 # round trip it saves is ~40 ms of an H100's cold 32K, if it runs at cuBLAS's rate.
+# dense-gated (one GPU, ~5 min): the bf16 MLP's down projection at decode batches made from gate|up on its loads
+# (dense_gemm.DENSE_GEMM_GATED_MAX_TOKENS, off): its GPU tests, then the 8B decode b1@32K, b16@8K, b64@4K off, on,
+# off, on: one silu_and_mul launch a layer less, if the Triton GEMM reads the down weight at cuBLAS's rate.
 # swiglu-engine (one GPU, ~5 min): kernels/swiglu_gemm.py in the engine (SWIGLU_GEMM_MIN_TOKENS, on from 1K tokens):
 # its GPU tests, then the 8B bf16 cold 1K / 8K / 32K off, on, off, on (SWIGLU_CONFIG, a dict literal, sets a tile).
 # decode-splits (one GPU, ~4 min): the 8B decode at batch 1 / 16 / 64 with 2, 3 and 4 programs an SM for the
@@ -155,6 +158,17 @@ fi
 if [[ $MODE == swiglu-gemm ]]; then  # one GPU (~2 min): a fused gate/up + SiLU GEMM against cuBLAS + silu_and_mul
   timeout 240 python3 scripts/probes/probe_swiglu_gemm.py --tokens ${PROBE_TOKENS:-8192,32768} 2>&1 \
     | tee "$OUT/swiglu_gemm.log" || status=1
+fi
+
+if [[ $MODE == dense-gated ]]; then  # one GPU (~5 min): the bf16 down projection gated at decode batches
+  timeout 150 python3 -m pytest -q -m gpu tests/gpu/test_dense_gemm_gpu.py -k gated -p no:cacheprovider --tb=short \
+    -rfE 2>&1 | tee "$OUT/gpu_tests_dense_gated.log" | tail -3 || status=1
+  for run in off1 on1 off2 on2; do
+    v=0; [[ $run == on* ]] && v=64
+    LATENCY_TIMEOUT=100 latency_with "8b_gated_$run" "8B gated<=$v" \
+      "longserve.kernels.dense_gemm.DENSE_GEMM_GATED_MAX_TOKENS=$v" -- --config llama-3.1-8b "${dummy[@]}" \
+      --repeat 3 --prompt-lens 128 --decode-batch-sizes 1@32768,16@8192,64@4096
+  done
 fi
 
 if [[ $MODE == swiglu-engine ]]; then  # one GPU (~5 min): the fused gate/up + SiLU GEMM in the 8B's prefill
