@@ -64,7 +64,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _silu_mul_rounded(x_ptr, offs, mask, inter, out_ty: tl.constexpr):
+def silu_mul_rounded(x_ptr, offs, mask, inter, out_ty: tl.constexpr):
     """silu(gate) * up at columns offs of the row x_ptr points at, rounded as _silu_and_mul_kernel rounds it (fp32
     values of out_ty)."""
     gate = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -86,7 +86,7 @@ def _silu_and_mul_quant_kernel(
     groups = tl.program_id(1) * GPP + tl.arange(0, GPP)  # [GPP]
     offs = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [GPP, GROUP]
     mask = offs < inter
-    y = _silu_mul_rounded(x_ptr + tok * stride_x, offs, mask, inter, x_ptr.dtype.element_ty)  # [GPP, GROUP]
+    y = silu_mul_rounded(x_ptr + tok * stride_x, offs, mask, inter, x_ptr.dtype.element_ty)  # [GPP, GROUP]
     scale = tl.maximum(tl.max(tl.abs(y), axis=1), 1e-10) / QMAX  # [GPP]
     q = tl.minimum(tl.maximum(y / scale[:, None], -QMAX), QMAX)
     if INTERPRET:

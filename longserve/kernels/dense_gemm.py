@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from longserve.kernels import split_k
-from longserve.kernels.activation import _silu_mul_rounded
+from longserve.kernels.activation import silu_mul_rounded
 from longserve.kernels.extend_attention import interpreting
 from longserve.kernels.launch import pdl_prologue, use_pdl
 from longserve.kernels.quant_tiles import store_gemv_out
@@ -83,8 +83,8 @@ def _dense_gemm_kernel(
     for t in range(t_begin, t_end):
         cols = t * BLOCK_K + offs_k  # [BLOCK_K]
         if EVEN_K:
-            if GATED:  # the mask is all true here; _silu_mul_rounded's loads take one
-                x = _silu_mul_rounded(x_rows, cols[None, :], (cols < K)[None, :], K, w_ptr.dtype.element_ty)
+            if GATED:  # the mask is all true here; silu_mul_rounded's loads take one
+                x = silu_mul_rounded(x_rows, cols[None, :], (cols < K)[None, :], K, w_ptr.dtype.element_ty)
                 x = x.to(w_ptr.dtype.element_ty)
             else:
                 x = tl.load(x_rows + cols[None, :])  # [BLOCK_M, BLOCK_K]
@@ -92,7 +92,7 @@ def _dense_gemm_kernel(
         else:
             k_ok = cols < K
             if GATED:
-                x = _silu_mul_rounded(x_rows, cols[None, :], k_ok[None, :], K, w_ptr.dtype.element_ty)
+                x = silu_mul_rounded(x_rows, cols[None, :], k_ok[None, :], K, w_ptr.dtype.element_ty)
                 x = x.to(w_ptr.dtype.element_ty)
             else:
                 x = tl.load(x_rows + cols[None, :], mask=k_ok[None, :], other=0.0)
