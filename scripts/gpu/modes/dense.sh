@@ -26,6 +26,8 @@
 # dense-gated (one GPU, ~5 min): the bf16 MLP's down projection at decode batches made from gate|up on its loads
 # (dense_gemm.DENSE_GEMM_GATED_MAX_TOKENS, off): its GPU tests, then the 8B decode b1@32K, b16@8K, b64@4K off, on,
 # off, on: one silu_and_mul launch a layer less, if the Triton GEMM reads the down weight at cuBLAS's rate.
+# dense-lone (one GPU, ~6 min): the 8B bf16 cold 32K / 128K in a lone prompt's steps of 32K against the default
+# 8K chunks, twice each: with the fused SwiGLU GEMM (~1 ms a layer less in one 32K step than in four of 8K).
 # swiglu-engine (one GPU, ~5 min): kernels/swiglu_gemm.py in the engine (SWIGLU_GEMM_MIN_TOKENS, on from 1K tokens):
 # its GPU tests, then the 8B bf16 cold 1K / 8K / 32K off, on, off, on (SWIGLU_CONFIG, a dict literal, sets a tile).
 # decode-splits (one GPU, ~4 min): the 8B decode at batch 1 / 16 / 64 with 2, 3 and 4 programs an SM for the
@@ -168,6 +170,14 @@ if [[ $MODE == dense-gated ]]; then  # one GPU (~5 min): the bf16 down projectio
     LATENCY_TIMEOUT=100 latency_with "8b_gated_$run" "8B gated<=$v" \
       "longserve.kernels.dense_gemm.DENSE_GEMM_GATED_MAX_TOKENS=$v" -- --config llama-3.1-8b "${dummy[@]}" \
       --repeat 3 --prompt-lens 128 --decode-batch-sizes 1@32768,16@8192,64@4096
+  done
+fi
+
+if [[ $MODE == dense-lone ]]; then  # one GPU (~6 min): the 8B bf16 cold prompts in lone steps of 32K or 8K
+  for run in chunk1 lone1 chunk2 lone2; do
+    lone=(); [[ $run == lone* ]] && lone=(--lone-prefill-chunk-size 32768)
+    LATENCY_TIMEOUT=120 latency_with "8b_$run" "8B $run" -- --config llama-3.1-8b "${dummy[@]}" --repeat 2 \
+      --prompt-lens 32768,131072 ${lone[@]+"${lone[@]}"}
   done
 fi
 
