@@ -206,6 +206,12 @@ def _sm90_or_later(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
+@functools.cache
+def is_hopper(device_index: int) -> bool:
+    """Whether the CUDA device is sm_90 (read once): what a kernel timed on Hopper alone checks per call."""
+    return torch.cuda.get_device_capability(device_index)[0] == 9
+
+
 def use_pdl(t: torch.Tensor) -> bool:
     """Whether a kernel on t's device launches with programmatic dependent launch (PDL on, a CUDA device of
     sm_90 or later): the value of its USE_PDL and of its `launch_pdl` option."""

@@ -228,11 +228,16 @@ def _block_k(group_size: int, k: int, has_gidx: bool) -> int:
     raise ValueError(f"group_size {group_size} is not a multiple of 16")
 
 
+# wna16_config's tile by rows past the GEMV's 64 rows (no split-K), which _fills_the_sms counts
+_ROWS_BLOCK_M, _ROWS_BLOCK_N = 128, 128
+
+
 def _fills_the_sms(m: int, n: int, device: torch.device) -> bool:
-    """Whether the fused kernel's output tiles past the GEMV (128 x 128, no split-K) number at least the SMs."""
+    """Whether the fused kernel's output tiles past the GEMV (its tile by rows, no split-K) number at least the SMs."""
     if device.type != "cuda":
         return False
-    return triton.cdiv(m, 128) * triton.cdiv(n, 128) >= split_k.num_sms(device.index or 0)
+    tiles = triton.cdiv(m, _ROWS_BLOCK_M) * triton.cdiv(n, _ROWS_BLOCK_N)
+    return tiles >= split_k.num_sms(device.index or 0)
 
 
 def wna16_config(
@@ -244,7 +249,8 @@ def wna16_config(
         # 128 x 64 on 8 warps holds 128 registers and a 325-instruction loop a warp (650 issue clocks a K step
         # against ~1,024 of wgmma) where 64 x 128 x 128 on 4 warps takes 938 (by columns 2,120); neither spills
         bk = min(_block_k(group_size, k, has_gidx), 64)
-        return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": bk, "SPLIT_K": 1, "num_warps": 8, "num_stages": 3}
+        return {"BLOCK_M": _ROWS_BLOCK_M, "BLOCK_N": _ROWS_BLOCK_N, "BLOCK_K": bk, "SPLIT_K": 1, "num_warps": 8,
+                "num_stages": 3}  # fmt: skip
     block_k = min(_block_k(group_size, k, has_gidx), 64 if m <= 16 else 128)
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     block_n = 64 if m <= 64 else 128

@@ -27,7 +27,9 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from longserve.kernels import split_k
 from longserve.kernels.activation_reference import swiglu_gemm_ref
+from longserve.kernels.launch import is_hopper
 
 __all__ = [
     "SWIGLU_GEMM_CONFIG",
@@ -132,7 +134,7 @@ def swiglu_gemm_serves(x: torch.Tensor, w13: torch.Tensor) -> bool:
         and w13.dtype == x.dtype
         and w13.shape[0] % 2 == 0
         and (w13.shape[0] // 2) % 8 == 0  # the output's row stride, 16 bytes
-        and torch.cuda.get_device_capability(x.device)[0] == 9  # measured on Hopper only
+        and is_hopper(x.device.index or 0)  # measured on Hopper only
         and _aligned(x)
         and _aligned(w13)
     )
@@ -153,7 +155,7 @@ def swiglu_gemm(
     out = torch.empty(m, inter if fused else 2 * inter, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
+    sms = split_k.num_sms(x.device.index or 0) if x.is_cuda else 4
     programs = min(sms, triton.cdiv(m, bm) * triton.cdiv(inter, bn))
     ws, sub = cfg.get("ws", False), cfg.get("subtile", False)
     _gate_up_kernel[(programs,)](
