@@ -379,11 +379,13 @@ class AttentionBackend(ABC):
         `prepare_for_extend_capture`) cannot replay: the step then runs without them."""
         return False
 
-    def warm_up(self, shape: GraphShape, chunk_size: int, kv_cache: KVCache) -> None:  # noqa: B027 (optional hook)
+    def warm_up(  # noqa: B027 (optional hook)
+        self, shape: GraphShape, chunk_size: int, kv_cache: KVCache, step_tokens: int | None = None
+    ) -> None:
         """Build, on the calling thread, what the backend would otherwise build in the middle of a step
-        (kernel variants, library plans per shape), for prefill chunks of up to `chunk_size` tokens over
-        contexts of up to `shape.max_seq_len`; it may write the reserved page 0 of `kv_cache`. Called on the
-        thread that will run the steps, before the first one."""
+        (kernel variants, library plans per shape), for prefill chunks of up to `chunk_size` tokens (a lone
+        prompt's step: up to `step_tokens`) over contexts of up to `shape.max_seq_len`; it may write the
+        reserved page 0 of `kv_cache`. Called on the thread that will run the steps, before the first one."""
 
     def prepare_for_replay(self, meta: AttentionMetadata) -> None:  # noqa: B027 (optional hook)
         """Called on a captured backend with the step's own metadata (real lengths, host lists) before its

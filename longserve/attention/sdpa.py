@@ -186,7 +186,7 @@ def prefix_split_sdpa(
     dequantize: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
     requests: Sequence[int] | None = None,
     out: torch.Tensor | None = None,
-    query_rows: Mapping[int, int] | None = None,
+    query_rows: Mapping[int, tuple[int, ...]] | None = None,
 ) -> torch.Tensor:
     """Per request (of `requests`, default all; their rows of `out` written, the others left as they are):
     (new x cached prefix, no mask) and (new x new, causal) as two SDPA calls, merged by
@@ -195,7 +195,8 @@ def prefix_split_sdpa(
     PREFIX_GRANULE keys, its tail in front of the new tokens in the causal part (behind zero query rows that
     are dropped), the new tokens padded. `dequantize`: an fp8 cache's gathered prefix -> q's dtype (cuDNN
     reads no e4m3 pages); k/v are then the new tokens as the pages hold them (KVCache.as_stored).
-    `query_rows`: a request's prefix-part rows when padded past its own (PlanRegistry.split_rows)."""
+    `query_rows`: a request's prefix-part calls' rows when not one call of its own padded rows
+    (PlanRegistry.split_rows: padded further, or in pieces, each merged into its rows of `out`)."""
     if q.is_cuda:
         from longserve.kernels.merge_attention import merge_two as merge  # imports triton
     else:
@@ -238,11 +239,19 @@ def prefix_split_sdpa(
             else:
                 q_p = _heads(fused_rows(q[start:end], k[start:end], v[start:end], shape.query_rows)[0])
             keys = slice(0, shape.prefix_keys)
-            o_pre, lse_pre = attention_with_lse(q_p, _heads(k_pre[keys]), _heads(v_pre[keys]), False, scale)
-            merge(
-                o_pre[0, :, :query_len], lse_pre[0, :, :query_len], o_new[0, :, rows], lse_new[0, :, rows],
-                out[start:end],
-            )  # fmt: skip
+            k_p, v_p = _heads(k_pre[keys]), _heads(v_pre[keys])
+            first = (
+                0  # each piece's rows over the whole prefix (no mask: rows are independent), merged in place
+            )
+            for piece in shape.pieces:
+                o_pre, lse_pre = attention_with_lse(q_p[:, :, first : first + piece], k_p, v_p, False, scale)
+                n = min(piece, query_len - first)
+                new_rows = slice(shape.tail + first, shape.tail + first + n)
+                merge(
+                    o_pre[0, :, :n], lse_pre[0, :, :n], o_new[0, :, new_rows], lse_new[0, :, new_rows],
+                    out[start + first : start + first + n],
+                )  # fmt: skip
+                first += piece
     return out
 
 
@@ -298,12 +307,20 @@ def plan_calls(
             yield _heads(q[:q_rows]), _heads(pre[:kv_rows]), _heads(pre[:kv_rows]), False
 
 
-def warm_up_plans(model: shapes.ModelShape, device: torch.device, chunk_size: int, max_seq_len: int) -> None:
+def warm_up_plans(
+    model: shapes.ModelShape,
+    device: torch.device,
+    chunk_size: int,
+    max_seq_len: int,
+    step_tokens: int | None = None,
+) -> None:
     """Build (run once) every shape of `sdpa_shapes.warm_up_shapes` on this thread and mark it ready."""
     if device.type != "cuda" or model.dtype not in (torch.float16, torch.bfloat16):
         return
     todo = [
-        s for s in shapes.warm_up_shapes(chunk_size, max_seq_len) if not shapes.PLANS.ready(model, *s, device)
+        s
+        for s in shapes.warm_up_shapes(chunk_size, max_seq_len, step_tokens)
+        if not shapes.PLANS.ready(model, *s, device)
     ]
     if not todo:
         return

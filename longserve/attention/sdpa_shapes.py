@@ -17,15 +17,16 @@ Triton extend kernel, which compiles once:
 - a cached prefix: cuDNN reads its first multiple of PREFIX_GRANULE keys; the rest ("tail", fewer than
   PREFIX_GRANULE keys) joins the causal part, in front of the new tokens, with zero query rows that are
   dropped. Exact too: a new token sees all of the tail and the new tokens up to itself.
-- built at start-up: the causal shapes up to one chunk plus a tail, and a full chunk's new tokens over every
-  multiple of PREFIX_GRANULE of prefix. Not only over multiples of the chunk: a long prompt that follows a cached
+- built at start-up: the causal shapes up to one chunk (a lone prompt's step) plus a tail, and a full (usual)
+  chunk's new tokens over every multiple of PREFIX_GRANULE of prefix. Not only over multiples of the chunk: a long prompt that follows a cached
   prefix (a conversation's next turn) starts unaligned, and so did every chunk after the first while decodes took
   their tokens from the budget (they ride on top of it now, sched/scheduler.py): with only the aligned shapes
   built, those chunks ran in Triton (the HTTP multi-turn workload's 16K openings: the second 8K chunk 350 ms
   against the first's 224, 2026-12-02). A full chunk never waits. A shorter chunk over a prefix (a long prompt's
   last) pads its new tokens further, up to the built rows (the chunk's), when it fills at least
   PAD_QUERY_MIN_FILL of them; else, and for prefix hits with short suffixes, it runs in Triton (~315 against ~530
-  TFLOP/s of attention, measured on 8K chunks).
+  TFLOP/s of attention, measured on 8K chunks). A lone prompt's chunks past its first (sched/lone.py: between
+  the usual chunk and its first) run their prefix part as pieces at built row counts (PlanRegistry._pieces).
 """
 
 from __future__ import annotations
@@ -93,22 +94,24 @@ def pad_cold_rows(n: int) -> int:
 @dataclass(frozen=True)
 class SplitShape:
     """One request of the split path: cuDNN reads `prefix_keys` of its cached prefix with its new tokens
-    padded to `query_rows`; the causal part holds the `tail` keys, the new tokens and padding
-    (`causal_rows` in all)."""
+    padded to `query_rows`, in one call per piece of `pieces` rows (consecutive, summing to query_rows); the
+    causal part holds the `tail` keys, the new tokens and padding (`causal_rows` in all)."""
 
     prefix_keys: int
     tail: int
     query_rows: int
     causal_rows: int
+    pieces: tuple[int, ...]
 
 
-def split_shape(prefix_len: int, query_len: int, query_rows: int | None = None) -> SplitShape:
-    """query_rows: the prefix part's rows, when padded past pad_rows(query_len) (PlanRegistry.split_rows)."""
+def split_shape(prefix_len: int, query_len: int, pieces: tuple[int, ...] | None = None) -> SplitShape:
+    """pieces: the prefix part's calls' rows when not one call of pad_rows(query_len) (PlanRegistry.split_rows)."""
     prefix_keys = prefix_len // PREFIX_GRANULE * PREFIX_GRANULE
     tail = prefix_len - prefix_keys
-    rows = pad_rows(query_len) if query_rows is None else query_rows
-    assert rows >= query_len, (rows, query_len)
-    return SplitShape(prefix_keys, tail, rows, pad_rows(tail + query_len))
+    pieces = (pad_rows(query_len),) if pieces is None else pieces
+    rows = sum(pieces)
+    assert rows >= query_len and rows - pieces[-1] < query_len, (pieces, query_len)
+    return SplitShape(prefix_keys, tail, rows, pad_rows(tail + query_len), pieces)
 
 
 def packed_splits(prefix_len: int, query_len: int, group: int) -> int | None:
@@ -168,21 +171,46 @@ class PlanRegistry:
 
     def split_rows(
         self, model: ModelShape, prefix_len: int, query_len: int, device: torch.device
-    ) -> int | None:
-        """The prefix part's query rows for a chunk over a cached prefix at built shapes: its new tokens padded
-        to a multiple of Q_GRANULE, or further to a built row count they fill at least PAD_QUERY_MIN_FILL of;
-        None when its causal part or its prefix part has no built shape (it runs in Triton)."""
+    ) -> tuple[int, ...] | None:
+        """The prefix part's calls (their query rows) for a chunk over a cached prefix at built shapes: one call
+        of its new tokens padded to a multiple of Q_GRANULE, or further to a built row count they fill at least
+        PAD_QUERY_MIN_FILL of; else consecutive pieces at built row counts (`_pieces`) when they fill that much
+        of their rows; None when its causal part or its prefix part has no built shape (it runs in Triton)."""
         s = split_shape(prefix_len, query_len)
         if not self.ready(model, s.causal_rows, s.causal_rows, True, device):
             return None
         if not s.prefix_keys or self.ready(model, s.query_rows, s.prefix_keys, False, device):
-            return s.query_rows
+            return (s.query_rows,)
         rows = s.query_rows + Q_GRANULE
         while query_len >= PAD_QUERY_MIN_FILL * rows:
             if self.ready(model, rows, s.prefix_keys, False, device):
-                return rows
+                return (rows,)
             rows += Q_GRANULE
-        return None
+        pieces = self._pieces(model, s.prefix_keys, query_len, device)
+        return pieces if pieces and query_len >= PAD_QUERY_MIN_FILL * sum(pieces) else None
+
+    def _pieces(self, model: ModelShape, keys: int, query_len: int, device: torch.device) -> tuple[int, ...]:
+        """Rows at built shapes over `keys` that cover query_len rows, largest first, the last padded: a lone
+        prompt's chunks between the usual chunk and its first (sched/lone.py: 13.6K after 32K, shrinking to the
+        usual 8K) over the usual chunk's plans and the short ones (SHORT_QUERY_ROWS). Exact: the rows of a call
+        without a mask are independent. Built for none of them, these ran in Triton, at ~60% of cuDNN's rate:
+        the 8B's cold 128K in steps of 32K took 16.05 s against 10.21 s in 8K chunks (H100, RESULTS.md
+        forty-first session). () when no row count is built over `keys`."""
+        built = [
+            r
+            for r in range(Q_GRANULE, pad_rows(query_len) + 1, Q_GRANULE)
+            if self.ready(model, r, keys, False, device)
+        ]
+        pieces: list[int] = []
+        left = query_len
+        while built and left > 0:
+            if pad_rows(left) in built:  # the rest in one call
+                pieces.append(pad_rows(left))
+                break
+            under = [r for r in built if r <= left]
+            pieces.append(under[-1] if under else built[0])  # built[0] > left: the last, padded
+            left -= pieces[-1]
+        return tuple(pieces)
 
     def mark(self, model: ModelShape, q_rows: int, kv_rows: int, causal: bool) -> None:
         self._built().add((model, q_rows, kv_rows, causal))
@@ -198,17 +226,21 @@ class PlanRegistry:
 PLANS = PlanRegistry()
 
 
-def warm_up_shapes(chunk_size: int, max_seq_len: int) -> list[tuple[int, int, bool]]:
-    """(query rows, key rows, causal) to build: causal up to a chunk plus a tail (and short cold prompts' finer
-    rows, `pad_cold_rows`), a full chunk over every multiple of PREFIX_GRANULE of prefix that leaves room for it
-    (the 8B shape at 131072 tokens, chunks of 8192: 10 + 11 + 60 shapes, ~50 ms each on an H200), and each of
-    SHORT_QUERY_ROWS over every multiple below the context."""
+def warm_up_shapes(
+    chunk_size: int, max_seq_len: int, step_tokens: int | None = None
+) -> list[tuple[int, int, bool]]:
+    """(query rows, key rows, causal) to build: causal up to the largest step (`step_tokens`, a lone prompt's;
+    default a chunk) plus a tail (and short cold prompts' finer rows, `pad_cold_rows`), a full chunk over every
+    multiple of PREFIX_GRANULE of prefix that leaves room for it (the 8B shape at 131072 tokens, chunks of 8192:
+    10 + 11 + 60 shapes, ~50 ms each on an H200), and each of SHORT_QUERY_ROWS over every multiple below the
+    context. A lone prompt's larger chunks over a prefix run as pieces of these (PlanRegistry._pieces)."""
+    step_tokens = max(chunk_size, step_tokens or 0)
     shapes = [
-        (n, n, True) for n in range(Q_GRANULE, pad_rows(chunk_size + PREFIX_GRANULE - 1) + 1, Q_GRANULE)
+        (n, n, True) for n in range(Q_GRANULE, pad_rows(step_tokens + PREFIX_GRANULE - 1) + 1, Q_GRANULE)
     ]
     # short cold prompts' rows (pad_cold_rows), from the shortest served
     fine, first = Q_GRANULE // COLD_FINE_GRANULES, pad_cold_rows(MIN_COLD_QUERY)
-    shapes += [(n, n, True) for n in range(first, min(COLD_FINE_GRANULES * Q_GRANULE, chunk_size) + 1, fine)]
+    shapes += [(n, n, True) for n in range(first, min(COLD_FINE_GRANULES * Q_GRANULE, step_tokens) + 1, fine)]
     rows = pad_rows(chunk_size)
     last = max_seq_len - (chunk_size - Q_GRANULE + 1)  # the longest prefix a full chunk can follow
     shapes += [(rows, keys, False) for keys in range(PREFIX_GRANULE, last + 1, PREFIX_GRANULE)]

@@ -46,7 +46,7 @@ class LibraryPlan(NamedTuple):
     """A step's requests whose attention runs in the library calls (attention/sdpa.py), decided once a step."""
 
     requests: tuple[int, ...]  # cold prompts, long chunks over a prefix, short chunks over a long one
-    query_rows: dict[int, int]  # a long chunk's prefix-part rows (sdpa_shapes.PlanRegistry.split_rows)
+    query_rows: dict[int, tuple[int, ...]]  # a long chunk's prefix-part calls (PlanRegistry.split_rows)
     packed: dict[int, int]  # a short chunk's split count (sdpa.packed_prefix_sdpa)
 
 
@@ -147,14 +147,16 @@ class TritonAttentionBackend(AttentionBackend):
             config = {**config, "num_warps": 4}
         return config, splits
 
-    def warm_up(self, shape: GraphShape, chunk_size: int, kv_cache: KVCache) -> None:
+    def warm_up(
+        self, shape: GraphShape, chunk_size: int, kv_cache: KVCache, step_tokens: int | None = None
+    ) -> None:
         """The cuDNN plans of sdpa_shapes.py, then one forward pass per variant of the extend kernel a
         serving mix reaches (short/long row tiles, keys split or not, the merge's tiles) and of the split
         cuDNN path's merge, over the reserved page 0 (as graph capture does). Compiled mid-step, each variant
         stalled the step for seconds, and a first launch waited for the device."""
         if self.cold_path in (None, "sdpa"):
             model = ModelShape(shape.num_q_heads, shape.num_kv_heads, shape.head_dim, shape.dtype)
-            warm_up_plans(model, shape.device, chunk_size, shape.max_seq_len)
+            warm_up_plans(model, shape.device, chunk_size, shape.max_seq_len, step_tokens)
             warm_up_packed(model, shape.device, shape.max_seq_len)
         cases = [([16, 0], [1, 16]), ([16, 0], [1, 512]), ([4096], [16]), ([4096], [512]), ([16384], [16])]
         if WIDE_SHORT_CHUNKS:  # its tile, keys split and not

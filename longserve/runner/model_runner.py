@@ -144,7 +144,7 @@ class ModelRunner:
             cfg, lone = self.config, self.lone_prefill_chunk_size
             optional = step_tokens.optional_past(cfg, lone, self.tp is not None)
             fits = warm_up(self.model, self.backend, self.kv_cache, self._graph_shape(),
-                           self.max_step_prompt_tokens, counts, optional)  # fmt: skip
+                           self.max_step_prompt_tokens, counts, optional, cfg.chunked_prefill_size)  # fmt: skip
             if fits < self.max_step_prompt_tokens:  # an optional pass ran out of memory
                 self.lone_prefill_chunk_size = step_tokens.lone_step_that_fits(cfg, lone, fits)
             self.heap_frozen = freeze_heap() or self.heap_frozen

@@ -68,13 +68,16 @@ def warm_up(
     chunk_size: int,
     counts: list[int] | None = None,
     optional_past: int | None = None,
+    usual_chunk: int | None = None,
 ) -> int:
-    """The backend's warm-up, then a forward pass of `model` per token count (default `warm_up_counts`). The
-    counts past `optional_past` are optional (a lone step the model chose itself, runner/step_tokens.py): out of
-    device memory at one of them, the warm-up stops there. Returns the most tokens a step may take: chunk_size,
-    or the largest count that ran before an optional one ran out of memory."""
+    """The backend's warm-up, then a forward pass of `model` per token count (default `warm_up_counts`).
+    chunk_size: the most tokens a step takes; usual_chunk: a usual step's, when that is a lone prompt's larger
+    one (the backend plans chunks over a prefix at the usual size). The counts past `optional_past` are optional
+    (a lone step the model chose itself, runner/step_tokens.py): out of device memory at one of them, the
+    warm-up stops there. Returns the most tokens a step may take: chunk_size, or the largest count that ran
+    before an optional one ran out of memory."""
     start = time.perf_counter()
-    backend.warm_up(shape, chunk_size, kv_cache)
+    backend.warm_up(shape, usual_chunk or chunk_size, kv_cache, step_tokens=chunk_size)
     counts = warm_up_counts(chunk_size, shape.max_seq_len) if counts is None else counts
     page_size = kv_cache.page_size
     ran = 0

@@ -225,6 +225,45 @@ def test_a_chunk_over_an_unaligned_prefix_runs_at_built_shapes(monkeypatch: pyte
     assert calls == [(0,), (0,), (0,)]  # the chunks in cuDNN, the decodes beside them in Triton
 
 
+def test_a_lone_prompts_chunks_run_in_pieces_at_built_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lone prompt's steps (sched/lone.py): its first of the lone size, then chunks shrinking to the usual one.
+    Warm-up for lone steps builds the usual chunk's rows over every prefix (not the lone step's), and the chunks
+    between run their prefix part in pieces at those rows (sdpa_shapes.PlanRegistry._pieces): in cuDNN, equal to
+    the fp32 reference, without a build mid-step."""
+    import time
+
+    from longserve.attention import sdpa_shapes as shapes
+    from longserve.attention import triton_backend as tb
+    from longserve.attention.base import GraphShape
+    from longserve.sched.lone import bounded_lone_chunk
+
+    calls: list[tuple[int, ...]] = []
+    real = tb.prefix_split_sdpa
+    monkeypatch.setattr(
+        tb, "prefix_split_sdpa", lambda *a, **kw: calls.append(kw["query_rows"][0]) or real(*a, **kw)
+    )
+    monkeypatch.setattr(shapes, "PLANS", shapes.PlanRegistry())
+    monkeypatch.setattr(tb, "PLANS", shapes.PLANS)
+    chunk, lone, prompt = 2048, 8192, 20000
+    cache = KVCache(1, prompt // 16 + 1, 16, NUM_KV_HEADS, HEAD_DIM, torch.bfloat16, "cuda")
+    graph_shape = GraphShape(
+        prompt, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, torch.bfloat16, torch.device("cuda")
+    )
+    tb.TritonAttentionBackend().warm_up(graph_shape, chunk, cache, step_tokens=lone)
+    calls.clear()
+    done = lone
+    while done < prompt - chunk:
+        n = bounded_lone_chunk(prompt - done, done, lone, chunk)
+        start = time.perf_counter()
+        out, expected = run_step([done], [n], 16, torch.bfloat16)
+        took = time.perf_counter() - start
+        torch.testing.assert_close(out.float(), expected, atol=TOL, rtol=TOL)
+        assert took < 1.0, f"{done}+{n}: {took:.2f}s"  # (a build would add ~0.3 s a shape)
+        done += n
+    # every chunk in cuDNN: 3393 new over 8192 in two pieces, 2603 and 2195 in 2048 + 1024, then a usual chunk
+    assert calls == [(2048, 2048), (2048, 1024), (2048, 1024), (2048,)], calls
+
+
 def test_a_short_chunk_over_a_long_prefix_runs_packed(monkeypatch: pytest.MonkeyPatch) -> None:
     """A prefix hit's question (64 new tokens of the 8B heads over 32K cached keys on consecutive pages, with and
     without a tail) runs in the packed cuDNN call (sdpa.packed_prefix_sdpa) at plans the warm-up built, equal to

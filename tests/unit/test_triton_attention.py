@@ -431,11 +431,12 @@ def test_library_paths_at_padded_shapes(monkeypatch: pytest.MonkeyPatch, heads: 
     monkeypatch.setattr(shapes, "PREFIX_GRANULE", 16)
     monkeypatch.setattr(tb, "SPLIT_SDPA_MIN_QUERY", 1)
     assert shapes.split_shape(40, 9) == shapes.SplitShape(
-        prefix_keys=32, tail=8, query_rows=16, causal_rows=24
+        prefix_keys=32, tail=8, query_rows=16, causal_rows=24, pieces=(16,)
     )
     assert shapes.split_shape(3, 16) == shapes.SplitShape(
-        prefix_keys=0, tail=3, query_rows=16, causal_rows=24
+        prefix_keys=0, tail=3, query_rows=16, causal_rows=24, pieces=(16,)
     )
+    assert shapes.split_shape(40, 20, (8, 8, 8)).query_rows == 24
     calls = []
     real = tb.prefix_split_sdpa
     monkeypatch.setattr(tb, "prefix_split_sdpa", lambda *a, **kw: calls.append(1) or real(*a, **kw))
@@ -451,7 +452,7 @@ def test_library_paths_at_padded_shapes(monkeypatch: pytest.MonkeyPatch, heads: 
 
     def padded_further(self, model, prefix_len, query_len, device):  # noqa: ANN001, ANN202
         rows_asked.append(query_len)
-        return shapes.pad_rows(query_len) + 2 * shapes.Q_GRANULE
+        return (shapes.pad_rows(query_len) + 2 * shapes.Q_GRANULE,)
 
     monkeypatch.setattr(shapes.PlanRegistry, "split_rows", padded_further)
     calls.clear()
@@ -459,6 +460,29 @@ def test_library_paths_at_padded_shapes(monkeypatch: pytest.MonkeyPatch, heads: 
         TritonAttentionBackend(cold_path="sdpa")
     )
     assert rows_asked == [16, 7, 8, 13] and calls == [1]
+
+    # ... or in pieces of a granule (a lone prompt's chunk past its first): each piece's rows over the whole prefix,
+    # merged into its own rows; the last piece padded. Still exact.
+    from longserve.attention import sdpa
+
+    pieces_run: list[int] = []
+    real_call = sdpa.attention_with_lse
+
+    def counting(q, k, v, causal, scale):  # noqa: ANN001, ANN202
+        if not causal:
+            pieces_run.append(q.shape[2])
+        return real_call(q, k, v, causal, scale)
+
+    monkeypatch.setattr(sdpa, "attention_with_lse", counting)
+    monkeypatch.setattr(
+        shapes.PlanRegistry, "split_rows", lambda self, model, p, n, device: (shapes.Q_GRANULE,) * -(-n // 8)
+    )
+    calls.clear()
+    Step([3, 16, 40, 70], [16, 7, 8, 21], 4, heads, 32, seed=24).compare(
+        TritonAttentionBackend(cold_path="sdpa")
+    )
+    # prefix keys 0, 16, 32, 64: 7 new tokens over 16 keys in one piece, 8 over 32 in one, 21 over 64 in three
+    assert calls == [1] and pieces_run == [8, 8, 8, 8, 8]
 
 
 def test_routing_is_decided_once_per_step(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -521,12 +545,14 @@ def test_plan_registry_is_per_thread_and_covers_a_long_prompts_chunks(monkeypatc
     monkeypatch.setattr(shapes, "SHORT_QUERY_ROWS", ())
     for q_rows, kv_rows, causal in shapes.warm_up_shapes(8192, 65536):
         registry.mark(model, q_rows, kv_rows, causal)
-    assert registry.split_rows(model, 20000, 8100, cuda) == 8192  # a full chunk (prefix keys 18432)
-    assert (
-        registry.split_rows(model, 20000, 6000, cuda) == 8192
+    assert registry.split_rows(model, 20000, 8100, cuda) == (8192,)  # a full chunk (prefix keys 18432)
+    assert registry.split_rows(model, 20000, 6000, cuda) == (
+        8192,
     )  # 6144 and 7168 not built; 6000 >= 0.6 x 8192
     assert registry.split_rows(model, 20000, 4000, cuda) is None  # 4000 < 0.6 x 8192: Triton
-    assert registry.split_rows(model, 1000, 6000, cuda) == 6144  # a prefix under a granule: causal part only
+    assert registry.split_rows(model, 1000, 6000, cuda) == (
+        6144,
+    )  # a prefix under a granule: causal part only
     assert registry.split_rows(model, 32768, 1024, cuda) is None  # a hit with 1K new tokens: no plan, Triton
     chunk, longest = 8192, 131072
     built = set(shapes.warm_up_shapes(chunk, longest))
@@ -543,6 +569,45 @@ def test_plan_registry_is_per_thread_and_covers_a_long_prompts_chunks(monkeypatc
                 assert ((s.causal_rows, s.causal_rows, True) in built) or not full_chunk
                 if s.prefix_keys and full_chunk:
                     assert (s.query_rows, s.prefix_keys, False) in built, (prompt, done, decodes)
+
+
+def test_a_lone_prompts_chunks_run_at_built_shapes() -> None:
+    """A lone prompt's steps (sched/lone.py: 32K, then chunks shrinking from 13.6K to the usual 8K) at the shapes
+    warm-up builds for them: causal up to the lone step, the usual chunk's rows over every prefix. Every chunk's
+    causal part is built, and its prefix part runs in pieces at built row counts that pad it by less than a
+    granule. (When warm-up built the lone step's rows over every prefix instead, no chunk past the first had a
+    plan and all ran in Triton: the 8B's cold 128K 16.05 s against 10.21 s in 8K chunks on an H100.)"""
+    from longserve.attention import sdpa_shapes as shapes
+    from longserve.sched.lone import bounded_lone_chunk
+
+    cuda = torch.device("cuda")
+    model = shapes.ModelShape(32, 8, 128, torch.bfloat16)
+    chunk, lone, prompt = 8192, 32768, 131072
+    built = set(shapes.warm_up_shapes(chunk, prompt + 16, lone))
+    assert (pad := shapes.pad_rows(lone + shapes.PREFIX_GRANULE - 1), pad, True) in built
+    assert not any(rows > chunk for rows, _, causal in built if not causal)
+    registry = shapes.PlanRegistry()
+    for shape in built:
+        registry.mark(model, *shape)
+    for cached in (0, 1000, 5000, 40000):  # a prompt behind a cached prefix too
+        done, sizes = cached, []
+        while done < prompt:
+            n = prompt - done
+            n = bounded_lone_chunk(n, done, lone, chunk) if n > chunk else n
+            sizes.append(n)
+            if not done:
+                assert registry.cold_ready(model, n, cuda)
+            else:
+                pieces = registry.split_rows(model, done, n, cuda)
+                assert pieces is not None, (cached, done, n)
+                s = shapes.split_shape(done, n, pieces)
+                assert (s.causal_rows, s.causal_rows, True) in built
+                if s.prefix_keys:
+                    assert all((rows, s.prefix_keys, False) in built for rows in pieces)
+                    assert 0 <= sum(pieces) - n < shapes.Q_GRANULE, (done, n, pieces)
+            done += n
+        assert max(sizes) > chunk and sizes[-1] <= chunk  # lone steps first, the usual chunks last
+    assert registry.split_rows(model, 32768, 13573, cuda) == (8192, 4096, 2048)
 
 
 def test_short_cold_prompts_run_at_their_fine_rows(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -597,7 +662,8 @@ def test_padded_calls_read_a_lending_buffers_next_rows_in_place() -> None:
 
 def test_short_query_plans_serve_hits_with_short_suffixes(monkeypatch: pytest.MonkeyPatch) -> None:
     """SHORT_QUERY_ROWS: each row count's plans over every 2K of prefix below the context; a hit's new tokens pad
-    to the next built row count they fill 0.6 of, else (and below SPLIT_SDPA's minimum) Triton."""
+    to the next built row count they fill 0.6 of, else run in pieces that they fill 0.6 of, else (and below
+    SPLIT_SDPA's minimum) Triton."""
     from longserve.attention import sdpa_shapes as shapes
     from longserve.attention.triton_backend import use_split_sdpa
 
@@ -610,10 +676,11 @@ def test_short_query_plans_serve_hits_with_short_suffixes(monkeypatch: pytest.Mo
     registry = shapes.PlanRegistry()
     for shape in built:
         registry.mark(model, *shape)
-    assert registry.split_rows(model, 32768, 1024, cuda) == 1024
-    assert registry.split_rows(model, 32768, 1500, cuda) == 2048
-    assert registry.split_rows(model, 40000, 3000, cuda) == 4096  # 3072 not built; 3000 >= 0.6 x 4096
-    assert registry.split_rows(model, 32768, 2100, cuda) is None  # 3072 not built, 2100 < 0.6 x 4096: Triton
+    assert registry.split_rows(model, 32768, 1024, cuda) == (1024,)
+    assert registry.split_rows(model, 32768, 1500, cuda) == (2048,)
+    assert registry.split_rows(model, 40000, 3000, cuda) == (4096,)  # 3072 not built; 3000 >= 0.6 x 4096
+    # 3072 not built, 2100 < 0.6 x 4096: in pieces of 2048 and 1024 rows, which it fills 0.68 of
+    assert registry.split_rows(model, 32768, 2100, cuda) == (2048, 1024)
     assert not use_split_sdpa(64, 32768)  # a short suffix stays in Triton whatever is built
 
 
