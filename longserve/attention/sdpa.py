@@ -240,9 +240,8 @@ def prefix_split_sdpa(
                 q_p = _heads(fused_rows(q[start:end], k[start:end], v[start:end], shape.query_rows)[0])
             keys = slice(0, shape.prefix_keys)
             k_p, v_p = _heads(k_pre[keys]), _heads(v_pre[keys])
-            first = (
-                0  # each piece's rows over the whole prefix (no mask: rows are independent), merged in place
-            )
+            # each piece's rows over the whole prefix (no mask: rows are independent), merged into its own rows
+            first = 0
             for piece in shape.pieces:
                 o_pre, lse_pre = attention_with_lse(q_p[:, :, first : first + piece], k_p, v_p, False, scale)
                 n = min(piece, query_len - first)

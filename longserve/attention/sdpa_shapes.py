@@ -18,15 +18,16 @@ Triton extend kernel, which compiles once:
   PREFIX_GRANULE keys) joins the causal part, in front of the new tokens, with zero query rows that are
   dropped. Exact too: a new token sees all of the tail and the new tokens up to itself.
 - built at start-up: the causal shapes up to one chunk (a lone prompt's step) plus a tail, and a full (usual)
-  chunk's new tokens over every multiple of PREFIX_GRANULE of prefix. Not only over multiples of the chunk: a long prompt that follows a cached
-  prefix (a conversation's next turn) starts unaligned, and so did every chunk after the first while decodes took
-  their tokens from the budget (they ride on top of it now, sched/scheduler.py): with only the aligned shapes
-  built, those chunks ran in Triton (the HTTP multi-turn workload's 16K openings: the second 8K chunk 350 ms
-  against the first's 224, 2026-12-02). A full chunk never waits. A shorter chunk over a prefix (a long prompt's
-  last) pads its new tokens further, up to the built rows (the chunk's), when it fills at least
-  PAD_QUERY_MIN_FILL of them; else, and for prefix hits with short suffixes, it runs in Triton (~315 against ~530
-  TFLOP/s of attention, measured on 8K chunks). A lone prompt's chunks past its first (sched/lone.py: between
-  the usual chunk and its first) run their prefix part as pieces at built row counts (PlanRegistry._pieces).
+  chunk's new tokens over every multiple of PREFIX_GRANULE of prefix. Not only over multiples of the chunk: a long
+  prompt that follows a cached prefix (a conversation's next turn) starts unaligned, and so did every chunk after
+  the first while decodes took their tokens from the budget (they ride on top of it now, sched/scheduler.py):
+  with only the aligned shapes built, those chunks ran in Triton (the HTTP multi-turn workload's 16K openings: the
+  second 8K chunk 350 ms against the first's 224, 2026-12-02). A full chunk never waits. A shorter chunk over a
+  prefix (a long prompt's last) pads its new tokens further, up to the built rows (the chunk's), when it fills at
+  least PAD_QUERY_MIN_FILL of them; else, and for prefix hits with short suffixes, it runs in Triton (~315 against
+  ~530 TFLOP/s of attention, measured on 8K chunks). Between those two, a chunk runs its prefix part as pieces at
+  built row counts when it fills PAD_QUERY_MIN_FILL of their rows (PlanRegistry._pieces): a lone prompt's chunks
+  past its first (sched/lone.py: between the usual chunk and its first) thus run in cuDNN.
 """
 
 from __future__ import annotations

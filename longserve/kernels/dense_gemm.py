@@ -46,7 +46,9 @@ DENSE_GEMM_TRITON_MAX_TOKENS = 0
 # its loads (GATED), instead of cuBLAS after silu_and_mul's launch: one launch and the gap before it a layer (~2.6
 # us between graph kernels on an H100, RESULTS.md thirty-fourth session's hit profile: ~0.9 ms over ~350 kernels),
 # the bf16 8B's decode b1@32K 7.70 ms against vLLM's 8.03 where issue 19 asks 7.63; it pays only if this kernel
-# reads the 117 MB down weight about as fast as cuBLAS. 0 (off) until `gpu_check.sh dense-gated` times it.
+# reads the 117 MB down weight about as fast as cuBLAS. It does not: off (0). `gpu_check.sh dense-gated` on an H100
+# (RESULTS.md forty-first session, off / on twice, the same in both): b1@32K 7.38 / 7.97 ms, b16@8K 11.63 / 12.25,
+# b64@4K 17.35 / 19.10 (the skinny GEMM's slower read of the weight costs more than the launch saves).
 DENSE_GEMM_GATED_MAX_TOKENS = 0
 DENSE_GEMM_MAX_BLOCK_M = 128
 

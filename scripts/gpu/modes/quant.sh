@@ -48,6 +48,9 @@
 # (1.2 GB written a layer; at 3352078 on an H100, 1.107x bf16 at 32K in 8K steps, 1.021x in 32K steps, which are
 # the integer weights' default since 329c6fc); then, if time is left, the 8B bf16 cold 32K / 128K at 8K and 32K
 # (at 128K the lone chunks past 32K are bounded since 513912e: sched/lone.py).
+# lone-long (one GPU, ~5 min): the 8B cold 128K in bf16 (8K chunks against lone steps of 32K) and in int4 (GPTQ g128:
+# its default lone steps of 32K against 8K chunks): the lone chunks past the first in cuDNN pieces since 3f179ff
+# (before, in Triton: bf16 16.05 s against 10.21 in 8K chunks on an H100, forty-first session).
 # a3b-fp8-prefill (one GPU, ~7 min): the A3B cold 32K in bf16 and in block FP8 under the profiler, their top kernels
 # (issue 18: FP8 cold 32K <= 0.85x bf16; 1.14x at 11fea55, the FP8 expert GEMMs ~40% slower than bf16's at prefill
 # sizes where they could be ~2x faster), and in FP8 with the dots at FP8_DOT_MAX_IMPRECISE_ACC 32 after the fp8
@@ -383,6 +386,16 @@ if [[ $MODE == int4-dense-rows ]]; then  # one GPU (~7 min): dense int4 past the
     LATENCY_TIMEOUT=90 latency_with "8b_int4_rows_$run" "8B int4 fused<=$v" \
       "longserve.kernels.quant_gemm.WNA16_FUSED_MAX_TOKENS=$v" -- --config llama-3.1-8b "${dummy[@]}" \
       --repeat 3 --quantization gptq --prompt-lens 512,2048 --decode-batch-sizes 128@4096
+  done
+fi
+
+if [[ $MODE == lone-long ]]; then  # one GPU (~5 min): the 8B cold 128K in lone steps against 8K chunks
+  for run in bf16_chunk bf16_lone int4_lone int4_chunk; do
+    a=(--lone-prefill-chunk-size 8192); [[ $run == bf16_lone ]] && a=(--lone-prefill-chunk-size 32768)
+    [[ $run == int4_lone ]] && a=()  # the integer weights' default: 32K
+    [[ $run == int4* ]] && a+=(--quantization gptq)
+    LATENCY_TIMEOUT=110 latency_with 8b_$run "8B $run" -- --config llama-3.1-8b "${dummy[@]}" --repeat 2 \
+      --prompt-lens 131072 "${a[@]}"
   done
 fi
 
