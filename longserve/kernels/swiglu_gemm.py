@@ -33,9 +33,12 @@ from longserve.kernels.launch import is_hopper
 
 __all__ = [
     "SWIGLU_GEMM_CONFIG",
+    "SWIGLU_GEMM_DEEP_CONFIG",
+    "SWIGLU_GEMM_DEEP_MIN_TOKENS",
     "SWIGLU_GEMM_MIN_TOKENS",
     "swiglu_gemm",
     "swiglu_gemm_ref",
+    "swiglu_config",
     "swiglu_gemm_serves",
 ]
 
@@ -47,6 +50,17 @@ SWIGLU_GEMM_MIN_TOKENS = 1024
 # fortieth session 0.889x against 0.925x), a step only a lone prompt's takes. The tile loop flattened into the K loop
 # (FLATTEN) lost 15-27% at both.
 SWIGLU_GEMM_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "STAGES": 3, "num_warps": 8}
+# Steps of at least this many tokens run SWIGLU_GEMM_DEEP_CONFIG instead (0: none). Off until the engine times it
+# (`gpu_check.sh dense-lone`: the 8B cold 32K in one lone step, 3 stages against 4): alone, 4 stages saved 0.45-0.93
+# ms a layer at 32K in two sessions (~15-30 ms of a one-step cold 32K), and nothing at 8K, the usual step.
+SWIGLU_GEMM_DEEP_MIN_TOKENS = 0
+SWIGLU_GEMM_DEEP_CONFIG = {**SWIGLU_GEMM_CONFIG, "STAGES": 4}
+
+
+def swiglu_config(num_tokens: int) -> dict:
+    """The tiles and schedule a step of num_tokens takes (SWIGLU_GEMM_CONFIG, or the deep one for large steps)."""
+    deep = SWIGLU_GEMM_DEEP_MIN_TOKENS and num_tokens >= SWIGLU_GEMM_DEEP_MIN_TOKENS
+    return SWIGLU_GEMM_DEEP_CONFIG if deep else SWIGLU_GEMM_CONFIG
 
 
 @triton.jit
@@ -150,8 +164,8 @@ def swiglu_gemm(
     """x [T, H] @ w13 [2I, H]^T (gate rows first, as gate_up_proj stacks them): silu(gate) * up [T, I] (fused), or
     gate|up [T, 2I] (the same GEMM without the epilogue: the probe's like-for-like against cuBLAS). `cfg`: tiles,
     STAGES, num_warps, and the switches "flat" (FLATTEN), "ws" (WARP_SPECIALIZE), "subtile" (SUBTILE)."""
-    cfg = cfg or SWIGLU_GEMM_CONFIG
     m, k = x.shape
+    cfg = cfg or swiglu_config(m)
     inter = w13.shape[0] // 2
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     if not fused and inter % bn:
