@@ -32,10 +32,13 @@ Triton extend kernel, which compiles once:
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass
 
 import torch
+
+logger = logging.getLogger("longserve.attention")
 
 Q_GRANULE = 1024  # new tokens are padded up to a multiple: at most 1023 dropped rows
 PREFIX_GRANULE = 2048  # cuDNN reads the prefix up to a multiple; the tail (< this) joins the causal part
@@ -67,6 +70,10 @@ SHORT_QUERY_ROWS: tuple[int, ...] = (1024, 2048, 4096)
 # in the lone chunk's graph held 13.4-14.3 ms: the eager layers' host launches are exposed to every host stall,
 # the one graph replay is not. A capturable packed call (its plan not fixed to the key count) would keep both.
 PACKED_PREFIX_CALLS = False
+# A chunk of at least this many new tokens over a prefix that meets no built shape runs in the Triton extend kernel
+# at ~60% of cuDNN's rate, which nothing else shows: said once a process (PlanRegistry.split_rows). A lone prompt's
+# chunks past its first did so from the thirty-eighth session to the forty-first (8B cold 128K 16.05 against 10.21 s).
+UNPLANNED_WARN_TOKENS = 4096
 PACKED_ROWS = 256
 PACKED_MIN_PREFIX = 8192
 
@@ -153,6 +160,7 @@ class PlanRegistry:
 
     def __init__(self) -> None:
         self._local = threading.local()
+        self._warned = False  # a long chunk without a plan was logged (_unplanned)
 
     def _built(self) -> set[tuple]:
         built = getattr(self._local, "built", None)
@@ -179,7 +187,7 @@ class PlanRegistry:
         of their rows; None when its causal part or its prefix part has no built shape (it runs in Triton)."""
         s = split_shape(prefix_len, query_len)
         if not self.ready(model, s.causal_rows, s.causal_rows, True, device):
-            return None
+            return self._unplanned(prefix_len, query_len, device)
         if not s.prefix_keys or self.ready(model, s.query_rows, s.prefix_keys, False, device):
             return (s.query_rows,)
         rows = s.query_rows + Q_GRANULE
@@ -188,7 +196,20 @@ class PlanRegistry:
                 return (rows,)
             rows += Q_GRANULE
         pieces = self._pieces(model, s.prefix_keys, query_len, device)
-        return pieces if pieces and query_len >= PAD_QUERY_MIN_FILL * sum(pieces) else None
+        if pieces and query_len >= PAD_QUERY_MIN_FILL * sum(pieces):
+            return pieces
+        return self._unplanned(prefix_len, query_len, device)
+
+    def _unplanned(self, prefix_len: int, query_len: int, device: torch.device) -> None:
+        """None (the chunk runs in Triton), said once a process for a long chunk (UNPLANNED_WARN_TOKENS)."""
+        if query_len >= UNPLANNED_WARN_TOKENS and not self._warned:
+            self._warned = True
+            logger.warning(
+                "a chunk of %d new tokens over %d cached ones has no cuDNN plan built for its shape on %s "
+                "(sdpa_shapes.warm_up_shapes): it runs in the Triton extend kernel, at ~60%% of the rate; "
+                "said once", query_len, prefix_len, device,
+            )  # fmt: skip
+        return None
 
     def _pieces(self, model: ModelShape, keys: int, query_len: int, device: torch.device) -> tuple[int, ...]:
         """Rows at built shapes over `keys` that cover query_len rows, largest first, the last padded: a lone

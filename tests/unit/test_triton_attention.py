@@ -610,6 +610,22 @@ def test_a_lone_prompts_chunks_run_at_built_shapes() -> None:
     assert registry.split_rows(model, 32768, 13573, cuda) == (8192, 4096, 2048)
 
 
+def test_a_long_chunk_without_a_plan_is_said_once(caplog: pytest.LogCaptureFixture) -> None:
+    """A chunk of 4K+ new tokens over a prefix that meets no built shape (it runs in Triton, at ~60% of cuDNN's rate)
+    is logged once a process; shorter ones (a long prompt's last chunk) are not."""
+    from longserve.attention import sdpa_shapes as shapes
+
+    cuda = torch.device("cuda")
+    model = shapes.ModelShape(32, 8, 128, torch.bfloat16)
+    registry = shapes.PlanRegistry()
+    with caplog.at_level("WARNING", logger="longserve.attention"):
+        assert registry.split_rows(model, 20000, 3000, cuda) is None
+        assert not caplog.records
+        assert registry.split_rows(model, 20000, 8192, cuda) is None
+        assert registry.split_rows(model, 40000, 9000, cuda) is None
+    assert len(caplog.records) == 1 and "8192 new tokens over 20000 cached" in caplog.text
+
+
 def test_short_cold_prompts_run_at_their_fine_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """A cold prompt under 4 granules runs its library call at pad_cold_rows (a quarter granule), one over at
     whole granules; the result equal to causal attention over its own rows."""
