@@ -47,11 +47,11 @@ class WarmUp:
     counts: list[int] | None = None
 
 
-def warm_up_counts(chunk_size: int, context_length: int) -> list[int]:
-    """512, 1024, ... below a chunk, then the chunk itself; none past the context length (the rotary kernel's
+def warm_up_counts(step_tokens: int, context_length: int) -> list[int]:
+    """512, 1024, ... below the largest step, then that step; none past the context length (the rotary kernel's
     cos/sin cache covers the context and the kernel does not bound-check positions: models/rope.py), none
     when that leaves less than 512 tokens."""
-    largest = min(chunk_size, context_length)
+    largest = min(step_tokens, context_length)
     counts, n = [], WARM_UP_MIN_TOKENS
     while n < largest:
         counts.append(n)
@@ -65,20 +65,20 @@ def warm_up(
     backend: AttentionBackend,
     kv_cache: KVCache,
     shape: GraphShape,
-    chunk_size: int,
+    step_tokens: int,
     counts: list[int] | None = None,
     optional_past: int | None = None,
-    usual_chunk: int | None = None,
+    chunk_size: int | None = None,
 ) -> int:
     """The backend's warm-up, then a forward pass of `model` per token count (default `warm_up_counts`).
-    chunk_size: the most tokens a step takes; usual_chunk: a usual step's, when that is a lone prompt's larger
+    step_tokens: the most tokens a step takes; chunk_size: a usual step's, when that is a lone prompt's larger
     one (the backend plans chunks over a prefix at the usual size). The counts past `optional_past` are optional
     (a lone step the model chose itself, runner/step_tokens.py): out of device memory at one of them, the
-    warm-up stops there. Returns the most tokens a step may take: chunk_size, or the largest count that ran
+    warm-up stops there. Returns the most tokens a step may take: step_tokens, or the largest count that ran
     before an optional one ran out of memory."""
     start = time.perf_counter()
-    backend.warm_up(shape, usual_chunk or chunk_size, kv_cache, step_tokens=chunk_size)
-    counts = warm_up_counts(chunk_size, shape.max_seq_len) if counts is None else counts
+    backend.warm_up(shape, chunk_size or step_tokens, kv_cache, step_tokens=step_tokens)
+    counts = warm_up_counts(step_tokens, shape.max_seq_len) if counts is None else counts
     page_size = kv_cache.page_size
     ran = 0
     for n in counts:
@@ -105,7 +105,7 @@ def warm_up(
         "warm-up: attention paths, and the model at %s tokens, in %.1fs",
         ",".join(map(str, counts)) or "no extra", time.perf_counter() - start,
     )  # fmt: skip
-    return chunk_size
+    return step_tokens
 
 
 def freeze_heap() -> bool:
