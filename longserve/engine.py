@@ -77,8 +77,9 @@ class Engine:
         # the most top logprobs a request may ask for (EngineConfig.max_logprobs; -1: the vocabulary)
         self.max_logprobs = self.runner.model.vocab_size if config.max_logprobs == -1 else config.max_logprobs
         self.kv = KVCacheManager(self.runner.num_pages, config.page_size, config.enable_prefix_caching)
-        lone = self.runner.lone_prefill_chunk_size  # as the runner resolved it for the model
-        sched = SchedulerConfig.from_engine_config(config, self.context_length, lone)
+        # a lone prompt's steps as the runner resolved them, ending on its attention backend's granule
+        lone, granule = self.runner.lone_prefill_chunk_size, self.runner.backend.chunk_granule
+        sched = SchedulerConfig.from_engine_config(config, self.context_length, lone, granule)
         self.scheduler = Scheduler(sched, self.kv)
         self.tokens = TokenHandler(self.scheduler, self.context_length)  # what each sampled token does
         self.overlap = resolve_overlap(config.overlap_schedule, self.runner)

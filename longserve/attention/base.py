@@ -324,6 +324,8 @@ class AttentionBackend(ABC):
 
     name: str = "base"
     supports_cuda_graphs: bool = False
+    # a chunk over a prefix of a multiple of this many tokens pads no query rows: a lone prompt's chunks end on one
+    chunk_granule: int = 1
 
     @abstractmethod
     def forward(

@@ -86,6 +86,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     name = "triton"
     supports_cuda_graphs = True
+    chunk_granule = sdpa_shapes.PREFIX_GRANULE  # the cuDNN path's prefix; the rest joins the causal call
 
     def __init__(
         self,

@@ -188,14 +188,17 @@ def step_cost(costs: ModelCosts, requests: list[tuple[int, int]], sampled: int) 
     return StepCost(flops=flops, bytes=layer_bytes + head * costs.itemsize + kv)
 
 
-def prefill_steps(prefix: int, new: int, chunk: int, lone: int | None = None) -> list[tuple[int, int, bool]]:
+def prefill_steps(
+    prefix: int, new: int, chunk: int, lone: int | None = None, granule: int = 1
+) -> list[tuple[int, int, bool]]:
     """(prefix, tokens, samples) of each chunk of a prompt's prefill, the prompt alone: chunks of `chunk`, or
-    the scheduler's lone chunks (sched/lone.py) when `lone` is set; the last one samples."""
+    the scheduler's lone chunks (sched/lone.py, ending on multiples of `granule`) when `lone` is set; the last
+    one samples."""
     steps, done = [], 0
     while done < new:
         take = min(max(chunk, lone or 0), new - done)
         if take > chunk:
-            take = bounded_lone_chunk(take, prefix + done, lone, chunk)
+            take = bounded_lone_chunk(take, prefix + done, lone, chunk, granule)
         steps.append((prefix + done, take, done + take == new))
         done += take
     return steps
@@ -209,6 +212,7 @@ def case_floor(
     peak_tflops: float = H200_PEAK_TFLOPS,
     peak_gbps: float = H200_PEAK_GBPS,
     lone: int | None = None,
+    granule: int = 1,
 ) -> dict[str, Any] | None:
     """The floor of a latency record (cold, prefix_hit: its TTFT in seconds; decode: one step's seconds),
     with its FLOPs, bytes, which bound it and the measured/floor ratio; None for a skipped case."""
@@ -224,7 +228,8 @@ def case_floor(
         prefix = record.get("cached_tokens", 0) if case == "prefix_hit" else 0
         new = record["prompt_len"] - prefix
         steps = [
-            step_cost(costs, [(p, n)], int(last)) for p, n, last in prefill_steps(prefix, new, chunk, lone)
+            step_cost(costs, [(p, n)], int(last))
+            for p, n, last in prefill_steps(prefix, new, chunk, lone, granule)
         ]
         measured = record.get("ttft_s")
     flops, nbytes = sum(s.flops for s in steps), sum(s.bytes for s in steps)
@@ -256,16 +261,17 @@ def attach_floors(
     peak_gbps: float,
     measured_bytes: tuple[float, float] | None = None,
     lone: int | None = None,
+    granule: int = 1,
 ) -> list[str]:
     """Set each record's "floor" (case_floor); one log line per case that ran. measured_bytes: (weight bytes,
     KV bytes per token) of the engine that ran, all ranks together (with_measured_bytes); chunk and lone: the
-    engine's usual and lone steps (sched/lone.py)."""
+    engine's usual and lone steps (sched/lone.py), granule: where its lone chunks end."""
     costs = model_costs(cfg, itemsize)
     if measured_bytes is not None:
         costs = with_measured_bytes(costs, *measured_bytes)
     lines = []
     for rec in records:
-        floor = case_floor(rec, costs, chunk, gpus, peak_tflops, peak_gbps, lone)
+        floor = case_floor(rec, costs, chunk, gpus, peak_tflops, peak_gbps, lone, granule)
         rec["floor"] = floor
         if floor is None:
             continue

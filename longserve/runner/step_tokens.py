@@ -19,7 +19,8 @@ logger = logging.getLogger("longserve.runner")  # the runner's logger: its start
 # Llama-3.1-8B shape in bf16 1.213 -> 1.199 s (32K) and 10.28 -> 10.23 s (128K) in steps of 32K. Only the
 # dequantizing model gains more than an arrival loses by waiting behind a 32K step, so only it takes one. (The
 # bf16 8B again, forty-first session: 32K 1.2050 -> 1.1887 s; 128K 10.21 -> 16.05 s, its chunks past 32K, bounded
-# since, at shapes no plan was built for, in Triton: in cuDNN pieces since 3f179ff, not yet measured.)
+# since, at shapes no plan was built for, in Triton. Forty-second, in cuDNN pieces: 32K 1.1955 -> 1.1860 s, 128K
+# 10.17 -> 10.36 s, int4 9.53 -> 9.66 s, the chunks ending off the prefix granule; on it since: not yet measured.)
 DEQUANT_LONE_PREFILL_CHUNK = 32768
 # The devices where a model takes that step by itself: a GPU's, where it was measured and where warm-up runs the
 # step first (shrinking it to what fits). On a CPU nothing checks it before a prompt comes, and a 32K step of an 8B

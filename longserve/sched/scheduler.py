@@ -38,20 +38,13 @@ import itertools
 import math
 import time
 from collections import deque
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from longserve.cache.manager import KVCacheManager
 from longserve.outputs import ScheduledRequest, SchedulerOutput
 from longserve.request import FinishReason, Request, RequestStatus
+from longserve.sched.config import SchedulerConfig
 from longserve.sched.lone import bounded_lone_chunk
 
-if TYPE_CHECKING:
-    from longserve.config import EngineConfig
-
-
-# "short-first": a short request has at most 1/SHORT_PREFILL_DIVISOR of the step budget left to compute
-SHORT_PREFILL_DIVISOR = 8
 # Beside decodes, waiting prompts are admitted one budget share at a time (the module's docstring) only while they
 # hold at most this many steps' budgets of tokens. The random HTTP workload's arrivals (RESULTS.md seventeenth
 # session) replayed through a model of the overlapped loop with the 8B's step times (scripts/probes/
@@ -66,43 +59,6 @@ LIGHT_QUEUE_BUDGETS = 2
 # 16/s at a mean TTFT of 171 ms one prompt a step against 139 with full steps, and this bound changes nothing at
 # 8/s. Not measured on the GPU.
 LIGHT_QUEUE_MAX_DECODES = 16
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    token_budget: int  # chunked_prefill_size / max_num_batched_tokens
-    max_running_requests: int
-    max_prefill_chunk: int | None = None
-    # prompt tokens of a step while one request's prompt is all the work there is; None: token_budget
-    lone_prefill_chunk_size: int | None = None
-    short_prefill_tokens: int = 0  # waiting requests with this few tokens to compute go before a long prefill
-    short_lookahead: int = 4  # waiting requests looked at for that (each: a read-only prefix-cache walk)
-    # with decodes in the step and a short queue, waiting prompts are admitted until the step holds this many
-    # prompt tokens (the first always); 0: up to the budget (fcfs, vLLM's)
-    admit_tokens_beside_decodes: int = 0
-    context_length: int | None = None  # a request ends when it has this many tokens (the runner's limit)
-
-    @classmethod
-    def from_engine_config(
-        cls,
-        config: EngineConfig,
-        context_length: int | None = None,
-        lone_prefill_chunk_size: int | None = None,
-    ) -> SchedulerConfig:
-        """The scheduler's settings, all derived here from the engine's (the one place that does);
-        context_length and lone_prefill_chunk_size: the runner's, resolved against the KV pool and the model
-        (runner/step_tokens.py)."""
-        short = config.schedule_policy == "short-first"
-        share = max(1, config.chunked_prefill_size // SHORT_PREFILL_DIVISOR) if short else 0
-        return cls(
-            token_budget=config.chunked_prefill_size,
-            max_running_requests=config.max_running_requests,
-            max_prefill_chunk=config.max_prefill_chunk,
-            lone_prefill_chunk_size=lone_prefill_chunk_size,
-            short_prefill_tokens=share,
-            admit_tokens_beside_decodes=share,
-            context_length=context_length,
-        )
 
 
 class Scheduler:
@@ -178,7 +134,10 @@ class Scheduler:
         now if the pool has room, else a usual step's chunk, which the caller allocates as any other."""
         budget = self.config.token_budget
         if n > budget:
-            n = bounded_lone_chunk(n, req.num_computed_tokens, self.config.lone_prefill_chunk_size, budget)
+            cfg = self.config
+            n = bounded_lone_chunk(
+                n, req.num_computed_tokens, cfg.lone_prefill_chunk_size, budget, cfg.lone_chunk_granule
+            )
             if n > budget and not self.kv.allocate(req, n):
                 return self._chunk(req, budget)
         return n

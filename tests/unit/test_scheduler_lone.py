@@ -59,6 +59,27 @@ def test_the_bound_keeps_a_lone_chunks_attention_work():
     assert bounded_lone_chunk(9000, lone, lone, 8192) == 9000  # what is left, when less
 
 
+def test_lone_chunks_end_on_the_granule():
+    """With lone_chunk_granule (the attention backend's), each bounded chunk ends on a multiple of it, the
+    prompt's last excepted; pages follow exactly. At the 8B's sizes: 12,288 after 32K (not 13,572), then 8K."""
+    kv = KVCacheManager(64, 4, enable_prefix_caching=True)
+    s = Scheduler(SchedulerConfig(8, 8, lone_prefill_chunk_size=40, lone_chunk_granule=8), kv)
+    a = req("a", 100)
+    s.add_request(a)
+    steps = [run_step(s) for _ in range(8)]
+    assert steps == [[("a", n, n == 4)] for n in (40, 16, 8, 8, 8, 8, 8, 4)]  # 40 + 16 = 56, 64, ...
+    assert a.page_ids == list(range(1, 26)) and a.num_computed_tokens == 100
+    s.kv.check_integrity(list(s.running))
+    assert bounded_lone_chunk(50000, 32768, 32768, 8192, 2048) == 12288
+    assert bounded_lone_chunk(50000, 32768 + 12288, 32768, 8192, 2048) == 10240
+    assert bounded_lone_chunk(11000, 32768, 32768, 8192, 2048) == 11000  # the prompt's end: on no granule
+    assert (
+        bounded_lone_chunk(50000, 1000, 32768, 8192, 2048) == 32768 - 1000
+    )  # after a cached 1,000: realigned
+    cfg = EngineConfig(model="unused", load_format="dummy")
+    assert SchedulerConfig.from_engine_config(cfg, None, 96, 2048).lone_chunk_granule == 2048
+
+
 def test_without_the_setting_the_budget_is_the_usual_one():
     s = make(budget=16, lone=None)
     s.add_request(req("a", 40))
