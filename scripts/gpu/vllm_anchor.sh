@@ -4,7 +4,12 @@
 # its own, which longserve's runs see without vLLM's packages) and compare_vllm_http.sh (/tmp/site: its longserve
 # server takes fastapi and the rest from there).
 # shellcheck shell=bash
-unpack_vllm_anchor() {  # FRONTEND_TARGET; fails only when vLLM's build does not unpack
+unpack_vllm_anchor() {  # FRONTEND_TARGET; fails when vLLM's build or the anchor's scripts are missing
+  local f
+  for f in bench_vllm.py vllm_decode.py vllm-0.24.0-h200-site.tar.xz; do  # (forty-second session: a call ran
+    # longserve's half, then found no bench_vllm.py: copy all of ../shared/anchors/ into .anchor/)
+    [[ -f .anchor/$f ]] || { echo "unpack_vllm_anchor: .anchor/$f missing: cp ../shared/anchors/* .anchor/" >&2; return 1; }
+  done
   mkdir -p /tmp/site && python3 -c "import sys,tarfile; tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/tmp/site', filter='tar')" \
     < .anchor/vllm-0.24.0-h200-site.tar.xz || return 1
   if ls .anchor/nvidia_cudnn_frontend-*.whl > /dev/null 2>&1; then
