@@ -72,10 +72,13 @@ def _draw(param: nn.Parameter, shape: tuple[int, ...], full: tuple[int, int], st
         return torch.randint(-(2**31), 2**31, shape, generator=g, device=dev, dtype=torch.int64).to(
             torch.int32
         )
-    if kind == "scale":
-        return torch.full(
-            shape, std / div, dtype=torch.float16 if std / div > 1e-4 else torch.float32, device=dev
-        )
+    if kind == "scale":  # one a group or block, each its own as in a real checkpoint
+        # One scale for the whole tensor left a 4-bit weight 16 distinct values: the 8B's int4 cold 128K ran its
+        # SM clock at ~1,730 MHz where bf16's ran at ~1,470, both at the 700 W limit (RESULTS.md forty-second
+        # session), likely a tensor-core GEMM's data-dependent power, which real weights would not get.
+        base = std / div
+        scales = base * (0.5 + torch.rand(shape, generator=g, device=dev))  # mean: the initializer's std
+        return scales.to(torch.float16 if base > 1e-4 else torch.float32)
     if kind == "act_scale":  # a static activation scale: activations of magnitude ~4
         return torch.full(shape, 4.0 / div, dtype=torch.float32, device=dev)
     if kind == "g_idx":
