@@ -33,12 +33,9 @@ from longserve.kernels.launch import is_hopper
 
 __all__ = [
     "SWIGLU_GEMM_CONFIG",
-    "SWIGLU_GEMM_DEEP_CONFIG",
-    "SWIGLU_GEMM_DEEP_MIN_TOKENS",
     "SWIGLU_GEMM_MIN_TOKENS",
     "swiglu_gemm",
     "swiglu_gemm_ref",
-    "swiglu_config",
     "swiglu_gemm_serves",
 ]
 
@@ -47,20 +44,10 @@ SWIGLU_GEMM_MIN_TOKENS = 1024
 # A 128 x (2 x 128) tile, cuBLAS's usual sm90 bf16 shape: the best of the probe's sweep at 1K-4K and in the engine.
 # At 8K, the 8B's usual step, 3 stages still win (H100, forty-first session: 0.961x of cuBLAS + silu_and_mul against
 # 0.970x in 4 stages and 0.977x with the epilogue stored in halves); at 32K 4 stages do (0.903x against 0.976x; the
-# fortieth session 0.889x against 0.925x), a step only a lone prompt's takes. The tile loop flattened into the K loop
-# (FLATTEN) lost 15-27% at both.
+# fortieth session 0.889x against 0.925x), a step only a lone prompt's takes, but in the engine a cold 32K in one
+# lone step took 1.1908 / 1.1893 s with 4 stages for it against 1.1847 / 1.1873 with 3 (H100, forty-second session).
+# The tile loop flattened into the K loop (FLATTEN) lost 15-27% at both.
 SWIGLU_GEMM_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "STAGES": 3, "num_warps": 8}
-# Steps of at least this many tokens run SWIGLU_GEMM_DEEP_CONFIG instead (0: none). Off until the engine times it
-# (`gpu_check.sh dense-lone`: the 8B cold 32K in one lone step, 3 stages against 4): alone, 4 stages saved 0.45-0.93
-# ms a layer at 32K in two sessions (~15-30 ms of a one-step cold 32K), and nothing at 8K, the usual step.
-SWIGLU_GEMM_DEEP_MIN_TOKENS = 0
-SWIGLU_GEMM_DEEP_CONFIG = {**SWIGLU_GEMM_CONFIG, "STAGES": 4}
-
-
-def swiglu_config(num_tokens: int) -> dict:
-    """The tiles and schedule a step of num_tokens takes (SWIGLU_GEMM_CONFIG, or the deep one for large steps)."""
-    deep = SWIGLU_GEMM_DEEP_MIN_TOKENS and num_tokens >= SWIGLU_GEMM_DEEP_MIN_TOKENS
-    return SWIGLU_GEMM_DEEP_CONFIG if deep else SWIGLU_GEMM_CONFIG
 
 
 @triton.jit
@@ -165,7 +152,7 @@ def swiglu_gemm(
     gate|up [T, 2I] (the same GEMM without the epilogue: the probe's like-for-like against cuBLAS). `cfg`: tiles,
     STAGES, num_warps, and the switches "flat" (FLATTEN), "ws" (WARP_SPECIALIZE), "subtile" (SUBTILE)."""
     m, k = x.shape
-    cfg = cfg or swiglu_config(m)
+    cfg = cfg or SWIGLU_GEMM_CONFIG
     inter = w13.shape[0] // 2
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     if not fused and inter % bn:

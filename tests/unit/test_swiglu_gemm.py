@@ -72,35 +72,3 @@ def test_only_steps_past_the_threshold_and_never_on_the_cpu(monkeypatch: pytest.
     layer = torch.nn.Module()
     layer.weight = torch.nn.Parameter(w13, requires_grad=False)
     assert UnquantizedLinearMethod().apply_swiglu(layer, x, None) is None  # the MLP runs gate|up, then SiLU
-
-
-def test_large_steps_take_the_deep_schedule_only_when_set(monkeypatch: pytest.MonkeyPatch) -> None:
-    """SWIGLU_GEMM_DEEP_MIN_TOKENS (off: 0): steps of at least that many tokens run 4 stages, the rest the default;
-    the launch takes the config the step's row count chooses."""
-    assert swiglu_gemm.SWIGLU_GEMM_DEEP_MIN_TOKENS == 0  # off until the engine times it
-    assert swiglu_gemm.swiglu_config(1 << 20) is swiglu_gemm.SWIGLU_GEMM_CONFIG
-    monkeypatch.setattr(swiglu_gemm, "SWIGLU_GEMM_DEEP_MIN_TOKENS", 64)
-    assert swiglu_gemm.swiglu_config(63) is swiglu_gemm.SWIGLU_GEMM_CONFIG
-    deep = swiglu_gemm.swiglu_config(64)
-    assert deep["STAGES"] == 4 and {k: v for k, v in deep.items() if k != "STAGES"} == {
-        k: v for k, v in swiglu_gemm.SWIGLU_GEMM_CONFIG.items() if k != "STAGES"
-    }
-    small = {**TILE, "STAGES": 2}
-    monkeypatch.setattr(swiglu_gemm, "SWIGLU_GEMM_CONFIG", small)
-    monkeypatch.setattr(swiglu_gemm, "SWIGLU_GEMM_DEEP_CONFIG", {**TILE, "STAGES": 3})
-    stages: list[int] = []
-    kernel = swiglu_gemm._gate_up_kernel
-    launch = kernel.__getitem__
-
-    class Spy:
-        def __getitem__(self, grid):  # noqa: ANN001, ANN204
-            run = launch(grid)
-            return lambda *a, **kw: stages.append(kw["STAGES"]) or run(*a, **kw)
-
-    monkeypatch.setattr(swiglu_gemm, "_gate_up_kernel", Spy())
-    for m in (48, 80):
-        x, w13 = operands(m, 64, 64, seed=m)
-        torch.testing.assert_close(
-            swiglu_gemm.swiglu_gemm(x, w13), swiglu_gemm_ref(x, w13), atol=2e-3, rtol=2e-2
-        )
-    assert stages == [2, 3]

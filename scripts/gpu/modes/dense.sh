@@ -26,9 +26,9 @@
 # dense-gated (one GPU, ~5 min): the bf16 MLP's down projection at decode batches made from gate|up on its loads
 # (dense_gemm.DENSE_GEMM_GATED_MAX_TOKENS, off): its GPU tests, then the 8B decode b1@32K, b16@8K, b64@4K off, on,
 # off, on: one silu_and_mul launch a layer less, if the Triton GEMM reads the down weight at cuBLAS's rate.
-# dense-lone (one GPU, ~4 min): the 8B bf16 cold 32K in one lone step of 32K against the default 8K chunks, and in
-# the lone step with the fused SwiGLU GEMM's 4 stages from 16K tokens (SWIGLU_GEMM_DEEP_MIN_TOKENS), twice each
-# (forty-first session, H100: the lone step 1.4% faster; the 128K's lone steps are quant.sh's lone-long).
+# dense-lone (one GPU, ~3 min): the 8B bf16 cold 32K in one lone step of 32K against the default 8K chunks, twice
+# each, and the SM clock each run held (H100: the lone step 1.4% faster in the forty-first session, 0.8% in the
+# forty-second; the 128K's lone steps are quant.sh's lone-long).
 # swiglu-engine (one GPU, ~5 min): kernels/swiglu_gemm.py in the engine (SWIGLU_GEMM_MIN_TOKENS, on from 1K tokens):
 # its GPU tests, then the 8B bf16 cold 1K / 8K / 32K off, on, off, on (SWIGLU_CONFIG, a dict literal, sets a tile).
 # decode-splits (one GPU, ~4 min): the 8B decode at batch 1 / 16 / 64 with 2, 3 and 4 programs an SM for the
@@ -175,12 +175,13 @@ if [[ $MODE == dense-gated ]]; then  # one GPU (~5 min): the bf16 down projectio
 fi
 
 if [[ $MODE == dense-lone ]]; then  # one GPU (~4 min): the 8B bf16 cold 32K in lone steps of 32K or 8K chunks
-  for run in chunk1 lone1 deep1 chunk2 lone2 deep2; do
+  # (4 stages of the fused SwiGLU GEMM for lone steps gained nothing here at a01eadb: dropped)
+  for run in chunk1 lone1 chunk2 lone2; do
     lone=(); [[ $run != chunk* ]] && lone=(--lone-prefill-chunk-size 32768)
-    deep=(); [[ $run == deep* ]] && deep=(longserve.kernels.swiglu_gemm.SWIGLU_GEMM_DEEP_MIN_TOKENS=16384)
-    LATENCY_TIMEOUT=100 latency_with "8b_$run" "8B $run" ${deep[@]+"${deep[@]}"} -- --config llama-3.1-8b \
-      "${dummy[@]}" --repeat 3 --prompt-lens 32768 ${lone[@]+"${lone[@]}"}
+    LATENCY_TIMEOUT=100 latency_with "8b_$run" "8B $run" -- --config llama-3.1-8b "${dummy[@]}" --repeat 3 \
+      --prompt-lens 32768 ${lone[@]+"${lone[@]}"}
   done
+  python3 scripts/dev/clocks_by_case.py "$OUT"  # the SM clock each run held (it moves with the data at 700 W)
 fi
 
 if [[ $MODE == swiglu-engine ]]; then  # one GPU (~5 min): the fused gate/up + SiLU GEMM in the 8B's prefill

@@ -397,6 +397,7 @@ if [[ $MODE == lone-long ]]; then  # one GPU (~5 min): the 8B cold 128K in lone 
     LATENCY_TIMEOUT=110 latency_with 8b_$run "8B $run" -- --config llama-3.1-8b "${dummy[@]}" --repeat 2 \
       --prompt-lens 131072 "${a[@]}"
   done
+  python3 scripts/dev/clocks_by_case.py "$OUT"  # int4 held ~17% more SM clock than bf16 at a01eadb (one scale a tensor)
 fi
 
 if [[ $MODE == lone-chunks ]]; then  # one GPU (~7 min): the A3B's cold prompts in larger lone steps, bf16 and int4
