@@ -37,6 +37,10 @@ PACKED_GRAPHS = True
 # the prefix's splits: at 8 the 8B hit took 11.6 ms where 16 took 11.9 / 12.2 (H100, `hit-merge`; the cuDNN call
 # ~2 us a layer faster, the merge of the splits 5.8 against 13.9 us)
 PACKED_GRAPH_SPLITS = 8
+# the causal part and the merge of the S + 1 parts in one kernel a layer (kernels/packed_tail.py) instead of the
+# extend kernel's partials and merge_packed (0.42 + 0.19 ms of the 8B hit on an H100): off until measured
+# (`gpu_check.sh hit-tail`)
+PACKED_TAIL_FUSED = False
 
 
 def split_pages(num_pages: int, splits: int) -> list[tuple[int, int]]:
@@ -278,6 +282,12 @@ class PackedPrefixBackend(AttentionBackend):
         rows[:, :t] = by_token  # row t * G + g of kv head j: q head j * G + g of token t
         o_pre, lse_pre = self.call(layer_id, k_cache, v_cache, self.table, self.len_kv, scale)
         qsl, prefix, seq, pages = self.causal
+        if PACKED_TAIL_FUSED:
+            if q.is_cuda:
+                from longserve.kernels.packed_tail import packed_tail
+            else:
+                from longserve.kernels.attention_reference import packed_tail_ref as packed_tail
+            return packed_tail(q, k_cache, v_cache, pages.view(-1), prefix, seq, o_pre, lse_pre, scale)
         part, lse = extend_attention(
             q, k_cache, v_cache, qsl, prefix, seq, pages, self.page_size, t, scale, config=self.causal_config,
             num_splits=1, partials=True,

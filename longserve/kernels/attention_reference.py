@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 __all__ = [
     "attention_mask", "decode_attention_ref", "extend_attention_ref", "gather_kv", "merge_packed_ref", "merge_two_ref",
+    "packed_tail_ref",
 ]  # fmt: skip
 
 
@@ -144,3 +145,32 @@ def merge_packed_ref(
     w = torch.softmax(torch.cat([pl, lc]), dim=0)  # [S + 1, T, Hq]
     out.copy_((torch.cat([p, oc]) * w[..., None]).sum(0))
     return out
+
+
+def packed_tail_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    pages: torch.Tensor,
+    tail: torch.Tensor,
+    seq: torch.Tensor,
+    part: torch.Tensor,
+    part_lse: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Same contract as `packed_tail` (kernels/packed_tail.py), in torch ops (fp32 math): the bucket's rows causally
+    over the tail and themselves (row t sees keys up to tail + t, of at most seq), merged with the splits' rows."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    tail_n, seq_n = int(tail.reshape(-1)[0]), int(seq.reshape(-1)[0])
+    k = gather_kv(k_cache, pages.reshape(-1), seq_n).float().repeat_interleave(group, 1).transpose(0, 1)
+    v = gather_kv(v_cache, pages.reshape(-1), seq_n).float().repeat_interleave(group, 1).transpose(0, 1)
+    scores = torch.einsum("thd,hkd->htk", q.float(), k) * scale  # [Hq, T, seq]
+    keys = torch.arange(seq_n, device=q.device)
+    visible = keys[None, :] <= tail_n + torch.arange(num_tokens, device=q.device)[:, None]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    o_c = torch.einsum("htk,hkd->htd", torch.softmax(scores, -1), v)  # [Hq, T, D]
+    out = torch.empty_like(q) if out is None else out
+    return merge_packed_ref(part, part_lse, o_c, torch.logsumexp(scores, -1), out, 0)

@@ -19,13 +19,15 @@ HQ, HKV, D, PAGE, BUCKET = 32, 8, 128, 16, 64
 TOL = 2e-2
 
 
-def test_packed_graph_equals_the_triton_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("fused", [False, True])  # PACKED_TAIL_FUSED: the causal part and merge in one kernel
+def test_packed_graph_equals_the_triton_kernel(monkeypatch: pytest.MonkeyPatch, fused: bool) -> None:
     pytest.importorskip("cudnn")
     from longserve.attention import packed_graph
     from longserve.attention.triton_backend import TritonAttentionBackend
     from longserve.platform import capture_cuda_graph
 
     monkeypatch.setattr(packed_graph, "PACKED_GRAPHS", True)
+    monkeypatch.setattr(packed_graph, "PACKED_TAIL_FUSED", fused)
     dev = torch.device("cuda")
     torch.manual_seed(0)
     num_pages = 49152 // PAGE + 64
@@ -103,3 +105,48 @@ def test_prefix_hits_through_the_packed_graph(tmp_path, monkeypatch: pytest.Monk
         shared = set(off) & set(on)
         assert len(shared) >= 3
         assert all(abs(off[t] - on[t]) < 0.05 for t in shared)
+
+
+def test_packed_tail_kernel_at_the_8b_shape() -> None:
+    """kernels/packed_tail.py in bf16 at the 8B hit's shape (64 new tokens, a tail of 9 keys, 8 splits of 512 rows)
+    against its fp32 reference and the extend kernel's partials merged by merge_packed (what it replaces)."""
+    from longserve.kernels.attention_reference import packed_tail_ref
+    from longserve.kernels.extend_attention import extend_attention
+    from longserve.kernels.merge_attention import merge_packed
+    from longserve.kernels.packed_tail import packed_tail
+
+    dev = torch.device("cuda")
+    torch.manual_seed(1)
+    splits, rows, tail, new = 8, 256, 9, 61
+    cache_k = torch.randn(200, PAGE, HKV, D, device=dev).bfloat16()
+    cache_v = torch.randn(200, PAGE, HKV, D, device=dev).bfloat16()
+    pages = (torch.randperm(190, device=dev)[:6] + 2).to(torch.int32)
+    q = torch.randn(BUCKET, HQ, D, device=dev).bfloat16()
+    part = torch.randn(splits, HKV, rows, D, device=dev).bfloat16()
+    part_lse = torch.randn(splits, HKV, rows, device=dev) * 3 + 8
+    tail_t = torch.tensor([tail], dtype=torch.int32, device=dev)
+    seq_t = torch.tensor([tail + new], dtype=torch.int32, device=dev)
+    scale = D**-0.5
+    got = packed_tail(q, cache_k, cache_v, pages, tail_t, seq_t, part, part_lse, scale)
+    want = packed_tail_ref(q, cache_k, cache_v, pages, tail_t, seq_t, part, part_lse, scale)
+    torch.testing.assert_close(got.float(), want.float(), atol=TOL, rtol=TOL)
+    qsl = torch.tensor([0, BUCKET], dtype=torch.int32, device=dev)
+    o_c, lse_c = extend_attention(
+        q,
+        cache_k,
+        cache_v,
+        qsl,
+        tail_t,
+        seq_t,
+        pages.view(1, -1),
+        PAGE,
+        BUCKET,
+        scale,
+        num_splits=1,
+        partials=True,
+    )
+    before = merge_packed(
+        part, part_lse, o_c[:, :, 0].transpose(0, 1), lse_c[:, :, 0].transpose(0, 1), torch.empty_like(q), 0,
+        causal_log2=True,
+    )  # fmt: skip
+    torch.testing.assert_close(got[:new].float(), before[:new].float(), atol=TOL, rtol=TOL)

@@ -65,11 +65,20 @@ def windowed_model(tmp_path_factory):
 
 @pytest.mark.parametrize(
     "which,prefix_len,new",
-    # windowed: a sliding-window model, whose layers take the plain backend's kernel in the packed bucket
-    [("plain", 70, 7), ("plain", 64, 16), ("plain", 100, 9), ("windowed", 70, 7)],
+    # windowed: a sliding-window model, whose layers take the plain backend's kernel in the packed bucket; fused:
+    # the causal part and the merge in one op (PACKED_TAIL_FUSED; its reference here, the kernel in test_packed_tail)
+    [
+        ("plain", 70, 7),
+        ("plain", 64, 16),
+        ("plain", 100, 9),
+        ("windowed", 70, 7),
+        ("fused", 70, 7),
+        ("fused", 64, 16),
+    ],
 )
-def test_packed_bucket_equals_plain_step(request, packed_on, which, prefix_len, new):
-    model, hf = request.getfixturevalue("model_and_config" if which == "plain" else "windowed_model")
+def test_packed_bucket_equals_plain_step(request, packed_on, monkeypatch, which, prefix_len, new):
+    monkeypatch.setattr(packed_graph, "PACKED_TAIL_FUSED", which == "fused")
+    model, hf = request.getfixturevalue("windowed_model" if which == "windowed" else "model_and_config")
     torch.manual_seed(prefix_len + new)
     max_pages = 12
     cache = KVCache(model.num_layers, 40, PAGE, model.num_kv_heads, model.head_dim, torch.float32, "cpu")
