@@ -102,7 +102,7 @@ class EngineConfig:
     chunked_prefill_size: int = 8192
     max_prefill_chunk: int | None = None  # per-request cap per step; None: the whole budget
     # a step's prompt tokens while one request's prompt is all the work there is (no decodes, nothing waiting;
-    # sched/scheduler.py; fewer past that many computed tokens: sched/lone.py), at least chunked_prefill_size
+    # sched/scheduler.py; fewer past that many computed tokens: sched/chunk_size.py), at least chunked_prefill_size
     # (equal: off); None: the model's choice
     # (runner/step_tokens.py: 32768 on a GPU where the weights are dequantized once a step, as GPTQ / AWQ /
     # W4A16 ones are at prefill sizes; else chunked_prefill_size)

@@ -27,7 +27,7 @@ Triton extend kernel, which compiles once:
   least PAD_QUERY_MIN_FILL of them; else, and for prefix hits with short suffixes, it runs in Triton (~315 against
   ~530 TFLOP/s of attention, measured on 8K chunks). Between those two, a chunk runs its prefix part as pieces at
   built row counts when it fills PAD_QUERY_MIN_FILL of their rows (PlanRegistry._pieces): a lone prompt's chunks
-  past its first (sched/lone.py: between the usual chunk and its first) thus run in cuDNN.
+  past its first (sched/chunk_size.py: between the usual chunk and its first) thus run in cuDNN.
 """
 
 from __future__ import annotations
@@ -213,7 +213,7 @@ class PlanRegistry:
 
     def _pieces(self, model: ModelShape, keys: int, query_len: int, device: torch.device) -> tuple[int, ...]:
         """Rows at built shapes over `keys` that cover query_len rows, largest first, the last padded: a lone
-        prompt's chunks between the usual chunk and its first (sched/lone.py: 13.6K after 32K, shrinking to the
+        prompt's chunks between the usual chunk and its first (sched/chunk_size.py: 13.6K after 32K, shrinking to the
         usual 8K) over the usual chunk's plans and the short ones (SHORT_QUERY_ROWS). Exact: the rows of a call
         without a mask are independent. Built for none of them, these ran in Triton, at ~60% of cuDNN's rate:
         the 8B's cold 128K in steps of 32K took 16.05 s against 10.21 s in 8K chunks (H100, RESULTS.md

@@ -252,7 +252,7 @@ def run_from_args(
         measured_bytes(engine_meta, config.tp_size),
         # each case's prompt runs alone, in the engine's lone steps (a probe's meta may not say: the configured)
         lone=engine_meta.get("lone_prefill_chunk_size", config.lone_prefill_chunk_size),
-        granule=engine_meta.get("lone_chunk_granule", 1),
+        granule=engine_meta.get("chunk_granule", 1),
     )
     for line in floors:
         log(line)

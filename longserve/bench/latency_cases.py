@@ -332,6 +332,6 @@ def bench_engine(
         weight_bytes=runner.memory_plan["weight_bytes"],  # this rank's, quantized formats' scales included
         kv_bytes_per_token=runner.memory_plan["kv_bytes_per_token"],
         lone_prefill_chunk_size=runner.lone_prefill_chunk_size,  # as resolved for the model
-        lone_chunk_granule=runner.backend.chunk_granule,  # where its chunks past the first end
+        chunk_granule=runner.backend.chunk_granule,  # where its chunks past the first end
     )
     return records, meta

@@ -20,7 +20,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from longserve.sched.lone import bounded_lone_chunk
+from longserve.sched.chunk_size import aligned_chunk, bounded_lone_chunk
 
 H200_PEAK_TFLOPS = 770.0  # measured bf16 dense GEMM ceiling (benchmarks/RESULTS.md)
 H200_PEAK_GBPS = 4200.0  # measured HBM bandwidth
@@ -192,11 +192,13 @@ def prefill_steps(
     prefix: int, new: int, chunk: int, lone: int | None = None, granule: int = 1
 ) -> list[tuple[int, int, bool]]:
     """(prefix, tokens, samples) of each chunk of a prompt's prefill, the prompt alone: chunks of `chunk`, or
-    the scheduler's lone chunks (sched/lone.py, ending on multiples of `granule`) when `lone` is set; the last
-    one samples."""
+    the scheduler's lone chunks when `lone` is set, each ending on a multiple of `granule` where the scheduler's
+    would (sched/chunk_size.py); the last one samples."""
     steps, done = [], 0
     while done < new:
-        take = min(max(chunk, lone or 0), new - done)
+        take = aligned_chunk(
+            min(max(chunk, lone or 0), new - done), prefix + done, new - done, chunk, granule
+        )
         if take > chunk:
             take = bounded_lone_chunk(take, prefix + done, lone, chunk, granule)
         steps.append((prefix + done, take, done + take == new))
@@ -265,7 +267,7 @@ def attach_floors(
 ) -> list[str]:
     """Set each record's "floor" (case_floor); one log line per case that ran. measured_bytes: (weight bytes,
     KV bytes per token) of the engine that ran, all ranks together (with_measured_bytes); chunk and lone: the
-    engine's usual and lone steps (sched/lone.py), granule: where its lone chunks end."""
+    engine's usual and lone steps (sched/chunk_size.py), granule: where its lone chunks end."""
     costs = model_costs(cfg, itemsize)
     if measured_bytes is not None:
         costs = with_measured_bytes(costs, *measured_bytes)

@@ -11,7 +11,7 @@ out, the most recently admitted request not yet scheduled this step is preempted
 pages are released (its computed full pages stay in the prefix cache) and it goes back to the front
 of the queue. A prompt that is all the work there is (no decodes, nothing waiting) may take
 `lone_prefill_chunk_size` tokens a step instead (fewer steps, each paying its fixed costs once: a quantized
-MoE dequantizes every expert a step), fewer past that many computed tokens (sched/lone.py: no more attention
+MoE dequantizes every expert a step), fewer past that many computed tokens (sched/chunk_size.py: no more attention
 work a step than the first lone chunk's); the pool short of pages for that, a usual chunk.
 
 Short prefills first (`short_prefill_tokens` > 0, the engine's "short-first" policy): while a long prompt
@@ -42,8 +42,8 @@ from collections import deque
 from longserve.cache.manager import KVCacheManager
 from longserve.outputs import ScheduledRequest, SchedulerOutput
 from longserve.request import FinishReason, Request, RequestStatus
+from longserve.sched.chunk_size import aligned_chunk, bounded_lone_chunk
 from longserve.sched.config import SchedulerConfig
-from longserve.sched.lone import bounded_lone_chunk
 
 # Beside decodes, waiting prompts are admitted one budget share at a time (the module's docstring) only while they
 # hold at most this many steps' budgets of tokens. The random HTTP workload's arrivals (RESULTS.md seventeenth
@@ -124,19 +124,21 @@ class Scheduler:
 
     # ---- one step -------------------------------------------------------------------------------
     def _chunk(self, req: Request, budget: int) -> int:
-        n = min(req.num_remaining_tokens, budget)
-        if self.config.max_prefill_chunk is not None:
-            n = min(n, max(1, self.config.max_prefill_chunk))
-        return n
+        """A usual chunk of the budget, ending on the chunk granule where it can (sched/chunk_size.py)."""
+        cfg, left = self.config, req.num_remaining_tokens
+        n = min(left, budget)
+        if cfg.max_prefill_chunk is not None:
+            n = min(n, max(1, cfg.max_prefill_chunk))
+        return aligned_chunk(n, req.num_computed_tokens, left, cfg.token_budget, cfg.chunk_granule)
 
     def _fit(self, req: Request, n: int) -> int:
-        """A lone prompt's chunk (past token_budget), bounded by its computed tokens (sched/lone.py), allocated
+        """A lone prompt's chunk (past token_budget), bounded by its computed tokens (sched/chunk_size.py), allocated
         now if the pool has room, else a usual step's chunk, which the caller allocates as any other."""
         budget = self.config.token_budget
         if n > budget:
             cfg = self.config
             n = bounded_lone_chunk(
-                n, req.num_computed_tokens, cfg.lone_prefill_chunk_size, budget, cfg.lone_chunk_granule
+                n, req.num_computed_tokens, cfg.lone_prefill_chunk_size, budget, cfg.chunk_granule
             )
             if n > budget and not self.kv.allocate(req, n):
                 return self._chunk(req, budget)

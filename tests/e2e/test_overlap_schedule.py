@@ -367,7 +367,7 @@ def test_random_traffic_overlapped_equals_plain(ckpt, scenario):
 
     stats, handed_out, chunks = [], Counter(), Counter()
     plain, overlapped, first = run(False), run(True), run(True, hand_out_first=True)
-    # steps of 16 prompt tokens, but up to 96 while a prompt is alone (sched/lone.py)
+    # steps of 16 prompt tokens, but up to 96 while a prompt is alone (sched/chunk_size.py)
     lone = run(True, chunked_prefill_size=16, lone_prefill_chunk_size=96)
     # (preemptions, aborts, stops) of each run: the traffic reached the paths it is meant to
     assert all(sum(counts) >= 3 for counts in stats) and handed_out[True] > 0, (stats, handed_out)

@@ -226,7 +226,7 @@ def test_a_chunk_over_an_unaligned_prefix_runs_at_built_shapes(monkeypatch: pyte
 
 
 def test_a_lone_prompts_chunks_run_in_pieces_at_built_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A lone prompt's steps (sched/lone.py): its first of the lone size, then chunks shrinking to the usual one.
+    """A lone prompt's steps (sched/chunk_size.py): its first of the lone size, then chunks shrinking to the usual one.
     Warm-up for lone steps builds the usual chunk's rows over every prefix (not the lone step's), and the chunks
     between run their prefix part in pieces at those rows (sdpa_shapes.PlanRegistry._pieces): in cuDNN, equal to
     the fp32 reference, without a build mid-step."""
@@ -235,7 +235,7 @@ def test_a_lone_prompts_chunks_run_in_pieces_at_built_shapes(monkeypatch: pytest
     from longserve.attention import sdpa_shapes as shapes
     from longserve.attention import triton_backend as tb
     from longserve.attention.base import GraphShape
-    from longserve.sched.lone import bounded_lone_chunk
+    from longserve.sched.chunk_size import bounded_lone_chunk
 
     calls: list[tuple[int, ...]] = []
     real = tb.prefix_split_sdpa

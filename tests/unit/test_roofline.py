@@ -63,7 +63,7 @@ def test_case_floors_and_their_bounds() -> None:
     assert cold["bound"] == "compute" and cold["steps"] == 4
     assert cold["ratio"] == pytest.approx(2.0 / cold["seconds"])
     assert [p for p, _, _ in prefill_steps(0, 32768, 8192)] == [0, 8192, 16384, 24576]
-    # the scheduler's lone steps (sched/lone.py): 32K, then fewer, then the usual 8K
+    # the scheduler's lone steps (sched/chunk_size.py): 32K, then fewer, then the usual 8K
     lone = prefill_steps(0, 131072, 8192, lone=32768)
     assert [n for _, n, _ in lone] == [32768, 13572, 10415, 8780] + [8192] * 8 + [131072 - 65535 - 8 * 8192]
     assert [p for p, _, _ in lone][:3] == [0, 32768, 46340] and [s for _, _, s in lone].count(True) == 1

@@ -1,5 +1,5 @@
 """A lone prompt's chunks (SchedulerConfig.lone_prefill_chunk_size): exact chunks and page ids within their bound
-(sched/lone.py), back to the usual budget as soon as anything else is there, and a usual chunk when the pool has
+(sched/chunk_size.py), back to the usual budget as soon as anything else is there, and a usual chunk when the pool has
 no room for a lone one."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from longserve.config import ConfigError, EngineConfig
 from longserve.request import FinishReason, Request
 from longserve.runner.step_tokens import max_step_prompt_tokens
 from longserve.sampling_params import SamplingParams
-from longserve.sched.lone import bounded_lone_chunk, lone_chunk_bound
+from longserve.sched.chunk_size import aligned_chunk, bounded_lone_chunk, lone_chunk_bound
 from longserve.sched.scheduler import Scheduler, SchedulerConfig
 
 
@@ -60,10 +60,10 @@ def test_the_bound_keeps_a_lone_chunks_attention_work():
 
 
 def test_lone_chunks_end_on_the_granule():
-    """With lone_chunk_granule (the attention backend's), each bounded chunk ends on a multiple of it, the
+    """With chunk_granule (the attention backend's), each bounded chunk ends on a multiple of it, the
     prompt's last excepted; pages follow exactly. At the 8B's sizes: 12,288 after 32K (not 13,572), then 8K."""
     kv = KVCacheManager(64, 4, enable_prefix_caching=True)
-    s = Scheduler(SchedulerConfig(8, 8, lone_prefill_chunk_size=40, lone_chunk_granule=8), kv)
+    s = Scheduler(SchedulerConfig(8, 8, lone_prefill_chunk_size=40, chunk_granule=8), kv)
     a = req("a", 100)
     s.add_request(a)
     steps = [run_step(s) for _ in range(8)]
@@ -77,7 +77,38 @@ def test_lone_chunks_end_on_the_granule():
         bounded_lone_chunk(50000, 1000, 32768, 8192, 2048) == 32768 - 1000
     )  # after a cached 1,000: realigned
     cfg = EngineConfig(model="unused", load_format="dummy")
-    assert SchedulerConfig.from_engine_config(cfg, None, 96, 2048).lone_chunk_granule == 2048
+    assert SchedulerConfig.from_engine_config(cfg, None, 96, 2048).chunk_granule == 2048
+
+
+def test_usual_chunks_end_on_the_granule_where_it_costs_no_step():
+    """A long usual chunk that more of its prompt follows ends on the granule when it keeps half its tokens and the
+    prompt takes no more steps; short ones (a budget share), last ones and granule 1 are left alone."""
+    assert aligned_chunk(8192, 16400, 40000, 8192, 2048) == 8176  # behind a cached 16,400: ends at 24,576
+    assert aligned_chunk(8192, 24576, 31824, 8192, 2048) == 8192  # on the granule already
+    assert aligned_chunk(8192, 100, 16300, 8192, 2048) == 8192  # 8,092 would leave 8,208: a third step
+    assert (
+        aligned_chunk(8192, 100, 8000, 8192, 2048) == 8192
+    )  # the prompt's last (n >= what is left: as given)
+    assert aligned_chunk(1024, 1500, 50000, 8192, 2048) == 1024  # a share beside decodes: too short to bother
+    assert aligned_chunk(5000, 1500, 50000, 8192, 2048) == 4644  # to 6,144
+    assert aligned_chunk(5000, 3000, 50000, 8192, 2048) == 3144  # to 6,144 (two granules or more keep half)
+    assert aligned_chunk(8192, 16400, 40000, 8192, 1) == 8192  # a backend without a granule (the CPU's)
+
+
+def test_a_prompt_behind_a_cached_prefix_takes_chunks_on_the_granule():
+    """Scheduler: the second request shares 20 cached tokens with the first; its chunks end on multiples of 8 (its
+    first 28 tokens, to 48), and it still takes three steps; pages exact."""
+    kv = KVCacheManager(64, 4, enable_prefix_caching=True)
+    s = Scheduler(SchedulerConfig(32, 8, chunk_granule=8), kv)
+    a = req("a", 20, max_new=1)
+    s.add_request(a)
+    assert run_step(s) == [("a", 20, True)]
+    s.finish_request(a, FinishReason.LENGTH)  # its 20 tokens' pages stay in the prefix cache
+    b = Request("b", list(range(20)) + list(range(500, 580)), SamplingParams(max_new_tokens=4))
+    s.add_request(b)
+    assert [run_step(s) for _ in range(3)] == [[("b", 28, False)], [("b", 32, False)], [("b", 20, True)]]
+    assert b.num_cached_tokens == 20 and b.num_computed_tokens == 100
+    s.kv.check_integrity(list(s.running))
 
 
 def test_without_the_setting_the_budget_is_the_usual_one():

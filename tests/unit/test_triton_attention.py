@@ -572,13 +572,13 @@ def test_plan_registry_is_per_thread_and_covers_a_long_prompts_chunks(monkeypatc
 
 
 def test_a_lone_prompts_chunks_run_at_built_shapes() -> None:
-    """A lone prompt's steps (sched/lone.py: 32K, then chunks shrinking from 12K to the usual 8K) at the shapes
+    """A lone prompt's steps (sched/chunk_size.py: 32K, then chunks shrinking from 12K to the usual 8K) at the shapes
     warm-up builds for them: causal up to the lone step, the usual chunk's rows over every prefix. Every chunk's
     causal part is built, and its prefix part runs in pieces at built row counts that pad it by less than a
     granule. (When warm-up built the lone step's rows over every prefix instead, no chunk past the first had a
     plan and all ran in Triton: the 8B's cold 128K 16.05 s against 10.21 s in 8K chunks on an H100.)"""
     from longserve.attention import sdpa_shapes as shapes
-    from longserve.sched.lone import bounded_lone_chunk
+    from longserve.sched.chunk_size import bounded_lone_chunk
 
     cuda = torch.device("cuda")
     model = shapes.ModelShape(32, 8, 128, torch.bfloat16)
@@ -611,12 +611,12 @@ def test_a_lone_prompts_chunks_run_at_built_shapes() -> None:
     assert registry.split_rows(model, 32768, 13573, cuda) == (8192, 4096, 2048)
 
 
-def test_lone_chunks_ending_on_the_granule_pad_no_attention() -> None:
+def test_chunks_ending_on_the_granule_pad_no_attention() -> None:
     """The 8B's cold 128K in lone steps of 32K holds the attention of its 8K chunks, padded rows counted (query rows
     x prefix keys, causal rows^2 / 2), when each lone chunk ends on the backend's granule (the cuDNN path's
     PREFIX_GRANULE); ending anywhere (32768 + 13572 + 10415 + 8780 = 65535), each later chunk's prefix tail joined
     its causal call behind empty rows: 3% more, and 1.9% slower end to end on an H100 (RESULTS.md forty-second
-    session)."""
+    session). Usual chunks behind a cached prefix off the granule: the first ends on it, the rest pad nothing."""
     from longserve.attention import sdpa_shapes as shapes
     from longserve.attention.triton_backend import TritonAttentionBackend
     from longserve.bench.roofline import prefill_steps
@@ -638,6 +638,15 @@ def test_lone_chunks_ending_on_the_granule_pad_no_attention() -> None:
     assert all(done % shapes.PREFIX_GRANULE == 0 for done, _, _ in aligned)
     assert padded_work(aligned) == padded_work(chunks) == prompt**2 // 2
     assert padded_work(anywhere) > 1.03 * padded_work(chunks)
+    # usual chunks behind a cached prefix off the granule (a conversation's long next turn): the first ends on it
+    cached, new = 16400, 40000
+    on_granule = prefill_steps(cached, new, chunk, None, shapes.PREFIX_GRANULE)
+    as_given = prefill_steps(cached, new, chunk)
+    assert [n for _, n, _ in on_granule] == [8176, 8192, 8192, 8192, 7248] and len(as_given) == len(
+        on_granule
+    )
+    assert all(done % shapes.PREFIX_GRANULE == 0 for done, _, _ in on_granule[1:])
+    assert padded_work(as_given) - padded_work(on_granule) > 4 * 8.9e6  # each later chunk's 1,024 causal rows
 
 
 def test_a_long_chunk_without_a_plan_is_said_once(caplog: pytest.LogCaptureFixture) -> None:

@@ -47,7 +47,7 @@
 # 8K (off), 16K and 32K tokens (--lone-prefill-chunk-size): the int4 prefill dequantizes every expert once a step
 # (1.2 GB written a layer; at 3352078 on an H100, 1.107x bf16 at 32K in 8K steps, 1.021x in 32K steps, which are
 # the integer weights' default since 329c6fc); then, if time is left, the 8B bf16 cold 32K / 128K at 8K and 32K
-# (at 128K the lone chunks past 32K are bounded since 513912e: sched/lone.py).
+# (at 128K the lone chunks past 32K are bounded since 513912e: sched/chunk_size.py).
 # lone-long (one GPU, ~5 min): the 8B cold 128K in bf16 (8K chunks against lone steps of 32K) and in int4 (GPTQ g128:
 # its default lone steps of 32K against 8K chunks): the lone chunks past the first in cuDNN pieces since 3f179ff
 # (before, in Triton: bf16 16.05 s against 10.21 in 8K chunks on an H100, forty-first session).
