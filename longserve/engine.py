@@ -77,7 +77,7 @@ class Engine:
         # the most top logprobs a request may ask for (EngineConfig.max_logprobs; -1: the vocabulary)
         self.max_logprobs = self.runner.model.vocab_size if config.max_logprobs == -1 else config.max_logprobs
         self.kv = KVCacheManager(self.runner.num_pages, config.page_size, config.enable_prefix_caching)
-        # a lone prompt's steps as the runner resolved them, ending on its attention backend's granule
+        # a lone prompt's steps as the runner resolved them; chunks end on its attention backend's granule
         lone, granule = self.runner.lone_prefill_chunk_size, self.runner.backend.chunk_granule
         sched = SchedulerConfig.from_engine_config(config, self.context_length, lone, granule)
         self.scheduler = Scheduler(sched, self.kv)

@@ -324,7 +324,7 @@ class AttentionBackend(ABC):
 
     name: str = "base"
     supports_cuda_graphs: bool = False
-    # a chunk over a prefix of a multiple of this many tokens pads no query rows: a lone prompt's chunks end on one
+    # a chunk over a prefix of a multiple of this many tokens pads no rows: chunks end on one (sched/chunk_size.py)
     chunk_granule: int = 1
 
     @abstractmethod

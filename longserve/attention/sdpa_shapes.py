@@ -213,7 +213,7 @@ class PlanRegistry:
 
     def _pieces(self, model: ModelShape, keys: int, query_len: int, device: torch.device) -> tuple[int, ...]:
         """Rows at built shapes over `keys` that cover query_len rows, largest first, the last padded: a lone
-        prompt's chunks between the usual chunk and its first (sched/chunk_size.py: 13.6K after 32K, shrinking to the
+        prompt's chunks between the usual chunk and its first (sched/chunk_size.py: 12K after 32K, shrinking to the
         usual 8K) over the usual chunk's plans and the short ones (SHORT_QUERY_ROWS). Exact: the rows of a call
         without a mask are independent. Built for none of them, these ran in Triton, at ~60% of cuDNN's rate:
         the 8B's cold 128K in steps of 32K took 16.05 s against 10.21 s in 8K chunks (H100, RESULTS.md

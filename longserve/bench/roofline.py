@@ -267,7 +267,7 @@ def attach_floors(
 ) -> list[str]:
     """Set each record's "floor" (case_floor); one log line per case that ran. measured_bytes: (weight bytes,
     KV bytes per token) of the engine that ran, all ranks together (with_measured_bytes); chunk and lone: the
-    engine's usual and lone steps (sched/chunk_size.py), granule: where its lone chunks end."""
+    engine's usual and lone steps (sched/chunk_size.py), granule: where its chunks end."""
     costs = model_costs(cfg, itemsize)
     if measured_bytes is not None:
         costs = with_measured_bytes(costs, *measured_bytes)

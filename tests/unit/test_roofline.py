@@ -67,6 +67,8 @@ def test_case_floors_and_their_bounds() -> None:
     lone = prefill_steps(0, 131072, 8192, lone=32768)
     assert [n for _, n, _ in lone] == [32768, 13572, 10415, 8780] + [8192] * 8 + [131072 - 65535 - 8 * 8192]
     assert [p for p, _, _ in lone][:3] == [0, 32768, 46340] and [s for _, _, s in lone].count(True) == 1
+    on_granule = prefill_steps(0, 131072, 8192, lone=32768, granule=2048)  # the cuDNN backend's
+    assert [n for _, n, _ in on_granule] == [32768, 12288, 10240] + [8192] * 9 + [2048]
     lone_cold = case_floor({"case": "cold", "prompt_len": 32768}, costs, chunk=8192, lone=32768)
     assert lone_cold["steps"] == 1 and lone_cold["bytes"] < cold["bytes"] / 3  # the experts read once, not 4x
     decode1 = case_floor(
