@@ -42,6 +42,9 @@ logger = logging.getLogger("longserve.attention")
 
 Q_GRANULE = 1024  # new tokens are padded up to a multiple: at most 1023 dropped rows
 PREFIX_GRANULE = 2048  # cuDNN reads the prefix up to a multiple; the tail (< this) joins the causal part
+# a prompt's chunks end on PREFIX_GRANULE where they can (sched/chunk_size.py, through the backend's chunk_granule);
+# False: anywhere, as before the forty-second session (`gpu_check.sh granule` is the A/B)
+CHUNKS_ON_GRANULE = True
 MIN_COLD_QUERY = 512  # a cold prompt shorter than this runs in Triton (its attention is a sliver of the step)
 # a chunk over a prefix whose padded rows have no plan runs at a built row count it fills at least this much of:
 # cuDNN on the padded rows (~530 TFLOP/s) beats Triton on the real ones (~315) down to 315 / 530 = 0.59 full.

@@ -86,7 +86,10 @@ class TritonAttentionBackend(AttentionBackend):
 
     name = "triton"
     supports_cuda_graphs = True
-    chunk_granule = sdpa_shapes.PREFIX_GRANULE  # the cuDNN path's prefix; the rest joins the causal call
+
+    @property
+    def chunk_granule(self) -> int:  # the cuDNN path's prefix granule (sdpa_shapes.CHUNKS_ON_GRANULE)
+        return sdpa_shapes.PREFIX_GRANULE if sdpa_shapes.CHUNKS_ON_GRANULE else 1
 
     def __init__(
         self,

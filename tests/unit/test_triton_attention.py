@@ -621,7 +621,7 @@ def test_chunks_ending_on_the_granule_pad_no_attention() -> None:
     from longserve.attention.triton_backend import TritonAttentionBackend
     from longserve.bench.roofline import prefill_steps
 
-    assert TritonAttentionBackend.chunk_granule == shapes.PREFIX_GRANULE
+    assert TritonAttentionBackend(cold_path="triton").chunk_granule == shapes.PREFIX_GRANULE
 
     def padded_work(steps: list[tuple[int, int, bool]]) -> int:
         work = 0

@@ -29,6 +29,7 @@
 # dense-lone (one GPU, ~3 min): the 8B bf16 cold 32K in one lone step of 32K against the default 8K chunks, twice
 # each, and the SM clock each run held (H100: the lone step 1.4% faster in the forty-first session, 0.8% in the
 # forty-second; the 128K's lone steps are quant.sh's lone-long).
+# granule (one GPU, ~3 min): the 8B with 16,400 tokens cached and 40,000 new, its chunks on the prefix granule or not.
 # swiglu-engine (one GPU, ~5 min): kernels/swiglu_gemm.py in the engine (SWIGLU_GEMM_MIN_TOKENS, on from 1K tokens):
 # its GPU tests, then the 8B bf16 cold 1K / 8K / 32K off, on, off, on (SWIGLU_CONFIG, a dict literal, sets a tile).
 # decode-splits (one GPU, ~4 min): the 8B decode at batch 1 / 16 / 64 with 2, 3 and 4 programs an SM for the
@@ -182,6 +183,17 @@ if [[ $MODE == dense-lone ]]; then  # one GPU (~4 min): the 8B bf16 cold 32K in 
       --prompt-lens 32768 ${lone[@]+"${lone[@]}"}
   done
   python3 scripts/dev/clocks_by_case.py "$OUT"  # the SM clock each run held (it moves with the data at 700 W)
+fi
+
+if [[ $MODE == granule ]]; then  # one GPU (~3 min): a long new turn behind a cached prefix off the chunk granule
+  # (sdpa_shapes.CHUNKS_ON_GRANULE: its 8K chunks after the first on the granule, or 16 keys past it, each
+  # then padding its causal call by 1,024 rows), off / on twice, and the SM clock each run held
+  for run in off1 on1 off2 on2; do
+    v=False; [[ $run == on* ]] && v=True
+    LATENCY_TIMEOUT=80 latency_with "8b_granule_$run" "on granule $v" longserve.attention.sdpa_shapes.CHUNKS_ON_GRANULE=$v \
+      -- --config llama-3.1-8b "${dummy[@]}" --repeat 3 --prefix-hit 16400:40000
+  done
+  python3 scripts/dev/clocks_by_case.py "$OUT"
 fi
 
 if [[ $MODE == swiglu-engine ]]; then  # one GPU (~5 min): the fused gate/up + SiLU GEMM in the 8B's prefill
