@@ -1,6 +1,6 @@
-"""A lone prompt's chunks (SchedulerConfig.lone_prefill_chunk_size): exact chunks and page ids within their bound
-(sched/chunk_size.py), back to the usual budget as soon as anything else is there, and a usual chunk when the pool has
-no room for a lone one."""
+"""A prompt's chunk sizes (sched/chunk_size.py). A lone prompt's (SchedulerConfig.lone_prefill_chunk_size): exact
+chunks and page ids within their bound, back to the usual budget as soon as anything else is there, and a usual chunk
+when the pool has no room for a lone one. Every long chunk ending on the chunk granule where it costs no step."""
 
 from __future__ import annotations
 
@@ -73,9 +73,8 @@ def test_lone_chunks_end_on_the_granule():
     assert bounded_lone_chunk(50000, 32768, 32768, 8192, 2048) == 12288
     assert bounded_lone_chunk(50000, 32768 + 12288, 32768, 8192, 2048) == 10240
     assert bounded_lone_chunk(11000, 32768, 32768, 8192, 2048) == 11000  # the prompt's end: on no granule
-    assert (
-        bounded_lone_chunk(50000, 1000, 32768, 8192, 2048) == 32768 - 1000
-    )  # after a cached 1,000: realigned
+    # after a cached 1,000: realigned
+    assert bounded_lone_chunk(50000, 1000, 32768, 8192, 2048) == 32768 - 1000
     cfg = EngineConfig(model="unused", load_format="dummy")
     assert SchedulerConfig.from_engine_config(cfg, None, 96, 2048).chunk_granule == 2048
 
@@ -86,9 +85,8 @@ def test_usual_chunks_end_on_the_granule_where_it_costs_no_step():
     assert aligned_chunk(8192, 16400, 40000, 8192, 2048) == 8176  # behind a cached 16,400: ends at 24,576
     assert aligned_chunk(8192, 24576, 31824, 8192, 2048) == 8192  # on the granule already
     assert aligned_chunk(8192, 100, 16300, 8192, 2048) == 8192  # 8,092 would leave 8,208: a third step
-    assert (
-        aligned_chunk(8192, 100, 8000, 8192, 2048) == 8192
-    )  # the prompt's last (n >= what is left: as given)
+    # the prompt's last (n >= what is left: as given)
+    assert aligned_chunk(8192, 100, 8000, 8192, 2048) == 8192
     assert aligned_chunk(1024, 1500, 50000, 8192, 2048) == 1024  # a share beside decodes: too short to bother
     assert aligned_chunk(5000, 1500, 50000, 8192, 2048) == 4644  # to 6,144
     assert aligned_chunk(5000, 3000, 50000, 8192, 2048) == 3144  # to 6,144 (two granules or more keep half)
