@@ -190,7 +190,7 @@ if [[ $MODE == granule ]]; then  # one GPU (~3 min): a long new turn behind a ca
   # then padding its causal call by 1,024 rows), off / on twice, and the SM clock each run held
   for run in off1 on1 off2 on2; do
     v=False; [[ $run == on* ]] && v=True
-    LATENCY_TIMEOUT=80 latency_with "8b_granule_$run" "on granule $v" longserve.attention.sdpa_shapes.CHUNKS_ON_GRANULE=$v \
+    LATENCY_TIMEOUT=100 latency_with "8b_granule_$run" "on granule $v" longserve.attention.sdpa_shapes.CHUNKS_ON_GRANULE=$v \
       -- --config llama-3.1-8b "${dummy[@]}" --repeat 3 --prefix-hit 16400:40000
   done
   python3 scripts/dev/clocks_by_case.py "$OUT"
