@@ -175,7 +175,7 @@ if [[ $MODE == dense-gated ]]; then  # one GPU (~5 min): the bf16 down projectio
   done
 fi
 
-if [[ $MODE == dense-lone ]]; then  # one GPU (~4 min): the 8B bf16 cold 32K in lone steps of 32K or 8K chunks
+if [[ $MODE == dense-lone ]]; then  # one GPU (~3 min): the 8B bf16 cold 32K in lone steps of 32K or 8K chunks
   # (4 stages of the fused SwiGLU GEMM for lone steps gained nothing here at a01eadb: dropped)
   for run in chunk1 lone1 chunk2 lone2; do
     lone=(); [[ $run != chunk* ]] && lone=(--lone-prefill-chunk-size 32768)
