@@ -171,6 +171,32 @@ def test_warm_up_out_of_memory_names_the_step_and_the_remedies(ckpt, monkeypatch
     assert_clean(m.engine)
 
 
+def test_chunks_on_a_granule_equal_unchunked(ckpt, baseline, monkeypatch):
+    """A backend with a chunk granule (the cuDNN path's 2,048; 16 here) hands it to the scheduler: behind a cached
+    prefix of 40 tokens, the next prompt's first chunk ends on the granule (24 of its 32 tokens, to 64), the rest
+    follows, and every token is the plain run's."""
+    from longserve.attention.base import AttentionBackend
+
+    monkeypatch.setattr(AttentionBackend, "chunk_granule", 16)  # the torch backends' (Triton's is its own)
+    ps, alone = baseline
+    m = llm(ckpt, attention_backend="torch", page_size=4, chunked_prefill_size=32)
+    assert m.engine.scheduler.config.chunk_granule == 16
+    assert m.generate([ps[0]], GREEDY32)[0].token_ids == alone[0]
+    scheduler, chunks = m.engine.scheduler, []
+    schedule = scheduler.schedule
+
+    def recorded():
+        out = schedule()
+        chunks.extend(x.num_new_tokens for x in out.scheduled if not x.samples or x.num_new_tokens > 1)
+        return out
+
+    scheduler.schedule = recorded
+    out = m.generate([ps[3]], GREEDY32)[0]
+    assert out.token_ids == alone[3] and out.cached_tokens == 40
+    assert chunks[:2] == [24, 20]
+    assert_clean(m.engine)
+
+
 def test_prefix_cache_on_equals_off(ckpt, baseline):
     ps, alone = baseline
     m = llm(ckpt, enable_prefix_caching=True, page_size=4)
