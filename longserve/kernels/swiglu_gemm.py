@@ -12,8 +12,9 @@ of the prompt. `scripts/probes/probe_swiglu_gemm.py` times it against cuBLAS (+ 
 Measured on an H100 (2026-12-06, `79bcaf3`, RESULTS.md fortieth session): at the 8B shape the kernel alone against
 cuBLAS + silu_and_mul, 128 x 128 x 64 tiles in 3 stages, 1.078x at 512 tokens, 0.952x at 1K, 0.939x at 2K, 0.924x at
 4K, 0.976x at 8K, 0.925x at 32K (4 stages 0.889x at 32K, but no better in the engine's 8K steps); Triton's
-warp-specialized loop is 18-27% slower. In the engine, 8B bf16 cold prompts off / on, two runs each: 512 0.0135 / 0.0142 s (+5%), 1K 0.0255
-/ 0.0247 (-3%), 2K 0.0507 / 0.0493, 4K 0.1052 / 0.1042, 8K 0.2169 / 0.2124 (-2.1%), 32K 1.2202 / 1.2087 (-0.9%).
+warp-specialized loop is 18-27% slower. In the engine, 8B bf16 cold prompts off / on, two runs each: 512 0.0135 /
+0.0142 s (+5%), 1K 0.0255 / 0.0247 (-3%), 2K 0.0507 / 0.0493, 4K 0.1052 / 0.1042, 8K 0.2169 / 0.2124 (-2.1%), 32K
+1.2202 / 1.2087 (-0.9%).
 So steps of at least 1,024 tokens take it (`SWIGLU_GEMM_MIN_TOKENS`; 0 turns it off); models/linear_method.py asks
 `swiglu_gemm_serves` for each unquantized gate/up product without a bias.
 
@@ -151,8 +152,8 @@ def swiglu_gemm(
     """x [T, H] @ w13 [2I, H]^T (gate rows first, as gate_up_proj stacks them): silu(gate) * up [T, I] (fused), or
     gate|up [T, 2I] (the same GEMM without the epilogue: the probe's like-for-like against cuBLAS). `cfg`: tiles,
     STAGES, num_warps, and the switches "flat" (FLATTEN), "ws" (WARP_SPECIALIZE), "subtile" (SUBTILE)."""
-    m, k = x.shape
     cfg = cfg or SWIGLU_GEMM_CONFIG
+    m, k = x.shape
     inter = w13.shape[0] // 2
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     if not fused and inter % bn:

@@ -132,11 +132,11 @@ class Scheduler:
         return aligned_chunk(n, req.num_computed_tokens, left, cfg.token_budget, cfg.chunk_granule)
 
     def _fit(self, req: Request, n: int) -> int:
-        """A lone prompt's chunk (past token_budget), bounded by its computed tokens (sched/chunk_size.py), allocated
-        now if the pool has room, else a usual step's chunk, which the caller allocates as any other."""
-        budget = self.config.token_budget
+        """A lone prompt's chunk (past token_budget), bounded by its computed tokens (sched/chunk_size.py),
+        allocated now if the pool has room, else a usual step's chunk, which the caller allocates as any other."""
+        cfg = self.config
+        budget = cfg.token_budget
         if n > budget:
-            cfg = self.config
             n = bounded_lone_chunk(
                 n, req.num_computed_tokens, cfg.lone_prefill_chunk_size, budget, cfg.chunk_granule
             )
