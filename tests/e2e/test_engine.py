@@ -129,12 +129,9 @@ def test_chunked_prefill_equals_unchunked(ckpt, baseline, chunk):
     assert toks == alone
 
 
-def test_lone_chunks_equal_unchunked(ckpt, baseline):
-    """Each prompt alone in steps of 7 prompt tokens, or 32 while it is all the work (lone_prefill_chunk_size):
-    the lone chunks run, and every token is the plain run's."""
-    ps, alone = baseline
-    m = llm(ckpt, enable_prefix_caching=False, chunked_prefill_size=7, lone_prefill_chunk_size=32)
-    scheduler, chunks = m.engine.scheduler, []
+def record_chunks(scheduler) -> list[int]:
+    """The new tokens of every request each step schedules from now on, in order (the list fills as it runs)."""
+    chunks: list[int] = []
     schedule = scheduler.schedule
 
     def recorded():
@@ -143,6 +140,15 @@ def test_lone_chunks_equal_unchunked(ckpt, baseline):
         return out
 
     scheduler.schedule = recorded
+    return chunks
+
+
+def test_lone_chunks_equal_unchunked(ckpt, baseline):
+    """Each prompt alone in steps of 7 prompt tokens, or 32 while it is all the work (lone_prefill_chunk_size):
+    the lone chunks run, and every token is the plain run's."""
+    ps, alone = baseline
+    m = llm(ckpt, enable_prefix_caching=False, chunked_prefill_size=7, lone_prefill_chunk_size=32)
+    chunks = record_chunks(m.engine.scheduler)
     assert [m.generate([p], GREEDY32)[0].token_ids for p in ps] == alone
     assert max(chunks) == 32
     assert_clean(m.engine)
@@ -182,15 +188,7 @@ def test_chunks_on_a_granule_equal_unchunked(ckpt, baseline, monkeypatch):
     m = llm(ckpt, attention_backend="torch", page_size=4, chunked_prefill_size=32)
     assert m.engine.scheduler.config.chunk_granule == 16
     assert m.generate([ps[0]], GREEDY32)[0].token_ids == alone[0]
-    scheduler, chunks = m.engine.scheduler, []
-    schedule = scheduler.schedule
-
-    def recorded():
-        out = schedule()
-        chunks.extend(x.num_new_tokens for x in out.scheduled if not x.samples or x.num_new_tokens > 1)
-        return out
-
-    scheduler.schedule = recorded
+    chunks = record_chunks(m.engine.scheduler)
     out = m.generate([ps[3]], GREEDY32)[0]
     assert out.token_ids == alone[3] and out.cached_tokens == 40
     assert chunks[:2] == [24, 20]
