@@ -38,9 +38,10 @@ PACKED_GRAPHS = True
 # ~2 us a layer faster, the merge of the splits 5.8 against 13.9 us)
 PACKED_GRAPH_SPLITS = 8
 # the causal part and the merge of the S + 1 parts in one kernel a layer (kernels/packed_tail.py) instead of the
-# extend kernel's partials and merge_packed (0.42 + 0.19 ms of the 8B hit on an H100): off until measured
-# (`gpu_check.sh hit-tail`)
-PACKED_TAIL_FUSED = False
+# extend kernel's partials and merge_packed (0.42 + 0.19 ms of the 8B hit on an H100). `gpu_check.sh hit-tail`, an
+# H100, 2026-12-06, two calls x two rounds, 8B hit 32768 + 64: 12.5 / 12.7 / 12.4 / 12.8 ms off, 11.6 / 12.3 / 11.8
+# / 11.8 ms fused at 32 rows a program (64 rows: 12.1 / 12.7 / 12.0 / 12.4)
+PACKED_TAIL_FUSED = True
 
 
 def split_pages(num_pages: int, splits: int) -> list[tuple[int, int]]:

@@ -66,8 +66,8 @@ def test_equals_reference_and_the_extend_plus_merge_path(
     torch.testing.assert_close(got[:new].float(), before[:new].float(), atol=tol, rtol=tol)
 
 
-def test_fewer_rows_a_program_give_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
-    """ROWS (rows a program, gpu_check.sh hit-tail tries 32) changes the grid, not the result."""
+def test_rows_a_program_change_the_grid_not_the_result(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ROWS (rows a program: 32 by default, gpu_check.sh hit-tail also tries 64) changes the grid, not the result."""
     from longserve.kernels import packed_tail as pt
 
     torch.manual_seed(3)
@@ -75,9 +75,10 @@ def test_fewer_rows_a_program_give_the_same(monkeypatch: pytest.MonkeyPatch) -> 
     pages = (torch.randperm(18)[:8] + 2).to(torch.int32)
     q, part, part_lse = torch.randn(20, 8, 32), torch.randn(2, 2, 80, 32), torch.randn(2, 2, 80)
     tail, seq = torch.tensor([3], dtype=torch.int32), torch.tensor([20], dtype=torch.int32)
-    wide = pt.packed_tail(q, k_cache, v_cache, pages, tail, seq, part, part_lse, 0.2)
     monkeypatch.setattr(pt, "ROWS", 32)
     narrow = pt.packed_tail(q, k_cache, v_cache, pages, tail, seq, part, part_lse, 0.2)
+    monkeypatch.setattr(pt, "ROWS", 64)
+    wide = pt.packed_tail(q, k_cache, v_cache, pages, tail, seq, part, part_lse, 0.2)
     torch.testing.assert_close(narrow, wide, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(wide, packed_tail_ref(q, k_cache, v_cache, pages, tail, seq, part, part_lse, 0.2),
                                atol=2e-5, rtol=2e-5)  # fmt: skip
