@@ -7,8 +7,9 @@ as the batch) took the hit's prefix part in ~70 us a layer on an H200 where the 
 count, so that path (sdpa_shapes.PACKED_PREFIX_CALLS) ran between the piecewise graphs, eagerly, and its host
 launches scattered the hit's TTFT. Built here with cudnn-frontend, every per-request input is a device tensor:
 split s reads its run of the prefix's pages through a page table [S, 1, W, 1] (any pages) and its key count from
-seq_len_kv. The prefix's last partial page and the new tokens run causal in the extend kernel's partials (one
-split); merge_attention.merge_packed merges the S + 1 parts. Every per-step input reaches the device in one copy,
+seq_len_kv. The prefix's last partial page and the new tokens run causal, merged with the S parts in the same kernel
+(kernels/packed_tail.py, PACKED_TAIL_FUSED; before it, the extend kernel's partials then
+merge_attention.merge_packed, two launches a layer). Every per-step input reaches the device in one copy,
 before the replay (`prepare_for_replay`). On the CPU, or without the frontend, `prefix_attention_ref` stands in
 for the cuDNN call (the tests run the whole path).
 
