@@ -67,7 +67,8 @@ def test_equals_reference_and_the_extend_plus_merge_path(
 
 
 def test_rows_a_program_change_the_grid_not_the_result(monkeypatch: pytest.MonkeyPatch) -> None:
-    """ROWS (rows a program: 32 by default, gpu_check.sh hit-tail also tries 64) changes the grid, not the result."""
+    """ROWS (rows a program: 32 by default, gpu_check.sh hit-tail also tries 16 and 64) changes the grid, not the
+    result."""
     from longserve.kernels import packed_tail as pt
 
     torch.manual_seed(3)
@@ -79,6 +80,10 @@ def test_rows_a_program_change_the_grid_not_the_result(monkeypatch: pytest.Monke
     narrow = pt.packed_tail(q, k_cache, v_cache, pages, tail, seq, part, part_lse, 0.2)
     monkeypatch.setattr(pt, "ROWS", 64)
     wide = pt.packed_tail(q, k_cache, v_cache, pages, tail, seq, part, part_lse, 0.2)
+    # the narrowest tl.dot takes: 4 tokens of 4 heads, or 2 of a group of 8
+    monkeypatch.setattr(pt, "ROWS", 16)
+    narrowest = pt.packed_tail(q, k_cache, v_cache, pages, tail, seq, part, part_lse, 0.2)
     torch.testing.assert_close(narrow, wide, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(narrowest, wide, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(wide, packed_tail_ref(q, k_cache, v_cache, pages, tail, seq, part, part_lse, 0.2),
                                atol=2e-5, rtol=2e-5)  # fmt: skip
