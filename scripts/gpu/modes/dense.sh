@@ -301,6 +301,7 @@ elif [[ $MODE == vllm ]]; then  # one GPU: the 8B shape, longserve then vLLM 0.2
   # the cases the anchors lack: 32K cached + 1024 new, decode b16@8K (and b1@32K, b64@4K again)
   PYTHONPATH=/tmp/site python3 scripts/gpu/vllm_extra_cases.py 2>&1 | tee "$OUT/vllm_extra.log" \
     | grep '"engine"' | cut -c1-280
+  python3 scripts/dev/vllm_table.py "$OUT" | tee "$OUT/vllm_table.md"  # issue 19's ratios, medians of both sides
 fi
 
 if [[ $MODE == chunks ]]; then  # one GPU: a lone cold prompt in chunks of 8K, 16K and 32K (issue 19's 32K/128K gap)
