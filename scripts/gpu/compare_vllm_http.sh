@@ -2,8 +2,9 @@
 # Through HTTP, as users see it: `longserve serve` and vLLM 0.24's OpenAI server on one H200, the same model
 # shape (Llama-3.1-8B, dummy weights, the word-level tokenizer ../shared/anchors/bench_vllm.py writes), the same
 # flags where they overlap (--max-num-batched-tokens 8192, prefix caching on), text prompts over
-# /v1/completions for both (both tokenize). Both servers stay up (longserve with 40% of the GPU's memory, vLLM
-# with 45%) and `longserve bench compare` drives one at a time with each workload of benchmarks/configs/
+# /v1/completions for both (both tokenize). Both servers stay up (vLLM with 45% of the GPU's memory, started
+# first; longserve with its 40% and a KV pool of vLLM's size, --max-total-tokens, read from vLLM's log: the same
+# cache on any card) and `longserve bench compare` drives one at a time with each workload of benchmarks/configs/
 # vllm_http_*.yaml: RAG over 16K documents (Poisson), multi-turn conversations opening with 16K tokens, random
 # 2K-in/128-out at a fixed rate, three long documents each of 8K/32K/64K. Before them, each server is warmed up
 # once with a 20K-token shared document (chunked prefill, prefix hits, batched decode: Triton's JIT and the like
@@ -53,15 +54,24 @@ warm_up() {  # port name: not measured; the compare runs flush the cache it leav
     || { echo "[compare] warm-up of $2 failed:"; tail -5 "$OUT/http/warmup_$2.log"; }
 }
 status=0
+KV_ARGS=()  # longserve's KV pool: vLLM's size once its server is up (below)
 if [[ $WORKLOADS != none ]]; then  # none: the A/B below only (vLLM's figures from an earlier call)
-  # LONGSERVE_EXTRA_ARGS: more `longserve serve` flags (an A/B of an option, e.g. --piecewise-cuda-graph-max-tokens 0)
-  # shellcheck disable=SC2086
-  start_longserve 30000 "$OUT/http/longserve_steps.jsonl" ${LONGSERVE_EXTRA_ARGS:-} || exit 1
   python3 -m vllm.entrypoints.openai.api_server --model $MODEL --load-format dummy --dtype bfloat16 \
     --max-model-len 131072 --enable-prefix-caching --max-num-batched-tokens 8192 --gpu-memory-utilization 0.45 \
     --enable-prompt-tokens-details --host 127.0.0.1 --port 8000 > "$OUT/http/vllm_server.log" 2>&1 &
   VL=$!
-  wait_up http://127.0.0.1:8000 $VL vllm || { tail -20 "$OUT/http/vllm_server.log"; kill $LS $VL; exit 1; }
+  wait_up http://127.0.0.1:8000 $VL vllm || { tail -20 "$OUT/http/vllm_server.log"; kill $VL; exit 1; }
+  # the same KV cache for both: vLLM's, as it logs it (an H200 gave it 381,536 tokens and us 330,592 from the
+  # fractions, both past every workload's working set; on an 80 GB card the fractions would leave each ~120-150K,
+  # under the multi-turn workload's ~150K, and the smaller cache would evict the more)
+  kv_tokens=$(grep -oE 'GPU KV cache size: [0-9,]+ tokens' "$OUT/http/vllm_server.log" | head -1 | grep -oE '[0-9,]+' \
+    | tr -d ,)
+  if [[ -n $kv_tokens ]]; then KV_ARGS=(--max-total-tokens "$kv_tokens"); else KV_ARGS=(); fi
+  echo "[compare] vLLM's KV cache: ${kv_tokens:-not found in its log} tokens; longserve's pool: ${kv_tokens:-by its fraction}"
+  # LONGSERVE_EXTRA_ARGS: more `longserve serve` flags (an A/B of an option, e.g. --piecewise-cuda-graph-max-tokens 0)
+  # shellcheck disable=SC2086
+  start_longserve 30000 "$OUT/http/longserve_steps.jsonl" "${KV_ARGS[@]}" ${LONGSERVE_EXTRA_ARGS:-} \
+    || { kill $VL; exit 1; }
   echo "[compare] both up after ${SECONDS}s"
   warm_up 30000 longserve
   warm_up 8000 vllm
@@ -80,7 +90,7 @@ fi
 # $OUT/http/<workload>_ab/, its step log in longserve_ab_steps.jsonl.
 if [[ -n ${LONGSERVE_AB_ARGS:-} ]]; then
   # shellcheck disable=SC2086
-  if start_longserve 30001 "$OUT/http/longserve_ab_steps.jsonl" $LONGSERVE_AB_ARGS; then
+  if start_longserve 30001 "$OUT/http/longserve_ab_steps.jsonl" "${KV_ARGS[@]}" $LONGSERVE_AB_ARGS; then
     warm_up 30001 longserve_ab
     for w in ${AB_WORKLOADS:-random}; do
       echo "[compare] $w with $LONGSERVE_AB_ARGS at ${SECONDS}s"
