@@ -42,7 +42,7 @@ wait_up() {  # url pid name: poll /health until 200, or give up when the process
 }
 start_longserve() {  # port, step log, extra flags...: `longserve serve` in the background, its pid in LS
   python3 -m longserve serve --model $MODEL --load-format dummy --dtype bfloat16 --max-num-batched-tokens 8192 \
-    --mem-fraction-static 0.40 --host 127.0.0.1 --port "$1" --step-log "$2" "${@:3}" \
+    --mem-fraction-static "$LS_FRACTION" --host 127.0.0.1 --port "$1" --step-log "$2" "${@:3}" \
     > "${2%_steps.jsonl}_server.log" 2>&1 &
   LS=$!
   wait_up "http://127.0.0.1:$1" $LS longserve || { tail -20 "${2%_steps.jsonl}_server.log"; kill $LS; return 1; }
@@ -55,6 +55,7 @@ warm_up() {  # port name: not measured; the compare runs flush the cache it leav
 }
 status=0
 KV_ARGS=()  # longserve's KV pool: vLLM's size once its server is up (below)
+LS_FRACTION=0.40
 if [[ $WORKLOADS != none ]]; then  # none: the A/B below only (vLLM's figures from an earlier call)
   python3 -m vllm.entrypoints.openai.api_server --model $MODEL --load-format dummy --dtype bfloat16 \
     --max-model-len 131072 --enable-prefix-caching --max-num-batched-tokens 8192 --gpu-memory-utilization 0.45 \
@@ -66,7 +67,8 @@ if [[ $WORKLOADS != none ]]; then  # none: the A/B below only (vLLM's figures fr
   # under the multi-turn workload's ~150K, and the smaller cache would evict the more)
   kv_tokens=$(grep -oE 'GPU KV cache size: [0-9,]+ tokens' "$OUT/http/vllm_server.log" | head -1 | grep -oE '[0-9,]+' \
     | tr -d ,)
-  if [[ -n $kv_tokens ]]; then KV_ARGS=(--max-total-tokens "$kv_tokens"); else KV_ARGS=(); fi
+  # without it, the fraction: ours bounds all the memory in use on the card (model_runner._num_pages), vLLM's 45% too
+  if [[ -n $kv_tokens ]]; then KV_ARGS=(--max-total-tokens "$kv_tokens"); else LS_FRACTION=0.85; fi
   echo "[compare] vLLM's KV cache: ${kv_tokens:-not found in its log} tokens; longserve's pool: ${kv_tokens:-by its fraction}"
   # LONGSERVE_EXTRA_ARGS: more `longserve serve` flags (an A/B of an option, e.g. --piecewise-cuda-graph-max-tokens 0)
   # shellcheck disable=SC2086
@@ -84,6 +86,7 @@ if [[ $WORKLOADS != none ]]; then  # none: the A/B below only (vLLM's figures fr
     [[ -f "$OUT/http/$w/report.md" ]] && sed -n '1,40p' "$OUT/http/$w/report.md"
   done
   kill -TERM $LS $VL 2>/dev/null; wait $LS $VL 2>/dev/null  # the A/B's server plans its memory as the first did
+  LS_FRACTION=0.40  # vLLM gone: 0.40 alone leaves the pool 0.85 left beside vLLM's 0.45 (the fallback above)
 fi
 # LONGSERVE_AB_ARGS: then longserve again with these flags, alone, for the workloads in AB_WORKLOADS (default
 # random), vLLM's figures being those above: an option's A/B through HTTP in the same call. Reports under
