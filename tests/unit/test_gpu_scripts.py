@@ -1,13 +1,17 @@
 """The GPU scripts agree with themselves and with the package before a device call spends minutes on them: every
 mode gpu_check.sh lists has a block in scripts/gpu/modes/ and every block is listed, a mode's blocks lie in one
-file, queue.sh's time estimates name listed modes, and every tuning constant a mode sets through
+file, queue.sh's time estimates name listed modes, every tuning constant a mode sets through
 with_constants.py (`longserve.pkg.mod.NAME=...`) is assigned at the top level of that module (a renamed switch
-would otherwise stop the call at its first run)."""
+would otherwise stop the call at its first run), every script parses, and every Python script they run exists."""
 
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 GPU = REPO / "scripts" / "gpu"
@@ -100,3 +104,26 @@ def test_the_int4_ncu_summary_reads_ncus_csv(tmp_path: Path) -> None:
     assert lines[4:] == ["[1] _splitk_reduce_kernel", "    Duration: 2.05 us"] and "Grid" not in "".join(
         lines
     )
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
+def test_every_shell_script_parses() -> None:
+    """`bash -n` on each: a quote left open (an apostrophe inside "${x:-...}" once) fails the whole device call."""
+    scripts = sorted((REPO / "scripts").rglob("*.sh")) + [REPO / ".ci" / "run"]
+    assert len(scripts) >= 10
+    bad = {}
+    for path in scripts:
+        done = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+        if done.returncode:
+            bad[str(path.relative_to(REPO))] = done.stderr.strip()
+    assert bad == {}
+
+
+def test_the_python_scripts_the_gpu_scripts_run_exist() -> None:
+    texts = [p.read_text() for p in sorted((REPO / "scripts").rglob("*.sh"))]
+    named = {
+        m for text in texts for m in re.findall(r"python3? (?:-u )?((?:scripts|\.anchor)/[\w./-]+\.py)", text)
+    }
+    ours = {n for n in named if n.startswith("scripts/")}
+    assert len(ours) >= 10  # a regex gone wrong would find none
+    assert sorted(n for n in ours if not (REPO / n).exists()) == []
