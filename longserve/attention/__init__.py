@@ -2,14 +2,8 @@
 
 from __future__ import annotations
 
-from longserve.attention.base import (
-    AttentionBackend,
-    AttentionMetadata,
-    ForwardContext,
-    GraphShape,
-    KVCache,
-    build_metadata,
-)
+from longserve.attention.base import AttentionBackend, ForwardContext, GraphShape, KVCache
+from longserve.attention.metadata import AttentionMetadata, build_metadata
 from longserve.attention.registry import (
     ATTENTION_BACKEND_CLASSES,
     attention_backend_class,

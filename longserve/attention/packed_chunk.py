@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from longserve.attention import sdpa_shapes
-from longserve.attention.base import AttentionMetadata, build_metadata
+from longserve.attention.metadata import AttentionMetadata, build_metadata
 from longserve.attention.sdpa import packed_prefix_sdpa
 from longserve.attention.sdpa_shapes import split_shape
 

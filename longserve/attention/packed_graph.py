@@ -28,7 +28,8 @@ import numpy as np
 import torch
 
 from longserve.attention import sdpa_shapes
-from longserve.attention.base import AttentionBackend, AttentionMetadata, GraphShape, KVCache
+from longserve.attention.base import AttentionBackend, GraphShape, KVCache
+from longserve.attention.metadata import AttentionMetadata
 from longserve.kernels.extend_attention import extend_attention
 from longserve.platform import to_device_async
 

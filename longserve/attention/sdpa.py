@@ -16,7 +16,7 @@ import torch
 
 from longserve.attention import gluon_calls
 from longserve.attention import sdpa_shapes as shapes
-from longserve.attention.base import AttentionMetadata
+from longserve.attention.metadata import AttentionMetadata
 
 logger = logging.getLogger("longserve.attention")
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from longserve.attention.base import AttentionBackend, AttentionMetadata, KVCache
+from longserve.attention.base import AttentionBackend, KVCache
+from longserve.attention.metadata import AttentionMetadata
 from longserve.kernels.attention_reference import attention_mask, gather_kv
 
 

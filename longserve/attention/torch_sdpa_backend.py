@@ -23,7 +23,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from longserve.attention.base import AttentionMetadata, KVCache
+from longserve.attention.base import KVCache
+from longserve.attention.metadata import AttentionMetadata
 from longserve.attention.torch_backend import TorchAttentionBackend
 from longserve.kernels.attention_reference import gather_kv
 

@@ -18,7 +18,8 @@ from typing import NamedTuple
 import torch
 
 from longserve.attention import gluon_calls, sdpa_shapes
-from longserve.attention.base import AttentionBackend, AttentionMetadata, GraphShape, KVCache, build_metadata
+from longserve.attention.base import AttentionBackend, GraphShape, KVCache
+from longserve.attention.metadata import AttentionMetadata, build_metadata
 from longserve.attention.packed_chunk import packed_chunk
 from longserve.attention.packed_graph import packed_backend
 from longserve.attention.sdpa import prefix_split_sdpa, warm_up_packed, warm_up_plans

@@ -17,7 +17,8 @@ from collections.abc import Callable
 
 import torch
 
-from longserve.attention.base import AttentionBackend, AttentionMetadata, ForwardContext, GraphShape, KVCache
+from longserve.attention.base import AttentionBackend, ForwardContext, GraphShape, KVCache
+from longserve.attention.metadata import AttentionMetadata
 from longserve.config import EngineConfig
 from longserve.runner.piecewise_graph import PiecewiseGraphRunner
 from longserve.runner.static_tokens import StaticTokens

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from longserve.attention.base import AttentionMetadata, build_step_tensors
+from longserve.attention.metadata import AttentionMetadata, build_step_tensors
 from longserve.outputs import SchedulerOutput
 from longserve.request import Request
 from longserve.runner.prompt_logprobs import PromptLogprobRows

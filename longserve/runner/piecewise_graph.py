@@ -26,7 +26,8 @@ from collections.abc import Callable, Generator
 
 import torch
 
-from longserve.attention.base import AttentionMetadata, ForwardContext, GraphShape, KVCache
+from longserve.attention.base import ForwardContext, GraphShape, KVCache
+from longserve.attention.metadata import AttentionMetadata
 from longserve.attention.sdpa import allow_padding_rows
 from longserve.models.decoder import AttentionCall
 from longserve.runner.static_tokens import StaticTokens

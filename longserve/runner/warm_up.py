@@ -5,7 +5,7 @@ Through HTTP on an H200 (2026-12-02, `3672e1d`), random 2K-token prompts at 8 a 
 1.6 s against vLLM's 55 ms: the steps stalled 0.15-3.3 s at a time while Triton compiled kernel variants
 (one per key-split count, per pointer alignment of the step's packed tensors, per tile of a token-count
 bucket) and cuDNN built an execution plan per new prompt length. The counts and alignments no longer make
-variants (kernels/extend_attention.py, attention/base.py: _packed); what remains is built here:
+variants (kernels/extend_attention.py, attention/metadata.py: _packed); what remains is built here:
 - the attention backend's own warm-up (cuDNN plans of the padded shapes, the extend kernel's variants);
 - one eager forward pass of the whole model per power-of-two token count from WARM_UP_MIN_TOKENS to a
   chunk: the kernels whose tiles or configs follow the token count (MoE alignment and grouped GEMM,
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from longserve.attention import AttentionBackend, ForwardContext, GraphShape, KVCache
-from longserve.attention.base import build_step_tensors
+from longserve.attention.metadata import build_step_tensors
 
 logger = logging.getLogger(__name__)
 

@@ -34,7 +34,8 @@ def record(path: str) -> None:
     from longserve.testing import kernel_compile
 
     kernel_compile.record_launches()
-    from longserve.attention.base import KVCache, build_step_tensors
+    from longserve.attention.base import KVCache
+    from longserve.attention.metadata import build_step_tensors
     from longserve.kernels.decode_attention import decode_attention
     from longserve.kernels.norm import fused_add_rms_norm
     from longserve.kernels.rope import rotary_embedding

@@ -32,7 +32,7 @@ import time
 import torch
 
 from longserve.attention import sdpa
-from longserve.attention.base import build_metadata
+from longserve.attention.metadata import build_metadata
 from longserve.platform import cuda_time_ms
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16

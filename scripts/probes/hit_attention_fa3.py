@@ -19,7 +19,7 @@ import random
 import torch
 from attention_vs_fa3 import rel_err  # this folder (the script's own: first on sys.path)
 
-from longserve.attention.base import build_metadata
+from longserve.attention.metadata import build_metadata
 from longserve.attention.triton_backend import TritonAttentionBackend
 from longserve.platform import cuda_time_ms
 

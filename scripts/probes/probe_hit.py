@@ -15,7 +15,7 @@ from collections import defaultdict
 
 import torch
 
-from longserve.attention import base
+from longserve.attention import metadata
 from longserve.bench import latency
 from longserve.bench.latency_cases import EngineBench
 from longserve.kernels.launch import FastKernel
@@ -55,9 +55,9 @@ def probe(llm, args, skipped):
     eng.tokens.process = timed("process token", eng.tokens.process)
     model_runner.build_step = timed("build_step", model_runner.build_step)
     model_runner.to_model_inputs = timed("to_model_inputs", model_runner.to_model_inputs)
-    # inside to_model_inputs: the host's index math, and the two pinned copies to the device (base._to_device)
+    # inside to_model_inputs: the host's index math, and the two pinned copies to the device (metadata._to_device)
     inputs.build_step_tensors = timed("  build_step_tensors", inputs.build_step_tensors)
-    base._to_device = timed("    pinned copies (2)", base._to_device)
+    metadata._to_device = timed("    pinned copies (2)", metadata._to_device)
     if (graphs := runner.extend_graphs) is not None:
         graphs.run = timed("graph replay (launch)", graphs.run)
         # inside it: the static inputs' copies, the backends' own (the packed call's page table), the launch

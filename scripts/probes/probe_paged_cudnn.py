@@ -27,7 +27,7 @@ from functools import partial
 
 import torch
 
-from longserve.attention.base import build_metadata
+from longserve.attention.metadata import build_metadata
 from longserve.attention.sdpa import cold_sdpa, prefix_split_sdpa
 from longserve.kernels.extend_attention import choose_extend_splits, extend_attention
 from longserve.platform import capture_cuda_graph

@@ -12,7 +12,7 @@ import statistics
 
 import torch
 
-from longserve.attention.base import build_metadata
+from longserve.attention.metadata import build_metadata
 from longserve.kernels.extend_attention import extend_attention
 
 

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from longserve.attention.base import AttentionMetadata, ForwardContext, KVCache
+from longserve.attention.base import ForwardContext, KVCache
+from longserve.attention.metadata import AttentionMetadata
 from longserve.attention.torch_backend import TorchAttentionBackend
 from longserve.models import load_hf_config, load_model
 from longserve.models.rope import compute_inv_freq, rope_parameters_from_config

@@ -312,7 +312,7 @@ def test_step_tensors_start_16_byte_aligned_whatever_the_batch() -> None:
     """Triton specializes pointers on 16-byte alignment: the packed step tensors each start aligned for every
     batch size and token count (their values unchanged), so a kernel compiles once, not once per mix.
     (Unpadded, the page table of B requests started at (3B + 1) int32s: aligned only when B % 4 == 1.)"""
-    from longserve.attention.base import build_step_tensors
+    from longserve.attention.metadata import build_step_tensors
 
     for num_reqs in range(1, 9):
         for first in (1, 3, 8):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from longserve.attention.base import build_metadata
+from longserve.attention.metadata import build_metadata
 from longserve.attention.sdpa import cold_sdpa, prefix_split_sdpa
 from longserve.kernels import split_k
 from longserve.kernels.decode_attention import choose_num_splits, decode_attention
