@@ -110,7 +110,9 @@ class AttentionBackend(ABC):
     returns [T, Hq, D] attention output where each new token attends causally over its request's
     prefix (read from the pages) and the new tokens up to itself. Hq is a multiple of Hkv (GQA).
     `sliding_window` (if not None) limits attention to the last `sliding_window` positions,
-    including the token itself, as in HF Mistral.
+    including the token itself, as in HF Mistral. `kv_stored`: the caller's rotary kernel stored k/v already;
+    `q_placed`: it also wrote the rotated q into the tensor `q_destination` gave (a backend that gives none
+    never sees it set).
 
     CUDA graphs (runner/cuda_graph.py), for a backend with `supports_cuda_graphs`: each captured shape
     (a decode batch size, a prefill chunk bucket) gets the backend `prepare_for_capture` /
@@ -137,7 +139,13 @@ class AttentionBackend(ABC):
         scale: float,
         sliding_window: int | None = None,
         kv_stored: bool = False,
+        q_placed: bool = False,
     ) -> torch.Tensor: ...
+
+    def q_destination(self, num_tokens: int) -> torch.Tensor | None:
+        """Where the rotary kernel should also write a step's rotated q ([T, Hkv, G, D], any strides but D's), so
+        that `forward` need not copy it there itself; None (the default): nowhere."""
+        return None
 
     @staticmethod
     def store_and_pages(

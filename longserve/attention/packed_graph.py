@@ -44,6 +44,10 @@ PACKED_GRAPH_SPLITS = 8
 # H100, 2026-12-06, two calls x two rounds, 8B hit 32768 + 64: 12.5 / 12.7 / 12.4 / 12.8 ms off, 11.6 / 12.3 / 11.8
 # / 11.8 ms fused at 32 rows a program (64 rows: 12.1 / 12.7 / 12.0 / 12.4)
 PACKED_TAIL_FUSED = True
+# the rotary kernel writes each layer's rotated q into the packed call's rows too (kernels/rope.py, q_dst), instead
+# of a copy of its own a layer (a torch elementwise kernel: 0.09 ms of the 8B hit on an H100 and 32 launch gaps,
+# thirty-fifth session's `hit-profile`): off until measured (`gpu_check.sh hit-tail`)
+PACKED_Q_BY_ROPE = False
 
 
 def split_pages(num_pages: int, splits: int) -> list[tuple[int, int]]:
@@ -207,6 +211,7 @@ class PackedPrefixBackend(AttentionBackend):
     ) -> None:
         self.plain = plain
         self.num_tokens, self.page_size = num_tokens, kv_cache.page_size
+        self.group = shape.num_q_heads // shape.num_kv_heads
         max_pages = -(-shape.max_seq_len // self.page_size)
         self.splits = PACKED_GRAPH_SPLITS
         self.call = PrefixCall(
@@ -228,6 +233,15 @@ class PackedPrefixBackend(AttentionBackend):
         # until a step loads them (the capture's warm-up and graph): every split and the rows over page 0's first key
         self.len_kv.fill_(1)
         qsl[1], seq[0] = num_tokens, 1
+
+    def q_destination(self, num_tokens: int) -> torch.Tensor | None:
+        """The packed rows as [T, Hkv, G, D] (row t * G + g of kv head j), for the rotary kernel to fill
+        (PACKED_Q_BY_ROPE)."""
+        if not PACKED_Q_BY_ROPE:
+            return None
+        num_kv_heads, rows, head_dim = self.call.q_rows.shape
+        packed = self.call.q_rows.view(num_kv_heads, rows // self.group, self.group, head_dim)
+        return packed[:, :num_tokens].permute(1, 0, 2, 3)
 
     def takes(self, meta: AttentionMetadata) -> bool:
         """A lone chunk of at most this bucket over a prefix long enough to split (its host page rows known)."""
@@ -267,9 +281,10 @@ class PackedPrefixBackend(AttentionBackend):
         scale: float,
         sliding_window: int | None = None,
         kv_stored: bool = False,
+        q_placed: bool = False,
     ) -> torch.Tensor:
         """The rows over the prefix (cuDNN) and causally over the tail and themselves (the extend kernel's
-        partials), merged: [t, Hq, D]."""
+        partials), merged: [t, Hq, D]. `q_placed`: q is in the rows already (`q_destination`)."""
         if sliding_window is not None:
             return self.plain.forward(q, k, v, layer_id, meta, kv_cache, scale, sliding_window, kv_stored)
         k_cache, v_cache = self.store_and_pages(q, k, v, layer_id, meta, kv_cache, kv_stored)
@@ -280,9 +295,10 @@ class PackedPrefixBackend(AttentionBackend):
         t, num_q_heads, head_dim = q.shape
         num_kv_heads = k_cache.shape[2]
         group = num_q_heads // num_kv_heads
-        by_token = q.reshape(t, num_kv_heads, group * head_dim).transpose(0, 1)  # [Hkv, t, G * D]
-        rows = self.call.q_rows.view(num_kv_heads, sdpa_shapes.PACKED_ROWS // group, group * head_dim)
-        rows[:, :t] = by_token  # row t * G + g of kv head j: q head j * G + g of token t
+        if not q_placed:
+            by_token = q.reshape(t, num_kv_heads, group * head_dim).transpose(0, 1)  # [Hkv, t, G * D]
+            rows = self.call.q_rows.view(num_kv_heads, sdpa_shapes.PACKED_ROWS // group, group * head_dim)
+            rows[:, :t] = by_token  # row t * G + g of kv head j: q head j * G + g of token t
         o_pre, lse_pre = self.call(layer_id, k_cache, v_cache, self.table, self.len_kv, scale)
         qsl, prefix, seq, pages = self.causal
         if PACKED_TAIL_FUSED:
@@ -335,6 +351,7 @@ def packs(num_tokens: int, shape: GraphShape, kv_cache: KVCache) -> bool:
 __all__ = [
     "PACKED_GRAPHS",
     "PACKED_GRAPH_SPLITS",
+    "PACKED_Q_BY_ROPE",
     "PackedPrefixBackend",
     "packs",
     "prefix_attention_ref",

@@ -33,6 +33,7 @@ class TorchAttentionBackend(AttentionBackend):
         scale: float,
         sliding_window: int | None = None,
         kv_stored: bool = False,
+        q_placed: bool = False,
     ) -> torch.Tensor:
         k_cache, v_cache = self.store_and_pages(q, k, v, layer_id, meta, kv_cache, kv_stored)
         group = q.shape[1] // k.shape[1]

@@ -46,6 +46,7 @@ class TorchSDPABackend(TorchAttentionBackend):
         scale: float,
         sliding_window: int | None = None,
         kv_stored: bool = False,
+        q_placed: bool = False,
     ) -> torch.Tensor:
         if q.device.type != "cpu":
             return super().forward(q, k, v, layer_id, meta, kv_cache, scale, sliding_window, kv_stored)

@@ -36,8 +36,9 @@ def _rotate_heads(
     cos,  # [1, BLOCK_D2] float32
     sin,  # [1, BLOCK_D2] float32
     offs_d,  # [BLOCK_D2]
-    dst_ptr,  # with HAS_DST: where the rotated heads also go (this token's KV-cache slot)
-    dst_stride_h,
+    dst_ptr,  # with HAS_DST: where the rotated heads also go (this token's KV-cache slot, or its packed q rows)
+    dst_stride_h,  # head h goes to (h // DST_GROUP) * dst_stride_h + (h % DST_GROUP) * dst_stride_g
+    dst_stride_g,
     dst_scale,  # FP8_DST: the cache's scale (stored = x / scale)
     w_ptr,  # with HAS_NORM: the per-head RMSNorm weight [2 * HALF_D] applied before the rotation
     eps,
@@ -47,6 +48,7 @@ def _rotate_heads(
     HAS_NORM: tl.constexpr,
     FP8_DST: tl.constexpr,
     INTERPRET: tl.constexpr,
+    DST_GROUP: tl.constexpr = 1,
 ):
     for h0 in range(0, num_heads, BLOCK_HEADS):
         heads = h0 + tl.arange(0, BLOCK_HEADS)  # [BLOCK_HEADS]
@@ -65,8 +67,9 @@ def _rotate_heads(
         out2 = x2 * cos + x1 * sin
         tl.store(ptr1, out1.to(x_ptr.dtype.element_ty), mask=mask)
         tl.store(ptr1 + HALF_D, out2.to(x_ptr.dtype.element_ty), mask=mask)
-        if HAS_DST:  # the value stored above, as the pages hold it
-            dst1 = dst_ptr + heads[:, None] * dst_stride_h + offs_d[None, :]
+        if HAS_DST:  # the value stored above, as the pages (or the packed rows) hold it
+            dst_heads = (heads // DST_GROUP) * dst_stride_h + (heads % DST_GROUP) * dst_stride_g
+            dst1 = dst_ptr + dst_heads[:, None] + offs_d[None, :]
             tl.store(dst1, _as_stored(out1.to(x_ptr.dtype.element_ty), dst_ptr, dst_scale, FP8_DST, INTERPRET),
                      mask=mask)  # fmt: skip
             tl.store(dst1 + HALF_D,
@@ -110,6 +113,10 @@ def _rope_kernel(
     qw_ptr,  # HAS_NORM: the q and k norms' weights [D]
     kw_ptr,
     eps,
+    qd_ptr,  # Q_DST: where the rotated q also goes, [T, Hkv, Q_GROUP, D] (the packed prefix call's rows)
+    stride_qdt,
+    stride_qdk,
+    stride_qdg,
     num_q_heads,
     num_kv_heads,
     k_scale,  # FP8_KV: the fp8 cache's K and V scales
@@ -123,6 +130,8 @@ def _rope_kernel(
     INTERPRET: tl.constexpr,
     USE_PDL: tl.constexpr,
     EARLY: tl.constexpr = False,
+    Q_DST: tl.constexpr = False,
+    Q_GROUP: tl.constexpr = 1,
 ):
     # EARLY: the position, its cos and sin and the slot before the wait on the kernel before (launch.pdl_prologue:
     # the host writes them, no kernel of the step); after it, two dependent round trips in series with it
@@ -137,11 +146,12 @@ def _rope_kernel(
     if STORE_KV:
         slot = tl.load(slot_ptr + tok).to(tl.int64)
     pdl_prologue(USE_PDL and EARLY)
-    _rotate_heads(q_ptr + tok * stride_qt, stride_qh, num_q_heads, cos, sin, offs_d, q_ptr, 0, 1.0, qw_ptr, eps,
-                  HALF_D, BLOCK_HEADS, False, HAS_NORM, False, INTERPRET)  # fmt: skip
+    _rotate_heads(q_ptr + tok * stride_qt, stride_qh, num_q_heads, cos, sin, offs_d, qd_ptr + tok * stride_qdt,
+                  stride_qdk, stride_qdg, 1.0, qw_ptr, eps, HALF_D, BLOCK_HEADS, Q_DST, HAS_NORM, False, INTERPRET,
+                  Q_GROUP)  # fmt: skip
     if STORE_KV:
         _rotate_heads(k_ptr + tok * stride_kt, stride_kh, num_kv_heads, cos, sin, offs_d,
-                      kc_ptr + slot * stride_slot, stride_head, k_scale, kw_ptr, eps, HALF_D, BLOCK_HEADS, True,
+                      kc_ptr + slot * stride_slot, stride_head, 0, k_scale, kw_ptr, eps, HALF_D, BLOCK_HEADS, True,
                       HAS_NORM, FP8_KV, INTERPRET)  # fmt: skip
         for h0 in range(0, num_kv_heads, BLOCK_HEADS):  # the values as they are (two halves; fp8: quantized)
             heads = h0 + tl.arange(0, BLOCK_HEADS)  # [BLOCK_HEADS]
@@ -152,8 +162,8 @@ def _rope_kernel(
             tl.store(dst + HALF_D, _as_stored(tl.load(src + HALF_D, mask=mask), vc_ptr, v_scale, FP8_KV, INTERPRET),
                      mask=mask)  # fmt: skip
     else:
-        _rotate_heads(k_ptr + tok * stride_kt, stride_kh, num_kv_heads, cos, sin, offs_d, k_ptr, 0, 1.0, kw_ptr, eps,
-                      HALF_D, BLOCK_HEADS, False, HAS_NORM, False, INTERPRET)  # fmt: skip
+        _rotate_heads(k_ptr + tok * stride_kt, stride_kh, num_kv_heads, cos, sin, offs_d, k_ptr, 0, 0, 1.0, kw_ptr,
+                      eps, HALF_D, BLOCK_HEADS, False, HAS_NORM, False, INTERPRET)  # fmt: skip
 
 
 def rotary_embedding(
@@ -163,6 +173,7 @@ def rotary_embedding(
     cos_sin_cache: torch.Tensor,
     store: tuple | None = None,
     qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    q_dst: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q [T, Hq*D] or [T, Hq, D] and k [T, Hkv*D] or [T, Hkv, D] in place; returns (q, k).
 
@@ -175,6 +186,8 @@ def rotary_embedding(
     qk_norm = (q weight [D], k weight [D], eps): each head is RMS-normalized first (Qwen3's q_norm / k_norm,
     computed as kernels/norm.py does), so the norms need no launches of their own; the weights must have
     q's dtype (the norm's output dtype is then q's, as the rotation writes in place).
+    q_dst [T, Hkv, G, D] (any strides but D's; q's dtype): the rotated q goes there too, head h = j * G + g at
+    [t, j, g] (the packed prefix call's rows, attention/packed_graph.py: no copy of its own).
     """
     head_dim = cos_sin_cache.shape[-1]
     assert head_dim % 2 == 0 and cos_sin_cache.stride(-1) == 1
@@ -214,13 +227,21 @@ def rotary_embedding(
         norm_args = (q_weight, k_weight, float(eps))
     else:
         norm_args = (q3, q3, 0.0)  # unused
+    if q_dst is not None:
+        assert q_dst.dim() == 4 and q_dst.shape[0] == num_tokens and q_dst.shape[3] == head_dim
+        assert q_dst.shape[1] * q_dst.shape[2] == q3.shape[1]
+        assert q_dst.stride(3) == 1 and q_dst.dtype == q.dtype
+        q_dst_args = (q_dst, q_dst.stride(0), q_dst.stride(1), q_dst.stride(2))
+        q_group = q_dst.shape[2]
+    else:
+        q_dst_args, q_group = (q3, 0, 0, 0), 1  # unused
     pdl = use_pdl(q3)
     _rope_kernel[(num_tokens,)](
         positions, q3, k3, cos_sin_cache, *extra[:4],
         q3.stride(0), q3.stride(1), k3.stride(0), k3.stride(1), cos_sin_cache.stride(0), *extra[4:],
-        *norm_args, q3.shape[1], k3.shape[1], *kv_scales,
+        *norm_args, *q_dst_args, q3.shape[1], k3.shape[1], *kv_scales,
         HALF_D=half, BLOCK_D2=block_d2, BLOCK_HEADS=block_heads, STORE_KV=store is not None,
         HAS_NORM=qk_norm is not None, FP8_KV=fp8_kv, INTERPRET=interpreting(), USE_PDL=pdl, EARLY=early_loads(),
-        num_warps=4, launch_pdl=pdl,
+        Q_DST=q_dst is not None, Q_GROUP=q_group, num_warps=4, launch_pdl=pdl,
     )  # fmt: skip
     return q, k

@@ -144,23 +144,27 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        # [T, H*, D]; the fused rotary kernel may also apply the q/k norms and store the new K/V in the cache
+        # [T, H*, D]; the fused rotary kernel may also apply the q/k norms, store the new K/V in the cache and write
+        # q where the backend reads it (q_destination)
         norms = (self.q_norm, self.k_norm) if self.qk_norm else None
-        q, k, stored = rope.apply_and_store(
-            q, k, v, ctx.kv_cache, self.layer_id, ctx.meta.slot_mapping, norms
+        q_dst = ctx.backend.q_destination(num_tokens)
+        rotated = rope.apply_and_store(
+            q, k, v, ctx.kv_cache, self.layer_id, ctx.meta.slot_mapping, norms, q_dst
         )
-        return AttentionCall(self, q, k, v, stored)
+        return AttentionCall(self, rotated.q, rotated.k, v, rotated.kv_stored, rotated.q_placed)
 
 
 class AttentionCall(NamedTuple):
     """One layer's attention proper over q [T, Hq, D], k/v [T, Hkv, D] (`stored`: the new K/V are in the
-    cache already): what the piecewise CUDA graphs (runner/piecewise_graph.py) run eagerly between them."""
+    cache already; `q_placed`: q is in the backend's `q_destination` too): what the piecewise CUDA graphs
+    (runner/piecewise_graph.py) run eagerly between them."""
 
     attn: Attention
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
     stored: bool
+    q_placed: bool = False
 
     def run(self, ctx: ForwardContext) -> torch.Tensor:
         """The backend's attention over ctx's step: [T, Hq*D]."""
@@ -174,6 +178,7 @@ class AttentionCall(NamedTuple):
             scale=self.attn.scale,
             sliding_window=self.attn.sliding_window,
             kv_stored=self.stored,
+            q_placed=self.q_placed,
         )  # [T, Hq, D]
         return out.reshape(self.q.shape[0], -1)  # [T, Hq*D]
 

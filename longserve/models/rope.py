@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -168,6 +168,16 @@ class RotaryEmbedding(nn.Module):
         return cos.to(dtype), sin.to(dtype)
 
 
+class Rotated(NamedTuple):
+    """What `RotaryStep.apply_and_store` hands back: q and k rotated, whether the new K/V are in the cache, and
+    whether the rotated q went to the `q_dst` asked for as well."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    kv_stored: bool
+    q_placed: bool
+
+
 @dataclass(frozen=True)
 class RotaryStep:
     """Rotary inputs of one step: cos/sin [T, D] (torch path) or cos_sin_cache [P, D] (Triton path)."""
@@ -186,16 +196,18 @@ class RotaryStep:
         layer_id: int,
         slots: torch.Tensor,
         qk_norm: tuple[Any, Any] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        q_dst: torch.Tensor | None = None,
+    ) -> Rotated:
         """`apply`, after the heads' RMSNorm (`qk_norm`: Qwen3's q_norm and k_norm modules) if given. On the
-        fused path one launch does it all: the norms (weights in q's dtype), the rotation, and the store of
-        the rotated keys and the values into their slots (quantized for an fp8 cache). Returns (q, k,
-        whether K/V are stored); the torch path leaves the store to the attention backend."""
+        fused path one launch does it all: the norms (weights in q's dtype), the rotation, the store of the
+        rotated keys and the values into their slots (quantized for an fp8 cache), and with `q_dst` (an attention
+        backend's `q_destination`) the rotated q into it too. The torch path leaves the store and q's copy to
+        the attention backend."""
         if self.cos_sin_cache is None:
             if qk_norm is not None:
                 q, k = qk_norm[0](q), qk_norm[1](k)
             q, k = self.apply(q, k)
-            return q, k, False
+            return Rotated(q, k, False, False)
         from longserve.kernels.rope import rotary_embedding  # imports triton
 
         norm_args = None
@@ -213,8 +225,10 @@ class RotaryStep:
         if FUSE_KV_STORE:  # an fp8 cache quantized in the same launch, with the layer's scales
             k_slots, v_slots = kv_cache.slots(layer_id)
             store = (v, slots, k_slots, v_slots, kv_cache.k_scales[layer_id], kv_cache.v_scales[layer_id])
-        q, k = rotary_embedding(self.positions, q, k, self.cos_sin_cache, store=store, qk_norm=norm_args)
-        return q, k, store is not None
+        q, k = rotary_embedding(
+            self.positions, q, k, self.cos_sin_cache, store=store, qk_norm=norm_args, q_dst=q_dst
+        )
+        return Rotated(q, k, store is not None, q_dst is not None)
 
     def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, Hq, D], k [T, Hkv, D] -> rotated (q, k); the fused path rotates in place."""

@@ -26,13 +26,26 @@ from collections.abc import Callable, Generator
 
 import torch
 
-from longserve.attention.base import ForwardContext, GraphShape, KVCache
+from longserve.attention.base import AttentionBackend, ForwardContext, GraphShape, KVCache
 from longserve.attention.metadata import AttentionMetadata
 from longserve.attention.sdpa import allow_padding_rows
 from longserve.models.decoder import AttentionCall
 from longserve.runner.static_tokens import StaticTokens
 
 logger = logging.getLogger("longserve.runner.piecewise_graph")
+
+
+class _BetweenPieces(AttentionBackend):
+    """The backend a piece is captured with: the pieces stop at each layer's attention call (`CausalLM.pieces`),
+    which the step's own backend runs between the replays, so nothing here attends."""
+
+    name = "between-pieces"
+
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        raise RuntimeError("a piecewise graph's attention runs between its pieces, not inside one")
+
+
+BETWEEN_PIECES = _BetweenPieces()
 
 # A step of n tokens runs as the next bucket: its GEMMs pay for the padding. Buckets an eighth of a power of
 # two apart (64 at least) pad by at most 12.5%: with buckets a half apart (1024, 1536, ...), a mixed step of
@@ -124,7 +137,7 @@ class PiecewiseGraphRunner:
             seq_lens_cpu=[t],
             prefix_lens_cpu=[0],
         )
-        return ForwardContext(meta=meta, kv_cache=self.kv_cache, backend=None)  # type: ignore[arg-type]
+        return ForwardContext(meta=meta, kv_cache=self.kv_cache, backend=BETWEEN_PIECES)
 
     def _keep(self, call: AttentionCall, t: int) -> AttentionCall:
         """Copy a piece's q/k/v into the static views; the call over them (its first t rows)."""

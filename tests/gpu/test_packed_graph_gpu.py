@@ -74,14 +74,18 @@ def test_packed_graph_equals_the_triton_kernel(monkeypatch: pytest.MonkeyPatch, 
         torch.testing.assert_close(out[0][:new].float(), want.float(), atol=TOL, rtol=TOL)
 
 
-def test_prefix_hits_through_the_packed_graph(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("q_by_rope", [False, True])
+def test_prefix_hits_through_the_packed_graph(tmp_path, monkeypatch: pytest.MonkeyPatch, q_by_rope) -> None:
     """Short questions over a cached 9,000-token head replay the lone chunk's packed graph (PACKED_GRAPHS on), and
     their first tokens' logprobs match those of the same engine with it off (the plain graph, the Triton kernel)
-    within bf16's rounding; every page back."""
+    within bf16's rounding; every page back. q_by_rope: the rotary kernel fills the packed rows
+    (PACKED_Q_BY_ROPE)."""
     pytest.importorskip("cudnn")
     from longserve import LLM, SamplingParams
     from longserve.attention import packed_graph
     from longserve.testing.checkpoints import make_tiny_checkpoint
+
+    monkeypatch.setattr(packed_graph, "PACKED_Q_BY_ROPE", q_by_rope)
 
     ckpt = make_tiny_checkpoint(tmp_path, "qwen3", num_layers=3)
     g = torch.Generator().manual_seed(7)

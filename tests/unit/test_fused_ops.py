@@ -236,6 +236,42 @@ def test_rotary_embedding_applies_the_qk_norms(dtype, store) -> None:
         assert torch.equal(k_slots[slots], k) and torch.equal(v_slots[slots], v)
 
 
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("norm", [False, True], ids=["plain", "qk-norm"])
+def test_rotary_embedding_also_writes_q_into_packed_rows(group: int, norm: bool) -> None:
+    """q_dst: the rotated q lands in the packed prefix call's rows too ([kv head, token * G + g] of a rows buffer,
+    attention/packed_graph.py), exactly what is written in place, past other rows untouched; k and the cache as
+    without it."""
+    from longserve.attention.base import KVCache
+
+    head_dim, num_kv, num_tokens, rows_per_head = 32, 2, 5, 16
+    num_q = num_kv * group
+    rope = make_rope(head_dim)
+    cache = rope.cos_sin_cache()
+    positions = torch.randint(0, 64, (num_tokens,), generator=torch.Generator().manual_seed(4))
+    qkv = randn(num_tokens, (num_q + 2 * num_kv) * head_dim, seed=5)
+    sizes = [num_q * head_dim, num_kv * head_dim, num_kv * head_dim]
+    q, k, v = (x.view(num_tokens, -1, head_dim) for x in qkv.split(sizes, dim=-1))
+    q_ref, k_ref = q.clone(), k.clone()
+    weights = (1 + 0.5 * randn(head_dim, seed=6), 1 + 0.5 * randn(head_dim, seed=7), 1e-6) if norm else None
+    rotary_embedding(positions, q_ref, k_ref, cache, qk_norm=weights)
+    rows = torch.full((num_kv, rows_per_head * group, head_dim), 7.0)  # the packed call's q rows
+    by_head = rows.view(num_kv, rows_per_head, group, head_dim)
+    q_dst = by_head[:, :num_tokens].permute(1, 0, 2, 3)  # [T, Hkv, G, D]
+    slots = torch.tensor([5, 0, 9, 3, 12])
+    fused = KVCache(1, 4, 4, num_kv, head_dim, torch.float32, "cpu")
+    k_slots, v_slots = fused.slots(0)
+    rotary_embedding(positions, q, k, cache, store=(v, slots, k_slots, v_slots), qk_norm=weights, q_dst=q_dst)
+    torch.testing.assert_close(q, q_ref, atol=ATOL, rtol=ATOL)
+    torch.testing.assert_close(k, k_ref, atol=ATOL, rtol=ATOL)
+    assert torch.equal(k_slots[slots], k) and torch.equal(v_slots[slots], v)
+    # row t * G + g of kv head j holds q head j * G + g of token t, bit for bit what went in place
+    by_token = q.reshape(num_tokens, num_kv, group * head_dim).transpose(0, 1)  # [Hkv, T, G * D]
+    packed = rows.view(num_kv, rows_per_head, group * head_dim)
+    assert torch.equal(packed[:, :num_tokens], by_token)
+    assert torch.all(packed[:, num_tokens:] == 7.0)  # the bucket's other rows untouched
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float8_e4m3fn], ids=["fp32-kv", "fp8-kv"])
 def test_model_with_fused_ops_matches_reference_path(
     tmp_path, monkeypatch: pytest.MonkeyPatch, kv_dtype

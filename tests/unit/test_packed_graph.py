@@ -66,7 +66,9 @@ def windowed_model(tmp_path_factory):
 @pytest.mark.parametrize(
     "which,prefix_len,new",
     # windowed: a sliding-window model, whose layers take the plain backend's kernel in the packed bucket; fused:
-    # the causal part and the merge in one op (PACKED_TAIL_FUSED; its reference here, the kernel in test_packed_tail)
+    # the causal part and the merge in one op (PACKED_TAIL_FUSED; its reference here, the kernel in test_packed_tail);
+    # placed: that, and the rotary kernel (interpreted, as on a GPU; the qwen3 model's q/k norms in it) writes q
+    # into the packed rows itself (PACKED_Q_BY_ROPE)
     [
         ("plain", 70, 7),
         ("plain", 64, 16),
@@ -74,10 +76,25 @@ def windowed_model(tmp_path_factory):
         ("windowed", 70, 7),
         ("fused", 70, 7),
         ("fused", 64, 16),
+        ("placed", 70, 7),
+        ("placed", 64, 16),
     ],
 )
 def test_packed_bucket_equals_plain_step(request, packed_on, monkeypatch, which, prefix_len, new):
-    monkeypatch.setattr(packed_graph, "PACKED_TAIL_FUSED", which == "fused")
+    monkeypatch.setattr(packed_graph, "PACKED_TAIL_FUSED", which in ("fused", "placed"))
+    placed = []
+    if which == "placed":
+        from longserve.models import rope
+
+        monkeypatch.setattr(packed_graph, "PACKED_Q_BY_ROPE", True)
+        monkeypatch.setattr(rope, "use_triton", lambda x: True)  # the fused rotary kernel, as on CUDA
+        forward = PackedPrefixBackend.forward
+
+        def spy(self, *args, **kwargs):
+            placed.append(kwargs.get("q_placed"))
+            return forward(self, *args, **kwargs)
+
+        monkeypatch.setattr(PackedPrefixBackend, "forward", spy)
     model, hf = request.getfixturevalue("windowed_model" if which == "windowed" else "model_and_config")
     torch.manual_seed(prefix_len + new)
     max_pages = 12
@@ -121,6 +138,8 @@ def test_packed_bucket_equals_plain_step(request, packed_on, monkeypatch, which,
         assert (qsl.tolist(), pre.item(), seq.item()) == ([0, 16], tail, tail + new)
         assert causal_pages[0, : len(pages) - prefix_pages].tolist() == pages[prefix_pages:]
     torch.testing.assert_close(got, plain, atol=1e-4, rtol=1e-4)
+    if which == "placed":  # every layer's q came through the rotary kernel, none copied by the backend
+        assert placed == [True] * model.num_layers
 
 
 def test_short_prefix_takes_the_plain_bucket(model_and_config, packed_on):

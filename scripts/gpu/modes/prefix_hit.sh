@@ -17,9 +17,9 @@
 # a capturable cudnn-frontend graph), the packed graph's GPU test, the 8B hit with attention/packed_graph.py off and on.
 # hit-merge (one GPU, ~3 min, .whl/ carried): scripts/probes/probe_merge_packed.py (the packed path's merge at 16 and
 # 8 splits), then the 8B hit with the packed graph at 16 and 8 splits (PACKED_GRAPH_SPLITS), twice each, alternating.
-# hit-tail (one GPU, ~6 min, .whl/ carried): the packed path's causal part and merge in one kernel (on by default)
+# hit-tail (one GPU, ~7 min, .whl/ carried): the packed path's causal part and merge in one kernel (on by default)
 # (packed_graph.PACKED_TAIL_FUSED, kernels/packed_tail.py): its GPU tests, then the 8B hit off, on (32 and 16 rows a
-# program; 4 prefix splits), twice.
+# program; 4 prefix splits; q written into the packed rows by the rotary kernel), twice.
 # hit-profile (one GPU, ~3 min): the prefix hit (32K cached + 64 new) under the profiler, by category and its top
 # kernels, then scripts/probes/probe_hit.py: where the hit's device and host time go at the head.
 # shellcheck shell=bash
@@ -129,17 +129,19 @@ if [[ $MODE == hit-merge ]]; then  # one GPU (~3 min; .whl/ carried): the packed
   done
 fi
 
-if [[ $MODE == hit-tail ]]; then  # one GPU (~6 min; .whl/ carried): the fused causal part + merge, tests then A/B
+if [[ $MODE == hit-tail ]]; then  # one GPU (~7 min; .whl/ carried): the fused causal part + merge, tests then A/B
   timeout 150 python3 -m pytest -q -m gpu tests/gpu/test_packed_graph_gpu.py -p no:cacheprovider --tb=short -rfE 2>&1 \
     | tee "$OUT/gpu_tests_packed_graph.log" | tail -3 || status=1
   # on: the default, 32 rows a program (8 tokens of the 8B's 4-head groups, 64 programs); rows16: 16 rows, 128
   # programs (64 rows, 32 programs, was 3% slower than 32 and off 5% slower in the 2026-12-06 H100 calls);
-  # splits4: the prefix in 4 cuDNN splits, not 8 (PACKED_GRAPH_SPLITS: half the rows the fused kernel folds in)
-  for run in off1 on1 rows16_1 splits4_1 off2 on2 rows16_2 splits4_2; do
+  # splits4: the prefix in 4 cuDNN splits, not 8 (PACKED_GRAPH_SPLITS: half the rows the fused kernel folds in);
+  # qrope: the rotary kernel writes q into the packed rows, no copy kernel a layer (PACKED_Q_BY_ROPE)
+  for run in off1 on1 rows16_1 splits4_1 qrope_1 off2 on2 rows16_2 splits4_2 qrope_2; do
     c=(longserve.attention.packed_graph.PACKED_TAIL_FUSED=False)
     [[ $run == off* ]] || c=(longserve.attention.packed_graph.PACKED_TAIL_FUSED=True)
     [[ $run == rows16* ]] && c+=(longserve.kernels.packed_tail.ROWS=16)
     [[ $run == splits4* ]] && c+=(longserve.attention.packed_graph.PACKED_GRAPH_SPLITS=4)
+    [[ $run == qrope* ]] && c+=(longserve.attention.packed_graph.PACKED_Q_BY_ROPE=True)
     LATENCY_TIMEOUT=100 latency_with hit_tail_$run "tail $run" "${c[@]}" -- --config llama-3.1-8b "${dummy[@]}" \
       --repeat 7 --prefix-hit 32768:64
   done
