@@ -14,23 +14,19 @@ from __future__ import annotations
 
 import argparse
 import glob
-import lzma
 import os
 import re
-from typing import IO
+
+from longserve.bench.records import find_record, open_record
 
 CASE = re.compile(r"\[bench latency (\d\d:\d\d:\d\d)\] (\S+): running")
 CLOSE = re.compile(r"\[bench latency (\d\d:\d\d:\d\d)\] (wrote|\S+: floor)")
 
 
-def _open(path: str) -> IO[str]:
-    return lzma.open(path, "rt") if path.endswith(".xz") else open(path)
-
-
 def read_clocks(path: str) -> list[tuple[str, int, float]]:
     """(HH:MM:SS, SM MHz, watts) of each sample."""
     samples = []
-    with _open(path) as f:
+    with open_record(path) as f:
         for line in f:
             cells = [c.strip() for c in line.split(",")]
             if len(cells) < 4 or not cells[1].endswith("MHz"):
@@ -42,7 +38,7 @@ def read_clocks(path: str) -> list[tuple[str, int, float]]:
 def case_windows(path: str) -> list[tuple[str, str, str]]:
     """(case, first second, last second) of each case a latency log ran."""
     windows, open_case = [], None
-    with _open(path) as f:
+    with open_record(path) as f:
         for line in f:
             if m := CASE.match(line):
                 if open_case:
@@ -55,10 +51,10 @@ def case_windows(path: str) -> list[tuple[str, str, str]]:
 
 
 def by_case(folder: str, min_watts: float = 250.0) -> list[dict[str, object]]:
-    clocks = glob.glob(os.path.join(folder, "clocks.csv*"))
-    if not clocks:
+    try:
+        samples = read_clocks(str(find_record(folder, "clocks.csv")))
+    except FileNotFoundError:
         return []
-    samples = read_clocks(clocks[0])
     rows = []
     for log in sorted(glob.glob(os.path.join(folder, "latency_*.log*"))):
         for case, first, last in case_windows(log):

@@ -42,6 +42,7 @@ CASES = [
 VLLM_COLD = {"cold8k": 8192, "cold32k": 32768, "cold64k": 65536, "cold128k": 131071}
 DECODES = {"b1": (1, 32768), "b64": (64, 4096), "b16": (16, 8192)}
 HIT_TARGET = 100.0  # the prefix hit against our own cold prompt
+FOLDER = re.compile(r"(\d{4}-\d\d-\d\d)_([0-9a-f]{7}[^_]*)")  # benchmarks/results/DATE_COMMIT_WHAT
 
 
 @dataclass
@@ -118,9 +119,7 @@ def label(folder: str) -> str:
     """'date commit device' from a record folder's name (or its parent's) and gpu.txt."""
     path = os.path.normpath(folder)
     name = os.path.basename(path)
-    m = re.match(r"(\d{4}-\d\d-\d\d)_([0-9a-f]{7}[^_]*)", name) or re.match(
-        r"(\d{4}-\d\d-\d\d)_([0-9a-f]{7}[^_]*)", os.path.basename(os.path.dirname(path))
-    )
+    m = FOLDER.match(name) or FOLDER.match(os.path.basename(os.path.dirname(path)))
     when = f"{m.group(1)[5:]} {m.group(2)}" if m else name
     try:
         with open(os.path.join(path, "gpu.txt")) as f:
