@@ -46,8 +46,9 @@ PACKED_GRAPH_SPLITS = 8
 PACKED_TAIL_FUSED = True
 # the rotary kernel writes each layer's rotated q into the packed call's rows too (kernels/rope.py, q_dst), instead
 # of a copy of its own a layer (a torch elementwise kernel: 0.09 ms of the 8B hit on an H100 and 32 launch gaps,
-# thirty-fifth session's `hit-profile`): off until measured (`gpu_check.sh hit-tail`)
-PACKED_Q_BY_ROPE = False
+# thirty-fifth session's `hit-profile`). `gpu_check.sh hit-tail`, an H100, 2026-12-07, 8B hit 32768 + 64, two rounds:
+# 12.0 / 12.2 ms against 12.2 / 12.4 without (the fused tail on in both; 4 cuDNN splits, not 8: 14.7 / 14.5)
+PACKED_Q_BY_ROPE = True
 
 
 def split_pages(num_pages: int, splits: int) -> list[tuple[int, int]]:

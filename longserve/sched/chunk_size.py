@@ -33,10 +33,13 @@ def lone_chunk_bound(done: int, lone: int) -> int:
 
 def bounded_lone_chunk(n: int, done: int, lone: int | None, budget: int, granule: int = 1) -> int:
     """A lone chunk of up to n tokens (n > budget) after `done` computed ones: within the bound, ending on a
-    multiple of `granule` unless it ends the prompt, never below the usual budget."""
+    multiple of `granule` unless it ends the prompt or the bound spans less than two granules (as aligned_chunk:
+    a lone size below the granule, as tests use on a GPU, would otherwise round every lone chunk away), never
+    below the usual budget."""
     if lone is None:
         return budget
-    end = (done + lone_chunk_bound(done, lone)) // granule * granule
+    bound = lone_chunk_bound(done, lone)
+    end = done + bound if bound < 2 * granule else (done + bound) // granule * granule
     return max(budget, min(n, end - done))
 
 

@@ -19,7 +19,7 @@ declare -A MINUTES=([tests]=7 [gemv-tune]=6 [short-plans]=4 [piecewise]=6 [fp8-a
 # 154-206 s, hit-host 96 s; sixteenth: tests 330 s, vllm 448 s; seventeenth: hit-ragged 21 s, chunks 262 s, fp8-acc
 # 376 s, quant-bench 415 s; thirty-second, an H100, with bench latency's graphs planned for its cases: gluon-extend
 # 159 s, b1-stack 162 s, tests 324 s, vllm 351 s; forty-third, an H100: lone-long 271 s, dense-lone 129 s, hit-tail
-# 230-259 s, granule 203 s, vllm 374 s)
+# 230-259 s, granule 203 s, vllm 374 s; forty-fourth, an H100: tests 294 s, b1-stack 208 s, hit-tail 419 s (ten runs))
 if ls .whl/*.whl > /dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}

@@ -61,13 +61,16 @@ def test_the_bound_keeps_a_lone_chunks_attention_work():
 
 def test_lone_chunks_end_on_the_granule():
     """With chunk_granule (the attention backend's), each bounded chunk ends on a multiple of it, the
-    prompt's last excepted; pages follow exactly. At the 8B's sizes: 12,288 after 32K (not 13,572), then 8K."""
+    prompt's last excepted; pages follow exactly. At the 8B's sizes: 12,288 after 32K (not 13,572), then 8K. A bound
+    under two granules is kept as it is (a lone size below the granule: each lone chunk would round to nothing)."""
     kv = KVCacheManager(64, 4, enable_prefix_caching=True)
-    s = Scheduler(SchedulerConfig(8, 8, lone_prefill_chunk_size=40, chunk_granule=8), kv)
+    s = Scheduler(SchedulerConfig(8, 8, lone_prefill_chunk_size=40, chunk_granule=4), kv)
     a = req("a", 100)
     s.add_request(a)
-    steps = [run_step(s) for _ in range(8)]
-    assert steps == [[("a", n, n == 4)] for n in (40, 16, 8, 8, 8, 8, 8, 4)]  # 40 + 16 = 56, 64, ...
+    steps = [run_step(s) for _ in range(7)]
+    # bounds 16, 12, 10, 9, 9 end on 56, 68, 76, 84, 92; then the prompt's last 8
+    sizes = (40, 16, 12, 8, 8, 8, 8)
+    assert steps == [[("a", n, i == len(sizes) - 1)] for i, n in enumerate(sizes)]
     assert a.page_ids == list(range(1, 26)) and a.num_computed_tokens == 100
     s.kv.check_integrity(list(s.running))
     assert bounded_lone_chunk(50000, 32768, 32768, 8192, 2048) == 12288
@@ -75,6 +78,9 @@ def test_lone_chunks_end_on_the_granule():
     assert bounded_lone_chunk(11000, 32768, 32768, 8192, 2048) == 11000  # the prompt's end: on no granule
     # after a cached 1,000: realigned
     assert bounded_lone_chunk(50000, 1000, 32768, 8192, 2048) == 32768 - 1000
+    # a bound under two granules (a GPU's 2,048 with a test's lone 32): kept, not rounded down to the budget
+    assert bounded_lone_chunk(100, 0, 32, 7, 2048) == 32 and bounded_lone_chunk(100, 32, 32, 7, 2048) == 13
+    assert bounded_lone_chunk(100, 0, 32, 7, 16) == 32 and bounded_lone_chunk(100, 32, 32, 7, 4) == 12
     cfg = EngineConfig(model="unused", load_format="dummy")
     assert SchedulerConfig.from_engine_config(cfg, None, 96, 2048).chunk_granule == 2048
 

@@ -132,16 +132,15 @@ fi
 if [[ $MODE == hit-tail ]]; then  # one GPU (~7 min; .whl/ carried): the fused causal part + merge, tests then A/B
   timeout 150 python3 -m pytest -q -m gpu tests/gpu/test_packed_graph_gpu.py -p no:cacheprovider --tb=short -rfE 2>&1 \
     | tee "$OUT/gpu_tests_packed_graph.log" | tail -3 || status=1
-  # on: the default, 32 rows a program (8 tokens of the 8B's 4-head groups, 64 programs); rows16: 16 rows, 128
-  # programs (64 rows, 32 programs, was 3% slower than 32 and off 5% slower in the 2026-12-06 H100 calls);
-  # splits4: the prefix in 4 cuDNN splits, not 8 (PACKED_GRAPH_SPLITS: half the rows the fused kernel folds in);
-  # qrope: the rotary kernel writes q into the packed rows, no copy kernel a layer (PACKED_Q_BY_ROPE)
-  for run in off1 on1 rows16_1 splits4_1 qrope_1 off2 on2 rows16_2 splits4_2 qrope_2; do
+  # on: the defaults, 32 rows a program (8 tokens of the 8B's 4-head groups, 64 programs) and q written into the
+  # packed rows by the rotary kernel (PACKED_Q_BY_ROPE); rows16: 16 rows, 128 programs (64 rows were 3% slower than
+  # 32 in the 2026-12-06 H100 calls, 16 tied on 2026-12-07); copyq: q copied by a kernel of its own a layer, as
+  # before (2026-12-07: 0.2 ms slower in both rounds). 4 cuDNN splits instead of 8 lost 2.3 ms (2026-12-07): gone.
+  for run in off1 on1 rows16_1 copyq_1 off2 on2 rows16_2 copyq_2; do
     c=(longserve.attention.packed_graph.PACKED_TAIL_FUSED=False)
     [[ $run == off* ]] || c=(longserve.attention.packed_graph.PACKED_TAIL_FUSED=True)
     [[ $run == rows16* ]] && c+=(longserve.kernels.packed_tail.ROWS=16)
-    [[ $run == splits4* ]] && c+=(longserve.attention.packed_graph.PACKED_GRAPH_SPLITS=4)
-    [[ $run == qrope* ]] && c+=(longserve.attention.packed_graph.PACKED_Q_BY_ROPE=True)
+    [[ $run == copyq* ]] && c+=(longserve.attention.packed_graph.PACKED_Q_BY_ROPE=False)
     LATENCY_TIMEOUT=100 latency_with hit_tail_$run "tail $run" "${c[@]}" -- --config llama-3.1-8b "${dummy[@]}" \
       --repeat 7 --prefix-hit 32768:64
   done
