@@ -122,5 +122,7 @@ fi
 echo "[compare] done at ${SECONDS}s"
 [[ -f $OUT/http/longserve_steps.jsonl ]] && python3 scripts/probes/step_log_summary.py "$OUT/http/longserve_steps.jsonl" \
   "$OUT/http/workload_marks.txt" | tee "$OUT/http/longserve_steps_summary.txt"
+# issue 19's verdict last: TTFT P50 / P95 against vLLM's a workload, the random workload's throughput, ITL stalls
+[[ $WORKLOADS != none ]] && python3 scripts/dev/http_table.py "$OUT/http" | tee "$OUT/http/http_table.md"
 tar czf "$OUT/http_reports.tgz" -C "$OUT" http
 exit $status
