@@ -16,7 +16,14 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from longserve import __version__
 from longserve.engine import Engine
-from longserve.server import openapi, routes_admin, routes_generate, routes_openai, routes_pooling
+from longserve.server import (
+    openapi,
+    routes_admin,
+    routes_generate,
+    routes_openai,
+    routes_pooling,
+    routes_responses,
+)
 from longserve.server.async_engine import SHUTTING_DOWN
 from longserve.server.errors import APIError, install_error_handlers
 from longserve.server.metrics import ServerMetrics
@@ -138,6 +145,7 @@ def create_app(state: ServerState) -> FastAPI:
         app.add_middleware(APIKeyMiddleware, api_key=state.server_config.api_key)
     app.include_router(routes_generate.router)
     app.include_router(routes_openai.router)
+    app.include_router(routes_responses.router)
     app.include_router(routes_pooling.router)
     app.include_router(routes_admin.router)
 

@@ -25,6 +25,7 @@ from longserve.server.errors import APIError, as_api_error, internal_error
 from longserve.server.grammars import GrammarService
 from longserve.server.metrics import ServerMetrics
 from longserve.server.protocol import ARRIVAL_SCOPE_KEY
+from longserve.server.response_store import ResponseStore
 from longserve.tokenization.pool import TokenizationError, TokenizerPool
 
 logger = logging.getLogger("longserve.server")
@@ -47,6 +48,11 @@ class ServerState:
     def grammars(self) -> GrammarService:
         """Compiles requests' output constraints off the event loop (made on first use)."""
         return GrammarService(self.engine.engine)
+
+    @functools.cached_property
+    def responses(self) -> ResponseStore:
+        """The Responses API's stored responses (routes_responses.py)."""
+        return ResponseStore()
 
     @property
     def model_names(self) -> tuple[str, ...]:
@@ -156,15 +162,18 @@ class ServerState:
             for rid in rids:
                 self.engine.release(rid)
 
-    def stream_response(self, events: AsyncIterator[str], rids: list[str]) -> StreamingResponse:
-        """`events` as server-sent events; the requests are released however the stream ends."""
+    def stream_response(
+        self, events: AsyncIterator[str], rids: list[str], done_marker: bool = True
+    ) -> StreamingResponse:
+        """`events` as server-sent events; the requests are released however the stream ends. `done_marker`:
+        end with `data: [DONE]` (the completion routes; the Responses API's stream ends with its last event)."""
 
         def close() -> None:
             for rid in rids:
                 self.engine.release(rid)
 
         return StreamingResponse(
-            sse_stream(events, close), media_type="text/event-stream", headers=SSE_HEADERS
+            sse_stream(events, close, done_marker), media_type="text/event-stream", headers=SSE_HEADERS
         )
 
     def log_request(self, route: str, outs: Iterable[RequestOutput]) -> None:
@@ -244,8 +253,9 @@ SSE_DONE = "data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-async def sse_stream(events: AsyncIterator[str], on_close) -> AsyncIterator[str]:
-    """Events, then [DONE]; an APIError mid-stream becomes an error event. on_close() runs however it ends."""
+async def sse_stream(events: AsyncIterator[str], on_close, done_marker: bool = True) -> AsyncIterator[str]:
+    """Events, then [DONE] (with done_marker); an APIError mid-stream becomes an error event. on_close() runs
+    however it ends."""
     try:
         async for event in events:
             yield event
@@ -257,4 +267,5 @@ async def sse_stream(events: AsyncIterator[str], on_close) -> AsyncIterator[str]
         yield internal_error("streaming a response").sse()
     finally:
         on_close()
-    yield SSE_DONE
+    if done_marker:
+        yield SSE_DONE
