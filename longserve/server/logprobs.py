@@ -37,6 +37,42 @@ def _top_ids(tops: Iterable[list[tuple[int, float]] | None] | None) -> list[int]
 
 
 # ---- vLLM / OpenAI ----------------------------------------------------------------------------------
+async def completion_logprobs(
+    state: ServerState, c: CompletionOutput, start: int, chat: bool
+) -> dict[str, Any] | None:
+    """Logprobs of tokens [start, ...) of a completion, in the chat shape (`content`: token, logprob, bytes,
+    top_logprobs, as the Responses API's output_text logprobs too) or the completions one."""
+    if c.logprobs is None:
+        return None
+    ids = c.token_ids[start:]
+    lps = c.logprobs[start:]
+    tops = (c.top_logprobs or [])[start:]
+    top_ids = sorted({t for top in tops for t, _ in top})
+    strings = await state.tokenizers.token_strings(ids + top_ids)
+    text_of = dict(zip(ids + top_ids, strings))
+    if chat:
+
+        def entry(t: int, lp: float) -> dict[str, Any]:
+            return {"token": text_of[t], "logprob": lp, "bytes": list(text_of[t].encode("utf-8"))}
+
+        content = []
+        for i, (t, lp) in enumerate(zip(ids, lps)):
+            item = entry(t, lp)
+            item["top_logprobs"] = [entry(tt, tlp) for tt, tlp in tops[i]] if i < len(tops) else []
+            content.append(item)
+        return {"content": content}
+    offsets, pos = [], len(c.text) - sum(len(text_of[t]) for t in ids) if start else 0
+    for t in ids:
+        offsets.append(max(pos, 0))
+        pos += len(text_of[t])
+    return {
+        "tokens": [text_of[t] for t in ids],
+        "token_logprobs": lps,
+        "top_logprobs": [{text_of[t]: lp for t, lp in top} for top in tops] if tops else None,
+        "text_offset": offsets,
+    }
+
+
 async def vllm_prompt_logprobs(state: ServerState, out: RequestOutput) -> list[dict[str, Any] | None] | None:
     """vLLM's `prompt_logprobs`: per prompt token None (the first) or {token id: {logprob, rank,
     decoded_token}} for the prompt's own token and the top prompt_logprobs."""

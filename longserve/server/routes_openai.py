@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from longserve.outputs import CompletionOutput, RequestOutput
+from longserve.outputs import RequestOutput
 from longserve.server import openapi
 from longserve.server.chat_request import prepare_chat
 from longserve.server.chat_tools import ChatOutput, ChatTools
@@ -22,6 +22,7 @@ from longserve.server.grammars import constraint_fields
 from longserve.server.logprobs import (
     check_best_of,
     check_prompt_logprobs_stream,
+    completion_logprobs,
     echo_texts,
     vllm_prompt_logprobs,
     with_echo,
@@ -41,39 +42,6 @@ def usage(outs: list[RequestOutput]) -> dict[str, Any]:
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": sum(o.cached_tokens for o in outs)},
-    }
-
-
-async def _logprobs(state: ServerState, c: CompletionOutput, start: int, chat: bool) -> dict[str, Any] | None:
-    """Logprobs of tokens [start, ...) of a completion, in the chat or the completions shape."""
-    if c.logprobs is None:
-        return None
-    ids = c.token_ids[start:]
-    lps = c.logprobs[start:]
-    tops = (c.top_logprobs or [])[start:]
-    top_ids = sorted({t for top in tops for t, _ in top})
-    strings = await state.tokenizers.token_strings(ids + top_ids)
-    text_of = dict(zip(ids + top_ids, strings))
-    if chat:
-
-        def entry(t: int, lp: float) -> dict[str, Any]:
-            return {"token": text_of[t], "logprob": lp, "bytes": list(text_of[t].encode("utf-8"))}
-
-        content = []
-        for i, (t, lp) in enumerate(zip(ids, lps)):
-            item = entry(t, lp)
-            item["top_logprobs"] = [entry(tt, tlp) for tt, tlp in tops[i]] if i < len(tops) else []
-            content.append(item)
-        return {"content": content}
-    offsets, pos = [], len(c.text) - sum(len(text_of[t]) for t in ids) if start else 0
-    for t in ids:
-        offsets.append(max(pos, 0))
-        pos += len(text_of[t])
-    return {
-        "tokens": [text_of[t] for t in ids],
-        "token_logprobs": lps,
-        "top_logprobs": [{text_of[t]: lp for t, lp in top} for top in tops] if tops else None,
-        "text_offset": offsets,
     }
 
 
@@ -130,7 +98,7 @@ async def _run(
                         else:
                             choice["text"] = c.new_text
                         choice["logprobs"] = (
-                            await _logprobs(state, c, start, chat) if c.new_token_ids else None
+                            await completion_logprobs(state, c, start, chat) if c.new_token_ids else None
                         )
                         if echo is not None and not started[c.index]:  # the prompt goes first
                             started[c.index] = True
@@ -164,7 +132,7 @@ async def _run(
                 choice["message"], called = output.message(c.text)
             else:
                 choice["text"] = c.text
-            choice["logprobs"] = await _logprobs(state, c, 0, chat)
+            choice["logprobs"] = await completion_logprobs(state, c, 0, chat)
             if not chat:  # echo, vLLM's prompt_logprobs
                 await with_echo(state, choice, out, echo[p_idx] if echo else None, c.logprobs is not None)
             choice["finish_reason"] = (

@@ -22,10 +22,10 @@ from longserve.outputs import RequestOutput
 from longserve.server import openapi
 from longserve.server.chat_request import prepare_chat
 from longserve.server.errors import APIError
+from longserve.server.logprobs import completion_logprobs
 from longserve.server.protocol import parse_body
 from longserve.server.response_store import MAX_RESPONSES
 from longserve.server.responses_input import ResponsesRequest, chat_request, input_messages
-from longserve.server.routes_openai import _logprobs
 from longserve.server.state import ServerState, get_state
 
 router = APIRouter()
@@ -54,16 +54,16 @@ class OutputWriter:
 
     def feed(self, delta: dict[str, Any], logprobs: list[dict[str, Any]]) -> Iterator[str]:
         if delta.get("reasoning_content"):
-            yield from self._text("reasoning", delta["reasoning_content"], [])
+            yield from self.text("reasoning", delta["reasoning_content"], [])
         if delta.get("content"):
-            yield from self._text("message", delta["content"], logprobs)
+            yield from self.text("message", delta["content"], logprobs)
         for call in delta.get("tool_calls") or ():
             yield from self._call(call)
 
     def _where(self) -> dict[str, Any]:
         return {"item_id": self.open["id"], "output_index": len(self.items) - 1}
 
-    def _text(self, kind: str, text: str, logprobs: list[dict[str, Any]]) -> Iterator[str]:
+    def text(self, kind: str, text: str, logprobs: list[dict[str, Any]]) -> Iterator[str]:
         if self.open is None or self.open["type"] != kind:
             yield from self.close()
             if kind == "message":
@@ -146,7 +146,7 @@ class OutputWriter:
         """Closes the last item (`incomplete` when the reply was cut short); a reply of nothing still has a
         message, with empty text."""
         if not self.items:
-            yield from self._text("message", "", [])
+            yield from self.text("message", "", [])
         yield from self.close(status)
 
 
@@ -276,18 +276,26 @@ async def create_response(request: Request):
             yield writer.event("response.created", response=run.body("in_progress", [], None))
             yield writer.event("response.in_progress", response=run.body("in_progress", [], None))
             reply, final = chat.output.stream(), None
+            pending: list[dict[str, Any]] = []  # tokens' logprobs whose text has not come out yet
             async for out in state.engine.stream(rids[0], deadline):
                 c = out.outputs[0]
                 if c.new_text or c.new_token_ids or c.finish_reason:
                     delta = reply.delta(c.new_text, c.finish_reason is not None)
-                    lps = None
-                    if c.new_token_ids and delta.get("content"):
-                        lps = await _logprobs(state, c, len(c.token_ids) - len(c.new_token_ids), True)
-                    for event in writer.feed(delta, lps["content"] if lps else []):
+                    if c.new_token_ids and req.logprobs:
+                        lps = await completion_logprobs(
+                            state, c, len(c.token_ids) - len(c.new_token_ids), True
+                        )
+                        pending.extend(lps["content"] if lps else ())
+                    # a token of a partial character has no text yet: its logprob waits for the next text
+                    lps, pending = (pending, []) if delta.get("content") else ([], pending)
+                    for event in writer.feed(delta, lps):
                         yield event
                 if out.finished:
                     final = out
             assert final is not None
+            if pending and writer.open is not None and writer.open["type"] == "message":
+                for event in writer.text("message", "", pending):
+                    yield event
             for event in writer.finish(_status(final)):
                 yield event
             body = done(final)
@@ -298,7 +306,7 @@ async def create_response(request: Request):
     (out,) = await state.collect_all(request, rids, deadline)
     c = out.outputs[0]
     message, _ = chat.output.message(c.text)
-    lps = await _logprobs(state, c, 0, True)
+    lps = await completion_logprobs(state, c, 0, True)
     delta = {
         "reasoning_content": message.get("reasoning_content"),
         "content": message.get("content"),

@@ -117,6 +117,33 @@ def test_text_equals_the_chat_route_plain_and_streamed(qwen):
     assert final.id == events[0].response.id and without_ids(final.output) == without_ids(r.output)
 
 
+def test_logprobs_as_the_chat_routes(qwen):
+    """include message.output_text.logprobs with top_logprobs: the chat route's logprobs on the output text,
+    plain and on the stream's deltas."""
+    kw = dict(model="qwen25", input="Hello", max_output_tokens=5, temperature=0)
+    r = qwen.responses.create(include=["message.output_text.logprobs"], top_logprobs=2, **kw)
+    chat = qwen.chat.completions.create(
+        model="qwen25",
+        messages=[{"role": "user", "content": "Hello"}],
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    got = r.output[0].content[0].logprobs
+    want = chat.choices[0].logprobs.content
+    # (the second request finds the prompt cached: its logprobs may differ in the last float32 bits)
+    assert [(x.token, [t.token for t in x.top_logprobs]) for x in got] == [
+        (x.token, [t.token for t in x.top_logprobs]) for x in want
+    ]
+    assert all(abs(a.logprob - b.logprob) < 1e-4 for a, b in zip(got, want))
+    events = list(
+        qwen.responses.create(include=["message.output_text.logprobs"], top_logprobs=2, stream=True, **kw)
+    )
+    streamed = [lp.token for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert streamed == [x.token for x in want] and len(want) == 5
+
+
 def test_structured_output_through_the_client_parser(qwen):
     """text.format json_schema constrains the reply; the client's own parse (responses.parse and the stream
     helper's output_parsed) reads it as the pydantic type; the stream helper's accumulated final response
