@@ -38,7 +38,7 @@ def _new_id(prefix: str) -> str:
 
 class OutputWriter:
     """A response's output items, built from the chat path's deltas (`ChoiceStream.delta`'s reasoning_content,
-    content and tool_calls), and the stream events that build them; `events` off for a plain response."""
+    content and tool_calls), and the stream events that build them (a plain response drops the events)."""
 
     def __init__(self, max_tool_calls: int | None) -> None:
         self.items: list[dict[str, Any]] = []
@@ -107,11 +107,10 @@ class OutputWriter:
             self.items.append(item)
             yield self.event("response.output_item.added", output_index=len(self.items) - 1, item=item)
         item = self.calls.get(call["index"])
-        if item and function.get("arguments"):
+        if item and function.get("arguments"):  # (the parsers finish a call before the next one starts)
             item["arguments"] += function["arguments"]
-            yield self.event(
-                "response.function_call_arguments.delta", **self._where(), delta=function["arguments"]
-            )
+            where = {"item_id": item["id"], "output_index": self.items.index(item)}
+            yield self.event("response.function_call_arguments.delta", **where, delta=function["arguments"])
 
     def close(self, status: str = "completed") -> Iterator[str]:
         """The open item's closing events."""
