@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import jsonschema
 import pytest
 
-from longserve.testing.server_process import ServerProcess
-from tests.fixtures.tool_checkpoints import make_tool_checkpoint
+from tests.fixtures.tool_servers import tool_servers
 
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
@@ -56,22 +54,7 @@ SERVERS = {  # name -> (checkpoint style, flags)
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     """The three servers, started side by side (their startups overlap)."""
-    procs = {}
-    try:
-        for name, (style, flags) in SERVERS.items():
-            path = make_tool_checkpoint(tmp_path_factory.mktemp(style), style)
-            args = ["--model-path", path, "--device", "cpu", "--dtype", "float32"]
-            args += ["--max-total-tokens", "16384", "--served-model-name", name, *flags]
-            procs[name] = ServerProcess(args, str(tmp_path_factory.mktemp("logs") / f"{name}.log"))
-        with ThreadPoolExecutor(len(procs)) as pool:
-            list(pool.map(lambda p: p.wait_ready(), procs.values()))
-        yield {name: p.url for name, p in procs.items()}
-        for url in (p.url for p in procs.values()):  # every page back after all the tests
-            info = httpx.get(url + "/server_info", params={"check_integrity": "1"}).json()
-            assert info["kv_integrity"] == "ok" and info["num_unfinished_requests"] == 0
-    finally:
-        for p in procs.values():
-            p.stop()
+    yield from tool_servers(tmp_path_factory, SERVERS)
 
 
 @pytest.fixture(scope="module")
