@@ -178,6 +178,8 @@ def test_tool_loop_and_previous_response_id(qwen, stream):
     whole = qwen.responses.create(input=history, **follow)
     assert chained.usage.input_tokens == whole.usage.input_tokens > r.usage.input_tokens
     assert chained.output_text == whole.output_text and chained.previous_response_id == r.id
+    # the same prompt: the second finds all of it but the last partial page in the prefix cache
+    assert whole.usage.input_tokens_details.cached_tokens >= whole.usage.input_tokens - 16
 
 
 def test_stored_responses_get_delete_and_errors(qwen, servers):
