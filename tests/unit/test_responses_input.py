@@ -141,3 +141,83 @@ def test_store_drops_the_oldest_past_its_bounds():
     assert small.get("x") is None and small.get("y") is not None
     small.put({"id": "y"}, [{"role": "user", "content": "z"}])  # the same id again: replaced, counted once
     assert len(small) == 1 and small.get("y").conversation[0]["content"] == "z" and small._chars < 100
+
+
+def replay(events: list[str]) -> None:
+    """Our SSE events parsed as the openai client parses them, through its stream accumulator (which checks
+    each item's identity from added to done, and that none is left open at response.completed)."""
+    import json
+
+    from openai._models import construct_type
+    from openai._types import omit
+    from openai.lib.streaming.responses._responses import ResponseStreamState
+    from openai.types.responses import ResponseStreamEvent
+
+    state = ResponseStreamState(input_tools=[], text_format=omit)
+    for i, raw in enumerate(events):
+        kind, data = raw.split("\n")[:2]
+        event = json.loads(data.removeprefix("data: "))
+        assert kind == f"event: {event['type']}" and event["sequence_number"] == i
+        state.handle_event(construct_type(type_=ResponseStreamEvent, value=event))
+
+
+def test_the_writer_streams_what_it_returns():
+    """Reasoning, then text, then two calls arriving in pieces (a parser's deltas), as the stream events and
+    the items: accepted by the openai client's accumulator in order, and equal to the items of the whole reply
+    fed at once (a plain response)."""
+    pytest.importorskip("openai")
+    from types import SimpleNamespace
+
+    from longserve.server.routes_responses import OutputWriter, ResponseRun
+
+    deltas = [
+        {"reasoning_content": "let me "},
+        {"reasoning_content": "think"},
+        {"content": "Sure"},
+        {"content": "."},
+        {
+            "tool_calls": [
+                {"index": 0, "id": "call_a", "type": "function", "function": {"name": "f", "arguments": ""}}
+            ]
+        },
+        {"tool_calls": [{"index": 0, "function": {"arguments": '{"x": '}}]},
+        {"tool_calls": [{"index": 0, "function": {"arguments": "1}"}}]},
+        {
+            "tool_calls": [
+                {"index": 1, "id": "call_b", "type": "function", "function": {"name": "g", "arguments": "{}"}}
+            ]
+        },
+    ]
+    req = ResponsesRequest.model_validate({"input": "q"})
+    run = ResponseRun(req, SimpleNamespace(model_name="m"), SimpleNamespace(temperature=1.0, top_p=1.0))
+    out = SimpleNamespace(prompt_tokens=3, cached_tokens=0, completion_tokens=9)
+    writer = OutputWriter(None)
+    events = [writer.event("response.created", response=run.body("in_progress", [], None))]
+    for d in deltas:
+        events += list(writer.feed(d, []))
+    events += list(writer.finish("completed"))
+    events.append(writer.event("response.completed", response=run.body("completed", writer.items, out)))
+    replay(events)
+    kinds = [(i["type"], i["status"]) for i in writer.items]
+    assert kinds == [("reasoning", "completed"), ("message", "completed"), ("function_call", "completed")] + [
+        ("function_call", "completed")
+    ]
+    assert (
+        writer.items[0]["content"][0]["text"] == "let me think"
+        and writer.items[1]["content"][0]["text"] == "Sure."
+    )
+    assert [(i["call_id"], i["name"], i["arguments"]) for i in writer.items[2:]] == [
+        ("call_a", "f", '{"x": 1}'),
+        ("call_b", "g", "{}"),
+    ]
+    whole = OutputWriter(None)
+    calls = [{"index": 0, "id": "call_a", "function": {"name": "f", "arguments": '{"x": 1}'}},
+             {"index": 1, "id": "call_b", "function": {"name": "g", "arguments": "{}"}}]  # fmt: skip
+    list(whole.feed({"reasoning_content": "let me think", "content": "Sure.", "tool_calls": calls}, []))
+    list(whole.finish("completed"))
+    strip = [{k: v for k, v in i.items() if k != "id"} for i in writer.items]
+    assert strip == [{k: v for k, v in i.items() if k != "id"} for i in whole.items]
+    capped = OutputWriter(1)  # max_tool_calls 1: the second call is dropped, its pieces too
+    for d in deltas:
+        list(capped.feed(d, []))
+    assert [i["type"] for i in capped.items] == ["reasoning", "message", "function_call"]
