@@ -33,7 +33,7 @@ from longserve.server.state import QUEUED_SCOPE_KEY, ServerState, get_state
 OPEN_PATHS = frozenset({"/health", "/ping"})  # liveness probes (/ping: SageMaker's) need no key
 GENERATION_PATHS = frozenset(
     {"/generate", "/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/rerank", "/rerank"}
-    | {"/v2/rerank", "/v1/score", "/score"}
+    | {"/v2/rerank", "/v1/score", "/score", "/v1/responses"}
 )
 
 

@@ -5,35 +5,15 @@ requests that bad_input sends are listed in soak_bad_requests.py."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import random
-import time
-from collections import Counter
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 
-from longserve.testing.server_process import ServerProcess
 from longserve.testing.soak_bad_requests import bad_requests, too_long_prompt
-
-
-async def wait_healthy(
-    session: aiohttp.ClientSession, url: str, server: ServerProcess | None, timeout: float
-):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if server is not None and server.proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {server.proc.returncode}:\n{server.log_tail()}")
-        with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
-            async with session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
-                if r.status == 200:
-                    return
-        await asyncio.sleep(0.25)
-    raise RuntimeError(f"the server at {url} was not healthy after {timeout:.0f}s")
-
+from longserve.testing.soak_checks import Unexpected, error_of, sse_events
 
 _TEXT = (
     "return the value of a object if it is not none otherwise raise an error when called with this "
@@ -45,46 +25,13 @@ _TEXT = (
 WORDS = _TEXT.split()
 
 
-class Unexpected(Exception):
-    """An answer the soak did not expect (the detail goes into the report)."""
-
-
-@dataclass
-class Stats:
-    done: int = 0
-    by_label: Counter[str] = field(default_factory=Counter)  # "200", "400", "disconnect", "unexpected", ...
-    by_kind: Counter[str] = field(default_factory=Counter)
-    unexpected: list[str] = field(default_factory=list)  # the first few, with detail
-
-    def record(self, kind: str, label: str, detail: str = "") -> None:
-        self.done += 1
-        self.by_kind[kind] += 1
-        self.by_label[label] += 1
-        if label == "unexpected" and len(self.unexpected) < 20:
-            self.unexpected.append(f"{kind}: {detail}")
-
-
-def sse_events(raw: bytes) -> list[Any]:
-    """The data of each server-sent event ('[DONE]' stays a string)."""
-    events = []
-    for line in raw.decode("utf-8", errors="replace").splitlines():
-        if line.startswith("data: "):
-            data = line[6:]
-            events.append(data if data == "[DONE]" else json.loads(data))
-    return events
-
-
-def error_of(event: Any) -> dict | None:
-    return event.get("error") if isinstance(event, dict) else None
-
-
 class Traffic:
     """One coroutine per request kind; each checks its answer and returns a label ("200", "400", ...,
     "disconnect") or raises Unexpected."""
 
     # requests of each kind in every block of 95 (kind_sequence): mostly generation, 2% cut by the timeout
     KIND_WEIGHTS = {
-        "generate": 14,
+        "generate": 10,
         "generate_ids": 10,
         "generate_stream": 10,
         "generate_batch": 4,
@@ -92,6 +39,7 @@ class Traffic:
         "completion_stream": 8,
         "chat": 9,
         "chat_stream": 8,
+        "responses": 4,
         "disconnect_stream": 4,
         "disconnect_wait": 3,
         "timeout": 1,
@@ -318,6 +266,23 @@ class Traffic:
         events = self.check_stream(*await self.stream("/v1/chat/completions", body))
         finishes = [c.get("finish_reason") for e in events for c in e.get("choices", [])]
         self.check(any(f in ("stop", "length") for f in finishes), "no finish_reason", events[-3:])
+        return "200"
+
+    async def responses(self) -> str:
+        """/v1/responses, plain or streamed (its events numbered in order, ending with the final response)."""
+        body: dict[str, Any] = {"input": self.messages(), **self.sampling(openai=True)}
+        body["max_output_tokens"] = body.pop("max_tokens")
+        for key in ("frequency_penalty", "presence_penalty", "min_tokens", "ignore_eos"):  # chat's, not its
+            body.pop(key, None)
+        if self.rng.random() < 0.5:
+            status, events = await self.stream("/v1/responses", {**body, "stream": True})
+            numbered = [e.get("sequence_number") for e in events if isinstance(e, dict)]
+            self.check(status == 200 and numbered == list(range(len(events))), "events", events[-2:])
+            self.check(events[-1]["type"] in ("response.completed", "response.incomplete"), "end", events[-1])
+            final = events[-1]["response"]
+        else:
+            final = await self.post_json("/v1/responses", body)
+        self.check(final["usage"]["output_tokens"] <= body["max_output_tokens"], "too many tokens", final)
         return "200"
 
     def long_body(self, path: str) -> dict[str, Any]:

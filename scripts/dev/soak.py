@@ -53,7 +53,8 @@ from longserve.testing.server_process import (
     read_smaps,
     smaps_growth,
 )
-from longserve.testing.soak_traffic import Stats, Traffic, Unexpected, wait_healthy
+from longserve.testing.soak_checks import Stats, Unexpected, wait_healthy
+from longserve.testing.soak_traffic import Traffic
 
 # Flags of the server this script starts, before any --server-arg (a later flag wins). A KV pool of 2,048
 # pages rather than the CPU default (32,768 pages, 1 GiB zero-filled at start): the prefix cache fills it and

@@ -211,15 +211,18 @@ def test_abort_timeout_and_rejections_counted_by_reason(mclient, mserver):
     assert r.status_code == 504
     timed_out = wait_for(mclient, lambda s: finished(s, "timeout") > finished(before, "timeout"))
 
-    # refused before running: an unknown model (404) and a prompt longer than the context (400)
+    # refused before running: an unknown model (404), a prompt longer than the context (400), a Responses
+    # request with a hosted tool (400)
     assert mclient.post("/v1/completions", json={"model": "nope", "prompt": "hi"}).status_code == 404
     too_long = {"input_ids": [5] * (CONTEXT + 1)}
     assert mclient.post("/generate", json=too_long).status_code == 400
+    hosted = {"input": "hi", "tools": [{"type": "web_search"}]}
+    assert mclient.post("/v1/responses", json=hosted).status_code == 400
     after = scrape(mclient)
 
     assert finished(after, "timeout") - finished(before, "timeout") == 1
     assert finished(after, "abort") - finished(before, "abort") == 1
-    assert finished(after, "rejected") - finished(before, "rejected") == 2
+    assert finished(after, "rejected") - finished(before, "rejected") == 3
     for reason in ("stop", "length", "error"):
         assert finished(after, reason) == finished(before, reason), reason
     # the two that ran both produced tokens before they ended: every request histogram saw both
