@@ -234,6 +234,8 @@ def forces_call(choice: str | dict[str, Any] | None) -> bool:
 def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     """text.format as the chat route's response_format."""
     fmt = (text or {}).get("format")
+    if fmt is not None and not isinstance(fmt, dict):
+        raise APIError(400, "text.format must be an object", param="text.format")
     if fmt is None or fmt.get("type") == "text":
         return None
     if fmt.get("type") == "json_object":
