@@ -1,4 +1,5 @@
-"""Logprobs in the shapes clients read them: the prompt's tokens under OpenAI's completions `echo` (what
+"""Logprobs in the shapes clients read them: a completion's own tokens (the chat shape, which the Responses API's
+output_text logprobs share, and the completions shape), the prompt's tokens under OpenAI's completions `echo` (what
 lm-evaluation-harness scores), vLLM's `prompt_logprobs` field, SGLang's `meta_info` tuples (what
 `sglang.lang`'s `select` scores), and the request fields that ask for them.
 
