@@ -1,8 +1,8 @@
 """OpenAI's Responses API (POST /v1/responses, GET and DELETE /v1/responses/{id}) through real servers of tiny
 random-weight models with real chat templates (Qwen2.5 with the hermes tool parser; a DeepSeek-R1 distill with
 the reasoning parser), driven by the openai client (its typed responses, its stream accumulator, which checks
-every event's item identity, and its structured-output parsing) and the OpenAI Agents SDK (an agent with a
-function tool and an output type, plain and streamed). Greedy replies equal the chat route's for the same
+every event's item identity, and its structured-output parsing), the OpenAI Agents SDK (an agent with a
+function tool and an output type, plain and streamed) and LangChain's ChatOpenAI on the Responses API. Greedy replies equal the chat route's for the same
 conversation; previous_response_id equals sending the history; the pool keeps no page after them."""
 
 from __future__ import annotations
@@ -278,3 +278,20 @@ def test_openai_agents_sdk_runs_a_tool_and_returns_its_output_type(servers):
     assert len(seen) >= 2 and all(
         isinstance(city, str) for city in seen
     )  # the SDK checked them against its schema
+
+
+def test_langchain_chat_openai_on_the_responses_api(servers):
+    """LangChain's ChatOpenAI with use_responses_api: a reply equal to the openai client's, streamed to the same
+    text, and bind_tools with tool_choice "any" (forced) giving a call whose arguments validate."""
+    langchain_openai = pytest.importorskip("langchain_openai")
+    kw = dict(base_url=servers["qwen25"] + "/v1", api_key="unused", model="qwen25", max_retries=0)
+    llm = langchain_openai.ChatOpenAI(use_responses_api=True, temperature=0, max_tokens=8, **kw)
+    client = openai.OpenAI(base_url=kw["base_url"], api_key="unused", max_retries=0)
+    want = client.responses.create(model="qwen25", input="Hello there", max_output_tokens=8, temperature=0)
+    message = llm.invoke("Hello there")
+    assert message.text == want.output_text and message.usage_metadata["output_tokens"] == 8
+    assert "".join(chunk.text for chunk in llm.stream("Hello there")) == want.output_text
+    tools = langchain_openai.ChatOpenAI(use_responses_api=True, temperature=0, max_tokens=100, **kw)
+    called = tools.bind_tools(CHAT_TOOLS, tool_choice="any").invoke("Weather in Paris?")
+    assert [c["name"] for c in called.tool_calls] == ["get_weather"]
+    jsonschema.validate(called.tool_calls[0]["args"], WEATHER)
