@@ -73,6 +73,7 @@ class ResponsesRequest(_Schema):
     min_p: float | None = None
     repetition_penalty: float | None = None
     stop: str | list[str] | None = None
+    logit_bias: dict[str, float] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
@@ -210,8 +211,10 @@ def _chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | No
                 f"tools[{i}]: type {kind!r} is not supported: only function tools (the client runs them)",
                 param=f"tools[{i}].type",
             )
+        # the chat shape ({type, function: {...}}) as some clients send it here too (Codex CLI's older builds)
+        flat = tool["function"] if isinstance(tool.get("function"), dict) and "name" not in tool else tool
         keys = ("name", "description", "parameters", "strict")
-        out.append({"type": "function", "function": {k: tool[k] for k in keys if tool.get(k) is not None}})
+        out.append({"type": "function", "function": {k: flat[k] for k in keys if flat.get(k) is not None}})
     return out
 
 
@@ -271,6 +274,7 @@ def chat_request(req: ResponsesRequest, history: list[dict[str, Any]]) -> tuple[
         "min_p": req.min_p,
         "repetition_penalty": req.repetition_penalty,
         "stop": req.stop,
+        "logit_bias": req.logit_bias,
         "chat_template_kwargs": req.chat_template_kwargs,
     }
     chat = ChatCompletionRequest.model_construct(**{k: v for k, v in fields.items() if v is not None})

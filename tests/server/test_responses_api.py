@@ -206,6 +206,7 @@ def test_stored_responses_get_delete_and_errors(qwen, servers):
         "truncation": ("auto", "truncation"),
         "include": (["nothing.real"], "include"),
         "temperatur": (0.5, "temperatur"),
+        "logit_bias": ({"x": 1.0}, "logit_bias"),
     }
     for field, (value, param) in bad.items():
         body = {"model": "qwen25", "input": "Hi", "max_output_tokens": 3, field: value}
@@ -216,6 +217,16 @@ def test_stored_responses_get_delete_and_errors(qwen, servers):
     got = httpx.post(url, json={"model": "qwen25", "input": "Hi", "text": {"format": schema}}, timeout=60)
     assert got.status_code == 400 and got.json()["error"]["param"].startswith("text.format"), got.text
     assert qwen.responses.create(model="qwen25", input="Hi", max_output_tokens=2).status == "incomplete"
+    # vLLM's logit_bias on this route: a token biased by +100 is every token of the reply
+    biased = qwen.responses.create(
+        model="qwen25",
+        input="Hi",
+        max_output_tokens=3,
+        include=["message.output_text.logprobs"],
+        extra_body={"logit_bias": {"300": 100.0}},
+    )
+    tokens = [lp.token for lp in biased.output[0].content[0].logprobs]
+    assert len(tokens) == 3 and len(set(tokens)) == 1
 
 
 def test_reasoning_item_plain_and_streamed(servers):

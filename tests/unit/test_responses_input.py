@@ -104,6 +104,9 @@ def test_the_chat_request():
     req.tool_choice = "auto"
     chat, _ = chat_request(req, [])
     assert chat.response_format == {"type": "json_schema", "json_schema": {"name": "out", "schema": schema}}
+    nested = {"type": "function", "function": {"name": "f", "parameters": schema}}  # the chat shape, accepted
+    req.tools = [nested]
+    assert chat_request(req, [])[0].tools == [nested]
     req.tools = [{"type": "file_search", "vector_store_ids": []}]
     with pytest.raises(APIError, match="only function tools") as e:
         chat_request(req, [])
