@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import gzip
 import lzma
+import os
+import re
 from pathlib import Path
 from typing import IO
 
@@ -27,3 +29,16 @@ def find_record(folder: str | Path, name: str) -> Path:
         if path.exists():
             return path
     raise FileNotFoundError(f"no {name}, {name}.xz or {name}.gz in {folder}")
+
+
+# benchmarks/results/DATE_COMMIT_WHAT: the date and the commit (with any +suffix) a record folder's name starts with
+_CALL = re.compile(r"(\d{4}-\d\d-\d\d)_([0-9a-f]{7}[^_]*)")
+
+
+def call_name(folder: str | Path) -> str:
+    """'MM-DD commit' of the call a record folder holds, from its name or its parent's (a mode's folder inside a
+    call's); the folder's own name when neither is a call's."""
+    path = os.path.normpath(folder)
+    name = os.path.basename(path)
+    m = _CALL.match(name) or _CALL.match(os.path.basename(os.path.dirname(path)))
+    return f"{m.group(1)[5:]} {m.group(2)}" if m else name

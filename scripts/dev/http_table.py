@@ -17,16 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 from dataclasses import dataclass
 
-from longserve.bench.records import find_record, open_record
+from longserve.bench.records import call_name, find_record, open_record
 
 WORKLOADS = ("rag", "multiturn", "random", "longdoc")
 LABELS = {"rag": "RAG", "multiturn": "multi-turn", "random": "random", "longdoc": "long documents"}
 STALL_MS = 20.0  # an ITL sample this long or longer: a decode that waited behind a prompt step
-FOLDER = re.compile(r"(\d{4}-\d\d-\d\d)_([0-9a-f]{7}[^_/]*)")  # benchmarks/results/DATE_COMMIT_WHAT
 
 
 @dataclass
@@ -122,10 +120,8 @@ def history(folders: list[str]) -> str:
     out.append("|---" * (len(WORKLOADS) + 2) + "|")
     for folder in folders:
         rows = {r.workload: r for r in read_folder(folder)}
-        m = FOLDER.search(folder)
-        name = f"{m.group(1)[5:]} {m.group(2)}" if m else folder
         cells = [f"{rows[w].p50:.3f} / {rows[w].p95:.3f}" if w in rows else "-" for w in WORKLOADS]
-        out.append(f"| {name} | " + " | ".join(cells) + f" | {verdict(list(rows.values()))} |")
+        out.append(f"| {call_name(folder)} | " + " | ".join(cells) + f" | {verdict(list(rows.values()))} |")
     return "\n".join(out)
 
 

@@ -20,12 +20,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import sys
 from dataclasses import dataclass
 
-from longserve.bench.records import find_record, open_record
+from longserve.bench.records import call_name, find_record, open_record
 
 # (key, label, ours' record name, target ratio or None)
 CASES = [
@@ -42,7 +41,6 @@ CASES = [
 VLLM_COLD = {"cold8k": 8192, "cold32k": 32768, "cold64k": 65536, "cold128k": 131071}
 DECODES = {"b1": (1, 32768), "b64": (64, 4096), "b16": (16, 8192)}
 HIT_TARGET = 100.0  # the prefix hit against our own cold prompt
-FOLDER = re.compile(r"(\d{4}-\d\d-\d\d)_([0-9a-f]{7}[^_]*)")  # benchmarks/results/DATE_COMMIT_WHAT
 
 
 @dataclass
@@ -117,16 +115,12 @@ def read_folder(folder: str) -> dict[str, Cell]:
 
 def label(folder: str) -> str:
     """'date commit device' from a record folder's name (or its parent's) and gpu.txt."""
-    path = os.path.normpath(folder)
-    name = os.path.basename(path)
-    m = FOLDER.match(name) or FOLDER.match(os.path.basename(os.path.dirname(path)))
-    when = f"{m.group(1)[5:]} {m.group(2)}" if m else name
     try:
-        with open(os.path.join(path, "gpu.txt")) as f:
+        with open(os.path.join(folder, "gpu.txt")) as f:
             gpu = f.readline().split(",")[0].replace("NVIDIA ", "").split(" 80GB")[0]
     except OSError:
         gpu = "?"
-    return f"{when} {gpu}"
+    return f"{call_name(folder)} {gpu}"
 
 
 def _fmt(x: float | None, key: str) -> str:
