@@ -1,8 +1,10 @@
 """RMSNorm and fused residual-add + RMSNorm in Triton; references: `rms_norm_ref`, `fused_add_rms_norm_ref`.
 
 Each program normalizes BLOCK_R whole rows (BLOCK_H = next pow2 of H) in float32 and rounds exactly where
-HF does: the normalized row is cast to the input dtype before the weight multiply, and the residual sum is
-stored in the input dtype before it is normalized. Rows only need a unit stride along H.
+HF does: the normalized row is cast to the input dtype before the weight multiply (LlamaRMSNorm), or with
+ZERO_CENTERED (Qwen3.5, Qwen3-Next, Gemma: the weight is an offset from 1) scaled by (1 + w) in float32 and cast
+once after; the residual sum is stored in the input dtype before it is normalized. Rows only need a unit stride
+along H.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ def _rms_norm_kernel(
     BLOCK_H: tl.constexpr,
     USE_PDL: tl.constexpr,
     EARLY: tl.constexpr = False,
+    ZERO_CENTERED: tl.constexpr = False,
 ):
     cols = tl.arange(0, BLOCK_H)  # [BLOCK_H]
     # EARLY: the weight before the wait on the kernel before (no kernel writes it); after it, its load was issued
@@ -56,8 +59,11 @@ def _rms_norm_kernel(
         h = x.to(tl.float32)  # [BLOCK_R, BLOCK_H]
     variance = tl.sum(h * h, axis=1) / hidden  # [BLOCK_R]
     rstd = tl.math.rsqrt(variance + eps)  # [BLOCK_R]
-    normed = (h * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)  # HF: cast back, then scale
-    y = normed * w[None, :]  # [BLOCK_R, BLOCK_H]
+    if ZERO_CENTERED:  # HF: `norm(x.float()) * (1.0 + w.float())`, one cast (the store's)
+        y = h * rstd[:, None] * (1.0 + w[None, :])  # [BLOCK_R, BLOCK_H]
+    else:
+        normed = (h * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)  # HF: cast back, then scale
+        y = normed * w[None, :]  # [BLOCK_R, BLOCK_H]
     tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -77,13 +83,15 @@ def _as_rows(t: torch.Tensor, hidden: int) -> torch.Tensor:
 
 
 def _run(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, zero_centered: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     hidden = x.shape[-1]
     assert weight.shape == (hidden,), f"weight {tuple(weight.shape)} does not match hidden size {hidden}"
     x2 = _as_rows(x, hidden)  # [N, H]
     num_rows = x2.shape[0]
-    y = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    # Llama's product `weight * normed` promotes; the zero-centered norm casts to x's dtype (`type_as(x)`)
+    y_dtype = x.dtype if zero_centered else torch.promote_types(x.dtype, weight.dtype)
+    y = torch.empty(x.shape, dtype=y_dtype, device=x.device)
     y2 = y.view(-1, hidden)  # [N, H]
     if residual is not None:
         assert residual.shape == x.shape and residual.dtype == x.dtype, "x and residual must match"
@@ -100,20 +108,21 @@ def _run(
         x2, r2, weight, y2, ro2, num_rows, hidden,
         x2.stride(0), r2.stride(0), y2.stride(0), ro2.stride(0), eps,
         HAS_RESIDUAL=residual is not None, BLOCK_R=block_r, BLOCK_H=block_h, USE_PDL=pdl, EARLY=early_loads(),
-        num_warps=num_warps, launch_pdl=pdl,
+        ZERO_CENTERED=zero_centered, num_warps=num_warps, launch_pdl=pdl,
     )  # fmt: skip
     return y, new_residual
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [..., H], weight [H] -> y [..., H] in promote(x.dtype, weight.dtype); same math as `rms_norm_ref`."""
-    return _run(x, None, weight, eps)[0]
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = False) -> torch.Tensor:
+    """x [..., H], weight [H] -> y [..., H] in promote(x.dtype, weight.dtype) (zero_centered: the weight is an
+    offset from 1, y in x's dtype); same math as `rms_norm_ref`."""
+    return _run(x, None, weight, eps, zero_centered)[0]
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(x [..., H], residual [..., H]) -> (rms_norm(x + residual), x + residual); out of place, one pass."""
-    y, new_residual = _run(x, residual, weight, eps)
+    y, new_residual = _run(x, residual, weight, eps, zero_centered)
     assert new_residual is not None
     return y, new_residual

@@ -59,16 +59,20 @@ def as_tensor(x: TensorLike) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32 and cast back, exactly like HF's LlamaRMSNorm.
+    """RMSNorm computed in float32 and cast back, exactly like HF's LlamaRMSNorm; with `zero_centered` like
+    Qwen3.5's / Qwen3-Next's / Gemma's: the weight is stored as an offset from 1 (as the checkpoint holds it) and
+    the scale (1 + w) is applied in float32 before the one cast.
 
     `norm(x)` -> y; `norm(x, residual)` -> (y, new_residual) with new_residual = x + residual, y its norm
     (vLLM style: the residual add of the previous sub-layer is fused into this norm).
     """
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+    def __init__(self, hidden_size: int, eps: float = 1e-6, zero_centered: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
+        # the identity: weight 1, or offset 0 (HF's initialization of either)
+        self.weight = nn.Parameter(torch.zeros(hidden_size) if zero_centered else torch.ones(hidden_size))
         self.eps = eps
+        self.zero_centered = zero_centered
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
@@ -77,11 +81,11 @@ class RMSNorm(nn.Module):
             from longserve.kernels.norm import fused_add_rms_norm, rms_norm  # imports triton
 
             if residual is None:
-                return rms_norm(x, self.weight, self.eps)  # [..., H]
-            return fused_add_rms_norm(x, residual, self.weight, self.eps)  # ([..., H], [..., H])
+                return rms_norm(x, self.weight, self.eps, self.zero_centered)  # [..., H]
+            return fused_add_rms_norm(x, residual, self.weight, self.eps, self.zero_centered)  # [..., H] each
         if residual is None:
-            return rms_norm_ref(x, self.weight, self.eps)  # [..., H]
-        return fused_add_rms_norm_ref(x, residual, self.weight, self.eps)  # ([..., H], [..., H])
+            return rms_norm_ref(x, self.weight, self.eps, self.zero_centered)  # [..., H]
+        return fused_add_rms_norm_ref(x, residual, self.weight, self.eps, self.zero_centered)  # [..., H] each
 
 
 class MergedLinear(nn.Module):
@@ -266,8 +270,9 @@ class RowParallelLinear(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`norm(self(x, gated), residual)`: the product added into the residual stream and RMS-normed ([T, out]
         each), by the product's own kernel where its method can (LinearMethod.apply_then_norm: one row; tensor
-        parallelism off, whose all-reduce comes between), else by the norm's launch after it."""
-        if self.tp_size == 1:
+        parallelism off, whose all-reduce comes between), else by the norm's launch after it. A zero-centered norm
+        always takes its own launch: the products' epilogues (gluon_gemv.norm_row) scale as Llama's does."""
+        if self.tp_size == 1 and not norm.zero_centered:
             got = self.quant_method.apply_then_norm(
                 self, x, self.bias, residual, norm.weight, norm.eps, gated
             )

@@ -1,9 +1,11 @@
 """Rotary position embedding with the HF rope types default, linear, llama3 and yarn.
 
 Numerics follow HF: inverse frequencies and cos/sin are computed in float32, then cast to the activation
-dtype; the rotation uses HF's rotate_half convention (the two halves of head_dim, not interleaved pairs).
-On the CPU each step computes cos/sin [T, D] from its positions (HF-exact); on CUDA with triton the fused
-kernel (longserve/kernels/rope.py) gathers rows of a float32 cos|sin cache [max_positions, D] instead.
+dtype; the rotation uses HF's rotate_half convention (the two halves of the rotated dims, not interleaved pairs).
+On the CPU each step computes cos/sin [T, R] from its positions (HF-exact); on CUDA with triton the fused
+kernel (longserve/kernels/rope.py) gathers rows of a float32 cos|sin cache [max_positions, R] instead.
+R is the rotary dim: head_dim D, or int(D * partial_rotary_factor) (Qwen3.5, Qwen3-Next: 64 of 256), where only
+each head's first R dims rotate and the other D - R pass through (HF's apply_rotary_pos_emb).
 """
 
 from __future__ import annotations
@@ -45,9 +47,29 @@ def rope_parameters_from_config(hf_config: Any) -> dict[str, Any]:
         params["original_max_position_embeddings"] = getattr(
             hf_config, "original_max_position_embeddings", None
         ) or getattr(hf_config, "max_position_embeddings", None)
-    if params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0) or 1.0) != 1.0:
-        raise ValueError("partial_rotary_factor != 1.0 is not supported")
+    # transformers 5 moves a top-level partial_rotary_factor into rope_parameters; older configs keep it outside
+    factor = (
+        params.pop("partial_rotary_factor", None) or getattr(hf_config, "partial_rotary_factor", None) or 1.0
+    )
+    if factor != 1.0:
+        if not 0.0 < factor < 1.0:
+            raise ValueError(f"partial_rotary_factor={factor} is not supported; it must be in (0, 1]")
+        params["partial_rotary_factor"] = float(factor)
+    # Qwen3.5's text rotary is "mrope" (Qwen3_5MoeTextRotaryEmbedding): each frequency slot takes the temporal,
+    # height or width position id by mrope_section (interleaved or in sections). Text-only inputs (all longserve
+    # serves) give a token three equal ids, so every slot takes the same position: plain rope over the rotary dim
+    # (tests/unit/test_partial_rotary.py checks it against transformers' class)
+    params.pop("mrope_section", None)
+    params.pop("mrope_interleaved", None)
     return params
+
+
+def rotary_dim(head_dim: int, params: dict[str, Any]) -> int:
+    """The dims of each head that rotate: head_dim, or int(head_dim * partial_rotary_factor) as HF computes it."""
+    dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+    if dim <= 0 or dim % 2:
+        raise ValueError(f"the rotary dim {dim} of head_dim {head_dim} must be even and positive")
+    return dim
 
 
 def _default_inv_freq(dim: int, base: float) -> torch.Tensor:
@@ -103,23 +125,25 @@ def _yarn_inv_freq(dim: int, p: dict[str, Any], max_position_embeddings: int) ->
 def compute_inv_freq(
     head_dim: int, params: dict[str, Any], max_position_embeddings: int
 ) -> tuple[torch.Tensor, float]:
-    """Return (inv_freq [head_dim/2] float32, attention_scaling) for a normalized rope parameter dict."""
-    rope_type = params["rope_type"]
+    """Return (inv_freq [R/2] float32, attention_scaling) for a normalized rope parameter dict; R = `rotary_dim`
+    (every HF rope type computes its frequencies over the rotary dim, not head_dim)."""
+    rope_type, dim = params["rope_type"], rotary_dim(head_dim, params)
     if rope_type == "default":
-        return _default_inv_freq(head_dim, params["rope_theta"]), 1.0
+        return _default_inv_freq(dim, params["rope_theta"]), 1.0
     if rope_type == "linear":
-        return _default_inv_freq(head_dim, params["rope_theta"]) / params["factor"], 1.0
+        return _default_inv_freq(dim, params["rope_theta"]) / params["factor"], 1.0
     if rope_type == "llama3":
-        return _llama3_inv_freq(head_dim, params), 1.0
+        return _llama3_inv_freq(dim, params), 1.0
     if rope_type == "yarn":
-        return _yarn_inv_freq(head_dim, params, max_position_embeddings)
+        return _yarn_inv_freq(dim, params, max_position_embeddings)
     raise ValueError(
         f"rope_type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
     )
 
 
 class RotaryEmbedding(nn.Module):
-    """Computes cos/sin [T, head_dim] for absolute positions [T]; apply with `apply_rotary`."""
+    """Computes cos/sin [T, R] for absolute positions [T] (R = rotary_dim, head_dim unless partial rotary);
+    apply with `apply_rotary`, which rotates the first R dims of each head."""
 
     def __init__(self, head_dim: int, params: dict[str, Any], max_position_embeddings: int) -> None:
         super().__init__()
@@ -127,6 +151,7 @@ class RotaryEmbedding(nn.Module):
         # float32 whatever the default dtype; derived from the config, never loaded from a checkpoint
         self.register_buffer("inv_freq", inv_freq.to(torch.float32), persistent=False)
         self.head_dim = head_dim
+        self.rotary_dim = rotary_dim(head_dim, params)  # the width of cos/sin: how much of each head rotates
         self.max_positions = max_position_embeddings  # rows of the fused path's cache; see `reserve`
         self._cos_sin_cache: torch.Tensor | None = None  # built on first fused use, not a buffer
 
@@ -139,21 +164,21 @@ class RotaryEmbedding(nn.Module):
             self._cos_sin_cache = None
 
     def cos_sin_cache(self) -> torch.Tensor:
-        """[max_positions, D] float32 on inv_freq's device: row p = cos(p * inv_freq) | sin(p * inv_freq),
+        """[max_positions, R] float32 on inv_freq's device: row p = cos(p * inv_freq) | sin(p * inv_freq),
         both times attention_scaling. Built on first use (before CUDA graph capture, in warm-up)."""
         cache = self._cos_sin_cache
         if cache is None or cache.device != self.inv_freq.device:
             pos = torch.arange(self.max_positions, dtype=torch.float32, device=self.inv_freq.device)  # [P]
-            freqs = pos[:, None] * self.inv_freq.float()  # [P, D/2]
+            freqs = pos[:, None] * self.inv_freq.float()  # [P, R/2]
             cos, sin = freqs.cos() * self.attention_scaling, freqs.sin() * self.attention_scaling
-            cache = self._cos_sin_cache = torch.cat((cos, sin), dim=-1)  # [P, D]
+            cache = self._cos_sin_cache = torch.cat((cos, sin), dim=-1)  # [P, R]
         return cache
 
     def prepare(self, positions: torch.Tensor, dtype: torch.dtype) -> RotaryStep:
         """The rotary inputs of one step, shared by every layer: fused kernel inputs on CUDA, else cos/sin."""
         if use_triton(positions):
             return RotaryStep(positions, cos_sin_cache=self.cos_sin_cache())
-        cos, sin = self(positions, dtype)  # [T, D] each
+        cos, sin = self(positions, dtype)  # [T, R] each
         return RotaryStep(positions, cos=cos, sin=sin)
 
     @classmethod
@@ -161,10 +186,10 @@ class RotaryEmbedding(nn.Module):
         return cls(head_dim, rope_parameters_from_config(hf_config), hf_config.max_position_embeddings)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions[:, None].float() * self.inv_freq.float()  # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
-        cos = emb.cos() * self.attention_scaling  # [T, D]
-        sin = emb.sin() * self.attention_scaling  # [T, D]
+        freqs = positions[:, None].float() * self.inv_freq.float()  # [T, R/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, R]
+        cos = emb.cos() * self.attention_scaling  # [T, R]
+        sin = emb.sin() * self.attention_scaling  # [T, R]
         return cos.to(dtype), sin.to(dtype)
 
 
@@ -180,12 +205,13 @@ class Rotated(NamedTuple):
 
 @dataclass(frozen=True)
 class RotaryStep:
-    """Rotary inputs of one step: cos/sin [T, D] (torch path) or cos_sin_cache [P, D] (Triton path)."""
+    """Rotary inputs of one step: cos/sin [T, R] (torch path) or cos_sin_cache [P, R] (Triton path); R <= D, the
+    rotated dims of each head (partial rotary: the rest pass through)."""
 
     positions: torch.Tensor  # [T]
-    cos: torch.Tensor | None = None  # [T, D] in the activation dtype
-    sin: torch.Tensor | None = None  # [T, D]
-    cos_sin_cache: torch.Tensor | None = None  # [P, D] float32
+    cos: torch.Tensor | None = None  # [T, R] in the activation dtype
+    sin: torch.Tensor | None = None  # [T, R]
+    cos_sin_cache: torch.Tensor | None = None  # [P, R] float32
 
     def apply_and_store(
         self,
@@ -198,11 +224,11 @@ class RotaryStep:
         qk_norm: tuple[Any, Any] | None = None,
         q_dst: torch.Tensor | None = None,
     ) -> Rotated:
-        """`apply`, after the heads' RMSNorm (`qk_norm`: Qwen3's q_norm and k_norm modules) if given. On the
-        fused path one launch does it all: the norms (weights in q's dtype), the rotation, the store of the
-        rotated keys and the values into their slots (quantized for an fp8 cache), and with `q_dst` (an attention
-        backend's `q_destination`) the rotated q into it too. The torch path leaves the store and q's copy to
-        the attention backend."""
+        """`apply`, after the heads' RMSNorm (`qk_norm`: Qwen3's q_norm and k_norm modules, zero-centered for
+        Qwen3.5) if given. On the fused path one launch does it all: the norms (weights in q's dtype, their
+        `zero_centered` carried into the kernel), the rotation, the store of the rotated keys and the values into
+        their slots (quantized for an fp8 cache), and with `q_dst` (an attention backend's `q_destination`) the
+        rotated q into it too. The torch path leaves the store and q's copy to the attention backend."""
         if self.cos_sin_cache is None:
             if qk_norm is not None:
                 q, k = qk_norm[0](q), qk_norm[1](k)
@@ -217,8 +243,9 @@ class RotaryStep:
                 FUSE_QK_NORM
                 and q_norm.weight.dtype == k_norm.weight.dtype == q.dtype
                 and q_norm.eps == k_norm.eps
+                and q_norm.zero_centered == k_norm.zero_centered
             ):
-                norm_args = (q_norm.weight, k_norm.weight, q_norm.eps)
+                norm_args = (q_norm.weight, k_norm.weight, q_norm.eps, q_norm.zero_centered)
             else:
                 q, k = q_norm(q), k_norm(k)
         store = None
@@ -231,7 +258,7 @@ class RotaryStep:
         return Rotated(q, k, store is not None, q_dst is not None)
 
     def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, Hq, D], k [T, Hkv, D] -> rotated (q, k); the fused path rotates in place."""
+        """q [T, Hq, D], k [T, Hkv, D] -> rotated (q, k) (their first R dims); the fused path rotates in place."""
         if self.cos_sin_cache is not None:
             from longserve.kernels.rope import rotary_embedding  # imports triton
 

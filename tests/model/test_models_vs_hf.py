@@ -198,8 +198,10 @@ ROPE_CASES = {
 }
 
 
+@pytest.mark.parametrize("partial", [1.0, 0.25], ids=["full", "partial"])
 @pytest.mark.parametrize("rope_type", list(ROPE_CASES))
-def test_rope_inv_freq_matches_hf(rope_type: str) -> None:
+def test_rope_inv_freq_matches_hf(rope_type: str, partial: float) -> None:
+    """Every rope type's frequencies, over the whole head or (partial_rotary_factor, Qwen3.5) its first quarter."""
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -208,12 +210,14 @@ def test_rope_inv_freq_matches_hf(rope_type: str) -> None:
         num_attention_heads=2,
         head_dim=128,
         max_position_embeddings=131072,
-        rope_parameters=dict(ROPE_CASES[rope_type]),
+        rope_parameters={**ROPE_CASES[rope_type], "partial_rotary_factor": partial},
     )
     params = rope_parameters_from_config(cfg)
     ours, scaling = compute_inv_freq(128, params, cfg.max_position_embeddings)
+    assert ours.shape == (int(64 * partial),)
     if rope_type == "default":
-        ref, ref_scaling = 1.0 / (10000.0 ** (torch.arange(0, 128, 2).float() / 128)), 1.0
+        dim = int(128 * partial)
+        ref, ref_scaling = 1.0 / (10000.0 ** (torch.arange(0, dim, 2).float() / dim)), 1.0
     else:
         ref, ref_scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg)
     torch.testing.assert_close(ours, ref, atol=0, rtol=1e-6)
