@@ -23,7 +23,24 @@ from longserve.pooling_params import PoolingParams
 from longserve.sampling_params import SamplingParams
 from longserve.tokenization.tokenizer import apply_chat_template
 
-Prompt = str | list[int]
+# a string, token ids, or vLLM's TextPrompt / TokensPrompt dicts: {"prompt": str} / {"prompt_token_ids": [int]}
+Prompt = str | list[int] | dict
+_PROMPT_KEYS = ("prompt", "prompt_token_ids")
+
+
+def prompt_of(prompt: Prompt) -> str | list[int]:
+    """A prompt as the engine takes it: vLLM's prompt dicts unwrapped (other keys, e.g. multi_modal_data, are
+    refused by name rather than dropped)."""
+    if not isinstance(prompt, dict):
+        return prompt
+    extra = sorted(set(prompt) - set(_PROMPT_KEYS))
+    given = [k for k in _PROMPT_KEYS if k in prompt]
+    if extra or len(given) != 1:
+        raise ValueError(
+            f"a prompt dict takes one of {', '.join(_PROMPT_KEYS)}"
+            + (f"; {', '.join(extra)} not supported" if extra else f"; got {', '.join(given) or 'neither'}")
+        )
+    return prompt[given[0]]
 
 
 class LLM:
@@ -54,12 +71,13 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | None = None,
     ) -> list[RequestOutput]:
-        """Generate for each prompt (a string or a list of token ids); one output per prompt, in order."""
-        if isinstance(prompts, str) or (
+        """Generate for each prompt (a string, a list of token ids, or vLLM's {"prompt": ...} /
+        {"prompt_token_ids": ...} dicts); one output per prompt, in order."""
+        if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):  # one prompt of token ids (add_request checks every id)
+        ):  # one prompt (of token ids: add_request checks every id)
             prompts = [prompts]
-        prompts = list(prompts)
+        prompts = [prompt_of(p) for p in prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(prompts)
         else:

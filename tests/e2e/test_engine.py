@@ -81,6 +81,13 @@ def test_text_prompt_and_chat(ckpt):
     templ = m.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
     assert m.tokenizer.decode(chat.prompt_token_ids) == templ
     assert chat.token_ids == m.generate(chat.prompt_token_ids, GREEDY32)[0].token_ids
+    # vLLM's prompt dicts (TextPrompt, TokensPrompt), one or a list; anything else in them is refused by name
+    as_dicts = m.generate([{"prompt": "The quick brown fox"}, {"prompt_token_ids": ids}], GREEDY32)
+    assert [o.token_ids for o in as_dicts] == [out.token_ids] * 2
+    assert m.generate({"prompt_token_ids": ids}, GREEDY32)[0].token_ids == out.token_ids
+    with pytest.raises(ValueError, match="multi_modal_data not supported"):
+        m.generate({"prompt": "a", "multi_modal_data": {}}, GREEDY32)
+    assert_clean(m.engine)
 
 
 def test_chat_template_replaces_the_tokenizers(ckpt, tmp_path):
