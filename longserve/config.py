@@ -34,6 +34,8 @@ QUANTIZATION_ALIASES = {
 # the KV cache's storage (attention/kv_quant.py): "auto" the model's dtype, "fp8_e4m3" e4m3 with per-layer scales;
 # vLLM's "fp8" and SGLang's "fp8_e4m3" are the same format
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+# a hybrid model's linear-attention state (attention/recurrent_state.py): auto is the model's dtype (vLLM's)
+MAMBA_SSM_DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3"}
 
 
@@ -163,6 +165,10 @@ class EngineConfig:
     # the KV cache's storage: "auto" (the model's dtype) or "fp8_e4m3" (vLLM's "fp8" means it too): half the
     # bytes per token, so the pool holds twice the tokens of a 16-bit one (attention/kv_quant.py)
     kv_cache_dtype: str = "auto"
+    # a hybrid model's (Qwen3.5) linear-attention state between steps (vLLM's --mamba-ssm-cache-dtype, SGLang's
+    # --mamba-ssm-dtype): float32 by default, as SGLang and transformers keep it (the delta rule's state sums
+    # every token); bfloat16 halves it, auto is the model's dtype
+    mamba_ssm_cache_dtype: str = "float32"
     # a chat template used instead of the tokenizer's (vLLM's and SGLang's --chat-template): a file path or
     # the Jinja text itself, as given (chat_template_text: the template). Trusted (the operator's);
     # transformers renders it in its sandbox as it does the tokenizer's own. A request never brings one.
@@ -304,6 +310,11 @@ class EngineConfig:
             )
             object.__setattr__(self, "quantization", name)
         self._normalize_kv_cache_dtype(need)
+        need(
+            self.mamba_ssm_cache_dtype in MAMBA_SSM_DTYPES,
+            f"mamba_ssm_cache_dtype must be one of {', '.join(MAMBA_SSM_DTYPES)}; got {self.mamba_ssm_cache_dtype!r}",
+            "mamba_ssm_cache_dtype",
+        )
         self._check_compat_settings(need)
         if self.load_format != "dummy" and not os.path.isdir(self.model):
             raise ConfigPathError(

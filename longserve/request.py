@@ -59,6 +59,9 @@ class Request:
     page_ids: list[int] = field(default_factory=list)  # pages holding positions [0, num_computed_tokens)
     cache_node: Any = None  # prefix-cache node this request holds locked (None: none)
     num_tree_pages: int = 0  # leading pages of page_ids already offered to the prefix cache
+    state_slot: int | None = (
+        None  # a hybrid model's recurrent-state slot while running (cache/state_slots.py)
+    )
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id or string that ended it

@@ -13,6 +13,7 @@ import torch
 
 from longserve.attention.kv_quant import dequantize_kv, is_fp8, quantize_kv
 from longserve.attention.metadata import AttentionMetadata
+from longserve.attention.recurrent_state import RecurrentStates
 
 
 class KVCache:
@@ -208,3 +209,5 @@ class ForwardContext:
     meta: AttentionMetadata
     kv_cache: KVCache
     backend: AttentionBackend
+    # a hybrid model's linear-attention states (attention/recurrent_state.py), slots in meta.state_slots
+    states: RecurrentStates | None = None

@@ -42,6 +42,9 @@ class AttentionMetadata:
     # the requests' page ids on the host (build_step_tensors' input, kept by reference: no copy), for paths
     # that decide on the host how to read the pages; empty where the metadata was built without them
     page_rows_cpu: Sequence[Sequence[int]] = ()
+    # a hybrid model's step: each request's recurrent-state slot [B] int64, device (attention/recurrent_state.py);
+    # a request whose prefix_lens is 0 starts from a zero state
+    state_slots: torch.Tensor | None = None
     _contiguous: dict[tuple[int, int], int | None] = field(default_factory=dict, repr=False)
     _subsets: dict[tuple[int, ...], tuple[AttentionMetadata, torch.Tensor] | None] = field(
         default_factory=dict, repr=False

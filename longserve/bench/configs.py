@@ -140,11 +140,44 @@ _TINY_MOE: dict[str, Any] = {
 # the CPU shape of `bench latency --device cpu --compare-hf`: the tiny Llama with 4 layers, whose 16K-token
 # prompt is 97% attention FLOPs (137 of 142 GFLOP): a CPU attention path slower than transformers' shows
 _TINY_4L: dict[str, Any] = {**_TINY, "num_hidden_layers": 4}
+# Qwen3.5-35B-A3B's text model (hybrid: 3 of 4 layers Gated DeltaNet; 256 experts top-8 and a shared expert):
+# transformers' Qwen3_5MoeTextConfig defaults, which are this model's, with its rope theta 1e7 and 262,144
+# positions; served as the released checkpoint's text model (`Qwen3_5MoeForConditionalGeneration`)
+_QWEN35_35B_A3B: dict[str, Any] = {
+    "architectures": ["Qwen3_5MoeForCausalLM"],
+    "model_type": "qwen3_5_moe_text",
+    "hidden_size": 2048,
+    "num_hidden_layers": 40,
+    "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 10,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+    "num_experts": 256,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512,
+    "vocab_size": 248320,
+    "max_position_embeddings": 262144,
+    "rms_norm_eps": 1e-6,
+    "hidden_act": "silu",
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                        "mrope_section": [11, 11, 10]},
+    "attention_bias": False,
+    "tie_word_embeddings": False,
+    "initializer_range": 0.02,
+    "torch_dtype": "bfloat16",
+}  # fmt: skip
 BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
     "llama-3.1-8b": _LLAMA31_8B,
     "qwen2.5-32b": _QWEN25_32B,
     "qwen3-30b-a3b": _QWEN3_30B_A3B,
     "mixtral-8x7b": _MIXTRAL_8X7B,
+    "qwen3.5-35b-a3b": _QWEN35_35B_A3B,
     "tiny": _TINY,
     "tiny-4l": _TINY_4L,
     "tiny-moe": _TINY_MOE,

@@ -40,7 +40,7 @@ class ModelCosts:
     """Parameter counts and KV size of a decoder (whole model, every rank together)."""
 
     hidden: int
-    num_layers: int
+    num_layers: int  # the layers with K/V (a hybrid model's full-attention ones)
     num_q_heads: int
     num_kv_heads: int
     head_dim: int
@@ -94,31 +94,46 @@ def _windows(cfg: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:
     return (window,) * num_layers
 
 
+def _gated_delta_params(cfg: dict[str, Any]) -> int:
+    """One Gated DeltaNet layer's parameters (models/gated_delta_net.py): in_proj_qkv, z, b, a, out_proj, conv."""
+    h, hk, hv = cfg["hidden_size"], cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    key, value = hk * cfg["linear_key_head_dim"], hv * cfg["linear_value_head_dim"]
+    conv = (2 * key + value) * cfg["linear_conv_kernel_dim"]
+    return h * (2 * key + value) + h * value + 2 * h * hv + value * h + conv + 2 * hv
+
+
 def model_costs(cfg: dict[str, Any], itemsize: int) -> ModelCosts:
-    """The costs of a config.json dict (dense or MoE) with weights and KV of `itemsize` bytes."""
+    """The costs of a config.json dict (dense, MoE or hybrid) with weights and KV of `itemsize` bytes;
+    `num_layers` counts the layers with K/V (a hybrid model's full-attention layers)."""
     from longserve.models.moe_layout import moe_spec  # pure Python, but its package imports torch
 
     h, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
     n_q = cfg["num_attention_heads"]
     n_kv = _get(cfg, "num_key_value_heads", n_q)
     hd = _get(cfg, "head_dim", h // n_q)
-    attention = h * hd * (2 * n_q + 2 * n_kv)  # q, k, v and o
+    # a hybrid model (Qwen3.5): its linear-attention layers hold no K/V, and its q_proj also yields a gate
+    types = list(_get(cfg, "layer_types", None) or [])[:layers]
+    linear = sum(t == "linear_attention" for t in types)
+    kv_layers = layers - linear
+    q_rows = 2 * n_q if linear else n_q
+    attention = h * hd * (q_rows + n_q + 2 * n_kv)  # q (and gate), o, k and v
+    mixers = kv_layers * attention + (linear * _gated_delta_params(cfg) if linear else 0)
     spec = moe_spec(cfg)
     if spec is None:
-        dense = layers * (attention + 3 * h * cfg["intermediate_size"])
+        dense = mixers + layers * 3 * h * cfg["intermediate_size"]
         expert, moe_layers, num_experts, top_k = 0, 0, 0, 0
     else:
         sparse = len(spec.sparse_layers)
         per_sparse = spec.num_experts * h + 3 * h * spec.shared_intermediate_size  # router, shared expert
         per_sparse += h if spec.shared_intermediate_size else 0  # its gate
-        dense = layers * attention + sparse * per_sparse
+        dense = mixers + sparse * per_sparse
         dense += spec.num_dense_layers * 3 * h * spec.dense_intermediate_size
         expert, moe_layers = 3 * h * spec.intermediate_size, sparse
         num_experts, top_k = spec.num_experts, spec.top_k
     vocab = cfg["vocab_size"]
     return ModelCosts(
         hidden=h,
-        num_layers=layers,
+        num_layers=kv_layers,
         num_q_heads=n_q,
         num_kv_heads=n_kv,
         head_dim=hd,
@@ -130,7 +145,7 @@ def model_costs(cfg: dict[str, Any], itemsize: int) -> ModelCosts:
         num_experts=num_experts,
         top_k=top_k,
         embed_params=vocab * h * (1 if cfg.get("tie_word_embeddings") else 2),
-        windows=_windows(cfg, layers),
+        windows=_windows(cfg, kv_layers),
     )
 
 

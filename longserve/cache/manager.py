@@ -5,6 +5,10 @@ page in `req.page_ids`; the prefix cache (the radix tree, or NoPrefixCache holdi
 page it stores. A request also keeps the deepest cache node covering its pages locked, so no page it reads is
 evicted. Invariant (checked by `check_integrity`): pool.ref(p) == (1 if p is in the prefix cache) + (number of
 live requests holding p). The page size is the pool's.
+
+A hybrid model's running request also holds a recurrent-state slot (cache/state_slots.py), taken with its first
+pages and given back with them; its prompt's tokens are never shared (no prefix cache, no forked siblings: a
+state cannot be cut at a page boundary).
 """
 
 from __future__ import annotations
@@ -14,23 +18,36 @@ from collections.abc import Iterable
 from longserve.cache.page_pool import PagePool
 from longserve.cache.prefix_cache import NoPrefixCache, PrefixCache
 from longserve.cache.radix_tree import RadixTree
+from longserve.cache.state_slots import NoStateSlots, StateSlots
 from longserve.request import Request
 
 
 class KVCacheManager:
-    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_pages: int, page_size: int, enable_prefix_caching: bool = True, num_state_slots: int = 0
+    ) -> None:
         self.pool = PagePool(num_pages, page_size)
-        self.prefix_cache: PrefixCache = RadixTree(self.pool) if enable_prefix_caching else NoPrefixCache()
+        self.states: StateSlots | NoStateSlots = (
+            StateSlots(num_state_slots) if num_state_slots else NoStateSlots()
+        )
+        share = enable_prefix_caching and not self.states.holds_states
+        self.prefix_cache: PrefixCache = RadixTree(self.pool) if share else NoPrefixCache()
 
     @property
     def page_size(self) -> int:
         return self.pool.page_size
 
     @property
+    def shares_prompts(self) -> bool:
+        """Whether a request may start from pages another computed (a prefix hit, a forked sibling): not with
+        recurrent states, which hold the whole history and cannot be shared."""
+        return not self.states.holds_states
+
+    @property
     def siblings_fork(self) -> bool:
         """Whether the siblings of an n > 1 request take their leader's prompt pages with `fork_prefix`:
         so when the prefix cache keeps no pages for `match_prefix` to find."""
-        return not self.prefix_cache.keeps_pages
+        return self.shares_prompts and not self.prefix_cache.keeps_pages
 
     # ---- capacity -------------------------------------------------------------------------------
     @property
@@ -95,16 +112,18 @@ class KVCacheManager:
         return req.num_computed_tokens
 
     def allocate(self, req: Request, num_new_tokens: int) -> bool:
-        """Give the request pages for `num_new_tokens` more tokens, evicting cached pages if needed.
-        Returns False, changing nothing, when even eviction cannot make room."""
+        """Give the request pages for `num_new_tokens` more tokens, evicting cached pages if needed, and (a
+        hybrid model) its state slot if it has none. Returns False, changing nothing, when even eviction cannot
+        make room or every slot is held."""
         need = self.pages_needed(req, num_new_tokens)
         if need == 0:
-            return True
+            return self.states.acquire(req)
         if self.pool.num_free < need:
             self.prefix_cache.evict(need - self.pool.num_free)
-        pages = self.pool.alloc(need)
-        if pages is None:
+        if self.pool.num_free < need or not self.states.acquire(req):
             return False
+        pages = self.pool.alloc(need)
+        assert pages is not None
         req.page_ids.extend(pages)
         return True
 
@@ -145,6 +164,7 @@ class KVCacheManager:
         self.pool.decref(req.page_ids)
         req.page_ids = []
         req.num_tree_pages = 0
+        self.states.release(req)
 
     def flush(self) -> int:
         """Evict every unlocked cached page; returns pages freed."""
@@ -152,7 +172,10 @@ class KVCacheManager:
 
     # ---- integrity ------------------------------------------------------------------------------
     def check_integrity(self, live_requests: Iterable[Request]) -> None:
-        """Assert that every reference is accounted for: free + cached-only + in use == total."""
+        """Assert that every reference is accounted for: free + cached-only + in use == total; every state
+        slot free or held by one live request."""
+        live_requests = list(live_requests)
+        self.states.check(live_requests)
         self.pool.check()
         self.prefix_cache.check()
         expected: dict[int, int] = {}

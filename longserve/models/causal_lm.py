@@ -16,6 +16,7 @@ from torch import nn
 
 from longserve.attention.base import ForwardContext
 from longserve.attention.kv_quant import kv_scale_name, read_kv_scale
+from longserve.attention.recurrent_state import RecurrentStateSpec
 from longserve.distributed import get_tp_rank, get_tp_size
 from longserve.models.decoder import (
     ArchOptions,
@@ -43,15 +44,16 @@ class CausalLM(nn.Module):
     (their layers' MLPs) and `map_weight_name` (their expert tensors' names)."""
 
     make_mlp: MakeMLP = staticmethod(dense_mlp)
+    decoder_class: type[nn.Module] = DecoderModel  # the layers (a hybrid model's: models/hybrid.py)
 
     def __init__(self, hf_config: Any) -> None:
         super().__init__()
         self.config = hf_config
-        self.model = DecoderModel(hf_config, self.arch_options(hf_config), self.make_mlp)
+        self.model = self.decoder_class(hf_config, self.arch_options(hf_config), self.make_mlp)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size)
-        self.num_layers: int = hf_config.num_hidden_layers
+        self.num_layers: int = self.model.num_kv_layers  # the layers with K/V in the cache
         total_heads = hf_config.num_attention_heads
         layout = head_layout(
             total_heads,
@@ -85,6 +87,10 @@ class CausalLM(nn.Module):
     ) -> list[torch.Tensor]:
         """Micro-batches of one step with their all-reduces overlapped (DecoderModel.forward_overlapped)."""
         return self.model.forward_overlapped(batches)  # [T_i, hidden] each
+
+    def recurrent_states(self) -> tuple[int, RecurrentStateSpec] | None:
+        """A hybrid model's linear-attention layers and their state (attention/recurrent_state.py); None here."""
+        return None
 
     def reserve_positions(self, num_positions: int) -> None:
         """Serve positions up to `num_positions` (a context length past max_position_embeddings)."""

@@ -38,6 +38,11 @@ class ArchOptions:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    # Qwen3.5 / Qwen3-Next: q_proj also yields a gate a head ([q | gate] per head), the attention output is
+    # multiplied by its sigmoid before o_proj
+    attn_output_gate: bool = False
+    # Qwen3.5 / Qwen3-Next: every RMSNorm's weight is an offset from 1 (layers.RMSNorm's zero_centered)
+    zero_centered_norm: bool = False
 
 
 def get_head_dim(hf_config: Any) -> int:
@@ -103,9 +108,18 @@ def layer_sliding_window(hf_config: Any, layer_id: int) -> int | None:
 
 
 class Attention(nn.Module):
-    def __init__(self, hf_config: Any, opts: ArchOptions, layer_id: int, linear: LinearMethod) -> None:
+    def __init__(
+        self,
+        hf_config: Any,
+        opts: ArchOptions,
+        layer_id: int,
+        linear: LinearMethod,
+        kv_layer: int | None = None,
+    ) -> None:
+        """`kv_layer`: its K/V's index in the KV cache, where not every layer attends (a hybrid model's); its
+        `layer_id` from then on."""
         super().__init__()
-        self.layer_id = layer_id
+        self.layer_id = layer_id if kv_layer is None else kv_layer
         total_heads = hf_config.num_attention_heads
         total_kv_heads = getattr(hf_config, "num_key_value_heads", None) or total_heads
         layout = head_layout(total_heads, total_kv_heads, get_tp_size(), get_tp_rank())
@@ -113,13 +127,15 @@ class Attention(nn.Module):
         self.head_dim = d = get_head_dim(hf_config)
         self.scale = self.head_dim**-0.5
         self.sliding_window = layer_sliding_window(hf_config, layer_id)
-        q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
+        self.output_gate = opts.attn_output_gate
+        qd = 2 * d if self.output_gate else d  # q_proj's rows a head: [q | gate] with the output gate
+        q_size, kv_size = self.num_heads * qd, self.num_kv_heads * d
         self.qkv_proj = MergedLinear(
             hf_config.hidden_size,
             {"q": q_size, "k": kv_size, "v": kv_size},
             bias=opts.qkv_bias,
-            shard_starts={"q": layout.q_start * d, "k": layout.kv_start * d, "v": layout.kv_start * d},
-            full_shard_sizes={"q": total_heads * d, "k": total_kv_heads * d, "v": total_kv_heads * d},
+            shard_starts={"q": layout.q_start * qd, "k": layout.kv_start * d, "v": layout.kv_start * d},
+            full_shard_sizes={"q": total_heads * qd, "k": total_kv_heads * d, "v": total_kv_heads * d},
             quant_method=linear,
         )
         self.o_proj = RowParallelLinear(
@@ -127,20 +143,33 @@ class Attention(nn.Module):
         )
         self.qk_norm = opts.qk_norm
         if opts.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
+            zero_centered = opts.zero_centered_norm
+            self.q_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps, zero_centered=zero_centered)
+            self.k_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps, zero_centered=zero_centered)
 
     def forward(self, hidden: torch.Tensor, rope: RotaryStep, ctx: ForwardContext) -> torch.Tensor:
         return self.o_proj(self.attend(hidden, rope, ctx))  # [T, hidden]
 
     def attend(self, hidden: torch.Tensor, rope: RotaryStep, ctx: ForwardContext) -> torch.Tensor:
-        """Everything before o_proj: the attention output [T, Hq*D] of this rank's heads."""
-        return self.project(hidden, rope, ctx).run(ctx)
+        """Everything before o_proj: the attention output [T, Hq*D] of this rank's heads (gated, if so)."""
+        call = self.project(hidden, rope, ctx)
+        return self.gated(call.run(ctx), call)
+
+    def gated(self, out: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        """The attention output [T, Hq*D] times the sigmoid of its gate (the output gate), in the model dtype as
+        transformers; unchanged without one."""
+        return out if call.gate is None else out * torch.sigmoid(call.gate)
 
     def project(self, hidden: torch.Tensor, rope: RotaryStep, ctx: ForwardContext) -> AttentionCall:
         """The projections and rotary embedding before the attention proper (the new K/V may be stored)."""
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))  # [T, Hq*D], [T, Hkv*D], [T, Hkv*D]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))  # [T, Hq*D (2D gated)], [T, Hkv*D], [T, Hkv*D]
+        gate = None
+        if self.output_gate:
+            qg = q.view(num_tokens, self.num_heads, 2 * self.head_dim)  # [T, Hq, 2D]: [q | gate] a head
+            # contiguous: the rotary kernel reads q's heads at a stride of D
+            q = qg[..., : self.head_dim].contiguous()  # [T, Hq, D]
+            gate = qg[..., self.head_dim :].reshape(num_tokens, -1)  # [T, Hq*D]
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
@@ -151,7 +180,7 @@ class Attention(nn.Module):
         rotated = rope.apply_and_store(
             q, k, v, ctx.kv_cache, self.layer_id, ctx.meta.slot_mapping, norms, q_dst
         )
-        return AttentionCall(self, rotated.q, rotated.k, v, rotated.kv_stored, rotated.q_placed)
+        return AttentionCall(self, rotated.q, rotated.k, v, rotated.kv_stored, rotated.q_placed, gate)
 
 
 class AttentionCall(NamedTuple):
@@ -165,6 +194,7 @@ class AttentionCall(NamedTuple):
     v: torch.Tensor
     stored: bool
     q_placed: bool = False
+    gate: torch.Tensor | None = None  # [T, Hq*D]: the output gate's (Attention.gated), applied by the layer
 
     def run(self, ctx: ForwardContext) -> torch.Tensor:
         """The backend's attention over ctx's step: [T, Hq*D]."""
@@ -289,7 +319,9 @@ class DecoderLayer(nn.Module):
         """`forward` with the attention proper left to the caller: yields the layer's AttentionCall and
         resumes with its output [T, Hq*D]."""
         hidden, residual = self.input_norm(hidden, residual)
-        out = yield self.self_attn.project(hidden, rope, ctx)
+        call = self.self_attn.project(hidden, rope, ctx)
+        out = yield call
+        out = self.self_attn.gated(out, call)
         hidden, residual = self.post_attention_layernorm(self.self_attn.o_proj(out), residual)
         return self.mlp(hidden), residual  # [T, hidden] each
 
@@ -316,6 +348,7 @@ class DecoderModel(nn.Module):
         )
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding.from_config(hf_config, get_head_dim(hf_config))
+        self.num_kv_layers = hf_config.num_hidden_layers  # every layer attends
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # [T, hidden]

@@ -59,7 +59,25 @@ def load_hf_config(model_dir: str) -> Any:
             f"{config_path} not found; a checkpoint directory must contain config.json and the weights "
             "as *.safetensors (plus model.safetensors.index.json when sharded)"
         )
-    return AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    return text_part(AutoConfig.from_pretrained(model_dir, local_files_only=True))
+
+
+# vision-language checkpoints whose text model longserve serves (text in, text out): their `text_config` stands
+# for the whole, with the top level's architectures, quantization and dtype
+_TEXT_OF_VL = ("qwen3_5", "qwen3_5_moe")
+
+
+def text_part(config: Any) -> Any:
+    text = getattr(config, "text_config", None)
+    if text is None or getattr(config, "model_type", None) not in _TEXT_OF_VL:
+        return config
+    text.architectures = list(getattr(config, "architectures", None) or [])
+    for key in ("quantization_config", "tie_word_embeddings"):
+        if getattr(config, key, None) is not None:
+            setattr(text, key, getattr(config, key))
+    if getattr(text, "dtype", None) is None:
+        text.dtype = getattr(config, "dtype", None)
+    return text
 
 
 def resolve_dtype(dtype: str, hf_config: Any) -> torch.dtype:
@@ -342,7 +360,7 @@ def iterate_safetensors(
 
 @torch.no_grad()
 def init_dummy_weights(model: nn.Module, std: float, seed: int) -> None:
-    """Random weights: normal(0, std), RMSNorm weights = 1; deterministic per seed, device and parameter
+    """Random weights: normal(0, std), RMSNorm weights = 1 (a zero-centered one's offset 0); deterministic per seed, device and parameter
     name, and the same model whatever the tensor-parallel size: a sharded parameter draws its whole
     (unsharded) tensor and keeps its rank's part through the checkpoint loaders, as if read from a file.
     Quantized parameters are drawn in their format (models/quant/dummy.py)."""
@@ -350,7 +368,7 @@ def init_dummy_weights(model: nn.Module, std: float, seed: int) -> None:
     for name, param in model.named_parameters():
         owner = owners[id(param)]
         if isinstance(owner, RMSNorm):
-            param.fill_(1.0)
+            param.fill_(0.0 if owner.zero_centered else 1.0)
             continue
         generator = torch.Generator(device=param.device).manual_seed(
             (seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63
@@ -373,6 +391,9 @@ def init_dummy_weights(model: nn.Module, std: float, seed: int) -> None:
 
 def _unsharded_shape(owner: nn.Module, param: nn.Parameter) -> tuple[int, ...]:
     """The shape of `param` in a tensor-parallel size 1 model (its checkpoint tensor)."""
+    full = getattr(param, "full_shape", None)  # a parameter that says so (models/gated_delta_net.py)
+    if full is not None:
+        return tuple(full)
     if isinstance(owner, MergedLinear):
         return (sum(owner.full_shard_sizes.values()), *param.shape[1:])
     if isinstance(owner, RowParallelLinear) and param is owner.weight:

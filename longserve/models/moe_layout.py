@@ -3,8 +3,8 @@ Python: the benchmarks size memory and floors from it without torch), and where 
 
 Qwen2-MoE and Qwen3-MoE make layer i sparse when i is not in `mlp_only_layers` and (i + 1) is a multiple
 of `decoder_sparse_step`; the other layers keep a dense MLP of `intermediate_size`. Mixtral's every layer is
-sparse and its experts are `intermediate_size` wide. Only Qwen2-MoE has a shared expert (with its sigmoid
-`shared_expert_gate`).
+sparse and its experts are `intermediate_size` wide. Qwen2-MoE and Qwen3.5-MoE have a shared expert (with its
+sigmoid `shared_expert_gate`); Qwen3.5-MoE's every layer is sparse.
 
 Placement over the tensor-parallel ranks: `ep_size` (1 <= ep_size, dividing tp_size) groups of
 tp_size / ep_size consecutive ranks; group g holds experts [g E/ep, (g+1) E/ep) whole along the expert axis,
@@ -24,7 +24,13 @@ from dataclasses import dataclass
 from typing import Any
 
 MIXTRAL, QWEN2_MOE, QWEN3_MOE = "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"
-_MODEL_TYPES = {"mixtral": MIXTRAL, "qwen2_moe": QWEN2_MOE, "qwen3_moe": QWEN3_MOE}
+QWEN3_5_MOE = "Qwen3_5MoeForCausalLM"
+_MODEL_TYPES = {"mixtral": MIXTRAL, "qwen2_moe": QWEN2_MOE, "qwen3_moe": QWEN3_MOE, "qwen3_5_moe": QWEN3_5_MOE,
+                "qwen3_5_moe_text": QWEN3_5_MOE}  # fmt: skip
+_ARCHITECTURES = {MIXTRAL: MIXTRAL, QWEN2_MOE: QWEN2_MOE, QWEN3_MOE: QWEN3_MOE, QWEN3_5_MOE: QWEN3_5_MOE,
+                  "Qwen3_5MoeForConditionalGeneration": QWEN3_5_MOE}  # fmt: skip
+# with a gated shared expert beside the routed ones; Qwen3.5's router always renormalizes (no norm_topk_prob)
+_SHARED_EXPERT = (QWEN2_MOE, QWEN3_5_MOE)
 
 
 def _get(cfg: Any, key: str, default: Any = None) -> Any:
@@ -58,8 +64,8 @@ class MoESpec:
 def moe_architecture(cfg: Any) -> str | None:
     """The MoE architecture of a config (its `architectures`, else its `model_type`), or None."""
     for arch in _get(cfg, "architectures", None) or []:
-        if arch in (MIXTRAL, QWEN2_MOE, QWEN3_MOE):
-            return arch
+        if arch in _ARCHITECTURES:
+            return _ARCHITECTURES[arch]
     return _MODEL_TYPES.get(_get(cfg, "model_type", ""))
 
 
@@ -94,10 +100,10 @@ def moe_spec(cfg: Any) -> MoESpec | None:
         num_experts=num_experts,
         top_k=int(_get(cfg, "num_experts_per_tok", 1)),
         intermediate_size=int(_get(cfg, "moe_intermediate_size")),
-        renormalize=bool(_get(cfg, "norm_topk_prob", False)),
+        renormalize=bool(_get(cfg, "norm_topk_prob", arch == QWEN3_5_MOE)),
         round_routing_weights=True,
         shared_intermediate_size=int(_get(cfg, "shared_expert_intermediate_size", 0))
-        if arch == QWEN2_MOE
+        if arch in _SHARED_EXPERT
         else 0,
         sparse_layers=sparse,
         dense_intermediate_size=int(_get(cfg, "intermediate_size", 0)),

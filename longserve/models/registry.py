@@ -14,6 +14,11 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen2MoeForCausalLM": ("longserve.models.moe_models", "Qwen2MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("longserve.models.moe_models", "Qwen3MoeForCausalLM"),
     "MixtralForCausalLM": ("longserve.models.moe_models", "MixtralForCausalLM"),
+    # hybrid linear/full attention; the vision-language checkpoints serve their text model (loader.text_part)
+    "Qwen3_5ForCausalLM": ("longserve.models.hybrid", "Qwen3_5ForCausalLM"),
+    "Qwen3_5ForConditionalGeneration": ("longserve.models.hybrid", "Qwen3_5ForCausalLM"),
+    "Qwen3_5MoeForCausalLM": ("longserve.models.hybrid", "Qwen3_5MoeForCausalLM"),
+    "Qwen3_5MoeForConditionalGeneration": ("longserve.models.hybrid", "Qwen3_5MoeForCausalLM"),
 }
 
 

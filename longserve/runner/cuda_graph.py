@@ -307,6 +307,9 @@ def build_graphs(
     piecewise_cuda_graph_max_tokens; the later two in the decode graphs' pool (replays never overlap)."""
     if shape.device.type != "cuda" or config.enforce_eager:
         return None, None, None
+    if model.recurrent_states() is not None:
+        logger.info("a hybrid model's steps run eagerly: CUDA graphs over its state slots are not built yet")
+        return None, None, None
     if not backend.supports_cuda_graphs:
         logger.info(
             "the %s attention backend cannot be captured in CUDA graphs: decode runs eagerly", backend.name

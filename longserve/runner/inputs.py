@@ -33,6 +33,8 @@ class StepInputs:
     pending_dst: list[int] = field(default_factory=list)
     pending_src: list[int] = field(default_factory=list)
     num_prev_rows: int = 0  # the previous step's sampled ids (what ranks other than 0 receive them into)
+    # [B] a hybrid model's recurrent-state slots (attention/recurrent_state.py), else []
+    state_slots: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -109,6 +111,8 @@ def build_step(out: SchedulerOutput) -> StepInputs:
         step.prefix_lens.append(start)
         step.query_lens.append(n)
         step.page_tables.append(page_row(req, settled=end > num_prompt))
+        if req.state_slot is not None:
+            step.state_slots.append(req.state_slot)
         if s.samples:
             logits_indices.append(len(input_ids) - 1)
     return step
@@ -122,17 +126,17 @@ def split_step(step: StepInputs, at: int) -> tuple[StepInputs, StepInputs]:
     first.input_ids, second.input_ids = step.input_ids[:at], step.input_ids[at:]
     first.positions, second.positions = step.positions[:at], step.positions[at:]
     start = 0
-    for prefix_len, query_len, pages in zip(step.prefix_lens, step.query_lens, step.page_tables):
+    slots = step.state_slots or [None] * len(step.query_lens)
+    for prefix_len, query_len, pages, slot in zip(step.prefix_lens, step.query_lens, step.page_tables, slots):
         end = start + query_len
         cut = min(max(at - start, 0), query_len)  # this request's tokens in the first part
-        if cut:
-            first.prefix_lens.append(prefix_len)
-            first.query_lens.append(cut)
-            first.page_tables.append(pages)
-        if query_len - cut:
-            second.prefix_lens.append(prefix_len + cut)
-            second.query_lens.append(query_len - cut)
-            second.page_tables.append(pages)
+        for part, prefix, n in ((first, prefix_len, cut), (second, prefix_len + cut, query_len - cut)):
+            if n:
+                part.prefix_lens.append(prefix)
+                part.query_lens.append(n)
+                part.page_tables.append(pages)
+                if slot is not None:  # the second part continues from the state the first leaves
+                    part.state_slots.append(slot)
         start = end
     return first, second
 
@@ -142,10 +146,13 @@ def to_model_inputs(
 ) -> ModelInputs:
     """The step's tensors on `device`; its pending inputs gathered from prev_tokens (the previous step's
     sampled ids, still on the device) without waiting for them."""
-    meta, (input_ids, positions, logits_indices, dst, src) = build_step_tensors(
+    meta, (input_ids, positions, logits_indices, dst, src, *slots) = build_step_tensors(
         step.prefix_lens, step.query_lens, step.page_tables, page_size, device,
-        extra=(step.input_ids, step.positions, step.logits_indices, step.pending_dst, step.pending_src),
+        extra=(step.input_ids, step.positions, step.logits_indices, step.pending_dst, step.pending_src)
+        + ((step.state_slots,) if step.state_slots else ()),
     )  # fmt: skip
+    if slots:
+        meta.state_slots = slots[0]  # [B]
     if step.pending_dst:
         assert prev_tokens is not None, "a step with pending inputs needs the previous step's sampled ids"
         input_ids[dst] = prev_tokens[src]

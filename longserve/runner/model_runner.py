@@ -20,17 +20,17 @@ import torch.distributed as dist
 
 from longserve.attention import ForwardContext, GraphShape, KVCache, get_attention_backend
 from longserve.attention.kv_quant import kv_storage_dtype, layer_kv_scales
+from longserve.attention.recurrent_state import RecurrentStates
 from longserve.config import EngineConfig
 from longserve.distributed import RankFailure, broadcast_object, get_tp_group, set_ep_size, tp_broadcast
 from longserve.memory import bound_kernel_caches, start_heap_trimmer
 from longserve.models import load_model, resolve_dtype
 from longserve.models.decoder import validate_tp_size
-from longserve.models.moe import expert_weight_summary
 from longserve.models.pooler import apply_hf_overrides, resolve_pooler
 from longserve.models.quant.config import apply_quantization
 from longserve.outputs import SchedulerOutput
 from longserve.platform import available_memory_bytes, host_to_device, resolve_device
-from longserve.runner import prompt_logprobs, step_tokens
+from longserve.runner import memory_plan, prompt_logprobs, step_tokens
 from longserve.runner.context_length import resolve_context_length
 from longserve.runner.cuda_graph import build_graphs
 from longserve.runner.inputs import StepInputs, build_step, split_step, to_model_inputs
@@ -91,6 +91,9 @@ class ModelRunner:
         )
         # what the KV pages hold: the model's dtype, or e4m3 for --kv-cache-dtype fp8 (half the bytes)
         self.kv_dtype = kv_storage_dtype(config.kv_cache_dtype, self.dtype)
+        # a hybrid model's linear-attention states, before the KV pool is sized from the memory left
+        self.states = self._recurrent_states()
+        self.num_state_slots = self.states.num_slots if self.states is not None else 0
         self.num_pages = self._num_pages()
         # refuse an impossible context length before the large allocation
         self.context_length = resolve_context_length(config, hf_config, self.num_pages * config.page_size)
@@ -144,7 +147,8 @@ class ModelRunner:
             cfg, lone = self.config, self.lone_prefill_chunk_size
             optional = step_tokens.optional_past(cfg, lone, self.tp is not None)
             fits = warm_up(self.model, self.backend, self.kv_cache, self._graph_shape(),
-                           self.max_step_prompt_tokens, counts, optional, cfg.chunked_prefill_size)  # fmt: skip
+                           self.max_step_prompt_tokens, counts, optional, cfg.chunked_prefill_size,
+                           self.states)  # fmt: skip
             if fits < self.max_step_prompt_tokens:  # an optional pass ran out of memory
                 self.lone_prefill_chunk_size = step_tokens.lone_step_that_fits(cfg, lone, fits)
             self.heap_frozen = freeze_heap() or self.heap_frozen
@@ -167,6 +171,21 @@ class ModelRunner:
             "the checkpoint's per-layer scales"
             if found
             else "scales 1.0 (the checkpoint has no k_scale/v_scale)",
+        )
+
+    def _recurrent_states(self) -> RecurrentStates | None:
+        """A hybrid model's state slots (attention/recurrent_state.py): one a running request, the states in
+        config.mamba_ssm_cache_dtype (auto: the model's dtype), the convs' inputs in the model's."""
+        found = self.model.recurrent_states()
+        if found is None:
+            return None
+        num_layers, spec = found
+        if self.config.enable_prefix_caching:
+            logger.info("prefix caching is off: a hybrid model's linear-attention state cannot be shared")
+        given = self.config.mamba_ssm_cache_dtype
+        ssm_dtype = self.dtype if given == "auto" else getattr(torch, given)
+        return RecurrentStates(
+            num_layers, spec, self.config.max_running_requests, self.dtype, ssm_dtype, self.device
         )
 
     # ---- sizing ---------------------------------------------------------------------------------
@@ -288,7 +307,9 @@ class ModelRunner:
                 early()
             return self._forward_overlapped(step)
         inputs = to_model_inputs(step, self.kv_cache.page_size, self.device, prev_tokens)
-        ctx = ForwardContext(meta=inputs.meta, kv_cache=self.kv_cache, backend=self.backend)
+        ctx = ForwardContext(
+            meta=inputs.meta, kv_cache=self.kv_cache, backend=self.backend, states=self.states
+        )
         meta = inputs.meta
         decode_graph = self.graph_runner is not None and self.graph_runner.can_run(meta)
         extend_graph = (
@@ -333,7 +354,9 @@ class ModelRunner:
                 (
                     h.input_ids,
                     h.positions,
-                    ForwardContext(meta=h.meta, kv_cache=self.kv_cache, backend=self.backend),
+                    ForwardContext(
+                        meta=h.meta, kv_cache=self.kv_cache, backend=self.backend, states=self.states
+                    ),
                 )
                 for h in halves
             ]
@@ -368,40 +391,8 @@ class ModelRunner:
 
     @functools.cached_property
     def memory_plan(self) -> dict[str, Any]:
-        """This rank's weights (the experts' share apart) and KV pool, and what they fit: the start-up log
-        line and /server_info's "memory". Fixed once the runner is built."""
-        tokens = self.num_pages * self.page_size
-        return dict(
-            weight_bytes=self.weight_bytes(),
-            **expert_weight_summary(self.model),
-            kv_pool_tokens=tokens,
-            kv_pool_pages=self.num_pages,
-            kv_bytes_per_token=self.kv_bytes_per_token(),
-            kv_pool_bytes=tokens * self.kv_bytes_per_token(),
-            context_length=self.context_length,
-            requests_at_full_context=tokens / self.context_length,
-            dtype=str(self.dtype).removeprefix("torch."),
-            kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
-            device=str(self.device),
-            tp_size=self.tp.world_size if self.tp else 1,
-            ep_size=self.tp.ep_size if self.tp else 1,
-        )
+        """This rank's weights, KV pool and states, and what they fit (runner/memory_plan.py); fixed once built."""
+        return memory_plan.plan(self)
 
     def describe(self) -> str:
-        m = self.memory_plan
-        experts = ""
-        if m["moe_layers"]:
-            here = "" if m["local_experts"] == m["num_experts"] else f", {m['local_experts']} on this rank"
-            experts = (
-                f" (experts {m['expert_weight_bytes'] / 2**30:.2f} GiB: {m['moe_layers']} MoE layers of "
-                f"{m['num_experts']} experts{here})"
-            )
-        parallel = f"; per rank of tp={m['tp_size']}" if self.tp else ""
-        if self.tp and m["ep_size"] > 1:
-            parallel += f", ep={m['ep_size']}"
-        return (
-            f"KV pool: {m['kv_pool_tokens']:,} tokens ({self.num_pages:,} pages of {self.page_size}), "
-            f"longest context {self.context_length:,}, {m['requests_at_full_context']:.1f} requests at full "
-            f"context, {m['kv_pool_bytes'] / 2**30:.2f} GiB; weights {m['weight_bytes'] / 2**30:.2f} GiB"
-            f"{experts} ({self.dtype}, KV {self.kv_dtype}, {self.device}){parallel}"
-        )
+        return memory_plan.describe(self.memory_plan)

@@ -32,6 +32,7 @@ import torch
 
 from longserve.attention import AttentionBackend, ForwardContext, GraphShape, KVCache
 from longserve.attention.metadata import build_step_tensors
+from longserve.attention.recurrent_state import RecurrentStates
 
 logger = logging.getLogger(__name__)
 
@@ -69,24 +70,28 @@ def warm_up(
     counts: list[int] | None = None,
     optional_past: int | None = None,
     chunk_size: int | None = None,
+    states: RecurrentStates | None = None,
 ) -> int:
     """The backend's warm-up, then a forward pass of `model` per token count (default `warm_up_counts`).
     step_tokens: the most tokens a step takes; chunk_size: a usual step's, when that is a lone prompt's larger
     one (the backend plans chunks over a prefix at the usual size). The counts past `optional_past` are optional
     (a lone step the model chose itself, runner/step_tokens.py): out of device memory at one of them, the
     warm-up stops there. Returns the most tokens a step may take: step_tokens, or the largest count that ran
-    before an optional one ran out of memory."""
+    before an optional one ran out of memory. A hybrid model's passes start afresh in state slot 0 (`states`:
+    a fresh start never reads a slot's old contents)."""
     start = time.perf_counter()
     backend.warm_up(shape, chunk_size or step_tokens, kv_cache, step_tokens=step_tokens)
     counts = warm_up_counts(step_tokens, shape.max_seq_len) if counts is None else counts
     page_size = kv_cache.page_size
     ran = 0
     for n in counts:
-        meta, (input_ids, positions) = build_step_tensors(
-            [0], [n], [[0] * -(-n // page_size)], page_size, shape.device, extra=([0] * n, range(n))
+        meta, (input_ids, positions, state_slot) = build_step_tensors(
+            [0], [n], [[0] * -(-n // page_size)], page_size, shape.device, extra=([0] * n, range(n), [0])
         )
+        meta.state_slots = state_slot
         try:
-            model(input_ids, positions, ForwardContext(meta=meta, kv_cache=kv_cache, backend=backend))
+            ctx = ForwardContext(meta=meta, kv_cache=kv_cache, backend=backend, states=states)
+            model(input_ids, positions, ctx)
         except torch.OutOfMemoryError as e:  # at start-up, named, rather than under load
             if optional_past is not None and n > optional_past:
                 del meta, input_ids, positions

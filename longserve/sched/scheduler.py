@@ -289,7 +289,9 @@ class Scheduler:
         return None
 
     def _blocked_by_sibling(self, req: Request) -> bool:
-        if req.group_id is None:
+        """A sibling of an n > 1 request waits for its leader's prompt pages, to share them (not where prompts
+        are never shared: a hybrid model's recurrent state)."""
+        if req.group_id is None or not self.kv.shares_prompts:
             return False
         leader = self.group_leaders.get(req.group_id)
         if leader is None or leader is req:

@@ -16,6 +16,7 @@ from longserve.config import (
     KV_CACHE_DTYPE_ALIASES,
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
+    MAMBA_SSM_DTYPES,
     RUNNERS,
 )
 from longserve.platform import attention_backend_help
@@ -241,6 +242,9 @@ OPTIONS: tuple[Option, ...] = (
            "the KV cache's storage: auto (the model's dtype), fp8 or fp8_e4m3 (e4m3 with per-layer scales, "
            "from the checkpoint's k_scale/v_scale or 1.0): twice the tokens in the same memory",
            _kv_cache_dtype),
+    Option(("--mamba-ssm-cache-dtype", "--mamba-ssm-dtype"), E + "mamba_ssm_cache_dtype",
+           "a hybrid model's (Qwen3.5) linear-attention state: float32, bfloat16 (half the memory), float16, or "
+           "auto (the model's dtype)", choices=MAMBA_SSM_DTYPES),
     Option(("--strict-model-name",), S + "strict_model_name",
            "answer 404 to a `model` this server does not serve (vLLM); by default any name is served, as "
            "SGLang does (\"default\" always is)", None),

@@ -25,6 +25,10 @@ ARCHS = ("llama", "llama31", "mistral", "qwen2", "qwen3")
 # 64, 8 experts top-3 with a dense layer between sparse ones (Qwen3-MoE), a shared expert and sparse every
 # other layer (Qwen2-MoE), 6 experts top-2 with a sliding window (Mixtral)
 MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral")
+# hybrid linear/full attention (Qwen3.5): the MoE one as the released checkpoints are, a vision-language wrapper
+# (`model.language_model.*`, a tiny vision tower beside it), the dense one as its text model alone (`model.*`);
+# linear and full attention layers alternate, so that the second full layer is KV layer 1
+HYBRID_ARCHS = ("qwen3_5", "qwen3_5_moe")
 EXPERT_LAYOUTS = ("per_expert", "stacked")
 
 CHAT_TEMPLATE = (
@@ -122,12 +126,43 @@ def _make_config(arch: str, tie: bool, num_layers: int) -> Any:
             **{**common, "intermediate_size": 40}, head_dim=16, num_local_experts=6, num_experts_per_tok=2,
             sliding_window=8,
         )  # fmt: skip
-    raise ValueError(f"unknown tiny arch {arch!r}; choose one of {', '.join(ARCHS + MOE_ARCHS)}")
+    if arch in HYBRID_ARCHS:
+        return _hybrid_config(arch, common, num_layers)
+    raise ValueError(
+        f"unknown tiny arch {arch!r}; choose one of {', '.join(ARCHS + MOE_ARCHS + HYBRID_ARCHS)}"
+    )
+
+
+def _hybrid_config(arch: str, common: dict[str, Any], num_layers: int) -> Any:
+    import transformers
+
+    text = dict(
+        common,
+        head_dim=32,
+        layer_types=["linear_attention", "full_attention"] * (num_layers // 2) + ["linear_attention"] * (num_layers % 2),
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=24,
+        linear_conv_kernel_dim=4,
+        # a quarter of each head rotates, as in the released models; text positions make mrope plain rope
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                         "mrope_section": [2, 1, 1]},
+    )  # fmt: skip
+    if arch == "qwen3_5":
+        return transformers.Qwen3_5TextConfig(**text)
+    text.update(
+        num_experts=8, num_experts_per_tok=3, moe_intermediate_size=40, shared_expert_intermediate_size=48
+    )
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=common["hidden_size"],
+                  patch_size=4, spatial_merge_size=2, temporal_patch_size=2)  # fmt: skip
+    tie = text.pop("tie_word_embeddings")
+    return transformers.Qwen3_5MoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=tie)
 
 
 # layers of the MoE archs by default: a dense layer between two sparse ones (Qwen3-MoE), two sparse layers
 # at decoder_sparse_step 2 (Qwen2-MoE)
-_MOE_LAYERS = {"qwen3_moe": 3, "qwen2_moe": 4, "mixtral": 2}
+_MOE_LAYERS = {"qwen3_moe": 3, "qwen2_moe": 4, "mixtral": 2, "qwen3_5": 4, "qwen3_5_moe": 4}
 
 
 def _save_stacked(model: Any, path: str | os.PathLike) -> None:
@@ -176,10 +211,14 @@ def make_tiny_checkpoint(
     config = _make_config(arch, tie_word_embeddings, num_layers)
     shrunk: Any = slice(0, len(SPECIAL_TOKENS))
     eos: int | list[int] = [EOS_ID, IM_END_ID] if arch == "llama31" else EOS_ID
+    text_config = getattr(config, "text_config", config)  # a vision-language config's text model
     if tokenizer is not None:
-        shrunk, eos = _fit_config_to_tokenizer(config, tokenizer, eos_tokens)
+        shrunk, eos = _fit_config_to_tokenizer(text_config, tokenizer, eos_tokens)
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if getattr(config, "vision_config", None) is not None:  # the whole vision-language model, as released
+        model = transformers.AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         # special tokens get tiny logits, so a greedy random model never emits EOS (or BOS, ...) by chance
         for emb in {id(e): e for e in (model.get_input_embeddings(), model.get_output_embeddings())}.values():
@@ -198,7 +237,9 @@ def make_tiny_checkpoint(
     tokenizer.save_pretrained(path)
 
     with open(os.path.join(path, "generation_config.json"), "w") as f:
-        json.dump({"bos_token_id": config.bos_token_id, "eos_token_id": eos, "do_sample": False}, f, indent=2)
+        json.dump(
+            {"bos_token_id": text_config.bos_token_id, "eos_token_id": eos, "do_sample": False}, f, indent=2
+        )
     return str(path)
 
 

@@ -52,7 +52,9 @@ def tiny_float_model(path: str | os.PathLike, arch: str, seed: int, num_layers: 
     import transformers
 
     path = make_tiny_checkpoint(path, arch, seed=seed, num_layers=num_layers)
+    # a vision-language checkpoint's text model alone (Qwen3.5-MoE): `model.*` names, its text config
     config = transformers.AutoConfig.from_pretrained(path)
+    config = getattr(config, "text_config", config)
     dims = MOE_DIMS if hasattr(config, "moe_intermediate_size") or arch == "mixtral" else DENSE_DIMS
     for key, value in dims.items():
         if key == "moe_intermediate_size" and arch == "mixtral":

@@ -206,3 +206,29 @@ def test_a_quantized_engine_floor_counts_the_bytes_it_holds() -> None:
     assert got == pytest.approx(layer_params * 0.52 + head * 2 + 32769 * costs.kv_bytes_per_token / 2)
     record = {"case": "decode", "batch_size": 1, "context_len": 32768, "itl_ms_median": 5.0}
     assert case_floor(record, int4_fp8kv, 8192)["seconds"] < case_floor(record, costs, 8192)["seconds"] / 1.7
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
+def test_hybrid_costs_count_the_models_parameters(tmp_path, arch: str) -> None:
+    """A hybrid model's costs: every parameter of the built model but the norms (the floors' rounding), K/V only in
+    its full-attention layers; the 35B-A3B shape's total near its published 35B."""
+    import json
+
+    import torch
+
+    from longserve.models import load_hf_config, load_model
+    from longserve.models.layers import RMSNorm
+    from longserve.testing.checkpoints import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(tmp_path, arch, seed=1)
+    config = load_hf_config(path)
+    cfg = json.loads(config.to_json_string())
+    model = load_model(path, config, torch.float32, torch.device("cpu"))
+    norms = {id(p) for m in model.modules() if isinstance(m, RMSNorm) for p in m.parameters()}
+    norms |= {id(layer.linear_attn.norm.weight) for layer in model.model.layers if not layer.attends}
+    counted = sum(p.numel() for p in model.parameters() if id(p) not in norms)
+    costs = model_costs(cfg, itemsize=4)
+    assert costs.weight_bytes // 4 == counted
+    assert costs.num_layers == model.num_layers == 2  # of 4 layers
+    big = model_costs(BUILTIN_CONFIGS["qwen3.5-35b-a3b"], itemsize=2)
+    assert big.weight_bytes / 2 / 1e9 == pytest.approx(35, rel=0.03) and big.num_layers == 10

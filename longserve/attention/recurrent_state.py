@@ -1,0 +1,59 @@
+"""The recurrent states of a hybrid model's linear-attention layers (Gated DeltaNet): the KV cache's sibling.
+
+A full-attention layer keeps every past token's K/V in pages; a Gated DeltaNet layer folds its past into a
+fixed-size state a request: the last W-1 inputs of its causal conv (`conv[layer]`: [slots, W-1, conv_dim], the
+model's dtype) and the delta rule's matrix (`ssm[layer]`: [slots, value heads, key dim, value dim]). Slot s of
+every layer belongs to the request holding slot s (cache/state_slots.py hands them out); a slot's old contents
+are never read by a request starting afresh (the kernels zero-start where the step's prefix length is 0), so
+nothing is cleared between holders.
+
+The state's dtype: float32 by default, as SGLang keeps it and as transformers computes it (the delta rule's
+state accumulates every token: rounding it to bf16 at each step drifts); `--mamba-ssm-cache-dtype` (vLLM's
+flag) may halve it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class RecurrentStateSpec:
+    """One linear-attention layer's state on this rank (every such layer has the same)."""
+
+    conv_dim: int  # channels of the causal conv: q, k and v of this rank's heads
+    conv_width: int  # W: the conv keeps W-1 past inputs
+    num_v_heads: int  # this rank's value heads
+    k_dim: int  # key head dim
+    v_dim: int  # value head dim
+
+    def bytes_per_slot(self, conv_dtype: torch.dtype, ssm_dtype: torch.dtype) -> int:
+        conv = (self.conv_width - 1) * self.conv_dim * conv_dtype.itemsize
+        ssm = self.num_v_heads * self.k_dim * self.v_dim * ssm_dtype.itemsize
+        return conv + ssm
+
+
+class RecurrentStates:
+    """`conv[i]`, `ssm[i]`: the states of the model's i-th linear-attention layer, `num_slots` rows each."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        spec: RecurrentStateSpec,
+        num_slots: int,
+        conv_dtype: torch.dtype,
+        ssm_dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        self.spec = spec
+        self.num_slots = num_slots
+        conv_shape = (num_slots, spec.conv_width - 1, spec.conv_dim)
+        ssm_shape = (num_slots, spec.num_v_heads, spec.k_dim, spec.v_dim)
+        self.conv = [torch.zeros(conv_shape, dtype=conv_dtype, device=device) for _ in range(num_layers)]
+        self.ssm = [torch.zeros(ssm_shape, dtype=ssm_dtype, device=device) for _ in range(num_layers)]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.conv, *self.ssm))

@@ -1,0 +1,167 @@
+"""The Gated DeltaNet token mixer of Qwen3.5 / Qwen3-Next's linear-attention layers, on a step's flattened tokens.
+
+Per layer (transformers' `Qwen3_5MoeGatedDeltaNet`, whose parameter names these mirror):
+
+    x ─ in_proj_qkv ─ causal conv (width W, silu) ─ q | k | v ─┐
+      ├ in_proj_a, in_proj_b ─ g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b) ─ gated delta rule
+      └ in_proj_z ─────────────────────────────── gated RMSNorm(out, z) ─ out_proj ─ y
+
+The conv's last W-1 inputs and the delta rule's [value heads, K, V] state are a request's whole past: they live in
+slot `meta.state_slots[r]` of `ctx.states` (attention/recurrent_state.py); a request whose prefix length is 0
+starts from zero, any later chunk or decode continues its slot. Steps whose every request decodes one token
+past a non-empty history take the one-token kernels; any other step (prompts, chunks, a mix with decodes) the
+chunked ones, which treat a decode as a sequence of one.
+
+Tensor parallelism splits the key and value heads (a value head reads key head h // (Hv / Hk): consecutive
+value heads share one, so a rank's value heads read only its own key heads); out_proj is row-parallel.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from longserve.attention.base import ForwardContext
+from longserve.attention.recurrent_state import RecurrentStateSpec
+from longserve.distributed import get_tp_rank, get_tp_size
+from longserve.kernels.causal_conv1d_reference import causal_conv1d_decode_ref, causal_conv1d_prefill_ref
+from longserve.kernels.gated_delta_reference import (
+    gated_delta_decode_ref,
+    gated_delta_prefill_ref,
+    gdn_gating_ref,
+)
+from longserve.kernels.gated_norm_reference import gated_rms_norm_ref
+from longserve.models.layers import MergedLinear, RowParallelLinear, TensorLike, as_tensor, tp_shard_range
+from longserve.models.linear_method import LinearMethod
+from longserve.models.quant.layout import check_dtype, tensor_name
+from longserve.platform import use_triton
+
+
+class GatedDeltaNet(nn.Module):
+    """One linear-attention layer's mixer; `state_id` is its index among the model's linear-attention layers."""
+
+    def __init__(self, hf_config: Any, state_id: int, linear: LinearMethod) -> None:
+        super().__init__()
+        self.state_id = state_id
+        tp, rank = get_tp_size(), get_tp_rank()
+        hk, hv = hf_config.linear_num_key_heads, hf_config.linear_num_value_heads
+        self.k_dim, self.v_dim = hf_config.linear_key_head_dim, hf_config.linear_value_head_dim
+        if hv % hk:
+            raise ValueError(f"linear_num_value_heads={hv} is not a multiple of linear_num_key_heads={hk}")
+        k_start, self.num_k_heads = tp_shard_range(hk, tp, rank, "linear_num_key_heads")
+        v_start, self.num_v_heads = tp_shard_range(hv, tp, rank, "linear_num_value_heads")
+        self.conv_width = hf_config.linear_conv_kernel_dim
+        if getattr(hf_config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {hf_config.hidden_act!r} is not supported; supported: silu")
+        key, value = self.num_k_heads * self.k_dim, self.num_v_heads * self.v_dim  # this rank's widths
+        self.key_size, self.value_size = key, value
+        # q | k | v: one checkpoint tensor (`in_proj_qkv`), each part sliced to this rank's heads
+        starts = {"q": k_start * self.k_dim, "k": k_start * self.k_dim, "v": v_start * self.v_dim}
+        full = {"q": hk * self.k_dim, "k": hk * self.k_dim, "v": hv * self.v_dim}
+        self.in_proj_qkv = MergedLinear(
+            hf_config.hidden_size, {"q": key, "k": key, "v": value}, bias=False,
+            shard_starts=starts, full_shard_sizes=full, quant_method=linear,
+        )  # fmt: skip
+        # z | b | a: three checkpoint tensors (`in_proj_z`, `in_proj_b`, `in_proj_a`) in one product
+        self.in_proj_zba = MergedLinear(
+            hf_config.hidden_size,
+            {"z": value, "b": self.num_v_heads, "a": self.num_v_heads},
+            bias=False,
+            shard_starts={"z": v_start * self.v_dim, "b": v_start, "a": v_start},
+            full_shard_sizes={"z": hv * self.v_dim, "b": hv, "a": hv},
+            quant_method=linear,
+        )
+        self._conv_rows = [(0, k_start * self.k_dim, key), (hk * self.k_dim, k_start * self.k_dim, key),
+                           (2 * hk * self.k_dim, v_start * self.v_dim, value)]  # fmt: skip
+        self.conv_dim = 2 * key + value
+        self.full_conv_dim, self.full_v_heads = 2 * hk * self.k_dim + hv * self.v_dim, hv  # the checkpoint's
+        # the checkpoint's depthwise conv `conv1d.weight` [D, 1, W]; held as [D_rank, W]
+        self.conv1d = nn.Module()
+        self.conv1d.weight = nn.Parameter(torch.empty(self.conv_dim, self.conv_width))
+        self.conv1d.weight.weight_loader = self._load_conv  # type: ignore[attr-defined]
+        self.conv1d.weight.full_shape = (self.full_conv_dim, 1, self.conv_width)  # type: ignore[attr-defined]
+        self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.empty(self.num_v_heads))
+        for p in (self.dt_bias, self.A_log):
+            p.weight_loader = self._load_heads  # type: ignore[attr-defined]
+            p.full_shape = (hv,)  # type: ignore[attr-defined]
+        self._v_start = v_start
+        self.norm = nn.Module()  # the gated RMSNorm over a value head: `norm.weight` [V]
+        self.norm.weight = nn.Parameter(torch.empty(self.v_dim))
+        self.norm_eps = hf_config.rms_norm_eps
+        self.out_proj = RowParallelLinear(
+            hv * self.v_dim, hf_config.hidden_size, bias=False, quant_method=linear
+        )
+
+    def state_spec(self) -> RecurrentStateSpec:
+        return RecurrentStateSpec(self.conv_dim, self.conv_width, self.num_v_heads, self.k_dim, self.v_dim)
+
+    def _load_conv(self, param: nn.Parameter, loaded: TensorLike, shard_id: str | None = None) -> None:
+        """conv1d.weight [D, 1, W] of every head -> this rank's q, k and v channels [D_rank, W]."""
+        check_dtype(param, loaded)
+        if tuple(loaded.shape) != (self.full_conv_dim, 1, self.conv_width):
+            raise ValueError(
+                f"{tensor_name(loaded)}: expected shape {(self.full_conv_dim, 1, self.conv_width)}, got "
+                f"{tuple(loaded.shape)}"
+            )
+        parts = [as_tensor(loaded.narrow(0, base + start, size)) for base, start, size in self._conv_rows]
+        param.data.copy_(torch.cat(parts).reshape(param.shape))
+
+    def _load_heads(self, param: nn.Parameter, loaded: TensorLike, shard_id: str | None = None) -> None:
+        """dt_bias, A_log [Hv] -> this rank's value heads."""
+        check_dtype(param, loaded)
+        if tuple(loaded.shape) != (self.full_v_heads,):
+            raise ValueError(
+                f"{tensor_name(loaded)}: expected shape ({self.full_v_heads},), got {tuple(loaded.shape)}"
+            )
+        param.data.copy_(as_tensor(loaded.narrow(0, self._v_start, self.num_v_heads)))
+
+    def forward(self, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        meta, states = ctx.meta, ctx.states
+        assert states is not None and meta.state_slots is not None, (
+            "a hybrid model's step needs its state slots"
+        )
+        t = hidden.shape[0]
+        conv_state, ssm_state = states.conv[self.state_id], states.ssm[self.state_id]
+        slots = meta.state_slots  # [B]
+        z, b, a = self.in_proj_zba.split(self.in_proj_zba(hidden))  # [T, Hv*V], [T, Hv], [T, Hv]
+        qkv = self.in_proj_qkv(hidden)  # [T, D]
+        fast = use_triton(hidden)
+        # one token a request, each continuing a history: the one-token kernels (host lists: no sync)
+        decode = meta.max_query_len == 1 and min(meta.prefix_lens_cpu, default=0) > 0
+        if decode:
+            conv = _kernel(fast, "causal_conv1d", "causal_conv1d_decode", causal_conv1d_decode_ref)
+            mixed = conv(qkv, self.conv1d.weight, conv_state, slots)  # [B, D]
+        else:
+            has_state = meta.per_step(("has_state",), lambda: meta.prefix_lens > 0)  # [B] bool
+            conv = _kernel(fast, "causal_conv1d", "causal_conv1d_prefill", causal_conv1d_prefill_ref)
+            mixed = conv(
+                qkv, self.conv1d.weight, conv_state, meta.query_start_loc, slots, has_state
+            )  # [T, D]
+        q, k, v = mixed.split([self.key_size, self.key_size, self.value_size], dim=-1)
+        q = q.view(t, self.num_k_heads, self.k_dim)  # [T, Hk, K]
+        k = k.view(t, self.num_k_heads, self.k_dim)  # [T, Hk, K]
+        v = v.view(t, self.num_v_heads, self.v_dim)  # [T, Hv, V]
+        gating = _kernel(fast, "gated_delta", "gdn_gating", gdn_gating_ref)
+        g, beta = gating(a, b, self.A_log, self.dt_bias)  # [T, Hv] each
+        if decode:
+            rule = _kernel(fast, "gated_delta", "gated_delta_decode", gated_delta_decode_ref)
+            out = rule(q, k, v, g, beta, ssm_state, slots)  # [B, Hv, V]
+        else:
+            rule = _kernel(fast, "gated_delta", "gated_delta_prefill", gated_delta_prefill_ref)
+            out = rule(q, k, v, g, beta, ssm_state, meta.query_start_loc, slots, has_state)  # [T, Hv, V]
+        norm = _kernel(fast, "gated_norm", "gated_rms_norm", gated_rms_norm_ref)
+        out = norm(out.reshape(-1, self.v_dim), z.reshape(-1, self.v_dim), self.norm.weight, self.norm_eps)
+        return self.out_proj(out.view(t, self.value_size))  # [T, hidden]
+
+
+def _kernel(fast: bool, module: str, name: str, reference: Any) -> Any:
+    """The Triton kernel `longserve.kernels.<module>.<name>` on CUDA (imported there: it imports triton), else
+    its torch reference."""
+    if not fast:
+        return reference
+    import importlib
+
+    return getattr(importlib.import_module(f"longserve.kernels.{module}"), name)

@@ -1,0 +1,122 @@
+"""Hybrid linear/full-attention models (Qwen3.5 dense, Qwen3.5-MoE as the vision-language checkpoint) end to end
+through the LLM API on the CPU: 32 greedy tokens equal to transformers' `generate`; a batch, chunks of 1/7/64
+tokens, more prompts than state slots, forced preemption and n > 1 each give the tokens of each prompt run alone;
+prefix caching is off for these models (a state cannot be cut at a page); every page and state slot comes back
+(`assert_clean`, whose integrity check covers the slots); an abort mid-prompt frees its slot."""
+
+from __future__ import annotations
+
+import pytest
+
+from longserve import LLM, SamplingParams
+from longserve.cache.prefix_cache import NoPrefixCache
+from longserve.testing.checkpoints import HYBRID_ARCHS, make_tiny_checkpoint
+from tests.e2e.test_engine import DEVICE, GREEDY32, assert_clean, hf_greedy, prompts
+
+
+def llm(path, **kw):
+    kw.setdefault("dtype", "float32")
+    kw.setdefault("device", DEVICE)
+    kw.setdefault("max_total_tokens", 4096)
+    return LLM(path, **kw)
+
+
+def run_all(path, ps, params=GREEDY32, **kw):
+    m = llm(path, **kw)
+    outs = m.generate(ps, params)
+    assert_clean(m.engine)
+    assert m.engine.kv.states.num_free == m.engine.kv.states.num_total > 0  # every state slot back
+    return [o.token_ids for o in outs], m.engine
+
+
+@pytest.mark.parametrize("arch", HYBRID_ARCHS)
+def test_greedy_equals_transformers(tmp_path, arch):
+    path = make_tiny_checkpoint(tmp_path, arch, seed=3)
+    ids = prompts(1, shared=90)[0]  # past one of the delta rule's 64-token chunks
+    expected = hf_greedy(path, ids, 32)
+    assert len(set(expected)) > 4, "degenerate reference output: the test would prove little"
+    out, engine = run_all(path, [ids], chunked_prefill_size=48)  # the prompt spans two steps
+    assert out[0] == expected
+    assert isinstance(engine.kv.prefix_cache, NoPrefixCache)  # asked for (the default) but off
+
+
+@pytest.fixture(scope="module")
+def hybrid_ckpt(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("qwen3_5_moe"), "qwen3_5_moe", seed=5)
+
+
+@pytest.fixture(scope="module")
+def baseline(hybrid_ckpt):
+    """Each prompt alone, in one step."""
+    ps = prompts()
+    alone = [run_all(hybrid_ckpt, [p], chunked_prefill_size=4096)[0][0] for p in ps]
+    assert len({tuple(t) for t in alone}) == len(ps)
+    return ps, alone
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, 4096])
+def test_batch_and_chunks_equal_each_alone(hybrid_ckpt, baseline, chunk):
+    ps, alone = baseline
+    # two state slots for four prompts: the later two wait for the first two's slots
+    toks, engine = run_all(hybrid_ckpt, ps, chunked_prefill_size=chunk, max_running_requests=2)
+    assert toks == alone
+    assert engine.kv.states.num_total == 2
+
+
+def test_forced_preemption_equals_no_preemption(hybrid_ckpt, baseline):
+    ps, alone = baseline
+    # 12 pages of 16 tokens cannot hold the four requests at once: a preempted one starts again from zero
+    toks, engine = run_all(hybrid_ckpt, ps, max_total_tokens=192, page_size=16)
+    assert engine.scheduler.num_preemptions > 0
+    assert toks == alone
+
+
+def test_siblings_compute_their_own_prompts(hybrid_ckpt, baseline):
+    """n > 1: siblings cannot share the leader's prompt (no state to fork): each computes it, same greedy tokens."""
+    ps, alone = baseline
+    m = llm(hybrid_ckpt)
+    params = SamplingParams(n=3, max_new_tokens=32, temperature=0.0, ignore_eos=True)
+    out = m.generate(ps[:2], params)
+    assert [[c.token_ids for c in o.outputs] for o in out] == [[alone[0]] * 3, [alone[1]] * 3]
+    assert_clean(m.engine)
+
+
+def test_abort_mid_prompt_frees_its_slot(hybrid_ckpt, baseline):
+    ps, alone = baseline
+    m = llm(hybrid_ckpt, chunked_prefill_size=8, max_running_requests=1)
+    engine = m.engine
+    engine.add_request(ps[3], GREEDY32, request_id="long")
+    engine.step()  # its first chunk: it holds the one slot
+    assert engine.kv.states.num_free == 0
+    engine.abort("long")
+    assert engine.kv.states.num_free == 1
+    assert [o.token_ids for o in m.generate([ps[0]], GREEDY32)] == [alone[0]]  # the slot serves afresh
+    assert_clean(engine)
+
+
+def test_state_dtype_follows_the_setting(hybrid_ckpt, baseline):
+    """--mamba-ssm-cache-dtype: float32 by default, bfloat16 halves the delta rule's states (the convs' inputs stay
+    in the model's dtype), auto is the model's dtype; a value it does not know is refused by name."""
+    import torch
+
+    ps, alone = baseline
+    plans = {}
+    for given, expected in (
+        ("float32", torch.float32),
+        ("bfloat16", torch.bfloat16),
+        ("auto", torch.float32),
+    ):
+        m = llm(hybrid_ckpt, mamba_ssm_cache_dtype=given, max_running_requests=4)
+        runner = m.engine.runner
+        assert {t.dtype for t in runner.states.ssm} == {expected} and runner.states.conv[
+            0
+        ].dtype == torch.float32
+        plans[given] = runner.memory_plan["state_bytes"]
+        out = [o.token_ids for o in m.generate(ps[:1], GREEDY32)]
+        if given != "bfloat16":
+            assert out == alone[:1]
+        assert_clean(m.engine)
+    ssm = sum(t.numel() for t in runner.states.ssm)
+    assert plans["float32"] - plans["bfloat16"] == 2 * ssm == plans["auto"] - plans["bfloat16"]
+    with pytest.raises(ValueError, match="mamba_ssm_cache_dtype must be one of auto, float32"):
+        llm(hybrid_ckpt, mamba_ssm_cache_dtype="fp8")

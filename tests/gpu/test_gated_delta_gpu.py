@@ -1,0 +1,80 @@
+"""The Gated DeltaNet kernels on the GPU at Qwen3.5's linear-attention shape (16 key / 32 value heads of 128,
+conv width 4) against their torch references: a varlen prefill of requests of 1, 700 and 3,000 tokens (one
+continuing a state), then decode steps, in bf16 with float32 and bf16 state pools; other slots untouched. The CPU
+tests (tests/unit/test_gated_delta.py, test_causal_conv1d.py) run them interpreted at tiny shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+HK, HV, K, V, W = 16, 32, 128, 128, 4
+D = 2 * HK * K + HV * V
+LENS, SLOTS, HAS = [1, 700, 3000], [3, 0, 5], [False, True, False]
+
+
+def randn(*shape, dtype=torch.bfloat16, seed=0, scale=1.0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return (torch.randn(*shape, device="cuda", generator=gen) * scale).to(dtype)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
+
+
+def inputs(n: int, seed: int):
+    qkv = randn(n, D, seed=seed)
+    q, k, v = qkv.split([HK * K, HK * K, HV * V], dim=-1)
+    a, b = randn(n, HV, seed=seed + 1), randn(n, HV, seed=seed + 2)
+    return qkv, q.view(n, HK, K), k.view(n, HK, K), v.view(n, HV, V), a, b
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_prefill_then_decode_equal_references(state_dtype: torch.dtype) -> None:
+    from longserve.kernels import causal_conv1d as cc
+    from longserve.kernels import gated_delta as gd
+
+    n = sum(LENS)
+    qsl = torch.tensor([0, *torch.tensor(LENS).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    slots = torch.tensor(SLOTS, dtype=torch.int32, device="cuda")
+    has = torch.tensor(HAS, device="cuda")
+    weight, a_log, dt_bias = randn(D, W, seed=7, scale=0.5), randn(HV, seed=8).float(), randn(HV, seed=9)
+    conv0, ssm0 = randn(8, W - 1, D, seed=10), randn(8, HV, K, V, dtype=state_dtype, seed=11, scale=0.1)
+    pools = {name: (conv0.clone(), ssm0.clone()) for name in ("kernel", "ref")}
+    qkv, *_, a, b = inputs(n, seed=1)
+    outs = {}
+    for name, conv_fn, rule_fn, gating in (
+        ("kernel", cc.causal_conv1d_prefill, gd.gated_delta_prefill, gd.gdn_gating),
+        ("ref", cc.causal_conv1d_prefill_ref, gd.gated_delta_prefill_ref, gd.gdn_gating_ref),
+    ):
+        conv, ssm = pools[name]
+        mixed = conv_fn(qkv, weight, conv, qsl, slots, has)
+        q, k, v = mixed.split([HK * K, HK * K, HV * V], dim=-1)
+        g, beta = gating(a, b, a_log, dt_bias)
+        outs[name] = (mixed, rule_fn(q.view(n, HK, K), k.view(n, HK, K), v.view(n, HV, V), g, beta, ssm, qsl, slots,
+                                     has))  # fmt: skip
+    assert rel(outs["kernel"][0], outs["ref"][0]) < 1e-2  # the conv: one rounding of its bf16 output
+    assert rel(outs["kernel"][1], outs["ref"][1]) < 3e-2
+    for i in range(2):  # the pools after the prefill, then after 4 decode steps of the three requests
+        assert rel(pools["kernel"][1][SLOTS], pools["ref"][1][SLOTS]) < 3e-2
+        assert torch.equal(pools["kernel"][1][[1, 2, 4, 6, 7]], ssm0[[1, 2, 4, 6, 7]])  # no other slot written
+        if i:
+            break
+        for step in range(4):
+            x, *_, a1, b1 = inputs(3, seed=20 + step)
+            got = {}
+            for name, conv_fn, rule_fn, gating in (
+                ("kernel", cc.causal_conv1d_decode, gd.gated_delta_decode, gd.gdn_gating),
+                ("ref", cc.causal_conv1d_decode_ref, gd.gated_delta_decode_ref, gd.gdn_gating_ref),
+            ):
+                conv, ssm = pools[name]
+                mixed = conv_fn(x, weight, conv, slots)
+                q, k, v = mixed.split([HK * K, HK * K, HV * V], dim=-1)
+                g, beta = gating(a1, b1, a_log, dt_bias)
+                got[name] = rule_fn(q.view(3, HK, K), k.view(3, HK, K), v.view(3, HV, V), g, beta, ssm, slots)
+            assert rel(got["kernel"], got["ref"]) < 3e-2, step

@@ -1,0 +1,142 @@
+"""Hybrid linear/full-attention models (Qwen3.5 dense and MoE) vs transformers, float32, on tiny random checkpoints
+written by transformers itself (the MoE one as the released vision-language wrapper): a full prefill, the same
+prompt in chunks (the recurrent state carried in its slot, the full layers' K/V in pages), a mixed step of a decode
+beside another request's chunk, greedy decode against transformers' generate, and the weights the loader maps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from longserve.attention.base import ForwardContext, KVCache
+from longserve.attention.recurrent_state import RecurrentStates
+from longserve.attention.torch_backend import TorchAttentionBackend
+from longserve.models import load_hf_config, load_model
+from longserve.testing.checkpoints import HYBRID_ARCHS, make_tiny_checkpoint
+from tests.model.test_models_vs_hf import PAGE_SIZE, hf_logits, load_both, make_meta, prompt
+
+NUM_SLOTS = 4
+PAGE_IDS = (
+    torch.randperm(48, generator=torch.Generator().manual_seed(0)).add(1).tolist()
+)  # 192 tokens, shuffled
+
+
+def new_cache(model: torch.nn.Module) -> KVCache:
+    return KVCache(model.num_layers, 49, PAGE_SIZE, model.num_kv_heads, model.head_dim, torch.float32, "cpu")
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("hybrid")
+    return {arch: make_tiny_checkpoint(root / arch, arch, seed=7) for arch in HYBRID_ARCHS}
+
+
+def new_states(model: torch.nn.Module) -> RecurrentStates:
+    num_layers, spec = model.recurrent_states()
+    states = RecurrentStates(num_layers, spec, NUM_SLOTS, torch.float32, torch.float32, "cpu")
+    for t in (*states.conv, *states.ssm):  # garbage a fresh request must not read
+        t.normal_()
+    return states
+
+
+def step(model, cache, states, token_ids, prefix_lens, page_tables, slots) -> torch.Tensor:
+    """One step over several requests' new tokens in their state slots; logits [T, V] of every new token."""
+    meta, positions = make_meta(prefix_lens, [len(t) for t in token_ids], page_tables)
+    meta.state_slots = torch.tensor(slots, dtype=torch.int64)
+    ctx = ForwardContext(meta=meta, kv_cache=cache, backend=TorchAttentionBackend(), states=states)
+    with torch.no_grad():
+        return model.compute_logits(model(torch.cat(token_ids), positions, ctx))  # [T, V]
+
+
+@pytest.mark.parametrize("arch", HYBRID_ARCHS)
+def test_prefill_chunks_and_mixed_step_match_hf(checkpoints: dict, arch: str) -> None:
+    ours, hf = load_both(checkpoints[arch])
+    assert ours.num_layers == 2  # two full-attention layers hold K/V; two linear ones hold states
+    ids = prompt(ours.vocab_size, n=150)  # past two of the delta rule's 64-token chunks
+    ref = hf_logits(hf, ids)  # [150, V]
+
+    full = step(ours, new_cache(ours), new_states(ours), [ids], [0], [PAGE_IDS[:40]], [2])
+    torch.testing.assert_close(full, ref, atol=1e-4, rtol=1e-4)
+
+    # three chunks in slot 1, not on the delta rule's 64-token boundaries: its chunks then start elsewhere than
+    # transformers' (from 0), a float32 rounding apart (~1e-4 of logits of ~10)
+    cache, states = new_cache(ours), new_states(ours)
+    bounds = ((0, 37), (37, 101), (101, 150))
+    parts = [step(ours, cache, states, [ids[a:b]], [a], [PAGE_IDS[:40]], [1]) for a, b in bounds]
+    torch.testing.assert_close(torch.cat(parts), ref, atol=5e-4, rtol=1e-4)
+
+    # another request's decode (slot 1 continues) beside a fresh prompt in slot 3
+    other = prompt(ours.vocab_size, n=21, seed=3)
+    nxt = int(ref[-1].argmax())
+    mixed = step(
+        ours, cache, states, [torch.tensor([nxt]), other], [150, 0], [PAGE_IDS[:40], PAGE_IDS[40:]], [1, 3]
+    )
+    after = hf_logits(hf, torch.cat([ids, torch.tensor([nxt])]))[-1]  # [V]
+    torch.testing.assert_close(mixed[0], after, atol=5e-4, rtol=1e-4)
+    torch.testing.assert_close(mixed[1:], hf_logits(hf, other), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", HYBRID_ARCHS)
+def test_greedy_decode_matches_hf_generate(checkpoints: dict, arch: str) -> None:
+    """32 tokens one step each (the one-token kernels' path) against transformers' generate with its cache."""
+    ours, hf = load_both(checkpoints[arch])
+    ids = prompt(ours.vocab_size, n=30, seed=5)
+    with torch.no_grad():
+        expected = hf.generate(ids[None], max_new_tokens=32, do_sample=False)[0, 30:].tolist()
+    cache, states = new_cache(ours), new_states(ours)
+    logits = step(ours, cache, states, [ids], [0], [PAGE_IDS], [0])
+    out = [int(logits[-1].argmax())]
+    while len(out) < 32:
+        pos = 30 + len(out) - 1
+        logits = step(ours, cache, states, [torch.tensor(out[-1:])], [pos], [PAGE_IDS], [0])
+        out.append(int(logits[-1].argmax()))
+    assert out == expected
+
+
+def test_vision_language_checkpoint_serves_its_text_model(checkpoints: dict) -> None:
+    path = checkpoints["qwen3_5_moe"]
+    config = load_hf_config(path)
+    assert config.model_type == "qwen3_5_moe_text" and config.architectures == [
+        "Qwen3_5MoeForConditionalGeneration"
+    ]
+    model = load_model(path, config, torch.float32, torch.device("cpu"))
+    names = dict(model.named_parameters())
+    assert (
+        "model.layers.0.linear_attn.in_proj_zba.weight" in names
+        and "model.layers.1.self_attn.qkv_proj.weight" in names
+    )
+    assert not any("visual" in n or "mtp" in n for n in names)
+
+
+def test_gptq_moe_with_the_released_rules_matches_transformers(tmp_path) -> None:
+    """Qwen3.5-MoE in GPTQ int4 as the official checkpoints are (`dynamic` keeps both attentions and the shared
+    expert float, the routed experts 4-bit): logits and 16 greedy tokens equal transformers' on the dequantized
+    weights (AutoGPTQ's own unpacking, tests/model/test_quantized_models.py)."""
+    from transformers import AutoModelForCausalLM
+
+    from longserve.testing import quant_checkpoints as qc
+    from tests.model.test_quantized_models import MOE_DYNAMIC, dequantize_gptq_checkpoint
+
+    path = qc.write_gptq(tmp_path / "gptq", "qwen3_5_moe", bits=4, group_size=32, dynamic=MOE_DYNAMIC, seed=3)
+    ref = qc.dequantized_checkpoint(path, tmp_path / "dequantized", dequantize_gptq_checkpoint(path, 4))
+    ours = load_model(path, load_hf_config(path), torch.float32, torch.device("cpu"))
+    hf = AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32, experts_implementation="eager").eval()
+    methods = {
+        name: type(m.quant_method).__name__ for name, m in ours.named_modules() if hasattr(m, "quant_method")
+    }
+    assert methods["model.layers.0.mlp.experts"] != "UnquantizedMoEMethod"
+    assert {methods[n] for n in methods if "attn" in n or "shared_expert" in n} == {"UnquantizedLinearMethod"}
+
+    ids = prompt(ours.vocab_size, n=40, seed=2)
+    cache, states = new_cache(ours), new_states(ours)
+    logits = step(ours, cache, states, [ids], [0], [PAGE_IDS], [0])
+    torch.testing.assert_close(logits, hf_logits(hf, ids), atol=1e-4, rtol=1e-4)
+    with torch.no_grad():
+        expected = hf.generate(ids[None], max_new_tokens=16, min_new_tokens=16, do_sample=False)[
+            0, 40:
+        ].tolist()
+    out = [int(logits[-1].argmax())]
+    while len(out) < 16:
+        logits = step(ours, cache, states, [torch.tensor(out[-1:])], [40 + len(out) - 1], [PAGE_IDS], [0])
+        out.append(int(logits[-1].argmax()))
+    assert out == expected and len(set(out)) >= 4
