@@ -19,6 +19,7 @@ import torch
 
 from longserve.attention.base import AttentionBackend, ForwardContext, GraphShape, KVCache
 from longserve.attention.metadata import AttentionMetadata
+from longserve.attention.recurrent_state import RecurrentStates
 from longserve.config import EngineConfig
 from longserve.runner.piecewise_graph import PiecewiseGraphRunner
 from longserve.runner.static_tokens import StaticTokens
@@ -75,9 +76,13 @@ class DecodeGraphRunner:
         backend: AttentionBackend,
         shape: GraphShape,
         max_bs: int,
+        states: RecurrentStates | None = None,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
+        # a hybrid model's linear-attention states: each row's slot, -1 for a padding row (the kernels read a zero
+        # state for it and write nothing), and every row continues a history (its one-token kernels)
+        self.states = states
         device = shape.device
         max_pages_per_req = -(-shape.max_seq_len // kv_cache.page_size)
         self.batch_sizes = graph_batch_sizes(max_bs)
@@ -89,6 +94,7 @@ class DecodeGraphRunner:
         self.prefix_lens = torch.zeros(n, **i32)
         self.query_start_loc = torch.arange(n + 1, **i32)
         self.page_table = torch.zeros(n, max_pages_per_req, **i32)
+        self.state_slots = torch.full((n,), -1, dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.backends = {bs: backend.prepare_for_capture(bs, shape) for bs in self.batch_sizes}
@@ -105,9 +111,14 @@ class DecodeGraphRunner:
             slot_mapping=self.tokens.slot_mapping[:bs],
             query_lens_cpu=[1] * bs,
             seq_lens_cpu=[1] * bs,
-            prefix_lens_cpu=[0] * bs,
+            # a hybrid model's rows continue their histories: its layers take the one-token kernels
+            prefix_lens_cpu=[0 if self.states is None else 1] * bs,
         )
-        return ForwardContext(meta=meta, kv_cache=self.kv_cache, backend=self.backends[bs])
+        if self.states is not None:
+            meta.state_slots = self.state_slots[:bs]
+        return ForwardContext(
+            meta=meta, kv_cache=self.kv_cache, backend=self.backends[bs], states=self.states
+        )
 
     def _forward(self, bs: int) -> torch.Tensor:
         return self.model(self.tokens.input_ids[:bs], self.tokens.positions[:bs], self._context(bs))
@@ -130,6 +141,8 @@ class DecodeGraphRunner:
             and 0 < meta.num_reqs <= self.max_bs
             and meta.num_tokens == meta.num_reqs
             and meta.page_table.shape[1] <= self.page_table.shape[1]
+            # a hybrid model's one-token prompt starts its state: the eager step's chunked kernels do that
+            and (self.states is None or min(meta.prefix_lens_cpu) > 0)
         )
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -142,6 +155,9 @@ class DecodeGraphRunner:
         if bs > n:  # padding rows: one key at slot 0 of page 0
             self.seq_lens[n:bs].fill_(1)
             self.page_table[n:bs, 0].zero_()
+        if self.states is not None:
+            self.state_slots[:n].copy_(meta.state_slots)
+            self.state_slots[n:bs].fill_(-1)
         self.backends[bs].prepare_for_replay(meta)
         if self.eager:
             with torch.inference_mode():
@@ -301,14 +317,13 @@ def build_graphs(
     backend: AttentionBackend,
     shape: GraphShape,
     config: EngineConfig,
+    states: RecurrentStates | None = None,
 ) -> tuple[DecodeGraphRunner | None, ExtendGraphRunner | None, PiecewiseGraphRunner | None]:
     """The step graphs the config asks for, captured on a GPU (None where off): decode batches up to
     cuda_graph_max_bs, a lone chunk up to cuda_graph_max_prefill_tokens, then the pieces of any step up to
-    piecewise_cuda_graph_max_tokens; the later two in the decode graphs' pool (replays never overlap)."""
+    piecewise_cuda_graph_max_tokens; the later two in the decode graphs' pool (replays never overlap). A hybrid
+    model's (`states`) decode graphs only: a chunk's padding rows would be folded into its state."""
     if shape.device.type != "cuda" or config.enforce_eager:
-        return None, None, None
-    if model.recurrent_states() is not None:
-        logger.info("a hybrid model's steps run eagerly: CUDA graphs over its state slots are not built yet")
         return None, None, None
     if not backend.supports_cuda_graphs:
         logger.info(
@@ -316,8 +331,11 @@ def build_graphs(
         )
         return None, None, None
     max_bs = min(config.cuda_graph_max_bs, config.max_running_requests)
-    decode = DecodeGraphRunner(model, kv_cache, backend, shape, max_bs=max_bs)
+    decode = DecodeGraphRunner(model, kv_cache, backend, shape, max_bs=max_bs, states=states)
     decode.capture()
+    if states is not None:
+        logger.info("a hybrid model's prompt steps run eagerly (decode steps replay CUDA graphs)")
+        return decode, None, None
     extend = None
     max_tokens = min(config.cuda_graph_max_prefill_tokens, config.chunked_prefill_size)
     if max_tokens >= 2:

@@ -110,7 +110,7 @@ class ModelRunner:
         self._set_kv_scales()
         self.backend = get_attention_backend(config.attention_backend, self.device)
         self.graph_runner, self.extend_graphs, self.piecewise_graphs = build_graphs(
-            self.model, self.kv_cache, self.backend, self._graph_shape(), config
+            self.model, self.kv_cache, self.backend, self._graph_shape(), config, self.states
         )
         self.last_prompt_logprobs: dict | None = None  # the last step's by request id (prompt_logprobs.py)
         self.step_sampler = StepSampler(self.device, config.max_running_requests, self.model.vocab_size)

@@ -9,6 +9,7 @@ written once a step: a request's 32 x 128 x 128 values a layer). Prints one line
 from __future__ import annotations
 
 import argparse
+from functools import partial
 
 import torch
 
@@ -42,7 +43,11 @@ def main() -> None:
     sd = getattr(torch, args.state_dtype)
     dev, bf = "cuda", torch.bfloat16
     weight = torch.randn(D, W, device=dev).to(bf) * 0.5
-    a_log, dt_bias, norm_w = torch.randn(HV, device=dev), torch.randn(HV, device=dev).to(bf), torch.ones(V, device=dev)
+    a_log, dt_bias, norm_w = (
+        torch.randn(HV, device=dev),
+        torch.randn(HV, device=dev).to(bf),
+        torch.ones(V, device=dev),
+    )
     slots_n = 64
     conv = torch.zeros(slots_n, W - 1, D, device=dev, dtype=bf)
     ssm = torch.zeros(slots_n, HV, K, V, device=dev, dtype=sd)
@@ -51,7 +56,11 @@ def main() -> None:
 
     for n in (8192, 32768):
         qkv = torch.randn(n, D, device=dev).to(bf)
-        a, b, z = torch.randn(n, HV, device=dev).to(bf), torch.randn(n, HV, device=dev).to(bf), qkv[:, : HV * V]
+        a, b, z = (
+            torch.randn(n, HV, device=dev).to(bf),
+            torch.randn(n, HV, device=dev).to(bf),
+            qkv[:, : HV * V],
+        )
         qsl = torch.tensor([0, n], dtype=torch.int32, device=dev)
         slots, has = torch.tensor([0], dtype=torch.int32, device=dev), torch.tensor([False], device=dev)
         mixed = cc.causal_conv1d_prefill(qkv, weight, conv, qsl, slots, has)
@@ -59,10 +68,10 @@ def main() -> None:
         q, k, v = q.view(n, HK, K), k.view(n, HK, K), v.view(n, HV, V)
         g, beta = gd.gdn_gating(a, b, a_log, dt_bias)
         out = gd.gated_delta_prefill(q, k, v, g, beta, ssm, qsl, slots, has)
-        t_conv = timed(lambda: cc.causal_conv1d_prefill(qkv, weight, conv, qsl, slots, has))
-        t_gate = timed(lambda: gd.gdn_gating(a, b, a_log, dt_bias))
-        t_rule = timed(lambda: gd.gated_delta_prefill(q, k, v, g, beta, ssm, qsl, slots, has))
-        t_norm = timed(lambda: gn.gated_rms_norm(out.reshape(-1, V), z.reshape(-1, V), norm_w, 1e-6))
+        t_conv = timed(partial(cc.causal_conv1d_prefill, qkv, weight, conv, qsl, slots, has))
+        t_gate = timed(partial(gd.gdn_gating, a, b, a_log, dt_bias))
+        t_rule = timed(partial(gd.gated_delta_prefill, q, k, v, g, beta, ssm, qsl, slots, has))
+        t_norm = timed(partial(gn.gated_rms_norm, out.reshape(-1, V), z.reshape(-1, V), norm_w, 1e-6))
         print(f"prefill {n:>6}: conv {t_conv:.3f} ms, gating {t_gate:.3f}, delta rule {t_rule:.3f}, gated norm "
               f"{t_norm:.3f}; a layer {t_conv + t_gate + t_rule + t_norm:.3f} ms")  # fmt: skip
 
@@ -74,8 +83,8 @@ def main() -> None:
         q, k, v = mixed.split([HK * K, HK * K, HV * V], dim=-1)
         q, k, v = q.view(bsz, HK, K), k.view(bsz, HK, K), v.view(bsz, HV, V)
         g, beta = gd.gdn_gating(a, b, a_log, dt_bias)
-        t_conv = timed(lambda: cc.causal_conv1d_decode(x, weight, conv, slots))
-        t_rule = timed(lambda: gd.gated_delta_decode(q, k, v, g, beta, ssm, slots))
+        t_conv = timed(partial(cc.causal_conv1d_decode, x, weight, conv, slots))
+        t_rule = timed(partial(gd.gated_delta_decode, q, k, v, g, beta, ssm, slots))
         state_bytes = 2 * bsz * HV * K * V * ssm.element_size()  # read and written once
         floor = state_bytes / (peak_gbs * 1e9) * 1e3
         print(f"decode b{bsz:<3}: conv {t_conv:.4f} ms, delta rule {t_rule:.4f} ms (state traffic floor "

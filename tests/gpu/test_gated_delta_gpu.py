@@ -62,7 +62,9 @@ def test_prefill_then_decode_equal_references(state_dtype: torch.dtype) -> None:
     assert rel(outs["kernel"][1], outs["ref"][1]) < 3e-2
     for i in range(2):  # the pools after the prefill, then after 4 decode steps of the three requests
         assert rel(pools["kernel"][1][SLOTS], pools["ref"][1][SLOTS]) < 3e-2
-        assert torch.equal(pools["kernel"][1][[1, 2, 4, 6, 7]], ssm0[[1, 2, 4, 6, 7]])  # no other slot written
+        assert torch.equal(
+            pools["kernel"][1][[1, 2, 4, 6, 7]], ssm0[[1, 2, 4, 6, 7]]
+        )  # no other slot written
         if i:
             break
         for step in range(4):

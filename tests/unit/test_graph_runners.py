@@ -198,3 +198,53 @@ def test_windowed_padding_rows_write_no_nan(tmp_path, splits):
         got = runner.run(ids[prefix_len:], positions, meta)
     assert all(torch.isfinite(c[0]).all() for c in (*cache.k, *cache.v))
     torch.testing.assert_close(got, plain, atol=1e-4, rtol=1e-4)
+
+
+def test_hybrid_decode_static_forward_equals_plain_step(tmp_path):
+    """A hybrid model's decode batch through the static buffers (the decode graphs a GPU replays): three requests in
+    the bucket of 4, its padding row at slot -1 (a zero state, nothing written: every slot but the three keeps its
+    contents), the same hidden states and states as a plain step; a one-token prompt (no history) runs eagerly."""
+    from longserve.attention.recurrent_state import RecurrentStates
+
+    path = make_tiny_checkpoint(tmp_path, "qwen3_5_moe", seed=2)
+    hf = load_hf_config(path)
+    model = load_model(path, hf, torch.float32, torch.device("cpu"))
+    num_layers, spec = model.recurrent_states()
+    prefix_lens, slots = [17, 3, 40], [4, 0, 2]
+    cache = KVCache(model.num_layers, 40, PAGE, model.num_kv_heads, model.head_dim, torch.float32, "cpu")
+    tables = [[2, 3], [4], [5, 6, 7]]
+    ids = [
+        torch.randint(5, hf.vocab_size, (p + 1,), generator=torch.Generator().manual_seed(p))
+        for p in prefix_lens
+    ]
+    backend = TritonAttentionBackend()
+    states = RecurrentStates(num_layers, spec, 6, torch.float32, torch.float32, "cpu")
+    with torch.inference_mode():
+        meta = build_metadata([0] * 3, prefix_lens, tables, PAGE, "cpu")
+        meta.state_slots = torch.tensor(slots)
+        positions = torch.cat([torch.arange(p) for p in prefix_lens])
+        model(torch.cat([x[:-1] for x in ids]), positions, ForwardContext(meta, cache, backend, states))
+        before = [t.clone() for t in (*states.conv, *states.ssm)]
+        meta = build_metadata(prefix_lens, [1, 1, 1], tables, PAGE, "cpu")
+        meta.state_slots = torch.tensor(slots)
+        last_ids, positions = torch.stack([x[-1] for x in ids]), torch.tensor(prefix_lens)
+        plain = model(last_ids, positions, ForwardContext(meta, cache, backend, states))  # [3, H]
+        after = [t.clone() for t in (*states.conv, *states.ssm)]
+        for t, b in zip((*states.conv, *states.ssm), before):  # back to the states before the decode
+            t.copy_(b)
+
+        runner = DecodeGraphRunner(
+            model, cache, backend, graph_shape(model, 12 * PAGE), max_bs=4, states=states
+        )
+        runner.eager = True
+        runner.state_slots.fill_(5)  # stale slots from an earlier batch must not matter
+        assert runner.can_run(meta)
+        got = runner.run(last_ids, positions, meta)
+        fresh = build_metadata([0], [1], [[8]], PAGE, "cpu")
+        assert not runner.can_run(fresh)  # a one-token prompt starts its state eagerly
+    torch.testing.assert_close(got, plain, atol=1e-4, rtol=1e-4)
+    for t, a in zip((*states.conv, *states.ssm), after):
+        torch.testing.assert_close(
+            t, a, atol=1e-5, rtol=1e-5
+        )  # slots 1, 3, 5 untouched (zeros), the rest stepped
+    assert all(float(t[[1, 3, 5]].abs().sum()) == 0 for t in (*states.conv, *states.ssm))
