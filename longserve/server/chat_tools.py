@@ -76,6 +76,7 @@ class ChatTools:
 
     tools: list[dict] | None  # for the chat template (None: the request has none)
     names: list[str]
+    schemas: dict[str, Any]  # each tool's parameters schema (the XML syntax types its values by them)
     mode: str  # "none": read no calls; "auto": the parser reads what the model chose; "forced"
     forced_name: str | None  # a named tool_choice
     parser: type[ToolCallParser] | None
@@ -90,7 +91,7 @@ class ChatTools:
         if tools is None:
             if choice not in (None, "none"):
                 raise APIError(400, "tool_choice needs tools: the request has none", param="tool_choice")
-            return cls(None, [], "none", None, parser, parallel)
+            return cls(None, [], {}, "none", None, parser, parallel)
         try:
             schemas = tool_schemas(tools)
         except ValueError as e:
@@ -113,7 +114,7 @@ class ChatTools:
             if not (config.enable_auto_tool_choice and parser is not None):
                 raise APIError(400, AUTO_NEEDS_FLAGS, param="tool_choice")
             mode = "auto"
-        return cls(tools, list(schemas), mode, forced or None, parser, parallel)
+        return cls(tools, list(schemas), schemas, mode, forced or None, parser, parallel)
 
     def template_messages(self, messages: list[dict[str, Any]], chat_template: str | None) -> list[dict]:
         """The messages as the template wants them: Mistral's templates need 9-character call ids."""
@@ -221,7 +222,7 @@ class ChatOutput:
             if found:
                 calls, content = found, ""
         elif self.parser is not None:
-            content, calls = self.parser.parse(content, self.tools.names)
+            content, calls = self.parser.parse(content, self.tools.schemas)
         if not self.tools.parallel:
             calls = calls[:1]
         message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
@@ -241,7 +242,7 @@ class ChoiceStream:
     def __init__(self, output: ChatOutput) -> None:
         self.output = output
         self.reasoning = output.reasoning(output.in_reasoning) if output.reasoning is not None else None
-        self.parser = output.parser(output.tools.names) if output.parser is not None else None
+        self.parser = output.parser(output.tools.schemas) if output.parser is not None else None
         self._held = ""  # vLLM-form calls are read once whole
         self.called = False
 

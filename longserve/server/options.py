@@ -253,8 +253,9 @@ OPTIONS: tuple[Option, ...] = (
            "dashboards) or sglang (sglang:*)", choices=METRICS_NAMES),
     Option(("--tool-call-parser",), S + "tool_call_parser",
            "the syntax of the model's tool calls (vLLM's and SGLang's names): hermes/qwen/qwen25 "
-           "(<tool_call>), llama3_json/llama3, mistral; read into message.tool_calls, and the syntax "
-           "tool_choice required/named is forced in",
+           "(<tool_call>), llama3_json/llama3, mistral, qwen3_coder (Qwen3-Coder, Qwen3.5: <tool_call>"
+           "<function=...>); read into message.tool_calls, and the syntax tool_choice required/named is "
+           "forced in",
            choices=_registry_names("longserve.structured.tool_parsers", "TOOL_CALL_PARSERS"),
            default_help="none: tool_choice required/named use vLLM's JSON list of calls"),
     Option(("--enable-auto-tool-choice",), S + "enable_auto_tool_choice",

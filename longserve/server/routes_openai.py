@@ -61,7 +61,7 @@ async def _run(
     for p in prompts:
         state.check_lengths(len(p), params.max_new_tokens, "messages" if chat else "prompt")
     if chat and output is None:
-        output = ChatOutput(ChatTools(None, [], "none", None, None, True))  # plain content
+        output = ChatOutput(ChatTools(None, [], {}, "none", None, None, True))  # plain content
     rids = await state.add_all(request, prompts, params, [None] * len(prompts), grammar=grammar)
     response_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     base = {

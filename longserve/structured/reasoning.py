@@ -5,7 +5,13 @@ streamed; plus what the engine needs to start a grammar after the section.
 Where the section starts: the chat template may have put `<think>` at the end of the prompt (DeepSeek-R1
 0528/distills, Qwen3 thinking models): the output then begins inside it, which `for_prompt` detects; a
 prompt that ends with a closed, empty section (Qwen3 with enable_thinking=false) means no section at all.
-Newlines between the tags and the text are the template's, so they are stripped from both parts.
+Qwen3.5's template opens `<think>\n` in the prompt (only `</think>` is generated) and writes
+`<think>\n\n</think>\n\n` there with enable_thinking=false: the same two cases. Newlines between the tags
+and the text are the template's, so they are stripped from both parts.
+
+Qwen3.5 may open a tool call inside the section without closing it first: for the Qwen3 parsers a
+`<tool_call>` that `<function=` follows ends the section too, and the call is content (vLLM's
+Qwen3ReasoningParser does the same); a `<tool_call>` mentioned in the reasoning otherwise stays reasoning.
 """
 
 from __future__ import annotations
@@ -15,8 +21,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from longserve.structured.json_scan import partial_suffix
+from longserve.structured.json_scan import partial_suffix, skip_ws
 from longserve.structured.spec import GrammarSpec
+
+_FUNCTION = "<function"
+_FUNCTION_OPEN = re.compile(r"<function[\s=]")  # after a `<tool_call>`: a call, not a mention (vLLM's test)
 
 
 @dataclass(slots=True)
@@ -33,6 +42,7 @@ class ReasoningParser:
     start: ClassVar[str] = "<think>"
     end: ClassVar[str] = "</think>"
     starts_inside: ClassVar[bool | None] = None  # the default when the prompt does not tell
+    implicit_end: ClassVar[str | None] = None  # a tag that, `<function=` following it, ends the section too
 
     def __init__(self, in_reasoning: bool | None = None) -> None:
         self._state = {True: "opening", False: "content", None: "undecided"}[
@@ -88,16 +98,25 @@ class ReasoningParser:
                 self._saw_section |= self._state == "reasoning"
             elif self._state == "reasoning":
                 j = text.find(self.end, self._pos)
-                if j >= 0:
+                call, hold = self._implicit_end_at(text, j if j >= 0 else len(text))
+                if call is not None:  # a tool call ends the section: it is content
+                    stop = call
+                elif j >= 0 and hold is None:
                     stop = j
+                elif hold is not None:
+                    stop = hold  # a `<tool_call>` that may still open a call waits
                 else:
-                    stop = len(text) - (0 if self._final else partial_suffix(text, self._pos, (self.end,)))
+                    tags = (self.end, self.implicit_end) if self.implicit_end else (self.end,)
+                    stop = len(text) - (0 if self._final else partial_suffix(text, self._pos, tags))
                 out.reasoning += self._reasoning_piece(text[self._pos : stop])
                 self._pos = stop
-                if j < 0:
+                if call is None and (j < 0 or hold is not None):
                     break
-                self._held_newlines = ""  # the template's newline before the end tag
-                self._pos, self._state = j + len(self.end), "after"
+                self._held_newlines = ""  # the template's newline before the end tag (or the call)
+                if call is not None:
+                    self._state = "content"
+                else:
+                    self._pos, self._state = j + len(self.end), "after"
             elif self._state == "after":  # the template's newlines between the end tag and the content
                 k = len(text) - len(text[self._pos :].lstrip("\n"))
                 self._pos = k
@@ -109,6 +128,19 @@ class ReasoningParser:
                 self._pos = len(text)
                 break
         return out
+
+    def _implicit_end_at(self, text: str, limit: int) -> tuple[int | None, int | None]:
+        """(where a tool call ends the section before `limit`, or None; where an undecided one waits)."""
+        tag = self.implicit_end
+        i = text.find(tag, self._pos) if tag else -1
+        while 0 <= i < limit:
+            k = skip_ws(text, i + len(tag))
+            if _FUNCTION_OPEN.match(text, k):
+                return i, None
+            if not self._final and len(text) - k <= len(_FUNCTION) and _FUNCTION.startswith(text[k:]):
+                return None, i
+            i = text.find(tag, i + 1)
+        return None, None
 
     def _reasoning_piece(self, piece: str) -> str:
         """What to emit of this reasoning text: leading newlines of the section are dropped, trailing ones
@@ -125,10 +157,12 @@ class ReasoningParser:
 
 
 class Qwen3ReasoningParser(ReasoningParser):
-    """Qwen3 (hybrid): a section only if the output opens `<think>` or the prompt left one open."""
+    """Qwen3 (hybrid) and Qwen3.5: a section only if the output opens `<think>` or the prompt left one open
+    (Qwen3.5's always does, unless enable_thinking=false closed it); a tool call may end it."""
 
     name = "qwen3"
     starts_inside = None
+    implicit_end = "<tool_call>"
 
 
 class Qwen3ThinkingReasoningParser(ReasoningParser):
@@ -136,6 +170,7 @@ class Qwen3ThinkingReasoningParser(ReasoningParser):
 
     name = "qwen3-thinking"
     starts_inside = True
+    implicit_end = "<tool_call>"
 
 
 class DeepSeekR1ReasoningParser(ReasoningParser):
@@ -201,8 +236,10 @@ def grammar_after_reasoning(
     spec: GrammarSpec, parser: type[ReasoningParser], in_reasoning: bool | None
 ) -> GrammarSpec:
     """`spec` preceded by the reasoning section the output may have, so the matcher can run from the first
-    token: inside -> up to the end tag; undecided -> an optional whole section; no section -> `spec`."""
+    token: inside -> up to the end tag; undecided -> an optional whole section; no section -> `spec`. The
+    section never writes the parser's implicit end tag, which would end it where the grammar does not."""
     state = parser.starts_inside if in_reasoning is None else in_reasoning
     if state is False:
         return spec
-    return spec.after_reasoning(parser.end, start=None if state else parser.start)
+    excludes = (parser.implicit_end,) if parser.implicit_end else ()
+    return spec.after_reasoning(parser.end, start=None if state else parser.start, excludes=excludes)

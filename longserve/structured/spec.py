@@ -7,6 +7,7 @@ them into token masks. Structural tags are xgrammar's JSON format, written here 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -88,18 +89,21 @@ class GrammarSpec:
             return {"type": "grammar", "grammar": choice_ebnf(self.choices()), "syntax": "ebnf"}
         return json.loads(self.text)["format"]
 
-    def after_reasoning(self, end: str = "</think>", *, start: str | None = None) -> GrammarSpec:
+    def after_reasoning(
+        self, end: str = "</think>", *, start: str | None = None, excludes: Sequence[str] = ()
+    ) -> GrammarSpec:
         """This constraint behind a free-text reasoning section that ends with `end`.
 
         `start=None`: the output begins inside the section (the prompt ended with `<think>`). With a
         `start` tag the section is optional (a model that may or may not think, like Qwen3 with
         enable_thinking unset). Whitespace between the section and the constrained part is allowed, as
-        the templates put "\\n\\n" there. With this spec the engine needs no token-level gating.
+        the templates put "\\n\\n" there. With this spec the engine needs no token-level gating. The
+        section's text never holds `end` nor any of `excludes`.
         """
         section: dict[str, Any] = {
             "type": "tag",
             "begin": start or "",
-            "content": {"type": "any_text", "excludes": [end]},
+            "content": {"type": "any_text", "excludes": [end, *excludes]},
             "end": end,
         }
         gap = {"type": "regex", "pattern": r"[ \n\r\t]*"}  # as xgrammar writes JSON's: bounded alike

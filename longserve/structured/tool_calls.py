@@ -3,9 +3,10 @@ parsers in `tool_parsers.py` build on.
 
 A parser object serves one output: `feed(delta)` per text delta and `finish()` at the end, each returning
 a StreamDelta (content, OpenAI `delta.tool_calls` pieces); `parse(text)` reads a finished output at once
-and is stricter (a call is kept only if its whole JSON is valid). Invariants: a parser never raises on
-model output (what does not parse is content); content never holds the markup of a well-formed call; the
-argument pieces streamed for a call concatenate to what `parse` returns, however the text is split.
+and is stricter (a call is kept only if it is whole: its JSON valid, or its XML call closed). Invariants: a
+parser never raises on model output (what does not parse is content); content never holds the markup of a
+well-formed call; the argument pieces streamed for a call concatenate to what `parse` returns, however the
+text is split.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -101,9 +102,11 @@ class ToolCallParser:
     markers: ClassVar[tuple[str, ...]] = ()  # markup strings; a detokenizer must keep them (special or not)
     _idle_states: ClassVar[frozenset[str]] = frozenset({"content"})
 
-    def __init__(self, tool_names: Iterable[str] | None = None) -> None:
-        """`tool_names`: the request's functions; a call naming another is not a call (stays content)."""
+    def __init__(self, tool_names: Iterable[str] | Mapping[str, object] | None = None) -> None:
+        """`tool_names`: the request's functions; a call naming another is not a call (stays content). A
+        mapping gives each one's parameters' JSON schema too, for syntaxes whose values are untyped text."""
         self.tool_names = frozenset(tool_names) if tool_names is not None else None
+        self.tool_schemas: Mapping[str, object] = tool_names if isinstance(tool_names, Mapping) else {}
         self._text = ""
         self._pos = 0
         self._final = False
@@ -133,7 +136,9 @@ class ToolCallParser:
         return self._take()
 
     @classmethod
-    def parse(cls, text: str, tool_names: Iterable[str] | None = None) -> tuple[str, list[ToolCall]]:
+    def parse(
+        cls, text: str, tool_names: Iterable[str] | Mapping[str, object] | None = None
+    ) -> tuple[str, list[ToolCall]]:
         """(content, calls) of a finished output."""
         parser = cls(tool_names)
         parser._final = True

@@ -2,7 +2,10 @@
 calls in the tool-call parser's own syntax, each call's arguments valid against its tool's JSON schema.
 
 Built as xgrammar structural tags (tags with a separator, no free text), so what the grammar allows is
-exactly what the matching parser in `tool_parsers.py` reads back as calls.
+exactly what the matching parser in `tool_parsers.py` reads back as calls. In the Qwen3-Coder/Qwen3.5 XML
+syntax the arguments are no JSON object: each parameter is a tag of its own, in the schema's order (the
+optional ones may be left out), whose value is raw text for a string (free text that writes no tag of the
+syntax, or the schema's enum, pattern or length) and JSON for any other type, as the parser reads them.
 """
 
 from __future__ import annotations
@@ -10,12 +13,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from longserve.structured.spec import GrammarSpec
+from longserve.structured.qwen_xml import param_kind, properties, resolve
+from longserve.structured.spec import GrammarSpec, choice_ebnf
 from longserve.structured.tool_calls import TOOL_NAME
 from longserve.structured.tool_parsers import (
     HermesToolParser,
     Llama3JsonToolParser,
     MistralToolParser,
+    Qwen3CoderToolParser,
     ToolCallParser,
     get_tool_call_parser,
 )
@@ -105,9 +110,68 @@ def tool_call_grammar(
                     {"type": "const_string", "value": "]"},
                 ],
             }
+    elif issubclass(cls, Qwen3CoderToolParser):
+        fmt = calls([_xml_call(cls, n, s) for n, s in schemas.items()], "\n")
     else:
         raise ValueError(f"no forcing grammar for the {cls.name!r} tool-call syntax")
     return GrammarSpec.structural_tag(fmt)
+
+
+def _xml_call(cls: type[Qwen3CoderToolParser], name: str, schema: dict | bool) -> dict:
+    """One call as the Qwen3.5 template writes it: `<tool_call>\n<function=NAME>\n`, then each parameter
+    `<parameter=P>\nVALUE\n</parameter>\n`, then `</function>\n</tool_call>`."""
+    props = properties(schema)
+    required = schema.get("required") if isinstance(schema, dict) else None
+    required = [r for r in required if isinstance(r, str)] if isinstance(required, list) else []
+    elements = []
+    for p in [*props, *(r for r in required if r not in props)]:
+        if not p or any(c in p for c in "<>\n"):
+            raise ValueError(f"{name}: parameter {p!r} cannot be written as a <parameter=...> tag")
+        tag = {
+            "type": "tag",
+            "begin": f"{cls.PARAM}{p}>\n",
+            "content": _xml_value(props.get(p), schema),
+            "end": f"\n{cls.PARAM_END}\n",
+        }
+        elements.append(tag if p in required else {"type": "optional", "content": tag})
+    return {
+        "type": "tag",
+        "begin": f"{cls.OPEN}\n{cls.FUNC}{name}>\n",
+        "content": {"type": "sequence", "elements": elements}
+        if elements
+        else {"type": "const_string", "value": ""},
+        "end": f"{cls.FUNC_END}\n{cls.CLOSE}",
+    }
+
+
+def _xml_value(spec: object, root: object) -> dict:
+    """A parameter's value: raw text for a string (never a tag of the syntax, so it ends where the parser
+    ends it), JSON for any other type (`root`'s $defs kept for its $refs)."""
+    kind = param_kind(spec, root)
+    spec = resolve(spec, root)
+    if not kind.is_string:
+        schema = spec if isinstance(spec, (dict, bool)) else {}
+        defs = {k: root[k] for k in ("$defs", "definitions") if isinstance(root, dict) and k in root}
+        if defs and isinstance(schema, dict):
+            schema = {**defs, **schema}
+        return {"type": "json_schema", "json_schema": schema}
+    tags = Qwen3CoderToolParser.markers
+    spec = spec if isinstance(spec, dict) else {}
+    values = (
+        spec["enum"] if isinstance(spec.get("enum"), list) else [spec["const"]] if "const" in spec else None
+    )
+    if values is not None:
+        texts = [v for v in values if isinstance(v, str) and not any(t in v for t in tags)]
+        if texts:
+            return {"type": "grammar", "grammar": choice_ebnf(texts), "syntax": "ebnf"}
+    if isinstance(spec.get("pattern"), str):
+        return {"type": "regex", "pattern": spec["pattern"]}
+    low, high = spec.get("minLength"), spec.get("maxLength")
+    low = low if isinstance(low, int) and low > 0 else 0
+    high = high if isinstance(high, int) and high >= 0 else None
+    if low or high is not None:  # counted in whole characters (any_text may write bytes that decode to none)
+        return {"type": "regex", "pattern": f"[^<\\ud800-\\udfff]{{{low},{'' if high is None else high}}}"}
+    return {"type": "any_text", "excludes": list(tags)}
 
 
 def tool_schemas(tools: Sequence[dict]) -> dict[str, dict | bool]:

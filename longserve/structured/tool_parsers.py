@@ -1,6 +1,7 @@
 """Tool-call parsers for the syntaxes models emit, chosen by `--tool-call-parser NAME` (vLLM's and SGLang's
-names): Hermes/Qwen `<tool_call>{json}</tool_call>`, Llama 3 JSON, Mistral `[TOOL_CALLS]`. Each is a state
-machine over one output; the streaming contract and its invariants are ToolCallParser's (tool_calls.py).
+names): Hermes/Qwen `<tool_call>{json}</tool_call>`, Llama 3 JSON, Mistral `[TOOL_CALLS]`, Qwen3-Coder/Qwen3.5
+XML (`<function=...><parameter=...>`). Each is a state machine over one output; the streaming contract and its
+invariants are ToolCallParser's (tool_calls.py).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import string
 from collections.abc import Iterable
 
 from longserve.structured.tool_calls import PendingCall, ToolCallParser
+from longserve.structured.tool_parser_xml import Qwen3CoderToolParser
 
 _NAME_AND_ID = re.compile(r"([\w.:\-]*)(?:\[CALL_ID\]\w*)?")
 
@@ -209,6 +211,7 @@ TOOL_CALL_PARSERS: dict[str, type[ToolCallParser]] = {
     "llama3_json": Llama3JsonToolParser,  # vLLM
     "llama3": Llama3JsonToolParser,  # SGLang
     "mistral": MistralToolParser,  # vLLM and SGLang
+    "qwen3_coder": Qwen3CoderToolParser,  # vLLM and SGLang (Qwen3-Coder, Qwen3-Next-Coder, Qwen3.5)
 }
 
 

@@ -1,9 +1,11 @@
 """Tool calling and reasoning through real servers of tiny random-weight models that carry real chat
 templates (Qwen2.5 with `--tool-call-parser hermes --enable-auto-tool-choice`, Llama 3.1 with
 `--tool-call-parser llama3_json` and no auto choice, a DeepSeek-R1 distill with `--reasoning-parser
-deepseek_r1`), driven by the real clients: the openai client's tool loop (call, tool result, final answer;
-streamed and not), LangChain's bind_tools / with_structured_output, LiteLLM. `tool_choice` "required" or
-named is forced by the grammar, so random weights always yield calls that parse and validate."""
+deepseek_r1`, Qwen3.5's template with its vLLM launch line `--tool-call-parser qwen3_coder
+--reasoning-parser qwen3 --enable-auto-tool-choice`), driven by the real clients: the openai client's tool
+loop (call, tool result, final answer; streamed and not), LangChain's bind_tools / with_structured_output,
+LiteLLM. `tool_choice` "required" or named is forced by the grammar, so random weights always yield calls
+that parse and validate."""
 
 from __future__ import annotations
 
@@ -48,12 +50,16 @@ SERVERS = {  # name -> (checkpoint style, flags)
         "deepseek_r1",
         ["--reasoning-parser", "deepseek_r1", "--tool-call-parser", "qwen25", "--enable-auto-tool-choice"],
     ),
+    "qwen35": (
+        "qwen35",
+        ["--tool-call-parser", "qwen3_coder", "--reasoning-parser", "qwen3", "--enable-auto-tool-choice"],
+    ),
 }
 
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    """The three servers, started side by side (their startups overlap)."""
+    """The servers, started side by side (their startups overlap)."""
     yield from tool_servers(tmp_path_factory, SERVERS)
 
 
@@ -268,6 +274,85 @@ def test_reasoning_then_constrained_output(servers):
     ).choices[0]
     assert r.finish_reason == "tool_calls" and r.message.model_extra["reasoning_content"]
     check_calls([c.model_dump() for c in r.message.tool_calls])
+
+
+QWEN35_CALL = (  # a Qwen3.5 reply as its template writes one: text, then the call in XML
+    "Sure.\n\n<tool_call>\n<function=add>\n<parameter=a>\n3\n</parameter>\n<parameter=b>\n4\n</parameter>\n"
+    "</function>\n</tool_call>"
+)
+
+
+@pytest.fixture(scope="module")
+def qwen35(servers):
+    url = servers["qwen35"]
+    from transformers import AutoTokenizer
+
+    path = httpx.get(url + "/model_info").json()["model_path"]
+    end = AutoTokenizer.from_pretrained(path).convert_tokens_to_ids("</think>")
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return client, {str(end): 3}  # a logit bias that ends the random model's reasoning soon
+
+
+def reply(client, stream: bool, **kw) -> tuple[str | None, list[dict], str | None, str | None]:
+    """(content, tool calls, finish reason, reasoning) of one chat completion, streamed or not."""
+    if stream:
+        content, calls, finish, reasoning = accumulate(client.chat.completions.create(stream=True, **kw))
+        return content, calls, finish, reasoning
+    choice = client.chat.completions.create(**kw).choices[0]
+    calls = [c.model_dump() for c in choice.message.tool_calls or []]
+    return (
+        choice.message.content,
+        calls,
+        choice.finish_reason,
+        choice.message.model_extra["reasoning_content"],
+    )
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_qwen35_forced_calls_after_reasoning(qwen35, stream):
+    """Qwen3.5's template opens <think> in the prompt: the reply's reasoning goes to reasoning_content, then
+    tool_choice required / named forces the calls in the XML syntax, their values typed by the schemas (with
+    enable_thinking false the prompt closes the section and the calls come at once)."""
+    client, end_think = qwen35
+    kw = dict(model="qwen35", messages=USER, tools=TOOLS, max_tokens=400, temperature=1.0, seed=7)
+    for choice, extra in (
+        ("required", {"logit_bias": end_think}),
+        ({"type": "function", "function": {"name": "add"}}, {"logit_bias": end_think}),
+        ("required", {"extra_body": {"chat_template_kwargs": {"enable_thinking": False}}}),
+    ):
+        content, calls, finish, reasoning = reply(client, stream, tool_choice=choice, **kw, **extra)
+        assert finish == "tool_calls" and not content
+        assert bool(reasoning) == ("logit_bias" in extra) and "</think>" not in (reasoning or "")
+        check_calls(calls, ["add"] if isinstance(choice, dict) else None)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_qwen35_auto_reads_xml_calls_then_the_tool_loop(qwen35, servers, stream):
+    """tool_choice auto: the qwen3_coder parser reads the call a guided choice makes the random model write
+    (after a reasoning section when thinking is on), `a` and `b` as integers; the call and its result go back
+    through Qwen3.5's template as it writes them."""
+    client, end_think = qwen35
+    kw = dict(model="qwen35", messages=USER, tools=TOOLS, max_tokens=400, temperature=1.0, seed=3)
+    for thinking in (False, True):
+        body = {"guided_choice": [QWEN35_CALL], "chat_template_kwargs": {"enable_thinking": thinking}}
+        content, calls, finish, reasoning = reply(
+            client, stream, extra_body=body, **kw, **({"logit_bias": end_think} if thinking else {})
+        )
+        # (the grammar lets the random model write any whitespace after </think>: content's, as in vLLM)
+        assert (content.strip(), finish, bool(reasoning)) == ("Sure.", "tool_calls", thinking)
+        assert content == "Sure." or thinking
+        check_calls(calls, ["add"])
+        assert json.loads(calls[0]["function"]["arguments"]) == {"a": 3, "b": 4}
+    messages = [*USER, {"role": "assistant", "content": "Sure.", "tool_calls": calls}]
+    messages.append({"role": "tool", "tool_call_id": calls[0]["id"], "content": '{"sum": 7}'})
+    final = client.chat.completions.create(
+        messages=messages, tool_choice="none", extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+        **{k: v for k, v in kw.items() if k not in ("messages", "max_tokens")}, max_tokens=10,
+    )  # fmt: skip
+    assert final.choices[0].message.content and not final.choices[0].message.tool_calls
+    ids = httpx.post(servers["qwen35"] + "/tokenize", json={"messages": messages}).json()["tokens"]
+    text = httpx.post(servers["qwen35"] + "/detokenize", json={"tokens": ids}).json()["text"]
+    assert QWEN35_CALL in text and '<tool_response>\n{"sum": 7}\n</tool_response>' in text
 
 
 def test_langchain_bind_tools_and_structured_output(servers):

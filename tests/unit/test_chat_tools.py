@@ -1,6 +1,7 @@
 """The server's reading of chat replies: tools and tool_choice checked as vLLM checks them, Mistral's
 9-character call ids for its templates, forced calls without a parser in vLLM's JSON form (whole and
-streamed alike), parallel_tool_calls false keeping one call, reasoning split before the calls."""
+streamed alike), parallel_tool_calls false keeping one call, reasoning split before the calls; Qwen3.5's XML
+calls typed by the request's tool schemas, and a call opened inside its reasoning section ending it."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 from longserve.server.chat_tools import ChatOutput, ChatTools, template_tool_calls
 from longserve.server.config import ServerConfig
 from longserve.server.errors import APIError
-from longserve.structured.reasoning import DeepSeekR1ReasoningParser
+from longserve.structured.reasoning import DeepSeekR1ReasoningParser, Qwen3ReasoningParser
 from tests.fixtures.tool_tokenizer import make_tokenizer, read_template
 
 TOOLS = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n in ("f", "g")]
@@ -127,3 +128,53 @@ def test_mistral_templates_get_9_character_ids():
     assert new_id == "f01234567" == fixed[2]["tool_call_id"]  # the last 9 alphanumerics of the OpenAI id
     assert f"[CALL_ID]{new_id}[ARGS]" in text and f"[TOOL_RESULTS]{new_id}" in text
     assert fixed[1]["tool_calls"][0]["function"]["arguments"] == {"a": 1}  # a dict, as templates write it
+
+
+QWEN35 = ServerConfig(tool_call_parser="qwen3_coder", reasoning_parser="qwen3", enable_auto_tool_choice=True)
+TYPED_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"type": "number"}},
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {"name": "say", "parameters": {"properties": {"text": {"type": "string"}}}},
+    },
+]
+XML_CALLS = (
+    "<tool_call>\n<function=add>\n<parameter=a>\n2\n</parameter>\n<parameter=b>\n0.5\n</parameter>\n"
+    "</function>\n</tool_call>\n<tool_call>\n<function=say>\n<parameter=text>\n2\n</parameter>\n</function>\n"
+    "</tool_call>"
+)
+
+
+def test_qwen35_xml_calls_typed_by_the_request_tools():
+    """The request's schemas type the values: 2 is an integer for `add`, the text "2" for `say`."""
+    tools = ChatTools.from_request(request(tools=TYPED_TOOLS), QWEN35)
+    expected = [("add", {"a": 2, "b": 0.5}), ("say", {"text": "2"})]
+    for text, reasoning, content in (
+        ("Let me think.\n</think>\n\nOn it.\n\n" + XML_CALLS, "Let me think.", "On it."),
+        ("Let me think.\n\n" + XML_CALLS, "Let me think.", None),  # no </think>: the call ends the section
+        ("A <tool_call> mention.\n</think>\n\nOn it.\n\n" + XML_CALLS, "A <tool_call> mention.", "On it."),
+    ):
+        output = ChatOutput(tools, Qwen3ReasoningParser, True)  # Qwen3.5's prompt opened <think>
+        message, called = output.message(text)
+        assert called and (message["reasoning_content"], message["content"]) == (reasoning, content)
+        got = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]]
+        assert got == expected
+        for step in (1, 4):
+            got_content, calls, got_reasoning = streamed(output, text, step=step)
+            assert (got_reasoning, got_content) == (reasoning, content or "")
+            assert [(c["name"], json.loads(c["arguments"])) for c in calls] == expected
+
+
+def test_qwen35_forced_calls_use_the_xml_syntax():
+    tools = ChatTools.from_request(request(tools=TYPED_TOOLS, tool_choice="required"), QWEN35)
+    spec = ChatOutput(tools, Qwen3ReasoningParser, True).constrain(tools.grammar(read_template("qwen35")))
+    assert "<function=add>\\n" in spec.text and '"<parameter=a>\\n"' in spec.text

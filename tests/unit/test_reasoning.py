@@ -1,5 +1,6 @@
-"""Reasoning sections against what Qwen3's and DeepSeek-R1's templates write: split off whole and streamed,
-the prompt deciding where the output starts, the tool parser reading what follows, the grammar after it."""
+"""Reasoning sections against what Qwen3's, Qwen3.5's and DeepSeek-R1's templates write: split off whole and
+streamed, the prompt deciding where the output starts, the tool parser reading what follows, the grammar after
+it; a Qwen3.5 tool call opened inside the section ends it, as in vLLM's Qwen3ReasoningParser."""
 
 from __future__ import annotations
 
@@ -171,3 +172,61 @@ def test_registry():
     assert get_reasoning_parser("qwen3-thinking")().in_reasoning
     with pytest.raises(ValueError, match="choose one of"):
         get_reasoning_parser("gpt-oss")
+
+
+@settings(max_examples=20, deadline=None)
+@given(reasoning=paragraphs, content=paragraphs, cuts=st.lists(st.integers(0, 200), max_size=20))
+def test_qwen35_template_opens_the_section_in_the_prompt(reasoning, content, cuts):
+    prompt, out = render("qwen35", {"role": "assistant", "content": content, "reasoning_content": reasoning})
+    assert prompt.endswith("<|im_start|>assistant\n<think>\n") and not out.startswith("<think>")
+    parser = Qwen3ReasoningParser.for_prompt(prompt)
+    assert parser.in_reasoning
+    assert run(parser, out, cuts) == (reasoning, content)
+    assert Qwen3ReasoningParser.parse(out, prompt_reasoning_state(prompt)) == (reasoning, content)
+
+
+def test_qwen35_enable_thinking_false_closes_the_section_in_the_prompt():
+    prompt, out = render("qwen35", {"role": "assistant", "content": "Rayleigh."}, enable_thinking=False)
+    assert prompt.endswith("<think>\n\n</think>\n\n") and prompt_reasoning_state(prompt) is False
+    parser = Qwen3ReasoningParser.for_prompt(prompt)
+    assert not parser.in_reasoning
+    assert run(parser, "Rayleigh scattering.", [4]) == ("", "Rayleigh scattering.")
+
+
+CALL = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        # vLLM's Qwen3ReasoningParser.extract_reasoning (vllm/reasoning/qwen3_reasoning_parser.py at
+        # 00a4c6a1d828): a <tool_call> that <function= follows (its _RE_FUNCTION_OPEN) ends the section
+        (f"I should call it.\n\n{CALL}", ("I should call it.", CALL)),
+        ("Thinking.\n<tool_call>  <function=f>", ("Thinking.", "<tool_call>  <function=f>")),
+        # ... a bare mention does not; nor does one the output ends on
+        (f"Write <tool_call> then JSON.\n</think>\n\n{CALL}", ("Write <tool_call> then JSON.", CALL)),
+        ("Cut at <tool_call>", ("Cut at <tool_call>", "")),
+        ("Cut at <tool_call>\n<func", ("Cut at <tool_call>\n<func", "")),
+        ("<tool_call>\n<functional> is no call", ("<tool_call>\n<functional> is no call", "")),
+    ],
+)
+def test_a_tool_call_ends_the_qwen3_section(text, expected):
+    assert Qwen3ReasoningParser.parse(text, True) == expected
+    for cuts in ([], list(range(len(text))), [5, 17, 30, 31, 44]):
+        assert run(Qwen3ReasoningParser(True), text, cuts) == expected
+    # DeepSeek-R1's parser has no such end: the call is reasoning until </think>
+    assert DeepSeekR1ReasoningParser.parse(f"I should call it.\n\n{CALL}")[1] == ""
+
+
+def test_grammar_after_the_qwen3_section_keeps_tool_calls_out_of_it():
+    spec = grammar_after_reasoning(GrammarSpec.json_schema({"type": "object"}), Qwen3ReasoningParser, True)
+    assert json.loads(spec.text)["format"]["elements"][0]["elements"][0]["content"]["excludes"] == [
+        "</think>",
+        "<tool_call>",
+    ]
+    spec = grammar_after_reasoning(
+        GrammarSpec.json_schema({"type": "object"}), DeepSeekR1ReasoningParser, True
+    )
+    assert json.loads(spec.text)["format"]["elements"][0]["elements"][0]["content"]["excludes"] == [
+        "</think>"
+    ]

@@ -255,9 +255,9 @@ def test_any_text_never_raises(parser_cls, pieces, cuts):
 
 
 def test_registry_has_vllm_and_sglang_names():
-    for name in ("hermes", "qwen", "qwen25", "llama3_json", "llama3", "mistral"):
+    for name in ("hermes", "qwen", "qwen25", "llama3_json", "llama3", "mistral", "qwen3_coder"):
         assert name in TOOL_CALL_PARSERS
-    with pytest.raises(ValueError, match="choose one of .*hermes.*llama3_json.*mistral"):
+    with pytest.raises(ValueError, match="choose one of .*hermes.*llama3_json.*mistral.*qwen3_coder"):
         get_tool_call_parser("pythonic")
 
 
