@@ -277,3 +277,28 @@ def test_kernels_without_qk_l2norm_and_with_a_scale() -> None:
     want = gated_delta_decode_ref(*one, want_pool, slots, scale=0.3, use_qk_l2norm=False)
     assert_near(got, want, exact=True)
     assert_near(got_pool, want_pool, exact=True)
+
+
+def test_int64_slots_as_the_engine_passes_them() -> None:
+    """The engine's slots arrive int64 (the step's packed int64 tensors, the decode graphs' static buffer): every
+    kernel reads them as it reads int32 ones (and CI's sm90 compile check builds those variants too)."""
+    from longserve.kernels.causal_conv1d import causal_conv1d_decode, causal_conv1d_prefill
+
+    lens, slot_ids, has = [3, 70], [5, -1], [True, False]
+    total, width = sum(lens), 4
+    q, k, v = qkv_views(total, torch.float32, seed=21)
+    g, beta = gates(total, torch.float32, seed=22)
+    x = torch.randn(total, 2 * HK * K + HV * V, generator=gen(23))
+    weight = torch.randn(x.shape[1], width, generator=gen(24))
+    outs = {}
+    for dtype in (torch.int32, torch.int64):
+        states, conv = pool(torch.float32), torch.randn(SLOTS, width - 1, x.shape[1], generator=gen(25))
+        slots = torch.tensor(slot_ids, dtype=dtype)
+        args = (step(lens), slots, torch.tensor(has))
+        y = causal_conv1d_prefill(x, weight, conv, *args)
+        o = gated_delta_prefill(q, k, v, g, beta, states, *args)
+        yd = causal_conv1d_decode(x[:2], weight, conv, slots)
+        od = gated_delta_decode(q[:2], k[:2], v[:2], g[:2], beta[:2], states, slots)
+        outs[dtype] = (y, o, yd[:1], od[:1], states, conv)
+    for a, b in zip(outs[torch.int32], outs[torch.int64]):
+        assert torch.equal(a, b)
