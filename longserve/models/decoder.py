@@ -20,6 +20,13 @@ from torch import nn
 
 from longserve.attention.base import ForwardContext
 from longserve.distributed import get_tp_rank, get_tp_size, tp_all_reduce_async
+from longserve.models.heads import (  # noqa: F401 - HeadLayout, validate_tp_size: the models' API here too
+    HeadLayout,
+    get_head_dim,
+    head_layout,
+    layer_sliding_window,
+    validate_tp_size,
+)
 from longserve.models.layers import (
     MergedLinear,
     RMSNorm,
@@ -28,7 +35,6 @@ from longserve.models.layers import (
     tp_shard_range,
 )
 from longserve.models.linear_method import LinearMethod, get_linear_method
-from longserve.models.moe_layout import moe_spec, validate_moe_parallel
 from longserve.models.rope import RotaryEmbedding, RotaryStep
 
 
@@ -43,68 +49,6 @@ class ArchOptions:
     attn_output_gate: bool = False
     # Qwen3.5 / Qwen3-Next: every RMSNorm's weight is an offset from 1 (layers.RMSNorm's zero_centered)
     zero_centered_norm: bool = False
-
-
-def get_head_dim(hf_config: Any) -> int:
-    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-
-
-@dataclass(frozen=True)
-class HeadLayout:
-    """One rank's attention heads: q heads [q_start, q_start + num_q), kv heads [kv_start, kv_start + num_kv)."""
-
-    q_start: int
-    num_q: int
-    kv_start: int
-    num_kv: int
-
-
-def head_layout(num_heads: int, num_kv_heads: int, tp_size: int, tp_rank: int) -> HeadLayout:
-    """Split the heads over tp ranks. When tp exceeds the kv heads, each kv head is replicated on
-    tp / num_kv_heads consecutive ranks (the ranks whose q heads use it), so every rank holds one.
-
-        4 q heads, 2 kv heads, tp=4:   rank   0    1    2    3
-                                       q      0    1    2    3
-                                       kv     0    0    1    1
-    """
-    if num_heads % tp_size:
-        raise ValueError(
-            f"tp_size={tp_size} does not divide the model's {num_heads} attention heads; "
-            f"choose a tp size that divides {num_heads}"
-        )
-    if num_kv_heads % tp_size and tp_size % num_kv_heads:
-        raise ValueError(
-            f"tp_size={tp_size} and the model's {num_kv_heads} kv heads: one must divide the other "
-            "(kv heads are split across ranks, or replicated when tp exceeds them)"
-        )
-    num_q = num_heads // tp_size
-    if tp_size <= num_kv_heads:
-        num_kv = num_kv_heads // tp_size
-        return HeadLayout(tp_rank * num_q, num_q, tp_rank * num_kv, num_kv)
-    return HeadLayout(tp_rank * num_q, num_q, tp_rank // (tp_size // num_kv_heads), 1)
-
-
-def validate_tp_size(hf_config: Any, tp_size: int, ep_size: int = 1) -> None:
-    """Raise a clear ValueError when the model cannot be split `tp_size` ways (MoE models: with `ep_size`
-    expert-parallel groups, see moe_layout.py)."""
-    num_heads = hf_config.num_attention_heads
-    head_layout(num_heads, getattr(hf_config, "num_key_value_heads", None) or num_heads, tp_size, 0)
-    spec = moe_spec(hf_config)
-    if spec is None:
-        tp_shard_range(hf_config.intermediate_size, tp_size, 0, "intermediate_size")
-    else:
-        validate_moe_parallel(spec, tp_size, ep_size)
-
-
-def layer_sliding_window(hf_config: Any, layer_id: int) -> int | None:
-    """HF semantics: `layer_types` picks sliding layers (Qwen2/3); without it the window applies to all (Mistral)."""
-    window = getattr(hf_config, "sliding_window", None)
-    if window is None or getattr(hf_config, "use_sliding_window", True) is False:
-        return None
-    layer_types = getattr(hf_config, "layer_types", None)
-    if layer_types is not None:
-        return window if layer_types[layer_id] == "sliding_attention" else None
-    return window
 
 
 class Attention(nn.Module):
