@@ -4,7 +4,8 @@ Python: the benchmarks size memory and floors from it without torch), and where 
 Qwen2-MoE and Qwen3-MoE make layer i sparse when i is not in `mlp_only_layers` and (i + 1) is a multiple
 of `decoder_sparse_step`; the other layers keep a dense MLP of `intermediate_size`. Mixtral's every layer is
 sparse and its experts are `intermediate_size` wide. Qwen2-MoE and Qwen3.5-MoE have a shared expert (with its
-sigmoid `shared_expert_gate`); Qwen3.5-MoE's every layer is sparse.
+sigmoid `shared_expert_gate`), as has Qwen3-Next (Qwen2-MoE's sparse layers); Qwen3.5-MoE's every layer is
+sparse.
 
 Placement over the tensor-parallel ranks: `ep_size` (1 <= ep_size, dividing tp_size) groups of
 tp_size / ep_size consecutive ranks; group g holds experts [g E/ep, (g+1) E/ep) whole along the expert axis,
@@ -24,13 +25,13 @@ from dataclasses import dataclass
 from typing import Any
 
 MIXTRAL, QWEN2_MOE, QWEN3_MOE = "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"
-QWEN3_5_MOE = "Qwen3_5MoeForCausalLM"
+QWEN3_5_MOE, QWEN3_NEXT = "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM"
 _MODEL_TYPES = {"mixtral": MIXTRAL, "qwen2_moe": QWEN2_MOE, "qwen3_moe": QWEN3_MOE, "qwen3_5_moe": QWEN3_5_MOE,
-                "qwen3_5_moe_text": QWEN3_5_MOE}  # fmt: skip
+                "qwen3_5_moe_text": QWEN3_5_MOE, "qwen3_next": QWEN3_NEXT}  # fmt: skip
 _ARCHITECTURES = {MIXTRAL: MIXTRAL, QWEN2_MOE: QWEN2_MOE, QWEN3_MOE: QWEN3_MOE, QWEN3_5_MOE: QWEN3_5_MOE,
-                  "Qwen3_5MoeForConditionalGeneration": QWEN3_5_MOE}  # fmt: skip
+                  "Qwen3_5MoeForConditionalGeneration": QWEN3_5_MOE, QWEN3_NEXT: QWEN3_NEXT}  # fmt: skip
 # with a gated shared expert beside the routed ones; Qwen3.5's router always renormalizes (no norm_topk_prob)
-_SHARED_EXPERT = (QWEN2_MOE, QWEN3_5_MOE)
+_SHARED_EXPERT = (QWEN2_MOE, QWEN3_5_MOE, QWEN3_NEXT)
 
 
 def _get(cfg: Any, key: str, default: Any = None) -> Any:

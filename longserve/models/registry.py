@@ -19,6 +19,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3_5ForConditionalGeneration": ("longserve.models.hybrid", "Qwen3_5ForCausalLM"),
     "Qwen3_5MoeForCausalLM": ("longserve.models.hybrid", "Qwen3_5MoeForCausalLM"),
     "Qwen3_5MoeForConditionalGeneration": ("longserve.models.hybrid", "Qwen3_5MoeForCausalLM"),
+    "Qwen3NextForCausalLM": ("longserve.models.qwen3_next", "Qwen3NextForCausalLM"),
 }
 
 

@@ -29,6 +29,8 @@ MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral")
 # (`model.language_model.*`, a tiny vision tower beside it), the dense one as its text model alone (`model.*`);
 # linear and full attention layers alternate, so that the second full layer is KV layer 1
 HYBRID_ARCHS = ("qwen3_5", "qwen3_5_moe")
+# Qwen3-Next: the same layers, its linear layers' projections fused per key head in the checkpoint (models/qwen3_next.py)
+QWEN3_NEXT = "qwen3_next"
 EXPERT_LAYOUTS = ("per_expert", "stacked")
 
 CHAT_TEMPLATE = (
@@ -126,7 +128,7 @@ def _make_config(arch: str, tie: bool, num_layers: int) -> Any:
             **{**common, "intermediate_size": 40}, head_dim=16, num_local_experts=6, num_experts_per_tok=2,
             sliding_window=8,
         )  # fmt: skip
-    if arch in HYBRID_ARCHS:
+    if arch in HYBRID_ARCHS or arch == QWEN3_NEXT:
         return _hybrid_config(arch, common, num_layers)
     raise ValueError(
         f"unknown tiny arch {arch!r}; choose one of {', '.join(ARCHS + MOE_ARCHS + HYBRID_ARCHS)}"
@@ -154,6 +156,9 @@ def _hybrid_config(arch: str, common: dict[str, Any], num_layers: int) -> Any:
     text.update(
         num_experts=8, num_experts_per_tok=3, moe_intermediate_size=40, shared_expert_intermediate_size=48
     )
+    if arch == QWEN3_NEXT:  # its rope has no mrope section; a dense layer among the sparse ones
+        text["rope_parameters"].pop("mrope_section")
+        return transformers.Qwen3NextConfig(**text, mlp_only_layers=[2], norm_topk_prob=True)
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=common["hidden_size"],
                   patch_size=4, spatial_merge_size=2, temporal_patch_size=2)  # fmt: skip
     tie = text.pop("tie_word_embeddings")
@@ -162,7 +167,7 @@ def _hybrid_config(arch: str, common: dict[str, Any], num_layers: int) -> Any:
 
 # layers of the MoE archs by default: a dense layer between two sparse ones (Qwen3-MoE), two sparse layers
 # at decoder_sparse_step 2 (Qwen2-MoE)
-_MOE_LAYERS = {"qwen3_moe": 3, "qwen2_moe": 4, "mixtral": 2, "qwen3_5": 4, "qwen3_5_moe": 4}
+_MOE_LAYERS = {"qwen3_moe": 3, "qwen2_moe": 4, "mixtral": 2, "qwen3_5": 4, "qwen3_5_moe": 4, "qwen3_next": 4}
 
 
 def _save_stacked(model: Any, path: str | os.PathLike) -> None:

@@ -1,4 +1,4 @@
-"""Hybrid linear/full-attention models (Qwen3.5 dense and MoE) vs transformers, float32, on tiny random checkpoints
+"""Hybrid linear/full-attention models (Qwen3.5 dense and MoE, Qwen3-Next) vs transformers, float32, on tiny random checkpoints
 written by transformers itself (the MoE one as the released vision-language wrapper): a full prefill, the same
 prompt in chunks (the recurrent state carried in its slot, the full layers' K/V in pages), a mixed step of a decode
 beside another request's chunk, greedy decode against transformers' generate, and the weights the loader maps."""
@@ -12,7 +12,7 @@ from longserve.attention.base import ForwardContext, KVCache
 from longserve.attention.recurrent_state import RecurrentStates
 from longserve.attention.torch_backend import TorchAttentionBackend
 from longserve.models import load_hf_config, load_model
-from longserve.testing.checkpoints import HYBRID_ARCHS, make_tiny_checkpoint
+from longserve.testing.checkpoints import HYBRID_ARCHS, QWEN3_NEXT, make_tiny_checkpoint
 from tests.model.test_models_vs_hf import PAGE_SIZE, hf_logits, load_both, make_meta, prompt
 
 NUM_SLOTS = 4
@@ -28,7 +28,7 @@ def new_cache(model: torch.nn.Module) -> KVCache:
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("hybrid")
-    return {arch: make_tiny_checkpoint(root / arch, arch, seed=7) for arch in HYBRID_ARCHS}
+    return {arch: make_tiny_checkpoint(root / arch, arch, seed=7) for arch in (*HYBRID_ARCHS, QWEN3_NEXT)}
 
 
 def new_states(model: torch.nn.Module) -> RecurrentStates:
@@ -48,7 +48,7 @@ def step(model, cache, states, token_ids, prefix_lens, page_tables, slots) -> to
         return model.compute_logits(model(torch.cat(token_ids), positions, ctx))  # [T, V]
 
 
-@pytest.mark.parametrize("arch", HYBRID_ARCHS)
+@pytest.mark.parametrize("arch", [*HYBRID_ARCHS, QWEN3_NEXT])
 def test_prefill_chunks_and_mixed_step_match_hf(checkpoints: dict, arch: str) -> None:
     ours, hf = load_both(checkpoints[arch])
     assert ours.num_layers == 2  # two full-attention layers hold K/V; two linear ones hold states
@@ -76,7 +76,7 @@ def test_prefill_chunks_and_mixed_step_match_hf(checkpoints: dict, arch: str) ->
     torch.testing.assert_close(mixed[1:], hf_logits(hf, other), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("arch", HYBRID_ARCHS)
+@pytest.mark.parametrize("arch", [*HYBRID_ARCHS, QWEN3_NEXT])
 def test_greedy_decode_matches_hf_generate(checkpoints: dict, arch: str) -> None:
     """32 tokens one step each (the one-token kernels' path) against transformers' generate with its cache."""
     ours, hf = load_both(checkpoints[arch])
@@ -140,3 +140,25 @@ def test_gptq_moe_with_the_released_rules_matches_transformers(tmp_path) -> None
         logits = step(ours, cache, states, [torch.tensor(out[-1:])], [40 + len(out) - 1], [PAGE_IDS], [0])
         out.append(int(logits[-1].argmax()))
     assert out == expected and len(set(out)) >= 4
+
+
+def test_qwen3_next_fused_projections_regroup_and_quantized_ones_are_refused(checkpoints: dict) -> None:
+    """Qwen3-Next's in_proj_qkvz / in_proj_ba (per key head: q, k, its value heads' v and z; b then a) load into the
+    layer's q|k|v and z|b|a as transformers' fix_query_key_value_ordering splits them; a packed one is refused."""
+    from safetensors.torch import load_file
+
+    path = checkpoints[QWEN3_NEXT]
+    model = load_model(path, load_hf_config(path), torch.float32, torch.device("cpu"))
+    tensors = load_file(f"{path}/model.safetensors")
+    layer = model.model.layers[0].linear_attn
+    qkvz = tensors["model.layers.0.linear_attn.in_proj_qkvz.weight"]  # [Hk * (2K + 2 (Hv/Hk) V), H]
+    hk, k, per_v = 2, 16, 2 * 24  # 2 value heads a key head of 24
+    groups = qkvz.view(hk, 2 * k + 2 * per_v, -1)
+    q, key, v, z = groups.split([k, k, per_v, per_v], dim=1)
+    qkv, zba = layer.in_proj_qkv.weight, layer.in_proj_zba.weight
+    assert torch.equal(qkv[: hk * k], q.reshape(-1, qkvz.shape[1]))
+    assert torch.equal(qkv[2 * hk * k :], v.reshape(-1, qkvz.shape[1]))
+    assert torch.equal(zba[: hk * per_v], z.reshape(-1, qkvz.shape[1]))
+    bad = {"model.layers.0.linear_attn.in_proj_qkvz.qweight": torch.zeros(1, dtype=torch.int32)}
+    with pytest.raises(ValueError, match="quantized fused Qwen3-Next projection is not supported"):
+        model.load_weights(bad.items())

@@ -1,4 +1,4 @@
-"""A hybrid model (Qwen3.5-MoE, tiny) under tensor parallelism on the CPU (gloo): the key and value heads of its
+"""Hybrid models (Qwen3.5-MoE, Qwen3-Next; tiny) under tensor parallelism on the CPU (gloo): the key and value heads of its
 linear-attention layers split over the ranks (each rank its heads' conv channels, states, dt_bias and A_log),
 out_proj row-parallel. TP=2 greedy tokens equal TP=1's, in chunks and in steps cut in two halves (a request cut
 mid-chunk continues in the second half from the state the first left); dummy weights are the same model at
@@ -54,3 +54,13 @@ def test_split_step_carries_the_state_slots():
     assert (b.prefix_lens, b.query_lens, b.state_slots) == ([2], [2], [2])  # continues its state: prefix 2
     plain = StepInputs([1], [0], [0], [1], [[1]], [0])
     assert split_step(plain, 0)[1].state_slots == []  # attention-only models carry none
+
+
+def test_qwen3_next_tp2_equals_tp1(tmp_path):
+    """Qwen3-Next's fused per-key-head projections, regrouped at load, then split over the ranks."""
+    from longserve.testing.checkpoints import QWEN3_NEXT
+
+    path = make_tiny_checkpoint(tmp_path, QWEN3_NEXT, seed=9)
+    expected = run(path)
+    assert len(set(expected[2])) > 3
+    assert run(path, tensor_parallel_size=2) == expected
