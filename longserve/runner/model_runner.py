@@ -20,7 +20,6 @@ import torch.distributed as dist
 
 from longserve.attention import ForwardContext, GraphShape, KVCache, get_attention_backend
 from longserve.attention.kv_quant import kv_storage_dtype, layer_kv_scales
-from longserve.attention.recurrent_state import RecurrentStates
 from longserve.config import EngineConfig
 from longserve.distributed import RankFailure, broadcast_object, get_tp_group, set_ep_size, tp_broadcast
 from longserve.memory import bound_kernel_caches, start_heap_trimmer
@@ -30,7 +29,7 @@ from longserve.models.pooler import apply_hf_overrides, resolve_pooler
 from longserve.models.quant.config import apply_quantization
 from longserve.outputs import SchedulerOutput
 from longserve.platform import available_memory_bytes, host_to_device, resolve_device
-from longserve.runner import memory_plan, prompt_logprobs, step_tokens
+from longserve.runner import memory_plan, prompt_logprobs, state_plan, step_tokens
 from longserve.runner.context_length import resolve_context_length
 from longserve.runner.cuda_graph import build_graphs
 from longserve.runner.inputs import StepInputs, build_step, split_step, to_model_inputs
@@ -92,7 +91,7 @@ class ModelRunner:
         # what the KV pages hold: the model's dtype, or e4m3 for --kv-cache-dtype fp8 (half the bytes)
         self.kv_dtype = kv_storage_dtype(config.kv_cache_dtype, self.dtype)
         # a hybrid model's linear-attention states, before the KV pool is sized from the memory left
-        self.states = self._recurrent_states()
+        self.states = state_plan.recurrent_states(self.model, config, self.dtype, self.device, self.tp)
         self.num_state_slots = self.states.num_slots if self.states is not None else 0
         self.num_pages = self._num_pages()
         # refuse an impossible context length before the large allocation
@@ -171,21 +170,6 @@ class ModelRunner:
             "the checkpoint's per-layer scales"
             if found
             else "scales 1.0 (the checkpoint has no k_scale/v_scale)",
-        )
-
-    def _recurrent_states(self) -> RecurrentStates | None:
-        """A hybrid model's state slots (attention/recurrent_state.py): one a running request, the states in
-        config.mamba_ssm_cache_dtype (auto: the model's dtype), the convs' inputs in the model's."""
-        found = self.model.recurrent_states()
-        if found is None:
-            return None
-        num_layers, spec = found
-        if self.config.enable_prefix_caching:
-            logger.info("prefix caching is off: a hybrid model's linear-attention state cannot be shared")
-        given = self.config.mamba_ssm_cache_dtype
-        ssm_dtype = self.dtype if given == "auto" else getattr(torch, given)
-        return RecurrentStates(
-            num_layers, spec, self.config.max_running_requests, self.dtype, ssm_dtype, self.device
         )
 
     # ---- sizing ---------------------------------------------------------------------------------

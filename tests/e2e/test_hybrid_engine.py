@@ -120,3 +120,27 @@ def test_state_dtype_follows_the_setting(hybrid_ckpt, baseline):
     assert plans["float32"] - plans["bfloat16"] == 2 * ssm == plans["auto"] - plans["bfloat16"]
     with pytest.raises(ValueError, match="mamba_ssm_cache_dtype must be one of auto, float32"):
         llm(hybrid_ckpt, mamba_ssm_cache_dtype="fp8")
+
+
+def test_state_slots_fit_half_the_memory_left(hybrid_ckpt, baseline, monkeypatch, caplog):
+    """States that would take more than half the memory the weights leave get fewer slots than --max-num-seqs (a
+    warning says so) and requests wait for one; none fitting is a start-up error naming what to change."""
+    import logging
+
+    from longserve.runner import state_plan
+
+    ps, alone = baseline
+    m = llm(hybrid_ckpt, max_running_requests=4)
+    per_slot = m.engine.runner.states.nbytes // 4
+    total, used = 2**40, 2**30  # a device with 1 GiB in use (the weights)
+    monkeypatch.setattr(state_plan, "available_memory_bytes", lambda device: (total, total - used))
+    budget = 3.5 * per_slot / state_plan.STATE_SHARE  # what mem_fraction_static leaves beside the weights
+    with caplog.at_level(logging.WARNING, logger="longserve.runner"):
+        m = llm(hybrid_ckpt, max_running_requests=4, mem_fraction_static=(used + budget) / total)
+    assert m.engine.kv.states.num_total == 3 and "3 recurrent-state slots" in caplog.text
+    assert [o.token_ids for o in m.generate(ps, GREEDY32)] == alone  # four prompts over three slots
+    assert_clean(m.engine)
+    with pytest.raises(
+        RuntimeError, match="no memory for one recurrent-state slot.*mamba-ssm-cache-dtype bfloat16"
+    ):
+        llm(hybrid_ckpt, mem_fraction_static=(used + 100) / total)

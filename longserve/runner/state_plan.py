@@ -1,0 +1,64 @@
+"""How many recurrent-state slots a hybrid model's runner holds (attention/recurrent_state.py), before its KV pool
+is sized from the memory left.
+
+One slot a running request (`--max-num-seqs`), unless the states would take more than STATE_SHARE of the memory
+the weights leave (the same budget the KV pool is sized from: mem_fraction_static of the device): then fewer slots,
+with a warning, and at most that many requests run at once (a request waits for a slot as it waits for pages). A
+float32 slot of the Qwen3.5-35B-A3B shape is 60 MiB (30 linear layers of 32 x 128 x 128 values): 256 slots are
+15 GiB. Under tensor parallelism slot ids are global (one allocator, on rank 0): every rank takes the smallest
+rank's count.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from longserve.attention.recurrent_state import RecurrentStates
+from longserve.platform import available_memory_bytes
+
+logger = logging.getLogger("longserve.runner")
+
+# at most this share of the budget for states, the rest for the KV pool (SGLang's default mamba_full_memory_ratio of
+# 0.9 gives the states ~47% of the pair)
+STATE_SHARE = 0.5
+
+
+def recurrent_states(
+    model: Any, config: Any, dtype: torch.dtype, device: torch.device, tp: Any = None
+) -> RecurrentStates | None:
+    """The model's state slots, or None for a model without linear-attention layers; the states in
+    config.mamba_ssm_cache_dtype (auto: the model's dtype), the convs' inputs in the model's."""
+    found = model.recurrent_states()
+    if found is None:
+        return None
+    num_layers, spec = found
+    if config.enable_prefix_caching:
+        logger.info("prefix caching is off: a hybrid model's linear-attention state cannot be shared")
+    given = config.mamba_ssm_cache_dtype
+    ssm_dtype = dtype if given == "auto" else getattr(torch, given)
+    per_slot = num_layers * spec.bytes_per_slot(dtype, ssm_dtype)
+    total, free = available_memory_bytes(device)
+    budget = total * config.mem_fraction_static - (total - free)  # what the weights leave, as for the KV pool
+    fits = int(max(budget, 0) * STATE_SHARE // per_slot)
+    if tp is not None:
+        t = torch.tensor([fits], dtype=torch.long)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=tp.cpu_group)
+        fits = int(t.item())
+    want = config.max_running_requests
+    if fits < 1:
+        raise RuntimeError(
+            f"no memory for one recurrent-state slot ({per_slot / 2**20:.1f} MiB: {num_layers} linear-attention "
+            f"layers, states {ssm_dtype}) beside the weights; raise mem_fraction_static or use "
+            "--mamba-ssm-cache-dtype bfloat16"
+        )
+    if fits < want:
+        logger.warning(
+            "%d recurrent-state slots (%.2f GiB) fit in half the memory the weights leave, of %d asked for "
+            "(--max-num-seqs): at most %d requests run at once; --mamba-ssm-cache-dtype bfloat16 halves a slot",
+            fits, fits * per_slot / 2**30, want, fits,
+        )  # fmt: skip
+    return RecurrentStates(num_layers, spec, min(want, fits), dtype, ssm_dtype, device)
