@@ -77,8 +77,8 @@ def warm_up(
     one (the backend plans chunks over a prefix at the usual size). The counts past `optional_past` are optional
     (a lone step the model chose itself, runner/step_tokens.py): out of device memory at one of them, the
     warm-up stops there. Returns the most tokens a step may take: step_tokens, or the largest count that ran
-    before an optional one ran out of memory. A hybrid model's passes start afresh in state slot 0 (`states`:
-    a fresh start never reads a slot's old contents)."""
+    before an optional one ran out of memory. A hybrid model's passes run in state slot -1 (`states`: a zero
+    state, nothing written), so a warm-up never touches a request's slot."""
     start = time.perf_counter()
     backend.warm_up(shape, chunk_size or step_tokens, kv_cache, step_tokens=step_tokens)
     counts = warm_up_counts(step_tokens, shape.max_seq_len) if counts is None else counts
@@ -86,7 +86,7 @@ def warm_up(
     ran = 0
     for n in counts:
         meta, (input_ids, positions, state_slot) = build_step_tensors(
-            [0], [n], [[0] * -(-n // page_size)], page_size, shape.device, extra=([0] * n, range(n), [0])
+            [0], [n], [[0] * -(-n // page_size)], page_size, shape.device, extra=([0] * n, range(n), [-1])
         )
         meta.state_slots = state_slot
         try:

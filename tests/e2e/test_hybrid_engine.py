@@ -144,3 +144,19 @@ def test_state_slots_fit_half_the_memory_left(hybrid_ckpt, baseline, monkeypatch
         RuntimeError, match="no memory for one recurrent-state slot.*mamba-ssm-cache-dtype bfloat16"
     ):
         llm(hybrid_ckpt, mem_fraction_static=(used + 100) / total)
+
+
+def test_warm_up_touches_no_state_slot(hybrid_ckpt, baseline):
+    """The warm-up's passes run in slot -1: a request's state (here: every slot's contents) is left as it was."""
+    import torch
+
+    ps, alone = baseline
+    m = llm(hybrid_ckpt, max_running_requests=2)
+    m.generate(ps[:2], GREEDY32)
+    states = m.engine.runner.states
+    before = [t.clone() for t in (*states.conv, *states.ssm)]
+    assert any(float(t.abs().sum()) > 0 for t in before)
+    m.engine.runner.warm_up([512])
+    assert all(torch.equal(t, b) for t, b in zip((*states.conv, *states.ssm), before))
+    assert [o.token_ids for o in m.generate(ps[2:], GREEDY32)] == alone[2:]
+    assert_clean(m.engine)
