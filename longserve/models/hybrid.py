@@ -112,6 +112,9 @@ class Qwen3_5ForCausalLM(CausalLM):
     """Qwen3.5 dense (`Qwen3_5ForConditionalGeneration`'s text model, or `Qwen3_5ForCausalLM`)."""
 
     decoder_class = HybridDecoderModel
+    _vl_layout: bool | None = (
+        None  # the checkpoint's text model lies under `model.language_model.` (when known)
+    )
 
     @classmethod
     def arch_options(cls, hf_config: Any) -> ArchOptions:
@@ -130,8 +133,19 @@ class Qwen3_5ForCausalLM(CausalLM):
         kv_index = self.model.kv_index
         self.kv_scales = {(kv_index[i], kind): v for (i, kind), v in self.kv_scales.items() if i in kv_index}
 
+    def checkpoint_module_name(self, name: str, tensors: set[str] | None) -> str:
+        """Our module's name as the checkpoint spells it: under `model.language_model.` in a vision-language one
+        (the quantization config's rules and its companion tensors are named so)."""
+        if self._vl_layout is None:
+            self._vl_layout = bool(tensors) and any(t.startswith(_VL_PREFIX) for t in tensors)
+        return (
+            _VL_PREFIX + name.removeprefix("model.")
+            if self._vl_layout and name.startswith("model.")
+            else name
+        )
+
     def map_weight_name(self, name: str) -> tuple[str, str | None]:
-        name = name.replace("model.language_model.", "model.", 1)
+        name = name.replace(_VL_PREFIX, "model.", 1)
         for hf, shard in _ZBA:
             if f".linear_attn.{hf}." in name:
                 return name.replace(f".{hf}.", ".in_proj_zba."), shard
@@ -150,5 +164,6 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
         return map_expert_name(name) or _map_name(name)
 
 
+_VL_PREFIX = "model.language_model."
 _UNUSED = ("model.visual.", "mtp.", "model.mtp.")
 _ZBA = (("in_proj_z", "z"), ("in_proj_b", "b"), ("in_proj_a", "a"))

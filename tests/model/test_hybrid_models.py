@@ -141,6 +141,46 @@ def test_gptq_moe_with_the_released_rules_matches_transformers(tmp_path) -> None
         out.append(int(logits[-1].argmax()))
     assert out == expected and len(set(out)) >= 4
 
+    # act order's weights as the released checkpoints lay them out: the vision-language wrapper's text model under
+    # `model.language_model.`, the quantization config at the top level: the rules and each module's companions
+    # (its g_idx) are found under those names, and the model is the same
+    act = qc.write_gptq(tmp_path / "act", "qwen3_5_moe", bits=4, group_size=32, desc_act=True, dynamic=MOE_DYNAMIC,
+                        seed=4)  # fmt: skip
+    vl = as_vision_language(act, tmp_path / "act-vl")
+    logits = {}
+    for p in (act, vl):
+        model = load_model(p, load_hf_config(p), torch.float32, torch.device("cpu"))
+        logits[p] = step(model, new_cache(model), new_states(model), [ids], [0], [PAGE_IDS], [0])
+    assert logits[vl].equal(logits[act])
+
+
+def as_vision_language(path: str, dst) -> str:
+    """A text-model checkpoint (Qwen3.5-MoE) rewritten as the released vision-language layout: tensors under
+    `model.language_model.`, config.json a `Qwen3_5MoeConfig` with the text config inside and the quantization
+    config beside it (the vision tower's tensors left out: the loader skips them)."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen3_5MoeConfig
+
+    shutil.copytree(path, dst)
+    tensors = load_file(f"{path}/model.safetensors")
+    renamed = {k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k: v
+               for k, v in tensors.items()}  # fmt: skip
+    save_file(renamed, f"{dst}/model.safetensors", metadata={"format": "pt"})
+    text = json.loads(Path(path, "config.json").read_text())
+    quant = text.pop("quantization_config")
+    vl = Qwen3_5MoeConfig(text_config=text, vision_config={"depth": 1, "hidden_size": 32, "num_heads": 2,
+                                                           "out_hidden_size": text["hidden_size"]})  # fmt: skip
+    vl.architectures = ["Qwen3_5MoeForConditionalGeneration"]
+    config = vl.to_dict()
+    config["quantization_config"] = quant
+    with open(f"{dst}/config.json", "w") as f:
+        json.dump(config, f)
+    return str(dst)
+
 
 def test_qwen3_next_fused_projections_regroup_and_quantized_ones_are_refused(checkpoints: dict) -> None:
     """Qwen3-Next's in_proj_qkvz / in_proj_ba (per key head: q, k, its value heads' v and z; b then a) load into the

@@ -24,6 +24,8 @@ from longserve.models.quant.int8 import Int8LinearMethod
 from longserve.models.quant.wna16 import WNA16LinearMethod, WNA16MoEMethod
 
 _FUSED = {fused: [hf for f, hf, _ in STACKED_PARAMS if f == fused] for fused, _, _ in STACKED_PARAMS}
+# a hybrid model's linear attention (models/gated_delta_net.py): z, b and a in one product
+_FUSED["in_proj_zba"] = ["in_proj_z", "in_proj_b", "in_proj_a"]
 # experts' checkpoint names per architecture: (the block's name, gate, up, down)
 _EXPERT_NAMES = {"MixtralForCausalLM": ("block_sparse_moe", "w1", "w3", "w2")}
 _DEFAULT_EXPERT_NAMES = ("mlp", "gate_proj", "up_proj", "down_proj")
@@ -98,6 +100,8 @@ def bind_quant_methods(
     dtype context). `tensors`: the checkpoint's tensor names (from the files' headers, read before any
     weight), for the companions a format stores or not (g_idx). Returns a count of layers per method name."""
     arch = arch or type(model).__name__
+    # our module names as the checkpoint spells them (a vision-language checkpoint's text model: models/hybrid.py)
+    spelled = getattr(model, "checkpoint_module_name", None) or (lambda n, tensors: n)
     counts: dict[str, int] = {}
     for name, module in model.named_modules():
         pending = getattr(module, "pending_weights", None)
@@ -106,9 +110,11 @@ def bind_quant_methods(
         if fmt is None:
             raise ValueError(f"{name} waits for a quantization format, but the checkpoint declares none")
         if isinstance(module.quant_method, PendingLinearMethod):
-            method: Any = linear_method(_one_scheme(fmt, linear_names(name), name, False, tensors))
+            names = [spelled(n, tensors) for n in linear_names(name)]
+            method: Any = linear_method(_one_scheme(fmt, names, name, False, tensors))
         elif isinstance(module.quant_method, PendingMoEMethod):
-            method = moe_method(_one_scheme(fmt, expert_names(name, module, arch), name, True, tensors))
+            names = [spelled(n, tensors) for n in expert_names(name, module, arch)]
+            method = moe_method(_one_scheme(fmt, names, name, True, tensors))
         else:
             continue
         del module.pending_weights
