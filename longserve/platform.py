@@ -136,6 +136,13 @@ def available_memory_bytes(device: torch.device) -> tuple[int, int]:
         return total, total // 2
 
 
+def static_budget(device: torch.device, fraction: float) -> tuple[float, int, int]:
+    """(bytes of `fraction` of the device's memory not yet in use, total, free): with the weights resident, what
+    the KV pool and a hybrid model's states may take (mem_fraction_static bounds weights and those together)."""
+    total, free = available_memory_bytes(device)
+    return total * fraction - (total - free), total, free
+
+
 def cuda_time_ms(fn: Callable[[], object], warmup: int = 5, iters: int = 20, repeats: int = 5) -> float:
     """Median milliseconds per call of `fn` on the current CUDA stream (events around `iters` calls, median
     over `repeats`, after `warmup` calls)."""

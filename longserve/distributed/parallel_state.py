@@ -117,6 +117,16 @@ def get_ep_size() -> int:
     return 1 if _TP is None else _TP.ep_size
 
 
+def min_over_ranks(value: int, tp: TPGroup | None) -> int:
+    """The smallest of every rank's `value` (the rank's own without a group): a count that must agree across
+    the ranks, such as the KV pages or state slots their memory fits (ids are global, handed out on rank 0)."""
+    if tp is None:
+        return value
+    t = torch.tensor([value], dtype=torch.long)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=tp.cpu_group)
+    return int(t.item())
+
+
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum `x` over the tp ranks in place (identity at tp=1)."""
     if _TP is None or _TP.world_size == 1:

@@ -18,6 +18,9 @@ value heads share one, so a rank's value heads read only its own key heads); out
 
 from __future__ import annotations
 
+import functools
+import importlib
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -158,10 +161,11 @@ class GatedDeltaNet(nn.Module):
 
 
 def _kernel(fast: bool, module: str, name: str, reference: Any) -> Any:
-    """The Triton kernel `longserve.kernels.<module>.<name>` on CUDA (imported there: it imports triton), else
-    its torch reference."""
-    if not fast:
-        return reference
-    import importlib
+    """The Triton kernel `longserve.kernels.<module>.<name>` on CUDA, else its torch reference."""
+    return getattr(_kernel_module(module), name) if fast else reference
 
-    return getattr(importlib.import_module(f"longserve.kernels.{module}"), name)
+
+@functools.cache
+def _kernel_module(module: str) -> ModuleType:
+    """Imported on first use (it imports triton), then a cached lookup: every layer asks each step."""
+    return importlib.import_module(f"longserve.kernels.{module}")

@@ -21,14 +21,21 @@ import torch.distributed as dist
 from longserve.attention import ForwardContext, GraphShape, KVCache, get_attention_backend
 from longserve.attention.kv_quant import kv_storage_dtype, layer_kv_scales
 from longserve.config import EngineConfig
-from longserve.distributed import RankFailure, broadcast_object, get_tp_group, set_ep_size, tp_broadcast
+from longserve.distributed import (
+    RankFailure,
+    broadcast_object,
+    get_tp_group,
+    min_over_ranks,
+    set_ep_size,
+    tp_broadcast,
+)
 from longserve.memory import bound_kernel_caches, start_heap_trimmer
 from longserve.models import load_model, resolve_dtype
 from longserve.models.decoder import validate_tp_size
 from longserve.models.pooler import apply_hf_overrides, resolve_pooler
 from longserve.models.quant.config import apply_quantization
 from longserve.outputs import SchedulerOutput
-from longserve.platform import available_memory_bytes, host_to_device, resolve_device
+from longserve.platform import host_to_device, resolve_device, static_budget
 from longserve.runner import memory_plan, prompt_logprobs, state_plan, step_tokens
 from longserve.runner.context_length import resolve_context_length
 from longserve.runner.cuda_graph import build_graphs
@@ -185,9 +192,7 @@ class ModelRunner:
         if self.config.max_total_tokens is not None:
             return -(-self.config.max_total_tokens // self.config.page_size)
         per_page = self.kv_bytes_per_token() * self.config.page_size
-        total, free = available_memory_bytes(self.device)
-        # weights are already resident: the fraction bounds weights + KV pool together
-        budget = total * self.config.mem_fraction_static - (total - free)
+        budget, total, free = static_budget(self.device, self.config.mem_fraction_static)
         num_pages = int(budget // per_page)
         if num_pages < 1:
             raise RuntimeError(
@@ -203,11 +208,7 @@ class ModelRunner:
             )
             useful = -(-self.config.max_running_requests * context // self.config.page_size)
             num_pages = min(num_pages, int(4 * 2**30 // per_page), useful)
-        if self.tp is not None:  # page ids are global: every rank's pool has the smallest rank's size
-            t = torch.tensor([num_pages], dtype=torch.long)
-            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.tp.cpu_group)
-            num_pages = int(t.item())
-        return num_pages
+        return min_over_ranks(num_pages, self.tp)  # page ids are global: the smallest rank's pool
 
     # ---- one step -------------------------------------------------------------------------------
     def forward(self, out: SchedulerOutput, prev: SampledStep | None = None) -> StepLogits:

@@ -15,10 +15,10 @@ import logging
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from longserve.attention.recurrent_state import RecurrentStates
-from longserve.platform import available_memory_bytes
+from longserve.distributed import min_over_ranks
+from longserve.platform import static_budget
 
 logger = logging.getLogger("longserve.runner")
 
@@ -41,13 +41,10 @@ def recurrent_states(
     given = config.mamba_ssm_cache_dtype
     ssm_dtype = dtype if given == "auto" else getattr(torch, given)
     per_slot = num_layers * spec.bytes_per_slot(dtype, ssm_dtype)
-    total, free = available_memory_bytes(device)
-    budget = total * config.mem_fraction_static - (total - free)  # what the weights leave, as for the KV pool
-    fits = int(max(budget, 0) * STATE_SHARE // per_slot)
-    if tp is not None:
-        t = torch.tensor([fits], dtype=torch.long)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=tp.cpu_group)
-        fits = int(t.item())
+    budget = static_budget(device, config.mem_fraction_static)[
+        0
+    ]  # what the weights leave, as for the KV pool
+    fits = min_over_ranks(int(max(budget, 0) * STATE_SHARE // per_slot), tp)
     want = config.max_running_requests
     if fits < 1:
         raise RuntimeError(

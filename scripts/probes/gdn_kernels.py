@@ -16,24 +16,10 @@ import torch
 from longserve.kernels import causal_conv1d as cc
 from longserve.kernels import gated_delta as gd
 from longserve.kernels import gated_norm as gn
+from longserve.platform import cuda_time_ms
 
 HK, HV, K, V, W = 16, 32, 128, 128, 4
 D = 2 * HK * K + HV * V
-
-
-def timed(fn, reps: int = 20) -> float:
-    """Median ms of `fn()` over `reps` runs after two warm-up runs (compiles)."""
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
 
 
 def main() -> None:
@@ -68,10 +54,10 @@ def main() -> None:
         q, k, v = q.view(n, HK, K), k.view(n, HK, K), v.view(n, HV, V)
         g, beta = gd.gdn_gating(a, b, a_log, dt_bias)
         out = gd.gated_delta_prefill(q, k, v, g, beta, ssm, qsl, slots, has)
-        t_conv = timed(partial(cc.causal_conv1d_prefill, qkv, weight, conv, qsl, slots, has))
-        t_gate = timed(partial(gd.gdn_gating, a, b, a_log, dt_bias))
-        t_rule = timed(partial(gd.gated_delta_prefill, q, k, v, g, beta, ssm, qsl, slots, has))
-        t_norm = timed(partial(gn.gated_rms_norm, out.reshape(-1, V), z.reshape(-1, V), norm_w, 1e-6))
+        t_conv = cuda_time_ms(partial(cc.causal_conv1d_prefill, qkv, weight, conv, qsl, slots, has))
+        t_gate = cuda_time_ms(partial(gd.gdn_gating, a, b, a_log, dt_bias))
+        t_rule = cuda_time_ms(partial(gd.gated_delta_prefill, q, k, v, g, beta, ssm, qsl, slots, has))
+        t_norm = cuda_time_ms(partial(gn.gated_rms_norm, out.reshape(-1, V), z.reshape(-1, V), norm_w, 1e-6))
         print(f"prefill {n:>6}: conv {t_conv:.3f} ms, gating {t_gate:.3f}, delta rule {t_rule:.3f}, gated norm "
               f"{t_norm:.3f}; a layer {t_conv + t_gate + t_rule + t_norm:.3f} ms")  # fmt: skip
 
@@ -83,8 +69,8 @@ def main() -> None:
         q, k, v = mixed.split([HK * K, HK * K, HV * V], dim=-1)
         q, k, v = q.view(bsz, HK, K), k.view(bsz, HK, K), v.view(bsz, HV, V)
         g, beta = gd.gdn_gating(a, b, a_log, dt_bias)
-        t_conv = timed(partial(cc.causal_conv1d_decode, x, weight, conv, slots))
-        t_rule = timed(partial(gd.gated_delta_decode, q, k, v, g, beta, ssm, slots))
+        t_conv = cuda_time_ms(partial(cc.causal_conv1d_decode, x, weight, conv, slots))
+        t_rule = cuda_time_ms(partial(gd.gated_delta_decode, q, k, v, g, beta, ssm, slots))
         state_bytes = 2 * bsz * HV * K * V * ssm.element_size()  # read and written once
         floor = state_bytes / (peak_gbs * 1e9) * 1e3
         print(f"decode b{bsz:<3}: conv {t_conv:.4f} ms, delta rule {t_rule:.4f} ms (state traffic floor "

@@ -127,13 +127,14 @@ def test_state_slots_fit_half_the_memory_left(hybrid_ckpt, baseline, monkeypatch
     warning says so) and requests wait for one; none fitting is a start-up error naming what to change."""
     import logging
 
+    from longserve import platform
     from longserve.runner import state_plan
 
     ps, alone = baseline
     m = llm(hybrid_ckpt, max_running_requests=4)
     per_slot = m.engine.runner.states.nbytes // 4
     total, used = 2**40, 2**30  # a device with 1 GiB in use (the weights)
-    monkeypatch.setattr(state_plan, "available_memory_bytes", lambda device: (total, total - used))
+    monkeypatch.setattr(platform, "available_memory_bytes", lambda device: (total, total - used))
     budget = 3.5 * per_slot / state_plan.STATE_SHARE  # what mem_fraction_static leaves beside the weights
     with caplog.at_level(logging.WARNING, logger="longserve.runner"):
         m = llm(hybrid_ckpt, max_running_requests=4, mem_fraction_static=(used + budget) / total)

@@ -111,10 +111,10 @@ def test_fp8_forced_preemption_equals_no_preemption(ckpt, baseline):
 
 
 def test_memory_plan_holds_twice_the_tokens_of_bf16(ckpt, monkeypatch):
-    import longserve.runner.model_runner as model_runner
+    import longserve.platform as platform
 
     # the same memory budget for both: 1 GiB total and free, 1/256 of it for weights + KV
-    monkeypatch.setattr(model_runner, "available_memory_bytes", lambda device: (2**30, 2**30))
+    monkeypatch.setattr(platform, "available_memory_bytes", lambda device: (2**30, 2**30))
     plans = {}
     for kv in ("auto", "fp8_e4m3"):
         m = LLM(ckpt, dtype="bfloat16", device="cpu", kv_cache_dtype=kv, mem_fraction_static=1 / 256)
