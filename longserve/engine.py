@@ -76,9 +76,11 @@ class Engine:
         self.context_length = self.runner.context_length
         # the most top logprobs a request may ask for (EngineConfig.max_logprobs; -1: the vocabulary)
         self.max_logprobs = self.runner.model.vocab_size if config.max_logprobs == -1 else config.max_logprobs
+        runner = self.runner
         self.kv = KVCacheManager(
-            self.runner.num_pages, config.page_size, config.enable_prefix_caching, self.runner.num_state_slots
-        )
+            runner.num_pages, config.page_size, config.enable_prefix_caching, runner.num_state_slots,
+            runner.num_state_checkpoints,
+        )  # fmt: skip
         # a lone prompt's steps as the runner resolved them; chunks end on its attention backend's granule
         lone, granule = self.runner.lone_prefill_chunk_size, self.runner.backend.chunk_granule
         sched = SchedulerConfig.from_engine_config(config, self.context_length, lone, granule)

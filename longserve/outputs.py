@@ -14,6 +14,8 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int  # tokens whose K/V this step computes, starting at request.num_computed_tokens
     samples: bool  # this chunk reaches the request's last token: the step samples its next token
+    # a hybrid model's state checkpoint this step's end is saved into (KVCacheManager.checkpoint_target)
+    state_save: int | None = None
 
 
 @dataclass

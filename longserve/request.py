@@ -62,6 +62,10 @@ class Request:
     state_slot: int | None = (
         None  # a hybrid model's recurrent-state slot while running (cache/state_slots.py)
     )
+    # a hybrid model's prefix hit: the state checkpoint its first step copies into state_slot; and the positions
+    # where its prompt's chunks end and its state is checkpointed (cache/state_radix_tree.py)
+    state_restore: int | None = None
+    state_marks: tuple[int, ...] = ()
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id or string that ended it

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from longserve.platform import host_to_device
+
 
 @dataclass(frozen=True)
 class RecurrentStateSpec:
@@ -36,7 +38,8 @@ class RecurrentStateSpec:
 
 
 class RecurrentStates:
-    """`conv[i]`, `ssm[i]`: the states of the model's i-th linear-attention layer, `num_slots` rows each."""
+    """`conv[i]`, `ssm[i]`: the states of the model's i-th linear-attention layer: `num_slots` rows for running
+    requests, then `num_checkpoints` rows the prefix cache keeps states in (cache/state_radix_tree.py)."""
 
     def __init__(
         self,
@@ -46,14 +49,27 @@ class RecurrentStates:
         conv_dtype: torch.dtype,
         ssm_dtype: torch.dtype,
         device: torch.device | str,
+        num_checkpoints: int = 0,
     ) -> None:
         self.spec = spec
         self.num_slots = num_slots
-        conv_shape = (num_slots, spec.conv_width - 1, spec.conv_dim)
-        ssm_shape = (num_slots, spec.num_v_heads, spec.k_dim, spec.v_dim)
+        self.num_checkpoints = num_checkpoints
+        rows = num_slots + num_checkpoints
+        conv_shape = (rows, spec.conv_width - 1, spec.conv_dim)
+        ssm_shape = (rows, spec.num_v_heads, spec.k_dim, spec.v_dim)
         self.conv = [torch.zeros(conv_shape, dtype=conv_dtype, device=device) for _ in range(num_layers)]
         self.ssm = [torch.zeros(ssm_shape, dtype=ssm_dtype, device=device) for _ in range(num_layers)]
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.conv, *self.ssm))
+
+    def copy(self, pairs: list[tuple[int, int]]) -> None:
+        """Row `to` of every layer's states <- row `from`, for each (from, to) (no `to` repeats, no row both read
+        and written: a restore reads a checkpoint into a slot, a save a slot into a checkpoint)."""
+        if not pairs:
+            return
+        device = self.conv[0].device
+        src, dst = (host_to_device(list(rows), dtype=torch.int64, device=device) for rows in zip(*pairs))
+        for t in (*self.conv, *self.ssm):
+            t.index_copy_(0, dst, t.index_select(0, src))

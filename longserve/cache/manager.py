@@ -7,8 +7,11 @@ evicted. Invariant (checked by `check_integrity`): pool.ref(p) == (1 if p is in 
 live requests holding p). The page size is the pool's.
 
 A hybrid model's running request also holds a recurrent-state slot (cache/state_slots.py), taken with its first
-pages and given back with them; its prompt's tokens are never shared (no prefix cache, no forked siblings: a
-state cannot be cut at a page boundary).
+pages and given back with them. A slot holds the whole history and cannot be cut at a page boundary, so such a
+model's prefix cache (cache/state_radix_tree.py) also keeps state checkpoints, saved where the scheduler ends a
+chunk on one of the request's `state_marks`, and a hit reaches only as far as the deepest checkpoint (copied into
+the request's slot before its first step: `req.state_restore`); without prefix caching nothing is shared (no
+forked siblings either).
 """
 
 from __future__ import annotations
@@ -18,20 +21,40 @@ from collections.abc import Iterable
 from longserve.cache.page_pool import PagePool
 from longserve.cache.prefix_cache import NoPrefixCache, PrefixCache
 from longserve.cache.radix_tree import RadixTree
+from longserve.cache.state_radix_tree import StateRadixTree
 from longserve.cache.state_slots import NoStateSlots, StateSlots
 from longserve.request import Request
+
+# A state mark ends a chunk early, so a prompt whose mark falls inside its last chunk takes one more step (a few
+# tokens, about a decode step's time) to save a state that a later hit resumes from. Below this many tokens the
+# recompute a hit saves is about that step's cost (vLLM's align mode caches no hybrid prefix below its block of 528
+# tokens on Qwen3.5): no mark. An estimate, not yet measured on the GPU.
+MIN_CHECKPOINT_TOKENS = 512
 
 
 class KVCacheManager:
     def __init__(
-        self, num_pages: int, page_size: int, enable_prefix_caching: bool = True, num_state_slots: int = 0
+        self,
+        num_pages: int,
+        page_size: int,
+        enable_prefix_caching: bool = True,
+        num_state_slots: int = 0,
+        num_state_checkpoints: int = 0,
+        min_checkpoint_tokens: int = MIN_CHECKPOINT_TOKENS,
     ) -> None:
+        """num_state_slots: a hybrid model's running requests' state slots (0: an attention-only model);
+        num_state_checkpoints: its prefix cache's checkpoints, ids after the slots' (0: no prefix cache for it);
+        min_checkpoint_tokens: the shortest prefix a checkpoint is saved for."""
         self.pool = PagePool(num_pages, page_size)
+        self.min_checkpoint_tokens = min_checkpoint_tokens
         self.states: StateSlots | NoStateSlots = (
             StateSlots(num_state_slots) if num_state_slots else NoStateSlots()
         )
-        share = enable_prefix_caching and not self.states.holds_states
-        self.prefix_cache: PrefixCache = RadixTree(self.pool) if share else NoPrefixCache()
+        self.prefix_cache: PrefixCache = NoPrefixCache()
+        if enable_prefix_caching and not self.states.holds_states:
+            self.prefix_cache = RadixTree(self.pool)
+        elif enable_prefix_caching and num_state_checkpoints:
+            self.prefix_cache = StateRadixTree(self.pool, num_state_checkpoints, first_id=num_state_slots)
 
     @property
     def page_size(self) -> int:
@@ -39,9 +62,9 @@ class KVCacheManager:
 
     @property
     def shares_prompts(self) -> bool:
-        """Whether a request may start from pages another computed (a prefix hit, a forked sibling): not with
-        recurrent states, which hold the whole history and cannot be shared."""
-        return not self.states.holds_states
+        """Whether a request may start from pages another computed (a prefix hit, a forked sibling): with
+        recurrent states only through a prefix cache that keeps their checkpoints."""
+        return not self.states.holds_states or self.prefix_cache.keeps_states
 
     @property
     def siblings_fork(self) -> bool:
@@ -91,7 +114,51 @@ class KVCacheManager:
             req.num_tree_pages = len(match.pages)
             self.prefix_cache.lock(match.node)
             req.cache_node = match.node
+        if self.prefix_cache.keeps_states:
+            if match.checkpoint is not None:  # copied into the request's slot by its first step
+                self.prefix_cache.pin(match.checkpoint)
+                req.state_restore = match.checkpoint
+            req.state_marks = self._state_marks(req, match.num_tokens, match.num_shared_tokens)
         return match.num_tokens
+
+    def _state_marks(self, req: Request, hit: int, shared: int) -> tuple[int, ...]:
+        """Where the request's chunks end and its state is checkpointed: where it leaves the cached path (so the
+        next request down that path hits there: a document shared by several questions) and at the last full
+        page a repeat of its prompt could match (a conversation's next turn, a retried or preempted request)."""
+        ps = self.page_size
+        last = min(req.max_prefix_len, req.num_prompt_tokens) // ps * ps
+        low = max(hit, self.min_checkpoint_tokens - 1)
+        return tuple(sorted({m for m in (shared, last) if low < m <= last}))
+
+    def chunk_end(self, req: Request, n: int) -> int:
+        """A prompt chunk of up to n tokens, cut to end on the request's next state mark if it would pass it."""
+        done = req.num_computed_tokens
+        for mark in req.state_marks:
+            if done < mark < done + n:
+                return mark - done
+        return n
+
+    def checkpoint_target(self, req: Request, n: int) -> int | None:
+        """A checkpoint for the state after the request's next n tokens, if they end on a state mark (None: no
+        save, or every checkpoint is pinned)."""
+        if req.num_computed_tokens + n not in req.state_marks:
+            return None
+        return self.prefix_cache.take_checkpoint()
+
+    def state_saved(self, req: Request, checkpoint: int) -> None:
+        """After the step that saves the request's state into `checkpoint` was advanced (its pages cached): the
+        checkpoint joins the node ending at its computed tokens; dropped if the request ended meanwhile."""
+        node = req.cache_node
+        if node is not None and req.num_tree_pages * self.page_size == req.num_computed_tokens:
+            self.prefix_cache.attach_checkpoint(node, checkpoint)
+        else:
+            self.prefix_cache.drop_checkpoint(checkpoint)
+
+    def state_restored(self, req: Request) -> None:
+        """The step copying the request's matched checkpoint into its slot was launched: the checkpoint may go."""
+        if req.state_restore is not None:
+            self.prefix_cache.unpin(req.state_restore)
+            req.state_restore = None
 
     def peek_prefix_len(self, req: Request) -> int:
         """Tokens `match_prefix` would attach to this (unattached) request now; changes nothing."""
@@ -164,6 +231,8 @@ class KVCacheManager:
         self.pool.decref(req.page_ids)
         req.page_ids = []
         req.num_tree_pages = 0
+        self.state_restored(req)  # a restore not launched (its allocation failed): the pin goes
+        req.state_marks = ()
         self.states.release(req)
 
     def flush(self) -> int:

@@ -19,6 +19,10 @@ class MatchResult:
     pages: list[int]
     num_tokens: int  # == len(pages) * page_size
     node: Any  # handle on the deepest matched node (for lock/unlock); the root when nothing matched
+    # a hybrid model's (StateRadixTree): the recurrent-state checkpoint after exactly these tokens (None: none,
+    # or nothing matched), and how far the cached pages reach (-1: as far as num_tokens), past the last checkpoint
+    checkpoint: int | None = None
+    num_shared_tokens: int = -1
 
 
 @dataclass(slots=True)
@@ -36,6 +40,8 @@ class PrefixCache(ABC):
     #: whether inserted pages are kept for later matches (False: siblings of an n > 1 request share their
     #: leader's prompt pages by the manager's fork_prefix instead)
     keeps_pages: bool = True
+    #: whether it keeps a hybrid model's recurrent-state checkpoints (cache/state_radix_tree.py)
+    keeps_states: bool = False
 
     @property
     @abstractmethod
@@ -79,6 +85,22 @@ class PrefixCache(ABC):
     @abstractmethod
     def check(self) -> None:
         """Assert the structure's invariants (tests and debug only)."""
+
+    # a hybrid model's state checkpoints (StateRadixTree); a cache that keeps none is never asked for one
+    def take_checkpoint(self) -> int | None:
+        return None
+
+    def attach_checkpoint(self, node: Any, checkpoint: int) -> bool:
+        raise AssertionError(f"{type(self).__name__} keeps no state checkpoints")
+
+    def drop_checkpoint(self, checkpoint: int) -> None:
+        raise AssertionError(f"{type(self).__name__} keeps no state checkpoints")
+
+    def pin(self, checkpoint: int) -> None:
+        raise AssertionError(f"{type(self).__name__} keeps no state checkpoints")
+
+    def unpin(self, checkpoint: int) -> None:
+        raise AssertionError(f"{type(self).__name__} keeps no state checkpoints")
 
 
 class NoPrefixCache(PrefixCache):

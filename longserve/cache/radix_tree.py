@@ -38,6 +38,8 @@ class TreeNode:
     own_locks: int = 0  # locks taken on exactly this node
     last_access: int = 0  # logical clock stamp; a parent's stamp is >= each child's
     detached: bool = False  # set once evicted, so a stale handle cannot be locked
+    # a hybrid model's recurrent-state checkpoint after exactly this node's last token (cache/state_radix_tree.py)
+    checkpoint: int | None = None
 
 
 class RadixTree(PrefixCache):
@@ -264,6 +266,7 @@ class RadixTree(PrefixCache):
             del parent.children[node.key[:ps].tobytes()]
             node.parent = None
             node.detached = True
+            self._on_evict(node)
             self._num_cached_pages -= len(node.pages)
             self._num_evictable_pages -= len(node.pages)
             # what the decref will free: pages no request holds (nothing else moves a count meanwhile)
@@ -275,6 +278,9 @@ class RadixTree(PrefixCache):
         # counts became an array; the CI CPU)
         self.pool.decref(dropped)
         return freed
+
+    def _on_evict(self, node: TreeNode) -> None:
+        """A node has left the tree (eviction); subclasses drop what they attached to it."""
 
     def pages(self) -> Iterator[int]:
         for node in self._nodes():

@@ -35,6 +35,10 @@ class StepInputs:
     num_prev_rows: int = 0  # the previous step's sampled ids (what ranks other than 0 receive them into)
     # [B] a hybrid model's recurrent-state slots (attention/recurrent_state.py), else []
     state_slots: list[int] = field(default_factory=list)
+    # (from, to) state rows copied before the forward pass (a prefix hit's checkpoint into its slot) and after
+    # it (a slot into a checkpoint: cache/state_radix_tree.py)
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
+    state_saves: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -113,6 +117,10 @@ def build_step(out: SchedulerOutput) -> StepInputs:
         step.page_tables.append(page_row(req, settled=end > num_prompt))
         if req.state_slot is not None:
             step.state_slots.append(req.state_slot)
+            if req.state_restore is not None:
+                step.state_copies.append((req.state_restore, req.state_slot))
+            if s.state_save is not None:
+                step.state_saves.append((req.state_slot, s.state_save))
         if s.samples:
             logits_indices.append(len(input_ids) - 1)
     return step

@@ -28,6 +28,7 @@ def plan(runner: Any) -> dict[str, Any]:
         ep_size=runner.tp.ep_size if runner.tp else 1,
         # a hybrid model's linear-attention states (one slot a running request), else 0
         state_slots=runner.num_state_slots,
+        state_checkpoints=runner.num_state_checkpoints,  # the prefix cache's (cache/state_radix_tree.py)
         state_bytes=runner.states.nbytes if runner.states is not None else 0,
     )
 
@@ -44,7 +45,7 @@ def describe(m: dict[str, Any]) -> str:
     if m["state_slots"]:
         extra += (
             f"; linear-attention states {m['state_bytes'] / 2**30:.2f} GiB ({m['state_slots']} slots: one a "
-            "running request)"
+            f"running request, and {m['state_checkpoints']} prefix-cache checkpoints)"
         )
     parallel = f"; per rank of tp={m['tp_size']}" if m["tp_size"] > 1 else ""
     if m["tp_size"] > 1 and m["ep_size"] > 1:

@@ -100,6 +100,7 @@ class ModelRunner:
         # a hybrid model's linear-attention states, before the KV pool is sized from the memory left
         self.states = state_plan.recurrent_states(self.model, config, self.dtype, self.device, self.tp)
         self.num_state_slots = self.states.num_slots if self.states is not None else 0
+        self.num_state_checkpoints = self.states.num_checkpoints if self.states is not None else 0
         self.num_pages = self._num_pages()
         # refuse an impossible context length before the large allocation
         self.context_length = resolve_context_length(config, hf_config, self.num_pages * config.page_size)
@@ -281,6 +282,17 @@ class ModelRunner:
             if prev_tokens is None:
                 prev_tokens = torch.empty(step.num_prev_rows, dtype=torch.int64, device=self.device)
             tp_broadcast(prev_tokens)
+        if self.states is None:
+            return self._forward_pass(step, prev_tokens, early)
+        # a hybrid model's prefix hits start from their checkpoints; chunks ending on a mark leave one
+        self.states.copy(step.state_copies)
+        logits = self._forward_pass(step, prev_tokens, early)
+        self.states.copy(step.state_saves)
+        return logits
+
+    def _forward_pass(
+        self, step: StepInputs, prev_tokens: torch.Tensor | None, early: Callable[[], None] | None
+    ) -> torch.Tensor | None:
         min_tokens = self.config.tp_overlap_min_tokens
         if (
             self.tp is not None

@@ -5,8 +5,9 @@ One slot a running request (`--max-num-seqs`), unless the states would take more
 the weights leave (the same budget the KV pool is sized from: mem_fraction_static of the device): then fewer slots,
 with a warning, and at most that many requests run at once (a request waits for a slot as it waits for pages). A
 float32 slot of the Qwen3.5-35B-A3B shape is 60 MiB (30 linear layers of 32 x 128 x 128 values): 256 slots are
-15 GiB. Under tensor parallelism slot ids are global (one allocator, on rank 0): every rank takes the smallest
-rank's count.
+15 GiB. With prefix caching, the prefix cache's state checkpoints (cache/state_radix_tree.py) take as many rows
+again from the same share, so memory short of that halves the running slots. Under tensor parallelism slot ids
+are global (one allocator, on rank 0): every rank takes the smallest rank's count.
 """
 
 from __future__ import annotations
@@ -36,8 +37,6 @@ def recurrent_states(
     if found is None:
         return None
     num_layers, spec = found
-    if config.enable_prefix_caching:
-        logger.info("prefix caching is off: a hybrid model's linear-attention state cannot be shared")
     given = config.mamba_ssm_cache_dtype
     ssm_dtype = dtype if given == "auto" else getattr(torch, given)
     per_slot = num_layers * spec.bytes_per_slot(dtype, ssm_dtype)
@@ -52,10 +51,19 @@ def recurrent_states(
             f"layers, states {ssm_dtype}) beside the weights; raise mem_fraction_static or use "
             "--mamba-ssm-cache-dtype bfloat16"
         )
-    if fits < want:
+    # with prefix caching, as many checkpoints as slots (at most half of what fits: one a running request's
+    # prompt, or a document and its questions' junction)
+    slots = min(want, max(1, fits // 2)) if config.enable_prefix_caching else min(want, fits)
+    checkpoints = min(want, fits - slots) if config.enable_prefix_caching else 0
+    if slots < want:
         logger.warning(
             "%d recurrent-state slots (%.2f GiB) fit in half the memory the weights leave, of %d asked for "
-            "(--max-num-seqs): at most %d requests run at once; --mamba-ssm-cache-dtype bfloat16 halves a slot",
-            fits, fits * per_slot / 2**30, want, fits,
+            "(--max-num-seqs)%s: at most %d requests run at once; --mamba-ssm-cache-dtype bfloat16 halves a slot",
+            slots, slots * per_slot / 2**30, want, " beside as many prefix-cache checkpoints" if checkpoints else "",
+            slots,
         )  # fmt: skip
-    return RecurrentStates(num_layers, spec, min(want, fits), dtype, ssm_dtype, device)
+    if config.enable_prefix_caching and not checkpoints:
+        logger.warning(
+            "prefix caching is off: no memory for a linear-attention state checkpoint beside one slot"
+        )
+    return RecurrentStates(num_layers, spec, slots, dtype, ssm_dtype, device, num_checkpoints=checkpoints)

@@ -129,7 +129,8 @@ class Scheduler:
         n = min(left, budget)
         if cfg.max_prefill_chunk is not None:
             n = min(n, max(1, cfg.max_prefill_chunk))
-        return aligned_chunk(n, req.num_computed_tokens, left, cfg.token_budget, cfg.chunk_granule)
+        n = aligned_chunk(n, req.num_computed_tokens, left, cfg.token_budget, cfg.chunk_granule)
+        return self.kv.chunk_end(req, n)  # a hybrid model's state checkpoints: on the marks
 
     def _fit(self, req: Request, n: int) -> int:
         """A lone prompt's chunk (past token_budget), bounded by its computed tokens (sched/chunk_size.py),
@@ -140,6 +141,7 @@ class Scheduler:
             n = bounded_lone_chunk(
                 n, req.num_computed_tokens, cfg.lone_prefill_chunk_size, budget, cfg.chunk_granule
             )
+            n = self.kv.chunk_end(req, n)
             if n > budget and not self.kv.allocate(req, n):
                 return self._chunk(req, budget)
         return n
@@ -209,7 +211,7 @@ class Scheduler:
                     break
             if n == 0:
                 continue
-            out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens + n == req.num_tokens))
+            out.scheduled.append(self._scheduled(req, n))
             scheduled_ids.add(req.request_id)
             if decode:  # one whose last page was full
                 decode_room -= 1
@@ -235,11 +237,17 @@ class Scheduler:
                 n = self._admit(req, min(budget, self.config.short_prefill_tokens) if shorts else budget)
                 if n == 0:
                     break  # no pages even for this one: keep FCFS order, retry next step
-                out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens + n == req.num_tokens))
+                out.scheduled.append(self._scheduled(req, n))
                 budget -= n
                 prompt_tokens += n
                 admitted += 1
         return out
+
+    def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
+        """n more tokens of a running request; sampling if they reach its end, and (a hybrid model) saving its
+        state into a checkpoint if they end on one of its marks."""
+        samples = req.num_computed_tokens + n == req.num_tokens
+        return ScheduledRequest(req, n, samples, self.kv.checkpoint_target(req, n))
 
     def _admission_cap(self, num_decodes: int) -> float:
         """Prompt tokens up to which this step admits waiting requests beyond the first: the configured share
@@ -290,7 +298,7 @@ class Scheduler:
 
     def _blocked_by_sibling(self, req: Request) -> bool:
         """A sibling of an n > 1 request waits for its leader's prompt pages, to share them (not where prompts
-        are never shared: a hybrid model's recurrent state)."""
+        are never shared: a hybrid model's recurrent state without prefix caching)."""
         if req.group_id is None or not self.kv.shares_prompts:
             return False
         leader = self.group_leaders.get(req.group_id)
@@ -331,13 +339,18 @@ class Scheduler:
             req = s.request
             if req.status is RequestStatus.FINISHED:  # ended while the step before ran (overlapped)
                 row += s.samples
+                if s.state_save is not None:
+                    self.kv.state_saved(req, s.state_save)  # dropped: its pages are gone
                 continue
             req.num_computed_tokens += s.num_new_tokens
+            self.kv.state_restored(req)
             if req.num_computed_tokens <= req.num_prompt_tokens:
                 # prompt pages are shared as soon as they are computed (a later step reads them after this
                 # one's writes: one stream); generated ones when the request ends (release), not every page
                 # a decode fills: a re-insert walks the whole sequence
                 self.kv.cache_computed(req)
+            if s.state_save is not None:  # its state after these tokens, saved at the step's end
+                self.kv.state_saved(req, s.state_save)
             if s.samples:
                 req.num_pending += 1
                 req.pending_row = row

@@ -195,6 +195,7 @@ def make_tiny_checkpoint(
     expert_layout: str = "per_expert",
     tokenizer: Any = None,
     eos_tokens: list[str] | None = None,
+    max_position_embeddings: int | None = None,
 ) -> str:
     """Write a tiny random checkpoint of `arch` (ARCHS or MOE_ARCHS) into `path` and return str(path).
 
@@ -205,7 +206,8 @@ def make_tiny_checkpoint(
     tokenizer: a transformers tokenizer to write instead of the built-in one (its chat template too); the
     model's vocab is its length rounded up to a multiple of 64, and the rows of its added tokens and of the
     padding are shrunk as the special tokens' are. eos_tokens: generation_config's eos tokens (the first
-    is config.json's eos_token_id); default the tokenizer's eos token."""
+    is config.json's eos_token_id); default the tokenizer's eos token. max_position_embeddings: the context the
+    config declares (default 512)."""
     import transformers
     from tokenizers import Tokenizer
 
@@ -219,6 +221,8 @@ def make_tiny_checkpoint(
     text_config = getattr(config, "text_config", config)  # a vision-language config's text model
     if tokenizer is not None:
         shrunk, eos = _fit_config_to_tokenizer(text_config, tokenizer, eos_tokens)
+    if max_position_embeddings is not None:
+        text_config.max_position_embeddings = max_position_embeddings
     torch.manual_seed(seed)
     if getattr(config, "vision_config", None) is not None:  # the whole vision-language model, as released
         model = transformers.AutoModelForImageTextToText.from_config(config, dtype=torch.float32)

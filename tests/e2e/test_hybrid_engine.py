@@ -1,15 +1,16 @@
 """Hybrid linear/full-attention models (Qwen3.5 dense, Qwen3.5-MoE as the vision-language checkpoint) end to end
 through the LLM API on the CPU: 32 greedy tokens equal to transformers' `generate`; a batch, chunks of 1/7/64
-tokens, more prompts than state slots, forced preemption and n > 1 each give the tokens of each prompt run alone;
-prefix caching is off for these models (a state cannot be cut at a page); every page and state slot comes back
-(`assert_clean`, whose integrity check covers the slots); an abort mid-prompt frees its slot."""
+tokens, more prompts than state slots, forced preemption and n > 1 each give the tokens of each prompt run alone
+(prompts below the state-checkpoint floor: nothing is shared; the hits are tests/e2e/test_hybrid_prefix_cache.py);
+every page and state slot comes back (`assert_clean`, whose integrity check covers the slots); an abort mid-prompt
+frees its slot."""
 
 from __future__ import annotations
 
 import pytest
 
 from longserve import LLM, SamplingParams
-from longserve.cache.prefix_cache import NoPrefixCache
+from longserve.cache.state_radix_tree import StateRadixTree
 from longserve.testing.checkpoints import HYBRID_ARCHS, make_tiny_checkpoint
 from tests.e2e.test_engine import DEVICE, GREEDY32, assert_clean, hf_greedy, prompts
 
@@ -37,7 +38,7 @@ def test_greedy_equals_transformers(tmp_path, arch):
     assert len(set(expected)) > 4, "degenerate reference output: the test would prove little"
     out, engine = run_all(path, [ids], chunked_prefill_size=48)  # the prompt spans two steps
     assert out[0] == expected
-    assert isinstance(engine.kv.prefix_cache, NoPrefixCache)  # asked for (the default) but off
+    assert isinstance(engine.kv.prefix_cache, StateRadixTree)  # the default: prefix caching on
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +73,8 @@ def test_forced_preemption_equals_no_preemption(hybrid_ckpt, baseline):
 
 
 def test_siblings_compute_their_own_prompts(hybrid_ckpt, baseline):
-    """n > 1: siblings cannot share the leader's prompt (no state to fork): each computes it, same greedy tokens."""
+    """n > 1 on prompts below the checkpoint floor (no state saved to share): each sibling computes the prompt,
+    same greedy tokens."""
     ps, alone = baseline
     m = llm(hybrid_ckpt)
     params = SamplingParams(n=3, max_new_tokens=32, temperature=0.0, ignore_eos=True)

@@ -64,3 +64,35 @@ def test_qwen3_next_tp2_equals_tp1(tmp_path):
     expected = run(path)
     assert len(set(expected[2])) > 3
     assert run(path, tensor_parallel_size=2) == expected
+
+
+def test_tp2_prefix_hits_restore_each_ranks_states(tmp_path):
+    """With prefix caching, each rank copies its own heads' states into and out of the checkpoints the one
+    allocator (rank 0) names: a repeated long prompt and a second question over the same document hit, and
+    every token equals TP=1 without the cache, in steps cut in two halves too."""
+    from longserve.cache.manager import MIN_CHECKPOINT_TOKENS
+
+    path = make_tiny_checkpoint(tmp_path, "qwen3_5_moe", seed=9, max_position_embeddings=2048)
+    doc = (prompts()[0] * (MIN_CHECKPOINT_TOKENS // len(prompts()[0]) + 2))[: MIN_CHECKPOINT_TOKENS + 64]
+    q = list(range(20, 40))  # past a page: the first prompt's last full page lies past the document's end
+    ps = [doc + q, doc + q, doc + q[::-1], doc + q[1:]]
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
+
+    def each(**kw) -> tuple[list[list[int]], list[int]]:
+        with LLM(path, dtype="float32", device="cpu", max_total_tokens=4096, page_size=16,
+                 chunked_prefill_size=256, **kw) as m:  # fmt: skip
+            outs = [m.generate([p], params)[0] for p in ps]  # one after another: each can hit the last
+            m.engine.check_integrity()
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], [
+            o.cached_tokens for o in outs
+        ]
+
+    expected, cached = each(enable_prefix_caching=False)
+    assert cached == [0, 0, 0, 0]
+    got, cached = each(tensor_parallel_size=2, tp_overlap_min_tokens=6)
+    # tokens, and their logprobs up to float32 rounding (a state lost or mixed up moves them by far more)
+    assert [t for t, _ in got] == [t for t, _ in expected]
+    assert all(abs(a - b) < 1e-3 for (_, g), (_, e) in zip(got, expected) for a, b in zip(g, e))
+    # the repeat hits the first's last full page; the third leaves the path, the fourth hits where it did
+    hit = (len(ps[0]) - 1) // 16 * 16
+    assert cached == [0, hit, 0, len(doc)] and hit > len(doc)

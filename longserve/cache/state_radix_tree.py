@@ -1,0 +1,159 @@
+"""The prefix cache of a hybrid model (Qwen3.5, Qwen3-Next): the radix tree, plus recurrent-state checkpoints.
+
+A Gated DeltaNet layer folds a request's whole history into one fixed-size state, so a prefix hit needs, besides
+the full-attention layers' K/V pages, the state after exactly the matched tokens. This tree keeps such states as
+checkpoints: copies of a request's state slot taken when one of its prompt chunks ends on a page boundary the
+scheduler chose (`Request.state_marks`: the prompt's last full page, and where it leaves a path the cache already
+holds), each attached to the node that ends there. A match stops at the deepest node holding a checkpoint on the
+matched path (SGLang's MambaRadixCache, vLLM's `--mamba-cache-mode align`); the request's first step copies that
+checkpoint into its own slot (attention/recurrent_state.py, `StepInputs.state_copies`).
+
+Checkpoints are ids first_id..first_id+num-1 of the runner's state rows, after the running requests' slots. Each
+is free, in flight (taken for a step's save, attached when the step is advanced), or attached to one node. When
+none is free, the least recently used attached one that no pending restore reads is dropped (its node keeps its
+pages); a node evicted with its pages frees its checkpoint. Between a match and the step that copies it (the same
+scheduling pass, the copy queued before any later save on the one stream), a checkpoint is pinned.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from longserve.cache.page_pool import PagePool
+from longserve.cache.prefix_cache import MatchResult
+from longserve.cache.radix_tree import RadixTree, TreeNode, token_array
+
+
+class StateRadixTree(RadixTree):
+    keeps_states = True
+
+    def __init__(self, pool: PagePool, num_checkpoints: int, first_id: int) -> None:
+        if num_checkpoints < 1:
+            raise ValueError(
+                f"a hybrid model's prefix cache needs at least one checkpoint, got {num_checkpoints}"
+            )
+        super().__init__(pool)
+        self._ids = range(first_id, first_id + num_checkpoints)
+        self._free = list(reversed(self._ids))  # popped from the end: the lowest id first
+        self._attached: dict[int, TreeNode] = {}
+        self._in_flight: set[int] = set()
+        self._pins: dict[int, int] = {}  # checkpoint -> restores queued but not yet launched
+
+    @property
+    def num_checkpoints(self) -> int:
+        return len(self._ids)
+
+    @property
+    def num_attached_checkpoints(self) -> int:
+        return len(self._attached)
+
+    # ---- matching ------------------------------------------------------------------------------
+
+    def match_prefix(self, tokens: Sequence[int] | np.ndarray, limit: int | None = None) -> MatchResult:
+        """The longest cached prefix of tokens[:limit] that ends on a checkpoint; `num_shared_tokens` is how far
+        the cached pages reach (where the request's tokens leave the tree, a place worth a checkpoint)."""
+        ps = self.page_size
+        n = len(tokens) if limit is None else max(0, min(limit, len(tokens)))
+        n -= n % ps
+        node, pages, shared = self._walk(token_array(tokens), stop_at_split=True, end=n)
+        keep = len(pages)
+        while node is not self._root and node.checkpoint is None:
+            keep -= len(node.pages)
+            node = node.parent
+            assert node is not None
+        return MatchResult(
+            pages=pages[:keep],
+            num_tokens=keep * ps,
+            node=node,
+            checkpoint=node.checkpoint,
+            num_shared_tokens=shared,
+        )
+
+    def peek_prefix_len(self, tokens: Sequence[int] | np.ndarray, limit: int | None = None) -> int:
+        """Tokens match_prefix would attach now (to the deepest checkpoint); changes nothing."""
+        ps = self.page_size
+        n = len(tokens) if limit is None else max(0, min(limit, len(tokens)))
+        n -= n % ps
+        toks = token_array(tokens)
+        node, pos, best = self._root, 0, 0
+        while pos < n:
+            child = node.children.get(toks[pos : pos + ps].tobytes())
+            if child is None:
+                break
+            m = self._match_len(child.key, toks, pos, n)
+            if m < len(child.key):
+                break
+            pos += m
+            node = child
+            if node.checkpoint is not None:
+                best = pos
+        return best
+
+    # ---- checkpoints ---------------------------------------------------------------------------
+
+    def take_checkpoint(self) -> int | None:
+        """A checkpoint id for a step to save a state into (in flight until attached or dropped); None when
+        every one is attached and pinned."""
+        if not self._free:
+            unpinned = [(node.last_access, c) for c, node in self._attached.items() if c not in self._pins]
+            if not unpinned:
+                return None
+            _, c = min(unpinned)
+            self._attached.pop(c).checkpoint = None
+            self._free.append(c)
+        c = self._free.pop()
+        self._in_flight.add(c)
+        return c
+
+    def attach_checkpoint(self, node: TreeNode, checkpoint: int) -> bool:
+        """The saved state after exactly `node`'s last token; dropped (False) if the node already has one (the
+        same prompt computed twice) or has left the tree."""
+        self._in_flight.remove(checkpoint)
+        if node is self._root or node.detached or node.checkpoint is not None:
+            self._free.append(checkpoint)
+            return False
+        node.checkpoint = checkpoint
+        self._attached[checkpoint] = node
+        return True
+
+    def drop_checkpoint(self, checkpoint: int) -> None:
+        """An in-flight checkpoint whose request ended before its step was advanced."""
+        self._in_flight.remove(checkpoint)
+        self._free.append(checkpoint)
+
+    def pin(self, checkpoint: int) -> None:
+        assert checkpoint in self._attached, f"pin of checkpoint {checkpoint}, which no node holds"
+        self._pins[checkpoint] = self._pins.get(checkpoint, 0) + 1
+
+    def unpin(self, checkpoint: int) -> None:
+        left = self._pins[checkpoint] - 1
+        if left:
+            self._pins[checkpoint] = left
+        else:
+            del self._pins[checkpoint]
+
+    def _on_evict(self, node: TreeNode) -> None:
+        c = node.checkpoint
+        if c is None:
+            return
+        # a pinned checkpoint's node is locked by the request that will read it: never evicted
+        assert c not in self._pins, f"evicted a node whose checkpoint {c} a restore still reads"
+        del self._attached[c]
+        node.checkpoint = None
+        self._free.append(c)
+
+    def check(self) -> None:
+        super().check()
+        free, attached = set(self._free), set(self._attached)
+        assert len(free) == len(self._free), "a checkpoint is free twice"
+        assert not (free & attached) and not (free & self._in_flight) and not (attached & self._in_flight)
+        assert free | attached | self._in_flight == set(self._ids), "a checkpoint is lost"
+        assert set(self._pins) <= attached and all(v > 0 for v in self._pins.values()), (
+            "a pin on a free checkpoint"
+        )
+        held = {node.checkpoint: node for node in self._nodes() if node.checkpoint is not None}
+        assert held.keys() == attached and all(held[c] is self._attached[c] for c in held), (
+            "the tree's checkpoints and the attached ones differ"
+        )

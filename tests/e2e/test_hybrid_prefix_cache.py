@@ -1,0 +1,174 @@
+"""Prefix caching for a hybrid model (Qwen3.5-MoE, tiny and random) through the LLM API on the CPU: a hit resumes
+from a recurrent-state checkpoint (cache/state_radix_tree.py) and gives the tokens of the same prompt computed
+from scratch (an engine with prefix caching off, itself equal to transformers); a repeated prompt, a document
+shared by several questions (the third hits where the second left the first's path), a conversation's next turn,
+n > 1 siblings, several at once over two slots, preemption and a checkpoint pool smaller than the prompts each
+compute only what the hit leaves, and every page, slot and checkpoint comes back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from longserve import LLM, SamplingParams
+from longserve.cache.manager import MIN_CHECKPOINT_TOKENS
+from longserve.cache.prefix_cache import NoPrefixCache
+from longserve.cache.state_radix_tree import StateRadixTree
+from longserve.testing.checkpoints import make_tiny_checkpoint
+from tests.e2e.test_engine import DEVICE, assert_clean, hf_greedy
+
+PAGE = 16
+DOC = MIN_CHECKPOINT_TOKENS + 48  # a page-aligned document past the checkpoint floor
+# the sampled tokens' logprobs too: a few tokens after a hit from a wrong state can still pick the same tokens
+# (the delta rule forgets fast in a random model), not with the same logprobs
+GREEDY32 = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True, logprobs=0)
+
+
+def same(got: list[tuple[list[int], list[float]]], expected: list[tuple[list[int], list[float]]]) -> bool:
+    """Equal tokens, and logprobs equal up to float32 rounding: chunks of 48 against 256 differ by up to 1.2e-4
+    here, a hit restoring no state (the slot's stale one) by 0.06 to 1.4."""
+    return len(got) == len(expected) and all(
+        g[0] == e[0] and torch.allclose(torch.tensor(g[1]), torch.tensor(e[1]), atol=1e-3, rtol=0)
+        for g, e in zip(got, expected)
+    )
+
+
+def ids(n: int, seed: int) -> list[int]:
+    return torch.randint(10, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    # prompts past the checkpoint floor: a longer context than the default 512
+    return make_tiny_checkpoint(
+        tmp_path_factory.mktemp("qwen3_5_moe"), "qwen3_5_moe", seed=7, max_position_embeddings=4096
+    )
+
+
+def llm(path, **kw):
+    kw.setdefault("dtype", "float32")
+    kw.setdefault("device", DEVICE)
+    kw.setdefault("max_total_tokens", 8192)
+    kw.setdefault("page_size", PAGE)
+    kw.setdefault("chunked_prefill_size", 256)
+    return LLM(path, **kw)
+
+
+@pytest.fixture(scope="module")
+def plain(path):
+    """Prefix caching off: every prompt computed from scratch."""
+    m = llm(path, enable_prefix_caching=False)
+    assert isinstance(m.engine.kv.prefix_cache, NoPrefixCache) and m.engine.runner.num_state_checkpoints == 0
+
+    def run(ps, params=GREEDY32):
+        out = [(c.token_ids, c.logprobs) for o in m.generate(ps, params) for c in o.outputs]
+        assert_clean(m.engine)
+        return out
+
+    return run
+
+
+def generate(m: LLM, ps: list[list[int]], params=GREEDY32):
+    """(tokens, logprobs) of each completion, cached prompt tokens of each prompt, and tokens computed."""
+    before = m.engine.runner.num_tokens_computed
+    outs = m.generate(ps, params)
+    m.engine.check_integrity()
+    computed = m.engine.runner.num_tokens_computed - before
+    return (
+        [(c.token_ids, c.logprobs) for o in outs for c in o.outputs],
+        [o.cached_tokens for o in outs],
+        computed,
+    )
+
+
+def clean(m: LLM) -> None:
+    assert_clean(m.engine)
+    kv = m.engine.kv
+    assert kv.states.num_free == kv.states.num_total
+    assert kv.prefix_cache.num_attached_checkpoints == 0  # flushed with their nodes
+
+
+def test_repeated_prompt_resumes_from_its_checkpoint(path, plain):
+    p = ids(DOC + 37, seed=1)
+    expected = plain([p])
+    assert expected[0][0] == hf_greedy(path, p, 32)
+    m = llm(path)
+    assert isinstance(m.engine.kv.prefix_cache, StateRadixTree)
+    assert m.engine.runner.num_state_checkpoints == m.engine.kv.states.num_total > 0
+    first, cached, computed = generate(m, [p])
+    assert same(first, expected) and cached == [0] and computed == len(p) + 31
+    again, cached, computed = generate(m, [p])
+    hit = (len(p) - 1) // PAGE * PAGE  # the prompt's last full page (one token must be computed)
+    assert same(again, expected) and cached == [hit] and computed == len(p) - hit + 31
+    clean(m)
+
+
+def test_document_shared_by_questions(path, plain):
+    doc = ids(DOC, seed=2)
+    qs = [doc + ids(21 + 5 * i, seed=10 + i) for i in range(4)]
+    expected = plain(qs)
+    m = llm(path, chunked_prefill_size=48)  # the junction falls inside a chunk: the chunk is cut there
+    got, cached = [], []
+    for q in qs:
+        t, c, _ = generate(m, [q])
+        got += t
+        cached += c
+    # the second leaves the first's path at the document's end and saves a state there; from the third on, hits
+    assert same(got, expected) and cached == [0, 0, DOC, DOC]
+    clean(m)
+
+
+def test_next_turn_resumes_after_the_last_turns_prompt(path, plain):
+    turn1 = ids(DOC + 9, seed=3)
+    m = llm(path)
+    (answer,), _, _ = generate(m, [turn1])
+    generate(m, [ids(DOC, seed=8)])  # someone else's request between the turns: slot 0 holds its state now
+    turn2 = turn1 + answer[0] + ids(12, seed=4)
+    got, (cached,), computed = generate(m, [turn2])
+    hit = (len(turn1) - 1) // PAGE * PAGE
+    assert same(got, plain([turn2])) and cached == hit and computed == len(turn2) - hit + 31
+    clean(m)
+
+
+def test_siblings_share_their_leaders_prompt(path, plain):
+    p = ids(DOC + 20, seed=5)
+    params = SamplingParams(n=3, max_new_tokens=32, temperature=0.0, ignore_eos=True, logprobs=0)
+    expected = plain([p], params)
+    m = llm(path)
+    got, cached, computed = generate(m, [p], params)
+    assert same(got, expected) and len(got) == 3
+    hit = (len(p) - 1) // PAGE * PAGE  # the leader computes its prompt, its siblings resume from its state
+    assert computed == len(p) + 2 * (len(p) - hit) + 3 * 31
+    clean(m)
+
+
+@pytest.mark.parametrize("chunk", [7, 256])
+def test_many_at_once_over_two_slots(path, plain, chunk):
+    doc = ids(DOC, seed=6)
+    qs = [doc + ids(3 + 11 * i, seed=20 + i) for i in range(5)] + [doc + ids(3, seed=20)]  # the last repeats
+    expected = plain(qs)
+    m = llm(path, chunked_prefill_size=chunk, max_running_requests=2)
+    got, cached, _ = generate(m, qs)
+    assert same(got, expected) and m.engine.kv.states.num_total == 2
+    assert max(cached) >= DOC  # the later ones hit what the first ones saved
+    again, cached, _ = generate(m, qs)
+    assert same(again, expected) and min(cached) >= DOC
+    clean(m)
+
+
+def test_preemption_and_a_small_checkpoint_pool(path, plain):
+    ps = [ids(DOC + 7 * i, seed=30 + i) for i in range(3)]
+    expected = plain(ps)
+    # one slot and one checkpoint: each prompt's save recycles the one before it
+    m = llm(path, max_running_requests=1)
+    assert m.engine.runner.num_state_checkpoints == 1
+    got, cached, _ = generate(m, ps)
+    assert same(got, expected) and cached == [0, 0, 0]
+    got, cached, _ = generate(m, [ps[2], ps[0]])  # the last one's state is kept, the first's was recycled
+    assert same(got, [expected[2], expected[0]]) and cached[0] > 0 and cached[1] == 0
+    clean(m)
+    # a pool too small for three at once: preempted requests resume from the checkpoints their prompts left
+    m = llm(path, max_total_tokens=2 * (DOC + 64), chunked_prefill_size=64)
+    got, _, _ = generate(m, ps)
+    assert same(got, expected) and m.engine.scheduler.num_preemptions > 0
+    clean(m)

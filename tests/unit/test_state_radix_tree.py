@@ -1,0 +1,176 @@
+"""A hybrid model's prefix cache (cache/state_radix_tree.py) and the KV manager's side of it: a match stops at the
+deepest node holding a state checkpoint (its pages past it are left alone); the chunks end on the request's state
+marks (the prompt's last full page, the point where it leaves the cached path), saved into checkpoints attached to
+the nodes ending there; checkpoints are recycled least recently used first but never while a restore is queued;
+a node evicted with its pages frees its checkpoint; the integrity check catches a lost or doubly held checkpoint."""
+
+from __future__ import annotations
+
+import pytest
+
+from longserve.cache.manager import KVCacheManager
+from longserve.cache.page_pool import PagePool
+from longserve.cache.prefix_cache import NoPrefixCache
+from longserve.cache.state_radix_tree import StateRadixTree
+from longserve.request import Request
+from longserve.sampling_params import SamplingParams
+
+PS = 4
+
+
+def tree(num_pages: int = 32, num_checkpoints: int = 2, first_id: int = 3) -> tuple[PagePool, StateRadixTree]:
+    pool = PagePool(num_pages, PS)
+    return pool, StateRadixTree(pool, num_checkpoints, first_id=first_id)
+
+
+def insert(pool: PagePool, t: StateRadixTree, tokens: list[int], checkpoint: bool = True):
+    """A finished request's pages cached, with the state after its last token saved (when `checkpoint`)."""
+    pages = pool.alloc(len(tokens) // PS)
+    res = t.insert(tokens, pages)
+    pool.decref(pages)
+    if checkpoint:
+        c = t.take_checkpoint()
+        assert c is not None and t.attach_checkpoint(res.node, c)
+    t.check()
+    return res
+
+
+def test_match_stops_at_the_deepest_checkpoint():
+    pool, t = tree()
+    doc = list(range(100, 116))  # four pages
+    a = insert(pool, t, doc[:8])  # checkpoint after 8 tokens
+    insert(pool, t, doc, checkpoint=False)  # pages to 16, no state there
+    m = t.match_prefix(doc + [1, 2, 3])
+    assert (m.num_tokens, m.num_shared_tokens, m.checkpoint) == (8, 16, 3)
+    assert m.node is a.node and m.pages == a.pages
+    assert t.peek_prefix_len(doc + [1, 2, 3]) == 8
+    assert t.match_prefix(doc, limit=7).num_tokens == 0  # the checkpoint lies past the limit
+    assert t.peek_prefix_len(doc, limit=7) == 0
+    miss = t.match_prefix([9] * 16)
+    assert (miss.num_tokens, miss.checkpoint, miss.num_shared_tokens, miss.node) == (0, None, 0, t.root)
+    t.check()
+
+
+def test_split_keeps_the_checkpoint_at_the_nodes_end():
+    pool, t = tree()
+    whole = insert(pool, t, list(range(16)))
+    # a second path leaving after 8 tokens splits the node; the checkpoint still ends at 16
+    insert(pool, t, list(range(8)) + [50] * 8, checkpoint=False)
+    assert whole.node.checkpoint == 3 and len(whole.node.key) == 8 and not whole.node.detached
+    assert t.match_prefix(list(range(16)) + [7]).num_tokens == 16
+    assert t.match_prefix(list(range(8)) + [50] * 9).num_tokens == 0  # no state after 8 or on the other path
+    t.check()
+
+
+def test_checkpoints_recycled_least_recently_used_never_pinned():
+    pool, t = tree(num_checkpoints=2)
+    a = insert(pool, t, [1] * 8)
+    b = insert(pool, t, [2] * 8)
+    assert (a.node.checkpoint, b.node.checkpoint, t.take_checkpoint()) == (
+        3,
+        4,
+        3,
+    )  # a's: least recently used
+    assert a.node.checkpoint is None and t.match_prefix([1] * 9).num_tokens == 0  # its pages stay, no state
+    t.drop_checkpoint(3)
+    t.match_prefix([2] * 9)  # b is used now
+    t.pin(4)
+    c = t.take_checkpoint()
+    assert c == 3 and t.take_checkpoint() is None  # 3 in flight, 4 pinned
+    t.unpin(4)
+    assert t.take_checkpoint() == 4 and b.node.checkpoint is None
+    with pytest.raises(AssertionError, match="which no node holds"):
+        t.pin(4)
+    t.drop_checkpoint(4)
+    assert t.attach_checkpoint(a.node, c) and a.node.checkpoint == 3
+    c2 = t.take_checkpoint()
+    assert not t.attach_checkpoint(a.node, c2)  # a state there already: the second is dropped
+    assert t.num_attached_checkpoints == 1
+    t.check()
+
+
+def test_eviction_frees_the_nodes_checkpoint():
+    pool, t = tree(num_pages=4, num_checkpoints=1)
+    a = insert(pool, t, [1] * 16)
+    assert pool.num_free == 0 and t.num_attached_checkpoints == 1
+    assert t.evict(4) == 4 and a.node.detached and a.node.checkpoint is None
+    assert t.take_checkpoint() == 3  # free again, nothing to recycle
+    t.drop_checkpoint(3)
+    t.check()
+
+
+def test_check_catches_a_lost_checkpoint():
+    pool, t = tree()
+    a = insert(pool, t, [1] * 8)
+    a.node.checkpoint = None  # lost by a bug
+    with pytest.raises(AssertionError, match="differ"):
+        t.check()
+
+
+def req(rid: str, tokens: list[int], max_new: int = 4) -> Request:
+    return Request(
+        request_id=rid, prompt_token_ids=tokens, sampling_params=SamplingParams(max_new_tokens=max_new)
+    )
+
+
+def run_prompt(kv: KVCacheManager, r: Request, chunk: int) -> list[int]:
+    """What the scheduler does with a prompt, chunk by chunk; returns the chunks' sizes."""
+    kv.match_prefix(r)
+    sizes = []
+    while r.num_computed_tokens < r.num_prompt_tokens:
+        n = kv.chunk_end(r, min(chunk, r.num_prompt_tokens - r.num_computed_tokens))
+        assert kv.allocate(r, n)
+        save = kv.checkpoint_target(r, n)
+        r.num_computed_tokens += n
+        kv.state_restored(r)
+        kv.cache_computed(r)
+        if save is not None:
+            kv.state_saved(r, save)
+        sizes.append(n)
+    return sizes
+
+
+def test_manager_marks_cut_the_chunks_and_hits_resume_there():
+    kv = KVCacheManager(64, PS, num_state_slots=2, num_state_checkpoints=2, min_checkpoint_tokens=8)
+    assert isinstance(kv.prefix_cache, StateRadixTree) and kv.shares_prompts and not kv.siblings_fork
+    doc = list(range(1000, 1030))  # 30 tokens: seven pages and two tokens
+    a = req("a", doc + [1, 2, 3])  # 33 tokens: its last full page ends at 32
+    assert run_prompt(kv, a, chunk=16) == [16, 16, 1] and a.state_marks == (32,)
+    kv.release(a)
+    b = req("b", doc + [7, 8, 9, 10, 11])  # leaves a's path after 28 tokens (a page boundary below 30)
+    assert run_prompt(kv, b, chunk=16) == [16, 12, 4, 3]  # cut at the junction (28) and its last page (32)
+    assert b.num_cached_tokens < 0 and b.state_marks == (28, 32)
+    kv.check_integrity([b])
+    kv.release(b)
+    c = req("c", doc + [20, 21, 22])
+    assert kv.peek_prefix_len(c) == 28
+    assert kv.match_prefix(c) == 28 and c.state_restore is not None and c.state_marks == (32,)
+    assert kv.prefix_cache._pins == {c.state_restore: 1}
+    assert kv.allocate(c, 5) and c.state_slot is not None
+    kv.check_integrity([c])
+    kv.release(c, cache=False)  # its step never launched: the pin goes with it
+    assert c.state_restore is None and not kv.prefix_cache._pins and c.state_marks == ()
+    kv.check_integrity([])
+
+
+def test_manager_marks_respect_the_floor_and_the_limit():
+    kv = KVCacheManager(64, PS, num_state_slots=1, num_state_checkpoints=1, min_checkpoint_tokens=20)
+    short = req("s", list(range(18)))
+    kv.match_prefix(short)
+    assert short.state_marks == ()  # below the floor: no mark, no extra step
+    kv.release(short)
+    exact = req("e", list(range(24)))  # a whole number of pages: the last one a repeat could match ends at 20
+    kv.match_prefix(exact)
+    assert exact.state_marks == (20,)
+    kv.release(exact)
+    kv.check_integrity([])
+
+
+def test_without_checkpoints_nothing_is_shared():
+    kv = KVCacheManager(64, PS, enable_prefix_caching=True, num_state_slots=2, num_state_checkpoints=0)
+    assert isinstance(kv.prefix_cache, NoPrefixCache) and not kv.shares_prompts
+    off = KVCacheManager(64, PS, enable_prefix_caching=False, num_state_slots=2, num_state_checkpoints=2)
+    assert isinstance(off.prefix_cache, NoPrefixCache)
+    r = req("r", list(range(40)))
+    off.match_prefix(r)
+    assert r.state_marks == () and off.checkpoint_target(r, 40) is None
