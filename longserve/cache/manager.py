@@ -139,9 +139,14 @@ class KVCacheManager:
         return n
 
     def checkpoint_target(self, req: Request, n: int) -> int | None:
-        """A checkpoint for the state after the request's next n tokens, if they end on a state mark (None: no
-        save, or every checkpoint is pinned)."""
-        if req.num_computed_tokens + n not in req.state_marks:
+        """A checkpoint for the state after the request's next n tokens, if they end on a state mark, or on a page
+        boundary before its last (a usual chunk's end: a copy, no extra step; a question over a document the
+        first one computed then resumes at its last chunk inside the document); None: no save, or every
+        checkpoint is pinned."""
+        end, marks = req.num_computed_tokens + n, req.state_marks
+        if end not in marks and not (marks and end < marks[-1] and end % self.page_size == 0):
+            return None
+        if end < self.min_checkpoint_tokens:
             return None
         return self.prefix_cache.take_checkpoint()
 

@@ -27,6 +27,10 @@ VARIANTS = [
     # 16 warps: four warpgroups of 64 rows, 64 accumulator registers a thread each
     {"m": 256, "n": 32, "warps": 16, "stages": 2},
     {"m": 256, "n": 64, "warps": 16, "stages": 3},  # triton_backend.WIDE_SHORT_TILE, as launched
+    # head dim 256 (Qwen3.5's full attention): extend_config's tile, and the short chunks' tile
+    {"m": 64, "n": 32, "warps": 8, "stages": 2, "d": 256},
+    {"m": 64, "n": 32, "warps": 8, "stages": 2, "d": 256, "split": False},
+    {"m": 64, "n": 64, "warps": 4, "stages": 3, "d": 256},
 ]
 POINTERS = ("q_ptr", "k_cache_ptr", "v_cache_ptr", "o_ptr", "lse_ptr", "query_start_loc_ptr", "prefix_lens_ptr",
             "seq_lens_ptr", "page_table_ptr")  # fmt: skip
@@ -41,7 +45,8 @@ def report(v: dict) -> dict:
     types = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "o_ptr": out, "lse_ptr": "*fp32",
              "query_start_loc_ptr": "*i32", "prefix_lens_ptr": "*i32", "seq_lens_ptr": "*i32",
              "page_table_ptr": "*i32", "qk_scale": "fp32", "v_scale": "fp32"}  # fmt: skip
-    constexprs = {"GROUP": 4, "PAGE_SIZE": 16, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_M": v["m"], "BLOCK_N": v["n"],
+    d = v.get("d", 128)  # the head dim
+    constexprs = {"GROUP": 4, "PAGE_SIZE": 16, "HEAD_DIM": d, "BLOCK_D": d, "BLOCK_M": v["m"], "BLOCK_N": v["n"],
                   "SPLIT": split, "HAS_WINDOW": False, "DOT_PRECISION": "tf32"}  # fmt: skip
     signature = {
         name: "constexpr" if name in constexprs else types.get(name, "i32")

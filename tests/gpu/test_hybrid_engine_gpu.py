@@ -102,3 +102,33 @@ def test_bf16_first_token_close_to_reference_at_qwen35_head_dims(tmp_path, monke
     for t, lp in ref_lps.items():
         if t in lps:
             assert abs(lps[t] - lp) < 0.1
+
+
+def test_prefix_hits_resume_from_state_checkpoints(tmp_path):
+    """Prefix caching with the Triton kernels and the decode graphs: a repeated long prompt and the questions of
+    one document resume from the states their predecessors saved (copied between slot and checkpoint rows on the
+    device), and give the tokens and logprobs of the same prompts computed without the cache."""
+    from longserve.cache.manager import MIN_CHECKPOINT_TOKENS
+
+    path = make_tiny_checkpoint(tmp_path, "qwen3_5_moe", seed=3, max_position_embeddings=4096)
+    g = torch.Generator().manual_seed(4)
+    doc = torch.randint(10, 500, (MIN_CHECKPOINT_TOKENS + 64,), generator=g).tolist()
+    q = torch.randint(10, 500, (20,), generator=g).tolist()
+    ps = [doc + q, doc + q, doc + q[::-1], doc + q[1:]]
+    sp = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True, logprobs=0)
+
+    def each(**kw):
+        with LLM(path, device="cuda", dtype="float32", max_total_tokens=8192, page_size=16, **kw) as llm:
+            outs = [llm.generate([p], sp)[0] for p in ps]  # one after another: each may hit the one before
+            llm.engine.check_integrity()
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], [
+            o.cached_tokens for o in outs
+        ]
+
+    expected, _ = each(enable_prefix_caching=False)
+    got, cached = each()
+    hit = (len(ps[0]) - 1) // 16 * 16
+    # (the first prompt is one chunk to its last full page: no state inside the document for the third)
+    assert cached == [0, hit, 0, len(doc)]
+    assert [t for t, _ in got] == [t for t, _ in expected]
+    assert max(abs(a - b) for (_, x), (_, y) in zip(got, expected) for a, b in zip(x, y)) < 5e-3

@@ -93,6 +93,7 @@ def test_tp2_prefix_hits_restore_each_ranks_states(tmp_path):
     # tokens, and their logprobs up to float32 rounding (a state lost or mixed up moves them by far more)
     assert [t for t, _ in got] == [t for t, _ in expected]
     assert all(abs(a - b) < 1e-3 for (_, g), (_, e) in zip(got, expected) for a, b in zip(g, e))
-    # the repeat hits the first's last full page; the third leaves the path, the fourth hits where it did
     hit = (len(ps[0]) - 1) // 16 * 16
-    assert cached == [0, hit, 0, len(doc)] and hit > len(doc)
+    # the repeat hits the first's last full page; the third resumes at the first's last chunk end inside the
+    # document and leaves the path at its end, the fourth hits there
+    assert cached == [0, hit, len(doc) // 256 * 256, len(doc)] and hit > len(doc)

@@ -113,6 +113,18 @@ def req(rid: str, tokens: list[int], max_new: int = 4) -> Request:
     )
 
 
+def depths(t: StateRadixTree) -> dict[int, int]:
+    """Each attached checkpoint's node: the tokens from the root to its end."""
+    out = {}
+    for c, node in t._attached.items():
+        n, cur = 0, node
+        while cur is not t.root:
+            n += len(cur.key)
+            cur = cur.parent
+        out[c] = n
+    return out
+
+
 def run_prompt(kv: KVCacheManager, r: Request, chunk: int) -> list[int]:
     """What the scheduler does with a prompt, chunk by chunk; returns the chunks' sizes."""
     kv.match_prefix(r)
@@ -131,25 +143,43 @@ def run_prompt(kv: KVCacheManager, r: Request, chunk: int) -> list[int]:
 
 
 def test_manager_marks_cut_the_chunks_and_hits_resume_there():
-    kv = KVCacheManager(64, PS, num_state_slots=2, num_state_checkpoints=2, min_checkpoint_tokens=8)
+    kv = KVCacheManager(64, PS, num_state_slots=2, num_state_checkpoints=3, min_checkpoint_tokens=8)
     assert isinstance(kv.prefix_cache, StateRadixTree) and kv.shares_prompts and not kv.siblings_fork
+    tree = kv.prefix_cache
     doc = list(range(1000, 1030))  # 30 tokens: seven pages and two tokens
     a = req("a", doc + [1, 2, 3])  # 33 tokens: its last full page ends at 32
-    assert run_prompt(kv, a, chunk=16) == [16, 16, 1] and a.state_marks == (32,)
+    assert run_prompt(kv, a, chunk=12) == [12, 12, 8, 1] and a.state_marks == (32,)
+    # saved after 12 and 24 (usual chunks ending on a page: no cut) and 32 (the mark), checkpoints 2, 3, 4
     kv.release(a)
+    assert depths(tree) == {2: 12, 3: 24, 4: 32}
     b = req("b", doc + [7, 8, 9, 10, 11])  # leaves a's path after 28 tokens (a page boundary below 30)
-    assert run_prompt(kv, b, chunk=16) == [16, 12, 4, 3]  # cut at the junction (28) and its last page (32)
-    assert b.num_cached_tokens < 0 and b.state_marks == (28, 32)
+    assert kv.peek_prefix_len(b) == 24
+    assert kv.match_prefix(b) == 24 and b.state_restore == 3 and b.state_marks == (28, 32)
+    sizes = [24]
+    while b.num_computed_tokens < b.num_prompt_tokens:  # cut at the junction (28) and its last page (32)
+        n = kv.chunk_end(b, min(12, b.num_prompt_tokens - b.num_computed_tokens))
+        assert kv.allocate(b, n)
+        save = kv.checkpoint_target(b, n)
+        b.num_computed_tokens += n
+        kv.state_restored(b)
+        kv.cache_computed(b)
+        if save is not None:
+            kv.state_saved(b, save)
+        sizes.append(n)
+    assert sizes == [24, 4, 4, 3] and b.state_restore is None and not tree._pins
     kv.check_integrity([b])
     kv.release(b)
+    # three checkpoints for five states: b's saves took the least recently used, a's end (32 on a's path: b's
+    # match stamped the path it shares), then the lowest id of the three its match stamped (after 12 tokens)
+    assert depths(tree) == {2: 32, 3: 24, 4: 28}
     c = req("c", doc + [20, 21, 22])
     assert kv.peek_prefix_len(c) == 28
     assert kv.match_prefix(c) == 28 and c.state_restore is not None and c.state_marks == (32,)
-    assert kv.prefix_cache._pins == {c.state_restore: 1}
+    assert tree._pins == {c.state_restore: 1}
     assert kv.allocate(c, 5) and c.state_slot is not None
     kv.check_integrity([c])
     kv.release(c, cache=False)  # its step never launched: the pin goes with it
-    assert c.state_restore is None and not kv.prefix_cache._pins and c.state_marks == ()
+    assert c.state_restore is None and not tree._pins and c.state_marks == ()
     kv.check_integrity([])
 
 
