@@ -90,11 +90,13 @@ class EngineBench:
 
         return torch.randint(0, self.vocab, (n,), generator=self.gen).tolist()
 
-    def hit_prompts(self, cached: int, new: int) -> tuple[list[int], list[int]]:
-        """prefix + A and prefix + B with B[0] != A[0]: the second reuses exactly the page-aligned prefix."""
-        prefix, tail_a, tail_b = self.prompt(cached), self.prompt(new), self.prompt(new)
-        tail_b[0] = (tail_a[0] + 1) % self.vocab
-        return prefix + tail_a, prefix + tail_b
+    def hit_prompts(self, cached: int, new: int, n: int = 2) -> list[list[int]]:
+        """prefix + A, prefix + B, ... (n of them), each tail's first token unlike the others': each after the
+        first reuses exactly the page-aligned prefix."""
+        prefix, tails = self.prompt(cached), [self.prompt(new) for _ in range(n)]
+        for i, tail in enumerate(tails):
+            tail[0] = (tails[0][0] + i) % self.vocab
+        return [prefix + tail for tail in tails]
 
     def generate(self, prompt: list[int]) -> tuple[Any, float]:
         out, wall = self.timer.time(lambda: self.llm.generate(prompt, self.one, use_tqdm=False)[0])
@@ -121,12 +123,17 @@ class EngineBench:
 
     def prefix_hit(self, cached: int, new: int) -> dict[str, Any]:
         """Each run: a cold prompt of prefix + A (times cold TTFT and caches the prefix's full pages), then
-        prefix + B with B[0] != A[0] (times the hit: exactly the page-aligned prefix is reused)."""
+        prefix + B with B[0] != A[0] (times the hit: exactly the page-aligned prefix is reused). A hybrid model
+        (Qwen3.5) resumes only where a state was saved: an untimed prefix + C between them leaves A's path at
+        the prefix's end and saves it there (cache/state_radix_tree.py), as a document's second question does."""
         ttfts, walls, cold_ttfts, cold_walls, hits = [], [], [], [], []
+        states = self.engine.kv.prefix_cache.keeps_states
         for i in self.runs:
             self.engine.flush_cache()
-            first, second = self.hit_prompts(cached, new)
+            first, second, *junction = self.hit_prompts(cached, new, 3 if states else 2)
             cold_out, cold_wall = self.generate(first)
+            for prompt in junction:
+                self.generate(prompt)
             out, wall = self.generate(second)
             if i >= self.args.warmup:
                 ttfts.append(out.ttft)

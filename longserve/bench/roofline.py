@@ -107,6 +107,7 @@ def model_costs(cfg: dict[str, Any], itemsize: int) -> ModelCosts:
     `num_layers` counts the layers with K/V (a hybrid model's full-attention layers)."""
     from longserve.models.moe_layout import moe_spec  # pure Python, but its package imports torch
 
+    cfg = {**cfg, **cfg.get("text_config", {})}  # a vision-language checkpoint (Qwen3.5): its text model's
     h, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
     n_q = cfg["num_attention_heads"]
     n_kv = _get(cfg, "num_key_value_heads", n_q)

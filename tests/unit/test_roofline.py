@@ -229,6 +229,8 @@ def test_hybrid_costs_count_the_models_parameters(tmp_path, arch: str) -> None:
     counted = sum(p.numel() for p in model.parameters() if id(p) not in norms)
     costs = model_costs(cfg, itemsize=4)
     assert costs.weight_bytes // 4 == counted
+    with open(f"{path}/config.json") as f:  # as released: the MoE one's text model under text_config
+        assert model_costs(json.load(f), itemsize=4) == costs
     assert costs.num_layers == model.num_layers == 2  # of 4 layers
     big = model_costs(BUILTIN_CONFIGS["qwen3.5-35b-a3b"], itemsize=2)
     assert big.weight_bytes / 2 / 1e9 == pytest.approx(35, rel=0.03) and big.num_layers == 10
