@@ -7,9 +7,9 @@ every layer belongs to the request holding slot s (cache/state_slots.py hands th
 are never read by a request starting afresh (the kernels zero-start where the step's prefix length is 0), so
 nothing is cleared between holders.
 
-The state's dtype: float32 by default, as SGLang keeps it and as transformers computes it (the delta rule's
-state accumulates every token: rounding it to bf16 at each step drifts); `--mamba-ssm-cache-dtype` (vLLM's
-flag) may halve it.
+The state's dtype: the model's by default (`--mamba-ssm-cache-dtype auto`, as vLLM keeps a Qwen3.5's); float32
+as SGLang and transformers keep it (the delta rule's state accumulates every token: rounding it to bf16 at each
+step drifts), at twice the memory.
 """
 
 from __future__ import annotations

@@ -97,8 +97,8 @@ def test_abort_mid_prompt_frees_its_slot(hybrid_ckpt, baseline):
 
 
 def test_state_dtype_follows_the_setting(hybrid_ckpt, baseline):
-    """--mamba-ssm-cache-dtype: float32 by default, bfloat16 halves the delta rule's states (the convs' inputs stay
-    in the model's dtype), auto is the model's dtype; a value it does not know is refused by name."""
+    """--mamba-ssm-cache-dtype: auto (the model's dtype) by default, bfloat16 halves the delta rule's float32
+    states (the convs' inputs stay in the model's dtype); a value it does not know is refused by name."""
     import torch
 
     ps, alone = baseline
@@ -122,6 +122,10 @@ def test_state_dtype_follows_the_setting(hybrid_ckpt, baseline):
     assert plans["float32"] - plans["bfloat16"] == 2 * ssm == plans["auto"] - plans["bfloat16"]
     with pytest.raises(ValueError, match="mamba_ssm_cache_dtype must be one of auto, float32"):
         llm(hybrid_ckpt, mamba_ssm_cache_dtype="fp8")
+    m = llm(
+        hybrid_ckpt, dtype="bfloat16", max_running_requests=2
+    )  # unset: the model's dtype, as vLLM keeps it
+    assert {t.dtype for t in (*m.engine.runner.states.ssm, *m.engine.runner.states.conv)} == {torch.bfloat16}
 
 
 def test_state_slots_fit_half_the_memory_left(hybrid_ckpt, baseline, monkeypatch, caplog):
