@@ -35,7 +35,19 @@ _RECORD_FILE = os.environ.get("LONGSERVE_RECORD_KERNELS")
 _WORKER_RECORDS = "LONGSERVE_WORKER_KERNEL_RECORDS"
 
 
+# Bounds checks (longserve/testing/memcheck.py): in CI or with LONGSERVE_MEMCHECK=1, every interpreted kernel's
+# loads and stores must stay inside its tensor arguments, which the interpreter itself never checks.
+_MEMCHECK = os.environ.get("LONGSERVE_MEMCHECK", "1" if os.environ.get("CI") == "true" else "0") == "1"
+_memcheck = None
+
+
 def pytest_configure(config) -> None:
+    global _memcheck
+    if _MEMCHECK and os.environ.get("TRITON_INTERPRET") == "1" and _memcheck is None:
+        from longserve.testing.memcheck import bounds_checked
+
+        _memcheck = bounds_checked()
+        _memcheck.__enter__()
     if not ((_COMPILE_CHECK or _RECORD_FILE) and os.environ.get("TRITON_INTERPRET") == "1"):
         return
     if _WORKER is None and getattr(config.option, "numprocesses", None):  # xdist's controller: runs no test

@@ -1,7 +1,7 @@
 """Chunked prefill of the gated delta rule in Triton (varlen, state pool); reference: `gated_delta_prefill_ref`,
 whose docstring gives the math (the WY / UT form of FLA's `chunk_gated_delta_rule`, chunks of 64 tokens).
 
-Two launches:
+Three launches:
 1. `_gdn_chunk_wy_kernel`, grid (chunks, value heads), every chunk of every request at once: the chunk's
    cumulative decay gc (stored, [T, Hv] float32), the system L = beta k k^T exp(gc_i - gc_j) (strictly lower),
    E = (I + L)^-1, and w = E (beta k exp(gc)), u = E (beta v) (stored, [T, Hv, K] and [T, Hv, V], in the inputs'
@@ -10,11 +10,18 @@ Two launches:
    nothing). The inverse is built by doubling: E_1 = I, E_2b = E_b - E_b O_b E_b with O_b the part of L coupling
    the two b-halves of each 2b-block (the exact block inverse, not a series): log2(64) = 6 steps of two 64x64
    dots on the tensor cores, no row-by-row substitution loop.
-2. `_gdn_chunk_state_kernel`, grid (V blocks, value heads, requests): the inter-chunk recurrence, the state
-   block S [K, BLOCK_V] in float32 registers, read from the request's slot once (zeros without has_state),
-   walked chunk by chunk: v' = u - w S, the chunk's output o = (q exp(gc)) S + tril(q k^T exp(gc_i - gc_j)) v'
-   fused in (so no per-chunk state is stored: FLA writes h [chunks, Hv, K, V] and computes o in a third,
-   chunk-parallel kernel), then S = exp(gc_last) S + (k exp(gc_last - gc))^T v'; written back once.
+2. `_gdn_chunk_h_kernel`, grid (V blocks, value heads, requests): the inter-chunk recurrence, the state block
+   S [K, BLOCK_V] in float32 registers, read from the request's slot once (zeros without has_state), walked chunk
+   by chunk: the state before the chunk stored (h [chunks, Hv, K, V]), v' = u - w S stored, then
+   S = exp(gc_last) S + (k exp(gc_last - gc))^T v'; written back once. Two dots a chunk.
+3. `_gdn_chunk_o_kernel`, grid (chunks, value heads, V blocks), every chunk at once again: its output
+   o = (q exp(gc)) h + tril(q k^T exp(gc_i - gc_j)) v'.
+This is FLA's split (chunk_gated_delta_rule_fwd_h, chunk_fwd_o). Until the forty-sixth session the output was
+computed inside the recurrence (five dots a chunk, 255 registers and a spill at Qwen3.5's shape): on an H100
+(Triton 3.6) that kernel made an illegal memory access with float32 states, where every load and store stayed
+inside its arguments (interpreted with longserve/testing/memcheck.py) — Triton's open reports of kernels with
+several dots faulting on sm_90 (triton-lang/triton #10486, #11366) describe the same. Split, neither kernel
+spills (sm_90, Triton 3.6: 189 and 168 registers); not yet run on a GPU.
 
 Precision: q and k are l2-normalized in float32 where they are loaded (both launches). Dot operands are the
 inputs' dtype, bf16 on the tensor cores with float32 sums (the state, E and v' rounded to bf16 for the products,
@@ -22,14 +29,13 @@ as FLA does); E itself is built in float32 (tf32 dots). With float32 inputs ever
 Row scales (exp(gc), beta) go on the smaller tile of each product, and tiles are addressed by int32 offsets
 from per-chunk 64-bit base pointers: 64-bit pointer tiles cost two registers an element.
 
-Not yet done (against FLA's kernels; nothing here is timed on a GPU yet): the recurrence does ~2.5x FLA's
-sequential work (FLA's does only w S and k^T v', its output kernel is chunk-parallel over stored per-chunk
-states) and recomputes q k^T and the q/k norms once per V block; it runs unpipelined (num_stages=1) to fit its
-registers, where FLA splits K into 64-wide state blocks and autotunes BV / warps / stages; our inverse spends 12
-full 64x64 dots where FLA substitutes in 16x16 diagonal blocks and merges them; FLA fuses the gate (and its
-cumsum) into its launches; the l2norm, done here on every load, is its own pass there. The float32 path is for
-correctness: it spills at K = V = 128. Kernel 1's grid is sized for the worst case (T/64 + B chunks, so no
-device-to-host sync), its extra programs exit at once.
+Not yet done (against FLA's kernels; nothing here is timed on a GPU yet): the recurrence reloads and
+renormalizes k a V block; our inverse spends 12 full 64x64 dots where FLA substitutes in 16x16 diagonal blocks and
+merges them; FLA fuses the gate (and its cumsum) into its launches and autotunes blocks, warps and stages; the
+l2norm, done here on every load, is its own pass there. h and v' cost (T / 64) x Hv x K x V and T x Hv x V values
+of scratch in the inputs' dtype, as FLA's do (192 MiB for an 8K step at Qwen3.5's shape in bf16, freed after each
+layer's call and reused by the next; from the memory mem_fraction_static leaves to activations). Kernels 1 and 3
+have grids sized for the worst case (T/64 + B chunks, so no device-to-host sync): their extra programs exit at once.
 """
 
 from __future__ import annotations
@@ -45,11 +51,11 @@ from longserve.kernels.launch import fast_launch
 
 __all__ = ["gated_delta_prefill", "gated_delta_prefill_ref"]
 
-# Launch shapes, from sm90 compiles (Triton 3.9, K = V = 128, bf16; no GPU timing yet): the recurrence at
-# BLOCK_V = 32 (4 programs a head: B * Hv * 4 programs, 128 for one prompt at Hv = 32), 8 warps and no software
-# pipelining fits 255 registers without spills (4 warps or 2-3 stages spill 130-700 bytes; BLOCK_V = 64
-# spills ~500); the WY kernel at 4 warps spills 16 bytes.
+# The recurrence's value block (4 programs a head at V = 128: B * Hv * 4 programs, 128 for one prompt at Hv = 32),
+# 4 warps: 189 registers at Qwen3.5's shape on sm_90 (Triton 3.6), no spill.
 _STATE_BLOCK_V = 32
+# the output kernel's value block (FLA's chunk_fwd_o tunes 64 or 128): (chunks, Hv, V / 64) programs
+_OUT_BLOCK_V = 64
 
 
 @triton.jit
@@ -170,20 +176,18 @@ def _gdn_chunk_wy_kernel(
 
 @fast_launch
 @triton.jit
-def _gdn_chunk_state_kernel(
-    q_ptr,  # [T, Hk, K]
+def _gdn_chunk_h_kernel(
     k_ptr,  # [T, Hk, K]
     gc_ptr,  # [T, Hv] float32
     w_ptr,  # [T, Hv, K]
     u_ptr,  # [T, Hv, V]
-    o_ptr,  # out [T, Hv, V]
+    h_ptr,  # out [chunks, Hv, K, V] in the inputs' dtype: the state before each chunk
+    vn_ptr,  # out [T, Hv, V] in the inputs' dtype: v' = u - w S
     state_ptr,  # [S, Hv, K, V]
     qsl_ptr,
+    cu_chunks_ptr,  # [B+1] int32: the first chunk of each request
     slot_ptr,
     has_state_ptr,
-    scale,
-    stride_qt,
-    stride_qh,
     stride_kt,
     stride_kh,
     stride_ss,
@@ -197,59 +201,120 @@ def _gdn_chunk_state_kernel(
     BK: tl.constexpr,
     BLOCK_V: tl.constexpr,
     L2NORM: tl.constexpr,
-    PRECISION: tl.constexpr,  # float32 dots: "tf32x3" (~float32) for float32 inputs, else "tf32"
+    PRECISION: tl.constexpr,
 ):
     vb = tl.program_id(0)
     head = tl.program_id(1)
     req = tl.program_id(2)
     start = tl.load(qsl_ptr + req)
     end = tl.load(qsl_ptr + req + 1)
+    first_chunk = tl.load(cu_chunks_ptr + req)
     slot = tl.load(slot_ptr + req)
     offs_t = tl.arange(0, BT)
     offs_k = tl.arange(0, BK)
     offs_v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
     kv_mask = (offs_k[:, None] < K) & (offs_v[None, :] < V)  # [BK, BLOCK_V]
-    s_offs = offs_k[:, None] * stride_sk + offs_v[None, :]  # int32 tile offsets (recomputed for the store)
+    s_offs = offs_k[:, None] * stride_sk + offs_v[None, :]  # int32 tile offsets
     s_base = state_ptr + slot.to(tl.int64) * stride_ss + head * stride_sh
     read = (slot >= 0) & (tl.load(has_state_ptr + req) != 0)
     # the scalar broadcast before it meets the mask (the interpreter mis-types scalar & tensor)
     read_mask = kv_mask & ((read.to(tl.int32) + tl.zeros([BK, BLOCK_V], tl.int32)) != 0)
     state = tl.load(s_base + s_offs, mask=read_mask, other=0.0).to(tl.float32)  # [BK, BLOCK_V]
     dt = k_ptr.dtype.element_ty
-    q_head = q_ptr + (head // GROUP) * stride_qh  # GQA: value head h reads q/k head h // GROUP
-    k_head = k_ptr + (head // GROUP) * stride_kh
-    causal = offs_t[:, None] >= offs_t[None, :]
+    k_head = k_ptr + (head // GROUP) * stride_kh  # GQA: value head h reads k head h // GROUP
+    h_offs = offs_k[:, None] * V + offs_v[None, :]  # [BK, BLOCK_V] in one chunk's [K, V] block of a head
     for c in range(0, tl.cdiv(end - start, BT)):
         t0 = start + c * BT  # the chunk's first token
         row_ok = offs_t < end - t0  # [BT]
         last = tl.minimum(BT, end - t0) - 1
+        h_base = h_ptr + ((first_chunk + c).to(tl.int64) * H + head) * (K * V)
+        tl.store(h_base + h_offs, state.to(h_ptr.dtype.element_ty), mask=kv_mask)
         t0 = t0.to(tl.int64)  # 64-bit scalar bases, int32 offsets within the chunk
         gc_base = gc_ptr + t0 * H + head
         g_last = tl.load(gc_base + last * H)
         gc = tl.load(gc_base + offs_t * H, mask=row_ok, other=0.0)
-        gc = tl.where(row_ok, gc, g_last)  # missing rows (k, q, w, u 0 there): exp(gc_i - gc_j) <= 1 still
         k_mask = row_ok[:, None] & (offs_k[None, :] < K)
         w_tile = w_ptr + (t0 * H + head) * K + offs_t[:, None] * (H * K) + offs_k[None, :]
         w = tl.load(w_tile, mask=k_mask, other=0.0)
         v_mask = row_ok[:, None] & (offs_v[None, :] < V)
-        uo_offs = (t0 * H + head) * V + offs_t[:, None] * (H * V) + offs_v[None, :]  # [BT, BLOCK_V] u, o
-        u = tl.load(u_ptr + uo_offs, mask=v_mask, other=0.0).to(tl.float32)
+        uv_offs = (t0 * H + head) * V + offs_t[:, None] * (H * V) + offs_v[None, :]  # [BT, BLOCK_V] u, v'
+        u = tl.load(u_ptr + uv_offs, mask=v_mask, other=0.0).to(tl.float32)
         # v' = u - w S: the part of the chunk's values that the state before it does not predict
         v_new = u - _mma(w, state, dt, PRECISION)  # [BT, BLOCK_V]
-        q = _load_qk(q_head + t0 * stride_qt, offs_t, row_ok, stride_qt, offs_k, K, L2NORM)
-        q = (q * scale).to(dt)  # [BT, BK] held in the inputs' dtype; row scales go on the smaller tiles below
+        tl.store(vn_ptr + uv_offs, v_new.to(vn_ptr.dtype.element_ty), mask=v_mask)
+        # S <- exp(gc_last) S + (k exp(gc_last - gc))^T v' (the row scale on v'; missing rows of k are 0)
         k = _load_qk(k_head + t0 * stride_kt, offs_t, row_ok, stride_kt, offs_k, K, L2NORM).to(dt)
-        attn = _mma(q, tl.trans(k), dt, PRECISION)  # [BT, BT]
-        attn = tl.where(causal, attn * tl.exp(tl.where(causal, gc[:, None] - gc[None, :], 0.0)), 0.0)
-        # o = (q exp(gc)) S + attn v' (the row scale after the product)
-        o = _mma(q, state, dt, PRECISION) * tl.exp(gc)[:, None] + _mma(attn, v_new, dt, PRECISION)
-        tl.store(o_ptr + uo_offs, o.to(o_ptr.dtype.element_ty), mask=v_mask)
-        # S <- exp(gc_last) S + (k exp(gc_last - gc))^T v' (the row scale on v', [BT, BLOCK_V])
-        v_end = v_new * tl.exp(g_last - gc)[:, None]
+        v_end = v_new * tl.exp(g_last - tl.where(row_ok, gc, g_last))[:, None]
         state = state * tl.exp(g_last) + _mma(tl.trans(k), v_end, dt, PRECISION)
     write_mask = kv_mask & (((slot >= 0).to(tl.int32) + tl.zeros([BK, BLOCK_V], tl.int32)) != 0)
     s_offs = offs_k[:, None] * stride_sk + offs_v[None, :]
     tl.store(s_base + s_offs, state.to(state_ptr.dtype.element_ty), mask=write_mask)
+
+
+@fast_launch
+@triton.jit
+def _gdn_chunk_o_kernel(
+    q_ptr,  # [T, Hk, K]
+    k_ptr,  # [T, Hk, K]
+    gc_ptr,  # [T, Hv] float32
+    h_ptr,  # [chunks, Hv, K, V]: the state before each chunk
+    vn_ptr,  # [T, Hv, V]: v'
+    o_ptr,  # out [T, Hv, V]
+    qsl_ptr,
+    chunk_req_ptr,  # [max chunks] int32: the chunk's request (B past the last chunk)
+    cu_chunks_ptr,
+    num_reqs,
+    scale,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    H: tl.constexpr,
+    GROUP: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    L2NORM: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    chunk = tl.program_id(0)
+    head = tl.program_id(1)
+    vb = tl.program_id(2)
+    req = tl.load(chunk_req_ptr + chunk)
+    if req >= num_reqs:  # the grid is sized for the worst case
+        return
+    t0 = tl.load(qsl_ptr + req) + (chunk - tl.load(cu_chunks_ptr + req)) * BT  # the chunk's first token
+    offs_t = tl.arange(0, BT)
+    rows = tl.load(qsl_ptr + req + 1) - t0
+    row_ok = offs_t < rows  # [BT]
+    offs_k = tl.arange(0, BK)
+    offs_v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
+    t0 = t0.to(tl.int64)  # 64-bit scalar bases, int32 offsets within the chunk
+    dt = k_ptr.dtype.element_ty
+    gc_base = gc_ptr + t0 * H + head
+    g_last = tl.load(gc_base + (tl.minimum(BT, rows) - 1) * H)
+    # missing rows (q, k, v' 0 there) carry the last one's: exp(gc_i - gc_j) <= 1 still, no overflow
+    gc = tl.where(row_ok, tl.load(gc_base + offs_t * H, mask=row_ok, other=0.0), g_last)  # [BT]
+    q = _load_qk(
+        q_ptr + t0 * stride_qt + (head // GROUP) * stride_qh, offs_t, row_ok, stride_qt, offs_k, K, L2NORM
+    )
+    q = (q * scale).to(dt)  # [BT, BK]
+    k = _load_qk(k_ptr + t0 * stride_kt + (head // GROUP) * stride_kh, offs_t, row_ok, stride_kt, offs_k, K,
+                 L2NORM).to(dt)  # fmt: skip
+    kv_mask = (offs_k[:, None] < K) & (offs_v[None, :] < V)
+    h_base = h_ptr + (chunk.to(tl.int64) * H + head) * (K * V)
+    h = tl.load(h_base + offs_k[:, None] * V + offs_v[None, :], mask=kv_mask, other=0.0)  # [BK, BLOCK_V]
+    v_mask = row_ok[:, None] & (offs_v[None, :] < V)
+    uv_offs = (t0 * H + head) * V + offs_t[:, None] * (H * V) + offs_v[None, :]
+    v_new = tl.load(vn_ptr + uv_offs, mask=v_mask, other=0.0)  # [BT, BLOCK_V]
+    causal = offs_t[:, None] >= offs_t[None, :]
+    attn = _mma(q, tl.trans(k), dt, PRECISION)  # [BT, BT]
+    attn = tl.where(causal, attn * tl.exp(tl.where(causal, gc[:, None] - gc[None, :], 0.0)), 0.0)
+    # o = (q exp(gc)) S + attn v' (the row scale after the product)
+    o = _mma(q, h, dt, PRECISION) * tl.exp(gc)[:, None] + _mma(attn, v_new, dt, PRECISION)
+    tl.store(o_ptr + uv_offs, o.to(o_ptr.dtype.element_ty), mask=v_mask)
 
 
 def _chunk_map(query_start_loc: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -307,10 +372,19 @@ def gated_delta_prefill(
         LOG2_BT=CHUNK.bit_length() - 1, L2NORM=use_qk_l2norm, PRECISION=precision, num_warps=4,
     )  # fmt: skip
     block_sv = min(_STATE_BLOCK_V, block_v)
-    _gdn_chunk_state_kernel[(triton.cdiv(head_v, block_sv), num_v_heads, num_reqs)](
-        q, k, gc, w, u, o, states, query_start_loc, slots, has_state, scale,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), states.stride(0), states.stride(1), states.stride(2),
+    # the state before each chunk and v' (the inputs' dtype, as the products round them), then each chunk's output
+    h = torch.empty(bound, num_v_heads, head_k, head_v, dtype=k.dtype, device=v.device)
+    v_new = torch.empty(num_tokens, num_v_heads, head_v, dtype=k.dtype, device=v.device)
+    _gdn_chunk_h_kernel[(triton.cdiv(head_v, block_sv), num_v_heads, num_reqs)](
+        k, gc, w, u, h, v_new, states, query_start_loc, cu_chunks, slots, has_state,
+        k.stride(0), k.stride(1), states.stride(0), states.stride(1), states.stride(2),
         H=num_v_heads, GROUP=group, K=head_k, V=head_v, BT=CHUNK, BK=block_k, BLOCK_V=block_sv,
-        L2NORM=use_qk_l2norm, PRECISION=precision, num_warps=8, num_stages=1,
+        L2NORM=use_qk_l2norm, PRECISION=precision, num_warps=4,
+    )  # fmt: skip
+    _gdn_chunk_o_kernel[(bound, num_v_heads, triton.cdiv(head_v, _OUT_BLOCK_V))](
+        q, k, gc, h, v_new, o, query_start_loc, chunk_req, cu_chunks, num_reqs, scale,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        H=num_v_heads, GROUP=group, K=head_k, V=head_v, BT=CHUNK, BK=block_k,
+        BLOCK_V=min(_OUT_BLOCK_V, block_v), L2NORM=use_qk_l2norm, PRECISION=precision, num_warps=4,
     )  # fmt: skip
     return o

@@ -1,7 +1,9 @@
-"""Which Gated DeltaNet prefill launch makes an illegal memory access with float32 states (forty-sixth session: an
-H100 at `23a7f23` reported one in tests/gpu/test_gated_delta_gpu.py and the gdn_kernels probe with float32 states,
-none with bf16). Each case runs in a process of its own (an illegal access poisons the CUDA context) with
-CUDA_LAUNCH_BLOCKING=1 and a sync after every launch; prints one line a case: which launch failed, or ok.
+"""Whether a Gated DeltaNet launch makes an illegal memory access (forty-sixth session: an H100 at `23a7f23`
+reported one in tests/gpu/test_gated_delta_gpu.py and the gdn_kernels probe with float32 states, none with bf16,
+from the chunked delta rule's recurrence as it then was, with the output computed inside it; it is split in two
+since, as FLA's). Each case runs in a process of its own (an illegal access poisons the CUDA context; Triton's
+reports of such faults on sm_90 see them in some processes and not others) with CUDA_LAUNCH_BLOCKING=1 and a sync
+after every launch; prints one line a case: which launch failed, or ok.
 
     python3 scripts/probes/gdn_state_crash.py            # every case
     python3 scripts/probes/gdn_state_crash.py CASE       # one case, in this process
@@ -14,8 +16,8 @@ import subprocess
 import sys
 
 CASES = [
-    "fp32-8192", "bf16-8192", "fp32-200", "fp32-64", "fp32-3lens", "fp32-warps4", "fp32-bv16", "fp32-triton",
-    "fp32-slot-i64", "fp32-nostate-read",
+    "fp32-8192", "bf16-8192", "fp32-200", "fp32-64", "fp32-3lens", "fp32-slot-i64", "fp32-nostate-read",
+    "fp32-8192-again", "bf16-8192-again", "fp32-32768",
 ]  # fmt: skip
 
 
@@ -25,13 +27,14 @@ def run(case: str) -> None:
 
     from longserve.kernels import causal_conv1d as cc
     from longserve.kernels import gated_delta as gd
-    from longserve.kernels import gated_delta_chunk as gdc
 
     hk, hv, kd, vd, w = 16, 32, 128, 128, 4
     d = 2 * hk * kd + hv * vd
     dev, bf = "cuda", torch.bfloat16
     sd = torch.bfloat16 if case.startswith("bf16") else torch.float32
-    lens = {"fp32-200": [200], "fp32-64": [64], "fp32-3lens": [1, 700, 3000]}.get(case, [8192])
+    lens = {"fp32-200": [200], "fp32-64": [64], "fp32-3lens": [1, 700, 3000], "fp32-32768": [32768]}.get(
+        case, [8192]
+    )
     n = sum(lens)
     qsl = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
     slot_dtype = torch.int64 if case == "fp32-slot-i64" else torch.int32
@@ -56,24 +59,7 @@ def run(case: str) -> None:
     mixed = step("conv prefill", lambda: cc.causal_conv1d_prefill(qkv, weight, conv, qsl, slots, has))
     q, k, v = (x.reshape(n, -1, kd) for x in mixed.split([hk * kd, hk * kd, hv * vd], dim=-1))
     g, beta = step("gating", lambda: gd.gdn_gating(a, b, a_log, dt_bias))
-    if case in ("fp32-warps4", "fp32-bv16", "fp32-triton"):
-        chunk_req, cu_chunks, bound = gdc._chunk_map(qsl, n)
-        gc = torch.empty(n, hv, dtype=torch.float32, device=dev)
-        wt = torch.empty(n, hv, kd, dtype=bf, device=dev)
-        u = torch.empty(n, hv, vd, dtype=bf, device=dev)
-        o = torch.empty(n, hv, vd, dtype=bf, device=dev)
-        step("wy kernel", lambda: gdc._gdn_chunk_wy_kernel.fn[(bound, hv)](
-            k, v, g, beta, gc, wt, u, qsl, chunk_req, cu_chunks, len(lens), k.stride(0), k.stride(1), v.stride(0),
-            v.stride(1), g.stride(0), beta.stride(0), H=hv, GROUP=hv // hk, K=kd, V=vd, BT=64, BK=kd, BV=vd, LOG2_BT=6,
-            L2NORM=True, PRECISION="tf32", num_warps=4))  # fmt: skip
-        bsv = 16 if case == "fp32-bv16" else 32
-        warps = 4 if case == "fp32-warps4" else 8
-        step("state kernel", lambda: gdc._gdn_chunk_state_kernel.fn[(vd // bsv, hv, len(lens))](
-            q, k, gc, wt, u, o, ssm, qsl, slots, has, kd**-0.5, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-            ssm.stride(0), ssm.stride(1), ssm.stride(2), H=hv, GROUP=hv // hk, K=kd, V=vd, BT=64, BK=kd,
-            BLOCK_V=bsv, L2NORM=True, PRECISION="tf32", num_warps=warps, num_stages=1))  # fmt: skip
-    else:
-        step("delta rule prefill", lambda: gd.gated_delta_prefill(q, k, v, g, beta, ssm, qsl, slots, has))
+    step("delta rule prefill", lambda: gd.gated_delta_prefill(q, k, v, g, beta, ssm, qsl, slots, has))
     x1 = torch.randn(len(lens), d, device=dev).to(bf)
     m1 = step("conv decode", lambda: cc.causal_conv1d_decode(x1, weight, conv, slots))
     q1, k1, v1 = (x.reshape(len(lens), -1, kd) for x in m1.split([hk * kd, hk * kd, hv * vd], dim=-1))

@@ -217,6 +217,34 @@ def test_prefill_and_decode_kernels_equal_references(dtype: torch.dtype, state_d
     assert torch.equal(got_pool[[2, 4, 6]], states[[2, 4, 6]])
 
 
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_qwen35_head_dims_equal_references_inside_their_arguments(state_dtype: torch.dtype) -> None:
+    """At Qwen3.5's head dims (K = V = 128: the state kernel's 128 x 32 blocks, as on the GPU) with two key / four
+    value heads, bf16 inputs: the chunked prefill of a 200-token prompt and a continued one, then a decode step,
+    equal the references, and every load and store stays inside the launch's arguments (memcheck). An H100 made an
+    illegal memory access here with float32 states (RESULTS.md, forty-sixth session): not in these masks."""
+    from longserve.testing.memcheck import bounds_checked
+
+    hk, hv, kd, vd = 2, 4, 128, 128
+    lens, slots, has = [200, 70], torch.tensor([0, 3], dtype=torch.int32), torch.tensor([False, True])
+    total = sum(lens)
+    g = gen(21)
+    x = torch.randn(total, (2 * hk + hv) * kd, generator=g).to(torch.bfloat16)
+    q, k, v = (t.view(total, -1, kd) for t in x.split([hk * kd, hk * kd, hv * vd], dim=-1))  # strided views
+    a, b = (torch.randn(total, hv, generator=g).to(torch.bfloat16) for _ in range(2))
+    gate, beta = gdn_gating_ref(a, b, torch.randn(hv, generator=g), torch.randn(hv, generator=g))
+    states = (torch.randn(4, hv, kd, vd, generator=g) * 0.1).to(state_dtype)
+    got_pool, want_pool = states.clone(), states.clone()
+    with bounds_checked():
+        got = gated_delta_prefill(q, k, v, gate, beta, got_pool, step(lens), slots, has)
+        got_dec = gated_delta_decode(q[:2], k[:2], v[:2], gate[:2], beta[:2], got_pool, slots)
+    want = gated_delta_prefill_ref(q, k, v, gate, beta, want_pool, step(lens), slots, has)
+    want_dec = gated_delta_decode_ref(q[:2], k[:2], v[:2], gate[:2], beta[:2], want_pool, slots)
+    for got_t, want_t in ((got, want), (got_pool, want_pool), (got_dec, want_dec)):
+        assert_near(got_t, want_t, exact=False)
+    assert torch.equal(got_pool[[1, 2]], states[[1, 2]])
+
+
 def test_split_prompts_and_decodes_equal_one_prefill() -> None:
     """Two prompts (70 and 130 tokens) in one prefill equal: two calls ([40, 64] then [30, 66] tokens, the second
     continuing from the slots), and a prefill of [66, 127] tokens then decode steps (4 and 3 of them)."""
