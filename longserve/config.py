@@ -167,8 +167,8 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     # a hybrid model's (Qwen3.5) linear-attention state between steps (vLLM's --mamba-ssm-cache-dtype, SGLang's
     # --mamba-ssm-dtype): auto, the model's dtype, as vLLM 0.24 keeps a Qwen3.5's; float32 as SGLang and
-    # transformers keep it (the delta rule's state sums every token), at twice the memory. float32 states made an
-    # illegal memory access in the chunked delta rule on an H100 (RESULTS.md forty-sixth session), bf16 ran
+    # transformers keep it (the delta rule's state sums every token), at twice the memory (on an H100 the chunked
+    # delta rule's fused kernel faulted with float32 states, bf16 ran: RESULTS.md forty-sixth session)
     mamba_ssm_cache_dtype: str = "auto"
     # a chat template used instead of the tokenizer's (vLLM's and SGLang's --chat-template): a file path or
     # the Jinja text itself, as given (chat_template_text: the template). Trusted (the operator's);

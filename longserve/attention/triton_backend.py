@@ -130,10 +130,8 @@ class TritonAttentionBackend(AttentionBackend):
     ) -> tuple[dict[str, int], int]:
         """Tiles and key-split count of an extend launch for these requests (host lists, no sync)."""
         config = self._extend_config(head_dim, dtype)
-        # the short-chunk tiles were tuned at head dim 128; at 256 (Qwen3.5's full attention) the wide one cannot
-        # compile (sm_90: 128 registers a thread at 16 warps) and the short one spills 280 bytes, where the long
-        # chunks' 64x32 tile holds 226 registers (scripts/dev/compile_extend.py, Triton 3.9; an H100 at 23a7f23
-        # failed the 35B-A3B's warm-up on the wide one)
+        # short-chunk tiles tuned at head dim 128; at 256 the wide one does not compile for sm_90, the short one
+        # spills, the long chunks' holds 226 registers (scripts/dev/compile_extend.py; RESULTS.md 46th session)
         tuned = device.type == "cuda" and dtype != torch.float32 and head_dim <= 128
         group = num_q_heads // num_kv_heads
         short = tuned and max(query_lens, default=0) * group <= SHORT_CHUNK_ROWS
