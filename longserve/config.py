@@ -36,6 +36,10 @@ QUANTIZATION_ALIASES = {
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 # a hybrid model's linear-attention state (attention/recurrent_state.py): auto is the model's dtype (vLLM's)
 MAMBA_SSM_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# vLLM's --mamba-cache-mode: align, states saved where chunks end on the marks a hybrid model's prefix cache sets
+# (cache/state_radix_tree.py); none, no states kept (a hybrid model shares no prefix). vLLM's "all" (a state at
+# every block) is not offered: refused by name
+MAMBA_CACHE_MODES = ("align", "none")
 KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3"}
 
 
@@ -170,6 +174,8 @@ class EngineConfig:
     # transformers keep it (the delta rule's state sums every token), at twice the memory (on an H100 the chunked
     # delta rule's fused kernel faulted with float32 states, bf16 ran: RESULTS.md forty-sixth session)
     mamba_ssm_cache_dtype: str = "auto"
+    # with prefix caching, whether a hybrid model's prefix cache keeps state checkpoints (MAMBA_CACHE_MODES)
+    mamba_cache_mode: str = "align"
     # a chat template used instead of the tokenizer's (vLLM's and SGLang's --chat-template): a file path or
     # the Jinja text itself, as given (chat_template_text: the template). Trusted (the operator's);
     # transformers renders it in its sandbox as it does the tokenizer's own. A request never brings one.
@@ -315,6 +321,12 @@ class EngineConfig:
             self.mamba_ssm_cache_dtype in MAMBA_SSM_DTYPES,
             f"mamba_ssm_cache_dtype must be one of {', '.join(MAMBA_SSM_DTYPES)}; got {self.mamba_ssm_cache_dtype!r}",
             "mamba_ssm_cache_dtype",
+        )
+        need(
+            self.mamba_cache_mode in MAMBA_CACHE_MODES,
+            f"mamba_cache_mode must be align or none (states saved where prompt chunks end on a page, or none "
+            f"kept); got {self.mamba_cache_mode!r}",
+            "mamba_cache_mode",
         )
         self._check_compat_settings(need)
         if self.load_format != "dummy" and not os.path.isdir(self.model):

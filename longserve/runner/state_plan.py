@@ -53,8 +53,9 @@ def recurrent_states(
         )
     # with prefix caching, as many checkpoints as slots (at most half of what fits: one a running request's
     # prompt, or a document and its questions' junction)
-    slots = min(want, max(1, fits // 2)) if config.enable_prefix_caching else min(want, fits)
-    checkpoints = min(want, fits - slots) if config.enable_prefix_caching else 0
+    keep = config.enable_prefix_caching and config.mamba_cache_mode == "align"
+    slots = min(want, max(1, fits // 2)) if keep else min(want, fits)
+    checkpoints = min(want, fits - slots) if keep else 0
     if slots < want:
         logger.warning(
             "%d recurrent-state slots (%.2f GiB) fit in half the memory the weights leave, of %d asked for "
@@ -62,7 +63,7 @@ def recurrent_states(
             slots, slots * per_slot / 2**30, want, " beside as many prefix-cache checkpoints" if checkpoints else "",
             slots,
         )  # fmt: skip
-    if config.enable_prefix_caching and not checkpoints:
+    if keep and not checkpoints:
         logger.warning(
             "prefix caching is off: no memory for a linear-attention state checkpoint beside one slot"
         )

@@ -16,6 +16,7 @@ from longserve.config import (
     KV_CACHE_DTYPE_ALIASES,
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
+    MAMBA_CACHE_MODES,
     MAMBA_SSM_DTYPES,
     RUNNERS,
 )
@@ -245,6 +246,10 @@ OPTIONS: tuple[Option, ...] = (
     Option(("--mamba-ssm-cache-dtype", "--mamba-ssm-dtype"), E + "mamba_ssm_cache_dtype",
            "a hybrid model's (Qwen3.5) linear-attention state: float32, bfloat16 (half the memory), float16, or "
            "auto (the model's dtype)", choices=MAMBA_SSM_DTYPES),
+    Option(("--mamba-cache-mode",), E + "mamba_cache_mode",
+           "with prefix caching, a hybrid model's (Qwen3.5) prefix cache: align (linear-attention states saved "
+           "where prompt chunks end on a page: a prompt's last full page, where it leaves a cached path) or none "
+           "(no state kept: nothing shared)", choices=MAMBA_CACHE_MODES),
     Option(("--strict-model-name",), S + "strict_model_name",
            "answer 404 to a `model` this server does not serve (vLLM); by default any name is served, as "
            "SGLang does (\"default\" always is)", None),

@@ -85,7 +85,7 @@ def clean(m: LLM) -> None:
     assert_clean(m.engine)
     kv = m.engine.kv
     assert kv.states.num_free == kv.states.num_total
-    assert kv.prefix_cache.num_attached_checkpoints == 0  # flushed with their nodes
+    assert getattr(kv.prefix_cache, "num_attached_checkpoints", 0) == 0  # flushed with their nodes
 
 
 def test_repeated_prompt_resumes_from_its_checkpoint(path, plain):
@@ -173,3 +173,17 @@ def test_preemption_and_a_small_checkpoint_pool(path, plain):
     got, _, _ = generate(m, ps)
     assert same(got, expected) and m.engine.scheduler.num_preemptions > 0
     clean(m)
+
+
+def test_mamba_cache_mode_none_keeps_no_state(path, plain):
+    """vLLM's --mamba-cache-mode: none keeps no checkpoint (a repeat computes its whole prompt, the slots take all
+    the states' memory); all (a state at every block) is refused by name."""
+    p = ids(DOC + 5, seed=40)
+    m = llm(path, mamba_cache_mode="none")
+    assert isinstance(m.engine.kv.prefix_cache, NoPrefixCache) and m.engine.runner.num_state_checkpoints == 0
+    generate(m, [p])
+    again, cached, computed = generate(m, [p])
+    assert same(again, plain([p])) and cached == [0] and computed == len(p) + 31
+    clean(m)
+    with pytest.raises(ValueError, match="mamba_cache_mode must be align or none"):
+        llm(path, mamba_cache_mode="all")

@@ -149,3 +149,13 @@ def test_piecewise_cuda_graph_tokens_from_flag_env_and_yaml(tmp_path):
         assert cli_message(e.value) == (
             f"--piecewise-cuda-graph-tokens must be token counts >= 1 in ascending order; got [{', '.join(bad)}]"
         )
+
+
+def test_hybrid_state_flags_of_vllm_and_sglang(capsys):
+    engine, _ = parse([], environ={})
+    assert (engine.mamba_cache_mode, engine.mamba_ssm_cache_dtype) == ("align", "auto")
+    engine, _ = parse(["--mamba-cache-mode", "none", "--mamba-ssm-dtype", "float32"], environ={})
+    assert (engine.mamba_cache_mode, engine.mamba_ssm_cache_dtype) == ("none", "float32")
+    with pytest.raises(SystemExit):
+        parse(["--mamba-cache-mode", "all"], environ={})  # vLLM's state at every block: not offered
+    assert "invalid choice: 'all'" in capsys.readouterr().err
