@@ -187,3 +187,51 @@ def test_mamba_cache_mode_none_keeps_no_state(path, plain):
     clean(m)
     with pytest.raises(ValueError, match="mamba_cache_mode must be align or none"):
         llm(path, mamba_cache_mode="all")
+
+
+def test_random_arrivals_aborts_and_preemption_keep_every_answer_and_state(path, plain):
+    """Requests over three documents (some repeating a prompt) arrive between steps in a seeded random order, with
+    random lengths to generate, three slots, a KV pool too small for them all (preemption) and chunks of 64; two
+    are aborted mid-way. Every request that finishes gives the tokens and logprobs of its prompt computed alone
+    without the cache, the integrity check (pages, slots, checkpoints) holds after every step, and everything
+    comes back at the end."""
+    import random
+
+    rng = random.Random(5)
+    docs = [ids(DOC + 16 * i, seed=50 + i) for i in range(3)]
+    prompts_ = [rng.choice(docs) + ids(rng.randint(1, 40), seed=60 + i) for i in range(10)]
+    prompts_ += [prompts_[1], prompts_[4]]  # repeats: they hit their own prompts' last pages
+    lengths = [rng.randint(1, 24) for _ in prompts_]
+    m = llm(path, max_running_requests=3, chunked_prefill_size=64, max_total_tokens=2 * DOC + 64)
+    engine = m.engine
+    order, done, aborted = list(range(len(prompts_))), {}, set()
+    rng.shuffle(order)
+    steps = 0
+    while order or engine.has_unfinished():
+        for _ in range(rng.randint(0, 2)):
+            if order:
+                i = order.pop()
+                params = SamplingParams(
+                    max_new_tokens=lengths[i], temperature=0.0, ignore_eos=True, logprobs=0
+                )
+                engine.add_request(prompts_[i], params, request_id=f"r{i}")
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        steps += 1
+        if steps in (6, 11) and engine.groups:  # the first in flight, whatever its state
+            rid = sorted(engine.groups)[0]
+            done[rid] = engine.abort(rid)
+            aborted.add(rid)
+        engine.check_integrity()
+    assert engine.scheduler.num_preemptions > 0 and sum(o.cached_tokens for o in done.values()) > 0
+    assert len(aborted) == 2 and {done[r].outputs[0].finish_reason for r in aborted} == {"abort"}
+    for rid, out in done.items():
+        i = int(rid[1:])
+        if rid in aborted:
+            continue
+        params = SamplingParams(max_new_tokens=lengths[i], temperature=0.0, ignore_eos=True, logprobs=0)
+        got = [(out.outputs[0].token_ids, out.outputs[0].logprobs)]
+        assert same(got, plain([prompts_[i]], params)), rid
+    assert set(done) == {f"r{i}" for i in range(len(prompts_))}  # every request ended (aborts with an output)
+    clean(m)
