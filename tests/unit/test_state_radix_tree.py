@@ -126,8 +126,13 @@ def depths(t: StateRadixTree) -> dict[int, int]:
 
 
 def run_prompt(kv: KVCacheManager, r: Request, chunk: int) -> list[int]:
-    """What the scheduler does with a prompt, chunk by chunk; returns the chunks' sizes."""
+    """What the scheduler does with a prompt: match, then chunk by chunk; returns the chunks' sizes."""
     kv.match_prefix(r)
+    return run_chunks(kv, r, chunk)
+
+
+def run_chunks(kv: KVCacheManager, r: Request, chunk: int) -> list[int]:
+    """The rest of an admitted prompt in chunks of up to `chunk`, cut on its marks, saved where they say."""
     sizes = []
     while r.num_computed_tokens < r.num_prompt_tokens:
         n = kv.chunk_end(r, min(chunk, r.num_prompt_tokens - r.num_computed_tokens))
@@ -155,18 +160,8 @@ def test_manager_marks_cut_the_chunks_and_hits_resume_there():
     b = req("b", doc + [7, 8, 9, 10, 11])  # leaves a's path after 28 tokens (a page boundary below 30)
     assert kv.peek_prefix_len(b) == 24
     assert kv.match_prefix(b) == 24 and b.state_restore == 3 and b.state_marks == (28, 32)
-    sizes = [24]
-    while b.num_computed_tokens < b.num_prompt_tokens:  # cut at the junction (28) and its last page (32)
-        n = kv.chunk_end(b, min(12, b.num_prompt_tokens - b.num_computed_tokens))
-        assert kv.allocate(b, n)
-        save = kv.checkpoint_target(b, n)
-        b.num_computed_tokens += n
-        kv.state_restored(b)
-        kv.cache_computed(b)
-        if save is not None:
-            kv.state_saved(b, save)
-        sizes.append(n)
-    assert sizes == [24, 4, 4, 3] and b.state_restore is None and not tree._pins
+    # cut at the junction (28) and its last page (32)
+    assert run_chunks(kv, b, chunk=12) == [4, 4, 3] and b.state_restore is None and not tree._pins
     kv.check_integrity([b])
     kv.release(b)
     # three checkpoints for five states: b's saves took the least recently used, a's end (32 on a's path: b's
