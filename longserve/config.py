@@ -176,6 +176,9 @@ class EngineConfig:
     mamba_ssm_cache_dtype: str = "auto"
     # with prefix caching, whether a hybrid model's prefix cache keeps state checkpoints (MAMBA_CACHE_MODES)
     mamba_cache_mode: str = "align"
+    # SGLang's --max-mamba-cache-size: at most this many state rows, running slots and checkpoints together
+    # (None: as many as half the memory the weights leave holds; runner/state_plan.py)
+    max_mamba_cache_size: int | None = None
     # a chat template used instead of the tokenizer's (vLLM's and SGLang's --chat-template): a file path or
     # the Jinja text itself, as given (chat_template_text: the template). Trusted (the operator's);
     # transformers renders it in its sandbox as it does the tokenizer's own. A request never brings one.
@@ -321,6 +324,12 @@ class EngineConfig:
             self.mamba_ssm_cache_dtype in MAMBA_SSM_DTYPES,
             f"mamba_ssm_cache_dtype must be one of {', '.join(MAMBA_SSM_DTYPES)}; got {self.mamba_ssm_cache_dtype!r}",
             "mamba_ssm_cache_dtype",
+        )
+        need(
+            self.max_mamba_cache_size is None
+            or (isinstance(self.max_mamba_cache_size, int) and self.max_mamba_cache_size >= 1),
+            f"max_mamba_cache_size must be an integer >= 1; got {self.max_mamba_cache_size!r}",
+            "max_mamba_cache_size",
         )
         need(
             self.mamba_cache_mode in MAMBA_CACHE_MODES,

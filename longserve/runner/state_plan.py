@@ -44,6 +44,8 @@ def recurrent_states(
         0
     ]  # what the weights leave, as for the KV pool
     fits = min_over_ranks(int(max(budget, 0) * STATE_SHARE // per_slot), tp)
+    cap = config.max_mamba_cache_size  # SGLang's: every state row, slots and checkpoints together
+    fits = min(fits, cap) if cap is not None else fits
     want = config.max_running_requests
     if fits < 1:
         raise RuntimeError(
@@ -58,10 +60,11 @@ def recurrent_states(
     checkpoints = min(want, fits - slots) if keep else 0
     if slots < want:
         logger.warning(
-            "%d recurrent-state slots (%.2f GiB) fit in half the memory the weights leave, of %d asked for "
-            "(--max-num-seqs)%s: at most %d requests run at once; --mamba-ssm-cache-dtype bfloat16 halves a slot",
-            slots, slots * per_slot / 2**30, want, " beside as many prefix-cache checkpoints" if checkpoints else "",
-            slots,
+            "%d recurrent-state slots (%.2f GiB) fit in %s, of %d asked for (--max-num-seqs)%s: at most %d "
+            "requests run at once; --mamba-ssm-cache-dtype bfloat16 halves a slot",
+            slots, slots * per_slot / 2**30,
+            "--max-mamba-cache-size" if cap is not None and fits == cap else "half the memory the weights leave",
+            want, " beside as many prefix-cache checkpoints" if checkpoints else "", slots,
         )  # fmt: skip
     if keep and not checkpoints:
         logger.warning(

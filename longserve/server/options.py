@@ -250,6 +250,9 @@ OPTIONS: tuple[Option, ...] = (
            "with prefix caching, a hybrid model's (Qwen3.5) prefix cache: align (linear-attention states saved "
            "where prompt chunks end on a page: a prompt's last full page, where it leaves a cached path) or none "
            "(no state kept: nothing shared)", choices=MAMBA_CACHE_MODES),
+    Option(("--max-mamba-cache-size",), E + "max_mamba_cache_size",
+           "a hybrid model's state rows at most, running requests' slots and prefix-cache checkpoints together "
+           "(SGLang's)", int, default_help="what half the memory the weights leave holds"),
     Option(("--strict-model-name",), S + "strict_model_name",
            "answer 404 to a `model` this server does not serve (vLLM); by default any name is served, as "
            "SGLang does (\"default\" always is)", None),

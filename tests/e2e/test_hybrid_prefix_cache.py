@@ -235,3 +235,22 @@ def test_random_arrivals_aborts_and_preemption_keep_every_answer_and_state(path,
         assert same(got, plain([prompts_[i]], params)), rid
     assert set(done) == {f"r{i}" for i in range(len(prompts_))}  # every request ended (aborts with an output)
     clean(m)
+
+
+def test_max_mamba_cache_size_caps_slots_and_checkpoints_together(path, plain, caplog):
+    """SGLang's --max-mamba-cache-size: at most that many state rows, running slots and checkpoints together; a cap
+    below twice --max-num-seqs halves the slots (the warning names the flag), and a prompt still hits."""
+    import logging
+
+    p = ids(DOC + 3, seed=70)
+    with caplog.at_level(logging.WARNING, logger="longserve.runner"):
+        m = llm(path, max_running_requests=4, max_mamba_cache_size=5)
+    runner = m.engine.runner
+    assert (runner.num_state_slots, runner.num_state_checkpoints, runner.states.conv[0].shape[0]) == (2, 3, 5)
+    assert "2 recurrent-state slots" in caplog.text and "--max-mamba-cache-size" in caplog.text
+    generate(m, [p])
+    again, cached, _ = generate(m, [p])
+    assert same(again, plain([p])) and cached == [(len(p) - 1) // PAGE * PAGE]
+    clean(m)
+    with pytest.raises(ValueError, match="max_mamba_cache_size must be an integer >= 1"):
+        llm(path, max_mamba_cache_size=0)

@@ -156,6 +156,8 @@ def test_hybrid_state_flags_of_vllm_and_sglang(capsys):
     assert (engine.mamba_cache_mode, engine.mamba_ssm_cache_dtype) == ("align", "auto")
     engine, _ = parse(["--mamba-cache-mode", "none", "--mamba-ssm-dtype", "float32"], environ={})
     assert (engine.mamba_cache_mode, engine.mamba_ssm_cache_dtype) == ("none", "float32")
+    engine, _ = parse(["--max-mamba-cache-size", "64"], environ={})
+    assert engine.max_mamba_cache_size == 64
     with pytest.raises(SystemExit):
         parse(["--mamba-cache-mode", "all"], environ={})  # vLLM's state at every block: not offered
     assert "invalid choice: 'all'" in capsys.readouterr().err
