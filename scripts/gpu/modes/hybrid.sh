@@ -1,8 +1,9 @@
 # Hybrid linear/full-attention models (Qwen3.5), one GPU:
 # hybrid (~5 min, .whl/ carried for the tests): the Gated DeltaNet kernels' and the hybrid engines' GPU tests, each
 # kernel's time at Qwen3.5's shape (scripts/probes/gdn_kernels.py, float32 and bf16 states), then the 35B-A3B
-# shape with 20 of its 40 layers (35 GB of bf16 weights: an H100 holds them beside 256 float32 state slots) cold 8K /
-# 32K and decode at batch 1 (32K) and 64 (4K), dummy weights; decode replays CUDA graphs, prompt steps run eagerly.
+# shape with 20 of its 40 layers (35 GB of bf16 weights: an H100 holds them beside 256 state slots and as many
+# checkpoints) cold 8K / 32K, a 32K prefix hit (from the state checkpoint its prefix left) and decode at batch 1 (32K)
+# and 64 (4K), dummy weights; decode replays CUDA graphs, prompt steps run eagerly.
 # shellcheck shell=bash
 
 if [[ $MODE == hybrid ]]; then
@@ -17,6 +18,7 @@ if [[ $MODE == hybrid ]]; then
   for sd in float32 bfloat16; do
     timeout 120 python3 scripts/probes/gdn_kernels.py --state-dtype $sd 2>&1 | tee "$OUT/gdn_kernels_$sd.log"
   done
-  LATENCY_TIMEOUT=200 latency_with a3b35_half "" -- --config qwen3.5-35b-a3b "${dummy[@]}" \
-    --hf-overrides '{"num_hidden_layers": 20}' --prompt-lens 8192,32768 --decode-batch-sizes 1@32768,64@4096
+  LATENCY_TIMEOUT=240 latency_with a3b35_half "" -- --config qwen3.5-35b-a3b "${dummy[@]}" \
+    --hf-overrides '{"num_hidden_layers": 20}' --prompt-lens 8192,32768 --prefix-hit 32768:64 \
+    --decode-batch-sizes 1@32768,64@4096
 fi
