@@ -51,6 +51,12 @@ class AttentionMetadata:
     )
     _per_step: dict[tuple, Any] = field(default_factory=dict, repr=False)
 
+    @property
+    def continues_every_request(self) -> bool:
+        """Every request of the step has computed tokens before it (a hybrid model's one-token steps read each
+        one's state: the decode kernels and graphs; a request starting afresh goes through the chunked ones)."""
+        return min(self.prefix_lens_cpu, default=0) > 0
+
     def per_step(self, key: tuple, decide: Callable[[], T]) -> T:
         """decide() once per step and key, for the host-side decisions every layer would repeat (a backend's
         routing of the requests, its launch tiles): part of an eager layer's host time."""

@@ -133,7 +133,7 @@ class GatedDeltaNet(nn.Module):
         qkv = self.in_proj_qkv(hidden)  # [T, D]
         fast = use_triton(hidden)
         # one token a request, each continuing a history: the one-token kernels (host lists: no sync)
-        decode = meta.max_query_len == 1 and min(meta.prefix_lens_cpu, default=0) > 0
+        decode = meta.max_query_len == 1 and meta.continues_every_request
         if decode:
             conv = _kernel(fast, "causal_conv1d", "causal_conv1d_decode", causal_conv1d_decode_ref)
             mixed = conv(qkv, self.conv1d.weight, conv_state, slots)  # [B, D]

@@ -142,7 +142,7 @@ class DecodeGraphRunner:
             and meta.num_tokens == meta.num_reqs
             and meta.page_table.shape[1] <= self.page_table.shape[1]
             # a hybrid model's one-token prompt starts its state: the eager step's chunked kernels do that
-            and (self.states is None or min(meta.prefix_lens_cpu) > 0)
+            and (self.states is None or meta.continues_every_request)
         )
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
