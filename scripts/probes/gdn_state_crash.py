@@ -53,7 +53,18 @@ def run(case: str) -> None:
             torch.cuda.synchronize()
             return out
         except Exception as e:
-            print(f"{case}: FAILED in {name}: {type(e).__name__}: {str(e).splitlines()[0]}", flush=True)
+            # CUDA_LAUNCH_BLOCKING=1: the launch that faulted is the innermost line of our kernels in the traceback
+            import traceback
+
+            ours = [f for f in traceback.extract_tb(e.__traceback__) if "/longserve/kernels/" in f.filename]
+            where = (
+                f" at {ours[-1].filename.rsplit('/', 1)[-1]}:{ours[-1].lineno} ({ours[-1].line})"
+                if ours
+                else ""
+            )
+            print(
+                f"{case}: FAILED in {name}{where}: {type(e).__name__}: {str(e).splitlines()[0]}", flush=True
+            )
             sys.exit(1)
 
     mixed = step("conv prefill", lambda: cc.causal_conv1d_prefill(qkv, weight, conv, qsl, slots, has))
