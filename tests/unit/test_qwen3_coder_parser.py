@@ -29,6 +29,7 @@ from longserve.structured.tool_grammar import tool_call_grammar
 from longserve.structured.tool_parsers import Qwen3CoderToolParser, get_tool_call_parser
 from tests.fixtures.grammar_sampling import RandomSampler
 from tests.fixtures.tool_tokenizer import make_tokenizer
+from tests.unit.test_tool_parsers import check_stream_shape
 
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 PARAMS = {
@@ -126,20 +127,6 @@ def stream(text: str, cuts: list[int], tools=PARAMS) -> list[StreamDelta]:
     return [parser.feed(text[a:b]) for a, b in zip(bounds, bounds[1:])] + [parser.finish()]
 
 
-def check_stream_shape(deltas: list[StreamDelta], markup_free: bool = False) -> None:
-    """OpenAI's shape: a call's first piece has its id and name, indices count up from 0 with no gaps;
-    `markup_free`: no content piece holds a tag of the syntax (the output's calls are all well formed)."""
-    seen: list[int] = []
-    for d in deltas:
-        assert not (markup_free and any(m in d.content for m in MARKERS)), d.content
-        for tc in d.tool_calls:
-            if tc.index not in seen:
-                assert tc.index == len(seen) and tc.id and tc.name, tc
-                seen.append(tc.index)
-            else:
-                assert tc.id is None and tc.name is None, tc
-
-
 def same(a: tuple, b: tuple) -> bool:
     return (a[0], [(c.name, c.arguments) for c in a[1]]) == (b[0], [(c.name, c.arguments) for c in b[1]])
 
@@ -171,7 +158,7 @@ def test_template_written_calls_parse_back(template, data):
 
     cuts = data.draw(st.lists(st.integers(0, len(out)), max_size=40), label="cuts")
     deltas = stream(out, cuts)
-    check_stream_shape(deltas, markup_free=True)
+    check_stream_shape(deltas, MARKERS)
     assert same(accumulate(deltas), parsed)
 
 
@@ -198,7 +185,7 @@ def test_token_by_token_stream(template):
             deltas.append(parser.feed(now[len(shown) :]))
             shown = now
     deltas.append(parser.finish())
-    check_stream_shape(deltas, markup_free=True)
+    check_stream_shape(deltas, MARKERS)
     content, got = accumulate(deltas)
     assert content == "Let me look." and [json.loads(c.arguments) for c in got] == args
     pieces = [tc.arguments for d in deltas for tc in d.tool_calls if tc.index == 0 and tc.arguments]

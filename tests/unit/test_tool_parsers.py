@@ -98,10 +98,12 @@ def stream(parser_cls, text: str, cuts: list[int], tool_names=None) -> list[Stre
     return [parser.feed(text[a:b]) for a, b in zip(bounds, bounds[1:])] + [parser.finish()]
 
 
-def check_stream_shape(deltas: list[StreamDelta]) -> None:
-    """OpenAI's shape: a call's first piece has its id and name, indices count up from 0 with no gaps."""
+def check_stream_shape(deltas: list[StreamDelta], markers: tuple[str, ...] = ()) -> None:
+    """OpenAI's shape: a call's first piece has its id and name, indices count up from 0 with no gaps; no
+    content piece holds any of `markers` (a syntax's tags, where every call of the output is well formed)."""
     seen: list[int] = []
     for d in deltas:
+        assert not any(m in d.content for m in markers), d.content
         for tc in d.tool_calls:
             if tc.index not in seen:
                 assert tc.index == len(seen) and tc.id and tc.name, tc
