@@ -77,29 +77,38 @@ class RadixTree(PrefixCache):
 
     def match_prefix(self, tokens: Sequence[int] | np.ndarray, limit: int | None = None) -> MatchResult:
         """Longest cached prefix of tokens[:limit] in whole pages; splits a node so the match ends on a node."""
-        ps = self.page_size
-        n = len(tokens) if limit is None else max(0, min(limit, len(tokens)))
-        n -= n % ps  # a trailing partial page never matches
-        node, pages, _ = self._walk(token_array(tokens), stop_at_split=True, end=n)
-        return MatchResult(pages=pages, num_tokens=len(pages) * ps, node=node)
+        end = self._match_end(tokens, limit)
+        node, pages, _ = self._walk(token_array(tokens), stop_at_split=True, end=end)
+        return MatchResult(pages=pages, num_tokens=len(pages) * self.page_size, node=node)
 
     def peek_prefix_len(self, tokens: Sequence[int] | np.ndarray, limit: int | None = None) -> int:
         """Tokens match_prefix would match, without touching the tree (no split, no LRU stamp)."""
-        ps = self.page_size
+        return max((pos for pos, _ in self._peek_walk(tokens, limit)), default=0)  # the last: they grow
+
+    def _match_end(self, tokens: Sequence[int] | np.ndarray, limit: int | None) -> int:
+        """How far a match of tokens[:limit] may reach: a trailing partial page never matches."""
         n = len(tokens) if limit is None else max(0, min(limit, len(tokens)))
-        n -= n % ps
+        return n - n % self.page_size
+
+    def _peek_walk(
+        self, tokens: Sequence[int] | np.ndarray, limit: int | None
+    ) -> Iterator[tuple[int, TreeNode | None]]:
+        """The path tokens[:limit] matches, without touching the tree: (tokens matched, the node they end at)
+        for each node matched whole, then (tokens matched, None) where the match ends inside a node."""
+        ps, n = self.page_size, self._match_end(tokens, limit)
         toks = token_array(tokens)
         node, pos = self._root, 0
         while pos < n:
             child = node.children.get(toks[pos : pos + ps].tobytes())
             if child is None:
-                break
+                return
             m = self._match_len(child.key, toks, pos, n)
             pos += m
             if m < len(child.key):
-                break
+                yield pos, None
+                return
             node = child
-        return pos
+            yield pos, node
 
     # ---- mutation ------------------------------------------------------------------------------
 

@@ -54,10 +54,8 @@ class StateRadixTree(RadixTree):
     def match_prefix(self, tokens: Sequence[int] | np.ndarray, limit: int | None = None) -> MatchResult:
         """The longest cached prefix of tokens[:limit] that ends on a checkpoint; `num_shared_tokens` is how far
         the cached pages reach (where the request's tokens leave the tree, a place worth a checkpoint)."""
-        ps = self.page_size
-        n = len(tokens) if limit is None else max(0, min(limit, len(tokens)))
-        n -= n % ps
-        node, pages, shared = self._walk(token_array(tokens), stop_at_split=True, end=n)
+        end = self._match_end(tokens, limit)
+        node, pages, shared = self._walk(token_array(tokens), stop_at_split=True, end=end)
         keep = len(pages)
         while node is not self._root and node.checkpoint is None:
             keep -= len(node.pages)
@@ -65,7 +63,7 @@ class StateRadixTree(RadixTree):
             assert node is not None
         return MatchResult(
             pages=pages[:keep],
-            num_tokens=keep * ps,
+            num_tokens=keep * self.page_size,
             node=node,
             checkpoint=node.checkpoint,
             num_shared_tokens=shared,
@@ -73,23 +71,8 @@ class StateRadixTree(RadixTree):
 
     def peek_prefix_len(self, tokens: Sequence[int] | np.ndarray, limit: int | None = None) -> int:
         """Tokens match_prefix would attach now (to the deepest checkpoint); changes nothing."""
-        ps = self.page_size
-        n = len(tokens) if limit is None else max(0, min(limit, len(tokens)))
-        n -= n % ps
-        toks = token_array(tokens)
-        node, pos, best = self._root, 0, 0
-        while pos < n:
-            child = node.children.get(toks[pos : pos + ps].tobytes())
-            if child is None:
-                break
-            m = self._match_len(child.key, toks, pos, n)
-            if m < len(child.key):
-                break
-            pos += m
-            node = child
-            if node.checkpoint is not None:
-                best = pos
-        return best
+        walk = self._peek_walk(tokens, limit)
+        return max((pos for pos, node in walk if node is not None and node.checkpoint is not None), default=0)
 
     # ---- checkpoints ---------------------------------------------------------------------------
 
