@@ -343,7 +343,8 @@ class Scheduler:
                     self.kv.state_saved(req, s.state_save)  # dropped: its pages are gone
                 continue
             req.num_computed_tokens += s.num_new_tokens
-            self.kv.state_restored(req)
+            if req.state_restore is not None:  # (a test, not a call, for every request of a decode step)
+                self.kv.state_restored(req)
             if req.num_computed_tokens <= req.num_prompt_tokens:
                 # prompt pages are shared as soon as they are computed (a later step reads them after this
                 # one's writes: one stream); generated ones when the request ends (release), not every page
