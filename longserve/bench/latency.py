@@ -225,6 +225,9 @@ def run_from_args(
             with open(os.path.join(model, "config.json"), "w") as f:
                 json.dump(cfg, f, indent=2)
         config = engine_config_from_args(args, model=model, load_format=load_format)
+        # the pool is sized from the model the engine builds: --hf-overrides (e.g. num_hidden_layers, as the
+        # 35B-A3B runs take 20 of its 40 layers) set on the config as the runner sets them (top-level keys)
+        cfg = {**cfg, **(config.hf_overrides or {})}
         context_length, pool, skipped = plan(args, config, cfg)
         config = dataclasses.replace(
             config,

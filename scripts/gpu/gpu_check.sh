@@ -16,7 +16,7 @@ cd "$(dirname "$0")/../.."
 MODES=" all quick tests bench long tp tp2 tp32 profile latency hit host launch turns structured vllm chunks fusions
 pdl decode-splits decode-tile piecewise short-plans moe moe-tests moe-bench moe-long moe-tp fusions-a3b moe-gemv tune-int-moe tune-moe-tables
 moe-grouped quant quant-tests quant-bench kvfp8 switches quant-decode raw-hi gemv-tune fp8-acc silu-quant
-serial-reduce pdl-moe hit-pdl dense-gemm decode-merge fp8-moe-gemv hit-attention hit-regs hit-packed hit-host hit-profile hit-fa3 hit-tiles hit-cudnn-graph hit-merge gemm-tunable hit-context hit-ragged paged-cudnn chunk-decodes prompt-step fa3 gluon gluon-ncu fa3-engine gluon-extend int4-mma int4-mma-decode int4-mma-moe fp8-wgmma fp8-wgmma-moe kvfp8-f16 int4-reps2 int4-profile fp8-block-decode gemv-prefetch int4-wave fp8-profile int4-dequant int4-fused-prefill lone-chunks lone-long swiglu-gemm swiglu-engine dense-gated dense-lone int4-mid-steps int4-dense-rows a3b-fp8-prefill fp8-gated tune-fp8-moe-acc32 fp8-acc-quality int4-tma int4-ncu tma-stream int4-slots int4-gated int4-ahead fp8-ahead ahead-decodes early-loads b1-stack norm-epilogue norm-profile hit-tail granule hybrid "
+serial-reduce pdl-moe hit-pdl dense-gemm decode-merge fp8-moe-gemv hit-attention hit-regs hit-packed hit-host hit-profile hit-fa3 hit-tiles hit-cudnn-graph hit-merge gemm-tunable hit-context hit-ragged paged-cudnn chunk-decodes prompt-step fa3 gluon gluon-ncu fa3-engine gluon-extend int4-mma int4-mma-decode int4-mma-moe fp8-wgmma fp8-wgmma-moe kvfp8-f16 int4-reps2 int4-profile fp8-block-decode gemv-prefetch int4-wave fp8-profile int4-dequant int4-fused-prefill lone-chunks lone-long swiglu-gemm swiglu-engine dense-gated dense-lone int4-mid-steps int4-dense-rows a3b-fp8-prefill fp8-gated tune-fp8-moe-acc32 fp8-acc-quality int4-tma int4-ncu tma-stream int4-slots int4-gated int4-ahead fp8-ahead ahead-decodes early-loads b1-stack norm-epilogue norm-profile hit-tail granule hybrid hybrid-vllm "
 MODE=${1:-all}
 if [[ " ${MODES//$'\n'/ } " != *" $MODE "* ]]; then
   echo "usage: LONGSERVE_COMMIT=\$(git rev-parse --short HEAD) bash scripts/gpu/gpu_check.sh MODE, one of:$MODES" >&2
@@ -45,6 +45,8 @@ top_ops() {
   python3 - "$1" <<'PY'
 import json, sys
 for r in json.load(open(sys.argv[1])):
+    if r.get("profile", {}).get("top_ops"):
+        print(r["name"])
     for op in r.get("profile", {}).get("top_ops", []):
         own = f" ({op['exclusive_ms']:.2f} past waits)" if "exclusive_ms" in op else ""
         print(f"  {op['ms']:8.2f} ms{own} {op['calls']:6d}x {op['name'][:90]}")

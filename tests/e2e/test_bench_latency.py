@@ -10,6 +10,7 @@ import pytest
 
 from longserve import cli
 from longserve.bench import run_latency
+from longserve.bench.configs import BUILTIN_CONFIGS
 
 FLAGS = [
     "--config", "tiny", "--device", "cpu", "--dtype", "float32", "--repeat", "1", "--warmup", "0",
@@ -272,3 +273,20 @@ def test_graphs_are_planned_for_the_cases_unless_given():
     graphs = {k: {(r["metadata"]["cuda_graph_max_bs"], r["metadata"]["piecewise_cuda_graph_max_tokens"]) for r in v}
               for k, v in runs.items()}  # fmt: skip
     assert graphs == {"decode": {(3, 0)}, "cold": {(1, 4096)}, "given": {(8, 512)}, "server": {(128, 4096)}}
+
+
+def test_the_pool_is_sized_for_the_model_hf_overrides_make(monkeypatch):
+    """--hf-overrides shrink the model the engine builds (the 35B-A3B runs take 20 of its 40 layers): the pool is
+    planned from that model's weights, not the config file's (an H100 skipped a decode case that fitted, against
+    64.6 GiB of weights the engine never held)."""
+    import longserve.platform
+
+    gib = 1 << 30
+    monkeypatch.setattr(longserve.platform, "available_memory_bytes", lambda device: (4 * gib, 4 * gib))
+    tiny = {k: v for k, v in BUILTIN_CONFIGS["tiny"].items() if k not in ("architectures", "model_type")}
+    argv = ["--config", "llama-3.1-8b", *FLAGS[2:], "--prompt-lens", "64"]
+    with pytest.raises(ValueError, match=r"memory allows a pool of 16 after ~29\.9 GiB of weights"):
+        run_latency(argv)  # the 8B in float32: 30 GiB of weights do not fit 4 GiB
+    (rec,) = run_latency([*argv, "--hf-overrides", json.dumps(tiny)])
+    assert rec["skipped"] is None and rec["ttft_s"] > 0
+    assert rec["metadata"]["pool_tokens"] >= 80  # sized for the tiny model: its 65-token request and more

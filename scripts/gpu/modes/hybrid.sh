@@ -22,3 +22,21 @@ if [[ $MODE == hybrid ]]; then
     --hf-overrides '{"num_hidden_layers": 20}' --prompt-lens 8192,32768 --prefix-hit 32768:64 \
     --decode-batch-sizes 1@32768,64@4096
 fi
+
+# hybrid-vllm (~8 min, .anchor/ carried): longserve against vLLM 0.24 on one hybrid MoE shape
+# (scripts/gpu/vllm_hybrid_cases.py: Qwen3-Next with 12 of its 48 layers, the architecture both engines serve as
+# a text model), cold 8K / 32K, a 32K prefix + 64, decode at batch 1 over 32K; longserve's cases profiled (the
+# 35B-A3B's 32K hit took 62 ms against a 10.8 ms floor on an H100, 2026-12-07: its kernels by time)
+if [[ $MODE == hybrid-vllm ]]; then
+  python3 scripts/gpu/vllm_hybrid_cases.py --write-config /tmp/qwen3_next_12l
+  LATENCY_TIMEOUT=200 latency_with qnext12 "" -- --config /tmp/qwen3_next_12l/config.json "${dummy[@]}" \
+    --prompt-lens 8192,32768 --prefix-hit 32768:64 --decode-batch-sizes 1@32768 --profile
+  grep -h "wall .* ms, busy" "$OUT/latency_qnext12.log" | sed 's/^\[bench latency [0-9:]*\] //'
+  top_ops "$OUT/latency_qnext12.json" > "$OUT/top_ops_qnext12.txt"; head -60 "$OUT/top_ops_qnext12.txt"
+  if unpack_vllm; then
+    timeout 300 python3 scripts/gpu/vllm_hybrid_cases.py /tmp/qwen3_next_12l > "$OUT/vllm_hybrid.log" 2>&1 || status=1
+    grep '^{"engine"' "$OUT/vllm_hybrid.log" || tail -30 "$OUT/vllm_hybrid.log"
+  else
+    status=1
+  fi
+fi

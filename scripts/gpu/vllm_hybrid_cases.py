@@ -1,0 +1,119 @@
+"""vLLM 0.24 against longserve on a hybrid (Gated DeltaNet + full attention) MoE model, one GPU, offline: cold
+TTFT at 8K / 32K, a 32K cached prefix + 64 new tokens, decode at batch 1 over a 32K context. vLLM 0.24 serves
+Qwen3.5 only as its vision-language model (`Qwen3_5MoeForConditionalGeneration`), so both engines run Qwen3-Next
+(`Qwen3NextForCausalLM`, the same decoder layers: 3 of 4 linear attention, head dim 256, 2 KV heads, experts of
+512 with a shared one), at Qwen3-Next-80B-A3B's sizes with 12 of its 48 layers (38.7 GB of experts: one H100 holds
+them beside either engine's cache), dummy weights, token-id prompts. vLLM measures as the anchors' scripts do: the
+wall of a 1-token generate, best of 3 fresh prompts; decode ITL = (wall(161) - wall(33)) / 128 over a cached
+prompt. vLLM caches a hybrid's prefix in its "align" mode (the default with prefix caching on), so its hit starts
+from the last state it kept: the cached token count is printed beside each hit.
+
+    python3 scripts/gpu/vllm_hybrid_cases.py --write-config DIR      # DIR/config.json only (longserve's side)
+    PYTHONPATH=/tmp/site python3 scripts/gpu/vllm_hybrid_cases.py DIR  # vLLM's side on that folder
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import time
+
+LAYERS = 12
+CONFIG = {
+    "architectures": ["Qwen3NextForCausalLM"],
+    "model_type": "qwen3_next",
+    "hidden_size": 2048,
+    "num_hidden_layers": LAYERS,
+    "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
+    * (LAYERS // 4),
+    "full_attention_interval": 4,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+    "num_experts": 512,
+    "num_experts_per_tok": 10,
+    "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512,
+    "intermediate_size": 5120,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "norm_topk_prob": True,
+    "vocab_size": 151936,
+    "max_position_embeddings": 262144,
+    "rms_norm_eps": 1e-6,
+    "hidden_act": "silu",
+    "rope_theta": 10000000.0,
+    "partial_rotary_factor": 0.25,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+    "attention_bias": False,
+    "tie_word_embeddings": False,
+    "initializer_range": 0.02,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "torch_dtype": "bfloat16",
+}
+
+
+def write_config(folder: str) -> None:
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(CONFIG, f, indent=1)
+
+
+def vllm_cases(folder: str) -> None:
+    sys.path.insert(0, os.environ.get("VLLM_SITE", "/tmp/site"))
+    for key, value in (("VLLM_USE_FLASHINFER_SAMPLER", "0"), ("VLLM_ENABLE_V1_MULTIPROCESSING", "0"),
+                       ("HF_HUB_OFFLINE", "1"), ("VLLM_NO_USAGE_STATS", "1")):  # fmt: skip
+        os.environ.setdefault(key, value)
+    from vllm import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(model=folder, load_format="dummy", dtype="bfloat16", max_model_len=40960, skip_tokenizer_init=True,
+              enable_prefix_caching=True, gpu_memory_utilization=0.85, seed=0)  # fmt: skip
+    emit(case="engine_ready", seconds=round(time.perf_counter() - t0, 1))
+    rng = random.Random(1)
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(1000, 150000) for _ in range(n)]
+
+    def wall(prompt: list[int], k: int) -> tuple[float, int]:
+        sp = SamplingParams(max_tokens=k, min_tokens=k, ignore_eos=True, temperature=0, detokenize=False)
+        t = time.perf_counter()
+        out = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0]
+        return time.perf_counter() - t, int(out.num_cached_tokens or 0)
+
+    wall(ids(256), 8)  # warm up
+    for n in (8192, 32768):
+        wall(ids(n), 1)
+        runs = [wall(ids(n), 1)[0] for _ in range(3)]
+        emit(case=f"cold-{n}", wall_s=round(min(runs), 5), runs_s=[round(r, 5) for r in runs])
+    prefix = ids(32768)
+    wall(prefix + ids(64), 1)  # the prefix (and what vLLM keeps of its states) into the cache
+    hits = [wall(prefix + ids(64), 1) for _ in range(3)]
+    emit(case="prefix-32768:64", wall_s=round(min(h[0] for h in hits), 5),
+         runs_s=[round(h[0], 5) for h in hits], cached_tokens=[h[1] for h in hits])  # fmt: skip
+    p = ids(32768)
+    wall(p, 1)  # prefill into the cache
+    w1 = min(wall(p, 33)[0] for _ in range(2))
+    w2 = min(wall(p, 161)[0] for _ in range(2))
+    emit(
+        case="decode-b1-c32768", itl_ms=round((w2 - w1) / 128 * 1e3, 3), walls_s=[round(w1, 4), round(w2, 4)]
+    )
+
+
+def emit(**kw: object) -> None:
+    print(json.dumps({"engine": "vllm-0.24.0", "model": f"qwen3-next {LAYERS} layers", **kw}), flush=True)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--write-config"]:
+        write_config(sys.argv[2])
+    else:
+        vllm_cases(sys.argv[1])
