@@ -68,7 +68,10 @@ def write_config(folder: str) -> None:
 
 
 def vllm_cases(folder: str) -> None:
-    sys.path.insert(0, os.environ.get("VLLM_SITE", "/tmp/site"))
+    site = os.environ.get("VLLM_SITE", "/tmp/site")
+    sys.path.insert(0, site)
+    # vLLM inspects the model class in a subprocess of its own (registry.py): the site must be on its path too
+    os.environ["PYTHONPATH"] = os.pathsep.join([site, *filter(None, [os.environ.get("PYTHONPATH")])])
     for key, value in (("VLLM_USE_FLASHINFER_SAMPLER", "0"), ("VLLM_ENABLE_V1_MULTIPROCESSING", "0"),
                        ("HF_HUB_OFFLINE", "1"), ("VLLM_NO_USAGE_STATS", "1")):  # fmt: skip
         os.environ.setdefault(key, value)

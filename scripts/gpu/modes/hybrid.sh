@@ -30,9 +30,10 @@ fi
 if [[ $MODE == hybrid-vllm ]]; then
   python3 scripts/gpu/vllm_hybrid_cases.py --write-config /tmp/qwen3_next_12l
   LATENCY_TIMEOUT=200 latency_with qnext12 "" -- --config /tmp/qwen3_next_12l/config.json "${dummy[@]}" \
-    --prompt-lens 8192,32768 --prefix-hit 32768:64 --decode-batch-sizes 1@32768 --profile
+    --prompt-lens 8192,32768 --prefix-hit 32768:64 --decode-batch-sizes 1@32768 --profile --host-profile
   grep -h "wall .* ms, busy" "$OUT/latency_qnext12.log" | sed 's/^\[bench latency [0-9:]*\] //'
   top_ops "$OUT/latency_qnext12.json" > "$OUT/top_ops_qnext12.txt"; head -60 "$OUT/top_ops_qnext12.txt"
+  grep -A16 "prefix-32768:64: host profile" "$OUT/latency_qnext12.log" | head -20
   if unpack_vllm; then
     timeout 300 python3 scripts/gpu/vllm_hybrid_cases.py /tmp/qwen3_next_12l > "$OUT/vllm_hybrid.log" 2>&1 || status=1
     grep '^{"engine"' "$OUT/vllm_hybrid.log" || tail -30 "$OUT/vllm_hybrid.log"
