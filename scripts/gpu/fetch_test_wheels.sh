@@ -28,7 +28,7 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
 # unpack_vllm and compare_vllm_http.sh install it)
 # .anchor/ itself from ../shared/anchors/ where it lies (all of it: the modes refuse to start without its scripts)
 if [[ -d ../shared/anchors ]]; then mkdir -p .anchor && cp ../shared/anchors/*.py ../shared/anchors/*.tar.xz .anchor/; fi
-if [[ -d .anchor ]]; then cp .whl/nvidia_cudnn_frontend-1.14.1-*.whl .anchor/; fi
+if [[ -d .anchor ]]; then cp .whl/nvidia_cudnn_frontend-1.14.1-*.whl .whl/compressed_tensors-*.whl .whl/loguru-*.whl .anchor/; fi
 awq=$(python3 -m pip show autoawq 2>/dev/null | sed -n 's/^Version: //p' || true)
 if [[ -n $awq ]]; then python3 -m pip wheel -q --no-deps --no-build-isolation "autoawq==$awq" -w .whl; fi
 ls -la .whl && du -sh .whl

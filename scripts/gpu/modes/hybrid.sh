@@ -35,7 +35,11 @@ if [[ $MODE == hybrid-vllm ]]; then
   top_ops "$OUT/latency_qnext12.json" > "$OUT/top_ops_qnext12.txt"; head -60 "$OUT/top_ops_qnext12.txt"
   grep -A16 "prefix-32768:64: host profile" "$OUT/latency_qnext12.log" | head -20
   if unpack_vllm; then
-    timeout 300 python3 scripts/gpu/vllm_hybrid_cases.py /tmp/qwen3_next_12l > "$OUT/vllm_hybrid.log" 2>&1 || status=1
+    # vLLM's Qwen3-Next imports compressed-tensors (its GDN layer's quantization configs; the Llama of the other
+    # vLLM modes does not): its wheel and loguru's, which fetch_test_wheels.sh copies into .anchor/
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .anchor/compressed_tensors-*.whl \
+      .anchor/loguru-*.whl || status=1
+    PYTHONPATH=/tmp/site:$PYTHONPATH timeout 300 python3 scripts/gpu/vllm_hybrid_cases.py /tmp/qwen3_next_12l > "$OUT/vllm_hybrid.log" 2>&1 || status=1
     grep '^{"engine"' "$OUT/vllm_hybrid.log" || tail -30 "$OUT/vllm_hybrid.log"
   else
     status=1
