@@ -344,23 +344,28 @@ class DecoderModel(nn.Module):
     ) -> Generator[AttentionCall, torch.Tensor, torch.Tensor]:
         """`forward` with each layer's attention proper left to the caller (DecoderLayer.pieces): the code
         between two yields is what one piecewise CUDA graph holds. Returns the final hidden [T, hidden]."""
-        return self._layer_by_layer(input_ids, positions, ctx, DecoderLayer.pieces)
+        return layer_by_layer(self, input_ids, positions, ctx, DecoderLayer.pieces)
 
     def _steps(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
     ) -> Generator[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self._layer_by_layer(input_ids, positions, ctx, DecoderLayer.steps)
+        return layer_by_layer(self, input_ids, positions, ctx, DecoderLayer.steps)
 
-    def _layer_by_layer(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext, per_layer: Callable
-    ) -> Generator[Any, torch.Tensor, torch.Tensor]:
-        """`forward` through a generator of each layer (DecoderLayer.pieces or .steps), whose yields pass
-        through to the caller. Returns the final hidden [T, hidden]."""
-        hidden = self.embed_tokens(input_ids)  # [T, hidden]
-        rope = self.rotary_emb.prepare(positions, hidden.dtype)
-        residual = None
-        for layer in self.layers:
-            hidden, residual = yield from per_layer(layer, hidden, residual, rope, ctx)
-        if residual is None:
-            return self.norm(hidden)
-        return self.norm(hidden, residual)[0]  # [T, hidden]
+
+def layer_by_layer(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    ctx: ForwardContext,
+    per_layer: Callable,
+) -> Generator[Any, torch.Tensor, torch.Tensor]:
+    """A decoder's (embed_tokens, rotary_emb, layers, norm) `forward` through a generator of each layer (its
+    layers' `pieces` or `steps`), whose yields pass through to the caller. Returns the final hidden [T, hidden]."""
+    hidden = model.embed_tokens(input_ids)  # [T, hidden]
+    rope = model.rotary_emb.prepare(positions, hidden.dtype)
+    residual = None
+    for layer in model.layers:
+        hidden, residual = yield from per_layer(layer, hidden, residual, rope, ctx)
+    if residual is None:
+        return model.norm(hidden)
+    return model.norm(hidden, residual)[0]  # [T, hidden]

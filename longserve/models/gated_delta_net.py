@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import importlib
 from types import ModuleType
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -122,16 +122,25 @@ class GatedDeltaNet(nn.Module):
         param.data.copy_(as_tensor(loaded.narrow(0, self._v_start, self.num_v_heads)))
 
     def forward(self, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return self.out_proj(self.project(hidden).run(ctx))  # [T, hidden]
+
+    def project(self, hidden: torch.Tensor) -> LinearAttentionCall:
+        """The input projections (qkv [T, D], zba [T, Z]), which read no state: what a piecewise CUDA graph holds
+        before the mixer."""
+        return LinearAttentionCall(self, (self.in_proj_qkv(hidden), self.in_proj_zba(hidden)))
+
+    def mix(self, qkv: torch.Tensor, zba: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """The mixer proper over the step's tokens (each request's conv and delta-rule state read and written):
+        the gated norm's output [T, Hv*V], before out_proj."""
         meta, states = ctx.meta, ctx.states
         assert states is not None and meta.state_slots is not None, (
             "a hybrid model's step needs its state slots"
         )
-        t = hidden.shape[0]
+        t = qkv.shape[0]
         conv_state, ssm_state = states.conv[self.state_id], states.ssm[self.state_id]
         slots = meta.state_slots  # [B]
-        z, b, a = self.in_proj_zba.split(self.in_proj_zba(hidden))  # [T, Hv*V], [T, Hv], [T, Hv]
-        qkv = self.in_proj_qkv(hidden)  # [T, D]
-        fast = use_triton(hidden)
+        z, b, a = self.in_proj_zba.split(zba)  # [T, Hv*V], [T, Hv], [T, Hv]
+        fast = use_triton(qkv)
         # one token a request, each continuing a history: the one-token kernels (host lists: no sync)
         decode = meta.max_query_len == 1 and meta.continues_every_request
         if decode:
@@ -157,7 +166,28 @@ class GatedDeltaNet(nn.Module):
             out = rule(q, k, v, g, beta, ssm_state, meta.query_start_loc, slots, has_state)  # [T, Hv, V]
         norm = _kernel(fast, "gated_norm", "gated_rms_norm", gated_rms_norm_ref)
         out = norm(out.reshape(-1, self.v_dim), z.reshape(-1, self.v_dim), self.norm.weight, self.norm_eps)
-        return self.out_proj(out.view(t, self.value_size))  # [T, hidden]
+        return out.view(t, self.value_size)  # [T, Hv*V]
+
+
+class LinearAttentionCall(NamedTuple):
+    """One linear-attention layer's mixer over its projections `inputs` (qkv [T, D], zba [T, Z]): what the
+    piecewise CUDA graphs (runner/piecewise_graph.py) run eagerly between them, over a step's real rows only (a
+    padding row would be folded into a request's state)."""
+
+    mixer: GatedDeltaNet
+    inputs: tuple[torch.Tensor, torch.Tensor]
+
+    @property
+    def out_width(self) -> int:
+        return self.mixer.value_size
+
+    def rows(self, n: int) -> LinearAttentionCall:
+        """The call over the first n rows of its inputs."""
+        return self._replace(inputs=tuple(x[:n] for x in self.inputs))
+
+    def run(self, ctx: ForwardContext) -> torch.Tensor:
+        """The mixer over ctx's step: [T, Hv*V]."""
+        return self.mixer.mix(*self.inputs, ctx)
 
 
 def _kernel(fast: bool, module: str, name: str, reference: Any) -> Any:

@@ -14,7 +14,7 @@ model alone); the vision tower (`model.visual.*`) and the multi-token-prediction
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Generator, Iterable
 from typing import Any
 
 import torch
@@ -23,8 +23,16 @@ from torch import nn
 from longserve.attention.base import ForwardContext
 from longserve.attention.recurrent_state import RecurrentStateSpec
 from longserve.models.causal_lm import CausalLM, _map_name
-from longserve.models.decoder import ArchOptions, Attention, MakeMLP, dense_mlp, get_head_dim
-from longserve.models.gated_delta_net import GatedDeltaNet
+from longserve.models.decoder import (
+    ArchOptions,
+    Attention,
+    AttentionCall,
+    MakeMLP,
+    dense_mlp,
+    get_head_dim,
+    layer_by_layer,
+)
+from longserve.models.gated_delta_net import GatedDeltaNet, LinearAttentionCall
 from longserve.models.layers import RMSNorm, VocabParallelEmbedding
 from longserve.models.linear_method import get_linear_method
 from longserve.models.moe_block import make_moe_mlp, map_expert_name
@@ -52,14 +60,32 @@ class HybridDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the layer's input, the stream before it: None for the first layer) -> (its MLP's output, the stream):
         each norm first adds the sub-layer before into the stream, vLLM style."""
-        if residual is None:
-            hidden, residual = self.input_layernorm(hidden), hidden
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = self._input_norm(hidden, residual)
         if self.attends:
             out = self.self_attn(hidden, rope, ctx)  # [T, hidden]
         else:
             out = self.linear_attn(hidden, ctx)  # [T, hidden]
+        hidden, residual = self.post_attention_layernorm(out, residual)
+        return self.mlp(hidden), residual  # [T, hidden] each
+
+    def _input_norm(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:  # the first layer: `hidden` is the embedding, nothing to add
+            return self.input_layernorm(hidden), hidden
+        return self.input_layernorm(hidden, residual)
+
+    def pieces(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: RotaryStep, ctx: ForwardContext
+    ) -> Generator[AttentionCall | LinearAttentionCall, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """`forward` with the token mixer proper left to the caller (the attention, or the linear attention's
+        conv and delta rule): yields its call and resumes with its output ([T, Hq*D] or [T, Hv*V])."""
+        hidden, residual = self._input_norm(hidden, residual)
+        if self.attends:
+            call = self.self_attn.project(hidden, rope, ctx)
+            out = self.self_attn.o_proj(self.self_attn.gated((yield call), call))
+        else:
+            out = self.linear_attn.out_proj((yield self.linear_attn.project(hidden)))
         hidden, residual = self.post_attention_layernorm(out, residual)
         return self.mlp(hidden), residual  # [T, hidden] each
 
@@ -99,6 +125,13 @@ class HybridDecoderModel(nn.Module):
         if residual is None:
             return self.norm(hidden)
         return self.norm(hidden, residual)[0]  # [T, hidden]
+
+    def pieces(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> Generator[AttentionCall | LinearAttentionCall, torch.Tensor, torch.Tensor]:
+        """`forward` with each layer's mixer proper left to the caller (HybridDecoderLayer.pieces): the code
+        between two yields is what one piecewise CUDA graph holds. Returns the final hidden [T, hidden]."""
+        return layer_by_layer(self, input_ids, positions, ctx, HybridDecoderLayer.pieces)
 
     def forward_overlapped(
         self, batches: list[tuple[torch.Tensor, torch.Tensor, ForwardContext]]

@@ -322,7 +322,8 @@ def build_graphs(
     """The step graphs the config asks for, captured on a GPU (None where off): decode batches up to
     cuda_graph_max_bs, a lone chunk up to cuda_graph_max_prefill_tokens, then the pieces of any step up to
     piecewise_cuda_graph_max_tokens; the later two in the decode graphs' pool (replays never overlap). A hybrid
-    model's (`states`) decode graphs only: a chunk's padding rows would be folded into its state."""
+    model (`states`) takes no lone-chunk graphs (a chunk's padding rows would be folded into its state); its
+    pieces run the linear attention's mixer over the real rows between them, as the attention."""
     if shape.device.type != "cuda" or config.enforce_eager:
         return None, None, None
     if not backend.supports_cuda_graphs:
@@ -333,12 +334,9 @@ def build_graphs(
     max_bs = min(config.cuda_graph_max_bs, config.max_running_requests)
     decode = DecodeGraphRunner(model, kv_cache, backend, shape, max_bs=max_bs, states=states)
     decode.capture()
-    if states is not None:
-        logger.info("a hybrid model's prompt steps run eagerly (decode steps replay CUDA graphs)")
-        return decode, None, None
     extend = None
     max_tokens = min(config.cuda_graph_max_prefill_tokens, config.chunked_prefill_size)
-    if max_tokens >= 2:
+    if max_tokens >= 2 and states is None:
         extend = ExtendGraphRunner(model, kv_cache, backend, shape, max_tokens=max_tokens)
         extend.capture(pool=decode.pool)
     max_tokens = min(config.piecewise_cuda_graph_max_tokens, config.chunked_prefill_size)

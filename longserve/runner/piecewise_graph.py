@@ -15,7 +15,10 @@ Each piece leaves q/k/v in one static fused buffer (the models' qkv layout, whic
 for) and the next reads the attention's output from one static buffer: one layer's attention runs between
 two replays in stream order, so one buffer serves all layers. Rows n..T are padding: token 0 at position 0,
 its K/V stored (when the rotary kernel stores) into page 0 (reserved); attention runs over the n real rows
-only. `eager = True` runs the same static-buffer pieces without graphs (tests on the CPU).
+only. A hybrid model's linear-attention layer stops its piece after the input projections: its conv and delta
+rule (models/gated_delta_net.py `LinearAttentionCall`) run between the replays over the n real rows, from and
+into the requests' state slots (a padding row run through them would be folded into a state), and the next piece
+starts at its out_proj. `eager = True` runs the same static-buffer pieces without graphs (tests on the CPU).
 """
 
 from __future__ import annotations
@@ -30,9 +33,14 @@ from longserve.attention.base import AttentionBackend, ForwardContext, GraphShap
 from longserve.attention.metadata import AttentionMetadata
 from longserve.attention.sdpa import allow_padding_rows
 from longserve.models.decoder import AttentionCall
+from longserve.models.gated_delta_net import LinearAttentionCall
 from longserve.runner.static_tokens import StaticTokens
 
 logger = logging.getLogger("longserve.runner.piecewise_graph")
+
+# what a piece leaves for the eager part between two graphs: an attention layer's q/k/v, or a hybrid model's
+# linear-attention layer's projections (its conv and delta rule run over the step's real rows only)
+MixerCall = AttentionCall | LinearAttentionCall
 
 
 class _BetweenPieces(AttentionBackend):
@@ -113,9 +121,13 @@ class PiecewiseGraphRunner:
         q, k, v = self.qkv.split([hq * d, hkv * d, hkv * d], dim=1)
         self.q, self.k, self.v = q.view(n, hq, d), k.view(n, hkv, d), v.view(n, hkv, d)
         self.attn_out = torch.zeros(n, hq * d, dtype=shape.dtype, device=device)  # [n, Hq*D]
+        # a hybrid model's linear-attention layers: their projections' and their mixer's output buffers, made at
+        # their first call (_keep)
+        self.mixer_in: list[torch.Tensor] | None = None
+        self.mixer_out: torch.Tensor | None = None
         # per bucket: each piece's graph, and each layer's attention call over the static views
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
-        self.layers: dict[int, list[AttentionCall]] = {}
+        self.layers: dict[int, list[MixerCall]] = {}
         # the last piece's output (the final norm's, [n, hidden]): one buffer for every bucket, so that no
         # bucket's output holds memory of the pool (32 buckets up to 4096 tokens: 0.4 GiB at hidden 4096)
         self.hidden: torch.Tensor | None = None  # [n, hidden], made at capture from the first eager pass
@@ -139,14 +151,34 @@ class PiecewiseGraphRunner:
         )
         return ForwardContext(meta=meta, kv_cache=self.kv_cache, backend=BETWEEN_PIECES)
 
-    def _keep(self, call: AttentionCall, t: int) -> AttentionCall:
-        """Copy a piece's q/k/v into the static views; the call over them (its first t rows)."""
-        self.q[:t].copy_(call.q)
-        self.k[:t].copy_(call.k)
-        self.v[:t].copy_(call.v)
-        return call._replace(q=self.q[:t], k=self.k[:t], v=self.v[:t])
+    def _keep(self, call: MixerCall, t: int) -> MixerCall:
+        """Copy a piece's q/k/v (a linear-attention layer's projections) into the static buffers; the call over
+        them (its first t rows)."""
+        if isinstance(call, AttentionCall):
+            self.q[:t].copy_(call.q)
+            self.k[:t].copy_(call.k)
+            self.v[:t].copy_(call.v)
+            return call._replace(q=self.q[:t], k=self.k[:t], v=self.v[:t])
+        if self.mixer_in is None:
+            # a hybrid model's first linear-attention call, in the first eager pass (the largest bucket's, before
+            # any capture): the buffers all its linear-attention layers share, as the attention layers do theirs
+            self.mixer_in = [x.new_zeros(self.max_tokens, x.shape[1]) for x in call.inputs]
+            self.mixer_out = call.inputs[0].new_zeros(self.max_tokens, call.out_width)
+        for buf, x in zip(self.mixer_in, call.inputs, strict=True):
+            buf[:t].copy_(x)
+        return call._replace(inputs=tuple(buf[:t] for buf in self.mixer_in))
 
-    def _pieces(self, t: int) -> Generator[AttentionCall, torch.Tensor, torch.Tensor]:
+    def _out(self, call: MixerCall) -> torch.Tensor:
+        """The static buffer a layer's mixer writes and the next piece reads."""
+        return self.attn_out if isinstance(call, AttentionCall) else self.mixer_out
+
+    def _run_rows(self, call: MixerCall, ctx: ForwardContext, n: int) -> torch.Tensor:
+        """A kept call's mixer over ctx's n real rows of the static buffers."""
+        if isinstance(call, AttentionCall):
+            return AttentionCall(call.attn, self.q[:n], self.k[:n], self.v[:n], call.stored).run(ctx)
+        return call.rows(n).run(ctx)
+
+    def _pieces(self, t: int) -> Generator[MixerCall, torch.Tensor, torch.Tensor]:
         return self.model.pieces(self.tokens.input_ids[:t], self.tokens.positions[:t], self._context(t))
 
     @torch.inference_mode()
@@ -169,7 +201,7 @@ class PiecewiseGraphRunner:
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=self.pool, stream=stream):
                         try:
-                            call = pieces.send(self.attn_out[:t]) if calls else next(pieces)
+                            call = pieces.send(self._out(calls[-1])[:t]) if calls else next(pieces)
                             calls.append(self._keep(call, t))
                         except StopIteration as stop:
                             self.hidden[:t].copy_(stop.value)  # [t, hidden]
@@ -196,12 +228,12 @@ class PiecewiseGraphRunner:
         layers = 0
         while True:
             call = self._keep(call, t)
+            out = self._out(call)
             if ctx is not None:
                 n = ctx.meta.num_tokens
-                real = AttentionCall(call.attn, self.q[:n], self.k[:n], self.v[:n], call.stored)
-                self.attn_out[:n].copy_(real.run(ctx))
+                out[:n].copy_(self._run_rows(call, ctx, n))
             try:
-                call = pieces.send(self.attn_out[:t])
+                call = pieces.send(out[:t])
             except StopIteration as stop:
                 _early_after(EARLY_AFTER_LAYERS, early)  # fewer layers
                 return stop.value
@@ -228,10 +260,16 @@ class PiecewiseGraphRunner:
             with torch.inference_mode():
                 return self._drive(t, ctx, early)[:n]
         graphs = self.graphs[t]
-        q, k, v, out = self.q[:n], self.k[:n], self.v[:n], self.attn_out[:n]  # every layer's, in turn
+        # the real rows' views, once a step (every layer's, in turn): the host's time between replays is the cost
+        q, k, v, attn_out = self.q[:n], self.k[:n], self.v[:n], self.attn_out[:n]
+        if self.mixer_out is not None:
+            mixer_in, mixer_out = [buf[:n] for buf in self.mixer_in], self.mixer_out[:n]
         graphs[0].replay()
         for i, (call, graph) in enumerate(zip(self.layers[t], graphs[1:]), start=1):
-            out.copy_(AttentionCall(call.attn, q, k, v, call.stored).run(ctx))
+            if isinstance(call, AttentionCall):
+                attn_out.copy_(AttentionCall(call.attn, q, k, v, call.stored).run(ctx))
+            else:
+                mixer_out.copy_(call.mixer.mix(*mixer_in, ctx))
             graph.replay()
             early = _early_after(i, early)
         _early_after(EARLY_AFTER_LAYERS, early)  # fewer layers

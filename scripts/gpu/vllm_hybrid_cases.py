@@ -20,44 +20,31 @@ import random
 import sys
 import time
 
+from longserve.bench.configs import BUILTIN_CONFIGS
+
 LAYERS = 12
+# Qwen3-Next-80B-A3B's text decoder: Qwen3.5-35B-A3B's layers (longserve/bench/configs.py) with 512 experts, top 10,
+# Qwen3's vocabulary and plain rotary (no mrope sections), 12 layers
 CONFIG = {
+    **BUILTIN_CONFIGS["qwen3.5-35b-a3b"],
     "architectures": ["Qwen3NextForCausalLM"],
     "model_type": "qwen3_next",
-    "hidden_size": 2048,
     "num_hidden_layers": LAYERS,
     "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
     * (LAYERS // 4),
     "full_attention_interval": 4,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 2,
-    "head_dim": 256,
-    "linear_num_key_heads": 16,
-    "linear_num_value_heads": 32,
-    "linear_key_head_dim": 128,
-    "linear_value_head_dim": 128,
-    "linear_conv_kernel_dim": 4,
     "num_experts": 512,
     "num_experts_per_tok": 10,
-    "moe_intermediate_size": 512,
-    "shared_expert_intermediate_size": 512,
     "intermediate_size": 5120,
     "decoder_sparse_step": 1,
     "mlp_only_layers": [],
     "norm_topk_prob": True,
     "vocab_size": 151936,
-    "max_position_embeddings": 262144,
-    "rms_norm_eps": 1e-6,
-    "hidden_act": "silu",
     "rope_theta": 10000000.0,
     "partial_rotary_factor": 0.25,
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
-    "attention_bias": False,
-    "tie_word_embeddings": False,
-    "initializer_range": 0.02,
     "bos_token_id": 151643,
     "eos_token_id": 151645,
-    "torch_dtype": "bfloat16",
 }
 
 

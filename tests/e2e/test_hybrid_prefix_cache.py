@@ -254,3 +254,26 @@ def test_max_mamba_cache_size_caps_slots_and_checkpoints_together(path, plain, c
     clean(m)
     with pytest.raises(ValueError, match="max_mamba_cache_size must be an integer >= 1"):
         llm(path, max_mamba_cache_size=0)
+
+
+def test_steps_through_the_static_pieces(path, plain):
+    """The piecewise CUDA graphs' code path (runner/piecewise_graph.py, its static-buffer pieces run eagerly as on
+    the CPU): a document's question, then two more at once (hits restoring its checkpoint, chunks of 48 beside
+    decodes, decode batches), every step of 2 to 64 tokens padded up to a bucket of 16 or 64 rows: the tokens and
+    logprobs of each prompt from scratch, as the linear attention ran over the real rows only."""
+    from longserve.runner.piecewise_graph import PiecewiseGraphRunner
+
+    doc = ids(DOC, seed=2)
+    qs = [doc + ids(21 + 5 * i, seed=20 + i) for i in range(3)]
+    expected = plain(qs)
+    m = llm(path, chunked_prefill_size=48)
+    runner = m.engine.runner
+    pieces = PiecewiseGraphRunner(runner.model, runner.kv_cache, runner._graph_shape(), 64, sizes=(16, 64))
+    pieces.eager = True
+    runner.piecewise_graphs = pieces
+    got, cached, _ = generate(m, qs[:1])
+    more, more_cached, _ = generate(m, qs[1:])
+    assert same(got + more, expected) and cached == [0]
+    assert all(c >= MIN_CHECKPOINT_TOKENS for c in more_cached)  # both resumed from a state checkpoint
+    assert pieces.num_runs > 40 and pieces.mixer_out is not None
+    clean(m)

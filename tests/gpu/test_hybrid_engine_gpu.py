@@ -1,7 +1,8 @@
 """Hybrid models (Qwen3.5 dense and MoE, tiny) end to end on a GPU: the Triton Gated DeltaNet kernels (causal
 conv, gating, chunked delta rule, one-token steps, gated norm), partial rotary and zero-centered norms, decode
-steps replayed as CUDA graphs over the state slots, give the greedy tokens of the torch reference path (eager) and
-of transformers (fp32), in chunks and batches that reuse state slots; at a larger bf16 shape (Qwen3.5's head dims, 64-token chunks crossed) the first token's logprobs stay
+steps replayed as CUDA graphs over the state slots and prompt steps through the piecewise graphs, give the greedy
+tokens of the torch reference path (eager) and of transformers (fp32), in chunks and batches that reuse state
+slots; at a larger bf16 shape (Qwen3.5's head dims, 64-token chunks crossed) the first token's logprobs stay
 within bf16 noise of the reference path's."""
 
 from __future__ import annotations
@@ -41,10 +42,12 @@ def run(path, ps, params=GREEDY, **kw):
         llm.engine.check_integrity()
         assert llm.engine.kv.states.num_free == llm.engine.kv.states.num_total
         runner = llm.engine.runner
-        # decode steps replay graphs over the state slots; prompt steps run eagerly
-        graphs = runner.graph_runner is not None
-        assert runner.extend_graphs is None and runner.piecewise_graphs is None
-        assert graphs == (not kw.get("enforce_eager", False))
+        # decode steps replay graphs over the state slots, prompt steps the piecewise graphs (each layer's mixer
+        # between them over the real rows: runner/piecewise_graph.py); no lone-chunk graphs
+        graphs = not kw.get("enforce_eager", False)
+        assert runner.extend_graphs is None
+        assert (runner.graph_runner is not None) == (runner.piecewise_graphs is not None) == graphs
+        assert not graphs or runner.piecewise_graphs.num_runs > 0
     return outs
 
 

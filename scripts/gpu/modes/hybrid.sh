@@ -3,7 +3,7 @@
 # kernel's time at Qwen3.5's shape (scripts/probes/gdn_kernels.py, float32 and bf16 states), then the 35B-A3B
 # shape with 20 of its 40 layers (35 GB of bf16 weights: an H100 holds them beside 256 state slots and as many
 # checkpoints) cold 8K / 32K, a 32K prefix hit (from the state checkpoint its prefix left) and decode at batch 1 (32K)
-# and 64 (4K), dummy weights; decode replays CUDA graphs, prompt steps run eagerly.
+# and 64 (4K), dummy weights; decode replays CUDA graphs, steps up to 4,096 tokens the piecewise graphs.
 # shellcheck shell=bash
 
 if [[ $MODE == hybrid ]]; then
