@@ -5,7 +5,7 @@ Three launches:
 1. `_gdn_chunk_wy_kernel`, grid (chunks, value heads), every chunk of every request at once: the chunk's
    cumulative decay gc (stored, [T, Hv] float32), the system L = beta k k^T exp(gc_i - gc_j) (strictly lower),
    E = (I + L)^-1, and w = E (beta k exp(gc)), u = E (beta v) (stored, [T, Hv, K] and [T, Hv, V], in the inputs'
-   dtype as FLA does). Chunks are numbered over the step, request after request (`_chunk_map`): a chunk never
+   dtype as FLA does). Chunks are numbered over the step, request after request (`chunk_map`): a chunk never
    straddles two requests, a request's last chunk may be short (its missing rows load as zeros, which change
    nothing). The inverse is built by doubling: E_1 = I, E_2b = E_b - E_b O_b E_b with O_b the part of L coupling
    the two b-halves of each 2b-block (the exact block inverse, not a series): log2(64) = 6 steps of two 64x64
@@ -21,7 +21,9 @@ computed inside the recurrence (five dots a chunk, 255 registers and a spill at 
 (Triton 3.6) that kernel made an illegal memory access with float32 states, where every load and store stayed
 inside its arguments (interpreted with longserve/testing/memcheck.py) — Triton's open reports of kernels with
 several dots faulting on sm_90 (triton-lang/triton #10486, #11366) describe the same. Split, neither kernel
-spills (sm_90, Triton 3.6: 189 and 168 registers); not yet run on a GPU.
+spills (sm_90, Triton 3.6: 189 and 168 registers), and on an H100 (RESULTS.md, forty-seventh session) they run
+with float32 and bf16 states (scripts/probes/gdn_state_crash.py: ten of ten cases, 64 to 32K tokens): one layer's
+lone 8K prompt 1.01 ms (bf16 states; the fused kernel's 1.32 ms in an earlier call), 32K 3.80 ms.
 
 Precision: q and k are l2-normalized in float32 where they are loaded (both launches). Dot operands are the
 inputs' dtype, bf16 on the tensor cores with float32 sums (the state, E and v' rounded to bf16 for the products,
@@ -29,7 +31,7 @@ as FLA does); E itself is built in float32 (tf32 dots). With float32 inputs ever
 Row scales (exp(gc), beta) go on the smaller tile of each product, and tiles are addressed by int32 offsets
 from per-chunk 64-bit base pointers: 64-bit pointer tiles cost two registers an element.
 
-Not yet done (against FLA's kernels; nothing here is timed on a GPU yet): the recurrence reloads and
+Not yet done (against FLA's kernels, not yet timed beside them): the recurrence reloads and
 renormalizes k a V block; our inverse spends 12 full 64x64 dots where FLA substitutes in 16x16 diagonal blocks and
 merges them; FLA fuses the gate (and its cumsum) into its launches and autotunes blocks, warps and stages; the
 l2norm, done here on every load, is its own pass there. h and v' cost (T / 64) x Hv x K x V and T x Hv x V values
@@ -50,6 +52,9 @@ from longserve.kernels.gated_delta_reference import CHUNK, gated_delta_prefill_r
 from longserve.kernels.launch import fast_launch
 
 __all__ = ["gated_delta_prefill", "gated_delta_prefill_ref"]
+
+# (chunk_req [N] int32, cu_chunks [B+1] int32, N): `chunk_map`
+ChunkMap = tuple[torch.Tensor, torch.Tensor, int]
 
 # The recurrence's value block (4 programs a head at V = 128: B * Hv * 4 programs, 128 for one prompt at Hv = 32),
 # 4 warps: 189 registers at Qwen3.5's shape on sm_90 (Triton 3.6), no spill.
@@ -317,10 +322,12 @@ def _gdn_chunk_o_kernel(
     tl.store(o_ptr + uv_offs, o.to(o_ptr.dtype.element_ty), mask=v_mask)
 
 
-def _chunk_map(query_start_loc: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+def chunk_map(query_start_loc: torch.Tensor, num_tokens: int) -> ChunkMap:
     """(chunk_req [N] int32, cu_chunks [B+1] int32, N): the chunks of 64 of each request, numbered request after
     request, computed on the device without a sync; N = cdiv(T, 64) + B bounds their count (each request adds
-    at most one partial chunk) and chunk_req is B past the last one."""
+    at most one partial chunk) and chunk_req is B past the last one. The same for every layer of a step: a model
+    computes it once a step (seven small ops: 0.2 ms of a hybrid hit's host time under cProfile, H100, 2026-12-07)
+    and hands it to each layer's `gated_delta_prefill`."""
     lens = query_start_loc[1:] - query_start_loc[:-1]  # [B]
     cu_chunks = torch.zeros_like(query_start_loc)
     cu_chunks[1:] = torch.cumsum((lens + CHUNK - 1) // CHUNK, 0)
@@ -342,10 +349,12 @@ def gated_delta_prefill(
     has_state: torch.Tensor,
     scale: float | None = None,
     use_qk_l2norm: bool = True,
+    chunks: ChunkMap | None = None,
 ) -> torch.Tensor:
     """q, k [T, Hk, K], v [T, Hv, V] (unit stride along K / V, any token and head strides), g [T, Hv] float32,
     beta [T, Hv], states [S, Hv, K, V] -> o [T, Hv, V] in v's dtype; each request's final state is written to
-    states[slot] in the pool's dtype. Same math as `gated_delta_prefill_ref`."""
+    states[slot] in the pool's dtype. Same math as `gated_delta_prefill_ref`. `chunks`: the step's `chunk_map`
+    (computed here when not given)."""
     num_tokens, num_k_heads, head_k = k.shape
     num_v_heads, head_v = v.shape[1:]
     assert q.shape == k.shape and v.shape[0] == num_tokens and num_v_heads % num_k_heads == 0, "q/k/v shapes"
@@ -361,7 +370,7 @@ def gated_delta_prefill(
     group = num_v_heads // num_k_heads
     block_k, block_v = triton.next_power_of_2(head_k), triton.next_power_of_2(head_v)
     precision = "tf32x3" if k.dtype == torch.float32 else "tf32"
-    chunk_req, cu_chunks, bound = _chunk_map(query_start_loc, num_tokens)
+    chunk_req, cu_chunks, bound = chunk_map(query_start_loc, num_tokens) if chunks is None else chunks
     gc = torch.empty(num_tokens, num_v_heads, dtype=torch.float32, device=v.device)
     w = torch.empty(num_tokens, num_v_heads, head_k, dtype=k.dtype, device=v.device)
     u = torch.empty(num_tokens, num_v_heads, head_v, dtype=v.dtype, device=v.device)

@@ -107,9 +107,11 @@ def gated_delta_prefill_ref(
     has_state: torch.Tensor,
     scale: float | None = None,
     use_qk_l2norm: bool = True,
+    chunks: object = None,
 ) -> torch.Tensor:
     """q, k [T, Hk, K], v [T, Hv, V], g, beta [T, Hv], states [S, Hv, K, V] -> o [T, Hv, V] in v's dtype; each
-    request's final state is written to states[slot] in the pool's dtype (chunks of 64, per request)."""
+    request's final state is written to states[slot] in the pool's dtype (chunks of 64, per request). `chunks`:
+    the Triton kernel's precomputed chunk numbering, unused here (the same signature)."""
     num_tokens, num_v_heads, _ = v.shape
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     o = torch.zeros(num_tokens, num_v_heads, v.shape[-1], dtype=v.dtype, device=v.device)

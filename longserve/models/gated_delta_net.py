@@ -163,7 +163,12 @@ class GatedDeltaNet(nn.Module):
             out = rule(q, k, v, g, beta, ssm_state, slots)  # [B, Hv, V]
         else:
             rule = _kernel(fast, "gated_delta", "gated_delta_prefill", gated_delta_prefill_ref)
-            out = rule(q, k, v, g, beta, ssm_state, meta.query_start_loc, slots, has_state)  # [T, Hv, V]
+            # the step's chunks, once a step for every layer (kernels/gated_delta_chunk.py `chunk_map`)
+            chunks = (
+                meta.per_step(("gdn_chunks",), lambda: _chunk_map(meta.query_start_loc, t)) if fast else None
+            )
+            qsl = meta.query_start_loc
+            out = rule(q, k, v, g, beta, ssm_state, qsl, slots, has_state, chunks=chunks)  # [T, Hv, V]
         norm = _kernel(fast, "gated_norm", "gated_rms_norm", gated_rms_norm_ref)
         out = norm(out.reshape(-1, self.v_dim), z.reshape(-1, self.v_dim), self.norm.weight, self.norm_eps)
         return out.view(t, self.value_size)  # [T, Hv*V]
@@ -188,6 +193,11 @@ class LinearAttentionCall(NamedTuple):
     def run(self, ctx: ForwardContext) -> torch.Tensor:
         """The mixer over ctx's step: [T, Hv*V]."""
         return self.mixer.mix(*self.inputs, ctx)
+
+
+def _chunk_map(query_start_loc: torch.Tensor, num_tokens: int) -> Any:
+    """The Triton prefill's chunk numbering of a step (imported on first use, as the kernels)."""
+    return _kernel_module("gated_delta_chunk").chunk_map(query_start_loc, num_tokens)
 
 
 def _kernel(fast: bool, module: str, name: str, reference: Any) -> Any:

@@ -167,3 +167,28 @@ def test_warm_up_touches_no_state_slot(hybrid_ckpt, baseline):
     assert all(torch.equal(t, b) for t, b in zip((*states.conv, *states.ssm), before))
     assert [o.token_ids for o in m.generate(ps[2:], GREEDY32)] == alone[2:]
     assert_clean(m.engine)
+
+
+def test_triton_kernels_share_each_steps_chunk_map(hybrid_ckpt, baseline, monkeypatch):
+    """The Gated DeltaNet layers on their Triton kernels (interpreted), as on a GPU, prompts in chunks of 32 beside
+    decodes: the reference path's tokens, and each step's chunk numbering (`chunk_map`, seven small ops) computed
+    once and handed to every layer's prefill rather than once a layer."""
+    from longserve.kernels import gated_delta, gated_delta_chunk
+    from longserve.models import gated_delta_net
+
+    ps, alone = baseline
+    monkeypatch.setattr(gated_delta_net, "use_triton", lambda x: True)
+    maps, prefills = [], []
+    real_map, real_prefill = gated_delta_chunk.chunk_map, gated_delta.gated_delta_prefill
+    monkeypatch.setattr(gated_delta_chunk, "chunk_map", lambda *a: maps.append(1) or real_map(*a))
+    monkeypatch.setattr(
+        gated_delta,
+        "gated_delta_prefill",
+        lambda *a, **k: prefills.append(k["chunks"]) or real_prefill(*a, **k),
+    )
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    toks, engine = run_all(hybrid_ckpt, ps[:2], params, chunked_prefill_size=32)
+    assert toks == [a[:6] for a in alone[:2]]
+    linear_layers = sum(not layer.attends for layer in engine.runner.model.model.layers)
+    assert linear_layers > 1 and maps and len(prefills) == linear_layers * len(maps)
+    assert all(c is not None for c in prefills)
