@@ -146,3 +146,24 @@ if [[ $MODE == tune-moe-tables ]]; then  # one GPU (~8 min): this GPU's own A3B 
   tar czf "$OUT/moe_configs_tuned.tgz" longserve/kernels/moe_configs 2>/dev/null
   a3b_runs after
 fi
+
+# tune-moe-hybrid (one GPU, ~8 min): the Qwen3.5-35B-A3B shape's bf16 MoE tables (256 experts of 512, top 8: none
+# shipped, so its experts ran the untuned default tiles; the 12-layer Qwen3-Next shape's cold 8K spent 35.6 of its
+# 63.2 ms of kernels in the MoE, ~170 TFLOP/s, on an H100 in the forty-seventh session), decode and prefill sizes,
+# written into the package and tarred into $OUT; the 35B-A3B shape (20 of 40 layers) cold 8K / 32K and decode at
+# batch 1 (32K) before and after.
+if [[ $MODE == tune-moe-hybrid ]]; then
+  a3b35_runs() {  # $1: before | after
+    LATENCY_TIMEOUT=150 latency_with a3b35_$1 "35B-A3B $1" -- --config qwen3.5-35b-a3b "${dummy[@]}" --repeat 2 \
+      --hf-overrides '{"num_hidden_layers": 20}' --prompt-lens 8192,32768 --decode-batch-sizes 1@32768
+  }
+  a3b35_runs before
+  shape=(--num-experts 256 --top-k 8 --hidden 2048 --intermediate 512)
+  for args in "--batch-sizes 1,2,4,8,16,32,64 --space quick" "--batch-sizes 2048,8192 --space prefill"; do
+    # shellcheck disable=SC2086  # args is several options
+    timeout 240 python3 -m longserve.kernels.tune_moe "${shape[@]}" $args 2>&1 | tee -a "$OUT/tune_moe_hybrid.log" \
+      | tr '\r' '\n' | grep -E "^T=|wrote|Error" || status=1
+  done
+  tar czf "$OUT/moe_configs_tuned.tgz" longserve/kernels/moe_configs 2>/dev/null
+  a3b35_runs after
+fi
