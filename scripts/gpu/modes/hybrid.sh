@@ -3,7 +3,8 @@
 # kernel's time at Qwen3.5's shape (scripts/probes/gdn_kernels.py, float32 and bf16 states), then the 35B-A3B
 # shape with 20 of its 40 layers (35 GB of bf16 weights: an H100 holds them beside 256 state slots and as many
 # checkpoints) cold 8K / 32K, a 32K prefix hit (from the state checkpoint its prefix left) and decode at batch 1 (32K)
-# and 64 (4K), dummy weights; decode replays CUDA graphs, steps up to 4,096 tokens the piecewise graphs.
+# and 64 (4K), dummy weights; decode replays CUDA graphs, steps up to 4,096 tokens the piecewise graphs. Then the
+# same cases on all 40 layers with GPTQ-int4 routed experts (the seed's model as released).
 # shellcheck shell=bash
 
 if [[ $MODE == hybrid ]]; then
@@ -21,6 +22,14 @@ if [[ $MODE == hybrid ]]; then
   LATENCY_TIMEOUT=240 latency_with a3b35_half "" -- --config qwen3.5-35b-a3b "${dummy[@]}" \
     --hf-overrides '{"num_hidden_layers": 20}' --prompt-lens 8192,32768 --prefix-hit 32768:64 \
     --decode-batch-sizes 1@32768,64@4096
+  # the seed's own model as released (Qwen3.5-35B-A3B GPTQ-Int4): all 40 layers, the routed experts int4 (group
+  # 128), attention, linear attention and shared experts bf16 (the official checkpoints' `dynamic` rules), ~19 GB;
+  # the pool given (bench latency's plan counts bf16 weights: 64.6 GiB), 280K tokens of 20 KB (10 KV layers)
+  LATENCY_TIMEOUT=300 latency_with a3b35_gptq "int4" -- --config qwen3.5-35b-a3b "${dummy[@]}" \
+    --max-total-tokens 280000 --hf-overrides \
+    '{"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": false, "sym": true,
+      "dynamic": {"-:.*attn.*": {}, "-:.*shared_expert.*": {}}}}' \
+    --prompt-lens 8192,32768 --prefix-hit 32768:64 --decode-batch-sizes 1@32768,64@4096
 fi
 
 # hybrid-vllm (~8 min, .anchor/ carried): longserve against vLLM 0.24 on one hybrid MoE shape
