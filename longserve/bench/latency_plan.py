@@ -11,7 +11,9 @@ import os
 from typing import Any
 
 from longserve.bench.configs import BUILTIN_CONFIGS
+from longserve.bench.weight_bytes import layer_bytes_per_param, quant_format
 from longserve.config import EngineConfig
+from longserve.models.quant.config import QuantFormat
 
 _GIB = 2**30
 
@@ -39,15 +41,35 @@ def dtype_bytes(config: EngineConfig, cfg: dict[str, Any]) -> int:
     return 4 if "32" in name or name == "float" else 2
 
 
-def estimate_bytes(cfg: dict[str, Any], itemsize: int, tp: int = 1) -> tuple[int, int]:
+def estimate_bytes(
+    cfg: dict[str, Any],
+    itemsize: int,
+    tp: int = 1,
+    quant: QuantFormat | None = None,
+    kv_itemsize: int | None = None,
+) -> tuple[int, int]:
     """(weight bytes, KV bytes per token) per device of a decoder from its config.json, for pool sizing:
-    every expert of an MoE model counts (roofline.model_costs); under tensor or expert parallelism a rank
-    holds 1/tp of the weights and of the kv heads (at least one)."""
+    every expert of an MoE model counts (roofline.model_costs), its layers in their quantization format's bytes
+    (`quant`: bench/weight_bytes.py), its K/V in kv_itemsize (an fp8 cache: 1; default itemsize); under tensor
+    or expert parallelism a rank holds 1/tp of the weights and of the kv heads (at least one)."""
     from longserve.bench.roofline import model_costs
+    from longserve.models.moe_layout import moe_spec
 
     costs = model_costs(cfg, itemsize)
+    text = {**cfg, **cfg.get("text_config", {})}
+    spec = moe_spec(text)
+    dense_b, expert_b = layer_bytes_per_param(
+        quant,
+        itemsize,
+        hybrid="linear_attention" in (text.get("layer_types") or []),
+        moe=costs.moe_layers > 0,
+        shared=bool(spec and spec.shared_intermediate_size),
+        dense_mlp=spec is None or spec.num_dense_layers > 0,
+    )
+    experts = costs.moe_layers * costs.num_experts * costs.expert_params
+    weights = costs.embed_params * itemsize + costs.dense_params * dense_b + experts * expert_b
     kv_heads = max(1, costs.num_kv_heads // tp)
-    return costs.weight_bytes // tp, costs.num_layers * kv_heads * costs.head_dim * 2 * itemsize
+    return int(weights) // tp, costs.num_layers * kv_heads * costs.head_dim * 2 * (kv_itemsize or itemsize)
 
 
 def _round_up(n: int, k: int) -> int:
@@ -112,7 +134,11 @@ def plan(
     else:
         from longserve.platform import available_memory_bytes, resolve_device
 
-        weights, kv_per_token = estimate_bytes(cfg, dtype_bytes(config, cfg), config.tp_size)
+        quant = quant_format(cfg, config.quantization, config.load_format)
+        kv_itemsize = 1 if config.kv_cache_dtype.startswith("fp8") else None
+        weights, kv_per_token = estimate_bytes(
+            cfg, dtype_bytes(config, cfg), config.tp_size, quant=quant, kv_itemsize=kv_itemsize
+        )
         total, free = available_memory_bytes(resolve_device(config.device))
         budget = total * config.mem_fraction_static - (total - free) - weights
         limit = max(int(budget // kv_per_token) // ps * ps, ps)

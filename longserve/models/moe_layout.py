@@ -90,7 +90,9 @@ def moe_spec(cfg: Any) -> MoESpec | None:
             dense_intermediate_size=int(_get(cfg, "intermediate_size")),
             num_layers=num_layers,
         )
-    num_experts = int(_get(cfg, "num_experts", 0))
+    # config.json as transformers 5 writes a Qwen-MoE config names them num_local_experts (its config classes read
+    # either); the released checkpoints' (transformers 4) num_experts
+    num_experts = int(_get(cfg, "num_experts", None) or _get(cfg, "num_local_experts", 0))
     step = int(_get(cfg, "decoder_sparse_step", 1))
     dense_only = set(_get(cfg, "mlp_only_layers", None) or [])
     sparse = frozenset(

@@ -104,6 +104,11 @@ def test_sparse_and_dense_layers_follow_the_config(checkpoints: dict) -> None:
     spec = moe_spec(load_hf_config(checkpoints[("qwen3_moe", "stacked")]))
     assert (spec.num_experts, spec.top_k, spec.intermediate_size, spec.renormalize) == (8, 3, 40, True)
     assert moe_spec(load_hf_config(checkpoints[("mixtral", "stacked")])).round_routing_weights is False
+    # config.json as transformers 5 writes it (num_local_experts), read as a dict (bench latency's plan, the roofline):
+    # the same experts as the config object's
+    with open(os.path.join(checkpoints[("qwen3_moe", "stacked")], "config.json")) as f:
+        raw = json.load(f)
+    assert moe_spec(raw) == spec and ("num_experts" in raw) != ("num_local_experts" in raw)
 
 
 def _rewrite(path: str, edit) -> None:

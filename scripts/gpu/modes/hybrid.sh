@@ -23,10 +23,9 @@ if [[ $MODE == hybrid ]]; then
     --hf-overrides '{"num_hidden_layers": 20}' --prompt-lens 8192,32768 --prefix-hit 32768:64 \
     --decode-batch-sizes 1@32768,64@4096
   # the seed's own model as released (Qwen3.5-35B-A3B GPTQ-Int4): all 40 layers, the routed experts int4 (group
-  # 128), attention, linear attention and shared experts bf16 (the official checkpoints' `dynamic` rules), ~19 GB;
-  # the pool given (bench latency's plan counts bf16 weights: 64.6 GiB), 280K tokens of 20 KB (10 KV layers)
-  LATENCY_TIMEOUT=300 latency_with a3b35_gptq "int4" -- --config qwen3.5-35b-a3b "${dummy[@]}" \
-    --max-total-tokens 280000 --hf-overrides \
+  # 128), attention, linear attention and shared experts bf16 (the official checkpoints' `dynamic` rules): 20.1 GiB
+  # of weights by bench latency's plan (bench/weight_bytes.py)
+  LATENCY_TIMEOUT=300 latency_with a3b35_gptq "int4" -- --config qwen3.5-35b-a3b "${dummy[@]}" --hf-overrides \
     '{"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": false, "sym": true,
       "dynamic": {"-:.*attn.*": {}, "-:.*shared_expert.*": {}}}}' \
     --prompt-lens 8192,32768 --prefix-hit 32768:64 --decode-batch-sizes 1@32768,64@4096
