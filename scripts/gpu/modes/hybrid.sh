@@ -42,6 +42,10 @@ if [[ $MODE == hybrid-vllm ]]; then
   grep -h "wall .* ms, busy" "$OUT/latency_qnext12.log" | sed 's/^\[bench latency [0-9:]*\] //'
   top_ops "$OUT/latency_qnext12.json" > "$OUT/top_ops_qnext12.txt"; head -60 "$OUT/top_ops_qnext12.txt"
   grep -A16 "prefix-32768:64: host profile" "$OUT/latency_qnext12.log" | head -20
+  # what the state marks cost a cold prompt: without them (no hybrid prefix cache) a lone prompt takes no extra step
+  # at its last full page (engine cold prompts past 512 tokens are cut there to save the state: not yet measured)
+  LATENCY_TIMEOUT=150 latency_with qnext12_nomarks "no marks" -- --config /tmp/qwen3_next_12l/config.json \
+    "${dummy[@]}" --prompt-lens 8192,32768 --mamba-cache-mode none
   if unpack_vllm; then
     # vLLM's Qwen3-Next imports compressed-tensors (its GDN layer's quantization configs; the Llama of the other
     # vLLM modes does not): its wheel and loguru's, which fetch_test_wheels.sh copies into .anchor/
