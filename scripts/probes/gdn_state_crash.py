@@ -7,6 +7,9 @@ after every launch; prints one line a case: which launch failed, or ok.
 
     python3 scripts/probes/gdn_state_crash.py            # every case
     python3 scripts/probes/gdn_state_crash.py CASE       # one case, in this process
+
+Run from anywhere: the checkout's root goes on the path (the forty-seventh session's first run, outside gpu_check.sh,
+found no `longserve` in each case's process).
 """
 
 from __future__ import annotations
@@ -14,6 +17,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
 
 CASES = [
     "fp32-8192", "bf16-8192", "fp32-200", "fp32-64", "fp32-3lens", "fp32-slot-i64", "fp32-nostate-read",
