@@ -1,7 +1,8 @@
 """EngineConfig: every engine setting in one frozen dataclass. The CLI, LONGSERVE_* env vars and YAML
 files resolve onto these same fields (longserve/server/args.py); validation runs here so every entry point
 shares it, and a refusal names the fields it is about (ConfigError.settings) so a CLI can say its flags.
-The parallel layout's checks (tp_size, ep_size, nnodes, node_rank, dist_init_addr) live in config_parallel.py.
+The parallel layout's checks (tp_size, ep_size, nnodes, node_rank, dist_init_addr) live in config_parallel.py, the
+hybrid models' state settings' (mamba_*) in config_hybrid.py.
 The HTTP side of `longserve serve` is server/config.py's ServerConfig."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import logging
 import os
 from dataclasses import dataclass
 
+from longserve.config_hybrid import check_hybrid_settings
 from longserve.config_parallel import check_parallel_layout
 from longserve.platform import normalize_attention_backend, resolve_attention_backend
 
@@ -34,12 +36,6 @@ QUANTIZATION_ALIASES = {
 # the KV cache's storage (attention/kv_quant.py): "auto" the model's dtype, "fp8_e4m3" e4m3 with per-layer scales;
 # vLLM's "fp8" and SGLang's "fp8_e4m3" are the same format
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
-# a hybrid model's linear-attention state (attention/recurrent_state.py): auto is the model's dtype (vLLM's)
-MAMBA_SSM_DTYPES = ("auto", "float32", "bfloat16", "float16")
-# vLLM's --mamba-cache-mode: align, states saved where chunks end on the marks a hybrid model's prefix cache sets
-# (cache/state_radix_tree.py); none, no states kept (a hybrid model shares no prefix). vLLM's "all" (a state at
-# every block) is not offered: refused by name
-MAMBA_CACHE_MODES = ("align", "none")
 KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3"}
 
 
@@ -179,6 +175,9 @@ class EngineConfig:
     # SGLang's --max-mamba-cache-size: at most this many state rows, running slots and checkpoints together
     # (None: as many as half the memory the weights leave holds; runner/state_plan.py)
     max_mamba_cache_size: int | None = None
+    # SGLang's --mamba-full-memory-ratio r: the states take at most r / (1 + r) of the memory the weights leave,
+    # the KV pool the rest (None: half, r = 1; SGLang's default 0.9 gives them 47%); runner/state_plan.py
+    mamba_full_memory_ratio: float | None = None
     # a chat template used instead of the tokenizer's (vLLM's and SGLang's --chat-template): a file path or
     # the Jinja text itself, as given (chat_template_text: the template). Trusted (the operator's);
     # transformers renders it in its sandbox as it does the tokenizer's own. A request never brings one.
@@ -320,23 +319,7 @@ class EngineConfig:
             )
             object.__setattr__(self, "quantization", name)
         self._normalize_kv_cache_dtype(need)
-        need(
-            self.mamba_ssm_cache_dtype in MAMBA_SSM_DTYPES,
-            f"mamba_ssm_cache_dtype must be one of {', '.join(MAMBA_SSM_DTYPES)}; got {self.mamba_ssm_cache_dtype!r}",
-            "mamba_ssm_cache_dtype",
-        )
-        need(
-            self.max_mamba_cache_size is None
-            or (isinstance(self.max_mamba_cache_size, int) and self.max_mamba_cache_size >= 1),
-            f"max_mamba_cache_size must be an integer >= 1; got {self.max_mamba_cache_size!r}",
-            "max_mamba_cache_size",
-        )
-        need(
-            self.mamba_cache_mode in MAMBA_CACHE_MODES,
-            f"mamba_cache_mode must be align or none (states saved where prompt chunks end on a page, or none "
-            f"kept); got {self.mamba_cache_mode!r}",
-            "mamba_cache_mode",
-        )
+        check_hybrid_settings(self, need)
         self._check_compat_settings(need)
         if self.load_format != "dummy" and not os.path.isdir(self.model):
             raise ConfigPathError(

@@ -1,9 +1,10 @@
 """How many recurrent-state slots a hybrid model's runner holds (attention/recurrent_state.py), before its KV pool
 is sized from the memory left.
 
-One slot a running request (`--max-num-seqs`), unless the states would take more than STATE_SHARE of the memory
-the weights leave (the same budget the KV pool is sized from: mem_fraction_static of the device): then fewer slots,
-with a warning, and at most that many requests run at once (a request waits for a slot as it waits for pages). A
+One slot a running request (`--max-num-seqs`), unless the states would take more than STATE_SHARE (or SGLang's
+`--mamba-full-memory-ratio` r: r / (1 + r)) of the memory the weights leave (the same budget the KV pool is sized
+from: mem_fraction_static of the device): then fewer slots, with a warning, and at most that many requests run at
+once (a request waits for a slot as it waits for pages). A
 float32 slot of the Qwen3.5-35B-A3B shape is 60 MiB (30 linear layers of 32 x 128 x 128 values): 256 slots are
 15 GiB. With prefix caching, the prefix cache's state checkpoints (cache/state_radix_tree.py) take as many rows
 again from the same share, so memory short of that halves the running slots. Under tensor parallelism slot ids
@@ -23,9 +24,14 @@ from longserve.platform import static_budget
 
 logger = logging.getLogger("longserve.runner")
 
-# at most this share of the budget for states, the rest for the KV pool (SGLang's default mamba_full_memory_ratio of
-# 0.9 gives the states ~47% of the pair)
+# at most this share of the budget for states, the rest for the KV pool, unless --mamba-full-memory-ratio r says
+# r / (1 + r) (SGLang's default r of 0.9 gives the states ~47% of the pair)
 STATE_SHARE = 0.5
+
+
+def state_share(ratio: float | None) -> float:
+    """The share of the memory the weights leave that state rows may take (config.mamba_full_memory_ratio)."""
+    return STATE_SHARE if ratio is None else ratio / (1 + ratio)
 
 
 def recurrent_states(
@@ -43,7 +49,8 @@ def recurrent_states(
     budget = static_budget(device, config.mem_fraction_static)[
         0
     ]  # what the weights leave, as for the KV pool
-    fits = min_over_ranks(int(max(budget, 0) * STATE_SHARE // per_slot), tp)
+    share = state_share(config.mamba_full_memory_ratio)
+    fits = min_over_ranks(int(max(budget, 0) * share // per_slot), tp)
     cap = config.max_mamba_cache_size  # SGLang's: every state row, slots and checkpoints together
     fits = min(fits, cap) if cap is not None else fits
     want = config.max_running_requests
@@ -63,7 +70,8 @@ def recurrent_states(
             "%d recurrent-state slots (%.2f GiB) fit in %s, of %d asked for (--max-num-seqs)%s: at most %d "
             "requests run at once; --mamba-ssm-cache-dtype bfloat16 halves a slot",
             slots, slots * per_slot / 2**30,
-            "--max-mamba-cache-size" if cap is not None and fits == cap else "half the memory the weights leave",
+            "--max-mamba-cache-size" if cap is not None and fits == cap
+            else f"{share:.0%} of the memory the weights leave",
             want, " beside as many prefix-cache checkpoints" if checkpoints else "", slots,
         )  # fmt: skip
     if keep and not checkpoints:

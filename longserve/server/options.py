@@ -16,10 +16,9 @@ from longserve.config import (
     KV_CACHE_DTYPE_ALIASES,
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
-    MAMBA_CACHE_MODES,
-    MAMBA_SSM_DTYPES,
     RUNNERS,
 )
+from longserve.config_hybrid import MAMBA_CACHE_MODES, MAMBA_SSM_DTYPES
 from longserve.platform import attention_backend_help
 from longserve.server.config import METRICS_NAMES
 
@@ -253,6 +252,10 @@ OPTIONS: tuple[Option, ...] = (
     Option(("--max-mamba-cache-size",), E + "max_mamba_cache_size",
            "a hybrid model's state rows at most, running requests' slots and prefix-cache checkpoints together "
            "(SGLang's)", int, default_help="what half the memory the weights leave holds"),
+    Option(("--mamba-full-memory-ratio",), E + "mamba_full_memory_ratio",
+           "a hybrid model's state rows may take the share r / (1 + r) of the memory the weights leave, the KV "
+           "pool the rest (SGLang's; its default 0.9 gives the states 47%)", float,
+           default_help="1: half"),
     Option(("--strict-model-name",), S + "strict_model_name",
            "answer 404 to a `model` this server does not serve (vLLM); by default any name is served, as "
            "SGLang does (\"default\" always is)", None),

@@ -153,6 +153,34 @@ def test_state_slots_fit_half_the_memory_left(hybrid_ckpt, baseline, monkeypatch
         llm(hybrid_ckpt, mem_fraction_static=(used + 100) / total)
 
 
+def test_mamba_full_memory_ratio_sets_the_states_share(hybrid_ckpt, baseline, monkeypatch, caplog):
+    """SGLang's --mamba-full-memory-ratio r: state rows may take r / (1 + r) of the memory the weights leave. With room
+    for 8 rows at the default half (r = 1), r = 1/3 (a quarter) leaves room for 4: two running slots and two
+    prefix-cache checkpoints, a warning, and four prompts served over the two slots; r = 0 is refused by name."""
+    import logging
+
+    from longserve import platform
+    from longserve.config import ConfigError
+
+    ps, alone = baseline
+    per_slot = (
+        llm(hybrid_ckpt, max_running_requests=4).engine.runner.states.nbytes // 8
+    )  # slots + checkpoints
+    total, used = 2**40, 2**30
+    monkeypatch.setattr(platform, "available_memory_bytes", lambda device: (total, total - used))
+    frac = (used + 16.5 * per_slot) / total  # 8.25 rows at half, 4.1 at a quarter
+    m = llm(hybrid_ckpt, max_running_requests=4, mem_fraction_static=frac)
+    assert (m.engine.kv.states.num_total, m.engine.runner.num_state_checkpoints) == (4, 4)
+    with caplog.at_level(logging.WARNING, logger="longserve.runner"):
+        m = llm(hybrid_ckpt, max_running_requests=4, mem_fraction_static=frac, mamba_full_memory_ratio=1 / 3)
+    assert (m.engine.kv.states.num_total, m.engine.runner.num_state_checkpoints) == (2, 2)
+    assert "2 recurrent-state slots" in caplog.text and "25% of the memory the weights leave" in caplog.text
+    assert [o.token_ids for o in m.generate(ps, GREEDY32)] == alone
+    assert_clean(m.engine)
+    with pytest.raises(ConfigError, match="mamba_full_memory_ratio must be a number > 0"):
+        llm(hybrid_ckpt, mamba_full_memory_ratio=0)
+
+
 def test_warm_up_touches_no_state_slot(hybrid_ckpt, baseline):
     """The warm-up's passes run in slot -1: a request's state (here: every slot's contents) is left as it was."""
     import torch

@@ -1,0 +1,43 @@
+"""EngineConfig's hybrid-model (Qwen3.5, Qwen3-Next) state settings, checked as one: mamba_ssm_cache_dtype,
+mamba_cache_mode, max_mamba_cache_size and mamba_full_memory_ratio (vLLM's and SGLang's names). Called from
+EngineConfig.__post_init__ (longserve/config.py) with its `need`, so a refusal is the same ConfigError naming the
+same settings; it imports nothing of config.py, which imports it. runner/state_plan.py acts on them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+# a hybrid model's linear-attention state (attention/recurrent_state.py): auto is the model's dtype (vLLM's)
+MAMBA_SSM_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# vLLM's --mamba-cache-mode: align, states saved where chunks end on the marks a hybrid model's prefix cache sets
+# (cache/state_radix_tree.py); none, no states kept (a hybrid model shares no prefix). vLLM's "all" (a state at
+# every block) is not offered: refused by name
+MAMBA_CACHE_MODES = ("align", "none")
+
+
+def check_hybrid_settings(config: Any, need: Callable[..., None]) -> None:
+    need(
+        config.mamba_ssm_cache_dtype in MAMBA_SSM_DTYPES,
+        f"mamba_ssm_cache_dtype must be one of {', '.join(MAMBA_SSM_DTYPES)}; got {config.mamba_ssm_cache_dtype!r}",
+        "mamba_ssm_cache_dtype",
+    )
+    need(
+        config.max_mamba_cache_size is None
+        or (isinstance(config.max_mamba_cache_size, int) and config.max_mamba_cache_size >= 1),
+        f"max_mamba_cache_size must be an integer >= 1; got {config.max_mamba_cache_size!r}",
+        "max_mamba_cache_size",
+    )
+    need(
+        config.mamba_cache_mode in MAMBA_CACHE_MODES,
+        f"mamba_cache_mode must be align or none (states saved where prompt chunks end on a page, or none "
+        f"kept); got {config.mamba_cache_mode!r}",
+        "mamba_cache_mode",
+    )
+    ratio = config.mamba_full_memory_ratio
+    need(
+        ratio is None
+        or (isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and 0 < ratio < float("inf")),
+        f"mamba_full_memory_ratio must be a number > 0 (the states' memory to the KV pool's); got {ratio!r}",
+        "mamba_full_memory_ratio",
+    )
