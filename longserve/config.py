@@ -170,6 +170,9 @@ class EngineConfig:
     # transformers keep it (the delta rule's state sums every token), at twice the memory (on an H100 the chunked
     # delta rule's fused kernel faulted with float32 states, bf16 ran: RESULTS.md forty-sixth session)
     mamba_ssm_cache_dtype: str = "auto"
+    # vLLM's --mamba-cache-dtype: the convs' state (their last inputs) and, where mamba_ssm_cache_dtype is auto, the
+    # delta rule's too; auto: the model's dtype
+    mamba_cache_dtype: str = "auto"
     # with prefix caching, whether a hybrid model's prefix cache keeps state checkpoints (MAMBA_CACHE_MODES)
     mamba_cache_mode: str = "align"
     # SGLang's --max-mamba-cache-size: at most this many state rows, running slots and checkpoints together

@@ -1,5 +1,5 @@
 """EngineConfig's hybrid-model (Qwen3.5, Qwen3-Next) state settings, checked as one: mamba_ssm_cache_dtype,
-mamba_cache_mode, max_mamba_cache_size and mamba_full_memory_ratio (vLLM's and SGLang's names). Called from
+mamba_cache_dtype, mamba_cache_mode, max_mamba_cache_size and mamba_full_memory_ratio (vLLM's and SGLang's names). Called from
 EngineConfig.__post_init__ (longserve/config.py) with its `need`, so a refusal is the same ConfigError naming the
 same settings; it imports nothing of config.py, which imports it. runner/state_plan.py acts on them."""
 
@@ -17,11 +17,13 @@ MAMBA_CACHE_MODES = ("align", "none")
 
 
 def check_hybrid_settings(config: Any, need: Callable[..., None]) -> None:
-    need(
-        config.mamba_ssm_cache_dtype in MAMBA_SSM_DTYPES,
-        f"mamba_ssm_cache_dtype must be one of {', '.join(MAMBA_SSM_DTYPES)}; got {config.mamba_ssm_cache_dtype!r}",
-        "mamba_ssm_cache_dtype",
-    )
+    for name in ("mamba_ssm_cache_dtype", "mamba_cache_dtype"):
+        value = getattr(config, name)
+        need(
+            value in MAMBA_SSM_DTYPES,
+            f"{name} must be one of {', '.join(MAMBA_SSM_DTYPES)}; got {value!r}",
+            name,
+        )
     need(
         config.max_mamba_cache_size is None
         or (isinstance(config.max_mamba_cache_size, int) and config.max_mamba_cache_size >= 1),

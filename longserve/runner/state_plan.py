@@ -37,15 +37,17 @@ def state_share(ratio: float | None) -> float:
 def recurrent_states(
     model: Any, config: Any, dtype: torch.dtype, device: torch.device, tp: Any = None
 ) -> RecurrentStates | None:
-    """The model's state slots, or None for a model without linear-attention layers; the states in
-    config.mamba_ssm_cache_dtype (auto: the model's dtype), the convs' inputs in the model's."""
+    """The model's state slots, or None for a model without linear-attention layers; the convs' inputs in
+    config.mamba_cache_dtype, the delta rule's states in config.mamba_ssm_cache_dtype (auto: the model's dtype, or
+    mamba_cache_dtype where that is given, as vLLM reads them)."""
     found = model.recurrent_states()
     if found is None:
         return None
     num_layers, spec = found
+    conv_dtype = dtype if config.mamba_cache_dtype == "auto" else getattr(torch, config.mamba_cache_dtype)
     given = config.mamba_ssm_cache_dtype
-    ssm_dtype = dtype if given == "auto" else getattr(torch, given)
-    per_slot = num_layers * spec.bytes_per_slot(dtype, ssm_dtype)
+    ssm_dtype = conv_dtype if given == "auto" else getattr(torch, given)
+    per_slot = num_layers * spec.bytes_per_slot(conv_dtype, ssm_dtype)
     budget = static_budget(device, config.mem_fraction_static)[
         0
     ]  # what the weights leave, as for the KV pool
@@ -78,4 +80,6 @@ def recurrent_states(
         logger.warning(
             "prefix caching is off: no memory for a linear-attention state checkpoint beside one slot"
         )
-    return RecurrentStates(num_layers, spec, slots, dtype, ssm_dtype, device, num_checkpoints=checkpoints)
+    return RecurrentStates(
+        num_layers, spec, slots, conv_dtype, ssm_dtype, device, num_checkpoints=checkpoints
+    )

@@ -244,7 +244,11 @@ OPTIONS: tuple[Option, ...] = (
            _kv_cache_dtype),
     Option(("--mamba-ssm-cache-dtype", "--mamba-ssm-dtype"), E + "mamba_ssm_cache_dtype",
            "a hybrid model's (Qwen3.5) linear-attention state: float32, bfloat16 (half the memory), float16, or "
-           "auto (the model's dtype)", choices=MAMBA_SSM_DTYPES),
+           "auto (--mamba-cache-dtype's, else the model's dtype)", choices=MAMBA_SSM_DTYPES),
+    Option(("--mamba-cache-dtype",), E + "mamba_cache_dtype",
+           "a hybrid model's conv state (its last inputs) and, unless --mamba-ssm-cache-dtype says otherwise, its "
+           "linear-attention state: float32, bfloat16, float16 or auto (the model's dtype; vLLM's)",
+           choices=MAMBA_SSM_DTYPES),
     Option(("--mamba-cache-mode",), E + "mamba_cache_mode",
            "with prefix caching, a hybrid model's (Qwen3.5) prefix cache: align (linear-attention states saved "
            "where prompt chunks end on a page: a prompt's last full page, where it leaves a cached path) or none "

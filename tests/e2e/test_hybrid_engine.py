@@ -126,6 +126,20 @@ def test_state_dtype_follows_the_setting(hybrid_ckpt, baseline):
         hybrid_ckpt, dtype="bfloat16", max_running_requests=2
     )  # unset: the model's dtype, as vLLM keeps it
     assert {t.dtype for t in (*m.engine.runner.states.ssm, *m.engine.runner.states.conv)} == {torch.bfloat16}
+    # vLLM's --mamba-cache-dtype: the conv state, and the delta rule's unless --mamba-ssm-cache-dtype is given
+    for kw, conv, ssm in (
+        (dict(mamba_cache_dtype="float32"), torch.float32, torch.float32),
+        (dict(mamba_cache_dtype="float32", mamba_ssm_cache_dtype="bfloat16"), torch.float32, torch.bfloat16),
+    ):
+        m = llm(hybrid_ckpt, dtype="bfloat16", max_running_requests=2, **kw)
+        states = m.engine.runner.states
+        assert {t.dtype for t in states.conv} == {conv} and {t.dtype for t in states.ssm} == {ssm}
+        assert len(m.generate(ps[:2], GREEDY32)[1].token_ids) == 32
+        assert_clean(m.engine)
+    m = llm(hybrid_ckpt, mamba_cache_dtype="bfloat16", max_running_requests=2)  # a float32 model, bf16 states
+    assert {t.dtype for t in (*m.engine.runner.states.ssm, *m.engine.runner.states.conv)} == {torch.bfloat16}
+    with pytest.raises(ValueError, match="mamba_cache_dtype must be one of auto, float32"):
+        llm(hybrid_ckpt, mamba_cache_dtype="int8")
 
 
 def test_state_slots_fit_half_the_memory_left(hybrid_ckpt, baseline, monkeypatch, caplog):

@@ -158,6 +158,10 @@ def test_hybrid_state_flags_of_vllm_and_sglang(capsys):
     assert (engine.mamba_cache_mode, engine.mamba_ssm_cache_dtype) == ("none", "float32")
     engine, _ = parse(["--max-mamba-cache-size", "64"], environ={})
     assert engine.max_mamba_cache_size == 64
+    engine, _ = parse(
+        ["--mamba-cache-dtype", "float32"], environ={}
+    )  # vLLM's: the conv state (and the ssm's)
+    assert (engine.mamba_cache_dtype, engine.mamba_ssm_cache_dtype) == ("float32", "auto")
     engine, _ = parse(["--mamba-full-memory-ratio", "0.9"], environ={})  # SGLang's launch lines for Qwen3.5
     assert engine.mamba_full_memory_ratio == 0.9 and parse([], environ={})[0].mamba_full_memory_ratio is None
     with pytest.raises(SystemExit):
