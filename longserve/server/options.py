@@ -258,7 +258,7 @@ OPTIONS: tuple[Option, ...] = (
            "(SGLang's)", int, default_help="what half the memory the weights leave holds"),
     Option(("--mamba-full-memory-ratio",), E + "mamba_full_memory_ratio",
            "a hybrid model's state rows may take the share r / (1 + r) of the memory the weights leave, the KV "
-           "pool the rest (SGLang's; its default 0.9 gives the states 47%)", float,
+           "pool the rest (SGLang's; its default 0.9 gives the states 47%%)", float,
            default_help="1: half"),
     Option(("--strict-model-name",), S + "strict_model_name",
            "answer 404 to a `model` this server does not serve (vLLM); by default any name is served, as "
