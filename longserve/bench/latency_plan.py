@@ -72,6 +72,36 @@ def estimate_bytes(
     return int(weights) // tp, costs.num_layers * kv_heads * costs.head_dim * 2 * (kv_itemsize or itemsize)
 
 
+def hybrid_state_bytes(
+    cfg: dict[str, Any], config: EngineConfig, itemsize: int, budget: float, want: int
+) -> int:
+    """The bytes a hybrid model's state rows take on a rank, sized as runner/state_plan.py sizes them from the
+    memory the weights leave (`budget`) before the KV pool gets the rest: a slot a running request (`want`) and,
+    with prefix caching, as many checkpoints, within the states' share and --max-mamba-cache-size; 0 for a model
+    without linear-attention layers."""
+    import torch
+
+    from longserve.attention.recurrent_state import RecurrentStateSpec
+    from longserve.runner.state_plan import keeps_checkpoints, state_dtypes, state_rows, state_share
+
+    text = {**cfg, **cfg.get("text_config", {})}
+    kinds = list(text.get("layer_types") or [])[: text["num_hidden_layers"]]
+    linear = sum(kind == "linear_attention" for kind in kinds)
+    if not linear:
+        return 0
+    tp = config.tp_size
+    hk, hv = text["linear_num_key_heads"] // tp, text["linear_num_value_heads"] // tp
+    k, v = text["linear_key_head_dim"], text["linear_value_head_dim"]
+    spec = RecurrentStateSpec(2 * hk * k + hv * v, text["linear_conv_kernel_dim"], hv, k, v)
+    per_slot = linear * spec.bytes_per_slot(
+        *state_dtypes(config, torch.float32 if itemsize == 4 else torch.bfloat16)
+    )
+    fits = int(max(budget, 0) * state_share(config.mamba_full_memory_ratio) // per_slot)
+    if config.max_mamba_cache_size is not None:
+        fits = min(fits, config.max_mamba_cache_size)
+    return sum(state_rows(fits, want, keeps_checkpoints(config))) * per_slot if fits else 0
+
+
 def _round_up(n: int, k: int) -> int:
     return -(-n // k) * k
 
@@ -141,12 +171,18 @@ def plan(
         )
         total, free = available_memory_bytes(resolve_device(config.device))
         budget = total * config.mem_fraction_static - (total - free) - weights
+        # a hybrid model's state rows come first (the engine sizes them, then its KV pool from the rest), for as
+        # many running requests as the engine will be built for (run_from_args: the largest decode batch at least)
+        want = max([config.max_running_requests, *(b for b, _ in decode_cases(args))])
+        states = hybrid_state_bytes(cfg, config, dtype_bytes(config, cfg), budget, want)
+        budget -= states
         limit = max(int(budget // kv_per_token) // ps * ps, ps)
         # size the pool for the largest case that fits: the memory left over is the activations' headroom
         fitting = [n for n in (single_need, *decode_need.values()) if n <= limit]
         pool = min(_round_up(int(max(fitting or [single_need]) * 1.1), ps), limit)
+        beside = f" and {states / _GIB:.1f} GiB of linear-attention states" if states else ""
         holds = (
-            f"memory allows a pool of {limit:,} after ~{weights / _GIB:.1f} GiB of weights "
+            f"memory allows a pool of {limit:,} after ~{weights / _GIB:.1f} GiB of weights{beside} "
             f"(--mem-fraction-static {config.mem_fraction_static})"
         )
     if single_need > limit:

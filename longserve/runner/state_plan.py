@@ -34,19 +34,36 @@ def state_share(ratio: float | None) -> float:
     return STATE_SHARE if ratio is None else ratio / (1 + ratio)
 
 
+def state_dtypes(config: Any, dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
+    """(the convs' inputs, the delta rule's states) for a model of `dtype`: config.mamba_cache_dtype, and
+    config.mamba_ssm_cache_dtype (auto: the model's dtype, or mamba_cache_dtype where that is given, as vLLM reads
+    them)."""
+    conv = dtype if config.mamba_cache_dtype == "auto" else getattr(torch, config.mamba_cache_dtype)
+    given = config.mamba_ssm_cache_dtype
+    return conv, conv if given == "auto" else getattr(torch, given)
+
+
+def keeps_checkpoints(config: Any) -> bool:
+    return bool(config.enable_prefix_caching) and config.mamba_cache_mode == "align"
+
+
+def state_rows(fits: int, want: int, keep: bool) -> tuple[int, int]:
+    """(running slots, prefix-cache checkpoints) of `fits` state rows for `want` running requests: with prefix
+    caching (`keep`) as many checkpoints as slots, at most half of what fits each (one a running request's prompt,
+    or a document and its questions' junction)."""
+    slots = min(want, max(1, fits // 2)) if keep else min(want, fits)
+    return slots, (min(want, fits - slots) if keep else 0)
+
+
 def recurrent_states(
     model: Any, config: Any, dtype: torch.dtype, device: torch.device, tp: Any = None
 ) -> RecurrentStates | None:
-    """The model's state slots, or None for a model without linear-attention layers; the convs' inputs in
-    config.mamba_cache_dtype, the delta rule's states in config.mamba_ssm_cache_dtype (auto: the model's dtype, or
-    mamba_cache_dtype where that is given, as vLLM reads them)."""
+    """The model's state slots, or None for a model without linear-attention layers, in `state_dtypes`."""
     found = model.recurrent_states()
     if found is None:
         return None
     num_layers, spec = found
-    conv_dtype = dtype if config.mamba_cache_dtype == "auto" else getattr(torch, config.mamba_cache_dtype)
-    given = config.mamba_ssm_cache_dtype
-    ssm_dtype = conv_dtype if given == "auto" else getattr(torch, given)
+    conv_dtype, ssm_dtype = state_dtypes(config, dtype)
     per_slot = num_layers * spec.bytes_per_slot(conv_dtype, ssm_dtype)
     budget = static_budget(device, config.mem_fraction_static)[
         0
@@ -62,11 +79,8 @@ def recurrent_states(
             f"layers, states {ssm_dtype}) beside the weights; raise mem_fraction_static or use "
             "--mamba-ssm-cache-dtype bfloat16"
         )
-    # with prefix caching, as many checkpoints as slots (at most half of what fits: one a running request's
-    # prompt, or a document and its questions' junction)
-    keep = config.enable_prefix_caching and config.mamba_cache_mode == "align"
-    slots = min(want, max(1, fits // 2)) if keep else min(want, fits)
-    checkpoints = min(want, fits - slots) if keep else 0
+    keep = keeps_checkpoints(config)
+    slots, checkpoints = state_rows(fits, want, keep)
     if slots < want:
         logger.warning(
             "%d recurrent-state slots (%.2f GiB) fit in %s, of %d asked for (--max-num-seqs)%s: at most %d "

@@ -234,3 +234,41 @@ def test_triton_kernels_share_each_steps_chunk_map(hybrid_ckpt, baseline, monkey
     linear_layers = sum(not layer.attends for layer in engine.runner.model.model.layers)
     assert linear_layers > 1 and maps and len(prefills) == linear_layers * len(maps)
     assert all(c is not None for c in prefills)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},  # every slot and as many checkpoints fit
+        {"mamba_cache_mode": "none"},  # slots only
+        {"max_mamba_cache_size": 3},
+        {"mamba_ssm_cache_dtype": "bfloat16", "mamba_full_memory_ratio": 0.25},
+        {"scarce": True},  # the states' share holds fewer rows than asked for
+    ],
+)
+def test_bench_latency_plans_the_states_the_engine_allocates(hybrid_ckpt, monkeypatch, kw):
+    """bench latency sizes its KV pool after a hybrid model's state rows (latency_plan.hybrid_state_bytes), as the
+    engine sizes them (runner/state_plan.py): the same bytes from the same budget, in each of the settings' cases."""
+    import json
+    import os
+
+    from longserve import platform
+    from longserve.bench.latency_plan import dtype_bytes, hybrid_state_bytes
+
+    kw = dict(kw)
+    scarce = kw.pop("scarce", False)
+    per_row = llm(hybrid_ckpt, max_running_requests=4).engine.runner.states.nbytes // 8
+    total, used = 2**40, 2**30
+    monkeypatch.setattr(platform, "available_memory_bytes", lambda device: (total, total - used))
+    budget = (
+        (11 if scarce else 100) * per_row / 0.5
+    )  # 11 rows at the default half: 5 slots beside 5 checkpoints
+    m = llm(hybrid_ckpt, max_running_requests=8, mem_fraction_static=(used + budget) / total, **kw)
+    with open(os.path.join(hybrid_ckpt, "config.json")) as f:
+        cfg = json.load(f)
+    config = m.engine.config
+    assert (
+        hybrid_state_bytes(cfg, config, dtype_bytes(config, cfg), budget, 8) == m.engine.runner.states.nbytes
+    )
+    if scarce:
+        assert m.engine.kv.states.num_total == 5
