@@ -3,8 +3,9 @@ KV pool against them (latency_plan.py). A quantized checkpoint's layers hold the
 with its group scales ~0.52 of a byte, FP8 / int8 one), the embeddings and LM head stay at the model's dtype; the
 decoder's dense part (attention, linear attention, shared experts, dense MLPs) counts at the dtype wherever the
 format keeps one of those module kinds in float (the official Qwen3.5 GPTQ-Int4 checkpoints keep attention, linear
-attention and the shared experts in bf16, their routed experts int4). An estimate for a memory plan: it errs high
-(a dense part partly float counts whole), never low."""
+attention and the shared experts in bf16, their routed experts int4). An estimate for a memory plan: a few percent
+low at most (norms, g_idx and routers are not counted: tests/unit/test_weight_bytes.py), high where a dense part is
+partly float (it counts whole)."""
 
 from __future__ import annotations
 
@@ -22,9 +23,8 @@ def quant_format(cfg: dict[str, Any], quantization: str | None, load_format: str
     """The format the engine will load `cfg` in (config.json's quantization_config, or --quantization's: FP8 on a
     float checkpoint, a format's defaults for dummy weights), checked as the engine checks it."""
     hf = SimpleNamespace(**cfg)
-    log = logging.getLogger(
-        "longserve.models.quant"
-    )  # its notes ("dummy weights in gptq format") are the engine's
+    # its notes ("dummy weights in gptq format") are the engine's to give
+    log = logging.getLogger("longserve.models.quant")
     level = log.level
     log.setLevel(logging.WARNING)
     try:
