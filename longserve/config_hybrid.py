@@ -1,5 +1,6 @@
 """EngineConfig's hybrid-model (Qwen3.5, Qwen3-Next) state settings, checked as one: mamba_ssm_cache_dtype,
-mamba_cache_dtype, mamba_cache_mode, max_mamba_cache_size and mamba_full_memory_ratio (vLLM's and SGLang's names). Called from
+mamba_cache_dtype, mamba_cache_mode, max_mamba_cache_size, mamba_full_memory_ratio, and SGLang's
+mamba_scheduler_strategy / mamba_track_interval, accepted with no effect (vLLM's and SGLang's names). Called from
 EngineConfig.__post_init__ (longserve/config.py) with its `need`, so a refusal is the same ConfigError naming the
 same settings; it imports nothing of config.py, which imports it. runner/state_plan.py acts on them."""
 
@@ -14,6 +15,8 @@ MAMBA_SSM_DTYPES = ("auto", "float32", "bfloat16", "float16")
 # (cache/state_radix_tree.py); none, no states kept (a hybrid model shares no prefix). vLLM's "all" (a state at
 # every block) is not offered: refused by name
 MAMBA_CACHE_MODES = ("align", "none")
+# SGLang's --mamba-scheduler-strategy values: accepted, no effect (longserve's hybrid prefix cache is its own)
+MAMBA_SCHEDULER_STRATEGIES = ("auto", "no_buffer", "extra_buffer")
 
 
 def check_hybrid_settings(config: Any, need: Callable[..., None]) -> None:
@@ -35,6 +38,18 @@ def check_hybrid_settings(config: Any, need: Callable[..., None]) -> None:
         f"mamba_cache_mode must be align or none (states saved where prompt chunks end on a page, or none "
         f"kept); got {config.mamba_cache_mode!r}",
         "mamba_cache_mode",
+    )
+    need(
+        config.mamba_scheduler_strategy in MAMBA_SCHEDULER_STRATEGIES,
+        f"mamba_scheduler_strategy must be one of {', '.join(MAMBA_SCHEDULER_STRATEGIES)} (SGLang's; no effect "
+        f"here); got {config.mamba_scheduler_strategy!r}",
+        "mamba_scheduler_strategy",
+    )
+    interval = config.mamba_track_interval
+    need(
+        interval is None or (isinstance(interval, int) and not isinstance(interval, bool) and interval >= 1),
+        f"mamba_track_interval must be an integer >= 1 (SGLang's; no effect here); got {interval!r}",
+        "mamba_track_interval",
     )
     ratio = config.mamba_full_memory_ratio
     need(

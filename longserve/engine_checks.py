@@ -54,6 +54,19 @@ def log_ignored_settings(config: EngineConfig, hf_config: Any) -> None:
             "instead of swapping it to the CPU",
             config.swap_space,
         )
+    if config.mamba_scheduler_strategy != "auto":
+        logger.info(
+            "mamba_scheduler_strategy=%s (--mamba-scheduler-strategy) has no effect: a hybrid model's prefix cache "
+            "keeps its own state checkpoints where prompt chunks end on a page (--mamba-cache-mode align), with "
+            "pages of any size and the overlapped schedule",
+            config.mamba_scheduler_strategy,
+        )
+    if config.mamba_track_interval is not None:
+        logger.info(
+            "mamba_track_interval=%d (--mamba-track-interval) has no effect: decode steps save no state "
+            "checkpoint (a conversation's next turn resumes after the previous turn's prompt)",
+            config.mamba_track_interval,
+        )
     if (config.enable_expert_parallel or config.ep_size > 1) and moe_spec(hf_config) is None:
         logger.warning(
             "expert parallelism (--enable-expert-parallel / --ep-size %d) has no effect: %s is not a mixture "

@@ -18,7 +18,7 @@ from longserve.config import (
     LOAD_FORMATS,
     RUNNERS,
 )
-from longserve.config_hybrid import MAMBA_CACHE_MODES, MAMBA_SSM_DTYPES
+from longserve.config_hybrid import MAMBA_CACHE_MODES, MAMBA_SCHEDULER_STRATEGIES, MAMBA_SSM_DTYPES
 from longserve.platform import attention_backend_help
 from longserve.server.config import METRICS_NAMES
 
@@ -260,6 +260,12 @@ OPTIONS: tuple[Option, ...] = (
            "a hybrid model's state rows may take the share r / (1 + r) of the memory the weights leave, the KV "
            "pool the rest (SGLang's; its default 0.9 gives the states 47%%)", float,
            default_help="1: half"),
+    Option(("--mamba-scheduler-strategy",), E + "mamba_scheduler_strategy",
+           "SGLang's hybrid-model radix-cache strategy: accepted, no effect (longserve's hybrid prefix cache keeps "
+           "its own checkpoints: --mamba-cache-mode; said in the start-up log)", choices=MAMBA_SCHEDULER_STRATEGIES),
+    Option(("--mamba-track-interval",), E + "mamba_track_interval",
+           "SGLang's decode-state tracking interval: accepted, no effect (decode steps save no state checkpoint; "
+           "said in the start-up log)", int, default_help="none"),
     Option(("--strict-model-name",), S + "strict_model_name",
            "answer 404 to a `model` this server does not serve (vLLM); by default any name is served, as "
            "SGLang does (\"default\" always is)", None),

@@ -272,3 +272,21 @@ def test_bench_latency_plans_the_states_the_engine_allocates(hybrid_ckpt, monkey
     )
     if scarce:
         assert m.engine.kv.states.num_total == 5
+
+
+def test_sglang_state_strategy_flags_are_accepted_and_said_to_have_no_effect(hybrid_ckpt, baseline, caplog):
+    """SGLang's --mamba-scheduler-strategy / --mamba-track-interval from its Qwen3.5 launch lines: the engine starts,
+    says at start-up that they change nothing, and gives the same tokens; a value SGLang does not know is refused."""
+    import logging
+
+    from longserve.config import ConfigError
+
+    ps, alone = baseline
+    with caplog.at_level(logging.INFO, logger="longserve"):
+        m = llm(hybrid_ckpt, mamba_scheduler_strategy="extra_buffer", mamba_track_interval=128)
+    assert "mamba_scheduler_strategy=extra_buffer (--mamba-scheduler-strategy) has no effect" in caplog.text
+    assert "mamba_track_interval=128 (--mamba-track-interval) has no effect" in caplog.text
+    assert [o.token_ids for o in m.generate(ps[:2], GREEDY32)] == alone[:2]
+    assert_clean(m.engine)
+    with pytest.raises(ConfigError, match="mamba_track_interval must be an integer >= 1"):
+        llm(hybrid_ckpt, mamba_track_interval=0)

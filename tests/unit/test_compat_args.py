@@ -162,6 +162,13 @@ def test_hybrid_state_flags_of_vllm_and_sglang(capsys):
         ["--mamba-cache-dtype", "float32"], environ={}
     )  # vLLM's: the conv state (and the ssm's)
     assert (engine.mamba_cache_dtype, engine.mamba_ssm_cache_dtype) == ("float32", "auto")
+    # SGLang's Qwen3-Next / Qwen3.5 launch lines as its own tests write them
+    engine, _ = parse(["--mamba-scheduler-strategy", "extra_buffer", "--mamba-track-interval", "128",
+                       "--mamba-ssm-dtype", "bfloat16", "--max-mamba-cache-size", "160"], environ={})  # fmt: skip
+    assert (engine.mamba_scheduler_strategy, engine.mamba_track_interval) == ("extra_buffer", 128)
+    with pytest.raises(SystemExit):
+        parse(["--mamba-scheduler-strategy", "ping_pong"], environ={})
+    assert "invalid choice: 'ping_pong'" in capsys.readouterr().err
     engine, _ = parse(["--mamba-full-memory-ratio", "0.9"], environ={})  # SGLang's launch lines for Qwen3.5
     assert engine.mamba_full_memory_ratio == 0.9 and parse([], environ={})[0].mamba_full_memory_ratio is None
     with pytest.raises(SystemExit):
