@@ -1,6 +1,7 @@
 """EngineConfig's hybrid-model (Qwen3.5, Qwen3-Next) state settings, checked as one: mamba_ssm_cache_dtype,
 mamba_cache_dtype, mamba_cache_mode, max_mamba_cache_size, mamba_full_memory_ratio, and SGLang's
-mamba_scheduler_strategy / mamba_track_interval, accepted with no effect (vLLM's and SGLang's names). Called from
+mamba_scheduler_strategy / mamba_track_interval / kernel choices, accepted with no effect (vLLM's and SGLang's
+names). Called from
 EngineConfig.__post_init__ (longserve/config.py) with its `need`, so a refusal is the same ConfigError naming the
 same settings; it imports nothing of config.py, which imports it. runner/state_plan.py acts on them."""
 
@@ -17,6 +18,14 @@ MAMBA_SSM_DTYPES = ("auto", "float32", "bfloat16", "float16")
 MAMBA_CACHE_MODES = ("align", "none")
 # SGLang's --mamba-scheduler-strategy values: accepted, no effect (longserve's hybrid prefix cache is its own)
 MAMBA_SCHEDULER_STRATEGIES = ("auto", "no_buffer", "extra_buffer")
+# SGLang's kernel choices for a hybrid model's linear attention (--mamba-backend; --linear-attn-backend and its
+# decode / prefill overrides): accepted, no effect (longserve runs its own Triton kernels, kernels/gated_delta*.py)
+KERNEL_CHOICES = {
+    "mamba_backend": ("triton", "flashinfer"),
+    "linear_attn_backend": ("triton", "cutedsl", "flashinfer"),
+    "linear_attn_decode_backend": ("triton", "cutedsl", "flashinfer"),
+    "linear_attn_prefill_backend": ("triton", "cutedsl", "flashinfer"),
+}
 
 
 def check_hybrid_settings(config: Any, need: Callable[..., None]) -> None:
@@ -45,6 +54,13 @@ def check_hybrid_settings(config: Any, need: Callable[..., None]) -> None:
         f"here); got {config.mamba_scheduler_strategy!r}",
         "mamba_scheduler_strategy",
     )
+    for name, choices in KERNEL_CHOICES.items():
+        value = getattr(config, name)
+        need(
+            value is None or value in choices,
+            f"{name} must be one of {', '.join(choices)} (SGLang's; no effect here); got {value!r}",
+            name,
+        )
     interval = config.mamba_track_interval
     need(
         interval is None or (isinstance(interval, int) and not isinstance(interval, bool) and interval >= 1),

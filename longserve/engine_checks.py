@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from longserve.config import EngineConfig
+from longserve.config_hybrid import KERNEL_CHOICES
 from longserve.models.moe_layout import moe_spec
 from longserve.request import int64_array
 from longserve.sampling_params import SamplingParams, check_logprobs_limit
@@ -66,6 +67,15 @@ def log_ignored_settings(config: EngineConfig, hf_config: Any) -> None:
             "mamba_track_interval=%d (--mamba-track-interval) has no effect: decode steps save no state "
             "checkpoint (a conversation's next turn resumes after the previous turn's prompt)",
             config.mamba_track_interval,
+        )
+    kernels = [
+        f"{name}={getattr(config, name)}" for name in KERNEL_CHOICES if getattr(config, name) is not None
+    ]
+    if kernels:
+        logger.info(
+            "%s (SGLang's linear-attention kernel choices) %s no effect: longserve runs its own Triton kernels",
+            ", ".join(kernels),
+            "has" if len(kernels) == 1 else "have",
         )
     if (config.enable_expert_parallel or config.ep_size > 1) and moe_spec(hf_config) is None:
         logger.warning(

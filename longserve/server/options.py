@@ -18,7 +18,12 @@ from longserve.config import (
     LOAD_FORMATS,
     RUNNERS,
 )
-from longserve.config_hybrid import MAMBA_CACHE_MODES, MAMBA_SCHEDULER_STRATEGIES, MAMBA_SSM_DTYPES
+from longserve.config_hybrid import (
+    KERNEL_CHOICES,
+    MAMBA_CACHE_MODES,
+    MAMBA_SCHEDULER_STRATEGIES,
+    MAMBA_SSM_DTYPES,
+)
 from longserve.platform import attention_backend_help
 from longserve.server.config import METRICS_NAMES
 
@@ -266,6 +271,13 @@ OPTIONS: tuple[Option, ...] = (
     Option(("--mamba-track-interval",), E + "mamba_track_interval",
            "SGLang's decode-state tracking interval: accepted, no effect (decode steps save no state checkpoint; "
            "said in the start-up log)", int, default_help="none"),
+    *(
+        Option((flag,), E + flag[2:].replace("-", "_"),
+               "SGLang's kernel choice for a hybrid model's linear attention: accepted, no effect (longserve runs its "
+               "own Triton kernels; said in the start-up log)", choices=KERNEL_CHOICES[flag[2:].replace("-", "_")])
+        for flag in ("--mamba-backend", "--linear-attn-backend", "--linear-attn-decode-backend",
+                     "--linear-attn-prefill-backend")
+    ),
     Option(("--strict-model-name",), S + "strict_model_name",
            "answer 404 to a `model` this server does not serve (vLLM); by default any name is served, as "
            "SGLang does (\"default\" always is)", None),

@@ -274,7 +274,7 @@ def test_bench_latency_plans_the_states_the_engine_allocates(hybrid_ckpt, monkey
         assert m.engine.kv.states.num_total == 5
 
 
-def test_sglang_state_strategy_flags_are_accepted_and_said_to_have_no_effect(hybrid_ckpt, baseline, caplog):
+def test_sglang_state_and_kernel_flags_are_accepted_and_said_to_have_no_effect(hybrid_ckpt, baseline, caplog):
     """SGLang's --mamba-scheduler-strategy / --mamba-track-interval from its Qwen3.5 launch lines: the engine starts,
     says at start-up that they change nothing, and gives the same tokens; a value SGLang does not know is refused."""
     import logging
@@ -283,10 +283,21 @@ def test_sglang_state_strategy_flags_are_accepted_and_said_to_have_no_effect(hyb
 
     ps, alone = baseline
     with caplog.at_level(logging.INFO, logger="longserve"):
-        m = llm(hybrid_ckpt, mamba_scheduler_strategy="extra_buffer", mamba_track_interval=128)
+        m = llm(
+            hybrid_ckpt, mamba_scheduler_strategy="extra_buffer", mamba_track_interval=128,
+            linear_attn_backend="flashinfer", mamba_backend="triton",
+        )  # fmt: skip
     assert "mamba_scheduler_strategy=extra_buffer (--mamba-scheduler-strategy) has no effect" in caplog.text
     assert "mamba_track_interval=128 (--mamba-track-interval) has no effect" in caplog.text
+    assert (
+        "mamba_backend=triton, linear_attn_backend=flashinfer (SGLang's linear-attention kernel"
+        in caplog.text
+    )
     assert [o.token_ids for o in m.generate(ps[:2], GREEDY32)] == alone[:2]
     assert_clean(m.engine)
     with pytest.raises(ConfigError, match="mamba_track_interval must be an integer >= 1"):
         llm(hybrid_ckpt, mamba_track_interval=0)
+    with pytest.raises(
+        ConfigError, match="linear_attn_prefill_backend must be one of triton, cutedsl, flashinfer"
+    ):
+        llm(hybrid_ckpt, linear_attn_prefill_backend="cuda")

@@ -166,6 +166,12 @@ def test_hybrid_state_flags_of_vllm_and_sglang(capsys):
     engine, _ = parse(["--mamba-scheduler-strategy", "extra_buffer", "--mamba-track-interval", "128",
                        "--mamba-ssm-dtype", "bfloat16", "--max-mamba-cache-size", "160"], environ={})  # fmt: skip
     assert (engine.mamba_scheduler_strategy, engine.mamba_track_interval) == ("extra_buffer", 128)
+    engine, _ = parse(["--linear-attn-backend", "flashinfer", "--mamba-backend", "triton"], environ={})
+    assert (engine.linear_attn_backend, engine.mamba_backend, engine.linear_attn_decode_backend) == (
+        "flashinfer",
+        "triton",
+        None,
+    )
     with pytest.raises(SystemExit):
         parse(["--mamba-scheduler-strategy", "ping_pong"], environ={})
     assert "invalid choice: 'ping_pong'" in capsys.readouterr().err
