@@ -1,15 +1,16 @@
-"""vLLM 0.24 against longserve on a hybrid (Gated DeltaNet + full attention) MoE model, one GPU, offline: cold
-TTFT at 8K / 32K, a 32K cached prefix + 64 new tokens, decode at batch 1 over a 32K context. vLLM 0.24 serves
-Qwen3.5 only as its vision-language model (`Qwen3_5MoeForConditionalGeneration`), so both engines run Qwen3-Next
+"""vLLM 0.24 against longserve on a hybrid (Gated DeltaNet + full attention) model, one GPU, offline: cold TTFT at
+8K / 32K, a 32K cached prefix + 64 new tokens, decode at batch 1 over a 32K context. vLLM 0.24 serves Qwen3.5 only
+as its vision-language model (`Qwen3_5MoeForConditionalGeneration`), so both engines run Qwen3-Next
 (`Qwen3NextForCausalLM`, the same decoder layers: 3 of 4 linear attention, head dim 256, 2 KV heads, experts of
 512 with a shared one), at Qwen3-Next-80B-A3B's sizes with 12 of its 48 layers (38.7 GB of experts: one H100 holds
-them beside either engine's cache), dummy weights, token-id prompts. vLLM measures as the anchors' scripts do: the
+them beside either engine's cache), or with `--dense` all 48 layers with dense MLPs (the slim vLLM anchor ships no
+MoE kernels: vLLM's MoE model fails in its first forward), dummy weights, token-id prompts. vLLM measures as the anchors' scripts do: the
 wall of a 1-token generate, best of 3 fresh prompts; decode ITL = (wall(161) - wall(33)) / 128 over a cached
 prompt. vLLM caches a hybrid's prefix in its "align" mode (the default with prefix caching on), so its hit starts
 from the last state it kept: the cached token count is printed beside each hit.
 
-    python3 scripts/gpu/vllm_hybrid_cases.py --write-config DIR      # DIR/config.json only (longserve's side)
-    PYTHONPATH=/tmp/site python3 scripts/gpu/vllm_hybrid_cases.py DIR  # vLLM's side on that folder
+    python3 scripts/gpu/vllm_hybrid_cases.py --write-config DIR [--dense]  # DIR/config.json only (longserve's side)
+    PYTHONPATH=/tmp/site python3 scripts/gpu/vllm_hybrid_cases.py DIR      # vLLM's side on that folder
 """
 
 from __future__ import annotations
@@ -48,10 +49,23 @@ CONFIG = {
 }
 
 
-def write_config(folder: str) -> None:
+# the same decoder with dense MLPs in all 48 layers (Qwen3-Next's `mlp_only_layers`, intermediate 5120): the slim vLLM
+# anchor ships no MoE kernels (`_moe_C`), so this is the hybrid shape both engines can run (GDN and attention layers
+# as the MoE model's; 6.5 GB of bf16 weights)
+DENSE_LAYERS = 48
+DENSE_CONFIG = {
+    **CONFIG,
+    "num_hidden_layers": DENSE_LAYERS,
+    "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
+    * (DENSE_LAYERS // 4),
+    "mlp_only_layers": list(range(DENSE_LAYERS)),
+}
+
+
+def write_config(folder: str, dense: bool = False) -> None:
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(CONFIG, f, indent=1)
+        json.dump(DENSE_CONFIG if dense else CONFIG, f, indent=1)
 
 
 def vllm_cases(folder: str) -> None:
@@ -64,6 +78,11 @@ def vllm_cases(folder: str) -> None:
         os.environ.setdefault(key, value)
     from vllm import LLM, SamplingParams
 
+    global MODEL
+    with open(os.path.join(folder, "config.json")) as f:
+        cfg = json.load(f)
+    dense = len(cfg.get("mlp_only_layers") or []) == cfg["num_hidden_layers"]
+    MODEL = f"qwen3-next {cfg['num_hidden_layers']} layers, {'dense MLPs' if dense else 'MoE'}"
     t0 = time.perf_counter()
     llm = LLM(model=folder, load_format="dummy", dtype="bfloat16", max_model_len=40960, skip_tokenizer_init=True,
               enable_prefix_caching=True, gpu_memory_utilization=0.85, seed=0)  # fmt: skip
@@ -98,12 +117,15 @@ def vllm_cases(folder: str) -> None:
     )
 
 
+MODEL = "qwen3-next"  # with the folder's layer count and MLPs (vllm_cases)
+
+
 def emit(**kw: object) -> None:
-    print(json.dumps({"engine": "vllm-0.24.0", "model": f"qwen3-next {LAYERS} layers", **kw}), flush=True)
+    print(json.dumps({"engine": "vllm-0.24.0", "model": MODEL, **kw}), flush=True)
 
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--write-config"]:
-        write_config(sys.argv[2])
+        write_config(sys.argv[2], dense="--dense" in sys.argv[3:])
     else:
         vllm_cases(sys.argv[1])

@@ -31,10 +31,12 @@ if [[ $MODE == hybrid ]]; then
     --prompt-lens 8192,32768 --prefix-hit 32768:64 --decode-batch-sizes 1@32768,64@4096
 fi
 
-# hybrid-vllm (~8 min, .anchor/ carried): longserve against vLLM 0.24 on one hybrid MoE shape
-# (scripts/gpu/vllm_hybrid_cases.py: Qwen3-Next with 12 of its 48 layers, the architecture both engines serve as
-# a text model), cold 8K / 32K, a 32K prefix + 64, decode at batch 1 over 32K; longserve's cases profiled (the
-# 35B-A3B's 32K hit took 62 ms against a 10.8 ms floor on an H100, 2026-12-07: its kernels by time)
+# hybrid-vllm (~9 min, .anchor/ carried, records moved aside): longserve against vLLM 0.24 on a hybrid shape both
+# serve as a text model (scripts/gpu/vllm_hybrid_cases.py: Qwen3-Next's decoder). vLLM's MoE cannot run from the slim
+# anchor (no `_moe_C` ops: forty-seventh session), so the pair runs the 48-layer decoder with dense MLPs (its GDN
+# and attention layers as the MoE model's): cold 8K / 32K, a 32K prefix + 64, decode at batch 1 over 32K. Before it,
+# longserve alone on the 12-layer MoE shape, profiled (the hit's host time), and cold prompts without state marks
+# (--mamba-cache-mode none: what the extra step at a cold prompt's last full page costs).
 if [[ $MODE == hybrid-vllm ]]; then
   python3 scripts/gpu/vllm_hybrid_cases.py --write-config /tmp/qwen3_next_12l
   LATENCY_TIMEOUT=200 latency_with qnext12 "" -- --config /tmp/qwen3_next_12l/config.json "${dummy[@]}" \
@@ -42,16 +44,18 @@ if [[ $MODE == hybrid-vllm ]]; then
   grep -h "wall .* ms, busy" "$OUT/latency_qnext12.log" | sed 's/^\[bench latency [0-9:]*\] //'
   top_ops "$OUT/latency_qnext12.json" > "$OUT/top_ops_qnext12.txt"; head -60 "$OUT/top_ops_qnext12.txt"
   grep -A16 "prefix-32768:64: host profile" "$OUT/latency_qnext12.log" | head -20
-  # what the state marks cost a cold prompt: without them (no hybrid prefix cache) a lone prompt takes no extra step
-  # at its last full page (engine cold prompts past 512 tokens are cut there to save the state: not yet measured)
   LATENCY_TIMEOUT=150 latency_with qnext12_nomarks "no marks" -- --config /tmp/qwen3_next_12l/config.json \
     "${dummy[@]}" --prompt-lens 8192,32768 --mamba-cache-mode none
+  python3 scripts/gpu/vllm_hybrid_cases.py --write-config /tmp/qwen3_next_dense --dense
+  LATENCY_TIMEOUT=200 latency_with qnext_dense "longserve" -- --config /tmp/qwen3_next_dense/config.json \
+    "${dummy[@]}" --prompt-lens 8192,32768 --prefix-hit 32768:64 --decode-batch-sizes 1@32768
   if unpack_vllm; then
     # vLLM's Qwen3-Next imports compressed-tensors (its GDN layer's quantization configs; the Llama of the other
     # vLLM modes does not): its wheel and loguru's, which fetch_test_wheels.sh copies into .anchor/
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .anchor/compressed_tensors-*.whl \
       .anchor/loguru-*.whl || status=1
-    PYTHONPATH=/tmp/site:$PYTHONPATH timeout 300 python3 scripts/gpu/vllm_hybrid_cases.py /tmp/qwen3_next_12l > "$OUT/vllm_hybrid.log" 2>&1 || status=1
+    PYTHONPATH=/tmp/site:$PYTHONPATH timeout 330 python3 scripts/gpu/vllm_hybrid_cases.py /tmp/qwen3_next_dense \
+      > "$OUT/vllm_hybrid.log" 2>&1 || status=1
     grep '^{"engine"' "$OUT/vllm_hybrid.log" || tail -30 "$OUT/vllm_hybrid.log"
   else
     status=1
