@@ -24,7 +24,13 @@ from typing import TYPE_CHECKING, Any
 from longserve.bench.configs import BUILTIN_CONFIGS
 from longserve.bench.hf_compare import run_hf
 from longserve.bench.latency_cases import Measure, bench_engine, free_memory, log
-from longserve.bench.latency_plan import decode_cases, dtype_bytes, graph_plan, plan, read_model_config
+from longserve.bench.latency_plan import (
+    dtype_bytes,
+    graph_plan,
+    plan,
+    read_model_config,
+    running_requests,
+)
 from longserve.bench.report import report, run_metadata
 from longserve.bench.roofline import attach_floors, card_peaks
 
@@ -233,7 +239,7 @@ def run_from_args(
             config,
             max_total_tokens=pool,
             context_length=context_length,
-            max_running_requests=max([config.max_running_requests, *(b for b, _ in decode_cases(args))]),
+            max_running_requests=running_requests(args, config),
             # a probe's own cases (measure) may run steps args' cases do not: a server's graphs
             **({} if measure else graph_plan(args, given, config)),
         )

@@ -52,11 +52,11 @@ def estimate_bytes(
     every expert of an MoE model counts (roofline.model_costs), its layers in their quantization format's bytes
     (`quant`: bench/weight_bytes.py), its K/V in kv_itemsize (an fp8 cache: 1; default itemsize); under tensor
     or expert parallelism a rank holds 1/tp of the weights and of the kv heads (at least one)."""
-    from longserve.bench.roofline import model_costs
+    from longserve.bench.roofline import model_costs, text_model_config
     from longserve.models.moe_layout import moe_spec
 
     costs = model_costs(cfg, itemsize)
-    text = {**cfg, **cfg.get("text_config", {})}
+    text = text_model_config(cfg)
     spec = moe_spec(text)
     dense_b, expert_b = layer_bytes_per_param(
         quant,
@@ -82,9 +82,10 @@ def hybrid_state_bytes(
     import torch
 
     from longserve.attention.recurrent_state import RecurrentStateSpec
+    from longserve.bench.roofline import text_model_config
     from longserve.runner.state_plan import keeps_checkpoints, state_dtypes, state_rows, state_share
 
-    text = {**cfg, **cfg.get("text_config", {})}
+    text = text_model_config(cfg)
     kinds = list(text.get("layer_types") or [])[: text["num_hidden_layers"]]
     linear = sum(kind == "linear_attention" for kind in kinds)
     if not linear:
@@ -110,6 +111,11 @@ def decode_new_tokens(decode_steps: int, batch: int, config: EngineConfig) -> in
     """max_new_tokens of a decode case's requests: settling steps (each request recomputes at most one page)
     + the timed steps + a margin (one untimed step before the timed ones among it)."""
     return decode_steps + math.ceil(batch * config.page_size / config.chunked_prefill_size) + 4
+
+
+def running_requests(args: argparse.Namespace, config: EngineConfig) -> int:
+    """The most requests the benchmark's engine runs at once: the config's, at least the largest decode batch."""
+    return max([config.max_running_requests, *(b for b, _ in decode_cases(args))])
 
 
 def decode_cases(args: argparse.Namespace) -> list[tuple[int, int]]:
@@ -172,9 +178,10 @@ def plan(
         total, free = available_memory_bytes(resolve_device(config.device))
         budget = total * config.mem_fraction_static - (total - free) - weights
         # a hybrid model's state rows come first (the engine sizes them, then its KV pool from the rest), for as
-        # many running requests as the engine will be built for (run_from_args: the largest decode batch at least)
-        want = max([config.max_running_requests, *(b for b, _ in decode_cases(args))])
-        states = hybrid_state_bytes(cfg, config, dtype_bytes(config, cfg), budget, want)
+        # many running requests as the engine will be built for
+        states = hybrid_state_bytes(
+            cfg, config, dtype_bytes(config, cfg), budget, running_requests(args, config)
+        )
         budget -= states
         limit = max(int(budget // kv_per_token) // ps * ps, ps)
         # size the pool for the largest case that fits: the memory left over is the activations' headroom

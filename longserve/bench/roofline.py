@@ -102,12 +102,18 @@ def _gated_delta_params(cfg: dict[str, Any]) -> int:
     return h * (2 * key + value) + h * value + 2 * h * hv + value * h + conv + 2 * hv
 
 
+def text_model_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A config.json dict with a vision-language checkpoint's (Qwen3.5) `text_config` keys over the top level's:
+    the decoder the engine serves."""
+    return {**cfg, **cfg.get("text_config", {})}
+
+
 def model_costs(cfg: dict[str, Any], itemsize: int) -> ModelCosts:
     """The costs of a config.json dict (dense, MoE or hybrid) with weights and KV of `itemsize` bytes;
     `num_layers` counts the layers with K/V (a hybrid model's full-attention layers)."""
     from longserve.models.moe_layout import moe_spec  # pure Python, but its package imports torch
 
-    cfg = {**cfg, **cfg.get("text_config", {})}  # a vision-language checkpoint (Qwen3.5): its text model's
+    cfg = text_model_config(cfg)
     h, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
     n_q = cfg["num_attention_heads"]
     n_kv = _get(cfg, "num_key_value_heads", n_q)
