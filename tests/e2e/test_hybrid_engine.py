@@ -30,6 +30,16 @@ def run_all(path, ps, params=GREEDY32, **kw):
     return [o.token_ids for o in outs], m.engine
 
 
+def fraction_leaving(monkeypatch):
+    """A device of 1 TiB with 1 GiB in use (the weights): f(budget) is the mem_fraction_static that leaves `budget`
+    bytes beside them for the states and the KV pool."""
+    from longserve import platform
+
+    total, used = 2**40, 2**30
+    monkeypatch.setattr(platform, "available_memory_bytes", lambda device: (total, total - used))
+    return lambda budget: (used + budget) / total
+
+
 @pytest.mark.parametrize("arch", HYBRID_ARCHS)
 def test_greedy_equals_transformers(tmp_path, arch):
     path = make_tiny_checkpoint(tmp_path, arch, seed=3)
@@ -147,24 +157,22 @@ def test_state_slots_fit_half_the_memory_left(hybrid_ckpt, baseline, monkeypatch
     warning says so) and requests wait for one; none fitting is a start-up error naming what to change."""
     import logging
 
-    from longserve import platform
     from longserve.runner import state_plan
 
     ps, alone = baseline
     m = llm(hybrid_ckpt, max_running_requests=4)
     per_slot = m.engine.runner.states.nbytes // 4
-    total, used = 2**40, 2**30  # a device with 1 GiB in use (the weights)
-    monkeypatch.setattr(platform, "available_memory_bytes", lambda device: (total, total - used))
+    fraction = fraction_leaving(monkeypatch)
     budget = 3.5 * per_slot / state_plan.STATE_SHARE  # what mem_fraction_static leaves beside the weights
     with caplog.at_level(logging.WARNING, logger="longserve.runner"):
-        m = llm(hybrid_ckpt, max_running_requests=4, mem_fraction_static=(used + budget) / total)
+        m = llm(hybrid_ckpt, max_running_requests=4, mem_fraction_static=fraction(budget))
     assert m.engine.kv.states.num_total == 3 and "3 recurrent-state slots" in caplog.text
     assert [o.token_ids for o in m.generate(ps, GREEDY32)] == alone  # four prompts over three slots
     assert_clean(m.engine)
     with pytest.raises(
         RuntimeError, match="no memory for one recurrent-state slot.*mamba-ssm-cache-dtype bfloat16"
     ):
-        llm(hybrid_ckpt, mem_fraction_static=(used + 100) / total)
+        llm(hybrid_ckpt, mem_fraction_static=fraction(100))
 
 
 def test_mamba_full_memory_ratio_sets_the_states_share(hybrid_ckpt, baseline, monkeypatch, caplog):
@@ -173,16 +181,13 @@ def test_mamba_full_memory_ratio_sets_the_states_share(hybrid_ckpt, baseline, mo
     prefix-cache checkpoints, a warning, and four prompts served over the two slots; r = 0 is refused by name."""
     import logging
 
-    from longserve import platform
     from longserve.config import ConfigError
 
     ps, alone = baseline
     per_slot = (
         llm(hybrid_ckpt, max_running_requests=4).engine.runner.states.nbytes // 8
     )  # slots + checkpoints
-    total, used = 2**40, 2**30
-    monkeypatch.setattr(platform, "available_memory_bytes", lambda device: (total, total - used))
-    frac = (used + 16.5 * per_slot) / total  # 8.25 rows at half, 4.1 at a quarter
+    frac = fraction_leaving(monkeypatch)(16.5 * per_slot)  # 8.25 rows at half, 4.1 at a quarter
     m = llm(hybrid_ckpt, max_running_requests=4, mem_fraction_static=frac)
     assert (m.engine.kv.states.num_total, m.engine.runner.num_state_checkpoints) == (4, 4)
     with caplog.at_level(logging.WARNING, logger="longserve.runner"):
@@ -252,18 +257,15 @@ def test_bench_latency_plans_the_states_the_engine_allocates(hybrid_ckpt, monkey
     import json
     import os
 
-    from longserve import platform
     from longserve.bench.latency_plan import dtype_bytes, hybrid_state_bytes
 
     kw = dict(kw)
     scarce = kw.pop("scarce", False)
     per_row = llm(hybrid_ckpt, max_running_requests=4).engine.runner.states.nbytes // 8
-    total, used = 2**40, 2**30
-    monkeypatch.setattr(platform, "available_memory_bytes", lambda device: (total, total - used))
-    budget = (
-        (11 if scarce else 100) * per_row / 0.5
-    )  # 11 rows at the default half: 5 slots beside 5 checkpoints
-    m = llm(hybrid_ckpt, max_running_requests=8, mem_fraction_static=(used + budget) / total, **kw)
+    fraction = fraction_leaving(monkeypatch)
+    # scarce: 11 rows at the default half, 5 slots beside 6 checkpoints
+    budget = (11 if scarce else 100) * per_row / 0.5
+    m = llm(hybrid_ckpt, max_running_requests=8, mem_fraction_static=fraction(budget), **kw)
     with open(os.path.join(hybrid_ckpt, "config.json")) as f:
         cfg = json.load(f)
     config = m.engine.config
