@@ -31,6 +31,20 @@ if [[ $MODE == hybrid ]]; then
     --prompt-lens 8192,32768 --prefix-hit 32768:64 --decode-batch-sizes 1@32768,64@4096
 fi
 
+# hybrid-int4-profile (~4 min): the seed's model as released (the GPTQ-int4 35B-A3B above), profiled: where cold 8K
+# (3.4x its floor on an H100, forty-eighth session) and decode at batch 1 over 32K (4.1x) spend their time, and cold
+# prompts without state marks (--mamba-cache-mode none)
+if [[ $MODE == hybrid-int4-profile ]]; then
+  seed_gptq='{"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": false,
+    "sym": true, "dynamic": {"-:.*attn.*": {}, "-:.*shared_expert.*": {}}}}'
+  LATENCY_TIMEOUT=200 latency_with a3b35_gptq_prof "int4" -- --config qwen3.5-35b-a3b "${dummy[@]}" \
+    --hf-overrides "$seed_gptq" --prompt-lens 8192 --decode-batch-sizes 1@32768 --profile --host-profile
+  grep -h "wall .* ms, busy" "$OUT/latency_a3b35_gptq_prof.log" | sed 's/^\[bench latency [0-9:]*\] //'
+  top_ops "$OUT/latency_a3b35_gptq_prof.json" > "$OUT/top_ops_a3b35_gptq.txt"; head -70 "$OUT/top_ops_a3b35_gptq.txt"
+  LATENCY_TIMEOUT=120 latency_with a3b35_gptq_nomarks "int4 no marks" -- --config qwen3.5-35b-a3b "${dummy[@]}" \
+    --hf-overrides "$seed_gptq" --prompt-lens 8192,32768 --mamba-cache-mode none
+fi
+
 # hybrid-vllm (~9 min, .anchor/ carried, records moved aside): longserve against vLLM 0.24 on a hybrid shape both
 # serve as a text model (scripts/gpu/vllm_hybrid_cases.py: Qwen3-Next's decoder). vLLM's MoE cannot run from the slim
 # anchor (no `_moe_C` ops: forty-seventh session), so the pair runs the 48-layer decoder with dense MLPs (its GDN
