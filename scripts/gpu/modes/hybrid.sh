@@ -51,7 +51,8 @@ fi
 # and attention layers as the MoE model's): cold 8K / 32K, a 32K prefix + 64, decode at batch 1 over 32K. Before it,
 # longserve alone on the 12-layer MoE shape, profiled (the hit's host time), and cold prompts without state marks
 # (--mamba-cache-mode none: what the extra step at a cold prompt's last full page costs).
-if [[ $MODE == hybrid-vllm ]]; then
+# HYBRID_VLLM_PAIR_ONLY=1 runs the pair alone.
+if [[ $MODE == hybrid-vllm && ${HYBRID_VLLM_PAIR_ONLY:-0} != 1 ]]; then
   python3 scripts/gpu/vllm_hybrid_cases.py --write-config /tmp/qwen3_next_12l
   LATENCY_TIMEOUT=200 latency_with qnext12 "" -- --config /tmp/qwen3_next_12l/config.json "${dummy[@]}" \
     --prompt-lens 8192,32768 --prefix-hit 32768:64 --decode-batch-sizes 1@32768 --profile --host-profile
@@ -60,6 +61,8 @@ if [[ $MODE == hybrid-vllm ]]; then
   grep -A16 "prefix-32768:64: host profile" "$OUT/latency_qnext12.log" | head -20
   LATENCY_TIMEOUT=150 latency_with qnext12_nomarks "no marks" -- --config /tmp/qwen3_next_12l/config.json \
     "${dummy[@]}" --prompt-lens 8192,32768 --mamba-cache-mode none
+fi
+if [[ $MODE == hybrid-vllm ]]; then
   python3 scripts/gpu/vllm_hybrid_cases.py --write-config /tmp/qwen3_next_dense --dense
   LATENCY_TIMEOUT=200 latency_with qnext_dense "longserve" -- --config /tmp/qwen3_next_dense/config.json \
     "${dummy[@]}" --prompt-lens 8192,32768 --prefix-hit 32768:64 --decode-batch-sizes 1@32768
