@@ -44,7 +44,7 @@ def check_hybrid_settings(config: Any, need: Callable[..., None]) -> None:
     )
     need(
         config.mamba_cache_mode in MAMBA_CACHE_MODES,
-        f"mamba_cache_mode must be align or none (states saved where prompt chunks end on a page, or none "
+        f"mamba_cache_mode must be align or none (states saved on pages of the prompts, or none "
         f"kept); got {config.mamba_cache_mode!r}",
         "mamba_cache_mode",
     )

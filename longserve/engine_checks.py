@@ -58,7 +58,7 @@ def log_ignored_settings(config: EngineConfig, hf_config: Any) -> None:
     if config.mamba_scheduler_strategy != "auto":
         logger.info(
             "mamba_scheduler_strategy=%s (--mamba-scheduler-strategy) has no effect: a hybrid model's prefix cache "
-            "keeps its own state checkpoints where prompt chunks end on a page (--mamba-cache-mode align), with "
+            "keeps its own state checkpoints on pages of its prompts (--mamba-cache-mode align), with "
             "pages of any size and the overlapped schedule",
             config.mamba_scheduler_strategy,
         )

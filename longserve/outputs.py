@@ -14,8 +14,10 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int  # tokens whose K/V this step computes, starting at request.num_computed_tokens
     samples: bool  # this chunk reaches the request's last token: the step samples its next token
-    # a hybrid model's state checkpoint this step's end is saved into (KVCacheManager.checkpoint_target)
+    # a hybrid model's state checkpoint this step saves into (KVCacheManager.checkpoint_target): the state after
+    # the chunk's first `state_save_at` tokens (inside the step), or None: after the whole chunk
     state_save: int | None = None
+    state_save_at: int | None = None
 
 
 @dataclass

@@ -45,6 +45,9 @@ class AttentionMetadata:
     # a hybrid model's step: each request's recurrent-state slot [B] int64, device (attention/recurrent_state.py);
     # a request whose prefix_lens is 0 starts from a zero state
     state_slots: torch.Tensor | None = None
+    # (request, tokens, row): request r's state after its first `tokens` new tokens of this step (a multiple of
+    # the chunked kernels' 64) also goes to state row `row`, a prefix-cache checkpoint (cache/manager.py)
+    state_mid_saves: Sequence[tuple[int, int, int]] = ()
     _contiguous: dict[tuple[int, int], int | None] = field(default_factory=dict, repr=False)
     _subsets: dict[tuple[int, ...], tuple[AttentionMetadata, torch.Tensor] | None] = field(
         default_factory=dict, repr=False

@@ -9,7 +9,7 @@ live requests holding p). The page size is the pool's.
 A hybrid model's running request also holds a recurrent-state slot (cache/state_slots.py), taken with its first
 pages and given back with them. A slot holds the whole history and cannot be cut at a page boundary, so such a
 model's prefix cache (cache/state_radix_tree.py) also keeps state checkpoints, saved where the scheduler ends a
-chunk on one of the request's `state_marks`, and a hit reaches only as far as the deepest checkpoint (copied into
+chunk on one of the request's `state_marks` or inside a chunk just before one (`in_step_save`), and a hit reaches only as far as the deepest checkpoint (copied into
 the request's slot before its first step: `req.state_restore`); without prefix caching nothing is shared (no
 forked siblings either).
 """
@@ -25,11 +25,20 @@ from longserve.cache.state_radix_tree import StateRadixTree
 from longserve.cache.state_slots import NoStateSlots, StateSlots
 from longserve.request import Request
 
-# A state mark ends a chunk early, so a prompt whose mark falls inside its last chunk takes one more step (a few
-# tokens, about a decode step's time) to save a state that a later hit resumes from. Below this many tokens the
-# recompute a hit saves is about that step's cost (vLLM's align mode caches no hybrid prefix below its block of 528
-# tokens on Qwen3.5): no mark. An estimate, not yet measured on the GPU.
+# A state mark ends a chunk early where the chunk cannot save the state inside itself (IN_STEP_SAVES, below), so
+# such a prompt takes one more step (a few tokens, a whole model pass) to save a state that a later hit resumes
+# from. Below this many tokens the recompute a hit saves is about that step's cost (vLLM's align mode caches no
+# hybrid prefix below its block of 528 tokens on Qwen3.5): no mark. An estimate, not yet measured on the GPU.
 MIN_CHECKPOINT_TOKENS = 512
+# A mark inside a chunk need not end it: the chunked delta rule holds a request's state between its chunks of 64
+# tokens (counted from the request's first token of the step), and can save one of those states into a checkpoint as
+# it runs (kernels/gated_delta_chunk.py `saves`; the conv's inputs before it are copied beside it). So the chunk
+# runs through, and the checkpoint lands on the last such boundary before the mark that is also a page boundary:
+# a later hit recomputes up to 63 tokens more, where the cut cost a whole step (a cold 8K prompt to the seed's model,
+# GPTQ-int4 35B-A3B, 0.2016 s with its marks against 0.1892 s without any, on an H100: RESULTS.md forty-eighth
+# session). False: every mark ends its chunk (the step after saves at the page). Read at each call.
+IN_STEP_SAVES = True
+STATE_SAVE_GRANULE = 64  # the chunked kernels' chunk (kernels/gated_delta_reference.py CHUNK)
 
 
 class KVCacheManager:
@@ -131,33 +140,59 @@ class KVCacheManager:
         return tuple(sorted({m for m in (shared, last) if low < m <= last}))
 
     def chunk_end(self, req: Request, n: int) -> int:
-        """A prompt chunk of up to n tokens, cut to end on the request's next state mark if it would pass it."""
+        """A prompt chunk of up to n tokens, cut to end on the request's next state mark if it would pass it,
+        unless it saves the state inside itself there (`in_step_save`)."""
+        if self.in_step_save(req, n) is not None:
+            return n
         done = req.num_computed_tokens
         for mark in req.state_marks:
             if done < mark < done + n:
                 return mark - done
         return n
 
-    def checkpoint_target(self, req: Request, n: int) -> int | None:
-        """A checkpoint for the state after the request's next n tokens, if they end on a state mark, or on a page
-        boundary before its last (a usual chunk's end: a copy, no extra step; a question over a document the
+    def in_step_save(self, req: Request, n: int) -> int | None:
+        """Tokens into a chunk of n where it saves the request's state for the one state mark inside it (see
+        IN_STEP_SAVES): the last chunk boundary of the kernels before the mark, if a page boundary past
+        min_checkpoint_tokens; None: no mark inside, two (the chunk ends on the first), or no such boundary."""
+        done, ps = req.num_computed_tokens, self.page_size
+        inside = [m for m in req.state_marks if done < m < done + n]
+        if not IN_STEP_SAVES or len(inside) != 1:
+            return None
+        at = (inside[0] - done) // STATE_SAVE_GRANULE * STATE_SAVE_GRANULE
+        if at == 0 or (done + at) % ps or done + at < self.min_checkpoint_tokens:
+            return None
+        return at
+
+    def checkpoint_target(self, req: Request, n: int) -> tuple[int, int | None] | None:
+        """(checkpoint, tokens into the chunk: None at its end) for a state saved by the request's next n tokens:
+        inside them for a mark they pass (`in_step_save`), else at their end if it is a state mark, or a page
+        boundary before the last (a usual chunk's end: a copy, no extra step; a question over a document the
         first one computed then resumes at its last chunk inside the document); None: no save, or every
         checkpoint is pinned."""
         end, marks = req.num_computed_tokens + n, req.state_marks
-        if end not in marks and not (marks and end < marks[-1] and end % self.page_size == 0):
+        at = self.in_step_save(req, n)
+        if at is None and end not in marks and not (marks and end < marks[-1] and end % self.page_size == 0):
             return None
-        if end < self.min_checkpoint_tokens:
+        if at is None and end < self.min_checkpoint_tokens:
             return None
-        return self.prefix_cache.take_checkpoint()
+        checkpoint = self.prefix_cache.take_checkpoint()
+        return None if checkpoint is None else (checkpoint, at)
 
-    def state_saved(self, req: Request, checkpoint: int) -> None:
+    def state_saved(self, req: Request, checkpoint: int, tokens: int | None = None) -> None:
         """After the step that saves the request's state into `checkpoint` was advanced (its pages cached): the
-        checkpoint joins the node ending at its computed tokens; dropped if the request ended meanwhile."""
-        node = req.cache_node
-        if node is not None and req.num_tree_pages * self.page_size == req.num_computed_tokens:
-            self.prefix_cache.attach_checkpoint(node, checkpoint)
-        else:
-            self.prefix_cache.drop_checkpoint(checkpoint)
+        checkpoint joins the node ending at the `tokens` the state covers (None: the request's computed tokens)
+        on the request's cached path, split there if need be; dropped if the request ended meanwhile."""
+        node, ps = req.cache_node, self.page_size
+        if tokens is None or tokens == req.num_computed_tokens:
+            if node is not None and req.num_tree_pages * ps == req.num_computed_tokens:
+                self.prefix_cache.attach_checkpoint(node, checkpoint)
+                return
+        elif node is not None and 0 < tokens <= req.num_tree_pages * ps and tokens % ps == 0:
+            # the request's pages up to there are the tree's (cache_computed) and locked: the walk adopts none
+            inner = self.prefix_cache.insert(req.token_array(0, tokens), req.page_ids[: tokens // ps]).node
+            self.prefix_cache.attach_checkpoint(inner, checkpoint)
+            return
+        self.prefix_cache.drop_checkpoint(checkpoint)
 
     def state_restored(self, req: Request) -> None:
         """The step copying the request's matched checkpoint into its slot was launched: the checkpoint may go."""

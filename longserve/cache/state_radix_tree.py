@@ -4,7 +4,8 @@ A Gated DeltaNet layer folds a request's whole history into one fixed-size state
 the full-attention layers' K/V pages, the state after exactly the matched tokens. This tree keeps such states as
 checkpoints: copies of a request's state slot taken when one of its prompt chunks ends on a page boundary (those
 the scheduler cuts chunks at, `Request.state_marks`: the prompt's last full page, and where it leaves a path the
-cache already holds; and any usual chunk's end on a page before them), each attached to the node that ends there. A match stops at the deepest node holding a checkpoint on the
+cache already holds; and any usual chunk's end on a page before them) or taken inside a chunk on a page up to 63
+tokens before a mark (KVCacheManager.in_step_save), each attached to the node that ends there. A match stops at the deepest node holding a checkpoint on the
 matched path (SGLang's MambaRadixCache, vLLM's `--mamba-cache-mode align`); the request's first step copies that
 checkpoint into its own slot (attention/recurrent_state.py, `StepInputs.state_copies`).
 

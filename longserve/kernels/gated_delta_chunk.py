@@ -13,7 +13,9 @@ Three launches:
 2. `_gdn_chunk_h_kernel`, grid (V blocks, value heads, requests): the inter-chunk recurrence, the state block
    S [K, BLOCK_V] in float32 registers, read from the request's slot once (zeros without has_state), walked chunk
    by chunk: the state before the chunk stored (h [chunks, Hv, K, V]), v' = u - w S stored, then
-   S = exp(gc_last) S + (k exp(gc_last - gc))^T v'; written back once. Two dots a chunk.
+   S = exp(gc_last) S + (k exp(gc_last - gc))^T v'; written back once. Two dots a chunk. With `saves`, a
+   request's state before one chosen chunk is also stored, in float32's precision, into a row of the pool: a
+   prefix-cache checkpoint taken inside the step (cache/manager.py `in_step_save`).
 3. `_gdn_chunk_o_kernel`, grid (chunks, value heads, V blocks), every chunk at once again: its output
    o = (q exp(gc)) h + tril(q k^T exp(gc_i - gc_j)) v'.
 This is FLA's split (chunk_gated_delta_rule_fwd_h, chunk_fwd_o). Until the forty-sixth session the output was
@@ -55,6 +57,8 @@ __all__ = ["gated_delta_prefill", "gated_delta_prefill_ref"]
 
 # (chunk_req [N] int32, cu_chunks [B+1] int32, N): `chunk_map`
 ChunkMap = tuple[torch.Tensor, torch.Tensor, int]
+# (save_chunk [B] int32, save_row [B] int64): states saved inside a step (`gated_delta_prefill`)
+StateSaves = tuple[torch.Tensor, torch.Tensor]
 
 # The recurrence's value block (4 programs a head at V = 128: B * Hv * 4 programs, 128 for one prompt at Hv = 32),
 # 4 warps: 189 registers at Qwen3.5's shape on sm_90 (Triton 3.6), no spill.
@@ -193,6 +197,8 @@ def _gdn_chunk_h_kernel(
     cu_chunks_ptr,  # [B+1] int32: the first chunk of each request
     slot_ptr,
     has_state_ptr,
+    save_chunk_ptr,  # [B] int32: the chunk before which the state is saved (-1: none); read with SAVE
+    save_row_ptr,  # [B] int64: the pool row it is saved into
     stride_kt,
     stride_kh,
     stride_ss,
@@ -207,6 +213,7 @@ def _gdn_chunk_h_kernel(
     BLOCK_V: tl.constexpr,
     L2NORM: tl.constexpr,
     PRECISION: tl.constexpr,
+    SAVE: tl.constexpr,
 ):
     vb = tl.program_id(0)
     head = tl.program_id(1)
@@ -228,12 +235,20 @@ def _gdn_chunk_h_kernel(
     dt = k_ptr.dtype.element_ty
     k_head = k_ptr + (head // GROUP) * stride_kh  # GQA: value head h reads k head h // GROUP
     h_offs = offs_k[:, None] * V + offs_v[None, :]  # [BK, BLOCK_V] in one chunk's [K, V] block of a head
+    save_chunk = -1
+    save_base = state_ptr
+    if SAVE:
+        save_chunk = tl.load(save_chunk_ptr + req)
+        save_base = state_ptr + tl.load(save_row_ptr + req) * stride_ss + head * stride_sh
     for c in range(0, tl.cdiv(end - start, BT)):
         t0 = start + c * BT  # the chunk's first token
         row_ok = offs_t < end - t0  # [BT]
         last = tl.minimum(BT, end - t0) - 1
         h_base = h_ptr + ((first_chunk + c).to(tl.int64) * H + head) * (K * V)
         tl.store(h_base + h_offs, state.to(h_ptr.dtype.element_ty), mask=kv_mask)
+        if SAVE:  # the state after the request's first c chunks, unrounded (h holds it in the inputs' dtype)
+            here = ((c == save_chunk).to(tl.int32) + tl.zeros([BK, BLOCK_V], tl.int32)) != 0
+            tl.store(save_base + s_offs, state.to(state_ptr.dtype.element_ty), mask=kv_mask & here)
         t0 = t0.to(tl.int64)  # 64-bit scalar bases, int32 offsets within the chunk
         gc_base = gc_ptr + t0 * H + head
         g_last = tl.load(gc_base + last * H)
@@ -350,11 +365,13 @@ def gated_delta_prefill(
     scale: float | None = None,
     use_qk_l2norm: bool = True,
     chunks: ChunkMap | None = None,
+    saves: StateSaves | None = None,
 ) -> torch.Tensor:
     """q, k [T, Hk, K], v [T, Hv, V] (unit stride along K / V, any token and head strides), g [T, Hv] float32,
     beta [T, Hv], states [S, Hv, K, V] -> o [T, Hv, V] in v's dtype; each request's final state is written to
     states[slot] in the pool's dtype. Same math as `gated_delta_prefill_ref`. `chunks`: the step's `chunk_map`
-    (computed here when not given)."""
+    (computed here when not given). `saves` (save_chunk [B] int32, save_row [B] int64): request r's state after
+    its first save_chunk[r] chunks of this step is also written to states[save_row[r]] (save_chunk -1: none)."""
     num_tokens, num_k_heads, head_k = k.shape
     num_v_heads, head_v = v.shape[1:]
     assert q.shape == k.shape and v.shape[0] == num_tokens and num_v_heads % num_k_heads == 0, "q/k/v shapes"
@@ -384,11 +401,12 @@ def gated_delta_prefill(
     # the state before each chunk and v' (the inputs' dtype, as the products round them), then each chunk's output
     h = torch.empty(bound, num_v_heads, head_k, head_v, dtype=k.dtype, device=v.device)
     v_new = torch.empty(num_tokens, num_v_heads, head_v, dtype=k.dtype, device=v.device)
+    save_chunk, save_row = (slots, slots) if saves is None else saves  # (unread without saves)
     _gdn_chunk_h_kernel[(triton.cdiv(head_v, block_sv), num_v_heads, num_reqs)](
-        k, gc, w, u, h, v_new, states, query_start_loc, cu_chunks, slots, has_state,
+        k, gc, w, u, h, v_new, states, query_start_loc, cu_chunks, slots, has_state, save_chunk, save_row,
         k.stride(0), k.stride(1), states.stride(0), states.stride(1), states.stride(2),
         H=num_v_heads, GROUP=group, K=head_k, V=head_v, BT=CHUNK, BK=block_k, BLOCK_V=block_sv,
-        L2NORM=use_qk_l2norm, PRECISION=precision, num_warps=4,
+        L2NORM=use_qk_l2norm, PRECISION=precision, SAVE=saves is not None, num_warps=4,
     )  # fmt: skip
     _gdn_chunk_o_kernel[(bound, num_v_heads, triton.cdiv(head_v, _OUT_BLOCK_V))](
         q, k, gc, h, v_new, o, query_start_loc, chunk_req, cu_chunks, num_reqs, scale,

@@ -65,9 +65,9 @@ def _qk(q: torch.Tensor, k: torch.Tensor, num_v_heads: int, scale: float, use_qk
     return q * scale, k
 
 
-def _chunked(q, k, v, g, beta, state):
+def _chunked(q, k, v, g, beta, state, save_chunk=-1):
     """One request: q, k [Hv, L, K] (normalized, q scaled), v [Hv, L, V], g, beta [Hv, L], state [Hv, K, V], all
-    float32 -> (o [Hv, L, V], final state [Hv, K, V])."""
+    float32 -> (o [Hv, L, V], final state [Hv, K, V], the state before chunk `save_chunk` (None: -1))."""
     num_heads, length, _ = q.shape
     pad = -length % CHUNK
     q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))  # padded rows: k = v = 0, so they change nothing
@@ -88,11 +88,14 @@ def _chunked(q, k, v, g, beta, state):
     q_decayed = q * gc.exp()[..., None]
     k_to_end = k * (gc[..., -1:] - gc).exp()[..., None]  # each key decayed to the chunk's end
     o = torch.empty_like(v)
+    saved = None
     for c in range(n):
+        if c == save_chunk:
+            saved = state
         v_new = u[:, c] - w[:, c] @ state  # [Hv, C, V] what the state does not already predict
         o[:, c] = q_decayed[:, c] @ state + attn[:, c] @ v_new
         state = state * gc[:, c, -1, None, None].exp() + k_to_end[:, c].transpose(-1, -2) @ v_new
-    return o.reshape(num_heads, n * CHUNK, o.shape[-1])[:, :length], state
+    return o.reshape(num_heads, n * CHUNK, o.shape[-1])[:, :length], state, saved
 
 
 def gated_delta_prefill_ref(
@@ -108,14 +111,18 @@ def gated_delta_prefill_ref(
     scale: float | None = None,
     use_qk_l2norm: bool = True,
     chunks: object = None,
+    saves: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """q, k [T, Hk, K], v [T, Hv, V], g, beta [T, Hv], states [S, Hv, K, V] -> o [T, Hv, V] in v's dtype; each
     request's final state is written to states[slot] in the pool's dtype (chunks of 64, per request). `chunks`:
-    the Triton kernel's precomputed chunk numbering, unused here (the same signature)."""
+    the Triton kernel's precomputed chunk numbering, unused here (the same signature). `saves` (save_chunk [B],
+    save_row [B]): request r's state after its first save_chunk[r] chunks also goes to states[save_row[r]]
+    (-1: none), a prefix-cache checkpoint inside the step."""
     num_tokens, num_v_heads, _ = v.shape
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     o = torch.zeros(num_tokens, num_v_heads, v.shape[-1], dtype=v.dtype, device=v.device)
     starts = query_start_loc.tolist()
+    save_chunks, save_rows = ([-1] * len(starts), None) if saves is None else (x.tolist() for x in saves)
     for r, (slot, cont) in enumerate(zip(slots.tolist(), has_state.tolist())):
         s, e = starts[r], starts[r + 1]
         qr, kr = _qk(q[s:e], k[s:e], num_v_heads, scale, use_qk_l2norm)
@@ -123,8 +130,10 @@ def gated_delta_prefill_ref(
         if slot >= 0 and cont:
             state = states[slot].float()
         vr, gr, br = v[s:e].float().transpose(0, 1), g[s:e].float().t(), beta[s:e].float().t()
-        out, state = _chunked(qr, kr, vr, gr, br, state)
+        out, state, saved = _chunked(qr, kr, vr, gr, br, state, save_chunks[r])
         o[s:e] = out.transpose(0, 1).to(v.dtype)
+        if saved is not None:
+            states[save_rows[r]] = saved.to(states.dtype)
         if slot >= 0:
             states[slot] = state.to(states.dtype)
     return o

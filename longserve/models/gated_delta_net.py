@@ -31,6 +31,7 @@ from longserve.attention.recurrent_state import RecurrentStateSpec
 from longserve.distributed import get_tp_rank, get_tp_size
 from longserve.kernels.causal_conv1d_reference import causal_conv1d_decode_ref, causal_conv1d_prefill_ref
 from longserve.kernels.gated_delta_reference import (
+    CHUNK,
     gated_delta_decode_ref,
     gated_delta_prefill_ref,
     gdn_gating_ref,
@@ -39,7 +40,7 @@ from longserve.kernels.gated_norm_reference import gated_rms_norm_ref
 from longserve.models.layers import MergedLinear, RowParallelLinear, TensorLike, as_tensor, tp_shard_range
 from longserve.models.linear_method import LinearMethod
 from longserve.models.quant.layout import check_dtype, tensor_name
-from longserve.platform import use_triton
+from longserve.platform import host_to_device, use_triton
 
 
 class GatedDeltaNet(nn.Module):
@@ -152,6 +153,14 @@ class GatedDeltaNet(nn.Module):
             mixed = conv(
                 qkv, self.conv1d.weight, conv_state, meta.query_start_loc, slots, has_state
             )  # [T, D]
+        saves = None
+        if meta.state_mid_saves and not decode:  # checkpoints inside the step: the conv's inputs before them
+            *saves, conv_rows, conv_dst = meta.per_step(
+                ("gdn_saves",), lambda: _mid_saves(meta, self.conv_width, qkv.device)
+            )
+            conv_state.index_copy_(
+                0, conv_dst, qkv[conv_rows].view(-1, *conv_state.shape[1:]).to(conv_state.dtype)
+            )
         q, k, v = mixed.split([self.key_size, self.key_size, self.value_size], dim=-1)
         q = q.view(t, self.num_k_heads, self.k_dim)  # [T, Hk, K]
         k = k.view(t, self.num_k_heads, self.k_dim)  # [T, Hk, K]
@@ -168,7 +177,9 @@ class GatedDeltaNet(nn.Module):
                 meta.per_step(("gdn_chunks",), lambda: _chunk_map(meta.query_start_loc, t)) if fast else None
             )
             qsl = meta.query_start_loc
-            out = rule(q, k, v, g, beta, ssm_state, qsl, slots, has_state, chunks=chunks)  # [T, Hv, V]
+            out = rule(
+                q, k, v, g, beta, ssm_state, qsl, slots, has_state, chunks=chunks, saves=saves
+            )  # [T, Hv, V]
         norm = _kernel(fast, "gated_norm", "gated_rms_norm", gated_rms_norm_ref)
         out = norm(out.reshape(-1, self.v_dim), z.reshape(-1, self.v_dim), self.norm.weight, self.norm_eps)
         return out.view(t, self.value_size)  # [T, Hv*V]
@@ -193,6 +204,27 @@ class LinearAttentionCall(NamedTuple):
     def run(self, ctx: ForwardContext) -> torch.Tensor:
         """The mixer over ctx's step: [T, Hv*V]."""
         return self.mixer.mix(*self.inputs, ctx)
+
+
+def _mid_saves(meta: Any, width: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """A step's states saved inside it (AttentionMetadata.state_mid_saves) as the chunked rule's `saves`
+    (save_chunk [B] int32, save_row [B] int64) and the conv's: the step rows of each saved state's last W-1
+    inputs [N * (W-1)] and their state rows [N]."""
+    num_reqs, starts = meta.num_reqs, [0]
+    for n in meta.query_lens_cpu:
+        starts.append(starts[-1] + n)
+    save_chunk, save_row, conv_rows, conv_dst = [-1] * num_reqs, [0] * num_reqs, [], []
+    for r, tokens, row in meta.state_mid_saves:
+        assert tokens % CHUNK == 0 and width - 1 <= tokens < meta.query_lens_cpu[r], (
+            f"a state saved after {tokens} of {meta.query_lens_cpu[r]} new tokens: not on a chunk inside the step"
+        )
+        save_chunk[r], save_row[r] = tokens // CHUNK, row
+        conv_rows.extend(range(starts[r] + tokens - (width - 1), starts[r] + tokens))
+        conv_dst.append(row)
+    return (
+        host_to_device(save_chunk, torch.int32, device),
+        *(host_to_device(x, torch.int64, device) for x in (save_row, conv_rows, conv_dst)),
+    )
 
 
 def _chunk_map(query_start_loc: torch.Tensor, num_tokens: int) -> Any:

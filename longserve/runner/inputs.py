@@ -39,6 +39,9 @@ class StepInputs:
     # it (a slot into a checkpoint: cache/state_radix_tree.py)
     state_copies: list[tuple[int, int]] = field(default_factory=list)
     state_saves: list[tuple[int, int]] = field(default_factory=list)
+    # (request, tokens, row): a state saved inside the step, after the request's first `tokens` new tokens
+    # (AttentionMetadata.state_mid_saves)
+    state_mid_saves: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -119,7 +122,9 @@ def build_step(out: SchedulerOutput) -> StepInputs:
             step.state_slots.append(req.state_slot)
             if req.state_restore is not None:
                 step.state_copies.append((req.state_restore, req.state_slot))
-            if s.state_save is not None:
+            if s.state_save is not None and s.state_save_at is not None:
+                step.state_mid_saves.append((len(step.query_lens) - 1, s.state_save_at, s.state_save))
+            elif s.state_save is not None:
                 step.state_saves.append((req.state_slot, s.state_save))
         if s.samples:
             logits_indices.append(len(input_ids) - 1)
@@ -129,7 +134,9 @@ def build_step(out: SchedulerOutput) -> StepInputs:
 def split_step(step: StepInputs, at: int) -> tuple[StepInputs, StepInputs]:
     """The first `at` tokens of a step and the rest, as two steps run one after the other within each
     layer: a request cut in two continues in the second with the first part as more prefix. Neither part
-    samples (the caller keeps the whole step's logits_indices)."""
+    samples (the caller keeps the whole step's logits_indices). Not for a step that saves a state inside itself
+    (its chunk boundaries would move)."""
+    assert not step.state_mid_saves, "split_step of a step with states saved inside it"
     first, second = StepInputs([], [], [], [], [], []), StepInputs([], [], [], [], [], [])
     first.input_ids, second.input_ids = step.input_ids[:at], step.input_ids[at:]
     first.positions, second.positions = step.positions[:at], step.positions[at:]
@@ -161,6 +168,7 @@ def to_model_inputs(
     )  # fmt: skip
     if slots:
         meta.state_slots = slots[0]  # [B]
+        meta.state_mid_saves = step.state_mid_saves
     if step.pending_dst:
         assert prev_tokens is not None, "a step with pending inputs needs the previous step's sampled ids"
         input_ids[dst] = prev_tokens[src]

@@ -299,6 +299,7 @@ class ModelRunner:
             and min_tokens
             and len(step.input_ids) >= max(min_tokens, 2)
             and not step.pending_dst
+            and not step.state_mid_saves  # saved at a chunk of the whole step (split_step would move it)
         ):
             if early is not None:
                 early()

@@ -247,7 +247,8 @@ class Scheduler:
         """n more tokens of a running request; sampling if they reach its end, and (a hybrid model) saving its
         state into a checkpoint if they end on one of its marks."""
         samples = req.num_computed_tokens + n == req.num_tokens
-        return ScheduledRequest(req, n, samples, self.kv.checkpoint_target(req, n))
+        save = self.kv.checkpoint_target(req, n)
+        return ScheduledRequest(req, n, samples, *(save or (None, None)))
 
     def _admission_cap(self, num_decodes: int) -> float:
         """Prompt tokens up to which this step admits waiting requests beyond the first: the configured share
@@ -350,8 +351,10 @@ class Scheduler:
                 # one's writes: one stream); generated ones when the request ends (release), not every page
                 # a decode fills: a re-insert walks the whole sequence
                 self.kv.cache_computed(req)
-            if s.state_save is not None:  # its state after these tokens, saved at the step's end
-                self.kv.state_saved(req, s.state_save)
+            if s.state_save is not None:  # its state after these tokens (or the first state_save_at of them)
+                at = s.state_save_at
+                covers = None if at is None else req.num_computed_tokens - s.num_new_tokens + at
+                self.kv.state_saved(req, s.state_save, covers)
             if s.samples:
                 req.num_pending += 1
                 req.pending_row = row

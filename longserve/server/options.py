@@ -256,7 +256,7 @@ OPTIONS: tuple[Option, ...] = (
            choices=MAMBA_SSM_DTYPES),
     Option(("--mamba-cache-mode",), E + "mamba_cache_mode",
            "with prefix caching, a hybrid model's (Qwen3.5) prefix cache: align (linear-attention states saved "
-           "where prompt chunks end on a page: a prompt's last full page, where it leaves a cached path) or none "
+           "on pages near a prompt's last full page and where it leaves a cached path) or none "
            "(no state kept: nothing shared)", choices=MAMBA_CACHE_MODES),
     Option(("--max-mamba-cache-size",), E + "max_mamba_cache_size",
            "a hybrid model's state rows at most, running requests' slots and prefix-cache checkpoints together "

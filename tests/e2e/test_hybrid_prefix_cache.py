@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from longserve import LLM, SamplingParams
+from longserve.cache import manager
 from longserve.cache.manager import MIN_CHECKPOINT_TOKENS
 from longserve.cache.prefix_cache import NoPrefixCache
 from longserve.cache.state_radix_tree import StateRadixTree
@@ -88,18 +89,54 @@ def clean(m: LLM) -> None:
     assert getattr(kv.prefix_cache, "num_attached_checkpoints", 0) == 0  # flushed with their nodes
 
 
-def test_repeated_prompt_resumes_from_its_checkpoint(path, plain):
-    p = ids(DOC + 37, seed=1)
+@pytest.mark.parametrize("in_step", [True, False])
+def test_repeated_prompt_resumes_from_its_checkpoint(path, plain, monkeypatch, in_step):
+    monkeypatch.setattr(manager, "IN_STEP_SAVES", in_step)
+    p = ids(DOC + 37, seed=1)  # 597 tokens: chunks of 256 from 0, 256, 512
     expected = plain([p])
     assert expected[0][0] == hf_greedy(path, p, 32)
     m = llm(path)
     assert isinstance(m.engine.kv.prefix_cache, StateRadixTree)
     assert m.engine.runner.num_state_checkpoints == m.engine.kv.states.num_total > 0
+    passes = m.engine.runner.num_forward_passes
     first, cached, computed = generate(m, [p])
     assert same(first, expected) and cached == [0] and computed == len(p) + 31
+    mark = (len(p) - 1) // PAGE * PAGE  # the prompt's last full page (one token must be computed): 592
+    # in the step: the last chunk (from 512) runs through and the kernels save the state before its second chunk
+    # of 64, at 576; else the chunk ends at the mark and a step of 5 tokens follows
+    hit = 512 + (mark - 512) // 64 * 64 if in_step else mark
+    assert m.engine.runner.num_forward_passes - passes == 3 + (not in_step) + 31
     again, cached, computed = generate(m, [p])
-    hit = (len(p) - 1) // PAGE * PAGE  # the prompt's last full page (one token must be computed)
     assert same(again, expected) and cached == [hit] and computed == len(p) - hit + 31
+    clean(m)
+
+
+def test_a_checkpoint_saved_inside_a_step_holds_the_prefix_state(path):
+    """The checkpoint the last chunk of a 597-token prompt saves inside itself (at 576: two chunks of 64 into the
+    chunk from 512) holds, in every linear-attention layer, the conv inputs and delta-rule state that a prompt of
+    exactly those 576 tokens leaves in its slot (computed alone, no prefix cache, one token sampled: no decode step
+    after it)."""
+    p = ids(DOC + 37, seed=1)
+    m = llm(path)
+    generate(m, [p], SamplingParams(max_new_tokens=1, temperature=0.0))
+    tree = m.engine.kv.prefix_cache
+    depth = {}
+    for c, node in tree._attached.items():
+        n, cur = 0, node
+        while cur is not tree.root:
+            n, cur = n + len(cur.key), cur.parent
+        depth[n] = c
+    assert sorted(depth) == [
+        512,
+        576,
+    ]  # the usual chunk ending on a page past the floor, the one inside the step
+    alone = llm(path, enable_prefix_caching=False, max_num_seqs=1)
+    alone.generate([p[:576]], SamplingParams(max_new_tokens=1, temperature=0.0))
+    got, want = m.engine.runner.states, alone.engine.runner.states
+    assert want.num_slots == 1 and len(got.conv) == len(want.conv) > 0
+    for layer in range(len(got.conv)):
+        torch.testing.assert_close(got.conv[layer][depth[576]], want.conv[layer][0], atol=0, rtol=0)
+        torch.testing.assert_close(got.ssm[layer][depth[576]], want.ssm[layer][0], atol=1e-5, rtol=1e-5)
     clean(m)
 
 

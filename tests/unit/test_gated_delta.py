@@ -330,3 +330,32 @@ def test_int64_slots_as_the_engine_passes_them() -> None:
         outs[dtype] = (y, o, yd[:1], od[:1], states, conv)
     for a, b in zip(outs[torch.int32], outs[torch.int64]):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_states_saved_inside_a_step_equal_the_prefix_run_alone(state_dtype: torch.dtype) -> None:
+    """`saves`: a request's state before one of its chunks of this step goes to another pool row (a prefix-cache
+    checkpoint), unrounded, as the reference saves it; it equals the state a call over only the tokens before that
+    chunk leaves in the request's slot. Requests of 70, 200 and 130 tokens save after 64 (row 4), none and 128 (row
+    6); the rows nobody names stay untouched."""
+    lens, slot_ids, has = [70, 200, 130], [0, 2, 5], torch.tensor([True, False, True])
+    slots = torch.tensor(slot_ids, dtype=torch.int32)
+    q, k, v = qkv_views(sum(lens), torch.float32, seed=31)
+    g, beta = gates(sum(lens), torch.float32, seed=32)
+    states = pool(state_dtype, seed=33)
+    saves = (torch.tensor([1, -1, 2], dtype=torch.int32), torch.tensor([4, 0, 6]))
+    got_pool, want_pool = states.clone(), states.clone()
+    got = gated_delta_prefill(q, k, v, g, beta, got_pool, step(lens), slots, has, saves=saves)
+    want = gated_delta_prefill_ref(q, k, v, g, beta, want_pool, step(lens), slots, has, saves=saves)
+    exact = state_dtype == torch.float32
+    assert_near(got, want, exact=True)
+    assert_near(got_pool, want_pool, exact)
+    untouched = [r for r in range(SLOTS) if r not in (*slot_ids, 4, 6)]
+    assert torch.equal(got_pool[untouched], states[untouched])
+    # the saved states against the slots a call over only the first 64 / 128 tokens leaves
+    heads = [(0, 64), (200, 0), (270, 128)]  # (first row, tokens) of each request
+    rows = torch.cat([torch.arange(s, s + n) for s, n in heads])
+    alone = states.clone()
+    gated_delta_prefill(*(x[rows] for x in (q, k, v, g, beta)), alone, step([64, 0, 128]), slots, has)
+    assert_near(got_pool[[4, 6]], alone[[0, 5]], exact)
+    assert not torch.equal(got_pool[[4, 6]], got_pool[[0, 5]])  # (not the final states)

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import pytest
 
+from longserve.cache import manager
 from longserve.cache.manager import KVCacheManager
 from longserve.cache.page_pool import PagePool
 from longserve.cache.prefix_cache import NoPrefixCache
 from longserve.cache.state_radix_tree import StateRadixTree
+from longserve.kernels.gated_delta_reference import CHUNK
 from longserve.request import Request
 from longserve.sampling_params import SamplingParams
 
@@ -141,8 +143,9 @@ def run_chunks(kv: KVCacheManager, r: Request, chunk: int) -> list[int]:
         r.num_computed_tokens += n
         kv.state_restored(r)
         kv.cache_computed(r)
-        if save is not None:
-            kv.state_saved(r, save)
+        if save is not None:  # (checkpoint, tokens into the chunk or None: its end), as Scheduler.advance
+            checkpoint, at = save
+            kv.state_saved(r, checkpoint, None if at is None else r.num_computed_tokens - n + at)
         sizes.append(n)
     return sizes
 
@@ -199,3 +202,32 @@ def test_without_checkpoints_nothing_is_shared():
     r = req("r", list(range(40)))
     off.match_prefix(r)
     assert r.state_marks == () and off.checkpoint_target(r, 40) is None
+
+
+def test_a_mark_inside_a_chunk_saves_there_without_a_cut(monkeypatch):
+    """One mark inside a chunk: the chunk runs through and saves the state on the kernels' last 64-token boundary
+    before the mark (counted from the chunk's start) when that is a page; two marks inside, or no such page: the
+    chunk ends on the first as before. IN_STEP_SAVES off: every mark cuts."""
+    assert manager.STATE_SAVE_GRANULE == CHUNK  # the chunked kernels' chunk
+    kv = KVCacheManager(256, PS, num_state_slots=2, num_state_checkpoints=4, min_checkpoint_tokens=8)
+    tree = kv.prefix_cache
+    doc = list(range(1000, 1150))
+    a = req("a", doc)  # 150 tokens: its last full page ends at 148
+    assert run_prompt(kv, a, chunk=256) == [150] and a.state_marks == (148,)
+    kv.release(a)
+    assert list(depths(tree).values()) == [128]  # two chunks of 64 into the step
+    b = req("b", doc[:140] + [7, 8, 9])
+    assert kv.match_prefix(b) == 128 and b.state_restore is not None
+    kv.release(b, cache=False)
+    c = req("c", doc[:100] + list(range(60)))  # leaves a's path at 100, below its checkpoint: no hit
+    assert kv.match_prefix(c) == 0 and c.state_marks == (100, 156)
+    assert run_chunks(kv, c, chunk=256) == [100, 56, 4]  # cut at the first mark; 56 tokens hold no boundary
+    kv.release(c)
+    d = req("d", list(range(2000, 2300)))  # 300 tokens in chunks from 0 and 230: 230 + 64 = 294 is no page
+    assert run_prompt(kv, d, chunk=230) == [230, 66, 4] and d.state_marks == (296,)
+    kv.release(d)
+    monkeypatch.setattr(manager, "IN_STEP_SAVES", False)
+    e = req("e", list(range(3000, 3150)))
+    assert run_prompt(kv, e, chunk=256) == [148, 2]
+    kv.release(e)
+    kv.check_integrity([])

@@ -45,6 +45,29 @@ if [[ $MODE == hybrid-int4-profile ]]; then
     --hf-overrides "$seed_gptq" --prompt-lens 8192,32768 --mamba-cache-mode none
 fi
 
+# hybrid-marks (~4 min): what a cold prompt's state checkpoint costs, the seed's model as released (GPTQ-int4
+# 35B-A3B) and the 12-layer Qwen3-Next, one process each: saved inside the prompt's step (the default,
+# cache/manager.py IN_STEP_SAVES), by a step of its own after a chunk cut at the mark (IN_STEP_SAVES=False: before the
+# forty-eighth session), none kept (--mamba-cache-mode none); cold 8K / 32K and the 32K prefix hit
+if [[ $MODE == hybrid-marks ]]; then
+  seed_gptq='{"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": false,
+    "sym": true, "dynamic": {"-:.*attn.*": {}, "-:.*shared_expert.*": {}}}}'
+  python3 scripts/gpu/vllm_hybrid_cases.py --write-config /tmp/qwen3_next_12l
+  for model in a3b35_gptq qnext12; do
+    if [[ $model == a3b35_gptq ]]; then
+      args=(--config qwen3.5-35b-a3b "${dummy[@]}" --hf-overrides "$seed_gptq")
+    else
+      args=(--config /tmp/qwen3_next_12l/config.json "${dummy[@]}")
+    fi
+    LATENCY_TIMEOUT=150 latency_with "${model}_in_step" "$model in step" -- "${args[@]}" --prompt-lens 8192,32768 \
+      --prefix-hit 32768:64
+    LATENCY_TIMEOUT=150 latency_with "${model}_cut" "$model cut" longserve.cache.manager.IN_STEP_SAVES=False -- \
+      "${args[@]}" --prompt-lens 8192,32768 --prefix-hit 32768:64
+    LATENCY_TIMEOUT=120 latency_with "${model}_none" "$model none" -- "${args[@]}" --prompt-lens 8192,32768 \
+      --mamba-cache-mode none
+  done
+fi
+
 # hybrid-vllm (~9 min, .anchor/ carried, records moved aside): longserve against vLLM 0.24 on a hybrid shape both
 # serve as a text model (scripts/gpu/vllm_hybrid_cases.py: Qwen3-Next's decoder). vLLM's MoE cannot run from the slim
 # anchor (no `_moe_C` ops: forty-seventh session), so the pair runs the 48-layer decoder with dense MLPs (its GDN
