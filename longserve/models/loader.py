@@ -26,6 +26,7 @@ from torch import nn
 from longserve.models.layers import MergedLinear, RMSNorm, RowParallelLinear, VocabParallelEmbedding
 from longserve.models.linear_method import LINEAR_METHODS
 from longserve.models.moe import FusedMoE
+from longserve.models.moe_block import stack_moe_inputs
 from longserve.models.pooler import PoolerSpec, pooling_model_class
 from longserve.models.quant.bind import bind_quant_methods
 from longserve.models.quant.config import parse_quant_format
@@ -150,6 +151,7 @@ def load_model(
         weights = iterate_safetensors(files, device, stats)
         model.load_weights(_without_absent_biases(model, weights) if quant is not None else weights)
     process_weights_after_loading(model)
+    stack_moe_inputs(model)
     if quant is not None and device.type == "cuda":
         torch.cuda.empty_cache()  # the checkpoint layouts' tensors, repacked: free for the KV pool's sizing
     model.eval()

@@ -17,12 +17,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from longserve.distributed import tp_all_reduce
+from longserve.distributed import get_tp_size, tp_all_reduce
 from longserve.models.decoder import MLP, ArchOptions, dense_mlp
 from longserve.models.layers import default_weight_loader
-from longserve.models.linear_method import LinearMethod
+from longserve.models.linear_method import LinearMethod, UnquantizedLinearMethod
 from longserve.models.moe import FusedMoE, get_moe_method
 from longserve.models.moe_layout import MoESpec, moe_spec
+
+# Up to this many tokens a step, a block whose router, shared-expert gate and shared expert's gate|up all read x
+# as plain weights at tp = 1 runs them as one GEMM over their weights stacked [2I + E + 1, H] (`stack_moe_inputs`,
+# after loading): a decode step of the seed's GPTQ-int4 35B-A3B ran 110 cuBLAS GEMVs of the smallest tile, 5.4 us
+# each (H100, RESULTS.md forty-eighth session), the router's and the shared gate's among them, and two of three
+# such launches a layer go. 0: off, until measured (`gpu_check.sh moe-inputs`). Read at each call.
+STACKED_INPUTS_MAX_TOKENS = 0
 
 
 class ReplicatedLinear(nn.Module):
@@ -67,9 +74,40 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert = MLP(hf_config, opts, linear, spec.shared_intermediate_size)
             self.shared_expert_gate = ReplicatedLinear(hidden, 1)
         self.tp_size = self.experts.tp_size
+        # gate_up | router | shared gate stacked [2I + E + 1, H] (stack_inputs), the three weights views of it
+        self.stacked_inputs: torch.Tensor | None = None
+
+    def stack_inputs(self) -> bool:
+        """After loading: the router, the shared expert's gate and gate|up weights as views of one stacked
+        tensor, where all three are plain weights on one rank (see STACKED_INPUTS_MAX_TOKENS); False: not so."""
+        shared = self.shared_expert
+        if shared is None or get_tp_size() != 1 or shared.gate_up_proj.bias is not None:
+            return False
+        gate_up = shared.gate_up_proj
+        if type(gate_up.quant_method) is not UnquantizedLinearMethod:  # (a quantized one has no `weight`)
+            return False
+        parts = (gate_up.weight, self.gate.weight, self.shared_expert_gate.weight)
+        if len({p.dtype for p in parts}) != 1:
+            return False
+        self.stacked_inputs = torch.cat([p.data for p in parts])  # [2I + E + 1, H]
+        start = 0
+        for p in parts:  # each weight a view of its rows: no copy kept
+            p.data = self.stacked_inputs[start : start + p.shape[0]]
+            start += p.shape[0]
+        return True
+
+    def _stacked(self, x: torch.Tensor) -> torch.Tensor:
+        """`partial` through the stacked input GEMM: [T, H]."""
+        y = F.linear(x, self.stacked_inputs)  # [T, 2I + E + 1]: gate|up, router logits, shared gate
+        two_i, num_experts = self.shared_expert.gate_up_proj.weight.shape[0], self.gate.weight.shape[0]
+        out = self.experts.partial(x, y[:, two_i : two_i + num_experts])  # [T, H]
+        shared = self.shared_expert.down_proj.partial(y[:, :two_i], gated=True)  # [T, H]
+        return out + torch.sigmoid(y[:, -1:]) * shared
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's part of the block's output [T, H], before the all-reduce (the whole at tp=1)."""
+        if self.stacked_inputs is not None and x.shape[0] <= STACKED_INPUTS_MAX_TOKENS:
+            return self._stacked(x)
         out = self.experts.partial(x, self.gate(x))  # [T, H]
         if self.shared_expert is not None:
             shared = self.shared_expert.partial(x)  # [T, H] this rank's slice's sum, no bias
@@ -83,6 +121,12 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.partial(x)
         return out if self.tp_size == 1 else tp_all_reduce(out)  # [T, H]
+
+
+def stack_moe_inputs(model: nn.Module) -> int:
+    """After loading, each MoE block's input weights stacked where it can (SparseMoeBlock.stack_inputs): how
+    many blocks."""
+    return sum(m.stack_inputs() for m in model.modules() if isinstance(m, SparseMoeBlock))
 
 
 def make_moe_mlp(hf_config: Any, opts: ArchOptions, layer_id: int, linear: LinearMethod) -> nn.Module:

@@ -284,7 +284,8 @@ class ModelRunner:
             tp_broadcast(prev_tokens)
         if self.states is None:
             return self._forward_pass(step, prev_tokens, early)
-        # a hybrid model's prefix hits start from their checkpoints; chunks ending on a mark leave one
+        # a hybrid model's prefix hits start from their checkpoints; chunks ending on a mark leave one (a chunk
+        # saving one inside itself, StepInputs.state_mid_saves, has its kernels write it)
         self.states.copy(step.state_copies)
         logits = self._forward_pass(step, prev_tokens, early)
         self.states.copy(step.state_saves)

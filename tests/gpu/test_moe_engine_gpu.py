@@ -132,3 +132,22 @@ def test_tp2_and_expert_parallel_equal_tp1_on_two_gpus(tmp_path, arch):
     tp2, graphs = run(path, ps, chunked_prefill_size=64, tp_size=2)
     ep2, _ = run(path, ps, chunked_prefill_size=64, tp_size=2, enable_expert_parallel=True)
     assert graphs and tp2 == expected and ep2 == expected
+
+
+def test_stacked_moe_inputs_keep_the_tokens(tmp_path, monkeypatch):
+    """Qwen2-MoE (a gated shared expert): the router, shared gate and shared gate|up as one GEMM at every step
+    size (moe_block.STACKED_INPUTS_MAX_TOKENS; decode graphs and pieces captured with it) give the tokens of
+    the separate GEMMs, fp32."""
+    from longserve.models import moe_block
+
+    path = make_tiny_checkpoint(tmp_path, "qwen2_moe", seed=3)
+    ps = prompts()
+    separate, _ = run(path, ps)
+    monkeypatch.setattr(moe_block, "STACKED_INPUTS_MAX_TOKENS", 1 << 20)
+    calls = []
+    stacked = moe_block.SparseMoeBlock._stacked
+    monkeypatch.setattr(
+        moe_block.SparseMoeBlock, "_stacked", lambda self, x: calls.append(1) or stacked(self, x)
+    )
+    got, graphs = run(path, ps)
+    assert graphs and calls and got == separate

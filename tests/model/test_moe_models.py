@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from longserve.models import load_hf_config, load_model
+from longserve.models import load_hf_config, load_model, moe_block
 from longserve.models.decoder import MLP, validate_tp_size
 from longserve.models.moe import FusedMoE, expert_weight_summary
 from longserve.models.moe_block import SparseMoeBlock
@@ -214,3 +214,32 @@ def test_fused_moe_layers_hold_the_loaded_experts(checkpoints: dict) -> None:
         assert torch.equal(experts.w2[e], tensors[prefix + "down_proj.weight"])
     with open(os.path.join(path, "config.json")) as f:
         assert json.load(f)["architectures"] == ["Qwen2MoeForCausalLM"]
+
+
+def test_stacked_moe_inputs_equal_the_separate_gemms(checkpoints: dict, monkeypatch) -> None:
+    """Qwen2-MoE (a gated shared expert, plain weights, one rank): after loading, the router's, the shared gate's
+    and the shared expert's gate|up weights are views of one stacked tensor (moe_block.stack_moe_inputs); with
+    the stacked GEMM on (STACKED_INPUTS_MAX_TOKENS) every MoE block takes it, and a prompt's and two chunks'
+    logits equal transformers' as they do without it. Mixtral (no shared expert) stacks nothing."""
+    ours, hf = load_both(checkpoints[("qwen2_moe", "per_expert")])
+    blocks = [m for m in ours.modules() if isinstance(m, SparseMoeBlock)]
+    assert blocks
+    for b in blocks:
+        storage = b.stacked_inputs.untyped_storage().data_ptr()
+        views = (b.shared_expert.gate_up_proj.weight, b.gate.weight, b.shared_expert_gate.weight)
+        assert all(w.untyped_storage().data_ptr() == storage for w in views)
+        assert b.stacked_inputs.shape[0] == sum(w.shape[0] for w in views)
+    ids = prompt(ours.vocab_size)
+    ref = hf_logits(hf, ids)
+    off = run_step(ours, new_cache(ours), [ids], [0], [PAGE_IDS])
+    calls = []
+    stacked = SparseMoeBlock._stacked
+    monkeypatch.setattr(SparseMoeBlock, "_stacked", lambda self, x: calls.append(1) or stacked(self, x))
+    monkeypatch.setattr(moe_block, "STACKED_INPUTS_MAX_TOKENS", 1 << 20)
+    on = run_step(ours, new_cache(ours), [ids], [0], [PAGE_IDS])
+    assert len(calls) == len(blocks)
+    torch.testing.assert_close(on, ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(on, off, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(two_chunks(ours, ids), ref, atol=1e-4, rtol=1e-4)
+    mixtral, _ = load_both(checkpoints[("mixtral", "per_expert")])
+    assert all(m.stacked_inputs is None for m in mixtral.modules() if isinstance(m, SparseMoeBlock))

@@ -167,3 +167,24 @@ if [[ $MODE == tune-moe-hybrid ]]; then
   tar czf "$OUT/moe_configs_tuned.tgz" longserve/kernels/moe_configs 2>/dev/null
   a3b35_runs after
 fi
+
+# moe-inputs (one GPU, ~5 min): the MoE block's router, shared gate and shared gate|up as one GEMM
+# (moe_block.STACKED_INPUTS_MAX_TOKENS, off by default) against three, one process each: decode at batch 1 (32K)
+# and 64 (4K) on the seed's model as released (GPTQ-int4 35B-A3B, 40 layers) and on the bf16 35B-A3B's first 20
+# layers; the GPU test of its tokens first
+if [[ $MODE == moe-inputs ]]; then
+  if python3 -c "import pytest" 2> /dev/null; then
+    timeout 120 python3 -m pytest -q -m gpu tests/gpu/test_moe_engine_gpu.py -k stacked -p no:cacheprovider \
+      --tb=short 2>&1 | tail -3 || status=1
+  fi
+  seed_gptq='{"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": false,
+    "sym": true, "dynamic": {"-:.*attn.*": {}, "-:.*shared_expert.*": {}}}}'
+  for stack in 0 256; do
+    LATENCY_TIMEOUT=150 latency_with a3b35_gptq_stack$stack "int4 stacked<=$stack" \
+      longserve.models.moe_block.STACKED_INPUTS_MAX_TOKENS=$stack -- --config qwen3.5-35b-a3b "${dummy[@]}" \
+      --hf-overrides "$seed_gptq" --decode-batch-sizes 1@32768,64@4096 --repeat 2
+    LATENCY_TIMEOUT=120 latency_with a3b35_half_stack$stack "bf16 20 layers stacked<=$stack" \
+      longserve.models.moe_block.STACKED_INPUTS_MAX_TOKENS=$stack -- --config qwen3.5-35b-a3b "${dummy[@]}" \
+      --hf-overrides '{"num_hidden_layers": 20}' --decode-batch-sizes 1@32768,64@4096 --repeat 2
+  done
+fi
