@@ -9,9 +9,9 @@ live requests holding p). The page size is the pool's.
 A hybrid model's running request also holds a recurrent-state slot (cache/state_slots.py), taken with its first
 pages and given back with them. A slot holds the whole history and cannot be cut at a page boundary, so such a
 model's prefix cache (cache/state_radix_tree.py) also keeps state checkpoints, saved where the scheduler ends a
-chunk on one of the request's `state_marks` or inside a chunk just before one (`in_step_save`), and a hit reaches only as far as the deepest checkpoint (copied into
-the request's slot before its first step: `req.state_restore`); without prefix caching nothing is shared (no
-forked siblings either).
+chunk on one of the request's `state_marks` or inside a chunk just before one (`in_step_save`), and a hit reaches
+only as far as the deepest checkpoint (copied into the request's slot before its first step: `req.state_restore`);
+without prefix caching nothing is shared (no forked siblings either).
 """
 
 from __future__ import annotations
