@@ -181,11 +181,13 @@ class EngineConfig:
     # SGLang's --mamba-full-memory-ratio r: the states take at most r / (1 + r) of the memory the weights leave,
     # the KV pool the rest (None: half, r = 1; SGLang's default 0.9 gives them 47%); runner/state_plan.py
     mamba_full_memory_ratio: float | None = None
-    # SGLang's --mamba-scheduler-strategy (auto, no_buffer, extra_buffer), --mamba-track-interval and its linear
-    # attention's kernel choices, accepted from its Qwen3.5 / Qwen3-Next launch lines with no effect
+    # SGLang's --mamba-track-interval (its default): a decoding request's state is checkpointed every this many
+    # tokens, so a conversation's next turn resumes inside the last answer (cache/manager.py track_target)
+    mamba_track_interval: int = 256
+    # SGLang's --mamba-scheduler-strategy (auto, no_buffer, extra_buffer) and its linear attention's kernel
+    # choices, accepted from its Qwen3.5 / Qwen3-Next launch lines with no effect
     # (engine_checks.log_ignored_settings says why at start-up; config_hybrid.py checks their values)
     mamba_scheduler_strategy: str = "auto"
-    mamba_track_interval: int | None = None
     mamba_backend: str | None = None
     linear_attn_backend: str | None = None
     linear_attn_decode_backend: str | None = None

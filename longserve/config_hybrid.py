@@ -1,7 +1,6 @@
 """EngineConfig's hybrid-model (Qwen3.5, Qwen3-Next) state settings, checked as one: mamba_ssm_cache_dtype,
-mamba_cache_dtype, mamba_cache_mode, max_mamba_cache_size, mamba_full_memory_ratio, and SGLang's
-mamba_scheduler_strategy / mamba_track_interval / kernel choices, accepted with no effect (vLLM's and SGLang's
-names). Called from
+mamba_cache_dtype, mamba_cache_mode, max_mamba_cache_size, mamba_full_memory_ratio, mamba_track_interval, and
+SGLang's mamba_scheduler_strategy / kernel choices, accepted with no effect (vLLM's and SGLang's names). Called from
 EngineConfig.__post_init__ (longserve/config.py) with its `need`, so a refusal is the same ConfigError naming the
 same settings; it imports nothing of config.py, which imports it. runner/state_plan.py acts on them."""
 
@@ -63,8 +62,9 @@ def check_hybrid_settings(config: Any, need: Callable[..., None]) -> None:
         )
     interval = config.mamba_track_interval
     need(
-        interval is None or (isinstance(interval, int) and not isinstance(interval, bool) and interval >= 1),
-        f"mamba_track_interval must be an integer >= 1 (SGLang's; no effect here); got {interval!r}",
+        isinstance(interval, int) and not isinstance(interval, bool) and interval >= 1,
+        f"mamba_track_interval must be an integer >= 1 (decode tokens between a hybrid model's state "
+        f"checkpoints); got {interval!r}",
         "mamba_track_interval",
     )
     ratio = config.mamba_full_memory_ratio

@@ -79,7 +79,7 @@ class Engine:
         runner = self.runner
         self.kv = KVCacheManager(
             runner.num_pages, config.page_size, config.enable_prefix_caching, runner.num_state_slots,
-            runner.num_state_checkpoints,
+            runner.num_state_checkpoints, track_interval=config.mamba_track_interval,
         )  # fmt: skip
         # a lone prompt's steps as the runner resolved them; chunks end on its attention backend's granule
         lone, granule = self.runner.lone_prefill_chunk_size, self.runner.backend.chunk_granule

@@ -62,12 +62,6 @@ def log_ignored_settings(config: EngineConfig, hf_config: Any) -> None:
             "pages of any size and the overlapped schedule",
             config.mamba_scheduler_strategy,
         )
-    if config.mamba_track_interval is not None:
-        logger.info(
-            "mamba_track_interval=%d (--mamba-track-interval) has no effect: decode steps save no state "
-            "checkpoint (a conversation's next turn resumes after the previous turn's prompt)",
-            config.mamba_track_interval,
-        )
     kernels = [
         f"{name}={getattr(config, name)}" for name in KERNEL_CHOICES if getattr(config, name) is not None
     ]

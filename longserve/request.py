@@ -66,6 +66,9 @@ class Request:
     # where its prompt's chunks end and its state is checkpointed (cache/state_radix_tree.py)
     state_restore: int | None = None
     state_marks: tuple[int, ...] = ()
+    # a checkpoint a decode step saved (checkpoint, tokens it covers), attached when the request's generated pages
+    # are cached, as it ends (KVCacheManager.track_target)
+    state_tracked: tuple[int, int] | None = None
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id or string that ended it

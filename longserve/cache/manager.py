@@ -50,12 +50,15 @@ class KVCacheManager:
         num_state_slots: int = 0,
         num_state_checkpoints: int = 0,
         min_checkpoint_tokens: int = MIN_CHECKPOINT_TOKENS,
+        track_interval: int = 256,
     ) -> None:
         """num_state_slots: a hybrid model's running requests' state slots (0: an attention-only model);
         num_state_checkpoints: its prefix cache's checkpoints, ids after the slots' (0: no prefix cache for it);
-        min_checkpoint_tokens: the shortest prefix a checkpoint is saved for."""
+        min_checkpoint_tokens: the shortest prefix a checkpoint is saved for; track_interval: decode tokens
+        between a decoding request's checkpoints (`track_target`; EngineConfig.mamba_track_interval)."""
         self.pool = PagePool(num_pages, page_size)
         self.min_checkpoint_tokens = min_checkpoint_tokens
+        self.track_interval = track_interval
         self.states: StateSlots | NoStateSlots = (
             StateSlots(num_state_slots) if num_state_slots else NoStateSlots()
         )
@@ -178,21 +181,37 @@ class KVCacheManager:
         checkpoint = self.prefix_cache.take_checkpoint()
         return None if checkpoint is None else (checkpoint, at)
 
+    def track_target(self, req: Request) -> int | None:
+        """A checkpoint for a decoding request's state after its next token, every `track_interval` tokens on a
+        page past min_checkpoint_tokens (SGLang's --mamba-track-interval): held until the request ends, when its
+        generated pages join the cache (`release`), so a conversation's next turn resumes inside this answer; a
+        newer one replaces it. None: not such a token, no prefix cache of states, or every checkpoint pinned."""
+        end = req.num_computed_tokens + 1
+        if end % self.track_interval or end % self.page_size or end < self.min_checkpoint_tokens:
+            return None
+        if not self.prefix_cache.keeps_states or req.cache_node is None:
+            return None
+        return self.prefix_cache.take_checkpoint()
+
     def state_saved(self, req: Request, checkpoint: int, tokens: int | None = None) -> None:
         """After the step that saves the request's state into `checkpoint` was advanced (its pages cached): the
         checkpoint joins the node ending at the `tokens` the state covers (None: the request's computed tokens)
-        on the request's cached path, split there if need be; dropped if the request ended meanwhile."""
+        on the request's cached path, split there if need be; a decode step's waits for the request's end
+        (`track_target`); dropped if the request ended meanwhile."""
         node, ps = req.cache_node, self.page_size
-        if tokens is None or tokens == req.num_computed_tokens:
-            if node is not None and req.num_tree_pages * ps == req.num_computed_tokens:
-                self.prefix_cache.attach_checkpoint(node, checkpoint)
-                return
-        elif node is not None and 0 < tokens <= req.num_tree_pages * ps and tokens % ps == 0:
+        covers = req.num_computed_tokens if tokens is None else tokens
+        if node is not None and covers == req.num_tree_pages * ps == req.num_computed_tokens:
+            self.prefix_cache.attach_checkpoint(node, checkpoint)
+        elif node is not None and 0 < covers <= req.num_tree_pages * ps and covers % ps == 0:
             # the request's pages up to there are the tree's (cache_computed) and locked: the walk adopts none
-            inner = self.prefix_cache.insert(req.token_array(0, tokens), req.page_ids[: tokens // ps]).node
+            inner = self.prefix_cache.insert(req.token_array(0, covers), req.page_ids[: covers // ps]).node
             self.prefix_cache.attach_checkpoint(inner, checkpoint)
-            return
-        self.prefix_cache.drop_checkpoint(checkpoint)
+        elif node is not None and covers > req.num_prompt_tokens and covers % ps == 0:  # a decode step's
+            if req.state_tracked is not None:
+                self.prefix_cache.drop_checkpoint(req.state_tracked[0])
+            req.state_tracked = (checkpoint, covers)
+        else:
+            self.prefix_cache.drop_checkpoint(checkpoint)
 
     def state_restored(self, req: Request) -> None:
         """The step copying the request's matched checkpoint into its slot was launched: the checkpoint may go."""
@@ -265,6 +284,13 @@ class KVCacheManager:
         full pages first go into the prefix cache."""
         if cache:
             self.cache_computed(req)
+        if req.state_tracked is not None:  # a decode step's checkpoint: its pages are the tree's now (cached)
+            checkpoint, covers = req.state_tracked
+            req.state_tracked = None
+            if cache and req.cache_node is not None and covers <= req.num_tree_pages * self.page_size:
+                self.state_saved(req, checkpoint, covers)
+            else:
+                self.prefix_cache.drop_checkpoint(checkpoint)
         if req.cache_node is not None:
             self.prefix_cache.unlock(req.cache_node)
             req.cache_node = None

@@ -65,6 +65,8 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
         self.config = config
         self.kv = kv
+        # a hybrid model's prefix cache checkpoints decoding requests' states (KVCacheManager.track_target)
+        self._tracks = kv.prefix_cache.keeps_states
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -189,7 +191,8 @@ class Scheduler:
                 if decode_room <= 0:
                     continue
                 if computed < len(req.page_ids) * page_size:  # its last page has room
-                    out.scheduled.append(ScheduledRequest(req, 1, True))
+                    track = self.kv.track_target(req) if self._tracks else None
+                    out.scheduled.append(ScheduledRequest(req, 1, True, track))
                     scheduled_ids.add(req.request_id)
                     decode_room -= 1
                     num_decodes += 1
@@ -247,6 +250,8 @@ class Scheduler:
         """n more tokens of a running request; sampling if they reach its end, and (a hybrid model) saving its
         state into a checkpoint if they end on one of its marks."""
         samples = req.num_computed_tokens + n == req.num_tokens
+        if n == 1 and samples and req.num_computed_tokens >= req.num_prompt_tokens:  # a decode
+            return ScheduledRequest(req, 1, True, self.kv.track_target(req) if self._tracks else None)
         save = self.kv.checkpoint_target(req, n)
         return ScheduledRequest(req, n, samples, *(save or (None, None)))
 

@@ -269,8 +269,9 @@ OPTIONS: tuple[Option, ...] = (
            "SGLang's hybrid-model radix-cache strategy: accepted, no effect (longserve's hybrid prefix cache keeps "
            "its own checkpoints: --mamba-cache-mode; said in the start-up log)", choices=MAMBA_SCHEDULER_STRATEGIES),
     Option(("--mamba-track-interval",), E + "mamba_track_interval",
-           "SGLang's decode-state tracking interval: accepted, no effect (decode steps save no state checkpoint; "
-           "said in the start-up log)", int, default_help="none"),
+           "with a hybrid model's prefix cache, a decoding request's linear-attention state is checkpointed "
+           "every this many tokens (on a page; SGLang's flag), so a conversation's next turn resumes inside the "
+           "last answer", int),
     *(
         Option((flag,), E + flag[2:].replace("-", "_"),
                "SGLang's kernel choice for a hybrid model's linear attention: accepted, no effect (longserve runs its "

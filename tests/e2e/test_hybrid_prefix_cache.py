@@ -119,25 +119,35 @@ def test_a_checkpoint_saved_inside_a_step_holds_the_prefix_state(path):
     p = ids(DOC + 37, seed=1)
     m = llm(path)
     generate(m, [p], SamplingParams(max_new_tokens=1, temperature=0.0))
-    tree = m.engine.kv.prefix_cache
-    depth = {}
+    depth = checkpoint_depths(m)
+    # the usual chunk ending on a page past the floor, and the one inside the step
+    assert sorted(depth) == [512, 576]
+    assert_state_of_prefix(path, m, depth[576], p[:576], conv_atol=0)
+    clean(m)
+
+
+def checkpoint_depths(m: LLM) -> dict[int, int]:
+    """{tokens before it: checkpoint row} of every checkpoint the engine's prefix cache holds."""
+    tree, depth = m.engine.kv.prefix_cache, {}
     for c, node in tree._attached.items():
         n, cur = 0, node
         while cur is not tree.root:
             n, cur = n + len(cur.key), cur.parent
         depth[n] = c
-    assert sorted(depth) == [
-        512,
-        576,
-    ]  # the usual chunk ending on a page past the floor, the one inside the step
+    return depth
+
+
+def assert_state_of_prefix(path, m: LLM, row: int, prefix: list[int], conv_atol: float) -> None:
+    """State row `row` of m holds, in every linear-attention layer, the conv inputs and delta-rule state a prompt
+    of exactly `prefix` leaves in its slot (computed alone, no prefix cache, one token sampled: no decode step
+    after it)."""
     alone = llm(path, enable_prefix_caching=False, max_num_seqs=1)
-    alone.generate([p[:576]], SamplingParams(max_new_tokens=1, temperature=0.0))
+    alone.generate([prefix], SamplingParams(max_new_tokens=1, temperature=0.0))
     got, want = m.engine.runner.states, alone.engine.runner.states
     assert want.num_slots == 1 and len(got.conv) == len(want.conv) > 0
     for layer in range(len(got.conv)):
-        torch.testing.assert_close(got.conv[layer][depth[576]], want.conv[layer][0], atol=0, rtol=0)
-        torch.testing.assert_close(got.ssm[layer][depth[576]], want.ssm[layer][0], atol=1e-5, rtol=1e-5)
-    clean(m)
+        torch.testing.assert_close(got.conv[layer][row], want.conv[layer][0], atol=conv_atol, rtol=0)
+        torch.testing.assert_close(got.ssm[layer][row], want.ssm[layer][0], atol=1e-5, rtol=1e-5)
 
 
 def test_document_shared_by_questions(path, plain):
@@ -165,6 +175,33 @@ def test_next_turn_resumes_after_the_last_turns_prompt(path, plain):
     got, (cached,), computed = generate(m, [turn2])
     hit = (len(turn1) - 1) // PAGE * PAGE
     assert same(got, plain([turn2])) and cached == hit and computed == len(turn2) - hit + 31
+    clean(m)
+
+
+@pytest.mark.parametrize("interval", [64, 256])
+def test_next_turn_resumes_inside_the_last_answer(path, plain, interval):
+    """--mamba-track-interval: a decoding request's state is checkpointed every `interval` tokens (on a page),
+    held until it ends, then attached where its generated pages join the cache: the next turn resumes at the last
+    one inside the answer (interval 64: 640 of 569 + 99 computed tokens), not at the last turn's prompt (256:
+    none past 512 inside this answer), with the tokens and logprobs of the turn computed from scratch; a
+    checkpoint replaced by a newer one is freed (the integrity check)."""
+    turn1 = ids(DOC + 9, seed=3)
+    m = llm(path, mamba_track_interval=interval)
+    (answer,), _, _ = generate(
+        m, [turn1], SamplingParams(max_new_tokens=100, temperature=0.0, ignore_eos=True)
+    )
+    computed = len(turn1) + 99  # the last sampled token is not computed
+    if (
+        interval == 64
+    ):  # the decode steps' checkpoint: the state of its 640 tokens, as a prompt of them leaves it
+        history = turn1 + answer[0]
+        assert_state_of_prefix(path, m, checkpoint_depths(m)[640], history[:640], conv_atol=1e-4)
+    turn2 = turn1 + answer[0] + ids(12, seed=4)
+    got, (cached,), _ = generate(m, [turn2])
+    tracked = computed // interval * interval
+    hit = tracked if tracked > len(turn1) else (len(turn1) - 1) // PAGE * PAGE
+    assert same(got, plain([turn2]))
+    assert (cached, hit) == ((640, 640) if interval == 64 else (560, 560))
     clean(m)
 
 

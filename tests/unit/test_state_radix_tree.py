@@ -231,3 +231,46 @@ def test_a_mark_inside_a_chunk_saves_there_without_a_cut(monkeypatch):
     assert run_prompt(kv, e, chunk=256) == [148, 2]
     kv.release(e)
     kv.check_integrity([])
+
+
+def test_decode_checkpoints_wait_for_the_end_and_a_newer_one_replaces_the_older():
+    """track_target: a decoding request's state every track_interval tokens on a page; the checkpoint waits in
+    flight until the request ends (its generated pages are cached then) and joins the node at its depth; a newer
+    one frees the older; an abort (no caching) frees it."""
+    kv = KVCacheManager(
+        64, PS, num_state_slots=2, num_state_checkpoints=3, min_checkpoint_tokens=8, track_interval=8
+    )
+    tree = kv.prefix_cache
+    r = req("r", list(range(100, 110)))  # 10 tokens: its mark at 8 (the last full page below 10)
+    assert run_prompt(kv, r, chunk=16) == [8, 2]
+
+    def decode(token: int) -> int | None:
+        r.output_token_ids.append(token)
+        assert kv.allocate(r, 1)
+        save = kv.track_target(r)
+        r.num_computed_tokens += 1
+        if save is not None:
+            kv.state_saved(r, save)
+        return save
+
+    saves = [decode(t) for t in range(7)]  # computes tokens 10..16: a save after 16 only
+    assert [s is not None for s in saves] == [False] * 5 + [True, False] and r.state_tracked == (saves[5], 16)
+    more = [decode(t) for t in range(7, 15)]  # 17..24: a save after 24, which replaces the first
+    assert [s is not None for s in more] == [False] * 6 + [True, False]
+    assert r.state_tracked == (more[6], 24) and saves[5] in tree._free
+    kv.check_integrity([r])
+    kv.release(r)  # its pages cached: the checkpoint joins the node ending after 24 tokens
+    assert sorted(depths(tree).values()) == [8, 24]
+    kv.check_integrity([])
+    a = req("a", list(range(200, 210)))
+    run_prompt(kv, a, chunk=16)
+    a.output_token_ids.extend(range(7))
+    assert kv.allocate(a, 7)
+    a.num_computed_tokens = 15
+    save = kv.track_target(a)
+    a.num_computed_tokens += 1
+    kv.state_saved(a, save)
+    assert a.state_tracked == (save, 16)
+    kv.release(a, cache=False)  # aborted: nothing cached, the checkpoint is free again
+    assert save in tree._free and a.state_tracked is None
+    kv.check_integrity([])
