@@ -55,21 +55,29 @@ class RecurrentStates:
         self.num_slots = num_slots
         self.num_checkpoints = num_checkpoints
         rows = num_slots + num_checkpoints
-        conv_shape = (rows, spec.conv_width - 1, spec.conv_dim)
-        ssm_shape = (rows, spec.num_v_heads, spec.k_dim, spec.v_dim)
-        self.conv = [torch.zeros(conv_shape, dtype=conv_dtype, device=device) for _ in range(num_layers)]
-        self.ssm = [torch.zeros(ssm_shape, dtype=ssm_dtype, device=device) for _ in range(num_layers)]
+        # every layer's rows in one tensor a kind ([layers, rows, ...]), each layer's a contiguous view of it: a
+        # copy of some rows is two launches a kind, where a tensor a layer took two a layer (120 for Qwen3.5's 30
+        # linear-attention layers; two rows of 30 tiny layers on the CI CPU: 259-271 -> 54-70 us, RESULTS.md
+        # forty-eighth session). Prefix-cache saves and restores, and decode checkpoints, each pay one.
+        self._conv = torch.zeros(
+            (num_layers, rows, spec.conv_width - 1, spec.conv_dim), dtype=conv_dtype, device=device
+        )
+        self._ssm = torch.zeros(
+            (num_layers, rows, spec.num_v_heads, spec.k_dim, spec.v_dim), dtype=ssm_dtype, device=device
+        )
+        self.conv, self.ssm = list(self._conv.unbind(0)), list(self._ssm.unbind(0))
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.conv, *self.ssm))
+        return sum(t.numel() * t.element_size() for t in (self._conv, self._ssm))
 
     def copy(self, pairs: list[tuple[int, int]]) -> None:
         """Row `to` of every layer's states <- row `from`, for each (from, to) (no `to` repeats, no row both read
         and written: a restore reads a checkpoint into a slot, a save a slot into a checkpoint)."""
         if not pairs:
             return
-        device = self.conv[0].device
-        src, dst = (host_to_device(list(rows), dtype=torch.int64, device=device) for rows in zip(*pairs))
-        for t in (*self.conv, *self.ssm):
-            t.index_copy_(0, dst, t.index_select(0, src))
+        src, dst = (
+            host_to_device(list(rows), dtype=torch.int64, device=self._conv.device) for rows in zip(*pairs)
+        )
+        for t in (self._conv, self._ssm):
+            t.index_copy_(1, dst, t.index_select(1, src))
