@@ -57,8 +57,9 @@ class RecurrentStates:
         rows = num_slots + num_checkpoints
         # every layer's rows in one tensor a kind ([layers, rows, ...]), each layer's a contiguous view of it: a
         # copy of some rows is two launches a kind, where a tensor a layer took two a layer (120 for Qwen3.5's 30
-        # linear-attention layers; two rows of 30 tiny layers on the CI CPU: 259-271 -> 54-70 us, RESULTS.md
-        # forty-eighth session). Prefix-cache saves and restores, and decode checkpoints, each pay one.
+        # linear-attention layers; two rows of 30 tiny layers on the CI CPU: 259-271 -> 54-70 us,
+        # scripts/dev/state_copy_time.py, RESULTS.md forty-eighth session). Prefix-cache saves and restores, and
+        # decode checkpoints, each pay one.
         self._conv = torch.zeros(
             (num_layers, rows, spec.conv_width - 1, spec.conv_dim), dtype=conv_dtype, device=device
         )
