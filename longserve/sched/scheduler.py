@@ -248,7 +248,8 @@ class Scheduler:
 
     def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
         """n more tokens of a running request; sampling if they reach its end, and (a hybrid model) saving its
-        state into a checkpoint if they end on one of its marks."""
+        state into a checkpoint where they pass or end on one of its marks, or, a decode, every
+        --mamba-track-interval tokens."""
         samples = req.num_computed_tokens + n == req.num_tokens
         if n == 1 and samples and req.num_computed_tokens >= req.num_prompt_tokens:  # a decode
             return ScheduledRequest(req, 1, True, self.kv.track_target(req) if self._tracks else None)
