@@ -191,17 +191,17 @@ def test_next_turn_resumes_inside_the_last_answer(path, plain, interval):
         m, [turn1], SamplingParams(max_new_tokens=100, temperature=0.0, ignore_eos=True)
     )
     computed = len(turn1) + 99  # the last sampled token is not computed
-    if (
-        interval == 64
-    ):  # the decode steps' checkpoint: the state of its 640 tokens, as a prompt of them leaves it
+    # the last tracked state inside the answer, else the last turn's prompt's last full page
+    tracked = computed // interval * interval
+    hit = tracked if tracked > len(turn1) else (len(turn1) - 1) // PAGE * PAGE
+    assert hit == (640 if interval == 64 else 560)
+    if interval == 64:
+        # the decode steps' checkpoint holds the state of its 640 tokens, as a prompt of them leaves it
         history = turn1 + answer[0]
         assert_state_of_prefix(path, m, checkpoint_depths(m)[640], history[:640], conv_atol=1e-4)
     turn2 = turn1 + answer[0] + ids(12, seed=4)
     got, (cached,), _ = generate(m, [turn2])
-    tracked = computed // interval * interval
-    hit = tracked if tracked > len(turn1) else (len(turn1) - 1) // PAGE * PAGE
-    assert same(got, plain([turn2]))
-    assert (cached, hit) == ((640, 640) if interval == 64 else (560, 560))
+    assert same(got, plain([turn2])) and cached == hit
     clean(m)
 
 
