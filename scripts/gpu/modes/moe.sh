@@ -188,3 +188,17 @@ if [[ $MODE == moe-inputs ]]; then
       --hf-overrides '{"num_hidden_layers": 20}' --decode-batch-sizes 1@32768,64@4096 --repeat 2
   done
 fi
+
+# int4-rows-a3b35 (one GPU, ~4 min): the seed's model as released (GPTQ-int4 35B-A3B: 256 experts, top 8) at cold 8K
+# and 32K with its 4-bit experts by rows (fused_moe's int path) up to 4,096 (the default), 8,192 and 32,768 tokens a
+# step, against dequantized whole past that: the default came from the 128-expert 30B-A3B, where 4,096 tokens give
+# each expert 256 rows; here 8,192 do (the dequantization took 36 of the cold 8K's 209 ms, forty-eighth session)
+if [[ $MODE == int4-rows-a3b35 ]]; then
+  seed_gptq='{"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": false,
+    "sym": true, "dynamic": {"-:.*attn.*": {}, "-:.*shared_expert.*": {}}}}'
+  for rows in 4096 8192 32768; do
+    LATENCY_TIMEOUT=150 latency_with a3b35_gptq_rows$rows "int4 rows<=$rows" \
+      longserve.kernels.moe_wna16.MOE_WNA16_ROWS_MAX_TOKENS=$rows -- --config qwen3.5-35b-a3b "${dummy[@]}" \
+      --hf-overrides "$seed_gptq" --prompt-lens 8192,32768 --repeat 3
+  done
+fi
