@@ -68,6 +68,11 @@ latency_with() {
 }
 # the dummy-weight bf16 runs every A/B measures
 dummy=(--load-format dummy --dtype bfloat16 --warmup 1)
+# the seed's model as released (Qwen3.5-35B-A3B GPTQ-Int4): with --config qwen3.5-35b-a3b, --hf-overrides "$seed_gptq"
+# quantizes the routed experts int4 (group 128) and keeps attention, linear attention and shared experts bf16 (the
+# official checkpoints' `dynamic` rules)
+seed_gptq='{"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": false,
+  "sym": true, "dynamic": {"-:.*attn.*": {}, "-:.*shared_expert.*": {}}}}'
 # vLLM 0.24's slim build into /tmp/site and cuDNN's frontend into a folder of its own (scripts/gpu/vllm_anchor.sh),
 # and vLLM's environment (../shared/anchors/README.md): the modes that run vLLM need .anchor/ carried
 source scripts/gpu/vllm_anchor.sh

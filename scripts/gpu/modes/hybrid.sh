@@ -25,18 +25,14 @@ if [[ $MODE == hybrid ]]; then
   # the seed's own model as released (Qwen3.5-35B-A3B GPTQ-Int4): all 40 layers, the routed experts int4 (group
   # 128), attention, linear attention and shared experts bf16 (the official checkpoints' `dynamic` rules): 20.1 GiB
   # of weights by bench latency's plan (bench/weight_bytes.py)
-  LATENCY_TIMEOUT=300 latency_with a3b35_gptq "int4" -- --config qwen3.5-35b-a3b "${dummy[@]}" --hf-overrides \
-    '{"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": false, "sym": true,
-      "dynamic": {"-:.*attn.*": {}, "-:.*shared_expert.*": {}}}}' \
-    --prompt-lens 8192,32768 --prefix-hit 32768:64 --decode-batch-sizes 1@32768,64@4096
+  LATENCY_TIMEOUT=300 latency_with a3b35_gptq "int4" -- --config qwen3.5-35b-a3b "${dummy[@]}" \
+    --hf-overrides "$seed_gptq" --prompt-lens 8192,32768 --prefix-hit 32768:64 --decode-batch-sizes 1@32768,64@4096
 fi
 
 # hybrid-int4-profile (~4 min): the seed's model as released (the GPTQ-int4 35B-A3B above), profiled: where cold 8K
 # (3.4x its floor on an H100, forty-eighth session) and decode at batch 1 over 32K (4.1x) spend their time, and cold
 # prompts without state marks (--mamba-cache-mode none)
 if [[ $MODE == hybrid-int4-profile ]]; then
-  seed_gptq='{"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": false,
-    "sym": true, "dynamic": {"-:.*attn.*": {}, "-:.*shared_expert.*": {}}}}'
   LATENCY_TIMEOUT=200 latency_with a3b35_gptq_prof "int4" -- --config qwen3.5-35b-a3b "${dummy[@]}" \
     --hf-overrides "$seed_gptq" --prompt-lens 8192 --decode-batch-sizes 1@32768 --profile --host-profile
   grep -h "wall .* ms, busy" "$OUT/latency_a3b35_gptq_prof.log" | sed 's/^\[bench latency [0-9:]*\] //'
@@ -50,8 +46,6 @@ fi
 # cache/manager.py IN_STEP_SAVES), by a step of its own after a chunk cut at the mark (IN_STEP_SAVES=False: before the
 # forty-eighth session), none kept (--mamba-cache-mode none); cold 8K / 32K and the 32K prefix hit
 if [[ $MODE == hybrid-marks ]]; then
-  seed_gptq='{"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": false,
-    "sym": true, "dynamic": {"-:.*attn.*": {}, "-:.*shared_expert.*": {}}}}'
   python3 scripts/gpu/vllm_hybrid_cases.py --write-config /tmp/qwen3_next_12l
   for model in a3b35_gptq qnext12; do
     if [[ $model == a3b35_gptq ]]; then

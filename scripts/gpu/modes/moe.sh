@@ -177,8 +177,6 @@ if [[ $MODE == moe-inputs ]]; then
     timeout 120 python3 -m pytest -q -m gpu tests/gpu/test_moe_engine_gpu.py -k stacked -p no:cacheprovider \
       --tb=short 2>&1 | tail -3 || status=1
   fi
-  seed_gptq='{"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": false,
-    "sym": true, "dynamic": {"-:.*attn.*": {}, "-:.*shared_expert.*": {}}}}'
   for stack in 0 256; do
     LATENCY_TIMEOUT=150 latency_with a3b35_gptq_stack$stack "int4 stacked<=$stack" \
       longserve.models.moe_block.STACKED_INPUTS_MAX_TOKENS=$stack -- --config qwen3.5-35b-a3b "${dummy[@]}" \
@@ -194,8 +192,6 @@ fi
 # step, against dequantized whole past that: the default came from the 128-expert 30B-A3B, where 4,096 tokens give
 # each expert 256 rows; here 8,192 do (the dequantization took 36 of the cold 8K's 209 ms, forty-eighth session)
 if [[ $MODE == int4-rows-a3b35 ]]; then
-  seed_gptq='{"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": false,
-    "sym": true, "dynamic": {"-:.*attn.*": {}, "-:.*shared_expert.*": {}}}}'
   for rows in 4096 8192 32768; do
     LATENCY_TIMEOUT=150 latency_with a3b35_gptq_rows$rows "int4 rows<=$rows" \
       longserve.kernels.moe_wna16.MOE_WNA16_ROWS_MAX_TOKENS=$rows -- --config qwen3.5-35b-a3b "${dummy[@]}" \
