@@ -31,6 +31,13 @@ class RecurrentStateSpec:
     k_dim: int  # key head dim
     v_dim: int  # value head dim
 
+    @classmethod
+    def for_heads(
+        cls, num_k_heads: int, num_v_heads: int, k_dim: int, v_dim: int, conv_width: int
+    ) -> RecurrentStateSpec:
+        """The state of a Gated DeltaNet layer with this rank's key and value heads: the conv runs over q | k | v."""
+        return cls(2 * num_k_heads * k_dim + num_v_heads * v_dim, conv_width, num_v_heads, k_dim, v_dim)
+
     def bytes_per_slot(self, conv_dtype: torch.dtype, ssm_dtype: torch.dtype) -> int:
         conv = (self.conv_width - 1) * self.conv_dim * conv_dtype.itemsize
         ssm = self.num_v_heads * self.k_dim * self.v_dim * ssm_dtype.itemsize

@@ -91,9 +91,13 @@ def hybrid_state_bytes(
     if not linear:
         return 0
     tp = config.tp_size
-    hk, hv = text["linear_num_key_heads"] // tp, text["linear_num_value_heads"] // tp
-    k, v = text["linear_key_head_dim"], text["linear_value_head_dim"]
-    spec = RecurrentStateSpec(2 * hk * k + hv * v, text["linear_conv_kernel_dim"], hv, k, v)
+    spec = RecurrentStateSpec.for_heads(
+        text["linear_num_key_heads"] // tp,
+        text["linear_num_value_heads"] // tp,
+        text["linear_key_head_dim"],
+        text["linear_value_head_dim"],
+        text["linear_conv_kernel_dim"],
+    )
     per_slot = linear * spec.bytes_per_slot(
         *state_dtypes(config, torch.float32 if itemsize == 4 else torch.bfloat16)
     )

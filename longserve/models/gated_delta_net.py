@@ -100,7 +100,9 @@ class GatedDeltaNet(nn.Module):
         )
 
     def state_spec(self) -> RecurrentStateSpec:
-        return RecurrentStateSpec(self.conv_dim, self.conv_width, self.num_v_heads, self.k_dim, self.v_dim)
+        return RecurrentStateSpec.for_heads(
+            self.num_k_heads, self.num_v_heads, self.k_dim, self.v_dim, self.conv_width
+        )
 
     def _load_conv(self, param: nn.Parameter, loaded: TensorLike, shard_id: str | None = None) -> None:
         """conv1d.weight [D, 1, W] of every head -> this rank's q, k and v channels [D_rank, W]."""
