@@ -30,6 +30,7 @@ from longserve.kernels.split_k import split_k_outputs
 
 __all__ = [
     "DENSE_GEMM_GATED_MAX_TOKENS",
+    "DENSE_GEMM_NARROW_MAX_N",
     "DENSE_GEMM_TRITON_MAX_TOKENS",
     "DENSE_GEMM_TRITON_MIN_TOKENS",
     "dense_gemm",
@@ -42,6 +43,12 @@ __all__ = [
 # none (slower than cuBLAS in the 8B decode on an H200: the module docstring).
 DENSE_GEMM_TRITON_MIN_TOKENS = 16
 DENSE_GEMM_TRITON_MAX_TOKENS = 0
+# Linears with at most this many outputs take this kernel at every decode batch size (1 to DENSE_GEMM_MAX_BLOCK_M
+# rows): cuBLAS's GEMV tile of 64 columns gives a narrow weight few programs (the seed's Qwen3.5-35B-A3B: its router,
+# 256 outputs, 4; its 2,048-wide output projections 32, of an H100's 132 SMs) where this kernel splits K until the
+# chip is full. Its decode b1 step ran 110 such cuBLAS GEMVs at ~5.4 us each, its bf16 weights at ~1.9 TB/s (H100,
+# RESULTS.md forty-eighth session). 0: off until measured (`gpu_check.sh narrow-gemv`).
+DENSE_GEMM_NARROW_MAX_N = 0
 # Decode batches up to this many rows run an unquantized MLP's down projection here with silu(gate) * up made on
 # its loads (GATED), instead of cuBLAS after silu_and_mul's launch: one launch and the gap before it a layer (~2.6
 # us between graph kernels on an H100, RESULTS.md thirty-fourth session's hit profile: ~0.9 ms over ~350 kernels),
@@ -111,12 +118,14 @@ def _dense_gemm_kernel(
 
 def dense_gemm_serves(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether a linear of these operands (on a GPU) takes this kernel: 16-bit, 2-D, a token count in the
-    switched-on range."""
+    switched-on range, or any decode batch for a weight of at most DENSE_GEMM_NARROW_MAX_N outputs."""
+    rows = x.shape[0]
     return (
         x.dim() == 2
-        and DENSE_GEMM_TRITON_MIN_TOKENS
-        <= x.shape[0]
-        <= min(DENSE_GEMM_TRITON_MAX_TOKENS, DENSE_GEMM_MAX_BLOCK_M)
+        and (
+            DENSE_GEMM_TRITON_MIN_TOKENS <= rows <= min(DENSE_GEMM_TRITON_MAX_TOKENS, DENSE_GEMM_MAX_BLOCK_M)
+            or (1 <= rows <= DENSE_GEMM_MAX_BLOCK_M and w.shape[0] <= DENSE_GEMM_NARROW_MAX_N)
+        )
         and x.dtype in (torch.bfloat16, torch.float16)
         and w.dtype == x.dtype
     )

@@ -21,6 +21,20 @@ from longserve.platform import use_triton
 DENSE_GEMM_MAX_ROWS = 128  # kernels/dense_gemm.DENSE_GEMM_MAX_BLOCK_M: the most rows it ever takes
 
 
+def plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T (+ bias) of a plain 16/32-bit weight [out, in], every unquantized product of a model (the linear
+    layers' and the MoE block's router and shared gate): a decode batch kernels/dense_gemm.py serves (by rows
+    and outputs: none by default) runs there in Triton, the rest through F.linear. Larger steps skip the check
+    on one comparison (the import and the range cost ~0.65 us a call on the CI machine; an eager 8B step makes
+    128 such calls)."""
+    if x.shape[0] <= DENSE_GEMM_MAX_ROWS and use_triton(x):
+        from longserve.kernels import dense_gemm  # imports triton
+
+        if dense_gemm.dense_gemm_serves(x, weight):
+            return dense_gemm.dense_gemm(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 class LinearMethod(QuantizeMethod):
     """Creates a linear layer's weight parameters and computes y = x W^T (+ bias), as vLLM's LinearMethodBase."""
 
@@ -79,15 +93,7 @@ class UnquantizedLinearMethod(LinearMethod):
         layer.register_parameter("weight", weight)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        # a decode batch in the range kernels/dense_gemm.py is switched on for (none by default): Triton. Larger
-        # steps skip the check on one comparison (the import and the range cost ~0.65 us a call on the CI
-        # machine; an eager 8B step makes 128 such calls)
-        if x.shape[0] <= DENSE_GEMM_MAX_ROWS and use_triton(x):
-            from longserve.kernels import dense_gemm  # imports triton
-
-            if dense_gemm.dense_gemm_serves(x, layer.weight):
-                return dense_gemm.dense_gemm(x, layer.weight, bias)
-        return F.linear(x, layer.weight, bias)
+        return plain_linear(x, layer.weight, bias)
 
     def apply_gated(
         self, layer: nn.Module, gate_up: torch.Tensor, bias: torch.Tensor | None

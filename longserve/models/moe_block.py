@@ -14,13 +14,12 @@ import re
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from longserve.distributed import get_tp_size, tp_all_reduce
 from longserve.models.decoder import MLP, ArchOptions, dense_mlp
 from longserve.models.layers import default_weight_loader
-from longserve.models.linear_method import LinearMethod, UnquantizedLinearMethod
+from longserve.models.linear_method import LinearMethod, UnquantizedLinearMethod, plain_linear
 from longserve.models.moe import FusedMoE, get_moe_method
 from longserve.models.moe_layout import MoESpec, moe_spec
 
@@ -46,7 +45,7 @@ class ReplicatedLinear(nn.Module):
         default_weight_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)  # [T, out]
+        return plain_linear(x, self.weight)  # [T, out]
 
 
 class SparseMoeBlock(nn.Module):
@@ -98,7 +97,7 @@ class SparseMoeBlock(nn.Module):
 
     def _stacked(self, x: torch.Tensor) -> torch.Tensor:
         """`partial` through the stacked input GEMM: [T, H]."""
-        y = F.linear(x, self.stacked_inputs)  # [T, 2I + E + 1]: gate|up, router logits, shared gate
+        y = plain_linear(x, self.stacked_inputs)  # [T, 2I + E + 1]: gate|up, router logits, shared gate
         two_i, num_experts = self.shared_expert.gate_up_proj.weight.shape[0], self.gate.weight.shape[0]
         out = self.experts.partial(x, y[:, two_i : two_i + num_experts])  # [T, H]
         shared = self.shared_expert.down_proj.partial(y[:, :two_i], gated=True)  # [T, H]

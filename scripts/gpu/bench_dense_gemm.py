@@ -1,9 +1,9 @@
-"""The decode step's unquantized linears at batch 16-128: cuBLAS (F.linear) against kernels/dense_gemm.py's Triton
-GEMM, per Llama-3.1-8B projection, weights rotated over 256 MB of copies (read from HBM as in a decode step, not
-from L2), CUDA-graph timed. Each Triton setting is checked against F.linear first. One line per (projection, M):
+"""The decode step's unquantized linears at batch 1-128: cuBLAS (F.linear) against kernels/dense_gemm.py's Triton
+GEMM, per projection of the Llama-3.1-8B or the seed's Qwen3.5-35B-A3B, weights rotated over 256 MB of copies
+(read from HBM as in a decode step, not from L2), CUDA-graph timed. Each Triton setting is checked against F.linear first. One line per (projection, M):
 cuBLAS us and TB/s, the default tiles', the best tiles' (a small sweep) and which.
 
-    python3 scripts/gpu/bench_dense_gemm.py [--tokens 16,32,64,128] [--json OUT.json]
+    python3 scripts/gpu/bench_dense_gemm.py [--tokens 16,32,64,128] [--model llama-3.1-8b] [--json OUT.json]
 """
 
 from __future__ import annotations
@@ -20,9 +20,19 @@ from longserve.kernels import dense_gemm
 from longserve.kernels.tune_gemv import rotating_weights
 from longserve.platform import cuda_graph_time_ms
 
-PROJECTIONS = {  # Llama-3.1-8B: (N, K)
-    "qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
-    "lm_head": (128256, 4096),
+PROJECTIONS = {  # (N, K)
+    "llama-3.1-8b": {
+        "qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+        "lm_head": (128256, 4096),
+    },
+    # the seed's Qwen3.5-35B-A3B, its bf16 products (the GPTQ checkpoint quantizes only the routed experts): the
+    # linear-attention layers' in_proj_qkv / in_proj_z|b|a / out_proj, the attention layers' q+gate|k|v and o,
+    # the MoE block's router, shared gate, shared gate|up and down, those three inputs stacked (moe_block)
+    "qwen3.5-35b-a3b": {
+        "gdn_qkv": (8192, 2048), "gdn_zba": (4160, 2048), "gdn_out": (2048, 4096), "attn_qkv": (9216, 2048),
+        "attn_o": (2048, 4096), "router": (256, 2048), "shared_gate": (1, 2048), "shared_gate_up": (1024, 2048),
+        "shared_down": (2048, 512), "moe_inputs": (1281, 2048),
+    },
 }  # fmt: skip
 SWEEP = {"BLOCK_N": [64, 128], "num_stages": [3, 4], "split": [0.5, 1, 2]}  # split: x the default count
 
@@ -63,16 +73,17 @@ def bench(m: int, n: int, k: int, device: torch.device) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", default="16,32,64,128")
+    p.add_argument("--model", default="llama-3.1-8b", choices=sorted(PROJECTIONS))
     p.add_argument("--json", default=None)
     args = p.parse_args()
     device = torch.device("cuda")
     out = []
     for m in (int(t) for t in args.tokens.split(",")):
-        for name, (n, k) in PROJECTIONS.items():
+        for name, (n, k) in PROJECTIONS[args.model].items():
             r = bench(m, n, k, device)
             out.append({"projection": name, "M": m, **r})
             best_cfg = {key: r["best"]["config"][key] for key in ("BLOCK_N", "num_stages", "SPLIT_K")}
-            print(f"M={m:<4} {name:<8} cuBLAS {r['cublas']['us']:8.1f} us ({r['cublas']['TB/s']:.2f} TB/s)  "
+            print(f"M={m:<4} {name:<14} cuBLAS {r['cublas']['us']:8.1f} us ({r['cublas']['TB/s']:.2f} TB/s)  "
                   f"triton {r['default']['us']:8.1f} ({r['default']['TB/s']:.2f})  best {r['best']['us']:8.1f} "
                   f"({r['best']['TB/s']:.2f}) {best_cfg}", flush=True)  # fmt: skip
     if args.json:

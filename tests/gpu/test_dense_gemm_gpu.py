@@ -1,7 +1,8 @@
 """kernels/dense_gemm.py on the GPU: the 16-bit skinny GEMM at the Llama-3.1-8B projections and decode batch sizes
 equals F.linear to bf16 rounding (fp32 sums in another order), deterministically, with the serial split-K
-reduction bit-equal to the reduction launch, replayed from a CUDA graph for new activations; and an engine with
-it switched on for 16-128 tokens gives F.linear's greedy tokens."""
+reduction bit-equal to the reduction launch, replayed from a CUDA graph for new activations; the seed's narrow
+shapes from one row; and engines with it switched on for 16-128 tokens, or for narrow linears, give F.linear's
+greedy tokens."""
 
 from __future__ import annotations
 
@@ -66,6 +67,60 @@ def test_engine_steps_agree_with_f_linear(tmp_path, monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(dense_gemm, "DENSE_GEMM_TRITON_MAX_TOKENS", 128)
     got = greedy_steps(path, prompts, params)
     assert any(16 <= c <= 128 for c in calls), calls  # the decode graphs' batch sizes (20 replays 24's)
+    whole = sequences_agreeing(got, want)
+    assert whole >= 15, f"{whole} of 20 sequences agree whole"
+
+
+# the seed's Qwen3.5-35B-A3B's narrow bf16 products (DENSE_GEMM_NARROW_MAX_N): router, shared gate, shared gate|up,
+# the three stacked, shared down, the out projections
+NARROW = {"router": (256, 2048), "shared_gate": (1, 2048), "shared_gate_up": (1024, 2048), "moe_inputs": (1281, 2048),
+          "shared_down": (2048, 512), "out": (2048, 4096)}  # fmt: skip
+
+
+@pytest.mark.parametrize("shape", list(NARROW))
+@pytest.mark.parametrize("m", [1, 3, 64])
+def test_narrow_equals_f_linear(shape: str, m: int) -> None:
+    """At decode batch sizes from one row, each narrow shape to bf16 rounding of F.linear's fp32 product, the same
+    bits twice, and replayed from a CUDA graph for new activations."""
+    from longserve.kernels import dense_gemm
+    from longserve.platform import capture_cuda_graph
+
+    n, k = NARROW[shape]
+    g = torch.Generator(device="cuda").manual_seed(m + n)
+    x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(n, k, device="cuda", generator=g) * k**-0.5).bfloat16()
+    got = dense_gemm.dense_gemm(x, w)
+    want = F.linear(x.float(), w.float())
+    assert ((got.float() - want).abs() <= want.abs() * 2**-7 + 1e-3).all()
+    assert torch.equal(dense_gemm.dense_gemm(x, w), got)
+    out: dict[str, torch.Tensor] = {}
+    graph = capture_cuda_graph(lambda: out.update(y=dense_gemm.dense_gemm(x, w)))
+    x.copy_(torch.randn(m, k, device="cuda", generator=g).bfloat16())
+    graph.replay()
+    assert torch.equal(out["y"], dense_gemm.dense_gemm(x, w))
+
+
+def test_engine_steps_agree_with_narrow_linears(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tiny Qwen2-MoE (router, shared gate and shared expert in bf16) with every linear of at most 4,096
+    outputs in the Triton GEMM at decode batches (the CUDA-graph decodes of 20 requests and of one) against
+    F.linear, as test_engine_steps_agree_with_f_linear: step by step top-2 agreement, most sequences whole."""
+    from longserve import SamplingParams
+    from longserve.kernels import dense_gemm
+    from longserve.testing.checkpoints import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(tmp_path / "m", "qwen2_moe")
+    prompts = [[5 + i + j for j in range(40)] for i in range(20)]
+    params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
+
+    want = greedy_steps(path, prompts, params)
+    calls: list[int] = []
+    real = dense_gemm.dense_gemm
+    monkeypatch.setattr(
+        dense_gemm, "dense_gemm", lambda x, w, b=None: calls.append(x.shape[0]) or real(x, w, b)
+    )
+    monkeypatch.setattr(dense_gemm, "DENSE_GEMM_NARROW_MAX_N", 4096)
+    got = greedy_steps(path, prompts, params)
+    assert calls and max(calls) <= 128, calls
     whole = sequences_agreeing(got, want)
     assert whole >= 15, f"{whole} of 20 sequences agree whole"
 

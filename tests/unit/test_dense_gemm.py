@@ -108,6 +108,47 @@ def test_unquantized_linears_take_it_only_in_the_switched_range(monkeypatch: pyt
     assert linear_method.DENSE_GEMM_MAX_ROWS == dense_gemm.DENSE_GEMM_MAX_BLOCK_M
 
 
+def test_narrow_linears_take_it_at_every_decode_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DENSE_GEMM_NARROW_MAX_N (off by default): with it at 32 (CUDA faked), a 24-output weight goes through
+    dense_gemm at 1 and 128 rows but not 129, a 40-output weight at none; the MoE block's router and shared gate
+    (plain_linear, not a linear layer's method) take it too, and the block's output equals F.linear's."""
+    from longserve.models import linear_method, moe_block
+
+    narrow = torch.randn(24, 64, generator=gen(8)).bfloat16()
+    wide = torch.randn(40, 64, generator=gen(9)).bfloat16()
+    calls: list[tuple[int, int]] = []
+    real = dense_gemm.dense_gemm
+    monkeypatch.setattr(
+        dense_gemm,
+        "dense_gemm",
+        lambda x, w, b=None: calls.append(tuple(x.shape[:1]) + tuple(w.shape[:1])) or real(x, w, b),
+    )
+    monkeypatch.setattr(linear_method, "use_triton", lambda x: True)  # as for CUDA tensors with triton
+
+    def run(m: int, w: torch.Tensor) -> None:
+        x = torch.randn(m, 64, generator=gen(m)).bfloat16()
+        got = linear_method.plain_linear(x, w)
+        want = F.linear(x.float(), w.float())
+        assert ((got.float() - want).abs() <= want.abs() * 2**-7 + 1e-2).all()
+
+    run(1, narrow)
+    assert calls == []  # off by default
+    monkeypatch.setattr(dense_gemm, "DENSE_GEMM_NARROW_MAX_N", 32)
+    for m in (1, 128, 129):
+        run(m, narrow)
+    run(1, wide)
+    assert calls == [(1, 24), (128, 24)]
+    calls.clear()
+    router = moe_block.ReplicatedLinear(64, 24).bfloat16()
+    router.weight.data.copy_(narrow)
+    x = torch.randn(2, 64, generator=gen(10)).bfloat16()
+    got = router(x)
+    assert calls == [(2, 24)]
+    assert (
+        (got.float() - F.linear(x.float(), narrow.float())).abs() <= 2e-2 + got.float().abs() * 2**-7
+    ).all()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("m", "n", "k", "split"), [(1, 40, 96, 1), (3, 64, 256, 3), (16, 72, 200, 2)])
 def test_gated_equals_silu_and_mul_then_the_product(m: int, n: int, k: int, split: int, dtype) -> None:
