@@ -18,16 +18,21 @@ pytestmark = [
 ]
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+# the seed's Qwen3.5-35B-A3B's narrow bf16 products (DENSE_GEMM_NARROW_MAX_N) from one row: router, shared gate,
+# shared gate|up, the three stacked, shared down, the out projections
+NARROW = {"router": (256, 2048), "shared_gate": (1, 2048), "shared_gate_up": (1024, 2048), "moe_inputs": (1281, 2048),
+          "shared_down": (2048, 512), "out": (2048, 4096)}  # fmt: skip
+CASES = [pytest.param(*SHAPES[s], m, id=f"{s}-{m}") for s in SHAPES for m in (16, 64, 128)] + [
+    pytest.param(*NARROW[s], m, id=f"narrow-{s}-{m}") for s in NARROW for m in (1, 3, 64)
+]
 
 
-@pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize("m", [16, 64, 128])
-def test_equals_f_linear(shape: str, m: int, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("n", "k", "m"), CASES)
+def test_equals_f_linear(n: int, k: int, m: int, monkeypatch: pytest.MonkeyPatch) -> None:
     from longserve.kernels import dense_gemm
     from longserve.kernels import split_k as split_k_module
     from longserve.platform import capture_cuda_graph
 
-    n, k = SHAPES[shape]
     g = torch.Generator(device="cuda").manual_seed(m + n)
     x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
     w = (torch.randn(n, k, device="cuda", generator=g) * k**-0.5).bfloat16()
@@ -45,16 +50,18 @@ def test_equals_f_linear(shape: str, m: int, monkeypatch: pytest.MonkeyPatch) ->
     assert torch.equal(out["y"], dense_gemm.dense_gemm(x, w))
 
 
-def test_engine_steps_agree_with_f_linear(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A tiny bf16 model with the Triton GEMM serving 16-128 tokens (20 prompts of 40 tokens: their decodes at
-    batch 20 take it, the 800-token prefill does not) against F.linear: step by step while a sequence's tokens
-    agree, each greedy token is one of the other's top 2 and their shared logprobs agree to 0.1 (bf16 sums in
-    another order may swap a near tie, as in tests/gpu/test_quant_engine_gpu.py); most sequences agree whole."""
+def switched_on_agrees(
+    tmp_path, monkeypatch: pytest.MonkeyPatch, arch: str, switch: str, value: int
+) -> list[int]:
+    """A tiny bf16 model's 20 prompts of 40 tokens, with dense_gemm's `switch` at `value` against F.linear: step
+    by step while a sequence's tokens agree, each greedy token is one of the other's top 2 and their shared
+    logprobs agree to 0.1 (bf16 sums in another order may swap a near tie, as in tests/gpu/test_quant_engine_gpu.py);
+    most sequences agree whole. The row counts dense_gemm took."""
     from longserve import SamplingParams
     from longserve.kernels import dense_gemm
     from longserve.testing.checkpoints import make_tiny_checkpoint
 
-    path = make_tiny_checkpoint(tmp_path / "m", "llama", num_layers=2)
+    path = make_tiny_checkpoint(tmp_path / "m", arch, num_layers=2)
     prompts = [[5 + i + j for j in range(40)] for i in range(20)]
     params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
 
@@ -64,65 +71,24 @@ def test_engine_steps_agree_with_f_linear(tmp_path, monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(
         dense_gemm, "dense_gemm", lambda x, w, b=None: calls.append(x.shape[0]) or real(x, w, b)
     )
-    monkeypatch.setattr(dense_gemm, "DENSE_GEMM_TRITON_MAX_TOKENS", 128)
+    monkeypatch.setattr(dense_gemm, switch, value)
     got = greedy_steps(path, prompts, params)
-    assert any(16 <= c <= 128 for c in calls), calls  # the decode graphs' batch sizes (20 replays 24's)
     whole = sequences_agreeing(got, want)
     assert whole >= 15, f"{whole} of 20 sequences agree whole"
+    return calls
 
 
-# the seed's Qwen3.5-35B-A3B's narrow bf16 products (DENSE_GEMM_NARROW_MAX_N): router, shared gate, shared gate|up,
-# the three stacked, shared down, the out projections
-NARROW = {"router": (256, 2048), "shared_gate": (1, 2048), "shared_gate_up": (1024, 2048), "moe_inputs": (1281, 2048),
-          "shared_down": (2048, 512), "out": (2048, 4096)}  # fmt: skip
-
-
-@pytest.mark.parametrize("shape", list(NARROW))
-@pytest.mark.parametrize("m", [1, 3, 64])
-def test_narrow_equals_f_linear(shape: str, m: int) -> None:
-    """At decode batch sizes from one row, each narrow shape to bf16 rounding of F.linear's fp32 product, the same
-    bits twice, and replayed from a CUDA graph for new activations."""
-    from longserve.kernels import dense_gemm
-    from longserve.platform import capture_cuda_graph
-
-    n, k = NARROW[shape]
-    g = torch.Generator(device="cuda").manual_seed(m + n)
-    x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
-    w = (torch.randn(n, k, device="cuda", generator=g) * k**-0.5).bfloat16()
-    got = dense_gemm.dense_gemm(x, w)
-    want = F.linear(x.float(), w.float())
-    assert ((got.float() - want).abs() <= want.abs() * 2**-7 + 1e-3).all()
-    assert torch.equal(dense_gemm.dense_gemm(x, w), got)
-    out: dict[str, torch.Tensor] = {}
-    graph = capture_cuda_graph(lambda: out.update(y=dense_gemm.dense_gemm(x, w)))
-    x.copy_(torch.randn(m, k, device="cuda", generator=g).bfloat16())
-    graph.replay()
-    assert torch.equal(out["y"], dense_gemm.dense_gemm(x, w))
+def test_engine_steps_agree_with_f_linear(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Triton GEMM serving 16-128 tokens: the decodes at batch 20 take it, the 800-token prefill does not."""
+    calls = switched_on_agrees(tmp_path, monkeypatch, "llama", "DENSE_GEMM_TRITON_MAX_TOKENS", 128)
+    assert any(16 <= c <= 128 for c in calls), calls  # the decode graphs' batch sizes (20 replays 24's)
 
 
 def test_engine_steps_agree_with_narrow_linears(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A tiny Qwen2-MoE (router, shared gate and shared expert in bf16) with every linear of at most 4,096
-    outputs in the Triton GEMM at decode batches (the CUDA-graph decodes of 20 requests and of one) against
-    F.linear, as test_engine_steps_agree_with_f_linear: step by step top-2 agreement, most sequences whole."""
-    from longserve import SamplingParams
-    from longserve.kernels import dense_gemm
-    from longserve.testing.checkpoints import make_tiny_checkpoint
-
-    path = make_tiny_checkpoint(tmp_path / "m", "qwen2_moe")
-    prompts = [[5 + i + j for j in range(40)] for i in range(20)]
-    params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
-
-    want = greedy_steps(path, prompts, params)
-    calls: list[int] = []
-    real = dense_gemm.dense_gemm
-    monkeypatch.setattr(
-        dense_gemm, "dense_gemm", lambda x, w, b=None: calls.append(x.shape[0]) or real(x, w, b)
-    )
-    monkeypatch.setattr(dense_gemm, "DENSE_GEMM_NARROW_MAX_N", 4096)
-    got = greedy_steps(path, prompts, params)
+    outputs in the Triton GEMM at decode batches: the decodes take it, the prefill does not."""
+    calls = switched_on_agrees(tmp_path, monkeypatch, "qwen2_moe", "DENSE_GEMM_NARROW_MAX_N", 4096)
     assert calls and max(calls) <= 128, calls
-    whole = sequences_agreeing(got, want)
-    assert whole >= 15, f"{whole} of 20 sequences agree whole"
 
 
 @pytest.mark.parametrize("m", [1, 16, 64])
