@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 __all__ = [
     "CHUNK",
+    "gated_delta_decode_gating_ref",
     "gated_delta_decode_ref",
     "gated_delta_prefill_ref",
     "gdn_gating_ref",
@@ -166,3 +167,21 @@ def gated_delta_decode_ref(
     o = (state * qb[..., None]).sum(-2)  # [B, Hv, V]
     states[slots[valid].long()] = state[valid].to(states.dtype)
     return o.to(v.dtype)
+
+
+def gated_delta_decode_gating_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    states: torch.Tensor,
+    slots: torch.Tensor,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+) -> torch.Tensor:
+    """`gdn_gating_ref` of the layer's a, b [B, Hv], then `gated_delta_decode_ref`."""
+    g, beta = gdn_gating_ref(a, b, A_log, dt_bias)
+    return gated_delta_decode_ref(q, k, v, g, beta, states, slots, scale, use_qk_l2norm)

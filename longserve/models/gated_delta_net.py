@@ -32,6 +32,7 @@ from longserve.distributed import get_tp_rank, get_tp_size
 from longserve.kernels.causal_conv1d_reference import causal_conv1d_decode_ref, causal_conv1d_prefill_ref
 from longserve.kernels.gated_delta_reference import (
     CHUNK,
+    gated_delta_decode_gating_ref,
     gated_delta_decode_ref,
     gated_delta_prefill_ref,
     gdn_gating_ref,
@@ -41,6 +42,11 @@ from longserve.models.layers import MergedLinear, RowParallelLinear, TensorLike,
 from longserve.models.linear_method import LinearMethod
 from longserve.models.quant.layout import check_dtype, tensor_name
 from longserve.platform import host_to_device, use_triton
+
+# A decode step's gating (g, beta) computed inside the delta rule's decode kernel (kernels/gated_delta.py
+# `gated_delta_decode_gating`), as vLLM's fused decode does: one launch a linear-attention layer fewer (30 a step
+# of Qwen3.5-35B-A3B). On; `gpu_check.sh hybrid-decode` times it against False. Read at each call.
+FUSED_DECODE_GATING = True
 
 
 class GatedDeltaNet(nn.Module):
@@ -167,12 +173,10 @@ class GatedDeltaNet(nn.Module):
         q = q.view(t, self.num_k_heads, self.k_dim)  # [T, Hk, K]
         k = k.view(t, self.num_k_heads, self.k_dim)  # [T, Hk, K]
         v = v.view(t, self.num_v_heads, self.v_dim)  # [T, Hv, V]
-        gating = _kernel(fast, "gated_delta", "gdn_gating", gdn_gating_ref)
-        g, beta = gating(a, b, self.A_log, self.dt_bias)  # [T, Hv] each
         if decode:
-            rule = _kernel(fast, "gated_delta", "gated_delta_decode", gated_delta_decode_ref)
-            out = rule(q, k, v, g, beta, ssm_state, slots)  # [B, Hv, V]
+            out = self._decode_rule(q, k, v, a, b, ssm_state, slots, fast)  # [B, Hv, V]
         else:
+            g, beta = self._gating(a, b, fast)  # [T, Hv] each
             rule = _kernel(fast, "gated_delta", "gated_delta_prefill", gated_delta_prefill_ref)
             # the step's chunks, once a step for every layer (kernels/gated_delta_chunk.py `chunk_map`)
             chunks = (
@@ -185,6 +189,19 @@ class GatedDeltaNet(nn.Module):
         norm = _kernel(fast, "gated_norm", "gated_rms_norm", gated_rms_norm_ref)
         out = norm(out.reshape(-1, self.v_dim), z.reshape(-1, self.v_dim), self.norm.weight, self.norm_eps)
         return out.view(t, self.value_size)  # [T, Hv*V]
+
+    def _gating(self, a: torch.Tensor, b: torch.Tensor, fast: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(g [T, Hv] float32, beta [T, Hv]) of the layer's a and b."""
+        return _kernel(fast, "gated_delta", "gdn_gating", gdn_gating_ref)(a, b, self.A_log, self.dt_bias)
+
+    def _decode_rule(self, q, k, v, a, b, ssm_state, slots, fast: bool) -> torch.Tensor:
+        """One token a request: the recurrent rule, gated inside its kernel (FUSED_DECODE_GATING) or after the
+        gating's own launch."""
+        if FUSED_DECODE_GATING:
+            rule = _kernel(fast, "gated_delta", "gated_delta_decode_gating", gated_delta_decode_gating_ref)
+            return rule(q, k, v, a, b, self.A_log, self.dt_bias, ssm_state, slots)
+        rule = _kernel(fast, "gated_delta", "gated_delta_decode", gated_delta_decode_ref)
+        return rule(q, k, v, *self._gating(a, b, fast), ssm_state, slots)
 
 
 class LinearAttentionCall(NamedTuple):

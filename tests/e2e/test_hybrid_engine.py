@@ -218,8 +218,8 @@ def test_warm_up_touches_no_state_slot(hybrid_ckpt, baseline):
 
 def test_triton_kernels_share_each_steps_chunk_map(hybrid_ckpt, baseline, monkeypatch):
     """The Gated DeltaNet layers on their Triton kernels (interpreted), as on a GPU, prompts in chunks of 32 beside
-    decodes: the reference path's tokens, and each step's chunk numbering (`chunk_map`, seven small ops) computed
-    once and handed to every layer's prefill rather than once a layer."""
+    decodes: the reference path's tokens, each step's chunk numbering (`chunk_map`, seven small ops) computed
+    once and handed to every layer's prefill rather than once a layer, and no gating launch in decode steps."""
     from longserve.kernels import gated_delta, gated_delta_chunk
     from longserve.models import gated_delta_net
 
@@ -233,12 +233,16 @@ def test_triton_kernels_share_each_steps_chunk_map(hybrid_ckpt, baseline, monkey
         "gated_delta_prefill",
         lambda *a, **k: prefills.append(k["chunks"]) or real_prefill(*a, **k),
     )
+    gatings, real_gating = [], gated_delta.gdn_gating
+    monkeypatch.setattr(gated_delta, "gdn_gating", lambda *a: gatings.append(1) or real_gating(*a))
     params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
     toks, engine = run_all(hybrid_ckpt, ps[:2], params, chunked_prefill_size=32)
     assert toks == [a[:6] for a in alone[:2]]
     linear_layers = sum(not layer.attends for layer in engine.runner.model.model.layers)
     assert linear_layers > 1 and maps and len(prefills) == linear_layers * len(maps)
     assert all(c is not None for c in prefills)
+    # decode steps gate inside the decode kernel (FUSED_DECODE_GATING): the gating's own launch at prefills only
+    assert len(gatings) == len(prefills)
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,7 @@
 """The Gated DeltaNet kernels on the GPU at Qwen3.5's linear-attention shape (16 key / 32 value heads of 128,
 conv width 4) against their torch references: a varlen prefill of requests of 1, 700 and 3,000 tokens (one
-continuing a state; two saving a state inside the step), then decode steps, in bf16 with float32 and bf16 state
-pools; other slots untouched. The CPU tests (tests/unit/test_gated_delta.py, test_causal_conv1d.py) run them
+continuing a state; two saving a state inside the step), then decode steps (the last two also with the gating
+inside the decode kernel: the same bits), in bf16 with float32 and bf16 state pools; other slots untouched. The CPU tests (tests/unit/test_gated_delta.py, test_causal_conv1d.py) run them
 interpreted at tiny shapes."""
 
 from __future__ import annotations
@@ -83,6 +83,11 @@ def test_prefill_then_decode_equal_references(state_dtype: torch.dtype) -> None:
                 conv, ssm = pools[name]
                 mixed = conv_fn(x, weight, conv, slots)
                 q, k, v = mixed.split([HK * K, HK * K, HV * V], dim=-1)
-                g, beta = gating(a1, b1, a_log, dt_bias)
-                got[name] = rule_fn(q.view(3, HK, K), k.view(3, HK, K), v.view(3, HV, V), g, beta, ssm, slots)
+                qkv1 = (q.view(3, HK, K), k.view(3, HK, K), v.view(3, HV, V))
+                apart_pool = ssm.clone()
+                got[name] = rule_fn(*qkv1, *gating(a1, b1, a_log, dt_bias), apart_pool, slots)
+                if name == "kernel" and step >= 2:  # the gating inside the decode kernel: the same bits
+                    fused = gd.gated_delta_decode_gating(*qkv1, a1, b1, a_log, dt_bias, ssm, slots)
+                    assert torch.equal(fused, got[name]) and torch.equal(ssm, apart_pool), step
+                ssm.copy_(apart_pool)
             assert rel(got["kernel"], got["ref"]) < 3e-2, step

@@ -21,6 +21,8 @@ pytest.importorskip("triton")
 from longserve.kernels.causal_conv1d_reference import causal_conv1d_prefill_ref  # noqa: E402
 from longserve.kernels.gated_delta import (  # noqa: E402
     gated_delta_decode,
+    gated_delta_decode_gating,
+    gated_delta_decode_gating_ref,
     gated_delta_decode_ref,
     gated_delta_prefill,
     gated_delta_prefill_ref,
@@ -215,6 +217,34 @@ def test_prefill_and_decode_kernels_equal_references(dtype: torch.dtype, state_d
     assert_near(got[slots >= 0], want[slots >= 0], exact)
     assert_near(got_pool, want_pool, exact)
     assert torch.equal(got_pool[[2, 4, 6]], states[[2, 4, 6]])
+
+
+@pytest.mark.parametrize(
+    ("dtype", "state_dtype"), [(torch.float32, torch.float32), (torch.bfloat16, torch.float32)]
+)
+def test_decode_with_gating_inside_equals_gating_then_decode(
+    dtype: torch.dtype, state_dtype: torch.dtype
+) -> None:
+    """gated_delta_decode_gating (the gating in the decode kernel) on the layer's a and b, strided views of one
+    z|b|a projection as the model splits it, with a large a (softplus past its threshold 20) and a padding slot:
+    the same bits, output and states, as gdn_gating's launch then gated_delta_decode, and the reference's values."""
+    batch = 5
+    dq, dk, dv = qkv_views(batch, dtype, seed=21)
+    zba = torch.randn(batch, HV * V + 2 * HV, generator=gen(22)).to(dtype) * 4
+    zba[2, -1] = 30.0  # a of one head past softplus's threshold
+    b, a = zba[:, HV * V : HV * V + HV], zba[:, HV * V + HV :]
+    a_log, dt_bias = torch.linspace(-3.0, -1.0, HV), torch.linspace(-1.0, 1.0, HV)
+    states = pool(state_dtype)
+    slots = torch.tensor([7, -1, 0, 5, 3], dtype=torch.int32)
+    fused_pool, apart_pool, want_pool = states.clone(), states.clone(), states.clone()
+    got = gated_delta_decode_gating(dq, dk, dv, a, b, a_log, dt_bias, fused_pool, slots)
+    apart = gated_delta_decode(dq, dk, dv, *gdn_gating(a, b, a_log, dt_bias), apart_pool, slots)
+    want = gated_delta_decode_gating_ref(dq, dk, dv, a, b, a_log, dt_bias, want_pool, slots)
+    live = slots >= 0
+    assert torch.equal(got[live], apart[live]) and torch.equal(fused_pool, apart_pool)
+    assert_near(got[live], want[live], dtype == torch.float32)
+    assert_near(fused_pool, want_pool, dtype == torch.float32)
+    assert torch.equal(fused_pool[[2, 4, 6]], states[[2, 4, 6]])
 
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -18,11 +18,10 @@
 # dense-gemm (one GPU, ~6 min): kernels/dense_gemm.py's Triton GEMM for the unquantized linears at 16-128 tokens
 # (DENSE_GEMM_TRITON_MAX_TOKENS, off): its GPU tests, per 8B projection against cuBLAS with a small tile sweep
 # (scripts/gpu/bench_dense_gemm.py, weights from HBM), then the 8B decode at batch 16 (8K) and 64 (4K) off and on.
-# narrow-gemv (one GPU, ~7 min): the unquantized linears of at most DENSE_GEMM_NARROW_MAX_N outputs (off) in that
+# narrow-gemv (one GPU, ~3 min): the unquantized linears of at most DENSE_GEMM_NARROW_MAX_N outputs (off) in that
 # Triton GEMM at every decode batch size, split over K where cuBLAS's 64-column GEMV tiles leave most SMs idle: its
-# GPU tests, the seed's bf16 projections at 1 and 64 rows against cuBLAS (bench_dense_gemm.py --model
-# qwen3.5-35b-a3b), then the seed's model as released (GPTQ-int4, 40 layers) at decode b1@32K and b64@4K, one
-# process each: narrow off / 2,048, each with the MoE block's three input GEMMs apart and stacked (moe-inputs' switch).
+# GPU tests, then the seed's bf16 projections at 1 and 64 rows against cuBLAS (bench_dense_gemm.py --model
+# qwen3.5-35b-a3b). The seed's decode with it: hybrid.sh's seed-decode.
 # gemm-tunable (one GPU, ~1 min): every 8B projection at 16 / 64 / 128 tokens with cuBLAS's default heuristics and
 # with TunableOp's pick (scripts/probes/probe_tunableop.py).
 # swiglu-gemm (one GPU, ~2 min): the 8B gate/up GEMM at 8K / 32K tokens writing silu(gate) * up from its epilogue
@@ -232,19 +231,11 @@ if [[ $MODE == dense-gemm ]]; then  # one GPU (~6 min): the Triton skinny GEMM a
   done
 fi
 
-if [[ $MODE == narrow-gemv ]]; then  # one GPU (~7 min)
+if [[ $MODE == narrow-gemv ]]; then  # one GPU (~3 min)
   timeout 150 python3 -m pytest -q -m gpu tests/gpu/test_dense_gemm_gpu.py -k narrow -p no:cacheprovider --tb=short \
     -rfE 2>&1 | tee "$OUT/gpu_tests_narrow.log" | tail -3 || status=1
   timeout 200 python3 scripts/gpu/bench_dense_gemm.py --model qwen3.5-35b-a3b --tokens 1,64 \
     --json "$OUT/bench_dense_gemm_a3b35.json" 2>&1 | tee "$OUT/bench_dense_gemm_a3b35.log" | grep -E "^M=" || status=1
-  for stack in 0 256; do
-    for max in 0 2048; do
-      LATENCY_TIMEOUT=150 latency_with a3b35_gptq_narrow${max}_stack$stack "int4 narrow<=$max stacked<=$stack" \
-        longserve.kernels.dense_gemm.DENSE_GEMM_NARROW_MAX_N=$max longserve.models.moe_block.STACKED_INPUTS_MAX_TOKENS=$stack \
-        -- --config qwen3.5-35b-a3b "${dummy[@]}" --hf-overrides "$seed_gptq" --decode-batch-sizes 1@32768,64@4096 \
-        --repeat 2
-    done
-  done
 fi
 
 if [[ $MODE == decode-merge ]]; then  # one GPU (~3 min): the decode attention's merge in the kernel, off and on

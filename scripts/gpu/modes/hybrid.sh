@@ -62,6 +62,32 @@ if [[ $MODE == hybrid-marks ]]; then
   done
 fi
 
+# seed-decode (~6 min): the seed's model as released (GPTQ-int4 35B-A3B, 40 layers) at decode b1@32K and b64@4K,
+# one process each, with each decode-step switch of the forty-ninth session against the step before them: the
+# linear-attention gating inside the delta rule's decode kernel (gated_delta_net.FUSED_DECODE_GATING, on), then
+# beside it the narrow bf16 GEMVs in Triton (dense_gemm.DENSE_GEMM_NARROW_MAX_N, off) and the MoE block's three
+# input GEMMs stacked (moe_block.STACKED_INPUTS_MAX_TOKENS, off), each and both; the GDN kernels' GPU test first
+if [[ $MODE == seed-decode ]]; then
+  if python3 -c "import pytest" 2> /dev/null; then
+    timeout 120 python3 -m pytest -q -m gpu tests/gpu/test_gated_delta_gpu.py -p no:cacheprovider --tb=short 2>&1 \
+      | tail -3 || status=1
+  fi
+  for run in "before FUSED_DECODE_GATING=False" "fused" "narrow DENSE_GEMM_NARROW_MAX_N=2048" \
+             "stacked STACKED_INPUTS_MAX_TOKENS=256" "both DENSE_GEMM_NARROW_MAX_N=2048 STACKED_INPUTS_MAX_TOKENS=256"; do
+    name=${run%% *} consts=()
+    for c in ${run#"$name"}; do
+      case $c in
+        FUSED*) consts+=("longserve.models.gated_delta_net.$c") ;;
+        DENSE*) consts+=("longserve.kernels.dense_gemm.$c") ;;
+        STACKED*) consts+=("longserve.models.moe_block.$c") ;;
+      esac
+    done
+    LATENCY_TIMEOUT=150 latency_with "a3b35_gptq_decode_$name" "int4 $name" ${consts[@]+"${consts[@]}"} -- \
+      --config qwen3.5-35b-a3b "${dummy[@]}" --hf-overrides "$seed_gptq" --decode-batch-sizes 1@32768,64@4096 \
+      --repeat 2
+  done
+fi
+
 # hybrid-vllm (~9 min, .anchor/ carried, records moved aside): longserve against vLLM 0.24 on a hybrid shape both
 # serve as a text model (scripts/gpu/vllm_hybrid_cases.py: Qwen3-Next's decoder). vLLM's MoE cannot run from the slim
 # anchor (no `_moe_C` ops: forty-seventh session), so the pair runs the 48-layer decoder with dense MLPs (its GDN
