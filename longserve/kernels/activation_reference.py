@@ -1,4 +1,4 @@
-"""Torch reference of the SiLU-and-mul kernel (`kernels/activation.py`), same signature, no Triton needed."""
+"""Torch references of the kernels in `kernels/activation.py`, same signatures, no Triton needed."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from longserve.kernels.quant_reference import per_token_group_quant_fp8_ref
 
-__all__ = ["silu_and_mul_quant_ref", "silu_and_mul_ref", "swiglu_gemm_ref"]
+__all__ = ["sigmoid_gated_add_ref", "silu_and_mul_quant_ref", "silu_and_mul_ref", "swiglu_gemm_ref"]
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
@@ -26,3 +26,9 @@ def swiglu_gemm_ref(x: torch.Tensor, w13: torch.Tensor) -> torch.Tensor:
     """x [T, H] @ w13 [2I, H]^T (gate rows first) -> silu(gate) * up [T, I]: the product rounded to x's dtype, then
     `silu_and_mul_ref`, as the unfused path (cuBLAS, then silu_and_mul) rounds."""
     return silu_and_mul_ref((x.float() @ w13.float().T).to(x.dtype))
+
+
+def sigmoid_gated_add_ref(out: torch.Tensor, gate: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+    """out [T, H] + sigmoid(gate [T, 1]) * shared [T, H]: a Qwen-MoE block's routed experts plus its shared expert
+    scaled by its gate, as transformers computes it (a new tensor; the kernel adds into out)."""
+    return out + torch.sigmoid(gate) * shared

@@ -17,11 +17,13 @@ import torch
 from torch import nn
 
 from longserve.distributed import get_tp_size, tp_all_reduce
+from longserve.kernels.activation_reference import sigmoid_gated_add_ref
 from longserve.models.decoder import MLP, ArchOptions, dense_mlp
 from longserve.models.layers import default_weight_loader
 from longserve.models.linear_method import LinearMethod, UnquantizedLinearMethod, plain_linear
 from longserve.models.moe import FusedMoE, get_moe_method
 from longserve.models.moe_layout import MoESpec, moe_spec
+from longserve.platform import use_triton
 
 # Up to this many tokens a step, a block whose router, shared-expert gate and shared expert's gate|up all read x
 # as plain weights at tp = 1 runs them as one GEMM over their weights stacked [2I + E + 1, H] (`stack_moe_inputs`,
@@ -29,6 +31,10 @@ from longserve.models.moe_layout import MoESpec, moe_spec
 # each (H100, RESULTS.md forty-eighth session), the router's and the shared gate's among them, and two of three
 # such launches a layer go. 0: off, until measured (`gpu_check.sh moe-inputs`). Read at each call.
 STACKED_INPUTS_MAX_TOKENS = 0
+# The shared expert scaled by its gate and added to the routed experts' sum in one kernel (kernels/activation.py
+# `sigmoid_gated_add`) where torch launches three: 80 launches fewer a decode step of the seed's 40 MoE layers, and
+# at prefill one pass over [T, H] instead of three. On; `gpu_check.sh seed-decode` times it against False.
+FUSED_SHARED_GATE = True
 
 
 class ReplicatedLinear(nn.Module):
@@ -101,7 +107,7 @@ class SparseMoeBlock(nn.Module):
         two_i, num_experts = self.shared_expert.gate_up_proj.weight.shape[0], self.gate.weight.shape[0]
         out = self.experts.partial(x, y[:, two_i : two_i + num_experts])  # [T, H]
         shared = self.shared_expert.down_proj.partial(y[:, :two_i], gated=True)  # [T, H]
-        return out + torch.sigmoid(y[:, -1:]) * shared
+        return _gated_add(out, y[:, -1:], shared)
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's part of the block's output [T, H], before the all-reduce (the whole at tp=1)."""
@@ -111,7 +117,7 @@ class SparseMoeBlock(nn.Module):
         if self.shared_expert is not None:
             shared = self.shared_expert.partial(x)  # [T, H] this rank's slice's sum, no bias
             # the gate scales every rank's partial sum alike: sigmoid(g) * sum_r s_r = sum_r sigmoid(g) * s_r
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = _gated_add(out, self.shared_expert_gate(x), shared)
         return out
 
     def finish(self, y: torch.Tensor) -> torch.Tensor:
@@ -120,6 +126,16 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.partial(x)
         return out if self.tp_size == 1 else tp_all_reduce(out)  # [T, H]
+
+
+def _gated_add(out: torch.Tensor, gate: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+    """out + sigmoid(gate) * shared: the routed experts' sum [T, H] and the shared expert's [T, H] scaled by its
+    gate logit [T, 1]; on CUDA one kernel adding into out (FUSED_SHARED_GATE), else torch's three ops."""
+    if FUSED_SHARED_GATE and use_triton(out):
+        from longserve.kernels.activation import sigmoid_gated_add  # imports triton
+
+        return sigmoid_gated_add(out, gate, shared)
+    return sigmoid_gated_add_ref(out, gate, shared)
 
 
 def stack_moe_inputs(model: nn.Module) -> int:

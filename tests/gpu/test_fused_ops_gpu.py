@@ -62,6 +62,24 @@ def test_silu_and_mul(dtype: torch.dtype) -> None:
     assert_close(silu_and_mul(x), silu_and_mul_ref(x), dtype)
 
 
+@pytest.mark.parametrize("rows", [1, 64, 8192])
+def test_sigmoid_gated_add(rows: int) -> None:
+    """The Qwen-MoE shared expert's gated add at the seed's hidden size (2,048), the gate a column of the stacked
+    input GEMM's output: each element within a rounding of torch's three ops, nearly all the same bits."""
+    from longserve.kernels.activation import sigmoid_gated_add, sigmoid_gated_add_ref
+
+    out, shared = (
+        randn(rows, 2048, dtype=torch.bfloat16, seed=7),
+        randn(rows, 2048, dtype=torch.bfloat16, seed=8),
+    )
+    gate = (randn(rows, 1281, dtype=torch.bfloat16, seed=9) * 4)[:, -1:]
+    want = sigmoid_gated_add_ref(out, gate, shared)
+    got = sigmoid_gated_add(out.clone(), gate, shared)
+    bound = (want.float().abs() + 2 * shared.float().abs()) * 2**-8 + 1e-6  # half a bf16 step each
+    assert ((got.float() - want.float()).abs() <= bound).all()
+    assert (got == want).float().mean() > 0.99
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_rotary_embedding(dtype: torch.dtype) -> None:
     from longserve.kernels.rope import rotary_embedding, rotary_embedding_ref

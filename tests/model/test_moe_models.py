@@ -243,3 +243,28 @@ def test_stacked_moe_inputs_equal_the_separate_gemms(checkpoints: dict, monkeypa
     torch.testing.assert_close(two_chunks(ours, ids), ref, atol=1e-4, rtol=1e-4)
     mixtral, _ = load_both(checkpoints[("mixtral", "per_expert")])
     assert all(m.stacked_inputs is None for m in mixtral.modules() if isinstance(m, SparseMoeBlock))
+
+
+def test_shared_gate_kernel_equals_torchs_three_ops(checkpoints: dict, monkeypatch) -> None:
+    """Qwen2-MoE with the shared expert's gated add in its Triton kernel (interpreted; FUSED_SHARED_GATE, as on a
+    GPU), through the separate and the stacked input GEMMs: every block takes it, and the logits equal the torch
+    path's and transformers'."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from longserve.kernels import activation
+
+    ours, hf = load_both(checkpoints[("qwen2_moe", "per_expert")])
+    blocks = [m for m in ours.modules() if isinstance(m, SparseMoeBlock)]
+    ids = prompt(ours.vocab_size)
+    torch_path = run_step(ours, new_cache(ours), [ids], [0], [PAGE_IDS])
+    calls = []
+    real = activation.sigmoid_gated_add
+    monkeypatch.setattr(activation, "sigmoid_gated_add", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(moe_block, "use_triton", lambda x: True)
+    for stacked in (0, 1 << 20):
+        monkeypatch.setattr(moe_block, "STACKED_INPUTS_MAX_TOKENS", stacked)
+        calls.clear()
+        fused = run_step(ours, new_cache(ours), [ids], [0], [PAGE_IDS])
+        assert len(calls) == len(blocks)
+        torch.testing.assert_close(fused, torch_path, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(fused, hf_logits(hf, ids), atol=1e-4, rtol=1e-4)

@@ -12,7 +12,12 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from longserve.kernels.activation import silu_and_mul, silu_and_mul_ref  # noqa: E402
+from longserve.kernels.activation import (  # noqa: E402
+    sigmoid_gated_add,
+    sigmoid_gated_add_ref,
+    silu_and_mul,
+    silu_and_mul_ref,
+)
 from longserve.kernels.norm import (  # noqa: E402
     fused_add_rms_norm,
     fused_add_rms_norm_ref,
@@ -71,6 +76,27 @@ def test_silu_and_mul(num_tokens: int, inter: int) -> None:
     torch.testing.assert_close(out, silu_and_mul_ref(x), atol=ATOL, rtol=ATOL)
     gate, up = x[:, :inter], x[:, inter:]  # gate first, as gate_up_proj stacks them
     torch.testing.assert_close(out, torch.nn.functional.silu(gate) * up, atol=ATOL, rtol=ATOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_sigmoid_gated_add(dtype: torch.dtype) -> None:
+    """out += sigmoid(gate) * shared in place: the gate a strided column (the stacked MoE inputs' last), hidden
+    1,100 (two blocks, the second ragged), against torch's three ops: float32 to rounding, bf16 within a rounding
+    of each op (the interpreter rounds toward zero where torch rounds to nearest)."""
+    num_tokens, hidden = 3, 1100
+    out = (randn(num_tokens, hidden, seed=30) * 2).to(dtype)
+    gate = (randn(num_tokens, 9, seed=31) * 4).to(dtype)[:, -1:]  # [T, 1], row stride 9
+    shared = randn(num_tokens, hidden, seed=32).to(dtype)
+    want = sigmoid_gated_add_ref(out, gate, shared)
+    got = sigmoid_gated_add(out, gate, shared)
+    assert got.data_ptr() == out.data_ptr()  # in place
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=ATOL)
+    else:
+        # each of the three roundings off by at most one bf16 step (2^-7 relative) of its own value
+        bound = (want.float().abs() + 2 * shared.float().abs()) * 2**-7 + 1e-6
+        assert ((got.float() - want.float()).abs() <= bound).all()
+    assert sigmoid_gated_add(out[:0], gate[:0], shared[:0]).shape == (0, hidden)
 
 
 @pytest.mark.parametrize(

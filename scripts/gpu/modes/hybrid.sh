@@ -63,25 +63,22 @@ if [[ $MODE == hybrid-marks ]]; then
 fi
 
 # seed-decode (~6 min): the seed's model as released (GPTQ-int4 35B-A3B, 40 layers) at decode b1@32K and b64@4K,
-# one process each, with each decode-step switch of the forty-ninth session against the step before them: the
-# linear-attention gating inside the delta rule's decode kernel (gated_delta_net.FUSED_DECODE_GATING, on), then
-# beside it the narrow bf16 GEMVs in Triton (dense_gemm.DENSE_GEMM_NARROW_MAX_N, off) and the MoE block's three
-# input GEMMs stacked (moe_block.STACKED_INPUTS_MAX_TOKENS, off), each and both; the GDN kernels' GPU test first
+# one process each, with the decode-step changes of the forty-ninth session against the step before them: the
+# linear-attention gating inside the delta rule's decode kernel (gated_delta_net.FUSED_DECODE_GATING) and the shared
+# expert's gated add in one kernel (moe_block.FUSED_SHARED_GATE), both on, against both off; then beside them the
+# narrow bf16 GEMVs in Triton (dense_gemm.DENSE_GEMM_NARROW_MAX_N, off) and the MoE block's three input GEMMs
+# stacked (moe_block.STACKED_INPUTS_MAX_TOKENS, off), each and both; the GDN and fused-op GPU tests first
 if [[ $MODE == seed-decode ]]; then
   if python3 -c "import pytest" 2> /dev/null; then
-    timeout 120 python3 -m pytest -q -m gpu tests/gpu/test_gated_delta_gpu.py -p no:cacheprovider --tb=short 2>&1 \
-      | tail -3 || status=1
+    timeout 150 python3 -m pytest -q -m gpu tests/gpu/test_gated_delta_gpu.py tests/gpu/test_fused_ops_gpu.py \
+      -k "gated_delta or decode or sigmoid" -p no:cacheprovider --tb=short 2>&1 | tail -3 || status=1
   fi
-  for run in "before FUSED_DECODE_GATING=False" "fused" "narrow DENSE_GEMM_NARROW_MAX_N=2048" \
-             "stacked STACKED_INPUTS_MAX_TOKENS=256" "both DENSE_GEMM_NARROW_MAX_N=2048 STACKED_INPUTS_MAX_TOKENS=256"; do
-    name=${run%% *} consts=()
-    for c in ${run#"$name"}; do
-      case $c in
-        FUSED*) consts+=("longserve.models.gated_delta_net.$c") ;;
-        DENSE*) consts+=("longserve.kernels.dense_gemm.$c") ;;
-        STACKED*) consts+=("longserve.models.moe_block.$c") ;;
-      esac
-    done
+  m=longserve.models k=longserve.kernels
+  off="$m.gated_delta_net.FUSED_DECODE_GATING=False $m.moe_block.FUSED_SHARED_GATE=False"
+  narrow=$k.dense_gemm.DENSE_GEMM_NARROW_MAX_N=2048 stacked=$m.moe_block.STACKED_INPUTS_MAX_TOKENS=256
+  for run in "before $off" "fused" "narrow $narrow" "stacked $stacked" "both $narrow $stacked"; do
+    name=${run%% *}
+    read -r -a consts <<< "${run#"$name"}"
     LATENCY_TIMEOUT=150 latency_with "a3b35_gptq_decode_$name" "int4 $name" ${consts[@]+"${consts[@]}"} -- \
       --config qwen3.5-35b-a3b "${dummy[@]}" --hf-overrides "$seed_gptq" --decode-batch-sizes 1@32768,64@4096 \
       --repeat 2
