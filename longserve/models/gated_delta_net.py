@@ -39,7 +39,7 @@ from longserve.kernels.gated_delta_reference import (
 )
 from longserve.kernels.gated_norm_reference import gated_rms_norm_ref
 from longserve.models.layers import MergedLinear, RowParallelLinear, TensorLike, as_tensor, tp_shard_range
-from longserve.models.linear_method import LinearMethod
+from longserve.models.linear_method import LinearMethod, is_plain, plain_linear, stack_plain_weights
 from longserve.models.quant.layout import check_dtype, tensor_name
 from longserve.platform import host_to_device, use_triton
 
@@ -47,6 +47,10 @@ from longserve.platform import host_to_device, use_triton
 # `gated_delta_decode_gating`), as vLLM's fused decode does: one launch a linear-attention layer fewer (30 a step
 # of Qwen3.5-35B-A3B). On; `gpu_check.sh hybrid-decode` times it against False. Read at each call.
 FUSED_DECODE_GATING = True
+# in_proj_qkv and in_proj_zba as one GEMM over their stacked weights (`GatedDeltaNet.stack_inputs`, where both are
+# plain): one launch a layer fewer at every step (30 a decode step of Qwen3.5-35B-A3B). On; `gpu_check.sh
+# seed-decode` times it against False. Read at each call.
+STACKED_PROJECTIONS = True
 
 
 class GatedDeltaNet(nn.Module):
@@ -104,6 +108,7 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = RowParallelLinear(
             hv * self.v_dim, hf_config.hidden_size, bias=False, quant_method=linear
         )
+        self.stacked_inputs: torch.Tensor | None = None  # in_proj_qkv | in_proj_zba (stack_inputs)
 
     def state_spec(self) -> RecurrentStateSpec:
         return RecurrentStateSpec.for_heads(
@@ -133,9 +138,22 @@ class GatedDeltaNet(nn.Module):
     def forward(self, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return self.out_proj(self.project(hidden).run(ctx))  # [T, hidden]
 
+    def stack_inputs(self) -> bool:
+        """After loading: in_proj_qkv's and in_proj_zba's weights as views of one stacked tensor [D + Z, H] where
+        both are plain (the official GPTQ checkpoints keep linear attention bf16), so `project` makes both in one
+        GEMM; False: not so."""
+        if not (is_plain(self.in_proj_qkv) and is_plain(self.in_proj_zba)):
+            return False
+        self.stacked_inputs = stack_plain_weights([self.in_proj_qkv.weight, self.in_proj_zba.weight])
+        return self.stacked_inputs is not None
+
     def project(self, hidden: torch.Tensor) -> LinearAttentionCall:
         """The input projections (qkv [T, D], zba [T, Z]), which read no state: what a piecewise CUDA graph holds
-        before the mixer."""
+        before the mixer. One GEMM over the stacked weights where they are (STACKED_PROJECTIONS): qkv and zba
+        are then column ranges of its output (the mixer's kernels take row strides)."""
+        if self.stacked_inputs is not None and STACKED_PROJECTIONS:
+            y = plain_linear(hidden, self.stacked_inputs)  # [T, D + Z]
+            return LinearAttentionCall(self, (y[:, : self.conv_dim], y[:, self.conv_dim :]))
         return LinearAttentionCall(self, (self.in_proj_qkv(hidden), self.in_proj_zba(hidden)))
 
     def mix(self, qkv: torch.Tensor, zba: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:

@@ -35,6 +35,25 @@ def plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return F.linear(x, weight, bias)
 
 
+def stack_plain_weights(weights: list[nn.Parameter]) -> torch.Tensor | None:
+    """After loading, plain weights [out_i, in] of products over one input as row views of one stacked tensor
+    [sum out_i, in] (no copy kept), so that one GEMM makes all their outputs; None (nothing changed) unless
+    they share a dtype."""
+    if len({w.dtype for w in weights}) != 1:
+        return None
+    stacked = torch.cat([w.data for w in weights])
+    start = 0
+    for w in weights:
+        w.data = stacked[start : start + w.shape[0]]
+        start += w.shape[0]
+    return stacked
+
+
+def is_plain(layer: nn.Module) -> bool:
+    """A linear layer holding a plain weight and no bias (a quantized one has no `weight`)."""
+    return type(layer.quant_method) is UnquantizedLinearMethod and layer.bias is None
+
+
 class LinearMethod(QuantizeMethod):
     """Creates a linear layer's weight parameters and computes y = x W^T (+ bias), as vLLM's LinearMethodBase."""
 

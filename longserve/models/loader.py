@@ -23,10 +23,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from longserve.models.gated_delta_net import GatedDeltaNet
 from longserve.models.layers import MergedLinear, RMSNorm, RowParallelLinear, VocabParallelEmbedding
 from longserve.models.linear_method import LINEAR_METHODS
 from longserve.models.moe import FusedMoE
-from longserve.models.moe_block import stack_moe_inputs
+from longserve.models.moe_block import SparseMoeBlock
 from longserve.models.pooler import PoolerSpec, pooling_model_class
 from longserve.models.quant.bind import bind_quant_methods
 from longserve.models.quant.config import parse_quant_format
@@ -151,7 +152,7 @@ def load_model(
         weights = iterate_safetensors(files, device, stats)
         model.load_weights(_without_absent_biases(model, weights) if quant is not None else weights)
     process_weights_after_loading(model)
-    stack_moe_inputs(model)
+    stack_inputs(model)
     if quant is not None and device.type == "cuda":
         torch.cuda.empty_cache()  # the checkpoint layouts' tensors, repacked: free for the KV pool's sizing
     model.eval()
@@ -405,3 +406,10 @@ def _unsharded_shape(owner: nn.Module, param: nn.Parameter) -> tuple[int, ...]:
     if isinstance(owner, FusedMoE):
         return owner.full_shape(param)
     return tuple(param.shape)
+
+
+def stack_inputs(model: nn.Module) -> int:
+    """After loading, the products over one input that run as one GEMM where their weights are plain (the MoE
+    block's router, shared gate and shared gate|up; a linear-attention layer's in_proj_qkv and in_proj_zba),
+    their weights then views of one stacked tensor: how many modules stacked."""
+    return sum(m.stack_inputs() for m in model.modules() if isinstance(m, (SparseMoeBlock, GatedDeltaNet)))

@@ -20,13 +20,13 @@ from longserve.distributed import get_tp_size, tp_all_reduce
 from longserve.kernels.activation_reference import sigmoid_gated_add_ref
 from longserve.models.decoder import MLP, ArchOptions, dense_mlp
 from longserve.models.layers import default_weight_loader
-from longserve.models.linear_method import LinearMethod, UnquantizedLinearMethod, plain_linear
+from longserve.models.linear_method import LinearMethod, is_plain, plain_linear, stack_plain_weights
 from longserve.models.moe import FusedMoE, get_moe_method
 from longserve.models.moe_layout import MoESpec, moe_spec
 from longserve.platform import use_triton
 
 # Up to this many tokens a step, a block whose router, shared-expert gate and shared expert's gate|up all read x
-# as plain weights at tp = 1 runs them as one GEMM over their weights stacked [2I + E + 1, H] (`stack_moe_inputs`,
+# as plain weights at tp = 1 runs them as one GEMM over their weights stacked [2I + E + 1, H] (`loader.stack_inputs`,
 # after loading): a decode step of the seed's GPTQ-int4 35B-A3B ran 110 cuBLAS GEMVs of the smallest tile, 5.4 us
 # each (H100, RESULTS.md forty-eighth session), the router's and the shared gate's among them, and two of three
 # such launches a layer go. 0: off, until measured (`gpu_check.sh moe-inputs`). Read at each call.
@@ -86,20 +86,11 @@ class SparseMoeBlock(nn.Module):
         """After loading: the router, the shared expert's gate and gate|up weights as views of one stacked
         tensor, where all three are plain weights on one rank (see STACKED_INPUTS_MAX_TOKENS); False: not so."""
         shared = self.shared_expert
-        if shared is None or get_tp_size() != 1 or shared.gate_up_proj.bias is not None:
+        if shared is None or get_tp_size() != 1 or not is_plain(shared.gate_up_proj):
             return False
-        gate_up = shared.gate_up_proj
-        if type(gate_up.quant_method) is not UnquantizedLinearMethod:  # (a quantized one has no `weight`)
-            return False
-        parts = (gate_up.weight, self.gate.weight, self.shared_expert_gate.weight)
-        if len({p.dtype for p in parts}) != 1:
-            return False
-        self.stacked_inputs = torch.cat([p.data for p in parts])  # [2I + E + 1, H]
-        start = 0
-        for p in parts:  # each weight a view of its rows: no copy kept
-            p.data = self.stacked_inputs[start : start + p.shape[0]]
-            start += p.shape[0]
-        return True
+        parts = [shared.gate_up_proj.weight, self.gate.weight, self.shared_expert_gate.weight]
+        self.stacked_inputs = stack_plain_weights(parts)  # [2I + E + 1, H]
+        return self.stacked_inputs is not None
 
     def _stacked(self, x: torch.Tensor) -> torch.Tensor:
         """`partial` through the stacked input GEMM: [T, H]."""
@@ -136,12 +127,6 @@ def _gated_add(out: torch.Tensor, gate: torch.Tensor, shared: torch.Tensor) -> t
 
         return sigmoid_gated_add(out, gate, shared)
     return sigmoid_gated_add_ref(out, gate, shared)
-
-
-def stack_moe_inputs(model: nn.Module) -> int:
-    """After loading, each MoE block's input weights stacked where it can (SparseMoeBlock.stack_inputs): how
-    many blocks."""
-    return sum(m.stack_inputs() for m in model.modules() if isinstance(m, SparseMoeBlock))
 
 
 def make_moe_mlp(hf_config: Any, opts: ArchOptions, layer_id: int, linear: LinearMethod) -> nn.Module:

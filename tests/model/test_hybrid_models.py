@@ -93,6 +93,33 @@ def test_greedy_decode_matches_hf_generate(checkpoints: dict, arch: str) -> None
     assert out == expected
 
 
+def test_linear_attention_projections_run_as_one_gemm(checkpoints: dict, monkeypatch) -> None:
+    """After loading, each linear-attention layer's in_proj_qkv and in_proj_zba weights are views of one stacked
+    tensor (loader.stack_inputs) that `project` multiplies once: a prompt's and a decode's logits equal those of
+    the two GEMMs apart (gated_delta_net.STACKED_PROJECTIONS off) and transformers'."""
+    from longserve.models import gated_delta_net
+    from longserve.models.gated_delta_net import GatedDeltaNet
+
+    ours, hf = load_both(checkpoints["qwen3_5_moe"])
+    mixers = [m for m in ours.modules() if isinstance(m, GatedDeltaNet)]
+    assert mixers
+    for m in mixers:
+        storage = m.stacked_inputs.untyped_storage().data_ptr()
+        assert m.in_proj_qkv.weight.untyped_storage().data_ptr() == storage
+        assert m.in_proj_zba.weight.untyped_storage().data_ptr() == storage
+        assert m.stacked_inputs.shape[0] == m.conv_dim + m.in_proj_zba.out_features
+    ids = prompt(ours.vocab_size, n=70)
+    runs = {}
+    for stacked in (True, False):
+        monkeypatch.setattr(gated_delta_net, "STACKED_PROJECTIONS", stacked)
+        cache, states = new_cache(ours), new_states(ours)
+        first = step(ours, cache, states, [ids[:-1]], [0], [PAGE_IDS[:40]], [2])
+        runs[stacked] = (first, step(ours, cache, states, [ids[-1:]], [69], [PAGE_IDS[:40]], [2]))
+    for a, b in zip(runs[True], runs[False]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.cat(runs[True]), hf_logits(hf, ids), atol=1e-4, rtol=1e-4)
+
+
 def test_vision_language_checkpoint_serves_its_text_model(checkpoints: dict) -> None:
     path = checkpoints["qwen3_5_moe"]
     config = load_hf_config(path)

@@ -64,8 +64,9 @@ fi
 
 # seed-decode (~6 min): the seed's model as released (GPTQ-int4 35B-A3B, 40 layers) at decode b1@32K and b64@4K,
 # one process each, with the decode-step changes of the forty-ninth session against the step before them: the
-# linear-attention gating inside the delta rule's decode kernel (gated_delta_net.FUSED_DECODE_GATING) and the shared
-# expert's gated add in one kernel (moe_block.FUSED_SHARED_GATE), both on, against both off; then beside them the
+# linear-attention gating inside the delta rule's decode kernel (gated_delta_net.FUSED_DECODE_GATING), the shared
+# expert's gated add in one kernel (moe_block.FUSED_SHARED_GATE) and the linear attention's two input GEMMs as one
+# (gated_delta_net.STACKED_PROJECTIONS), all on, against all off; then beside them the
 # narrow bf16 GEMVs in Triton (dense_gemm.DENSE_GEMM_NARROW_MAX_N, off) and the MoE block's three input GEMMs
 # stacked (moe_block.STACKED_INPUTS_MAX_TOKENS, off), each and both; the GDN and fused-op GPU tests first
 if [[ $MODE == seed-decode ]]; then
@@ -75,6 +76,7 @@ if [[ $MODE == seed-decode ]]; then
   fi
   m=longserve.models k=longserve.kernels
   off="$m.gated_delta_net.FUSED_DECODE_GATING=False $m.moe_block.FUSED_SHARED_GATE=False"
+  off+=" $m.gated_delta_net.STACKED_PROJECTIONS=False"
   narrow=$k.dense_gemm.DENSE_GEMM_NARROW_MAX_N=2048 stacked=$m.moe_block.STACKED_INPUTS_MAX_TOKENS=256
   for run in "before $off" "fused" "narrow $narrow" "stacked $stacked" "both $narrow $stacked"; do
     name=${run%% *}
