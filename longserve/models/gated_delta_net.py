@@ -205,7 +205,8 @@ class GatedDeltaNet(nn.Module):
                 q, k, v, g, beta, ssm_state, qsl, slots, has_state, chunks=chunks, saves=saves
             )  # [T, Hv, V]
         norm = _kernel(fast, "gated_norm", "gated_rms_norm", gated_rms_norm_ref)
-        out = norm(out.reshape(-1, self.v_dim), z.reshape(-1, self.v_dim), self.norm.weight, self.norm_eps)
+        # [T, Hv, V] each: z read where it lies in the projection's output (the kernel takes its strides)
+        out = norm(out, z.view(t, self.num_v_heads, self.v_dim), self.norm.weight, self.norm_eps)
         return out.view(t, self.value_size)  # [T, Hv*V]
 
     def _gating(self, a: torch.Tensor, b: torch.Tensor, fast: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -186,6 +186,14 @@ def test_gating_and_gated_norm_kernels(dtype: torch.dtype) -> None:
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert got.dtype == dtype and got.shape == x.shape
     torch.testing.assert_close(got.reshape(-1, V).float(), want.float(), atol=tol, rtol=tol)
+    # the gate as the layer hands it: [T, Hv, V] columns of a wider projection (no flat [T*Hv, V] view of it
+    # exists), read by its strides; and flat rows [T*Hv, V]: the same bits
+    wide = torch.zeros(37, 8 + HV * V, dtype=dtype)
+    wide[:, 8:] = z.reshape(37, -1)
+    z_view = wide[:, 8:].view(37, HV, V)
+    assert torch.equal(gated_rms_norm(x, z_view, norm.weight.detach(), 1e-6), got)
+    flat = gated_rms_norm(x.reshape(-1, V), z.reshape(-1, V), norm.weight.detach(), 1e-6)
+    assert torch.equal(flat.view_as(got), got)
 
 
 @pytest.mark.parametrize(
