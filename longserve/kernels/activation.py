@@ -10,7 +10,9 @@ way, a layer).
 
 `sigmoid_gated_add`: a Qwen-MoE block's out + sigmoid(gate) * shared (the shared expert scaled by its gate) in
 place, one launch where torch makes three (sigmoid, product, sum), each rounded where torch rounds: 80 launches
-fewer a decode step of the seed's 40 MoE layers (models/moe_block.py).
+fewer a decode step of the seed's 40 MoE layers (models/moe_block.py). `sigmoid_mul`: an attention output times
+the sigmoid of its output gate (Qwen3.5 / Qwen3-Next) in place, the gate read by its head strides where it lies
+in q_proj's output: one launch where the layer made three (the gate's copy, sigmoid, product).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import triton.language as tl
 
 from longserve.kernels.activation_reference import (
     sigmoid_gated_add_ref,
+    sigmoid_mul_ref,
     silu_and_mul_quant_ref,
     silu_and_mul_ref,
 )
@@ -32,6 +35,8 @@ from longserve.kernels.quant_tiles import e4m3_rounded, groups_per_program, quan
 __all__ = [
     "sigmoid_gated_add",
     "sigmoid_gated_add_ref",
+    "sigmoid_mul",
+    "sigmoid_mul_ref",
     "silu_and_mul",
     "silu_and_mul_quant",
     "silu_and_mul_quant_ref",
@@ -174,3 +179,45 @@ def sigmoid_gated_add(out: torch.Tensor, gate: torch.Tensor, shared: torch.Tenso
         num_warps=4, launch_pdl=pdl,
     )  # fmt: skip
     return out
+
+
+@fast_launch
+@triton.jit
+def _sigmoid_mul_kernel(
+    x_ptr,  # [T, H, D] contiguous, updated in place
+    gate_ptr,  # [T, H, D], unit stride along D
+    width,  # H * D
+    head_dim,
+    stride_gt,
+    stride_gh,
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    pdl_prologue(USE_PDL)
+    tok = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK] along H * D
+    mask = cols < width
+    dt = x_ptr.dtype.element_ty
+    g_offs = tok * stride_gt + (cols // head_dim) * stride_gh + cols % head_dim
+    gate = tl.sigmoid(tl.load(gate_ptr + g_offs, mask=mask, other=0.0).to(tl.float32)).to(dt).to(tl.float32)
+    x = tl.load(x_ptr + tok * width + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(x_ptr + tok * width + cols, (x * gate).to(dt), mask=mask)  # torch's two roundings
+
+
+def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] (contiguous) *= sigmoid(gate [T, H, D]) in place (gate: unit stride along D, any token and
+    head strides); returns x. Same math as `sigmoid_mul_ref`."""
+    assert x.dim() == 3 and gate.shape == x.shape and x.is_contiguous() and gate.stride(2) == 1, (
+        x.shape,
+        gate.shape,
+    )
+    assert gate.dtype == x.dtype
+    num_tokens, heads, head_dim = x.shape
+    if num_tokens == 0:
+        return x
+    pdl = use_pdl(x)
+    _sigmoid_mul_kernel[(num_tokens, triton.cdiv(heads * head_dim, BLOCK))](
+        x, gate, heads * head_dim, head_dim, gate.stride(0), gate.stride(1), BLOCK=BLOCK, USE_PDL=pdl,
+        num_warps=4, launch_pdl=pdl,
+    )  # fmt: skip
+    return x

@@ -7,7 +7,13 @@ import torch.nn.functional as F
 
 from longserve.kernels.quant_reference import per_token_group_quant_fp8_ref
 
-__all__ = ["sigmoid_gated_add_ref", "silu_and_mul_quant_ref", "silu_and_mul_ref", "swiglu_gemm_ref"]
+__all__ = [
+    "sigmoid_gated_add_ref",
+    "sigmoid_mul_ref",
+    "silu_and_mul_quant_ref",
+    "silu_and_mul_ref",
+    "swiglu_gemm_ref",
+]
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
@@ -32,3 +38,9 @@ def sigmoid_gated_add_ref(out: torch.Tensor, gate: torch.Tensor, shared: torch.T
     """out [T, H] + sigmoid(gate [T, 1]) * shared [T, H]: a Qwen-MoE block's routed experts plus its shared expert
     scaled by its gate, as transformers computes it (a new tensor; the kernel adds into out)."""
     return out + torch.sigmoid(gate) * shared
+
+
+def sigmoid_mul_ref(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """x * sigmoid(gate), both [T, H, D]: an attention output times its output gate, as transformers computes it
+    (a new tensor; the kernel multiplies x in place)."""
+    return x * torch.sigmoid(gate)

@@ -20,6 +20,7 @@ from torch import nn
 
 from longserve.attention.base import ForwardContext
 from longserve.distributed import get_tp_rank, get_tp_size, tp_all_reduce_async
+from longserve.kernels.activation_reference import sigmoid_mul_ref
 from longserve.models.heads import (  # noqa: F401 - HeadLayout, validate_tp_size: the models' API here too
     HeadLayout,
     get_head_dim,
@@ -36,6 +37,7 @@ from longserve.models.layers import (
 )
 from longserve.models.linear_method import LinearMethod, get_linear_method
 from longserve.models.rope import RotaryEmbedding, RotaryStep
+from longserve.platform import use_triton
 
 
 @dataclass(frozen=True)
@@ -101,8 +103,16 @@ class Attention(nn.Module):
 
     def gated(self, out: torch.Tensor, call: AttentionCall) -> torch.Tensor:
         """The attention output [T, Hq*D] times the sigmoid of its gate (the output gate), in the model dtype as
-        transformers; unchanged without one."""
-        return out if call.gate is None else out * torch.sigmoid(call.gate)
+        transformers; unchanged without one. On CUDA one kernel multiplying `out` in place, reading the gate where
+        it lies in q_proj's output."""
+        if call.gate is None:
+            return out
+        heads = out.view(out.shape[0], self.num_heads, self.head_dim)  # [T, Hq, D]
+        if use_triton(out) and out.is_contiguous():
+            from longserve.kernels.activation import sigmoid_mul  # imports triton
+
+            return sigmoid_mul(heads, call.gate).view_as(out)
+        return sigmoid_mul_ref(heads, call.gate).view_as(out)
 
     def project(self, hidden: torch.Tensor, rope: RotaryStep, ctx: ForwardContext) -> AttentionCall:
         """The projections and rotary embedding before the attention proper (the new K/V may be stored)."""
@@ -113,7 +123,7 @@ class Attention(nn.Module):
             qg = q.view(num_tokens, self.num_heads, 2 * self.head_dim)  # [T, Hq, 2D]: [q | gate] a head
             # contiguous: the rotary kernel reads q's heads at a stride of D
             q = qg[..., : self.head_dim].contiguous()  # [T, Hq, D]
-            gate = qg[..., self.head_dim :].reshape(num_tokens, -1)  # [T, Hq*D]
+            gate = qg[..., self.head_dim :]  # [T, Hq, D] in place (Attention.gated reads it by its strides)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
@@ -138,7 +148,7 @@ class AttentionCall(NamedTuple):
     v: torch.Tensor
     stored: bool
     q_placed: bool = False
-    gate: torch.Tensor | None = None  # [T, Hq*D]: the output gate's (Attention.gated), applied by the layer
+    gate: torch.Tensor | None = None  # [T, Hq, D]: the output gate's (Attention.gated), applied by the layer
 
     def run(self, ctx: ForwardContext) -> torch.Tensor:
         """The backend's attention over ctx's step: [T, Hq*D]."""

@@ -80,6 +80,20 @@ def test_sigmoid_gated_add(rows: int) -> None:
     assert (got == want).float().mean() > 0.99
 
 
+@pytest.mark.parametrize("rows", [1, 64, 8192])
+def test_sigmoid_mul(rows: int) -> None:
+    """The attention output gate at the seed's attention shape (16 heads of 256), the gate the second half of
+    each head's [q | gate] rows: within a rounding of torch's ops, nearly all the same bits."""
+    from longserve.kernels.activation import sigmoid_mul, sigmoid_mul_ref
+
+    x = randn(rows, 16, 256, dtype=torch.bfloat16, seed=10)
+    gate = randn(rows, 16, 512, dtype=torch.bfloat16, seed=11)[..., 256:]
+    want = sigmoid_mul_ref(x, gate)
+    got = sigmoid_mul(x.clone(), gate)
+    assert ((got.float() - want.float()).abs() <= want.float().abs() * 2**-7 + 1e-6).all()
+    assert (got == want).float().mean() > 0.99
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_rotary_embedding(dtype: torch.dtype) -> None:
     from longserve.kernels.rope import rotary_embedding, rotary_embedding_ref

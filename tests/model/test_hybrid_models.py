@@ -120,6 +120,26 @@ def test_linear_attention_projections_run_as_one_gemm(checkpoints: dict, monkeyp
     torch.testing.assert_close(torch.cat(runs[True]), hf_logits(hf, ids), atol=1e-4, rtol=1e-4)
 
 
+def test_attention_output_gate_kernel_equals_torchs(checkpoints: dict, monkeypatch) -> None:
+    """The attention layers' output gate in its Triton kernel (interpreted, as on a GPU: sigmoid_mul reading the
+    gate in place in q_proj's output) against torch's ops: a prompt's logits, every attention layer taking it."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from longserve.kernels import activation
+    from longserve.models import decoder
+
+    ours, hf = load_both(checkpoints["qwen3_5"])
+    ids = prompt(ours.vocab_size, n=40)
+    want = step(ours, new_cache(ours), new_states(ours), [ids], [0], [PAGE_IDS[:40]], [2])
+    calls, real = [], activation.sigmoid_mul
+    monkeypatch.setattr(activation, "sigmoid_mul", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(decoder, "use_triton", lambda x: True)
+    got = step(ours, new_cache(ours), new_states(ours), [ids], [0], [PAGE_IDS[:40]], [2])
+    assert len(calls) == ours.num_layers  # the model's attention layers (K/V holders)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, hf_logits(hf, ids), atol=1e-4, rtol=1e-4)
+
+
 def test_vision_language_checkpoint_serves_its_text_model(checkpoints: dict) -> None:
     path = checkpoints["qwen3_5_moe"]
     config = load_hf_config(path)

@@ -15,6 +15,8 @@ pytest.importorskip("triton")
 from longserve.kernels.activation import (  # noqa: E402
     sigmoid_gated_add,
     sigmoid_gated_add_ref,
+    sigmoid_mul,
+    sigmoid_mul_ref,
     silu_and_mul,
     silu_and_mul_ref,
 )
@@ -97,6 +99,24 @@ def test_sigmoid_gated_add(dtype: torch.dtype) -> None:
         bound = (want.float().abs() + 2 * shared.float().abs()) * 2**-7 + 1e-6
         assert ((got.float() - want.float()).abs() <= bound).all()
     assert sigmoid_gated_add(out[:0], gate[:0], shared[:0]).shape == (0, hidden)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_sigmoid_mul(dtype: torch.dtype) -> None:
+    """x *= sigmoid(gate) in place, the gate [T, H, D] the second half of each head's [q | gate] rows (as Qwen3.5's
+    q_proj yields it; D = 48, H * D = 1,440 over two blocks) against torch: float32 to rounding, bf16 within a
+    rounding of each op."""
+    num_tokens, heads, head_dim = 3, 30, 48
+    x = (randn(num_tokens, heads, head_dim, seed=33) * 2).to(dtype)
+    gate = (randn(num_tokens, heads, 2 * head_dim, seed=34) * 4).to(dtype)[..., head_dim:]
+    want = sigmoid_mul_ref(x, gate)
+    got = sigmoid_mul(x, gate)
+    assert got.data_ptr() == x.data_ptr()  # in place
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=ATOL)
+    else:
+        bound = 2 * want.float().abs() * 2**-7 + 1e-6
+        assert ((got.float() - want.float()).abs() <= bound).all()
 
 
 @pytest.mark.parametrize(

@@ -66,7 +66,8 @@ fi
 # one process each, with the decode-step changes of the forty-ninth session against the step before them: the
 # linear-attention gating inside the delta rule's decode kernel (gated_delta_net.FUSED_DECODE_GATING), the shared
 # expert's gated add in one kernel (moe_block.FUSED_SHARED_GATE) and the linear attention's two input GEMMs as one
-# (gated_delta_net.STACKED_PROJECTIONS), all on, against all off; then beside them the
+# (gated_delta_net.STACKED_PROJECTIONS), all on, against all off (the attention output gate's kernel, 3 launches
+# fewer in each of the 10 attention layers, has no switch: in both); then beside them the
 # narrow bf16 GEMVs in Triton (dense_gemm.DENSE_GEMM_NARROW_MAX_N, off) and the MoE block's three input GEMMs
 # stacked (moe_block.STACKED_INPUTS_MAX_TOKENS, off), each and both; the GDN and fused-op GPU tests first
 if [[ $MODE == seed-decode ]]; then
