@@ -39,7 +39,13 @@ from longserve.kernels.gated_delta_reference import (
 )
 from longserve.kernels.gated_norm_reference import gated_rms_norm_ref
 from longserve.models.layers import MergedLinear, RowParallelLinear, TensorLike, as_tensor, tp_shard_range
-from longserve.models.linear_method import LinearMethod, is_plain, plain_linear, stack_plain_weights
+from longserve.models.linear_method import (
+    LinearMethod,
+    StacksInputs,
+    is_plain,
+    plain_linear,
+    stack_plain_weights,
+)
 from longserve.models.quant.layout import check_dtype, tensor_name
 from longserve.platform import host_to_device, use_triton
 
@@ -53,7 +59,7 @@ FUSED_DECODE_GATING = True
 STACKED_PROJECTIONS = True
 
 
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(nn.Module, StacksInputs):
     """One linear-attention layer's mixer; `state_id` is its index among the model's linear-attention layers."""
 
     def __init__(self, hf_config: Any, state_id: int, linear: LinearMethod) -> None:

@@ -49,6 +49,22 @@ def stack_plain_weights(weights: list[nn.Parameter]) -> torch.Tensor | None:
     return stacked
 
 
+class StacksInputs:
+    """A module some of whose products read one input and may run as one GEMM over their stacked weights once
+    loaded (`stack_plain_weights`): the MoE block's router and shared expert's inputs, a linear-attention layer's
+    two projections."""
+
+    def stack_inputs(self) -> bool:
+        """After loading: stack what can be (plain weights); whether it did."""
+        raise NotImplementedError
+
+
+def stack_inputs(model: nn.Module) -> int:
+    """After loading, every StacksInputs module's products over one input stacked where their weights are
+    plain: how many modules stacked."""
+    return sum(m.stack_inputs() for m in model.modules() if isinstance(m, StacksInputs))
+
+
 def is_plain(layer: nn.Module) -> bool:
     """A linear layer holding a plain weight and no bias (a quantized one has no `weight`)."""
     return type(layer.quant_method) is UnquantizedLinearMethod and layer.bias is None

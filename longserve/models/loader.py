@@ -23,11 +23,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from longserve.models.gated_delta_net import GatedDeltaNet
 from longserve.models.layers import MergedLinear, RMSNorm, RowParallelLinear, VocabParallelEmbedding
-from longserve.models.linear_method import LINEAR_METHODS
+from longserve.models.linear_method import LINEAR_METHODS, stack_inputs
 from longserve.models.moe import FusedMoE
-from longserve.models.moe_block import SparseMoeBlock
 from longserve.models.pooler import PoolerSpec, pooling_model_class
 from longserve.models.quant.bind import bind_quant_methods
 from longserve.models.quant.config import parse_quant_format
@@ -406,10 +404,3 @@ def _unsharded_shape(owner: nn.Module, param: nn.Parameter) -> tuple[int, ...]:
     if isinstance(owner, FusedMoE):
         return owner.full_shape(param)
     return tuple(param.shape)
-
-
-def stack_inputs(model: nn.Module) -> int:
-    """After loading, the products over one input that run as one GEMM where their weights are plain (the MoE
-    block's router, shared gate and shared gate|up; a linear-attention layer's in_proj_qkv and in_proj_zba),
-    their weights then views of one stacked tensor: how many modules stacked."""
-    return sum(m.stack_inputs() for m in model.modules() if isinstance(m, (SparseMoeBlock, GatedDeltaNet)))

@@ -20,13 +20,19 @@ from longserve.distributed import get_tp_size, tp_all_reduce
 from longserve.kernels.activation_reference import sigmoid_gated_add_ref
 from longserve.models.decoder import MLP, ArchOptions, dense_mlp
 from longserve.models.layers import default_weight_loader
-from longserve.models.linear_method import LinearMethod, is_plain, plain_linear, stack_plain_weights
+from longserve.models.linear_method import (
+    LinearMethod,
+    StacksInputs,
+    is_plain,
+    plain_linear,
+    stack_plain_weights,
+)
 from longserve.models.moe import FusedMoE, get_moe_method
 from longserve.models.moe_layout import MoESpec, moe_spec
 from longserve.platform import use_triton
 
 # Up to this many tokens a step, a block whose router, shared-expert gate and shared expert's gate|up all read x
-# as plain weights at tp = 1 runs them as one GEMM over their weights stacked [2I + E + 1, H] (`loader.stack_inputs`,
+# as plain weights at tp = 1 runs them as one GEMM over their weights stacked [2I + E + 1, H] (`linear_method.stack_inputs`,
 # after loading): a decode step of the seed's GPTQ-int4 35B-A3B ran 110 cuBLAS GEMVs of the smallest tile, 5.4 us
 # each (H100, RESULTS.md forty-eighth session), the router's and the shared gate's among them, and two of three
 # such launches a layer go. 0: off, until measured (`gpu_check.sh moe-inputs`). Read at each call.
@@ -54,7 +60,7 @@ class ReplicatedLinear(nn.Module):
         return plain_linear(x, self.weight)  # [T, out]
 
 
-class SparseMoeBlock(nn.Module):
+class SparseMoeBlock(nn.Module, StacksInputs):
     """Router + experts (+ Qwen2-MoE's shared expert); parameter names as transformers 5's
     (`gate.weight`, `experts.*`, `shared_expert.*`, `shared_expert_gate.weight`)."""
 

@@ -95,7 +95,7 @@ def test_greedy_decode_matches_hf_generate(checkpoints: dict, arch: str) -> None
 
 def test_linear_attention_projections_run_as_one_gemm(checkpoints: dict, monkeypatch) -> None:
     """After loading, each linear-attention layer's in_proj_qkv and in_proj_zba weights are views of one stacked
-    tensor (loader.stack_inputs) that `project` multiplies once: a prompt's and a decode's logits equal those of
+    tensor (linear_method.stack_inputs) that `project` multiplies once: a prompt's and a decode's logits equal those of
     the two GEMMs apart (gated_delta_net.STACKED_PROJECTIONS off) and transformers'."""
     from longserve.models import gated_delta_net
     from longserve.models.gated_delta_net import GatedDeltaNet

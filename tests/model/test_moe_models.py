@@ -218,7 +218,7 @@ def test_fused_moe_layers_hold_the_loaded_experts(checkpoints: dict) -> None:
 
 def test_stacked_moe_inputs_equal_the_separate_gemms(checkpoints: dict, monkeypatch) -> None:
     """Qwen2-MoE (a gated shared expert, plain weights, one rank): after loading, the router's, the shared gate's
-    and the shared expert's gate|up weights are views of one stacked tensor (loader.stack_inputs); with
+    and the shared expert's gate|up weights are views of one stacked tensor (linear_method.stack_inputs); with
     the stacked GEMM on (STACKED_INPUTS_MAX_TOKENS) every MoE block takes it, and a prompt's and two chunks'
     logits equal transformers' as they do without it. Mixtral (no shared expert) stacks nothing."""
     ours, hf = load_both(checkpoints[("qwen2_moe", "per_expert")])
