@@ -44,10 +44,11 @@ __all__ = [
 DENSE_GEMM_TRITON_MIN_TOKENS = 16
 DENSE_GEMM_TRITON_MAX_TOKENS = 0
 # Linears with at most this many outputs take this kernel at every decode batch size (1 to DENSE_GEMM_MAX_BLOCK_M
-# rows): cuBLAS's GEMV tile of 64 columns gives a narrow weight few programs (the seed's Qwen3.5-35B-A3B: its router,
-# 256 outputs, 4; its 2,048-wide output projections 32, of an H100's 132 SMs) where this kernel splits K until the
-# chip is full. Its decode b1 step ran 110 such cuBLAS GEMVs at ~5.4 us each, its bf16 weights at ~1.9 TB/s (H100,
-# RESULTS.md forty-eighth session). 0: off until measured (`gpu_check.sh narrow-gemv`).
+# rows), an MLP's down projection with silu(gate) * up made on its loads (GATED): cuBLAS's GEMV tile of 64 columns
+# gives a narrow weight few programs (the seed's Qwen3.5-35B-A3B: its router, 256 outputs, 4; its 2,048-wide output
+# projections 32, of an H100's 132 SMs) where this kernel splits K until the chip is full. Its decode b1 step ran 110
+# such cuBLAS GEMVs at ~5.4 us each, its bf16 weights at ~1.9 TB/s (H100, RESULTS.md forty-eighth session). 0: off
+# until measured (`gpu_check.sh narrow-gemv`, `seed-decode`).
 DENSE_GEMM_NARROW_MAX_N = 0
 # Decode batches up to this many rows run an unquantized MLP's down projection here with silu(gate) * up made on
 # its loads (GATED), instead of cuBLAS after silu_and_mul's launch: one launch and the gap before it a layer (~2.6
@@ -133,10 +134,12 @@ def dense_gemm_serves(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 def dense_gemm_gated_serves(gate_up: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether an MLP's down projection takes this kernel with silu(gate) * up made on its loads: 16-bit, a token
-    count in DENSE_GEMM_GATED_MAX_TOKENS's range (off: 0)."""
+    count in DENSE_GEMM_GATED_MAX_TOKENS's range (off: 0), or any decode batch for a down projection of at most
+    DENSE_GEMM_NARROW_MAX_N outputs (a shared expert's: its silu_and_mul launch goes too)."""
+    most = DENSE_GEMM_MAX_BLOCK_M if w.shape[0] <= DENSE_GEMM_NARROW_MAX_N else DENSE_GEMM_GATED_MAX_TOKENS
     return (
         gate_up.dim() == 2
-        and 1 <= gate_up.shape[0] <= min(DENSE_GEMM_GATED_MAX_TOKENS, DENSE_GEMM_MAX_BLOCK_M)
+        and 1 <= gate_up.shape[0] <= min(most, DENSE_GEMM_MAX_BLOCK_M)
         and gate_up.dtype in (torch.bfloat16, torch.float16)
         and w.dtype == gate_up.dtype
     )

@@ -168,7 +168,8 @@ def test_gated_equals_silu_and_mul_then_the_product(m: int, n: int, k: int, spli
 
 def test_the_down_projection_takes_the_gated_path_only_in_its_range(monkeypatch: pytest.MonkeyPatch) -> None:
     """UnquantizedLinearMethod.apply_gated: off by default (None: the layer runs silu_and_mul, then apply);
-    switched on for 1-16 rows (CUDA faked), a batch of 1 and 16 goes through the gated kernel, 17 does not."""
+    switched on for 1-16 rows (CUDA faked), a batch of 1 and 16 goes through the gated kernel, 17 does not; with
+    the narrow switch at the weight's outputs, 17 does (not 129), one output fewer not."""
     from longserve.models import linear_method
 
     layer = torch.nn.Module()
@@ -183,4 +184,10 @@ def test_the_down_projection_takes_the_gated_path_only_in_its_range(monkeypatch:
         assert got is not None and torch.equal(
             got, dense_gemm.dense_gemm(gate_up[m], layer.weight, gated=True)
         )
+    assert method.apply_gated(layer, gate_up[17], None) is None
+    # a narrow down projection (DENSE_GEMM_NARROW_MAX_N: a shared expert's) takes it at any decode batch
+    monkeypatch.setattr(dense_gemm, "DENSE_GEMM_NARROW_MAX_N", 24)
+    assert method.apply_gated(layer, gate_up[17], None) is not None
+    assert method.apply_gated(layer, torch.randn(129, 128, generator=gen(9)).bfloat16(), None) is None
+    monkeypatch.setattr(dense_gemm, "DENSE_GEMM_NARROW_MAX_N", 23)
     assert method.apply_gated(layer, gate_up[17], None) is None
