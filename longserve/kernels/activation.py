@@ -187,9 +187,9 @@ def _sigmoid_mul_kernel(
     x_ptr,  # [T, H, D] contiguous, updated in place
     gate_ptr,  # [T, H, D], unit stride along D
     width,  # H * D
-    head_dim,
     stride_gt,
     stride_gh,
+    HEAD_DIM: tl.constexpr,  # a constant: the column's head and place by shifts where D is a power of two
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -198,7 +198,7 @@ def _sigmoid_mul_kernel(
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK] along H * D
     mask = cols < width
     dt = x_ptr.dtype.element_ty
-    g_offs = tok * stride_gt + (cols // head_dim) * stride_gh + cols % head_dim
+    g_offs = tok * stride_gt + (cols // HEAD_DIM) * stride_gh + cols % HEAD_DIM
     gate = tl.sigmoid(tl.load(gate_ptr + g_offs, mask=mask, other=0.0).to(tl.float32)).to(dt).to(tl.float32)
     x = tl.load(x_ptr + tok * width + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(x_ptr + tok * width + cols, (x * gate).to(dt), mask=mask)  # torch's two roundings
@@ -217,7 +217,7 @@ def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         return x
     pdl = use_pdl(x)
     _sigmoid_mul_kernel[(num_tokens, triton.cdiv(heads * head_dim, BLOCK))](
-        x, gate, heads * head_dim, head_dim, gate.stride(0), gate.stride(1), BLOCK=BLOCK, USE_PDL=pdl,
+        x, gate, heads * head_dim, gate.stride(0), gate.stride(1), HEAD_DIM=head_dim, BLOCK=BLOCK, USE_PDL=pdl,
         num_warps=4, launch_pdl=pdl,
     )  # fmt: skip
     return x
