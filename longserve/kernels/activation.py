@@ -207,11 +207,9 @@ def _sigmoid_mul_kernel(
 def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """x [T, H, D] (contiguous) *= sigmoid(gate [T, H, D]) in place (gate: unit stride along D, any token and
     head strides); returns x. Same math as `sigmoid_mul_ref`."""
-    assert x.dim() == 3 and gate.shape == x.shape and x.is_contiguous() and gate.stride(2) == 1, (
-        x.shape,
-        gate.shape,
-    )
-    assert gate.dtype == x.dtype
+    shapes = f"x {tuple(x.shape)}, gate {tuple(gate.shape)}"
+    assert x.dim() == 3 and gate.shape == x.shape and x.is_contiguous() and gate.stride(2) == 1, shapes
+    assert gate.dtype == x.dtype, shapes
     num_tokens, heads, head_dim = x.shape
     if num_tokens == 0:
         return x

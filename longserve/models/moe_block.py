@@ -32,8 +32,8 @@ from longserve.models.moe_layout import MoESpec, moe_spec
 from longserve.platform import use_triton
 
 # Up to this many tokens a step, a block whose router, shared-expert gate and shared expert's gate|up all read x
-# as plain weights at tp = 1 runs them as one GEMM over their weights stacked [2I + E + 1, H] (`linear_method.stack_inputs`,
-# after loading): a decode step of the seed's GPTQ-int4 35B-A3B ran 110 cuBLAS GEMVs of the smallest tile, 5.4 us
+# as plain weights at tp = 1 runs them as one GEMM over their weights stacked [2I + E + 1, H] (after loading:
+# `linear_method.stack_inputs`): a decode step of the seed's GPTQ-int4 35B-A3B ran 110 cuBLAS GEMVs of the smallest tile, 5.4 us
 # each (H100, RESULTS.md forty-eighth session), the router's and the shared gate's among them, and two of three
 # such launches a layer go. 0: off, until measured (`gpu_check.sh moe-inputs`). Read at each call.
 STACKED_INPUTS_MAX_TOKENS = 0

@@ -1,7 +1,8 @@
 """The decode step's unquantized linears at batch 1-128: cuBLAS (F.linear) against kernels/dense_gemm.py's Triton
 GEMM, per projection of the Llama-3.1-8B or the seed's Qwen3.5-35B-A3B, weights rotated over 256 MB of copies
-(read from HBM as in a decode step, not from L2), CUDA-graph timed. Each Triton setting is checked against F.linear first. One line per (projection, M):
-cuBLAS us and TB/s, the default tiles', the best tiles' (a small sweep) and which.
+(read from HBM as in a decode step, not from L2), CUDA-graph timed. Each Triton setting is checked against
+F.linear first. One line per (projection, M): cuBLAS us and TB/s, the default tiles', the best tiles' (a small
+sweep) and which.
 
     python3 scripts/gpu/bench_dense_gemm.py [--tokens 16,32,64,128] [--model llama-3.1-8b] [--json OUT.json]
 """

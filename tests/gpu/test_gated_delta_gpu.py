@@ -1,8 +1,8 @@
 """The Gated DeltaNet kernels on the GPU at Qwen3.5's linear-attention shape (16 key / 32 value heads of 128,
 conv width 4) against their torch references: a varlen prefill of requests of 1, 700 and 3,000 tokens (one
 continuing a state; two saving a state inside the step), then decode steps (the last two also with the gating
-inside the decode kernel: the same bits), in bf16 with float32 and bf16 state pools; other slots untouched. The CPU tests (tests/unit/test_gated_delta.py, test_causal_conv1d.py) run them
-interpreted at tiny shapes."""
+inside the decode kernel: the same bits), in bf16 with float32 and bf16 state pools; other slots untouched. The
+CPU tests (tests/unit/test_gated_delta.py, test_causal_conv1d.py) run them interpreted at tiny shapes."""
 
 from __future__ import annotations
 
