@@ -35,8 +35,9 @@ from longserve.platform import use_triton
 # as plain weights at tp = 1 runs them as one GEMM over their weights stacked [2I + E + 1, H] (after loading:
 # `linear_method.stack_inputs`): a decode step of the seed's GPTQ-int4 35B-A3B ran 110 cuBLAS GEMVs of the smallest tile, 5.4 us
 # each (H100, RESULTS.md forty-eighth session), the router's and the shared gate's among them, and two of three
-# such launches a layer go. 0: off, until measured (`gpu_check.sh moe-inputs`). Read at each call.
-STACKED_INPUTS_MAX_TOKENS = 0
+# such launches a layer go. Measured (H100, `gpu_check.sh seed-decode`, RESULTS.md forty-ninth session): decode b1@32K
+# 3.98 -> 3.58 ms, b64@4K 15.37 -> 15.48 ms; so on for small batches only (8: b2-b8 unmeasured). Read at each call.
+STACKED_INPUTS_MAX_TOKENS = 8
 # The shared expert scaled by its gate and added to the routed experts' sum in one kernel (kernels/activation.py
 # `sigmoid_gated_add`) where torch launches three: 80 launches fewer a decode step of the seed's 40 MoE layers, and
 # at prefill one pass over [T, H] instead of three. On; `gpu_check.sh seed-decode` times it against False.

@@ -69,7 +69,7 @@ def switched_on_agrees(
     calls: list[int] = []
     real = dense_gemm.dense_gemm
     monkeypatch.setattr(
-        dense_gemm, "dense_gemm", lambda x, w, b=None: calls.append(x.shape[0]) or real(x, w, b)
+        dense_gemm, "dense_gemm", lambda x, w, b=None, **kw: calls.append(x.shape[0]) or real(x, w, b, **kw)
     )
     monkeypatch.setattr(dense_gemm, switch, value)
     got = greedy_steps(path, prompts, params)
