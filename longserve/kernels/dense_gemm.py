@@ -47,8 +47,10 @@ DENSE_GEMM_TRITON_MAX_TOKENS = 0
 # rows), an MLP's down projection with silu(gate) * up made on its loads (GATED): cuBLAS's GEMV tile of 64 columns
 # gives a narrow weight few programs (the seed's Qwen3.5-35B-A3B: its router, 256 outputs, 4; its 2,048-wide output
 # projections 32, of an H100's 132 SMs) where this kernel splits K until the chip is full. Its decode b1 step ran 110
-# such cuBLAS GEMVs at ~5.4 us each, its bf16 weights at ~1.9 TB/s (H100, RESULTS.md forty-eighth session). 0: off
-# until measured (`gpu_check.sh narrow-gemv`, `seed-decode`).
+# such cuBLAS GEMVs at ~5.4 us each, its bf16 weights at ~1.9 TB/s (H100, RESULTS.md forty-eighth session). Measured
+# on an H100 (`gpu_check.sh seed-decode`, forty-ninth session): at 2,048 the seed's decode b1@32K 3.98 -> 4.11 ms,
+# b64@4K 15.37 -> 15.54 (the default tiles lose ~0.2 us on each 2,048-wide projection, more than the small ones
+# save): off (0).
 DENSE_GEMM_NARROW_MAX_N = 0
 # Decode batches up to this many rows run an unquantized MLP's down projection here with silu(gate) * up made on
 # its loads (GATED), instead of cuBLAS after silu_and_mul's launch: one launch and the gap before it a layer (~2.6

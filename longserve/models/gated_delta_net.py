@@ -51,11 +51,13 @@ from longserve.platform import host_to_device, use_triton
 
 # A decode step's gating (g, beta) computed inside the delta rule's decode kernel (kernels/gated_delta.py
 # `gated_delta_decode_gating`), as vLLM's fused decode does: one launch a linear-attention layer fewer (30 a step
-# of Qwen3.5-35B-A3B). On; `gpu_check.sh seed-decode` times it against False. Read at each call.
+# of Qwen3.5-35B-A3B). On: with STACKED_PROJECTIONS and moe_block.FUSED_SHARED_GATE the seed's decode b1@32K went
+# 4.53 -> 3.98 ms, b64@4K 15.99 -> 15.37 (H100, `gpu_check.sh seed-decode`, RESULTS.md forty-ninth session). Read at
+# each call.
 FUSED_DECODE_GATING = True
 # in_proj_qkv and in_proj_zba as one GEMM over their stacked weights (`GatedDeltaNet.stack_inputs`, where both are
-# plain): one launch a layer fewer at every step (30 a decode step of Qwen3.5-35B-A3B). On; `gpu_check.sh
-# seed-decode` times it against False. Read at each call.
+# plain): one launch a layer fewer at every step (30 a decode step of Qwen3.5-35B-A3B). On (measured with
+# FUSED_DECODE_GATING, above). Read at each call.
 STACKED_PROJECTIONS = True
 
 

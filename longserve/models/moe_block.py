@@ -40,7 +40,8 @@ from longserve.platform import use_triton
 STACKED_INPUTS_MAX_TOKENS = 8
 # The shared expert scaled by its gate and added to the routed experts' sum in one kernel (kernels/activation.py
 # `sigmoid_gated_add`) where torch launches three: 80 launches fewer a decode step of the seed's 40 MoE layers, and
-# at prefill one pass over [T, H] instead of three. On; `gpu_check.sh seed-decode` times it against False.
+# at prefill one pass over [T, H] instead of three. On (measured with gated_delta_net.FUSED_DECODE_GATING: its
+# comment).
 FUSED_SHARED_GATE = True
 
 
