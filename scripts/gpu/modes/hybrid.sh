@@ -62,29 +62,31 @@ if [[ $MODE == hybrid-marks ]]; then
   done
 fi
 
-# seed-decode (~6 min): the seed's model as released (GPTQ-int4 35B-A3B, 40 layers) at decode b1@32K and b64@4K,
-# one process each, with the decode-step changes of the forty-ninth session against the step before them: the
-# linear-attention gating inside the delta rule's decode kernel (gated_delta_net.FUSED_DECODE_GATING), the shared
-# expert's gated add in one kernel (moe_block.FUSED_SHARED_GATE) and the linear attention's two input GEMMs as one
-# (gated_delta_net.STACKED_PROJECTIONS), all on, against all off (the attention output gate's kernel, 3 launches
-# fewer in each of the 10 attention layers, has no switch: in both); then beside them the
-# narrow bf16 GEMVs in Triton (dense_gemm.DENSE_GEMM_NARROW_MAX_N, off) and the MoE block's three input GEMMs
-# stacked (moe_block.STACKED_INPUTS_MAX_TOKENS, off), each and both; the GDN and fused-op GPU tests first
+# seed-decode (~6 min): the seed's model as released (GPTQ-int4 35B-A3B, 40 layers) at decode b1@32K, b8@8K and
+# b64@4K, one process each: the step before the forty-ninth session's changes (the linear-attention gating inside
+# the delta rule's decode kernel, gated_delta_net.FUSED_DECODE_GATING; its two input GEMMs as one,
+# STACKED_PROJECTIONS; the shared expert's gated add in one kernel, moe_block.FUSED_SHARED_GATE; the MoE block's
+# three input GEMMs as one up to STACKED_INPUTS_MAX_TOKENS, 8) against the defaults, then the MoE inputs stacked at
+# every batch size (256) and the narrow bf16 GEMVs in Triton (dense_gemm.DENSE_GEMM_NARROW_MAX_N, off) beside the
+# defaults (the attention output gate's kernel has no switch: in every run); the GDN and fused-op GPU tests first.
+# At 475fa6f, before the stacked MoE inputs were on by default (RESULTS.md forty-ninth session): b1 4.53 -> 3.98 ms
+# with the three fusions, 3.58 with the MoE inputs stacked; b64 15.99 -> 15.37, 15.48 stacked.
 if [[ $MODE == seed-decode ]]; then
   if python3 -c "import pytest" 2> /dev/null; then
     timeout 150 python3 -m pytest -q -m gpu tests/gpu/test_gated_delta_gpu.py tests/gpu/test_fused_ops_gpu.py \
-      -k "gated_delta or decode or sigmoid" -p no:cacheprovider --tb=short 2>&1 | tail -3 || status=1
+      -k "gated_delta or decode or sigmoid" -p no:cacheprovider --tb=short -rfE 2>&1 \
+      | tee "$OUT/gpu_tests_seed_decode.log" | tail -8 || status=1
   fi
   m=longserve.models k=longserve.kernels
   off="$m.gated_delta_net.FUSED_DECODE_GATING=False $m.moe_block.FUSED_SHARED_GATE=False"
-  off+=" $m.gated_delta_net.STACKED_PROJECTIONS=False"
+  off+=" $m.gated_delta_net.STACKED_PROJECTIONS=False $m.moe_block.STACKED_INPUTS_MAX_TOKENS=0"
   narrow=$k.dense_gemm.DENSE_GEMM_NARROW_MAX_N=2048 stacked=$m.moe_block.STACKED_INPUTS_MAX_TOKENS=256
-  for run in "before $off" "fused" "narrow $narrow" "stacked $stacked" "both $narrow $stacked"; do
+  for run in "before $off" "defaults" "stacked256 $stacked" "narrow $narrow"; do
     name=${run%% *}
     read -r -a consts <<< "${run#"$name"}"
     LATENCY_TIMEOUT=150 latency_with "a3b35_gptq_decode_$name" "int4 $name" ${consts[@]+"${consts[@]}"} -- \
-      --config qwen3.5-35b-a3b "${dummy[@]}" --hf-overrides "$seed_gptq" --decode-batch-sizes 1@32768,64@4096 \
-      --repeat 2
+      --config qwen3.5-35b-a3b "${dummy[@]}" --hf-overrides "$seed_gptq" \
+      --decode-batch-sizes 1@32768,8@8192,64@4096 --repeat 2
   done
 fi
 
