@@ -124,7 +124,6 @@ def test_attention_output_gate_kernel_equals_torchs(checkpoints: dict, monkeypat
     """The attention layers' output gate in its Triton kernel (interpreted, as on a GPU: sigmoid_mul reading the
     gate in place in q_proj's output) against torch's ops: a prompt's logits, every attention layer taking it."""
     pytest.importorskip("triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
     from longserve.kernels import activation
     from longserve.models import decoder
 
