@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from longserve.kernels.activation import sigmoid_gated_add
 from longserve.kernels.moe_align import align_routed_pairs
 from longserve.kernels.moe_config import get_moe_config
 from longserve.kernels.moe_fp8_gemv import moe_fp8_gemv, moe_fp8_gemv_supported
@@ -73,8 +74,11 @@ def fused_moe(
     quant: MoEQuant | None = None,
     config: dict | None = None,
     expert_map: torch.Tensor | None = None,  # [E_global] int32: global expert id -> row of w13/w2, or -1
+    addend: tuple[torch.Tensor, torch.Tensor] | None = None,  # (gate [T, 1], shared [T, H])
 ) -> torch.Tensor:
     """sum_k w_k * down_e(silu(gate_e x) * up_e x) per token, [T, H]: same contract as `fused_moe_ref`.
+    `addend` (a Qwen-MoE block's shared expert): + sigmoid(gate) * shared in the k-sum's launch (moe_sum) where a
+    path ends in one, else in activation.sigmoid_gated_add's after it.
 
     Gate+up is one GEMM whose programs hold a gate tile and the matching up tile and write silu(gate) * up,
     so the [T*k, 2I] projection never reaches memory and x is read once for both halves. The down GEMM
@@ -102,10 +106,10 @@ def fused_moe(
             quant, num_tokens, hidden.shape[1], w13.shape[1] // 2, expert_map is not None, hidden.dtype
         )
         if path == "gemv":
-            return moe_wna16_gemv(hidden, w13, w2, topk_weights, topk_ids, quant, out)
+            return moe_wna16_gemv(hidden, w13, w2, topk_weights, topk_ids, quant, out, addend)
         if path == "grouped":
             align = align_routed_pairs(topk_ids, w13.shape[0], GROUPED_BLOCK_M)
-            return moe_wna16_grouped(hidden, w13, w2, topk_weights, quant, align, out)
+            return moe_wna16_grouped(hidden, w13, w2, topk_weights, quant, align, out, addend)
         if path == "dequant":  # then the 16-bit kernels below
             w13, w2 = (
                 dequantize_experts(quant, w, proj, hidden.dtype) for w, proj in ((w13, "w13"), (w2, "w2"))
@@ -118,11 +122,11 @@ def fused_moe(
         and config is None
         and moe_fp8_gemv_supported(quant, hidden_size, two_inter // 2)
     ):
-        return moe_fp8_gemv(hidden, w13, w2, topk_weights, topk_ids, quant, out)
+        return moe_fp8_gemv(hidden, w13, w2, topk_weights, topk_ids, quant, out, addend=addend)
     if num_tokens <= MOE_GEMV_MAX_TOKENS and quant is None and expert_map is None and config is None:
-        from longserve.kernels.moe_gemv import moe_gemv
+        from longserve.kernels.moe_gemv import moe_gemv  # its down GEMV sums over k: the addend after it
 
-        return moe_gemv(hidden, w13, w2, topk_weights, topk_ids, out)
+        return _plus(moe_gemv(hidden, w13, w2, topk_weights, topk_ids, out), addend)
     cfg = config or get_moe_config(
         num_experts, two_inter // 2, hidden_size, top_k, hidden.dtype, num_tokens,
         weights=quant.weight_dtype if quant is not None else None,
@@ -155,12 +159,17 @@ def fused_moe(
         moe_gemm(inter, w2, pair_out, *routing, 1, down_cfg, False, True, quant, "w2")
     per_token = pair_out.view(num_tokens, top_k, hidden_size)  # [T, k, H]
     if prod_dtype == out.dtype and num_tokens <= MOE_SUM_TRITON_MAX_TOKENS:
-        moe_sum(per_token, out)  # the same sum in one small launch
-    elif prod_dtype == out.dtype:
+        return moe_sum(per_token, out, addend=addend)  # the same sum in one small launch
+    if prod_dtype == out.dtype:
         torch.sum(per_token, dim=1, out=out)  # 16-bit inputs accumulate in fp32, rounded once (as HF)
     else:
         out.copy_(per_token.sum(dim=1))  # fp32 products (Mixtral): sum in fp32, round once
-    return out
+    return _plus(out, addend)
+
+
+def _plus(out: torch.Tensor, addend: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """out + sigmoid(gate) * shared in place (no addend: out)."""
+    return out if addend is None else sigmoid_gated_add(out, *addend)
 
 
 def _fit_block_k(cfg: dict, quant: MoEQuant, k: int, has_gidx: bool) -> dict:

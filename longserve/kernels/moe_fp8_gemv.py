@@ -67,6 +67,7 @@ def moe_fp8_gemv(
     quant: MoEQuant,
     out: torch.Tensor,  # [T, H]
     config: dict[str, int] | None = None,  # both GEMVs' tiles (tests: a forced split-K)
+    addend: tuple[torch.Tensor, torch.Tensor] | None = None,  # fused_moe's
 ) -> torch.Tensor:
     """The module docstring's four launches, no host sync (CUDA graphs capture them)."""
     num_tokens, top_k = topk_ids.shape
@@ -79,4 +80,4 @@ def moe_fp8_gemv(
     act = silu_mul_partials(gate_up, inter, hidden.dtype)  # [T*k, I]
     down = routed(act, w2, quant.w2_scale, ids, 1)  # [(S,) T*k, H]
     rows = down.view(*down.shape[:-2], num_tokens, top_k, hidden_size)  # [(S,) T, k, H]
-    return moe_sum(rows, out, topk_weights.contiguous())
+    return moe_sum(rows, out, topk_weights.contiguous(), addend)

@@ -237,8 +237,10 @@ def fused_moe_ref(
     quant: MoEQuant | None = None,
     config: dict | None = None,
     expert_map: torch.Tensor | None = None,  # [E_global] int32: global expert id -> row of w13/w2, or -1
+    addend: tuple[torch.Tensor, torch.Tensor] | None = None,  # (gate [T, 1], shared [T, H])
 ) -> torch.Tensor:
-    """sum_k w_k * down_e(silu(gate_e x) * up_e x) per token: [T, H] in the hidden dtype.
+    """sum_k w_k * down_e(silu(gate_e x) * up_e x) per token: [T, H] in the hidden dtype; with `addend` (a
+    Qwen-MoE block's shared expert and its gate logit) plus sigmoid(gate) * shared, rounded as torch's ops.
 
     Weights as transformers 5 stores them (`experts.gate_up_proj` [E, 2I, H] with the gate half first,
     `experts.down_proj` [E, H, I]): loaded without a transpose. Rounds like transformers 5's default
@@ -269,6 +271,8 @@ def fused_moe_ref(
         weighted[tok, pos] = down * topk_weights[tok, pos, None].to(prod_dtype)  # [n, H]
     acc_dtype = torch.promote_types(prod_dtype, torch.float32)  # 16-bit products sum in fp32, as HF's .sum
     result = weighted.sum(dim=1, dtype=acc_dtype).to(hidden.dtype)  # [T, H]
+    if addend is not None:
+        result = result + torch.sigmoid(addend[0]) * addend[1]
     if out is None:
         return result
     return out.copy_(result)

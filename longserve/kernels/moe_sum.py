@@ -27,6 +27,8 @@ def _moe_sum_kernel(
     x_ptr,  # [S, T, k, H]: S = 1, or split-K partial sums (fp32) of each row
     out_ptr,  # [T, H]
     w_ptr,  # HAS_WEIGHTS: [T, k] routing weights, each row's multiplier
+    gate_ptr,  # ADDEND: [T, 1] a shared expert's gate logits
+    shared_ptr,  # ADDEND: [T, H] the shared expert's output
     hidden_size,
     num_splits,
     stride_xs,
@@ -34,11 +36,14 @@ def _moe_sum_kernel(
     stride_xk,
     stride_ot,
     stride_wt,
+    stride_gt,
+    stride_st,
     TOP_K: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr,
     ROUND_PRODUCT: tl.constexpr,  # the products rounded to the rows' dtype (16-bit weights) before the sum
     PARTIALS: tl.constexpr,  # x holds fp32 partial sums: each row rounded to out's dtype once summed
+    ADDEND: tl.constexpr,  # + sigmoid(gate) * shared, after the sum's rounding (torch's three ops' roundings)
     INTERPRET_BF16: tl.constexpr,
     USE_PDL: tl.constexpr,  # programmatic dependent launch (kernels/launch.py)
 ):
@@ -60,14 +65,28 @@ def _moe_sum_kernel(
             if ROUND_PRODUCT:
                 v = rounded(v, out_ty, INTERPRET_BF16)
         acc += v
-    tl.store(out_ptr + token * stride_ot + offs, rounded(acc, out_ty, INTERPRET_BF16).to(out_ty), mask=mask)
+    acc = rounded(acc, out_ty, INTERPRET_BF16)
+    if ADDEND:
+        gate = rounded(
+            tl.sigmoid(tl.load(gate_ptr + token * stride_gt).to(tl.float32)), out_ty, INTERPRET_BF16
+        )
+        shared = tl.load(shared_ptr + token * stride_st + offs, mask=mask, other=0.0).to(tl.float32)
+        acc = rounded(acc + rounded(gate * shared, out_ty, INTERPRET_BF16), out_ty, INTERPRET_BF16)
+    tl.store(out_ptr + token * stride_ot + offs, acc.to(out_ty), mask=mask)
 
 
-def moe_sum(x: torch.Tensor, out: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+def moe_sum(
+    x: torch.Tensor,
+    out: torch.Tensor,
+    weights: torch.Tensor | None = None,
+    addend: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
     """out [T, H] = x [T, k, H] summed over k in fp32, rounded once to out's dtype. With `weights` [T, k] each
     row x[t, j] is first multiplied by weights[t, j] in their promoted dtype (fused_moe_ref's weighted rows).
     x may also be [S, T, k, H] float32 split-K partial sums of the rows: each row is their sum in split order,
-    rounded to out's dtype (what split_k.splitk_reduce would have written), in the same launch."""
+    rounded to out's dtype (what split_k.splitk_reduce would have written), in the same launch. With `addend`
+    (gate [T, 1], shared [T, H] in out's dtype, unit stride along H): + sigmoid(gate) * shared, a Qwen-MoE
+    block's shared expert, rounded as torch's sigmoid, product and sum (activation.sigmoid_gated_add's math)."""
     partials = x.dim() == 4
     x4 = x if partials else x.unsqueeze(0)  # [S, T, k, H]
     num_splits, num_tokens, top_k, hidden = x4.shape
@@ -77,13 +96,19 @@ def moe_sum(x: torch.Tensor, out: torch.Tensor, weights: torch.Tensor | None = N
     if num_tokens == 0:
         return out
     round_product = weights is not None and torch.promote_types(out.dtype, weights.dtype) == out.dtype
+    gate, shared = addend if addend is not None else (out, out)
+    if addend is not None:
+        assert gate.shape == (num_tokens, 1) and shared.shape == out.shape and shared.stride(1) == 1
+        assert gate.dtype == shared.dtype == out.dtype, (
+            f"addend {gate.dtype}, {shared.dtype}, out {out.dtype}"
+        )
     block = min(1024, triton.next_power_of_2(hidden))
     pdl = use_pdl(out)
     _moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block))](
-        x4, out, weights if weights is not None else x4, hidden, num_splits, x4.stride(0), x4.stride(1),
-        x4.stride(2), out.stride(0), weights.stride(0) if weights is not None else 0, TOP_K=top_k, BLOCK=block,
-        HAS_WEIGHTS=weights is not None, ROUND_PRODUCT=round_product and out.dtype != torch.float32,
-        PARTIALS=partials, INTERPRET_BF16=interpreting() and out.dtype == torch.bfloat16, USE_PDL=pdl,
-        launch_pdl=pdl,
+        x4, out, weights if weights is not None else x4, gate, shared, hidden, num_splits, x4.stride(0),
+        x4.stride(1), x4.stride(2), out.stride(0), weights.stride(0) if weights is not None else 0, gate.stride(0),
+        shared.stride(0), TOP_K=top_k, BLOCK=block, HAS_WEIGHTS=weights is not None,
+        ROUND_PRODUCT=round_product and out.dtype != torch.float32, PARTIALS=partials, ADDEND=addend is not None,
+        INTERPRET_BF16=interpreting() and out.dtype == torch.bfloat16, USE_PDL=pdl, launch_pdl=pdl,
     )  # fmt: skip
     return out

@@ -322,6 +322,7 @@ def moe_wna16_grouped(
     quant: MoEQuant,
     align: Alignment,
     out: torch.Tensor,  # [T, H]
+    addend: tuple[torch.Tensor, torch.Tensor] | None = None,  # fused_moe's
 ) -> torch.Tensor:
     """`fused_moe_ref`'s result for 4-bit experts with the pairs grouped by expert (after the alignment): gate+up,
     silu * up, down, the weighted k-sum; rounding as the GEMV's (the module docstring)."""
@@ -333,7 +334,7 @@ def moe_wna16_grouped(
                             quant.group(hidden_size))  # fmt: skip
     act = silu_mul_partials(gate_up, inter, hidden.dtype)
     down = _grouped_gemm(act, w2, quant.w2_scale, quant.w2_zero, align, num_pairs, 1, quant.group(inter))
-    return moe_sum(down.view(num_tokens, top_k, hidden_size), out, topk_weights.contiguous())
+    return moe_sum(down.view(num_tokens, top_k, hidden_size), out, topk_weights.contiguous(), addend)
 
 
 def silu_mul_partials(gate_up: torch.Tensor, inter: int, dtype: torch.dtype) -> torch.Tensor:
@@ -358,9 +359,11 @@ def moe_wna16_gemv(
     topk_ids: torch.Tensor,  # [T, k]
     quant: MoEQuant,
     out: torch.Tensor,  # [T, H]
+    addend: tuple[torch.Tensor, torch.Tensor] | None = None,  # fused_moe's
 ) -> torch.Tensor:
     """`fused_moe_ref`'s result for 4-bit experts (the module docstring: rounding) in four launches, no host
-    sync: gate+up, silu * up (adding gate+up's split-K partials), down, the weighted k-sum (adding down's)."""
+    sync: gate+up, silu * up (adding gate+up's split-K partials), down, the weighted k-sum (adding down's, and
+    the addend)."""
     num_tokens, top_k = topk_ids.shape
     hidden_size, inter = hidden.shape[1], w13.shape[1] // 2
     hidden = hidden if hidden.stride(1) == 1 else hidden.contiguous()
@@ -374,4 +377,4 @@ def moe_wna16_gemv(
         act, w2, quant.w2_scale, quant.w2_zero, ids, 1, quant.group(inter), _gemv_tile_k(quant, inter)
     )  # [T*k, H], or its partials [S, T*k, H]
     rows = down.view(*down.shape[:-2], num_tokens, top_k, hidden_size)  # [(S,) T, k, H]
-    return moe_sum(rows, out, topk_weights.contiguous())
+    return moe_sum(rows, out, topk_weights.contiguous(), addend)

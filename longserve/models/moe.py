@@ -67,10 +67,27 @@ class MoEMethod(QuantizeMethod):
         each with `weight_loader` = layer.weight_loader."""
 
     @abstractmethod
+    def experts(self, layer: FusedMoE) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """(w13, w2, MoEQuant or None): the experts' weights as `fused_moe` takes them."""
+
     def apply(
-        self, layer: FusedMoE, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+        self,
+        layer: FusedMoE,
+        hidden: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        addend: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """hidden [T, H], routing weights and expert ids [T, k] -> this rank's sum over the k experts [T, H]."""
+        """hidden [T, H], routing weights and expert ids [T, k] -> this rank's sum over the k experts [T, H]
+        (plus sigmoid(gate) * shared of `addend`: a shared expert's, added in the sum's own launch): the Triton
+        `fused_moe` on CUDA, its torch reference `fused_moe_ref` elsewhere (same signature and rounding)."""
+        w13, w2, quant = self.experts(layer)
+        kw = dict(quant=quant, expert_map=layer.expert_map, addend=addend)
+        if use_triton(hidden):
+            from longserve.kernels.fused_moe import fused_moe  # imports triton
+
+            return fused_moe(hidden, w13, w2, topk_weights, topk_ids, **kw)  # [T, H]
+        return fused_moe_ref(hidden, w13, w2, topk_weights, topk_ids, **kw)  # [T, H]
 
 
 class UnquantizedMoEMethod(MoEMethod):
@@ -86,15 +103,8 @@ class UnquantizedMoEMethod(MoEMethod):
         ):
             layer.register_parameter(name, expert_param(layer, torch.empty(shape), name))
 
-    def apply(
-        self, layer: FusedMoE, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
-    ) -> torch.Tensor:
-        emap = layer.expert_map
-        if use_triton(hidden):
-            from longserve.kernels.fused_moe import fused_moe  # imports triton
-
-            return fused_moe(hidden, layer.w13, layer.w2, topk_weights, topk_ids, expert_map=emap)  # [T, H]
-        return fused_moe_ref(hidden, layer.w13, layer.w2, topk_weights, topk_ids, expert_map=emap)  # [T, H]
+    def experts(self, layer: FusedMoE) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        return layer.w13, layer.w2, None
 
 
 class PendingMoEMethod(MoEMethod):
@@ -106,9 +116,7 @@ class PendingMoEMethod(MoEMethod):
     def create_weights(self, layer: FusedMoE, num_experts: int, hidden_size: int, intermediate: int) -> None:
         layer.pending_weights = (num_experts, hidden_size, intermediate)
 
-    def apply(
-        self, layer: FusedMoE, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
-    ) -> torch.Tensor:
+    def experts(self, layer: FusedMoE) -> tuple[torch.Tensor, torch.Tensor, Any]:
         raise RuntimeError(
             "quantized experts get their method from longserve.models.load_model (quant/bind.py)"
         )
@@ -290,16 +298,22 @@ class FusedMoE(nn.Module):
             weights = weights.to(router_logits.dtype)
         return weights, ids
 
-    def partial(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        """This rank's share of the experts' output [T, H], before the all-reduce (all of it at tp=1)."""
+    def partial(
+        self,
+        hidden: torch.Tensor,
+        router_logits: torch.Tensor,
+        addend: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """This rank's share of the experts' output [T, H], before the all-reduce (all of it at tp=1); with
+        `addend` (gate [T, 1], shared [T, H]) plus sigmoid(gate) * shared (MoEMethod.apply)."""
         if torch._C._autograd._profiler_enabled():
             with torch.profiler.record_function(PROFILE_RANGE):
-                return self._compute(hidden, router_logits)
-        return self._compute(hidden, router_logits)
+                return self._compute(hidden, router_logits, addend)
+        return self._compute(hidden, router_logits, addend)
 
-    def _compute(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+    def _compute(self, hidden: torch.Tensor, router_logits: torch.Tensor, addend: Any) -> torch.Tensor:
         topk_weights, topk_ids = self.route(router_logits)
-        return self.quant_method.apply(self, hidden, topk_weights, topk_ids)  # [T, H]
+        return self.quant_method.apply(self, hidden, topk_weights, topk_ids, addend)  # [T, H]
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """hidden [T, H], router logits [T, E] -> sum_k w_k * expert_k(hidden) [T, H]."""

@@ -29,7 +29,6 @@ from longserve.models.linear_method import (
 )
 from longserve.models.moe import FusedMoE, get_moe_method
 from longserve.models.moe_layout import MoESpec, moe_spec
-from longserve.platform import use_triton
 
 # Up to this many tokens a step, a block whose router, shared-expert gate and shared expert's gate|up all read x
 # as plain weights at tp = 1 runs them as one GEMM over their weights stacked [2I + E + 1, H] (after loading:
@@ -38,10 +37,10 @@ from longserve.platform import use_triton
 # such launches a layer go. Measured (H100, `gpu_check.sh seed-decode`, RESULTS.md forty-ninth session): decode b1@32K
 # 3.98 -> 3.58 ms, b64@4K 15.37 -> 15.48 ms; so on for small batches only (8: b2-b8 unmeasured). Read at each call.
 STACKED_INPUTS_MAX_TOKENS = 8
-# The shared expert scaled by its gate and added to the routed experts' sum in one kernel (kernels/activation.py
-# `sigmoid_gated_add`) where torch launches three: 80 launches fewer a decode step of the seed's 40 MoE layers, and
-# at prefill one pass over [T, H] instead of three. On (measured with gated_delta_net.FUSED_DECODE_GATING: its
-# comment).
+# The shared expert scaled by its gate and added to the routed experts' sum inside the experts' k-sum launch
+# (kernels/moe_sum.py's addend; activation.sigmoid_gated_add after paths that end otherwise) where torch launched
+# three ops: 120 launches fewer a decode step of the seed's 40 MoE layers. As one kernel after the sum (80 fewer) it
+# was measured with gated_delta_net.FUSED_DECODE_GATING (its comment); in the sum, not yet measured.
 FUSED_SHARED_GATE = True
 
 
@@ -104,20 +103,28 @@ class SparseMoeBlock(nn.Module, StacksInputs):
         """`partial` through the stacked input GEMM: [T, H]."""
         y = plain_linear(x, self.stacked_inputs)  # [T, 2I + E + 1]: gate|up, router logits, shared gate
         two_i, num_experts = self.shared_expert.gate_up_proj.weight.shape[0], self.gate.weight.shape[0]
-        out = self.experts.partial(x, y[:, two_i : two_i + num_experts])  # [T, H]
         shared = self.shared_expert.down_proj.partial(y[:, :two_i], gated=True)  # [T, H]
-        return _gated_add(out, y[:, -1:], shared)
+        return self._experts_plus(x, y[:, two_i : two_i + num_experts], y[:, -1:], shared)
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's part of the block's output [T, H], before the all-reduce (the whole at tp=1)."""
         if self.stacked_inputs is not None and x.shape[0] <= STACKED_INPUTS_MAX_TOKENS:
             return self._stacked(x)
-        out = self.experts.partial(x, self.gate(x))  # [T, H]
-        if self.shared_expert is not None:
-            shared = self.shared_expert.partial(x)  # [T, H] this rank's slice's sum, no bias
-            # the gate scales every rank's partial sum alike: sigmoid(g) * sum_r s_r = sum_r sigmoid(g) * s_r
-            out = _gated_add(out, self.shared_expert_gate(x), shared)
-        return out
+        if self.shared_expert is None:
+            return self.experts.partial(x, self.gate(x))  # [T, H]
+        shared = self.shared_expert.partial(x)  # [T, H] this rank's slice's sum, no bias
+        # the gate scales every rank's partial sum alike: sigmoid(g) * sum_r s_r = sum_r sigmoid(g) * s_r
+        return self._experts_plus(x, self.gate(x), self.shared_expert_gate(x), shared)
+
+    def _experts_plus(
+        self, x: torch.Tensor, logits: torch.Tensor, gate: torch.Tensor, shared: torch.Tensor
+    ) -> torch.Tensor:
+        """The routed experts' sum [T, H] + sigmoid(gate [T, 1]) * shared [T, H]: added in the experts' own k-sum
+        (MoEMethod.apply's addend: no launch of its own where the path ends in moe_sum) with FUSED_SHARED_GATE,
+        else by torch's three ops after it."""
+        if FUSED_SHARED_GATE:
+            return self.experts.partial(x, logits, addend=(gate, shared))
+        return sigmoid_gated_add_ref(self.experts.partial(x, logits), gate, shared)
 
     def finish(self, y: torch.Tensor) -> torch.Tensor:
         return y  # no bias: the all-reduced sum is the output
@@ -125,16 +132,6 @@ class SparseMoeBlock(nn.Module, StacksInputs):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.partial(x)
         return out if self.tp_size == 1 else tp_all_reduce(out)  # [T, H]
-
-
-def _gated_add(out: torch.Tensor, gate: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
-    """out + sigmoid(gate) * shared: the routed experts' sum [T, H] and the shared expert's [T, H] scaled by its
-    gate logit [T, 1]; on CUDA one kernel adding into out (FUSED_SHARED_GATE), else torch's three ops."""
-    if FUSED_SHARED_GATE and use_triton(out):
-        from longserve.kernels.activation import sigmoid_gated_add  # imports triton
-
-        return sigmoid_gated_add(out, gate, shared)
-    return sigmoid_gated_add_ref(out, gate, shared)
 
 
 def make_moe_mlp(hf_config: Any, opts: ArchOptions, layer_id: int, linear: LinearMethod) -> nn.Module:

@@ -240,3 +240,20 @@ def test_sum_over_k_kernel(num_tokens: int) -> None:
     ours = cuda_graph_time_ms(lambda: moe_sum(x, got), warmup=2, iters=20, repeats=5)
     torch_ms = cuda_graph_time_ms(lambda: torch.sum(x, dim=1, out=want), warmup=2, iters=20, repeats=5)
     print(f"\nsum over k, T={num_tokens}: moe_sum {ours * 1e3:.1f} us, torch.sum {torch_ms * 1e3:.1f} us")
+
+
+@pytest.mark.parametrize("num_tokens", [1, 8])
+def test_sum_over_k_with_a_shared_experts_addend(num_tokens: int) -> None:
+    """moe_sum's addend at the seed's shape (k = 8, H = 2048; the gate a column of the stacked input GEMM's
+    output): the sum, then + sigmoid(gate) * shared, each element within a bf16 step of each of torch's ops."""
+    from longserve.kernels.activation_reference import sigmoid_gated_add_ref
+    from longserve.kernels.moe_sum import moe_sum
+
+    x = torch.randn(num_tokens, 8, 2048, device="cuda").bfloat16()
+    gate = (torch.randn(num_tokens, 1281, device="cuda") * 3).bfloat16()[:, -1:]
+    shared = torch.randn(num_tokens, 2048, device="cuda").bfloat16()
+    plain = moe_sum(x, torch.empty(num_tokens, 2048, device="cuda", dtype=torch.bfloat16))
+    want = sigmoid_gated_add_ref(plain, gate, shared)
+    got = moe_sum(x, torch.empty_like(plain), addend=(gate, shared))
+    bound = (want.float().abs() + 2 * shared.float().abs()) * 2**-7 + 1e-6
+    assert ((got.float() - want.float()).abs() <= bound).all()

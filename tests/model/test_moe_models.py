@@ -245,25 +245,36 @@ def test_stacked_moe_inputs_equal_the_separate_gemms(checkpoints: dict, monkeypa
     assert all(m.stacked_inputs is None for m in mixtral.modules() if isinstance(m, SparseMoeBlock))
 
 
-def test_shared_gate_kernel_equals_torchs_three_ops(checkpoints: dict, monkeypatch) -> None:
-    """Qwen2-MoE with the shared expert's gated add in its Triton kernel (interpreted; FUSED_SHARED_GATE, as on a
-    GPU), through the separate and the stacked input GEMMs: every block takes it, and the logits equal the torch
-    path's and transformers'."""
-    pytest.importorskip("triton")
-    from longserve.kernels import activation
+def test_shared_experts_gated_add_in_the_experts_sum(checkpoints: dict, monkeypatch) -> None:
+    """Qwen2-MoE with its experts in the Triton fused_moe (interpreted, as on a GPU) and the shared expert's
+    sigmoid(gate) * shared handed to it (FUSED_SHARED_GATE): a 5-token step adds it in the k-sum's launch in
+    every block, a 40-token one after the sum; through the separate and the stacked input GEMMs the logits equal
+    the torch path's, those with FUSED_SHARED_GATE off, and transformers'."""
+    from longserve.kernels import fused_moe as fm
+    from longserve.models import moe as moe_mod
 
     ours, hf = load_both(checkpoints[("qwen2_moe", "per_expert")])
     blocks = [m for m in ours.modules() if isinstance(m, SparseMoeBlock)]
-    ids = prompt(ours.vocab_size)
-    torch_path = run_step(ours, new_cache(ours), [ids], [0], [PAGE_IDS])
-    calls = []
-    real = activation.sigmoid_gated_add
-    monkeypatch.setattr(activation, "sigmoid_gated_add", lambda *a: calls.append(1) or real(*a))
-    monkeypatch.setattr(moe_block, "use_triton", lambda x: True)
-    for stacked in (0, 1 << 20):
-        monkeypatch.setattr(moe_block, "STACKED_INPUTS_MAX_TOKENS", stacked)
-        calls.clear()
-        fused = run_step(ours, new_cache(ours), [ids], [0], [PAGE_IDS])
-        assert len(calls) == len(blocks)
-        torch.testing.assert_close(fused, torch_path, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(fused, hf_logits(hf, ids), atol=1e-4, rtol=1e-4)
+    in_sum, after = [], []
+    real_sum, real_add = fm.moe_sum, fm.sigmoid_gated_add
+    monkeypatch.setattr(
+        fm, "moe_sum", lambda *a, **kw: in_sum.append(kw.get("addend") is not None) or real_sum(*a, **kw)
+    )
+    monkeypatch.setattr(fm, "sigmoid_gated_add", lambda *a: after.append(1) or real_add(*a))
+    for n, summed in ((5, True), (40, False)):
+        ids = prompt(ours.vocab_size, n=n)
+        monkeypatch.setattr(moe_mod, "use_triton", lambda x: False)
+        torch_path = run_step(ours, new_cache(ours), [ids], [0], [PAGE_IDS])
+        monkeypatch.setattr(moe_mod, "use_triton", lambda x: True)
+        for stacked in (0, 1 << 20):
+            monkeypatch.setattr(moe_block, "STACKED_INPUTS_MAX_TOKENS", stacked)
+            in_sum.clear(), after.clear()
+            fused = run_step(ours, new_cache(ours), [ids], [0], [PAGE_IDS])
+            assert (in_sum, after) == (([True] * len(blocks), []) if summed else ([], [1] * len(blocks)))
+            torch.testing.assert_close(fused, torch_path, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(fused, hf_logits(hf, ids), atol=1e-4, rtol=1e-4)
+        monkeypatch.setattr(moe_block, "FUSED_SHARED_GATE", False)
+        torch.testing.assert_close(
+            run_step(ours, new_cache(ours), [ids], [0], [PAGE_IDS]), torch_path, atol=1e-5, rtol=1e-5
+        )
+        monkeypatch.setattr(moe_block, "FUSED_SHARED_GATE", True)

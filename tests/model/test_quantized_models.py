@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from longserve.models import load_hf_config, load_model
+from longserve.models import load_hf_config, load_model, moe
 from longserve.models.quant.config import apply_quantization
 from longserve.testing import quant_checkpoints as qc
 from tests.model.test_models_vs_hf import PAGE_IDS, new_cache, prompt, run_step
@@ -370,6 +370,7 @@ def test_wna16_models_through_the_gemv_kernel(
     from longserve.models.quant import wna16
 
     monkeypatch.setattr(wna16, "use_triton", lambda x: True)  # as for CUDA tensors with triton
+    monkeypatch.setattr(moe, "use_triton", lambda x: True)  # the experts too (MoEMethod.apply)
     monkeypatch.setattr(quant_gemm, "WNA16_GEMV_MAX_TOKENS", 64)  # the prefill's 24 tokens too
     monkeypatch.setattr(quant_gemv, "INT4_FAST_PATH", int4_fast)
     launches: list[tuple] = []
@@ -402,6 +403,7 @@ def test_fp8_models_through_the_gemv_kernels(
     from longserve.models.quant import fp8
 
     monkeypatch.setattr(fp8, "use_triton", lambda x: True)  # as for CUDA tensors with triton
+    monkeypatch.setattr(moe, "use_triton", lambda x: True)  # the experts too (MoEMethod.apply)
     monkeypatch.setattr(quant_fp8, "FP8_GEMV_MAX_TOKENS", 16)
     calls = count_rows(monkeypatch, quant_fp8, gemv)
     fused = count_rows(monkeypatch, quant_fp8, "silu_and_mul_quant")  # the block prefill's down projections
@@ -423,6 +425,7 @@ def test_int4_moe_model_through_the_routed_gemv_and_the_prefill_paths(
     from longserve.models.quant import wna16
 
     monkeypatch.setattr(wna16, "use_triton", lambda x: True)  # as for CUDA tensors with triton
+    monkeypatch.setattr(moe, "use_triton", lambda x: True)  # the experts too (MoEMethod.apply)
     monkeypatch.setattr(moe_wna16, "MOE_WNA16_DEQUANT_MIN_TOKENS", 24)
     monkeypatch.setattr(moe_wna16, "MOE_WNA16_ROWS_MAX_TOKENS", 23 if prefill == "dequant" else 24)
     paths: list[str] = []

@@ -137,10 +137,40 @@ def test_sum_over_k_kernel_equals_torch_sum(dtype: torch.dtype, monkeypatch) -> 
     weights, ids = route_topk(make_logits(num_tokens, num_experts, load), top_k, renorm)
     plain = fused_moe(x, w13, w2, weights.bfloat16(), ids)
     calls = []
-    monkeypatch.setattr(fm, "moe_sum", lambda *a: calls.append(1) or moe_sum(*a))
+    monkeypatch.setattr(fm, "moe_sum", lambda *a, **kw: calls.append(1) or moe_sum(*a, **kw))
     monkeypatch.setattr(fm, "MOE_SUM_TRITON_MAX_TOKENS", num_tokens)
     torch.testing.assert_close(fused_moe(x, w13, w2, weights.bfloat16(), ids), plain, atol=0, rtol=2**-7)
     assert calls == [1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_shared_experts_addend_on_each_path(dtype: torch.dtype, monkeypatch) -> None:
+    """fused_moe's `addend` (a Qwen-MoE block's shared expert and its gate logit, the gate a strided column):
+    + sigmoid(gate) * shared inside the k-sum's launch at 3 tokens (moe_sum), after torch's sum at 13, after
+    moe_gemv's fused down-and-sum with it switched on; each equal to the reference's torch ops to rounding."""
+    import longserve.kernels.fused_moe as fm
+    from longserve.kernels.moe_sum import moe_sum
+
+    _, num_experts, top_k, hidden, inter, renorm, load = CASES["e6_top2"]
+    w13, w2 = make_experts(num_experts, hidden, inter, dtype)
+    in_sum = []
+    monkeypatch.setattr(
+        fm, "moe_sum", lambda *a, **kw: in_sum.append(kw.get("addend") is not None) or moe_sum(*a, **kw)
+    )
+    for num_tokens, gemv in ((3, False), (13, False), (3, True)):
+        monkeypatch.setattr(fm, "MOE_GEMV_MAX_TOKENS", num_tokens if gemv else 0)
+        x = torch.randn(num_tokens, hidden, generator=gen(num_tokens)).to(dtype)
+        weights, ids = route_topk(make_logits(num_tokens, num_experts, load), top_k, renorm)
+        gate = (torch.randn(num_tokens, 5, generator=gen(40)) * 3).to(dtype)[:, 2:3]
+        shared = torch.randn(num_tokens, hidden, generator=gen(41)).to(dtype)
+        in_sum.clear()
+        got = fused_moe(x, w13, w2, weights.to(dtype), ids, addend=(gate, shared))
+        want = fused_moe_ref(x, w13, w2, weights.to(dtype), ids, addend=(gate, shared))
+        plain = fused_moe_ref(x, w13, w2, weights.to(dtype), ids)
+        assert not torch.allclose(want, plain)  # the addend counts
+        bound = (want.float().abs() + 2 * shared.float().abs()) * (1e-6 if dtype == torch.float32 else 2**-7)
+        assert ((got.float() - want.float()).abs() <= bound + TOL[dtype]).all(), (num_tokens, gemv)
+        assert in_sum == ([True] if num_tokens <= fm.MOE_SUM_TRITON_MAX_TOKENS and not gemv else [])
 
 
 def test_kernel_with_table_config_and_out() -> None:

@@ -111,6 +111,29 @@ def test_decode_sizes_take_the_routed_gemv(
     assert paths == ["gemv", "gemv"]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_routed_gemv_adds_a_shared_experts_addend_in_its_sum(dtype: torch.dtype, monkeypatch) -> None:
+    """4-bit experts at a decode size (the routed GEMV, split-K on) with fused_moe's `addend` (a shared expert and
+    its gate logit): added in the weighted k-sum's launch, equal to the routed result without it plus torch's
+    sigmoid(gate) * shared, to rounding."""
+    from longserve.kernels.activation_reference import sigmoid_gated_add_ref
+
+    paths = taken(monkeypatch)
+    monkeypatch.setattr(moe_wna16, "splits_for", lambda device, n_blocks, num_tiles: min(2, num_tiles))
+    w13, w2, quant = int4_experts(16, True)
+    x = torch.randn(2, H, generator=gen(5)).to(dtype)
+    weights, ids = routing(2, 3, seed=6)
+    gate, shared = (
+        (torch.randn(2, 1, generator=gen(7)) * 3).to(dtype),
+        torch.randn(2, H, generator=gen(8)).to(dtype),
+    )
+    got = fm.fused_moe(x, w13, w2, weights.to(dtype), ids, quant=quant, addend=(gate, shared))
+    want = sigmoid_gated_add_ref(fm.fused_moe(x, w13, w2, weights.to(dtype), ids, quant=quant), gate, shared)
+    bound = (want.float().abs() + 2 * shared.float().abs()) * (1e-6 if dtype == torch.float32 else 2**-7)
+    assert ((got.float() - want.float()).abs() <= bound + 1e-6).all()
+    assert paths == ["gemv", "gemv"]
+
+
 @pytest.mark.parametrize(("num_tokens", "top_k", "group", "zp"), [(5, 3, 128, True), (9, 2, 0, False)])
 def test_the_grouped_kernel_with_its_switch_on(num_tokens, top_k, group, zp, monkeypatch) -> None:
     """MOE_WNA16_GROUPED_MIN_TOKENS on: 4-bit experts in 128-value groups go through the grouped kernel (each

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from longserve.kernels.moe_reference import MoEQuant, fused_moe_ref
+from longserve.kernels.moe_reference import MoEQuant
 from longserve.kernels.quant_reference import (
     FP8_DTYPE,
     FP8_MAX,
@@ -250,16 +250,5 @@ class Fp8MoEMethod(MoEMethod):
             block_n=block[0] if block else 1,
         )
 
-    def apply(
-        self, layer: FusedMoE, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
-    ) -> torch.Tensor:
-        quant, emap = self.quant(layer), layer.expert_map
-        if use_triton(hidden):
-            from longserve.kernels.fused_moe import fused_moe  # imports triton
-
-            return fused_moe(
-                hidden, layer.w13, layer.w2, topk_weights, topk_ids, quant=quant, expert_map=emap
-            )
-        return fused_moe_ref(
-            hidden, layer.w13, layer.w2, topk_weights, topk_ids, quant=quant, expert_map=emap
-        )
+    def experts(self, layer: FusedMoE) -> tuple[torch.Tensor, torch.Tensor, MoEQuant]:
+        return layer.w13, layer.w2, self.quant(layer)

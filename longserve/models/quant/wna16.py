@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from longserve.kernels.moe_reference import MoEQuant, fused_moe_ref
+from longserve.kernels.moe_reference import MoEQuant
 from longserve.kernels.quant_reference import pack_int_k, wna16_gemm_ref
 from longserve.models.layers import MergedLinear, RowParallelLinear
 from longserve.models.linear_method import LinearMethod
@@ -359,13 +359,5 @@ class WNA16MoEMethod(MoEMethod):
             w2_g_idx=layer.w2_int_g_idx,
         )
 
-    def apply(
-        self, layer: FusedMoE, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
-    ) -> torch.Tensor:
-        quant, emap = self.quant(layer), layer.expert_map
-        w13, w2 = layer.w13_int_qweight, layer.w2_int_qweight
-        if use_triton(hidden):
-            from longserve.kernels.fused_moe import fused_moe  # imports triton
-
-            return fused_moe(hidden, w13, w2, topk_weights, topk_ids, quant=quant, expert_map=emap)  # [T, H]
-        return fused_moe_ref(hidden, w13, w2, topk_weights, topk_ids, quant=quant, expert_map=emap)  # [T, H]
+    def experts(self, layer: FusedMoE) -> tuple[torch.Tensor, torch.Tensor, MoEQuant]:
+        return layer.w13_int_qweight, layer.w2_int_qweight, self.quant(layer)
