@@ -2,21 +2,27 @@
 files resolve onto these same fields (longserve/server/args.py); validation runs here so every entry point
 shares it, and a refusal names the fields it is about (ConfigError.settings) so a CLI can say its flags.
 The parallel layout's checks (tp_size, ep_size, nnodes, node_rank, dist_init_addr) live in config_parallel.py, the
-hybrid models' state settings' (mamba_*) in config_hybrid.py.
+hybrid models' state settings' (mamba_*) in config_hybrid.py, --chat-template's reading in chat_template_file.py,
+and the refusals (ConfigError and its kin, re-exported here) in settings_errors.py.
 The HTTP side of `longserve serve` is server/config.py's ServerConfig."""
 
 from __future__ import annotations
 
-import codecs
 import itertools
 import json
 import logging
 import os
 from dataclasses import dataclass
 
+from longserve.chat_template_file import load_chat_template
 from longserve.config_hybrid import check_hybrid_settings
 from longserve.config_parallel import check_parallel_layout
 from longserve.platform import normalize_attention_backend, resolve_attention_backend
+from longserve.settings_errors import (  # noqa: F401 - the refusals' home for every importer of longserve.config
+    ConfigError,
+    ConfigPathError,
+    SettingsError,
+)
 
 logger = logging.getLogger("longserve.config")
 
@@ -37,51 +43,6 @@ QUANTIZATION_ALIASES = {
 # vLLM's "fp8" and SGLang's "fp8_e4m3" are the same format
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3"}
-
-
-class SettingsError(Exception):
-    """A refusal whose message names settings as Python keywords (`load_format='dummy'`, `context_length`):
-    `settings` lists those field names, so that a command line can say its flags instead
-    (server/args.cli_message)."""
-
-    def __init__(self, message: str, *settings: str) -> None:
-        super().__init__(message)
-        self.settings = settings
-
-
-class ConfigError(SettingsError, ValueError):
-    """A setting's value is refused."""
-
-
-class ConfigPathError(SettingsError, FileNotFoundError):
-    """A directory a setting names does not exist or lacks the files it needs."""
-
-
-def load_chat_template(value: str) -> str:
-    """--chat-template's value as vLLM reads it: a file's contents when it names a readable file, else the
-    Jinja text itself when it looks like a template (has `{`, `}` or a line break; an escaped `\\n` typed
-    in a shell becomes a line break), else ConfigError (a path that cannot be read)."""
-    if not isinstance(value, str) or not value.strip():
-        raise ConfigError(
-            f"chat_template must be a file path or a Jinja template; got {value!r}", "chat_template"
-        )
-    try:
-        with open(value, encoding="utf-8") as f:
-            text = f.read()
-    except (OSError, ValueError) as e:  # ValueError: a NUL byte (not a path)
-        if not any(c in value for c in "{}\n"):
-            reason = getattr(e, "strerror", None) or str(e)
-            raise ConfigPathError(
-                f"chat_template={value!r} looks like a file path, but it cannot be read ({reason}); give a "
-                "template file or the Jinja template text",
-                "chat_template",
-            ) from None
-        text = value
-        if "\n" not in text and "\\n" in text and text.isascii():
-            text = codecs.decode(text, "unicode_escape")
-    if not text.strip():
-        raise ConfigError(f"chat_template {value!r} is empty", "chat_template")
-    return text
 
 
 @dataclass(frozen=True)
