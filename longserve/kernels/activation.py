@@ -30,7 +30,7 @@ from longserve.kernels.activation_reference import (
 from longserve.kernels.extend_attention import interpreting
 from longserve.kernels.launch import fast_launch, pdl_prologue, use_pdl
 from longserve.kernels.quant_reference import FP8_DTYPE, FP8_MAX
-from longserve.kernels.quant_tiles import e4m3_rounded, groups_per_program, quant_outputs
+from longserve.kernels.quant_tiles import e4m3_rounded, groups_per_program, quant_outputs, rounded
 
 __all__ = [
     "sigmoid_gated_add",
@@ -139,6 +139,14 @@ def silu_and_mul_quant(
     return q, scales
 
 
+@triton.jit
+def plus_sigmoid_gated(x, logit, shared, ty: tl.constexpr, INTERPRET_BF16: tl.constexpr):
+    """fp32 x (a value of dtype ty) + sigmoid(logit) * shared, rounded to ty where torch's three ops round (the
+    sigmoid, the product, the sum), in fp32: this kernel's and moe_sum's ADDEND epilogue's one formula."""
+    gate = rounded(tl.sigmoid(logit), ty, INTERPRET_BF16)
+    return rounded(x + rounded(gate * shared, ty, INTERPRET_BF16), ty, INTERPRET_BF16)
+
+
 @fast_launch
 @triton.jit
 def _sigmoid_gated_add_kernel(
@@ -150,6 +158,7 @@ def _sigmoid_gated_add_kernel(
     stride_g,
     stride_s,
     BLOCK: tl.constexpr,
+    INTERPRET_BF16: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pdl_prologue(USE_PDL)
@@ -158,11 +167,10 @@ def _sigmoid_gated_add_kernel(
     mask = cols < hidden
     dt = out_ptr.dtype.element_ty
     logit = tl.load(gate_ptr + tok * stride_g).to(tl.float32)
-    gate = tl.sigmoid(logit).to(dt).to(tl.float32)  # torch.sigmoid's rounding
     shared = tl.load(shared_ptr + tok * stride_s + cols, mask=mask, other=0.0).to(tl.float32)
-    scaled = (gate * shared).to(dt).to(tl.float32)  # the product rounded as torch's
     x = tl.load(out_ptr + tok * stride_o + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + tok * stride_o + cols, (x + scaled).to(dt), mask=mask)
+    y = plus_sigmoid_gated(x, logit, shared, dt, INTERPRET_BF16)
+    tl.store(out_ptr + tok * stride_o + cols, y.to(dt), mask=mask)
 
 
 def sigmoid_gated_add(out: torch.Tensor, gate: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
@@ -175,8 +183,8 @@ def sigmoid_gated_add(out: torch.Tensor, gate: torch.Tensor, shared: torch.Tenso
         return out
     pdl = use_pdl(out)
     _sigmoid_gated_add_kernel[(num_tokens, triton.cdiv(hidden, BLOCK))](
-        out, gate, shared, hidden, out.stride(0), gate.stride(0), shared.stride(0), BLOCK=BLOCK, USE_PDL=pdl,
-        num_warps=4, launch_pdl=pdl,
+        out, gate, shared, hidden, out.stride(0), gate.stride(0), shared.stride(0), BLOCK=BLOCK,
+        INTERPRET_BF16=interpreting() and out.dtype == torch.bfloat16, USE_PDL=pdl, num_warps=4, launch_pdl=pdl,
     )  # fmt: skip
     return out
 

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from longserve.kernels.activation import plus_sigmoid_gated
 from longserve.kernels.extend_attention import interpreting
 from longserve.kernels.launch import fast_launch, pdl_prologue, use_pdl
 from longserve.kernels.quant_tiles import rounded
@@ -67,11 +68,9 @@ def _moe_sum_kernel(
         acc += v
     acc = rounded(acc, out_ty, INTERPRET_BF16)
     if ADDEND:
-        gate = rounded(
-            tl.sigmoid(tl.load(gate_ptr + token * stride_gt).to(tl.float32)), out_ty, INTERPRET_BF16
-        )
+        logit = tl.load(gate_ptr + token * stride_gt).to(tl.float32)
         shared = tl.load(shared_ptr + token * stride_st + offs, mask=mask, other=0.0).to(tl.float32)
-        acc = rounded(acc + rounded(gate * shared, out_ty, INTERPRET_BF16), out_ty, INTERPRET_BF16)
+        acc = plus_sigmoid_gated(acc, logit, shared, out_ty, INTERPRET_BF16)
     tl.store(out_ptr + token * stride_ot + offs, acc.to(out_ty), mask=mask)
 
 
