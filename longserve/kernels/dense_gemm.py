@@ -24,34 +24,40 @@ import triton.language as tl
 from longserve.kernels import split_k
 from longserve.kernels.activation import silu_mul_rounded
 from longserve.kernels.extend_attention import interpreting
+from longserve.kernels.gemv_tables import tuned_gemv_config
 from longserve.kernels.launch import pdl_prologue, use_pdl
 from longserve.kernels.quant_tiles import store_gemv_out
 from longserve.kernels.split_k import split_k_outputs
 
 __all__ = [
     "DENSE_GEMM_GATED_MAX_TOKENS",
-    "DENSE_GEMM_NARROW_MAX_N",
+    "DENSE_GEMM_TABLES",
     "DENSE_GEMM_TRITON_MAX_TOKENS",
     "DENSE_GEMM_TRITON_MIN_TOKENS",
     "dense_gemm",
     "dense_gemm_config",
     "dense_gemm_gated_serves",
     "dense_gemm_serves",
+    "table_rows",
+    "tuned_dense_config",
 ]
 
 # Token counts whose unquantized linears (models/linear_method.py) take this kernel instead of cuBLAS on CUDA:
 # none (slower than cuBLAS in the 8B decode on an H200: the module docstring).
 DENSE_GEMM_TRITON_MIN_TOKENS = 16
 DENSE_GEMM_TRITON_MAX_TOKENS = 0
-# Linears with at most this many outputs take this kernel at every decode batch size (1 to DENSE_GEMM_MAX_BLOCK_M
-# rows), an MLP's down projection with silu(gate) * up made on its loads (GATED): cuBLAS's GEMV tile of 64 columns
-# gives a narrow weight few programs (the seed's Qwen3.5-35B-A3B: its router, 256 outputs, 4; its 2,048-wide output
-# projections 32, of an H100's 132 SMs) where this kernel splits K until the chip is full. Its decode b1 step ran 110
-# such cuBLAS GEMVs at ~5.4 us each, its bf16 weights at ~1.9 TB/s (H100, RESULTS.md forty-eighth session). Measured
-# on an H100 (`gpu_check.sh seed-decode`, forty-ninth session): at 2,048 the seed's decode b1@32K 3.98 -> 4.11 ms,
-# b64@4K 15.37 -> 15.54 (the default tiles lose ~0.2 us on each 2,048-wide projection, more than the small ones
-# save): off (0).
-DENSE_GEMM_NARROW_MAX_N = 0
+# Decode-sized products (1 to DENSE_GEMM_MAX_BLOCK_M rows) whose shape has an entry in this GPU's tuned table
+# (gemv_tables, kernel "dense_gemm": `python -m longserve.kernels.tune_gemv --kernels dense`, which times this
+# kernel's tiles against cuBLAS and writes an entry only where one beats it) take this kernel with those tiles, an
+# MLP's down projection with silu(gate) * up made on its loads (GATED). Why a table and not a rule: cuBLAS's GEMV
+# tile of 64 columns gives a narrow weight few programs (the seed's Qwen3.5-35B-A3B: its router, 256 outputs, 4;
+# its 2,048-wide output projections 32 of an H100's 132 SMs), but whether splitting K wins depends on the shape.
+# Measured on an H100 (forty-ninth session, `bench_dense_gemm.py --model qwen3.5-35b-a3b`, one row): the
+# 2,048-wide output projections 10.9 us in cuBLAS against 11.1 with the default tiles and 9.1 with BLOCK_N 128 and
+# 8 splits, the router 5.1 against 4.1, in_proj_qkv 13.7 against 16.4 (best 14.5); sending every linear of at
+# most 2,048 outputs here with the default tiles made the seed's decode b1@32K 3.98 -> 4.11 ms. False: no table
+# is read (cuBLAS unless a range above is switched on).
+DENSE_GEMM_TABLES = True
 # Decode batches up to this many rows run an unquantized MLP's down projection here with silu(gate) * up made on
 # its loads (GATED), instead of cuBLAS after silu_and_mul's launch: one launch and the gap before it a layer (~2.6
 # us between graph kernels on an H100, RESULTS.md thirty-fourth session's hit profile: ~0.9 ms over ~350 kernels),
@@ -119,31 +125,43 @@ def _dense_gemm_kernel(
                    res_ptr, lock_ptr, HAS_BIAS, PARTIAL, INTERPRET_BF16, SERIAL)  # fmt: skip
 
 
+def table_rows(m: int) -> int:
+    """The row count whose table entry serves a product of m rows: the next power of two (the tuner times 1, 2,
+    4, ..., 128; the engine's decode graphs run bucketed batch sizes, 12, 24, 48, ..., between them, whose
+    BLOCK_M is the next power of two's)."""
+    return triton.next_power_of_2(m)
+
+
+def tuned_dense_config(m: int, n: int, k: int, device: torch.device) -> dict[str, int] | None:
+    """This GPU's table's tiles for [m, k] x [n, k]^T, or None (tables off, none for this GPU or this shape, no
+    CUDA device, the interpreter)."""
+    if not DENSE_GEMM_TABLES or not 1 <= m <= DENSE_GEMM_MAX_BLOCK_M:
+        return None
+    return tuned_gemv_config("dense_gemm", n, k, table_rows(m), device)
+
+
 def dense_gemm_serves(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether a linear of these operands (on a GPU) takes this kernel: 16-bit, 2-D, a token count in the
-    switched-on range, or any decode batch for a weight of at most DENSE_GEMM_NARROW_MAX_N outputs."""
+    switched-on range, or a decode batch of a shape this GPU's table holds (DENSE_GEMM_TABLES)."""
+    if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16) or w.dtype != x.dtype:
+        return False
     rows = x.shape[0]
     return (
-        x.dim() == 2
-        and (
-            DENSE_GEMM_TRITON_MIN_TOKENS <= rows <= min(DENSE_GEMM_TRITON_MAX_TOKENS, DENSE_GEMM_MAX_BLOCK_M)
-            or (1 <= rows <= DENSE_GEMM_MAX_BLOCK_M and w.shape[0] <= DENSE_GEMM_NARROW_MAX_N)
-        )
-        and x.dtype in (torch.bfloat16, torch.float16)
-        and w.dtype == x.dtype
+        DENSE_GEMM_TRITON_MIN_TOKENS <= rows <= min(DENSE_GEMM_TRITON_MAX_TOKENS, DENSE_GEMM_MAX_BLOCK_M)
+        or tuned_dense_config(rows, w.shape[0], w.shape[1], x.device) is not None
     )
 
 
 def dense_gemm_gated_serves(gate_up: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether an MLP's down projection takes this kernel with silu(gate) * up made on its loads: 16-bit, a token
-    count in DENSE_GEMM_GATED_MAX_TOKENS's range (off: 0), or any decode batch for a down projection of at most
-    DENSE_GEMM_NARROW_MAX_N outputs (a shared expert's: its silu_and_mul launch goes too)."""
-    most = DENSE_GEMM_MAX_BLOCK_M if w.shape[0] <= DENSE_GEMM_NARROW_MAX_N else DENSE_GEMM_GATED_MAX_TOKENS
+    count in DENSE_GEMM_GATED_MAX_TOKENS's range (off: 0), or a decode batch of a down projection this GPU's table
+    holds (a shared expert's: its silu_and_mul launch goes too)."""
+    if gate_up.dim() != 2 or gate_up.dtype not in (torch.bfloat16, torch.float16) or w.dtype != gate_up.dtype:
+        return False
+    rows = gate_up.shape[0]
     return (
-        gate_up.dim() == 2
-        and 1 <= gate_up.shape[0] <= min(most, DENSE_GEMM_MAX_BLOCK_M)
-        and gate_up.dtype in (torch.bfloat16, torch.float16)
-        and w.dtype == gate_up.dtype
+        1 <= rows <= min(DENSE_GEMM_GATED_MAX_TOKENS, DENSE_GEMM_MAX_BLOCK_M)
+        or tuned_dense_config(rows, w.shape[0], w.shape[1], gate_up.device) is not None
     )
 
 
@@ -171,13 +189,15 @@ def dense_gemm(
     gated: bool = False,
 ) -> torch.Tensor:
     """[M, N] in x's dtype: F.linear(x, w, bias) with fp32 accumulation, rounded once (splits summed in order);
-    gated: F.linear(silu_and_mul(x), w, bias) without the [M, K] product written between."""
+    gated: F.linear(silu_and_mul(x), w, bias) without the [M, K] product written between. Tiles: `config`'s
+    over this GPU's table's (DENSE_GEMM_TABLES) over dense_gemm_config's."""
     m, k = x.shape[0], x.shape[1] // 2 if gated else x.shape[1]
     n = w.shape[0]
     assert w.shape[1] == k and 1 <= m <= DENSE_GEMM_MAX_BLOCK_M, f"x {tuple(x.shape)}, w {tuple(w.shape)}"
     x = x if x.stride(1) == 1 else x.contiguous()
     w = w if w.stride(1) == 1 else w.contiguous()
-    cfg = {**dense_gemm_config(m, n, k, x.device), **(config or {})}
+    tuned = None if config else tuned_dense_config(m, n, k, x.device)
+    cfg = {**dense_gemm_config(m, n, k, x.device), **(tuned or {}), **(config or {})}
     assert cfg["BLOCK_M"] >= m, cfg
     num_tiles = triton.cdiv(k, cfg["BLOCK_K"])
     n_tiles = triton.cdiv(n, cfg["BLOCK_N"])

@@ -7,6 +7,10 @@ default tiles' once; the fastest is written only where it beats the default by -
 defaults: no entry). The kernels are the one-row int4 GEMV (GPTQ g128, kernels/int4_gemv.py via quant_gemv), the
 block-FP8 GEMV (128x128 blocks) and the per-channel FP8 GEMV (kernels/fp8_gemv.py). Compiling dominates:
 each (BLOCK_N, num_warps, split or not) compiles once per kernel and serves every shape.
+
+`--kernels dense --tokens 1,2,4,8,16,32,64,128`: the 16-bit GEMM of kernels/dense_gemm.py (its num_stages tuned
+too) against cuBLAS (F.linear) as the default: an entry, where one is written, sends that product there at
+decode batches of those rows (dense_gemm.DENSE_GEMM_TABLES).
 """
 
 from __future__ import annotations
@@ -18,27 +22,59 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
-__all__ = ["PROJECTIONS", "SPACE", "candidates", "main", "rotating_weights", "tune_kernel"]
+__all__ = [
+    "DENSE_SPACE",
+    "KERNELS",
+    "PROJECTIONS",
+    "SPACE",
+    "candidates",
+    "main",
+    "rotating_weights",
+    "tune_kernel",
+]
 
 # the decode GEMVs' (N, K) of each built-in shape: its fused qkv, o, gate_up and down (dense MLP only)
 PROJECTIONS = {
     "llama-3.1-8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)},
     "qwen3-30b-a3b": {"qkv": (5120, 2048), "o": (2048, 4096)},
-}
+    # the seed's Qwen3.5-35B-A3B, its bf16 products (the GPTQ checkpoint quantizes only the routed experts): the
+    # linear-attention layers' in_proj_qkv / in_proj_z|b|a / the two stacked (gated_delta_net) / out_proj, the
+    # attention layers' q+gate|k|v and o, the MoE block's router, shared gate, shared gate|up and down, those
+    # three inputs stacked (moe_block)
+    "qwen3.5-35b-a3b": {
+        "gdn_qkv": (8192, 2048), "gdn_zba": (4160, 2048), "gdn_stacked": (12352, 2048), "gdn_out": (2048, 4096),
+        "attn_qkv": (9216, 2048), "attn_o": (2048, 4096), "router": (256, 2048), "shared_gate": (1, 2048),
+        "shared_gate_up": (1024, 2048), "shared_down": (2048, 512), "moe_inputs": (1281, 2048),
+    },
+}  # fmt: skip
+KERNELS = ("int4", "fp8_block", "fp8_channel", "dense")
 SPACE = {"BLOCK_N": [32, 64, 128, 256], "SPLIT_K": [1, 2, 3, 4, 6, 8, 12, 16, 24, 32], "num_warps": [4, 8]}
+# the dense GEMM's: BLOCK_N 64 or 128 (its sweep's winners, forty-ninth session), 2-4 stages of tl.dot's loads
+DENSE_SPACE = {
+    "BLOCK_N": [64, 128],
+    "SPLIT_K": [1, 2, 3, 4, 6, 8, 12, 16],
+    "num_warps": [4],
+    "num_stages": [3, 4],
+}
 REL_TOL = 1e-2  # a candidate further than this from the default tiles' output is a kernel bug: stop
 
 
 def candidates(kernel: str, n: int, k: int, space: dict | None = None) -> list[dict[str, int]]:
-    """Tiles worth timing: splits of at least two K tiles of 128, BLOCK_N within N, the int4 kernel's 32-row
-    tiles left out (a thread's 4 words serve fewer rows than its activations cost)."""
-    space = space or SPACE
+    """Tiles worth timing: splits of at least two K tiles of 128, BLOCK_N within N (the dense GEMM: at most N's
+    power of two, 64 at least), the int4 kernel's 32-row tiles left out (a thread's 4 words serve fewer rows than
+    its activations cost)."""
+    space = space or (DENSE_SPACE if kernel == "dense" else SPACE)
+    widest = max(64, 1 << (n - 1).bit_length()) if kernel == "dense" else max(16, n)
     out = []
-    for bn, split, warps in itertools.product(space["BLOCK_N"], space["SPLIT_K"], space["num_warps"]):
-        if split > 1 and k // 128 < 2 * split or bn > max(16, n) or (kernel == "int4" and bn < 64 <= n):
+    for bn, split, warps, stages in itertools.product(
+        space["BLOCK_N"], space["SPLIT_K"], space["num_warps"], space.get("num_stages", [None])
+    ):
+        if split > 1 and k // 128 < 2 * split or bn > widest or (kernel == "int4" and bn < 64 <= n):
             continue
-        out.append({"BLOCK_N": bn, "SPLIT_K": split, "num_warps": warps})
+        cfg = {"BLOCK_N": bn, "SPLIT_K": split, "num_warps": warps}
+        out.append(cfg if stages is None else {**cfg, "num_stages": stages})
     return out
 
 
@@ -85,6 +121,12 @@ def products(kernel: str, n: int, k: int, m: int, device: torch.device, gen: tor
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     x = torch.randn(m, k, device=device, generator=gen).to(dtype)
+    if kernel == "dense":  # cuBLAS as the default: config None
+        from longserve.kernels.dense_gemm import dense_gemm
+
+        w = (torch.randn(n, k, device=device, generator=gen) * k**-0.5).to(dtype)
+        call = lambda cfg, w: F.linear(x, w) if cfg is None else dense_gemm(x, w, config=cfg)  # noqa: E731
+        return "dense_gemm", rotating_weights(call, (w,), device)
     if kernel == "int4":
         q = pack_int_k(torch.randint(0, 16, (n, k), device=device, generator=gen), 4)
         scales = (torch.rand(n, k // 128, device=device, generator=gen) * 0.02 + 0.001).half()
@@ -145,7 +187,8 @@ def tune(args: argparse.Namespace, device: str = "cuda") -> dict[str, dict[str, 
         cands = candidates(kernel, n, k, args.space)
         default_ms, best_ms, best = tune_kernel(run, cands, timer, args.iters, args.repeats)
         keep = best and best_ms < (1 - args.min_gain) * default_ms
-        tqdm.write(f"{shape} {proj} {kernel} N={n} K={k} M={m}: default {default_ms * 1e3:.1f} us, best "
+        base = "cuBLAS" if kernel == "dense" else "default"
+        tqdm.write(f"{shape} {proj} {kernel} N={n} K={k} M={m}: {base} {default_ms * 1e3:.1f} us, best "
                    f"{best_ms * 1e3:.1f} us {best}{'' if keep else ' - not written'}")  # fmt: skip
         tables.setdefault(name, {})[f"{n},{k},{m}"] = best if keep else None  # None: drop an older entry
     return tables
@@ -154,8 +197,10 @@ def tune(args: argparse.Namespace, device: str = "cuda") -> dict[str, dict[str, 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default="llama-3.1-8b,qwen3-30b-a3b", help=f"of {sorted(PROJECTIONS)}")
-    p.add_argument("--kernels", default="int4,fp8_block,fp8_channel")
-    p.add_argument("--tokens", default="1", help="the M values (the one-row int4 kernel takes M = 1 only)")
+    p.add_argument("--kernels", default="int4,fp8_block,fp8_channel", help=f"of {', '.join(KERNELS)}")
+    p.add_argument(
+        "--tokens", default="1", help="the M values (the one-row int4 kernel: 1; dense: powers of two to 128)"
+    )
     p.add_argument("--min-gain", type=float, default=0.03, help="write an entry only if this much faster")
     p.add_argument("--iters", type=int, default=20, help="calls per timed repeat")
     p.add_argument("--repeats", type=int, default=5, help="repeats; the median is kept")
@@ -167,12 +212,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         p.error(f"--shapes {unknown}: known {sorted(PROJECTIONS)}")
     args.kernels = args.kernels.split(",")
-    if not set(args.kernels) <= {"int4", "fp8_block", "fp8_channel"}:
-        p.error(f"--kernels {args.kernels}: of int4, fp8_block, fp8_channel")
+    if not set(args.kernels) <= set(KERNELS):
+        p.error(f"--kernels {args.kernels}: of {', '.join(KERNELS)}")
     args.tokens = [int(t) for t in args.tokens.split(",")]
     if "int4" in args.kernels and args.tokens != [1]:
         p.error("the one-row int4 kernel takes M = 1 only: --tokens 1")
-    args.projections, args.space = PROJECTIONS, SPACE
+    if "dense" in args.kernels and not all(0 < t <= 128 and t & (t - 1) == 0 for t in args.tokens):
+        p.error("the dense GEMM's table is read at M's next power of two: --tokens of 1, 2, 4, ..., 128")
+    args.projections, args.space = PROJECTIONS, None  # None: each kernel's own (candidates)
     return args
 
 

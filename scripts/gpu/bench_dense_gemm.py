@@ -2,7 +2,8 @@
 GEMM, per projection of the Llama-3.1-8B or the seed's Qwen3.5-35B-A3B, weights rotated over 256 MB of copies
 (read from HBM as in a decode step, not from L2), CUDA-graph timed. Each Triton setting is checked against
 F.linear first. One line per (projection, M): cuBLAS us and TB/s, the default tiles', the best tiles' (a small
-sweep) and which.
+sweep) and which. (`python -m longserve.kernels.tune_gemv --kernels dense` sweeps wider and writes the table the
+engine reads.)
 
     python3 scripts/gpu/bench_dense_gemm.py [--tokens 16,32,64,128] [--model llama-3.1-8b] [--json OUT.json]
 """
@@ -18,23 +19,15 @@ import torch.nn.functional as F
 from triton.runtime.errors import OutOfResources
 
 from longserve.kernels import dense_gemm
+from longserve.kernels.tune_gemv import PROJECTIONS as TUNED_SHAPES
 from longserve.kernels.tune_gemv import rotating_weights
 from longserve.platform import cuda_graph_time_ms
 
-PROJECTIONS = {  # (N, K)
-    "llama-3.1-8b": {
-        "qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
-        "lm_head": (128256, 4096),
-    },
-    # the seed's Qwen3.5-35B-A3B, its bf16 products (the GPTQ checkpoint quantizes only the routed experts): the
-    # linear-attention layers' in_proj_qkv / in_proj_z|b|a / out_proj, the attention layers' q+gate|k|v and o,
-    # the MoE block's router, shared gate, shared gate|up and down, those three inputs stacked (moe_block)
-    "qwen3.5-35b-a3b": {
-        "gdn_qkv": (8192, 2048), "gdn_zba": (4160, 2048), "gdn_out": (2048, 4096), "attn_qkv": (9216, 2048),
-        "attn_o": (2048, 4096), "router": (256, 2048), "shared_gate": (1, 2048), "shared_gate_up": (1024, 2048),
-        "shared_down": (2048, 512), "moe_inputs": (1281, 2048),
-    },
-}  # fmt: skip
+# (N, K): the tuner's shapes (the seed's bf16 products among them), the 8B's lm_head too
+PROJECTIONS = {
+    "llama-3.1-8b": {**TUNED_SHAPES["llama-3.1-8b"], "lm_head": (128256, 4096)},
+    "qwen3.5-35b-a3b": TUNED_SHAPES["qwen3.5-35b-a3b"],
+}
 SWEEP = {"BLOCK_N": [64, 128], "num_stages": [3, 4], "split": [0.5, 1, 2]}  # split: x the default count
 
 
@@ -47,9 +40,9 @@ def bench(m: int, n: int, k: int, device: torch.device) -> dict:
     x = torch.randn(m, k, device=device, generator=g).bfloat16()
     w = (torch.randn(n, k, device=device, generator=g) * k**-0.5).bfloat16()
     cublas = rotating_weights(lambda cfg, w: F.linear(x, w), (w,), device)
-    triton = rotating_weights(lambda cfg, w: dense_gemm.dense_gemm(x, w, config=cfg), (w,), device)
+    default = dense_gemm.dense_gemm_config(m, n, k, device)  # (not a tuned table's tiles)
+    triton = rotating_weights(lambda cfg, w: dense_gemm.dense_gemm(x, w, config=cfg or default), (w,), device)
     want = F.linear(x.float(), w.float())
-    default = dense_gemm.dense_gemm_config(m, n, k, device)
     rows = {"cublas": (time_us(cublas, None), None), "default": (time_us(triton, None), default)}
     best = (float("inf"), None)
     for bn, stages, split in itertools.product(SWEEP["BLOCK_N"], SWEEP["num_stages"], SWEEP["split"]):

@@ -1,8 +1,8 @@
 """kernels/dense_gemm.py on the GPU: the 16-bit skinny GEMM at the Llama-3.1-8B projections and decode batch sizes
 equals F.linear to bf16 rounding (fp32 sums in another order), deterministically, with the serial split-K
 reduction bit-equal to the reduction launch, replayed from a CUDA graph for new activations; the seed's narrow
-shapes from one row; and engines with it switched on for 16-128 tokens, or for narrow linears, give F.linear's
-greedy tokens."""
+shapes from one row; and engines with it switched on for 16-128 tokens, or for the shapes of a tuned table, give
+F.linear's greedy tokens."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ pytestmark = [
 ]
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-# the seed's Qwen3.5-35B-A3B's narrow bf16 products (DENSE_GEMM_NARROW_MAX_N) from one row: router, shared gate,
+# the seed's Qwen3.5-35B-A3B's narrow bf16 products (a tuned table's candidates) from one row: router, shared gate,
 # shared gate|up, the three stacked, shared down, the out projections
 NARROW = {"router": (256, 2048), "shared_gate": (1, 2048), "shared_gate_up": (1024, 2048), "moe_inputs": (1281, 2048),
           "shared_down": (2048, 512), "out": (2048, 4096)}  # fmt: skip
@@ -50,10 +50,8 @@ def test_equals_f_linear(n: int, k: int, m: int, monkeypatch: pytest.MonkeyPatch
     assert torch.equal(out["y"], dense_gemm.dense_gemm(x, w))
 
 
-def switched_on_agrees(
-    tmp_path, monkeypatch: pytest.MonkeyPatch, arch: str, switch: str, value: int
-) -> list[int]:
-    """A tiny bf16 model's 20 prompts of 40 tokens, with dense_gemm's `switch` at `value` against F.linear: step
+def switched_on_agrees(tmp_path, monkeypatch: pytest.MonkeyPatch, arch: str, **switches) -> list[int]:
+    """A tiny bf16 model's 20 prompts of 40 tokens, with dense_gemm's `switches` set against F.linear: step
     by step while a sequence's tokens agree, each greedy token is one of the other's top 2 and their shared
     logprobs agree to 0.1 (bf16 sums in another order may swap a near tie, as in tests/gpu/test_quant_engine_gpu.py);
     most sequences agree whole. The row counts dense_gemm took."""
@@ -71,7 +69,8 @@ def switched_on_agrees(
     monkeypatch.setattr(
         dense_gemm, "dense_gemm", lambda x, w, b=None, **kw: calls.append(x.shape[0]) or real(x, w, b, **kw)
     )
-    monkeypatch.setattr(dense_gemm, switch, value)
+    for name, value in switches.items():
+        monkeypatch.setattr(dense_gemm, name, value)
     got = greedy_steps(path, prompts, params)
     whole = sequences_agreeing(got, want)
     assert whole >= 15, f"{whole} of 20 sequences agree whole"
@@ -80,14 +79,17 @@ def switched_on_agrees(
 
 def test_engine_steps_agree_with_f_linear(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The Triton GEMM serving 16-128 tokens: the decodes at batch 20 take it, the 800-token prefill does not."""
-    calls = switched_on_agrees(tmp_path, monkeypatch, "llama", "DENSE_GEMM_TRITON_MAX_TOKENS", 128)
+    calls = switched_on_agrees(tmp_path, monkeypatch, "llama", DENSE_GEMM_TRITON_MAX_TOKENS=128)
     assert any(16 <= c <= 128 for c in calls), calls  # the decode graphs' batch sizes (20 replays 24's)
 
 
-def test_engine_steps_agree_with_narrow_linears(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A tiny Qwen2-MoE (router, shared gate and shared expert in bf16) with every linear of at most 4,096
-    outputs in the Triton GEMM at decode batches: the decodes take it, the prefill does not."""
-    calls = switched_on_agrees(tmp_path, monkeypatch, "qwen2_moe", "DENSE_GEMM_NARROW_MAX_N", 4096)
+def test_engine_steps_agree_with_tuned_tables(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tiny Qwen2-MoE (router, shared gate and shared expert in bf16) as if this GPU's tuned table held every
+    linear of at most 4,096 outputs (128-row tiles, 2 splits, 3 stages) at decode batches: the decodes take it,
+    the prefill does not."""
+    tiles = {"BLOCK_N": 128, "SPLIT_K": 2, "num_warps": 4, "num_stages": 3}
+    table = lambda m, n, k, device: tiles if n <= 4096 and m <= 128 else None  # noqa: E731
+    calls = switched_on_agrees(tmp_path, monkeypatch, "qwen2_moe", tuned_dense_config=table)
     assert calls and max(calls) <= 128, calls
 
 

@@ -1,10 +1,12 @@
 """The 16-bit skinny GEMM (kernels/dense_gemm.py) under TRITON_INTERPRET=1 against F.linear: exact in fp32 (one
 split and several, ragged N and K, bias), bf16 rounded once like F.linear's fp32 accumulation, the split-K
 partials summed in the GEMV's own programs bit-equal to a reduction launch; and the unquantized linears
-routed to it only in the token range it is switched on for (CUDA only: the CPU keeps F.linear)."""
+routed to it only in the token range it is switched on for, or for the shapes and rows a tuned table holds
+(CUDA only: the CPU keeps F.linear)."""
 
 from __future__ import annotations
 
+import json
 import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
@@ -108,22 +110,46 @@ def test_unquantized_linears_take_it_only_in_the_switched_range(monkeypatch: pyt
     assert linear_method.DENSE_GEMM_MAX_ROWS == dense_gemm.DENSE_GEMM_MAX_BLOCK_M
 
 
-def test_narrow_linears_take_it_at_every_decode_batch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """DENSE_GEMM_NARROW_MAX_N (off by default): with it at 32 (CUDA faked), a 24-output weight goes through
-    dense_gemm at 1 and 128 rows but not 129, a 40-output weight at none; the MoE block's router and shared gate
-    (plain_linear, not a linear layer's method) take it too, and the block's output equals F.linear's."""
+@pytest.fixture
+def tuned_table(tmp_path, monkeypatch: pytest.MonkeyPatch):
+    """write(entries): a dense_gemm table as tune_gemv writes it, read by load_gemv_table and looked up as on a GPU
+    (gemv_tables.tuned_gemv_config's device and interpreter checks are test_gemv_tables.py's); CUDA faked for
+    the linear method's pre-check. Yields the split counts the kernel ran with."""
+    from longserve.kernels import gemv_tables
+    from longserve.models import linear_method
+
+    path = tmp_path / "dense.json"
+    lookup = lambda kernel, n, k, m, device: gemv_tables.load_gemv_table(str(path)).get((n, k, m))  # noqa: E731
+    monkeypatch.setattr(dense_gemm, "tuned_gemv_config", lookup)
+    monkeypatch.setattr(linear_method, "use_triton", lambda x: True)  # as for CUDA tensors with triton
+    splits: list[int] = []
+    real = dense_gemm.split_k_outputs
+    monkeypatch.setattr(dense_gemm, "split_k_outputs", lambda *a: splits.append(a[1]) or real(*a))
+
+    def write(entries: dict) -> list[int]:
+        path.write_text(json.dumps(entries))
+        gemv_tables.load_gemv_table.cache_clear()
+        return splits
+
+    yield write
+    gemv_tables.load_gemv_table.cache_clear()
+
+
+def test_a_tuned_table_sends_its_shapes_there_at_decode_batches(tuned_table, monkeypatch) -> None:
+    """A table entry (N=24, K=64 at M=8, 3 splits, as tune_gemv writes where the kernel beat cuBLAS) sends that
+    product through dense_gemm with its tiles at 5-8 rows (M's next power of two), not at 4, 9 or 129 rows nor for
+    another shape, nor with DENSE_GEMM_TABLES off; the MoE block's router (plain_linear, not a linear layer's
+    method) takes it too; every output equals F.linear's to bf16 rounding."""
     from longserve.models import linear_method, moe_block
 
-    narrow = torch.randn(24, 64, generator=gen(8)).bfloat16()
+    w = torch.randn(24, 64, generator=gen(8)).bfloat16()
     wide = torch.randn(40, 64, generator=gen(9)).bfloat16()
-    calls: list[tuple[int, int]] = []
+    splits = tuned_table({"24,64,8": {"BLOCK_N": 64, "SPLIT_K": 3, "num_warps": 4, "num_stages": 2}})
+    taken: list[tuple[int, int]] = []
     real = dense_gemm.dense_gemm
     monkeypatch.setattr(
-        dense_gemm,
-        "dense_gemm",
-        lambda x, w, b=None: calls.append(tuple(x.shape[:1]) + tuple(w.shape[:1])) or real(x, w, b),
+        dense_gemm, "dense_gemm", lambda x, w, b=None: taken.append((x.shape[0], w.shape[0])) or real(x, w, b)
     )
-    monkeypatch.setattr(linear_method, "use_triton", lambda x: True)  # as for CUDA tensors with triton
 
     def run(m: int, w: torch.Tensor) -> None:
         x = torch.randn(m, 64, generator=gen(m)).bfloat16()
@@ -131,22 +157,23 @@ def test_narrow_linears_take_it_at_every_decode_batch(monkeypatch: pytest.Monkey
         want = F.linear(x.float(), w.float())
         assert ((got.float() - want).abs() <= want.abs() * 2**-7 + 1e-2).all()
 
-    run(1, narrow)
-    assert calls == []  # off by default
-    monkeypatch.setattr(dense_gemm, "DENSE_GEMM_NARROW_MAX_N", 32)
-    for m in (1, 128, 129):
-        run(m, narrow)
-    run(1, wide)
-    assert calls == [(1, 24), (128, 24)]
-    calls.clear()
+    for m in (4, 5, 8, 9, 129):
+        run(m, w)
+    run(8, wide)
+    assert taken == [(5, 24), (8, 24)] and splits == [3, 3]
+    monkeypatch.setattr(dense_gemm, "DENSE_GEMM_TABLES", False)
+    run(8, w)
+    assert taken == [(5, 24), (8, 24)]
+    monkeypatch.setattr(dense_gemm, "DENSE_GEMM_TABLES", True)
     router = moe_block.ReplicatedLinear(64, 24).bfloat16()
-    router.weight.data.copy_(narrow)
-    x = torch.randn(2, 64, generator=gen(10)).bfloat16()
+    router.weight.data.copy_(w)
+    x = torch.randn(7, 64, generator=gen(10)).bfloat16()
     got = router(x)
-    assert calls == [(2, 24)]
-    assert (
-        (got.float() - F.linear(x.float(), narrow.float())).abs() <= 2e-2 + got.float().abs() * 2**-7
-    ).all()
+    assert taken[-1] == (7, 24)
+    assert ((got.float() - F.linear(x.float(), w.float())).abs() <= 2e-2 + got.float().abs() * 2**-7).all()
+    # an explicit config wins over the table's
+    real(x, w, config={"SPLIT_K": 1})
+    assert splits[-1] == 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -166,16 +193,17 @@ def test_gated_equals_silu_and_mul_then_the_product(m: int, n: int, k: int, spli
     assert ((got.float() - want).abs() <= want.abs() * 2**-7 + 1e-3).all()
 
 
-def test_the_down_projection_takes_the_gated_path_only_in_its_range(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_down_projection_takes_the_gated_path_only_in_its_range(tuned_table, monkeypatch) -> None:
     """UnquantizedLinearMethod.apply_gated: off by default (None: the layer runs silu_and_mul, then apply);
-    switched on for 1-16 rows (CUDA faked), a batch of 1 and 16 goes through the gated kernel, 17 does not; with
-    the narrow switch at the weight's outputs, 17 does (not 129), one output fewer not."""
+    switched on for 1-16 rows (CUDA faked), a batch of 1 and 16 goes through the gated kernel, 17 does not; a
+    down projection whose shape the tuned table holds (a shared expert's) takes it at the rows it was tuned for
+    with its tiles, not at others."""
     from longserve.models import linear_method
 
     layer = torch.nn.Module()
     layer.weight = torch.nn.Parameter(torch.randn(24, 64, generator=gen(8)).bfloat16(), requires_grad=False)
     method = linear_method.UnquantizedLinearMethod()
-    monkeypatch.setattr(linear_method, "use_triton", lambda x: True)  # as for CUDA tensors with triton
+    splits = tuned_table({})
     gate_up = {m: torch.randn(m, 128, generator=gen(m)).bfloat16() for m in (1, 16, 17)}
     assert all(method.apply_gated(layer, x, None) is None for x in gate_up.values())  # off by default
     monkeypatch.setattr(dense_gemm, "DENSE_GEMM_GATED_MAX_TOKENS", 16)
@@ -185,9 +213,11 @@ def test_the_down_projection_takes_the_gated_path_only_in_its_range(monkeypatch:
             got, dense_gemm.dense_gemm(gate_up[m], layer.weight, gated=True)
         )
     assert method.apply_gated(layer, gate_up[17], None) is None
-    # a narrow down projection (DENSE_GEMM_NARROW_MAX_N: a shared expert's) takes it at any decode batch
-    monkeypatch.setattr(dense_gemm, "DENSE_GEMM_NARROW_MAX_N", 24)
-    assert method.apply_gated(layer, gate_up[17], None) is not None
-    assert method.apply_gated(layer, torch.randn(129, 128, generator=gen(9)).bfloat16(), None) is None
-    monkeypatch.setattr(dense_gemm, "DENSE_GEMM_NARROW_MAX_N", 23)
+    # the tuned table's entry for the down weight [24, 64] at 32 rows: 17 takes it, with its 2 splits
+    tuned_table({"24,64,32": {"BLOCK_N": 64, "SPLIT_K": 2, "num_warps": 4}})
+    got = method.apply_gated(layer, gate_up[17], None)
+    assert got is not None and splits[-1] == 2
+    assert torch.equal(got, dense_gemm.dense_gemm(gate_up[17], layer.weight, gated=True))
+    assert method.apply_gated(layer, torch.randn(33, 128, generator=gen(9)).bfloat16(), None) is None
+    monkeypatch.setattr(dense_gemm, "DENSE_GEMM_TABLES", False)
     assert method.apply_gated(layer, gate_up[17], None) is None

@@ -90,7 +90,8 @@ def test_the_one_row_int4_kernel_reads_its_table(table_dir) -> None:
     "entries",
     [{"1,2": {"BLOCK_N": 64, "SPLIT_K": 1, "num_warps": 4}}, {"1,2,1": {"BLOCK_N": 64, "SPLIT_K": 1}},
      {"1,2,1": {"BLOCK_N": 64, "SPLIT_K": 0, "num_warps": 4}},
-     {"1,2,1": {"BLOCK_N": 64, "SPLIT_K": 1, "num_warps": 4, "BLOCK_K": 64}}],
+     {"1,2,1": {"BLOCK_N": 64, "SPLIT_K": 1, "num_warps": 4, "BLOCK_K": 64}},
+     {"1,2,1": {"BLOCK_N": 64, "SPLIT_K": 1, "num_warps": 4, "num_stages": 0}}],
 )  # fmt: skip
 def test_a_bad_table_is_refused_with_its_entry(table_dir, entries) -> None:
     write(table_dir, "fp8_channel_gemv", entries)
@@ -98,12 +99,35 @@ def test_a_bad_table_is_refused_with_its_entry(table_dir, entries) -> None:
         fp8_gemv.fp8_gemv_config(1, 1, 2, 128, CUDA, "fp8_channel_gemv")
 
 
-@pytest.mark.parametrize("kernel", ["int4", "fp8_block", "fp8_channel"])
+def test_num_stages_is_an_optional_key(table_dir) -> None:
+    tiles = {"BLOCK_N": 128, "SPLIT_K": 8, "num_warps": 4, "num_stages": 3}
+    write(table_dir, "dense_gemm", {"2048,4096,1": tiles, "256,2048,1": {**tiles, "num_stages": 4}})
+    assert gemv_tables.tuned_gemv_config("dense_gemm", 2048, 4096, 1, CUDA) == tiles
+
+
+def test_the_dense_candidates_tune_stages_and_stay_within_n() -> None:
+    """The dense GEMM's candidates carry num_stages; a one-output weight (the shared expert's gate) gets 64-row
+    tiles only, a 256-output one 128 too; splits keep two K tiles of 128 each."""
+    one = tune_gemv.candidates("dense", 1, 2048)
+    assert one and {c["BLOCK_N"] for c in one} == {64} and {c["num_stages"] for c in one} == {3, 4}
+    wide = tune_gemv.candidates("dense", 256, 512)
+    assert {c["BLOCK_N"] for c in wide} == {64, 128} and max(c["SPLIT_K"] for c in wide) == 2
+    assert all("num_stages" not in c for c in tune_gemv.candidates("fp8_block", 256, 512))
+
+
+def test_the_dense_tuner_takes_powers_of_two_rows_only() -> None:
+    tune_gemv.parse_args(["--kernels", "dense", "--tokens", "1,2,64,128"])
+    for tokens in ("3", "256", "0"):
+        with pytest.raises(SystemExit):
+            tune_gemv.parse_args(["--kernels", "dense", "--tokens", tokens])
+
+
+@pytest.mark.parametrize("kernel", ["int4", "fp8_block", "fp8_channel", "dense"])
 def test_the_tuner_checks_each_candidate_and_keeps_only_gains(
     kernel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Interpreted at N=48, K=512: every candidate's output against the default's, the best returned; with a
-    gain threshold no candidate can meet, no tiles (None) for the shape."""
+    """Interpreted at N=48, K=512: every candidate's output against the default's (the dense GEMM's: cuBLAS's,
+    F.linear), the best returned; with a gain threshold no candidate can meet, no tiles (None) for the shape."""
     tiny = {"BLOCK_N": [16, 64], "SPLIT_K": [1, 2], "num_warps": [4]}
     args = tune_gemv.parse_args(
         ["--shapes", "llama-3.1-8b", "--kernels", kernel, "--iters", "1", "--repeats", "1"]
@@ -115,12 +139,12 @@ def test_the_tuner_checks_each_candidate_and_keeps_only_gains(
     calls = []
     real = tune_gemv.tune_kernel
     monkeypatch.setattr(tune_gemv, "tune_kernel", lambda *a: calls.append(a[1]) or real(*a))
-    args.min_gain = -100.0  # any candidate (the interpreter times noise): the fastest one is written
+    # any candidate (the interpreter times noise, and cuBLAS beats it 1000x): the fastest one is written
+    args.min_gain = -1e6
     tables = tune_gemv.tune(args, device="cpu")
     ((name, entries),) = tables.items()
-    assert name.startswith({"int4": "int4_fast_gemv", "fp8_block": "fp8_block_gemv", "fp8_channel": "fp8_channel"}[
-        kernel
-    ])  # fmt: skip
+    assert name.startswith({"int4": "int4_fast_gemv", "fp8_block": "fp8_block_gemv", "fp8_channel": "fp8_channel",
+                            "dense": "dense_gemm"}[kernel])  # fmt: skip
     assert list(entries) == ["48,512,1"] and entries["48,512,1"] in calls[0]
 
 

@@ -18,10 +18,12 @@
 # dense-gemm (one GPU, ~6 min): kernels/dense_gemm.py's Triton GEMM for the unquantized linears at 16-128 tokens
 # (DENSE_GEMM_TRITON_MAX_TOKENS, off): its GPU tests, per 8B projection against cuBLAS with a small tile sweep
 # (scripts/gpu/bench_dense_gemm.py, weights from HBM), then the 8B decode at batch 16 (8K) and 64 (4K) off and on.
-# narrow-gemv (one GPU, ~3 min): the unquantized linears of at most DENSE_GEMM_NARROW_MAX_N outputs (off) in that
-# Triton GEMM at every decode batch size, split over K where cuBLAS's 64-column GEMV tiles leave most SMs idle: its
-# GPU tests, then the seed's bf16 projections at 1 and 64 rows against cuBLAS (bench_dense_gemm.py --model
-# qwen3.5-35b-a3b). The seed's decode with it: hybrid.sh's seed-decode.
+# dense-tables (one GPU, ~8 min): kernels/dense_gemm.py's tuned table (DENSE_GEMM_TABLES): its GPU tests, then
+# `tune_gemv --kernels dense` over the seed's bf16 products at 1-64 rows (each shape where a Triton tile beats
+# cuBLAS gets an entry; in the forty-ninth session's sweep, the 2,048-wide output projections 10.9 -> 9.1 us at one
+# row, the router 5.1 -> 3.8, the stacked MoE inputs at 64 rows 15.3 -> 6.9), then the seed's decode b1@32K,
+# b8@8K, b64@4K with the table off, on, off, on. dense-tables-8b (~5 min): the same for the Llama-3.1-8B (1, 16, 64
+# rows; decode b1@32K, b16@8K, b64@4K: issue 19's decode cells).
 # gemm-tunable (one GPU, ~1 min): every 8B projection at 16 / 64 / 128 tokens with cuBLAS's default heuristics and
 # with TunableOp's pick (scripts/probes/probe_tunableop.py).
 # swiglu-gemm (one GPU, ~2 min): the 8B gate/up GEMM at 8K / 32K tokens writing silu(gate) * up from its epilogue
@@ -231,11 +233,23 @@ if [[ $MODE == dense-gemm ]]; then  # one GPU (~6 min): the Triton skinny GEMM a
   done
 fi
 
-if [[ $MODE == narrow-gemv ]]; then  # one GPU (~3 min)
-  timeout 150 python3 -m pytest -q -m gpu tests/gpu/test_dense_gemm_gpu.py -k narrow -p no:cacheprovider --tb=short \
-    -rfE 2>&1 | tee "$OUT/gpu_tests_narrow.log" | tail -3 || status=1
-  timeout 200 python3 scripts/gpu/bench_dense_gemm.py --model qwen3.5-35b-a3b --tokens 1,64 \
-    --json "$OUT/bench_dense_gemm_a3b35.json" 2>&1 | tee "$OUT/bench_dense_gemm_a3b35.log" | grep -E "^M=" || status=1
+if [[ $MODE == dense-tables || $MODE == dense-tables-8b ]]; then
+  if [[ $MODE == dense-tables ]]; then
+    timeout 150 python3 -m pytest -q -m gpu tests/gpu/test_dense_gemm_gpu.py -k "narrow or tables" -p no:cacheprovider \
+      --tb=short -rfE 2>&1 | tee "$OUT/gpu_tests_dense_tables.log" | tail -3 || status=1
+    shape=qwen3.5-35b-a3b tokens=1,2,4,8,16,32,64 sizes=1@32768,8@8192,64@4096 name=a3b35_gptq
+    model=(--config qwen3.5-35b-a3b "${dummy[@]}" --hf-overrides "$seed_gptq")
+  else
+    shape=llama-3.1-8b tokens=1,16,64 model=(--config llama-3.1-8b "${dummy[@]}") sizes=1@32768,16@8192,64@4096 name=8b
+  fi
+  # the table lands in the package's gemv_configs/ (the engine runs below read it) and in $OUT
+  timeout 330 python3 -m longserve.kernels.tune_gemv --shapes $shape --kernels dense --tokens $tokens 2>&1 \
+    | tee "$OUT/tune_dense_$name.log" | grep -E "^$shape|^wrote" || status=1
+  cp longserve/kernels/gemv_configs/kernel=dense_gemm,* "$OUT/" 2> /dev/null
+  for tables in False True False True; do
+    LATENCY_TIMEOUT=150 latency_with "dense_tables_${name}_$tables" "tables $tables" \
+      longserve.kernels.dense_gemm.DENSE_GEMM_TABLES=$tables -- "${model[@]}" --decode-batch-sizes $sizes --repeat 2
+  done
 fi
 
 if [[ $MODE == decode-merge ]]; then  # one GPU (~3 min): the decode attention's merge in the kernel, off and on

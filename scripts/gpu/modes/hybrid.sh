@@ -67,8 +67,9 @@ fi
 # the delta rule's decode kernel, gated_delta_net.FUSED_DECODE_GATING; its two input GEMMs as one,
 # STACKED_PROJECTIONS; the shared expert's gated add in one kernel, moe_block.FUSED_SHARED_GATE; the MoE block's
 # three input GEMMs as one up to STACKED_INPUTS_MAX_TOKENS, 8) against the defaults, then the MoE inputs stacked at
-# every batch size (256) and the narrow bf16 GEMVs in Triton (dense_gemm.DENSE_GEMM_NARROW_MAX_N, off) beside the
-# defaults (the attention output gate's kernel has no switch: in every run); the GDN and fused-op GPU tests first.
+# every batch size (256) beside the defaults (the attention output gate's kernel has no switch: in every run); the
+# GDN and fused-op GPU tests first. (Its narrow run, every bf16 linear of at most 2,048 outputs in the Triton GEMM,
+# lost: 4.11 ms at b1; dense.sh's dense-tables tunes that GEMM per shape instead.)
 # At 475fa6f, before the stacked MoE inputs were on by default (RESULTS.md forty-ninth session): b1 4.53 -> 3.98 ms
 # with the three fusions, 3.58 with the MoE inputs stacked; b64 15.99 -> 15.37, 15.48 stacked.
 if [[ $MODE == seed-decode ]]; then
@@ -77,11 +78,11 @@ if [[ $MODE == seed-decode ]]; then
       -k "gated_delta or decode or sigmoid" -p no:cacheprovider --tb=short -rfE 2>&1 \
       | tee "$OUT/gpu_tests_seed_decode.log" | tail -8 || status=1
   fi
-  m=longserve.models k=longserve.kernels
+  m=longserve.models
   off="$m.gated_delta_net.FUSED_DECODE_GATING=False $m.moe_block.FUSED_SHARED_GATE=False"
   off+=" $m.gated_delta_net.STACKED_PROJECTIONS=False $m.moe_block.STACKED_INPUTS_MAX_TOKENS=0"
-  narrow=$k.dense_gemm.DENSE_GEMM_NARROW_MAX_N=2048 stacked=$m.moe_block.STACKED_INPUTS_MAX_TOKENS=256
-  for run in "before $off" "defaults" "stacked256 $stacked" "narrow $narrow"; do
+  stacked=$m.moe_block.STACKED_INPUTS_MAX_TOKENS=256
+  for run in "before $off" "defaults" "stacked256 $stacked"; do
     name=${run%% *}
     read -r -a consts <<< "${run#"$name"}"
     LATENCY_TIMEOUT=150 latency_with "a3b35_gptq_decode_$name" "int4 $name" ${consts[@]+"${consts[@]}"} -- \
