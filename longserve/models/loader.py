@@ -15,7 +15,6 @@ import logging
 import os
 import sys
 import time
-import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -23,13 +22,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from longserve.models.layers import MergedLinear, RMSNorm, RowParallelLinear, VocabParallelEmbedding
+from longserve.models.dummy_weights import init_dummy_weights
 from longserve.models.linear_method import LINEAR_METHODS, stack_inputs
-from longserve.models.moe import FusedMoE
 from longserve.models.pooler import PoolerSpec, pooling_model_class
 from longserve.models.quant.bind import bind_quant_methods
 from longserve.models.quant.config import parse_quant_format
-from longserve.models.quant.dummy import fill_dummy, is_quantized_param
 from longserve.models.quantization import process_weights_after_loading, quantization_method
 from longserve.models.registry import get_model_class
 
@@ -357,50 +354,3 @@ def iterate_safetensors(
         len(files),
         stats.seconds,
     )
-
-
-@torch.no_grad()
-def init_dummy_weights(model: nn.Module, std: float, seed: int) -> None:
-    """Random weights: normal(0, std), RMSNorm weights = 1 (a zero-centered one's offset 0); deterministic per seed, device and parameter
-    name, and the same model whatever the tensor-parallel size: a sharded parameter draws its whole
-    (unsharded) tensor and keeps its rank's part through the checkpoint loaders, as if read from a file.
-    Quantized parameters are drawn in their format (models/quant/dummy.py)."""
-    owners = {id(p): m for m in model.modules() for p in m.parameters(recurse=False)}
-    for name, param in model.named_parameters():
-        owner = owners[id(param)]
-        if isinstance(owner, RMSNorm):
-            param.fill_(0.0 if owner.zero_centered else 1.0)
-            continue
-        generator = torch.Generator(device=param.device).manual_seed(
-            (seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63
-        )
-        if is_quantized_param(param):  # packed integers, fp8 values, scales: in the checkpoint's format
-            fill_dummy(owner, param, std, generator)
-            continue
-        full = _unsharded_shape(owner, param)
-        if full == tuple(param.shape):
-            param.normal_(0.0, std, generator=generator)
-            continue
-        tensor = torch.empty(full, dtype=param.dtype, device=param.device).normal_(
-            0.0, std, generator=generator
-        )
-        if isinstance(owner, MergedLinear):
-            owner.weight_loader(param, tensor, None)
-        else:
-            param.weight_loader(param, tensor)  # type: ignore[attr-defined]
-
-
-def _unsharded_shape(owner: nn.Module, param: nn.Parameter) -> tuple[int, ...]:
-    """The shape of `param` in a tensor-parallel size 1 model (its checkpoint tensor)."""
-    full = getattr(param, "full_shape", None)  # a parameter that says so (models/gated_delta_net.py)
-    if full is not None:
-        return tuple(full)
-    if isinstance(owner, MergedLinear):
-        return (sum(owner.full_shard_sizes.values()), *param.shape[1:])
-    if isinstance(owner, RowParallelLinear) and param is owner.weight:
-        return (owner.out_features, owner.in_features * owner.tp_size)
-    if isinstance(owner, VocabParallelEmbedding):
-        return (owner.num_embeddings, param.shape[1])
-    if isinstance(owner, FusedMoE):
-        return owner.full_shape(param)
-    return tuple(param.shape)

@@ -19,9 +19,9 @@ from longserve.distributed import TPGroup, parallel_state  # noqa: E402
 from longserve.kernels.moe_reference import fused_moe_ref, route_topk  # noqa: E402
 from longserve.models import linear_method, load_model  # noqa: E402
 from longserve.models import moe as moe_mod  # noqa: E402
+from longserve.models.dummy_weights import init_dummy_weights  # noqa: E402
 from longserve.models.layers import MergedLinear, RowParallelLinear  # noqa: E402
 from longserve.models.linear_method import UnquantizedLinearMethod, get_linear_method  # noqa: E402
-from longserve.models.loader import init_dummy_weights  # noqa: E402
 from longserve.models.moe import FusedMoE, UnquantizedMoEMethod, get_moe_method  # noqa: E402
 from longserve.models.quantization import quantization_method  # noqa: E402
 
