@@ -48,16 +48,17 @@ DENSE_GEMM_TRITON_MIN_TOKENS = 16
 DENSE_GEMM_TRITON_MAX_TOKENS = 0
 # Decode-sized products (1 to DENSE_GEMM_MAX_BLOCK_M rows) whose shape has an entry in this GPU's tuned table
 # (gemv_tables, kernel "dense_gemm": `python -m longserve.kernels.tune_gemv --kernels dense`, which times this
-# kernel's tiles against cuBLAS and writes an entry only where one beats it) take this kernel with those tiles, an
-# MLP's down projection with silu(gate) * up made on its loads (GATED). Why a table and not a rule: cuBLAS's GEMV
-# tile of 64 columns gives a narrow weight few programs (the seed's Qwen3.5-35B-A3B: its router, 256 outputs, 4;
-# its 2,048-wide output projections 32 of an H100's 132 SMs), but whether splitting K wins depends on the shape.
-# Measured on an H100 (forty-ninth session, `bench_dense_gemm.py --model qwen3.5-35b-a3b`, one row): the
-# 2,048-wide output projections 10.9 us in cuBLAS against 11.1 with the default tiles and 9.1 with BLOCK_N 128 and
-# 8 splits, the router 5.1 against 4.1, in_proj_qkv 13.7 against 16.4 (best 14.5); sending every linear of at
-# most 2,048 outputs here with the default tiles made the seed's decode b1@32K 3.98 -> 4.11 ms. False: no table
-# is read (cuBLAS unless a range above is switched on).
-DENSE_GEMM_TABLES = True
+# kernel's tiles against cuBLAS and writes an entry only where one beats it by 3%) take this kernel with those
+# tiles, an MLP's down projection with silu(gate) * up made on its loads (GATED). Why a table: cuBLAS's GEMV tile
+# of 64 columns gives a narrow weight few programs (the seed's Qwen3.5-35B-A3B: its router, 256 outputs, 4; its
+# 2,048-wide output projections 32 of an H100's 132 SMs); whether splitting K wins depends on the shape. Off:
+# what the tuner's isolated timings promise, the engine does not deliver. On an H100 (fiftieth session,
+# `gpu_check.sh dense-tables{,-8b}`, RESULTS.md), the tuner found the seed's output projections 11.1 -> 9.3 us at one
+# row, its router 5.2 -> 4.1, its stacked MoE inputs at 8 rows 12.2 -> 5.7, the 8B's o 16.1 -> 14.5 and down 42.9
+# -> 41.3; with those tables the seed's decode b1@32K went 3.50 -> 3.64 ms (b8@8K 5.44 -> 5.31, b64@4K even) and the
+# 8B's b1@32K 7.43 -> 8.43 ms, b16@8K 11.64 -> 12.82, b64@4K 17.36 -> 18.47 (the same kernels ~3-15 us slower a
+# call in the step than back to back: not yet profiled). No table is shipped.
+DENSE_GEMM_TABLES = False
 # Decode batches up to this many rows run an unquantized MLP's down projection here with silu(gate) * up made on
 # its loads (GATED), instead of cuBLAS after silu_and_mul's launch: one launch and the gap before it a layer (~2.6
 # us between graph kernels on an H100, RESULTS.md thirty-fourth session's hit profile: ~0.9 ms over ~350 kernels),

@@ -65,7 +65,8 @@ def test_silu_and_mul(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("rows", [1, 64, 8192])
 def test_sigmoid_gated_add(rows: int) -> None:
     """The Qwen-MoE shared expert's gated add at the seed's hidden size (2,048), the gate a column of the stacked
-    input GEMM's output: each element within a rounding of torch's three ops, most the same bits."""
+    input GEMM's output: each element within a rounding of torch's three ops, and on average as near the exact
+    value as they are."""
     from longserve.kernels.activation import sigmoid_gated_add, sigmoid_gated_add_ref
 
     out, shared = (
@@ -78,7 +79,12 @@ def test_sigmoid_gated_add(rows: int) -> None:
     # each op's rounding may land a bf16 step away (Triton's exp is not torch's): one step of each op's value
     bound = (want.float().abs() + 2 * shared.float().abs()) * 2**-7 + 1e-6
     assert ((got.float() - want.float()).abs() <= bound).all()
-    assert (got == want).float().mean() > 0.9
+    # and as accurate as torch's three ops against the exact value: on an H100 (fiftieth session) only 75-84% of
+    # the elements had torch's bits, one row's gate (a single logit) rounding to the neighbouring bf16 value
+    # moving a whole row, so bit-equality is no measure here; the error against float64 is
+    exact = out.double() + torch.sigmoid(gate.double()) * shared.double()
+    err_kernel, err_torch = (got.double() - exact).abs().mean(), (want.double() - exact).abs().mean()
+    assert err_kernel <= 1.25 * err_torch, (err_kernel.item(), err_torch.item())
 
 
 @pytest.mark.parametrize("rows", [1, 64, 8192])

@@ -136,10 +136,10 @@ def tuned_table(tmp_path, monkeypatch: pytest.MonkeyPatch):
 
 
 def test_a_tuned_table_sends_its_shapes_there_at_decode_batches(tuned_table, monkeypatch) -> None:
-    """A table entry (N=24, K=64 at M=8, 3 splits, as tune_gemv writes where the kernel beat cuBLAS) sends that
-    product through dense_gemm with its tiles at 5-8 rows (M's next power of two), not at 4, 9 or 129 rows nor for
-    another shape, nor with DENSE_GEMM_TABLES off; the MoE block's router (plain_linear, not a linear layer's
-    method) takes it too; every output equals F.linear's to bf16 rounding."""
+    """With DENSE_GEMM_TABLES on (off by default: nothing takes it), a table entry (N=24, K=64 at M=8, 3 splits, as
+    tune_gemv writes where the kernel beat cuBLAS) sends that product through dense_gemm with its tiles at 5-8
+    rows (M's next power of two), not at 4, 9 or 129 rows nor for another shape; the MoE block's router
+    (plain_linear, not a linear layer's method) takes it too; every output equals F.linear's to bf16 rounding."""
     from longserve.models import linear_method, moe_block
 
     w = torch.randn(24, 64, generator=gen(8)).bfloat16()
@@ -157,14 +157,13 @@ def test_a_tuned_table_sends_its_shapes_there_at_decode_batches(tuned_table, mon
         want = F.linear(x.float(), w.float())
         assert ((got.float() - want).abs() <= want.abs() * 2**-7 + 1e-2).all()
 
+    run(8, w)
+    assert taken == []  # off by default
+    monkeypatch.setattr(dense_gemm, "DENSE_GEMM_TABLES", True)
     for m in (4, 5, 8, 9, 129):
         run(m, w)
     run(8, wide)
     assert taken == [(5, 24), (8, 24)] and splits == [3, 3]
-    monkeypatch.setattr(dense_gemm, "DENSE_GEMM_TABLES", False)
-    run(8, w)
-    assert taken == [(5, 24), (8, 24)]
-    monkeypatch.setattr(dense_gemm, "DENSE_GEMM_TABLES", True)
     router = moe_block.ReplicatedLinear(64, 24).bfloat16()
     router.weight.data.copy_(w)
     x = torch.randn(7, 64, generator=gen(10)).bfloat16()
@@ -213,11 +212,12 @@ def test_the_down_projection_takes_the_gated_path_only_in_its_range(tuned_table,
             got, dense_gemm.dense_gemm(gate_up[m], layer.weight, gated=True)
         )
     assert method.apply_gated(layer, gate_up[17], None) is None
-    # the tuned table's entry for the down weight [24, 64] at 32 rows: 17 takes it, with its 2 splits
+    # the tuned table's entry for the down weight [24, 64] at 32 rows: with the tables on, 17 takes it, with its 2
+    # splits
     tuned_table({"24,64,32": {"BLOCK_N": 64, "SPLIT_K": 2, "num_warps": 4}})
+    assert method.apply_gated(layer, gate_up[17], None) is None  # tables off by default
+    monkeypatch.setattr(dense_gemm, "DENSE_GEMM_TABLES", True)
     got = method.apply_gated(layer, gate_up[17], None)
     assert got is not None and splits[-1] == 2
     assert torch.equal(got, dense_gemm.dense_gemm(gate_up[17], layer.weight, gated=True))
     assert method.apply_gated(layer, torch.randn(33, 128, generator=gen(9)).bfloat16(), None) is None
-    monkeypatch.setattr(dense_gemm, "DENSE_GEMM_TABLES", False)
-    assert method.apply_gated(layer, gate_up[17], None) is None

@@ -22,8 +22,9 @@
 # `tune_gemv --kernels dense` over the seed's bf16 products at 1-64 rows (each shape where a Triton tile beats
 # cuBLAS gets an entry; in the forty-ninth session's sweep, the 2,048-wide output projections 10.9 -> 9.1 us at one
 # row, the router 5.1 -> 3.8, the stacked MoE inputs at 64 rows 15.3 -> 6.9), then the seed's decode b1@32K,
-# b8@8K, b64@4K with the table off, on, off, on. dense-tables-8b (~5 min): the same for the Llama-3.1-8B (1, 16, 64
-# rows; decode b1@32K, b16@8K, b64@4K: issue 19's decode cells).
+# b8@8K, b64@4K with the table off and on, then the b1 step profiled off and on (the table lost in the fiftieth
+# session: 3.50 -> 3.64 ms at b1). dense-tables-8b (~5 min): the same for the Llama-3.1-8B (1, 16, 64 rows; decode
+# b1@32K, b16@8K, b64@4K: issue 19's decode cells; b1 7.43 -> 8.43 ms with its table).
 # gemm-tunable (one GPU, ~1 min): every 8B projection at 16 / 64 / 128 tokens with cuBLAS's default heuristics and
 # with TunableOp's pick (scripts/probes/probe_tunableop.py).
 # swiglu-gemm (one GPU, ~2 min): the 8B gate/up GEMM at 8K / 32K tokens writing silu(gate) * up from its epilogue
@@ -246,9 +247,18 @@ if [[ $MODE == dense-tables || $MODE == dense-tables-8b ]]; then
   timeout 330 python3 -m longserve.kernels.tune_gemv --shapes $shape --kernels dense --tokens $tokens 2>&1 \
     | tee "$OUT/tune_dense_$name.log" | grep -E "^$shape|^wrote" || status=1
   cp longserve/kernels/gemv_configs/kernel=dense_gemm,* "$OUT/" 2> /dev/null
-  for tables in False True False True; do
+  for tables in False True; do
     LATENCY_TIMEOUT=150 latency_with "dense_tables_${name}_$tables" "tables $tables" \
       longserve.kernels.dense_gemm.DENSE_GEMM_TABLES=$tables -- "${model[@]}" --decode-batch-sizes $sizes --repeat 2
+  done
+  # where the tables' loss lies (fiftieth session: the same kernels slower in the step than back to back): the b1
+  # step's kernels, profiled, with and without
+  for tables in False True; do
+    LATENCY_TIMEOUT=150 latency_with "dense_tables_${name}_prof_$tables" "profiled, tables $tables" \
+      longserve.kernels.dense_gemm.DENSE_GEMM_TABLES=$tables -- "${model[@]}" --decode-batch-sizes 1@32768 \
+      --repeat 1 --profile
+    top_ops "$OUT/latency_dense_tables_${name}_prof_$tables.json" > "$OUT/top_ops_${name}_$tables.txt"
+    grep -A14 "^decode" "$OUT/top_ops_${name}_$tables.txt" | sed "s/^/tables $tables /"
   done
 fi
 
