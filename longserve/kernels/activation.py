@@ -33,6 +33,7 @@ from longserve.kernels.quant_reference import FP8_DTYPE, FP8_MAX
 from longserve.kernels.quant_tiles import e4m3_rounded, groups_per_program, quant_outputs, rounded
 
 __all__ = [
+    "ROUNDED_AS_TORCH",
     "sigmoid_gated_add",
     "sigmoid_gated_add_ref",
     "sigmoid_mul",
@@ -139,10 +140,18 @@ def silu_and_mul_quant(
     return q, scales
 
 
+# The launch option of every kernel that calls plus_sigmoid_gated: with Triton's default FP fusion, LLVM folds the
+# product's rounding and the sum into one bf16 FMA (`fma.rn.bf16`: the product unrounded), and on an H100 (fiftieth
+# session, RESULTS.md) only 75-84% of the gated add's elements had torch's bits; without it, sm90 PTX rounds the
+# product (`mul.rn.bf16`) then adds (`add.rn.bf16`), as torch does (tests/unit/test_rounding_ptx.py).
+ROUNDED_AS_TORCH = {"enable_fp_fusion": False}
+
+
 @triton.jit
 def plus_sigmoid_gated(x, logit, shared, ty: tl.constexpr, INTERPRET_BF16: tl.constexpr):
     """fp32 x (a value of dtype ty) + sigmoid(logit) * shared, rounded to ty where torch's three ops round (the
-    sigmoid, the product, the sum), in fp32: this kernel's and moe_sum's ADDEND epilogue's one formula."""
+    sigmoid, the product, the sum), in fp32: this kernel's and moe_sum's ADDEND epilogue's one formula. Launch
+    with ROUNDED_AS_TORCH."""
     gate = rounded(tl.sigmoid(logit), ty, INTERPRET_BF16)
     return rounded(x + rounded(gate * shared, ty, INTERPRET_BF16), ty, INTERPRET_BF16)
 
@@ -185,6 +194,7 @@ def sigmoid_gated_add(out: torch.Tensor, gate: torch.Tensor, shared: torch.Tenso
     _sigmoid_gated_add_kernel[(num_tokens, triton.cdiv(hidden, BLOCK))](
         out, gate, shared, hidden, out.stride(0), gate.stride(0), shared.stride(0), BLOCK=BLOCK,
         INTERPRET_BF16=interpreting() and out.dtype == torch.bfloat16, USE_PDL=pdl, num_warps=4, launch_pdl=pdl,
+        **ROUNDED_AS_TORCH,
     )  # fmt: skip
     return out
 

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from longserve.kernels.activation import plus_sigmoid_gated
+from longserve.kernels.activation import ROUNDED_AS_TORCH, plus_sigmoid_gated
 from longserve.kernels.extend_attention import interpreting
 from longserve.kernels.launch import fast_launch, pdl_prologue, use_pdl
 from longserve.kernels.quant_tiles import rounded
@@ -109,5 +109,6 @@ def moe_sum(
         shared.stride(0), TOP_K=top_k, BLOCK=block, HAS_WEIGHTS=weights is not None,
         ROUND_PRODUCT=round_product and out.dtype != torch.float32, PARTIALS=partials, ADDEND=addend is not None,
         INTERPRET_BF16=interpreting() and out.dtype == torch.bfloat16, USE_PDL=pdl, launch_pdl=pdl,
+        **(ROUNDED_AS_TORCH if addend is not None else {}),
     )  # fmt: skip
     return out

@@ -27,7 +27,7 @@ _TYPES = {
     "int32": "i32", "int16": "i16", "int8": "i8", "uint8": "u8", "bool": "i1", "float8_e4m3fn": "fp8e4nv",
     "float8_e5m2": "fp8e5",
 }  # fmt: skip
-_LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
+_LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_fusion")
 
 
 def _is_constexpr(param: inspect.Parameter) -> bool:

@@ -65,8 +65,8 @@ def test_silu_and_mul(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("rows", [1, 64, 8192])
 def test_sigmoid_gated_add(rows: int) -> None:
     """The Qwen-MoE shared expert's gated add at the seed's hidden size (2,048), the gate a column of the stacked
-    input GEMM's output: each element within a rounding of torch's three ops, and on average as near the exact
-    value as they are."""
+    input GEMM's output: each element within a rounding of torch's three ops, nearly all with torch's bits, and on
+    average as near the exact value as they are."""
     from longserve.kernels.activation import sigmoid_gated_add, sigmoid_gated_add_ref
 
     out, shared = (
@@ -79,9 +79,11 @@ def test_sigmoid_gated_add(rows: int) -> None:
     # each op's rounding may land a bf16 step away (Triton's exp is not torch's): one step of each op's value
     bound = (want.float().abs() + 2 * shared.float().abs()) * 2**-7 + 1e-6
     assert ((got.float() - want.float()).abs() <= bound).all()
-    # and as accurate as torch's three ops against the exact value: on an H100 (fiftieth session) only 75-84% of
-    # the elements had torch's bits, one row's gate (a single logit) rounding to the neighbouring bf16 value
-    # moving a whole row, so bit-equality is no measure here; the error against float64 is
+    # torch's bits: on an H100 (fiftieth session) only 75-84% had them, the product and the sum compiled into one
+    # bf16 FMA; launched with activation.ROUNDED_AS_TORCH (no FP fusion) the product is rounded first, as torch
+    # does, and only a row's gate (Triton's exp is not torch's) may round the other way
+    assert (got == want).float().mean() > 0.99
+    # and on average as near the exact value as torch's three ops
     exact = out.double() + torch.sigmoid(gate.double()) * shared.double()
     err_kernel, err_torch = (got.double() - exact).abs().mean(), (want.double() - exact).abs().mean()
     assert err_kernel <= 1.25 * err_torch, (err_kernel.item(), err_torch.item())
