@@ -56,8 +56,10 @@ DENSE_GEMM_TRITON_MAX_TOKENS = 0
 # `gpu_check.sh dense-tables{,-8b}`, RESULTS.md), the tuner found the seed's output projections 11.1 -> 9.3 us at one
 # row, its router 5.2 -> 4.1, its stacked MoE inputs at 8 rows 12.2 -> 5.7, the 8B's o 16.1 -> 14.5 and down 42.9
 # -> 41.3; with those tables the seed's decode b1@32K went 3.50 -> 3.64 ms (b8@8K 5.44 -> 5.31, b64@4K even) and the
-# 8B's b1@32K 7.43 -> 8.43 ms, b16@8K 11.64 -> 12.82, b64@4K 17.36 -> 18.47 (the same kernels ~3-15 us slower a
-# call in the step than back to back: not yet profiled). No table is shipped.
+# 8B's b1@32K 7.43 -> 8.43 ms, b16@8K 11.64 -> 12.82, b64@4K 17.36 -> 18.47. In the step the tables also sent the
+# down projections there gated (from gate|up), a variant the tuner had not timed, and the gated down projection
+# had lost alone in the forty-first session (b1 7.38 -> 7.97 ms): now it reads a table of its own ("dense_gemm_gated",
+# `--kernels dense_gated`, timed against silu_and_mul + cuBLAS), not yet measured. No table is shipped.
 DENSE_GEMM_TABLES = False
 # Decode batches up to this many rows run an unquantized MLP's down projection here with silu(gate) * up made on
 # its loads (GATED), instead of cuBLAS after silu_and_mul's launch: one launch and the gap before it a layer (~2.6
@@ -133,12 +135,15 @@ def table_rows(m: int) -> int:
     return triton.next_power_of_2(m)
 
 
-def tuned_dense_config(m: int, n: int, k: int, device: torch.device) -> dict[str, int] | None:
-    """This GPU's table's tiles for [m, k] x [n, k]^T, or None (tables off, none for this GPU or this shape, no
-    CUDA device, the interpreter)."""
+def tuned_dense_config(
+    m: int, n: int, k: int, device: torch.device, gated: bool = False
+) -> dict[str, int] | None:
+    """This GPU's table's tiles for [m, k] x [n, k]^T (gated: a down projection from gate|up, whose own table,
+    "dense_gemm_gated", was timed against silu_and_mul then cuBLAS), or None (tables off, none for this GPU or
+    this shape, no CUDA device, the interpreter)."""
     if not DENSE_GEMM_TABLES or not 1 <= m <= DENSE_GEMM_MAX_BLOCK_M:
         return None
-    return tuned_gemv_config("dense_gemm", n, k, table_rows(m), device)
+    return tuned_gemv_config("dense_gemm_gated" if gated else "dense_gemm", n, k, table_rows(m), device)
 
 
 def dense_gemm_serves(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -155,14 +160,14 @@ def dense_gemm_serves(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 def dense_gemm_gated_serves(gate_up: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether an MLP's down projection takes this kernel with silu(gate) * up made on its loads: 16-bit, a token
-    count in DENSE_GEMM_GATED_MAX_TOKENS's range (off: 0), or a decode batch of a down projection this GPU's table
-    holds (a shared expert's: its silu_and_mul launch goes too)."""
+    count in DENSE_GEMM_GATED_MAX_TOKENS's range (off: 0), or a decode batch of a down projection this GPU's gated
+    table holds (its silu_and_mul launch goes too)."""
     if gate_up.dim() != 2 or gate_up.dtype not in (torch.bfloat16, torch.float16) or w.dtype != gate_up.dtype:
         return False
     rows = gate_up.shape[0]
     return (
         1 <= rows <= min(DENSE_GEMM_GATED_MAX_TOKENS, DENSE_GEMM_MAX_BLOCK_M)
-        or tuned_dense_config(rows, w.shape[0], w.shape[1], gate_up.device) is not None
+        or tuned_dense_config(rows, w.shape[0], w.shape[1], gate_up.device, gated=True) is not None
     )
 
 
@@ -197,7 +202,7 @@ def dense_gemm(
     assert w.shape[1] == k and 1 <= m <= DENSE_GEMM_MAX_BLOCK_M, f"x {tuple(x.shape)}, w {tuple(w.shape)}"
     x = x if x.stride(1) == 1 else x.contiguous()
     w = w if w.stride(1) == 1 else w.contiguous()
-    tuned = None if config else tuned_dense_config(m, n, k, x.device)
+    tuned = None if config else tuned_dense_config(m, n, k, x.device, gated)
     cfg = {**dense_gemm_config(m, n, k, x.device), **(tuned or {}), **(config or {})}
     assert cfg["BLOCK_M"] >= m, cfg
     num_tiles = triton.cdiv(k, cfg["BLOCK_K"])

@@ -10,7 +10,9 @@ each (BLOCK_N, num_warps, split or not) compiles once per kernel and serves ever
 
 `--kernels dense --tokens 1,2,4,8,16,32,64,128`: the 16-bit GEMM of kernels/dense_gemm.py (its num_stages tuned
 too) against cuBLAS (F.linear) as the default: an entry, where one is written, sends that product there at
-decode batches of those rows (dense_gemm.DENSE_GEMM_TABLES).
+decode batches of those rows (dense_gemm.DENSE_GEMM_TABLES). `dense_gated`: the same GEMM making a down
+projection's input silu(gate) * up on its loads, against silu_and_mul then cuBLAS (the MLPs' down projections
+only, GATED_PROJECTIONS), into a table of its own.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ import torch
 import torch.nn.functional as F
 
 __all__ = [
+    "DENSE_KERNELS",
     "DENSE_SPACE",
+    "GATED_PROJECTIONS",
     "KERNELS",
     "PROJECTIONS",
     "SPACE",
@@ -49,7 +53,10 @@ PROJECTIONS = {
         "shared_gate_up": (1024, 2048), "shared_down": (2048, 512), "moe_inputs": (1281, 2048),
     },
 }  # fmt: skip
-KERNELS = ("int4", "fp8_block", "fp8_channel", "dense")
+KERNELS = ("int4", "fp8_block", "fp8_channel", "dense", "dense_gated")
+DENSE_KERNELS = ("dense", "dense_gated")
+# the projections a gated kernel (a down projection made from gate|up) is tuned for: MLPs' down projections
+GATED_PROJECTIONS = ("down", "shared_down")
 SPACE = {"BLOCK_N": [32, 64, 128, 256], "SPLIT_K": [1, 2, 3, 4, 6, 8, 12, 16, 24, 32], "num_warps": [4, 8]}
 # the dense GEMM's: BLOCK_N 64 or 128 (its sweep's winners, forty-ninth session), 2-4 stages of tl.dot's loads
 DENSE_SPACE = {
@@ -65,8 +72,8 @@ def candidates(kernel: str, n: int, k: int, space: dict | None = None) -> list[d
     """Tiles worth timing: splits of at least two K tiles of 128, BLOCK_N within N (the dense GEMM: at most N's
     power of two, 64 at least), the int4 kernel's 32-row tiles left out (a thread's 4 words serve fewer rows than
     its activations cost)."""
-    space = space or (DENSE_SPACE if kernel == "dense" else SPACE)
-    widest = max(64, 1 << (n - 1).bit_length()) if kernel == "dense" else max(16, n)
+    space = space or (DENSE_SPACE if kernel in DENSE_KERNELS else SPACE)
+    widest = max(64, 1 << (n - 1).bit_length()) if kernel in DENSE_KERNELS else max(16, n)
     out = []
     for bn, split, warps, stages in itertools.product(
         space["BLOCK_N"], space["SPLIT_K"], space["num_warps"], space.get("num_stages", [None])
@@ -121,12 +128,21 @@ def products(kernel: str, n: int, k: int, m: int, device: torch.device, gen: tor
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     x = torch.randn(m, k, device=device, generator=gen).to(dtype)
-    if kernel == "dense":  # cuBLAS as the default: config None
+    if kernel in DENSE_KERNELS:  # cuBLAS (after silu_and_mul, gated) as the default: config None
+        from longserve.kernels.activation import silu_and_mul
         from longserve.kernels.dense_gemm import dense_gemm
 
+        gated = kernel == "dense_gated"
+        if gated:  # gate|up [m, 2k]: the down projection's input made on its loads
+            x = torch.randn(m, 2 * k, device=device, generator=gen).to(dtype)
         w = (torch.randn(n, k, device=device, generator=gen) * k**-0.5).to(dtype)
-        call = lambda cfg, w: F.linear(x, w) if cfg is None else dense_gemm(x, w, config=cfg)  # noqa: E731
-        return "dense_gemm", rotating_weights(call, (w,), device)
+
+        def call(cfg, w):
+            if cfg is None:
+                return F.linear(silu_and_mul(x) if gated else x, w)
+            return dense_gemm(x, w, config=cfg, gated=gated)
+
+        return "dense_gemm_gated" if gated else "dense_gemm", rotating_weights(call, (w,), device)
     if kernel == "int4":
         q = pack_int_k(torch.randint(0, 16, (n, k), device=device, generator=gen), 4)
         scales = (torch.rand(n, k // 128, device=device, generator=gen) * 0.02 + 0.001).half()
@@ -180,14 +196,17 @@ def tune(args: argparse.Namespace, device: str = "cuda") -> dict[str, dict[str, 
     gen = torch.Generator(device=dev).manual_seed(args.seed)
     tables: dict[str, dict[str, dict]] = {}
     jobs = [(shape, proj, nk) for shape in args.shapes for proj, nk in args.projections[shape].items()]
-    for (shape, proj, (n, k)), kernel, m in tqdm(
-        list(itertools.product(jobs, args.kernels, args.tokens)), desc="gemv tiles"
-    ):
+    work = [
+        (job, kernel, m)
+        for job, kernel, m in itertools.product(jobs, args.kernels, args.tokens)
+        if kernel != "dense_gated" or job[1] in GATED_PROJECTIONS  # a gated product: a down projection only
+    ]
+    for (shape, proj, (n, k)), kernel, m in tqdm(work, desc="gemv tiles"):
         name, run = products(kernel, n, k, m, dev, gen)
         cands = candidates(kernel, n, k, args.space)
         default_ms, best_ms, best = tune_kernel(run, cands, timer, args.iters, args.repeats)
         keep = best and best_ms < (1 - args.min_gain) * default_ms
-        base = "cuBLAS" if kernel == "dense" else "default"
+        base = {"dense": "cuBLAS", "dense_gated": "silu_and_mul + cuBLAS"}.get(kernel, "default")
         tqdm.write(f"{shape} {proj} {kernel} N={n} K={k} M={m}: {base} {default_ms * 1e3:.1f} us, best "
                    f"{best_ms * 1e3:.1f} us {best}{'' if keep else ' - not written'}")  # fmt: skip
         tables.setdefault(name, {})[f"{n},{k},{m}"] = best if keep else None  # None: drop an older entry
@@ -217,7 +236,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.tokens = [int(t) for t in args.tokens.split(",")]
     if "int4" in args.kernels and args.tokens != [1]:
         p.error("the one-row int4 kernel takes M = 1 only: --tokens 1")
-    if "dense" in args.kernels and not all(0 < t <= 128 and t & (t - 1) == 0 for t in args.tokens):
+    if set(DENSE_KERNELS) & set(args.kernels) and not all(
+        0 < t <= 128 and t & (t - 1) == 0 for t in args.tokens
+    ):
         p.error("the dense GEMM's table is read at M's next power of two: --tokens of 1, 2, 4, ..., 128")
     args.projections, args.space = PROJECTIONS, None  # None: each kernel's own (candidates)
     return args

@@ -84,11 +84,11 @@ def test_engine_steps_agree_with_f_linear(tmp_path, monkeypatch: pytest.MonkeyPa
 
 
 def test_engine_steps_agree_with_tuned_tables(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A tiny Qwen2-MoE (router, shared gate and shared expert in bf16) as if this GPU's tuned table held every
-    linear of at most 4,096 outputs (128-row tiles, 2 splits, 3 stages) at decode batches: the decodes take it,
-    the prefill does not."""
+    """A tiny Qwen2-MoE (router, shared gate and shared expert in bf16) as if this GPU's tuned tables held every
+    linear and gated down projection of at most 4,096 outputs (128-row tiles, 2 splits, 3 stages) at decode
+    batches: the decodes take it, the prefill does not."""
     tiles = {"BLOCK_N": 128, "SPLIT_K": 2, "num_warps": 4, "num_stages": 3}
-    table = lambda m, n, k, device: tiles if n <= 4096 and m <= 128 else None  # noqa: E731
+    table = lambda m, n, k, device, gated=False: tiles if n <= 4096 and m <= 128 else None  # noqa: E731
     calls = switched_on_agrees(tmp_path, monkeypatch, "qwen2_moe", tuned_dense_config=table)
     assert calls and max(calls) <= 128, calls
 

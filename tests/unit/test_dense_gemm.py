@@ -112,22 +112,23 @@ def test_unquantized_linears_take_it_only_in_the_switched_range(monkeypatch: pyt
 
 @pytest.fixture
 def tuned_table(tmp_path, monkeypatch: pytest.MonkeyPatch):
-    """write(entries): a dense_gemm table as tune_gemv writes it, read by load_gemv_table and looked up as on a GPU
-    (gemv_tables.tuned_gemv_config's device and interpreter checks are test_gemv_tables.py's); CUDA faked for
-    the linear method's pre-check. Yields the split counts the kernel ran with."""
+    """write(entries, kernel): a table of `kernel` ("dense_gemm", or "dense_gemm_gated" for the down projections
+    made from gate|up) as tune_gemv writes it, read by load_gemv_table and looked up as on a GPU
+    (gemv_tables.tuned_gemv_config's device and interpreter checks are test_gemv_tables.py's); CUDA faked for the
+    linear method's pre-check. Returns the split counts the kernel ran with."""
     from longserve.kernels import gemv_tables
     from longserve.models import linear_method
 
-    path = tmp_path / "dense.json"
-    lookup = lambda kernel, n, k, m, device: gemv_tables.load_gemv_table(str(path)).get((n, k, m))  # noqa: E731
+    path = lambda kernel: tmp_path / f"{kernel}.json"  # noqa: E731
+    lookup = lambda kernel, n, k, m, device: gemv_tables.load_gemv_table(str(path(kernel))).get((n, k, m))  # noqa: E731
     monkeypatch.setattr(dense_gemm, "tuned_gemv_config", lookup)
     monkeypatch.setattr(linear_method, "use_triton", lambda x: True)  # as for CUDA tensors with triton
     splits: list[int] = []
     real = dense_gemm.split_k_outputs
     monkeypatch.setattr(dense_gemm, "split_k_outputs", lambda *a: splits.append(a[1]) or real(*a))
 
-    def write(entries: dict) -> list[int]:
-        path.write_text(json.dumps(entries))
+    def write(entries: dict, kernel: str = "dense_gemm") -> list[int]:
+        path(kernel).write_text(json.dumps(entries))
         gemv_tables.load_gemv_table.cache_clear()
         return splits
 
@@ -195,7 +196,7 @@ def test_gated_equals_silu_and_mul_then_the_product(m: int, n: int, k: int, spli
 def test_the_down_projection_takes_the_gated_path_only_in_its_range(tuned_table, monkeypatch) -> None:
     """UnquantizedLinearMethod.apply_gated: off by default (None: the layer runs silu_and_mul, then apply);
     switched on for 1-16 rows (CUDA faked), a batch of 1 and 16 goes through the gated kernel, 17 does not; a
-    down projection whose shape the tuned table holds (a shared expert's) takes it at the rows it was tuned for
+    down projection whose shape the gated table holds (not the plain one's) takes it at the rows it was tuned for
     with its tiles, not at others."""
     from longserve.models import linear_method
 
@@ -212,11 +213,16 @@ def test_the_down_projection_takes_the_gated_path_only_in_its_range(tuned_table,
             got, dense_gemm.dense_gemm(gate_up[m], layer.weight, gated=True)
         )
     assert method.apply_gated(layer, gate_up[17], None) is None
-    # the tuned table's entry for the down weight [24, 64] at 32 rows: with the tables on, 17 takes it, with its 2
-    # splits
-    tuned_table({"24,64,32": {"BLOCK_N": 64, "SPLIT_K": 2, "num_warps": 4}})
+    # the gated table's entry for the down weight [24, 64] at 32 rows: with the tables on, 17 takes it, with its 2
+    # splits; the plain product's table does not send the gated one there
+    entry = {"24,64,32": {"BLOCK_N": 64, "SPLIT_K": 2, "num_warps": 4}}
+    tuned_table(entry, "dense_gemm_gated")
     assert method.apply_gated(layer, gate_up[17], None) is None  # tables off by default
     monkeypatch.setattr(dense_gemm, "DENSE_GEMM_TABLES", True)
+    tuned_table({}, "dense_gemm_gated")
+    tuned_table(entry, "dense_gemm")
+    assert method.apply_gated(layer, gate_up[17], None) is None
+    tuned_table(entry, "dense_gemm_gated")
     got = method.apply_gated(layer, gate_up[17], None)
     assert got is not None and splits[-1] == 2
     assert torch.equal(got, dense_gemm.dense_gemm(gate_up[17], layer.weight, gated=True))

@@ -116,10 +116,10 @@ def test_the_dense_candidates_tune_stages_and_stay_within_n() -> None:
 
 
 def test_the_dense_tuner_takes_powers_of_two_rows_only() -> None:
-    tune_gemv.parse_args(["--kernels", "dense", "--tokens", "1,2,64,128"])
-    for tokens in ("3", "256", "0"):
+    tune_gemv.parse_args(["--kernels", "dense,dense_gated", "--tokens", "1,2,64,128"])
+    for kernels, tokens in (("dense", "3"), ("dense", "256"), ("dense_gated", "0"), ("dense_gated", "12")):
         with pytest.raises(SystemExit):
-            tune_gemv.parse_args(["--kernels", "dense", "--tokens", tokens])
+            tune_gemv.parse_args(["--kernels", kernels, "--tokens", tokens])
 
 
 @pytest.mark.parametrize("kernel", ["int4", "fp8_block", "fp8_channel", "dense"])
@@ -146,6 +146,18 @@ def test_the_tuner_checks_each_candidate_and_keeps_only_gains(
     assert name.startswith({"int4": "int4_fast_gemv", "fp8_block": "fp8_block_gemv", "fp8_channel": "fp8_channel",
                             "dense": "dense_gemm"}[kernel])  # fmt: skip
     assert list(entries) == ["48,512,1"] and entries["48,512,1"] in calls[0]
+
+
+def test_the_gated_dense_kernel_is_tuned_on_down_projections_against_silu_and_mul() -> None:
+    """`dense_gated`: only the MLPs' down projections are tuned, into "dense_gemm_gated", each candidate checked
+    against silu_and_mul then F.linear (a wrong input would fail the check)."""
+    args = tune_gemv.parse_args(["--kernels", "dense_gated", "--iters", "1", "--repeats", "1"])
+    args.shapes, args.min_gain = ["tiny"], -1e6
+    args.projections = {"tiny": {"down": (48, 256), "o": (48, 256)}}
+    args.space = {"BLOCK_N": [64], "SPLIT_K": [1], "num_warps": [4], "num_stages": [2]}
+    assert tune_gemv.tune(args, device="cpu") == {
+        "dense_gemm_gated": {"48,256,1": {"BLOCK_N": 64, "SPLIT_K": 1, "num_warps": 4, "num_stages": 2}}
+    }
 
 
 def test_a_broken_candidate_stops_the_tuner() -> None:

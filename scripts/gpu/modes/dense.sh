@@ -18,13 +18,13 @@
 # dense-gemm (one GPU, ~6 min): kernels/dense_gemm.py's Triton GEMM for the unquantized linears at 16-128 tokens
 # (DENSE_GEMM_TRITON_MAX_TOKENS, off): its GPU tests, per 8B projection against cuBLAS with a small tile sweep
 # (scripts/gpu/bench_dense_gemm.py, weights from HBM), then the 8B decode at batch 16 (8K) and 64 (4K) off and on.
-# dense-tables (one GPU, ~8 min): kernels/dense_gemm.py's tuned table (DENSE_GEMM_TABLES): its GPU tests, then
-# `tune_gemv --kernels dense` over the seed's bf16 products at 1-64 rows (each shape where a Triton tile beats
-# cuBLAS gets an entry; in the forty-ninth session's sweep, the 2,048-wide output projections 10.9 -> 9.1 us at one
-# row, the router 5.1 -> 3.8, the stacked MoE inputs at 64 rows 15.3 -> 6.9), then the seed's decode b1@32K,
-# b8@8K, b64@4K with the table off and on, then the b1 step profiled off and on (the table lost in the fiftieth
-# session: 3.50 -> 3.64 ms at b1). dense-tables-8b (~5 min): the same for the Llama-3.1-8B (1, 16, 64 rows; decode
-# b1@32K, b16@8K, b64@4K: issue 19's decode cells; b1 7.43 -> 8.43 ms with its table).
+# dense-tables (one GPU, ~8 min): kernels/dense_gemm.py's tuned tables (DENSE_GEMM_TABLES): its GPU tests, then
+# `tune_gemv --kernels dense,dense_gated` over the seed's bf16 products at 1-64 rows (each shape where a Triton tile
+# beats cuBLAS gets an entry; the gated table, the down projections made from gate|up, against silu_and_mul +
+# cuBLAS), then the seed's decode b1@32K, b8@8K, b64@4K with the tables off and on, then the b1 step profiled off
+# and on. In the fiftieth session, with one table serving the down projections gated too (a variant the tuner had
+# not timed), b1 went 3.50 -> 3.64 ms. dense-tables-8b (~5 min): the same for the Llama-3.1-8B (1, 16, 64 rows;
+# decode b1@32K, b16@8K, b64@4K: issue 19's decode cells; b1 7.43 -> 8.43 ms with that one table).
 # gemm-tunable (one GPU, ~1 min): every 8B projection at 16 / 64 / 128 tokens with cuBLAS's default heuristics and
 # with TunableOp's pick (scripts/probes/probe_tunableop.py).
 # swiglu-gemm (one GPU, ~2 min): the 8B gate/up GEMM at 8K / 32K tokens writing silu(gate) * up from its epilogue
@@ -244,9 +244,11 @@ if [[ $MODE == dense-tables || $MODE == dense-tables-8b ]]; then
     shape=llama-3.1-8b tokens=1,16,64 model=(--config llama-3.1-8b "${dummy[@]}") sizes=1@32768,16@8192,64@4096 name=8b
   fi
   # the table lands in the package's gemv_configs/ (the engine runs below read it) and in $OUT
-  timeout 330 python3 -m longserve.kernels.tune_gemv --shapes $shape --kernels dense --tokens $tokens 2>&1 \
-    | tee "$OUT/tune_dense_$name.log" | grep -E "^$shape|^wrote" || status=1
-  cp longserve/kernels/gemv_configs/kernel=dense_gemm,* "$OUT/" 2> /dev/null
+  timeout 330 python3 -m longserve.kernels.tune_gemv --shapes $shape --kernels dense,dense_gated --tokens $tokens \
+    2>&1 | tee "$OUT/tune_dense_$name.log" | grep -E "^$shape|^wrote" || status=1
+  for f in longserve/kernels/gemv_configs/kernel=dense_gemm*; do  # ('=' and ',' do not come back from a call)
+    [[ -e $f ]] && cp "$f" "$OUT/table_$(basename "$f" | tr '=,' '__')"
+  done
   for tables in False True; do
     LATENCY_TIMEOUT=150 latency_with "dense_tables_${name}_$tables" "tables $tables" \
       longserve.kernels.dense_gemm.DENSE_GEMM_TABLES=$tables -- "${model[@]}" --decode-batch-sizes $sizes --repeat 2
