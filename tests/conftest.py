@@ -23,8 +23,10 @@ if _WORKER:
 
 # The sm90 compile check (longserve/testing/kernel_compile.py): in CI (CI=true) or with
 # LONGSERVE_COMPILE_KERNELS=1, every Triton kernel variant the interpreted tests launched (those covering every
-# constexpr switch: ~90, ~40 s) is compiled for sm90 with the real compiler at the end of the session, and a
-# variant that does not compile fails the run: the interpreter accepts programs the compiler refuses.
+# constexpr switch: ~90, ~40 s) is compiled for sm90 with the real compiler at the end of the session, as the GPU
+# launches it (its interpreter-only switches off), and a variant that does not compile, or whose PTX holds a 16-bit
+# FMA (a rounding its source asks for, fused away), fails the run: the interpreter accepts programs the compiler
+# refuses, and rounds as written.
 # LONGSERVE_RECORD_KERNELS=FILE appends the recorded variants to FILE instead.
 _COMPILE_CHECK = (
     os.environ.get("LONGSERVE_COMPILE_KERNELS", "1" if os.environ.get("CI") == "true" else "0") == "1"

@@ -6,8 +6,9 @@ constexpr branches passed every interpreted test and failed to compile on the GP
 (triton ships its nvidia backend and ptxas), only the argument types and constexpr values of each launch,
 which the interpreter sees: `record_launches()` notes them (one record per kernel, constexpr values and
 argument types), and `compile_record()` builds that variant for sm90 down to cubin in a process where
-TRITON_INTERPRET is off. tests/conftest.py records while the suite runs (LONGSERVE_RECORD_KERNELS=FILE) and
-tests/unit/test_kernels_compile.py checks the kernels of a representative run.
+TRITON_INTERPRET is off, as the GPU launches it (INTERPRETER_CONSTEXPRS off), and refuses a 16-bit FMA in its PTX
+(FMA16). tests/conftest.py records while the suite runs (LONGSERVE_RECORD_KERNELS=FILE) and compiles what it
+recorded at the end (CI); tests/unit/test_kernel_compile.py checks the mechanism.
 """
 
 from __future__ import annotations
@@ -303,8 +304,18 @@ def report_variants(report: Callable[[dict], dict], default: list[dict]) -> None
         print(json.dumps(report(variant)), flush=True)
 
 
+# The interpreter-only switches a kernel takes (its own rounding where the interpreter's casts truncate): False on
+# the GPU, so a recorded launch is compiled as the GPU would launch it.
+INTERPRETER_CONSTEXPRS = ("INTERPRET", "INTERPRET_BF16")
+# A 16-bit FMA in a kernel's PTX is a rounding its source asks for (a product rounded to bf16 before a sum, as
+# torch rounds) that LLVM's FP contraction fused away: on an H100 (fiftieth session) the shared expert's gated add
+# so compiled had torch's bits in 75-84% of its elements. Such a launch takes activation.ROUNDED_AS_TORCH.
+FMA16 = re.compile(r"\bfma\.rn(?:\.ftz)?(?:\.relu)?\.(?:bf16|f16)(?:x2)?\b")
+
+
 def compile_record(rec: dict[str, Any]) -> dict[str, Any]:
-    """Compile one recorded variant for sm90 (TRITON_INTERPRET must be off in this process)."""
+    """Compile one recorded variant for sm90, as the GPU launches it (INTERPRETER_CONSTEXPRS off; TRITON_INTERPRET
+    must be off in this process); a 16-bit FMA in its PTX (FMA16) is an error."""
     import importlib
 
     import triton
@@ -316,10 +327,16 @@ def compile_record(rec: dict[str, Any]) -> dict[str, Any]:
     while not hasattr(fn, "arg_names"):  # kernels/launch.py's FastKernel around the JITFunction
         fn = fn.fn
     constexprs = {
-        k: tl.dtype(v["tl_dtype"]) if isinstance(v, dict) else v for k, v in rec["constexprs"].items()
+        k: False if k in INTERPRETER_CONSTEXPRS else tl.dtype(v["tl_dtype"]) if isinstance(v, dict) else v
+        for k, v in rec["constexprs"].items()
     }
     src = triton.compiler.ASTSource(fn=fn, signature=rec["signature"], constexprs=constexprs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=rec["options"])
+    fused = sorted(set(FMA16.findall(compiled.asm.get("ptx", ""))))
+    if fused:
+        raise ValueError(
+            f"{rec['name']}: 16-bit FMAs {fused} in its PTX: a rounding of its source fused away"
+        )
     return {"kernel": rec["name"], "stages": list(compiled.asm)}
 
 

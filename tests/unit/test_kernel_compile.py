@@ -41,6 +41,21 @@ def _bad_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, MODE: tl.constexpr):
     tl.store(out_ptr + offs, y * s, mask=offs < n)
 
 
+@triton.jit
+def _rounded_sum_kernel(x_ptr, a_ptr, b_ptr, out_ptr, n, BLOCK: tl.constexpr, INTERPRET_BF16: tl.constexpr):
+    """out = round(x + round(a * b)) in bf16, as torch computes x + a * b; under the interpreter a plain sum (its
+    own path, as the kernels' INTERPRET_BF16 paths are)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+    a = tl.load(a_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+    if INTERPRET_BF16:
+        y = x + a * b
+    else:
+        y = x + (a * b).to(tl.bfloat16).to(tl.float32)
+    tl.store(out_ptr + offs, y.to(tl.bfloat16), mask=offs < n)
+
+
 def _nvidia_backend() -> bool:
     try:
         from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
@@ -96,6 +111,38 @@ def test_the_compiler_refuses_what_the_interpreter_ran(tmp_path):
     assert results["_good_kernel"]["ok"] and results["_good_kernel"]["stages"][-1] == "cubin", results
     assert not results["_bad_kernel"]["ok"], results["_bad_kernel"]
     assert done.returncode == 1
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="records interpreted launches")
+@pytest.mark.skipif(not _nvidia_backend(), reason="triton's nvidia backend is not installed")
+def test_a_rounding_fused_away_fails_the_check(tmp_path):
+    """The GPU's variant of an interpreted launch is compiled (INTERPRET_BF16 recorded True, compiled False), and
+    its product rounded before the sum, fused by Triton's default FP fusion into a bf16 FMA, fails the check;
+    launched with activation.ROUNDED_AS_TORCH it compiles."""
+    from longserve.kernels.activation import ROUNDED_AS_TORCH
+
+    kernel_compile.record_launches()
+    x, a, b = (torch.randn(8, generator=torch.Generator().manual_seed(i)).bfloat16() for i in range(3))
+    out = torch.empty(8, dtype=torch.bfloat16)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join([root, here])}
+    for options, ok in (({}, False), (ROUNDED_AS_TORCH, True)):
+        _rounded_sum_kernel[(1,)](x, a, b, out, 8, BLOCK=8, INTERPRET_BF16=True, **options)
+        (rec,) = [
+            r
+            for r in kernel_compile._RECORDS.values()
+            if r["name"] == "_rounded_sum_kernel" and r["options"] == options
+        ]
+        assert rec["constexprs"]["INTERPRET_BF16"] is True and rec["options"] == options
+        path = tmp_path / "records.jsonl"
+        path.write_text(json.dumps(rec) + "\n")
+        done = subprocess.run([sys.executable, "-m", "longserve.testing.kernel_compile", str(path)], env=env,
+                              capture_output=True, text=True, timeout=300, cwd=root)  # fmt: skip
+        (result,) = [json.loads(line) for line in done.stdout.splitlines()]
+        assert result["ok"] is ok, result
+        if not ok:
+            assert "16-bit FMAs" in result["error"] and "fma.rn.bf16" in result["error"], result
 
 
 # nvdisasm's layout: a kernel's main loop, then an mbarrier wait's retry block at the function's end branching back
