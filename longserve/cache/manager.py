@@ -185,13 +185,14 @@ class KVCacheManager:
         """A checkpoint for a decoding request's state after its next token, every `track_interval` tokens on a
         page past min_checkpoint_tokens (SGLang's --mamba-track-interval): held until the request ends, when its
         generated pages join the cache (`release`), so a conversation's next turn resumes inside this answer; a
-        newer one replaces it. None: not such a token, no prefix cache of states, or every checkpoint pinned."""
+        newer one replaces it. None: not such a token, no prefix cache of states, every checkpoint pinned, or as
+        many held by tracked states as they may hold (state_radix_tree.TRACK_SHARE)."""
         end = req.num_computed_tokens + 1
         if end % self.track_interval or end % self.page_size or end < self.min_checkpoint_tokens:
             return None
         if not self.prefix_cache.keeps_states or req.cache_node is None:
             return None
-        return self.prefix_cache.take_checkpoint()
+        return self.prefix_cache.take_checkpoint(track=True, replacing=req.state_tracked is not None)
 
     def state_saved(self, req: Request, checkpoint: int, tokens: int | None = None) -> None:
         """After the step that saves the request's state into `checkpoint` was advanced (its pages cached): the

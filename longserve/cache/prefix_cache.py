@@ -87,7 +87,7 @@ class PrefixCache(ABC):
         """Assert the structure's invariants (tests and debug only)."""
 
     # a hybrid model's state checkpoints (StateRadixTree); a cache that keeps none is never asked for one
-    def take_checkpoint(self) -> int | None:
+    def take_checkpoint(self, track: bool = False, replacing: bool = False) -> int | None:
         return None
 
     def attach_checkpoint(self, node: Any, checkpoint: int) -> bool:

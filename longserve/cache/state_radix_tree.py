@@ -14,6 +14,12 @@ is free, in flight (taken for a step's save, attached when the step is advanced)
 none is free, the least recently used attached one that no pending restore reads is dropped (its node keeps its
 pages); a node evicted with its pages frees its checkpoint. Between a match and the step that copies it (the same
 scheduling pass, the copy queued before any later save on the one stream), a checkpoint is pinned.
+
+A decoding request's tracked state (KVCacheManager.track_target, --mamba-track-interval) holds its checkpoint in
+flight until the request ends: at most TRACK_SHARE of the checkpoints at once, so that many long answers cannot
+evict every document's checkpoint (a hybrid model's prefix hit needs one: without it a question over a cached
+16K-token document recomputes all of it). SGLang keeps such tracked states in buffers of the request's own, apart
+from its cache's.
 """
 
 from __future__ import annotations
@@ -25,6 +31,10 @@ import numpy as np
 from longserve.cache.page_pool import PagePool
 from longserve.cache.prefix_cache import MatchResult
 from longserve.cache.radix_tree import RadixTree, TreeNode, token_array
+
+# The share of the checkpoints decoding requests may hold in flight for their tracked states (the rest serve the
+# prompts' marks and the cache's attached states).
+TRACK_SHARE = 0.5
 
 
 class StateRadixTree(RadixTree):
@@ -40,6 +50,7 @@ class StateRadixTree(RadixTree):
         self._free = list(reversed(self._ids))  # popped from the end: the lowest id first
         self._attached: dict[int, TreeNode] = {}
         self._in_flight: set[int] = set()
+        self._tracks: set[int] = set()  # in flight for a decoding request's tracked state (TRACK_SHARE)
         self._pins: dict[int, int] = {}  # checkpoint -> restores queued but not yet launched
 
     @property
@@ -77,9 +88,17 @@ class StateRadixTree(RadixTree):
 
     # ---- checkpoints ---------------------------------------------------------------------------
 
-    def take_checkpoint(self) -> int | None:
+    @property
+    def max_tracks(self) -> int:
+        """How many checkpoints decoding requests' tracked states may hold at once (TRACK_SHARE, one at least)."""
+        return max(1, int(self.num_checkpoints * TRACK_SHARE))
+
+    def take_checkpoint(self, track: bool = False, replacing: bool = False) -> int | None:
         """A checkpoint id for a step to save a state into (in flight until attached or dropped); None when
-        every one is attached and pinned."""
+        every one is attached and pinned, or (`track`: for a decoding request's tracked state) when max_tracks
+        are held so already, not counting the one a request's newer state will replace (`replacing`)."""
+        if track and len(self._tracks) - replacing >= self.max_tracks:
+            return None
         if not self._free:
             unpinned = [(node.last_access, c) for c, node in self._attached.items() if c not in self._pins]
             if not unpinned:
@@ -89,12 +108,15 @@ class StateRadixTree(RadixTree):
             self._free.append(c)
         c = self._free.pop()
         self._in_flight.add(c)
+        if track:
+            self._tracks.add(c)
         return c
 
     def attach_checkpoint(self, node: TreeNode, checkpoint: int) -> bool:
         """The saved state after exactly `node`'s last token; dropped (False) if the node already has one (the
         same prompt computed twice) or has left the tree."""
         self._in_flight.remove(checkpoint)
+        self._tracks.discard(checkpoint)
         if node is self._root or node.detached or node.checkpoint is not None:
             self._free.append(checkpoint)
             return False
@@ -103,8 +125,10 @@ class StateRadixTree(RadixTree):
         return True
 
     def drop_checkpoint(self, checkpoint: int) -> None:
-        """An in-flight checkpoint whose request ended before its step was advanced."""
+        """An in-flight checkpoint whose request ended before its step was advanced (or a tracked state a newer
+        one replaces)."""
         self._in_flight.remove(checkpoint)
+        self._tracks.discard(checkpoint)
         self._free.append(checkpoint)
 
     def pin(self, checkpoint: int) -> None:
@@ -134,6 +158,7 @@ class StateRadixTree(RadixTree):
         assert len(free) == len(self._free), "a checkpoint is free twice"
         assert not (free & attached) and not (free & self._in_flight) and not (attached & self._in_flight)
         assert free | attached | self._in_flight == set(self._ids), "a checkpoint is lost"
+        assert self._tracks <= self._in_flight, "a tracked state's checkpoint neither in flight nor let go"
         assert set(self._pins) <= attached and all(v > 0 for v in self._pins.values()), (
             "a pin on a free checkpoint"
         )

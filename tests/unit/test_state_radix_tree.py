@@ -274,3 +274,50 @@ def test_decode_checkpoints_wait_for_the_end_and_a_newer_one_replaces_the_older(
     kv.release(a, cache=False)  # aborted: nothing cached, the checkpoint is free again
     assert save in tree._free and a.state_tracked is None
     kv.check_integrity([])
+
+
+def test_decoding_requests_cannot_take_every_documents_checkpoint():
+    """Tracked decode states hold at most TRACK_SHARE of the checkpoints (here 2 of 4): four long answers beside
+    two cached documents leave both documents' checkpoints (their prefix hits) in place, the two answers past the
+    share get no tracked state, a request replacing its own older one still may, and once a tracked answer ends
+    (its state joins the cache) another may track again."""
+    kv = KVCacheManager(
+        256, PS, num_state_slots=6, num_state_checkpoints=4, min_checkpoint_tokens=8, track_interval=8
+    )
+    tree = kv.prefix_cache
+    assert tree.max_tracks == 2
+    docs = [req(f"d{i}", list(range(100 * (i + 1), 100 * (i + 1) + 10))) for i in range(2)]
+    for d in docs:  # 10 tokens: a checkpoint at 8 each
+        run_prompt(kv, d, chunk=16)
+        kv.release(d)
+    assert sorted(depths(tree).values()) == [8, 8]
+    answers = [req(f"r{i}", list(range(1000 * (i + 1), 1000 * (i + 1) + 7)), max_new=32) for i in range(4)]
+    for r in answers:  # 7 tokens: no mark of their own
+        run_prompt(kv, r, chunk=16)
+
+    def decode(r: Request) -> int | None:
+        r.output_token_ids.append(1)
+        assert kv.allocate(r, 1)
+        save = kv.track_target(r)
+        r.num_computed_tokens += 1
+        if save is not None:
+            kv.state_saved(r, save)
+        return save
+
+    saves = [decode(r) for r in answers]  # each computes its 8th token: a track target
+    assert [s is not None for s in saves] == [True, True, False, False]
+    for d in docs:  # the documents' states are still there to hit
+        assert kv.prefix_cache.match_prefix(d.prompt_token_ids + [5]).num_tokens == 8
+    for _ in range(8):  # to 16: the two tracked replace their own; the others stay untracked
+        saves = [decode(r) for r in answers]
+    assert [s is not None for s in saves] == [True, True, False, False]
+    assert [r.state_tracked is not None for r in answers] == [True, True, False, False]
+    kv.check_integrity(answers)
+    kv.release(answers[0])  # its tracked state joins the cache: a track is free again
+    for _ in range(8):
+        saves = [decode(r) for r in answers[1:]]
+    assert [s is not None for s in saves] == [True, True, False]
+    kv.check_integrity(answers[1:])
+    for r in answers[1:]:
+        kv.release(r)
+    kv.check_integrity([])
