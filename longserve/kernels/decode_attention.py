@@ -207,6 +207,12 @@ def choose_num_splits(max_seq_len: int, num_reqs: int, num_kv_heads: int, num_sm
 DECODE_BLOCK_N = 64
 DECODE_NUM_STAGES = 3
 DECODE_FEW_PROGRAMS = 768
+# The tile at head_dim > 128 (the seed's Qwen3.5 attention layers: 256, 16 query heads on 2 KV heads): never swept.
+# On an H100 its decode kernel took 43 us a layer at b1@32K (forty-eighth session's profile: 320 calls in 13.8 ms)
+# where the layer's 67 MB of K/V take ~24 us at the 2.84 TB/s bench latency's floor counts; `gpu_check.sh
+# decode-wide` sweeps it (scripts/probes/sweep_decode.py --shape qwen3.5) and times the seed's decode with the
+# sweep's best.
+WIDE_HEAD_CONFIG = {"BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
 
 
 def decode_config(head_dim: int, dtype: torch.dtype, num_programs: int = 0) -> dict[str, int]:
@@ -214,8 +220,10 @@ def decode_config(head_dim: int, dtype: torch.dtype, num_programs: int = 0) -> d
     launch's grid size, which picks the warps."""
     if interpreting():
         return {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
-    if head_dim > 128 or dtype == torch.float32:
+    if dtype == torch.float32:
         return {"BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
+    if head_dim > 128:
+        return dict(WIDE_HEAD_CONFIG)
     warps = 2 if num_programs <= DECODE_FEW_PROGRAMS else 4
     return {"BLOCK_N": DECODE_BLOCK_N, "num_warps": warps, "num_stages": DECODE_NUM_STAGES}
 

@@ -395,3 +395,40 @@ def test_decode_serial_merge_on_the_gpu(batch: int, context: int, monkeypatch: p
     print(
         f"\ndecode b{batch}@{context} ({splits} splits): kernel + merge {two_launch_us:.1f} us, in-kernel merge {serial_us:.1f} us"
     )
+
+
+# the wide-head tile (decode_attention.WIDE_HEAD_CONFIG) and candidates of sweep_decode.py --shape qwen3.5
+WIDE_TILES = [None, {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1}, {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
+              {"BLOCK_N": 64, "num_warps": 8, "num_stages": 2}]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "cfg", WIDE_TILES, ids=lambda c: "default" if c is None else "-".join(map(str, c.values()))
+)
+@pytest.mark.parametrize("batch,context", [(1, 32768), (8, 8192)])
+def test_decode_wide_heads(batch: int, context: int, cfg: dict | None) -> None:
+    """The seed's attention layers at decode (16 query heads on 2 KV heads of 256) over scattered pages, the
+    engine's split count, with the wide-head tile and the sweep's candidates: the fp32 reference's output, one
+    request shorter than a split."""
+    from longserve.kernels import decode_attention as dec
+
+    heads, kv_heads, dim, page = 16, 2, 256, 16
+    num_pages = batch * context // page + 1
+    gen = torch.Generator(device="cuda").manual_seed(batch + dim)
+    k_cache = torch.randn(num_pages, page, kv_heads, dim, device="cuda", generator=gen).bfloat16()
+    v_cache = torch.randn(num_pages, page, kv_heads, dim, device="cuda", generator=gen).bfloat16()
+    pages = torch.randperm(num_pages - 1, device="cuda", generator=gen)[: batch * (context // page)] + 1
+    table = pages.view(batch, context // page).int()
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    seq_lens[-1] = 300
+    q = torch.randn(batch, heads, dim, device="cuda", generator=gen).bfloat16()
+    splits = dec.choose_num_splits(
+        context, batch, kv_heads, torch.cuda.get_device_properties(0).multi_processor_count
+    )
+    out = dec.decode_attention(
+        q, k_cache, v_cache, seq_lens, table, page, dim**-0.5, None, splits, config=cfg
+    )
+    ref = dec.decode_attention_ref(
+        q.float(), k_cache.float(), v_cache.float(), seq_lens, table, page, dim**-0.5, None, splits
+    )
+    torch.testing.assert_close(out.float(), ref, atol=TOL, rtol=TOL)

@@ -903,3 +903,18 @@ def test_start_up_plans_have_the_layouts_of_the_calls(monkeypatch: pytest.Monkey
     assert all(t.stride() == q.stride() and t.shape[0] == 16 for t in (pq, pk, pv))
     assert torch.equal(pq[3:8], q) and not pq[:3].any() and not pq[8:].any()
     assert torch.equal(pk[:3], front[0]) and torch.equal(pk[3:8], k) and torch.equal(pv[:3], front[1])
+
+
+def test_the_decode_tile_of_wide_heads_is_its_own_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the GPU (the interpreter's own tile aside) heads over 128 wide take WIDE_HEAD_CONFIG (what
+    `gpu_check.sh decode-wide` sets from its sweep), a copy the caller may change; fp32 and 128-wide heads are
+    not affected by it."""
+    from longserve.kernels import decode_attention as dec
+
+    monkeypatch.setattr(dec, "interpreting", lambda: False)
+    tile = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+    monkeypatch.setattr(dec, "WIDE_HEAD_CONFIG", tile)
+    got = dec.decode_config(256, torch.bfloat16, 4)
+    assert got == tile and got is not tile
+    assert dec.decode_config(256, torch.float32, 4) == {"BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
+    assert dec.decode_config(128, torch.bfloat16, 4)["BLOCK_N"] == dec.DECODE_BLOCK_N

@@ -91,6 +91,35 @@ if [[ $MODE == seed-decode ]]; then
   done
 fi
 
+# decode-wide (~6 min): the decode attention's tile at head_dim > 128 (decode_attention.WIDE_HEAD_CONFIG, never
+# swept: the seed's attention layers, 16 query heads on 2 KV heads of 256, took 43 us a layer at b1@32K on an H100
+# where their K/V take ~24 us): its GPU tests at the sweep's candidates, the sweep at the seed's shape
+# (sweep_decode.py --shape qwen3.5), then the seed's decode b1@32K, b8@8K, b64@4K with the default tile and with
+# the sweep's fastest at 1 x 32K (at the engine's split count), one process each, twice.
+if [[ $MODE == decode-wide ]]; then
+  if python3 -c "import pytest" 2> /dev/null; then
+    timeout 150 python3 -m pytest -q -m gpu tests/gpu/test_attention_gpu.py -k decode_wide_heads -p no:cacheprovider \
+      --tb=short -rfE 2>&1 | tee "$OUT/gpu_tests_decode_wide.log" | tail -3 || status=1
+  fi
+  OUT=$OUT timeout 200 python3 scripts/probes/sweep_decode.py --shape qwen3.5 2>&1 | tee "$OUT/sweep_decode_wide.log" \
+    | grep -v failed || status=1
+  best=$(python3 - "$OUT/sweep_decode_qwen3.5.json" <<'PY'
+import json, sys
+rows = [r for r in json.load(open(sys.argv[1])) if r["case"] == "decode_1x32k" and r.get("stage") == "tile"]
+print(json.dumps(min(rows, key=lambda r: r["ms"])["cfg"], separators=(",", ":")) if rows else "")
+PY
+  )
+  echo "the sweep's fastest tile at 1 x 32K: ${best:-none}"
+  if [[ -n $best ]]; then
+    for run in default best default best; do
+      consts=(); [[ $run == best ]] && consts=("longserve.kernels.decode_attention.WIDE_HEAD_CONFIG=$best")
+      LATENCY_TIMEOUT=150 latency_with "a3b35_gptq_decode_wide_$run" "wide tile $run" ${consts[@]+"${consts[@]}"} -- \
+        --config qwen3.5-35b-a3b "${dummy[@]}" --hf-overrides "$seed_gptq" \
+        --decode-batch-sizes 1@32768,8@8192,64@4096 --repeat 2
+    done
+  fi
+fi
+
 # hybrid-vllm (~9 min, .anchor/ carried, records moved aside): longserve against vLLM 0.24 on a hybrid shape both
 # serve as a text model (scripts/gpu/vllm_hybrid_cases.py: Qwen3-Next's decoder). vLLM's MoE cannot run from the slim
 # anchor (no `_moe_C` ops: forty-seventh session), so the pair runs the 48-layer decoder with dense MLPs (its GDN
