@@ -209,9 +209,12 @@ DECODE_NUM_STAGES = 3
 DECODE_FEW_PROGRAMS = 768
 # The tile at head_dim > 128 (the seed's Qwen3.5 attention layers: 256, 16 query heads on 2 KV heads): never swept.
 # On an H100 its decode kernel took 43 us a layer at b1@32K (forty-eighth session's profile: 320 calls in 13.8 ms)
-# where the layer's 67 MB of K/V take ~24 us at the 2.84 TB/s bench latency's floor counts; `gpu_check.sh
-# decode-wide` sweeps it (scripts/probes/sweep_decode.py --shape qwen3.5) and times the seed's decode with the
-# sweep's best.
+# where the layer's 67 MB of K/V take ~24 us at the 2.84 TB/s bench latency's floor counts. Compiled for sm90
+# (Triton 3.6, its strides marked divisible by 16 as the GPU specializes them) this tile takes 64 registers and 42 KB
+# of shared memory, no spills, so room for 4 programs an SM, but a lone 32K request's grid is 2 KV heads x 64
+# splits (MAX_SPLITS, MIN_KEYS_PER_SPLIT) = 128 programs, under one an SM (the 8B's: 512). `gpu_check.sh
+# decode-wide` sweeps the tile (scripts/probes/sweep_decode.py --shape qwen3.5) and times the seed's decode with the
+# sweep's best, and with twice the splits.
 WIDE_HEAD_CONFIG = {"BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
 
 

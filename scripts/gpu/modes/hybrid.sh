@@ -91,11 +91,11 @@ if [[ $MODE == seed-decode ]]; then
   done
 fi
 
-# decode-wide (~6 min): the decode attention's tile at head_dim > 128 (decode_attention.WIDE_HEAD_CONFIG, never
+# decode-wide (~7 min): the decode attention's tile at head_dim > 128 (decode_attention.WIDE_HEAD_CONFIG, never
 # swept: the seed's attention layers, 16 query heads on 2 KV heads of 256, took 43 us a layer at b1@32K on an H100
 # where their K/V take ~24 us): its GPU tests at the sweep's candidates, the sweep at the seed's shape
-# (sweep_decode.py --shape qwen3.5), then the seed's decode b1@32K, b8@8K, b64@4K with the default tile and with
-# the sweep's fastest at 1 x 32K (at the engine's split count), one process each, twice.
+# (sweep_decode.py --shape qwen3.5), then the seed's decode b1@32K, b8@8K, b64@4K with the default tile, the sweep's
+# fastest at 1 x 32K (at the engine's split count), that with twice the splits, and the default again.
 if [[ $MODE == decode-wide ]]; then
   if python3 -c "import pytest" 2> /dev/null; then
     timeout 150 python3 -m pytest -q -m gpu tests/gpu/test_attention_gpu.py -k decode_wide_heads -p no:cacheprovider \
@@ -111,8 +111,11 @@ PY
   )
   echo "the sweep's fastest tile at 1 x 32K: ${best:-none}"
   if [[ -n $best ]]; then
-    for run in default best default best; do
-      consts=(); [[ $run == best ]] && consts=("longserve.kernels.decode_attention.WIDE_HEAD_CONFIG=$best")
+    d=longserve.kernels.decode_attention
+    for run in default best splits default2; do
+      consts=(); [[ $run != default* ]] && consts=("$d.WIDE_HEAD_CONFIG=$best")
+      # twice the splits: 128 a KV head at 32K, 256 programs at b1 where the default's 128 leave SMs idle
+      [[ $run == splits ]] && consts+=("$d.MAX_SPLITS=128" "$d.MIN_KEYS_PER_SPLIT=256")
       LATENCY_TIMEOUT=150 latency_with "a3b35_gptq_decode_wide_$run" "wide tile $run" ${consts[@]+"${consts[@]}"} -- \
         --config qwen3.5-35b-a3b "${dummy[@]}" --hf-overrides "$seed_gptq" \
         --decode-batch-sizes 1@32768,8@8192,64@4096 --repeat 2
