@@ -258,6 +258,5 @@ def test_sum_over_k_with_a_shared_experts_addend(num_tokens: int) -> None:
     got = moe_sum(x, torch.empty_like(plain), addend=(gate, shared))
     bound = (want.float().abs() + 2 * shared.float().abs()) * 2**-7 + 1e-6
     assert ((got.float() - want.float()).abs() <= bound).all()
-    assert (
-        got == want
-    ).float().mean() > 0.99  # the product rounded before the sum (activation.ROUNDED_AS_TORCH)
+    # the product rounded before the sum, as torch rounds (activation.ROUNDED_AS_TORCH)
+    assert (got == want).float().mean() > 0.99

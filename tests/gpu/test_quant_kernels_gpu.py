@@ -619,8 +619,8 @@ def test_serial_split_k_reduction_on_the_gpu(kind: str, shape: str, monkeypatch:
 @pytest.mark.parametrize("num_tokens", [1, 4, 16])
 def test_fp8_experts_routed_gemv(num_tokens: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """kernels/moe_fp8_gemv.py at the A3B shape (128 distinct FP8-block experts, top-8): against the reference
-    (bf16: within 1% of its norm, 2% at one token) and fused_moe's grouped FP8 path, no host sync, replayed from a CUDA graph
-    with new inputs; both paths' times printed (the evidence for fused_moe.FP8_MOE_GEMV_MAX_TOKENS)."""
+    (bf16: within 1% of its norm, 2% at one token) and fused_moe's grouped FP8 path, no host sync, replayed from a
+    CUDA graph with new inputs; both paths' times printed (the evidence for fused_moe.FP8_MOE_GEMV_MAX_TOKENS)."""
     from longserve.kernels import fused_moe as fm
     from longserve.kernels.fused_moe import fused_moe, fused_moe_ref, route_topk
     from longserve.kernels.moe_fp8_gemv import moe_fp8_gemv
