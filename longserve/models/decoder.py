@@ -121,10 +121,10 @@ class Attention(nn.Module):
         gate = None
         if self.output_gate:
             qg = q.view(num_tokens, self.num_heads, 2 * self.head_dim)  # [T, Hq, 2D]: [q | gate] a head
-            # contiguous: the rotary kernel reads q's heads at a stride of D
-            q = qg[..., : self.head_dim].contiguous()  # [T, Hq, D]
-            gate = qg[..., self.head_dim :]  # [T, Hq, D] in place (Attention.gated reads it by its strides)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
+            # both in place, no copy: the rotary kernel and the attention kernels read q by its token and head
+            # strides (the library calls reshape it, a copy where they need one); Attention.gated reads the gate
+            q, gate = qg[..., : self.head_dim], qg[..., self.head_dim :]  # [T, Hq, D] each
+        q = q.view(num_tokens, self.num_heads, self.head_dim) if gate is None else q  # [T, Hq, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         # [T, H*, D]; the fused rotary kernel may also apply the q/k norms, store the new K/V in the cache and write

@@ -121,21 +121,34 @@ def test_linear_attention_projections_run_as_one_gemm(checkpoints: dict, monkeyp
 
 
 def test_attention_output_gate_kernel_equals_torchs(checkpoints: dict, monkeypatch) -> None:
-    """The attention layers' output gate in its Triton kernel (interpreted, as on a GPU: sigmoid_mul reading the
-    gate in place in q_proj's output) against torch's ops: a prompt's logits, every attention layer taking it."""
+    """The attention layers with an output gate on their Triton kernels (interpreted, as on a GPU): the fused rotary
+    kernel rotating and norming q in place where it lies in q_proj's output, [q | gate] a head (no copy), and
+    sigmoid_mul reading the gate there, against torch's ops: a prompt's logits, every attention layer taking
+    both."""
     pytest.importorskip("triton")
     from longserve.kernels import activation
-    from longserve.models import decoder
+    from longserve.kernels import rope as rope_kernels
+    from longserve.models import decoder, rope
 
     ours, hf = load_both(checkpoints["qwen3_5"])
     ids = prompt(ours.vocab_size, n=40)
     want = step(ours, new_cache(ours), new_states(ours), [ids], [0], [PAGE_IDS[:40]], [2])
     calls, real = [], activation.sigmoid_mul
     monkeypatch.setattr(activation, "sigmoid_mul", lambda *a: calls.append(1) or real(*a))
+    strides, real_rope = [], rope_kernels.rotary_embedding
+    monkeypatch.setattr(
+        rope_kernels,
+        "rotary_embedding",
+        lambda pos, q, *a, **kw: strides.append(q.stride()) or real_rope(pos, q, *a, **kw),
+    )
     monkeypatch.setattr(decoder, "use_triton", lambda x: True)
+    monkeypatch.setattr(rope, "use_triton", lambda x: True)
     got = step(ours, new_cache(ours), new_states(ours), [ids], [0], [PAGE_IDS[:40]], [2])
     assert len(calls) == ours.num_layers  # the model's attention layers (K/V holders)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # q rotated where it lies: its heads 2D apart
+    assert len(strides) == ours.num_layers and all(s[1] == 2 * ours.head_dim for s in strides), strides
+    # (the fused rotary kernel sums the q/k norms' variances in another order: 2e-5 apart in the logits)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(got, hf_logits(hf, ids), atol=1e-4, rtol=1e-4)
 
 
