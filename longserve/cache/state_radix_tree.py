@@ -16,8 +16,8 @@ pages); a node evicted with its pages frees its checkpoint. Between a match and 
 scheduling pass, the copy queued before any later save on the one stream), a checkpoint is pinned.
 
 A decoding request's tracked state (KVCacheManager.track_target, --mamba-track-interval) holds its checkpoint in
-flight until the request ends: at most TRACK_SHARE of the checkpoints at once, so that many long answers cannot
-evict every document's checkpoint (a hybrid model's prefix hit needs one: without it a question over a cached
+flight until the request ends: at most TRACK_SHARE of the checkpoints at once, and a newer one replacing it only
+where a checkpoint is free, so that many long answers cannot evict every document's checkpoint (a hybrid model's prefix hit needs one: without it a question over a cached
 16K-token document recomputes all of it). SGLang keeps such tracked states in buffers of the request's own, apart
 from its cache's.
 """
@@ -96,10 +96,14 @@ class StateRadixTree(RadixTree):
     def take_checkpoint(self, track: bool = False, replacing: bool = False) -> int | None:
         """A checkpoint id for a step to save a state into (in flight until attached or dropped); None when
         every one is attached and pinned, or (`track`: for a decoding request's tracked state) when max_tracks
-        are held so already, not counting the one a request's newer state will replace (`replacing`)."""
-        if track and len(self._tracks) - replacing >= self.max_tracks:
+        are held so already. A newer tracked state that will replace its request's older one (`replacing`) adds
+        no tracking request and takes a free checkpoint only, never evicting one (the older stays then): several
+        replacing at once would each need one more for a step."""
+        if track and not replacing and len(self._tracks) >= self.max_tracks:
             return None
         if not self._free:
+            if replacing:
+                return None
             unpinned = [(node.last_access, c) for c, node in self._attached.items() if c not in self._pins]
             if not unpinned:
                 return None

@@ -351,3 +351,26 @@ def test_steps_through_the_static_pieces(path, plain):
     assert all(c >= MIN_CHECKPOINT_TOKENS for c in more_cached)  # both resumed from a state checkpoint
     assert pieces.num_runs > 40 and pieces.mixer_out is not None
     clean(m)
+
+
+def test_long_answers_leave_a_cached_documents_checkpoint(path, plain):
+    """Tracked decode states take at most half the checkpoints (state_radix_tree.TRACK_SHARE) and a newer one evicts
+    none: four answers decoding at once past the checkpoint floor (track points at 512 and 576) beside a document
+    cached before them, over 4 checkpoints, leave the document's; its next question resumes there with the tokens
+    of the same prompt computed from scratch, and two of the answers' tracked states joined the cache."""
+    doc = ids(DOC, seed=40)
+    m = llm(path, mamba_track_interval=64, max_running_requests=4, max_mamba_cache_size=8)
+    tree = m.engine.kv.prefix_cache
+    assert tree.num_checkpoints == 4 and tree.max_tracks == 2
+    # the document, its states saved after its chunk to 512 and at its last full page (DOC)
+    generate(m, [doc + ids(5, seed=41)], SamplingParams(max_new_tokens=1))
+    assert sorted(checkpoint_depths(m)) == [512, DOC]
+    long_answers = SamplingParams(max_new_tokens=560, temperature=0.0, ignore_eos=True)
+    generate(m, [ids(40, seed=50 + i) for i in range(4)], long_answers)  # prompts below the floor: no marks
+    # two answers' tracked states beside the document's two, the other answers none: taken at 512 (the two free
+    # checkpoints), not replaced at 576 (a newer tracked state takes a free checkpoint only, evicting none)
+    assert sorted(checkpoint_depths(m)) == [512, DOC] and len(tree._attached) == 4
+    question = doc + ids(7, seed=42)
+    got, (cached,), _ = generate(m, [question])
+    assert cached == DOC and same(got, plain([question]))
+    clean(m)

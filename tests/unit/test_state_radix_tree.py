@@ -279,8 +279,8 @@ def test_decode_checkpoints_wait_for_the_end_and_a_newer_one_replaces_the_older(
 def test_decoding_requests_cannot_take_every_documents_checkpoint():
     """Tracked decode states hold at most TRACK_SHARE of the checkpoints (here 2 of 4): four long answers beside
     two cached documents leave both documents' checkpoints (their prefix hits) in place, the two answers past the
-    share get no tracked state, a request replacing its own older one still may, and once a tracked answer ends
-    (its state joins the cache) another may track again."""
+    share get no tracked state; a newer tracked state takes a free checkpoint only (none here: the older one
+    stays); once a tracked answer ends (its state joins the cache) another may track again, within the share."""
     kv = KVCacheManager(
         256, PS, num_state_slots=6, num_state_checkpoints=4, min_checkpoint_tokens=8, track_interval=8
     )
@@ -308,15 +308,18 @@ def test_decoding_requests_cannot_take_every_documents_checkpoint():
     assert [s is not None for s in saves] == [True, True, False, False]
     for d in docs:  # the documents' states are still there to hit
         assert kv.prefix_cache.match_prefix(d.prompt_token_ids + [5]).num_tokens == 8
-    for _ in range(8):  # to 16: the two tracked replace their own; the others stay untracked
+    for _ in range(8):  # to 16: no free checkpoint for the newer states, none past the share
         saves = [decode(r) for r in answers]
-    assert [s is not None for s in saves] == [True, True, False, False]
-    assert [r.state_tracked is not None for r in answers] == [True, True, False, False]
+    assert saves == [None] * 4
+    assert [None if r.state_tracked is None else r.state_tracked[1] for r in answers] == [8, 8, None, None]
     kv.check_integrity(answers)
     kv.release(answers[0])  # its tracked state joins the cache: a track is free again
-    for _ in range(8):
+    assert sorted(depths(tree).values()) == [8, 8, 8]
+    for _ in range(
+        8
+    ):  # to 24: r2 tracks (evicting the least recently used attached state), r3 is past the share
         saves = [decode(r) for r in answers[1:]]
-    assert [s is not None for s in saves] == [True, True, False]
+    assert [s is not None for s in saves] == [False, True, False]
     kv.check_integrity(answers[1:])
     for r in answers[1:]:
         kv.release(r)
