@@ -36,7 +36,11 @@ MIN_CHECKPOINT_TOKENS = 512
 # runs through, and the checkpoint lands on the last such boundary before the mark that is also a page boundary:
 # a later hit recomputes up to 63 tokens more, where the cut cost a whole step (a cold 8K prompt to the seed's model,
 # GPTQ-int4 35B-A3B, 0.2016 s with its marks against 0.1892 s without any, on an H100: RESULTS.md forty-eighth
-# session). False: every mark ends its chunk (the step after saves at the page). Read at each call.
+# session). With several marks inside a chunk (a prefix hit's few new tokens pass where the prompt leaves the cached
+# path and its last full page), the state is saved for the deepest one the chunk can reach, not cut at the first:
+# cut, a 64-token hit over the seed's 32K document took three steps (44.7-49.0 ms on an H100, fiftieth session's
+# `hybrid-marks`; the hit restores the state at 32,704, its marks at 32,768 and 32,816), now one (not yet
+# measured). False: every mark ends its chunk (the step after saves at the page). Read at each call.
 IN_STEP_SAVES = True
 STATE_SAVE_GRANULE = 64  # the chunked kernels' chunk (kernels/gated_delta_reference.py CHUNK)
 
@@ -144,7 +148,7 @@ class KVCacheManager:
 
     def chunk_end(self, req: Request, n: int) -> int:
         """A prompt chunk of up to n tokens, cut to end on the request's next state mark if it would pass it,
-        unless it saves the state inside itself there (`in_step_save`)."""
+        unless it saves the state inside itself for one of them (`in_step_save`)."""
         if self.in_step_save(req, n) is not None:
             return n
         done = req.num_computed_tokens
@@ -154,17 +158,17 @@ class KVCacheManager:
         return n
 
     def in_step_save(self, req: Request, n: int) -> int | None:
-        """Tokens into a chunk of n where it saves the request's state for the one state mark inside it (see
-        IN_STEP_SAVES): the last chunk boundary of the kernels before the mark, if a page boundary past
-        min_checkpoint_tokens; None: no mark inside, two (the chunk ends on the first), or no such boundary."""
+        """Tokens into a chunk of n where it saves the request's state (IN_STEP_SAVES): for the deepest state mark
+        inside it that has one, the last chunk boundary of the kernels before the mark, if a page boundary past
+        min_checkpoint_tokens; None: no mark inside, or none with such a boundary (the chunk ends on the first)."""
         done, ps = req.num_computed_tokens, self.page_size
-        inside = [m for m in req.state_marks if done < m < done + n]
-        if not IN_STEP_SAVES or len(inside) != 1:
+        if not IN_STEP_SAVES:
             return None
-        at = (inside[0] - done) // STATE_SAVE_GRANULE * STATE_SAVE_GRANULE
-        if at == 0 or (done + at) % ps or done + at < self.min_checkpoint_tokens:
-            return None
-        return at
+        for mark in reversed([m for m in req.state_marks if done < m < done + n]):
+            at = (mark - done) // STATE_SAVE_GRANULE * STATE_SAVE_GRANULE
+            if at and (done + at) % ps == 0 and done + at >= self.min_checkpoint_tokens:
+                return at
+        return None
 
     def checkpoint_target(self, req: Request, n: int) -> tuple[int, int | None] | None:
         """(checkpoint, tokens into the chunk: None at its end) for a state saved by the request's next n tokens:
@@ -173,7 +177,7 @@ class KVCacheManager:
         first one computed then resumes at its last chunk inside the document); None: no save, or every
         checkpoint is pinned."""
         end, marks = req.num_computed_tokens + n, req.state_marks
-        at = self.in_step_save(req, n)
+        at = None if end in marks else self.in_step_save(req, n)  # a mark at the chunk's end: saved there
         if at is None and end not in marks and not (marks and end < marks[-1] and end % self.page_size == 0):
             return None
         if at is None and end < self.min_checkpoint_tokens:

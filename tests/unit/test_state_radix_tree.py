@@ -205,9 +205,9 @@ def test_without_checkpoints_nothing_is_shared():
 
 
 def test_a_mark_inside_a_chunk_saves_there_without_a_cut(monkeypatch):
-    """One mark inside a chunk: the chunk runs through and saves the state on the kernels' last 64-token boundary
-    before the mark (counted from the chunk's start) when that is a page; two marks inside, or no such page: the
-    chunk ends on the first as before. IN_STEP_SAVES off: every mark cuts."""
+    """A mark inside a chunk: the chunk runs through and saves the state on the kernels' last 64-token boundary
+    before the mark (counted from the chunk's start) when that is a page; two marks inside: for the deepest that
+    has one; no such page: the chunk ends on the first mark as before. IN_STEP_SAVES off: every mark cuts."""
     assert manager.STATE_SAVE_GRANULE == CHUNK  # the chunked kernels' chunk
     kv = KVCacheManager(256, PS, num_state_slots=2, num_state_checkpoints=4, min_checkpoint_tokens=8)
     tree = kv.prefix_cache
@@ -221,8 +221,10 @@ def test_a_mark_inside_a_chunk_saves_there_without_a_cut(monkeypatch):
     kv.release(b, cache=False)
     c = req("c", doc[:100] + list(range(60)))  # leaves a's path at 100, below its checkpoint: no hit
     assert kv.match_prefix(c) == 0 and c.state_marks == (100, 156)
-    assert run_chunks(kv, c, chunk=256) == [100, 56, 4]  # cut at the first mark; 56 tokens hold no boundary
+    # both marks inside one chunk: saved for the deeper (156: at 128), no cut
+    assert run_chunks(kv, c, chunk=256) == [160]
     kv.release(c)
+    assert sorted(depths(tree).values()) == [128, 128]  # a's, and c's on its own branch
     d = req("d", list(range(2000, 2300)))  # 300 tokens in chunks from 0 and 230: 230 + 64 = 294 is no page
     assert run_prompt(kv, d, chunk=230) == [230, 66, 4] and d.state_marks == (296,)
     kv.release(d)
@@ -231,6 +233,29 @@ def test_a_mark_inside_a_chunk_saves_there_without_a_cut(monkeypatch):
     assert run_prompt(kv, e, chunk=256) == [148, 2]
     kv.release(e)
     kv.check_integrity([])
+
+
+def test_a_hit_passing_two_marks_takes_one_step(monkeypatch):
+    """The seed's prefix hit at real scale (pages of 16, marks from 512 tokens, chunks of 8K): a cold 32K prompt's
+    state is saved inside its last chunk at 32,704 (the kernels' last 64-token boundary before its mark at 32,752);
+    the same 32K plus 64 new tokens resumes there and passes two marks (32,768, where it leaves the cached path,
+    and 32,816, its last full page) in one step of 128 tokens, saving at 32,768 (three steps when each mark cut:
+    44.7-49.0 ms on an H100); with IN_STEP_SAVES off it still cuts on each mark."""
+    for in_step, cold_chunks, hit_chunks in (
+        (True, [8192] * 4, [128]),
+        (False, [8192] * 3 + [8176, 16], [16, 48, 16]),
+    ):
+        monkeypatch.setattr(manager, "IN_STEP_SAVES", in_step)
+        kv = KVCacheManager(4096, 16, num_state_slots=2, num_state_checkpoints=8)
+        cold = req("cold", list(range(1, 32769)))
+        assert run_prompt(kv, cold, chunk=8192) == cold_chunks and cold.state_marks == (32752,)
+        kv.release(cold)
+        hit = req("hit", list(range(1, 32769)) + list(range(90000, 90064)))
+        assert run_prompt(kv, hit, chunk=8192) == hit_chunks and hit.state_marks == (32768, 32816)
+        kv.release(hit)
+        if in_step:
+            assert 32768 in depths(kv.prefix_cache).values()
+        kv.check_integrity([])
 
 
 def test_decode_checkpoints_wait_for_the_end_and_a_newer_one_replaces_the_older():
