@@ -148,8 +148,14 @@ class KVCacheManager:
 
     def chunk_end(self, req: Request, n: int) -> int:
         """A prompt chunk of up to n tokens, cut to end on the request's next state mark if it would pass it,
-        unless it saves the state inside itself for one of them (`in_step_save`)."""
+        unless it saves the state inside itself for one of them (`in_step_save`) or (IN_STEP_SAVES) starts at a
+        restored state."""
         if self.in_step_save(req, n) is not None:
+            return n
+        if IN_STEP_SAVES and req.state_restore is not None:
+            # the chunk starts at the state a hit restores, within 64 tokens of every mark inside (none has an
+            # in-step position): a later hit resumes from that state, 63 tokens back at most, in its one step;
+            # a cut would cost this request a whole step now
             return n
         done = req.num_computed_tokens
         for mark in req.state_marks:

@@ -154,15 +154,16 @@ def test_document_shared_by_questions(path, plain):
     doc = ids(DOC, seed=2)
     qs = [doc + ids(21 + 5 * i, seed=10 + i) for i in range(4)]
     expected = plain(qs)
-    m = llm(path, chunked_prefill_size=48)  # the junction falls inside a chunk: the chunk is cut there
+    m = llm(path, chunked_prefill_size=48)  # the junction falls inside a chunk
     got, cached = [], []
     for q in qs:
         t, c, _ = generate(m, [q])
         got += t
         cached += c
-    # the second resumes where the first's last chunk inside the document ended (chunks of 48 end on pages: each
-    # saved its state), leaves the first's path at the document's end and saves there; from the third on, hits
-    assert same(got, expected) and cached == [0, DOC // 48 * 48, DOC, DOC]
+    # each resumes where the first's last chunk inside the document ended (chunks of 48 end on pages: each saved
+    # its state); the junction 32 tokens on is within the kernels' first 64 of the chunk that starts at that
+    # state: not cut for (a step saved; a later question recomputes those 32 tokens in its one step)
+    assert same(got, expected) and cached == [0] + [DOC // 48 * 48] * 3
     clean(m)
 
 

@@ -150,7 +150,10 @@ def run_chunks(kv: KVCacheManager, r: Request, chunk: int) -> list[int]:
     return sizes
 
 
-def test_manager_marks_cut_the_chunks_and_hits_resume_there():
+def test_manager_marks_cut_the_chunks_and_hits_resume_there(monkeypatch):
+    """Every mark cuts its chunk (IN_STEP_SAVES off: at this scale, pages of 4 tokens, every mark lies within the
+    kernels' first 64 tokens of its chunk; with it on, see test_a_mark_inside_a_chunk_saves_there_without_a_cut)."""
+    monkeypatch.setattr(manager, "IN_STEP_SAVES", False)
     kv = KVCacheManager(64, PS, num_state_slots=2, num_state_checkpoints=3, min_checkpoint_tokens=8)
     assert isinstance(kv.prefix_cache, StateRadixTree) and kv.shares_prompts and not kv.siblings_fork
     tree = kv.prefix_cache
@@ -225,6 +228,11 @@ def test_a_mark_inside_a_chunk_saves_there_without_a_cut(monkeypatch):
     assert run_chunks(kv, c, chunk=256) == [160]
     kv.release(c)
     assert sorted(depths(tree).values()) == [128, 128]  # a's, and c's on its own branch
+    # a hit whose marks all lie within 64 tokens of the state it restores: no position inside, and no cut either
+    e = req("e", doc[:140] + list(range(70, 90)))  # a's checkpoint at 128; marks at 140 (junction) and 156
+    assert kv.match_prefix(e) == 128 and e.state_marks == (140, 156)
+    assert run_chunks(kv, e, chunk=256) == [32]
+    kv.release(e)
     d = req("d", list(range(2000, 2300)))  # 300 tokens in chunks from 0 and 230: 230 + 64 = 294 is no page
     assert run_prompt(kv, d, chunk=230) == [230, 66, 4] and d.state_marks == (296,)
     kv.release(d)
