@@ -150,6 +150,18 @@ def run_chunks(kv: KVCacheManager, r: Request, chunk: int) -> list[int]:
     return sizes
 
 
+def decode_step(kv: KVCacheManager, r: Request, token: int = 1) -> int | None:
+    """One decode step of r, as the scheduler and runner do it: its token appended, a page if needed, the tracked
+    state's checkpoint taken (`track_target`) and, once the step is advanced, saved. Returns the checkpoint."""
+    r.output_token_ids.append(token)
+    assert kv.allocate(r, 1)
+    save = kv.track_target(r)
+    r.num_computed_tokens += 1
+    if save is not None:
+        kv.state_saved(r, save)
+    return save
+
+
 def test_manager_marks_cut_the_chunks_and_hits_resume_there(monkeypatch):
     """Every mark cuts its chunk (IN_STEP_SAVES off: at this scale, pages of 4 tokens, every mark lies within the
     kernels' first 64 tokens of its chunk; with it on, see test_a_mark_inside_a_chunk_saves_there_without_a_cut)."""
@@ -277,18 +289,9 @@ def test_decode_checkpoints_wait_for_the_end_and_a_newer_one_replaces_the_older(
     r = req("r", list(range(100, 110)))  # 10 tokens: its mark at 8 (the last full page below 10)
     assert run_prompt(kv, r, chunk=16) == [8, 2]
 
-    def decode(token: int) -> int | None:
-        r.output_token_ids.append(token)
-        assert kv.allocate(r, 1)
-        save = kv.track_target(r)
-        r.num_computed_tokens += 1
-        if save is not None:
-            kv.state_saved(r, save)
-        return save
-
-    saves = [decode(t) for t in range(7)]  # computes tokens 10..16: a save after 16 only
+    saves = [decode_step(kv, r, t) for t in range(7)]  # computes tokens 10..16: a save after 16 only
     assert [s is not None for s in saves] == [False] * 5 + [True, False] and r.state_tracked == (saves[5], 16)
-    more = [decode(t) for t in range(7, 15)]  # 17..24: a save after 24, which replaces the first
+    more = [decode_step(kv, r, t) for t in range(7, 15)]  # 17..24: a save after 24, which replaces the first
     assert [s is not None for s in more] == [False] * 6 + [True, False]
     assert r.state_tracked == (more[6], 24) and saves[5] in tree._free
     kv.check_integrity([r])
@@ -328,21 +331,12 @@ def test_decoding_requests_cannot_take_every_documents_checkpoint():
     for r in answers:  # 7 tokens: no mark of their own
         run_prompt(kv, r, chunk=16)
 
-    def decode(r: Request) -> int | None:
-        r.output_token_ids.append(1)
-        assert kv.allocate(r, 1)
-        save = kv.track_target(r)
-        r.num_computed_tokens += 1
-        if save is not None:
-            kv.state_saved(r, save)
-        return save
-
-    saves = [decode(r) for r in answers]  # each computes its 8th token: a track target
+    saves = [decode_step(kv, r) for r in answers]  # each computes its 8th token: a track target
     assert [s is not None for s in saves] == [True, True, False, False]
     for d in docs:  # the documents' states are still there to hit
         assert kv.prefix_cache.match_prefix(d.prompt_token_ids + [5]).num_tokens == 8
     for _ in range(8):  # to 16: no free checkpoint for the newer states, none past the share
-        saves = [decode(r) for r in answers]
+        saves = [decode_step(kv, r) for r in answers]
     assert saves == [None] * 4
     assert [None if r.state_tracked is None else r.state_tracked[1] for r in answers] == [8, 8, None, None]
     kv.check_integrity(answers)
@@ -351,7 +345,7 @@ def test_decoding_requests_cannot_take_every_documents_checkpoint():
     for _ in range(
         8
     ):  # to 24: r2 tracks (evicting the least recently used attached state), r3 is past the share
-        saves = [decode(r) for r in answers[1:]]
+        saves = [decode_step(kv, r) for r in answers[1:]]
     assert [s is not None for s in saves] == [False, True, False]
     kv.check_integrity(answers[1:])
     for r in answers[1:]:
