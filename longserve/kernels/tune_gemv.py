@@ -127,14 +127,12 @@ def products(kernel: str, n: int, k: int, m: int, device: torch.device, gen: tor
     from longserve.kernels.quant_reference import pack_int_k
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    x = torch.randn(m, k, device=device, generator=gen).to(dtype)
+    gated = kernel == "dense_gated"  # x is gate|up [m, 2k]: the down projection's input made on its loads
+    x = torch.randn(m, 2 * k if gated else k, device=device, generator=gen).to(dtype)
     if kernel in DENSE_KERNELS:  # cuBLAS (after silu_and_mul, gated) as the default: config None
         from longserve.kernels.activation import silu_and_mul
         from longserve.kernels.dense_gemm import dense_gemm
 
-        gated = kernel == "dense_gated"
-        if gated:  # gate|up [m, 2k]: the down projection's input made on its loads
-            x = torch.randn(m, 2 * k, device=device, generator=gen).to(dtype)
         w = (torch.randn(n, k, device=device, generator=gen) * k**-0.5).to(dtype)
 
         def call(cfg, w):
