@@ -4,20 +4,23 @@ Triton's interpreter (TRITON_INTERPRET=1, how CI runs our kernels) runs a kernel
 programs that the real compiler refuses. On an H200 (2026-12-01) a MoE kernel helper returning two types from
 constexpr branches passed every interpreted test and failed to compile on the GPU. The compiler needs no GPU
 (triton ships its nvidia backend and ptxas), only the argument types and constexpr values of each launch,
-which the interpreter sees: `record_launches()` notes them (one record per kernel, constexpr values and
-argument types), and `compile_record()` builds that variant for sm90 down to cubin in a process where
-TRITON_INTERPRET is off, as the GPU launches it (INTERPRETER_CONSTEXPRS off), and refuses a 16-bit FMA in its PTX
-(FMA16). tests/conftest.py records while the suite runs (LONGSERVE_RECORD_KERNELS=FILE) and compiles what it
+which the interpreter sees: `record_launches()` notes them (one record per kernel, constexpr values, argument
+types and the specializations the JIT would key on), and `compile_record()` builds that variant for sm90 down to
+cubin in a process where TRITON_INTERPRET is off, as the GPU launches it (INTERPRETER_CONSTEXPRS off, the integer
+arguments of 1 as constants and those and the pointers 16-divisible marked so, as the JIT does), and refuses a
+16-bit FMA in its PTX (FMA16). tests/conftest.py records while the suite runs (LONGSERVE_RECORD_KERNELS=FILE) and compiles what it
 recorded at the end (CI); tests/unit/test_kernel_compile.py checks the mechanism.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import inspect
 import json
 import os
 import re
+import subprocess
 from collections.abc import Callable
 from typing import Any
 
@@ -76,12 +79,25 @@ def sm90_compiler_missing() -> str | None:
     return None
 
 
+def _specialization(value: Any) -> str:
+    """What the JIT keys a launch on for this argument, before a kernel's do_not_specialize lists: "1" (an integer
+    equal to 1: compiled as a constant), "D" (an integer, or a pointer's address, divisible by 16), or "": Triton's
+    own rule (its native_specialize_impl, Triton 3.6-3.9)."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    spec = native_specialize_impl(BaseBackend, value, False, True, True)
+    return "1" if spec[0] == "constexpr" else "D" if spec[1] == "D" else ""
+
+
 def launch_record(fn: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
     """The record of one interpreted launch of @triton.jit function `fn` (the Python function)."""
+    import torch
+
     params = list(inspect.signature(fn).parameters.values())
     bound = dict(zip([p.name for p in params], args))
     bound.update({k: v for k, v in kwargs.items() if k not in _LAUNCH_OPTIONS})
-    signature, constexprs = {}, {}
+    signature, constexprs, specialization = {}, {}, {}
     for p in params:
         value = bound.get(p.name, p.default)
         if _is_constexpr(p) or value is None:
@@ -89,9 +105,12 @@ def launch_record(fn: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
             constexprs[p.name] = _encode(None if value is inspect.Parameter.empty else value)
         else:
             signature[p.name] = _arg_type(value)
+            integer = isinstance(value, int) and not isinstance(value, bool)
+            if (isinstance(value, torch.Tensor) or integer) and (spec := _specialization(value)):
+                specialization[p.name] = spec
     options = {k: kwargs[k] for k in _LAUNCH_OPTIONS if k in kwargs}
     return {"module": fn.__module__, "name": fn.__name__, "signature": signature, "constexprs": constexprs,
-            "options": options}  # fmt: skip
+            "specialization": specialization, "options": options}  # fmt: skip
 
 
 def record_launches() -> None:
@@ -190,7 +209,6 @@ def compile_sm90(fn: Any, signature: dict, constexprs: dict, attrs: dict | None 
 
 def cubin_tool(cubin: bytes, tool: str, *args: str) -> str:
     """The output of one of the CUDA binary tools that ship with triton (cuobjdump, nvdisasm) on a cubin."""
-    import subprocess
     import tempfile
 
     import triton
@@ -204,8 +222,6 @@ def cubin_tool(cubin: bytes, tool: str, *args: str) -> str:
 
 def resource_usage(cubin: bytes) -> dict[str, int]:
     """Registers, stack, shared and local (spill) memory of a cubin (cuobjdump ships with triton)."""
-    import re
-
     m = re.search(
         r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", cubin_tool(cubin, "cuobjdump", "-res-usage")
     )
@@ -313,31 +329,62 @@ INTERPRETER_CONSTEXPRS = ("INTERPRET", "INTERPRET_BF16")
 FMA16 = re.compile(r"\bfma\.rn(?:\.ftz)?(?:\.relu)?\.(?:bf16|f16)(?:x2)?\b")
 
 
+def specialized(fn: Any, rec: dict[str, Any]) -> tuple[dict, dict, dict]:
+    """The signature, constexprs and attrs the JIT would compile a recorded launch of JITFunction `fn` with: an
+    integer of 1 a constant and a 16-divisible integer or pointer marked so (the recorded specialization), unless
+    the kernel's do_not_specialize (on_alignment) lists or a float/bool annotation exempt it. On an H100
+    (fiftieth session's count, Triton 3.6) the 8B's decode kernel took 255 registers and 400 bytes of stack
+    compiled without the marks, 166 and none with them: what the GPU runs is the specialized build."""
+    import triton.language as tl
+
+    signature = dict(rec["signature"])
+    constexprs = {
+        k: False if k in INTERPRETER_CONSTEXPRS else tl.dtype(v["tl_dtype"]) if isinstance(v, dict) else v
+        for k, v in rec["constexprs"].items()
+    }
+    attrs = {}
+    for i, kp in enumerate(fn.params):
+        spec = rec.get("specialization", {}).get(kp.name, "")
+        annotation = kp.annotation_type if isinstance(kp.annotation_type, str) else ""
+        if not spec or kp.do_not_specialize or annotation == "u1" or annotation[:2] in ("fp", "bf"):
+            continue
+        if spec == "1":
+            signature[kp.name], constexprs[kp.name] = "constexpr", 1
+        elif not kp.do_not_specialize_on_alignment:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return signature, constexprs, attrs
+
+
 def compile_record(rec: dict[str, Any]) -> dict[str, Any]:
-    """Compile one recorded variant for sm90, as the GPU launches it (INTERPRETER_CONSTEXPRS off; TRITON_INTERPRET
-    must be off in this process); a 16-bit FMA in its PTX (FMA16) is an error."""
+    """Compile one recorded variant for sm90, as the GPU launches it (INTERPRETER_CONSTEXPRS off, the JIT's
+    specializations: `specialized`; TRITON_INTERPRET must be off in this process); a 16-bit FMA in its PTX (FMA16)
+    is an error. The result names the arguments compiled as constants or marked divisible, and the cubin's
+    registers and spills where cuobjdump runs."""
     import importlib
 
     import triton
-    import triton.language as tl
     from triton.backends.compiler import GPUTarget
 
     assert os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), "compile with the interpreter off"
     fn = getattr(importlib.import_module(rec["module"]), rec["name"])
     while not hasattr(fn, "arg_names"):  # kernels/launch.py's FastKernel around the JITFunction
         fn = fn.fn
-    constexprs = {
-        k: False if k in INTERPRETER_CONSTEXPRS else tl.dtype(v["tl_dtype"]) if isinstance(v, dict) else v
-        for k, v in rec["constexprs"].items()
-    }
-    src = triton.compiler.ASTSource(fn=fn, signature=rec["signature"], constexprs=constexprs)
+    signature, constexprs, attrs = specialized(fn, rec)
+    src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=rec["options"])
     fused = sorted(set(FMA16.findall(compiled.asm.get("ptx", ""))))
     if fused:
         raise ValueError(
             f"{rec['name']}: 16-bit FMAs {fused} in its PTX: a rounding of its source fused away"
         )
-    return {"kernel": rec["name"], "stages": list(compiled.asm)}
+    out = {"kernel": rec["name"], "stages": list(compiled.asm),
+           "constants": sorted(k for k in constexprs if k not in rec["constexprs"]),
+           "divisible": sorted(fn.arg_names[i] for (i,) in attrs)}  # fmt: skip
+    with contextlib.suppress(
+        OSError, subprocess.SubprocessError, KeyError
+    ):  # no cuobjdump: the compile counts
+        out.update(resource_usage(compiled.asm["cubin"]))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

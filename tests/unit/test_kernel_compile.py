@@ -56,6 +56,13 @@ def _rounded_sum_kernel(x_ptr, a_ptr, b_ptr, out_ptr, n, BLOCK: tl.constexpr, IN
     tl.store(out_ptr + offs, y.to(tl.bfloat16), mask=offs < n)
 
 
+@triton.jit(do_not_specialize=["m"])
+def _strided_kernel(x_ptr, out_ptr, n, m, stride, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs * stride, mask=offs < n, other=0.0)
+    tl.store(out_ptr + offs, x + m, mask=offs < n)
+
+
 def _nvidia_backend() -> bool:
     try:
         from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
@@ -76,6 +83,7 @@ def test_launch_record_names_types_and_constexprs():
     assert rec["signature"] == {"x_ptr": "*fp32", "out_ptr": "*bf16", "n": "i32", "scale": "fp32",
                                 "BLOCK": "constexpr", "OUT_TY": "constexpr"}  # fmt: skip
     assert rec["constexprs"] == {"BLOCK": 16, "OUT_TY": {"tl_dtype": "bf16"}}
+    assert rec["specialization"] == {"x_ptr": "D", "out_ptr": "D"}  # n=10 is neither 1 nor a multiple of 16
     assert rec["options"] == {"num_warps": 2} and rec["name"] == "_good_kernel"
     assert any(r == rec for r in kernel_compile._RECORDS.values())  # the launch itself was recorded
 
@@ -143,6 +151,33 @@ def test_a_rounding_fused_away_fails_the_check(tmp_path):
         assert result["ok"] is ok, result
         if not ok:
             assert "16-bit FMAs" in result["error"] and "fma.rn.bf16" in result["error"], result
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="records interpreted launches")
+@pytest.mark.skipif(not _nvidia_backend(), reason="triton's nvidia backend is not installed")
+def test_a_launch_compiles_with_the_jits_specializations(tmp_path):
+    """As the JIT keys a GPU launch: an integer of 1 becomes a constant and 16-divisible integers and pointers are
+    marked, except where the kernel's do_not_specialize says not (m); an odd stride is an argument."""
+    kernel_compile.record_launches()
+    x = torch.arange(64, dtype=torch.float32)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join([root, here])}
+    for n, stride, constants, divisible in ((32, 1, ["stride"], ["n", "out_ptr", "x_ptr"]),
+                                            (20, 3, [], ["out_ptr", "x_ptr"])):  # fmt: skip
+        out = torch.empty(n, dtype=torch.float32)
+        _strided_kernel[(1,)](x, out, n, 32, stride, BLOCK=32)
+        torch.testing.assert_close(out, x[: n * stride : stride] + 32)
+        (rec,) = [r for r in kernel_compile._RECORDS.values()
+                  if r["name"] == "_strided_kernel" and r["specialization"].get("stride") == ("1" if stride == 1 else None)]  # fmt: skip
+        path = tmp_path / "records.jsonl"
+        path.write_text(json.dumps(rec) + "\n")
+        done = subprocess.run([sys.executable, "-m", "longserve.testing.kernel_compile", str(path)], env=env,
+                              capture_output=True, text=True, timeout=300, cwd=root)  # fmt: skip
+        (result,) = [json.loads(line) for line in done.stdout.splitlines()]
+        assert result["ok"], result
+        assert result["constants"] == constants and result["divisible"] == divisible, result
+        assert result["regs"] > 0 and result["local"] == 0, result  # the cubin's resources, read by cuobjdump
 
 
 # nvdisasm's layout: a kernel's main loop, then an mbarrier wait's retry block at the function's end branching back
