@@ -36,8 +36,7 @@ __all__ = [
     "DENSE_GEMM_TRITON_MIN_TOKENS",
     "dense_gemm",
     "dense_gemm_config",
-    "dense_gemm_gated_serves",
-    "dense_gemm_serves",
+    "dense_gemm_plan",
     "table_rows",
     "tuned_dense_config",
 ]
@@ -146,29 +145,24 @@ def tuned_dense_config(
     return tuned_gemv_config("dense_gemm_gated" if gated else "dense_gemm", n, k, table_rows(m), device)
 
 
-def dense_gemm_serves(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether a linear of these operands (on a GPU) takes this kernel: 16-bit, 2-D, a token count in the
-    switched-on range, or a decode batch of a shape this GPU's table holds (DENSE_GEMM_TABLES)."""
+def dense_gemm_plan(x: torch.Tensor, w: torch.Tensor, gated: bool = False) -> dict[str, int] | None:
+    """The tiles with which a linear of these operands (on a GPU) takes this kernel, looked up once for dense_gemm's
+    `config`: this GPU's table's entry for a decode batch of a shape it holds (DENSE_GEMM_TABLES), else {} (the
+    default tiles) for a 16-bit 2-D product of a token count in the switched-on range, else None: not this kernel.
+    gated: x is an MLP's gate|up and w its down projection, silu(gate) * up made on the loads (its silu_and_mul
+    launch gone), by DENSE_GEMM_GATED_MAX_TOKENS and the gated table."""
     if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16) or w.dtype != x.dtype:
-        return False
+        return None
     rows = x.shape[0]
-    return (
-        DENSE_GEMM_TRITON_MIN_TOKENS <= rows <= min(DENSE_GEMM_TRITON_MAX_TOKENS, DENSE_GEMM_MAX_BLOCK_M)
-        or tuned_dense_config(rows, w.shape[0], w.shape[1], x.device) is not None
+    tuned = tuned_dense_config(rows, w.shape[0], w.shape[1], x.device, gated)
+    if tuned is not None:
+        return tuned
+    low, high = (
+        (1, DENSE_GEMM_GATED_MAX_TOKENS)
+        if gated
+        else (DENSE_GEMM_TRITON_MIN_TOKENS, DENSE_GEMM_TRITON_MAX_TOKENS)
     )
-
-
-def dense_gemm_gated_serves(gate_up: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether an MLP's down projection takes this kernel with silu(gate) * up made on its loads: 16-bit, a token
-    count in DENSE_GEMM_GATED_MAX_TOKENS's range (off: 0), or a decode batch of a down projection this GPU's gated
-    table holds (its silu_and_mul launch goes too)."""
-    if gate_up.dim() != 2 or gate_up.dtype not in (torch.bfloat16, torch.float16) or w.dtype != gate_up.dtype:
-        return False
-    rows = gate_up.shape[0]
-    return (
-        1 <= rows <= min(DENSE_GEMM_GATED_MAX_TOKENS, DENSE_GEMM_MAX_BLOCK_M)
-        or tuned_dense_config(rows, w.shape[0], w.shape[1], gate_up.device, gated=True) is not None
-    )
+    return {} if low <= rows <= min(high, DENSE_GEMM_MAX_BLOCK_M) else None
 
 
 def dense_gemm_config(m: int, n: int, k: int, device: torch.device) -> dict[str, int]:
@@ -196,13 +190,14 @@ def dense_gemm(
 ) -> torch.Tensor:
     """[M, N] in x's dtype: F.linear(x, w, bias) with fp32 accumulation, rounded once (splits summed in order);
     gated: F.linear(silu_and_mul(x), w, bias) without the [M, K] product written between. Tiles: `config`'s
-    over this GPU's table's (DENSE_GEMM_TABLES) over dense_gemm_config's."""
+    (dense_gemm_plan's: the table already looked up) over dense_gemm_config's; with no config, this GPU's table's
+    (DENSE_GEMM_TABLES) over dense_gemm_config's."""
     m, k = x.shape[0], x.shape[1] // 2 if gated else x.shape[1]
     n = w.shape[0]
     assert w.shape[1] == k and 1 <= m <= DENSE_GEMM_MAX_BLOCK_M, f"x {tuple(x.shape)}, w {tuple(w.shape)}"
     x = x if x.stride(1) == 1 else x.contiguous()
     w = w if w.stride(1) == 1 else w.contiguous()
-    tuned = None if config else tuned_dense_config(m, n, k, x.device, gated)
+    tuned = None if config is not None else tuned_dense_config(m, n, k, x.device, gated)
     cfg = {**dense_gemm_config(m, n, k, x.device), **(tuned or {}), **(config or {})}
     assert cfg["BLOCK_M"] >= m, cfg
     num_tiles = triton.cdiv(k, cfg["BLOCK_K"])

@@ -30,8 +30,9 @@ def plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if x.shape[0] <= DENSE_GEMM_MAX_ROWS and use_triton(x):
         from longserve.kernels import dense_gemm  # imports triton
 
-        if dense_gemm.dense_gemm_serves(x, weight):
-            return dense_gemm.dense_gemm(x, weight, bias)
+        plan = dense_gemm.dense_gemm_plan(x, weight)
+        if plan is not None:
+            return dense_gemm.dense_gemm(x, weight, bias, config=plan)
     return F.linear(x, weight, bias)
 
 
@@ -137,8 +138,9 @@ class UnquantizedLinearMethod(LinearMethod):
         if gate_up.shape[0] <= DENSE_GEMM_MAX_ROWS and use_triton(gate_up):
             from longserve.kernels import dense_gemm  # imports triton
 
-            if dense_gemm.dense_gemm_gated_serves(gate_up, layer.weight):
-                return dense_gemm.dense_gemm(gate_up, layer.weight, bias, gated=True)
+            plan = dense_gemm.dense_gemm_plan(gate_up, layer.weight, gated=True)
+            if plan is not None:
+                return dense_gemm.dense_gemm(gate_up, layer.weight, bias, config=plan, gated=True)
         return None
 
     def apply_swiglu(

@@ -88,7 +88,9 @@ def test_unquantized_linears_take_it_only_in_the_switched_range(monkeypatch: pyt
     calls: list[int] = []
     real = dense_gemm.dense_gemm
     monkeypatch.setattr(
-        dense_gemm, "dense_gemm", lambda x, w, b=None: calls.append(x.shape[0]) or real(x, w, b)
+        dense_gemm,
+        "dense_gemm",
+        lambda x, w, b=None, config=None: calls.append(x.shape[0]) or real(x, w, b, config=config),
     )
     monkeypatch.setattr(linear_method, "use_triton", lambda x: True)  # as for CUDA tensors with triton
 
@@ -115,12 +117,18 @@ def tuned_table(tmp_path, monkeypatch: pytest.MonkeyPatch):
     """write(entries, kernel): a table of `kernel` ("dense_gemm", or "dense_gemm_gated" for the down projections
     made from gate|up) as tune_gemv writes it, read by load_gemv_table and looked up as on a GPU
     (gemv_tables.tuned_gemv_config's device and interpreter checks are test_gemv_tables.py's); CUDA faked for the
-    linear method's pre-check. Returns the split counts the kernel ran with."""
+    linear method's pre-check. Returns the split counts the kernel ran with; `lookups` (an attribute of `write`)
+    counts the table's lookups."""
     from longserve.kernels import gemv_tables
     from longserve.models import linear_method
 
     path = lambda kernel: tmp_path / f"{kernel}.json"  # noqa: E731
-    lookup = lambda kernel, n, k, m, device: gemv_tables.load_gemv_table(str(path(kernel))).get((n, k, m))  # noqa: E731
+    lookups: list[tuple[str, int, int, int]] = []
+
+    def lookup(kernel, n, k, m, device):
+        lookups.append((kernel, n, k, m))
+        return gemv_tables.load_gemv_table(str(path(kernel))).get((n, k, m))
+
     monkeypatch.setattr(dense_gemm, "tuned_gemv_config", lookup)
     monkeypatch.setattr(linear_method, "use_triton", lambda x: True)  # as for CUDA tensors with triton
     splits: list[int] = []
@@ -132,6 +140,7 @@ def tuned_table(tmp_path, monkeypatch: pytest.MonkeyPatch):
         gemv_tables.load_gemv_table.cache_clear()
         return splits
 
+    write.lookups = lookups
     yield write
     gemv_tables.load_gemv_table.cache_clear()
 
@@ -139,8 +148,9 @@ def tuned_table(tmp_path, monkeypatch: pytest.MonkeyPatch):
 def test_a_tuned_table_sends_its_shapes_there_at_decode_batches(tuned_table, monkeypatch) -> None:
     """With DENSE_GEMM_TABLES on (off by default: nothing takes it), a table entry (N=24, K=64 at M=8, 3 splits, as
     tune_gemv writes where the kernel beat cuBLAS) sends that product through dense_gemm with its tiles at 5-8
-    rows (M's next power of two), not at 4, 9 or 129 rows nor for another shape; the MoE block's router
-    (plain_linear, not a linear layer's method) takes it too; every output equals F.linear's to bf16 rounding."""
+    rows (M's next power of two), not at 4, 9 or 129 rows nor for another shape, the table read once a product
+    (the plan's tiles handed to the kernel); the MoE block's router (plain_linear, not a linear layer's method)
+    takes it too; every output equals F.linear's to bf16 rounding."""
     from longserve.models import linear_method, moe_block
 
     w = torch.randn(24, 64, generator=gen(8)).bfloat16()
@@ -149,7 +159,11 @@ def test_a_tuned_table_sends_its_shapes_there_at_decode_batches(tuned_table, mon
     taken: list[tuple[int, int]] = []
     real = dense_gemm.dense_gemm
     monkeypatch.setattr(
-        dense_gemm, "dense_gemm", lambda x, w, b=None: taken.append((x.shape[0], w.shape[0])) or real(x, w, b)
+        dense_gemm,
+        "dense_gemm",
+        lambda x, w, b=None, config=None: (
+            taken.append((x.shape[0], w.shape[0])) or real(x, w, b, config=config)
+        ),
     )
 
     def run(m: int, w: torch.Tensor) -> None:
@@ -165,6 +179,15 @@ def test_a_tuned_table_sends_its_shapes_there_at_decode_batches(tuned_table, mon
         run(m, w)
     run(8, wide)
     assert taken == [(5, 24), (8, 24)] and splits == [3, 3]
+    # one lookup a product of at most 128 rows (4, 5, 8, 9 rows, then the wide one), none for the kernel's launch
+    assert [(n, m) for _, n, _, m in tuned_table.lookups[-5:]] == [
+        (24, 4),
+        (24, 8),
+        (24, 8),
+        (24, 16),
+        (40, 8),
+    ]
+    assert len(tuned_table.lookups) == 5
     router = moe_block.ReplicatedLinear(64, 24).bfloat16()
     router.weight.data.copy_(w)
     x = torch.randn(7, 64, generator=gen(10)).bfloat16()
