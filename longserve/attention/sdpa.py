@@ -17,6 +17,7 @@ import torch
 from longserve.attention import gluon_calls
 from longserve.attention import sdpa_shapes as shapes
 from longserve.attention.metadata import AttentionMetadata
+from longserve.progress import Progress
 
 logger = logging.getLogger("longserve.attention")
 
@@ -324,11 +325,11 @@ def warm_up_plans(
     if not todo:
         return
     start = time.perf_counter()
+    progress = Progress(logger, "building cuDNN attention plans", len(todo))
     for i, (shape, (q, k, v, causal)) in enumerate(zip(todo, plan_calls(model, device, todo))):
         attention_with_lse(q, k, v, causal, model.head_dim**-0.5)
         shapes.PLANS.mark(model, *shape)
-        if (i + 1) % 8 == 0:
-            logger.info("cuDNN attention plans: %d of %d built", i + 1, len(todo))
+        progress.step(i + 1)
     torch.cuda.synchronize(device)
     logger.info(
         "built %d cuDNN attention plans (new tokens up to %d, prefixes up to %d) in %.1fs",

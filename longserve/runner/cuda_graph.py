@@ -21,6 +21,7 @@ from longserve.attention.base import AttentionBackend, ForwardContext, GraphShap
 from longserve.attention.metadata import AttentionMetadata
 from longserve.attention.recurrent_state import RecurrentStates
 from longserve.config import EngineConfig
+from longserve.progress import Progress
 from longserve.runner.piecewise_graph import PiecewiseGraphRunner
 from longserve.runner.static_tokens import StaticTokens
 
@@ -42,16 +43,18 @@ def capture_graphs(
     compile the kernels and settle the allocations outside the graph. Logs 'captured N <what>' with the
     sizes filled into `what`'s %s, and the time taken."""
     start = time.perf_counter()
+    progress = Progress(logger, "capturing " + what.partition(" (")[0], len(sizes))  # what, less its sizes
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for n in sorted(sizes, reverse=True):
+        for i, n in enumerate(sorted(sizes, reverse=True)):
             for _ in range(2):
                 forward(n)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=stream):
                 outputs[n] = forward(n)
             graphs[n] = graph
+            progress.step(i + 1)
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     sizes_text = ",".join(map(str, sorted(sizes)))

@@ -34,6 +34,7 @@ from longserve.attention.metadata import AttentionMetadata
 from longserve.attention.sdpa import allow_padding_rows
 from longserve.models.decoder import AttentionCall
 from longserve.models.gated_delta_net import LinearAttentionCall
+from longserve.progress import Progress
 from longserve.runner.static_tokens import StaticTokens
 
 logger = logging.getLogger("longserve.runner.piecewise_graph")
@@ -190,8 +191,9 @@ class PiecewiseGraphRunner:
         self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
+        progress = Progress(logger, "capturing piecewise CUDA graphs (step sizes)", len(self.buckets))
         with torch.cuda.stream(stream):
-            for t in sorted(self.buckets, reverse=True):
+            for i, t in enumerate(sorted(self.buckets, reverse=True)):
                 for _ in range(2):
                     out = self._drive(t, None)
                 if self.hidden is None:  # the largest bucket comes first
@@ -208,6 +210,7 @@ class PiecewiseGraphRunner:
                             done = True
                     graphs.append(graph)
                 self.graphs[t], self.layers[t] = graphs, calls
+                progress.step(i + 1)
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
         # the pool is outside the KV pool's budget (--mem-fraction-static leaves the room): say what it took
