@@ -33,6 +33,7 @@ import torch
 from longserve.attention import AttentionBackend, ForwardContext, GraphShape, KVCache
 from longserve.attention.metadata import build_step_tensors
 from longserve.attention.recurrent_state import RecurrentStates
+from longserve.progress import Progress
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +85,8 @@ def warm_up(
     counts = warm_up_counts(step_tokens, shape.max_seq_len) if counts is None else counts
     page_size = kv_cache.page_size
     ran = 0
-    for n in counts:
+    progress = Progress(logger, "warm-up passes", len(counts))
+    for i, n in enumerate(counts):
         meta, (input_ids, positions, state_slot) = build_step_tensors(
             [0], [n], [[0] * -(-n // page_size)], page_size, shape.device, extra=([0] * n, range(n), [-1])
         )
@@ -104,6 +106,7 @@ def warm_up(
                 "lower it, or lower --mem-fraction-static to leave more room beside the KV pool"
             ) from e
         ran = n
+        progress.step(i + 1)
     if shape.device.type == "cuda":
         torch.cuda.synchronize(shape.device)
     logger.info(
