@@ -6,10 +6,10 @@ constexpr branches passed every interpreted test and failed to compile on the GP
 (triton ships its nvidia backend and ptxas), only the argument types and constexpr values of each launch,
 which the interpreter sees: `record_launches()` notes them (one record per kernel, constexpr values, argument
 types and the specializations the JIT would key on), and `compile_record()` builds that variant for sm90 down to
-cubin in a process where TRITON_INTERPRET is off, as the GPU launches it (INTERPRETER_CONSTEXPRS off, the integer
-arguments of 1 as constants and those and the pointers 16-divisible marked so, as the JIT does), and refuses a
-16-bit FMA in its PTX (FMA16). tests/conftest.py records while the suite runs (LONGSERVE_RECORD_KERNELS=FILE) and compiles what it
-recorded at the end (CI); tests/unit/test_kernel_compile.py checks the mechanism.
+cubin in a process where TRITON_INTERPRET is off, as the GPU launches it (INTERPRETER_CONSTEXPRS off, integer
+arguments of 1 as constants, 16-divisible integers and pointers marked so, as the JIT does), and refuses a 16-bit
+FMA in its PTX (FMA16). tests/conftest.py records while the suite runs (LONGSERVE_RECORD_KERNELS=FILE) and
+compiles what it recorded at the end (CI); tests/unit/test_kernel_compile.py checks the mechanism.
 """
 
 from __future__ import annotations
@@ -348,8 +348,11 @@ def specialized(fn: Any, rec: dict[str, Any]) -> tuple[dict, dict, dict]:
         annotation = kp.annotation_type if isinstance(kp.annotation_type, str) else ""
         if not spec or kp.do_not_specialize or annotation == "u1" or annotation[:2] in ("fp", "bf"):
             continue
-        if spec == "1":
-            signature[kp.name], constexprs[kp.name] = "constexpr", 1
+        if (
+            spec == "1"
+        ):  # an annotated integer keeps its type: the JIT then marks nothing (Triton 3.6's jit.py)
+            if not annotation:
+                signature[kp.name], constexprs[kp.name] = "constexpr", 1
         elif not kp.do_not_specialize_on_alignment:
             attrs[(i,)] = [["tt.divisibility", 16]]
     return signature, constexprs, attrs
