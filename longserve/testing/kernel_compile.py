@@ -348,10 +348,8 @@ def specialized(fn: Any, rec: dict[str, Any]) -> tuple[dict, dict, dict]:
         annotation = kp.annotation_type if isinstance(kp.annotation_type, str) else ""
         if not spec or kp.do_not_specialize or annotation == "u1" or annotation[:2] in ("fp", "bf"):
             continue
-        if (
-            spec == "1"
-        ):  # an annotated integer keeps its type: the JIT then marks nothing (Triton 3.6's jit.py)
-            if not annotation:
+        if spec == "1":
+            if not annotation:  # an annotated integer keeps its type, and the JIT marks nothing (Triton 3.6)
                 signature[kp.name], constexprs[kp.name] = "constexpr", 1
         elif not kp.do_not_specialize_on_alignment:
             attrs[(i,)] = [["tt.divisibility", 16]]
