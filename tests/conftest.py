@@ -118,8 +118,9 @@ def _compile_records(session, path: str) -> None:
     for line in failed:
         print("  FAILED " + line)
     # spills in the build the GPU runs (specialized as the JIT does): not a failure, a lead for the next GPU call
-    for r in (json.loads(line) for line in lines if '"local": 0' not in line and '"local"' in line):
-        print(f"  spills: {r['kernel']} {r['local']} bytes of local memory, {r['regs']} registers")
+    for r in map(json.loads, lines):
+        if r.get("local"):
+            print(f"  spills: {r['kernel']} {r['local']} bytes of local memory, {r['regs']} registers")
     if done.returncode != 0:
         if not failed:
             print(done.stderr[-3000:])

@@ -330,9 +330,10 @@ FMA16 = re.compile(r"\bfma\.rn(?:\.ftz)?(?:\.relu)?\.(?:bf16|f16)(?:x2)?\b")
 
 
 def specialized(fn: Any, rec: dict[str, Any]) -> tuple[dict, dict, dict]:
-    """The signature, constexprs and attrs the JIT would compile a recorded launch of JITFunction `fn` with: an
-    integer of 1 a constant and a 16-divisible integer or pointer marked so (the recorded specialization), unless
-    the kernel's do_not_specialize (on_alignment) lists or a float/bool annotation exempt it. On an H100
+    """The signature, constexprs and attrs (by argument name, as compile_sm90 takes them) the JIT would compile a
+    recorded launch of JITFunction `fn` with: an integer of 1 a constant and a 16-divisible integer or pointer
+    marked so (the recorded specialization), unless the kernel's do_not_specialize (on_alignment) lists or a
+    float/bool annotation exempt it. On an H100
     (fiftieth session's count, Triton 3.6) the 8B's decode kernel took 255 registers and 400 bytes of stack
     compiled without the marks, 166 and none with them: what the GPU runs is the specialized build."""
     import triton.language as tl
@@ -343,7 +344,7 @@ def specialized(fn: Any, rec: dict[str, Any]) -> tuple[dict, dict, dict]:
         for k, v in rec["constexprs"].items()
     }
     attrs = {}
-    for i, kp in enumerate(fn.params):
+    for kp in fn.params:
         spec = rec.get("specialization", {}).get(kp.name, "")
         annotation = kp.annotation_type if isinstance(kp.annotation_type, str) else ""
         if not spec or kp.do_not_specialize or annotation == "u1" or annotation[:2] in ("fp", "bf"):
@@ -352,7 +353,7 @@ def specialized(fn: Any, rec: dict[str, Any]) -> tuple[dict, dict, dict]:
             if not annotation:  # an annotated integer keeps its type, and the JIT marks nothing (Triton 3.6)
                 signature[kp.name], constexprs[kp.name] = "constexpr", 1
         elif not kp.do_not_specialize_on_alignment:
-            attrs[(i,)] = [["tt.divisibility", 16]]
+            attrs[kp.name] = [["tt.divisibility", 16]]
     return signature, constexprs, attrs
 
 
@@ -363,27 +364,26 @@ def compile_record(rec: dict[str, Any]) -> dict[str, Any]:
     registers and spills where cuobjdump runs."""
     import importlib
 
-    import triton
-    from triton.backends.compiler import GPUTarget
-
     assert os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), "compile with the interpreter off"
     fn = getattr(importlib.import_module(rec["module"]), rec["name"])
     while not hasattr(fn, "arg_names"):  # kernels/launch.py's FastKernel around the JITFunction
         fn = fn.fn
     signature, constexprs, attrs = specialized(fn, rec)
-    src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=rec["options"])
+    compiled = compile_sm90(fn, signature, constexprs, attrs, **rec["options"])
     fused = sorted(set(FMA16.findall(compiled.asm.get("ptx", ""))))
     if fused:
         raise ValueError(
             f"{rec['name']}: 16-bit FMAs {fused} in its PTX: a rounding of its source fused away"
         )
-    out = {"kernel": rec["name"], "stages": list(compiled.asm),
-           "constants": sorted(k for k in constexprs if k not in rec["constexprs"]),
-           "divisible": sorted(fn.arg_names[i] for (i,) in attrs)}  # fmt: skip
-    with contextlib.suppress(
-        OSError, subprocess.SubprocessError, KeyError
-    ):  # no cuobjdump: the compile counts
+    constants = sorted(k for k in constexprs if k not in rec["constexprs"])
+    out = {
+        "kernel": rec["name"],
+        "stages": list(compiled.asm),
+        "constants": constants,
+        "divisible": sorted(attrs),
+    }
+    # the cubin's resources where cuobjdump runs (the compile counts without them)
+    with contextlib.suppress(OSError, subprocess.SubprocessError, KeyError):
         out.update(resource_usage(compiled.asm["cubin"]))
     return out
 
