@@ -21,12 +21,12 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from compile_quant_gemv import compile_fp8_gemv, compile_int4_gemv, compile_int4_mma  # noqa: E402
 
-from longserve.testing.kernel_compile import (  # noqa: E402
+from longserve.testing.kernel_compile import report_variants  # noqa: E402
+from longserve.testing.sass import (  # noqa: E402
     cubin_tool,
     innermost_loop,
     loop_instructions,
     opcode_counts,
-    report_variants,
     resource_usage,
 )
 

@@ -20,14 +20,8 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "0"  # the real compiler, before triton is imported
 
-from longserve.testing.kernel_compile import (  # noqa: E402
-    compile_sm90,
-    cubin_tool,
-    loop_instructions,
-    opcode_counts,
-    report_variants,
-    resource_usage,
-)
+from longserve.testing.kernel_compile import compile_sm90, report_variants  # noqa: E402
+from longserve.testing.sass import cubin_tool, loop_instructions, opcode_counts, resource_usage  # noqa: E402
 
 # the H200 table's prefill tiles for the A3B FP8 experts (moe_configs/E=128,N=768,...,dtype=fp8_e4m3.json, "8192")
 LOOP_OPS = ("HGMMA", "QGMMA", "HMMA", "F2FP", "FADD", "FMUL", "FFMA", "LDG", "LDGSTS", "LDS", "STS", "MUFU")

@@ -68,7 +68,8 @@ def report(rec: dict, early: bool = True) -> dict:
 
     import triton.language as tl
 
-    from longserve.testing.kernel_compile import compile_sm90, cubin_tool, resource_usage
+    from longserve.testing.kernel_compile import compile_sm90
+    from longserve.testing.sass import cubin_tool, resource_usage
 
     fn = getattr(importlib.import_module(rec["module"]), rec["name"])
     constexprs = {

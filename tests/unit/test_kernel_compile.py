@@ -16,7 +16,7 @@ import torch
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 
-from longserve.testing import kernel_compile  # noqa: E402
+from longserve.testing import kernel_compile, sass  # noqa: E402
 
 
 @triton.jit
@@ -195,8 +195,8 @@ _SASS = """        /*0000*/                   MOV R1, c[0x0][0x28] ;
 
 
 def test_the_innermost_loop_is_the_main_loop_not_a_retry_branch_across_it() -> None:
-    assert len(kernel_compile.loop_instructions(_SASS)) == 6  # the longest: the retry branch's span
-    main = kernel_compile.innermost_loop(_SASS, "HGMMA")
+    assert len(sass.loop_instructions(_SASS)) == 6  # the longest: the retry branch's span
+    main = sass.innermost_loop(_SASS, "HGMMA")
     assert [line.split("*/")[0].strip() + "*/" for line in main] == ["/*0010*/", "/*0020*/", "/*0030*/"]
-    assert kernel_compile.opcode_counts(main) == {"HGMMA": 1, "FADD": 1, "BRA": 1}
-    assert kernel_compile.innermost_loop(_SASS, "IMMA") == []
+    assert sass.opcode_counts(main) == {"HGMMA": 1, "FADD": 1, "BRA": 1}
+    assert sass.innermost_loop(_SASS, "IMMA") == []
