@@ -283,17 +283,23 @@ def specialized(fn: Any, rec: dict[str, Any]) -> tuple[dict, dict, dict]:
     return signature, constexprs, attrs
 
 
+def recorded_kernel(rec: dict[str, Any]) -> Any:
+    """The JITFunction a record names (kernels/launch.py's FastKernel unwrapped)."""
+    import importlib
+
+    fn = getattr(importlib.import_module(rec["module"]), rec["name"])
+    while not hasattr(fn, "arg_names"):  # kernels/launch.py's FastKernel around the JITFunction
+        fn = fn.fn
+    return fn
+
+
 def compile_record(rec: dict[str, Any]) -> dict[str, Any]:
     """Compile one recorded variant for sm90, as the GPU launches it (INTERPRETER_CONSTEXPRS off, the JIT's
     specializations: `specialized`; TRITON_INTERPRET must be off in this process); a 16-bit FMA in its PTX (FMA16)
     is an error. The result names the arguments compiled as constants or marked divisible, and the cubin's
     registers and spills where cuobjdump runs."""
-    import importlib
-
     assert os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), "compile with the interpreter off"
-    fn = getattr(importlib.import_module(rec["module"]), rec["name"])
-    while not hasattr(fn, "arg_names"):  # kernels/launch.py's FastKernel around the JITFunction
-        fn = fn.fn
+    fn = recorded_kernel(rec)
     signature, constexprs, attrs = specialized(fn, rec)
     compiled = compile_sm90(fn, signature, constexprs, attrs, **rec["options"])
     fused = sorted(set(FMA16.findall(compiled.asm.get("ptx", ""))))

@@ -64,21 +64,13 @@ def loads_before_wait(sass: str) -> list[str]:
 def report(rec: dict, early: bool = True) -> dict:
     """rec's kernel compiled for sm90 with USE_PDL on and EARLY as given (launch.PDL_EARLY_LOADS): its loads before
     the wait, how many waits it has (one), its registers."""
-    import importlib
-
-    import triton.language as tl
-
-    from longserve.testing.kernel_compile import compile_sm90
+    from longserve.testing.kernel_compile import compile_sm90, recorded_kernel, specialized
     from longserve.testing.sass import cubin_tool, resource_usage
 
-    fn = getattr(importlib.import_module(rec["module"]), rec["name"])
-    constexprs = {
-        k: tl.dtype(v["tl_dtype"]) if isinstance(v, dict) else v for k, v in rec["constexprs"].items()
-    }
+    fn = recorded_kernel(rec)
+    signature, constexprs, attrs = specialized(fn, rec)  # as the JIT on the GPU specializes the launch
     constexprs["USE_PDL"], constexprs["EARLY"] = True, early
-    # Triton's specialization on the GPU: pointers 16-byte aligned, integers that are multiples of 16 marked so
-    attrs = {n: [["tt.divisibility", 16]] for n, t in rec["signature"].items() if t.startswith("*")}
-    compiled = compile_sm90(fn, rec["signature"], constexprs, attrs, **rec["options"])
+    compiled = compile_sm90(fn, signature, constexprs, attrs, **rec["options"])
     sass = cubin_tool(compiled.asm["cubin"], "nvdisasm", "-c")
     return {
         "kernel": rec["name"],
