@@ -191,14 +191,14 @@ def int4_gemv_kernel(
 
 
 @triton.jit
-def int4_dot_tile(words, x_cols, m_mask, DOT_FP32: tl.constexpr):
+def int4_dot_tile(words, x_cols, m_mask, INTERPRET_FP32_DOT: tl.constexpr):
     """One K tile of the word-wise unpacking on the tensor cores (kernels/moe_wna16.py's grouped kernel, where a
     block of pairs shares its expert's tile; as a dense GEMV at 2-64 rows it lost to the general kernel at every
     M, RESULTS.md eighth session): words [BLOCK_N, BLOCK_K / 8] int32 of the weights' rows, x_cols [BLOCK_M,
     BLOCK_K / 8] pointers to column 8j of the tile in each activation row -> (sum_k (128 + q) x [BLOCK_M,
     BLOCK_N], sum_k x [BLOCK_M]) in fp32. Value position i of every word (columns 8j + i) is one operand of
     128 + q in the activations' dtype (exact: 128..143) against the activations' columns 8j + i: 8 dots of K =
-    BLOCK_K / 8. DOT_FP32: both operands in fp32 (the interpreter's 16-bit dot is not exact)."""
+    BLOCK_K / 8. INTERPRET_FP32_DOT: both operands in fp32 (the interpreter's 16-bit dot is not exact)."""
     ty = x_cols.dtype.element_ty
     prod = tl.zeros([x_cols.shape[0], words.shape[0]], dtype=tl.float32)
     x_sum = tl.zeros([x_cols.shape[0]], dtype=tl.float32)
@@ -208,7 +208,7 @@ def int4_dot_tile(words, x_cols, m_mask, DOT_FP32: tl.constexpr):
         hi = (pair & _HIGH_HALF).to(tl.float32, bitcast=True)  # 128 + q[8j + i + 4]
         x_lo = tl.load(x_cols + i, mask=m_mask[:, None], other=0.0)  # [BLOCK_M, BLOCK_W]
         x_hi = tl.load(x_cols + i + 4, mask=m_mask[:, None], other=0.0)
-        if DOT_FP32:
+        if INTERPRET_FP32_DOT:
             prod += tl.dot(x_lo.to(tl.float32), tl.trans(lo), input_precision="ieee")
             prod += tl.dot(x_hi.to(tl.float32), tl.trans(hi), input_precision="ieee")
         else:

@@ -145,7 +145,7 @@ def _moe_gemm_kernel(
     GROUP_BLOCKS: tl.constexpr,  # WEIGHT_QUANT 2: K blocks per scale group (the group's index by shifts)
     ACT_KIND: tl.constexpr,  # the activations' dtype when a is fp8: 1 bf16, 2 fp16, 3 fp32 (0: a's own)
     INTERPRET_BF16: tl.constexpr,  # the interpreter's bf16 dot and rounding are wrong: fp32 dot, RNE by hand
-    UPCAST_DOT: tl.constexpr,  # the interpreter has no fp8 dot: both operands in fp32 (exact)
+    FP32_DOT: tl.constexpr,  # WEIGHT_QUANT 2 with BLOCK_K under quant_fp8.FP8_DOT_MIN_K: the product in fp32
     DOT_PRECISION: tl.constexpr,
     MAX_IMPRECISE_ACC: tl.constexpr,  # WEIGHT_QUANT 2: the fp8 dots' (quant_fp8.FP8_DOT_MAX_IMPRECISE_ACC)
     USE_PDL: tl.constexpr,  # programmatic dependent launch (kernels/launch.py): before the routing's reads
@@ -199,7 +199,7 @@ def _moe_gemm_kernel(
             b_exp, bs_exp, bz_exp, bg_exp, offs_bn, offs_k, k0, k_valid, 0, stride_bn, stride_bsn, stride_bzn,
             QUANT_GROUP, K, EVEN_K, WEIGHT_QUANT, BITS, HAS_ZP, HAS_GIDX, INT_ROWS, act_ty, INTERPRET_BF16,
         )  # fmt: skip
-        if INTERPRET_BF16 or UPCAST_DOT:
+        if INTERPRET_BF16 or FP32_DOT:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         if WEIGHT_QUANT == 2:  # a block's product (fp8 tensor cores), scaled by the token's and the block's
@@ -215,7 +215,7 @@ def _moe_gemm_kernel(
                 stride_bzn, QUANT_GROUP, K, EVEN_K, WEIGHT_QUANT, BITS, HAS_ZP, HAS_GIDX, INT_ROWS, act_ty,
                 INTERPRET_BF16,
             )  # fmt: skip
-            if INTERPRET_BF16 or UPCAST_DOT:
+            if INTERPRET_BF16 or FP32_DOT:
                 b_up = b_up.to(tl.float32)
             if WEIGHT_QUANT == 2:
                 s_up = _fp8_scale(
@@ -303,8 +303,8 @@ def moe_gemm(
         MUL_ROUTED_WEIGHT=mul_routed_weight, WEIGHT_QUANT=weight_quant, BITS=bits, HAS_ZP=has_zp,
         HAS_GIDX=has_gidx, BLOCK_N_SCALE=block_n, SCALAR_B_SCALE=scalar_b_scale, GROUP_BLOCKS=group_blocks,
         ACT_KIND=_ACT_KIND[act_dtype] if act_dtype else 0,
-        INTERPRET_BF16=interpret_bf16, UPCAST_DOT=interpreting() and weight_quant == 2,
-        DOT_PRECISION="ieee" if fp32 or interpret_bf16 or interpreting() else "tf32",
+        INTERPRET_BF16=interpret_bf16, FP32_DOT=weight_quant == 2 and block_k < quant_fp8.FP8_DOT_MIN_K,
+        DOT_PRECISION="ieee" if fp32 else "tf32",  # the interpreter ignores it: no switch of its own
         MAX_IMPRECISE_ACC=quant_fp8.FP8_DOT_MAX_IMPRECISE_ACC if weight_quant == 2 else None, USE_PDL=pdl,
         INT_ROWS=INT_ROWS and weight_quant == 1 and not has_gidx, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"], launch_pdl=pdl,

@@ -254,7 +254,7 @@ def _grouped_int4_kernel(
     N, group_size, num_tiles, num_valid, stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_ze,
     stride_zn, stride_om,
     X_ROW_DIV: tl.constexpr, HAS_ZP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr, INTERPRET_BF16: tl.constexpr,
+    BLOCK_K: tl.constexpr, INTERPRET_FP32_DOT: tl.constexpr, INTERPRET_BF16: tl.constexpr,
 ):  # fmt: skip
     """Rows of a block of pairs routed to one expert times that expert's weights, tile by tile on the tensor
     cores (int4_gemv.int4_dot_tile) over the pairs' token rows (x row pair // X_ROW_DIV), each row rounded once
@@ -278,7 +278,9 @@ def _grouped_int4_kernel(
     for t in range(0, num_tiles):
         words, s_row, z = int4_tile_load(w_rows, s_exp, z_exp, offs_n, offs_w, n_mask, stride_sn, stride_zn,
                                          group_size, t, BLOCK_K, HAS_ZP)  # fmt: skip
-        prod, x_sum = int4_dot_tile(words, x_rows + t * BLOCK_K + offs_w[None, :] * 8, valid, DOT_FP32)
+        prod, x_sum = int4_dot_tile(
+            words, x_rows + t * BLOCK_K + offs_w[None, :] * 8, valid, INTERPRET_FP32_DOT
+        )
         acc += (prod - x_sum[:, None] * z[None, :]) * s_row[None, :]
     ty = out_ptr.dtype.element_ty
     out = out_ptr + pair.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
@@ -308,7 +310,7 @@ def _grouped_gemm(
         x, w.view(torch.int32), scale, z, sorted_ids, expert_ids, num_post, out, n, group, packed * 2 // 128,
         num_pairs, x.stride(0), w.stride(0) // 4, packed // 4, scale.stride(0), scale.stride(1), z.stride(0),
         z.stride(1), out.stride(0), X_ROW_DIV=x_row_div, HAS_ZP=zero is not None, BLOCK_M=GROUPED_BLOCK_M,
-        BLOCK_N=block_n, BLOCK_K=128, DOT_FP32=interp, INTERPRET_BF16=interp and x.dtype == torch.bfloat16,
+        BLOCK_N=block_n, BLOCK_K=128, INTERPRET_FP32_DOT=interp, INTERPRET_BF16=interp and x.dtype == torch.bfloat16,
         num_warps=4, num_stages=2,
     )  # fmt: skip
     return out

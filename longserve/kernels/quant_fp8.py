@@ -80,6 +80,10 @@ FP8_BLOCK_SCALED_MM_MIN_TOKENS = 2
 # a tile (66d642c) the loop holds 526 instructions at 0, 390 at 32, 175 at None. 32 and None in the engine:
 # `gpu_check.sh a3b-fp8-prefill`; what each costs in quality against bf16: `gpu_check.sh fp8-acc-quality`.
 FP8_DOT_MAX_IMPRECISE_ACC: int | None = 0
+# sm90's fp8 tensor-core dot takes K steps of at least 32 (Triton refuses tl.dot on e4m3 with K < 32: "K >= 32"):
+# a scale block narrower than that (the config allows multiples of 16) multiplies its e4m3 values in fp32, exactly
+# (the interpreted tests' 16-wide blocks among them; sm90 builds of both in CI's compile check).
+FP8_DOT_MIN_K = 32
 # FP8 of at most this many rows runs as kernels/fp8_gemv.py's GEMVs (the weights read on the CUDA cores, split
 # K; block FP8 with the activations' quantization inside) instead of the 16-row tensor-core GEMM (block FP8;
 # read the 8B gate_up weights at ~1.6 TB/s at M=1, 2026-12-01) or torch._scaled_mm (per channel: 0.071 ms for
@@ -192,7 +196,7 @@ def _fp8_block_gemm_kernel(
     stride_am, stride_asm, stride_bn, stride_bsn, stride_cm,
     GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST_DOT: tl.constexpr, INTERPRET_BF16: tl.constexpr, MAX_IMPRECISE_ACC: tl.constexpr,
+    FP32_DOT: tl.constexpr, INTERPRET_BF16: tl.constexpr, MAX_IMPRECISE_ACC: tl.constexpr,
 ):  # fmt: skip
     """c [M, N] = sum over K blocks of (a_blk . b_blk^T) * a_scale[m, kb] * b_scale[n // GROUP_N, kb]
     (BLOCK_K divides GROUP_K: one scale per tile along K)."""
@@ -210,7 +214,7 @@ def _fp8_block_gemm_kernel(
         b = tl.load(b_ptr + rows_n[None, :] * stride_bn + offs_k[:, None], mask=k_mask[:, None], other=0.0)
         a_s = tl.load(a_s_ptr + rows_m * stride_asm + k0 // GROUP_K)  # [BLOCK_M]
         b_s = tl.load(b_s_ptr + (rows_n // GROUP_N) * stride_bsn + k0 // GROUP_K)  # [BLOCK_N]
-        if UPCAST_DOT:  # the interpreter has no fp8 dot: e4m3 values are exact in fp32
+        if FP32_DOT:  # a K step under FP8_DOT_MIN_K: e4m3 values are exact in fp32
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc += tl.dot(a, b, max_num_imprecise_acc=MAX_IMPRECISE_ACC) * a_s[:, None] * b_s[None, :]
@@ -251,7 +255,7 @@ def fp8_block_gemm(
         xq, x_scale, w, w_scale, out, bias if bias is not None else out, m, n, k,
         xq.stride(0), x_scale.stride(0), w.stride(0), w_scale.stride(0), out.stride(0),
         GROUP_N=block[0], GROUP_K=block[1], HAS_BIAS=bias is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST_DOT=interpreting(),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, FP32_DOT=block_k < FP8_DOT_MIN_K,
         INTERPRET_BF16=interpreting() and out_dtype == torch.bfloat16,
         MAX_IMPRECISE_ACC=FP8_DOT_MAX_IMPRECISE_ACC, num_warps=4, num_stages=3,
     )  # fmt: skip

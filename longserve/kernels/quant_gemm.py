@@ -335,7 +335,7 @@ def wna16_gemm(
         BITS=bits, HAS_ZP=zeros is not None, HAS_GIDX=g_idx is not None,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SPLIT_K=split,
         INTERPRET_BF16=interpret_bf16,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 or interpret_bf16 else "tf32",
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # the interpreter ignores it
         INT_ROWS=WNA16_INT_ROWS and g_idx is None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     if split > 1:

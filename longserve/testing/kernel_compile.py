@@ -6,7 +6,7 @@ constexpr branches passed every interpreted test and failed to compile on the GP
 (triton ships its nvidia backend and ptxas), only the argument types and constexpr values of each launch,
 which the interpreter sees: `record_launches()` notes them (one record per kernel, constexpr values, argument
 types and the specializations the JIT would key on), and `compile_record()` builds that variant for sm90 down to
-cubin in a process where TRITON_INTERPRET is off, as the GPU launches it (INTERPRETER_CONSTEXPRS off, integer
+cubin in a process where TRITON_INTERPRET is off, as the GPU launches it (interpreter switches INTERPRET* off, integer
 arguments of 1 as constants, 16-divisible integers and pointers marked so, as the JIT does), and refuses a 16-bit
 FMA in its PTX (FMA16). tests/conftest.py records while the suite runs (LONGSERVE_RECORD_KERNELS=FILE) and
 compiles what it recorded at the end (CI); tests/unit/test_kernel_compile.py checks the mechanism.
@@ -246,9 +246,14 @@ def report_variants(report: Callable[[dict], dict], default: list[dict]) -> None
         print(json.dumps(report(variant)), flush=True)
 
 
-# The interpreter-only switches a kernel takes (its own rounding where the interpreter's casts truncate): False on
-# the GPU, so a recorded launch is compiled as the GPU would launch it.
-INTERPRETER_CONSTEXPRS = ("INTERPRET", "INTERPRET_BF16")
+def interpreter_switch(name: str) -> bool:
+    """A kernel's interpreter-only constexpr (INTERPRET, INTERPRET_*: its own rounding where the interpreter's casts
+    truncate, its dots in fp32), False on the GPU: a recorded launch compiles as the GPU launches it. Before the
+    names were one rule (fifty-second session) the fp8 dots of moe_gemm and quant_fp8's block GEMM (UPCAST_DOT)
+    and the grouped int4 kernel's 16-bit dots (DOT_FP32) compiled in CI as the interpreter's fp32 dots."""
+    return name == "INTERPRET" or name.startswith("INTERPRET_")
+
+
 # A 16-bit FMA in a kernel's PTX is a rounding its source asks for (a product rounded to bf16 before a sum, as
 # torch rounds) that LLVM's FP contraction fused away: on an H100 (fiftieth session) the shared expert's gated add
 # so compiled had torch's bits in 75-84% of its elements. Such a launch takes activation.ROUNDED_AS_TORCH.
@@ -266,7 +271,7 @@ def specialized(fn: Any, rec: dict[str, Any]) -> tuple[dict, dict, dict]:
 
     signature = dict(rec["signature"])
     constexprs = {
-        k: False if k in INTERPRETER_CONSTEXPRS else tl.dtype(v["tl_dtype"]) if isinstance(v, dict) else v
+        k: False if interpreter_switch(k) else tl.dtype(v["tl_dtype"]) if isinstance(v, dict) else v
         for k, v in rec["constexprs"].items()
     }
     attrs = {}
@@ -294,7 +299,7 @@ def recorded_kernel(rec: dict[str, Any]) -> Any:
 
 
 def compile_record(rec: dict[str, Any]) -> dict[str, Any]:
-    """Compile one recorded variant for sm90, as the GPU launches it (INTERPRETER_CONSTEXPRS off, the JIT's
+    """Compile one recorded variant for sm90, as the GPU launches it (its interpreter_switch-es off, the JIT's
     specializations: `specialized`; TRITON_INTERPRET must be off in this process); a 16-bit FMA in its PTX (FMA16)
     is an error. The result names the arguments compiled as constants or marked divisible, and the cubin's
     registers and spills where cuobjdump runs."""

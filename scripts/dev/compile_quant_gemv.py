@@ -297,7 +297,7 @@ def compile_moe_grouped(moe_grouped=True, x="bf16", zp=False, bm=16, bn=64, x_ro
 
     ptrs = {"x_ptr": f"*{x}", "w_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8" if zp else "*fp16",
             "sorted_ptr": "*i32", "expert_ids_ptr": "*i32", "num_post_ptr": "*i32", "out_ptr": f"*{x}"}  # fmt: skip
-    consts = dict(X_ROW_DIV=x_row_div, HAS_ZP=zp, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, DOT_FP32=False,
+    consts = dict(X_ROW_DIV=x_row_div, HAS_ZP=zp, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, INTERPRET_FP32_DOT=False,
                   INTERPRET_BF16=False)  # fmt: skip
     sig = {a: ptrs.get(a, "constexpr" if a in consts else "i32") for a in fn.arg_names}
     div16 = [*ptrs, "N", "stride_xm", "stride_wn", "stride_om", "stride_we"]

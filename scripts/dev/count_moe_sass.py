@@ -45,7 +45,7 @@ def compile_moe(wq=2, acc=0, bm=64, bn=128, bk=128, warps=8, stages=4, silu=True
     consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=16, SILU_AND_MUL=silu, A_ROW_DIV=8 if silu else 1,
                   MUL_ROUTED_WEIGHT=False, EVEN_K=True, WEIGHT_QUANT=wq, BITS=4 if wq == 1 else 8, HAS_ZP=False,
                   HAS_GIDX=False, BLOCK_N_SCALE=128, SCALAR_B_SCALE=scalar and wq == 2, GROUP_BLOCKS=128 // bk,
-                  ACT_KIND=0, INTERPRET_BF16=False, UPCAST_DOT=False, DOT_PRECISION="tf32",
+                  ACT_KIND=0, INTERPRET_BF16=False, FP32_DOT=False, DOT_PRECISION="tf32",
                   MAX_IMPRECISE_ACC=acc if wq == 2 else None, USE_PDL=False, INT_ROWS=rows)  # fmt: skip
     missing = set(consts) - set(fn.arg_names)
     assert not missing, f"_moe_gemm_kernel has no {missing}"

@@ -180,6 +180,45 @@ def test_a_launch_compiles_with_the_jits_specializations(tmp_path):
         assert result["regs"] > 0 and result["local"] == 0, result  # the cubin's resources, read by cuobjdump
 
 
+_PTX_PRODUCTS = """
+import json, re, sys
+from longserve.testing import kernel_compile as kc
+rec = json.loads(sys.argv[1])
+fn = kc.recorded_kernel(rec)
+k = kc.compile_sm90(fn, *kc.specialized(fn, rec), **rec["options"])
+print(json.dumps(sorted(set(re.findall(r"mma\\.sync\\.aligned\\S*|wgmma\\.mma_async\\S*", k.asm["ptx"])))))
+"""
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="records interpreted launches")
+@pytest.mark.skipif(not _nvidia_backend(), reason="triton's nvidia backend is not installed")
+def test_fp8_products_compile_as_the_gpu_runs_them(tmp_path):
+    """An interpreted fp8 block GEMM compiles for sm90 with the GPU's products, not the interpreter's: e4m3 operands
+    (at FP8_DOT_MAX_IMPRECISE_ACC 0 converted to f16 for mma.sync) where the K step is 32 or more, fp32 (tf32 mma,
+    exact for e4m3) under FP8_DOT_MIN_K, where sm90's fp8 dot refuses to compile. Before INTERPRET_* was the rule,
+    every recorded fp8 launch compiled as the interpreter's fp32 dot."""
+    from longserve.kernels.quant_fp8 import FP8_DOT_MAX_IMPRECISE_ACC, fp8_block_gemm
+
+    assert FP8_DOT_MAX_IMPRECISE_ACC == 0  # else the fp8 variant builds wgmma on e4m3: update the expectation
+    kernel_compile.record_launches()
+    g = torch.Generator().manual_seed(0)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": root}
+    for block_k, products in ((32, ["mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"]),
+                              (16, ["mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32"])):  # fmt: skip
+        xq = torch.randn(4, 64, generator=g).to(torch.float8_e4m3fn)
+        w = torch.randn(32, 64, generator=g).to(torch.float8_e4m3fn)
+        x_scale, w_scale = torch.rand(4, 64 // block_k, generator=g), torch.rand(32 // block_k, 64 // block_k)
+        fp8_block_gemm(xq, x_scale, w, w_scale, (block_k, block_k), torch.float32)
+        (rec,) = [r for r in kernel_compile._RECORDS.values()
+                  if r["name"] == "_fp8_block_gemm_kernel" and r["constexprs"]["BLOCK_K"] == block_k]  # fmt: skip
+        assert rec["constexprs"]["FP32_DOT"] is (block_k == 16)
+        done = subprocess.run([sys.executable, "-c", _PTX_PRODUCTS, json.dumps(rec)], env=env, capture_output=True,
+                              text=True, timeout=300, cwd=root)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert json.loads(done.stdout.splitlines()[-1]) == products
+
+
 # nvdisasm's layout: a kernel's main loop, then an mbarrier wait's retry block at the function's end branching back
 # into it (as the Gluon attention draft's are laid out)
 _SASS = """        /*0000*/                   MOV R1, c[0x0][0x28] ;
