@@ -111,16 +111,22 @@ def _compile_records(session, path: str) -> None:
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     failed = [line for line in lines if '"ok": false' in line]
+    results = [json.loads(line) for line in lines]
+    tiles = [
+        r for r in results if r.get("tile")
+    ]  # testing/gpu_tiles.py: the attention kernels at the GPU's tiles
     print(
-        f"\nsm90 compile check: {len(lines) - len(failed)} of {len(lines)} recorded kernel variants compiled "
+        f"\nsm90 compile check: {len(results) - len(failed)} of {len(results)} kernel variants compiled: "
+        f"{len(results) - len(tiles)} recorded, {len(tiles)} at the GPU's attention tiles "
         f"({time.perf_counter() - start:.0f} s)"
     )
     for line in failed:
         print("  FAILED " + line)
     # spills in the build the GPU runs (specialized as the JIT does): not a failure, a lead for the next GPU call
-    for r in map(json.loads, lines):
+    for r in results:
         if r.get("local"):
-            print(f"  spills: {r['kernel']} {r['local']} bytes of local memory, {r['regs']} registers")
+            tile = f" at {r['tile']}" if r.get("tile") else ""
+            print(f"  spills: {r['kernel']}{tile} {r['local']} bytes of local memory, {r['regs']} registers")
     if done.returncode != 0:
         if not failed:
             print(done.stderr[-3000:])

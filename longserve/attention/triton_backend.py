@@ -75,6 +75,19 @@ WIDE_SHORT_MIN_ROWS = 128
 # hit-attention`), but the 8B hit in the engine ran 13.8 / 13.2 ms against 13.0 / 13.0 (`queue.sh hit-regs`).
 SHORT_CHUNK_STAGES = 3
 SHORT_CHUNK_MAXNREG: int | None = None
+# Short-chunk tiles and the key split's warps are tuned at head dim 128; at 256 the wide tile does not compile for
+# sm_90, the short one spills, the long chunks' holds 226 registers (scripts/dev/compile_extend.py; RESULTS.md 46th).
+SHORT_TILES_MAX_HEAD_DIM = 128
+# A long chunk split over its keys is short per program: 4 warps beat 8 (scripts/probes/sweep_short_extend.py on an
+# H200: 64 new over 32K 0.255 -> 0.192 ms with 64-row tiles; 512 new 1.03 -> 0.83 ms).
+KEY_SPLIT_WARPS = 4
+
+
+def short_chunk_config(config: dict[str, int], wide: bool) -> dict[str, int]:
+    """A short chunk's launch on a GPU from extend_config's `config`: SHORT_CHUNK_TILE, or WIDE_SHORT_TILE (a tile
+    may carry its own stages)."""
+    config = {**config, "num_stages": SHORT_CHUNK_STAGES, **(WIDE_SHORT_TILE if wide else SHORT_CHUNK_TILE)}
+    return config if wide or SHORT_CHUNK_MAXNREG is None else {**config, "maxnreg": SHORT_CHUNK_MAXNREG}
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -130,9 +143,7 @@ class TritonAttentionBackend(AttentionBackend):
     ) -> tuple[dict[str, int], int]:
         """Tiles and key-split count of an extend launch for these requests (host lists, no sync)."""
         config = self._extend_config(head_dim, dtype)
-        # short-chunk tiles tuned at head dim 128; at 256 the wide one does not compile for sm_90, the short one
-        # spills, the long chunks' holds 226 registers (scripts/dev/compile_extend.py; RESULTS.md 46th session)
-        tuned = device.type == "cuda" and dtype != torch.float32 and head_dim <= 128
+        tuned = device.type == "cuda" and dtype != torch.float32 and head_dim <= SHORT_TILES_MAX_HEAD_DIM
         group = num_q_heads // num_kv_heads
         short = tuned and max(query_lens, default=0) * group <= SHORT_CHUNK_ROWS
         wide = (
@@ -141,17 +152,12 @@ class TritonAttentionBackend(AttentionBackend):
             and min((q for q in query_lens if q), default=0) * group > WIDE_SHORT_MIN_ROWS
         )
         if short:
-            tile = WIDE_SHORT_TILE if wide else SHORT_CHUNK_TILE
-            config = {**config, "num_stages": SHORT_CHUNK_STAGES, **tile}  # a tile may carry its own stages
-            if SHORT_CHUNK_MAXNREG is not None and not wide:
-                config["maxnreg"] = SHORT_CHUNK_MAXNREG
+            config = short_chunk_config(config, wide)
         splits = self.extend_splits or self._choose_extend_splits(
             query_lens, seq_lens, num_q_heads, num_kv_heads, config["BLOCK_M"], self.num_sms(device), wide
         )
         if tuned and splits > 1 and not short:
-            # key-split launches are short per program: 4 warps beat 8 (scripts/probes/sweep_short_extend.py
-            # on an H200: 64 new over 32K 0.255 -> 0.192 ms with 64-row tiles; 512 new 1.03 -> 0.83 ms)
-            config = {**config, "num_warps": 4}
+            config = {**config, "num_warps": KEY_SPLIT_WARPS}
         return config, splits
 
     def warm_up(

@@ -315,6 +315,7 @@ def compile_record(rec: dict[str, Any]) -> dict[str, Any]:
     constants = sorted(k for k in constexprs if k not in rec["constexprs"])
     out = {
         "kernel": rec["name"],
+        **({"tile": rec["tile"]} if "tile" in rec else {}),
         "stages": list(compiled.asm),
         "constants": constants,
         "divisible": sorted(attrs),
@@ -327,22 +328,25 @@ def compile_record(rec: dict[str, Any]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     """python -m longserve.testing.kernel_compile RECORDS.jsonl [--all] [--package PREFIX]: compile the recorded
-    variants (those covering every switch, or all; of modules under PREFIX), one JSON line each; exit status 1
-    if any fails."""
+    variants (those covering every switch, or all; of modules under PREFIX), then the attention kernels' launches
+    at the GPU's tiles (testing/gpu_tiles.py; lines with a "tile"), one JSON line each; exit status 1 if any fails."""
     import sys
 
     argv = sys.argv[1:] if argv is None else argv
     os.environ["TRITON_INTERPRET"] = "0"
+    from longserve.testing.gpu_tiles import gpu_variants  # its kernels' config functions: the GPU's answers
+
     package = argv[argv.index("--package") + 1] if "--package" in argv else ""
     records = load_records(argv[0], cover="--all" not in argv[1:], package=package)
     failed = 0
-    for rec in records:
+    for rec in records + gpu_variants(records):
         try:
             line = {"ok": True, **compile_record(rec)}
         except Exception as e:  # noqa: BLE001 - every failure is reported with its variant
             failed += 1
-            line = {"ok": False, "kernel": rec["name"], "module": rec["module"], "constexprs": rec["constexprs"],
-                    "signature": rec["signature"], "error": f"{type(e).__name__}: {e}"[-2000:]}  # fmt: skip
+            line = {"ok": False, "kernel": rec["name"], "tile": rec.get("tile"), "module": rec["module"],
+                    "constexprs": rec["constexprs"], "signature": rec["signature"],
+                    "error": f"{type(e).__name__}: {e}"[-2000:]}  # fmt: skip
         print(json.dumps(line), flush=True)
     return 1 if failed else 0
 
