@@ -208,10 +208,11 @@ def test_fp8_products_compile_as_the_gpu_runs_them(tmp_path):
                               (16, ["mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32"])):  # fmt: skip
         xq = torch.randn(4, 64, generator=g).to(torch.float8_e4m3fn)
         w = torch.randn(32, 64, generator=g).to(torch.float8_e4m3fn)
-        x_scale, w_scale = torch.rand(4, 64 // block_k, generator=g), torch.rand(32 // block_k, 64 // block_k)
-        fp8_block_gemm(xq, x_scale, w, w_scale, (block_k, block_k), torch.float32)
-        (rec,) = [r for r in kernel_compile._RECORDS.values()
-                  if r["name"] == "_fp8_block_gemm_kernel" and r["constexprs"]["BLOCK_K"] == block_k]  # fmt: skip
+        # scale blocks 48 rows tall: this test's records among those other tests in the process left
+        x_scale, w_scale = torch.rand(4, 64 // block_k, generator=g), torch.rand(1, 64 // block_k)
+        fp8_block_gemm(xq, x_scale, w, w_scale, (48, block_k), torch.float32)
+        (rec,) = [r for r in kernel_compile._RECORDS.values() if r["name"] == "_fp8_block_gemm_kernel"
+                  and (r["constexprs"]["GROUP_N"], r["constexprs"]["BLOCK_K"]) == (48, block_k)]  # fmt: skip
         assert rec["constexprs"]["FP32_DOT"] is (block_k == 16)
         done = subprocess.run([sys.executable, "-c", _PTX_PRODUCTS, json.dumps(rec)], env=env, capture_output=True,
                               text=True, timeout=300, cwd=root)  # fmt: skip
