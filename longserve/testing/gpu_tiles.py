@@ -1,8 +1,8 @@
 """The attention kernels' launches as the GPU makes them, from the interpreter's records, for CI's sm90 compile check.
 
-The interpreted tests launch the decode and extend attention kernels in float32 at the interpreter's 16-wide tiles
-(decode_config and extend_config answer so under TRITON_INTERPRET), so the check compiled variants no GPU runs: the
-decode kernel's 64-key tiles and the extend kernel's 128x64 wgmma tiles on bf16 went unchecked until a GPU call.
+The interpreted tests launch the decode and extend attention kernels (mostly float32) at the interpreter's 16-wide
+tiles (decode_config and extend_config answer so under TRITON_INTERPRET), so the check compiled variants no GPU runs:
+the decode kernel's 64-key tiles and the extend kernel's 128x64 wgmma tiles on bf16 went unchecked until a GPU call.
 `gpu_variants(records)` gives, for each recorded launch of these kernels, the same launch (its switches kept) on
 bf16 tensors at each tile the GPU's config functions and the Triton backend's short-chunk tiles choose for the head
 shapes of `bench latency`'s built-in models; greedily, only the variants needed to cover every switch value, head
