@@ -18,8 +18,6 @@ from typing import Any
 
 import torch
 
-from longserve.testing import kernel_compile
-
 _DECODE = ("longserve.kernels.decode_attention", "_decode_split_kernel")
 _EXTEND = ("longserve.kernels.extend_attention", "_extend_kernel")
 
@@ -103,9 +101,12 @@ _TILES: dict[tuple[str, str], Callable[[dict[str, Any]], Iterator[dict[str, Any]
 
 
 def _features(rec: dict[str, Any]) -> set[tuple[str, str]]:
-    """A record's switches and pointer types (kernel_compile's features: HEAD_DIM and GROUP among them), and its
-    tile."""
-    return kernel_compile.features(rec) | {("tile", rec["tile"])}
+    switches = {(k, json.dumps(v)) for k, v in rec["constexprs"].items() if k not in ("BLOCK_D", "BLOCK_H")}
+    return (
+        switches
+        | {("*" + k, v) for k, v in rec["signature"].items() if v.startswith("*")}
+        | {("tile", rec["tile"])}
+    )
 
 
 def gpu_variants(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -114,5 +115,9 @@ def gpu_variants(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for key, tiles in _TILES.items():
         variants = [v for rec in records if (rec["module"], rec["name"]) == key for v in tiles(rec)]
-        out += kernel_compile.covering(variants, _features)
+        covered: set[tuple[str, str]] = set()
+        for v in sorted(variants, key=lambda r: -len(_features(r))):
+            if _features(v) - covered:
+                out.append(v)
+                covered |= _features(v)
     return out

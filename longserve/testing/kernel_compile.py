@@ -142,7 +142,7 @@ def dump_records(path: str) -> int:
     return len(_RECORDS)
 
 
-def features(rec: dict[str, Any]) -> set[tuple[str, str]]:
+def _features(rec: dict[str, Any]) -> set[tuple[str, str]]:
     """What makes a variant's code differ: its constexpr switches (tile sizes aside: they change shapes, rarely
     which code is generated) and its pointers' element types."""
     feats = {
@@ -167,20 +167,13 @@ def load_records(path: str, cover: bool = True, package: str = "") -> list[dict[
     for key in sorted(seen):
         rec = seen[key]
         by_kernel.setdefault((rec["module"], rec["name"]), []).append(rec)
-    return [rec for recs in by_kernel.values() for rec in covering(recs, features)]
-
-
-def covering(
-    recs: list[dict[str, Any]], features: Callable[[dict[str, Any]], set[tuple[str, str]]]
-) -> list[dict[str, Any]]:
-    """The records of one kernel needed to cover every feature among them: greedy, richest first (stable: ties keep
-    the given order)."""
-    out: list[dict[str, Any]] = []
-    covered: set[tuple[str, str]] = set()
-    for rec in sorted(recs, key=lambda r: -len(features(r))):
-        if features(rec) - covered:
-            out.append(rec)
-            covered |= features(rec)
+    out = []
+    for recs in by_kernel.values():
+        covered: set[tuple[str, str]] = set()
+        for rec in sorted(recs, key=lambda r: -len(_features(r))):  # stable: ties keep the sorted order
+            if _features(rec) - covered:
+                out.append(rec)
+                covered |= _features(rec)
     return out
 
 
