@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from longserve.testing import records
+
 _DECODE = ("longserve.kernels.decode_attention", "_decode_split_kernel")
 _EXTEND = ("longserve.kernels.extend_attention", "_extend_kernel")
 
@@ -100,24 +102,17 @@ _TILES: dict[tuple[str, str], Callable[[dict[str, Any]], Iterator[dict[str, Any]
 }
 
 
-def _features(rec: dict[str, Any]) -> set[tuple[str, str]]:
-    switches = {(k, json.dumps(v)) for k, v in rec["constexprs"].items() if k not in ("BLOCK_D", "BLOCK_H")}
-    return (
-        switches
-        | {("*" + k, v) for k, v in rec["signature"].items() if v.startswith("*")}
-        | {("tile", rec["tile"])}
-    )
+def _features(rec: dict[str, Any]) -> set[records.Feature]:
+    """As the compile check's, but the tile sizes count: head_dim (BLOCK_D) and the head group (BLOCK_H) aside,
+    each tile is its own code, and so is each labelled tile."""
+    return records.features(rec, lambda name: name in ("BLOCK_D", "BLOCK_H"))
 
 
-def gpu_variants(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def gpu_variants(recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The GPU's launches of the recorded attention kernels (each with its "tile"), covering every switch value,
     head shape and tile among them."""
     out = []
     for key, tiles in _TILES.items():
-        variants = [v for rec in records if (rec["module"], rec["name"]) == key for v in tiles(rec)]
-        covered: set[tuple[str, str]] = set()
-        for v in sorted(variants, key=lambda r: -len(_features(r))):
-            if _features(v) - covered:
-                out.append(v)
-                covered |= _features(v)
+        variants = [v for rec in recs if (rec["module"], rec["name"]) == key for v in tiles(rec)]
+        out += records.covering(variants, _features)
     return out

@@ -23,6 +23,7 @@ import subprocess
 from collections.abc import Callable
 from typing import Any
 
+from longserve.testing import records
 from longserve.testing.sass import cubin_tool, innermost_loop, opcode_counts, resource_usage
 
 _RECORDS: dict[str, dict[str, Any]] = {}
@@ -142,13 +143,9 @@ def dump_records(path: str) -> int:
     return len(_RECORDS)
 
 
-def _features(rec: dict[str, Any]) -> set[tuple[str, str]]:
-    """What makes a variant's code differ: its constexpr switches (tile sizes aside: they change shapes, rarely
-    which code is generated) and its pointers' element types."""
-    feats = {
-        (k, json.dumps(v)) for k, v in rec["constexprs"].items() if not k.startswith(("BLOCK", "GROUP_M"))
-    }
-    return feats | {("*" + k, v) for k, v in rec["signature"].items() if v.startswith("*")}
+def _features(rec: dict[str, Any]) -> set[records.Feature]:
+    """What makes a variant's code differ: its constexpr switches (tile sizes aside) and its pointers' types."""
+    return records.features(rec, lambda name: name.startswith(("BLOCK", "GROUP_M")))
 
 
 def load_records(path: str, cover: bool = True, package: str = "") -> list[dict[str, Any]]:
@@ -167,14 +164,7 @@ def load_records(path: str, cover: bool = True, package: str = "") -> list[dict[
     for key in sorted(seen):
         rec = seen[key]
         by_kernel.setdefault((rec["module"], rec["name"]), []).append(rec)
-    out = []
-    for recs in by_kernel.values():
-        covered: set[tuple[str, str]] = set()
-        for rec in sorted(recs, key=lambda r: -len(_features(r))):  # stable: ties keep the sorted order
-            if _features(rec) - covered:
-                out.append(rec)
-                covered |= _features(rec)
-    return out
+    return [rec for recs in by_kernel.values() for rec in records.covering(recs, _features)]
 
 
 class CapturedLaunches:
