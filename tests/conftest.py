@@ -114,10 +114,10 @@ def _compile_records(session, path: str) -> None:
     results = [json.loads(line) for line in lines]
     tiles = [
         r for r in results if r.get("tile")
-    ]  # testing/gpu_tiles.py: the attention kernels at the GPU's tiles
+    ]  # testing/gpu_tiles.py: attention and fused MoE at the GPU's tiles
     print(
         f"\nsm90 compile check: {len(results) - len(failed)} of {len(results)} kernel variants compiled: "
-        f"{len(results) - len(tiles)} recorded, {len(tiles)} at the GPU's attention tiles "
+        f"{len(results) - len(tiles)} recorded, {len(tiles)} at the GPU's tiles (attention, fused MoE) "
         f"({time.perf_counter() - start:.0f} s)"
     )
     for line in failed:

@@ -1,12 +1,15 @@
-"""The attention kernels' launches as the GPU makes them, from the interpreter's records, for CI's sm90 compile check.
+"""The attention and fused-MoE kernels' launches as the GPU makes them, from the interpreter's records, for CI's
+sm90 compile check.
 
 The interpreted tests launch the decode and extend attention kernels (mostly float32) at the interpreter's 16-wide
 tiles (decode_config and extend_config answer so under TRITON_INTERPRET), so the check compiled variants no GPU runs:
 the decode kernel's 64-key tiles and the extend kernel's 128x64 wgmma tiles on bf16 went unchecked until a GPU call.
 `gpu_variants(records)` gives, for each recorded launch of these kernels, the same launch (its switches kept) on
 bf16 tensors at each tile the GPU's config functions and the Triton backend's short-chunk tiles choose for the head
-shapes of `bench latency`'s built-in models; greedily, only the variants needed to cover every switch value, head
-shape and tile seen (as load_records covers the records).
+shapes of `bench latency`'s built-in models. The fused MoE GEMM likewise (16x16x16 tiles, one stage, interpreted):
+at default_moe_config's tiles in each of its regimes and every shipped table's (moe_configs/), for the record's
+expert weights. Greedily, only the variants needed to cover every switch value, head shape and tile seen (as
+load_records covers the records; records.covering).
 """
 
 from __future__ import annotations
@@ -96,9 +99,56 @@ def _extend_tiles(rec: dict[str, Any]) -> Iterator[dict[str, Any]]:
             yield _with_tile(base, f"extend {json.dumps(cfg)}", shape, cfg)
 
 
+# the fused MoE GEMM's variants: Qwen3-30B-A3B's shape (E=128, I=768, H=2048, top 8), the tables' shape; token
+# counts in each of default_moe_config's regimes (T*k/E <= 16, <= 96, more); a real checkpoint's 128-wide groups
+_MOE_SHAPE = {"num_experts": 128, "inter": 768, "hidden": 2048, "top_k": 8}
+_MOE_TOKENS = (64, 1024, 8192)
+_QUANT_GROUP = 128
+_MOE_ACT = {"*bf16": torch.bfloat16, "*fp16": torch.float16, "*fp32": torch.float32}
+
+
+def _moe_tiles(rec: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """fused_moe's launches of the GEMM on a GPU: default_moe_config's tiles in each regime and every shipped
+    table's (any GPU's) for the record's weights (16-bit: its activations' dtype; int4/int8; fp8_e4m3), the
+    down GEMM's own where a config has them, BLOCK_K fit to the group as fused_moe._fit_block_k does, and the
+    constexprs that follow from the tile (FP32_DOT, GROUP_BLOCKS, SCALAR_B_SCALE) as moe_gemm sets them."""
+    from longserve.kernels import quant_fp8
+    from longserve.kernels.moe_config import CONFIG_DIR, default_moe_config, load_table
+
+    c = rec["constexprs"]
+    quant, act_kind = c["WEIGHT_QUANT"], c["ACT_KIND"]
+    act = [torch.bfloat16, torch.float16, torch.float32][act_kind - 1] if act_kind else _MOE_ACT[
+        rec["signature"]["a_ptr"]
+    ]  # fmt: skip
+    weights = {0: str(act).removeprefix("torch."), 1: f"int{c['BITS']}", 2: "fp8_e4m3"}[quant]
+    configs = [default_moe_config(**_MOE_SHAPE, dtype=act, num_tokens=t) for t in _MOE_TOKENS]
+    for path in sorted(CONFIG_DIR.glob(f"*dtype={weights}.json")):
+        configs += (load_table(str(path)) or {}).values()
+    down = c["MUL_ROUTED_WEIGHT"] and not c["SILU_AND_MUL"]
+    per_group = quant == 1 and not c["HAS_GIDX"] or quant == 2 and c["GROUP_BLOCKS"] < 1 << 30
+    base = copy.deepcopy(rec)
+    if quant == 2 and c["BLOCK_N_SCALE"] > 1:  # block FP8: 128 x 128 scale blocks
+        base["constexprs"]["BLOCK_N_SCALE"] = _QUANT_GROUP
+    for cfg in configs:
+        cfg = {**cfg, **cfg.get("down", {}), "BLOCK_M": cfg["BLOCK_M"]} if down else cfg
+        tile = {k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")}
+        while per_group and tile["BLOCK_K"] > 16 and _QUANT_GROUP % tile["BLOCK_K"]:
+            tile["BLOCK_K"] //= 2
+        block_k, block_n = tile["BLOCK_K"], tile["BLOCK_N"]
+        derived = {"GROUP_M": tile["GROUP_M"]}
+        if quant == 2:
+            derived["FP32_DOT"] = block_k < quant_fp8.FP8_DOT_MIN_K
+            if per_group:
+                derived["GROUP_BLOCKS"] = _QUANT_GROUP // block_k
+            derived["SCALAR_B_SCALE"] = base["constexprs"]["BLOCK_N_SCALE"] % block_n == 0
+        label = f"moe {weights} {json.dumps({k: v for k, v in tile.items() if k != 'GROUP_M'})}"
+        yield _with_tile(base, label, derived, tile)
+
+
 _TILES: dict[tuple[str, str], Callable[[dict[str, Any]], Iterator[dict[str, Any]]]] = {
     _DECODE: _decode_tiles,
     _EXTEND: _extend_tiles,
+    ("longserve.kernels.moe_gemm", "_moe_gemm_kernel"): _moe_tiles,
 }
 
 

@@ -1,6 +1,7 @@
-"""The attention kernels' launches at the GPU's tiles (longserve/testing/gpu_tiles.py), built from interpreted
-float32 launches for CI's sm90 compile check: bf16 tensors, the GPU's config functions' tiles for every built-in
-head shape, float32 workspaces kept, and each one compiles for sm90."""
+"""The attention and fused-MoE kernels' launches at the GPU's tiles (longserve/testing/gpu_tiles.py), built from
+interpreted launches for CI's sm90 compile check. Attention: bf16 tensors, the GPU's config functions' tiles for
+every built-in head shape, float32 workspaces kept. MoE: default_moe_config's and the shipped tables' tiles, with
+the constexprs that follow from a tile as moe_gemm sets them. Each compiles for sm90."""
 
 from __future__ import annotations
 
@@ -88,7 +89,13 @@ def test_the_gpu_variants_compile_for_sm90(tmp_path) -> None:
     if kernel_compile.sm90_compiler_missing():
         pytest.skip(kernel_compile.sm90_compiler_missing())
     path = tmp_path / "records.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in _interpreted_launches()))
+    # and the block-FP8 experts' gate+up GEMM (at the H200 table's tiles among others)
+    fp8_up = [
+        r
+        for r in _interpreted_moe_launches()
+        if r["constexprs"]["WEIGHT_QUANT"] == 2 and r["constexprs"]["SILU_AND_MUL"]
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in _interpreted_launches() + fp8_up[:1]))
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": root}
     done = subprocess.run([sys.executable, "-m", "longserve.testing.kernel_compile", str(path)], env=env,
@@ -97,3 +104,83 @@ def test_the_gpu_variants_compile_for_sm90(tmp_path) -> None:
     tiles = [r for r in results if r.get("tile")]
     assert done.returncode == 0 and all(r["ok"] for r in results), done.stdout[-3000:] + done.stderr[-2000:]
     assert len(tiles) >= 6 and all(r["regs"] > 0 for r in tiles), tiles
+    assert any(r["tile"].startswith("moe fp8_e4m3") and '"num_warps": 8' in r["tile"] for r in tiles), tiles
+
+
+def _interpreted_moe_launches() -> list[dict]:
+    """The fused MoE GEMM's gate+up and down launches, bf16 activations, on bf16, block-FP8 (16 x 16 scale blocks)
+    and GPTQ-int4 experts (groups of 32), at the interpreter's 16-wide tiles."""
+    from longserve.kernels import moe_gemm
+    from longserve.kernels.fused_moe import fused_moe
+    from longserve.kernels.moe_reference import MoEQuant, route_topk
+    from longserve.kernels.quant_fp8 import FP8_DTYPE
+
+    kernel_compile.record_launches()
+    g = torch.Generator().manual_seed(0)
+    e, h, i = 4, 64, 32
+    x = torch.randn(5, h, generator=g).bfloat16()
+    weights, ids = route_topk(torch.randn(5, e, generator=g), 2, True)
+    # GROUP_M 3 (no other test's) marks this function's records among the process's
+    cfg = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 3, "num_warps": 4, "num_stages": 1}
+    w13, w2 = torch.randn(e, 2 * i, h, generator=g), torch.randn(e, h, i, generator=g)
+    fused_moe(x, w13.bfloat16(), w2.bfloat16(), weights.bfloat16(), ids, config=cfg)
+    s13, s2 = (
+        torch.rand(e, 2 * i // 16, h // 16, generator=g) / 20,
+        torch.rand(e, h // 16, i // 16, generator=g) / 20,
+    )
+    fp8 = MoEQuant("fp8_e4m3", 16, s13, s2, block_n=16)
+    fused_moe(x, w13.to(FP8_DTYPE), w2.to(FP8_DTYPE), weights.bfloat16(), ids, quant=fp8, config=cfg)
+    packed13 = torch.randint(0, 256, (e, 2 * i, h // 2), dtype=torch.uint8, generator=g)
+    packed2 = torch.randint(0, 256, (e, h, i // 2), dtype=torch.uint8, generator=g)
+    int4 = MoEQuant(
+        "int4",
+        32,
+        torch.rand(e, 2 * i, h // 32, generator=g) / 20,
+        torch.rand(e, h, i // 32, generator=g) / 20,
+    )
+    fused_moe(x, packed13, packed2, weights.bfloat16(), ids, quant=int4, config=cfg)
+    key = (moe_gemm.__name__, "_moe_gemm_kernel")
+    return [
+        r
+        for r in kernel_compile._RECORDS.values()
+        if (r["module"], r["name"]) == key and r["constexprs"]["GROUP_M"] == 3
+    ]
+
+
+def test_the_moe_variants_are_fused_moes_gpu_launches(monkeypatch: pytest.MonkeyPatch) -> None:
+    records = _interpreted_moe_launches()
+    kinds = {(r["constexprs"]["WEIGHT_QUANT"], r["constexprs"]["SILU_AND_MUL"]) for r in records}
+    assert kinds >= {(q, up) for q in (0, 1, 2) for up in (True, False)}, kinds
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # default_moe_config answers as on the GPU
+    from longserve.kernels.moe_config import CONFIG_DIR, default_moe_config, load_table
+
+    variants = [v for v in gpu_tiles.gpu_variants(records) if v["name"] == "_moe_gemm_kernel"]
+    keys = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
+    for v in variants:
+        c = v["constexprs"]
+        quant, weights = c["WEIGHT_QUANT"], v["tile"].split(" ")[1]
+        assert weights == {0: "bfloat16", 1: "int4", 2: "fp8_e4m3"}[quant]
+        configs = [default_moe_config(128, 768, 2048, 8, torch.bfloat16, t) for t in (64, 1024, 8192)]
+        configs += [
+            cfg for p in CONFIG_DIR.glob(f"*dtype={weights}.json") for cfg in load_table(str(p)).values()
+        ]
+        if not c["SILU_AND_MUL"]:  # the down GEMM: its own tile where the config has one, the rows shared
+            configs = [{**cfg, **cfg.get("down", {}), "BLOCK_M": cfg["BLOCK_M"]} for cfg in configs]
+        tile = {k: c[k] for k in keys[:4]} | v["options"]
+        # fused_moe._fit_block_k: a K tile within one 128-wide group
+        assert tile in [
+            {**{k: cfg[k] for k in keys}, "BLOCK_K": min(cfg["BLOCK_K"], 128)} for cfg in configs
+        ], tile
+        assert v["signature"]["c_ptr"] == "*bf16" and c["ACT_KIND"] == (1 if quant == 2 else 0)
+        if quant == 2:  # block FP8 as the official checkpoints: 128 x 128 scale blocks
+            assert c["BLOCK_N_SCALE"] == 128 and c["GROUP_BLOCKS"] == 128 // c["BLOCK_K"]
+            assert c["SCALAR_B_SCALE"] == (128 % c["BLOCK_N"] == 0) and c["FP32_DOT"] == (c["BLOCK_K"] < 32)
+    fp8_prefill = load_table(str(CONFIG_DIR / "E=128,N=768,device_name=NVIDIA_H200,dtype=fp8_e4m3.json"))[
+        8192
+    ]
+    seen = {(v["constexprs"]["WEIGHT_QUANT"], v["constexprs"]["SILU_AND_MUL"], v["constexprs"]["BLOCK_M"],
+             v["constexprs"]["BLOCK_N"], v["options"]["num_warps"]) for v in variants}  # fmt: skip
+    assert (2, True, 64, 128, 8) in seen and (0, True, 128, 128, 8) in seen, (
+        seen
+    )  # the tables' and default's prefill
+    assert fp8_prefill["BLOCK_M"] == 64 and fp8_prefill["num_warps"] == 8
