@@ -106,7 +106,18 @@ def _compile_records(session, path: str) -> None:
     import time
 
     env = {**os.environ, "TRITON_INTERPRET": "0"}
-    cmd = [sys.executable, "-m", "longserve.testing.kernel_compile", path, "--package", "longserve."]
+    # as many compiles at once as cores (the suite's workers are done by now)
+    jobs = str(min(4, os.cpu_count() or 1))
+    cmd = [
+        sys.executable,
+        "-m",
+        "longserve.testing.kernel_compile",
+        path,
+        "--package",
+        "longserve.",
+        "--jobs",
+        jobs,
+    ]
     start = time.perf_counter()
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]

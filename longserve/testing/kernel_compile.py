@@ -316,10 +316,23 @@ def compile_record(rec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _compile_line(rec: dict[str, Any]) -> dict[str, Any]:
+    """compile_record's result as one line of the check's output, a failure with its variant."""
+    try:
+        return {"ok": True, **compile_record(rec)}
+    except Exception as e:  # noqa: BLE001 - every failure is reported with its variant
+        return {"ok": False, "kernel": rec["name"], "tile": rec.get("tile"), "module": rec["module"],
+                "constexprs": rec["constexprs"], "signature": rec["signature"],
+                "error": f"{type(e).__name__}: {e}"[-2000:]}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
-    """python -m longserve.testing.kernel_compile RECORDS.jsonl [--all] [--package PREFIX]: compile the recorded
-    variants (those covering every switch, or all; of modules under PREFIX), then the attention kernels' launches
-    at the GPU's tiles (testing/gpu_tiles.py; lines with a "tile"), one JSON line each; exit status 1 if any fails."""
+    """python -m longserve.testing.kernel_compile RECORDS.jsonl [--all] [--package PREFIX] [--jobs N]: compile the
+    recorded variants (those covering every switch, or all; of modules under PREFIX), then the attention and fused
+    MoE kernels' launches at the GPU's tiles (testing/gpu_tiles.py; lines with a "tile"), one JSON line each, in
+    that order, over N processes (default 1: each compile is single-threaded, MLIR and ptxas); exit status 1 if
+    any fails."""
+    import multiprocessing
     import sys
 
     argv = sys.argv[1:] if argv is None else argv
@@ -327,17 +340,18 @@ def main(argv: list[str] | None = None) -> int:
     from longserve.testing.gpu_tiles import gpu_variants  # its kernels' config functions: the GPU's answers
 
     package = argv[argv.index("--package") + 1] if "--package" in argv else ""
+    jobs = int(argv[argv.index("--jobs") + 1]) if "--jobs" in argv else 1
     records = load_records(argv[0], cover="--all" not in argv[1:], package=package)
+    variants = records + gpu_variants(records)
     failed = 0
-    for rec in records + gpu_variants(records):
-        try:
-            line = {"ok": True, **compile_record(rec)}
-        except Exception as e:  # noqa: BLE001 - every failure is reported with its variant
-            failed += 1
-            line = {"ok": False, "kernel": rec["name"], "tile": rec.get("tile"), "module": rec["module"],
-                    "constexprs": rec["constexprs"], "signature": rec["signature"],
-                    "error": f"{type(e).__name__}: {e}"[-2000:]}  # fmt: skip
-        print(json.dumps(line), flush=True)
+    with contextlib.ExitStack() as stack:
+        lines: Any = map(_compile_line, variants)
+        if jobs > 1:  # forked: the kernels' modules already imported with the interpreter off
+            pool = stack.enter_context(multiprocessing.get_context("fork").Pool(jobs))
+            lines = pool.imap(_compile_line, variants)
+        for line in lines:
+            failed += not line["ok"]
+            print(json.dumps(line), flush=True)
     return 1 if failed else 0
 
 
