@@ -103,8 +103,9 @@ def fused_moe(
         return out
     if quant is not None and quant.is_int and config is None:  # the ends of the token range: moe_wna16.py
         path = moe_wna16_path(
-            quant, num_tokens, hidden.shape[1], w13.shape[1] // 2, expert_map is not None, hidden.dtype
-        )
+            quant, num_tokens, hidden.shape[1], w13.shape[1] // 2, expert_map is not None, hidden.dtype,
+            num_experts, top_k,
+        )  # fmt: skip
         if path == "gemv":
             return moe_wna16_gemv(hidden, w13, w2, topk_weights, topk_ids, quant, out, addend)
         if path == "grouped":

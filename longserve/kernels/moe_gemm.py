@@ -31,7 +31,7 @@ from longserve.kernels.quant_tiles import rounded as _rounded
 # 3352078, RESULTS.md thirty-seventh and thirty-eighth sessions): int4 at 512 tokens 1,684-1,834 / 444 / 1,154-1,180,
 # at 4,096 25,124-28,898 / 1,638-1,654 / 1,700-1,759; int8 at 8 tokens 112-126 / 121-122 / 889. So on: the int
 # path is only fast by rows, and by rows it serves the 4-bit experts' mid-sized steps (moe_wna16.
-# MOE_WNA16_ROWS_MAX_TOKENS); the 8-bit experts' decode moves within noise.
+# MOE_WNA16_ROWS_MAX_PER_EXPERT); the 8-bit experts' decode moves within noise.
 INT_ROWS = True
 
 

@@ -13,7 +13,7 @@ step at batch 1 (32K context; bf16 4.66) and 4.94 s for a cold 32K prompt (bf16 
   took 19.5 us a layer, the 8 experts' 18.9 MB at ~1 TB/s: launch-bound). Each pair reads its expert's packed
   weights once: at batch 1 the bytes of the 8 experts touched, a quarter of bf16's.
 - Mid-sized steps of 4-bit experts (past the grouped kernel's range or where it does not apply, up to
-  MOE_WNA16_ROWS_MAX_TOKENS): fused_moe's int path with its tiles loaded as rows (moe_gemm.INT_ROWS), which
+  MOE_WNA16_ROWS_MAX_PER_EXPERT rows an expert): fused_moe's int path with its tiles loaded as rows (moe_gemm.INT_ROWS), which
   reads the packed experts and writes nothing back (one A3B layer at 512 tokens: 444 us against 1,154-1,180 us
   dequantized, on an H100).
 - Prefill (at least MOE_WNA16_DEQUANT_MIN_TOKENS tokens past the rows' range; past MOE_WNA16_GEMV_MAX_TOKENS where
@@ -78,7 +78,7 @@ __all__ = [
 # GROUPED_BLOCK_M pairs routed to it (int4_gemv.int4_dot_tile on the tensor cores), where the GEMV reads it
 # once per pair (at batch 64 the A3B shape's 512 pairs re-read ~1.2 GB a layer, 4x the experts' 0.3 GB).
 # 257: the first size not timed in the engine (at 512 tokens the layer favoured the dequantized experts over the
-# int path as it then was, by columns; by rows it takes 4-bit steps up to MOE_WNA16_ROWS_MAX_TOKENS, below).
+# int path as it then was, by columns; by rows it takes 4-bit steps up to MOE_WNA16_ROWS_MAX_PER_EXPERT, below).
 MOE_WNA16_GEMV_MAX_TOKENS = 64
 MOE_WNA16_GROUPED_MIN_TOKENS: int | None = 16  # None: the GEMV up to MOE_WNA16_GEMV_MAX_TOKENS
 MOE_WNA16_DEQUANT_MIN_TOKENS = 257
@@ -89,14 +89,18 @@ MOE_WNA16_DEQUANT_MIN_TOKENS = 257
 # 1.2575 against 1.2410 without the int-to-float conversion (H100, `gpu_check.sh int4-fused-prefill`, RESULTS.md
 # thirty-seventh and thirty-eighth sessions).
 MOE_WNA16_PREFILL = "dequant"
-# Up to this many tokens from MOE_WNA16_DEQUANT_MIN_TOKENS, 4-bit experts take fused_moe's int path by rows
-# (moe_gemm.INT_ROWS) rather than the dequantized experts: the dequantization is a fixed ~0.6 ms a layer at the A3B
-# shape (1.2 GB written) that a step of a few hundred tokens does not amortize. One A3B layer as CUDA graphs on an
-# H100 (test_int_rows_in_the_fused_int_path, two calls): 512 tokens 444 us by rows against 1,154-1,180 dequantized,
-# 4,096 tokens 1,638-1,654 against 1,700-1,759; at a cold 8K in the engine (one step of 8,192) the dequantized
-# experts win (0.1800 against 0.1859 s with tuned row tiles, thirty-seventh session). These are the piecewise CUDA
-# graphs' steps (up to 4,096 tokens): a RAG question or a conversation's next turn beside decodes. 0: off.
-MOE_WNA16_ROWS_MAX_TOKENS = 4096
+# Up to this many (token, expert) rows an expert on average (T * top_k / E) from MOE_WNA16_DEQUANT_MIN_TOKENS, 4-bit
+# experts take fused_moe's int path by rows (moe_gemm.INT_ROWS) rather than the dequantized experts: the
+# dequantization is a fixed ~0.6 ms a layer at the A3B shape (1.2 GB written) that a step of a few hundred tokens
+# does not amortize, and its rate is the rows an expert's weights serve. One Qwen3-30B-A3B layer (128 experts, top 8)
+# as CUDA graphs on an H100 (test_int_rows_in_the_fused_int_path, two calls): 512 tokens (32 rows an expert) 444 us by
+# rows against 1,154-1,180 dequantized, 4,096 (256) 1,638-1,654 against 1,700-1,759; at its cold 8K in the engine (one
+# step of 8,192: 512 rows) the dequantized experts win (0.1800 against 0.1859 s with tuned row tiles, thirty-seventh
+# session). The seed's Qwen3.5-35B-A3B (256 experts, top 8; H100, fifty-third session, `queue.sh int4-rows-a3b35`,
+# one process a bound): a cold 8K (256 rows) 0.1806 s dequantized against 0.1738 / 0.1743 by rows, a cold 32K
+# (chunks of up to 32K: 1,024 rows) 0.6454 dequantized against 0.7175 by rows. So a bound in rows, not tokens (it was
+# 4,096 tokens: 128 rows an expert for the seed's model). 0: off.
+MOE_WNA16_ROWS_MAX_PER_EXPERT = 256
 GROUPED_BLOCK_M = 16
 # the pairs aligned per expert in blocks of GROUPED_BLOCK_M (moe_align.align_routed_pairs): sorted pair ids,
 # each block's expert, the padded length
@@ -117,14 +121,16 @@ def moe_wna16_path(
     inter: int,
     distributed: bool,  # experts split over ranks (an expert map): remote pairs carry no local expert
     dtype: torch.dtype,  # the activations'
+    num_experts: int,
+    top_k: int,
 ) -> str:
     """Which path serves integer experts for a step of num_tokens: "gemv", "grouped", "dequant" or "fused"."""
     if not quant.is_int or distributed or quant.w13_g_idx is not None or quant.w2_g_idx is not None:
         return "fused"
     # what serves where the experts would otherwise be dequantized whole: 4 bits by rows up to
-    # MOE_WNA16_ROWS_MAX_TOKENS (the dequantization's fixed cost weighs more at fewer tokens than at the 512
-    # measured), else the dequantized experts
-    by_rows = quant.bits == 4 and num_tokens <= MOE_WNA16_ROWS_MAX_TOKENS
+    # MOE_WNA16_ROWS_MAX_PER_EXPERT rows an expert (the dequantization's fixed cost weighs more at fewer), else the
+    # dequantized experts
+    by_rows = quant.bits == 4 and num_tokens * top_k <= MOE_WNA16_ROWS_MAX_PER_EXPERT * num_experts
     dequant_or_rows = "fused" if by_rows else "dequant"
     if num_tokens >= MOE_WNA16_DEQUANT_MIN_TOKENS:
         return "fused" if MOE_WNA16_PREFILL == "fused" else dequant_or_rows

@@ -470,10 +470,10 @@ def a3b_int4_experts(zp: bool, bits: int = 4):
 def test_int4_experts_paths(num_tokens: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """kernels/moe_wna16.py at the A3B shape: the path the step takes by default (the routed GEMV at small
     decode sizes, the grouped kernel at larger ones, fused_moe's int path by rows from MOE_WNA16_DEQUANT_MIN_TOKENS
-    to MOE_WNA16_ROWS_MAX_TOKENS) against the reference (bf16: within 1% of its norm), no host sync, replayed from
+    to MOE_WNA16_ROWS_MAX_PER_EXPERT rows an expert) against the reference (bf16: within 1% of its norm), no host sync, replayed from
     a CUDA graph with new inputs; then each path's time as a CUDA graph, each path's result checked too (the
     evidence for MOE_WNA16_GEMV_MAX_TOKENS, MOE_WNA16_GROUPED_MIN_TOKENS, MOE_WNA16_DEQUANT_MIN_TOKENS and
-    MOE_WNA16_ROWS_MAX_TOKENS)."""
+    MOE_WNA16_ROWS_MAX_PER_EXPERT)."""
     from longserve.kernels import fused_moe as fm
     from longserve.kernels.fused_moe import fused_moe, fused_moe_ref, route_topk
     from longserve.kernels.moe_wna16 import moe_wna16_path
@@ -484,7 +484,7 @@ def test_int4_experts_paths(num_tokens: int, monkeypatch: pytest.MonkeyPatch) ->
     x = torch.randn(num_tokens, h, device="cuda", dtype=torch.bfloat16)
     weights, ids = route_topk(torch.randn(num_tokens, e, device="cuda"), k, True)
     weights = weights.bfloat16()
-    default = moe_wna16_path(quant, num_tokens, h, i, False, torch.bfloat16)
+    default = moe_wna16_path(quant, num_tokens, h, i, False, torch.bfloat16, e, k)
     # fused: by rows (moe_gemm.INT_ROWS)
     want = {1: "gemv", 8: "gemv", 64: "grouped", 256: "grouped", 512: "fused", 2048: "fused"}
     assert default == want[num_tokens]
@@ -558,7 +558,7 @@ def test_int8_experts_paths(num_tokens: int, monkeypatch: pytest.MonkeyPatch) ->
     x = torch.randn(num_tokens, h, device="cuda", dtype=torch.bfloat16)
     weights, ids = route_topk(torch.randn(num_tokens, e, device="cuda"), k, True)
     weights = weights.bfloat16()
-    default = moe_wna16_path(quant, num_tokens, h, i, False, torch.bfloat16)
+    default = moe_wna16_path(quant, num_tokens, h, i, False, torch.bfloat16, e, k)
     assert default == "fused"
     ref = fused_moe_ref(x, w13, w2, weights, ids, quant=quant)
     times = {}

@@ -418,7 +418,7 @@ def test_int4_moe_model_through_the_routed_gemv_and_the_prefill_paths(
 ) -> None:
     """The GPTQ int4 MoE case with its experts on the Triton path (interpreted here): the prefill's 24 tokens
     (MOE_WNA16_DEQUANT_MIN_TOKENS lowered to 24) through the dequantized experts, or, a step within
-    MOE_WNA16_ROWS_MAX_TOKENS, through fused_moe's int path by rows; the decode steps through the routed int4 GEMV
+    MOE_WNA16_ROWS_MAX_PER_EXPERT, through fused_moe's int path by rows; the decode steps through the routed int4 GEMV
     (kernels/moe_wna16.py): the same logits and greedy tokens as transformers."""
     pytest.importorskip("triton")
     from longserve.kernels import fused_moe, moe_wna16
@@ -427,7 +427,8 @@ def test_int4_moe_model_through_the_routed_gemv_and_the_prefill_paths(
     monkeypatch.setattr(wna16, "use_triton", lambda x: True)  # as for CUDA tensors with triton
     monkeypatch.setattr(moe, "use_triton", lambda x: True)  # the experts too (MoEMethod.apply)
     monkeypatch.setattr(moe_wna16, "MOE_WNA16_DEQUANT_MIN_TOKENS", 24)
-    monkeypatch.setattr(moe_wna16, "MOE_WNA16_ROWS_MAX_TOKENS", 23 if prefill == "dequant" else 24)
+    # 24 tokens of the tiny Qwen3-MoE (8 experts, top 3): 9 rows an expert, within a bound of 9, past one of 8
+    monkeypatch.setattr(moe_wna16, "MOE_WNA16_ROWS_MAX_PER_EXPERT", 8 if prefill == "dequant" else 9)
     paths: list[str] = []
     real = fused_moe.moe_wna16_path
     monkeypatch.setattr(fused_moe, "moe_wna16_path", lambda *a: paths.append(real(*a)) or paths[-1])

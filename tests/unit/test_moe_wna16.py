@@ -147,9 +147,11 @@ def test_the_grouped_kernel_with_its_switch_on(num_tokens, top_k, group, zp, mon
     weights, ids = routing(num_tokens, top_k, seed=18)
     check_both_weight_dtypes(x, w13, w2, weights, ids, quant)
     assert paths == ["grouped", "grouped"]
-    assert moe_wna16.moe_wna16_path(quant, num_tokens, hidden, inter, False, torch.float32) == "gemv"
+    assert (
+        moe_wna16.moe_wna16_path(quant, num_tokens, hidden, inter, False, torch.float32, E, top_k) == "gemv"
+    )
     _, _, q64 = int4_experts(64, zp, seed=16, hidden=hidden, inter=inter)
-    assert moe_wna16.moe_wna16_path(q64, num_tokens, hidden, inter, False, torch.bfloat16) == "gemv"
+    assert moe_wna16.moe_wna16_path(q64, num_tokens, hidden, inter, False, torch.bfloat16, E, top_k) == "gemv"
 
 
 def test_the_gemv_reads_each_pairs_own_expert() -> None:
@@ -171,12 +173,13 @@ def test_the_gemv_reads_each_pairs_own_expert() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_sizes_take_the_dequantized_experts(dtype, monkeypatch) -> None:
-    """From MOE_WNA16_DEQUANT_MIN_TOKENS tokens (past MOE_WNA16_ROWS_MAX_TOKENS for 4 bits) the experts are
+    """From MOE_WNA16_DEQUANT_MIN_TOKENS tokens (past MOE_WNA16_ROWS_MAX_PER_EXPERT for 4 bits) the experts are
     dequantized whole and the 16-bit kernel runs: the reference's result (it dequantizes the same way), zero points
     and an expert with no tokens included."""
     paths = taken(monkeypatch)
     monkeypatch.setattr(moe_wna16, "MOE_WNA16_DEQUANT_MIN_TOKENS", 4)
-    monkeypatch.setattr(moe_wna16, "MOE_WNA16_ROWS_MAX_TOKENS", 8)  # 4-bit steps of 4-8 tokens: the int path
+    # 4-bit steps of 4-8 tokens (top 3 of 6 experts: up to 4 rows an expert) take the int path, 9 tokens not
+    monkeypatch.setattr(moe_wna16, "MOE_WNA16_ROWS_MAX_PER_EXPERT", 4)
     w13, w2, quant = int4_experts(16, True, seed=7)
     x = torch.randn(9, H, generator=gen(8)).to(dtype)
     weights, ids = routing(9, 3, seed=9)
@@ -260,13 +263,22 @@ def test_which_path() -> None:
     of 128, 16-bit activations) from its own; act order, 8 bits, experts split over ranks and K without a tile
     fall back to fused_moe's int path; past the GEMV without the grouped kernel, and at prefill sizes, the
     experts are dequantized unless act order or expert parallelism, or 4 bits in a step of up to
-    MOE_WNA16_ROWS_MAX_TOKENS (the int path by rows)."""
+    MOE_WNA16_ROWS_MAX_PER_EXPERT rows an expert (the int path by rows: top 2 of E experts, so E / 2 times as many
+    tokens)."""
     _, _, quant = int4_experts(16, False)
-    path = moe_wna16.moe_wna16_path
+
+    def path(
+        q: MoEQuant, num_tokens: int, hidden: int, inter: int, distributed: bool, dtype, top_k: int = 2
+    ) -> str:
+        return moe_wna16.moe_wna16_path(q, num_tokens, hidden, inter, distributed, dtype, E, top_k)
+
     lo, hi = moe_wna16.MOE_WNA16_GEMV_MAX_TOKENS, moe_wna16.MOE_WNA16_DEQUANT_MIN_TOKENS
     assert path(quant, 1, H, I, False, BF16) == path(quant, lo, H, I, False, BF16) == "gemv"  # groups of 16
-    rows = moe_wna16.MOE_WNA16_ROWS_MAX_TOKENS
+    rows = moe_wna16.MOE_WNA16_ROWS_MAX_PER_EXPERT * E // 2
     assert lo < hi <= rows
+    # the bound is in rows an expert: top 3 reaches it at two thirds of the tokens
+    assert path(quant, rows * 2 // 3, H, I, False, BF16, 3) == "fused"
+    assert path(quant, rows * 2 // 3 + 1, H, I, False, BF16, 3) == "dequant"
     # past the GEMV (groups of 16: no grouped kernel), 4-bit steps of up to a few thousand tokens: the int path by
     # rows; larger, the dequantized experts
     assert path(quant, lo + 1, H, I, False, BF16) == path(quant, hi - 1, H, I, False, BF16) == "fused"

@@ -187,14 +187,15 @@ if [[ $MODE == moe-inputs ]]; then
   done
 fi
 
-# int4-rows-a3b35 (one GPU, ~4 min): the seed's model as released (GPTQ-int4 35B-A3B: 256 experts, top 8) at cold 8K
-# and 32K with its 4-bit experts by rows (fused_moe's int path) up to 4,096 (the default), 8,192 and 32,768 tokens a
-# step, against dequantized whole past that: the default came from the 128-expert 30B-A3B, where 4,096 tokens give
-# each expert 256 rows; here 8,192 do (the dequantization took 36 of the cold 8K's 209 ms, forty-eighth session)
+# int4-rows-a3b35 (one GPU, ~2 min): the seed's model as released (GPTQ-int4 35B-A3B: 256 experts, top 8) at cold 8K
+# and 32K with its 4-bit experts by rows (fused_moe's int path) up to 128, 256 (the default since the fifty-third
+# session, which measured this mode in tokens: 4,096, 8,192, 32,768) and 1,024 rows an expert (4,096, 8,192 and
+# 32,768 tokens a step), against dequantized whole past that (the dequantization took 36 of the cold 8K's 209 ms,
+# forty-eighth session)
 if [[ $MODE == int4-rows-a3b35 ]]; then
-  for rows in 4096 8192 32768; do
-    LATENCY_TIMEOUT=150 latency_with a3b35_gptq_rows$rows "int4 rows<=$rows" \
-      longserve.kernels.moe_wna16.MOE_WNA16_ROWS_MAX_TOKENS=$rows -- --config qwen3.5-35b-a3b "${dummy[@]}" \
+  for rows in 128 256 1024; do
+    LATENCY_TIMEOUT=150 latency_with a3b35_gptq_rows$rows "int4 rows<=$rows an expert" \
+      longserve.kernels.moe_wna16.MOE_WNA16_ROWS_MAX_PER_EXPERT=$rows -- --config qwen3.5-35b-a3b "${dummy[@]}" \
       --hf-overrides "$seed_gptq" --prompt-lens 8192,32768 --repeat 3
   done
 fi

@@ -37,7 +37,8 @@
 # int4-fused-prefill (one GPU, ~6 min): the A3B int4 prefill through fused_moe's int path by rows instead
 # (moe_wna16.MOE_WNA16_PREFILL "fused", moe_gemm.INT_ROWS), at the untuned tiles and at tune_moe's, profiled.
 # int4-mid-steps (one GPU, ~6 min): the 4-bit experts' steps of 257-4,096 tokens through fused_moe's int path by rows
-# (moe_wna16.MOE_WNA16_ROWS_MAX_TOKENS, on since the thirty-ninth session from one layer's timings) against the
+# (moe_wna16.MOE_WNA16_ROWS_MAX_PER_EXPERT: 256 rows an expert, the A3B's 4,096 tokens; on since the thirty-ninth
+# session from one layer's timings, in tokens until the fifty-third) against the
 # dequantized experts (0): the MoE paths' GPU tests (every path timed at 1-4,096 tokens), the quantized engines'
 # GPTQ MoE test, then the A3B int4 cold 512 / 1K / 2K / 4K (one step each, piecewise CUDA graphs) off, on, off, on.
 # int4-dense-rows (one GPU, ~7 min): the fused W4A16 kernel by rows (quant_gemm.WNA16_INT_ROWS) against dequantize +
@@ -371,9 +372,9 @@ if [[ $MODE == int4-mid-steps ]]; then  # one GPU (~6 min): 4-bit experts' mid-s
     --tb=short -rfE 2>&1 \
     | tee "$OUT/gpu_tests_mid_steps.log" | grep -E "experts T=|passed|failed" || status=1
   for run in off1 on1 off2 on2; do
-    v=0; [[ $run == on* ]] && v=4096
-    LATENCY_TIMEOUT=100 latency_with "a3b_int4_mid_$run" "A3B int4 rows<=$v" \
-      "longserve.kernels.moe_wna16.MOE_WNA16_ROWS_MAX_TOKENS=$v" -- --config qwen3-30b-a3b "${dummy[@]}" \
+    v=0; [[ $run == on* ]] && v=256
+    LATENCY_TIMEOUT=100 latency_with "a3b_int4_mid_$run" "A3B int4 rows<=$v an expert" \
+      "longserve.kernels.moe_wna16.MOE_WNA16_ROWS_MAX_PER_EXPERT=$v" -- --config qwen3-30b-a3b "${dummy[@]}" \
       --repeat 5 --quantization gptq --prompt-lens 512,1024,2048,4096
   done
 fi
