@@ -91,6 +91,19 @@ if [[ $MODE == seed-decode ]]; then
   done
 fi
 
+# seed-grouped (~4 min): the seed's 4-bit experts at decode batches 16 and 32 with the grouped kernel from 16 tokens
+# (moe_wna16.MOE_WNA16_GROUPED_MIN_TOKENS, the default), 32 and 64 (the routed GEMV below). The bound was measured on
+# the 128-expert 30B-A3B (RESULTS.md eighth session: batch 16 10.32 -> 8.97 ms grouped), where 16 tokens route one
+# pair an expert on average; the seed's 256 experts get half that, so its crossover may lie at 32 tokens (the
+# fifty-third session set the rows path's bound in rows an expert for the same reason, from measurements).
+if [[ $MODE == seed-grouped ]]; then
+  for from in 16 32 64; do
+    LATENCY_TIMEOUT=150 latency_with "a3b35_gptq_grouped$from" "int4 grouped from $from" \
+      longserve.kernels.moe_wna16.MOE_WNA16_GROUPED_MIN_TOKENS=$from -- --config qwen3.5-35b-a3b "${dummy[@]}" \
+      --hf-overrides "$seed_gptq" --decode-batch-sizes 16@8192,32@4096 --repeat 2
+  done
+fi
+
 # decode-wide (~7 min): the decode attention's tile at head_dim > 128 (decode_attention.WIDE_HEAD_CONFIG, never
 # swept: the seed's attention layers, 16 query heads on 2 KV heads of 256, took 43 us a layer at b1@32K on an H100
 # where their K/V take ~24 us): its GPU tests at the sweep's candidates, the sweep at the seed's shape
