@@ -112,14 +112,14 @@ def _moe_tiles(rec: dict[str, Any]) -> Iterator[dict[str, Any]]:
     table's (any GPU's) for the record's weights (16-bit: its activations' dtype; int4/int8; fp8_e4m3), the
     down GEMM's own where a config has them, BLOCK_K fit to the group as fused_moe._fit_block_k does, and the
     constexprs that follow from the tile (FP32_DOT, GROUP_BLOCKS, SCALAR_B_SCALE) as moe_gemm sets them."""
-    from longserve.kernels import quant_fp8
+    from longserve.kernels import moe_gemm, quant_fp8
     from longserve.kernels.moe_config import CONFIG_DIR, default_moe_config, load_table
 
     c = rec["constexprs"]
-    quant, act_kind = c["WEIGHT_QUANT"], c["ACT_KIND"]
-    act = [torch.bfloat16, torch.float16, torch.float32][act_kind - 1] if act_kind else _MOE_ACT[
-        rec["signature"]["a_ptr"]
-    ]  # fmt: skip
+    quant = c["WEIGHT_QUANT"]
+    # the activations' dtype: before their quantization (fp8 experts: ACT_KIND), else the input's
+    kinds = {kind: dtype for dtype, kind in moe_gemm._ACT_KIND.items()}
+    act = kinds[c["ACT_KIND"]] if c["ACT_KIND"] else _MOE_ACT[rec["signature"]["a_ptr"]]
     weights = {0: str(act).removeprefix("torch."), 1: f"int{c['BITS']}", 2: "fp8_e4m3"}[quant]
     configs = [default_moe_config(**_MOE_SHAPE, dtype=act, num_tokens=t) for t in _MOE_TOKENS]
     for path in sorted(CONFIG_DIR.glob(f"*dtype={weights}.json")):
@@ -159,8 +159,8 @@ def _features(rec: dict[str, Any]) -> set[records.Feature]:
 
 
 def gpu_variants(recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The GPU's launches of the recorded attention kernels (each with its "tile"), covering every switch value,
-    head shape and tile among them."""
+    """The GPU's launches of the recorded attention and fused MoE kernels (each with its "tile"), covering every
+    switch value, head shape and tile among them."""
     out = []
     for key, tiles in _TILES.items():
         variants = [v for rec in recs if (rec["module"], rec["name"]) == key for v in tiles(rec)]

@@ -1,7 +1,7 @@
 """What makes two recorded kernel launches compile to different code, and the fewest launches that cover it all.
 
 Shared by the sm90 compile check (kernel_compile.load_records covers the interpreter's records) and its GPU-tile
-variants (gpu_tiles.gpu_variants covers the attention kernels' launches at the GPU's tiles). Imports nothing of
+variants (gpu_tiles.gpu_variants covers the attention and MoE kernels' launches at the GPU's tiles). Imports nothing of
 ours: both of those modules import it, and kernel_compile's entry point imports gpu_tiles.
 """
 
