@@ -18,6 +18,7 @@ from typing import Any
 
 from longserve.engine import Engine
 from longserve.server.errors import APIError
+from longserve.structured.grammar import StructuredOutputsUnavailable
 from longserve.structured.request_formats import grammar_spec_from_request
 from longserve.structured.spec import GrammarSpec
 
@@ -100,7 +101,9 @@ class GrammarService:
                 "request timed out (--request-timeout) while its output constraint compiled",
                 code="timeout",
             ) from None
-        except ValueError as e:  # the constraint's own fault: xgrammar's reason, without its internals
+        except (ValueError, StructuredOutputsUnavailable) as e:
+            # the constraint's own fault (xgrammar's reason, without its internals), or one this server cannot
+            # enforce (no xgrammar here): refused as the server refuses the fields it does not support, a 400
             raise APIError(400, f"{param}: {e}" if param else str(e), param=param) from None
 
     def _compile(self, spec: GrammarSpec) -> Any:

@@ -31,6 +31,26 @@ import torch
 
 from longserve.structured.spec import GrammarSpec, choice_ebnf
 
+
+class StructuredOutputsUnavailable(RuntimeError):
+    """xgrammar, which compiles and enforces every output constraint, does not import on this machine: a request
+    asking for one is refused with this (the server's 400 naming the field), the rest keep being served."""
+
+
+def _xgrammar() -> Any:
+    """The xgrammar module, or StructuredOutputsUnavailable saying what failed and how to install it (a server
+    installed with `.[server]` alone has no xgrammar; a wheel missing its own dependency fails inside it, as on a GPU
+    machine without `apache-tvm-ffi`: "No module named 'tvm_ffi'", which reached the client as a 500)."""
+    try:
+        import xgrammar
+    except ImportError as e:
+        raise StructuredOutputsUnavailable(
+            f"structured outputs are not available on this server: xgrammar did not import ({e}); "
+            "install it: pip install xgrammar (longserve's `structured` extra)"
+        ) from e
+    return xgrammar
+
+
 _XGRAMMAR_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 
 
@@ -79,7 +99,7 @@ def _tokenizer_info(tokenizer: Any, vocab_size: int | None, stop_token_ids: Sequ
     text it can decode as text even if it is a stop token, so `<|im_end|>` could be taken as 10 characters of
     a regex or JSON string and then end generation short of a complete match. Blank, a token is special to
     xgrammar: never allowed as text, a stop token only where the output is complete."""
-    import xgrammar as xgr
+    xgr = _xgrammar()
 
     stops = list(stop_token_ids) if stop_token_ids else None
     info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stops)
@@ -120,7 +140,7 @@ class GrammarCompiler:
         whitespace between JSON tokens instead (0: none at all; None: no bound, as xgrammar does)."""
         if max_whitespace is not None and (not isinstance(max_whitespace, int) or max_whitespace < 0):
             raise ValueError(f"max_whitespace must be an integer >= 0 or None; got {max_whitespace!r}")
-        import xgrammar as xgr
+        xgr = _xgrammar()
 
         info = _tokenizer_info(tokenizer, vocab_size, stop_token_ids)
         self.vocab_size = info.vocab_size
@@ -166,7 +186,7 @@ class GrammarCompiler:
             return spec in self._cache
 
     def _compile_uncached(self, spec: GrammarSpec) -> Any:
-        import xgrammar as xgr
+        xgr = _xgrammar()
 
         c = self._xgr
         try:
@@ -203,7 +223,7 @@ class GrammarMatcher:
     __slots__ = ("_m", "_pending", "_stops")
 
     def __init__(self, compiled: Any) -> None:
-        import xgrammar as xgr
+        xgr = _xgrammar()
 
         self._m = xgr.GrammarMatcher(compiled)
         self._pending: int | None = None  # a sampled token not yet applied to _m
@@ -223,7 +243,7 @@ class GrammarMatcher:
         pending = [m for m in matchers if m._pending is not None]
         if not pending:
             return
-        import xgrammar as xgr
+        xgr = _xgrammar()
 
         accepted = xgr.BatchGrammarMatcher.batch_accept_token(
             [m._m for m in pending], [m._pending for m in pending]
@@ -308,7 +328,7 @@ class TokenBitmask:
     def fill_batch(self, matchers: Mapping[int, GrammarMatcher], max_threads: int) -> list[int]:
         """`fill` on up to `max_threads` threads (xgrammar's batch matcher), for large batches; returns every
         row given (a row that allows every token is all ones: masking it changes nothing)."""
-        import xgrammar as xgr
+        xgr = _xgrammar()
 
         if self._batch is None or self._batch[0] != max_threads:
             self._batch = (max_threads, xgr.BatchGrammarMatcher(max_threads=max_threads))
