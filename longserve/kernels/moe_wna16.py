@@ -14,8 +14,8 @@ step at batch 1 (32K context; bf16 4.66) and 4.94 s for a cold 32K prompt (bf16 
   weights once: at batch 1 the bytes of the 8 experts touched, a quarter of bf16's.
 - Mid-sized steps of 4-bit experts (past the grouped kernel's range or where it does not apply, up to
   MOE_WNA16_ROWS_MAX_PER_EXPERT rows an expert): fused_moe's int path with its tiles loaded as rows
-  (moe_gemm.INT_ROWS), which reads the packed experts and writes nothing back (one A3B layer at 512 tokens: 444 us against 1,154-1,180 us
-  dequantized, on an H100).
+  (moe_gemm.INT_ROWS), which reads the packed experts and writes nothing back (one A3B layer at 512 tokens: 444 us
+  against 1,154-1,180 us dequantized, on an H100).
 - Prefill (at least MOE_WNA16_DEQUANT_MIN_TOKENS tokens past the rows' range; past MOE_WNA16_GEMV_MAX_TOKENS where
   the grouped kernel does not apply for 8 bits): every expert dequantized to the activations' dtype
   (quant_gemm.wna16_dequantize, one launch a projection), then the 16-bit fused_moe, whose grouped GEMMs run at
@@ -98,8 +98,8 @@ MOE_WNA16_PREFILL = "dequant"
 # step of 8,192: 512 rows) the dequantized experts win (0.1800 against 0.1859 s with tuned row tiles, thirty-seventh
 # session). The seed's Qwen3.5-35B-A3B (256 experts, top 8; H100, fifty-third session, `queue.sh int4-rows-a3b35`,
 # one process a bound): a cold 8K (one step: 256 rows) 0.1806 s dequantized against 0.1738 / 0.1743 by rows, a cold
-# 32K (its chunks longer than 8,192 tokens, up to 1,024 rows) 0.6454 dequantized against 0.7175 by rows. So a bound in rows, not tokens (it was
-# 4,096 tokens: 128 rows an expert for the seed's model). 0: off.
+# 32K (its chunks longer than 8,192 tokens, up to 1,024 rows) 0.6454 dequantized against 0.7175 by rows. So a bound
+# in rows, not tokens (it was 4,096 tokens: 128 rows an expert for the seed's model). 0: off.
 MOE_WNA16_ROWS_MAX_PER_EXPERT = 256
 GROUPED_BLOCK_M = 16
 # the pairs aligned per expert in blocks of GROUPED_BLOCK_M (moe_align.align_routed_pairs): sorted pair ids,

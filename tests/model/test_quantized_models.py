@@ -418,8 +418,8 @@ def test_int4_moe_model_through_the_routed_gemv_and_the_prefill_paths(
 ) -> None:
     """The GPTQ int4 MoE case with its experts on the Triton path (interpreted here): the prefill's 24 tokens
     (MOE_WNA16_DEQUANT_MIN_TOKENS lowered to 24) through the dequantized experts, or, a step within
-    MOE_WNA16_ROWS_MAX_PER_EXPERT, through fused_moe's int path by rows; the decode steps through the routed int4 GEMV
-    (kernels/moe_wna16.py): the same logits and greedy tokens as transformers."""
+    MOE_WNA16_ROWS_MAX_PER_EXPERT, through fused_moe's int path by rows; the decode steps through the routed int4
+    GEMV (kernels/moe_wna16.py): the same logits and greedy tokens as transformers."""
     pytest.importorskip("triton")
     from longserve.kernels import fused_moe, moe_wna16
     from longserve.models.quant import wna16
