@@ -471,9 +471,9 @@ def test_int4_experts_paths(num_tokens: int, monkeypatch: pytest.MonkeyPatch) ->
     """kernels/moe_wna16.py at the A3B shape: the path the step takes by default (the routed GEMV at small
     decode sizes, the grouped kernel at larger ones, fused_moe's int path by rows from MOE_WNA16_DEQUANT_MIN_TOKENS
     to MOE_WNA16_ROWS_MAX_PER_EXPERT rows an expert) against the reference (bf16: within 1% of its norm), no host
-    sync, replayed from a CUDA graph with new inputs; then each path's time as a CUDA graph, each path's result checked too (the
-    evidence for MOE_WNA16_GEMV_MAX_TOKENS, MOE_WNA16_GROUPED_MIN_TOKENS, MOE_WNA16_DEQUANT_MIN_TOKENS and
-    MOE_WNA16_ROWS_MAX_PER_EXPERT)."""
+    sync, replayed from a CUDA graph with new inputs; then each path's time as a CUDA graph, each path's result
+    checked too (the evidence for MOE_WNA16_GEMV_MAX_TOKENS, MOE_WNA16_GROUPED_MIN_TOKENS,
+    MOE_WNA16_DEQUANT_MIN_TOKENS and MOE_WNA16_ROWS_MAX_PER_EXPERT)."""
     from longserve.kernels import fused_moe as fm
     from longserve.kernels.fused_moe import fused_moe, fused_moe_ref, route_topk
     from longserve.kernels.moe_wna16 import moe_wna16_path
