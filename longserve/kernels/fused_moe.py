@@ -179,9 +179,13 @@ def _fit_block_k(cfg: dict, quant: MoEQuant, k: int, has_gidx: bool) -> dict:
     group = quant.group(k)
     if group >= k or (quant.is_int and has_gidx):
         return cfg
-    block_k = cfg["BLOCK_K"]
+    return {**cfg, "BLOCK_K": fit_block_k(cfg["BLOCK_K"], group)}
+
+
+def fit_block_k(block_k: int, group: int) -> int:
+    """block_k halved until it divides the group (a K tile within one scale / activation group), at least 16."""
     while block_k > 16 and group % block_k:
         block_k //= 2
     if group % block_k:
         raise ValueError(f"quantization group {group} is not a multiple of 16")
-    return {**cfg, "BLOCK_K": block_k}
+    return block_k

@@ -245,6 +245,23 @@ def _moe_gemm_kernel(
 _ACT_KIND = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
 
 
+def tile_switches(
+    weight_quant: int, group: int, k: int, n: int, block_n_scale: int, cfg: dict[str, int]
+) -> dict[str, int | bool]:
+    """The constexprs that follow from a launch's tile `cfg` (BLOCK_N, BLOCK_K) for weights of `weight_quant`
+    quantized in groups of `group` along K and scale blocks of `block_n_scale` rows, over [n, k]: fp8's
+    GROUP_BLOCKS (K blocks an activation group: a K block lies in one, fused_moe.fit_block_k; one group over all of
+    K, per channel, is index 0 throughout, by a shift past any K: one variant for every K), SCALAR_B_SCALE (one
+    weight scale a tile) and FP32_DOT (K steps sm90's fp8 dot refuses). moe_gemm's launch and the compile check's
+    GPU variants (testing/gpu_tiles.py) both take them from here."""
+    fp8, block_n, block_k = weight_quant == 2, cfg["BLOCK_N"], cfg["BLOCK_K"]
+    return {
+        "GROUP_BLOCKS": (group // block_k if group < k else 1 << 30) if fp8 else 1,
+        "SCALAR_B_SCALE": fp8 and block_n_scale % block_n == 0 and n % block_n == 0,
+        "FP32_DOT": fp8 and block_k < quant_fp8.FP8_DOT_MIN_K,
+    }
+
+
 def moe_gemm(
     a: torch.Tensor,  # [M_a, K] (fp8 experts: e4m3, with a_scale)
     b: torch.Tensor,  # [E, N_b, K] (int: uint8 [E, N_b, K * bits / 8])
@@ -285,13 +302,7 @@ def moe_gemm(
     a_scale = a if a_scale is None else a_scale
     fp32 = (act_dtype or a.dtype) == torch.float32
     block_k = cfg["BLOCK_K"]
-    # fp8: a K block lies in one activation group (_fit_block_k); one group over all of K (per channel): index 0
-    # throughout, by a shift past any K (one variant for every K)
     assert weight_quant != 2 or group >= k or group % block_k == 0, (group, block_k)
-    group_blocks = 1
-    if weight_quant == 2:
-        group_blocks = group // block_k if group < k else 1 << 30
-    scalar_b_scale = weight_quant == 2 and block_n % cfg["BLOCK_N"] == 0 and n % cfg["BLOCK_N"] == 0
     grid = (triton.cdiv(num_rows, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
     pdl = use_pdl(a)
     _moe_gemm_kernel[grid](
@@ -301,9 +312,8 @@ def moe_gemm(
         A_ROW_DIV=a_row_div, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k,
         GROUP_M=cfg["GROUP_M"], EVEN_K=k % cfg["BLOCK_K"] == 0, SILU_AND_MUL=silu_and_mul,
         MUL_ROUTED_WEIGHT=mul_routed_weight, WEIGHT_QUANT=weight_quant, BITS=bits, HAS_ZP=has_zp,
-        HAS_GIDX=has_gidx, BLOCK_N_SCALE=block_n, SCALAR_B_SCALE=scalar_b_scale, GROUP_BLOCKS=group_blocks,
-        ACT_KIND=_ACT_KIND[act_dtype] if act_dtype else 0,
-        INTERPRET_BF16=interpret_bf16, FP32_DOT=weight_quant == 2 and block_k < quant_fp8.FP8_DOT_MIN_K,
+        HAS_GIDX=has_gidx, BLOCK_N_SCALE=block_n, **tile_switches(weight_quant, group, k, n, block_n, cfg),
+        ACT_KIND=_ACT_KIND[act_dtype] if act_dtype else 0, INTERPRET_BF16=interpret_bf16,
         DOT_PRECISION="ieee" if fp32 else "tf32",  # the interpreter ignores it: no switch of its own
         MAX_IMPRECISE_ACC=quant_fp8.FP8_DOT_MAX_IMPRECISE_ACC if weight_quant == 2 else None, USE_PDL=pdl,
         INT_ROWS=INT_ROWS and weight_quant == 1 and not has_gidx, num_warps=cfg["num_warps"],

@@ -110,9 +110,10 @@ _MOE_ACT = {"*bf16": torch.bfloat16, "*fp16": torch.float16, "*fp32": torch.floa
 def _moe_tiles(rec: dict[str, Any]) -> Iterator[dict[str, Any]]:
     """fused_moe's launches of the GEMM on a GPU: default_moe_config's tiles in each regime and every shipped
     table's (any GPU's) for the record's weights (16-bit: its activations' dtype; int4/int8; fp8_e4m3), the
-    down GEMM's own where a config has them, BLOCK_K fit to the group as fused_moe._fit_block_k does, and the
-    constexprs that follow from the tile (FP32_DOT, GROUP_BLOCKS, SCALAR_B_SCALE) as moe_gemm sets them."""
-    from longserve.kernels import moe_gemm, quant_fp8
+    down GEMM's own where a config has them, BLOCK_K fit to the group (fused_moe.fit_block_k), and the constexprs
+    that follow from the tile set by moe_gemm's own tile_switches."""
+    from longserve.kernels import moe_gemm
+    from longserve.kernels.fused_moe import fit_block_k
     from longserve.kernels.moe_config import CONFIG_DIR, default_moe_config, load_table
 
     c = rec["constexprs"]
@@ -125,24 +126,24 @@ def _moe_tiles(rec: dict[str, Any]) -> Iterator[dict[str, Any]]:
     for path in sorted(CONFIG_DIR.glob(f"*dtype={weights}.json")):
         configs += (load_table(str(path)) or {}).values()
     down = c["MUL_ROUTED_WEIGHT"] and not c["SILU_AND_MUL"]
+    # the GEMM's [N, K]: gate+up's N counts the output columns (the intermediate size), down's K does
+    hidden, inter = _MOE_SHAPE["hidden"], _MOE_SHAPE["inter"]
+    out_cols, depth = (hidden, inter) if down else (inter, hidden)
     per_group = quant == 1 and not c["HAS_GIDX"] or quant == 2 and c["GROUP_BLOCKS"] < 1 << 30
+    group = _QUANT_GROUP if per_group else depth  # act order / per channel: one group over K
     base = copy.deepcopy(rec)
     if quant == 2 and c["BLOCK_N_SCALE"] > 1:  # block FP8: 128 x 128 scale blocks
         base["constexprs"]["BLOCK_N_SCALE"] = _QUANT_GROUP
     for cfg in configs:
         cfg = {**cfg, **cfg.get("down", {}), "BLOCK_M": cfg["BLOCK_M"]} if down else cfg
         tile = {k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")}
-        while per_group and tile["BLOCK_K"] > 16 and _QUANT_GROUP % tile["BLOCK_K"]:
-            tile["BLOCK_K"] //= 2
-        block_k, block_n = tile["BLOCK_K"], tile["BLOCK_N"]
-        derived = {"GROUP_M": tile["GROUP_M"]}
-        if quant == 2:
-            derived["FP32_DOT"] = block_k < quant_fp8.FP8_DOT_MIN_K
-            if per_group:
-                derived["GROUP_BLOCKS"] = _QUANT_GROUP // block_k
-            derived["SCALAR_B_SCALE"] = base["constexprs"]["BLOCK_N_SCALE"] % block_n == 0
+        if per_group:
+            tile["BLOCK_K"] = fit_block_k(tile["BLOCK_K"], group)
+        switches = moe_gemm.tile_switches(
+            quant, group, depth, out_cols, base["constexprs"]["BLOCK_N_SCALE"], tile
+        )
         label = f"moe {weights} {json.dumps({k: v for k, v in tile.items() if k != 'GROUP_M'})}"
-        yield _with_tile(base, label, derived, tile)
+        yield _with_tile(base, label, {"GROUP_M": tile["GROUP_M"], **switches}, tile)
 
 
 _TILES: dict[tuple[str, str], Callable[[dict[str, Any]], Iterator[dict[str, Any]]]] = {
